@@ -1,0 +1,3 @@
+from ggufcarve.cli import main
+
+main()

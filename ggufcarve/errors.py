@@ -1,0 +1,41 @@
+"""The one error family ggufcarve raises: a message saying what and where, and a hint saying what next."""
+
+from __future__ import annotations
+
+
+class CarveError(Exception):
+    """Base error: `message` says what went wrong and where, `hint` the next step."""
+
+    exit_code = 1
+
+    def __init__(self, message: str, hint: str = "") -> None:
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+    def __str__(self) -> str:
+        return f"{self.message} (hint: {self.hint})" if self.hint else self.message
+
+
+class BadInput(CarveError):
+    """An input file or argument is malformed or inconsistent."""
+
+
+class UnsupportedModel(CarveError):
+    """The model is valid GGUF but ggufcarve cannot prune it safely."""
+
+
+class OutputError(CarveError):
+    """The output cannot be written (exists, unwritable, disk full)."""
+
+
+class VerificationFailed(CarveError):
+    """A written file does not match what the plan promised."""
+
+
+class ToolMissing(CarveError):
+    """A llama.cpp tool or library is not available."""
+
+
+class ToolFailed(CarveError):
+    """A llama.cpp tool ran and failed."""
