@@ -1,0 +1,244 @@
+"""The ggufcarve command line. The only module that prints.
+
+Examples:
+    ggufcarve inspect model.gguf
+    ggufcarve inspect model-00001-of-00003.gguf --json
+    ggufcarve prune model.gguf --keep kept_expert_indices.json -o pruned.gguf
+    ggufcarve prune model.gguf --keep-first 128 -o pruned.gguf --dry-run
+    ggufcarve check-prune model.gguf pruned.gguf --keep kept_expert_indices.json
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Annotated, Any, Callable, Iterator, Optional
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+from rich.table import Table
+
+from ggufcarve import __version__
+from ggufcarve.container import GGUFModel, read_model
+from ggufcarve.errors import BadInput, CarveError
+from ggufcarve.keepset import KeepSet, keep_first, keep_ids, keepset_from_provenance, load_keepset, parse_id_list
+from ggufcarve.moe import MoeLayout, inspect_layout
+from ggufcarve.prune import ProgressEvent, check_prune, execute, parse_size, plan_prune
+
+app = typer.Typer(help="Cut routed experts out of Mixture-of-Experts GGUF files, byte for byte.", no_args_is_help=True, add_completion=False)
+out = Console()
+err = Console(stderr=True)
+
+KeepOption = Annotated[Optional[Path], typer.Option("--keep", help="Keep-set JSON: ours, kept_expert_indices.json, carve_manifest.json or expert-selection.json.")]
+KeepFirstOption = Annotated[Optional[int], typer.Option("--keep-first", help="Keep experts 0..K-1 in every MoE block.")]
+KeepIdsOption = Annotated[Optional[str], typer.Option("--keep-ids", help="Keep these ids in every MoE block, e.g. 0,2,4-7.")]
+
+
+def _version(value: bool) -> None:
+    if value:
+        out.print(f"ggufcarve {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main_options(
+    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True, help="Show the version and exit.")] = False,
+) -> None:
+    """ggufcarve: expert pruning, imatrix remapping and quantization ladders for MoE GGUF models."""
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+@contextmanager
+def _progress(enabled: bool) -> Iterator[Callable[[ProgressEvent], None]]:
+    """An event sink drawing one byte progress bar per stage."""
+    if not enabled:
+        yield lambda event: None
+        return
+    bars = Progress(
+        TextColumn("{task.description:<12}"), BarColumn(), DownloadColumn(binary_units=True), TransferSpeedColumn(), TimeRemainingColumn(), console=err, transient=False
+    )
+    tasks: dict[str, Any] = {}
+
+    def sink(event: ProgressEvent) -> None:
+        if event.stage not in tasks:
+            tasks[event.stage] = bars.add_task(event.stage, total=event.total)
+        bars.update(tasks[event.stage], advance=event.advance)
+
+    with bars:
+        yield sink
+
+
+def _resolve_keepset(layout: MoeLayout, keep: Optional[Path], first: Optional[int], ids: Optional[str]) -> KeepSet:
+    given = [x is not None for x in (keep, first, ids)]
+    if sum(given) != 1:
+        raise BadInput("give exactly one of --keep FILE, --keep-first K, --keep-ids LIST", "for example --keep kept_expert_indices.json")
+    if keep is not None:
+        return load_keepset(keep, layout)
+    if first is not None:
+        return keep_first(layout, first)
+    return keep_ids(layout, parse_id_list(ids or ""))
+
+
+def _layout_table(model: GGUFModel, layout: MoeLayout) -> Table:
+    table = Table(title=f"{model.path.name}: {layout.architecture}", show_header=False, box=None)
+    rows = [
+        ("files", ", ".join(p.name for p in model.paths)),
+        ("blocks", f"{layout.block_count} ({layout.nextn_layers} MTP)" if layout.nextn_layers else str(layout.block_count)),
+        ("MoE blocks", f"{len(layout.layers)}: {_ranges(layout.blocks)}" + (f" (MTP: {_ranges([b for b in layout.blocks if layout.is_mtp(b)])})" if layout.nextn_layers else "")),
+        ("experts", f"{layout.expert_count}, top-{layout.expert_used_count}"),
+        ("groups", f"{layout.group_count}, {layout.group_used_count} used" if layout.group_count > 1 else "none"),
+        ("shared experts", str(layout.shared_expert_count)),
+        ("routing", f"{layout.routing.gating}: {layout.routing.note}"),
+        ("size", f"{_gib(model.total_bytes)}; experts {_gib(layout.expert_bytes)} ({100 * layout.expert_bytes / max(layout.total_bytes, 1):.1f}% of tensor data)"),
+    ]
+    for key, value in rows:
+        table.add_row(f"[bold]{key}[/]", value)
+    return table
+
+
+def _ranges(blocks: Any) -> str:
+    blocks = list(blocks)
+    parts, start = [], None
+    for i, b in enumerate(blocks):
+        if start is None:
+            start = b
+        if i + 1 == len(blocks) or blocks[i + 1] != b + 1:
+            parts.append(str(start) if start == b else f"{start}-{b}")
+            start = None
+    return ",".join(parts)
+
+
+@app.command()
+def inspect(
+    model: Annotated[Path, typer.Argument(help="GGUF file, or the first shard of a split set.")],
+    as_json: Annotated[bool, typer.Option("--json", help="Print the layout as JSON.")] = False,
+) -> None:
+    """Show the MoE layout: experts, MoE blocks (MTP included), expert-axis tensors and sizes."""
+    loaded = read_model(model)
+    layout = inspect_layout(loaded)
+    if as_json:
+        out.print_json(json.dumps({"files": [str(p) for p in loaded.paths], **layout.to_json()}))
+        return
+    out.print(_layout_table(loaded, layout))
+    tensors = Table(title="expert-axis tensors (per MoE block)")
+    for column in ("tensor", "role", "shape", "type", "bytes/expert"):
+        tensors.add_column(column, justify="right" if column == "bytes/expert" else "left")
+    seen: dict[str, tuple[Any, ...]] = {}
+    for layer in layout.layers:
+        for t in layer.tensors:
+            suffix = t.name.split(".", 2)[2]
+            row = (suffix + (" (MTP)" if layer.is_mtp else ""), t.role, "x".join(map(str, t.shape)), t.type_name, f"{t.bytes_per_expert:,}")
+            seen.setdefault(row[0] + row[2] + row[3], row)
+    for row in seen.values():
+        tensors.add_row(*row)
+    out.print(tensors)
+
+
+@app.command()
+def prune(
+    model: Annotated[Path, typer.Argument(help="Source GGUF file, or the first shard of a split set. Never modified.")],
+    output: Annotated[Path, typer.Option("-o", "--output", help="Output .gguf path (split outputs get -0000i-of-0000N).")],
+    keep: KeepOption = None,
+    keep_first_count: KeepFirstOption = None,
+    keep_id_list: KeepIdsOption = None,
+    force: Annotated[bool, typer.Option("--force", help="Replace an existing output.")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan and write nothing.")] = False,
+    no_provenance: Annotated[bool, typer.Option("--no-provenance", help="Do not add ggufcarve.* keys.")] = False,
+    split_max_size: Annotated[Optional[str], typer.Option("--split-max-size", help="Re-shard the output, e.g. 50G or 512M (as llama-gguf-split).")] = None,
+    merge: Annotated[bool, typer.Option("--merge", help="Write a split source as one file.")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the plan (with --dry-run) or the result as JSON.")] = False,
+) -> None:
+    """Keep K experts per MoE block: kept slabs and router rows copied as raw bytes, then verified."""
+    loaded = read_model(model)
+    layout = inspect_layout(loaded)
+    keepset = _resolve_keepset(layout, keep, keep_first_count, keep_id_list)
+    plan = plan_prune(loaded, layout, keepset, output, provenance=not no_provenance, split_max_size=parse_size(split_max_size) if split_max_size else None, merge=merge)
+    for warning in plan.warnings:
+        err.print(f"[yellow]warning:[/] {escape(warning)}", soft_wrap=True, highlight=False)
+    if dry_run:
+        if as_json:
+            out.print_json(json.dumps(plan.to_json()))
+            return
+        summary = plan.to_json()
+        table = Table(title="prune plan (dry run: nothing written)", show_header=False, box=None)
+        table.add_row("[bold]experts[/]", f"{layout.expert_count} -> {plan.kept_count} in {len(layout.layers)} MoE blocks")
+        table.add_row("[bold]tensors[/]", f"{len(summary['tensors_pruned'])} sliced, {summary['tensors_total'] - len(summary['tensors_pruned'])} copied whole")
+        for key, change in summary["changed_keys"].items():
+            table.add_row(f"[bold]{key}[/]", f"{change['before']} -> {change['after']}")
+        table.add_row("[bold]bytes in[/]", f"{plan.bytes_in:,} ({_gib(plan.bytes_in)})")
+        for f in plan.files:
+            table.add_row("[bold]output[/]", f"{f.path}: {f.size:,} bytes ({_gib(f.size)}), {len(f.tensors)} tensors")
+        out.print(table)
+        return
+    with _progress(not quiet and not as_json) as sink:
+        result = execute(plan, loaded, force=force, on_event=sink)
+    if as_json:
+        out.print_json(json.dumps({**plan.to_json(), "report": str(result.report_path), "timings": result.timings, "verified_tensors": len(result.verification.tensors)}))
+        return
+    table = Table(title="pruned and verified")
+    for column in ("output", "bytes", "GiB", "tensors", "sliced"):
+        table.add_column(column, justify="left" if column == "output" else "right")
+    for f in plan.files:
+        table.add_row(str(f.path), f"{f.size:,}", f"{f.size / 2**30:.2f}", str(len(f.tensors)), str(sum(t.pruned for t in f.tensors)))
+    out.print(table)
+    t = result.timings
+    out.print(
+        f"experts {layout.expert_count} -> {plan.kept_count}; {plan.bytes_in:,} -> {plan.bytes_out:,} bytes; "
+        f"{len(result.verification.tensors)} tensors and {result.verification.keys_checked} keys verified (xxh3-128) in {t['total_seconds']:.1f} s"
+    )
+    out.print(f"report: {result.report_path}")
+
+
+@app.command("check-prune")
+def check_prune_command(
+    source: Annotated[Path, typer.Argument(help="The unpruned source GGUF (first shard if split).")],
+    output: Annotated[Path, typer.Argument(help="The pruned GGUF (first shard if split).")],
+    keep: KeepOption = None,
+    keep_first_count: KeepFirstOption = None,
+    keep_id_list: KeepIdsOption = None,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars.")] = False,
+) -> None:
+    """Re-check a pruned file against its source: every tensor hash and every key.
+
+    Without a keep-set option, the one the output records in its ggufcarve.kept_* keys is used."""
+    src = read_model(source)
+    layout = inspect_layout(src)
+    pruned = read_model(output)
+    recorded = keepset_from_provenance(pruned)
+    if recorded is not None and keep is None and keep_first_count is None and keep_id_list is None:
+        keepset = recorded
+    else:
+        keepset = _resolve_keepset(layout, keep, keep_first_count, keep_id_list)
+    with _progress(not quiet) as sink:
+        verification = check_prune(src, layout, keepset, pruned, on_event=sink)
+    if not verification.ok:
+        failures = Table(title="check-prune failures")
+        failures.add_column("what")
+        failures.add_column("problem")
+        for problem in verification.problems:
+            failures.add_row("metadata", problem)
+        for t in verification.tensors:
+            if not t.ok:
+                failures.add_row(t.name, f"xxh3 {t.output_xxh3[:16]} != expected {t.expected_xxh3[:16]}")
+        err.print(failures)
+        verification.raise_if_failed(f"{output}")
+    out.print(f"OK: {len(verification.tensors)} tensors and {verification.keys_checked} keys of {output} match {source} with {layout.expert_count} -> {keepset.kept_count} experts")
+
+
+def main() -> None:
+    try:
+        app()
+    except CarveError as error:
+        if os.environ.get("GGUFCARVE_DEBUG") == "1":
+            raise
+        err.print(f"[bold red]error:[/] {escape(error.message)}" + (f" [dim](hint: {escape(error.hint)})[/]" if error.hint else ""), soft_wrap=True, highlight=False)
+        sys.exit(error.exit_code)

@@ -1,0 +1,168 @@
+"""Byte movement with bounded memory: range copies, hashing, and outputs written under a temp name."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import shutil
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Iterator, Sequence
+
+import xxhash
+
+from ggufcarve.errors import BadInput, OutputError
+
+CHUNK = 16 << 20  # bytes per read/copy call: bounds memory and sets progress granularity
+Progress = Callable[[int], None]  # called with a number of bytes just processed
+
+
+def _noop(_: int) -> None:
+    pass
+
+
+def copy_range(src_fd: int, dst_fd: int, src_offset: int, dst_offset: int, length: int, progress: Progress = _noop) -> None:
+    """Copy `length` bytes between file descriptors at explicit offsets, in the kernel when it can."""
+    done = 0
+    kernel_copy = hasattr(os, "copy_file_range")
+    buffer: bytearray | None = None
+    while done < length:
+        count = min(CHUNK, length - done)
+        copied = 0
+        if kernel_copy:
+            try:
+                copied = os.copy_file_range(src_fd, dst_fd, count, src_offset + done, dst_offset + done)
+            except OSError as err:
+                if err.errno not in (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.ETXTBSY, errno.EPERM):
+                    raise
+                kernel_copy = False
+        if copied == 0:
+            if buffer is None:
+                buffer = bytearray(CHUNK)
+            view = memoryview(buffer)[:count]
+            got = os.preadv(src_fd, [view], src_offset + done)
+            if got == 0:
+                raise BadInput(f"source ended early: {length - done} bytes missing at offset {src_offset + done}", "the source file changed or is truncated")
+            written = 0
+            while written < got:
+                written += os.pwrite(dst_fd, view[written:got], dst_offset + done + written)
+            copied = got
+        done += copied
+        progress(copied)
+
+
+def read_ranges(fd: int, ranges: Sequence[tuple[int, int]], buffer: bytearray, progress: Progress = _noop) -> Iterator[memoryview]:
+    """Yield the bytes of (offset, length) ranges in order, through one reused buffer."""
+    for offset, length in ranges:
+        done = 0
+        while done < length:
+            view = memoryview(buffer)[: min(len(buffer), length - done)]
+            got = os.preadv(fd, [view], offset + done)
+            if got == 0:
+                raise BadInput(f"file ended early: {length - done} bytes missing at offset {offset + done}", "the file is truncated")
+            yield view[:got]
+            done += got
+            progress(got)
+
+
+def xxh3_of_ranges(fd: int, ranges: Sequence[tuple[int, int]], buffer: bytearray, progress: Progress = _noop) -> str:
+    hasher = xxhash.xxh3_128()
+    for chunk in read_ranges(fd, ranges, buffer, progress):
+        hasher.update(chunk)
+    return hasher.hexdigest()
+
+
+def sha256_file(path: str | os.PathLike[str], progress: Progress = _noop, buffer: bytearray | None = None) -> str:
+    buffer = buffer or bytearray(CHUNK)
+    hasher = hashlib.sha256()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        for chunk in read_ranges(fd, [(0, size)], buffer, progress):
+            hasher.update(chunk)
+    finally:
+        os.close(fd)
+    return hasher.hexdigest()
+
+
+def same_file(a: Path, b: Path) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return a.resolve() == b.resolve()
+
+
+def check_outputs(outputs: Sequence[Path], sources: Sequence[Path], bytes_needed: int, force: bool) -> None:
+    """Refuse before writing: an output that is a source, exists (without force), or cannot fit."""
+    for out in outputs:
+        for src in sources:
+            if same_file(out, src):
+                raise OutputError(f"output {out} is the source file", "write the pruned model to a new path; the source is never modified")
+        if out.exists() and not force:
+            raise OutputError(f"output {out} already exists", "pass --force to replace it, or choose another path")
+        if out.is_dir():
+            raise OutputError(f"output {out} is a directory", "give a file path such as model-pruned.gguf")
+    directory = outputs[0].parent
+    if not directory.is_dir():
+        raise OutputError(f"output directory {directory} does not exist", "create it first")
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise OutputError(f"output directory {directory} is not writable", "choose a directory you can write to")
+    free = shutil.disk_usage(directory).free
+    if free < bytes_needed:
+        raise OutputError(f"output needs {bytes_needed / 2**30:.2f} GiB but {directory} has {free / 2**30:.2f} GiB free", "free disk space or write elsewhere")
+
+
+def temp_path_for(path: Path) -> Path:
+    return path.with_name(f".{path.name}.ggufcarve-{os.getpid()}.tmp")
+
+
+@contextmanager
+def atomic_outputs(paths: Sequence[Path]) -> Iterator[list[tuple[Path, int]]]:
+    """Open temp files beside `paths`; on success fsync and rename them into place, else delete them.
+
+    Yields (temp path, read-write file descriptor) pairs in `paths` order.
+    """
+    temps = [temp_path_for(p) for p in paths]
+    fds: list[int] = []
+    try:
+        for temp in temps:
+            fds.append(os.open(temp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644))
+        yield list(zip(temps, fds))
+        for fd in fds:
+            os.fsync(fd)
+        for temp, final in zip(temps, paths):
+            os.replace(temp, final)
+        dir_fd = os.open(paths[0].parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    except OSError as err:
+        raise OutputError(f"writing {paths[0].parent}: {err.strerror or err}", _hint_for(err)) from None
+    finally:
+        for fd in fds:
+            os.close(fd)
+        for temp in temps:
+            temp.unlink(missing_ok=True)
+
+
+def _hint_for(err: OSError) -> str:
+    if err.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        return "free disk space (or raise the file size limit) and run again; nothing was left behind"
+    if err.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return "choose a directory you can write to"
+    return "check the output directory and run again; nothing was left behind"
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temp = temp_path_for(path)
+    try:
+        with open(temp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temp, path)
+    finally:
+        temp.unlink(missing_ok=True)
