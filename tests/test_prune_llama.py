@@ -1,0 +1,95 @@
+"""llama.cpp is the judge: pruned files load, and dropping never-routed experts keeps the logits."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+import factory
+from clirun import ggufcarve
+from ggufcarve.container import read_model
+from ggufcarve.moe import inspect_layout
+from llama_probe import probe
+
+pytestmark = pytest.mark.slow
+
+PROMPT = [1, 72, 101, 108, 108, 111, 44, 32, 119, 111]  # <s> + byte tokens
+
+
+def half_of_each_group(layout):
+    groups = max(layout.group_count, 1)
+    size = layout.expert_count // groups
+    keep = max(size // 2, 2)
+    return [g * size + i for g in range(groups) for i in range(size - keep, size)]
+
+
+@pytest.mark.parametrize("arch", factory.ARCHES)
+@pytest.mark.parametrize("dtype", ["F16", "Q8_0"])
+def test_pruned_model_loads(make_model, tmp_path, arch, dtype):
+    src = make_model(arch, dtype)
+    layout = inspect_layout(read_model(src))
+    ids = half_of_each_group(layout)
+    out = tmp_path / "p.gguf"
+    r = ggufcarve("prune", src, "--keep-ids", ",".join(map(str, ids)), "-o", out, "-q")
+    assert r.code == 0, r.stderr
+    result = probe(out, PROMPT)
+    assert result.ok, result.stderr[-2000:]
+    assert result.logits.shape == (len(PROMPT), factory.N_VOCAB) and np.isfinite(result.logits).all()
+
+
+def test_pruned_llama_cpp_kquant_loads(make_model, models_dir, tmp_path):
+    kquant = factory.quantize_with_llama(make_model("qwen3moe", "F16"), models_dir / "qwen3moe-Q4_K_M-load.gguf", "Q4_K_M")
+    out = tmp_path / "p.gguf"
+    assert ggufcarve("prune", kquant, "--keep-ids", "1,2,5,6", "-o", out, "-q").code == 0
+    result = probe(out, PROMPT)
+    assert result.ok and np.isfinite(result.logits).all(), result.stderr[-2000:]
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "qwen35moe"])
+def test_dropping_never_routed_experts_keeps_the_logits(make_model, tmp_path, arch):
+    src = make_model(arch, "F32")
+    layout = inspect_layout(read_model(src))
+    prompt = PROMPT[:4]
+    base = probe(src, prompt, trace_routing=True)
+    assert base.ok, base.stderr[-2000:]
+    used = {block: sorted(set(ids.ravel().tolist())) for block, ids in base.routed.items()}
+    assert set(used) == {b for b in layout.blocks if not layout.is_mtp(b)}  # llama.cpp does not run the MTP block
+    k = max(len(ids) for ids in used.values())
+    assert k < layout.expert_count, f"prompt routes to every expert: {used}"
+    layers = {}
+    for block in layout.blocks:
+        ids = list(used.get(block, []))
+        ids += [e for e in range(layout.expert_count) if e not in ids][: k - len(ids)]
+        layers[str(block)] = sorted(ids)
+    keep = tmp_path / "keep.json"
+    keep.write_text(json.dumps({"layers": layers}))
+    out = tmp_path / "p.gguf"
+    assert ggufcarve("prune", src, "--keep", keep, "-o", out, "-q").code == 0
+    pruned = probe(out, prompt, trace_routing=True)
+    assert pruned.ok, pruned.stderr[-2000:]
+    np.testing.assert_allclose(pruned.logits, base.logits, rtol=1e-5, atol=1e-5)
+    # the same experts, renumbered to their position in the keep-set
+    for block, ids in base.routed.items():
+        renumber = {e: i for i, e in enumerate(layers[str(block)])}
+        expected = np.vectorize(renumber.get)(ids)
+        assert (np.sort(pruned.routed[block], axis=1) == np.sort(expected, axis=1)).all()
+    # and a prune that drops a routed expert does change them (the comparison can fail)
+    routed_expert = used[0][0]
+    others = [e for e in range(layout.expert_count) if e != routed_expert][:k]
+    assert ggufcarve("prune", src, "--keep-ids", ",".join(map(str, others)), "-o", tmp_path / "q.gguf", "-q").code == 0
+    changed = probe(tmp_path / "q.gguf", prompt)
+    assert changed.ok and not np.allclose(changed.logits, base.logits, rtol=1e-5, atol=1e-5)
+
+
+def test_split_output_loads_and_matches_the_single_file(make_model, tmp_path):
+    src = make_model("qwen35moe", "Q8_0")
+    single, split = tmp_path / "single.gguf", tmp_path / "split.gguf"
+    assert ggufcarve("prune", src, "--keep-ids", "0,2,4,6", "-o", single, "-q").code == 0
+    assert ggufcarve("prune", src, "--keep-ids", "0,2,4,6", "-o", split, "--split-max-size", "2M", "-q").code == 0
+    shards = sorted(tmp_path.glob("split-*-of-*.gguf"))
+    assert len(shards) >= 2
+    a, b = probe(single, PROMPT), probe(shards[0], PROMPT)
+    assert a.ok and b.ok, b.stderr[-2000:]
+    np.testing.assert_array_equal(a.logits, b.logits)
