@@ -28,7 +28,7 @@ from ggufcarve.container import GGUFModel, read_model
 from ggufcarve.errors import BadInput, CarveError
 from ggufcarve.keepset import KeepSet, keep_first, keep_ids, keepset_from_provenance, load_keepset, parse_id_list
 from ggufcarve.moe import MoeLayout, inspect_layout
-from ggufcarve.prune import ProgressEvent, check_prune, execute, parse_size, plan_prune
+from ggufcarve.prune import ProgressEvent, check_prune, default_report_path, execute, parse_size, plan_prune
 
 app = typer.Typer(help="Cut routed experts out of Mixture-of-Experts GGUF files, byte for byte.", no_args_is_help=True, add_completion=False)
 out = Console()
@@ -154,6 +154,7 @@ def prune(
     no_provenance: Annotated[bool, typer.Option("--no-provenance", help="Do not add ggufcarve.* keys.")] = False,
     split_max_size: Annotated[Optional[str], typer.Option("--split-max-size", help="Re-shard the output, e.g. 50G or 512M (as llama-gguf-split).")] = None,
     merge: Annotated[bool, typer.Option("--merge", help="Write a split source as one file.")] = False,
+    report: Annotated[Optional[Path], typer.Option("--report", help="Where to write the pruning report [default: OUTPUT_DIR/method/pruning-report.json].")] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the plan (with --dry-run) or the result as JSON.")] = False,
 ) -> None:
@@ -177,10 +178,11 @@ def prune(
         table.add_row("[bold]bytes in[/]", f"{plan.bytes_in:,} ({_gib(plan.bytes_in)})")
         for f in plan.files:
             table.add_row("[bold]output[/]", f"{f.path}: {f.size:,} bytes ({_gib(f.size)}), {len(f.tensors)} tensors")
+        table.add_row("[bold]report[/]", str(report or default_report_path(plan)))
         out.print(table)
         return
     with _progress(not quiet and not as_json) as sink:
-        result = execute(plan, loaded, force=force, on_event=sink)
+        result = execute(plan, loaded, force=force, on_event=sink, report_path=report)
     if as_json:
         out.print_json(json.dumps({**plan.to_json(), "report": str(result.report_path), "timings": result.timings, "verified_tensors": len(result.verification.tensors)}))
         return

@@ -39,7 +39,7 @@ from ggufcarve.container import (
     replace_kvs,
     shard_paths,
 )
-from ggufcarve.errors import BadInput, VerificationFailed
+from ggufcarve.errors import BadInput, OutputError, VerificationFailed
 from ggufcarve.fileio import CHUNK, atomic_outputs, check_outputs, copy_range, read_ranges, sha256_file, write_text_atomic
 from ggufcarve.keepset import KeepSet, check_keepset
 from ggufcarve.moe import MoeLayout
@@ -499,10 +499,31 @@ def verify_prune(
     return Verification(checks, keys_checked, problems, whole)
 
 
-def execute(plan: PrunePlan, model: GGUFModel, *, force: bool = False, on_event: EventSink = _ignore, report_dir: Path | None = None) -> PruneResult:
+def default_report_path(plan: PrunePlan) -> Path:
+    return plan.outputs[0].parent / "method" / "pruning-report.json"
+
+
+def _check_report_slot(report_path: Path, plan: PrunePlan, force: bool) -> None:
+    """Refuse to replace the report of a different output (another prune into the same directory)."""
+    if force or not report_path.exists():
+        return
+    try:
+        names = [f["name"] for f in json.loads(report_path.read_text())["output"]["files"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        names = None
+    if names != [p.name for p in plan.outputs]:
+        raise OutputError(
+            f"{report_path} already describes another output ({', '.join(names or ['unreadable'])})",
+            "write to another directory, pass --report PATH, or --force to replace it",
+        )
+
+
+def execute(plan: PrunePlan, model: GGUFModel, *, force: bool = False, on_event: EventSink = _ignore, report_path: Path | None = None) -> PruneResult:
     """Write the plan's outputs (temp names, fsync, rename), verify them, and write the report."""
     t_start = time.perf_counter()
+    report_path = report_path or default_report_path(plan)
     check_outputs(plan.outputs, list(plan.sources), plan.bytes_out, force)
+    _check_report_slot(report_path, plan, force)
     ranges = tensor_ranges(model, plan.layout, plan.keepset)
     hash_total = plan.bytes_in + sum(t.nbytes for t in plan.tensors.values())
 
@@ -547,7 +568,6 @@ def execute(plan: PrunePlan, model: GGUFModel, *, force: bool = False, on_event:
         hasher.join()
     timings["hash_source_seconds"] = background.get("seconds", 0.0)
     timings["total_seconds"] = time.perf_counter() - t_start
-    report_path = (report_dir or plan.outputs[0].parent / "method") / "pruning-report.json"
     result = PruneResult(plan, background["sha256"], verification, timings, report_path)
     write_text_atomic(report_path, _dumps(pruning_report(result)))
     return result

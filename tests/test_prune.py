@@ -123,6 +123,17 @@ def test_report_and_check_prune(make_model, tmp_path):
     assert flipped.code == 1 and "blk.1.ffn_down_exps.weight" in flipped.stderr
 
 
+def test_a_second_prune_into_the_same_directory_keeps_the_first_report(make_model, tmp_path):
+    src = make_model("qwen3moe", "Q8_0")
+    assert ggufcarve("prune", src, "--keep-first", 4, "-o", tmp_path / "a.gguf", "-q").code == 0
+    report = tmp_path / "method" / "pruning-report.json"
+    first = report.read_text()
+    r = refused(tmp_path, src, "--keep-first", 2, "-o", tmp_path / "out" / "b.gguf", "--report", report, message="already describes another output (a.gguf)")
+    assert report.read_text() == first and r.code == 1
+    assert ggufcarve("prune", src, "--keep-first", 2, "-o", tmp_path / "b.gguf", "--report", tmp_path / "b-report.json", "-q").code == 0
+    assert json.loads((tmp_path / "b-report.json").read_text())["output"]["files"][0]["name"] == "b.gguf"
+
+
 def test_dry_run_writes_nothing(make_model, tmp_path):
     src = make_model("deepseek2", "Q8_0")
     r = ggufcarve("prune", src, "--keep-ids", "0,1,4,5,8,9,12,13", "-o", tmp_path / "p.gguf", "--dry-run")
@@ -144,19 +155,23 @@ def test_size_label():
 
 def test_split_input_gives_the_same_pruned_tensors(make_model, tmp_path):
     src = make_model("qwen35moe", "Q8_0")
-    assert ggufcarve("prune", src, "--keep-first", 8, "-o", tmp_path / "split.gguf", "--split-max-size", "3M", "--no-provenance", "-q").code == 0
-    first = sorted(tmp_path.glob("split-*.gguf"))[0]
-    assert read_model(first).is_split
-    single = ggufcarve("prune", src, "--keep-ids", "0,2,4,6", "-o", tmp_path / "single.gguf", "--no-provenance", "-q")
-    same_shards = ggufcarve("prune", first, "--keep-ids", "0,2,4,6", "-o", tmp_path / "from-split.gguf", "--no-provenance", "-q")
-    merged = ggufcarve("prune", first, "--keep-ids", "0,2,4,6", "-o", tmp_path / "merged.gguf", "--merge", "--no-provenance", "-q")
+    d = {name: tmp_path / name for name in ("split", "single", "from-split", "merged")}
+    for path in d.values():
+        path.mkdir()
+    assert ggufcarve("prune", src, "--keep-first", 8, "-o", d["split"] / "m.gguf", "--split-max-size", "3M", "--no-provenance", "-q").code == 0
+    split_shards = sorted(d["split"].glob("m-*-of-*.gguf"))
+    assert len(split_shards) >= 2 and read_model(split_shards[0]).is_split
+    keep = ("--keep-ids", "0,2,4,6", "--no-provenance", "-q")
+    single = ggufcarve("prune", src, "-o", d["single"] / "p.gguf", *keep)
+    same_shards = ggufcarve("prune", split_shards[0], "-o", d["from-split"] / "p.gguf", *keep)
+    merged = ggufcarve("prune", split_shards[0], "-o", d["merged"] / "p.gguf", "--merge", *keep)
     assert single.code == same_shards.code == merged.code == 0, same_shards.stderr + merged.stderr
-    assert (tmp_path / "merged.gguf").read_bytes() == (tmp_path / "single.gguf").read_bytes()
-    out_shards = sorted(tmp_path.glob("from-split-*-of-*.gguf"))
-    assert len(out_shards) == len(sorted(tmp_path.glob("split-*-of-*.gguf")))
+    assert (d["merged"] / "p.gguf").read_bytes() == (d["single"] / "p.gguf").read_bytes()
+    out_shards = sorted(d["from-split"].glob("p-*-of-*.gguf"))
+    assert len(out_shards) == len(split_shards)
     pruned_split = read_model(out_shards[0])
-    for t in read_model(tmp_path / "single.gguf").tensors:
-        assert tensor_bytes(out_shards[0], t.name) == tensor_bytes(tmp_path / "single.gguf", t.name)
+    for t in read_model(d["single"] / "p.gguf").tensors:
+        assert tensor_bytes(out_shards[0], t.name) == tensor_bytes(d["single"] / "p.gguf", t.name)
     assert [s.get("split.no") for s in pruned_split.shards] == list(range(len(out_shards)))
 
 

@@ -78,7 +78,7 @@ def test_dropping_never_routed_experts_keeps_the_logits(make_model, tmp_path, ar
     # and a prune that drops a routed expert does change them (the comparison can fail)
     routed_expert = used[0][0]
     others = [e for e in range(layout.expert_count) if e != routed_expert][:k]
-    assert ggufcarve("prune", src, "--keep-ids", ",".join(map(str, others)), "-o", tmp_path / "q.gguf", "-q").code == 0
+    assert ggufcarve("prune", src, "--keep-ids", ",".join(map(str, others)), "-o", tmp_path / "q.gguf", "--report", tmp_path / "q.json", "-q").code == 0
     changed = probe(tmp_path / "q.gguf", prompt)
     assert changed.ok and not np.allclose(changed.logits, base.logits, rtol=1e-5, atol=1e-5)
 
@@ -87,7 +87,7 @@ def test_split_output_loads_and_matches_the_single_file(make_model, tmp_path):
     src = make_model("qwen35moe", "Q8_0")
     single, split = tmp_path / "single.gguf", tmp_path / "split.gguf"
     assert ggufcarve("prune", src, "--keep-ids", "0,2,4,6", "-o", single, "-q").code == 0
-    assert ggufcarve("prune", src, "--keep-ids", "0,2,4,6", "-o", split, "--split-max-size", "2M", "-q").code == 0
+    assert ggufcarve("prune", src, "--keep-ids", "0,2,4,6", "-o", split, "--split-max-size", "2M", "--report", tmp_path / "split.json", "-q").code == 0
     shards = sorted(tmp_path.glob("split-*-of-*.gguf"))
     assert len(shards) >= 2
     a, b = probe(single, PROMPT), probe(shards[0], PROMPT)
