@@ -236,6 +236,78 @@ def check_prune_command(
     out.print(f"OK: {len(verification.tensors)} tensors and {verification.keys_checked} keys of {output} match {source} with {layout.expert_count} -> {keepset.kept_count} experts")
 
 
+# === toolchain, ladder, verify (issue 4) =========================================================
+# Owned by the ladder work; keep other commands outside this section.
+
+toolchain_app = typer.Typer(help="Find, probe and build the llama.cpp tools ggufcarve runs.", no_args_is_help=True)
+app.add_typer(toolchain_app, name="toolchain")
+LlamaCppOption = Annotated[Optional[Path], typer.Option("--llama-cpp", help="Directory holding llama.cpp tools (DIR, DIR/bin or DIR/build/bin). Env: GGUFCARVE_LLAMA_CPP.")]
+
+
+@toolchain_app.command("show")
+def toolchain_show(
+    llama_cpp: LlamaCppOption = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print as JSON.")] = False,
+) -> None:
+    """Which llama.cpp tools were found where: build, commit, flavour, sha256; and the libllama backend."""
+    from ggufcarve.toolchain import show_toolchain
+
+    chain = show_toolchain(llama_cpp)
+    if as_json:
+        out.print_json(json.dumps(chain.to_json()))
+        return
+    table = Table(title="llama.cpp tools")
+    for column in ("tool", "found in", "path", "build", "commit", "flavour", "sha256"):
+        table.add_column(column)
+    for name, info in chain.tools.items():
+        if info is None:
+            table.add_row(name, "[red]missing[/]", "", "", "", "", "")
+        else:
+            build = f"{info.version or ''} b{info.build_number}" if info.build_number is not None else "?"
+            table.add_row(name, info.origin, info.path, build.strip(), info.commit or "?", info.flavour + ("" if info.works else " [red](probe failed)[/]"), info.sha256[:12])
+    out.print(table)
+    lib = chain.libllama
+    out.print(f"libllama backend: llama-cpp-python {chain.llama_cpp_python or 'not installed'}" + (f", {lib['path']} (sha256 {lib['sha256'][:12]})" if lib else " [red](libllama not found)[/]"))
+    out.print(f"cache: {chain.cache_bin}")
+    if any(info is None for info in chain.tools.values()):
+        out.print("build the missing tools with: ggufcarve toolchain build")
+
+
+@toolchain_app.command("build")
+def toolchain_build(
+    force: Annotated[bool, typer.Option("--force", help="Rebuild even when the cache has the tools.")] = False,
+    jobs: Annotated[Optional[int], typer.Option("--jobs", "-j", help="Parallel compile jobs (default: CPU count).")] = None,
+    from_dir: Annotated[Optional[Path], typer.Option("--from", help="Install tools already built from the same source (a build's bin dir) instead of compiling.")] = None,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress output.")] = False,
+) -> None:
+    """Compile llama-quantize, llama-imatrix, llama-perplexity and llama-gguf-split into ggufcarve's cache.
+
+    From the llama.cpp source in the llama-cpp-python sdist of the installed version; about 10-13
+    minutes on 2 cores, once per version."""
+    from ggufcarve.toolchain import ToolchainEvent, build_tools, install_prebuilt
+
+    if from_dir is not None:
+        out.print(f"installed: {install_prebuilt(from_dir, origin=f'copied from {from_dir}')}")
+        return
+    if quiet:
+        bin_dir = build_tools(None, jobs=jobs, force=force)
+    else:
+        bars = Progress(TextColumn("{task.description:<10}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"), TextColumn("{task.fields[line]}"), console=err, transient=False)
+        with bars:
+            task = bars.add_task("toolchain", total=1.0, line="")
+
+            def sink(event: ToolchainEvent) -> None:
+                fields: dict[str, Any] = {"description": event.stage, "line": escape(event.message[-70:])}
+                if event.fraction is not None:
+                    fields["completed"] = event.fraction
+                bars.update(task, **fields)
+
+            bin_dir = build_tools(sink, jobs=jobs, force=force)
+    out.print(f"tools ready in {bin_dir}")
+
+# === end of toolchain, ladder, verify section ====================================================
+
+
 def main() -> None:
     try:
         app()

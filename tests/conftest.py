@@ -38,3 +38,56 @@ def make_model(models_dir):
 @pytest.fixture(scope="session")
 def dense_model(models_dir) -> pathlib.Path:
     return factory.write_dense_model(models_dir / "dense-llama-F16.gguf")
+
+
+# --- llama.cpp tools (issue 4: toolchain) ---------------------------------------------------------
+
+@pytest.fixture(scope="session")
+def llama_tools() -> pathlib.Path:
+    """The bin dir holding llama-quantize, llama-imatrix, llama-perplexity and llama-gguf-split.
+
+    Found through ggufcarve's own lookup (``GGUFCARVE_LLAMA_CPP``, PATH, ggufcarve's cache); when
+    they are not all in one place, they are built once into the cache from the llama-cpp-python
+    sdist (~10-13 min on 2 cores on a fresh machine; later runs reuse the cache).
+    """
+    from ggufcarve.toolchain import TOOLS, build_tools, find_tool
+
+    found = [find_tool(name) for name in TOOLS]
+    if all(found) and len({p.parent for p in found}) == 1:
+        return found[0].parent
+    return build_tools()
+
+
+CALIBRATION_WORDS = ("the quick brown fox jumps over a lazy dog while experts route tokens through "
+                     "layers of matrices that quantize and prune weights").split()
+
+
+def make_imatrix(bin_dir: pathlib.Path, model: pathlib.Path, out_dir: pathlib.Path, chunks: int = 4) -> pathlib.Path:
+    """An imatrix of ``model`` made by llama.cpp's own collector (llama-imatrix) on generated text.
+
+    ``--no-repack``: the natively built tools crash in ggml's AMX path (ggml_backend_amx_mul_mat,
+    SIGSEGV) on CPUs with AMX for these tiny models; without weight repacking they run fine.
+    """
+    import random
+    import subprocess
+
+    rng = random.Random(0)
+    text = out_dir / "calibration.txt"
+    text.write_text(" ".join(rng.choice(CALIBRATION_WORDS) for _ in range(3000)) + "\n")
+    out = out_dir / f"{model.stem}.imatrix.gguf"
+    proc = subprocess.run([str(bin_dir / "llama-imatrix"), "-m", str(model), "-f", str(text), "-o", str(out), "-c", "128",
+                           "--chunks", str(chunks), "-t", "2", "--no-repack"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and out.exists(), proc.stderr[-3000:]
+    return out
+
+
+@pytest.fixture(scope="session")
+def q8_moe(make_model) -> pathlib.Path:
+    """qwen3moe, Q8_0, n_embd = n_ff_exp = 256 (so K and IQ types apply), 8 experts, top-2."""
+    return make_model("qwen3moe", dtype="Q8_0", n_embd=256, n_ff_exp=256)
+
+
+@pytest.fixture(scope="session")
+def q8_moe_imatrix(q8_moe, llama_tools, tmp_path_factory) -> pathlib.Path:
+    """A GGUF imatrix of ``q8_moe`` written by llama-imatrix."""
+    return make_imatrix(llama_tools, q8_moe, tmp_path_factory.mktemp("imatrix"))

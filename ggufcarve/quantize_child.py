@@ -1,0 +1,259 @@
+"""The libllama quantizer backend's child process: llama-quantize's command line on `llama_model_quantize`.
+
+Run as `python -m ggufcarve.quantize_child [flags] IN [OUT] FTYPE [nthreads]` with the subset of
+llama-quantize flags ggufcarve renders (--allow-requantize, --leave-output-tensor, --pure, --dry-run,
+--imatrix F, --output-tensor-type T, --token-embedding-type T, --tensor-type REGEX=T). It mirrors
+tools/quantize/quantize.cpp of the vendored llama.cpp: the imatrix is normalised the same way
+(GGUF: sum / round(count) per expert, 1.0 where the count is 0; legacy .dat: value / ncall), the
+same quantize.imatrix.* keys are written, and llama.cpp logs to stderr unfiltered, so its output
+can be parsed like the binary's. A child process because llama.cpp aborts on failed asserts.
+
+`read_imatrix_for_quantize` is the smallest imatrix reader the ladder needs; it moves to
+ggufcarve.imatrix once that module offers the same.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import struct
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ggufcarve.errors import BadInput
+
+KV_IMATRIX_FILE = "quantize.imatrix.file"
+KV_IMATRIX_DATASET = "quantize.imatrix.dataset"
+KV_IMATRIX_N_ENTRIES = "quantize.imatrix.entries_count"
+KV_IMATRIX_N_CHUNKS = "quantize.imatrix.chunks_count"
+
+
+@dataclass
+class QuantizeImatrix:
+    """Per weight name: the normalised importance values llama-quantize would hand to llama_model_quantize."""
+
+    path: Path
+    format: str  # "gguf" or "dat"
+    values: dict[str, np.ndarray]  # float32, ne0 * n_mat values
+    n_mat: dict[str, int]  # experts (or 1) per entry
+    datasets: list[str] = field(default_factory=list)
+    chunk_count: int = 0
+    chunk_size: int = 0
+    has_metadata: bool = True
+
+
+def read_imatrix_for_quantize(path: str | Path) -> QuantizeImatrix:
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as err:
+        raise BadInput(f"{path}: cannot read the imatrix ({err.strerror})", "check the --imatrix path") from None
+    return _read_gguf(path) if magic == b"GGUF" else _read_dat(path)
+
+
+def _read_gguf(path: Path) -> QuantizeImatrix:
+    from ggufcarve.container import read_file
+
+    gf = read_file(path)
+    sums: dict[str, np.ndarray] = {}
+    counts: dict[str, np.ndarray] = {}
+    data = np.memmap(path, dtype=np.uint8, mode="r")
+    for t in gf.tensors:
+        for suffix, store in ((".in_sum2", sums), (".counts", counts)):
+            if t.name.endswith(suffix):
+                if t.type_id != 0:
+                    raise BadInput(f"{path}: {t.name} must be F32", "the imatrix is corrupt")
+                start, end = gf.data_range(t)
+                store[t.name[: -len(suffix)]] = np.frombuffer(data[start:end].tobytes(), dtype="<f4")
+    values: dict[str, np.ndarray] = {}
+    n_mat: dict[str, int] = {}
+    for name in sorted(set(sums) | set(counts)):
+        if name not in sums or name not in counts:
+            raise BadInput(f"{path}: mismatched sums and counts for {name}", "the imatrix is corrupt")
+        s, c = sums[name], counts[name]
+        n = len(c)
+        if n == 0 or len(s) % n:
+            raise BadInput(f"{path}: {name} has {len(s)} sums for {n} counts", "the imatrix is corrupt")
+        ne0 = len(s) // n
+        rounded = np.where(c >= 0, np.floor(c + np.float32(0.5)), np.ceil(c - np.float32(0.5))).astype(np.float32)  # C lround
+        out = np.ones(len(s), dtype=np.float32)
+        for j in range(n):
+            if rounded[j] > 0:
+                out[j * ne0 : (j + 1) * ne0] = s[j * ne0 : (j + 1) * ne0] / rounded[j]
+        values[name] = out
+        n_mat[name] = n
+    datasets = gf.get("imatrix.datasets")
+    has_meta = all(k in gf.kv_index for k in ("imatrix.datasets", "imatrix.chunk_count", "imatrix.chunk_size"))
+    return QuantizeImatrix(path, "gguf", values, n_mat, list(datasets or []), int(gf.get("imatrix.chunk_count", 0) or 0), int(gf.get("imatrix.chunk_size", 0) or 0), has_meta)
+
+
+def _read_dat(path: Path) -> QuantizeImatrix:
+    raw = path.read_bytes()
+    pos = 0
+
+    def take(fmt: str) -> tuple:
+        nonlocal pos
+        n = struct.calcsize(fmt)
+        if pos + n > len(raw):
+            raise BadInput(f"{path}: truncated legacy imatrix at byte {pos}", "the imatrix is corrupt, or not an imatrix file")
+        out = struct.unpack_from(fmt, raw, pos)
+        pos += n
+        return out
+
+    (n_entries,) = take("<i")
+    if n_entries < 1 or n_entries > len(raw):
+        raise BadInput(f"{path}: not a GGUF or legacy .dat imatrix", "give the imatrix written by llama-imatrix")
+    values: dict[str, np.ndarray] = {}
+    n_mat: dict[str, int] = {}
+    for _ in range(n_entries):
+        (length,) = take("<i")
+        if length < 0 or pos + length > len(raw):
+            raise BadInput(f"{path}: truncated legacy imatrix at byte {pos}", "the imatrix is corrupt")
+        name = raw[pos : pos + length].decode("utf-8", errors="replace")
+        pos += length
+        ncall, nval = take("<ii")
+        if nval < 1 or pos + 4 * nval > len(raw):
+            raise BadInput(f"{path}: bad value count for {name}", "the imatrix is corrupt")
+        v = np.frombuffer(raw, dtype="<f4", count=nval, offset=pos).copy()
+        pos += 4 * nval
+        values[name] = v / np.float32(ncall) if ncall > 0 else v
+        n_mat[name] = 0  # unknown in this format: the model decides
+    datasets, chunks = [], 0
+    if pos < len(raw):
+        (chunks,) = take("<i")
+        if pos + 4 <= len(raw):
+            (length,) = take("<i")
+            if length > 0:
+                datasets = [raw[pos : pos + length].decode("utf-8", errors="replace")]
+    return QuantizeImatrix(path, "dat", values, n_mat, datasets, chunks, 0, True)
+
+
+# ---------------------------------------------------------------------------------------------
+# child main
+
+
+def _ggml_type(name: str) -> int:
+    from gguf.constants import GGMLQuantizationType
+
+    try:
+        return int(GGMLQuantizationType[name.upper()])
+    except KeyError:
+        raise SystemExit(f"invalid ggml_type '{name}'") from None
+
+
+def _ftype(llama_cpp, name: str) -> int:
+    key = "LLAMA_FTYPE_ALL_F32" if name.upper() == "F32" else f"LLAMA_FTYPE_MOSTLY_{name.upper()}"
+    if not hasattr(llama_cpp, key):
+        raise SystemExit(f"invalid ftype '{name}'")
+    return int(getattr(llama_cpp, key))
+
+
+def main(argv: list[str]) -> int:
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    imatrix_file = ""
+    overrides: list[tuple[str, int]] = []
+    i = 0
+    while i < len(argv) and argv[i].startswith("--"):
+        flag = argv[i]
+        if flag == "--allow-requantize":
+            params.allow_requantize = True
+        elif flag == "--leave-output-tensor":
+            params.quantize_output_tensor = False
+        elif flag == "--pure":
+            params.pure = True
+        elif flag == "--dry-run":
+            params.dry_run = True
+        elif flag in ("--imatrix", "--output-tensor-type", "--token-embedding-type", "--tensor-type") and i + 1 < len(argv):
+            i += 1
+            value = argv[i]
+            if flag == "--imatrix":
+                imatrix_file = value
+            elif flag == "--output-tensor-type":
+                params.output_tensor_type = _ggml_type(value)
+            elif flag == "--token-embedding-type":
+                params.token_embedding_type = _ggml_type(value)
+            else:
+                pattern, sep, type_name = value.partition("=")
+                if not sep or not pattern or not type_name:
+                    print(f"malformed tensor type '{value}'", file=sys.stderr)
+                    return 1
+                overrides.append((pattern.lower(), _ggml_type(type_name)))  # llama-quantize lower-cases the pattern
+        else:
+            print(f"usage: quantize_child: unsupported flag {flag}", file=sys.stderr)
+            return 1
+        i += 1
+    rest = argv[i:]
+    if params.dry_run:
+        if len(rest) < 2:
+            print("usage: quantize_child [flags] --dry-run IN FTYPE [nthreads]", file=sys.stderr)
+            return 1
+        source, ftype_name, extra = rest[0], rest[1], rest[2:]
+        output = ""
+    else:
+        if len(rest) < 3:
+            print("usage: quantize_child [flags] IN OUT FTYPE [nthreads]", file=sys.stderr)
+            return 1
+        source, output, ftype_name, extra = rest[0], rest[1], rest[2], rest[3:]
+    params.ftype = _ftype(llama_cpp, ftype_name)
+    if extra:
+        params.nthread = int(extra[0])
+
+    keep_alive: list[object] = []
+    kv_overrides: list[tuple[str, int, object]] = []
+    if imatrix_file:
+        imatrix = read_imatrix_for_quantize(imatrix_file)
+        if not imatrix.has_metadata:
+            print(f"load_imatrix: missing imatrix metadata in file {imatrix_file}", file=sys.stderr)
+            return 1
+        entries = (llama_cpp.llama_model_imatrix_data * (len(imatrix.values) + 1))()
+        for k, (name, values) in enumerate(imatrix.values.items()):
+            array = np.ascontiguousarray(values, dtype=np.float32)
+            keep_alive.append(array)
+            entries[k].name = name.encode()
+            entries[k].data = array.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+            entries[k].size = array.size
+        keep_alive.append(entries)
+        params.imatrix = ctypes.cast(entries, ctypes.POINTER(llama_cpp.llama_model_imatrix_data))
+        kv_overrides.append((KV_IMATRIX_FILE, llama_cpp.LLAMA_KV_OVERRIDE_TYPE_STR, imatrix_file))
+        if imatrix.datasets:
+            kv_overrides.append((KV_IMATRIX_DATASET, llama_cpp.LLAMA_KV_OVERRIDE_TYPE_STR, imatrix.datasets[0]))
+        kv_overrides.append((KV_IMATRIX_N_ENTRIES, llama_cpp.LLAMA_KV_OVERRIDE_TYPE_INT, len(imatrix.values)))
+        if imatrix.chunk_count > 0:
+            kv_overrides.append((KV_IMATRIX_N_CHUNKS, llama_cpp.LLAMA_KV_OVERRIDE_TYPE_INT, imatrix.chunk_count))
+    if kv_overrides:
+        kvs = (llama_cpp.llama_model_kv_override * (len(kv_overrides) + 1))()
+        for k, (key, tag, value) in enumerate(kv_overrides):
+            kvs[k].tag = tag
+            kvs[k].key = key.encode()
+            if tag == llama_cpp.LLAMA_KV_OVERRIDE_TYPE_STR:
+                kvs[k].value.val_str = str(value).encode()[:127]
+            else:
+                kvs[k].value.val_i64 = int(value)  # type: ignore[arg-type]
+        keep_alive.append(kvs)
+        params.kv_overrides = ctypes.cast(kvs, ctypes.POINTER(llama_cpp.llama_model_kv_override))
+    if overrides:
+        tts = (llama_cpp.llama_model_tensor_override * (len(overrides) + 1))()
+        for k, (pattern, type_id) in enumerate(overrides):
+            tts[k].pattern = pattern.encode()
+            tts[k].type = type_id
+        tts[len(overrides)].pattern = None  # the terminator
+        keep_alive.append(tts)
+        params.tt_overrides = ctypes.cast(tts, ctypes.POINTER(llama_cpp.llama_model_tensor_override))
+
+    llama_cpp.llama_log_set(llama_cpp.llama_log_callback(), ctypes.c_void_p(0))  # a NULL callback: llama.cpp logs to stderr
+    llama_cpp.llama_backend_init()
+    print(f"ggufcarve libllama backend: llama-cpp-python {llama_cpp.__version__}, {'dry run of' if params.dry_run else 'quantizing'} '{source}' as {ftype_name.upper()}", file=sys.stderr, flush=True)
+    rc = llama_cpp.llama_model_quantize(source.encode(), output.encode(), ctypes.byref(params))
+    if rc != 0:
+        print(f"main: failed to quantize model from '{source}' (llama_model_quantize returned {rc})", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
