@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import json
 import os
 import shutil
 from contextlib import contextmanager
@@ -84,6 +85,47 @@ def sha256_file(path: str | os.PathLike[str], progress: Progress = _noop, buffer
     finally:
         os.close(fd)
     return hasher.hexdigest()
+
+
+SHA256_CACHE_NAME = "sha256-cache.json"
+
+
+def _sha256_cache_path() -> Path:
+    from ggufcarve.toolchain import cache_root
+
+    return cache_root() / SHA256_CACHE_NAME
+
+
+def _stat_key(path: Path) -> list[int]:
+    st = path.stat()
+    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+
+
+def cached_sha256(path: str | os.PathLike[str]) -> str | None:
+    """A sha256 computed earlier for this exact file state (device, inode, size, mtime, ctime).
+
+    Any write to the file changes its ctime, which the user cannot set back, so a hit is the
+    digest of the current content.
+    """
+    path = Path(path).resolve()
+    try:
+        entry = json.loads(_sha256_cache_path().read_text()).get(str(path))
+        return entry["sha256"] if entry and entry["stat"] == _stat_key(path) else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def remember_sha256(path: str | os.PathLike[str], digest: str) -> None:
+    """Record a digest for cached_sha256; a cache that cannot be written is skipped silently."""
+    path = Path(path).resolve()
+    cache = _sha256_cache_path()
+    try:
+        entries = json.loads(cache.read_text()) if cache.exists() else {}
+        entries = {k: v for k, v in entries.items() if Path(k).exists()}
+        entries[str(path)] = {"stat": _stat_key(path), "sha256": digest}
+        write_text_atomic(cache, json.dumps(entries, indent=0, sort_keys=True))
+    except (OSError, ValueError):
+        pass
 
 
 def same_file(a: Path, b: Path) -> bool:

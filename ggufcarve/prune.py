@@ -7,8 +7,10 @@ the source before renaming anything into place.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import queue
 import re
 import threading
 import time
@@ -40,7 +42,7 @@ from ggufcarve.container import (
     shard_paths,
 )
 from ggufcarve.errors import BadInput, OutputError, VerificationFailed
-from ggufcarve.fileio import CHUNK, atomic_outputs, check_outputs, copy_range, read_ranges, sha256_file, write_text_atomic
+from ggufcarve.fileio import CHUNK, atomic_outputs, cached_sha256, check_outputs, copy_range, read_ranges, remember_sha256, write_text_atomic, xxh3_of_ranges
 from ggufcarve.keepset import KeepSet, check_keepset
 from ggufcarve.moe import MoeLayout
 
@@ -362,7 +364,6 @@ class Verification:
     tensors: list[TensorCheck]
     keys_checked: int
     problems: list[str] = field(default_factory=list)
-    output_xxh3: dict[str, str] = field(default_factory=dict)  # whole-file hash per output file name
 
     @property
     def ok(self) -> bool:
@@ -384,55 +385,132 @@ class PruneResult:
     report_path: Path
 
 
-def hash_expected(model: GGUFModel, ranges: dict[str, tuple[tuple[int, ...], tuple[SourceRange, ...]]], progress: Callable[[int], None]) -> dict[str, str]:
-    """xxh3-128 of each output tensor's data as the source slices give it."""
+Ranges = dict[str, tuple[tuple[int, ...], tuple[SourceRange, ...]]]
+OutputHashes = dict[str, tuple[int, int, str]]  # tensor name -> (absolute start, length, xxh3-128) in its output file
+
+
+class _Cancelled(Exception):
+    """Stops a hashing thread when the write failed."""
+
+
+def hash_source(model: GGUFModel, ranges: Ranges, progress: Callable[[int], None]) -> tuple[list[str], dict[str, str]]:
+    """Each source file's sha256 and each output tensor's expected xxh3-128 (of its source slices).
+
+    One sequential read per source file feeds both, for every tensor whose slices are in ascending
+    order; other tensors, and files whose sha256 is cached, are hashed by positioned reads.
+    """
+    hashers = {name: xxhash.xxh3_128() for name in ranges}
+    folded: list[list[tuple[int, int, str]]] = [[] for _ in model.shards]
+    positioned: list[str] = []
+    for name, (_, rs) in ranges.items():
+        if all(a.offset + a.length <= b.offset for a, b in zip(rs, rs[1:])):
+            folded[rs[0].shard].extend((r.offset, r.offset + r.length, name) for r in rs)
+        else:
+            positioned.append(name)
+    digests = [cached_sha256(p) for p in model.paths]
+    for shard, digest in enumerate(digests):
+        if digest is not None:
+            positioned.extend(dict.fromkeys(name for _, _, name in folded[shard]))
+            folded[shard] = []
     buffer = bytearray(CHUNK)
+    for shard, path in enumerate(model.paths):
+        if digests[shard] is not None:
+            continue
+        segments = sorted(folded[shard])
+        sha = hashlib.sha256()
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            position, i = 0, 0
+            for chunk in read_ranges(fd, [(0, model.shards[shard].size)], buffer, progress):
+                sha.update(chunk)
+                end = position + len(chunk)
+                while i < len(segments) and segments[i][0] < end:
+                    lo, hi, name = segments[i]
+                    if max(lo, position) < min(hi, end):
+                        hashers[name].update(chunk[max(lo, position) - position : min(hi, end) - position])
+                    if hi > end:
+                        break
+                    i += 1
+                position = end
+        finally:
+            os.close(fd)
+        digests[shard] = sha.hexdigest()
+        remember_sha256(path, digests[shard])
     fds = [os.open(p, os.O_RDONLY) for p in model.paths]
     try:
-        result = {}
-        for name, (_, rs) in ranges.items():
-            hasher = xxhash.xxh3_128()
-            for r in rs:
+        for name in positioned:
+            for r in ranges[name][1]:
                 for chunk in read_ranges(fds[r.shard], [(r.offset, r.length)], buffer, progress):
-                    hasher.update(chunk)
-            result[name] = hasher.hexdigest()
-        return result
+                    hashers[name].update(chunk)
     finally:
         for fd in fds:
             os.close(fd)
+    return [d for d in digests if d is not None], {name: h.hexdigest() for name, h in hashers.items()}
 
 
-def hash_output(files: list[GGUFFile], progress: Callable[[int], None]) -> tuple[dict[str, str], dict[str, str]]:
-    """One sequential pass per output file: xxh3-128 of every tensor and of the whole file."""
+def source_hash_bytes(model: GGUFModel, ranges: Ranges) -> int:
+    """The bytes hash_source will read (for progress totals)."""
+    uncached = {i for i, p in enumerate(model.paths) if cached_sha256(p) is None}
+    total = sum(model.shards[i].size for i in uncached)
+    for _, rs in ranges.values():
+        ascending = all(a.offset + a.length <= b.offset for a, b in zip(rs, rs[1:]))
+        if not ascending or rs[0].shard not in uncached:
+            total += sum(r.length for r in rs)
+    return total
+
+
+def hash_output(files: list[GGUFFile], progress: Callable[[int], None]) -> OutputHashes:
+    """xxh3-128 of every tensor of the given files, read back from disk."""
     buffer = bytearray(CHUNK)
-    tensors: dict[str, str] = {}
-    whole: dict[str, str] = {}
+    result: OutputHashes = {}
     for f in files:
-        file_hasher = xxhash.xxh3_128()
         fd = os.open(f.path, os.O_RDONLY)
         try:
-            position = 0
-            for chunk in read_ranges(fd, [(0, f.data_start)], buffer, progress):
-                file_hasher.update(chunk)
-            position = f.data_start
             for t in f.tensors:
                 start, end = f.data_range(t)
-                padded_end = min(f.data_start + t.offset + pad_to(t.nbytes, f.alignment), f.size)
-                tensor_hasher = xxhash.xxh3_128()
-                for chunk in read_ranges(fd, [(start, end - start)], buffer, progress):
-                    tensor_hasher.update(chunk)
-                    file_hasher.update(chunk)
-                for chunk in read_ranges(fd, [(end, padded_end - end)], buffer):
-                    file_hasher.update(chunk)
-                tensors[t.name] = tensor_hasher.hexdigest()
-                position = padded_end
-            if position != f.size:
-                for chunk in read_ranges(fd, [(position, f.size - position)], buffer):
-                    file_hasher.update(chunk)
+                result[t.name] = (start, end - start, xxh3_of_ranges(fd, [(start, end - start)], buffer, progress))
         finally:
             os.close(fd)
-        whole[f.path.name] = file_hasher.hexdigest()
-    return tensors, whole
+    return result
+
+
+class _OutputHasher:
+    """Reads back and hashes each output tensor on a second thread as soon as it is written."""
+
+    def __init__(self, progress: Callable[[int], None]) -> None:
+        self.progress = progress
+        self.queue: queue.Queue[tuple[Path, str, int, int] | None] = queue.Queue(maxsize=256)
+        self.result: OutputHashes = {}
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="ggufcarve-verify-output", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        buffer = bytearray(CHUNK)
+        fds: dict[Path, int] = {}
+        try:
+            while (item := self.queue.get()) is not None:
+                path, name, start, length = item
+                if path not in fds:
+                    fds[path] = os.open(path, os.O_RDONLY)
+                self.result[name] = (start, length, xxh3_of_ranges(fds[path], [(start, length)], buffer, self.progress))
+        except BaseException as err:  # re-raised by finish()
+            self.error = err
+            while self.queue.get() is not None:
+                pass
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+
+    def submit(self, path: Path, name: str, start: int, length: int) -> None:
+        self.queue.put((path, name, start, length))
+
+    def finish(self) -> OutputHashes:
+        self.queue.put(None)
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        return self.result
 
 
 def verify_prune(
@@ -442,10 +520,16 @@ def verify_prune(
     output_files: list[GGUFFile],
     *,
     expected: dict[str, str] | None = None,
+    output_hashes: OutputHashes | None = None,
     on_event: EventSink = _ignore,
 ) -> Verification:
     """Check an output against its source: every tensor is the concatenation of its source slices
-    (xxh3-128), every source key is byte-identical except the ones pruning changes."""
+    (xxh3-128), every source key is byte-identical except the ones pruning changes.
+
+    `expected` and `output_hashes` may come precomputed from the executor's hashing threads;
+    output hashes then carry the byte range they were read from, which must be where the
+    re-parsed header puts each tensor.
+    """
     problems: list[str] = []
     kept = keepset.kept_count
     ranges = tensor_ranges(source, layout, keepset)
@@ -480,23 +564,37 @@ def verify_prune(
             if (f_index == 0 and new_key) or (f_index > 0 and kv.key not in SPLIT_KEYS):
                 problems.append(f"{f.path.name}: unexpected key {kv.key}")
 
-    verify_total = sum(t.nbytes for _, t in out_tensors) + sum(f.data_start for f in output_files)
-    out_hashes, whole = hash_output(output_files, lambda n: on_event(ProgressEvent("verify", n, verify_total)))
+    if output_hashes is None:
+        verify_total = sum(t.nbytes for _, t in out_tensors)
+        output_hashes = hash_output(output_files, lambda n: on_event(ProgressEvent("verify", n, verify_total)))
     if expected is None:
         expected_total = sum(r.length for _, rs in ranges.values() for r in rs)
-        expected = hash_expected(source, ranges, lambda n: on_event(ProgressEvent("hash source", n, expected_total)))
+        buffer = bytearray(CHUNK)
+        fds = [os.open(p, os.O_RDONLY) for p in source.paths]
+        try:
+            expected = {
+                name: xxh3_of_ranges(fds[rs[0].shard], [(r.offset, r.length) for r in rs], buffer, lambda n: on_event(ProgressEvent("hash source", n, expected_total)))
+                for name, (_, rs) in ranges.items()
+            }
+        finally:
+            for fd in fds:
+                os.close(fd)
 
     source_info = {t.name: t for t in source.tensors}
     checks = []
-    for _, t in out_tensors:
+    for f, t in out_tensors:
         if t.name not in ranges:
             continue
-        shape, rs = ranges[t.name]
+        shape, _ = ranges[t.name]
         src = source_info[t.name]
         if t.shape != shape or t.type_id != src.type_id:
             problems.append(f"{t.name}: shape {list(t.shape)} type {t.type_name}, expected {list(shape)} {src.type_name}")
-        checks.append(TensorCheck(t.name, shape != src.shape, src.shape, t.shape, t.type_name, src.nbytes, t.nbytes, expected[t.name], out_hashes[t.name]))
-    return Verification(checks, keys_checked, problems, whole)
+        start, end = f.data_range(t)
+        hashed_start, hashed_length, digest = output_hashes[t.name]
+        if (hashed_start, hashed_length) != (start, end - start):
+            problems.append(f"{t.name}: header places it at bytes {start}..{end}, but it was written at {hashed_start}..{hashed_start + hashed_length}")
+        checks.append(TensorCheck(t.name, shape != src.shape, src.shape, t.shape, t.type_name, src.nbytes, t.nbytes, expected[t.name], digest))
+    return Verification(checks, keys_checked, problems)
 
 
 def default_report_path(plan: PrunePlan) -> Path:
@@ -519,53 +617,66 @@ def _check_report_slot(report_path: Path, plan: PrunePlan, force: bool) -> None:
 
 
 def execute(plan: PrunePlan, model: GGUFModel, *, force: bool = False, on_event: EventSink = _ignore, report_path: Path | None = None) -> PruneResult:
-    """Write the plan's outputs (temp names, fsync, rename), verify them, and write the report."""
+    """Write the plan's outputs (temp names, fsync, rename), verify them, and write the report.
+
+    Three streams run at once: the main thread copies source ranges into the temp files; a
+    second thread reads the whole source once (sha256 for the provenance keys and the expected
+    xxh3 of every tensor); a third reads each tensor back from the temp file once it is written.
+    Nothing is renamed into place until every tensor and key checked out.
+    """
     t_start = time.perf_counter()
     report_path = report_path or default_report_path(plan)
     check_outputs(plan.outputs, list(plan.sources), plan.bytes_out, force)
     _check_report_slot(report_path, plan, force)
     ranges = tensor_ranges(model, plan.layout, plan.keepset)
-    hash_total = plan.bytes_in + sum(t.nbytes for t in plan.tensors.values())
+    source_total = source_hash_bytes(model, ranges)
+    data_total = sum(t.nbytes for t in plan.tensors.values())
 
     background: dict[str, Any] = {}
     cancelled = threading.Event()
 
-    def progress(n: int) -> None:
-        if cancelled.is_set():
-            raise _Cancelled
-        on_event(ProgressEvent("hash source", n, hash_total))
+    def checked(stage: str, total: int) -> Callable[[int], None]:
+        def progress(n: int) -> None:
+            if cancelled.is_set():
+                raise _Cancelled
+            on_event(ProgressEvent(stage, n, total))
 
-    def hash_sources() -> None:
+        return progress
+
+    def run_source_hash() -> None:
         try:
             started = time.perf_counter()
-            background["sha256"] = [sha256_file(p, progress) for p in plan.sources]
-            background["expected"] = hash_expected(model, ranges, progress)
+            background["sha256"], background["expected"] = hash_source(model, ranges, checked("hash source", source_total))
             background["seconds"] = time.perf_counter() - started
         except BaseException as err:  # re-raised in the main thread
             background["error"] = err
 
-    hasher = threading.Thread(target=hash_sources, name="ggufcarve-hash-source", daemon=True)
-    hasher.start()
+    source_hasher = threading.Thread(target=run_source_hash, name="ggufcarve-hash-source", daemon=True)
+    source_hasher.start()
     timings: dict[str, float] = {}
+    output_hasher = _OutputHasher(checked("verify", data_total))
     try:
         with atomic_outputs(plan.outputs) as outputs:
             t_copy = time.perf_counter()
-            _write_files(plan, outputs, on_event)
+            _write_files(plan, outputs, output_hasher, on_event)
             timings["write_seconds"] = time.perf_counter() - t_copy
-            hasher.join()
+            t_verify = time.perf_counter()
+            output_hashes = output_hasher.finish()
+            source_hasher.join()
             if "error" in background:
                 raise background["error"]
             if plan.provenance:
                 _fill_source_sha256(plan.files[0], outputs[0][1], background["sha256"])
-            t_verify = time.perf_counter()
             written = [read_file(temp) for temp, _ in outputs]
-            verification = verify_prune(model, plan.layout, plan.keepset, written, expected=background["expected"], on_event=on_event)
-            verification.output_xxh3 = {final.name: verification.output_xxh3[temp.name] for final, (temp, _) in zip(plan.outputs, outputs)}
+            verification = verify_prune(model, plan.layout, plan.keepset, written, expected=background["expected"], output_hashes=output_hashes)
             verification.raise_if_failed(f"verification of {plan.outputs[0].name}")
             timings["verify_seconds"] = time.perf_counter() - t_verify
     finally:
         cancelled.set()
-        hasher.join()
+        source_hasher.join()
+        if output_hasher.thread.is_alive():
+            output_hasher.queue.put(None)
+            output_hasher.thread.join()
     timings["hash_source_seconds"] = background.get("seconds", 0.0)
     timings["total_seconds"] = time.perf_counter() - t_start
     result = PruneResult(plan, background["sha256"], verification, timings, report_path)
@@ -573,24 +684,21 @@ def execute(plan: PrunePlan, model: GGUFModel, *, force: bool = False, on_event:
     return result
 
 
-class _Cancelled(Exception):
-    """Stops the source-hashing thread when the write failed."""
-
-
-def _write_files(plan: PrunePlan, outputs: list[tuple[Path, int]], on_event: EventSink) -> None:
+def _write_files(plan: PrunePlan, outputs: list[tuple[Path, int]], output_hasher: _OutputHasher, on_event: EventSink) -> None:
     total = plan.bytes_out
     progress = lambda n: on_event(ProgressEvent("copy", n, total))  # noqa: E731
     source_fds = [os.open(p, os.O_RDONLY) for p in plan.sources]
     try:
-        for planned, (_, fd) in zip(plan.files, outputs):
+        for planned, (temp, fd) in zip(plan.files, outputs):
             header, offsets = planned.encoded_header
             os.pwrite(fd, header, 0)
             progress(len(header))
             for tensor, offset in zip(planned.tensors, offsets):
-                position = len(header) + offset
+                start = position = len(header) + offset
                 for r in tensor.ranges:
                     copy_range(source_fds[r.shard], fd, r.offset, position, r.length, progress)
                     position += r.length
+                output_hasher.submit(temp, tensor.name, start, tensor.nbytes)
                 padding = pad_to(tensor.nbytes, planned.alignment) - tensor.nbytes
                 if padding:
                     os.pwrite(fd, bytes(padding), position)
@@ -624,7 +732,7 @@ def pruning_report(result: PruneResult) -> dict[str, Any]:
             "mtp_blocks": [b for b in plan.layout.blocks if plan.layout.is_mtp(b)],
         },
         "output": {
-            "files": [{"name": f.path.name, "bytes": f.size, "xxh3_128": verification.output_xxh3.get(f.path.name)} for f in plan.files],
+            "files": [{"name": f.path.name, "bytes": f.size, "tensors": len(f.tensors)} for f in plan.files],
             "expert_count": plan.kept_count,
         },
         "keep_set": plan.keepset.to_json(),

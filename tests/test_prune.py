@@ -331,3 +331,35 @@ def test_library_never_prints(make_model, tmp_path, capsys):
     copied = sum(e.advance for e in events if e.stage == "copy")
     assert copied == result.plan.bytes_out
     assert np.all([e.total > 0 for e in events])
+
+
+def test_source_hashing_paths_agree(make_model, tmp_path, monkeypatch):
+    """One sequential pass (sha256 + ascending tensors), positioned reads (scrambled order, cached sha256)."""
+    import hashlib
+
+    import xxhash
+
+    from ggufcarve.prune import hash_source, source_hash_bytes, tensor_ranges
+
+    monkeypatch.setenv("GGUFCARVE_CACHE", str(tmp_path / "cache"))
+    src = make_model("qwen35moe", "Q8_0")
+    model = read_model(src)
+    layout = inspect_layout(model)
+    scrambled = KeepSet({0: (6, 1, 3, 0), 1: (0, 1, 2, 3), 2: (7, 5, 3, 1)})
+    ranges = tensor_ranges(model, layout, scrambled)
+    data = src.read_bytes()
+    naive = {name: xxhash.xxh3_128(b"".join(data[r.offset : r.offset + r.length] for r in rs)).hexdigest() for name, (_, rs) in ranges.items()}
+    read = []
+    cold_total = source_hash_bytes(model, ranges)
+    cold = hash_source(model, ranges, read.append)
+    assert cold == ([hashlib.sha256(data).hexdigest()], naive) and sum(read) == cold_total
+    read.clear()
+    warm_total = source_hash_bytes(model, ranges)
+    assert hash_source(model, ranges, read.append) == cold and sum(read) == warm_total < len(data)
+    copy = tmp_path / "copy.gguf"
+    copy.write_bytes(data)
+    assert hash_source(read_model(copy), ranges, lambda n: None)[0] == cold[0]
+    with open(copy, "r+b") as f:  # same path and size, other content: the cache must miss
+        f.seek(len(data) - 1)
+        f.write(bytes([data[-1] ^ 1]))
+    assert hash_source(read_model(copy), ranges, lambda n: None)[0] == [hashlib.sha256(copy.read_bytes()).hexdigest()] != cold[0]
