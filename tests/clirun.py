@@ -1,4 +1,5 @@
-"""Run the ggufcarve command line the way a user does: a child process, exit code, stdout, stderr."""
+"""Test helpers: run the ggufcarve command line the way a user does (a child process: exit code,
+stdout, stderr), hash files, read a tensor's bytes."""
 
 from __future__ import annotations
 
@@ -33,3 +34,15 @@ def ggufcarve(*args: object, preexec_fn=None, cwd: Path | None = None) -> CliRes
 
 def sha256(path: Path) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def tensor_bytes(path: Path, name: str) -> bytes:
+    """The data of tensor `name` of a GGUF file or split set (first shard)."""
+    from ggufcarve.container import read_model
+
+    model = read_model(path)
+    shard, info = model.tensor_index[name]
+    start, end = model.shards[shard].data_range(info)
+    with open(model.shards[shard].path, "rb") as f:
+        f.seek(start)
+        return f.read(end - start)

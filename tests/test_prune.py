@@ -12,22 +12,13 @@ import numpy as np
 import pytest
 
 import factory
-from clirun import ggufcarve, sha256
+from clirun import ggufcarve, sha256, tensor_bytes
 from ggufcarve import fileio
 from ggufcarve.container import read_model
 from ggufcarve.errors import OutputError
 from ggufcarve.keepset import KeepSet, keep_first
 from ggufcarve.moe import inspect_layout
 from ggufcarve.prune import execute, plan_prune, relabel_size
-
-
-def tensor_bytes(path, name):
-    model = read_model(path)
-    shard_index, info = model.tensor_index[name]
-    start, end = model.shards[shard_index].data_range(info)
-    with open(model.shards[shard_index].path, "rb") as f:
-        f.seek(start)
-        return f.read(end - start)
 
 
 @pytest.fixture(scope="session")

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import factory
-from clirun import ggufcarve
+from clirun import ggufcarve, tensor_bytes
 from ggufcarve.container import read_model
 from ggufcarve.moe import inspect_layout
 from llama_probe import probe
@@ -93,3 +93,32 @@ def test_split_output_loads_and_matches_the_single_file(make_model, tmp_path):
     a, b = probe(single, PROMPT), probe(shards[0], PROMPT)
     assert a.ok and b.ok, b.stderr[-2000:]
     np.testing.assert_array_equal(a.logits, b.logits)
+
+
+def test_split_set_written_by_llama_gguf_split(make_model, llama_tools, tmp_path):
+    """A split set made by llama.cpp's own splitter prunes to the same tensors as the single file."""
+    import subprocess
+
+    src = make_model("qwen35moe", "Q8_0")
+    (tmp_path / "split").mkdir()
+    proc = subprocess.run([str(llama_tools / "llama-gguf-split"), "--split", "--split-max-size", "3M", str(src), str(tmp_path / "split" / "m")], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    shards = sorted((tmp_path / "split").glob("m-*-of-*.gguf"))
+    assert len(shards) >= 2
+    for name in ("single", "from-split", "merged"):
+        (tmp_path / name).mkdir()
+    keep = ("--keep-ids", "1,3,5,7", "--no-provenance", "-q")
+    assert ggufcarve("prune", src, "-o", tmp_path / "single" / "p.gguf", *keep).code == 0
+    r = ggufcarve("prune", shards[0], "-o", tmp_path / "from-split" / "p.gguf", *keep)
+    assert r.code == 0, r.stderr
+    assert ggufcarve("prune", shards[0], "-o", tmp_path / "merged" / "p.gguf", "--merge", *keep).code == 0
+    single = tmp_path / "single" / "p.gguf"
+    pruned_shards = sorted((tmp_path / "from-split").glob("p-*-of-*.gguf"))
+    assert len(pruned_shards) == len(shards)
+    for t in read_model(single).tensors:
+        expected = tensor_bytes(single, t.name)
+        assert tensor_bytes(pruned_shards[0], t.name) == expected == tensor_bytes(tmp_path / "merged" / "p.gguf", t.name)
+    a, b = probe(single, PROMPT), probe(pruned_shards[0], PROMPT)
+    assert a.ok and b.ok, b.stderr[-2000:]
+    np.testing.assert_array_equal(a.logits, b.logits)
+
