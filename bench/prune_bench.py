@@ -13,7 +13,6 @@ Each is run --repeat times, alternating; the median is reported with prune's pea
 from __future__ import annotations
 
 import argparse
-import os
 import resource
 import shutil
 import statistics
