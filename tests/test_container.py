@@ -65,6 +65,15 @@ def test_unknown_tensor_type_is_sized_from_offsets(make_model, tmp_path):
     g = read_file(patched)
     t = next(t for t in g.tensors if t.name == target.name)
     assert t.type_name == "type250" and t.nbytes == target.nbytes
+    # the pruner passes such a tensor through as raw bytes, expert slabs included
+    from clirun import ggufcarve, tensor_bytes
+
+    r = ggufcarve("prune", patched, "--keep-ids", "6,7", "-o", tmp_path / "p.gguf", "-q")
+    assert r.code == 0, r.stderr
+    slab = target.nbytes // 8
+    original = tensor_bytes(path, target.name)
+    assert tensor_bytes(tmp_path / "p.gguf", target.name) == original[6 * slab :]
+    assert read_file(tmp_path / "p.gguf").tensors[[x.name for x in g.tensors].index(target.name)].type_id == 250
 
 
 def test_replace_kvs_keeps_order_and_appends():

@@ -37,6 +37,16 @@ def test_keeping_every_expert_reproduces_the_file(make_model, tmp_path, arch, dt
     assert (tmp_path / "out.gguf").read_bytes() == src.read_bytes()
 
 
+def test_alignment_64_is_kept(make_model, tmp_path):
+    src = make_model("gpt-oss", "Q8_0", alignment=64)
+    assert ggufcarve("prune", src, "--keep-first", 8, "-o", tmp_path / "same.gguf", "--no-provenance", "-q").code == 0
+    assert (tmp_path / "same.gguf").read_bytes() == src.read_bytes()
+    assert ggufcarve("prune", src, "--keep-ids", "0,3,4,7", "-o", tmp_path / "p.gguf", "--report", tmp_path / "p.json", "-q").code == 0
+    pruned = read_model(tmp_path / "p.gguf")
+    assert pruned.metadata.alignment == 64 and pruned.metadata.data_start % 64 == 0
+    assert all(t.offset % 64 == 0 for t in pruned.tensors)
+
+
 def test_keeping_every_expert_of_a_llama_cpp_kquant(kquant_model, tmp_path):
     types = {t.type_name for t in read_model(kquant_model).tensors}
     assert {"Q4_K", "Q6_K"} & types
