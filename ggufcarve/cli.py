@@ -305,6 +305,123 @@ def toolchain_build(
             bin_dir = build_tools(sink, jobs=jobs, force=force)
     out.print(f"tools ready in {bin_dir}")
 
+
+ladder_app = typer.Typer(help="Quantization ladders: every rung from one pruned source, hashed and recorded.", no_args_is_help=True)
+app.add_typer(ladder_app, name="ladder")
+
+
+@ladder_app.command("run")
+def ladder_run(
+    spec: Annotated[Path, typer.Argument(help="Ladder spec, e.g. ladders/q8-to-iq1.toml.")],
+    source: Annotated[Path, typer.Option("--source", help="The pruned model to requantize (first shard if split). Never modified.")],
+    output: Annotated[Path, typer.Option("-o", "--output", help="Output directory for the rungs, quant-manifest.json and SHA256SUMS.")],
+    imatrix: Annotated[Optional[Path], typer.Option("--imatrix", help="imatrix for the source (remapped to the pruned experts); needed by IQ rungs.")] = None,
+    only: Annotated[Optional[list[str]], typer.Option("--only", help="Run only these rungs (repeat or comma-separate), e.g. Q4_K_M,IQ2_XS.")] = None,
+    keep_going: Annotated[bool, typer.Option("--keep-going", help="Continue past a failed rung.")] = False,
+    quantizer_choice: Annotated[str, typer.Option("--quantizer", help="auto | binary | libllama | PATH to llama-quantize. auto prefers a found binary.")] = "auto",
+    llama_cpp: LlamaCppOption = None,
+    model_name: Annotated[Optional[str], typer.Option("--model-name", help="{model} in file names (default: the source name without its quant tag).")] = None,
+    threads: Annotated[Optional[int], typer.Option("--threads", "-t", help="Quantizer threads (default: all cores).")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Validate and print the plan; run nothing.")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress output.")] = False,
+) -> None:
+    """Quantize every rung of SPEC from --source into -o DIR; resumable; writes quant-manifest.json and SHA256SUMS."""
+    from ggufcarve.ladder import LadderEvent, load_spec, plan_ladder, run_ladder
+    from ggufcarve.toolchain import make_quantizer
+
+    ladder_spec = load_spec(spec)
+    quantizer = make_quantizer(quantizer_choice, llama_cpp)
+    plan = plan_ladder(ladder_spec, source, output, quantizer=quantizer, imatrix=imatrix, only=only, model_name=model_name, nthreads=threads or os.cpu_count())
+    for warning in plan.warnings:
+        err.print(f"[yellow]warning:[/] {escape(warning)}", soft_wrap=True, highlight=False)
+    described = quantizer.describe()
+    err.print(f"quantizer: {described['backend']} {described['path']}" + (f" (build {described['build']}, {described['commit']})" if described.get("build") is not None else f" ({described.get('version')})"), highlight=False)
+    if dry_run:
+        table = Table(title=f"ladder {ladder_spec.name} (dry run: nothing written)")
+        for column in ("rung", "output", "est. GiB", "imatrix fallback", "command"):
+            table.add_column(column, overflow="fold")
+        for p in plan.rungs:
+            table.add_row(p.rung.name, str(p.output), f"{p.estimated_bytes / 2**30:.2f}", f"{len(p.fallback)} -> {p.rung.imatrix_fallback_type}" if p.fallback else "", escape(" ".join(quantizer.argv(p.job))))
+        out.print(table)
+        return
+    if quiet:
+        result = run_ladder(plan, keep_going=keep_going)
+    else:
+        bars = Progress(TextColumn("{task.description:<10}"), BarColumn(), TextColumn("{task.fields[count]:>9}"), TextColumn("{task.fields[info]}"), console=err, transient=False)
+        tasks: dict[str, Any] = {}
+
+        def sink(event: LadderEvent) -> None:
+            if event.rung is None:
+                return
+            if event.rung not in tasks:
+                tasks[event.rung] = bars.add_task(event.rung, total=1, info="", count="")
+            task = tasks[event.rung]
+            if event.kind == "tensor":
+                bars.update(task, completed=event.done, total=event.total, count=f"{event.done}/{event.total}", info=escape(event.message[:40]))
+            elif event.kind == "rung-start":
+                bars.update(task, info="starting")
+            elif event.kind == "rung-done":
+                bars.update(task, completed=bars.tasks[task].total, info=f"hashing; {escape(event.message)}")
+            elif event.kind == "hashed":
+                bars.update(task, info=f"done, sha256 {event.message[:12]}")
+            elif event.kind == "rung-skipped":
+                bars.update(task, completed=1, total=1, count="skipped", info="unchanged (sha256 verified)")
+            elif event.kind == "rung-corrupt":
+                bars.update(task, info=f"[yellow]{escape(event.message)}[/]")
+            elif event.kind == "rung-failed":
+                bars.update(task, info=f"[red]failed: {escape(event.message)}[/]")
+
+        with bars:
+            result = run_ladder(plan, keep_going=keep_going, on_event=sink)
+    table = Table(title=f"ladder {ladder_spec.name}: {output}")
+    for column in ("rung", "size GiB", "bits/weight", "sha256", "seconds", "status"):
+        table.add_column(column, justify="left" if column in ("rung", "sha256", "status") else "right")
+    for r in result.rungs:
+        status = {"built": "[green]built[/]", "skipped": "skipped (unchanged)", "failed": f"[red]FAILED[/]: {escape(r.error or '')}", "not run": "not run"}[r.status]
+        table.add_row(r.name, f"{r.gib:.2f}" if r.bytes else "", f"{r.bits_per_weight:.2f}" if r.bits_per_weight else "", (r.sha256 or "")[:12], f"{r.seconds:.1f}", status)
+    out.print(table)
+    out.print(f"manifest: {result.manifest_path}; sums: {result.sums_path}; {result.seconds:.1f} s total, {result.quantizer_seconds:.1f} s in the quantizer")
+    if result.failed:
+        raise typer.Exit(1)
+
+
+@app.command("verify")
+def verify_command(
+    directory: Annotated[Path, typer.Argument(help="A ladder output directory (with SHA256SUMS and quant-manifest.json).")],
+    ignore_missing: Annotated[bool, typer.Option("--ignore-missing", help="Do not fail for files listed in SHA256SUMS that are absent (as sha256sum -c --ignore-missing).")] = False,
+    jobs: Annotated[Optional[int], typer.Option("--jobs", "-j", help="Files hashed in parallel (default: CPU count).")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")] = False,
+) -> None:
+    """Check a ladder directory before publishing: sums, manifest, GGUF structure, expert counts."""
+    from ggufcarve.verify import verify_dir
+
+    if quiet or as_json:
+        report = verify_dir(directory, ignore_missing=ignore_missing, workers=jobs)
+    else:
+        bars = Progress(TextColumn("{task.description:<8}"), BarColumn(), DownloadColumn(binary_units=True), TransferSpeedColumn(), TimeRemainingColumn(), console=err, transient=True)
+        with bars:
+            task = bars.add_task("sha256", total=None)
+
+            def progress(n: int, total: int) -> None:
+                bars.update(task, advance=n, total=total)
+
+            report = verify_dir(directory, ignore_missing=ignore_missing, workers=jobs, progress=progress)
+    if as_json:
+        out.print_json(json.dumps(report.to_json()))
+    elif report.ok:
+        rate = report.bytes_hashed / max(report.seconds, 1e-9) / 2**20
+        out.print(f"OK: {len(report.files_ok)} files of {directory} match SHA256SUMS and the manifest" + (f"; expert_count {report.expert_count}" if report.expert_count is not None else "") + f" ({report.bytes_hashed / 2**30:.2f} GiB in {report.seconds:.1f} s, {rate:.0f} MiB/s, {report.workers} threads)")
+    else:
+        table = Table(title=f"verify {directory}: {len(report.failures)} failure(s)")
+        table.add_column("file")
+        table.add_column("problem")
+        for f in report.failures:
+            table.add_row(escape(f.path), escape(f.problem))
+        err.print(table)
+    if not report.ok:
+        raise typer.Exit(1)
+
 # === end of toolchain, ladder, verify section ====================================================
 
 

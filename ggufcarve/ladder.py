@@ -1,0 +1,712 @@
+"""Quantization ladders: a TOML spec of rungs, validated as a whole, run rung by rung.
+
+    spec = load_spec("ladders/q8-to-iq1.toml")
+    plan = plan_ladder(spec, source, out_dir, imatrix=imatrix, quantizer=make_quantizer("auto"))
+    result = run_ladder(plan, on_event=print)
+
+`plan_ladder` validates everything before anything runs: the source parses, the imatrix matches
+the source tensor for tensor (the exact size check llama-quantize applies), rungs that need an
+imatrix have one, and the free disk space covers the estimated sizes. It asks the quantizer for a
+dry run of every rung, so the per-tensor target types are llama.cpp's own; every tensor that would
+need importance data but has no imatrix entry (the MTP block of Qwen3.5/3.6: llama-imatrix never
+runs it) gets the rung's `imatrix_fallback_type` through a tensor-type override, recorded in the
+manifest, instead of aborting hours into the run with `Missing importance matrix for tensor ...`.
+
+`run_ladder` runs each rung with an exact, recorded argv into a temp name in the output directory,
+renames it on success and deletes it on failure (llama-quantize leaves truncated files), hashes
+each finished file in a background thread while the next rung runs, and keeps
+`quant-manifest.json` and `SHA256SUMS` (sha256sum -c format) current. A rung whose output still
+matches its recorded inputs and sha256 is skipped (resume).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import re
+import shutil
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from ggufcarve import __version__
+from ggufcarve.container import SHARD_NAME, GGUFModel, read_model
+from ggufcarve.errors import BadInput, OutputError, ToolFailed
+from ggufcarve.fileio import sha256_file, write_text_atomic
+from ggufcarve.toolchain import FTYPES, IMATRIX_FTYPES, IMATRIX_TYPES, TENSOR_LINE, DryRun, QuantizeJob, QuantizeRun, Quantizer
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib  # type: ignore[no-redef]
+
+MANIFEST_SCHEMA_VERSION = 1
+MANIFEST_NAME = "quant-manifest.json"
+SUMS_NAME = "SHA256SUMS"
+LOCK_NAME = ".ggufcarve-ladder.lock"
+PARTIAL_SUFFIX = ".partial"
+DEFAULT_FILE_PATTERN = "{model}-{quant}.gguf"
+DEFAULT_FALLBACK_TYPE = "Q4_K"
+DISK_MARGIN = 64 << 20  # headroom on top of the estimated sizes
+RUNG_KEYS = {"ftype", "name", "description", "file_pattern", "output_tensor_type", "token_embedding_type", "tensor_types", "imatrix_fallback_type", "allow_requantize", "pure"}
+GGML_TYPE_NAMES = {"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ2_XXS", "IQ2_XS", "IQ3_XXS", "IQ1_S", "IQ4_NL", "IQ3_S", "IQ2_S", "IQ4_XS", "IQ1_M", "TQ1_0", "TQ2_0", "MXFP4"}
+
+
+# ---------------------------------------------------------------------------------------------
+# The spec
+
+
+@dataclass(frozen=True)
+class Rung:
+    name: str  # upper-case quant tag: file names and --only
+    ftype: str
+    description: str = ""
+    file_pattern: str = DEFAULT_FILE_PATTERN
+    output_tensor_type: str | None = None
+    token_embedding_type: str | None = None
+    tensor_types: tuple[tuple[str, str], ...] = ()
+    imatrix_fallback_type: str = DEFAULT_FALLBACK_TYPE
+    allow_requantize: bool = True
+    pure: bool = False
+
+    @property
+    def needs_imatrix(self) -> bool:
+        """From the ftype and the overrides, as llama-quantize's tensor_requires_imatrix decides it."""
+        if self.ftype in IMATRIX_FTYPES:
+            return True
+        return any(t in IMATRIX_TYPES or (t == "Q2_K" and self.ftype == "Q2_K_S") for _, t in self.tensor_types)
+
+    def file_name(self, model: str) -> str:
+        return self.file_pattern.format(model=model, quant=self.name)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name, "ftype": self.ftype, "description": self.description, "file_pattern": self.file_pattern,
+            "output_tensor_type": self.output_tensor_type, "token_embedding_type": self.token_embedding_type,
+            "tensor_types": [list(p) for p in self.tensor_types], "imatrix_fallback_type": self.imatrix_fallback_type,
+            "allow_requantize": self.allow_requantize, "pure": self.pure, "needs_imatrix": self.needs_imatrix,
+        }
+
+
+@dataclass(frozen=True)
+class LadderSpec:
+    name: str
+    description: str
+    rungs: tuple[Rung, ...]
+    path: Path | None = None
+    sha256: str | None = None
+
+    def select(self, only: Sequence[str] | None) -> tuple[Rung, ...]:
+        if not only:
+            return self.rungs
+        wanted = [o.strip().upper() for item in only for o in item.split(",") if o.strip()]
+        names = {r.name for r in self.rungs}
+        unknown = [w for w in wanted if w not in names]
+        if unknown:
+            raise BadInput(f"--only {', '.join(unknown)}: no such rung in {self.name}", f"rungs are {', '.join(r.name for r in self.rungs)}")
+        return tuple(r for r in self.rungs if r.name in wanted)
+
+
+def _type_name(value: Any, where: str) -> str:
+    if not isinstance(value, str) or value.upper() not in GGML_TYPE_NAMES:
+        raise BadInput(f"{where}: {value!r} is not a ggml tensor type", f"use one of {', '.join(sorted(GGML_TYPE_NAMES))}")
+    return value.upper()
+
+
+def _tensor_types(value: Any, where: str) -> tuple[tuple[str, str], ...]:
+    pairs: list[tuple[str, str]] = []
+    items: list[Any]
+    if isinstance(value, dict):
+        items = list(value.items())
+    elif isinstance(value, list):
+        items = value
+    else:
+        raise BadInput(f"{where}: tensor_types must be a list of [regex, type] pairs", 'e.g. tensor_types = [["ffn_down_exps", "Q5_K"]]')
+    for item in items:
+        if isinstance(item, str) and "=" in item:
+            item = item.rsplit("=", 1)
+        if isinstance(item, dict) and set(item) == {"pattern", "type"}:
+            item = (item["pattern"], item["type"])
+        if not (isinstance(item, (list, tuple)) and len(item) == 2 and isinstance(item[0], str) and item[0]):
+            raise BadInput(f"{where}: bad tensor_types entry {item!r}", 'each entry is ["regex", "TYPE"] or "regex=TYPE"')
+        try:
+            re.compile(item[0])
+        except re.error as err:
+            raise BadInput(f"{where}: tensor_types regex {item[0]!r} is invalid ({err})", "fix the regular expression") from None
+        pairs.append((item[0], _type_name(item[1], where)))
+    return tuple(pairs)
+
+
+def parse_spec(doc: dict[str, Any], path: Path | None = None) -> LadderSpec:
+    where = str(path) if path else "ladder spec"
+    defaults = doc.get("defaults", {})
+    if not isinstance(defaults, dict):
+        raise BadInput(f"{where}: [defaults] must be a table", "see ladders/q8-to-iq1.toml")
+    unknown = set(defaults) - (RUNG_KEYS - {"ftype", "name", "description"})
+    if unknown:
+        raise BadInput(f"{where}: unknown key(s) in [defaults]: {', '.join(sorted(unknown))}", f"allowed: {', '.join(sorted(RUNG_KEYS - {'ftype', 'name', 'description'}))}")
+    raw_rungs = doc.get("rungs")
+    if not isinstance(raw_rungs, list) or not raw_rungs:
+        raise BadInput(f"{where}: no [[rungs]]", "add at least one [[rungs]] table with an ftype")
+    rungs: list[Rung] = []
+    for i, raw in enumerate(raw_rungs):
+        here = f"{where}: rung {i + 1}"
+        if not isinstance(raw, dict):
+            raise BadInput(f"{here} is not a table", "write each rung as [[rungs]]")
+        merged = {**defaults, **raw}
+        unknown = set(merged) - RUNG_KEYS
+        if unknown:
+            raise BadInput(f"{here}: unknown key(s) {', '.join(sorted(unknown))}", f"allowed: {', '.join(sorted(RUNG_KEYS))}")
+        ftype = str(merged.get("ftype", "")).upper()
+        if ftype not in FTYPES:
+            raise BadInput(f"{here}: unknown ftype {merged.get('ftype')!r}", f"use a llama-quantize type such as {', '.join(list(FTYPES)[:12])}")
+        name = str(merged.get("name", ftype)).upper()
+        if not re.fullmatch(r"[A-Z0-9_.+-]+", name):
+            raise BadInput(f"{here}: name {name!r} must be an upper-case quant tag", "e.g. Q4_K_M or IQ2_XS-MTPQ8")
+        pattern = str(merged.get("file_pattern", DEFAULT_FILE_PATTERN))
+        if "{quant}" not in pattern or "/" in pattern or not pattern.endswith(".gguf"):
+            raise BadInput(f"{here}: file_pattern {pattern!r} must contain {{quant}}, end in .gguf and name a file", 'e.g. "{model}-{quant}.gguf"')
+        fallback = _type_name(merged.get("imatrix_fallback_type", DEFAULT_FALLBACK_TYPE), f"{here}: imatrix_fallback_type")
+        if fallback in IMATRIX_TYPES:
+            raise BadInput(f"{here}: imatrix_fallback_type {fallback} itself needs an imatrix", "use a K or legacy type such as Q4_K or Q8_0")
+        rungs.append(
+            Rung(
+                name=name, ftype=ftype, description=str(merged.get("description", "")), file_pattern=pattern,
+                output_tensor_type=_type_name(merged["output_tensor_type"], f"{here}: output_tensor_type") if merged.get("output_tensor_type") else None,
+                token_embedding_type=_type_name(merged["token_embedding_type"], f"{here}: token_embedding_type") if merged.get("token_embedding_type") else None,
+                tensor_types=_tensor_types(merged.get("tensor_types", []), here), imatrix_fallback_type=fallback,
+                allow_requantize=bool(merged.get("allow_requantize", True)), pure=bool(merged.get("pure", False)),
+            )
+        )
+    names = [r.name for r in rungs]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise BadInput(f"{where}: rung name(s) {', '.join(dup)} appear twice", "give repeated ftypes distinct names")
+    return LadderSpec(str(doc.get("name", path.stem if path else "ladder")), str(doc.get("description", "")), tuple(rungs), path)
+
+
+def load_spec(path: str | os.PathLike[str]) -> LadderSpec:
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except OSError as err:
+        raise BadInput(f"{path}: cannot read the ladder spec ({err.strerror})", "give a ladders/*.toml file") from None
+    try:
+        doc = tomllib.loads(raw.decode("utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
+        raise BadInput(f"{path}: not valid TOML ({err})", "fix the spec file") from None
+    spec = parse_spec(doc, path)
+    return replace(spec, sha256=hashlib.sha256(raw).hexdigest())
+
+
+# ---------------------------------------------------------------------------------------------
+# Planning
+
+
+@dataclass(frozen=True)
+class PlannedRung:
+    rung: Rung
+    output: Path
+    job: QuantizeJob  # writes to the temp name
+    fallback: tuple[str, ...]  # tensors given rung.imatrix_fallback_type for lack of imatrix data
+    estimated_bytes: int
+    inputs_key: str  # what the output depends on; equal key + equal sha256 = skip
+
+    @property
+    def temp(self) -> Path:
+        assert self.job.output is not None
+        return self.job.output
+
+
+@dataclass
+class ImatrixInfo:
+    path: Path
+    sha256: str
+    format: str
+    datasets: list[str]
+    chunk_count: int | None
+    chunk_size: int | None
+    entries: set[str]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"path": str(self.path), "name": self.path.name, "sha256": self.sha256, "format": self.format, "datasets": self.datasets,
+                "chunk_count": self.chunk_count, "chunk_size": self.chunk_size, "entries": len(self.entries)}
+
+
+@dataclass
+class LadderPlan:
+    spec: LadderSpec
+    source: GGUFModel
+    source_sha256: list[str]
+    out_dir: Path
+    model_name: str
+    quantizer: Quantizer
+    imatrix: ImatrixInfo | None
+    rungs: list[PlannedRung]
+    warnings: list[str] = field(default_factory=list)
+    nthreads: int | None = None
+
+    @property
+    def n_elements(self) -> int:
+        return sum(t.n_elements for t in self.source.tensors)
+
+
+@dataclass(frozen=True)
+class LadderEvent:
+    """What the runner is doing; the CLI turns these into progress bars and lines."""
+
+    kind: str  # "validate", "dry-run", "hash-existing", "rung-start", "tensor", "rung-done", "rung-skipped", "rung-failed", "hashed", "done"
+    rung: str | None = None
+    message: str = ""
+    done: int = 0
+    total: int = 0
+
+
+EventSink = Callable[[LadderEvent], None]
+
+
+def _ignore(_: LadderEvent) -> None:
+    pass
+
+
+QUANT_TAG = re.compile(r"[-_.](?:" + "|".join(sorted((re.escape(f) for f in FTYPES), key=len, reverse=True)) + r")$", re.IGNORECASE)
+
+
+def model_name_from(source: Path) -> str:
+    """The source file name without .gguf, shard suffix and a trailing quant tag."""
+    name = source.name
+    m = SHARD_NAME.match(name)
+    if m:
+        name = m["prefix"]
+    name = name[:-5] if name.endswith(".gguf") else name
+    return QUANT_TAG.sub("", name) or name
+
+
+def read_imatrix_info(path: Path, model: GGUFModel) -> ImatrixInfo:
+    """Read the imatrix and check it against the source the way llama-quantize will, all at once."""
+    try:
+        from ggufcarve.imatrix import check_against_model, read_imatrix
+    except ImportError:  # until ggufcarve.imatrix lands: the quantize child's minimal reader
+        return _read_imatrix_info_minimal(path, model)
+
+    imatrix = read_imatrix(path)
+    check = check_against_model(imatrix, model)
+    _raise_mismatch(path, model, list(check.problems))
+    return ImatrixInfo(path, sha256_file(path), imatrix.format, list(imatrix.datasets), imatrix.chunk_count, imatrix.chunk_size, {e.name for e in imatrix.entries})
+
+
+def _raise_mismatch(path: Path, model: GGUFModel, problems: list[str]) -> None:
+    if problems:
+        shown = "; ".join(problems[:4]) + (f" (+{len(problems) - 4} more)" if len(problems) > 4 else "")
+        raise BadInput(
+            f"imatrix {path} does not match {model.path.name}: {shown}",
+            "an imatrix of the unpruned model must be remapped first: ggufcarve imatrix remap IMATRIX --keep KEEPSET -o OUT",
+        )
+
+
+def _read_imatrix_info_minimal(path: Path, model: GGUFModel) -> ImatrixInfo:
+    from ggufcarve.quantize_child import read_imatrix_for_quantize
+
+    imatrix = read_imatrix_for_quantize(path)
+    sizes = {t.name: t.shape[0] * (t.shape[2] if len(t.shape) > 2 else 1) for t in model.tensors}
+    problems = []
+    for name, values in imatrix.values.items():
+        if name not in sizes:
+            problems.append(f"{name} is not a tensor of {model.path.name}")
+        elif values.size != sizes[name] and name != "token_embd.weight":
+            problems.append(f"imatrix size {values.size} is different from tensor size {sizes[name]} for {name}")
+    _raise_mismatch(path, model, problems)
+    return ImatrixInfo(path, sha256_file(path), imatrix.format, imatrix.datasets, imatrix.chunk_count, imatrix.chunk_size or None, set(imatrix.values))
+
+
+def _source_sha256(model: GGUFModel, out_dir: Path) -> list[str]:
+    """sha256 of every source file; reused from the previous manifest while path, size and mtime match."""
+    previous = _load_manifest(out_dir)
+    known = {}
+    for f in (previous or {}).get("source", {}).get("files", []):
+        known[(f.get("path"), f.get("bytes"), f.get("mtime_ns"))] = f.get("sha256")
+    digests = []
+    for p in model.paths:
+        st = p.stat()
+        digest = known.get((str(p.resolve()), st.st_size, st.st_mtime_ns))
+        digests.append(digest or sha256_file(p))
+    return digests
+
+
+def _inputs_key(rung: Rung, job: QuantizeJob, source_sha: Sequence[str], imatrix: ImatrixInfo | None, quantizer: dict[str, Any]) -> str:
+    doc = {
+        "rung": rung.to_json(),
+        "ftype": job.ftype,
+        "tensor_types": [list(p) for p in job.tensor_types],
+        "source_sha256": list(source_sha),
+        "imatrix_sha256": imatrix.sha256 if imatrix else None,
+        "quantizer": {k: quantizer.get(k) for k in ("backend", "sha256", "version", "build", "commit")},
+    }
+    return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
+
+
+def plan_ladder(
+    spec: LadderSpec,
+    source: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    *,
+    quantizer: Quantizer,
+    imatrix: str | os.PathLike[str] | None = None,
+    only: Sequence[str] | None = None,
+    model_name: str | None = None,
+    nthreads: int | None = None,
+    on_event: EventSink = _ignore,
+) -> LadderPlan:
+    """Validate everything and resolve every rung's exact job before anything is written."""
+    rungs = spec.select(only)
+    source_path = Path(source)
+    on_event(LadderEvent("validate", message=f"reading {source_path}"))
+    model = read_model(source_path)
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise OutputError(f"{out} is not a directory", "give -o a directory for the ladder's files")
+    if any(p.resolve().parent == out.resolve() for p in model.paths):
+        raise OutputError(f"{out} holds the source {source_path.name}", "write the ladder to its own directory; the source is never written next to or over")
+    flavour = getattr(quantizer, "flavour", "llama.cpp")
+
+    info: ImatrixInfo | None = None
+    if imatrix is not None:
+        on_event(LadderEvent("validate", message=f"checking imatrix {imatrix}"))
+        info = read_imatrix_info(Path(imatrix), model)
+        if flavour == "ik_llama.cpp" and info.format != "dat":
+            raise BadInput(f"{quantizer.describe()['path']} is ik_llama.cpp, whose quantizer reads only legacy .dat imatrices", "convert it: ggufcarve imatrix convert IMATRIX -o imatrix.dat --format dat")
+    needing = [r.name for r in rungs if r.needs_imatrix]
+    if needing and info is None:
+        raise BadInput(f"rung{'s' if len(needing) > 1 else ''} {', '.join(needing)} need{'' if len(needing) > 1 else 's'} an imatrix and none was given", "pass --imatrix FILE (remapped to the pruned model), or leave these rungs out with --only")
+
+    names = [r.file_name(model_name or model_name_from(source_path)) for r in rungs]
+    clash = sorted({n for n in names if names.count(n) > 1})
+    if clash:
+        raise BadInput(f"rungs write the same file {', '.join(clash)}", "give each rung a distinct name or file_pattern")
+
+    # dry runs: llama.cpp's own per-tensor target types, and size estimates
+    dry: dict[str, DryRun] = {}
+    jobs = {}
+    for r in rungs:
+        jobs[r.name] = QuantizeJob(source_path, None, r.ftype, None, r.allow_requantize, r.output_tensor_type, r.token_embedding_type, r.tensor_types, r.pure, True, nthreads)
+    with ThreadPoolExecutor(max_workers=max(1, min(len(rungs), os.cpu_count() or 1))) as pool:
+        futures = {name: pool.submit(quantizer.dry_run, job) for name, job in jobs.items()}
+        for r in rungs:
+            on_event(LadderEvent("dry-run", r.name, f"dry run {r.ftype}"))
+            dry[r.name] = futures[r.name].result()
+
+    source_sha = _source_sha256(model, out)
+    qinfo = quantizer.describe()
+    planned: list[PlannedRung] = []
+    warnings: list[str] = []
+    unquantized_iq = []
+    for r, file_name in zip(rungs, names):
+        needs = dry[r.name].needs_imatrix(r.ftype)
+        if needs and info is None:
+            unquantized_iq.append(f"{r.name} ({', '.join(needs[:3])}{', ...' if len(needs) > 3 else ''})")
+            continue
+        fallback = tuple(n for n in needs if info is not None and n not in info.entries)
+        overrides = tuple((f"^{re.escape(n)}$", r.imatrix_fallback_type) for n in fallback) + r.tensor_types
+        if fallback:
+            warnings.append(f"{r.name}: {len(fallback)} tensor(s) need an imatrix but have no entry; quantized as {r.imatrix_fallback_type} instead: {', '.join(fallback[:4])}{', ...' if len(fallback) > 4 else ''}")
+        final = out / file_name
+        temp = out / f".{file_name}{PARTIAL_SUFFIX}"
+        job = QuantizeJob(source_path, temp, r.ftype, info.path if info else None, r.allow_requantize, r.output_tensor_type, r.token_embedding_type, overrides, r.pure, False, nthreads)
+        planned.append(PlannedRung(r, final, job, fallback, dry[r.name].size_bytes, _inputs_key(r, job, source_sha, info, qinfo)))
+    if unquantized_iq:
+        raise BadInput(f"without an imatrix these rungs would fail: {'; '.join(unquantized_iq)}", "pass --imatrix FILE, or leave these rungs out with --only")
+    _check_disk(out, planned)
+    return LadderPlan(spec, model, source_sha, out, model_name or model_name_from(source_path), quantizer, info, planned, warnings, nthreads)
+
+
+def _check_disk(out: Path, planned: Sequence[PlannedRung]) -> None:
+    probe = out
+    while not probe.exists():
+        probe = probe.parent
+    need = sum(p.estimated_bytes for p in planned if not p.output.exists()) + DISK_MARGIN
+    free = shutil.disk_usage(probe).free
+    if free < need:
+        raise OutputError(f"the ladder needs about {need / 2**30:.2f} GiB but {probe} has {free / 2**30:.2f} GiB free", "free disk space, write elsewhere, or run fewer rungs with --only")
+
+
+# ---------------------------------------------------------------------------------------------
+# Running
+
+
+@dataclass
+class RungResult:
+    name: str
+    ftype: str
+    status: str  # "built", "skipped", "failed", "not run"
+    output: str
+    command: list[str] = field(default_factory=list)
+    exit_status: int | None = None
+    seconds: float = 0.0
+    bytes: int = 0
+    bits_per_weight: float | None = None
+    sha256: str | None = None
+    error: str | None = None
+    fallback: tuple[str, ...] = ()
+    fallback_type: str | None = None
+    inputs_key: str = ""
+    description: str = ""
+    tensor_types: list[list[str]] = field(default_factory=list)
+    mtime_ns: int | None = None
+
+    @property
+    def gib(self) -> float:
+        return self.bytes / 2**30
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name, "ftype": self.ftype, "description": self.description, "status": self.status,
+            "command": self.command, "exit_status": self.exit_status, "seconds": round(self.seconds, 3), "error": self.error,
+            "files": [{"name": self.output, "bytes": self.bytes, "sha256": self.sha256, "mtime_ns": self.mtime_ns}] if self.bytes else [],
+            "bytes": self.bytes, "gib": round(self.gib, 4), "bits_per_weight": self.bits_per_weight, "sha256": self.sha256,
+            "tensor_types": self.tensor_types,
+            "imatrix_fallback": {"type": self.fallback_type, "tensors": list(self.fallback)} if self.fallback else None,
+            "inputs_key": self.inputs_key,
+        }
+
+
+@dataclass
+class LadderResult:
+    plan: LadderPlan
+    rungs: list[RungResult]
+    manifest_path: Path
+    sums_path: Path
+    seconds: float
+    quantizer_seconds: float
+    hash_seconds: float
+
+    @property
+    def failed(self) -> list[RungResult]:
+        return [r for r in self.rungs if r.status == "failed"]
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed
+
+
+def _load_manifest(out_dir: Path) -> dict[str, Any] | None:
+    path = out_dir / MANIFEST_NAME
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) and isinstance(doc.get("rungs"), list) else None
+
+
+def _lock_dir(out_dir: Path) -> Any:
+    handle = open(out_dir / LOCK_NAME, "a+")
+    try:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.close()
+        raise OutputError(f"another ladder run is writing to {out_dir}", "wait for it to finish, or use another -o directory") from None
+    return handle
+
+
+def bits_per_weight(path: Path) -> float | None:
+    try:
+        model = read_model(path)
+    except BadInput:
+        return None
+    elements = sum(t.n_elements for t in model.tensors)
+    return round(sum(t.nbytes for t in model.tensors) * 8 / elements, 4) if elements else None
+
+
+def run_ladder(plan: LadderPlan, *, keep_going: bool = False, on_event: EventSink = _ignore) -> LadderResult:
+    """Run the planned rungs; see the module docstring. Raises ToolFailed on the first failure unless keep_going."""
+    out = plan.out_dir
+    out.mkdir(parents=True, exist_ok=True)
+    lock = _lock_dir(out)
+    started = time.monotonic()
+    quantizer_seconds = 0.0
+    hash_seconds = [0.0]
+    state_lock = threading.Lock()
+    previous = {r.get("name"): r for r in (_load_manifest(out) or {}).get("rungs", [])}
+    results: dict[str, RungResult] = {}
+    try:
+        # stale temp files from an interrupted run
+        for p in plan.rungs:
+            p.temp.unlink(missing_ok=True)
+        resumable = _check_resumable(plan, previous, on_event)
+        hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ggufcarve-hash")
+        pending: list[Future[None]] = []
+
+        def hash_later(result: RungResult, path: Path) -> None:
+            t0 = time.monotonic()
+            digest = sha256_file(path)
+            st = path.stat()
+            with state_lock:
+                result.sha256 = digest
+                result.mtime_ns = st.st_mtime_ns
+                hash_seconds[0] += time.monotonic() - t0
+            on_event(LadderEvent("hashed", result.name, digest))
+
+        failure: RungResult | None = None
+        for p in plan.rungs:
+            r = p.rung
+            if p.rung.name in resumable:
+                results[r.name] = resumable[r.name]
+                on_event(LadderEvent("rung-skipped", r.name, f"{p.output.name} matches its recorded inputs and sha256"))
+                continue
+            if failure is not None and not keep_going:
+                results[r.name] = RungResult(r.name, r.ftype, "not run", p.output.name, description=r.description)
+                continue
+            argv = plan.quantizer.argv(p.job)
+            on_event(LadderEvent("rung-start", r.name, " ".join(argv)))
+            result = RungResult(r.name, r.ftype, "failed", p.output.name, command=argv, fallback=p.fallback, fallback_type=r.imatrix_fallback_type if p.fallback else None,
+                                inputs_key=p.inputs_key, description=r.description, tensor_types=[list(t) for t in p.job.tensor_types])
+
+            def on_line(line: str, name: str = r.name) -> None:
+                m = TENSOR_LINE.match(line)
+                if m:
+                    on_event(LadderEvent("tensor", name, m["name"], int(m["index"]), int(m["total"])))
+
+            p.output.unlink(missing_ok=True)  # stale or corrupt: it no longer matches what this rung makes
+            run: QuantizeRun = plan.quantizer.run(p.job, on_line)
+            quantizer_seconds += run.seconds
+            result.exit_status, result.seconds = run.returncode, run.seconds
+            if run.returncode == 0 and p.temp.exists():
+                fd = os.open(p.temp, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+                os.replace(p.temp, p.output)
+                result.status = "built"
+                result.bytes = p.output.stat().st_size
+                result.bits_per_weight = bits_per_weight(p.output)
+                pending.append(hasher.submit(hash_later, result, p.output))
+                on_event(LadderEvent("rung-done", r.name, f"{result.bytes / 2**30:.2f} GiB in {run.seconds:.1f} s"))
+            else:
+                p.temp.unlink(missing_ok=True)
+                result.error = run.error or "the quantizer wrote no output"
+                failure = failure or result
+                on_event(LadderEvent("rung-failed", r.name, result.error))
+            results[r.name] = result
+            _write_manifest(plan, previous, results, started, quantizer_seconds, hash_seconds[0], state_lock)
+        for f in pending:
+            f.result()
+        hasher.shutdown()
+        manifest = _write_manifest(plan, previous, results, started, quantizer_seconds, hash_seconds[0], state_lock)
+        sums = write_sums(out, manifest)
+    finally:
+        for p in plan.rungs:
+            p.temp.unlink(missing_ok=True)
+        lock.close()
+    ordered = [results[p.rung.name] for p in plan.rungs]
+    result = LadderResult(plan, ordered, out / MANIFEST_NAME, sums, time.monotonic() - started, quantizer_seconds, hash_seconds[0])
+    on_event(LadderEvent("done", message=f"{len(ordered) - len(result.failed)} of {len(ordered)} rungs ok"))
+    if result.failed and not keep_going:
+        first = result.failed[0]
+        raise ToolFailed(f"rung {first.name} failed: {first.error}", f"the exact command is in {result.manifest_path}; fix the cause and run again (finished rungs are kept and skipped)")
+    return result
+
+
+def _check_resumable(plan: LadderPlan, previous: dict[str, dict[str, Any]], on_event: EventSink) -> dict[str, RungResult]:
+    """Rungs whose output matches the recorded inputs key and sha256 (hashed in parallel)."""
+    candidates = []
+    for p in plan.rungs:
+        rec = previous.get(p.rung.name)
+        if not rec or rec.get("status") not in ("built", "skipped") or rec.get("inputs_key") != p.inputs_key or not rec.get("sha256"):
+            continue
+        if not p.output.exists() or p.output.stat().st_size != rec.get("bytes"):
+            continue
+        candidates.append((p, rec))
+    if not candidates:
+        return {}
+    on_event(LadderEvent("hash-existing", message=f"checking {len(candidates)} finished rung(s)"))
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+        digests = list(pool.map(lambda c: sha256_file(c[0].output), candidates))
+    out: dict[str, RungResult] = {}
+    for (p, rec), digest in zip(candidates, digests):
+        if digest != rec["sha256"]:
+            on_event(LadderEvent("rung-corrupt", p.rung.name, f"{p.output.name}: sha256 {digest[:12]} != recorded {rec['sha256'][:12]}; rebuilding"))
+            continue
+        out[p.rung.name] = RungResult(
+            p.rung.name, p.rung.ftype, "skipped", p.output.name, command=list(rec.get("command", [])), exit_status=rec.get("exit_status"),
+            seconds=float(rec.get("seconds", 0.0)), bytes=int(rec["bytes"]), bits_per_weight=rec.get("bits_per_weight"), sha256=digest,
+            fallback=tuple((rec.get("imatrix_fallback") or {}).get("tensors", [])), fallback_type=(rec.get("imatrix_fallback") or {}).get("type"),
+            inputs_key=p.inputs_key, description=p.rung.description, tensor_types=rec.get("tensor_types", []), mtime_ns=p.output.stat().st_mtime_ns,
+        )
+    return out
+
+
+def _write_manifest(plan: LadderPlan, previous: dict[str, dict[str, Any]], results: dict[str, RungResult], started: float, quantizer_seconds: float, hash_seconds: float, lock: threading.Lock) -> dict[str, Any]:
+    with lock:
+        rungs: dict[str, dict[str, Any]] = {}
+        # rungs of earlier runs that this run did not touch stay recorded while their file exists
+        for name, rec in previous.items():
+            if name not in results and rec.get("files") and all((plan.out_dir / f["name"]).exists() for f in rec["files"]):
+                rungs[name] = rec
+        for name, r in results.items():
+            if r.status == "not run" and name in previous:
+                continue
+            rungs[name] = r.to_json()
+        order = {p.rung.name: i for i, p in enumerate(plan.rungs)}
+        ordered = sorted(rungs.values(), key=lambda rec: (order.get(rec["name"], len(order)), rec["name"]))
+        total = time.monotonic() - started
+        doc = {
+            "schema_version": MANIFEST_SCHEMA_VERSION,
+            "tool": {"name": "ggufcarve", "version": __version__},
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "ladder": {"name": plan.spec.name, "description": plan.spec.description, "spec_file": str(plan.spec.path) if plan.spec.path else None, "spec_sha256": plan.spec.sha256},
+            "source": {
+                "path": str(plan.source.path), "name": plan.source.path.name, "bytes": plan.source.total_bytes, "n_elements": plan.n_elements,
+                "architecture": plan.source.get("general.architecture"),
+                "expert_count": plan.source.get(f"{plan.source.get('general.architecture')}.expert_count"),
+                "files": [{"path": str(p.resolve()), "name": p.name, "bytes": p.stat().st_size, "mtime_ns": p.stat().st_mtime_ns, "sha256": h} for p, h in zip(plan.source.paths, plan.source_sha256)],
+                "sha256": plan.source_sha256[0] if len(plan.source_sha256) == 1 else None,
+            },
+            "imatrix": plan.imatrix.to_json() if plan.imatrix else None,
+            "quantizer": plan.quantizer.describe(),
+            "rungs": ordered,
+            "warnings": plan.warnings,
+            "timings": {"total_seconds": round(total, 3), "quantizer_seconds": round(quantizer_seconds, 3), "hash_seconds": round(hash_seconds, 3), "overhead_seconds": round(total - quantizer_seconds, 3)},
+        }
+    write_text_atomic(plan.out_dir / MANIFEST_NAME, json.dumps(doc, indent=1, sort_keys=True) + "\n")
+    return doc
+
+
+def published_files(out_dir: Path) -> list[Path]:
+    """Every file a release of out_dir publishes: all but SHA256SUMS, hidden files and temp files."""
+    files = []
+    for root, dirs, names in os.walk(out_dir):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        for name in sorted(names):
+            if name.startswith(".") or name.endswith(PARTIAL_SUFFIX) or (Path(root) == out_dir and name == SUMS_NAME):
+                continue
+            files.append(Path(root) / name)
+    return sorted(files, key=lambda p: p.relative_to(out_dir).as_posix())
+
+
+def write_sums(out_dir: Path, manifest: dict[str, Any] | None = None) -> Path:
+    """SHA256SUMS in `sha256sum -c` format: sorted relative POSIX paths, two spaces, LF.
+
+    Rung files take the manifest's digests when their size and mtime still match; the rest are hashed.
+    """
+    known: dict[str, tuple[int, int | None, str]] = {}
+    for rec in (manifest or {}).get("rungs", []):
+        for f in rec.get("files", []):
+            if f.get("sha256"):
+                known[f["name"]] = (f["bytes"], f.get("mtime_ns"), f["sha256"])
+    lines = []
+    for path in published_files(out_dir):
+        rel = path.relative_to(out_dir).as_posix()
+        st = path.stat()
+        rec = known.get(rel)
+        digest = rec[2] if rec and rec[0] == st.st_size and rec[1] == st.st_mtime_ns else sha256_file(path)
+        if "\n" in rel or "\\" in rel:
+            raise OutputError(f"{rel}: a file name with a newline or backslash cannot go into SHA256SUMS", "rename the file")
+        lines.append(f"{digest}  {rel}\n")
+    target = out_dir / SUMS_NAME
+    write_text_atomic(target, "".join(lines))
+    return target

@@ -1,0 +1,233 @@
+"""Check a ladder directory before publishing it: `ggufcarve verify DIR`.
+
+Checks, all reported together:
+  * SHA256SUMS, like `sha256sum -c` (`ignore_missing` as `--ignore-missing`), hashed in parallel:
+    hashlib releases the GIL while hashing, so one thread per core beats coreutils' single stream;
+  * every published file is listed in SHA256SUMS;
+  * quant-manifest.json agrees with SHA256SUMS and with the files' sizes;
+  * every GGUF parses, and split sets are complete;
+  * expert_count is the same in every rung and matches the manifest's source and the pruning
+    report (method/pruning-report.json), when present.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from ggufcarve.container import SHARD_NAME, read_model
+from ggufcarve.errors import BadInput, CarveError
+from ggufcarve.ladder import MANIFEST_NAME, SUMS_NAME, published_files
+
+READ_SIZE = 8 << 20
+SUMS_LINE = re.compile(r"^(?P<digest>[0-9a-fA-F]{64}) (?P<mode>[ *])(?P<path>.+)$")
+PRUNING_REPORT = Path("method") / "pruning-report.json"
+
+
+@dataclass(frozen=True)
+class Failure:
+    path: str
+    problem: str
+
+
+@dataclass
+class VerifyReport:
+    directory: Path
+    files_ok: list[str] = field(default_factory=list)
+    failures: list[Failure] = field(default_factory=list)
+    bytes_hashed: int = 0
+    seconds: float = 0.0
+    workers: int = 1
+    expert_count: int | None = None
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+    def to_json(self) -> dict[str, Any]:
+        return {"directory": str(self.directory), "ok": self.ok, "files_ok": self.files_ok, "failures": [f.__dict__ for f in self.failures],
+                "bytes_hashed": self.bytes_hashed, "seconds": round(self.seconds, 3), "workers": self.workers, "expert_count": self.expert_count}
+
+
+ProgressSink = Callable[[int, int], None]  # (bytes just hashed, total bytes)
+
+
+def _noop(_: int, __: int) -> None:
+    pass
+
+
+def sha256_parallel_file(path: Path, progress: Callable[[int], None]) -> str:
+    h = hashlib.sha256()
+    buf = bytearray(READ_SIZE)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while True:
+            n = f.readinto(buf)
+            if not n:
+                break
+            h.update(view[:n])
+            progress(n)
+    return h.hexdigest()
+
+
+def hash_files(paths: list[Path], workers: int | None = None, progress: ProgressSink = _noop) -> dict[Path, str | OSError]:
+    """sha256 of each file, files hashed concurrently (largest first, so the tail is short)."""
+    total = sum(p.stat().st_size for p in paths)
+    workers = max(1, min(workers or os.cpu_count() or 1, len(paths) or 1))
+
+    def one(path: Path) -> str | OSError:
+        try:
+            return sha256_parallel_file(path, lambda n: progress(n, total))
+        except OSError as err:
+            return err
+
+    order = sorted(paths, key=lambda p: -p.stat().st_size)
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ggufcarve-verify") as pool:
+        results = dict(zip(order, pool.map(one, order)))
+    return results
+
+
+def parse_sums(path: Path) -> tuple[list[tuple[str, str]], list[str]]:
+    """(digest, relative path) entries and the malformed lines."""
+    entries, bad = [], []
+    for number, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), start=1):
+        if not line.strip():
+            continue
+        m = SUMS_LINE.match(line)
+        if not m:
+            bad.append(f"line {number}: improperly formatted SHA256 checksum line")
+            continue
+        entries.append((m["digest"].lower(), m["path"]))
+    return entries, bad
+
+
+def verify_dir(directory: str | os.PathLike[str], *, ignore_missing: bool = False, workers: int | None = None, progress: ProgressSink = _noop) -> VerifyReport:
+    d = Path(directory)
+    if not d.is_dir():
+        raise BadInput(f"{d} is not a directory", "give the ladder's output directory")
+    started = time.monotonic()
+    report = VerifyReport(d, workers=max(1, workers or os.cpu_count() or 1))
+    fail = report.failures.append
+    sums_path = d / SUMS_NAME
+    if not sums_path.exists():
+        raise BadInput(f"{d} has no {SUMS_NAME}", "run `ggufcarve ladder run` (it writes SHA256SUMS), or check the directory")
+    entries, bad = parse_sums(sums_path)
+    for problem in bad:
+        fail(Failure(SUMS_NAME, problem))
+    listed: dict[str, str] = {}
+    for digest, rel in entries:
+        if rel in listed and listed[rel] != digest:
+            fail(Failure(rel, "listed twice in SHA256SUMS with different digests"))
+        listed[rel] = digest
+
+    present = {rel: d / rel for rel in listed if (d / rel).is_file()}
+    for rel in sorted(set(listed) - set(present)):
+        if not ignore_missing:
+            fail(Failure(rel, "missing (listed in SHA256SUMS)"))
+    for p in published_files(d):
+        rel = p.relative_to(d).as_posix()
+        if rel not in listed:
+            fail(Failure(rel, "not listed in SHA256SUMS"))
+
+    with ThreadPoolExecutor(max_workers=1) as side:
+        # GGUF structure checks run beside the hashing
+        structure = side.submit(_check_ggufs, d, sorted(set(present) | {p.relative_to(d).as_posix() for p in published_files(d) if p.suffix == ".gguf"}))
+        digests = hash_files(list(present.values()), report.workers, progress)
+        gguf_failures, expert_counts = structure.result()
+    for rel, path in sorted(present.items()):
+        got = digests[path]
+        if isinstance(got, OSError):
+            fail(Failure(rel, f"cannot read: {got.strerror or got}"))
+        elif got != listed[rel]:
+            fail(Failure(rel, f"sha256 mismatch: computed {got[:16]}..., SHA256SUMS says {listed[rel][:16]}..."))
+        else:
+            report.files_ok.append(rel)
+        report.bytes_hashed += path.stat().st_size if path.exists() else 0
+    report.failures.extend(gguf_failures)
+    _check_manifest(d, listed, report, expert_counts)
+    report.seconds = time.monotonic() - started
+    return report
+
+
+def _check_ggufs(d: Path, rels: list[str]) -> tuple[list[Failure], dict[str, int | None]]:
+    failures: list[Failure] = []
+    counts: dict[str, int | None] = {}
+    covered: set[str] = set()
+    firsts = []
+    for rel in rels:
+        if not rel.endswith(".gguf") or not (d / rel).exists():
+            continue
+        m = SHARD_NAME.match(rel)
+        if m and int(m["no"]) != 1:
+            continue
+        firsts.append(rel)
+    for rel in firsts:
+        try:
+            model = read_model(d / rel)
+        except CarveError as err:
+            failures.append(Failure(rel, f"does not parse: {err.message}"))
+            m = SHARD_NAME.match(rel)
+            if m:
+                covered.update(p.relative_to(d).as_posix() for p in d.glob(f"{Path(m['prefix']).name}-*-of-{m['count']}.gguf"))
+            continue
+        covered.update(p.relative_to(d).as_posix() for p in model.paths if p.is_relative_to(d))
+        arch = model.get("general.architecture")
+        counts[rel] = model.get(f"{arch}.expert_count") if arch else None
+    for rel in rels:
+        m = SHARD_NAME.match(rel)
+        if m and rel not in covered and (d / rel).exists():
+            failures.append(Failure(rel, f"shard of a split set whose first shard ({Path(m['prefix']).name}-00001-of-{m['count']}.gguf) is missing"))
+    return failures, counts
+
+
+def _check_manifest(d: Path, listed: dict[str, str], report: VerifyReport, counts: dict[str, int | None]) -> None:
+    fail = report.failures.append
+    manifest_path = d / MANIFEST_NAME
+    manifest: dict[str, Any] | None = None
+    if not manifest_path.exists():
+        fail(Failure(MANIFEST_NAME, "missing: nothing records how the files were made"))
+    else:
+        try:
+            manifest = json.loads(manifest_path.read_text())
+        except ValueError as err:
+            fail(Failure(MANIFEST_NAME, f"not valid JSON ({err})"))
+    if manifest is not None:
+        for rung in manifest.get("rungs", []):
+            for f in rung.get("files", []):
+                name = f.get("name")
+                path = d / name
+                if name not in listed:
+                    fail(Failure(name, f"rung {rung.get('name')} is in the manifest but the file is not in SHA256SUMS"))
+                elif f.get("sha256") and listed[name] != f["sha256"]:
+                    fail(Failure(name, f"manifest sha256 {str(f['sha256'])[:16]}... disagrees with SHA256SUMS {listed[name][:16]}..."))
+                if path.exists() and f.get("bytes") is not None and path.stat().st_size != f["bytes"]:
+                    fail(Failure(name, f"size {path.stat().st_size} bytes, the manifest records {f['bytes']}"))
+    expected: dict[str, int] = {}
+    if manifest is not None and isinstance((manifest.get("source") or {}).get("expert_count"), int):
+        expected["the manifest's source"] = manifest["source"]["expert_count"]
+    report_path = d / PRUNING_REPORT
+    if report_path.exists():
+        try:
+            pruning = json.loads(report_path.read_text())
+            kept = (pruning.get("output") or {}).get("expert_count")
+            if isinstance(kept, int):
+                expected[str(PRUNING_REPORT)] = kept
+        except ValueError as err:
+            fail(Failure(str(PRUNING_REPORT), f"not valid JSON ({err})"))
+    values = {v for v in counts.values() if v is not None}
+    if len(values) > 1:
+        detail = ", ".join(f"{rel}: {v}" for rel, v in sorted(counts.items()))
+        fail(Failure("*.gguf", f"expert_count differs between rungs ({detail})"))
+    if values:
+        report.expert_count = min(values)
+    for where, value in expected.items():
+        for rel, v in sorted(counts.items()):
+            if v is not None and v != value:
+                fail(Failure(rel, f"expert_count {v}, but {where} says {value}"))

@@ -1,0 +1,138 @@
+"""`ggufcarve verify DIR`: catches what a publisher must not upload."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from clirun import ggufcarve
+from ggufcarve.ladder import write_sums
+from ggufcarve.verify import parse_sums, verify_dir
+
+pytestmark = pytest.mark.slow  # every test starts from a ladder made by llama-quantize
+
+SPEC = """
+[[rungs]]
+ftype = "Q8_0"
+[[rungs]]
+ftype = "Q4_K_M"
+"""
+
+
+@pytest.fixture(scope="module")
+def ladder_dir(q8_moe, llama_tools, tmp_path_factory) -> Path:
+    base = tmp_path_factory.mktemp("verify")
+    spec = base / "spec.toml"
+    spec.write_text(SPEC)
+    out = base / "out"
+    result = ggufcarve("ladder", "run", spec, "--source", q8_moe, "-o", out, "--model-name", "tiny", "--quantizer", llama_tools / "llama-quantize", "-q", "-t", "2")
+    assert result.code == 0, result.stderr[-2000:]
+    return out
+
+
+@pytest.fixture
+def copy(ladder_dir, tmp_path) -> Path:
+    out = tmp_path / "copy"
+    shutil.copytree(ladder_dir, out, copy_function=shutil.copy2)
+    return out
+
+
+def problems(result) -> str:
+    return result.stderr + result.stdout
+
+
+def test_clean_directory_passes_both_checkers(ladder_dir):
+    assert subprocess.run(["sha256sum", "-c", "SHA256SUMS"], cwd=ladder_dir, capture_output=True).returncode == 0
+    result = ggufcarve("verify", ladder_dir)
+    assert result.code == 0, problems(result)
+    assert result.stdout.startswith("OK: 3 files") and "expert_count 8" in result.stdout
+    report = verify_dir(ladder_dir, workers=2)
+    assert report.ok and sorted(report.files_ok) == ["quant-manifest.json", "tiny-Q4_K_M.gguf", "tiny-Q8_0.gguf"]
+
+
+def test_flipped_byte(copy):
+    path = copy / "tiny-Q8_0.gguf"
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+    result = ggufcarve("verify", copy)
+    assert result.code == 1
+    assert "tiny-Q8_0.gguf" in problems(result) and "sha256 mismatch" in problems(result)
+    assert subprocess.run(["sha256sum", "-c", "SHA256SUMS"], cwd=copy, capture_output=True).returncode != 0  # coreutils agrees
+
+
+def test_missing_file_and_ignore_missing(copy):
+    (copy / "tiny-Q4_K_M.gguf").unlink()
+    result = ggufcarve("verify", copy)
+    assert result.code == 1 and "missing (listed in SHA256SUMS)" in problems(result)
+    assert ggufcarve("verify", copy, "--ignore-missing").code == 0
+
+
+def test_file_missing_from_the_sums(copy):
+    (copy / "README.md").write_text("model card\n")
+    (copy / "method").mkdir()
+    (copy / "method" / "notes.json").write_text("{}\n")
+    result = ggufcarve("verify", copy, "--json")
+    assert result.code == 1
+    report = json.loads(result.stdout)
+    assert {(f["path"], f["problem"]) for f in report["failures"]} == {("README.md", "not listed in SHA256SUMS"), ("method/notes.json", "not listed in SHA256SUMS")}
+    manifest = json.loads((copy / "quant-manifest.json").read_text())
+    write_sums(copy, manifest)  # re-listing them makes the directory publishable
+    assert ggufcarve("verify", copy).code == 0
+    assert [rel for _, rel in parse_sums(copy / "SHA256SUMS")[0]] == ["README.md", "method/notes.json", "quant-manifest.json", "tiny-Q4_K_M.gguf", "tiny-Q8_0.gguf"]
+
+
+def test_truncated_shard(copy, llama_tools):
+    # split one rung with llama.cpp's own tool, list the shards, then cut the second shard short
+    proc = subprocess.run([str(llama_tools / "llama-gguf-split"), "--split", "--split-max-tensors", "10", str(copy / "tiny-Q4_K_M.gguf"), str(copy / "tiny-Q4_K_M-split")],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    shards = sorted(copy.glob("tiny-Q4_K_M-split-*.gguf"))
+    assert len(shards) == 3
+    write_sums(copy, json.loads((copy / "quant-manifest.json").read_text()))
+    assert ggufcarve("verify", copy).code == 0
+    with open(shards[1], "r+b") as f:
+        f.truncate(shards[1].stat().st_size - 1000)
+    result = ggufcarve("verify", copy, "--json")
+    assert result.code == 1
+    failures = {(f["path"], f["problem"].split(":")[0]) for f in json.loads(result.stdout)["failures"]}
+    assert (shards[1].name, "sha256 mismatch") in failures
+    assert (shards[0].name, "does not parse") in failures  # the set, read from its first shard, is broken
+    shards[2].unlink()
+    shards[1].unlink()
+    write_sums(copy, json.loads((copy / "quant-manifest.json").read_text()))
+    incomplete = ggufcarve("verify", copy, "--json")
+    assert incomplete.code == 1
+    assert any("shard 2 of 3 is missing" in f["problem"] for f in json.loads(incomplete.stdout)["failures"])
+
+
+def test_manifest_disagrees_with_sums(copy):
+    manifest = json.loads((copy / "quant-manifest.json").read_text())
+    manifest["rungs"][1]["files"][0]["sha256"] = "0" * 64
+    manifest["rungs"][0]["files"][0]["bytes"] += 1
+    (copy / "quant-manifest.json").write_text(json.dumps(manifest))
+    write_sums(copy)  # sums themselves are consistent with the files
+    result = ggufcarve("verify", copy, "--json")
+    assert result.code == 1
+    failures = [f["problem"] for f in json.loads(result.stdout)["failures"]]
+    assert any("disagrees with SHA256SUMS" in p for p in failures)
+    assert any("the manifest records" in p for p in failures)
+
+
+def test_expert_count_must_match_the_pruning_report(copy):
+    (copy / "method").mkdir()
+    (copy / "method" / "pruning-report.json").write_text(json.dumps({"output": {"expert_count": 4}}))
+    write_sums(copy, json.loads((copy / "quant-manifest.json").read_text()))
+    result = ggufcarve("verify", copy, "--json")
+    assert result.code == 1
+    failures = [f["problem"] for f in json.loads(result.stdout)["failures"]]
+    assert "expert_count 8, but method/pruning-report.json says 4" in failures
+
+
+def test_not_a_ladder_directory(tmp_path):
+    result = ggufcarve("verify", tmp_path)
+    assert result.code == 1 and "has no SHA256SUMS" in result.error_line
