@@ -261,7 +261,8 @@ def plan_prune(
             changes[kv.key] = kv
 
     output = Path(output)
-    if model.is_split and split_max_size is None and not merge:
+    same_sharding = model.is_split and split_max_size is None and not merge
+    if same_sharding:
         groups = [[t.name for t in shard.tensors] for shard in model.shards]
     elif split_max_size is not None:
         groups = _split_by_size([planned[t.name] for _, t in source_tensors], split_max_size, meta.alignment)
@@ -271,7 +272,6 @@ def plan_prune(
     n_out = len(groups)
     paths = [output] if n_out == 1 else shard_paths(_shard_prefix(output), n_out)
     n_tensors = len(source_tensors)
-    same_sharding = model.is_split and len(groups) == len(model.shards) and split_max_size is None
     files = []
     for i, (path, names) in enumerate(zip(paths, groups)):
         if same_sharding:
