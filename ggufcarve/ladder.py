@@ -289,10 +289,7 @@ def model_name_from(source: Path) -> str:
 
 def read_imatrix_info(path: Path, model: GGUFModel) -> ImatrixInfo:
     """Read the imatrix and check it against the source the way llama-quantize will, all at once."""
-    try:
-        from ggufcarve.imatrix import check_against_model, read_imatrix
-    except ImportError:  # until ggufcarve.imatrix lands: the quantize child's minimal reader
-        return _read_imatrix_info_minimal(path, model)
+    from ggufcarve.imatrix import check_against_model, read_imatrix
 
     imatrix = read_imatrix(path)
     check = check_against_model(imatrix, model)
@@ -307,21 +304,6 @@ def _raise_mismatch(path: Path, model: GGUFModel, problems: list[str]) -> None:
             f"imatrix {path} does not match {model.path.name}: {shown}",
             "an imatrix of the unpruned model must be remapped first: ggufcarve imatrix remap IMATRIX --keep KEEPSET -o OUT",
         )
-
-
-def _read_imatrix_info_minimal(path: Path, model: GGUFModel) -> ImatrixInfo:
-    from ggufcarve.quantize_child import read_imatrix_for_quantize
-
-    imatrix = read_imatrix_for_quantize(path)
-    sizes = {t.name: t.shape[0] * (t.shape[2] if len(t.shape) > 2 else 1) for t in model.tensors}
-    problems = []
-    for name, values in imatrix.values.items():
-        if name not in sizes:
-            problems.append(f"{name} is not a tensor of {model.path.name}")
-        elif values.size != sizes[name] and name != "token_embd.weight":
-            problems.append(f"imatrix size {values.size} is different from tensor size {sizes[name]} for {name}")
-    _raise_mismatch(path, model, problems)
-    return ImatrixInfo(path, sha256_file(path), imatrix.format, imatrix.datasets, imatrix.chunk_count, imatrix.chunk_size or None, set(imatrix.values))
 
 
 def _source_sha256(model: GGUFModel, out_dir: Path) -> list[str]:

@@ -8,127 +8,23 @@ tools/quantize/quantize.cpp of the vendored llama.cpp: the imatrix is normalised
 same quantize.imatrix.* keys are written, and llama.cpp logs to stderr unfiltered, so its output
 can be parsed like the binary's. A child process because llama.cpp aborts on failed asserts.
 
-`read_imatrix_for_quantize` is the smallest imatrix reader the ladder needs; it moves to
-ggufcarve.imatrix once that module offers the same.
+The imatrix is read by ggufcarve.imatrix (`ImatrixEntry.normalized` is llama-quantize's
+load_imatrix normalisation).
 """
 
 from __future__ import annotations
 
 import ctypes
-import struct
 import sys
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 
-from ggufcarve.errors import BadInput
+from ggufcarve.errors import CarveError
 
 KV_IMATRIX_FILE = "quantize.imatrix.file"
 KV_IMATRIX_DATASET = "quantize.imatrix.dataset"
 KV_IMATRIX_N_ENTRIES = "quantize.imatrix.entries_count"
 KV_IMATRIX_N_CHUNKS = "quantize.imatrix.chunks_count"
-
-
-@dataclass
-class QuantizeImatrix:
-    """Per weight name: the normalised importance values llama-quantize would hand to llama_model_quantize."""
-
-    path: Path
-    format: str  # "gguf" or "dat"
-    values: dict[str, np.ndarray]  # float32, ne0 * n_mat values
-    n_mat: dict[str, int]  # experts (or 1) per entry
-    datasets: list[str] = field(default_factory=list)
-    chunk_count: int = 0
-    chunk_size: int = 0
-    has_metadata: bool = True
-
-
-def read_imatrix_for_quantize(path: str | Path) -> QuantizeImatrix:
-    path = Path(path)
-    try:
-        with open(path, "rb") as f:
-            magic = f.read(4)
-    except OSError as err:
-        raise BadInput(f"{path}: cannot read the imatrix ({err.strerror})", "check the --imatrix path") from None
-    return _read_gguf(path) if magic == b"GGUF" else _read_dat(path)
-
-
-def _read_gguf(path: Path) -> QuantizeImatrix:
-    from ggufcarve.container import read_file
-
-    gf = read_file(path)
-    sums: dict[str, np.ndarray] = {}
-    counts: dict[str, np.ndarray] = {}
-    data = np.memmap(path, dtype=np.uint8, mode="r")
-    for t in gf.tensors:
-        for suffix, store in ((".in_sum2", sums), (".counts", counts)):
-            if t.name.endswith(suffix):
-                if t.type_id != 0:
-                    raise BadInput(f"{path}: {t.name} must be F32", "the imatrix is corrupt")
-                start, end = gf.data_range(t)
-                store[t.name[: -len(suffix)]] = np.frombuffer(data[start:end].tobytes(), dtype="<f4")
-    values: dict[str, np.ndarray] = {}
-    n_mat: dict[str, int] = {}
-    for name in sorted(set(sums) | set(counts)):
-        if name not in sums or name not in counts:
-            raise BadInput(f"{path}: mismatched sums and counts for {name}", "the imatrix is corrupt")
-        s, c = sums[name], counts[name]
-        n = len(c)
-        if n == 0 or len(s) % n:
-            raise BadInput(f"{path}: {name} has {len(s)} sums for {n} counts", "the imatrix is corrupt")
-        ne0 = len(s) // n
-        rounded = np.where(c >= 0, np.floor(c + np.float32(0.5)), np.ceil(c - np.float32(0.5))).astype(np.float32)  # C lround
-        out = np.ones(len(s), dtype=np.float32)
-        for j in range(n):
-            if rounded[j] > 0:
-                out[j * ne0 : (j + 1) * ne0] = s[j * ne0 : (j + 1) * ne0] / rounded[j]
-        values[name] = out
-        n_mat[name] = n
-    datasets = gf.get("imatrix.datasets")
-    has_meta = all(k in gf.kv_index for k in ("imatrix.datasets", "imatrix.chunk_count", "imatrix.chunk_size"))
-    return QuantizeImatrix(path, "gguf", values, n_mat, list(datasets or []), int(gf.get("imatrix.chunk_count", 0) or 0), int(gf.get("imatrix.chunk_size", 0) or 0), has_meta)
-
-
-def _read_dat(path: Path) -> QuantizeImatrix:
-    raw = path.read_bytes()
-    pos = 0
-
-    def take(fmt: str) -> tuple:
-        nonlocal pos
-        n = struct.calcsize(fmt)
-        if pos + n > len(raw):
-            raise BadInput(f"{path}: truncated legacy imatrix at byte {pos}", "the imatrix is corrupt, or not an imatrix file")
-        out = struct.unpack_from(fmt, raw, pos)
-        pos += n
-        return out
-
-    (n_entries,) = take("<i")
-    if n_entries < 1 or n_entries > len(raw):
-        raise BadInput(f"{path}: not a GGUF or legacy .dat imatrix", "give the imatrix written by llama-imatrix")
-    values: dict[str, np.ndarray] = {}
-    n_mat: dict[str, int] = {}
-    for _ in range(n_entries):
-        (length,) = take("<i")
-        if length < 0 or pos + length > len(raw):
-            raise BadInput(f"{path}: truncated legacy imatrix at byte {pos}", "the imatrix is corrupt")
-        name = raw[pos : pos + length].decode("utf-8", errors="replace")
-        pos += length
-        ncall, nval = take("<ii")
-        if nval < 1 or pos + 4 * nval > len(raw):
-            raise BadInput(f"{path}: bad value count for {name}", "the imatrix is corrupt")
-        v = np.frombuffer(raw, dtype="<f4", count=nval, offset=pos).copy()
-        pos += 4 * nval
-        values[name] = v / np.float32(ncall) if ncall > 0 else v
-        n_mat[name] = 0  # unknown in this format: the model decides
-    datasets, chunks = [], 0
-    if pos < len(raw):
-        (chunks,) = take("<i")
-        if pos + 4 <= len(raw):
-            (length,) = take("<i")
-            if length > 0:
-                datasets = [raw[pos : pos + length].decode("utf-8", errors="replace")]
-    return QuantizeImatrix(path, "dat", values, n_mat, datasets, chunks, 0, True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -206,13 +102,17 @@ def main(argv: list[str]) -> int:
     keep_alive: list[object] = []
     kv_overrides: list[tuple[str, int, object]] = []
     if imatrix_file:
-        imatrix = read_imatrix_for_quantize(imatrix_file)
-        if not imatrix.has_metadata:
-            print(f"load_imatrix: missing imatrix metadata in file {imatrix_file}", file=sys.stderr)
+        from ggufcarve.imatrix import read_imatrix
+
+        try:
+            imatrix = read_imatrix(imatrix_file)
+        except CarveError as err:
+            print(f"load_imatrix: {err}", file=sys.stderr)
             return 1
-        entries = (llama_cpp.llama_model_imatrix_data * (len(imatrix.values) + 1))()
-        for k, (name, values) in enumerate(imatrix.values.items()):
-            array = np.ascontiguousarray(values, dtype=np.float32)
+        entries = (llama_cpp.llama_model_imatrix_data * (len(imatrix.entries) + 1))()
+        for k, entry in enumerate(imatrix.entries):
+            name = entry.name
+            array = np.ascontiguousarray(entry.normalized(), dtype=np.float32)
             keep_alive.append(array)
             entries[k].name = name.encode()
             entries[k].data = array.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
@@ -222,8 +122,8 @@ def main(argv: list[str]) -> int:
         kv_overrides.append((KV_IMATRIX_FILE, llama_cpp.LLAMA_KV_OVERRIDE_TYPE_STR, imatrix_file))
         if imatrix.datasets:
             kv_overrides.append((KV_IMATRIX_DATASET, llama_cpp.LLAMA_KV_OVERRIDE_TYPE_STR, imatrix.datasets[0]))
-        kv_overrides.append((KV_IMATRIX_N_ENTRIES, llama_cpp.LLAMA_KV_OVERRIDE_TYPE_INT, len(imatrix.values)))
-        if imatrix.chunk_count > 0:
+        kv_overrides.append((KV_IMATRIX_N_ENTRIES, llama_cpp.LLAMA_KV_OVERRIDE_TYPE_INT, len(imatrix.entries)))
+        if (imatrix.chunk_count or 0) > 0:
             kv_overrides.append((KV_IMATRIX_N_CHUNKS, llama_cpp.LLAMA_KV_OVERRIDE_TYPE_INT, imatrix.chunk_count))
     if kv_overrides:
         kvs = (llama_cpp.llama_model_kv_override * (len(kv_overrides) + 1))()
