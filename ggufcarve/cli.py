@@ -579,7 +579,11 @@ def imatrix_inspect(
             if not summary.model_check.problems:
                 out.print(f"fits {model}: every entry names a tensor of the model and has its size")
     if summary.model_check is not None:
-        raise_problems(list(summary.model_check.problems), f"{imatrix} does not fit {model}", "llama-quantize fails on these entries; use the imatrix made for this model (remap it with `ggufcarve imatrix remap` after pruning)")
+        raise_problems(
+            list(summary.model_check.problems),
+            f"{imatrix} does not fit {model}",
+            f"llama-quantize fails on these entries; for a pruned model remap the source's imatrix: ggufcarve imatrix remap {imatrix} --model {model} -o OUT",
+        )
 
 
 @imatrix_app.command("convert")

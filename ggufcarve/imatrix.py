@@ -32,14 +32,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import re
 import struct
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 from gguf.constants import GGMLQuantizationType, GGUFValueType
@@ -57,7 +56,12 @@ from ggufcarve.container import (
     replace_kvs,
 )
 from ggufcarve.errors import BadInput, CarveError, OutputError
-from ggufcarve.fileio import atomic_outputs, check_outputs, sha256_file, write_text_atomic
+from ggufcarve.fileio import (
+    atomic_outputs,
+    check_outputs,
+    sha256_file,
+    write_text_atomic,
+)
 from ggufcarve.keepset import KeepSet, check_keepset
 from ggufcarve.moe import MoeLayout
 
@@ -316,11 +320,11 @@ def _read_gguf(path: Path) -> Imatrix:
         row_len = nval // n_mat
         counts = np.array(_f32_view(mm, gf.data_start + counts_t.offset, n_mat), dtype=np.float32)
         s_off = gf.data_start + sums_t.offset
-        load_sums = lambda o=s_off, n=n_mat, r=row_len: _f32_view(mm, o, n * r).reshape(n, r)  # noqa: E731
+        load_sums = lambda o=s_off, n=n_mat, r=row_len: _f32_view(mm, o, n * r).reshape(n, r)
         load_in_sum = None
         if in_sum_t is not None:
             i_off = gf.data_start + in_sum_t.offset
-            load_in_sum = lambda o=i_off, n=n_mat, r=row_len: _f32_view(mm, o, n * r).reshape(n, r)  # noqa: E731
+            load_in_sum = lambda o=i_off, n=n_mat, r=row_len: _f32_view(mm, o, n * r).reshape(n, r)
         entries.append(ImatrixEntry(name, n_mat, row_len, counts, None, load_sums, load_in_sum, sums_t.shape, counts_t.shape))
 
     return Imatrix(
@@ -670,11 +674,10 @@ def expected_sizes(model: GGUFModel) -> dict[str, int]:
     return {t.name: t.shape[0] * (t.shape[2] if len(t.shape) > 2 else 1) for t in model.tensors}
 
 
-def check_against_model(imatrix: Imatrix, model: GGUFModel, *, sizes: Mapping[str, int] | None = None, what: str | None = None) -> ModelCheck:
+def check_against_model(imatrix: Imatrix, model: GGUFModel, *, sizes: Mapping[str, int] | None = None) -> ModelCheck:
     """llama-quantize's per-tensor check, for every entry at once: the weight exists and the entry
     has ne0 * ne2 values (`imatrix size X is different from tensor size Y for W`)."""
     sizes = dict(sizes) if sizes is not None else expected_sizes(model)
-    label = what or str(imatrix.path)
     problems, warnings = [], []
     for e in imatrix.entries:
         if e.name not in sizes:
@@ -799,7 +802,7 @@ def _select(e: ImatrixEntry, ids: Sequence[int], n_expert: int, ne0: int) -> Ima
         load_in_sum = None
         if e.load_in_sum is not None:
             src_in_sum = e.load_in_sum
-            load_in_sum = lambda: np.ascontiguousarray(src_in_sum()[index])  # noqa: E731
+            load_in_sum = lambda: np.ascontiguousarray(src_in_sum()[index])
         return dataclasses.replace(e, n_mat=len(ids), counts=counts, load_sums=load, load_in_sum=load_in_sum, sums_ne=sums_ne, counts_ne=counts_ne)
     # one row holding all experts (.dat, or a GGUF converted from one): expert-major slices
     assert e.n_mat == 1 and e.row_len == n_expert * ne0
@@ -810,7 +813,7 @@ def _select(e: ImatrixEntry, ids: Sequence[int], n_expert: int, ne0: int) -> Ima
     load_in_sum = None
     if e.load_in_sum is not None:
         src_in_sum = e.load_in_sum
-        load_in_sum = lambda: np.ascontiguousarray(src_in_sum().reshape(n_expert, ne0)[index].reshape(1, -1))  # noqa: E731
+        load_in_sum = lambda: np.ascontiguousarray(src_in_sum().reshape(n_expert, ne0)[index].reshape(1, -1))
     sums_ne = None if e.sums_ne is None else ggml_ne(len(ids) * ne0, 1)
     return dataclasses.replace(e, row_len=len(ids) * ne0, load_sums=load_flat, load_in_sum=load_in_sum, sums_ne=sums_ne)
 
@@ -874,8 +877,9 @@ def plan_remap(
     """Validate everything and decide the output; nothing is written.
 
     `layout` is the source (unpruned) layout: its expert_count is what the keep-set selects from.
-    With `source` the input entries are checked against the unpruned model, with `pruned` the
-    output entries against the pruned model (llama-quantize's own size check), all problems at once.
+    At least one model is needed. The input entries are checked against `source` (else against
+    `pruned`, expert entries scaled back to the source's expert count); the output entries against
+    `pruned` with llama-quantize's own size check. Problems are reported all at once.
     """
     output = Path(output)
     fmt = output_format or imatrix.format
@@ -903,47 +907,29 @@ def plan_remap(
                 "use the keep-set the model was pruned with (omit --keep to use the one it records)",
             )
 
-    # ne0 of every expert weight, from whichever model we have (the same before and after pruning)
+    # Input checks against the unpruned model (or the pruned one, expert sizes scaled back to the
+    # source's expert count): every entry names a tensor and has the size that model needs.
+    reference = source if source is not None else pruned
+    if reference is None:
+        raise BadInput("remapping needs the source or the pruned model", "give --source-model and/or --model")
     expert_weights = {t.name: t for t in layout.expert_tensors.values() if t.role == "expert weight"}
-    if pruned is not None:
-        shapes = {t.name: t.shape for t in pruned.tensors}
-    elif source is not None:
-        shapes = {t.name: t.shape for t in source.tensors}
-    else:
-        shapes = {name: t.shape for name, t in expert_weights.items()}
+    shapes = {t.name: t.shape for t in reference.tensors}
     ne0 = {name: shapes[name][0] for name in expert_weights if name in shapes}
-
-    # input checks: every entry names a tensor and has the unpruned model's size
-    reference = pruned if pruned is not None else source
+    sizes = expected_sizes(reference)
+    sizes.update({name: width * n_expert for name, width in ne0.items()})
     problems: list[str] = []
     expert_entries: dict[str, ImatrixEntry] = {}
-    if reference is not None:
-        sizes = expected_sizes(reference)
-        for name in expert_weights:
-            if name in ne0:
-                sizes[name] = ne0[name] * n_expert
-        for e in imatrix.entries:
-            if e.name in expert_weights and e.name in sizes:
-                problem = _expert_entry_problem(e, n_expert, k, ne0[e.name])
-                if problem:
-                    problems.append(problem)
-                else:
-                    expert_entries[e.name] = e
-            elif e.name not in sizes:
-                problems.append(f"{e.name} is not a tensor of {reference.path.name}")
-            elif e.nval != sizes[e.name] and e.name != "token_embd.weight":
-                problems.append(f"{e.name} has {e.nval} values, but {reference.path.name} needs {sizes[e.name]} (ne0 x ne2); it fits neither the dense nor the expert layout")
-    else:  # pragma: no cover - the CLI always gives a model
-        for e in imatrix.entries:
-            if e.name in ne0:
-                problem = _expert_entry_problem(e, n_expert, k, ne0[e.name])
-                if problem:
-                    problems.append(problem)
-                else:
-                    expert_entries[e.name] = e
     for e in imatrix.entries:
-        if e.is_expert_weight and e.name not in expert_weights and e.name in shapes:
-            problems.append(f"{e.name} is an expert weight but blk.{e.block} is not a MoE block of the model")
+        if e.name in ne0:
+            problem = _expert_entry_problem(e, n_expert, k, ne0[e.name])
+            if problem:
+                problems.append(problem)
+            else:
+                expert_entries[e.name] = e
+        elif e.name not in sizes:
+            problems.append(f"{e.name} is not a tensor of {reference.path.name}")
+        elif e.nval != sizes[e.name] and e.name != "token_embd.weight":
+            problems.append(f"{e.name} has {e.nval} values, but {reference.path.name} needs {sizes[e.name]} (ne0 x ne2); it fits neither the dense nor the expert layout")
     problems = _group_problems(problems)
     raise_problems(problems, f"{where} does not fit the {n_expert}-expert source model", "check that the imatrix was computed on the unpruned model this keep-set selects from")
 
@@ -1001,11 +987,11 @@ def plan_remap(
         warnings.append(f"{name} has no data at all; a .dat cannot hold it (llama-imatrix skips such entries), so IQ rungs need a --tensor-type override for it")
 
     if pruned is not None:
-        check = check_against_model(result, pruned, what=str(output))
+        check = check_against_model(result, pruned)
         raise_problems(check.problems, f"remapped imatrix does not fit {pruned.path}", "the pruned model and the keep-set do not match; re-prune or give the matching keep-set")
 
     models = {}
-    for role, m, lay in (("pruned", pruned, None), ("source", source, layout)):
+    for role, m in (("pruned", pruned), ("source", source)):
         if m is not None:
             arch = m.get("general.architecture")
             models[role] = {"path": str(m.path), "architecture": arch, "expert_count": int(m.get(f"{arch}.expert_count") or 0)}
@@ -1259,12 +1245,6 @@ def summarize(imatrix: Imatrix, model: GGUFModel | None = None) -> ImatrixSummar
 def format_from_path(path: Path) -> str | None:
     suffix = path.suffix.lower()
     return {".gguf": "gguf", ".dat": "dat"}.get(suffix)
-
-
-def iter_values(imatrix: Imatrix) -> Iterable[tuple[str, np.ndarray]]:
-    """(name, normalised values) per entry: what llama-quantize would use."""
-    for e in imatrix.entries:
-        yield e.name, e.normalized()
 
 
 @dataclass(frozen=True)
