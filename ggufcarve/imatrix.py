@@ -93,6 +93,12 @@ def _ignore(_: int) -> None:
     pass
 
 
+def lround(counts: np.ndarray) -> np.ndarray:
+    """Counts as llama.cpp reads them from a GGUF imatrix: std::lround of the stored floats."""
+    x = np.asarray(counts, dtype=np.float64)
+    return (np.sign(x) * np.floor(np.abs(x) + 0.5)).astype(np.int64)
+
+
 # ---------------------------------------------------------------------------------------------
 # Values
 
@@ -147,7 +153,7 @@ class ImatrixEntry:
         if self.counts is None:
             ncall = self.ncall or 0
             return (sums / np.float32(ncall)).reshape(-1) if ncall > 0 else sums.reshape(-1).copy()
-        counts = self.counts.astype(np.float32)
+        counts = lround(self.counts).astype(np.float32)
         safe = np.where(counts > 0, counts, np.float32(1))
         out = sums / safe[:, None]
         out[counts <= 0] = np.float32(1)
@@ -582,7 +588,7 @@ def to_dat(imatrix: Imatrix) -> Conversion:
     entries, skipped = [], []
     for e in imatrix.entries:
         assert e.counts is not None
-        counts = np.rint(e.counts.astype(np.float64)).astype(np.int64)  # llama.cpp reads counts with lround
+        counts = lround(e.counts)
         if not counts.any():
             skipped.append(e.name)
             continue
@@ -952,7 +958,7 @@ def plan_remap(
         routed_kept = routed_dropped = None
         if e.per_expert_counts:
             assert e.counts is not None
-            counts = np.rint(e.counts.astype(np.float64)).astype(np.int64)
+            counts = lround(e.counts)
             routed_kept = int(counts[list(ids)].sum())
             routed_dropped = int(counts.sum()) - routed_kept
         tensors.append(TensorRemap(e.name, block, layout.is_mtp(block), n_expert, tuple(ids), dropped, routed_kept, routed_dropped))
@@ -1229,7 +1235,7 @@ def summarize(imatrix: Imatrix, model: GGUFModel | None = None) -> ImatrixSummar
         if with_counts:
             first = with_counts[0]
             assert first.counts is not None
-            counts = tuple(int(c) for c in np.rint(first.counts.astype(np.float64)))
+            counts = tuple(int(c) for c in lround(first.counts))
             zero = tuple(i for i, c in enumerate(counts) if c == 0)
             blocks.append(BlockRouting(block, tuple(e.name for e in entries), first.n_mat, counts, zero))
         else:
