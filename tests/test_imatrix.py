@@ -620,3 +620,46 @@ def test_library_never_prints(synthetic, q3, tmp_path, capsys):
     execute_remap(plan)
     summarize(read_imatrix(tmp_path / "o.dat"), model)
     assert capsys.readouterr() == ("", "")
+
+
+def test_in_sum_tensors_are_kept_and_remapped(q3, tmp_path):
+    """Some builds also write <W>.in_sum (llama.cpp ignores it): carried over, and remapped like in_sum2."""
+    tensors = []
+    for name, sne, sums, cne, counts in synthetic_entries(q3):
+        tensors += [(name + ".in_sum2", sne, sums), (name + ".in_sum", sne, np.sqrt(sums)), (name + ".counts", cne, counts)]
+    src = pack_gguf(tmp_path / "in_sum.gguf", tensors)
+    imatrix = read_imatrix(src)
+    assert all(e.has_in_sum for e in imatrix.entries)
+    assert rewrite(imatrix, tmp_path / "again.gguf").read_bytes() == src.read_bytes()
+    out = tmp_path / "k4.gguf"
+    assert ggufcarve("imatrix", "remap", src, "--source-model", q3, "--keep-ids", "5,0,2,7", "-o", out).code == 0
+    data_in, data_out = tensor_data(src), tensor_data(out)
+    name = "blk.1.ffn_down_exps.weight.in_sum"
+    rows_in = np.frombuffer(data_in[name], dtype="<f4").reshape(N_EXPERT, -1)
+    assert np.array_equal(np.frombuffer(data_out[name], dtype="<f4").reshape(4, -1), rows_in[[5, 0, 2, 7]])
+    r = ggufcarve("imatrix", "convert", src, "-o", tmp_path / "x.dat")
+    assert r.code == 0 and "the <weight>.in_sum tensors" in r.stderr
+
+
+def test_bad_format_options(synthetic, q3, tmp_path):
+    remap_refused(tmp_path, synthetic, "--source-model", q3, "--keep-first", 4, "--format", "bin", message="unknown imatrix format 'bin'")
+    refused(tmp_path, "convert", synthetic, "-o", tmp_path / "out" / "x.imatrix", message="cannot tell the output format from x.imatrix")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch,keep_ids", [("deepseek2", "0,1,4,5,8,9,12,13"), ("gpt-oss", "6,1,4,3"), ("fused", "7,0,5,2")])
+def test_other_fixture_architectures(make_model, llama_tools, calibration, tmp_path, arch, keep_ids):
+    """Grouped routing with a dense lead block and shared experts, router/expert biases, fused
+    gate_up experts (plus an MTP block): the remapped imatrix quantizes the pruned model to IQ2_XS."""
+    src = make_model(arch, "F16")
+    imatrix = run_llama_imatrix(llama_tools, src, calibration, tmp_path / f"{arch}.imatrix.gguf")
+    pruned_path = tmp_path / f"{arch}-pruned.gguf"
+    assert ggufcarve("prune", src, "--keep-ids", keep_ids, "-o", pruned_path, "-q").code == 0
+    out = tmp_path / f"{arch}-pruned.imatrix.dat"
+    r = ggufcarve("imatrix", "remap", imatrix, "--model", pruned_path, "-o", out, "--report", tmp_path / "remap.json")
+    assert r.code == 0, r.stderr
+    report = json.loads((tmp_path / "remap.json").read_text())
+    assert report["tensors"] and all(t["kept"] == [int(i) for i in keep_ids.split(",")] for t in report["tensors"])
+    overrides = ("--tensor-type", r"blk\.2\.=q4_K") if arch == "fused" else ()
+    proc = run_quantize(llama_tools, out, pruned_path, tmp_path / "iq2.gguf", "IQ2_XS", *overrides)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
