@@ -260,14 +260,21 @@ def tensor_bytes(path: Path) -> dict[str, bytes]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("ftype", ["Q4_K_M", "IQ2_XS"])
-def test_backends_produce_identical_tensor_data(ftype, q8_moe, q8_moe_imatrix, llama_tools, tmp_path):
+@pytest.mark.parametrize("ftype, imatrix_format", [("Q4_K_M", "gguf"), ("IQ2_XS", "gguf"), ("IQ2_XS", "dat")])
+def test_backends_produce_identical_tensor_data(ftype, imatrix_format, q8_moe, q8_moe_imatrix, llama_tools, tmp_path):
+    from clirun import ggufcarve
+
+    imatrix = q8_moe_imatrix
+    if imatrix_format == "dat":
+        imatrix = tmp_path / "imatrix.dat"
+        converted = ggufcarve("imatrix", "convert", q8_moe_imatrix, "-o", imatrix, "--format", "dat")
+        assert converted.code == 0, converted.stderr
     binary = BinaryQuantizer(llama_tools / "llama-quantize")
     lib = LibllamaQuantizer()
     outputs = {}
     for q in (binary, lib):
         out = tmp_path / f"{q.backend}.gguf"
-        job = QuantizeJob(q8_moe, out, ftype, imatrix=q8_moe_imatrix, tensor_types=(("attn_v", "Q8_0"),), nthreads=2)
+        job = QuantizeJob(q8_moe, out, ftype, imatrix=imatrix, tensor_types=(("attn_v", "Q8_0"),), nthreads=2)
         run = q.run(job)
         assert run.returncode == 0, run.tail
         outputs[q.backend] = tensor_bytes(out)
