@@ -4,8 +4,11 @@ Builds a synthetic qwen3moe-shaped Q8_0 GGUF (default 4 MoE layers x 128 experts
 n_ff_exp 768: 2.5 GiB), prunes it to half the experts, and times, side by side in one run:
   - cp:       `cp REF DST` of a file with the output's size (page cache only, no durability)
   - cp+sync:  `cp REF DST && sync DST` (the same durability as ggufcarve, which fsyncs)
-  - prune:    `ggufcarve prune` (write, source sha256, xxh3 verification of every tensor, report)
-Each is run --repeat times, alternating; the median is reported with prune's peak RSS.
+  - sha256 source: hashlib (OpenSSL) sha256 of the source, which a first prune must compute
+  - prune:    `ggufcarve prune` (write, fsync, xxh3 verification of every tensor, report), as
+  - prune (cold): a first prune of the source (its sha256 computed: one full read on one core)
+  - prune (warm): the source's sha256 already known (cached by device, inode, size, mtime, ctime)
+Each is run --repeat times, alternating, with the page cache warm; medians and prune's peak RSS.
 
     python bench/prune_bench.py [--dir bench/out] [--layers 4] [--experts 128] [--repeat 3]
 """
@@ -13,11 +16,12 @@ Each is run --repeat times, alternating; the median is reported with prune's pea
 from __future__ import annotations
 
 import argparse
-import resource
+import os
 import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -70,14 +74,23 @@ def build_model(path: Path, layers: int, experts: int, n_embd: int, n_ff: int) -
             f.write(bytes(pad_to(t.nbytes, 32) - t.nbytes))
 
 
-def timed(cmd: list[str]) -> tuple[float, int]:
-    """Wall seconds, and the peak RSS in KiB of the largest child run so far."""
+def timed(cmd: list[str], env: dict[str, str] | None = None) -> tuple[float, int]:
+    """Wall seconds and this child's own peak RSS in KiB."""
     start = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+    _, status, usage = os.wait4(proc.pid, 0)
     seconds = time.perf_counter() - start
+    proc.returncode = os.waitstatus_to_exitcode(status)
     if proc.returncode:
-        sys.exit(f"{' '.join(cmd)} failed:\n{proc.stderr}")
-    return seconds, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+        sys.exit(f"{' '.join(cmd)} failed:\n{proc.stderr.read().decode()}")
+    return seconds, usage.ru_maxrss
+
+
+def read_through(path: Path) -> None:
+    """Bring a file into the page cache, so that every contender reads it from memory."""
+    with open(path, "rb") as f:
+        while f.read(64 << 20):
+            pass
 
 
 def main() -> None:
@@ -95,30 +108,51 @@ def main() -> None:
         build_model(src, args.layers, args.experts, args.embd, args.ff)
     out = args.dir / "bench-pruned.gguf"
     prune = [sys.executable, "-m", "ggufcarve", "prune", str(src), "--keep-first", str(args.experts // 2), "-o", str(out), "--force", "-q"]
+    warm_cache = tempfile.mkdtemp(prefix="ggufcarve-bench-cache-")
+    warm_env = {**os.environ, "GGUFCARVE_CACHE": warm_cache}
 
-    seconds, rss = timed(prune)  # first, so that RUSAGE_CHILDREN's maximum is prune's own
-    prune_times = [seconds]
+    read_through(src)
+    timed(prune, warm_env)  # fills the warm sha256 cache
     ref = args.dir / "reference.bin"
     with open(src, "rb") as f_in, open(ref, "wb") as f_out:
         shutil.copyfileobj(f_in, f_out, 16 << 20)
         f_out.truncate(out.stat().st_size)
+        os.fsync(f_out.fileno())
     copy_dst = args.dir / "reference-copy.bin"
-    cp_times, cp_sync_times = [], []
-    for i in range(args.repeat):
+    prune_rss: list[int] = []
+    sha256_source = [sys.executable, "-c", "import hashlib, sys; hashlib.file_digest(open(sys.argv[1], 'rb'), 'sha256')", str(src)]
+    times: dict[str, list[float]] = {"cp": [], "cp+sync": [], "sha256 source": [], "prune (cold)": [], "prune (warm)": []}
+    for _ in range(args.repeat):
+        read_through(src)
+        read_through(ref)
         copy_dst.unlink(missing_ok=True)
-        cp_times.append(timed(["cp", str(ref), str(copy_dst)])[0])
+        times["cp"].append(timed(["cp", str(ref), str(copy_dst)])[0])
         copy_dst.unlink()
-        cp_sync_times.append(timed(["sh", "-c", f"cp '{ref}' '{copy_dst}' && sync '{copy_dst}'"])[0])
-        if i:
-            prune_times.append(timed(prune)[0])
+        times["cp+sync"].append(timed(["sh", "-c", f"cp '{ref}' '{copy_dst}' && sync '{copy_dst}'"])[0])
+        copy_dst.unlink()
+        times["sha256 source"].append(timed(sha256_source)[0])
+        with tempfile.TemporaryDirectory(prefix="ggufcarve-bench-cold-") as cold_cache:
+            seconds, rss = timed(prune, {**os.environ, "GGUFCARVE_CACHE": cold_cache})
+            times["prune (cold)"].append(seconds)
+            prune_rss.append(rss)
+        seconds, rss = timed(prune, warm_env)
+        times["prune (warm)"].append(seconds)
+        prune_rss.append(rss)
+    rss_mib = max(prune_rss) / 1024
+    shutil.rmtree(warm_cache)
 
     src_gib, out_gib = src.stat().st_size / 2**30, out.stat().st_size / 2**30
-    p, c, cs = statistics.median(prune_times), statistics.median(cp_times), statistics.median(cp_sync_times)
-    print(f"source {src_gib:.2f} GiB ({args.layers} MoE layers x {args.experts} experts, Q8_0) -> output {out_gib:.2f} GiB ({args.experts // 2} experts)")
-    print(f"{'':10} {'median s':>9} {'GiB/s':>7}   runs")
-    for name, times in (("cp", cp_times), ("cp+sync", cp_sync_times), ("prune", prune_times)):
-        print(f"{name:10} {statistics.median(times):9.2f} {out_gib / statistics.median(times):7.2f}   {' '.join(f'{t:.2f}' for t in times)}")
-    print(f"ratio prune / (cp+sync) = {p / cs:.2f}   ratio prune / cp = {p / c:.2f}   prune peak RSS = {rss / 1024:.0f} MiB")
+    median = {name: statistics.median(t) for name, t in times.items()}
+    print(f"source {src_gib:.2f} GiB ({args.layers} MoE layers x {args.experts} experts, Q8_0) -> output {out_gib:.2f} GiB ({args.experts // 2} experts); page cache warm")
+    print(f"{'':13} {'median s':>9} {'out GiB/s':>9}   runs")
+    for name, t in times.items():
+        print(f"{name:13} {median[name]:9.2f} {out_gib / median[name]:9.2f}   {' '.join(f'{x:.2f}' for x in t)}")
+    floor = max(median["cp+sync"], median["sha256 source"])
+    for kind in ("cold", "warm"):
+        p = median[f"prune ({kind})"]
+        print(f"prune ({kind}) / (cp+sync) = {p / median['cp+sync']:.2f}   / cp = {p / median['cp']:.2f}", end="")
+        print(f"   / max(cp+sync, sha256 source) = {p / floor:.2f}" if kind == "cold" else "")
+    print(f"prune peak RSS = {rss_mib:.0f} MiB")
     for path in (ref, copy_dst):
         path.unlink(missing_ok=True)
 

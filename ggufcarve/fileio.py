@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import shutil
+import threading
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
@@ -153,6 +154,52 @@ def check_outputs(outputs: Sequence[Path], sources: Sequence[Path], bytes_needed
     free = shutil.disk_usage(directory).free
     if free < bytes_needed:
         raise OutputError(f"output needs {bytes_needed / 2**30:.2f} GiB but {directory} has {free / 2**30:.2f} GiB free", "free disk space or write elsewhere")
+
+
+class BackgroundFlush:
+    """fdatasync()s a file on a helper thread while it is being written.
+
+    The kernel then writes dirty pages back during the copy instead of all at the final fsync,
+    so copying and the disk's writing overlap.
+    """
+
+    def __init__(self, every: int = 256 << 20) -> None:
+        self.every = every
+        self.pending = 0
+        self.fd: int | None = None
+        self.error: OSError | None = None
+        self.wake = threading.Event()
+        self.stopping = False
+        self.thread = threading.Thread(target=self._run, name="ggufcarve-flush", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while True:
+            self.wake.wait()
+            self.wake.clear()
+            fd = self.fd
+            if fd is not None and self.error is None:
+                try:
+                    os.fdatasync(fd)
+                except OSError as err:  # the final fsync of the caller reports it too
+                    self.error = err
+            if self.stopping:
+                return
+
+    def wrote(self, fd: int, n: int) -> None:
+        """Count bytes written to fd; every `every` bytes a flush is requested."""
+        self.pending += n
+        if self.pending >= self.every:
+            self.pending = 0
+            self.fd = fd
+            self.wake.set()
+
+    def close(self) -> None:
+        """Wait for the flush in progress; call before closing the file descriptors."""
+        self.stopping = True
+        self.fd = None
+        self.wake.set()
+        self.thread.join()
 
 
 def temp_path_for(path: Path) -> Path:

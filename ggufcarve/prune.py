@@ -42,7 +42,7 @@ from ggufcarve.container import (
     shard_paths,
 )
 from ggufcarve.errors import BadInput, OutputError, VerificationFailed
-from ggufcarve.fileio import CHUNK, atomic_outputs, cached_sha256, check_outputs, copy_range, read_ranges, remember_sha256, write_text_atomic, xxh3_of_ranges
+from ggufcarve.fileio import CHUNK, BackgroundFlush, atomic_outputs, cached_sha256, check_outputs, copy_range, read_ranges, remember_sha256, write_text_atomic, xxh3_of_ranges
 from ggufcarve.keepset import KeepSet, check_keepset
 from ggufcarve.moe import MoeLayout
 
@@ -686,10 +686,15 @@ def execute(plan: PrunePlan, model: GGUFModel, *, force: bool = False, on_event:
 
 def _write_files(plan: PrunePlan, outputs: list[tuple[Path, int]], output_hasher: _OutputHasher, on_event: EventSink) -> None:
     total = plan.bytes_out
-    progress = lambda n: on_event(ProgressEvent("copy", n, total))  # noqa: E731
+    flush = BackgroundFlush()
     source_fds = [os.open(p, os.O_RDONLY) for p in plan.sources]
     try:
         for planned, (temp, fd) in zip(plan.files, outputs):
+
+            def progress(n: int, fd: int = fd) -> None:
+                flush.wrote(fd, n)
+                on_event(ProgressEvent("copy", n, total))
+
             header, offsets = planned.encoded_header
             os.pwrite(fd, header, 0)
             progress(len(header))
@@ -705,6 +710,7 @@ def _write_files(plan: PrunePlan, outputs: list[tuple[Path, int]], output_hasher
                     progress(padding)
             os.ftruncate(fd, planned.size)
     finally:
+        flush.close()
         for fd in source_fds:
             os.close(fd)
 
