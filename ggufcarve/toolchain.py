@@ -28,6 +28,7 @@ import sys
 import tarfile
 import tempfile
 import time
+from abc import ABC, abstractmethod
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -551,7 +552,7 @@ def find_error(lines: Sequence[str]) -> str | None:
     return None
 
 
-class Quantizer:
+class Quantizer(ABC):
     """A way of running llama.cpp's quantizer. Subclasses render argv; running is shared."""
 
     backend = ""
@@ -559,12 +560,13 @@ class Quantizer:
     def __init__(self) -> None:
         self._info: dict[str, object] | None = None
 
+    @abstractmethod
     def argv(self, job: QuantizeJob) -> list[str]:
-        raise NotImplementedError
+        """The exact command line that quantizes `job`."""
 
+    @abstractmethod
     def describe(self) -> dict[str, object]:
         """backend, path, version/build, sha256: recorded in the manifest."""
-        raise NotImplementedError
 
     def run(self, job: QuantizeJob, on_line: Callable[[str], None] | None = None, timeout: float | None = None) -> QuantizeRun:
         argv = self.argv(job)
