@@ -579,6 +579,7 @@ def run_ladder(plan: LadderPlan, *, keep_going: bool = False, on_event: EventSin
             f.result()
         hasher.shutdown()
         manifest = _write_manifest(plan, previous, results, started, quantizer_seconds, hash_seconds[0], state_lock)
+        publish_method_reports(plan)
         sums = write_sums(out, manifest)
     finally:
         for p in plan.rungs:
@@ -656,6 +657,33 @@ def _write_manifest(plan: LadderPlan, previous: dict[str, dict[str, Any]], resul
         }
     write_text_atomic(plan.out_dir / MANIFEST_NAME, json.dumps(doc, indent=1, sort_keys=True) + "\n")
     return doc
+
+
+def publish_method_reports(plan: LadderPlan) -> list[Path]:
+    """Copy the reports that describe this ladder's inputs into OUT/method/, to be published with it.
+
+    `pruning-report.json` beside the source counts when it describes the source files (names and
+    sizes); `imatrix-remap-report.json` beside the imatrix when its output sha256 is the imatrix's.
+    """
+    copied = []
+    candidates = [plan.source.path.parent / "method" / "pruning-report.json"]
+    if plan.imatrix is not None:
+        candidates.append(plan.imatrix.path.parent / "method" / "imatrix-remap-report.json")
+    for report in candidates:
+        try:
+            doc = json.loads(report.read_text())
+        except (OSError, ValueError):
+            continue
+        if report.name == "pruning-report.json":
+            described = [(f.get("name"), f.get("bytes")) for f in doc.get("output", {}).get("files", [])]
+            matches = described == [(p.name, p.stat().st_size) for p in plan.source.paths]
+        else:
+            matches = plan.imatrix is not None and doc.get("output", {}).get("sha256") == plan.imatrix.sha256
+        if matches:
+            target = plan.out_dir / "method" / report.name
+            write_text_atomic(target, report.read_text())
+            copied.append(target)
+    return copied
 
 
 def published_files(out_dir: Path) -> list[Path]:

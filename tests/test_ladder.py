@@ -184,14 +184,22 @@ def test_remapped_imatrix_on_pruned_model(small_spec, q8_moe, q8_moe_imatrix, tm
     assert ggufcarve("prune", q8_moe, "--keep", keep, "-o", pruned, "-q").code == 0
     remapped = tmp_path / "pruned.imatrix.gguf"
     remap = ggufcarve("imatrix", "remap", q8_moe_imatrix, "--keep", keep, "-o", remapped, "--model", pruned)
-    if remap.code != 0 and "No such command" in remap.stderr:
-        pytest.skip("ggufcarve imatrix remap (issue 3) is not available yet")
     assert remap.code == 0, remap.stderr
     out = tmp_path / "out"
     result = ggufcarve("ladder", "run", small_spec, "--source", pruned, "--imatrix", remapped, "-o", out, "--only", "IQ2_XS", "--quantizer", "libllama", "-t", "2")
     assert result.code == 0, result.stderr[-2000:]
     rung = out / "pruned-IQ2_XS.gguf"
     assert read_model(rung).get("qwen3moe.expert_count") == 4
+    # the reports describing the ladder's inputs are published with it
+    for name in ("pruning-report.json", "imatrix-remap-report.json"):
+        assert (out / "method" / name).read_bytes() == (tmp_path / "method" / name).read_bytes()
+        assert f"  method/{name}\n" in (out / "SHA256SUMS").read_text()
+    assert ggufcarve("verify", out).code == 0
+    report = json.loads((out / "method" / "pruning-report.json").read_text())
+    report["output"]["expert_count"] = 5
+    (out / "method" / "pruning-report.json").write_text(json.dumps(report))
+    tampered = ggufcarve("verify", out)
+    assert tampered.code == 1 and "pruning-report.json" in tampered.stderr and "expert_count" in tampered.stderr, tampered.stderr
     probe = llama_probe.probe(rung, [1, 70, 80, 90])
     assert probe.ok and np.isfinite(probe.logits).all(), probe.stderr[-2000:]
 
