@@ -616,11 +616,22 @@ def imatrix_convert(
 # === end of imatrix section ======================================================================
 
 
+def _print_error(message: str, hint: str) -> None:
+    err.print(f"[bold red]error:[/] {escape(message)}" + (f" [dim](hint: {escape(hint)})[/]" if hint else ""), soft_wrap=True, highlight=False)
+
+
 def main() -> None:
+    debug = os.environ.get("GGUFCARVE_DEBUG") == "1"
     try:
         app()
     except CarveError as error:
-        if os.environ.get("GGUFCARVE_DEBUG") == "1":
+        if debug:
             raise
-        err.print(f"[bold red]error:[/] {escape(error.message)}" + (f" [dim](hint: {escape(error.hint)})[/]" if error.hint else ""), soft_wrap=True, highlight=False)
+        _print_error(error.message, error.hint)
         sys.exit(error.exit_code)
+    except OSError as error:  # a file vanished, a permission or the disk failed outside the checked paths
+        if debug:
+            raise
+        where = f"{error.filename}: " if error.filename else ""
+        _print_error(f"{where}{error.strerror or error}", "check the path, its permissions and the free disk space, then run again (GGUFCARVE_DEBUG=1 shows where)")
+        sys.exit(1)

@@ -1276,6 +1276,6 @@ def convert_file(
     if fmt == source.format:
         raise BadInput(f"{source.path} is already a {fmt} imatrix", f"nothing to convert; copy the file, or use --format {'dat' if fmt == 'gguf' else 'gguf'}")
     conversion = convert(source, fmt, chunk_size if chunk_size is not None else DEFAULT_CHUNK_SIZE)
-    path = write_imatrix(conversion.imatrix, output, force=force, progress=progress)
+    path = write_imatrix(conversion.imatrix, output, force=force, sources=[source.path] if source.path else [], progress=progress)
     read_imatrix(path)
     return ConvertResult(conversion, source, path, path.stat().st_size)

@@ -37,7 +37,7 @@ from typing import Any, Callable, Sequence
 from ggufcarve import __version__
 from ggufcarve.container import SHARD_NAME, GGUFModel, read_model
 from ggufcarve.errors import BadInput, OutputError, ToolFailed
-from ggufcarve.fileio import sha256_file, write_text_atomic
+from ggufcarve.fileio import cached_sha256, remember_sha256, sha256_file, write_text_atomic
 from ggufcarve.toolchain import FTYPES, IMATRIX_FTYPES, IMATRIX_TYPES, TENSOR_LINE, DryRun, QuantizeJob, QuantizeRun, Quantizer
 
 try:
@@ -294,7 +294,7 @@ def read_imatrix_info(path: Path, model: GGUFModel) -> ImatrixInfo:
     imatrix = read_imatrix(path)
     check = check_against_model(imatrix, model)
     _raise_mismatch(path, model, list(check.problems))
-    return ImatrixInfo(path, sha256_file(path), imatrix.format, list(imatrix.datasets), imatrix.chunk_count, imatrix.chunk_size, {e.name for e in imatrix.entries})
+    return ImatrixInfo(path, _sha256(path), imatrix.format, list(imatrix.datasets), imatrix.chunk_count, imatrix.chunk_size, {e.name for e in imatrix.entries})
 
 
 def _raise_mismatch(path: Path, model: GGUFModel, problems: list[str]) -> None:
@@ -306,23 +306,23 @@ def _raise_mismatch(path: Path, model: GGUFModel, problems: list[str]) -> None:
         )
 
 
-def _source_sha256(model: GGUFModel, out_dir: Path) -> list[str]:
-    """sha256 of every source file; reused from the previous manifest while path, size and mtime match."""
-    previous = _load_manifest(out_dir)
-    known = {}
-    for f in (previous or {}).get("source", {}).get("files", []):
-        known[(f.get("path"), f.get("bytes"), f.get("mtime_ns"))] = f.get("sha256")
-    digests = []
-    for p in model.paths:
-        st = p.stat()
-        digest = known.get((str(p.resolve()), st.st_size, st.st_mtime_ns))
-        digests.append(digest or sha256_file(p))
-    return digests
+def _sha256(path: Path) -> str:
+    """sha256 of a file, from fileio's cache when this exact file state was hashed before."""
+    digest = cached_sha256(path)
+    if digest is None:
+        digest = sha256_file(path)
+        remember_sha256(path, digest)
+    return digest
+
+
+def _source_sha256(model: GGUFModel) -> list[str]:
+    return [_sha256(p) for p in model.paths]
 
 
 def _inputs_key(rung: Rung, job: QuantizeJob, source_sha: Sequence[str], imatrix: ImatrixInfo | None, quantizer: dict[str, Any]) -> str:
+    quantizer_fields = ("ftype", "output_tensor_type", "token_embedding_type", "tensor_types", "imatrix_fallback_type", "allow_requantize", "pure")
     doc = {
-        "rung": rung.to_json(),
+        "rung": {k: v for k, v in rung.to_json().items() if k in quantizer_fields},  # not its name, description or file pattern
         "ftype": job.ftype,
         "tensor_types": [list(p) for p in job.tensor_types],
         "source_sha256": list(source_sha),
@@ -382,7 +382,7 @@ def plan_ladder(
             on_event(LadderEvent("dry-run", r.name, f"dry run {r.ftype}"))
             dry[r.name] = futures[r.name].result()
 
-    source_sha = _source_sha256(model, out)
+    source_sha = _source_sha256(model)
     qinfo = quantizer.describe()
     planned: list[PlannedRung] = []
     warnings: list[str] = []
@@ -495,10 +495,8 @@ def _lock_dir(out_dir: Path) -> Any:
 
 
 def bits_per_weight(path: Path) -> float | None:
-    try:
-        model = read_model(path)
-    except BadInput:
-        return None
+    """Tensor data bits per weight; raises BadInput when the file does not parse."""
+    model = read_model(path)
     elements = sum(t.n_elements for t in model.tensors)
     return round(sum(t.nbytes for t in model.tensors) * 8 / elements, 4) if elements else None
 
@@ -514,6 +512,7 @@ def run_ladder(plan: LadderPlan, *, keep_going: bool = False, on_event: EventSin
     state_lock = threading.Lock()
     previous = {r.get("name"): r for r in (_load_manifest(out) or {}).get("rungs", [])}
     results: dict[str, RungResult] = {}
+    hasher: ThreadPoolExecutor | None = None
     try:
         # stale temp files from an interrupted run
         for p in plan.rungs:
@@ -552,24 +551,28 @@ def run_ladder(plan: LadderPlan, *, keep_going: bool = False, on_event: EventSin
                 if m:
                     on_event(LadderEvent("tensor", name, m["name"], int(m["index"]), int(m["total"])))
 
-            p.output.unlink(missing_ok=True)  # stale or corrupt: it no longer matches what this rung makes
             run: QuantizeRun = plan.quantizer.run(p.job, on_line)
             quantizer_seconds += run.seconds
             result.exit_status, result.seconds = run.returncode, run.seconds
             if run.returncode == 0 and p.temp.exists():
+                try:
+                    result.bits_per_weight = bits_per_weight(p.temp)
+                except BadInput as err:
+                    run.error = f"the quantizer's output does not parse: {err.message}"
+            if run.returncode == 0 and p.temp.exists() and run.error is None:
                 fd = os.open(p.temp, os.O_RDONLY)
                 try:
                     os.fsync(fd)
                 finally:
                     os.close(fd)
-                os.replace(p.temp, p.output)
+                os.replace(p.temp, p.output)  # replaces an earlier output only now that this one exists
                 result.status = "built"
                 result.bytes = p.output.stat().st_size
-                result.bits_per_weight = bits_per_weight(p.output)
                 pending.append(hasher.submit(hash_later, result, p.output))
                 on_event(LadderEvent("rung-done", r.name, f"{result.bytes / 2**30:.2f} GiB in {run.seconds:.1f} s"))
             else:
                 p.temp.unlink(missing_ok=True)
+                p.output.unlink(missing_ok=True)  # an earlier output: it does not match this rung's inputs
                 result.error = run.error or "the quantizer wrote no output"
                 failure = failure or result
                 on_event(LadderEvent("rung-failed", r.name, result.error))
@@ -577,11 +580,12 @@ def run_ladder(plan: LadderPlan, *, keep_going: bool = False, on_event: EventSin
             _write_manifest(plan, previous, results, started, quantizer_seconds, hash_seconds[0], state_lock)
         for f in pending:
             f.result()
-        hasher.shutdown()
         manifest = _write_manifest(plan, previous, results, started, quantizer_seconds, hash_seconds[0], state_lock)
         publish_method_reports(plan)
         sums = write_sums(out, manifest)
     finally:
+        if hasher is not None:
+            hasher.shutdown(wait=True, cancel_futures=True)
         for p in plan.rungs:
             p.temp.unlink(missing_ok=True)
         lock.close()

@@ -604,6 +604,8 @@ def test_outputs_are_never_overwritten(synthetic, q3, tmp_path):
     assert r.code != 0 and "is the source file" in r.error_line and sha256(synthetic) == before
     r = ggufcarve("imatrix", "convert", synthetic, "-o", tmp_path / "c.gguf")
     assert r.code != 0 and "already a gguf imatrix" in r.error_line and not (tmp_path / "c.gguf").exists()
+    r = ggufcarve("imatrix", "convert", synthetic, "-o", synthetic, "--format", "dat", "--force")
+    assert r.code != 0 and "is the source file" in r.error_line and sha256(synthetic) == before
     assert ggufcarve("imatrix", "remap", synthetic, "--source-model", q3, "--keep-first", 4, "-o", exists, "--force").code == 0
     assert read_imatrix(exists).get("ggufcarve.kept_expert_count") == 4
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
