@@ -12,7 +12,6 @@ Checks, all reported together:
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -24,9 +23,9 @@ from typing import Any, Callable
 
 from ggufcarve.container import SHARD_NAME, read_model
 from ggufcarve.errors import BadInput, CarveError
+from ggufcarve.fileio import sha256_file
 from ggufcarve.ladder import MANIFEST_NAME, SUMS_NAME, published_files
 
-READ_SIZE = 8 << 20
 SUMS_LINE = re.compile(r"^(?P<digest>[0-9a-fA-F]{64}) (?P<mode>[ *])(?P<path>.+)$")
 PRUNING_REPORT = Path("method") / "pruning-report.json"
 
@@ -63,20 +62,6 @@ def _noop(_: int, __: int) -> None:
     pass
 
 
-def sha256_parallel_file(path: Path, progress: Callable[[int], None]) -> str:
-    h = hashlib.sha256()
-    buf = bytearray(READ_SIZE)
-    view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
-        while True:
-            n = f.readinto(buf)
-            if not n:
-                break
-            h.update(view[:n])
-            progress(n)
-    return h.hexdigest()
-
-
 def hash_files(paths: list[Path], workers: int | None = None, progress: ProgressSink = _noop) -> dict[Path, str | OSError]:
     """sha256 of each file, files hashed concurrently (largest first, so the tail is short)."""
     total = sum(p.stat().st_size for p in paths)
@@ -84,7 +69,7 @@ def hash_files(paths: list[Path], workers: int | None = None, progress: Progress
 
     def one(path: Path) -> str | OSError:
         try:
-            return sha256_parallel_file(path, lambda n: progress(n, total))
+            return sha256_file(path, lambda n: progress(n, total))
         except OSError as err:
             return err
 
@@ -122,7 +107,11 @@ def verify_dir(directory: str | os.PathLike[str], *, ignore_missing: bool = Fals
     for problem in bad:
         fail(Failure(SUMS_NAME, problem))
     listed: dict[str, str] = {}
+    root = d.resolve()
     for digest, rel in entries:
+        if Path(rel).is_absolute() or not (d / rel).resolve().is_relative_to(root):
+            fail(Failure(rel, "SHA256SUMS names a path outside the directory"))
+            continue
         if rel in listed and listed[rel] != digest:
             fail(Failure(rel, "listed twice in SHA256SUMS with different digests"))
         listed[rel] = digest
@@ -131,14 +120,14 @@ def verify_dir(directory: str | os.PathLike[str], *, ignore_missing: bool = Fals
     for rel in sorted(set(listed) - set(present)):
         if not ignore_missing:
             fail(Failure(rel, "missing (listed in SHA256SUMS)"))
-    for p in published_files(d):
-        rel = p.relative_to(d).as_posix()
+    published = [p.relative_to(d).as_posix() for p in published_files(d)]
+    for rel in published:
         if rel not in listed:
             fail(Failure(rel, "not listed in SHA256SUMS"))
 
     with ThreadPoolExecutor(max_workers=1) as side:
         # GGUF structure checks run beside the hashing
-        structure = side.submit(_check_ggufs, d, sorted(set(present) | {p.relative_to(d).as_posix() for p in published_files(d) if p.suffix == ".gguf"}))
+        structure = side.submit(_check_ggufs, d, sorted(set(present) | {rel for rel in published if rel.endswith(".gguf")}))
         digests = hash_files(list(present.values()), report.workers, progress)
         gguf_failures, expert_counts = structure.result()
     for rel, path in sorted(present.items()):
@@ -187,6 +176,27 @@ def _check_ggufs(d: Path, rels: list[str]) -> tuple[list[Failure], dict[str, int
     return failures, counts
 
 
+def _read_json_object(path: Path, report: VerifyReport) -> dict[str, Any] | None:
+    """The JSON object in `path`, or None with a failure recorded (unreadable, not JSON, not an object)."""
+    rel = path.relative_to(report.directory).as_posix()
+    try:
+        doc = json.loads(path.read_text())
+    except OSError as err:
+        report.failures.append(Failure(rel, f"cannot read: {err.strerror or err}"))
+        return None
+    except ValueError as err:
+        report.failures.append(Failure(rel, f"not valid JSON ({err})"))
+        return None
+    if not isinstance(doc, dict):
+        report.failures.append(Failure(rel, f"holds a JSON {type(doc).__name__}, not an object"))
+        return None
+    return doc
+
+
+def _records(value: Any) -> list[dict[str, Any]]:
+    return [v for v in value if isinstance(v, dict)] if isinstance(value, list) else []
+
+
 def _check_manifest(d: Path, listed: dict[str, str], report: VerifyReport, counts: dict[str, int | None]) -> None:
     fail = report.failures.append
     manifest_path = d / MANIFEST_NAME
@@ -194,33 +204,31 @@ def _check_manifest(d: Path, listed: dict[str, str], report: VerifyReport, count
     if not manifest_path.exists():
         fail(Failure(MANIFEST_NAME, "missing: nothing records how the files were made"))
     else:
-        try:
-            manifest = json.loads(manifest_path.read_text())
-        except ValueError as err:
-            fail(Failure(MANIFEST_NAME, f"not valid JSON ({err})"))
+        manifest = _read_json_object(manifest_path, report)
     if manifest is not None:
-        for rung in manifest.get("rungs", []):
-            for f in rung.get("files", []):
+        for rung in _records(manifest.get("rungs")):
+            for f in _records(rung.get("files")):
                 name = f.get("name")
+                if not isinstance(name, str) or not name:
+                    fail(Failure(MANIFEST_NAME, f"rung {rung.get('name')} lists a file without a name"))
+                    continue
                 path = d / name
                 if name not in listed:
                     fail(Failure(name, f"rung {rung.get('name')} is in the manifest but the file is not in SHA256SUMS"))
                 elif f.get("sha256") and listed[name] != f["sha256"]:
                     fail(Failure(name, f"manifest sha256 {str(f['sha256'])[:16]}... disagrees with SHA256SUMS {listed[name][:16]}..."))
-                if path.exists() and f.get("bytes") is not None and path.stat().st_size != f["bytes"]:
+                if path.is_file() and f.get("bytes") is not None and path.stat().st_size != f["bytes"]:
                     fail(Failure(name, f"size {path.stat().st_size} bytes, the manifest records {f['bytes']}"))
     expected: dict[str, int] = {}
-    if manifest is not None and isinstance((manifest.get("source") or {}).get("expert_count"), int):
-        expected["the manifest's source"] = manifest["source"]["expert_count"]
+    source = manifest.get("source") if manifest is not None else None
+    if isinstance(source, dict) and isinstance(source.get("expert_count"), int):
+        expected["the manifest's source"] = source["expert_count"]
     report_path = d / PRUNING_REPORT
     if report_path.exists():
-        try:
-            pruning = json.loads(report_path.read_text())
-            kept = (pruning.get("output") or {}).get("expert_count")
-            if isinstance(kept, int):
-                expected[str(PRUNING_REPORT)] = kept
-        except ValueError as err:
-            fail(Failure(str(PRUNING_REPORT), f"not valid JSON ({err})"))
+        pruning = _read_json_object(report_path, report)
+        output = pruning.get("output") if pruning is not None else None
+        if isinstance(output, dict) and isinstance(output.get("expert_count"), int):
+            expected[str(PRUNING_REPORT)] = output["expert_count"]
     values = {v for v in counts.values() if v is not None}
     if len(values) > 1:
         detail = ", ".join(f"{rel}: {v}" for rel, v in sorted(counts.items()))

@@ -136,3 +136,39 @@ def test_expert_count_must_match_the_pruning_report(copy):
 def test_not_a_ladder_directory(tmp_path):
     result = ggufcarve("verify", tmp_path)
     assert result.code == 1 and "has no SHA256SUMS" in result.error_line
+
+
+@pytest.mark.parametrize(
+    "manifest, report, expected",
+    [
+        ("[1, 2]", None, "quant-manifest.json holds a JSON list, not an object"),
+        ('{"rungs": [{"name": "Q8_0", "files": [{"bytes": 3}]}]}', None, "rung Q8_0 lists a file without a name"),
+        (None, "[]", "method/pruning-report.json holds a JSON list, not an object"),
+        (None, "{not json", "method/pruning-report.json not valid JSON"),
+    ],
+)
+def test_malformed_manifest_or_report_is_a_failure_not_a_traceback(copy, manifest, report, expected):
+    if manifest is not None:
+        (copy / "quant-manifest.json").write_text(manifest)
+    if report is not None:
+        (copy / "method").mkdir()
+        (copy / "method" / "pruning-report.json").write_text(report)
+    write_sums(copy)
+    result = ggufcarve("verify", copy, "--json")
+    assert result.code == 1 and "Traceback" not in result.stderr, result.stderr
+    failures = [f"{f['path']} {f['problem']}" for f in json.loads(result.stdout)["failures"]]
+    assert any(expected in f for f in failures), failures
+
+
+def test_sums_naming_paths_outside_the_directory(copy, tmp_path):
+    outside = tmp_path / "outside.txt"
+    outside.write_text("not part of the release\n")
+    import hashlib
+
+    digest = hashlib.sha256(outside.read_bytes()).hexdigest()
+    with open(copy / "SHA256SUMS", "a") as f:
+        f.write(f"{digest}  ../outside.txt\n{digest}  {outside}\n")
+    result = ggufcarve("verify", copy, "--json")
+    assert result.code == 1
+    failures = json.loads(result.stdout)["failures"]
+    assert {f["path"] for f in failures if "outside the directory" in f["problem"]} == {"../outside.txt", str(outside)}
