@@ -89,11 +89,18 @@ def sha256_file(path: str | os.PathLike[str], progress: Progress = _noop, buffer
 
 
 SHA256_CACHE_NAME = "sha256-cache.json"
+ENV_CACHE = "GGUFCARVE_CACHE"
+
+
+def cache_root() -> Path:
+    """ggufcarve's cache: $GGUFCARVE_CACHE, else ${XDG_CACHE_HOME:-~/.cache}/ggufcarve."""
+    if os.environ.get(ENV_CACHE):
+        return Path(os.environ[ENV_CACHE]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base).expanduser() / "ggufcarve"
 
 
 def _sha256_cache_path() -> Path:
-    from ggufcarve.toolchain import cache_root
-
     return cache_root() / SHA256_CACHE_NAME
 
 
@@ -127,6 +134,15 @@ def remember_sha256(path: str | os.PathLike[str], digest: str) -> None:
         write_text_atomic(cache, json.dumps(entries, indent=0, sort_keys=True))
     except (OSError, ValueError):
         pass
+
+
+def sha256_file_cached(path: str | os.PathLike[str], progress: Progress = _noop) -> str:
+    """sha256_file, answered from the cache when this exact file state was hashed before."""
+    digest = cached_sha256(path)
+    if digest is None:
+        digest = sha256_file(path, progress)
+        remember_sha256(path, digest)
+    return digest
 
 
 def same_file(a: Path, b: Path) -> bool:

@@ -37,7 +37,7 @@ from typing import Any, Callable, Sequence
 from ggufcarve import __version__
 from ggufcarve.container import SHARD_NAME, GGUFModel, read_model
 from ggufcarve.errors import BadInput, OutputError, ToolFailed
-from ggufcarve.fileio import cached_sha256, remember_sha256, sha256_file, write_text_atomic
+from ggufcarve.fileio import sha256_file, sha256_file_cached, write_text_atomic
 from ggufcarve.toolchain import FTYPES, IMATRIX_FTYPES, IMATRIX_TYPES, TENSOR_LINE, DryRun, QuantizeJob, QuantizeRun, Quantizer
 
 try:
@@ -294,7 +294,7 @@ def read_imatrix_info(path: Path, model: GGUFModel) -> ImatrixInfo:
     imatrix = read_imatrix(path)
     check = check_against_model(imatrix, model)
     _raise_mismatch(path, model, list(check.problems))
-    return ImatrixInfo(path, _sha256(path), imatrix.format, list(imatrix.datasets), imatrix.chunk_count, imatrix.chunk_size, {e.name for e in imatrix.entries})
+    return ImatrixInfo(path, sha256_file_cached(path), imatrix.format, list(imatrix.datasets), imatrix.chunk_count, imatrix.chunk_size, {e.name for e in imatrix.entries})
 
 
 def _raise_mismatch(path: Path, model: GGUFModel, problems: list[str]) -> None:
@@ -306,17 +306,8 @@ def _raise_mismatch(path: Path, model: GGUFModel, problems: list[str]) -> None:
         )
 
 
-def _sha256(path: Path) -> str:
-    """sha256 of a file, from fileio's cache when this exact file state was hashed before."""
-    digest = cached_sha256(path)
-    if digest is None:
-        digest = sha256_file(path)
-        remember_sha256(path, digest)
-    return digest
-
-
 def _source_sha256(model: GGUFModel) -> list[str]:
-    return [_sha256(p) for p in model.paths]
+    return [sha256_file_cached(p) for p in model.paths]
 
 
 def _inputs_key(rung: Rung, job: QuantizeJob, source_sha: Sequence[str], imatrix: ImatrixInfo | None, quantizer: dict[str, Any]) -> str:

@@ -35,10 +35,10 @@ from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 from ggufcarve.errors import BadInput, ToolFailed, ToolMissing
+from ggufcarve.fileio import cache_root, sha256_file_cached
 
 TOOLS = ("llama-quantize", "llama-imatrix", "llama-perplexity", "llama-gguf-split")
 ENV_LLAMA_CPP = "GGUFCARVE_LLAMA_CPP"
-ENV_CACHE = "GGUFCARVE_CACHE"
 # The cmake flags of llama.cpp's own static CPU build, without network or server code.
 CMAKE_FLAGS = ("-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF", "-DBUILD_SHARED_LIBS=OFF")
 PROBE_TIMEOUT = 30.0
@@ -69,13 +69,6 @@ def _ignore(_: ToolchainEvent) -> None:
 
 # ---------------------------------------------------------------------------------------------
 # Locations
-
-
-def cache_root() -> Path:
-    if os.environ.get(ENV_CACHE):
-        return Path(os.environ[ENV_CACHE]).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base).expanduser() / "ggufcarve"
 
 
 def llama_cpp_version() -> str:
@@ -146,20 +139,6 @@ def require_tool(name: str, llama_cpp_dir: str | os.PathLike[str] | None = None)
 # ---------------------------------------------------------------------------------------------
 # Probing
 
-_SHA_CACHE: dict[tuple[str, int, int], str] = {}
-
-
-def file_sha256(path: Path) -> str:
-    """sha256 of a file, memoised per (path, size, mtime)."""
-    st = path.stat()
-    key = (str(path), st.st_size, st.st_mtime_ns)
-    if key not in _SHA_CACHE:
-        from ggufcarve.fileio import sha256_file
-
-        _SHA_CACHE[key] = sha256_file(path)
-    return _SHA_CACHE[key]
-
-
 @dataclass(frozen=True)
 class ToolInfo:
     name: str
@@ -209,7 +188,7 @@ def probe_tool(path: Path, name: str | None = None, origin: str = "") -> ToolInf
     open the file; nothing is written). The other tools print their build with --version.
     """
     name = name or path.name
-    sha = file_sha256(path)
+    sha = sha256_file_cached(path)
     if name == "llama-quantize":
         code, usage = _run_probe([str(path), "--help"])
         works = "usage:" in usage and ("--allow-requantize" in usage or "--imatrix" in usage)
@@ -262,7 +241,7 @@ def libllama_info() -> dict[str, str] | None:
         path = lib_dir / candidate
         if path.exists():
             real = path.resolve()
-            return {"path": str(real), "sha256": file_sha256(real)}
+            return {"path": str(real), "sha256": sha256_file_cached(real)}
     return None
 
 
@@ -406,7 +385,7 @@ def install_prebuilt(bin_dir: Path, version: str | None = None, origin: str = "p
 def _write_build_info(staging: Path, version: str, **extra: object) -> None:
     info = {
         "llama_cpp_python": version,
-        "tools": {t: file_sha256(staging / "bin" / t) for t in TOOLS},
+        "tools": {t: sha256_file_cached(staging / "bin" / t) for t in TOOLS},
         "cmake_flags": list(CMAKE_FLAGS),
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         **extra,
@@ -441,7 +420,7 @@ def build_tools(on_event: EventSink | None = None, *, version: str | None = None
             sink(ToolchainEvent("extract", f"extracting vendor/llama.cpp from {sdist.name}"))
             source = extract_llama_cpp(sdist, staging / "src")
             compile_tools(source, staging / "build", staging / "bin", sink, jobs)
-            _write_build_info(staging, version, sdist=sdist.name, sdist_sha256=file_sha256(sdist))
+            _write_build_info(staging, version, sdist=sdist.name, sdist_sha256=sha256_file_cached(sdist))
             shutil.rmtree(staging / "src", ignore_errors=True)
             shutil.rmtree(staging / "build", ignore_errors=True)
             _move_into_place(staging, final)
