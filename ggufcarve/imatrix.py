@@ -210,15 +210,6 @@ class Imatrix:
             return None
         return keepset_from_provenance(_KvView(self))
 
-    @property
-    def expert_counts(self) -> dict[int, int]:
-        """Per block, the experts per expert entry as the file records them (GGUF rows > 1)."""
-        result: dict[int, int] = {}
-        for e in self.entries:
-            if e.is_expert_weight and e.per_expert_counts and e.block is not None:
-                result.setdefault(e.block, e.n_mat)
-        return result
-
 
 class _KvView:
     """Enough of GGUFModel for keepset_from_provenance."""

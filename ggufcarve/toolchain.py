@@ -310,10 +310,10 @@ def extract_llama_cpp(sdist: Path, dest: Path) -> Path:
         members = [m for m in tar.getmembers() if "/vendor/llama.cpp/" in m.name + "/" and (m.isfile() or m.isdir() or m.issym())]
         if not members:
             raise BadInput(f"{sdist} has no vendor/llama.cpp directory", "the file is not a llama-cpp-python sdist")
-        try:
+        if hasattr(tarfile, "data_filter"):
             tar.extractall(dest, members=members, filter="data")
-        except TypeError:  # Python without extraction filters
-            tar.extractall(dest, members=members)
+        else:  # Python without extraction filters: regular files and directories only, no links
+            tar.extractall(dest, members=[m for m in members if (m.isfile() or m.isdir()) and not Path(m.name).is_absolute() and ".." not in Path(m.name).parts])
     found = sorted(dest.glob("*/vendor/llama.cpp"))
     if not found or not (found[0] / "CMakeLists.txt").exists():
         raise BadInput(f"{sdist}: vendor/llama.cpp has no CMakeLists.txt", "the sdist is incomplete")
@@ -536,9 +536,6 @@ class Quantizer(ABC):
 
     backend = ""
 
-    def __init__(self) -> None:
-        self._info: dict[str, object] | None = None
-
     @abstractmethod
     def argv(self, job: QuantizeJob) -> list[str]:
         """The exact command line that quantizes `job`."""
@@ -547,7 +544,7 @@ class Quantizer(ABC):
     def describe(self) -> dict[str, object]:
         """backend, path, version/build, sha256: recorded in the manifest."""
 
-    def run(self, job: QuantizeJob, on_line: Callable[[str], None] | None = None, timeout: float | None = None) -> QuantizeRun:
+    def run(self, job: QuantizeJob, on_line: Callable[[str], None] | None = None) -> QuantizeRun:
         argv = self.argv(job)
         start = time.monotonic()
         try:
@@ -567,7 +564,7 @@ class Quantizer(ABC):
                     keep.append(line)
                 if on_line is not None:
                     on_line(line)
-            code = proc.wait(timeout=timeout)
+            code = proc.wait()
         except BaseException:
             proc.kill()
             proc.wait()
@@ -620,7 +617,6 @@ class BinaryQuantizer(Quantizer):
     backend = "binary"
 
     def __init__(self, path: Path, info: ToolInfo | None = None) -> None:
-        super().__init__()
         self.path = Path(path)
         self.tool = info or probe_tool(self.path, "llama-quantize", "given")
         if not self.tool.works:
@@ -643,7 +639,6 @@ class LibllamaQuantizer(Quantizer):
     flavour = "llama.cpp"
 
     def __init__(self) -> None:
-        super().__init__()
         lib = libllama_info()
         if lib is None:
             raise ToolMissing("llama-cpp-python's libllama was not found", "pip install llama-cpp-python, or use --quantizer binary")
