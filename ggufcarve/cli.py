@@ -215,7 +215,7 @@ def check_prune_command(
     src = read_model(source)
     layout = inspect_layout(src)
     pruned = read_model(output)
-    recorded = keepset_from_provenance(pruned)
+    recorded = keepset_from_provenance(pruned.get, pruned.path.name)
     if recorded is not None and keep is None and keep_first_count is None and keep_id_list is None:
         keepset = recorded
     else:
@@ -442,7 +442,7 @@ def _share(value: Optional[float]) -> str:
 
 def _imatrix_keepset(layout: MoeLayout, pruned: Optional[GGUFModel], keep: Optional[Path], first: Optional[int], ids: Optional[str]) -> KeepSet:
     """The keep-set given on the command line, else the one the pruned model records; both must agree."""
-    recorded = keepset_from_provenance(pruned) if pruned is not None else None
+    recorded = keepset_from_provenance(pruned.get, pruned.path.name) if pruned is not None else None
     if keep is None and first is None and ids is None:
         if recorded is None:
             where = f"{pruned.path} has no ggufcarve.kept_* keys" if pruned is not None else "no --model given"

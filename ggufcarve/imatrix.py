@@ -62,7 +62,7 @@ from ggufcarve.fileio import (
     sha256_file,
     write_text_atomic,
 )
-from ggufcarve.keepset import KeepSet, check_keepset
+from ggufcarve.keepset import KEY_KEPT_COUNT, KEY_KEPT_EXPERTS, KEY_SOURCE_EXPERT_COUNT, KeepSet, check_keepset, keepset_from_provenance, provenance_kvs
 from ggufcarve.moe import MoeLayout
 
 FORMATS = ("gguf", "dat")
@@ -71,14 +71,9 @@ KEY_DATASETS = "imatrix.datasets"
 KEY_CHUNK_COUNT = "imatrix.chunk_count"
 KEY_CHUNK_SIZE = "imatrix.chunk_size"
 IMATRIX_KEYS = (KEY_DATASETS, KEY_CHUNK_COUNT, KEY_CHUNK_SIZE)
-# Keys a remapped GGUF imatrix carries; the kept_* ones are spelled as in a pruned model, so
-# keepset.keepset_from_provenance reads either file.
-KEY_VERSION = "ggufcarve.version"
+# A remapped GGUF imatrix carries keepset.provenance_kvs (spelled as in a pruned model, so
+# keepset_from_provenance reads either file) and the sha256 of the imatrix it was remapped from.
 KEY_REMAP_SOURCE_SHA256 = "ggufcarve.imatrix.source_sha256"
-KEY_SOURCE_EXPERT_COUNT = "ggufcarve.source.expert_count"
-KEY_KEPT_COUNT = "ggufcarve.kept_expert_count"
-KEY_KEPT_BLOCKS = "ggufcarve.kept_blocks"
-KEY_KEPT_EXPERTS = "ggufcarve.kept_experts"
 DEFAULT_CHUNK_SIZE = 512  # llama-imatrix's default: -c 512 (and -b 2048 -> 4 sequences of 512)
 REPORT_NAME = "imatrix-remap-report.json"
 REPORT_SCHEMA_VERSION = 1
@@ -204,22 +199,9 @@ class Imatrix:
     @property
     def remap_keepset(self) -> KeepSet | None:
         """The keep-set a ggufcarve-remapped GGUF imatrix records, if any."""
-        from ggufcarve.keepset import keepset_from_provenance
-
-        if self.format != "gguf" or self.get(KEY_KEPT_EXPERTS) is None:
+        if self.format != "gguf":
             return None
-        return keepset_from_provenance(_KvView(self))
-
-
-class _KvView:
-    """Enough of GGUFModel for keepset_from_provenance."""
-
-    def __init__(self, imatrix: Imatrix) -> None:
-        self._imatrix = imatrix
-        self.path = imatrix.path or Path("imatrix")
-
-    def get(self, key: str, default: Any = None) -> Any:
-        return self._imatrix.get(key, default)
+        return keepset_from_provenance(self.get, self.path.name if self.path else "the imatrix")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -697,9 +679,7 @@ def check_against_model(imatrix: Imatrix, model: GGUFModel, *, sizes: Mapping[st
         )
     recorded = imatrix.remap_keepset
     if recorded is not None:
-        from ggufcarve.keepset import keepset_from_provenance
-
-        pruned_with = keepset_from_provenance(model)
+        pruned_with = keepset_from_provenance(model.get, model.path.name)
         if pruned_with is not None and pruned_with.layers != recorded.layers:
             differ = sorted(b for b in set(recorded.layers) | set(pruned_with.layers) if recorded.layers.get(b) != pruned_with.layers.get(b))
             problems.append(f"the imatrix was remapped with another keep-set than {model.path.name} was pruned with (blocks {', '.join(map(str, differ))} differ)")
@@ -967,18 +947,9 @@ def plan_remap(
 
     result = dataclasses.replace(conversion.imatrix, entries=tuple(entries))
     if fmt == "gguf":  # a note of the remap, spelled as in the pruned model (a .dat has no metadata)
-        blocks = sorted(keepset.layers)
-        changes = {
-            kv.key: kv
-            for kv in (
-                make_kv(KEY_VERSION, GGUFValueType.STRING, __version__),
-                make_kv(KEY_REMAP_SOURCE_SHA256, GGUFValueType.STRING, "0" * 64),  # filled in when written
-                make_kv(KEY_SOURCE_EXPERT_COUNT, GGUFValueType.UINT32, n_expert),
-                make_kv(KEY_KEPT_COUNT, GGUFValueType.UINT32, k),
-                make_kv(KEY_KEPT_BLOCKS, GGUFValueType.ARRAY, blocks, GGUFValueType.UINT32),
-                make_kv(KEY_KEPT_EXPERTS, GGUFValueType.ARRAY, [e for b in blocks for e in keepset.layers[b]], GGUFValueType.UINT32),
-            )
-        }
+        source_sha256 = make_kv(KEY_REMAP_SOURCE_SHA256, GGUFValueType.STRING, "0" * 64)  # filled in when written
+        provenance = provenance_kvs(keepset, n_expert)
+        changes = {kv.key: kv for kv in (provenance[0], source_sha256, *provenance[1:])}
         result = dataclasses.replace(result, kvs=tuple(replace_kvs(result.kvs, changes)))
     for name in conversion.skipped:
         warnings.append(f"{name} has no data at all; a .dat cannot hold it (llama-imatrix skips such entries), so IQ rungs need a --tensor-type override for it")

@@ -13,9 +13,12 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
-from ggufcarve.container import GGUFModel
+from gguf.constants import GGUFValueType
+
+from ggufcarve import __version__
+from ggufcarve.container import KeyValue, make_kv
 from ggufcarve.errors import BadInput
 from ggufcarve.moe import MoeLayout
 
@@ -55,14 +58,34 @@ def keep_ids(layout: MoeLayout, ids: Iterable[int]) -> KeepSet:
     return KeepSet({b: ids for b in layout.blocks}, {"selection": "ids given on the command line"})
 
 
-def keepset_from_provenance(model: GGUFModel) -> KeepSet | None:
-    """The keep-set a ggufcarve output records in its ggufcarve.kept_* keys, if it has them."""
-    blocks, experts, kept = (model.get(k) for k in ("ggufcarve.kept_blocks", "ggufcarve.kept_experts", "ggufcarve.kept_expert_count"))
+# Keys a ggufcarve output (pruned model or remapped imatrix) carries to say what it kept.
+KEY_VERSION = "ggufcarve.version"
+KEY_SOURCE_EXPERT_COUNT = "ggufcarve.source.expert_count"
+KEY_KEPT_COUNT = "ggufcarve.kept_expert_count"
+KEY_KEPT_BLOCKS = "ggufcarve.kept_blocks"
+KEY_KEPT_EXPERTS = "ggufcarve.kept_experts"  # blocks x K ids, row-major in KEY_KEPT_BLOCKS order
+
+
+def provenance_kvs(keepset: KeepSet, source_expert_count: int) -> list[KeyValue]:
+    """The ggufcarve.* records describing a keep-set: version, expert counts, kept ids per block."""
+    blocks = sorted(keepset.layers)
+    return [
+        make_kv(KEY_VERSION, GGUFValueType.STRING, __version__),
+        make_kv(KEY_SOURCE_EXPERT_COUNT, GGUFValueType.UINT32, source_expert_count),
+        make_kv(KEY_KEPT_COUNT, GGUFValueType.UINT32, keepset.kept_count),
+        make_kv(KEY_KEPT_BLOCKS, GGUFValueType.ARRAY, blocks, GGUFValueType.UINT32),
+        make_kv(KEY_KEPT_EXPERTS, GGUFValueType.ARRAY, [e for b in blocks for e in keepset.layers[b]], GGUFValueType.UINT32),
+    ]
+
+
+def keepset_from_provenance(get: Callable[[str], Any], name: str) -> KeepSet | None:
+    """The keep-set recorded by provenance_kvs in a file whose keys `get` reads, if it has one."""
+    blocks, experts, kept = get(KEY_KEPT_BLOCKS), get(KEY_KEPT_EXPERTS), get(KEY_KEPT_COUNT)
     if blocks is None or experts is None or not kept or len(experts) != len(blocks) * kept:
         return None
     ids = [int(e) for e in experts]
     layers = {int(b): tuple(ids[i * kept : (i + 1) * kept]) for i, b in enumerate(blocks)}
-    return KeepSet(layers, {"selection": f"read from {model.path.name} (ggufcarve.kept_experts)"})
+    return KeepSet(layers, {"selection": f"read from {name} ({KEY_KEPT_EXPERTS})"})
 
 
 def parse_id_list(text: str) -> list[int]:

@@ -43,7 +43,7 @@ from ggufcarve.container import (
 )
 from ggufcarve.errors import BadInput, OutputError, VerificationFailed
 from ggufcarve.fileio import CHUNK, BackgroundFlush, atomic_outputs, cached_sha256, check_outputs, copy_range, read_ranges, remember_sha256, write_text_atomic, xxh3_of_ranges
-from ggufcarve.keepset import KeepSet, check_keepset
+from ggufcarve.keepset import KeepSet, check_keepset, provenance_kvs
 from ggufcarve.moe import MoeLayout
 
 REPORT_SCHEMA_VERSION = 1
@@ -249,15 +249,8 @@ def plan_prune(
             changes["general.size_label"] = make_kv("general.size_label", GGUFValueType.STRING, new_label)
             changed_keys["general.size_label"] = (label, new_label)
     if provenance:
-        blocks = sorted(keepset.layers)
-        for kv in (
-            make_kv("ggufcarve.version", GGUFValueType.STRING, __version__),
-            make_kv(KEY_SOURCE_SHA256, GGUFValueType.ARRAY, [SHA256_PLACEHOLDER] * len(model.shards), GGUFValueType.STRING),
-            make_kv("ggufcarve.source.expert_count", GGUFValueType.UINT32, layout.expert_count),
-            make_kv("ggufcarve.kept_expert_count", GGUFValueType.UINT32, kept),
-            make_kv("ggufcarve.kept_blocks", GGUFValueType.ARRAY, blocks, GGUFValueType.UINT32),
-            make_kv("ggufcarve.kept_experts", GGUFValueType.ARRAY, [e for b in blocks for e in keepset.layers[b]], GGUFValueType.UINT32),
-        ):
+        source_sha256 = make_kv(KEY_SOURCE_SHA256, GGUFValueType.ARRAY, [SHA256_PLACEHOLDER] * len(model.shards), GGUFValueType.STRING)
+        for kv in (source_sha256, *provenance_kvs(keepset, layout.expert_count)):
             changes[kv.key] = kv
 
     output = Path(output)

@@ -334,7 +334,7 @@ def test_remap_takes_kept_rows_in_keep_order(llama_imatrix, pruned, tmp_path):
     assert {k: v for k, v in ((kv.key, kv.raw) for kv in out_file.kvs) if k in src_kvs} == src_kvs
     assert out_file.get("ggufcarve.kept_expert_count") == 4 and out_file.get("ggufcarve.source.expert_count") == 8
     assert out_file.get("ggufcarve.imatrix.source_sha256") == sha256(llama_imatrix["gguf"])
-    assert keepset_from_provenance(read_model(out)).layers == {int(b): tuple(v) for b, v in KEEP.items()}
+    assert keepset_from_provenance(read_model(out).get, out.name).layers == {int(b): tuple(v) for b, v in KEEP.items()}
 
     # .dat: expert-major rows of the flat values
     out_dat = tmp_path / "k4.dat"
