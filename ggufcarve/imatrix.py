@@ -55,9 +55,10 @@ from ggufcarve.container import (
     read_file,
     replace_kvs,
 )
-from ggufcarve.errors import BadInput, CarveError, OutputError
+from ggufcarve.errors import BadInput, CarveError
 from ggufcarve.fileio import (
     atomic_outputs,
+    check_report_slot,
     check_outputs,
     sha256_file,
     write_text_atomic,
@@ -1028,21 +1029,6 @@ def default_report_path(output: Path) -> Path:
     return output.parent / "method" / REPORT_NAME
 
 
-def _check_report_slot(report_path: Path, output: Path, force: bool) -> None:
-    """Refuse to replace the report of a different output (another remap into the same directory)."""
-    if force or not report_path.exists():
-        return
-    try:
-        name = Path(json.loads(report_path.read_text())["output"]["path"]).name
-    except (OSError, ValueError, KeyError, TypeError):
-        name = None
-    if name != output.name:
-        raise OutputError(
-            f"{report_path} already describes another output ({name or 'unreadable'})",
-            "write to another directory, pass --report PATH, or --force to replace it",
-        )
-
-
 def execute_remap(
     plan: RemapPlan,
     *,
@@ -1056,7 +1042,7 @@ def execute_remap(
     t0 = time.perf_counter()
     assert plan.source.path is not None
     report_path = report_path or default_report_path(plan.output_path)
-    _check_report_slot(report_path, plan.output_path, force)
+    check_report_slot(report_path, [plan.output_path.name], lambda doc: [Path(doc["output"]["path"]).name], force)
     input_sha = sha256_file(plan.source.path)
     output = plan.output
     if output.format == "gguf" and any(kv.key == KEY_REMAP_SOURCE_SHA256 for kv in output.kvs):

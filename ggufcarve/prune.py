@@ -41,8 +41,8 @@ from ggufcarve.container import (
     replace_kvs,
     shard_paths,
 )
-from ggufcarve.errors import BadInput, OutputError, VerificationFailed
-from ggufcarve.fileio import CHUNK, BackgroundFlush, atomic_outputs, cached_sha256, check_outputs, copy_range, read_ranges, remember_sha256, write_text_atomic, xxh3_of_ranges
+from ggufcarve.errors import BadInput, VerificationFailed
+from ggufcarve.fileio import CHUNK, BackgroundFlush, atomic_outputs, cached_sha256, check_outputs, check_report_slot, copy_range, read_ranges, remember_sha256, write_text_atomic, xxh3_of_ranges
 from ggufcarve.keepset import KeepSet, check_keepset, provenance_kvs
 from ggufcarve.moe import MoeLayout
 
@@ -594,21 +594,6 @@ def default_report_path(plan: PrunePlan) -> Path:
     return plan.outputs[0].parent / "method" / "pruning-report.json"
 
 
-def _check_report_slot(report_path: Path, plan: PrunePlan, force: bool) -> None:
-    """Refuse to replace the report of a different output (another prune into the same directory)."""
-    if force or not report_path.exists():
-        return
-    try:
-        names = [f["name"] for f in json.loads(report_path.read_text())["output"]["files"]]
-    except (OSError, ValueError, KeyError, TypeError):
-        names = None
-    if names != [p.name for p in plan.outputs]:
-        raise OutputError(
-            f"{report_path} already describes another output ({', '.join(names or ['unreadable'])})",
-            "write to another directory, pass --report PATH, or --force to replace it",
-        )
-
-
 def execute(plan: PrunePlan, model: GGUFModel, *, force: bool = False, on_event: EventSink = _ignore, report_path: Path | None = None) -> PruneResult:
     """Write the plan's outputs (temp names, fsync, rename), verify them, and write the report.
 
@@ -620,7 +605,7 @@ def execute(plan: PrunePlan, model: GGUFModel, *, force: bool = False, on_event:
     t_start = time.perf_counter()
     report_path = report_path or default_report_path(plan)
     check_outputs(plan.outputs, list(plan.sources), plan.bytes_out, force)
-    _check_report_slot(report_path, plan, force)
+    check_report_slot(report_path, [p.name for p in plan.outputs], lambda doc: [f["name"] for f in doc["output"]["files"]], force)
     ranges = tensor_ranges(model, plan.layout, plan.keepset)
     source_total = source_hash_bytes(model, ranges)
     data_total = sum(t.nbytes for t in plan.tensors.values())
