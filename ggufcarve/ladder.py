@@ -38,7 +38,7 @@ from ggufcarve import __version__
 from ggufcarve.container import SHARD_NAME, GGUFModel, read_model
 from ggufcarve.errors import BadInput, OutputError, ToolFailed
 from ggufcarve.fileio import sha256_file, sha256_file_cached, write_text_atomic
-from ggufcarve.toolchain import FTYPES, IMATRIX_FTYPES, IMATRIX_TYPES, TENSOR_LINE, DryRun, QuantizeJob, QuantizeRun, Quantizer
+from ggufcarve.toolchain import FTYPES, IMATRIX_FTYPES, IMATRIX_TYPES, TENSOR_LINE, DryRun, QuantizeJob, QuantizeRun, Quantizer, type_requires_imatrix
 
 try:
     import tomllib
@@ -77,9 +77,7 @@ class Rung:
     @property
     def needs_imatrix(self) -> bool:
         """From the ftype and the overrides, as llama-quantize's tensor_requires_imatrix decides it."""
-        if self.ftype in IMATRIX_FTYPES:
-            return True
-        return any(t in IMATRIX_TYPES or (t == "Q2_K" and self.ftype == "Q2_K_S") for _, t in self.tensor_types)
+        return self.ftype in IMATRIX_FTYPES or any(type_requires_imatrix("", t, self.ftype) for _, t in self.tensor_types)
 
     def file_name(self, model: str) -> str:
         return self.file_pattern.format(model=model, quant=self.name)
