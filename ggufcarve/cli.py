@@ -331,7 +331,7 @@ def ladder_run(
 
     ladder_spec = load_spec(spec)
     quantizer = make_quantizer(quantizer_choice, llama_cpp)
-    plan = plan_ladder(ladder_spec, source, output, quantizer=quantizer, imatrix=imatrix, only=only, model_name=model_name, nthreads=threads or os.cpu_count())
+    plan = plan_ladder(ladder_spec, source, output, quantizer=quantizer, imatrix=imatrix, only=only, model_name=model_name, nthreads=threads or os.cpu_count(), hash_inputs=not dry_run)
     for warning in plan.warnings:
         err.print(f"[yellow]warning:[/] {escape(warning)}", soft_wrap=True, highlight=False)
     described = quantizer.describe()

@@ -331,9 +331,14 @@ def plan_ladder(
     only: Sequence[str] | None = None,
     model_name: str | None = None,
     nthreads: int | None = None,
+    hash_inputs: bool = True,
     on_event: EventSink = _ignore,
 ) -> LadderPlan:
-    """Validate everything and resolve every rung's exact job before anything is written."""
+    """Validate everything and resolve every rung's exact job before anything is written.
+
+    `hash_inputs=False` (a dry run) skips the source's sha256 and the rungs' inputs keys, which
+    only running and resuming need; such a plan cannot be run.
+    """
     rungs = spec.select(only)
     source_path = Path(source)
     on_event(LadderEvent("validate", message=f"reading {source_path}"))
@@ -371,7 +376,7 @@ def plan_ladder(
             on_event(LadderEvent("dry-run", r.name, f"dry run {r.ftype}"))
             dry[r.name] = futures[r.name].result()
 
-    source_sha = _source_sha256(model)
+    source_sha = _source_sha256(model) if hash_inputs else []
     qinfo = quantizer.describe()
     planned: list[PlannedRung] = []
     warnings: list[str] = []
@@ -388,7 +393,7 @@ def plan_ladder(
         final = out / file_name
         temp = out / f".{file_name}{PARTIAL_SUFFIX}"
         job = QuantizeJob(source_path, temp, r.ftype, info.path if info else None, r.allow_requantize, r.output_tensor_type, r.token_embedding_type, overrides, r.pure, False, nthreads)
-        planned.append(PlannedRung(r, final, job, fallback, dry[r.name].size_bytes, _inputs_key(r, job, source_sha, info, qinfo)))
+        planned.append(PlannedRung(r, final, job, fallback, dry[r.name].size_bytes, _inputs_key(r, job, source_sha, info, qinfo) if hash_inputs else ""))
     if unquantized_iq:
         raise BadInput(f"without an imatrix these rungs would fail: {'; '.join(unquantized_iq)}", "pass --imatrix FILE, or leave these rungs out with --only")
     _check_disk(out, planned)
@@ -492,6 +497,8 @@ def bits_per_weight(path: Path) -> float | None:
 
 def run_ladder(plan: LadderPlan, *, keep_going: bool = False, on_event: EventSink = _ignore) -> LadderResult:
     """Run the planned rungs; see the module docstring. Raises ToolFailed on the first failure unless keep_going."""
+    if not plan.source_sha256:
+        raise ValueError("run_ladder needs a plan made with hash_inputs=True")
     out = plan.out_dir
     out.mkdir(parents=True, exist_ok=True)
     lock = _lock_dir(out)

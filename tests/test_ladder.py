@@ -306,6 +306,17 @@ def test_libllama_backend_ladder_and_dry_run(small_spec, q8_moe, ladder, tmp_pat
     assert read_model(out / name).get("general.file_type") == 15
 
 
+def test_dry_run_does_not_hash_the_source(small_spec, q8_moe, tmp_path, monkeypatch):
+    from ggufcarve.fileio import cached_sha256
+
+    monkeypatch.setenv("GGUFCARVE_CACHE", str(tmp_path / "cache"))
+    dry = ggufcarve("ladder", "run", small_spec, "--source", q8_moe, "-o", tmp_path / "out", "--only", "Q4_K_M", "--quantizer", "libllama", "--dry-run")
+    assert dry.code == 0, dry.stderr
+    assert cached_sha256(q8_moe) is None
+    run = ggufcarve("ladder", "run", small_spec, "--source", q8_moe, "-o", tmp_path / "out", "--only", "Q4_K_M", "--quantizer", "libllama", "-t", "2", "-q")
+    assert run.code == 0 and cached_sha256(q8_moe) is not None, run.stderr[-2000:]
+
+
 def test_plan_refuses_output_next_to_source(q8_moe_copy_dir):
     from ggufcarve.errors import OutputError
     from ggufcarve.toolchain import LibllamaQuantizer
