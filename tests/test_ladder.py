@@ -306,6 +306,7 @@ def test_libllama_backend_ladder_and_dry_run(small_spec, q8_moe, ladder, tmp_pat
     assert read_model(out / name).get("general.file_type") == 15
 
 
+@pytest.mark.slow
 def test_dry_run_does_not_hash_the_source(small_spec, q8_moe, tmp_path, monkeypatch):
     from ggufcarve.fileio import cached_sha256
 
