@@ -287,7 +287,8 @@ def toolchain_build(
     from ggufcarve.toolchain import ToolchainEvent, build_tools, install_prebuilt
 
     if from_dir is not None:
-        out.print(f"installed: {install_prebuilt(from_dir, origin=f'copied from {from_dir}')}")
+        bin_dir, copied = install_prebuilt(from_dir, origin=f"copied from {from_dir}", force=force)
+        out.print(f"installed: {bin_dir}" if copied else f"already cached (pass --force to replace): {bin_dir}")
         return
     if quiet:
         bin_dir = build_tools(None, jobs=jobs, force=force)

@@ -360,13 +360,16 @@ def compile_tools(source_dir: Path, build_dir: Path, bin_out: Path, on_event: Ev
     on_event(ToolchainEvent("install", f"copied {', '.join(TOOLS)}", 1.0))
 
 
-def install_prebuilt(bin_dir: Path, version: str | None = None, origin: str = "prebuilt") -> Path:
-    """Put already built tools (e.g. from a llama.cpp build of the same source) into the cache layout."""
+def install_prebuilt(bin_dir: Path, version: str | None = None, origin: str = "prebuilt", force: bool = False) -> tuple[Path, bool]:
+    """Put already built tools (e.g. from a llama.cpp build of the same source) into the cache layout.
+
+    Returns the cache's bin dir and whether anything was copied (False: the cache had them, no force).
+    """
     version = version or llama_cpp_version()
     final = cache_dir(version)
     with _lock(cache_root() / f".llama.cpp-{version}.lock"):
-        if _all_tools_in(final / "bin"):
-            return final / "bin"
+        if not force and _all_tools_in(final / "bin"):
+            return final / "bin", False
         missing = [t for t in TOOLS if not _is_executable(bin_dir / t)]
         if missing:
             raise BadInput(f"{bin_dir} lacks {', '.join(missing)}", "give the bin directory of a llama.cpp build that has all four tools")
@@ -379,7 +382,7 @@ def install_prebuilt(bin_dir: Path, version: str | None = None, origin: str = "p
             _move_into_place(staging, final)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
-    return final / "bin"
+    return final / "bin", True
 
 
 def _write_build_info(staging: Path, version: str, **extra: object) -> None:

@@ -295,3 +295,21 @@ def test_dry_run_reports_targets(q8_moe, llama_tools):
         assert "blk.0.ffn_down_exps.weight" in dry.needs_imatrix("IQ2_XS")
         assert "token_embd.weight" not in dry.needs_imatrix("IQ2_XS")
         assert 0 < dry.size_bytes < os.path.getsize(q8_moe)
+
+
+def test_install_prebuilt_copies_once_unless_forced(tmp_path, monkeypatch):
+    monkeypatch.setenv("GGUFCARVE_CACHE", str(tmp_path / "cache"))
+    built = tmp_path / "build" / "bin"
+    built.mkdir(parents=True)
+    for tool in toolchain.TOOLS:
+        (built / tool).write_text("#!/bin/sh\necho built\n")
+        (built / tool).chmod(0o755)
+    bin_dir, copied = toolchain.install_prebuilt(built, version="9.9.9")
+    assert copied and sorted(p.name for p in bin_dir.iterdir()) == sorted(toolchain.TOOLS)
+    assert toolchain.install_prebuilt(built, version="9.9.9") == (bin_dir, False)
+    (built / "llama-quantize").write_text("#!/bin/sh\necho rebuilt\n")
+    assert toolchain.install_prebuilt(built, version="9.9.9", force=True) == (bin_dir, True)
+    assert "rebuilt" in (bin_dir / "llama-quantize").read_text()
+    (built / "llama-imatrix").unlink()
+    with pytest.raises(BadInput, match="lacks llama-imatrix"):
+        toolchain.install_prebuilt(built, version="9.9.10")
