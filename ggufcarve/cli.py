@@ -69,7 +69,7 @@ def _progress(enabled: bool) -> Iterator[Callable[[ProgressEvent], None]]:
 
     def sink(event: ProgressEvent) -> None:
         if event.stage not in tasks:
-            tasks[event.stage] = bars.add_task(event.stage, total=event.total)
+            tasks[event.stage] = bars.add_task(event.stage, total=event.total or None)  # 0: size not known ahead
         bars.update(tasks[event.stage], advance=event.advance)
 
     with bars:
@@ -473,6 +473,7 @@ def imatrix_remap(
     force: Annotated[bool, typer.Option("--force", help="Replace an existing output (and its report).")] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Validate and print the plan; write nothing.")] = False,
     report: Annotated[Optional[Path], typer.Option("--report", help="Where to write the report [default: OUTPUT_DIR/method/imatrix-remap-report.json].")] = None,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the plan (with --dry-run) or the report as JSON.")] = False,
 ) -> None:
     """Keep the kept experts' rows of every expert entry, in keep-set order; every other entry unchanged.
@@ -480,7 +481,7 @@ def imatrix_remap(
     Needs --model (the pruned model) or --source-model (the unpruned one), or both: the model gives
     the MoE layout the keep-set refers to (mtp_<j> keys, expert count) and the sizes to check."""
     from ggufcarve.imatrix import default_report_path as imatrix_report_path
-    from ggufcarve.imatrix import execute_remap, format_from_path, plan_remap, read_imatrix, resolve_source_layout
+    from ggufcarve.imatrix import encoded_size, execute_remap, format_from_path, plan_remap, read_imatrix, resolve_source_layout
 
     if model is None and source_model is None:
         raise BadInput("imatrix remap needs the model: give --model PRUNED.gguf and/or --source-model SOURCE.gguf", "the model gives the MoE layout the keep-set refers to and the tensor sizes llama-quantize checks")
@@ -508,7 +509,9 @@ def imatrix_remap(
         out.print(f"dry run, nothing written: {len(plan.tensors)} expert entries {layout.expert_count} -> {plan.kept_count} experts, {len(plan.unchanged)} entries unchanged -> {output} ({target})")
         return
     sources = [p for m in (pruned, source) if m is not None for p in m.paths]
-    result = execute_remap(plan, force=force, report_path=report, sources=sources)
+    total = encoded_size(plan.output)
+    with _progress(not quiet and not as_json) as sink:
+        result = execute_remap(plan, force=force, report_path=report, sources=sources, progress=lambda n: sink(ProgressEvent("write", n, total)))
     if as_json:
         out.print_json(result.report_path.read_text())
         return
@@ -594,6 +597,7 @@ def imatrix_convert(
     fmt: ImatrixFormatOption = None,
     chunk_size: ChunkSizeOption = None,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing output.")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")] = False,
 ) -> None:
     """GGUF <-> legacy .dat, as llama-imatrix itself converts (some forks' quantizers read only .dat).
 
@@ -605,7 +609,8 @@ def imatrix_convert(
     if target is None:
         raise BadInput(f"cannot tell the output format from {output.name}", "pass --format gguf or --format dat")
     loaded = read_imatrix(source)
-    result = convert_file(loaded, output, target, chunk_size=chunk_size, force=force)
+    with _progress(not quiet) as sink:
+        result = convert_file(loaded, output, target, chunk_size=chunk_size, force=force, progress=lambda n: sink(ProgressEvent("write", n, 0)))
     if result.conversion.losses:
         err.print(f"[yellow]warning:[/] {loaded.format} -> {target} drops: {escape('; '.join(result.conversion.losses))}", soft_wrap=True, highlight=False)
     if result.conversion.skipped:
