@@ -386,6 +386,11 @@ class _Cancelled(Exception):
     """Stops a hashing thread when the write failed."""
 
 
+def _ascending(ranges: tuple[SourceRange, ...]) -> bool:
+    """Slices in file order, so one sequential read of the source can hash them."""
+    return all(a.offset + a.length <= b.offset for a, b in zip(ranges, ranges[1:]))
+
+
 def hash_source(model: GGUFModel, ranges: Ranges, progress: Callable[[int], None]) -> tuple[list[str], dict[str, str]]:
     """Each source file's sha256 and each output tensor's expected xxh3-128 (of its source slices).
 
@@ -396,7 +401,7 @@ def hash_source(model: GGUFModel, ranges: Ranges, progress: Callable[[int], None
     folded: list[list[tuple[int, int, str]]] = [[] for _ in model.shards]
     positioned: list[str] = []
     for name, (_, rs) in ranges.items():
-        if all(a.offset + a.length <= b.offset for a, b in zip(rs, rs[1:])):
+        if _ascending(rs):
             folded[rs[0].shard].extend((r.offset, r.offset + r.length, name) for r in rs)
         else:
             positioned.append(name)
@@ -446,8 +451,7 @@ def source_hash_bytes(model: GGUFModel, ranges: Ranges) -> int:
     uncached = {i for i, p in enumerate(model.paths) if cached_sha256(p) is None}
     total = sum(model.shards[i].size for i in uncached)
     for _, rs in ranges.values():
-        ascending = all(a.offset + a.length <= b.offset for a, b in zip(rs, rs[1:]))
-        if not ascending or rs[0].shard not in uncached:
+        if not _ascending(rs) or rs[0].shard not in uncached:
             total += sum(r.length for r in rs)
     return total
 
