@@ -157,9 +157,19 @@ class ToolInfo:
         return asdict(self)
 
 
+def tool_env() -> dict[str, str]:
+    """The environment for running llama.cpp code in a child process.
+
+    GGML_NO_BACKTRACE: on an abort (GGML_ASSERT, uncaught exception) ggml otherwise forks gdb to
+    attach to the dying process and print a backtrace; gdb inherits the output pipe and can
+    hang for minutes, so the abort would never reach us.
+    """
+    return {**os.environ, "GGML_NO_BACKTRACE": "1"}
+
+
 def _run_probe(argv: Sequence[str]) -> tuple[int, str]:
     try:
-        proc = subprocess.run(list(argv), capture_output=True, text=True, errors="replace", timeout=PROBE_TIMEOUT, stdin=subprocess.DEVNULL)
+        proc = subprocess.run(list(argv), capture_output=True, text=True, errors="replace", timeout=PROBE_TIMEOUT, stdin=subprocess.DEVNULL, env=tool_env())
     except (OSError, subprocess.TimeoutExpired) as err:
         return -1, str(err)
     return proc.returncode, proc.stdout + proc.stderr
@@ -551,7 +561,7 @@ class Quantizer(ABC):
         argv = self.argv(job)
         start = time.monotonic()
         try:
-            proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, errors="replace", text=True, bufsize=1)
+            proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, errors="replace", text=True, bufsize=1, env=tool_env())
         except OSError as err:
             raise ToolMissing(f"cannot run {argv[0]}: {err.strerror or err}", "check the quantizer path (ggufcarve toolchain show)") from None
         tail: list[str] = []

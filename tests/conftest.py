@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import pathlib
 import sys
 
@@ -11,6 +12,10 @@ import pytest
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 import factory  # noqa: E402
+
+# llama.cpp children started by tests (probes, llama-imatrix, llama-gguf-split, quantizers) must
+# not fork gdb on an abort: it inherits their output pipe and can hang the test for minutes.
+os.environ["GGML_NO_BACKTRACE"] = "1"
 
 
 @pytest.fixture(scope="session")

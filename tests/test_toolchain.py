@@ -313,3 +313,13 @@ def test_install_prebuilt_copies_once_unless_forced(tmp_path, monkeypatch):
     (built / "llama-imatrix").unlink()
     with pytest.raises(BadInput, match="lacks llama-imatrix"):
         toolchain.install_prebuilt(built, version="9.9.10")
+
+
+def test_quantizer_children_never_fork_gdb_on_abort(tmp_path, monkeypatch):
+    """ggml forks gdb on an abort unless GGML_NO_BACKTRACE is set; gdb can hang the run for minutes."""
+    monkeypatch.delenv("GGML_NO_BACKTRACE", raising=False)  # conftest sets it for every test child
+    tool = fake_tool(tmp_path, "llama-quantize")
+    quantizer = BinaryQuantizer(tool)
+    tool.write_text('#!/bin/sh\necho "GGML_NO_BACKTRACE=$GGML_NO_BACKTRACE"\nexit 134\n')
+    run = quantizer.run(QuantizeJob(Path("in.gguf"), tmp_path / "out.gguf", "Q4_K_M"))
+    assert run.returncode == 134 and "GGML_NO_BACKTRACE=1" in run.tail
