@@ -29,7 +29,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 import factory  # noqa: E402
 from conftest import make_imatrix  # noqa: E402
 
-from ggufcarve.toolchain import build_tools, find_tool  # noqa: E402
+from ggufcarve.llama.build import build_tools
+from ggufcarve.llama.tools import find_tool
 
 
 def timed(argv: list[str], cwd: Path | None = None) -> float:

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 from gguf.constants import GGMLQuantizationType, GGUFValueType
 
-from ggufcarve.container import TensorHeader, encode_header, make_kv, pad_to
+from ggufcarve.gguf.container import TensorHeader, encode_header, make_kv, pad_to
 
 Q8_0 = int(GGMLQuantizationType.Q8_0)
 F32 = int(GGMLQuantizationType.F32)

@@ -88,6 +88,7 @@ def sha256_file(path: str | os.PathLike[str], progress: Progress = _noop, buffer
     return hasher.hexdigest()
 
 
+PARTIAL_SUFFIX = ".partial"
 SHA256_CACHE_NAME = "sha256-cache.json"
 ENV_CACHE = "GGUFCARVE_CACHE"
 

@@ -38,7 +38,7 @@ def sha256(path: Path) -> str:
 
 def tensor_bytes(path: Path, name: str) -> bytes:
     """The data of tensor `name` of a GGUF file or split set (first shard)."""
-    from ggufcarve.container import read_model
+    from ggufcarve.gguf.container import read_model
 
     model = read_model(path)
     shard, info = model.tensor_index[name]

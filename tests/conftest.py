@@ -55,7 +55,8 @@ def llama_tools() -> pathlib.Path:
     they are not all in one place, they are built once into the cache from the llama-cpp-python
     sdist (~10-13 min on 2 cores on a fresh machine; later runs reuse the cache).
     """
-    from ggufcarve.toolchain import TOOLS, build_tools, find_tool
+    from ggufcarve.llama.build import build_tools
+    from ggufcarve.llama.tools import TOOLS, find_tool
 
     found = [find_tool(name) for name in TOOLS]
     if all(found) and len({p.parent for p in found}) == 1:

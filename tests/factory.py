@@ -51,9 +51,8 @@ import sys
 import zlib
 from dataclasses import dataclass, field
 
-import numpy as np
-
 import gguf
+import numpy as np
 from gguf import GGMLQuantizationType as QT
 
 ARCHES = ("qwen3moe", "qwen35moe", "deepseek2", "gpt-oss", "fused")

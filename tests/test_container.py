@@ -4,12 +4,19 @@ from __future__ import annotations
 
 import struct
 
-import pytest
-
 import factory
-from ggufcarve.container import GGUFModel, encode_header, read_file, read_model, replace_kvs, make_kv
-from ggufcarve.errors import BadInput
+import pytest
 from gguf.constants import GGUFValueType
+
+from ggufcarve.errors import BadInput
+from ggufcarve.gguf.container import (
+    GGUFModel,
+    encode_header,
+    make_kv,
+    read_file,
+    read_model,
+    replace_kvs,
+)
 
 
 def reencode(path):
@@ -19,7 +26,7 @@ def reencode(path):
 
 
 def _header(t):
-    from ggufcarve.container import TensorHeader
+    from ggufcarve.gguf.container import TensorHeader
 
     return TensorHeader(t.name, t.shape, t.type_id, t.nbytes)
 

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
+import factory
+import gguf
 import numpy as np
 import pytest
-
-import gguf
 from gguf import GGMLQuantizationType as QT
-
-import factory
 from llama_probe import probe
 
 TOKENS = [factory.BOS_ID] + [int(t) for t in np.random.default_rng(123).integers(3, factory.N_VOCAB, 31)]

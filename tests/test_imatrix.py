@@ -20,11 +20,13 @@ import pytest
 from clirun import ggufcarve, sha256
 from llama_probe import probe
 
-from ggufcarve.container import read_file, read_model
-from ggufcarve.imatrix import read_imatrix, to_dat, write_to_fd
-from ggufcarve.keepset import keepset_from_provenance, load_keepset
-from ggufcarve.moe import inspect_layout
-from ggufcarve.prune import execute, plan_prune
+from ggufcarve.gguf.container import read_file, read_model
+from ggufcarve.imatrix.convert import to_dat
+from ggufcarve.imatrix.formats import read_imatrix, write_to_fd
+from ggufcarve.moe.keepset import keepset_from_provenance, load_keepset
+from ggufcarve.moe.layout import inspect_layout
+from ggufcarve.prune.execute import execute
+from ggufcarve.prune.plan import plan_prune
 
 N_EXPERT = 8
 # Non-ascending on purpose: rows must come out in keep-set order.
@@ -612,8 +614,9 @@ def test_outputs_are_never_overwritten(synthetic, q3, tmp_path):
 
 
 def test_library_never_prints(synthetic, q3, tmp_path, capsys):
-    from ggufcarve.imatrix import execute_remap, plan_remap, summarize
-    from ggufcarve.keepset import keep_first
+    from ggufcarve.imatrix.check import summarize
+    from ggufcarve.imatrix.remap import execute_remap, plan_remap
+    from ggufcarve.moe.keepset import keep_first
 
     model = read_model(q3)
     layout = inspect_layout(model)

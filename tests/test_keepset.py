@@ -6,10 +6,16 @@ import json
 
 import pytest
 
-from ggufcarve.container import read_model
 from ggufcarve.errors import BadInput, UnsupportedModel
-from ggufcarve.keepset import KeepSet, check_keepset, keep_first, load_keepset, parse_id_list
-from ggufcarve.moe import expert_role, inspect_layout
+from ggufcarve.gguf.container import read_model
+from ggufcarve.moe.keepset import (
+    KeepSet,
+    check_keepset,
+    keep_first,
+    load_keepset,
+    parse_id_list,
+)
+from ggufcarve.moe.layout import expert_role, inspect_layout
 
 
 @pytest.fixture(scope="module")

@@ -10,12 +10,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from clirun import ggufcarve, sha256
-from ggufcarve.container import read_model
+
 from ggufcarve.errors import BadInput
-from ggufcarve.ladder import load_spec, model_name_from, parse_spec, plan_ladder
-from ggufcarve.toolchain import BinaryQuantizer, QuantizeJob
+from ggufcarve.gguf.container import read_model
+from ggufcarve.quant.quantizer import BinaryQuantizer, QuantizeJob
+from ggufcarve.quant.run import model_name_from, plan_ladder
+from ggufcarve.quant.spec import load_spec, parse_spec
 
 ROOT = Path(__file__).resolve().parent.parent
 SHIPPED = ROOT / "ladders" / "q8-to-iq1.toml"
@@ -300,7 +301,7 @@ def test_libllama_backend_ladder_and_dry_run(small_spec, q8_moe, ladder, tmp_pat
     run = ggufcarve("ladder", "run", small_spec, "--source", q8_moe, "-o", out, "--only", "Q4_K_M", "--quantizer", "libllama", "-t", "2")
     assert run.code == 0, run.stderr[-2000:]
     manifest = json.loads((out / "quant-manifest.json").read_text())
-    assert manifest["quantizer"]["backend"] == "libllama" and manifest["rungs"][0]["command"][1:3] == ["-m", "ggufcarve.quantize_child"]
+    assert manifest["quantizer"]["backend"] == "libllama" and manifest["rungs"][0]["command"][1:3] == ["-m", "ggufcarve.llama.quantize_child"]
     name = manifest["rungs"][0]["files"][0]["name"]
     # no imatrix here, so compare tensor data only with the binary rung made with one: just check it loads
     assert read_model(out / name).get("general.file_type") == 15
@@ -320,7 +321,7 @@ def test_dry_run_does_not_hash_the_source(small_spec, q8_moe, tmp_path, monkeypa
 
 def test_plan_refuses_output_next_to_source(q8_moe_copy_dir):
     from ggufcarve.errors import OutputError
-    from ggufcarve.toolchain import LibllamaQuantizer
+    from ggufcarve.quant.quantizer import LibllamaQuantizer
 
     spec = parse_spec({"rungs": [{"ftype": "Q4_K_M"}]})
     with pytest.raises(OutputError, match="holds the source"):

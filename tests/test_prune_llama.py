@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import json
 
+import factory
 import numpy as np
 import pytest
-
-import factory
 from clirun import ggufcarve, tensor_bytes
-from ggufcarve.container import read_model
-from ggufcarve.moe import inspect_layout
 from llama_probe import probe
+
+from ggufcarve.gguf.container import read_model
+from ggufcarve.moe.layout import inspect_layout
 
 pytestmark = pytest.mark.slow
 

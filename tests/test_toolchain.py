@@ -16,20 +16,18 @@ from pathlib import Path
 
 import pytest
 
-from ggufcarve import toolchain
-from ggufcarve.container import read_model
+from ggufcarve.fileio import cache_root
+from ggufcarve.llama import build
+from ggufcarve.llama.launch import Finished
 from ggufcarve.errors import BadInput, ToolFailed
-from ggufcarve.toolchain import (
-    TOOLS,
+from ggufcarve.gguf.container import read_model
+from ggufcarve.llama.build import build_tools
+from ggufcarve.llama.tools import TOOLS, cache_bin_dir, find_tool, locate_tool, parse_build, probe_tool
+from ggufcarve.quant.quantizer import (
     BinaryQuantizer,
     LibllamaQuantizer,
     QuantizeJob,
-    build_tools,
-    find_tool,
-    locate_tool,
     make_quantizer,
-    parse_build,
-    probe_tool,
 )
 
 MAINLINE_USAGE = """usage: llama-quantize [--help] [--allow-requantize] [--leave-output-tensor] [--pure] [--imatrix] [--include-weights]
@@ -67,7 +65,7 @@ def isolated(tmp_path, monkeypatch):
 
 
 def test_find_tool_order(isolated, monkeypatch):
-    cache_bin = toolchain.cache_bin_dir()
+    cache_bin = cache_bin_dir()
     on_path = isolated / "onpath"
     explicit = isolated / "explicit"
     env_dir = isolated / "envdir"
@@ -129,7 +127,7 @@ def test_argv_rendering(tmp_path):
     dry = QuantizeJob(Path("in.gguf"), None, "Q4_K_M", dry_run=True)
     assert main.argv(dry)[1:] == ["--allow-requantize", "--dry-run", "in.gguf", "Q4_K_M"]
     lib = LibllamaQuantizer()
-    assert lib.argv(dry)[1:3] == ["-m", "ggufcarve.quantize_child"] and lib.argv(dry)[3:] == main.argv(dry)[1:]
+    assert lib.argv(dry)[1:3] == ["-m", "ggufcarve.llama.quantize_child"] and lib.argv(dry)[3:] == main.argv(dry)[1:]
 
 
 def test_make_quantizer_choices(isolated, monkeypatch):
@@ -172,19 +170,19 @@ def fake_sdist(path: Path, version: str) -> Path:
 @pytest.mark.skipif(shutil.which("cmake") is None or shutil.which("cc") is None, reason="needs cmake and a C compiler")
 def test_build_tools_builds_only_the_four_targets_once(isolated):
     version = "0.0.1-test"
-    sdist_dir = toolchain.cache_root() / "sdist"
+    sdist_dir = cache_root() / "sdist"
     sdist_dir.mkdir(parents=True)
-    fake_sdist(sdist_dir / toolchain.sdist_name(version), version)  # cached sdist: no pip download
+    fake_sdist(sdist_dir / build.sdist_name(version), version)  # cached sdist: no pip download
     events = []
     bin_dir = build_tools(events.append, version=version)
-    assert bin_dir == toolchain.cache_root() / f"llama.cpp-{version}" / "bin"
+    assert bin_dir == cache_root() / f"llama.cpp-{version}" / "bin"
     assert sorted(p.name for p in bin_dir.iterdir()) == sorted(TOOLS)  # llama-cli not built/copied
     assert subprocess.run([bin_dir / "llama-imatrix"], capture_output=True, text=True).stdout.startswith("version: 9.9")
     stages = {e.stage for e in events}
     assert {"extract", "configure", "build", "install"} <= stages
-    assert any(e.fraction is not None and 0 < e.fraction <= 1 for e in events if e.stage == "build")
+    assert any(e.unit == "percent" and 0 < e.done <= e.total == 100 for e in events if e.stage == "build")
     # only the finished entry remains: the staging dir was renamed into place, sources removed
-    entries = sorted(p.name for p in toolchain.cache_root().iterdir() if not p.name.endswith(".lock") and p.name != "sha256-cache.json")
+    entries = sorted(p.name for p in cache_root().iterdir() if not p.name.endswith(".lock") and p.name != "sha256-cache.json")
     assert entries == [f"llama.cpp-{version}", "sdist"]
     assert not (bin_dir.parent / "src").exists() and (bin_dir.parent / "build-info.json").exists()
 
@@ -197,16 +195,16 @@ def test_build_tools_builds_only_the_four_targets_once(isolated):
 
 def test_build_tools_failure_leaves_nothing(isolated):
     version = "0.0.2-test"
-    sdist_dir = toolchain.cache_root() / "sdist"
+    sdist_dir = cache_root() / "sdist"
     sdist_dir.mkdir(parents=True)
-    bad = sdist_dir / toolchain.sdist_name(version)
+    bad = sdist_dir / build.sdist_name(version)
     with tarfile.open(bad, "w:gz") as tar:
         info = tarfile.TarInfo("x/setup.py")
         tar.addfile(info, io.BytesIO(b""))
     with pytest.raises(BadInput, match="vendor/llama.cpp"):
         build_tools(version=version)
-    assert not (toolchain.cache_root() / f"llama.cpp-{version}").exists()
-    assert [p.name for p in toolchain.cache_root().iterdir() if p.name.startswith(".llama.cpp-") and not p.name.endswith(".lock")] == []
+    assert not (cache_root() / f"llama.cpp-{version}").exists()
+    assert [p.name for p in cache_root().iterdir() if p.name.startswith(".llama.cpp-") and not p.name.endswith(".lock")] == []
 
 
 def test_fetch_sdist_uses_pip_download_of_the_sdist(isolated, monkeypatch):
@@ -216,23 +214,23 @@ def test_fetch_sdist_uses_pip_download_of_the_sdist(isolated, monkeypatch):
         calls.append(argv)
         dest = Path(argv[argv.index("--dest") + 1])
         (dest / "llama_cpp_python-1.2.3.tar.gz").write_bytes(b"sdist")
-        return subprocess.CompletedProcess(argv, 0, "", "")
+        return Finished(list(argv), 0, 0.1, [])
 
-    monkeypatch.setattr(toolchain.subprocess, "run", fake_run)
-    path = toolchain.fetch_sdist("1.2.3")
-    assert path == toolchain.cache_root() / "sdist" / "llama_cpp_python-1.2.3.tar.gz" and path.read_bytes() == b"sdist"
+    monkeypatch.setattr(build, "run", fake_run)
+    path = build.fetch_sdist("1.2.3")
+    assert path == cache_root() / "sdist" / "llama_cpp_python-1.2.3.tar.gz" and path.read_bytes() == b"sdist"
     argv = calls[0]
     assert argv[1:4] == ["-m", "pip", "download"] and "llama-cpp-python==1.2.3" in argv
     assert "--no-deps" in argv and argv[argv.index("--no-binary") + 1] == ":all:"
-    toolchain.fetch_sdist("1.2.3")
+    build.fetch_sdist("1.2.3")
     assert len(calls) == 1  # cached
 
     def failing_run(argv, **kwargs):
-        return subprocess.CompletedProcess(argv, 1, "", "ERROR: No matching distribution found")
+        return Finished(list(argv), 1, 0.1, ["ERROR: No matching distribution found"])
 
-    monkeypatch.setattr(toolchain.subprocess, "run", failing_run)
+    monkeypatch.setattr(build, "run", failing_run)
     with pytest.raises(ToolFailed, match="No matching distribution"):
-        toolchain.fetch_sdist("9.9.9")
+        build.fetch_sdist("9.9.9")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -301,18 +299,18 @@ def test_install_prebuilt_copies_once_unless_forced(tmp_path, monkeypatch):
     monkeypatch.setenv("GGUFCARVE_CACHE", str(tmp_path / "cache"))
     built = tmp_path / "build" / "bin"
     built.mkdir(parents=True)
-    for tool in toolchain.TOOLS:
+    for tool in TOOLS:
         (built / tool).write_text("#!/bin/sh\necho built\n")
         (built / tool).chmod(0o755)
-    bin_dir, copied = toolchain.install_prebuilt(built, version="9.9.9")
-    assert copied and sorted(p.name for p in bin_dir.iterdir()) == sorted(toolchain.TOOLS)
-    assert toolchain.install_prebuilt(built, version="9.9.9") == (bin_dir, False)
+    bin_dir, copied = build.install_prebuilt(built, version="9.9.9")
+    assert copied and sorted(p.name for p in bin_dir.iterdir()) == sorted(TOOLS)
+    assert build.install_prebuilt(built, version="9.9.9") == (bin_dir, False)
     (built / "llama-quantize").write_text("#!/bin/sh\necho rebuilt\n")
-    assert toolchain.install_prebuilt(built, version="9.9.9", force=True) == (bin_dir, True)
+    assert build.install_prebuilt(built, version="9.9.9", force=True) == (bin_dir, True)
     assert "rebuilt" in (bin_dir / "llama-quantize").read_text()
     (built / "llama-imatrix").unlink()
     with pytest.raises(BadInput, match="lacks llama-imatrix"):
-        toolchain.install_prebuilt(built, version="9.9.10")
+        build.install_prebuilt(built, version="9.9.10")
 
 
 def test_quantizer_children_never_fork_gdb_on_abort(tmp_path, monkeypatch):

@@ -8,10 +8,10 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from clirun import ggufcarve
-from ggufcarve.ladder import write_sums
-from ggufcarve.verify import parse_sums, verify_dir
+
+from ggufcarve.release.sums import write_sums
+from ggufcarve.release.verify import parse_sums, verify_dir
 
 pytestmark = pytest.mark.slow  # every test starts from a ladder made by llama-quantize
 

@@ -18,9 +18,9 @@ from typing import Any, Callable, Iterable
 from gguf.constants import GGUFValueType
 
 from ggufcarve import __version__
-from ggufcarve.container import KeyValue, make_kv
 from ggufcarve.errors import BadInput
-from ggufcarve.moe import MoeLayout
+from ggufcarve.gguf.container import KeyValue, make_kv
+from ggufcarve.moe.layout import MoeLayout
 
 # Field names published manifests use for the kept ids of one layer.
 KEPT_ID_FIELDS = ("keep", "kept", "retained", "kept_ids", "retained_ids", "kept_experts", "retained_experts", "kept_expert_indices", "indices", "experts")

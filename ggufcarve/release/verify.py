@@ -19,12 +19,14 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-from ggufcarve.container import SHARD_NAME, read_model
 from ggufcarve.errors import BadInput, CarveError
+from ggufcarve.events import Counter, Sink, ignore
 from ggufcarve.fileio import sha256_file
-from ggufcarve.ladder import MANIFEST_NAME, SUMS_NAME, published_files
+from ggufcarve.gguf.container import SHARD_NAME, read_model
+from ggufcarve.release.manifest import MANIFEST_NAME
+from ggufcarve.release.sums import SUMS_NAME, published_files
 
 SUMS_LINE = re.compile(r"^(?P<digest>[0-9a-fA-F]{64}) (?P<mode>[ *])(?P<path>.+)$")
 PRUNING_REPORT = Path("method") / "pruning-report.json"
@@ -55,21 +57,15 @@ class VerifyReport:
                 "bytes_hashed": self.bytes_hashed, "seconds": round(self.seconds, 3), "workers": self.workers, "expert_count": self.expert_count}
 
 
-ProgressSink = Callable[[int, int], None]  # (bytes just hashed, total bytes)
-
-
-def _noop(_: int, __: int) -> None:
-    pass
-
-
-def hash_files(paths: list[Path], workers: int | None = None, progress: ProgressSink = _noop) -> dict[Path, str | OSError]:
+def hash_files(paths: list[Path], workers: int | None = None, on_event: Sink = ignore) -> dict[Path, str | OSError]:
     """sha256 of each file, files hashed concurrently (largest first, so the tail is short)."""
     total = sum(p.stat().st_size for p in paths)
     workers = max(1, min(workers or os.cpu_count() or 1, len(paths) or 1))
+    progress = Counter(on_event, "sha256", total)
 
     def one(path: Path) -> str | OSError:
         try:
-            return sha256_file(path, lambda n: progress(n, total))
+            return sha256_file(path, progress)
         except OSError as err:
             return err
 
@@ -93,7 +89,7 @@ def parse_sums(path: Path) -> tuple[list[tuple[str, str]], list[str]]:
     return entries, bad
 
 
-def verify_dir(directory: str | os.PathLike[str], *, ignore_missing: bool = False, workers: int | None = None, progress: ProgressSink = _noop) -> VerifyReport:
+def verify_dir(directory: str | os.PathLike[str], *, ignore_missing: bool = False, workers: int | None = None, on_event: Sink = ignore) -> VerifyReport:
     d = Path(directory)
     if not d.is_dir():
         raise BadInput(f"{d} is not a directory", "give the ladder's output directory")
@@ -128,7 +124,7 @@ def verify_dir(directory: str | os.PathLike[str], *, ignore_missing: bool = Fals
     with ThreadPoolExecutor(max_workers=1) as side:
         # GGUF structure checks run beside the hashing
         structure = side.submit(_check_ggufs, d, sorted(set(present) | {rel for rel in published if rel.endswith(".gguf")}))
-        digests = hash_files(list(present.values()), report.workers, progress)
+        digests = hash_files(list(present.values()), report.workers, on_event)
         gguf_failures, expert_counts = structure.result()
     for rel, path in sorted(present.items()):
         got = digests[path]

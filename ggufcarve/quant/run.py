@@ -30,177 +30,26 @@ import shutil
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
-from ggufcarve import __version__
-from ggufcarve.container import SHARD_NAME, GGUFModel, read_model
 from ggufcarve.errors import BadInput, OutputError, ToolFailed
-from ggufcarve.fileio import sha256_file, sha256_file_cached, write_text_atomic
-from ggufcarve.toolchain import FTYPES, IMATRIX_FTYPES, IMATRIX_TYPES, TENSOR_LINE, DryRun, QuantizeJob, QuantizeRun, Quantizer, type_requires_imatrix
-
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10
-    import tomli as tomllib  # type: ignore[no-redef]
-
-MANIFEST_SCHEMA_VERSION = 1
-MANIFEST_NAME = "quant-manifest.json"
-SUMS_NAME = "SHA256SUMS"
-LOCK_NAME = ".ggufcarve-ladder.lock"
-PARTIAL_SUFFIX = ".partial"
-DEFAULT_FILE_PATTERN = "{model}-{quant}.gguf"
-DEFAULT_FALLBACK_TYPE = "Q4_K"
-DISK_MARGIN = 64 << 20  # headroom on top of the estimated sizes
-RUNG_KEYS = {"ftype", "name", "description", "file_pattern", "output_tensor_type", "token_embedding_type", "tensor_types", "imatrix_fallback_type", "allow_requantize", "pure"}
-GGML_TYPE_NAMES = {"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ2_XXS", "IQ2_XS", "IQ3_XXS", "IQ1_S", "IQ4_NL", "IQ3_S", "IQ2_S", "IQ4_XS", "IQ1_M", "TQ1_0", "TQ2_0", "MXFP4"}
-
-
-# ---------------------------------------------------------------------------------------------
-# The spec
-
-
-@dataclass(frozen=True)
-class Rung:
-    name: str  # upper-case quant tag: file names and --only
-    ftype: str
-    description: str = ""
-    file_pattern: str = DEFAULT_FILE_PATTERN
-    output_tensor_type: str | None = None
-    token_embedding_type: str | None = None
-    tensor_types: tuple[tuple[str, str], ...] = ()
-    imatrix_fallback_type: str = DEFAULT_FALLBACK_TYPE
-    allow_requantize: bool = True
-    pure: bool = False
-
-    @property
-    def needs_imatrix(self) -> bool:
-        """From the ftype and the overrides, as llama-quantize's tensor_requires_imatrix decides it."""
-        return self.ftype in IMATRIX_FTYPES or any(type_requires_imatrix("", t, self.ftype) for _, t in self.tensor_types)
-
-    def file_name(self, model: str) -> str:
-        return self.file_pattern.format(model=model, quant=self.name)
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "name": self.name, "ftype": self.ftype, "description": self.description, "file_pattern": self.file_pattern,
-            "output_tensor_type": self.output_tensor_type, "token_embedding_type": self.token_embedding_type,
-            "tensor_types": [list(p) for p in self.tensor_types], "imatrix_fallback_type": self.imatrix_fallback_type,
-            "allow_requantize": self.allow_requantize, "pure": self.pure, "needs_imatrix": self.needs_imatrix,
-        }
-
-
-@dataclass(frozen=True)
-class LadderSpec:
-    name: str
-    description: str
-    rungs: tuple[Rung, ...]
-    path: Path | None = None
-    sha256: str | None = None
-
-    def select(self, only: Sequence[str] | None) -> tuple[Rung, ...]:
-        if not only:
-            return self.rungs
-        wanted = [o.strip().upper() for item in only for o in item.split(",") if o.strip()]
-        names = {r.name for r in self.rungs}
-        unknown = [w for w in wanted if w not in names]
-        if unknown:
-            raise BadInput(f"--only {', '.join(unknown)}: no such rung in {self.name}", f"rungs are {', '.join(r.name for r in self.rungs)}")
-        return tuple(r for r in self.rungs if r.name in wanted)
-
-
-def _type_name(value: Any, where: str) -> str:
-    if not isinstance(value, str) or value.upper() not in GGML_TYPE_NAMES:
-        raise BadInput(f"{where}: {value!r} is not a ggml tensor type", f"use one of {', '.join(sorted(GGML_TYPE_NAMES))}")
-    return value.upper()
-
-
-def _tensor_types(value: Any, where: str) -> tuple[tuple[str, str], ...]:
-    pairs: list[tuple[str, str]] = []
-    items: list[Any]
-    if isinstance(value, dict):
-        items = list(value.items())
-    elif isinstance(value, list):
-        items = value
-    else:
-        raise BadInput(f"{where}: tensor_types must be a list of [regex, type] pairs", 'e.g. tensor_types = [["ffn_down_exps", "Q5_K"]]')
-    for item in items:
-        if isinstance(item, str) and "=" in item:
-            item = item.rsplit("=", 1)
-        if isinstance(item, dict) and set(item) == {"pattern", "type"}:
-            item = (item["pattern"], item["type"])
-        if not (isinstance(item, (list, tuple)) and len(item) == 2 and isinstance(item[0], str) and item[0]):
-            raise BadInput(f"{where}: bad tensor_types entry {item!r}", 'each entry is ["regex", "TYPE"] or "regex=TYPE"')
-        try:
-            re.compile(item[0])
-        except re.error as err:
-            raise BadInput(f"{where}: tensor_types regex {item[0]!r} is invalid ({err})", "fix the regular expression") from None
-        pairs.append((item[0], _type_name(item[1], where)))
-    return tuple(pairs)
-
-
-def parse_spec(doc: dict[str, Any], path: Path | None = None) -> LadderSpec:
-    where = str(path) if path else "ladder spec"
-    defaults = doc.get("defaults", {})
-    if not isinstance(defaults, dict):
-        raise BadInput(f"{where}: [defaults] must be a table", "see ladders/q8-to-iq1.toml")
-    unknown = set(defaults) - (RUNG_KEYS - {"ftype", "name", "description"})
-    if unknown:
-        raise BadInput(f"{where}: unknown key(s) in [defaults]: {', '.join(sorted(unknown))}", f"allowed: {', '.join(sorted(RUNG_KEYS - {'ftype', 'name', 'description'}))}")
-    raw_rungs = doc.get("rungs")
-    if not isinstance(raw_rungs, list) or not raw_rungs:
-        raise BadInput(f"{where}: no [[rungs]]", "add at least one [[rungs]] table with an ftype")
-    rungs: list[Rung] = []
-    for i, raw in enumerate(raw_rungs):
-        here = f"{where}: rung {i + 1}"
-        if not isinstance(raw, dict):
-            raise BadInput(f"{here} is not a table", "write each rung as [[rungs]]")
-        merged = {**defaults, **raw}
-        unknown = set(merged) - RUNG_KEYS
-        if unknown:
-            raise BadInput(f"{here}: unknown key(s) {', '.join(sorted(unknown))}", f"allowed: {', '.join(sorted(RUNG_KEYS))}")
-        ftype = str(merged.get("ftype", "")).upper()
-        if ftype not in FTYPES:
-            raise BadInput(f"{here}: unknown ftype {merged.get('ftype')!r}", f"use a llama-quantize type such as {', '.join(list(FTYPES)[:12])}")
-        name = str(merged.get("name", ftype)).upper()
-        if not re.fullmatch(r"[A-Z0-9_.+-]+", name):
-            raise BadInput(f"{here}: name {name!r} must be an upper-case quant tag", "e.g. Q4_K_M or IQ2_XS-MTPQ8")
-        pattern = str(merged.get("file_pattern", DEFAULT_FILE_PATTERN))
-        if "{quant}" not in pattern or "/" in pattern or not pattern.endswith(".gguf"):
-            raise BadInput(f"{here}: file_pattern {pattern!r} must contain {{quant}}, end in .gguf and name a file", 'e.g. "{model}-{quant}.gguf"')
-        fallback = _type_name(merged.get("imatrix_fallback_type", DEFAULT_FALLBACK_TYPE), f"{here}: imatrix_fallback_type")
-        if fallback in IMATRIX_TYPES:
-            raise BadInput(f"{here}: imatrix_fallback_type {fallback} itself needs an imatrix", "use a K or legacy type such as Q4_K or Q8_0")
-        rungs.append(
-            Rung(
-                name=name, ftype=ftype, description=str(merged.get("description", "")), file_pattern=pattern,
-                output_tensor_type=_type_name(merged["output_tensor_type"], f"{here}: output_tensor_type") if merged.get("output_tensor_type") else None,
-                token_embedding_type=_type_name(merged["token_embedding_type"], f"{here}: token_embedding_type") if merged.get("token_embedding_type") else None,
-                tensor_types=_tensor_types(merged.get("tensor_types", []), here), imatrix_fallback_type=fallback,
-                allow_requantize=bool(merged.get("allow_requantize", True)), pure=bool(merged.get("pure", False)),
-            )
-        )
-    names = [r.name for r in rungs]
-    dup = sorted({n for n in names if names.count(n) > 1})
-    if dup:
-        raise BadInput(f"{where}: rung name(s) {', '.join(dup)} appear twice", "give repeated ftypes distinct names")
-    return LadderSpec(str(doc.get("name", path.stem if path else "ladder")), str(doc.get("description", "")), tuple(rungs), path)
-
-
-def load_spec(path: str | os.PathLike[str]) -> LadderSpec:
-    path = Path(path)
-    try:
-        raw = path.read_bytes()
-    except OSError as err:
-        raise BadInput(f"{path}: cannot read the ladder spec ({err.strerror})", "give a ladders/*.toml file") from None
-    try:
-        doc = tomllib.loads(raw.decode("utf-8"))
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
-        raise BadInput(f"{path}: not valid TOML ({err})", "fix the spec file") from None
-    spec = parse_spec(doc, path)
-    return replace(spec, sha256=hashlib.sha256(raw).hexdigest())
-
+from ggufcarve.events import Event, Sink, ignore
+from ggufcarve.fileio import PARTIAL_SUFFIX, sha256_file, sha256_file_cached
+from ggufcarve.gguf.container import SHARD_NAME, GGUFModel, read_model
+from ggufcarve.quant.quantizer import (
+    FTYPES,
+    TENSOR_LINE,
+    DryRun,
+    QuantizeJob,
+    Quantizer,
+    QuantizeRun,
+)
+from ggufcarve.quant.spec import DISK_MARGIN, LOCK_NAME, LadderSpec, Rung
+from ggufcarve.release.manifest import MANIFEST_NAME, _write_manifest
+from ggufcarve.release.method import publish_method_reports
+from ggufcarve.release.sums import write_sums
 
 # ---------------------------------------------------------------------------------------------
 # Planning
@@ -254,22 +103,9 @@ class LadderPlan:
         return sum(t.n_elements for t in self.source.tensors)
 
 
-@dataclass(frozen=True)
-class LadderEvent:
-    """What the runner is doing; the CLI turns these into progress bars and lines."""
-
-    kind: str  # "validate", "dry-run", "hash-existing", "rung-start", "tensor", "rung-done", "rung-skipped", "rung-failed", "hashed", "done"
-    rung: str | None = None
-    message: str = ""
-    done: int = 0
-    total: int = 0
-
-
-EventSink = Callable[[LadderEvent], None]
-
-
-def _ignore(_: LadderEvent) -> None:
-    pass
+def _note(on_event: Sink, stage: str, message: str) -> None:
+    """A message-only event: stage "validate" for the checks, a rung's name for its status."""
+    on_event(Event(stage, 0, 0, "steps" if stage == "validate" else "tensors", message))
 
 
 QUANT_TAG = re.compile(r"[-_.](?:" + "|".join(sorted((re.escape(f) for f in FTYPES), key=len, reverse=True)) + r")$", re.IGNORECASE)
@@ -287,7 +123,8 @@ def model_name_from(source: Path) -> str:
 
 def read_imatrix_info(path: Path, model: GGUFModel) -> ImatrixInfo:
     """Read the imatrix and check it against the source the way llama-quantize will, all at once."""
-    from ggufcarve.imatrix import check_against_model, read_imatrix
+    from ggufcarve.imatrix.check import check_against_model
+    from ggufcarve.imatrix.formats import read_imatrix
 
     imatrix = read_imatrix(path)
     check = check_against_model(imatrix, model)
@@ -332,7 +169,7 @@ def plan_ladder(
     model_name: str | None = None,
     nthreads: int | None = None,
     hash_inputs: bool = True,
-    on_event: EventSink = _ignore,
+    on_event: Sink = ignore,
 ) -> LadderPlan:
     """Validate everything and resolve every rung's exact job before anything is written.
 
@@ -341,7 +178,7 @@ def plan_ladder(
     """
     rungs = spec.select(only)
     source_path = Path(source)
-    on_event(LadderEvent("validate", message=f"reading {source_path}"))
+    _note(on_event, "validate", f"reading {source_path}")
     model = read_model(source_path)
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
@@ -352,7 +189,7 @@ def plan_ladder(
 
     info: ImatrixInfo | None = None
     if imatrix is not None:
-        on_event(LadderEvent("validate", message=f"checking imatrix {imatrix}"))
+        _note(on_event, "validate", f"checking imatrix {imatrix}")
         info = read_imatrix_info(Path(imatrix), model)
         if flavour == "ik_llama.cpp" and info.format != "dat":
             raise BadInput(f"{quantizer.describe()['path']} is ik_llama.cpp, whose quantizer reads only legacy .dat imatrices", "convert it: ggufcarve imatrix convert IMATRIX -o imatrix.dat --format dat")
@@ -373,7 +210,7 @@ def plan_ladder(
     with ThreadPoolExecutor(max_workers=max(1, min(len(rungs), os.cpu_count() or 1))) as pool:
         futures = {name: pool.submit(quantizer.dry_run, job) for name, job in jobs.items()}
         for r in rungs:
-            on_event(LadderEvent("dry-run", r.name, f"dry run {r.ftype}"))
+            _note(on_event, "validate", f"dry run {r.name} ({r.ftype})")
             dry[r.name] = futures[r.name].result()
 
     source_sha = _source_sha256(model) if hash_inputs else []
@@ -495,7 +332,7 @@ def bits_per_weight(path: Path) -> float | None:
     return round(sum(t.nbytes for t in model.tensors) * 8 / elements, 4) if elements else None
 
 
-def run_ladder(plan: LadderPlan, *, keep_going: bool = False, on_event: EventSink = _ignore) -> LadderResult:
+def run_ladder(plan: LadderPlan, *, keep_going: bool = False, on_event: Sink = ignore) -> LadderResult:
     """Run the planned rungs; see the module docstring. Raises ToolFailed on the first failure unless keep_going."""
     if not plan.source_sha256:
         raise ValueError("run_ladder needs a plan made with hash_inputs=True")
@@ -525,27 +362,27 @@ def run_ladder(plan: LadderPlan, *, keep_going: bool = False, on_event: EventSin
                 result.sha256 = digest
                 result.mtime_ns = st.st_mtime_ns
                 hash_seconds[0] += time.monotonic() - t0
-            on_event(LadderEvent("hashed", result.name, digest))
+            _note(on_event, result.name, f"done, sha256 {digest[:12]}")
 
         failure: RungResult | None = None
         for p in plan.rungs:
             r = p.rung
             if p.rung.name in resumable:
                 results[r.name] = resumable[r.name]
-                on_event(LadderEvent("rung-skipped", r.name, f"{p.output.name} matches its recorded inputs and sha256"))
+                on_event(Event(r.name, 1, 1, "tensors", "skipped: unchanged (sha256 verified)"))
                 continue
             if failure is not None and not keep_going:
                 results[r.name] = RungResult(r.name, r.ftype, "not run", p.output.name, description=r.description)
                 continue
             argv = plan.quantizer.argv(p.job)
-            on_event(LadderEvent("rung-start", r.name, " ".join(argv)))
+            _note(on_event, r.name, "starting")
             result = RungResult(r.name, r.ftype, "failed", p.output.name, command=argv, fallback=p.fallback, fallback_type=r.imatrix_fallback_type if p.fallback else None,
                                 inputs_key=p.inputs_key, description=r.description, tensor_types=[list(t) for t in p.job.tensor_types])
 
             def on_line(line: str, name: str = r.name) -> None:
                 m = TENSOR_LINE.match(line)
                 if m:
-                    on_event(LadderEvent("tensor", name, m["name"], int(m["index"]), int(m["total"])))
+                    on_event(Event(name, int(m["index"]), int(m["total"]), "tensors", m["name"]))
 
             run: QuantizeRun = plan.quantizer.run(p.job, on_line)
             quantizer_seconds += run.seconds
@@ -565,13 +402,13 @@ def run_ladder(plan: LadderPlan, *, keep_going: bool = False, on_event: EventSin
                 result.status = "built"
                 result.bytes = p.output.stat().st_size
                 pending.append(hasher.submit(hash_later, result, p.output))
-                on_event(LadderEvent("rung-done", r.name, f"{result.bytes / 2**30:.2f} GiB in {run.seconds:.1f} s"))
+                on_event(Event(r.name, 1, 1, "tensors", f"hashing; {result.bytes / 2**30:.2f} GiB in {run.seconds:.1f} s"))
             else:
                 p.temp.unlink(missing_ok=True)
                 p.output.unlink(missing_ok=True)  # an earlier output: it does not match this rung's inputs
                 result.error = run.error or "the quantizer wrote no output"
                 failure = failure or result
-                on_event(LadderEvent("rung-failed", r.name, result.error))
+                _note(on_event, r.name, f"failed: {result.error}")
             results[r.name] = result
             _write_manifest(plan, previous, results, started, quantizer_seconds, hash_seconds[0], state_lock)
         for f in pending:
@@ -587,14 +424,13 @@ def run_ladder(plan: LadderPlan, *, keep_going: bool = False, on_event: EventSin
         lock.close()
     ordered = [results[p.rung.name] for p in plan.rungs]
     result = LadderResult(plan, ordered, out / MANIFEST_NAME, sums, time.monotonic() - started, quantizer_seconds, hash_seconds[0])
-    on_event(LadderEvent("done", message=f"{len(ordered) - len(result.failed)} of {len(ordered)} rungs ok"))
     if result.failed and not keep_going:
         first = result.failed[0]
         raise ToolFailed(f"rung {first.name} failed: {first.error}", f"the exact command is in {result.manifest_path}; fix the cause and run again (finished rungs are kept and skipped)")
     return result
 
 
-def _check_resumable(plan: LadderPlan, previous: dict[str, dict[str, Any]], on_event: EventSink) -> dict[str, RungResult]:
+def _check_resumable(plan: LadderPlan, previous: dict[str, dict[str, Any]], on_event: Sink) -> dict[str, RungResult]:
     """Rungs whose output matches the recorded inputs key and sha256 (hashed in parallel)."""
     candidates = []
     for p in plan.rungs:
@@ -606,13 +442,13 @@ def _check_resumable(plan: LadderPlan, previous: dict[str, dict[str, Any]], on_e
         candidates.append((p, rec))
     if not candidates:
         return {}
-    on_event(LadderEvent("hash-existing", message=f"checking {len(candidates)} finished rung(s)"))
+    _note(on_event, "validate", f"checking {len(candidates)} finished rung(s)")
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
         digests = list(pool.map(lambda c: sha256_file(c[0].output), candidates))
     out: dict[str, RungResult] = {}
     for (p, rec), digest in zip(candidates, digests):
         if digest != rec["sha256"]:
-            on_event(LadderEvent("rung-corrupt", p.rung.name, f"{p.output.name}: sha256 {digest[:12]} != recorded {rec['sha256'][:12]}; rebuilding"))
+            _note(on_event, p.rung.name, f"{p.output.name}: sha256 {digest[:12]} != recorded {rec['sha256'][:12]}; rebuilding")
             continue
         out[p.rung.name] = RungResult(
             p.rung.name, p.rung.ftype, "skipped", p.output.name, command=list(rec.get("command", [])), exit_status=rec.get("exit_status"),
@@ -623,100 +459,3 @@ def _check_resumable(plan: LadderPlan, previous: dict[str, dict[str, Any]], on_e
     return out
 
 
-def _write_manifest(plan: LadderPlan, previous: dict[str, dict[str, Any]], results: dict[str, RungResult], started: float, quantizer_seconds: float, hash_seconds: float, lock: threading.Lock) -> dict[str, Any]:
-    with lock:
-        rungs: dict[str, dict[str, Any]] = {}
-        # rungs of earlier runs that this run did not touch stay recorded while their file exists
-        for name, rec in previous.items():
-            if name not in results and rec.get("files") and all((plan.out_dir / f["name"]).exists() for f in rec["files"]):
-                rungs[name] = rec
-        for name, r in results.items():
-            if r.status == "not run" and name in previous:
-                continue
-            rungs[name] = r.to_json()
-        order = {p.rung.name: i for i, p in enumerate(plan.rungs)}
-        ordered = sorted(rungs.values(), key=lambda rec: (order.get(rec["name"], len(order)), rec["name"]))
-        total = time.monotonic() - started
-        doc = {
-            "schema_version": MANIFEST_SCHEMA_VERSION,
-            "tool": {"name": "ggufcarve", "version": __version__},
-            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "ladder": {"name": plan.spec.name, "description": plan.spec.description, "spec_file": str(plan.spec.path) if plan.spec.path else None, "spec_sha256": plan.spec.sha256},
-            "source": {
-                "path": str(plan.source.path), "name": plan.source.path.name, "bytes": plan.source.total_bytes, "n_elements": plan.n_elements,
-                "architecture": plan.source.get("general.architecture"),
-                "expert_count": plan.source.get(f"{plan.source.get('general.architecture')}.expert_count"),
-                "files": [{"path": str(p.resolve()), "name": p.name, "bytes": p.stat().st_size, "mtime_ns": p.stat().st_mtime_ns, "sha256": h} for p, h in zip(plan.source.paths, plan.source_sha256)],
-                "sha256": plan.source_sha256[0] if len(plan.source_sha256) == 1 else None,
-            },
-            "imatrix": plan.imatrix.to_json() if plan.imatrix else None,
-            "quantizer": plan.quantizer.describe(),
-            "rungs": ordered,
-            "warnings": plan.warnings,
-            "timings": {"total_seconds": round(total, 3), "quantizer_seconds": round(quantizer_seconds, 3), "hash_seconds": round(hash_seconds, 3), "overhead_seconds": round(total - quantizer_seconds, 3)},
-        }
-    write_text_atomic(plan.out_dir / MANIFEST_NAME, json.dumps(doc, indent=1, sort_keys=True) + "\n")
-    return doc
-
-
-def publish_method_reports(plan: LadderPlan) -> list[Path]:
-    """Copy the reports that describe this ladder's inputs into OUT/method/, to be published with it.
-
-    `pruning-report.json` beside the source counts when it describes the source files (names and
-    sizes); `imatrix-remap-report.json` beside the imatrix when its output sha256 is the imatrix's.
-    """
-    copied = []
-    candidates = [plan.source.path.parent / "method" / "pruning-report.json"]
-    if plan.imatrix is not None:
-        candidates.append(plan.imatrix.path.parent / "method" / "imatrix-remap-report.json")
-    for report in candidates:
-        try:
-            doc = json.loads(report.read_text())
-        except (OSError, ValueError):
-            continue
-        if report.name == "pruning-report.json":
-            described = [(f.get("name"), f.get("bytes")) for f in doc.get("output", {}).get("files", [])]
-            matches = described == [(p.name, p.stat().st_size) for p in plan.source.paths]
-        else:
-            matches = plan.imatrix is not None and doc.get("output", {}).get("sha256") == plan.imatrix.sha256
-        if matches:
-            target = plan.out_dir / "method" / report.name
-            write_text_atomic(target, report.read_text())
-            copied.append(target)
-    return copied
-
-
-def published_files(out_dir: Path) -> list[Path]:
-    """Every file a release of out_dir publishes: all but SHA256SUMS, hidden files and temp files."""
-    files = []
-    for root, dirs, names in os.walk(out_dir):
-        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-        for name in sorted(names):
-            if name.startswith(".") or name.endswith(PARTIAL_SUFFIX) or (Path(root) == out_dir and name == SUMS_NAME):
-                continue
-            files.append(Path(root) / name)
-    return sorted(files, key=lambda p: p.relative_to(out_dir).as_posix())
-
-
-def write_sums(out_dir: Path, manifest: dict[str, Any] | None = None) -> Path:
-    """SHA256SUMS in `sha256sum -c` format: sorted relative POSIX paths, two spaces, LF.
-
-    Rung files take the manifest's digests when their size and mtime still match; the rest are hashed.
-    """
-    known: dict[str, tuple[int, int | None, str]] = {}
-    for rec in (manifest or {}).get("rungs", []):
-        for f in rec.get("files", []):
-            if f.get("sha256"):
-                known[f["name"]] = (f["bytes"], f.get("mtime_ns"), f["sha256"])
-    lines = []
-    for path in published_files(out_dir):
-        rel = path.relative_to(out_dir).as_posix()
-        st = path.stat()
-        rec = known.get(rel)
-        digest = rec[2] if rec and rec[0] == st.st_size and rec[1] == st.st_mtime_ns else sha256_file(path)
-        if "\n" in rel or "\\" in rel:
-            raise OutputError(f"{rel}: a file name with a newline or backslash cannot go into SHA256SUMS", "rename the file")
-        lines.append(f"{digest}  {rel}\n")
-    target = out_dir / SUMS_NAME
-    write_text_atomic(target, "".join(lines))
-    return target

@@ -11,8 +11,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from ggufcarve.container import GGUFModel, TensorInfo
 from ggufcarve.errors import BadInput, UnsupportedModel
+from ggufcarve.gguf.container import GGUFModel, TensorInfo
 
 # Tensor name suffix after "blk.N." -> role. Every one of these has ne[-1] == n_expert.
 EXPERT_AXIS_ROLES: dict[str, str] = {

@@ -1,0 +1,230 @@
+"""imatrix remap | inspect | convert: importance matrices (GGUF and legacy .dat) for pruned models.
+
+Examples:
+    ggufcarve imatrix inspect model.imatrix.gguf
+    ggufcarve imatrix remap model.imatrix.gguf --model pruned.gguf -o pruned.imatrix.gguf
+    ggufcarve imatrix convert pruned.imatrix.gguf -o pruned.imatrix.dat
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Optional
+
+import typer
+from rich.markup import escape
+from rich.table import Table
+
+from ggufcarve.cli.options import (
+    KeepFirstOption,
+    KeepIdsOption,
+    KeepOption,
+    resolve_keepset,
+)
+from ggufcarve.cli.render import err, out, progress, ranges, warn
+from ggufcarve.errors import BadInput
+
+if TYPE_CHECKING:
+    from ggufcarve.gguf.container import GGUFModel
+    from ggufcarve.moe.keepset import KeepSet
+    from ggufcarve.moe.layout import MoeLayout
+
+
+app = typer.Typer(help="Read, convert and remap importance matrices (GGUF and legacy .dat) for pruned models.", no_args_is_help=True)
+ImatrixFormatOption = Annotated[Optional[str], typer.Option("--format", help="Output format: gguf or dat [default: from the output's suffix, else the input's format].")]
+ChunkSizeOption = Annotated[
+    Optional[int], typer.Option("--chunk-size", help="Tokens per chunk the imatrix was computed with, needed to turn a .dat into GGUF (llama-imatrix -c; default 512).")
+]
+
+
+def _share(value: Optional[float]) -> str:
+    return "-" if value is None else f"{100 * value:.1f}%"
+
+
+def _imatrix_keepset(layout: MoeLayout, pruned: Optional[GGUFModel], keep: Optional[Path], first: Optional[int], ids: Optional[str]) -> KeepSet:
+    """The keep-set given on the command line, else the one the pruned model records; both must agree."""
+    from ggufcarve.moe.keepset import keepset_from_provenance
+
+    recorded = keepset_from_provenance(pruned.get, pruned.path.name) if pruned is not None else None
+    if keep is None and first is None and ids is None:
+        if recorded is None:
+            where = f"{pruned.path} has no ggufcarve.kept_* keys" if pruned is not None else "no --model given"
+            raise BadInput(f"no keep-set: {where}", "give --keep FILE (or --keep-first/--keep-ids), or --model with a model ggufcarve pruned")
+        return recorded
+    keepset = resolve_keepset(layout, keep, first, ids)
+    if recorded is not None and recorded.layers != {b: tuple(v) for b, v in keepset.layers.items()}:
+        differ = sorted(b for b in set(recorded.layers) | set(keepset.layers) if recorded.layers.get(b) != keepset.layers.get(b))
+        raise BadInput(
+            f"the keep-set differs from the one {pruned.path if pruned else ''} was pruned with (ggufcarve.kept_experts), in block(s) {ranges(differ)}",
+            "omit --keep to use the recorded keep-set, or give the model pruned with this keep-set",
+        )
+    return keepset
+
+
+@app.command("remap")
+def imatrix_remap(
+    imatrix: Annotated[Path, typer.Argument(help="imatrix of the unpruned model (GGUF or .dat), as llama-imatrix wrote it. Never modified.")],
+    output: Annotated[Path, typer.Option("-o", "--output", help="Output imatrix path.")],
+    keep: KeepOption = None,
+    keep_first_count: KeepFirstOption = None,
+    keep_id_list: KeepIdsOption = None,
+    model: Annotated[Optional[Path], typer.Option("--model", help="The pruned model: its recorded keep-set is used when --keep is omitted, and the output is checked against it as llama-quantize will.")] = None,
+    source_model: Annotated[Optional[Path], typer.Option("--source-model", help="The unpruned model: the input is checked against it.")] = None,
+    fmt: ImatrixFormatOption = None,
+    chunk_size: ChunkSizeOption = None,
+    force: Annotated[bool, typer.Option("--force", help="Replace an existing output (and its report).")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Validate and print the plan; write nothing.")] = False,
+    report: Annotated[Optional[Path], typer.Option("--report", help="Where to write the report [default: OUTPUT_DIR/method/imatrix-remap-report.json].")] = None,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the plan (with --dry-run) or the report as JSON.")] = False,
+) -> None:
+    """Keep the kept experts' rows of every expert entry, in keep-set order; every other entry unchanged.
+
+    Needs --model (the pruned model) or --source-model (the unpruned one), or both: the model gives
+    the MoE layout the keep-set refers to (mtp_<j> keys, expert count) and the sizes to check."""
+    from ggufcarve.gguf.container import read_model
+    from ggufcarve.imatrix.convert import format_from_path
+    from ggufcarve.imatrix.formats import read_imatrix
+    from ggufcarve.imatrix.remap import default_report_path as imatrix_report_path
+    from ggufcarve.imatrix.remap import execute_remap, plan_remap, resolve_source_layout
+    from ggufcarve.moe.layout import inspect_layout
+
+    if model is None and source_model is None:
+        raise BadInput("imatrix remap needs the model: give --model PRUNED.gguf and/or --source-model SOURCE.gguf", "the model gives the MoE layout the keep-set refers to and the tensor sizes llama-quantize checks")
+    source_imatrix = read_imatrix(imatrix)
+    pruned = read_model(model) if model is not None else None
+    source = read_model(source_model) if source_model is not None else None
+    layout = resolve_source_layout(source_imatrix, pruned, inspect_layout(pruned) if pruned else None, inspect_layout(source) if source else None)
+    keepset = _imatrix_keepset(layout, pruned, keep, keep_first_count, keep_id_list)
+    suffix_format = format_from_path(output)
+    target = fmt or suffix_format or source_imatrix.format
+    plan = plan_remap(source_imatrix, keepset, layout, output, output_format=target, chunk_size=chunk_size, pruned=pruned, source=source)
+    warnings = list(plan.warnings)
+    if suffix_format is not None and suffix_format != target:
+        warnings.append(f"writing a {target} imatrix to a file named {output.name}")
+    if plan.losses:
+        warnings.append(f"{source_imatrix.format} -> {target} drops: " + "; ".join(plan.losses))
+    if target == "gguf" and source_imatrix.format == "dat" and chunk_size is None:
+        warnings.append(f"a .dat does not record its chunk size; assumed {plan.chunk_size} (pass --chunk-size to set it)")
+    for warning in warnings:
+        warn(warning)
+    if dry_run:
+        if as_json:
+            out.print_json(json.dumps({**plan.to_json(), "report": str(report or imatrix_report_path(output)), "dry_run": True}))
+            return
+        out.print(f"dry run, nothing written: {len(plan.tensors)} expert entries {layout.expert_count} -> {plan.kept_count} experts, {len(plan.unchanged)} entries unchanged -> {output} ({target})")
+        return
+    sources = [p for m in (pruned, source) if m is not None for p in m.paths]
+    with progress(not quiet and not as_json) as sink:
+        result = execute_remap(plan, force=force, report_path=report, sources=sources, on_event=sink)
+    if as_json:
+        out.print_json(result.report_path.read_text())
+        return
+    routing = plan.routing
+    table = Table(title=f"imatrix remapped: {layout.expert_count} -> {plan.kept_count} experts")
+    for column in ("block", "expert entries", "kept experts", "routing kept"):
+        table.add_column(column, justify="right" if column != "kept experts" else "left")
+    shares = {b["block"]: b["share_kept"] for b in routing.get("blocks", [])}
+    for block in layout.blocks:
+        n = sum(1 for t in plan.tensors if t.block == block)
+        ids = keepset.layers[block]
+        table.add_row(f"{block}" + (" (MTP)" if layout.is_mtp(block) else ""), str(n), ",".join(map(str, ids)), _share(shares.get(block)))
+    out.print(table)
+    overall = f"{_share(routing['share_kept'])} of the calibration's routed (token, slot) pairs went to kept experts" if routing["available"] else routing["reason"]
+    out.print(f"{len(plan.tensors)} entries remapped, {len(plan.unchanged)} unchanged; {overall}")
+    out.print(f"wrote {result.output_path} ({target}, {result.output_bytes:,} bytes)")
+    out.print(f"report: {result.report_path}")
+
+
+@app.command("inspect")
+def imatrix_inspect(
+    imatrix: Annotated[Path, typer.Argument(help="GGUF or legacy .dat imatrix.")],
+    model: Annotated[Optional[Path], typer.Option("--model", help="Also check every entry against this model, as llama-quantize will.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print as JSON.")] = False,
+) -> None:
+    """Entries, chunks, datasets, and per MoE block the routing counts (never-routed experts).
+
+    The counts show which experts the calibration never routed to and how unevenly the rest were
+    used. With --model, every entry is checked against the model as llama-quantize will."""
+    from ggufcarve.gguf.container import read_model
+    from ggufcarve.imatrix.check import raise_problems, summarize
+    from ggufcarve.imatrix.formats import read_imatrix
+
+    loaded = read_imatrix(imatrix)
+    summary = summarize(loaded, read_model(model) if model is not None else None)
+    doc = summary.to_json()
+    if as_json:
+        out.print_json(json.dumps(doc))
+    else:
+        table = Table(title=f"{imatrix.name}: {loaded.format} imatrix", show_header=False, box=None)
+        rows = [
+            ("entries", f"{len(loaded.entries)} ({summary.expert_entries} expert, {summary.dense_entries} other)"),
+            ("chunks", f"{loaded.chunk_count} x {loaded.chunk_size} tokens" if loaded.chunk_size else f"{loaded.chunk_count if loaded.chunk_count is not None else '? (no trailer)'} (a .dat does not record the chunk size)"),
+            ("datasets", ", ".join(loaded.datasets) or "-"),
+            ("per-expert counts", "yes" if doc["per_expert_counts"] else "no" + (" (a .dat holds one ncall per entry)" if loaded.format == "dat" else "")),
+        ]
+        if summary.remapped:
+            rows.append(("remapped", f"by ggufcarve: {summary.remapped['source_expert_count']} -> {summary.remapped['kept_expert_count']} experts"))
+        for key, value in rows:
+            table.add_row(f"[bold]{key}[/]", escape(str(value)))
+        out.print(table)
+        if summary.blocks and not doc["per_expert_counts"]:
+            out.print(f"expert entries in MoE blocks {ranges([b.block for b in summary.blocks])}; routing per expert unknown (no per-expert counts)")
+        elif summary.blocks:
+            blocks = Table(title="routing per MoE block ((token, slot) pairs per expert)")
+            for column in ("block", "experts", "routed", "min", "median", "max", "top 25% share", "never routed"):
+                blocks.add_column(column, justify="right")
+            for b in doc["moe_blocks"]:
+                if b["expert_count"] is None:
+                    blocks.add_row(str(b["block"]), "?", "-", "-", "-", "-", "-", "no per-expert counts")
+                    continue
+                zero = b["zero_count_experts"]
+                blocks.add_row(
+                    str(b["block"]), str(b["expert_count"]), f"{b['routed_total']:,}", str(b["min"]), f"{b['median']:g}", str(b["max"]), _share(b["top_quarter_share"]),
+                    f"{len(zero)}: {','.join(map(str, zero[:16]))}{',...' if len(zero) > 16 else ''}" if zero else "0",
+                )
+            out.print(blocks)
+        if summary.model_check is not None:
+            for warning in summary.model_check.warnings:
+                warn(warning)
+            if not summary.model_check.problems:
+                out.print(f"fits {model}: every entry names a tensor of the model and has its size")
+    if summary.model_check is not None:
+        raise_problems(
+            list(summary.model_check.problems),
+            f"{imatrix} does not fit {model}",
+            f"llama-quantize fails on these entries; for a pruned model remap the source's imatrix: ggufcarve imatrix remap {imatrix} --model {model} -o OUT",
+        )
+
+
+@app.command("convert")
+def imatrix_convert(
+    source: Annotated[Path, typer.Argument(help="GGUF or legacy .dat imatrix. Never modified.")],
+    output: Annotated[Path, typer.Option("-o", "--output", help="Output imatrix path.")],
+    fmt: ImatrixFormatOption = None,
+    chunk_size: ChunkSizeOption = None,
+    force: Annotated[bool, typer.Option("--force", help="Replace an existing output.")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")] = False,
+) -> None:
+    """GGUF <-> legacy .dat, as llama-imatrix itself converts (some forks' quantizers read only .dat).
+
+    To .dat: per-expert counts are lost (a .dat keeps one ncall per entry); llama-quantize's
+    normalised values are unchanged."""
+    from ggufcarve.imatrix.convert import convert_file, format_from_path
+    from ggufcarve.imatrix.formats import read_imatrix
+
+    target = fmt or format_from_path(output)
+    if target is None:
+        raise BadInput(f"cannot tell the output format from {output.name}", "pass --format gguf or --format dat")
+    loaded = read_imatrix(source)
+    with progress(not quiet) as sink:
+        result = convert_file(loaded, output, target, chunk_size=chunk_size, force=force, on_event=sink)
+    if result.conversion.losses:
+        err.print(f"[yellow]warning:[/] {loaded.format} -> {target} drops: {escape('; '.join(result.conversion.losses))}", soft_wrap=True, highlight=False)
+    if result.conversion.skipped:
+        err.print(f"[yellow]warning:[/] not written (no data, as llama-imatrix skips them): {escape(', '.join(result.conversion.skipped))}", soft_wrap=True, highlight=False)
+    if target == "gguf" and chunk_size is None:
+        err.print(f"[yellow]note:[/] a .dat does not record its chunk size; imatrix.chunk_size set to {result.conversion.imatrix.chunk_size} (pass --chunk-size to set it)", soft_wrap=True, highlight=False)
+    out.print(f"wrote {result.output_path} ({target}, {len(result.conversion.imatrix.entries)} entries, {result.output_bytes:,} bytes)")
+

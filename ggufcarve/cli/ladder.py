@@ -1,0 +1,71 @@
+"""ladder run: every rung of a spec from one source, hashed and recorded.
+
+Examples:
+    ggufcarve ladder run ladders/q8-to-iq1.toml --source model-128e-Q8_0.gguf --imatrix model-128e.imatrix.gguf -o release/
+    ggufcarve ladder run ladders/q8-to-iq1.toml --source model-128e-Q8_0.gguf -o release/ --only Q4_K_M --dry-run
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.markup import escape
+from rich.table import Table
+
+from ggufcarve.cli.options import LlamaCppOption
+from ggufcarve.cli.render import err, out, progress, warn
+
+app = typer.Typer(help="Quantization ladders: every rung from one pruned source, hashed and recorded.", no_args_is_help=True)
+
+
+@app.command("run")
+def ladder_run(
+    spec: Annotated[Path, typer.Argument(help="Ladder spec, e.g. ladders/q8-to-iq1.toml.")],
+    source: Annotated[Path, typer.Option("--source", help="The pruned model to requantize (first shard if split). Never modified.")],
+    output: Annotated[Path, typer.Option("-o", "--output", help="Output directory for the rungs, quant-manifest.json and SHA256SUMS.")],
+    imatrix: Annotated[Optional[Path], typer.Option("--imatrix", help="imatrix for the source (remapped to the pruned experts); needed by IQ rungs.")] = None,
+    only: Annotated[Optional[list[str]], typer.Option("--only", help="Run only these rungs (repeat or comma-separate), e.g. Q4_K_M,IQ2_XS.")] = None,
+    keep_going: Annotated[bool, typer.Option("--keep-going", help="Continue past a failed rung.")] = False,
+    quantizer_choice: Annotated[str, typer.Option("--quantizer", help="auto | binary | libllama | PATH to llama-quantize. auto prefers a found binary.")] = "auto",
+    llama_cpp: LlamaCppOption = None,
+    model_name: Annotated[Optional[str], typer.Option("--model-name", help="{model} in file names (default: the source name without its quant tag).")] = None,
+    threads: Annotated[Optional[int], typer.Option("--threads", "-t", help="Quantizer threads (default: all cores).")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Validate and print the plan; run nothing.")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress output.")] = False,
+) -> None:
+    """Quantize every rung of SPEC from --source into -o DIR; resumable; writes quant-manifest.json and SHA256SUMS."""
+    from ggufcarve.quant.quantizer import make_quantizer
+    from ggufcarve.quant.run import plan_ladder, run_ladder
+    from ggufcarve.quant.spec import load_spec
+
+    ladder_spec = load_spec(spec)
+    quantizer = make_quantizer(quantizer_choice, llama_cpp)
+    plan = plan_ladder(ladder_spec, source, output, quantizer=quantizer, imatrix=imatrix, only=only, model_name=model_name, nthreads=threads or os.cpu_count(), hash_inputs=not dry_run)
+    for warning in plan.warnings:
+        warn(warning)
+    described = quantizer.describe()
+    err.print(f"quantizer: {described['backend']} {described['path']}" + (f" (build {described['build']}, {described['commit']})" if described.get("build") is not None else f" ({described.get('version')})"), highlight=False)
+    if dry_run:
+        table = Table(title=f"ladder {ladder_spec.name} (dry run: nothing written)")
+        for column in ("rung", "output", "est. GiB", "imatrix fallback", "command"):
+            table.add_column(column, overflow="fold")
+        for p in plan.rungs:
+            table.add_row(p.rung.name, str(p.output), f"{p.estimated_bytes / 2**30:.2f}", f"{len(p.fallback)} -> {p.rung.imatrix_fallback_type}" if p.fallback else "", escape(" ".join(quantizer.argv(p.job))))
+        out.print(table)
+        return
+    with progress(not quiet) as sink:
+        result = run_ladder(plan, keep_going=keep_going, on_event=sink)
+    table = Table(title=f"ladder {ladder_spec.name}: {output}")
+    for column in ("rung", "size GiB", "bits/weight", "sha256", "seconds", "status"):
+        table.add_column(column, justify="left" if column in ("rung", "sha256", "status") else "right")
+    for r in result.rungs:
+        status = {"built": "[green]built[/]", "skipped": "skipped (unchanged)", "failed": f"[red]FAILED[/]: {escape(r.error or '')}", "not run": "not run"}[r.status]
+        table.add_row(r.name, f"{r.gib:.2f}" if r.bytes else "", f"{r.bits_per_weight:.2f}" if r.bits_per_weight else "", (r.sha256 or "")[:12], f"{r.seconds:.1f}", status)
+    out.print(table)
+    out.print(f"manifest: {result.manifest_path}; sums: {result.sums_path}; {result.seconds:.1f} s total, {result.quantizer_seconds:.1f} s in the quantizer")
+    if result.failed:
+        raise typer.Exit(1)
+

@@ -1,0 +1,37 @@
+"""Typed option aliases shared by the command modules."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Optional
+
+import typer
+
+from ggufcarve.errors import BadInput
+
+if TYPE_CHECKING:
+    from ggufcarve.moe.keepset import KeepSet
+    from ggufcarve.moe.layout import MoeLayout
+
+KeepOption = Annotated[Optional[Path], typer.Option("--keep", help="Keep-set JSON: ours, kept_expert_indices.json, carve_manifest.json or expert-selection.json.")]
+KeepFirstOption = Annotated[Optional[int], typer.Option("--keep-first", help="Keep experts 0..K-1 in every MoE block.")]
+KeepIdsOption = Annotated[Optional[str], typer.Option("--keep-ids", help="Keep these ids in every MoE block, e.g. 0,2,4-7.")]
+QuietOption = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars.")]
+JsonOption = Annotated[bool, typer.Option("--json", help="Print the result as JSON (no progress bars).")]
+ForceOption = Annotated[bool, typer.Option("--force", help="Replace an existing output.")]
+LlamaCppOption = Annotated[Optional[Path], typer.Option("--llama-cpp", help="Directory holding llama.cpp tools (DIR, DIR/bin or DIR/build/bin). Env: GGUFCARVE_LLAMA_CPP.")]
+
+
+def resolve_keepset(layout: MoeLayout, keep: Optional[Path], first: Optional[int], ids: Optional[str]) -> KeepSet:
+    """The keep-set of exactly one of --keep FILE, --keep-first K, --keep-ids LIST."""
+    from ggufcarve.moe.keepset import keep_first, keep_ids, load_keepset, parse_id_list
+
+    given = [x is not None for x in (keep, first, ids)]
+    if sum(given) != 1:
+        raise BadInput("give exactly one of --keep FILE, --keep-first K, --keep-ids LIST", "for example --keep kept_expert_indices.json")
+    if keep is not None:
+        return load_keepset(keep, layout)
+    if first is not None:
+        return keep_first(layout, first)
+    return keep_ids(layout, parse_id_list(ids or ""))
+

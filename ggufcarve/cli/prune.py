@@ -1,0 +1,180 @@
+"""inspect, prune, check-prune: the MoE layout of a model, and cutting experts out of it.
+
+Examples:
+    ggufcarve inspect model.gguf
+    ggufcarve inspect model-00001-of-00003.gguf --json
+    ggufcarve prune model.gguf --keep kept_expert_indices.json -o pruned.gguf
+    ggufcarve prune model.gguf --keep-first 128 -o pruned.gguf --dry-run
+    ggufcarve check-prune model.gguf pruned.gguf
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any, Optional
+
+import typer
+from rich.table import Table
+
+from ggufcarve.cli.options import (
+    KeepFirstOption,
+    KeepIdsOption,
+    KeepOption,
+    resolve_keepset,
+)
+from ggufcarve.cli.render import err, gib, out, progress, ranges, warn
+
+if TYPE_CHECKING:
+    from ggufcarve.gguf.container import GGUFModel
+    from ggufcarve.moe.layout import MoeLayout
+
+
+def _layout_table(model: GGUFModel, layout: MoeLayout) -> Table:
+    table = Table(title=f"{model.path.name}: {layout.architecture}", show_header=False, box=None)
+    rows = [
+        ("files", ", ".join(p.name for p in model.paths)),
+        ("blocks", f"{layout.block_count} ({layout.nextn_layers} MTP)" if layout.nextn_layers else str(layout.block_count)),
+        ("MoE blocks", f"{len(layout.layers)}: {ranges(layout.blocks)}" + (f" (MTP: {ranges([b for b in layout.blocks if layout.is_mtp(b)])})" if layout.nextn_layers else "")),
+        ("experts", f"{layout.expert_count}, top-{layout.expert_used_count}"),
+        ("groups", f"{layout.group_count}, {layout.group_used_count} used" if layout.group_count > 1 else "none"),
+        ("shared experts", str(layout.shared_expert_count)),
+        ("routing", f"{layout.routing.gating}: {layout.routing.note}"),
+        ("size", f"{gib(model.total_bytes)}; experts {gib(layout.expert_bytes)} ({100 * layout.expert_bytes / max(layout.total_bytes, 1):.1f}% of tensor data)"),
+    ]
+    for key, value in rows:
+        table.add_row(f"[bold]{key}[/]", value)
+    return table
+
+
+
+def inspect(
+    model: Annotated[Path, typer.Argument(help="GGUF file, or the first shard of a split set.")],
+    as_json: Annotated[bool, typer.Option("--json", help="Print the layout as JSON.")] = False,
+) -> None:
+    """Show the MoE layout: experts, MoE blocks (MTP included), expert-axis tensors and sizes."""
+    from ggufcarve.gguf.container import read_model
+    from ggufcarve.moe.layout import inspect_layout
+
+    loaded = read_model(model)
+    layout = inspect_layout(loaded)
+    if as_json:
+        out.print_json(json.dumps({"files": [str(p) for p in loaded.paths], **layout.to_json()}))
+        return
+    out.print(_layout_table(loaded, layout))
+    tensors = Table(title="expert-axis tensors (per MoE block)")
+    for column in ("tensor", "role", "shape", "type", "bytes/expert"):
+        tensors.add_column(column, justify="right" if column == "bytes/expert" else "left")
+    seen: dict[str, tuple[Any, ...]] = {}
+    for layer in layout.layers:
+        for t in layer.tensors:
+            suffix = t.name.split(".", 2)[2]
+            row = (suffix + (" (MTP)" if layer.is_mtp else ""), t.role, "x".join(map(str, t.shape)), t.type_name, f"{t.bytes_per_expert:,}")
+            seen.setdefault(row[0] + row[2] + row[3], row)
+    for row in seen.values():
+        tensors.add_row(*row)
+    out.print(tensors)
+
+
+def prune(
+    model: Annotated[Path, typer.Argument(help="Source GGUF file, or the first shard of a split set. Never modified.")],
+    output: Annotated[Path, typer.Option("-o", "--output", help="Output .gguf path (split outputs get -0000i-of-0000N).")],
+    keep: KeepOption = None,
+    keep_first_count: KeepFirstOption = None,
+    keep_id_list: KeepIdsOption = None,
+    force: Annotated[bool, typer.Option("--force", help="Replace an existing output.")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan and write nothing.")] = False,
+    no_provenance: Annotated[bool, typer.Option("--no-provenance", help="Do not add ggufcarve.* keys.")] = False,
+    split_max_size: Annotated[Optional[str], typer.Option("--split-max-size", help="Re-shard the output, e.g. 50G or 512M (as llama-gguf-split).")] = None,
+    merge: Annotated[bool, typer.Option("--merge", help="Write a split source as one file.")] = False,
+    report: Annotated[Optional[Path], typer.Option("--report", help="Where to write the pruning report [default: OUTPUT_DIR/method/pruning-report.json].")] = None,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the plan (with --dry-run) or the result as JSON.")] = False,
+) -> None:
+    """Keep K experts per MoE block: kept slabs and router rows copied as raw bytes, then verified."""
+    from ggufcarve.gguf.container import read_model
+    from ggufcarve.moe.layout import inspect_layout
+    from ggufcarve.prune.execute import execute
+    from ggufcarve.prune.plan import parse_size, plan_prune
+    from ggufcarve.prune.report import default_report_path
+
+    loaded = read_model(model)
+    layout = inspect_layout(loaded)
+    keepset = resolve_keepset(layout, keep, keep_first_count, keep_id_list)
+    plan = plan_prune(loaded, layout, keepset, output, provenance=not no_provenance, split_max_size=parse_size(split_max_size) if split_max_size else None, merge=merge)
+    for warning in plan.warnings:
+        warn(warning)
+    if dry_run:
+        if as_json:
+            out.print_json(json.dumps(plan.to_json()))
+            return
+        summary = plan.to_json()
+        table = Table(title="prune plan (dry run: nothing written)", show_header=False, box=None)
+        table.add_row("[bold]experts[/]", f"{layout.expert_count} -> {plan.kept_count} in {len(layout.layers)} MoE blocks")
+        table.add_row("[bold]tensors[/]", f"{len(summary['tensors_pruned'])} sliced, {summary['tensors_total'] - len(summary['tensors_pruned'])} copied whole")
+        for key, change in summary["changed_keys"].items():
+            table.add_row(f"[bold]{key}[/]", f"{change['before']} -> {change['after']}")
+        table.add_row("[bold]bytes in[/]", f"{plan.bytes_in:,} ({gib(plan.bytes_in)})")
+        for f in plan.files:
+            table.add_row("[bold]output[/]", f"{f.path}: {f.size:,} bytes ({gib(f.size)}), {len(f.tensors)} tensors")
+        table.add_row("[bold]report[/]", str(report or default_report_path(plan)))
+        out.print(table)
+        return
+    with progress(not quiet and not as_json) as sink:
+        result = execute(plan, loaded, force=force, on_event=sink, report_path=report)
+    if as_json:
+        out.print_json(json.dumps({**plan.to_json(), "report": str(result.report_path), "timings": result.timings, "verified_tensors": len(result.verification.tensors)}))
+        return
+    table = Table(title="pruned and verified")
+    for column in ("output", "bytes", "GiB", "tensors", "sliced"):
+        table.add_column(column, justify="left" if column == "output" else "right")
+    for f in plan.files:
+        table.add_row(str(f.path), f"{f.size:,}", f"{f.size / 2**30:.2f}", str(len(f.tensors)), str(sum(t.pruned for t in f.tensors)))
+    out.print(table)
+    t = result.timings
+    out.print(
+        f"experts {layout.expert_count} -> {plan.kept_count}; {plan.bytes_in:,} -> {plan.bytes_out:,} bytes; "
+        f"{len(result.verification.tensors)} tensors and {result.verification.keys_checked} keys verified (xxh3-128) in {t['total_seconds']:.1f} s"
+    )
+    out.print(f"report: {result.report_path}")
+
+
+def check_prune_command(
+    source: Annotated[Path, typer.Argument(help="The unpruned source GGUF (first shard if split).")],
+    output: Annotated[Path, typer.Argument(help="The pruned GGUF (first shard if split).")],
+    keep: KeepOption = None,
+    keep_first_count: KeepFirstOption = None,
+    keep_id_list: KeepIdsOption = None,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars.")] = False,
+) -> None:
+    """Re-check a pruned file against its source: every tensor hash and every key.
+
+    Without a keep-set option, the one the output records in its ggufcarve.kept_* keys is used."""
+    from ggufcarve.gguf.container import read_model
+    from ggufcarve.moe.keepset import keepset_from_provenance
+    from ggufcarve.moe.layout import inspect_layout
+    from ggufcarve.prune.check import check_prune
+
+    src = read_model(source)
+    layout = inspect_layout(src)
+    pruned = read_model(output)
+    recorded = keepset_from_provenance(pruned.get, pruned.path.name)
+    if recorded is not None and keep is None and keep_first_count is None and keep_id_list is None:
+        keepset = recorded
+    else:
+        keepset = resolve_keepset(layout, keep, keep_first_count, keep_id_list)
+    with progress(not quiet) as sink:
+        verification = check_prune(src, layout, keepset, pruned, on_event=sink)
+    if not verification.ok:
+        failures = Table(title="check-prune failures")
+        failures.add_column("what")
+        failures.add_column("problem")
+        for problem in verification.problems:
+            failures.add_row("metadata", problem)
+        for t in verification.tensors:
+            if not t.ok:
+                failures.add_row(t.name, f"xxh3 {t.output_xxh3[:16]} != expected {t.expected_xxh3[:16]}")
+        err.print(failures)
+        verification.raise_if_failed(f"{output}")
+    out.print(f"OK: {len(verification.tensors)} tensors and {verification.keys_checked} keys of {output} match {source} with {layout.expert_count} -> {keepset.kept_count} experts")
+

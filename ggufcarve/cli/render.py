@@ -1,0 +1,98 @@
+"""The one place that draws: consoles, warnings, errors, and every progress `Event` as a bar.
+
+Each event stage gets one bar; its unit decides the counter: bytes (size, speed, time left),
+tokens/chunks/rungs/tensors (n/total), percent (a percentage). A stage's message is shown beside
+its bar.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, Iterator
+
+from rich.console import Console
+from rich.markup import escape
+
+if TYPE_CHECKING:
+    from ggufcarve.events import Event, Sink
+
+out = Console()
+err = Console(stderr=True)
+
+
+def warn(message: str, label: str = "warning") -> None:
+    err.print(f"[yellow]{label}:[/] {escape(message)}", soft_wrap=True, highlight=False)
+
+
+def print_error(message: str, hint: str) -> None:
+    err.print(f"[bold red]error:[/] {escape(message)}" + (f" [dim](hint: {escape(hint)})[/]" if hint else ""), soft_wrap=True, highlight=False)
+
+
+def gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def ranges(blocks: Any) -> str:
+    """0,1,2,5,7,8 -> "0-2,5,7-8"."""
+    blocks = list(blocks)
+    parts, start = [], None
+    for i, b in enumerate(blocks):
+        if start is None:
+            start = b
+        if i + 1 == len(blocks) or blocks[i + 1] != b + 1:
+            parts.append(str(start) if start == b else f"{start}-{b}")
+            start = None
+    return ",".join(parts)
+
+
+def _ignore(event: "Event") -> None:
+    """Bars switched off (--quiet, --json)."""
+
+
+@contextmanager
+def progress(enabled: bool = True, transient: bool = False) -> Iterator["Sink"]:
+    """A sink that draws each event stage as one bar on stderr; with enabled=False it draws nothing."""
+    if not enabled:
+        yield _ignore
+        return
+    from rich.filesize import decimal
+    from rich.progress import (
+        BarColumn,
+        Progress,
+        ProgressColumn,
+        TextColumn,
+        TimeRemainingColumn,
+    )
+    from rich.text import Text
+
+    class Count(ProgressColumn):
+        def render(self, task: Any) -> Text:
+            unit = task.fields.get("unit", "bytes")
+            done, total = task.completed, task.total
+            if unit == "bytes":
+                size = f"{done / 2**20:.1f}/{total / 2**20:.1f} MiB" if total else f"{done / 2**20:.1f} MiB"
+                speed = f" {decimal(int(task.speed))}/s" if task.speed else ""
+                return Text(size + speed)
+            if unit == "percent":
+                return Text(f"{done:3.0f}%")
+            return Text(f"{done:,.0f}/{total:,.0f} {unit}" if total else f"{done:,.0f} {unit}")
+
+    bars = Progress(
+        TextColumn("{task.description:<12}"), BarColumn(), Count(), TimeRemainingColumn(), TextColumn("{task.fields[message]}"),
+        console=err, transient=transient,
+    )
+    tasks: dict[str, Any] = {}
+
+    def sink(event: "Event") -> None:
+        task = tasks.get(event.stage)
+        if task is None:
+            task = tasks[event.stage] = bars.add_task(event.stage, total=event.total or None, unit=event.unit, message="")
+        fields: dict[str, Any] = {"completed": event.done, "unit": event.unit}
+        if event.total:
+            fields["total"] = event.total
+        if event.message:
+            fields["message"] = escape(event.message[-60:])
+        bars.update(task, **fields)
+
+    with bars:
+        yield sink

@@ -1,0 +1,72 @@
+"""toolchain show | build: the llama.cpp tools ggufcarve runs.
+
+Examples:
+    ggufcarve toolchain show
+    ggufcarve toolchain build
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.table import Table
+
+from ggufcarve.cli.options import LlamaCppOption
+from ggufcarve.cli.render import out, progress
+
+app = typer.Typer(help="Find, probe and build the llama.cpp tools ggufcarve runs.", no_args_is_help=True)
+
+
+@app.command("show")
+def toolchain_show(
+    llama_cpp: LlamaCppOption = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print as JSON.")] = False,
+) -> None:
+    """Which llama.cpp tools were found where: build, commit, flavour, sha256; and the libllama backend."""
+    from ggufcarve.llama.tools import show_toolchain
+
+    chain = show_toolchain(llama_cpp)
+    if as_json:
+        out.print_json(json.dumps(chain.to_json()))
+        return
+    table = Table(title="llama.cpp tools")
+    for column in ("tool", "found in", "path", "build", "commit", "flavour", "sha256"):
+        table.add_column(column)
+    for name, info in chain.tools.items():
+        if info is None:
+            table.add_row(name, "[red]missing[/]", "", "", "", "", "")
+        else:
+            build = f"{info.version or ''} b{info.build_number}" if info.build_number is not None else "?"
+            table.add_row(name, info.origin, info.path, build.strip(), info.commit or "?", info.flavour + ("" if info.works else " [red](probe failed)[/]"), info.sha256[:12])
+    out.print(table)
+    lib = chain.libllama
+    out.print(f"libllama backend: llama-cpp-python {chain.llama_cpp_python or 'not installed'}" + (f", {lib['path']} (sha256 {lib['sha256'][:12]})" if lib else " [red](libllama not found)[/]"))
+    out.print(f"cache: {chain.cache_bin}")
+    if any(info is None for info in chain.tools.values()):
+        out.print("build the missing tools with: ggufcarve toolchain build")
+
+
+@app.command("build")
+def toolchain_build(
+    force: Annotated[bool, typer.Option("--force", help="Rebuild even when the cache has the tools.")] = False,
+    jobs: Annotated[Optional[int], typer.Option("--jobs", "-j", help="Parallel compile jobs (default: CPU count).")] = None,
+    from_dir: Annotated[Optional[Path], typer.Option("--from", help="Install tools already built from the same source (a build's bin dir) instead of compiling.")] = None,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress output.")] = False,
+) -> None:
+    """Compile llama-quantize, llama-imatrix, llama-perplexity and llama-gguf-split into ggufcarve's cache.
+
+    From the llama.cpp source in the llama-cpp-python sdist of the installed version; about 10-13
+    minutes on 2 cores, once per version."""
+    from ggufcarve.llama.build import build_tools, install_prebuilt
+
+    if from_dir is not None:
+        bin_dir, copied = install_prebuilt(from_dir, origin=f"copied from {from_dir}", force=force)
+        out.print(f"installed: {bin_dir}" if copied else f"already cached (pass --force to replace): {bin_dir}")
+        return
+    with progress(not quiet) as sink:
+        bin_dir = build_tools(sink, jobs=jobs, force=force)
+    out.print(f"tools ready in {bin_dir}")
+

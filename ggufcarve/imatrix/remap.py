@@ -1,0 +1,473 @@
+"""Remapping an imatrix to a pruned model's kept experts."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+from gguf.constants import GGUFValueType
+
+from ggufcarve import __version__
+from ggufcarve.errors import BadInput, CarveError
+from ggufcarve.events import Sink, ignore
+from ggufcarve.fileio import (
+    check_report_slot,
+    sha256_file,
+    write_text_atomic,
+)
+from ggufcarve.gguf.container import (
+    GGUFModel,
+    make_kv,
+    replace_kvs,
+)
+from ggufcarve.imatrix.check import check_against_model, expected_sizes, raise_problems
+from ggufcarve.imatrix.convert import convert
+from ggufcarve.imatrix.formats import (
+    DEFAULT_CHUNK_SIZE,
+    EXPERT_ENTRY,
+    FORMATS,
+    KEY_REMAP_SOURCE_SHA256,
+    REPORT_NAME,
+    REPORT_SCHEMA_VERSION,
+    Imatrix,
+    ImatrixEntry,
+    encoded_size,
+    ggml_ne,
+    lround,
+    read_imatrix,
+    write_imatrix,
+)
+from ggufcarve.moe.keepset import (
+    KEY_KEPT_COUNT,
+    KEY_KEPT_EXPERTS,
+    KEY_SOURCE_EXPERT_COUNT,
+    KeepSet,
+    check_keepset,
+    provenance_kvs,
+)
+from ggufcarve.moe.layout import MoeLayout
+
+# ---------------------------------------------------------------------------------------------
+# Remapping
+
+
+@dataclass(frozen=True)
+class TensorRemap:
+    name: str
+    block: int
+    mtp: bool
+    experts_before: int
+    kept: tuple[int, ...]
+    dropped: tuple[int, ...]
+    routed_kept: int | None  # (token, slot) pairs routed to kept experts; None without per-expert counts
+    routed_dropped: int | None
+
+
+@dataclass(frozen=True)
+class RemapPlan:
+    source: Imatrix
+    output: Imatrix  # values computed when written
+    output_path: Path
+    output_format: str
+    keepset: KeepSet
+    layout: MoeLayout  # of the source model (expert_count = experts before pruning)
+    kept_count: int
+    tensors: tuple[TensorRemap, ...]
+    unchanged: tuple[str, ...]
+    blocks_without_entries: tuple[int, ...]
+    losses: tuple[str, ...]
+    skipped: tuple[str, ...]
+    warnings: tuple[str, ...]
+    models: dict[str, dict[str, Any]]  # "pruned" / "source" -> path, architecture, expert_count
+    chunk_size: int
+
+    @property
+    def routing(self) -> dict[str, Any]:
+        """Share of the calibration's (token, slot) routing the kept experts received, over MoE blocks."""
+        per_block: dict[int, TensorRemap] = {}
+        for t in self.tensors:
+            if t.routed_kept is not None:
+                per_block.setdefault(t.block, t)
+        if not per_block:
+            return {"available": False, "reason": "the imatrix has no per-expert counts (a .dat, or converted from one)"}
+        kept = sum(t.routed_kept or 0 for t in per_block.values())
+        dropped = sum(t.routed_dropped or 0 for t in per_block.values())
+        total = kept + dropped
+        return {
+            "available": True,
+            "routed_total": total,
+            "routed_kept": kept,
+            "routed_dropped": dropped,
+            "share_kept": kept / total if total else None,
+            "blocks": [
+                {"block": b, "mtp": t.mtp, "routed_kept": t.routed_kept, "routed_dropped": t.routed_dropped, "share_kept": (t.routed_kept or 0) / max((t.routed_kept or 0) + (t.routed_dropped or 0), 1)}
+                for b, t in sorted(per_block.items())
+            ],
+        }
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "input": {"path": str(self.source.path), "format": self.source.format, "entries": len(self.source.entries)},
+            "output": {"path": str(self.output_path), "format": self.output_format, "entries": len(self.output.entries), "bytes": encoded_size(self.output)},
+            "expert_count": {"before": self.layout.expert_count, "after": self.kept_count},
+            "tensors_remapped": [t.name for t in self.tensors],
+            "entries_unchanged": list(self.unchanged),
+            "blocks_without_entries": list(self.blocks_without_entries),
+            "routing": self.routing,
+            "losses": list(self.losses),
+            "entries_skipped": list(self.skipped),
+            "warnings": list(self.warnings),
+        }
+
+
+def _select(e: ImatrixEntry, ids: Sequence[int], n_expert: int, ne0: int) -> ImatrixEntry:
+    """The entry with only experts `ids` (in that order): rows of a per-expert entry, slices of a flat one."""
+    index = np.asarray(ids, dtype=np.int64)
+    if e.n_mat == n_expert and e.row_len == ne0:
+        counts = None if e.counts is None else e.counts[index].astype(np.float32)
+        sums_ne = None if e.sums_ne is None else ggml_ne(ne0, len(ids))
+        counts_ne = None if e.counts_ne is None else ggml_ne(1, len(ids))
+
+        def load() -> np.ndarray:
+            return np.ascontiguousarray(e.sums()[index])
+
+        load_in_sum = None
+        if e.load_in_sum is not None:
+            src_in_sum = e.load_in_sum
+            load_in_sum = lambda: np.ascontiguousarray(src_in_sum()[index])
+        return dataclasses.replace(e, n_mat=len(ids), counts=counts, load_sums=load, load_in_sum=load_in_sum, sums_ne=sums_ne, counts_ne=counts_ne)
+    # one row holding all experts (.dat, or a GGUF converted from one): expert-major slices
+    assert e.n_mat == 1 and e.row_len == n_expert * ne0
+
+    def load_flat() -> np.ndarray:
+        return np.ascontiguousarray(e.sums().reshape(n_expert, ne0)[index].reshape(1, -1))
+
+    load_in_sum = None
+    if e.load_in_sum is not None:
+        src_in_sum = e.load_in_sum
+        load_in_sum = lambda: np.ascontiguousarray(src_in_sum().reshape(n_expert, ne0)[index].reshape(1, -1))
+    sums_ne = None if e.sums_ne is None else ggml_ne(len(ids) * ne0, 1)
+    return dataclasses.replace(e, row_len=len(ids) * ne0, load_sums=load_flat, load_in_sum=load_in_sum, sums_ne=sums_ne)
+
+
+def imatrix_expert_count(imatrix: Imatrix, ne0: Mapping[str, int]) -> dict[str, int]:
+    """Experts per expert entry as the file holds them: GGUF rows, or .dat values / ne0."""
+    result = {}
+    for e in imatrix.entries:
+        if e.name not in ne0:
+            continue
+        if e.n_mat > 1:
+            result[e.name] = e.n_mat
+        elif e.nval % ne0[e.name] == 0:
+            result[e.name] = e.nval // ne0[e.name]
+    return result
+
+
+def resolve_source_layout(
+    imatrix: Imatrix,
+    pruned: GGUFModel | None,
+    pruned_layout: MoeLayout | None,
+    source_layout: MoeLayout | None,
+) -> MoeLayout:
+    """The layout of the unpruned model the keep-set selects from.
+
+    From --source-model when given; else the pruned model's layout with expert_count set to the
+    source's, read from its ggufcarve.source.expert_count key or, failing that, from the imatrix.
+    """
+    recorded = pruned.get(KEY_SOURCE_EXPERT_COUNT) if pruned is not None else None
+    if source_layout is not None:
+        if recorded is not None and int(recorded) != source_layout.expert_count:
+            raise BadInput(
+                f"{pruned.path if pruned else 'the pruned model'} was pruned from a {int(recorded)}-expert model ({KEY_SOURCE_EXPERT_COUNT}), the source model has {source_layout.expert_count}",
+                "give the source model the pruned model was made from",
+            )
+        return source_layout
+    assert pruned is not None and pruned_layout is not None
+    if recorded is not None:
+        return dataclasses.replace(pruned_layout, expert_count=int(recorded))
+    ne0 = {t.name: t.shape[0] for t in pruned_layout.expert_tensors.values() if t.role == "expert weight"}
+    found = sorted(set(imatrix_expert_count(imatrix, ne0).values()))
+    if len(found) != 1:
+        raise BadInput(
+            f"{pruned.path} does not record the source expert count (no {KEY_SOURCE_EXPERT_COUNT}) and the imatrix entries give {found or 'none'}",
+            "pass --source-model with the unpruned model",
+        )
+    return dataclasses.replace(pruned_layout, expert_count=found[0])
+
+
+def plan_remap(
+    imatrix: Imatrix,
+    keepset: KeepSet,
+    layout: MoeLayout,
+    output: str | os.PathLike[str],
+    *,
+    output_format: str | None = None,
+    chunk_size: int | None = None,
+    pruned: GGUFModel | None = None,
+    source: GGUFModel | None = None,
+) -> RemapPlan:
+    """Validate everything and decide the output; nothing is written.
+
+    `layout` is the source (unpruned) layout: its expert_count is what the keep-set selects from.
+    At least one model is needed. The input entries are checked against `source` (else against
+    `pruned`, expert entries scaled back to the source's expert count); the output entries against
+    `pruned` with llama-quantize's own size check. Problems are reported all at once.
+    """
+    output = Path(output)
+    fmt = output_format or imatrix.format
+    if fmt not in FORMATS:
+        raise BadInput(f"unknown imatrix format {fmt!r}", "use --format gguf or --format dat")
+    warnings = list(check_keepset(keepset, layout))
+    k = keepset.kept_count
+    n_expert = layout.expert_count
+    where = str(imatrix.path)
+
+    recorded = imatrix.remap_keepset
+    if recorded is not None:
+        raise BadInput(
+            f"{where} was already remapped by ggufcarve to {imatrix.get(KEY_KEPT_COUNT)} experts ({KEY_KEPT_EXPERTS})",
+            "remap the original imatrix (the one computed on the unpruned model)",
+        )
+    if pruned is not None:
+        arch = pruned.get("general.architecture")
+        if arch != layout.architecture:
+            raise BadInput(f"{pruned.path} is {arch}, the source model is {layout.architecture}", "give the pruned model made from this source")
+        pruned_k = pruned.get(f"{arch}.expert_count")
+        if pruned_k != k:
+            raise BadInput(
+                f"the keep-set keeps {k} experts per block but {pruned.path} has {arch}.expert_count={pruned_k}",
+                "use the keep-set the model was pruned with (omit --keep to use the one it records)",
+            )
+
+    # Input checks against the unpruned model (or the pruned one, expert sizes scaled back to the
+    # source's expert count): every entry names a tensor and has the size that model needs.
+    reference = source if source is not None else pruned
+    if reference is None:
+        raise BadInput("remapping needs the source or the pruned model", "give --source-model and/or --model")
+    expert_weights = {t.name: t for t in layout.expert_tensors.values() if t.role == "expert weight"}
+    shapes = {t.name: t.shape for t in reference.tensors}
+    ne0 = {name: shapes[name][0] for name in expert_weights if name in shapes}
+    sizes = expected_sizes(reference)
+    sizes.update({name: width * n_expert for name, width in ne0.items()})
+    problems: list[str] = []
+    expert_entries: dict[str, ImatrixEntry] = {}
+    for e in imatrix.entries:
+        if e.name in ne0:
+            problem = _expert_entry_problem(e, n_expert, k, ne0[e.name])
+            if problem:
+                problems.append(problem)
+            else:
+                expert_entries[e.name] = e
+        elif e.name not in sizes:
+            problems.append(f"{e.name} is not a tensor of {reference.path.name}")
+        elif e.nval != sizes[e.name] and e.name != "token_embd.weight":
+            problems.append(f"{e.name} has {e.nval} values, but {reference.path.name} needs {sizes[e.name]} (ne0 x ne2); it fits neither the dense nor the expert layout")
+    problems = _group_problems(problems)
+    raise_problems(problems, f"{where} does not fit the {n_expert}-expert source model", "check that the imatrix was computed on the unpruned model this keep-set selects from")
+
+    # Convert first (when asked), then select: remapping commutes with conversion, so a .dat
+    # remapped from the GGUF equals the remap of llama-imatrix's own .dat of the same run.
+    size = chunk_size if chunk_size is not None else (imatrix.chunk_size or DEFAULT_CHUNK_SIZE)
+    conversion = convert(imatrix, fmt, size)
+    converted = conversion.imatrix.entry_index
+    tensors, entries, unchanged = [], [], []
+    for e in imatrix.entries:
+        if e.name not in converted:  # a .dat cannot hold an entry without any data
+            continue
+        if e.name not in expert_entries:
+            entries.append(converted[e.name])
+            unchanged.append(e.name)
+            continue
+        block = expert_weights[e.name].block
+        ids = keepset.layers[block]
+        dropped = tuple(i for i in range(n_expert) if i not in set(ids))
+        routed_kept = routed_dropped = None
+        if e.per_expert_counts:
+            assert e.counts is not None
+            counts = lround(e.counts)
+            routed_kept = int(counts[list(ids)].sum())
+            routed_dropped = int(counts.sum()) - routed_kept
+        tensors.append(TensorRemap(e.name, block, layout.is_mtp(block), n_expert, tuple(ids), dropped, routed_kept, routed_dropped))
+        entries.append(_select(converted[e.name], ids, n_expert, ne0[e.name]))
+
+    covered = {t.block for t in tensors}
+    without = tuple(b for b in layout.blocks if b not in covered)
+    if without:
+        mtp = [b for b in without if layout.is_mtp(b)]
+        main = [b for b in without if not layout.is_mtp(b)]
+        if mtp:
+            warnings.append(f"MTP block(s) {', '.join(map(str, mtp))} have no imatrix entries (llama-imatrix never runs MTP blocks); IQ rungs need a --tensor-type override for blk.{mtp[0]}")
+        if main:
+            warnings.append(f"MoE block(s) {', '.join(map(str, main))} have no expert entries in the imatrix")
+
+    result = dataclasses.replace(conversion.imatrix, entries=tuple(entries))
+    if fmt == "gguf":  # a note of the remap, spelled as in the pruned model (a .dat has no metadata)
+        source_sha256 = make_kv(KEY_REMAP_SOURCE_SHA256, GGUFValueType.STRING, "0" * 64)  # filled in when written
+        provenance = provenance_kvs(keepset, n_expert)
+        changes = {kv.key: kv for kv in (provenance[0], source_sha256, *provenance[1:])}
+        result = dataclasses.replace(result, kvs=tuple(replace_kvs(result.kvs, changes)))
+    for name in conversion.skipped:
+        warnings.append(f"{name} has no data at all; a .dat cannot hold it (llama-imatrix skips such entries), so IQ rungs need a --tensor-type override for it")
+
+    if pruned is not None:
+        check = check_against_model(result, pruned)
+        raise_problems(check.problems, f"remapped imatrix does not fit {pruned.path}", "the pruned model and the keep-set do not match; re-prune or give the matching keep-set")
+
+    models = {}
+    for role, m in (("pruned", pruned), ("source", source)):
+        if m is not None:
+            arch = m.get("general.architecture")
+            models[role] = {"path": str(m.path), "architecture": arch, "expert_count": int(m.get(f"{arch}.expert_count") or 0)}
+    return RemapPlan(
+        source=imatrix,
+        output=result,
+        output_path=output,
+        output_format=fmt,
+        keepset=keepset,
+        layout=layout,
+        kept_count=k,
+        tensors=tuple(tensors),
+        unchanged=tuple(unchanged),
+        blocks_without_entries=without,
+        losses=conversion.losses if fmt != imatrix.format else (),
+        skipped=conversion.skipped,
+        warnings=tuple(warnings),
+        models=models,
+        chunk_size=size,
+    )
+
+
+def _group_problems(problems: list[str]) -> list[str]:
+    """The same expert-count problem of many entries becomes one line naming the first entry."""
+    grouped: dict[str, list[str]] = {}
+    for p in problems:
+        name, _, rest = p.partition(" ")
+        if EXPERT_ENTRY.match(name) and "experts" in rest:
+            grouped.setdefault(rest, []).append(name)
+        else:
+            grouped.setdefault(p, [])
+    out = []
+    for key, names in grouped.items():
+        if not names:
+            out.append(key)
+        elif len(names) == 1:
+            out.append(f"{names[0]} {key}")
+        else:
+            out.append(f"{names[0]} (and {len(names) - 1} more expert entries) {key}")
+    return out
+
+
+def _expert_entry_problem(e: ImatrixEntry, n_expert: int, kept: int, ne0: int) -> str | None:
+    if e.nval == n_expert * ne0 and (e.n_mat in (1, n_expert)) and (e.n_mat == 1 or e.row_len == ne0):
+        return None
+    found = e.n_mat if e.n_mat > 1 else (e.nval // ne0 if e.nval % ne0 == 0 else None)
+    if found == kept and kept != n_expert:
+        return f"{e.name} already holds {kept} experts (the pruned count), not the source's {n_expert}: it looks remapped already"
+    if found is not None and found != n_expert:
+        return f"{e.name} holds {found} experts but the keep-set selects from {n_expert} (the source model's expert_count)"
+    return f"{e.name} has {e.nval} values ({e.n_mat} x {e.row_len}); it fits neither the dense ({ne0}) nor the expert ({n_expert} x {ne0}) layout"
+
+
+@dataclass
+class RemapResult:
+    plan: RemapPlan
+    output_path: Path
+    report_path: Path
+    input_sha256: str
+    output_sha256: str
+    output_bytes: int
+    timings: dict[str, float]
+
+
+def default_report_path(output: Path) -> Path:
+    return output.parent / "method" / REPORT_NAME
+
+
+def execute_remap(
+    plan: RemapPlan,
+    *,
+    force: bool = False,
+    on_event: Sink = ignore,
+    report_path: Path | None = None,
+    sources: Sequence[Path] = (),
+) -> RemapResult:
+    """Write the remapped imatrix (temp name, fsync, rename), re-read it, and write the report
+    (default OUTPUT_DIR/method/imatrix-remap-report.json)."""
+    t0 = time.perf_counter()
+    assert plan.source.path is not None
+    report_path = report_path or default_report_path(plan.output_path)
+    check_report_slot(report_path, [plan.output_path.name], lambda doc: [Path(doc["output"]["path"]).name], force)
+    input_sha = sha256_file(plan.source.path)
+    output = plan.output
+    if output.format == "gguf" and any(kv.key == KEY_REMAP_SOURCE_SHA256 for kv in output.kvs):
+        output = dataclasses.replace(output, kvs=tuple(replace_kvs(output.kvs, {KEY_REMAP_SOURCE_SHA256: make_kv(KEY_REMAP_SOURCE_SHA256, GGUFValueType.STRING, input_sha)})))
+    path = write_imatrix(output, plan.output_path, force=force, sources=[plan.source.path, *sources], on_event=on_event)
+    t_write = time.perf_counter()
+    output_sha = sha256_file(path)
+    written = read_imatrix(path)  # re-read: the file parses and every value is finite
+    if len(written.entries) != len(output.entries):
+        raise CarveError(f"internal error: {path} has {len(written.entries)} entries, planned {len(output.entries)}")
+    timings = {"write_seconds": t_write - t0, "total_seconds": time.perf_counter() - t0}
+    result = RemapResult(plan, path, report_path, input_sha, output_sha, path.stat().st_size, timings)
+    write_text_atomic(report_path, json.dumps(remap_report(result), indent=1, sort_keys=True) + "\n")
+    return result
+
+
+def remap_report(result: RemapResult) -> dict[str, Any]:
+    plan = result.plan
+    source = plan.source
+    return {
+        "schema_version": REPORT_SCHEMA_VERSION,
+        "tool": {"name": "ggufcarve", "version": __version__},
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "input": {
+            "path": str(source.path),
+            "format": source.format,
+            "bytes": source.size,
+            "sha256": result.input_sha256,
+            "entries": len(source.entries),
+            "chunk_count": source.chunk_count,
+            "chunk_size": source.chunk_size,
+            "datasets": list(source.datasets),
+        },
+        "output": {
+            "path": str(result.output_path),
+            "format": plan.output_format,
+            "bytes": result.output_bytes,
+            "sha256": result.output_sha256,
+            "entries": len(plan.output.entries),
+        },
+        "models": plan.models,
+        "parameters": {"format": plan.output_format, "chunk_size": plan.chunk_size if "dat" in (source.format, plan.output_format) else source.chunk_size},
+        "expert_count": {"before": plan.layout.expert_count, "after": plan.kept_count},
+        "keep_set": plan.keepset.to_json(),
+        "tensors": [
+            {
+                "name": t.name,
+                "block": t.block,
+                "mtp": t.mtp,
+                "experts_before": t.experts_before,
+                "kept": list(t.kept),
+                "dropped": list(t.dropped),
+                "routed_kept": t.routed_kept,
+                "routed_dropped": t.routed_dropped,
+                "routed_share_kept": None if t.routed_kept is None else t.routed_kept / max(t.routed_kept + (t.routed_dropped or 0), 1),
+            }
+            for t in plan.tensors
+        ],
+        "routing": plan.routing,
+        "entries_unchanged": list(plan.unchanged),
+        "entries_skipped": list(plan.skipped),
+        "blocks_without_entries": list(plan.blocks_without_entries),
+        "conversion_losses": list(plan.losses),
+        "warnings": list(plan.warnings),
+        "timings": {k: round(v, 3) for k, v in sorted(result.timings.items())},
+    }
+
+

@@ -1,0 +1,253 @@
+"""llama.cpp's quantizer, two backends: llama-quantize (binary) and llama_model_quantize in a child (libllama)."""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+from ggufcarve.errors import BadInput, ToolFailed, ToolMissing
+from ggufcarve.llama import launch
+from ggufcarve.llama.tools import (
+    ToolInfo,
+    _is_executable,
+    libllama_info,
+    llama_cpp_version,
+    locate_tool,
+    probe_tool,
+    require_tool,
+)
+
+# ---------------------------------------------------------------------------------------------
+# Quantizer backends
+
+# ftype name -> llama_ftype id (include/llama.h)
+FTYPES: dict[str, int] = {
+    "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "Q2_K": 10, "Q3_K_S": 11, "Q3_K_M": 12, "Q3_K_L": 13,
+    "Q4_K_S": 14, "Q4_K_M": 15, "Q5_K_S": 16, "Q5_K_M": 17, "Q6_K": 18, "IQ2_XXS": 19, "IQ2_XS": 20, "Q2_K_S": 21,
+    "IQ3_XS": 22, "IQ3_XXS": 23, "IQ1_S": 24, "IQ4_NL": 25, "IQ3_S": 26, "IQ3_M": 27, "IQ2_S": 28, "IQ2_M": 29,
+    "IQ4_XS": 30, "IQ1_M": 31, "BF16": 32, "TQ1_0": 36, "TQ2_0": 37, "MXFP4_MOE": 38, "F16": 1, "F32": 0,
+}
+# Tensor types that cannot be produced without importance data (src/llama-quant.cpp, tensor_requires_imatrix),
+# and Q2_K inside a Q2_K_S file. token_embd/output never require it.
+IMATRIX_TYPES = frozenset({"IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS"})
+IMATRIX_FTYPES = frozenset({"IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M", "IQ3_XXS", "IQ3_XS", "Q2_K_S"})
+QUANTIZE_BACKENDS = ("auto", "binary", "libllama")
+
+
+def type_requires_imatrix(tensor_name: str, type_name: str, ftype: str) -> bool:
+    """llama-quantize's tensor_requires_imatrix."""
+    if tensor_name in ("token_embd.weight", "per_layer_token_embd.weight", "output.weight"):
+        return False
+    t = type_name.upper()
+    return t in IMATRIX_TYPES or (t == "Q2_K" and ftype.upper() == "Q2_K_S")
+
+
+@dataclass(frozen=True)
+class QuantizeJob:
+    """One llama-quantize invocation, backend-independent."""
+
+    source: Path
+    output: Path | None  # None for a dry run
+    ftype: str  # llama-quantize ftype name, e.g. "Q4_K_M"
+    imatrix: Path | None = None
+    allow_requantize: bool = True
+    output_tensor_type: str | None = None
+    token_embedding_type: str | None = None
+    tensor_types: tuple[tuple[str, str], ...] = ()  # (regex, ggml type), first match wins
+    pure: bool = False
+    dry_run: bool = False
+    nthreads: int | None = None
+
+    def flags(self, flavour: str = "llama.cpp") -> list[str]:
+        argv: list[str] = []
+        if self.allow_requantize:
+            argv.append("--allow-requantize")
+        if self.pure:
+            argv.append("--pure")
+        if self.imatrix is not None:
+            argv += ["--imatrix", str(self.imatrix)]
+        if self.output_tensor_type:
+            argv += ["--output-tensor-type", self.output_tensor_type.lower() if flavour == "ik_llama.cpp" else self.output_tensor_type]
+        if self.token_embedding_type:
+            argv += ["--token-embedding-type", self.token_embedding_type.lower() if flavour == "ik_llama.cpp" else self.token_embedding_type]
+        if self.tensor_types:
+            if flavour == "ik_llama.cpp":
+                argv += ["--custom-q", ",".join(f"{p}={t.lower()}" for p, t in self.tensor_types)]
+            else:
+                for pattern, type_name in self.tensor_types:
+                    argv += ["--tensor-type", f"{pattern}={type_name}"]
+        if self.dry_run:
+            argv.append("--dry-run")
+        argv.append(str(self.source))
+        if not self.dry_run:
+            assert self.output is not None
+            argv.append(str(self.output))
+        argv.append(self.ftype.upper())
+        if self.nthreads:
+            argv.append(str(self.nthreads))
+        return argv
+
+
+@dataclass
+class QuantizeRun:
+    argv: list[str]
+    returncode: int
+    seconds: float
+    tail: list[str]  # the last lines of the quantizer's output
+    error: str | None  # the decisive error line, when it failed
+
+
+# "[  12/ 733]                blk.0.attn_k.weight - [ 2048,   512,     1,     1], type =   q8_0, "
+# llama-quantize prints a line per tensor; the largest expert tensor of a big model at an IQ type
+# takes minutes, never an hour.
+QUANTIZER_IDLE_TIMEOUT = 3600.0
+TENSOR_LINE = re.compile(r"^\[\s*(?P<index>\d+)/\s*(?P<total>\d+)\]\s+(?P<name>\S+)\s+-\s+\[(?P<shape>[^\]]*)\],\s+type =\s*(?P<type>\S+?),")
+DRY_RUN_SIZE = re.compile(r"size =\s*(?P<before>[\d.]+) MiB(?: ->\s*(?P<after>[\d.]+) MiB \((?P<target>[^)]+)\))?")
+QUANT_SIZE = re.compile(r"quant size\s*=\s*(?P<mib>[\d.]+) MiB \((?P<bpw>[\d.]+) BPW\)")
+ERROR_PATTERNS = (
+    re.compile(r"Missing importance matrix for tensor \S+.*"),
+    re.compile(r"this quantization requires an imatrix!?"),
+    re.compile(r"imatrix size \d+ is different from tensor size \d+ for \S+"),
+    re.compile(r"requantizing from type \S+ is disabled"),
+    re.compile(r"error loading model.*|failed to load model.*|llama_model_quantize: failed to quantize: .*"),
+    re.compile(r"GGML_ASSERT.*"),
+)
+
+
+def find_error(lines: Sequence[str]) -> str | None:
+    for pattern in ERROR_PATTERNS:
+        for line in lines:
+            if m := pattern.search(line):
+                return m.group(0).strip()
+    return None
+
+
+class Quantizer(ABC):
+    """A way of running llama.cpp's quantizer. Subclasses render argv; running is shared."""
+
+    backend = ""
+    timeout: float | None = None  # seconds for one rung; None: no limit (a big model takes hours)
+    idle_timeout: float | None = QUANTIZER_IDLE_TIMEOUT
+
+    @abstractmethod
+    def argv(self, job: QuantizeJob) -> list[str]:
+        """The exact command line that quantizes `job`."""
+
+    @abstractmethod
+    def describe(self) -> dict[str, object]:
+        """backend, path, version/build, sha256: recorded in the manifest."""
+
+    def run(self, job: QuantizeJob, on_line: Callable[[str], None] | None = None) -> QuantizeRun:
+        argv = self.argv(job)
+        keep: list[str] = []  # lines that may carry the decisive error
+
+        def watch(line: str) -> None:
+            if "rror" in line or "imatrix" in line or "GGML_ASSERT" in line or "failed" in line:
+                keep.append(line)
+            if on_line is not None:
+                on_line(line)
+
+        finished = launch.run(argv, on_line=watch, timeout=self.timeout, idle_timeout=self.idle_timeout)
+        code = finished.returncode if not finished.timed_out else -9
+        error = None if finished.ok else (find_error(keep + finished.tail) or finished.describe_failure())
+        return QuantizeRun(argv, code, finished.seconds, finished.tail, error)
+
+    def dry_run(self, job: QuantizeJob) -> "DryRun":
+        """Target type and size of every tensor, as the quantizer would choose them; nothing written."""
+        from dataclasses import replace
+
+        lines: list[str] = []
+        result = self.run(replace(job, dry_run=True, output=None, imatrix=None), lines.append)
+        if result.returncode != 0:
+            raise ToolFailed(f"{self.backend} quantizer dry run for {job.ftype} failed: {result.error}", "check that the source loads in llama.cpp and the rung's types are valid")
+        return parse_dry_run(lines, job.ftype)
+
+
+@dataclass
+class DryRun:
+    targets: dict[str, str]  # tensor -> target type (upper case); unchanged tensors keep their type
+    quantized: set[str]  # tensors the quantizer converts
+    size_bytes: int  # estimated tensor data of the output
+
+    def needs_imatrix(self, ftype: str) -> list[str]:
+        return sorted(n for n in self.quantized if type_requires_imatrix(n, self.targets[n], ftype))
+
+
+def parse_dry_run(lines: Sequence[str], ftype: str) -> DryRun:
+    targets: dict[str, str] = {}
+    quantized: set[str] = set()
+    size = 0.0
+    for line in lines:
+        m = TENSOR_LINE.match(line)
+        if not m:
+            continue
+        s = DRY_RUN_SIZE.search(line, m.end())
+        if s and s["after"]:
+            targets[m["name"]] = s["target"].upper()
+            quantized.add(m["name"])
+            size += float(s["after"])
+        else:
+            targets[m["name"]] = m["type"].upper()
+            size += float(s["before"]) if s else 0.0
+    return DryRun(targets, quantized, int(size * 2**20))
+
+
+class BinaryQuantizer(Quantizer):
+    backend = "binary"
+
+    def __init__(self, path: Path, info: ToolInfo | None = None) -> None:
+        self.path = Path(path)
+        self.tool = info or probe_tool(self.path, "llama-quantize", "given")
+        if not self.tool.works:
+            raise ToolMissing(f"{self.path} does not behave like llama-quantize ({self.tool.note})", "pass the llama-quantize binary, or --quantizer libllama")
+
+    @property
+    def flavour(self) -> str:
+        return self.tool.flavour
+
+    def argv(self, job: QuantizeJob) -> list[str]:
+        return [str(self.path), *job.flags(self.tool.flavour)]
+
+    def describe(self) -> dict[str, object]:
+        t = self.tool
+        return {"backend": self.backend, "path": t.path, "version": t.version, "build": t.build_number, "commit": t.commit, "flavour": t.flavour, "sha256": t.sha256}
+
+
+class LibllamaQuantizer(Quantizer):
+    backend = "libllama"
+    flavour = "llama.cpp"
+
+    def __init__(self) -> None:
+        lib = libllama_info()
+        if lib is None:
+            raise ToolMissing("llama-cpp-python's libllama was not found", "pip install llama-cpp-python, or use --quantizer binary")
+        self.lib = lib
+
+    def argv(self, job: QuantizeJob) -> list[str]:
+        return [sys.executable, "-m", "ggufcarve.llama.quantize_child", *job.flags("llama.cpp")]
+
+    def describe(self) -> dict[str, object]:
+        version = llama_cpp_version()
+        return {"backend": self.backend, "path": self.lib["path"], "version": version, "build": None, "commit": None, "flavour": "llama.cpp", "sha256": self.lib["sha256"], "python": sys.executable}
+
+
+def make_quantizer(choice: str = "auto", llama_cpp_dir: str | os.PathLike[str] | None = None) -> Quantizer:
+    """`auto` prefers a found llama-quantize binary, else libllama; `binary`, `libllama`, or a PATH to a binary."""
+    if choice == "libllama":
+        return LibllamaQuantizer()
+    if choice in ("auto", "binary"):
+        found = locate_tool("llama-quantize", llama_cpp_dir)
+        if found is not None:
+            return BinaryQuantizer(found[0], probe_tool(found[0], "llama-quantize", found[1]))
+        if choice == "binary":
+            require_tool("llama-quantize", llama_cpp_dir)
+        return LibllamaQuantizer()
+    path = Path(choice).expanduser()
+    if not _is_executable(path):
+        raise BadInput(f"--quantizer {choice}: not auto, binary, libllama or an executable file", "give one of auto|binary|libllama or the path of llama-quantize")
+    return BinaryQuantizer(path.resolve(), probe_tool(path.resolve(), "llama-quantize", "--quantizer"))
