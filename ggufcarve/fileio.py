@@ -154,7 +154,10 @@ def same_file(a: Path, b: Path) -> bool:
 
 
 def check_outputs(outputs: Sequence[Path], sources: Sequence[Path], bytes_needed: int, force: bool) -> None:
-    """Refuse before writing: an output that is a source, exists (without force), or cannot fit."""
+    """Refuse before writing: an output that is a source, exists (without force), or cannot fit.
+
+    A missing output directory is created once every check passed.
+    """
     for out in outputs:
         for src in sources:
             if same_file(out, src):
@@ -164,13 +167,20 @@ def check_outputs(outputs: Sequence[Path], sources: Sequence[Path], bytes_needed
         if out.is_dir():
             raise OutputError(f"output {out} is a directory", "give a file path such as model-pruned.gguf")
     directory = outputs[0].parent
-    if not directory.is_dir():
-        raise OutputError(f"output directory {directory} does not exist", "create it first")
-    if not os.access(directory, os.W_OK | os.X_OK):
-        raise OutputError(f"output directory {directory} is not writable", "choose a directory you can write to")
-    free = shutil.disk_usage(directory).free
+    existing = directory
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise OutputError(f"output directory {directory}: {existing} is not a directory", "choose an output path inside a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise OutputError(f"output directory {existing} is not writable", "choose a directory you can write to")
+    free = shutil.disk_usage(existing).free
     if free < bytes_needed:
-        raise OutputError(f"output needs {bytes_needed / 2**30:.2f} GiB but {directory} has {free / 2**30:.2f} GiB free", "free disk space or write elsewhere")
+        raise OutputError(f"output needs {bytes_needed / 2**30:.2f} GiB but {existing} has {free / 2**30:.2f} GiB free", "free disk space or write elsewhere")
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise OutputError(f"cannot create output directory {directory}: {err.strerror or err}", "choose a directory you can write to") from None
 
 
 class BackgroundFlush:

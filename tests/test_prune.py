@@ -253,13 +253,25 @@ def test_output_exists(make_model, tmp_path):
 
 def test_unwritable_directory(make_model, tmp_path):
     if os.geteuid() == 0:
-        target = "/proc/ggufcarve-test/p.gguf"  # root may write anywhere but procfs
-        message = "does not exist"
+        blocker = tmp_path / "a-file"  # root may write anywhere, but not below a regular file
+        blocker.write_text("")
+        target, message = blocker / "sub" / "p.gguf", "is not a directory"
     else:
         locked = tmp_path / "locked"
         locked.mkdir(mode=0o555)
         target, message = locked / "p.gguf", "is not writable"
     refused(tmp_path, make_model("qwen3moe"), "--keep-first", 4, "-o", target, message=message)
+
+
+def test_missing_output_directories_are_created(make_model, tmp_path):
+    src = make_model("qwen3moe")
+    out = tmp_path / "new" / "nested" / "p.gguf"
+    result = ggufcarve("prune", src, "--keep-first", 4, "-o", out, "-q")
+    assert result.code == 0, result.stderr
+    assert read_model(out).get("qwen3moe.expert_count") == 4
+    dry = tmp_path / "dry" / "p.gguf"
+    assert ggufcarve("prune", src, "--keep-first", 4, "-o", dry, "--dry-run").code == 0
+    assert not dry.parent.exists()  # a dry run creates nothing
 
 
 def test_unwritable_directory_at_open_time(make_model, tmp_path, monkeypatch):

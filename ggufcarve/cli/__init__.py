@@ -21,15 +21,16 @@ import typer
 
 from ggufcarve import __version__
 from ggufcarve.cli import imatrix, ladder, prune, toolchain, verify
-from ggufcarve.cli.render import out, print_error
+from ggufcarve.cli.options import command_group
+from ggufcarve.cli.render import print_error
 from ggufcarve.errors import CarveError
 
-app = typer.Typer(help="Cut routed experts out of Mixture-of-Experts GGUF files, byte for byte.", no_args_is_help=True, add_completion=False)
+app = command_group("Cut routed experts out of Mixture-of-Experts GGUF files, byte for byte.")
 
 
 def _version(value: bool) -> None:
     if value:
-        out.print(f"ggufcarve {__version__}")
+        typer.echo(f"ggufcarve {__version__}")
         raise typer.Exit()
 
 

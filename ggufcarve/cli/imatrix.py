@@ -13,16 +13,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
-from rich.markup import escape
-from rich.table import Table
 
 from ggufcarve.cli.options import (
     KeepFirstOption,
     KeepIdsOption,
     KeepOption,
+    command_group,
     resolve_keepset,
 )
-from ggufcarve.cli.render import err, out, progress, ranges, warn
+from ggufcarve.cli.render import err, escape, out, progress, ranges, new_table, warn
 from ggufcarve.errors import BadInput
 
 if TYPE_CHECKING:
@@ -31,7 +30,7 @@ if TYPE_CHECKING:
     from ggufcarve.moe.layout import MoeLayout
 
 
-app = typer.Typer(help="Read, convert and remap importance matrices (GGUF and legacy .dat) for pruned models.", no_args_is_help=True)
+app = command_group("Read, convert and remap importance matrices (GGUF and legacy .dat) for pruned models.")
 ImatrixFormatOption = Annotated[Optional[str], typer.Option("--format", help="Output format: gguf or dat [default: from the output's suffix, else the input's format].")]
 ChunkSizeOption = Annotated[
     Optional[int], typer.Option("--chunk-size", help="Tokens per chunk the imatrix was computed with, needed to turn a .dat into GGUF (llama-imatrix -c; default 512).")
@@ -122,7 +121,7 @@ def imatrix_remap(
         out.print_json(result.report_path.read_text())
         return
     routing = plan.routing
-    table = Table(title=f"imatrix remapped: {layout.expert_count} -> {plan.kept_count} experts")
+    table = new_table(title=f"imatrix remapped: {layout.expert_count} -> {plan.kept_count} experts")
     for column in ("block", "expert entries", "kept experts", "routing kept"):
         table.add_column(column, justify="right" if column != "kept experts" else "left")
     shares = {b["block"]: b["share_kept"] for b in routing.get("blocks", [])}
@@ -157,7 +156,7 @@ def imatrix_inspect(
     if as_json:
         out.print_json(json.dumps(doc))
     else:
-        table = Table(title=f"{imatrix.name}: {loaded.format} imatrix", show_header=False, box=None)
+        table = new_table(title=f"{imatrix.name}: {loaded.format} imatrix", show_header=False, box=None)
         rows = [
             ("entries", f"{len(loaded.entries)} ({summary.expert_entries} expert, {summary.dense_entries} other)"),
             ("chunks", f"{loaded.chunk_count} x {loaded.chunk_size} tokens" if loaded.chunk_size else f"{loaded.chunk_count if loaded.chunk_count is not None else '? (no trailer)'} (a .dat does not record the chunk size)"),
@@ -172,7 +171,7 @@ def imatrix_inspect(
         if summary.blocks and not doc["per_expert_counts"]:
             out.print(f"expert entries in MoE blocks {ranges([b.block for b in summary.blocks])}; routing per expert unknown (no per-expert counts)")
         elif summary.blocks:
-            blocks = Table(title="routing per MoE block ((token, slot) pairs per expert)")
+            blocks = new_table(title="routing per MoE block ((token, slot) pairs per expert)")
             for column in ("block", "experts", "routed", "min", "median", "max", "top 25% share", "never routed"):
                 blocks.add_column(column, justify="right")
             for b in doc["moe_blocks"]:

@@ -12,13 +12,11 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from rich.markup import escape
-from rich.table import Table
 
-from ggufcarve.cli.options import LlamaCppOption
-from ggufcarve.cli.render import err, out, progress, warn
+from ggufcarve.cli.options import LlamaCppOption, command_group
+from ggufcarve.cli.render import err, escape, out, progress, new_table, warn
 
-app = typer.Typer(help="Quantization ladders: every rung from one pruned source, hashed and recorded.", no_args_is_help=True)
+app = command_group("Quantization ladders: every rung from one pruned source, hashed and recorded.")
 
 
 @app.command("run")
@@ -49,7 +47,7 @@ def ladder_run(
     described = quantizer.describe()
     err.print(f"quantizer: {described['backend']} {described['path']}" + (f" (build {described['build']}, {described['commit']})" if described.get("build") is not None else f" ({described.get('version')})"), highlight=False)
     if dry_run:
-        table = Table(title=f"ladder {ladder_spec.name} (dry run: nothing written)")
+        table = new_table(title=f"ladder {ladder_spec.name} (dry run: nothing written)")
         for column in ("rung", "output", "est. GiB", "imatrix fallback", "command"):
             table.add_column(column, overflow="fold")
         for p in plan.rungs:
@@ -58,7 +56,7 @@ def ladder_run(
         return
     with progress(not quiet) as sink:
         result = run_ladder(plan, keep_going=keep_going, on_event=sink)
-    table = Table(title=f"ladder {ladder_spec.name}: {output}")
+    table = new_table(title=f"ladder {ladder_spec.name}: {output}")
     for column in ("rung", "size GiB", "bits/weight", "sha256", "seconds", "status"):
         table.add_column(column, justify="left" if column in ("rung", "sha256", "status") else "right")
     for r in result.rungs:

@@ -13,6 +13,12 @@ if TYPE_CHECKING:
     from ggufcarve.moe.keepset import KeepSet
     from ggufcarve.moe.layout import MoeLayout
 
+
+def command_group(help: str) -> typer.Typer:
+    """A typer app with plain help text: typer's rich help marks every flag with a stray `<bool>`."""
+    return typer.Typer(help=help, no_args_is_help=True, add_completion=False, rich_markup_mode=None)
+
+
 KeepOption = Annotated[Optional[Path], typer.Option("--keep", help="Keep-set JSON: ours, kept_expert_indices.json, carve_manifest.json or expert-selection.json.")]
 KeepFirstOption = Annotated[Optional[int], typer.Option("--keep-first", help="Keep experts 0..K-1 in every MoE block.")]
 KeepIdsOption = Annotated[Optional[str], typer.Option("--keep-ids", help="Keep these ids in every MoE block, e.g. 0,2,4-7.")]

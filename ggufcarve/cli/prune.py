@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
-from rich.table import Table
 
 from ggufcarve.cli.options import (
     KeepFirstOption,
@@ -23,15 +22,17 @@ from ggufcarve.cli.options import (
     KeepOption,
     resolve_keepset,
 )
-from ggufcarve.cli.render import err, gib, out, progress, ranges, warn
+from ggufcarve.cli.render import err, gib, out, progress, ranges, new_table, warn
 
 if TYPE_CHECKING:
+    from rich.table import Table
+
     from ggufcarve.gguf.container import GGUFModel
     from ggufcarve.moe.layout import MoeLayout
 
 
 def _layout_table(model: GGUFModel, layout: MoeLayout) -> Table:
-    table = Table(title=f"{model.path.name}: {layout.architecture}", show_header=False, box=None)
+    table = new_table(title=f"{model.path.name}: {layout.architecture}", show_header=False, box=None)
     rows = [
         ("files", ", ".join(p.name for p in model.paths)),
         ("blocks", f"{layout.block_count} ({layout.nextn_layers} MTP)" if layout.nextn_layers else str(layout.block_count)),
@@ -62,7 +63,7 @@ def inspect(
         out.print_json(json.dumps({"files": [str(p) for p in loaded.paths], **layout.to_json()}))
         return
     out.print(_layout_table(loaded, layout))
-    tensors = Table(title="expert-axis tensors (per MoE block)")
+    tensors = new_table(title="expert-axis tensors (per MoE block)")
     for column in ("tensor", "role", "shape", "type", "bytes/expert"):
         tensors.add_column(column, justify="right" if column == "bytes/expert" else "left")
     seen: dict[str, tuple[Any, ...]] = {}
@@ -109,7 +110,7 @@ def prune(
             out.print_json(json.dumps(plan.to_json()))
             return
         summary = plan.to_json()
-        table = Table(title="prune plan (dry run: nothing written)", show_header=False, box=None)
+        table = new_table(title="prune plan (dry run: nothing written)", show_header=False, box=None)
         table.add_row("[bold]experts[/]", f"{layout.expert_count} -> {plan.kept_count} in {len(layout.layers)} MoE blocks")
         table.add_row("[bold]tensors[/]", f"{len(summary['tensors_pruned'])} sliced, {summary['tensors_total'] - len(summary['tensors_pruned'])} copied whole")
         for key, change in summary["changed_keys"].items():
@@ -125,7 +126,7 @@ def prune(
     if as_json:
         out.print_json(json.dumps({**plan.to_json(), "report": str(result.report_path), "timings": result.timings, "verified_tensors": len(result.verification.tensors)}))
         return
-    table = Table(title="pruned and verified")
+    table = new_table(title="pruned and verified")
     for column in ("output", "bytes", "GiB", "tensors", "sliced"):
         table.add_column(column, justify="left" if column == "output" else "right")
     for f in plan.files:
@@ -166,7 +167,7 @@ def check_prune_command(
     with progress(not quiet) as sink:
         verification = check_prune(src, layout, keepset, pruned, on_event=sink)
     if not verification.ok:
-        failures = Table(title="check-prune failures")
+        failures = new_table(title="check-prune failures")
         failures.add_column("what")
         failures.add_column("problem")
         for problem in verification.problems:

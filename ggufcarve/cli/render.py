@@ -10,14 +10,47 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Iterator
 
-from rich.console import Console
-from rich.markup import escape
-
 if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.table import Table
+
     from ggufcarve.events import Event, Sink
 
-out = Console()
-err = Console(stderr=True)
+
+class _LazyConsole:
+    """A rich Console created on first use: `--version` and `--help` never import rich."""
+
+    def __init__(self, stderr: bool) -> None:
+        self._stderr = stderr
+        self._console: Console | None = None
+
+    def console(self) -> Console:
+        if self._console is None:
+            from rich.console import Console
+
+            self._console = Console(stderr=self._stderr)
+        return self._console
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.console(), name)
+
+
+out: Console = _LazyConsole(stderr=False)  # type: ignore[assignment]
+err: Console = _LazyConsole(stderr=True)  # type: ignore[assignment]
+
+
+def escape(text: str) -> str:
+    """Text shown literally inside rich markup."""
+    from rich.markup import escape as rich_escape
+
+    return rich_escape(text)
+
+
+def new_table(*args: Any, **kwargs: Any) -> Table:
+    """A rich Table (rich is imported only when something is drawn)."""
+    from rich.table import Table
+
+    return Table(*args, **kwargs)
 
 
 def warn(message: str, label: str = "warning") -> None:
@@ -79,7 +112,7 @@ def progress(enabled: bool = True, transient: bool = False) -> Iterator["Sink"]:
 
     bars = Progress(
         TextColumn("{task.description:<12}"), BarColumn(), Count(), TimeRemainingColumn(), TextColumn("{task.fields[message]}"),
-        console=err, transient=transient,
+        console=err.console(), transient=transient,
     )
     tasks: dict[str, Any] = {}
 

@@ -12,12 +12,11 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from rich.table import Table
 
-from ggufcarve.cli.options import LlamaCppOption
-from ggufcarve.cli.render import out, progress
+from ggufcarve.cli.options import LlamaCppOption, command_group
+from ggufcarve.cli.render import out, progress, new_table
 
-app = typer.Typer(help="Find, probe and build the llama.cpp tools ggufcarve runs.", no_args_is_help=True)
+app = command_group("Find, probe and build the llama.cpp tools ggufcarve runs.")
 
 
 @app.command("show")
@@ -32,7 +31,7 @@ def toolchain_show(
     if as_json:
         out.print_json(json.dumps(chain.to_json()))
         return
-    table = Table(title="llama.cpp tools")
+    table = new_table(title="llama.cpp tools")
     for column in ("tool", "found in", "path", "build", "commit", "flavour", "sha256"):
         table.add_column(column)
     for name, info in chain.tools.items():

@@ -12,10 +12,8 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from rich.markup import escape
-from rich.table import Table
 
-from ggufcarve.cli.render import err, out, progress
+from ggufcarve.cli.render import err, escape, out, progress, new_table
 
 
 def verify_command(
@@ -36,7 +34,7 @@ def verify_command(
         rate = report.bytes_hashed / max(report.seconds, 1e-9) / 2**20
         out.print(f"OK: {len(report.files_ok)} files of {directory} match SHA256SUMS and the manifest" + (f"; expert_count {report.expert_count}" if report.expert_count is not None else "") + f" ({report.bytes_hashed / 2**30:.2f} GiB in {report.seconds:.1f} s, {rate:.0f} MiB/s, {report.workers} threads)")
     else:
-        table = Table(title=f"verify {directory}: {len(report.failures)} failure(s)")
+        table = new_table(title=f"verify {directory}: {len(report.failures)} failure(s)")
         table.add_column("file")
         table.add_column("problem")
         for f in report.failures:
