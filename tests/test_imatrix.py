@@ -586,9 +586,29 @@ def test_inspect_catches_an_imatrix_remapped_with_another_keepset(synthetic, q3,
     refused(tmp_path, "inspect", other, "--model", model, message="remapped with another keep-set than q3-k4.gguf was pruned with")
 
 
+def test_remap_without_a_model(synthetic, q3, pruned, tmp_path):
+    """A GGUF imatrix and a keep-set by block index suffice; the output equals the model-checked one."""
+    _, keep = pruned
+    with_model = tmp_path / "with-model.gguf"
+    assert ggufcarve("imatrix", "remap", synthetic, "--source-model", q3, "--keep", keep, "-o", with_model, "-q").code == 0
+    alone = tmp_path / "alone" / "x.gguf"
+    r = ggufcarve("imatrix", "remap", synthetic, "--keep", keep, "-o", alone, "-q")
+    assert r.code == 0, r.stderr
+    assert alone.read_bytes() == with_model.read_bytes()
+    notes = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(notes) == 1 and notes[0].startswith("note: no model given: 8 experts and MoE blocks 0-1 read from the imatrix") and "size check" in notes[0]
+
+
+def test_remap_without_a_model_refuses_what_needs_one(synthetic, llama_imatrix, tmp_path):
+    mtp_keys = tmp_path / "kept_expert_indices.json"
+    mtp_keys.write_text(json.dumps({"main_0": KEEP["0"], "main_1": KEEP["1"], "mtp_0": KEEP["0"]}))
+    remap_refused(tmp_path, synthetic, "--keep", mtp_keys, message="'mtp_0' counts MTP blocks after the main layers")
+    remap_refused(tmp_path, llama_imatrix["dat"], "--keep-first", 4, message="the expert count cannot be read from it")
+    remap_refused(tmp_path, synthetic, "--keep-first", 1, "--keep-ids", "0", message="give exactly one of")
+
+
 def test_keepset_problems(synthetic, q3, pruned, pruned_bare, tmp_path):
     model, _ = pruned
-    remap_refused(tmp_path, synthetic, "--keep-first", 4, message="needs the model")
     remap_refused(tmp_path, synthetic, "--model", pruned_bare, message="no keep-set")
     remap_refused(tmp_path, synthetic, "--model", model, "--keep-first", 4, message="differs from the one")
     remap_refused(tmp_path, synthetic, "--model", pruned_bare, "--keep-first", 2, message="keeps 2 experts per block but")

@@ -80,22 +80,26 @@ def imatrix_remap(
 ) -> None:
     """Keep the kept experts' rows of every expert entry, in keep-set order; every other entry unchanged.
 
-    Needs --model (the pruned model) or --source-model (the unpruned one), or both: the model gives
-    the MoE layout the keep-set refers to (mtp_<j> keys, expert count) and the sizes to check."""
+    With --model (the pruned model) and/or --source-model (the unpruned one) every entry is checked
+    against the model as llama-quantize will. Without a model, a GGUF imatrix and a keep-set by
+    block index are enough: the expert count and MoE blocks are read from the imatrix."""
     from ggufcarve.gguf.container import read_model
     from ggufcarve.imatrix.convert import format_from_path
     from ggufcarve.imatrix.formats import read_imatrix
     from ggufcarve.imatrix.remap import default_report_path as imatrix_report_path
-    from ggufcarve.imatrix.remap import execute_remap, plan_remap, resolve_source_layout
+    from ggufcarve.imatrix.remap import execute_remap, layout_from_imatrix, plan_remap, resolve_source_layout
     from ggufcarve.moe.layout import inspect_layout
 
-    if model is None and source_model is None:
-        raise BadInput("imatrix remap needs the model: give --model PRUNED.gguf and/or --source-model SOURCE.gguf", "the model gives the MoE layout the keep-set refers to and the tensor sizes llama-quantize checks")
     source_imatrix = read_imatrix(imatrix)
     pruned = read_model(model) if model is not None else None
     source = read_model(source_model) if source_model is not None else None
-    layout = resolve_source_layout(source_imatrix, pruned, inspect_layout(pruned) if pruned else None, inspect_layout(source) if source else None)
+    if pruned is None and source is None:
+        layout = layout_from_imatrix(source_imatrix)
+    else:
+        layout = resolve_source_layout(source_imatrix, pruned, inspect_layout(pruned) if pruned else None, inspect_layout(source) if source else None)
     keepset = _imatrix_keepset(layout, pruned, keep, keep_first_count, keep_id_list)
+    if layout.described_by == "imatrix":
+        warn(f"no model given: {layout.expert_count} experts and MoE blocks {ranges(layout.blocks)} read from the imatrix; the size check against a model and llama.cpp's top-k and group rules were skipped (give --model to run them)", label="note")
     suffix_format = format_from_path(output)
     target = fmt or suffix_format or source_imatrix.format
     plan = plan_remap(source_imatrix, keepset, layout, output, output_format=target, chunk_size=chunk_size, pruned=pruned, source=source)

@@ -51,7 +51,7 @@ from ggufcarve.moe.keepset import (
     check_keepset,
     provenance_kvs,
 )
-from ggufcarve.moe.layout import MoeLayout
+from ggufcarve.moe.layout import UNKNOWN_ROUTING, ExpertTensor, MoeLayer, MoeLayout
 
 # ---------------------------------------------------------------------------------------------
 # Remapping
@@ -201,6 +201,39 @@ def resolve_source_layout(
     return dataclasses.replace(pruned_layout, expert_count=found[0])
 
 
+def layout_from_imatrix(imatrix: Imatrix) -> MoeLayout:
+    """The MoE blocks and the expert count as a GGUF imatrix states them, for a remap without a model.
+
+    Expert entries are `blk.N.ffn_{gate,up,down,gate_up}_exps.weight`; their `in_sum2` has one row
+    of ne0 values per expert (`[ne0, n_expert]`). A .dat stores each entry as one flat row, so the
+    expert count cannot be told from it alone.
+    """
+    where = str(imatrix.path)
+    if imatrix.format != "gguf":
+        raise BadInput(f"{where} is a .dat imatrix: it stores each entry as one row, so the expert count cannot be read from it", "give --model PRUNED.gguf or --source-model SOURCE.gguf")
+    per_block: dict[int, list[ExpertTensor]] = {}
+    counts = set()
+    for e in imatrix.entries:
+        m = EXPERT_ENTRY.match(e.name)
+        if m is None:
+            continue
+        block = int(m["block"])
+        counts.add(e.n_mat)
+        per_block.setdefault(block, []).append(ExpertTensor(e.name, block, "expert weight", (e.row_len, e.n_mat), "F32", e.nval * 4, e.row_len * 4))
+    if not per_block:
+        raise BadInput(f"{where} has no expert entries (blk.N.ffn_*_exps.weight)", "an imatrix of a Mixture-of-Experts model is needed; or give --model")
+    if len(counts) != 1 or min(counts) < 2:
+        raise BadInput(f"{where}: expert entries hold {sorted(counts)} rows each, not one common expert count", "give --source-model SOURCE.gguf so the expert count comes from the model")
+    n_expert = counts.pop()
+    layers = tuple(MoeLayer(b, False, tuple(ts)) for b, ts in sorted(per_block.items()))
+    expert_bytes = sum(t.nbytes for layer in layers for t in layer.tensors)
+    return MoeLayout(
+        architecture="(from the imatrix)", block_count=max(per_block) + 1, nextn_layers=0, expert_count=n_expert, expert_used_count=0,
+        group_count=0, group_used_count=0, shared_expert_count=0, leading_dense_blocks=0, layers=layers, total_bytes=expert_bytes,
+        expert_bytes=expert_bytes, routing=UNKNOWN_ROUTING, described_by="imatrix",
+    )
+
+
 def plan_remap(
     imatrix: Imatrix,
     keepset: KeepSet,
@@ -215,9 +248,10 @@ def plan_remap(
     """Validate everything and decide the output; nothing is written.
 
     `layout` is the source (unpruned) layout: its expert_count is what the keep-set selects from.
-    At least one model is needed. The input entries are checked against `source` (else against
-    `pruned`, expert entries scaled back to the source's expert count); the output entries against
-    `pruned` with llama-quantize's own size check. Problems are reported all at once.
+    The input entries are checked against `source` (else against `pruned`, expert entries scaled
+    back to the source's expert count); the output entries against `pruned` with llama-quantize's
+    own size check. Without either model (`layout` from `layout_from_imatrix`) only the expert
+    entries are checked, against the imatrix's own shapes. Problems are reported all at once.
     """
     output = Path(output)
     fmt = output_format or imatrix.format
@@ -248,13 +282,14 @@ def plan_remap(
     # Input checks against the unpruned model (or the pruned one, expert sizes scaled back to the
     # source's expert count): every entry names a tensor and has the size that model needs.
     reference = source if source is not None else pruned
-    if reference is None:
-        raise BadInput("remapping needs the source or the pruned model", "give --source-model and/or --model")
+    if reference is None and layout.described_by == "model":
+        raise BadInput("remapping needs the source or the pruned model, or a keep-set by block index", "give --source-model and/or --model")
     expert_weights = {t.name: t for t in layout.expert_tensors.values() if t.role == "expert weight"}
-    shapes = {t.name: t.shape for t in reference.tensors}
+    shapes = {t.name: t.shape for t in reference.tensors} if reference is not None else {t.name: t.shape for t in expert_weights.values()}
     ne0 = {name: shapes[name][0] for name in expert_weights if name in shapes}
-    sizes = expected_sizes(reference)
+    sizes = expected_sizes(reference) if reference is not None else {e.name: e.nval for e in imatrix.entries}
     sizes.update({name: width * n_expert for name, width in ne0.items()})
+    reference_name = reference.path.name if reference is not None else "the imatrix"
     problems: list[str] = []
     expert_entries: dict[str, ImatrixEntry] = {}
     for e in imatrix.entries:
@@ -265,9 +300,9 @@ def plan_remap(
             else:
                 expert_entries[e.name] = e
         elif e.name not in sizes:
-            problems.append(f"{e.name} is not a tensor of {reference.path.name}")
+            problems.append(f"{e.name} is not a tensor of {reference_name}")
         elif e.nval != sizes[e.name] and e.name != "token_embd.weight":
-            problems.append(f"{e.name} has {e.nval} values, but {reference.path.name} needs {sizes[e.name]} (ne0 x ne2); it fits neither the dense nor the expert layout")
+            problems.append(f"{e.name} has {e.nval} values, but {reference_name} needs {sizes[e.name]} (ne0 x ne2); it fits neither the dense nor the expert layout")
     problems = _group_problems(problems)
     raise_problems(problems, f"{where} does not fit the {n_expert}-expert source model", "check that the imatrix was computed on the unpruned model this keep-set selects from")
 

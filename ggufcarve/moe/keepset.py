@@ -146,6 +146,11 @@ def _layer_key(key: Any, layout: MoeLayout) -> int | None:
     if not match:
         return None
     index = int(match["index"])
+    if match["kind"] == "mtp" and layout.described_by != "model":
+        raise BadInput(
+            f"keep-set key {key!r} counts MTP blocks after the main layers, and the {layout.described_by} does not say how many main layers there are",
+            "give --model PRUNED.gguf or --source-model SOURCE.gguf, or write the keep-set with block indices",
+        )
     return layout.main_layer_count + index if match["kind"] == "mtp" else index
 
 
@@ -230,7 +235,7 @@ def check_keepset(keepset: KeepSet, layout: MoeLayout) -> list[str]:
     warnings = []
     if k & (k - 1):
         warnings.append(f"K={k} is not a power of two: llama.cpp's fused CUDA top-k path needs one (the unfused path is slower)")
-    if not layout.routing.keeps_outputs and k < n:
+    if layout.described_by == "model" and not layout.routing.keeps_outputs and k < n:
         warnings.append(f"{layout.architecture}: {layout.routing.note}")
     return warnings
 

@@ -112,6 +112,7 @@ class MoeLayout:
     total_bytes: int  # tensor data of the whole model
     expert_bytes: int  # tensor data along the expert axis
     routing: RoutingFacts
+    described_by: str = "model"  # "model", or "imatrix": blocks and expert count read from an imatrix alone
 
     @property
     def main_layer_count(self) -> int:
