@@ -24,7 +24,6 @@ from typing import Any
 from ggufcarve.errors import BadInput, CarveError
 from ggufcarve.events import Counter, Sink, ignore
 from ggufcarve.fileio import sha256_file
-from ggufcarve.gguf.container import SHARD_NAME, read_model
 from ggufcarve.release.manifest import MANIFEST_NAME
 from ggufcarve.release.sums import SUMS_NAME, published_files
 
@@ -142,6 +141,10 @@ def verify_dir(directory: str | os.PathLike[str], *, ignore_missing: bool = Fals
 
 
 def _check_ggufs(d: Path, rels: list[str]) -> tuple[list[Failure], dict[str, int | None]]:
+    """Parse every GGUF (split sets complete); runs beside the hashing, so the GGUF reader (numpy,
+    gguf-py) is imported here, while the hashing threads already read the files."""
+    from ggufcarve.gguf.container import SHARD_NAME, read_model
+
     failures: list[Failure] = []
     counts: dict[str, int | None] = {}
     covered: set[str] = set()
