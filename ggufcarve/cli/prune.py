@@ -22,7 +22,7 @@ from ggufcarve.cli.options import (
     KeepOption,
     resolve_keepset,
 )
-from ggufcarve.cli.render import err, gib, out, progress, ranges, new_table, warn
+from ggufcarve.cli.render import err, gib, new_table, out, progress, ranges, warn
 
 if TYPE_CHECKING:
     from rich.table import Table

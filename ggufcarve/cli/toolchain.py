@@ -14,7 +14,7 @@ from typing import Annotated, Optional
 import typer
 
 from ggufcarve.cli.options import LlamaCppOption, command_group
-from ggufcarve.cli.render import out, progress, new_table
+from ggufcarve.cli.render import new_table, out, progress
 
 app = command_group("Find, probe and build the llama.cpp tools ggufcarve runs.")
 

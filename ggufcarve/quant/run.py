@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ggufcarve.errors import BadInput, OutputError, ToolFailed
-from ggufcarve.events import Event, Sink, ignore
+from ggufcarve.events import Counter, Event, Sink, ignore
 from ggufcarve.fileio import PARTIAL_SUFFIX, sha256_file, sha256_file_cached
 from ggufcarve.gguf.container import SHARD_NAME, GGUFModel, read_model
 from ggufcarve.quant.quantizer import (
@@ -365,11 +365,13 @@ def run_ladder(plan: LadderPlan, *, keep_going: bool = False, on_event: Sink = i
             _note(on_event, result.name, f"done, sha256 {digest[:12]}")
 
         failure: RungResult | None = None
+        rungs_done = Counter(on_event, "ladder", len(plan.rungs), "rungs")
         for p in plan.rungs:
             r = p.rung
             if p.rung.name in resumable:
                 results[r.name] = resumable[r.name]
                 on_event(Event(r.name, 1, 1, "tensors", "skipped: unchanged (sha256 verified)"))
+                rungs_done(1, r.name)
                 continue
             if failure is not None and not keep_going:
                 results[r.name] = RungResult(r.name, r.ftype, "not run", p.output.name, description=r.description)
@@ -410,6 +412,7 @@ def run_ladder(plan: LadderPlan, *, keep_going: bool = False, on_event: Sink = i
                 failure = failure or result
                 _note(on_event, r.name, f"failed: {result.error}")
             results[r.name] = result
+            rungs_done(1, r.name)
             _write_manifest(plan, previous, results, started, quantizer_seconds, hash_seconds[0], state_lock)
         for f in pending:
             f.result()
