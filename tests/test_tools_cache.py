@@ -20,7 +20,14 @@ from ggufcarve.errors import ToolFailed, ToolMissing
 from ggufcarve.fileio import cache_root
 from ggufcarve.llama import build, tools
 from ggufcarve.llama.launch import Finished
-from ggufcarve.llama.tools import TOOLS, cache_dir, cache_state, cpu_features, locate_tool, require_tool
+from ggufcarve.llama.tools import (
+    TOOLS,
+    cache_dir,
+    cache_state,
+    cpu_features,
+    locate_tool,
+    require_tool,
+)
 
 AVX2_FLAGS = "fpu vme de pse tsc msr pae mce cx8 apic sep mtrr sse sse2 ht syscall nx lm constant_tsc pni ssse3 fma cx16 sse4_1 sse4_2 popcnt f16c avx avx2 bmi1 bmi2 hypervisor"
 AVX512_FLAGS = AVX2_FLAGS + " avx512f avx512bw avx512vl avx512_vnni amx_tile amx_int8"
