@@ -16,7 +16,15 @@ def py(code: str) -> list[str]:
     return [sys.executable, "-c", code]
 
 
-def alive(pid: int) -> bool:
+def alive(pid: int, grace: float = 2.0) -> bool:
+    """Whether `pid` still runs `grace` seconds from now (a SIGKILL is delivered asynchronously)."""
+    deadline = time.monotonic() + grace
+    while _running(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return _running(pid)
+
+
+def _running(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -121,7 +121,7 @@ def test_header_round_trip_matches_gguf_py(tmp_path, records, tensors, alignment
 
 
 def synthetic_layout(n_expert: int, top_k: int, groups: int, group_used: int, blocks: int) -> MoeLayout:
-    from ggufcarve.moe.layout import UNKNOWN_ROUTING
+    from ggufcarve.moe.routing import UNKNOWN_ROUTING
 
     return MoeLayout(
         architecture="test", block_count=blocks, nextn_layers=0, expert_count=n_expert, expert_used_count=top_k, group_count=groups,

@@ -40,7 +40,7 @@ def _layout_table(model: GGUFModel, layout: MoeLayout) -> Table:
         ("experts", f"{layout.expert_count}, top-{layout.expert_used_count}"),
         ("groups", f"{layout.group_count}, {layout.group_used_count} used" if layout.group_count > 1 else "none"),
         ("shared experts", str(layout.shared_expert_count)),
-        ("routing", f"{layout.routing.gating}: {layout.routing.note}"),
+        ("routing", layout.routing.describe() + ("; MTP blocks have their own experts" if layout.nextn_layers and any(layout.is_mtp(b) for b in layout.blocks) else "")),
         ("size", f"{gib(model.total_bytes)}; experts {gib(layout.expert_bytes)} ({100 * layout.expert_bytes / max(layout.total_bytes, 1):.1f}% of tensor data)"),
     ]
     for key, value in rows:

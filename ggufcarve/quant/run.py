@@ -38,8 +38,8 @@ from ggufcarve.errors import BadInput, OutputError, ToolFailed
 from ggufcarve.events import Counter, Event, Sink, ignore
 from ggufcarve.fileio import PARTIAL_SUFFIX, sha256_file, sha256_file_cached
 from ggufcarve.gguf.container import SHARD_NAME, GGUFModel, read_model
+from ggufcarve.gguf.types import FILE_TYPES
 from ggufcarve.quant.quantizer import (
-    FTYPES,
     TENSOR_LINE,
     DryRun,
     QuantizeJob,
@@ -108,7 +108,7 @@ def _note(on_event: Sink, stage: str, message: str) -> None:
     on_event(Event(stage, 0, 0, "steps" if stage == "validate" else "tensors", message))
 
 
-QUANT_TAG = re.compile(r"[-_.](?:" + "|".join(sorted((re.escape(f) for f in FTYPES), key=len, reverse=True)) + r")$", re.IGNORECASE)
+QUANT_TAG = re.compile(r"[-_.](?:" + "|".join(sorted((re.escape(f) for f in FILE_TYPES), key=len, reverse=True)) + r")$", re.IGNORECASE)
 
 
 def model_name_from(source: Path) -> str:
@@ -206,7 +206,7 @@ def plan_ladder(
     dry: dict[str, DryRun] = {}
     jobs = {}
     for r in rungs:
-        jobs[r.name] = QuantizeJob(source_path, None, r.ftype, None, r.allow_requantize, r.output_tensor_type, r.token_embedding_type, r.tensor_types, r.pure, True, nthreads)
+        jobs[r.name] = QuantizeJob(source_path, None, r.ftype, info.path if info else None, r.allow_requantize, r.output_tensor_type, r.token_embedding_type, r.tensor_types, r.pure, True, nthreads)
     with ThreadPoolExecutor(max_workers=max(1, min(len(rungs), os.cpu_count() or 1))) as pool:
         futures = {name: pool.submit(quantizer.dry_run, job) for name, job in jobs.items()}
         for r in rungs:
@@ -219,7 +219,7 @@ def plan_ladder(
     warnings: list[str] = []
     unquantized_iq = []
     for r, file_name in zip(rungs, names):
-        needs = dry[r.name].needs_imatrix(r.ftype)
+        needs = dry[r.name].needs_imatrix_entries() if info is not None else dry[r.name].refused_without_imatrix()
         if needs and info is None:
             unquantized_iq.append(f"{r.name} ({', '.join(needs[:3])}{', ...' if len(needs) > 3 else ''})")
             continue
