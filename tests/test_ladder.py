@@ -10,10 +10,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from clirun import ggufcarve, sha256
+from clirun import ggufcarve, sha256, tensor_bytes
 
 from ggufcarve.errors import BadInput
 from ggufcarve.gguf.container import read_model
+from ggufcarve.llama.trace import trace_routing
 from ggufcarve.quant.quantizer import BinaryQuantizer, QuantizeJob
 from ggufcarve.quant.run import model_name_from, plan_ladder
 from ggufcarve.quant.spec import load_spec, parse_spec
@@ -293,7 +294,7 @@ ftype = "Q4_K_M"
 
 
 @pytest.mark.slow
-def test_libllama_backend_ladder_and_dry_run(small_spec, q8_moe, ladder, tmp_path):
+def test_libllama_backend_ladder_and_dry_run(small_spec, q8_moe, ladder, llama_tools, tmp_path):
     src, _ = ladder
     out = tmp_path / "out"
     dry = ggufcarve("ladder", "run", small_spec, "--source", q8_moe, "-o", out, "--only", "Q4_K_M", "--quantizer", "libllama", "--dry-run")
@@ -302,9 +303,16 @@ def test_libllama_backend_ladder_and_dry_run(small_spec, q8_moe, ladder, tmp_pat
     assert run.code == 0, run.stderr[-2000:]
     manifest = json.loads((out / "quant-manifest.json").read_text())
     assert manifest["quantizer"]["backend"] == "libllama" and manifest["rungs"][0]["command"][1:3] == ["-m", "ggufcarve.llama.quantize_child"]
-    name = manifest["rungs"][0]["files"][0]["name"]
-    # no imatrix here, so compare tensor data only with the binary rung made with one: just check it loads
-    assert read_model(out / name).get("general.file_type") == 15
+    rung = out / manifest["rungs"][0]["files"][0]["name"]
+    assert read_model(rung).get("general.file_type") == 15
+    # llama.cpp loads the rung and computes finite logits, routing every token to top-2 experts
+    trace = trace_routing(rung, [1, 70, 80, 90, 100, 110])
+    assert np.isfinite(trace.logits).all() and trace.logits.std() > 0
+    assert {block: ids.shape for block, ids in trace.topk.items()} == {0: (6, 2), 1: (6, 2)}
+    # and it is what llama-quantize itself writes for the same job (one llama.cpp source)
+    binary = BinaryQuantizer(llama_tools / "llama-quantize").run(QuantizeJob(q8_moe, tmp_path / "binary.gguf", "Q4_K_M", nthreads=2))
+    assert binary.returncode == 0, binary.error
+    assert all(tensor_bytes(rung, t.name) == tensor_bytes(tmp_path / "binary.gguf", t.name) for t in read_model(rung).tensors)
 
 
 @pytest.mark.slow
