@@ -100,6 +100,21 @@ def test_micro_batches_trace_the_same_tokens(qwen3moe_trace):
 
 
 @pytest.mark.slow
+def test_context_chunks_are_decoded_independently(qwen3moe_trace):
+    """context=12 over 24 tokens: the second chunk is traced as if it were a sequence of its own."""
+    path, whole = qwen3moe_trace
+    chunked = trace_routing(path, TOKENS, context=12, batch=5)
+    alone = trace_routing(path, TOKENS[12:])
+    for block, ids in whole.topk.items():
+        np.testing.assert_array_equal(chunked.topk[block][:12], ids[:12])
+        np.testing.assert_array_equal(chunked.topk[block][12:], alone.topk[block])
+    np.testing.assert_allclose(chunked.logits[12:], alone.logits, rtol=1e-3, atol=1e-3)
+    assert not np.allclose(chunked.logits[12:], whole.logits[12:], rtol=1e-3, atol=1e-3)  # the history mattered
+    with pytest.raises(BadInput, match="at least 1 token"):
+        trace_routing(path, TOKENS, context=0)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["qwen3moe", "qwen35moe", "deepseek2", "gpt-oss"])
 def test_routing_description_matches_the_graph_llama_cpp_built(make_model, arch):
     """Normalised weights exist iff routing.py says so, scaled ones iff it names a scale, which they carry."""
