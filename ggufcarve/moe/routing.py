@@ -28,17 +28,12 @@ from typing import Any
 
 from gguf.constants import ExpertGatingFuncType, Keys
 
-# gguf-py names the gating functions it knows; llama-hparams.h has two more than gguf 0.19.
+SOFTMAX, SIGMOID = int(ExpertGatingFuncType.SOFTMAX), int(ExpertGatingFuncType.SIGMOID)
+SOFTMAX_WEIGHT, SQRT_SOFTPLUS = 3, 4  # llama-hparams.h values that gguf-py 0.19 does not name
+# gguf-py's names of the gating functions it knows, llama.cpp's for the others
 GATING_NAMES: dict[int, str] = {int(g): g.name.lower() for g in ExpertGatingFuncType}
-GATING_NAMES.setdefault(3, "softmax_weight")
-GATING_NAMES.setdefault(4, "sqrtsoftplus")
-SOFTMAX, SIGMOID, SOFTMAX_WEIGHT, SQRT_SOFTPLUS = 1, 2, 3, 4
-GATING_DESCRIPTIONS = {
-    SOFTMAX: "softmax over all experts",
-    SIGMOID: "sigmoid per expert",
-    SOFTMAX_WEIGHT: "softmax over the selected experts' logits",
-    SQRT_SOFTPLUS: "sqrt(softplus) per expert",
-}
+GATING_NAMES.setdefault(SOFTMAX_WEIGHT, "softmax_weight")
+GATING_NAMES.setdefault(SQRT_SOFTPLUS, "sqrtsoftplus")
 SELECTION_BIAS_SUFFIXES = ("exp_probs_b.bias", "exp_probs_b")
 
 
