@@ -158,6 +158,40 @@ def test_text_outputs_clean_their_dead_temps(tmp_path):
     assert listing(tmp_path) == ["report.json"] and target.read_text() == "{}\n"
 
 
+def test_a_dead_builds_temp_dirs_are_removed_by_the_next_build(tmp_path, monkeypatch):
+    import io
+    import tarfile
+
+    from ggufcarve.errors import BadInput
+    from ggufcarve.llama import build
+    from ggufcarve.llama.launch import Finished
+
+    monkeypatch.setenv("GGUFCARVE_CACHE", str(tmp_path / "cache"))
+    token = dead_token()
+    staging = fileio.cache_root() / f".llama.cpp-0.0.3-test.ggufcarve-{token}.tmp"
+    (staging / "build").mkdir(parents=True)
+    (staging / "build" / "ggml.o").write_bytes(b"x" * 10_000)
+    sdist = fileio.cache_root() / "sdist" / build.sdist_name("0.0.3-test")
+    sdist.parent.mkdir()
+    with tarfile.open(sdist, "w:gz") as tar:  # no vendor/llama.cpp: the build stops after the clean-up
+        tar.addfile(tarfile.TarInfo("x/setup.py"), io.BytesIO(b""))
+    with pytest.raises(BadInput, match="vendor/llama.cpp"):
+        build.build_tools(version="0.0.3-test")
+    assert not staging.exists()
+
+    download = fileio.cache_root() / "sdist" / f".{build.sdist_name('0.0.4-test')}.ggufcarve-{token}.tmp"
+    download.mkdir()
+    (download / "half.tar.gz").write_bytes(b"half")
+
+    def fake_pip(argv, **kwargs):
+        (Path(argv[argv.index("--dest") + 1]) / build.sdist_name("0.0.4-test")).write_bytes(b"sdist")
+        return Finished(list(argv), 0, 0.1, [])
+
+    monkeypatch.setattr(build, "run", fake_pip)
+    assert build.fetch_sdist("0.0.4-test").read_bytes() == b"sdist"
+    assert listing(fileio.cache_root() / "sdist") == [build.sdist_name("0.0.3-test"), build.sdist_name("0.0.4-test")]
+
+
 # ---------------------------------------------------------------------------------------------
 # split outputs are replaced as a set
 
