@@ -317,6 +317,22 @@ def test_disk_full_mid_write(make_model, tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == [] and sha256(src) == before
 
 
+def test_source_truncated_after_planning(make_model, tmp_path):
+    """The reader thread's error reaches the caller as itself, and nothing is left behind."""
+    from ggufcarve.errors import BadInput
+
+    src = tmp_path / "src" / "m.gguf"
+    src.parent.mkdir()
+    src.write_bytes(make_model("qwen3moe", "Q8_0").read_bytes())
+    model = read_model(src)
+    layout = inspect_layout(model)
+    plan = plan_prune(model, layout, keep_first(layout, 4), tmp_path / "p.gguf")
+    os.truncate(src, src.stat().st_size - 5000)
+    with pytest.raises(BadInput, match="ended early"):
+        execute(plan, model)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
 def test_file_size_limit_mid_write_in_a_real_process(make_model, tmp_path):
     """The kernel refuses writes past RLIMIT_FSIZE (EFBIG), as a full disk would (ENOSPC)."""
     src = make_model("qwen3moe", "Q8_0")

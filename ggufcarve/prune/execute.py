@@ -134,6 +134,8 @@ class _Pipeline:
     def raise_first(self) -> None:
         if self.errors:
             raise self.errors[0]
+        if self.failed.is_set():
+            raise _Stopped("a pipeline thread stopped without an error")
 
 
 class _OutputHasher:
@@ -262,16 +264,14 @@ class _CopyPass:
             self.pipeline.raise_first()
             self.copied(self.plan.bytes_out - self.copied.done)  # the padding, never written
             self.output_hasher.finish()
-            self.pipeline.raise_first()
         except BaseException as err:
-            self.pipeline.fail(err)
-            raise
+            self.pipeline.fail(err)  # every thread stops within POLL_SECONDS
         finally:
             flush.close()
             for thread in (reader, sha, self.output_hasher.thread):
-                if thread.is_alive() or thread.ident is not None:
+                if thread.ident is not None:
                     thread.join()
-        self.pipeline.raise_first()
+        self.pipeline.raise_first()  # the first real error of any thread, not the _Stopped it caused
         digests = []
         for shard, path in enumerate(self.model.paths):
             digest = self.cached[shard]
@@ -310,6 +310,7 @@ class _CopyPass:
         fds = [fd for _, fd in self.outputs]
         shard, i = -1, 0
         while (item := self.pipeline.get(self.ready)) is not None:
+            self.pipeline.check()
             chunk_shard, offset, buffer, got = item
             if chunk_shard != shard:
                 shard, i = chunk_shard, 0
