@@ -407,6 +407,7 @@ def execute(plan: PrunePlan, model: GGUFModel, *, force: bool = False, on_event:
     A split output is replaced as a set: every shard is written and verified under its temp name
     first; shards of an earlier output of the same name that the new set does not contain are
     removed. Temp files of dead runs of this output are removed before the free-space check.
+    The outputs are durable (fsync) before the report is written, and renamed after it.
     """
     t_start = time.perf_counter()
     report_path = report_path or default_report_path(plan)
@@ -427,7 +428,12 @@ def execute(plan: PrunePlan, model: GGUFModel, *, force: bool = False, on_event:
         verification = verify_prune(model, plan.layout, plan.keepset, written, expected=expected, output_hashes=output_hashes)
         verification.raise_if_failed(f"verification of {plan.outputs[0].name}")
         timings["verify_seconds"] = time.perf_counter() - t_verify
-    timings["total_seconds"] = time.perf_counter() - t_start
-    result = PruneResult(plan, source_sha256, verification, timings, report_path)
-    write_text_atomic(report_path, _dumps(pruning_report(result)))
+        for _, fd in outputs:
+            os.fsync(fd)
+        timings["total_seconds"] = time.perf_counter() - t_start
+        result = PruneResult(plan, source_sha256, verification, timings, report_path)
+        # The report is written before the outputs are renamed into place: a crash between the
+        # two leaves a report of missing outputs, which a re-run to the same names replaces,
+        # never outputs that a re-run refuses to replace without --force.
+        write_text_atomic(report_path, _dumps(pruning_report(result)))
     return result
