@@ -42,11 +42,12 @@ def start(*args: object, env: dict[str, str]) -> subprocess.Popen[bytes]:
     return subprocess.Popen([sys.executable, "-m", "ggufcarve", *map(str, args)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
 
 
-def kill_while_writing(proc: subprocess.Popen[bytes], directory: Path, rng: random.Random, *, grown: int, max_delay: float) -> None:
-    """SIGKILL `proc` a random 0..max_delay seconds after one of its temp files in `directory` holds
-    `grown` bytes of data; fails if the process ended before it was killed."""
+def kill_while_writing(proc: subprocess.Popen[bytes], directory: Path, rng: random.Random, *, grown: int, max_delay: float, target: str | None = None) -> None:
+    """SIGKILL `proc` a random 0..max_delay seconds after one of its temp files in `directory` (of
+    the output named `target`, or any) holds `grown` bytes of data; fails if the process ended
+    before it was killed."""
     deadline = time.monotonic() + 300
-    while not _temp_grown(directory, grown):
+    while not _temp_grown(directory, grown, target):
         assert proc.poll() is None, f"ended before its temp file grew: {proc.stderr.read().decode()[-2000:]}"
         assert time.monotonic() < deadline
         time.sleep(0.002)
@@ -56,9 +57,9 @@ def kill_while_writing(proc: subprocess.Popen[bytes], directory: Path, rng: rand
     assert proc.returncode == -signal.SIGKILL, f"finished before the kill: {proc.stderr.read().decode()[-2000:]}"
 
 
-def _temp_grown(directory: Path, grown: int) -> bool:
+def _temp_grown(directory: Path, grown: int, target: str | None) -> bool:
     try:
-        names = [name for name in os.listdir(directory) if TEMP_NAME.match(name)]
+        names = [name for name in os.listdir(directory) if (m := TEMP_NAME.match(name)) and target in (None, m["target"])]
     except FileNotFoundError:  # the command has not created its output directory yet
         return False
     for name in names:
@@ -325,14 +326,15 @@ ftype = "Q4_K_M"
 
 @pytest.mark.slow
 def test_sigkill_mid_ladder_rung_then_rerun(make_model, tmp_path, env):
-    """libllama quantizes a 49 MiB F16 model; the run is killed while a rung is being written."""
+    """libllama quantizes a 49 MiB F16 model; the run is killed while the second rung is being
+    written (the first one is finished and recorded)."""
     rng = random.Random(SEED + 3)
     src = make_model("qwen3moe", "F16", n_embd=512, n_ff_exp=512, n_expert=16)
     spec = tmp_path / "ladder.toml"
     spec.write_text(LADDER)
     out, clean = tmp_path / "out", tmp_path / "clean"
     args = ("ladder", "run", spec, "--source", src, "--quantizer", "libllama", "-t", "2", "-q")
-    kill_while_writing(start(*args, "-o", out, env=env), out, rng, grown=1 << 20, max_delay=0.5)
+    kill_while_writing(start(*args, "-o", out, env=env), out, rng, grown=1 << 20, max_delay=0.5, target=f"{src.stem}-Q4_K_M.gguf")
     assert temps(out)
     again = subprocess.run([sys.executable, "-m", "ggufcarve", *map(str, args), "-o", out], env=env, capture_output=True, text=True)
     assert again.returncode == 0, again.stderr
