@@ -223,6 +223,24 @@ def test_a_split_output_is_replaced_as_a_set(make_model, tmp_path):
     assert [n for n in listing(out) if n.endswith(".gguf")] == ["p.gguf"]
 
 
+def test_a_run_killed_while_renaming_its_shards_is_finished_by_the_rerun(make_model, tmp_path):
+    """The swap renames the last shard first and the first shard last: a kill between leaves
+    shards without the first one, and the first one's temp file of a dead run."""
+    src = make_model("qwen3moe", "Q8_0")
+    out, clean = tmp_path / "out", tmp_path / "clean"
+    args = ("prune", src, "--keep-first", 4, "--split-max-size", f"{read_model(src).total_bytes // 8}", "-q")
+    assert ggufcarve(*args, "-o", clean / "p.gguf").code == 0
+    assert ggufcarve(*args, "-o", out / "p.gguf").code == 0
+    first = sorted(out.glob("p-*.gguf"))[0]
+    first.rename(out / f".{first.name}.ggufcarve-{dead_token()}.tmp")
+    again = ggufcarve(*args, "-o", out / "p.gguf")
+    assert again.code == 0, again.stderr
+    assert listing(out) == listing(clean) and not temps(out)
+    (out / first.name).unlink()  # no dead run's temp: the shards left are the user's, not replaced without --force
+    refused = ggufcarve(*args, "-o", out / "p.gguf")
+    assert refused.code == 1 and "already exists" in refused.error_line
+
+
 def test_the_sources_shards_are_never_part_of_the_replaced_set(make_model, tmp_path):
     """`prune m-00001-of-0000N.gguf --merge -o m.gguf` beside its source: the source shards stay."""
     src = make_model("qwen3moe", "Q8_0")

@@ -33,6 +33,7 @@ from ggufcarve.fileio import (
     cached_sha256,
     check_outputs,
     check_report_slot,
+    dead_temps,
     read_ranges,
     remember_sha256,
     same_file,
@@ -401,17 +402,30 @@ def replaced_files(plan: PrunePlan) -> list[Path]:
     return found
 
 
+def interrupted_swap(plan: PrunePlan) -> bool:
+    """Whether the output directory holds what a run killed while renaming a split output into
+    place leaves (see `atomic_outputs`): the first output missing, a dead run's temp file of it,
+    and other files of the output present. Finishing that run's replacement needs no --force."""
+    first = plan.outputs[0]
+    if len(plan.outputs) < 2 or first.exists():
+        return False
+    others = [p for p in plan.outputs[1:] if p.exists()]
+    return bool(others) and bool(dead_temps(first.parent, first.name.__eq__))
+
+
 def execute(plan: PrunePlan, model: GGUFModel, *, force: bool = False, on_event: Sink = ignore, report_path: Path | None = None) -> PruneResult:
     """Write the plan's outputs (temp names, fsync, rename), verify them, and write the report.
 
     A split output is replaced as a set: every shard is written and verified under its temp name
     first; shards of an earlier output of the same name that the new set does not contain are
-    removed. Temp files of dead runs of this output are removed before the free-space check.
+    removed. Temp files of dead runs of this output are removed before the free-space check, and
+    a replacement a dead run left half done (`interrupted_swap`) is finished without `force`.
     The outputs are durable (fsync) before the report is written, and renamed after it.
     """
     t_start = time.perf_counter()
     report_path = report_path or default_report_path(plan)
     replaces = replaced_files(plan)
+    force = force or interrupted_swap(plan)
     check_outputs(plan.outputs, list(plan.sources), plan.bytes_out, force, replaces=replaces, belongs=plan.is_output_name)
     check_report_slot(report_path, [p.name for p in plan.outputs], lambda doc: [f["name"] for f in doc["output"]["files"]], force)
     timings: dict[str, float] = {}
