@@ -2,12 +2,14 @@
 
 One sequential read of each source file feeds everything the prune needs from it: the file's
 sha256 (for the provenance keys; skipped when cached for this exact file state, and then only the
-kept ranges are read), the writes into temp files beside the outputs, and an xxh3-128 of every
-piece (a contiguous source range and the output range it is copied to). A second thread re-reads
-each output tensor from its temp file as soon as it is complete, hashing it whole and piece by
-piece. Nothing is renamed into place until every piece read back matches its source bytes and
-every key checks out. Memory is a fixed ring of buffers, passed from the reader thread to the
-writer (the calling thread) to the sha256 thread and back to the reader.
+kept ranges are read), the writes into temp files beside the outputs, and the xxh3-128 of every
+output tensor as its bytes stream by (of each of its pieces instead, for a tensor whose kept
+slices are not in file order; a piece is a contiguous source range and the output range it is
+copied to). A second thread re-reads each output tensor from its temp file as soon as it is
+complete and hashes it the same way. Nothing is renamed into place until every tensor read back
+matches the source bytes it was copied from and every key checks out. Memory is a fixed ring of
+buffers, passed from the reader thread to the writer (the calling thread) to the sha256 thread
+and back to the reader.
 """
 
 from __future__ import annotations
