@@ -12,7 +12,7 @@ Builds a qwen3moe-shaped Q8_0 GGUF of random bytes with the test factory (defaul
 Both prunes write, fsync, re-read every tensor of the output (xxh3-128) and write the report.
 Each prune is timed twice: the command's wall clock (interpreter start and imports included) and
 the library's own `total_seconds` from the report (parsing, planning, copying, verification).
-Prints medians, the ratios against the targets, and the prunes' peak RSS.
+Prints medians (wall and CPU seconds), the ratios against the targets, and the prunes' peak RSS.
 
     python bench/prune_bench.py [--dir bench/out] [--layers 4] [--experts 64] [--repeat 3]
 """
@@ -36,14 +36,18 @@ sys.path.insert(0, str(ROOT / "tests"))
 import factory  # noqa: E402
 
 
-def timed(cmd: list[str], env: dict[str, str] | None = None) -> tuple[float, int]:
-    """Wall seconds and this child's own peak RSS in KiB."""
+CPU: dict[str, list[float]] = {}  # contender -> CPU seconds (user + system) of each run
+
+
+def timed(cmd: list[str], env: dict[str, str] | None = None, name: str = "") -> tuple[float, int]:
+    """Wall seconds and this child's own peak RSS in KiB; its CPU seconds go to CPU[name]."""
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
     _, status, usage = os.wait4(proc.pid, 0)
     seconds = time.perf_counter() - start
     if os.waitstatus_to_exitcode(status):
         sys.exit(f"{' '.join(cmd)} failed:\n{proc.stderr.read().decode()}")
+    CPU.setdefault(name, []).append(usage.ru_utime + usage.ru_stime)
     return seconds, usage.ru_maxrss
 
 
@@ -74,8 +78,9 @@ def main() -> None:
     warm_cache = tempfile.mkdtemp(prefix="ggufcarve-bench-cache-")
     warm_env = {**env, "GGUFCARVE_CACHE": warm_cache}
 
+    load_before = os.getloadavg()
     read_through(src)
-    timed(prune, warm_env)  # fills the warm sha256 cache
+    timed(prune, warm_env, name="fill cache")  # fills the warm sha256 cache
     ref = args.dir / "reference.bin"
     with open(src, "rb") as f_in, open(ref, "wb") as f_out:
         shutil.copyfileobj(f_in, f_out, 16 << 20)
@@ -89,15 +94,15 @@ def main() -> None:
         read_through(src)
         read_through(ref)
         copy_dst.unlink(missing_ok=True)
-        times["cp"].append(timed(["cp", str(ref), str(copy_dst)])[0])
+        times["cp"].append(timed(["cp", str(ref), str(copy_dst)], name="cp")[0])
         copy_dst.unlink()
-        times["cp+sync"].append(timed(["sh", "-c", f"cp '{ref}' '{copy_dst}' && sync '{copy_dst}'"])[0])
+        times["cp+sync"].append(timed(["sh", "-c", f"cp '{ref}' '{copy_dst}' && sync '{copy_dst}'"], name="cp+sync")[0])
         copy_dst.unlink()
-        times["sha256 source"].append(timed(sha256_source)[0])
+        times["sha256 source"].append(timed(sha256_source, name="sha256 source")[0])
         for kind in ("cold", "warm"):
             out.unlink()  # as for cp: freeing the previous output's blocks is not part of the copy
             with tempfile.TemporaryDirectory(prefix="ggufcarve-bench-cold-") as cold_cache:
-                seconds, rss = timed(prune, warm_env if kind == "warm" else {**env, "GGUFCARVE_CACHE": cold_cache})
+                seconds, rss = timed(prune, warm_env if kind == "warm" else {**env, "GGUFCARVE_CACHE": cold_cache}, name=f"prune ({kind})")
             times[f"prune ({kind})"].append(seconds)
             times[f"library ({kind})"].append(json.loads(report.read_text())["timings"]["total_seconds"])
             prune_rss.append(rss)
@@ -105,10 +110,12 @@ def main() -> None:
 
     src_gib, out_gib = src.stat().st_size / 2**30, out.stat().st_size / 2**30
     median = {name: statistics.median(t) for name, t in times.items()}
-    print(f"source {src_gib:.2f} GiB ({args.layers} MoE layers x {args.experts} experts, Q8_0) -> output {out_gib:.2f} GiB ({args.experts // 2} experts); page cache warm; {os.cpu_count()} cores")
-    print(f"{'':15} {'median s':>9} {'out GiB/s':>9}   runs")
+    print(f"source {src_gib:.2f} GiB ({args.layers} MoE layers x {args.experts} experts, Q8_0) -> output {out_gib:.2f} GiB ({args.experts // 2} experts); page cache warm")
+    print(f"{os.cpu_count()} cores; load average {load_before[0]:.1f} before, {os.getloadavg()[0]:.1f} after")
+    print(f"{'':15} {'median s':>9} {'out GiB/s':>9} {'CPU s':>6}   runs")
     for name, t in times.items():
-        print(f"{name:15} {median[name]:9.2f} {out_gib / median[name]:9.2f}   {' '.join(f'{x:.2f}' for x in t)}")
+        cpu = f"{statistics.median(CPU[name]):6.2f}" if name in CPU else f"{'':6}"
+        print(f"{name:15} {median[name]:9.2f} {out_gib / median[name]:9.2f} {cpu}   {' '.join(f'{x:.2f}' for x in t)}")
     floor = max(median["cp+sync"], median["sha256 source"])
     for what in ("prune", "library"):
         warm, cold = median[f"{what} (warm)"], median[f"{what} (cold)"]
