@@ -19,8 +19,20 @@ from gguf.constants import GGMLQuantizationType, GGUFValueType
 
 from ggufcarve import fileio
 from ggufcarve.errors import OutputError
-from ggufcarve.fileio import TEMP_NAME, check_outputs, run_token, temp_path_for, writer_alive
-from ggufcarve.gguf.container import TensorHeader, encode_header, make_kv, pad_to, read_model
+from ggufcarve.fileio import (
+    TEMP_NAME,
+    check_outputs,
+    run_token,
+    temp_path_for,
+    writer_alive,
+)
+from ggufcarve.gguf.container import (
+    TensorHeader,
+    encode_header,
+    make_kv,
+    pad_to,
+    read_model,
+)
 
 SEED = 1201  # the random kill points are reproducible
 

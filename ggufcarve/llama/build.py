@@ -15,7 +15,12 @@ from typing import Iterator
 
 from ggufcarve.errors import BadInput, ToolFailed, ToolMissing
 from ggufcarve.events import Event, Sink, ignore
-from ggufcarve.fileio import cache_root, make_temp_dir, remove_dead_temps, sha256_file_cached
+from ggufcarve.fileio import (
+    cache_root,
+    make_temp_dir,
+    remove_dead_temps,
+    sha256_file_cached,
+)
 from ggufcarve.llama.launch import run, run_checked
 from ggufcarve.llama.tools import (
     CMAKE_FLAGS,

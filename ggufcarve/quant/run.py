@@ -36,7 +36,14 @@ from typing import Any, Callable, Sequence
 
 from ggufcarve.errors import BadInput, OutputError, ToolFailed
 from ggufcarve.events import Counter, Event, Sink, ignore
-from ggufcarve.fileio import bytes_on_disk, dead_temps, remove_dead_temps, sha256_file, sha256_file_cached, temp_path_for
+from ggufcarve.fileio import (
+    bytes_on_disk,
+    dead_temps,
+    remove_dead_temps,
+    sha256_file,
+    sha256_file_cached,
+    temp_path_for,
+)
 from ggufcarve.gguf.container import SHARD_NAME, GGUFModel, read_model
 from ggufcarve.gguf.types import FILE_TYPES
 from ggufcarve.quant.quantizer import (
