@@ -560,6 +560,61 @@ def write_dense_model(path) -> pathlib.Path:
     return _write(pathlib.Path(path), "llama", kv, b.specs, "F16", None)
 
 
+def write_bulk_moe(path, *, n_layer=4, n_expert=32, n_embd=1024, n_ff_exp=512, n_vocab=32000, seed=0, sparse=False) -> pathlib.Path:
+    """A qwen3moe-shaped Q8_0 file whose tensor data is random bytes, for tests and benchmarks of
+    byte movement at sizes the loadable fixtures do not reach (n_embd x n_ff_exp x n_expert x 3
+    expert tensors per layer, ~1.06 bytes per weight). ggufcarve inspects, prunes and checks it;
+    llama.cpp does not load it (no attention, no tokenizer). With ``sparse`` the tensor data is a
+    hole (zeros taking no disk space): enough for what reads only the header. Returns the path.
+    """
+    from gguf.constants import GGUFValueType
+
+    from ggufcarve.gguf.container import TensorHeader, encode_header, make_kv, pad_to
+
+    q8, f32 = int(QT.Q8_0), int(QT.F32)
+
+    def q8_bytes(ne0: int, rows: int) -> int:
+        return ne0 // 32 * 34 * rows
+
+    arch = "qwen3moe"
+    kvs = [
+        make_kv("general.architecture", GGUFValueType.STRING, arch),
+        make_kv("general.name", GGUFValueType.STRING, "ggufcarve bulk"),
+        make_kv(f"{arch}.block_count", GGUFValueType.UINT32, n_layer),
+        make_kv(f"{arch}.embedding_length", GGUFValueType.UINT32, n_embd),
+        make_kv(f"{arch}.expert_count", GGUFValueType.UINT32, n_expert),
+        make_kv(f"{arch}.expert_used_count", GGUFValueType.UINT32, 2),
+        make_kv(f"{arch}.expert_feed_forward_length", GGUFValueType.UINT32, n_ff_exp),
+    ]
+    tensors = [TensorHeader("token_embd.weight", (n_embd, n_vocab), q8, q8_bytes(n_embd, n_vocab))]
+    for i in range(n_layer):
+        p = f"blk.{i}."
+        tensors += [
+            TensorHeader(p + "attn_norm.weight", (n_embd,), f32, 4 * n_embd),
+            TensorHeader(p + "attn_q.weight", (n_embd, n_embd), q8, q8_bytes(n_embd, n_embd)),
+            TensorHeader(p + "ffn_gate_inp.weight", (n_embd, n_expert), f32, 4 * n_embd * n_expert),
+            TensorHeader(p + "ffn_gate_exps.weight", (n_embd, n_ff_exp, n_expert), q8, q8_bytes(n_embd, n_ff_exp * n_expert)),
+            TensorHeader(p + "ffn_up_exps.weight", (n_embd, n_ff_exp, n_expert), q8, q8_bytes(n_embd, n_ff_exp * n_expert)),
+            TensorHeader(p + "ffn_down_exps.weight", (n_ff_exp, n_embd, n_expert), q8, q8_bytes(n_ff_exp, n_embd * n_expert)),
+        ]
+    header, _ = encode_header(3, kvs, tensors, 32)
+    rng = np.random.default_rng(seed)
+    path = pathlib.Path(path)
+    with open(path, "wb") as f:
+        f.write(header)
+        if sparse:
+            f.truncate(len(header) + sum(pad_to(t.nbytes, 32) for t in tensors))
+            return path
+        for t in tensors:
+            left = t.nbytes
+            while left:
+                n = min(left, 64 << 20)
+                f.write(rng.bytes(n))
+                left -= n
+            f.write(bytes(pad_to(t.nbytes, 32) - t.nbytes))
+    return path
+
+
 # ---------------------------------------------------------------------------------------------
 # llama.cpp quantizer
 # ---------------------------------------------------------------------------------------------

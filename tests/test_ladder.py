@@ -13,6 +13,7 @@ import pytest
 from clirun import ggufcarve, sha256, tensor_bytes
 
 from ggufcarve.errors import BadInput
+from ggufcarve.fileio import TEMP_NAME
 from ggufcarve.gguf.container import read_model
 from ggufcarve.llama.trace import trace_routing
 from ggufcarve.quant.quantizer import BinaryQuantizer, QuantizeJob
@@ -123,7 +124,9 @@ def test_ladder_rungs_succeed_and_load(ladder, q8_moe, q8_moe_imatrix, llama_too
         cmd = rung["command"]
         assert cmd[0] == str(llama_tools / "llama-quantize") and "--allow-requantize" in cmd
         assert cmd[cmd.index("--imatrix") + 1] == str(q8_moe_imatrix)
-        assert cmd[-4:] == [str(q8_moe), str(out / f".{path.name}.partial"), rung["ftype"], "2"]
+        assert cmd[-4] == str(q8_moe) and cmd[-2:] == [rung["ftype"], "2"]
+        temp = Path(cmd[-3])  # the quantizer wrote this process's temp name, renamed on success
+        assert temp.parent == out and TEMP_NAME.match(temp.name)["target"] == path.name
         probe = llama_probe.probe(path, [1, 70, 80, 90, 100, 110])
         assert probe.ok, probe.stderr[-2000:]
         assert np.isfinite(probe.logits).all()
@@ -289,7 +292,7 @@ ftype = "Q4_K_M"
     assert going.code == 1
     assert "FAILED" in going.stdout and "built" in going.stdout
     assert sorted(p.name for p in out.glob("*.gguf")) == [f"{model_name_from(q8_moe)}-Q4_K_M.gguf"]
-    assert not list(out.glob(".*.partial"))
+    assert not list(out.glob(".*.tmp"))
     assert subprocess.run(["sha256sum", "-c", "SHA256SUMS"], cwd=out, capture_output=True).returncode == 0
 
 

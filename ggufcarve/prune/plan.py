@@ -128,6 +128,17 @@ class PrunePlan:
     def outputs(self) -> list[Path]:
         return [f.path for f in self.files]
 
+    def is_output_name(self, name: str) -> bool:
+        """Whether a file name in the output directory is a form of this output: a planned file,
+        PREFIX.gguf, or a shard PREFIX-NNNNN-of-MMMMM.gguf of any count (PREFIX: the output name
+        without .gguf and shard suffix). A new output replaces all of them."""
+        first = self.outputs[0]
+        prefix = Path(_shard_prefix(first)).name
+        if name in {p.name for p in self.outputs} or (first.suffix == ".gguf" and name == f"{prefix}.gguf"):
+            return True
+        match = SHARD_NAME.match(name)
+        return match is not None and match["prefix"] == prefix
+
     def to_json(self) -> dict[str, Any]:
         pruned = [t for t in self.tensors.values() if t.pruned]
         return {

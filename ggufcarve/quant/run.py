@@ -32,11 +32,18 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from ggufcarve.errors import BadInput, OutputError, ToolFailed
 from ggufcarve.events import Counter, Event, Sink, ignore
-from ggufcarve.fileio import PARTIAL_SUFFIX, sha256_file, sha256_file_cached
+from ggufcarve.fileio import (
+    bytes_on_disk,
+    dead_temps,
+    remove_dead_temps,
+    sha256_file,
+    sha256_file_cached,
+    temp_path_for,
+)
 from ggufcarve.gguf.container import SHARD_NAME, GGUFModel, read_model
 from ggufcarve.gguf.types import FILE_TYPES
 from ggufcarve.quant.quantizer import (
@@ -228,7 +235,7 @@ def plan_ladder(
         if fallback:
             warnings.append(f"{r.name}: {len(fallback)} tensor(s) need an imatrix but have no entry; quantized as {r.imatrix_fallback_type} instead: {', '.join(fallback[:4])}{', ...' if len(fallback) > 4 else ''}")
         final = out / file_name
-        temp = out / f".{file_name}{PARTIAL_SUFFIX}"
+        temp = temp_path_for(final)
         job = QuantizeJob(source_path, temp, r.ftype, info.path if info else None, r.allow_requantize, r.output_tensor_type, r.token_embedding_type, overrides, r.pure, False, nthreads)
         planned.append(PlannedRung(r, final, job, fallback, dry[r.name].size_bytes, _inputs_key(r, job, source_sha, info, qinfo) if hash_inputs else ""))
     if unquantized_iq:
@@ -237,12 +244,18 @@ def plan_ladder(
     return LadderPlan(spec, model, source_sha, out, model_name or model_name_from(source_path), quantizer, info, planned, warnings, nthreads)
 
 
+def _rung_names(planned: Sequence[PlannedRung]) -> Callable[[str], bool]:
+    """Accepts the file names of the planned rungs (to find their temp files)."""
+    return {p.output.name for p in planned}.__contains__
+
+
 def _check_disk(out: Path, planned: Sequence[PlannedRung]) -> None:
     probe = out
     while not probe.exists():
         probe = probe.parent
     need = sum(p.estimated_bytes for p in planned if not p.output.exists()) + DISK_MARGIN
-    free = shutil.disk_usage(probe).free
+    reclaimable = sum(bytes_on_disk(t) for t in dead_temps(out, _rung_names(planned)))  # run_ladder removes them first
+    free = shutil.disk_usage(probe).free + reclaimable
     if free < need:
         raise OutputError(f"the ladder needs about {need / 2**30:.2f} GiB but {probe} has {free / 2**30:.2f} GiB free", "free disk space, write elsewhere, or run fewer rungs with --only")
 
@@ -347,9 +360,7 @@ def run_ladder(plan: LadderPlan, *, keep_going: bool = False, on_event: Sink = i
     results: dict[str, RungResult] = {}
     hasher: ThreadPoolExecutor | None = None
     try:
-        # stale temp files from an interrupted run
-        for p in plan.rungs:
-            p.temp.unlink(missing_ok=True)
+        remove_dead_temps(out, _rung_names(plan.rungs))  # left by an interrupted run
         resumable = _check_resumable(plan, previous, on_event)
         hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ggufcarve-hash")
         pending: list[Future[None]] = []

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from ggufcarve.errors import OutputError
-from ggufcarve.fileio import PARTIAL_SUFFIX, sha256_file, write_text_atomic
+from ggufcarve.fileio import sha256_file, write_text_atomic
 
 SUMS_NAME = "SHA256SUMS"
 
@@ -18,7 +18,7 @@ def published_files(out_dir: Path) -> list[Path]:
     for root, dirs, names in os.walk(out_dir):
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))
         for name in sorted(names):
-            if name.startswith(".") or name.endswith(PARTIAL_SUFFIX) or (Path(root) == out_dir and name == SUMS_NAME):
+            if name.startswith(".") or (Path(root) == out_dir and name == SUMS_NAME):
                 continue
             files.append(Path(root) / name)
     return sorted(files, key=lambda p: p.relative_to(out_dir).as_posix())
