@@ -192,9 +192,9 @@ def test_remapped_imatrix_on_pruned_model(small_spec, q8_moe, q8_moe_imatrix, tm
     assert result.code == 0, result.stderr[-2000:]
     rung = out / "pruned-IQ2_XS.gguf"
     assert read_model(rung).get("qwen3moe.expert_count") == 4
-    # the reports describing the ladder's inputs are published with it
-    for name in ("pruning-report.json", "imatrix-remap-report.json"):
-        assert (out / "method" / name).read_bytes() == (tmp_path / "method" / name).read_bytes()
+    # the reports describing the ladder's inputs are published with it, under the release's names
+    for name, beside in (("pruning-report.json", "pruned-Q8_0.pruning-report.json"), ("imatrix-remap-report.json", "pruned.imatrix.imatrix-remap-report.json")):
+        assert (out / "method" / name).read_bytes() == (tmp_path / "method" / beside).read_bytes()
         assert f"  method/{name}\n" in (out / "SHA256SUMS").read_text()
     assert ggufcarve("verify", out).code == 0
     report = json.loads((out / "method" / "pruning-report.json").read_text())

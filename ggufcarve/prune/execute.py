@@ -26,7 +26,6 @@ from ggufcarve.fileio import (
     atomic_outputs,
     cached_sha256,
     check_outputs,
-    check_report_slot,
     copy_range,
     read_ranges,
     remember_sha256,
@@ -47,7 +46,8 @@ from ggufcarve.prune.plan import (
     SourceRange,
     tensor_ranges,
 )
-from ggufcarve.prune.report import _dumps, default_report_path, pruning_report
+from ggufcarve.prune.report import default_report_path, pruning_report
+from ggufcarve.reports import dumps
 
 
 @dataclass
@@ -180,7 +180,6 @@ def execute(plan: PrunePlan, model: GGUFModel, *, force: bool = False, on_event:
     t_start = time.perf_counter()
     report_path = report_path or default_report_path(plan)
     check_outputs(plan.outputs, list(plan.sources), plan.bytes_out, force)
-    check_report_slot(report_path, [p.name for p in plan.outputs], lambda doc: [f["name"] for f in doc["output"]["files"]], force)
     ranges = tensor_ranges(model, plan.layout, plan.keepset)
     source_total = source_hash_bytes(model, ranges)
     data_total = sum(t.nbytes for t in plan.tensors.values())
@@ -235,7 +234,7 @@ def execute(plan: PrunePlan, model: GGUFModel, *, force: bool = False, on_event:
     timings["hash_source_seconds"] = background.get("seconds", 0.0)
     timings["total_seconds"] = time.perf_counter() - t_start
     result = PruneResult(plan, background["sha256"], verification, timings, report_path)
-    write_text_atomic(report_path, _dumps(pruning_report(result)))
+    write_text_atomic(report_path, dumps(pruning_report(result)))
     return result
 
 
