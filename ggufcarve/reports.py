@@ -30,7 +30,6 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from ggufcarve import __version__
-from ggufcarve.gguf.container import SHARD_NAME
 
 SCHEMA_VERSION = 2
 PRUNING_REPORT = "pruning-report"
@@ -76,6 +75,8 @@ def dumps(doc: Mapping[str, Any]) -> str:
 def output_stem(output: Path) -> str:
     """The name a per-output report is keyed by: the file name without its extension, and
     without the shard suffix for a split set (`m-00001-of-00003.gguf` -> `m`)."""
+    from ggufcarve.gguf.container import SHARD_NAME  # numpy and gguf-py: only when a name is needed
+
     shard = SHARD_NAME.match(output.name)
     if shard:
         return shard["prefix"]

@@ -120,10 +120,11 @@ def test_ladder_rungs_succeed_and_load(ladder, q8_moe, q8_moe_imatrix, llama_too
         assert rung["sha256"] == sha256(path) == rung["files"][0]["sha256"]
         assert rung["bytes"] == path.stat().st_size and rung["gib"] == round(path.stat().st_size / 2**30, 4)
         assert 2 < rung["bits_per_weight"] < 7.5
-        cmd = rung["command"]
-        assert cmd[0] == str(llama_tools / "llama-quantize") and "--allow-requantize" in cmd
-        assert cmd[cmd.index("--imatrix") + 1] == str(q8_moe_imatrix)
-        assert cmd[-4:] == [str(q8_moe), str(out / f".{path.name}.partial"), rung["ftype"], "2"]
+        assert rung["source_sha256"] == [sha256(q8_moe)]
+        cmd = rung["command"]  # as published: file names only, the final output name
+        assert cmd[0] == "llama-quantize" and "--allow-requantize" in cmd
+        assert cmd[cmd.index("--imatrix") + 1] == q8_moe_imatrix.name
+        assert cmd[-4:] == [q8_moe.name, path.name, rung["ftype"], "2"]
         probe = llama_probe.probe(path, [1, 70, 80, 90, 100, 110])
         assert probe.ok, probe.stderr[-2000:]
         assert np.isfinite(probe.logits).all()
@@ -282,6 +283,7 @@ ftype = "Q4_K_M"
     assert sorted(p.name for p in out.iterdir()) == [".ggufcarve-ladder.lock", "SHA256SUMS", "quant-manifest.json"]
     rungs = {r["name"]: r for r in json.loads((out / "quant-manifest.json").read_text())["rungs"]}
     assert rungs["BROKEN"]["status"] == "failed" and rungs["BROKEN"]["exit_status"] != 0 and rungs["BROKEN"]["files"] == []
+    assert rungs["BROKEN"]["error"] and str(tmp_path) not in (out / "quant-manifest.json").read_text()  # the error as published: no local paths
     assert rungs["Q4_K_M"]["status"] == "not run" and rungs["Q4_K_M"]["command"] == []
 
     out = tmp_path / "going"
