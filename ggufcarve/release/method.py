@@ -51,7 +51,7 @@ def _load(path: Path, kind: str) -> tuple[str, dict[str, Any]] | None:
     """The report's text and JSON object; None when there is none; BadInput when it is malformed."""
     hint = f"it is not a ggufcarve {kind}: move it away, or re-run the command that writes it (with --force)"
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_bytes().decode("utf-8")  # no newline translation: published byte for byte
     except FileNotFoundError:
         return None
     except (OSError, UnicodeDecodeError) as err:
