@@ -25,6 +25,7 @@ from ggufcarve.prune.plan import KEY_SOURCE_SHA256
 from ggufcarve.reports import IMATRIX_REMAP_REPORT, METHOD_DIR, PRUNING_REPORT, SCHEMA_VERSION, release_report_name, report_path_for
 
 METHOD_KINDS = (PRUNING_REPORT, IMATRIX_REMAP_REPORT)
+WRITTEN_BY = {PRUNING_REPORT: "ggufcarve prune", IMATRIX_REMAP_REPORT: "ggufcarve imatrix remap"}
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,7 @@ class MethodReport:
 
 def _load(path: Path, kind: str) -> tuple[str, dict[str, Any]] | None:
     """The report's text and JSON object; None when there is none; BadInput when it is malformed."""
-    hint = f"it is not a ggufcarve {kind}: move it away, or re-run the command that writes it (with --force)"
+    hint = f"re-run the {WRITTEN_BY[kind]} that wrote it (with --force), or move it away"
     try:
         text = path.read_bytes().decode("utf-8")  # no newline translation: published byte for byte
     except FileNotFoundError:
@@ -70,7 +71,7 @@ def _field(doc: dict[str, Any], path: Path, *keys: str, kind: type) -> Any:
     for key in keys:
         value = value.get(key) if isinstance(value, dict) else None
     if not isinstance(value, kind):
-        raise BadInput(f"{path}: {'.'.join(keys)} is missing or not a JSON {kind.__name__}", "the report is damaged: re-run the command that writes it (with --force)")
+        raise BadInput(f"{path}: {'.'.join(keys)} is missing or not a JSON {kind.__name__}", f"the report is damaged: re-run the {WRITTEN_BY[str(doc.get('kind'))] if doc.get('kind') in WRITTEN_BY else 'command'} that wrote it (with --force), or move it away")
     return value
 
 
@@ -107,7 +108,7 @@ def find_method_reports(model: GGUFModel, imatrix: tuple[Path, str] | None) -> t
             continue
         text, doc = loaded
         if doc.get("schema_version") != SCHEMA_VERSION or doc.get("kind") != kind:
-            warnings.append(f"{path.name} not published: written by another ggufcarve version (schema {doc.get('schema_version')}); re-run the command that writes it to publish it")
+            warnings.append(f"{path.name} not published: written by another ggufcarve version (schema {doc.get('schema_version')}); re-run the {WRITTEN_BY[kind]} to publish it")
             continue
         if kind == PRUNING_REPORT:
             why = _pruning_mismatch(doc, path, model)
