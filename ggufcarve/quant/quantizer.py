@@ -253,7 +253,7 @@ class BinaryQuantizer(Quantizer):
     backend = "binary"
 
     def __init__(self, path: Path, info: ToolInfo | None = None) -> None:
-        self.path = Path(path)
+        self.path = Path(os.path.abspath(path))  # the quantizer runs in the imatrix's directory
         self.tool = info or probe_tool(self.path, "llama-quantize", "given")
         if not self.tool.works:
             raise ToolMissing(f"{self.path} does not behave like llama-quantize ({self.tool.note})", "pass the llama-quantize binary, or --quantizer libllama")

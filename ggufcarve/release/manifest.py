@@ -89,8 +89,13 @@ def described_files(manifest: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 def _public_quantizer(described: dict[str, object]) -> dict[str, object]:
-    """The quantizer record without local paths: the program's file name, never its directory."""
-    return {k: public_name(v) if k in ("path", "python") and isinstance(v, str) else v for k, v in described.items()}
+    """The quantizer record without local paths: `program` is the file name of the binary (or of
+    libllama), `python` the interpreter's file name; never their directories."""
+    record = {k: v for k, v in described.items() if k != "path"}
+    record["program"] = public_name(str(described["path"]))
+    if isinstance(record.get("python"), str):
+        record["python"] = public_name(str(record["python"]))
+    return record
 
 
 def _write_manifest(plan: LadderPlan, previous: dict[str, dict[str, Any]], results: dict[str, RungResult], method: list[dict[str, Any]], started: float, quantizer_seconds: float, hash_seconds: float, lock: threading.Lock) -> dict[str, Any]:
