@@ -24,7 +24,6 @@ outputs share one folder; a release holds each kind once, as `method/<kind>.json
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -96,4 +95,5 @@ def release_report_name(kind: str) -> str:
 def public_name(value: str) -> str:
     """A recorded file reference without its directory (dataset files, tools): published files
     hold no local paths."""
-    return os.path.basename(value.rstrip("/")) if ("/" in value or "\\" in value) else value
+    trimmed = value.rstrip("/\\")
+    return trimmed[max(trimmed.rfind("/"), trimmed.rfind("\\")) + 1 :] or value
