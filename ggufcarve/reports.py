@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from ggufcarve import __version__
+from ggufcarve.errors import BadInput, OutputError
 
 SCHEMA_VERSION = 2
 PRUNING_REPORT = "pruning-report"
@@ -64,6 +65,29 @@ def envelope(
         raise ValueError(f"report results use envelope keys: {', '.join(clash)}")
     doc.update(results)
     return doc
+
+
+def read_json_object(path: Path, hint: str) -> tuple[str, dict[str, Any]] | None:
+    """The text of a report file and the JSON object it holds; None when the file does not exist.
+
+    Raises OutputError when it cannot be read and BadInput when it is not a JSON object, both with
+    `hint`. The text is read without newline translation, so it can be republished byte for byte.
+    """
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except FileNotFoundError:
+        return None
+    except OSError as err:
+        raise OutputError(f"cannot read {path}: {err.strerror or err}", hint) from None
+    except UnicodeDecodeError as err:
+        raise BadInput(f"{path} is not UTF-8 text ({err})", hint) from None
+    try:
+        doc = json.loads(text)
+    except ValueError as err:
+        raise BadInput(f"{path} is not valid JSON ({err})", hint) from None
+    if not isinstance(doc, dict):
+        raise BadInput(f"{path} holds a JSON {type(doc).__name__}, not an object", hint)
+    return text, doc
 
 
 def dumps(doc: Mapping[str, Any]) -> str:

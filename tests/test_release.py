@@ -164,7 +164,7 @@ def test_a_stale_report_of_the_same_size_is_not_published(spec, q8_moe, llama_to
 
 @pytest.mark.parametrize("report, message", [
     ("{not json", "is not valid JSON"),
-    ("[]", "holds a JSON list, not a report"),
+    ("[]", "holds a JSON list, not an object"),
     ('{"schema_version": 2, "kind": "pruning-report", "output": {"files": 3}}', "output.files is missing or not a JSON list"),
 ])
 def test_malformed_pruning_report_beside_the_source(spec, q8_moe, tmp_path, report, message):

@@ -9,7 +9,6 @@ File names are relative to the release directory; no local path is recorded.
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from pathlib import Path
@@ -17,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from ggufcarve.errors import BadInput, OutputError
 from ggufcarve.fileio import write_text_atomic
-from ggufcarve.reports import dumps, envelope, public_name
+from ggufcarve.reports import dumps, envelope, public_name, read_json_object
 
 if TYPE_CHECKING:
     from ggufcarve.quant.run import LadderPlan, RungResult
@@ -31,18 +30,13 @@ def read_manifest(out_dir: Path) -> dict[str, Any] | None:
     """The manifest of the release in out_dir; None when there is none. A manifest that cannot be
     read or is not a ladder manifest raises: the directory's record must never be guessed at."""
     path = out_dir / MANIFEST_NAME
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
+    hint = f"restore it from the published release, {FRESH_START_HINT}"
+    loaded = read_json_object(path, hint)
+    if loaded is None:
         return None
-    except (OSError, UnicodeDecodeError) as err:
-        raise OutputError(f"cannot read {path}: {getattr(err, 'strerror', None) or err}", f"fix its permissions, {FRESH_START_HINT}") from None
-    try:
-        doc = json.loads(text)
-    except ValueError as err:
-        raise BadInput(f"{path} is not valid JSON ({err})", f"restore it from the published release, {FRESH_START_HINT}") from None
-    if not isinstance(doc, dict) or not isinstance(doc.get("rungs"), list) or not isinstance(doc.get("source"), dict):
-        raise BadInput(f"{path} is not a ladder manifest (no rungs and source records)", f"restore it from the published release, {FRESH_START_HINT}")
+    doc = loaded[1]
+    if not isinstance(doc.get("rungs"), list) or not isinstance(doc.get("source"), dict):
+        raise BadInput(f"{path} is not a ladder manifest (no rungs and source records)", hint)
     return doc
 
 

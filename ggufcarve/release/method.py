@@ -12,7 +12,6 @@ imatrix's sha256. A release holds them as `method/pruning-report.json` and
 from __future__ import annotations
 
 import hashlib
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,7 @@ from ggufcarve.fileio import write_text_atomic
 from ggufcarve.gguf.container import GGUFModel
 from ggufcarve.moe.keepset import keepset_from_provenance
 from ggufcarve.prune.plan import KEY_SOURCE_SHA256
-from ggufcarve.reports import IMATRIX_REMAP_REPORT, METHOD_DIR, PRUNING_REPORT, SCHEMA_VERSION, release_report_name, report_path_for
+from ggufcarve.reports import IMATRIX_REMAP_REPORT, METHOD_DIR, PRUNING_REPORT, SCHEMA_VERSION, read_json_object, release_report_name, report_path_for
 
 METHOD_KINDS = (PRUNING_REPORT, IMATRIX_REMAP_REPORT)
 WRITTEN_BY = {PRUNING_REPORT: "ggufcarve prune", IMATRIX_REMAP_REPORT: "ggufcarve imatrix remap"}
@@ -32,7 +31,7 @@ WRITTEN_BY = {PRUNING_REPORT: "ggufcarve prune", IMATRIX_REMAP_REPORT: "ggufcarv
 class MethodReport:
     kind: str  # PRUNING_REPORT or IMATRIX_REMAP_REPORT
     found: Path  # the per-output report beside the input it describes
-    text: str  # published verbatim
+    text: str  # published byte for byte
     describes: str  # the name of the file it describes
 
     @property
@@ -46,24 +45,6 @@ class MethodReport:
     def record(self) -> dict[str, Any]:
         """The manifest's entry for the published copy."""
         return {"name": self.release_name, "kind": self.kind, "describes": self.describes, "bytes": len(self.text.encode()), "sha256": self.sha256}
-
-
-def _load(path: Path, kind: str) -> tuple[str, dict[str, Any]] | None:
-    """The report's text and JSON object; None when there is none; BadInput when it is malformed."""
-    hint = f"re-run the {WRITTEN_BY[kind]} that wrote it (with --force), or move it away"
-    try:
-        text = path.read_bytes().decode("utf-8")  # no newline translation: published byte for byte
-    except FileNotFoundError:
-        return None
-    except (OSError, UnicodeDecodeError) as err:
-        raise BadInput(f"cannot read {path}: {getattr(err, 'strerror', None) or err}", hint) from None
-    try:
-        doc = json.loads(text)
-    except ValueError as err:
-        raise BadInput(f"{path} is not valid JSON ({err})", hint) from None
-    if not isinstance(doc, dict):
-        raise BadInput(f"{path} holds a JSON {type(doc).__name__}, not a report", hint)
-    return text, doc
 
 
 def _field(doc: dict[str, Any], path: Path, *keys: str, kind: type) -> Any:
@@ -103,7 +84,7 @@ def find_method_reports(model: GGUFModel, imatrix: tuple[Path, str] | None) -> t
     if imatrix is not None:
         candidates.append((IMATRIX_REMAP_REPORT, report_path_for(imatrix[0], IMATRIX_REMAP_REPORT), imatrix[0].name))
     for kind, path, described in candidates:
-        loaded = _load(path, kind)
+        loaded = read_json_object(path, f"re-run the {WRITTEN_BY[kind]} that wrote it (with --force), or move it away")
         if loaded is None:
             continue
         text, doc = loaded

@@ -29,7 +29,7 @@ from ggufcarve.errors import BadInput, CarveError, OutputError
 from ggufcarve.events import Counter, Sink, ignore
 from ggufcarve.fileio import sha256_file
 from ggufcarve.release.manifest import FRESH_START_HINT, MANIFEST_NAME, described_files, recorded_source
-from ggufcarve.release.sums import SUMS_NAME, published_files
+from ggufcarve.release.sums import SUMS_NAME, inside, published_files
 from ggufcarve.reports import IMATRIX_REMAP_REPORT, PRUNING_REPORT, release_report_name
 
 SUMS_LINE = re.compile(r"^(?P<digest>[0-9a-fA-F]{64}) (?P<mode>[ *])(?P<path>.+)$")
@@ -106,9 +106,8 @@ def verify_dir(directory: str | os.PathLike[str], *, ignore_missing: bool = Fals
     for problem in bad:
         fail(Failure(SUMS_NAME, problem))
     listed: dict[str, str] = {}
-    root = d.resolve()
     for digest, rel in entries:
-        if Path(rel).is_absolute() or not (d / rel).resolve().is_relative_to(root):
+        if not inside(d, rel):
             fail(Failure(rel, "SHA256SUMS names a path outside the directory"))
             continue
         if rel in listed and listed[rel] != digest:
@@ -185,12 +184,18 @@ def _check_ggufs(d: Path, rels: list[str]) -> tuple[list[Failure], dict[str, int
 
 def _read_json_object(path: Path, report: VerifyReport) -> dict[str, Any] | None:
     """The JSON object in `path`, or None with a failure recorded (unreadable, not JSON, not an object)."""
+    try:
+        text = path.read_text()
+    except OSError as err:
+        report.failures.append(Failure(path.relative_to(report.directory).as_posix(), f"cannot read: {err.strerror or err}"))
+        return None
+    return _parse_json_object(path, text, report)
+
+
+def _parse_json_object(path: Path, text: str, report: VerifyReport) -> dict[str, Any] | None:
     rel = path.relative_to(report.directory).as_posix()
     try:
-        doc = json.loads(path.read_text())
-    except OSError as err:
-        report.failures.append(Failure(rel, f"cannot read: {err.strerror or err}"))
-        return None
+        doc = json.loads(text)
     except ValueError as err:
         report.failures.append(Failure(rel, f"not valid JSON ({err})"))
         return None
@@ -212,10 +217,10 @@ def _read_manifest(d: Path, report: VerifyReport) -> dict[str, Any] | None:
         report.failures.append(Failure(MANIFEST_NAME, "missing: nothing records how the files were made"))
         return None
     try:
-        path.read_bytes()
+        text = path.read_text()
     except OSError as err:
         raise OutputError(f"cannot read {path}: {err.strerror or err}", f"fix its permissions or restore it from the published release; or, to rebuild the release, {FRESH_START_HINT}") from None
-    return _read_json_object(path, report)
+    return _parse_json_object(path, text, report)
 
 
 def _check_manifest(d: Path, manifest: dict[str, Any] | None, listed: dict[str, str], report: VerifyReport, counts: dict[str, int | None]) -> None:
