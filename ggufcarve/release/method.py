@@ -30,7 +30,6 @@ WRITTEN_BY = {PRUNING_REPORT: "ggufcarve prune", IMATRIX_REMAP_REPORT: "ggufcarv
 @dataclass(frozen=True)
 class MethodReport:
     kind: str  # PRUNING_REPORT or IMATRIX_REMAP_REPORT
-    found: Path  # the per-output report beside the input it describes
     text: str  # published byte for byte
     describes: str  # the name of the file it describes
 
@@ -47,18 +46,19 @@ class MethodReport:
         return {"name": self.release_name, "kind": self.kind, "describes": self.describes, "bytes": len(self.text.encode()), "sha256": self.sha256}
 
 
-def _field(doc: dict[str, Any], path: Path, *keys: str, kind: type) -> Any:
+def _field(doc: dict[str, Any], path: Path, *keys: str, json_type: type) -> Any:
+    """doc[keys[0]][keys[1]]...; BadInput when it is missing or not of json_type (doc's kind is known)."""
     value: Any = doc
     for key in keys:
         value = value.get(key) if isinstance(value, dict) else None
-    if not isinstance(value, kind):
-        raise BadInput(f"{path}: {'.'.join(keys)} is missing or not a JSON {kind.__name__}", f"the report is damaged: re-run the {WRITTEN_BY[str(doc.get('kind'))] if doc.get('kind') in WRITTEN_BY else 'command'} that wrote it (with --force), or move it away")
+    if not isinstance(value, json_type):
+        raise BadInput(f"{path}: {'.'.join(keys)} is missing or not a JSON {json_type.__name__}", f"the report is damaged: re-run the {WRITTEN_BY[doc['kind']]} that wrote it (with --force), or move it away")
     return value
 
 
 def _pruning_mismatch(doc: dict[str, Any], path: Path, model: GGUFModel) -> str | None:
     """Why the pruning report does not describe `model`, or None when it does."""
-    files = [(f.get("name"), f.get("bytes")) for f in _field(doc, path, "output", "files", kind=list) if isinstance(f, dict)]
+    files = [(f.get("name"), f.get("bytes")) for f in _field(doc, path, "output", "files", json_type=list) if isinstance(f, dict)]
     actual = [(p.name, p.stat().st_size) for p in model.paths]
     if files != actual:
         return f"it describes {', '.join(f'{n} ({b} bytes)' for n, b in files)}"
@@ -66,10 +66,10 @@ def _pruning_mismatch(doc: dict[str, Any], path: Path, model: GGUFModel) -> str 
     digests = model.get(KEY_SOURCE_SHA256)
     if recorded is None or digests is None:
         return f"{model.path.name} has no ggufcarve.* keys to match it by (pruned with --no-provenance)"
-    layers = _field(doc, path, "keep_set", "layers", kind=dict)
+    layers = _field(doc, path, "keep_set", "layers", json_type=dict)
     if layers != recorded.to_json()["layers"]:
         return f"its kept experts differ from the ones {model.path.name} records"
-    inputs = [i.get("sha256") for i in _field(doc, path, "inputs", kind=list) if isinstance(i, dict)]
+    inputs = [i.get("sha256") for i in _field(doc, path, "inputs", json_type=list) if isinstance(i, dict)]
     if inputs != [str(d) for d in digests]:
         return f"it was made from another source (sha256 {', '.join(str(i)[:12] for i in inputs)})"
     return None
@@ -95,12 +95,12 @@ def find_method_reports(model: GGUFModel, imatrix: tuple[Path, str] | None) -> t
             why = _pruning_mismatch(doc, path, model)
         else:
             assert imatrix is not None
-            digest = _field(doc, path, "output", "sha256", kind=str)
+            digest = _field(doc, path, "output", "sha256", json_type=str)
             why = None if digest == imatrix[1] else f"it describes an imatrix with sha256 {digest[:12]}, not this one ({imatrix[1][:12]})"
         if why is not None:
             warnings.append(f"{path.name} not published: it does not describe {described}: {why}")
             continue
-        found.append(MethodReport(kind, path, text, described))
+        found.append(MethodReport(kind, text, described))
     return found, warnings
 
 
