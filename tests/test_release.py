@@ -158,6 +158,20 @@ def test_a_stale_report_of_the_same_size_is_not_published(spec, q8_moe, llama_to
     assert ("method/pruning-report.json", f"describes model-Q8_0.gguf ({size + 1} bytes), not the manifest's source (model-Q8_0.gguf ({size} bytes))") in failures_full(out)
 
 
+@pytest.mark.slow
+def test_a_renamed_model_keeps_its_report(spec, q8_moe, llama_tools, tmp_path):
+    """Matched by content, not by name: model and report renamed together are still published."""
+    work = tmp_path / "models"
+    prune(q8_moe, work / "first-Q8_0.gguf", "--keep-first", 4)
+    (work / "first-Q8_0.gguf").rename(work / "renamed-Q8_0.gguf")
+    (work / "method" / "first-Q8_0.pruning-report.json").rename(work / "method" / "renamed-Q8_0.pruning-report.json")
+    out = tmp_path / "release"
+    result = ladder(spec, work / "renamed-Q8_0.gguf", out, llama_tools, "--only", "Q4_K_M")
+    assert result.code == 0 and "not published" not in result.stderr, result.stderr
+    assert (out / "method" / "pruning-report.json").read_bytes() == (work / "method" / "renamed-Q8_0.pruning-report.json").read_bytes()
+    assert ggufcarve("verify", out).code == 0
+
+
 # ---------------------------------------------------------------------------------------------
 # error paths: one line with a hint, exit 1, nothing written
 

@@ -3,8 +3,8 @@ of its imatrix, found beside them by the per-output name and accepted only by co
 
 A pruning report describes a pruned model when the model's own keys say the same thing: the
 kept experts (`ggufcarve.kept_*`) equal the report's `keep_set`, the source digests
-(`ggufcarve.source.sha256`) equal the report's `inputs`, and its `output.files` names and sizes
-are the model's files. A remap report describes an imatrix when its `output.sha256` is the
+(`ggufcarve.source.sha256`) equal the report's `inputs`, and its `output.files` have the sizes
+of the model's files (names may differ: a renamed file is still the same model). A remap report describes an imatrix when its `output.sha256` is the
 imatrix's sha256. A release holds them as `method/pruning-report.json` and
 `method/imatrix-remap-report.json`, byte for byte as found, and records them in its manifest.
 """
@@ -59,8 +59,7 @@ def _field(doc: dict[str, Any], path: Path, *keys: str, json_type: type) -> Any:
 def _pruning_mismatch(doc: dict[str, Any], path: Path, model: GGUFModel) -> str | None:
     """Why the pruning report does not describe `model`, or None when it does."""
     files = [(f.get("name"), f.get("bytes")) for f in _field(doc, path, "output", "files", json_type=list) if isinstance(f, dict)]
-    actual = [(p.name, p.stat().st_size) for p in model.paths]
-    if files != actual:
+    if [b for _, b in files] != [p.stat().st_size for p in model.paths]:
         return f"it describes {', '.join(f'{n} ({b} bytes)' for n, b in files)}"
     recorded = keepset_from_provenance(model.get, model.path.name)
     digests = model.get(KEY_SOURCE_SHA256)
