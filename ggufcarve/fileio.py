@@ -431,20 +431,3 @@ def write_text_atomic(path: Path, text: str) -> None:
     finally:
         temp.unlink(missing_ok=True)
 
-
-def check_report_slot(report_path: Path, output_names: Sequence[str], described: Callable[[dict], list[str]], force: bool) -> None:
-    """Refuse to replace a report that describes other outputs (another run into the same directory).
-
-    `described` reads the output file names from an existing report's JSON.
-    """
-    if force or not report_path.exists():
-        return
-    try:
-        names = described(json.loads(report_path.read_text()))
-    except (OSError, ValueError, KeyError, TypeError):
-        names = None
-    if names != list(output_names):
-        raise OutputError(
-            f"{report_path} already describes another output ({', '.join(names or ['unreadable'])})",
-            "write to another directory, pass --report PATH, or --force to replace it",
-        )

@@ -13,7 +13,6 @@ import pytest
 from clirun import ggufcarve, sha256, tensor_bytes
 
 from ggufcarve.errors import BadInput
-from ggufcarve.fileio import TEMP_NAME
 from ggufcarve.gguf.container import read_model
 from ggufcarve.llama.trace import trace_routing
 from ggufcarve.quant.quantizer import BinaryQuantizer, QuantizeJob
@@ -121,12 +120,11 @@ def test_ladder_rungs_succeed_and_load(ladder, q8_moe, q8_moe_imatrix, llama_too
         assert rung["sha256"] == sha256(path) == rung["files"][0]["sha256"]
         assert rung["bytes"] == path.stat().st_size and rung["gib"] == round(path.stat().st_size / 2**30, 4)
         assert 2 < rung["bits_per_weight"] < 7.5
-        cmd = rung["command"]
-        assert cmd[0] == str(llama_tools / "llama-quantize") and "--allow-requantize" in cmd
-        assert cmd[cmd.index("--imatrix") + 1] == str(q8_moe_imatrix)
-        assert cmd[-4] == str(q8_moe) and cmd[-2:] == [rung["ftype"], "2"]
-        temp = Path(cmd[-3])  # the quantizer wrote this process's temp name, renamed on success
-        assert temp.parent == out and TEMP_NAME.match(temp.name)["target"] == path.name
+        assert rung["source_sha256"] == [sha256(q8_moe)]
+        cmd = rung["command"]  # as published: file names only, the final output name
+        assert cmd[0] == "llama-quantize" and "--allow-requantize" in cmd
+        assert cmd[cmd.index("--imatrix") + 1] == q8_moe_imatrix.name
+        assert cmd[-4:] == [q8_moe.name, path.name, rung["ftype"], "2"]
         probe = llama_probe.probe(path, [1, 70, 80, 90, 100, 110])
         assert probe.ok, probe.stderr[-2000:]
         assert np.isfinite(probe.logits).all()
@@ -195,9 +193,9 @@ def test_remapped_imatrix_on_pruned_model(small_spec, q8_moe, q8_moe_imatrix, tm
     assert result.code == 0, result.stderr[-2000:]
     rung = out / "pruned-IQ2_XS.gguf"
     assert read_model(rung).get("qwen3moe.expert_count") == 4
-    # the reports describing the ladder's inputs are published with it
-    for name in ("pruning-report.json", "imatrix-remap-report.json"):
-        assert (out / "method" / name).read_bytes() == (tmp_path / "method" / name).read_bytes()
+    # the reports describing the ladder's inputs are published with it, under the release's names
+    for name, beside in (("pruning-report.json", "pruned-Q8_0.pruning-report.json"), ("imatrix-remap-report.json", "pruned.imatrix.imatrix-remap-report.json")):
+        assert (out / "method" / name).read_bytes() == (tmp_path / "method" / beside).read_bytes()
         assert f"  method/{name}\n" in (out / "SHA256SUMS").read_text()
     assert ggufcarve("verify", out).code == 0
     report = json.loads((out / "method" / "pruning-report.json").read_text())
@@ -285,6 +283,7 @@ ftype = "Q4_K_M"
     assert sorted(p.name for p in out.iterdir()) == [".ggufcarve-ladder.lock", "SHA256SUMS", "quant-manifest.json"]
     rungs = {r["name"]: r for r in json.loads((out / "quant-manifest.json").read_text())["rungs"]}
     assert rungs["BROKEN"]["status"] == "failed" and rungs["BROKEN"]["exit_status"] != 0 and rungs["BROKEN"]["files"] == []
+    assert rungs["BROKEN"]["error"] and str(tmp_path) not in (out / "quant-manifest.json").read_text()  # the error as published: no local paths
     assert rungs["Q4_K_M"]["status"] == "not run" and rungs["Q4_K_M"]["command"] == []
 
     out = tmp_path / "going"

@@ -101,9 +101,10 @@ def test_report_and_check_prune(make_model, tmp_path):
     r = ggufcarve("prune", src, "--keep-ids", "1,3,5,7", "-o", out)
     assert r.code == 0, r.stderr
     assert "verified" in r.stdout
-    report = json.loads((tmp_path / "method" / "pruning-report.json").read_text())
-    assert report["schema_version"] == 1 and report["tool"]["name"] == "ggufcarve"
-    assert report["source"]["files"][0]["sha256"] == sha256(src)
+    report = json.loads((tmp_path / "method" / "p.pruning-report.json").read_text())
+    assert report["schema_version"] == 2 and report["kind"] == "pruning-report" and report["tool"]["name"] == "ggufcarve"
+    assert report["inputs"] == [{"name": src.name, "sha256": sha256(src), "bytes": src.stat().st_size}] == report["source"]["files"]
+    assert report["parameters"] == {"provenance_keys": True, "split_max_size": None, "merge": False}
     assert report["source"]["mtp_blocks"] == [2]
     assert report["keep_set"]["layers"] == {"0": [1, 3, 5, 7], "1": [1, 3, 5, 7], "2": [1, 3, 5, 7]}
     assert report["verification"]["ok"] and report["verification"]["tensors_checked"] == len(report["tensors"])
@@ -125,15 +126,30 @@ def test_report_and_check_prune(make_model, tmp_path):
     assert flipped.code == 1 and "blk.1.ffn_down_exps.weight" in flipped.stderr
 
 
-def test_a_second_prune_into_the_same_directory_keeps_the_first_report(make_model, tmp_path):
+def test_many_outputs_share_one_folder_each_with_its_report(make_model, tmp_path):
     src = make_model("qwen3moe", "Q8_0")
     assert ggufcarve("prune", src, "--keep-first", 4, "-o", tmp_path / "a.gguf", "-q").code == 0
-    report = tmp_path / "method" / "pruning-report.json"
-    first = report.read_text()
-    r = refused(tmp_path, src, "--keep-first", 2, "-o", tmp_path / "out" / "b.gguf", "--report", report, message="already describes another output (a.gguf)")
-    assert report.read_text() == first and r.code == 1
-    assert ggufcarve("prune", src, "--keep-first", 2, "-o", tmp_path / "b.gguf", "--report", tmp_path / "b-report.json", "-q").code == 0
-    assert json.loads((tmp_path / "b-report.json").read_text())["output"]["files"][0]["name"] == "b.gguf"
+    first = (tmp_path / "method" / "a.pruning-report.json").read_text()
+    second = ggufcarve("prune", src, "--keep-first", 2, "-o", tmp_path / "b.gguf", "-q")
+    assert second.code == 0, second.stderr
+    assert (tmp_path / "method" / "a.pruning-report.json").read_text() == first
+    b = json.loads((tmp_path / "method" / "b.pruning-report.json").read_text())
+    assert b["output"]["files"][0]["name"] == "b.gguf" and b["output"]["expert_count"] == 2
+    # the same output again needs --force, as the output does; its report is then replaced
+    refused(tmp_path, src, "--keep-first", 2, "-o", tmp_path / "b.gguf", message="b.gguf already exists")
+    assert ggufcarve("prune", src, "--keep-first", 3, "-o", tmp_path / "b.gguf", "--force", "-q").code == 0
+    assert json.loads((tmp_path / "method" / "b.pruning-report.json").read_text())["output"]["expert_count"] == 3
+    assert sorted(p.name for p in (tmp_path / "method").iterdir()) == ["a.pruning-report.json", "b.pruning-report.json"]
+
+
+def test_split_output_report_is_named_by_the_set(make_model, tmp_path):
+    src = make_model("qwen3moe", "Q8_0")
+    r = ggufcarve("prune", src, "--keep-first", 4, "-o", tmp_path / "s.gguf", "--split-max-size", "1M", "-q")
+    assert r.code == 0, r.stderr
+    report = json.loads((tmp_path / "method" / "s.pruning-report.json").read_text())
+    names = [f["name"] for f in report["output"]["files"]]
+    assert len(names) > 1 and names == sorted(p.name for p in tmp_path.glob("s-*-of-*.gguf"))
+    assert report["parameters"]["split_max_size"] == 1_000_000  # M is 10**6, as llama-gguf-split reads it
 
 
 def test_dry_run_writes_nothing(make_model, tmp_path):

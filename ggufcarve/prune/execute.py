@@ -35,7 +35,6 @@ from ggufcarve.fileio import (
     atomic_outputs,
     cached_sha256,
     check_outputs,
-    check_report_slot,
     dead_temps,
     read_ranges,
     remember_sha256,
@@ -47,7 +46,8 @@ from ggufcarve.fileio import (
 from ggufcarve.gguf.container import GGUFModel, make_kv, read_file
 from ggufcarve.prune.check import OutputHashes, Verification, verify_prune
 from ggufcarve.prune.plan import KEY_SOURCE_SHA256, PlannedFile, PrunePlan
-from ggufcarve.prune.report import _dumps, default_report_path, pruning_report
+from ggufcarve.prune.report import default_report_path, pruning_report
+from ggufcarve.reports import dumps
 
 RING_BUFFERS = 6  # while a source is being hashed; one buffer when its sha256 is cached
 RING_CHUNK = 8 << 20  # bytes per source read
@@ -401,7 +401,6 @@ def execute(plan: PrunePlan, model: GGUFModel, *, force: bool = False, on_event:
     replaces = replaced_files(plan)
     force = force or interrupted_swap(plan)
     check_outputs(plan.outputs, list(plan.sources), plan.bytes_out, force, replaces=replaces, belongs=plan.is_output_name)
-    check_report_slot(report_path, [p.name for p in plan.outputs], lambda doc: [f["name"] for f in doc["output"]["files"]], force)
     timings: dict[str, float] = {}
     with atomic_outputs(plan.outputs, replaces) as outputs:
         t_copy = time.perf_counter()
@@ -423,5 +422,5 @@ def execute(plan: PrunePlan, model: GGUFModel, *, force: bool = False, on_event:
         # The report is written before the outputs are renamed into place: a crash between the
         # two leaves a report of missing outputs, which a re-run to the same names replaces,
         # never outputs that a re-run refuses to replace without --force.
-        write_text_atomic(report_path, _dumps(pruning_report(result)))
+        write_text_atomic(report_path, dumps(pruning_report(result)))
     return result

@@ -107,6 +107,8 @@ class PrunePlan:
     changed_keys: dict[str, tuple[Any, Any]]  # key -> (before, after), provenance excluded
     provenance: bool
     warnings: tuple[str, ...]
+    split_max_size: int | None = None  # bytes of tensor data per output shard, as llama-gguf-split
+    merge: bool = False  # a split source written as one file
 
     @property
     def kept_count(self) -> int:
@@ -292,6 +294,8 @@ def plan_prune(
         changed_keys=changed_keys,
         provenance=provenance,
         warnings=tuple(warnings),
+        split_max_size=split_max_size,
+        merge=merge,
     )
 
 
