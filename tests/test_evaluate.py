@@ -1,0 +1,283 @@
+"""ggufcarve eval: perplexity and KL divergence judged by direct numpy computations and by llama-perplexity itself.
+
+Models are the tiny qwen3moe fixtures (259 byte tokens); the reference is the F16 model, its
+Q8_0 / Q4_K_M / IQ2_XS versions and a pruned copy are evaluated against it with a context of
+128 (63 scored tokens per chunk) on generated text.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import factory
+from clirun import ggufcarve
+from conftest import make_imatrix
+
+from ggufcarve.evaluate import kld
+from ggufcarve.evaluate.perplexity import Chunking, chunk_tokens, perplexity, scored_targets
+
+CTX = 128
+CHUNKS = 4
+WORDS = ("a model is worth publishing only once it is measured: perplexity on held-out text, the divergence of its "
+         "next-token distribution from the reference, and whether it still answers the same questions").split()
+
+
+@pytest.fixture(scope="module")
+def heldout(tmp_path_factory) -> Path:
+    rng = random.Random(7)
+    path = tmp_path_factory.mktemp("text") / "heldout.txt"
+    path.write_text(" ".join(rng.choice(WORDS) for _ in range(140)) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def reference(make_model) -> Path:
+    return make_model("qwen3moe", dtype="F16")
+
+
+@pytest.fixture(scope="module")
+def first_run(reference, q8_moe, heldout, tmp_path_factory):
+    """One eval of the reference itself and its Q8_0 version, with its cache directory and output directory."""
+    base = tmp_path_factory.mktemp("eval")
+    out, cache = base / "out", base / "cache"
+    result = ggufcarve("eval", reference, q8_moe, "--reference", reference, "--heldout", heldout, "--ctx", CTX, "--chunks", CHUNKS,
+                       "--speed-runs", 1, "--cache", cache, "-t", 2, "-o", out)
+    assert result.code == 0, result.stderr[-3000:]
+    return out, cache, result
+
+
+def _load(out: Path, model: Path) -> dict:
+    return json.loads((out / f"{model.stem}.json").read_text())
+
+
+def _chunk_logits(model: Path, tokens: np.ndarray, chunking: Chunking) -> list[np.ndarray]:
+    """Every position's logits of each chunk, from llama.cpp through the tests' own probe child."""
+    import llama_probe
+
+    rows = []
+    for i in range(chunking.n_chunk):
+        probe = llama_probe.probe(model, chunk_tokens(tokens, chunking, i, True, factory.BOS_ID).tolist())
+        assert probe.ok, probe.stderr[-2000:]
+        rows.append(probe.logits)
+    return rows
+
+
+def test_contract_keys_and_self_kld_is_zero(first_run, reference, q8_moe):
+    out, _, result = first_run
+    for model in (reference, q8_moe):
+        doc = _load(out, model)
+        for key in ("ppl", "ppl_stderr", "kld_mean", "kld_mean_stderr", "kld_median", "kld_p99", "kld_p999", "same_top_p", "rms_dp",
+                    "qa_passed", "qa_total", "qa_exact_vs_reference", "pp_tok_s", "tg_tok_s", "gate"):
+            assert key in doc, key
+        assert doc["parameters"]["scored_tokens"] == CHUNKS * (CTX - 1 - CTX // 2)
+        assert doc["pp_tok_s"] > 0 and doc["tg_tok_s"] > 0 and doc["speed"]["threads"] == 2
+        assert "/" not in json.dumps(doc["model"]["files"])  # names only, no local paths
+    self_doc = _load(out, reference)
+    assert self_doc["kld_mean"] == 0.0
+    assert self_doc["same_top_p"] == 1.0 and self_doc["rms_dp"] == 0.0 and self_doc["kld_bound"] >= 0.0
+    assert self_doc["ppl"] == pytest.approx(self_doc["ppl_reference"], rel=1e-12)
+    q8 = _load(out, q8_moe)
+    assert q8["kld_mean"] > 0 and q8["kld_p999"] >= q8["kld_p99"] >= q8["kld_median"] >= 0
+    assert f"{reference.stem}: PPL" in result.stdout and "mean KLD" in result.stdout
+
+
+def test_perplexity_equals_numpy_on_the_same_logits(first_run, reference, q8_moe):
+    out, cache, _ = first_run
+    (cache_file,) = cache.glob("*.reflogp")
+    opened = kld.open_reference(cache_file)
+    chunking = Chunking(CTX, CHUNKS)
+    tokens = opened.tokens
+    assert tokens[0] == factory.BOS_ID  # the vocab adds BOS: the text's first token
+    for model in (reference, q8_moe):
+        nll = []
+        for i, logits in enumerate(_chunk_logits(model, tokens, chunking)):
+            first = CTX // 2
+            scored = logits[first:CTX - 1].astype(np.float64)
+            logp = scored - scored.max(axis=1, keepdims=True)
+            logp -= np.log(np.exp(logp).sum(axis=1, keepdims=True))
+            targets = tokens[i * CTX + first + 1:(i + 1) * CTX]
+            nll.extend(-logp[np.arange(len(targets)), targets])
+        nll = np.array(nll)
+        ppl = math.exp(nll.mean())
+        stderr = ppl * math.sqrt((np.mean(nll ** 2) - nll.mean() ** 2) / (len(nll) - 1))
+        doc = _load(out, model)
+        assert doc["ppl"] == pytest.approx(ppl, rel=1e-6)
+        assert doc["ppl_stderr"] == pytest.approx(stderr, rel=1e-4)
+
+
+def test_topk_cache_stays_within_its_bound_of_the_exact_kld(first_run, reference, q8_moe, make_model):
+    _, cache, _ = first_run
+    (cache_file,) = cache.glob("*.reflogp")
+    tokens = kld.open_reference(cache_file).tokens
+    chunking = Chunking(CTX, 2)
+    other = make_model("qwen3moe", dtype="F16", seed=3)  # far from the reference: a large tail term
+    reference_logits = _chunk_logits(reference, tokens, chunking)
+    for model in (q8_moe, other):
+        for i, logits in enumerate(_chunk_logits(model, tokens, chunking)):
+            first = chunking.first
+            q, p = logits[first:CTX - 1], reference_logits[i][first:CTX - 1]
+            targets = scored_targets(tokens, chunking, i)
+            exact = kld.compare_full(q, targets, p)
+            for top_k in (4, 32, factory.N_VOCAB):
+                approx = kld.compare_topk(q, targets, kld.topk_records(kld.log_softmax(p), targets, top_k))
+                gap = exact[:, kld.KLD] - approx[:, kld.KLD]
+                assert (gap >= -1e-12).all() and (gap <= approx[:, kld.KLD_BOUND] + 1e-12).all()
+                for column in (kld.NLL, kld.NLL_BASE, kld.P_DIFF, kld.SAME_TOP):
+                    np.testing.assert_allclose(approx[:, column], exact[:, column], rtol=1e-12, atol=1e-15)
+                if top_k == factory.N_VOCAB:
+                    np.testing.assert_allclose(gap, 0, atol=1e-12)
+                    assert (approx[:, kld.KLD_BOUND] == 0).all()
+            # the base file's 16-bit log-probs: within its quantization step of the exact KLD
+            based = kld.compare_base(q, targets, kld.base_records(p))
+            np.testing.assert_allclose(based[:, kld.KLD], exact[:, kld.KLD], atol=2e-3 * max(1.0, exact[:, kld.KLD].max()))
+
+
+def test_cached_reference_is_reused(first_run, reference, heldout, q8_moe, tmp_path):
+    _, cache, _ = first_run
+    (cache_file,) = cache.glob("*.reflogp")
+    mtime = cache_file.stat().st_mtime_ns
+    result = ggufcarve("eval", q8_moe, "--reference", reference, "--heldout", heldout, "--ctx", CTX, "--chunks", 2,
+                       "--speed-runs", 0, "--cache", cache, "-t", 2, "-o", tmp_path / "out")
+    assert result.code == 0, result.stderr[-3000:]
+    assert cache_file.stat().st_mtime_ns == mtime and "cached log-probs" in result.stderr
+    doc = json.loads((tmp_path / "out" / f"{q8_moe.stem}.json").read_text())
+    assert doc["parameters"]["chunks"] == 2 and doc["pp_tok_s"] is None
+
+
+def test_summary_tables_match_the_json(first_run, reference, q8_moe):
+    out, _, _ = first_run
+    summary = (out / "summary.md").read_text()
+    assert "| Artifact | Size GiB | Passed | Exact vs baseline | Median decode tok/s | Gate |" in summary
+    assert "| Quant | Size GiB | PPL | Δ vs reference | ± | mean KLD | 99% KLD | same top p |" in summary
+    for model in (reference, q8_moe):
+        doc = _load(out, model)
+        assert f"| {doc['model']['quant']} ({model.stem}) | {doc['model']['gib']:.2f} | {doc['ppl']:.4f} |" in summary
+        assert f"{doc['kld_mean']:.6f} | {doc['kld_p99']:.6f} | {100 * doc['same_top_p']:.2f}% |" in summary
+        assert f"| {model.name} | {doc['model']['gib']:.2f} | – | – |" in summary
+    for chart in ("size-vs-kld.png", "size-vs-ppl.png"):
+        assert (out / chart).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_equal_size_ranking_and_pareto_front():
+    from ggufcarve.evaluate.summary import equal_size_pairs, pareto_front
+
+    def result(name, family, gib, kld_mean):
+        return {"model": {"name": name, "family": family, "bytes": int(gib * 2**30), "gib": gib}, "kld_mean": kld_mean}
+
+    results = [result("full-Q2_K", "full", 10.0, 0.30), result("full-Q4_K_M", "full", 18.0, 0.05),
+               result("pruned-Q4_K_M", "pruned", 10.5, 0.12), result("pruned-Q2_K", "pruned", 6.0, 0.50)]
+    results += [result("full-Q3_K_M", "full", 12.0, 0.20), result("full-IQ1_S", "full", 7.0, 0.90)]
+    # full-Q3_K_M: pruned-Q4_K_M is smaller and better; full-IQ1_S: pruned-Q2_K is
+    assert pareto_front(results) == {"pruned-Q2_K", "full-Q2_K", "pruned-Q4_K_M", "full-Q4_K_M"}
+    pairs = {(a["model"]["name"], b["model"]["name"]) for a, b in equal_size_pairs(results)}
+    assert ("pruned-Q4_K_M", "full-Q2_K") in pairs and ("full-Q2_K", "pruned-Q4_K_M") in pairs
+    assert ("pruned-Q2_K", "full-IQ1_S") in pairs
+
+
+def test_gate_names_failed_criteria(tmp_path):
+    from ggufcarve.evaluate.gate import load_gate
+
+    path = tmp_path / "gate.toml"
+    path.write_text("max_kld_mean = 0.1\nmin_same_top_p = 0.9\nmin_qa_passed = 6\nmax_ppl_increase_percent = 5\n")
+    gate = load_gate(path)
+    good = {"kld_mean": 0.05, "same_top_p": 0.95, "ppl": 10.2, "ppl_reference": 10.0, "qa_total": 8, "qa_passed": 7}
+    assert gate.judge(good).verdict == "PASS"
+    bad = gate.judge({**good, "kld_mean": 0.2, "ppl": 11.0})
+    assert bad.verdict == "FAIL" and bad.failed == ["kld_mean 0.2 > 0.1", "ppl_increase_percent 10 > 5"]
+    unmeasured = gate.judge({**good, "qa_total": None, "qa_passed": None})
+    assert unmeasured.verdict == "PASS" and unmeasured.not_measured == ["min_qa_passed"]
+    (tmp_path / "table.toml").write_text("[gate]\nmax_kld_p99 = 0.5\n")
+    assert load_gate(tmp_path / "table.toml").judge({"kld_p99": 0.7}).failed == ["kld_p99 0.7 > 0.5"]
+
+
+def test_bad_inputs_are_one_line(reference, q8_moe, heldout, tmp_path, monkeypatch):
+    common = ("--ctx", CTX, "--speed-runs", 0, "--cache", tmp_path / "cache", "-t", 2)
+    gate = tmp_path / "gate.toml"
+    gate.write_text("max_kld_mean = 0.1\nmax_klb_mean = 0.2\n")
+    result = ggufcarve("eval", q8_moe, "--reference", reference, "--heldout", heldout, "--gate", gate, *common, "-o", tmp_path / "a")
+    assert result.code == 1 and "unknown gate key 'max_klb_mean'" in result.error_line and "Traceback" not in result.stderr
+
+    short = tmp_path / "short.txt"
+    short.write_text("too short for one chunk\n")
+    result = ggufcarve("eval", q8_moe, "--reference", reference, "--heldout", short, *common, "-o", tmp_path / "b")
+    assert result.code == 1 and "short.txt" in result.error_line and f"at least {2 * CTX}" in result.error_line
+    assert len([line for line in result.stderr.splitlines() if line.startswith("error")]) == 1 and "Traceback" not in result.stderr
+
+    tokens, scores, types = factory._vocab()
+    monkeypatch.setattr(factory, "_vocab", lambda: (tokens[:-1] + ["<0xff>"], scores, types))
+    other_vocab = factory.write_model(tmp_path / "other-vocab.gguf", "qwen3moe")
+    monkeypatch.undo()
+    result = ggufcarve("eval", other_vocab, "--reference", reference, "--heldout", heldout, *common, "-o", tmp_path / "c")
+    assert result.code == 1 and "other-vocab.gguf: its vocabulary" in result.error_line and "differs from the reference" in result.error_line
+    assert not (tmp_path / "c" / "other-vocab.json").exists()
+
+
+# --- judged by llama.cpp's own tools ----------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def release(q8_moe, llama_tools, tmp_path_factory) -> Path:
+    """A ggufcarve release of Q4_K_M and IQ2_XS (with llama-imatrix's imatrix) from the Q8_0 fixture."""
+    base = tmp_path_factory.mktemp("release")
+    imatrix = make_imatrix(llama_tools, q8_moe, base)
+    spec = base / "ladder.toml"
+    spec.write_text('name = "eval"\n[defaults]\nfile_pattern = "{model}-{quant}.gguf"\nallow_requantize = true\n'
+                    '[[rungs]]\nftype = "Q4_K_M"\n[[rungs]]\nftype = "IQ2_XS"\n')
+    out = base / "release"
+    result = ggufcarve("ladder", "run", spec, "--source", q8_moe, "--imatrix", imatrix, "-o", out, "--quantizer", "libllama", "-t", "2", "-q")
+    assert result.code == 0, result.stderr[-3000:]
+    return out
+
+
+def _llama_perplexity(bin_dir: Path, *args) -> str:
+    proc = subprocess.run([str(bin_dir / "llama-perplexity"), *map(str, args), "-t", "2", "--no-repack"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout + proc.stderr
+
+
+@pytest.mark.slow
+def test_kld_grows_as_bits_fall_and_cross_check_agrees(release, reference, q8_moe, heldout, llama_tools, tmp_path):
+    out = tmp_path / "out"
+    result = ggufcarve("eval", q8_moe, release, "--reference", reference, "--heldout", heldout, "--ctx", CTX, "--chunks", CHUNKS,
+                       "--speed-runs", 0, "--cache", tmp_path / "cache", "-t", 2, "--cross-check", "--llama-cpp", llama_tools, "-o", out)
+    assert result.code == 0, result.stderr[-3000:]
+    docs = {json.loads(p.read_text())["model"]["quant"]: json.loads(p.read_text()) for p in out.glob("*.json")}
+    assert set(docs) == {"Q8_0", "Q4_K_M", "IQ2_XS"}
+    kl = [docs[q]["kld_mean"] for q in ("Q8_0", "Q4_K_M", "IQ2_XS")]
+    assert 0 < kl[0] < kl[1] < kl[2], kl
+    assert docs["Q8_0"]["same_top_p"] >= docs["IQ2_XS"]["same_top_p"]
+    for doc in docs.values():
+        check = doc["cross_check"]
+        assert check["ppl_agrees"], (doc["ppl"], check)
+        assert f"{doc['ppl']:.4g}" == f"{check['ppl_mode']['ppl']:.4g}"
+        # llama-perplexity's KLD keeps all tokens above e^-16 in 16 bits; ours is exact up to the stated bound
+        assert check["kld_mode"]["kld_mean"] == pytest.approx(doc["kld_mean"], abs=doc["kld_bound"] + 2e-3 * doc["kld_mean"] + 1e-5)
+        assert check["kld_mode"]["same_top_p"] == pytest.approx(doc["same_top_p"], abs=0.01)
+    assert "agrees" in result.stdout
+
+
+@pytest.mark.slow
+def test_base_file_written_by_llama_perplexity_gives_its_own_numbers(reference, q8_moe, heldout, llama_tools, tmp_path):
+    from ggufcarve.evaluate.crosscheck import parse_kld_output
+
+    base = tmp_path / "reference.kld"
+    _llama_perplexity(llama_tools, "-m", reference, "-f", heldout, "-c", CTX, "--chunks", CHUNKS, "--kl-divergence-base", base)
+    theirs = parse_kld_output(_llama_perplexity(llama_tools, "-m", q8_moe, "-c", CTX, "--kl-divergence-base", base, "--kl-divergence").splitlines())
+    result = ggufcarve("eval", q8_moe, "--reference", base, "--speed-runs", 0, "-t", 2, "-o", tmp_path / "out")
+    assert result.code == 0, result.stderr[-3000:]
+    ours = json.loads((tmp_path / "out" / f"{q8_moe.stem}.json").read_text())
+    assert ours["parameters"]["kld_exact"] and ours["parameters"]["ctx"] == CTX and ours["parameters"]["chunks"] == CHUNKS
+    assert f"{ours['ppl']:.6f}" == f"{theirs['ppl']:.6f}"
+    assert ours["kld_mean"] == pytest.approx(theirs["kld_mean"], abs=2e-6)
+    assert ours["kld_mean_stderr"] == pytest.approx(theirs["kld_mean_stderr"], abs=2e-6)
+    for name in ("max", "p999", "p99", "median", "p1", "min"):
+        assert ours["kl_divergence"]["kld"][name] == pytest.approx(theirs["kld"][name], abs=2e-6), name
+    assert ours["same_top_p"] == pytest.approx(theirs["same_top_p"], abs=1e-5)
+    assert ours["rms_dp"] == pytest.approx(theirs["rms_dp"], abs=1e-5)
