@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 PROGRESS_PREFIX = "@"
+PERPLEXITY_BATCH = 2048  # llama-perplexity's default -b: n_batch // n_ctx chunks are decoded side by side
 
 
 @dataclass
@@ -89,30 +90,20 @@ def _score(engine, request: Request, result: dict) -> None:
         base = kld.BaseWriter(Path(request.base_out), chunking.n_ctx, engine.n_vocab, chunking.n_chunk, tokens)
     table_file = open(request.table_out, "wb") if request.table_out else None
     reference_chunks = reference.chunks(chunking.n_chunk) if reference is not None else None
+    n_seq = max(1, PERPLEXITY_BATCH // chunking.n_ctx)
+    context = engine.context(chunking.n_ctx, n_seq, min(PERPLEXITY_BATCH, n_seq * chunking.n_ctx) if n_seq > 1 else min(PERPLEXITY_BATCH, chunking.n_ctx))
     started = time.perf_counter()
     try:
         _progress("chunk", 0, chunking.n_chunk)
-        for index in range(chunking.n_chunk):
-            logits = engine.chunk_logits(chunk_tokens(tokens, chunking, index, engine.add_bos, engine.bos), chunking.first)
-            logits = logits[: chunking.scored_per_chunk]
-            targets = scored_targets(tokens, chunking, index)
-            if base is not None:
-                base.write(logits)
-            if reference_chunks is not None:
-                records = next(reference_chunks)
-                table = kld.compare_topk(logits, targets, records) if reference.kind == "topk" else kld.compare_base(logits, targets, records)
-            else:
-                logprobs = kld.log_softmax(logits)
-                if cache is not None:
-                    cache.write(kld.topk_records(logprobs, targets, request.top_k))
-                table = np.zeros((len(targets), kld.TOKEN_COLUMNS))
-                table[:, kld.NLL] = -logprobs[np.arange(len(targets)), targets]
-                table[:, kld.NLL_BASE] = table[:, kld.NLL]
-                table[:, kld.SAME_TOP] = 1.0
-            if table_file is not None:
-                table_file.write(np.ascontiguousarray(table, dtype="<f8").tobytes())
-            _progress("chunk", index + 1, chunking.n_chunk)
+        for group in range(0, chunking.n_chunk, n_seq):
+            indices = range(group, min(chunking.n_chunk, group + n_seq))
+            group_logits = context.chunk_logits([chunk_tokens(tokens, chunking, i, engine.add_bos, engine.bos) for i in indices], chunking.first)
+            for index, logits in zip(indices, group_logits):
+                _score_chunk(index, logits[: chunking.scored_per_chunk], scored_targets(tokens, chunking, index), request, reference,
+                             reference_chunks, cache, base, table_file)
+                _progress("chunk", index + 1, chunking.n_chunk)
     finally:
+        context.close()
         for writer in (cache, base):
             if writer is not None:
                 writer.close()
@@ -122,6 +113,27 @@ def _score(engine, request: Request, result: dict) -> None:
     result["_tokens"] = tokens
 
 
+def _score_chunk(index: int, logits: np.ndarray, targets: np.ndarray, request: Request, reference, reference_chunks, cache, base, table_file) -> None:
+    """One chunk's scored logits: the reference files it writes, its per-token table against the reference."""
+    from ggufcarve.evaluate import kld
+
+    if base is not None:
+        base.write(logits)
+    if reference_chunks is not None:
+        records = next(reference_chunks)
+        table = kld.compare_topk(logits, targets, records) if reference.kind == "topk" else kld.compare_base(logits, targets, records)
+    else:
+        logprobs = kld.log_softmax(logits)
+        if cache is not None:
+            cache.write(kld.topk_records(logprobs, targets, request.top_k))
+        table = np.zeros((len(targets), kld.TOKEN_COLUMNS))
+        table[:, kld.NLL] = -logprobs[np.arange(len(targets)), targets]
+        table[:, kld.NLL_BASE] = table[:, kld.NLL]
+        table[:, kld.SAME_TOP] = 1.0
+    if table_file is not None:
+        table_file.write(np.ascontiguousarray(table, dtype="<f8").tobytes())
+
+
 def main(argv: list[str]) -> int:
     from ggufcarve.evaluate.engine import Engine, EngineError
 
@@ -129,7 +141,7 @@ def main(argv: list[str]) -> int:
     result: dict = {}
     try:
         started = time.perf_counter()
-        engine = Engine(request.model, max(request.n_ctx, request.qa_ctx), request.threads)
+        engine = Engine(request.model, request.threads)
         result["load_seconds"] = time.perf_counter() - started
         result["n_vocab"] = engine.n_vocab
         tokens = None
@@ -139,12 +151,17 @@ def main(argv: list[str]) -> int:
         if "bad_input" not in result and request.speed is not None:
             from ggufcarve.evaluate.speed import SpeedSettings, measure
 
+            settings = SpeedSettings(**request.speed)
             prompt = tokens if tokens is not None and len(tokens) else np.arange(3, engine.n_vocab, dtype=np.int32)
-            result["speed"] = measure(engine, SpeedSettings(**request.speed), prompt, request.threads).to_json()
+            context = engine.context(max(settings.pp_tokens, settings.tg_tokens + 1))
+            try:
+                result["speed"] = measure(context, settings, prompt, request.threads).to_json()
+            finally:
+                context.close()
         if "bad_input" not in result and request.qa:
             from ggufcarve.evaluate.qa import run_checks
 
-            result["qa"] = run_checks(engine, request.qa, lambda done, total: _progress("qa", done, total))
+            result["qa"] = run_checks(engine, request.qa, request.qa_ctx, lambda done, total: _progress("qa", done, total))
         engine.close()
     except EngineError as err:
         result["engine_error"] = str(err)

@@ -22,12 +22,16 @@ if TYPE_CHECKING:
     from ggufcarve.evaluate.run import EvalSettings, Reference
 
 TOOL_TIMEOUT_IDLE = 3600.0
+# llama.cpp's common log prints from a worker thread and is never flushed at exit (common/log.cpp,
+# common_log_main), so under load the last lines, the final statistics, can be missing: such a
+# run is repeated up to this many times.
+ATTEMPTS = 3
 FINAL_ESTIMATE = re.compile(r"Final estimate: PPL = ([-\d.]+) \+/- ([-\d.]+)")
-MEAN_PPL = re.compile(r"^Mean PPL\(Q\)\s*:\s*([-\d.]+) ± ([-\d.]+)")
-MEAN_KLD = re.compile(r"^Mean\s+KLD:\s*([-\d.]+) ± ([-\d.]+)")
+MEAN_PPL = re.compile(r"^Mean PPL\(Q\)\s*:\s*([-\d.]+)\s*±\s*([-\d.]+)")
+MEAN_KLD = re.compile(r"^Mean\s+KLD:\s*([-\d.]+)\s*±\s*([-\d.]+)")
 KLD_ROW = re.compile(r"^\s*(Maximum|99\.9%|99\.0%|95\.0%|90\.0%|Median|10\.0%|5\.0%|1\.0%|0\.1%|Minimum)\s+KLD:\s*([-\d.]+)")
-RMS_DP = re.compile(r"^RMS Δp\s*:\s*([-\d.]+) ± ([-\d.]+) %")
-SAME_TOP = re.compile(r"^Same top p:\s*([-\d.]+) ± ([-\d.]+) %")
+RMS_DP = re.compile(r"^RMS Δp\s*:\s*([-\d.]+)\s*±\s*([-\d.]+) %")
+SAME_TOP = re.compile(r"^Same top p:\s*([-\d.]+)\s*±\s*([-\d.]+) %")
 KLD_ROW_NAMES = {"Maximum": "max", "99.9%": "p999", "99.0%": "p99", "95.0%": "p95", "90.0%": "p90", "Median": "median",
                  "10.0%": "p10", "5.0%": "p5", "1.0%": "p1", "0.1%": "p01", "Minimum": "min"}
 
@@ -70,14 +74,28 @@ class CrossCheck:
     settings: "EvalSettings"
     heldout: Path | None
     base_file: Path | None
+    work: Path
 
     def _run(self, argv: list[str], what: str) -> list[str]:
+        """Run llama-perplexity and return the lines of its `--log-file` (its tables and log lines, in order)."""
         from ggufcarve.llama import launch
 
-        lines: list[str] = []
-        finished = launch.run([str(self.tool), *argv, "-t", str(self.settings.threads)], on_line=lines.append, idle_timeout=TOOL_TIMEOUT_IDLE)
+        log = self.work / f"llama-perplexity-{len(list(self.work.glob('llama-perplexity-*.log')))}.log"
+        finished = launch.run([str(self.tool), *argv, "-t", str(self.settings.threads), "--log-file", str(log)], idle_timeout=TOOL_TIMEOUT_IDLE)
         launch.check(finished, f"llama-perplexity ({what})", "run the same command by hand to see its whole output")
-        return lines
+        return log.read_text(encoding="utf-8", errors="replace").splitlines()
+
+    def _statistics(self, argv: list[str], parse, what: str) -> dict:
+        """Run until the output holds its final statistics (see ATTEMPTS), and parse them."""
+        from ggufcarve.errors import ToolFailed
+
+        for _ in range(ATTEMPTS):
+            lines = self._run(argv, what)
+            found = parse(lines)
+            if found.get("ppl") and (parse is not parse_kld_output or "kld_mean" in found):
+                return found
+        last = " | ".join(line.strip() for line in lines[-2:] if line.strip())
+        raise ToolFailed(f"llama-perplexity ({what}) printed no final statistics in {ATTEMPTS} runs: {last}", "run the same command by hand to see its whole output")
 
     def _chunk_args(self) -> list[str]:
         return ["--chunks", str(self.settings.chunks)] if self.settings.chunks else []
@@ -86,7 +104,7 @@ class CrossCheck:
     def prepare(cls, reference_path: Path, reference: "Reference", heldout: Path | None, settings: "EvalSettings", work: Path, sink: Sink = ignore) -> "CrossCheck":
         from ggufcarve.llama.tools import require_tool
 
-        check = cls(require_tool("llama-perplexity", settings.llama_cpp_dir), settings, heldout, None)
+        check = cls(require_tool("llama-perplexity", settings.llama_cpp_dir), settings, heldout, None, work)
         if reference.kind == "base":
             check.base_file = reference.file
         elif reference.entry is not None and heldout is not None:
@@ -102,10 +120,12 @@ class CrossCheck:
         result: dict = {"tool": "llama-perplexity"}
         sink(Event("llama-perplexity", 0, 1, "steps", entry.name))
         if self.heldout is not None:
-            result["ppl_mode"] = parse_ppl_output(self._run(["-m", str(entry.path), "-f", str(self.heldout), "-c", str(self.settings.ctx), *self._chunk_args()], f"PPL of {entry.name}"))
+            what = f"PPL of {entry.name}"
+            result["ppl_mode"] = self._statistics(["-m", str(entry.path), "-f", str(self.heldout), "-c", str(self.settings.ctx), *self._chunk_args()], parse_ppl_output, what)
         if self.base_file is not None:
-            result["kld_mode"] = parse_kld_output(self._run(["-m", str(entry.path), "-c", str(doc["parameters"]["ctx"]), "--kl-divergence-base", str(self.base_file), "--kl-divergence"],
-                                                            f"KLD of {entry.name}"))
+            what = f"KLD of {entry.name}"
+            argv = ["-m", str(entry.path), "-c", str(doc["parameters"]["ctx"]), "--kl-divergence-base", str(self.base_file), "--kl-divergence"]
+            result["kld_mode"] = self._statistics(argv, parse_kld_output, what)
         ppl = (result.get("ppl_mode") or {}).get("ppl") or (result.get("kld_mode") or {}).get("ppl")
         result["ppl"] = ppl
         result["ppl_agrees"] = ppl is not None and agrees(doc["ppl"], ppl)

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from ggufcarve.evaluate.engine import Engine
+    from ggufcarve.evaluate.context import Context
 
 
 @dataclass(frozen=True)
@@ -38,33 +38,33 @@ class Speed:
         return asdict(self)
 
 
-def _prompt_speed(engine: "Engine", tokens: np.ndarray) -> float:
-    engine.clear()
+def _prompt_speed(context: "Context", tokens: np.ndarray) -> float:
+    context.clear()
     started = time.perf_counter()
-    engine.decode(tokens, 0, len(tokens) - 1)
-    engine.logits(-1)  # waits for the computation
+    context.decode(tokens, 0, len(tokens) - 1)
+    context.logits(-1)  # waits for the computation
     return len(tokens) / (time.perf_counter() - started)
 
 
-def _decode_speed(engine: "Engine", first: int, n: int) -> float:
-    engine.clear()
-    engine.decode([first], 0, 0)
+def _decode_speed(context: "Context", first: int, n: int) -> float:
+    context.clear()
+    context.decode([first], 0, 0)
     token = first
     started = time.perf_counter()
     for pos in range(1, n + 1):
-        engine.decode([token], pos, pos)
-        token = int(np.argmax(engine.logits(-1)))
+        context.decode([token], pos, pos)
+        token = int(np.argmax(context.logits(-1)))
     return n / (time.perf_counter() - started)
 
 
-def measure(engine: "Engine", settings: SpeedSettings, prompt: np.ndarray, threads: int) -> Speed:
-    """pp and tg tok/s of the loaded model; `prompt` supplies the pp tokens (repeated when short)."""
-    pp = max(1, min(settings.pp_tokens, engine.n_ctx, engine.n_batch))
-    tg = max(1, min(settings.tg_tokens, engine.n_ctx - 1))
+def measure(context: "Context", settings: SpeedSettings, prompt: np.ndarray, threads: int) -> Speed:
+    """pp and tg tok/s in a single-sequence context; `prompt` supplies the pp tokens (repeated when short)."""
+    pp = max(1, min(settings.pp_tokens, context.n_ctx, context.n_batch))
+    tg = max(1, min(settings.tg_tokens, context.n_ctx - 1))
     tokens = np.resize(np.asarray(prompt, dtype=np.int32), pp)
-    first = engine.bos if engine.add_bos else int(tokens[0])
-    _prompt_speed(engine, tokens)
-    _decode_speed(engine, first, min(tg, 8))
-    pp_runs = [_prompt_speed(engine, tokens) for _ in range(settings.runs)]
-    tg_runs = [_decode_speed(engine, first, tg) for _ in range(settings.runs)]
+    first = context.engine.bos if context.engine.add_bos else int(tokens[0])
+    _prompt_speed(context, tokens)
+    _decode_speed(context, first, min(tg, 8))
+    pp_runs = [_prompt_speed(context, tokens) for _ in range(settings.runs)]
+    tg_runs = [_decode_speed(context, first, tg) for _ in range(settings.runs)]
     return Speed(pp, tg, threads, statistics.median(pp_runs), statistics.median(tg_runs), pp_runs, tg_runs)
