@@ -220,6 +220,83 @@ def test_bad_inputs_are_one_line(reference, q8_moe, heldout, tmp_path, monkeypat
     assert not (tmp_path / "c" / "other-vocab.json").exists()
 
 
+VALIDATOR_CASES = [
+    ({"type": "exact", "expected": "OK"}, " OK\n", "OK."),
+    ({"type": "regex", "pattern": r"def\s+add\(", "flags": "i"}, "```python\nDEF add(a, b):\n```", "lambda a, b: a + b"),
+    ({"type": "json", "schema": {"type": "object", "required": ["age"], "properties": {"age": {"type": "integer", "maximum": 40}}, "additionalProperties": False}},
+     'Sure: ```json\n{"age": 36}\n```', '{"age": 36, "name": "Ada"}'),
+    ({"type": "json", "schema": {"type": "array", "minItems": 2, "items": {"type": "string"}}}, 'colours: ["red", "green"] done', '["red"]'),
+    ({"type": "expression", "expected": "60 * 2.5"}, "60 km/h for 2.5 h.\nAnswer: 60 * 2.5", "Answer: 140"),
+    ({"type": "expression", "expected": 391}, "17 * 23 = 391", "It is about 400."),
+    ({"type": "tool_call", "name": "get_weather", "arguments": {"required": ["city"], "properties": {"city": {"type": "string"}}}},
+     '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>', '{"name": "get_weather", "arguments": {"town": "Paris"}}'),
+    ({"type": "tool_call", "name": "get_weather"}, '{"function": {"name": "get_weather", "arguments": "{}"}}', '{"name": "get_time", "arguments": {}}'),
+]
+
+
+@pytest.mark.parametrize("validator,passing,failing", VALIDATOR_CASES, ids=[f"{c[0]['type']}-{i}" for i, c in enumerate(VALIDATOR_CASES)])
+def test_validators_pass_and_fail(validator, passing, failing):
+    from ggufcarve.evaluate.qa import Check, validate
+
+    check = Check("c", "test", [{"role": "user", "content": "?"}], 16, validator)
+    assert validate(check, passing) == (True, "")
+    ok, reason = validate(check, failing)
+    assert not ok and reason
+
+
+def test_safe_expressions_never_run_code():
+    from ggufcarve.evaluate.qa import safe_value
+
+    assert safe_value("2 ** 10 - (3 + 4) * 2 / 7") == 1022
+    for hostile in ("__import__('os').system('true')", "(1).__class__", "[1, 2]", "9 ** 9 ** 9", "x + 1"):
+        with pytest.raises((ValueError, SyntaxError)):
+            safe_value(hostile)
+
+
+def test_shipped_suite_covers_the_categories():
+    from ggufcarve.evaluate.qa import default_suite_path, load_suite
+
+    checks = load_suite(default_suite_path())
+    assert len(checks) >= 8
+    assert {"code", "json", "math", "tool", "context"} <= {c.category for c in checks}
+    assert {c.validator["type"] for c in checks} == {"exact", "regex", "json", "expression", "tool_call"}
+
+
+def test_malformed_qa_line_is_named_by_number(reference, q8_moe, heldout, tmp_path):
+    suite = tmp_path / "bad.jsonl"
+    good = {"id": "a", "messages": [{"role": "user", "content": "hi"}], "validator": {"type": "exact", "expected": "hi"}}
+    suite.write_text(json.dumps(good) + "\n\n" + '{"id": "b", "messages": [}\n')
+    result = ggufcarve("eval", q8_moe, "--reference", reference, "--heldout", heldout, "--qa", suite, "-o", tmp_path / "out")
+    assert result.code == 1 and "bad.jsonl:3: not valid JSON" in result.error_line and "Traceback" not in result.stderr
+    suite.write_text(json.dumps({**good, "validator": {"type": "regex", "pattern": "("}}) + "\n")
+    result = ggufcarve("eval", q8_moe, "--reference", reference, "--heldout", heldout, "--qa", suite, "-o", tmp_path / "out")
+    assert result.code == 1 and "bad.jsonl:1: bad regex" in result.error_line
+
+
+def test_qa_runs_are_deterministic(reference, q8_moe, heldout, tmp_path):
+    suite = tmp_path / "small.jsonl"
+    checks = [{"id": "exact", "category": "instruction", "max_tokens": 6, "messages": [{"role": "user", "content": "Say OK."}], "validator": {"type": "exact", "expected": "OK"}},
+              {"id": "math", "category": "math", "max_tokens": 8, "messages": [{"role": "user", "content": "2+2?"}], "validator": {"type": "expression", "expected": 4}},
+              {"id": "json", "category": "json", "max_tokens": 8, "messages": [{"role": "system", "content": "JSON only."}, {"role": "user", "content": "{}"}],
+               "validator": {"type": "json", "schema": {"type": "object"}}}]
+    suite.write_text("".join(json.dumps(c) + "\n" for c in checks))
+    runs = []
+    for name in ("one", "two"):
+        result = ggufcarve("eval", reference, q8_moe, "--reference", reference, "--heldout", heldout, "--ctx", CTX, "--chunks", 2, "--qa", suite,
+                           "--speed-runs", 0, "--cache", tmp_path / "cache", "-t", 2, "-o", tmp_path / name)
+        assert result.code == 0, result.stderr[-3000:]
+        runs.append({m.stem: _load(tmp_path / name, m) for m in (reference, q8_moe)})
+    for stem in runs[0]:
+        first, second = runs[0][stem]["qa"], runs[1][stem]["qa"]
+        assert [c["output"] for c in first["checks"]] == [c["output"] for c in second["checks"]]
+        assert first["total"] == 3 and runs[0][stem]["qa_total"] == 3 and runs[0][stem]["qa_passed"] == first["passed"]
+        assert all(c["output_tokens"] > 0 and not c["chat_template"] for c in first["checks"])
+        assert first["decoding"] == {"temperature": 0.0, "top_k": 1, "seed": 0}
+    assert runs[0][reference.stem]["qa_exact_vs_reference"] == 1.0
+    q8 = runs[0][q8_moe.stem]["qa"]
+    assert runs[0][q8_moe.stem]["qa_exact_vs_reference"] == sum(c["same_as_reference"] for c in q8["checks"]) / 3
+
+
 # --- judged by llama.cpp's own tools ----------------------------------------------------------
 
 @pytest.fixture(scope="module")

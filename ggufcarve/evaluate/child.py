@@ -43,7 +43,6 @@ class Request:
     base_out: str | None = None
     speed: dict | None = None  # SpeedSettings fields
     qa: list[dict] | None = None  # QA checks as plain dicts (ggufcarve.evaluate.qa)
-    qa_ctx: int = 0
 
     @classmethod
     def read(cls, path: str) -> "Request":
@@ -161,7 +160,7 @@ def main(argv: list[str]) -> int:
         if "bad_input" not in result and request.qa:
             from ggufcarve.evaluate.qa import run_checks
 
-            result["qa"] = run_checks(engine, request.qa, request.qa_ctx, lambda done, total: _progress("qa", done, total))
+            result["qa"] = run_checks(engine, request.qa, lambda done, total: _progress("qa", done, total))
         engine.close()
     except EngineError as err:
         result["engine_error"] = str(err)

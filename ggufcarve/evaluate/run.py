@@ -43,7 +43,6 @@ class EvalSettings:
     speed: SpeedSettings | None = SpeedSettings()
     gate: Gate | None = None
     qa_checks: list[dict] | None = None
-    qa_ctx: int = 0
     cross_check: bool = False
     llama_cpp_dir: Path | None = None
     cache_dir: Path | None = None
@@ -82,7 +81,7 @@ def _sha256_of(entry: ModelEntry, sink: Sink) -> str:
     return digests[0] if len(digests) == 1 else hashlib.sha256(",".join(digests).encode()).hexdigest()
 
 
-def _run_child(request, what: str, sink: Sink, work: Path) -> dict:
+def run_child(request, what: str, sink: Sink, work: Path) -> dict:
     """Run the evaluation child for one request; its progress lines become chunk events of stage `what`."""
     from ggufcarve.evaluate.child import PROGRESS_PREFIX
     from ggufcarve.llama import launch
@@ -150,7 +149,7 @@ def prepare_reference(path: Path, heldout: Path | None, settings: EvalSettings, 
                       text=str(heldout), max_chunks=settings.chunks, cache_out=str(temp), top_k=settings.top_k,
                       cache_identity={"reference_sha256": ref_sha, "text_sha256": text_sha})
     try:
-        result = _run_child(request, f"reference {entry.name}", sink, work)
+        result = run_child(request, f"reference {entry.name}", sink, work)
         if "bad_input" in result:
             raise BadInput(f"{heldout}: {result['bad_input']}", "give a longer --heldout text or a smaller --ctx")
         os.replace(temp, cache)
@@ -194,8 +193,8 @@ def evaluate_model(entry: ModelEntry, reference: Reference, settings: EvalSettin
     table_path = work / f"{entry.name}.tokens.f64"
     request = Request(model=str(entry.path), threads=settings.threads, n_ctx=settings.ctx, result_out=str(work / f"{entry.name}.result.json"),
                       reference_in=str(reference.file), max_chunks=settings.chunks, table_out=str(table_path),
-                      speed=settings.speed.__dict__ if settings.speed else None, qa=settings.qa_checks, qa_ctx=settings.qa_ctx)
-    result = _run_child(request, entry.name, sink, work)
+                      speed=settings.speed.__dict__ if settings.speed else None, qa=settings.qa_checks)
+    result = run_child(request, entry.name, sink, work)
     if "bad_input" in result:
         raise BadInput(f"{entry.path.name}: {result['bad_input']}", "compare models of the reference's family")
     table = np.fromfile(table_path, dtype="<f8").reshape(-1, kld.TOKEN_COLUMNS)
@@ -206,7 +205,7 @@ def evaluate_model(entry: ModelEntry, reference: Reference, settings: EvalSettin
     if settings.qa_checks is not None and "qa" in result:
         from ggufcarve.evaluate.qa import summarize
 
-        qa = summarize(result["qa"], reference_qa)
+        qa = summarize(settings.qa_checks, result["qa"], reference_qa)
     doc = {
         "schema_version": RESULT_SCHEMA_VERSION,
         "tool": {"name": "ggufcarve", "version": __version__},
