@@ -315,7 +315,9 @@ def release(q8_moe, llama_tools, tmp_path_factory) -> Path:
 
 def _llama_perplexity(bin_dir: Path, *args, expect: str = "") -> str:
     """Run llama-perplexity until its output holds `expect`: its log thread can drop the last lines at exit (crosscheck.ATTEMPTS)."""
-    for _ in range(3):
+    from ggufcarve.evaluate.crosscheck import ATTEMPTS
+
+    for _ in range(ATTEMPTS):
         proc = subprocess.run([str(bin_dir / "llama-perplexity"), *map(str, args), "-t", "2", "--no-repack"], capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]
         if expect in proc.stdout + proc.stderr:
@@ -323,17 +325,31 @@ def _llama_perplexity(bin_dir: Path, *args, expect: str = "") -> str:
     return proc.stdout + proc.stderr
 
 
-@pytest.mark.slow
-def test_kld_grows_as_bits_fall_and_cross_check_agrees(release, reference, q8_moe, heldout, llama_tools, tmp_path):
-    out = tmp_path / "out"
-    result = ggufcarve("eval", q8_moe, release, "--reference", reference, "--heldout", heldout, "--ctx", CTX, "--chunks", CHUNKS,
-                       "--speed-runs", 0, "--cache", tmp_path / "cache", "-t", 2, "--cross-check", "--llama-cpp", llama_tools, "-o", out)
+@pytest.fixture(scope="module")
+def release_eval(release, reference, q8_moe, heldout, llama_tools, tmp_path_factory):
+    """eval --cross-check of the Q8_0 fixture, a 6-expert prune of it and the release's rungs against the F16 reference."""
+    base = tmp_path_factory.mktemp("release-eval")
+    pruned = base / "qwen3moe-6e-Q8_0.gguf"
+    result = ggufcarve("prune", q8_moe, "--keep-first", 6, "-o", pruned, "-q")
     assert result.code == 0, result.stderr[-3000:]
-    docs = {json.loads(p.read_text())["model"]["quant"]: json.loads(p.read_text()) for p in out.glob("*.json")}
-    assert set(docs) == {"Q8_0", "Q4_K_M", "IQ2_XS"}
-    kl = [docs[q]["kld_mean"] for q in ("Q8_0", "Q4_K_M", "IQ2_XS")]
+    out = base / "out"
+    result = ggufcarve("eval", q8_moe, pruned, release, "--reference", reference, "--heldout", heldout, "--ctx", CTX, "--chunks", CHUNKS,
+                       "--speed-runs", 0, "--cache", base / "cache", "-t", 2, "--cross-check", "--llama-cpp", llama_tools, "-o", out)
+    assert result.code == 0, result.stderr[-3000:]
+    return out, result
+
+
+@pytest.mark.slow
+def test_kld_grows_as_bits_fall_and_cross_check_agrees(release_eval):
+    out, result = release_eval
+    docs = {json.loads(p.read_text())["model"]["name"]: json.loads(p.read_text()) for p in out.glob("*.json")}
+    by_quant = {d["model"]["quant"]: d for d in docs.values() if not d["model"]["pruned"]}
+    assert set(by_quant) == {"Q8_0", "Q4_K_M", "IQ2_XS"}
+    kl = [by_quant[q]["kld_mean"] for q in ("Q8_0", "Q4_K_M", "IQ2_XS")]
     assert 0 < kl[0] < kl[1] < kl[2], kl
-    assert docs["Q8_0"]["same_top_p"] >= docs["IQ2_XS"]["same_top_p"]
+    assert by_quant["Q8_0"]["same_top_p"] >= by_quant["IQ2_XS"]["same_top_p"]
+    (pruned,) = [d for d in docs.values() if d["model"]["pruned"]]
+    assert pruned["model"]["family"] == "qwen3moe 6 of 8 experts" and pruned["kld_mean"] > by_quant["Q8_0"]["kld_mean"]
     for doc in docs.values():
         check = doc["cross_check"]
         assert check["ppl_agrees"], (doc["ppl"], check)
@@ -343,6 +359,54 @@ def test_kld_grows_as_bits_fall_and_cross_check_agrees(release, reference, q8_mo
         assert check["kld_mode"]["kld_mean"] == pytest.approx(doc["kld_mean"], abs=doc["kld_bound"] + 2e-3 * doc["kld_mean"] + 1e-5)
         assert check["kld_mode"]["same_top_p"] == pytest.approx(doc["same_top_p"], abs=0.01)
     assert "agrees" in result.stdout
+    summary = (out / "summary.md").read_text()
+    assert "qwen3moe 6 of 8 experts" in summary and "qwen3moe 8 experts" in summary
+    assert "✓ vs " in summary or "✗ vs " in summary
+
+
+@pytest.mark.slow
+def test_card_front_matter_and_tables_match_manifest_and_evaluation(release, release_eval, tmp_path):
+    import shutil
+
+    import yaml
+
+    out, _ = release_eval
+    copy = tmp_path / "release"
+    shutil.copytree(release, copy)
+    result = ggufcarve("card", copy, "--evaluation", out)
+    assert result.code == 0, result.stderr[-3000:]
+    card = (copy / "README.md").read_text()
+    assert card.startswith("---\n")
+    front = yaml.safe_load(card.split("---\n")[1])
+    assert front["base_model_relation"] == "quantized" and front["library_name"] == "gguf" and front["pipeline_tag"] == "text-generation"
+    assert {"gguf", "mixture-of-experts", "expert-pruning"} <= set(front["tags"]) and front["license"] and front["base_model"]
+    manifest = json.loads((copy / "quant-manifest.json").read_text())
+    for rung in manifest["rungs"]:
+        name = rung["files"][0]["name"]
+        doc = json.loads((out / f"{Path(name).stem}.json").read_text())
+        row = next(line for line in card.splitlines() if line.startswith(f"| {name} |"))
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert cells[1] == rung["name"] and cells[2] == f"{rung['gib']:.2f}" and cells[3] == f"{rung['bits_per_weight']:.2f}"
+        assert cells[4] == f"{doc['ppl']:.4f}" and cells[6] == f"{doc['kld_mean']:.6f}" and cells[-1] == f"`{rung['sha256'][:16]}`"
+    assert "sha256sum -c SHA256SUMS" in card and f"llama-cli -m {manifest['rungs'][0]['files'][0]['name']}" in card
+    assert "/tmp" not in card and str(tmp_path) not in card
+    assert ggufcarve("card", copy, "--evaluation", out).code == 1  # exists: --force needed
+
+
+def test_card_describes_a_prune():
+    from ggufcarve.release.card import CardInputs, render_card
+
+    keys = {"general.architecture": "qwen3moe", "general.license": "apache-2.0", "general.name": "Tiny",
+            "general.base_model.0.organization": "Org", "general.base_model.0.name": "Tiny-MoE",
+            "ggufcarve.kept_expert_count": 4, "ggufcarve.source.expert_count": 8, "qwen3moe.expert_used_count": 2, "qwen3moe.expert_count": 4}
+    rung = {"name": "Q4_K_M", "files": [{"name": "tiny-4e-Q4_K_M.gguf"}], "gib": 0.5, "bits_per_weight": 4.9, "sha256": "ab" * 32, "command": ["q", "--allow-requantize"]}
+    pruning = {"keep_set": {"selection": "routed frequency", "calibration": "512 tokens of code", "layers": {}}, "source": {"mtp_blocks": [2]},
+               "verification": {"ok": True, "tensors_checked": 30, "hash": "xxh3_128"}}
+    card = render_card(CardInputs({"source": {"name": "tiny-4e-Q8_0.gguf"}}, [rung], keys, pruning, None, {}))
+    assert "base_model: \"Org/Tiny-MoE\"" in card and "from 8 to 4 per MoE layer (50% removed)" in card
+    assert "- Selection: routed frequency" in card and "512 tokens of code" in card and "MTP block(s) 2" in card
+    assert "top-k routing is unchanged (2 experts per token)" in card.lower() and "requantized from tiny-4e-Q8_0.gguf" in card
+    assert "| tiny-4e-Q4_K_M.gguf | Q4_K_M | 0.50 | 4.90 | – | – | – | – | – | not evaluated |" in card
 
 
 @pytest.mark.slow
@@ -351,7 +415,7 @@ def test_base_file_written_by_llama_perplexity_gives_its_own_numbers(reference, 
 
     base = tmp_path / "reference.kld"
     _llama_perplexity(llama_tools, "-m", reference, "-f", heldout, "-c", CTX, "--chunks", CHUNKS, "--kl-divergence-base", base)
-    theirs = parse_kld_output(_llama_perplexity(llama_tools, "-m", q8_moe, "-c", CTX, "--kl-divergence-base", base, "--kl-divergence", expect="Same top p").splitlines())
+    theirs = parse_kld_output(_llama_perplexity(llama_tools, "-m", q8_moe, "-c", CTX, "--kl-divergence-base", base, "--kl-divergence", expect="Same top p:").splitlines())
     result = ggufcarve("eval", q8_moe, "--reference", base, "--speed-runs", 0, "-t", 2, "-o", tmp_path / "out")
     assert result.code == 0, result.stderr[-3000:]
     ours = json.loads((tmp_path / "out" / f"{q8_moe.stem}.json").read_text())

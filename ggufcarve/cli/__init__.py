@@ -48,6 +48,7 @@ app.add_typer(toolchain.app, name="toolchain")
 app.add_typer(ladder.app, name="ladder")
 app.command("verify")(verify.verify_command)
 app.command("eval")(evaluate.eval_command)
+app.command("card")(evaluate.card_command)
 
 
 def main() -> None:

@@ -1,10 +1,11 @@
-"""eval: perplexity, KL divergence against a reference, speed, QA checks and a PASS/FAIL gate for every model.
+"""eval: perplexity, KL divergence against a reference, speed, QA checks and a PASS/FAIL gate for every model; card: the model card.
 
 Examples:
     ggufcarve eval release/ --reference model-Q8_0.gguf --heldout heldout.txt -o evaluation/
     ggufcarve eval release/ unpruned-Q2_K.gguf unpruned-Q3_K_M.gguf --reference model-Q8_0.gguf --heldout heldout.txt --ctx 512 --chunks 40 -o evaluation/
     ggufcarve eval model-Q4_K_M.gguf --reference base.kld -o evaluation/      (a llama-perplexity --kl-divergence-base file)
     ggufcarve eval model-Q4_K_M.gguf --reference model-Q8_0.gguf --heldout heldout.txt --cross-check -o evaluation/
+    ggufcarve eval release/ --reference model-Q8_0.gguf --heldout heldout.txt --qa evaluation/qa -o release/evaluation && ggufcarve card release/
 """
 
 from __future__ import annotations
@@ -78,3 +79,15 @@ def eval_command(
             line += f"; llama-perplexity PPL {c['ppl']:.4f} ({'agrees' if c['ppl_agrees'] else 'DIFFERS'})"
         out.print(line + f" — {r['gate'] or 'no gate'}" + (f" ({'; '.join(r['gate_failed'])})" if r.get("gate_failed") else ""), highlight=False, soft_wrap=True)
     err.print(f"wrote {len(run.files)} files to {output} (reference {run.reference.label}{', cached log-probs' if run.reference.cached else ''})", highlight=False)
+
+
+def card_command(
+    release: Annotated[Path, typer.Argument(help="A release directory (quant-manifest.json, rungs, method/, evaluation/).")],
+    evaluation: Annotated[Optional[Path], typer.Option("--evaluation", help="Directory of ggufcarve eval results (default: RELEASE/evaluation).")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Replace an existing README.md.")] = False,
+) -> None:
+    """Write the Hugging Face model card RELEASE/README.md from the manifest, the method reports and the evaluation."""
+    from ggufcarve.release.card import write_card
+
+    path = write_card(release, evaluation, force)
+    out.print(f"wrote {path}", highlight=False)
