@@ -429,3 +429,22 @@ def test_base_file_written_by_llama_perplexity_gives_its_own_numbers(reference, 
         assert ours["kl_divergence"]["kld"][name] == pytest.approx(theirs["kld"][name], abs=2e-6), name
     assert ours["same_top_p"] == pytest.approx(theirs["same_top_p"], abs=1e-5)
     assert ours["rms_dp"] == pytest.approx(theirs["rms_dp"], abs=1e-5)
+
+
+@pytest.mark.slow
+def test_base_file_written_by_ggufcarve_is_llama_perplexitys(reference, q8_moe, heldout, llama_tools, tmp_path):
+    from ggufcarve.evaluate.crosscheck import parse_kld_output
+
+    theirs_base, ours_base = tmp_path / "theirs.kld", tmp_path / "ours.kld"
+    _llama_perplexity(llama_tools, "-m", reference, "-f", heldout, "-c", CTX, "--chunks", CHUNKS, "--kl-divergence-base", theirs_base)
+    result = ggufcarve("eval", q8_moe, "--reference", reference, "--heldout", heldout, "--ctx", CTX, "--chunks", CHUNKS, "--save-kl-base", ours_base,
+                       "--speed-runs", 0, "--cache", tmp_path / "cache", "-t", 2, "-o", tmp_path / "out")
+    assert result.code == 0, result.stderr[-3000:]
+    theirs, ours = kld.open_reference(theirs_base), kld.open_reference(ours_base)
+    assert (ours.n_ctx, ours.n_vocab, ours.n_chunk) == (theirs.n_ctx, theirs.n_vocab, theirs.n_chunk) == (CTX, factory.N_VOCAB, CHUNKS)
+    assert np.array_equal(ours.tokens, theirs.tokens) and ours_base.stat().st_size == theirs_base.stat().st_size
+    a, b = np.concatenate([c.astype(np.int64) for c in ours.chunks()]), np.concatenate([c.astype(np.int64) for c in theirs.chunks()])
+    assert np.abs(a[:, 4:] - b[:, 4:]).max() <= 1  # the same logits, rounded alike (at most one 16-bit step apart)
+    stats = [parse_kld_output(_llama_perplexity(llama_tools, "-m", q8_moe, "-c", CTX, "--kl-divergence-base", path, "--kl-divergence", expect="Same top p:").splitlines())
+             for path in (theirs_base, ours_base)]
+    assert stats[0]["kld_mean"] == pytest.approx(stats[1]["kld_mean"], abs=2e-6) and stats[0]["ppl"] == pytest.approx(stats[1]["ppl"], rel=1e-6)

@@ -18,7 +18,7 @@ from typing import Annotated, Optional
 import typer
 
 from ggufcarve.cli.options import JsonOption, LlamaCppOption, QuietOption
-from ggufcarve.cli.render import err, out, progress
+from ggufcarve.cli.render import err, out, progress, warn
 
 
 def eval_command(
@@ -33,6 +33,7 @@ def eval_command(
     threads: Annotated[Optional[int], typer.Option("--threads", "-t", help="CPU threads (default: all cores).")] = None,
     top_k: Annotated[int, typer.Option("--top-k", help="Reference log-probs kept per token in the cache (the rest as one tail mass; the error bound is in each JSON).")] = 128,
     speed_runs: Annotated[int, typer.Option("--speed-runs", help="Timed runs of pp and tg speed (median reported); 0 skips speed.")] = 3,
+    save_kl_base: Annotated[Optional[Path], typer.Option("--save-kl-base", help="Also write the reference's log-probs as a llama-perplexity --kl-divergence-base file.")] = None,
     cross_check: Annotated[bool, typer.Option("--cross-check", help="Also run llama-perplexity on the same text and report both.")] = False,
     llama_cpp: LlamaCppOption = None,
     cache: Annotated[Optional[Path], typer.Option("--cache", help="Directory of cached reference log-probs (default: ggufcarve's cache/reference-logprobs).")] = None,
@@ -48,7 +49,11 @@ def eval_command(
     from ggufcarve.evaluate.speed import SpeedSettings
 
     entries = resolve_models(models)
-    gate_rules = load_gate(gate or default_gate_path())
+    if gate is None and not default_gate_path().exists():
+        warn(f"no gate: {default_gate_path().name} is not beside this installation (give --gate FILE)")
+        gate_rules = None
+    else:
+        gate_rules = load_gate(gate or default_gate_path())
     qa_checks = None
     if qa is not None:
         from ggufcarve.evaluate.qa import load_suite
@@ -60,7 +65,7 @@ def eval_command(
     settings = EvalSettings(
         ctx=ctx, chunks=chunks, threads=threads or os.cpu_count() or 1, top_k=top_k,
         speed=SpeedSettings(runs=speed_runs) if speed_runs > 0 else None, gate=gate_rules, qa_checks=qa_checks,
-        cross_check=cross_check, llama_cpp_dir=llama_cpp, cache_dir=cache,
+        cross_check=cross_check, llama_cpp_dir=llama_cpp, cache_dir=cache, kl_base_out=save_kl_base,
     )
     with progress(not quiet and not as_json) as sink:
         run = evaluate(entries, reference, heldout, settings, output, sink)

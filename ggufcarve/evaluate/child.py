@@ -56,7 +56,8 @@ def _progress(what: str, done: int, total: int) -> None:
     print(f"{PROGRESS_PREFIX}{what} {done} {total}", flush=True)
 
 
-def _score(engine, request: Request, result: dict) -> None:
+def _score(engine, request: Request, result: dict) -> np.ndarray | None:
+    """Score every chunk; the tokens scored, or None when the input is refused (`result["bad_input"]` says why)."""
     from ggufcarve.evaluate import kld
     from ggufcarve.evaluate.perplexity import chunk_tokens, plan_chunks, read_text, scored_targets
 
@@ -64,20 +65,19 @@ def _score(engine, request: Request, result: dict) -> None:
     if reference is not None:
         if reference.n_vocab != engine.n_vocab:
             result["bad_input"] = f"the reference has a vocabulary of {reference.n_vocab} tokens, this model {engine.n_vocab}"
-            return
+            return None
         tokens = reference.tokens
         chunking = reference.chunking
         if request.max_chunks:
             chunking = type(chunking)(chunking.n_ctx, min(chunking.n_chunk, request.max_chunks))
     else:
-        assert request.text is not None
         tokens = engine.tokenize(read_text(Path(request.text).read_bytes()))
         try:
             chunking = plan_chunks(len(tokens), request.n_ctx, request.max_chunks)
         except ValueError as err:
             result["bad_input"] = str(err)
             result["n_tokens"] = int(len(tokens))
-            return
+            return None
     result.update(n_tokens=int(len(tokens)), n_ctx=chunking.n_ctx, n_chunk=chunking.n_chunk, add_bos=engine.add_bos, bos=engine.bos)
     cache = base = None
     if request.cache_out:
@@ -90,7 +90,7 @@ def _score(engine, request: Request, result: dict) -> None:
     table_file = open(request.table_out, "wb") if request.table_out else None
     reference_chunks = reference.chunks(chunking.n_chunk) if reference is not None else None
     n_seq = max(1, PERPLEXITY_BATCH // chunking.n_ctx)
-    context = engine.context(chunking.n_ctx, n_seq, min(PERPLEXITY_BATCH, n_seq * chunking.n_ctx) if n_seq > 1 else min(PERPLEXITY_BATCH, chunking.n_ctx))
+    context = engine.context(chunking.n_ctx, n_seq, min(PERPLEXITY_BATCH, n_seq * chunking.n_ctx))
     started = time.perf_counter()
     try:
         _progress("chunk", 0, chunking.n_chunk)
@@ -109,7 +109,7 @@ def _score(engine, request: Request, result: dict) -> None:
         if table_file is not None:
             table_file.close()
     result["score_seconds"] = time.perf_counter() - started
-    result["_tokens"] = tokens
+    return tokens
 
 
 def _score_chunk(index: int, logits: np.ndarray, targets: np.ndarray, request: Request, reference, reference_chunks, cache, base, table_file) -> None:
@@ -145,8 +145,7 @@ def main(argv: list[str]) -> int:
         result["n_vocab"] = engine.n_vocab
         tokens = None
         if request.text or request.reference_in:
-            _score(engine, request, result)
-            tokens = result.pop("_tokens", None)
+            tokens = _score(engine, request, result)
         if "bad_input" not in result and request.speed is not None:
             from ggufcarve.evaluate.speed import SpeedSettings, measure
 

@@ -44,6 +44,7 @@ class EvalSettings:
     gate: Gate | None = None
     qa_checks: list[dict] | None = None
     cross_check: bool = False
+    kl_base_out: Path | None = None  # also write the reference's log-probs as a llama-perplexity base file
     llama_cpp_dir: Path | None = None
     cache_dir: Path | None = None
 
@@ -116,6 +117,8 @@ def prepare_reference(path: Path, heldout: Path | None, settings: EvalSettings, 
     if not path.exists():
         raise BadInput(f"{path}: no such reference", "give the unpruned model (GGUF), a top-k cache or a llama-perplexity --kl-divergence-base file")
     if _reference_input(path) == "file":
+        if settings.kl_base_out is not None:
+            raise BadInput("--save-kl-base writes the log-probs of a GGUF reference", "give the reference model itself as --reference")
         try:
             opened = kld.open_reference(path)
         except ValueError as err:
@@ -134,7 +137,7 @@ def prepare_reference(path: Path, heldout: Path | None, settings: EvalSettings, 
     cache_dir = settings.cache_dir or cache_root() / "reference-logprobs"
     cache_dir.mkdir(parents=True, exist_ok=True)
     cache = cache_dir / f"{ref_sha[:16]}-{text_sha[:16]}-ctx{settings.ctx}-top{settings.top_k}.reflogp"
-    if cache.exists():
+    if cache.exists() and settings.kl_base_out is None:
         try:
             opened = kld.open_reference(cache)
             header = opened.header
@@ -148,13 +151,21 @@ def prepare_reference(path: Path, heldout: Path | None, settings: EvalSettings, 
     request = Request(model=str(entry.path), threads=settings.threads, n_ctx=settings.ctx, result_out=str(work / "reference.result.json"),
                       text=str(heldout), max_chunks=settings.chunks, cache_out=str(temp), top_k=settings.top_k,
                       cache_identity={"reference_sha256": ref_sha, "text_sha256": text_sha})
+    base_temp = None
+    if settings.kl_base_out is not None:
+        base_temp = settings.kl_base_out.with_name(f".{settings.kl_base_out.name}.ggufcarve-{os.getpid()}.tmp")
+        request.base_out = str(base_temp)
     try:
         result = run_child(request, f"reference {entry.name}", sink, work)
         if "bad_input" in result:
             raise BadInput(f"{heldout}: {result['bad_input']}", "give a longer --heldout text or a smaller --ctx")
         os.replace(temp, cache)
+        if base_temp is not None:
+            os.replace(base_temp, settings.kl_base_out)
     finally:
         temp.unlink(missing_ok=True)
+        if base_temp is not None:
+            base_temp.unlink(missing_ok=True)
     return Reference(entry.name, "gguf", ref_sha, cache, entry, seconds=time.monotonic() - started)
 
 
