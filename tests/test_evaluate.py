@@ -448,3 +448,20 @@ def test_base_file_written_by_ggufcarve_is_llama_perplexitys(reference, q8_moe, 
     stats = [parse_kld_output(_llama_perplexity(llama_tools, "-m", q8_moe, "-c", CTX, "--kl-divergence-base", path, "--kl-divergence", expect="Same top p:").splitlines())
              for path in (theirs_base, ours_base)]
     assert stats[0]["kld_mean"] == pytest.approx(stats[1]["kld_mean"], abs=2e-6) and stats[0]["ppl"] == pytest.approx(stats[1]["ppl"], rel=1e-6)
+
+
+@pytest.mark.slow
+def test_split_set_is_one_model(reference, q8_moe, heldout, llama_tools, tmp_path):
+    proc = subprocess.run([str(llama_tools / "llama-gguf-split"), "--split", "--split-max-tensors", "12", str(q8_moe), str(tmp_path / "split")],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    shards = sorted(tmp_path.glob("split-*-of-*.gguf"))
+    assert len(shards) > 1
+    result = ggufcarve("eval", shards[0], q8_moe, "--reference", reference, "--heldout", heldout, "--ctx", CTX, "--chunks", 2,
+                       "--speed-runs", 0, "--cache", tmp_path / "cache", "-t", 2, "-o", tmp_path / "out")
+    assert result.code == 0, result.stderr[-3000:]
+    split = json.loads((tmp_path / "out" / "split.json").read_text())
+    whole = _load(tmp_path / "out", q8_moe)
+    assert [f["name"] for f in split["model"]["files"]] == [s.name for s in shards]
+    assert split["model"]["bytes"] == sum(s.stat().st_size for s in shards)
+    assert split["ppl"] == pytest.approx(whole["ppl"], rel=1e-9) and split["kld_mean"] == pytest.approx(whole["kld_mean"], rel=1e-9, abs=1e-12)
