@@ -419,7 +419,7 @@ def test_base_file_written_by_llama_perplexity_gives_its_own_numbers(reference, 
     result = ggufcarve("eval", q8_moe, "--reference", base, "--speed-runs", 0, "-t", 2, "-o", tmp_path / "out")
     assert result.code == 0, result.stderr[-3000:]
     ours = json.loads((tmp_path / "out" / f"{q8_moe.stem}.json").read_text())
-    assert ours["parameters"]["kld_exact"] and ours["parameters"]["ctx"] == CTX and ours["parameters"]["chunks"] == CHUNKS
+    assert ours["parameters"]["kld_full_vocabulary"] and ours["parameters"]["ctx"] == CTX and ours["parameters"]["chunks"] == CHUNKS
     # same engine, same tokens, same float32 arithmetic: equal up to the last printed digit
     assert ours["kl_divergence"]["ppl"] == pytest.approx(theirs["ppl"], rel=1e-7)
     assert ours["ppl"] == pytest.approx(theirs["ppl"], rel=1e-6)

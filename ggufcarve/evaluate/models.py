@@ -29,7 +29,6 @@ class ModelEntry:
     source_expert_count: int | None  # before pruning (ggufcarve.source.expert_count)
     n_vocab: int
     vocab_sha256: str  # of the raw tokenizer.ggml.tokens record
-    sha256: tuple[str, ...] = ()  # per file, when a manifest states them
 
     @property
     def pruned(self) -> bool:
@@ -59,7 +58,7 @@ def _file_type_name(value: int | None) -> str:
     return name.removeprefix("MOSTLY_").removeprefix("ALL_")
 
 
-def read_entry(path: Path, quant: str | None = None, sha256: tuple[str, ...] = ()) -> ModelEntry:
+def read_entry(path: Path, quant: str | None = None) -> ModelEntry:
     """A model entry for a GGUF file or split set; the first shard names it."""
     from ggufcarve.gguf.container import read_model
 
@@ -75,7 +74,7 @@ def read_entry(path: Path, quant: str | None = None, sha256: tuple[str, ...] = (
         quant=quant or _file_type_name(model.get("general.file_type")), architecture=architecture,
         expert_count=int(expert_count) if expert_count is not None else None,
         source_expert_count=int(source_count) if source_count is not None else None,
-        n_vocab=len(tokens.value), vocab_sha256=hashlib.sha256(tokens.raw).hexdigest(), sha256=sha256,
+        n_vocab=len(tokens.value), vocab_sha256=hashlib.sha256(tokens.raw).hexdigest(),
     )
 
 
@@ -98,7 +97,7 @@ def release_entries(directory: Path) -> list[ModelEntry]:
         paths = [directory / f["name"] for f in files]
         if not all(p.exists() for p in paths):
             continue
-        entries.append(read_entry(paths[0], quant=rung.get("name"), sha256=tuple(f.get("sha256") or "" for f in files)))
+        entries.append(read_entry(paths[0], quant=rung.get("name")))
     if not entries:
         raise BadInput(f"{directory}: the manifest lists no built rung present in the directory", "run ggufcarve ladder run first")
     return entries

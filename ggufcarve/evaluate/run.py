@@ -15,7 +15,7 @@ import os
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -58,8 +58,9 @@ class Reference:
     sha256: str
     file: Path  # the top-k cache or base file the children compare with
     entry: ModelEntry | None = None
-    cached: bool = False
-    seconds: float = 0.0
+    top_k: int | None = None  # log-probs per token of a top-k cache; None for a base file (full vocabulary)
+    cached: bool = False  # its top-k log-probs came from the cache
+    seconds: float = 0.0  # spent computing its top-k log-probs in this run
 
 
 @dataclass
@@ -75,10 +76,8 @@ def _sha256_of(entry: ModelEntry, sink: Sink) -> str:
     from ggufcarve.events import Counter
     from ggufcarve.fileio import sha256_file_cached
 
-    digests = list(entry.sha256) if entry.sha256 and all(entry.sha256) else []
-    if not digests:
-        counter = Counter(sink, f"hash {entry.name}", entry.bytes, "bytes")
-        digests = [sha256_file_cached(p, counter) for p in entry.files]
+    counter = Counter(sink, f"hash {entry.name}", entry.bytes, "bytes")
+    digests = [sha256_file_cached(p, counter) for p in entry.files]
     return digests[0] if len(digests) == 1 else hashlib.sha256(",".join(digests).encode()).hexdigest()
 
 
@@ -96,7 +95,7 @@ def run_child(request, what: str, sink: Sink, work: Path) -> dict:
             sink(Event(what if kind == "chunk" else f"{what} QA", int(done), int(total), "chunks" if kind == "chunk" else "steps"))
 
     finished = launch.run([sys.executable, "-m", "ggufcarve.evaluate.child", str(request_path)], on_line=on_line, idle_timeout=CHILD_IDLE_TIMEOUT)
-    launch.check(finished, f"evaluating {Path(request.model).name} in libllama", "run with GGUFCARVE_DEBUG=1; a model llama.cpp cannot load aborts its child")
+    launch.check(finished, f"evaluating {Path(request.model).name} in libllama", "the last lines are llama.cpp's own; check that the model loads (ggufcarve inspect MODEL)")
     result = json.loads(Path(request.result_out).read_text())
     if "engine_error" in result:
         raise ToolFailed(f"{Path(request.model).name}: {result['engine_error']}", "check that llama.cpp loads the model (ggufcarve inspect)")
@@ -114,8 +113,8 @@ def prepare_reference(path: Path, heldout: Path | None, settings: EvalSettings, 
     from ggufcarve.evaluate.child import Request
     from ggufcarve.fileio import cache_root
 
-    if not path.exists():
-        raise BadInput(f"{path}: no such reference", "give the unpruned model (GGUF), a top-k cache or a llama-perplexity --kl-divergence-base file")
+    if not path.is_file():
+        raise BadInput(f"{path}: no such reference file", "give the unpruned model (GGUF), a top-k cache or a llama-perplexity --kl-divergence-base file")
     if _reference_input(path) == "file":
         if settings.kl_base_out is not None:
             raise BadInput("--save-kl-base writes the log-probs of a GGUF reference", "give the reference model itself as --reference")
@@ -123,8 +122,10 @@ def prepare_reference(path: Path, heldout: Path | None, settings: EvalSettings, 
             opened = kld.open_reference(path)
         except ValueError as err:
             raise BadInput(str(err), "give the unpruned model (GGUF) or a file written by llama-perplexity --kl-divergence-base") from None
-        digest = opened.header.reference_sha256 if opened.header else hashlib.sha256(path.read_bytes()[:1 << 20]).hexdigest()
-        return Reference(path.name, opened.kind, digest, path)
+        from ggufcarve.fileio import sha256_file_cached
+
+        digest = opened.header.reference_sha256 if opened.header else sha256_file_cached(path)
+        return Reference(path.name, opened.kind, digest, path, top_k=opened.header.top_k if opened.header else None)
     entry = read_entry(path)
     if heldout is None:
         raise BadInput("--heldout is needed with a GGUF reference", "give a held-out text file, or a llama-perplexity --kl-divergence-base file as --reference")
@@ -143,7 +144,7 @@ def prepare_reference(path: Path, heldout: Path | None, settings: EvalSettings, 
             header = opened.header
             wanted = min(settings.chunks or header.text_chunks, header.text_chunks)
             if header.reference_sha256 == ref_sha and header.text_sha256 == text_sha and header.n_chunk >= wanted:
-                return Reference(entry.name, "gguf", ref_sha, cache, entry, cached=True)
+                return Reference(entry.name, "gguf", ref_sha, cache, entry, top_k=header.top_k, cached=True)
         except ValueError:
             pass  # a cache of a dead run or another version: computed afresh below
     started = time.monotonic()
@@ -166,7 +167,7 @@ def prepare_reference(path: Path, heldout: Path | None, settings: EvalSettings, 
         temp.unlink(missing_ok=True)
         if base_temp is not None:
             base_temp.unlink(missing_ok=True)
-    return Reference(entry.name, "gguf", ref_sha, cache, entry, seconds=time.monotonic() - started)
+    return Reference(entry.name, "gguf", ref_sha, cache, entry, top_k=settings.top_k, seconds=time.monotonic() - started)
 
 
 def check_vocabularies(models: list[ModelEntry], reference: ModelEntry | None, reference_file: Path | None = None) -> None:
@@ -204,7 +205,7 @@ def evaluate_model(entry: ModelEntry, reference: Reference, settings: EvalSettin
     table_path = work / f"{entry.name}.tokens.f64"
     request = Request(model=str(entry.path), threads=settings.threads, n_ctx=settings.ctx, result_out=str(work / f"{entry.name}.result.json"),
                       reference_in=str(reference.file), max_chunks=settings.chunks, table_out=str(table_path),
-                      speed=settings.speed.__dict__ if settings.speed else None, qa=settings.qa_checks)
+                      speed=asdict(settings.speed) if settings.speed else None, qa=settings.qa_checks)
     result = run_child(request, entry.name, sink, work)
     if "bad_input" in result:
         raise BadInput(f"{entry.path.name}: {result['bad_input']}", "compare models of the reference's family")
@@ -224,9 +225,10 @@ def evaluate_model(entry: ModelEntry, reference: Reference, settings: EvalSettin
                   "bytes": entry.bytes, "gib": round(entry.gib, 4), "quant": entry.quant, "family": entry.family,
                   "architecture": entry.architecture, "expert_count": entry.expert_count, "source_expert_count": entry.source_expert_count,
                   "pruned": entry.pruned},
-        "reference": {"name": reference.label, "kind": reference.kind, "sha256": reference.sha256},
+        "reference": {"name": reference.label, "kind": reference.kind, "sha256": reference.sha256, "log_probs_cached": reference.cached,
+                      "log_probs_seconds": round(reference.seconds, 3)},
         "parameters": {"ctx": result["n_ctx"], "chunks": result["n_chunk"], "scored_tokens": stats.count, "threads": settings.threads,
-                       "top_k": settings.top_k if reference.kind != "base" else None, "kld_exact": reference.kind == "base"},
+                       "top_k": reference.top_k, "kld_full_vocabulary": reference.top_k is None or reference.top_k >= entry.n_vocab},
         **_contract(stats, ppl, perplexity(table[:, kld.NLL_BASE]), qa, result.get("speed")),
         "kl_divergence": stats.to_json(),
         "speed": result.get("speed"),
@@ -252,9 +254,9 @@ def evaluate(models: list[ModelEntry], reference_path: Path, heldout: Path | Non
     from ggufcarve.evaluate.summary import write_summary
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=".ggufcarve-eval-", dir=out_dir) as tmp:
+    with tempfile.TemporaryDirectory(prefix="ggufcarve-eval-") as tmp:  # requests, results, per-token tables
         work = Path(tmp)
-        if reference_path.exists() and _reference_input(reference_path) == "gguf":
+        if reference_path.is_file() and _reference_input(reference_path) == "gguf":
             check_vocabularies(models, read_entry(reference_path))  # before the reference pass, which can take long
         reference = prepare_reference(reference_path, heldout, settings, work, sink)
         check_vocabularies(models, reference.entry, reference.file)

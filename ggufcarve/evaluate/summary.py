@@ -64,7 +64,7 @@ def render_summary(results: list[dict], reference_label: str, charts: list[str])
     lines = [f"# Evaluation against {reference_label}", ""]
     lines.append(f"Context {params.get('ctx')}, {params.get('chunks')} chunks ({params.get('scored_tokens')} scored tokens), "
                  f"{params.get('threads')} threads; KLD from the reference's "
-                 + ("full distributions (llama-perplexity base file)." if params.get("kld_exact") else f"top-{params.get('top_k')} log-probs (error bound per model in its JSON, `kld_bound`)."))
+                 + ("full distributions (every token; a llama-perplexity base file stores them in 16 bits)." if params.get("kld_full_vocabulary") else f"top-{params.get('top_k')} log-probs (error bound per model in its JSON, `kld_bound`)."))
     lines += ["", "## Release", "", "| Artifact | Size GiB | Passed | Exact vs baseline | Median decode tok/s | Gate |", "|---|---|---|---|---|---|"]
     for r in ordered:
         passed = f"{r['qa_passed']}/{r['qa_total']}" if r.get("qa_total") else "–"
