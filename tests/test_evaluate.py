@@ -11,7 +11,6 @@ import json
 import math
 import random
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +21,7 @@ from clirun import ggufcarve
 from conftest import make_imatrix
 
 from ggufcarve.evaluate import kld
-from ggufcarve.evaluate.perplexity import Chunking, chunk_tokens, perplexity, scored_targets
+from ggufcarve.evaluate.perplexity import Chunking, chunk_tokens, scored_targets
 
 CTX = 128
 CHUNKS = 4
