@@ -22,6 +22,7 @@ from conftest import make_imatrix
 
 from ggufcarve.evaluate import kld
 from ggufcarve.evaluate.perplexity import Chunking, chunk_tokens, scored_targets
+from ggufcarve.evaluate.summary import format_gib
 
 CTX = 128
 CHUNKS = 4
@@ -158,9 +159,9 @@ def test_summary_tables_match_the_json(first_run, reference, q8_moe):
     assert "| Quant | Size GiB | PPL | Δ vs reference | ± | mean KLD | 99% KLD | same top p |" in summary
     for model in (reference, q8_moe):
         doc = _load(out, model)
-        assert f"| {doc['model']['quant']} ({model.stem}) | {doc['model']['gib']:.2f} | {doc['ppl']:.4f} |" in summary
+        assert f"| {doc['model']['quant']} ({model.stem}) | {format_gib(doc['model']['gib'])} | {doc['ppl']:.4f} |" in summary
         assert f"{doc['kld_mean']:.6f} | {doc['kld_p99']:.6f} | {100 * doc['same_top_p']:.2f}% |" in summary
-        assert f"| {model.name} | {doc['model']['gib']:.2f} | – | – |" in summary
+        assert f"| {model.name} | {format_gib(doc['model']['gib'])} | – | – |" in summary
     for chart in ("size-vs-kld.png", "size-vs-ppl.png"):
         assert (out / chart).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -385,7 +386,7 @@ def test_card_front_matter_and_tables_match_manifest_and_evaluation(release, rel
         doc = json.loads((out / f"{Path(name).stem}.json").read_text())
         row = next(line for line in card.splitlines() if line.startswith(f"| {name} |"))
         cells = [c.strip() for c in row.strip("|").split("|")]
-        assert cells[1] == rung["name"] and cells[2] == f"{rung['gib']:.2f}" and cells[3] == f"{rung['bits_per_weight']:.2f}"
+        assert cells[1] == rung["name"] and cells[2] == format_gib(rung['gib']) and cells[3] == f"{rung['bits_per_weight']:.2f}"
         assert cells[4] == f"{doc['ppl']:.4f}" and cells[6] == f"{doc['kld_mean']:.6f}" and cells[-1] == f"`{rung['sha256'][:16]}`"
     assert "sha256sum -c SHA256SUMS" in card and f"llama-cli -m {manifest['rungs'][0]['files'][0]['name']}" in card
     assert "/tmp" not in card and str(tmp_path) not in card
@@ -405,7 +406,7 @@ def test_card_describes_a_prune():
     assert "base_model: \"Org/Tiny-MoE\"" in card and "from 8 to 4 per MoE layer (50% removed)" in card
     assert "- Selection: routed frequency" in card and "512 tokens of code" in card and "MTP block(s) 2" in card
     assert "top-k routing is unchanged (2 experts per token)" in card.lower() and "requantized from tiny-4e-Q8_0.gguf" in card
-    assert "| tiny-4e-Q4_K_M.gguf | Q4_K_M | 0.50 | 4.90 | – | – | – | – | – | not evaluated |" in card
+    assert "| tiny-4e-Q4_K_M.gguf | Q4_K_M | 0.5 | 4.90 | – | – | – | – | – | not evaluated |" in card
 
 
 @pytest.mark.slow

@@ -21,6 +21,11 @@ PPL_CHART = "size-vs-ppl.png"
 SUMMARY = "summary.md"
 
 
+def format_gib(gib: float) -> str:
+    """Sizes in GiB: two decimals, three significant digits below 1 GiB (tiny models stay distinguishable)."""
+    return f"{gib:.2f}" if gib >= 1 else f"{gib:.3g}"
+
+
 def _fmt(value, digits: int = 4, percent: bool = False) -> str:
     if value is None:
         return "–"
@@ -71,10 +76,10 @@ def render_summary(results: list[dict], reference_label: str, charts: list[str])
         gate = r.get("gate") or "–"
         if r.get("gate_failed"):
             gate += " (" + "; ".join(r["gate_failed"]) + ")"
-        lines.append(f"| {r['model']['file']} | {r['model']['gib']:.2f} | {passed} | {_fmt(r.get('qa_exact_vs_reference'), percent=True)} | {_fmt(r.get('tg_tok_s'), 4)} | {gate} |")
+        lines.append(f"| {r['model']['file']} | {format_gib(r['model']['gib'])} | {passed} | {_fmt(r.get('qa_exact_vs_reference'), percent=True)} | {_fmt(r.get('tg_tok_s'), 4)} | {gate} |")
     lines += ["", "## Quality", "", "| Quant | Size GiB | PPL | Δ vs reference | ± | mean KLD | 99% KLD | same top p |", "|---|---|---|---|---|---|---|---|"]
     for r in ordered:
-        lines.append(f"| {r['model']['quant']} ({r['model']['name']}) | {r['model']['gib']:.2f} | {r['ppl']:.4f} | {round(r['ppl_delta_percent'], 2) + 0.0:+.2f}% | {r['ppl_stderr']:.4f} | "
+        lines.append(f"| {r['model']['quant']} ({r['model']['name']}) | {format_gib(r['model']['gib'])} | {r['ppl']:.4f} | {round(r['ppl_delta_percent'], 2) + 0.0:+.2f}% | {r['ppl_stderr']:.4f} | "
                      f"{r['kld_mean']:.6f} | {r['kld_p99']:.6f} | {100 * r['same_top_p']:.2f}% |")
     front = pareto_front(results)
     lines += ["", "## Pruned vs unpruned at equal size", "",
@@ -83,10 +88,10 @@ def render_summary(results: list[dict], reference_label: str, charts: list[str])
     pairs: dict[str, list[str]] = {}
     for r, other in equal_size_pairs(results):
         mark = "✓" if r["kld_mean"] < other["kld_mean"] else "✗"
-        pairs.setdefault(r["model"]["name"], []).append(f"{mark} vs {other['model']['name']} ({other['model']['gib']:.2f}, {other['kld_mean']:.4f})")
+        pairs.setdefault(r["model"]["name"], []).append(f"{mark} vs {other['model']['name']} ({format_gib(other['model']['gib'])}, {other['kld_mean']:.4f})")
     for r in ordered:
         name = r["model"]["name"]
-        lines.append(f"| {name} | {r['model']['family']} | {r['model']['gib']:.2f} | {r['kld_mean']:.6f} | {r['ppl']:.4f} | {'yes' if name in front else ''} | "
+        lines.append(f"| {name} | {r['model']['family']} | {format_gib(r['model']['gib'])} | {r['kld_mean']:.6f} | {r['ppl']:.4f} | {'yes' if name in front else ''} | "
                      f"{'; '.join(pairs.get(name, [])) or '–'} |")
     if charts:
         lines += ["", *[f"![{c}]({c})" for c in charts]]

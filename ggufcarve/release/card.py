@@ -17,6 +17,7 @@ from typing import Any
 
 from ggufcarve import __version__
 from ggufcarve.errors import BadInput
+from ggufcarve.evaluate.summary import format_gib
 
 CARD_NAME = "README.md"
 EVALUATION_DIR = "evaluation"
@@ -128,7 +129,7 @@ def _quant_table(inputs: CardInputs) -> list[str]:
         else:
             figures = "– | – | – | – | – | not evaluated"
         bits = f"{rung['bits_per_weight']:.2f}" if rung.get("bits_per_weight") else "–"
-        rows.append(f"| {name} | {rung['name']} | {rung['gib']:.2f} | {bits} | {figures} | `{rung['sha256'][:16]}` |")
+        rows.append(f"| {name} | {rung['name']} | {format_gib(rung['gib'])} | {bits} | {figures} | `{rung['sha256'][:16]}` |")
     return rows
 
 
