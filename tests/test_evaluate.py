@@ -11,6 +11,7 @@ import json
 import math
 import random
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -465,3 +466,19 @@ def test_split_set_is_one_model(reference, q8_moe, heldout, llama_tools, tmp_pat
     assert [f["name"] for f in split["model"]["files"]] == [s.name for s in shards]
     assert split["model"]["bytes"] == sum(s.stat().st_size for s in shards)
     assert split["ppl"] == pytest.approx(whole["ppl"], rel=1e-9) and split["kld_mean"] == pytest.approx(whole["kld_mean"], rel=1e-9, abs=1e-12)
+
+
+def test_qa_prompt_is_the_models_chat_template(reference, q8_moe, heldout, tmp_path):
+    template = "{{ bos_token }}{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    chat = tmp_path / "chat.gguf"
+    proc = subprocess.run([sys.executable, "-m", "gguf.scripts.gguf_new_metadata", str(q8_moe), str(chat), "--chat-template", template, "--force"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    suite = tmp_path / "one.jsonl"
+    suite.write_text(json.dumps({"id": "hi", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], "validator": {"type": "regex", "pattern": "."}}) + "\n")
+    result = ggufcarve("eval", chat, "--reference", reference, "--heldout", heldout, "--ctx", CTX, "--chunks", 2, "--qa", suite,
+                       "--speed-runs", 0, "--cache", tmp_path / "cache", "-t", 2, "-o", tmp_path / "out")
+    assert result.code == 0, result.stderr[-3000:]
+    (check,) = json.loads((tmp_path / "out" / "chat.json").read_text())["qa"]["checks"]
+    # "<s>" rendered by the template is parsed as BOS (added once), then the vocab's space prefix (3 bytes of "▁") and the text's bytes
+    assert check["chat_template"] and check["prompt_tokens"] == 1 + 3 + len("<|user|>hi\n<|assistant|>")

@@ -60,6 +60,7 @@ class Engine:
         self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(self.vocab))
         self.add_bos = bool(llama_cpp.llama_vocab_get_add_bos(self.vocab))
         self.bos = int(llama_cpp.llama_vocab_bos(self.vocab))
+        self.eos = int(llama_cpp.llama_vocab_eos(self.vocab))
 
     def close(self) -> None:
         self._llama.llama_model_free(self.model)
@@ -77,12 +78,13 @@ class Engine:
                 return np.frombuffer(buffer, dtype=np.int32, count=n).copy()
             capacity = -n
 
-    def piece(self, token: int) -> bytes:
+    def piece(self, token: int, special: bool = False) -> bytes:
+        """The bytes of a token; control tokens (BOS, EOS) render as their text only with `special`."""
         buffer = ctypes.create_string_buffer(256)
-        n = self._llama.llama_token_to_piece(self.vocab, token, buffer, len(buffer), 0, False)
+        n = self._llama.llama_token_to_piece(self.vocab, token, buffer, len(buffer), 0, special)
         if n < 0:
             buffer = ctypes.create_string_buffer(-n)
-            n = self._llama.llama_token_to_piece(self.vocab, token, buffer, len(buffer), 0, False)
+            n = self._llama.llama_token_to_piece(self.vocab, token, buffer, len(buffer), 0, special)
         return buffer.raw[:n]
 
     def is_end_of_generation(self, token: int) -> bool:

@@ -321,9 +321,8 @@ def _render(engine: "Engine", template: str | None, check: dict) -> tuple[bytes,
     if template:
         from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
-        bos = engine.piece(engine.bos).decode("utf-8", errors="replace") if engine.bos >= 0 else ""
-        eos_id = engine._llama.llama_vocab_eos(engine.vocab)
-        eos = engine.piece(eos_id).decode("utf-8", errors="replace") if eos_id >= 0 else ""
+        bos = engine.piece(engine.bos, special=True).decode("utf-8", errors="replace") if engine.bos >= 0 else ""
+        eos = engine.piece(engine.eos, special=True).decode("utf-8", errors="replace") if engine.eos >= 0 else ""
         formatter = Jinja2ChatFormatter(template, eos_token=eos, bos_token=bos, add_generation_prompt=True)
         prompt = formatter(messages=check["messages"], tools=check.get("tools")).prompt
         return prompt.encode("utf-8"), bool(bos) and prompt.startswith(bos)
