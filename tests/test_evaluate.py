@@ -481,3 +481,39 @@ def test_qa_prompt_is_the_models_chat_template(reference, q8_moe, heldout, tmp_p
     (check,) = json.loads((tmp_path / "out" / "chat.json").read_text())["qa"]["checks"]
     # "<s>" rendered by the template is parsed as BOS (added once), then the vocab's space prefix (3 bytes of "▁") and the text's bytes
     assert check["chat_template"] and check["prompt_tokens"] == 1 + 3 + len("<|user|>hi\n<|assistant|>")
+
+
+@pytest.mark.slow
+def test_evaluation_and_card_become_part_of_the_release(release, reference, heldout, tmp_path):
+    """eval -o RELEASE/evaluation and card RELEASE are recorded in the manifest and SHA256SUMS, so verify covers them."""
+    import shutil
+
+    copy = tmp_path / "release"
+    shutil.copytree(release, copy)
+    evaluation = copy / "evaluation"
+    result = ggufcarve("eval", copy, "--reference", reference, "--heldout", heldout, "--ctx", CTX, "--chunks", CHUNKS,
+                       "--speed-runs", 0, "--cache", tmp_path / "cache", "-t", 2, "-o", evaluation, "-q")
+    assert result.code == 0, result.stderr[-3000:]
+    assert ggufcarve("card", copy).code == 0
+    manifest = json.loads((copy / "quant-manifest.json").read_text())
+    recorded = {f["name"] for kind in ("evaluation", "card") for f in manifest["published"][kind]}
+    on_disk = {p.relative_to(copy).as_posix() for p in evaluation.rglob("*") if p.is_file()} | {"README.md"}
+    assert recorded == on_disk and "evaluation/summary.md" in recorded
+    sums = (copy / "SHA256SUMS").read_text()
+    assert "  README.md\n" in sums and "  evaluation/summary.md\n" in sums
+    assert subprocess.run(["sha256sum", "-c", "--quiet", "SHA256SUMS"], cwd=copy).returncode == 0
+    verified = ggufcarve("verify", copy, "-q")
+    assert verified.code == 0, verified.stdout + verified.stderr
+    (copy / "README.md").write_text("edited by hand\n")
+    tampered = ggufcarve("verify", copy, "-q")
+    assert tampered.code == 1 and "README.md" in tampered.stdout + tampered.stderr
+
+
+def test_published_records_are_dropped_when_a_rung_is_rebuilt(tmp_path):
+    from ggufcarve.release.manifest import MANIFEST_NAME, carried_published, described_files
+
+    doc = {"rungs": [], "source": {"files": []}, "published": {"card": [{"name": "README.md", "bytes": 3, "sha256": "0" * 64}]}}
+    (tmp_path / MANIFEST_NAME).write_text(json.dumps(doc))
+    assert "README.md" in described_files(doc)
+    assert carried_published(tmp_path, rungs_rebuilt=False) == doc["published"]
+    assert carried_published(tmp_path, rungs_rebuilt=True) == {}

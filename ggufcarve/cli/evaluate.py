@@ -47,6 +47,7 @@ def eval_command(
     from ggufcarve.evaluate.models import resolve_models
     from ggufcarve.evaluate.run import EvalSettings, evaluate
     from ggufcarve.evaluate.speed import SpeedSettings
+    from ggufcarve.release.publish import record_published, release_of
 
     entries = resolve_models(models)
     if gate is None and not default_gate_path().exists():
@@ -84,6 +85,10 @@ def eval_command(
             line += f"; llama-perplexity PPL {c['ppl']:.4f} ({'agrees' if c['ppl_agrees'] else 'DIFFERS'})"
         out.print(line + f" — {r['gate'] or 'no gate'}" + (f" ({'; '.join(r['gate_failed'])})" if r.get("gate_failed") else ""), highlight=False, soft_wrap=True)
     err.print(f"wrote {len(run.files)} files to {output} (reference {run.reference.label}{', cached log-probs' if run.reference.cached else ''})", highlight=False)
+    release = release_of(output.resolve())
+    if release is not None and release != output.resolve():
+        records = record_published(release, "evaluation", [p for p in sorted(output.rglob("*")) if p.is_file() and not any(part.startswith(".") for part in p.relative_to(output).parts)])
+        err.print(f"recorded {len(records)} evaluation files in {release / 'quant-manifest.json'} and SHA256SUMS", highlight=False)
 
 
 def card_command(
@@ -93,6 +98,8 @@ def card_command(
 ) -> None:
     """Write the Hugging Face model card RELEASE/README.md from the manifest, the method reports and the evaluation."""
     from ggufcarve.release.card import write_card
+    from ggufcarve.release.publish import record_published
 
     path = write_card(release, evaluation, force)
-    out.print(f"wrote {path}", highlight=False)
+    record_published(release, "card", [path])
+    out.print(f"wrote {path}; recorded in {release / 'quant-manifest.json'} and SHA256SUMS", highlight=False)
