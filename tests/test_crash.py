@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -344,6 +345,37 @@ def test_sigkill_mid_imatrix_remap_then_rerun(tmp_path, env):
     assert subprocess.run([sys.executable, "-m", "ggufcarve", *map(str, args), "-o", clean / "imatrix.gguf"], env=env).returncode == 0
     assert listing(out) == listing(clean) and not temps(out)
     assert (out / "imatrix.gguf").read_bytes() == (clean / "imatrix.gguf").read_bytes()
+
+
+
+def test_remap_report_is_written_before_the_output_is_renamed(tmp_path, monkeypatch):
+    """A run stopped at the rename leaves the report and no output: the re-run needs no --force."""
+    model = factory.write_model(tmp_path / "model.gguf", "qwen3moe")
+    imatrix = write_bulk_imatrix(tmp_path / "imatrix.gguf", model)
+    out = tmp_path / "out" / "pruned.imatrix.gguf"
+    report = out.parent / "method" / "pruned.imatrix.imatrix-remap-report.json"
+    args = ("imatrix", "remap", imatrix, "--source-model", model, "--keep-first", 4, "-o", out, "-q")
+    real_replace = os.replace
+
+    class Stopped(Exception):
+        """The process dies here."""
+
+    def stop_at_rename(src, dst, *a, **k):
+        if Path(dst) == out:
+            assert report.exists()  # the report is already there when the output is renamed
+            raise Stopped
+        return real_replace(src, dst, *a, **k)
+
+    from ggufcarve.cli import app
+
+    monkeypatch.setattr(fileio.os, "replace", stop_at_rename)
+    with pytest.raises(Stopped):
+        app(list(map(str, args)), standalone_mode=False)
+    monkeypatch.setattr(fileio.os, "replace", real_replace)
+    assert report.exists() and not out.exists() and not temps(out.parent)
+    again = ggufcarve(*args)
+    assert again.code == 0, again.stderr
+    assert out.exists() and json.loads(report.read_text())["output"]["sha256"] == fileio.sha256_file(out)
 
 
 LADDER = """

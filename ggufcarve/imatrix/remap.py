@@ -13,8 +13,13 @@ import numpy as np
 from gguf.constants import GGUFValueType
 
 from ggufcarve.errors import BadInput, CarveError
-from ggufcarve.events import Sink, ignore
-from ggufcarve.fileio import sha256_file, write_text_atomic
+from ggufcarve.events import Counter, Sink, ignore
+from ggufcarve.fileio import (
+    atomic_outputs,
+    check_outputs,
+    sha256_file,
+    write_text_atomic,
+)
 from ggufcarve.gguf.container import (
     GGUFModel,
     make_kv,
@@ -33,7 +38,7 @@ from ggufcarve.imatrix.formats import (
     ggml_ne,
     lround,
     read_imatrix,
-    write_imatrix,
+    write_to_fd,
 )
 from ggufcarve.moe.keepset import (
     KEY_KEPT_COUNT,
@@ -434,8 +439,9 @@ def execute_remap(
     report_path: Path | None = None,
     sources: Sequence[Path] = (),
 ) -> RemapResult:
-    """Write the remapped imatrix (temp name, fsync, rename), re-read it, and write the report
-    (default OUTPUT_DIR/method/<output stem>.imatrix-remap-report.json)."""
+    """Write the remapped imatrix under a temp name, fsync and re-read it, write the report
+    (default OUTPUT_DIR/method/<output stem>.imatrix-remap-report.json), then rename the output
+    into place: a crash at any point leaves no output without its report."""
     t0 = time.perf_counter()
     assert plan.source.path is not None
     report_path = report_path or default_report_path(plan.output_path)
@@ -443,15 +449,22 @@ def execute_remap(
     output = plan.output
     if output.format == "gguf" and any(kv.key == KEY_REMAP_SOURCE_SHA256 for kv in output.kvs):
         output = dataclasses.replace(output, kvs=tuple(replace_kvs(output.kvs, {KEY_REMAP_SOURCE_SHA256: make_kv(KEY_REMAP_SOURCE_SHA256, GGUFValueType.STRING, input_sha)})))
-    path = write_imatrix(output, plan.output_path, force=force, sources=[plan.source.path, *sources], on_event=on_event)
-    t_write = time.perf_counter()
-    output_sha = sha256_file(path)
-    written = read_imatrix(path)  # re-read: the file parses and every value is finite
-    if len(written.entries) != len(output.entries):
-        raise CarveError(f"internal error: {path} has {len(written.entries)} entries, planned {len(output.entries)}")
-    timings = {"write_seconds": t_write - t0, "total_seconds": time.perf_counter() - t0}
-    result = RemapResult(plan, path, report_path, input_sha, output_sha, path.stat().st_size, timings)
-    write_text_atomic(report_path, dumps(remap_report(result)))
+    size = encoded_size(output)
+    check_outputs([plan.output_path], [plan.source.path, *sources], size, force)
+    with atomic_outputs([plan.output_path]) as opened:
+        (temp, fd), = opened
+        written_bytes = write_to_fd(output, fd, Counter(on_event, "write", size))
+        if written_bytes != size:
+            raise CarveError(f"internal error: wrote {written_bytes} bytes, planned {size}")
+        os.fsync(fd)
+        t_write = time.perf_counter()
+        output_sha = sha256_file(temp)
+        written = read_imatrix(temp)  # re-read: the file parses and every value is finite
+        if len(written.entries) != len(output.entries):
+            raise CarveError(f"internal error: {plan.output_path.name} has {len(written.entries)} entries, planned {len(output.entries)}")
+        timings = {"write_seconds": t_write - t0, "total_seconds": time.perf_counter() - t0}
+        result = RemapResult(plan, plan.output_path, report_path, input_sha, output_sha, size, timings)
+        write_text_atomic(report_path, dumps(remap_report(result)))
     return result
 
 
