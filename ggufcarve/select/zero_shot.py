@@ -1,0 +1,158 @@
+"""Criteria without a forward pass: `weights`, `router-norm` and `random`.
+
+weights:      I_e = ||router_row_e||_2 x scale_energy_e
+router-norm:  ||router_row_e||_2 (row e of `ffn_gate_inp.weight`, dequantized)
+random:       uniform [0, 1) per expert from numpy's default generator seeded with (seed, block)
+
+scale_energy_e is the mean, over the expert's weight tensors (ffn_gate/up/down/gate_up_exps), of
+the mean magnitude of the scales in its slab, times |ffn_*_exps.scale[e]| where the file has such a
+per-expert scale. The scale of a block is the factor that multiplies its integer quants:
+    Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q8_1 IQ4_NL   |d| (f16 at byte 0 of each 32-value block); the Q4_1/Q5_1
+                                           offset m is not a scale and is left out
+    Q2_K   |d * (scales[j] & 0xF)|         per 16-value sub-block; the dmin * (scales[j] >> 4) offset left out
+    Q3_K   |d * (sc_j - 32)|               6-bit sub-block scales (16 per 256-value super-block)
+    Q4_K Q5_K  |d * sc_j|                  6-bit sub-block scales (8 per super-block); dmin * m_j left out
+    Q6_K   |d * scales[j]|                 int8 sub-block scales (16 per super-block)
+    MXFP4  2^(e - 127)                     e8m0 exponent byte of each 32-value block
+    NVFP4  ue4m3 sub-block scale           4 per 64-value block
+    F32 F16 BF16 and every other type      RMS of the dequantized slab (gguf-py's dequantizer)
+Scores are comparable within a block (every expert of a tensor has the same type), which is all a
+per-block top-K needs. The model is read once, tensor by tensor in file order, a few experts at a time.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Iterable, Sequence
+
+import numpy as np
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import NVFP4, Q4_K
+
+from ggufcarve.errors import BadInput
+from ggufcarve.events import Counter, Sink, ignore
+from ggufcarve.gguf.container import GGUFModel
+from ggufcarve.gguf.tensors import dequantize, tensor_values
+from ggufcarve.moe.layout import ExpertTensor, MoeLayout
+from ggufcarve.select.scores import BlockStats
+
+Q = GGMLQuantizationType
+READ_BYTES = 32 << 20  # bytes read (and decoded) at a time
+SCALE_RULES: dict[str, str] = {
+    **{t: "|d| per 32-value block" for t in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q8_1", "IQ4_NL")},
+    "Q2_K": "|d * (scales[j] & 0xF)| per 16-value sub-block",
+    "Q3_K": "|d * (sc_j - 32)| per 16-value sub-block",
+    "Q4_K": "|d * sc_j| per 32-value sub-block",
+    "Q5_K": "|d * sc_j| per 32-value sub-block",
+    "Q6_K": "|d * scales[j]| per 16-value sub-block",
+    "MXFP4": "2^(e - 127) per 32-value block",
+    "NVFP4": "ue4m3 scale per 16-value sub-block",
+}
+RMS_RULE = "RMS of the dequantized slab"
+WEIGHT_SUFFIXES = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight", "ffn_gate_up_exps.weight")
+
+
+def _f16_at(blocks: np.ndarray, offset: int) -> np.ndarray:
+    return np.ascontiguousarray(blocks[:, offset : offset + 2]).view(np.float16).astype(np.float32)  # (n, 1)
+
+
+def block_scales(blocks: np.ndarray, qtype: Q) -> np.ndarray | None:
+    """|scale| of every (sub-)block of `blocks` (uint8 [n_blocks, type_size]); None: the type has no scale rule."""
+    name = qtype.name
+    if name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q8_1", "IQ4_NL"):
+        return np.abs(_f16_at(blocks, 0))
+    if qtype == Q.Q2_K:  # scales[16] | qs[64] | d | dmin
+        return np.abs(_f16_at(blocks, 80) * (blocks[:, :16] & 0xF).astype(np.float32))
+    if qtype == Q.Q3_K:  # hmask[32] | qs[64] | scales[12] | d
+        packed = blocks[:, 96:108]
+        low = (packed[:, None, :8] >> np.array([0, 4], dtype=np.uint8)[:, None]).reshape(-1, 16) & 0x0F
+        high = (packed[:, None, 8:12] >> np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]).reshape(-1, 16) & 0x03
+        sc = (low | (high << 4)).astype(np.int8).astype(np.float32) - 32
+        return np.abs(_f16_at(blocks, 108) * sc)
+    if qtype in (Q.Q4_K, Q.Q5_K):  # d | dmin | scales[12] | ...
+        sc, _ = Q4_K.get_scale_min(np.ascontiguousarray(blocks[:, 4:16]))
+        return np.abs(_f16_at(blocks, 0) * sc.astype(np.float32))
+    if qtype == Q.Q6_K:  # ql[128] | qh[64] | scales[16] (int8) | d
+        return np.abs(_f16_at(blocks, 208) * np.ascontiguousarray(blocks[:, 192:208]).view(np.int8).astype(np.float32))
+    if qtype == Q.MXFP4:  # e (e8m0) | qs[16]
+        return np.exp2(blocks[:, :1].astype(np.float32) - 127)
+    if qtype == Q.NVFP4:  # 4 x ue4m3 | qs[32]; gguf-py's decoder halves the scale for its doubled kvalues
+        return np.asarray(NVFP4.ue4m3_to_fp32(blocks[:, :4]), dtype=np.float32) * 2
+    return None
+
+
+def slab_energy(slabs: np.ndarray, tensor_type: int, expert_shape: tuple[int, ...]) -> tuple[np.ndarray, str]:
+    """Per expert (rows of `slabs`, uint8 [n, slab_bytes]): its scale energy, and the rule used."""
+    qtype = Q(tensor_type)
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    if block_size > 1:
+        scales = block_scales(slabs.reshape(-1, type_size), qtype)
+        if scales is not None:
+            return scales.reshape(len(slabs), -1).mean(axis=1, dtype=np.float64), SCALE_RULES[qtype.name]
+    energies = np.empty(len(slabs), dtype=np.float64)
+    for i, slab in enumerate(slabs):
+        values = dequantize(slab.tobytes(), tensor_type, expert_shape)
+        energies[i] = np.sqrt(np.mean(np.square(values, dtype=np.float64)))
+    return energies, RMS_RULE
+
+
+def router_norms(model: GGUFModel, layout: MoeLayout, block: int) -> np.ndarray:
+    """||row_e||_2 of the block's router, float64 per expert."""
+    values = tensor_values(model, f"blk.{block}.ffn_gate_inp.weight").astype(np.float64)
+    return np.linalg.norm(values.reshape(layout.expert_count, -1), axis=1)
+
+
+def _weight_tensors(layout: MoeLayout, blocks: Iterable[int]) -> list[ExpertTensor]:
+    wanted = set(blocks)
+    return [t for layer in layout.layers if layer.block in wanted for t in layer.tensors if t.name.split(".", 2)[2] in WEIGHT_SUFFIXES]
+
+
+def weight_energies(model: GGUFModel, layout: MoeLayout, blocks: Sequence[int], on_event: Sink = ignore) -> tuple[dict[int, np.ndarray], dict[str, str]]:
+    """Scale energy per block and expert, reading each expert weight tensor once in file order.
+
+    Returns the energies and the rule applied per tensor type."""
+    n = layout.expert_count
+    tensors = _weight_tensors(layout, blocks)
+    located = sorted(((model.tensor_index[t.name], t) for t in tensors), key=lambda x: (x[0][0], x[0][1].offset))
+    progress = Counter(on_event, "read experts", sum(t.nbytes for t in tensors), "bytes")
+    per_tensor: dict[int, list[np.ndarray]] = {b: [] for b in blocks}
+    rules: dict[str, str] = {}
+    fds: dict[int, int] = {}
+    try:
+        for (shard, info), t in located:
+            fd = fds.get(shard)
+            if fd is None:
+                fd = fds[shard] = os.open(model.shards[shard].path, os.O_RDONLY)
+            slab = t.bytes_per_expert
+            step = max(1, READ_BYTES // slab)
+            start, _ = model.shards[shard].data_range(info)
+            energy = np.empty(n, dtype=np.float64)
+            for first in range(0, n, step):
+                count = min(step, n - first)
+                raw = os.pread(fd, count * slab, start + first * slab)
+                if len(raw) != count * slab:
+                    raise BadInput(f"{model.shards[shard].path}: {t.name} is truncated", "the file is incomplete; re-copy it")
+                energy[first : first + count], rules[t.type_name] = slab_energy(np.frombuffer(raw, dtype=np.uint8).reshape(count, slab), info.type_id, info.shape[:-1])
+                progress(len(raw), t.name)
+            scale_name = t.name.rsplit(".", 1)[0] + ".scale"
+            if scale_name in model.tensor_index:
+                energy = energy * np.abs(tensor_values(model, scale_name).astype(np.float64).reshape(n))
+            per_tensor[t.block].append(energy)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    return {b: np.mean(per_tensor[b], axis=0) for b in blocks}, rules
+
+
+def weights_stats(model: GGUFModel, layout: MoeLayout, blocks: Sequence[int], on_event: Sink = ignore, note: str = "") -> tuple[dict[int, BlockStats], dict[str, str]]:
+    energies, rules = weight_energies(model, layout, blocks, on_event)
+    stats = {b: BlockStats("weights", "value", sums=router_norms(model, layout, b) * energies[b], note=note) for b in blocks}
+    return stats, rules
+
+
+def router_norm_stats(model: GGUFModel, layout: MoeLayout) -> dict[int, BlockStats]:
+    return {b: BlockStats("router-norm", "value", sums=router_norms(model, layout, b)) for b in layout.blocks}
+
+
+def random_stats(layout: MoeLayout, seed: int) -> dict[int, BlockStats]:
+    return {b: BlockStats("random", "value", sums=np.random.default_rng([seed, b]).random(layout.expert_count)) for b in layout.blocks}
