@@ -21,7 +21,7 @@ import numpy as np
 from ggufcarve import __version__
 from ggufcarve.errors import BadInput
 from ggufcarve.moe.keepset import KeepSet, check_keepset, load_keepset, parse_id_list
-from ggufcarve.select.scores import ExpertScores
+from ggufcarve.select.scores import ExpertScores, ModelFacts
 
 TIE_BREAK = "higher score first; equal scores: the lower original expert id wins"
 SELECTION_SCHEMA_VERSION = 1
@@ -42,27 +42,39 @@ def kept_count(expert_count: int, group_count: int, keep: int | None, ratio: flo
         step = group_count if group_count > 1 else 1
         keep = max(step, int(round(ratio * expert_count / step)) * step)
     assert keep is not None
-    if not 1 <= keep <= expert_count:
-        raise BadInput(f"--keep {keep} is outside 1..{expert_count} (the model has {expert_count} experts per block)", "keep at least the experts each token is routed to")
     return keep
 
 
-def protected_from(spec: str | None, scores: ExpertScores) -> dict[int, set[int]]:
+def check_kept_count(facts: ModelFacts, kept: int) -> None:
+    """K fits the model's routing: at least top-k, within the expert count, whole groups."""
+    groups = facts.group_count if facts.group_count > 1 else 1
+    if not 1 <= kept <= facts.expert_count:
+        raise BadInput(f"K={kept} is outside 1..{facts.expert_count} (the model has {facts.expert_count} experts per block)", "keep at least the experts each token is routed to")
+    if kept < max(facts.expert_used_count, 1):
+        raise BadInput(
+            f"K={kept} is below the {facts.expert_used_count} experts each token is routed to (expert_used_count of {facts.name})",
+            f"keep at least {facts.expert_used_count} experts per block",
+        )
+    if kept % groups:
+        raise BadInput(f"K={kept} is not a multiple of the {groups} expert groups of {facts.name}", f"choose K as a multiple of {groups} (every group keeps K/{groups})")
+
+
+def protected_from(spec: str | None, facts: ModelFacts) -> dict[int, set[int]]:
     """--protect IDS (the same ids in every block) or FILE (a keep-set-like file: ids per block)."""
     if not spec:
         return {}
-    blocks = scores.model.blocks
+    blocks = facts.blocks
     path = Path(spec)
     if path.suffix == ".json" or path.exists():
-        listed = load_keepset(path, scores.model.layout()).layers
+        listed = load_keepset(path, facts.layout()).layers
         unknown = sorted(set(listed) - set(blocks))
         if unknown:
-            raise BadInput(f"--protect {spec}: block(s) {unknown} are not MoE blocks of {scores.model.name}", f"MoE blocks are {list(blocks)}")
+            raise BadInput(f"--protect {spec}: block(s) {unknown} are not MoE blocks of {facts.name}", f"MoE blocks are {list(blocks)}")
         protected = {b: set(ids) for b, ids in listed.items()}
     else:
         ids = set(parse_id_list(spec))
         protected = {b: set(ids) for b in blocks}
-    n = scores.model.expert_count
+    n = facts.expert_count
     for b, ids in protected.items():
         bad = sorted(i for i in ids if not 0 <= i < n)
         if bad:
@@ -98,6 +110,7 @@ class Selection:
     super_experts: dict[int, tuple[int, ...]]
     warnings: tuple[str, ...]
     parameters: dict[str, Any]
+    sources: tuple[dict[str, Any], ...] = ()  # files selected from (a scores file), beside the scores' own inputs
 
     @property
     def kept_count(self) -> int:
@@ -138,7 +151,7 @@ class Selection:
             "parameters": {**self.scores.parameters, **self.parameters},
             "model": facts.to_json(),
             "calibration": [i for i in self.scores.inputs if i.get("kind") == "calibration"],
-            "inputs": list(self.scores.inputs),
+            "inputs": [*self.scores.inputs, *self.sources],
             "tokens": self.scores.tokens,
             "tie_break": TIE_BREAK,
             "order": "kept ids in ascending original order (group by group with grouped routing)",
@@ -152,17 +165,13 @@ def choose(
     kept: int,
     protect: Mapping[int, set[int]] | None = None,
     protect_super_experts: bool = False,
+    ratio: float | None = None,
+    sources: tuple[dict[str, Any], ...] = (),
 ) -> Selection:
     """The top `kept` experts of every block; raises BadInput if the result would not load in llama.cpp."""
     facts = scores.model
+    check_kept_count(facts, kept)
     n, groups = facts.expert_count, facts.group_count if facts.group_count > 1 else 1
-    if kept < max(facts.expert_used_count, 1):
-        raise BadInput(
-            f"K={kept} is below the {facts.expert_used_count} experts each token is routed to (expert_used_count of {facts.name})",
-            f"keep at least {facts.expert_used_count} experts per block",
-        )
-    if kept % groups:
-        raise BadInput(f"K={kept} is not a multiple of the {groups} expert groups of {facts.name}", f"choose K as a multiple of {groups} (every group keeps K/{groups})")
     protected = {b: set(ids) for b, ids in (protect or {}).items()}
     supers: dict[int, set[int]] = super_experts(scores) if protect_super_experts else {}
     for b, ids in supers.items():
@@ -187,7 +196,11 @@ def choose(
         protected={b: tuple(sorted(ids)) for b, ids in sorted(protected.items()) if ids},
         super_experts={b: tuple(sorted(ids)) for b, ids in sorted(supers.items()) if ids},
         warnings=tuple(warnings),
-        parameters={"keep": kept, "protect_super_experts": protect_super_experts, "protected": {str(b): sorted(ids) for b, ids in sorted(protected.items()) if ids}},
+        parameters={
+            "keep": kept, "ratio": ratio, "protect_super_experts": protect_super_experts,
+            "protected": {str(b): sorted(ids) for b, ids in sorted(protected.items()) if ids},
+        },
+        sources=sources,
     )
 
 
