@@ -3,6 +3,7 @@
 Examples:
     ggufcarve select model.gguf --method weights --keep 128 -o selection.json
     ggufcarve select model.gguf --method imatrix-counts --imatrix model.imatrix.gguf --ratio 0.5 -o selection.json
+    ggufcarve select model.gguf --method reap --calibration code.jsonl --calibration chat.jsonl --keep 128 -o selection.json
     ggufcarve score model.gguf --method imatrix-energy --imatrix model.imatrix.gguf -o scores.json
     ggufcarve select scores.json --keep 128 --protect 0,7 -o selection.json
     ggufcarve score --merge part1.json part2.json -o scores.json
@@ -29,10 +30,13 @@ if TYPE_CHECKING:
     from ggufcarve.select.scores import ExpertScores
 
 SourcesArgument = Annotated[Optional[list[Path]], typer.Argument(help="A GGUF model (first shard if split), or a SCORES.json written by `ggufcarve score`.", show_default=False)]
-MethodOption = Annotated[Optional[str], typer.Option("--method", "-m", help="weights, router-norm, random, imatrix-counts, imatrix-energy.")]
+MethodOption = Annotated[Optional[str], typer.Option("--method", "-m", help="weights, router-norm, random (no data); imatrix-counts, imatrix-energy (--imatrix); frequency, ean, reap, razor (--calibration).")]
 ImatrixOption = Annotated[Optional[Path], typer.Option("--imatrix", help="GGUF imatrix of the model (imatrix-counts, imatrix-energy).")]
 CalibrationOption = Annotated[Optional[list[Path]], typer.Option("--calibration", help="Calibration text or JSONL file (repeatable).")]
 SeedOption = Annotated[int, typer.Option("--seed", help="Seed of the random method.")]
+CtxOption = Annotated[int, typer.Option("--ctx", help="Tokens per calibration chunk (each starts with BOS and an empty KV cache, as llama-imatrix -c).")]
+MaxTokensOption = Annotated[Optional[int], typer.Option("--max-tokens", help="Trace at most this many calibration tokens (whole chunks).")]
+ThreadsOption = Annotated[Optional[int], typer.Option("--threads", "-t", help="CPU threads of the llama.cpp calibration run.")]
 
 
 def _is_gguf(path: Path) -> bool:
@@ -56,13 +60,13 @@ def _read_model(source: Path) -> tuple[GGUFModel, MoeLayout]:
     return model, inspect_layout(model)
 
 
-def _score(model: GGUFModel, layout: MoeLayout, method: Optional[str], imatrix: Optional[Path], calibration: list[Path], seed: int, quiet: bool) -> ExpertScores:
+def _score(model: GGUFModel, layout: MoeLayout, method: Optional[str], imatrix: Optional[Path], calibration: list[Path], seed: int, ctx: int, max_tokens: Optional[int], threads: Optional[int], quiet: bool) -> ExpertScores:
     from ggufcarve.select.methods import score_model
 
     if method is None:
         raise BadInput(f"scoring {model.path.name} needs --method", "for example --method weights (zero-shot) or --method imatrix-counts --imatrix FILE")
     with progress(not quiet) as sink:
-        return score_model(model, layout, method, imatrix=imatrix, calibration=calibration, seed=seed, on_event=sink)
+        return score_model(model, layout, method, imatrix=imatrix, calibration=calibration, seed=seed, ctx=ctx, max_tokens=max_tokens, threads=threads, on_event=sink)
 
 
 def _write(path: Path, text: str, sources: list[Path], force: bool) -> None:
@@ -79,6 +83,9 @@ def score_command(
     imatrix: ImatrixOption = None,
     calibration: CalibrationOption = None,
     seed: SeedOption = 0,
+    ctx: CtxOption = 512,
+    max_tokens: MaxTokensOption = None,
+    threads: ThreadsOption = None,
     merge: Annotated[bool, typer.Option("--merge", help="Combine the scores files given as arguments (shards of one run).")] = False,
     force: ForceOption = False,
     quiet: QuietOption = False,
@@ -95,7 +102,7 @@ def score_command(
     else:
         if len(sources) != 1:
             raise BadInput(f"give one model to score ({len(sources)} given)", "ggufcarve score MODEL.gguf --method weights -o scores.json, or --merge A.json B.json")
-        scores = _score(*_read_model(sources[0]), method, imatrix, calibration or [], seed, quiet)
+        scores = _score(*_read_model(sources[0]), method, imatrix, calibration or [], seed, ctx, max_tokens, threads, quiet)
     _write(output, scores.dumps(), sources, force)
     out.print(f"{scores.method} scores of {scores.model.name}: {len(scores.blocks)} MoE blocks x {scores.model.expert_count} experts" + (f", {scores.tokens:,} tokens" if scores.tokens else "") + f" -> {output}")
 
@@ -155,6 +162,9 @@ def select_command(
     imatrix: ImatrixOption = None,
     calibration: CalibrationOption = None,
     seed: SeedOption = 0,
+    ctx: CtxOption = 512,
+    max_tokens: MaxTokensOption = None,
+    threads: ThreadsOption = None,
     protect: Annotated[Optional[str], typer.Option("--protect", help="Never drop these experts: ids for every block (0,5,9-11) or a keep-set-like JSON file of ids per block.")] = None,
     protect_super_experts: Annotated[bool, typer.Option("--protect-super-experts", help="Keep REAP's super experts (outlier maximum outputs, first 75% of the blocks).")] = False,
     heatmap: Annotated[bool, typer.Option("--heatmap/--no-heatmap", help="Write SELECTION.png beside the selection.")] = True,
@@ -199,8 +209,10 @@ def select_command(
     kept = kept_count(facts.expert_count, facts.group_count, keep, ratio)
     check_kept_count(facts, kept)
     protected = protected_from(protect, facts)
+    if protect_super_experts and scores is None and method not in ("ean", "reap", "razor"):
+        raise BadInput(f"--protect-super-experts needs per-expert maximum outputs, which --method {method} does not record", "use --method ean, reap or razor")
     if scores is None:
-        scores = _score(model, layout, method, imatrix, calibration or [], seed, quiet or as_json)
+        scores = _score(model, layout, method, imatrix, calibration or [], seed, ctx, max_tokens, threads, quiet or as_json)
     selection = choose(scores, kept, protected, protect_super_experts, ratio=ratio, sources=from_scores)
     text = json.dumps(selection.record(), indent=1, sort_keys=True, allow_nan=False) + "\n"
     _write(output, text, [source], force)

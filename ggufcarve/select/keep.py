@@ -88,7 +88,7 @@ def super_experts(scores: ExpertScores) -> dict[int, set[int]]:
     if not with_maxima:
         raise BadInput(
             f"--protect-super-experts needs per-expert maximum outputs; the {scores.method} scores have none",
-            "use a calibration method (frequency, ean, reap, razor), which records them",
+            "use --method ean, reap or razor, which record them",
         )
     pooled = np.concatenate(list(with_maxima.values()))
     threshold = max(float(np.percentile(pooled, SUPER_EXPERT_PERCENTILE)), float(pooled.max()) * SUPER_EXPERT_FRACTION_OF_MAX)

@@ -29,6 +29,10 @@ METHODS: dict[str, Method] = {
         Method("random", "model", "seeded uniform scores (a baseline)"),
         Method("imatrix-counts", "imatrix", "routed (token, slot) counts an imatrix recorded per expert"),
         Method("imatrix-energy", "imatrix", "mean ||h||^2 of the tokens routed to each expert, from ffn_down_exps in_sum2"),
+        Method("frequency", "calibration", "routed (token, slot) counts in llama.cpp's own routing of the calibration text"),
+        Method("ean", "calibration", "mean ||f_e(x)|| over the tokens routed to e (expert output norm)"),
+        Method("reap", "calibration", "mean g_e ||f_e(x)|| over the tokens routed to e, g the weight llama.cpp applied"),
+        Method("razor", "calibration", "conditional RMS of the output change when e is deleted and the router's next expert takes its place"),
     )
 }
 
@@ -55,6 +59,9 @@ def score_model(
     imatrix: Path | None = None,
     calibration: Sequence[Path] = (),
     seed: int = 0,
+    ctx: int = 512,
+    max_tokens: int | None = None,
+    threads: int | None = None,
     on_event: Sink = ignore,
 ) -> ExpertScores:
     """Score every expert of every MoE block (MTP blocks included) with `method`."""
@@ -65,6 +72,12 @@ def score_model(
         raise BadInput(f"--imatrix is read only by imatrix-counts and imatrix-energy, not by {method}", "drop --imatrix or choose an imatrix method")
     if spec.needs != "calibration" and calibration:
         raise BadInput(f"--method {method} runs no calibration text", "drop --calibration or choose a calibration method")
+    if spec.needs == "calibration":
+        from ggufcarve.select.calibrate import calibrate
+
+        if not calibration:
+            raise BadInput(f"--method {method} traces calibration text through llama.cpp", "give --calibration FILE (text or JSONL), repeatable")
+        return calibrate(model, layout, method, calibration, ctx=ctx, max_tokens=max_tokens, threads=threads, on_event=on_event)
     facts = ModelFacts.of(model, layout)
     parameters: dict[str, Any] = {}
     inputs: tuple[dict[str, Any], ...] = ()
