@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import pathlib
 import sys
 
@@ -13,9 +12,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 import factory  # noqa: E402
 
-# llama.cpp children started by tests (probes, llama-imatrix, llama-gguf-split, quantizers) must
-# not fork gdb on an abort: it inherits their output pipe and can hang the test for minutes.
-os.environ["GGML_NO_BACKTRACE"] = "1"
+# Every llama.cpp child of the tests (probes, llama-imatrix, llama-gguf-split, quantizers) is
+# started through ggufcarve.llama.launch, which sets GGML_NO_BACKTRACE and the no-repack setting.
 
 
 @pytest.fixture(scope="session")
@@ -75,15 +73,16 @@ def make_imatrix(bin_dir: pathlib.Path, model: pathlib.Path, out_dir: pathlib.Pa
     SIGSEGV) on CPUs with AMX for these tiny models; without weight repacking they run fine.
     """
     import random
-    import subprocess
+
+    from ggufcarve.llama import launch
 
     rng = random.Random(0)
     text = out_dir / "calibration.txt"
     text.write_text(" ".join(rng.choice(CALIBRATION_WORDS) for _ in range(3000)) + "\n")
     out = out_dir / f"{model.stem}.imatrix.gguf"
-    proc = subprocess.run([str(bin_dir / "llama-imatrix"), "-m", str(model), "-f", str(text), "-o", str(out), "-c", "128",
-                           "--chunks", str(chunks), "-t", "2", "--no-repack"], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0 and out.exists(), proc.stderr[-3000:]
+    finished = launch.run([bin_dir / "llama-imatrix", "-m", model, "-f", text, "-o", out, "-c", "128", "--chunks", str(chunks), "-t", "2", "--no-repack"],
+                          timeout=300, tail_lines=60)
+    assert finished.ok and out.exists(), "\n".join(finished.tail)
     return out
 
 

@@ -37,17 +37,12 @@ Tensor types: matrices use ``dtype``; 1-D tensors, ``*_norm.weight``, biases, ``
 ``ssm_conv1d`` and the routers (``ffn_gate_inp``, ``ffn_gate_inp_shexp``) stay F32 as
 llama.cpp's converter and quantizer keep them. With ``dtype="Q8_0"`` a matrix whose row length
 is not a multiple of 32 falls back to F16 (the converter does the same).
-
-Run as a script, this module performs ``quantize_with_llama`` in a child process:
-``python tests/factory.py quantize SRC DST FTYPE [--allow-requantize]``.
 """
 
 from __future__ import annotations
 
 import os
 import pathlib
-import subprocess
-import sys
 import zlib
 from dataclasses import dataclass, field
 
@@ -562,57 +557,22 @@ def write_dense_model(path) -> pathlib.Path:
 # llama.cpp quantizer
 # ---------------------------------------------------------------------------------------------
 
-def _ftype_id(llama_cpp, ftype: str) -> int:
-    name = ftype.upper()
-    candidates = ["LLAMA_FTYPE_ALL_F32"] if name == "F32" else [f"LLAMA_FTYPE_MOSTLY_{name}"]
-    for c in candidates:
-        if hasattr(llama_cpp, c):
-            return int(getattr(llama_cpp, c))
-    raise ValueError(f"unknown llama.cpp ftype {ftype!r}")
-
-
 def quantize_with_llama(src, dst, ftype: str, *, allow_requantize: bool = False,
                         timeout: float = 600) -> pathlib.Path:
     """Quantize ``src`` to ``dst`` with llama.cpp's own quantizer (``llama_model_quantize``).
 
-    Runs in a child process because llama.cpp aborts the process on some failures. ``ftype`` is a
-    llama.cpp file-type name such as ``"Q4_K_M"`` or ``"Q8_0"``. Raises ``RuntimeError`` carrying
-    llama.cpp's stderr on failure; a partial ``dst`` is removed.
+    Runs ggufcarve's libllama quantizer child through the one launcher (llama.cpp aborts the
+    process on some failures). ``ftype`` is a llama.cpp file-type name such as ``"Q4_K_M"``.
+    Raises ``RuntimeError`` carrying llama.cpp's decisive error and last output on failure; a
+    partial ``dst`` is removed.
     """
+    from ggufcarve.quant.quantizer import LibllamaQuantizer, QuantizeJob
+
     src, dst = pathlib.Path(src), pathlib.Path(dst)
-    cmd = [sys.executable, str(pathlib.Path(__file__).resolve()), "quantize", str(src), str(dst), ftype]
-    if allow_requantize:
-        cmd.append("--allow-requantize")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    if proc.returncode != 0 or not dst.exists():
-        if dst.exists():
-            dst.unlink()
-        raise RuntimeError(
-            f"llama_model_quantize({src.name} -> {ftype}) failed with exit code {proc.returncode}:\n"
-            f"{proc.stderr[-8000:]}")
+    quantizer = LibllamaQuantizer()
+    quantizer.timeout = timeout
+    result = quantizer.run(QuantizeJob(src, dst, ftype, allow_requantize=allow_requantize, nthreads=min(2, os.cpu_count() or 1)))
+    if result.returncode != 0 or not dst.exists():
+        dst.unlink(missing_ok=True)
+        raise RuntimeError(f"llama_model_quantize({src.name} -> {ftype}) failed: {result.error}\n" + "\n".join(result.tail))
     return dst
-
-
-def _quantize_main(argv: list[str]) -> int:
-    import ctypes
-
-    import llama_cpp
-
-    src, dst, ftype = argv[:3]
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = _ftype_id(llama_cpp, ftype)
-    params.nthread = min(2, os.cpu_count() or 1)
-    params.allow_requantize = "--allow-requantize" in argv[3:]
-    llama_cpp.llama_backend_init()
-    rc = llama_cpp.llama_model_quantize(src.encode(), dst.encode(), ctypes.byref(params))
-    if rc != 0:
-        print(f"llama_model_quantize returned {rc}", file=sys.stderr)
-        return 1
-    return 0
-
-
-if __name__ == "__main__":
-    if len(sys.argv) >= 5 and sys.argv[1] == "quantize":
-        sys.exit(_quantize_main(sys.argv[2:]))
-    print("usage: factory.py quantize SRC DST FTYPE [--allow-requantize]", file=sys.stderr)
-    sys.exit(2)

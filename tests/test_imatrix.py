@@ -12,7 +12,6 @@ import json
 import os
 import random
 import struct
-import subprocess
 
 import factory
 import numpy as np
@@ -23,6 +22,7 @@ from llama_probe import probe
 from ggufcarve.gguf.container import read_file, read_model
 from ggufcarve.imatrix.convert import to_dat
 from ggufcarve.imatrix.formats import read_imatrix, write_to_fd
+from ggufcarve.llama import launch
 from ggufcarve.moe.keepset import keepset_from_provenance, load_keepset
 from ggufcarve.moe.layout import inspect_layout
 from ggufcarve.prune.execute import execute
@@ -114,20 +114,20 @@ def synthetic_gguf(path, model_path, **kwargs):
 
 
 def run_llama_imatrix(bin_dir, model, text, out, *extra):
-    args = [str(bin_dir / "llama-imatrix"), "-m", str(model), "-o", str(out), "-c", "128", "-t", "2", "--no-repack", *map(str, extra)]
+    args = [bin_dir / "llama-imatrix", "-m", model, "-o", out, "-c", "128", "-t", "2", "--no-repack", *map(str, extra)]
     if text is not None:
-        args += ["-f", str(text), "--chunks", "4", "--no-ppl"]
-    proc = subprocess.run(args, capture_output=True, text=True, timeout=300, check=False)
-    assert proc.returncode == 0 and out.exists(), proc.stderr[-3000:]
+        args += ["-f", text, "--chunks", "4", "--no-ppl"]
+    finished = launch.run(args, timeout=300, tail_lines=60)
+    assert finished.ok and out.exists(), "\n".join(finished.tail)
     return out
 
 
-def run_quantize(bin_dir, imatrix, model, out, ftype="IQ2_XS", *extra):
-    proc = subprocess.run([str(bin_dir / "llama-quantize"), *map(str, extra), "--imatrix", str(imatrix), str(model), str(out), ftype, "2"],
-                          capture_output=True, text=True, timeout=300, check=False)
-    if proc.returncode != 0:
+def run_quantize(bin_dir, imatrix, model, out, ftype="IQ2_XS", *extra) -> launch.Finished:
+    """llama-quantize through the one launcher; the result's `tail` is its whole log."""
+    finished = launch.run([bin_dir / "llama-quantize", *map(str, extra), "--imatrix", imatrix, model, out, ftype, "2"], timeout=300, tail_lines=100_000)
+    if not finished.ok:
         out.unlink(missing_ok=True)  # llama-quantize leaves a truncated output behind on failure
-    return proc
+    return finished
 
 
 @pytest.fixture(scope="module")
@@ -291,7 +291,7 @@ def test_remapped_imatrix_quantizes_the_pruned_model(llama_imatrix, llama_tools,
     assert r.code == 0, r.stderr
     out = tmp_path / "k4-IQ2_XS.gguf"
     proc = run_quantize(llama_tools, remapped, model, out)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert proc.returncode == 0, "\n".join(proc.tail[-40:])
     types = {t.type_name for t in read_model(out).tensors}
     assert "IQ2_XS" in types
     result = probe(out, TOKENS)
@@ -308,7 +308,7 @@ def test_unremapped_imatrix_fails_as_llama_reports(llama_imatrix, llama_tools, p
     proc = run_quantize(llama_tools, llama_imatrix["gguf"], model, out)
     expected = "imatrix size 2048 is different from tensor size 1024 for blk.0.ffn_down_exps.weight"
     assert proc.returncode != 0
-    assert f"failed to quantize: {expected}" in proc.stdout + proc.stderr
+    assert f"failed to quantize: {expected}" in "\n".join(proc.tail)
     r = ggufcarve("imatrix", "inspect", llama_imatrix["gguf"], "--model", model)
     assert r.code == 1 and expected in r.error_line and "6 problems" in r.error_line, r.stderr
 
@@ -425,9 +425,9 @@ def test_qwen35moe_with_an_mtp_block(make_model, llama_tools, calibration, tmp_p
     assert "MTP block(s) 2 have no imatrix entries" in r.stderr
     quantized = tmp_path / "q35-IQ2_XS.gguf"
     failed = run_quantize(llama_tools, out, pruned_path, quantized)
-    assert failed.returncode != 0 and "Missing importance matrix for tensor blk.2." in failed.stdout + failed.stderr
+    assert failed.returncode != 0 and "Missing importance matrix for tensor blk.2." in "\n".join(failed.tail)
     proc = run_quantize(llama_tools, out, pruned_path, quantized, "IQ2_XS", "--tensor-type", r"blk\.2\.=q4_K")
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert proc.returncode == 0, "\n".join(proc.tail[-40:])
     result = probe(quantized, TOKENS)
     assert result.ok and np.isfinite(result.logits).all(), result.stderr[-2000:]
 
@@ -687,4 +687,4 @@ def test_other_fixture_architectures(make_model, llama_tools, calibration, tmp_p
     assert report["tensors"] and all(t["kept"] == [int(i) for i in keep_ids.split(",")] for t in report["tensors"])
     overrides = ("--tensor-type", r"blk\.2\.=q4_K") if arch == "fused" else ()
     proc = run_quantize(llama_tools, out, pruned_path, tmp_path / "iq2.gguf", "IQ2_XS", *overrides)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert proc.returncode == 0, "\n".join(proc.tail[-40:])

@@ -11,6 +11,7 @@ from clirun import ggufcarve, tensor_bytes
 from llama_probe import probe
 
 from ggufcarve.gguf.container import read_model
+from ggufcarve.llama import launch
 from ggufcarve.moe.layout import inspect_layout
 
 pytestmark = pytest.mark.slow
@@ -97,12 +98,10 @@ def test_split_output_loads_and_matches_the_single_file(make_model, tmp_path):
 
 def test_split_set_written_by_llama_gguf_split(make_model, llama_tools, tmp_path):
     """A split set made by llama.cpp's own splitter prunes to the same tensors as the single file."""
-    import subprocess
-
     src = make_model("qwen35moe", "Q8_0")
     (tmp_path / "split").mkdir()
-    proc = subprocess.run([str(llama_tools / "llama-gguf-split"), "--split", "--split-max-size", "3M", str(src), str(tmp_path / "split" / "m")], capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    finished = launch.run([llama_tools / "llama-gguf-split", "--split", "--split-max-size", "3M", src, tmp_path / "split" / "m"], timeout=120)
+    assert finished.ok, "\n".join(finished.tail)
     shards = sorted((tmp_path / "split").glob("m-*-of-*.gguf"))
     assert len(shards) >= 2
     for name in ("single", "from-split", "merged"):

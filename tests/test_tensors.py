@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import factory
 import numpy as np
 import pytest
 from gguf import GGUFReader
 from gguf.quants import dequantize as gguf_dequantize
 
-import factory
 from ggufcarve.errors import BadInput
 from ggufcarve.gguf.container import read_model
-from ggufcarve.gguf.tensors import expert_slab, expert_values, tensor_bytes, tensor_values
+from ggufcarve.gguf.tensors import (
+    expert_slab,
+    expert_values,
+    tensor_bytes,
+    tensor_values,
+)
 
 
 def reference(path, name):

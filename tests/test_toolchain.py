@@ -16,13 +16,20 @@ from pathlib import Path
 
 import pytest
 
-from ggufcarve.fileio import cache_root
-from ggufcarve.llama import build
-from ggufcarve.llama.launch import Finished
 from ggufcarve.errors import BadInput, ToolFailed
+from ggufcarve.fileio import cache_root
 from ggufcarve.gguf.container import read_model
+from ggufcarve.llama import build
 from ggufcarve.llama.build import build_tools
-from ggufcarve.llama.tools import TOOLS, cache_bin_dir, find_tool, locate_tool, parse_build, probe_tool
+from ggufcarve.llama.launch import Finished
+from ggufcarve.llama.tools import (
+    TOOLS,
+    cache_bin_dir,
+    find_tool,
+    locate_tool,
+    parse_build,
+    probe_tool,
+)
 from ggufcarve.quant.quantizer import (
     BinaryQuantizer,
     LibllamaQuantizer,
@@ -290,8 +297,8 @@ def test_dry_run_reports_targets(q8_moe, llama_tools):
         dry = q.dry_run(QuantizeJob(q8_moe, None, "IQ2_XS"))
         assert dry.targets["blk.0.ffn_up_exps.weight"] == "IQ2_XS"
         assert dry.targets["blk.0.ffn_gate_inp.weight"] == "F32" and "blk.0.ffn_gate_inp.weight" not in dry.quantized
-        assert "blk.0.ffn_down_exps.weight" in dry.needs_imatrix("IQ2_XS")
-        assert "token_embd.weight" not in dry.needs_imatrix("IQ2_XS")
+        assert "blk.0.ffn_down_exps.weight" in dry.needs_imatrix_entries()
+        assert "token_embd.weight" not in dry.refused_without_imatrix() and dry.warned_imatrix_required
         assert 0 < dry.size_bytes < os.path.getsize(q8_moe)
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from clirun import ggufcarve
 
+from ggufcarve.llama import launch
 from ggufcarve.release.sums import write_sums
 from ggufcarve.release.verify import parse_sums, verify_dir
 
@@ -88,9 +89,8 @@ def test_file_missing_from_the_sums(copy):
 
 def test_truncated_shard(copy, llama_tools):
     # split one rung with llama.cpp's own tool, list the shards, then cut the second shard short
-    proc = subprocess.run([str(llama_tools / "llama-gguf-split"), "--split", "--split-max-tensors", "10", str(copy / "tiny-Q4_K_M.gguf"), str(copy / "tiny-Q4_K_M-split")],
-                          capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
+    finished = launch.run([llama_tools / "llama-gguf-split", "--split", "--split-max-tensors", "10", copy / "tiny-Q4_K_M.gguf", copy / "tiny-Q4_K_M-split"], timeout=120)
+    assert finished.ok, "\n".join(finished.tail)
     shards = sorted(copy.glob("tiny-Q4_K_M-split-*.gguf"))
     assert len(shards) == 3
     write_sums(copy, json.loads((copy / "quant-manifest.json").read_text()))

@@ -21,7 +21,7 @@ from ggufcarve.cli.options import (
     command_group,
     resolve_keepset,
 )
-from ggufcarve.cli.render import err, escape, out, progress, ranges, new_table, warn
+from ggufcarve.cli.render import err, escape, new_table, out, progress, ranges, warn
 from ggufcarve.errors import BadInput
 
 if TYPE_CHECKING:
@@ -87,7 +87,12 @@ def imatrix_remap(
     from ggufcarve.imatrix.convert import format_from_path
     from ggufcarve.imatrix.formats import read_imatrix
     from ggufcarve.imatrix.remap import default_report_path as imatrix_report_path
-    from ggufcarve.imatrix.remap import execute_remap, layout_from_imatrix, plan_remap, resolve_source_layout
+    from ggufcarve.imatrix.remap import (
+        execute_remap,
+        layout_from_imatrix,
+        plan_remap,
+        resolve_source_layout,
+    )
     from ggufcarve.moe.layout import inspect_layout
 
     source_imatrix = read_imatrix(imatrix)

@@ -14,7 +14,7 @@ from typing import Annotated, Optional
 import typer
 
 from ggufcarve.cli.options import LlamaCppOption, command_group
-from ggufcarve.cli.render import err, escape, out, progress, new_table, warn
+from ggufcarve.cli.render import err, escape, new_table, out, progress, warn
 
 app = command_group("Quantization ladders: every rung from one pruned source, hashed and recorded.")
 

@@ -22,7 +22,7 @@ from ggufcarve.cli.options import (
     KeepOption,
     resolve_keepset,
 )
-from ggufcarve.cli.render import err, gib, out, progress, ranges, new_table, warn
+from ggufcarve.cli.render import err, gib, new_table, out, progress, ranges, warn
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -40,7 +40,7 @@ def _layout_table(model: GGUFModel, layout: MoeLayout) -> Table:
         ("experts", f"{layout.expert_count}, top-{layout.expert_used_count}"),
         ("groups", f"{layout.group_count}, {layout.group_used_count} used" if layout.group_count > 1 else "none"),
         ("shared experts", str(layout.shared_expert_count)),
-        ("routing", f"{layout.routing.gating}: {layout.routing.note}"),
+        ("routing", layout.routing.describe() + ("; MTP blocks have their own experts" if layout.nextn_layers and any(layout.is_mtp(b) for b in layout.blocks) else "")),
         ("size", f"{gib(model.total_bytes)}; experts {gib(layout.expert_bytes)} ({100 * layout.expert_bytes / max(layout.total_bytes, 1):.1f}% of tensor data)"),
     ]
     for key, value in rows:

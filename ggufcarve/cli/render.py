@@ -10,6 +10,8 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Iterator
 
+from ggufcarve.events import ignore
+
 if TYPE_CHECKING:
     from rich.console import Console
     from rich.table import Table
@@ -78,15 +80,11 @@ def ranges(blocks: Any) -> str:
     return ",".join(parts)
 
 
-def _ignore(event: "Event") -> None:
-    """Bars switched off (--quiet, --json)."""
-
-
 @contextmanager
 def progress(enabled: bool = True, transient: bool = False) -> Iterator["Sink"]:
     """A sink that draws each event stage as one bar on stderr; with enabled=False it draws nothing."""
     if not enabled:
-        yield _ignore
+        yield ignore
         return
     from rich.filesize import decimal
     from rich.progress import (

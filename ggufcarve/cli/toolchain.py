@@ -14,7 +14,7 @@ from typing import Annotated, Optional
 import typer
 
 from ggufcarve.cli.options import LlamaCppOption, command_group
-from ggufcarve.cli.render import out, progress, new_table
+from ggufcarve.cli.render import new_table, out, progress
 
 app = command_group("Find, probe and build the llama.cpp tools ggufcarve runs.")
 
@@ -43,7 +43,8 @@ def toolchain_show(
     out.print(table)
     lib = chain.libllama
     out.print(f"libllama backend: llama-cpp-python {chain.llama_cpp_python or 'not installed'}" + (f", {lib['path']} (sha256 {lib['sha256'][:12]})" if lib else " [red](libllama not found)[/]"))
-    out.print(f"cache: {chain.cache_bin}")
+    state = {"ready": "", "missing": " (empty)", "other cpu": " [red](built for another CPU: not used)[/]"}[chain.cache_state]
+    out.print(f"cache: {chain.cache_bin}{state}; this CPU: {chain.cpu.key}")
     if any(info is None for info in chain.tools.values()):
         out.print("build the missing tools with: ggufcarve toolchain build")
 

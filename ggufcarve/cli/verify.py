@@ -13,7 +13,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from ggufcarve.cli.render import err, escape, out, progress, new_table
+from ggufcarve.cli.render import err, escape, new_table, out, progress
 
 
 def verify_command(

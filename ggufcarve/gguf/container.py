@@ -220,8 +220,7 @@ class _Cursor:
                     self.need(n, what)
                     self.pos += n
             elif item_type == GGUFValueType.ARRAY:
-                for _ in range(count):
-                    self.skip_value(GGUFValueType.ARRAY, what)
+                raise BadInput(f"{self.path}: {what} is an array of arrays (byte {self.pos}), which llama.cpp's GGUF reader refuses", "the file is corrupt or was not written for llama.cpp")
             else:
                 raise BadInput(f"{self.path}: {what} has unknown array item type {item_type} at byte {self.pos}", "the file is corrupt")
         else:

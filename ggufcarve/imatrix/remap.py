@@ -51,7 +51,8 @@ from ggufcarve.moe.keepset import (
     check_keepset,
     provenance_kvs,
 )
-from ggufcarve.moe.layout import UNKNOWN_ROUTING, ExpertTensor, MoeLayer, MoeLayout
+from ggufcarve.moe.layout import ExpertTensor, MoeLayer, MoeLayout
+from ggufcarve.moe.routing import UNKNOWN_ROUTING
 
 # ---------------------------------------------------------------------------------------------
 # Remapping

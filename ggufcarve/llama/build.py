@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import fcntl
-import json
 import os
 import re
 import shutil
@@ -24,15 +23,15 @@ from ggufcarve.llama.tools import (
     TOOLS,
     _is_executable,
     cache_dir,
+    cache_state,
+    cpu_features,
     llama_cpp_version,
+    read_build_info,
+    write_build_info,
 )
 
 # ---------------------------------------------------------------------------------------------
 # Building
-
-
-def _all_tools_in(bin_dir: Path) -> bool:
-    return all(_is_executable(bin_dir / t) for t in TOOLS)
 
 
 @contextmanager
@@ -134,7 +133,7 @@ def install_prebuilt(bin_dir: Path, version: str | None = None, origin: str = "p
     version = version or llama_cpp_version()
     final = cache_dir(version)
     with _lock(cache_root() / f".llama.cpp-{version}.lock"):
-        if not force and _all_tools_in(final / "bin"):
+        if not force and cache_state(final) == "ready":
             return final / "bin", False
         missing = [t for t in TOOLS if not _is_executable(bin_dir / t)]
         if missing:
@@ -152,14 +151,15 @@ def install_prebuilt(bin_dir: Path, version: str | None = None, origin: str = "p
 
 
 def _write_build_info(staging: Path, version: str, **extra: object) -> None:
-    info = {
+    """What the entry is: version, tool hashes, cmake flags, and the CPU it was built on."""
+    write_build_info(staging, {
         "llama_cpp_python": version,
         "tools": {t: sha256_file_cached(staging / "bin" / t) for t in TOOLS},
         "cmake_flags": list(CMAKE_FLAGS),
+        "cpu": cpu_features().to_json(),
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         **extra,
-    }
-    (staging / "build-info.json").write_text(json.dumps(info, indent=1, sort_keys=True) + "\n")
+    })
 
 
 def _move_into_place(staging: Path, final: Path) -> None:
@@ -171,8 +171,9 @@ def _move_into_place(staging: Path, final: Path) -> None:
 def build_tools(on_event: Sink = ignore, *, version: str | None = None, sdist: Path | None = None, jobs: int | None = None, force: bool = False) -> Path:
     """Build TOOLS for the installed llama-cpp-python version into the cache; returns the bin dir.
 
-    Never rebuilds what is cached (unless force). Concurrent callers wait on a lock. The build runs in
-    a temp directory beside the cache entry, which is renamed into place only when complete.
+    Never rebuilds what is cached for this CPU (unless force); an entry built for another CPU is
+    rebuilt. Concurrent callers wait on a lock. The build runs in a temp directory beside the cache
+    entry, which is renamed into place only when complete.
     """
     sink = on_event
     version = version or llama_cpp_version()
@@ -180,9 +181,14 @@ def build_tools(on_event: Sink = ignore, *, version: str | None = None, sdist: P
     root = cache_root()
     root.mkdir(parents=True, exist_ok=True)
     with _lock(root / f".llama.cpp-{version}.lock"):
-        if not force and _all_tools_in(final / "bin"):
+        state = cache_state(final)
+        if not force and state == "ready":
             sink(Event("cached", 100, 100, "percent", f"{final / 'bin'} already has {', '.join(TOOLS)}"))
             return final / "bin"
+        if state == "other cpu":
+            recorded = read_build_info(final).get("cpu")
+            built_for = recorded.get("key") if isinstance(recorded, dict) else "?"
+            sink(Event("rebuild", 0, 0, "steps", f"the cached tools were built for CPU {built_for}, this one is {cpu_features().key}: rebuilding"))
         sdist = sdist or fetch_sdist(version, sink)
         staging = Path(tempfile.mkdtemp(prefix=f".llama.cpp-{version}.", dir=root))
         try:

@@ -3,8 +3,9 @@
 Every child runs with:
   * `GGML_NO_BACKTRACE=1`: on an abort (GGML_ASSERT, uncaught exception) ggml otherwise forks
     gdb to attach to the dying process; gdb inherits the output pipe and can hang for minutes;
-  * `LLAMA_ARG_NO_REPACK=1` (the environment form of the tools' `--no-repack`): weight repacking
-    and the extra CPU buffer types (AMX) are off; on CPUs with AMX llama.cpp 0.3.36 crashes in
+  * `LLAMA_ARG_REPACK=0` (the environment form of the tools' `--no-repack`, read by every tool
+    built on llama.cpp's common arguments): weight repacking and the extra CPU buffer types (AMX)
+    are off; on CPUs with AMX llama.cpp 0.3.36 crashes in
     `ggml_backend_amx_mul_mat` for small models otherwise (libllama child tasks load models with
     `use_extra_bufts = False` for the same reason);
   * stdin closed, stdout and stderr merged and streamed line by line to `on_line`;
@@ -30,7 +31,7 @@ from ggufcarve.errors import ToolFailed, ToolMissing
 TAIL_LINES = 40
 CHILD_ENV = {
     "GGML_NO_BACKTRACE": "1",
-    "LLAMA_ARG_NO_REPACK": "1",
+    "LLAMA_ARG_REPACK": "0",
 }
 
 

@@ -9,6 +9,13 @@ Where a tool is looked for, in order (`find_tool`):
 llama-gguf-split (and nothing else) with cmake from the llama.cpp source vendored in the
 llama-cpp-python sdist of the installed version, in a temp directory that is renamed into place.
 
+A cache entry is keyed by what makes it run: the llama-cpp-python version (its directory name) and
+the CPU it was compiled for. ggml's default build is native (GGML_NATIVE, `-march=native`): the
+compiler may use every instruction set extension of the build machine, so the binaries can die
+with SIGILL on a CPU that lacks one. `build-info.json` records the machine and the extension flags
+(`cpu_features`); a cache entry recorded for other features is not used and is rebuilt. An entry
+made before the CPU was recorded is taken as built on this machine, and the record is added.
+
 Quantizer backends (`make_quantizer`): `binary` runs llama-quantize; `libllama` runs
 llama-cpp-python's `llama_model_quantize` in a child process (`python -m ggufcarve.llama.quantize_child`)
 with the imatrix normalised exactly as llama-quantize does and the tensor-type overrides passed in
@@ -18,7 +25,10 @@ quantizer's log lines and report per-tensor progress.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import platform
 import re
 import shutil
 import tempfile
@@ -35,6 +45,16 @@ ENV_LLAMA_CPP = "GGUFCARVE_LLAMA_CPP"
 # The cmake flags of llama.cpp's own static CPU build, without network or server code.
 CMAKE_FLAGS = ("-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF", "-DBUILD_SHARED_LIBS=OFF")
 PROBE_TIMEOUT = 30.0
+BUILD_INFO = "build-info.json"
+CPUINFO = Path("/proc/cpuinfo")
+# x86 instruction set extensions, as /proc/cpuinfo's "flags" line names them, that -march=native
+# can compile in (SSE3 is "pni"). Other flags of that line (bugs, power management, virtualisation)
+# do not change the code and are left out; on other machines every "Features" word is an extension.
+X86_EXTENSION = re.compile(
+    r"^(?:mmx|sse\w*|ssse3|pni|avx\w*|amx\w*|fma4?|f16c|bmi\d|abm|lzcnt|popcnt|movbe|adx|aes|vaes|pclmulqdq|vpclmulqdq"
+    r"|sha_ni|gfni|xop|tbm|rdrand|rdseed|xsave\w*|cx16|clflushopt|clwb|prefetchw|movdir\w*|serialize|waitpkg)$"
+)
+X86_MACHINES = ("x86_64", "amd64", "i386", "i686")
 
 # Strings only ik_llama.cpp's llama-quantize usage text contains (its extra quant types and flags).
 IK_MARKERS = ("--custom-q", "--ignore-imatrix-rules", "--attn-q-type", "IQ4_KS", "IQ2_KT", "IQ3_K ", "Custom Quant Scheme")
@@ -68,6 +88,86 @@ def cache_bin_dir(version: str | None = None) -> Path:
     return cache_dir(version) / "bin"
 
 
+@dataclass(frozen=True)
+class CpuFeatures:
+    """The machine and the instruction set extensions a native build of ggml may use."""
+
+    machine: str
+    flags: tuple[str, ...]
+
+    @property
+    def key(self) -> str:
+        return f"{self.machine}-{hashlib.sha256(' '.join(self.flags).encode()).hexdigest()[:12]}"
+
+    def to_json(self) -> dict[str, object]:
+        return {"machine": self.machine, "flags": list(self.flags), "key": self.key}
+
+
+def cpu_features(cpuinfo: Path | None = None) -> CpuFeatures:
+    """This CPU's features from /proc/cpuinfo (the first "flags" or "Features" line)."""
+    machine = platform.machine().lower() or "unknown"
+    try:
+        text = (cpuinfo or CPUINFO).read_text(errors="replace")
+    except OSError:
+        text = ""
+    words: list[str] = []
+    for line in text.splitlines():
+        name, sep, value = line.partition(":")
+        if sep and name.strip().lower() in ("flags", "features"):
+            words = value.split()
+            break
+    if machine in X86_MACHINES:
+        words = [w for w in words if X86_EXTENSION.match(w)]
+    return CpuFeatures(machine, tuple(sorted(set(words))))
+
+
+def read_build_info(directory: Path) -> dict[str, object]:
+    """A cache entry's build-info.json ({} when absent or unreadable)."""
+    try:
+        info = json.loads((directory / BUILD_INFO).read_text())
+    except (OSError, ValueError):
+        return {}
+    return info if isinstance(info, dict) else {}
+
+
+def write_build_info(directory: Path, info: dict[str, object]) -> None:
+    """Replace build-info.json atomically (readers see the old or the new file, never half)."""
+    handle, temp = tempfile.mkstemp(prefix=f".{BUILD_INFO}.", dir=directory)
+    try:
+        os.fchmod(handle, 0o644)  # readable by everyone who shares the cache, as the tools are
+        with os.fdopen(handle, "w") as f:
+            f.write(json.dumps(info, indent=1, sort_keys=True) + "\n")
+        os.replace(temp, directory / BUILD_INFO)
+    except BaseException:
+        Path(temp).unlink(missing_ok=True)
+        raise
+
+
+def built_for_this_cpu(directory: Path) -> bool:
+    """Whether a cache entry's build-info records this CPU's features.
+
+    An entry whose build-info has no CPU record was made by a ggufcarve that did not record it,
+    on the machine that shares its cache: this CPU is recorded in it and it counts as built here.
+    """
+    info = read_build_info(directory)
+    here = cpu_features()
+    recorded = info.get("cpu")
+    if not isinstance(recorded, dict):
+        try:
+            write_build_info(directory, {**info, "cpu": here.to_json(), "cpu_recorded": "on first use"})
+        except OSError:
+            pass  # a read-only cache: usable, the record is added by whoever can write
+        return True
+    return recorded.get("key") == here.key
+
+
+def cache_state(directory: Path) -> str:
+    """"ready" (all tools, built for this CPU), "missing" (not all tools) or "other cpu"."""
+    if not all(_is_executable(directory / "bin" / t) for t in TOOLS):
+        return "missing"
+    return "ready" if built_for_this_cpu(directory) else "other cpu"
+
+
 def _candidates_in(directory: Path, name: str) -> list[Path]:
     return [directory / name, directory / "bin" / name, directory / "build" / "bin" / name]
 
@@ -89,11 +189,11 @@ def locate_tool(name: str, llama_cpp_dir: str | os.PathLike[str] | None = None) 
     if on_path:
         return Path(on_path).resolve(), "PATH"
     try:
-        cached = cache_bin_dir() / name
+        entry = cache_dir()
     except ToolMissing:
         return None
-    if _is_executable(cached):
-        return cached, "cache"
+    if _is_executable(entry / "bin" / name) and built_for_this_cpu(entry):
+        return entry / "bin" / name, "cache"
     return None
 
 
@@ -106,8 +206,10 @@ def find_tool(name: str, llama_cpp_dir: str | os.PathLike[str] | None = None) ->
 def require_tool(name: str, llama_cpp_dir: str | os.PathLike[str] | None = None) -> Path:
     path = find_tool(name, llama_cpp_dir)
     if path is None:
+        other_cpu = cache_state(cache_dir()) == "other cpu"
         raise ToolMissing(
-            f"{name} not found (looked in --llama-cpp/{ENV_LLAMA_CPP}, PATH and {cache_bin_dir()})",
+            f"{name} not found (looked in --llama-cpp/{ENV_LLAMA_CPP}, PATH and {cache_bin_dir()}"
+            + (", whose tools were built for another CPU" if other_cpu else "") + ")",
             "run `ggufcarve toolchain build` (about 10-13 minutes on 2 cores), or pass --llama-cpp DIR",
         )
     return path
@@ -191,6 +293,8 @@ def probe_tool(path: Path, name: str | None = None, origin: str = "") -> ToolInf
 class Toolchain:
     tools: dict[str, ToolInfo | None]
     cache_bin: str
+    cache_state: str  # cache_state() of the cache entry: "ready", "missing" or "other cpu"
+    cpu: CpuFeatures
     llama_cpp_python: str | None
     libllama: dict[str, str] | None  # path and sha256 of the libllama the libllama backend uses
 
@@ -198,6 +302,8 @@ class Toolchain:
         return {
             "tools": {k: (v.to_json() if v else None) for k, v in self.tools.items()},
             "cache_bin": self.cache_bin,
+            "cache_state": self.cache_state,
+            "cpu": self.cpu.to_json(),
             "llama_cpp_python": self.llama_cpp_python,
             "libllama": self.libllama,
         }
@@ -230,8 +336,9 @@ def show_toolchain(llama_cpp_dir: str | os.PathLike[str] | None = None) -> Toolc
     try:
         version: str | None = llama_cpp_version()
         bin_dir = str(cache_bin_dir(version))
+        state = cache_state(cache_dir(version))
     except ToolMissing:
-        version, bin_dir = None, str(cache_root() / "llama.cpp-?" / "bin")
-    return Toolchain(tools, bin_dir, version, libllama_info())
+        version, bin_dir, state = None, str(cache_root() / "llama.cpp-?" / "bin"), "missing"
+    return Toolchain(tools, bin_dir, state, cpu_features(), version, libllama_info())
 
 

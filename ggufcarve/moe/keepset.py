@@ -236,7 +236,7 @@ def check_keepset(keepset: KeepSet, layout: MoeLayout) -> list[str]:
     if k & (k - 1):
         warnings.append(f"K={k} is not a power of two: llama.cpp's fused CUDA top-k path needs one (the unfused path is slower)")
     if layout.described_by == "model" and not layout.routing.keeps_outputs and k < n:
-        warnings.append(f"{layout.architecture}: {layout.routing.note}")
+        warnings.append(f"{layout.architecture} routing is {layout.routing.describe()}")
     return warnings
 
 

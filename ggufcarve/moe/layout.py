@@ -2,7 +2,8 @@
 
 In every expert-axis tensor the expert axis is the last ggml dimension (ne[-1]), the outermost in
 storage, so expert e of a tensor is the contiguous byte range [e * slab, (e + 1) * slab) with
-slab = nbytes / n_expert. Architecture knowledge lives in the tables below, not in code paths.
+slab = nbytes / n_expert. Architecture knowledge lives in the tables below, not in code paths;
+how tokens are routed is read from the file's keys (moe/routing.py).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any
 
 from ggufcarve.errors import BadInput, UnsupportedModel
 from ggufcarve.gguf.container import GGUFModel, TensorInfo
+from ggufcarve.moe.routing import Routing, routing_of
 
 # Tensor name suffix after "blk.N." -> role. Every one of these has ne[-1] == n_expert.
 EXPERT_AXIS_ROLES: dict[str, str] = {
@@ -43,36 +45,6 @@ NOT_EXPERT_AXIS = re.compile(r"_shexp|^ffn_norm_exps\.")
 LOOKS_EXPERT_RELATED = re.compile(r"exps|exp_probs|gate_inp|tid2eid")
 
 BLOCK_TENSOR = re.compile(r"^blk\.(?P<block>\d+)\.(?P<suffix>.+)$")
-
-
-@dataclass(frozen=True)
-class RoutingFacts:
-    """How an architecture turns router scores into expert weights, as far as pruning is concerned."""
-
-    gating: str  # "softmax" or "sigmoid"
-    keeps_outputs: bool  # True: tokens that never routed to a dropped expert give identical outputs
-    note: str = ""
-
-
-ROUTING: dict[str, RoutingFacts] = {
-    "qwen3moe": RoutingFacts("softmax", True, "top-k weights renormalised"),
-    "qwen35moe": RoutingFacts("softmax", True, "top-k weights renormalised; one MTP block with its own experts"),
-    "qwen3next": RoutingFacts("softmax", True, "top-k weights renormalised"),
-    "qwen3vlmoe": RoutingFacts("softmax", True, "top-k weights renormalised"),
-    "mixtral": RoutingFacts("softmax", True, "softmax over the top-k"),
-    "llama": RoutingFacts("softmax", True, "softmax over the top-k (Mixtral-style)"),
-    "granitemoe": RoutingFacts("softmax", True, "softmax over the top-k"),
-    "hunyuan-moe": RoutingFacts("softmax", True, "top-k weights renormalised"),
-    "ernie4_5-moe": RoutingFacts("softmax", True, "top-k weights renormalised"),
-    "gpt-oss": RoutingFacts("softmax", True, "softmax over the top-k logits"),
-    "deepseek2": RoutingFacts("sigmoid", True, "sigmoid scores + selection bias; grouped routing when expert_group_count > 1"),
-    "glm4moe": RoutingFacts("sigmoid", True, "sigmoid scores + selection bias"),
-    "dots1": RoutingFacts("sigmoid", True, "sigmoid scores + selection bias"),
-    "bailingmoe2": RoutingFacts("sigmoid", True, "sigmoid scores + selection bias"),
-    "qwen2moe": RoutingFacts("softmax", False, "top-k weights are not renormalised: kept experts' weights change for every token"),
-    "olmoe": RoutingFacts("softmax", False, "top-k weights are not renormalised: kept experts' weights change for every token"),
-}
-UNKNOWN_ROUTING = RoutingFacts("unknown", False, "architecture not in ggufcarve's routing table; the prune is byte-exact but routing effects are unverified")
 
 
 @dataclass(frozen=True)
@@ -111,7 +83,7 @@ class MoeLayout:
     layers: tuple[MoeLayer, ...]
     total_bytes: int  # tensor data of the whole model
     expert_bytes: int  # tensor data along the expert axis
-    routing: RoutingFacts
+    routing: Routing
     described_by: str = "model"  # "model", or "imatrix": blocks and expert count read from an imatrix alone
 
     @property
@@ -144,7 +116,7 @@ class MoeLayout:
             "expert_group_used_count": self.group_used_count,
             "expert_shared_count": self.shared_expert_count,
             "leading_dense_block_count": self.leading_dense_blocks,
-            "routing": {"gating": self.routing.gating, "keeps_outputs_of_unaffected_tokens": self.routing.keeps_outputs, "note": self.routing.note},
+            "routing": self.routing.to_json(),
             "total_tensor_bytes": self.total_bytes,
             "expert_tensor_bytes": self.expert_bytes,
             "moe_layers": [
@@ -169,6 +141,15 @@ def _u32(model: GGUFModel, key: str, default: int = 0) -> int:
         return int(max(value)) if hasattr(value, "__len__") else int(value)
     except (TypeError, ValueError):
         raise BadInput(f"{model.path}: key {key} has a non-integer value {value!r}", "the file's metadata is corrupt") from None
+
+
+def _vocab_size(model: GGUFModel, arch: str) -> int:
+    """{arch}.vocab_size, else the length of tokenizer.ggml.tokens (llama.cpp's order)."""
+    size = model.get(f"{arch}.vocab_size")
+    if size is not None:
+        return int(size)
+    tokens = model.get("tokenizer.ggml.tokens")
+    return len(tokens) if tokens is not None else 0
 
 
 def expert_role(suffix: str) -> str | None:
@@ -239,7 +220,7 @@ def inspect_layout(model: GGUFModel) -> MoeLayout:
         layers=tuple(layers),
         total_bytes=sum(t.nbytes for t in model.tensors),
         expert_bytes=expert_bytes,
-        routing=ROUTING.get(arch, UNKNOWN_ROUTING),
+        routing=routing_of(model.get, arch, (t.name for t in model.tensors), block_count - nextn, _vocab_size(model, arch)),
     )
 
 

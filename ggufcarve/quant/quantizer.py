@@ -25,26 +25,30 @@ from ggufcarve.llama.tools import (
 # ---------------------------------------------------------------------------------------------
 # Quantizer backends
 
-# ftype name -> llama_ftype id (include/llama.h)
-FTYPES: dict[str, int] = {
-    "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "Q2_K": 10, "Q3_K_S": 11, "Q3_K_M": 12, "Q3_K_L": 13,
-    "Q4_K_S": 14, "Q4_K_M": 15, "Q5_K_S": 16, "Q5_K_M": 17, "Q6_K": 18, "IQ2_XXS": 19, "IQ2_XS": 20, "Q2_K_S": 21,
-    "IQ3_XS": 22, "IQ3_XXS": 23, "IQ1_S": 24, "IQ4_NL": 25, "IQ3_S": 26, "IQ3_M": 27, "IQ2_S": 28, "IQ2_M": 29,
-    "IQ4_XS": 30, "IQ1_M": 31, "BF16": 32, "TQ1_0": 36, "TQ2_0": 37, "MXFP4_MOE": 38, "F16": 1, "F32": 0,
-}
-# Tensor types that cannot be produced without importance data (src/llama-quant.cpp, tensor_requires_imatrix),
-# and Q2_K inside a Q2_K_S file. token_embd/output never require it.
-IMATRIX_TYPES = frozenset({"IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS"})
-IMATRIX_FTYPES = frozenset({"IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M", "IQ3_XXS", "IQ3_XS", "Q2_K_S"})
 QUANTIZE_BACKENDS = ("auto", "binary", "libllama")
 
+# tensor_requires_imatrix in src/llama-quant.cpp: the target types whose quantization without
+# importance data llama.cpp refuses ("this quantization requires an imatrix!" when no imatrix is
+# given, "Missing importance matrix for tensor ..." when the given one lacks the tensor's entry),
+# Q2_K only inside a Q2_K_S file, and never for the token embeddings or the output matrix.
+IMATRIX_TYPES = frozenset({"IQ3_XXS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_M", "IQ1_S"})
+NEVER_NEEDS_IMATRIX = frozenset({"token_embd.weight", "per_layer_token_embd.weight", "output.weight"})
+# The file types whose type choice (llama_tensor_get_type_impl) gives some tensors of an ordinary
+# model a type in IMATRIX_TYPES: their default type, or IQ3_XXS for attn_q/attn_k/ffn_gate/ffn_up
+# in IQ3_XS, or Q2_K in Q2_K_S. Only a prediction before the dry run; the dry run's per-tensor
+# target types decide.
+IMATRIX_FTYPES = frozenset({"IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M", "IQ3_XXS", "IQ3_XS", "Q2_K_S"})
 
-def type_requires_imatrix(tensor_name: str, type_name: str, ftype: str) -> bool:
-    """llama-quantize's tensor_requires_imatrix."""
-    if tensor_name in ("token_embd.weight", "per_layer_token_embd.weight", "output.weight"):
+
+def tensor_requires_imatrix(tensor_name: str, target_type: str, ftype: str) -> bool:
+    """llama.cpp's tensor_requires_imatrix: does quantizing `tensor_name` to `target_type` in a
+    file of type `ftype` need its imatrix entry? (Types and ftypes by name, any case.)"""
+    if tensor_name in NEVER_NEEDS_IMATRIX:
         return False
-    t = type_name.upper()
-    return t in IMATRIX_TYPES or (t == "Q2_K" and ftype.upper() == "Q2_K_S")
+    target = target_type.upper()
+    if target == "Q2_K":
+        return ftype.upper() == "Q2_K_S"
+    return target in IMATRIX_TYPES
 
 
 @dataclass(frozen=True)
@@ -158,33 +162,54 @@ class Quantizer(ABC):
         return QuantizeRun(argv, code, finished.seconds, finished.tail, error)
 
     def dry_run(self, job: QuantizeJob) -> "DryRun":
-        """Target type and size of every tensor, as the quantizer would choose them; nothing written."""
+        """Target type and size of every tensor, as the quantizer would choose them; nothing written.
+
+        The job's imatrix is passed on: llama.cpp picks some target types by whether an imatrix
+        is given at all (IQ3_XXS and IQ4_NL/IQ4_XS files, Q4_0/Q5_0 ffn_down), so the dry run of
+        the real job is the one whose types decide which imatrix entries are needed.
+        """
         from dataclasses import replace
 
         lines: list[str] = []
-        result = self.run(replace(job, dry_run=True, output=None, imatrix=None), lines.append)
+        result = self.run(replace(job, dry_run=True, output=None), lines.append)
         if result.returncode != 0:
             raise ToolFailed(f"{self.backend} quantizer dry run for {job.ftype} failed: {result.error}", "check that the source loads in llama.cpp and the rung's types are valid")
         return parse_dry_run(lines, job.ftype)
 
 
+# "llama_model_quantize_impl: WARNING: dry run completed successfully, but actually completing this
+#  quantization will require an imatrix!"  (printed only when no imatrix was given)
+DRY_RUN_IMATRIX_WARNING = "will require an imatrix"
+
+
 @dataclass
 class DryRun:
+    ftype: str
     targets: dict[str, str]  # tensor -> target type (upper case); unchanged tensors keep their type
     quantized: set[str]  # tensors the quantizer converts
     size_bytes: int  # estimated tensor data of the output
+    warned_imatrix_required: bool = False  # llama.cpp's own verdict of a dry run without an imatrix
 
-    def needs_imatrix(self, ftype: str) -> list[str]:
-        return sorted(n for n in self.quantized if type_requires_imatrix(n, self.targets[n], ftype))
+    def needs_imatrix_entries(self) -> list[str]:
+        """Tensors whose imatrix entry llama.cpp requires when an imatrix is given: the converted
+        ones whose target type requires it (without an entry, "Missing importance matrix")."""
+        return sorted(n for n in self.quantized if tensor_requires_imatrix(n, self.targets[n], self.ftype))
+
+    def refused_without_imatrix(self) -> list[str]:
+        """Tensors for which llama.cpp refuses the job when no imatrix is given at all: its check
+        runs over every quantizable tensor's target type, converted or not."""
+        return sorted(n for n, target in self.targets.items() if tensor_requires_imatrix(n, target, self.ftype))
 
 
 def parse_dry_run(lines: Sequence[str], ftype: str) -> DryRun:
     targets: dict[str, str] = {}
     quantized: set[str] = set()
     size = 0.0
+    warned = False
     for line in lines:
         m = TENSOR_LINE.match(line)
         if not m:
+            warned = warned or DRY_RUN_IMATRIX_WARNING in line
             continue
         s = DRY_RUN_SIZE.search(line, m.end())
         if s and s["after"]:
@@ -194,7 +219,7 @@ def parse_dry_run(lines: Sequence[str], ftype: str) -> DryRun:
         else:
             targets[m["name"]] = m["type"].upper()
             size += float(s["before"]) if s else 0.0
-    return DryRun(targets, quantized, int(size * 2**20))
+    return DryRun(ftype.upper(), targets, quantized, int(size * 2**20), warned)
 
 
 class BinaryQuantizer(Quantizer):

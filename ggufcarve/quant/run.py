@@ -35,11 +35,11 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ggufcarve.errors import BadInput, OutputError, ToolFailed
-from ggufcarve.events import Event, Sink, ignore
+from ggufcarve.events import Counter, Event, Sink, ignore
 from ggufcarve.fileio import PARTIAL_SUFFIX, sha256_file, sha256_file_cached
 from ggufcarve.gguf.container import SHARD_NAME, GGUFModel, read_model
+from ggufcarve.gguf.types import FILE_TYPES
 from ggufcarve.quant.quantizer import (
-    FTYPES,
     TENSOR_LINE,
     DryRun,
     QuantizeJob,
@@ -108,7 +108,7 @@ def _note(on_event: Sink, stage: str, message: str) -> None:
     on_event(Event(stage, 0, 0, "steps" if stage == "validate" else "tensors", message))
 
 
-QUANT_TAG = re.compile(r"[-_.](?:" + "|".join(sorted((re.escape(f) for f in FTYPES), key=len, reverse=True)) + r")$", re.IGNORECASE)
+QUANT_TAG = re.compile(r"[-_.](?:" + "|".join(sorted((re.escape(f) for f in FILE_TYPES), key=len, reverse=True)) + r")$", re.IGNORECASE)
 
 
 def model_name_from(source: Path) -> str:
@@ -206,7 +206,7 @@ def plan_ladder(
     dry: dict[str, DryRun] = {}
     jobs = {}
     for r in rungs:
-        jobs[r.name] = QuantizeJob(source_path, None, r.ftype, None, r.allow_requantize, r.output_tensor_type, r.token_embedding_type, r.tensor_types, r.pure, True, nthreads)
+        jobs[r.name] = QuantizeJob(source_path, None, r.ftype, info.path if info else None, r.allow_requantize, r.output_tensor_type, r.token_embedding_type, r.tensor_types, r.pure, True, nthreads)
     with ThreadPoolExecutor(max_workers=max(1, min(len(rungs), os.cpu_count() or 1))) as pool:
         futures = {name: pool.submit(quantizer.dry_run, job) for name, job in jobs.items()}
         for r in rungs:
@@ -219,7 +219,7 @@ def plan_ladder(
     warnings: list[str] = []
     unquantized_iq = []
     for r, file_name in zip(rungs, names):
-        needs = dry[r.name].needs_imatrix(r.ftype)
+        needs = dry[r.name].needs_imatrix_entries() if info is not None else dry[r.name].refused_without_imatrix()
         if needs and info is None:
             unquantized_iq.append(f"{r.name} ({', '.join(needs[:3])}{', ...' if len(needs) > 3 else ''})")
             continue
@@ -365,11 +365,13 @@ def run_ladder(plan: LadderPlan, *, keep_going: bool = False, on_event: Sink = i
             _note(on_event, result.name, f"done, sha256 {digest[:12]}")
 
         failure: RungResult | None = None
+        rungs_done = Counter(on_event, "ladder", len(plan.rungs), "rungs")
         for p in plan.rungs:
             r = p.rung
             if p.rung.name in resumable:
                 results[r.name] = resumable[r.name]
                 on_event(Event(r.name, 1, 1, "tensors", "skipped: unchanged (sha256 verified)"))
+                rungs_done(1, r.name)
                 continue
             if failure is not None and not keep_going:
                 results[r.name] = RungResult(r.name, r.ftype, "not run", p.output.name, description=r.description)
@@ -410,6 +412,7 @@ def run_ladder(plan: LadderPlan, *, keep_going: bool = False, on_event: Sink = i
                 failure = failure or result
                 _note(on_event, r.name, f"failed: {result.error}")
             results[r.name] = result
+            rungs_done(1, r.name)
             _write_manifest(plan, previous, results, started, quantizer_seconds, hash_seconds[0], state_lock)
         for f in pending:
             f.result()

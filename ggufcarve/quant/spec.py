@@ -10,12 +10,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ggufcarve.errors import BadInput
-from ggufcarve.quant.quantizer import (
-    FTYPES,
-    IMATRIX_FTYPES,
-    IMATRIX_TYPES,
-    type_requires_imatrix,
-)
+from ggufcarve.gguf.types import FILE_TYPES, QUANTIZE_TARGET_TYPES
+from ggufcarve.quant.quantizer import IMATRIX_FTYPES, tensor_requires_imatrix
 
 try:
     import tomllib
@@ -28,7 +24,6 @@ DEFAULT_FILE_PATTERN = "{model}-{quant}.gguf"
 DEFAULT_FALLBACK_TYPE = "Q4_K"
 DISK_MARGIN = 64 << 20  # headroom on top of the estimated sizes
 RUNG_KEYS = {"ftype", "name", "description", "file_pattern", "output_tensor_type", "token_embedding_type", "tensor_types", "imatrix_fallback_type", "allow_requantize", "pure"}
-GGML_TYPE_NAMES = {"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ2_XXS", "IQ2_XS", "IQ3_XXS", "IQ1_S", "IQ4_NL", "IQ3_S", "IQ2_S", "IQ4_XS", "IQ1_M", "TQ1_0", "TQ2_0", "MXFP4"}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -50,8 +45,9 @@ class Rung:
 
     @property
     def needs_imatrix(self) -> bool:
-        """From the ftype and the overrides, as llama-quantize's tensor_requires_imatrix decides it."""
-        return self.ftype in IMATRIX_FTYPES or any(type_requires_imatrix("", t, self.ftype) for _, t in self.tensor_types)
+        """Whether some tensor may need an imatrix, from the ftype and the overrides (before any dry run:
+        llama.cpp's tensor_requires_imatrix on the dry run's target types decides per tensor)."""
+        return self.ftype in IMATRIX_FTYPES or any(tensor_requires_imatrix("", t, self.ftype) for _, t in self.tensor_types)
 
     def file_name(self, model: str) -> str:
         return self.file_pattern.format(model=model, quant=self.name)
@@ -85,8 +81,8 @@ class LadderSpec:
 
 
 def _type_name(value: Any, where: str) -> str:
-    if not isinstance(value, str) or value.upper() not in GGML_TYPE_NAMES:
-        raise BadInput(f"{where}: {value!r} is not a ggml tensor type", f"use one of {', '.join(sorted(GGML_TYPE_NAMES))}")
+    if not isinstance(value, str) or value.upper() not in QUANTIZE_TARGET_TYPES:
+        raise BadInput(f"{where}: {value!r} is not a ggml tensor type llama-quantize writes", f"use one of {', '.join(sorted(QUANTIZE_TARGET_TYPES))}")
     return value.upper()
 
 
@@ -135,8 +131,8 @@ def parse_spec(doc: dict[str, Any], path: Path | None = None) -> LadderSpec:
         if unknown:
             raise BadInput(f"{here}: unknown key(s) {', '.join(sorted(unknown))}", f"allowed: {', '.join(sorted(RUNG_KEYS))}")
         ftype = str(merged.get("ftype", "")).upper()
-        if ftype not in FTYPES:
-            raise BadInput(f"{here}: unknown ftype {merged.get('ftype')!r}", f"use a llama-quantize type such as {', '.join(list(FTYPES)[:12])}")
+        if ftype not in FILE_TYPES:
+            raise BadInput(f"{here}: unknown ftype {merged.get('ftype')!r}", f"use a llama-quantize type such as {', '.join(list(FILE_TYPES)[:12])}")
         name = str(merged.get("name", ftype)).upper()
         if not re.fullmatch(r"[A-Z0-9_.+-]+", name):
             raise BadInput(f"{here}: name {name!r} must be an upper-case quant tag", "e.g. Q4_K_M or IQ2_XS-MTPQ8")
@@ -144,7 +140,7 @@ def parse_spec(doc: dict[str, Any], path: Path | None = None) -> LadderSpec:
         if "{quant}" not in pattern or "/" in pattern or not pattern.endswith(".gguf"):
             raise BadInput(f"{here}: file_pattern {pattern!r} must contain {{quant}}, end in .gguf and name a file", 'e.g. "{model}-{quant}.gguf"')
         fallback = _type_name(merged.get("imatrix_fallback_type", DEFAULT_FALLBACK_TYPE), f"{here}: imatrix_fallback_type")
-        if fallback in IMATRIX_TYPES:
+        if tensor_requires_imatrix("", fallback, ftype):
             raise BadInput(f"{here}: imatrix_fallback_type {fallback} itself needs an imatrix", "use a K or legacy type such as Q4_K or Q8_0")
         rungs.append(
             Rung(

@@ -1,0 +1,82 @@
+"""The one launcher of llama.cpp children: environment, streaming, timeouts, kill and reap."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import pytest
+
+from ggufcarve.errors import ToolFailed, ToolMissing
+from ggufcarve.llama import launch
+
+
+def py(code: str) -> list[str]:
+    return [sys.executable, "-c", code]
+
+
+def alive(pid: int, grace: float = 2.0) -> bool:
+    """Whether `pid` still runs `grace` seconds from now (a SIGKILL is delivered asynchronously)."""
+    deadline = time.monotonic() + grace
+    while _running(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return _running(pid)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie is dead for our purposes
+        return f.read().split(")")[-1].split()[0] != "Z"
+
+
+def test_environment_and_line_streaming():
+    lines: list[str] = []
+    code = "import os; print(os.environ['GGML_NO_BACKTRACE'], os.environ['LLAMA_ARG_REPACK']); import sys; print('err', file=sys.stderr); print('no newline', end='')"
+    done = launch.run(py(code), on_line=lines.append)
+    assert done.ok and done.returncode == 0
+    assert lines == ["1 0", "err", "no newline"] and done.tail == lines
+
+
+def test_exit_status_and_tail_in_the_error():
+    done = launch.run(py("import sys\nfor i in range(100): print(i)\nsys.exit(3)"), tail_lines=5)
+    assert not done.ok and done.returncode == 3 and done.tail == ["95", "96", "97", "98", "99"]
+    with pytest.raises(ToolFailed, match=r"the child exited 3: 97 \| 98 \| 99 \(hint: look\)"):
+        launch.check(done, "the child", "look")
+
+
+def test_overall_timeout_kills_the_whole_process_group(tmp_path):
+    pid_file = tmp_path / "grandchild.pid"
+    code = f"import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); open({str(pid_file)!r}, 'w').write(str(p.pid)); print('started', flush=True); time.sleep(60)"
+    start = time.monotonic()
+    done = launch.run(py(code), timeout=2.0)
+    assert time.monotonic() - start < 10
+    assert done.timed_out == "timeout" and not done.ok and "timed out" in done.describe_failure()
+    assert not alive(int(pid_file.read_text()))
+
+
+def test_idle_watchdog_stops_a_silent_child():
+    code = "import time\nfor i in range(3): print(i, flush=True); time.sleep(0.2)\ntime.sleep(60)"
+    lines: list[str] = []
+    done = launch.run(py(code), on_line=lines.append, idle_timeout=1.5)
+    assert done.timed_out == "idle" and lines == ["0", "1", "2"]
+
+
+def test_child_killed_and_reaped_when_the_caller_raises(tmp_path):
+    pid_file = tmp_path / "child.pid"
+
+    def stop(line: str) -> None:
+        raise KeyboardInterrupt
+
+    code = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); print('hello', flush=True); time.sleep(60)"
+    with pytest.raises(KeyboardInterrupt):
+        launch.run(py(code), on_line=stop)
+    assert not alive(int(pid_file.read_text()))
+
+
+def test_missing_program_is_one_clear_error(tmp_path):
+    with pytest.raises(ToolMissing, match="cannot run no-such-tool"):
+        launch.run([str(tmp_path / "no-such-tool")])
