@@ -18,7 +18,7 @@ scores file alone.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -27,7 +27,8 @@ import numpy as np
 from ggufcarve import __version__
 from ggufcarve.errors import BadInput
 from ggufcarve.gguf.container import GGUFModel
-from ggufcarve.moe.layout import ROUTING, UNKNOWN_ROUTING, MoeLayer, MoeLayout
+from ggufcarve.moe.layout import MoeLayer, MoeLayout
+from ggufcarve.moe.routing import UNKNOWN_ROUTING, Routing
 
 SCHEMA = "ggufcarve.expert-scores"
 SCHEMA_VERSION = 1
@@ -50,6 +51,7 @@ class ModelFacts:
     group_count: int
     group_used_count: int
     blocks: tuple[int, ...]
+    routing: dict[str, Any] = field(default_factory=dict)  # the fields of moe.routing.Routing
 
     @classmethod
     def of(cls, model: GGUFModel, layout: MoeLayout) -> ModelFacts:
@@ -57,6 +59,7 @@ class ModelFacts:
             name=model.path.name, bytes=model.total_bytes, architecture=layout.architecture, block_count=layout.block_count,
             nextn_layers=layout.nextn_layers, expert_count=layout.expert_count, expert_used_count=layout.expert_used_count,
             group_count=layout.group_count, group_used_count=layout.group_used_count, blocks=layout.blocks,
+            routing=asdict(layout.routing),
         )
 
     def is_mtp(self, block: int) -> bool:
@@ -69,7 +72,7 @@ class ModelFacts:
             expert_count=self.expert_count, expert_used_count=self.expert_used_count, group_count=self.group_count,
             group_used_count=self.group_used_count, shared_expert_count=0, leading_dense_blocks=0,
             layers=tuple(MoeLayer(b, self.is_mtp(b), ()) for b in self.blocks), total_bytes=0, expert_bytes=0,
-            routing=ROUTING.get(self.architecture, UNKNOWN_ROUTING), described_by="scores",
+            routing=Routing(**self.routing) if self.routing else UNKNOWN_ROUTING, described_by="model" if self.routing else "scores",
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -77,7 +80,7 @@ class ModelFacts:
 
     @classmethod
     def from_json(cls, doc: dict[str, Any]) -> ModelFacts:
-        return cls(**{**{k: doc[k] for k in cls.__dataclass_fields__}, "blocks": tuple(doc["blocks"])})
+        return cls(**{**{k: doc[k] for k in cls.__dataclass_fields__ if k != "routing"}, "blocks": tuple(doc["blocks"]), "routing": dict(doc.get("routing") or {})})
 
 
 @dataclass(frozen=True, eq=False)
