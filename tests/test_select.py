@@ -5,13 +5,12 @@ from __future__ import annotations
 import json
 import struct
 
+import factory
 import numpy as np
 import pytest
 from gguf import GGUFReader
 from gguf.quants import dequantize as gguf_dequantize
 
-import factory
-from clirun import ggufcarve
 from ggufcarve.errors import BadInput
 from ggufcarve.gguf.container import read_model
 from ggufcarve.moe.layout import inspect_layout

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import json
 
+import factory
 import numpy as np
 import pytest
-
-import factory
 from clirun import ggufcarve
 from conftest import make_imatrix
 from llama_probe import probe

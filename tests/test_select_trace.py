@@ -6,13 +6,13 @@ import json
 import random
 import subprocess
 
+import factory
 import numpy as np
 import pytest
-from gguf import GGUFReader
-
-import factory
 from clirun import ggufcarve
 from conftest import CALIBRATION_WORDS
+from gguf import GGUFReader
+
 from ggufcarve.gguf.container import read_model
 from ggufcarve.llama.trace import trace_routing
 from ggufcarve.moe.layout import inspect_layout

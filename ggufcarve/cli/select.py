@@ -175,7 +175,12 @@ def select_command(
 ) -> None:
     """Choose the experts to keep per MoE block (MTP included) and write the selection record."""
     from ggufcarve.fileio import sha256_file_cached
-    from ggufcarve.select.keep import check_kept_count, choose, kept_count, protected_from
+    from ggufcarve.select.keep import (
+        check_kept_count,
+        choose,
+        kept_count,
+        protected_from,
+    )
     from ggufcarve.select.scores import ModelFacts, read_scores
 
     sources = sources or []

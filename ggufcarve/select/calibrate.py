@@ -33,7 +33,7 @@ from ggufcarve.errors import BadInput, ToolFailed
 from ggufcarve.events import Event, Sink, ignore
 from ggufcarve.gguf.container import GGUFModel
 from ggufcarve.moe.layout import MoeLayout
-from ggufcarve.select.calibration import CalibrationFile, Document, read_calibration
+from ggufcarve.select.calibration import Document, read_calibration
 from ggufcarve.select.scores import BlockStats, ExpertScores, ModelFacts
 
 DEFAULT_CTX = 512
@@ -42,6 +42,9 @@ PROGRESS_LINE = re.compile(r"^ggufcarve-calibrate: traced (?P<done>\d+)/(?P<tota
 ERROR_LINE = re.compile(r"^ggufcarve-calibrate: error: (?P<message>.*?)(?: \|\| (?P<hint>.*))?$")
 IDLE_TIMEOUT = 600.0
 MTP_NOTE = "MTP block: llama.cpp's decode graph does not run it; scored by the weights rule"
+# numpy's matrix products (RAZOR's refill experts) run beside llama.cpp's own threads: a BLAS
+# thread pool on top oversubscribes the cores (measured: 30x slower products on 2 cores).
+SINGLE_THREADED_BLAS = {"OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 EXIT_BAD_INPUT, EXIT_LOAD, EXIT_DECODE, EXIT_CALLBACK = 2, 3, 5, 7
 
 
@@ -89,7 +92,8 @@ def calibrate(
             elif m := ERROR_LINE.match(line):
                 refused.append(BadInput(m["message"], m["hint"] or ""))
 
-        finished = launch.run([sys.executable, "-m", "ggufcarve.select.calibrate", "--request", str(request), "--out", str(result)], on_line=watch, idle_timeout=IDLE_TIMEOUT)
+        finished = launch.run([sys.executable, "-m", "ggufcarve.select.calibrate", "--request", str(request), "--out", str(result)],
+                              on_line=watch, idle_timeout=IDLE_TIMEOUT, env=SINGLE_THREADED_BLAS)
         if refused:
             raise refused[0]
         launch.check(finished, f"calibrating {model.path.name} in llama.cpp", "check that the model loads in llama.cpp (llama.cpp's last lines are above)")

@@ -39,15 +39,15 @@ def kept_count(expert_count: int, group_count: int, keep: int | None, ratio: flo
     if ratio is not None:
         if not 0 < ratio <= 1:
             raise BadInput(f"--ratio {ratio} is not a fraction in (0, 1]", "--ratio is the fraction of experts kept, e.g. 0.5")
-        step = group_count if group_count > 1 else 1
-        keep = max(step, int(round(ratio * expert_count / step)) * step)
+        step = max(1, group_count)
+        keep = max(step, round(ratio * expert_count / step) * step)
     assert keep is not None
     return keep
 
 
 def check_kept_count(facts: ModelFacts, kept: int) -> None:
     """K fits the model's routing: at least top-k, within the expert count, whole groups."""
-    groups = facts.group_count if facts.group_count > 1 else 1
+    groups = max(1, facts.group_count)
     if not 1 <= kept <= facts.expert_count:
         raise BadInput(f"K={kept} is outside 1..{facts.expert_count} (the model has {facts.expert_count} experts per block)", "keep at least the experts each token is routed to")
     if kept < max(facts.expert_used_count, 1):
@@ -171,7 +171,7 @@ def choose(
     """The top `kept` experts of every block; raises BadInput if the result would not load in llama.cpp."""
     facts = scores.model
     check_kept_count(facts, kept)
-    n, groups = facts.expert_count, facts.group_count if facts.group_count > 1 else 1
+    n, groups = facts.expert_count, max(1, facts.group_count)
     protected = {b: set(ids) for b, ids in (protect or {}).items()}
     supers: dict[int, set[int]] = super_experts(scores) if protect_super_experts else {}
     for b, ids in supers.items():

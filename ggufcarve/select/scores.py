@@ -34,7 +34,7 @@ SCHEMA = "ggufcarve.expert-scores"
 SCHEMA_VERSION = 1
 STATISTICS = ("count", "mean", "rms", "mean_square", "value")
 # Parameters that may differ between shards of one calibration run.
-SHARD_PARAMETERS = ("max_tokens", "skip_tokens")
+SHARD_PARAMETERS = ("max_tokens", "chunks")
 
 
 @dataclass(frozen=True)
@@ -124,7 +124,7 @@ class BlockStats:
             if any(not np.array_equal(a, other.arrays()[k]) for k, a in self.arrays().items()):
                 raise BadInput(f"blk.{block}: {self.rule} scores differ between the shards", "these scores do not depend on calibration data; shards of one model must agree")
             return self
-        add = lambda a, b: None if a is None else a + b  # noqa: E731
+        add = lambda a, b: None if a is None else a + b
         return replace(
             self, counts=add(self.counts, other.counts), sums=add(self.sums, other.sums), sums_sq=add(self.sums_sq, other.sums_sq),
             maxima=None if self.maxima is None else np.maximum(self.maxima, other.maxima),

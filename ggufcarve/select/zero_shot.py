@@ -22,6 +22,7 @@ per-block top-K needs. The model is read once, tensor by tensor in file order, a
 
 from __future__ import annotations
 
+import mmap
 import os
 from typing import Iterable, Sequence
 
@@ -52,14 +53,17 @@ RMS_RULE = "RMS of the dequantized slab"
 WEIGHT_SUFFIXES = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight", "ffn_gate_up_exps.weight")
 
 
+F16_AT_ZERO = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q8_1", "IQ4_NL")  # |d|: the f16 at byte 0 of every block
+
+
 def _f16_at(blocks: np.ndarray, offset: int) -> np.ndarray:
-    return np.ascontiguousarray(blocks[:, offset : offset + 2]).view(np.float16).astype(np.float32)  # (n, 1)
+    """The f16 field at byte `offset` of every block (uint8 [..., type_size]) as float32 [..., 1]."""
+    return blocks[..., offset : offset + 2].view(np.float16).astype(np.float32)
 
 
 def block_scales(blocks: np.ndarray, qtype: Q) -> np.ndarray | None:
     """|scale| of every (sub-)block of `blocks` (uint8 [n_blocks, type_size]); None: the type has no scale rule."""
-    name = qtype.name
-    if name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q8_1", "IQ4_NL"):
+    if qtype.name in F16_AT_ZERO:
         return np.abs(_f16_at(blocks, 0))
     if qtype == Q.Q2_K:  # scales[16] | qs[64] | d | dmin
         return np.abs(_f16_at(blocks, 80) * (blocks[:, :16] & 0xF).astype(np.float32))
@@ -86,9 +90,14 @@ def slab_energy(slabs: np.ndarray, tensor_type: int, expert_shape: tuple[int, ..
     qtype = Q(tensor_type)
     block_size, type_size = GGML_QUANT_SIZES[qtype]
     if block_size > 1:
-        scales = block_scales(slabs.reshape(-1, type_size), qtype)
-        if scales is not None:
-            return scales.reshape(len(slabs), -1).mean(axis=1, dtype=np.float64), SCALE_RULES[qtype.name]
+        blocks = slabs.reshape(len(slabs), -1, type_size)
+        with np.errstate(invalid="ignore", over="ignore"):
+            if qtype.name in F16_AT_ZERO:  # |d| by clearing the f16 sign bit: no copy of the blocks
+                magnitudes = (blocks[:, :, 0:2].view(np.uint16) & np.uint16(0x7FFF)).view(np.float16)
+                return magnitudes.mean(axis=(1, 2), dtype=np.float64), SCALE_RULES[qtype.name]
+            scales = block_scales(blocks.reshape(-1, type_size), qtype)
+            if scales is not None:
+                return scales.reshape(len(slabs), -1).mean(axis=1, dtype=np.float64), SCALE_RULES[qtype.name]
     energies = np.empty(len(slabs), dtype=np.float64)
     for i, slab in enumerate(slabs):
         values = dequantize(slab.tobytes(), tensor_type, expert_shape)
@@ -98,8 +107,9 @@ def slab_energy(slabs: np.ndarray, tensor_type: int, expert_shape: tuple[int, ..
 
 def router_norms(model: GGUFModel, layout: MoeLayout, block: int) -> np.ndarray:
     """||row_e||_2 of the block's router, float64 per expert."""
-    values = tensor_values(model, f"blk.{block}.ffn_gate_inp.weight").astype(np.float64)
-    return np.linalg.norm(values.reshape(layout.expert_count, -1), axis=1)
+    values = tensor_values(model, f"blk.{block}.ffn_gate_inp.weight")
+    with np.errstate(invalid="ignore", over="ignore"):
+        return np.linalg.norm(values.reshape(layout.expert_count, -1).astype(np.float64), axis=1)
 
 
 def _weight_tensors(layout: MoeLayout, blocks: Iterable[int]) -> list[ExpertTensor]:
@@ -108,7 +118,8 @@ def _weight_tensors(layout: MoeLayout, blocks: Iterable[int]) -> list[ExpertTens
 
 
 def weight_energies(model: GGUFModel, layout: MoeLayout, blocks: Sequence[int], on_event: Sink = ignore) -> tuple[dict[int, np.ndarray], dict[str, str]]:
-    """Scale energy per block and expert, reading each expert weight tensor once in file order.
+    """Scale energy per block and expert, reading each expert weight tensor once in file order
+    (memory-mapped one tensor at a time, a few experts decoded at a time).
 
     Returns the energies and the rule applied per tensor type."""
     n = layout.expert_count
@@ -117,41 +128,47 @@ def weight_energies(model: GGUFModel, layout: MoeLayout, blocks: Sequence[int], 
     progress = Counter(on_event, "read experts", sum(t.nbytes for t in tensors), "bytes")
     per_tensor: dict[int, list[np.ndarray]] = {b: [] for b in blocks}
     rules: dict[str, str] = {}
-    fds: dict[int, int] = {}
-    try:
-        for (shard, info), t in located:
-            fd = fds.get(shard)
-            if fd is None:
-                fd = fds[shard] = os.open(model.shards[shard].path, os.O_RDONLY)
-            slab = t.bytes_per_expert
-            step = max(1, READ_BYTES // slab)
-            start, _ = model.shards[shard].data_range(info)
-            energy = np.empty(n, dtype=np.float64)
+    for (shard, info), t in located:
+        path = model.shards[shard].path
+        start, end = model.shards[shard].data_range(info)
+        if end > os.path.getsize(path):
+            raise BadInput(f"{path}: {t.name} runs past the end of the file", "the file is incomplete; re-copy it")
+        slab = t.bytes_per_expert
+        step = max(1, READ_BYTES // slab)
+        energy = np.empty(n, dtype=np.float64)
+        aligned = start - start % mmap.ALLOCATIONGRANULARITY
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), end - aligned, access=mmap.ACCESS_READ, offset=aligned) as mapped:
+            data = np.frombuffer(mapped, dtype=np.uint8, count=end - start, offset=start - aligned).reshape(n, slab)
             for first in range(0, n, step):
-                count = min(step, n - first)
-                raw = os.pread(fd, count * slab, start + first * slab)
-                if len(raw) != count * slab:
-                    raise BadInput(f"{model.shards[shard].path}: {t.name} is truncated", "the file is incomplete; re-copy it")
-                energy[first : first + count], rules[t.type_name] = slab_energy(np.frombuffer(raw, dtype=np.uint8).reshape(count, slab), info.type_id, info.shape[:-1])
-                progress(len(raw), t.name)
-            scale_name = t.name.rsplit(".", 1)[0] + ".scale"
-            if scale_name in model.tensor_index:
-                energy = energy * np.abs(tensor_values(model, scale_name).astype(np.float64).reshape(n))
-            per_tensor[t.block].append(energy)
-    finally:
-        for fd in fds.values():
-            os.close(fd)
+                chunk = data[first : first + step]
+                energy[first : first + len(chunk)], rules[t.type_name] = slab_energy(chunk, info.type_id, info.shape[:-1])
+                progress(chunk.nbytes, t.name)
+            del data, chunk
+        scale_name = t.name.rsplit(".", 1)[0] + ".scale"
+        if scale_name in model.tensor_index:
+            energy = energy * np.abs(tensor_values(model, scale_name).astype(np.float64).reshape(n))
+        per_tensor[t.block].append(energy)
     return {b: np.mean(per_tensor[b], axis=0) for b in blocks}, rules
+
+
+def _finite(values: np.ndarray, model: GGUFModel, block: int, what: str) -> np.ndarray:
+    if not np.isfinite(values).all():
+        bad = [int(e) for e in np.flatnonzero(~np.isfinite(values))]
+        raise BadInput(f"{model.path.name}: blk.{block} {what} of expert(s) {bad[:8]} are not finite", "the file's weights are corrupt (NaN or Inf); re-convert or re-download it")
+    return values
 
 
 def weights_stats(model: GGUFModel, layout: MoeLayout, blocks: Sequence[int], on_event: Sink = ignore, note: str = "") -> tuple[dict[int, BlockStats], dict[str, str]]:
     energies, rules = weight_energies(model, layout, blocks, on_event)
-    stats = {b: BlockStats("weights", "value", sums=router_norms(model, layout, b) * energies[b], note=note) for b in blocks}
+    stats = {}
+    for b in blocks:
+        norms = _finite(router_norms(model, layout, b), model, b, "router row norms")
+        stats[b] = BlockStats("weights", "value", sums=norms * _finite(energies[b], model, b, "weight scales"), note=note)
     return stats, rules
 
 
 def router_norm_stats(model: GGUFModel, layout: MoeLayout) -> dict[int, BlockStats]:
-    return {b: BlockStats("router-norm", "value", sums=router_norms(model, layout, b)) for b in layout.blocks}
+    return {b: BlockStats("router-norm", "value", sums=_finite(router_norms(model, layout, b), model, b, "router row norms")) for b in layout.blocks}
 
 
 def random_stats(layout: MoeLayout, seed: int) -> dict[int, BlockStats]:
