@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import errno
+import functools
 import hashlib
 import json
 import os
+import re
 import shutil
 import threading
 from contextlib import contextmanager
@@ -24,34 +26,12 @@ def _noop(_: int) -> None:
     pass
 
 
-def copy_range(src_fd: int, dst_fd: int, src_offset: int, dst_offset: int, length: int, progress: Progress = _noop) -> None:
-    """Copy `length` bytes between file descriptors at explicit offsets, in the kernel when it can."""
-    done = 0
-    kernel_copy = hasattr(os, "copy_file_range")
-    buffer: bytearray | None = None
-    while done < length:
-        count = min(CHUNK, length - done)
-        copied = 0
-        if kernel_copy:
-            try:
-                copied = os.copy_file_range(src_fd, dst_fd, count, src_offset + done, dst_offset + done)
-            except OSError as err:
-                if err.errno not in (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.ETXTBSY, errno.EPERM):
-                    raise
-                kernel_copy = False
-        if copied == 0:
-            if buffer is None:
-                buffer = bytearray(CHUNK)
-            view = memoryview(buffer)[:count]
-            got = os.preadv(src_fd, [view], src_offset + done)
-            if got == 0:
-                raise BadInput(f"source ended early: {length - done} bytes missing at offset {src_offset + done}", "the source file changed or is truncated")
-            written = 0
-            while written < got:
-                written += os.pwrite(dst_fd, view[written:got], dst_offset + done + written)
-            copied = got
-        done += copied
-        progress(copied)
+def write_at(fd: int, data: bytes | memoryview, position: int) -> None:
+    """Write all of `data` at `position` (one pwrite may write less than asked)."""
+    view = memoryview(data)
+    written = 0
+    while written < len(view):
+        written += os.pwrite(fd, view[written:], position + written)
 
 
 def read_ranges(fd: int, ranges: Sequence[tuple[int, int]], buffer: bytearray, progress: Progress = _noop) -> Iterator[memoryview]:
@@ -88,7 +68,6 @@ def sha256_file(path: str | os.PathLike[str], progress: Progress = _noop, buffer
     return hasher.hexdigest()
 
 
-PARTIAL_SUFFIX = ".partial"
 SHA256_CACHE_NAME = "sha256-cache.json"
 ENV_CACHE = "GGUFCARVE_CACHE"
 
@@ -153,12 +132,23 @@ def same_file(a: Path, b: Path) -> bool:
         return a.resolve() == b.resolve()
 
 
-def check_outputs(outputs: Sequence[Path], sources: Sequence[Path], bytes_needed: int, force: bool) -> None:
+def check_outputs(
+    outputs: Sequence[Path],
+    sources: Sequence[Path],
+    bytes_needed: int,
+    force: bool,
+    *,
+    replaces: Sequence[Path] = (),
+    belongs: Callable[[str], bool] | None = None,
+) -> None:
     """Refuse before writing: an output that is a source, exists (without force), or cannot fit.
 
-    A missing output directory is created once every check passed.
+    `replaces` are existing files of an earlier output under the same name that the new one does
+    not contain (old shards of a split set); they count as existing outputs. Temp files of dead
+    runs of any name `belongs` accepts (default: the outputs' and `replaces`' names) are removed
+    before free space is measured. A missing output directory is created once every check passed.
     """
-    for out in outputs:
+    for out in [*outputs, *replaces]:
         for src in sources:
             if same_file(out, src):
                 raise OutputError(f"output {out} is the source file", "write the pruned model to a new path; the source is never modified")
@@ -174,6 +164,10 @@ def check_outputs(outputs: Sequence[Path], sources: Sequence[Path], bytes_needed
         raise OutputError(f"output directory {directory}: {existing} is not a directory", "choose an output path inside a directory")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise OutputError(f"output directory {existing} is not writable", "choose a directory you can write to")
+    if belongs is None:
+        names = {p.name for p in [*outputs, *replaces]}
+        belongs = names.__contains__
+    remove_dead_temps(directory, belongs)
     free = shutil.disk_usage(existing).free
     if free < bytes_needed:
         raise OutputError(f"output needs {bytes_needed / 2**30:.2f} GiB but {existing} has {free / 2**30:.2f} GiB free", "free disk space or write elsewhere")
@@ -183,14 +177,43 @@ def check_outputs(outputs: Sequence[Path], sources: Sequence[Path], bytes_needed
         raise OutputError(f"cannot create output directory {directory}: {err.strerror or err}", "choose a directory you can write to") from None
 
 
-class BackgroundFlush:
-    """fdatasync()s a file on a helper thread while it is being written.
+SYNC_FILE_RANGE_WRITE = 2  # <fcntl.h> (Linux): start write-out of the range's dirty pages, do not wait
 
-    The kernel then writes dirty pages back during the copy instead of all at the final fsync,
-    so copying and the disk's writing overlap.
+
+@functools.cache
+def _sync_file_range() -> Callable[[int, int, int, int], int] | None:
+    """libc's sync_file_range (Linux), or None where there is none."""
+    import ctypes
+
+    try:
+        function = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    function.restype = ctypes.c_int
+    return function
+
+
+def start_writeback(fd: int) -> None:
+    """Queue a file's dirty pages for writing to disk and return without waiting for them.
+
+    sync_file_range(SYNC_FILE_RANGE_WRITE) where the C library has it; else fdatasync, which waits.
+    Durability still needs the final fsync: this only makes the disk start early.
+    """
+    function = _sync_file_range()
+    if function is None or function(fd, 0, 0, SYNC_FILE_RANGE_WRITE) != 0:
+        os.fdatasync(fd)
+
+
+class BackgroundFlush:
+    """Starts the write-back of a file on a helper thread while it is being written.
+
+    The disk then writes during the copy instead of all at the final fsync, so copying and the
+    disk's writing overlap. `start_writeback` does not wait and commits no journal: an fdatasync
+    in the middle of the writes makes ext4 stall the writer while its journal commits.
     """
 
-    def __init__(self, every: int = 256 << 20) -> None:
+    def __init__(self, every: int = 64 << 20) -> None:
         self.every = every
         self.pending = 0
         self.fd: int | None = None
@@ -207,14 +230,14 @@ class BackgroundFlush:
             fd = self.fd
             if fd is not None and self.error is None:
                 try:
-                    os.fdatasync(fd)
+                    start_writeback(fd)
                 except OSError as err:  # the final fsync of the caller reports it too
                     self.error = err
             if self.stopping:
                 return
 
     def wrote(self, fd: int, n: int) -> None:
-        """Count bytes written to fd; every `every` bytes a flush is requested."""
+        """Count bytes written to fd; every `every` bytes a write-back is started."""
         self.pending += n
         if self.pending >= self.every:
             self.pending = 0
@@ -222,22 +245,145 @@ class BackgroundFlush:
             self.wake.set()
 
     def close(self) -> None:
-        """Wait for the flush in progress; call before closing the file descriptors."""
+        """Wait for the write-back request in progress; call before closing the file descriptors."""
         self.stopping = True
         self.fd = None
         self.wake.set()
         self.thread.join()
 
 
+# Temp names. Every output NAME is written as `.NAME.ggufcarve-PID-START-BOOT.tmp` in its own
+# directory: PID is the writing process, START its start time in clock ticks since boot (field 22
+# of /proc/PID/stat) and BOOT the first 8 hex digits of /proc/sys/kernel/random/boot_id. Together
+# they name one process of one boot, so a later run tells a dead run's temp file (no such process,
+# a zombie, the pid reused by a process that started at another time, or another boot) from a live
+# concurrent run's. Without /proc, START and BOOT are 0 and only the pid is checked. The earlier
+# form `.NAME.ggufcarve-PID.tmp` is recognised by its pid alone.
+TEMP_NAME = re.compile(r"^\.(?P<target>.+)\.ggufcarve-(?P<pid>\d+)(?:-(?P<start>\d+)-(?P<boot>[0-9a-f]+))?\.tmp$")
+
+
+def _process_state(pid: int) -> tuple[str, int] | None:
+    """(state letter, start time in clock ticks since boot) of a process, None if /proc does not show it."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(b")") + 2 :].split()  # the command name may hold spaces and parentheses
+    return fields[0].decode(), int(fields[19])
+
+
+@functools.cache
+def _boot_token() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip().replace("-", "")[:8] or "0"
+    except OSError:
+        return "0"
+
+
+def _pid_exists(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by another user
+        return True
+    return True
+
+
+def run_token(pid: int | None = None) -> str:
+    """PID-START-BOOT of a process (default: this one), as it appears in its temp names."""
+    pid = os.getpid() if pid is None else pid
+    state = _process_state(pid)
+    return f"{pid}-{state[1] if state else 0}-{_boot_token()}"
+
+
 def temp_path_for(path: Path) -> Path:
-    return path.with_name(f".{path.name}.ggufcarve-{os.getpid()}.tmp")
+    """The temp name this process writes `path` under (a file or a directory)."""
+    return path.with_name(f".{path.name}.ggufcarve-{run_token()}.tmp")
+
+
+def writer_alive(temp_name: str) -> bool:
+    """Whether the process whose temp name this is may still be writing it (True for other names)."""
+    match = TEMP_NAME.match(temp_name)
+    if match is None:
+        return True
+    pid = int(match["pid"])
+    if match["start"] is not None and match["boot"] != "0" and match["boot"] != _boot_token():
+        return False
+    if not _pid_exists(pid):
+        return False
+    state = _process_state(pid)
+    if state is None:  # /proc hides it (or there is no /proc): the pid exists, assume it is the writer
+        return True
+    if state[0] in ("Z", "X"):  # exited, not yet reaped
+        return False
+    return match["start"] is None or int(match["start"]) == 0 or state[1] == int(match["start"])
+
+
+def dead_temps(directory: Path, belongs: Callable[[str], bool]) -> list[Path]:
+    """Temp files and directories in `directory` of runs no longer alive, for the names `belongs` accepts."""
+    try:
+        names = sorted(os.listdir(directory))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    found = []
+    for name in names:
+        match = TEMP_NAME.match(name)
+        if match and belongs(match["target"]) and not writer_alive(name):
+            found.append(directory / name)
+    return found
+
+
+def bytes_on_disk(path: Path) -> int:
+    """Allocated bytes of a file, or of everything under a directory."""
+    try:
+        if path.is_dir() and not path.is_symlink():
+            return sum((Path(root) / n).lstat().st_blocks * 512 for root, _, files in os.walk(path) for n in files)
+        return path.lstat().st_blocks * 512
+    except OSError:
+        return 0
+
+
+def remove_dead_temps(directory: Path, belongs: Callable[[str], bool]) -> list[Path]:
+    """Delete the temp files (and directories) of dead runs for the names `belongs` accepts."""
+    removed = dead_temps(directory, belongs)
+    for path in removed:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)  # a concurrent re-run may have removed it first
+    return removed
+
+
+def make_temp_dir(path: Path) -> Path:
+    """Create this process's temp directory for `path` (replaced into place later by the caller)."""
+    temp = temp_path_for(path)
+    shutil.rmtree(temp, ignore_errors=True)  # this process's own, from an attempt that failed
+    temp.mkdir(parents=True)
+    return temp
+
+
+def _fsync_dir(directory: Path) -> None:
+    dir_fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
 
 
 @contextmanager
-def atomic_outputs(paths: Sequence[Path]) -> Iterator[list[tuple[Path, int]]]:
+def atomic_outputs(paths: Sequence[Path], replaces: Sequence[Path] = ()) -> Iterator[list[tuple[Path, int]]]:
     """Open temp files beside `paths`; on success fsync and rename them into place, else delete them.
 
-    Yields (temp path, read-write file descriptor) pairs in `paths` order.
+    Yields (temp path, read-write file descriptor) pairs in `paths` order. `paths` is one output:
+    a single file, or a split set whose first file is the one a loader is given. `replaces` are
+    files of an earlier output of the same name that the new one does not contain (old shards);
+    they are removed. A set of several files cannot be renamed atomically, so the swap never shows
+    a loader a mix of old and new shards: the old first file and `replaces` go first, then the new
+    files are renamed last to first. A crash during the swap leaves a set without its first file,
+    which nothing loads.
     """
     temps = [temp_path_for(p) for p in paths]
     fds: list[int] = []
@@ -247,13 +393,13 @@ def atomic_outputs(paths: Sequence[Path]) -> Iterator[list[tuple[Path, int]]]:
         yield list(zip(temps, fds))
         for fd in fds:
             os.fsync(fd)
-        for temp, final in zip(temps, paths):
+        if len(paths) > 1:
+            paths[0].unlink(missing_ok=True)
+        for old in sorted(replaces):
+            old.unlink(missing_ok=True)
+        for temp, final in reversed(list(zip(temps, paths))):
             os.replace(temp, final)
-        dir_fd = os.open(paths[0].parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+        _fsync_dir(paths[0].parent)
     except OSError as err:
         raise OutputError(f"writing {paths[0].parent}: {err.strerror or err}", _hint_for(err)) from None
     finally:
@@ -272,7 +418,9 @@ def _hint_for(err: OSError) -> str:
 
 
 def write_text_atomic(path: Path, text: str) -> None:
+    """Write a text file under this process's temp name, fsync, rename; dead runs' temps of it go first."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    remove_dead_temps(path.parent, path.name.__eq__)
     temp = temp_path_for(path)
     try:
         with open(temp, "w", encoding="utf-8") as f:
@@ -283,20 +431,3 @@ def write_text_atomic(path: Path, text: str) -> None:
     finally:
         temp.unlink(missing_ok=True)
 
-
-def check_report_slot(report_path: Path, output_names: Sequence[str], described: Callable[[dict], list[str]], force: bool) -> None:
-    """Refuse to replace a report that describes other outputs (another run into the same directory).
-
-    `described` reads the output file names from an existing report's JSON.
-    """
-    if force or not report_path.exists():
-        return
-    try:
-        names = described(json.loads(report_path.read_text()))
-    except (OSError, ValueError, KeyError, TypeError):
-        names = None
-    if names != list(output_names):
-        raise OutputError(
-            f"{report_path} already describes another output ({', '.join(names or ['unreadable'])})",
-            "write to another directory, pass --report PATH, or --force to replace it",
-        )

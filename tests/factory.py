@@ -384,7 +384,7 @@ def _qwen35moe(b: _Builder, *, n_expert, n_expert_used, n_layer, n_embd, n_ff_ex
 
 
 def _deepseek2(b: _Builder, *, n_expert, n_expert_used, n_layer, n_embd, n_ff_exp,
-               n_group, n_group_used, **_):
+               n_group, n_group_used, v2_routing=False, **_):
     n_head = 2
     q_lora_rank, kv_lora_rank = 64, 64
     n_rot = 32                      # rope part of each q/k head
@@ -406,10 +406,12 @@ def _deepseek2(b: _Builder, *, n_expert, n_expert_used, n_layer, n_embd, n_ff_ex
         ("{arch}.attention.kv_lora_rank", "uint32", kv_lora_rank),
         ("{arch}.leading_dense_block_count", "uint32", n_dense_lead),
         ("{arch}.expert_shared_count", "uint32", n_shared),
-        ("{arch}.expert_weights_scale", "float32", 1.5),
-        ("{arch}.expert_weights_norm", "bool", True),
-        ("{arch}.expert_gating_func", "uint32", int(gguf.ExpertGatingFuncType.SIGMOID)),
     ]
+    if v2_routing:  # as DeepSeek-V2/V2.5 GGUFs: no gating key (llama.cpp: softmax), weights not renormalised
+        kv += [("{arch}.expert_weights_scale", "float32", 16.0), ("{arch}.expert_weights_norm", "bool", False)]
+    else:
+        kv += [("{arch}.expert_weights_scale", "float32", 1.5), ("{arch}.expert_weights_norm", "bool", True),
+               ("{arch}.expert_gating_func", "uint32", int(gguf.ExpertGatingFuncType.SIGMOID))]
     kv += _moe_kv(n_expert, n_expert_used, n_ff_exp)
     if n_group > 1:
         kv += [("{arch}.expert_group_count", "uint32", n_group),
@@ -495,13 +497,16 @@ def _check_routing(arch: str, n_expert: int, n_expert_used: int, n_group: int, n
 
 
 def write_model(path, arch, *, dtype="F16", seed=0, n_expert=None, n_expert_used=None, n_layer=None,
-                n_embd=256, n_ff_exp=256, alignment=None, n_group=None, n_group_used=None) -> pathlib.Path:
+                n_embd=256, n_ff_exp=256, alignment=None, n_group=None, n_group_used=None,
+                v2_routing=False) -> pathlib.Path:
     """Write a tiny loadable MoE model of ``arch`` (one of ``ARCHES``) to ``path``.
 
     ``n_expert``, ``n_expert_used``, ``n_layer`` (main blocks, MTP excluded) and, for deepseek2,
     ``n_group``/``n_group_used`` default to ``ARCH_DEFAULTS[arch]``. ``alignment`` writes
     ``general.alignment`` and pads tensor data to it (default: GGUF's 32, key not written).
-    Returns the path.
+    ``v2_routing`` (deepseek2 only) writes DeepSeek-V2's routing keys: no ``expert_gating_func``,
+    ``expert_weights_norm`` false, ``expert_weights_scale`` 16 (default: V3's sigmoid, renormalised,
+    scale 1.5). Returns the path.
     """
     if arch not in ARCHES:
         raise ValueError(f"arch must be one of {ARCHES}, got {arch!r}")
@@ -512,12 +517,14 @@ def write_model(path, arch, *, dtype="F16", seed=0, n_expert=None, n_expert_used
     n_group = d.get("n_group", 0) if n_group is None else n_group
     n_group_used = d.get("n_group_used", 0) if n_group_used is None else n_group_used
     _check_routing(arch, n_expert, n_expert_used, n_group, n_group_used)
+    if v2_routing and arch != "deepseek2":
+        raise ValueError("v2_routing is a deepseek2 option")
     if arch == "deepseek2" and n_layer < 2:
         raise ValueError("deepseek2 needs n_layer >= 2 (block 0 is dense)")
 
     b = _Builder(seed)
     args = dict(n_expert=n_expert, n_expert_used=n_expert_used, n_layer=n_layer, n_embd=n_embd,
-                n_ff_exp=n_ff_exp, n_group=n_group, n_group_used=n_group_used)
+                n_ff_exp=n_ff_exp, n_group=n_group, n_group_used=n_group_used, v2_routing=v2_routing)
     if arch == "qwen3moe":
         gguf_arch, kv = _qwen3moe(b, **args)
     elif arch in ("qwen35moe", "fused"):
@@ -551,6 +558,61 @@ def write_dense_model(path) -> pathlib.Path:
     b.norm("output_norm.weight", n_embd)
     b.dense("output.weight", (n_embd, N_VOCAB))
     return _write(pathlib.Path(path), "llama", kv, b.specs, "F16", None)
+
+
+def write_bulk_moe(path, *, n_layer=4, n_expert=32, n_embd=1024, n_ff_exp=512, n_vocab=32000, seed=0, sparse=False) -> pathlib.Path:
+    """A qwen3moe-shaped Q8_0 file whose tensor data is random bytes, for tests and benchmarks of
+    byte movement at sizes the loadable fixtures do not reach (n_embd x n_ff_exp x n_expert x 3
+    expert tensors per layer, ~1.06 bytes per weight). ggufcarve inspects, prunes and checks it;
+    llama.cpp does not load it (no attention, no tokenizer). With ``sparse`` the tensor data is a
+    hole (zeros taking no disk space): enough for what reads only the header. Returns the path.
+    """
+    from gguf.constants import GGUFValueType
+
+    from ggufcarve.gguf.container import TensorHeader, encode_header, make_kv, pad_to
+
+    q8, f32 = int(QT.Q8_0), int(QT.F32)
+
+    def q8_bytes(ne0: int, rows: int) -> int:
+        return ne0 // 32 * 34 * rows
+
+    arch = "qwen3moe"
+    kvs = [
+        make_kv("general.architecture", GGUFValueType.STRING, arch),
+        make_kv("general.name", GGUFValueType.STRING, "ggufcarve bulk"),
+        make_kv(f"{arch}.block_count", GGUFValueType.UINT32, n_layer),
+        make_kv(f"{arch}.embedding_length", GGUFValueType.UINT32, n_embd),
+        make_kv(f"{arch}.expert_count", GGUFValueType.UINT32, n_expert),
+        make_kv(f"{arch}.expert_used_count", GGUFValueType.UINT32, 2),
+        make_kv(f"{arch}.expert_feed_forward_length", GGUFValueType.UINT32, n_ff_exp),
+    ]
+    tensors = [TensorHeader("token_embd.weight", (n_embd, n_vocab), q8, q8_bytes(n_embd, n_vocab))]
+    for i in range(n_layer):
+        p = f"blk.{i}."
+        tensors += [
+            TensorHeader(p + "attn_norm.weight", (n_embd,), f32, 4 * n_embd),
+            TensorHeader(p + "attn_q.weight", (n_embd, n_embd), q8, q8_bytes(n_embd, n_embd)),
+            TensorHeader(p + "ffn_gate_inp.weight", (n_embd, n_expert), f32, 4 * n_embd * n_expert),
+            TensorHeader(p + "ffn_gate_exps.weight", (n_embd, n_ff_exp, n_expert), q8, q8_bytes(n_embd, n_ff_exp * n_expert)),
+            TensorHeader(p + "ffn_up_exps.weight", (n_embd, n_ff_exp, n_expert), q8, q8_bytes(n_embd, n_ff_exp * n_expert)),
+            TensorHeader(p + "ffn_down_exps.weight", (n_ff_exp, n_embd, n_expert), q8, q8_bytes(n_ff_exp, n_embd * n_expert)),
+        ]
+    header, _ = encode_header(3, kvs, tensors, 32)
+    rng = np.random.default_rng(seed)
+    path = pathlib.Path(path)
+    with open(path, "wb") as f:
+        f.write(header)
+        if sparse:
+            f.truncate(len(header) + sum(pad_to(t.nbytes, 32) for t in tensors))
+            return path
+        for t in tensors:
+            left = t.nbytes
+            while left:
+                n = min(left, 64 << 20)
+                f.write(rng.bytes(n))
+                left -= n
+            f.write(bytes(pad_to(t.nbytes, 32) - t.nbytes))
+    return path
 
 
 # ---------------------------------------------------------------------------------------------

@@ -362,9 +362,11 @@ def test_remap_report(llama_imatrix, pruned, tmp_path):
     model, _ = pruned
     out = tmp_path / "k4.gguf"
     assert ggufcarve("imatrix", "remap", llama_imatrix["gguf"], "--model", model, "-o", out).code == 0
-    report = json.loads((tmp_path / "method" / "imatrix-remap-report.json").read_text())
-    assert report["schema_version"] == 1 and report["expert_count"] == {"before": 8, "after": 4}
-    assert report["input"]["sha256"] == sha256(llama_imatrix["gguf"]) and report["output"]["sha256"] == sha256(out)
+    report = json.loads((tmp_path / "method" / "k4.imatrix-remap-report.json").read_text())
+    assert report["schema_version"] == 2 and report["kind"] == "imatrix-remap-report" and report["expert_count"] == {"before": 8, "after": 4}
+    source = llama_imatrix["gguf"]
+    assert report["inputs"] == [{"name": source.name, "sha256": sha256(source), "bytes": source.stat().st_size}]
+    assert report["input"]["sha256"] == sha256(source) and report["output"]["sha256"] == sha256(out) and report["output"]["name"] == "k4.gguf"
     counts = {e.name: e.counts for e in read_imatrix(llama_imatrix["gguf"]).entries}
     assert len(report["tensors"]) == 6
     for t in report["tensors"]:
@@ -444,8 +446,21 @@ def test_mtp_expert_entries_are_remapped_with_mtp_keys(make_model, tmp_path):
     before, after = read_imatrix(imatrix).entry_index, read_imatrix(out).entry_index
     name = "blk.2.ffn_down_exps.weight"
     assert np.array_equal(after[name].sums(), before[name].sums()[[7, 5, 3, 1]])
-    report = json.loads((tmp_path / "method" / "imatrix-remap-report.json").read_text())
+    report = json.loads((tmp_path / "method" / "out.imatrix-remap-report.json").read_text())
     assert any(t["name"] == name and t["mtp"] for t in report["tensors"])
+
+
+def test_many_remaps_share_one_folder_each_with_its_report(synthetic, q3, tmp_path):
+    for name, k in (("k4.gguf", 4), ("k2.dat", 2)):
+        r = ggufcarve("imatrix", "remap", synthetic, "--source-model", q3, "--keep-first", k, "-o", tmp_path / name, "-q")
+        assert r.code == 0, r.stderr
+    reports = {p.name: json.loads(p.read_text()) for p in (tmp_path / "method").iterdir()}
+    assert sorted(reports) == ["k2.imatrix-remap-report.json", "k4.imatrix-remap-report.json"]
+    assert reports["k4.imatrix-remap-report.json"]["output"]["sha256"] == sha256(tmp_path / "k4.gguf")
+    assert reports["k2.imatrix-remap-report.json"]["expert_count"]["after"] == 2
+    assert all(str(tmp_path) not in json.dumps(doc) and str(synthetic.parent) not in json.dumps(doc) for doc in reports.values())
+    again = ggufcarve("imatrix", "remap", synthetic, "--source-model", q3, "--keep-first", 3, "-o", tmp_path / "k4.gguf")
+    assert again.code == 1 and "already exists" in again.error_line and "--force" in again.error_line
 
 
 def test_dry_run_writes_nothing(synthetic, q3, tmp_path):

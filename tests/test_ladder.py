@@ -10,10 +10,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from clirun import ggufcarve, sha256
+from clirun import ggufcarve, sha256, tensor_bytes
 
 from ggufcarve.errors import BadInput
 from ggufcarve.gguf.container import read_model
+from ggufcarve.llama.trace import trace_routing
 from ggufcarve.quant.quantizer import BinaryQuantizer, QuantizeJob
 from ggufcarve.quant.run import model_name_from, plan_ladder
 from ggufcarve.quant.spec import load_spec, parse_spec
@@ -119,10 +120,11 @@ def test_ladder_rungs_succeed_and_load(ladder, q8_moe, q8_moe_imatrix, llama_too
         assert rung["sha256"] == sha256(path) == rung["files"][0]["sha256"]
         assert rung["bytes"] == path.stat().st_size and rung["gib"] == round(path.stat().st_size / 2**30, 4)
         assert 2 < rung["bits_per_weight"] < 7.5
-        cmd = rung["command"]
-        assert cmd[0] == str(llama_tools / "llama-quantize") and "--allow-requantize" in cmd
-        assert cmd[cmd.index("--imatrix") + 1] == str(q8_moe_imatrix)
-        assert cmd[-4:] == [str(q8_moe), str(out / f".{path.name}.partial"), rung["ftype"], "2"]
+        assert rung["source_sha256"] == [sha256(q8_moe)]
+        cmd = rung["command"]  # as published: file names only, the final output name
+        assert cmd[0] == "llama-quantize" and "--allow-requantize" in cmd
+        assert cmd[cmd.index("--imatrix") + 1] == q8_moe_imatrix.name
+        assert cmd[-4:] == [q8_moe.name, path.name, rung["ftype"], "2"]
         probe = llama_probe.probe(path, [1, 70, 80, 90, 100, 110])
         assert probe.ok, probe.stderr[-2000:]
         assert np.isfinite(probe.logits).all()
@@ -191,9 +193,9 @@ def test_remapped_imatrix_on_pruned_model(small_spec, q8_moe, q8_moe_imatrix, tm
     assert result.code == 0, result.stderr[-2000:]
     rung = out / "pruned-IQ2_XS.gguf"
     assert read_model(rung).get("qwen3moe.expert_count") == 4
-    # the reports describing the ladder's inputs are published with it
-    for name in ("pruning-report.json", "imatrix-remap-report.json"):
-        assert (out / "method" / name).read_bytes() == (tmp_path / "method" / name).read_bytes()
+    # the reports describing the ladder's inputs are published with it, under the release's names
+    for name, beside in (("pruning-report.json", "pruned-Q8_0.pruning-report.json"), ("imatrix-remap-report.json", "pruned.imatrix.imatrix-remap-report.json")):
+        assert (out / "method" / name).read_bytes() == (tmp_path / "method" / beside).read_bytes()
         assert f"  method/{name}\n" in (out / "SHA256SUMS").read_text()
     assert ggufcarve("verify", out).code == 0
     report = json.loads((out / "method" / "pruning-report.json").read_text())
@@ -281,6 +283,7 @@ ftype = "Q4_K_M"
     assert sorted(p.name for p in out.iterdir()) == [".ggufcarve-ladder.lock", "SHA256SUMS", "quant-manifest.json"]
     rungs = {r["name"]: r for r in json.loads((out / "quant-manifest.json").read_text())["rungs"]}
     assert rungs["BROKEN"]["status"] == "failed" and rungs["BROKEN"]["exit_status"] != 0 and rungs["BROKEN"]["files"] == []
+    assert rungs["BROKEN"]["error"] and str(tmp_path) not in (out / "quant-manifest.json").read_text()  # the error as published: no local paths
     assert rungs["Q4_K_M"]["status"] == "not run" and rungs["Q4_K_M"]["command"] == []
 
     out = tmp_path / "going"
@@ -288,12 +291,12 @@ ftype = "Q4_K_M"
     assert going.code == 1
     assert "FAILED" in going.stdout and "built" in going.stdout
     assert sorted(p.name for p in out.glob("*.gguf")) == [f"{model_name_from(q8_moe)}-Q4_K_M.gguf"]
-    assert not list(out.glob(".*.partial"))
+    assert not list(out.glob(".*.tmp"))
     assert subprocess.run(["sha256sum", "-c", "SHA256SUMS"], cwd=out, capture_output=True).returncode == 0
 
 
 @pytest.mark.slow
-def test_libllama_backend_ladder_and_dry_run(small_spec, q8_moe, ladder, tmp_path):
+def test_libllama_backend_ladder_and_dry_run(small_spec, q8_moe, ladder, llama_tools, tmp_path):
     src, _ = ladder
     out = tmp_path / "out"
     dry = ggufcarve("ladder", "run", small_spec, "--source", q8_moe, "-o", out, "--only", "Q4_K_M", "--quantizer", "libllama", "--dry-run")
@@ -302,9 +305,16 @@ def test_libllama_backend_ladder_and_dry_run(small_spec, q8_moe, ladder, tmp_pat
     assert run.code == 0, run.stderr[-2000:]
     manifest = json.loads((out / "quant-manifest.json").read_text())
     assert manifest["quantizer"]["backend"] == "libllama" and manifest["rungs"][0]["command"][1:3] == ["-m", "ggufcarve.llama.quantize_child"]
-    name = manifest["rungs"][0]["files"][0]["name"]
-    # no imatrix here, so compare tensor data only with the binary rung made with one: just check it loads
-    assert read_model(out / name).get("general.file_type") == 15
+    rung = out / manifest["rungs"][0]["files"][0]["name"]
+    assert read_model(rung).get("general.file_type") == 15
+    # llama.cpp loads the rung and computes finite logits, routing every token to top-2 experts
+    trace = trace_routing(rung, [1, 70, 80, 90, 100, 110])
+    assert np.isfinite(trace.logits).all() and trace.logits.std() > 0
+    assert {block: ids.shape for block, ids in trace.topk.items()} == {0: (6, 2), 1: (6, 2)}
+    # and it is what llama-quantize itself writes for the same job (one llama.cpp source)
+    binary = BinaryQuantizer(llama_tools / "llama-quantize").run(QuantizeJob(q8_moe, tmp_path / "binary.gguf", "Q4_K_M", nthreads=2))
+    assert binary.returncode == 0, binary.error
+    assert all(tensor_bytes(rung, t.name) == tensor_bytes(tmp_path / "binary.gguf", t.name) for t in read_model(rung).tensors)
 
 
 @pytest.mark.slow

@@ -101,9 +101,10 @@ def test_report_and_check_prune(make_model, tmp_path):
     r = ggufcarve("prune", src, "--keep-ids", "1,3,5,7", "-o", out)
     assert r.code == 0, r.stderr
     assert "verified" in r.stdout
-    report = json.loads((tmp_path / "method" / "pruning-report.json").read_text())
-    assert report["schema_version"] == 1 and report["tool"]["name"] == "ggufcarve"
-    assert report["source"]["files"][0]["sha256"] == sha256(src)
+    report = json.loads((tmp_path / "method" / "p.pruning-report.json").read_text())
+    assert report["schema_version"] == 2 and report["kind"] == "pruning-report" and report["tool"]["name"] == "ggufcarve"
+    assert report["inputs"] == [{"name": src.name, "sha256": sha256(src), "bytes": src.stat().st_size}] == report["source"]["files"]
+    assert report["parameters"] == {"provenance_keys": True, "split_max_size": None, "merge": False}
     assert report["source"]["mtp_blocks"] == [2]
     assert report["keep_set"]["layers"] == {"0": [1, 3, 5, 7], "1": [1, 3, 5, 7], "2": [1, 3, 5, 7]}
     assert report["verification"]["ok"] and report["verification"]["tensors_checked"] == len(report["tensors"])
@@ -125,15 +126,30 @@ def test_report_and_check_prune(make_model, tmp_path):
     assert flipped.code == 1 and "blk.1.ffn_down_exps.weight" in flipped.stderr
 
 
-def test_a_second_prune_into_the_same_directory_keeps_the_first_report(make_model, tmp_path):
+def test_many_outputs_share_one_folder_each_with_its_report(make_model, tmp_path):
     src = make_model("qwen3moe", "Q8_0")
     assert ggufcarve("prune", src, "--keep-first", 4, "-o", tmp_path / "a.gguf", "-q").code == 0
-    report = tmp_path / "method" / "pruning-report.json"
-    first = report.read_text()
-    r = refused(tmp_path, src, "--keep-first", 2, "-o", tmp_path / "out" / "b.gguf", "--report", report, message="already describes another output (a.gguf)")
-    assert report.read_text() == first and r.code == 1
-    assert ggufcarve("prune", src, "--keep-first", 2, "-o", tmp_path / "b.gguf", "--report", tmp_path / "b-report.json", "-q").code == 0
-    assert json.loads((tmp_path / "b-report.json").read_text())["output"]["files"][0]["name"] == "b.gguf"
+    first = (tmp_path / "method" / "a.pruning-report.json").read_text()
+    second = ggufcarve("prune", src, "--keep-first", 2, "-o", tmp_path / "b.gguf", "-q")
+    assert second.code == 0, second.stderr
+    assert (tmp_path / "method" / "a.pruning-report.json").read_text() == first
+    b = json.loads((tmp_path / "method" / "b.pruning-report.json").read_text())
+    assert b["output"]["files"][0]["name"] == "b.gguf" and b["output"]["expert_count"] == 2
+    # the same output again needs --force, as the output does; its report is then replaced
+    refused(tmp_path, src, "--keep-first", 2, "-o", tmp_path / "b.gguf", message="b.gguf already exists")
+    assert ggufcarve("prune", src, "--keep-first", 3, "-o", tmp_path / "b.gguf", "--force", "-q").code == 0
+    assert json.loads((tmp_path / "method" / "b.pruning-report.json").read_text())["output"]["expert_count"] == 3
+    assert sorted(p.name for p in (tmp_path / "method").iterdir()) == ["a.pruning-report.json", "b.pruning-report.json"]
+
+
+def test_split_output_report_is_named_by_the_set(make_model, tmp_path):
+    src = make_model("qwen3moe", "Q8_0")
+    r = ggufcarve("prune", src, "--keep-first", 4, "-o", tmp_path / "s.gguf", "--split-max-size", "1M", "-q")
+    assert r.code == 0, r.stderr
+    report = json.loads((tmp_path / "method" / "s.pruning-report.json").read_text())
+    names = [f["name"] for f in report["output"]["files"]]
+    assert len(names) > 1 and names == sorted(p.name for p in tmp_path.glob("s-*-of-*.gguf"))
+    assert report["parameters"]["split_max_size"] == 1_000_000  # M is 10**6, as llama-gguf-split reads it
 
 
 def test_dry_run_writes_nothing(make_model, tmp_path):
@@ -301,20 +317,36 @@ def test_disk_full_mid_write(make_model, tmp_path, monkeypatch):
     layout = inspect_layout(model)
     plan = plan_prune(model, layout, keep_first(layout, 4), tmp_path / "p.gguf")
     calls = {"n": 0}
-    real_copy = os.copy_file_range
+    real_pwrite = os.pwrite
 
-    def copy_then_fill(*args):
+    def write_then_fill(*args):
         calls["n"] += 1
         if calls["n"] > 3:
             raise OSError(errno.ENOSPC, "No space left on device")
-        return real_copy(*args)
+        return real_pwrite(*args)
 
-    monkeypatch.setattr(fileio.os, "copy_file_range", copy_then_fill)
+    monkeypatch.setattr(fileio.os, "pwrite", write_then_fill)
     with pytest.raises(OutputError, match="No space left on device") as info:
         execute(plan, model)
     assert "free disk space" in info.value.hint
     assert calls["n"] == 4
     assert list(tmp_path.iterdir()) == [] and sha256(src) == before
+
+
+def test_source_truncated_after_planning(make_model, tmp_path):
+    """The reader thread's error reaches the caller as itself, and nothing is left behind."""
+    from ggufcarve.errors import BadInput
+
+    src = tmp_path / "src" / "m.gguf"
+    src.parent.mkdir()
+    src.write_bytes(make_model("qwen3moe", "Q8_0").read_bytes())
+    model = read_model(src)
+    layout = inspect_layout(model)
+    plan = plan_prune(model, layout, keep_first(layout, 4), tmp_path / "p.gguf")
+    os.truncate(src, src.stat().st_size - 5000)
+    with pytest.raises(BadInput, match="ended early"):
+        execute(plan, model)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
 
 
 def test_file_size_limit_mid_write_in_a_real_process(make_model, tmp_path):
@@ -333,7 +365,8 @@ def test_file_size_limit_mid_write_in_a_real_process(make_model, tmp_path):
     assert list(out.iterdir()) == [] and sha256(src) == before
 
 
-def test_library_never_prints(make_model, tmp_path, capsys):
+def test_library_never_prints(make_model, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("GGUFCARVE_CACHE", str(tmp_path / "cache"))  # the source's sha256 is not cached: it is hashed
     src = make_model("gpt-oss", "Q8_0")
     model = read_model(src)
     layout = inspect_layout(model)
@@ -348,12 +381,12 @@ def test_library_never_prints(make_model, tmp_path, capsys):
 
 
 def test_source_hashing_paths_agree(make_model, tmp_path, monkeypatch):
-    """One sequential pass (sha256 + ascending tensors), positioned reads (scrambled order, cached sha256)."""
+    """One read of the source: cold (sha256 of the whole file), warm (cached sha256: only the kept
+    ranges are read), kept slices in file order and scrambled; all give the same hashes."""
     import hashlib
 
     import xxhash
 
-    from ggufcarve.prune.execute import hash_source, source_hash_bytes
     from ggufcarve.prune.plan import tensor_ranges
 
     monkeypatch.setenv("GGUFCARVE_CACHE", str(tmp_path / "cache"))
@@ -361,20 +394,77 @@ def test_source_hashing_paths_agree(make_model, tmp_path, monkeypatch):
     model = read_model(src)
     layout = inspect_layout(model)
     scrambled = KeepSet({0: (6, 1, 3, 0), 1: (0, 1, 2, 3), 2: (7, 5, 3, 1)})
-    ranges = tensor_ranges(model, layout, scrambled)
     data = src.read_bytes()
-    naive = {name: xxhash.xxh3_128(b"".join(data[r.offset : r.offset + r.length] for r in rs)).hexdigest() for name, (_, rs) in ranges.items()}
+    naive = {name: xxhash.xxh3_128(b"".join(data[r.offset : r.offset + r.length] for r in rs)).hexdigest() for name, (_, rs) in tensor_ranges(model, layout, scrambled).items()}
     read = []
-    cold_total = source_hash_bytes(model, ranges)
-    cold = hash_source(model, ranges, read.append)
-    assert cold == ([hashlib.sha256(data).hexdigest()], naive) and sum(read) == cold_total
-    read.clear()
-    warm_total = source_hash_bytes(model, ranges)
-    assert hash_source(model, ranges, read.append) == cold and sum(read) == warm_total < len(data)
+
+    def prune(source, keepset, name):
+        events = []
+        loaded = read_model(source)
+        result = execute(plan_prune(loaded, inspect_layout(loaded), keepset, tmp_path / name), loaded, force=True, on_event=events.append)
+        hashed = [e.done for e in events if e.stage == "hash source"]
+        read.append(hashed[-1] if hashed else 0)
+        return result
+
+    cold = prune(src, scrambled, "cold.gguf")
+    assert cold.source_sha256 == [hashlib.sha256(data).hexdigest()] and read[-1] == len(data)
+    assert {t.name: t.expected_xxh3 for t in cold.verification.tensors} == naive
+    assert {t.name: t.output_xxh3 for t in cold.verification.tensors} == naive
+    warm = prune(src, scrambled, "warm.gguf")
+    assert warm.source_sha256 == cold.source_sha256 and read[-1] == 0
+    assert {t.name: t.expected_xxh3 for t in warm.verification.tensors} == naive
+    assert tensor_bytes(tmp_path / "warm.gguf", "blk.2.ffn_up_exps.weight") == tensor_bytes(tmp_path / "cold.gguf", "blk.2.ffn_up_exps.weight")
+    in_order = prune(src, keep_first(layout, 4), "in-order.gguf")
+    first = tensor_bytes(src, "blk.0.ffn_up_exps.weight")
+    assert tensor_bytes(tmp_path / "in-order.gguf", "blk.0.ffn_up_exps.weight") == first[: len(first) // 2]
+    assert in_order.verification.ok and read[-1] == 0
     copy = tmp_path / "copy.gguf"
     copy.write_bytes(data)
-    assert hash_source(read_model(copy), ranges, lambda n: None)[0] == cold[0]
+    assert prune(copy, scrambled, "from-copy.gguf").source_sha256 == cold.source_sha256 and read[-1] == len(data)
     with open(copy, "r+b") as f:  # same path and size, other content: the cache must miss
         f.seek(len(data) - 1)
         f.write(bytes([data[-1] ^ 1]))
-    assert hash_source(read_model(copy), ranges, lambda n: None)[0] == [hashlib.sha256(copy.read_bytes()).hexdigest()] != cold[0]
+    changed = prune(copy, scrambled, "from-changed.gguf")
+    assert changed.source_sha256 == [hashlib.sha256(copy.read_bytes()).hexdigest()] != cold.source_sha256
+
+
+def test_a_write_that_differs_from_the_source_is_caught(make_model, tmp_path, monkeypatch):
+    """A byte changed on its way to disk fails verification, naming the tensor and its true hash."""
+    import xxhash
+
+    from ggufcarve.errors import VerificationFailed
+    from ggufcarve.prune import check
+
+    src = make_model("qwen3moe", "Q8_0")
+    model = read_model(src)
+    layout = inspect_layout(model)
+    keepset = KeepSet({b: (5, 0, 2, 7) for b in layout.blocks})  # scrambled: hashed piece by piece
+    plan = plan_prune(model, layout, keepset, tmp_path / "p.gguf")
+    target = plan.tensors["blk.1.ffn_down_exps.weight"]
+    header, offsets = plan.files[0].encoded_header
+    start = len(header) + offsets[list(plan.files[0].tensors).index(target)]
+    real_pwrite = os.pwrite
+
+    def corrupt(fd, data, position):
+        data = bytes(data)
+        if position <= start + 100 < position + len(data):
+            i = start + 100 - position
+            data = data[:i] + bytes([data[i] ^ 0xFF]) + data[i + 1 :]
+        return real_pwrite(fd, data, position)
+
+    monkeypatch.setattr(fileio.os, "pwrite", corrupt)
+    seen = {}
+    real_verify = check.verify_prune
+
+    def keep_verification(*args, **kwargs):
+        seen["v"] = real_verify(*args, **kwargs)
+        return seen["v"]
+
+    monkeypatch.setattr("ggufcarve.prune.execute.verify_prune", keep_verification)
+    with pytest.raises(VerificationFailed, match="blk.1.ffn_down_exps.weight"):
+        execute(plan, model)
+    data = src.read_bytes()
+    true = xxhash.xxh3_128(b"".join(data[r.offset : r.offset + r.length] for r in target.ranges)).hexdigest()
+    bad = [t for t in seen["v"].tensors if not t.ok]
+    assert [t.name for t in bad] == ["blk.1.ffn_down_exps.weight"] and bad[0].expected_xxh3 == true != bad[0].output_xxh3
+    assert list(tmp_path.iterdir()) == []

@@ -10,7 +10,7 @@ import pytest
 from clirun import ggufcarve, tensor_bytes
 from llama_probe import probe
 
-from ggufcarve.gguf.container import read_model
+from ggufcarve.gguf.container import read_file, read_model
 from ggufcarve.llama import launch
 from ggufcarve.moe.layout import inspect_layout
 
@@ -121,3 +121,35 @@ def test_split_set_written_by_llama_gguf_split(make_model, llama_tools, tmp_path
     assert a.ok and b.ok, b.stderr[-2000:]
     np.testing.assert_array_equal(a.logits, b.logits)
 
+
+
+@pytest.mark.parametrize("max_size", ["1M", "2M"])
+def test_split_max_size_shards_like_llama_gguf_split(make_model, llama_tools, tmp_path, max_size):
+    """`prune --split-max-size` puts the same tensors in each shard as `llama-gguf-split --split
+    --split-max-size` of the single-file prune: same shard names and sizes, same tensors in the same
+    order with the same bytes, the same metadata records with the same values.
+
+    Intended differences: the split.* records are written in the order split.no, split.count,
+    split.tensors.count (as llama-quantize --keep-split writes them; llama-gguf-split moves
+    split.count last when it fills in its placeholder); tensor sizes are padded to the file's
+    general.alignment where llama-gguf-split uses GGUF's default 32 (the same for these files);
+    sizes may also be given in K, T or bytes, where llama-gguf-split takes only M and G.
+    """
+    src = make_model("qwen35moe", "Q8_0")
+    for name in ("ours", "theirs"):
+        (tmp_path / name).mkdir()
+    keep = ("--keep-ids", "0,2,4,6", "-q")
+    assert ggufcarve("prune", src, "-o", tmp_path / "single.gguf", *keep).code == 0
+    r = ggufcarve("prune", src, "-o", tmp_path / "ours" / "p.gguf", "--split-max-size", max_size, "--report", tmp_path / "r.json", *keep)
+    assert r.code == 0, r.stderr
+    finished = launch.run([llama_tools / "llama-gguf-split", "--split", "--split-max-size", max_size, tmp_path / "single.gguf", tmp_path / "theirs" / "p"], timeout=120)
+    assert finished.ok, "\n".join(finished.tail)
+    ours, theirs = sorted((tmp_path / "ours").glob("*.gguf")), sorted((tmp_path / "theirs").glob("*.gguf"))
+    assert [p.name for p in ours] == [p.name for p in theirs] and len(ours) >= 2
+    for a, b in zip(ours, theirs):
+        fa, fb = read_file(a), read_file(b)
+        assert [t.name for t in fa.tensors] == [t.name for t in fb.tensors], a.name
+        assert {kv.key: kv.raw for kv in fa.kvs} == {kv.key: kv.raw for kv in fb.kvs}, a.name
+        assert a.stat().st_size == b.stat().st_size, a.name
+    for t in read_model(ours[0]).tensors:  # the split set as a whole, read through its first shard
+        assert tensor_bytes(ours[0], t.name) == tensor_bytes(theirs[0], t.name), t.name

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import factory
 import pytest
 from clirun import ggufcarve
@@ -29,7 +31,7 @@ def test_deepseek_v2_without_gating_key_is_softmax_and_not_renormalised():
     r = routing("deepseek2", {"{arch}.expert_weights_scale": 16.0, "{arch}.expert_weights_norm": False})
     assert (r.gating, r.gating_source, r.normalised, r.scale) == (SOFTMAX, "architecture default", False, 16.0)
     assert not r.keeps_outputs  # softmax over all experts, not renormalised: the denominator loses terms
-    assert r.describe().startswith("softmax (no expert_gating_func key") and "not renormalised" in r.describe() and "scaled by 16" in r.describe()
+    assert r.describe() == "softmax (default: no expert_gating_func): top-k weights not renormalised; scaled by 16; dropping experts changes the kept experts' weights"
 
 
 def test_deepseek_v3_keys_give_sigmoid_with_bias_and_groups():
@@ -38,8 +40,7 @@ def test_deepseek_v3_keys_give_sigmoid_with_bias_and_groups():
     r = routing("deepseek2", keys, MOE_TENSORS + ["blk.3.exp_probs_b.bias"])
     assert (r.gating, r.gating_source, r.normalised, r.scale, r.selection_bias) == (SIGMOID, "key", True, 2.5, True)
     assert (r.group_count, r.group_used_count, r.keeps_outputs) == (8, 4, True)
-    assert r.describe() == ("sigmoid (expert_gating_func=2): selection bias exp_probs_b; 8 groups, the best 4 by the sum of "
-                            "their top-2 scores; top-k weights renormalised; scaled by 2.5")
+    assert r.describe() == "sigmoid (expert_gating_func=2): selection bias exp_probs_b; 8 groups, best 4 by top-2 sum; top-k weights renormalised; scaled by 2.5"
 
 
 def test_glm_4_7_lite_shape_defaults_to_sigmoid():
@@ -61,13 +62,21 @@ def test_unknown_architecture_reports_its_keys_and_promises_nothing():
 
 
 def test_inspect_describes_the_fixtures_from_their_keys(make_model):
-    for arch, expected in (("deepseek2", "sigmoid (expert_gating_func=2): selection bias exp_probs_b; 4 groups"),
-                           ("qwen35moe", "softmax (fixed by the architecture): top-k weights renormalised; MTP blocks have their own experts"),
-                           ("gpt-oss", "softmax_weight (fixed by the architecture): top-k weights are a softmax over the selected")):
-        result = ggufcarve("inspect", make_model(arch))
-        assert result.code == 0, result.stderr
-        line = next(line for line in result.stdout.splitlines() if line.strip().startswith("routing"))
-        assert expected in " ".join(line.split()), line
+    for arch, options, expected in (
+        ("deepseek2", {}, "sigmoid (expert_gating_func=2): selection bias exp_probs_b; 4 groups, best 2 by top-2 sum; top-k weights renormalised; scaled by 1.5"),
+        ("deepseek2", {"v2_routing": True}, "softmax (default: no expert_gating_func): selection bias exp_probs_b; 4 groups, best 2 by top-2 sum; "
+                                            "top-k weights not renormalised; scaled by 16; dropping experts changes the kept experts' weights"),
+        ("qwen35moe", {}, "softmax (fixed by the architecture): top-k weights renormalised"),
+        ("gpt-oss", {}, "softmax_weight (fixed by the architecture): softmax over the top-k"),
+    ):
+        path = make_model(arch, **options)
+        shown = ggufcarve("inspect", path, "--json")
+        assert shown.code == 0, shown.stderr
+        assert json.loads(shown.stdout)["routing"]["description"] == expected
+        table = ggufcarve("inspect", path)
+        row = " ".join(next(line for line in table.stdout.splitlines() if line.strip().startswith("routing")).split())
+        assert row.startswith("routing " + expected[:60]), row
+    assert "MTP blocks have their own experts" in ggufcarve("inspect", make_model("qwen35moe")).stdout
     layout = inspect_layout(read_model(make_model("deepseek2")))
     assert layout.to_json()["routing"]["weights_scale"] == 1.5 and layout.routing.group_count == factory.ARCH_DEFAULTS["deepseek2"]["n_group"]
 

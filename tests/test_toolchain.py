@@ -125,14 +125,18 @@ def test_argv_rendering(tmp_path):
     job = QuantizeJob(Path("/m/in.gguf"), Path("/o/.x.partial"), "iq2_xs", imatrix=Path("/m/im.gguf"), output_tensor_type="Q6_K",
                       tensor_types=((r"^blk\.40\.", "Q4_K"), ("ffn_down_exps", "Q3_K")), nthreads=2)
     main = BinaryQuantizer(fake_tool(tmp_path / "main", "llama-quantize"))
-    assert main.argv(job)[1:] == ["--allow-requantize", "--imatrix", "/m/im.gguf", "--output-tensor-type", "Q6_K",
+    # run in the imatrix's directory, so the quantizer stores its bare name in quantize.imatrix.file
+    assert job.cwd == Path("/m")
+    assert main.argv(job)[1:] == ["--allow-requantize", "--imatrix", "im.gguf", "--output-tensor-type", "Q6_K",
                                   "--tensor-type", r"^blk\.40\.=Q4_K", "--tensor-type", "ffn_down_exps=Q3_K",
                                   "/m/in.gguf", "/o/.x.partial", "IQ2_XS", "2"]
+    # what a release records: names only, and the final output name
+    assert main.recorded_argv(job, Path("/o/x.gguf")) == ["llama-quantize", *main.argv(job)[1:-4], "in.gguf", "x.gguf", "IQ2_XS", "2"]
     ik = BinaryQuantizer(fake_tool(tmp_path / "ik", "llama-quantize", IK_USAGE))
-    assert ik.argv(job)[1:] == ["--allow-requantize", "--imatrix", "/m/im.gguf", "--output-tensor-type", "q6_k",
+    assert ik.argv(job)[1:] == ["--allow-requantize", "--imatrix", "im.gguf", "--output-tensor-type", "q6_k",
                                 "--custom-q", r"^blk\.40\.=q4_k,ffn_down_exps=q3_k", "/m/in.gguf", "/o/.x.partial", "IQ2_XS", "2"]
     dry = QuantizeJob(Path("in.gguf"), None, "Q4_K_M", dry_run=True)
-    assert main.argv(dry)[1:] == ["--allow-requantize", "--dry-run", "in.gguf", "Q4_K_M"]
+    assert dry.cwd is None and main.argv(dry)[1:] == ["--allow-requantize", "--dry-run", os.path.abspath("in.gguf"), "Q4_K_M"]
     lib = LibllamaQuantizer()
     assert lib.argv(dry)[1:3] == ["-m", "ggufcarve.llama.quantize_child"] and lib.argv(dry)[3:] == main.argv(dry)[1:]
 

@@ -100,19 +100,45 @@ def test_micro_batches_trace_the_same_tokens(qwen3moe_trace):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["qwen3moe", "qwen35moe", "deepseek2", "gpt-oss"])
-def test_routing_description_matches_the_graph_llama_cpp_built(make_model, arch):
-    """Normalised weights exist iff routing.py says so, scaled ones iff it names a scale, which they carry."""
-    path = make_model(arch)
+def test_context_chunks_are_decoded_independently(qwen3moe_trace):
+    """context=12 over 24 tokens: the second chunk is traced as if it were a sequence of its own."""
+    path, whole = qwen3moe_trace
+    chunked = trace_routing(path, TOKENS, context=12, batch=5)
+    alone = trace_routing(path, TOKENS[12:])
+    for block, ids in whole.topk.items():
+        np.testing.assert_array_equal(chunked.topk[block][:12], ids[:12])
+        np.testing.assert_array_equal(chunked.topk[block][12:], alone.topk[block])
+    np.testing.assert_allclose(chunked.logits[12:], alone.logits, rtol=1e-3, atol=1e-3)
+    assert not np.allclose(chunked.logits[12:], whole.logits[12:], rtol=1e-3, atol=1e-3)  # the history mattered
+    with pytest.raises(BadInput, match="at least 1 token"):
+        trace_routing(path, TOKENS, context=0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("arch", "options"), [("qwen3moe", {}), ("qwen35moe", {}), ("deepseek2", {}), ("deepseek2", {"v2_routing": True}), ("gpt-oss", {})])
+def test_routing_description_matches_the_graph_llama_cpp_built(make_model, arch, options):
+    """Normalised weights exist iff routing.py says so, scaled ones iff it names a scale, which they
+    carry; the probabilities are the gating function routing.py names, of the router logits."""
+    path = make_model(arch, **options)
     routing = inspect_layout(read_model(path)).routing
     trace = trace_routing(path, TOKENS[:8], nodes=NODES, logits=False)
+    for block, logits in trace.nodes["ffn_moe_logits"].items():
+        probs = trace.nodes["ffn_moe_probs"][block]
+        if routing.gating_name == "sigmoid":
+            np.testing.assert_allclose(probs, 1 / (1 + np.exp(-logits)), rtol=1e-5)
+        elif routing.gating_name == "softmax":
+            np.testing.assert_allclose(probs.sum(1), 1, rtol=1e-5)
+        else:  # softmax_weight: the probabilities are the (router-biased) logits; the softmax comes after selection
+            bias = {t.name: np.asarray(t.data) for t in gguf.GGUFReader(path).tensors}[f"blk.{block}.ffn_gate_inp.bias"]
+            np.testing.assert_allclose(probs, logits + bias, rtol=1e-6, atol=1e-6)
     assert trace.logits is None and trace.topk
     assert ("ffn_moe_weights_norm" in trace.nodes) == bool(routing.normalised)
     assert ("ffn_moe_weights_scaled" in trace.nodes) == routing.scaled
     assert ("ffn_moe_probs_biased" in trace.nodes) == routing.selection_bias
     assert ("ffn_moe_weights_softmax" in trace.nodes) == (routing.gating_name == "softmax_weight")
-    for applied in trace.nodes.get("ffn_moe_weights_scaled", {}).values():
-        np.testing.assert_allclose(applied.sum(1), routing.scale, rtol=1e-5)
+    for block, applied in trace.nodes.get("ffn_moe_weights_scaled", {}).items():
+        before = trace.nodes["ffn_moe_weights_norm" if routing.normalised else "ffn_moe_weights"][block]
+        np.testing.assert_allclose(applied, routing.scale * before, rtol=1e-5)
     if routing.grouped:
         size = read_model(path).get(f"{arch}.expert_count") // routing.group_count
         for ids in trace.topk.values():

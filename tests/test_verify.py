@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import subprocess
@@ -46,6 +47,17 @@ def problems(result) -> str:
     return result.stderr + result.stdout
 
 
+def describe_as_rung(release: Path, name: str, files: list[Path]) -> dict:
+    """Record `files` as one more rung of the release's manifest (as a ladder run would), and re-list the sums."""
+    manifest = json.loads((release / "quant-manifest.json").read_text())
+    source = [f["sha256"] for f in manifest["source"]["files"]]
+    records = [{"name": p.name, "bytes": p.stat().st_size, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()} for p in files]
+    manifest["rungs"].append({"name": name, "status": "built", "files": records, "source_sha256": source})
+    (release / "quant-manifest.json").write_text(json.dumps(manifest))
+    write_sums(release, manifest)
+    return manifest
+
+
 def test_clean_directory_passes_both_checkers(ladder_dir):
     assert subprocess.run(["sha256sum", "-c", "SHA256SUMS"], cwd=ladder_dir, capture_output=True).returncode == 0
     result = ggufcarve("verify", ladder_dir)
@@ -73,18 +85,29 @@ def test_missing_file_and_ignore_missing(copy):
     assert ggufcarve("verify", copy, "--ignore-missing").code == 0
 
 
-def test_file_missing_from_the_sums(copy):
+def test_files_the_manifest_does_not_describe(copy):
     (copy / "README.md").write_text("model card\n")
     (copy / "method").mkdir()
     (copy / "method" / "notes.json").write_text("{}\n")
     result = ggufcarve("verify", copy, "--json")
     assert result.code == 1
     report = json.loads(result.stdout)
-    assert {(f["path"], f["problem"]) for f in report["failures"]} == {("README.md", "not listed in SHA256SUMS"), ("method/notes.json", "not listed in SHA256SUMS")}
-    manifest = json.loads((copy / "quant-manifest.json").read_text())
-    write_sums(copy, manifest)  # re-listing them makes the directory publishable
+    assert {(f["path"], f["problem"].split(":")[0]) for f in report["failures"]} == {("README.md", "not described by quant-manifest.json"), ("method/notes.json", "not described by quant-manifest.json")}
+    # SHA256SUMS lists only what the manifest describes: re-writing it does not make them part of the release
+    write_sums(copy, json.loads((copy / "quant-manifest.json").read_text()))
+    assert [rel for _, rel in parse_sums(copy / "SHA256SUMS")[0]] == ["quant-manifest.json", "tiny-Q4_K_M.gguf", "tiny-Q8_0.gguf"]
+    assert ggufcarve("verify", copy).code == 1
+    # a file the manifest describes but SHA256SUMS does not list
+    (copy / "README.md").unlink()
+    (copy / "method" / "notes.json").unlink()
+    with open(copy / "SHA256SUMS") as f:
+        kept = [line for line in f if not line.endswith("  tiny-Q8_0.gguf\n")]
+    (copy / "SHA256SUMS").write_text("".join(kept))
+    unlisted = ggufcarve("verify", copy, "--json")
+    assert unlisted.code == 1
+    assert {(f["path"], f["problem"]) for f in json.loads(unlisted.stdout)["failures"]} >= {("tiny-Q8_0.gguf", "not listed in SHA256SUMS")}
+    write_sums(copy)
     assert ggufcarve("verify", copy).code == 0
-    assert [rel for _, rel in parse_sums(copy / "SHA256SUMS")[0]] == ["README.md", "method/notes.json", "quant-manifest.json", "tiny-Q4_K_M.gguf", "tiny-Q8_0.gguf"]
 
 
 def test_truncated_shard(copy, llama_tools):
@@ -93,7 +116,7 @@ def test_truncated_shard(copy, llama_tools):
     assert finished.ok, "\n".join(finished.tail)
     shards = sorted(copy.glob("tiny-Q4_K_M-split-*.gguf"))
     assert len(shards) == 3
-    write_sums(copy, json.loads((copy / "quant-manifest.json").read_text()))
+    describe_as_rung(copy, "Q4_K_M-split", shards)
     assert ggufcarve("verify", copy).code == 0
     with open(shards[1], "r+b") as f:
         f.truncate(shards[1].stat().st_size - 1000)

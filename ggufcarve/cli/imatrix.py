@@ -74,7 +74,7 @@ def imatrix_remap(
     chunk_size: ChunkSizeOption = None,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing output (and its report).")] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Validate and print the plan; write nothing.")] = False,
-    report: Annotated[Optional[Path], typer.Option("--report", help="Where to write the report [default: OUTPUT_DIR/method/imatrix-remap-report.json].")] = None,
+    report: Annotated[Optional[Path], typer.Option("--report", help="Where to write the report [default: OUTPUT_DIR/method/<output stem>.imatrix-remap-report.json].")] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the plan (with --dry-run) or the report as JSON.")] = False,
 ) -> None:

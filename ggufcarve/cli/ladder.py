@@ -3,11 +3,13 @@
 Examples:
     ggufcarve ladder run ladders/q8-to-iq1.toml --source model-128e-Q8_0.gguf --imatrix model-128e.imatrix.gguf -o release/
     ggufcarve ladder run ladders/q8-to-iq1.toml --source model-128e-Q8_0.gguf -o release/ --only Q4_K_M --dry-run
+    ggufcarve ladder run ladders/q8-to-iq1.toml --source other-model-Q8_0.gguf -o release/ --force   # a new release in release/
 """
 
 from __future__ import annotations
 
 import os
+import shlex
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -32,6 +34,7 @@ def ladder_run(
     model_name: Annotated[Optional[str], typer.Option("--model-name", help="{model} in file names (default: the source name without its quant tag).")] = None,
     threads: Annotated[Optional[int], typer.Option("--threads", "-t", help="Quantizer threads (default: all cores).")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Validate and print the plan; run nothing.")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Start the release in -o afresh: remove the rungs, reports and sums its manifest describes (needed when it holds another source's release).")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress output.")] = False,
 ) -> None:
     """Quantize every rung of SPEC from --source into -o DIR; resumable; writes quant-manifest.json and SHA256SUMS."""
@@ -41,7 +44,7 @@ def ladder_run(
 
     ladder_spec = load_spec(spec)
     quantizer = make_quantizer(quantizer_choice, llama_cpp)
-    plan = plan_ladder(ladder_spec, source, output, quantizer=quantizer, imatrix=imatrix, only=only, model_name=model_name, nthreads=threads or os.cpu_count(), hash_inputs=not dry_run)
+    plan = plan_ladder(ladder_spec, source, output, quantizer=quantizer, imatrix=imatrix, only=only, model_name=model_name, nthreads=threads or os.cpu_count(), hash_inputs=not dry_run, fresh=force)
     for warning in plan.warnings:
         warn(warning)
     described = quantizer.describe()
@@ -51,7 +54,7 @@ def ladder_run(
         for column in ("rung", "output", "est. GiB", "imatrix fallback", "command"):
             table.add_column(column, overflow="fold")
         for p in plan.rungs:
-            table.add_row(p.rung.name, str(p.output), f"{p.estimated_bytes / 2**30:.2f}", f"{len(p.fallback)} -> {p.rung.imatrix_fallback_type}" if p.fallback else "", escape(" ".join(quantizer.argv(p.job))))
+            table.add_row(p.rung.name, str(p.output), f"{p.estimated_bytes / 2**30:.2f}", f"{len(p.fallback)} -> {p.rung.imatrix_fallback_type}" if p.fallback else "", escape((f"cd {shlex.quote(str(p.job.cwd))} && " if p.job.cwd else "") + shlex.join(quantizer.argv(p.job))))
         out.print(table)
         return
     with progress(not quiet) as sink:

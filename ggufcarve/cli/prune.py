@@ -88,7 +88,7 @@ def prune(
     no_provenance: Annotated[bool, typer.Option("--no-provenance", help="Do not add ggufcarve.* keys.")] = False,
     split_max_size: Annotated[Optional[str], typer.Option("--split-max-size", help="Re-shard the output, e.g. 50G or 512M (as llama-gguf-split).")] = None,
     merge: Annotated[bool, typer.Option("--merge", help="Write a split source as one file.")] = False,
-    report: Annotated[Optional[Path], typer.Option("--report", help="Where to write the pruning report [default: OUTPUT_DIR/method/pruning-report.json].")] = None,
+    report: Annotated[Optional[Path], typer.Option("--report", help="Where to write the pruning report [default: OUTPUT_DIR/method/<output stem>.pruning-report.json].")] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the plan (with --dry-run) or the result as JSON.")] = False,
 ) -> None:

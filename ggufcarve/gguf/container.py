@@ -26,9 +26,10 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 import numpy as np
-from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
+from gguf.constants import GGUFValueType
 
 from ggufcarve.errors import BadInput
+from ggufcarve.gguf.types import ggml_type_name, ggml_type_row_bytes
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
@@ -66,34 +67,6 @@ NUMPY_DTYPES: dict[int, str] = {
     GGUFValueType.FLOAT64: "<f8",
 }
 MAX_DIMS = 4
-
-
-def ggml_type_name(type_id: int) -> str:
-    try:
-        return GGMLQuantizationType(type_id).name
-    except ValueError:
-        return f"type{type_id}"
-
-
-def ggml_type_id(name: str) -> int:
-    try:
-        return int(GGMLQuantizationType[name.upper()])
-    except KeyError:
-        raise BadInput(f"unknown ggml type {name!r}", "use a name such as F32, F16, Q8_0, Q4_K") from None
-
-
-def ggml_type_row_bytes(type_id: int, ne0: int) -> int | None:
-    """Bytes of one row of `ne0` elements, or None for a type gguf-py does not know."""
-    try:
-        block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(type_id)]
-    except (ValueError, KeyError):
-        return None
-    if ne0 % block:
-        raise BadInput(
-            f"row width {ne0} is not a multiple of the {ggml_type_name(type_id)} block size {block}",
-            "the file is corrupt or was written by an incompatible tool",
-        )
-    return ne0 // block * type_size
 
 
 def pad_to(n: int, alignment: int) -> int:

@@ -38,12 +38,34 @@ FILE_TYPES: dict[str, int] = {
 }
 
 
+def ggml_type_name(type_id: int) -> str:
+    """gguf-py's name of ggml type `type_id`; "type<id>" for an id it does not know."""
+    try:
+        return GGMLQuantizationType(type_id).name
+    except ValueError:
+        return f"type{type_id}"
+
+
 def tensor_type(name: str) -> GGMLQuantizationType:
     """The ggml type called `name` (any case)."""
     try:
         return GGMLQuantizationType[name.upper()]
     except KeyError:
         raise BadInput(f"unknown ggml type {name!r}", "use a name such as F32, F16, Q8_0, Q4_K") from None
+
+
+def ggml_type_row_bytes(type_id: int, ne0: int) -> int | None:
+    """Bytes of one row of `ne0` elements, or None for a type gguf-py does not know."""
+    try:
+        block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(type_id)]
+    except (ValueError, KeyError):
+        return None
+    if ne0 % block:
+        raise BadInput(
+            f"row width {ne0} is not a multiple of the {ggml_type_name(type_id)} block size {block}",
+            "the file is corrupt or was written by an incompatible tool",
+        )
+    return ne0 // block * type_size
 
 
 def file_type(name: str) -> LlamaFileType:

@@ -69,8 +69,6 @@ IMATRIX_KEYS = (KEY_DATASETS, KEY_CHUNK_COUNT, KEY_CHUNK_SIZE)
 # keepset_from_provenance reads either file) and the sha256 of the imatrix it was remapped from.
 KEY_REMAP_SOURCE_SHA256 = "ggufcarve.imatrix.source_sha256"
 DEFAULT_CHUNK_SIZE = 512  # llama-imatrix's default: -c 512 (and -b 2048 -> 4 sequences of 512)
-REPORT_NAME = "imatrix-remap-report.json"
-REPORT_SCHEMA_VERSION = 1
 SUFFIXES = {"in_sum2": ".in_sum2", "counts": ".counts", "in_sum": ".in_sum"}
 F32 = int(GGMLQuantizationType.F32)
 # An expert weight as llama-imatrix names its entry (MUL_MAT_ID src0).

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import time
 from dataclasses import dataclass
@@ -13,14 +12,9 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 from gguf.constants import GGUFValueType
 
-from ggufcarve import __version__
 from ggufcarve.errors import BadInput, CarveError
 from ggufcarve.events import Sink, ignore
-from ggufcarve.fileio import (
-    check_report_slot,
-    sha256_file,
-    write_text_atomic,
-)
+from ggufcarve.fileio import sha256_file, write_text_atomic
 from ggufcarve.gguf.container import (
     GGUFModel,
     make_kv,
@@ -33,8 +27,6 @@ from ggufcarve.imatrix.formats import (
     EXPERT_ENTRY,
     FORMATS,
     KEY_REMAP_SOURCE_SHA256,
-    REPORT_NAME,
-    REPORT_SCHEMA_VERSION,
     Imatrix,
     ImatrixEntry,
     encoded_size,
@@ -53,6 +45,14 @@ from ggufcarve.moe.keepset import (
 )
 from ggufcarve.moe.layout import ExpertTensor, MoeLayer, MoeLayout
 from ggufcarve.moe.routing import UNKNOWN_ROUTING
+from ggufcarve.reports import (
+    IMATRIX_REMAP_REPORT,
+    dumps,
+    envelope,
+    file_input,
+    public_name,
+    report_path_for,
+)
 
 # ---------------------------------------------------------------------------------------------
 # Remapping
@@ -359,7 +359,7 @@ def plan_remap(
     for role, m in (("pruned", pruned), ("source", source)):
         if m is not None:
             arch = m.get("general.architecture")
-            models[role] = {"path": str(m.path), "architecture": arch, "expert_count": int(m.get(f"{arch}.expert_count") or 0)}
+            models[role] = {"name": m.path.name, "architecture": arch, "expert_count": int(m.get(f"{arch}.expert_count") or 0)}
     return RemapPlan(
         source=imatrix,
         output=result,
@@ -422,7 +422,8 @@ class RemapResult:
 
 
 def default_report_path(output: Path) -> Path:
-    return output.parent / "method" / REPORT_NAME
+    """`method/<output stem>.imatrix-remap-report.json` beside the output."""
+    return report_path_for(output, IMATRIX_REMAP_REPORT)
 
 
 def execute_remap(
@@ -434,11 +435,10 @@ def execute_remap(
     sources: Sequence[Path] = (),
 ) -> RemapResult:
     """Write the remapped imatrix (temp name, fsync, rename), re-read it, and write the report
-    (default OUTPUT_DIR/method/imatrix-remap-report.json)."""
+    (default OUTPUT_DIR/method/<output stem>.imatrix-remap-report.json)."""
     t0 = time.perf_counter()
     assert plan.source.path is not None
     report_path = report_path or default_report_path(plan.output_path)
-    check_report_slot(report_path, [plan.output_path.name], lambda doc: [Path(doc["output"]["path"]).name], force)
     input_sha = sha256_file(plan.source.path)
     output = plan.output
     if output.format == "gguf" and any(kv.key == KEY_REMAP_SOURCE_SHA256 for kv in output.kvs):
@@ -451,36 +451,34 @@ def execute_remap(
         raise CarveError(f"internal error: {path} has {len(written.entries)} entries, planned {len(output.entries)}")
     timings = {"write_seconds": t_write - t0, "total_seconds": time.perf_counter() - t0}
     result = RemapResult(plan, path, report_path, input_sha, output_sha, path.stat().st_size, timings)
-    write_text_atomic(report_path, json.dumps(remap_report(result), indent=1, sort_keys=True) + "\n")
+    write_text_atomic(report_path, dumps(remap_report(result)))
     return result
 
 
 def remap_report(result: RemapResult) -> dict[str, Any]:
+    """The remap report; `output.sha256` names the imatrix it describes."""
     plan = result.plan
     source = plan.source
-    return {
-        "schema_version": REPORT_SCHEMA_VERSION,
-        "tool": {"name": "ggufcarve", "version": __version__},
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    assert source.path is not None
+    results = {
         "input": {
-            "path": str(source.path),
+            "name": source.path.name,
             "format": source.format,
             "bytes": source.size,
             "sha256": result.input_sha256,
             "entries": len(source.entries),
             "chunk_count": source.chunk_count,
             "chunk_size": source.chunk_size,
-            "datasets": list(source.datasets),
+            "datasets": [public_name(d) for d in source.datasets],
         },
         "output": {
-            "path": str(result.output_path),
+            "name": result.output_path.name,
             "format": plan.output_format,
             "bytes": result.output_bytes,
             "sha256": result.output_sha256,
             "entries": len(plan.output.entries),
         },
         "models": plan.models,
-        "parameters": {"format": plan.output_format, "chunk_size": plan.chunk_size if "dat" in (source.format, plan.output_format) else source.chunk_size},
         "expert_count": {"before": plan.layout.expert_count, "after": plan.kept_count},
         "keep_set": plan.keepset.to_json(),
         "tensors": [
@@ -503,7 +501,13 @@ def remap_report(result: RemapResult) -> dict[str, Any]:
         "blocks_without_entries": list(plan.blocks_without_entries),
         "conversion_losses": list(plan.losses),
         "warnings": list(plan.warnings),
-        "timings": {k: round(v, 3) for k, v in sorted(result.timings.items())},
     }
+    return envelope(
+        IMATRIX_REMAP_REPORT,
+        inputs=[file_input(source.path, result.input_sha256, source.size)],
+        parameters={"format": plan.output_format, "chunk_size": plan.chunk_size if "dat" in (source.format, plan.output_format) else source.chunk_size},
+        timings=dict(sorted(result.timings.items())),
+        results=results,
+    )
 
 

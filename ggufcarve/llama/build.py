@@ -8,7 +8,6 @@ import re
 import shutil
 import sys
 import tarfile
-import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -16,7 +15,12 @@ from typing import Iterator
 
 from ggufcarve.errors import BadInput, ToolFailed, ToolMissing
 from ggufcarve.events import Event, Sink, ignore
-from ggufcarve.fileio import cache_root, sha256_file_cached
+from ggufcarve.fileio import (
+    cache_root,
+    make_temp_dir,
+    remove_dead_temps,
+    sha256_file_cached,
+)
 from ggufcarve.llama.launch import run, run_checked
 from ggufcarve.llama.tools import (
     CMAKE_FLAGS,
@@ -58,13 +62,17 @@ def fetch_sdist(version: str, on_event: Sink = ignore) -> Path:
         return target
     target_dir.mkdir(parents=True, exist_ok=True)
     on_event(Event("download", 0, 0, "steps", f"pip download llama-cpp-python=={version} (sdist)"))
-    with tempfile.TemporaryDirectory(prefix=".download-", dir=target_dir) as tmp:
-        argv = [sys.executable, "-m", "pip", "download", f"llama-cpp-python=={version}", "--no-deps", "--no-binary", ":all:", "--dest", tmp]
+    remove_dead_temps(target_dir, target.name.__eq__)
+    tmp = make_temp_dir(target)
+    try:
+        argv = [sys.executable, "-m", "pip", "download", f"llama-cpp-python=={version}", "--no-deps", "--no-binary", ":all:", "--dest", str(tmp)]
         finished = run(argv, timeout=DOWNLOAD_TIMEOUT, idle_timeout=DOWNLOAD_IDLE_TIMEOUT)
-        files = sorted(Path(tmp).glob("*.tar.gz"))
+        files = sorted(tmp.glob("*.tar.gz"))
         if not finished.ok or not files:
             raise ToolFailed(f"pip could not download the llama-cpp-python {version} sdist: {finished.describe_failure()}", "check network access to PyPI, or pass --llama-cpp DIR with prebuilt tools")
         os.replace(files[0], target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return target
 
 
@@ -138,7 +146,8 @@ def install_prebuilt(bin_dir: Path, version: str | None = None, origin: str = "p
         missing = [t for t in TOOLS if not _is_executable(bin_dir / t)]
         if missing:
             raise BadInput(f"{bin_dir} lacks {', '.join(missing)}", "give the bin directory of a llama.cpp build that has all four tools")
-        staging = Path(tempfile.mkdtemp(prefix=f".llama.cpp-{version}.", dir=cache_root()))
+        remove_dead_temps(final.parent, final.name.__eq__)
+        staging = make_temp_dir(final)
         try:
             (staging / "bin").mkdir()
             for tool in TOOLS:
@@ -190,7 +199,8 @@ def build_tools(on_event: Sink = ignore, *, version: str | None = None, sdist: P
             built_for = recorded.get("key") if isinstance(recorded, dict) else "?"
             sink(Event("rebuild", 0, 0, "steps", f"the cached tools were built for CPU {built_for}, this one is {cpu_features().key}: rebuilding"))
         sdist = sdist or fetch_sdist(version, sink)
-        staging = Path(tempfile.mkdtemp(prefix=f".llama.cpp-{version}.", dir=root))
+        remove_dead_temps(final.parent, final.name.__eq__)
+        staging = make_temp_dir(final)
         try:
             sink(Event("extract", 0, 100, "percent", f"extracting vendor/llama.cpp from {sdist.name}"))
             source = extract_llama_cpp(sdist, staging / "src")

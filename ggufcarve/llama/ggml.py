@@ -62,11 +62,6 @@ class GgmlTensor(ctypes.Structure):
     def label(self) -> str:
         return self.name.decode("utf-8", errors="replace")
 
-    @property
-    def shape(self) -> tuple[int, ...]:
-        """ne, innermost first (ggml order)."""
-        return tuple(int(n) for n in self.ne)
-
 
 @lru_cache(maxsize=1)
 def libggml() -> Any:

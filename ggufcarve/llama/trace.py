@@ -13,6 +13,9 @@ the AMX buffer type crashes 0.3.36 on small models), sets `cb_eval` of the conte
 `GraphTracer`, turns warm-up off (a warm-up decode routes every token to every expert,
 src/llama-graph.cpp `cparams.warmup`), and decodes the tokens in micro-batches with logits
 requested for every token (the last layer computes only the tokens whose logits are requested).
+With `context=N` the tokens are cut into chunks of N decoded independently (the KV cache is
+cleared before each, positions restart at 0), as llama-imatrix and llama-perplexity do; without
+it they are one sequence.
 
 The scheduler calls the callback twice per graph node: with ask=True ("observe this node?") and,
 for observed nodes, with ask=False once computed (returning False there would stop the rest of
@@ -157,13 +160,17 @@ def trace_routing(
     logits: bool = True,
     threads: int | None = None,
     batch: int | None = None,
+    context: int | None = None,
     timeout: float | None = None,
     idle_timeout: float | None = TRACE_IDLE_TIMEOUT,
     verbose: bool = False,
     on_event: Sink = ignore,
     on_line: Callable[[str], None] | None = None,
 ) -> Trace:
-    """Decode `tokens` (one sequence) with llama.cpp and capture `nodes` of every MoE block.
+    """Decode `tokens` with llama.cpp and capture `nodes` of every MoE block.
+
+    `context`: tokens per independently decoded chunk (default: all of them, one sequence);
+    `batch`: tokens per micro-batch (default 512, at most `context`).
 
     Raises BadInput for an empty token list or an unknown node, ToolFailed (with llama.cpp's last
     output lines) when the child fails. Progress: events of stage "trace" in tokens.
@@ -172,13 +179,16 @@ def trace_routing(
     tokens = [int(t) for t in tokens]
     if not tokens:
         raise BadInput("no tokens to trace", "give at least one token id")
+    if (context is not None and context < 1) or (batch is not None and batch < 1):
+        raise BadInput(f"context {context} / batch {batch}: both must be at least 1 token", "give positive sizes")
+    context = min(context or len(tokens), len(tokens))
     wanted = frozenset(nodes)
     GraphTracer(wanted)  # validates the node names before a child is started
     with tempfile.TemporaryDirectory(prefix="ggufcarve-trace-") as tmp:
         token_file, result_file = Path(tmp) / "tokens.npy", Path(tmp) / "trace.npz"
         np.save(token_file, np.asarray(tokens, dtype=np.int32))
         argv = [sys.executable, "-m", "ggufcarve.llama.trace", "--model", os.fspath(model), "--tokens", str(token_file), "--out", str(result_file),
-                "--threads", str(threads or min(os.cpu_count() or 1, 8)), "--batch", str(batch or min(len(tokens), DEFAULT_BATCH))]
+                "--threads", str(threads or min(os.cpu_count() or 1, 8)), "--batch", str(min(batch or DEFAULT_BATCH, context)), "--context", str(context)]
         argv += [arg for node in sorted(wanted) for arg in ("--node", node)]
         argv += [] if logits else ["--no-logits"]
         argv += ["--verbose"] if verbose else []
@@ -228,7 +238,7 @@ def _install_log(llama_cpp: object, verbose: bool) -> None:
     llama_cpp.llama_log_set(callback, ctypes.c_void_p(0))  # type: ignore[attr-defined]
 
 
-def _child(model: str, tokens: list[int], out: Path, nodes: frozenset[str], want_logits: bool, threads: int, batch_size: int, verbose: bool) -> int:
+def _child(model: str, tokens: list[int], out: Path, nodes: frozenset[str], want_logits: bool, threads: int, batch_size: int, context: int, verbose: bool) -> int:
     import llama_cpp
 
     _install_log(llama_cpp, verbose)
@@ -243,7 +253,7 @@ def _child(model: str, tokens: list[int], out: Path, nodes: frozenset[str], want
         return EXIT_LOAD
     n = len(tokens)
     context_params = llama_cpp.llama_context_default_params()
-    context_params.n_ctx = max(64, -(-n // 64) * 64)
+    context_params.n_ctx = max(64, -(-context // 64) * 64)
     context_params.n_batch = context_params.n_ubatch = batch_size
     context_params.n_seq_max = 1
     context_params.n_threads = context_params.n_threads_batch = threads
@@ -259,27 +269,31 @@ def _child(model: str, tokens: list[int], out: Path, nodes: frozenset[str], want
     n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(lmodel))
     logits = np.empty((n, n_vocab), dtype=np.float32) if want_logits else None
     batch = llama_cpp.llama_batch_init(batch_size, 0, 1)
-    for start in range(0, n, batch_size):
-        chunk = tokens[start:start + batch_size]
-        for i, token in enumerate(chunk):
-            batch.token[i] = token
-            batch.pos[i] = start + i
-            batch.n_seq_id[i] = 1
-            batch.seq_id[i][0] = 0
-            batch.logits[i] = 1
-        batch.n_tokens = len(chunk)
-        rc = llama_cpp.llama_decode(ctx, batch)
-        if rc != 0:
-            print(f"ggufcarve-trace: llama_decode returned {rc} at token {start}", file=sys.stderr)
-            return EXIT_DECODE
-        if logits is not None:
-            for i in range(len(chunk)):
-                pointer = llama_cpp.llama_get_logits_ith(ctx, i)
-                if not pointer:
-                    print(f"ggufcarve-trace: no logits for token {start + i}", file=sys.stderr)
-                    return EXIT_LOGITS
-                logits[start + i] = np.ctypeslib.as_array(pointer, shape=(n_vocab,))
-        print(f"ggufcarve-trace: decoded {start + len(chunk)}/{n} tokens", file=sys.stderr, flush=True)
+    memory = llama_cpp.llama_get_memory(ctx)
+    for chunk_start in range(0, n, context):
+        llama_cpp.llama_memory_clear(memory, True)
+        chunk_end = min(chunk_start + context, n)
+        for start in range(chunk_start, chunk_end, batch_size):
+            piece = tokens[start:min(start + batch_size, chunk_end)]
+            for i, token in enumerate(piece):
+                batch.token[i] = token
+                batch.pos[i] = start - chunk_start + i
+                batch.n_seq_id[i] = 1
+                batch.seq_id[i][0] = 0
+                batch.logits[i] = 1
+            batch.n_tokens = len(piece)
+            rc = llama_cpp.llama_decode(ctx, batch)
+            if rc != 0:
+                print(f"ggufcarve-trace: llama_decode returned {rc} at token {start}", file=sys.stderr)
+                return EXIT_DECODE
+            if logits is not None:
+                for i in range(len(piece)):
+                    pointer = llama_cpp.llama_get_logits_ith(ctx, i)
+                    if not pointer:
+                        print(f"ggufcarve-trace: no logits for token {start + i}", file=sys.stderr)
+                        return EXIT_LOGITS
+                    logits[start + i] = np.ctypeslib.as_array(pointer, shape=(n_vocab,))
+            print(f"ggufcarve-trace: decoded {start + len(piece)}/{n} tokens", file=sys.stderr, flush=True)
     llama_cpp.llama_batch_free(batch)
     llama_cpp.llama_free(ctx)
     llama_cpp.llama_model_free(lmodel)
@@ -307,11 +321,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--node", action="append", default=[], choices=sorted(NODES))
     parser.add_argument("--no-logits", action="store_true")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--batch", type=int, default=DEFAULT_BATCH)
+    parser.add_argument("--batch", type=int, default=DEFAULT_BATCH, help="tokens per micro-batch")
+    parser.add_argument("--context", type=int, default=0, help="tokens per independently decoded chunk (0: all)")
     parser.add_argument("--verbose", action="store_true")
     args = parser.parse_args(argv)
     tokens = [int(t) for t in np.load(args.tokens)]
-    return _child(args.model, tokens, args.out, frozenset(args.node), not args.no_logits, args.threads, max(1, args.batch), args.verbose)
+    context = args.context if args.context > 0 else max(1, len(tokens))
+    return _child(args.model, tokens, args.out, frozenset(args.node), not args.no_logits, args.threads, max(1, min(args.batch, context)), context, args.verbose)
 
 
 if __name__ == "__main__":

@@ -44,7 +44,9 @@ class KeepSet:
         return {**self.metadata, "layers": {str(b): list(ids) for b, ids in sorted(self.layers.items())}}
 
     def save(self, path: str | os.PathLike[str]) -> None:
-        Path(path).write_text(json.dumps(self.to_json(), indent=1, sort_keys=True) + "\n")
+        from ggufcarve.fileio import write_text_atomic
+
+        write_text_atomic(Path(path), json.dumps(self.to_json(), indent=1, sort_keys=True) + "\n")
 
 
 def keep_first(layout: MoeLayout, count: int) -> KeepSet:

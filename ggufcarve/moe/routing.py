@@ -28,17 +28,12 @@ from typing import Any
 
 from gguf.constants import ExpertGatingFuncType, Keys
 
-# gguf-py names the gating functions it knows; llama-hparams.h has two more than gguf 0.19.
+SOFTMAX, SIGMOID = int(ExpertGatingFuncType.SOFTMAX), int(ExpertGatingFuncType.SIGMOID)
+SOFTMAX_WEIGHT, SQRT_SOFTPLUS = 3, 4  # llama-hparams.h values that gguf-py 0.19 does not name
+# gguf-py's names of the gating functions it knows, llama.cpp's for the others
 GATING_NAMES: dict[int, str] = {int(g): g.name.lower() for g in ExpertGatingFuncType}
-GATING_NAMES.setdefault(3, "softmax_weight")
-GATING_NAMES.setdefault(4, "sqrtsoftplus")
-SOFTMAX, SIGMOID, SOFTMAX_WEIGHT, SQRT_SOFTPLUS = 1, 2, 3, 4
-GATING_DESCRIPTIONS = {
-    SOFTMAX: "softmax over all experts",
-    SIGMOID: "sigmoid per expert",
-    SOFTMAX_WEIGHT: "softmax over the selected experts' logits",
-    SQRT_SOFTPLUS: "sqrt(softplus) per expert",
-}
+GATING_NAMES.setdefault(SOFTMAX_WEIGHT, "softmax_weight")
+GATING_NAMES.setdefault(SQRT_SOFTPLUS, "sqrtsoftplus")
 SELECTION_BIAS_SUFFIXES = ("exp_probs_b.bias", "exp_probs_b")
 
 
@@ -127,28 +122,28 @@ class Routing:
         return self.group_count > 1
 
     def describe(self) -> str:
-        """One line, e.g. "sigmoid (expert_gating_func=2): selection bias exp_probs_b; ..."."""
+        """One line, e.g. "sigmoid (expert_gating_func=2): selection bias exp_probs_b; 8 groups, best 4 by top-2 sum; ..."."""
         if self.gating is None:
             head = "unknown gating" + ("" if self.known_architecture else " (architecture not in ggufcarve's table)")
         else:
-            source = {"key": f"expert_gating_func={self.gating}", "architecture default": "no expert_gating_func key: the architecture's default",
+            source = {"key": f"expert_gating_func={self.gating}", "architecture default": "default: no expert_gating_func",
                       "fixed by the architecture": "fixed by the architecture"}.get(self.gating_source, self.gating_source)
             head = f"{self.gating_name} ({source})"
         parts = []
         if self.selection_bias:
             parts.append("selection bias exp_probs_b")
         if self.grouped:
-            parts.append(f"{self.group_count} groups, the best {self.group_used_count} by the sum of their top-2 scores")
+            parts.append(f"{self.group_count} groups, best {self.group_used_count} by top-2 sum")
         if self.normalised is None:
             parts.append("weight normalisation unknown")
         elif self.gating == SOFTMAX_WEIGHT:
-            parts.append("top-k weights are a softmax over the selected")
+            parts.append("softmax over the top-k")
         else:
             parts.append("top-k weights renormalised" if self.normalised else "top-k weights not renormalised")
         if self.scaled:
             parts.append(f"scaled by {self.scale:g}")
         if not self.keeps_outputs and self.gating is not None and self.known_architecture:
-            parts.append("kept experts' weights change for every token when experts are dropped")
+            parts.append("dropping experts changes the kept experts' weights")
         return f"{head}: " + "; ".join(parts)
 
     def to_json(self) -> dict[str, Any]:

@@ -55,7 +55,7 @@ class Verification:
         bad = [t.name for t in self.tensors if not t.ok]
         problems = self.problems + ([f"tensor data differs from the source slices: {', '.join(bad[:5])}" + (f" (+{len(bad) - 5} more)" if len(bad) > 5 else "")] if bad else [])
         if problems:
-            raise VerificationFailed(f"{where}: " + "; ".join(problems[:3]) + (f" (+{len(problems) - 3} more)" if len(problems) > 3 else ""), "check that the keep-set is the one the output was made with (see its method/pruning-report.json); otherwise re-run the prune")
+            raise VerificationFailed(f"{where}: " + "; ".join(problems[:3]) + (f" (+{len(problems) - 3} more)" if len(problems) > 3 else ""), "check that the keep-set is the one the output was made with (see its method/<output stem>.pruning-report.json); otherwise re-run the prune")
 
 Ranges = dict[str, tuple[tuple[int, ...], tuple[SourceRange, ...]]]
 OutputHashes = dict[str, tuple[int, int, str]]  # tensor name -> (absolute start, length, xxh3-128) in its output file

@@ -1,8 +1,15 @@
 """Executing a prune plan.
 
-The executor streams the ranges into temp files beside the output, hashes the source in a second
-thread meanwhile, re-reads the output and checks every tensor (xxh3-128) and every key against
-the source before renaming anything into place.
+One sequential read of each source file feeds everything the prune needs from it: the file's
+sha256 (for the provenance keys; skipped when cached for this exact file state, and then only the
+kept ranges are read), the writes into temp files beside the outputs, and the xxh3-128 of every
+output tensor as its bytes stream by (of each of its pieces instead, for a tensor whose kept
+slices are not in file order; a piece is a contiguous source range and the output range it is
+copied to). Every written tensor is then re-read from its temp file and hashed the same way: while
+the writer waits for the sha256 thread, and at the end while the disk writes back. Nothing is
+renamed into place until every tensor read back matches the source bytes it was copied from and
+every key checks out. Memory is a fixed ring of buffers, passed from the writer (the calling
+thread, which reads) to the sha256 thread and back.
 """
 
 from __future__ import annotations
@@ -12,13 +19,15 @@ import os
 import queue
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator, Sequence
 
 import xxhash
 from gguf.constants import GGUFValueType
 
+from ggufcarve.errors import BadInput
 from ggufcarve.events import Counter, Sink, ignore
 from ggufcarve.fileio import (
     CHUNK,
@@ -26,28 +35,24 @@ from ggufcarve.fileio import (
     atomic_outputs,
     cached_sha256,
     check_outputs,
-    check_report_slot,
-    copy_range,
+    dead_temps,
     read_ranges,
     remember_sha256,
+    same_file,
+    write_at,
     write_text_atomic,
     xxh3_of_ranges,
 )
-from ggufcarve.gguf.container import (
-    GGUFModel,
-    make_kv,
-    pad_to,
-    read_file,
-)
-from ggufcarve.prune.check import OutputHashes, Ranges, Verification, verify_prune
-from ggufcarve.prune.plan import (
-    KEY_SOURCE_SHA256,
-    PlannedFile,
-    PrunePlan,
-    SourceRange,
-    tensor_ranges,
-)
-from ggufcarve.prune.report import _dumps, default_report_path, pruning_report
+from ggufcarve.gguf.container import GGUFModel, make_kv, read_file
+from ggufcarve.prune.check import OutputHashes, Verification, verify_prune
+from ggufcarve.prune.plan import KEY_SOURCE_SHA256, PlannedFile, PrunePlan
+from ggufcarve.prune.report import default_report_path, pruning_report
+from ggufcarve.reports import dumps
+
+RING_BUFFERS = 6  # while a source is being hashed; one buffer when its sha256 is cached
+RING_CHUNK = 8 << 20  # bytes per source read
+SPAN_GAP = 1 << 16  # kept ranges this close are read as one span (the gap is padding or a small tensor)
+POLL_SECONDS = 0.2  # how often the writer, waiting for a buffer, looks whether the sha256 thread failed
 
 
 @dataclass
@@ -58,216 +63,102 @@ class PruneResult:
     timings: dict[str, float]
     report_path: Path
 
-class _Cancelled(Exception):
-    """Stops a hashing thread when the write failed."""
+
+@dataclass(frozen=True)
+class Piece:
+    """A contiguous source byte range and the output byte range it is copied to."""
+
+    tensor: str
+    index: int  # among the tensor's pieces, in output order
+    shard: int  # source file
+    offset: int  # absolute offset in the source file
+    length: int
+    output: int  # index into the plan's files
+    position: int  # absolute offset in that output file
 
 
-def _ascending(ranges: tuple[SourceRange, ...]) -> bool:
-    """Slices in file order, so one sequential read of the source can hash them."""
-    return all(a.offset + a.length <= b.offset for a, b in zip(ranges, ranges[1:]))
+def plan_pieces(plan: PrunePlan) -> list[Piece]:
+    """Every piece of every output tensor, in output order."""
+    pieces = []
+    for out_index, planned in enumerate(plan.files):
+        header, offsets = planned.encoded_header
+        for tensor, offset in zip(planned.tensors, offsets):
+            position = len(header) + offset
+            for k, r in enumerate(tensor.ranges):
+                pieces.append(Piece(tensor.name, k, r.shard, r.offset, r.length, out_index, position))
+                position += r.length
+    return pieces
 
 
-def hash_source(model: GGUFModel, ranges: Ranges, progress: Callable[[int], None]) -> tuple[list[str], dict[str, str]]:
-    """Each source file's sha256 and each output tensor's expected xxh3-128 (of its source slices).
-
-    One sequential read per source file feeds both, for every tensor whose slices are in ascending
-    order; other tensors, and files whose sha256 is cached, are hashed by positioned reads.
-    """
-    hashers = {name: xxhash.xxh3_128() for name in ranges}
-    folded: list[list[tuple[int, int, str]]] = [[] for _ in model.shards]
-    positioned: list[str] = []
-    for name, (_, rs) in ranges.items():
-        if _ascending(rs):
-            folded[rs[0].shard].extend((r.offset, r.offset + r.length, name) for r in rs)
-        else:
-            positioned.append(name)
-    digests = [cached_sha256(p) for p in model.paths]
-    for shard, digest in enumerate(digests):
-        if digest is not None:
-            positioned.extend(dict.fromkeys(name for _, _, name in folded[shard]))
-            folded[shard] = []
-    buffer = bytearray(CHUNK)
-    for shard, path in enumerate(model.paths):
-        if digests[shard] is not None:
-            continue
-        segments = sorted(folded[shard])
-        sha = hashlib.sha256()
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            position, i = 0, 0
-            for chunk in read_ranges(fd, [(0, model.shards[shard].size)], buffer, progress):
-                sha.update(chunk)
-                end = position + len(chunk)
-                while i < len(segments) and segments[i][0] < end:
-                    lo, hi, name = segments[i]
-                    if max(lo, position) < min(hi, end):
-                        hashers[name].update(chunk[max(lo, position) - position : min(hi, end) - position])
-                    if hi > end:
-                        break
-                    i += 1
-                position = end
-        finally:
-            os.close(fd)
-        digests[shard] = sha.hexdigest()
-        remember_sha256(path, digests[shard])
-    fds = [os.open(p, os.O_RDONLY) for p in model.paths]
-    try:
-        for name in positioned:
-            for r in ranges[name][1]:
-                for chunk in read_ranges(fds[r.shard], [(r.offset, r.length)], buffer, progress):
-                    hashers[name].update(chunk)
-    finally:
-        for fd in fds:
-            os.close(fd)
-    return [d for d in digests if d is not None], {name: h.hexdigest() for name, h in hashers.items()}
+def read_spans(pieces: Sequence[Piece], size: int, whole: bool) -> list[tuple[int, int]]:
+    """(offset, length) spans to read from one source file, in file order: the whole file, or the
+    pieces (sorted by offset) with gaps of at most SPAN_GAP bytes read through."""
+    if whole:
+        return [(0, size)]
+    spans: list[tuple[int, int]] = []
+    for p in pieces:
+        if spans and p.offset - (spans[-1][0] + spans[-1][1]) <= SPAN_GAP:
+            start = spans[-1][0]
+            spans[-1] = (start, max(spans[-1][1], p.offset + p.length - start))
+        elif p.length:
+            spans.append((p.offset, p.length))
+    return spans
 
 
-def source_hash_bytes(model: GGUFModel, ranges: Ranges) -> int:
-    """The bytes hash_source will read (for progress totals)."""
-    uncached = {i for i, p in enumerate(model.paths) if cached_sha256(p) is None}
-    total = sum(model.shards[i].size for i in uncached)
-    for _, rs in ranges.values():
-        if not _ascending(rs) or rs[0].shard not in uncached:
-            total += sum(r.length for r in rs)
-    return total
-
-class _OutputHasher:
-    """Reads back and hashes each output tensor on a second thread as soon as it is written."""
+class _ReadBack:
+    """Re-reads written output tensors from their temp files and hashes them the way the source
+    side did (each hash unit; the whole tensor too when it has several), one chunk per `step`, so
+    that the writer does it while it would otherwise wait, and the rest while the disk writes."""
 
     def __init__(self, progress: Callable[[int], None]) -> None:
         self.progress = progress
-        self.queue: queue.Queue[tuple[Path, str, int, int] | None] = queue.Queue(maxsize=256)
+        self.buffer = bytearray(CHUNK)
+        self.fds: dict[Path, int] = {}
+        self.waiting: deque[tuple[Path, str, int, tuple[int, ...]]] = deque()
+        self.current: Iterator[None] | None = None
         self.result: OutputHashes = {}
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, name="ggufcarve-verify-output", daemon=True)
-        self.thread.start()
+        self.units: dict[tuple[str, int], str] = {}
 
-    def _run(self) -> None:
-        buffer = bytearray(CHUNK)
-        fds: dict[Path, int] = {}
-        try:
-            while (item := self.queue.get()) is not None:
-                path, name, start, length = item
-                if path not in fds:
-                    fds[path] = os.open(path, os.O_RDONLY)
-                self.result[name] = (start, length, xxh3_of_ranges(fds[path], [(start, length)], buffer, self.progress))
-        except BaseException as err:  # re-raised by finish()
-            self.error = err
-            while self.queue.get() is not None:
-                pass
-        finally:
-            for fd in fds.values():
-                os.close(fd)
+    def add(self, path: Path, name: str, start: int, lengths: tuple[int, ...]) -> None:
+        self.waiting.append((path, name, start, lengths))
 
-    def submit(self, path: Path, name: str, start: int, length: int) -> None:
-        self.queue.put((path, name, start, length))
+    def step(self) -> bool:
+        """Hash one more chunk; False when no written tensor is waiting."""
+        while True:
+            if self.current is None:
+                if not self.waiting:
+                    return False
+                self.current = self._hash(*self.waiting.popleft())
+            try:
+                next(self.current)
+                return True
+            except StopIteration:
+                self.current = None
 
-    def finish(self) -> OutputHashes:
-        self.queue.put(None)
-        self.thread.join()
-        if self.error is not None:
-            raise self.error
-        return self.result
+    def finish(self) -> None:
+        while self.step():
+            pass
 
-def execute(plan: PrunePlan, model: GGUFModel, *, force: bool = False, on_event: Sink = ignore, report_path: Path | None = None) -> PruneResult:
-    """Write the plan's outputs (temp names, fsync, rename), verify them, and write the report.
-
-    Three streams run at once: the main thread copies source ranges into the temp files; a
-    second thread reads the whole source once (sha256 for the provenance keys and the expected
-    xxh3 of every tensor); a third reads each tensor back from the temp file once it is written.
-    Nothing is renamed into place until every tensor and key checked out.
-    """
-    t_start = time.perf_counter()
-    report_path = report_path or default_report_path(plan)
-    check_outputs(plan.outputs, list(plan.sources), plan.bytes_out, force)
-    check_report_slot(report_path, [p.name for p in plan.outputs], lambda doc: [f["name"] for f in doc["output"]["files"]], force)
-    ranges = tensor_ranges(model, plan.layout, plan.keepset)
-    source_total = source_hash_bytes(model, ranges)
-    data_total = sum(t.nbytes for t in plan.tensors.values())
-
-    background: dict[str, Any] = {}
-    cancelled = threading.Event()
-
-    def checked(stage: str, total: int) -> Callable[[int], None]:
-        counter = Counter(on_event, stage, total)
-
-        def progress(n: int) -> None:
-            if cancelled.is_set():
-                raise _Cancelled
-            counter(n)
-
-        return progress
-
-    def run_source_hash() -> None:
-        try:
-            started = time.perf_counter()
-            background["sha256"], background["expected"] = hash_source(model, ranges, checked("hash source", source_total))
-            background["seconds"] = time.perf_counter() - started
-        except BaseException as err:  # re-raised in the main thread
-            background["error"] = err
-
-    source_hasher = threading.Thread(target=run_source_hash, name="ggufcarve-hash-source", daemon=True)
-    source_hasher.start()
-    timings: dict[str, float] = {}
-    output_hasher = _OutputHasher(checked("verify", data_total))
-    try:
-        with atomic_outputs(plan.outputs) as outputs:
-            t_copy = time.perf_counter()
-            _write_files(plan, outputs, output_hasher, on_event)
-            timings["write_seconds"] = time.perf_counter() - t_copy
-            t_verify = time.perf_counter()
-            output_hashes = output_hasher.finish()
-            source_hasher.join()
-            if "error" in background:
-                raise background["error"]
-            if plan.provenance:
-                _fill_source_sha256(plan.files[0], outputs[0][1], background["sha256"])
-            written = [read_file(temp) for temp, _ in outputs]
-            verification = verify_prune(model, plan.layout, plan.keepset, written, expected=background["expected"], output_hashes=output_hashes)
-            verification.raise_if_failed(f"verification of {plan.outputs[0].name}")
-            timings["verify_seconds"] = time.perf_counter() - t_verify
-    finally:
-        cancelled.set()
-        source_hasher.join()
-        if output_hasher.thread.is_alive():
-            output_hasher.queue.put(None)
-            output_hasher.thread.join()
-    timings["hash_source_seconds"] = background.get("seconds", 0.0)
-    timings["total_seconds"] = time.perf_counter() - t_start
-    result = PruneResult(plan, background["sha256"], verification, timings, report_path)
-    write_text_atomic(report_path, _dumps(pruning_report(result)))
-    return result
-
-
-def _write_files(plan: PrunePlan, outputs: list[tuple[Path, int]], output_hasher: _OutputHasher, on_event: Sink) -> None:
-    copied = Counter(on_event, "copy", plan.bytes_out)
-    flush = BackgroundFlush()
-    source_fds = [os.open(p, os.O_RDONLY) for p in plan.sources]
-    try:
-        for planned, (temp, fd) in zip(plan.files, outputs):
-
-            def progress(n: int, fd: int = fd) -> None:
-                flush.wrote(fd, n)
-                copied(n)
-
-            header, offsets = planned.encoded_header
-            os.pwrite(fd, header, 0)
-            progress(len(header))
-            for tensor, offset in zip(planned.tensors, offsets):
-                start = position = len(header) + offset
-                for r in tensor.ranges:
-                    copy_range(source_fds[r.shard], fd, r.offset, position, r.length, progress)
-                    position += r.length
-                output_hasher.submit(temp, tensor.name, start, tensor.nbytes)
-                padding = pad_to(tensor.nbytes, planned.alignment) - tensor.nbytes
-                if padding:
-                    os.pwrite(fd, bytes(padding), position)
-                    progress(padding)
-            os.ftruncate(fd, planned.size)
-    finally:
-        flush.close()
-        for fd in source_fds:
+    def close(self) -> None:
+        for fd in self.fds.values():
             os.close(fd)
+
+    def _hash(self, path: Path, name: str, start: int, lengths: tuple[int, ...]) -> Iterator[None]:
+        if path not in self.fds:
+            self.fds[path] = os.open(path, os.O_RDONLY)
+        whole = xxhash.xxh3_128() if len(lengths) > 1 else None
+        position = start
+        unit = xxhash.xxh3_128()
+        for k, length in enumerate(lengths):
+            unit = xxhash.xxh3_128()
+            for chunk in read_ranges(self.fds[path], [(position, length)], self.buffer, self.progress):
+                unit.update(chunk)
+                if whole is not None:
+                    whole.update(chunk)
+                yield
+            self.units[(name, k)] = unit.hexdigest()
+            position += length
+        self.result[name] = (start, position - start, (whole or unit).hexdigest())
 
 
 def _fill_source_sha256(planned: PlannedFile, fd: int, digests: list[str]) -> None:
@@ -275,5 +166,261 @@ def _fill_source_sha256(planned: PlannedFile, fd: int, digests: list[str]) -> No
     real = make_kv(KEY_SOURCE_SHA256, GGUFValueType.ARRAY, digests, GGUFValueType.STRING)
     placeholder = next(kv for kv in planned.kvs if kv.key == KEY_SOURCE_SHA256)
     assert len(real.raw) == len(placeholder.raw)
-    os.pwrite(fd, real.raw, planned.kv_position(KEY_SOURCE_SHA256))
+    write_at(fd, real.raw, planned.kv_position(KEY_SOURCE_SHA256))
 
+
+def _ascending(pieces: Sequence[Piece]) -> bool:
+    """A tensor's slices in file order: a read in file order meets its bytes in output order."""
+    return all(a.offset + a.length <= b.offset for a, b in zip(pieces, pieces[1:]))
+
+
+class _CopyPass:
+    """One read of the sources, the writes into the outputs, and the hashes of both sides.
+
+    The calling thread reads, writes and hashes; a second thread computes the sha256 of sources
+    whose digest is not cached (hashlib releases the GIL), taking buffers from a ring and giving
+    them back. Both sides hash each tensor in hash units: one unit for a tensor whose slices are
+    in file order (the sequential read meets its bytes in output order), one unit per piece
+    otherwise.
+    """
+
+    def __init__(self, plan: PrunePlan, model: GGUFModel, outputs: list[tuple[Path, int]], on_event: Sink) -> None:
+        self.plan, self.model, self.outputs = plan, model, outputs
+        self.pieces = plan_pieces(plan)
+        by_tensor: dict[str, list[Piece]] = {}
+        for p in self.pieces:
+            by_tensor.setdefault(p.tensor, []).append(p)
+        self.first_piece = {name: pieces[0] for name, pieces in by_tensor.items()}
+        self.unit_lengths = {
+            name: (sum(p.length for p in pieces),) if _ascending(pieces) else tuple(p.length for p in pieces) for name, pieces in by_tensor.items()
+        }
+        self.unit_of = {(p.tensor, p.index): (p.tensor, p.index if len(self.unit_lengths[p.tensor]) > 1 else 0) for p in self.pieces}
+        self.source_units: dict[tuple[str, int], Any] = {unit: xxhash.xxh3_128() for unit in self.unit_of.values()}
+        self.remaining = {name: sum(lengths) for name, lengths in self.unit_lengths.items()}
+        self.cached = [cached_sha256(path) for path in model.paths]
+        self.sha = [hashlib.sha256() if digest is None else None for digest in self.cached]
+        self.copied = Counter(on_event, "copy", plan.bytes_out)
+        self.hashed = Counter(on_event, "hash source", sum(s.size for s, digest in zip(model.shards, self.cached) if digest is None))
+        self.read_back = _ReadBack(Counter(on_event, "verify", sum(self.remaining.values())))
+        self.free: queue.Queue[bytearray] = queue.Queue()
+        for _ in range(RING_BUFFERS if any(self.sha) else 1):
+            self.free.put(bytearray(RING_CHUNK))
+        self.to_sha: queue.Queue[tuple[int, bytearray, int] | None] = queue.Queue()
+        self.sha_error: BaseException | None = None
+
+    def run(self) -> tuple[list[str], OutputHashes, dict[tuple[str, int], str]]:
+        """Copy and hash; returns the sources' sha256 and the read-back hashes of tensors and units."""
+        by_shard: list[list[Piece]] = [[] for _ in self.model.shards]
+        for p in self.pieces:
+            by_shard[p.shard].append(p)
+        for shard_pieces in by_shard:
+            shard_pieces.sort(key=lambda p: p.offset)
+        sha = threading.Thread(target=self._hash_source, name="ggufcarve-hash-source", daemon=True)
+        flush = BackgroundFlush()
+        try:
+            for (_, fd), planned in zip(self.outputs, self.plan.files):
+                header, _ = planned.encoded_header
+                write_at(fd, header, 0)
+                self.copied(len(header))
+                os.ftruncate(fd, planned.size)  # the gaps between tensors (padding) read as zeros
+            for name, length in self.remaining.items():
+                if length == 0:
+                    self._written(name)
+            if any(self.sha):
+                sha.start()
+            for shard, path in enumerate(self.model.paths):
+                self._copy(shard, path, by_shard[shard], flush)
+            self.copied(self.plan.bytes_out - self.copied.done)  # the padding, never written
+            self.read_back.finish()  # while the sha256 thread ends and the disk writes
+        finally:
+            self.to_sha.put(None)
+            if sha.ident is not None:
+                sha.join()
+            flush.close()
+            self.read_back.close()
+        if self.sha_error is not None:
+            raise self.sha_error
+        digests = []
+        for shard, path in enumerate(self.model.paths):
+            digest = self.cached[shard]
+            if digest is None:
+                digest = self.sha[shard].hexdigest()  # type: ignore[union-attr]
+                remember_sha256(path, digest)
+            digests.append(digest)
+        return digests, self.read_back.result, self.read_back.units
+
+    def _buffer(self) -> bytearray:
+        """A free buffer of the ring; while the sha256 thread holds them all, read back meanwhile."""
+        while True:
+            try:
+                return self.free.get_nowait()
+            except queue.Empty:
+                pass
+            if self.read_back.step():
+                continue
+            try:
+                return self.free.get(timeout=POLL_SECONDS)
+            except queue.Empty:
+                if self.sha_error is not None:
+                    raise self.sha_error from None
+
+    def _copy(self, shard: int, path: Path, pieces: list[Piece], flush: BackgroundFlush) -> None:
+        """Read one source file's spans in file order; write and hash every piece in each chunk."""
+        fds = [fd for _, fd in self.outputs]
+        source = os.open(path, os.O_RDONLY)
+        try:
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(source, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            i = 0
+            for span_offset, span_length in read_spans(pieces, self.model.shards[shard].size, whole=self.sha[shard] is not None):
+                done = 0
+                while done < span_length:
+                    buffer = self._buffer()
+                    offset = span_offset + done
+                    got = os.preadv(source, [memoryview(buffer)[: min(RING_CHUNK, span_length - done)]], offset)
+                    if got == 0:
+                        self.free.put(buffer)
+                        raise BadInput(f"{path.name} ended early: {span_length - done} bytes missing at offset {offset}", "the source file changed or is truncated")
+                    done += got
+                    end = offset + got
+                    view = memoryview(buffer)[:got]
+                    j = i
+                    while j < len(pieces) and pieces[j].offset < end:
+                        p = pieces[j]
+                        lo, hi = max(p.offset, offset), min(p.offset + p.length, end)
+                        if lo < hi:
+                            data = view[lo - offset : hi - offset]
+                            write_at(fds[p.output], data, p.position + lo - p.offset)
+                            self.source_units[self.unit_of[(p.tensor, p.index)]].update(data)
+                            flush.wrote(fds[p.output], hi - lo)
+                            self.copied(hi - lo)
+                            self.remaining[p.tensor] -= hi - lo
+                            if self.remaining[p.tensor] == 0:
+                                self._written(p.tensor)
+                        j += 1
+                    while i < len(pieces) and pieces[i].offset + pieces[i].length <= end:
+                        i += 1
+                    if self.sha[shard] is not None:
+                        self.to_sha.put((shard, buffer, got))
+                    else:
+                        self.free.put(buffer)
+                    if self.sha_error is not None:
+                        raise self.sha_error
+        finally:
+            os.close(source)
+
+    def _hash_source(self) -> None:
+        """The sha256 thread: hash each chunk of an uncached source, then give its buffer back.
+
+        After an error it keeps giving buffers back, so the writer never waits for one in vain.
+        """
+        while (item := self.to_sha.get()) is not None:
+            shard, buffer, got = item
+            if self.sha_error is None:
+                try:
+                    self.sha[shard].update(memoryview(buffer)[:got])  # type: ignore[union-attr]
+                    self.hashed(got)
+                except BaseException as err:  # raised by the writer
+                    self.sha_error = err
+            self.free.put(buffer)
+
+    def _written(self, name: str) -> None:
+        first = self.first_piece[name]
+        self.read_back.add(self.outputs[first.output][0], name, first.position, self.unit_lengths[name])
+
+    def expected_hashes(self, output_hashes: OutputHashes, output_units: dict[tuple[str, int], str]) -> dict[str, str]:
+        """Each output tensor's expected xxh3-128 (of its source slices, in output order).
+
+        A tensor whose hash units all read back equal to the source bytes they were copied from
+        is, byte for byte, the concatenation of its source slices: its expected hash is the one
+        read back. Any other tensor is hashed again from the source, so that a failure shows the
+        true hash.
+        """
+        expected = {}
+        fds: dict[int, int] = {}
+        buffer: bytearray | None = None
+        try:
+            for name, tensor in self.plan.tensors.items():
+                units = [(name, k) for k in range(len(self.unit_lengths[name]))]
+                if name in output_hashes and all(self.source_units[u].hexdigest() == output_units.get(u) for u in units):
+                    expected[name] = output_hashes[name][2]
+                    continue
+                buffer = buffer or bytearray(CHUNK)
+                shard = tensor.ranges[0].shard
+                if shard not in fds:
+                    fds[shard] = os.open(self.model.paths[shard], os.O_RDONLY)
+                expected[name] = xxh3_of_ranges(fds[shard], [(r.offset, r.length) for r in tensor.ranges], buffer)
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+        return expected
+
+
+def replaced_files(plan: PrunePlan) -> list[Path]:
+    """Existing files of an earlier output under the same name that the new one does not contain
+    (old shards of another split count, or the single file a split output replaces); never a source."""
+    directory = plan.outputs[0].parent
+    try:
+        names = sorted(os.listdir(directory))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    planned = {p.name for p in plan.outputs}
+    found = []
+    for name in names:
+        path = directory / name
+        if name in planned or not plan.is_output_name(name) or not path.is_file():
+            continue
+        if any(same_file(path, source) for source in plan.sources):
+            continue
+        found.append(path)
+    return found
+
+
+def interrupted_swap(plan: PrunePlan) -> bool:
+    """Whether the output directory holds what a run killed while renaming a split output into
+    place leaves (see `atomic_outputs`): the first output missing, a dead run's temp file of it,
+    and other files of the output present. Finishing that run's replacement needs no --force."""
+    first = plan.outputs[0]
+    if len(plan.outputs) < 2 or first.exists():
+        return False
+    others = [p for p in plan.outputs[1:] if p.exists()]
+    return bool(others) and bool(dead_temps(first.parent, first.name.__eq__))
+
+
+def execute(plan: PrunePlan, model: GGUFModel, *, force: bool = False, on_event: Sink = ignore, report_path: Path | None = None) -> PruneResult:
+    """Write the plan's outputs (temp names, fsync, rename), verify them, and write the report.
+
+    A split output is replaced as a set: every shard is written and verified under its temp name
+    first; shards of an earlier output of the same name that the new set does not contain are
+    removed. Temp files of dead runs of this output are removed before the free-space check, and
+    a replacement a dead run left half done (`interrupted_swap`) is finished without `force`.
+    The outputs are durable (fsync) before the report is written, and renamed after it.
+    """
+    t_start = time.perf_counter()
+    report_path = report_path or default_report_path(plan)
+    replaces = replaced_files(plan)
+    force = force or interrupted_swap(plan)
+    check_outputs(plan.outputs, list(plan.sources), plan.bytes_out, force, replaces=replaces, belongs=plan.is_output_name)
+    timings: dict[str, float] = {}
+    with atomic_outputs(plan.outputs, replaces) as outputs:
+        t_copy = time.perf_counter()
+        copy_pass = _CopyPass(plan, model, outputs, on_event)
+        source_sha256, output_hashes, output_units = copy_pass.run()
+        timings["write_seconds"] = time.perf_counter() - t_copy
+        t_verify = time.perf_counter()
+        if plan.provenance:
+            _fill_source_sha256(plan.files[0], outputs[0][1], source_sha256)
+        expected = copy_pass.expected_hashes(output_hashes, output_units)
+        written = [read_file(temp) for temp, _ in outputs]
+        verification = verify_prune(model, plan.layout, plan.keepset, written, expected=expected, output_hashes=output_hashes)
+        verification.raise_if_failed(f"verification of {plan.outputs[0].name}")
+        timings["verify_seconds"] = time.perf_counter() - t_verify
+        for _, fd in outputs:
+            os.fsync(fd)
+        timings["total_seconds"] = time.perf_counter() - t_start
+        result = PruneResult(plan, source_sha256, verification, timings, report_path)
+        # The report is written before the outputs are renamed into place: a crash between the
+        # two leaves a report of missing outputs, which a re-run to the same names replaces,
+        # never outputs that a re-run refuses to replace without --force.
+        write_text_atomic(report_path, dumps(pruning_report(result)))
+    return result

@@ -107,6 +107,8 @@ class PrunePlan:
     changed_keys: dict[str, tuple[Any, Any]]  # key -> (before, after), provenance excluded
     provenance: bool
     warnings: tuple[str, ...]
+    split_max_size: int | None = None  # bytes of tensor data per output shard, as llama-gguf-split
+    merge: bool = False  # a split source written as one file
 
     @property
     def kept_count(self) -> int:
@@ -127,6 +129,17 @@ class PrunePlan:
     @property
     def outputs(self) -> list[Path]:
         return [f.path for f in self.files]
+
+    def is_output_name(self, name: str) -> bool:
+        """Whether a file name in the output directory is a form of this output: a planned file,
+        PREFIX.gguf, or a shard PREFIX-NNNNN-of-MMMMM.gguf of any count (PREFIX: the output name
+        without .gguf and shard suffix). A new output replaces all of them."""
+        first = self.outputs[0]
+        prefix = Path(_shard_prefix(first)).name
+        if name in {p.name for p in self.outputs} or (first.suffix == ".gguf" and name == f"{prefix}.gguf"):
+            return True
+        match = SHARD_NAME.match(name)
+        return match is not None and match["prefix"] == prefix
 
     def to_json(self) -> dict[str, Any]:
         pruned = [t for t in self.tensors.values() if t.pruned]
@@ -281,6 +294,8 @@ def plan_prune(
         changed_keys=changed_keys,
         provenance=provenance,
         warnings=tuple(warnings),
+        split_max_size=split_max_size,
+        merge=merge,
     )
 
 

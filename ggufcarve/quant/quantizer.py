@@ -67,14 +67,29 @@ class QuantizeJob:
     dry_run: bool = False
     nthreads: int | None = None
 
-    def flags(self, flavour: str = "llama.cpp") -> list[str]:
+    @property
+    def cwd(self) -> Path | None:
+        """The directory the quantizer runs in: the imatrix's, so that `--imatrix` is its bare name.
+
+        llama-quantize stores the `--imatrix` argument verbatim in the output's
+        `quantize.imatrix.file` key; run from there, a published rung names its imatrix without
+        a local directory. Source and output are passed as absolute paths.
+        """
+        return Path(os.path.abspath(self.imatrix)).parent if self.imatrix is not None else None
+
+    def flags(self, flavour: str = "llama.cpp", *, names_only: bool = False) -> list[str]:
+        """The quantizer's arguments; `names_only` gives the form a release records (file names
+        without directories), not one to run."""
+        def file_arg(path: Path) -> str:
+            return path.name if names_only else os.path.abspath(path)
+
         argv: list[str] = []
         if self.allow_requantize:
             argv.append("--allow-requantize")
         if self.pure:
             argv.append("--pure")
         if self.imatrix is not None:
-            argv += ["--imatrix", str(self.imatrix)]
+            argv += ["--imatrix", self.imatrix.name]  # relative to self.cwd
         if self.output_tensor_type:
             argv += ["--output-tensor-type", self.output_tensor_type.lower() if flavour == "ik_llama.cpp" else self.output_tensor_type]
         if self.token_embedding_type:
@@ -87,10 +102,10 @@ class QuantizeJob:
                     argv += ["--tensor-type", f"{pattern}={type_name}"]
         if self.dry_run:
             argv.append("--dry-run")
-        argv.append(str(self.source))
+        argv.append(file_arg(self.source))
         if not self.dry_run:
             assert self.output is not None
-            argv.append(str(self.output))
+            argv.append(file_arg(self.output))
         argv.append(self.ftype.upper())
         if self.nthreads:
             argv.append(str(self.nthreads))
@@ -139,8 +154,20 @@ class Quantizer(ABC):
     idle_timeout: float | None = QUANTIZER_IDLE_TIMEOUT
 
     @abstractmethod
-    def argv(self, job: QuantizeJob) -> list[str]:
-        """The exact command line that quantizes `job`."""
+    def argv(self, job: QuantizeJob, *, names_only: bool = False) -> list[str]:
+        """The exact command line that quantizes `job` (run in `job.cwd`); with `names_only`, the
+        form a release records: program and files by name, no local directories."""
+
+    def child_env(self) -> dict[str, str]:
+        """Environment the quantizer child needs on top of the launcher's."""
+        return {}
+
+    def recorded_argv(self, job: QuantizeJob, output: Path) -> list[str]:
+        """The command a release records for `job`: file names only, and the final output name
+        instead of the temp name the run writes to."""
+        from dataclasses import replace
+
+        return self.argv(replace(job, output=output), names_only=True)
 
     @abstractmethod
     def describe(self) -> dict[str, object]:
@@ -156,7 +183,7 @@ class Quantizer(ABC):
             if on_line is not None:
                 on_line(line)
 
-        finished = launch.run(argv, on_line=watch, timeout=self.timeout, idle_timeout=self.idle_timeout)
+        finished = launch.run(argv, on_line=watch, timeout=self.timeout, idle_timeout=self.idle_timeout, cwd=job.cwd, env=self.child_env())
         code = finished.returncode if not finished.timed_out else -9
         error = None if finished.ok else (find_error(keep + finished.tail) or finished.describe_failure())
         return QuantizeRun(argv, code, finished.seconds, finished.tail, error)
@@ -226,7 +253,7 @@ class BinaryQuantizer(Quantizer):
     backend = "binary"
 
     def __init__(self, path: Path, info: ToolInfo | None = None) -> None:
-        self.path = Path(path)
+        self.path = Path(os.path.abspath(path))  # the quantizer runs in the imatrix's directory
         self.tool = info or probe_tool(self.path, "llama-quantize", "given")
         if not self.tool.works:
             raise ToolMissing(f"{self.path} does not behave like llama-quantize ({self.tool.note})", "pass the llama-quantize binary, or --quantizer libllama")
@@ -235,8 +262,8 @@ class BinaryQuantizer(Quantizer):
     def flavour(self) -> str:
         return self.tool.flavour
 
-    def argv(self, job: QuantizeJob) -> list[str]:
-        return [str(self.path), *job.flags(self.tool.flavour)]
+    def argv(self, job: QuantizeJob, *, names_only: bool = False) -> list[str]:
+        return [self.path.name if names_only else str(self.path), *job.flags(self.tool.flavour, names_only=names_only)]
 
     def describe(self) -> dict[str, object]:
         t = self.tool
@@ -253,8 +280,14 @@ class LibllamaQuantizer(Quantizer):
             raise ToolMissing("llama-cpp-python's libllama was not found", "pip install llama-cpp-python, or use --quantizer binary")
         self.lib = lib
 
-    def argv(self, job: QuantizeJob) -> list[str]:
-        return [sys.executable, "-m", "ggufcarve.llama.quantize_child", *job.flags("llama.cpp")]
+    def argv(self, job: QuantizeJob, *, names_only: bool = False) -> list[str]:
+        return [Path(sys.executable).name if names_only else sys.executable, "-m", "ggufcarve.llama.quantize_child", *job.flags("llama.cpp", names_only=names_only)]
+
+    def child_env(self) -> dict[str, str]:
+        # the child runs in the imatrix's directory: it must import this ggufcarve, wherever it lives
+        package_root = str(Path(__file__).resolve().parents[2])
+        inherited = os.environ.get("PYTHONPATH")
+        return {"PYTHONPATH": package_root + (os.pathsep + inherited if inherited else "")}
 
     def describe(self) -> dict[str, object]:
         version = llama_cpp_version()

@@ -12,11 +12,17 @@ need importance data but has no imatrix entry (the MTP block of Qwen3.5/3.6: lla
 runs it) gets the rung's `imatrix_fallback_type` through a tensor-type override, recorded in the
 manifest, instead of aborting hours into the run with `Missing importance matrix for tensor ...`.
 
-`run_ladder` runs each rung with an exact, recorded argv into a temp name in the output directory,
-renames it on success and deletes it on failure (llama-quantize leaves truncated files), hashes
-each finished file in a background thread while the next rung runs, and keeps
-`quant-manifest.json` and `SHA256SUMS` (sha256sum -c format) current. A rung whose output still
-matches its recorded inputs and sha256 is skipped (resume).
+The output directory is one release of one source: a plan for a directory whose manifest names
+another source is refused, unless `fresh` starts the release afresh (its old rungs removed).
+The pruning and imatrix remap reports beside the source and the imatrix are published into
+`method/` when their content describes those exact files (see release.method).
+
+`run_ladder` runs each rung into a temp name in the output directory, renames it on success and
+deletes it on failure (llama-quantize leaves truncated files), hashes each finished file in a
+background thread while the next rung runs, and keeps `quant-manifest.json` and `SHA256SUMS`
+(sha256sum -c format) current. The manifest records each rung's command with file names only
+(the final output name, not the temp name) and the sha256 of the source it was made from. A rung
+whose output still matches its recorded inputs and sha256 is skipped (resume).
 """
 
 from __future__ import annotations
@@ -32,11 +38,18 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
-from ggufcarve.errors import BadInput, OutputError, ToolFailed
+from ggufcarve.errors import BadInput, CarveError, OutputError, ToolFailed
 from ggufcarve.events import Counter, Event, Sink, ignore
-from ggufcarve.fileio import PARTIAL_SUFFIX, sha256_file, sha256_file_cached
+from ggufcarve.fileio import (
+    bytes_on_disk,
+    dead_temps,
+    remove_dead_temps,
+    sha256_file,
+    sha256_file_cached,
+    temp_path_for,
+)
 from ggufcarve.gguf.container import SHARD_NAME, GGUFModel, read_model
 from ggufcarve.gguf.types import FILE_TYPES
 from ggufcarve.quant.quantizer import (
@@ -47,9 +60,21 @@ from ggufcarve.quant.quantizer import (
     QuantizeRun,
 )
 from ggufcarve.quant.spec import DISK_MARGIN, LOCK_NAME, LadderSpec, Rung
-from ggufcarve.release.manifest import MANIFEST_NAME, _write_manifest
-from ggufcarve.release.method import publish_method_reports
-from ggufcarve.release.sums import write_sums
+from ggufcarve.release.manifest import (
+    MANIFEST_NAME,
+    _write_manifest,
+    check_same_source,
+    described_files,
+    read_manifest,
+)
+from ggufcarve.release.method import (
+    METHOD_KINDS,
+    MethodReport,
+    find_method_reports,
+    publish_method_reports,
+)
+from ggufcarve.release.sums import SUMS_NAME, inside, write_sums
+from ggufcarve.reports import public_name, release_report_name
 
 # ---------------------------------------------------------------------------------------------
 # Planning
@@ -81,7 +106,7 @@ class ImatrixInfo:
     entries: set[str]
 
     def to_json(self) -> dict[str, Any]:
-        return {"path": str(self.path), "name": self.path.name, "sha256": self.sha256, "format": self.format, "datasets": self.datasets,
+        return {"name": self.path.name, "sha256": self.sha256, "format": self.format, "datasets": [public_name(d) for d in self.datasets],
                 "chunk_count": self.chunk_count, "chunk_size": self.chunk_size, "entries": len(self.entries)}
 
 
@@ -97,6 +122,8 @@ class LadderPlan:
     rungs: list[PlannedRung]
     warnings: list[str] = field(default_factory=list)
     nthreads: int | None = None
+    method_reports: list[MethodReport] = field(default_factory=list)
+    fresh: bool = False  # start the release afresh: the old rungs are removed before running
 
     @property
     def n_elements(self) -> int:
@@ -169,12 +196,14 @@ def plan_ladder(
     model_name: str | None = None,
     nthreads: int | None = None,
     hash_inputs: bool = True,
+    fresh: bool = False,
     on_event: Sink = ignore,
 ) -> LadderPlan:
     """Validate everything and resolve every rung's exact job before anything is written.
 
     `hash_inputs=False` (a dry run) skips the source's sha256 and the rungs' inputs keys, which
-    only running and resuming need; such a plan cannot be run.
+    only running and resuming need; such a plan cannot be run. `fresh` plans a new release in a
+    directory that holds another (or an unreadable manifest).
     """
     rungs = spec.select(only)
     source_path = Path(source)
@@ -183,6 +212,7 @@ def plan_ladder(
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise OutputError(f"{out} is not a directory", "give -o a directory for the ladder's files")
+    manifest = None if fresh else read_manifest(out)
     if any(p.resolve().parent == out.resolve() for p in model.paths):
         raise OutputError(f"{out} holds the source {source_path.name}", "write the ladder to its own directory; the source is never written next to or over")
     flavour = getattr(quantizer, "flavour", "llama.cpp")
@@ -193,6 +223,10 @@ def plan_ladder(
         info = read_imatrix_info(Path(imatrix), model)
         if flavour == "ik_llama.cpp" and info.format != "dat":
             raise BadInput(f"{quantizer.describe()['path']} is ik_llama.cpp, whose quantizer reads only legacy .dat imatrices", "convert it: ggufcarve imatrix convert IMATRIX -o imatrix.dat --format dat")
+    source_sha = _source_sha256(model) if hash_inputs else []
+    if manifest is not None:
+        check_same_source(out, manifest, [{"name": p.name, "bytes": p.stat().st_size, "sha256": h} for p, h in zip(model.paths, source_sha or [None] * len(model.paths))])
+    method_reports, method_warnings = find_method_reports(model, (info.path, info.sha256) if info else None)
     needing = [r.name for r in rungs if r.needs_imatrix]
     if needing and info is None:
         raise BadInput(f"rung{'s' if len(needing) > 1 else ''} {', '.join(needing)} need{'' if len(needing) > 1 else 's'} an imatrix and none was given", "pass --imatrix FILE (remapped to the pruned model), or leave these rungs out with --only")
@@ -213,10 +247,9 @@ def plan_ladder(
             _note(on_event, "validate", f"dry run {r.name} ({r.ftype})")
             dry[r.name] = futures[r.name].result()
 
-    source_sha = _source_sha256(model) if hash_inputs else []
     qinfo = quantizer.describe()
     planned: list[PlannedRung] = []
-    warnings: list[str] = []
+    warnings: list[str] = list(method_warnings)
     unquantized_iq = []
     for r, file_name in zip(rungs, names):
         needs = dry[r.name].needs_imatrix_entries() if info is not None else dry[r.name].refused_without_imatrix()
@@ -228,13 +261,18 @@ def plan_ladder(
         if fallback:
             warnings.append(f"{r.name}: {len(fallback)} tensor(s) need an imatrix but have no entry; quantized as {r.imatrix_fallback_type} instead: {', '.join(fallback[:4])}{', ...' if len(fallback) > 4 else ''}")
         final = out / file_name
-        temp = out / f".{file_name}{PARTIAL_SUFFIX}"
+        temp = temp_path_for(final)
         job = QuantizeJob(source_path, temp, r.ftype, info.path if info else None, r.allow_requantize, r.output_tensor_type, r.token_embedding_type, overrides, r.pure, False, nthreads)
         planned.append(PlannedRung(r, final, job, fallback, dry[r.name].size_bytes, _inputs_key(r, job, source_sha, info, qinfo) if hash_inputs else ""))
     if unquantized_iq:
         raise BadInput(f"without an imatrix these rungs would fail: {'; '.join(unquantized_iq)}", "pass --imatrix FILE, or leave these rungs out with --only")
     _check_disk(out, planned)
-    return LadderPlan(spec, model, source_sha, out, model_name or model_name_from(source_path), quantizer, info, planned, warnings, nthreads)
+    return LadderPlan(spec, model, source_sha, out, model_name or model_name_from(source_path), quantizer, info, planned, warnings, nthreads, method_reports, fresh)
+
+
+def _rung_names(planned: Sequence[PlannedRung]) -> Callable[[str], bool]:
+    """Accepts the file names of the planned rungs (to find their temp files)."""
+    return {p.output.name for p in planned}.__contains__
 
 
 def _check_disk(out: Path, planned: Sequence[PlannedRung]) -> None:
@@ -242,7 +280,8 @@ def _check_disk(out: Path, planned: Sequence[PlannedRung]) -> None:
     while not probe.exists():
         probe = probe.parent
     need = sum(p.estimated_bytes for p in planned if not p.output.exists()) + DISK_MARGIN
-    free = shutil.disk_usage(probe).free
+    reclaimable = sum(bytes_on_disk(t) for t in dead_temps(out, _rung_names(planned)))  # run_ladder removes them first
+    free = shutil.disk_usage(probe).free + reclaimable
     if free < need:
         raise OutputError(f"the ladder needs about {need / 2**30:.2f} GiB but {probe} has {free / 2**30:.2f} GiB free", "free disk space, write elsewhere, or run fewer rungs with --only")
 
@@ -270,6 +309,7 @@ class RungResult:
     description: str = ""
     tensor_types: list[list[str]] = field(default_factory=list)
     mtime_ns: int | None = None
+    source_sha256: list[str] = field(default_factory=list)  # of the source files the rung was made from
 
     @property
     def gib(self) -> float:
@@ -284,6 +324,7 @@ class RungResult:
             "tensor_types": self.tensor_types,
             "imatrix_fallback": {"type": self.fallback_type, "tensors": list(self.fallback)} if self.fallback else None,
             "inputs_key": self.inputs_key,
+            "source_sha256": self.source_sha256,
         }
 
 
@@ -306,13 +347,42 @@ class LadderResult:
         return not self.failed
 
 
-def _load_manifest(out_dir: Path) -> dict[str, Any] | None:
-    path = out_dir / MANIFEST_NAME
+def _previous_rungs(plan: LadderPlan) -> dict[str, dict[str, Any]]:
+    """The rungs the release in the output directory records, by name; the release must be of
+    this plan's source (checked again here: the directory may have changed since planning)."""
+    manifest = read_manifest(plan.out_dir)
+    if manifest is None:
+        return {}
+    check_same_source(plan.out_dir, manifest, [{"name": p.name, "bytes": p.stat().st_size, "sha256": h} for p, h in zip(plan.source.paths, plan.source_sha256)])
+    return {r.get("name"): r for r in manifest["rungs"] if isinstance(r, dict)}
+
+
+def _start_afresh(out_dir: Path) -> list[str]:
+    """Remove the release in out_dir: the files its manifest describes, the release's method
+    reports, the manifest and SHA256SUMS. Files the manifest does not describe are left alone.
+    Returns the removed names."""
     try:
-        doc = json.loads(path.read_text())
-    except (OSError, ValueError):
+        manifest = read_manifest(out_dir)
+    except CarveError:
+        manifest = None
+    names = set(described_files(manifest)) if manifest else set()
+    names |= {release_report_name(kind) for kind in METHOD_KINDS} | {MANIFEST_NAME, SUMS_NAME}
+    removed = []
+    for rel in sorted(names):
+        path = out_dir / rel
+        if inside(out_dir, rel) and path.is_file():
+            path.unlink()
+            removed.append(rel)
+    return removed
+
+
+def _without_dirs(text: str | None, dirs: Sequence[Path]) -> str | None:
+    """A message as a release records it: the given local directories removed from file paths."""
+    if text is None:
         return None
-    return doc if isinstance(doc, dict) and isinstance(doc.get("rungs"), list) else None
+    for d in sorted({str(p) for p in dirs} | {str(p.resolve()) for p in dirs}, key=len, reverse=True):
+        text = text.replace(d + os.sep, "")
+    return text
 
 
 def _lock_dir(out_dir: Path) -> Any:
@@ -343,13 +413,17 @@ def run_ladder(plan: LadderPlan, *, keep_going: bool = False, on_event: Sink = i
     quantizer_seconds = 0.0
     hash_seconds = [0.0]
     state_lock = threading.Lock()
-    previous = {r.get("name"): r for r in (_load_manifest(out) or {}).get("rungs", [])}
     results: dict[str, RungResult] = {}
     hasher: ThreadPoolExecutor | None = None
+    local_dirs = [out.absolute(), *(p.parent.absolute() for p in plan.source.paths), *([plan.imatrix.path.parent.absolute()] if plan.imatrix else [])]
     try:
-        # stale temp files from an interrupted run
-        for p in plan.rungs:
-            p.temp.unlink(missing_ok=True)
+        if plan.fresh:
+            removed = _start_afresh(out)
+            if removed:
+                _note(on_event, "validate", f"started the release afresh: removed {', '.join(removed)}")
+        previous = _previous_rungs(plan)
+        method = publish_method_reports(out, plan.method_reports)
+        remove_dead_temps(out, _rung_names(plan.rungs))  # left by an interrupted run
         resumable = _check_resumable(plan, previous, on_event)
         hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ggufcarve-hash")
         pending: list[Future[None]] = []
@@ -374,12 +448,12 @@ def run_ladder(plan: LadderPlan, *, keep_going: bool = False, on_event: Sink = i
                 rungs_done(1, r.name)
                 continue
             if failure is not None and not keep_going:
-                results[r.name] = RungResult(r.name, r.ftype, "not run", p.output.name, description=r.description)
+                results[r.name] = RungResult(r.name, r.ftype, "not run", p.output.name, description=r.description, source_sha256=list(plan.source_sha256))
                 continue
-            argv = plan.quantizer.argv(p.job)
             _note(on_event, r.name, "starting")
-            result = RungResult(r.name, r.ftype, "failed", p.output.name, command=argv, fallback=p.fallback, fallback_type=r.imatrix_fallback_type if p.fallback else None,
-                                inputs_key=p.inputs_key, description=r.description, tensor_types=[list(t) for t in p.job.tensor_types])
+            result = RungResult(r.name, r.ftype, "failed", p.output.name, command=plan.quantizer.recorded_argv(p.job, p.output), fallback=p.fallback,
+                                fallback_type=r.imatrix_fallback_type if p.fallback else None, inputs_key=p.inputs_key, description=r.description,
+                                tensor_types=[list(t) for t in p.job.tensor_types], source_sha256=list(plan.source_sha256))
 
             def on_line(line: str, name: str = r.name) -> None:
                 m = TENSOR_LINE.match(line)
@@ -408,16 +482,15 @@ def run_ladder(plan: LadderPlan, *, keep_going: bool = False, on_event: Sink = i
             else:
                 p.temp.unlink(missing_ok=True)
                 p.output.unlink(missing_ok=True)  # an earlier output: it does not match this rung's inputs
-                result.error = run.error or "the quantizer wrote no output"
+                result.error = _without_dirs(run.error, local_dirs) or "the quantizer wrote no output"
                 failure = failure or result
                 _note(on_event, r.name, f"failed: {result.error}")
             results[r.name] = result
             rungs_done(1, r.name)
-            _write_manifest(plan, previous, results, started, quantizer_seconds, hash_seconds[0], state_lock)
+            _write_manifest(plan, previous, results, method, started, quantizer_seconds, hash_seconds[0], state_lock)
         for f in pending:
             f.result()
-        manifest = _write_manifest(plan, previous, results, started, quantizer_seconds, hash_seconds[0], state_lock)
-        publish_method_reports(plan)
+        manifest = _write_manifest(plan, previous, results, method, started, quantizer_seconds, hash_seconds[0], state_lock)
         sums = write_sums(out, manifest)
     finally:
         if hasher is not None:
@@ -458,6 +531,7 @@ def _check_resumable(plan: LadderPlan, previous: dict[str, dict[str, Any]], on_e
             seconds=float(rec.get("seconds", 0.0)), bytes=int(rec["bytes"]), bits_per_weight=rec.get("bits_per_weight"), sha256=digest,
             fallback=tuple((rec.get("imatrix_fallback") or {}).get("tensors", [])), fallback_type=(rec.get("imatrix_fallback") or {}).get("type"),
             inputs_key=p.inputs_key, description=p.rung.description, tensor_types=rec.get("tensor_types", []), mtime_ns=p.output.stat().st_mtime_ns,
+            source_sha256=list(plan.source_sha256),
         )
     return out
 

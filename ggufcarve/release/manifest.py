@@ -1,28 +1,103 @@
-"""quant-manifest.json: the one record of what a release holds and how it was made."""
+"""quant-manifest.json: the one record of what a release holds and how it was made.
+
+It describes every file the release publishes: each rung's files (with the sha256 of the source
+files the rung was made from), the method reports under `method/`, and itself. SHA256SUMS lists
+exactly these files, and `verify` fails on any other file in the directory. A release is made
+from one source: a ladder run with another source is refused unless it starts the release afresh.
+File names are relative to the release directory; no local path is recorded.
+"""
 
 from __future__ import annotations
 
-import json
 import threading
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ggufcarve import __version__
+from ggufcarve.errors import BadInput, OutputError
 from ggufcarve.fileio import write_text_atomic
+from ggufcarve.reports import dumps, envelope, public_name, read_json_object
 
 if TYPE_CHECKING:
     from ggufcarve.quant.run import LadderPlan, RungResult
 
-MANIFEST_SCHEMA_VERSION = 1
+MANIFEST_KIND = "quant-manifest"
 MANIFEST_NAME = "quant-manifest.json"
+FRESH_START_HINT = "write to another -o directory, or pass --force to start the release afresh, which removes its old rungs"
 
 
-def _write_manifest(plan: LadderPlan, previous: dict[str, dict[str, Any]], results: dict[str, RungResult], started: float, quantizer_seconds: float, hash_seconds: float, lock: threading.Lock) -> dict[str, Any]:
+def read_manifest(out_dir: Path) -> dict[str, Any] | None:
+    """The manifest of the release in out_dir; None when there is none. A manifest that cannot be
+    read or is not a ladder manifest raises: the directory's record must never be guessed at."""
+    path = out_dir / MANIFEST_NAME
+    hint = f"restore it from the published release, {FRESH_START_HINT}"
+    loaded = read_json_object(path, hint)
+    if loaded is None:
+        return None
+    doc = loaded[1]
+    if not isinstance(doc.get("rungs"), list) or not isinstance(doc.get("source"), dict):
+        raise BadInput(f"{path} is not a ladder manifest (no rungs and source records)", hint)
+    return doc
+
+
+def recorded_source(manifest: dict[str, Any]) -> list[dict[str, Any]]:
+    """The source files a manifest names: [{name, bytes, sha256}] in shard order."""
+    files = manifest.get("source", {}).get("files")
+    return [f for f in files if isinstance(f, dict)] if isinstance(files, list) else []
+
+
+def check_same_source(out_dir: Path, manifest: dict[str, Any], source: list[dict[str, Any]]) -> None:
+    """Refuse a run whose source is not the one the release in out_dir was made from.
+
+    `source` entries carry name, bytes and sha256; a sha256 of None (a dry run hashes nothing)
+    compares sizes only.
+    """
+    recorded = recorded_source(manifest)
+    hashed = all(f.get("sha256") for f in source)
+    if hashed:
+        same = [f.get("sha256") for f in recorded] == [f["sha256"] for f in source]
+    else:
+        same = [f.get("bytes") for f in recorded] == [f["bytes"] for f in source]
+    if not same:
+        def show(files: list[dict[str, Any]]) -> str:
+            names = ", ".join(str(f.get("name")) for f in files) or "nothing"
+            digests = ", ".join(str(f.get("sha256"))[:12] for f in files if f.get("sha256"))
+            return f"{names} (sha256 {digests})" if digests else names
+
+        raise OutputError(f"{out_dir} holds the release of {show(recorded)}; this source, {show(source)}, is another model", FRESH_START_HINT)
+
+
+def described_files(manifest: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Every file the manifest describes, by relative name: rung files and method reports
+    ({name, bytes, sha256, ...} as recorded). The manifest itself is not included."""
+    described: dict[str, dict[str, Any]] = {}
+    for rung in manifest.get("rungs", []) if isinstance(manifest.get("rungs"), list) else []:
+        if isinstance(rung, dict) and isinstance(rung.get("files"), list):
+            for f in rung["files"]:
+                if isinstance(f, dict) and isinstance(f.get("name"), str) and f["name"]:
+                    described[f["name"]] = f
+    for f in manifest.get("method", []) if isinstance(manifest.get("method"), list) else []:
+        if isinstance(f, dict) and isinstance(f.get("name"), str) and f["name"]:
+            described[f["name"]] = f
+    return described
+
+
+def _public_quantizer(described: dict[str, object]) -> dict[str, object]:
+    """The quantizer record without local paths: `program` is the file name of the binary (or of
+    libllama), `python` the interpreter's file name; never their directories."""
+    record = {k: v for k, v in described.items() if k != "path"}
+    record["program"] = public_name(str(described["path"]))
+    if isinstance(record.get("python"), str):
+        record["python"] = public_name(str(record["python"]))
+    return record
+
+
+def _write_manifest(plan: LadderPlan, previous: dict[str, dict[str, Any]], results: dict[str, RungResult], method: list[dict[str, Any]], started: float, quantizer_seconds: float, hash_seconds: float, lock: threading.Lock) -> dict[str, Any]:
     with lock:
         rungs: dict[str, dict[str, Any]] = {}
-        # rungs of earlier runs that this run did not touch stay recorded while their file exists
+        # rungs of earlier runs of this source that this run did not touch stay recorded while their files exist
         for name, rec in previous.items():
-            if name not in results and rec.get("files") and all((plan.out_dir / f["name"]).exists() for f in rec["files"]):
+            if name not in results and rec.get("source_sha256") == plan.source_sha256 and rec.get("files") and all((plan.out_dir / f["name"]).exists() for f in rec["files"]):
                 rungs[name] = rec
         for name, r in results.items():
             if r.status == "not run" and name in previous:
@@ -31,25 +106,32 @@ def _write_manifest(plan: LadderPlan, previous: dict[str, dict[str, Any]], resul
         order = {p.rung.name: i for i, p in enumerate(plan.rungs)}
         ordered = sorted(rungs.values(), key=lambda rec: (order.get(rec["name"], len(order)), rec["name"]))
         total = time.monotonic() - started
-        doc = {
-            "schema_version": MANIFEST_SCHEMA_VERSION,
-            "tool": {"name": "ggufcarve", "version": __version__},
-            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "ladder": {"name": plan.spec.name, "description": plan.spec.description, "spec_file": str(plan.spec.path) if plan.spec.path else None, "spec_sha256": plan.spec.sha256},
-            "source": {
-                "path": str(plan.source.path), "name": plan.source.path.name, "bytes": plan.source.total_bytes, "n_elements": plan.n_elements,
-                "architecture": plan.source.get("general.architecture"),
-                "expert_count": plan.source.get(f"{plan.source.get('general.architecture')}.expert_count"),
-                "files": [{"path": str(p.resolve()), "name": p.name, "bytes": p.stat().st_size, "mtime_ns": p.stat().st_mtime_ns, "sha256": h} for p, h in zip(plan.source.paths, plan.source_sha256)],
-                "sha256": plan.source_sha256[0] if len(plan.source_sha256) == 1 else None,
+        source_files = [{"name": p.name, "bytes": p.stat().st_size, "sha256": h} for p, h in zip(plan.source.paths, plan.source_sha256)]
+        inputs = list(source_files)
+        if plan.imatrix is not None:
+            inputs.append({"name": plan.imatrix.path.name, "bytes": plan.imatrix.path.stat().st_size, "sha256": plan.imatrix.sha256})
+        if plan.spec.path is not None:
+            inputs.append({"name": plan.spec.path.name, "bytes": plan.spec.path.stat().st_size, "sha256": plan.spec.sha256})
+        doc = envelope(
+            MANIFEST_KIND,
+            inputs=inputs,
+            parameters={"model_name": plan.model_name, "selected_rungs": [p.rung.name for p in plan.rungs]},
+            timings={"total_seconds": total, "quantizer_seconds": quantizer_seconds, "hash_seconds": hash_seconds, "overhead_seconds": total - quantizer_seconds},
+            results={
+                "ladder": {"name": plan.spec.name, "description": plan.spec.description, "spec_file": plan.spec.path.name if plan.spec.path else None, "spec_sha256": plan.spec.sha256},
+                "source": {
+                    "name": plan.source.path.name, "bytes": plan.source.total_bytes, "n_elements": plan.n_elements,
+                    "architecture": plan.source.get("general.architecture"),
+                    "expert_count": plan.source.get(f"{plan.source.get('general.architecture')}.expert_count"),
+                    "files": source_files,
+                    "sha256": plan.source_sha256[0] if len(plan.source_sha256) == 1 else None,
+                },
+                "imatrix": plan.imatrix.to_json() if plan.imatrix else None,
+                "quantizer": _public_quantizer(plan.quantizer.describe()),
+                "rungs": ordered,
+                "method": method,
+                "warnings": plan.warnings,
             },
-            "imatrix": plan.imatrix.to_json() if plan.imatrix else None,
-            "quantizer": plan.quantizer.describe(),
-            "rungs": ordered,
-            "warnings": plan.warnings,
-            "timings": {"total_seconds": round(total, 3), "quantizer_seconds": round(quantizer_seconds, 3), "hash_seconds": round(hash_seconds, 3), "overhead_seconds": round(total - quantizer_seconds, 3)},
-        }
-    write_text_atomic(plan.out_dir / MANIFEST_NAME, json.dumps(doc, indent=1, sort_keys=True) + "\n")
+        )
+    write_text_atomic(plan.out_dir / MANIFEST_NAME, dumps(doc))
     return doc
-
-

@@ -1,41 +1,126 @@
-"""Publishing the method reports (pruning, imatrix remap) that describe a release's inputs."""
+"""The method reports a release publishes: the pruning report of its source and the remap report
+of its imatrix, found beside them by the per-output name and accepted only by content.
+
+A pruning report describes a pruned model when the model's own keys say the same thing: the
+kept experts (`ggufcarve.kept_*`) equal the report's `keep_set`, the source digests
+(`ggufcarve.source.sha256`) equal the report's `inputs`, and its `output.files` have the sizes
+of the model's files (names may differ: a renamed file is still the same model). A remap report describes an imatrix when its `output.sha256` is the
+imatrix's sha256. A release holds them as `method/pruning-report.json` and
+`method/imatrix-remap-report.json`, byte for byte as found, and records them in its manifest.
+"""
 
 from __future__ import annotations
 
-import json
+import hashlib
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
+from ggufcarve.errors import BadInput
 from ggufcarve.fileio import write_text_atomic
+from ggufcarve.gguf.container import GGUFModel
+from ggufcarve.moe.keepset import keepset_from_provenance
+from ggufcarve.prune.plan import KEY_SOURCE_SHA256
+from ggufcarve.reports import (
+    IMATRIX_REMAP_REPORT,
+    METHOD_DIR,
+    PRUNING_REPORT,
+    SCHEMA_VERSION,
+    read_json_object,
+    release_report_name,
+    report_path_for,
+)
 
-if TYPE_CHECKING:
-    from ggufcarve.quant.run import LadderPlan
+METHOD_KINDS = (PRUNING_REPORT, IMATRIX_REMAP_REPORT)
+WRITTEN_BY = {PRUNING_REPORT: "ggufcarve prune", IMATRIX_REMAP_REPORT: "ggufcarve imatrix remap"}
 
 
-def publish_method_reports(plan: LadderPlan) -> list[Path]:
-    """Copy the reports that describe this ladder's inputs into OUT/method/, to be published with it.
+@dataclass(frozen=True)
+class MethodReport:
+    kind: str  # PRUNING_REPORT or IMATRIX_REMAP_REPORT
+    text: str  # published byte for byte
+    describes: str  # the name of the file it describes
 
-    `pruning-report.json` beside the source counts when it describes the source files (names and
-    sizes); `imatrix-remap-report.json` beside the imatrix when its output sha256 is the imatrix's.
-    """
-    copied = []
-    candidates = [plan.source.path.parent / "method" / "pruning-report.json"]
-    if plan.imatrix is not None:
-        candidates.append(plan.imatrix.path.parent / "method" / "imatrix-remap-report.json")
-    for report in candidates:
-        try:
-            doc = json.loads(report.read_text())
-        except (OSError, ValueError):
+    @property
+    def release_name(self) -> str:
+        return release_report_name(self.kind)
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256(self.text.encode()).hexdigest()
+
+    def record(self) -> dict[str, Any]:
+        """The manifest's entry for the published copy."""
+        return {"name": self.release_name, "kind": self.kind, "describes": self.describes, "bytes": len(self.text.encode()), "sha256": self.sha256}
+
+
+def _field(doc: dict[str, Any], path: Path, *keys: str, json_type: type) -> Any:
+    """doc[keys[0]][keys[1]]...; BadInput when it is missing or not of json_type (doc's kind is known)."""
+    value: Any = doc
+    for key in keys:
+        value = value.get(key) if isinstance(value, dict) else None
+    if not isinstance(value, json_type):
+        raise BadInput(f"{path}: {'.'.join(keys)} is missing or not a JSON {json_type.__name__}", f"the report is damaged: re-run the {WRITTEN_BY[doc['kind']]} that wrote it (with --force), or move it away")
+    return value
+
+
+def _pruning_mismatch(doc: dict[str, Any], path: Path, model: GGUFModel) -> str | None:
+    """Why the pruning report does not describe `model`, or None when it does."""
+    files = [(f.get("name"), f.get("bytes")) for f in _field(doc, path, "output", "files", json_type=list) if isinstance(f, dict)]
+    if [b for _, b in files] != [p.stat().st_size for p in model.paths]:
+        return f"it describes {', '.join(f'{n} ({b} bytes)' for n, b in files)}"
+    recorded = keepset_from_provenance(model.get, model.path.name)
+    digests = model.get(KEY_SOURCE_SHA256)
+    if recorded is None or digests is None:
+        return f"{model.path.name} has no ggufcarve.* keys to match it by (pruned with --no-provenance)"
+    layers = _field(doc, path, "keep_set", "layers", json_type=dict)
+    if layers != recorded.to_json()["layers"]:
+        return f"its kept experts differ from the ones {model.path.name} records"
+    inputs = [i.get("sha256") for i in _field(doc, path, "inputs", json_type=list) if isinstance(i, dict)]
+    if inputs != [str(d) for d in digests]:
+        return f"it was made from another source (sha256 {', '.join(str(i)[:12] for i in inputs)})"
+    return None
+
+
+def find_method_reports(model: GGUFModel, imatrix: tuple[Path, str] | None) -> tuple[list[MethodReport], list[str]]:
+    """The reports beside the source (and the imatrix, given as path and sha256) that describe
+    them, and a warning for each report found that does not. Raises BadInput for a malformed one."""
+    found: list[MethodReport] = []
+    warnings: list[str] = []
+    candidates: list[tuple[str, Path, str]] = [(PRUNING_REPORT, report_path_for(model.path, PRUNING_REPORT), model.path.name)]
+    if imatrix is not None:
+        candidates.append((IMATRIX_REMAP_REPORT, report_path_for(imatrix[0], IMATRIX_REMAP_REPORT), imatrix[0].name))
+    for kind, path, described in candidates:
+        loaded = read_json_object(path, f"re-run the {WRITTEN_BY[kind]} that wrote it (with --force), or move it away")
+        if loaded is None:
             continue
-        if report.name == "pruning-report.json":
-            described = [(f.get("name"), f.get("bytes")) for f in doc.get("output", {}).get("files", [])]
-            matches = described == [(p.name, p.stat().st_size) for p in plan.source.paths]
+        text, doc = loaded
+        if doc.get("schema_version") != SCHEMA_VERSION or doc.get("kind") != kind:
+            warnings.append(f"{path.name} not published: written by another ggufcarve version (schema {doc.get('schema_version')}); re-run the {WRITTEN_BY[kind]} to publish it")
+            continue
+        if kind == PRUNING_REPORT:
+            why = _pruning_mismatch(doc, path, model)
         else:
-            matches = plan.imatrix is not None and doc.get("output", {}).get("sha256") == plan.imatrix.sha256
-        if matches:
-            target = plan.out_dir / "method" / report.name
-            write_text_atomic(target, report.read_text())
-            copied.append(target)
-    return copied
+            assert imatrix is not None
+            digest = _field(doc, path, "output", "sha256", json_type=str)
+            why = None if digest == imatrix[1] else f"it describes an imatrix with sha256 {digest[:12]}, not this one ({imatrix[1][:12]})"
+        if why is not None:
+            warnings.append(f"{path.name} not published: it does not describe {described}: {why}")
+            continue
+        found.append(MethodReport(kind, text, described))
+    return found, warnings
 
 
+def publish_method_reports(out_dir: Path, reports: list[MethodReport]) -> list[dict[str, Any]]:
+    """Write the reports into OUT/method/ under their release names; remove release reports of
+    other kinds left by earlier runs (nothing describes them now). Returns the manifest records."""
+    for report in reports:
+        write_text_atomic(out_dir / report.release_name, report.text)
+    published = {r.kind for r in reports}
+    for kind in METHOD_KINDS:
+        if kind not in published:
+            (out_dir / release_report_name(kind)).unlink(missing_ok=True)
+    method_dir = out_dir / METHOD_DIR
+    if not reports and method_dir.is_dir() and not any(method_dir.iterdir()):
+        method_dir.rmdir()
+    return [r.record() for r in sorted(reports, key=lambda r: r.release_name)]

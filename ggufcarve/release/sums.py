@@ -1,4 +1,4 @@
-"""SHA256SUMS in sha256sum -c format."""
+"""SHA256SUMS in sha256sum -c format, listing exactly the files the manifest describes."""
 
 from __future__ import annotations
 
@@ -6,43 +6,58 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ggufcarve.errors import OutputError
-from ggufcarve.fileio import PARTIAL_SUFFIX, sha256_file, write_text_atomic
+from ggufcarve.errors import CarveError, OutputError
+from ggufcarve.fileio import sha256_file, write_text_atomic
+from ggufcarve.release.manifest import MANIFEST_NAME, described_files, read_manifest
 
 SUMS_NAME = "SHA256SUMS"
 
 
 def published_files(out_dir: Path) -> list[Path]:
-    """Every file a release of out_dir publishes: all but SHA256SUMS, hidden files and temp files."""
+    """Every file in out_dir a release would publish: all but SHA256SUMS, hidden files and temp files."""
     files = []
     for root, dirs, names in os.walk(out_dir):
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))
         for name in sorted(names):
-            if name.startswith(".") or name.endswith(PARTIAL_SUFFIX) or (Path(root) == out_dir and name == SUMS_NAME):
+            if name.startswith(".") or (Path(root) == out_dir and name == SUMS_NAME):
                 continue
             files.append(Path(root) / name)
     return sorted(files, key=lambda p: p.relative_to(out_dir).as_posix())
 
 
+def inside(out_dir: Path, rel: str) -> bool:
+    """Whether a recorded relative name stays inside out_dir."""
+    return not Path(rel).is_absolute() and (out_dir / rel).resolve().is_relative_to(out_dir.resolve())
+
+
 def write_sums(out_dir: Path, manifest: dict[str, Any] | None = None) -> Path:
     """SHA256SUMS in `sha256sum -c` format: sorted relative POSIX paths, two spaces, LF.
 
-    Rung files take the manifest's digests when their size and mtime still match; the rest are hashed.
+    Lists the manifest and the files it describes that exist, nothing else (a file the manifest
+    does not describe is not part of the release). A given `manifest` is the one its caller just
+    wrote: files take its digests when their size and mtime still match the record. Without one,
+    the manifest in out_dir is read (one that cannot be read describes nothing) and every file
+    is hashed: digests read back from disk are what SHA256SUMS is there to check.
     """
-    known: dict[str, tuple[int, int | None, str]] = {}
-    for rec in (manifest or {}).get("rungs", []):
-        for f in rec.get("files", []):
-            if f.get("sha256"):
-                known[f["name"]] = (f["bytes"], f.get("mtime_ns"), f["sha256"])
+    trusted = manifest is not None
+    if manifest is None:
+        try:
+            manifest = read_manifest(out_dir)
+        except CarveError:
+            manifest = None
+    described = described_files(manifest or {})
+    names = sorted({MANIFEST_NAME, *described}, key=lambda rel: rel)
     lines = []
-    for path in published_files(out_dir):
-        rel = path.relative_to(out_dir).as_posix()
-        st = path.stat()
-        rec = known.get(rel)
-        digest = rec[2] if rec and rec[0] == st.st_size and rec[1] == st.st_mtime_ns else sha256_file(path)
+    for rel in names:
         if "\n" in rel or "\\" in rel:
             raise OutputError(f"{rel}: a file name with a newline or backslash cannot go into SHA256SUMS", "rename the file")
-        lines.append(f"{digest}  {rel}\n")
+        path = out_dir / rel
+        if not inside(out_dir, rel) or not path.is_file():
+            continue
+        st = path.stat()
+        rec = described.get(rel, {})
+        recorded = rec.get("sha256") if trusted and rec.get("bytes") == st.st_size and rec.get("mtime_ns") == st.st_mtime_ns else None
+        lines.append(f"{recorded or sha256_file(path)}  {rel}\n")
     target = out_dir / SUMS_NAME
     write_text_atomic(target, "".join(lines))
     return target

@@ -3,11 +3,15 @@
 Checks, all reported together:
   * SHA256SUMS, like `sha256sum -c` (`ignore_missing` as `--ignore-missing`), hashed in parallel:
     hashlib releases the GIL while hashing, so one thread per core beats coreutils' single stream;
-  * every published file is listed in SHA256SUMS;
+  * every file in the directory is described by quant-manifest.json (the one record of the
+    release: rung files, the method reports it records, itself) and listed in SHA256SUMS;
   * quant-manifest.json agrees with SHA256SUMS and with the files' sizes;
+  * every rung was made from the manifest's source (the sha256 of the source files it records);
+  * the published method reports describe the manifest's source and imatrix;
   * every GGUF parses, and split sets are complete;
   * expert_count is the same in every rung and matches the manifest's source and the pruning
     report (method/pruning-report.json), when present.
+A manifest that cannot be read at all (an I/O error) stops the check with an error.
 """
 
 from __future__ import annotations
@@ -21,14 +25,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ggufcarve.errors import BadInput, CarveError
+from ggufcarve.errors import BadInput, CarveError, OutputError
 from ggufcarve.events import Counter, Sink, ignore
 from ggufcarve.fileio import sha256_file
-from ggufcarve.release.manifest import MANIFEST_NAME
-from ggufcarve.release.sums import SUMS_NAME, published_files
+from ggufcarve.release.manifest import (
+    FRESH_START_HINT,
+    MANIFEST_NAME,
+    described_files,
+    recorded_source,
+)
+from ggufcarve.release.sums import SUMS_NAME, inside, published_files
+from ggufcarve.reports import IMATRIX_REMAP_REPORT, PRUNING_REPORT, release_report_name
 
 SUMS_LINE = re.compile(r"^(?P<digest>[0-9a-fA-F]{64}) (?P<mode>[ *])(?P<path>.+)$")
-PRUNING_REPORT = Path("method") / "pruning-report.json"
 
 
 @dataclass(frozen=True)
@@ -102,9 +111,8 @@ def verify_dir(directory: str | os.PathLike[str], *, ignore_missing: bool = Fals
     for problem in bad:
         fail(Failure(SUMS_NAME, problem))
     listed: dict[str, str] = {}
-    root = d.resolve()
     for digest, rel in entries:
-        if Path(rel).is_absolute() or not (d / rel).resolve().is_relative_to(root):
+        if not inside(d, rel):
             fail(Failure(rel, "SHA256SUMS names a path outside the directory"))
             continue
         if rel in listed and listed[rel] != digest:
@@ -115,9 +123,13 @@ def verify_dir(directory: str | os.PathLike[str], *, ignore_missing: bool = Fals
     for rel in sorted(set(listed) - set(present)):
         if not ignore_missing:
             fail(Failure(rel, "missing (listed in SHA256SUMS)"))
+    manifest = _read_manifest(d, report)
+    described = set(described_files(manifest)) | {MANIFEST_NAME} if manifest is not None else None
     published = [p.relative_to(d).as_posix() for p in published_files(d)]
     for rel in published:
-        if rel not in listed:
+        if described is not None and rel not in described:
+            fail(Failure(rel, f"not described by {MANIFEST_NAME}: not part of the release (remove it, or make it with ggufcarve)"))
+        elif rel not in listed:
             fail(Failure(rel, "not listed in SHA256SUMS"))
 
     with ThreadPoolExecutor(max_workers=1) as side:
@@ -135,7 +147,7 @@ def verify_dir(directory: str | os.PathLike[str], *, ignore_missing: bool = Fals
             report.files_ok.append(rel)
         report.bytes_hashed += path.stat().st_size if path.exists() else 0
     report.failures.extend(gguf_failures)
-    _check_manifest(d, listed, report, expert_counts)
+    _check_manifest(d, manifest, listed, report, expert_counts)
     report.seconds = time.monotonic() - started
     return report
 
@@ -177,12 +189,18 @@ def _check_ggufs(d: Path, rels: list[str]) -> tuple[list[Failure], dict[str, int
 
 def _read_json_object(path: Path, report: VerifyReport) -> dict[str, Any] | None:
     """The JSON object in `path`, or None with a failure recorded (unreadable, not JSON, not an object)."""
+    try:
+        text = path.read_text()
+    except OSError as err:
+        report.failures.append(Failure(path.relative_to(report.directory).as_posix(), f"cannot read: {err.strerror or err}"))
+        return None
+    return _parse_json_object(path, text, report)
+
+
+def _parse_json_object(path: Path, text: str, report: VerifyReport) -> dict[str, Any] | None:
     rel = path.relative_to(report.directory).as_posix()
     try:
-        doc = json.loads(path.read_text())
-    except OSError as err:
-        report.failures.append(Failure(rel, f"cannot read: {err.strerror or err}"))
-        return None
+        doc = json.loads(text)
     except ValueError as err:
         report.failures.append(Failure(rel, f"not valid JSON ({err})"))
         return None
@@ -196,16 +214,29 @@ def _records(value: Any) -> list[dict[str, Any]]:
     return [v for v in value if isinstance(v, dict)] if isinstance(value, list) else []
 
 
-def _check_manifest(d: Path, listed: dict[str, str], report: VerifyReport, counts: dict[str, int | None]) -> None:
+def _read_manifest(d: Path, report: VerifyReport) -> dict[str, Any] | None:
+    """The manifest, or None with a failure recorded (missing, not JSON, not an object). One that
+    cannot be read at all raises: nothing in the directory can be checked against it."""
+    path = d / MANIFEST_NAME
+    if not path.exists():
+        report.failures.append(Failure(MANIFEST_NAME, "missing: nothing records how the files were made"))
+        return None
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise OutputError(f"cannot read {path}: {err.strerror or err}", f"fix its permissions or restore it from the published release; or, to rebuild the release, {FRESH_START_HINT}") from None
+    return _parse_json_object(path, text, report)
+
+
+def _check_manifest(d: Path, manifest: dict[str, Any] | None, listed: dict[str, str], report: VerifyReport, counts: dict[str, int | None]) -> None:
     fail = report.failures.append
-    manifest_path = d / MANIFEST_NAME
-    manifest: dict[str, Any] | None = None
-    if not manifest_path.exists():
-        fail(Failure(MANIFEST_NAME, "missing: nothing records how the files were made"))
-    else:
-        manifest = _read_json_object(manifest_path, report)
     if manifest is not None:
+        source_sha256 = [f.get("sha256") for f in recorded_source(manifest)]
         for rung in _records(manifest.get("rungs")):
+            made_from = rung.get("source_sha256")
+            if rung.get("files") and made_from != source_sha256:
+                shown = ", ".join(str(h)[:12] for h in made_from) if isinstance(made_from, list) else "nothing"
+                fail(Failure(MANIFEST_NAME, f"rung {rung.get('name')} was made from another source (sha256 {shown}), not the manifest's ({', '.join(str(h)[:12] for h in source_sha256)})"))
             for f in _records(rung.get("files")):
                 name = f.get("name")
                 if not isinstance(name, str) or not name:
@@ -218,16 +249,23 @@ def _check_manifest(d: Path, listed: dict[str, str], report: VerifyReport, count
                     fail(Failure(name, f"manifest sha256 {str(f['sha256'])[:16]}... disagrees with SHA256SUMS {listed[name][:16]}..."))
                 if path.is_file() and f.get("bytes") is not None and path.stat().st_size != f["bytes"]:
                     fail(Failure(name, f"size {path.stat().st_size} bytes, the manifest records {f['bytes']}"))
+        for f in _records(manifest.get("method")):
+            name = f.get("name")
+            if name not in listed:
+                fail(Failure(str(name), "recorded in the manifest's method reports but not in SHA256SUMS"))
+            elif f.get("sha256") and listed[name] != f["sha256"]:
+                fail(Failure(str(name), f"manifest sha256 {str(f['sha256'])[:16]}... disagrees with SHA256SUMS {listed[name][:16]}..."))
+        _check_method_reports(d, manifest, report)
     expected: dict[str, int] = {}
     source = manifest.get("source") if manifest is not None else None
     if isinstance(source, dict) and isinstance(source.get("expert_count"), int):
         expected["the manifest's source"] = source["expert_count"]
-    report_path = d / PRUNING_REPORT
-    if report_path.exists():
-        pruning = _read_json_object(report_path, report)
+    pruning_name = release_report_name(PRUNING_REPORT)
+    if (d / pruning_name).exists():
+        pruning = _read_json_object(d / pruning_name, report)
         output = pruning.get("output") if pruning is not None else None
         if isinstance(output, dict) and isinstance(output.get("expert_count"), int):
-            expected[str(PRUNING_REPORT)] = output["expert_count"]
+            expected[pruning_name] = output["expert_count"]
     values = {v for v in counts.values() if v is not None}
     if len(values) > 1:
         detail = ", ".join(f"{rel}: {v}" for rel, v in sorted(counts.items()))
@@ -238,3 +276,30 @@ def _check_manifest(d: Path, listed: dict[str, str], report: VerifyReport, count
         for rel, v in sorted(counts.items()):
             if v is not None and v != value:
                 fail(Failure(rel, f"expert_count {v}, but {where} says {value}"))
+
+
+def _check_method_reports(d: Path, manifest: dict[str, Any], report: VerifyReport) -> None:
+    """The published method reports describe this release's inputs: the pruning report files of
+    the source's sizes, the remap report the imatrix (sha256)."""
+    fail = report.failures.append
+    source = [(f.get("name"), f.get("bytes")) for f in recorded_source(manifest)]
+    imatrix = manifest.get("imatrix") if isinstance(manifest.get("imatrix"), dict) else None
+    for f in _records(manifest.get("method")):
+        name, kind = f.get("name"), f.get("kind")
+        path = d / str(name)
+        if name != release_report_name(str(kind)) or not path.is_file():
+            continue
+        doc = _read_json_object(path, report)
+        output = doc.get("output") if doc is not None else None
+        if not isinstance(output, dict):
+            continue
+        if kind == PRUNING_REPORT:
+            described = [(o.get("name"), o.get("bytes")) for o in _records(output.get("files"))]
+            if [b for _, b in described] != [b for _, b in source]:
+                def show(files: list[tuple[Any, Any]]) -> str:
+                    return ", ".join(f"{n} ({b} bytes)" for n, b in files) or "no files"
+
+                fail(Failure(str(name), f"describes {show(described)}, not the manifest's source ({show(source)})"))
+        elif kind == IMATRIX_REMAP_REPORT:
+            if imatrix is None or output.get("sha256") != imatrix.get("sha256"):
+                fail(Failure(str(name), f"describes an imatrix with sha256 {str(output.get('sha256'))[:12]}, not the manifest's ({str((imatrix or {}).get('sha256'))[:12]})"))
