@@ -14,6 +14,7 @@ Examples:
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Optional
 
@@ -216,10 +217,12 @@ def select_command(
     protected = protected_from(protect, facts)
     if protect_super_experts and scores is None and method not in ("ean", "reap", "razor"):
         raise BadInput(f"--protect-super-experts needs per-expert maximum outputs, which --method {method} does not record", "use --method ean, reap or razor")
+    started = time.perf_counter()
     if scores is None:
         scores = _score(model, layout, method, imatrix, calibration or [], seed, ctx, max_tokens, threads, quiet or as_json)
     selection = choose(scores, kept, protected, protect_super_experts, ratio=ratio, sources=from_scores)
-    text = json.dumps(selection.record(), indent=1, sort_keys=True, allow_nan=False) + "\n"
+    record = selection.record({"total_seconds": time.perf_counter() - started})
+    text = json.dumps(record, indent=1, sort_keys=True, allow_nan=False) + "\n"
     _write(output, text, [source], force)
     if heatmap:
         from ggufcarve.select.heatmap import write_heatmap
@@ -228,7 +231,7 @@ def select_command(
     for warning in selection.warnings:
         warn(warning)
     if as_json:
-        out.print_json(json.dumps({"selection": str(output), "heatmap": str(png) if heatmap else None, "kept_count": kept, "layers": selection.record()["layers"]}))
+        out.print_json(json.dumps({"selection": str(output), "heatmap": str(png) if heatmap else None, "kept_count": kept, "layers": record["layers"]}))
         return
     out.print(_selection_table(selection))
     out.print(f"selection: {output}" + (f"; heatmap: {png}" if heatmap else "") + f"; prune with: ggufcarve prune MODEL --keep {output} -o OUT.gguf")

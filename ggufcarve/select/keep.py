@@ -18,13 +18,13 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from ggufcarve import __version__
 from ggufcarve.errors import BadInput
 from ggufcarve.moe.keepset import KeepSet, check_keepset, load_keepset, parse_id_list
+from ggufcarve.reports import envelope
 from ggufcarve.select.scores import ExpertScores, ModelFacts
 
 TIE_BREAK = "higher score first; equal scores: the lower original expert id wins"
-SELECTION_SCHEMA_VERSION = 1
+SELECTION_REPORT = "expert-selection"
 # REAP's super-expert rule (Cerebras reap): a per-expert maximum output above
 # max(99.5th percentile of all per-expert maxima, global maximum / 10), in the first 75% of the MoE blocks.
 SUPER_EXPERT_PERCENTILE = 99.5
@@ -116,8 +116,9 @@ class Selection:
     def kept_count(self) -> int:
         return self.keepset.kept_count
 
-    def record(self) -> dict[str, Any]:
-        """The SELECTION.json document: a keep-set (`layers`) and the record of how it was chosen."""
+    def record(self, timings: Mapping[str, float] | None = None) -> dict[str, Any]:
+        """The SELECTION.json document (in the one report envelope): a keep-set (`layers`) and the
+        record of how it was chosen."""
         facts = self.scores.model
         scores = self.scores.scores()
         per_block: dict[str, Any] = {}
@@ -140,24 +141,23 @@ class Selection:
             if self.super_experts.get(b):
                 entry["super_experts"] = list(self.super_experts[b])
             per_block[str(b)] = entry
-        return {
-            "schema_version": SELECTION_SCHEMA_VERSION,
-            "tool": "ggufcarve",
-            "version": __version__,
+        results = {
             "layers": {str(b): list(ids) for b, ids in sorted(self.keepset.layers.items())},
             "kept_count": self.kept_count,
             "source_expert_count": facts.expert_count,
             "method": self.scores.method,
-            "parameters": {**self.scores.parameters, **self.parameters},
             "model": facts.to_json(),
             "calibration": [i for i in self.scores.inputs if i.get("kind") == "calibration"],
-            "inputs": [*self.scores.inputs, *self.sources],
             "tokens": self.scores.tokens,
             "tie_break": TIE_BREAK,
             "order": "kept ids in ascending original order (group by group with grouped routing)",
             "warnings": list(self.warnings),
             "per_block": per_block,
         }
+        return envelope(
+            SELECTION_REPORT, inputs=[*self.scores.inputs, *self.sources], parameters={**self.scores.parameters, **self.parameters},
+            results=results, timings=timings or {},
+        )
 
 
 def choose(
