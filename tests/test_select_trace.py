@@ -175,3 +175,38 @@ def test_empty_or_short_calibration_is_refused(make_model, tmp_path):
     result = ggufcarve("select", model, "--method", "frequency", "--keep", 4, "--calibration", short, "-o", out, "-q")
     assert result.code == 1 and "fewer than one --ctx chunk of 512" in result.error_line, result.stderr
     assert not out.exists()
+
+
+def with_chat_template(src, dst, template):
+    """`src` with a tokenizer.chat_template key added (tensor data copied unchanged)."""
+    from gguf.constants import GGUFValueType
+
+    from ggufcarve.gguf.container import TensorHeader, encode_header, make_kv
+
+    f = read_model(src).shards[0]
+    tensors = [TensorHeader(t.name, t.shape, t.type_id, t.nbytes) for t in f.tensors]
+    header, offsets = encode_header(f.version, [*f.kvs, make_kv("tokenizer.chat_template", GGUFValueType.STRING, template)], tensors, f.alignment)
+    assert offsets == [t.offset for t in f.tensors]
+    with open(src, "rb") as source:
+        source.seek(f.data_start)
+        dst.write_bytes(header + source.read())
+    return dst
+
+
+@pytest.mark.slow
+def test_chat_messages_are_rendered_with_the_models_template(make_model, tmp_path):
+    chatml = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    model = with_chat_template(make_model("qwen3moe", "F16"), tmp_path / "chat.gguf", chatml)
+    words = " ".join(CALIBRATION_WORDS * 12)
+    messages = [{"role": "user", "content": words}, {"role": "assistant", "content": words[::-1]}]
+    rendered = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+    (tmp_path / "chat.jsonl").write_text(json.dumps({"messages": messages}) + "\n")
+    (tmp_path / "text.jsonl").write_text(json.dumps({"text": rendered}) + "\n")
+    loaded = read_model(model)
+    layout = inspect_layout(loaded)
+    chat, text = (score_model(loaded, layout, "frequency", calibration=[tmp_path / n], ctx=128, threads=2) for n in ("chat.jsonl", "text.jsonl"))
+    assert chat.tokens == text.tokens > 0 and chat.inputs[0]["tokens"] == text.inputs[0]["tokens"]
+    for block in (0, 1):
+        np.testing.assert_array_equal(chat.blocks[block].counts, text.blocks[block].counts)
+    result = ggufcarve("select", make_model("qwen3moe", "F16"), "--method", "frequency", "--calibration", tmp_path / "chat.jsonl", "--keep", 4, "-o", tmp_path / "s.json")
+    assert result.code == 1 and "has no chat template" in result.error_line
