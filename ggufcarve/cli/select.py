@@ -234,4 +234,6 @@ def select_command(
         out.print_json(json.dumps({"selection": str(output), "heatmap": str(png) if heatmap else None, "kept_count": kept, "layers": record["layers"]}))
         return
     out.print(_selection_table(selection))
-    out.print(f"selection: {output}" + (f"; heatmap: {png}" if heatmap else "") + f"; prune with: ggufcarve prune MODEL --keep {output} -o OUT.gguf")
+    model_name = source if _is_gguf(source) else "MODEL.gguf"
+    out.print(f"selection: {output}" + (f"; heatmap: {png}" if heatmap else ""))
+    out.print(f"prune with: ggufcarve prune {model_name} --keep {output} -o OUT.gguf")
