@@ -1,7 +1,7 @@
 """Benchmark: expert selection against the cost of what it replaces, side by side in one run.
 
   weights:  `ggufcarve score MODEL --method weights` against `cat MODEL > /dev/null` (one read of
-            the file) on a synthetic qwen3moe-shaped Q8_0 file (prune_bench's model with finite
+            the file) on a synthetic qwen3moe-shaped Q8_0 file (tests/factory.py write_bulk_moe with finite
             scales, 128 experts, 8 layers: 5 GiB by default), page cache warm; also the library call
             alone, timed inside one process
   trace:    `ggufcarve score MODEL --method frequency|ean|reap|razor` against `llama-imatrix` on the
@@ -22,11 +22,9 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 import factory
-from prune_bench import build_model
 
 from ggufcarve.llama.tools import find_tool
 
@@ -34,7 +32,7 @@ WORDS = ("the quick brown fox jumps over a lazy dog while experts route tokens t
 
 
 def make_finite(path: Path) -> None:
-    """prune_bench's file holds random bytes: give its routers and Q8_0 block scales finite values."""
+    """write_bulk_moe's file holds random bytes: give its routers and Q8_0 block scales finite values."""
     import numpy as np
 
     from ggufcarve.gguf.container import read_model
@@ -85,7 +83,7 @@ def main() -> None:
 
     big = args.dir / "select-weights.gguf"
     if not big.exists():
-        build_model(big, args.layers, 128, 2048, 768)
+        factory.write_bulk_moe(big, n_layer=args.layers, n_expert=128, n_embd=2048, n_ff_exp=768)
         make_finite(big)
     subprocess.run(["cat", str(big)], check=True, stdout=subprocess.DEVNULL)
     print(f"weights: {big.stat().st_size / 2**30:.2f} GiB")

@@ -33,9 +33,12 @@ def prune_and_load(model, selection, out):
 def test_every_method_selects_a_keep_set_llama_cpp_loads(arch, make_model, llama_tools, tmp_path):
     model = make_model(arch, "F16")
     imatrix = make_imatrix(llama_tools, model, tmp_path, chunks=2)
+    text = tmp_path / "calibration.txt"  # make_imatrix's text, traced in two chunks of 64 tokens
     k = K.get(arch, 4)
-    for method in ("weights", "router-norm", "random", "imatrix-counts", "imatrix-energy"):
+    for method in ("weights", "router-norm", "random", "imatrix-counts", "imatrix-energy", "frequency", "ean", "reap", "razor"):
         extra = ["--imatrix", imatrix] if method.startswith("imatrix") else []
+        if method in ("frequency", "ean", "reap", "razor"):
+            extra = ["--calibration", text, "--ctx", 64, "--max-tokens", 128, "-t", 2]
         selection = tmp_path / f"{method}.json"
         select(model, "--method", method, "--keep", k, *extra, "-o", selection)
         record = json.loads(selection.read_text())
@@ -44,7 +47,7 @@ def test_every_method_selects_a_keep_set_llama_cpp_loads(arch, make_model, llama
         for block, entry in record["per_block"].items():
             assert sorted(entry["retained"] + entry["pruned"]) == list(range(record["source_expert_count"]))
             assert entry["retained"] == record["layers"][block]
-            if entry["mtp"] and method.startswith("imatrix"):
+            if entry["mtp"] and method not in ("weights", "router-norm", "random"):
                 assert entry["rule"] == "weights" and "MTP" in entry["note"]
         if method == "imatrix-counts":
             assert all("routed" in e for e in record["per_block"].values() if not e["mtp"])
