@@ -32,6 +32,7 @@ import numpy as np
 from ggufcarve.errors import BadInput, ToolFailed
 from ggufcarve.events import Event, Sink, ignore
 from ggufcarve.gguf.container import GGUFModel
+from ggufcarve.llama.ggml import tensor_at
 from ggufcarve.moe.layout import MoeLayout
 from ggufcarve.select.calibration import Document, read_calibration
 from ggufcarve.select.scores import BlockStats, ExpertScores, ModelFacts
@@ -163,8 +164,6 @@ class BlockFolder:
         if ask:
             return answer
         try:
-            from ggufcarve.llama.ggml import tensor_at
-
             parsed = self.parse(tensor_at(address).label)
             if parsed is not None and parsed[0] in self.tracer.nodes | {"ffn_moe_logits"} and parsed[1] != self.block:
                 self.flush(keep=parsed[1])
