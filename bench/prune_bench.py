@@ -1,8 +1,9 @@
 """Benchmark: `ggufcarve prune` against copying a file of the output's size, side by side in one run.
 
 Builds a qwen3moe-shaped Q8_0 GGUF of random bytes with the test factory (default 4 MoE layers x
-64 experts, n_embd 2048, n_ff_exp 768: 1.26 GiB), prunes it to half the experts, and times,
---repeat times alternating, with the page cache warm (every contender reads from memory):
+64 experts, n_embd 2048, n_ff_exp 768: 1.28 GiB), prunes it to half the experts, and times,
+--repeat times alternating, each from the same start (no earlier output, `sync`, both inputs in
+the page cache, so every contender reads from memory):
   - cp:            `cp REF DST` of a file with the output's size (no durability)
   - cp+sync:       `cp REF DST && sync DST` (the durability ggufcarve gives: it fsyncs)
   - sha256 source: hashlib (OpenSSL) sha256 of the source, which a first prune must compute
@@ -90,17 +91,25 @@ def main() -> None:
     prune_rss: list[int] = []
     sha256_source = [sys.executable, "-c", "import hashlib, sys; hashlib.file_digest(open(sys.argv[1], 'rb'), 'sha256')", str(src)]
     times: dict[str, list[float]] = {"cp": [], "cp+sync": [], "sha256 source": [], "prune (cold)": [], "prune (warm)": [], "library (cold)": [], "library (warm)": []}
-    for _ in range(args.repeat):
+    out_bytes = out.stat().st_size
+
+    def settle() -> None:
+        """The same start for every contender: no earlier output, nothing dirty, both inputs cached."""
+        for path in (copy_dst, out):
+            path.unlink(missing_ok=True)
+        os.sync()
         read_through(src)
         read_through(ref)
-        copy_dst.unlink(missing_ok=True)
+
+    for _ in range(args.repeat):
+        settle()
         times["cp"].append(timed(["cp", str(ref), str(copy_dst)], name="cp")[0])
-        copy_dst.unlink()
+        settle()
         times["cp+sync"].append(timed(["sh", "-c", f"cp '{ref}' '{copy_dst}' && sync '{copy_dst}'"], name="cp+sync")[0])
-        copy_dst.unlink()
+        settle()
         times["sha256 source"].append(timed(sha256_source, name="sha256 source")[0])
         for kind in ("cold", "warm"):
-            out.unlink()  # as for cp: freeing the previous output's blocks is not part of the copy
+            settle()
             with tempfile.TemporaryDirectory(prefix="ggufcarve-bench-cold-") as cold_cache:
                 seconds, rss = timed(prune, warm_env if kind == "warm" else {**env, "GGUFCARVE_CACHE": cold_cache}, name=f"prune ({kind})")
             times[f"prune ({kind})"].append(seconds)
@@ -108,7 +117,7 @@ def main() -> None:
             prune_rss.append(rss)
     shutil.rmtree(warm_cache)
 
-    src_gib, out_gib = src.stat().st_size / 2**30, out.stat().st_size / 2**30
+    src_gib, out_gib = src.stat().st_size / 2**30, out_bytes / 2**30
     median = {name: statistics.median(t) for name, t in times.items()}
     print(f"source {src_gib:.2f} GiB ({args.layers} MoE layers x {args.experts} experts, Q8_0) -> output {out_gib:.2f} GiB ({args.experts // 2} experts); page cache warm")
     print(f"{os.cpu_count()} cores; load average {load_before[0]:.1f} before, {os.getloadavg()[0]:.1f} after")

@@ -21,7 +21,7 @@ from typing import Annotated
 import typer
 
 from ggufcarve import __version__
-from ggufcarve.cli import imatrix, ladder, prune, select, toolchain, verify
+from ggufcarve.cli import evaluate, imatrix, ladder, prune, select, toolchain, verify
 from ggufcarve.cli.options import command_group
 from ggufcarve.cli.render import print_error
 from ggufcarve.errors import CarveError
@@ -51,6 +51,8 @@ app.add_typer(imatrix.app, name="imatrix")
 app.add_typer(toolchain.app, name="toolchain")
 app.add_typer(ladder.app, name="ladder")
 app.command("verify")(verify.verify_command)
+app.command("eval")(evaluate.eval_command)
+app.command("card")(evaluate.card_command)
 
 
 def main() -> None:

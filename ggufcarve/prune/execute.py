@@ -5,11 +5,11 @@ sha256 (for the provenance keys; skipped when cached for this exact file state, 
 kept ranges are read), the writes into temp files beside the outputs, and the xxh3-128 of every
 output tensor as its bytes stream by (of each of its pieces instead, for a tensor whose kept
 slices are not in file order; a piece is a contiguous source range and the output range it is
-copied to). Every written tensor is then re-read from its temp file and hashed the same way: while
-the writer waits for the sha256 thread, and at the end while the disk writes back. Nothing is
-renamed into place until every tensor read back matches the source bytes it was copied from and
-every key checks out. Memory is a fixed ring of buffers, passed from the writer (the calling
-thread, which reads) to the sha256 thread and back.
+copied to). A second thread re-reads each output tensor from its temp file as soon as it is
+complete and hashes it the same way. Nothing is renamed into place until every tensor read back
+matches the source bytes it was copied from and every key checks out. Memory is a fixed ring of
+buffers, passed from the reader thread to the writer (the calling thread) to the sha256 thread
+and back to the reader.
 """
 
 from __future__ import annotations
@@ -19,10 +19,9 @@ import os
 import queue
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import xxhash
 from gguf.constants import GGUFValueType
@@ -49,10 +48,10 @@ from ggufcarve.prune.plan import KEY_SOURCE_SHA256, PlannedFile, PrunePlan
 from ggufcarve.prune.report import default_report_path, pruning_report
 from ggufcarve.reports import dumps
 
-RING_BUFFERS = 6  # while a source is being hashed; one buffer when its sha256 is cached
-RING_CHUNK = 8 << 20  # bytes per source read
+RING_BUFFERS = 6
+RING_CHUNK = 8 << 20  # bytes per source read; the ring holds RING_BUFFERS x RING_CHUNK
 SPAN_GAP = 1 << 16  # kept ranges this close are read as one span (the gap is padding or a small tensor)
-POLL_SECONDS = 0.2  # how often the writer, waiting for a buffer, looks whether the sha256 thread failed
+POLL_SECONDS = 0.2  # how often a waiting pipeline thread looks whether another one failed
 
 
 @dataclass
@@ -105,60 +104,87 @@ def read_spans(pieces: Sequence[Piece], size: int, whole: bool) -> list[tuple[in
     return spans
 
 
-class _ReadBack:
-    """Re-reads written output tensors from their temp files and hashes them the way the source
-    side did (each hash unit; the whole tensor too when it has several), one chunk per `step`, so
-    that the writer does it while it would otherwise wait, and the rest while the disk writes."""
+class _Stopped(Exception):
+    """Raised in a pipeline thread that waits while another one has failed."""
 
-    def __init__(self, progress: Callable[[int], None]) -> None:
+
+class _Pipeline:
+    """The threads of one pass share a failure flag: the first error stops every stage."""
+
+    def __init__(self) -> None:
+        self.failed = threading.Event()
+        self.errors: list[BaseException] = []
+        self.lock = threading.Lock()
+
+    def fail(self, err: BaseException) -> None:
+        with self.lock:
+            if not isinstance(err, _Stopped):
+                self.errors.append(err)
+        self.failed.set()
+
+    def get(self, q: queue.Queue[Any]) -> Any:
+        while True:
+            try:
+                return q.get(timeout=POLL_SECONDS)
+            except queue.Empty:
+                if self.failed.is_set():
+                    raise _Stopped from None
+
+    def check(self) -> None:
+        if self.failed.is_set():
+            raise _Stopped
+
+    def raise_first(self) -> None:
+        if self.errors:
+            raise self.errors[0]
+        if self.failed.is_set():
+            raise _Stopped("a pipeline thread stopped without an error")
+
+
+class _OutputHasher:
+    """Re-reads each output tensor on its own thread once it is written: the xxh3-128 of each of
+    its hash units (see `_CopyPass`) and, when it has several, of the whole tensor."""
+
+    def __init__(self, pipeline: _Pipeline, progress: Callable[[int], None]) -> None:
+        self.pipeline = pipeline
         self.progress = progress
-        self.buffer = bytearray(CHUNK)
-        self.fds: dict[Path, int] = {}
-        self.waiting: deque[tuple[Path, str, int, tuple[int, ...]]] = deque()
-        self.current: Iterator[None] | None = None
+        self.queue: queue.Queue[tuple[Path, str, int, tuple[int, ...]] | None] = queue.Queue()
         self.result: OutputHashes = {}
         self.units: dict[tuple[str, int], str] = {}
+        self.thread = threading.Thread(target=self._run, name="ggufcarve-verify-output", daemon=True)
+        self.thread.start()
 
-    def add(self, path: Path, name: str, start: int, lengths: tuple[int, ...]) -> None:
-        self.waiting.append((path, name, start, lengths))
+    def _run(self) -> None:
+        buffer = bytearray(CHUNK)
+        fds: dict[Path, int] = {}
+        try:
+            while (item := self.pipeline.get(self.queue)) is not None:
+                path, name, start, lengths = item
+                if path not in fds:
+                    fds[path] = os.open(path, os.O_RDONLY)
+                whole = xxhash.xxh3_128() if len(lengths) > 1 else None
+                position = start
+                for k, length in enumerate(lengths):
+                    unit = xxhash.xxh3_128()
+                    for chunk in read_ranges(fds[path], [(position, length)], buffer, self.progress):
+                        unit.update(chunk)
+                        if whole is not None:
+                            whole.update(chunk)
+                    self.units[(name, k)] = unit.hexdigest()
+                    position += length
+                self.result[name] = (start, position - start, (whole or unit).hexdigest())
+        except BaseException as err:  # re-raised by the caller
+            self.pipeline.fail(err)
+        finally:
+            for fd in fds.values():
+                os.close(fd)
 
-    def step(self) -> bool:
-        """Hash one more chunk; False when no written tensor is waiting."""
-        while True:
-            if self.current is None:
-                if not self.waiting:
-                    return False
-                self.current = self._hash(*self.waiting.popleft())
-            try:
-                next(self.current)
-                return True
-            except StopIteration:
-                self.current = None
+    def submit(self, path: Path, name: str, start: int, lengths: tuple[int, ...]) -> None:
+        self.queue.put((path, name, start, lengths))
 
     def finish(self) -> None:
-        while self.step():
-            pass
-
-    def close(self) -> None:
-        for fd in self.fds.values():
-            os.close(fd)
-
-    def _hash(self, path: Path, name: str, start: int, lengths: tuple[int, ...]) -> Iterator[None]:
-        if path not in self.fds:
-            self.fds[path] = os.open(path, os.O_RDONLY)
-        whole = xxhash.xxh3_128() if len(lengths) > 1 else None
-        position = start
-        unit = xxhash.xxh3_128()
-        for k, length in enumerate(lengths):
-            unit = xxhash.xxh3_128()
-            for chunk in read_ranges(self.fds[path], [(position, length)], self.buffer, self.progress):
-                unit.update(chunk)
-                if whole is not None:
-                    whole.update(chunk)
-                yield
-            self.units[(name, k)] = unit.hexdigest()
-            position += length
-        self.result[name] = (start, position - start, (whole or unit).hexdigest())
+        self.queue.put(None)
+        self.thread.join()
 
 
 def _fill_source_sha256(planned: PlannedFile, fd: int, digests: list[str]) -> None:
@@ -177,15 +203,13 @@ def _ascending(pieces: Sequence[Piece]) -> bool:
 class _CopyPass:
     """One read of the sources, the writes into the outputs, and the hashes of both sides.
 
-    The calling thread reads, writes and hashes; a second thread computes the sha256 of sources
-    whose digest is not cached (hashlib releases the GIL), taking buffers from a ring and giving
-    them back. Both sides hash each tensor in hash units: one unit for a tensor whose slices are
-    in file order (the sequential read meets its bytes in output order), one unit per piece
-    otherwise.
+    Both sides hash each tensor in hash units: one unit for a tensor whose slices are in file
+    order (the sequential read meets its bytes in output order), one unit per piece otherwise.
     """
 
     def __init__(self, plan: PrunePlan, model: GGUFModel, outputs: list[tuple[Path, int]], on_event: Sink) -> None:
         self.plan, self.model, self.outputs = plan, model, outputs
+        self.pipeline = _Pipeline()
         self.pieces = plan_pieces(plan)
         by_tensor: dict[str, list[Piece]] = {}
         for p in self.pieces:
@@ -198,15 +222,23 @@ class _CopyPass:
         self.source_units: dict[tuple[str, int], Any] = {unit: xxhash.xxh3_128() for unit in self.unit_of.values()}
         self.remaining = {name: sum(lengths) for name, lengths in self.unit_lengths.items()}
         self.cached = [cached_sha256(path) for path in model.paths]
-        self.sha = [hashlib.sha256() if digest is None else None for digest in self.cached]
         self.copied = Counter(on_event, "copy", plan.bytes_out)
-        self.hashed = Counter(on_event, "hash source", sum(s.size for s, digest in zip(model.shards, self.cached) if digest is None))
-        self.read_back = _ReadBack(Counter(on_event, "verify", sum(self.remaining.values())))
+        hashed_total = sum(s.size for s, digest in zip(model.shards, self.cached) if digest is None)
+        self.hashed = Counter(on_event, "hash source", hashed_total)
+        self.output_hasher = _OutputHasher(self.pipeline, self._checked(Counter(on_event, "verify", sum(self.remaining.values()))))
         self.free: queue.Queue[bytearray] = queue.Queue()
-        for _ in range(RING_BUFFERS if any(self.sha) else 1):
+        for _ in range(RING_BUFFERS):
             self.free.put(bytearray(RING_CHUNK))
+        self.ready: queue.Queue[tuple[int, int, bytearray, int] | None] = queue.Queue()
         self.to_sha: queue.Queue[tuple[int, bytearray, int] | None] = queue.Queue()
-        self.sha_error: BaseException | None = None
+        self.sha = [hashlib.sha256() if digest is None else None for digest in self.cached]
+
+    def _checked(self, counter: Callable[[int], None]) -> Callable[[int], None]:
+        def progress(n: int) -> None:
+            self.pipeline.check()
+            counter(n)
+
+        return progress
 
     def run(self) -> tuple[list[str], OutputHashes, dict[tuple[str, int], str]]:
         """Copy and hash; returns the sources' sha256 and the read-back hashes of tensors and units."""
@@ -215,31 +247,34 @@ class _CopyPass:
             by_shard[p.shard].append(p)
         for shard_pieces in by_shard:
             shard_pieces.sort(key=lambda p: p.offset)
+        reader = threading.Thread(target=self._read, args=(by_shard,), name="ggufcarve-read-source", daemon=True)
         sha = threading.Thread(target=self._hash_source, name="ggufcarve-hash-source", daemon=True)
         flush = BackgroundFlush()
         try:
-            for (_, fd), planned in zip(self.outputs, self.plan.files):
+            for (temp, fd), planned in zip(self.outputs, self.plan.files):
                 header, _ = planned.encoded_header
                 write_at(fd, header, 0)
                 self.copied(len(header))
                 os.ftruncate(fd, planned.size)  # the gaps between tensors (padding) read as zeros
             for name, length in self.remaining.items():
                 if length == 0:
-                    self._written(name)
-            if any(self.sha):
-                sha.start()
-            for shard, path in enumerate(self.model.paths):
-                self._copy(shard, path, by_shard[shard], flush)
-            self.copied(self.plan.bytes_out - self.copied.done)  # the padding, never written
-            self.read_back.finish()  # while the sha256 thread ends and the disk writes
-        finally:
+                    self._submit(name)
+            reader.start()
+            sha.start()
+            self._write(by_shard, flush)
             self.to_sha.put(None)
-            if sha.ident is not None:
-                sha.join()
+            sha.join()
+            self.pipeline.raise_first()
+            self.copied(self.plan.bytes_out - self.copied.done)  # the padding, never written
+            self.output_hasher.finish()
+        except BaseException as err:
+            self.pipeline.fail(err)  # every thread stops within POLL_SECONDS
+        finally:
             flush.close()
-            self.read_back.close()
-        if self.sha_error is not None:
-            raise self.sha_error
+            for thread in (reader, sha, self.output_hasher.thread):
+                if thread.ident is not None:
+                    thread.join()
+        self.pipeline.raise_first()  # the first real error of any thread, not the _Stopped it caused
         digests = []
         for shard, path in enumerate(self.model.paths):
             digest = self.cached[shard]
@@ -247,86 +282,79 @@ class _CopyPass:
                 digest = self.sha[shard].hexdigest()  # type: ignore[union-attr]
                 remember_sha256(path, digest)
             digests.append(digest)
-        return digests, self.read_back.result, self.read_back.units
+        return digests, self.output_hasher.result, self.output_hasher.units
 
-    def _buffer(self) -> bytearray:
-        """A free buffer of the ring; while the sha256 thread holds them all, read back meanwhile."""
-        while True:
-            try:
-                return self.free.get_nowait()
-            except queue.Empty:
-                pass
-            if self.read_back.step():
-                continue
-            try:
-                return self.free.get(timeout=POLL_SECONDS)
-            except queue.Empty:
-                if self.sha_error is not None:
-                    raise self.sha_error from None
-
-    def _copy(self, shard: int, path: Path, pieces: list[Piece], flush: BackgroundFlush) -> None:
-        """Read one source file's spans in file order; write and hash every piece in each chunk."""
-        fds = [fd for _, fd in self.outputs]
-        source = os.open(path, os.O_RDONLY)
+    def _read(self, by_shard: list[list[Piece]]) -> None:
+        """The reader thread: every span of every source file, in file order, through the ring."""
         try:
-            if hasattr(os, "posix_fadvise"):
-                os.posix_fadvise(source, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-            i = 0
-            for span_offset, span_length in read_spans(pieces, self.model.shards[shard].size, whole=self.sha[shard] is not None):
-                done = 0
-                while done < span_length:
-                    buffer = self._buffer()
-                    offset = span_offset + done
-                    got = os.preadv(source, [memoryview(buffer)[: min(RING_CHUNK, span_length - done)]], offset)
-                    if got == 0:
-                        self.free.put(buffer)
-                        raise BadInput(f"{path.name} ended early: {span_length - done} bytes missing at offset {offset}", "the source file changed or is truncated")
-                    done += got
-                    end = offset + got
-                    view = memoryview(buffer)[:got]
-                    j = i
-                    while j < len(pieces) and pieces[j].offset < end:
-                        p = pieces[j]
-                        lo, hi = max(p.offset, offset), min(p.offset + p.length, end)
-                        if lo < hi:
-                            data = view[lo - offset : hi - offset]
-                            write_at(fds[p.output], data, p.position + lo - p.offset)
-                            self.source_units[self.unit_of[(p.tensor, p.index)]].update(data)
-                            flush.wrote(fds[p.output], hi - lo)
-                            self.copied(hi - lo)
-                            self.remaining[p.tensor] -= hi - lo
-                            if self.remaining[p.tensor] == 0:
-                                self._written(p.tensor)
-                        j += 1
-                    while i < len(pieces) and pieces[i].offset + pieces[i].length <= end:
-                        i += 1
-                    if self.sha[shard] is not None:
-                        self.to_sha.put((shard, buffer, got))
-                    else:
-                        self.free.put(buffer)
-                    if self.sha_error is not None:
-                        raise self.sha_error
-        finally:
-            os.close(source)
+            for shard, path in enumerate(self.model.paths):
+                spans = read_spans(by_shard[shard], self.model.shards[shard].size, whole=self.cached[shard] is None)
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    if hasattr(os, "posix_fadvise"):
+                        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+                    for offset, length in spans:
+                        done = 0
+                        while done < length:
+                            buffer = self.pipeline.get(self.free)
+                            got = os.preadv(fd, [memoryview(buffer)[: min(RING_CHUNK, length - done)]], offset + done)
+                            if got == 0:
+                                raise BadInput(f"{path.name} ended early: {length - done} bytes missing at offset {offset + done}", "the source file changed or is truncated")
+                            self.ready.put((shard, offset + done, buffer, got))
+                            done += got
+                finally:
+                    os.close(fd)
+            self.ready.put(None)
+        except BaseException as err:
+            self.pipeline.fail(err)
+
+    def _write(self, by_shard: list[list[Piece]], flush: BackgroundFlush) -> None:
+        """The calling thread: write each chunk's pieces, hash them, pass the buffer on."""
+        fds = [fd for _, fd in self.outputs]
+        shard, i = -1, 0
+        while (item := self.pipeline.get(self.ready)) is not None:
+            self.pipeline.check()
+            chunk_shard, offset, buffer, got = item
+            if chunk_shard != shard:
+                shard, i = chunk_shard, 0
+            pieces = by_shard[shard]
+            end = offset + got
+            view = memoryview(buffer)[:got]
+            j = i
+            while j < len(pieces) and pieces[j].offset < end:
+                p = pieces[j]
+                lo, hi = max(p.offset, offset), min(p.offset + p.length, end)
+                if lo < hi:
+                    data = view[lo - offset : hi - offset]
+                    write_at(fds[p.output], data, p.position + lo - p.offset)
+                    self.source_units[self.unit_of[(p.tensor, p.index)]].update(data)
+                    flush.wrote(fds[p.output], hi - lo)
+                    self.copied(hi - lo)
+                    self.remaining[p.tensor] -= hi - lo
+                    if self.remaining[p.tensor] == 0:
+                        self._submit(p.tensor)
+                j += 1
+            while i < len(pieces) and pieces[i].offset + pieces[i].length <= end:
+                i += 1
+            if self.sha[shard] is not None:
+                self.to_sha.put((shard, buffer, got))
+            else:
+                self.free.put(buffer)
 
     def _hash_source(self) -> None:
-        """The sha256 thread: hash each chunk of an uncached source, then give its buffer back.
+        """The sha256 thread: hash each chunk of an uncached source, then return its buffer."""
+        try:
+            while (item := self.pipeline.get(self.to_sha)) is not None:
+                shard, buffer, got = item
+                self.sha[shard].update(memoryview(buffer)[:got])  # type: ignore[union-attr]
+                self.free.put(buffer)
+                self.hashed(got)
+        except BaseException as err:
+            self.pipeline.fail(err)
 
-        After an error it keeps giving buffers back, so the writer never waits for one in vain.
-        """
-        while (item := self.to_sha.get()) is not None:
-            shard, buffer, got = item
-            if self.sha_error is None:
-                try:
-                    self.sha[shard].update(memoryview(buffer)[:got])  # type: ignore[union-attr]
-                    self.hashed(got)
-                except BaseException as err:  # raised by the writer
-                    self.sha_error = err
-            self.free.put(buffer)
-
-    def _written(self, name: str) -> None:
+    def _submit(self, name: str) -> None:
         first = self.first_piece[name]
-        self.read_back.add(self.outputs[first.output][0], name, first.position, self.unit_lengths[name])
+        self.output_hasher.submit(self.outputs[first.output][0], name, first.position, self.unit_lengths[name])
 
     def expected_hashes(self, output_hashes: OutputHashes, output_units: dict[tuple[str, int], str]) -> dict[str, str]:
         """Each output tensor's expected xxh3-128 (of its source slices, in output order).

@@ -27,7 +27,6 @@ whose output still matches its recorded inputs and sha256 is skipped (resume).
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
@@ -59,12 +58,13 @@ from ggufcarve.quant.quantizer import (
     Quantizer,
     QuantizeRun,
 )
-from ggufcarve.quant.spec import DISK_MARGIN, LOCK_NAME, LadderSpec, Rung
+from ggufcarve.quant.spec import DISK_MARGIN, LadderSpec, Rung
 from ggufcarve.release.manifest import (
     MANIFEST_NAME,
     _write_manifest,
     check_same_source,
     described_files,
+    lock_release,
     read_manifest,
 )
 from ggufcarve.release.method import (
@@ -385,16 +385,6 @@ def _without_dirs(text: str | None, dirs: Sequence[Path]) -> str | None:
     return text
 
 
-def _lock_dir(out_dir: Path) -> Any:
-    handle = open(out_dir / LOCK_NAME, "a+")
-    try:
-        fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        handle.close()
-        raise OutputError(f"another ladder run is writing to {out_dir}", "wait for it to finish, or use another -o directory") from None
-    return handle
-
-
 def bits_per_weight(path: Path) -> float | None:
     """Tensor data bits per weight; raises BadInput when the file does not parse."""
     model = read_model(path)
@@ -408,7 +398,7 @@ def run_ladder(plan: LadderPlan, *, keep_going: bool = False, on_event: Sink = i
         raise ValueError("run_ladder needs a plan made with hash_inputs=True")
     out = plan.out_dir
     out.mkdir(parents=True, exist_ok=True)
-    lock = _lock_dir(out)
+    lock = lock_release(out)
     started = time.monotonic()
     quantizer_seconds = 0.0
     hash_seconds = [0.0]

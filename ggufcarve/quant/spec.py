@@ -19,7 +19,6 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
 
-LOCK_NAME = ".ggufcarve-ladder.lock"
 DEFAULT_FILE_PATTERN = "{model}-{quant}.gguf"
 DEFAULT_FALLBACK_TYPE = "Q4_K"
 DISK_MARGIN = 64 << 20  # headroom on top of the estimated sizes

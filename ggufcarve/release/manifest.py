@@ -9,6 +9,7 @@ File names are relative to the release directory; no local path is recorded.
 
 from __future__ import annotations
 
+import fcntl
 import threading
 import time
 from pathlib import Path
@@ -23,7 +24,22 @@ if TYPE_CHECKING:
 
 MANIFEST_KIND = "quant-manifest"
 MANIFEST_NAME = "quant-manifest.json"
+LOCK_NAME = ".ggufcarve-ladder.lock"  # held by whatever rewrites the manifest
+# Files made from the rungs after the ladder (evaluation results, the model card), recorded under
+# manifest["published"][kind]; a ladder run that builds a rung drops them: they describe the old rungs.
+PUBLISHED_KINDS = ("evaluation", "card")
 FRESH_START_HINT = "write to another -o directory, or pass --force to start the release afresh, which removes its old rungs"
+
+
+def lock_release(out_dir: Path) -> Any:
+    """The release's exclusive lock (an open file; close it to release). Refuses when held."""
+    handle = open(out_dir / LOCK_NAME, "a+")
+    try:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.close()
+        raise OutputError(f"another ggufcarve run is writing to {out_dir}", "wait for it to finish, or use another -o directory") from None
+    return handle
 
 
 def read_manifest(out_dir: Path) -> dict[str, Any] | None:
@@ -79,7 +95,25 @@ def described_files(manifest: dict[str, Any]) -> dict[str, dict[str, Any]]:
     for f in manifest.get("method", []) if isinstance(manifest.get("method"), list) else []:
         if isinstance(f, dict) and isinstance(f.get("name"), str) and f["name"]:
             described[f["name"]] = f
+    published = manifest.get("published") if isinstance(manifest.get("published"), dict) else {}
+    for kind in PUBLISHED_KINDS:
+        for f in published.get(kind, []) if isinstance(published.get(kind), list) else []:
+            if isinstance(f, dict) and isinstance(f.get("name"), str) and f["name"]:
+                described[f["name"]] = f
     return described
+
+
+def carried_published(out_dir: Path, rungs_rebuilt: bool) -> dict[str, Any]:
+    """The published records of the manifest in out_dir that stay true: all of them while no rung
+    was rebuilt, none once one was (they were made from the old rungs)."""
+    if rungs_rebuilt:
+        return {}
+    try:
+        manifest = read_manifest(out_dir)
+    except BadInput:
+        return {}
+    published = manifest.get("published") if manifest else None
+    return {k: v for k, v in published.items() if k in PUBLISHED_KINDS} if isinstance(published, dict) else {}
 
 
 def _public_quantizer(described: dict[str, object]) -> dict[str, object]:
@@ -130,6 +164,7 @@ def _write_manifest(plan: LadderPlan, previous: dict[str, dict[str, Any]], resul
                 "quantizer": _public_quantizer(plan.quantizer.describe()),
                 "rungs": ordered,
                 "method": method,
+                "published": carried_published(plan.out_dir, any(r.status == "built" for r in results.values())),
                 "warnings": plan.warnings,
             },
         )

@@ -1,0 +1,105 @@
+"""eval: perplexity, KL divergence against a reference, speed, QA checks and a PASS/FAIL gate for every model; card: the model card.
+
+Examples:
+    ggufcarve eval release/ --reference model-Q8_0.gguf --heldout heldout.txt -o evaluation/
+    ggufcarve eval release/ unpruned-Q2_K.gguf unpruned-Q3_K_M.gguf --reference model-Q8_0.gguf --heldout heldout.txt --ctx 512 --chunks 40 -o evaluation/
+    ggufcarve eval model-Q4_K_M.gguf --reference base.kld -o evaluation/      (a llama-perplexity --kl-divergence-base file)
+    ggufcarve eval model-Q4_K_M.gguf --reference model-Q8_0.gguf --heldout heldout.txt --cross-check -o evaluation/
+    ggufcarve eval release/ --reference model-Q8_0.gguf --heldout heldout.txt --qa evaluation/qa -o release/evaluation && ggufcarve card release/
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from ggufcarve.cli.options import JsonOption, LlamaCppOption, QuietOption
+from ggufcarve.cli.render import err, out, progress, warn
+
+
+def eval_command(
+    models: Annotated[list[Path], typer.Argument(help="GGUF files, first shards of split sets, or release directories (every rung of the manifest).")],
+    reference: Annotated[Path, typer.Option("--reference", help="The unpruned model (GGUF), a top-k cache (.reflogp) or a llama-perplexity --kl-divergence-base file.")],
+    output: Annotated[Path, typer.Option("-o", "--output", help="Output directory: <model>.json per model, summary.md, charts.")],
+    heldout: Annotated[Optional[Path], typer.Option("--heldout", help="Held-out text scored by every model (needed with a GGUF reference).")] = None,
+    ctx: Annotated[int, typer.Option("--ctx", help="Context (tokens per chunk), as llama-perplexity -c.")] = 512,
+    chunks: Annotated[Optional[int], typer.Option("--chunks", help="Score at most this many chunks (default: the whole text).")] = None,
+    qa: Annotated[Optional[Path], typer.Option("--qa", help="QA suite: a .jsonl file or a directory of them (e.g. evaluation/qa).")] = None,
+    gate: Annotated[Optional[Path], typer.Option("--gate", help="Gate thresholds (TOML; default evaluation/gate.toml).")] = None,
+    threads: Annotated[Optional[int], typer.Option("--threads", "-t", help="CPU threads (default: all cores).")] = None,
+    top_k: Annotated[int, typer.Option("--top-k", help="Reference log-probs kept per token in the cache (the rest as one tail mass; the error bound is in each JSON).")] = 128,
+    speed_runs: Annotated[int, typer.Option("--speed-runs", help="Timed runs of pp and tg speed (median reported); 0 skips speed.")] = 3,
+    save_kl_base: Annotated[Optional[Path], typer.Option("--save-kl-base", help="Also write the reference's log-probs as a llama-perplexity --kl-divergence-base file.")] = None,
+    cross_check: Annotated[bool, typer.Option("--cross-check", help="Also run llama-perplexity on the same text and report both.")] = False,
+    llama_cpp: LlamaCppOption = None,
+    cache: Annotated[Optional[Path], typer.Option("--cache", help="Directory of cached reference log-probs (default: ggufcarve's cache/reference-logprobs).")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Replace results already in the output directory.")] = False,
+    quiet: QuietOption = False,
+    as_json: JsonOption = False,
+) -> None:
+    """Evaluate MODELs against --reference: PPL, KLD, speed, QA and the gate; writes -o DIR/<model>.json and DIR/summary.md."""
+    from ggufcarve.errors import OutputError
+    from ggufcarve.evaluate.gate import default_gate_path, load_gate
+    from ggufcarve.evaluate.models import resolve_models
+    from ggufcarve.evaluate.run import EvalSettings, evaluate
+    from ggufcarve.evaluate.speed import SpeedSettings
+    from ggufcarve.release.publish import record_published, release_of
+
+    entries = resolve_models(models)
+    if gate is None and not default_gate_path().exists():
+        warn(f"no gate: {default_gate_path().name} is not beside this installation (give --gate FILE)")
+        gate_rules = None
+    else:
+        gate_rules = load_gate(gate or default_gate_path())
+    qa_checks = None
+    if qa is not None:
+        from ggufcarve.evaluate.qa import load_suite
+
+        qa_checks = [c.to_json() for c in load_suite(qa)]
+    existing = [output / f"{e.name}.json" for e in entries if (output / f"{e.name}.json").exists()]
+    if existing and not force:
+        raise OutputError(f"{existing[0]} already exists", "use --force to replace the results, or another -o directory")
+    settings = EvalSettings(
+        ctx=ctx, chunks=chunks, threads=threads or os.cpu_count() or 1, top_k=top_k,
+        speed=SpeedSettings(runs=speed_runs) if speed_runs > 0 else None, gate=gate_rules, qa_checks=qa_checks,
+        cross_check=cross_check, llama_cpp_dir=llama_cpp, cache_dir=cache, kl_base_out=save_kl_base,
+    )
+    with progress(not quiet and not as_json) as sink:
+        run = evaluate(entries, reference, heldout, settings, output, sink)
+    if as_json:
+        out.print_json(json.dumps({"results": run.results, "files": [p.name for p in run.files]}))
+        return
+    for r in run.results:
+        line = (f"{r['model']['name']}: PPL {r['ppl']:.4f} ± {r['ppl_stderr']:.4f} ({round(r['ppl_delta_percent'], 2) + 0.0:+.2f}%), "
+                f"mean KLD {r['kld_mean']:.6f} ± {r['kld_mean_stderr']:.6f}, same top p {100 * r['same_top_p']:.2f}%")
+        if r.get("tg_tok_s") is not None:
+            line += f", pp {r['pp_tok_s']:.1f} tg {r['tg_tok_s']:.1f} tok/s"
+        if r.get("qa_total"):
+            line += f", QA {r['qa_passed']}/{r['qa_total']}"
+        if r.get("cross_check"):
+            c = r["cross_check"]
+            line += f"; llama-perplexity PPL {c['ppl']:.4f} ({'agrees' if c['ppl_agrees'] else 'DIFFERS'})"
+        out.print(line + f" — {r['gate'] or 'no gate'}" + (f" ({'; '.join(r['gate_failed'])})" if r.get("gate_failed") else ""), highlight=False, soft_wrap=True)
+    err.print(f"wrote {len(run.files)} files to {output} (reference {run.reference.label}{', cached log-probs' if run.reference.cached else ''})", highlight=False)
+    release = release_of(output.resolve())
+    if release is not None and release != output.resolve():
+        records = record_published(release, "evaluation", [p for p in sorted(output.rglob("*")) if p.is_file() and not any(part.startswith(".") for part in p.relative_to(output).parts)])
+        err.print(f"recorded {len(records)} evaluation files in {release / 'quant-manifest.json'} and SHA256SUMS", highlight=False)
+
+
+def card_command(
+    release: Annotated[Path, typer.Argument(help="A release directory (quant-manifest.json, rungs, method/, evaluation/).")],
+    evaluation: Annotated[Optional[Path], typer.Option("--evaluation", help="Directory of ggufcarve eval results (default: RELEASE/evaluation).")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Replace an existing README.md.")] = False,
+) -> None:
+    """Write the Hugging Face model card RELEASE/README.md from the manifest, the method reports and the evaluation."""
+    from ggufcarve.release.card import write_card
+    from ggufcarve.release.publish import record_published
+
+    path = write_card(release, evaluation, force)
+    record_published(release, "card", [path])
+    out.print(f"wrote {path}; recorded in {release / 'quant-manifest.json'} and SHA256SUMS", highlight=False)

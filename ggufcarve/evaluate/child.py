@@ -1,0 +1,179 @@
+"""The evaluation child: one model loaded once in libllama, scored chunk by chunk, timed, asked the QA checks.
+
+Run as `python -m ggufcarve.evaluate.child REQUEST.json` through the one launcher (llama.cpp
+aborts the process on failed asserts). The request (`Request`) names the model, the text or the
+reference file whose tokens are scored, and what to write:
+  * `table_out`: the per-token table (float64 rows of `kld.TOKEN_COLUMNS`) appended chunk by chunk;
+  * `cache_out`: the top-k cache of this model as a reference; `base_out`: its llama-perplexity
+    base file;
+  * `result_out`: a JSON summary (vocabulary, token count, chunking, speed, QA outputs, or a
+    `bad_input` message).
+Progress goes to stdout as lines `@chunk DONE TOTAL` (and `@qa DONE TOTAL`); anything else on
+stdout/stderr is llama.cpp's own warnings.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+PROGRESS_PREFIX = "@"
+PERPLEXITY_BATCH = 2048  # llama-perplexity's default -b: n_batch // n_ctx chunks are decoded side by side
+
+
+@dataclass
+class Request:
+    model: str
+    threads: int
+    n_ctx: int
+    result_out: str
+    text: str | None = None  # held-out text file (tokenized by this model)
+    reference_in: str | None = None  # a top-k cache or base file: its tokens are scored and compared
+    max_chunks: int | None = None
+    table_out: str | None = None
+    cache_out: str | None = None
+    cache_identity: dict = field(default_factory=dict)  # reference_sha256, text_sha256 for the cache header
+    top_k: int = 64
+    base_out: str | None = None
+    speed: dict | None = None  # SpeedSettings fields
+    qa: list[dict] | None = None  # QA checks as plain dicts (ggufcarve.evaluate.qa)
+
+    @classmethod
+    def read(cls, path: str) -> "Request":
+        return cls(**json.loads(Path(path).read_text()))
+
+    def write(self, path: Path) -> None:
+        path.write_text(json.dumps(asdict(self), sort_keys=True))
+
+
+def _progress(what: str, done: int, total: int) -> None:
+    print(f"{PROGRESS_PREFIX}{what} {done} {total}", flush=True)
+
+
+def _score(engine, request: Request, result: dict) -> np.ndarray | None:
+    """Score every chunk; the tokens scored, or None when the input is refused (`result["bad_input"]` says why)."""
+    from ggufcarve.evaluate import kld
+    from ggufcarve.evaluate.perplexity import (
+        chunk_tokens,
+        plan_chunks,
+        read_text,
+        scored_targets,
+    )
+
+    reference = kld.open_reference(Path(request.reference_in)) if request.reference_in else None
+    if reference is not None:
+        if reference.n_vocab != engine.n_vocab:
+            result["bad_input"] = f"the reference has a vocabulary of {reference.n_vocab} tokens, this model {engine.n_vocab}"
+            return None
+        tokens = reference.tokens
+        chunking = reference.chunking
+        if request.max_chunks:
+            chunking = type(chunking)(chunking.n_ctx, min(chunking.n_chunk, request.max_chunks))
+    else:
+        tokens = engine.tokenize(read_text(Path(request.text).read_bytes()))
+        try:
+            chunking = plan_chunks(len(tokens), request.n_ctx, request.max_chunks)
+        except ValueError as err:
+            result["bad_input"] = str(err)
+            result["n_tokens"] = int(len(tokens))
+            return None
+    result.update(n_tokens=int(len(tokens)), n_ctx=chunking.n_ctx, n_chunk=chunking.n_chunk, add_bos=engine.add_bos, bos=engine.bos)
+    cache = base = None
+    if request.cache_out:
+        header = kld.ReferenceHeader(n_ctx=chunking.n_ctx, n_vocab=engine.n_vocab, n_chunk=chunking.n_chunk, top_k=request.top_k,
+                                     add_bos=engine.add_bos, bos=engine.bos, text_chunks=len(tokens) // chunking.n_ctx,
+                                     **request.cache_identity)
+        cache = kld.CacheWriter(Path(request.cache_out), header, tokens)
+    if request.base_out:
+        base = kld.BaseWriter(Path(request.base_out), chunking.n_ctx, engine.n_vocab, chunking.n_chunk, tokens)
+    table_file = open(request.table_out, "wb") if request.table_out else None
+    reference_chunks = reference.chunks(chunking.n_chunk) if reference is not None else None
+    n_seq = max(1, PERPLEXITY_BATCH // chunking.n_ctx)
+    context = engine.context(chunking.n_ctx, n_seq, min(PERPLEXITY_BATCH, n_seq * chunking.n_ctx))
+    started = time.perf_counter()
+    try:
+        _progress("chunk", 0, chunking.n_chunk)
+        for group in range(0, chunking.n_chunk, n_seq):
+            indices = range(group, min(chunking.n_chunk, group + n_seq))
+            group_logits = context.chunk_logits([chunk_tokens(tokens, chunking, i, engine.add_bos, engine.bos) for i in indices], chunking.first)
+            for index, logits in zip(indices, group_logits):
+                _score_chunk(index, logits[: chunking.scored_per_chunk], scored_targets(tokens, chunking, index), request, reference,
+                             reference_chunks, cache, base, table_file)
+                _progress("chunk", index + 1, chunking.n_chunk)
+    finally:
+        context.close()
+        for writer in (cache, base):
+            if writer is not None:
+                writer.close()
+        if table_file is not None:
+            table_file.close()
+    result["score_seconds"] = time.perf_counter() - started
+    return tokens
+
+
+def _score_chunk(index: int, logits: np.ndarray, targets: np.ndarray, request: Request, reference, reference_chunks, cache, base, table_file) -> None:
+    """One chunk's scored logits: the reference files it writes, its per-token table against the reference."""
+    from ggufcarve.evaluate import kld
+
+    if base is not None:
+        base.write(logits)
+    if reference_chunks is not None:
+        records = next(reference_chunks)
+        table = kld.compare_topk(logits, targets, records) if reference.kind == "topk" else kld.compare_base(logits, targets, records)
+    else:
+        logprobs = kld.log_softmax(logits)
+        if cache is not None:
+            cache.write(kld.topk_records(logprobs, targets, request.top_k))
+        table = np.zeros((len(targets), kld.TOKEN_COLUMNS))
+        table[:, kld.NLL] = -logprobs[np.arange(len(targets)), targets]
+        table[:, kld.NLL_BASE] = table[:, kld.NLL]
+        table[:, kld.SAME_TOP] = 1.0
+    if table_file is not None:
+        table_file.write(np.ascontiguousarray(table, dtype="<f8").tobytes())
+
+
+def main(argv: list[str]) -> int:
+    from ggufcarve.evaluate.engine import Engine, EngineError
+
+    request = Request.read(argv[0])
+    result: dict = {}
+    try:
+        started = time.perf_counter()
+        engine = Engine(request.model, request.threads)
+        result["load_seconds"] = time.perf_counter() - started
+        result["n_vocab"] = engine.n_vocab
+        tokens = None
+        if request.text or request.reference_in:
+            tokens = _score(engine, request, result)
+        if "bad_input" not in result and request.speed is not None:
+            from ggufcarve.evaluate.speed import SpeedSettings, measure
+
+            settings = SpeedSettings(**request.speed)
+            prompt = tokens if tokens is not None and len(tokens) else np.arange(3, engine.n_vocab, dtype=np.int32)
+            context = engine.context(max(settings.pp_tokens, settings.tg_tokens + 1))
+            try:
+                result["speed"] = measure(context, settings, prompt, request.threads).to_json()
+            finally:
+                context.close()
+        if "bad_input" not in result and request.qa:
+            from ggufcarve.evaluate.qa import run_checks
+
+            result["qa"] = run_checks(engine, request.qa, lambda done, total: _progress("qa", done, total))
+        engine.close()
+    except EngineError as err:
+        result["engine_error"] = str(err)
+    temp = request.result_out + ".part"
+    Path(temp).write_text(json.dumps(result, sort_keys=True))
+    os.replace(temp, request.result_out)
+    sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

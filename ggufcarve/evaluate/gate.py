@@ -1,0 +1,111 @@
+"""The release gate: thresholds from a TOML file, and a PASS/FAIL verdict per model naming the failed criteria.
+
+A gate file holds top-level keys (or the same keys under a `[gate]` table), each a number:
+
+    max_ppl_increase_percent   PPL above the reference's, in %
+    max_kld_mean, max_kld_p99, max_kld_p999, max_rms_dp
+    min_same_top_p             fraction of tokens whose most likely token equals the reference's
+    min_qa_passed              QA checks passed (count); min_qa_pass_rate the same as a fraction
+    min_qa_exact_vs_reference  fraction of QA outputs identical to the reference's
+    min_pp_tok_s, min_tg_tok_s prompt-processing and decode speed
+
+A criterion whose measurement was not made (no QA suite, no speed run) is listed as not measured
+and does not fail the gate.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from ggufcarve.errors import BadInput
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:
+    import tomli as tomllib
+
+
+def _ppl_increase(m: dict) -> float | None:
+    if m.get("ppl") is None or not m.get("ppl_reference"):
+        return None
+    return 100.0 * (m["ppl"] / m["ppl_reference"] - 1.0)
+
+
+def _qa_rate(m: dict) -> float | None:
+    return m["qa_passed"] / m["qa_total"] if m.get("qa_total") else None
+
+
+# key -> (the measurement it reads, "max" or "min" limit)
+CRITERIA: dict[str, tuple[Callable[[dict], Any], str]] = {
+    "max_ppl_increase_percent": (_ppl_increase, "max"),
+    "max_kld_mean": (lambda m: m.get("kld_mean"), "max"),
+    "max_kld_p99": (lambda m: m.get("kld_p99"), "max"),
+    "max_kld_p999": (lambda m: m.get("kld_p999"), "max"),
+    "max_rms_dp": (lambda m: m.get("rms_dp"), "max"),
+    "min_same_top_p": (lambda m: m.get("same_top_p"), "min"),
+    "min_qa_passed": (lambda m: m.get("qa_passed") if m.get("qa_total") else None, "min"),
+    "min_qa_pass_rate": (_qa_rate, "min"),
+    "min_qa_exact_vs_reference": (lambda m: m.get("qa_exact_vs_reference"), "min"),
+    "min_pp_tok_s": (lambda m: m.get("pp_tok_s"), "min"),
+    "min_tg_tok_s": (lambda m: m.get("tg_tok_s"), "min"),
+}
+
+
+@dataclass(frozen=True)
+class Gate:
+    thresholds: dict[str, float]
+    source: str  # the gate file's name
+
+    def judge(self, measurements: dict) -> "Verdict":
+        failed, passed, not_measured = [], [], []
+        for key, limit in self.thresholds.items():
+            measure, direction = CRITERIA[key]
+            value = measure(measurements)
+            if value is None:
+                not_measured.append(key)
+                continue
+            if value <= limit if direction == "max" else value >= limit:
+                passed.append(key)
+            else:
+                failed.append(f"{key[4:]} {value:.4g} {'>' if direction == 'max' else '<'} {limit:g}")
+        return Verdict("FAIL" if failed else "PASS", failed, passed, not_measured)
+
+
+@dataclass
+class Verdict:
+    verdict: str  # "PASS" or "FAIL"
+    failed: list[str] = field(default_factory=list)  # "kld_mean 0.21 > 0.1"
+    passed: list[str] = field(default_factory=list)  # criterion keys
+    not_measured: list[str] = field(default_factory=list)
+
+    def describe(self) -> str:
+        return self.verdict if not self.failed else f"FAIL ({'; '.join(self.failed)})"
+
+
+def default_gate_path() -> Path:
+    """The gate shipped beside the package: evaluation/gate.toml of the ggufcarve source tree."""
+    return Path(__file__).resolve().parents[2] / "evaluation" / "gate.toml"
+
+
+def load_gate(path: Path) -> Gate:
+    """Read a gate file; an unknown key, a non-number or unreadable TOML is one BadInput line."""
+    try:
+        doc = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as err:
+        raise BadInput(f"{path}: cannot read the gate file ({err.strerror})", "give a TOML file like evaluation/gate.toml") from None
+    except tomllib.TOMLDecodeError as err:
+        raise BadInput(f"{path}: not valid TOML ({err})", "see evaluation/gate.toml") from None
+    table = doc.get("gate", doc) if set(doc) <= {"gate"} else doc
+    if not isinstance(table, dict):
+        raise BadInput(f"{path}: [gate] must be a table", "see evaluation/gate.toml")
+    thresholds: dict[str, float] = {}
+    for key, value in table.items():
+        if key not in CRITERIA:
+            raise BadInput(f"{path}: unknown gate key '{key}'", f"known keys: {', '.join(CRITERIA)}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise BadInput(f"{path}: gate key '{key}' must be a number, got {value!r}", "for example max_kld_mean = 0.1")
+        thresholds[key] = float(value)
+    return Gate(thresholds, Path(path).name)

@@ -1,0 +1,455 @@
+"""KL divergence against a reference model: the reference's log-probabilities on disk, per-token comparisons, statistics.
+
+Two on-disk forms of the reference, both streamed chunk by chunk (never all in memory):
+
+* **Top-k cache** (ggufcarve's default, `*.reflogp`): per scored token the reference's `top_k`
+  largest log-probabilities with their token ids, the log-probability of the token that follows,
+  and the exact probability mass of every other token (the tail). Layout: magic `GGUFCARVE-REFLOGP1`,
+  u32 length of a JSON header (reference_sha256, text_sha256, n_ctx, n_vocab, n_chunk, top_k,
+  add_bos, bos, text_chunks), the header, int32 tokens[n_chunk * n_ctx], then `REFERENCE_RECORD(top_k)`
+  records in chunk order.
+* **llama-perplexity's `--kl-divergence-base` file**: `_logits_`, u32 n_ctx, i32 n_vocab, i32
+  n_chunk, int32 tokens[n_chunk * n_ctx], then per chunk `n_ctx - 1 - n_ctx/2` records of
+  `nv = 2*((n_vocab + 1)/2) + 4` uint16: float32 scale and float32 min_log_prob in the first four,
+  then one uint16 per vocabulary entry, log p = scale * value + min_log_prob; logits more than
+  16 below the maximum are stored as 0 (log p = min_log_prob).
+
+KLD from the top-k cache. With T the stored tokens, R the reference's tail mass and
+Q_tail = 1 - sum_T q the model's, the cache gives
+    KLD_topk = sum_T p_i (log p_i - log q_i) + R log(R / Q_tail).
+Grouping the tail into one outcome never increases a KL divergence (log-sum inequality), and the
+part it drops is R * KL(p_tail/R || q_tail/Q_tail). The cache does not know the reference's tail,
+only that no tail token is more likely than p_k (the k-th largest stored probability), so
+    0 <= KLD_exact - KLD_topk <= R * max over such tails of KL(p_tail/R || q_tail/Q_tail),
+a maximum of a convex function over a polytope, reached by putting mass min(p_k, R) on each of
+the model's least likely tail tokens in turn (`_tail_bound`). That bound is computed per token
+(`KLD_BOUND`) and its mean bounds the error of the mean KLD; it is a worst case over every tail
+the cache allows, so it is positive even for the reference against itself. With top_k equal to
+the vocabulary size the cache is exact. PPL, Δp and "same top p" are exact from the cache.
+
+The statistics are those llama-perplexity's `kl_divergence()` prints, computed as it computes them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import BinaryIO, Iterator
+
+import numpy as np
+
+from ggufcarve.evaluate.perplexity import Chunking, log_softmax
+
+CACHE_MAGIC = b"GGUFCARVE-REFLOGP1"
+BASE_MAGIC = b"_logits_"
+DEFAULT_TOP_K = 128
+BASE_FLOOR = -16.0  # llama-perplexity ignores reference log-probs at or below this
+
+# columns of the per-token table a model's pass produces
+NLL, NLL_BASE, KLD, P_DIFF, SAME_TOP, KLD_BOUND = range(6)
+TOKEN_COLUMNS = 6
+
+
+def reference_record(top_k: int) -> np.dtype:
+    """One scored token of the top-k cache."""
+    return np.dtype([("ids", "<i4", (top_k,)), ("logp", "<f8", (top_k,)), ("token_logp", "<f8"), ("tail", "<f8")])
+
+
+def base_values_per_token(n_vocab: int) -> int:
+    """`nv` of perplexity.cpp: uint16 values per scored token in a base file."""
+    return 2 * ((n_vocab + 1) // 2) + 4
+
+
+# ---------------------------------------------------------------------------------------------
+# encoding the reference
+
+
+def topk_records(logprobs: np.ndarray, targets: np.ndarray, top_k: int) -> np.ndarray:
+    """Top-k cache records of rows of reference log-probabilities (float64 [n, n_vocab])."""
+    n, n_vocab = logprobs.shape
+    k = min(top_k, n_vocab)
+    records = np.zeros(n, dtype=reference_record(top_k))
+    part = np.argpartition(-logprobs, k - 1, axis=1)[:, :k]
+    values = np.take_along_axis(logprobs, part, axis=1)
+    order = np.lexsort((part, -values), axis=1)  # most likely first, lower id first on ties
+    ids = np.take_along_axis(part, order, axis=1)
+    records["ids"][:, :k] = ids
+    records["logp"][:, :k] = np.take_along_axis(values, order, axis=1)
+    if k < top_k:
+        records["ids"][:, k:] = ids[:, -1:]
+        records["logp"][:, k:] = -np.inf
+    records["token_logp"] = logprobs[np.arange(n), targets]
+    tail = np.exp(logprobs)
+    np.put_along_axis(tail, ids, 0.0, axis=1)
+    records["tail"] = tail.sum(axis=1)
+    return records
+
+
+def _nearest_int(values: np.ndarray) -> np.ndarray:
+    """perplexity.cpp's nearest_int: float32 rounding to nearest, ties to even."""
+    return np.rint(values.astype(np.float32)).astype(np.int64)
+
+
+def base_records(logits: np.ndarray) -> np.ndarray:
+    """llama-perplexity's base-file records (uint16 [n, nv]) of rows of raw logits, with its float32 arithmetic."""
+    x = np.asarray(logits, dtype=np.float32)
+    n, n_vocab = x.shape
+    out = np.zeros((n, base_values_per_token(n_vocab)), dtype=np.uint16)
+    max_logit = x.max(axis=1)
+    min_logit = np.maximum(x.min(axis=1), max_logit - np.float32(16))
+    sum_exp = np.exp(x - max_logit[:, None]).astype(np.float64).sum(axis=1)
+    log_sum_exp = np.log(sum_exp).astype(np.float32)
+    min_log_prob = (min_logit - max_logit) - log_sum_exp
+    scale = (max_logit - min_logit) / np.float32(65535)
+    out[:, :4] = np.stack([scale, min_log_prob], axis=1).astype(np.float32).view(np.uint16)
+    with np.errstate(divide="ignore"):
+        inv_scale = np.where(scale > 0, np.float32(1) / scale, np.float32(0)).astype(np.float32)
+    values = _nearest_int(inv_scale[:, None] * (x - min_logit[:, None]))
+    out[:, 4:4 + n_vocab] = np.where(x > min_logit[:, None], values, 0).astype(np.uint16)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# comparing a model's rows with the reference's
+
+
+def compare_topk(logits: np.ndarray, targets: np.ndarray, records: np.ndarray) -> np.ndarray:
+    """The per-token table (TOKEN_COLUMNS) of a model's raw logits [n, n_vocab] against top-k cache records."""
+    logq = log_softmax(logits)
+    n = logq.shape[0]
+    rows = np.arange(n)
+    table = np.zeros((n, TOKEN_COLUMNS), dtype=np.float64)
+    ids = records["ids"]
+    logp = records["logp"]
+    finite = np.isfinite(logp)
+    p = np.where(finite, np.exp(np.where(finite, logp, 0.0)), 0.0)
+    logq_top = np.take_along_axis(logq, ids, axis=1)
+    kld_top = np.where(finite, p * (np.where(finite, logp, 0.0) - logq_top), 0.0).sum(axis=1)
+    q_tail_terms = np.exp(logq)
+    np.put_along_axis(q_tail_terms, ids, 0.0, axis=1)
+    q_tail = np.maximum(q_tail_terms.sum(axis=1), np.finfo(np.float64).tiny)
+    tail = records["tail"]
+    has_tail = tail > 0
+    safe_tail = np.where(has_tail, tail, 1.0)
+    kld_tail = np.where(has_tail, tail * (np.log(safe_tail) - np.log(q_tail)), 0.0)
+    p_k = np.where(finite, p, np.inf).min(axis=1)
+    table[:, KLD_BOUND] = [_tail_bound(tail[i], p_k[i], q_tail_terms[i], ids[i], q_tail[i]) if has_tail[i] else 0.0 for i in range(n)]
+    table[:, NLL] = -logq[rows, targets]
+    table[:, NLL_BASE] = -records["token_logp"]
+    table[:, KLD] = kld_top + kld_tail
+    table[:, P_DIFF] = np.exp(-table[:, NLL]) - np.exp(-table[:, NLL_BASE])
+    table[:, SAME_TOP] = np.argmax(logits, axis=1) == ids[:, 0]
+    return table
+
+
+def _tail_bound(tail: float, p_k: float, q_terms: np.ndarray, ids: np.ndarray, q_tail: float) -> float:
+    """R * max KL(p_tail/R || q_tail/Q_tail) over every tail p with no token above p_k (module docstring).
+
+    KL is convex in p, so the maximum is at a vertex of {0 <= p_j <= c, sum p_j = 1}, c = min(1, p_k/R):
+    mass c on each of the m-1 least likely tail tokens of the model and the rest on the m-th.
+    """
+    c = min(1.0, p_k / tail)
+    m = int(math.ceil(1.0 / c - 1e-12))
+    mask = np.ones(q_terms.shape[0], dtype=bool)
+    mask[ids] = False
+    q_hat = q_terms[mask] / q_tail
+    m = min(m, q_hat.size)
+    smallest = np.sort(np.partition(q_hat, m - 1)[:m]) if m < q_hat.size else np.sort(q_hat)
+    weights = np.full(m, c)
+    weights[-1] = max(0.0, 1.0 - c * (m - 1))
+    smallest = np.maximum(smallest, np.finfo(np.float64).tiny)
+    positive = weights > 0
+    return float(tail * max(0.0, (weights[positive] * np.log(weights[positive] / smallest[positive])).sum()))
+
+
+def compare_full(logits: np.ndarray, targets: np.ndarray, reference_logits: np.ndarray) -> np.ndarray:
+    """The exact per-token table from both models' full logits (the yardstick of the top-k cache)."""
+    logq = log_softmax(logits)
+    logp = log_softmax(reference_logits)
+    rows = np.arange(logq.shape[0])
+    table = np.zeros((logq.shape[0], TOKEN_COLUMNS), dtype=np.float64)
+    table[:, NLL] = -logq[rows, targets]
+    table[:, NLL_BASE] = -logp[rows, targets]
+    table[:, KLD] = (np.exp(logp) * (logp - logq)).sum(axis=1)
+    table[:, P_DIFF] = np.exp(-table[:, NLL]) - np.exp(-table[:, NLL_BASE])
+    table[:, SAME_TOP] = np.argmax(logits, axis=1) == np.argmax(reference_logits, axis=1)
+    return table
+
+
+def compare_base(logits: np.ndarray, targets: np.ndarray, base: np.ndarray) -> np.ndarray:
+    """The per-token table against llama-perplexity base records, with its float32 arithmetic (perplexity.cpp `log_softmax` of the KLD pass)."""
+    x = np.asarray(logits, dtype=np.float32)
+    n, n_vocab = x.shape
+    rows = np.arange(n)
+    targets = np.asarray(targets, dtype=np.int64)
+    header = np.ascontiguousarray(base[:, :4]).view(np.float32)
+    scale, min_log_prob = header[:, 0], header[:, 1]
+    imax = np.argmax(x, axis=1)
+    max_logit = x[rows, imax]
+    sum_exp = np.exp(x - max_logit[:, None]).astype(np.float64).sum(axis=1)
+    shift = max_logit + np.log(sum_exp).astype(np.float32)  # max_logit + log_sum_exp, in float32
+    nll = shift - x[rows, targets]
+    log_p_base = scale[:, None] * base[:, 4:4 + n_vocab].astype(np.float32) + min_log_prob[:, None]
+    nll_base = -log_p_base[rows, targets]
+    keep = log_p_base > np.float32(BASE_FLOOR)
+    terms = np.where(keep, np.exp(log_p_base) * (log_p_base - x + shift[:, None]), np.float32(0))
+    table = np.zeros((n, TOKEN_COLUMNS), dtype=np.float64)
+    table[:, NLL] = nll
+    table[:, NLL_BASE] = nll_base
+    table[:, KLD] = terms.astype(np.float64).sum(axis=1)
+    table[:, P_DIFF] = np.exp(-nll) - np.exp(-nll_base)
+    table[:, SAME_TOP] = imax == np.argmax(log_p_base, axis=1)
+    return table
+
+
+# ---------------------------------------------------------------------------------------------
+# files
+
+
+@dataclass(frozen=True)
+class ReferenceHeader:
+    reference_sha256: str
+    text_sha256: str
+    n_ctx: int
+    n_vocab: int
+    n_chunk: int
+    top_k: int
+    add_bos: bool
+    bos: int
+    text_chunks: int  # chunks the whole text holds (n_tokens // n_ctx); the cache may hold fewer
+
+    @property
+    def chunking(self) -> Chunking:
+        return Chunking(self.n_ctx, self.n_chunk)
+
+
+class CacheWriter:
+    """Writes a top-k cache: header and tokens first, then the records chunk by chunk."""
+
+    def __init__(self, path: Path, header: ReferenceHeader, tokens: np.ndarray) -> None:
+        self.header = header
+        self.file = open(path, "wb")
+        meta = json.dumps(asdict(header), sort_keys=True).encode()
+        self.file.write(CACHE_MAGIC + struct.pack("<I", len(meta)) + meta)
+        self.file.write(np.ascontiguousarray(tokens[:header.chunking.n_tokens], dtype="<i4").tobytes())
+
+    def write(self, records: np.ndarray) -> None:
+        self.file.write(records.tobytes())
+
+    def close(self) -> None:
+        self.file.flush()
+        self.file.close()
+
+
+@dataclass
+class ReferenceFile:
+    """An open reference (top-k cache or llama-perplexity base file): its header, tokens and a chunk reader."""
+
+    kind: str  # "topk" or "base"
+    path: Path
+    n_ctx: int
+    n_vocab: int
+    n_chunk: int
+    tokens: np.ndarray
+    header: ReferenceHeader | None  # the top-k cache's header
+    data_offset: int
+
+    @property
+    def chunking(self) -> Chunking:
+        return Chunking(self.n_ctx, self.n_chunk)
+
+    def chunks(self, n_chunk: int | None = None) -> Iterator[np.ndarray]:
+        """The records of each chunk in order: structured top-k records or uint16 base rows."""
+        per_chunk = self.chunking.scored_per_chunk
+        with open(self.path, "rb") as f:
+            f.seek(self.data_offset)
+            for index in range(self.n_chunk if n_chunk is None else min(n_chunk, self.n_chunk)):
+                yield _read_chunk(f, self, per_chunk, index)
+
+
+def _read_chunk(f: BinaryIO, ref: ReferenceFile, per_chunk: int, index: int) -> np.ndarray:
+    if ref.kind == "topk":
+        assert ref.header is not None
+        dtype = reference_record(ref.header.top_k)
+        data = f.read(per_chunk * dtype.itemsize)
+        if len(data) != per_chunk * dtype.itemsize:
+            raise ValueError(f"{ref.path.name}: chunk {index + 1} of {ref.n_chunk} is truncated")
+        return np.frombuffer(data, dtype=dtype)
+    nv = base_values_per_token(ref.n_vocab)
+    data = f.read(per_chunk * nv * 2)
+    if len(data) != per_chunk * nv * 2:
+        raise ValueError(f"{ref.path.name}: log-probs of chunk {index + 1} of {ref.n_chunk} are truncated")
+    return np.frombuffer(data, dtype="<u2").reshape(per_chunk, nv)
+
+
+def open_reference(path: Path) -> ReferenceFile:
+    """Read the header and tokens of a top-k cache or a llama-perplexity base file; ValueError names what is wrong."""
+    path = Path(path)
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        magic = f.read(len(CACHE_MAGIC))
+        if magic == CACHE_MAGIC:
+            (length,) = struct.unpack("<I", f.read(4))
+            try:
+                header = ReferenceHeader(**json.loads(f.read(length)))
+            except (ValueError, TypeError) as err:
+                raise ValueError(f"{path.name}: unreadable top-k cache header ({err})") from None
+            count = header.n_chunk * header.n_ctx
+            tokens = np.frombuffer(f.read(4 * count), dtype="<i4")
+            offset = len(CACHE_MAGIC) + 4 + length + 4 * count
+            expected = offset + header.chunking.n_scored * reference_record(header.top_k).itemsize
+            if tokens.size != count or size != expected:
+                raise ValueError(f"{path.name}: top-k cache is {size} bytes, its header describes {expected}")
+            return ReferenceFile("topk", path, header.n_ctx, header.n_vocab, header.n_chunk, tokens.astype(np.int32), header, offset)
+        if magic[:len(BASE_MAGIC)] != BASE_MAGIC:
+            raise ValueError(f"{path.name} is neither a ggufcarve top-k cache nor a llama-perplexity --kl-divergence-base file")
+        f.seek(len(BASE_MAGIC))
+        fixed = f.read(12)
+        if len(fixed) != 12:
+            raise ValueError(f"{path.name}: base file header is truncated")
+        n_ctx, n_vocab, n_chunk = struct.unpack("<Iii", fixed)
+        if n_ctx < 4 or n_vocab <= 0 or n_chunk <= 0:
+            raise ValueError(f"{path.name}: base file header says n_ctx={n_ctx}, n_vocab={n_vocab}, n_chunk={n_chunk}")
+        count = n_chunk * n_ctx
+        tokens = np.frombuffer(f.read(4 * count), dtype="<i4")
+        if tokens.size != count:
+            raise ValueError(f"{path.name}: base file holds fewer than the {count} tokens its header names")
+        offset = len(BASE_MAGIC) + 12 + 4 * count
+        chunking = Chunking(n_ctx, n_chunk)
+        expected = offset + chunking.n_scored * base_values_per_token(n_vocab) * 2
+        if size < expected:
+            raise ValueError(f"{path.name}: base file is {size} bytes, its header describes {expected}")
+        return ReferenceFile("base", path, n_ctx, n_vocab, n_chunk, tokens.astype(np.int32), None, offset)
+
+
+class BaseWriter:
+    """Writes llama-perplexity's --kl-divergence-base file, chunk by chunk."""
+
+    def __init__(self, path: Path, n_ctx: int, n_vocab: int, n_chunk: int, tokens: np.ndarray) -> None:
+        self.file = open(path, "wb")
+        self.file.write(BASE_MAGIC + struct.pack("<Iii", n_ctx, n_vocab, n_chunk))
+        self.file.write(np.ascontiguousarray(tokens[:n_ctx * n_chunk], dtype="<i4").tobytes())
+
+    def write(self, logits: np.ndarray) -> None:
+        self.file.write(base_records(logits).tobytes())
+
+    def close(self) -> None:
+        self.file.flush()
+        self.file.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# statistics
+
+
+def _mean_and_uncertainty(total: float, total2: float, count: int) -> tuple[float, float]:
+    if count < 1:
+        return 0.0, 0.0
+    mean = total / count
+    variance = total2 / count - mean * mean
+    return mean, (math.sqrt(variance / (count - 1)) if variance > 0 and count > 10 else 0.0)
+
+
+def _covariance(a: float, b: float, ab: float, count: int) -> float:
+    if count < 10:
+        return 0.0
+    return (ab / count - (a / count) * (b / count)) / (count - 1)
+
+
+def _percentile(sorted_values: np.ndarray, fraction: float) -> float:
+    """perplexity.cpp's percentile: linear interpolation in float32 over sorted values."""
+    fraction = np.float32(fraction)
+    if fraction <= 0:
+        return float(sorted_values[0])
+    if fraction >= 1:
+        return float(sorted_values[-1])
+    p = np.float32(fraction * np.float32(sorted_values.size - 1))
+    ip = int(p)
+    p = np.float32(p - np.float32(ip))
+    upper = sorted_values[min(ip + 1, sorted_values.size - 1)]
+    return float(np.float32((np.float32(1) - p) * sorted_values[ip] + p * upper))
+
+
+def _median(sorted_values: np.ndarray) -> float:
+    n = sorted_values.size
+    return float(np.float32(0.5) * (sorted_values[n // 2] + sorted_values[n // 2 - 1])) if n % 2 == 0 else float(sorted_values[n // 2])
+
+
+KLD_PERCENTILES = (("p999", 0.999), ("p99", 0.990), ("p95", 0.950), ("p90", 0.900), ("p10", 0.100), ("p5", 0.050), ("p1", 0.010), ("p01", 0.001))
+DP_PERCENTILES = (("p999", 0.999), ("p99", 0.990), ("p95", 0.950), ("p90", 0.900), ("p75", 0.750), ("p25", 0.250), ("p10", 0.100), ("p5", 0.050), ("p1", 0.010), ("p01", 0.001))
+MIN_STATISTICS_TOKENS = 100  # llama-perplexity prints its final statistics only from this many scored tokens
+
+
+@dataclass(frozen=True)
+class KldStatistics:
+    count: int
+    ppl: float
+    ppl_stderr: float
+    ppl_base: float
+    ppl_base_stderr: float
+    ln_ppl_ratio: float
+    ln_ppl_ratio_stderr: float
+    ppl_ratio: float
+    ppl_ratio_stderr: float
+    ppl_diff: float
+    ppl_diff_stderr: float
+    ln_ppl_correlation: float
+    kld_mean: float
+    kld_mean_stderr: float
+    kld: dict[str, float]  # max, p999 .. p01, median, min
+    dp_mean: float
+    dp_mean_stderr: float
+    dp: dict[str, float]  # max, p999 .. p01, median, min (probabilities, not %)
+    rms_dp: float
+    rms_dp_stderr: float
+    same_top_p: float
+    same_top_p_stderr: float
+    kld_bound: float  # upper bound of (exact - reported) mean KLD; 0 for exact references
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def kld_statistics(table: np.ndarray) -> KldStatistics:
+    """llama-perplexity's final KLD statistics of a per-token table (TOKEN_COLUMNS)."""
+    count = int(table.shape[0])
+    if count < 2:
+        raise ValueError("KL statistics need at least two scored tokens")
+    nll, nll_base = table[:, NLL].astype(np.float32).astype(np.float64), table[:, NLL_BASE].astype(np.float32).astype(np.float64)
+    kld_values = table[:, KLD]
+    p_diff = table[:, P_DIFF].astype(np.float32).astype(np.float64)
+    log_ppl = _mean_and_uncertainty(nll.sum(), (nll * nll).sum(), count)
+    ppl = math.exp(log_ppl[0])
+    log_ppl_base = _mean_and_uncertainty(nll_base.sum(), (nll_base * nll_base).sum(), count)
+    ppl_base = math.exp(log_ppl_base[0])
+    cov = _covariance(nll.sum(), nll_base.sum(), (nll * nll_base).sum(), count)
+    denominator = log_ppl[1] * log_ppl_base[1]
+    correlation = cov / denominator if denominator else 0.0
+    ratio = log_ppl[0] - log_ppl_base[0]
+    ratio_unc = math.sqrt(max(0.0, log_ppl[1] ** 2 + log_ppl_base[1] ** 2 - 2.0 * cov))
+    ppl_unc, ppl_base_unc = ppl * log_ppl[1], ppl_base * log_ppl_base[1]
+    ppl_cov = ppl * ppl_base * cov
+    kl_mean = _mean_and_uncertainty(kld_values.sum(), (kld_values * kld_values).sum(), count)
+    dp_mean = _mean_and_uncertainty(p_diff.sum(), (p_diff * p_diff).sum(), count)
+    p_diff2 = p_diff * p_diff
+    mse = _mean_and_uncertainty(p_diff2.sum(), (p_diff2 * p_diff2).sum(), count)
+    rms = math.sqrt(mse[0])
+    same = float(table[:, SAME_TOP].sum()) / count
+    sorted_kld = np.sort(kld_values.astype(np.float32))
+    sorted_dp = np.sort(p_diff.astype(np.float32))
+    kld = {"max": float(sorted_kld[-1]), **{name: _percentile(sorted_kld, f) for name, f in KLD_PERCENTILES[:4]}, "median": _median(sorted_kld),
+           **{name: _percentile(sorted_kld, f) for name, f in KLD_PERCENTILES[4:]}, "min": float(sorted_kld[0])}
+    dp = {"max": float(sorted_dp[-1]), **{name: _percentile(sorted_dp, f) for name, f in DP_PERCENTILES[:5]}, "median": _median(sorted_dp),
+          **{name: _percentile(sorted_dp, f) for name, f in DP_PERCENTILES[5:]}, "min": float(sorted_dp[0])}
+    return KldStatistics(
+        count=count, ppl=ppl, ppl_stderr=ppl_unc, ppl_base=ppl_base, ppl_base_stderr=ppl_base_unc,
+        ln_ppl_ratio=ratio, ln_ppl_ratio_stderr=ratio_unc, ppl_ratio=math.exp(ratio), ppl_ratio_stderr=math.exp(ratio) * ratio_unc,
+        ppl_diff=ppl - ppl_base, ppl_diff_stderr=math.sqrt(max(0.0, ppl_unc ** 2 + ppl_base_unc ** 2 - 2.0 * ppl_cov)),
+        ln_ppl_correlation=correlation, kld_mean=kl_mean[0], kld_mean_stderr=kl_mean[1], kld=kld,
+        dp_mean=dp_mean[0], dp_mean_stderr=dp_mean[1], dp=dp, rms_dp=rms, rms_dp_stderr=(0.5 / rms * mse[1]) if rms else 0.0,
+        same_top_p=same, same_top_p_stderr=math.sqrt(same * (1 - same) / (count - 1)),
+        kld_bound=float(table[:, KLD_BOUND].mean()),
+    )

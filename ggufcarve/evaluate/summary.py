@@ -1,0 +1,142 @@
+"""summary.md and the charts of an evaluation: the release table, the quality table, and pruned vs unpruned at equal size.
+
+At equal size: every model is compared with the model of each other family whose size is
+closest (by size ratio); the better one by mean KLD is marked. A model is on the Pareto front
+when no other model is at most its size with a lower mean KLD.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ggufcarve.fileio import write_text_atomic
+
+if TYPE_CHECKING:
+    from ggufcarve.evaluate.run import Reference
+
+KLD_CHART = "size-vs-kld.png"
+PPL_CHART = "size-vs-ppl.png"
+SUMMARY = "summary.md"
+
+
+def format_gib(gib: float) -> str:
+    """Sizes in GiB: two decimals, three significant digits below 1 GiB (tiny models stay distinguishable)."""
+    return f"{gib:.2f}" if gib >= 1 else f"{gib:.3g}"
+
+
+def _fmt(value, digits: int = 4, percent: bool = False) -> str:
+    if value is None:
+        return "–"
+    if percent:
+        return f"{100 * value:.2f}%"
+    return f"{value:.{digits}g}" if abs(value) < 1e4 else f"{value:.0f}"
+
+
+def pareto_front(results: list[dict]) -> set[str]:
+    """Names of the models no other model beats by mean KLD at the same or a smaller size."""
+    front = set()
+    for r in results:
+        size, k = r["model"]["bytes"], r["kld_mean"]
+        if not any(o is not r and o["model"]["bytes"] <= size and o["kld_mean"] < k for o in results):
+            front.add(r["model"]["name"])
+    return front
+
+
+def equal_size_pairs(results: list[dict]) -> list[tuple[dict, dict]]:
+    """(model, the closest-size model of another family) for every model and every other family."""
+    pairs = []
+    families = sorted({r["model"]["family"] for r in results})
+    for r in results:
+        for family in families:
+            if family == r["model"]["family"]:
+                continue
+            others = [o for o in results if o["model"]["family"] == family]
+            if others:
+                closest = min(others, key=lambda o: (abs(math.log(o["model"]["bytes"] / r["model"]["bytes"])), o["model"]["name"]))
+                pairs.append((r, closest))
+    return pairs
+
+
+def _by_size(results: list[dict]) -> list[dict]:
+    return sorted(results, key=lambda r: (r["model"]["bytes"], r["model"]["name"]))
+
+
+def render_summary(results: list[dict], reference_label: str, charts: list[str]) -> str:
+    ordered = _by_size(results)
+    params = ordered[0]["parameters"] if ordered else {}
+    lines = [f"# Evaluation against {reference_label}", ""]
+    lines.append(f"Context {params.get('ctx')}, {params.get('chunks')} chunks ({params.get('scored_tokens')} scored tokens), "
+                 f"{params.get('threads')} threads; KLD from the reference's "
+                 + ("full distributions (every token; a llama-perplexity base file stores them in 16 bits)." if params.get("kld_full_vocabulary") else f"top-{params.get('top_k')} log-probs (error bound per model in its JSON, `kld_bound`)."))
+    lines += ["", "## Release", "", "| Artifact | Size GiB | Passed | Exact vs baseline | Median decode tok/s | Gate |", "|---|---|---|---|---|---|"]
+    for r in ordered:
+        passed = f"{r['qa_passed']}/{r['qa_total']}" if r.get("qa_total") else "–"
+        gate = r.get("gate") or "–"
+        if r.get("gate_failed"):
+            gate += " (" + "; ".join(r["gate_failed"]) + ")"
+        lines.append(f"| {r['model']['file']} | {format_gib(r['model']['gib'])} | {passed} | {_fmt(r.get('qa_exact_vs_reference'), percent=True)} | {_fmt(r.get('tg_tok_s'), 4)} | {gate} |")
+    lines += ["", "## Quality", "", "| Quant | Size GiB | PPL | Δ vs reference | ± | mean KLD | 99% KLD | same top p |", "|---|---|---|---|---|---|---|---|"]
+    for r in ordered:
+        lines.append(f"| {r['model']['quant']} ({r['model']['name']}) | {format_gib(r['model']['gib'])} | {r['ppl']:.4f} | {round(r['ppl_delta_percent'], 2) + 0.0:+.2f}% | {r['ppl_stderr']:.4f} | "
+                     f"{r['kld_mean']:.6f} | {r['kld_p99']:.6f} | {100 * r['same_top_p']:.2f}% |")
+    front = pareto_front(results)
+    lines += ["", "## Pruned vs unpruned at equal size", "",
+              "Sorted by size. *Closest other* is the model of another family nearest in size; ✓ marks the one with the lower mean KLD.", "",
+              "| Model | Family | Size GiB | mean KLD | PPL | Pareto front | Closest other (size GiB, mean KLD) |", "|---|---|---|---|---|---|---|"]
+    pairs: dict[str, list[str]] = {}
+    for r, other in equal_size_pairs(results):
+        mark = "✓" if r["kld_mean"] < other["kld_mean"] else "✗"
+        pairs.setdefault(r["model"]["name"], []).append(f"{mark} vs {other['model']['name']} ({format_gib(other['model']['gib'])}, {other['kld_mean']:.4f})")
+    for r in ordered:
+        name = r["model"]["name"]
+        lines.append(f"| {name} | {r['model']['family']} | {format_gib(r['model']['gib'])} | {r['kld_mean']:.6f} | {r['ppl']:.4f} | {'yes' if name in front else ''} | "
+                     f"{'; '.join(pairs.get(name, [])) or '–'} |")
+    if charts:
+        lines += ["", *[f"![{c}]({c})" for c in charts]]
+    return "\n".join(lines) + "\n"
+
+
+def draw_charts(results: list[dict], out_dir: Path) -> list[str]:
+    """size-vs-kld.png and size-vs-ppl.png: one series per family, the Pareto front (by mean KLD) dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = []
+    front = pareto_front(results)
+    for metric, label, file_name in (("kld_mean", "mean KLD vs reference (nats/token)", KLD_CHART), ("ppl", "perplexity", PPL_CHART)):
+        fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
+        for family in sorted({r["model"]["family"] for r in results}):
+            series = _by_size([r for r in results if r["model"]["family"] == family])
+            xs, ys = [r["model"]["gib"] for r in series], [r[metric] for r in series]
+            ax.plot(xs, ys, marker="o", label=family)
+            for r, x, y in zip(series, xs, ys):
+                ax.annotate(r["model"]["quant"], (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+        on_front = _by_size([r for r in results if r["model"]["name"] in front])
+        if len(on_front) > 1:
+            ax.plot([r["model"]["gib"] for r in on_front], [r[metric] for r in on_front], linestyle="--", color="grey", linewidth=1, label="Pareto front (mean KLD)")
+        ax.set_xlabel("file size (GiB)")
+        ax.set_ylabel(label)
+        if metric == "kld_mean" and all(r[metric] > 0 for r in results):
+            ax.set_yscale("log")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        temp = out_dir / f".{file_name}.tmp"
+        fig.savefig(temp, format="png")
+        plt.close(fig)
+        temp.replace(out_dir / file_name)
+        names.append(file_name)
+    return names
+
+
+def write_summary(results: list[dict], reference: "Reference", out_dir: Path) -> list[Path]:
+    """Write the charts and summary.md; returns the files written."""
+    if not results:
+        return []
+    charts = draw_charts(results, out_dir)
+    write_text_atomic(out_dir / SUMMARY, render_summary(results, reference.label, charts))
+    return [out_dir / SUMMARY, *(out_dir / c for c in charts)]

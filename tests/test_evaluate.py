@@ -1,0 +1,519 @@
+"""ggufcarve eval: perplexity and KL divergence judged by direct numpy computations and by llama-perplexity itself.
+
+Models are the tiny qwen3moe fixtures (259 byte tokens); the reference is the F16 model, its
+Q8_0 / Q4_K_M / IQ2_XS versions and a pruned copy are evaluated against it with a context of
+128 (63 scored tokens per chunk) on generated text.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import factory
+import numpy as np
+import pytest
+from clirun import ggufcarve
+from conftest import make_imatrix
+
+from ggufcarve.evaluate import kld
+from ggufcarve.evaluate.perplexity import Chunking, chunk_tokens, scored_targets
+from ggufcarve.evaluate.summary import format_gib
+
+CTX = 128
+CHUNKS = 4
+WORDS = ("a model is worth publishing only once it is measured: perplexity on held-out text, the divergence of its "
+         "next-token distribution from the reference, and whether it still answers the same questions").split()
+
+
+@pytest.fixture(scope="module")
+def heldout(tmp_path_factory) -> Path:
+    rng = random.Random(7)
+    path = tmp_path_factory.mktemp("text") / "heldout.txt"
+    path.write_text(" ".join(rng.choice(WORDS) for _ in range(140)) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def reference(make_model) -> Path:
+    return make_model("qwen3moe", dtype="F16")
+
+
+@pytest.fixture(scope="module")
+def first_run(reference, q8_moe, heldout, tmp_path_factory):
+    """One eval of the reference itself and its Q8_0 version, with its cache directory and output directory."""
+    base = tmp_path_factory.mktemp("eval")
+    out, cache = base / "out", base / "cache"
+    result = ggufcarve("eval", reference, q8_moe, "--reference", reference, "--heldout", heldout, "--ctx", CTX, "--chunks", CHUNKS,
+                       "--speed-runs", 1, "--cache", cache, "-t", 2, "-o", out)
+    assert result.code == 0, result.stderr[-3000:]
+    return out, cache, result
+
+
+def _load(out: Path, model: Path) -> dict:
+    return json.loads((out / f"{model.stem}.json").read_text())
+
+
+def _chunk_logits(model: Path, tokens: np.ndarray, chunking: Chunking) -> list[np.ndarray]:
+    """Every position's logits of each chunk, from llama.cpp through the tests' own probe child."""
+    import llama_probe
+
+    rows = []
+    for i in range(chunking.n_chunk):
+        probe = llama_probe.probe(model, chunk_tokens(tokens, chunking, i, True, factory.BOS_ID).tolist())
+        assert probe.ok, probe.stderr[-2000:]
+        rows.append(probe.logits)
+    return rows
+
+
+def test_contract_keys_and_self_kld_is_zero(first_run, reference, q8_moe):
+    out, _, result = first_run
+    for model in (reference, q8_moe):
+        doc = _load(out, model)
+        for key in ("ppl", "ppl_stderr", "kld_mean", "kld_mean_stderr", "kld_median", "kld_p99", "kld_p999", "same_top_p", "rms_dp",
+                    "qa_passed", "qa_total", "qa_exact_vs_reference", "pp_tok_s", "tg_tok_s", "gate"):
+            assert key in doc, key
+        assert doc["parameters"]["scored_tokens"] == CHUNKS * (CTX - 1 - CTX // 2)
+        assert doc["pp_tok_s"] > 0 and doc["tg_tok_s"] > 0 and doc["speed"]["threads"] == 2
+        assert "/" not in json.dumps(doc["model"]["files"])  # names only, no local paths
+    self_doc = _load(out, reference)
+    assert self_doc["kld_mean"] == 0.0
+    assert self_doc["same_top_p"] == 1.0 and self_doc["rms_dp"] == 0.0 and self_doc["kld_bound"] >= 0.0
+    assert self_doc["ppl"] == pytest.approx(self_doc["ppl_reference"], rel=1e-12)
+    q8 = _load(out, q8_moe)
+    assert q8["kld_mean"] > 0 and q8["kld_p999"] >= q8["kld_p99"] >= q8["kld_median"] >= 0
+    assert f"{reference.stem}: PPL" in result.stdout and "mean KLD" in result.stdout
+
+
+def test_perplexity_equals_numpy_on_the_same_logits(first_run, reference, q8_moe):
+    out, cache, _ = first_run
+    (cache_file,) = cache.glob("*.reflogp")
+    opened = kld.open_reference(cache_file)
+    chunking = Chunking(CTX, CHUNKS)
+    tokens = opened.tokens
+    assert tokens[0] == factory.BOS_ID  # the vocab adds BOS: the text's first token
+    for model in (reference, q8_moe):
+        nll = []
+        for i, logits in enumerate(_chunk_logits(model, tokens, chunking)):
+            first = CTX // 2
+            scored = logits[first:CTX - 1].astype(np.float64)
+            logp = scored - scored.max(axis=1, keepdims=True)
+            logp -= np.log(np.exp(logp).sum(axis=1, keepdims=True))
+            targets = tokens[i * CTX + first + 1:(i + 1) * CTX]
+            nll.extend(-logp[np.arange(len(targets)), targets])
+        nll = np.array(nll)
+        ppl = math.exp(nll.mean())
+        stderr = ppl * math.sqrt((np.mean(nll ** 2) - nll.mean() ** 2) / (len(nll) - 1))
+        doc = _load(out, model)
+        assert doc["ppl"] == pytest.approx(ppl, rel=1e-6)
+        assert doc["ppl_stderr"] == pytest.approx(stderr, rel=1e-4)
+
+
+def test_topk_cache_stays_within_its_bound_of_the_exact_kld(first_run, reference, q8_moe, make_model):
+    _, cache, _ = first_run
+    (cache_file,) = cache.glob("*.reflogp")
+    tokens = kld.open_reference(cache_file).tokens
+    chunking = Chunking(CTX, 2)
+    other = make_model("qwen3moe", dtype="F16", seed=3)  # far from the reference: a large tail term
+    reference_logits = _chunk_logits(reference, tokens, chunking)
+    for model in (q8_moe, other):
+        for i, logits in enumerate(_chunk_logits(model, tokens, chunking)):
+            first = chunking.first
+            q, p = logits[first:CTX - 1], reference_logits[i][first:CTX - 1]
+            targets = scored_targets(tokens, chunking, i)
+            exact = kld.compare_full(q, targets, p)
+            for top_k in (4, 32, factory.N_VOCAB):
+                approx = kld.compare_topk(q, targets, kld.topk_records(kld.log_softmax(p), targets, top_k))
+                gap = exact[:, kld.KLD] - approx[:, kld.KLD]
+                assert (gap >= -1e-12).all() and (gap <= approx[:, kld.KLD_BOUND] + 1e-12).all()
+                for column in (kld.NLL, kld.NLL_BASE, kld.P_DIFF, kld.SAME_TOP):
+                    np.testing.assert_allclose(approx[:, column], exact[:, column], rtol=1e-12, atol=1e-15)
+                if top_k == factory.N_VOCAB:
+                    np.testing.assert_allclose(gap, 0, atol=1e-12)
+                    assert (approx[:, kld.KLD_BOUND] == 0).all()
+            # the base file's 16-bit log-probs: within its quantization step of the exact KLD
+            based = kld.compare_base(q, targets, kld.base_records(p))
+            np.testing.assert_allclose(based[:, kld.KLD], exact[:, kld.KLD], atol=2e-3 * max(1.0, exact[:, kld.KLD].max()))
+
+
+def test_cached_reference_is_reused(first_run, reference, heldout, q8_moe, tmp_path):
+    _, cache, _ = first_run
+    (cache_file,) = cache.glob("*.reflogp")
+    mtime = cache_file.stat().st_mtime_ns
+    result = ggufcarve("eval", q8_moe, "--reference", reference, "--heldout", heldout, "--ctx", CTX, "--chunks", 2,
+                       "--speed-runs", 0, "--cache", cache, "-t", 2, "-o", tmp_path / "out")
+    assert result.code == 0, result.stderr[-3000:]
+    assert cache_file.stat().st_mtime_ns == mtime and "cached log-probs" in result.stderr
+    doc = json.loads((tmp_path / "out" / f"{q8_moe.stem}.json").read_text())
+    assert doc["parameters"]["chunks"] == 2 and doc["pp_tok_s"] is None
+
+
+def test_summary_tables_match_the_json(first_run, reference, q8_moe):
+    out, _, _ = first_run
+    summary = (out / "summary.md").read_text()
+    assert "| Artifact | Size GiB | Passed | Exact vs baseline | Median decode tok/s | Gate |" in summary
+    assert "| Quant | Size GiB | PPL | Δ vs reference | ± | mean KLD | 99% KLD | same top p |" in summary
+    for model in (reference, q8_moe):
+        doc = _load(out, model)
+        assert f"| {doc['model']['quant']} ({model.stem}) | {format_gib(doc['model']['gib'])} | {doc['ppl']:.4f} |" in summary
+        assert f"{doc['kld_mean']:.6f} | {doc['kld_p99']:.6f} | {100 * doc['same_top_p']:.2f}% |" in summary
+        assert f"| {model.name} | {format_gib(doc['model']['gib'])} | – | – |" in summary
+    for chart in ("size-vs-kld.png", "size-vs-ppl.png"):
+        assert (out / chart).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_equal_size_ranking_and_pareto_front():
+    from ggufcarve.evaluate.summary import equal_size_pairs, pareto_front
+
+    def result(name, family, gib, kld_mean):
+        return {"model": {"name": name, "family": family, "bytes": int(gib * 2**30), "gib": gib}, "kld_mean": kld_mean}
+
+    results = [result("full-Q2_K", "full", 10.0, 0.30), result("full-Q4_K_M", "full", 18.0, 0.05),
+               result("pruned-Q4_K_M", "pruned", 10.5, 0.12), result("pruned-Q2_K", "pruned", 6.0, 0.50)]
+    results += [result("full-Q3_K_M", "full", 12.0, 0.20), result("full-IQ1_S", "full", 7.0, 0.90)]
+    # full-Q3_K_M: pruned-Q4_K_M is smaller and better; full-IQ1_S: pruned-Q2_K is
+    assert pareto_front(results) == {"pruned-Q2_K", "full-Q2_K", "pruned-Q4_K_M", "full-Q4_K_M"}
+    pairs = {(a["model"]["name"], b["model"]["name"]) for a, b in equal_size_pairs(results)}
+    assert ("pruned-Q4_K_M", "full-Q2_K") in pairs and ("full-Q2_K", "pruned-Q4_K_M") in pairs
+    assert ("pruned-Q2_K", "full-IQ1_S") in pairs
+
+
+def test_gate_names_failed_criteria(tmp_path):
+    from ggufcarve.evaluate.gate import load_gate
+
+    path = tmp_path / "gate.toml"
+    path.write_text("max_kld_mean = 0.1\nmin_same_top_p = 0.9\nmin_qa_passed = 6\nmax_ppl_increase_percent = 5\n")
+    gate = load_gate(path)
+    good = {"kld_mean": 0.05, "same_top_p": 0.95, "ppl": 10.2, "ppl_reference": 10.0, "qa_total": 8, "qa_passed": 7}
+    assert gate.judge(good).verdict == "PASS"
+    bad = gate.judge({**good, "kld_mean": 0.2, "ppl": 11.0})
+    assert bad.verdict == "FAIL" and bad.failed == ["kld_mean 0.2 > 0.1", "ppl_increase_percent 10 > 5"]
+    unmeasured = gate.judge({**good, "qa_total": None, "qa_passed": None})
+    assert unmeasured.verdict == "PASS" and unmeasured.not_measured == ["min_qa_passed"]
+    (tmp_path / "table.toml").write_text("[gate]\nmax_kld_p99 = 0.5\n")
+    assert load_gate(tmp_path / "table.toml").judge({"kld_p99": 0.7}).failed == ["kld_p99 0.7 > 0.5"]
+
+
+def test_bad_inputs_are_one_line(reference, q8_moe, heldout, tmp_path, monkeypatch):
+    common = ("--ctx", CTX, "--speed-runs", 0, "--cache", tmp_path / "cache", "-t", 2)
+    gate = tmp_path / "gate.toml"
+    gate.write_text("max_kld_mean = 0.1\nmax_klb_mean = 0.2\n")
+    result = ggufcarve("eval", q8_moe, "--reference", reference, "--heldout", heldout, "--gate", gate, *common, "-o", tmp_path / "a")
+    assert result.code == 1 and "unknown gate key 'max_klb_mean'" in result.error_line and "Traceback" not in result.stderr
+
+    short = tmp_path / "short.txt"
+    short.write_text("too short for one chunk\n")
+    result = ggufcarve("eval", q8_moe, "--reference", reference, "--heldout", short, *common, "-o", tmp_path / "b")
+    assert result.code == 1 and "short.txt" in result.error_line and f"at least {2 * CTX}" in result.error_line
+    assert len([line for line in result.stderr.splitlines() if line.startswith("error")]) == 1 and "Traceback" not in result.stderr
+
+    tokens, scores, types = factory._vocab()
+    monkeypatch.setattr(factory, "_vocab", lambda: (tokens[:-1] + ["<0xff>"], scores, types))
+    other_vocab = factory.write_model(tmp_path / "other-vocab.gguf", "qwen3moe")
+    monkeypatch.undo()
+    result = ggufcarve("eval", other_vocab, "--reference", reference, "--heldout", heldout, *common, "-o", tmp_path / "c")
+    assert result.code == 1 and "other-vocab.gguf: its vocabulary" in result.error_line and "differs from the reference" in result.error_line
+    assert not (tmp_path / "c" / "other-vocab.json").exists()
+
+
+VALIDATOR_CASES = [
+    ({"type": "exact", "expected": "OK"}, " OK\n", "OK."),
+    ({"type": "regex", "pattern": r"def\s+add\(", "flags": "i"}, "```python\nDEF add(a, b):\n```", "lambda a, b: a + b"),
+    ({"type": "json", "schema": {"type": "object", "required": ["age"], "properties": {"age": {"type": "integer", "maximum": 40}}, "additionalProperties": False}},
+     'Sure: ```json\n{"age": 36}\n```', '{"age": 36, "name": "Ada"}'),
+    ({"type": "json", "schema": {"type": "array", "minItems": 2, "items": {"type": "string"}}}, 'colours: ["red", "green"] done', '["red"]'),
+    ({"type": "expression", "expected": "60 * 2.5"}, "60 km/h for 2.5 h.\nAnswer: 60 * 2.5", "Answer: 140"),
+    ({"type": "expression", "expected": 391}, "17 * 23 = 391", "It is about 400."),
+    ({"type": "tool_call", "name": "get_weather", "arguments": {"required": ["city"], "properties": {"city": {"type": "string"}}}},
+     '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>', '{"name": "get_weather", "arguments": {"town": "Paris"}}'),
+    ({"type": "tool_call", "name": "get_weather"}, '{"function": {"name": "get_weather", "arguments": "{}"}}', '{"name": "get_time", "arguments": {}}'),
+]
+
+
+@pytest.mark.parametrize("validator,passing,failing", VALIDATOR_CASES, ids=[f"{c[0]['type']}-{i}" for i, c in enumerate(VALIDATOR_CASES)])
+def test_validators_pass_and_fail(validator, passing, failing):
+    from ggufcarve.evaluate.qa import Check, validate
+
+    check = Check("c", "test", [{"role": "user", "content": "?"}], 16, validator)
+    assert validate(check, passing) == (True, "")
+    ok, reason = validate(check, failing)
+    assert not ok and reason
+
+
+def test_safe_expressions_never_run_code():
+    from ggufcarve.evaluate.qa import safe_value
+
+    assert safe_value("2 ** 10 - (3 + 4) * 2 / 7") == 1022
+    for hostile in ("__import__('os').system('true')", "(1).__class__", "[1, 2]", "9 ** 9 ** 9", "x + 1"):
+        with pytest.raises((ValueError, SyntaxError)):
+            safe_value(hostile)
+
+
+def test_shipped_suite_covers_the_categories():
+    from ggufcarve.evaluate.qa import default_suite_path, load_suite
+
+    checks = load_suite(default_suite_path())
+    assert len(checks) >= 8
+    assert {"code", "json", "math", "tool", "context"} <= {c.category for c in checks}
+    assert {c.validator["type"] for c in checks} == {"exact", "regex", "json", "expression", "tool_call"}
+
+
+def test_malformed_qa_line_is_named_by_number(reference, q8_moe, heldout, tmp_path):
+    suite = tmp_path / "bad.jsonl"
+    good = {"id": "a", "messages": [{"role": "user", "content": "hi"}], "validator": {"type": "exact", "expected": "hi"}}
+    suite.write_text(json.dumps(good) + "\n\n" + '{"id": "b", "messages": [}\n')
+    result = ggufcarve("eval", q8_moe, "--reference", reference, "--heldout", heldout, "--qa", suite, "-o", tmp_path / "out")
+    assert result.code == 1 and "bad.jsonl:3: not valid JSON" in result.error_line and "Traceback" not in result.stderr
+    suite.write_text(json.dumps({**good, "validator": {"type": "regex", "pattern": "("}}) + "\n")
+    result = ggufcarve("eval", q8_moe, "--reference", reference, "--heldout", heldout, "--qa", suite, "-o", tmp_path / "out")
+    assert result.code == 1 and "bad.jsonl:1: bad regex" in result.error_line
+
+
+def test_qa_runs_are_deterministic(reference, q8_moe, heldout, tmp_path):
+    suite = tmp_path / "small.jsonl"
+    checks = [{"id": "exact", "category": "instruction", "max_tokens": 6, "messages": [{"role": "user", "content": "Say OK."}], "validator": {"type": "exact", "expected": "OK"}},
+              {"id": "math", "category": "math", "max_tokens": 8, "messages": [{"role": "user", "content": "2+2?"}], "validator": {"type": "expression", "expected": 4}},
+              {"id": "json", "category": "json", "max_tokens": 8, "messages": [{"role": "system", "content": "JSON only."}, {"role": "user", "content": "{}"}],
+               "validator": {"type": "json", "schema": {"type": "object"}}}]
+    suite.write_text("".join(json.dumps(c) + "\n" for c in checks))
+    runs = []
+    for name in ("one", "two"):
+        result = ggufcarve("eval", reference, q8_moe, "--reference", reference, "--heldout", heldout, "--ctx", CTX, "--chunks", 2, "--qa", suite,
+                           "--speed-runs", 0, "--cache", tmp_path / "cache", "-t", 2, "-o", tmp_path / name)
+        assert result.code == 0, result.stderr[-3000:]
+        runs.append({m.stem: _load(tmp_path / name, m) for m in (reference, q8_moe)})
+    for stem in runs[0]:
+        first, second = runs[0][stem]["qa"], runs[1][stem]["qa"]
+        assert [c["output"] for c in first["checks"]] == [c["output"] for c in second["checks"]]
+        assert first["total"] == 3 and runs[0][stem]["qa_total"] == 3 and runs[0][stem]["qa_passed"] == first["passed"]
+        assert all(c["output_tokens"] > 0 and not c["chat_template"] for c in first["checks"])
+        assert first["decoding"] == {"temperature": 0.0, "top_k": 1, "seed": 0}
+    assert runs[0][reference.stem]["qa_exact_vs_reference"] == 1.0
+    q8 = runs[0][q8_moe.stem]["qa"]
+    assert runs[0][q8_moe.stem]["qa_exact_vs_reference"] == sum(c["same_as_reference"] for c in q8["checks"]) / 3
+
+
+# --- judged by llama.cpp's own tools ----------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def release(q8_moe, llama_tools, tmp_path_factory) -> Path:
+    """A ggufcarve release of Q4_K_M and IQ2_XS (with llama-imatrix's imatrix) from the Q8_0 fixture."""
+    base = tmp_path_factory.mktemp("release")
+    imatrix = make_imatrix(llama_tools, q8_moe, base)
+    spec = base / "ladder.toml"
+    spec.write_text('name = "eval"\n[defaults]\nfile_pattern = "{model}-{quant}.gguf"\nallow_requantize = true\n'
+                    '[[rungs]]\nftype = "Q4_K_M"\n[[rungs]]\nftype = "IQ2_XS"\n')
+    out = base / "release"
+    result = ggufcarve("ladder", "run", spec, "--source", q8_moe, "--imatrix", imatrix, "-o", out, "--quantizer", "libllama", "-t", "2", "-q")
+    assert result.code == 0, result.stderr[-3000:]
+    return out
+
+
+def _llama_perplexity(bin_dir: Path, *args, expect: str = "") -> str:
+    """Run llama-perplexity until its output holds `expect`: its log thread can drop the last lines at exit (crosscheck.ATTEMPTS)."""
+    from ggufcarve.evaluate.crosscheck import ATTEMPTS
+
+    for _ in range(ATTEMPTS):
+        proc = subprocess.run([str(bin_dir / "llama-perplexity"), *map(str, args), "-t", "2", "--no-repack"], capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        if expect in proc.stdout + proc.stderr:
+            break
+    return proc.stdout + proc.stderr
+
+
+@pytest.fixture(scope="module")
+def release_eval(release, reference, q8_moe, heldout, llama_tools, tmp_path_factory):
+    """eval --cross-check of the Q8_0 fixture, a 6-expert prune of it and the release's rungs against the F16 reference."""
+    base = tmp_path_factory.mktemp("release-eval")
+    pruned = base / "qwen3moe-6e-Q8_0.gguf"
+    result = ggufcarve("prune", q8_moe, "--keep-first", 6, "-o", pruned, "-q")
+    assert result.code == 0, result.stderr[-3000:]
+    out = base / "out"
+    result = ggufcarve("eval", q8_moe, pruned, release, "--reference", reference, "--heldout", heldout, "--ctx", CTX, "--chunks", CHUNKS,
+                       "--speed-runs", 0, "--cache", base / "cache", "-t", 2, "--cross-check", "--llama-cpp", llama_tools, "-o", out)
+    assert result.code == 0, result.stderr[-3000:]
+    return out, result
+
+
+@pytest.mark.slow
+def test_kld_grows_as_bits_fall_and_cross_check_agrees(release_eval):
+    out, result = release_eval
+    docs = {json.loads(p.read_text())["model"]["name"]: json.loads(p.read_text()) for p in out.glob("*.json")}
+    by_quant = {d["model"]["quant"]: d for d in docs.values() if not d["model"]["pruned"]}
+    assert set(by_quant) == {"Q8_0", "Q4_K_M", "IQ2_XS"}
+    kl = [by_quant[q]["kld_mean"] for q in ("Q8_0", "Q4_K_M", "IQ2_XS")]
+    assert 0 < kl[0] < kl[1] < kl[2], kl
+    assert by_quant["Q8_0"]["same_top_p"] >= by_quant["IQ2_XS"]["same_top_p"]
+    (pruned,) = [d for d in docs.values() if d["model"]["pruned"]]
+    assert pruned["model"]["family"] == "qwen3moe 6 of 8 experts" and pruned["kld_mean"] > by_quant["Q8_0"]["kld_mean"]
+    for doc in docs.values():
+        check = doc["cross_check"]
+        assert check["ppl_agrees"], (doc["ppl"], check)
+        assert f"{doc['ppl']:.4g}" == f"{check['ppl_mode']['ppl']:.4g}"
+        assert "kld_mean" in check["kld_mode"], check
+        # llama-perplexity's KLD keeps all tokens above e^-16 in 16 bits; ours is exact up to the stated bound
+        assert check["kld_mode"]["kld_mean"] == pytest.approx(doc["kld_mean"], abs=doc["kld_bound"] + 2e-3 * doc["kld_mean"] + 1e-5)
+        assert check["kld_mode"]["same_top_p"] == pytest.approx(doc["same_top_p"], abs=0.01)
+    assert "agrees" in result.stdout
+    summary = (out / "summary.md").read_text()
+    assert "qwen3moe 6 of 8 experts" in summary and "qwen3moe 8 experts" in summary
+    assert "✓ vs " in summary or "✗ vs " in summary
+
+
+@pytest.mark.slow
+def test_card_front_matter_and_tables_match_manifest_and_evaluation(release, release_eval, tmp_path):
+    import shutil
+
+    import yaml
+
+    out, _ = release_eval
+    copy = tmp_path / "release"
+    shutil.copytree(release, copy)
+    result = ggufcarve("card", copy, "--evaluation", out)
+    assert result.code == 0, result.stderr[-3000:]
+    card = (copy / "README.md").read_text()
+    assert card.startswith("---\n")
+    front = yaml.safe_load(card.split("---\n")[1])
+    assert front["base_model_relation"] == "quantized" and front["library_name"] == "gguf" and front["pipeline_tag"] == "text-generation"
+    assert {"gguf", "mixture-of-experts", "expert-pruning"} <= set(front["tags"]) and front["license"] and front["base_model"]
+    manifest = json.loads((copy / "quant-manifest.json").read_text())
+    for rung in manifest["rungs"]:
+        name = rung["files"][0]["name"]
+        doc = json.loads((out / f"{Path(name).stem}.json").read_text())
+        row = next(line for line in card.splitlines() if line.startswith(f"| {name} |"))
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert cells[1] == rung["name"] and cells[2] == format_gib(rung['gib']) and cells[3] == f"{rung['bits_per_weight']:.2f}"
+        assert cells[4] == f"{doc['ppl']:.4f}" and cells[6] == f"{doc['kld_mean']:.6f}" and cells[-1] == f"`{rung['sha256'][:16]}`"
+    assert "sha256sum -c SHA256SUMS" in card and f"llama-cli -m {manifest['rungs'][0]['files'][0]['name']}" in card
+    assert "/tmp" not in card and str(tmp_path) not in card
+    assert ggufcarve("card", copy, "--evaluation", out).code == 1  # exists: --force needed
+
+
+def test_card_describes_a_prune():
+    from ggufcarve.release.card import CardInputs, render_card
+
+    keys = {"general.architecture": "qwen3moe", "general.license": "apache-2.0", "general.name": "Tiny",
+            "general.base_model.0.organization": "Org", "general.base_model.0.name": "Tiny-MoE",
+            "ggufcarve.kept_expert_count": 4, "ggufcarve.source.expert_count": 8, "qwen3moe.expert_used_count": 2, "qwen3moe.expert_count": 4}
+    rung = {"name": "Q4_K_M", "files": [{"name": "tiny-4e-Q4_K_M.gguf"}], "gib": 0.5, "bits_per_weight": 4.9, "sha256": "ab" * 32, "command": ["q", "--allow-requantize"]}
+    pruning = {"keep_set": {"selection": "routed frequency", "calibration": "512 tokens of code", "layers": {}}, "source": {"mtp_blocks": [2]},
+               "verification": {"ok": True, "tensors_checked": 30, "hash": "xxh3_128"}}
+    card = render_card(CardInputs({"source": {"name": "tiny-4e-Q8_0.gguf"}}, [rung], keys, pruning, None, {}))
+    assert "base_model: \"Org/Tiny-MoE\"" in card and "from 8 to 4 per MoE layer (50% removed)" in card
+    assert "- Selection: routed frequency" in card and "512 tokens of code" in card and "MTP block(s) 2" in card
+    assert "top-k routing is unchanged (2 experts per token)" in card.lower() and "requantized from tiny-4e-Q8_0.gguf" in card
+    assert "| tiny-4e-Q4_K_M.gguf | Q4_K_M | 0.5 | 4.90 | – | – | – | – | – | not evaluated |" in card
+
+
+@pytest.mark.slow
+def test_base_file_written_by_llama_perplexity_gives_its_own_numbers(reference, q8_moe, heldout, llama_tools, tmp_path):
+    from ggufcarve.evaluate.crosscheck import parse_kld_output
+
+    base = tmp_path / "reference.kld"
+    _llama_perplexity(llama_tools, "-m", reference, "-f", heldout, "-c", CTX, "--chunks", CHUNKS, "--kl-divergence-base", base)
+    theirs = parse_kld_output(_llama_perplexity(llama_tools, "-m", q8_moe, "-c", CTX, "--kl-divergence-base", base, "--kl-divergence", expect="Same top p:").splitlines())
+    result = ggufcarve("eval", q8_moe, "--reference", base, "--speed-runs", 0, "-t", 2, "-o", tmp_path / "out")
+    assert result.code == 0, result.stderr[-3000:]
+    ours = json.loads((tmp_path / "out" / f"{q8_moe.stem}.json").read_text())
+    assert ours["parameters"]["kld_full_vocabulary"] and ours["parameters"]["ctx"] == CTX and ours["parameters"]["chunks"] == CHUNKS
+    # same engine, same tokens, same float32 arithmetic: equal up to the last printed digit
+    assert ours["kl_divergence"]["ppl"] == pytest.approx(theirs["ppl"], rel=1e-7)
+    assert ours["ppl"] == pytest.approx(theirs["ppl"], rel=1e-6)
+    assert ours["kld_mean"] == pytest.approx(theirs["kld_mean"], abs=2e-6)
+    assert ours["kld_mean_stderr"] == pytest.approx(theirs["kld_mean_stderr"], abs=2e-6)
+    for name in ("max", "p999", "p99", "median", "p1", "min"):
+        assert ours["kl_divergence"]["kld"][name] == pytest.approx(theirs["kld"][name], abs=2e-6), name
+    assert ours["same_top_p"] == pytest.approx(theirs["same_top_p"], abs=1e-5)
+    assert ours["rms_dp"] == pytest.approx(theirs["rms_dp"], abs=1e-5)
+
+
+@pytest.mark.slow
+def test_base_file_written_by_ggufcarve_is_llama_perplexitys(reference, q8_moe, heldout, llama_tools, tmp_path):
+    from ggufcarve.evaluate.crosscheck import parse_kld_output
+
+    theirs_base, ours_base = tmp_path / "theirs.kld", tmp_path / "ours.kld"
+    _llama_perplexity(llama_tools, "-m", reference, "-f", heldout, "-c", CTX, "--chunks", CHUNKS, "--kl-divergence-base", theirs_base)
+    result = ggufcarve("eval", q8_moe, "--reference", reference, "--heldout", heldout, "--ctx", CTX, "--chunks", CHUNKS, "--save-kl-base", ours_base,
+                       "--speed-runs", 0, "--cache", tmp_path / "cache", "-t", 2, "-o", tmp_path / "out")
+    assert result.code == 0, result.stderr[-3000:]
+    theirs, ours = kld.open_reference(theirs_base), kld.open_reference(ours_base)
+    assert (ours.n_ctx, ours.n_vocab, ours.n_chunk) == (theirs.n_ctx, theirs.n_vocab, theirs.n_chunk) == (CTX, factory.N_VOCAB, CHUNKS)
+    assert np.array_equal(ours.tokens, theirs.tokens) and ours_base.stat().st_size == theirs_base.stat().st_size
+    a, b = np.concatenate([c.astype(np.int64) for c in ours.chunks()]), np.concatenate([c.astype(np.int64) for c in theirs.chunks()])
+    assert np.abs(a[:, 4:] - b[:, 4:]).max() <= 1  # the same logits, rounded alike (at most one 16-bit step apart)
+    stats = [parse_kld_output(_llama_perplexity(llama_tools, "-m", q8_moe, "-c", CTX, "--kl-divergence-base", path, "--kl-divergence", expect="Same top p:").splitlines())
+             for path in (theirs_base, ours_base)]
+    assert stats[0]["kld_mean"] == pytest.approx(stats[1]["kld_mean"], abs=2e-6) and stats[0]["ppl"] == pytest.approx(stats[1]["ppl"], rel=1e-6)
+
+
+@pytest.mark.slow
+def test_split_set_is_one_model(reference, q8_moe, heldout, llama_tools, tmp_path):
+    proc = subprocess.run([str(llama_tools / "llama-gguf-split"), "--split", "--split-max-tensors", "12", str(q8_moe), str(tmp_path / "split")],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    shards = sorted(tmp_path.glob("split-*-of-*.gguf"))
+    assert len(shards) > 1
+    result = ggufcarve("eval", shards[0], q8_moe, "--reference", reference, "--heldout", heldout, "--ctx", CTX, "--chunks", 2,
+                       "--speed-runs", 0, "--cache", tmp_path / "cache", "-t", 2, "-o", tmp_path / "out")
+    assert result.code == 0, result.stderr[-3000:]
+    split = json.loads((tmp_path / "out" / "split.json").read_text())
+    whole = _load(tmp_path / "out", q8_moe)
+    assert [f["name"] for f in split["model"]["files"]] == [s.name for s in shards]
+    assert split["model"]["bytes"] == sum(s.stat().st_size for s in shards)
+    assert split["ppl"] == pytest.approx(whole["ppl"], rel=1e-9) and split["kld_mean"] == pytest.approx(whole["kld_mean"], rel=1e-9, abs=1e-12)
+
+
+def test_qa_prompt_is_the_models_chat_template(reference, q8_moe, heldout, tmp_path):
+    template = "{{ bos_token }}{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    chat = tmp_path / "chat.gguf"
+    proc = subprocess.run([sys.executable, "-m", "gguf.scripts.gguf_new_metadata", str(q8_moe), str(chat), "--chat-template", template, "--force"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    suite = tmp_path / "one.jsonl"
+    suite.write_text(json.dumps({"id": "hi", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], "validator": {"type": "regex", "pattern": "."}}) + "\n")
+    result = ggufcarve("eval", chat, "--reference", reference, "--heldout", heldout, "--ctx", CTX, "--chunks", 2, "--qa", suite,
+                       "--speed-runs", 0, "--cache", tmp_path / "cache", "-t", 2, "-o", tmp_path / "out")
+    assert result.code == 0, result.stderr[-3000:]
+    (check,) = json.loads((tmp_path / "out" / "chat.json").read_text())["qa"]["checks"]
+    # "<s>" rendered by the template is parsed as BOS (added once), then the vocab's space prefix (3 bytes of "▁") and the text's bytes
+    assert check["chat_template"] and check["prompt_tokens"] == 1 + 3 + len("<|user|>hi\n<|assistant|>")
+
+
+@pytest.mark.slow
+def test_evaluation_and_card_become_part_of_the_release(release, reference, heldout, tmp_path):
+    """eval -o RELEASE/evaluation and card RELEASE are recorded in the manifest and SHA256SUMS, so verify covers them."""
+    import shutil
+
+    copy = tmp_path / "release"
+    shutil.copytree(release, copy)
+    evaluation = copy / "evaluation"
+    result = ggufcarve("eval", copy, "--reference", reference, "--heldout", heldout, "--ctx", CTX, "--chunks", CHUNKS,
+                       "--speed-runs", 0, "--cache", tmp_path / "cache", "-t", 2, "-o", evaluation, "-q")
+    assert result.code == 0, result.stderr[-3000:]
+    assert ggufcarve("card", copy).code == 0
+    manifest = json.loads((copy / "quant-manifest.json").read_text())
+    recorded = {f["name"] for kind in ("evaluation", "card") for f in manifest["published"][kind]}
+    on_disk = {p.relative_to(copy).as_posix() for p in evaluation.rglob("*") if p.is_file()} | {"README.md"}
+    assert recorded == on_disk and "evaluation/summary.md" in recorded
+    sums = (copy / "SHA256SUMS").read_text()
+    assert "  README.md\n" in sums and "  evaluation/summary.md\n" in sums
+    assert subprocess.run(["sha256sum", "-c", "--quiet", "SHA256SUMS"], cwd=copy).returncode == 0
+    verified = ggufcarve("verify", copy, "-q")
+    assert verified.code == 0, verified.stdout + verified.stderr
+    (copy / "README.md").write_text("edited by hand\n")
+    tampered = ggufcarve("verify", copy, "-q")
+    assert tampered.code == 1 and "README.md" in tampered.stdout + tampered.stderr
+
+
+def test_published_records_are_dropped_when_a_rung_is_rebuilt(tmp_path):
+    from ggufcarve.release.manifest import MANIFEST_NAME, carried_published, described_files
+
+    doc = {"rungs": [], "source": {"files": []}, "published": {"card": [{"name": "README.md", "bytes": 3, "sha256": "0" * 64}]}}
+    (tmp_path / MANIFEST_NAME).write_text(json.dumps(doc))
+    assert "README.md" in described_files(doc)
+    assert carried_published(tmp_path, rungs_rebuilt=False) == doc["published"]
+    assert carried_published(tmp_path, rungs_rebuilt=True) == {}
