@@ -5,6 +5,7 @@ commands, so `ggufcarve --version` and `--help` start without numpy, gguf or lla
 
 Examples:
     ggufcarve inspect model.gguf
+    ggufcarve select model.gguf --method weights --keep 128 -o out/selection.json
     ggufcarve prune model.gguf --keep kept_expert_indices.json -o out/model-128e.gguf
     ggufcarve imatrix remap model.imatrix.gguf --model out/model-128e.gguf -o out/model-128e.imatrix.gguf
     ggufcarve ladder run ladders/q8-to-iq1.toml --source out/model-128e.gguf --imatrix out/model-128e.imatrix.gguf -o release/
@@ -20,7 +21,7 @@ from typing import Annotated
 import typer
 
 from ggufcarve import __version__
-from ggufcarve.cli import evaluate, imatrix, ladder, prune, toolchain, verify
+from ggufcarve.cli import evaluate, imatrix, ladder, prune, select, toolchain, verify
 from ggufcarve.cli.options import command_group
 from ggufcarve.cli.render import print_error
 from ggufcarve.errors import CarveError
@@ -44,6 +45,8 @@ def main_options(
 app.command()(prune.inspect)
 app.command()(prune.prune)
 app.command("check-prune")(prune.check_prune_command)
+app.command("score")(select.score_command)
+app.command("select")(select.select_command)
 app.add_typer(imatrix.app, name="imatrix")
 app.add_typer(toolchain.app, name="toolchain")
 app.add_typer(ladder.app, name="ladder")

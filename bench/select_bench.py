@@ -1,0 +1,117 @@
+"""Benchmark: expert selection against the cost of what it replaces, side by side in one run.
+
+  weights:  `ggufcarve score MODEL --method weights` against `cat MODEL > /dev/null` (one read of
+            the file) on a synthetic qwen3moe-shaped Q8_0 file (tests/factory.py write_bulk_moe with finite
+            scales, 128 experts, 8 layers: 5 GiB by default), page cache warm; also the library call
+            alone, timed inside one process
+  trace:    `ggufcarve score MODEL --method frequency|ean|reap|razor` against `llama-imatrix` on the
+            same loadable model (tests/factory.py qwen3moe, Q8_0), the same text, context and
+            threads; each includes process start and model load
+Each is run --repeat times, alternating; medians are printed with the ratio to the baseline.
+
+    PYTHONPATH=. python bench/select_bench.py [--dir bench/out] [--repeat 3] [--tokens 8192] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+import factory
+
+from ggufcarve.llama.tools import find_tool
+
+WORDS = ("the quick brown fox jumps over a lazy dog while experts route tokens through layers of matrices that quantize and prune weights").split()
+
+
+def make_finite(path: Path) -> None:
+    """write_bulk_moe's file holds random bytes: give its routers and Q8_0 block scales finite values."""
+    import numpy as np
+
+    from ggufcarve.gguf.container import read_model
+
+    model = read_model(path)
+    rng = np.random.default_rng(0)
+    data = np.memmap(path, dtype=np.uint8, mode="r+")
+    for info in model.tensors:
+        start, end = model.shards[0].data_range(info)
+        if info.type_name == "F32":
+            data[start:end] = rng.normal(0, 0.05, (end - start) // 4).astype(np.float32).view(np.uint8)
+        elif info.type_name == "Q8_0":
+            blocks = data[start:end].reshape(-1, 34)
+            blocks[:, :2] = rng.uniform(1e-4, 1e-2, len(blocks)).astype(np.float16).view(np.uint8).reshape(-1, 2)
+    data.flush()
+
+
+def seconds(cmd: list[str], **kwargs) -> float:
+    started = time.perf_counter()
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, **kwargs)
+    return time.perf_counter() - started
+
+
+def compare(label: str, baseline: list[str], runs: dict[str, list[str]], repeat: int, **kwargs) -> None:
+    times: dict[str, list[float]] = {"baseline": [], **{name: [] for name in runs}}
+    for _ in range(repeat):
+        times["baseline"].append(seconds(baseline, **kwargs))
+        for name, cmd in runs.items():
+            times[name].append(seconds(cmd, **kwargs))
+    base = statistics.median(times["baseline"])
+    print(f"{label}: baseline {' '.join(Path(baseline[0]).name if i == 0 else a for i, a in enumerate(baseline[:2]))} ... {base:.2f} s")
+    for name in runs:
+        t = statistics.median(times[name])
+        print(f"  {name:<10} {t:7.2f} s  {t / base:5.2f}x")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dir", type=Path, default=Path("bench/out"))
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--tokens", type=int, default=8192, help="calibration tokens (whole --ctx chunks)")
+    parser.add_argument("--ctx", type=int, default=512)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--layers", type=int, default=8, help="layers of the weights benchmark's file (0.62 GiB each)")
+    args = parser.parse_args()
+    args.dir.mkdir(parents=True, exist_ok=True)
+    ggufcarve = [sys.executable, "-m", "ggufcarve"]
+
+    big = args.dir / "select-weights.gguf"
+    if not big.exists():
+        factory.write_bulk_moe(big, n_layer=args.layers, n_expert=128, n_embd=2048, n_ff_exp=768)
+        make_finite(big)
+    subprocess.run(["cat", str(big)], check=True, stdout=subprocess.DEVNULL)
+    print(f"weights: {big.stat().st_size / 2**30:.2f} GiB")
+    library = ("from ggufcarve.gguf.container import read_model; from ggufcarve.moe.layout import inspect_layout; "
+               "from ggufcarve.select.methods import score_model; import time, sys; m = read_model(sys.argv[1]); "
+               "t = time.perf_counter(); score_model(m, inspect_layout(m), 'weights'); print(time.perf_counter() - t)")
+    compare("weights", ["sh", "-c", f"cat '{big}' > /dev/null"],
+            {"weights": [*ggufcarve, "score", str(big), "--method", "weights", "-o", str(args.dir / "weights.json"), "--force", "-q"]}, args.repeat)
+    inside = [float(subprocess.run([sys.executable, "-c", library, str(big)], check=True, capture_output=True, text=True).stdout) for _ in range(args.repeat)]
+    print(f"  {'score_model':<10} {statistics.median(inside):7.2f} s  (the library call alone, in process: no interpreter start or imports)")
+
+    model = args.dir / "select-trace.gguf"
+    if not model.exists():
+        factory.write_model(model, "qwen3moe", dtype="Q8_0", n_expert=32, n_expert_used=4, n_layer=4, n_embd=512, n_ff_exp=512)
+    text = args.dir / "select-calibration.txt"
+    rng = random.Random(0)
+    text.write_text(" ".join(rng.choice(WORDS) for _ in range(args.tokens // 5 + args.ctx)))  # ~5.4 byte tokens per word
+    imatrix = find_tool("llama-imatrix")
+    if imatrix is None:
+        raise SystemExit("llama-imatrix not found (ggufcarve toolchain build)")
+    chunks = args.tokens // args.ctx
+    baseline = [str(imatrix), "-m", str(model), "-f", str(text), "-o", str(args.dir / "bench.imatrix.gguf"), "-c", str(args.ctx),
+                "--chunks", str(chunks), "-t", str(args.threads), "--no-repack"]
+    runs = {m: [*ggufcarve, "score", str(model), "--method", m, "--calibration", str(text), "--ctx", str(args.ctx), "--max-tokens", str(chunks * args.ctx),
+                "-t", str(args.threads), "-o", str(args.dir / f"{m}.json"), "--force", "-q"] for m in ("frequency", "ean", "reap", "razor")}
+    print(f"trace: {model.stat().st_size / 2**20:.0f} MiB model, {chunks} chunks x {args.ctx} tokens, {args.threads} threads")
+    compare("trace", baseline, runs, args.repeat)
+
+
+if __name__ == "__main__":
+    main()

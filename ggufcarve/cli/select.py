@@ -1,0 +1,239 @@
+"""score, select: which experts to keep, from the weights, an imatrix or a calibration trace.
+
+Examples:
+    ggufcarve select model.gguf --method weights --keep 128 -o selection.json
+    ggufcarve select model.gguf --method imatrix-counts --imatrix model.imatrix.gguf --ratio 0.5 -o selection.json
+    ggufcarve select model.gguf --method reap --calibration code.jsonl --calibration chat.jsonl --keep 128 -o selection.json
+    ggufcarve score model.gguf --method imatrix-energy --imatrix model.imatrix.gguf -o scores.json
+    ggufcarve select scores.json --keep 128 --protect 0,7 -o selection.json
+    ggufcarve score --merge part1.json part2.json -o scores.json
+    ggufcarve select --compare a.json b.json
+    ggufcarve prune model.gguf --keep selection.json -o model-128e.gguf
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any, Optional
+
+import typer
+
+from ggufcarve.cli.options import ForceOption, JsonOption, QuietOption
+from ggufcarve.cli.render import new_table, out, progress, ranges, warn
+from ggufcarve.errors import BadInput, OutputError
+
+if TYPE_CHECKING:
+    from ggufcarve.gguf.container import GGUFModel
+    from ggufcarve.moe.layout import MoeLayout
+    from ggufcarve.select.keep import Selection
+    from ggufcarve.select.scores import ExpertScores
+
+SourcesArgument = Annotated[Optional[list[Path]], typer.Argument(help="A GGUF model (first shard if split), or a SCORES.json written by `ggufcarve score`.", show_default=False)]
+MethodOption = Annotated[Optional[str], typer.Option("--method", "-m", help="weights, router-norm, random (no data); imatrix-counts, imatrix-energy (--imatrix); frequency, ean, reap, razor (--calibration).")]
+ImatrixOption = Annotated[Optional[Path], typer.Option("--imatrix", help="GGUF imatrix of the model (imatrix-counts, imatrix-energy).")]
+CalibrationOption = Annotated[Optional[list[Path]], typer.Option("--calibration", help="Calibration text or JSONL file (repeatable).")]
+SeedOption = Annotated[int, typer.Option("--seed", help="Seed of the random method.")]
+CtxOption = Annotated[int, typer.Option("--ctx", help="Tokens per calibration chunk (each starts with BOS and an empty KV cache, as llama-imatrix -c).")]
+MaxTokensOption = Annotated[Optional[int], typer.Option("--max-tokens", help="Trace at most this many calibration tokens (whole chunks).")]
+ThreadsOption = Annotated[Optional[int], typer.Option("--threads", "-t", help="CPU threads of the llama.cpp calibration run.")]
+
+
+def _is_gguf(path: Path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except FileNotFoundError:
+        raise BadInput(f"{path}: no such file", "give a GGUF model or a scores JSON file") from None
+
+
+def _refuse_existing(path: Path, force: bool) -> None:
+    if path.exists() and not force:
+        raise OutputError(f"output {path} already exists", "pass --force to replace it, or choose another path")
+
+
+def _read_model(source: Path) -> tuple[GGUFModel, MoeLayout]:
+    from ggufcarve.gguf.container import read_model
+    from ggufcarve.moe.layout import inspect_layout
+
+    model = read_model(source)
+    return model, inspect_layout(model)
+
+
+def _score(model: GGUFModel, layout: MoeLayout, method: Optional[str], imatrix: Optional[Path], calibration: list[Path], seed: int, ctx: int, max_tokens: Optional[int], threads: Optional[int], quiet: bool) -> ExpertScores:
+    from ggufcarve.select.methods import score_model
+
+    if method is None:
+        raise BadInput(f"scoring {model.path.name} needs --method", "for example --method weights (zero-shot) or --method imatrix-counts --imatrix FILE")
+    with progress(not quiet) as sink:
+        return score_model(model, layout, method, imatrix=imatrix, calibration=calibration, seed=seed, ctx=ctx, max_tokens=max_tokens, threads=threads, on_event=sink)
+
+
+def _write(path: Path, text: str, sources: list[Path], force: bool) -> None:
+    from ggufcarve.fileio import check_outputs, write_text_atomic
+
+    check_outputs([path], sources, len(text), force)
+    write_text_atomic(path, text)
+
+
+def score_command(
+    sources: SourcesArgument = None,
+    output: Annotated[Optional[Path], typer.Option("-o", "--output", help="SCORES.json to write.")] = None,
+    method: MethodOption = None,
+    imatrix: ImatrixOption = None,
+    calibration: CalibrationOption = None,
+    seed: SeedOption = 0,
+    ctx: CtxOption = 512,
+    max_tokens: MaxTokensOption = None,
+    threads: ThreadsOption = None,
+    merge: Annotated[bool, typer.Option("--merge", help="Combine the scores files given as arguments (shards of one run).")] = False,
+    force: ForceOption = False,
+    quiet: QuietOption = False,
+) -> None:
+    """Score every expert of every MoE block (MTP included) and write the mergeable statistics."""
+    from ggufcarve.select.scores import merge_scores, read_scores
+
+    sources = sources or []
+    if output is None:
+        raise BadInput("give -o SCORES.json", "the scores are written to a JSON file")
+    _refuse_existing(output, force)
+    if merge:
+        scores = merge_scores(read_scores(p) for p in sources)
+    else:
+        if len(sources) != 1:
+            raise BadInput(f"give one model to score ({len(sources)} given)", "ggufcarve score MODEL.gguf --method weights -o scores.json, or --merge A.json B.json")
+        scores = _score(*_read_model(sources[0]), method, imatrix, calibration or [], seed, ctx, max_tokens, threads, quiet)
+    _write(output, scores.dumps(), sources, force)
+    out.print(f"{scores.method} scores of {scores.model.name}: {len(scores.blocks)} MoE blocks x {scores.model.expert_count} experts" + (f", {scores.tokens:,} tokens" if scores.tokens else "") + f" -> {output}")
+
+
+def _selection_table(selection: Selection) -> Any:
+    facts = selection.scores.model
+    table = new_table(title=f"{facts.name}: {selection.scores.method}, keep {selection.kept_count} of {facts.expert_count}")
+    for column in ("block", "rule", "kept", "pruned", "kept score share"):
+        table.add_column(column, justify="left" if column in ("block", "rule") else "right")
+    scores = selection.scores.scores()
+    for b, stats in sorted(selection.scores.blocks.items()):
+        kept = selection.keepset.layers[b]
+        total = float(scores[b].sum())
+        share = f"{100 * float(scores[b][list(kept)].sum()) / total:.1f}%" if total > 0 else "-"
+        pruned = sorted(set(range(facts.expert_count)) - set(kept))
+        table.add_row(f"{b} (MTP)" if facts.is_mtp(b) else str(b), stats.rule, ranges(kept), ranges(pruned), share)
+    return table
+
+
+def _compare(a: Path, b: Path, as_json: bool) -> None:
+    from ggufcarve.select.keep import compare
+
+    rows = compare(_layers_of(a), _layers_of(b))
+    if as_json:
+        out.print_json(json.dumps({"a": a.name, "b": b.name, "blocks": rows}))
+        return
+    table = new_table(title=f"{a.name} (A) vs {b.name} (B)")
+    for column in ("block", "K", "overlap |A∩B|/K", "only in A", "only in B"):
+        table.add_column(column, justify="right" if column in ("block", "K", "overlap |A∩B|/K") else "left")
+    for row in rows:
+        table.add_row(str(row["block"]), str(row["kept"]), f"{row['overlap']:.3f}", ",".join(map(str, row["only_a"])) or "-", ",".join(map(str, row["only_b"])) or "-")
+    out.print(table)
+    mean = sum(r["overlap"] for r in rows) / len(rows) if rows else 1.0
+    out.print(f"mean overlap {mean:.3f} over {len(rows)} blocks")
+
+
+def _layers_of(path: Path) -> dict[int, tuple[int, ...]]:
+    """The per-block kept ids of a selection or keep-set file keyed by block index."""
+    try:
+        doc = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise BadInput(f"{path}: no such file", "give two selection files") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise BadInput(f"{path}: not valid JSON ({err})", "give two selection files written by ggufcarve select") from None
+    layers = doc.get("layers") if isinstance(doc, dict) else None
+    if not isinstance(layers, dict) or not all(str(k).isdigit() and isinstance(v, list) for k, v in layers.items()):
+        raise BadInput(f"{path}: no \"layers\" mapping of block index to kept ids", "compare files written by ggufcarve select (or keep-sets in its format)")
+    return {int(k): tuple(int(i) for i in v) for k, v in layers.items()}
+
+
+def select_command(
+    sources: SourcesArgument = None,
+    output: Annotated[Optional[Path], typer.Option("-o", "--output", help="SELECTION.json to write (a keep-set `ggufcarve prune --keep` reads); the heatmap goes beside it as .png.")] = None,
+    method: MethodOption = None,
+    keep: Annotated[Optional[int], typer.Option("--keep", "-k", help="Experts kept per MoE block.")] = None,
+    ratio: Annotated[Optional[float], typer.Option("--ratio", help="Fraction of the experts kept (instead of --keep).")] = None,
+    imatrix: ImatrixOption = None,
+    calibration: CalibrationOption = None,
+    seed: SeedOption = 0,
+    ctx: CtxOption = 512,
+    max_tokens: MaxTokensOption = None,
+    threads: ThreadsOption = None,
+    protect: Annotated[Optional[str], typer.Option("--protect", help="Never drop these experts: ids for every block (0,5,9-11) or a keep-set-like JSON file of ids per block.")] = None,
+    protect_super_experts: Annotated[bool, typer.Option("--protect-super-experts", help="Keep REAP's super experts (outlier maximum outputs, first 75% of the blocks).")] = False,
+    heatmap: Annotated[bool, typer.Option("--heatmap/--no-heatmap", help="Write SELECTION.png beside the selection.")] = True,
+    compare_files: Annotated[bool, typer.Option("--compare", help="Compare the two selection files given as arguments.")] = False,
+    force: ForceOption = False,
+    quiet: QuietOption = False,
+    as_json: JsonOption = False,
+) -> None:
+    """Choose the experts to keep per MoE block (MTP included) and write the selection record."""
+    from ggufcarve.fileio import sha256_file_cached
+    from ggufcarve.select.keep import (
+        check_kept_count,
+        choose,
+        kept_count,
+        protected_from,
+    )
+    from ggufcarve.select.scores import ModelFacts, read_scores
+
+    sources = sources or []
+    if compare_files:
+        if len(sources) != 2:
+            raise BadInput(f"--compare needs two selection files ({len(sources)} given)", "ggufcarve select --compare A.json B.json")
+        _compare(sources[0], sources[1], as_json)
+        return
+    if len(sources) != 1:
+        raise BadInput(f"give one model or scores file ({len(sources)} given)", "ggufcarve select MODEL.gguf --method weights --keep K -o selection.json")
+    if output is None:
+        raise BadInput("give -o SELECTION.json", "the selection is written to a JSON file that `ggufcarve prune --keep` reads")
+    source = sources[0]
+    png = output.with_suffix(".png")
+    _refuse_existing(output, force)
+    if heatmap:
+        _refuse_existing(png, force)
+    from_scores: tuple[dict[str, Any], ...] = ()
+    scores = None
+    if _is_gguf(source):
+        model, layout = _read_model(source)
+        facts = ModelFacts.of(model, layout)
+    else:
+        if imatrix is not None or calibration:
+            raise BadInput(f"{source.name} is a scores file: --imatrix and --calibration apply when scoring a model", "drop them, or give the model instead")
+        scores = read_scores(source)
+        if method is not None and method != scores.method:
+            raise BadInput(f"{source.name} holds {scores.method} scores, not {method}", f"drop --method or score the model with --method {method}")
+        facts = scores.model
+        from_scores = ({"kind": "scores", "name": source.name, "sha256": sha256_file_cached(source)},)
+    kept = kept_count(facts.expert_count, facts.group_count, keep, ratio)
+    check_kept_count(facts, kept)
+    protected = protected_from(protect, facts)
+    if protect_super_experts and scores is None and method not in ("ean", "reap", "razor"):
+        raise BadInput(f"--protect-super-experts needs per-expert maximum outputs, which --method {method} does not record", "use --method ean, reap or razor")
+    started = time.perf_counter()
+    if scores is None:
+        scores = _score(model, layout, method, imatrix, calibration or [], seed, ctx, max_tokens, threads, quiet or as_json)
+    selection = choose(scores, kept, protected, protect_super_experts, ratio=ratio, sources=from_scores)
+    record = selection.record({"total_seconds": time.perf_counter() - started})
+    text = json.dumps(record, indent=1, sort_keys=True, allow_nan=False) + "\n"
+    _write(output, text, [source], force)
+    if heatmap:
+        from ggufcarve.select.heatmap import write_heatmap
+
+        write_heatmap(selection, png)
+    for warning in selection.warnings:
+        warn(warning)
+    if as_json:
+        out.print_json(json.dumps({"selection": str(output), "heatmap": str(png) if heatmap else None, "kept_count": kept, "layers": record["layers"]}))
+        return
+    out.print(_selection_table(selection))
+    model_name = source if _is_gguf(source) else "MODEL.gguf"
+    out.print(f"selection: {output}" + (f"; heatmap: {png}" if heatmap else ""))
+    out.print(f"prune with: ggufcarve prune {model_name} --keep {output} -o OUT.gguf")

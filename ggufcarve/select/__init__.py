@@ -1,0 +1,2 @@
+"""Expert selection: per-expert statistics (`ExpertScores`), the criteria that fill them, and the
+keep-set chosen from them."""

@@ -1,0 +1,146 @@
+"""Calibration input: text and JSONL files, tokenized by the model's own vocabulary and cut into
+chunks the way llama-imatrix does.
+
+Files:
+    *.jsonl / *.ndjson   one JSON object per line, each one document:
+                         {"text": ...}; or {"prompt": ..., "response": ...} (prompt, a newline,
+                         response); or {"messages": [{"role": ..., "content": ...}, ...]} rendered
+                         with the model's chat template (llama_chat_apply_template)
+    anything else        UTF-8 text, the whole file one document
+Every document is tokenized with special tokens added (BOS where the vocabulary adds one, as
+llama-imatrix's common_tokenize(..., add_special=true)), the documents' tokens are concatenated in
+file order, cut into chunks of `ctx` tokens (a last partial chunk is dropped, as llama-imatrix
+does), and the first token of each chunk is replaced by BOS when the vocabulary adds one. Each
+chunk is decoded with an empty KV cache. `max_tokens` keeps the first whole chunks within it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from ggufcarve.errors import BadInput
+from ggufcarve.fileio import sha256_file_cached
+
+JSONL_SUFFIXES = (".jsonl", ".ndjson")
+
+
+@dataclass(frozen=True)
+class Document:
+    text: str | None = None
+    messages: tuple[tuple[str, str], ...] | None = None  # (role, content)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"text": self.text} if self.messages is None else {"messages": [list(m) for m in self.messages]}
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any]) -> Document:
+        return cls(text=doc["text"]) if "text" in doc else cls(messages=tuple((r, c) for r, c in doc["messages"]))
+
+
+@dataclass(frozen=True)
+class CalibrationFile:
+    path: Path
+    documents: tuple[Document, ...]
+    sha256: str
+    bytes: int
+
+    def record(self, tokens: int) -> dict[str, Any]:
+        return {"kind": "calibration", "name": self.path.name, "sha256": self.sha256, "bytes": self.bytes, "documents": len(self.documents), "tokens": tokens}
+
+
+def _document(record: Any, where: str) -> Document:
+    if not isinstance(record, dict):
+        raise BadInput(f"{where}: not a JSON object", 'each line is {"text": ...}, {"prompt": ..., "response": ...} or {"messages": [...]}')
+    if isinstance(record.get("text"), str):
+        return Document(text=record["text"])
+    if isinstance(record.get("prompt"), str) and isinstance(record.get("response"), str):
+        return Document(text=record["prompt"] + "\n" + record["response"])
+    messages = record.get("messages")
+    if isinstance(messages, list) and messages and all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages):
+        return Document(messages=tuple((m["role"], m["content"]) for m in messages))
+    raise BadInput(f"{where}: no \"text\", \"prompt\" + \"response\" or \"messages\" (role/content) field", "give one of these per line")
+
+
+def read_calibration(paths: Sequence[Path]) -> list[CalibrationFile]:
+    """The documents of every file, in order; refuses missing, unreadable or empty input."""
+    if not paths:
+        raise BadInput("no calibration input", "give --calibration FILE (text or JSONL), repeatable")
+    files = []
+    for path in paths:
+        path = Path(path)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise BadInput(f"{path}: no such calibration file", "check the --calibration path") from None
+        except UnicodeDecodeError as err:
+            raise BadInput(f"{path}: not UTF-8 text (byte {err.start})", "give a UTF-8 text or JSONL file") from None
+        except IsADirectoryError:
+            raise BadInput(f"{path}: is a directory", "give the calibration files themselves") from None
+        if path.suffix.lower() in JSONL_SUFFIXES:
+            documents = []
+            for number, line in enumerate(text.splitlines(), 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise BadInput(f"{path}:{number}: not valid JSON ({err.msg})", "one JSON object per line") from None
+                documents.append(_document(record, f"{path}:{number}"))
+        else:
+            documents = [Document(text=text)] if text.strip() else []
+        if not any((d.text or "").strip() or d.messages for d in documents):
+            raise BadInput(f"{path}: empty calibration file (no text)", "give a file with calibration text")
+        files.append(CalibrationFile(path, tuple(documents), sha256_file_cached(path), path.stat().st_size))
+    return files
+
+
+# ---------------------------------------------------------------------------------------------
+# In the llama.cpp child: rendering, tokenizing, chunking
+
+
+def render_chat(llama_cpp: Any, template: bytes, messages: Sequence[tuple[str, str]]) -> str:
+    """`messages` through llama.cpp's llama_chat_apply_template with the model's template."""
+    import ctypes
+
+    array = (llama_cpp.llama_chat_message * len(messages))()
+    keep = []
+    for i, (role, content) in enumerate(messages):
+        r, c = role.encode(), content.encode()
+        keep += [r, c]
+        array[i].role, array[i].content = r, c
+    size = 4 * sum(len(r) + len(c) for r, c in messages) + 1024
+    while True:
+        buffer = ctypes.create_string_buffer(size)
+        n = llama_cpp.llama_chat_apply_template(template, array, len(messages), False, buffer, size)
+        if n < 0:
+            raise BadInput("llama.cpp does not recognise the model's chat template", "give JSONL with \"text\" fields instead of \"messages\"")
+        if n <= size:
+            return buffer.raw[:n].decode("utf-8", errors="replace")
+        size = n + 1
+
+
+def tokenize(llama_cpp: Any, vocab: Any, text: str) -> list[int]:
+    """llama_tokenize with special tokens added and not parsed (llama-imatrix's settings)."""
+    raw = text.encode("utf-8")
+    size = len(raw) + 16
+    while True:
+        tokens = (llama_cpp.llama_token * size)()
+        n = llama_cpp.llama_tokenize(vocab, raw, len(raw), tokens, size, True, False)
+        if n >= 0:
+            return list(tokens[:n])
+        size = -n
+
+
+def chunks(tokens: list[int], ctx: int, bos: int | None, max_tokens: int | None) -> list[list[int]]:
+    """Whole chunks of `ctx` tokens, the first of each set to `bos` (None: the vocabulary adds none)."""
+    limit = len(tokens) if max_tokens is None else min(len(tokens), max_tokens)
+    out = []
+    for start in range(0, limit - ctx + 1, ctx):
+        chunk = tokens[start : start + ctx]
+        if bos is not None:
+            chunk[0] = bos
+        out.append(chunk)
+    return out

@@ -1,0 +1,143 @@
+"""One routed expert evaluated in numpy from its dequantized weights, as llama.cpp's build_moe_ffn
+(src/llama-graph.cpp) computes it for a selected expert e and MoE input x:
+
+    gate = W_gate[e] x (+ b_gate[e]) (x s_gate[e])     up = W_up[e] x (+ b_up[e]) (x s_up[e])
+    h    = act(gate, up)
+    f_e  = W_down[e] h (x s_down[e])                   -> the graph node ffn_moe_down
+    (+ b_down[e])                                      -> ffn_moe_down_biased (gpt-oss)
+
+A fused `ffn_gate_up_exps` holds the gate rows first, then the up rows, per expert (its scale is
+the up scale, as build_moe_ffn passes it). `act` by architecture (the `type_op` each
+src/models/<arch>.cpp hands to build_moe_ffn):
+    silu-glu    silu(gate) * up                                            (LLM_FFN_SILU)
+    swiglu-oai  g = min(gate, 7); u = clamp(up, -7, 7); g * sigmoid(1.702 g) * (u + 1)
+                                                                           (LLM_FFN_SWIGLU_OAI_MOE)
+Dequantized expert matrices are cached up to a byte budget (least recently used first out), so
+the model is never held in memory whole.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+
+from ggufcarve.errors import UnsupportedModel
+from ggufcarve.gguf.container import GGUFModel
+from ggufcarve.gguf.tensors import expert_values, tensor_values
+from ggufcarve.moe.layout import MoeLayout
+
+ACTIVATIONS: dict[str, str] = {
+    **{arch: "silu-glu" for arch in (
+        "qwen3moe", "qwen35moe", "qwen3next", "qwen3vlmoe", "qwen2moe", "olmoe", "llama", "dots1",
+        "ernie4_5-moe", "hunyuan-moe", "bailingmoe2", "deepseek2",
+    )},
+    "gpt-oss": "swiglu-oai",
+}
+SWIGLU_OAI_ALPHA = 1.702
+SWIGLU_OAI_LIMIT = 7.0
+CACHE_BYTES = 1 << 30
+
+
+def activation_of(architecture: str) -> str:
+    try:
+        return ACTIVATIONS[architecture]
+    except KeyError:
+        raise UnsupportedModel(
+            f"ggufcarve does not know the expert activation of {architecture} (needed to evaluate experts in numpy)",
+            f"use frequency, ean or reap; known architectures: {', '.join(sorted(ACTIVATIONS))}",
+        ) from None
+
+
+def activate(kind: str, gate: np.ndarray | None, up: np.ndarray) -> np.ndarray:
+    if kind == "swiglu-oai":
+        assert gate is not None
+        g = np.minimum(gate, SWIGLU_OAI_LIMIT)
+        u = np.clip(up, -SWIGLU_OAI_LIMIT, SWIGLU_OAI_LIMIT)
+        return g / (1.0 + np.exp(-SWIGLU_OAI_ALPHA * g)) * (u + 1.0)
+    if gate is None:  # no gate tensor: build_moe_ffn applies silu to up alone
+        return up / (1.0 + np.exp(-up))
+    return gate / (1.0 + np.exp(-gate)) * up
+
+
+class ExpertEvaluator:
+    """f_e(x) for the routed experts of one model, weights read and dequantized on demand."""
+
+    def __init__(self, model: GGUFModel, layout: MoeLayout, cache_bytes: int = CACHE_BYTES) -> None:
+        self.model, self.layout = model, layout
+        self.cache_bytes = cache_bytes
+        self._weights: OrderedDict[tuple[int, int], tuple[np.ndarray | None, np.ndarray, np.ndarray]] = OrderedDict()
+        self._held = 0
+        self._vectors: dict[str, np.ndarray | None] = {}
+
+    def _has(self, name: str) -> bool:
+        return name in self.model.tensor_index
+
+    def _per_expert(self, name: str) -> np.ndarray | None:
+        """A bias or scale tensor of the block as numpy [n_expert, ...] (None when absent)."""
+        if name not in self._vectors:
+            self._vectors[name] = tensor_values(self.model, name).astype(np.float32) if self._has(name) else None
+        return self._vectors[name]
+
+    def _matrices(self, block: int, expert: int) -> tuple[np.ndarray | None, np.ndarray, np.ndarray]:
+        key = (block, expert)
+        if key in self._weights:
+            self._weights.move_to_end(key)
+            return self._weights[key]
+        p = f"blk.{block}."
+        if self._has(p + "ffn_gate_up_exps.weight"):
+            fused = expert_values(self.model, p + "ffn_gate_up_exps.weight", expert)
+            half = fused.shape[0] // 2
+            gate, up = fused[:half], fused[half:]
+        else:
+            gate = expert_values(self.model, p + "ffn_gate_exps.weight", expert) if self._has(p + "ffn_gate_exps.weight") else None
+            up = expert_values(self.model, p + "ffn_up_exps.weight", expert)
+        down = expert_values(self.model, p + "ffn_down_exps.weight", expert)
+        matrices = (gate, up, down)
+        size = sum(m.nbytes for m in matrices if m is not None)
+        while self._weights and self._held + size > self.cache_bytes:
+            _, dropped = self._weights.popitem(last=False)
+            self._held -= sum(m.nbytes for m in dropped if m is not None)
+        self._weights[key] = matrices
+        self._held += size
+        return matrices
+
+    def down_bias(self, block: int) -> np.ndarray | None:
+        """[n_expert, n_embd] down-projection biases (gpt-oss), None when the block has none."""
+        return self._per_expert(f"blk.{block}.ffn_down_exps.bias")
+
+    def outputs(self, block: int, expert: int, x: np.ndarray) -> np.ndarray:
+        """ffn_moe_down of `expert` for the MoE inputs `x` [T, n_embd]: float32 [T, n_embd] (no down bias)."""
+        gate_w, up_w, down_w = self._matrices(block, expert)
+        p = f"blk.{block}."
+        fused = self._has(p + "ffn_gate_up_exps.weight")
+        x = np.asarray(x, dtype=np.float32)
+        up = x @ up_w.T
+        gate = None if gate_w is None else x @ gate_w.T
+        if fused:
+            scale = self._per_expert(p + "ffn_up_exps.scale")
+            if scale is not None:
+                gate, up = gate * scale[expert], up * scale[expert]
+            bias = self._per_expert(p + "ffn_gate_up_exps.bias")
+            if bias is not None:
+                half = bias.shape[1] // 2
+                gate, up = gate + bias[expert, :half], up + bias[expert, half:]
+        else:
+            for name, kind in (("ffn_up_exps", "up"), ("ffn_gate_exps", "gate")):
+                if kind == "gate" and gate is None:
+                    continue
+                value = up if kind == "up" else gate
+                scale = self._per_expert(p + name + ".scale")
+                if scale is not None:
+                    value = value * scale[expert]
+                bias = self._per_expert(p + name + ".bias")
+                if bias is not None:
+                    value = value + bias[expert]
+                if kind == "up":
+                    up = value
+                else:
+                    gate = value
+        h = activate(activation_of(self.layout.architecture), gate, up)
+        out = h @ down_w.T
+        scale = self._per_expert(p + "ffn_down_exps.scale")
+        return out * scale[expert] if scale is not None else out

@@ -1,0 +1,150 @@
+"""Criteria from a calibration trace of llama.cpp's own MoE graph nodes (build_moe_ffn,
+src/llama-graph.cpp), accumulated per micro-batch into mergeable statistics.
+
+For every token t and slot j, llama.cpp selected expert S_tj = ffn_moe_topk[t, j] and computed its
+output f = ffn_moe_down[t, j] (before weighting; the down bias of gpt-oss-style files is added here,
+as ffn_moe_down_biased does). The weight it applied is the last of ffn_moe_weights_scaled,
+ffn_moe_weights_norm, ffn_moe_weights_softmax, ffn_moe_weights present in the graph, and
+λ (the routed scale) = scaled / unscaled weights when the graph scales them, else 1.
+
+    frequency  count of (t, j) per expert                                  statistic "count"
+    ean        mean over routed (t, j) of ||f||                            statistic "mean"
+    reap       mean over routed (t, j) of g_tj ||f||, g the applied weight  statistic "mean"
+    razor      conditional RMS over routed (t, j) of                       statistic "rms"
+               δ = λ ||w_j r_j - w_r r_r|| / max(1 - w_j + w_r, 1e-6)
+with, for token t: w = applied weights / λ, c = Σ_j w_j f_j, r_j = f_j - c; the refill expert
+r = ffn_moe_argsort[t, k] (rank k, 0-based: the router's own ranking, selection bias and group mask
+included); f_r evaluated in numpy from the dequantized weights of r at the MoE input (src[1] of
+ffn_moe_logits), r_r = f_r - c, w_r = p_r / Σ_j p_Sj with p = ffn_moe_probs (for softmax-weight
+gating, where ffn_moe_probs holds the logits, p = their softmax over all experts).
+Every criterion also records the largest |f| element per expert (REAP's max activation).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ggufcarve.errors import BadInput
+from ggufcarve.select.experts import ExpertEvaluator
+from ggufcarve.select.scores import BlockStats
+
+TRACE_METHODS = ("frequency", "ean", "reap", "razor")
+STATISTIC = {"frequency": "count", "ean": "mean", "reap": "mean", "razor": "rms"}
+WEIGHT_NODES = ("ffn_moe_weights_scaled", "ffn_moe_weights_norm", "ffn_moe_weights_softmax", "ffn_moe_weights")
+DELTA_FLOOR = 1e-6
+
+
+def nodes_for(method: str) -> tuple[str, ...]:
+    """The graph nodes a criterion reads."""
+    if method == "frequency":
+        return ("ffn_moe_topk",)
+    if method == "ean":
+        return ("ffn_moe_topk", "ffn_moe_down")
+    if method == "reap":
+        return ("ffn_moe_topk", "ffn_moe_down", *WEIGHT_NODES)
+    return ("ffn_moe_topk", "ffn_moe_down", "ffn_moe_argsort", "ffn_moe_probs", "ffn_moe_input", *WEIGHT_NODES)
+
+
+def applied_weights(nodes: dict[str, np.ndarray]) -> tuple[np.ndarray, float]:
+    """The weights llama.cpp multiplied the expert outputs with [T, k], and λ."""
+    present = [n for n in WEIGHT_NODES if n in nodes]
+    if not present:
+        raise BadInput("the trace has no ffn_moe_weights node", "this llama.cpp graph does not weight its experts the way build_moe_ffn does")
+    applied = nodes[present[0]].astype(np.float64)
+    scale = 1.0
+    if present[0] == "ffn_moe_weights_scaled" and len(present) > 1:
+        before = nodes[present[1]].astype(np.float64)
+        ratio = applied[before != 0] / before[before != 0]
+        scale = float(np.median(ratio)) if ratio.size else 1.0
+    return applied, scale
+
+
+def softmax(x: np.ndarray) -> np.ndarray:
+    z = x - x.max(axis=-1, keepdims=True)
+    e = np.exp(z)
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+@dataclass
+class TraceStatistics:
+    """Per block accumulators of one criterion; `add` takes one micro-batch of one block's nodes."""
+
+    method: str
+    expert_count: int
+    evaluator: ExpertEvaluator | None = None  # razor only
+    counts: dict[int, np.ndarray] = field(default_factory=dict)
+    sums: dict[int, np.ndarray] = field(default_factory=dict)
+    sums_sq: dict[int, np.ndarray] = field(default_factory=dict)
+    maxima: dict[int, np.ndarray] = field(default_factory=dict)
+
+    def _arrays(self, block: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        n = self.expert_count
+        if block not in self.counts:
+            self.counts[block] = np.zeros(n, np.int64)
+            self.sums[block], self.sums_sq[block], self.maxima[block] = np.zeros(n), np.zeros(n), np.zeros(n)
+        return self.counts[block], self.sums[block], self.sums_sq[block], self.maxima[block]
+
+    def add(self, block: int, nodes: dict[str, np.ndarray]) -> None:
+        counts, sums, sums_sq, maxima = self._arrays(block)
+        topk = nodes["ffn_moe_topk"].astype(np.int64)  # [T, k]
+        flat = topk.reshape(-1)
+        counts += np.bincount(flat, minlength=self.expert_count)
+        if self.method == "frequency":
+            return
+        outputs = nodes["ffn_moe_down"].astype(np.float64)  # [T, k, n_embd]
+        bias = self.evaluator.down_bias(block) if self.evaluator is not None else None
+        if bias is not None:
+            outputs = outputs + bias[topk]
+        norms = np.linalg.norm(outputs, axis=-1)  # [T, k]
+        np.maximum.at(maxima, flat, np.abs(outputs).max(axis=-1).reshape(-1))
+        if self.method == "ean":
+            np.add.at(sums, flat, norms.reshape(-1))
+            return
+        weights, scale = applied_weights(nodes)
+        if self.method == "reap":
+            np.add.at(sums, flat, (weights * norms).reshape(-1))
+            return
+        deltas = self.razor_deltas(block, nodes, topk, outputs, weights, scale)
+        np.add.at(sums, flat, deltas.reshape(-1))
+        np.add.at(sums_sq, flat, (deltas**2).reshape(-1))
+
+    def razor_deltas(self, block: int, nodes: dict[str, np.ndarray], topk: np.ndarray, outputs: np.ndarray, weights: np.ndarray, scale: float) -> np.ndarray:
+        """δ [T, k] of every selected (token, slot)."""
+        assert self.evaluator is not None
+        k = topk.shape[1]
+        if k < 2:
+            raise BadInput("razor needs at least 2 experts per token (top-k >= 2)", "use reap or ean for top-1 routing")
+        w = weights / scale  # [T, k]
+        mixture = np.einsum("tk,tke->te", w, outputs)  # c
+        residuals = outputs - mixture[:, None, :]  # r_j
+        refill = nodes["ffn_moe_argsort"][:, k].astype(np.int64)  # [T]
+        probs = nodes["ffn_moe_probs"].astype(np.float64)  # [T, E]
+        if "ffn_moe_weights_softmax" in nodes:
+            probs = softmax(probs)
+        selected_sum = np.take_along_axis(probs, topk, axis=1).sum(axis=1)
+        w_refill = probs[np.arange(len(refill)), refill] / np.maximum(selected_sum, DELTA_FLOOR)  # [T]
+        inputs = nodes["ffn_moe_input"]
+        refill_out = np.empty_like(mixture)
+        bias = self.evaluator.down_bias(block)
+        for expert in np.unique(refill):
+            rows = np.flatnonzero(refill == expert)
+            refill_out[rows] = self.evaluator.outputs(block, int(expert), inputs[rows])
+            if bias is not None:
+                refill_out[rows] += bias[expert]
+        refill_residual = refill_out - mixture  # r_r [T, n_embd]
+        numerator = np.linalg.norm(w[:, :, None] * residuals - (w_refill[:, None, None] * refill_residual[:, None, :]), axis=-1)
+        return scale * numerator / np.maximum(1.0 - w + w_refill[:, None], DELTA_FLOOR)
+
+    def blocks(self) -> dict[int, BlockStats]:
+        statistic = STATISTIC[self.method]
+        out = {}
+        for b in sorted(self.counts):
+            out[b] = BlockStats(
+                self.method, statistic, counts=self.counts[b],
+                sums=None if self.method == "frequency" else self.sums[b],
+                sums_sq=self.sums_sq[b] if self.method == "razor" else None,
+                maxima=None if self.method == "frequency" else self.maxima[b],
+            )
+        return out

@@ -1,0 +1,195 @@
+"""Criteria without a forward pass: `weights`, `router-norm` and `random`.
+
+weights:      I_e = ||router_row_e||_2 x scale_energy_e
+router-norm:  ||router_row_e||_2 (row e of `ffn_gate_inp.weight`, dequantized)
+random:       uniform [0, 1) per expert from numpy's default generator seeded with (seed, block)
+
+scale_energy_e is the mean, over the expert's weight tensors (ffn_gate/up/down/gate_up_exps), of
+the mean magnitude of the scales in its slab, times |ffn_*_exps.scale[e]| where the file has such a
+per-expert scale. The scale of a block is the factor that multiplies its integer quants:
+    Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q8_1 IQ4_NL   |d| (f16 at byte 0 of each 32-value block); the Q4_1/Q5_1
+                                           offset m is not a scale and is left out
+    Q2_K   |d * (scales[j] & 0xF)|         per 16-value sub-block; the dmin * (scales[j] >> 4) offset left out
+    Q3_K   |d * (sc_j - 32)|               6-bit sub-block scales (16 per 256-value super-block)
+    Q4_K Q5_K  |d * sc_j|                  6-bit sub-block scales (8 per super-block); dmin * m_j left out
+    Q6_K   |d * scales[j]|                 int8 sub-block scales (16 per super-block)
+    MXFP4  2^(e - 127)                     e8m0 exponent byte of each 32-value block
+    NVFP4  ue4m3 sub-block scale           4 per 64-value block
+    F32 F16 BF16 and every other type      RMS of the dequantized slab (gguf-py's dequantizer)
+Scores are comparable within a block (every expert of a tensor has the same type), which is all a
+per-block top-K needs. The model is read once, tensor by tensor in file order, a few experts at a time.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Iterable, Sequence
+
+import numpy as np
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import NVFP4, Q4_K
+
+from ggufcarve.errors import BadInput
+from ggufcarve.events import Counter, Sink, ignore
+from ggufcarve.gguf.container import GGUFModel, TensorInfo
+from ggufcarve.gguf.tensors import dequantize, tensor_values
+from ggufcarve.moe.layout import ExpertTensor, MoeLayout
+from ggufcarve.select.scores import BlockStats
+
+Q = GGMLQuantizationType
+READ_BYTES = 2 << 20  # bytes read and decoded at a time by one thread (at least one expert slab)
+READ_THREADS = 3  # reading and decoding overlap: faster than one read of the file on 2 cores
+SCALE_RULES: dict[str, str] = {
+    **{t: "|d| per 32-value block" for t in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q8_1", "IQ4_NL")},
+    "Q2_K": "|d * (scales[j] & 0xF)| per 16-value sub-block",
+    "Q3_K": "|d * (sc_j - 32)| per 16-value sub-block",
+    "Q4_K": "|d * sc_j| per 32-value sub-block",
+    "Q5_K": "|d * sc_j| per 32-value sub-block",
+    "Q6_K": "|d * scales[j]| per 16-value sub-block",
+    "MXFP4": "2^(e - 127) per 32-value block",
+    "NVFP4": "ue4m3 scale per 16-value sub-block",
+}
+RMS_RULE = "RMS of the dequantized slab"
+WEIGHT_SUFFIXES = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight", "ffn_gate_up_exps.weight")
+
+
+F16_AT_ZERO = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q8_1", "IQ4_NL")  # |d|: the f16 at byte 0 of every block
+
+
+def _f16_at(blocks: np.ndarray, offset: int) -> np.ndarray:
+    """The f16 field at byte `offset` of every block (uint8 [..., type_size]) as float32 [..., 1]."""
+    return blocks[..., offset : offset + 2].view(np.float16).astype(np.float32)
+
+
+def block_scales(blocks: np.ndarray, qtype: Q) -> np.ndarray | None:
+    """|scale| of every (sub-)block of `blocks` (uint8 [n_blocks, type_size]); None: the type has no scale rule."""
+    if qtype.name in F16_AT_ZERO:
+        return np.abs(_f16_at(blocks, 0))
+    if qtype == Q.Q2_K:  # scales[16] | qs[64] | d | dmin
+        return np.abs(_f16_at(blocks, 80) * (blocks[:, :16] & 0xF).astype(np.float32))
+    if qtype == Q.Q3_K:  # hmask[32] | qs[64] | scales[12] | d
+        packed = blocks[:, 96:108]
+        low = (packed[:, None, :8] >> np.array([0, 4], dtype=np.uint8)[:, None]).reshape(-1, 16) & 0x0F
+        high = (packed[:, None, 8:12] >> np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]).reshape(-1, 16) & 0x03
+        sc = (low | (high << 4)).astype(np.int8).astype(np.float32) - 32
+        return np.abs(_f16_at(blocks, 108) * sc)
+    if qtype in (Q.Q4_K, Q.Q5_K):  # d | dmin | scales[12] | ...
+        sc, _ = Q4_K.get_scale_min(np.ascontiguousarray(blocks[:, 4:16]))
+        return np.abs(_f16_at(blocks, 0) * sc.astype(np.float32))
+    if qtype == Q.Q6_K:  # ql[128] | qh[64] | scales[16] (int8) | d
+        return np.abs(_f16_at(blocks, 208) * np.ascontiguousarray(blocks[:, 192:208]).view(np.int8).astype(np.float32))
+    if qtype == Q.MXFP4:  # e (e8m0) | qs[16]
+        return np.exp2(blocks[:, :1].astype(np.float32) - 127)
+    if qtype == Q.NVFP4:  # 4 x ue4m3 | qs[32]; gguf-py's decoder halves the scale for its doubled kvalues
+        return np.asarray(NVFP4.ue4m3_to_fp32(blocks[:, :4]), dtype=np.float32) * 2
+    return None
+
+
+def slab_energy(slabs: np.ndarray, tensor_type: int, expert_shape: tuple[int, ...]) -> tuple[np.ndarray, str]:
+    """Per expert (rows of `slabs`, uint8 [n, slab_bytes]): its scale energy, and the rule used."""
+    qtype = Q(tensor_type)
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    if block_size > 1:
+        blocks = slabs.reshape(len(slabs), -1, type_size)
+        with np.errstate(invalid="ignore", over="ignore"):
+            if qtype.name in F16_AT_ZERO:  # |d| by clearing the f16 sign bit: no copy of the blocks
+                magnitudes = (blocks[:, :, 0:2].view(np.uint16) & np.uint16(0x7FFF)).view(np.float16)
+                return magnitudes.mean(axis=(1, 2), dtype=np.float64), SCALE_RULES[qtype.name]
+            scales = block_scales(blocks.reshape(-1, type_size), qtype)
+            if scales is not None:
+                return scales.reshape(len(slabs), -1).mean(axis=1, dtype=np.float64), SCALE_RULES[qtype.name]
+    energies = np.empty(len(slabs), dtype=np.float64)
+    for i, slab in enumerate(slabs):
+        values = dequantize(slab.tobytes(), tensor_type, expert_shape)
+        energies[i] = np.sqrt(np.mean(np.square(values, dtype=np.float64)))
+    return energies, RMS_RULE
+
+
+def router_norms(model: GGUFModel, layout: MoeLayout, block: int) -> np.ndarray:
+    """||row_e||_2 of the block's router, float64 per expert."""
+    values = tensor_values(model, f"blk.{block}.ffn_gate_inp.weight")
+    with np.errstate(invalid="ignore", over="ignore"):
+        return np.linalg.norm(values.reshape(layout.expert_count, -1).astype(np.float64), axis=1)
+
+
+def _weight_tensors(layout: MoeLayout, blocks: Iterable[int]) -> list[ExpertTensor]:
+    wanted = set(blocks)
+    return [t for layer in layout.layers if layer.block in wanted for t in layer.tensors if t.name.split(".", 2)[2] in WEIGHT_SUFFIXES]
+
+
+def weight_energies(model: GGUFModel, layout: MoeLayout, blocks: Sequence[int], on_event: Sink = ignore) -> tuple[dict[int, np.ndarray], dict[str, str]]:
+    """Scale energy per block and expert, reading each expert weight tensor once in file order.
+
+    A few experts are read (pread into a per-thread buffer) and decoded at a time, on a small pool
+    of threads (numpy and the reads release the GIL). Returns the energies and the rule applied per
+    tensor type."""
+    n = layout.expert_count
+    tensors = _weight_tensors(layout, blocks)
+    located = sorted(((model.tensor_index[t.name], t) for t in tensors), key=lambda x: (x[0][0], x[0][1].offset))
+    progress = Counter(on_event, "read experts", sum(t.nbytes for t in tensors), "bytes")
+    energies = {t.name: np.empty(n, dtype=np.float64) for _, t in located}
+    rules: dict[str, str] = {}
+    local = threading.local()
+    fds: dict[int, int] = {}
+
+    def decode(job: tuple[int, TensorInfo, ExpertTensor, int, int]) -> None:
+        shard, info, t, first, count = job
+        size = count * t.bytes_per_expert
+        buffer = getattr(local, "buffer", None)
+        if buffer is None or len(buffer) < size:
+            buffer = local.buffer = bytearray(max(size, READ_BYTES))
+        start, _ = model.shards[shard].data_range(info)
+        got = os.preadv(fds[shard], [memoryview(buffer)[:size]], start + first * t.bytes_per_expert)
+        if got != size:
+            raise BadInput(f"{model.shards[shard].path}: {t.name} is truncated", "the file is incomplete; re-copy it")
+        slabs = np.frombuffer(buffer, dtype=np.uint8, count=size).reshape(count, t.bytes_per_expert)
+        energies[t.name][first : first + count], rules[t.type_name] = slab_energy(slabs, info.type_id, info.shape[:-1])
+        progress(size, t.name)
+
+    jobs = []
+    for (shard, info), t in located:
+        step = max(1, READ_BYTES // t.bytes_per_expert)
+        jobs += [(shard, info, t, first, min(step, n - first)) for first in range(0, n, step)]
+    try:
+        for shard in {shard for (shard, _), _ in located}:
+            fds[shard] = os.open(model.shards[shard].path, os.O_RDONLY)
+        with ThreadPoolExecutor(READ_THREADS) as pool:
+            for _ in pool.map(decode, jobs):
+                pass
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    per_block: dict[int, list[np.ndarray]] = {b: [] for b in blocks}
+    for _, t in located:
+        energy = energies[t.name]
+        scale_name = t.name.rsplit(".", 1)[0] + ".scale"
+        if scale_name in model.tensor_index:
+            energy = energy * np.abs(tensor_values(model, scale_name).astype(np.float64).reshape(n))
+        per_block[t.block].append(energy)
+    return {b: np.mean(per_block[b], axis=0) for b in blocks}, rules
+
+
+def _finite(values: np.ndarray, model: GGUFModel, block: int, what: str) -> np.ndarray:
+    if not np.isfinite(values).all():
+        bad = [int(e) for e in np.flatnonzero(~np.isfinite(values))]
+        raise BadInput(f"{model.path.name}: blk.{block} {what} of expert(s) {bad[:8]} are not finite", "the file's weights are corrupt (NaN or Inf); re-convert or re-download it")
+    return values
+
+
+def weights_stats(model: GGUFModel, layout: MoeLayout, blocks: Sequence[int], on_event: Sink = ignore, note: str = "") -> tuple[dict[int, BlockStats], dict[str, str]]:
+    energies, rules = weight_energies(model, layout, blocks, on_event)
+    stats = {}
+    for b in blocks:
+        norms = _finite(router_norms(model, layout, b), model, b, "router row norms")
+        stats[b] = BlockStats("weights", "value", sums=norms * _finite(energies[b], model, b, "weight scales"), note=note)
+    return stats, rules
+
+
+def router_norm_stats(model: GGUFModel, layout: MoeLayout) -> dict[int, BlockStats]:
+    return {b: BlockStats("router-norm", "value", sums=_finite(router_norms(model, layout, b), model, b, "router row norms")) for b in layout.blocks}
+
+
+def random_stats(layout: MoeLayout, seed: int) -> dict[int, BlockStats]:
+    return {b: BlockStats("random", "value", sums=np.random.default_rng([seed, b]).random(layout.expert_count)) for b in layout.blocks}

@@ -1,0 +1,212 @@
+"""Calibration criteria traced through llama.cpp: frequency, ean, reap, razor (llama.cpp is the judge)."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+
+import factory
+import numpy as np
+import pytest
+from clirun import ggufcarve
+from conftest import CALIBRATION_WORDS
+from gguf import GGUFReader
+
+from ggufcarve.gguf.container import read_model
+from ggufcarve.llama.trace import trace_routing
+from ggufcarve.moe.layout import inspect_layout
+from ggufcarve.select.experts import ExpertEvaluator
+from ggufcarve.select.from_trace import TraceStatistics
+from ggufcarve.select.methods import score_model
+
+
+@pytest.fixture(scope="module")
+def calibration_text(tmp_path_factory):
+    rng = random.Random(1)
+    path = tmp_path_factory.mktemp("calibration") / "calibration.txt"
+    path.write_text(" ".join(rng.choice(CALIBRATION_WORDS) for _ in range(700)))
+    return path
+
+
+class FixedEvaluator:
+    """f_r of the refill expert, given by hand."""
+
+    def __init__(self, refill_output):
+        self.refill_output = np.asarray(refill_output, dtype=np.float32)
+
+    def outputs(self, block, expert, x):
+        return np.tile(self.refill_output, (len(x), 1))
+
+    def down_bias(self, block):
+        return None
+
+
+def test_reap_and_razor_equal_a_hand_computation():
+    # One token routed to experts 0 and 1 (f0 = [1, 0], f1 = [0, 1]) with renormalised weights
+    # 0.75 / 0.25 and probs 0.6 / 0.2 / 0.2; the router's rank-2 expert is 2 with f2 = [1, 1].
+    nodes = {
+        "ffn_moe_topk": np.array([[0, 1]], np.int32),
+        "ffn_moe_down": np.array([[[1.0, 0.0], [0.0, 1.0]]], np.float32),
+        "ffn_moe_weights": np.array([[0.6, 0.2]], np.float32),
+        "ffn_moe_weights_norm": np.array([[0.75, 0.25]], np.float32),
+        "ffn_moe_probs": np.array([[0.6, 0.2, 0.2]], np.float32),
+        "ffn_moe_argsort": np.array([[0, 1, 2]], np.int32),
+        "ffn_moe_input": np.zeros((1, 2), np.float32),
+    }
+    reap = TraceStatistics("reap", 3)
+    reap.add(0, nodes)
+    np.testing.assert_allclose(reap.blocks()[0].score(), [0.75, 0.25, 0.0])
+    razor = TraceStatistics("razor", 3, FixedEvaluator([1.0, 1.0]))
+    razor.add(0, nodes)
+    # c = [0.75, 0.25]; r0 = [0.25, -0.25]; r1 = [-0.75, 0.75]; r2 = [0.25, 0.75]; w_r = 0.2 / 0.8
+    # δ0 = ||0.75 r0 - 0.25 r2|| / (1 - 0.75 + 0.25) = ||[0.125, -0.375]|| / 0.5 = sqrt(0.15625) / 0.5
+    # δ1 = ||0.25 r1 - 0.25 r2|| / (1 - 0.25 + 0.25) = ||[-0.25, 0]|| = 0.25
+    np.testing.assert_allclose(razor.blocks()[0].score(), [np.sqrt(0.15625) / 0.5, 0.25, 0.0], rtol=1e-6)
+    assert razor.blocks()[0].counts.tolist() == [1, 1, 0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["qwen3moe", "deepseek2", "qwen35moe"])
+def test_frequency_counts_equal_llama_imatrix_counts(arch, make_model, llama_tools, calibration_text, tmp_path):
+    model = make_model(arch, "F16")
+    out = tmp_path / "imatrix.gguf"
+    proc = subprocess.run([str(llama_tools / "llama-imatrix"), "-m", str(model), "-f", str(calibration_text), "-o", str(out),
+                           "-c", "128", "-b", "128", "-t", "2", "--no-repack"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    loaded = read_model(model)
+    scores = score_model(loaded, inspect_layout(loaded), "frequency", calibration=[calibration_text], ctx=128, threads=2)
+    written = {t.name: np.asarray(t.data).reshape(-1) for t in GGUFReader(out).tensors if t.name.endswith("ffn_up_exps.weight.counts")}
+    traced = [b for b, s in scores.blocks.items() if s.rule == "frequency"]
+    assert traced and len(traced) == len(written)
+    for block in traced:
+        np.testing.assert_array_equal(scores.blocks[block].counts, np.rint(written[f"blk.{block}.ffn_up_exps.weight.counts"]).astype(np.int64))
+    assert scores.tokens == sum(scores.blocks[traced[0]].counts) // inspect_layout(loaded).expert_used_count
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", factory.ARCHES)
+def test_numpy_expert_outputs_equal_llama_cpps_ffn_moe_down(arch, make_model):
+    path = make_model(arch, "F32")
+    model = read_model(path)
+    layout = inspect_layout(model)
+    tokens = [factory.BOS_ID] + [int(t) for t in np.random.default_rng(3).integers(3, factory.N_VOCAB, 15)]
+    trace = trace_routing(path, tokens, nodes=("ffn_moe_topk", "ffn_moe_down", "ffn_moe_input"), logits=False, threads=2)
+    evaluator = ExpertEvaluator(model, layout)
+    assert set(trace.topk) == {b for b in layout.blocks if not layout.is_mtp(b)}
+    for block, topk in trace.topk.items():
+        down, x = trace.nodes["ffn_moe_down"][block], trace.nodes["ffn_moe_input"][block]
+        for t in range(len(tokens)):
+            for j, expert in enumerate(topk[t]):
+                ours = evaluator.outputs(block, int(expert), x[t:t + 1])[0]
+                np.testing.assert_allclose(ours, down[t, j], rtol=2e-3, atol=2e-5 * float(np.abs(down[t, j]).max()))
+
+
+def copy_experts(src, dst, block, source, copies):
+    """`src` with experts `copies` of `block` made byte-identical to `source` (expert slabs and router rows)."""
+    dst.write_bytes(src.read_bytes())
+    model = read_model(dst)
+    layout = inspect_layout(model)
+    with open(dst, "r+b") as f:
+        for t in next(layer for layer in layout.layers if layer.block == block).tensors:
+            if t.role not in ("expert weight", "router"):
+                continue
+            _, info = model.tensor_index[t.name]
+            start, _ = model.shards[0].data_range(info)
+            f.seek(start + source * t.bytes_per_expert)
+            slab = f.read(t.bytes_per_expert)
+            for c in copies:
+                f.seek(start + c * t.bytes_per_expert)
+                f.write(slab)
+    return dst
+
+
+@pytest.mark.slow
+def test_razor_scores_interchangeable_copies_near_zero(make_model, calibration_text, tmp_path):
+    # top-2 routing and k + 1 = 3 identical experts: deleting one promotes another copy.
+    copies = (3, 5, 6)
+    path = copy_experts(make_model("qwen3moe", "F32"), tmp_path / "copies.gguf", 0, copies[0], copies[1:])
+    model = read_model(path)
+    layout = inspect_layout(model)
+    score = {m: score_model(model, layout, m, calibration=[calibration_text], ctx=128, threads=2).blocks[0] for m in ("frequency", "reap", "razor")}
+    others = [e for e in range(layout.expert_count) if e not in copies]
+    # llama.cpp's argsort breaks the tie between equal router scores the same way every time, so
+    # two copies share the selections and the third only ever stands in as the refill expert.
+    used = [e for e in copies if score["frequency"].counts[e] > 0]
+    assert len(used) == 2 and score["frequency"].counts[used].min() > 0.05 * score["frequency"].counts.sum()
+    reap, razor = score["reap"].score(), score["razor"].score()
+    assert min(reap[used]) > 0.1 * max(reap[others])
+    assert max(razor[list(copies)]) < 1e-3 * max(razor[others])
+
+
+@pytest.mark.slow
+def test_calibration_through_the_cli(make_model, calibration_text, tmp_path):
+    model = make_model("deepseek2", "F16")
+    jsonl = tmp_path / "calibration.jsonl"
+    jsonl.write_text(json.dumps({"text": calibration_text.read_text()}) + "\n")
+    out = tmp_path / "reap.json"
+    result = ggufcarve("select", model, "--method", "reap", "--calibration", jsonl, "--ctx", 128, "--keep", 8, "--protect-super-experts", "-t", 2, "-o", out, "-q")
+    assert result.code == 0, result.stderr
+    record = json.loads(out.read_text())
+    assert record["calibration"][0]["name"] == "calibration.jsonl" and record["calibration"][0]["tokens"] > 128
+    assert record["parameters"]["ctx"] == 128 and record["tokens"] == record["parameters"]["chunks"] * 128
+    assert all(len(e["routed"]) == 16 for e in record["per_block"].values())
+    text_out = tmp_path / "text.json"
+    assert ggufcarve("select", model, "--method", "reap", "--calibration", calibration_text, "--ctx", 128, "--keep", 8, "-t", 2, "-o", text_out, "-q").code == 0
+    assert json.loads(text_out.read_text())["per_block"] == {b: {k: v for k, v in e.items() if k not in ("protected", "super_experts")} for b, e in record["per_block"].items()}
+    pruned = tmp_path / "pruned" / "model.gguf"
+    assert ggufcarve("prune", model, "--keep", out, "-o", pruned, "-q").code == 0
+
+
+def test_empty_or_short_calibration_is_refused(make_model, tmp_path):
+    model = make_model("qwen3moe", "F16")
+    out = tmp_path / "sel.json"
+    empty = tmp_path / "empty.txt"
+    empty.write_text("  \n")
+    for args, message in (
+        (["--calibration", empty], "empty calibration file"),
+        ([], "give --calibration FILE"),
+    ):
+        result = ggufcarve("select", model, "--method", "frequency", "--keep", 4, *args, "-o", out)
+        assert result.code == 1 and message in result.error_line and len(result.stderr.strip().splitlines()) == 1, result.stderr
+        assert not out.exists()
+    short = tmp_path / "short.txt"
+    short.write_text("a few words")
+    result = ggufcarve("select", model, "--method", "frequency", "--keep", 4, "--calibration", short, "-o", out, "-q")
+    assert result.code == 1 and "fewer than one --ctx chunk of 512" in result.error_line, result.stderr
+    assert not out.exists()
+
+
+def with_chat_template(src, dst, template):
+    """`src` with a tokenizer.chat_template key added (tensor data copied unchanged)."""
+    from gguf.constants import GGUFValueType
+
+    from ggufcarve.gguf.container import TensorHeader, encode_header, make_kv
+
+    f = read_model(src).shards[0]
+    tensors = [TensorHeader(t.name, t.shape, t.type_id, t.nbytes) for t in f.tensors]
+    header, offsets = encode_header(f.version, [*f.kvs, make_kv("tokenizer.chat_template", GGUFValueType.STRING, template)], tensors, f.alignment)
+    assert offsets == [t.offset for t in f.tensors]
+    with open(src, "rb") as source:
+        source.seek(f.data_start)
+        dst.write_bytes(header + source.read())
+    return dst
+
+
+@pytest.mark.slow
+def test_chat_messages_are_rendered_with_the_models_template(make_model, tmp_path):
+    chatml = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    model = with_chat_template(make_model("qwen3moe", "F16"), tmp_path / "chat.gguf", chatml)
+    words = " ".join(CALIBRATION_WORDS * 12)
+    messages = [{"role": "user", "content": words}, {"role": "assistant", "content": words[::-1]}]
+    rendered = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+    (tmp_path / "chat.jsonl").write_text(json.dumps({"messages": messages}) + "\n")
+    (tmp_path / "text.jsonl").write_text(json.dumps({"text": rendered}) + "\n")
+    loaded = read_model(model)
+    layout = inspect_layout(loaded)
+    chat, text = (score_model(loaded, layout, "frequency", calibration=[tmp_path / n], ctx=128, threads=2) for n in ("chat.jsonl", "text.jsonl"))
+    assert chat.tokens == text.tokens > 0 and chat.inputs[0]["tokens"] == text.inputs[0]["tokens"]
+    for block in (0, 1):
+        np.testing.assert_array_equal(chat.blocks[block].counts, text.blocks[block].counts)
+    result = ggufcarve("select", make_model("qwen3moe", "F16"), "--method", "frequency", "--calibration", tmp_path / "chat.jsonl", "--keep", 4, "-o", tmp_path / "s.json")
+    assert result.code == 1 and "has no chat template" in result.error_line
