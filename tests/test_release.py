@@ -11,6 +11,7 @@ import pytest
 from clirun import ggufcarve, sha256
 
 from ggufcarve.gguf.container import read_model
+from ggufcarve.imatrix.formats import read_imatrix
 
 SPEC = """
 [[rungs]]
@@ -121,7 +122,12 @@ def test_published_files_hold_no_local_paths(spec, q8_moe, q8_moe_imatrix, llama
         assert not [d for d in local if d in text] and ".partial" not in text, path
     rung = json.loads((out / "quant-manifest.json").read_text())["rungs"][0]
     assert rung["command"] == ["llama-quantize", "--allow-requantize", "--imatrix", "pruned.imatrix.gguf", "pruned-Q8_0.gguf", "pruned-Q4_K_M.gguf", "Q4_K_M", "2"]
-    assert read_model(out / "pruned-Q4_K_M.gguf").get("quantize.imatrix.file") == "pruned.imatrix.gguf"
+    rung_file = read_model(out / "pruned-Q4_K_M.gguf")
+    assert rung_file.get("quantize.imatrix.file") == "pruned.imatrix.gguf"
+    # llama-imatrix recorded its calibration text by the path it was given; the rung names it bare
+    assert "/" in read_imatrix(remapped).datasets[0]
+    assert rung_file.get("quantize.imatrix.dataset") == Path(read_imatrix(remapped).datasets[0]).name
+    assert not [p.name for p in out.iterdir() if p.name.endswith(".tmp")]  # the quantizer's imatrix copy is gone
     assert ggufcarve("verify", out).code == 0
 
 

@@ -35,7 +35,7 @@ import shutil
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -44,6 +44,7 @@ from ggufcarve.events import Counter, Event, Sink, ignore
 from ggufcarve.fileio import (
     bytes_on_disk,
     dead_temps,
+    make_temp_dir,
     remove_dead_temps,
     sha256_file,
     sha256_file_cached,
@@ -270,9 +271,43 @@ def plan_ladder(
     return LadderPlan(spec, model, source_sha, out, model_name or model_name_from(source_path), quantizer, info, planned, warnings, nthreads, method_reports, fresh)
 
 
-def _rung_names(planned: Sequence[PlannedRung]) -> Callable[[str], bool]:
-    """Accepts the file names of the planned rungs (to find their temp files)."""
-    return {p.output.name for p in planned}.__contains__
+def _rung_names(planned: Sequence[PlannedRung], imatrix: ImatrixInfo | None = None) -> Callable[[str], bool]:
+    """Accepts the file names of the planned rungs and of the imatrix (to find their temp files)."""
+    return ({p.output.name for p in planned} | ({imatrix.path.name} if imatrix else set())).__contains__
+
+
+def _imatrix_without_directories(plan: LadderPlan, out: Path, to_run: Sequence[PlannedRung]) -> Path | None:
+    """A copy of the imatrix whose dataset names are bare file names, or None when they already are.
+
+    llama-quantize (and llama_model_quantize) copy the imatrix's first dataset name, which
+    llama-imatrix records as given on its command line (often an absolute path), into every rung's
+    `quantize.imatrix.dataset` key; a published rung must not carry a local directory. The copy
+    holds the same values under the same file name, in this run's temp directory of the release.
+    """
+    from gguf.constants import GGUFValueType
+
+    from ggufcarve.gguf.container import make_kv, replace_kvs
+    from ggufcarve.imatrix.formats import KEY_DATASETS, read_imatrix, write_to_fd
+
+    if plan.imatrix is None or not any(p.job.imatrix is not None for p in to_run):
+        return None
+    imatrix = read_imatrix(plan.imatrix.path)
+    bare = tuple(public_name(d) for d in imatrix.datasets)
+    if bare == tuple(imatrix.datasets):
+        return None
+    if imatrix.format == "gguf":
+        changed = replace(imatrix, datasets=bare, kvs=tuple(replace_kvs(imatrix.kvs, {KEY_DATASETS: make_kv(KEY_DATASETS, GGUFValueType.ARRAY, list(bare), GGUFValueType.STRING)})))
+    else:
+        assert imatrix.dat_trailer is not None
+        chunks, dataset = imatrix.dat_trailer
+        changed = replace(imatrix, datasets=bare, dat_trailer=(chunks, public_name(dataset.decode("utf-8", errors="replace")).encode() if dataset is not None else None))
+    copy = make_temp_dir(out / plan.imatrix.path.name) / plan.imatrix.path.name
+    fd = os.open(copy, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        write_to_fd(changed, fd)
+    finally:
+        os.close(fd)
+    return copy
 
 
 def _check_disk(out: Path, planned: Sequence[PlannedRung]) -> None:
@@ -413,8 +448,9 @@ def run_ladder(plan: LadderPlan, *, keep_going: bool = False, on_event: Sink = i
                 _note(on_event, "validate", f"started the release afresh: removed {', '.join(removed)}")
         previous = _previous_rungs(plan)
         method = publish_method_reports(out, plan.method_reports)
-        remove_dead_temps(out, _rung_names(plan.rungs))  # left by an interrupted run
+        remove_dead_temps(out, _rung_names(plan.rungs, plan.imatrix))  # left by an interrupted run
         resumable = _check_resumable(plan, previous, on_event)
+        quantizer_imatrix = _imatrix_without_directories(plan, out, [p for p in plan.rungs if p.rung.name not in resumable])
         hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ggufcarve-hash")
         pending: list[Future[None]] = []
 
@@ -450,7 +486,8 @@ def run_ladder(plan: LadderPlan, *, keep_going: bool = False, on_event: Sink = i
                 if m:
                     on_event(Event(name, int(m["index"]), int(m["total"]), "tensors", m["name"]))
 
-            run: QuantizeRun = plan.quantizer.run(p.job, on_line)
+            job = replace(p.job, imatrix=quantizer_imatrix) if quantizer_imatrix is not None and p.job.imatrix is not None else p.job
+            run: QuantizeRun = plan.quantizer.run(job, on_line)
             quantizer_seconds += run.seconds
             result.exit_status, result.seconds = run.returncode, run.seconds
             if run.returncode == 0 and p.temp.exists():
@@ -487,6 +524,8 @@ def run_ladder(plan: LadderPlan, *, keep_going: bool = False, on_event: Sink = i
             hasher.shutdown(wait=True, cancel_futures=True)
         for p in plan.rungs:
             p.temp.unlink(missing_ok=True)
+        if plan.imatrix is not None:
+            shutil.rmtree(temp_path_for(out / plan.imatrix.path.name), ignore_errors=True)
         lock.close()
     ordered = [results[p.rung.name] for p in plan.rungs]
     result = LadderResult(plan, ordered, out / MANIFEST_NAME, sums, time.monotonic() - started, quantizer_seconds, hash_seconds[0])
