@@ -9,34 +9,18 @@ whole process on a failed assert. Models load on the CPU (`n_gpu_layers = 0`) wi
 from __future__ import annotations
 
 import ctypes
-import sys
 from typing import Iterator, Sequence
 
 import numpy as np
 
+from ggufcarve.llama.libllama import forward_warnings, load_model
+
 # ggml_log_level: DEBUG 1, INFO 2, WARN 3, ERROR 4, CONT 5 (continues the previous message)
-_LOG_WARN, _LOG_ERROR, _LOG_CONT = 3, 4, 5
-_KEEPALIVE: list[object] = []  # ctypes callbacks handed to llama.cpp must outlive every call
 
 
 class EngineError(Exception):
     """libllama refused the model or a decode failed."""
 
-
-def _quiet_logs(llama_cpp) -> None:
-    """Forward llama.cpp's warnings and errors to stderr; drop its info and debug lines."""
-    last_forwarded = [False]
-
-    def log_callback(level, text, _user_data):
-        forward = level in (_LOG_WARN, _LOG_ERROR) or (level == _LOG_CONT and last_forwarded[0])
-        if level != _LOG_CONT:
-            last_forwarded[0] = forward
-        if forward and text:
-            sys.stderr.write(text.decode("utf-8", errors="replace"))
-
-    callback = llama_cpp.llama_log_callback(log_callback)
-    _KEEPALIVE.append(callback)
-    llama_cpp.llama_log_set(callback, ctypes.c_void_p(0))
 
 
 class Engine:
@@ -47,12 +31,8 @@ class Engine:
 
         self._llama = llama_cpp
         self.threads = threads
-        _quiet_logs(llama_cpp)
-        llama_cpp.llama_backend_init()
-        model_params = llama_cpp.llama_model_default_params()
-        model_params.n_gpu_layers = 0
-        model_params.use_extra_bufts = False
-        self.model = llama_cpp.llama_model_load_from_file(path.encode(), model_params)
+        forward_warnings(llama_cpp)
+        self.model = load_model(llama_cpp, path)
         if not self.model:
             raise EngineError(f"libllama could not load {path}")
         self.path = path

@@ -40,7 +40,6 @@ Blocks that llama.cpp's decode graph does not run (MTP/NextN blocks) and dense b
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import re
 import sys
@@ -55,6 +54,7 @@ from ggufcarve.errors import BadInput, ToolFailed
 from ggufcarve.events import Event, Sink, ignore
 from ggufcarve.llama import launch
 from ggufcarve.llama.ggml import read_tensor, tensor_at
+from ggufcarve.llama.libllama import KEEPALIVE, forward_warnings, load_model
 
 TOPK = "ffn_moe_topk"
 MOE_INPUT = "ffn_moe_input"
@@ -217,37 +217,15 @@ def trace_routing(
 # ---------------------------------------------------------------------------------------------
 # the child process
 
-# ggml_log_level: DEBUG 1, INFO 2, WARN 3, ERROR 4, CONT 5 (continues the previous message).
-LOG_WARN, LOG_ERROR, LOG_CONT = 3, 4, 5
 EXIT_LOAD, EXIT_CONTEXT, EXIT_DECODE, EXIT_LOGITS, EXIT_CALLBACK, EXIT_TOKENS = 3, 4, 5, 6, 7, 8
-_KEEPALIVE: list[object] = []  # ctypes callbacks must outlive every call into llama.cpp, exit included
-
-
-def _install_log(llama_cpp: object, verbose: bool) -> None:
-    forwarding = [False]
-
-    def log(level: int, text: bytes, _user_data: object) -> None:
-        forward = verbose or level in (LOG_WARN, LOG_ERROR) or (level == LOG_CONT and forwarding[0])
-        if level != LOG_CONT:
-            forwarding[0] = forward
-        if forward and text:
-            sys.stderr.write(text.decode("utf-8", errors="replace"))
-
-    callback = llama_cpp.llama_log_callback(log)  # type: ignore[attr-defined]
-    _KEEPALIVE.append(callback)
-    llama_cpp.llama_log_set(callback, ctypes.c_void_p(0))  # type: ignore[attr-defined]
 
 
 def _child(model: str, tokens: list[int], out: Path, nodes: frozenset[str], want_logits: bool, threads: int, batch_size: int, context: int, verbose: bool) -> int:
     import llama_cpp
 
-    _install_log(llama_cpp, verbose)
+    forward_warnings(llama_cpp, verbose)
     tracer = GraphTracer(nodes)
-    llama_cpp.llama_backend_init()
-    model_params = llama_cpp.llama_model_default_params()
-    model_params.n_gpu_layers = 0
-    model_params.use_extra_bufts = False
-    lmodel = llama_cpp.llama_model_load_from_file(model.encode(), model_params)
+    lmodel = load_model(llama_cpp, model)
     if not lmodel:
         print(f"ggufcarve-trace: llama.cpp could not load {model}", file=sys.stderr)
         return EXIT_LOAD
@@ -258,7 +236,7 @@ def _child(model: str, tokens: list[int], out: Path, nodes: frozenset[str], want
     context_params.n_seq_max = 1
     context_params.n_threads = context_params.n_threads_batch = threads
     callback = llama_cpp.ggml_backend_sched_eval_callback(tracer)
-    _KEEPALIVE.append(callback)
+    KEEPALIVE.append(callback)
     context_params.cb_eval = callback
     context_params.cb_eval_user_data = None
     ctx = llama_cpp.llama_init_from_model(lmodel, context_params)

@@ -18,7 +18,6 @@ their block record.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import re
@@ -33,6 +32,7 @@ from ggufcarve.errors import BadInput, ToolFailed
 from ggufcarve.events import Event, Sink, ignore
 from ggufcarve.gguf.container import GGUFModel
 from ggufcarve.llama.ggml import tensor_at
+from ggufcarve.llama.libllama import KEEPALIVE, forward_warnings, load_model
 from ggufcarve.moe.layout import MoeLayout
 from ggufcarve.select.calibration import Document, read_calibration
 from ggufcarve.select.scores import BlockStats, ExpertScores, ModelFacts
@@ -127,28 +127,12 @@ def calibrate(
 # ---------------------------------------------------------------------------------------------
 # the child process
 
-LOG_WARN, LOG_ERROR, LOG_CONT = 3, 4, 5  # ggml_log_level; CONT continues the previous message
-_KEEPALIVE: list[object] = []  # ctypes callbacks must outlive every call into llama.cpp
 
 
 def _refuse(message: str, hint: str) -> int:
     print(f"ggufcarve-calibrate: error: {message} || {hint}", file=sys.stderr, flush=True)
     return EXIT_BAD_INPUT
 
-
-def _quiet_logs(llama_cpp: Any) -> None:
-    forwarding = [False]
-
-    def log(level: int, text: bytes, _user_data: object) -> None:
-        forward = level in (LOG_WARN, LOG_ERROR) or (level == LOG_CONT and forwarding[0])
-        if level != LOG_CONT:
-            forwarding[0] = forward
-        if forward and text:
-            sys.stderr.write(text.decode("utf-8", errors="replace"))
-
-    callback = llama_cpp.llama_log_callback(log)
-    _KEEPALIVE.append(callback)
-    llama_cpp.llama_log_set(callback, ctypes.c_void_p(0))
 
 
 class BlockFolder:
@@ -194,12 +178,8 @@ def _child(request: dict[str, Any], out: Path) -> int:
     method, ctx_size = request["method"], int(request["ctx"])
     model_path = request["model"]
     layout = inspect_layout(read_model(model_path))
-    _quiet_logs(llama_cpp)
-    llama_cpp.llama_backend_init()
-    model_params = llama_cpp.llama_model_default_params()
-    model_params.n_gpu_layers = 0
-    model_params.use_extra_bufts = False
-    lmodel = llama_cpp.llama_model_load_from_file(model_path.encode(), model_params)
+    forward_warnings(llama_cpp)
+    lmodel = load_model(llama_cpp, model_path)
     if not lmodel:
         print(f"ggufcarve-calibrate: llama.cpp could not load {model_path}", file=sys.stderr)
         return EXIT_LOAD
@@ -238,7 +218,7 @@ def _child(request: dict[str, Any], out: Path) -> int:
     context_params.n_seq_max = 1
     context_params.n_threads = context_params.n_threads_batch = int(request["threads"])
     callback = llama_cpp.ggml_backend_sched_eval_callback(folder)
-    _KEEPALIVE.append(callback)
+    KEEPALIVE.append(callback)
     context_params.cb_eval = callback
     context_params.cb_eval_user_data = None
     ctx = llama_cpp.llama_init_from_model(lmodel, context_params)

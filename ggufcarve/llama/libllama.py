@@ -1,0 +1,48 @@
+"""What every libllama child task does first: llama.cpp's log filtered, and the model loaded on the CPU.
+
+Child tasks (tracing, calibration, evaluation) run llama-cpp-python's low-level API in a process of
+their own, started through the one launcher, since llama.cpp aborts the whole process on a failed
+assert. Two settings are shared by all of them:
+  * the log: llama.cpp calls one global callback with a ggml_log_level (DEBUG 1, INFO 2, WARN 3,
+    ERROR 4, CONT 5: continues the previous message); warnings and errors reach stderr, where the
+    launcher keeps the tail for the error message (all levels with `verbose`);
+  * the model: on the CPU (`n_gpu_layers = 0`) without extra buffer types (`use_extra_bufts =
+    False`): on CPUs with AMX, llama.cpp 0.3.36 crashes in `ggml_backend_amx_mul_mat` for small
+    models otherwise.
+ctypes callbacks handed to llama.cpp must outlive every call into it, exit included: they are kept
+in `KEEPALIVE`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+from typing import Any
+
+LOG_WARN, LOG_ERROR, LOG_CONT = 3, 4, 5
+KEEPALIVE: list[object] = []
+
+
+def forward_warnings(llama_cpp: Any, verbose: bool = False) -> None:
+    """Install the log callback: warnings and errors (everything with `verbose`) to stderr."""
+    forwarding = [False]
+
+    def log(level: int, text: bytes, _user_data: object) -> None:
+        forward = verbose or level in (LOG_WARN, LOG_ERROR) or (level == LOG_CONT and forwarding[0])
+        if level != LOG_CONT:
+            forwarding[0] = forward
+        if forward and text:
+            sys.stderr.write(text.decode("utf-8", errors="replace"))
+
+    callback = llama_cpp.llama_log_callback(log)
+    KEEPALIVE.append(callback)
+    llama_cpp.llama_log_set(callback, ctypes.c_void_p(0))
+
+
+def load_model(llama_cpp: Any, path: str) -> Any:
+    """The llama_model pointer of `path` loaded on the CPU without extra buffer types; None when it fails."""
+    llama_cpp.llama_backend_init()
+    params = llama_cpp.llama_model_default_params()
+    params.n_gpu_layers = 0
+    params.use_extra_bufts = False
+    return llama_cpp.llama_model_load_from_file(path.encode(), params)
