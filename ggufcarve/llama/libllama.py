@@ -46,3 +46,23 @@ def load_model(llama_cpp: Any, path: str) -> Any:
     params.n_gpu_layers = 0
     params.use_extra_bufts = False
     return llama_cpp.llama_model_load_from_file(path.encode(), params)
+
+
+def traced_context(llama_cpp: Any, model: Any, *, n_ctx: int, n_batch: int, n_ubatch: int, threads: int, eval_callback: Any) -> Any:
+    """A one-sequence context of `model` whose graph scheduler calls `eval_callback`
+    (ggml_backend_sched_eval_callback: (tensor, ask, user data) -> bool); warm-up off, since a
+    warm-up decode routes every token to every expert. None when llama.cpp cannot create it."""
+    params = llama_cpp.llama_context_default_params()
+    params.n_ctx = n_ctx
+    params.n_batch = n_batch
+    params.n_ubatch = n_ubatch
+    params.n_seq_max = 1
+    params.n_threads = params.n_threads_batch = threads
+    callback = llama_cpp.ggml_backend_sched_eval_callback(eval_callback)
+    KEEPALIVE.append(callback)
+    params.cb_eval = callback
+    params.cb_eval_user_data = None
+    ctx = llama_cpp.llama_init_from_model(model, params)
+    if ctx:
+        llama_cpp.llama_set_warmup(ctx, False)
+    return ctx

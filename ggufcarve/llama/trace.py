@@ -54,7 +54,11 @@ from ggufcarve.errors import BadInput, ToolFailed
 from ggufcarve.events import Event, Sink, ignore
 from ggufcarve.llama import launch
 from ggufcarve.llama.ggml import read_tensor, tensor_at
-from ggufcarve.llama.libllama import KEEPALIVE, forward_warnings, load_model
+from ggufcarve.llama.libllama import (
+    forward_warnings,
+    load_model,
+    traced_context,
+)
 
 TOPK = "ffn_moe_topk"
 MOE_INPUT = "ffn_moe_input"
@@ -230,20 +234,10 @@ def _child(model: str, tokens: list[int], out: Path, nodes: frozenset[str], want
         print(f"ggufcarve-trace: llama.cpp could not load {model}", file=sys.stderr)
         return EXIT_LOAD
     n = len(tokens)
-    context_params = llama_cpp.llama_context_default_params()
-    context_params.n_ctx = max(64, -(-context // 64) * 64)
-    context_params.n_batch = context_params.n_ubatch = batch_size
-    context_params.n_seq_max = 1
-    context_params.n_threads = context_params.n_threads_batch = threads
-    callback = llama_cpp.ggml_backend_sched_eval_callback(tracer)
-    KEEPALIVE.append(callback)
-    context_params.cb_eval = callback
-    context_params.cb_eval_user_data = None
-    ctx = llama_cpp.llama_init_from_model(lmodel, context_params)
+    ctx = traced_context(llama_cpp, lmodel, n_ctx=max(64, -(-context // 64) * 64), n_batch=batch_size, n_ubatch=batch_size, threads=threads, eval_callback=tracer)
     if not ctx:
         print("ggufcarve-trace: llama.cpp could not create a context", file=sys.stderr)
         return EXIT_CONTEXT
-    llama_cpp.llama_set_warmup(ctx, False)
     n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(lmodel))
     logits = np.empty((n, n_vocab), dtype=np.float32) if want_logits else None
     batch = llama_cpp.llama_batch_init(batch_size, 0, 1)

@@ -32,7 +32,11 @@ from ggufcarve.errors import BadInput, ToolFailed
 from ggufcarve.events import Event, Sink, ignore
 from ggufcarve.gguf.container import GGUFModel
 from ggufcarve.llama.ggml import tensor_at
-from ggufcarve.llama.libllama import KEEPALIVE, forward_warnings, load_model
+from ggufcarve.llama.libllama import (
+    forward_warnings,
+    load_model,
+    traced_context,
+)
 from ggufcarve.moe.layout import MoeLayout
 from ggufcarve.select.calibration import Document, read_calibration
 from ggufcarve.select.scores import BlockStats, ExpertScores, ModelFacts
@@ -211,21 +215,10 @@ def _child(request: dict[str, Any], out: Path) -> int:
     statistics = TraceStatistics(method, layout.expert_count, evaluator)
     tracer = GraphTracer(frozenset(nodes_for(method)))
     folder = BlockFolder(tracer, statistics, parse_node_name)
-    context_params = llama_cpp.llama_context_default_params()
-    context_params.n_ctx = ctx_size
-    context_params.n_batch = ctx_size
-    context_params.n_ubatch = min(ctx_size, MICRO_BATCH)
-    context_params.n_seq_max = 1
-    context_params.n_threads = context_params.n_threads_batch = int(request["threads"])
-    callback = llama_cpp.ggml_backend_sched_eval_callback(folder)
-    KEEPALIVE.append(callback)
-    context_params.cb_eval = callback
-    context_params.cb_eval_user_data = None
-    ctx = llama_cpp.llama_init_from_model(lmodel, context_params)
+    ctx = traced_context(llama_cpp, lmodel, n_ctx=ctx_size, n_batch=ctx_size, n_ubatch=min(ctx_size, MICRO_BATCH), threads=int(request["threads"]), eval_callback=folder)
     if not ctx:
         print("ggufcarve-calibrate: llama.cpp could not create a context", file=sys.stderr)
         return EXIT_LOAD
-    llama_cpp.llama_set_warmup(ctx, False)
     memory = llama_cpp.llama_get_memory(ctx)
     batch = llama_cpp.llama_batch_init(ctx_size, 0, 1)
     total = len(work) * ctx_size
