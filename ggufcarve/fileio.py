@@ -287,7 +287,7 @@ def _pid_exists(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:  # exists, owned by another user
+    except PermissionError:  # the process exists under another uid
         return True
     return True
 

@@ -43,7 +43,7 @@ def dense_model(models_dir) -> pathlib.Path:
     return factory.write_dense_model(models_dir / "dense-llama-F16.gguf")
 
 
-# --- llama.cpp tools (issue 4: toolchain) ---------------------------------------------------------
+# --- llama.cpp tools ------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="session")
 def llama_tools() -> pathlib.Path:

@@ -178,7 +178,7 @@ def test_unremapped_imatrix_is_refused(small_spec, q8_moe, q8_moe_imatrix, tmp_p
 
 @pytest.mark.slow
 def test_remapped_imatrix_on_pruned_model(small_spec, q8_moe, q8_moe_imatrix, tmp_path):
-    """The real workflow: prune 8 -> 4 experts, remap the imatrix (issue 3's command), IQ2_XS rung."""
+    """The real workflow: prune 8 -> 4 experts, remap the imatrix with ggufcarve imatrix remap, IQ2_XS rung."""
     import llama_probe
 
     keep = tmp_path / "keep.json"
