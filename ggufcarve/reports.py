@@ -67,6 +67,20 @@ def envelope(
     return doc
 
 
+def read_json(path: str | Path, what: str, hint: str) -> Any:
+    """The JSON value in an input file `path` (a keep-set, a scores or selection file); BadInput,
+    with `hint`, when it is missing, unreadable or not JSON."""
+    path = Path(path)
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise BadInput(f"{path}: no such {what}", "check the path") from None
+    except OSError as err:
+        raise BadInput(f"{path}: cannot read the {what} ({err.strerror or err})", "check the path and its permissions") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise BadInput(f"{path}: not valid JSON ({err})", hint) from None
+
+
 def read_json_object(path: Path, hint: str) -> tuple[str, dict[str, Any]] | None:
     """The text of a report file and the JSON object it holds; None when the file does not exist.
 

@@ -142,12 +142,9 @@ def _compare(a: Path, b: Path, as_json: bool) -> None:
 
 def _layers_of(path: Path) -> dict[int, tuple[int, ...]]:
     """The per-block kept ids of a selection or keep-set file keyed by block index."""
-    try:
-        doc = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise BadInput(f"{path}: no such file", "give two selection files") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise BadInput(f"{path}: not valid JSON ({err})", "give two selection files written by ggufcarve select") from None
+    from ggufcarve.reports import read_json
+
+    doc = read_json(path, "selection file", "give two selection files written by ggufcarve select")
     layers = doc.get("layers") if isinstance(doc, dict) else None
     if not isinstance(layers, dict) or not all(str(k).isdigit() and isinstance(v, list) for k, v in layers.items()):
         raise BadInput(f"{path}: no \"layers\" mapping of block index to kept ids", "compare files written by ggufcarve select (or keep-sets in its format)")

@@ -21,6 +21,7 @@ from ggufcarve import __version__
 from ggufcarve.errors import BadInput
 from ggufcarve.gguf.container import KeyValue, make_kv
 from ggufcarve.moe.layout import MoeLayout
+from ggufcarve.reports import read_json
 
 # Field names published manifests use for the kept ids of one layer.
 KEPT_ID_FIELDS = ("keep", "kept", "retained", "kept_ids", "retained_ids", "kept_experts", "retained_experts", "kept_expert_indices", "indices", "experts")
@@ -110,12 +111,7 @@ def parse_id_list(text: str) -> list[int]:
 def load_keepset(path: str | os.PathLike[str], layout: MoeLayout) -> KeepSet:
     """Read our format or a published manifest; layer keys resolve to GGUF block indices."""
     path = Path(path)
-    try:
-        doc = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise BadInput(f"{path}: no such keep-set file", "check the --keep path") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise BadInput(f"{path}: not valid JSON ({err})", "a keep-set is a JSON file such as {\"layers\": {\"0\": [0, 1]}}") from None
+    doc = read_json(path, "keep-set file", "a keep-set is a JSON file such as {\"layers\": {\"0\": [0, 1]}}")
     layers = _find_layers(doc, path, layout)
     metadata = {k: v for k, v in doc.items() if k not in ("layers",)} if isinstance(doc, dict) and "layers" in doc else {}
     metadata = {**metadata, "source_file": path.name}

@@ -29,6 +29,7 @@ from ggufcarve.errors import BadInput
 from ggufcarve.gguf.container import GGUFModel
 from ggufcarve.moe.layout import MoeLayer, MoeLayout
 from ggufcarve.moe.routing import UNKNOWN_ROUTING, Routing
+from ggufcarve.reports import read_json
 
 SCHEMA = "ggufcarve.expert-scores"
 SCHEMA_VERSION = 1
@@ -215,13 +216,7 @@ class ExpertScores:
 
 def read_scores(path: str | Path) -> ExpertScores:
     path = Path(path)
-    try:
-        doc = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise BadInput(f"{path}: no such scores file", "check the path") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise BadInput(f"{path}: not valid JSON ({err})", "give a file written by `ggufcarve score`") from None
-    return ExpertScores.from_json(doc, str(path))
+    return ExpertScores.from_json(read_json(path, "scores file", "give a file written by `ggufcarve score`"), str(path))
 
 
 def merge_scores(parts: Iterable[ExpertScores]) -> ExpertScores:
