@@ -16,7 +16,9 @@ in `KEEPALIVE`.
 from __future__ import annotations
 
 import ctypes
+import os
 import sys
+from pathlib import Path
 from typing import Any
 
 LOG_WARN, LOG_ERROR, LOG_CONT = 3, 4, 5
@@ -66,3 +68,15 @@ def traced_context(llama_cpp: Any, model: Any, *, n_ctx: int, n_batch: int, n_ub
     if ctx:
         llama_cpp.llama_set_warmup(ctx, False)
     return ctx
+
+
+def write_results(out: Path, arrays: dict[str, Any]) -> None:
+    """A child task's results as one .npz, written under the temp-name scheme and renamed into place."""
+    import numpy as np
+
+    from ggufcarve.fileio import temp_path_for
+
+    partial = temp_path_for(out)
+    with open(partial, "wb") as f:
+        np.savez(f, **arrays)
+    os.replace(partial, out)

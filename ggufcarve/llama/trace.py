@@ -58,6 +58,7 @@ from ggufcarve.llama.libllama import (
     forward_warnings,
     load_model,
     traced_context,
+    write_results,
 )
 
 TOPK = "ffn_moe_topk"
@@ -279,9 +280,7 @@ def _child(model: str, tokens: list[int], out: Path, nodes: frozenset[str], want
                 print(f"ggufcarve-trace: {node}-{block} holds {array.shape[0]} tokens, expected {n}", file=sys.stderr)
                 return EXIT_TOKENS
             arrays[f"node:{node}:{block}"] = array
-    partial = out.with_name(out.name + ".partial.npz")
-    np.savez(partial, **arrays)
-    os.replace(partial, out)
+    write_results(out, arrays)
     return 0
 
 

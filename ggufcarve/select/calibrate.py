@@ -36,6 +36,7 @@ from ggufcarve.llama.libllama import (
     forward_warnings,
     load_model,
     traced_context,
+    write_results,
 )
 from ggufcarve.moe.layout import MoeLayout
 from ggufcarve.select.calibration import Document, read_calibration
@@ -251,9 +252,7 @@ def _child(request: dict[str, Any], out: Path) -> int:
     for block, stats in statistics.blocks().items():
         for name, values in stats.arrays().items():
             arrays[f"{name}:{block}"] = values
-    partial = out.with_name(out.name + ".partial.npz")
-    np.savez(partial, **arrays)
-    os.replace(partial, out)
+    write_results(out, arrays)
     return 0
 
 
