@@ -10,6 +10,8 @@ Examples:
     ggufcarve imatrix remap model.imatrix.gguf --model out/model-128e.gguf -o out/model-128e.imatrix.gguf
     ggufcarve ladder run ladders/q8-to-iq1.toml --source out/model-128e.gguf --imatrix out/model-128e.imatrix.gguf -o release/
     ggufcarve verify release/
+    ggufcarve run plans/frequency-128.toml
+    ggufcarve demo
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import Annotated
 import typer
 
 from ggufcarve import __version__
-from ggufcarve.cli import evaluate, imatrix, ladder, prune, select, toolchain, verify
+from ggufcarve.cli import evaluate, imatrix, ladder, prune, run, select, toolchain, verify
 from ggufcarve.cli.options import command_group
 from ggufcarve.cli.render import print_error
 from ggufcarve.errors import CarveError
@@ -53,6 +55,8 @@ app.add_typer(ladder.app, name="ladder")
 app.command("verify")(verify.verify_command)
 app.command("eval")(evaluate.eval_command)
 app.command("card")(evaluate.card_command)
+app.command("run")(run.run_command)
+app.command("demo")(run.demo_command)
 
 
 def main() -> None:

@@ -27,7 +27,7 @@ MANIFEST_NAME = "quant-manifest.json"
 LOCK_NAME = ".ggufcarve-ladder.lock"  # held by whatever rewrites the manifest
 # Files made from the rungs after the ladder (evaluation results, the model card), recorded under
 # manifest["published"][kind]; a ladder run that builds a rung drops them: they describe the old rungs.
-PUBLISHED_KINDS = ("evaluation", "card")
+PUBLISHED_KINDS = ("evaluation", "card", "plan")
 FRESH_START_HINT = "write to another -o directory, or pass --force to start the release afresh, which removes its old rungs"
 
 

@@ -1,0 +1,142 @@
+"""run, demo: the whole pipeline from one plan, and the same on the small MoE shipped with ggufcarve.
+
+Examples:
+    ggufcarve demo                          # the trained demo MoE, end to end, into ./ggufcarve-demo
+    ggufcarve run plans/frequency-128.toml --dry-run
+    ggufcarve run plans/frequency-128.toml
+    ggufcarve run plans/frequency-128.toml --force   # every stage again, the release afresh
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+from ggufcarve.cli.options import JsonOption, QuietOption
+from ggufcarve.cli.render import err, escape, new_table, out, progress
+
+if TYPE_CHECKING:
+    from ggufcarve.pipeline.plan import RunPlan
+    from ggufcarve.pipeline.run import RunPreview, RunResult
+
+
+def _size(n: int | None) -> str:
+    if n is None:
+        return "?"
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale // 10:
+            return f"{n / scale:.{3 if unit == 'GiB' else 1}f} {unit}"
+    return f"{n} B"
+
+
+def _preview_table(preview: RunPreview) -> None:
+    table = new_table(title=f"run plan{' ' + escape(preview.plan.path.name) if preview.plan.path else ''} (dry run: nothing written)")
+    for column in ("stage", "does", "writes", "size", "state"):
+        table.add_column(column, overflow="fold", justify="right" if column == "size" else "left")
+    for s in preview.stages:
+        table.add_row(s.name, escape(s.action), escape(", ".join(s.outputs)), _size(s.bytes) if s.bytes is not None else "", "done before" if s.done else "")
+    out.print(table)
+    out.print(f"source {preview.plan.source}; release {preview.plan.output}; work {preview.plan.work}", highlight=False, soft_wrap=True)
+    free = "; ".join(f"{escape(d)}: {_size(b)} free" for d, b in preview.free.items())
+    out.print(f"disk needed: about {_size(preview.bytes_needed)} ({free})", highlight=False, soft_wrap=True)
+
+
+def _result_tables(result: RunResult) -> None:
+    table = new_table(title=f"ggufcarve run: {result.plan.output}")
+    for column in ("stage", "status", "seconds", "result"):
+        table.add_column(column, justify="right" if column == "seconds" else "left", overflow="fold")
+    for s in result.stages:
+        table.add_row(s.name, "[green]ran[/]" if s.status == "ran" else "skipped (unchanged)", f"{s.seconds:.1f}" if s.status == "ran" else "", escape(s.summary))
+    out.print(table)
+    if result.evaluation:
+        front = _pareto(result.evaluation)
+        quality = new_table(title="evaluation against the unpruned model (sorted by size; * = Pareto front by mean KLD)")
+        for column in ("model", "experts", "GiB", "PPL", "ΔPPL", "mean KLD", "same top p", "gate"):
+            quality.add_column(column, justify="left" if column in ("model", "gate") else "right", overflow="fold")
+        for r in sorted(result.evaluation, key=lambda r: (r["model"]["bytes"], r["model"]["name"])):
+            gate = r.get("gate") or "-"
+            failed = ", ".join(str(f).split()[0] for f in r.get("gate_failed") or [])
+            gate = "[green]PASS[/]" if gate == "PASS" else (f"[red]FAIL[/] {escape(failed)}" if gate == "FAIL" else gate)
+            quality.add_row(("* " if r["model"]["name"] in front else "  ") + escape(r["model"]["file"]), str(r["model"].get("expert_count") or ""), f"{r['model']['gib']:.4f}",
+                            f"{r['ppl']:.3f}", f"{round(r['ppl_delta_percent'], 2) + 0.0:+.2f}%", f"{r['kld_mean']:.5f}", f"{100 * r['same_top_p']:.1f}%", gate)
+        out.print(quality)
+    out.print(_tree(result.plan.output))
+    out.print(f"{result.seconds:.1f} s; verify passed: {len(result.verification.files_ok)} files match SHA256SUMS and the manifest", highlight=False)
+
+
+def _pareto(results: list[dict]) -> set[str]:
+    from ggufcarve.evaluate.summary import pareto_front
+
+    return pareto_front(results)
+
+
+def _tree(directory: Path) -> str:
+    lines = [f"{directory}/"]
+    entries = sorted(p for p in directory.rglob("*") if not any(part.startswith(".") for part in p.relative_to(directory).parts))
+    for p in entries:
+        rel = p.relative_to(directory)
+        indent = "  " * len(rel.parts)
+        lines.append(f"{indent}{rel.name}/" if p.is_dir() else f"{indent}{rel.name}  ({_size(p.stat().st_size)})")
+    return escape("\n".join(lines))
+
+
+def _execute(plan: RunPlan, dry_run: bool, force: bool, quiet: bool, as_json: bool) -> None:
+    from ggufcarve.errors import OutputError
+    from ggufcarve.pipeline.run import execute_run, preview_run
+
+    preview = preview_run(plan)
+    if dry_run:
+        if as_json:
+            out.print_json(json.dumps({
+                "stages": [{"name": s.name, "does": s.action, "writes": list(s.outputs), "bytes": s.bytes, "done": s.done} for s in preview.stages],
+                "bytes_needed": preview.bytes_needed, "free": preview.free, "plan": plan.to_json(),
+            }))
+        else:
+            _preview_table(preview)
+        if preview.short:
+            probe = preview.short[0]
+            raise OutputError(f"the run needs about {_size(preview.bytes_needed)} but {probe} has {_size(preview.free[probe])} free", "free disk space, or set work/output in the plan to a larger disk")
+        return
+    with progress(not quiet and not as_json) as sink:
+        result = execute_run(plan, force=force, on_event=sink)
+    if as_json:
+        out.print_json(json.dumps({
+            "output": str(plan.output), "work": str(plan.work), "seconds": round(result.seconds, 3),
+            "stages": [{"name": s.name, "status": s.status, "seconds": round(s.seconds, 3), "outputs": s.outputs, "result": s.summary} for s in result.stages],
+            "evaluation": [{k: r.get(k) for k in ("ppl", "ppl_delta_percent", "kld_mean", "same_top_p", "gate")} | {"model": r["model"]["file"]} for r in result.evaluation],
+        }))
+        return
+    _result_tables(result)
+
+
+def run_command(
+    plan_file: Annotated[Path, typer.Argument(help="The plan (TOML): source, selection, calibration, imatrix, ladder, evaluation. See plans/.")],
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the stages, their outputs, sizes and the disk needed; write nothing. Fails when the disk is short.")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Run every stage again and start the release afresh (its old rungs are removed).")] = False,
+    quiet: QuietOption = False,
+    as_json: JsonOption = False,
+) -> None:
+    """Select, prune, remap the imatrix, quantize the ladder, evaluate, write the card and verify, from one plan; finished stages are skipped."""
+    from ggufcarve.pipeline.plan import load_plan
+
+    _execute(load_plan(plan_file), dry_run, force, quiet, as_json)
+
+
+def demo_command(
+    directory: Annotated[Path, typer.Argument(help="Where the demo writes its release and work directories.")] = Path("ggufcarve-demo"),
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the demo's stages; write nothing.")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Run every stage again.")] = False,
+    quiet: QuietOption = False,
+    as_json: JsonOption = False,
+) -> None:
+    """The whole pipeline on the small trained MoE shipped with ggufcarve (embedded llama.cpp only, a few minutes on 2 cores)."""
+    from ggufcarve.pipeline.demo import demo_plan, write_demo_plan
+
+    plan = demo_plan(directory)
+    if not dry_run:
+        path = write_demo_plan(directory)
+        err.print(f"plan: {path} (run it again with `ggufcarve run {path}`)", highlight=False)
+    _execute(plan, dry_run, force, quiet, as_json)

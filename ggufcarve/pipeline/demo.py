@@ -1,0 +1,63 @@
+"""The plan `ggufcarve demo` runs: the trained demo MoE shipped in ggufcarve/demo/data, REAP
+selection keeping half the experts from its calibration text (the imatrix collected in the same
+pass), the six-rung demo ladder through the embedded llama.cpp (no compiled tools), and an
+evaluation of every rung and of three quants of the unpruned model against the unpruned model.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ggufcarve.pipeline.plan import RunPlan, parse_plan
+
+FILES = Path(__file__).resolve().parent / "demo_files"
+PLAN_NAME = "plan.toml"
+
+
+def demo_document(directory: Path) -> dict[str, Any]:
+    from ggufcarve.demo import CALIBRATION, DEMO_MODEL, HELDOUT
+
+    directory = directory.resolve()
+    return {
+        "source": str(DEMO_MODEL),
+        "output": str(directory / "release"),
+        "work": str(directory / "work"),
+        "selection": {"method": "reap", "ratio": 0.5},
+        "calibration": {"files": [str(CALIBRATION)], "ctx": 256},
+        "imatrix": {"collect": True},
+        "ladder": {"spec": str(FILES / "ladder.toml"), "quantizer": "libllama"},
+        "evaluation": {"heldout": str(HELDOUT), "ctx": 256, "gate": str(FILES / "gate.toml"), "speed_runs": 1, "unpruned": ["Q4_K_M", "Q2_K", "IQ2_XS"]},
+    }
+
+
+def demo_plan(directory: Path) -> RunPlan:
+    return parse_plan(demo_document(directory), directory.resolve())
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"no TOML form for {value!r}")
+
+
+def write_demo_plan(directory: Path) -> Path:
+    """DIRECTORY/plan.toml: the demo's plan as a file `ggufcarve run` takes (a starting point for your own)."""
+    from ggufcarve.fileio import write_text_atomic
+
+    doc = demo_document(directory)
+    lines = ["# The plan of `ggufcarve demo`; run it again with `ggufcarve run` on this file.", ""]
+    lines += [f"{k} = {_toml_value(v)}" for k, v in doc.items() if not isinstance(v, dict)]
+    for table, values in doc.items():
+        if isinstance(values, dict):
+            lines += ["", f"[{table}]", *[f"{k} = {_toml_value(v)}" for k, v in values.items()]]
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / PLAN_NAME
+    write_text_atomic(path, "\n".join(lines) + "\n")
+    return path

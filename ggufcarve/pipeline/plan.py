@@ -1,0 +1,357 @@
+"""A run plan: one TOML file naming the source, the selection, the imatrix, the ladder and the
+evaluation, parsed into a validated `RunPlan` before anything touches disk.
+
+    source = "Qwen3.6-35B-A3B-Q8_0.gguf"      # paths are relative to the plan file
+    output = "release"                       # the release directory
+    # work = "release.work"                  # intermediates: selection, pruned source, imatrices
+    # name = "Qwen3.6-35B-A3B-128e"          # {model} in rung file names
+
+    [selection]
+    method = "frequency"                     # or keepset = "kept_expert_indices.json"
+    keep = 128                               # or ratio = 0.5
+
+    [calibration]
+    files = ["calibration.jsonl"]
+    ctx = 512
+    max_tokens = 512
+
+    [imatrix]
+    collect = true                           # or file = "model.imatrix.gguf" (llama-imatrix's)
+
+    [ladder]
+    spec = "q8-to-iq1"                       # a name in ladders/ or a path
+
+    [evaluation]
+    heldout = "heldout.txt"                  # reference: the unpruned source unless given
+
+Every key is checked (an unknown key is a typo, not something to ignore) and every file must exist;
+the errors are one line with a hint, like every other command's.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ggufcarve.errors import BadInput
+
+PLAN_HINT = "see plans/*.toml for complete examples"
+SPEC_DIRECTORY = Path(__file__).resolve().parents[2] / "ladders"
+
+
+@dataclass(frozen=True)
+class SelectionStep:
+    method: str | None  # None: the keep-set file is used as given
+    keep: int | None
+    ratio: float | None
+    keepset: Path | None
+    protect: str | None
+    protect_super_experts: bool
+    seed: int
+
+
+@dataclass(frozen=True)
+class CalibrationStep:
+    files: tuple[Path, ...]
+    ctx: int
+    max_tokens: int | None
+
+
+@dataclass(frozen=True)
+class ImatrixStep:
+    file: Path | None  # the unpruned model's imatrix, remapped to the kept experts
+    collect: bool  # collected from the calibration text (in the selection's pass when it traces)
+
+
+@dataclass(frozen=True)
+class LadderStep:
+    spec: Path
+    only: tuple[str, ...]
+    quantizer: str
+    llama_cpp: Path | None
+
+
+@dataclass(frozen=True)
+class EvaluationStep:
+    heldout: Path | None
+    reference: Path | None  # None: the unpruned source
+    ctx: int
+    chunks: int | None
+    qa: Path | None
+    gate: Path | None
+    speed_runs: int
+    top_k: int
+    compare: tuple[Path, ...]  # more models evaluated against the same reference
+    unpruned: tuple[str, ...]  # rungs of the ladder spec also quantized from the unpruned source
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    path: Path | None
+    source: Path
+    output: Path
+    work: Path
+    name: str | None
+    threads: int | None
+    selection: SelectionStep
+    calibration: CalibrationStep | None
+    imatrix: ImatrixStep | None
+    ladder: LadderStep
+    evaluation: EvaluationStep | None
+    card: bool
+    raw: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    def to_json(self) -> dict[str, Any]:
+        """The resolved plan with bare file names (it is published in the release)."""
+
+        def name(p: Path | None) -> str | None:
+            return p.name if p is not None else None
+
+        doc: dict[str, Any] = {
+            "source": name(self.source), "output": name(self.output), "name": self.name, "threads": self.threads,
+            "selection": {
+                "method": self.selection.method, "keep": self.selection.keep, "ratio": self.selection.ratio,
+                "keepset": name(self.selection.keepset), "protect": self.selection.protect,
+                "protect_super_experts": self.selection.protect_super_experts, "seed": self.selection.seed,
+            },
+            "ladder": {"spec": name(self.ladder.spec), "only": list(self.ladder.only), "quantizer": self.ladder.quantizer if self.ladder.quantizer in ("auto", "binary", "libllama") else name(Path(self.ladder.quantizer))},
+            "card": self.card,
+        }
+        if self.calibration is not None:
+            doc["calibration"] = {"files": [p.name for p in self.calibration.files], "ctx": self.calibration.ctx, "max_tokens": self.calibration.max_tokens}
+        if self.imatrix is not None:
+            doc["imatrix"] = {"file": name(self.imatrix.file), "collect": self.imatrix.collect}
+        if self.evaluation is not None:
+            e = self.evaluation
+            doc["evaluation"] = {
+                "heldout": name(e.heldout), "reference": name(e.reference) or "source", "ctx": e.ctx, "chunks": e.chunks, "qa": name(e.qa),
+                "gate": name(e.gate), "speed_runs": e.speed_runs, "top_k": e.top_k, "compare": [p.name for p in e.compare], "unpruned": list(e.unpruned),
+            }
+        return doc
+
+
+class _Table:
+    """One TOML table being read: typed getters that remember which keys were used."""
+
+    def __init__(self, doc: Any, where: str, base: Path) -> None:
+        if not isinstance(doc, dict):
+            raise BadInput(f"{where} must be a table", PLAN_HINT)
+        self.doc, self.where, self.base, self.used = doc, where, base, set()
+
+    def _get(self, key: str) -> Any:
+        self.used.add(key)
+        return self.doc.get(key)
+
+    def _fail(self, key: str, what: str) -> BadInput:
+        return BadInput(f"{self.where}: {key} must be {what} (got {self.doc.get(key)!r})", PLAN_HINT)
+
+    def string(self, key: str, default: str | None = None) -> str | None:
+        value = self._get(key)
+        if value is None:
+            return default
+        if not isinstance(value, str) or not value:
+            raise self._fail(key, "a non-empty string")
+        return value
+
+    def integer(self, key: str, default: int | None = None, minimum: int | None = None) -> int | None:
+        value = self._get(key)
+        if value is None:
+            return default
+        if isinstance(value, bool) or not isinstance(value, int) or (minimum is not None and value < minimum):
+            raise self._fail(key, "an integer" + (f" >= {minimum}" if minimum is not None else ""))
+        return value
+
+    def number(self, key: str) -> float | None:
+        value = self._get(key)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise self._fail(key, "a number")
+        return float(value)
+
+    def boolean(self, key: str, default: bool) -> bool:
+        value = self._get(key)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            raise self._fail(key, "true or false")
+        return value
+
+    def strings(self, key: str) -> tuple[str, ...]:
+        value = self._get(key)
+        if value is None:
+            return ()
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+            raise self._fail(key, "a list of strings")
+        return tuple(value)
+
+    def path(self, key: str, *, must_exist: bool = True) -> Path | None:
+        value = self.string(key)
+        return None if value is None else self._resolve(key, value, must_exist)
+
+    def paths(self, key: str) -> tuple[Path, ...]:
+        return tuple(self._resolve(key, v, True) for v in self.strings(key))
+
+    def _resolve(self, key: str, value: str, must_exist: bool) -> Path:
+        path = Path(os.path.expanduser(value))
+        path = path if path.is_absolute() else self.base / path
+        if must_exist and not path.exists():
+            raise BadInput(f"{self.where}: {key} = {value!r}: no such file ({path})", "paths in a plan are relative to the plan file")
+        return path
+
+    def table(self, key: str) -> _Table | None:
+        value = self._get(key)
+        return None if value is None else _Table(value, f"[{key}]" if self.where == "plan" else f"{self.where}.{key}", self.base)
+
+    def finish(self) -> None:
+        unknown = sorted(set(self.doc) - self.used)
+        if unknown:
+            raise BadInput(f"{self.where}: unknown key {unknown[0]!r}" + (f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""), f"the keys of {self.where} are {', '.join(sorted(self.used))}")
+
+
+def find_spec(value: str, base: Path) -> Path:
+    """A ladder spec path, or a name of a spec shipped in ladders/ (with or without .toml)."""
+    given = Path(os.path.expanduser(value))
+    candidates = [given if given.is_absolute() else base / given]
+    if not given.is_absolute() and given.parent == Path("."):
+        candidates += [SPEC_DIRECTORY / given, SPEC_DIRECTORY / f"{value}.toml"]
+    for candidate in candidates:
+        if candidate.is_file():
+            return candidate
+    shipped = sorted(p.stem for p in SPEC_DIRECTORY.glob("*.toml")) if SPEC_DIRECTORY.is_dir() else []
+    raise BadInput(f"[ladder] spec = {value!r}: no such spec file", f"give a path relative to the plan, or one of: {', '.join(shipped) or '(no ladders/ directory beside this installation)'}")
+
+
+def parse_plan(doc: dict[str, Any], base: Path, path: Path | None = None) -> RunPlan:
+    """Validate a plan document; relative paths are resolved against `base`."""
+    from ggufcarve.select.methods import method_named
+
+    top = _Table(doc, "plan", base)
+    source = top.path("source")
+    if source is None:
+        raise BadInput("plan: no source", "give source = \"MODEL.gguf\" (the unpruned GGUF, first shard if split)")
+    output_name = top.string("output")
+    if output_name is None:
+        raise BadInput("plan: no output", "give output = \"DIR\" (the release directory)")
+    output = top._resolve("output", output_name, False)
+    work_name = top.string("work")
+    work = top._resolve("work", work_name, False) if work_name else output.with_name(output.name + ".work")
+    name = top.string("name")
+    threads = top.integer("threads", minimum=1)
+    card = top.boolean("card", True)
+
+    sel = top.table("selection") or _Table({}, "[selection]", base)
+    method = sel.string("method")
+    keepset = sel.path("keepset")
+    keep = sel.integer("keep", minimum=1)
+    ratio = sel.number("ratio")
+    protect = sel.string("protect")
+    protect_super = sel.boolean("protect_super_experts", False)
+    seed = sel.integer("seed", 0) or 0
+    sel.finish()
+    if (method is None) == (keepset is None):
+        raise BadInput("[selection]: give exactly one of method = \"...\" or keepset = \"FILE\"", "for example method = \"frequency\" with keep = 128")
+    if method is not None:
+        spec = method_named(method)
+        if (keep is None) == (ratio is None):
+            raise BadInput(f"[selection]: method {method} needs exactly one of keep = K or ratio = R", "for example keep = 128")
+        if ratio is not None and not 0 < ratio <= 1:
+            raise BadInput(f"[selection]: ratio must be in (0, 1] (got {ratio})", "ratio is the fraction of the experts kept, e.g. 0.5")
+    else:
+        spec = None
+        if keep is not None or ratio is not None or protect is not None or protect_super:
+            raise BadInput("[selection]: keep, ratio and protect apply to a method, not to a given keepset", "drop them, or choose a method instead of the keep-set file")
+
+    cal_table = top.table("calibration")
+    calibration = None
+    if cal_table is not None:
+        files = cal_table.paths("files")
+        ctx = cal_table.integer("ctx", 512, minimum=2) or 512
+        max_tokens = cal_table.integer("max_tokens", minimum=1)
+        cal_table.finish()
+        if not files:
+            raise BadInput("[calibration]: files is empty", "give files = [\"calibration.jsonl\"]")
+        calibration = CalibrationStep(files, ctx, max_tokens)
+
+    im_table = top.table("imatrix")
+    imatrix = None
+    if im_table is not None:
+        file = im_table.path("file")
+        collect = im_table.boolean("collect", False)
+        im_table.finish()
+        if (file is None) == (not collect):
+            raise BadInput("[imatrix]: give exactly one of file = \"MODEL.imatrix.gguf\" or collect = true", "collect = true gathers it from [calibration] in the selection's pass")
+        if collect and calibration is None:
+            raise BadInput("[imatrix]: collect = true needs a [calibration] table", "give [calibration] files = [...]")
+        imatrix = ImatrixStep(file, collect)
+
+    if spec is not None:
+        if spec.needs == "calibration" and calibration is None:
+            raise BadInput(f"[selection]: method {method} traces calibration text", "add a [calibration] table with files = [...]")
+        if spec.needs == "imatrix" and imatrix is None:
+            raise BadInput(f"[selection]: method {method} reads an imatrix", "add [imatrix] file = \"...\" or collect = true")
+    if calibration is not None and (spec is None or spec.needs != "calibration") and (imatrix is None or not imatrix.collect):
+        raise BadInput("[calibration] is given but nothing reads it", "use a calibration method (frequency, ean, reap, razor) or [imatrix] collect = true, or drop [calibration]")
+
+    lad = top.table("ladder")
+    if lad is None:
+        raise BadInput("plan: no [ladder] table", "give [ladder] spec = \"q8-to-iq1\" (or a path to a ladder TOML)")
+    spec_value = lad.string("spec")
+    if spec_value is None:
+        raise BadInput("[ladder]: no spec", "give spec = \"q8-to-iq1\" (or a path to a ladder TOML)")
+    ladder = LadderStep(find_spec(spec_value, base), tuple(r.upper() for r in lad.strings("only")), lad.string("quantizer", "auto") or "auto", lad.path("llama_cpp"))
+    lad.finish()
+    _check_rungs(ladder.spec, ladder.only, "[ladder] only")
+
+    ev_table = top.table("evaluation")
+    evaluation = None
+    if ev_table is not None:
+        reference = ev_table.string("reference")
+        evaluation = EvaluationStep(
+            heldout=ev_table.path("heldout"), reference=None if reference in (None, "source") else ev_table._resolve("reference", reference, True),
+            ctx=ev_table.integer("ctx", 512, minimum=2) or 512, chunks=ev_table.integer("chunks", minimum=1), qa=ev_table.path("qa"), gate=ev_table.path("gate"),
+            speed_runs=ev_table.integer("speed_runs", 3, minimum=0) or 0, top_k=ev_table.integer("top_k", 128, minimum=1) or 128,
+            compare=ev_table.paths("compare"), unpruned=tuple(r.upper() for r in ev_table.strings("unpruned")),
+        )
+        ev_table.finish()
+        if evaluation.heldout is None and evaluation.reference is None:
+            raise BadInput("[evaluation]: no heldout text", "give heldout = \"FILE\" (scored by every model against the unpruned source)")
+        _check_rungs(ladder.spec, evaluation.unpruned, "[evaluation] unpruned")
+    top.finish()
+    if source.resolve().parent == output.resolve():
+        raise BadInput(f"plan: the output directory {output} holds the source", "write the release to its own directory: everything in it is published")
+    if work.resolve() == output.resolve():
+        raise BadInput("plan: work and output are the same directory", "intermediates (the pruned source, imatrices) must not be published: give work another directory")
+    return RunPlan(path, source, output, work, name, threads, SelectionStep(method, keep, ratio, keepset, protect, protect_super, seed),
+                   calibration, imatrix, ladder, evaluation, card, raw=doc)
+
+
+def _check_rungs(spec_path: Path, rungs: tuple[str, ...], where: str) -> None:
+    from ggufcarve.quant.spec import load_spec
+
+    if not rungs:
+        return
+    names = [r.name.upper() for r in load_spec(spec_path).rungs]
+    for rung in rungs:
+        if rung not in names:
+            raise BadInput(f"{where}: {rung} is not a rung of {spec_path.name}", f"the rungs are {', '.join(names)}")
+
+
+def load_plan(path: str | os.PathLike[str]) -> RunPlan:
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise BadInput(f"{path}: no such plan file", PLAN_HINT) from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise BadInput(f"{path}: cannot read the plan ({err})", PLAN_HINT) from None
+    try:
+        doc = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as err:
+        raise BadInput(f"{path}: not valid TOML ({err})", PLAN_HINT) from None
+    return parse_plan(doc, path.resolve().parent, path)
