@@ -133,6 +133,16 @@ class RunPlan:
         return doc
 
 
+KEYS = {
+    "plan": ("source", "output", "work", "name", "threads", "card", "selection", "calibration", "imatrix", "ladder", "evaluation"),
+    "[selection]": ("method", "keep", "ratio", "keepset", "protect", "protect_super_experts", "seed"),
+    "[calibration]": ("files", "ctx", "max_tokens"),
+    "[imatrix]": ("file", "collect"),
+    "[ladder]": ("spec", "only", "quantizer", "llama_cpp"),
+    "[evaluation]": ("heldout", "reference", "ctx", "chunks", "qa", "gate", "speed_runs", "top_k", "compare", "unpruned"),
+}
+
+
 class _Table:
     """One TOML table being read: typed getters that remember which keys were used."""
 
@@ -140,6 +150,10 @@ class _Table:
         if not isinstance(doc, dict):
             raise BadInput(f"{where} must be a table", PLAN_HINT)
         self.doc, self.where, self.base, self.used = doc, where, base, set()
+        keys = KEYS[where]
+        unknown = sorted(set(doc) - set(keys))
+        if unknown:
+            raise BadInput(f"{where}: unknown key {unknown[0]!r}" + (f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""), f"the keys of {where} are {', '.join(keys)}")
 
     def _get(self, key: str) -> Any:
         self.used.add(key)
@@ -206,12 +220,10 @@ class _Table:
 
     def table(self, key: str) -> _Table | None:
         value = self._get(key)
-        return None if value is None else _Table(value, f"[{key}]" if self.where == "plan" else f"{self.where}.{key}", self.base)
+        return None if value is None else _Table(value, f"[{key}]", self.base)
 
     def finish(self) -> None:
-        unknown = sorted(set(self.doc) - self.used)
-        if unknown:
-            raise BadInput(f"{self.where}: unknown key {unknown[0]!r}" + (f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""), f"the keys of {self.where} are {', '.join(sorted(self.used))}")
+        assert set(self.doc) <= self.used, f"{self.where}: keys read but not listed in KEYS"
 
 
 def find_spec(value: str, base: Path) -> Path:

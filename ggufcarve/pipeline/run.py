@@ -398,6 +398,14 @@ class _Run:
         inputs = self.inputs(*self.rung_files(), ev.reference or plan.source, ev.heldout, *ev.compare, *unpruned, ev.gate, *(_qa_files(ev.qa)))
         self.stage("evaluate", parameters, inputs, plan.output, work, always=publish)
 
+    def drop_evaluation(self) -> None:
+        """A plan without [evaluation]: the results of an earlier run of this plan describe other rungs."""
+        if "evaluate" in self.state.stages:
+            directory = self.plan.output / "evaluation"
+            if directory.is_dir():
+                shutil.rmtree(directory)
+            self.state.forget("evaluate")
+
     def rung_files(self) -> list[Path]:
         from ggufcarve.release.manifest import read_manifest
 
@@ -547,6 +555,8 @@ def execute_run(plan: RunPlan, *, force: bool = False, on_event: Sink = ignore) 
         if plan.evaluation is not None:
             unpruned = run.unpruned_stage() if plan.evaluation.unpruned else []
             run.evaluate_stage(unpruned)
+        else:
+            run.drop_evaluation()
         if plan.card:
             run.card_stage()
         run.record_plan()

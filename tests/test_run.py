@@ -1,0 +1,229 @@
+"""ggufcarve run: a plan validated before any work, executed as stages, resumed after a kill, and a
+release that `verify` passes with nothing local in it.
+
+The model is the tiny qwen3moe Q8_0 fixture (8 experts, top-2); selection by routed frequency on
+generated text with the imatrix collected in the same pass, two rungs through the embedded
+llama.cpp, evaluation against the unpruned model with one unpruned rung for the equal-size table.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from clirun import ggufcarve, sha256
+
+WORDS = ("experts that the router rarely picks can be cut out of a mixture of experts model byte for byte while the "
+         "rest of the file stays untouched and every rung of the ladder is measured against the unpruned model").split()
+
+SPEC = '''name = "two"
+[defaults]
+file_pattern = "{model}-{quant}.gguf"
+allow_requantize = true
+imatrix_fallback_type = "Q4_K"
+[[rungs]]
+ftype = "Q8_0"
+[[rungs]]
+ftype = "Q4_K_M"
+[[rungs]]
+ftype = "IQ2_XS"
+'''
+
+
+def _text(path: Path, words: int, seed: int) -> Path:
+    rng = random.Random(seed)
+    path.write_text(" ".join(rng.choice(WORDS) for _ in range(words)) + "\n")
+    return path
+
+
+def _plan(directory: Path, source: Path, *, keep: int = 4, extra: str = "", evaluation: bool = True) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    named = directory / "qwen3moe-Q8_0.gguf"  # a user's file name: {model} is the name without its quant tag
+    if not named.exists():
+        shutil.copyfile(source, named)
+    source = named
+    _text(directory / "calibration.txt", 700, 1)
+    _text(directory / "heldout.txt", 500, 2)
+    (directory / "ladder.toml").write_text(SPEC)
+    text = f'''source = "{source}"
+output = "release"
+threads = 2
+{extra}
+[selection]
+method = "frequency"
+keep = {keep}
+
+[calibration]
+files = ["calibration.txt"]
+ctx = 128
+
+[imatrix]
+collect = true
+
+[ladder]
+spec = "ladder.toml"
+quantizer = "libllama"
+'''
+    if evaluation:
+        text += '''
+[evaluation]
+heldout = "heldout.txt"
+ctx = 128
+chunks = 6
+speed_runs = 0
+unpruned = ["Q4_K_M"]
+'''
+    path = directory / "plan.toml"
+    path.write_text(text)
+    return path
+
+
+def _published(release: Path) -> dict[str, str]:
+    return {p.relative_to(release).as_posix(): sha256(p) for p in sorted(release.rglob("*")) if p.is_file() and not p.name.startswith(".")}
+
+
+# ---------------------------------------------------------------------------------------------
+# the plan is checked before anything runs
+
+
+@pytest.mark.parametrize("change, expect", [
+    ("unknown_key = 1\n", "unknown key 'unknown_key'"),
+    ("[selection]\nmethod = \"frequency\"\nkeep = 4\nkeepset = \"x.json\"\n", "no such file"),
+    ("[selection]\nmethod = \"frequency\"\nkeep = 4\n", "traces calibration text"),
+    ("[selection]\nmethod = \"weights\"\n", "needs exactly one of keep"),
+    ("[selection]\nmethod = \"telepathy\"\nkeep = 4\n", "telepathy"),
+    ("[selection]\nmethod = \"weights\"\nkeep = 4\n[ladder]\nspec = \"ladder.toml\"\nonly = [\"Q9_9\"]\n", "Q9_9 is not a rung"),
+    ("[selection]\nmethod = \"weights\"\nkeep = 4\n[ladder]\nspec = \"nonexistent-ladder\"\n", "no such spec file"),
+])
+def test_a_bad_plan_is_one_line_before_any_work(q8_moe, tmp_path, change, expect):
+    (tmp_path / "ladder.toml").write_text(SPEC)
+    has_ladder = "[ladder]" in change
+    plan = tmp_path / "plan.toml"
+    plan.write_text(f'source = "{q8_moe}"\noutput = "release"\n' + change + ("" if has_ladder else '[ladder]\nspec = "ladder.toml"\n'))
+    result = ggufcarve("run", plan)
+    assert result.code != 0
+    assert expect in result.error_line, result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "release").exists() and not (tmp_path / "release.work").exists()
+
+
+def test_dry_run_lists_the_stages_and_writes_nothing(q8_moe, tmp_path):
+    plan = _plan(tmp_path, q8_moe)
+    result = ggufcarve("run", plan, "--dry-run", "--json")
+    assert result.code == 0, result.stderr
+    doc = json.loads(result.stdout)
+    assert [s["name"] for s in doc["stages"]] == ["select", "prune", "imatrix", "ladder", "unpruned", "evaluate", "card", "verify"]
+    assert "imatrix in the same pass" in doc["stages"][0]["does"]
+    from ggufcarve.gguf.container import read_model  # the pruned size is the prune plan's, exact
+
+    assert doc["stages"][1]["bytes"] < read_model(q8_moe).total_bytes
+    assert doc["bytes_needed"] > doc["stages"][1]["bytes"]
+    assert not (tmp_path / "release").exists() and not (tmp_path / "release.work").exists()
+
+
+def test_short_disk_is_refused_before_writing(q8_moe, tmp_path, monkeypatch):
+    import shutil as real_shutil
+
+    from ggufcarve.errors import OutputError
+    from ggufcarve.pipeline import run as pipeline_run
+    from ggufcarve.pipeline.plan import load_plan
+
+    plan = load_plan(_plan(tmp_path, q8_moe))
+    monkeypatch.setattr(pipeline_run.shutil, "disk_usage", lambda p: real_shutil._ntuple_diskusage(10 * 2**30, 10 * 2**30 - 2**20, 2**20))
+    assert pipeline_run.preview_run(plan).short
+    with pytest.raises(OutputError, match="needs about"):
+        pipeline_run.execute_run(plan)
+    assert not plan.work.exists() and not plan.output.exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# the whole run
+
+
+@pytest.fixture(scope="module")
+def finished(q8_moe, tmp_path_factory):
+    directory = tmp_path_factory.mktemp("run")
+    plan = _plan(directory, q8_moe)
+    result = ggufcarve("run", plan, "-q")
+    assert result.code == 0, result.stderr[-3000:]
+    return directory, plan, result
+
+
+@pytest.mark.slow
+def test_the_release_tree_verifies_and_holds_nothing_local(finished, q8_moe):
+    directory, _plan_path, result = finished
+    release = directory / "release"
+    names = set(_published(release))
+    base = "qwen3moe-4e"  # the source's name without its quant tag, and the kept count
+    assert {f"{base}-Q8_0.gguf", f"{base}-Q4_K_M.gguf", f"{base}-IQ2_XS.gguf", "SHA256SUMS", "quant-manifest.json", "README.md",
+            "method/pruning-report.json", "method/imatrix-remap-report.json", "method/run-plan.json",
+            f"evaluation/{base}-Q8_0.json", "evaluation/qwen3moe-Q4_K_M.json", "evaluation/summary.md"} <= names, sorted(names)
+    assert not any(n.startswith("qwen3moe-Q8_0") or n.endswith(".imatrix.gguf") for n in names)  # intermediates stay in the work directory
+    assert ggufcarve("verify", release).code == 0
+    for rel in names:
+        data = (release / rel).read_bytes()
+        assert str(directory).encode() not in data and os.path.expanduser("~").encode() + b"/" not in data, f"{rel} holds a local path"
+    doc = json.loads((release / "method/run-plan.json").read_text())
+    assert doc["parameters"]["source"] == "qwen3moe-Q8_0.gguf" and doc["parameters"]["imatrix"] == {"collect": True, "file": None}
+    assert [s["name"] for s in doc["results"]["stages"]] == ["select", "prune", "imatrix", "ladder", "unpruned", "evaluate", "card"]
+    rung = json.loads((release / f"evaluation/{base}-Q4_K_M.json").read_text())
+    assert rung["model"]["expert_count"] == 4 and rung["kld_mean"] > 0 and rung["gate"] in ("PASS", "FAIL")
+    assert "ggufcarve run" in result.stdout and "verify passed" in result.stdout
+
+
+@pytest.mark.slow
+def test_a_rerun_skips_every_stage_and_changes_nothing(finished):
+    directory, plan, _ = finished
+    before = _published(directory / "release")
+    result = ggufcarve("run", plan, "-q", "--json")
+    assert result.code == 0, result.stderr[-2000:]
+    stages = {s["name"]: s["status"] for s in json.loads(result.stdout)["stages"]}
+    assert set(stages.values()) == {"skipped", "ran"} and [n for n, s in stages.items() if s == "ran"] == ["verify"], stages
+    assert _published(directory / "release") == before
+
+
+@pytest.mark.slow
+def test_sigkill_in_the_middle_then_rerun_resumes_and_verifies(q8_moe, tmp_path):
+    plan = _plan(tmp_path, q8_moe, keep=6)
+    state = tmp_path / "release.work" / "run-state.json"
+    env = {**os.environ, "NO_COLOR": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "ggufcarve", "run", str(plan), "-q"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, start_new_session=True)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and proc.poll() is None:  # kill once the ladder has finished: during the evaluation
+        if state.exists() and "ladder" in json.loads(state.read_text()).get("stages", {}):
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    result = ggufcarve("run", plan, "-q", "--json")
+    assert result.code == 0, result.stderr[-3000:]
+    stages = {s["name"]: s["status"] for s in json.loads(result.stdout)["stages"]}
+    assert stages["select"] == stages["prune"] == stages["ladder"] == "skipped" and stages["evaluate"] == "ran", stages
+    assert ggufcarve("verify", tmp_path / "release").code == 0
+    leftovers = [p for p in tmp_path.rglob("*.tmp")]
+    assert not leftovers, leftovers
+
+
+@pytest.mark.slow
+def test_a_changed_plan_reruns_from_the_changed_stage(finished, q8_moe, tmp_path):
+    directory, plan, _ = finished
+    text = plan.read_text().replace("keep = 4", "keep = 6").replace("[evaluation]", "[evaluation_off]")
+    changed = directory / "changed.toml"
+    changed.write_text(text.split("[evaluation_off]")[0])
+    result = ggufcarve("run", changed, "-q", "--json")
+    assert result.code == 0, result.stderr[-3000:]
+    stages = {s["name"]: s["status"] for s in json.loads(result.stdout)["stages"]}
+    assert stages["select"] == stages["prune"] == stages["ladder"] == "ran", stages
+    names = set(_published(directory / "release"))
+    assert "qwen3moe-6e-Q8_0.gguf" in names and not any(n.startswith("qwen3moe-4e") for n in names)  # the old release is replaced, not mixed in
+    assert not (directory / "release.work" / "qwen3moe-4e-Q8_0.gguf").exists()
+    assert ggufcarve("verify", directory / "release").code == 0
