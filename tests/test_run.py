@@ -227,3 +227,16 @@ def test_a_changed_plan_reruns_from_the_changed_stage(finished, q8_moe, tmp_path
     assert "qwen3moe-6e-Q8_0.gguf" in names and not any(n.startswith("qwen3moe-4e") for n in names)  # the old release is replaced, not mixed in
     assert not (directory / "release.work" / "qwen3moe-4e-Q8_0.gguf").exists()
     assert ggufcarve("verify", directory / "release").code == 0
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (Path(__file__).resolve().parents[1] / "plans").glob("*.toml")))
+def test_the_example_plans_are_valid(name, q8_moe, tmp_path):
+    plans = Path(__file__).resolve().parents[1] / "plans"
+    text = (plans / name).read_text().replace('"../evaluation/qa"', f'"{plans.parent / "evaluation" / "qa"}"')
+    shutil.copyfile(q8_moe, tmp_path / "Qwen3.6-35B-A3B-Q8_0.gguf")
+    _text(tmp_path / "calibration.jsonl", 10, 3)
+    _text(tmp_path / "heldout.txt", 10, 4)
+    (tmp_path / name).write_text(text.replace("keep = 160", "keep = 6").replace("keep = 128", "keep = 4"))
+    result = ggufcarve("run", tmp_path / name, "--dry-run", "--json")
+    assert result.code == 0, result.stderr
+    assert json.loads(result.stdout)["stages"][-1]["name"] == "verify"
