@@ -91,7 +91,7 @@ def fit_command(
     rungs = [r.name for r in spec.select(only)]
     table = new_table(box=SIMPLE_HEAD, pad_edge=False, padding=(0, 0), title=f"{loaded.path.name}: {layout.architecture}, {layout.expert_count} experts, top-{layout.expert_used_count}"
                       + (f", {layout.group_count} groups" if layout.group_count > 1 else ""),
-                      caption=f"GiB of the rung file; ✓: file + cache {gib(cache.total_bytes)} fits in {gib(budget)}; *: power of two; last row: the source's {layout.expert_count}", caption_justify="left")
+                      caption=f"GiB of the rung file; ✓: file + cache {gib(cache.total_bytes)} fits in {gib(budget)}; *: power of two" + (f"; last row: the source's {layout.expert_count}" if layout.expert_count in report.kept_counts else ""), caption_justify="left")
     table.add_column("K", justify="right", no_wrap=True)
     for name in rungs:
         table.add_column(name, justify="right", no_wrap=True)
