@@ -638,3 +638,105 @@ def quantize_with_llama(src, dst, ftype: str, *, allow_requantize: bool = False,
         dst.unlink(missing_ok=True)
         raise RuntimeError(f"llama_model_quantize({src.name} -> {ftype}) failed: {result.error}\n" + "\n".join(result.tail))
     return dst
+
+
+def write_qwen35moe_replica(path, *, n_expert=256, n_layer=40, n_embd=2048, n_ff_exp=512, n_vocab=248320, mtp=True) -> pathlib.Path:
+    """A header-only (sparse) Q8_0 qwen35moe file with the tensor layout of Qwen3.6-35B-A3B: 40
+    blocks (every 4th full attention, 16 heads / 2 KV heads of 256; gated delta net with 16 key
+    and 32 value heads of 128, conv kernel 4) plus one MTP block, 256 experts of 512 (top-8), a
+    shared expert of 512, 248320 tokens, untied output (``mtp=False``: without the MTP block, as
+    converters that drop it write the file). Norms, routers, ``ssm_a``, ``ssm_dt`` and
+    ``ssm_conv1d`` are F32, every other matrix Q8_0, as the converter's ``--outtype q8_0`` writes
+    them. The data is a hole: for what reads only the header (ggufcarve fit, llama-quantize
+    --dry-run). Returns the path.
+    """
+    from gguf.constants import GGUFValueType
+
+    from ggufcarve.gguf.container import TensorHeader, encode_header, make_kv, pad_to
+
+    q8, f32 = int(QT.Q8_0), int(QT.F32)
+    arch = "qwen35moe"
+    n_head, n_head_kv, head_dim = 16, 2, 256
+    d_state, n_k_heads, n_v_heads, d_conv = 128, 16, 32, 4
+    key_dim, value_dim = d_state * n_k_heads, d_state * n_v_heads
+    conv_dim = 2 * key_dim + value_dim
+    u32 = GGUFValueType.UINT32
+    kvs = [
+        make_kv("general.architecture", GGUFValueType.STRING, arch),
+        make_kv("general.name", GGUFValueType.STRING, "Qwen3.6-35B-A3B replica"),
+        make_kv("general.file_type", u32, int(gguf.LlamaFileType.MOSTLY_Q8_0)),
+        make_kv("general.quantization_version", u32, gguf.GGML_QUANT_VERSION),
+        make_kv(f"{arch}.block_count", u32, n_layer + int(mtp)),
+        make_kv(f"{arch}.context_length", u32, 262144),
+        make_kv(f"{arch}.embedding_length", u32, n_embd),
+        make_kv(f"{arch}.feed_forward_length", u32, n_ff_exp * 8),
+        make_kv(f"{arch}.attention.head_count", u32, n_head),
+        make_kv(f"{arch}.attention.head_count_kv", u32, n_head_kv),
+        make_kv(f"{arch}.attention.key_length", u32, head_dim),
+        make_kv(f"{arch}.attention.value_length", u32, head_dim),
+        make_kv(f"{arch}.attention.layer_norm_rms_epsilon", GGUFValueType.FLOAT32, 1e-6),
+        make_kv(f"{arch}.rope.freq_base", GGUFValueType.FLOAT32, 1e7),
+        make_kv(f"{arch}.rope.dimension_count", u32, 64),
+        make_kv(f"{arch}.rope.dimension_sections", GGUFValueType.ARRAY, [11, 11, 10, 0], GGUFValueType.INT32),
+        make_kv(f"{arch}.full_attention_interval", u32, 4),
+        make_kv(f"{arch}.ssm.conv_kernel", u32, d_conv),
+        make_kv(f"{arch}.ssm.state_size", u32, d_state),
+        make_kv(f"{arch}.ssm.group_count", u32, n_k_heads),
+        make_kv(f"{arch}.ssm.time_step_rank", u32, n_v_heads),
+        make_kv(f"{arch}.ssm.inner_size", u32, value_dim),
+        make_kv(f"{arch}.expert_count", u32, n_expert),
+        make_kv(f"{arch}.expert_used_count", u32, 8),
+        make_kv(f"{arch}.expert_feed_forward_length", u32, n_ff_exp),
+        make_kv(f"{arch}.expert_shared_feed_forward_length", u32, n_ff_exp),
+        *([make_kv(f"{arch}.nextn_predict_layers", u32, 1)] if mtp else []),
+        make_kv("tokenizer.ggml.model", GGUFValueType.STRING, "gpt2"),
+        make_kv("tokenizer.ggml.tokens", GGUFValueType.ARRAY, [f"t{i}" for i in range(n_vocab)], GGUFValueType.STRING),
+    ]
+
+    def q8_0(name: str, *ne: int) -> TensorHeader:
+        rows = 1
+        for n in ne[1:]:
+            rows *= n
+        return TensorHeader(name, ne, q8, ne[0] // 32 * 34 * rows)
+
+    def f32_(name: str, *ne: int) -> TensorHeader:
+        count = 1
+        for n in ne:
+            count *= n
+        return TensorHeader(name, ne, f32, 4 * count)
+
+    def attention(p: str) -> list[TensorHeader]:
+        return [q8_0(p + "attn_q.weight", n_embd, n_head * head_dim * 2), q8_0(p + "attn_k.weight", n_embd, n_head_kv * head_dim),
+                q8_0(p + "attn_v.weight", n_embd, n_head_kv * head_dim), q8_0(p + "attn_output.weight", n_head * head_dim, n_embd),
+                f32_(p + "attn_q_norm.weight", head_dim), f32_(p + "attn_k_norm.weight", head_dim)]
+
+    def moe(p: str) -> list[TensorHeader]:
+        return [f32_(p + "ffn_gate_inp.weight", n_embd, n_expert), q8_0(p + "ffn_gate_exps.weight", n_embd, n_ff_exp, n_expert),
+                q8_0(p + "ffn_up_exps.weight", n_embd, n_ff_exp, n_expert), q8_0(p + "ffn_down_exps.weight", n_ff_exp, n_embd, n_expert),
+                f32_(p + "ffn_gate_inp_shexp.weight", n_embd), q8_0(p + "ffn_gate_shexp.weight", n_embd, n_ff_exp),
+                q8_0(p + "ffn_up_shexp.weight", n_embd, n_ff_exp), q8_0(p + "ffn_down_shexp.weight", n_ff_exp, n_embd)]
+
+    tensors = [q8_0("token_embd.weight", n_embd, n_vocab)]
+    for i in range(n_layer):
+        p = f"blk.{i}."
+        tensors += [f32_(p + "attn_norm.weight", n_embd), f32_(p + "post_attention_norm.weight", n_embd)]
+        if (i + 1) % 4 == 0:
+            tensors += attention(p)
+        else:
+            tensors += [q8_0(p + "attn_qkv.weight", n_embd, conv_dim), q8_0(p + "attn_gate.weight", n_embd, value_dim),
+                        f32_(p + "ssm_conv1d.weight", d_conv, conv_dim), f32_(p + "ssm_dt.bias", n_v_heads), f32_(p + "ssm_a", n_v_heads),
+                        q8_0(p + "ssm_beta.weight", n_embd, n_v_heads), q8_0(p + "ssm_alpha.weight", n_embd, n_v_heads),
+                        f32_(p + "ssm_norm.weight", d_state), q8_0(p + "ssm_out.weight", value_dim, n_embd)]
+        tensors += moe(p)
+    if mtp:
+        p = f"blk.{n_layer}."
+        tensors += [f32_(p + "attn_norm.weight", n_embd), f32_(p + "post_attention_norm.weight", n_embd), *attention(p), *moe(p),
+                    q8_0(p + "nextn.eh_proj.weight", 2 * n_embd, n_embd), f32_(p + "nextn.enorm.weight", n_embd),
+                    f32_(p + "nextn.hnorm.weight", n_embd), f32_(p + "nextn.shared_head_norm.weight", n_embd)]
+    tensors += [f32_("output_norm.weight", n_embd), q8_0("output.weight", n_embd, n_vocab)]
+    header, _ = encode_header(3, kvs, tensors, 32)
+    path = pathlib.Path(path)
+    with open(path, "wb") as f:
+        f.write(header)
+        f.truncate(len(header) + sum(pad_to(t.nbytes, 32) for t in tensors))
+    return path

@@ -8,6 +8,7 @@ Examples:
     ggufcarve select model.gguf --method weights --keep 128 -o out/selection.json
     ggufcarve prune model.gguf --keep kept_expert_indices.json -o out/model-128e.gguf
     ggufcarve imatrix remap model.imatrix.gguf --model out/model-128e.gguf -o out/model-128e.imatrix.gguf
+    ggufcarve fit model.gguf --memory 24GiB --ctx 16384
     ggufcarve ladder run ladders/q8-to-iq1.toml --source out/model-128e.gguf --imatrix out/model-128e.imatrix.gguf -o release/
     ggufcarve verify release/
     ggufcarve run plans/frequency-128.toml
@@ -23,7 +24,7 @@ from typing import Annotated
 import typer
 
 from ggufcarve import __version__
-from ggufcarve.cli import evaluate, imatrix, ladder, prune, run, select, toolchain, verify
+from ggufcarve.cli import evaluate, fit, imatrix, ladder, prune, run, select, toolchain, verify
 from ggufcarve.cli.options import command_group
 from ggufcarve.cli.render import print_error
 from ggufcarve.errors import CarveError
@@ -52,6 +53,7 @@ app.command("select")(select.select_command)
 app.add_typer(imatrix.app, name="imatrix")
 app.add_typer(toolchain.app, name="toolchain")
 app.add_typer(ladder.app, name="ladder")
+app.command("fit")(fit.fit_command)
 app.command("verify")(verify.verify_command)
 app.command("eval")(evaluate.eval_command)
 app.command("card")(evaluate.card_command)

@@ -20,6 +20,8 @@ except ModuleNotFoundError:  # Python 3.10
 
 
 DEFAULT_FILE_PATTERN = "{model}-{quant}.gguf"
+# The reference ladder, in the source tree beside the package (not installed with it).
+DEFAULT_LADDER = Path(__file__).resolve().parents[2] / "ladders" / "q8-to-iq1.toml"
 DEFAULT_FALLBACK_TYPE = "Q4_K"
 DISK_MARGIN = 64 << 20  # headroom on top of the estimated sizes
 RUNG_KEYS = {"ftype", "name", "description", "file_pattern", "output_tensor_type", "token_embedding_type", "tensor_types", "imatrix_fallback_type", "allow_requantize", "pure"}

@@ -1,0 +1,113 @@
+"""fit: which kept-expert count and which ladder rung fit in a memory budget, from the header alone.
+
+Examples:
+    ggufcarve fit Model-Q8_0.gguf --memory 24GiB
+    ggufcarve fit Model-Q8_0-00001-of-00003.gguf --memory 24GB --ctx 32768 --kv-type q8_0
+    ggufcarve fit Model-Q8_0.gguf --memory 16000MiB --k 96,128,160 --only Q4_K_M,IQ2_XS --json
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from ggufcarve.cli.options import JsonOption, LlamaCppOption, QuietOption
+from ggufcarve.cli.render import escape, gib, new_table, out, progress, warn
+
+
+def fit_command(
+    model: Annotated[Path, typer.Argument(help="GGUF file, or the first shard of a split set (only its header is read).")],
+    memory: Annotated[str, typer.Option("--memory", help="Memory budget for file + cache, e.g. 24GiB, 24GB, 24000MiB (GB = 10^9 bytes, GiB and a bare G = 2^30).")],
+    ctx: Annotated[int, typer.Option("--ctx", help="Context length in tokens whose KV cache is counted.")] = 16384,
+    kv_type: Annotated[str, typer.Option("--kv-type", help="KV cache type for K and V: f16 or q8_0 (q8_0 V needs flash attention, which is assumed on).")] = "f16",
+    ladder: Annotated[Optional[Path], typer.Option("--ladder", help="Ladder spec whose rungs are sized (default: ladders/q8-to-iq1.toml).")] = None,
+    kept: Annotated[Optional[str], typer.Option("--k", help="Kept-expert counts to size, e.g. 96,128 or 64-192/32 (default: powers of two, multiples of expert_count/8, the original).")] = None,
+    only: Annotated[Optional[list[str]], typer.Option("--only", help="Size only these rungs (repeat or comma-separate).")] = None,
+    imatrix: Annotated[Optional[Path], typer.Option("--imatrix", help="The imatrix the ladder will use: tensors without an entry get the rung's imatrix_fallback_type (default: llama-imatrix's coverage, the MTP blocks missing).")] = None,
+    parallel: Annotated[int, typer.Option("--parallel", help="Sequences (llama.cpp -np): each has its own cache cells and recurrent state.")] = 1,
+    swa_full: Annotated[bool, typer.Option("--swa-full", help="Full-size cache for sliding-window layers (llama.cpp --swa-full).")] = False,
+    quantizer_choice: Annotated[str, typer.Option("--quantizer", help="auto | binary | libllama | PATH to llama-quantize: who answers the dry runs.")] = "auto",
+    llama_cpp: LlamaCppOption = None,
+    as_json: JsonOption = False,
+    quiet: QuietOption = False,
+) -> None:
+    """Table of kept experts K x ladder rung: predicted file size, cache at --ctx, total, and whether it fits in --memory."""
+    from ggufcarve.errors import BadInput
+    from ggufcarve.gguf.container import read_model
+    from ggufcarve.moe.layout import inspect_layout
+    from ggufcarve.quant.fit import parse_kept_counts, parse_memory, plan_fit
+    from ggufcarve.quant.kvcache import ContextSettings
+    from ggufcarve.quant.quantizer import make_quantizer
+    from ggufcarve.quant.spec import DEFAULT_LADDER, load_spec
+    from ggufcarve.reports import envelope
+
+    budget = parse_memory(memory)
+    cache_type = kv_type.strip().upper()
+    if cache_type not in ("F16", "Q8_0"):
+        raise BadInput(f"--kv-type {kv_type!r} is not f16 or q8_0", "give --kv-type f16 or --kv-type q8_0")
+    if ctx < 1 or parallel < 1:
+        raise BadInput(f"--ctx {ctx} / --parallel {parallel} must be positive", "e.g. --ctx 16384 --parallel 1")
+    if ladder is None and not DEFAULT_LADDER.exists():
+        raise BadInput(f"the default ladder {DEFAULT_LADDER} is not installed", "give --ladder FILE.toml")
+    spec = load_spec(ladder or DEFAULT_LADDER)
+    loaded = read_model(model)
+    layout = inspect_layout(loaded)
+    counts = parse_kept_counts(kept, layout) if kept else None
+    entries = None
+    if imatrix is not None:
+        from ggufcarve.imatrix.formats import read_imatrix
+
+        entries = {e.name for e in read_imatrix(imatrix).entries}
+    quantizer = make_quantizer(quantizer_choice, llama_cpp)
+    settings = ContextSettings(ctx, cache_type, cache_type, n_seq=parallel, swa_full=swa_full)
+    with progress(not (quiet or as_json), transient=True) as sink:
+        report = plan_fit(loaded, layout, spec, memory=budget, context=settings, quantizer=quantizer, kept_counts=counts, only=only, imatrix_entries=entries, on_event=sink)
+
+    if as_json:
+        inputs = [{"name": p.name, "bytes": p.stat().st_size} for p in loaded.paths]
+        parameters = {"memory": memory, "memory_bytes": budget, "ctx": ctx, "kv_type": cache_type.lower(), "parallel": parallel, "swa_full": swa_full,
+                      "ladder": spec.name, "ladder_sha256": spec.sha256, "k": kept, "only": only, "imatrix": imatrix.name if imatrix else None}
+        doc = envelope("fit", inputs=inputs, parameters=parameters, results=report.to_json(), timings={"total_seconds": report.seconds})
+        doc["sizes_from"]["quantizer"] = {k: v for k, v in doc["sizes_from"]["quantizer"].items() if k not in ("path", "python")}
+        out.print_json(json.dumps(doc, sort_keys=True))
+        return
+
+    cache = report.cache
+    q = report.quantizer
+    out.print(f"sizes: {q['backend']} quantizer dry run ({q.get('version')}) on a sparse pruned header per K; imatrix coverage: {report.imatrix_assumption}", highlight=False)
+    for note in cache.notes:
+        warn(note, "note" if cache.exact else "warning")
+    kinds = [f"KV {gib(cache.kv_bytes)} on {sum(1 for x in cache.layers if x.kind != 'recurrent')} attention block(s)"]
+    if cache.recurrent_bytes:
+        kinds.append(f"recurrent state {gib(cache.recurrent_bytes)} on {sum(1 for x in cache.layers if x.kind == 'recurrent')} block(s)")
+    out.print(f"cache at {ctx} tokens ({cache_type.lower()}, {cache.cells} cells{f', {cache.swa_cells} sliding-window' if cache.swa_cells else ''}): "
+              + " + ".join(kinds) + f" = {gib(cache.total_bytes)}", highlight=False)
+
+    from rich.box import SIMPLE_HEAD
+
+    rungs = [r.name for r in spec.select(only)]
+    table = new_table(box=SIMPLE_HEAD, pad_edge=False, padding=(0, 0), title=f"{loaded.path.name}: {layout.architecture}, {layout.expert_count} experts, top-{layout.expert_used_count}"
+                      + (f", {layout.group_count} groups" if layout.group_count > 1 else ""),
+                      caption=f"GiB of the rung file; ✓: file + cache {gib(cache.total_bytes)} fits in {gib(budget)}; *: power of two" + (f"; last row: the source's {layout.expert_count}" if layout.expert_count in report.kept_counts else ""), caption_justify="left")
+    table.add_column("K", justify="right", no_wrap=True)
+    for name in rungs:
+        table.add_column(name, justify="right", no_wrap=True)
+    for k in report.kept_counts:
+        label = f"{k}{'*' if k & (k - 1) == 0 else ' '}"
+        cells = []
+        for name in rungs:
+            row = report.row(k, name)
+            size = f"{row.rung.bytes / 2**30:.2f}"
+            cells.append((f"[green]{size}✓[/]" if row.fits else f"[dim]{size}[/] ") + ("f" if row.rung.fallback else " "))
+        table.add_row(label, *cells)
+    out.print(table)
+    if any(r.rung.fallback for r in report.rows):
+        out.print(f"f: some tensors need an imatrix entry the ladder's imatrix lacks and get the rung's imatrix_fallback_type ({escape(report.imatrix_assumption)})", highlight=False)
+    best = report.best()
+    if best is None:
+        out.print(f"nothing fits in {gib(budget)}: the smallest is {gib(min(r.total for r in report.rows))}; try a shorter --ctx, --kv-type q8_0 or fewer experts (--k)", highlight=False)
+    else:
+        out.print(f"most experts that fit: K={best.kept} {best.rung.rung}: file {gib(best.rung.bytes)} + cache {gib(best.cache_bytes)} = {gib(best.total)} of {gib(budget)}", highlight=False)

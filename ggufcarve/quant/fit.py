@@ -1,0 +1,316 @@
+"""Which kept-expert count K and which ladder rung fit in a memory budget, from the model's header alone.
+
+    model = read_model("Model-Q8_0.gguf")
+    report = plan_fit(model, load_spec("ladders/q8-to-iq1.toml"), memory=parse_memory("24GiB"),
+                      context=ContextSettings(16384), quantizer=make_quantizer("auto"))
+
+For every K the pruned model's header is written as a sparse file (the prune plan's header; the
+data a hole of the planned size) and llama.cpp's quantizer is asked for a dry run of every rung on
+it, so each tensor's target type is llama.cpp's own choice for that K (its rules depend on
+n_expert, layer position, row widths and names). A rung's size is then the header llama-quantize
+writes (the source's keys plus general.file_type and general.quantization_version) and every
+tensor's rows at its target type, padded to the file's alignment. Tensors the ladder would give
+`imatrix_fallback_type` (target type needs an imatrix, entry missing: by default the MTP blocks,
+which llama-imatrix never runs, or what `imatrix_entries` lacks) are dry-run again with the
+ladder's own override. The KV cache and recurrent state come from kvcache.context_memory; the
+total is file + cache (compute buffers and the OS are not counted).
+
+K values: every K the pruner accepts (check_keepset: at least expert_used_count, and with grouped
+routing the same count from every group) among powers of two, multiples of `kept_step` and the
+original count (kept_step), unless `kept_counts` names them.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Sequence
+
+from gguf.constants import GGML_QUANT_VERSION, GGUFValueType
+
+from ggufcarve.errors import BadInput
+from ggufcarve.events import Event, Sink, ignore
+from ggufcarve.gguf.container import SPLIT_KEYS, GGUFModel, TensorHeader, encode_header, make_kv, pad_to, replace_kvs
+from ggufcarve.gguf.types import FILE_TYPES, ggml_type_row_bytes, tensor_type
+from ggufcarve.moe.keepset import KeepSet, check_keepset
+from ggufcarve.moe.layout import MoeLayout
+from ggufcarve.prune.plan import PlannedFile, plan_prune
+from ggufcarve.quant.kvcache import ContextMemory, ContextSettings, context_memory
+from ggufcarve.quant.quantizer import DryRun, QuantizeJob, Quantizer
+from ggufcarve.quant.spec import LadderSpec, Rung
+
+# ---------------------------------------------------------------------------------------------
+# Memory sizes
+
+MEMORY_UNITS = {
+    "": 1, "B": 1,
+    "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+    "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
+    "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40,  # a bare letter is binary, as `free -h` and llama.cpp print
+}
+MEMORY_SIZE = re.compile(r"\s*(?P<number>\d+(?:\.\d+)?)\s*(?P<unit>[A-Za-z]*)\s*")
+
+
+def parse_memory(text: str) -> int:
+    """'24GiB', '24GB', '24000MiB', '23.5G', '25769803776' -> bytes (GB decimal, GiB and bare G binary)."""
+    match = MEMORY_SIZE.fullmatch(text or "")
+    unit = match["unit"].upper() if match else ""
+    if not match or unit not in MEMORY_UNITS or float(match["number"]) <= 0:
+        raise BadInput(f"--memory {text!r} is not a memory size", "write it like 24GiB, 24GB or 24000MiB (GB = 10^9 bytes, GiB = 2^30)")
+    return int(float(match["number"]) * MEMORY_UNITS[unit])
+
+
+# ---------------------------------------------------------------------------------------------
+# Kept-expert counts
+
+
+def balanced_keepset(layout: MoeLayout, kept: int) -> KeepSet:
+    """K experts per block, the same number from every routing group (group by group, in order)."""
+    groups = layout.group_count if layout.group_count > 1 else 1
+    size = layout.expert_count // groups
+    per_group, rest = divmod(kept, groups)
+    if rest or per_group > size:
+        ids = tuple(range(kept))  # not balanced: the pruner's check says why
+    else:
+        ids = tuple(g * size + i for g in range(groups) for i in range(per_group))
+    return KeepSet({b: ids for b in layout.blocks}, {"selection": f"{kept} per block, balanced over {groups} group(s)"})
+
+
+def kept_count_problem(layout: MoeLayout, kept: int) -> str | None:
+    """Why the pruner refuses K kept experts per block, or None when it accepts them.
+
+    The pruner's own check (check_keepset) on one MoE block: every block keeps the same ids, so one
+    answers for all."""
+    if not 1 <= kept <= layout.expert_count:
+        return f"K={kept} is outside 1..{layout.expert_count}"
+    one_block = replace(layout, layers=layout.layers[:1])
+    try:
+        check_keepset(balanced_keepset(one_block, kept), one_block)
+    except BadInput as err:
+        return err.message
+    return None
+
+
+def kept_step(expert_count: int) -> int:
+    """The spacing of the listed K values: the power of two nearest below expert_count / 8, so
+    about eight multiples (each K costs one dry run per rung)."""
+    step = 1
+    while step * 2 <= expert_count // 8:
+        step *= 2
+    return step
+
+
+def listed_kept_counts(layout: MoeLayout) -> list[int]:
+    """Powers of two, multiples of kept_step and the original count, that the pruner accepts."""
+    n = layout.expert_count
+    step = kept_step(n)
+    candidates = {k for k in range(step, n + 1, step)} | {1 << i for i in range(n.bit_length()) if 1 << i <= n} | {n}
+    return sorted(k for k in candidates if kept_count_problem(layout, k) is None)
+
+
+def parse_kept_counts(text: str, layout: MoeLayout) -> list[int]:
+    """'--k 96,128,200-256/8' style lists ('A-B' every count, 'A-B/S' every S-th), each accepted by the pruner."""
+    counts: set[int] = set()
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        match = re.fullmatch(r"(\d+)(?:-(\d+)(?:/(\d+))?)?", part)
+        if not match:
+            raise BadInput(f"--k {part!r} is not a count or a range", "write counts like 64,96,128 or 64-128/16")
+        lo = int(match[1])
+        hi = int(match[2]) if match[2] else lo
+        step = int(match[3]) if match[3] else 1
+        if hi < lo or step < 1:
+            raise BadInput(f"--k {part!r} is an empty range", "write ranges low-high, e.g. 64-128/16")
+        counts.update(range(lo, hi + 1, step))
+    if not counts:
+        raise BadInput("--k lists no count", "write counts like 64,96,128")
+    for k in sorted(counts):
+        problem = kept_count_problem(layout, k)
+        if problem:
+            raise BadInput(f"--k {k}: {problem}", f"valid counts include {', '.join(map(str, listed_kept_counts(layout)[:12]))}")
+    return sorted(counts)
+
+
+# ---------------------------------------------------------------------------------------------
+# Rung sizes
+
+
+@dataclass(frozen=True)
+class RungSize:
+    rung: str
+    ftype: str
+    bytes: int
+    fallback: tuple[str, ...]  # tensors the ladder gives imatrix_fallback_type
+    needs_imatrix: bool  # llama.cpp's verdict: some tensor's target type needs an imatrix
+
+
+@dataclass(frozen=True)
+class FitRow:
+    kept: int
+    rung: RungSize
+    memory: int  # the budget
+    cache_bytes: int
+
+    @property
+    def total(self) -> int:
+        return self.rung.bytes + self.cache_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.memory
+
+
+@dataclass
+class FitReport:
+    model: GGUFModel
+    layout: MoeLayout
+    spec: LadderSpec
+    memory: int
+    cache: ContextMemory
+    kept_counts: list[int]
+    rows: list[FitRow]
+    quantizer: dict[str, Any]
+    seconds: float
+    imatrix_assumption: str
+
+    def row(self, kept: int, rung: str) -> FitRow:
+        return next(r for r in self.rows if r.kept == kept and r.rung.rung == rung)
+
+    def best(self) -> FitRow | None:
+        """The fitting row with the most experts, then the largest file."""
+        fitting = [r for r in self.rows if r.fits]
+        return max(fitting, key=lambda r: (r.kept, r.rung.bytes)) if fitting else None
+
+    def to_json(self) -> dict[str, Any]:
+        best = self.best()
+        return {
+            "model": {"architecture": self.layout.architecture, "expert_count": self.layout.expert_count, "expert_used_count": self.layout.expert_used_count,
+                      "expert_group_count": self.layout.group_count, "expert_group_used_count": self.layout.group_used_count, "bytes": self.model.total_bytes},
+            "ladder": {"name": self.spec.name, "rungs": [r.name for r in self.spec.rungs]},
+            "memory_bytes": self.memory,
+            "cache": self.cache.to_json(),
+            "kept_counts": self.kept_counts,
+            "sizes_from": {"method": "llama.cpp quantizer dry run on a sparse pruned header per K", "quantizer": self.quantizer, "imatrix": self.imatrix_assumption},
+            "rows": [
+                {"kept": r.kept, "power_of_two": r.kept & (r.kept - 1) == 0, "rung": r.rung.rung, "ftype": r.rung.ftype, "file_bytes": r.rung.bytes,
+                 "cache_bytes": r.cache_bytes, "total_bytes": r.total, "fits": r.fits, "imatrix_fallback": list(r.rung.fallback), "needs_imatrix": r.rung.needs_imatrix}
+                for r in self.rows
+            ],
+            "best": {"kept": best.kept, "rung": best.rung.rung, "total_bytes": best.total} if best else None,
+        }
+
+
+def sparse_pruned_header(model: GGUFModel, layout: MoeLayout, kept: int, directory: Path) -> PlannedFile:
+    """The pruned model of K experts as `ggufcarve prune` plans it (one file, provenance keys
+    included), written as a header and a hole of the planned data size for the quantizer's dry run.
+
+    The written header leaves out the tokenizer's string arrays (llama-quantize never reads the
+    vocabulary, and parsing 250k strings costs most of a dry run's time) and states their count
+    as `{arch}.vocab_size`, which load_hparams reads where it needs the vocabulary size. The
+    returned plan is the full one: output sizes are computed from it."""
+    plan = plan_prune(model, layout, balanced_keepset(layout, kept), directory / f"pruned-{kept}.gguf", merge=True)
+    planned = plan.files[0]
+    kvs = [kv for kv in planned.kvs if not (kv.key.startswith("tokenizer.") and kv.item_type == GGUFValueType.STRING)]
+    vocab_key = f"{layout.architecture}.vocab_size"
+    tokens = model.get("tokenizer.ggml.tokens")
+    if tokens is not None and model.get(vocab_key) is None:
+        kvs.append(make_kv(vocab_key, GGUFValueType.UINT32, len(tokens)))
+    header, _ = encode_header(planned.version, kvs, [t.header for t in planned.tensors], planned.alignment)
+    _, data_offsets = planned.encoded_header
+    data_size = data_offsets[-1] + pad_to(planned.tensors[-1].nbytes, planned.alignment) if planned.tensors else 0
+    with open(planned.path, "wb") as f:
+        f.write(header)
+        f.truncate(len(header) + data_size)
+    return planned
+
+
+def rung_file_bytes(planned: PlannedFile, dry: DryRun, ftype: str) -> int:
+    """The size of the file llama-quantize writes for `dry`: the input's keys with
+    general.quantization_version and general.file_type set and split keys removed, each tensor's
+    rows at its target type, padded to the alignment."""
+    changes: dict[str, Any] = {key: None for key in SPLIT_KEYS}
+    changes["general.quantization_version"] = make_kv("general.quantization_version", GGUFValueType.UINT32, GGML_QUANT_VERSION)
+    changes["general.file_type"] = make_kv("general.file_type", GGUFValueType.UINT32, FILE_TYPES[ftype])
+    tensors = []
+    for t in planned.tensors:
+        target = dry.targets.get(t.name)
+        type_id = int(tensor_type(target)) if target else t.type_id
+        row = ggml_type_row_bytes(type_id, t.shape[0]) if type_id != t.type_id else None
+        nbytes = t.nbytes if row is None else row * _rows(t.shape)  # unconverted tensors are copied
+        tensors.append(TensorHeader(t.name, t.shape, type_id, nbytes))
+    header, offsets = encode_header(planned.version, replace_kvs(planned.kvs, changes), tensors, planned.alignment)
+    return len(header) + (offsets[-1] + pad_to(tensors[-1].nbytes, planned.alignment) if tensors else 0)
+
+
+def _rows(shape: Sequence[int]) -> int:
+    rows = 1
+    for n in shape[1:]:
+        rows *= n
+    return rows
+
+
+def _job(path: Path, rung: Rung, overrides: tuple[tuple[str, str], ...] = ()) -> QuantizeJob:
+    return QuantizeJob(path, None, rung.ftype, None, rung.allow_requantize, rung.output_tensor_type, rung.token_embedding_type, overrides + rung.tensor_types, rung.pure, True, 1)
+
+
+def size_rung(quantizer: Quantizer, planned: PlannedFile, rung: Rung, missing_imatrix: Any) -> RungSize:
+    """One rung of one pruned header: dry run, the ladder's imatrix fallback, the file size."""
+    dry = quantizer.dry_run(_job(planned.path, rung))
+    fallback = tuple(n for n in dry.refused_without_imatrix() if missing_imatrix(n))
+    if fallback:
+        overrides = tuple((f"^{re.escape(n)}$", rung.imatrix_fallback_type) for n in fallback)
+        dry = quantizer.dry_run(_job(planned.path, rung, overrides))
+    return RungSize(rung.name, rung.ftype, rung_file_bytes(planned, dry, rung.ftype), fallback, bool(dry.refused_without_imatrix()))
+
+
+def plan_fit(
+    model: GGUFModel,
+    layout: MoeLayout,
+    spec: LadderSpec,
+    *,
+    memory: int,
+    context: ContextSettings,
+    quantizer: Quantizer,
+    kept_counts: Sequence[int] | None = None,
+    only: Sequence[str] | None = None,
+    imatrix_entries: set[str] | None = None,
+    workers: int | None = None,
+    on_event: Sink = ignore,
+) -> FitReport:
+    """Every (K, rung) pair's file size, the cache at `context`, and whether file + cache fit in `memory`.
+
+    `imatrix_entries`: the tensor names the ladder's imatrix holds; None assumes llama-imatrix's
+    coverage (every tensor but those of the MTP blocks)."""
+    started = time.monotonic()
+    rungs = spec.select(only)
+    counts = sorted(kept_counts) if kept_counts else listed_kept_counts(layout)
+    cache = context_memory(model.get, context)
+    mtp_prefixes = tuple(f"blk.{b}." for b in range(layout.main_layer_count, layout.block_count))
+    if imatrix_entries is None:
+        assumption = "llama-imatrix's: every tensor but the MTP blocks'" if mtp_prefixes else "llama-imatrix's: every tensor"
+
+        def missing_imatrix(name: str) -> bool:
+            return name.startswith(mtp_prefixes) if mtp_prefixes else False
+    else:
+        assumption = f"the given imatrix's {len(imatrix_entries)} entries"
+
+        def missing_imatrix(name: str) -> bool:
+            return name not in imatrix_entries
+
+    sizes: dict[tuple[int, str], RungSize] = {}
+    total = len(counts) * len(rungs)
+    with tempfile.TemporaryDirectory(prefix="ggufcarve-fit-") as tmp:
+        headers = {k: sparse_pruned_header(model, layout, k, Path(tmp)) for k in counts}
+        with ThreadPoolExecutor(max_workers=workers or max(1, min(4, os.cpu_count() or 1))) as pool:
+            futures = {(k, r.name): pool.submit(size_rung, quantizer, headers[k], r, missing_imatrix) for k in counts for r in rungs}
+            for done, (key, future) in enumerate(futures.items(), 1):
+                sizes[key] = future.result()
+                on_event(Event("fit", done, total, "rungs", f"K={key[0]} {key[1]}"))
+    rows = [FitRow(k, sizes[(k, r.name)], memory, cache.total_bytes) for k in counts for r in rungs]
+    return FitReport(model, layout, spec, memory, cache, counts, rows, quantizer.describe(), time.monotonic() - started, assumption)

@@ -1,0 +1,217 @@
+"""ggufcarve fit: rung sizes judged by the files the ladder writes, cache sizes judged by what
+llama.cpp allocates when it loads the model, K lists by the pruner's own rules."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+from clirun import ggufcarve
+
+import factory
+from ggufcarve.errors import BadInput
+from ggufcarve.gguf.container import read_model
+from ggufcarve.llama import launch
+from ggufcarve.moe.layout import inspect_layout
+from ggufcarve.quant.fit import listed_kept_counts, parse_kept_counts, parse_memory, plan_fit
+from ggufcarve.quant.kvcache import ContextSettings, context_memory
+from ggufcarve.quant.quantizer import BinaryQuantizer
+from ggufcarve.quant.spec import DEFAULT_LADDER, load_spec
+
+
+# ---------------------------------------------------------------------------------------------
+# memory sizes and K lists
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("24GiB", 24 * 2**30), ("24GB", 24 * 10**9), ("24000MiB", 24000 * 2**20), ("24 gib", 24 * 2**30),
+    ("23.5G", int(23.5 * 2**30)), ("1073741824", 2**30), ("512MB", 512 * 10**6), ("2TiB", 2 * 2**40),
+])
+def test_memory_sizes_parse(text, expected):
+    assert parse_memory(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "lots", "24GiBs", "-3GB", "0GiB", "24 XB", "GiB", "1e9"])
+def test_nonsense_memory_is_refused(text):
+    with pytest.raises(BadInput, match="is not a memory size"):
+        parse_memory(text)
+
+
+def test_kept_counts_follow_the_pruners_rules(tmp_path, make_model):
+    replica = read_model(factory.write_qwen35moe_replica(tmp_path / "replica.gguf"))
+    assert listed_kept_counts(inspect_layout(replica)) == [8, 16, 32, 64, 96, 128, 160, 192, 224, 256]
+    # 8 experts, top-2: every count from top-k up
+    assert listed_kept_counts(inspect_layout(read_model(make_model("qwen3moe")))) == [2, 3, 4, 5, 6, 7, 8]
+    # 16 experts in 4 groups, 2 groups used, top-4: multiples of 4, >= 2 per group, 2 x per group >= 4
+    grouped = inspect_layout(read_model(make_model("deepseek2")))
+    assert listed_kept_counts(grouped) == [8, 12, 16]
+    assert parse_kept_counts("8,16", grouped) == [8, 16]
+    with pytest.raises(BadInput, match="not a multiple of the 4 expert groups"):
+        parse_kept_counts("10", grouped)
+    with pytest.raises(BadInput, match="per group"):
+        parse_kept_counts("4", grouped)
+    layout = inspect_layout(replica)
+    assert parse_kept_counts("96-128/16,200", layout) == [96, 112, 128, 200]
+    with pytest.raises(BadInput, match="fewer than the 8"):
+        parse_kept_counts("4", layout)
+
+
+# ---------------------------------------------------------------------------------------------
+# the cache, against llama.cpp's own allocation
+
+CONTEXT_CHILD = """
+import sys
+import llama_cpp
+from ggufcarve.llama.libllama import forward_warnings, load_model
+path, n_ctx, cache_type, flash_attn, swa_full, n_seq = sys.argv[1:7]
+forward_warnings(llama_cpp, verbose=True)
+model = load_model(llama_cpp, path)
+params = llama_cpp.llama_context_default_params()
+params.n_ctx, params.n_batch, params.n_ubatch, params.n_seq_max = int(n_ctx), 512, 512, int(n_seq)
+params.type_k = params.type_v = {"F16": llama_cpp.GGML_TYPE_F16, "Q8_0": llama_cpp.GGML_TYPE_Q8_0}[cache_type]
+params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn == "1" else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+params.swa_full = swa_full == "1"
+sys.exit(0 if llama_cpp.llama_init_from_model(model, params) else 3)
+"""
+# llama_kv_cache / llama_memory_recurrent: "size = %7.2f MiB (...)", one line per cache
+CACHE_SIZE = re.compile(r"^(?P<cache>llama_kv_cache|llama_memory_recurrent): size =\s*(?P<mib>[\d.]+) MiB")
+
+
+def llama_cache_mib(path: Path, settings: ContextSettings) -> list[tuple[str, float]]:
+    lines: list[str] = []
+    argv = [sys.executable, "-c", CONTEXT_CHILD, path, *map(str, (settings.n_ctx, settings.type_k, int(settings.flash_attn), int(settings.swa_full), settings.n_seq))]
+    finished = launch.run(argv,
+                          on_line=lines.append, timeout=120)
+    assert finished.ok, "\n".join(finished.tail)
+    return [(m["cache"], float(m["mib"])) for line in lines if (m := CACHE_SIZE.match(line))]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch, settings, caches", [
+    ("qwen3moe", ContextSettings(4096), ["llama_kv_cache"]),
+    ("qwen3moe", ContextSettings(3000, "Q8_0", "Q8_0", n_seq=2), ["llama_kv_cache"]),
+    # hybrid with an MTP block: KV on the full-attention block only, recurrent state per sequence
+    ("qwen35moe", ContextSettings(2048, "Q8_0", "Q8_0", n_seq=16), ["llama_kv_cache", "llama_memory_recurrent"]),
+    ("qwen35moe", ContextSettings(8192, flash_attn=False), ["llama_kv_cache", "llama_memory_recurrent"]),
+    ("deepseek2", ContextSettings(4096), ["llama_kv_cache"]),  # MLA: K only
+    ("deepseek2", ContextSettings(5000, "Q8_0", "Q8_0"), ["llama_kv_cache"]),
+    ("gpt-oss", ContextSettings(4096), ["llama_kv_cache", "llama_kv_cache"]),  # iSWA: full cache, then the window's
+    ("gpt-oss", ContextSettings(4096, n_seq=4, swa_full=True), ["llama_kv_cache", "llama_kv_cache"]),
+])
+def test_cache_matches_what_llama_cpp_allocates(make_model, arch, settings, caches):
+    model = make_model(arch)
+    reported = llama_cache_mib(model, settings)
+    assert [name for name, _ in reported] == caches
+    llama_mib = sum(mib for _, mib in reported)
+    estimate = context_memory(read_model(model).get, settings)
+    ours = estimate.total_bytes / 2**20
+    assert estimate.exact
+    # llama.cpp prints MiB with two decimals: allow that rounding on top of 2%
+    assert abs(ours - llama_mib) <= 0.02 * llama_mib + 0.005 * len(reported), (ours, reported)
+    assert llama_mib > 0.3  # large enough for the printed digits to judge
+
+
+def test_cache_layers_of_the_replica(tmp_path):
+    """Qwen3.6-35B-A3B: 10 full-attention blocks of 2 KV heads x 256, 30 gated-delta-net blocks,
+    the MTP block without cache."""
+    memory = context_memory(read_model(factory.write_qwen35moe_replica(tmp_path / "r.gguf")).get, ContextSettings(16384))
+    kinds = [layer.kind for layer in memory.layers]
+    assert kinds.count("attention") == 10 and kinds.count("recurrent") == 30 and len(kinds) == 40
+    assert memory.kv_bytes == 10 * 2 * (2 * 256 * 2) * 16384  # layers x (K + V) x f16 row x cells
+    # conv (4 - 1) x (4096 + 2 x 16 x 128) + state 128 x 4096 floats per block
+    assert memory.recurrent_bytes == 30 * 4 * (3 * (4096 + 2 * 16 * 128) + 128 * 4096)
+    assert any("MTP" in note for note in memory.notes)
+
+
+# ---------------------------------------------------------------------------------------------
+# rung sizes, against the ladder's files
+
+
+def _ladder_sizes(source: Path, imatrix: Path, out: Path, bin_dir: Path, rungs: str) -> dict[str, int]:
+    result = ggufcarve("ladder", "run", DEFAULT_LADDER, "--source", source, "--imatrix", imatrix, "-o", out, "--only", rungs,
+                       "--quantizer", bin_dir / "llama-quantize", "-t", "2", "-q")
+    assert result.code == 0, result.stderr[-3000:]
+    manifest = json.loads((out / "quant-manifest.json").read_text())
+    return {r["name"]: r["bytes"] for r in manifest["rungs"]}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch, kept, rungs", [
+    ("qwen3moe", 4, "Q8_0,Q6_K,Q4_K_M,Q2_K,IQ1_S"),
+    ("qwen35moe", 4, "Q5_K_M,Q3_K_M,IQ2_XS,IQ1_M"),  # with an MTP block
+])
+def test_predicted_sizes_match_the_ladders_files(make_model, llama_tools, tmp_path, arch, kept, rungs):
+    """Prune for real, collect the pruned model's imatrix with llama-imatrix, run the default
+    ladder's rungs (all nine between the two cases): every rung's file is within 1% of fit's
+    prediction, in practice within the few bytes of the quantize.imatrix.* keys (qwen35moe: the
+    MTP block gets the fallback type in the IQ rungs, in both)."""
+    from conftest import make_imatrix
+
+    source = make_model(arch, dtype="Q8_0", n_embd=256, n_ff_exp=256)
+    pruned = tmp_path / f"{arch}-pruned-Q8_0.gguf"
+    assert ggufcarve("prune", source, "--keep-first", kept, "-o", pruned, "-q").code == 0
+    imatrix = make_imatrix(llama_tools, pruned, tmp_path)
+    built = _ladder_sizes(pruned, imatrix, tmp_path / "release", llama_tools, rungs)
+
+    model = read_model(source)
+    report = plan_fit(model, inspect_layout(model), load_spec(DEFAULT_LADDER), memory=parse_memory("1GiB"), context=ContextSettings(4096),
+                      quantizer=BinaryQuantizer(llama_tools / "llama-quantize"), kept_counts=[kept], only=[rungs])
+    assert list(built) == rungs.split(",")
+    for name, size in built.items():
+        predicted = report.row(kept, name).rung.bytes
+        assert abs(predicted - size) <= 0.01 * size, (name, predicted, size)
+        assert abs(predicted - size) < 512, (name, predicted, size)  # the imatrix keys' bytes at most
+    fallback = {r.rung.rung for r in report.rows if r.rung.fallback}
+    assert fallback == ({"IQ2_XS", "IQ1_M"} if arch == "qwen35moe" else set())
+
+
+@pytest.mark.slow
+def test_reference_release_q8_0_sizes(tmp_path, llama_tools):
+    """The reference release: Qwen3.6-35B-A3B Q8_0, 34.369 GiB with 256 experts, 18.392 GiB with
+    128. A header-only replica of that layout (without the MTP block, which those sizes leave out)
+    gives the Q8_0 row within 0.1%."""
+    model = read_model(factory.write_qwen35moe_replica(tmp_path / "replica.gguf", mtp=False))
+    report = plan_fit(model, inspect_layout(model), load_spec(DEFAULT_LADDER), memory=parse_memory("24GiB"), context=ContextSettings(16384),
+                      quantizer=BinaryQuantizer(llama_tools / "llama-quantize"), kept_counts=[128, 256], only=["Q8_0"])
+    for kept, gib in ((256, 34.369), (128, 18.392)):
+        assert abs(report.row(kept, "Q8_0").rung.bytes / 2**30 - gib) <= 0.001 * gib
+    assert not report.row(256, "Q8_0").fits and report.row(128, "Q8_0").fits
+
+
+# ---------------------------------------------------------------------------------------------
+# command line
+
+
+@pytest.mark.slow
+def test_cli_json_and_table(make_model, llama_tools):
+    model = make_model("qwen35moe", dtype="Q8_0", n_embd=256, n_ff_exp=256)
+    quantizer = llama_tools / "llama-quantize"
+    result = ggufcarve("fit", model, "--memory", "8MiB", "--ctx", "4096", "--kv-type", "q8_0", "--k", "4,8", "--only", "Q8_0,Q4_K_M", "--quantizer", quantizer, "--json")
+    assert result.code == 0, result.stderr
+    doc = json.loads(result.stdout)
+    assert doc["kind"] == "fit" and doc["schema_version"] == 2 and doc["inputs"][0]["name"] == model.name
+    assert doc["parameters"]["memory_bytes"] == 8 * 2**20 and doc["parameters"]["kv_type"] == "q8_0"
+    assert [(r["kept"], r["rung"]) for r in doc["rows"]] == [(4, "Q8_0"), (4, "Q4_K_M"), (8, "Q8_0"), (8, "Q4_K_M")]
+    for row in doc["rows"]:
+        assert row["total_bytes"] == row["file_bytes"] + row["cache_bytes"] and row["fits"] == (row["total_bytes"] <= 8 * 2**20)
+    assert doc["cache"]["recurrent_blocks"] == [0] and doc["cache"]["attention_blocks"] == [1]
+    assert doc["sizes_from"]["quantizer"]["backend"] == "binary"
+    assert str(Path(model).parent) not in result.stdout  # no local directories
+    table = ggufcarve("fit", model, "--memory", "8MiB", "--k", "4,8", "--only", "Q8_0,Q4_K_M", "--quantizer", quantizer, "-q")
+    assert table.code == 0, table.stderr
+    assert "Q4_K_M" in table.stdout and "most experts that fit" in table.stdout and "binary quantizer dry run" in table.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--memory", "plenty"], "is not a memory size"),
+    (["--memory", "24GiB", "--kv-type", "q4_k"], "is not f16 or q8_0"),
+    (["--memory", "24GiB", "--k", "1"], "fewer than the 2"),
+    (["--memory", "24GiB", "--k", "x"], "is not a count or a range"),
+])
+def test_cli_refuses_bad_arguments_in_one_line(make_model, args, message):
+    result = ggufcarve("fit", make_model("qwen3moe"), *args)
+    assert result.code == 1 and message in result.error_line and "hint:" in result.error_line, result.stderr
+    assert "Traceback" not in result.stderr
