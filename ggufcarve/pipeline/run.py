@@ -63,7 +63,7 @@ class StagePreview:
     action: str
     outputs: tuple[str, ...]
     bytes: int | None  # None: known only once the stage before it ran
-    done: bool
+    done: bool  # an earlier run recorded it (it is skipped when its inputs are unchanged)
 
 
 @dataclass(frozen=True)
@@ -533,7 +533,7 @@ def execute_run(plan: RunPlan, *, force: bool = False, on_event: Sink = ignore) 
     """Run every stage of `plan` that has not already run with the same inputs; `force` re-runs
     them all and lets the ladder start the release afresh."""
     started = time.monotonic()
-    preview = preview_run(plan)
+    preview = preview_run(plan, sizes=False)
     if preview.short:
         probe = preview.short[0]
         raise OutputError(f"the run needs about {preview.bytes_needed / 2**30:.2f} GiB more but {probe} has {preview.free[probe] / 2**30:.2f} GiB free",
@@ -578,8 +578,9 @@ def _lock(work: Path) -> Any:
     return handle
 
 
-def preview_run(plan: RunPlan) -> RunPreview:
-    """The stages `execute_run` would run, their outputs and sizes, and the disk they need."""
+def preview_run(plan: RunPlan, *, sizes: bool = True) -> RunPreview:
+    """The stages `execute_run` would run, their outputs and sizes, and the disk they need.
+    Without `sizes`, rung sizes are predicted only when a compiled llama-quantize answers fast."""
     from ggufcarve.gguf.container import read_model
     from ggufcarve.moe.keepset import keep_first
     from ggufcarve.moe.layout import inspect_layout
@@ -613,16 +614,18 @@ def preview_run(plan: RunPlan) -> RunPreview:
     if plan.imatrix is not None:
         stages.append(StagePreview("imatrix", "remap the imatrix to the kept experts", (names.remapped_imatrix.name,), None, done("imatrix")))
     rungs = _rung_names(plan)
-    stages.append(StagePreview("ladder", f"{plan.ladder.spec.name}: {', '.join(rungs)}", tuple(f"{names.name}-{r}.gguf" for r in rungs), _ladder_bytes(plan, pruned_plan, model, layout, keepset, rungs), done("ladder")))
+    stages.append(StagePreview("ladder", f"{plan.ladder.spec.name}: {', '.join(rungs)}", tuple(f"{names.name}-{r}.gguf" for r in rungs), _ladder_bytes(plan, model, layout, names.kept, rungs, sizes), done("ladder")))
     if plan.evaluation is not None:
         if plan.evaluation.unpruned:
             stages.append(StagePreview("unpruned", f"{', '.join(plan.evaluation.unpruned)} of the unpruned model, for the equal-size comparison",
-                                       tuple(f"{names.base}-{r}.gguf" for r in plan.evaluation.unpruned), _ladder_bytes(plan, None, model, layout, None, list(plan.evaluation.unpruned)), done("unpruned")))
+                                       tuple(f"{names.base}-{r}.gguf" for r in plan.evaluation.unpruned), _ladder_bytes(plan, model, layout, layout.expert_count, list(plan.evaluation.unpruned), sizes), done("unpruned")))
         stages.append(StagePreview("evaluate", f"PPL, KLD vs the unpruned model, speed{', QA' if plan.evaluation.qa else ''}, gate", ("evaluation/",), None, done("evaluate")))
     if plan.card:
         stages.append(StagePreview("card", "the model card", ("README.md",), None, done("card")))
     stages.append(StagePreview("verify", "SHA256SUMS, manifest, GGUF structure", (), None, False))
-    needed = sum(s.bytes or 0 for s in stages if not s.done) + DISK_MARGIN
+    # a stage that ran before still needs its space when it runs again: its output is written
+    # beside the old one, under a temp name, before the old one goes
+    needed = sum(s.bytes or 0 for s in stages) + DISK_MARGIN
     free: dict[str, int] = {}
     for directory in (plan.work, plan.output):
         probe = directory
@@ -645,13 +648,20 @@ def _rung_names(plan: RunPlan) -> list[str]:
     return [r.name for r in spec.rungs if not plan.ladder.only or r.name.upper() in plan.ladder.only]
 
 
-def _ladder_bytes(plan: RunPlan, pruned_plan: Any, model: Any, layout: Any, keepset: Any, rungs: list[str]) -> int | None:
-    """Predicted bytes of the rungs (see quant/fit.py), or None when no prediction is possible."""
-    try:
-        from ggufcarve.quant.fit import predict_rung_bytes
-    except ImportError:
+def _ladder_bytes(plan: RunPlan, model: Any, layout: Any, kept: int, rungs: list[str], exact: bool) -> int | None:
+    """The rungs' predicted bytes (quant/fit.py: llama.cpp's dry run on a sparse pruned header),
+    or None when only libllama can answer and `exact` is not asked for (a libllama dry run takes
+    seconds per rung; the ladder checks its own disk before writing)."""
+    from ggufcarve.quant.fit import plan_fit
+    from ggufcarve.quant.kvcache import ContextSettings
+    from ggufcarve.quant.quantizer import make_quantizer
+    from ggufcarve.quant.spec import load_spec
+
+    quantizer = make_quantizer("auto", plan.ladder.llama_cpp)
+    if quantizer.backend != "binary" and not exact:
         return None
-    return predict_rung_bytes(model, layout, None if keepset is None else keepset.kept_count, plan.ladder.spec, rungs)
+    report = plan_fit(model, layout, load_spec(plan.ladder.spec), memory=2**62, context=ContextSettings(512), quantizer=quantizer, kept_counts=[kept], only=rungs)
+    return sum(row.rung.bytes for row in report.rows)
 
 
 def stage_table_rows(result: RunResult) -> list[tuple[str, str, str, str]]:

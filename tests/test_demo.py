@@ -1,0 +1,41 @@
+"""ggufcarve demo: the whole plan on the trained demo MoE shipped with the package, with only the
+embedded llama.cpp; a re-run finds every stage done."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from clirun import ggufcarve
+
+
+def test_demo_dry_run_lists_the_plan(tmp_path):
+    result = ggufcarve("demo", tmp_path / "demo", "--dry-run", "--json")
+    assert result.code == 0, result.stderr
+    doc = json.loads(result.stdout)
+    assert [s["name"] for s in doc["stages"]] == ["select", "prune", "imatrix", "ladder", "unpruned", "evaluate", "card", "verify"]
+    assert doc["plan"]["ladder"]["quantizer"] == "libllama" and doc["plan"]["imatrix"]["collect"] is True
+    assert not (tmp_path / "demo").exists()
+
+
+@pytest.mark.slow
+def test_demo_runs_end_to_end_and_resumes(tmp_path):
+    directory = tmp_path / "demo"
+    result = ggufcarve("demo", directory)
+    assert result.code == 0, result.stderr[-3000:]
+    release = directory / "release"
+    assert "verify passed" in result.stdout and "evaluation against the unpruned model" in result.stdout
+    assert (directory / "plan.toml").is_file()
+    names = sorted(p.relative_to(release).as_posix() for p in release.rglob("*") if p.is_file())
+    rungs = [n for n in names if n.endswith(".gguf")]
+    assert len(rungs) == 6, names
+    for expected in ("SHA256SUMS", "quant-manifest.json", "README.md", "method/expert-selection.json", "method/pruning-report.json",
+                     "method/imatrix-remap-report.json", "method/run-plan.json", "evaluation/summary.md"):
+        assert expected in names, names
+    results = [json.loads((release / n).read_text()) for n in names if n.startswith("evaluation/") and n.endswith(".json")]
+    assert len(results) == 9  # six pruned rungs and three quants of the unpruned model
+    assert {r["model"]["pruned"] for r in results} == {True, False}
+    assert ggufcarve("verify", release).code == 0
+    again = ggufcarve("demo", directory, "--json", "-q")
+    assert again.code == 0, again.stderr[-2000:]
+    assert [s["name"] for s in json.loads(again.stdout)["stages"] if s["status"] == "ran"] == ["verify"]
