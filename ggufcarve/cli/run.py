@@ -37,7 +37,8 @@ def _preview_table(preview: RunPreview) -> None:
     for column in ("stage", "does", "writes", "size", "state"):
         table.add_column(column, overflow="fold", justify="right" if column == "size" else "left")
     for s in preview.stages:
-        table.add_row(s.name, escape(s.action), escape(", ".join(s.outputs)), _size(s.bytes) if s.bytes is not None else "", "ran before" if s.done else "")
+        writes = ", ".join(s.outputs) if len(s.outputs) <= 2 else f"{s.outputs[0]} ... {s.outputs[-1]} ({len(s.outputs)} files)"
+        table.add_row(s.name, escape(s.action), escape(writes), _size(s.bytes) if s.bytes is not None else "", "ran before" if s.done else "")
     out.print(table)
     out.print(f"source {preview.plan.source}; release {preview.plan.output}; work {preview.plan.work}", highlight=False, soft_wrap=True)
     free = "; ".join(f"{escape(d)}: {_size(b)} free" for d, b in preview.free.items())

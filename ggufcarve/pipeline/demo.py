@@ -23,6 +23,7 @@ def demo_document(directory: Path) -> dict[str, Any]:
         "source": str(DEMO_MODEL),
         "output": str(directory / "release"),
         "work": str(directory / "work"),
+        "name": "demo-reap-8e",
         "selection": {"method": "reap", "ratio": 0.5},
         "calibration": {"files": [str(CALIBRATION)], "ctx": 256},
         "imatrix": {"collect": True},
