@@ -30,6 +30,7 @@ imatrix_out=...)` runs it beside a selection criterion in the same decode (`Eval
 
 from __future__ import annotations
 
+import ctypes
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,10 +41,12 @@ from gguf.constants import GGMLQuantizationType, GGUFValueType
 
 from ggufcarve.errors import BadInput
 from ggufcarve.events import Sink, ignore
-from ggufcarve.llama.ggml import op_name, read_tensor, tensor_at
+from ggufcarve.llama.ggml import GgmlTensor, op_name, read_tensor, tensor_at
 
 F32 = int(GGMLQuantizationType.F32)
+OP_OFFSET = GgmlTensor.op.offset
 MIN_DENSE_ROWS = 16  # llama-imatrix ignores MUL_MAT with fewer src1 rows
+MIN_REDUCE_WIDTH = 16
 SUMS_PREFIX, COUNTS_PREFIX = "imatrix_sums:", "imatrix_counts:"
 EvalCallback = Callable[[int, bool, object], bool]
 
@@ -56,12 +59,20 @@ def weight_name(name: str) -> str:
     return rest.split("#", 1)[0]
 
 
-def _squares_in_order(rows: np.ndarray, start: np.ndarray) -> np.ndarray:
-    """start + rows[0]**2 + rows[1]**2 + ..., added one row at a time in float32 (ufunc accumulate is sequential)."""
+def squares_in_order(rows: np.ndarray, start: np.ndarray) -> np.ndarray:
+    """start + rows[0]**2 + rows[1]**2 + ..., in float32, added one row at a time (llama-imatrix's order).
+
+    numpy reduces the outer axis of a 2-D array row by row, elementwise; a single column would be
+    coalesced into one contiguous run and summed pairwise, so narrow rows go through a loop."""
     stacked = np.empty((len(rows) + 1, rows.shape[1]), dtype=np.float32)
     stacked[0] = start
     np.multiply(rows, rows, out=stacked[1:])
-    return np.add.accumulate(stacked, axis=0, dtype=np.float32)[-1]
+    if rows.shape[1] >= MIN_REDUCE_WIDTH:
+        return np.add.reduce(stacked, axis=0, dtype=np.float32)
+    acc = stacked[0].copy()
+    for row in stacked[1:]:
+        acc += row
+    return acc
 
 
 class ImatrixAccumulator:
@@ -77,11 +88,13 @@ class ImatrixAccumulator:
         self.errors: list[str] = []
 
     def wants(self, address: int) -> bool:
-        t = tensor_at(address)
-        op = op_name(int(t.op))
+        op = op_name(ctypes.c_int.from_address(address + OP_OFFSET).value)  # most nodes stop here
         if op == "MUL_MAT_ID":
             return True
-        if op != "MUL_MAT" or not t.src[0] or not t.src[1]:
+        if op != "MUL_MAT":
+            return False
+        t = tensor_at(address)
+        if not t.src[0] or not t.src[1]:
             return False
         src1 = tensor_at(int(t.src[1]))
         if src1.ne[1] < MIN_DENSE_ROWS or int(src1.type) != F32:
@@ -145,7 +158,7 @@ class ImatrixAccumulator:
             if picked.size == 0:
                 continue
             rows = x[0, token_of[picked], slot_of[picked] % ne11]
-            sums[e] = _squares_in_order(rows, sums[e])
+            sums[e] = squares_in_order(rows, sums[e])
             counts[e] += picked.size
             if not np.isfinite(sums[e]).all():
                 raise ValueError(f"non-finite values detected in {name}")
@@ -164,12 +177,12 @@ class ImatrixAccumulator:
             raise ValueError(f"inconsistent size for {name} ({sums.size} vs {n_mat * ne0})")
         sums = sums.reshape(n_mat, ne0)
         if n_mat == 1:
-            sums[0] = _squares_in_order(x.reshape(-1, ne0), sums[0])
+            sums[0] = squares_in_order(x.reshape(-1, ne0), sums[0])
         else:
             for i3 in range(x.shape[0]):
                 for i2 in range(x.shape[1]):
                     mat = (i3 % src0_ne3) * src0_ne2 + (i2 % src0_ne2)
-                    sums[mat] = _squares_in_order(x[i3, i2], sums[mat])
+                    sums[mat] = squares_in_order(x[i3, i2], sums[mat])
         if not np.isfinite(sums).all():
             raise ValueError(f"non-finite values detected in {name}")
         rows = x.shape[0] * x.shape[1] * x.shape[2]
