@@ -33,7 +33,7 @@ def test_demo_runs_end_to_end_and_resumes(tmp_path):
                      "method/imatrix-remap-report.json", "method/run-plan.json", "evaluation/summary.md"):
         assert expected in names, names
     results = [json.loads((release / n).read_text()) for n in names if n.startswith("evaluation/") and n.endswith(".json")]
-    assert len(results) == 9  # six pruned rungs and three quants of the unpruned model
+    assert len(results) == 8  # six pruned rungs and two quants of the unpruned model
     assert {r["model"]["pruned"] for r in results} == {True, False}
     assert ggufcarve("verify", release).code == 0
     again = ggufcarve("demo", directory, "--json", "-q")

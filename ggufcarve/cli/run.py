@@ -54,16 +54,20 @@ def _result_tables(result: RunResult) -> None:
     out.print(table)
     if result.evaluation:
         front = _pareto(result.evaluation)
-        quality = new_table(title="evaluation against the unpruned model (sorted by size; * = Pareto front by mean KLD)")
-        for column in ("model", "experts", "GiB", "PPL", "ΔPPL", "mean KLD", "same top p", "gate"):
+        unit, scale = ("GiB", 2**30) if max(r["model"]["bytes"] for r in result.evaluation) >= 2**30 else ("MiB", 2**20)
+        quality = new_table(title="evaluation against the unpruned model, by size (* Pareto front by mean KLD)")
+        for column in ("quant", "experts", unit, "PPL", "ΔPPL", "mean KLD", "same top p", "gate"):
             quality.add_column(column, justify="left" if column in ("model", "gate") else "right", overflow="fold")
         for r in sorted(result.evaluation, key=lambda r: (r["model"]["bytes"], r["model"]["name"])):
             gate = r.get("gate") or "-"
             failed = ", ".join(str(f).split()[0] for f in r.get("gate_failed") or [])
             gate = "[green]PASS[/]" if gate == "PASS" else (f"[red]FAIL[/] {escape(failed)}" if gate == "FAIL" else gate)
-            quality.add_row(("* " if r["model"]["name"] in front else "  ") + escape(r["model"]["file"]), str(r["model"].get("expert_count") or ""), f"{r['model']['gib']:.4f}",
+            experts = f"{r['model'].get('expert_count')}" + ("" if r["model"].get("pruned") else " (unpruned)")
+            quality.add_row(("* " if r["model"]["name"] in front else "  ") + escape(str(r["model"]["quant"])), experts, f"{r['model']['bytes'] / scale:,.2f}",
                             f"{r['ppl']:.3f}", f"{round(r['ppl_delta_percent'], 2) + 0.0:+.2f}%", f"{r['kld_mean']:.5f}", f"{100 * r['same_top_p']:.1f}%", gate)
         out.print(quality)
+    if result.evaluation:
+        out.print(f"per-model results, charts and summary.md: {result.plan.output / 'evaluation'}", highlight=False, soft_wrap=True)
     out.print(_tree(result.plan.output))
     out.print(f"{result.seconds:.1f} s; verify passed: {len(result.verification.files_ok)} files match SHA256SUMS and the manifest", highlight=False)
 

@@ -1,7 +1,7 @@
 """The plan `ggufcarve demo` runs: the trained demo MoE shipped in ggufcarve/demo/data, REAP
 selection keeping half the experts from its calibration text (the imatrix collected in the same
 pass), the six-rung demo ladder through the embedded llama.cpp (no compiled tools), and an
-evaluation of every rung and of three quants of the unpruned model against the unpruned model.
+evaluation of every rung and of two quants of the unpruned model against the unpruned model.
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ def demo_document(directory: Path) -> dict[str, Any]:
         "work": str(directory / "work"),
         "name": "demo-reap-8e",
         "selection": {"method": "reap", "ratio": 0.5},
-        "calibration": {"files": [str(CALIBRATION)], "ctx": 256},
+        "calibration": {"files": [str(CALIBRATION)], "ctx": 256, "max_tokens": 4096},
         "imatrix": {"collect": True},
         "ladder": {"spec": str(FILES / "ladder.toml"), "quantizer": "libllama"},
-        "evaluation": {"heldout": str(HELDOUT), "ctx": 256, "gate": str(FILES / "gate.toml"), "speed_runs": 1, "unpruned": ["Q4_K_M", "Q2_K", "IQ2_XS"]},
+        "evaluation": {"heldout": str(HELDOUT), "ctx": 256, "chunks": 16, "gate": str(FILES / "gate.toml"), "speed_runs": 1, "unpruned": ["Q4_K_M", "Q2_K"]},
     }
 
 
