@@ -173,7 +173,7 @@ def test_the_release_tree_verifies_and_holds_nothing_local(finished, q8_moe):
         assert str(directory).encode() not in data and os.path.expanduser("~").encode() + b"/" not in data, f"{rel} holds a local path"
     doc = json.loads((release / "method/run-plan.json").read_text())
     assert doc["parameters"]["source"] == "qwen3moe-Q8_0.gguf" and doc["parameters"]["imatrix"] == {"collect": True, "file": None}
-    assert [s["name"] for s in doc["results"]["stages"]] == ["select", "prune", "imatrix", "ladder", "unpruned", "evaluate", "card"]
+    assert [s["name"] for s in doc["stages"]] == ["select", "prune", "imatrix", "ladder", "unpruned", "evaluate", "card"]
     rung = json.loads((release / f"evaluation/{base}-Q4_K_M.json").read_text())
     assert rung["model"]["expert_count"] == 4 and rung["kld_mean"] > 0 and rung["gate"] in ("PASS", "FAIL")
     assert "ggufcarve run" in result.stdout and "verify passed" in result.stdout
