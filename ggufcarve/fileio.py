@@ -170,7 +170,7 @@ def check_outputs(
     remove_dead_temps(directory, belongs)
     free = shutil.disk_usage(existing).free
     if free < bytes_needed:
-        raise OutputError(f"output needs {bytes_needed / 2**30:.2f} GiB but {existing} has {free / 2**30:.2f} GiB free", "free disk space or write elsewhere")
+        raise OutputError(f"output needs {bytes_needed / 2**30:.2f} GiB but {existing} has {free / 2**30:.2f} GiB free", "free disk space or choose another -o directory")
     try:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as err:
