@@ -418,7 +418,7 @@ DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 def disk_full_error(path: Path, detail: str, elsewhere: str = "choose another -o directory") -> OutputError:
     """The one message for an output that did not fit: which file, why, and what to do."""
     return OutputError(f"disk full while writing {path} ({detail})",
-                       f"free disk space or {elsewhere} (a file size limit, ulimit -f, counts too), then run again; nothing half-written was left behind")
+                       f"free disk space or {elsewhere}, then run again; nothing half-written was left behind")
 
 
 def write_failed(err: OSError, path: Path, elsewhere: str = "choose another -o directory") -> OutputError:

@@ -483,6 +483,41 @@ def scenario_prune_fills_up(src: str, mount: str) -> dict:
     return {"code": proc.returncode, "stderr": stderr, "left": left, "again": again.returncode, "again_stderr": again.stderr, "check": check.returncode, "out": str(out)}
 
 
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_bytes() if entry.isdigit() else b""
+        except OSError:
+            continue
+        if stat and int(stat[stat.rindex(b")") + 2:].split()[1]) == pid:
+            found.append(int(entry))
+    return found
+
+
+def scenario_rung_fills_up(quantizer: str, source: str, spec: str, mount: str) -> dict:
+    """A ladder into the tmpfs; once the rung's temp file grew, the quantizer child is stopped
+    (SIGSTOP), the disk filled and the child continued; then the filler is removed and the ladder
+    run again."""
+    out = Path(mount) / "out"
+    args = ("ladder", "run", spec, "--source", source, "--quantizer", quantizer, "-t", "2", "-q", "-o", out)
+    proc = subprocess.Popen([sys.executable, "-m", "ggufcarve", *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_until(lambda: temp_grown(out, 1 << 20), proc, "the rung's temp file grew")
+    writers = _children(proc.pid)
+    for pid in writers:
+        os.kill(pid, signal.SIGSTOP)
+    filler = _fill(Path(mount))
+    for pid in writers:
+        os.kill(pid, signal.SIGCONT)
+    _, stderr = proc.communicate(timeout=300)
+    left = listing(out)
+    filler.unlink()
+    again = run(*args, env=dict(os.environ))
+    verify = run("verify", out, env=dict(os.environ))
+    return {"code": proc.returncode, "stderr": stderr, "left": left, "again": again.returncode, "again_stderr": again.stderr, "verify": verify.returncode,
+            "out": str(out), "writers": len(writers)}
+
+
 def scenario_too_small(*command: str) -> dict:
     """Run a command once; what it printed and what it left in the tmpfs."""
     done = run(*command, env=dict(os.environ))
@@ -521,3 +556,23 @@ def test_eval_cache_on_a_too_small_disk_is_refused_before_writing(make_model, q8
     assert result["code"] == 1 and "Traceback" not in result["stderr"], result["stderr"][-3000:]
     assert ".reflogp needs" in line and "MiB free" in line and "another --cache directory" in line and "nothing was written" in line, line
     assert listing(out) == []
+
+
+@tmpfs
+@pytest.mark.slow
+@pytest.mark.parametrize("quantizer", ["binary", "libllama"])
+def test_disk_fills_up_mid_rung_then_rerun(f16_moe, tmp_path, env, llama_tools, quantizer):
+    """llama.cpp's quantizer says only `iostream error` when its write fails; the free space tells
+    ggufcarve it was a full disk."""
+    spec = tmp_path / "ladder.toml"
+    spec.write_text("[[rungs]]\nftype = \"Q8_0\"\n")
+    mnt = tmp_path / "mnt"
+    backend = str(llama_tools / "llama-quantize") if quantizer == "binary" else "libllama"
+    result = in_tmpfs(mnt, 128 << 20, "scenario_rung_fills_up", backend, str(f16_moe), str(spec), str(mnt), env=env)
+    assert result["writers"] == 1
+    assert result["code"] == 1 and "Traceback" not in result["stderr"], result["stderr"][-3000:]
+    line = error_line(result["stderr"])
+    assert line.startswith(f"error: disk full while writing {result['out']}/{f16_moe.stem.removesuffix('-F16')}-Q8_0.gguf (0.0 MiB free after"), line
+    assert "free disk space or choose another -o directory" in line, line
+    assert not any(TEMP_NAME.match(Path(n).name) or n.endswith(".gguf") for n in result["left"]), result["left"]
+    assert result["again"] == 0 and result["verify"] == 0, result["again_stderr"][-3000:]
