@@ -112,7 +112,7 @@ def remember_sha256(path: str | os.PathLike[str], digest: str) -> None:
         entries = {k: v for k, v in entries.items() if Path(k).exists()}
         entries[str(path)] = {"stat": _stat_key(path), "sha256": digest}
         write_text_atomic(cache, json.dumps(entries, indent=0, sort_keys=True))
-    except (OSError, ValueError):
+    except (OSError, ValueError, OutputError):
         pass
 
 
@@ -170,7 +170,7 @@ def check_outputs(
     remove_dead_temps(directory, belongs)
     free = shutil.disk_usage(existing).free
     if free < bytes_needed:
-        raise OutputError(f"output needs {bytes_needed / 2**30:.2f} GiB but {existing} has {free / 2**30:.2f} GiB free", "free disk space or write elsewhere")
+        raise OutputError(f"output needs {bytes_needed / 2**30:.2f} GiB but {existing} has {free / 2**30:.2f} GiB free", "free disk space or choose another -o directory")
     try:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as err:
@@ -401,7 +401,7 @@ def atomic_outputs(paths: Sequence[Path], replaces: Sequence[Path] = ()) -> Iter
             os.replace(temp, final)
         _fsync_dir(paths[0].parent)
     except OSError as err:
-        raise OutputError(f"writing {paths[0].parent}: {err.strerror or err}", _hint_for(err)) from None
+        raise write_failed(err, paths[0]) from None
     finally:
         for fd in fds:
             os.close(fd)
@@ -409,25 +409,53 @@ def atomic_outputs(paths: Sequence[Path], replaces: Sequence[Path] = ()) -> Iter
             temp.unlink(missing_ok=True)
 
 
-def _hint_for(err: OSError) -> str:
-    if err.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-        return "free disk space (or raise the file size limit) and run again; nothing was left behind"
+# Write errors that mean "no room": the file system is full (ENOSPC), the user's quota is used up
+# (EDQUOT), or the file reached the process's file size limit, RLIMIT_FSIZE / `ulimit -f` (EFBIG;
+# with SIGXFSZ at its default a write past the limit kills the process instead).
+DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+
+
+def disk_full_error(path: Path, detail: str, elsewhere: str = "choose another -o directory") -> OutputError:
+    """The one message for an output that did not fit: which file, why, and what to do."""
+    return OutputError(f"disk full while writing {path} ({detail})",
+                       f"free disk space or {elsewhere}, then run again; nothing half-written was left behind")
+
+
+def write_failed(err: OSError, path: Path, elsewhere: str = "choose another -o directory") -> OutputError:
+    """The OutputError of a failed write of `path` (its final name, not the temp name written)."""
+    detail = err.strerror or str(err)
+    if err.errno in DISK_FULL:
+        return disk_full_error(path, detail, elsewhere)
     if err.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-        return "choose a directory you can write to"
-    return "check the output directory and run again; nothing was left behind"
+        return OutputError(f"cannot write {path}: {detail}", "choose a directory you can write to")
+    return OutputError(f"writing {path} failed: {detail}", "check the output directory and run again; nothing half-written was left behind")
+
+
+@contextmanager
+def atomic_file(path: Path, elsewhere: str = "choose another -o directory") -> Iterator[Path]:
+    """A temp path beside `path` to write to; on success it is fsynced and renamed to `path`, on
+    any failure (Ctrl-C included) deleted. Dead runs' temp files of `path` are removed first.
+    An OSError while writing becomes one OutputError (`write_failed`)."""
+    temp = temp_path_for(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        remove_dead_temps(path.parent, path.name.__eq__)
+        yield temp
+        fd = os.open(temp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(temp, path)
+    except OSError as err:
+        raise write_failed(err, path, elsewhere) from None
+    finally:
+        temp.unlink(missing_ok=True)
 
 
 def write_text_atomic(path: Path, text: str) -> None:
     """Write a text file under this process's temp name, fsync, rename; dead runs' temps of it go first."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    remove_dead_temps(path.parent, path.name.__eq__)
-    temp = temp_path_for(path)
-    try:
+    with atomic_file(path) as temp:
         with open(temp, "w", encoding="utf-8") as f:
             f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(temp, path)
-    finally:
-        temp.unlink(missing_ok=True)
 

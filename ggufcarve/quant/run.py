@@ -44,6 +44,7 @@ from ggufcarve.events import Counter, Event, Sink, ignore
 from ggufcarve.fileio import (
     bytes_on_disk,
     dead_temps,
+    disk_full_error,
     make_temp_dir,
     remove_dead_temps,
     sha256_file,
@@ -420,6 +421,46 @@ def _without_dirs(text: str | None, dirs: Sequence[Path]) -> str | None:
     return text
 
 
+def _out_of_space(p: PlannedRung, run: QuantizeRun) -> str | None:
+    """Why a failed rung's output did not fit, or None when its failure was not a full disk.
+
+    llama.cpp's quantizer writes through an ofstream that throws on a failed write, and says only
+    `failed to quantize: basic_ios::clear: iostream error`; the temp file it leaves and the free
+    space tell a full disk or the file size limit from another write error. Past the file size
+    limit with SIGXFSZ at its default (a shell's `ulimit -f`), the quantizer is killed by SIGXFSZ.
+    Call before the temp file is removed.
+    """
+    import resource
+    import signal
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
+    if run.returncode == -signal.SIGXFSZ:
+        return f"the file size limit (ulimit -f) of {soft:,} bytes was reached"
+    if not run.error or "iostream error" not in run.error:
+        return None
+    written = p.temp.stat().st_size if p.temp.exists() else 0
+    if soft != resource.RLIM_INFINITY and written >= soft:
+        return f"the file size limit (ulimit -f) of {soft:,} bytes was reached"
+    free = shutil.disk_usage(p.output.parent).free
+    if free < max(p.estimated_bytes - written, 1 << 20):
+        return f"{free / 2**20:.1f} MiB free after {written / 2**20:.1f} MiB written"
+    return None
+
+
+class _HashStopped(Exception):
+    """A background hash abandoned because the run is stopping."""
+
+
+def _until(stop: threading.Event) -> Callable[[int], None]:
+    """A progress callback for sha256_file that abandons the hash once `stop` is set: a stopped
+    run does not wait for the hash of a big rung to finish."""
+    def progress(_: int) -> None:
+        if stop.is_set():
+            raise _HashStopped
+
+    return progress
+
+
 def bits_per_weight(path: Path) -> float | None:
     """Tensor data bits per weight; raises BadInput when the file does not parse."""
     model = read_model(path)
@@ -440,6 +481,7 @@ def run_ladder(plan: LadderPlan, *, keep_going: bool = False, on_event: Sink = i
     state_lock = threading.Lock()
     results: dict[str, RungResult] = {}
     hasher: ThreadPoolExecutor | None = None
+    stop = threading.Event()  # set on the way out: background hashes still running are abandoned
     local_dirs = [out.absolute(), *(p.parent.absolute() for p in plan.source.paths), *([plan.imatrix.path.parent.absolute()] if plan.imatrix else [])]
     try:
         if plan.fresh:
@@ -449,14 +491,14 @@ def run_ladder(plan: LadderPlan, *, keep_going: bool = False, on_event: Sink = i
         previous = _previous_rungs(plan)
         method = publish_method_reports(out, plan.method_reports)
         remove_dead_temps(out, _rung_names(plan.rungs, plan.imatrix))  # left by an interrupted run
-        resumable = _check_resumable(plan, previous, on_event)
+        resumable = _check_resumable(plan, previous, on_event, stop)
         quantizer_imatrix = _imatrix_without_directories(plan, out, [p for p in plan.rungs if p.rung.name not in resumable])
         hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ggufcarve-hash")
         pending: list[Future[None]] = []
 
         def hash_later(result: RungResult, path: Path) -> None:
             t0 = time.monotonic()
-            digest = sha256_file(path)
+            digest = sha256_file(path, _until(stop))
             st = path.stat()
             with state_lock:
                 result.sha256 = digest
@@ -465,6 +507,7 @@ def run_ladder(plan: LadderPlan, *, keep_going: bool = False, on_event: Sink = i
             _note(on_event, result.name, f"done, sha256 {digest[:12]}")
 
         failure: RungResult | None = None
+        out_of_space: tuple[Path, str] | None = None  # the rung whose output did not fit, and why
         rungs_done = Counter(on_event, "ladder", len(plan.rungs), "rungs")
         for p in plan.rungs:
             r = p.rung
@@ -473,7 +516,7 @@ def run_ladder(plan: LadderPlan, *, keep_going: bool = False, on_event: Sink = i
                 on_event(Event(r.name, 1, 1, "tensors", "skipped: unchanged (sha256 verified)"))
                 rungs_done(1, r.name)
                 continue
-            if failure is not None and not keep_going:
+            if (failure is not None and not keep_going) or out_of_space is not None:
                 results[r.name] = RungResult(r.name, r.ftype, "not run", p.output.name, description=r.description, source_sha256=list(plan.source_sha256))
                 continue
             _note(on_event, r.name, "starting")
@@ -507,9 +550,13 @@ def run_ladder(plan: LadderPlan, *, keep_going: bool = False, on_event: Sink = i
                 pending.append(hasher.submit(hash_later, result, p.output))
                 on_event(Event(r.name, 1, 1, "tensors", f"hashing; {result.bytes / 2**30:.2f} GiB in {run.seconds:.1f} s"))
             else:
+                full = _out_of_space(p, run)
                 p.temp.unlink(missing_ok=True)
                 p.output.unlink(missing_ok=True)  # an earlier output: it does not match this rung's inputs
                 result.error = _without_dirs(run.error, local_dirs) or "the quantizer wrote no output"
+                if full is not None:
+                    out_of_space = (p.output, full)
+                    result.error = f"disk full while writing {p.output.name} ({full}): {result.error}"
                 failure = failure or result
                 _note(on_event, r.name, f"failed: {result.error}")
             results[r.name] = result
@@ -520,6 +567,7 @@ def run_ladder(plan: LadderPlan, *, keep_going: bool = False, on_event: Sink = i
         manifest = _write_manifest(plan, previous, results, method, started, quantizer_seconds, hash_seconds[0], state_lock)
         sums = write_sums(out, manifest)
     finally:
+        stop.set()
         if hasher is not None:
             hasher.shutdown(wait=True, cancel_futures=True)
         for p in plan.rungs:
@@ -529,13 +577,15 @@ def run_ladder(plan: LadderPlan, *, keep_going: bool = False, on_event: Sink = i
         lock.close()
     ordered = [results[p.rung.name] for p in plan.rungs]
     result = LadderResult(plan, ordered, out / MANIFEST_NAME, sums, time.monotonic() - started, quantizer_seconds, hash_seconds[0])
+    if out_of_space is not None:
+        raise disk_full_error(*out_of_space)
     if result.failed and not keep_going:
         first = result.failed[0]
         raise ToolFailed(f"rung {first.name} failed: {first.error}", f"the exact command is in {result.manifest_path}; fix the cause and run again (finished rungs are kept and skipped)")
     return result
 
 
-def _check_resumable(plan: LadderPlan, previous: dict[str, dict[str, Any]], on_event: Sink) -> dict[str, RungResult]:
+def _check_resumable(plan: LadderPlan, previous: dict[str, dict[str, Any]], on_event: Sink, stop: threading.Event) -> dict[str, RungResult]:
     """Rungs whose output matches the recorded inputs key and sha256 (hashed in parallel)."""
     candidates = []
     for p in plan.rungs:
@@ -549,7 +599,11 @@ def _check_resumable(plan: LadderPlan, previous: dict[str, dict[str, Any]], on_e
         return {}
     _note(on_event, "validate", f"checking {len(candidates)} finished rung(s)")
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
-        digests = list(pool.map(lambda c: sha256_file(c[0].output), candidates))
+        try:
+            digests = list(pool.map(lambda c: sha256_file(c[0].output, _until(stop)), candidates))
+        except BaseException:
+            stop.set()  # on the way out (Ctrl-C): the hashes still running stop at their next chunk
+            raise
     out: dict[str, RungResult] = {}
     for (p, rec), digest in zip(candidates, digests):
         if digest != rec["sha256"]:
