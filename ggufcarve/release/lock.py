@@ -160,7 +160,8 @@ def _acquire(path: Path, wait: float, stale_seconds: float) -> int:
         if signature != seen:
             seen, seen_since = signature, now
         owner = read_owner(path)
-        if _owner_gone(owner) or now - seen_since >= stale_seconds:
+        local = owner is not None and owner.get("host_token") == host_token()
+        if _owner_gone(owner) or (not local and now - seen_since >= stale_seconds):
             _break(path, signature)
             seen = None
             continue
