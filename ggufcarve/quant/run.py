@@ -14,8 +14,9 @@ manifest, instead of aborting hours into the run with `Missing importance matrix
 
 The output directory is one release of one source: a plan for a directory whose manifest names
 another source is refused, unless `fresh` starts the release afresh (its old rungs removed).
-The pruning and imatrix remap reports beside the source and the imatrix are published into
-`method/` when their content describes those exact files (see release.method).
+The pruning and imatrix remap reports beside the source and the imatrix, and the selection record
+or keep-set file the pruning report names by sha256, are published into `method/` when their
+content describes those exact files (see release.method).
 
 `run_ladder` runs each rung into a temp name in the output directory, renames it on success and
 deletes it on failure (llama-quantize leaves truncated files), hashes each finished file in a
@@ -206,13 +207,15 @@ def plan_ladder(
     nthreads: int | None = None,
     hash_inputs: bool = True,
     fresh: bool = False,
+    selection: str | os.PathLike[str] | None = None,
     on_event: Sink = ignore,
 ) -> LadderPlan:
     """Validate everything and resolve every rung's exact job before anything is written.
 
     `hash_inputs=False` (a dry run) skips the source's sha256 and the rungs' inputs keys, which
     only running and resuming need; such a plan cannot be run. `fresh` plans a new release in a
-    directory that holds another (or an unreadable manifest).
+    directory that holds another (or an unreadable manifest). `selection` is the selection record
+    the source's keep-set was chosen by, when it is not found beside the source (release.method).
     """
     rungs = spec.select(only)
     source_path = Path(source)
@@ -235,7 +238,7 @@ def plan_ladder(
     source_sha = _source_sha256(model) if hash_inputs else []
     if manifest is not None:
         check_same_source(out, manifest, [{"name": p.name, "bytes": p.stat().st_size, "sha256": h} for p, h in zip(model.paths, source_sha or [None] * len(model.paths))])
-    method_reports, method_warnings = find_method_reports(model, (info.path, info.sha256) if info else None)
+    method_reports, method_warnings = find_method_reports(model, (info.path, info.sha256) if info else None, Path(selection) if selection is not None else None)
     needing = [r.name for r in rungs if r.needs_imatrix]
     if needing and info is None:
         raise BadInput(f"rung{'s' if len(needing) > 1 else ''} {', '.join(needing)} need{'' if len(needing) > 1 else 's'} an imatrix and none was given", "pass --imatrix FILE (remapped to the pruned model), or leave these rungs out with --only")
