@@ -254,11 +254,14 @@ class BackgroundFlush:
 
 # Temp names. Every output NAME is written as `.NAME.ggufcarve-PID-START-BOOT.tmp` in its own
 # directory: PID is the writing process, START its start time in clock ticks since boot (field 22
-# of /proc/PID/stat) and BOOT the first 8 hex digits of /proc/sys/kernel/random/boot_id. Together
-# they name one process of one boot, so a later run tells a dead run's temp file (no such process,
-# a zombie, the pid reused by a process that started at another time, or another boot) from a live
-# concurrent run's. Without /proc, START and BOOT are 0 and only the pid is checked. The earlier
-# form `.NAME.ggufcarve-PID.tmp` is recognised by its pid alone.
+# of /proc/PID/stat) and BOOT the first 8 hex digits of /proc/sys/kernel/random/boot_id followed by
+# 8 hex digits of the sha256 of the host name. Together they name one process of one boot of one
+# host, so a later run tells a dead run's temp file (no such process, a zombie, the pid reused by a
+# process that started at another time, or another boot of this host) from a live concurrent run's.
+# A temp file of another host (a shared release directory) is never taken for dead: its process
+# cannot be checked from here. Without /proc, START and BOOT are 0 and only the pid is checked. The
+# earlier forms `.NAME.ggufcarve-PID.tmp` (the pid alone) and BOOT of 8 hex digits (no host part,
+# any other boot is dead) are recognised too.
 TEMP_NAME = re.compile(r"^\.(?P<target>.+)\.ggufcarve-(?P<pid>\d+)(?:-(?P<start>\d+)-(?P<boot>[0-9a-f]+))?\.tmp$")
 
 
@@ -274,10 +277,39 @@ def _process_state(pid: int) -> tuple[str, int] | None:
 
 @functools.cache
 def _boot_token() -> str:
+    """BOOT of this process's temp names: 8 hex digits of the boot id, 8 of the host name's sha256."""
     try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip().replace("-", "")[:8] or "0"
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip().replace("-", "")[:8]
     except OSError:
         return "0"
+    return boot + host_token() if boot else "0"
+
+
+@functools.cache
+def host_token() -> str:
+    """8 hex digits naming this host (from its host name): equal on every process of one host."""
+    import socket
+
+    return hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
+
+
+def process_alive(pid: int, start: int | None, boot: str | None) -> bool:
+    """Whether the process of a run token (PID-START-BOOT, see the temp names) may still be
+    running: False only when it is known to be gone; True for a process of another host."""
+    if boot is not None and start is not None and boot != "0":
+        mine = _boot_token()
+        if len(boot) == 16 and len(mine) == 16 and boot[8:] != mine[8:]:
+            return True  # another host's: nothing here can tell
+        if boot != mine and boot[:8] != mine[:8]:
+            return False
+    if not _pid_exists(pid):
+        return False
+    state = _process_state(pid)
+    if state is None:  # /proc hides it (or there is no /proc): the pid exists, assume it is the writer
+        return True
+    if state[0] in ("Z", "X"):  # exited, not yet reaped
+        return False
+    return start is None or start == 0 or state[1] == start
 
 
 def _pid_exists(pid: int) -> bool:
@@ -309,17 +341,8 @@ def writer_alive(temp_name: str) -> bool:
     match = TEMP_NAME.match(temp_name)
     if match is None:
         return True
-    pid = int(match["pid"])
-    if match["start"] is not None and match["boot"] != "0" and match["boot"] != _boot_token():
-        return False
-    if not _pid_exists(pid):
-        return False
-    state = _process_state(pid)
-    if state is None:  # /proc hides it (or there is no /proc): the pid exists, assume it is the writer
-        return True
-    if state[0] in ("Z", "X"):  # exited, not yet reaped
-        return False
-    return match["start"] is None or int(match["start"]) == 0 or state[1] == int(match["start"])
+    start = int(match["start"]) if match["start"] is not None else None
+    return process_alive(int(match["pid"]), start, match["boot"])
 
 
 def dead_temps(directory: Path, belongs: Callable[[str], bool]) -> list[Path]:

@@ -10,6 +10,7 @@ Examples:
     ggufcarve imatrix remap model.imatrix.gguf --model out/model-128e.gguf -o out/model-128e.imatrix.gguf
     ggufcarve fit model.gguf --memory 24GiB --ctx 16384
     ggufcarve ladder run ladders/q8-to-iq1.toml --source out/model-128e.gguf --imatrix out/model-128e.imatrix.gguf -o release/
+    ggufcarve release merge release/      # after ladder runs of single rungs from several hosts
     ggufcarve verify release/
 """
 
@@ -24,7 +25,7 @@ from typing import Annotated
 import typer
 
 from ggufcarve import __version__
-from ggufcarve.cli import evaluate, fit, imatrix, ladder, prune, select, toolchain, verify
+from ggufcarve.cli import evaluate, fit, imatrix, ladder, prune, release, select, toolchain, verify
 from ggufcarve.cli.options import command_group
 from ggufcarve.cli.render import print_error
 from ggufcarve.errors import CarveError, Interrupted
@@ -54,6 +55,7 @@ app.add_typer(imatrix.app, name="imatrix")
 app.add_typer(toolchain.app, name="toolchain")
 app.add_typer(ladder.app, name="ladder")
 app.command("fit")(fit.fit_command)
+app.add_typer(release.app, name="release")
 app.command("verify")(verify.verify_command)
 app.command("eval")(evaluate.eval_command)
 app.command("card")(evaluate.card_command)

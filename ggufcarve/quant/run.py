@@ -14,8 +14,9 @@ manifest, instead of aborting hours into the run with `Missing importance matrix
 
 The output directory is one release of one source: a plan for a directory whose manifest names
 another source is refused, unless `fresh` starts the release afresh (its old rungs removed).
-The pruning and imatrix remap reports beside the source and the imatrix are published into
-`method/` when their content describes those exact files (see release.method).
+The pruning and imatrix remap reports beside the source and the imatrix, and the selection record
+or keep-set file the pruning report names by sha256, are published into `method/` when their
+content describes those exact files (see release.method).
 
 `run_ladder` runs each rung into a temp name in the output directory, renames it on success and
 deletes it on failure (llama-quantize leaves truncated files), hashes each finished file in a
@@ -61,12 +62,20 @@ from ggufcarve.quant.quantizer import (
     QuantizeRun,
 )
 from ggufcarve.quant.spec import DISK_MARGIN, LadderSpec, Rung
+from ggufcarve.release.fragments import (
+    FRAGMENTS_DIR,
+    adopt_manifest,
+    fragment_path,
+    read_fragments,
+    rebuild,
+    write_fragment,
+)
+from ggufcarve.release.lock import lock_release
 from ggufcarve.release.manifest import (
     MANIFEST_NAME,
-    _write_manifest,
     check_same_source,
     described_files,
-    lock_release,
+    ladder_context,
     read_manifest,
 )
 from ggufcarve.release.method import (
@@ -75,7 +84,7 @@ from ggufcarve.release.method import (
     find_method_reports,
     publish_method_reports,
 )
-from ggufcarve.release.sums import SUMS_NAME, inside, write_sums
+from ggufcarve.release.sums import SUMS_NAME, inside
 from ggufcarve.reports import public_name, release_report_name
 
 # ---------------------------------------------------------------------------------------------
@@ -199,13 +208,15 @@ def plan_ladder(
     nthreads: int | None = None,
     hash_inputs: bool = True,
     fresh: bool = False,
+    selection: str | os.PathLike[str] | None = None,
     on_event: Sink = ignore,
 ) -> LadderPlan:
     """Validate everything and resolve every rung's exact job before anything is written.
 
     `hash_inputs=False` (a dry run) skips the source's sha256 and the rungs' inputs keys, which
     only running and resuming need; such a plan cannot be run. `fresh` plans a new release in a
-    directory that holds another (or an unreadable manifest).
+    directory that holds another (or an unreadable manifest). `selection` is the selection record
+    the source's keep-set was chosen by, when it is not found beside the source (release.method).
     """
     rungs = spec.select(only)
     source_path = Path(source)
@@ -228,7 +239,7 @@ def plan_ladder(
     source_sha = _source_sha256(model) if hash_inputs else []
     if manifest is not None:
         check_same_source(out, manifest, [{"name": p.name, "bytes": p.stat().st_size, "sha256": h} for p, h in zip(model.paths, source_sha or [None] * len(model.paths))])
-    method_reports, method_warnings = find_method_reports(model, (info.path, info.sha256) if info else None)
+    method_reports, method_warnings = find_method_reports(model, (info.path, info.sha256) if info else None, Path(selection) if selection is not None else None)
     needing = [r.name for r in rungs if r.needs_imatrix]
     if needing and info is None:
         raise BadInput(f"rung{'s' if len(needing) > 1 else ''} {', '.join(needing)} need{'' if len(needing) > 1 else 's'} an imatrix and none was given", "pass --imatrix FILE (remapped to the pruned model), or leave these rungs out with --only")
@@ -384,18 +395,25 @@ class LadderResult:
 
 
 def _previous_rungs(plan: LadderPlan) -> dict[str, dict[str, Any]]:
-    """The rungs the release in the output directory records, by name; the release must be of
-    this plan's source (checked again here: the directory may have changed since planning)."""
+    """The rungs the release in the output directory records (its fragments; a manifest of an
+    earlier ggufcarve is adopted into fragments first), by name; the release must be of this plan's
+    source (checked again here: the directory may have changed since planning)."""
+    adopt_manifest(plan.out_dir)
+    this = [{"name": p.name, "bytes": p.stat().st_size, "sha256": h} for p, h in zip(plan.source.paths, plan.source_sha256)]
     manifest = read_manifest(plan.out_dir)
-    if manifest is None:
-        return {}
-    check_same_source(plan.out_dir, manifest, [{"name": p.name, "bytes": p.stat().st_size, "sha256": h} for p, h in zip(plan.source.paths, plan.source_sha256)])
-    return {r.get("name"): r for r in manifest["rungs"] if isinstance(r, dict)}
+    if manifest is not None:
+        check_same_source(plan.out_dir, manifest, this)
+    previous = {}
+    for fragment in read_fragments(plan.out_dir):
+        check_same_source(plan.out_dir, {"source": fragment.context["source"]}, this)
+        previous[str(fragment.rung["name"])] = fragment.rung
+    return previous
 
 
 def _start_afresh(out_dir: Path) -> list[str]:
     """Remove the release in out_dir: the files its manifest describes, the release's method
-    reports, the manifest and SHA256SUMS. Files the manifest does not describe are left alone.
+    reports, the manifest, SHA256SUMS and the rung fragments. Files the manifest does not describe
+    are left alone.
     Returns the removed names."""
     try:
         manifest = read_manifest(out_dir)
@@ -409,6 +427,7 @@ def _start_afresh(out_dir: Path) -> list[str]:
         if inside(out_dir, rel) and path.is_file():
             path.unlink()
             removed.append(rel)
+    shutil.rmtree(out_dir / FRAGMENTS_DIR, ignore_errors=True)
     return removed
 
 
@@ -469,12 +488,16 @@ def bits_per_weight(path: Path) -> float | None:
 
 
 def run_ladder(plan: LadderPlan, *, keep_going: bool = False, on_event: Sink = ignore) -> LadderResult:
-    """Run the planned rungs; see the module docstring. Raises ToolFailed on the first failure unless keep_going."""
+    """Run the planned rungs; see the module docstring. Raises ToolFailed on the first failure unless keep_going.
+
+    Each finished rung is recorded in its fragment and the manifest and SHA256SUMS are rebuilt from
+    all fragments, under the release's lock (release.lock, held only for these steps): runs of
+    other rungs into the same directory, from other processes or hosts, may go on at the same time.
+    """
     if not plan.source_sha256:
         raise ValueError("run_ladder needs a plan made with hash_inputs=True")
     out = plan.out_dir
     out.mkdir(parents=True, exist_ok=True)
-    lock = lock_release(out)
     started = time.monotonic()
     quantizer_seconds = 0.0
     hash_seconds = [0.0]
@@ -483,18 +506,30 @@ def run_ladder(plan: LadderPlan, *, keep_going: bool = False, on_event: Sink = i
     hasher: ThreadPoolExecutor | None = None
     stop = threading.Event()  # set on the way out: background hashes still running are abandoned
     local_dirs = [out.absolute(), *(p.parent.absolute() for p in plan.source.paths), *([plan.imatrix.path.parent.absolute()] if plan.imatrix else [])]
+    quantizer_imatrix: Path | None = None
     try:
-        if plan.fresh:
-            removed = _start_afresh(out)
-            if removed:
-                _note(on_event, "validate", f"started the release afresh: removed {', '.join(removed)}")
-        previous = _previous_rungs(plan)
-        method = publish_method_reports(out, plan.method_reports)
-        remove_dead_temps(out, _rung_names(plan.rungs, plan.imatrix))  # left by an interrupted run
+        with lock_release(out):
+            if plan.fresh:
+                removed = _start_afresh(out)
+                if removed:
+                    _note(on_event, "validate", f"started the release afresh: removed {', '.join(removed)}")
+            previous = _previous_rungs(plan)
+            method = publish_method_reports(out, plan.method_reports)
+            remove_dead_temps(out, _rung_names(plan.rungs, plan.imatrix))  # left by an interrupted run
+        inputs, parameters, context = ladder_context(plan, method)
         resumable = _check_resumable(plan, previous, on_event, stop)
         quantizer_imatrix = _imatrix_without_directories(plan, out, [p for p in plan.rungs if p.rung.name not in resumable])
         hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ggufcarve-hash")
         pending: list[Future[None]] = []
+
+        def record(result: RungResult) -> None:
+            """The rung's fragment, then the manifest and SHA256SUMS from all fragments, under the lock."""
+            with state_lock:
+                total = time.monotonic() - started
+                timings = {"total_seconds": total, "quantizer_seconds": quantizer_seconds, "hash_seconds": hash_seconds[0], "overhead_seconds": total - quantizer_seconds}
+            with lock_release(out):
+                write_fragment(out, result.to_json(), context, inputs=inputs, parameters=parameters, timings=timings)
+                rebuild(out)
 
         def hash_later(result: RungResult, path: Path) -> None:
             t0 = time.monotonic()
@@ -504,6 +539,7 @@ def run_ladder(plan: LadderPlan, *, keep_going: bool = False, on_event: Sink = i
                 result.sha256 = digest
                 result.mtime_ns = st.st_mtime_ns
                 hash_seconds[0] += time.monotonic() - t0
+            record(result)
             _note(on_event, result.name, f"done, sha256 {digest[:12]}")
 
         failure: RungResult | None = None
@@ -513,11 +549,14 @@ def run_ladder(plan: LadderPlan, *, keep_going: bool = False, on_event: Sink = i
             r = p.rung
             if p.rung.name in resumable:
                 results[r.name] = resumable[r.name]
+                record(resumable[r.name])
                 on_event(Event(r.name, 1, 1, "tensors", "skipped: unchanged (sha256 verified)"))
                 rungs_done(1, r.name)
                 continue
             if (failure is not None and not keep_going) or out_of_space is not None:
                 results[r.name] = RungResult(r.name, r.ftype, "not run", p.output.name, description=r.description, source_sha256=list(plan.source_sha256))
+                if r.name not in previous and not fragment_path(out, r.name).exists():
+                    record(results[r.name])
                 continue
             _note(on_event, r.name, "starting")
             result = RungResult(r.name, r.ftype, "failed", p.output.name, command=plan.quantizer.recorded_argv(p.job, p.output), fallback=p.fallback,
@@ -531,7 +570,8 @@ def run_ladder(plan: LadderPlan, *, keep_going: bool = False, on_event: Sink = i
 
             job = replace(p.job, imatrix=quantizer_imatrix) if quantizer_imatrix is not None and p.job.imatrix is not None else p.job
             run: QuantizeRun = plan.quantizer.run(job, on_line)
-            quantizer_seconds += run.seconds
+            with state_lock:
+                quantizer_seconds += run.seconds
             result.exit_status, result.seconds = run.returncode, run.seconds
             if run.returncode == 0 and p.temp.exists():
                 try:
@@ -547,6 +587,7 @@ def run_ladder(plan: LadderPlan, *, keep_going: bool = False, on_event: Sink = i
                 os.replace(p.temp, p.output)  # replaces an earlier output only now that this one exists
                 result.status = "built"
                 result.bytes = p.output.stat().st_size
+                results[r.name] = result
                 pending.append(hasher.submit(hash_later, result, p.output))
                 on_event(Event(r.name, 1, 1, "tensors", f"hashing; {result.bytes / 2**30:.2f} GiB in {run.seconds:.1f} s"))
             else:
@@ -558,14 +599,15 @@ def run_ladder(plan: LadderPlan, *, keep_going: bool = False, on_event: Sink = i
                     out_of_space = (p.output, full)
                     result.error = f"disk full while writing {p.output.name} ({full}): {result.error}"
                 failure = failure or result
+                results[r.name] = result
+                record(result)
                 _note(on_event, r.name, f"failed: {result.error}")
-            results[r.name] = result
             rungs_done(1, r.name)
-            _write_manifest(plan, previous, results, method, started, quantizer_seconds, hash_seconds[0], state_lock)
         for f in pending:
             f.result()
-        manifest = _write_manifest(plan, previous, results, method, started, quantizer_seconds, hash_seconds[0], state_lock)
-        sums = write_sums(out, manifest)
+        manifest = rebuild(out)
+        assert manifest is not None
+        sums = out / SUMS_NAME
     finally:
         stop.set()
         if hasher is not None:
@@ -574,7 +616,6 @@ def run_ladder(plan: LadderPlan, *, keep_going: bool = False, on_event: Sink = i
             p.temp.unlink(missing_ok=True)
         if plan.imatrix is not None:
             shutil.rmtree(temp_path_for(out / plan.imatrix.path.name), ignore_errors=True)
-        lock.close()
     ordered = [results[p.rung.name] for p in plan.rungs]
     result = LadderResult(plan, ordered, out / MANIFEST_NAME, sums, time.monotonic() - started, quantizer_seconds, hash_seconds[0])
     if out_of_space is not None:
