@@ -72,7 +72,7 @@ def test_frequency_counts_equal_llama_imatrix_counts(arch, make_model, llama_too
     model = make_model(arch, "F16")
     out = tmp_path / "imatrix.gguf"
     proc = subprocess.run([str(llama_tools / "llama-imatrix"), "-m", str(model), "-f", str(calibration_text), "-o", str(out),
-                           "-c", "128", "-b", "128", "-t", "2", "--no-repack"], capture_output=True, text=True, timeout=600)
+                           "-c", "128", "-t", "2", "--no-repack"], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     loaded = read_model(model)
     scores = score_model(loaded, inspect_layout(loaded), "frequency", calibration=[calibration_text], ctx=128, threads=2)

@@ -1,6 +1,7 @@
-"""imatrix remap | inspect | convert: importance matrices (GGUF and legacy .dat) for pruned models.
+"""imatrix collect | remap | inspect | convert: importance matrices (GGUF and legacy .dat) for pruned models.
 
 Examples:
+    ggufcarve imatrix collect model.gguf --calibration calibration.txt --ctx 512 -o model.imatrix.gguf
     ggufcarve imatrix inspect model.imatrix.gguf
     ggufcarve imatrix remap model.imatrix.gguf --model pruned.gguf -o pruned.imatrix.gguf
     ggufcarve imatrix convert pruned.imatrix.gguf -o pruned.imatrix.dat
@@ -15,9 +16,15 @@ from typing import TYPE_CHECKING, Annotated, Optional
 import typer
 
 from ggufcarve.cli.options import (
+    CalibrationOption,
+    CtxOption,
+    ForceOption,
+    JsonOption,
     KeepFirstOption,
     KeepIdsOption,
     KeepOption,
+    QuietOption,
+    ThreadsOption,
     command_group,
     resolve_keepset,
 )
@@ -30,7 +37,7 @@ if TYPE_CHECKING:
     from ggufcarve.moe.layout import MoeLayout
 
 
-app = command_group("Read, convert and remap importance matrices (GGUF and legacy .dat) for pruned models.")
+app = command_group("Collect, read, convert and remap importance matrices (GGUF and legacy .dat) for pruned models.")
 ImatrixFormatOption = Annotated[Optional[str], typer.Option("--format", help="Output format: gguf or dat [default: from the output's suffix, else the input's format].")]
 ChunkSizeOption = Annotated[
     Optional[int], typer.Option("--chunk-size", help="Tokens per chunk the imatrix was computed with, needed to turn a .dat into GGUF (llama-imatrix -c; default 512).")
@@ -59,6 +66,40 @@ def _imatrix_keepset(layout: MoeLayout, pruned: Optional[GGUFModel], keep: Optio
             "omit --keep to use the recorded keep-set, or give the model pruned with this keep-set",
         )
     return keepset
+
+
+@app.command("collect")
+def imatrix_collect(
+    model: Annotated[Path, typer.Argument(help="The model (GGUF, first shard if split), as llama.cpp loads it.")],
+    output: Annotated[Path, typer.Option("-o", "--output", help="Output GGUF imatrix path.")],
+    calibration: CalibrationOption = None,
+    ctx: CtxOption = 512,
+    chunks: Annotated[Optional[int], typer.Option("--chunks", help="Use at most this many --ctx chunks (llama-imatrix --chunks) [default: all].")] = None,
+    threads: ThreadsOption = None,
+    force: ForceOption = False,
+    quiet: QuietOption = False,
+    as_json: JsonOption = False,
+) -> None:
+    """Collect the model's importance matrix in llama.cpp's eval callback, as llama-imatrix does.
+
+    The text is tokenized and cut into chunks of --ctx tokens as llama-imatrix cuts it, decoded
+    with its batching, and every MUL_MAT / MUL_MAT_ID of a blk.* weight is accumulated as its
+    collector does: counts equal llama-imatrix's, in_sum2 the same float32 sums. Written in
+    llama-imatrix's GGUF format; imatrix.datasets holds the files' names."""
+    from ggufcarve.gguf.container import read_model
+    from ggufcarve.imatrix.collect import collect_imatrix
+
+    loaded = read_model(model)
+    with progress(not quiet and not as_json) as sink:
+        result = collect_imatrix(loaded, calibration or [], output, ctx=ctx, chunks=chunks, threads=threads, force=force, on_event=sink)
+    if as_json:
+        out.print_json(json.dumps({
+            "output": str(result.output_path), "bytes": result.output_bytes, "entries": result.entries, "expert_entries": result.expert_entries,
+            "chunk_count": result.chunk_count, "chunk_size": result.chunk_size, "tokens": result.tokens, "datasets": list(result.datasets), "seconds": round(result.seconds, 2),
+        }))
+        return
+    out.print(f"{result.chunk_count} chunks x {result.chunk_size} tokens of {', '.join(result.datasets)} in {result.seconds:.1f} s ({result.tokens / max(result.seconds, 1e-9):,.0f} tokens/s)")
+    out.print(f"wrote {result.output_path} ({result.entries} entries, {result.expert_entries} with per-expert counts, {result.output_bytes:,} bytes)")
 
 
 @app.command("remap")

@@ -25,6 +25,9 @@ KeepIdsOption = Annotated[Optional[str], typer.Option("--keep-ids", help="Keep t
 QuietOption = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars.")]
 JsonOption = Annotated[bool, typer.Option("--json", help="Print the result as JSON (no progress bars).")]
 ForceOption = Annotated[bool, typer.Option("--force", help="Replace an existing output.")]
+CalibrationOption = Annotated[Optional[list[Path]], typer.Option("--calibration", help="Calibration text or JSONL file (repeatable).")]
+CtxOption = Annotated[int, typer.Option("--ctx", help="Tokens per calibration chunk (each starts with BOS and an empty KV cache, as llama-imatrix -c).")]
+ThreadsOption = Annotated[Optional[int], typer.Option("--threads", "-t", help="CPU threads of the llama.cpp calibration run.")]
 LlamaCppOption = Annotated[Optional[Path], typer.Option("--llama-cpp", help="Directory holding llama.cpp tools (DIR, DIR/bin or DIR/build/bin). Env: GGUFCARVE_LLAMA_CPP.")]
 
 

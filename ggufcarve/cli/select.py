@@ -20,7 +20,14 @@ from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
 
-from ggufcarve.cli.options import ForceOption, JsonOption, QuietOption
+from ggufcarve.cli.options import (
+    CalibrationOption,
+    CtxOption,
+    ForceOption,
+    JsonOption,
+    QuietOption,
+    ThreadsOption,
+)
 from ggufcarve.cli.render import new_table, out, progress, ranges, warn
 from ggufcarve.errors import BadInput, OutputError
 
@@ -33,11 +40,8 @@ if TYPE_CHECKING:
 SourcesArgument = Annotated[Optional[list[Path]], typer.Argument(help="A GGUF model (first shard if split), or a SCORES.json written by `ggufcarve score`.", show_default=False)]
 MethodOption = Annotated[Optional[str], typer.Option("--method", "-m", help="weights, router-norm, random (no data); imatrix-counts, imatrix-energy (--imatrix); frequency, ean, reap, razor (--calibration).")]
 ImatrixOption = Annotated[Optional[Path], typer.Option("--imatrix", help="GGUF imatrix of the model (imatrix-counts, imatrix-energy).")]
-CalibrationOption = Annotated[Optional[list[Path]], typer.Option("--calibration", help="Calibration text or JSONL file (repeatable).")]
 SeedOption = Annotated[int, typer.Option("--seed", help="Seed of the random method.")]
-CtxOption = Annotated[int, typer.Option("--ctx", help="Tokens per calibration chunk (each starts with BOS and an empty KV cache, as llama-imatrix -c).")]
 MaxTokensOption = Annotated[Optional[int], typer.Option("--max-tokens", help="Trace at most this many calibration tokens (whole chunks).")]
-ThreadsOption = Annotated[Optional[int], typer.Option("--threads", "-t", help="CPU threads of the llama.cpp calibration run.")]
 
 
 def _is_gguf(path: Path) -> bool:

@@ -8,6 +8,7 @@ GGML_MAX_NAME 64):
     ggml_tensor * view_src; size_t view_offs; void * data; char name[64]; void * extra; char padding[8]
 `ne[i]` counts elements along dimension i (0 is the innermost), `nb[i]` is its stride in bytes;
 a view (e.g. `ffn_moe_topk`, the first k rows of an argsort) has strides of its source.
+`op_name` gives ggml's own name of an op id (ggml_op_name), so no copy of `enum ggml_op` is kept.
 A tensor in a host buffer is read through `data`; one in a device buffer is copied out with
 `ggml_backend_tensor_get`.
 """
@@ -73,7 +74,15 @@ def libggml() -> Any:
     lib.ggml_backend_buffer_is_host.restype = ctypes.c_bool
     lib.ggml_backend_tensor_get.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
     lib.ggml_backend_tensor_get.restype = None
+    lib.ggml_op_name.argtypes = [ctypes.c_int]
+    lib.ggml_op_name.restype = ctypes.c_char_p
     return lib
+
+
+@lru_cache(maxsize=None)
+def op_name(op: int) -> str:
+    """ggml's name of an operation (`enum ggml_op`): "MUL_MAT", "MUL_MAT_ID", ..."""
+    return (libggml().ggml_op_name(op) or b"").decode()
 
 
 def tensor_at(address: int) -> GgmlTensor:

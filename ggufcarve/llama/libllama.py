@@ -49,15 +49,21 @@ def load_model(llama_cpp: Any, path: str) -> Any:
     return llama_cpp.llama_model_load_from_file(path.encode(), params)
 
 
-def traced_context(llama_cpp: Any, model: Any, *, n_ctx: int, n_batch: int, n_ubatch: int, threads: int, eval_callback: Any) -> Any:
-    """A one-sequence context of `model` whose graph scheduler calls `eval_callback`
+def traced_context(llama_cpp: Any, model: Any, *, n_ctx: int, n_batch: int, n_ubatch: int, threads: int, eval_callback: Any,
+                   sequences: int = 1, swa_full: bool = True) -> Any:
+    """A context of `model` whose graph scheduler calls `eval_callback`
     (ggml_backend_sched_eval_callback: (tensor, ask, user data) -> bool); warm-up off, since a
-    warm-up decode routes every token to every expert. None when llama.cpp cannot create it."""
+    warm-up decode routes every token to every expert. `n_ctx` KV cells in all for `sequences`
+    sequences (one KV stream each: kv_unified off). `swa_full` False is llama.cpp's common tools'
+    setting (common_params.swa_full), True llama_context_default_params'. None when llama.cpp
+    cannot create it."""
     params = llama_cpp.llama_context_default_params()
     params.n_ctx = n_ctx
     params.n_batch = n_batch
     params.n_ubatch = n_ubatch
-    params.n_seq_max = 1
+    params.n_seq_max = sequences
+    params.kv_unified = False
+    params.swa_full = swa_full
     params.n_threads = params.n_threads_batch = threads
     callback = llama_cpp.ggml_backend_sched_eval_callback(eval_callback)
     KEEPALIVE.append(callback)

@@ -1,18 +1,23 @@
-"""Scoring experts from a calibration run through llama.cpp itself (llama-cpp-python, eval callback).
+"""Scoring experts from a calibration run through llama.cpp itself (llama-cpp-python, eval callback),
+and the importance matrix of the same run.
 
-`calibrate` starts `python -m ggufcarve.select.calibrate` through the one launcher (llama.cpp
+`run_calibration` starts `python -m ggufcarve.select.calibrate` through the one launcher (llama.cpp
 aborts the whole process on a failed GGML_ASSERT). The child loads the model on the CPU (extra
-buffer types off), tokenizes and chunks the calibration documents (see `calibration`), turns
-warm-up off (a warm-up decode routes every token to every expert), and decodes chunk by chunk with
-an empty KV cache and logits requested for every token (the last block computes only tokens whose
-logits are requested), micro-batches of at most 512 tokens as llama-imatrix's default. An eval
-callback (`GraphTracer`) copies the MoE nodes a criterion needs; each block's nodes are folded into
-the statistics as soon as the graph moves on to the next block, so memory holds one block of one
-micro-batch. The child writes the statistics to an .npz file; progress lines
-"ggufcarve-calibrate: traced N/M tokens" become events of stage "calibrate" in tokens.
+buffer types off), tokenizes and chunks the calibration documents and decodes the chunks exactly
+as llama-imatrix does (see `calibration`: sequences side by side, an empty KV cache per group,
+logits for every token, llama.cpp's own micro-batches), with warm-up off (a warm-up decode routes
+every token to every expert). One eval callback serves two consumers in that one decode:
+  * a selection criterion: `GraphTracer` copies the MoE nodes it needs; each block's nodes are
+    folded into the statistics as soon as the graph moves on to the next block (`BlockFolder`), so
+    memory holds one block of one batch;
+  * the importance matrix (`ggufcarve.imatrix.collect.ImatrixAccumulator`): llama-imatrix's
+    statistics of every MUL_MAT / MUL_MAT_ID of a blk.* weight;
+`EvalDispatch` observes the union of their nodes. The child writes both to an .npz file; progress
+lines "ggufcarve-calibrate: traced N/M tokens" become events in tokens (stage "calibrate", or
+"imatrix" for `collect_imatrix`). `calibrate(..., imatrix_out=PATH)` writes the imatrix too.
 
 MTP blocks are not run by llama.cpp's decode graph: they are scored by the weights rule, noted in
-their block record.
+their block record (and have no imatrix entries, as with llama-imatrix).
 """
 
 from __future__ import annotations
@@ -23,8 +28,10 @@ import os
 import re
 import sys
 import tempfile
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
@@ -39,11 +46,13 @@ from ggufcarve.llama.libllama import (
     write_results,
 )
 from ggufcarve.moe.layout import MoeLayout
-from ggufcarve.select.calibration import Document, read_calibration
+from ggufcarve.select.calibration import Batching, CalibrationFile, read_calibration
 from ggufcarve.select.scores import BlockStats, ExpertScores, ModelFacts
 
+if TYPE_CHECKING:
+    from ggufcarve.imatrix.collect import Collected
+
 DEFAULT_CTX = 512
-MICRO_BATCH = 512  # llama-imatrix's default n_ubatch
 PROGRESS_LINE = re.compile(r"^ggufcarve-calibrate: traced (?P<done>\d+)/(?P<total>\d+) tokens$")
 ERROR_LINE = re.compile(r"^ggufcarve-calibrate: error: (?P<message>.*?)(?: \|\| (?P<hint>.*))?$")
 IDLE_TIMEOUT = 600.0
@@ -52,6 +61,88 @@ MTP_NOTE = "MTP block: llama.cpp's decode graph does not run it; scored by the w
 # thread pool on top oversubscribes the cores (measured: 30x slower products on 2 cores).
 SINGLE_THREADED_BLAS = {"OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 EXIT_BAD_INPUT, EXIT_LOAD, EXIT_DECODE, EXIT_CALLBACK = 2, 3, 5, 7
+
+
+@dataclass
+class CalibrationRun:
+    """What one calibration child returns: the criterion's statistics (when a method was given)
+    and the written imatrix (when an output was given)."""
+
+    calibration: list[CalibrationFile]
+    file_tokens: list[int]
+    tokens: int
+    chunks: int
+    batching: Batching
+    statistic: str | None = None
+    blocks: dict[int, dict[str, np.ndarray]] = field(default_factory=dict)
+    imatrix: Collected | None = None
+
+
+def run_calibration(
+    model: GGUFModel,
+    files: Sequence[Path],
+    *,
+    method: str | None,
+    ctx: int = DEFAULT_CTX,
+    max_tokens: int | None = None,
+    threads: int | None = None,
+    imatrix_out: Path | None = None,
+    force: bool = False,
+    on_event: Sink = ignore,
+    stage: str = "calibrate",
+) -> CalibrationRun:
+    """One decode of the calibration files: `method`'s statistics and/or the imatrix to `imatrix_out`."""
+    from ggufcarve.fileio import check_outputs
+    from ggufcarve.llama import launch
+
+    if ctx < 2:
+        raise BadInput(f"--ctx {ctx} is too small", "give a context of at least 2 tokens (llama-imatrix uses 512)")
+    if max_tokens is not None and max_tokens < ctx:
+        raise BadInput(f"--max-tokens {max_tokens} is less than one --ctx chunk of {ctx}", "raise --max-tokens or lower --ctx")
+    if method is None and imatrix_out is None:
+        raise BadInput("nothing to collect", "give a calibration method or an imatrix output")
+    calibration = read_calibration(files)
+    if imatrix_out is not None:
+        check_outputs([Path(imatrix_out)], list(model.paths), 0, force)
+    batching = Batching.of(ctx)
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="ggufcarve-calibrate-") as tmp:
+        request, result = Path(tmp) / "request.json", Path(tmp) / "statistics.npz"
+        request.write_text(json.dumps({
+            "model": os.fspath(model.path), "method": method, "ctx": ctx, "max_tokens": max_tokens,
+            "threads": threads or min(os.cpu_count() or 1, 8), "imatrix": imatrix_out is not None,
+            "files": [[d.to_json() for d in f.documents] for f in calibration],
+        }))
+        refused: list[BadInput] = []
+
+        def watch(line: str) -> None:
+            if m := PROGRESS_LINE.match(line):
+                on_event(Event(stage, int(m["done"]), int(m["total"]), "tokens"))
+            elif m := ERROR_LINE.match(line):
+                refused.append(BadInput(m["message"], m["hint"] or ""))
+
+        finished = launch.run([sys.executable, "-m", "ggufcarve.select.calibrate", "--request", str(request), "--out", str(result)],
+                              on_line=watch, idle_timeout=IDLE_TIMEOUT, env=SINGLE_THREADED_BLAS)
+        if refused:
+            raise refused[0]
+        launch.check(finished, f"calibrating {model.path.name} in llama.cpp", "check that the model loads in llama.cpp (llama.cpp's last lines are above)")
+        if not result.exists():
+            raise ToolFailed(f"calibrating {model.path.name}: the child exited 0 without writing its statistics", "run again with GGUFCARVE_DEBUG=1")
+        seconds = time.monotonic() - started
+        with np.load(result) as data:
+            run = CalibrationRun(calibration, [int(n) for n in data["file_tokens"]], int(data["tokens"]), int(data["chunks"]), batching,
+                                 str(data["statistic"]) if "statistic" in data.files else None)
+            for key in data.files:
+                name, _, block = key.partition(":")
+                if name in ("counts", "sums", "sums_sq", "maxima") and block.isdigit():
+                    run.blocks.setdefault(int(block), {})[name] = data[key].copy()
+            if imatrix_out is not None:
+                from ggufcarve.imatrix.collect import COUNTS_PREFIX, SUMS_PREFIX, write_collected
+
+                arrays = {k: data[k] for k in data.files if k.startswith((SUMS_PREFIX, COUNTS_PREFIX))}
+                run.imatrix = write_collected(arrays, [f.path.name for f in calibration], ctx, Path(imatrix_out), tokens=run.tokens,
+                                              seconds=seconds, force=force, sources=list(model.paths), on_event=on_event)
+    return run
 
 
 def calibrate(
@@ -63,68 +154,39 @@ def calibrate(
     ctx: int = DEFAULT_CTX,
     max_tokens: int | None = None,
     threads: int | None = None,
+    imatrix_out: Path | None = None,
+    force: bool = False,
     on_event: Sink = ignore,
 ) -> ExpertScores:
-    """Trace the calibration files through llama.cpp and score every expert with `method`."""
-    from ggufcarve.llama import launch
+    """Trace the calibration files through llama.cpp and score every expert with `method`.
+
+    With `imatrix_out`, the same decode also collects the model's importance matrix, written
+    there as llama-imatrix would write it from the same text and --ctx (refused if it exists,
+    unless `force`)."""
     from ggufcarve.select.from_trace import TRACE_METHODS
     from ggufcarve.select.zero_shot import weights_stats
 
     if method not in TRACE_METHODS:
         raise BadInput(f"{method} is not a calibration method", f"one of {', '.join(TRACE_METHODS)}")
-    if ctx < 2:
-        raise BadInput(f"--ctx {ctx} is too small", "give a context of at least 2 tokens (llama-imatrix uses 512)")
-    if max_tokens is not None and max_tokens < ctx:
-        raise BadInput(f"--max-tokens {max_tokens} is less than one --ctx chunk of {ctx}", "raise --max-tokens or lower --ctx")
     if method == "razor" and layout.expert_used_count < 2:
         raise BadInput("razor needs at least 2 experts per token (top-k >= 2)", "use reap or ean for top-1 routing")
     if method == "razor":
         from ggufcarve.select.experts import activation_of
 
         activation_of(layout.architecture)
-    calibration = read_calibration(files)
-    with tempfile.TemporaryDirectory(prefix="ggufcarve-calibrate-") as tmp:
-        request, result = Path(tmp) / "request.json", Path(tmp) / "statistics.npz"
-        request.write_text(json.dumps({
-            "model": os.fspath(model.path), "method": method, "ctx": ctx, "max_tokens": max_tokens,
-            "threads": threads or min(os.cpu_count() or 1, 8),
-            "files": [[d.to_json() for d in f.documents] for f in calibration],
-        }))
-        refused: list[BadInput] = []
-
-        def watch(line: str) -> None:
-            if m := PROGRESS_LINE.match(line):
-                on_event(Event("calibrate", int(m["done"]), int(m["total"]), "tokens"))
-            elif m := ERROR_LINE.match(line):
-                refused.append(BadInput(m["message"], m["hint"] or ""))
-
-        finished = launch.run([sys.executable, "-m", "ggufcarve.select.calibrate", "--request", str(request), "--out", str(result)],
-                              on_line=watch, idle_timeout=IDLE_TIMEOUT, env=SINGLE_THREADED_BLAS)
-        if refused:
-            raise refused[0]
-        launch.check(finished, f"calibrating {model.path.name} in llama.cpp", "check that the model loads in llama.cpp (llama.cpp's last lines are above)")
-        if not result.exists():
-            raise ToolFailed(f"calibrating {model.path.name}: the child exited 0 without writing its statistics", "run again with GGUFCARVE_DEBUG=1")
-        with np.load(result) as data:
-            file_tokens = [int(n) for n in data["file_tokens"]]
-            traced, chunk_count = int(data["tokens"]), int(data["chunks"])
-            blocks: dict[int, BlockStats] = {}
-            for block in layout.blocks:
-                if f"counts:{block}" not in data.files:
-                    continue
-                arrays = {name: data[f"{name}:{block}"].copy() for name in ("counts", "sums", "sums_sq", "maxima") if f"{name}:{block}" in data.files}
-                blocks[block] = BlockStats(method, str(data["statistic"]), **arrays)
+    run = run_calibration(model, files, method=method, ctx=ctx, max_tokens=max_tokens, threads=threads, imatrix_out=imatrix_out, force=force, on_event=on_event)
+    blocks = {block: BlockStats(method, str(run.statistic), **run.blocks[block]) for block in layout.blocks if block in run.blocks}
     untraced = [b for b in layout.blocks if b not in blocks]
     missing = [b for b in untraced if not layout.is_mtp(b)]
     if missing:
         raise ToolFailed(f"the trace of {model.path.name} has no MoE nodes for block(s) {missing}", "the llama.cpp graph of this architecture does not go through build_moe_ffn")
-    parameters: dict[str, Any] = {"ctx": ctx, "max_tokens": max_tokens, "micro_batch": min(ctx, MICRO_BATCH), "chunks": chunk_count}
+    parameters: dict[str, Any] = {"ctx": ctx, "max_tokens": max_tokens, "micro_batch": run.batching.micro_batch, "sequences": run.batching.sequences, "chunks": run.chunks}
     if untraced:
         extra, rules = weights_stats(model, layout, untraced, on_event, note=MTP_NOTE)
         blocks.update(extra)
         parameters["scale_rules"] = rules
-    inputs = tuple(f.record(n) for f, n in zip(calibration, file_tokens))
-    scores = ExpertScores(method, ModelFacts.of(model, layout), blocks, parameters, inputs, traced)
+    inputs = tuple(f.record(n) for f, n in zip(run.calibration, run.file_tokens))
+    scores = ExpertScores(method, ModelFacts.of(model, layout), blocks, parameters, inputs, run.tokens)
     scores.check()
     return scores
 
@@ -173,16 +235,11 @@ class BlockFolder:
 def _child(request: dict[str, Any], out: Path) -> int:
     import llama_cpp
 
-    from ggufcarve.gguf.container import read_model
-    from ggufcarve.llama.trace import GraphTracer, parse_node_name
-    from ggufcarve.moe.layout import inspect_layout
-    from ggufcarve.select.calibration import chunks, render_chat, tokenize
-    from ggufcarve.select.experts import ExpertEvaluator
-    from ggufcarve.select.from_trace import STATISTIC, TraceStatistics, nodes_for
+    from ggufcarve.imatrix.collect import EvalDispatch, ImatrixAccumulator
+    from ggufcarve.select.calibration import chunks, tokenize_files
 
     method, ctx_size = request["method"], int(request["ctx"])
     model_path = request["model"]
-    layout = inspect_layout(read_model(model_path))
     forward_warnings(llama_cpp)
     lmodel = load_model(llama_cpp, model_path)
     if not lmodel:
@@ -190,68 +247,81 @@ def _child(request: dict[str, Any], out: Path) -> int:
         return EXIT_LOAD
     vocab = llama_cpp.llama_model_get_vocab(lmodel)
     bos = int(llama_cpp.llama_vocab_bos(vocab)) if llama_cpp.llama_vocab_get_add_bos(vocab) else None
-    template = None
-    tokens: list[int] = []
-    file_tokens = []
-    for documents in request["files"]:
-        count = 0
-        for raw in documents:
-            doc = Document.from_json(raw)
-            if doc.messages is not None:
-                template = template or llama_cpp.llama_model_chat_template(lmodel, None)
-                if not template:
-                    return _refuse(f"{Path(model_path).name} has no chat template (tokenizer.chat_template) to render \"messages\"", "give JSONL with \"text\" or \"prompt\" + \"response\" fields")
-                text = render_chat(llama_cpp, template, doc.messages)
-            else:
-                text = doc.text or ""
-            ids = tokenize(llama_cpp, vocab, text)
-            count += len(ids)
-            tokens.extend(ids)
-        file_tokens.append(count)
+    try:
+        tokens, file_tokens = tokenize_files(llama_cpp, lmodel, Path(model_path).name, request["files"])
+    except BadInput as err:
+        return _refuse(err.message, err.hint)
     work = chunks(tokens, ctx_size, bos, request["max_tokens"])
     if not work:
         return _refuse(f"the calibration input tokenizes to {len(tokens)} tokens, fewer than one --ctx chunk of {ctx_size}", "give more text or a smaller --ctx")
 
-    evaluator = ExpertEvaluator(read_model(model_path), layout) if method in ("razor", "ean", "reap") else None
-    statistics = TraceStatistics(method, layout.expert_count, evaluator)
-    tracer = GraphTracer(frozenset(nodes_for(method)))
-    folder = BlockFolder(tracer, statistics, parse_node_name)
-    ctx = traced_context(llama_cpp, lmodel, n_ctx=ctx_size, n_batch=ctx_size, n_ubatch=min(ctx_size, MICRO_BATCH), threads=int(request["threads"]), eval_callback=folder)
+    consumers: list[Any] = []
+    folder, statistics, tracer = None, None, None
+    if method is not None:
+        from ggufcarve.gguf.container import read_model
+        from ggufcarve.llama.trace import GraphTracer, parse_node_name
+        from ggufcarve.moe.layout import inspect_layout
+        from ggufcarve.select.experts import ExpertEvaluator
+        from ggufcarve.select.from_trace import TraceStatistics, nodes_for
+
+        layout = inspect_layout(read_model(model_path))
+        evaluator = ExpertEvaluator(read_model(model_path), layout) if method in ("razor", "ean", "reap") else None
+        statistics = TraceStatistics(method, layout.expert_count, evaluator)
+        tracer = GraphTracer(frozenset(nodes_for(method)))
+        folder = BlockFolder(tracer, statistics, parse_node_name)
+        consumers.append(folder)
+    accumulator = ImatrixAccumulator() if request.get("imatrix") else None
+    if accumulator is not None:
+        consumers.append(accumulator)
+    callback = consumers[0] if len(consumers) == 1 else EvalDispatch(*consumers)
+    batching = Batching.of(ctx_size)
+    ctx = traced_context(llama_cpp, lmodel, n_ctx=batching.kv_cells, n_batch=batching.batch, n_ubatch=batching.micro_batch, threads=int(request["threads"]),
+                         eval_callback=callback, sequences=batching.sequences, swa_full=False)
     if not ctx:
         print("ggufcarve-calibrate: llama.cpp could not create a context", file=sys.stderr)
         return EXIT_LOAD
     memory = llama_cpp.llama_get_memory(ctx)
-    batch = llama_cpp.llama_batch_init(ctx_size, 0, 1)
-    total = len(work) * ctx_size
-    for number, chunk in enumerate(work):
-        llama_cpp.llama_memory_clear(memory, True)
-        for i, token in enumerate(chunk):
+    batch = llama_cpp.llama_batch_init(batching.batch, 0, 1)
+    total, done = len(work) * ctx_size, 0
+    for clear, entries in batching.batches(work):
+        if clear:
+            llama_cpp.llama_memory_clear(memory, True)
+        for i, (token, pos, seq) in enumerate(entries):
             batch.token[i] = token
-            batch.pos[i] = i
+            batch.pos[i] = pos
             batch.n_seq_id[i] = 1
-            batch.seq_id[i][0] = 0
+            batch.seq_id[i][0] = seq
             batch.logits[i] = 1
-        batch.n_tokens = len(chunk)
+        batch.n_tokens = len(entries)
         rc = llama_cpp.llama_decode(ctx, batch)
         if rc != 0:
-            print(f"ggufcarve-calibrate: llama_decode returned {rc} on chunk {number}", file=sys.stderr)
+            print(f"ggufcarve-calibrate: llama_decode returned {rc} at token {done} of the chunks", file=sys.stderr)
             return EXIT_DECODE
-        try:
-            folder.flush()
-            folder.block = None
-        except BadInput as err:
-            return _refuse(err.message, err.hint)
-        if folder.errors or tracer.errors:
-            print("ggufcarve-calibrate: the eval callback failed: " + "; ".join((tracer.errors + folder.errors)[:5]), file=sys.stderr)
+        if folder is not None:
+            try:
+                folder.flush()
+                folder.block = None
+            except BadInput as err:
+                return _refuse(err.message, err.hint)
+        errors = (tracer.errors if tracer else []) + (folder.errors if folder else []) + (accumulator.errors if accumulator else [])
+        if errors:
+            print("ggufcarve-calibrate: the eval callback failed: " + "; ".join(errors[:5]), file=sys.stderr)
             return EXIT_CALLBACK
-        print(f"ggufcarve-calibrate: traced {(number + 1) * ctx_size}/{total} tokens", file=sys.stderr, flush=True)
+        done += len(entries)
+        print(f"ggufcarve-calibrate: traced {done}/{total} tokens", file=sys.stderr, flush=True)
     llama_cpp.llama_batch_free(batch)
     llama_cpp.llama_free(ctx)
     llama_cpp.llama_model_free(lmodel)
-    arrays: dict[str, np.ndarray] = {"file_tokens": np.asarray(file_tokens), "tokens": np.asarray(total), "chunks": np.asarray(len(work)), "statistic": np.asarray(STATISTIC[method])}
-    for block, stats in statistics.blocks().items():
-        for name, values in stats.arrays().items():
-            arrays[f"{name}:{block}"] = values
+    arrays: dict[str, np.ndarray] = {"file_tokens": np.asarray(file_tokens), "tokens": np.asarray(total), "chunks": np.asarray(len(work))}
+    if statistics is not None:
+        from ggufcarve.select.from_trace import STATISTIC
+
+        arrays["statistic"] = np.asarray(STATISTIC[method])
+        for block, stats in statistics.blocks().items():
+            for name, values in stats.arrays().items():
+                arrays[f"{name}:{block}"] = values
+    if accumulator is not None:
+        arrays.update(accumulator.arrays())
     write_results(out, arrays)
     return 0
 

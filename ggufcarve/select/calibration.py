@@ -7,11 +7,23 @@ Files:
                          response); or {"messages": [{"role": ..., "content": ...}, ...]} rendered
                          with the model's chat template (llama_chat_apply_template)
     anything else        UTF-8 text, the whole file one document
-Every document is tokenized with special tokens added (BOS where the vocabulary adds one, as
-llama-imatrix's common_tokenize(..., add_special=true)), the documents' tokens are concatenated in
-file order, cut into chunks of `ctx` tokens (a last partial chunk is dropped, as llama-imatrix
-does), and the first token of each chunk is replaced by BOS when the vocabulary adds one. Each
-chunk is decoded with an empty KV cache. `max_tokens` keeps the first whole chunks within it.
+A text file loses one trailing newline, as llama.cpp's `-f FILE` reads a prompt. Every document is
+tokenized with special tokens added and not parsed (BOS where the vocabulary adds one, as
+llama-imatrix's common_tokenize(ctx, prompt, true, false)), the documents' tokens are concatenated
+in file order, cut into chunks of `ctx` tokens (a last partial chunk is dropped, as llama-imatrix
+does), and the first token of each chunk is replaced by BOS when the vocabulary adds one.
+`max_tokens` keeps the first whole chunks within it. One text file therefore gives exactly the
+chunks llama-imatrix cuts from it.
+
+The chunks are decoded as llama-imatrix decodes them (`tools/imatrix/imatrix.cpp`,
+compute_imatrix, with its defaults -b 2048 -ub 512): `Batching.of(ctx)` runs
+n_seq = max(1, 2048 // ctx) chunks side by side as sequences 0..n_seq-1 of one batch (the KV cache
+holds n_seq * ctx cells, one stream per sequence, cleared before every group of chunks), a chunk
+longer than 2048 tokens goes in batches of 2048 at positions j*2048 + k, every token's logits are
+requested (the last block otherwise computes only the tokens whose logits are requested), and
+llama.cpp cuts each batch into micro-batches of at most 512 tokens itself (with several
+sequences, an equal number of tokens of every sequence). An eval callback therefore sees the very
+micro-batches llama-imatrix's collector sees.
 """
 
 from __future__ import annotations
@@ -19,7 +31,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 from ggufcarve.errors import BadInput
 from ggufcarve.fileio import sha256_file_cached
@@ -90,7 +102,7 @@ def read_calibration(paths: Sequence[Path]) -> list[CalibrationFile]:
                     raise BadInput(f"{path}:{number}: not valid JSON ({err.msg})", "one JSON object per line") from None
                 documents.append(_document(record, f"{path}:{number}"))
         else:
-            documents = [Document(text=text)] if text.strip() else []
+            documents = [Document(text=text[:-1] if text.endswith("\n") else text)] if text.strip() else []
         if not any((d.text or "").strip() or d.messages for d in documents):
             raise BadInput(f"{path}: empty calibration file (no text)", "give a file with calibration text")
         files.append(CalibrationFile(path, tuple(documents), sha256_file_cached(path), path.stat().st_size))
@@ -134,6 +146,31 @@ def tokenize(llama_cpp: Any, vocab: Any, text: str) -> list[int]:
         size = -n
 
 
+def tokenize_files(llama_cpp: Any, model: Any, model_name: str, files: Sequence[Sequence[dict[str, Any]]]) -> tuple[list[int], list[int]]:
+    """Every document of every file (`Document.to_json` records) tokenized and concatenated;
+    also the token count of each file. "messages" go through the model's chat template."""
+    vocab = llama_cpp.llama_model_get_vocab(model)
+    template = None
+    tokens: list[int] = []
+    file_tokens = []
+    for documents in files:
+        count = 0
+        for raw in documents:
+            doc = Document.from_json(raw)
+            if doc.messages is not None:
+                template = template or llama_cpp.llama_model_chat_template(model, None)
+                if not template:
+                    raise BadInput(f"{model_name} has no chat template (tokenizer.chat_template) to render \"messages\"", "give JSONL with \"text\" or \"prompt\" + \"response\" fields")
+                text = render_chat(llama_cpp, template, doc.messages)
+            else:
+                text = doc.text or ""
+            ids = tokenize(llama_cpp, vocab, text)
+            count += len(ids)
+            tokens.extend(ids)
+        file_tokens.append(count)
+    return tokens, file_tokens
+
+
 def chunks(tokens: list[int], ctx: int, bos: int | None, max_tokens: int | None) -> list[list[int]]:
     """Whole chunks of `ctx` tokens, the first of each set to `bos` (None: the vocabulary adds none)."""
     limit = len(tokens) if max_tokens is None else min(len(tokens), max_tokens)
@@ -144,3 +181,35 @@ def chunks(tokens: list[int], ctx: int, bos: int | None, max_tokens: int | None)
             chunk[0] = bos
         out.append(chunk)
     return out
+
+
+BATCH = 2048  # llama-imatrix's default -b (common_params.n_batch)
+MICRO_BATCH = 512  # its default -ub (common_params.n_ubatch)
+
+
+@dataclass(frozen=True)
+class Batching:
+    """How llama-imatrix lays chunks of `ctx` tokens into batches (see the module docstring)."""
+
+    ctx: int
+    sequences: int  # chunks decoded side by side (llama-imatrix's n_seq / n_parallel)
+    batch: int  # tokens per llama_decode call
+    micro_batch: int
+
+    @classmethod
+    def of(cls, ctx: int) -> Batching:
+        sequences = max(1, BATCH // ctx)
+        batch = min(BATCH, sequences * ctx)
+        return cls(ctx, sequences, batch, min(MICRO_BATCH, batch))
+
+    @property
+    def kv_cells(self) -> int:
+        return self.sequences * self.ctx
+
+    def batches(self, work: Sequence[Sequence[int]]) -> Iterator[tuple[bool, list[tuple[int, int, int]]]]:
+        """(clear the KV cache first, [(token, position, sequence), ...]) per llama_decode call."""
+        for first in range(0, len(work), self.sequences):
+            group = work[first : first + self.sequences]
+            for j, start in enumerate(range(0, self.ctx, self.batch)):
+                size = min(self.ctx - start, self.batch)
+                yield j == 0, [(int(chunk[start + k]), start + k, seq) for seq, chunk in enumerate(group) for k in range(size)]
