@@ -39,3 +39,20 @@ class ToolMissing(CarveError):
 
 class ToolFailed(CarveError):
     """A llama.cpp tool ran and failed."""
+
+
+class Interrupted(BaseException):
+    """A signal (Ctrl-C's SIGINT, SIGTERM, SIGHUP) stopped the run.
+
+    A BaseException, as KeyboardInterrupt is: `except Exception` handlers let it through, while
+    `finally` blocks and context managers delete temp files and kill llama.cpp children on the way
+    out. The command line exits with 128 + the signal number.
+    """
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum

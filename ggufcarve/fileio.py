@@ -112,7 +112,7 @@ def remember_sha256(path: str | os.PathLike[str], digest: str) -> None:
         entries = {k: v for k, v in entries.items() if Path(k).exists()}
         entries[str(path)] = {"stat": _stat_key(path), "sha256": digest}
         write_text_atomic(cache, json.dumps(entries, indent=0, sort_keys=True))
-    except (OSError, ValueError):
+    except (OSError, ValueError, OutputError):
         pass
 
 
@@ -170,7 +170,7 @@ def check_outputs(
     remove_dead_temps(directory, belongs)
     free = shutil.disk_usage(existing).free
     if free < bytes_needed:
-        raise OutputError(f"output needs {bytes_needed / 2**30:.2f} GiB but {existing} has {free / 2**30:.2f} GiB free", "free disk space or write elsewhere")
+        raise OutputError(f"output needs {bytes_needed / 2**30:.2f} GiB but {existing} has {free / 2**30:.2f} GiB free", "free disk space or choose another -o directory")
     try:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as err:
@@ -254,11 +254,14 @@ class BackgroundFlush:
 
 # Temp names. Every output NAME is written as `.NAME.ggufcarve-PID-START-BOOT.tmp` in its own
 # directory: PID is the writing process, START its start time in clock ticks since boot (field 22
-# of /proc/PID/stat) and BOOT the first 8 hex digits of /proc/sys/kernel/random/boot_id. Together
-# they name one process of one boot, so a later run tells a dead run's temp file (no such process,
-# a zombie, the pid reused by a process that started at another time, or another boot) from a live
-# concurrent run's. Without /proc, START and BOOT are 0 and only the pid is checked. The earlier
-# form `.NAME.ggufcarve-PID.tmp` is recognised by its pid alone.
+# of /proc/PID/stat) and BOOT the first 8 hex digits of /proc/sys/kernel/random/boot_id followed by
+# 8 hex digits of the sha256 of the host name. Together they name one process of one boot of one
+# host, so a later run tells a dead run's temp file (no such process, a zombie, the pid reused by a
+# process that started at another time, or another boot of this host) from a live concurrent run's.
+# A temp file of another host (a shared release directory) is never taken for dead: its process
+# cannot be checked from here. Without /proc, START and BOOT are 0 and only the pid is checked. The
+# earlier forms `.NAME.ggufcarve-PID.tmp` (the pid alone) and BOOT of 8 hex digits (no host part,
+# any other boot is dead) are recognised too.
 TEMP_NAME = re.compile(r"^\.(?P<target>.+)\.ggufcarve-(?P<pid>\d+)(?:-(?P<start>\d+)-(?P<boot>[0-9a-f]+))?\.tmp$")
 
 
@@ -274,10 +277,39 @@ def _process_state(pid: int) -> tuple[str, int] | None:
 
 @functools.cache
 def _boot_token() -> str:
+    """BOOT of this process's temp names: 8 hex digits of the boot id, 8 of the host name's sha256."""
     try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip().replace("-", "")[:8] or "0"
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip().replace("-", "")[:8]
     except OSError:
         return "0"
+    return boot + host_token() if boot else "0"
+
+
+@functools.cache
+def host_token() -> str:
+    """8 hex digits naming this host (from its host name): equal on every process of one host."""
+    import socket
+
+    return hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
+
+
+def process_alive(pid: int, start: int | None, boot: str | None) -> bool:
+    """Whether the process of a run token (PID-START-BOOT, see the temp names) may still be
+    running: False only when it is known to be gone; True for a process of another host."""
+    if boot is not None and start is not None and boot != "0":
+        mine = _boot_token()
+        if len(boot) == 16 and len(mine) == 16 and boot[8:] != mine[8:]:
+            return True  # another host's: nothing here can tell
+        if boot != mine and boot[:8] != mine[:8]:
+            return False
+    if not _pid_exists(pid):
+        return False
+    state = _process_state(pid)
+    if state is None:  # /proc hides it (or there is no /proc): the pid exists, assume it is the writer
+        return True
+    if state[0] in ("Z", "X"):  # exited, not yet reaped
+        return False
+    return start is None or start == 0 or state[1] == start
 
 
 def _pid_exists(pid: int) -> bool:
@@ -309,17 +341,8 @@ def writer_alive(temp_name: str) -> bool:
     match = TEMP_NAME.match(temp_name)
     if match is None:
         return True
-    pid = int(match["pid"])
-    if match["start"] is not None and match["boot"] != "0" and match["boot"] != _boot_token():
-        return False
-    if not _pid_exists(pid):
-        return False
-    state = _process_state(pid)
-    if state is None:  # /proc hides it (or there is no /proc): the pid exists, assume it is the writer
-        return True
-    if state[0] in ("Z", "X"):  # exited, not yet reaped
-        return False
-    return match["start"] is None or int(match["start"]) == 0 or state[1] == int(match["start"])
+    start = int(match["start"]) if match["start"] is not None else None
+    return process_alive(int(match["pid"]), start, match["boot"])
 
 
 def dead_temps(directory: Path, belongs: Callable[[str], bool]) -> list[Path]:
@@ -401,7 +424,7 @@ def atomic_outputs(paths: Sequence[Path], replaces: Sequence[Path] = ()) -> Iter
             os.replace(temp, final)
         _fsync_dir(paths[0].parent)
     except OSError as err:
-        raise OutputError(f"writing {paths[0].parent}: {err.strerror or err}", _hint_for(err)) from None
+        raise write_failed(err, paths[0]) from None
     finally:
         for fd in fds:
             os.close(fd)
@@ -409,25 +432,53 @@ def atomic_outputs(paths: Sequence[Path], replaces: Sequence[Path] = ()) -> Iter
             temp.unlink(missing_ok=True)
 
 
-def _hint_for(err: OSError) -> str:
-    if err.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-        return "free disk space (or raise the file size limit) and run again; nothing was left behind"
+# Write errors that mean "no room": the file system is full (ENOSPC), the user's quota is used up
+# (EDQUOT), or the file reached the process's file size limit, RLIMIT_FSIZE / `ulimit -f` (EFBIG;
+# with SIGXFSZ at its default a write past the limit kills the process instead).
+DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+
+
+def disk_full_error(path: Path, detail: str, elsewhere: str = "choose another -o directory") -> OutputError:
+    """The one message for an output that did not fit: which file, why, and what to do."""
+    return OutputError(f"disk full while writing {path} ({detail})",
+                       f"free disk space or {elsewhere}, then run again; nothing half-written was left behind")
+
+
+def write_failed(err: OSError, path: Path, elsewhere: str = "choose another -o directory") -> OutputError:
+    """The OutputError of a failed write of `path` (its final name, not the temp name written)."""
+    detail = err.strerror or str(err)
+    if err.errno in DISK_FULL:
+        return disk_full_error(path, detail, elsewhere)
     if err.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-        return "choose a directory you can write to"
-    return "check the output directory and run again; nothing was left behind"
+        return OutputError(f"cannot write {path}: {detail}", "choose a directory you can write to")
+    return OutputError(f"writing {path} failed: {detail}", "check the output directory and run again; nothing half-written was left behind")
+
+
+@contextmanager
+def atomic_file(path: Path, elsewhere: str = "choose another -o directory") -> Iterator[Path]:
+    """A temp path beside `path` to write to; on success it is fsynced and renamed to `path`, on
+    any failure (Ctrl-C included) deleted. Dead runs' temp files of `path` are removed first.
+    An OSError while writing becomes one OutputError (`write_failed`)."""
+    temp = temp_path_for(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        remove_dead_temps(path.parent, path.name.__eq__)
+        yield temp
+        fd = os.open(temp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(temp, path)
+    except OSError as err:
+        raise write_failed(err, path, elsewhere) from None
+    finally:
+        temp.unlink(missing_ok=True)
 
 
 def write_text_atomic(path: Path, text: str) -> None:
     """Write a text file under this process's temp name, fsync, rename; dead runs' temps of it go first."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    remove_dead_temps(path.parent, path.name.__eq__)
-    temp = temp_path_for(path)
-    try:
+    with atomic_file(path) as temp:
         with open(temp, "w", encoding="utf-8") as f:
             f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(temp, path)
-    finally:
-        temp.unlink(missing_ok=True)
 

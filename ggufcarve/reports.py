@@ -70,9 +70,15 @@ def envelope(
 def read_json(path: str | Path, what: str, hint: str) -> Any:
     """The JSON value in an input file `path` (a keep-set, a scores or selection file); BadInput,
     with `hint`, when it is missing, unreadable or not JSON."""
+    return read_json_bytes(path, what, hint)[0]
+
+
+def read_json_bytes(path: str | Path, what: str, hint: str) -> tuple[Any, bytes]:
+    """read_json, and the bytes it was parsed from (one read: a digest of them is the digest of what was parsed)."""
     path = Path(path)
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        raw = path.read_bytes()
+        return json.loads(raw.decode("utf-8")), raw
     except FileNotFoundError:
         raise BadInput(f"{path}: no such {what}", "check the path") from None
     except OSError as err:

@@ -111,6 +111,10 @@ def test_a_temp_name_names_its_writer():
     other_boot = "0" * 7 + ("1" if boot != "0" * 7 + "1" else "2")
     assert not writer_alive(f".m.gguf.ggufcarve-{pid}-{start_ticks}-{other_boot}.tmp")
     assert writer_alive(f".m.gguf.ggufcarve-{pid}.tmp")  # the earlier form: the pid alone
+    assert len(boot) == 16 and writer_alive(f".m.gguf.ggufcarve-{pid}-{start_ticks}-{boot[:8]}.tmp")  # BOOT without the host part
+    other_host = boot[:8] + ("0" * 8 if boot[8:] != "0" * 8 else "1" * 8)
+    assert writer_alive(f".m.gguf.ggufcarve-999999999-1-{other_host}.tmp")  # another host's run (a shared directory): never taken for dead
+    assert not writer_alive(f".m.gguf.ggufcarve-{pid}-{start_ticks}-{other_boot}{boot[8:]}.tmp")  # another boot of this host
     assert writer_alive("m.gguf")  # not a temp name
 
 

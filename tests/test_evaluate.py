@@ -510,10 +510,23 @@ def test_evaluation_and_card_become_part_of_the_release(release, reference, held
 
 
 def test_published_records_are_dropped_when_a_rung_is_rebuilt(tmp_path):
-    from ggufcarve.release.manifest import MANIFEST_NAME, carried_published, described_files
+    import hashlib
 
-    doc = {"rungs": [], "source": {"files": []}, "published": {"card": [{"name": "README.md", "bytes": 3, "sha256": "0" * 64}]}}
+    from ggufcarve.release.fragments import assemble, read_fragments, write_fragment
+    from ggufcarve.release.manifest import MANIFEST_NAME, described_files
+
+    rung_file = tmp_path / "m-Q4_K_M.gguf"
+    rung_file.write_bytes(b"rung")
+    source = {"files": [{"name": "m.gguf", "bytes": 1, "sha256": "1" * 64}]}
+
+    def record(data: bytes) -> dict:
+        rung_file.write_bytes(data)
+        return {"name": "Q4_K_M", "status": "built", "files": [{"name": rung_file.name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}]}
+
+    write_fragment(tmp_path, record(b"rung"), {"source": source}, inputs=[], parameters={}, timings={})
+    doc = {**assemble(tmp_path, read_fragments(tmp_path), drop_missing=True), "published": {"card": [{"name": "README.md", "bytes": 3, "sha256": "0" * 64}]}}
     (tmp_path / MANIFEST_NAME).write_text(json.dumps(doc))
     assert "README.md" in described_files(doc)
-    assert carried_published(tmp_path, rungs_rebuilt=False) == doc["published"]
-    assert carried_published(tmp_path, rungs_rebuilt=True) == {}
+    assert assemble(tmp_path, read_fragments(tmp_path), drop_missing=True)["published"] == doc["published"]  # the same rung files: still true
+    write_fragment(tmp_path, record(b"rebuilt"), {"source": source}, inputs=[], parameters={}, timings={})
+    assert assemble(tmp_path, read_fragments(tmp_path), drop_missing=True)["published"] == {}  # they describe the old rung

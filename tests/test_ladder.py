@@ -139,8 +139,9 @@ def test_ladder_rungs_succeed_and_load(ladder, q8_moe, q8_moe_imatrix, llama_too
     for column in ("rung", "size GiB", "bits/weight", "sha256", "seconds", "status"):
         assert column in result.stdout
     assert "IQ2_XS" in result.stdout and manifest["rungs"][2]["sha256"][:12] in result.stdout
-    # no temp or partial files left
-    assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == [".ggufcarve-ladder.lock"]
+    # no temp or partial files left, no lock held; one fragment per rung
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == [".ggufcarve-fragments"]
+    assert sorted(p.name for p in (out / ".ggufcarve-fragments").iterdir()) == ["IQ2_XS.json", "Q4_K_M.json", "Q6_K.json"]
 
 
 @pytest.mark.slow
@@ -280,7 +281,7 @@ ftype = "Q4_K_M"
     stop = ggufcarve(*base, "-o", out)
     assert stop.code == 1
     assert "rung BROKEN failed" in stop.error_line
-    assert sorted(p.name for p in out.iterdir()) == [".ggufcarve-ladder.lock", "SHA256SUMS", "quant-manifest.json"]
+    assert sorted(p.name for p in out.iterdir()) == [".ggufcarve-fragments", "SHA256SUMS", "quant-manifest.json"]
     rungs = {r["name"]: r for r in json.loads((out / "quant-manifest.json").read_text())["rungs"]}
     assert rungs["BROKEN"]["status"] == "failed" and rungs["BROKEN"]["exit_status"] != 0 and rungs["BROKEN"]["files"] == []
     assert rungs["BROKEN"]["error"] and str(tmp_path) not in (out / "quant-manifest.json").read_text()  # the error as published: no local paths

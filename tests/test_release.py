@@ -115,9 +115,11 @@ def test_published_files_hold_no_local_paths(spec, q8_moe, q8_moe_imatrix, llama
     assert result.code == 0, result.stderr
 
     local = {str(tmp_path_factory.getbasetemp()), str(tmp_path_factory.getbasetemp().resolve()), str(Path.home()) + "/"}
-    published = [p for p in out.rglob("*") if p.is_file() and p.suffix != ".gguf" and not p.name.startswith(".")]
+    published = [p for p in out.rglob("*") if p.is_file() and p.suffix != ".gguf" and not any(part.startswith(".") for part in p.relative_to(out).parts)]
     assert {p.relative_to(out).as_posix() for p in published} == {"SHA256SUMS", "quant-manifest.json", "method/pruning-report.json", "method/imatrix-remap-report.json"}
-    for path in [*published, *(work / "method").iterdir()]:
+    fragments = list((out / ".ggufcarve-fragments").iterdir())
+    assert [p.name for p in fragments] == ["Q4_K_M.json"]
+    for path in [*published, *fragments, *(work / "method").iterdir()]:
         text = path.read_text()
         assert not [d for d in local if d in text] and ".partial" not in text, path
     rung = json.loads((out / "quant-manifest.json").read_text())["rungs"][0]
@@ -238,3 +240,86 @@ def test_recorded_errors_drop_local_directories(tmp_path):
     message = f"error loading model: cannot open {tmp_path}/release/.m-Q4_K_M.gguf.partial"
     assert _without_dirs(message, [tmp_path / "release", tmp_path]) == "error loading model: cannot open .m-Q4_K_M.gguf.partial"
     assert _without_dirs(None, [tmp_path]) is None
+
+
+# ---------------------------------------------------------------------------------------------
+# the selection record is published
+
+
+def select(model: Path, output: Path, keep: int = 4) -> Path:
+    output.parent.mkdir(parents=True, exist_ok=True)
+    result = ggufcarve("select", model, "--method", "weights", "--keep", keep, "-o", output, "-q")
+    assert result.code == 0, result.stderr
+    return output
+
+
+def manifest_method(out: Path) -> dict[str, dict]:
+    return {r["name"]: r for r in json.loads((out / "quant-manifest.json").read_text())["method"]}
+
+
+@pytest.mark.slow
+def test_the_selection_record_is_published(spec, q8_moe, tmp_path):
+    work = tmp_path / "models"
+    selection = select(q8_moe, work / "SELECTION.json")
+    model = prune(q8_moe, work / "model-4e-Q8_0.gguf", "--keep", selection)
+    keep_input = json.loads((work / "method" / "model-4e-Q8_0.pruning-report.json").read_text())["inputs"][-1]
+    assert keep_input == {"name": "SELECTION.json", "sha256": sha256(selection), "bytes": selection.stat().st_size, "kind": "keep-set"}
+    out = tmp_path / "release"
+    result = ggufcarve("ladder", "run", spec, "--source", model, "-o", out, "--only", "Q4_K_M", "--quantizer", "libllama", "-t", "2", "-q")
+    assert result.code == 0, result.stderr
+    published = out / "method" / "expert-selection.json"
+    assert published.read_bytes() == selection.read_bytes()  # the selection record is the keep-set too: no keep-set.json
+    assert sorted(p.name for p in (out / "method").iterdir()) == ["expert-selection.json", "pruning-report.json"]
+    record = manifest_method(out)["method/expert-selection.json"]
+    assert record == {"name": "method/expert-selection.json", "kind": "expert-selection", "describes": model.name, "bytes": selection.stat().st_size, "sha256": sha256(selection)}
+    assert "method/expert-selection.json" in (out / "SHA256SUMS").read_text()
+    assert ggufcarve("verify", out).code == 0
+    # verify checks it: a published record of other experts fails
+    doc = json.loads(published.read_text())
+    doc["layers"]["0"] = [0, 1, 2, 3] if doc["layers"]["0"] != [0, 1, 2, 3] else [4, 5, 6, 7]
+    published.write_text(json.dumps(doc))
+    problems = failures(out)
+    assert ("method/expert-selection.json", "sha256 mismatch") in problems
+    assert ("method/expert-selection.json", "keeps other experts than method/pruning-report.json records") in problems
+
+
+@pytest.mark.slow
+def test_a_stale_selection_of_the_same_name_is_not_published(spec, q8_moe, tmp_path):
+    work = tmp_path / "models"
+    selection = select(q8_moe, work / "SELECTION.json")
+    model = prune(q8_moe, work / "model-4e-Q8_0.gguf", "--keep", selection)
+    original = selection.read_bytes()
+    select(q8_moe, work / "SELECTION.json.new", keep=6).replace(selection)  # a later selection under the same name
+    out = tmp_path / "release"
+    result = ggufcarve("ladder", "run", spec, "--source", model, "-o", out, "--only", "Q4_K_M", "--quantizer", "libllama", "-t", "2")
+    assert result.code == 0, result.stderr
+    assert "SELECTION.json not published: it is not the keep-set model-4e-Q8_0.gguf was pruned with" in " ".join(result.stderr.split())
+    assert not (out / "method" / "expert-selection.json").exists() and "method/expert-selection.json" not in manifest_method(out)
+    assert ggufcarve("verify", out).code == 0
+    # an explicit --selection of other experts is refused; one in the model's method/ directory with the recorded bytes is found
+    refused = ggufcarve("ladder", "run", spec, "--source", model, "-o", out, "--only", "Q4_K_M", "--quantizer", "libllama", "--selection", selection, "-q")
+    assert "chose other experts than model-4e-Q8_0.gguf keeps" in one_line_error(refused)
+    kept = work / "method" / "SELECTION.json"
+    kept.write_bytes(original)
+    again = ggufcarve("ladder", "run", spec, "--source", model, "-o", out, "--only", "Q4_K_M", "--quantizer", "libllama", "-t", "2", "-q")
+    assert again.code == 0, again.stderr
+    assert (out / "method" / "expert-selection.json").read_bytes() == original
+    assert sha256(kept) == json.loads((work / "method" / "model-4e-Q8_0.pruning-report.json").read_text())["inputs"][-1]["sha256"]
+    assert ggufcarve("verify", out).code == 0
+
+
+@pytest.mark.slow
+def test_a_plain_keep_set_and_an_explicit_selection_are_both_published(spec, q8_moe, tmp_path):
+    work = tmp_path / "models"
+    selection = select(q8_moe, tmp_path / "elsewhere" / "SELECTION.json")
+    keep = work / "keep.json"
+    keep.parent.mkdir(parents=True)
+    keep.write_text(json.dumps({"layers": json.loads(selection.read_text())["layers"]}))
+    model = prune(q8_moe, work / "model-4e-Q8_0.gguf", "--keep", keep)
+    out = tmp_path / "release"
+    result = ggufcarve("ladder", "run", spec, "--source", model, "-o", out, "--only", "Q4_K_M", "--quantizer", "libllama", "-t", "2", "-q", "--selection", selection)
+    assert result.code == 0, result.stderr
+    assert (out / "method" / "keep-set.json").read_bytes() == keep.read_bytes()
+    assert (out / "method" / "expert-selection.json").read_bytes() == selection.read_bytes()
+    assert {"method/keep-set.json", "method/expert-selection.json"} <= set(manifest_method(out))
+    assert ggufcarve("verify", out).code == 0

@@ -10,6 +10,7 @@ Examples:
     ggufcarve imatrix remap model.imatrix.gguf --model out/model-128e.gguf -o out/model-128e.imatrix.gguf
     ggufcarve fit model.gguf --memory 24GiB --ctx 16384
     ggufcarve ladder run ladders/q8-to-iq1.toml --source out/model-128e.gguf --imatrix out/model-128e.imatrix.gguf -o release/
+    ggufcarve release merge release/      # after ladder runs of single rungs from several hosts
     ggufcarve verify release/
     ggufcarve run plans/frequency-128.toml
     ggufcarve demo
@@ -18,16 +19,18 @@ Examples:
 from __future__ import annotations
 
 import os
+import signal
 import sys
+from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from ggufcarve import __version__
-from ggufcarve.cli import evaluate, fit, imatrix, ladder, prune, run, select, toolchain, verify
+from ggufcarve.cli import evaluate, fit, imatrix, ladder, prune, release, run, select, toolchain, verify
 from ggufcarve.cli.options import command_group
 from ggufcarve.cli.render import print_error
-from ggufcarve.errors import CarveError
+from ggufcarve.errors import CarveError, Interrupted
 
 app = command_group("Cut routed experts out of Mixture-of-Experts GGUF files, byte for byte.")
 
@@ -54,6 +57,7 @@ app.add_typer(imatrix.app, name="imatrix")
 app.add_typer(toolchain.app, name="toolchain")
 app.add_typer(ladder.app, name="ladder")
 app.command("fit")(fit.fit_command)
+app.add_typer(release.app, name="release")
 app.command("verify")(verify.verify_command)
 app.command("eval")(evaluate.eval_command)
 app.command("card")(evaluate.card_command)
@@ -61,10 +65,35 @@ app.command("run")(run.run_command)
 app.command("demo")(run.demo_command)
 
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+SIGNAL_NAMES = {signal.SIGINT: "Ctrl-C (SIGINT)", signal.SIGTERM: "SIGTERM", signal.SIGHUP: "SIGHUP (the terminal closed)"}
+
+
+def _stop(signum: int, _frame: object) -> None:
+    """The handler of STOP_SIGNALS: llama.cpp children killed, then Interrupted raised in the main
+    thread. Later signals are ignored while the run cleans up (bounded: threads stop within a
+    fraction of a second, children are already killed)."""
+    from ggufcarve.llama import launch
+
+    for other in STOP_SIGNALS:
+        signal.signal(other, signal.SIG_IGN)
+    if launch.stop_all(signum):
+        raise Interrupted(signum)
+
+
 def main() -> None:
     debug = os.environ.get("GGUFCARVE_DEBUG") == "1"
+    for signum in STOP_SIGNALS:
+        if signal.getsignal(signum) is not signal.SIG_IGN:  # nohup's SIGHUP stays ignored
+            signal.signal(signum, _stop)
     try:
         app()
+    except Interrupted as stop:
+        if debug:
+            raise
+        print_error(f"stopped by {SIGNAL_NAMES.get(stop.signum, signal.Signals(stop.signum).name)}: temp files removed, any llama.cpp child killed",
+                    "run the same command again; finished outputs are kept, nothing half-written was left behind")
+        sys.exit(stop.exit_code)
     except CarveError as error:
         if debug:
             raise
@@ -73,6 +102,12 @@ def main() -> None:
     except OSError as error:  # a file vanished, a permission or the disk failed outside the checked paths
         if debug:
             raise
+        from ggufcarve.fileio import DISK_FULL, disk_full_error
+
+        if error.errno in DISK_FULL:
+            full = disk_full_error(Path(error.filename) if error.filename else Path("an output"), error.strerror or str(error))
+            print_error(full.message, full.hint)
+            sys.exit(full.exit_code)
         where = f"{error.filename}: " if error.filename else ""
         print_error(f"{where}{error.strerror or error}", "check the path, its permissions and the free disk space, then run again (GGUFCARVE_DEBUG=1 shows where)")
         sys.exit(1)

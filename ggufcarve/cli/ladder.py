@@ -35,6 +35,7 @@ def ladder_run(
     threads: Annotated[Optional[int], typer.Option("--threads", "-t", help="Quantizer threads (default: all cores).")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Validate and print the plan; run nothing.")] = False,
     force: Annotated[bool, typer.Option("--force", help="Start the release in -o afresh: remove the rungs, reports and sums its manifest describes (needed when it holds another source's release).")] = False,
+    selection: Annotated[Optional[Path], typer.Option("--selection", help="The SELECTION.json (ggufcarve select -o) the source's experts were chosen by, published as method/expert-selection.json; found beside the source by the sha256 its pruning report records when the source was pruned with --keep SELECTION.json.")] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress output.")] = False,
 ) -> None:
     """Quantize every rung of SPEC from --source into -o DIR; resumable; writes quant-manifest.json and SHA256SUMS."""
@@ -44,7 +45,7 @@ def ladder_run(
 
     ladder_spec = load_spec(spec)
     quantizer = make_quantizer(quantizer_choice, llama_cpp)
-    plan = plan_ladder(ladder_spec, source, output, quantizer=quantizer, imatrix=imatrix, only=only, model_name=model_name, nthreads=threads or os.cpu_count(), hash_inputs=not dry_run, fresh=force)
+    plan = plan_ladder(ladder_spec, source, output, quantizer=quantizer, imatrix=imatrix, only=only, model_name=model_name, nthreads=threads or os.cpu_count(), hash_inputs=not dry_run, fresh=force, selection=selection)
     for warning in plan.warnings:
         warn(warning)
     described = quantizer.describe()

@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 PROGRESS_PREFIX = "@"
+OS_ERROR = "os-error"  # `@os-error {"errno", "strerror", "filename"}` on stdout: a read or write of the child failed (a full disk)
 PERPLEXITY_BATCH = 2048  # llama-perplexity's default -b: n_batch // n_ctx chunks are decoded side by side
 
 
@@ -85,14 +86,22 @@ def _score(engine, request: Request, result: dict) -> np.ndarray | None:
             return None
     result.update(n_tokens=int(len(tokens)), n_ctx=chunking.n_ctx, n_chunk=chunking.n_chunk, add_bos=engine.add_bos, bos=engine.bos)
     cache = base = None
+    header = None
     if request.cache_out:
         header = kld.ReferenceHeader(n_ctx=chunking.n_ctx, n_vocab=engine.n_vocab, n_chunk=chunking.n_chunk, top_k=request.top_k,
                                      add_bos=engine.add_bos, bos=engine.bos, text_chunks=len(tokens) // chunking.n_ctx,
                                      **request.cache_identity)
+    sizes = {request.cache_out: header.file_bytes if header else 0,
+             request.base_out: kld.base_file_bytes(chunking.n_ctx, engine.n_vocab, chunking.n_chunk) if request.base_out else 0}
+    short = _too_little_space({Path(k): v for k, v in sizes.items() if k})
+    if short is not None:
+        result["no_space"] = short
+        return None
+    if header is not None:
         cache = kld.CacheWriter(Path(request.cache_out), header, tokens)
     if request.base_out:
         base = kld.BaseWriter(Path(request.base_out), chunking.n_ctx, engine.n_vocab, chunking.n_chunk, tokens)
-    table_file = open(request.table_out, "wb") if request.table_out else None
+    table_file = kld.DurableWriter(Path(request.table_out)) if request.table_out else None
     reference_chunks = reference.chunks(chunking.n_chunk) if reference is not None else None
     n_seq = max(1, PERPLEXITY_BATCH // chunking.n_ctx)
     context = engine.context(chunking.n_ctx, n_seq, min(PERPLEXITY_BATCH, n_seq * chunking.n_ctx))
@@ -117,6 +126,22 @@ def _score(engine, request: Request, result: dict) -> np.ndarray | None:
     return tokens
 
 
+def _too_little_space(sizes: dict[Path, int]) -> dict | None:
+    """The first file system that cannot hold the reference files to be written there (path, bytes needed, bytes free), or None."""
+    import shutil
+
+    by_device: dict[int, tuple[Path, int]] = {}
+    for path, size in sizes.items():
+        device = os.stat(path.parent).st_dev
+        first, total = by_device.get(device, (path, 0))
+        by_device[device] = (first, total + size)
+    for path, total in by_device.values():
+        free = shutil.disk_usage(path.parent).free
+        if free < total:
+            return {"path": str(path), "bytes": total, "free": free}
+    return None
+
+
 def _score_chunk(index: int, logits: np.ndarray, targets: np.ndarray, request: Request, reference, reference_chunks, cache, base, table_file) -> None:
     """One chunk's scored logits: the reference files it writes, its per-token table against the reference."""
     from ggufcarve.evaluate import kld
@@ -135,7 +160,7 @@ def _score_chunk(index: int, logits: np.ndarray, targets: np.ndarray, request: R
         table[:, kld.NLL_BASE] = table[:, kld.NLL]
         table[:, kld.SAME_TOP] = 1.0
     if table_file is not None:
-        table_file.write(np.ascontiguousarray(table, dtype="<f8").tobytes())
+        table_file.write_bytes(np.ascontiguousarray(table, dtype="<f8").tobytes())
 
 
 def main(argv: list[str]) -> int:
@@ -168,11 +193,35 @@ def main(argv: list[str]) -> int:
         engine.close()
     except EngineError as err:
         result["engine_error"] = str(err)
-    temp = request.result_out + ".part"
-    Path(temp).write_text(json.dumps(result, sort_keys=True))
-    os.replace(temp, request.result_out)
+    except OSError as err:  # a write failed (a full disk): one line the parent turns into its error
+        _report_os_error(err)
+        return 3
+    try:
+        _write_result(Path(request.result_out), result)
+    except OSError as err:
+        _report_os_error(err)
+        return 3
     sys.stdout.flush()
     return 0
+
+
+def _report_os_error(err: OSError) -> None:
+    print(f"{PROGRESS_PREFIX}{OS_ERROR} " + json.dumps({"errno": err.errno, "strerror": err.strerror, "filename": err.filename}), flush=True)
+
+
+def _write_result(path: Path, result: dict) -> None:
+    """The result JSON under this process's temp name, renamed into place."""
+    from ggufcarve.fileio import temp_path_for
+
+    temp = temp_path_for(path)
+    try:
+        try:
+            temp.write_text(json.dumps(result, sort_keys=True))
+        except OSError as err:
+            raise OSError(err.errno, err.strerror, str(path)) from None
+        os.replace(temp, path)
+    finally:
+        temp.unlink(missing_ok=True)
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import struct
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -225,23 +226,70 @@ class ReferenceHeader:
     def chunking(self) -> Chunking:
         return Chunking(self.n_ctx, self.n_chunk)
 
+    def encoded(self) -> bytes:
+        """The cache's magic, header length and JSON header."""
+        meta = json.dumps(asdict(self), sort_keys=True).encode()
+        return CACHE_MAGIC + struct.pack("<I", len(meta)) + meta
 
-class CacheWriter:
+    @property
+    def file_bytes(self) -> int:
+        """The size of the complete top-k cache this header describes."""
+        return len(self.encoded()) + 4 * self.chunking.n_tokens + self.chunking.n_scored * reference_record(self.top_k).itemsize
+
+    @classmethod
+    def parse(cls, meta: bytes) -> "ReferenceHeader":
+        """The header of a cache file; ValueError when it is not one ggufcarve writes."""
+        try:
+            fields = json.loads(meta)
+            header = cls(**fields)
+        except (ValueError, TypeError) as err:
+            raise ValueError(f"unreadable top-k cache header ({err})") from None
+        counts = (header.n_ctx, header.n_vocab, header.n_chunk, header.top_k, header.text_chunks, header.bos)
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in counts) or not isinstance(header.add_bos, bool) \
+                or not all(isinstance(v, str) for v in (header.reference_sha256, header.text_sha256)):
+            raise ValueError("top-k cache header has fields of the wrong type")
+        if header.n_ctx < 4 or header.n_vocab <= 0 or header.n_chunk <= 0 or header.top_k <= 0 or header.text_chunks < header.n_chunk:
+            raise ValueError(f"top-k cache header says n_ctx={header.n_ctx}, n_vocab={header.n_vocab}, n_chunk={header.n_chunk}, top_k={header.top_k}")
+        return header
+
+
+class DurableWriter:
+    """A reference file written in order; every OSError names the file; `close` makes it durable (fsync)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.file = open(self.path, "wb")
+
+    def write_bytes(self, data: bytes) -> None:
+        try:
+            self.file.write(data)
+        except OSError as err:
+            raise OSError(err.errno, err.strerror, str(self.path)) from None
+
+    def close(self) -> None:
+        try:
+            self.file.flush()
+            os.fsync(self.file.fileno())
+        except OSError as err:
+            raise OSError(err.errno, err.strerror, str(self.path)) from None
+        finally:
+            try:
+                self.file.close()
+            except OSError:
+                pass  # the flush above reported the error
+
+
+class CacheWriter(DurableWriter):
     """Writes a top-k cache: header and tokens first, then the records chunk by chunk."""
 
     def __init__(self, path: Path, header: ReferenceHeader, tokens: np.ndarray) -> None:
+        super().__init__(path)
         self.header = header
-        self.file = open(path, "wb")
-        meta = json.dumps(asdict(header), sort_keys=True).encode()
-        self.file.write(CACHE_MAGIC + struct.pack("<I", len(meta)) + meta)
-        self.file.write(np.ascontiguousarray(tokens[:header.chunking.n_tokens], dtype="<i4").tobytes())
+        self.write_bytes(header.encoded())
+        self.write_bytes(np.ascontiguousarray(tokens[:header.chunking.n_tokens], dtype="<i4").tobytes())
 
     def write(self, records: np.ndarray) -> None:
-        self.file.write(records.tobytes())
-
-    def close(self) -> None:
-        self.file.flush()
-        self.file.close()
+        self.write_bytes(records.tobytes())
 
 
 @dataclass
@@ -292,11 +340,16 @@ def open_reference(path: Path) -> ReferenceFile:
     with open(path, "rb") as f:
         magic = f.read(len(CACHE_MAGIC))
         if magic == CACHE_MAGIC:
-            (length,) = struct.unpack("<I", f.read(4))
+            field = f.read(4)
+            if len(field) != 4:
+                raise ValueError(f"{path.name}: top-k cache header is truncated")
+            (length,) = struct.unpack("<I", field)
+            if length > size:
+                raise ValueError(f"{path.name}: top-k cache header of {length} bytes in a file of {size}")
             try:
-                header = ReferenceHeader(**json.loads(f.read(length)))
-            except (ValueError, TypeError) as err:
-                raise ValueError(f"{path.name}: unreadable top-k cache header ({err})") from None
+                header = ReferenceHeader.parse(f.read(length))
+            except ValueError as err:
+                raise ValueError(f"{path.name}: {err}") from None
             count = header.n_chunk * header.n_ctx
             tokens = np.frombuffer(f.read(4 * count), dtype="<i4")
             offset = len(CACHE_MAGIC) + 4 + length + 4 * count
@@ -325,20 +378,21 @@ def open_reference(path: Path) -> ReferenceFile:
         return ReferenceFile("base", path, n_ctx, n_vocab, n_chunk, tokens.astype(np.int32), None, offset)
 
 
-class BaseWriter:
+def base_file_bytes(n_ctx: int, n_vocab: int, n_chunk: int) -> int:
+    """The size of a complete llama-perplexity base file."""
+    return len(BASE_MAGIC) + 12 + 4 * n_ctx * n_chunk + Chunking(n_ctx, n_chunk).n_scored * base_values_per_token(n_vocab) * 2
+
+
+class BaseWriter(DurableWriter):
     """Writes llama-perplexity's --kl-divergence-base file, chunk by chunk."""
 
     def __init__(self, path: Path, n_ctx: int, n_vocab: int, n_chunk: int, tokens: np.ndarray) -> None:
-        self.file = open(path, "wb")
-        self.file.write(BASE_MAGIC + struct.pack("<Iii", n_ctx, n_vocab, n_chunk))
-        self.file.write(np.ascontiguousarray(tokens[:n_ctx * n_chunk], dtype="<i4").tobytes())
+        super().__init__(path)
+        self.write_bytes(BASE_MAGIC + struct.pack("<Iii", n_ctx, n_vocab, n_chunk))
+        self.write_bytes(np.ascontiguousarray(tokens[:n_ctx * n_chunk], dtype="<i4").tobytes())
 
     def write(self, logits: np.ndarray) -> None:
-        self.file.write(base_records(logits).tobytes())
-
-    def close(self) -> None:
-        self.file.flush()
-        self.file.close()
+        self.write_bytes(base_records(logits).tobytes())
 
 
 # ---------------------------------------------------------------------------------------------

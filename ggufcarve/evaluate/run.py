@@ -15,13 +15,14 @@ import os
 import sys
 import tempfile
 import time
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from ggufcarve import __version__
-from ggufcarve.errors import BadInput, ToolFailed
+from ggufcarve.errors import BadInput, OutputError, ToolFailed
 from ggufcarve.evaluate import kld
 from ggufcarve.evaluate.gate import Gate
 from ggufcarve.evaluate.models import ModelEntry, read_entry
@@ -81,24 +82,41 @@ def _sha256_of(entry: ModelEntry, sink: Sink) -> str:
     return digests[0] if len(digests) == 1 else hashlib.sha256(",".join(digests).encode()).hexdigest()
 
 
-def run_child(request, what: str, sink: Sink, work: Path) -> dict:
-    """Run the evaluation child for one request; its progress lines become chunk events of stage `what`."""
-    from ggufcarve.evaluate.child import PROGRESS_PREFIX
+def run_child(request, what: str, sink: Sink, work: Path, outputs: dict[str, tuple[Path, str]] | None = None) -> dict:
+    """Run the evaluation child for one request; its progress lines become chunk events of stage `what`.
+
+    `outputs` maps a file the child writes to the path an error names and the hint's other place
+    to write to (a temp file to its final name); files it does not name are work files.
+    """
+    from ggufcarve.evaluate.child import OS_ERROR, PROGRESS_PREFIX
+    from ggufcarve.fileio import write_failed
     from ggufcarve.llama import launch
 
     request_path = work / f"{what}.request.json".replace(" ", "_")
     request.write(request_path)
+    os_errors: list[dict] = []
 
     def on_line(line: str) -> None:
-        if line.startswith(PROGRESS_PREFIX):
+        if line.startswith(PROGRESS_PREFIX + OS_ERROR + " "):
+            os_errors.append(json.loads(line[len(PROGRESS_PREFIX + OS_ERROR) + 1:]))
+        elif line.startswith(PROGRESS_PREFIX):
             kind, done, total = line[1:].split()
             sink(Event(what if kind == "chunk" else f"{what} QA", int(done), int(total), "chunks" if kind == "chunk" else "steps"))
 
     finished = launch.run([sys.executable, "-m", "ggufcarve.evaluate.child", str(request_path)], on_line=on_line, idle_timeout=CHILD_IDLE_TIMEOUT)
+    if os_errors:
+        error = os_errors[0]
+        shown, elsewhere = (outputs or {}).get(error["filename"], (Path(error["filename"] or work), "set TMPDIR to a directory with more room"))
+        raise write_failed(OSError(error["errno"], error["strerror"]), shown, elsewhere)
     launch.check(finished, f"evaluating {Path(request.model).name} in libllama", "the last lines are llama.cpp's own; check that the model loads (ggufcarve inspect MODEL)")
     result = json.loads(Path(request.result_out).read_text())
     if "engine_error" in result:
         raise ToolFailed(f"{Path(request.model).name}: {result['engine_error']}", "check that llama.cpp loads the model (ggufcarve inspect)")
+    if "no_space" in result:
+        short = result["no_space"]
+        shown, elsewhere = (outputs or {}).get(short["path"], (Path(short["path"]), "set TMPDIR to a directory with more room"))
+        raise OutputError(f"{shown.name} needs {short['bytes'] / 2**20:.1f} MiB but {shown.parent} has {short['free'] / 2**20:.1f} MiB free",
+                          f"free disk space or {elsewhere}; nothing was written")
     return result
 
 
@@ -111,7 +129,7 @@ def _reference_input(path: Path) -> str:
 def prepare_reference(path: Path, heldout: Path | None, settings: EvalSettings, work: Path, sink: Sink = ignore) -> Reference:
     """The reference file the children compare with: a given top-k cache or base file, or the cached top-k log-probs of a GGUF reference."""
     from ggufcarve.evaluate.child import Request
-    from ggufcarve.fileio import cache_root
+    from ggufcarve.fileio import cache_root, remove_dead_temps, temp_path_for
 
     if not path.is_file():
         raise BadInput(f"{path}: no such reference file", "give the unpruned model (GGUF), a top-k cache or a llama-perplexity --kl-divergence-base file")
@@ -148,16 +166,24 @@ def prepare_reference(path: Path, heldout: Path | None, settings: EvalSettings, 
         except ValueError:
             pass  # a cache of a dead run or another version: computed afresh below
     started = time.monotonic()
-    temp = cache.with_name(f".{cache.name}.ggufcarve-{os.getpid()}.tmp")
+    # The child writes the cache (and the base file) under this process's temp names; they are
+    # renamed into place only once it succeeded (it fsyncs them first), so a cache under its final
+    # name is always complete, and a stopped or failed run leaves none.
+    remove_dead_temps(cache_dir, cache.name.__eq__)
+    temp = temp_path_for(cache)
     request = Request(model=str(entry.path), threads=settings.threads, n_ctx=settings.ctx, result_out=str(work / "reference.result.json"),
                       text=str(heldout), max_chunks=settings.chunks, cache_out=str(temp), top_k=settings.top_k,
                       cache_identity={"reference_sha256": ref_sha, "text_sha256": text_sha})
+    outputs = {str(temp): (cache, "choose another --cache directory")}
     base_temp = None
     if settings.kl_base_out is not None:
-        base_temp = settings.kl_base_out.with_name(f".{settings.kl_base_out.name}.ggufcarve-{os.getpid()}.tmp")
+        settings.kl_base_out.parent.mkdir(parents=True, exist_ok=True)
+        remove_dead_temps(settings.kl_base_out.parent, settings.kl_base_out.name.__eq__)
+        base_temp = temp_path_for(settings.kl_base_out)
         request.base_out = str(base_temp)
+        outputs[str(base_temp)] = (settings.kl_base_out, "choose another --save-kl-base path")
     try:
-        result = run_child(request, f"reference {entry.name}", sink, work)
+        result = run_child(request, f"reference {entry.name}", sink, work, outputs)
         if "bad_input" in result:
             raise BadInput(f"{heldout}: {result['bad_input']}", "give a longer --heldout text or a smaller --ctx")
         os.replace(temp, cache)
@@ -243,15 +269,19 @@ def evaluate_model(entry: ModelEntry, reference: Reference, settings: EvalSettin
     return doc
 
 
-def write_json(path: Path, doc: dict) -> None:
-    from ggufcarve.fileio import write_text_atomic
-
-    write_text_atomic(path, json.dumps(doc, indent=1, sort_keys=True, allow_nan=False) + "\n")
+def result_text(doc: dict) -> str:
+    """A per-model result document as written: indented JSON, keys sorted, no NaN."""
+    return json.dumps(doc, indent=1, sort_keys=True, allow_nan=False) + "\n"
 
 
 def evaluate(models: list[ModelEntry], reference_path: Path, heldout: Path | None, settings: EvalSettings, out_dir: Path, sink: Sink = ignore) -> EvalRun:
-    """Evaluate every model against the reference; write DIR/<name>.json per model, DIR/summary.md and the charts."""
+    """Evaluate every model against the reference; write DIR/<name>.json per model, DIR/summary.md and the charts.
+
+    The files are written together once every model is done, each under its temp name, fsynced and
+    renamed (summary.md last): a run that fails or is stopped part way leaves none of them.
+    """
     from ggufcarve.evaluate.summary import write_summary
+    from ggufcarve.fileio import atomic_file
 
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="ggufcarve-eval-") as tmp:  # requests, results, per-token tables
@@ -271,14 +301,20 @@ def evaluate(models: list[ModelEntry], reference_path: Path, heldout: Path | Non
 
             cross = CrossCheck.prepare(reference_path, reference, heldout, settings, work, sink)
         results = []
-        files = []
         for entry in models:
             doc = evaluate_model(entry, reference, settings, work, sink, reference_qa)
             if cross is not None:
                 doc["cross_check"] = cross.check(entry, doc, sink)
-            path = out_dir / f"{entry.name}.json"
-            write_json(path, doc)
             results.append(doc)
+    with ExitStack() as staged:  # renamed in reverse order of staging, each only if all were written
+
+        def stage(path: Path) -> Path:
+            return staged.enter_context(atomic_file(path))
+
+        summary_files = write_summary(results, reference, out_dir, stage)
+        files = []
+        for entry, doc in zip(models, results):
+            path = out_dir / f"{entry.name}.json"
+            stage(path).write_text(result_text(doc), encoding="utf-8")
             files.append(path)
-        files.extend(write_summary(results, reference, out_dir))
-    return EvalRun(results, reference, out_dir, files)
+    return EvalRun(results, reference, out_dir, files + summary_files)

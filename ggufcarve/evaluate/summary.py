@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
-from ggufcarve.fileio import write_text_atomic
+from ggufcarve.fileio import write_failed
 
 if TYPE_CHECKING:
     from ggufcarve.evaluate.run import Reference
@@ -98,7 +98,10 @@ def render_summary(results: list[dict], reference_label: str, charts: list[str])
     return "\n".join(lines) + "\n"
 
 
-def draw_charts(results: list[dict], out_dir: Path) -> list[str]:
+Stage = Callable[[Path], Path]  # an output's final path -> the temp path to write it to (renamed later)
+
+
+def draw_charts(results: list[dict], out_dir: Path, stage: Stage) -> list[str]:
     """size-vs-kld.png and size-vs-ppl.png: one series per family, the Pareto front (by mean KLD) dashed."""
     import matplotlib
 
@@ -125,18 +128,22 @@ def draw_charts(results: list[dict], out_dir: Path) -> list[str]:
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
         fig.tight_layout()
-        temp = out_dir / f".{file_name}.tmp"
-        fig.savefig(temp, format="png")
-        plt.close(fig)
-        temp.replace(out_dir / file_name)
+        try:
+            fig.savefig(stage(out_dir / file_name), format="png")
+        finally:
+            plt.close(fig)
         names.append(file_name)
     return names
 
 
-def write_summary(results: list[dict], reference: "Reference", out_dir: Path) -> list[Path]:
-    """Write the charts and summary.md; returns the files written."""
+def write_summary(results: list[dict], reference: "Reference", out_dir: Path, stage: Stage) -> list[Path]:
+    """Write the charts and summary.md to the temp paths `stage` gives; returns their final paths."""
     if not results:
         return []
-    charts = draw_charts(results, out_dir)
-    write_text_atomic(out_dir / SUMMARY, render_summary(results, reference.label, charts))
+    summary = stage(out_dir / SUMMARY)
+    charts = draw_charts(results, out_dir, stage)
+    try:
+        summary.write_text(render_summary(results, reference.label, charts), encoding="utf-8")
+    except OSError as err:  # the last path staged is a chart's: name summary.md here
+        raise write_failed(err, out_dir / SUMMARY) from None
     return [out_dir / SUMMARY, *(out_dir / c for c in charts)]

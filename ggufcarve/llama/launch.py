@@ -12,6 +12,12 @@ Every child runs with:
   * an overall timeout and an idle watchdog (no output for `idle_timeout` seconds);
   * its own process group, killed and reaped on any exception, Ctrl-C included.
 The last lines of output are kept for the error message.
+
+Children run in sessions of their own, so a terminal's Ctrl-C reaches only ggufcarve. Its signal
+handler calls `stop_all`: the process group of every running child is killed at once (those of
+worker threads too), every `run` in progress or starting afterwards raises `Interrupted`, and a
+child being started in the main thread is killed as soon as `Popen` returns, so no child outlives
+the run.
 """
 
 from __future__ import annotations
@@ -20,19 +26,44 @@ import os
 import selectors
 import signal
 import subprocess
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
-from ggufcarve.errors import ToolFailed, ToolMissing
+from ggufcarve.errors import Interrupted, ToolFailed, ToolMissing
 
 TAIL_LINES = 40
 CHILD_ENV = {
     "GGML_NO_BACKTRACE": "1",
     "LLAMA_ARG_REPACK": "0",
 }
+
+
+_running: dict[int, subprocess.Popen[bytes]] = {}  # every child of a `run` in progress, by pid
+_stopped_by: list[int] = []  # the signal `stop_all` was called for; no child runs after it
+_main_starting = [False]  # the main thread is inside Popen: a signal handler must not raise there
+
+
+def stop_all(signum: int) -> bool:
+    """Kill the process group of every running child; every `run` then raises Interrupted(signum).
+
+    Meant for a signal handler (which runs in the main thread, between two bytecodes of whatever it
+    was doing). Returns False when the main thread is starting a child: raising there would lose
+    the child's pid, so the handler returns and `run` raises Interrupted once the child is known.
+    """
+    if not _stopped_by:
+        _stopped_by.append(signum)
+    for proc in list(_running.values()):
+        _kill_group(proc.pid)
+    return not _main_starting[0]
+
+
+def _check_stopped() -> None:
+    if _stopped_by:
+        raise Interrupted(_stopped_by[0])
 
 
 def child_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -60,6 +91,8 @@ class Finished:
             why = f"timed out after {self.seconds:.0f} s"
         elif self.timed_out == "idle":
             why = f"printed nothing for too long and was stopped after {self.seconds:.0f} s"
+        elif self.returncode == -signal.SIGXFSZ:
+            why = "killed by SIGXFSZ: a file it wrote reached the file size limit (ulimit -f)"
         elif self.returncode < 0:
             why = f"killed by signal {signal.Signals(-self.returncode).name if -self.returncode in signal.valid_signals() else -self.returncode}"
         else:
@@ -84,22 +117,35 @@ def run(
     `on_line` (or KeyboardInterrupt) the child's process group is killed and reaped first.
     """
     args = [os.fspath(a) for a in argv]
+    _check_stopped()
     started = time.monotonic()
+    in_main = threading.current_thread() is threading.main_thread()
+    if in_main:
+        _main_starting[0] = True
     try:
         proc = subprocess.Popen(
             args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             cwd=cwd, env=child_env(env), start_new_session=True,
         )
-    except OSError as err:
-        raise ToolMissing(f"cannot run {Path(args[0]).name}: {err.strerror or err}", "check the path (ggufcarve toolchain show)") from None
+        _running[proc.pid] = proc
+    except BaseException as err:
+        if in_main:
+            _main_starting[0] = False
+        _check_stopped()
+        if isinstance(err, OSError):
+            raise ToolMissing(f"cannot run {Path(args[0]).name}: {err.strerror or err}", "check the path (ggufcarve toolchain show)") from None
+        raise
     tail: deque[str] = deque(maxlen=tail_lines)
     timed_out = ""
     assert proc.stdout is not None
     selector = selectors.DefaultSelector()
-    selector.register(proc.stdout, selectors.EVENT_READ)
     pending = b""
     last_output = started
     try:
+        if in_main:
+            _main_starting[0] = False  # from here on a signal handler may raise: the except below kills the child
+        selector.register(proc.stdout, selectors.EVENT_READ)
+        _check_stopped()  # a signal that came while Popen ran, or stopped another thread's child
         while True:
             now = time.monotonic()
             waits = [1.0]
@@ -135,21 +181,27 @@ def run(
         if timed_out:
             _kill(proc)
         code = proc.wait()
+        _check_stopped()  # killed by stop_all, not failed
     except BaseException:
         _kill(proc)
         raise
     finally:
+        _running.pop(proc.pid, None)
         selector.close()
         proc.stdout.close()
     return Finished(args, code, time.monotonic() - started, list(tail), timed_out)
 
 
-def _kill(proc: subprocess.Popen[bytes]) -> None:
-    """SIGKILL the child's whole process group (it may have children of its own) and reap it."""
+def _kill_group(pid: int) -> None:
     try:
-        os.killpg(proc.pid, signal.SIGKILL)
+        os.killpg(pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def _kill(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL the child's whole process group (it may have children of its own) and reap it."""
+    _kill_group(proc.pid)
     try:
         proc.kill()
     except ProcessLookupError:

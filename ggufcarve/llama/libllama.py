@@ -16,7 +16,6 @@ in `KEEPALIVE`.
 from __future__ import annotations
 
 import ctypes
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -80,9 +79,7 @@ def write_results(out: Path, arrays: dict[str, Any]) -> None:
     """A child task's results as one .npz, written under the temp-name scheme and renamed into place."""
     import numpy as np
 
-    from ggufcarve.fileio import temp_path_for
+    from ggufcarve.fileio import atomic_file
 
-    partial = temp_path_for(out)
-    with open(partial, "wb") as f:
+    with atomic_file(out) as partial, open(partial, "wb") as f:
         np.savez(f, **arrays)
-    os.replace(partial, out)

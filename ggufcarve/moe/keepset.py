@@ -8,6 +8,7 @@ Our file format (JSON): {"layers": {"<blk index>": [ids...]}, ...free metadata}.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -21,7 +22,7 @@ from ggufcarve import __version__
 from ggufcarve.errors import BadInput
 from ggufcarve.gguf.container import KeyValue, make_kv
 from ggufcarve.moe.layout import MoeLayout
-from ggufcarve.reports import read_json
+from ggufcarve.reports import read_json_bytes
 
 # Field names published manifests use for the kept ids of one layer.
 KEPT_ID_FIELDS = ("keep", "kept", "retained", "kept_ids", "retained_ids", "kept_experts", "retained_experts", "kept_expert_indices", "indices", "experts")
@@ -35,6 +36,7 @@ LAYER_KEY = re.compile(r"^(?:(?P<kind>main|mtp|layer|blk|block|model\.layers)[._
 class KeepSet:
     layers: dict[int, tuple[int, ...]]
     metadata: dict[str, Any] = field(default_factory=dict)
+    file: dict[str, Any] | None = field(default=None, compare=False)  # the file it was read from: name (no directory), sha256, bytes
 
     @property
     def kept_count(self) -> int:
@@ -111,11 +113,11 @@ def parse_id_list(text: str) -> list[int]:
 def load_keepset(path: str | os.PathLike[str], layout: MoeLayout) -> KeepSet:
     """Read our format or a published manifest; layer keys resolve to GGUF block indices."""
     path = Path(path)
-    doc = read_json(path, "keep-set file", "a keep-set is a JSON file such as {\"layers\": {\"0\": [0, 1]}}")
+    doc, raw = read_json_bytes(path, "keep-set file", "a keep-set is a JSON file such as {\"layers\": {\"0\": [0, 1]}}")
     layers = _find_layers(doc, path, layout)
     metadata = {k: v for k, v in doc.items() if k not in ("layers",)} if isinstance(doc, dict) and "layers" in doc else {}
     metadata = {**metadata, "source_file": path.name}
-    return KeepSet(layers, metadata)
+    return KeepSet(layers, metadata, {"name": path.name, "sha256": hashlib.sha256(raw).hexdigest(), "bytes": len(raw)})
 
 
 def _find_layers(doc: Any, path: Path, layout: MoeLayout) -> dict[int, tuple[int, ...]]:

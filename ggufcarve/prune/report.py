@@ -1,6 +1,7 @@
 """The pruning report: what a prune read, wrote and verified, in the one report envelope.
 
-It names what it describes by content: `inputs` are the source files (name, sha256, bytes),
+It names what it describes by content: `inputs` are the source files (name, sha256, bytes) and,
+when the keep-set was read from a file, that file (name, sha256, bytes, kind "keep-set"),
 `keep_set` the kept experts the output's `ggufcarve.kept_*` keys record, and `output.files` the
 files written; a release publishes it only when these match the model it was made from.
 """
@@ -12,6 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 from ggufcarve.prune.plan import PrunePlan, _jsonable
 from ggufcarve.reports import PRUNING_REPORT, envelope, report_path_for
+
+KEEP_SET_INPUT = "keep-set"  # the `kind` of the inputs entry naming the keep-set file (the source files have none)
 
 if TYPE_CHECKING:
     from ggufcarve.prune.execute import PruneResult
@@ -25,9 +28,10 @@ def default_report_path(plan: PrunePlan) -> Path:
 def pruning_report(result: PruneResult) -> dict[str, Any]:
     plan, verification = result.plan, result.verification
     files = [{"name": p.name, "bytes": s, "sha256": h} for p, s, h in zip(plan.sources, plan.source_sizes, result.source_sha256)]
+    keep_file = [{**plan.keepset.file, "kind": KEEP_SET_INPUT}] if plan.keepset.file else []
     return envelope(
         PRUNING_REPORT,
-        inputs=files,
+        inputs=[*files, *keep_file],
         parameters={"provenance_keys": plan.provenance, "split_max_size": plan.split_max_size, "merge": plan.merge},
         timings=dict(sorted(result.timings.items())),
         results={

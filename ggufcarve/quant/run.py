@@ -14,8 +14,9 @@ manifest, instead of aborting hours into the run with `Missing importance matrix
 
 The output directory is one release of one source: a plan for a directory whose manifest names
 another source is refused, unless `fresh` starts the release afresh (its old rungs removed).
-The pruning and imatrix remap reports beside the source and the imatrix are published into
-`method/` when their content describes those exact files (see release.method).
+The pruning and imatrix remap reports beside the source and the imatrix, and the selection record
+or keep-set file the pruning report names by sha256, are published into `method/` when their
+content describes those exact files (see release.method).
 
 `run_ladder` runs each rung into a temp name in the output directory, renames it on success and
 deletes it on failure (llama-quantize leaves truncated files), hashes each finished file in a
@@ -44,6 +45,7 @@ from ggufcarve.events import Counter, Event, Sink, ignore
 from ggufcarve.fileio import (
     bytes_on_disk,
     dead_temps,
+    disk_full_error,
     make_temp_dir,
     remove_dead_temps,
     sha256_file,
@@ -60,12 +62,20 @@ from ggufcarve.quant.quantizer import (
     QuantizeRun,
 )
 from ggufcarve.quant.spec import DISK_MARGIN, LadderSpec, Rung
+from ggufcarve.release.fragments import (
+    FRAGMENTS_DIR,
+    adopt_manifest,
+    fragment_path,
+    read_fragments,
+    rebuild,
+    write_fragment,
+)
+from ggufcarve.release.lock import lock_release
 from ggufcarve.release.manifest import (
     MANIFEST_NAME,
-    _write_manifest,
     check_same_source,
     described_files,
-    lock_release,
+    ladder_context,
     read_manifest,
 )
 from ggufcarve.release.method import (
@@ -74,7 +84,7 @@ from ggufcarve.release.method import (
     find_method_reports,
     publish_method_reports,
 )
-from ggufcarve.release.sums import SUMS_NAME, inside, write_sums
+from ggufcarve.release.sums import SUMS_NAME, inside
 from ggufcarve.reports import public_name, release_report_name
 
 # ---------------------------------------------------------------------------------------------
@@ -198,13 +208,15 @@ def plan_ladder(
     nthreads: int | None = None,
     hash_inputs: bool = True,
     fresh: bool = False,
+    selection: str | os.PathLike[str] | None = None,
     on_event: Sink = ignore,
 ) -> LadderPlan:
     """Validate everything and resolve every rung's exact job before anything is written.
 
     `hash_inputs=False` (a dry run) skips the source's sha256 and the rungs' inputs keys, which
     only running and resuming need; such a plan cannot be run. `fresh` plans a new release in a
-    directory that holds another (or an unreadable manifest).
+    directory that holds another (or an unreadable manifest). `selection` is the selection record
+    the source's keep-set was chosen by, when it is not found beside the source (release.method).
     """
     rungs = spec.select(only)
     source_path = Path(source)
@@ -227,7 +239,7 @@ def plan_ladder(
     source_sha = _source_sha256(model) if hash_inputs else []
     if manifest is not None:
         check_same_source(out, manifest, [{"name": p.name, "bytes": p.stat().st_size, "sha256": h} for p, h in zip(model.paths, source_sha or [None] * len(model.paths))])
-    method_reports, method_warnings = find_method_reports(model, (info.path, info.sha256) if info else None)
+    method_reports, method_warnings = find_method_reports(model, (info.path, info.sha256) if info else None, Path(selection) if selection is not None else None)
     needing = [r.name for r in rungs if r.needs_imatrix]
     if needing and info is None:
         raise BadInput(f"rung{'s' if len(needing) > 1 else ''} {', '.join(needing)} need{'' if len(needing) > 1 else 's'} an imatrix and none was given", "pass --imatrix FILE (remapped to the pruned model), or leave these rungs out with --only")
@@ -383,18 +395,25 @@ class LadderResult:
 
 
 def _previous_rungs(plan: LadderPlan) -> dict[str, dict[str, Any]]:
-    """The rungs the release in the output directory records, by name; the release must be of
-    this plan's source (checked again here: the directory may have changed since planning)."""
+    """The rungs the release in the output directory records (its fragments; a manifest of an
+    earlier ggufcarve is adopted into fragments first), by name; the release must be of this plan's
+    source (checked again here: the directory may have changed since planning)."""
+    adopt_manifest(plan.out_dir)
+    this = [{"name": p.name, "bytes": p.stat().st_size, "sha256": h} for p, h in zip(plan.source.paths, plan.source_sha256)]
     manifest = read_manifest(plan.out_dir)
-    if manifest is None:
-        return {}
-    check_same_source(plan.out_dir, manifest, [{"name": p.name, "bytes": p.stat().st_size, "sha256": h} for p, h in zip(plan.source.paths, plan.source_sha256)])
-    return {r.get("name"): r for r in manifest["rungs"] if isinstance(r, dict)}
+    if manifest is not None:
+        check_same_source(plan.out_dir, manifest, this)
+    previous = {}
+    for fragment in read_fragments(plan.out_dir):
+        check_same_source(plan.out_dir, {"source": fragment.context["source"]}, this)
+        previous[str(fragment.rung["name"])] = fragment.rung
+    return previous
 
 
 def _start_afresh(out_dir: Path) -> list[str]:
     """Remove the release in out_dir: the files its manifest describes, the release's method
-    reports, the manifest and SHA256SUMS. Files the manifest does not describe are left alone.
+    reports, the manifest, SHA256SUMS and the rung fragments. Files the manifest does not describe
+    are left alone.
     Returns the removed names."""
     try:
         manifest = read_manifest(out_dir)
@@ -408,6 +427,7 @@ def _start_afresh(out_dir: Path) -> list[str]:
         if inside(out_dir, rel) and path.is_file():
             path.unlink()
             removed.append(rel)
+    shutil.rmtree(out_dir / FRAGMENTS_DIR, ignore_errors=True)
     return removed
 
 
@@ -420,6 +440,46 @@ def _without_dirs(text: str | None, dirs: Sequence[Path]) -> str | None:
     return text
 
 
+def _out_of_space(p: PlannedRung, run: QuantizeRun) -> str | None:
+    """Why a failed rung's output did not fit, or None when its failure was not a full disk.
+
+    llama.cpp's quantizer writes through an ofstream that throws on a failed write, and says only
+    `failed to quantize: basic_ios::clear: iostream error`; the temp file it leaves and the free
+    space tell a full disk or the file size limit from another write error. Past the file size
+    limit with SIGXFSZ at its default (a shell's `ulimit -f`), the quantizer is killed by SIGXFSZ.
+    Call before the temp file is removed.
+    """
+    import resource
+    import signal
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
+    if run.returncode == -signal.SIGXFSZ:
+        return f"the file size limit (ulimit -f) of {soft:,} bytes was reached"
+    if not run.error or "iostream error" not in run.error:
+        return None
+    written = p.temp.stat().st_size if p.temp.exists() else 0
+    if soft != resource.RLIM_INFINITY and written >= soft:
+        return f"the file size limit (ulimit -f) of {soft:,} bytes was reached"
+    free = shutil.disk_usage(p.output.parent).free
+    if free < max(p.estimated_bytes - written, 1 << 20):
+        return f"{free / 2**20:.1f} MiB free after {written / 2**20:.1f} MiB written"
+    return None
+
+
+class _HashStopped(Exception):
+    """A background hash abandoned because the run is stopping."""
+
+
+def _until(stop: threading.Event) -> Callable[[int], None]:
+    """A progress callback for sha256_file that abandons the hash once `stop` is set: a stopped
+    run does not wait for the hash of a big rung to finish."""
+    def progress(_: int) -> None:
+        if stop.is_set():
+            raise _HashStopped
+
+    return progress
+
+
 def bits_per_weight(path: Path) -> float | None:
     """Tensor data bits per weight; raises BadInput when the file does not parse."""
     model = read_model(path)
@@ -428,53 +488,75 @@ def bits_per_weight(path: Path) -> float | None:
 
 
 def run_ladder(plan: LadderPlan, *, keep_going: bool = False, on_event: Sink = ignore) -> LadderResult:
-    """Run the planned rungs; see the module docstring. Raises ToolFailed on the first failure unless keep_going."""
+    """Run the planned rungs; see the module docstring. Raises ToolFailed on the first failure unless keep_going.
+
+    Each finished rung is recorded in its fragment and the manifest and SHA256SUMS are rebuilt from
+    all fragments, under the release's lock (release.lock, held only for these steps): runs of
+    other rungs into the same directory, from other processes or hosts, may go on at the same time.
+    """
     if not plan.source_sha256:
         raise ValueError("run_ladder needs a plan made with hash_inputs=True")
     out = plan.out_dir
     out.mkdir(parents=True, exist_ok=True)
-    lock = lock_release(out)
     started = time.monotonic()
     quantizer_seconds = 0.0
     hash_seconds = [0.0]
     state_lock = threading.Lock()
     results: dict[str, RungResult] = {}
     hasher: ThreadPoolExecutor | None = None
+    stop = threading.Event()  # set on the way out: background hashes still running are abandoned
     local_dirs = [out.absolute(), *(p.parent.absolute() for p in plan.source.paths), *([plan.imatrix.path.parent.absolute()] if plan.imatrix else [])]
+    quantizer_imatrix: Path | None = None
     try:
-        if plan.fresh:
-            removed = _start_afresh(out)
-            if removed:
-                _note(on_event, "validate", f"started the release afresh: removed {', '.join(removed)}")
-        previous = _previous_rungs(plan)
-        method = publish_method_reports(out, plan.method_reports)
-        remove_dead_temps(out, _rung_names(plan.rungs, plan.imatrix))  # left by an interrupted run
-        resumable = _check_resumable(plan, previous, on_event)
+        with lock_release(out):
+            if plan.fresh:
+                removed = _start_afresh(out)
+                if removed:
+                    _note(on_event, "validate", f"started the release afresh: removed {', '.join(removed)}")
+            previous = _previous_rungs(plan)
+            method = publish_method_reports(out, plan.method_reports)
+            remove_dead_temps(out, _rung_names(plan.rungs, plan.imatrix))  # left by an interrupted run
+        inputs, parameters, context = ladder_context(plan, method)
+        resumable = _check_resumable(plan, previous, on_event, stop)
         quantizer_imatrix = _imatrix_without_directories(plan, out, [p for p in plan.rungs if p.rung.name not in resumable])
         hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ggufcarve-hash")
         pending: list[Future[None]] = []
 
+        def record(result: RungResult) -> None:
+            """The rung's fragment, then the manifest and SHA256SUMS from all fragments, under the lock."""
+            with state_lock:
+                total = time.monotonic() - started
+                timings = {"total_seconds": total, "quantizer_seconds": quantizer_seconds, "hash_seconds": hash_seconds[0], "overhead_seconds": total - quantizer_seconds}
+            with lock_release(out):
+                write_fragment(out, result.to_json(), context, inputs=inputs, parameters=parameters, timings=timings)
+                rebuild(out)
+
         def hash_later(result: RungResult, path: Path) -> None:
             t0 = time.monotonic()
-            digest = sha256_file(path)
+            digest = sha256_file(path, _until(stop))
             st = path.stat()
             with state_lock:
                 result.sha256 = digest
                 result.mtime_ns = st.st_mtime_ns
                 hash_seconds[0] += time.monotonic() - t0
+            record(result)
             _note(on_event, result.name, f"done, sha256 {digest[:12]}")
 
         failure: RungResult | None = None
+        out_of_space: tuple[Path, str] | None = None  # the rung whose output did not fit, and why
         rungs_done = Counter(on_event, "ladder", len(plan.rungs), "rungs")
         for p in plan.rungs:
             r = p.rung
             if p.rung.name in resumable:
                 results[r.name] = resumable[r.name]
+                record(resumable[r.name])
                 on_event(Event(r.name, 1, 1, "tensors", "skipped: unchanged (sha256 verified)"))
                 rungs_done(1, r.name)
                 continue
-            if failure is not None and not keep_going:
+            if (failure is not None and not keep_going) or out_of_space is not None:
                 results[r.name] = RungResult(r.name, r.ftype, "not run", p.output.name, description=r.description, source_sha256=list(plan.source_sha256))
+                if r.name not in previous and not fragment_path(out, r.name).exists():
+                    record(results[r.name])
                 continue
             _note(on_event, r.name, "starting")
             result = RungResult(r.name, r.ftype, "failed", p.output.name, command=plan.quantizer.recorded_argv(p.job, p.output), fallback=p.fallback,
@@ -488,7 +570,8 @@ def run_ladder(plan: LadderPlan, *, keep_going: bool = False, on_event: Sink = i
 
             job = replace(p.job, imatrix=quantizer_imatrix) if quantizer_imatrix is not None and p.job.imatrix is not None else p.job
             run: QuantizeRun = plan.quantizer.run(job, on_line)
-            quantizer_seconds += run.seconds
+            with state_lock:
+                quantizer_seconds += run.seconds
             result.exit_status, result.seconds = run.returncode, run.seconds
             if run.returncode == 0 and p.temp.exists():
                 try:
@@ -504,38 +587,46 @@ def run_ladder(plan: LadderPlan, *, keep_going: bool = False, on_event: Sink = i
                 os.replace(p.temp, p.output)  # replaces an earlier output only now that this one exists
                 result.status = "built"
                 result.bytes = p.output.stat().st_size
+                results[r.name] = result
                 pending.append(hasher.submit(hash_later, result, p.output))
                 on_event(Event(r.name, 1, 1, "tensors", f"hashing; {result.bytes / 2**30:.2f} GiB in {run.seconds:.1f} s"))
             else:
+                full = _out_of_space(p, run)
                 p.temp.unlink(missing_ok=True)
                 p.output.unlink(missing_ok=True)  # an earlier output: it does not match this rung's inputs
                 result.error = _without_dirs(run.error, local_dirs) or "the quantizer wrote no output"
+                if full is not None:
+                    out_of_space = (p.output, full)
+                    result.error = f"disk full while writing {p.output.name} ({full}): {result.error}"
                 failure = failure or result
+                results[r.name] = result
+                record(result)
                 _note(on_event, r.name, f"failed: {result.error}")
-            results[r.name] = result
             rungs_done(1, r.name)
-            _write_manifest(plan, previous, results, method, started, quantizer_seconds, hash_seconds[0], state_lock)
         for f in pending:
             f.result()
-        manifest = _write_manifest(plan, previous, results, method, started, quantizer_seconds, hash_seconds[0], state_lock)
-        sums = write_sums(out, manifest)
+        manifest = rebuild(out)
+        assert manifest is not None
+        sums = out / SUMS_NAME
     finally:
+        stop.set()
         if hasher is not None:
             hasher.shutdown(wait=True, cancel_futures=True)
         for p in plan.rungs:
             p.temp.unlink(missing_ok=True)
         if plan.imatrix is not None:
             shutil.rmtree(temp_path_for(out / plan.imatrix.path.name), ignore_errors=True)
-        lock.close()
     ordered = [results[p.rung.name] for p in plan.rungs]
     result = LadderResult(plan, ordered, out / MANIFEST_NAME, sums, time.monotonic() - started, quantizer_seconds, hash_seconds[0])
+    if out_of_space is not None:
+        raise disk_full_error(*out_of_space)
     if result.failed and not keep_going:
         first = result.failed[0]
         raise ToolFailed(f"rung {first.name} failed: {first.error}", f"the exact command is in {result.manifest_path}; fix the cause and run again (finished rungs are kept and skipped)")
     return result
 
 
-def _check_resumable(plan: LadderPlan, previous: dict[str, dict[str, Any]], on_event: Sink) -> dict[str, RungResult]:
+def _check_resumable(plan: LadderPlan, previous: dict[str, dict[str, Any]], on_event: Sink, stop: threading.Event) -> dict[str, RungResult]:
     """Rungs whose output matches the recorded inputs key and sha256 (hashed in parallel)."""
     candidates = []
     for p in plan.rungs:
@@ -549,7 +640,11 @@ def _check_resumable(plan: LadderPlan, previous: dict[str, dict[str, Any]], on_e
         return {}
     _note(on_event, "validate", f"checking {len(candidates)} finished rung(s)")
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
-        digests = list(pool.map(lambda c: sha256_file(c[0].output), candidates))
+        try:
+            digests = list(pool.map(lambda c: sha256_file(c[0].output, _until(stop)), candidates))
+        except BaseException:
+            stop.set()  # on the way out (Ctrl-C): the hashes still running stop at their next chunk
+            raise
     out: dict[str, RungResult] = {}
     for (p, rec), digest in zip(candidates, digests):
         if digest != rec["sha256"]:

@@ -1,7 +1,8 @@
 """quant-manifest.json: the one record of what a release holds and how it was made.
 
-It describes every file the release publishes: each rung's files (with the sha256 of the source
-files the rung was made from), the method reports under `method/`, and itself. SHA256SUMS lists
+It is assembled from per-rung fragments (release.fragments) under the release's lock
+(release.lock). It describes every file the release publishes: each rung's files (with the sha256
+of the source files the rung was made from), the method reports under `method/`, and itself. SHA256SUMS lists
 exactly these files, and `verify` fails on any other file in the directory. A release is made
 from one source: a ladder run with another source is refused unless it starts the release afresh.
 File names are relative to the release directory; no local path is recorded.
@@ -9,37 +10,21 @@ File names are relative to the release directory; no local path is recorded.
 
 from __future__ import annotations
 
-import fcntl
-import threading
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ggufcarve.errors import BadInput, OutputError
-from ggufcarve.fileio import write_text_atomic
-from ggufcarve.reports import dumps, envelope, public_name, read_json_object
+from ggufcarve.reports import public_name, read_json_object
 
 if TYPE_CHECKING:
-    from ggufcarve.quant.run import LadderPlan, RungResult
+    from ggufcarve.quant.run import LadderPlan
 
 MANIFEST_KIND = "quant-manifest"
 MANIFEST_NAME = "quant-manifest.json"
-LOCK_NAME = ".ggufcarve-ladder.lock"  # held by whatever rewrites the manifest
-# Files made from the rungs after the ladder (evaluation results, the model card), recorded under
-# manifest["published"][kind]; a ladder run that builds a rung drops them: they describe the old rungs.
+# Files made from the rungs after the ladder (evaluation results, the model card, the run plan), recorded under
+# manifest["published"][kind]; a manifest whose rung files changed drops them: they describe the old rungs.
 PUBLISHED_KINDS = ("evaluation", "card", "plan")
 FRESH_START_HINT = "write to another -o directory, or pass --force to start the release afresh, which removes its old rungs"
-
-
-def lock_release(out_dir: Path) -> Any:
-    """The release's exclusive lock (an open file; close it to release). Refuses when held."""
-    handle = open(out_dir / LOCK_NAME, "a+")
-    try:
-        fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        handle.close()
-        raise OutputError(f"another ggufcarve run is writing to {out_dir}", "wait for it to finish, or use another -o directory") from None
-    return handle
 
 
 def read_manifest(out_dir: Path) -> dict[str, Any] | None:
@@ -103,19 +88,6 @@ def described_files(manifest: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return described
 
 
-def carried_published(out_dir: Path, rungs_rebuilt: bool) -> dict[str, Any]:
-    """The published records of the manifest in out_dir that stay true: all of them while no rung
-    was rebuilt, none once one was (they were made from the old rungs)."""
-    if rungs_rebuilt:
-        return {}
-    try:
-        manifest = read_manifest(out_dir)
-    except BadInput:
-        return {}
-    published = manifest.get("published") if manifest else None
-    return {k: v for k, v in published.items() if k in PUBLISHED_KINDS} if isinstance(published, dict) else {}
-
-
 def _public_quantizer(described: dict[str, object]) -> dict[str, object]:
     """The quantizer record without local paths: `program` is the file name of the binary (or of
     libllama), `python` the interpreter's file name; never their directories."""
@@ -126,47 +98,29 @@ def _public_quantizer(described: dict[str, object]) -> dict[str, object]:
     return record
 
 
-def _write_manifest(plan: LadderPlan, previous: dict[str, dict[str, Any]], results: dict[str, RungResult], method: list[dict[str, Any]], started: float, quantizer_seconds: float, hash_seconds: float, lock: threading.Lock) -> dict[str, Any]:
-    with lock:
-        rungs: dict[str, dict[str, Any]] = {}
-        # rungs of earlier runs of this source that this run did not touch stay recorded while their files exist
-        for name, rec in previous.items():
-            if name not in results and rec.get("source_sha256") == plan.source_sha256 and rec.get("files") and all((plan.out_dir / f["name"]).exists() for f in rec["files"]):
-                rungs[name] = rec
-        for name, r in results.items():
-            if r.status == "not run" and name in previous:
-                continue
-            rungs[name] = r.to_json()
-        order = {p.rung.name: i for i, p in enumerate(plan.rungs)}
-        ordered = sorted(rungs.values(), key=lambda rec: (order.get(rec["name"], len(order)), rec["name"]))
-        total = time.monotonic() - started
-        source_files = [{"name": p.name, "bytes": p.stat().st_size, "sha256": h} for p, h in zip(plan.source.paths, plan.source_sha256)]
-        inputs = list(source_files)
-        if plan.imatrix is not None:
-            inputs.append({"name": plan.imatrix.path.name, "bytes": plan.imatrix.path.stat().st_size, "sha256": plan.imatrix.sha256})
-        if plan.spec.path is not None:
-            inputs.append({"name": plan.spec.path.name, "bytes": plan.spec.path.stat().st_size, "sha256": plan.spec.sha256})
-        doc = envelope(
-            MANIFEST_KIND,
-            inputs=inputs,
-            parameters={"model_name": plan.model_name, "selected_rungs": [p.rung.name for p in plan.rungs]},
-            timings={"total_seconds": total, "quantizer_seconds": quantizer_seconds, "hash_seconds": hash_seconds, "overhead_seconds": total - quantizer_seconds},
-            results={
-                "ladder": {"name": plan.spec.name, "description": plan.spec.description, "spec_file": plan.spec.path.name if plan.spec.path else None, "spec_sha256": plan.spec.sha256},
-                "source": {
-                    "name": plan.source.path.name, "bytes": plan.source.total_bytes, "n_elements": plan.n_elements,
-                    "architecture": plan.source.get("general.architecture"),
-                    "expert_count": plan.source.get(f"{plan.source.get('general.architecture')}.expert_count"),
-                    "files": source_files,
-                    "sha256": plan.source_sha256[0] if len(plan.source_sha256) == 1 else None,
-                },
-                "imatrix": plan.imatrix.to_json() if plan.imatrix else None,
-                "quantizer": _public_quantizer(plan.quantizer.describe()),
-                "rungs": ordered,
-                "method": method,
-                "published": carried_published(plan.out_dir, any(r.status == "built" for r in results.values())),
-                "warnings": plan.warnings,
-            },
-        )
-    write_text_atomic(plan.out_dir / MANIFEST_NAME, dumps(doc))
-    return doc
+def ladder_context(plan: LadderPlan, method: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any]]:
+    """What a ladder run records beside each rung it made: the manifest's inputs, parameters and
+    header (ladder, source, imatrix, quantizer, method reports, warnings, the spec's rung order)."""
+    source_files = [{"name": p.name, "bytes": p.stat().st_size, "sha256": h} for p, h in zip(plan.source.paths, plan.source_sha256)]
+    inputs = list(source_files)
+    if plan.imatrix is not None:
+        inputs.append({"name": plan.imatrix.path.name, "bytes": plan.imatrix.path.stat().st_size, "sha256": plan.imatrix.sha256})
+    if plan.spec.path is not None:
+        inputs.append({"name": plan.spec.path.name, "bytes": plan.spec.path.stat().st_size, "sha256": plan.spec.sha256})
+    architecture = plan.source.get("general.architecture")
+    context = {
+        "ladder": {"name": plan.spec.name, "description": plan.spec.description, "spec_file": plan.spec.path.name if plan.spec.path else None, "spec_sha256": plan.spec.sha256},
+        "source": {
+            "name": plan.source.path.name, "bytes": plan.source.total_bytes, "n_elements": plan.n_elements,
+            "architecture": architecture,
+            "expert_count": plan.source.get(f"{architecture}.expert_count"),
+            "files": source_files,
+            "sha256": plan.source_sha256[0] if len(plan.source_sha256) == 1 else None,
+        },
+        "imatrix": plan.imatrix.to_json() if plan.imatrix else None,
+        "quantizer": _public_quantizer(plan.quantizer.describe()),
+        "method": method,
+        "warnings": plan.warnings,
+        "spec_rungs": [r.name for r in plan.spec.rungs],
+    }
+    return inputs, {"model_name": plan.model_name}, context

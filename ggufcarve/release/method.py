@@ -7,11 +7,17 @@ kept experts (`ggufcarve.kept_*`) equal the report's `keep_set`, the source dige
 of the model's files (names may differ: a renamed file is still the same model). A remap report describes an imatrix when its `output.sha256` is the
 imatrix's sha256. A release holds them as `method/pruning-report.json` and
 `method/imatrix-remap-report.json`, byte for byte as found, and records them in its manifest.
+
+The pruning report also names the keep-set file the model was pruned with (name and sha256 in its
+`inputs`); that file, found by name beside the model or in its method/ directory and accepted
+only by its sha256, is published as `method/expert-selection.json` when it is the selection
+record `ggufcarve select -o` writes (which is the keep-set as well), else as `method/keep-set.json`.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,7 +37,9 @@ from ggufcarve.reports import (
     report_path_for,
 )
 
-METHOD_KINDS = (PRUNING_REPORT, IMATRIX_REMAP_REPORT)
+SELECTION_RECORD = "expert-selection"  # the kind `ggufcarve select -o SELECTION.json` writes
+KEEP_SET_FILE = "keep-set"  # a plain keep-set file the model was pruned with
+METHOD_KINDS = (PRUNING_REPORT, IMATRIX_REMAP_REPORT, SELECTION_RECORD, KEEP_SET_FILE)
 WRITTEN_BY = {PRUNING_REPORT: "ggufcarve prune", IMATRIX_REMAP_REPORT: "ggufcarve imatrix remap"}
 
 
@@ -76,17 +84,89 @@ def _pruning_mismatch(doc: dict[str, Any], path: Path, model: GGUFModel) -> str 
     layers = _field(doc, path, "keep_set", "layers", json_type=dict)
     if layers != recorded.to_json()["layers"]:
         return f"its kept experts differ from the ones {model.path.name} records"
-    inputs = [i.get("sha256") for i in _field(doc, path, "inputs", json_type=list) if isinstance(i, dict)]
+    inputs = [i.get("sha256") for i in _field(doc, path, "inputs", json_type=list) if isinstance(i, dict) and i.get("kind") is None]
     if inputs != [str(d) for d in digests]:
         return f"it was made from another source (sha256 {', '.join(str(i)[:12] for i in inputs)})"
     return None
 
 
-def find_method_reports(model: GGUFModel, imatrix: tuple[Path, str] | None) -> tuple[list[MethodReport], list[str]]:
-    """The reports beside the source (and the imatrix, given as path and sha256) that describe
-    them, and a warning for each report found that does not. Raises BadInput for a malformed one."""
+def _keep_set_input(doc: dict[str, Any]) -> dict[str, Any] | None:
+    """The pruning report's record of the keep-set file it pruned with (name, sha256, bytes)."""
+    for i in doc.get("inputs") or []:
+        if isinstance(i, dict) and i.get("kind") == KEEP_SET_FILE and isinstance(i.get("name"), str) and isinstance(i.get("sha256"), str):
+            return i
+    return None
+
+
+def _read_text(path: Path) -> tuple[str, dict[str, Any] | None] | None:
+    """The file's text (for publishing byte for byte) and its JSON object, or None for no such file."""
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as err:
+        raise BadInput(f"cannot read {path}: {err.strerror or err}", "check its permissions, or move it away") from None
+    try:
+        text = raw.decode("utf-8")
+        doc = json.loads(text)
+    except (UnicodeDecodeError, ValueError):
+        return None
+    return text, doc if isinstance(doc, dict) else None
+
+
+def find_selection(model: GGUFModel, pruning: dict[str, Any] | None, selection: Path | None) -> tuple[list[MethodReport], list[str]]:
+    """The selection record and keep-set file the model was pruned with, and warnings.
+
+    The pruning report names the keep-set file by name and sha256; a file of that name beside
+    the model or in its method/ directory, or the given `selection`, with that sha256 is it. A
+    selection record (kind expert-selection, as `ggufcarve select -o` writes) is published as
+    method/expert-selection.json, which is then the keep-set too; a plain keep-set file as
+    method/keep-set.json. A `selection` with other bytes is accepted when it is a selection
+    record whose kept experts are the model's (it chose the keep-set the model was pruned with).
+    """
     found: list[MethodReport] = []
     warnings: list[str] = []
+    wanted = _keep_set_input(pruning) if pruning is not None else None
+    layers = (pruning or {}).get("keep_set", {}).get("layers") if isinstance((pruning or {}).get("keep_set"), dict) else None
+    if layers is None:
+        recorded = keepset_from_provenance(model.get, model.path.name)
+        layers = recorded.to_json()["layers"] if recorded is not None else None
+    keep_file: tuple[str, dict[str, Any] | None] | None = None
+    if wanted is not None:
+        candidates = [*([selection] if selection is not None else []), model.path.parent / wanted["name"], model.path.parent / METHOD_DIR / wanted["name"]]
+        for candidate in candidates:
+            loaded = _read_text(candidate)
+            if loaded is None:
+                continue
+            if hashlib.sha256(loaded[0].encode()).hexdigest() == wanted["sha256"]:
+                keep_file = loaded
+                break
+            if candidate != selection:
+                warnings.append(f"{candidate.name} not published: it is not the keep-set {model.path.name} was pruned with (sha256 {hashlib.sha256(loaded[0].encode()).hexdigest()[:12]}, the pruning report records {wanted['sha256'][:12]})")
+    is_record = keep_file is not None and keep_file[1] is not None and keep_file[1].get("kind") == SELECTION_RECORD
+    if keep_file is not None:
+        found.append(MethodReport(SELECTION_RECORD if is_record else KEEP_SET_FILE, keep_file[0], model.path.name))
+    if selection is not None and not is_record:
+        loaded = _read_text(selection)
+        if loaded is None:
+            raise BadInput(f"--selection {selection}: no such file, or not JSON", "give the SELECTION.json that ggufcarve select -o wrote")
+        text, doc = loaded
+        if doc is None or doc.get("kind") != SELECTION_RECORD:
+            raise BadInput(f"--selection {selection} is not a selection record (kind {SELECTION_RECORD})", "give the SELECTION.json that ggufcarve select -o wrote")
+        if layers is None or doc.get("layers") != layers:
+            raise BadInput(f"--selection {selection} chose other experts than {model.path.name} keeps", "give the selection the model was pruned with, or prune again with --keep SELECTION.json")
+        found.append(MethodReport(SELECTION_RECORD, text, model.path.name))
+    return found, warnings
+
+
+def find_method_reports(model: GGUFModel, imatrix: tuple[Path, str] | None, selection: Path | None = None) -> tuple[list[MethodReport], list[str]]:
+    """The reports beside the source (and the imatrix, given as path and sha256) that describe
+    them, the selection record and keep-set file the source was pruned with (find_selection), and
+    a warning for each such file found that does not describe them. Raises BadInput for a
+    malformed report."""
+    found: list[MethodReport] = []
+    warnings: list[str] = []
+    pruning: dict[str, Any] | None = None
     candidates: list[tuple[str, Path, str]] = [(PRUNING_REPORT, report_path_for(model.path, PRUNING_REPORT), model.path.name)]
     if imatrix is not None:
         candidates.append((IMATRIX_REMAP_REPORT, report_path_for(imatrix[0], IMATRIX_REMAP_REPORT), imatrix[0].name))
@@ -108,7 +188,10 @@ def find_method_reports(model: GGUFModel, imatrix: tuple[Path, str] | None) -> t
             warnings.append(f"{path.name} not published: it does not describe {described}: {why}")
             continue
         found.append(MethodReport(kind, text, described))
-    return found, warnings
+        if kind == PRUNING_REPORT:
+            pruning = doc
+    chosen, more = find_selection(model, pruning, selection)
+    return found + chosen, warnings + more
 
 
 def publish_method_reports(out_dir: Path, reports: list[MethodReport]) -> list[dict[str, Any]]:

@@ -13,12 +13,8 @@ from typing import Sequence
 
 from ggufcarve.errors import BadInput
 from ggufcarve.fileio import sha256_file, write_text_atomic
-from ggufcarve.release.manifest import (
-    MANIFEST_NAME,
-    PUBLISHED_KINDS,
-    lock_release,
-    read_manifest,
-)
+from ggufcarve.release.lock import lock_release
+from ggufcarve.release.manifest import MANIFEST_NAME, PUBLISHED_KINDS, read_manifest
 from ggufcarve.release.sums import inside, write_sums
 from ggufcarve.reports import dumps
 
@@ -42,8 +38,7 @@ def record_published(release: Path, kind: str, files: Sequence[Path]) -> list[di
         if not inside(release, rel):
             raise BadInput(f"{path} is not inside the release {release}", "write evaluation results and the card inside the release directory")
         records.append({"name": rel, "bytes": path.stat().st_size, "sha256": sha256_file(path)})
-    lock = lock_release(release)
-    try:
+    with lock_release(release):
         manifest = read_manifest(release)
         if manifest is None:
             raise BadInput(f"{release} has no {MANIFEST_NAME}", "run ggufcarve ladder run into it first")
@@ -51,6 +46,4 @@ def record_published(release: Path, kind: str, files: Sequence[Path]) -> list[di
         manifest["published"] = {**published, kind: records}
         write_text_atomic(release / MANIFEST_NAME, dumps(manifest))
         write_sums(release)
-    finally:
-        lock.close()
     return records

@@ -7,7 +7,8 @@ Checks, all reported together:
     release: rung files, the method reports it records, itself) and listed in SHA256SUMS;
   * quant-manifest.json agrees with SHA256SUMS and with the files' sizes;
   * every rung was made from the manifest's source (the sha256 of the source files it records);
-  * the published method reports describe the manifest's source and imatrix;
+  * the published method reports describe the manifest's source and imatrix, and the published
+    selection record (method/expert-selection.json) keeps the experts the pruning report records;
   * every GGUF parses, and split sets are complete;
   * expert_count is the same in every rung and matches the manifest's source and the pruning
     report (method/pruning-report.json), when present.
@@ -36,6 +37,8 @@ from ggufcarve.release.manifest import (
 )
 from ggufcarve.release.sums import SUMS_NAME, inside, published_files
 from ggufcarve.reports import IMATRIX_REMAP_REPORT, PRUNING_REPORT, release_report_name
+
+SELECTION_RECORD = "expert-selection"  # release.method.SELECTION_RECORD (not imported: verify starts without numpy)
 
 SUMS_LINE = re.compile(r"^(?P<digest>[0-9a-fA-F]{64}) (?P<mode>[ *])(?P<path>.+)$")
 
@@ -291,7 +294,7 @@ def _check_method_reports(d: Path, manifest: dict[str, Any], report: VerifyRepor
             continue
         doc = _read_json_object(path, report)
         output = doc.get("output") if doc is not None else None
-        if not isinstance(output, dict):
+        if not isinstance(output, dict) and kind != SELECTION_RECORD:
             continue
         if kind == PRUNING_REPORT:
             described = [(o.get("name"), o.get("bytes")) for o in _records(output.get("files"))]
@@ -300,6 +303,11 @@ def _check_method_reports(d: Path, manifest: dict[str, Any], report: VerifyRepor
                     return ", ".join(f"{n} ({b} bytes)" for n, b in files) or "no files"
 
                 fail(Failure(str(name), f"describes {show(described)}, not the manifest's source ({show(source)})"))
-        elif kind == IMATRIX_REMAP_REPORT:
+        elif kind == SELECTION_RECORD:
+            pruning = _read_json_object(d / release_report_name(PRUNING_REPORT), report) if (d / release_report_name(PRUNING_REPORT)).is_file() else None
+            kept = pruning.get("keep_set", {}).get("layers") if pruning is not None and isinstance(pruning.get("keep_set"), dict) else None
+            if kept is not None and doc is not None and doc.get("layers") != kept:
+                fail(Failure(str(name), f"keeps other experts than {release_report_name(PRUNING_REPORT)} records"))
+        elif kind == IMATRIX_REMAP_REPORT and isinstance(output, dict):
             if imatrix is None or output.get("sha256") != imatrix.get("sha256"):
                 fail(Failure(str(name), f"describes an imatrix with sha256 {str(output.get('sha256'))[:12]}, not the manifest's ({str((imatrix or {}).get('sha256'))[:12]})"))

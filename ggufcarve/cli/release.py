@@ -1,0 +1,48 @@
+"""release: assemble a release directory that several ladder runs (processes or hosts) wrote into.
+
+Examples:
+    ggufcarve ladder run ladders/q8-to-iq1.toml --source model-128e-Q8_0.gguf -o /shared/release --only Q4_K_M   # one job per rung, anywhere
+    ggufcarve release merge /shared/release
+    ggufcarve verify /shared/release
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from ggufcarve.cli.options import JsonOption, QuietOption, command_group
+from ggufcarve.cli.render import escape, new_table, out, progress
+
+app = command_group("Release directories: assemble quant-manifest.json and SHA256SUMS from the rungs' fragments.")
+
+
+@app.command("merge")
+def merge_command(
+    directory: Annotated[Path, typer.Argument(help="The release directory ladder runs wrote into (-o DIR).")],
+    jobs: Annotated[Optional[int], typer.Option("--jobs", "-j", help="Files hashed in parallel (default: CPU count).")] = None,
+    as_json: JsonOption = False,
+    quiet: QuietOption = False,
+) -> None:
+    """Assemble quant-manifest.json and SHA256SUMS from every rung's fragment, checking each rung's files (size, sha256)."""
+    from ggufcarve.release.fragments import merge_release
+
+    with progress(not quiet and not as_json, transient=True) as sink:
+        result = merge_release(directory, workers=jobs, on_event=sink)
+    if as_json:
+        out.print_json(json.dumps({"directory": str(directory), "fragments": result.fragments, "adopted": result.adopted, "changed": result.changed,
+                                   "bytes_hashed": result.bytes_hashed, "seconds": round(result.seconds, 3),
+                                   "rungs": [{"name": r.get("name"), "status": r.get("status"), "sha256": r.get("sha256")} for r in result.rungs]}))
+        return
+    table = new_table(title=f"release {directory}: {result.fragments} fragment(s)")
+    for column in ("rung", "file", "GiB", "sha256", "status"):
+        table.add_column(column)
+    for r in result.rungs:
+        files = r.get("files") or []
+        table.add_row(escape(str(r.get("name"))), escape(", ".join(str(f.get("name")) for f in files)), f"{r.get('gib', 0):.2f}" if files else "", str(r.get("sha256") or "")[:12], escape(str(r.get("status"))))
+    out.print(table)
+    state = "written" if result.changed else "unchanged"
+    out.print(f"quant-manifest.json and SHA256SUMS {state}: {len(result.rungs)} rung(s), {result.bytes_hashed / 2**30:.2f} GiB hashed in {result.seconds:.1f} s")
