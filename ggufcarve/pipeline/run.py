@@ -202,7 +202,9 @@ class _Run:
         def work() -> tuple[list[Path], str]:
             from ggufcarve.imatrix.collect import collect_imatrix
 
-            collect_imatrix(self.model, list(plan.calibration.files), names.collected_imatrix, ctx=plan.calibration.ctx, max_tokens=plan.calibration.max_tokens, threads=self.threads, force=True, on_event=self.sink)
+            calibration = plan.calibration
+            chunks = calibration.max_tokens // calibration.ctx if calibration.max_tokens else None  # whole chunks, as the selection's trace
+            collect_imatrix(self.model, list(calibration.files), names.collected_imatrix, ctx=calibration.ctx, chunks=chunks, threads=self.threads, force=True, on_event=self.sink)
             return [names.collected_imatrix], f"imatrix of {names.base} from {len(plan.calibration.files)} calibration file(s)"
 
         parameters = {"ctx": plan.calibration.ctx, "max_tokens": plan.calibration.max_tokens}
@@ -231,7 +233,7 @@ class _Run:
 
                 assert plan.calibration is not None
                 scores = calibrate(self.model, self.layout, sel.method, list(plan.calibration.files), ctx=plan.calibration.ctx, max_tokens=plan.calibration.max_tokens,
-                                   threads=self.threads, on_event=self.sink, imatrix_out=names.collected_imatrix)
+                                   threads=self.threads, on_event=self.sink, imatrix_out=names.collected_imatrix, force=True)
                 outputs.append(names.collected_imatrix)
             else:
                 from ggufcarve.select.methods import score_model
