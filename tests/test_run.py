@@ -87,7 +87,8 @@ unpruned = ["Q4_K_M"]
 
 
 def _published(release: Path) -> dict[str, str]:
-    return {p.relative_to(release).as_posix(): sha256(p) for p in sorted(release.rglob("*")) if p.is_file() and not p.name.startswith(".")}
+    return {rel: sha256(release / rel) for rel in (p.relative_to(release).as_posix() for p in sorted(release.rglob("*")) if p.is_file())
+            if not any(part.startswith(".") for part in rel.split("/"))}
 
 
 # ---------------------------------------------------------------------------------------------

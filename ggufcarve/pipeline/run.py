@@ -182,7 +182,7 @@ class _Run:
                 summary = always() or summary
             seconds = time.monotonic() - started
             self.state.record(name, digest, base, outputs, seconds)
-            result = StageResult(name, "ran", seconds, [p.resolve().relative_to(base.resolve()).as_posix() for p in outputs], summary)
+            result = StageResult(name, "ran", seconds, sorted(p.resolve().relative_to(base.resolve()).as_posix() for p in outputs), summary)
         self.results.append(result)
         return result
 
