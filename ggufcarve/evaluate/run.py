@@ -28,7 +28,7 @@ from ggufcarve.evaluate.gate import Gate
 from ggufcarve.evaluate.models import ModelEntry, read_entry
 from ggufcarve.evaluate.perplexity import Perplexity, perplexity, read_text
 from ggufcarve.evaluate.speed import SpeedSettings
-from ggufcarve.llama.tools import find_tool
+from ggufcarve.llama.tools import find_tool, require_tool
 from ggufcarve.events import Event, Sink, ignore
 
 RESULT_SCHEMA_VERSION = 1
@@ -230,7 +230,9 @@ def evaluate_model(entry: ModelEntry, reference: Reference, settings: EvalSettin
 
     started = time.monotonic()
     table_path = work / f"{entry.name}.tokens.f64"
-    bench = find_tool("llama-bench", settings.llama_cpp_dir) if settings.speed else None
+    bench = None
+    if settings.speed is not None and settings.speed.engine != "libllama":
+        bench = find_tool("llama-bench", settings.llama_cpp_dir) if settings.speed.engine == "auto" else require_tool("llama-bench", settings.llama_cpp_dir)
     request = Request(model=str(entry.path), threads=settings.threads, n_ctx=settings.ctx, result_out=str(work / f"{entry.name}.result.json"),
                       reference_in=str(reference.file), max_chunks=settings.chunks, table_out=str(table_path),
                       speed=asdict(settings.speed) if settings.speed and bench is None else None, qa=settings.qa_checks)

@@ -22,11 +22,15 @@ if TYPE_CHECKING:
     from ggufcarve.evaluate.context import Context
 
 
+ENGINES = ("auto", "llama-bench", "libllama")  # auto: llama-bench when found, else libllama
+
+
 @dataclass(frozen=True)
 class SpeedSettings:
     pp_tokens: int = 512
     tg_tokens: int = 128
     runs: int = 3
+    engine: str = "auto"
 
 
 @dataclass
