@@ -47,7 +47,7 @@ def dense_model(models_dir) -> pathlib.Path:
 
 @pytest.fixture(scope="session")
 def llama_tools() -> pathlib.Path:
-    """The bin dir holding llama-quantize, llama-imatrix, llama-perplexity and llama-gguf-split.
+    """The bin dir holding llama.cpp's tools (llama-quantize, llama-imatrix, llama-perplexity, llama-gguf-split, llama-bench).
 
     Found through ggufcarve's own lookup (``GGUFCARVE_LLAMA_CPP``, PATH, ggufcarve's cache); when
     they are not all in one place, they are built once into the cache from the llama-cpp-python

@@ -33,6 +33,7 @@ def eval_command(
     threads: Annotated[Optional[int], typer.Option("--threads", "-t", help="CPU threads (default: all cores).")] = None,
     top_k: Annotated[int, typer.Option("--top-k", help="Reference log-probs kept per token in the cache (the rest as one tail mass; the error bound is in each JSON).")] = 128,
     speed_runs: Annotated[int, typer.Option("--speed-runs", help="Timed runs of pp and tg speed (median reported); 0 skips speed.")] = 3,
+    speed_engine: Annotated[str, typer.Option("--speed-engine", help="auto (llama-bench when the tools have it, else in-process), llama-bench or libllama.")] = "auto",
     save_kl_base: Annotated[Optional[Path], typer.Option("--save-kl-base", help="Also write the reference's log-probs as a llama-perplexity --kl-divergence-base file.")] = None,
     cross_check: Annotated[bool, typer.Option("--cross-check", help="Also run llama-perplexity on the same text and report both.")] = False,
     llama_cpp: LlamaCppOption = None,
@@ -42,13 +43,17 @@ def eval_command(
     as_json: JsonOption = False,
 ) -> None:
     """Evaluate MODELs against --reference: PPL, KLD, speed, QA and the gate; writes -o DIR/<model>.json and DIR/summary.md."""
-    from ggufcarve.errors import OutputError
+    from ggufcarve.errors import BadInput, OutputError
     from ggufcarve.evaluate.gate import default_gate_path, load_gate
     from ggufcarve.evaluate.models import resolve_models
     from ggufcarve.evaluate.run import EvalSettings, evaluate
     from ggufcarve.evaluate.speed import SpeedSettings
     from ggufcarve.release.publish import record_published, release_of
 
+    from ggufcarve.evaluate.speed import ENGINES
+
+    if speed_engine not in ENGINES:
+        raise BadInput(f"--speed-engine {speed_engine}: not one of {', '.join(ENGINES)}", "auto uses llama-bench when `ggufcarve toolchain build` has compiled it")
     entries = resolve_models(models)
     if gate is None and not default_gate_path().exists():
         warn(f"no gate: {default_gate_path().name} is not beside this installation (give --gate FILE)")
@@ -65,7 +70,7 @@ def eval_command(
         raise OutputError(f"{existing[0]} already exists", "use --force to replace the results, or another -o directory")
     settings = EvalSettings(
         ctx=ctx, chunks=chunks, threads=threads or os.cpu_count() or 1, top_k=top_k,
-        speed=SpeedSettings(runs=speed_runs) if speed_runs > 0 else None, gate=gate_rules, qa_checks=qa_checks,
+        speed=SpeedSettings(runs=speed_runs, engine=speed_engine) if speed_runs > 0 else None, gate=gate_rules, qa_checks=qa_checks,
         cross_check=cross_check, llama_cpp_dir=llama_cpp, cache_dir=cache, kl_base_out=save_kl_base,
     )
     with progress(not quiet and not as_json) as sink:

@@ -28,6 +28,7 @@ from ggufcarve.evaluate.gate import Gate
 from ggufcarve.evaluate.models import ModelEntry, read_entry
 from ggufcarve.evaluate.perplexity import Perplexity, perplexity, read_text
 from ggufcarve.evaluate.speed import SpeedSettings
+from ggufcarve.llama.tools import find_tool, require_tool
 from ggufcarve.events import Event, Sink, ignore
 
 RESULT_SCHEMA_VERSION = 1
@@ -229,10 +230,18 @@ def evaluate_model(entry: ModelEntry, reference: Reference, settings: EvalSettin
 
     started = time.monotonic()
     table_path = work / f"{entry.name}.tokens.f64"
+    bench = None
+    if settings.speed is not None and settings.speed.engine != "libllama":
+        bench = find_tool("llama-bench", settings.llama_cpp_dir) if settings.speed.engine == "auto" else require_tool("llama-bench", settings.llama_cpp_dir)
     request = Request(model=str(entry.path), threads=settings.threads, n_ctx=settings.ctx, result_out=str(work / f"{entry.name}.result.json"),
                       reference_in=str(reference.file), max_chunks=settings.chunks, table_out=str(table_path),
-                      speed=asdict(settings.speed) if settings.speed else None, qa=settings.qa_checks)
+                      speed=asdict(settings.speed) if settings.speed and bench is None else None, qa=settings.qa_checks)
     result = run_child(request, entry.name, sink, work)
+    if bench is not None and settings.speed is not None and "bad_input" not in result:
+        from ggufcarve.evaluate.speed import bench_speed
+
+        sink(Event(entry.name, 0, 0, "chunks", "llama-bench"))
+        result["speed"] = bench_speed(bench, entry.path, settings.speed, settings.threads).to_json()
     if "bad_input" in result:
         raise BadInput(f"{entry.path.name}: {result['bad_input']}", "compare models of the reference's family")
     table = np.fromfile(table_path, dtype="<f8").reshape(-1, kld.TOKEN_COLUMNS)

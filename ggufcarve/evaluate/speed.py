@@ -1,14 +1,19 @@
-"""Prompt-processing and decode speed in libllama, as llama-bench defines them (pp: one batch of N prompt tokens; tg: N single-token decodes).
+"""Prompt-processing and decode speed as llama-bench defines them (pp: one batch of N prompt tokens; tg: N single-token decodes).
 
-Measured inside the evaluation child on the model's own context: one warm-up run, then `runs`
-timed runs; the median tok/s is reported with every run's figure and the thread count.
+With a llama-bench binary (`ggufcarve toolchain build` compiles it), `bench_speed` runs it on the
+model: `-p N -n N -r RUNS -t THREADS --repack 0 -o jsonl`, one JSON line per test with every
+repetition's tok/s in `samples_ts`. Without one, `measure` times the same two tests inside the
+evaluation child on the model's own context. Either way: one warm-up run, then `runs` timed runs;
+the median tok/s is reported with every run's figure, the thread count and the engine.
 """
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -17,11 +22,15 @@ if TYPE_CHECKING:
     from ggufcarve.evaluate.context import Context
 
 
+ENGINES = ("auto", "llama-bench", "libllama")  # auto: llama-bench when found, else libllama
+
+
 @dataclass(frozen=True)
 class SpeedSettings:
     pp_tokens: int = 512
     tg_tokens: int = 128
     runs: int = 3
+    engine: str = "auto"
 
 
 @dataclass
@@ -33,6 +42,7 @@ class Speed:
     tg_tok_s: float  # median
     pp_runs: list[float] = field(default_factory=list)
     tg_runs: list[float] = field(default_factory=list)
+    engine: str = "libllama"  # or "llama-bench"
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -68,3 +78,31 @@ def measure(context: "Context", settings: SpeedSettings, prompt: np.ndarray, thr
     pp_runs = [_prompt_speed(context, tokens) for _ in range(settings.runs)]
     tg_runs = [_decode_speed(context, first, tg) for _ in range(settings.runs)]
     return Speed(pp, tg, threads, statistics.median(pp_runs), statistics.median(tg_runs), pp_runs, tg_runs)
+
+
+BENCH_IDLE_TIMEOUT = 600.0
+
+
+def bench_speed(tool: Path, model: Path, settings: SpeedSettings, threads: int) -> Speed:
+    """pp and tg tok/s of `model` measured by llama-bench (CPU, weight repacking off)."""
+    from ggufcarve.errors import ToolFailed
+    from ggufcarve.llama import launch
+
+    argv = [tool, "-m", model, "-p", str(settings.pp_tokens), "-n", str(settings.tg_tokens), "-r", str(settings.runs), "-t", str(threads), "--repack", "0", "-o", "jsonl"]
+    lines: list[str] = []
+    finished = launch.run(argv, on_line=lines.append, idle_timeout=BENCH_IDLE_TIMEOUT)
+    launch.check(finished, f"llama-bench on {model.name}", "check that the model loads in llama.cpp (llama-bench's last lines are above)")
+    tests = []
+    for line in lines:
+        if line.startswith("{"):
+            try:
+                tests.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    pp = [t for t in tests if t.get("n_prompt", 0) > 0 and t.get("n_gen", 0) == 0]
+    tg = [t for t in tests if t.get("n_gen", 0) > 0 and t.get("n_prompt", 0) == 0]
+    if len(pp) != 1 or len(tg) != 1 or not pp[0].get("samples_ts") or not tg[0].get("samples_ts"):
+        raise ToolFailed(f"llama-bench on {model.name} printed {len(tests)} test result(s), not one pp and one tg test", "run it by hand with -o jsonl to see its output")
+    pp_runs = [float(x) for x in pp[0]["samples_ts"]]
+    tg_runs = [float(x) for x in tg[0]["samples_ts"]]
+    return Speed(int(pp[0]["n_prompt"]), int(tg[0]["n_gen"]), int(pp[0].get("n_threads", threads)), statistics.median(pp_runs), statistics.median(tg_runs), pp_runs, tg_runs, engine="llama-bench")

@@ -5,8 +5,8 @@ Where a tool is looked for, in order (`find_tool`):
     2. PATH
     3. ggufcarve's cache: ${GGUFCARVE_CACHE:-${XDG_CACHE_HOME:-~/.cache}/ggufcarve}/llama.cpp-<version>/bin
 
-`build_tools` fills the cache: it compiles llama-quantize, llama-imatrix, llama-perplexity and
-llama-gguf-split (and nothing else) with cmake from the llama.cpp source vendored in the
+`build_tools` fills the cache: it compiles llama-quantize, llama-imatrix, llama-perplexity,
+llama-gguf-split and llama-bench (and nothing else) with cmake from the llama.cpp source vendored in the
 llama-cpp-python sdist of the installed version, in a temp directory that is renamed into place.
 
 A cache entry is keyed by what makes it run: the llama-cpp-python version (its directory name) and
@@ -40,7 +40,7 @@ from ggufcarve.errors import ToolMissing
 from ggufcarve.fileio import cache_root, sha256_file_cached
 from ggufcarve.llama import launch
 
-TOOLS = ("llama-quantize", "llama-imatrix", "llama-perplexity", "llama-gguf-split")
+TOOLS = ("llama-quantize", "llama-imatrix", "llama-perplexity", "llama-gguf-split", "llama-bench")
 ENV_LLAMA_CPP = "GGUFCARVE_LLAMA_CPP"
 # The cmake flags of llama.cpp's own static CPU build, without network or server code.
 CMAKE_FLAGS = ("-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF", "-DBUILD_SHARED_LIBS=OFF")
