@@ -83,6 +83,7 @@ class EvaluationStep:
     qa: Path | None
     gate: Path | None
     speed_runs: int
+    speed_engine: str  # auto (llama-bench when found), llama-bench, libllama
     top_k: int
     compare: tuple[Path, ...]  # more models evaluated against the same reference
     unpruned: tuple[str, ...]  # rungs of the ladder spec also quantized from the unpruned source
@@ -128,7 +129,7 @@ class RunPlan:
             e = self.evaluation
             doc["evaluation"] = {
                 "heldout": name(e.heldout), "reference": name(e.reference) or "source", "ctx": e.ctx, "chunks": e.chunks, "qa": name(e.qa),
-                "gate": name(e.gate), "speed_runs": e.speed_runs, "top_k": e.top_k, "compare": [p.name for p in e.compare], "unpruned": list(e.unpruned),
+                "gate": name(e.gate), "speed_runs": e.speed_runs, "speed_engine": e.speed_engine, "top_k": e.top_k, "compare": [p.name for p in e.compare], "unpruned": list(e.unpruned),
             }
         return doc
 
@@ -139,7 +140,7 @@ KEYS = {
     "[calibration]": ("files", "ctx", "max_tokens"),
     "[imatrix]": ("file", "collect"),
     "[ladder]": ("spec", "only", "quantizer", "llama_cpp"),
-    "[evaluation]": ("heldout", "reference", "ctx", "chunks", "qa", "gate", "speed_runs", "top_k", "compare", "unpruned"),
+    "[evaluation]": ("heldout", "reference", "ctx", "chunks", "qa", "gate", "speed_runs", "speed_engine", "top_k", "compare", "unpruned"),
 }
 
 
@@ -327,10 +328,14 @@ def parse_plan(doc: dict[str, Any], base: Path, path: Path | None = None) -> Run
         evaluation = EvaluationStep(
             heldout=ev_table.path("heldout"), reference=None if reference in (None, "source") else ev_table._resolve("reference", reference, True),
             ctx=ev_table.integer("ctx", 512, minimum=2) or 512, chunks=ev_table.integer("chunks", minimum=1), qa=ev_table.path("qa"), gate=ev_table.path("gate"),
-            speed_runs=ev_table.integer("speed_runs", 3, minimum=0) or 0, top_k=ev_table.integer("top_k", 128, minimum=1) or 128,
+            speed_runs=ev_table.integer("speed_runs", 3, minimum=0) or 0, speed_engine=ev_table.string("speed_engine", "auto") or "auto", top_k=ev_table.integer("top_k", 128, minimum=1) or 128,
             compare=ev_table.paths("compare"), unpruned=tuple(r.upper() for r in ev_table.strings("unpruned")),
         )
         ev_table.finish()
+        from ggufcarve.evaluate.speed import ENGINES
+
+        if evaluation.speed_engine not in ENGINES:
+            raise BadInput(f"[evaluation]: speed_engine = {evaluation.speed_engine!r} is not one of {', '.join(ENGINES)}", "auto uses llama-bench when the tools have it, else the embedded engine")
         if evaluation.heldout is None and evaluation.reference is None:
             raise BadInput("[evaluation]: no heldout text", "give heldout = \"FILE\" (scored by every model against the unpruned source)")
         _check_rungs(ladder.spec, evaluation.unpruned, "[evaluation] unpruned")

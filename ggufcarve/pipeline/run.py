@@ -378,8 +378,8 @@ class _Run:
                 from ggufcarve.evaluate.qa import load_suite
 
                 qa_checks = [c.to_json() for c in load_suite(ev.qa)]
-            settings = EvalSettings(ctx=ev.ctx, chunks=ev.chunks, threads=self.threads, top_k=ev.top_k,
-                                    speed=SpeedSettings(runs=ev.speed_runs) if ev.speed_runs > 0 else None, gate=gate, qa_checks=qa_checks)
+            settings = EvalSettings(ctx=ev.ctx, chunks=ev.chunks, threads=self.threads, top_k=ev.top_k, llama_cpp_dir=plan.ladder.llama_cpp,
+                                    speed=SpeedSettings(runs=ev.speed_runs, engine=ev.speed_engine) if ev.speed_runs > 0 else None, gate=gate, qa_checks=qa_checks)
             if directory.exists():
                 shutil.rmtree(directory)  # results of other rungs must not be published with these
             entries = resolve_models([plan.output, *ev.compare, *unpruned])
@@ -396,7 +396,7 @@ class _Run:
                 self.evaluation = _read_results(directory)
             return ""
 
-        parameters = {"ctx": ev.ctx, "chunks": ev.chunks, "top_k": ev.top_k, "speed_runs": ev.speed_runs, "reference": "source" if ev.reference is None else ev.reference.name}
+        parameters = {"ctx": ev.ctx, "chunks": ev.chunks, "top_k": ev.top_k, "speed_runs": ev.speed_runs, "speed_engine": ev.speed_engine, "reference": "source" if ev.reference is None else ev.reference.name}
         inputs = self.inputs(*self.rung_files(), ev.reference or plan.source, ev.heldout, *ev.compare, *unpruned, ev.gate, *(_qa_files(ev.qa)))
         self.stage("evaluate", parameters, inputs, plan.output, work, always=publish)
 
@@ -659,7 +659,7 @@ def _ladder_bytes(plan: RunPlan, model: Any, layout: Any, kept: int, rungs: list
     from ggufcarve.quant.quantizer import make_quantizer
     from ggufcarve.quant.spec import load_spec
 
-    quantizer = make_quantizer("auto", plan.ladder.llama_cpp)
+    quantizer = make_quantizer(plan.ladder.quantizer, plan.ladder.llama_cpp)  # the plan's choice: a libllama-only plan runs no compiled tool
     if quantizer.backend != "binary" and not exact:
         return None
     report = plan_fit(model, layout, load_spec(plan.ladder.spec), memory=2**62, context=ContextSettings(512), quantizer=quantizer, kept_counts=[kept], only=rungs)
