@@ -192,7 +192,8 @@ def test_a_rerun_skips_every_stage_and_changes_nothing(finished):
 
 
 @pytest.mark.slow
-def test_sigkill_in_the_middle_then_rerun_resumes_and_verifies(q8_moe, tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGINT], ids=["SIGKILL", "SIGINT"])
+def test_a_run_stopped_in_the_middle_resumes_and_verifies(q8_moe, tmp_path, signum):
     plan = _plan(tmp_path, q8_moe, keep=6)
     state = tmp_path / "release.work" / "run-state.json"
     env = {**os.environ, "NO_COLOR": "1"}
@@ -203,8 +204,14 @@ def test_sigkill_in_the_middle_then_rerun_resumes_and_verifies(q8_moe, tmp_path)
             break
         time.sleep(0.05)
     assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    if signum == signal.SIGKILL:
+        os.killpg(proc.pid, signal.SIGKILL)  # ggufcarve and its llama.cpp child at once
+        proc.wait()
+    else:
+        proc.send_signal(signal.SIGINT)  # Ctrl-C: ggufcarve stops its child itself
+        assert proc.wait(timeout=30) == 130
+        lines = [line for line in proc.stderr.read().decode().splitlines() if line.strip()]
+        assert "stopped by Ctrl-C" in lines[-1] and "Traceback" not in "\n".join(lines)
     result = ggufcarve("run", plan, "-q", "--json")
     assert result.code == 0, result.stderr[-3000:]
     stages = {s["name"]: s["status"] for s in json.loads(result.stdout)["stages"]}
