@@ -160,7 +160,7 @@ def test_make_quantizer_choices(isolated, monkeypatch):
 FAKE_CMAKE = """cmake_minimum_required(VERSION 3.14)
 project(fake_llama C)
 set(CMAKE_RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/bin)
-foreach(tool llama-quantize llama-imatrix llama-perplexity llama-gguf-split llama-cli)
+foreach(tool llama-quantize llama-imatrix llama-perplexity llama-gguf-split llama-bench llama-cli)
   add_executable(${tool} tool.c)
 endforeach()
 """
@@ -179,7 +179,7 @@ def fake_sdist(path: Path, version: str) -> Path:
 
 
 @pytest.mark.skipif(shutil.which("cmake") is None or shutil.which("cc") is None, reason="needs cmake and a C compiler")
-def test_build_tools_builds_only_the_four_targets_once(isolated):
+def test_build_tools_builds_only_its_targets_once(isolated):
     version = "0.0.1-test"
     sdist_dir = cache_root() / "sdist"
     sdist_dir.mkdir(parents=True)

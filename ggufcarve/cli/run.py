@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from ggufcarve.cli.options import JsonOption, QuietOption
-from ggufcarve.cli.render import err, escape, new_table, out, progress
+from ggufcarve.cli.render import err, escape, new_table, out, progress, warn
 
 if TYPE_CHECKING:
     from ggufcarve.pipeline.plan import RunPlan
@@ -107,6 +107,8 @@ def _execute(plan: RunPlan, dry_run: bool, force: bool, quiet: bool, as_json: bo
         return
     with progress(not quiet and not as_json) as sink:
         result = execute_run(plan, force=force, on_event=sink)
+    for warning in result.warnings:
+        warn(warning)
     if as_json:
         out.print_json(json.dumps({
             "output": str(plan.output), "work": str(plan.work), "seconds": round(result.seconds, 3),

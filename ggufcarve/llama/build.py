@@ -145,7 +145,7 @@ def install_prebuilt(bin_dir: Path, version: str | None = None, origin: str = "p
             return final / "bin", False
         missing = [t for t in TOOLS if not _is_executable(bin_dir / t)]
         if missing:
-            raise BadInput(f"{bin_dir} lacks {', '.join(missing)}", "give the bin directory of a llama.cpp build that has all four tools")
+            raise BadInput(f"{bin_dir} lacks {', '.join(missing)}", "give the bin directory of a llama.cpp build that has all of them")
         remove_dead_temps(final.parent, final.name.__eq__)
         staging = make_temp_dir(final)
         try:

@@ -55,6 +55,7 @@ class RunResult:
     evaluation: list[dict[str, Any]] = field(default_factory=list)
     verification: Any = None  # release.verify.VerifyReport
     seconds: float = 0.0
+    warnings: list[str] = field(default_factory=list)  # of the selection, the prune plan and the ladder plans
 
 
 @dataclass(frozen=True)
@@ -111,6 +112,8 @@ def names_for(plan: RunPlan, model: Any, layout: Any) -> Names:
     base = model_name_from(plan.source)
     kept = _kept_count(plan, layout)
     name = plan.name or f"{base}-{kept}e"
+    if name == base and plan.evaluation is not None and plan.evaluation.unpruned:
+        raise BadInput(f"plan: name = {name!r} is also the unpruned model's name, so their rungs would share file names", f"give the pruned model another name, e.g. \"{base}-{kept}e\"")
     stem = plan.source.name[:-5] if plan.source.name.endswith(".gguf") else plan.source.name
     tag = stem[len(base):].lstrip("-._") if stem.startswith(base) else ""
     return Names(
@@ -142,6 +145,7 @@ class _Run:
         self.results: list[StageResult] = []
         self.ladder_result: Any = None
         self.evaluation: list[dict[str, Any]] = []
+        self.warnings: list[str] = []
 
     def digest_of(self, path: Path) -> str:
         if path not in self.digests:
@@ -247,7 +251,7 @@ class _Run:
             write_text_atomic(names.selection, json.dumps(record, indent=1, sort_keys=True, allow_nan=False) + "\n")
             heatmap = write_heatmap(selection, names.selection.with_suffix(".png"))
             outputs.append(heatmap)
-            self.selection_warnings = list(selection.warnings)
+            self.warnings.extend(selection.warnings)
             return outputs, f"{sel.method}: keep {names.kept} of {names.source_expert_count} in {len(selection.keepset.layers)} MoE blocks" + (" (imatrix collected in the same pass)" if one_pass else "")
 
         parameters = {"method": sel.method, "keep": names.kept, "protect": sel.protect, "protect_super_experts": sel.protect_super_experts, "seed": sel.seed,
@@ -271,11 +275,12 @@ class _Run:
 
             keepset = load_keepset(keepset_path, self.layout)
             pruned_plan = plan_prune(self.model, self.layout, keepset, names.pruned)
+            self.warnings.extend(pruned_plan.warnings)
             result = execute(pruned_plan, self.model, force=True, on_event=self.sink)
             files = [f.path for f in pruned_plan.files]
             return [*files, result.report_path], f"{self.layout.expert_count} -> {keepset.kept_count} experts; {pruned_plan.bytes_in / 2**30:.3f} -> {pruned_plan.bytes_out / 2**30:.3f} GiB, {len(result.verification.tensors)} tensors verified"
 
-        self.stage("prune", {"keepset": keepset_path.name}, self.inputs(self.plan.source, keepset_path), self.plan.work, work)
+        self.stage("prune", {"keepset": keepset_path.name, "output": names.pruned.name}, self.inputs(self.plan.source, keepset_path), self.plan.work, work)
 
     def imatrix_source(self) -> Path | None:
         im = self.plan.imatrix
@@ -302,7 +307,7 @@ class _Run:
             result = execute_remap(remap_plan, force=True, sources=[*pruned.paths, *self.model.paths], on_event=self.sink)
             return [names.remapped_imatrix, result.report_path], f"{len(remap_plan.output.entries)} entries remapped to {keepset.kept_count} experts"
 
-        self.stage("imatrix", {}, self.inputs(source_imatrix, self.keepset_file(), names.pruned), self.plan.work, work)
+        self.stage("imatrix", {"output": names.remapped_imatrix.name}, self.inputs(source_imatrix, self.keepset_file(), names.pruned), self.plan.work, work)
 
     # --- ladders ---------------------------------------------------------------------------
 
@@ -314,6 +319,7 @@ class _Run:
         quantizer = make_quantizer(self.plan.ladder.quantizer, self.plan.ladder.llama_cpp)
         ladder_plan = plan_ladder(load_spec(self.plan.ladder.spec), source, out_dir, quantizer=quantizer, imatrix=imatrix, only=list(only) or None,
                                   model_name=model_name, nthreads=self.threads, fresh=fresh, on_event=self.sink)
+        self.warnings.extend(ladder_plan.warnings)
         result = run_ladder(ladder_plan, on_event=self.sink)
         if result.failed:
             failed = result.failed[0]
@@ -345,7 +351,6 @@ class _Run:
         plan, names = self.plan, self.names
         assert plan.evaluation is not None
         imatrix = self.imatrix_source()
-        outputs: list[Path] = []
 
         def work() -> tuple[list[Path], str]:
             result = self._ladder(plan.source, names.unpruned_dir, imatrix, plan.evaluation.unpruned, names.base, True)
@@ -354,8 +359,7 @@ class _Run:
 
         parameters = {"spec": _spec_record(plan.ladder.spec), "rungs": list(plan.evaluation.unpruned), "quantizer": plan.ladder.quantizer}
         self.stage("unpruned", parameters, self.inputs(plan.source, imatrix), plan.work, work)
-        outputs = [plan.work / rel for rel in sorted(self.state.outputs("unpruned"))]
-        return outputs
+        return [plan.work / rel for rel in sorted(self.state.outputs("unpruned"))]
 
     # --- evaluate, card, plan record, verify -----------------------------------------------
 
@@ -563,7 +567,7 @@ def execute_run(plan: RunPlan, *, force: bool = False, on_event: Sink = ignore) 
             run.card_stage()
         run.record_plan()
         report = run.verify_stage()
-        return RunResult(plan, run.results, run.ladder_result, run.evaluation, report, time.monotonic() - started)
+        return RunResult(plan, run.results, run.ladder_result, run.evaluation, report, time.monotonic() - started, list(dict.fromkeys(run.warnings)))
     finally:
         lock.close()
 
