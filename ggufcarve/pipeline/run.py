@@ -384,10 +384,18 @@ class _Run:
                 qa_checks = [c.to_json() for c in load_suite(ev.qa)]
             settings = EvalSettings(ctx=ev.ctx, chunks=ev.chunks, threads=self.threads, top_k=ev.top_k, llama_cpp_dir=plan.ladder.llama_cpp,
                                     speed=SpeedSettings(runs=ev.speed_runs, engine=ev.speed_engine) if ev.speed_runs > 0 else None, gate=gate, qa_checks=qa_checks)
-            if directory.exists():
-                shutil.rmtree(directory)  # results of other rungs must not be published with these
+            from ggufcarve.fileio import make_temp_dir, remove_dead_temps
+
             entries = resolve_models([plan.output, *ev.compare, *unpruned])
-            run = evaluate(entries, ev.reference or plan.source, ev.heldout, settings, directory, self.sink)
+            remove_dead_temps(plan.output, lambda name: name == directory.name)
+            temp = make_temp_dir(directory)  # a hidden temp name: not part of the release while it fills
+            try:
+                run = evaluate(entries, ev.reference or plan.source, ev.heldout, settings, temp, self.sink)
+                if directory.exists():
+                    shutil.rmtree(directory)  # results of other rungs must not be published with these
+                temp.rename(directory)
+            finally:
+                shutil.rmtree(temp, ignore_errors=True)
             self.evaluation = list(run.results)
             gates = [r.get("gate") for r in run.results]
             return _published(directory), f"{len(run.results)} models; " + ", ".join(f"{g} {gates.count(g)}" for g in ("PASS", "FAIL") if gates.count(g))
