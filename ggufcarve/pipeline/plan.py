@@ -31,12 +31,16 @@ the errors are one line with a hint, like every other command's.
 from __future__ import annotations
 
 import os
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ggufcarve.errors import BadInput
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib  # type: ignore[no-redef]
 
 PLAN_HINT = "see plans/*.toml for complete examples"
 SPEC_DIRECTORY = Path(__file__).resolve().parents[2] / "ladders"
