@@ -87,7 +87,9 @@ class Verdict:
 
 def default_gate_path() -> Path:
     """The gate shipped beside the package: evaluation/gate.toml of the ggufcarve source tree."""
-    return Path(__file__).resolve().parents[2] / "evaluation" / "gate.toml"
+    from ggufcarve.shipped import shipped
+
+    return shipped("evaluation", "gate.toml")
 
 
 def load_gate(path: Path) -> Gate:

@@ -123,7 +123,9 @@ def load_suite(path: Path) -> list[Check]:
 
 def default_suite_path() -> Path:
     """The suite shipped beside the package: evaluation/qa of the ggufcarve source tree."""
-    return Path(__file__).resolve().parents[2] / "evaluation" / "qa"
+    from ggufcarve.shipped import shipped
+
+    return shipped("evaluation", "qa")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from ggufcarve.errors import BadInput
+from ggufcarve.shipped import shipped
 
 try:
     import tomllib
@@ -43,7 +44,7 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
 PLAN_HINT = "see plans/*.toml for complete examples"
-SPEC_DIRECTORY = Path(__file__).resolve().parents[2] / "ladders"
+SPEC_DIRECTORY = shipped("ladders")
 
 
 @dataclass(frozen=True)
@@ -240,8 +241,8 @@ def find_spec(value: str, base: Path) -> Path:
     for candidate in candidates:
         if candidate.is_file():
             return candidate
-    shipped = sorted(p.stem for p in SPEC_DIRECTORY.glob("*.toml")) if SPEC_DIRECTORY.is_dir() else []
-    raise BadInput(f"[ladder] spec = {value!r}: no such spec file", f"give a path relative to the plan, or one of: {', '.join(shipped) or '(no ladders/ directory beside this installation)'}")
+    known = sorted(p.stem for p in SPEC_DIRECTORY.glob("*.toml")) if SPEC_DIRECTORY.is_dir() else []
+    raise BadInput(f"[ladder] spec = {value!r}: no such spec file", f"give a path relative to the plan, or one of: {', '.join(known) or '(no ladders/ directory beside this installation)'}")
 
 
 def parse_plan(doc: dict[str, Any], base: Path, path: Path | None = None) -> RunPlan:

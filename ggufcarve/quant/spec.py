@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ggufcarve.errors import BadInput
+from ggufcarve.shipped import shipped
 from ggufcarve.gguf.types import FILE_TYPES, QUANTIZE_TARGET_TYPES
 from ggufcarve.quant.quantizer import IMATRIX_FTYPES, tensor_requires_imatrix
 
@@ -21,7 +22,7 @@ except ModuleNotFoundError:  # Python 3.10
 
 DEFAULT_FILE_PATTERN = "{model}-{quant}.gguf"
 # The reference ladder, in the source tree beside the package (not installed with it).
-DEFAULT_LADDER = Path(__file__).resolve().parents[2] / "ladders" / "q8-to-iq1.toml"
+DEFAULT_LADDER = shipped("ladders", "q8-to-iq1.toml")
 DEFAULT_FALLBACK_TYPE = "Q4_K"
 DISK_MARGIN = 64 << 20  # headroom on top of the estimated sizes
 RUNG_KEYS = {"ftype", "name", "description", "file_pattern", "output_tensor_type", "token_embedding_type", "tensor_types", "imatrix_fallback_type", "allow_requantize", "pure"}
