@@ -610,10 +610,10 @@ def preview_run(plan: RunPlan, *, sizes: bool = True) -> RunPreview:
     else:
         keepset = keep_first(layout, names.kept)  # every block keeps K equal slabs: the sizes of any keep-set of K
     pruned_plan = plan_prune(model, layout, keepset, names.pruned)
-    state = RunState(plan.work) if (plan.work / "run-state.json").exists() else None
+    state = RunState(plan.work)
 
     def done(stage: str) -> bool:
-        return state is not None and stage in state.stages
+        return stage in state.stages
 
     stages: list[StagePreview] = []
     if plan.selection.method is not None:
@@ -676,10 +676,3 @@ def _ladder_bytes(plan: RunPlan, model: Any, layout: Any, kept: int, rungs: list
         return None
     report = plan_fit(model, layout, load_spec(plan.ladder.spec), memory=2**62, context=ContextSettings(512), quantizer=quantizer, kept_counts=[kept], only=rungs)
     return sum(row.rung.bytes for row in report.rows)
-
-
-def stage_table_rows(result: RunResult) -> list[tuple[str, str, str, str]]:
-    return [(s.name, s.status, f"{s.seconds:.1f}" if s.status == "ran" else "", s.summary) for s in result.stages]
-
-
-__all__ = ["execute_run", "preview_run", "RunResult", "RunPreview", "BadInput"]
