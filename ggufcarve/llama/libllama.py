@@ -75,6 +75,21 @@ def traced_context(llama_cpp: Any, model: Any, *, n_ctx: int, n_batch: int, n_ub
     return ctx
 
 
+def fill_batch(batch: Any, entries: Any) -> int:
+    """Put (token, position, sequence) entries into a `llama_batch`, logits requested for every
+    token (the last block computes only tokens whose logits are requested); returns the count."""
+    count = 0
+    for token, pos, seq in entries:
+        batch.token[count] = token
+        batch.pos[count] = pos
+        batch.n_seq_id[count] = 1
+        batch.seq_id[count][0] = seq
+        batch.logits[count] = 1
+        count += 1
+    batch.n_tokens = count
+    return count
+
+
 def write_results(out: Path, arrays: dict[str, Any]) -> None:
     """A child task's results as one .npz, written under the temp-name scheme and renamed into place."""
     import numpy as np

@@ -55,6 +55,7 @@ from ggufcarve.events import Event, Sink, ignore
 from ggufcarve.llama import launch
 from ggufcarve.llama.ggml import read_tensor, tensor_at
 from ggufcarve.llama.libllama import (
+    fill_batch,
     forward_warnings,
     load_model,
     traced_context,
@@ -248,13 +249,7 @@ def _child(model: str, tokens: list[int], out: Path, nodes: frozenset[str], want
         chunk_end = min(chunk_start + context, n)
         for start in range(chunk_start, chunk_end, batch_size):
             piece = tokens[start:min(start + batch_size, chunk_end)]
-            for i, token in enumerate(piece):
-                batch.token[i] = token
-                batch.pos[i] = start - chunk_start + i
-                batch.n_seq_id[i] = 1
-                batch.seq_id[i][0] = 0
-                batch.logits[i] = 1
-            batch.n_tokens = len(piece)
+            fill_batch(batch, ((token, start - chunk_start + i, 0) for i, token in enumerate(piece)))
             rc = llama_cpp.llama_decode(ctx, batch)
             if rc != 0:
                 print(f"ggufcarve-trace: llama_decode returned {rc} at token {start}", file=sys.stderr)

@@ -40,6 +40,7 @@ from ggufcarve.events import Event, Sink, ignore
 from ggufcarve.gguf.container import GGUFModel
 from ggufcarve.llama.ggml import tensor_at
 from ggufcarve.llama.libllama import (
+    fill_batch,
     forward_warnings,
     load_model,
     traced_context,
@@ -286,13 +287,7 @@ def _child(request: dict[str, Any], out: Path) -> int:
     for clear, entries in batching.batches(work):
         if clear:
             llama_cpp.llama_memory_clear(memory, True)
-        for i, (token, pos, seq) in enumerate(entries):
-            batch.token[i] = token
-            batch.pos[i] = pos
-            batch.n_seq_id[i] = 1
-            batch.seq_id[i][0] = seq
-            batch.logits[i] = 1
-        batch.n_tokens = len(entries)
+        fill_batch(batch, entries)
         rc = llama_cpp.llama_decode(ctx, batch)
         if rc != 0:
             print(f"ggufcarve-calibrate: llama_decode returned {rc} at token {done} of the chunks", file=sys.stderr)
