@@ -1,3 +1,3 @@
-from ggufcarve.cli import main
+from ggufcarve.console import main
 
 main()

@@ -55,14 +55,29 @@ def xxh3_of_ranges(fd: int, ranges: Sequence[tuple[int, int]], buffer: bytearray
     return hasher.hexdigest()
 
 
-def sha256_file(path: str | os.PathLike[str], progress: Progress = _noop, buffer: bytearray | None = None) -> str:
-    buffer = buffer or bytearray(CHUNK)
+HASH_READ = 128 << 10
+# bytes per read when hashing a whole file. A read this small stays in the L2 cache between the
+# kernel's copy and the hash: on 2.1 GiB it cost a fifth of the system time of 16 MiB reads warm,
+# and with POSIX_FADV_SEQUENTIAL it read a cold file twice as fast (bench/ladder_bench.py).
+
+
+def sha256_file(path: str | os.PathLike[str], progress: Progress = _noop) -> str:
+    """sha256 of the file, read sequentially in HASH_READ pieces; progress every CHUNK bytes."""
     hasher = hashlib.sha256()
+    buffer = bytearray(HASH_READ)
+    view = memoryview(buffer)
     fd = os.open(path, os.O_RDONLY)
     try:
-        size = os.fstat(fd).st_size
-        for chunk in read_ranges(fd, [(0, size)], buffer, progress):
-            hasher.update(chunk)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        unreported = 0
+        while got := os.readv(fd, [buffer]):
+            hasher.update(view[:got])
+            unreported += got
+            if unreported >= CHUNK:
+                progress(unreported)
+                unreported = 0
+        if unreported:
+            progress(unreported)
     finally:
         os.close(fd)
     return hasher.hexdigest()

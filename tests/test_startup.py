@@ -1,0 +1,46 @@
+"""The command line starts light: `--version` before typer, `--help` without the heavy libraries."""
+
+import json
+import subprocess
+import sys
+
+from typer.testing import CliRunner
+
+from ggufcarve import __version__
+from ggufcarve.cli import app
+
+HEAVY = ("numpy", "gguf", "llama_cpp", "xxhash")
+
+PROBE = """
+import json, sys
+sys.argv = ["ggufcarve", *{argv!r}]
+from ggufcarve.console import main
+try:
+    main()
+except SystemExit:
+    pass
+print("\\nLOADED " + json.dumps(sorted(m for m in sys.modules if m.split(".")[0] in {names!r})))
+"""
+
+
+def loaded_after(argv: list[str], names: tuple[str, ...]) -> tuple[str, list[str]]:
+    proc = subprocess.run([sys.executable, "-c", PROBE.format(argv=argv, names=set(names))], capture_output=True, text=True, timeout=60, check=True)
+    head, _, loaded = proc.stdout.rpartition("\nLOADED ")
+    return head, json.loads(loaded)
+
+
+def test_version_is_answered_before_the_command_line_is_imported():
+    printed, loaded = loaded_after(["--version"], (*HEAVY, "typer", "rich", "click"))
+    assert printed.strip() == f"ggufcarve {__version__}"
+    assert loaded == []
+
+
+def test_the_command_line_says_the_same_version():
+    result = CliRunner().invoke(app, ["--version"])
+    assert result.exit_code == 0 and result.output.strip() == f"ggufcarve {__version__}"
+
+
+def test_help_of_every_group_imports_no_heavy_library():
+    for argv in (["--help"], ["verify", "--help"], ["ladder", "run", "--help"], ["eval", "--help"], ["select", "--help"]):
+        printed, loaded = loaded_after(argv, HEAVY)
+        assert "Usage" in printed and loaded == [], (argv, loaded)
