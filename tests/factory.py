@@ -620,11 +620,13 @@ def write_bulk_moe(path, *, n_layer=4, n_expert=32, n_embd=1024, n_ff_exp=512, n
 # ---------------------------------------------------------------------------------------------
 
 def quantize_with_llama(src, dst, ftype: str, *, allow_requantize: bool = False,
+                        tensor_types: tuple[tuple[str, str], ...] = (),
                         timeout: float = 600) -> pathlib.Path:
     """Quantize ``src`` to ``dst`` with llama.cpp's own quantizer (``llama_model_quantize``).
 
     Runs ggufcarve's libllama quantizer child through the one launcher (llama.cpp aborts the
-    process on some failures). ``ftype`` is a llama.cpp file-type name such as ``"Q4_K_M"``.
+    process on some failures). ``ftype`` is a llama.cpp file-type name such as ``"Q4_K_M"``;
+    ``tensor_types`` are llama-quantize's ``--tensor-type REGEX=TYPE`` overrides (first match wins).
     Raises ``RuntimeError`` carrying llama.cpp's decisive error and last output on failure; a
     partial ``dst`` is removed.
     """
@@ -633,7 +635,7 @@ def quantize_with_llama(src, dst, ftype: str, *, allow_requantize: bool = False,
     src, dst = pathlib.Path(src), pathlib.Path(dst)
     quantizer = LibllamaQuantizer()
     quantizer.timeout = timeout
-    result = quantizer.run(QuantizeJob(src, dst, ftype, allow_requantize=allow_requantize, nthreads=min(2, os.cpu_count() or 1)))
+    result = quantizer.run(QuantizeJob(src, dst, ftype, allow_requantize=allow_requantize, tensor_types=tuple(tensor_types), nthreads=min(2, os.cpu_count() or 1)))
     if result.returncode != 0 or not dst.exists():
         dst.unlink(missing_ok=True)
         raise RuntimeError(f"llama_model_quantize({src.name} -> {ftype}) failed: {result.error}\n" + "\n".join(result.tail))

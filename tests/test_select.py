@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import math
 import struct
 
 import factory
+import gguf
 import numpy as np
 import pytest
 from gguf import GGUFReader
@@ -17,6 +19,7 @@ from ggufcarve.moe.layout import inspect_layout
 from ggufcarve.select.keep import choose, compare, super_experts
 from ggufcarve.select.methods import score_model
 from ggufcarve.select.scores import BlockStats, ExpertScores, ModelFacts, merge_scores
+from ggufcarve.select.zero_shot import RMS_RULE, SCALE_RULES
 
 
 def facts(n=8, k=2, blocks=(0, 1), groups=0, group_used=0, nextn=0):
@@ -92,6 +95,23 @@ def test_compare_reports_overlap_and_disagreement():
 
 
 # --- weights: brute force against gguf-py's reader --------------------------------------------
+#
+# The brute force decodes every block's scales in plain Python with struct, transcribing the block
+# structs of ggml-common.h and the scale decoding of ggml-quants.c / ggml-impl.h (llama.cpp as
+# vendored by llama-cpp-python 0.3.36): it shares no code with ggufcarve.select.zero_shot and does
+# not use gguf-py's decoders (gguf-py only reads the file and converts F16/BF16 to floats).
+
+#: Bytes per block (the static_asserts of ggml-common.h).
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34, "IQ4_NL": 18,
+               "Q2_K": 84, "Q3_K": 110, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210, "MXFP4": 17, "NVFP4": 36}
+#: Types whose block starts with `ggml_half d` (block_q4_0 ... block_iq4_nl); Q4_1/Q5_1's m
+#: follows it and is not a scale.
+D_FIRST = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL")
+
+
+def _f16(b: bytes, offset: int) -> float:
+    return struct.unpack_from("<e", b, offset)[0]
+
 
 def _get_scale_min_k4(j, q):
     """ggml-quants.c get_scale_min_k4: 6-bit scale j of a Q4_K/Q5_K super-block."""
@@ -100,43 +120,88 @@ def _get_scale_min_k4(j, q):
     return (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4)
 
 
-def brute_force_energy(raw: bytes, type_name: str, values: np.ndarray) -> float:
-    """One expert's scale energy, block by block in plain Python (F16: from gguf-py's values)."""
+def _q3_k_scales(packed: bytes) -> list[int]:
+    """dequantize_row_q3_K: the 16 sub-block scales (6-bit, minus 32) of scales[12], via kmask1/kmask2."""
+    kmask1, kmask2 = 0x03030303, 0x0F0F0F0F
+    aux = [*struct.unpack("<3I", packed), 0]
+    tmp = aux[2]
+    aux[2] = ((aux[0] >> 4) & kmask2) | (((tmp >> 4) & kmask1) << 4)
+    aux[3] = ((aux[1] >> 4) & kmask2) | (((tmp >> 6) & kmask1) << 4)
+    aux[0] = (aux[0] & kmask2) | (((tmp >> 0) & kmask1) << 4)
+    aux[1] = (aux[1] & kmask2) | (((tmp >> 2) & kmask1) << 4)
+    return [s - 32 for s in struct.unpack("<16b", struct.pack("<4I", *aux))]
+
+
+def _e8m0(e: int) -> float:
+    """ggml_e8m0_to_fp32: 2^(e - 127) built from its bit pattern (e == 0: the denormal 2^-127)."""
+    return struct.unpack("<f", struct.pack("<I", 0x00400000 if e == 0 else e << 23))[0]
+
+
+def _ue4m3(x: int) -> float:
+    """ggml_ue4m3_to_fp32 without its 0.5 (which pairs with the doubled E2M1 kvalues): unsigned,
+    4 exponent bits (bias 7), 3 mantissa bits, exponent 0 subnormal; 0x00 and 0x7F read as 0."""
+    if x in (0x00, 0x7F):
+        return 0.0
+    exp, man = (x >> 3) & 0xF, x & 0x7
+    return math.ldexp(man, -9) if exp == 0 else math.ldexp(1 + man / 8, exp - 7)
+
+
+def brute_force_block_scales(b: bytes, type_name: str) -> list[float]:
+    """|scale| of each (sub-)block of one block `b`, as zero_shot's docstring defines it."""
+    if type_name in D_FIRST:  # d | (m) | (qh) | qs
+        return [abs(_f16(b, 0))]
+    if type_name == "Q2_K":  # scales[16] | qs[64] | d | dmin; dequantize_row_q2_K: dl = d * (sc & 0xF)
+        d = _f16(b, 80)
+        return [abs(d * (sc & 0xF)) for sc in b[0:16]]
+    if type_name == "Q3_K":  # hmask[32] | qs[64] | scales[12] | d; dl = d_all * (scales[is] - 32)
+        d = _f16(b, 108)
+        return [abs(d * sc) for sc in _q3_k_scales(b[96:108])]
+    if type_name in ("Q4_K", "Q5_K"):  # d | dmin | scales[12] | (qh) | qs
+        d = _f16(b, 0)
+        return [abs(d * _get_scale_min_k4(j, b[4:16])) for j in range(8)]
+    if type_name == "Q6_K":  # ql[128] | qh[64] | scales[16] (int8) | d
+        d = _f16(b, 208)
+        return [abs(d * s) for s in struct.unpack("<16b", b[192:208])]
+    if type_name == "MXFP4":  # e (E8M0) | qs[16]
+        return [_e8m0(b[0])]
+    if type_name == "NVFP4":  # d[4] (UE4M3, one per 16 values) | qs[32]
+        return [_ue4m3(x) for x in b[0:4]]
+    raise AssertionError(f"no brute force for {type_name}")
+
+
+def brute_force_energy(raw: bytes, type_name: str, values: np.ndarray | None) -> float:
+    """One expert's scale energy, block by block in plain Python (F16/F32: RMS of gguf-py's values)."""
     if type_name in ("F16", "F32", "BF16"):
         return float(np.sqrt(np.mean(values.astype(np.float64) ** 2)))
-    if type_name == "Q8_0":  # the quantizer sets d = amax / 127, so d = max |x| / 127 of each block
-        blocks = values.reshape(-1, 32)
-        return float(np.mean(np.abs(blocks).max(axis=1) / 127))
-    size = {"Q4_K": 144, "Q6_K": 210, "Q5_K": 176}[type_name]
-    out = []
-    for i in range(0, len(raw), size):
-        b = raw[i:i + size]
-        if type_name == "Q6_K":
-            d = struct.unpack("<e", b[208:210])[0]
-            out += [abs(d * s) for s in struct.unpack("<16b", b[192:208])]
-        else:
-            d = struct.unpack("<e", b[0:2])[0]
-            out += [abs(d * _get_scale_min_k4(j, b[4:16])) for j in range(8)]
-    return float(np.mean(out))
+    size = BLOCK_BYTES[type_name]
+    assert len(raw) % size == 0, (type_name, len(raw))
+    return float(np.mean([s for i in range(0, len(raw), size) for s in brute_force_block_scales(raw[i:i + size], type_name)]))
 
 
 def brute_force_weights(path) -> dict[int, np.ndarray]:
     reader = GGUFReader(path)
     tensors = {t.name: t for t in reader.tensors}
     layout = inspect_layout(read_model(path))
+    n = layout.expert_count
     result = {}
     for block in layout.blocks:
         router = gguf_dequantize(np.asarray(tensors[f"blk.{block}.ffn_gate_inp.weight"].data), tensors[f"blk.{block}.ffn_gate_inp.weight"].tensor_type)
-        norms = np.linalg.norm(router.reshape(layout.expert_count, -1).astype(np.float64), axis=1)
+        norms = np.linalg.norm(router.reshape(n, -1).astype(np.float64), axis=1)
         energies = []
         for suffix in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "ffn_gate_up_exps"):
             t = tensors.get(f"blk.{block}.{suffix}.weight")
             if t is None:
                 continue
             raw = np.asarray(t.data).view(np.uint8).tobytes()
-            values = gguf_dequantize(np.asarray(t.data), t.tensor_type).reshape(layout.expert_count, -1)
-            slab = len(raw) // layout.expert_count
-            energies.append([brute_force_energy(raw[e * slab:(e + 1) * slab], t.tensor_type.name, values[e]) for e in range(layout.expert_count)])
+            values = None
+            if t.tensor_type.name in ("F16", "F32", "BF16"):
+                values = gguf_dequantize(np.asarray(t.data), t.tensor_type).reshape(n, -1)
+            slab = len(raw) // n
+            energy = np.array([brute_force_energy(raw[e * slab:(e + 1) * slab], t.tensor_type.name, None if values is None else values[e]) for e in range(n)])
+            scale = tensors.get(f"blk.{block}.{suffix}.scale")  # a per-expert scale (NVFP4's scale2)
+            if scale is not None:
+                energy = energy * np.abs(np.asarray(scale.data, dtype=np.float64).reshape(n))
+            energies.append(energy)
         result[block] = norms * np.mean(energies, axis=0)
     return result
 
@@ -150,17 +215,130 @@ def assert_weights_match(path):
     return scores
 
 
+def expert_weight_types(path) -> set[str]:
+    """The types of the file's routed expert weight tensors (ffn_*_exps.weight), as gguf-py reads them."""
+    return {t.tensor_type.name for t in GGUFReader(path).tensors if "_exps.weight" in t.name}
+
+
 @pytest.mark.parametrize("arch,dtype", [("qwen3moe", "F16"), ("qwen3moe", "Q8_0"), ("fused", "Q8_0"), ("gpt-oss", "F16")])
 def test_weights_equals_brute_force(make_model, arch, dtype):
     scores = assert_weights_match(make_model(arch, dtype))
     assert set(scores.parameters["scale_rules"]) == {dtype}
 
 
+#: (llama.cpp file type, --tensor-type overrides, the expert types the case is there for). Every
+#: file is written by llama.cpp's llama_model_quantize from the F16 qwen3moe fixture (256-value rows,
+#: 8 experts). llama.cpp 0.3.36 has LLAMA_FTYPE_MOSTLY_NVFP4 but no default tensor type for it
+#: (llama_ftype_get_default_type), so NVFP4 experts come from a Q8_0 file with an ffn_*_exps override;
+#: the blocks are still llama.cpp's own (quantize_row_nvfp4_ref).
+LLAMA_QUANTS = [
+    ("Q8_0", (), {"Q8_0"}),
+    ("Q4_K_M", (), {"Q4_K", "Q6_K"}),
+    ("Q2_K", (), {"Q2_K", "Q3_K"}),  # ffn_down_exps get Q3_K
+    ("Q3_K_M", (), {"Q3_K"}),
+    ("Q5_K_M", (), {"Q5_K"}),
+    ("Q4_0", (), {"Q4_0"}),
+    ("Q4_1", (), {"Q4_1"}),
+    ("Q5_0", (), {"Q5_0"}),
+    ("Q5_1", (), {"Q5_1"}),
+    ("IQ4_NL", (), {"IQ4_NL"}),  # needs no imatrix (tensor_requires_imatrix: IQ1/IQ2/IQ3_XXS only)
+    ("MXFP4_MOE", (), {"MXFP4"}),
+    ("Q8_0", (("ffn_.*_exps", "NVFP4"),), {"NVFP4"}),
+]
+
+
 @pytest.mark.slow
-def test_weights_equals_brute_force_on_k_quants(make_model, tmp_path):
-    path = factory.quantize_with_llama(make_model("qwen3moe", "F16"), tmp_path / "q4km.gguf", "Q4_K_M")
+@pytest.mark.parametrize("ftype,overrides,wanted", LLAMA_QUANTS, ids=[c[0] if not c[1] else "NVFP4" for c in LLAMA_QUANTS])
+def test_weights_equals_brute_force_on_llama_quants(make_model, tmp_path, ftype, overrides, wanted):
+    path = factory.quantize_with_llama(make_model("qwen3moe", "F16"), tmp_path / f"{ftype}.gguf", ftype, tensor_types=overrides)
+    types = expert_weight_types(path)
+    assert wanted <= types, f"llama.cpp's {ftype} gave the experts {sorted(types)}"
     scores = assert_weights_match(path)
-    assert {"Q4_K", "Q6_K"} <= set(scores.parameters["scale_rules"])
+    assert scores.parameters["scale_rules"] == {t: SCALE_RULES[t] for t in types}  # no RMS fallback
+
+
+def test_every_scale_rule_is_brute_forced():
+    assert set(SCALE_RULES) == set().union(*(wanted for _, _, wanted in LLAMA_QUANTS)) == set(BLOCK_BYTES)
+    assert "Q8_1" not in SCALE_RULES  # ggml's block_q8_1 is 36 bytes, gguf-py 0.19's GGML_QUANT_SIZES says 40
+
+
+#: E8M0 codes and their values, by hand: 2^(e - 127).
+E8M0 = {0: 2.0 ** -127, 1: 2.0 ** -126, 120: 2.0 ** -7, 127: 1.0, 130: 8.0}
+#: UE4M3 codes and their values, by hand from the format (unsigned, bias 7, 3 mantissa bits,
+#: exponent 0 subnormal: man * 2^-9; 0x7F, the NaN code, reads as 0 in ggml).
+UE4M3 = {
+    0x00: 0.0,
+    0x01: 2.0 ** -9,      # the smallest subnormal
+    0x07: 7 * 2.0 ** -9,  # the largest subnormal
+    0x08: 2.0 ** -6,      # exponent 1, the smallest normal
+    0x38: 1.0,            # exponent 7 = the bias
+    0x3C: 1.5,            # 1 + 4/8
+    0x41: 2.25,           # 2^1 * (1 + 1/8)
+    0x7E: 448.0,          # 2^8 * (1 + 6/8), the largest
+    0x7F: 0.0,
+}
+
+
+def _with_tensors(src, dst, replaced: dict[str, tuple[np.ndarray, object]], added: dict[str, np.ndarray]):
+    """A copy of GGUF `src` (KV and tensors through gguf-py's reader and GGUFWriter) with tensors
+    `replaced` by (raw block bytes [..., row bytes], ggml type) and F32 tensors `added` after them."""
+    reader = GGUFReader(src)
+    arch = reader.fields["general.architecture"].contents()
+    writer = gguf.GGUFWriter(str(dst), arch)
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(name, field.contents(), field.types[0], sub_type=sub_type)
+    for t in reader.tensors:
+        if t.name in replaced:
+            raw, qtype = replaced[t.name]
+            writer.add_tensor(t.name, raw, raw_dtype=qtype)
+        else:
+            writer.add_tensor(t.name, np.asarray(t.data))
+    for name, values in added.items():
+        writer.add_tensor(name, values.astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst
+
+
+def test_weights_on_hand_made_blocks(make_model, tmp_path):
+    """MXFP4 and NVFP4 scale codes llama.cpp's quantizer rarely writes (E8M0 0, ggml's denormal
+    special case; UE4M3 subnormals, 0x7F, 448) and a per-expert .scale. Maker: blocks packed here
+    with struct, written with gguf-py's GGUFWriter into a copy of the F16 qwen3moe fixture (blk.0
+    gate: MXFP4, blk.0 up: NVFP4 with ffn_up_exps.scale; the rest stays F16). Expected values by hand."""
+    n, rows, width = 8, 256, 256  # experts; rows and values per row of blk.0.ffn_{gate,up}_exps
+    rng = np.random.default_rng(0)
+    assert {c: _e8m0(c) for c in E8M0} == E8M0 and {c: _ue4m3(c) for c in UE4M3} == UE4M3  # the brute force agrees with the tables
+    e8m0, ue4m3 = list(E8M0), list(UE4M3)
+    mxfp4 = bytearray()  # expert e: its blocks alternate between the codes e8m0[e] and e8m0[e + 1] (cyclic)
+    nvfp4 = bytearray()  # expert e: every block has the sub-block scale codes ue4m3[e .. e + 3]
+    for e in range(n):
+        for i in range(rows * width // 32):
+            mxfp4 += bytes([e8m0[(e + i % 2) % len(e8m0)]]) + rng.integers(0, 256, 16).astype(np.uint8).tobytes()
+        sub = bytes(ue4m3[(e + k) % len(ue4m3)] for k in range(4))
+        for _ in range(rows * width // 64):
+            nvfp4 += sub + rng.integers(0, 256, 32).astype(np.uint8).tobytes()
+    scale2 = np.array([(-1) ** e * (e + 1) / 4 for e in range(n)])
+    src = make_model("qwen3moe", "F16")
+    path = _with_tensors(src, tmp_path / "hand.gguf", {
+        "blk.0.ffn_gate_exps.weight": (np.frombuffer(bytes(mxfp4), np.uint8).reshape(n, rows, -1), gguf.GGMLQuantizationType.MXFP4),
+        "blk.0.ffn_up_exps.weight": (np.frombuffer(bytes(nvfp4), np.uint8).reshape(n, rows, -1), gguf.GGMLQuantizationType.NVFP4),
+    }, {"blk.0.ffn_up_exps.scale": scale2})
+
+    mxfp4_energy = np.array([(E8M0[e8m0[e % len(e8m0)]] + E8M0[e8m0[(e + 1) % len(e8m0)]]) / 2 for e in range(n)])
+    nvfp4_energy = np.array([sum(UE4M3[ue4m3[(e + k) % len(ue4m3)]] for k in range(4)) / 4 for e in range(n)])
+    tensors = {t.name: t for t in GGUFReader(src).tensors}
+    down = np.asarray(tensors["blk.0.ffn_down_exps.weight"].data, dtype=np.float64).reshape(n, -1)
+    norms = np.linalg.norm(np.asarray(tensors["blk.0.ffn_gate_inp.weight"].data, dtype=np.float64).reshape(n, -1), axis=1)
+    expected = norms * (mxfp4_energy + nvfp4_energy * np.abs(scale2) + np.sqrt(np.mean(down ** 2, axis=1))) / 3
+
+    scores = assert_weights_match(path)  # the brute force agrees on both blocks ...
+    np.testing.assert_allclose(scores.scores()[0], expected, rtol=1e-6)  # ... and so do the values by hand
+    assert scores.parameters["scale_rules"] == {"MXFP4": SCALE_RULES["MXFP4"], "NVFP4": SCALE_RULES["NVFP4"], "F16": RMS_RULE}
 
 
 def test_imatrix_counts_equal_what_llama_imatrix_wrote(q8_moe, q8_moe_imatrix):

@@ -6,16 +6,20 @@ random:       uniform [0, 1) per expert from numpy's default generator seeded wi
 
 scale_energy_e is the mean, over the expert's weight tensors (ffn_gate/up/down/gate_up_exps), of
 the mean magnitude of the scales in its slab, times |ffn_*_exps.scale[e]| where the file has such a
-per-expert scale. The scale of a block is the factor that multiplies its integer quants:
-    Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q8_1 IQ4_NL   |d| (f16 at byte 0 of each 32-value block); the Q4_1/Q5_1
+per-expert scale. The scale of a block is the factor that multiplies its integer quants (its E2M1
+values for MXFP4 and NVFP4, so without the 0.5 that ggml and gguf-py fold into their doubled kvalues):
+    Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 IQ4_NL        |d| (f16 at byte 0 of each 32-value block); the Q4_1/Q5_1
                                            offset m is not a scale and is left out
     Q2_K   |d * (scales[j] & 0xF)|         per 16-value sub-block; the dmin * (scales[j] >> 4) offset left out
     Q3_K   |d * (sc_j - 32)|               6-bit sub-block scales (16 per 256-value super-block)
     Q4_K Q5_K  |d * sc_j|                  6-bit sub-block scales (8 per super-block); dmin * m_j left out
     Q6_K   |d * scales[j]|                 int8 sub-block scales (16 per super-block)
     MXFP4  2^(e - 127)                     e8m0 exponent byte of each 32-value block
-    NVFP4  ue4m3 sub-block scale           4 per 64-value block
+    NVFP4  ue4m3 sub-block scale           4 per 64-value block; codes 0x00 and 0x7F read as 0
     F32 F16 BF16 and every other type      RMS of the dequantized slab (gguf-py's dequantizer)
+Q8_1 has no rule: it is only a dot-product operand (llama-quantize cannot write it), and gguf-py 0.19
+sizes its block 40 bytes (f32 d and s) where ggml's block_q8_1 is 36 (f16 d and s), so a slab cannot
+be cut into blocks reliably; gguf-py has no dequantizer for it either, so such a tensor is refused.
 Scores are comparable within a block (every expert of a tensor has the same type), which is all a
 per-block top-K needs. The model is read once, tensor by tensor in file order, a few experts at a time.
 """
@@ -42,7 +46,7 @@ Q = GGMLQuantizationType
 READ_BYTES = 2 << 20  # bytes read and decoded at a time by one thread (at least one expert slab)
 READ_THREADS = 3  # reading and decoding overlap: faster than one read of the file on 2 cores
 SCALE_RULES: dict[str, str] = {
-    **{t: "|d| per 32-value block" for t in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q8_1", "IQ4_NL")},
+    **{t: "|d| per 32-value block" for t in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL")},
     "Q2_K": "|d * (scales[j] & 0xF)| per 16-value sub-block",
     "Q3_K": "|d * (sc_j - 32)| per 16-value sub-block",
     "Q4_K": "|d * sc_j| per 32-value sub-block",
@@ -55,7 +59,7 @@ RMS_RULE = "RMS of the dequantized slab"
 WEIGHT_SUFFIXES = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight", "ffn_gate_up_exps.weight")
 
 
-F16_AT_ZERO = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q8_1", "IQ4_NL")  # |d|: the f16 at byte 0 of every block
+F16_AT_ZERO = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL")  # |d|: the f16 at byte 0 of every block
 
 
 def _f16_at(blocks: np.ndarray, offset: int) -> np.ndarray:
