@@ -126,6 +126,33 @@ def test_merge_refuses_a_fragment_of_another_source(spec, q8_moe, tmp_path):
 
 
 @pytest.mark.slow
+def test_rungs_made_by_different_quantizers_each_record_their_own(two_hosts):
+    out = two_hosts
+    fragment = out / FRAGMENTS / "Q4_K_M.json"
+    doc = json.loads(fragment.read_text())
+    ours = doc["run"]["quantizer"]
+    theirs = {**ours, "build": 1, "commit": "0123abc"}  # the other host's llama.cpp build
+    doc["run"]["quantizer"] = theirs
+    fragment.write_text(json.dumps(doc))
+    merged = ggufcarve("release", "merge", out)
+    assert merged.code == 0, merged.stderr
+    manifest = json.loads((out / "quant-manifest.json").read_text())
+    assert {r["name"]: r["quantizer"] for r in manifest["rungs"]} == {"Q6_K": ours, "Q4_K_M": theirs}
+    assert any("different quantizers" in w for w in manifest["warnings"])
+    carded = ggufcarve("card", out)
+    assert carded.code == 0, carded.stderr
+    assert "made by different builds, each named in `quant-manifest.json`" in (out / "README.md").read_text()
+    assert ggufcarve("verify", out).code == 0
+    # one build again: the rungs carry no quantizer of their own
+    doc["run"]["quantizer"] = ours
+    fragment.write_text(json.dumps(doc))
+    assert ggufcarve("release", "merge", out).code == 0
+    manifest = json.loads((out / "quant-manifest.json").read_text())
+    assert all("quantizer" not in r for r in manifest["rungs"]) and manifest["quantizer"] == ours
+    assert not any("different quantizers" in w for w in manifest["warnings"])
+
+
+@pytest.mark.slow
 def test_merge_refuses_a_rung_whose_file_differs(two_hosts):
     out = two_hosts
     q4 = next(out.glob("*-Q4_K_M.gguf"))

@@ -176,7 +176,8 @@ def render_card(inputs: CardInputs) -> str:
              "", "## Limitations", "", *_limitations(inputs),
              "", "## Attribution", "",
              f"- Base model: {base}" + (f" ({keys['general.base_model.0.repo_url']})" if keys.get("general.base_model.0.repo_url") else "") + f"; license {keys.get('general.license') or 'as the base model'}.",
-             f"- Quantized with llama.cpp ({quantizer.get('backend', 'llama-quantize')}" + (f", build {quantizer['build']} {quantizer.get('commit', '')}".rstrip() if quantizer.get("build") is not None else "") + ").",
+             (f"- Quantized with llama.cpp ({quantizer.get('backend', 'llama-quantize')}" + (f", build {quantizer['build']} {quantizer.get('commit', '')}".rstrip() if quantizer.get("build") is not None else "") + ")."
+              if not any("quantizer" in r for r in inputs.rungs) else "- Quantized with llama.cpp; the rungs were made by different builds, each named in `quant-manifest.json`."),
              f"- Pruned, quantized and evaluated with ggufcarve {__version__}; every file is described by `quant-manifest.json`.", ""]
     return "\n".join(lines)
 

@@ -9,7 +9,9 @@ The manifest is derived from all fragments under the release's lock (release.loc
 fragment against its files. Fragments are hidden files: not published, not in SHA256SUMS.
 
 Assembling takes the manifest's header (ladder, source, imatrix, quantizer, timings) from the
-newest fragment, orders rungs as that fragment's spec lists them, keeps the method reports
+newest fragment; when the rungs were made by different quantizers (another llama.cpp build on
+another host), every rung records its own and the manifest says so in a warning. It orders
+rungs as the newest fragment's spec lists them, keeps the method reports
 whose files hold the recorded bytes, and carries the evaluation and card records of the earlier
 manifest while its rungs are exactly the same files. Fragments that disagree on the source are
 refused. The same fragments always give the same manifest.
@@ -17,6 +19,7 @@ refused. The same fragments always give the same manifest.
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -204,6 +207,10 @@ def _method_records(out_dir: Path, fragments: Sequence[Fragment]) -> list[dict[s
     return kept
 
 
+def _identity(value: Any) -> str:
+    return json.dumps(value, sort_keys=True)
+
+
 def _rung_identity(rungs: Sequence[dict[str, Any]]) -> list[tuple[str, str]]:
     return sorted((str(f.get("name")), str(f.get("sha256"))) for r in rungs if isinstance(r, dict) for f in r.get("files") or [] if isinstance(f, dict))
 
@@ -220,6 +227,11 @@ def assemble(out_dir: Path, fragments: Sequence[Fragment], *, drop_missing: bool
     spec_order = [str(n) for n in newest.context.get("spec_rungs") or []]
     position = {name: i for i, name in enumerate(spec_order)}
     rungs.sort(key=lambda r: (position.get(str(r.get("name")), len(position)), str(r.get("name"))))
+    warnings = list(newest.context.get("warnings") or [])
+    if len({_identity(f.context.get("quantizer")) for f in fragments if f.rung.get("files")}) > 1:
+        made_by = {id(f.rung): f.context.get("quantizer") for f in fragments}
+        rungs = [{**r, "quantizer": made_by.get(id(r))} for r in rungs]
+        warnings.append("the rungs were made by different quantizers (llama.cpp builds): each rung records its own under `quantizer`")
     try:
         earlier = read_manifest(out_dir)
     except CarveError:
@@ -241,7 +253,7 @@ def assemble(out_dir: Path, fragments: Sequence[Fragment], *, drop_missing: bool
             "rungs": rungs,
             "method": _method_records(out_dir, fragments),
             "published": published,
-            "warnings": context.get("warnings") or [],
+            "warnings": warnings,
         },
     )
     return doc
