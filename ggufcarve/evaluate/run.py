@@ -14,6 +14,7 @@ import json
 import os
 import sys
 import tempfile
+import threading
 import time
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
@@ -289,10 +290,12 @@ def evaluate(models: list[ModelEntry], reference_path: Path, heldout: Path | Non
     The files are written together once every model is done, each under its temp name, fsynced and
     renamed (summary.md last): a run that fails or is stopped part way leaves none of them.
     """
-    from ggufcarve.evaluate.summary import write_summary
+    from ggufcarve.evaluate.summary import load_charting, write_summary
     from ggufcarve.fileio import atomic_file
 
     out_dir.mkdir(parents=True, exist_ok=True)
+    # matplotlib (about 0.5 s to import) loads while the libllama children run; the charts need it last
+    threading.Thread(target=load_charting, name="ggufcarve-import-charts", daemon=True).start()
     with tempfile.TemporaryDirectory(prefix="ggufcarve-eval-") as tmp:  # requests, results, per-token tables
         work = Path(tmp)
         if reference_path.is_file() and _reference_input(reference_path) == "gguf":

@@ -101,17 +101,23 @@ def render_summary(results: list[dict], reference_label: str, charts: list[str])
 Stage = Callable[[Path], Path]  # an output's final path -> the temp path to write it to (renamed later)
 
 
+def load_charting() -> None:
+    """Import what draw_charts uses (matplotlib's Figure and Agg canvas)."""
+    import matplotlib.backends.backend_agg  # noqa: F401
+    import matplotlib.figure  # noqa: F401
+
+
 def draw_charts(results: list[dict], out_dir: Path, stage: Stage) -> list[str]:
     """size-vs-kld.png and size-vs-ppl.png: one series per family, the Pareto front (by mean KLD) dashed."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
     names = []
     front = pareto_front(results)
     for metric, label, file_name in (("kld_mean", "mean KLD vs reference (nats/token)", KLD_CHART), ("ppl", "perplexity", PPL_CHART)):
-        fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
+        fig = Figure(figsize=(7, 4.5), dpi=110)  # no pyplot: no global figure state, no GUI backend
+        FigureCanvasAgg(fig)
+        ax = fig.add_subplot()
         for family in sorted({r["model"]["family"] for r in results}):
             series = _by_size([r for r in results if r["model"]["family"] == family])
             xs, ys = [r["model"]["gib"] for r in series], [r[metric] for r in series]
@@ -127,11 +133,8 @@ def draw_charts(results: list[dict], out_dir: Path, stage: Stage) -> list[str]:
             ax.set_yscale("log")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
-        fig.tight_layout()
-        try:
-            fig.savefig(stage(out_dir / file_name), format="png")
-        finally:
-            plt.close(fig)
+        fig.subplots_adjust(left=0.12, right=0.97, bottom=0.12, top=0.96)
+        fig.savefig(stage(out_dir / file_name), format="png")
         names.append(file_name)
     return names
 
