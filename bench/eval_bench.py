@@ -37,7 +37,7 @@ WORDS = "the quick brown fox jumps over a lazy dog while experts route tokens th
 
 def timed(argv: list[str]) -> float:
     started = time.perf_counter()
-    proc = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, "GGML_NO_BACKTRACE": "1", "LLAMA_ARG_NO_REPACK": "1"})
+    proc = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, "GGML_NO_BACKTRACE": "1", "LLAMA_ARG_REPACK": "0"})
     seconds = time.perf_counter() - started
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(argv[:3])} failed:\n{proc.stderr[-2000:]}")
