@@ -210,3 +210,104 @@ def test_chat_messages_are_rendered_with_the_models_template(make_model, tmp_pat
         np.testing.assert_array_equal(chat.blocks[block].counts, text.blocks[block].counts)
     result = ggufcarve("select", make_model("qwen3moe", "F16"), "--method", "frequency", "--calibration", tmp_path / "chat.jsonl", "--keep", 4, "-o", tmp_path / "s.json")
     assert result.code == 1 and "has no chat template" in result.error_line
+
+
+def test_gelu_glu_is_ggmls_f16_tanh_gelu():
+    import math
+
+    from ggufcarve.select.experts import activate
+
+    x = np.array([-12.0, -10.0, -3.7, -1.0, -0.25, 0.0, 0.3, 1.0, 2.5, 9.5, 10.0, 15.0], dtype=np.float32)
+    up = np.array([1.5, -2.0, 0.5, 3.0, -1.0, 2.0, 1.0, -0.75, 0.25, 1.0, 2.0, -1.0], dtype=np.float32)
+
+    def table(v):  # ggml_table_gelu_f16[f16(v)]: f16 of 0.5 h (1 + tanh(sqrt(2/pi) h (1 + 0.044715 h^2)))
+        if v <= -10.0:
+            return 0.0
+        if v >= 10.0:
+            return v
+        h = float(np.float16(v))
+        return float(np.float16(0.5 * h * (1.0 + math.tanh(math.sqrt(2.0 / math.pi) * h * (1.0 + 0.044715 * h * h)))))
+
+    expected = np.array([table(float(v)) for v in x])
+    np.testing.assert_allclose(activate("gelu-glu", None, x), expected, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(activate("gelu-glu", x, up), expected * up, rtol=1e-6, atol=1e-7)
+    # the tanh approximation, not erf: 0.5 x (1 + erf(x / sqrt 2)) at x = -3.7 is -4.0e-4, the tanh form -6.9e-4
+    assert abs(activate("gelu-glu", None, np.float32([-3.7]))[0] - 0.5 * -3.7 * (1 + math.erf(-3.7 / math.sqrt(2)))) > 1e-4
+    silu = x / (1.0 + np.exp(-x))
+    np.testing.assert_allclose(activate("silu-glu", x, up), silu * up, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(activate("silu-glu", None, x), silu, rtol=1e-6, atol=1e-7)
+
+
+def llama_cpp_moe_type_ops():
+    """{architecture: (type_ops of its build_moe_ffn calls, facts)} read from the llama.cpp sources in the sdist.
+
+    An architecture's graph class is its llama_model_mapping class (src/llama-model.cpp) and the
+    class its `using graph =` names (src/models/models.h); its build_moe_ffn calls are those in
+    function definitions of these classes in src/models/*.cpp. facts: "probs_in" when a call passes
+    precomputed router logits, "clamp" when the class reads LLM_KV_SWIGLU_CLAMP_EXP.
+    """
+    import re
+    import tarfile
+
+    from ggufcarve.llama.build import sdist_path
+    from ggufcarve.llama.tools import llama_cpp_version
+
+    version = llama_cpp_version()
+    sdist = sdist_path(version)
+    if not sdist.exists():
+        pytest.skip(f"the llama-cpp-python {version} sdist is not in the cache ({sdist})")
+    sources: dict[str, str] = {}
+    with tarfile.open(sdist) as tar:
+        for member in tar:
+            parts = member.name.split("/vendor/llama.cpp/src/", 1)
+            if member.isfile() and len(parts) == 2 and (parts[1].startswith("models/") or parts[1] in ("llama-arch.cpp", "llama-model.cpp")):
+                sources[parts[1]] = tar.extractfile(member).read().decode()
+    names = dict(re.findall(r'\{\s*(LLM_ARCH_\w+)\s*,\s*"([^"]+)"\s*\}', sources["llama-arch.cpp"]))
+    mapping = re.search(r"llama_model_mapping\(.*?\n}\n", sources["llama-model.cpp"], re.S).group(0)
+    classes = re.findall(r"case (LLM_ARCH_\w+):\s*return new llama_model_(\w+)\(", mapping)
+    graph_of = {}
+    for struct in re.finditer(r"^struct llama_model_(\w+) : public \w+ \{(.*?)^\};", sources["models/models.h"], re.S | re.M):
+        used = re.search(r"using graph = llama_model_(\w+)::graph", struct.group(2))
+        graph_of[struct.group(1)] = used.group(1) if used else struct.group(1)
+    calls: dict[str, list[tuple[str, bool]]] = {}
+    clamped: set[str] = set()
+    for name, text in sources.items():
+        if not name.endswith(".cpp") or not name.startswith("models/"):
+            continue
+        defs = [(m.start(), m.group(1)) for m in re.finditer(r"^[^\s/#][^\n]*?\bllama_model_(\w+)::", text, re.M)]
+        for m in re.finditer(r"LLM_KV_SWIGLU_CLAMP_EXP", text):
+            clamped.add([c for pos, c in defs if pos < m.start()][-1])
+        for m in re.finditer(r"\bbuild_moe_ffn\(", text):
+            depth, end = 1, m.end()
+            while depth:
+                depth += (text[end] == "(") - (text[end] == ")")
+                end += 1
+            args = re.sub(r"//[^\n]*|/\*.*?\*/", "", text[m.end():end - 1], flags=re.S)
+            ops = re.findall(r"\bLLM_FFN_\w+", args)
+            assert len(ops) == 1, (name, args)
+            owner = [c for pos, c in defs if pos < m.start()][-1]
+            top = [a.strip() for a in re.split(r",(?![^()]*\))", args)]
+            calls.setdefault(owner, []).append((ops[0], len(top) in (14, 18) and top[-5 if len(top) == 18 else -1] != "nullptr"))
+    result = {}
+    for arch, cls in classes:
+        owners = {cls, graph_of.get(cls, cls)}
+        found = [c for o in owners for c in calls.get(o, [])]
+        if found:
+            facts = {"probs_in"} if any(p for _, p in found) else set()
+            facts |= {"clamp"} if owners & clamped else set()
+            result[names[arch]] = ({op for op, _ in found}, facts)
+    return result
+
+
+def test_activations_table_matches_llama_cpps_build_moe_ffn_calls():
+    from ggufcarve.select.experts import ACTIVATIONS
+
+    kinds = {"LLM_FFN_SILU": "silu-glu", "LLM_FFN_GELU": "gelu-glu", "LLM_FFN_SWIGLU_OAI_MOE": "swiglu-oai"}
+    sources = llama_cpp_moe_type_ops()
+    assert {"llama", "qwen3moe", "gpt-oss", "grok"} <= set(sources)
+    for arch, kind in ACTIVATIONS.items():
+        assert arch in sources, f"{arch}: no build_moe_ffn call in its graph"
+        ops, facts = sources[arch]
+        assert {kinds.get(op) for op in ops} == {kind}, (arch, ops)
+        assert not facts, (arch, facts)  # precomputed router logits or a swiglu clamp: outside ExpertEvaluator
+        assert arch not in ("llama4", "grovemoe")  # weights before the experts; chunk experts

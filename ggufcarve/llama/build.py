@@ -54,10 +54,15 @@ def sdist_name(version: str) -> str:
     return f"llama_cpp_python-{version}.tar.gz"
 
 
+def sdist_path(version: str) -> Path:
+    """Where the llama-cpp-python sdist of `version` lives in the cache (present or not)."""
+    return cache_root() / "sdist" / sdist_name(version)
+
+
 def fetch_sdist(version: str, on_event: Sink = ignore) -> Path:
     """The llama-cpp-python sdist of `version`, downloaded with pip into the cache once."""
-    target_dir = cache_root() / "sdist"
-    target = target_dir / sdist_name(version)
+    target = sdist_path(version)
+    target_dir = target.parent
     if target.exists():
         return target
     target_dir.mkdir(parents=True, exist_ok=True)

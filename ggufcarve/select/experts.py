@@ -8,8 +8,13 @@
 
 A fused `ffn_gate_up_exps` holds the gate rows first, then the up rows, per expert (its scale is
 the up scale, as build_moe_ffn passes it). `act` by architecture (the `type_op` each
-src/models/<arch>.cpp hands to build_moe_ffn):
-    silu-glu    silu(gate) * up                                            (LLM_FFN_SILU)
+src/models/<arch>.cpp hands to build_moe_ffn; without a gate tensor build_moe_ffn applies the
+activation to up alone):
+    silu-glu    silu(gate) * up, silu(up) without gate                     (LLM_FFN_SILU)
+    gelu-glu    gelu(gate) * up, gelu(up) without gate                     (LLM_FFN_GELU)
+                gelu as ggml-cpu computes it for f32 (ggml/src/ggml-cpu/vec.h, GGML_GELU_FP16):
+                0 for x <= -10, x for x >= 10, else the f16 table entry of x rounded to f16,
+                the table holding f16(0.5 x (1 + tanh(sqrt(2/pi) x (1 + 0.044715 x^2))))
     swiglu-oai  g = min(gate, 7); u = clamp(up, -7, 7); g * sigmoid(1.702 g) * (u + 1)
                                                                            (LLM_FFN_SWIGLU_OAI_MOE)
 Dequantized expert matrices are cached up to a byte budget (least recently used first out), so
@@ -27,15 +32,36 @@ from ggufcarve.gguf.container import GGUFModel
 from ggufcarve.gguf.tensors import expert_values, tensor_values
 from ggufcarve.moe.layout import MoeLayout
 
+# llama.cpp 0.3.36 MoE architectures left out (their routed experts are not what ExpertEvaluator
+# computes from the traced ffn_moe_input):
+#   llama4                 build_moe_ffn multiplies the input by the router weight before the
+#                          experts (weight_before_ffn), so ffn_moe_down is f_e(w x), not f_e(x)
+#   grovemoe               a second build_moe_ffn over the ffn_*_chexps chunk experts
+#   kimi-k3                LLM_FFN_SITU, parameterised by activation.situ_beta/situ_linear_beta
+#   bailingmoe3, step35    LLM_FFN_SILU clamped by the per-layer swiglu_clamp_exp key
+#                          (clamp(up, -l, l) * min(silu(gate), l)) when it is set
+#   deepseek4, dflash, glm5-next, hy_v4, maple
+#                          LLM_FFN_SILU through ggml_swiglu_clamp with swiglu_clamp_exp when set
+#   gemma4, smallthinker   router logits computed from another tensor than the expert input, so
+#                          ffn_moe_input (src[1] of ffn_moe_logits) is not the experts' input
+#   nemotron_h, nemotron_h_moe
+#                          the same (experts read ffn_latent_down x when present); LLM_FFN_RELU_SQR
 ACTIVATIONS: dict[str, str] = {
     **{arch: "silu-glu" for arch in (
-        "qwen3moe", "qwen35moe", "qwen3next", "qwen3vlmoe", "qwen2moe", "olmoe", "llama", "dots1",
-        "ernie4_5-moe", "hunyuan-moe", "bailingmoe2", "deepseek2",
+        "afmoe", "arctic", "bailingmoe", "bailingmoe2", "cohere2moe", "dbrx", "deepseek", "deepseek2",
+        "deepseek2-ocr", "deepseek32", "dots1", "dots3note", "ernie4_5-moe", "exaone-moe", "glm-dsa",
+        "glm4moe", "granite", "granite_swa", "granitehybrid", "granitemoe", "hunyuan-moe", "hy_v3",
+        "jamba", "kimi-linear", "laguna", "lfm2", "lfm2moe", "llada-moe", "llama", "llama-embed",
+        "mellum", "mimo2", "minicpm", "minimax-01", "minimax-m2", "mistral3", "mistral4", "olmoe",
+        "phimoe", "qwen2moe", "qwen35moe", "qwen3moe", "qwen3next", "qwen3vlmoe", "qwen4exp", "rnd1",
     )},
-    "gpt-oss": "swiglu-oai",
+    **{arch: "gelu-glu" for arch in ("grok", "nomic-bert-moe")},
+    **{arch: "swiglu-oai" for arch in ("gpt-oss", "minimax-m3")},
 }
 SWIGLU_OAI_ALPHA = 1.702
 SWIGLU_OAI_LIMIT = 7.0
+GELU_COEF_A = np.float32(0.044715)
+SQRT_2_OVER_PI = np.float32(0.79788456080286535587989211986876)
 CACHE_BYTES = 1 << 30
 
 
@@ -49,12 +75,26 @@ def activation_of(architecture: str) -> str:
         ) from None
 
 
+def ggml_gelu(x: np.ndarray) -> np.ndarray:
+    """ggml_vec_gelu_f32 of ggml-cpu (GGML_GELU_FP16): the f16 tanh-approximation table."""
+    x = np.asarray(x, dtype=np.float32)
+    h = x.astype(np.float16).astype(np.float32)
+    with np.errstate(over="ignore"):
+        table = (np.float32(0.5) * h * (np.float32(1.0) + np.tanh(SQRT_2_OVER_PI * h * (np.float32(1.0) + GELU_COEF_A * h * h))))
+    y = table.astype(np.float16).astype(np.float32)
+    return np.where(x <= -10.0, np.float32(0.0), np.where(x >= 10.0, x, y))
+
+
 def activate(kind: str, gate: np.ndarray | None, up: np.ndarray) -> np.ndarray:
     if kind == "swiglu-oai":
         assert gate is not None
         g = np.minimum(gate, SWIGLU_OAI_LIMIT)
         u = np.clip(up, -SWIGLU_OAI_LIMIT, SWIGLU_OAI_LIMIT)
         return g / (1.0 + np.exp(-SWIGLU_OAI_ALPHA * g)) * (u + 1.0)
+    if kind == "gelu-glu":
+        return ggml_gelu(up) if gate is None else ggml_gelu(gate) * up
+    if kind != "silu-glu":
+        raise ValueError(f"unknown activation kind {kind!r}")
     if gate is None:  # no gate tensor: build_moe_ffn applies silu to up alone
         return up / (1.0 + np.exp(-up))
     return gate / (1.0 + np.exp(-gate)) * up
