@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pathlib
+import signal
 import sys
 
 import pytest
@@ -11,6 +12,13 @@ import pytest
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 import factory  # noqa: E402
+
+# A test run started in the background of a non-interactive shell inherits SIGINT ignored, and an
+# ignored disposition survives exec: the commands the tests start would then ignore Ctrl-C, as
+# ggufcarve keeps an ignored stop signal ignored (as nohup's SIGHUP). A handler installed here is
+# reset to the default in every child, which is what a job started from a terminal sees.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # Every llama.cpp child of the tests (probes, llama-imatrix, llama-gguf-split, quantizers) is
 # started through ggufcarve.llama.launch, which sets GGML_NO_BACKTRACE and the no-repack setting.
