@@ -311,3 +311,16 @@ def test_activations_table_matches_llama_cpps_build_moe_ffn_calls():
         assert {kinds.get(op) for op in ops} == {kind}, (arch, ops)
         assert not facts, (arch, facts)  # precomputed router logits or a swiglu clamp: outside ExpertEvaluator
         assert arch not in ("llama4", "grovemoe")  # weights before the experts; chunk experts
+
+
+def test_architectures_razor_cannot_evaluate_are_refused_with_their_reason():
+    from ggufcarve.errors import UnsupportedModel
+    from ggufcarve.select.experts import ACTIVATIONS, NOT_EVALUATED, activation_of
+
+    assert not set(NOT_EVALUATED) & set(ACTIVATIONS)
+    with pytest.raises(UnsupportedModel) as refused:
+        activation_of("llama4")
+    assert "weight_before_ffn" in refused.value.message and "frequency, ean or reap" in refused.value.hint
+    with pytest.raises(UnsupportedModel) as unknown:
+        activation_of("no-such-arch")
+    assert "does not know the expert activation" in unknown.value.message

@@ -32,20 +32,17 @@ from ggufcarve.gguf.container import GGUFModel
 from ggufcarve.gguf.tensors import expert_values, tensor_values
 from ggufcarve.moe.layout import MoeLayout
 
-# llama.cpp 0.3.36 MoE architectures left out (their routed experts are not what ExpertEvaluator
-# computes from the traced ffn_moe_input):
-#   llama4                 build_moe_ffn multiplies the input by the router weight before the
-#                          experts (weight_before_ffn), so ffn_moe_down is f_e(w x), not f_e(x)
-#   grovemoe               a second build_moe_ffn over the ffn_*_chexps chunk experts
-#   kimi-k3                LLM_FFN_SITU, parameterised by activation.situ_beta/situ_linear_beta
-#   bailingmoe3, step35    LLM_FFN_SILU clamped by the per-layer swiglu_clamp_exp key
-#                          (clamp(up, -l, l) * min(silu(gate), l)) when it is set
-#   deepseek4, dflash, glm5-next, hy_v4, maple
-#                          LLM_FFN_SILU through ggml_swiglu_clamp with swiglu_clamp_exp when set
-#   gemma4, smallthinker   router logits computed from another tensor than the expert input, so
-#                          ffn_moe_input (src[1] of ffn_moe_logits) is not the experts' input
-#   nemotron_h, nemotron_h_moe
-#                          the same (experts read ffn_latent_down x when present); LLM_FFN_RELU_SQR
+_CLAMPED = "its build_moe_ffn clamps the SiLU-GLU by the per-layer swiglu_clamp_exp key when the file sets it"
+_OTHER_INPUT = "its router reads another tensor than its experts, so the traced MoE input (src[1] of ffn_moe_logits) is not the experts' input"
+# llama.cpp 0.3.36 MoE architectures whose routed experts are not what ExpertEvaluator computes
+# from the traced ffn_moe_input, with the reason
+NOT_EVALUATED: dict[str, str] = {
+    "llama4": "its build_moe_ffn multiplies the input by the router weight before the experts (weight_before_ffn)",
+    "grovemoe": "it runs a second build_moe_ffn over the ffn_*_chexps chunk experts",
+    "kimi-k3": "its experts use LLM_FFN_SITU, set by the activation.situ_beta and situ_linear_beta keys",
+    **{arch: _CLAMPED for arch in ("bailingmoe3", "step35", "deepseek4", "dflash", "glm5-next", "hy_v4", "maple")},
+    **{arch: _OTHER_INPUT for arch in ("gemma4", "smallthinker", "nemotron_h", "nemotron_h_moe")},
+}
 ACTIVATIONS: dict[str, str] = {
     **{arch: "silu-glu" for arch in (
         "afmoe", "arctic", "bailingmoe", "bailingmoe2", "cohere2moe", "dbrx", "deepseek", "deepseek2",
@@ -69,6 +66,9 @@ def activation_of(architecture: str) -> str:
     try:
         return ACTIVATIONS[architecture]
     except KeyError:
+        if architecture in NOT_EVALUATED:
+            raise UnsupportedModel(f"razor cannot evaluate the experts of {architecture} in numpy: {NOT_EVALUATED[architecture]}",
+                                   "use frequency, ean or reap, which read llama.cpp's own expert outputs") from None
         raise UnsupportedModel(
             f"ggufcarve does not know the expert activation of {architecture} (needed to evaluate experts in numpy)",
             f"use frequency, ean or reap; known architectures: {', '.join(sorted(ACTIVATIONS))}",
