@@ -68,7 +68,8 @@ def sha256_file(path: str | os.PathLike[str], progress: Progress = _noop) -> str
     view = memoryview(buffer)
     fd = os.open(path, os.O_RDONLY)
     try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
         unreported = 0
         while got := os.readv(fd, [buffer]):
             hasher.update(view[:got])

@@ -223,14 +223,14 @@ def assemble(out_dir: Path, fragments: Sequence[Fragment], *, drop_missing: bool
         return None
     check_one_source(fragments)
     newest = max(fragments, key=lambda f: f.order)
-    rungs = [f.rung for f in fragments if not (drop_missing and f.rung.get("files") and rung_problems(out_dir, f, None))]
+    kept = [f for f in fragments if not (drop_missing and f.rung.get("files") and rung_problems(out_dir, f, None))]
     spec_order = [str(n) for n in newest.context.get("spec_rungs") or []]
     position = {name: i for i, name in enumerate(spec_order)}
-    rungs.sort(key=lambda r: (position.get(str(r.get("name")), len(position)), str(r.get("name"))))
+    kept.sort(key=lambda f: (position.get(str(f.rung.get("name")), len(position)), str(f.rung.get("name"))))
+    rungs = [f.rung for f in kept]
     warnings = list(newest.context.get("warnings") or [])
     if len({_identity(f.context.get("quantizer")) for f in fragments if f.rung.get("files")}) > 1:
-        made_by = {id(f.rung): f.context.get("quantizer") for f in fragments}
-        rungs = [{**r, "quantizer": made_by.get(id(r))} for r in rungs]
+        rungs = [{**f.rung, "quantizer": f.context.get("quantizer")} for f in kept]
         warnings.append("the rungs were made by different quantizers (llama.cpp builds): each rung records its own under `quantizer`")
     try:
         earlier = read_manifest(out_dir)
