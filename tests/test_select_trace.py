@@ -311,6 +311,11 @@ def test_activations_table_matches_llama_cpps_build_moe_ffn_calls():
         assert {kinds.get(op) for op in ops} == {kind}, (arch, ops)
         assert not facts, (arch, facts)  # precomputed router logits or a swiglu clamp: outside ExpertEvaluator
         assert arch not in ("llama4", "grovemoe")  # weights before the experts; chunk experts
+    from ggufcarve.select.experts import NOT_EVALUATED
+
+    assert set(NOT_EVALUATED) <= set(sources)
+    # every other graph with a build_moe_ffn call belongs to a model whose loader creates no *_exps tensors
+    assert set(sources) - set(ACTIVATIONS) - set(NOT_EVALUATED) == {"bert", "jina-bert-v2", "jina-bert-v3", "nomic-bert", "phi3"}
 
 
 def test_architectures_razor_cannot_evaluate_are_refused_with_their_reason():

@@ -86,7 +86,7 @@ class Verdict:
 
 
 def default_gate_path() -> Path:
-    """The gate shipped beside the package: evaluation/gate.toml of the ggufcarve source tree."""
+    """The default gate shipped with the package: evaluation/gate.toml (ggufcarve/shipped.py)."""
     from ggufcarve.shipped import shipped
 
     return shipped("evaluation", "gate.toml")

@@ -122,7 +122,7 @@ def load_suite(path: Path) -> list[Check]:
 
 
 def default_suite_path() -> Path:
-    """The suite shipped beside the package: evaluation/qa of the ggufcarve source tree."""
+    """The QA suite shipped with the package: evaluation/qa (ggufcarve/shipped.py)."""
     from ggufcarve.shipped import shipped
 
     return shipped("evaluation", "qa")

@@ -10,9 +10,9 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ggufcarve.errors import BadInput
-from ggufcarve.shipped import shipped
 from ggufcarve.gguf.types import FILE_TYPES, QUANTIZE_TARGET_TYPES
 from ggufcarve.quant.quantizer import IMATRIX_FTYPES, tensor_requires_imatrix
+from ggufcarve.shipped import shipped
 
 try:
     import tomllib
@@ -21,7 +21,7 @@ except ModuleNotFoundError:  # Python 3.10
 
 
 DEFAULT_FILE_PATTERN = "{model}-{quant}.gguf"
-# The reference ladder, in the source tree beside the package (not installed with it).
+# The reference ladder, shipped with the package (ggufcarve/shipped.py).
 DEFAULT_LADDER = shipped("ladders", "q8-to-iq1.toml")
 DEFAULT_FALLBACK_TYPE = "Q4_K"
 DISK_MARGIN = 64 << 20  # headroom on top of the estimated sizes

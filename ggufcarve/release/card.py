@@ -155,6 +155,14 @@ def _limitations(inputs: CardInputs) -> list[str]:
     return lines
 
 
+def _quantizer_line(quantizer: dict[str, Any], rungs: list[dict[str, Any]]) -> str:
+    """The attribution of the quantizer; rungs record their own when different builds made them."""
+    if any("quantizer" in r for r in rungs):
+        return "- Quantized with llama.cpp; the rungs were made by different builds, each named in `quant-manifest.json`."
+    build = f", build {quantizer['build']} {quantizer.get('commit', '')}".rstrip() if quantizer.get("build") is not None else ""
+    return f"- Quantized with llama.cpp ({quantizer.get('backend', 'llama-quantize')}{build})."
+
+
 def render_card(inputs: CardInputs) -> str:
     keys, manifest = inputs.keys, inputs.manifest
     arch = keys["general.architecture"]
@@ -176,8 +184,7 @@ def render_card(inputs: CardInputs) -> str:
              "", "## Limitations", "", *_limitations(inputs),
              "", "## Attribution", "",
              f"- Base model: {base}" + (f" ({keys['general.base_model.0.repo_url']})" if keys.get("general.base_model.0.repo_url") else "") + f"; license {keys.get('general.license') or 'as the base model'}.",
-             (f"- Quantized with llama.cpp ({quantizer.get('backend', 'llama-quantize')}" + (f", build {quantizer['build']} {quantizer.get('commit', '')}".rstrip() if quantizer.get("build") is not None else "") + ")."
-              if not any("quantizer" in r for r in inputs.rungs) else "- Quantized with llama.cpp; the rungs were made by different builds, each named in `quant-manifest.json`."),
+             _quantizer_line(quantizer, inputs.rungs),
              f"- Pruned, quantized and evaluated with ggufcarve {__version__}; every file is described by `quant-manifest.json`.", ""]
     return "\n".join(lines)
 
