@@ -295,6 +295,35 @@ def test_a_signal_while_the_main_thread_starts_a_child_kills_that_child(tmp_path
         launch.run([sys.executable, "-c", "pass"])
 
 
+SIGNAL_IN_A_FINALIZER = """
+import signal, sys
+from ggufcarve.cli import install_stop_handlers
+from ggufcarve.errors import Interrupted
+
+class Finalized:
+    def __del__(self):
+        signal.raise_signal(signal.SIGINT)  # the handler runs here, inside __del__
+        sum(range(1000))
+
+install_stop_handlers()
+Finalized()
+try:
+    for _ in range(10_000_000):
+        pass
+except Interrupted as stop:
+    sys.exit(stop.exit_code)
+sys.exit(3)
+"""
+
+
+def test_a_signal_that_lands_in_a_finalizer_still_stops_the_run(env):
+    """Python prints and drops an exception raised inside a __del__ or a weakref callback; a stop
+    signal handled there is delivered again, so the run stops instead of going on with it lost."""
+    result = subprocess.run([sys.executable, "-c", SIGNAL_IN_A_FINALIZER], capture_output=True, text=True, env=env, timeout=60)
+    assert result.returncode == 128 + signal.SIGINT, result.stderr
+    assert "Exception ignored" not in result.stderr and "Traceback" not in result.stderr, result.stderr
+
+
 def test_stop_all_kills_the_children_of_worker_threads(tmp_path, monkeypatch):
     """The dry runs of a ladder run in threads: a stop kills their children and each run raises."""
     from concurrent.futures import ThreadPoolExecutor

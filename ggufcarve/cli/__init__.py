@@ -18,9 +18,11 @@ Examples:
 
 from __future__ import annotations
 
+import _thread
 import os
 import signal
 import sys
+import threading
 from pathlib import Path
 from typing import Annotated
 
@@ -81,11 +83,53 @@ def _stop(signum: int, _frame: object) -> None:
         raise Interrupted(signum)
 
 
+_redelivered = threading.Event()
+
+
+def _stop_again(signum: int, frame: object) -> None:
+    """The handler of a stop signal delivered again: Interrupted raised, unless the signal landed
+    inside _unraisable itself (then the delivering thread tries again)."""
+    while frame is not None:
+        if getattr(frame, "f_code", None) is _unraisable.__code__:
+            return
+        frame = getattr(frame, "f_back", None)
+    _redelivered.set()
+    signal.signal(signum, signal.SIG_IGN)
+    raise Interrupted(signum)
+
+
+def _deliver_again(signum: int, delivered: threading.Event) -> None:
+    while not delivered.wait(0.005):
+        _thread.interrupt_main(signum)
+
+
+def _unraisable(hook: object) -> None:
+    """sys.unraisablehook: an Interrupted raised while Python ran a weakref callback or a __del__
+    is printed and dropped by Python, and the run would go on with the stop signals ignored. It is
+    delivered again instead, through the same signal, from a thread that repeats it until the main
+    thread has raised it outside this hook."""
+    global _redelivered
+    stop = getattr(hook, "exc_value", None)
+    if isinstance(stop, Interrupted) and threading.current_thread() is threading.main_thread():
+        _redelivered = threading.Event()
+        signal.signal(stop.signum, _stop_again)
+        threading.Thread(target=_deliver_again, args=(stop.signum, _redelivered), name="ggufcarve-stop", daemon=True).start()
+        return
+    sys.__unraisablehook__(hook)
+
+
+def install_stop_handlers() -> None:
+    """STOP_SIGNALS raise Interrupted in the main thread, except a signal already ignored (nohup's
+    SIGHUP, a background job's SIGINT)."""
+    for signum in STOP_SIGNALS:
+        if signal.getsignal(signum) is not signal.SIG_IGN:
+            signal.signal(signum, _stop)
+    sys.unraisablehook = _unraisable
+
+
 def main() -> None:
     debug = os.environ.get("GGUFCARVE_DEBUG") == "1"
-    for signum in STOP_SIGNALS:
-        if signal.getsignal(signum) is not signal.SIG_IGN:  # nohup's SIGHUP stays ignored
-            signal.signal(signum, _stop)
+    install_stop_handlers()
     try:
         app()
     except Interrupted as stop:
