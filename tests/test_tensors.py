@@ -60,3 +60,22 @@ def test_bad_names_and_ids(make_model):
         tensor_bytes(model, "blk.9.nothing.weight")
     with pytest.raises(BadInput, match="out of range"):
         expert_slab(model, "blk.0.ffn_up_exps.weight", 8)
+
+
+def test_q8_0_dequantization_equals_gguf_py_bit_for_bit():
+    """The vectorised Q8_0 path gives gguf-py's values, bit for bit, for every f16 scale pattern."""
+    import numpy as np
+    from gguf.constants import GGMLQuantizationType
+    from gguf.quants import dequantize as gguf_dequantize
+
+    from ggufcarve.gguf.tensors import dequantize
+
+    rng = np.random.default_rng(8)
+    blocks = rng.integers(0, 256, (1 << 16, 34), dtype=np.uint8)
+    blocks[:, :2] = np.arange(1 << 16, dtype=np.uint16).view(np.uint8).reshape(-1, 2)  # every f16 d, NaN and Inf included
+    raw = blocks.reshape(256, -1)
+    ours = dequantize(raw.tobytes(), int(GGMLQuantizationType.Q8_0), (raw.shape[1] // 34 * 32, 256))
+    with np.errstate(invalid="ignore"):
+        theirs = gguf_dequantize(raw, GGMLQuantizationType.Q8_0)
+    assert ours.shape == theirs.shape and ours.dtype == np.float32
+    assert np.array_equal(ours.view(np.uint32), theirs.astype(np.float32).view(np.uint32))

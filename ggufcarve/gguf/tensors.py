@@ -4,7 +4,8 @@ A tensor's bytes are `[data_start + offset, data_start + offset + nbytes)` of it
 order `ne[0]` is the row width and `ne[-1]` the outermost axis, so the numpy array of a tensor has
 the reversed shape, and the expert axis of an expert tensor (`ne[-1]`) is numpy axis 0: expert `e`
 is the contiguous byte range `[e * slab, (e + 1) * slab)` with `slab = nbytes / ne[-1]`. Quantized
-rows are dequantized by gguf-py (`gguf.quants.dequantize`), which knows every llama.cpp block type.
+rows are dequantized by gguf-py (`gguf.quants.dequantize`), which knows every llama.cpp block type;
+Q8_0, the type of most source models, by one vectorised numpy pass with the same products.
 """
 
 from __future__ import annotations
@@ -52,6 +53,15 @@ def expert_slab(model: GGUFModel, name: str, expert: int) -> bytes:
     return _read(model.shards[shard].path, start + expert * slab, slab)
 
 
+def dequantize_q8_0(data: np.ndarray) -> np.ndarray:
+    """Q8_0 blocks (uint8, 34 bytes each: f16 d, then 32 int8 q) as float32 q * d, the product
+    ggml's dequantize_row_q8_0 computes; one vectorised pass instead of gguf-py's row groups."""
+    blocks = data.reshape(-1, 34)
+    d = blocks[:, :2].copy().view(np.float16).astype(np.float32)
+    with np.errstate(invalid="ignore"):  # an Inf scale times a zero quant is NaN, as in ggml
+        return (blocks[:, 2:].view(np.int8).astype(np.float32) * d).reshape(-1)
+
+
 def dequantize(raw: bytes, type_id: int, shape: tuple[int, ...]) -> np.ndarray:
     """float32 values of `raw` (a tensor or a slab of type `type_id` and ggml shape `shape`), numpy order."""
     try:
@@ -60,6 +70,8 @@ def dequantize(raw: bytes, type_id: int, shape: tuple[int, ...]) -> np.ndarray:
     except (ValueError, KeyError):
         raise UnsupportedModel(f"ggml type {ggml_type_name(type_id)} has no numpy dequantizer in gguf-py", "this tensor type cannot be read by ggufcarve") from None
     data = np.frombuffer(raw, dtype=np.uint8)
+    if qtype == GGMLQuantizationType.Q8_0:
+        return dequantize_q8_0(data).reshape(tuple(reversed(shape)))
     rows = int(np.prod(shape[1:], dtype=np.int64)) if len(shape) > 1 else 1
     try:
         values = gguf_dequantize(data.reshape(rows, -1), qtype)

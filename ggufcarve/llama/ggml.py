@@ -104,10 +104,9 @@ def read_tensor(address: int) -> np.ndarray:
         return np.zeros(shape, dtype=np.float32 if dtype is np.float16 else dtype)
     span = sum((n - 1) * s for n, s in zip(shape, strides)) + np.dtype(dtype).itemsize  # ggml_nbytes of a view
     if t.buffer and libggml().ggml_backend_buffer_is_host(ctypes.c_void_p(t.buffer)):
-        raw: bytes = ctypes.string_at(t.data, span)
+        raw: Any = (ctypes.c_char * span).from_address(t.data)  # the node's memory itself: copied once, below
     else:
-        buffer = ctypes.create_string_buffer(span)
-        libggml().ggml_backend_tensor_get(ctypes.c_void_p(address), buffer, ctypes.c_size_t(0), ctypes.c_size_t(span))
-        raw = buffer.raw
+        raw = ctypes.create_string_buffer(span)
+        libggml().ggml_backend_tensor_get(ctypes.c_void_p(address), raw, ctypes.c_size_t(0), ctypes.c_size_t(span))
     view = np.ndarray(shape, dtype=dtype, buffer=raw, strides=strides)
     return view.astype(np.float32) if dtype is np.float16 else np.array(view)

@@ -106,7 +106,7 @@ class ExpertEvaluator:
     def __init__(self, model: GGUFModel, layout: MoeLayout, cache_bytes: int = CACHE_BYTES) -> None:
         self.model, self.layout = model, layout
         self.cache_bytes = cache_bytes
-        self._weights: OrderedDict[tuple[int, int], tuple[np.ndarray | None, np.ndarray, np.ndarray]] = OrderedDict()
+        self._weights: OrderedDict[tuple[int, int], tuple[np.ndarray, int, np.ndarray]] = OrderedDict()
         self._held = 0
         self._vectors: dict[str, np.ndarray | None] = {}
 
@@ -119,25 +119,29 @@ class ExpertEvaluator:
             self._vectors[name] = tensor_values(self.model, name).astype(np.float32) if self._has(name) else None
         return self._vectors[name]
 
-    def _matrices(self, block: int, expert: int) -> tuple[np.ndarray | None, np.ndarray, np.ndarray]:
+    def _matrices(self, block: int, expert: int) -> tuple[np.ndarray, int, np.ndarray]:
+        """float32 (the gate rows then the up rows, or the up rows alone; the gate row count; down)."""
         key = (block, expert)
         if key in self._weights:
             self._weights.move_to_end(key)
             return self._weights[key]
         p = f"blk.{block}."
         if self._has(p + "ffn_gate_up_exps.weight"):
-            fused = expert_values(self.model, p + "ffn_gate_up_exps.weight", expert)
-            half = fused.shape[0] // 2
-            gate, up = fused[:half], fused[half:]
+            first = expert_values(self.model, p + "ffn_gate_up_exps.weight", expert)
+            gate_rows = first.shape[0] // 2
         else:
-            gate = expert_values(self.model, p + "ffn_gate_exps.weight", expert) if self._has(p + "ffn_gate_exps.weight") else None
             up = expert_values(self.model, p + "ffn_up_exps.weight", expert)
+            if self._has(p + "ffn_gate_exps.weight"):
+                first = np.concatenate([expert_values(self.model, p + "ffn_gate_exps.weight", expert), up])
+                gate_rows = len(first) - len(up)
+            else:
+                first, gate_rows = up, 0
         down = expert_values(self.model, p + "ffn_down_exps.weight", expert)
-        matrices = (gate, up, down)
-        size = sum(m.nbytes for m in matrices if m is not None)
+        matrices = (first, gate_rows, down)
+        size = first.nbytes + down.nbytes
         while self._weights and self._held + size > self.cache_bytes:
-            _, dropped = self._weights.popitem(last=False)
-            self._held -= sum(m.nbytes for m in dropped if m is not None)
+            _, (dropped_first, _, dropped_down) = self._weights.popitem(last=False)
+            self._held -= dropped_first.nbytes + dropped_down.nbytes
         self._weights[key] = matrices
         self._held += size
         return matrices
@@ -148,12 +152,11 @@ class ExpertEvaluator:
 
     def outputs(self, block: int, expert: int, x: np.ndarray) -> np.ndarray:
         """ffn_moe_down of `expert` for the MoE inputs `x` [T, n_embd]: float32 [T, n_embd] (no down bias)."""
-        gate_w, up_w, down_w = self._matrices(block, expert)
+        first_w, gate_rows, down_w = self._matrices(block, expert)
         p = f"blk.{block}."
         fused = self._has(p + "ffn_gate_up_exps.weight")
-        x = np.asarray(x, dtype=np.float32)
-        up = x @ up_w.T
-        gate = None if gate_w is None else x @ gate_w.T
+        projected = np.asarray(x, dtype=np.float32) @ first_w.T  # gate and up in one product
+        gate, up = (projected[:, :gate_rows], projected[:, gate_rows:]) if gate_rows else (None, projected)
         if fused:
             scale = self._per_expert(p + "ffn_up_exps.scale")
             if scale is not None:

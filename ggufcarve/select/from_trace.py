@@ -61,6 +61,11 @@ def applied_weights(nodes: dict[str, np.ndarray]) -> tuple[np.ndarray, float]:
     return applied, scale
 
 
+def _norms(x: np.ndarray) -> np.ndarray:
+    """||x||_2 along the last axis of a float32 array, as float64: one pass, no squared copy."""
+    return np.sqrt(np.einsum("...i,...i->...", x, x).astype(np.float64))
+
+
 def softmax(x: np.ndarray) -> np.ndarray:
     z = x - x.max(axis=-1, keepdims=True)
     e = np.exp(z)
@@ -88,38 +93,38 @@ class TraceStatistics:
 
     def add(self, block: int, nodes: dict[str, np.ndarray]) -> None:
         counts, sums, sums_sq, maxima = self._arrays(block)
-        topk = nodes["ffn_moe_topk"].astype(np.int64)  # [T, k]
+        topk = nodes["ffn_moe_topk"].astype(np.intp)  # [T, k]
         flat = topk.reshape(-1)
         counts += np.bincount(flat, minlength=self.expert_count)
         if self.method == "frequency":
             return
-        outputs = nodes["ffn_moe_down"].astype(np.float64)  # [T, k, n_embd]
+        outputs = np.asarray(nodes["ffn_moe_down"], dtype=np.float32)  # [T, k, n_embd], as llama.cpp computed it
         bias = self.evaluator.down_bias(block) if self.evaluator is not None else None
         if bias is not None:
             outputs = outputs + bias[topk]
-        norms = np.linalg.norm(outputs, axis=-1)  # [T, k]
-        np.maximum.at(maxima, flat, np.abs(outputs).max(axis=-1).reshape(-1))
+        norms = _norms(outputs)  # [T, k]
+        np.maximum.at(maxima, flat, np.maximum(outputs.max(axis=-1), -outputs.min(axis=-1)).reshape(-1))
         if self.method == "ean":
-            np.add.at(sums, flat, norms.reshape(-1))
+            sums += np.bincount(flat, weights=norms.reshape(-1), minlength=self.expert_count)
             return
         weights, scale = applied_weights(nodes)
         if self.method == "reap":
-            np.add.at(sums, flat, (weights * norms).reshape(-1))
+            sums += np.bincount(flat, weights=(weights * norms).reshape(-1), minlength=self.expert_count)
             return
-        deltas = self.razor_deltas(block, nodes, topk, outputs, weights, scale)
-        np.add.at(sums, flat, deltas.reshape(-1))
-        np.add.at(sums_sq, flat, (deltas**2).reshape(-1))
+        deltas = self.razor_deltas(block, nodes, topk, outputs, weights, scale).reshape(-1)
+        sums += np.bincount(flat, weights=deltas, minlength=self.expert_count)
+        sums_sq += np.bincount(flat, weights=deltas**2, minlength=self.expert_count)
 
     def razor_deltas(self, block: int, nodes: dict[str, np.ndarray], topk: np.ndarray, outputs: np.ndarray, weights: np.ndarray, scale: float) -> np.ndarray:
-        """δ [T, k] of every selected (token, slot)."""
+        """δ [T, k] (float64) of every selected (token, slot); the [T, k, n_embd] terms in float32."""
         assert self.evaluator is not None
         k = topk.shape[1]
         if k < 2:
             raise BadInput("razor needs at least 2 experts per token (top-k >= 2)", "use reap or ean for top-1 routing")
         w = weights / scale  # [T, k]
-        mixture = np.einsum("tk,tke->te", w, outputs)  # c
-        residuals = outputs - mixture[:, None, :]  # r_j
-        refill = nodes["ffn_moe_argsort"][:, k].astype(np.int64)  # [T]
+        w32 = w.astype(np.float32)
+        mixture = np.matmul(w32[:, None, :], outputs)[:, 0, :]  # c [T, n_embd]
+        refill = nodes["ffn_moe_argsort"][:, k].astype(np.intp)  # [T]
         probs = nodes["ffn_moe_probs"].astype(np.float64)  # [T, E]
         if "ffn_moe_weights_softmax" in nodes:
             probs = softmax(probs)
@@ -128,13 +133,17 @@ class TraceStatistics:
         inputs = nodes["ffn_moe_input"]
         refill_out = np.empty_like(mixture)
         bias = self.evaluator.down_bias(block)
-        for expert in np.unique(refill):
-            rows = np.flatnonzero(refill == expert)
+        order = np.argsort(refill, kind="stable")
+        experts, starts = np.unique(refill[order], return_index=True)
+        for expert, rows in zip(experts, np.split(order, starts[1:])):
             refill_out[rows] = self.evaluator.outputs(block, int(expert), inputs[rows])
             if bias is not None:
                 refill_out[rows] += bias[expert]
-        refill_residual = refill_out - mixture  # r_r [T, n_embd]
-        numerator = np.linalg.norm(w[:, :, None] * residuals - (w_refill[:, None, None] * refill_residual[:, None, :]), axis=-1)
+        refill_out -= mixture  # r_r [T, n_embd]
+        difference = outputs - mixture[:, None, :]  # r_j
+        difference *= w32[:, :, None]
+        difference -= w_refill.astype(np.float32)[:, None, None] * refill_out[:, None, :]  # w_j r_j - w_r r_r
+        numerator = _norms(difference)
         return scale * numerator / np.maximum(1.0 - w + w_refill[:, None], DELTA_FLOOR)
 
     def blocks(self) -> dict[int, BlockStats]:
