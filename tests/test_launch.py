@@ -80,3 +80,30 @@ def test_child_killed_and_reaped_when_the_caller_raises(tmp_path):
 def test_missing_program_is_one_clear_error(tmp_path):
     with pytest.raises(ToolMissing, match="cannot run no-such-tool"):
         launch.run([str(tmp_path / "no-such-tool")])
+
+
+def test_a_child_started_ahead_gets_its_input_when_run():
+    started = launch.start(py("import sys, time; time.sleep(0.3); print(sys.stdin.read().upper())"))
+    time.sleep(0.5)  # the caller's own work; the child waits on its stdin meanwhile
+    lines: list[str] = []
+    done = launch.run([], started=started, input=b"request", on_line=lines.append, timeout=30)
+    assert done.ok and lines == ["REQUEST"], done.tail
+    assert done.argv == started.argv and done.seconds < 5
+    assert started.proc.pid not in launch._running
+
+
+def test_input_reaches_a_child_run_at_once():
+    lines: list[str] = []
+    assert launch.run(py("import sys; print(len(sys.stdin.read()))"), input=b"x" * 200_000, on_line=lines.append).ok
+    assert lines == ["200000"]
+
+
+def test_a_calibration_child_started_ahead_and_never_used_exits_with_its_parent(tmp_path):
+    """A command that fails after starting the calibration child ahead leaves no process behind."""
+    import subprocess
+
+    pid_file = tmp_path / "pid"
+    code = ("import sys; from ggufcarve.select import prestart; prestart.prestart(); "
+            f"open({str(pid_file)!r}, 'w').write(str(prestart._ahead[0].proc.pid)); sys.exit(1)")
+    assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 1
+    assert not alive(int(pid_file.read_text()), grace=30.0)

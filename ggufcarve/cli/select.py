@@ -65,6 +65,14 @@ def _read_model(source: Path) -> tuple[GGUFModel, MoeLayout]:
     return model, inspect_layout(model)
 
 
+def _calibrate_ahead(method: Optional[str], calibration: Optional[list[Path]]) -> None:
+    """With a calibration method and files, the llama.cpp child starts now, its start-up beside ours."""
+    from ggufcarve.select.prestart import TRACE_METHODS, prestart
+
+    if method in TRACE_METHODS and calibration:
+        prestart()
+
+
 def _score(model: GGUFModel, layout: MoeLayout, method: Optional[str], imatrix: Optional[Path], calibration: list[Path], seed: int, ctx: int, max_tokens: Optional[int], threads: Optional[int], quiet: bool) -> ExpertScores:
     from ggufcarve.select.methods import score_model
 
@@ -96,6 +104,7 @@ def score_command(
     quiet: QuietOption = False,
 ) -> None:
     """Score every expert of every MoE block (MTP included) and write the mergeable statistics."""
+    _calibrate_ahead(method, calibration)
     from ggufcarve.select.scores import merge_scores, read_scores
 
     sources = sources or []
@@ -176,6 +185,7 @@ def select_command(
     as_json: JsonOption = False,
 ) -> None:
     """Choose the experts to keep per MoE block (MTP included) and write the selection record."""
+    _calibrate_ahead(method, calibration)
     from ggufcarve.fileio import sha256_file_cached
     from ggufcarve.select.keep import (
         check_kept_count,

@@ -58,8 +58,10 @@ def dequantize_q8_0(data: np.ndarray) -> np.ndarray:
     ggml's dequantize_row_q8_0 computes; one vectorised pass instead of gguf-py's row groups."""
     blocks = data.reshape(-1, 34)
     d = blocks[:, :2].copy().view(np.float16).astype(np.float32)
+    values = blocks[:, 2:].view(np.int8).astype(np.float32)
     with np.errstate(invalid="ignore"):  # an Inf scale times a zero quant is NaN, as in ggml
-        return (blocks[:, 2:].view(np.int8).astype(np.float32) * d).reshape(-1)
+        values *= d
+    return values.reshape(-1)
 
 
 def dequantize(raw: bytes, type_id: int, shape: tuple[int, ...]) -> np.ndarray:

@@ -8,7 +8,9 @@ Every child runs with:
     are off; on CPUs with AMX llama.cpp 0.3.36 crashes in
     `ggml_backend_amx_mul_mat` for small models otherwise (libllama child tasks load models with
     `use_extra_bufts = False` for the same reason);
-  * stdin closed, stdout and stderr merged and streamed line by line to `on_line`;
+  * stdin closed (or a pipe its input is written to, then closed), stdout and stderr merged and
+    streamed line by line to `on_line`; `start` starts a child ahead of its `run`, so that its
+    start-up overlaps the caller's own work;
   * an overall timeout and an idle watchdog (no output for `idle_timeout` seconds);
   * its own process group, killed and reaped on any exception, Ctrl-C included.
 The last lines of output are kept for the error message.
@@ -101,6 +103,48 @@ class Finished:
         return f"{why}" + (f": {last}" if last else "")
 
 
+@dataclass
+class Started:
+    """A child started ahead of its `run` (`start`): it waits for its input on stdin."""
+
+    argv: list[str]
+    proc: subprocess.Popen[bytes]
+
+
+def _spawn(args: list[str], cwd: str | os.PathLike[str] | None, env: Mapping[str, str] | None, stdin: int) -> subprocess.Popen[bytes]:
+    """Popen in a session of its own, registered in `_running`; safe against a stop signal meanwhile."""
+    _check_stopped()
+    in_main = threading.current_thread() is threading.main_thread()
+    if in_main:
+        _main_starting[0] = True
+    try:
+        proc = subprocess.Popen(args, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=cwd, env=child_env(env), start_new_session=True)
+        _running[proc.pid] = proc
+    except BaseException as err:
+        _check_stopped()
+        if isinstance(err, OSError):
+            raise ToolMissing(f"cannot run {Path(args[0]).name}: {err.strerror or err}", "check the path (ggufcarve toolchain show)") from None
+        raise
+    finally:
+        if in_main:
+            _main_starting[0] = False  # from here on a signal handler may raise: the caller kills the child
+    try:
+        _check_stopped()  # a signal that came while Popen ran, or stopped another thread's child
+    except BaseException:
+        _kill(proc)
+        _running.pop(proc.pid, None)
+        raise
+    return proc
+
+
+def start(argv: Sequence[str | os.PathLike[str]], *, cwd: str | os.PathLike[str] | None = None, env: Mapping[str, str] | None = None) -> Started:
+    """Start a child now, with a pipe as its stdin, for a later `run(..., started=, input=)` to
+    feed and follow: its start-up (interpreter, imports) overlaps the caller's own work. A child
+    that is never run reads end-of-file when this process exits."""
+    args = [os.fspath(a) for a in argv]
+    return Started(args, _spawn(args, cwd, env, subprocess.PIPE))
+
+
 def run(
     argv: Sequence[str | os.PathLike[str]],
     *,
@@ -110,47 +154,47 @@ def run(
     cwd: str | os.PathLike[str] | None = None,
     env: Mapping[str, str] | None = None,
     tail_lines: int = TAIL_LINES,
+    started: Started | None = None,
+    input: bytes | None = None,
 ) -> Finished:
     """Run a child to completion; never raises for its exit status (see `check`).
 
+    `started`: a child from `start` (its argv, cwd and env were given there) instead of a new one;
+    `input`: bytes written to the child's stdin, which is then closed (otherwise stdin is closed).
     Raises ToolMissing when the program cannot be started. On any exception in the caller's
     `on_line` (or KeyboardInterrupt) the child's process group is killed and reaped first.
     """
-    args = [os.fspath(a) for a in argv]
-    _check_stopped()
-    started = time.monotonic()
-    in_main = threading.current_thread() is threading.main_thread()
-    if in_main:
-        _main_starting[0] = True
+    if started is None:
+        args = [os.fspath(a) for a in argv]
+        proc = _spawn(args, cwd, env, subprocess.DEVNULL if input is None else subprocess.PIPE)
+    else:
+        args, proc = started.argv, started.proc
     try:
-        proc = subprocess.Popen(
-            args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            cwd=cwd, env=child_env(env), start_new_session=True,
-        )
-        _running[proc.pid] = proc
-    except BaseException as err:
-        if in_main:
-            _main_starting[0] = False
-        _check_stopped()
-        if isinstance(err, OSError):
-            raise ToolMissing(f"cannot run {Path(args[0]).name}: {err.strerror or err}", "check the path (ggufcarve toolchain show)") from None
+        if proc.stdin is not None:
+            try:
+                proc.stdin.write(input or b"")
+                proc.stdin.close()
+            except BrokenPipeError:  # the child died: its output and status say why
+                pass
+    except BaseException:
+        _kill(proc)
+        _running.pop(proc.pid, None)
         raise
+    began = time.monotonic()  # timeouts count from here, when the child has its work
     tail: deque[str] = deque(maxlen=tail_lines)
     timed_out = ""
     assert proc.stdout is not None
     selector = selectors.DefaultSelector()
     pending = b""
-    last_output = started
+    last_output = began
     try:
-        if in_main:
-            _main_starting[0] = False  # from here on a signal handler may raise: the except below kills the child
         selector.register(proc.stdout, selectors.EVENT_READ)
-        _check_stopped()  # a signal that came while Popen ran, or stopped another thread's child
+        _check_stopped()
         while True:
             now = time.monotonic()
             waits = [1.0]
             if timeout is not None:
-                waits.append(started + timeout - now)
+                waits.append(began + timeout - now)
             if idle_timeout is not None:
                 waits.append(last_output + idle_timeout - now)
             events = selector.select(max(0.0, min(waits)))
@@ -167,7 +211,7 @@ def run(
                     tail.append(line)
                     if on_line is not None:
                         on_line(line)
-            if timeout is not None and now - started > timeout:
+            if timeout is not None and now - began > timeout:
                 timed_out = "timeout"
                 break
             if idle_timeout is not None and now - last_output > idle_timeout:
@@ -189,7 +233,7 @@ def run(
         _running.pop(proc.pid, None)
         selector.close()
         proc.stdout.close()
-    return Finished(args, code, time.monotonic() - started, list(tail), timed_out)
+    return Finished(args, code, time.monotonic() - began, list(tail), timed_out)
 
 
 def _kill_group(pid: int) -> None:

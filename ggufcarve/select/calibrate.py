@@ -2,14 +2,16 @@
 and the importance matrix of the same run.
 
 `run_calibration` starts `python -m ggufcarve.select.calibrate` through the one launcher (llama.cpp
-aborts the whole process on a failed GGML_ASSERT). The child loads the model on the CPU (extra
+aborts the whole process on a failed GGML_ASSERT), or adopts the one a command started ahead
+(`ggufcarve.select.prestart`), and writes its request to the child's stdin. The child loads the model on the CPU (extra
 buffer types off), tokenizes and chunks the calibration documents and decodes the chunks exactly
 as llama-imatrix does (see `calibration`: sequences side by side, an empty KV cache per group,
 logits for every token, llama.cpp's own micro-batches), with warm-up off (a warm-up decode routes
 every token to every expert). One eval callback serves two consumers in that one decode:
   * a selection criterion: `GraphTracer` copies the MoE nodes it needs; each block's nodes are
-    folded into the statistics as soon as the graph moves on to the next block (`BlockFolder`), so
-    memory holds one block of one batch;
+    folded into the statistics once the graph moves on to the next block (`BlockFolder`), so
+    memory holds one block of one micro-batch (razor: up to HELD_BYTES across the micro-batches
+    of one decode call, for larger products);
   * the importance matrix (`ggufcarve.imatrix.collect.ImatrixAccumulator`): llama-imatrix's
     statistics of every MUL_MAT / MUL_MAT_ID of a blk.* weight;
 `EvalDispatch` observes the union of their nodes. The child writes both to an .npz file; progress
@@ -47,7 +49,9 @@ from ggufcarve.llama.libllama import (
     write_results,
 )
 from ggufcarve.moe.layout import MoeLayout
+from ggufcarve.select import prestart
 from ggufcarve.select.calibration import Batching, CalibrationFile, read_calibration
+from ggufcarve.select.prestart import CHILD_ARGV, SINGLE_THREADED_BLAS
 from ggufcarve.select.scores import BlockStats, ExpertScores, ModelFacts
 
 if TYPE_CHECKING:
@@ -58,9 +62,10 @@ PROGRESS_LINE = re.compile(r"^ggufcarve-calibrate: traced (?P<done>\d+)/(?P<tota
 ERROR_LINE = re.compile(r"^ggufcarve-calibrate: error: (?P<message>.*?)(?: \|\| (?P<hint>.*))?$")
 IDLE_TIMEOUT = 600.0
 MTP_NOTE = "MTP block: llama.cpp's decode graph does not run it; scored by the weights rule"
-# numpy's matrix products (RAZOR's refill experts) run beside llama.cpp's own threads: a BLAS
-# thread pool on top oversubscribes the cores (measured: 30x slower products on 2 cores).
-SINGLE_THREADED_BLAS = {"OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+# captures a batched criterion (razor) holds across micro-batches, over all blocks: its refill
+# experts are evaluated for more tokens per product (on 2 cores a 512-token micro-batch of 32
+# experts took 1.9 s of products per 8,192 tokens, the 2,048 tokens of one decode call 0.9 s)
+HELD_BYTES = 256 << 20
 EXIT_BAD_INPUT, EXIT_LOAD, EXIT_DECODE, EXIT_CALLBACK = 2, 3, 5, 7
 
 
@@ -108,12 +113,12 @@ def run_calibration(
     batching = Batching.of(ctx)
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="ggufcarve-calibrate-") as tmp:
-        request, result = Path(tmp) / "request.json", Path(tmp) / "statistics.npz"
-        request.write_text(json.dumps({
+        result = Path(tmp) / "statistics.npz"
+        request = json.dumps({
             "model": os.fspath(model.path), "method": method, "ctx": ctx, "max_tokens": max_tokens,
             "threads": threads or min(os.cpu_count() or 1, 8), "imatrix": imatrix_out is not None,
-            "files": [[d.to_json() for d in f.documents] for f in calibration],
-        }))
+            "files": [[d.to_json() for d in f.documents] for f in calibration], "out": str(result),
+        }).encode()
         refused: list[BadInput] = []
 
         def watch(line: str) -> None:
@@ -122,8 +127,7 @@ def run_calibration(
             elif m := ERROR_LINE.match(line):
                 refused.append(BadInput(m["message"], m["hint"] or ""))
 
-        finished = launch.run([sys.executable, "-m", "ggufcarve.select.calibrate", "--request", str(request), "--out", str(result)],
-                              on_line=watch, idle_timeout=IDLE_TIMEOUT, env=SINGLE_THREADED_BLAS)
+        finished = launch.run(CHILD_ARGV, started=prestart.adopt(), input=request, on_line=watch, idle_timeout=IDLE_TIMEOUT, env=SINGLE_THREADED_BLAS)
         if refused:
             raise refused[0]
         launch.check(finished, f"calibrating {model.path.name} in llama.cpp", "check that the model loads in llama.cpp (llama.cpp's last lines are above)")
@@ -164,7 +168,7 @@ def calibrate(
     With `imatrix_out`, the same decode also collects the model's importance matrix, written
     there as llama-imatrix would write it from the same text and --ctx (refused if it exists,
     unless `force`)."""
-    from ggufcarve.select.from_trace import TRACE_METHODS
+    from ggufcarve.select.prestart import TRACE_METHODS
     from ggufcarve.select.zero_shot import weights_stats
 
     if method not in TRACE_METHODS:
@@ -204,10 +208,16 @@ def _refuse(message: str, hint: str) -> int:
 
 
 class BlockFolder:
-    """The eval callback: GraphTracer's copies, folded into TraceStatistics one block at a time."""
+    """The eval callback: GraphTracer's copies, folded into TraceStatistics block by block.
 
-    def __init__(self, tracer: Any, statistics: Any, parse: Any) -> None:
+    A block's captures are folded once the graph has moved on to another block: micro-batch by
+    micro-batch, or, for a criterion that evaluates experts in batches (`statistics.batched`),
+    once the block holds `hold_bytes` of captures or the decode call ends (`flush()`), so that its
+    products see as many tokens at once as that memory allows."""
+
+    def __init__(self, tracer: Any, statistics: Any, parse: Any, hold_bytes: int = 0) -> None:
         self.tracer, self.statistics, self.parse = tracer, statistics, parse
+        self.hold_bytes = hold_bytes if statistics.batched else 0
         self.block: int | None = None
         self.errors: list[str] = []
 
@@ -218,19 +228,29 @@ class BlockFolder:
         try:
             parsed = self.parse(tensor_at(address).label)
             if parsed is not None and parsed[0] in self.tracer.nodes | {"ffn_moe_logits"} and parsed[1] != self.block:
-                self.flush(keep=parsed[1])
+                self.flush(keep=parsed[1], held=True)
                 self.block = parsed[1]
         except BaseException as err:  # an exception escaping into ctypes would read as False
             if len(self.errors) < 20:
                 self.errors.append(f"{type(err).__name__}: {err}")
         return True
 
-    def flush(self, keep: int | None = None) -> None:
-        """Fold every captured block except `keep` (the one being computed) into the statistics."""
+    def _held(self, block: int) -> int:
+        return sum(part.nbytes for per_block in self.tracer.captured.values() for part in per_block.get(block, ()))
+
+    def flush(self, keep: int | None = None, held: bool = False) -> None:
+        """Fold every captured block except `keep` (the one being computed) into the statistics;
+        with `held`, a batched criterion's blocks stay until they hold `hold_bytes`."""
         blocks = {b for per_block in self.tracer.captured.values() for b in per_block} - {keep}
         for block in sorted(blocks):
-            nodes = {node: np.concatenate(per_block.pop(block), axis=0) for node, per_block in self.tracer.captured.items() if block in per_block}
-            self.statistics.add(block, nodes)
+            if held and self.hold_bytes and self._held(block) < self.hold_bytes:
+                continue
+            parts = {node: per_block.pop(block) for node, per_block in self.tracer.captured.items() if block in per_block}
+            if self.statistics.batched or len({len(p) for p in parts.values()}) != 1:
+                self.statistics.add(block, {node: np.concatenate(p, axis=0) for node, p in parts.items()})
+            else:  # one micro-batch at a time: every node holds one part per micro-batch
+                for i in range(len(next(iter(parts.values())))):
+                    self.statistics.add(block, {node: p[i] for node, p in parts.items()})
 
 
 def _child(request: dict[str, Any], out: Path) -> int:
@@ -266,10 +286,10 @@ def _child(request: dict[str, Any], out: Path) -> int:
         from ggufcarve.select.from_trace import TraceStatistics, nodes_for
 
         layout = inspect_layout(read_model(model_path))
-        evaluator = ExpertEvaluator(read_model(model_path), layout) if method in ("razor", "ean", "reap") else None
+        evaluator = ExpertEvaluator(read_model(model_path), layout, threads=int(request["threads"])) if method in ("razor", "ean", "reap") else None
         statistics = TraceStatistics(method, layout.expert_count, evaluator)
         tracer = GraphTracer(frozenset(nodes_for(method)))
-        folder = BlockFolder(tracer, statistics, parse_node_name)
+        folder = BlockFolder(tracer, statistics, parse_node_name, hold_bytes=HELD_BYTES // max(1, len(layout.blocks)))
         consumers.append(folder)
     accumulator = ImatrixAccumulator() if request.get("imatrix") else None
     if accumulator is not None:
@@ -323,10 +343,24 @@ def _child(request: dict[str, Any], out: Path) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ggufcarve.select.calibrate", description="Trace calibration text through llama.cpp and accumulate expert statistics.")
-    parser.add_argument("--request", required=True, type=Path, help="JSON request written by calibrate()")
-    parser.add_argument("--out", required=True, type=Path, help=".npz file to write")
+    parser.add_argument("--request", required=True, help="JSON request written by run_calibration, or - to read it from stdin")
+    parser.add_argument("--out", type=Path, help=".npz file to write (default: the request's \"out\")")
     args = parser.parse_args(argv)
-    return _child(json.loads(args.request.read_text()), args.out)
+    if args.request == "-":
+        import llama_cpp  # noqa: F401 - imported before the request arrives: see ggufcarve.select.prestart
+
+        import ggufcarve.imatrix.collect  # noqa: F401
+        import ggufcarve.llama.trace  # noqa: F401
+        import ggufcarve.select.from_trace  # noqa: F401
+
+        text = sys.stdin.read()
+        if not text:
+            return 0  # a child started ahead that its parent never needed
+        request = json.loads(text)
+    else:
+        request = json.loads(Path(args.request).read_text())
+    out = args.out or Path(request["out"])
+    return _child(request, out)
 
 
 if __name__ == "__main__":

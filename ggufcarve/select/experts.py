@@ -18,12 +18,15 @@ activation to up alone):
     swiglu-oai  g = min(gate, 7); u = clamp(up, -7, 7); g * sigmoid(1.702 g) * (u + 1)
                                                                            (LLM_FFN_SWIGLU_OAI_MOE)
 Dequantized expert matrices are cached up to a byte budget (least recently used first out), so
-the model is never held in memory whole.
+the model is never held in memory whole. `outputs_many` reads and evaluates a batch of experts on
+a few threads: in the eval callback llama.cpp's own threads wait, so the cores are free.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Iterable, Sequence, TypeVar
 
 import numpy as np
 
@@ -60,6 +63,7 @@ SWIGLU_OAI_LIMIT = 7.0
 GELU_COEF_A = np.float32(0.044715)
 SQRT_2_OVER_PI = np.float32(0.79788456080286535587989211986876)
 CACHE_BYTES = 1 << 30
+T = TypeVar("T")
 
 
 def activation_of(architecture: str) -> str:
@@ -103,9 +107,11 @@ def activate(kind: str, gate: np.ndarray | None, up: np.ndarray) -> np.ndarray:
 class ExpertEvaluator:
     """f_e(x) for the routed experts of one model, weights read and dequantized on demand."""
 
-    def __init__(self, model: GGUFModel, layout: MoeLayout, cache_bytes: int = CACHE_BYTES) -> None:
+    def __init__(self, model: GGUFModel, layout: MoeLayout, cache_bytes: int = CACHE_BYTES, threads: int = 1) -> None:
         self.model, self.layout = model, layout
         self.cache_bytes = cache_bytes
+        self.threads = max(1, threads)
+        self._pool: ThreadPoolExecutor | None = None
         self._weights: OrderedDict[tuple[int, int], tuple[np.ndarray, int, np.ndarray]] = OrderedDict()
         self._held = 0
         self._vectors: dict[str, np.ndarray | None] = {}
@@ -119,12 +125,8 @@ class ExpertEvaluator:
             self._vectors[name] = tensor_values(self.model, name).astype(np.float32) if self._has(name) else None
         return self._vectors[name]
 
-    def _matrices(self, block: int, expert: int) -> tuple[np.ndarray, int, np.ndarray]:
+    def _read_matrices(self, block: int, expert: int) -> tuple[np.ndarray, int, np.ndarray]:
         """float32 (the gate rows then the up rows, or the up rows alone; the gate row count; down)."""
-        key = (block, expert)
-        if key in self._weights:
-            self._weights.move_to_end(key)
-            return self._weights[key]
         p = f"blk.{block}."
         if self._has(p + "ffn_gate_up_exps.weight"):
             first = expert_values(self.model, p + "ffn_gate_up_exps.weight", expert)
@@ -136,15 +138,49 @@ class ExpertEvaluator:
                 gate_rows = len(first) - len(up)
             else:
                 first, gate_rows = up, 0
-        down = expert_values(self.model, p + "ffn_down_exps.weight", expert)
-        matrices = (first, gate_rows, down)
-        size = first.nbytes + down.nbytes
+        return first, gate_rows, expert_values(self.model, p + "ffn_down_exps.weight", expert)
+
+    def _remember(self, key: tuple[int, int], matrices: tuple[np.ndarray, int, np.ndarray]) -> None:
+        size = matrices[0].nbytes + matrices[2].nbytes
         while self._weights and self._held + size > self.cache_bytes:
             _, (dropped_first, _, dropped_down) = self._weights.popitem(last=False)
             self._held -= dropped_first.nbytes + dropped_down.nbytes
         self._weights[key] = matrices
         self._held += size
+
+    def _matrices(self, block: int, expert: int) -> tuple[np.ndarray, int, np.ndarray]:
+        key = (block, expert)
+        if key in self._weights:
+            self._weights.move_to_end(key)
+            return self._weights[key]
+        matrices = self._read_matrices(block, expert)
+        self._remember(key, matrices)
         return matrices
+
+    def _map(self, function: Callable[..., T], *iterables: Iterable[Any]) -> list[T]:
+        """`function` over `iterables` on `threads` threads (numpy's products and the reads release the GIL)."""
+        if self.threads == 1:
+            return list(map(function, *iterables))
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="ggufcarve-experts")
+        return list(self._pool.map(function, *iterables))
+
+    def outputs_many(self, block: int, work: Sequence[tuple[int, np.ndarray]]) -> list[np.ndarray]:
+        """`outputs(block, expert, x)` for every (expert, x) of `work`, the experts not yet cached
+        read and all of them evaluated on `threads` threads."""
+        experts = [int(e) for e, _ in work]
+        held = {e: self._matrices(block, e) for e in dict.fromkeys(experts) if (block, e) in self._weights}
+        missing = [e for e in dict.fromkeys(experts) if e not in held]
+        for expert, matrices in zip(missing, self._map(lambda e: self._read_matrices(block, e), missing)):
+            held[expert] = matrices
+            self._remember((block, expert), matrices)
+        for name in self._block_vectors(block):  # read here, not concurrently in the threads below
+            self._per_expert(name)
+        return self._map(lambda e, x: self._evaluate(block, e, held[e], x), experts, [x for _, x in work])
+
+    def _block_vectors(self, block: int) -> list[str]:
+        p = f"blk.{block}."
+        return [p + t + kind for t in ("ffn_up_exps", "ffn_gate_exps", "ffn_gate_up_exps", "ffn_down_exps") for kind in (".scale", ".bias")]
 
     def down_bias(self, block: int) -> np.ndarray | None:
         """[n_expert, n_embd] down-projection biases (gpt-oss), None when the block has none."""
@@ -152,7 +188,10 @@ class ExpertEvaluator:
 
     def outputs(self, block: int, expert: int, x: np.ndarray) -> np.ndarray:
         """ffn_moe_down of `expert` for the MoE inputs `x` [T, n_embd]: float32 [T, n_embd] (no down bias)."""
-        first_w, gate_rows, down_w = self._matrices(block, expert)
+        return self._evaluate(block, expert, self._matrices(block, expert), x)
+
+    def _evaluate(self, block: int, expert: int, matrices: tuple[np.ndarray, int, np.ndarray], x: np.ndarray) -> np.ndarray:
+        first_w, gate_rows, down_w = matrices
         p = f"blk.{block}."
         fused = self._has(p + "ffn_gate_up_exps.weight")
         projected = np.asarray(x, dtype=np.float32) @ first_w.T  # gate and up in one product

@@ -30,7 +30,6 @@ from ggufcarve.errors import BadInput
 from ggufcarve.select.experts import ExpertEvaluator
 from ggufcarve.select.scores import BlockStats
 
-TRACE_METHODS = ("frequency", "ean", "reap", "razor")
 STATISTIC = {"frequency": "count", "ean": "mean", "reap": "mean", "razor": "rms"}
 WEIGHT_NODES = ("ffn_moe_weights_scaled", "ffn_moe_weights_norm", "ffn_moe_weights_softmax", "ffn_moe_weights")
 DELTA_FLOOR = 1e-6
@@ -84,6 +83,11 @@ class TraceStatistics:
     sums_sq: dict[int, np.ndarray] = field(default_factory=dict)
     maxima: dict[int, np.ndarray] = field(default_factory=dict)
 
+    @property
+    def batched(self) -> bool:
+        """Whether `add` gains from many tokens at once (razor evaluates refill experts per product)."""
+        return self.method == "razor"
+
     def _arrays(self, block: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         n = self.expert_count
         if block not in self.counts:
@@ -135,14 +139,14 @@ class TraceStatistics:
         bias = self.evaluator.down_bias(block)
         order = np.argsort(refill, kind="stable")
         experts, starts = np.unique(refill[order], return_index=True)
-        for expert, rows in zip(experts, np.split(order, starts[1:])):
-            refill_out[rows] = self.evaluator.outputs(block, int(expert), inputs[rows])
-            if bias is not None:
-                refill_out[rows] += bias[expert]
+        groups = np.split(order, starts[1:])
+        for expert, rows, out in zip(experts, groups, self.evaluator.outputs_many(block, [(e, inputs[rows]) for e, rows in zip(experts, groups)])):
+            refill_out[rows] = out if bias is None else out + bias[expert]
         refill_out -= mixture  # r_r [T, n_embd]
+        refill_out *= w_refill.astype(np.float32)[:, None]  # w_r r_r
         difference = outputs - mixture[:, None, :]  # r_j
         difference *= w32[:, :, None]
-        difference -= w_refill.astype(np.float32)[:, None, None] * refill_out[:, None, :]  # w_j r_j - w_r r_r
+        difference -= refill_out[:, None, :]  # w_j r_j - w_r r_r
         numerator = _norms(difference)
         return scale * numerator / np.maximum(1.0 - w + w_refill[:, None], DELTA_FLOOR)
 
