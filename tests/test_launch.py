@@ -107,3 +107,36 @@ def test_a_calibration_child_started_ahead_and_never_used_exits_with_its_parent(
             f"open({str(pid_file)!r}, 'w').write(str(prestart._ahead[0].proc.pid)); sys.exit(1)")
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 1
     assert not alive(int(pid_file.read_text()), grace=30.0)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+@pytest.mark.parametrize("where", ["main thread", "worker thread"])
+def test_children_die_with_a_sigkilled_ggufcarve(tmp_path, where):
+    """The kernel kills a child when ggufcarve dies by SIGKILL, which no handler sees."""
+    import signal
+    import subprocess
+
+    pid_file = tmp_path / "pid"
+    child = f"import os; open({str(pid_file)!r}, 'w').write(str(os.getpid())); import time; time.sleep(120)"
+    start = f"launch.run([sys.executable, '-c', {child!r}])"
+    if where == "worker thread":
+        start = f"threading.Thread(target=lambda: {start}).start(); time.sleep(120)"
+    parent = subprocess.Popen([sys.executable, "-c", f"import sys, threading, time; from ggufcarve.llama import launch; {start}"])
+    deadline = time.monotonic() + 60
+    while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    child_pid = int(pid_file.read_text())
+    assert alive(child_pid, grace=0)
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    assert not alive(child_pid, grace=10.0), "the child outlived its SIGKILLed parent"
+
+
+def test_a_guarded_child_keeps_its_pid_and_argv():
+    started = launch.start(py("import os; print(os.getpid())"))
+    lines: list[str] = []
+    assert launch.run([], started=started, on_line=lines.append).ok
+    assert lines == [str(started.proc.pid)]  # the guard execs the program in place
+    lines.clear()
+    assert launch.run([sys.executable, "-c", "import sys; print(sys.argv[1:])", "a b", "--c"], on_line=lines.append).ok
+    assert lines == ["['a b', '--c']"]

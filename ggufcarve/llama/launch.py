@@ -12,7 +12,8 @@ Every child runs with:
     streamed line by line to `on_line`; `start` starts a child ahead of its `run`, so that its
     start-up overlaps the caller's own work;
   * an overall timeout and an idle watchdog (no output for `idle_timeout` seconds);
-  * its own process group, killed and reaped on any exception, Ctrl-C included.
+  * its own process group, killed and reaped on any exception, Ctrl-C included;
+  * on Linux, the kernel's SIGKILL when ggufcarve itself dies, even by SIGKILL (ORPHAN_GUARD).
 The last lines of output are kept for the error message.
 
 Children run in sessions of their own, so a terminal's Ctrl-C reaches only ggufcarve. Its signal
@@ -26,8 +27,10 @@ from __future__ import annotations
 
 import os
 import selectors
+import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections import deque
@@ -43,6 +46,23 @@ CHILD_ENV = {
     "LLAMA_ARG_REPACK": "0",
 }
 
+
+# Run by `python -S` (no site: a few milliseconds) in every child on Linux, then replaced by the
+# child's program (execv keeps the pid): prctl(PR_SET_PDEATHSIG, SIGKILL) makes the kernel kill
+# the child when the thread that started it ends, and the setting survives execve. So a ggufcarve
+# killed by SIGKILL takes its children with it (`run` starts and waits in one thread). argv:
+# ggufcarve's pid (a parent already gone is checked after the prctl), the program, its argv.
+ORPHAN_GUARD = """
+import ctypes, os, signal, sys
+ctypes.CDLL(None).prctl(1, signal.SIGKILL)
+if os.getppid() != int(sys.argv[1]):
+    os._exit(128 + signal.SIGKILL)
+try:
+    os.execv(sys.argv[2], sys.argv[3:])
+except OSError as err:
+    print(f"cannot run {sys.argv[3]}: {err.strerror}", file=sys.stderr, flush=True)
+    os._exit(127)
+"""
 
 _running: dict[int, subprocess.Popen[bytes]] = {}  # every child of a `run` in progress, by pid
 _stopped_by: list[int] = []  # the signal `stop_all` was called for; no child runs after it
@@ -111,14 +131,26 @@ class Started:
     proc: subprocess.Popen[bytes]
 
 
+def guarded(args: list[str]) -> list[str]:
+    """`args` run through ORPHAN_GUARD on Linux (the program resolved on PATH first); ToolMissing
+    when there is no such program."""
+    program = shutil.which(args[0])
+    if program is None:
+        raise ToolMissing(f"cannot run {Path(args[0]).name}: no such program, or it is not executable", "check the path (ggufcarve toolchain show)")
+    if not sys.platform.startswith("linux"):
+        return args
+    return [sys.executable, "-S", "-c", ORPHAN_GUARD, str(os.getpid()), program, *args]
+
+
 def _spawn(args: list[str], cwd: str | os.PathLike[str] | None, env: Mapping[str, str] | None, stdin: int) -> subprocess.Popen[bytes]:
     """Popen in a session of its own, registered in `_running`; safe against a stop signal meanwhile."""
     _check_stopped()
+    command = guarded(args)
     in_main = threading.current_thread() is threading.main_thread()
     if in_main:
         _main_starting[0] = True
     try:
-        proc = subprocess.Popen(args, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=cwd, env=child_env(env), start_new_session=True)
+        proc = subprocess.Popen(command, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=cwd, env=child_env(env), start_new_session=True)
         _running[proc.pid] = proc
     except BaseException as err:
         _check_stopped()
