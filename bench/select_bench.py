@@ -2,19 +2,22 @@
 
   weights:  `ggufcarve score MODEL --method weights` against `cat MODEL > /dev/null` (one read of
             the file) on a synthetic qwen3moe-shaped Q8_0 file (tests/factory.py write_bulk_moe with finite
-            scales, 128 experts, 8 layers: 5 GiB by default), page cache warm; also the library call
-            alone, timed inside one process
+            scales, 128 experts, 8 layers: 5 GiB by default), and the library call alone, timed inside
+            its process (no interpreter start or imports); warm (page cache filled by a cat first),
+            then cold (the file's pages dropped with posix_fadvise DONTNEED before each run; a cold
+            cat far slower than the warm one shows they were dropped)
   trace:    `ggufcarve score MODEL --method frequency|ean|reap|razor` against `llama-imatrix` on the
             same loadable model (tests/factory.py qwen3moe, Q8_0), the same text, context and
             threads; each includes process start and model load
 Each is run --repeat times, alternating; medians are printed with the ratio to the baseline.
 
-    PYTHONPATH=. python bench/select_bench.py [--dir bench/out] [--repeat 3] [--tokens 8192] [--threads 2]
+    PYTHONPATH=. python bench/select_bench.py [--dir bench/out] [--repeat 3] [--tokens 8192] [--threads 2] [--only weights|trace] [--no-cold]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
 import subprocess
@@ -50,23 +53,39 @@ def make_finite(path: Path) -> None:
     data.flush()
 
 
-def seconds(cmd: list[str], **kwargs) -> float:
+def seconds(cmd: list[str], inner: bool = False, drop: Path | None = None) -> float:
+    """Wall time of `cmd`, or with `inner` the seconds it prints; `drop`: that file's pages are
+    dropped from the page cache first."""
+    if drop is not None:
+        drop_pages(drop)
     started = time.perf_counter()
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, **kwargs)
-    return time.perf_counter() - started
+    done = subprocess.run(cmd, check=True, stdout=subprocess.PIPE if inner else subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True)
+    return float(done.stdout) if inner else time.perf_counter() - started
 
 
-def compare(label: str, baseline: list[str], runs: dict[str, list[str]], repeat: int, **kwargs) -> None:
+def drop_pages(path: Path) -> None:
+    """Drop `path`'s clean pages from the page cache (no root needed; pages another process maps stay)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def compare(label: str, baseline: list[str], runs: dict[str, list[str]], repeat: int, inner: tuple[str, ...] = (), drop: Path | None = None, shown: str = "") -> None:
+    """`inner`: the runs timed by the seconds they print (the rest by wall time); `shown`: the
+    baseline as printed (else its first two words)."""
     times: dict[str, list[float]] = {"baseline": [], **{name: [] for name in runs}}
     for _ in range(repeat):
-        times["baseline"].append(seconds(baseline, **kwargs))
+        times["baseline"].append(seconds(baseline, drop=drop))
         for name, cmd in runs.items():
-            times[name].append(seconds(cmd, **kwargs))
+            times[name].append(seconds(cmd, name in inner, drop))
     base = statistics.median(times["baseline"])
-    print(f"{label}: baseline {' '.join(Path(baseline[0]).name if i == 0 else a for i, a in enumerate(baseline[:2]))} ... {base:.2f} s")
+    shown = shown or " ".join(Path(baseline[0]).name if i == 0 else a for i, a in enumerate(baseline[:2])) + " ..."
+    print(f"{label}: baseline {shown} {base:.2f} s")
     for name in runs:
         t = statistics.median(times[name])
-        print(f"  {name:<10} {t:7.2f} s  {t / base:5.2f}x")
+        print(f"  {name:<11} {t:7.2f} s  {t / base:5.2f}x" + ("  (timed inside its process: no interpreter start or imports)" if name in inner else ""))
 
 
 def main() -> None:
@@ -77,24 +96,37 @@ def main() -> None:
     parser.add_argument("--ctx", type=int, default=512)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--layers", type=int, default=8, help="layers of the weights benchmark's file (0.62 GiB each)")
+    parser.add_argument("--only", choices=("weights", "trace"), help="run one of the two benchmarks")
+    parser.add_argument("--no-cold", dest="cold", action="store_false", help="weights: skip the cold-cache runs")
     args = parser.parse_args()
     args.dir.mkdir(parents=True, exist_ok=True)
     ggufcarve = [sys.executable, "-m", "ggufcarve"]
 
+    if args.only in (None, "weights"):
+        weights(args, ggufcarve)
+    if args.only in (None, "trace"):
+        trace(args, ggufcarve)
+
+
+def weights(args: argparse.Namespace, ggufcarve: list[str]) -> None:
     big = args.dir / "select-weights.gguf"
     if not big.exists():
         factory.write_bulk_moe(big, n_layer=args.layers, n_expert=128, n_embd=2048, n_ff_exp=768)
         make_finite(big)
-    subprocess.run(["cat", str(big)], check=True, stdout=subprocess.DEVNULL)
     print(f"weights: {big.stat().st_size / 2**30:.2f} GiB")
     library = ("from ggufcarve.gguf.container import read_model; from ggufcarve.moe.layout import inspect_layout; "
                "from ggufcarve.select.methods import score_model; import time, sys; m = read_model(sys.argv[1]); "
                "t = time.perf_counter(); score_model(m, inspect_layout(m), 'weights'); print(time.perf_counter() - t)")
-    compare("weights", ["sh", "-c", f"cat '{big}' > /dev/null"],
-            {"weights": [*ggufcarve, "score", str(big), "--method", "weights", "-o", str(args.dir / "weights.json"), "--force", "-q"]}, args.repeat)
-    inside = [float(subprocess.run([sys.executable, "-c", library, str(big)], check=True, capture_output=True, text=True).stdout) for _ in range(args.repeat)]
-    print(f"  {'score_model':<10} {statistics.median(inside):7.2f} s  (the library call alone, in process: no interpreter start or imports)")
+    runs = {"weights": [*ggufcarve, "score", str(big), "--method", "weights", "-o", str(args.dir / "weights.json"), "--force", "-q"],
+            "score_model": [sys.executable, "-c", library, str(big)]}
+    cat = ["sh", "-c", f"cat '{big}' > /dev/null"]
+    subprocess.run(cat, check=True)
+    compare("weights, warm", cat, runs, args.repeat, inner=("score_model",), shown="cat MODEL > /dev/null")
+    if args.cold:
+        compare("weights, cold", cat, runs, args.repeat, inner=("score_model",), drop=big, shown="cat MODEL > /dev/null")
 
+
+def trace(args: argparse.Namespace, ggufcarve: list[str]) -> None:
     model = args.dir / "select-trace.gguf"
     if not model.exists():
         factory.write_model(model, "qwen3moe", dtype="Q8_0", n_expert=32, n_expert_used=4, n_layer=4, n_embd=512, n_ff_exp=512)

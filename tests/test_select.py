@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import struct
+import threading
 
 import factory
 import gguf
@@ -16,6 +17,7 @@ from gguf.quants import dequantize as gguf_dequantize
 from ggufcarve.errors import BadInput
 from ggufcarve.gguf.container import read_model
 from ggufcarve.moe.layout import inspect_layout
+from ggufcarve.select import zero_shot
 from ggufcarve.select.keep import choose, compare, super_experts
 from ggufcarve.select.methods import score_model
 from ggufcarve.select.scores import BlockStats, ExpertScores, ModelFacts, merge_scores
@@ -224,6 +226,45 @@ def expert_weight_types(path) -> set[str]:
 def test_weights_equals_brute_force(make_model, arch, dtype):
     scores = assert_weights_match(make_model(arch, dtype))
     assert set(scores.parameters["scale_rules"]) == {dtype}
+
+
+@pytest.mark.parametrize("dtype", ["Q8_0", "F16"])
+@pytest.mark.parametrize("read_bytes,rms_values,threads", [(1000, 300, 3), (1 << 30, 1 << 30, 1)], ids=["slabs-cut", "all-slabs-in-one-piece"])
+def test_weights_do_not_depend_on_how_the_file_is_read(make_model, monkeypatch, dtype, read_bytes, rms_values, threads):
+    """Every slab cut between blocks into uneven pieces (per-expert sums added up across pieces,
+    on 3 threads), and every tensor read as one piece on the calling thread alone."""
+    path = make_model("qwen3moe", dtype)
+    monkeypatch.setattr(zero_shot, "READ_BYTES", read_bytes)
+    monkeypatch.setattr(zero_shot, "RMS_VALUES", rms_values)
+    monkeypatch.setattr(zero_shot, "READ_THREADS", threads)
+    layout = inspect_layout(read_model(path))
+    t = next(t for layer in layout.layers for t in layer.tensors if t.name.endswith("_exps.weight"))
+    pieces = zero_shot._pieces(t.bytes_per_expert, gguf.GGMLQuantizationType[dtype], layout.expert_count)
+    sizes = {size for *_, size in pieces}
+    if read_bytes < t.bytes_per_expert:
+        assert len(pieces) > 2 * layout.expert_count and len(sizes) == 2  # several pieces per slab, of two sizes
+    else:
+        assert len(pieces) == 1
+    assert_weights_match(path)
+
+
+def test_weights_raise_what_a_helper_thread_raised(make_model, monkeypatch):
+    path = make_model("qwen3moe", "Q8_0")
+    model = read_model(path)
+    layout = inspect_layout(model)
+    monkeypatch.setattr(zero_shot, "READ_BYTES", 4096)  # hundreds of pieces: the helper takes some
+    real = zero_shot.part_sums
+
+    def failing(data, qtype, parts):
+        if threading.current_thread() is not threading.main_thread():
+            raise BadInput("a bad piece", "none")
+        return real(data, qtype, parts)
+
+    monkeypatch.setattr(zero_shot, "part_sums", failing)
+    before = threading.active_count()
+    with pytest.raises(BadInput, match="a bad piece"):
+        zero_shot.weight_energies(model, layout, layout.blocks)
+    assert threading.active_count() == before  # the helper has ended
 
 
 #: (llama.cpp file type, --tensor-type overrides, the expert types the case is there for). Every

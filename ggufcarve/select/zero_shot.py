@@ -21,15 +21,20 @@ Q8_1 has no rule: it is only a dot-product operand (llama-quantize cannot write 
 sizes its block 40 bytes (f32 d and s) where ggml's block_q8_1 is 36 (f16 d and s), so a slab cannot
 be cut into blocks reliably; gguf-py has no dequantizer for it either, so such a tensor is refused.
 Scores are comparable within a block (every expert of a tensor has the same type), which is all a
-per-block top-K needs. The model is read once, tensor by tensor in file order, a few experts at a time.
+per-block top-K needs.
+
+The model is read once, in file order, in pieces of at most READ_BYTES (as many whole expert slabs as
+fit, or one slab cut between blocks; RMS_VALUES values for the RMS rule), each read with pread into
+the buffer of one of READ_THREADS threads and decoded there while it is in cache. A piece gives, per
+expert it holds, the sum of its scales (squared values for the RMS rule) and their number; an
+expert's sums over its pieces make its mean.
 """
 
 from __future__ import annotations
 
-import functools
+import itertools
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable, Sequence
 
 import numpy as np
@@ -38,14 +43,16 @@ from gguf.quants import NVFP4, Q4_K
 
 from ggufcarve.errors import BadInput
 from ggufcarve.events import Counter, Sink, ignore
-from ggufcarve.gguf.container import GGUFModel, TensorInfo
+from ggufcarve.gguf.container import GGUFModel
 from ggufcarve.gguf.tensors import dequantize, tensor_values
 from ggufcarve.moe.layout import ExpertTensor, MoeLayout
 from ggufcarve.select.scores import BlockStats
 
 Q = GGMLQuantizationType
-READ_BYTES = 2 << 20  # bytes read and decoded at a time by one thread (at least one expert slab)
-READ_THREADS = 3  # reading and decoding overlap: faster than one read of the file on 2 cores
+READ_BYTES = 4 << 20  # bytes of one read, decoded by the thread that read it while they are in its cache
+RMS_VALUES = 1 << 20  # values dequantized at a time for the RMS rule (float32 values, float64 squares)
+READ_THREADS = 2  # threads reading and decoding pieces, the calling thread one of them
+PROGRESS_BYTES = 64 << 20  # a progress event per this many bytes a thread decoded, and at the end of each tensor
 SCALE_RULES: dict[str, str] = {
     **{t: "|d| per 32-value block" for t in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL")},
     "Q2_K": "|d * (scales[j] & 0xF)| per 16-value sub-block",
@@ -63,21 +70,16 @@ WEIGHT_SUFFIXES = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.
 F16_AT_ZERO = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL")  # |d|: the f16 at byte 0 of every block
 
 
-@functools.cache
-def _f16_magnitudes() -> np.ndarray:
-    """|value| of every f16 bit pattern, as float64 (exact), indexed by the 16 bits."""
-    return np.abs(np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float64))
-
-
 def _f16_at(blocks: np.ndarray, offset: int) -> np.ndarray:
     """The f16 field at byte `offset` of every block (uint8 [..., type_size]) as float32 [..., 1]."""
     return blocks[..., offset : offset + 2].view(np.float16).astype(np.float32)
 
 
 def block_scales(blocks: np.ndarray, qtype: Q) -> np.ndarray | None:
-    """|scale| of every (sub-)block of `blocks` (uint8 [n_blocks, type_size]); None: the type has no scale rule."""
-    if qtype.name in F16_AT_ZERO:
-        return np.abs(_f16_at(blocks, 0))
+    """|scale| of every (sub-)block of `blocks` (uint8 [n_blocks, type_size]) as float32 [n_blocks, k]
+    (float16 for |d|, exact); None: the type has no scale rule."""
+    if qtype.name in F16_AT_ZERO:  # the f16 bits with the sign bit cleared
+        return (blocks[:, 0:2].view(np.uint16) & np.uint16(0x7FFF)).view(np.float16)
     if qtype == Q.Q2_K:  # scales[16] | qs[64] | d | dmin
         return np.abs(_f16_at(blocks, 80) * (blocks[:, :16] & 0xF).astype(np.float32))
     if qtype == Q.Q3_K:  # hmask[32] | qs[64] | scales[12] | d
@@ -98,24 +100,36 @@ def block_scales(blocks: np.ndarray, qtype: Q) -> np.ndarray | None:
     return None
 
 
-def slab_energy(slabs: np.ndarray, tensor_type: int, expert_shape: tuple[int, ...]) -> tuple[np.ndarray, str]:
-    """Per expert (rows of `slabs`, uint8 [n, slab_bytes]): its scale energy, and the rule used."""
-    qtype = Q(tensor_type)
+def has_scale_rule(qtype: Q) -> bool:
+    return GGML_QUANT_SIZES[qtype][0] > 1 and qtype.name in SCALE_RULES
+
+
+def part_sums(data: np.ndarray, qtype: Q, parts: int) -> tuple[np.ndarray, int]:
+    """Sums over `parts` equal parts of `data` (uint8, whole blocks of `qtype`): of the block scales
+    where the type has a scale rule, else of the squared dequantized values; float64 [parts], and
+    the number of terms in each part."""
     block_size, type_size = GGML_QUANT_SIZES[qtype]
-    if block_size > 1:
-        blocks = slabs.reshape(len(slabs), -1, type_size)
-        with np.errstate(invalid="ignore", over="ignore"):
-            if qtype.name in F16_AT_ZERO:  # |d| looked up by its 16 bits: one gather, no f16 conversion
-                bits = blocks[:, :, 0:2].view(np.uint16).reshape(len(slabs), -1)
-                return _f16_magnitudes()[bits].sum(axis=1) / bits.shape[1], SCALE_RULES[qtype.name]
-            scales = block_scales(blocks.reshape(-1, type_size), qtype)
-            if scales is not None:
-                return scales.reshape(len(slabs), -1).mean(axis=1, dtype=np.float64), SCALE_RULES[qtype.name]
-    energies = np.empty(len(slabs), dtype=np.float64)
-    for i, slab in enumerate(slabs):
-        values = dequantize(slab.tobytes(), tensor_type, expert_shape)
-        energies[i] = np.sqrt(np.mean(np.square(values, dtype=np.float64)))
-    return energies, RMS_RULE
+    if has_scale_rule(qtype):
+        scales = block_scales(data.reshape(-1, type_size), qtype)
+        assert scales is not None
+        return np.add.reduce(scales.reshape(parts, -1), axis=1, dtype=np.float64), scales.size // parts
+    values = dequantize(data, qtype, (len(data) // type_size * block_size,))
+    return np.add.reduce(np.square(values, dtype=np.float64).reshape(parts, -1), axis=1), values.size // parts
+
+
+def _pieces(slab: int, qtype: Q, n: int) -> list[tuple[int, int, int, int]]:
+    """(first expert, experts, byte offset in the tensor, bytes) of each read of an expert tensor of
+    `n` slabs of `slab` bytes: as many whole slabs as fit in a piece, or one slab cut between blocks
+    into equal pieces. A piece is READ_BYTES, or RMS_VALUES values for a type without a scale rule."""
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    piece = READ_BYTES if has_scale_rule(qtype) else max(type_size, min(READ_BYTES, RMS_VALUES // block_size * type_size))
+    if slab <= piece:
+        step = piece // slab
+        return [(first, min(step, n - first), first * slab, min(step, n - first) * slab) for first in range(0, n, step)]
+    blocks = slab // type_size
+    cuts = -(-slab // piece)
+    edges = [blocks * i // cuts * type_size for i in range(cuts + 1)]
+    return [(e, 1, e * slab + lo, hi - lo) for e in range(n) for lo, hi in zip(edges, edges[1:])]
 
 
 def router_norms(model: GGUFModel, layout: MoeLayout, block: int) -> np.ndarray:
@@ -133,48 +147,84 @@ def _weight_tensors(layout: MoeLayout, blocks: Iterable[int]) -> list[ExpertTens
 def weight_energies(model: GGUFModel, layout: MoeLayout, blocks: Sequence[int], on_event: Sink = ignore) -> tuple[dict[int, np.ndarray], dict[str, str]]:
     """Scale energy per block and expert, reading each expert weight tensor once in file order.
 
-    A few experts are read (pread into a per-thread buffer) and decoded at a time, on a small pool
-    of threads (numpy and the reads release the GIL). Returns the energies and the rule applied per
-    tensor type."""
+    Pieces of at most READ_BYTES (whole slabs, or a slab cut between blocks) are read with pread
+    into a per-thread buffer and decoded there while they are in cache, by the calling thread and
+    READ_THREADS - 1 helpers, each taking the next piece in file order (the reads and numpy release
+    the GIL). Returns the energies and the rule applied per tensor type."""
     n = layout.expert_count
     tensors = _weight_tensors(layout, blocks)
     located = sorted(((model.tensor_index[t.name], t) for t in tensors), key=lambda x: (x[0][0], x[0][1].offset))
     progress = Counter(on_event, "read experts", sum(t.nbytes for t in tensors), "bytes")
-    energies = {t.name: np.empty(n, dtype=np.float64) for _, t in located}
-    rules: dict[str, str] = {}
-    local = threading.local()
-    fds: dict[int, int] = {}
-
-    def decode(job: tuple[int, TensorInfo, ExpertTensor, int, int]) -> None:
-        shard, info, t, first, count = job
-        size = count * t.bytes_per_expert
-        buffer = getattr(local, "buffer", None)
-        if buffer is None or len(buffer) < size:
-            buffer = local.buffer = bytearray(max(size, READ_BYTES))
-        start, _ = model.shards[shard].data_range(info)
-        got = os.preadv(fds[shard], [memoryview(buffer)[:size]], start + first * t.bytes_per_expert)
-        if got != size:
-            raise BadInput(f"{model.shards[shard].path}: {t.name} is truncated", "the file is incomplete; re-copy it")
-        slabs = np.frombuffer(buffer, dtype=np.uint8, count=size).reshape(count, t.bytes_per_expert)
-        energies[t.name][first : first + count], rules[t.type_name] = slab_energy(slabs, info.type_id, info.shape[:-1])
-        progress(size, t.name)
-
     jobs = []
     for (shard, info), t in located:
-        step = max(1, READ_BYTES // t.bytes_per_expert)
-        jobs += [(shard, info, t, first, min(step, n - first)) for first in range(0, n, step)]
+        start, _ = model.shards[shard].data_range(info)
+        qtype = Q(info.type_id)
+        pieces = _pieces(t.bytes_per_expert, qtype, n)
+        jobs += [(shard, start + offset, size, t, qtype, first, count, i == len(pieces) - 1) for i, (first, count, offset, size) in enumerate(pieces)]
+    largest = max((size for _, _, size, *_ in jobs), default=0)
+    results: list[tuple[np.ndarray, int] | None] = [None] * len(jobs)
+    taken = itertools.count()  # next() on it is atomic: each piece goes to one thread
+    stop = threading.Event()
+    failed: list[BaseException] = []
+    fds: dict[int, int] = {}
+
+    def work() -> None:
+        buffer = bytearray(largest)
+        pending = 0
+        with np.errstate(invalid="ignore", over="ignore"):
+            while not stop.is_set():
+                i = next(taken)
+                if i >= len(jobs):
+                    break
+                shard, offset, size, t, qtype, _, count, last = jobs[i]
+                got = os.preadv(fds[shard], [memoryview(buffer)[:size]], offset)
+                if got != size:
+                    raise BadInput(f"{model.shards[shard].path}: {t.name} is truncated", "the file is incomplete; re-copy it")
+                results[i] = part_sums(np.frombuffer(buffer, dtype=np.uint8, count=size), qtype, count)
+                pending += size
+                if last or pending >= PROGRESS_BYTES:
+                    progress(pending, t.name)
+                    pending = 0
+        if pending:
+            progress(pending, t.name)
+
+    def helper() -> None:
+        try:
+            work()
+        except BaseException as e:  # handed to the calling thread, which raises it
+            failed.append(e)
+            stop.set()
+
+    helpers = [threading.Thread(target=helper, name="ggufcarve-read-experts", daemon=True) for _ in range(READ_THREADS - 1)]
     try:
         for shard in {shard for (shard, _), _ in located}:
             fds[shard] = os.open(model.shards[shard].path, os.O_RDONLY)
-        with ThreadPoolExecutor(READ_THREADS) as pool:
-            for _ in pool.map(decode, jobs):
-                pass
+        for h in helpers:
+            h.start()
+        work()
     finally:
+        stop.set()
+        for h in helpers:
+            if h.ident is not None:
+                h.join()
         for fd in fds.values():
             os.close(fd)
+    if failed:
+        raise failed[0]
+    sums = {t.name: np.zeros(n, dtype=np.float64) for _, t in located}
+    terms = {t.name: np.zeros(n, dtype=np.int64) for _, t in located}
+    for (_, _, _, t, _, first, count, _), result in zip(jobs, results):
+        assert result is not None
+        sums[t.name][first : first + count] += result[0]
+        terms[t.name][first : first + count] += result[1]
+    rules: dict[str, str] = {}
     per_block: dict[int, list[np.ndarray]] = {b: [] for b in blocks}
-    for _, t in located:
-        energy = energies[t.name]
+    for (_, info), t in located:
+        qtype = Q(info.type_id)
+        if has_scale_rule(qtype):
+            energy, rules[t.type_name] = sums[t.name] / terms[t.name], SCALE_RULES[qtype.name]
+        else:
+            energy, rules[t.type_name] = np.sqrt(sums[t.name] / terms[t.name]), RMS_RULE
         scale_name = t.name.rsplit(".", 1)[0] + ".scale"
         if scale_name in model.tensor_index:
             energy = energy * np.abs(tensor_values(model, scale_name).astype(np.float64).reshape(n))
