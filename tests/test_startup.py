@@ -44,3 +44,13 @@ def test_help_of_every_group_imports_no_heavy_library():
     for argv in (["--help"], ["verify", "--help"], ["ladder", "run", "--help"], ["eval", "--help"], ["select", "--help"]):
         printed, loaded = loaded_after(argv, HEAVY)
         assert "Usage" in printed and loaded == [], (argv, loaded)
+
+
+def test_a_command_run_alone_is_the_command_of_the_full_app():
+    """`main` builds the app of the invoked command only; its help (options, arguments) is the same."""
+    from ggufcarve.cli import COMMANDS, build_app
+
+    runner = CliRunner()
+    for name in COMMANDS:
+        alone, full = runner.invoke(build_app(name), [name, "--help"]), runner.invoke(app, [name, "--help"])
+        assert alone.exit_code == full.exit_code == 0 and alone.output == full.output, name
