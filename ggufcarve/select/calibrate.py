@@ -4,10 +4,10 @@ and the importance matrix of the same run.
 `run_calibration` starts `python -m ggufcarve.select.calibrate` through the one launcher (llama.cpp
 aborts the whole process on a failed GGML_ASSERT), or adopts the one a command started ahead
 (`ggufcarve.select.prestart`), and writes its request to the child's stdin. The child loads the
-model on the CPU (extra buffer types off), tokenizes and chunks the calibration documents and decodes the chunks exactly
-as llama-imatrix does (see `calibration`: sequences side by side, an empty KV cache per group,
-logits for every token, llama.cpp's own micro-batches), with warm-up off (a warm-up decode routes
-every token to every expert). One eval callback serves two consumers in that one decode:
+model on the CPU (extra buffer types off), tokenizes and chunks the calibration documents and
+decodes the chunks exactly as llama-imatrix does (see `calibration`: sequences side by side, an
+empty KV cache per group, logits for every token, llama.cpp's own micro-batches), with warm-up off
+(a warm-up decode routes every token to every expert). One eval callback serves two consumers in that one decode:
   * a selection criterion: `GraphTracer` copies the MoE nodes it needs; each block's nodes are
     folded into the statistics once the graph moves on to the next block (`BlockFolder`), so
     memory holds one block of one micro-batch (razor: up to HELD_BYTES across the micro-batches
