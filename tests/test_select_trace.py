@@ -332,3 +332,40 @@ def test_architectures_razor_cannot_evaluate_are_refused_with_their_reason():
     with pytest.raises(UnsupportedModel) as unknown:
         activation_of("no-such-arch")
     assert "does not know the expert activation" in unknown.value.message
+
+
+@pytest.mark.parametrize("method", ["ean", "reap", "razor"])
+def test_folding_per_micro_batch_or_held_gives_the_same_statistics(method):
+    """BlockFolder folds ean/reap micro-batch by micro-batch and holds razor's micro-batches for
+    larger products: both orders give the statistics of one fold of all tokens."""
+    from types import SimpleNamespace
+
+    from ggufcarve.select.calibrate import BlockFolder
+
+    rng = np.random.default_rng(5)
+    experts, k, width, tokens = 6, 2, 8, 12
+
+    def micro_batch(t):
+        logits = rng.normal(size=(t, experts)).astype(np.float32)
+        order = np.argsort(-logits, axis=1).astype(np.int32)
+        probs = np.exp(logits) / np.exp(logits).sum(axis=1, keepdims=True)
+        weights = np.take_along_axis(probs, order[:, :k], axis=1)
+        return {"ffn_moe_topk": order[:, :k], "ffn_moe_argsort": order, "ffn_moe_probs": probs, "ffn_moe_weights": weights,
+                "ffn_moe_weights_norm": weights / weights.sum(axis=1, keepdims=True), "ffn_moe_input": rng.normal(size=(t, width)).astype(np.float32),
+                "ffn_moe_down": rng.normal(size=(t, k, width)).astype(np.float32)}
+
+    parts = [micro_batch(tokens // 3) for _ in range(3)]
+    evaluator = FixedEvaluator(rng.normal(size=width))
+    whole = TraceStatistics(method, experts, evaluator)
+    whole.add(0, {node: np.concatenate([p[node] for p in parts]) for node in parts[0]})
+    for hold in (0, 1 << 30):
+        folded = TraceStatistics(method, experts, evaluator)
+        tracer = SimpleNamespace(nodes=frozenset(parts[0]), captured={node: {0: [p[node] for p in parts]} for node in parts[0]})
+        folder = BlockFolder(tracer, folded, parse=None, hold_bytes=hold)
+        folder.flush(keep=1, held=True)  # the graph has moved on to block 1
+        still_held = all(blocks for blocks in tracer.captured.values())
+        assert still_held == (method == "razor" and hold > 0), (method, hold)
+        folder.flush()  # the decode call ended
+        assert all(not blocks for blocks in tracer.captured.values())
+        for name in ("counts", "sums", "sums_sq", "maxima"):
+            np.testing.assert_allclose(getattr(folded, name)[0], getattr(whole, name)[0], rtol=1e-6, err_msg=f"{name}, hold {hold}")
