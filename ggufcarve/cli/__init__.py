@@ -107,7 +107,7 @@ def _stop(signum: int, _frame: object) -> None:
         raise Interrupted(signum)
 
 
-_redelivered = threading.Event()
+_redelivering: list[threading.Event] = []  # one per delivering thread, set once Interrupted is raised
 
 
 def _stop_again(signum: int, frame: object) -> None:
@@ -117,7 +117,8 @@ def _stop_again(signum: int, frame: object) -> None:
         if getattr(frame, "f_code", None) is _unraisable.__code__:
             return
         frame = getattr(frame, "f_back", None)
-    _redelivered.set()
+    for delivered in _redelivering:
+        delivered.set()
     signal.signal(signum, signal.SIG_IGN)
     raise Interrupted(signum)
 
@@ -132,12 +133,11 @@ def _unraisable(hook: object) -> None:
     is printed and dropped by Python, and the run would go on with the stop signals ignored. It is
     delivered again instead, through the same signal, from a thread that repeats it until the main
     thread has raised it outside this hook."""
-    global _redelivered
     stop = getattr(hook, "exc_value", None)
     if isinstance(stop, Interrupted) and threading.current_thread() is threading.main_thread():
-        _redelivered = threading.Event()
+        _redelivering.append(threading.Event())
         signal.signal(stop.signum, _stop_again)
-        threading.Thread(target=_deliver_again, args=(stop.signum, _redelivered), name="ggufcarve-stop", daemon=True).start()
+        threading.Thread(target=_deliver_again, args=(stop.signum, _redelivering[-1]), name="ggufcarve-stop", daemon=True).start()
         return
     sys.__unraisablehook__(hook)
 
