@@ -24,6 +24,7 @@ import signal
 import sys
 import threading
 from pathlib import Path
+from types import FrameType
 from typing import Annotated, Callable
 
 import typer
@@ -110,13 +111,13 @@ def _stop(signum: int, _frame: object) -> None:
 _redelivering: list[threading.Event] = []  # one per delivering thread, set once Interrupted is raised
 
 
-def _stop_again(signum: int, frame: object) -> None:
+def _stop_again(signum: int, frame: FrameType | None) -> None:
     """The handler of a stop signal delivered again: Interrupted raised, unless the signal landed
     inside _unraisable itself (then the delivering thread tries again)."""
     while frame is not None:
-        if getattr(frame, "f_code", None) is _unraisable.__code__:
+        if frame.f_code is _unraisable.__code__:
             return
-        frame = getattr(frame, "f_back", None)
+        frame = frame.f_back
     for delivered in _redelivering:
         delivered.set()
     signal.signal(signum, signal.SIG_IGN)

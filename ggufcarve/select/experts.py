@@ -169,8 +169,9 @@ class ExpertEvaluator:
         """`outputs(block, expert, x)` for every (expert, x) of `work`, the experts not yet cached
         read and all of them evaluated on `threads` threads."""
         experts = [int(e) for e, _ in work]
-        held = {e: self._matrices(block, e) for e in dict.fromkeys(experts) if (block, e) in self._weights}
-        missing = [e for e in dict.fromkeys(experts) if e not in held]
+        distinct = list(dict.fromkeys(experts))
+        held = {e: self._matrices(block, e) for e in distinct if (block, e) in self._weights}
+        missing = [e for e in distinct if e not in held]
         for expert, matrices in zip(missing, self._map(lambda e: self._read_matrices(block, e), missing)):
             held[expert] = matrices
             self._remember((block, expert), matrices)
