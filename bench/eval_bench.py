@@ -28,9 +28,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-import factory  # noqa: E402
+import factory
 
-from ggufcarve.llama.tools import require_tool  # noqa: E402
+from ggufcarve.llama.tools import require_tool
 
 WORDS = "the quick brown fox jumps over a lazy dog while experts route tokens through layers of matrices".split()
 

@@ -31,9 +31,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 import factory  # noqa: E402
 from conftest import make_imatrix  # noqa: E402
 
-from ggufcarve.llama.build import build_tools
-from ggufcarve.llama.tools import find_tool
-
+from ggufcarve.llama.build import build_tools  # noqa: E402
+from ggufcarve.llama.tools import find_tool  # noqa: E402
 
 # The hashing limit: every file's sha256 with hashlib, one thread per core, largest file first;
 # argv[1] is the read size in bytes (16 MiB: the limit as first measured; 128 KiB: the read size

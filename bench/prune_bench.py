@@ -36,7 +36,6 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 import factory  # noqa: E402
 
-
 CPU: dict[str, list[float]] = {}  # contender -> CPU seconds (user + system) of each run
 
 

@@ -24,16 +24,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ggufcarve.demo import CALIBRATION, DEMO_MODEL, HELDOUT  # noqa: E402
-from ggufcarve.evaluate.models import read_entry  # noqa: E402
-from ggufcarve.evaluate.run import EvalSettings, evaluate  # noqa: E402
-from ggufcarve.gguf.container import read_model  # noqa: E402
-from ggufcarve.imatrix.collect import collect_imatrix  # noqa: E402
-from ggufcarve.moe.layout import inspect_layout  # noqa: E402
-from ggufcarve.prune.execute import execute  # noqa: E402
-from ggufcarve.prune.plan import plan_prune  # noqa: E402
-from ggufcarve.select.keep import choose  # noqa: E402
-from ggufcarve.select.methods import score_model  # noqa: E402
+from ggufcarve.demo import CALIBRATION, DEMO_MODEL, HELDOUT
+from ggufcarve.evaluate.models import read_entry
+from ggufcarve.evaluate.run import EvalSettings, evaluate
+from ggufcarve.gguf.container import read_model
+from ggufcarve.imatrix.collect import collect_imatrix
+from ggufcarve.moe.layout import inspect_layout
+from ggufcarve.prune.execute import execute
+from ggufcarve.prune.plan import plan_prune
+from ggufcarve.select.keep import choose
+from ggufcarve.select.methods import score_model
 
 METHODS = ("weights", "router-norm", "imatrix-counts", "imatrix-energy", "frequency", "ean", "reap", "razor")
 RANDOM_SEEDS = (0, 1, 2)

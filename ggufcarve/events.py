@@ -8,8 +8,9 @@ ladders). A stage is identified by its name; `done` is cumulative within the sta
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Protocol
 
 UNITS = ("bytes", "tokens", "chunks", "rungs", "tensors", "percent", "steps")
 

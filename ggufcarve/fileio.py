@@ -10,9 +10,9 @@ import os
 import re
 import shutil
 import threading
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
 
 import xxhash
 

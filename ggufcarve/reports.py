@@ -25,8 +25,9 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from ggufcarve import __version__
 from ggufcarve.errors import BadInput, OutputError

@@ -11,7 +11,7 @@ import pytest
 # tests/ holds helper modules (factory, llama_probe) imported by plain name.
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-import factory  # noqa: E402
+import factory
 
 # A test run started in the background of a non-interactive shell inherits SIGINT ignored, and an
 # ignored disposition survives exec: the commands the tests start would then ignore Ctrl-C, as

@@ -8,10 +8,10 @@ import re
 import sys
 from pathlib import Path
 
+import factory
 import pytest
 from clirun import ggufcarve
 
-import factory
 from ggufcarve.errors import BadInput
 from ggufcarve.gguf.container import read_model
 from ggufcarve.llama import launch
@@ -20,7 +20,6 @@ from ggufcarve.quant.fit import listed_kept_counts, parse_kept_counts, parse_mem
 from ggufcarve.quant.kvcache import ContextSettings, context_memory
 from ggufcarve.quant.quantizer import BinaryQuantizer
 from ggufcarve.quant.spec import DEFAULT_LADDER, load_spec
-
 
 # ---------------------------------------------------------------------------------------------
 # memory sizes and K lists

@@ -4,8 +4,9 @@
 from __future__ import annotations
 
 import sys
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 import ggufcarve.shipped as shipped_module
 from ggufcarve.shipped import shipped

@@ -23,9 +23,10 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
-from typing import Annotated, Callable
+from typing import Annotated
 
 import typer
 

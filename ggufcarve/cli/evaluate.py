@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -25,19 +25,19 @@ def eval_command(
     models: Annotated[list[Path], typer.Argument(help="GGUF files, first shards of split sets, or release directories (every rung of the manifest).")],
     reference: Annotated[Path, typer.Option("--reference", help="The unpruned model (GGUF), a top-k cache (.reflogp) or a llama-perplexity --kl-divergence-base file.")],
     output: Annotated[Path, typer.Option("-o", "--output", help="Output directory: <model>.json per model, summary.md, charts.")],
-    heldout: Annotated[Optional[Path], typer.Option("--heldout", help="Held-out text scored by every model (needed with a GGUF reference).")] = None,
+    heldout: Annotated[Path | None, typer.Option("--heldout", help="Held-out text scored by every model (needed with a GGUF reference).")] = None,
     ctx: Annotated[int, typer.Option("--ctx", help="Context (tokens per chunk), as llama-perplexity -c.")] = 512,
-    chunks: Annotated[Optional[int], typer.Option("--chunks", help="Score at most this many chunks (default: the whole text).")] = None,
-    qa: Annotated[Optional[Path], typer.Option("--qa", help="QA suite: a .jsonl file or a directory of them (e.g. evaluation/qa).")] = None,
-    gate: Annotated[Optional[Path], typer.Option("--gate", help="Gate thresholds (TOML; default evaluation/gate.toml).")] = None,
-    threads: Annotated[Optional[int], typer.Option("--threads", "-t", help="CPU threads (default: all cores).")] = None,
+    chunks: Annotated[int | None, typer.Option("--chunks", help="Score at most this many chunks (default: the whole text).")] = None,
+    qa: Annotated[Path | None, typer.Option("--qa", help="QA suite: a .jsonl file or a directory of them (e.g. evaluation/qa).")] = None,
+    gate: Annotated[Path | None, typer.Option("--gate", help="Gate thresholds (TOML; default evaluation/gate.toml).")] = None,
+    threads: Annotated[int | None, typer.Option("--threads", "-t", help="CPU threads (default: all cores).")] = None,
     top_k: Annotated[int, typer.Option("--top-k", help="Reference log-probs kept per token in the cache (the rest as one tail mass; the error bound is in each JSON).")] = 128,
     speed_runs: Annotated[int, typer.Option("--speed-runs", help="Timed runs of pp and tg speed (median reported); 0 skips speed.")] = 3,
     speed_engine: Annotated[str, typer.Option("--speed-engine", help="auto (llama-bench when the tools have it, else in-process), llama-bench or libllama.")] = "auto",
-    save_kl_base: Annotated[Optional[Path], typer.Option("--save-kl-base", help="Also write the reference's log-probs as a llama-perplexity --kl-divergence-base file.")] = None,
+    save_kl_base: Annotated[Path | None, typer.Option("--save-kl-base", help="Also write the reference's log-probs as a llama-perplexity --kl-divergence-base file.")] = None,
     cross_check: Annotated[bool, typer.Option("--cross-check", help="Also run llama-perplexity on the same text and report both.")] = False,
     llama_cpp: LlamaCppOption = None,
-    cache: Annotated[Optional[Path], typer.Option("--cache", help="Directory of cached reference log-probs (default: ggufcarve's cache/reference-logprobs).")] = None,
+    cache: Annotated[Path | None, typer.Option("--cache", help="Directory of cached reference log-probs (default: ggufcarve's cache/reference-logprobs).")] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace results already in the output directory.")] = False,
     quiet: QuietOption = False,
     as_json: JsonOption = False,
@@ -47,10 +47,8 @@ def eval_command(
     from ggufcarve.evaluate.gate import default_gate_path, load_gate
     from ggufcarve.evaluate.models import resolve_models
     from ggufcarve.evaluate.run import EvalSettings, evaluate
-    from ggufcarve.evaluate.speed import SpeedSettings
+    from ggufcarve.evaluate.speed import ENGINES, SpeedSettings
     from ggufcarve.release.publish import record_published, release_of
-
-    from ggufcarve.evaluate.speed import ENGINES
 
     if speed_engine not in ENGINES:
         raise BadInput(f"--speed-engine {speed_engine}: not one of {', '.join(ENGINES)}", "auto uses llama-bench when `ggufcarve toolchain build` has compiled it")
@@ -98,7 +96,7 @@ def eval_command(
 
 def card_command(
     release: Annotated[Path, typer.Argument(help="A release directory (quant-manifest.json, rungs, method/, evaluation/).")],
-    evaluation: Annotated[Optional[Path], typer.Option("--evaluation", help="Directory of ggufcarve eval results (default: RELEASE/evaluation).")] = None,
+    evaluation: Annotated[Path | None, typer.Option("--evaluation", help="Directory of ggufcarve eval results (default: RELEASE/evaluation).")] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing README.md.")] = False,
 ) -> None:
     """Write the Hugging Face model card RELEASE/README.md from the manifest, the method reports and the evaluation."""

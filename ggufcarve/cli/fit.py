@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -23,10 +23,10 @@ def fit_command(
     memory: Annotated[str, typer.Option("--memory", help="Memory budget for file + cache, e.g. 24GiB, 24GB, 24000MiB (GB = 10^9 bytes, GiB and a bare G = 2^30).")],
     ctx: Annotated[int, typer.Option("--ctx", help="Context length in tokens whose KV cache is counted.")] = 16384,
     kv_type: Annotated[str, typer.Option("--kv-type", help="KV cache type for K and V: f16 or q8_0 (q8_0 V needs flash attention, which is assumed on).")] = "f16",
-    ladder: Annotated[Optional[Path], typer.Option("--ladder", help="Ladder spec whose rungs are sized (default: ladders/q8-to-iq1.toml).")] = None,
-    kept: Annotated[Optional[str], typer.Option("--k", help="Kept-expert counts to size, e.g. 96,128 or 64-192/32 (default: powers of two, multiples of expert_count/8, the original).")] = None,
-    only: Annotated[Optional[list[str]], typer.Option("--only", help="Size only these rungs (repeat or comma-separate).")] = None,
-    imatrix: Annotated[Optional[Path], typer.Option("--imatrix", help="The imatrix the ladder will use: tensors without an entry get the rung's imatrix_fallback_type (default: llama-imatrix's coverage, the MTP blocks missing).")] = None,
+    ladder: Annotated[Path | None, typer.Option("--ladder", help="Ladder spec whose rungs are sized (default: ladders/q8-to-iq1.toml).")] = None,
+    kept: Annotated[str | None, typer.Option("--k", help="Kept-expert counts to size, e.g. 96,128 or 64-192/32 (default: powers of two, multiples of expert_count/8, the original).")] = None,
+    only: Annotated[list[str] | None, typer.Option("--only", help="Size only these rungs (repeat or comma-separate).")] = None,
+    imatrix: Annotated[Path | None, typer.Option("--imatrix", help="The imatrix the ladder will use: tensors without an entry get the rung's imatrix_fallback_type (default: llama-imatrix's coverage, the MTP blocks missing).")] = None,
     parallel: Annotated[int, typer.Option("--parallel", help="Sequences (llama.cpp -np): each has its own cache cells and recurrent state.")] = 1,
     swa_full: Annotated[bool, typer.Option("--swa-full", help="Full-size cache for sliding-window layers (llama.cpp --swa-full).")] = False,
     quantizer_choice: Annotated[str, typer.Option("--quantizer", help="auto | binary | libllama | PATH to llama-quantize: who answers the dry runs.")] = "auto",

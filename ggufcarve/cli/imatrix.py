@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Optional
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -38,17 +38,17 @@ if TYPE_CHECKING:
 
 
 app = command_group("Collect, read, convert and remap importance matrices (GGUF and legacy .dat) for pruned models.")
-ImatrixFormatOption = Annotated[Optional[str], typer.Option("--format", help="Output format: gguf or dat [default: from the output's suffix, else the input's format].")]
+ImatrixFormatOption = Annotated[str | None, typer.Option("--format", help="Output format: gguf or dat [default: from the output's suffix, else the input's format].")]
 ChunkSizeOption = Annotated[
-    Optional[int], typer.Option("--chunk-size", help="Tokens per chunk the imatrix was computed with, needed to turn a .dat into GGUF (llama-imatrix -c; default 512).")
+    int | None, typer.Option("--chunk-size", help="Tokens per chunk the imatrix was computed with, needed to turn a .dat into GGUF (llama-imatrix -c; default 512).")
 ]
 
 
-def _share(value: Optional[float]) -> str:
+def _share(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:.1f}%"
 
 
-def _imatrix_keepset(layout: MoeLayout, pruned: Optional[GGUFModel], keep: Optional[Path], first: Optional[int], ids: Optional[str]) -> KeepSet:
+def _imatrix_keepset(layout: MoeLayout, pruned: GGUFModel | None, keep: Path | None, first: int | None, ids: str | None) -> KeepSet:
     """The keep-set given on the command line, else the one the pruned model records; both must agree."""
     from ggufcarve.moe.keepset import keepset_from_provenance
 
@@ -74,7 +74,7 @@ def imatrix_collect(
     output: Annotated[Path, typer.Option("-o", "--output", help="Output GGUF imatrix path.")],
     calibration: CalibrationOption = None,
     ctx: CtxOption = 512,
-    chunks: Annotated[Optional[int], typer.Option("--chunks", help="Use at most this many --ctx chunks (llama-imatrix --chunks) [default: all].")] = None,
+    chunks: Annotated[int | None, typer.Option("--chunks", help="Use at most this many --ctx chunks (llama-imatrix --chunks) [default: all].")] = None,
     threads: ThreadsOption = None,
     force: ForceOption = False,
     quiet: QuietOption = False,
@@ -109,13 +109,13 @@ def imatrix_remap(
     keep: KeepOption = None,
     keep_first_count: KeepFirstOption = None,
     keep_id_list: KeepIdsOption = None,
-    model: Annotated[Optional[Path], typer.Option("--model", help="The pruned model: its recorded keep-set is used when --keep is omitted, and the output is checked against it as llama-quantize will.")] = None,
-    source_model: Annotated[Optional[Path], typer.Option("--source-model", help="The unpruned model: the input is checked against it.")] = None,
+    model: Annotated[Path | None, typer.Option("--model", help="The pruned model: its recorded keep-set is used when --keep is omitted, and the output is checked against it as llama-quantize will.")] = None,
+    source_model: Annotated[Path | None, typer.Option("--source-model", help="The unpruned model: the input is checked against it.")] = None,
     fmt: ImatrixFormatOption = None,
     chunk_size: ChunkSizeOption = None,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing output (and its report).")] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Validate and print the plan; write nothing.")] = False,
-    report: Annotated[Optional[Path], typer.Option("--report", help="Where to write the report [default: OUTPUT_DIR/method/<output stem>.imatrix-remap-report.json].")] = None,
+    report: Annotated[Path | None, typer.Option("--report", help="Where to write the report [default: OUTPUT_DIR/method/<output stem>.imatrix-remap-report.json].")] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the plan (with --dry-run) or the report as JSON.")] = False,
 ) -> None:
@@ -189,7 +189,7 @@ def imatrix_remap(
 @app.command("inspect")
 def imatrix_inspect(
     imatrix: Annotated[Path, typer.Argument(help="GGUF or legacy .dat imatrix.")],
-    model: Annotated[Optional[Path], typer.Option("--model", help="Also check every entry against this model, as llama-quantize will.")] = None,
+    model: Annotated[Path | None, typer.Option("--model", help="Also check every entry against this model, as llama-quantize will.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print as JSON.")] = False,
 ) -> None:
     """Entries, chunks, datasets, and per MoE block the routing counts (never-routed experts).

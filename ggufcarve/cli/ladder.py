@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import shlex
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -26,16 +26,16 @@ def ladder_run(
     spec: Annotated[Path, typer.Argument(help="Ladder spec, e.g. ladders/q8-to-iq1.toml.")],
     source: Annotated[Path, typer.Option("--source", help="The pruned model to requantize (first shard if split). Never modified.")],
     output: Annotated[Path, typer.Option("-o", "--output", help="Output directory for the rungs, quant-manifest.json and SHA256SUMS.")],
-    imatrix: Annotated[Optional[Path], typer.Option("--imatrix", help="imatrix for the source (remapped to the pruned experts); needed by IQ rungs.")] = None,
-    only: Annotated[Optional[list[str]], typer.Option("--only", help="Run only these rungs (repeat or comma-separate), e.g. Q4_K_M,IQ2_XS.")] = None,
+    imatrix: Annotated[Path | None, typer.Option("--imatrix", help="imatrix for the source (remapped to the pruned experts); needed by IQ rungs.")] = None,
+    only: Annotated[list[str] | None, typer.Option("--only", help="Run only these rungs (repeat or comma-separate), e.g. Q4_K_M,IQ2_XS.")] = None,
     keep_going: Annotated[bool, typer.Option("--keep-going", help="Continue past a failed rung.")] = False,
     quantizer_choice: Annotated[str, typer.Option("--quantizer", help="auto | binary | libllama | PATH to llama-quantize. auto prefers a found binary.")] = "auto",
     llama_cpp: LlamaCppOption = None,
-    model_name: Annotated[Optional[str], typer.Option("--model-name", help="{model} in file names (default: the source name without its quant tag).")] = None,
-    threads: Annotated[Optional[int], typer.Option("--threads", "-t", help="Quantizer threads (default: all cores).")] = None,
+    model_name: Annotated[str | None, typer.Option("--model-name", help="{model} in file names (default: the source name without its quant tag).")] = None,
+    threads: Annotated[int | None, typer.Option("--threads", "-t", help="Quantizer threads (default: all cores).")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Validate and print the plan; run nothing.")] = False,
     force: Annotated[bool, typer.Option("--force", help="Start the release in -o afresh: remove the rungs, reports and sums its manifest describes (needed when it holds another source's release).")] = False,
-    selection: Annotated[Optional[Path], typer.Option("--selection", help="The SELECTION.json (ggufcarve select -o) the source's experts were chosen by, published as method/expert-selection.json; found beside the source by the sha256 its pruning report records when the source was pruned with --keep SELECTION.json.")] = None,
+    selection: Annotated[Path | None, typer.Option("--selection", help="The SELECTION.json (ggufcarve select -o) the source's experts were chosen by, published as method/expert-selection.json; found beside the source by the sha256 its pruning report records when the source was pruned with --keep SELECTION.json.")] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress output.")] = False,
 ) -> None:
     """Quantize every rung of SPEC from --source into -o DIR; resumable; writes quant-manifest.json and SHA256SUMS."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Optional
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -19,19 +19,19 @@ def command_group(help: str) -> typer.Typer:
     return typer.Typer(help=help, no_args_is_help=True, add_completion=False, rich_markup_mode=None)
 
 
-KeepOption = Annotated[Optional[Path], typer.Option("--keep", help="Keep-set JSON: ours, kept_expert_indices.json, carve_manifest.json or expert-selection.json.")]
-KeepFirstOption = Annotated[Optional[int], typer.Option("--keep-first", help="Keep experts 0..K-1 in every MoE block.")]
-KeepIdsOption = Annotated[Optional[str], typer.Option("--keep-ids", help="Keep these ids in every MoE block, e.g. 0,2,4-7.")]
+KeepOption = Annotated[Path | None, typer.Option("--keep", help="Keep-set JSON: ours, kept_expert_indices.json, carve_manifest.json or expert-selection.json.")]
+KeepFirstOption = Annotated[int | None, typer.Option("--keep-first", help="Keep experts 0..K-1 in every MoE block.")]
+KeepIdsOption = Annotated[str | None, typer.Option("--keep-ids", help="Keep these ids in every MoE block, e.g. 0,2,4-7.")]
 QuietOption = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars.")]
 JsonOption = Annotated[bool, typer.Option("--json", help="Print the result as JSON (no progress bars).")]
 ForceOption = Annotated[bool, typer.Option("--force", help="Replace an existing output.")]
-CalibrationOption = Annotated[Optional[list[Path]], typer.Option("--calibration", help="Calibration text or JSONL file (repeatable).")]
+CalibrationOption = Annotated[list[Path] | None, typer.Option("--calibration", help="Calibration text or JSONL file (repeatable).")]
 CtxOption = Annotated[int, typer.Option("--ctx", help="Tokens per calibration chunk (each starts with BOS and an empty KV cache, as llama-imatrix -c).")]
-ThreadsOption = Annotated[Optional[int], typer.Option("--threads", "-t", help="CPU threads of the llama.cpp calibration run.")]
-LlamaCppOption = Annotated[Optional[Path], typer.Option("--llama-cpp", help="Directory holding llama.cpp tools (DIR, DIR/bin or DIR/build/bin). Env: GGUFCARVE_LLAMA_CPP.")]
+ThreadsOption = Annotated[int | None, typer.Option("--threads", "-t", help="CPU threads of the llama.cpp calibration run.")]
+LlamaCppOption = Annotated[Path | None, typer.Option("--llama-cpp", help="Directory holding llama.cpp tools (DIR, DIR/bin or DIR/build/bin). Env: GGUFCARVE_LLAMA_CPP.")]
 
 
-def resolve_keepset(layout: MoeLayout, keep: Optional[Path], first: Optional[int], ids: Optional[str]) -> KeepSet:
+def resolve_keepset(layout: MoeLayout, keep: Path | None, first: int | None, ids: str | None) -> KeepSet:
     """The keep-set of exactly one of --keep FILE, --keep-first K, --keep-ids LIST."""
     from ggufcarve.moe.keepset import keep_first, keep_ids, load_keepset, parse_id_list
 

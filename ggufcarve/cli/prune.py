@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Optional
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -86,9 +86,9 @@ def prune(
     force: Annotated[bool, typer.Option("--force", help="Replace an existing output.")] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan and write nothing.")] = False,
     no_provenance: Annotated[bool, typer.Option("--no-provenance", help="Do not add ggufcarve.* keys.")] = False,
-    split_max_size: Annotated[Optional[str], typer.Option("--split-max-size", help="Re-shard the output, e.g. 50G or 512M (as llama-gguf-split).")] = None,
+    split_max_size: Annotated[str | None, typer.Option("--split-max-size", help="Re-shard the output, e.g. 50G or 512M (as llama-gguf-split).")] = None,
     merge: Annotated[bool, typer.Option("--merge", help="Write a split source as one file.")] = False,
-    report: Annotated[Optional[Path], typer.Option("--report", help="Where to write the pruning report [default: OUTPUT_DIR/method/<output stem>.pruning-report.json].")] = None,
+    report: Annotated[Path | None, typer.Option("--report", help="Where to write the pruning report [default: OUTPUT_DIR/method/<output stem>.pruning-report.json].")] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the plan (with --dry-run) or the result as JSON.")] = False,
 ) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -23,7 +23,7 @@ app = command_group("Release directories: assemble quant-manifest.json and SHA25
 @app.command("merge")
 def merge_command(
     directory: Annotated[Path, typer.Argument(help="The release directory ladder runs wrote into (-o DIR).")],
-    jobs: Annotated[Optional[int], typer.Option("--jobs", "-j", help="Files hashed in parallel (default: CPU count).")] = None,
+    jobs: Annotated[int | None, typer.Option("--jobs", "-j", help="Files hashed in parallel (default: CPU count).")] = None,
     as_json: JsonOption = False,
     quiet: QuietOption = False,
 ) -> None:

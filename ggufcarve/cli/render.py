@@ -7,8 +7,9 @@ its bar.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any
 
 from ggufcarve.events import ignore
 
@@ -81,7 +82,7 @@ def ranges(blocks: Any) -> str:
 
 
 @contextmanager
-def progress(enabled: bool = True, transient: bool = False) -> Iterator["Sink"]:
+def progress(enabled: bool = True, transient: bool = False) -> Iterator[Sink]:
     """A sink that draws each event stage as one bar on stderr; with enabled=False it draws nothing."""
     if not enabled:
         yield ignore
@@ -114,7 +115,7 @@ def progress(enabled: bool = True, transient: bool = False) -> Iterator["Sink"]:
     )
     tasks: dict[str, Any] = {}
 
-    def sink(event: "Event") -> None:
+    def sink(event: Event) -> None:
         task = tasks.get(event.stage)
         if task is None:
             task = tasks[event.stage] = bars.add_task(event.stage, total=event.total or None, unit=event.unit, message="")

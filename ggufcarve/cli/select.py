@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Optional
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -37,11 +37,11 @@ if TYPE_CHECKING:
     from ggufcarve.select.keep import Selection
     from ggufcarve.select.scores import ExpertScores
 
-SourcesArgument = Annotated[Optional[list[Path]], typer.Argument(help="A GGUF model (first shard if split), or a SCORES.json written by `ggufcarve score`.", show_default=False)]
-MethodOption = Annotated[Optional[str], typer.Option("--method", "-m", help="weights, router-norm, random (no data); imatrix-counts, imatrix-energy (--imatrix); frequency, ean, reap, razor (--calibration).")]
-ImatrixOption = Annotated[Optional[Path], typer.Option("--imatrix", help="GGUF imatrix of the model (imatrix-counts, imatrix-energy).")]
+SourcesArgument = Annotated[list[Path] | None, typer.Argument(help="A GGUF model (first shard if split), or a SCORES.json written by `ggufcarve score`.", show_default=False)]
+MethodOption = Annotated[str | None, typer.Option("--method", "-m", help="weights, router-norm, random (no data); imatrix-counts, imatrix-energy (--imatrix); frequency, ean, reap, razor (--calibration).")]
+ImatrixOption = Annotated[Path | None, typer.Option("--imatrix", help="GGUF imatrix of the model (imatrix-counts, imatrix-energy).")]
 SeedOption = Annotated[int, typer.Option("--seed", help="Seed of the random method.")]
-MaxTokensOption = Annotated[Optional[int], typer.Option("--max-tokens", help="Trace at most this many calibration tokens (whole chunks).")]
+MaxTokensOption = Annotated[int | None, typer.Option("--max-tokens", help="Trace at most this many calibration tokens (whole chunks).")]
 
 
 def _is_gguf(path: Path) -> bool:
@@ -65,7 +65,7 @@ def _read_model(source: Path) -> tuple[GGUFModel, MoeLayout]:
     return model, inspect_layout(model)
 
 
-def _calibrate_ahead(method: Optional[str], calibration: Optional[list[Path]]) -> None:
+def _calibrate_ahead(method: str | None, calibration: list[Path] | None) -> None:
     """With a calibration method and files, the llama.cpp child starts now, its start-up beside ours."""
     from ggufcarve.select.prestart import TRACE_METHODS, prestart
 
@@ -73,7 +73,7 @@ def _calibrate_ahead(method: Optional[str], calibration: Optional[list[Path]]) -
         prestart()
 
 
-def _score(model: GGUFModel, layout: MoeLayout, method: Optional[str], imatrix: Optional[Path], calibration: list[Path], seed: int, ctx: int, max_tokens: Optional[int], threads: Optional[int], quiet: bool) -> ExpertScores:
+def _score(model: GGUFModel, layout: MoeLayout, method: str | None, imatrix: Path | None, calibration: list[Path], seed: int, ctx: int, max_tokens: int | None, threads: int | None, quiet: bool) -> ExpertScores:
     from ggufcarve.select.methods import score_model
 
     if method is None:
@@ -91,7 +91,7 @@ def _write(path: Path, text: str, sources: list[Path], force: bool) -> None:
 
 def score_command(
     sources: SourcesArgument = None,
-    output: Annotated[Optional[Path], typer.Option("-o", "--output", help="SCORES.json to write.")] = None,
+    output: Annotated[Path | None, typer.Option("-o", "--output", help="SCORES.json to write.")] = None,
     method: MethodOption = None,
     imatrix: ImatrixOption = None,
     calibration: CalibrationOption = None,
@@ -166,17 +166,17 @@ def _layers_of(path: Path) -> dict[int, tuple[int, ...]]:
 
 def select_command(
     sources: SourcesArgument = None,
-    output: Annotated[Optional[Path], typer.Option("-o", "--output", help="SELECTION.json to write (a keep-set `ggufcarve prune --keep` reads); the heatmap goes beside it as .png.")] = None,
+    output: Annotated[Path | None, typer.Option("-o", "--output", help="SELECTION.json to write (a keep-set `ggufcarve prune --keep` reads); the heatmap goes beside it as .png.")] = None,
     method: MethodOption = None,
-    keep: Annotated[Optional[int], typer.Option("--keep", "-k", help="Experts kept per MoE block.")] = None,
-    ratio: Annotated[Optional[float], typer.Option("--ratio", help="Fraction of the experts kept (instead of --keep).")] = None,
+    keep: Annotated[int | None, typer.Option("--keep", "-k", help="Experts kept per MoE block.")] = None,
+    ratio: Annotated[float | None, typer.Option("--ratio", help="Fraction of the experts kept (instead of --keep).")] = None,
     imatrix: ImatrixOption = None,
     calibration: CalibrationOption = None,
     seed: SeedOption = 0,
     ctx: CtxOption = 512,
     max_tokens: MaxTokensOption = None,
     threads: ThreadsOption = None,
-    protect: Annotated[Optional[str], typer.Option("--protect", help="Never drop these experts: ids for every block (0,5,9-11) or a keep-set-like JSON file of ids per block.")] = None,
+    protect: Annotated[str | None, typer.Option("--protect", help="Never drop these experts: ids for every block (0,5,9-11) or a keep-set-like JSON file of ids per block.")] = None,
     protect_super_experts: Annotated[bool, typer.Option("--protect-super-experts", help="Keep REAP's super experts (outlier maximum outputs, first 75% of the blocks).")] = False,
     heatmap: Annotated[bool, typer.Option("--heatmap/--no-heatmap", help="Write SELECTION.png beside the selection.")] = True,
     compare_files: Annotated[bool, typer.Option("--compare", help="Compare the two selection files given as arguments.")] = False,

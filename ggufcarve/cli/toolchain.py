@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -52,8 +52,8 @@ def toolchain_show(
 @app.command("build")
 def toolchain_build(
     force: Annotated[bool, typer.Option("--force", help="Rebuild even when the cache has the tools.")] = False,
-    jobs: Annotated[Optional[int], typer.Option("--jobs", "-j", help="Parallel compile jobs (default: CPU count).")] = None,
-    from_dir: Annotated[Optional[Path], typer.Option("--from", help="Install tools already built from the same source (a build's bin dir) instead of compiling.")] = None,
+    jobs: Annotated[int | None, typer.Option("--jobs", "-j", help="Parallel compile jobs (default: CPU count).")] = None,
+    from_dir: Annotated[Path | None, typer.Option("--from", help="Install tools already built from the same source (a build's bin dir) instead of compiling.")] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress output.")] = False,
 ) -> None:
     """Compile llama-quantize, llama-imatrix, llama-perplexity, llama-gguf-split and llama-bench into ggufcarve's cache.

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -19,7 +19,7 @@ from ggufcarve.cli.render import err, escape, new_table, out, progress
 def verify_command(
     directory: Annotated[Path, typer.Argument(help="A ladder output directory (with SHA256SUMS and quant-manifest.json).")],
     ignore_missing: Annotated[bool, typer.Option("--ignore-missing", help="Do not fail for files listed in SHA256SUMS that are absent (as sha256sum -c --ignore-missing).")] = False,
-    jobs: Annotated[Optional[int], typer.Option("--jobs", "-j", help="Files hashed in parallel (default: CPU count).")] = None,
+    jobs: Annotated[int | None, typer.Option("--jobs", "-j", help="Files hashed in parallel (default: CPU count).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")] = False,
 ) -> None:

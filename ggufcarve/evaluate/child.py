@@ -46,7 +46,7 @@ class Request:
     qa: list[dict] | None = None  # QA checks as plain dicts (ggufcarve.evaluate.qa)
 
     @classmethod
-    def read(cls, path: str) -> "Request":
+    def read(cls, path: str) -> Request:
         return cls(**json.loads(Path(path).read_text()))
 
     def write(self, path: Path) -> None:

@@ -71,7 +71,7 @@ def parse_ppl_output(lines: list[str]) -> dict:
 @dataclass
 class CrossCheck:
     tool: Path
-    settings: "EvalSettings"
+    settings: EvalSettings
     heldout: Path | None
     base_file: Path | None
     work: Path
@@ -101,7 +101,7 @@ class CrossCheck:
         return ["--chunks", str(self.settings.chunks)] if self.settings.chunks else []
 
     @classmethod
-    def prepare(cls, reference_path: Path, reference: "Reference", heldout: Path | None, settings: "EvalSettings", work: Path, sink: Sink = ignore) -> "CrossCheck":
+    def prepare(cls, reference_path: Path, reference: Reference, heldout: Path | None, settings: EvalSettings, work: Path, sink: Sink = ignore) -> CrossCheck:
         from ggufcarve.llama.tools import require_tool
 
         check = cls(require_tool("llama-perplexity", settings.llama_cpp_dir), settings, heldout, None, work)
@@ -115,7 +115,7 @@ class CrossCheck:
             sink(Event("llama-perplexity", 1, 1, "steps", f"base file of {reference.label}"))
         return check
 
-    def check(self, entry: "ModelEntry", doc: dict, sink: Sink = ignore) -> dict:
+    def check(self, entry: ModelEntry, doc: dict, sink: Sink = ignore) -> dict:
         """llama-perplexity's figures for one model, and whether its PPL agrees with ggufcarve's."""
         result: dict = {"tool": "llama-perplexity"}
         sink(Event("llama-perplexity", 0, 1, "steps", entry.name))

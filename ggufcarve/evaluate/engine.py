@@ -9,7 +9,7 @@ whole process on a failed assert. Models load on the CPU (`n_gpu_layers = 0`) wi
 from __future__ import annotations
 
 import ctypes
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
@@ -45,7 +45,7 @@ class Engine:
     def close(self) -> None:
         self._llama.llama_model_free(self.model)
 
-    def context(self, n_ctx: int, n_seq: int = 1, n_batch: int | None = None) -> "Context":
+    def context(self, n_ctx: int, n_seq: int = 1, n_batch: int | None = None) -> Context:
         return Context(self, n_ctx, n_seq, n_batch)
 
     def tokenize(self, text: bytes, add_special: bool = True, parse_special: bool = False) -> np.ndarray:

@@ -16,9 +16,10 @@ and does not fail the gate.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from ggufcarve.errors import BadInput
 
@@ -59,7 +60,7 @@ class Gate:
     thresholds: dict[str, float]
     source: str  # the gate file's name
 
-    def judge(self, measurements: dict) -> "Verdict":
+    def judge(self, measurements: dict) -> Verdict:
         failed, passed, not_measured = [], [], []
         for key, limit in self.thresholds.items():
             measure, direction = CRITERIA[key]

@@ -36,9 +36,10 @@ import json
 import math
 import os
 import struct
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import BinaryIO, Iterator
+from typing import BinaryIO
 
 import numpy as np
 
@@ -237,7 +238,7 @@ class ReferenceHeader:
         return len(self.encoded()) + 4 * self.chunking.n_tokens + self.chunking.n_scored * reference_record(self.top_k).itemsize
 
     @classmethod
-    def parse(cls, meta: bytes) -> "ReferenceHeader":
+    def parse(cls, meta: bytes) -> ReferenceHeader:
         """The header of a cache file; ValueError when it is not one ggufcarve writes."""
         try:
             fields = json.loads(meta)

@@ -32,9 +32,10 @@ import json
 import math
 import operator
 import re
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from ggufcarve.errors import BadInput
 
@@ -318,7 +319,7 @@ def validate(check: Check, answer: str) -> tuple[bool, str]:
 # answering (in the evaluation child) and judging (in the parent)
 
 
-def _render(engine: "Engine", template: str | None, check: dict) -> tuple[bytes, bool]:
+def _render(engine: Engine, template: str | None, check: dict) -> tuple[bytes, bool]:
     """The prompt bytes of a check and whether the template already wrote the special tokens."""
     if template:
         from llama_cpp.llama_chat_format import Jinja2ChatFormatter
@@ -332,7 +333,7 @@ def _render(engine: "Engine", template: str | None, check: dict) -> tuple[bytes,
     return ("\n".join(lines) + "\nassistant:").encode("utf-8"), False
 
 
-def run_checks(engine: "Engine", checks: list[dict], progress: Callable[[int, int], None]) -> list[dict]:
+def run_checks(engine: Engine, checks: list[dict], progress: Callable[[int, int], None]) -> list[dict]:
     """Greedy answers of the loaded model to every check: [{id, output, prompt_tokens, output_tokens}]."""
     template = engine.chat_template()
     prompts = []
@@ -370,7 +371,7 @@ def summarize(checks: list[dict], outputs: list[dict], reference: list[dict] | N
     return {"passed": sum(r["passed"] for r in rows), "total": total, "exact_vs_reference": exact, "decoding": DECODING, "checks": rows}
 
 
-def reference_outputs(entry: "ModelEntry", settings: "EvalSettings", work: Path, sink: "Sink") -> list[dict]:
+def reference_outputs(entry: ModelEntry, settings: EvalSettings, work: Path, sink: Sink) -> list[dict]:
     """The reference model's answers, the yardstick of exact-output agreement."""
     from ggufcarve.evaluate.child import Request
     from ggufcarve.evaluate.run import run_child

@@ -29,8 +29,8 @@ from ggufcarve.evaluate.gate import Gate
 from ggufcarve.evaluate.models import ModelEntry, read_entry
 from ggufcarve.evaluate.perplexity import Perplexity, perplexity, read_text
 from ggufcarve.evaluate.speed import SpeedSettings
-from ggufcarve.llama.tools import find_tool, require_tool
 from ggufcarve.events import Event, Sink, ignore
+from ggufcarve.llama.tools import find_tool, require_tool
 
 RESULT_SCHEMA_VERSION = 1
 CHILD_IDLE_TIMEOUT = 3600.0  # seconds without a progress line (one chunk, one QA answer) before the child is stopped

@@ -48,7 +48,7 @@ class Speed:
         return asdict(self)
 
 
-def _prompt_speed(context: "Context", tokens: np.ndarray) -> float:
+def _prompt_speed(context: Context, tokens: np.ndarray) -> float:
     context.clear()
     started = time.perf_counter()
     context.decode(tokens, 0, len(tokens) - 1)
@@ -56,7 +56,7 @@ def _prompt_speed(context: "Context", tokens: np.ndarray) -> float:
     return len(tokens) / (time.perf_counter() - started)
 
 
-def _decode_speed(context: "Context", first: int, n: int) -> float:
+def _decode_speed(context: Context, first: int, n: int) -> float:
     context.clear()
     context.decode([first], 0, 0)
     token = first
@@ -67,7 +67,7 @@ def _decode_speed(context: "Context", first: int, n: int) -> float:
     return n / (time.perf_counter() - started)
 
 
-def measure(context: "Context", settings: SpeedSettings, prompt: np.ndarray, threads: int) -> Speed:
+def measure(context: Context, settings: SpeedSettings, prompt: np.ndarray, threads: int) -> Speed:
     """pp and tg tok/s in a single-sequence context; `prompt` supplies the pp tokens (repeated when short)."""
     pp = max(1, min(settings.pp_tokens, context.n_ctx, context.n_batch))
     tg = max(1, min(settings.tg_tokens, context.n_ctx - 1))

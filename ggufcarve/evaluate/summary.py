@@ -8,8 +8,9 @@ when no other model is at most its size with a lower mean KLD.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 from ggufcarve.fileio import write_failed
 
@@ -103,7 +104,7 @@ Stage = Callable[[Path], Path]  # an output's final path -> the temp path to wri
 
 def load_charting() -> None:
     """Import what draw_charts uses (matplotlib's Figure and Agg canvas)."""
-    import matplotlib.backends.backend_agg  # noqa: F401
+    import matplotlib.backends.backend_agg
     import matplotlib.figure  # noqa: F401
 
 
@@ -139,7 +140,7 @@ def draw_charts(results: list[dict], out_dir: Path, stage: Stage) -> list[str]:
     return names
 
 
-def write_summary(results: list[dict], reference: "Reference", out_dir: Path, stage: Stage) -> list[Path]:
+def write_summary(results: list[dict], reference: Reference, out_dir: Path, stage: Stage) -> list[Path]:
     """Write the charts and summary.md to the temp paths `stage` gives; returns their final paths."""
     if not results:
         return []

@@ -20,10 +20,11 @@ import mmap
 import os
 import re
 import struct
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 from gguf.constants import GGUFValueType

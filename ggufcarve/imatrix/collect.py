@@ -32,9 +32,10 @@ from __future__ import annotations
 
 import ctypes
 import os
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 from gguf.constants import GGMLQuantizationType, GGUFValueType
@@ -107,7 +108,7 @@ class ImatrixAccumulator:
                 return self.wants(address)
             if self.wants(address):
                 self.take(address)
-        except BaseException as err:  # noqa: BLE001 - an exception escaping into ctypes would read as False
+        except BaseException as err:
             if len(self.errors) < 20:
                 self.errors.append(f"{type(err).__name__}: {err}")
         return True

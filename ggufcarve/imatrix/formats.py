@@ -33,9 +33,10 @@ from __future__ import annotations
 import os
 import re
 import struct
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 from gguf.constants import GGMLQuantizationType, GGUFValueType

@@ -5,9 +5,10 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 from gguf.constants import GGUFValueType

@@ -9,9 +9,9 @@ import shutil
 import sys
 import tarfile
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 from ggufcarve.errors import BadInput, ToolFailed, ToolMissing
 from ggufcarve.events import Event, Sink, ignore

@@ -16,7 +16,7 @@ A tensor in a host buffer is read through `data`; one in a device buffer is copi
 from __future__ import annotations
 
 import ctypes
-from functools import lru_cache
+from functools import cache, lru_cache
 from typing import Any
 
 import numpy as np
@@ -79,7 +79,7 @@ def libggml() -> Any:
     return lib
 
 
-@lru_cache(maxsize=None)
+@cache
 def op_name(op: int) -> str:
     """ggml's name of an operation (`enum ggml_op`): "MUL_MAT", "MUL_MAT_ID", ..."""
     return (libggml().ggml_op_name(op) or b"").decode()

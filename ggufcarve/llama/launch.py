@@ -34,9 +34,9 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Mapping, Sequence
 
 from ggufcarve.errors import Interrupted, ToolFailed, ToolMissing
 

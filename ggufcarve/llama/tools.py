@@ -32,9 +32,9 @@ import platform
 import re
 import shutil
 import tempfile
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Sequence
 
 from ggufcarve.errors import ToolMissing
 from ggufcarve.fileio import cache_root, sha256_file_cached

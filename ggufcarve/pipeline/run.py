@@ -24,9 +24,10 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from ggufcarve.errors import BadInput, OutputError, ToolFailed, VerificationFailed
 from ggufcarve.events import Event, Sink, ignore

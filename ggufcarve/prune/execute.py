@@ -19,9 +19,10 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import xxhash
 from gguf.constants import GGUFValueType
@@ -255,7 +256,7 @@ class _CopyPass:
         sha = threading.Thread(target=self._hash_source, name="ggufcarve-hash-source", daemon=True)
         flush = BackgroundFlush()
         try:
-            for (temp, fd), planned in zip(self.outputs, self.plan.files):
+            for (_temp, fd), planned in zip(self.outputs, self.plan.files):
                 header, _ = planned.encoded_header
                 write_at(fd, header, 0)
                 self.copied(len(header))

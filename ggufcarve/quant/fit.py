@@ -26,10 +26,11 @@ import os
 import re
 import tempfile
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from gguf.constants import GGML_QUANT_VERSION, GGUFValueType
 

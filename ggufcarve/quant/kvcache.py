@@ -23,8 +23,9 @@ estimate says so.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 

@@ -6,9 +6,9 @@ import os
 import re
 import sys
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
 
 from ggufcarve.errors import BadInput, ToolFailed, ToolMissing
 from ggufcarve.llama import launch
@@ -188,7 +188,7 @@ class Quantizer(ABC):
         error = None if finished.ok else (find_error(keep + finished.tail) or finished.describe_failure())
         return QuantizeRun(argv, code, finished.seconds, finished.tail, error)
 
-    def dry_run(self, job: QuantizeJob) -> "DryRun":
+    def dry_run(self, job: QuantizeJob) -> DryRun:
         """Target type and size of every tensor, as the quantizer would choose them; nothing written.
 
         The job's imatrix is passed on: llama.cpp picks some target types by whether an imatrix

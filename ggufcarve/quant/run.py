@@ -35,10 +35,11 @@ import re
 import shutil
 import threading
 import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from ggufcarve.errors import BadInput, CarveError, OutputError, ToolFailed
 from ggufcarve.events import Counter, Event, Sink, ignore

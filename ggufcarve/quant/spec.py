@@ -5,9 +5,10 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from ggufcarve.errors import BadInput
 from ggufcarve.gguf.types import FILE_TYPES, QUANTIZE_TARGET_TYPES

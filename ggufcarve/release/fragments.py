@@ -23,9 +23,10 @@ import json
 import os
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from ggufcarve.errors import BadInput, CarveError
 from ggufcarve.events import Sink, ignore

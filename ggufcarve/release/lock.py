@@ -27,9 +27,10 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from ggufcarve.errors import OutputError
 from ggufcarve.fileio import host_token, process_alive, run_token

@@ -8,8 +8,8 @@ that rebuilds a rung drops these records, since they describe the old rungs.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from ggufcarve.errors import BadInput
 from ggufcarve.fileio import sha256_file, write_text_atomic

@@ -31,9 +31,10 @@ import re
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -349,8 +350,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.request == "-":
         import llama_cpp  # noqa: F401 - imported before the request arrives: see ggufcarve.select.prestart
 
-        import ggufcarve.imatrix.collect  # noqa: F401
-        import ggufcarve.llama.trace  # noqa: F401
+        import ggufcarve.imatrix.collect
+        import ggufcarve.llama.trace
         import ggufcarve.select.from_trace  # noqa: F401
 
         text = sys.stdin.read()

@@ -29,9 +29,10 @@ micro-batches llama-imatrix's collector sees.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 from ggufcarve.errors import BadInput
 from ggufcarve.fileio import sha256_file_cached

@@ -25,8 +25,9 @@ a few threads: in the eval callback llama.cpp's own threads wait, so the cores a
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Iterable, Sequence, TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 

@@ -12,9 +12,10 @@ the choice (`per_block`: retained, pruned, score per original expert, routed cou
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 

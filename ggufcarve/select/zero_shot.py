@@ -35,7 +35,7 @@ from __future__ import annotations
 import itertools
 import os
 import threading
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
