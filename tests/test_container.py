@@ -121,3 +121,19 @@ def test_split_set_needs_every_shard(make_model, tmp_path):
     shards[-1].unlink()
     with pytest.raises(BadInput, match=f"shard {len(shards)} of {len(shards)} is missing"):
         read_model(shards[0])
+
+
+def test_a_directory_is_refused_naming_the_models_it_holds(make_model, tmp_path):
+    from clirun import ggufcarve
+
+    (tmp_path / "empty").mkdir()
+    refused = ggufcarve("inspect", tmp_path / "empty")
+    assert refused.code == 1
+    assert "is a directory and holds no .gguf file" in refused.error_line
+    (tmp_path / "release").mkdir()
+    (tmp_path / "release" / "m-Q8_0.gguf").write_bytes(make_model("qwen3moe").read_bytes())
+    refused = ggufcarve("inspect", tmp_path / "release")
+    assert refused.code == 1
+    assert "is a directory, not a GGUF file (it holds 1 .gguf file)" in refused.error_line
+    assert "m-Q8_0.gguf" in refused.error_line
+    assert "Traceback" not in refused.stderr

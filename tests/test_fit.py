@@ -27,7 +27,7 @@ from ggufcarve.quant.spec import DEFAULT_LADDER, load_spec
 
 @pytest.mark.parametrize("text, expected", [
     ("24GiB", 24 * 2**30), ("24GB", 24 * 10**9), ("24000MiB", 24000 * 2**20), ("24 gib", 24 * 2**30),
-    ("23.5G", int(23.5 * 2**30)), ("1073741824", 2**30), ("512MB", 512 * 10**6), ("2TiB", 2 * 2**40),
+    ("23.5G", int(23.5 * 2**30)), ("1073741824B", 2**30), ("512MB", 512 * 10**6), ("2TiB", 2 * 2**40),
 ])
 def test_memory_sizes_parse(text, expected):
     assert parse_memory(text) == expected
@@ -37,6 +37,13 @@ def test_memory_sizes_parse(text, expected):
 def test_nonsense_memory_is_refused(text):
     with pytest.raises(BadInput, match="is not a memory size"):
         parse_memory(text)
+
+
+@pytest.mark.parametrize("text", ["24", "1073741824", "23.5"])
+def test_a_memory_size_without_a_unit_is_refused_with_a_hint(text):
+    with pytest.raises(BadInput, match="has no unit") as refused:
+        parse_memory(text)
+    assert f"{text}GiB" in refused.value.hint
 
 
 def test_kept_counts_follow_the_pruners_rules(tmp_path, make_model):

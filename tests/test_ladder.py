@@ -343,3 +343,13 @@ def test_plan_refuses_output_next_to_source(q8_moe_copy_dir):
 def q8_moe_copy_dir(q8_moe, tmp_path):
     shutil.copy(q8_moe, tmp_path / "m-Q8_0.gguf")
     return tmp_path
+
+
+def test_ladder_run_takes_the_name_of_a_shipped_spec(q8_moe, tmp_path):
+    """`ladder run q8-to-iq1` as a plan's `[ladder] spec = "q8-to-iq1"`; an unknown name lists the known ones."""
+    dry = ggufcarve("ladder", "run", "q8-to-iq1", "--source", q8_moe, "-o", tmp_path / "out", "--only", "Q4_K_M", "--quantizer", "libllama", "--dry-run")
+    assert dry.code == 0, dry.stderr
+    assert "Q4_K_M" in dry.stdout
+    unknown = ggufcarve("ladder", "run", "q9-to-iq0", "--source", q8_moe, "-o", tmp_path / "out", "--dry-run")
+    assert unknown.code == 1
+    assert "no such spec file" in unknown.error_line and "q8-to-iq1" in unknown.error_line

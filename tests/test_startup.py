@@ -54,3 +54,35 @@ def test_a_command_run_alone_is_the_command_of_the_full_app():
     for name in COMMANDS:
         alone, full = runner.invoke(build_app(name), [name, "--help"]), runner.invoke(app, [name, "--help"])
         assert alone.exit_code == full.exit_code == 0 and alone.output == full.output, name
+
+
+def _listed_commands(output: str) -> dict[str, str]:
+    """The `Commands:` section of a help text: name -> summary."""
+    listed, inside = {}, False
+    for line in output.splitlines():
+        if line.startswith("Commands:"):
+            inside = True
+        elif inside and line.startswith("  ") and line.strip():
+            name, _, summary = line.strip().partition(" ")
+            listed[name] = summary.strip()
+    return listed
+
+
+def test_every_summary_in_help_is_whole_and_h_is_help():
+    """click cuts a summary longer than the terminal allows with '...'; every one fits 80 columns."""
+    from ggufcarve.cli import COMMANDS
+
+    runner = CliRunner()
+    top = runner.invoke(app, ["-h"], terminal_width=80)
+    assert top.exit_code == 0
+    listed = _listed_commands(top.output)
+    assert set(listed) == set(COMMANDS)
+    for group in ("imatrix", "toolchain", "ladder", "release"):
+        sub = runner.invoke(app, [group, "-h"], terminal_width=80)
+        assert sub.exit_code == 0, group
+        commands = _listed_commands(sub.output)
+        assert commands, group
+        listed.update({f"{group} {name}": summary for name, summary in commands.items()})
+    for name, summary in listed.items():
+        assert summary and not summary.endswith("..."), (name, summary)
+    assert runner.invoke(app, ["verify", "-h"]).output == runner.invoke(app, ["verify", "--help"]).output

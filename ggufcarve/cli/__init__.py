@@ -51,31 +51,32 @@ def main_options(
     """ggufcarve: expert pruning, imatrix remapping and quantization ladders for MoE GGUF models."""
 
 
-def _command(function: Callable[..., None]) -> Callable[[typer.Typer, str], None]:
-    return lambda group, name: group.command(name)(function)
+def _command(function: Callable[..., None], summary: str) -> Callable[[typer.Typer, str], None]:
+    return lambda group, name: group.command(name, short_help=summary)(function)
 
 
-def _group(sub: typer.Typer) -> Callable[[typer.Typer, str], None]:
-    return lambda group, name: group.add_typer(sub, name=name)
+def _group(sub: typer.Typer, summary: str) -> Callable[[typer.Typer, str], None]:
+    return lambda group, name: group.add_typer(sub, name=name, short_help=summary)
 
 
-# Every command and command group, in the order of `ggufcarve --help`.
+# Every command and command group, in the order of `ggufcarve --help`, with its one-line summary
+# (at most 60 characters: click cuts a longer one to the terminal's width).
 COMMANDS: dict[str, Callable[[typer.Typer, str], None]] = {
-    "inspect": _command(prune.inspect),
-    "prune": _command(prune.prune),
-    "check-prune": _command(prune.check_prune_command),
-    "score": _command(select.score_command),
-    "select": _command(select.select_command),
-    "imatrix": _group(imatrix.app),
-    "toolchain": _group(toolchain.app),
-    "ladder": _group(ladder.app),
-    "fit": _command(fit.fit_command),
-    "release": _group(release.app),
-    "verify": _command(verify.verify_command),
-    "eval": _command(evaluate.eval_command),
-    "card": _command(evaluate.card_command),
-    "run": _command(run.run_command),
-    "demo": _command(run.demo_command),
+    "inspect": _command(prune.inspect, "Show the MoE layout a prune will touch."),
+    "prune": _command(prune.prune, "Keep K experts per MoE block, byte for byte."),
+    "check-prune": _command(prune.check_prune_command, "Re-check a pruned file against its source."),
+    "score": _command(select.score_command, "Score every expert of every MoE block."),
+    "select": _command(select.select_command, "Choose the experts to keep per MoE block."),
+    "imatrix": _group(imatrix.app, "Collect, read, convert and remap importance matrices."),
+    "toolchain": _group(toolchain.app, "Find, probe and build the llama.cpp tools."),
+    "ladder": _group(ladder.app, "Quantize every rung of a ladder from one source."),
+    "fit": _command(fit.fit_command, "Which kept-expert count and rung fit a memory budget."),
+    "release": _group(release.app, "Assemble and merge release directories."),
+    "verify": _command(verify.verify_command, "Check a release directory before publishing it."),
+    "eval": _command(evaluate.eval_command, "PPL, KLD, QA, speed and a gate against a reference."),
+    "card": _command(evaluate.card_command, "Write a release's model card (README.md)."),
+    "run": _command(run.run_command, "The whole pipeline of a plan file, resumable."),
+    "demo": _command(run.demo_command, "The whole pipeline on the shipped demo MoE, in minutes."),
 }
 
 

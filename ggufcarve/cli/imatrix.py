@@ -68,7 +68,7 @@ def _imatrix_keepset(layout: MoeLayout, pruned: GGUFModel | None, keep: Path | N
     return keepset
 
 
-@app.command("collect")
+@app.command("collect", short_help="Collect the model's imatrix in llama.cpp.")
 def imatrix_collect(
     model: Annotated[Path, typer.Argument(help="The model (GGUF, first shard if split), as llama.cpp loads it.")],
     output: Annotated[Path, typer.Option("-o", "--output", help="Output GGUF imatrix path.")],
@@ -102,7 +102,7 @@ def imatrix_collect(
     out.print(f"wrote {result.output_path} ({result.entries} entries, {result.expert_entries} with per-expert counts, {result.output_bytes:,} bytes)")
 
 
-@app.command("remap")
+@app.command("remap", short_help="Keep the kept experts' rows of an imatrix.")
 def imatrix_remap(
     imatrix: Annotated[Path, typer.Argument(help="imatrix of the unpruned model (GGUF or .dat), as llama-imatrix wrote it. Never modified.")],
     output: Annotated[Path, typer.Option("-o", "--output", help="Output imatrix path.")],
@@ -186,7 +186,7 @@ def imatrix_remap(
     out.print(f"report: {result.report_path}")
 
 
-@app.command("inspect")
+@app.command("inspect", short_help='Entries, chunks and per-block routing of an imatrix.')
 def imatrix_inspect(
     imatrix: Annotated[Path, typer.Argument(help="GGUF or legacy .dat imatrix.")],
     model: Annotated[Path | None, typer.Option("--model", help="Also check every entry against this model, as llama-quantize will.")] = None,
@@ -247,7 +247,7 @@ def imatrix_inspect(
         )
 
 
-@app.command("convert")
+@app.command("convert", short_help='Convert GGUF <-> legacy .dat, as llama-imatrix does.')
 def imatrix_convert(
     source: Annotated[Path, typer.Argument(help="GGUF or legacy .dat imatrix. Never modified.")],
     output: Annotated[Path, typer.Option("-o", "--output", help="Output imatrix path.")],

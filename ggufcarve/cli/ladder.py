@@ -21,9 +21,9 @@ from ggufcarve.cli.render import err, escape, new_table, out, progress, warn
 app = command_group("Quantization ladders: every rung from one pruned source, hashed and recorded.")
 
 
-@app.command("run")
+@app.command("run", short_help='Quantize every rung of a spec; resumable.')
 def ladder_run(
-    spec: Annotated[Path, typer.Argument(help="Ladder spec, e.g. ladders/q8-to-iq1.toml.")],
+    spec: Annotated[str, typer.Argument(help="Ladder spec: a TOML path or the name of a shipped spec, e.g. q8-to-iq1.")],
     source: Annotated[Path, typer.Option("--source", help="The pruned model to requantize (first shard if split). Never modified.")],
     output: Annotated[Path, typer.Option("-o", "--output", help="Output directory for the rungs, quant-manifest.json and SHA256SUMS.")],
     imatrix: Annotated[Path | None, typer.Option("--imatrix", help="imatrix for the source (remapped to the pruned experts); needed by IQ rungs.")] = None,
@@ -41,9 +41,9 @@ def ladder_run(
     """Quantize every rung of SPEC from --source into -o DIR; resumable; writes quant-manifest.json and SHA256SUMS."""
     from ggufcarve.quant.quantizer import make_quantizer
     from ggufcarve.quant.run import plan_ladder, run_ladder
-    from ggufcarve.quant.spec import load_spec
+    from ggufcarve.quant.spec import find_spec, load_spec
 
-    ladder_spec = load_spec(spec)
+    ladder_spec = load_spec(find_spec(spec))
     quantizer = make_quantizer(quantizer_choice, llama_cpp)
     plan = plan_ladder(ladder_spec, source, output, quantizer=quantizer, imatrix=imatrix, only=only, model_name=model_name, nthreads=threads or os.cpu_count(), hash_inputs=not dry_run, fresh=force, selection=selection)
     for warning in plan.warnings:

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 def command_group(help: str) -> typer.Typer:
     """A typer app with plain help text: typer's rich help marks every flag with a stray `<bool>`."""
-    return typer.Typer(help=help, no_args_is_help=True, add_completion=False, rich_markup_mode=None)
+    return typer.Typer(help=help, no_args_is_help=True, add_completion=False, rich_markup_mode=None, context_settings={"help_option_names": ["-h", "--help"]})
 
 
 KeepOption = Annotated[Path | None, typer.Option("--keep", help="Keep-set JSON: ours, kept_expert_indices.json, carve_manifest.json or expert-selection.json.")]

@@ -20,7 +20,7 @@ from ggufcarve.cli.render import escape, new_table, out, progress
 app = command_group("Release directories: assemble quant-manifest.json and SHA256SUMS from the rungs' fragments.")
 
 
-@app.command("merge")
+@app.command("merge", short_help='Assemble the manifest and sums from rung fragments.')
 def merge_command(
     directory: Annotated[Path, typer.Argument(help="The release directory ladder runs wrote into (-o DIR).")],
     jobs: Annotated[int | None, typer.Option("--jobs", "-j", help="Files hashed in parallel (default: CPU count).")] = None,

@@ -19,7 +19,7 @@ from ggufcarve.cli.render import new_table, out, progress
 app = command_group("Find, probe and build the llama.cpp tools ggufcarve runs.")
 
 
-@app.command("show")
+@app.command("show", short_help='Which llama.cpp tools were found where.')
 def toolchain_show(
     llama_cpp: LlamaCppOption = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print as JSON.")] = False,
@@ -49,7 +49,7 @@ def toolchain_show(
         out.print("build the missing tools with: ggufcarve toolchain build")
 
 
-@app.command("build")
+@app.command("build", short_help="Compile llama.cpp's tools from the sdist, once.")
 def toolchain_build(
     force: Annotated[bool, typer.Option("--force", help="Rebuild even when the cache has the tools.")] = False,
     jobs: Annotated[int | None, typer.Option("--jobs", "-j", help="Parallel compile jobs (default: CPU count).")] = None,

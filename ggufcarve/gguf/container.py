@@ -19,6 +19,7 @@ import math
 import mmap
 import os
 import re
+import stat
 import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -225,6 +226,14 @@ def decode_value(buf: bytes, pos: int, value_type: int) -> tuple[Any, int]:
     raise ValueError(f"unknown GGUF value type {value_type}")
 
 
+def _directory_given(path: Path) -> BadInput:
+    models = sorted(p.name for p in path.glob("*.gguf") if (shard := SHARD_NAME.match(p.name)) is None or shard["no"] == "00001")
+    if not models:
+        return BadInput(f"{path}: is a directory and holds no .gguf file", "give the path of a .gguf file")
+    return BadInput(f"{path}: is a directory, not a GGUF file (it holds {len(models)} .gguf file{'s' if len(models) > 1 else ''})",
+                    f"give one of them, e.g. {path / models[0]}")
+
+
 def read_file(path: str | os.PathLike[str]) -> GGUFFile:
     """Parse one GGUF file's header. Raises BadInput with the file and byte offset on any defect."""
     path = Path(path)
@@ -233,11 +242,16 @@ def read_file(path: str | os.PathLike[str]) -> GGUFFile:
     except FileNotFoundError:
         raise BadInput(f"{path}: no such file", "check the path") from None
     except IsADirectoryError:
-        raise BadInput(f"{path}: is a directory, not a GGUF file", "give the path of the .gguf file") from None
+        raise _directory_given(path) from None
     except PermissionError:
         raise BadInput(f"{path}: permission denied", "check the file's permissions") from None
     try:
-        size = os.fstat(fd).st_size
+        status = os.fstat(fd)
+        if stat.S_ISDIR(status.st_mode):  # O_RDONLY opens a directory on Linux
+            raise _directory_given(path)
+        if not stat.S_ISREG(status.st_mode):
+            raise BadInput(f"{path}: not a regular file", "give the path of a .gguf file")
+        size = status.st_size
         if size < 24:
             raise BadInput(f"{path}: {size} bytes is too short to be a GGUF file", "the file is truncated or not GGUF")
         with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as mm:

@@ -23,7 +23,8 @@ except ModuleNotFoundError:  # Python 3.10
 
 DEFAULT_FILE_PATTERN = "{model}-{quant}.gguf"
 # The reference ladder, shipped with the package (ggufcarve/shipped.py).
-DEFAULT_LADDER = shipped("ladders", "q8-to-iq1.toml")
+SPEC_DIRECTORY = shipped("ladders")
+DEFAULT_LADDER = SPEC_DIRECTORY / "q8-to-iq1.toml"
 DEFAULT_FALLBACK_TYPE = "Q4_K"
 DISK_MARGIN = 64 << 20  # headroom on top of the estimated sizes
 RUNG_KEYS = {"ftype", "name", "description", "file_pattern", "output_tensor_type", "token_embedding_type", "tensor_types", "imatrix_fallback_type", "allow_requantize", "pure"}
@@ -159,6 +160,20 @@ def parse_spec(doc: dict[str, Any], path: Path | None = None) -> LadderSpec:
     if dup:
         raise BadInput(f"{where}: rung name(s) {', '.join(dup)} appear twice", "give repeated ftypes distinct names")
     return LadderSpec(str(doc.get("name", path.stem if path else "ladder")), str(doc.get("description", "")), tuple(rungs), path)
+
+
+def find_spec(value: str, base: Path | None = None, what: str = "ladder spec") -> Path:
+    """A ladder spec path (relative to `base`, default the current directory), or the name of a
+    spec shipped in ladders/ (with or without .toml)."""
+    given = Path(os.path.expanduser(value))
+    candidates = [given if given.is_absolute() or base is None else base / given]
+    if not given.is_absolute() and given.parent == Path("."):
+        candidates += [SPEC_DIRECTORY / given, SPEC_DIRECTORY / f"{value}.toml"]
+    for candidate in candidates:
+        if candidate.is_file():
+            return candidate
+    known = sorted(p.stem for p in SPEC_DIRECTORY.glob("*.toml")) if SPEC_DIRECTORY.is_dir() else []
+    raise BadInput(f"{what} {value!r}: no such spec file", f"give a path to a ladder TOML, or one of: {', '.join(known) or '(no ladders/ directory beside this installation)'}")
 
 
 def load_spec(path: str | os.PathLike[str]) -> LadderSpec:
