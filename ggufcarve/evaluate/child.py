@@ -2,7 +2,8 @@
 
 Run as `python -m ggufcarve.evaluate.child REQUEST.json` through the one launcher (llama.cpp
 aborts the process on failed asserts). The request (`Request`) names the model, the text or the
-reference file whose tokens are scored, and what to write:
+reference file whose tokens are scored, and what to write (`ggufcarve.evaluate.protocol` holds the
+request and the progress-line prefixes):
   * `table_out`: the per-token table (float64 rows of `kld.TOKEN_COLUMNS`) appended chunk by chunk;
   * `cache_out`: the top-k cache of this model as a reference; `base_out`: its llama-perplexity
     base file;
@@ -18,39 +19,13 @@ import json
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-PROGRESS_PREFIX = "@"
-OS_ERROR = "os-error"  # `@os-error {"errno", "strerror", "filename"}` on stdout: a read or write of the child failed (a full disk)
+from ggufcarve.evaluate.protocol import OS_ERROR, PROGRESS_PREFIX, Request
+
 PERPLEXITY_BATCH = 2048  # llama-perplexity's default -b: n_batch // n_ctx chunks are decoded side by side
-
-
-@dataclass
-class Request:
-    model: str
-    threads: int
-    n_ctx: int
-    result_out: str
-    text: str | None = None  # held-out text file (tokenized by this model)
-    reference_in: str | None = None  # a top-k cache or base file: its tokens are scored and compared
-    max_chunks: int | None = None
-    table_out: str | None = None
-    cache_out: str | None = None
-    cache_identity: dict = field(default_factory=dict)  # reference_sha256, text_sha256 for the cache header
-    top_k: int = 64
-    base_out: str | None = None
-    speed: dict | None = None  # SpeedSettings fields
-    qa: list[dict] | None = None  # QA checks as plain dicts (ggufcarve.evaluate.qa)
-
-    @classmethod
-    def read(cls, path: str) -> Request:
-        return cls(**json.loads(Path(path).read_text()))
-
-    def write(self, path: Path) -> None:
-        path.write_text(json.dumps(asdict(self), sort_keys=True))
 
 
 def _progress(what: str, done: int, total: int) -> None:

@@ -19,7 +19,7 @@ from ggufcarve.events import Event, Sink, ignore
 
 if TYPE_CHECKING:
     from ggufcarve.evaluate.models import ModelEntry
-    from ggufcarve.evaluate.run import EvalSettings, Reference
+    from ggufcarve.evaluate.protocol import EvalSettings, Reference
 
 TOOL_TIMEOUT_IDLE = 3600.0
 # llama.cpp's common log prints from a worker thread and is never flushed at exit (common/log.cpp,

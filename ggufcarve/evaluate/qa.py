@@ -41,9 +41,6 @@ from ggufcarve.errors import BadInput
 
 if TYPE_CHECKING:
     from ggufcarve.evaluate.engine import Engine
-    from ggufcarve.evaluate.models import ModelEntry
-    from ggufcarve.evaluate.run import EvalSettings
-    from ggufcarve.events import Sink
 
 VALIDATOR_TYPES = ("exact", "regex", "json", "expression", "tool_call")
 CHECK_KEYS = {"id", "category", "messages", "max_tokens", "validator", "tools", "description"}
@@ -370,11 +367,3 @@ def summarize(checks: list[dict], outputs: list[dict], reference: list[dict] | N
     exact = sum(1 for r in rows if r["same_as_reference"]) / total if reference is not None and total else None
     return {"passed": sum(r["passed"] for r in rows), "total": total, "exact_vs_reference": exact, "decoding": DECODING, "checks": rows}
 
-
-def reference_outputs(entry: ModelEntry, settings: EvalSettings, work: Path, sink: Sink) -> list[dict]:
-    """The reference model's answers, the yardstick of exact-output agreement."""
-    from ggufcarve.evaluate.child import Request
-    from ggufcarve.evaluate.run import run_child
-
-    request = Request(model=str(entry.path), threads=settings.threads, n_ctx=settings.ctx, result_out=str(work / "reference-qa.result.json"), qa=settings.qa_checks)
-    return run_child(request, f"reference {entry.name}", sink, work).get("qa", [])

@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import sys
 import tempfile
 import threading
 import time
@@ -23,47 +22,17 @@ from pathlib import Path
 import numpy as np
 
 from ggufcarve import __version__
-from ggufcarve.errors import BadInput, OutputError, ToolFailed
+from ggufcarve.errors import BadInput
 from ggufcarve.evaluate import kld
-from ggufcarve.evaluate.gate import Gate
 from ggufcarve.evaluate.models import ModelEntry, read_entry
 from ggufcarve.evaluate.perplexity import Perplexity, perplexity, read_text
-from ggufcarve.evaluate.speed import SpeedSettings
+from ggufcarve.evaluate.protocol import EvalSettings, Reference, Request
+from ggufcarve.evaluate.spawn import run_child
 from ggufcarve.events import Event, Sink, ignore
 from ggufcarve.llama.tools import find_tool, require_tool
 
 RESULT_SCHEMA_VERSION = 1
-CHILD_IDLE_TIMEOUT = 3600.0  # seconds without a progress line (one chunk, one QA answer) before the child is stopped
 GGUF_MAGIC = b"GGUF"
-
-
-@dataclass(frozen=True)
-class EvalSettings:
-    ctx: int = 512
-    chunks: int | None = None
-    threads: int = max(1, (os.cpu_count() or 2))
-    top_k: int = kld.DEFAULT_TOP_K
-    speed: SpeedSettings | None = SpeedSettings()
-    gate: Gate | None = None
-    qa_checks: list[dict] | None = None
-    cross_check: bool = False
-    kl_base_out: Path | None = None  # also write the reference's log-probs as a llama-perplexity base file
-    llama_cpp_dir: Path | None = None
-    cache_dir: Path | None = None
-
-
-@dataclass
-class Reference:
-    """The reference as used: a GGUF model (entry set) or a reference file, and the file the children read."""
-
-    label: str
-    kind: str  # "gguf", "topk" or "base"
-    sha256: str
-    file: Path  # the top-k cache or base file the children compare with
-    entry: ModelEntry | None = None
-    top_k: int | None = None  # log-probs per token of a top-k cache; None for a base file (full vocabulary)
-    cached: bool = False  # its top-k log-probs came from the cache
-    seconds: float = 0.0  # spent computing its top-k log-probs in this run
 
 
 @dataclass
@@ -84,44 +53,6 @@ def _sha256_of(entry: ModelEntry, sink: Sink) -> str:
     return digests[0] if len(digests) == 1 else hashlib.sha256(",".join(digests).encode()).hexdigest()
 
 
-def run_child(request, what: str, sink: Sink, work: Path, outputs: dict[str, tuple[Path, str]] | None = None) -> dict:
-    """Run the evaluation child for one request; its progress lines become chunk events of stage `what`.
-
-    `outputs` maps a file the child writes to the path an error names and the hint's other place
-    to write to (a temp file to its final name); files it does not name are work files.
-    """
-    from ggufcarve.evaluate.child import OS_ERROR, PROGRESS_PREFIX
-    from ggufcarve.fileio import write_failed
-    from ggufcarve.llama import launch
-
-    request_path = work / f"{what}.request.json".replace(" ", "_")
-    request.write(request_path)
-    os_errors: list[dict] = []
-
-    def on_line(line: str) -> None:
-        if line.startswith(PROGRESS_PREFIX + OS_ERROR + " "):
-            os_errors.append(json.loads(line[len(PROGRESS_PREFIX + OS_ERROR) + 1:]))
-        elif line.startswith(PROGRESS_PREFIX):
-            kind, done, total = line[1:].split()
-            sink(Event(what if kind == "chunk" else f"{what} QA", int(done), int(total), "chunks" if kind == "chunk" else "steps"))
-
-    finished = launch.run([sys.executable, "-m", "ggufcarve.evaluate.child", str(request_path)], on_line=on_line, idle_timeout=CHILD_IDLE_TIMEOUT)
-    if os_errors:
-        error = os_errors[0]
-        shown, elsewhere = (outputs or {}).get(error["filename"], (Path(error["filename"] or work), "set TMPDIR to a directory with more room"))
-        raise write_failed(OSError(error["errno"], error["strerror"]), shown, elsewhere)
-    launch.check(finished, f"evaluating {Path(request.model).name} in libllama", "the last lines are llama.cpp's own; check that the model loads (ggufcarve inspect MODEL)")
-    result = json.loads(Path(request.result_out).read_text())
-    if "engine_error" in result:
-        raise ToolFailed(f"{Path(request.model).name}: {result['engine_error']}", "check that llama.cpp loads the model (ggufcarve inspect)")
-    if "no_space" in result:
-        short = result["no_space"]
-        shown, elsewhere = (outputs or {}).get(short["path"], (Path(short["path"]), "set TMPDIR to a directory with more room"))
-        raise OutputError(f"{shown.name} needs {short['bytes'] / 2**20:.1f} MiB but {shown.parent} has {short['free'] / 2**20:.1f} MiB free",
-                          f"free disk space or {elsewhere}; nothing was written")
-    return result
-
-
 def _reference_input(path: Path) -> str:
     with open(path, "rb") as f:
         magic = f.read(4)
@@ -130,7 +61,6 @@ def _reference_input(path: Path) -> str:
 
 def prepare_reference(path: Path, heldout: Path | None, settings: EvalSettings, work: Path, sink: Sink = ignore) -> Reference:
     """The reference file the children compare with: a given top-k cache or base file, or the cached top-k log-probs of a GGUF reference."""
-    from ggufcarve.evaluate.child import Request
     from ggufcarve.fileio import cache_root, remove_dead_temps, temp_path_for
 
     if not path.is_file():
@@ -227,7 +157,6 @@ def _contract(stats: kld.KldStatistics, ppl: Perplexity, ppl_reference: Perplexi
 def evaluate_model(entry: ModelEntry, reference: Reference, settings: EvalSettings, work: Path, sink: Sink = ignore,
                    reference_qa: list[dict] | None = None) -> dict:
     """Score one model against the reference (and time it, and ask it the QA checks): the per-model result document."""
-    from ggufcarve.evaluate.child import Request
 
     started = time.monotonic()
     table_path = work / f"{entry.name}.tokens.f64"
@@ -279,6 +208,12 @@ def evaluate_model(entry: ModelEntry, reference: Reference, settings: EvalSettin
     return doc
 
 
+def reference_outputs(entry: ModelEntry, settings: EvalSettings, work: Path, sink: Sink) -> list[dict]:
+    """The reference model's answers to the QA checks, the yardstick of exact-output agreement."""
+    request = Request(model=str(entry.path), threads=settings.threads, n_ctx=settings.ctx, result_out=str(work / "reference-qa.result.json"), qa=settings.qa_checks)
+    return run_child(request, f"reference {entry.name}", sink, work).get("qa", [])
+
+
 def result_text(doc: dict) -> str:
     """A per-model result document as written: indented JSON, keys sorted, no NaN."""
     return json.dumps(doc, indent=1, sort_keys=True, allow_nan=False) + "\n"
@@ -304,8 +239,6 @@ def evaluate(models: list[ModelEntry], reference_path: Path, heldout: Path | Non
         check_vocabularies(models, reference.entry, reference.file)
         reference_qa = None
         if settings.qa_checks is not None and reference.entry is not None:
-            from ggufcarve.evaluate.qa import reference_outputs
-
             reference_qa = reference_outputs(reference.entry, settings, work, sink)
         cross = None
         if settings.cross_check:
@@ -323,7 +256,7 @@ def evaluate(models: list[ModelEntry], reference_path: Path, heldout: Path | Non
         def stage(path: Path) -> Path:
             return staged.enter_context(atomic_file(path))
 
-        summary_files = write_summary(results, reference, out_dir, stage)
+        summary_files = write_summary(results, reference.label, out_dir, stage)
         files = []
         for entry, doc in zip(models, results):
             path = out_dir / f"{entry.name}.json"

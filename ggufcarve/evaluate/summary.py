@@ -10,12 +10,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from ggufcarve.fileio import write_failed
-
-if TYPE_CHECKING:
-    from ggufcarve.evaluate.run import Reference
 
 KLD_CHART = "size-vs-kld.png"
 PPL_CHART = "size-vs-ppl.png"
@@ -140,14 +136,14 @@ def draw_charts(results: list[dict], out_dir: Path, stage: Stage) -> list[str]:
     return names
 
 
-def write_summary(results: list[dict], reference: Reference, out_dir: Path, stage: Stage) -> list[Path]:
+def write_summary(results: list[dict], reference_label: str, out_dir: Path, stage: Stage) -> list[Path]:
     """Write the charts and summary.md to the temp paths `stage` gives; returns their final paths."""
     if not results:
         return []
     summary = stage(out_dir / SUMMARY)
     charts = draw_charts(results, out_dir, stage)
     try:
-        summary.write_text(render_summary(results, reference.label, charts), encoding="utf-8")
+        summary.write_text(render_summary(results, reference_label, charts), encoding="utf-8")
     except OSError as err:  # the last path staged is a chart's: name summary.md here
         raise write_failed(err, out_dir / SUMMARY) from None
     return [out_dir / SUMMARY, *(out_dir / c for c in charts)]
