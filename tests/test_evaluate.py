@@ -81,9 +81,13 @@ def test_contract_keys_and_self_kld_is_zero(first_run, reference, q8_moe):
         assert doc["pp_tok_s"] > 0 and doc["tg_tok_s"] > 0 and doc["speed"]["threads"] == 2
         assert "/" not in json.dumps(doc["model"]["files"])  # names only, no local paths
     self_doc = _load(out, reference)
-    assert self_doc["kld_mean"] == 0.0
-    assert self_doc["same_top_p"] == 1.0 and self_doc["rms_dp"] == 0.0 and self_doc["kld_bound"] >= 0.0
-    assert self_doc["ppl"] == pytest.approx(self_doc["ppl_reference"], rel=1e-12)
+    # the reference against its own 16-bit log-probs (as llama-perplexity stores them): zero up to their rounding
+    step = 16 / 65535  # the largest step of a base file's log-probs (they span at most 16 nats)
+    assert abs(self_doc["kld_mean"]) < step / 10 and max(abs(self_doc["kld_max"]), abs(self_doc["kl_divergence"]["kld"]["min"])) < step
+    assert self_doc["same_top_p"] == 1.0 and self_doc["rms_dp"] < step
+    assert self_doc["kld_method"] == "base-file" and self_doc["kld_tail_stderr"] == 0.0 and self_doc["kld_bound"] == 0.0
+    assert self_doc["parameters"]["kld_full_vocabulary"] and self_doc["parameters"]["top_k"] is None
+    assert self_doc["ppl"] == pytest.approx(self_doc["ppl_reference"], rel=step)
     q8 = _load(out, q8_moe)
     assert q8["kld_mean"] > 0 and q8["kld_p999"] >= q8["kld_p99"] >= q8["kld_median"] >= 0
     assert f"{reference.stem}: PPL" in result.stdout and "mean KLD" in result.stdout
@@ -91,8 +95,9 @@ def test_contract_keys_and_self_kld_is_zero(first_run, reference, q8_moe):
 
 def test_perplexity_equals_numpy_on_the_same_logits(first_run, reference, q8_moe):
     out, cache, _ = first_run
-    (cache_file,) = cache.glob("*.reflogp")
+    (cache_file,) = cache.glob("*.kld")
     opened = kld.open_reference(cache_file)
+    assert opened.kind == "base" and opened.n_chunk == CHUNKS
     chunking = Chunking(CTX, CHUNKS)
     tokens = opened.tokens
     assert tokens[0] == factory.BOS_ID  # the vocab adds BOS: the text's first token
@@ -113,36 +118,74 @@ def test_perplexity_equals_numpy_on_the_same_logits(first_run, reference, q8_moe
         assert doc["ppl_stderr"] == pytest.approx(stderr, rel=1e-4)
 
 
-def test_topk_cache_stays_within_its_bound_of_the_exact_kld(first_run, reference, q8_moe, make_model):
+def test_topk_estimate_is_unbiased_and_its_error_is_measured(first_run, reference, q8_moe, make_model):
+    """Against the exact KLD of both models' full logits (from llama.cpp through the probe): the top-k
+    cache's estimate is unbiased over independent draws, its stated sampling error is their spread,
+    and without draws it is a lower bound."""
     _, cache, _ = first_run
-    (cache_file,) = cache.glob("*.reflogp")
+    (cache_file,) = cache.glob("*.kld")
     tokens = kld.open_reference(cache_file).tokens
     chunking = Chunking(CTX, 2)
     other = make_model("qwen3moe", dtype="F16", seed=3)  # far from the reference: a large tail term
     reference_logits = _chunk_logits(reference, tokens, chunking)
+    draws = 200
     for model in (q8_moe, other):
-        for i, logits in enumerate(_chunk_logits(model, tokens, chunking)):
-            first = chunking.first
-            q, p = logits[first:CTX - 1], reference_logits[i][first:CTX - 1]
-            targets = scored_targets(tokens, chunking, i)
-            exact = kld.compare_full(q, targets, p)
-            for top_k in (4, 32, factory.N_VOCAB):
-                approx = kld.compare_topk(q, targets, kld.topk_records(kld.log_softmax(p), targets, top_k))
-                gap = exact[:, kld.KLD] - approx[:, kld.KLD]
-                assert (gap >= -1e-12).all() and (gap <= approx[:, kld.KLD_BOUND] + 1e-12).all()
+        rows = [(logits[chunking.first:CTX - 1], reference_logits[i][chunking.first:CTX - 1], scored_targets(tokens, chunking, i))
+                for i, logits in enumerate(_chunk_logits(model, tokens, chunking))]
+        exact = np.concatenate([kld.compare_full(q, t, p) for q, p, t in rows])
+        count = exact.shape[0]
+        for top_k in (4, 32):
+            bound = np.concatenate([kld.compare_topk(q, t, kld.topk_records(kld.log_softmax(p), t, top_k)) for q, p, t in rows])
+            assert (bound[:, kld.KLD] <= exact[:, kld.KLD] + 1e-12).all() and (bound[:, kld.TAIL_VARIANCE] == 0).all()
+            means, stated = [], []
+            for seed in range(draws):
+                rng = np.random.default_rng(seed)
+                table = np.concatenate([kld.compare_topk(q, t, kld.topk_records(kld.log_softmax(p), t, top_k, 8, rng)) for q, p, t in rows])
                 for column in (kld.NLL, kld.NLL_BASE, kld.P_DIFF, kld.SAME_TOP):
-                    np.testing.assert_allclose(approx[:, column], exact[:, column], rtol=1e-12, atol=1e-15)
-                if top_k == factory.N_VOCAB:
-                    np.testing.assert_allclose(gap, 0, atol=1e-12)
-                    assert (approx[:, kld.KLD_BOUND] == 0).all()
-            # the base file's 16-bit log-probs: within its quantization step of the exact KLD
-            based = kld.compare_base(q, targets, kld.base_records(p))
-            np.testing.assert_allclose(based[:, kld.KLD], exact[:, kld.KLD], atol=2e-3 * max(1.0, exact[:, kld.KLD].max()))
+                    np.testing.assert_allclose(table[:, column], exact[:, column], rtol=1e-12, atol=1e-15)
+                means.append(table[:, kld.KLD].mean())
+                stated.append(kld.kld_statistics(table).kld_tail_stderr)
+            spread = float(np.std(means, ddof=1))
+            gap = exact[:, kld.KLD].mean() - bound[:, kld.KLD].mean()
+            if model == other:
+                assert gap > 10 * spread / math.sqrt(draws), (top_k, gap, spread)  # the lower bound is measurably low
+            assert abs(np.mean(means) - exact[:, kld.KLD].mean()) < 4 * spread / math.sqrt(draws), (top_k, np.mean(means), exact[:, kld.KLD].mean(), spread)
+            assert 0.7 < np.mean(stated) / spread < 1.4, (np.mean(stated), spread)
+        whole = np.concatenate([kld.compare_topk(q, t, kld.topk_records(kld.log_softmax(p), t, factory.N_VOCAB, 8)) for q, p, t in rows])
+        np.testing.assert_allclose(whole[:, kld.KLD], exact[:, kld.KLD], atol=1e-12)
+        assert (whole[:, kld.TAIL_VARIANCE] == 0).all() and count == 2 * chunking.scored_per_chunk
+        # the base file's 16-bit log-probs: within its quantization step of the exact KLD
+        based = np.concatenate([kld.compare_base(q, t, kld.base_records(p)) for q, p, t in rows])
+        np.testing.assert_allclose(based[:, kld.KLD], exact[:, kld.KLD], atol=2e-3 * max(1.0, exact[:, kld.KLD].max()))
+
+
+def test_topk_cache_on_request_prints_its_sampling_error(reference, q8_moe, heldout, tmp_path):
+    cache = tmp_path / "cache"
+    args = ("eval", q8_moe, "--reference", reference, "--heldout", heldout, "--ctx", CTX, "--chunks", 2, "--speed-runs", 0, "--cache", cache, "-t", 2)
+    result = ggufcarve(*args, "--top-k", 16, "--tail-samples", 8, "-o", tmp_path / "a")
+    assert result.code == 0, result.stderr[-3000:]
+    (cache_file,) = cache.glob("*.reflogp")
+    header = kld.open_reference(cache_file).header
+    assert (header.top_k, header.tail_samples, header.n_chunk) == (16, 8, 2)
+    doc = _load(tmp_path / "a", q8_moe)
+    assert doc["kld_method"] == "topk-sampled-tail" and doc["kld_bound"] is None and doc["kld_tail_stderr"] > 0
+    assert doc["parameters"]["top_k"] == 16 and doc["parameters"]["tail_samples"] == 8 and not doc["parameters"]["kld_full_vocabulary"]
+    assert f"(top-16 estimate; tail sampling adds ± {doc['kld_tail_stderr']:.6f})" in result.stdout
+    assert "sampled tail tokens" in (tmp_path / "a" / "summary.md").read_text()
+    exact = ggufcarve(*args, "-o", tmp_path / "b")
+    assert exact.code == 0, exact.stderr[-3000:]
+    full = _load(tmp_path / "b", q8_moe)
+    assert full["kld_method"] == "base-file" and "estimate" not in exact.stdout
+    assert abs(doc["kld_mean"] - full["kld_mean"]) < 4 * doc["kld_tail_stderr"] + 2e-3 * full["kld_mean"] + 1e-5
+    bound = ggufcarve(*args, "--top-k", 16, "--tail-samples", 0, "-o", tmp_path / "c")
+    assert bound.code == 0, bound.stderr[-3000:]
+    assert _load(tmp_path / "c", q8_moe)["kld_method"] == "topk-lower-bound" and "(top-16 lower bound)" in bound.stdout
+    assert _load(tmp_path / "c", q8_moe)["kld_mean"] < full["kld_mean"]
 
 
 def test_cached_reference_is_reused(first_run, reference, heldout, q8_moe, tmp_path):
     _, cache, _ = first_run
-    (cache_file,) = cache.glob("*.reflogp")
+    (cache_file,) = cache.glob("*.kld")
     mtime = cache_file.stat().st_mtime_ns
     result = ggufcarve("eval", q8_moe, "--reference", reference, "--heldout", heldout, "--ctx", CTX, "--chunks", 2,
                        "--speed-runs", 0, "--cache", cache, "-t", 2, "-o", tmp_path / "out")
@@ -231,6 +274,15 @@ VALIDATOR_CASES = [
     ({"type": "tool_call", "name": "get_weather", "arguments": {"required": ["city"], "properties": {"city": {"type": "string"}}}},
      '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>', '{"name": "get_weather", "arguments": {"town": "Paris"}}'),
     ({"type": "tool_call", "name": "get_weather"}, '{"function": {"name": "get_weather", "arguments": "{}"}}', '{"name": "get_time", "arguments": {}}'),
+    # keywords beyond the common few, checked by the jsonschema library
+    ({"type": "json", "schema": {"type": "object", "properties": {"date": {"type": "string", "pattern": "^\\d{4}-\\d{2}-\\d{2}$"}}}},
+     '{"date": "2024-03-01"}', '{"date": "March 1st"}'),
+    ({"type": "json", "schema": {"const": {"ok": True}}}, 'done: {"ok": true}', '{"ok": false}'),
+    ({"type": "json", "schema": {"type": "array", "items": {"oneOf": [{"type": "integer", "multipleOf": 3}, {"type": "integer", "multipleOf": 5}]}}}, "[9, 10]", "[9, 15]"),
+    ({"type": "json", "schema": {"type": "array", "maxItems": 2, "items": {"type": "string", "minLength": 2}}}, '["ab", "cd"]', '["ab", "c"]'),
+    ({"type": "json", "schema": {"type": "array", "maxItems": 2}}, '["a", "b"]', '["a", "b", "c"]'),
+    ({"type": "tool_call", "name": "set_alarm", "arguments": {"required": ["time"], "properties": {"time": {"type": "string", "pattern": "^[0-2]\\d:[0-5]\\d$"}}}},
+     '{"name": "set_alarm", "arguments": {"time": "07:30"}}', '{"name": "set_alarm", "arguments": {"time": "7.30am"}}'),
 ]
 
 
@@ -242,6 +294,26 @@ def test_validators_pass_and_fail(validator, passing, failing):
     assert validate(check, passing) == (True, "")
     ok, reason = validate(check, failing)
     assert not ok and reason
+
+
+def test_invalid_schema_in_a_suite_is_named_by_file_and_line(tmp_path):
+    from ggufcarve.errors import BadInput
+    from ggufcarve.evaluate.qa import load_suite
+
+    good = {"id": "a", "messages": [{"role": "user", "content": "hi"}], "validator": {"type": "json", "schema": {"type": "object"}}}
+    cases = [({"type": "json", "schema": {"type": "obj"}}, "schema.type"),
+             ({"type": "json", "schema": {"properties": {"a": {"pattern": "("}}}}, "schema.properties.a.pattern"),
+             ({"type": "json", "schema": {"minLength": -1}}, "schema.minLength"),
+             ({"type": "tool_call", "name": "f", "arguments": {"required": "city"}}, "arguments.required")]
+    for validator, where in cases:
+        suite = tmp_path / "suite.jsonl"
+        suite.write_text(json.dumps(good) + "\n" + json.dumps({**good, "id": "b", "validator": validator}) + "\n")
+        with pytest.raises(BadInput) as raised:
+            load_suite(suite)
+        message = str(raised.value)
+        assert message.startswith(f"suite.jsonl:2: invalid JSON schema at {where}: ") and "\n" not in message, message
+    suite.write_text(json.dumps(good) + "\n")
+    assert [c.id for c in load_suite(suite)] == ["a"]
 
 
 def test_safe_expressions_never_run_code():

@@ -65,7 +65,7 @@ def _score(engine, request: Request, result: dict) -> np.ndarray | None:
     if request.cache_out:
         header = kld.ReferenceHeader(n_ctx=chunking.n_ctx, n_vocab=engine.n_vocab, n_chunk=chunking.n_chunk, top_k=request.top_k,
                                      add_bos=engine.add_bos, bos=engine.bos, text_chunks=len(tokens) // chunking.n_ctx,
-                                     **request.cache_identity)
+                                     tail_samples=request.tail_samples, **request.cache_identity)
     sizes = {request.cache_out: header.file_bytes if header else 0,
              request.base_out: kld.base_file_bytes(chunking.n_ctx, engine.n_vocab, chunking.n_chunk) if request.base_out else 0}
     short = _too_little_space({Path(k): v for k, v in sizes.items() if k})
@@ -129,7 +129,8 @@ def _score_chunk(index: int, logits: np.ndarray, targets: np.ndarray, request: R
     else:
         logprobs = kld.log_softmax(logits)
         if cache is not None:
-            cache.write(kld.topk_records(logprobs, targets, request.top_k))
+            rng = np.random.default_rng([kld.TAIL_SEED, index])
+            cache.write(kld.topk_records(logprobs, targets, request.top_k, request.tail_samples, rng))
         table = np.zeros((len(targets), kld.TOKEN_COLUMNS))
         table[:, kld.NLL] = -logprobs[np.arange(len(targets)), targets]
         table[:, kld.NLL_BASE] = table[:, kld.NLL]

@@ -26,7 +26,7 @@ from ggufcarve.errors import BadInput
 from ggufcarve.evaluate import kld
 from ggufcarve.evaluate.models import ModelEntry, read_entry
 from ggufcarve.evaluate.perplexity import Perplexity, perplexity, read_text
-from ggufcarve.evaluate.protocol import EvalSettings, Reference, Request
+from ggufcarve.evaluate.protocol import REFERENCE_STORES, REFERENCE_TOPK, EvalSettings, Reference, Request
 from ggufcarve.evaluate.spawn import run_child
 from ggufcarve.events import Event, Sink, ignore
 from ggufcarve.llama.tools import find_tool, require_tool
@@ -59,10 +59,114 @@ def _reference_input(path: Path) -> str:
     return "gguf" if magic == GGUF_MAGIC else "file"
 
 
-def prepare_reference(path: Path, heldout: Path | None, settings: EvalSettings, work: Path, sink: Sink = ignore) -> Reference:
-    """The reference file the children compare with: a given top-k cache or base file, or the cached top-k log-probs of a GGUF reference."""
-    from ggufcarve.fileio import cache_root, remove_dead_temps, temp_path_for
+def _cache_path(cache_dir: Path, ref_sha: str, text_sha: str, settings: EvalSettings) -> Path:
+    """Where the reference's log-probs on a text are cached: a base file (full store) or a top-k cache."""
+    stem = f"{ref_sha[:16]}-{text_sha[:16]}-ctx{settings.ctx}"
+    if settings.reference_store == REFERENCE_TOPK:
+        return cache_dir / f"{stem}-top{settings.top_k}-tail{settings.tail_samples}.reflogp"
+    return cache_dir / f"{stem}.kld"
 
+
+def _identity_path(cache: Path) -> Path:
+    """The JSON beside a cached base file naming what it holds (a base file has no room for it)."""
+    return cache.with_name(cache.name + ".json")
+
+
+def _cached(cache: Path, ref_sha: str, text_sha: str, settings: EvalSettings) -> kld.ReferenceFile | None:
+    """The cached reference when it is complete and of this reference, text and context, holding the chunks this run scores."""
+    try:
+        opened = kld.open_reference(cache)
+        if opened.header is not None:
+            identity = {"reference_sha256": opened.header.reference_sha256, "text_sha256": opened.header.text_sha256,
+                        "text_chunks": opened.header.text_chunks, "tail_samples": opened.header.tail_samples}
+        else:
+            identity = json.loads(_identity_path(cache).read_text())
+            if not isinstance(identity, dict) or identity.get("n_chunk") != opened.n_chunk or identity.get("n_ctx") != opened.n_ctx:
+                return None
+    except (OSError, ValueError):
+        return None  # absent, a dead run's or another version's: computed afresh
+    text_chunks = identity.get("text_chunks")
+    if not isinstance(text_chunks, int) or opened.n_ctx != settings.ctx:
+        return None
+    wanted = min(settings.chunks or text_chunks, text_chunks)
+    same = identity.get("reference_sha256") == ref_sha and identity.get("text_sha256") == text_sha and opened.n_chunk >= wanted
+    if settings.reference_store == REFERENCE_TOPK and identity.get("tail_samples") != settings.tail_samples:
+        return None
+    return opened if same else None
+
+
+def _text_sha256(heldout: Path) -> str:
+    try:
+        return hashlib.sha256(read_text(heldout.read_bytes())).hexdigest()
+    except OSError as err:
+        raise BadInput(f"{heldout}: cannot read the held-out text ({err.strerror})", "give a plain text file") from None
+
+
+def reference_disk_bytes(reference: Path, heldout: Path | None, settings: EvalSettings, sink: Sink = ignore) -> int:
+    """At most the bytes the reference's log-probs take on disk in this run (0 when they are cached or given as a file).
+
+    The cache (and `--save-kl-base`) of a GGUF reference: llama-perplexity's base file, or the top-k
+    cache. The held-out text is tokenized only by the run, so its chunk count is bounded here by
+    the text's bytes: a token of llama.cpp's tokenizers spells at least one byte of the text,
+    apart from a BOS and a leading-space marker.
+    """
+    from ggufcarve.fileio import cache_root
+
+    if not reference.is_file() or _reference_input(reference) != "gguf" or heldout is None:
+        return 0
+    entry = read_entry(reference)
+    try:
+        n_tokens = len(read_text(heldout.read_bytes())) + 2
+    except OSError as err:
+        raise BadInput(f"{heldout}: cannot read the held-out text ({err.strerror})", "give a plain text file") from None
+    n_chunk = n_tokens // settings.ctx
+    if settings.chunks:
+        n_chunk = min(n_chunk, settings.chunks)
+    if n_chunk < 1:
+        return 0
+    base = kld.base_file_bytes(settings.ctx, entry.n_vocab, n_chunk)
+    ref_sha, text_sha = _sha256_of(entry, sink), _text_sha256(heldout)
+    cache = _cache_path(settings.cache_dir or cache_root() / "reference-logprobs", ref_sha, text_sha, settings)
+    if settings.reference_store == REFERENCE_TOPK:
+        header = kld.ReferenceHeader("0" * 64, "0" * 64, settings.ctx, entry.n_vocab, n_chunk, settings.top_k, False, 0, n_chunk, settings.tail_samples)
+        cache_bytes = header.file_bytes
+    else:
+        cache_bytes = base
+    cached = _cached(cache, ref_sha, text_sha, settings) is not None
+    return (0 if cached else cache_bytes) + (base if settings.kl_base_out is not None else 0)
+
+
+def _check_room(path: Path, needed: int, elsewhere: str) -> None:
+    """One-line OutputError when the file system of `path` has fewer than `needed` bytes free."""
+    import shutil
+
+    from ggufcarve.errors import OutputError
+
+    free = shutil.disk_usage(path.parent).free
+    if free < needed:
+        raise OutputError(f"{path.name} needs {needed / 2**20:.1f} MiB but {path.parent} has {free / 2**20:.1f} MiB free", f"free disk space or {elsewhere}; nothing was written")
+
+
+def _save_base(opened: kld.ReferenceFile, n_chunk: int, path: Path) -> None:
+    """--save-kl-base from a cached base file: its first n_chunk chunks, under a temp name renamed into place."""
+    from ggufcarve.fileio import atomic_file
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _check_room(path, kld.base_file_bytes(opened.n_ctx, opened.n_vocab, n_chunk), "choose another --save-kl-base path")
+    with atomic_file(path, "choose another --save-kl-base path") as temp:
+        kld.copy_base(opened, temp, n_chunk)
+
+
+def prepare_reference(path: Path, heldout: Path | None, settings: EvalSettings, work: Path, sink: Sink = ignore) -> Reference:
+    """The reference file the children compare with: a given top-k cache or base file, or the cached log-probs of a GGUF reference.
+
+    A GGUF reference's log-probs are kept as llama-perplexity's base file (every token, the default)
+    or, with `settings.reference_store` "topk", as a top-k cache.
+    """
+    from ggufcarve.fileio import cache_root, remove_dead_temps, temp_path_for, write_text_atomic
+
+    if settings.reference_store not in REFERENCE_STORES:
+        raise BadInput(f"reference store {settings.reference_store!r}: not one of {', '.join(REFERENCE_STORES)}", "full keeps every token's log-prob as llama-perplexity does")
     if not path.is_file():
         raise BadInput(f"{path}: no such reference file", "give the unpruned model (GGUF), a top-k cache or a llama-perplexity --kl-divergence-base file")
     if _reference_input(path) == "file":
@@ -75,40 +179,41 @@ def prepare_reference(path: Path, heldout: Path | None, settings: EvalSettings, 
         from ggufcarve.fileio import sha256_file_cached
 
         digest = opened.header.reference_sha256 if opened.header else sha256_file_cached(path)
-        return Reference(path.name, opened.kind, digest, path, top_k=opened.header.top_k if opened.header else None)
+        return Reference(path.name, opened.kind, digest, path, top_k=opened.header.top_k if opened.header else None,
+                         tail_samples=opened.header.tail_samples if opened.header else 0)
     entry = read_entry(path)
     if heldout is None:
         raise BadInput("--heldout is needed with a GGUF reference", "give a held-out text file, or a llama-perplexity --kl-divergence-base file as --reference")
-    try:
-        text = read_text(heldout.read_bytes())
-    except OSError as err:
-        raise BadInput(f"{heldout}: cannot read the held-out text ({err.strerror})", "give a plain text file") from None
+    text_sha = _text_sha256(heldout)
     ref_sha = _sha256_of(entry, sink)
-    text_sha = hashlib.sha256(text).hexdigest()
+    topk = settings.reference_store == REFERENCE_TOPK
     cache_dir = settings.cache_dir or cache_root() / "reference-logprobs"
     cache_dir.mkdir(parents=True, exist_ok=True)
-    cache = cache_dir / f"{ref_sha[:16]}-{text_sha[:16]}-ctx{settings.ctx}-top{settings.top_k}.reflogp"
-    if cache.exists() and settings.kl_base_out is None:
-        try:
-            opened = kld.open_reference(cache)
-            header = opened.header
-            wanted = min(settings.chunks or header.text_chunks, header.text_chunks)
-            if header.reference_sha256 == ref_sha and header.text_sha256 == text_sha and header.n_chunk >= wanted:
-                return Reference(entry.name, "gguf", ref_sha, cache, entry, top_k=header.top_k, cached=True)
-        except ValueError:
-            pass  # a cache of a dead run or another version: computed afresh below
+    cache = _cache_path(cache_dir, ref_sha, text_sha, settings)
+    store = {"top_k": settings.top_k, "tail_samples": settings.tail_samples} if topk else {}
+    opened = _cached(cache, ref_sha, text_sha, settings)
+    if opened is not None and (settings.kl_base_out is None or not topk):
+        if settings.kl_base_out is not None:
+            text_chunks = json.loads(_identity_path(cache).read_text())["text_chunks"]
+            _save_base(opened, min(settings.chunks or text_chunks, text_chunks), settings.kl_base_out)
+        return Reference(entry.name, "gguf", ref_sha, cache, entry, cached=True, **store)
     started = time.monotonic()
     # The child writes the cache (and the base file) under this process's temp names; they are
     # renamed into place only once it succeeded (it fsyncs them first), so a cache under its final
-    # name is always complete, and a stopped or failed run leaves none.
+    # name is always complete, and a stopped or failed run leaves none. A cached base file counts
+    # only with the JSON naming it, written after it.
     remove_dead_temps(cache_dir, cache.name.__eq__)
     temp = temp_path_for(cache)
     request = Request(model=str(entry.path), threads=settings.threads, n_ctx=settings.ctx, result_out=str(work / "reference.result.json"),
-                      text=str(heldout), max_chunks=settings.chunks, cache_out=str(temp), top_k=settings.top_k,
+                      text=str(heldout), max_chunks=settings.chunks, top_k=settings.top_k, tail_samples=settings.tail_samples,
                       cache_identity={"reference_sha256": ref_sha, "text_sha256": text_sha})
+    if topk:
+        request.cache_out = str(temp)
+    else:
+        request.base_out = str(temp)
     outputs = {str(temp): (cache, "choose another --cache directory")}
     base_temp = None
-    if settings.kl_base_out is not None:
+    if settings.kl_base_out is not None and topk:
         settings.kl_base_out.parent.mkdir(parents=True, exist_ok=True)
         remove_dead_temps(settings.kl_base_out.parent, settings.kl_base_out.name.__eq__)
         base_temp = temp_path_for(settings.kl_base_out)
@@ -118,6 +223,8 @@ def prepare_reference(path: Path, heldout: Path | None, settings: EvalSettings, 
         result = run_child(request, f"reference {entry.name}", sink, work, outputs)
         if "bad_input" in result:
             raise BadInput(f"{heldout}: {result['bad_input']}", "give a longer --heldout text or a smaller --ctx")
+        if not topk:
+            _identity_path(cache).unlink(missing_ok=True)
         os.replace(temp, cache)
         if base_temp is not None:
             os.replace(base_temp, settings.kl_base_out)
@@ -125,7 +232,13 @@ def prepare_reference(path: Path, heldout: Path | None, settings: EvalSettings, 
         temp.unlink(missing_ok=True)
         if base_temp is not None:
             base_temp.unlink(missing_ok=True)
-    return Reference(entry.name, "gguf", ref_sha, cache, entry, top_k=settings.top_k, seconds=time.monotonic() - started)
+    if not topk:
+        identity = {"reference_sha256": ref_sha, "text_sha256": text_sha, "n_ctx": result["n_ctx"], "n_chunk": result["n_chunk"],
+                    "text_chunks": result["n_tokens"] // result["n_ctx"]}
+        write_text_atomic(_identity_path(cache), json.dumps(identity, sort_keys=True) + "\n")
+        if settings.kl_base_out is not None:
+            _save_base(kld.open_reference(cache), result["n_chunk"], settings.kl_base_out)
+    return Reference(entry.name, "gguf", ref_sha, cache, entry, seconds=time.monotonic() - started, **store)
 
 
 def check_vocabularies(models: list[ModelEntry], reference: ModelEntry | None, reference_file: Path | None = None) -> None:
@@ -140,13 +253,32 @@ def check_vocabularies(models: list[ModelEntry], reference: ModelEntry | None, r
                            "compare models of the reference's family")
 
 
-def _contract(stats: kld.KldStatistics, ppl: Perplexity, ppl_reference: Perplexity, qa: dict | None, speed: dict | None) -> dict:
+KLD_METHODS = {
+    "base-file": "llama-perplexity's: every token's log-prob from its 16-bit --kl-divergence-base file",
+    "topk-exact": "exact: the top-k cache holds every token",
+    "topk-sampled-tail": "top-k log-probs exact, the tail's part estimated from sampled tail tokens (unbiased; kld_tail_stderr)",
+    "topk-lower-bound": "top-k log-probs and the tail as one outcome: a lower bound",
+}
+
+
+def kld_method(reference: Reference, n_vocab: int) -> str:
+    """How the KLD against this reference is computed (KLD_METHODS)."""
+    if reference.top_k is None:
+        return "base-file"
+    if reference.top_k >= n_vocab:
+        return "topk-exact"
+    return "topk-sampled-tail" if reference.tail_samples > 1 else "topk-lower-bound"
+
+
+def _contract(stats: kld.KldStatistics, ppl: Perplexity, ppl_reference: Perplexity, qa: dict | None, speed: dict | None, method: str) -> dict:
     """The per-model figures under their contract names."""
     return {
         "ppl": ppl.ppl, "ppl_stderr": ppl.ppl_stderr, "ppl_reference": ppl_reference.ppl,
         "ppl_delta_percent": 100.0 * (ppl.ppl / ppl_reference.ppl - 1.0),
         "kld_mean": stats.kld_mean, "kld_mean_stderr": stats.kld_mean_stderr, "kld_median": stats.kld["median"],
-        "kld_p99": stats.kld["p99"], "kld_p999": stats.kld["p999"], "kld_max": stats.kld["max"], "kld_bound": stats.kld_bound,
+        "kld_p99": stats.kld["p99"], "kld_p999": stats.kld["p999"], "kld_max": stats.kld["max"],
+        "kld_method": method, "kld_tail_stderr": stats.kld_tail_stderr,
+        "kld_bound": 0.0 if method in ("base-file", "topk-exact") else None,  # no bound is given for an estimate
         "same_top_p": stats.same_top_p, "rms_dp": stats.rms_dp,
         "qa_passed": qa["passed"] if qa else None, "qa_total": qa["total"] if qa else None,
         "qa_exact_vs_reference": qa.get("exact_vs_reference") if qa else None,
@@ -177,6 +309,7 @@ def evaluate_model(entry: ModelEntry, reference: Reference, settings: EvalSettin
     table = np.fromfile(table_path, dtype="<f8").reshape(-1, kld.TOKEN_COLUMNS)
     table_path.unlink()
     stats = kld.kld_statistics(table)
+    method = kld_method(reference, entry.n_vocab)
     ppl = perplexity(table[:, kld.NLL])
     qa = None
     if settings.qa_checks is not None and "qa" in result:
@@ -193,8 +326,9 @@ def evaluate_model(entry: ModelEntry, reference: Reference, settings: EvalSettin
         "reference": {"name": reference.label, "kind": reference.kind, "sha256": reference.sha256, "log_probs_cached": reference.cached,
                       "log_probs_seconds": round(reference.seconds, 3)},
         "parameters": {"ctx": result["n_ctx"], "chunks": result["n_chunk"], "scored_tokens": stats.count, "threads": settings.threads,
-                       "top_k": reference.top_k, "kld_full_vocabulary": reference.top_k is None or reference.top_k >= entry.n_vocab},
-        **_contract(stats, ppl, perplexity(table[:, kld.NLL_BASE]), qa, result.get("speed")),
+                       "top_k": reference.top_k, "tail_samples": reference.tail_samples if reference.top_k is not None else None,
+                       "kld_full_vocabulary": method in ("base-file", "topk-exact")},
+        **_contract(stats, ppl, perplexity(table[:, kld.NLL_BASE]), qa, result.get("speed"), method),
         "kl_divergence": stats.to_json(),
         "speed": result.get("speed"),
         "qa": qa,

@@ -60,13 +60,23 @@ def _by_size(results: list[dict]) -> list[dict]:
     return sorted(results, key=lambda r: (r["model"]["bytes"], r["model"]["name"]))
 
 
+def _kld_note(doc: dict) -> str:
+    """How the KLD figures were computed, in one sentence."""
+    params, method = doc.get("parameters", {}), doc.get("kld_method")
+    if params.get("kld_full_vocabulary"):
+        return "KLD from the reference's full distributions, as llama-perplexity --kl-divergence computes it (every token; its base file stores them in 16 bits)."
+    if method == "topk-sampled-tail":
+        return (f"KLD estimated from the reference's top-{params.get('top_k')} log-probs and {params.get('tail_samples')} sampled tail tokens per token: "
+                "the mean is unbiased, ± the sampling's standard error (`kld_tail_stderr` in each JSON); percentiles are of per-token estimates.")
+    return f"KLD from the reference's top-{params.get('top_k')} log-probs with the rest as one outcome: a lower bound of the KLD."
+
+
 def render_summary(results: list[dict], reference_label: str, charts: list[str]) -> str:
     ordered = _by_size(results)
     params = ordered[0]["parameters"] if ordered else {}
     lines = [f"# Evaluation against {reference_label}", ""]
     lines.append(f"Context {params.get('ctx')}, {params.get('chunks')} chunks ({params.get('scored_tokens')} scored tokens), "
-                 f"{params.get('threads')} threads; KLD from the reference's "
-                 + ("full distributions (every token; a llama-perplexity base file stores them in 16 bits)." if params.get("kld_full_vocabulary") else f"top-{params.get('top_k')} log-probs (error bound per model in its JSON, `kld_bound`)."))
+                 f"{params.get('threads')} threads; " + _kld_note(ordered[0] if ordered else {}))
     lines += ["", "## Release", "", "| Artifact | Size GiB | Passed | Exact vs baseline | Median decode tok/s | Gate |", "|---|---|---|---|---|---|"]
     for r in ordered:
         passed = f"{r['qa_passed']}/{r['qa_total']}" if r.get("qa_total") else "–"
