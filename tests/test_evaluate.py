@@ -184,15 +184,29 @@ def test_topk_cache_on_request_prints_its_sampling_error(reference, q8_moe, held
 
 
 def test_cached_reference_is_reused(first_run, reference, heldout, q8_moe, tmp_path):
+    from ggufcarve.evaluate.protocol import EvalSettings
+    from ggufcarve.evaluate.run import reference_disk_bytes
+
     _, cache, _ = first_run
     (cache_file,) = cache.glob("*.kld")
     mtime = cache_file.stat().st_mtime_ns
-    result = ggufcarve("eval", q8_moe, "--reference", reference, "--heldout", heldout, "--ctx", CTX, "--chunks", 2,
+    assert reference_disk_bytes(reference, heldout, EvalSettings(ctx=CTX, chunks=CHUNKS, cache_dir=cache)) == 0
+    fresh = reference_disk_bytes(reference, heldout, EvalSettings(ctx=CTX, chunks=CHUNKS, cache_dir=tmp_path / "empty"))
+    assert fresh == cache_file.stat().st_size  # CHUNKS chunks fit in the text: the preview is exact
+    whole = reference_disk_bytes(reference, heldout, EvalSettings(ctx=CTX, cache_dir=tmp_path / "empty"))
+    assert whole >= kld.base_file_bytes(CTX, factory.N_VOCAB, len(heldout.read_bytes()) // CTX)  # at most: bytes bound the tokens
+    saved = tmp_path / "saved.kld"
+    result = ggufcarve("eval", q8_moe, "--reference", reference, "--heldout", heldout, "--ctx", CTX, "--chunks", 2, "--save-kl-base", saved,
                        "--speed-runs", 0, "--cache", cache, "-t", 2, "-o", tmp_path / "out")
     assert result.code == 0, result.stderr[-3000:]
     assert cache_file.stat().st_mtime_ns == mtime and "cached log-probs" in result.stderr
     doc = json.loads((tmp_path / "out" / f"{q8_moe.stem}.json").read_text())
     assert doc["parameters"]["chunks"] == 2 and doc["pp_tok_s"] is None
+    # --save-kl-base from the cache: its first 2 chunks as a base file of their own
+    cached, copy = kld.open_reference(cache_file), kld.open_reference(saved)
+    assert (copy.n_ctx, copy.n_vocab, copy.n_chunk) == (CTX, factory.N_VOCAB, 2) and saved.stat().st_size == kld.base_file_bytes(CTX, factory.N_VOCAB, 2)
+    assert np.array_equal(copy.tokens, cached.tokens[:2 * CTX])
+    assert all(np.array_equal(a, b) for a, b in zip(copy.chunks(), cached.chunks(2)))
 
 
 def test_summary_tables_match_the_json(first_run, reference, q8_moe):
@@ -427,13 +441,99 @@ def test_kld_grows_as_bits_fall_and_cross_check_agrees(release_eval):
         assert check["ppl_agrees"], (doc["ppl"], check)
         assert f"{doc['ppl']:.4g}" == f"{check['ppl_mode']['ppl']:.4g}"
         assert "kld_mean" in check["kld_mode"], check
-        # llama-perplexity's KLD keeps all tokens above e^-16 in 16 bits; ours is exact up to the stated bound
-        assert check["kld_mode"]["kld_mean"] == pytest.approx(doc["kld_mean"], abs=doc["kld_bound"] + 2e-3 * doc["kld_mean"] + 1e-5)
+        # llama-perplexity's KLD from its own base file; ours from ggufcarve's: the same logits rounded to 16 bits
+        assert doc["kld_method"] == "base-file" and doc["kld_bound"] == 0.0
+        assert check["kld_mode"]["kld_mean"] == pytest.approx(doc["kld_mean"], abs=BASE_STEP * (1 + doc["kld_mean"]) / 4 + 5e-7)
         assert check["kld_mode"]["same_top_p"] == pytest.approx(doc["same_top_p"], abs=0.01)
     assert "agrees" in result.stdout
     summary = (out / "summary.md").read_text()
     assert "qwen3moe 6 of 8 experts" in summary and "qwen3moe 8 experts" in summary
     assert "✓ vs " in summary or "✗ vs " in summary
+
+
+# --- the default KLD is llama-perplexity's: its printed figures as the oracle -------------------
+
+ORACLE_ROWS = {"Mean    KLD": "kld_mean", "Median  KLD": "kld_median", "99.0%   KLD": "kld_p99", "99.9%   KLD": "kld_p999", "Same top p": "same_top_p"}
+BASE_STEP = 16 / 65535  # the largest step of a base file's 16-bit log-probs (they span at most 16 nats)
+
+
+def _oracle(bin_dir: Path, model: Path, base: Path, ctx: int) -> dict[str, float]:
+    """llama-perplexity -m MODEL --kl-divergence-base BASE --kl-divergence, in the launcher's environment: its printed figures.
+
+    Its log thread can drop the last lines at exit (crosscheck.ATTEMPTS): run until "Same top p" is printed.
+    """
+    import re
+
+    for _ in range(6):
+        proc = subprocess.run([str(bin_dir / "llama-perplexity"), "-m", str(model), "-c", str(ctx), "--kl-divergence-base", str(base), "--kl-divergence", "-t", "2"],
+                              capture_output=True, text=True, timeout=600, env=_child_env())
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        found = {}
+        for line in (proc.stdout + proc.stderr).splitlines():
+            m = re.match(r"^(Mean    KLD|Median  KLD|99\.0%   KLD|99\.9%   KLD|Same top p)\s*:\s*(-?[\d.]+)", line)
+            if m:
+                found[ORACLE_ROWS[m[1]]] = float(m[2]) / (100 if m[1] == "Same top p" else 1)
+        if len(found) == len(ORACLE_ROWS):
+            return found
+    raise AssertionError("llama-perplexity printed no final statistics in 6 runs: " + (proc.stdout + proc.stderr)[-2000:])
+
+
+def _assert_equals_llama_perplexity(bin_dir: Path, out: Path, models: list[Path], base: Path, ctx: int, chunks: int) -> None:
+    """eval's figures equal llama-perplexity's printed ones (KLD to the 16-bit storage of the reference, same top p to its 3 printed decimals)."""
+    for model in models:
+        doc = _load(out, model)
+        theirs = _oracle(bin_dir, model, base, ctx)
+        assert doc["kld_method"] == "base-file" and doc["parameters"]["chunks"] == chunks and doc["parameters"]["ctx"] == ctx
+        for key in ("kld_mean", "kld_median", "kld_p99", "kld_p999"):
+            # the two base files round the same logits to 16 bits (at most one step apart); printed to 6 decimals
+            tolerance = BASE_STEP * (1 + theirs[key]) / 4 + 5e-7
+            assert doc[key] == pytest.approx(theirs[key], abs=tolerance), (model.name, key, doc[key], theirs[key])
+        count = doc["parameters"]["scored_tokens"]
+        assert abs(doc["same_top_p"] - theirs["same_top_p"]) <= 5e-6 + 1 / count, (model.name, doc["same_top_p"], theirs["same_top_p"])
+
+
+@pytest.mark.slow
+def test_demo_pruned_rungs_kld_equals_llama_perplexity(llama_tools, tmp_path):
+    """The demo model pruned to 8 of 16 experts (Q8_0) and its Q4_K_M against the unpruned demo: held-out text, ctx 256, 16 chunks."""
+    from ggufcarve.demo import DEMO_MODEL, HELDOUT
+
+    pruned = tmp_path / "demo-8e-Q8_0.gguf"
+    result = ggufcarve("prune", DEMO_MODEL, "--keep-first", 8, "-o", pruned, "-q")
+    assert result.code == 0, result.stderr[-3000:]
+    q4 = factory.quantize_with_llama(pruned, tmp_path / "demo-8e-Q4_K_M.gguf", "Q4_K_M", allow_requantize=True)
+    out = tmp_path / "out"
+    result = ggufcarve("eval", pruned, q4, "--reference", DEMO_MODEL, "--heldout", HELDOUT, "--ctx", 256, "--chunks", 16,
+                       "--speed-runs", 0, "--cache", tmp_path / "cache", "-t", 2, "-o", out)
+    assert result.code == 0, result.stderr[-3000:]
+    base = tmp_path / "demo.kld"  # written by llama-perplexity itself from the unpruned demo model
+    made = subprocess.run([str(llama_tools / "llama-perplexity"), "-m", str(DEMO_MODEL), "-f", str(HELDOUT), "-c", "256", "--chunks", "16",
+                           "--kl-divergence-base", str(base), "-t", "2"], capture_output=True, text=True, timeout=600, env=_child_env())
+    assert made.returncode == 0 and base.exists(), made.stderr[-3000:]
+    _assert_equals_llama_perplexity(llama_tools, out, [pruned, q4], base, 256, 16)
+    assert _load(out, pruned)["kld_mean"] < _load(out, q4)["kld_mean"]
+
+
+@pytest.mark.slow
+def test_iq2_xs_kld_equals_llama_perplexity(release, make_model, heldout, llama_tools, tmp_path):
+    """An IQ2_XS (llama-quantize with llama-imatrix's imatrix) of the qwen3moe fixture against the F16 it was made from."""
+    f16 = make_model("qwen3moe", dtype="F16", n_embd=256, n_ff_exp=256)
+    (iq2,) = release.glob("*IQ2_XS*.gguf")
+    out = tmp_path / "out"
+    result = ggufcarve("eval", iq2, "--reference", f16, "--heldout", heldout, "--ctx", CTX, "--chunks", CHUNKS,
+                       "--speed-runs", 0, "--cache", tmp_path / "cache", "-t", 2, "-o", out)
+    assert result.code == 0, result.stderr[-3000:]
+    base = tmp_path / "f16.kld"
+    made = subprocess.run([str(llama_tools / "llama-perplexity"), "-m", str(f16), "-f", str(heldout), "-c", str(CTX), "--chunks", str(CHUNKS),
+                           "--kl-divergence-base", str(base), "-t", "2"], capture_output=True, text=True, timeout=600, env=_child_env())
+    assert made.returncode == 0 and base.exists(), made.stderr[-3000:]
+    _assert_equals_llama_perplexity(llama_tools, out, [iq2], base, CTX, CHUNKS)
+    assert _load(out, iq2)["kld_mean"] > 0.05  # a far model: a large tail a top-k cache would have cut
+
+
+def _child_env() -> dict[str, str]:
+    from ggufcarve.llama.launch import child_env
+
+    return child_env()
 
 
 @pytest.mark.slow

@@ -23,7 +23,7 @@ from ggufcarve.cli.render import err, out, progress, warn
 
 def eval_command(
     models: Annotated[list[Path], typer.Argument(help="GGUF files, first shards of split sets, or release directories (every rung of the manifest).")],
-    reference: Annotated[Path, typer.Option("--reference", help="The unpruned model (GGUF), a top-k cache (.reflogp) or a llama-perplexity --kl-divergence-base file.")],
+    reference: Annotated[Path, typer.Option("--reference", help="The unpruned model (GGUF), a llama-perplexity --kl-divergence-base file or a top-k cache (.reflogp).")],
     output: Annotated[Path, typer.Option("-o", "--output", help="Output directory: <model>.json per model, summary.md, charts.")],
     heldout: Annotated[Path | None, typer.Option("--heldout", help="Held-out text scored by every model (needed with a GGUF reference).")] = None,
     ctx: Annotated[int, typer.Option("--ctx", help="Context (tokens per chunk), as llama-perplexity -c.")] = 512,

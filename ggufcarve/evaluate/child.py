@@ -123,6 +123,8 @@ def _score_chunk(index: int, logits: np.ndarray, targets: np.ndarray, request: R
 
     if base is not None:
         base.write(logits)
+    if reference_chunks is None and cache is None and table_file is None:
+        return  # the base file is all this pass writes
     if reference_chunks is not None:
         records = next(reference_chunks)
         table = kld.compare_topk(logits, targets, records) if reference.kind == "topk" else kld.compare_base(logits, targets, records)

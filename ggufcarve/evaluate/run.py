@@ -1,9 +1,10 @@
 """Evaluate models against one reference: the cached reference log-probs, one child per model, per-model JSON, gate.
 
-The reference is a GGUF model (its top-k log-probs on the held-out text are computed once and
-cached in `<cache>/reference-logprobs/`, keyed by the reference's sha256, the text's sha256, the
-context and top-k), a top-k cache file, or a llama-perplexity `--kl-divergence-base` file (its
-tokens are scored; no held-out text needed). Each model is loaded once in a child process that
+The reference is a GGUF model (its log-probs on the held-out text are computed once and cached in
+`<cache>/reference-logprobs/`, keyed by the reference's sha256, the text's sha256 and the context:
+by default as llama-perplexity's `--kl-divergence-base` file, with a JSON beside it naming what it
+holds; with the "topk" store as a top-k cache), a top-k cache file, or a llama-perplexity
+`--kl-divergence-base` file (its tokens are scored; no held-out text needed). Each model is loaded once in a child process that
 scores every chunk against the reference, measures speed and answers the QA checks.
 """
 
