@@ -26,12 +26,12 @@ s_1..s_m (independent draws from a = p_tail/R; b = q_tail/Q; r_j = b(s_j) / a(s_
     R * (1/m) sum_j [r_j - 1 - log r_j].
 Both a and b sum to 1 over the tail, so E[r_j] = 1 and E[-log r_j] = KL(a || b): the expectation is
 the last term, and each summand is >= 0 and near (r_j - 1)^2 / 2 when the model is close to the
-reference (a smaller variance than log(a/b) alone). The per-token KLD estimate is unbiased, and its
+reference (then a far smaller variance than log(a/b) alone). The per-token KLD estimate is unbiased, and its
 variance R^2 * var_j / m (`TAIL_VARIANCE`) is measured from the same draws; the standard error of
-the mean KLD that the sampling adds is sqrt(sum of those variances) / count. Without samples (a cache
-written before they were) only the first two terms are known: a lower bound of the KLD (grouping
-the tail into one outcome never increases a KL divergence). With top_k equal to the vocabulary size
-the cache is exact. PPL, Δp and "same top p" are exact from the cache.
+the mean KLD that the sampling adds is sqrt(sum of those variances) / count. Without samples (a
+cache written before they were, or fewer than two draws) only the first two terms are known: a
+lower bound of the KLD (grouping the tail into one outcome never increases a KL divergence). With
+top_k equal to the vocabulary size the cache is exact. PPL, Δp and "same top p" are exact from the cache.
 
 The statistics are those llama-perplexity's `kl_divergence()` prints, computed as it computes them.
 """
@@ -159,15 +159,14 @@ def compare_topk(logits: np.ndarray, targets: np.ndarray, records: np.ndarray) -
     has_tail = tail > 0
     safe_tail = np.where(has_tail, tail, 1.0)
     kld_tail = np.where(has_tail, tail * (np.log(safe_tail) - np.log(q_tail)), 0.0)
-    if "sample_ids" in (records.dtype.names or ()):
-        m = records["sample_ids"].shape[1]
+    m = records["sample_ids"].shape[1] if "sample_ids" in (records.dtype.names or ()) else 0
+    if m > 1:  # one draw gives no measure of its error: left out
         # x = log(a_s / b_s) of every draw, a = p_tail/R, b = q_tail/Q; the term r - 1 + x, r = b_s/a_s = e^-x
         x = (records["sample_logp"] - np.log(safe_tail)[:, None]) - (np.take_along_axis(logq, records["sample_ids"], axis=1) - np.log(q_tail)[:, None])
         x[~has_tail] = 0.0  # no tail: the draws are placeholders
         terms = np.expm1(-x) + x
         kld_tail = kld_tail + np.where(has_tail, tail * terms.mean(axis=1), 0.0)
-        if m > 1:
-            table[:, TAIL_VARIANCE] = np.where(has_tail, tail * tail * terms.var(axis=1, ddof=1) / m, 0.0)
+        table[:, TAIL_VARIANCE] = np.where(has_tail, tail * tail * terms.var(axis=1, ddof=1) / m, 0.0)
     table[:, NLL] = -logq[rows, targets]
     table[:, NLL_BASE] = -records["token_logp"]
     table[:, KLD] = kld_top + kld_tail
