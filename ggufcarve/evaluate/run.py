@@ -4,8 +4,9 @@ The reference is a GGUF model (its log-probs on the held-out text are computed o
 `<cache>/reference-logprobs/`, keyed by the reference's sha256, the text's sha256 and the context:
 by default as llama-perplexity's `--kl-divergence-base` file, with a JSON beside it naming what it
 holds; with the "topk" store as a top-k cache), a top-k cache file, or a llama-perplexity
-`--kl-divergence-base` file (its tokens are scored; no held-out text needed). Each model is loaded once in a child process that
-scores every chunk against the reference, measures speed and answers the QA checks.
+`--kl-divergence-base` file (its tokens are scored; no held-out text needed). Each model is loaded
+once in a child process that scores every chunk against the reference, measures speed and answers
+the QA checks.
 """
 
 from __future__ import annotations
@@ -164,7 +165,7 @@ def prepare_reference(path: Path, heldout: Path | None, settings: EvalSettings, 
     A GGUF reference's log-probs are kept as llama-perplexity's base file (every token, the default)
     or, with `settings.reference_store` "topk", as a top-k cache.
     """
-    from ggufcarve.fileio import cache_root, remove_dead_temps, temp_path_for, write_text_atomic
+    from ggufcarve.fileio import atomic_file, cache_root, remove_dead_temps, temp_path_for
 
     if settings.reference_store not in REFERENCE_STORES:
         raise BadInput(f"reference store {settings.reference_store!r}: not one of {', '.join(REFERENCE_STORES)}", "full keeps every token's log-prob as llama-perplexity does")
@@ -236,7 +237,8 @@ def prepare_reference(path: Path, heldout: Path | None, settings: EvalSettings, 
     if not topk:
         identity = {"reference_sha256": ref_sha, "text_sha256": text_sha, "n_ctx": result["n_ctx"], "n_chunk": result["n_chunk"],
                     "text_chunks": result["n_tokens"] // result["n_ctx"]}
-        write_text_atomic(_identity_path(cache), json.dumps(identity, sort_keys=True) + "\n")
+        with atomic_file(_identity_path(cache), "choose another --cache directory") as identity_temp:
+            identity_temp.write_text(json.dumps(identity, sort_keys=True) + "\n")
         if settings.kl_base_out is not None:
             _save_base(kld.open_reference(cache), result["n_chunk"], settings.kl_base_out)
     return Reference(entry.name, "gguf", ref_sha, cache, entry, seconds=time.monotonic() - started, **store)
