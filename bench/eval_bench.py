@@ -5,7 +5,7 @@ Builds a loadable qwen3moe F16 reference and its Q8_0 version with the tests' mo
 --chunks x --ctx byte tokens, and times, side by side in one run, alternating, --repeat times:
   - llama-perplexity: `llama-perplexity -m Q8_0 --kl-divergence-base BASE --kl-divergence -c CTX -t T`
     (its base file of the reference written once beforehand)
-  - eval (top-k cache): `ggufcarve eval Q8_0 --reference F16 --heldout TEXT --ctx CTX --speed-runs 0`,
+  - eval (top-k cache): `ggufcarve eval Q8_0 --reference F16 --heldout TEXT --ctx CTX --top-k 128 --speed-runs 0`,
     the reference's top-k cache already computed (the CLI end to end: startup, headers, the
     libllama child, statistics, JSON, summary and charts)
   - eval (base file): `ggufcarve eval Q8_0 --reference BASE` (llama-perplexity's own base file)
@@ -74,7 +74,7 @@ def main() -> None:
     cache = work / "cache"
     common = ["--speed-runs", "0", "-t", str(a.threads), "--force", "-q"]
     ours = [sys.executable, "-m", "ggufcarve", "eval", str(model), "--reference", str(reference), "--heldout", str(text), "--ctx", str(a.ctx),
-            "--chunks", str(a.chunks), "--cache", str(cache), "-o", str(work / "out-topk"), *common]
+            "--chunks", str(a.chunks), "--top-k", "128", "--cache", str(cache), "-o", str(work / "out-topk"), *common]
     timed(ours)  # computes the reference's top-k cache once
     runs = {
         "llama-perplexity": [tool, "-m", str(model), "--kl-divergence-base", str(base), "--kl-divergence", "-c", str(a.ctx), "-t", str(a.threads)],

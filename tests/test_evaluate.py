@@ -81,9 +81,13 @@ def test_contract_keys_and_self_kld_is_zero(first_run, reference, q8_moe):
         assert doc["pp_tok_s"] > 0 and doc["tg_tok_s"] > 0 and doc["speed"]["threads"] == 2
         assert "/" not in json.dumps(doc["model"]["files"])  # names only, no local paths
     self_doc = _load(out, reference)
-    assert self_doc["kld_mean"] == 0.0
-    assert self_doc["same_top_p"] == 1.0 and self_doc["rms_dp"] == 0.0 and self_doc["kld_bound"] >= 0.0
-    assert self_doc["ppl"] == pytest.approx(self_doc["ppl_reference"], rel=1e-12)
+    # the reference against its own 16-bit log-probs (as llama-perplexity stores them): zero up to their rounding
+    step = 16 / 65535  # the largest step of a base file's log-probs (they span at most 16 nats)
+    assert abs(self_doc["kld_mean"]) < step / 10 and max(abs(self_doc["kld_max"]), abs(self_doc["kl_divergence"]["kld"]["min"])) < step
+    assert self_doc["same_top_p"] == 1.0 and self_doc["rms_dp"] < step
+    assert self_doc["kld_method"] == "base-file" and self_doc["kld_tail_stderr"] == 0.0 and self_doc["kld_bound"] == 0.0
+    assert self_doc["parameters"]["kld_full_vocabulary"] and self_doc["parameters"]["top_k"] is None
+    assert self_doc["ppl"] == pytest.approx(self_doc["ppl_reference"], rel=BASE_STEP)
     q8 = _load(out, q8_moe)
     assert q8["kld_mean"] > 0 and q8["kld_p999"] >= q8["kld_p99"] >= q8["kld_median"] >= 0
     assert f"{reference.stem}: PPL" in result.stdout and "mean KLD" in result.stdout
@@ -91,8 +95,9 @@ def test_contract_keys_and_self_kld_is_zero(first_run, reference, q8_moe):
 
 def test_perplexity_equals_numpy_on_the_same_logits(first_run, reference, q8_moe):
     out, cache, _ = first_run
-    (cache_file,) = cache.glob("*.reflogp")
+    (cache_file,) = cache.glob("*.kld")
     opened = kld.open_reference(cache_file)
+    assert opened.kind == "base" and opened.n_chunk == CHUNKS
     chunking = Chunking(CTX, CHUNKS)
     tokens = opened.tokens
     assert tokens[0] == factory.BOS_ID  # the vocab adds BOS: the text's first token
@@ -113,43 +118,95 @@ def test_perplexity_equals_numpy_on_the_same_logits(first_run, reference, q8_moe
         assert doc["ppl_stderr"] == pytest.approx(stderr, rel=1e-4)
 
 
-def test_topk_cache_stays_within_its_bound_of_the_exact_kld(first_run, reference, q8_moe, make_model):
+def test_topk_estimate_is_unbiased_and_its_error_is_measured(first_run, reference, q8_moe, make_model):
+    """Against the exact KLD of both models' full logits (from llama.cpp through the probe): the top-k
+    cache's estimate is unbiased over independent draws, its stated sampling error is their spread,
+    and without draws it is a lower bound."""
     _, cache, _ = first_run
-    (cache_file,) = cache.glob("*.reflogp")
+    (cache_file,) = cache.glob("*.kld")
     tokens = kld.open_reference(cache_file).tokens
     chunking = Chunking(CTX, 2)
     other = make_model("qwen3moe", dtype="F16", seed=3)  # far from the reference: a large tail term
     reference_logits = _chunk_logits(reference, tokens, chunking)
+    draws = 200
     for model in (q8_moe, other):
-        for i, logits in enumerate(_chunk_logits(model, tokens, chunking)):
-            first = chunking.first
-            q, p = logits[first:CTX - 1], reference_logits[i][first:CTX - 1]
-            targets = scored_targets(tokens, chunking, i)
-            exact = kld.compare_full(q, targets, p)
-            for top_k in (4, 32, factory.N_VOCAB):
-                approx = kld.compare_topk(q, targets, kld.topk_records(kld.log_softmax(p), targets, top_k))
-                gap = exact[:, kld.KLD] - approx[:, kld.KLD]
-                assert (gap >= -1e-12).all() and (gap <= approx[:, kld.KLD_BOUND] + 1e-12).all()
+        rows = [(logits[chunking.first:CTX - 1], reference_logits[i][chunking.first:CTX - 1], scored_targets(tokens, chunking, i))
+                for i, logits in enumerate(_chunk_logits(model, tokens, chunking))]
+        exact = np.concatenate([kld.compare_full(q, t, p) for q, p, t in rows])
+        count = exact.shape[0]
+        for top_k in (4, 32):
+            bound = np.concatenate([kld.compare_topk(q, t, kld.topk_records(kld.log_softmax(p), t, top_k)) for q, p, t in rows])
+            assert (bound[:, kld.KLD] <= exact[:, kld.KLD] + 1e-12).all() and (bound[:, kld.TAIL_VARIANCE] == 0).all()
+            means, stated = [], []
+            for seed in range(draws):
+                rng = np.random.default_rng(seed)
+                table = np.concatenate([kld.compare_topk(q, t, kld.topk_records(kld.log_softmax(p), t, top_k, 8, rng)) for q, p, t in rows])
                 for column in (kld.NLL, kld.NLL_BASE, kld.P_DIFF, kld.SAME_TOP):
-                    np.testing.assert_allclose(approx[:, column], exact[:, column], rtol=1e-12, atol=1e-15)
-                if top_k == factory.N_VOCAB:
-                    np.testing.assert_allclose(gap, 0, atol=1e-12)
-                    assert (approx[:, kld.KLD_BOUND] == 0).all()
-            # the base file's 16-bit log-probs: within its quantization step of the exact KLD
-            based = kld.compare_base(q, targets, kld.base_records(p))
-            np.testing.assert_allclose(based[:, kld.KLD], exact[:, kld.KLD], atol=2e-3 * max(1.0, exact[:, kld.KLD].max()))
+                    np.testing.assert_allclose(table[:, column], exact[:, column], rtol=1e-12, atol=1e-15)
+                means.append(table[:, kld.KLD].mean())
+                stated.append(kld.kld_statistics(table).kld_tail_stderr)
+            spread = float(np.std(means, ddof=1))
+            gap = exact[:, kld.KLD].mean() - bound[:, kld.KLD].mean()
+            if model == other:
+                assert gap > 10 * spread / math.sqrt(draws), (top_k, gap, spread)  # the lower bound is measurably low
+            assert abs(np.mean(means) - exact[:, kld.KLD].mean()) < 4 * spread / math.sqrt(draws), (top_k, np.mean(means), exact[:, kld.KLD].mean(), spread)
+            assert 0.7 < np.mean(stated) / spread < 1.4, (np.mean(stated), spread)
+        whole = np.concatenate([kld.compare_topk(q, t, kld.topk_records(kld.log_softmax(p), t, factory.N_VOCAB, 8)) for q, p, t in rows])
+        np.testing.assert_allclose(whole[:, kld.KLD], exact[:, kld.KLD], atol=1e-12)
+        assert (whole[:, kld.TAIL_VARIANCE] == 0).all() and count == 2 * chunking.scored_per_chunk
+        # the base file's 16-bit log-probs: within its quantization step of the exact KLD
+        based = np.concatenate([kld.compare_base(q, t, kld.base_records(p)) for q, p, t in rows])
+        np.testing.assert_allclose(based[:, kld.KLD], exact[:, kld.KLD], atol=2e-3 * max(1.0, exact[:, kld.KLD].max()))
+
+
+def test_topk_cache_on_request_prints_its_sampling_error(reference, q8_moe, heldout, tmp_path):
+    cache = tmp_path / "cache"
+    args = ("eval", q8_moe, "--reference", reference, "--heldout", heldout, "--ctx", CTX, "--chunks", 2, "--speed-runs", 0, "--cache", cache, "-t", 2)
+    result = ggufcarve(*args, "--top-k", 16, "--tail-samples", 8, "-o", tmp_path / "a")
+    assert result.code == 0, result.stderr[-3000:]
+    (cache_file,) = cache.glob("*.reflogp")
+    header = kld.open_reference(cache_file).header
+    assert (header.top_k, header.tail_samples, header.n_chunk) == (16, 8, 2)
+    doc = _load(tmp_path / "a", q8_moe)
+    assert doc["kld_method"] == "topk-sampled-tail" and doc["kld_bound"] is None and doc["kld_tail_stderr"] > 0
+    assert doc["parameters"]["top_k"] == 16 and doc["parameters"]["tail_samples"] == 8 and not doc["parameters"]["kld_full_vocabulary"]
+    assert f"(top-16 estimate; tail sampling adds ± {doc['kld_tail_stderr']:.6f})" in result.stdout
+    assert "sampled tail tokens" in (tmp_path / "a" / "summary.md").read_text()
+    exact = ggufcarve(*args, "-o", tmp_path / "b")
+    assert exact.code == 0, exact.stderr[-3000:]
+    full = _load(tmp_path / "b", q8_moe)
+    assert full["kld_method"] == "base-file" and "estimate" not in exact.stdout
+    assert abs(doc["kld_mean"] - full["kld_mean"]) < 4 * doc["kld_tail_stderr"] + 2e-3 * full["kld_mean"] + 1e-5
+    bound = ggufcarve(*args, "--top-k", 16, "--tail-samples", 0, "-o", tmp_path / "c")
+    assert bound.code == 0, bound.stderr[-3000:]
+    assert _load(tmp_path / "c", q8_moe)["kld_method"] == "topk-lower-bound" and "(top-16 lower bound)" in bound.stdout
+    assert _load(tmp_path / "c", q8_moe)["kld_mean"] < full["kld_mean"]
 
 
 def test_cached_reference_is_reused(first_run, reference, heldout, q8_moe, tmp_path):
+    from ggufcarve.evaluate.protocol import EvalSettings
+    from ggufcarve.evaluate.run import reference_disk_bytes
+
     _, cache, _ = first_run
-    (cache_file,) = cache.glob("*.reflogp")
+    (cache_file,) = cache.glob("*.kld")
     mtime = cache_file.stat().st_mtime_ns
-    result = ggufcarve("eval", q8_moe, "--reference", reference, "--heldout", heldout, "--ctx", CTX, "--chunks", 2,
+    assert reference_disk_bytes(reference, heldout, EvalSettings(ctx=CTX, chunks=CHUNKS, cache_dir=cache)) == 0
+    fresh = reference_disk_bytes(reference, heldout, EvalSettings(ctx=CTX, chunks=CHUNKS, cache_dir=tmp_path / "empty"))
+    assert fresh == cache_file.stat().st_size  # CHUNKS chunks fit in the text: the preview is exact
+    whole = reference_disk_bytes(reference, heldout, EvalSettings(ctx=CTX, cache_dir=tmp_path / "empty"))
+    assert whole >= kld.base_file_bytes(CTX, factory.N_VOCAB, len(heldout.read_bytes()) // CTX)  # at most: bytes bound the tokens
+    saved = tmp_path / "saved.kld"
+    result = ggufcarve("eval", q8_moe, "--reference", reference, "--heldout", heldout, "--ctx", CTX, "--chunks", 2, "--save-kl-base", saved,
                        "--speed-runs", 0, "--cache", cache, "-t", 2, "-o", tmp_path / "out")
     assert result.code == 0, result.stderr[-3000:]
     assert cache_file.stat().st_mtime_ns == mtime and "cached log-probs" in result.stderr
     doc = json.loads((tmp_path / "out" / f"{q8_moe.stem}.json").read_text())
     assert doc["parameters"]["chunks"] == 2 and doc["pp_tok_s"] is None
+    # --save-kl-base from the cache: its first 2 chunks as a base file of their own
+    cached, copy = kld.open_reference(cache_file), kld.open_reference(saved)
+    assert (copy.n_ctx, copy.n_vocab, copy.n_chunk) == (CTX, factory.N_VOCAB, 2) and saved.stat().st_size == kld.base_file_bytes(CTX, factory.N_VOCAB, 2)
+    assert np.array_equal(copy.tokens, cached.tokens[:2 * CTX])
+    assert all(np.array_equal(a, b) for a, b in zip(copy.chunks(), cached.chunks(2)))
 
 
 def test_summary_tables_match_the_json(first_run, reference, q8_moe):
@@ -231,6 +288,15 @@ VALIDATOR_CASES = [
     ({"type": "tool_call", "name": "get_weather", "arguments": {"required": ["city"], "properties": {"city": {"type": "string"}}}},
      '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>', '{"name": "get_weather", "arguments": {"town": "Paris"}}'),
     ({"type": "tool_call", "name": "get_weather"}, '{"function": {"name": "get_weather", "arguments": "{}"}}', '{"name": "get_time", "arguments": {}}'),
+    # keywords beyond the common few, checked by the jsonschema library
+    ({"type": "json", "schema": {"type": "object", "properties": {"date": {"type": "string", "pattern": "^\\d{4}-\\d{2}-\\d{2}$"}}}},
+     '{"date": "2024-03-01"}', '{"date": "March 1st"}'),
+    ({"type": "json", "schema": {"const": {"ok": True}}}, 'done: {"ok": true}', '{"ok": false}'),
+    ({"type": "json", "schema": {"type": "array", "items": {"oneOf": [{"type": "integer", "multipleOf": 3}, {"type": "integer", "multipleOf": 5}]}}}, "[9, 10]", "[9, 15]"),
+    ({"type": "json", "schema": {"type": "array", "maxItems": 2, "items": {"type": "string", "minLength": 2}}}, '["ab", "cd"]', '["ab", "c"]'),
+    ({"type": "json", "schema": {"type": "array", "maxItems": 2}}, '["a", "b"]', '["a", "b", "c"]'),
+    ({"type": "tool_call", "name": "set_alarm", "arguments": {"required": ["time"], "properties": {"time": {"type": "string", "pattern": "^[0-2]\\d:[0-5]\\d$"}}}},
+     '{"name": "set_alarm", "arguments": {"time": "07:30"}}', '{"name": "set_alarm", "arguments": {"time": "7.30am"}}'),
 ]
 
 
@@ -242,6 +308,26 @@ def test_validators_pass_and_fail(validator, passing, failing):
     assert validate(check, passing) == (True, "")
     ok, reason = validate(check, failing)
     assert not ok and reason
+
+
+def test_invalid_schema_in_a_suite_is_named_by_file_and_line(tmp_path):
+    from ggufcarve.errors import BadInput
+    from ggufcarve.evaluate.qa import load_suite
+
+    good = {"id": "a", "messages": [{"role": "user", "content": "hi"}], "validator": {"type": "json", "schema": {"type": "object"}}}
+    cases = [({"type": "json", "schema": {"type": "obj"}}, "schema.type"),
+             ({"type": "json", "schema": {"properties": {"a": {"pattern": "("}}}}, "schema.properties.a.pattern"),
+             ({"type": "json", "schema": {"minLength": -1}}, "schema.minLength"),
+             ({"type": "tool_call", "name": "f", "arguments": {"required": "city"}}, "arguments.required")]
+    for validator, where in cases:
+        suite = tmp_path / "suite.jsonl"
+        suite.write_text(json.dumps(good) + "\n" + json.dumps({**good, "id": "b", "validator": validator}) + "\n")
+        with pytest.raises(BadInput) as raised:
+            load_suite(suite)
+        message = str(raised.value)
+        assert message.startswith(f"suite.jsonl:2: invalid JSON schema at {where}: ") and "\n" not in message, message
+    suite.write_text(json.dumps(good) + "\n")
+    assert [c.id for c in load_suite(suite)] == ["a"]
 
 
 def test_safe_expressions_never_run_code():
@@ -355,13 +441,99 @@ def test_kld_grows_as_bits_fall_and_cross_check_agrees(release_eval):
         assert check["ppl_agrees"], (doc["ppl"], check)
         assert f"{doc['ppl']:.4g}" == f"{check['ppl_mode']['ppl']:.4g}"
         assert "kld_mean" in check["kld_mode"], check
-        # llama-perplexity's KLD keeps all tokens above e^-16 in 16 bits; ours is exact up to the stated bound
-        assert check["kld_mode"]["kld_mean"] == pytest.approx(doc["kld_mean"], abs=doc["kld_bound"] + 2e-3 * doc["kld_mean"] + 1e-5)
+        # llama-perplexity's KLD from its own base file; ours from ggufcarve's: the same logits rounded to 16 bits
+        assert doc["kld_method"] == "base-file" and doc["kld_bound"] == 0.0
+        assert check["kld_mode"]["kld_mean"] == pytest.approx(doc["kld_mean"], abs=2e-6 * (1 + doc["kld_mean"]))
         assert check["kld_mode"]["same_top_p"] == pytest.approx(doc["same_top_p"], abs=0.01)
     assert "agrees" in result.stdout
     summary = (out / "summary.md").read_text()
     assert "qwen3moe 6 of 8 experts" in summary and "qwen3moe 8 experts" in summary
     assert "✓ vs " in summary or "✗ vs " in summary
+
+
+# --- the default KLD is llama-perplexity's: its printed figures as the oracle -------------------
+
+ORACLE_ROWS = {"Mean    KLD": "kld_mean", "Median  KLD": "kld_median", "99.0%   KLD": "kld_p99", "99.9%   KLD": "kld_p999", "Same top p": "same_top_p"}
+BASE_STEP = 16 / 65535  # the largest step of a base file's 16-bit log-probs (they span at most 16 nats)
+
+
+def _oracle(bin_dir: Path, model: Path, base: Path, ctx: int) -> dict[str, float]:
+    """llama-perplexity -m MODEL --kl-divergence-base BASE --kl-divergence, in the launcher's environment: its printed figures.
+
+    Its log thread can drop the last lines at exit (crosscheck.ATTEMPTS): run until "Same top p" is printed.
+    """
+    import re
+
+    for _ in range(6):
+        proc = subprocess.run([str(bin_dir / "llama-perplexity"), "-m", str(model), "-c", str(ctx), "--kl-divergence-base", str(base), "--kl-divergence", "-t", "2"],
+                              capture_output=True, text=True, timeout=600, env=_child_env())
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        found = {}
+        for line in (proc.stdout + proc.stderr).splitlines():
+            m = re.match(r"^(Mean    KLD|Median  KLD|99\.0%   KLD|99\.9%   KLD|Same top p)\s*:\s*(-?[\d.]+)", line)
+            if m:
+                found[ORACLE_ROWS[m[1]]] = float(m[2]) / (100 if m[1] == "Same top p" else 1)
+        if len(found) == len(ORACLE_ROWS):
+            return found
+    raise AssertionError("llama-perplexity printed no final statistics in 6 runs: " + (proc.stdout + proc.stderr)[-2000:])
+
+
+def _assert_equals_llama_perplexity(bin_dir: Path, out: Path, models: list[Path], base: Path, ctx: int, chunks: int) -> None:
+    """eval's figures equal llama-perplexity's printed ones (KLD to the 16-bit storage of the reference, same top p to its 3 printed decimals)."""
+    for model in models:
+        doc = _load(out, model)
+        theirs = _oracle(bin_dir, model, base, ctx)
+        assert doc["kld_method"] == "base-file" and doc["parameters"]["chunks"] == chunks and doc["parameters"]["ctx"] == ctx
+        for key in ("kld_mean", "kld_median", "kld_p99", "kld_p999"):
+            # printed to 6 decimals; the two base files round the same logits to 16 bits, a few values one step
+            # (<= BASE_STEP) apart, which moves a figure by far less than a unit of its 6th decimal (measured: <= 1e-6)
+            assert doc[key] == pytest.approx(theirs[key], abs=2e-6 * (1 + theirs[key])), (model.name, key, doc[key], theirs[key])
+        count = doc["parameters"]["scored_tokens"]
+        assert abs(doc["same_top_p"] - theirs["same_top_p"]) <= 5e-6 + 1 / count, (model.name, doc["same_top_p"], theirs["same_top_p"])
+
+
+@pytest.mark.slow
+def test_demo_pruned_rungs_kld_equals_llama_perplexity(llama_tools, tmp_path):
+    """The demo model pruned to 8 of 16 experts (Q8_0) and its Q4_K_M against the unpruned demo: held-out text, ctx 256, 16 chunks."""
+    from ggufcarve.demo import DEMO_MODEL, HELDOUT
+
+    pruned = tmp_path / "demo-8e-Q8_0.gguf"
+    result = ggufcarve("prune", DEMO_MODEL, "--keep-first", 8, "-o", pruned, "-q")
+    assert result.code == 0, result.stderr[-3000:]
+    q4 = factory.quantize_with_llama(pruned, tmp_path / "demo-8e-Q4_K_M.gguf", "Q4_K_M", allow_requantize=True)
+    out = tmp_path / "out"
+    result = ggufcarve("eval", pruned, q4, "--reference", DEMO_MODEL, "--heldout", HELDOUT, "--ctx", 256, "--chunks", 16,
+                       "--speed-runs", 0, "--cache", tmp_path / "cache", "-t", 2, "-o", out)
+    assert result.code == 0, result.stderr[-3000:]
+    base = tmp_path / "demo.kld"  # written by llama-perplexity itself from the unpruned demo model
+    made = subprocess.run([str(llama_tools / "llama-perplexity"), "-m", str(DEMO_MODEL), "-f", str(HELDOUT), "-c", "256", "--chunks", "16",
+                           "--kl-divergence-base", str(base), "-t", "2"], capture_output=True, text=True, timeout=600, env=_child_env())
+    assert made.returncode == 0 and base.exists(), made.stderr[-3000:]
+    _assert_equals_llama_perplexity(llama_tools, out, [pruned, q4], base, 256, 16)
+    assert _load(out, pruned)["kld_mean"] < _load(out, q4)["kld_mean"]
+
+
+@pytest.mark.slow
+def test_iq2_xs_kld_equals_llama_perplexity(release, make_model, heldout, llama_tools, tmp_path):
+    """An IQ2_XS (llama-quantize with llama-imatrix's imatrix) of the qwen3moe fixture against the F16 it was made from."""
+    f16 = make_model("qwen3moe", dtype="F16", n_embd=256, n_ff_exp=256)
+    (iq2,) = release.glob("*IQ2_XS*.gguf")
+    out = tmp_path / "out"
+    result = ggufcarve("eval", iq2, "--reference", f16, "--heldout", heldout, "--ctx", CTX, "--chunks", CHUNKS,
+                       "--speed-runs", 0, "--cache", tmp_path / "cache", "-t", 2, "-o", out)
+    assert result.code == 0, result.stderr[-3000:]
+    base = tmp_path / "f16.kld"
+    made = subprocess.run([str(llama_tools / "llama-perplexity"), "-m", str(f16), "-f", str(heldout), "-c", str(CTX), "--chunks", str(CHUNKS),
+                           "--kl-divergence-base", str(base), "-t", "2"], capture_output=True, text=True, timeout=600, env=_child_env())
+    assert made.returncode == 0 and base.exists(), made.stderr[-3000:]
+    _assert_equals_llama_perplexity(llama_tools, out, [iq2], base, CTX, CHUNKS)
+    assert _load(out, iq2)["kld_mean"] > 0.05  # a far model: a large tail a top-k cache would have cut
+
+
+def _child_env() -> dict[str, str]:
+    from ggufcarve.llama.launch import child_env
+
+    return child_env()
 
 
 @pytest.mark.slow

@@ -264,7 +264,7 @@ def test_ctrl_c_mid_eval_then_rerun(make_model, q8_moe, heldout, tmp_path, env, 
     assert no_process_left(env) == [], "an evaluation child outlived the stopped eval"
     assert [n for n in listing(out) if not n.startswith(".")] == [] and temps(out) == []
     assert temps(cache) == [], "the stopped reference pass left its temp cache"
-    cached = [n for n in listing(cache) if n.endswith(".reflogp")]
+    cached = [n for n in listing(cache) if n.endswith(".kld")]
     assert child == 2 or cached == [], "a half-computed reference cache got its final name"
     again = run(*args, env=env)
     assert again.returncode == 0, again.stderr[-3000:]
@@ -449,7 +449,7 @@ def test_file_size_limit_mid_eval_reference_pass(make_model, q8_moe, heldout, tm
     full = run(*args, env=env, preexec_fn=file_size_limit(64 << 10))
     assert full.returncode == 1 and "Traceback" not in full.stderr, full.stderr[-3000:]
     line = error_line(full.stderr)
-    assert line.startswith(f"error: disk full while writing {cache}") and ".reflogp (File too large)" in line and "another --cache directory" in line, line
+    assert line.startswith(f"error: disk full while writing {cache}") and ".kld (File too large)" in line and "another --cache directory" in line, line
     assert listing(cache) == [] and [n for n in listing(out) if not n.startswith(".")] == []
     again = run(*args, env=env)
     assert again.returncode == 0, again.stderr[-3000:]
@@ -583,7 +583,7 @@ def test_eval_cache_on_a_too_small_disk_is_refused_before_writing(make_model, q8
                       "--speed-runs", "0", "--cache", str(mnt), "-t", "2", "-q", "-o", str(out), env=env)
     line = error_line(result["stderr"])
     assert result["code"] == 1 and "Traceback" not in result["stderr"], result["stderr"][-3000:]
-    assert ".reflogp needs" in line and "MiB free" in line and "another --cache directory" in line and "nothing was written" in line, line
+    assert ".kld needs" in line and "MiB free" in line and "another --cache directory" in line and "nothing was written" in line, line
     assert listing(out) == []
 
 

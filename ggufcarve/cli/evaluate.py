@@ -23,7 +23,7 @@ from ggufcarve.cli.render import err, out, progress, warn
 
 def eval_command(
     models: Annotated[list[Path], typer.Argument(help="GGUF files, first shards of split sets, or release directories (every rung of the manifest).")],
-    reference: Annotated[Path, typer.Option("--reference", help="The unpruned model (GGUF), a top-k cache (.reflogp) or a llama-perplexity --kl-divergence-base file.")],
+    reference: Annotated[Path, typer.Option("--reference", help="The unpruned model (GGUF), a llama-perplexity --kl-divergence-base file or a top-k cache (.reflogp).")],
     output: Annotated[Path, typer.Option("-o", "--output", help="Output directory: <model>.json per model, summary.md, charts.")],
     heldout: Annotated[Path | None, typer.Option("--heldout", help="Held-out text scored by every model (needed with a GGUF reference).")] = None,
     ctx: Annotated[int, typer.Option("--ctx", help="Context (tokens per chunk), as llama-perplexity -c.")] = 512,
@@ -31,7 +31,8 @@ def eval_command(
     qa: Annotated[Path | None, typer.Option("--qa", help="QA suite: a .jsonl file or a directory of them (e.g. evaluation/qa).")] = None,
     gate: Annotated[Path | None, typer.Option("--gate", help="Gate thresholds (TOML; default evaluation/gate.toml).")] = None,
     threads: Annotated[int | None, typer.Option("--threads", "-t", help="CPU threads (default: all cores).")] = None,
-    top_k: Annotated[int, typer.Option("--top-k", help="Reference log-probs kept per token in the cache (the rest as one tail mass; the error bound is in each JSON).")] = 128,
+    top_k: Annotated[int | None, typer.Option("--top-k", help="Cache only the reference's top-K log-probs per token (and sampled tail tokens): a small cache, an estimated KLD. Default: every token, as llama-perplexity keeps them.")] = None,
+    tail_samples: Annotated[int, typer.Option("--tail-samples", help="With --top-k: tail tokens sampled per token; the KLD estimate is unbiased and its sampling error is printed (0: a lower bound).")] = 32,
     speed_runs: Annotated[int, typer.Option("--speed-runs", help="Timed runs of pp and tg speed (median reported); 0 skips speed.")] = 3,
     speed_engine: Annotated[str, typer.Option("--speed-engine", help="auto (llama-bench when the tools have it, else in-process), llama-bench or libllama.")] = "auto",
     save_kl_base: Annotated[Path | None, typer.Option("--save-kl-base", help="Also write the reference's log-probs as a llama-perplexity --kl-divergence-base file.")] = None,
@@ -46,10 +47,15 @@ def eval_command(
     from ggufcarve.errors import BadInput, OutputError
     from ggufcarve.evaluate.gate import default_gate_path, load_gate
     from ggufcarve.evaluate.models import resolve_models
+    from ggufcarve.evaluate.protocol import DEFAULT_TAIL_SAMPLES, DEFAULT_TOP_K, REFERENCE_FULL, REFERENCE_TOPK
     from ggufcarve.evaluate.run import EvalSettings, evaluate
     from ggufcarve.evaluate.speed import ENGINES, SpeedSettings
     from ggufcarve.release.publish import record_published, release_of
 
+    if top_k is not None and top_k < 1:
+        raise BadInput(f"--top-k {top_k}: must be at least 1", "leave --top-k out to keep every token's log-prob")
+    if tail_samples < 0 or tail_samples == 1:
+        raise BadInput(f"--tail-samples {tail_samples}: must be 0 (a lower bound) or at least 2 (their spread measures the estimate's error)", f"for example --tail-samples {DEFAULT_TAIL_SAMPLES}")
     if speed_engine not in ENGINES:
         raise BadInput(f"--speed-engine {speed_engine}: not one of {', '.join(ENGINES)}", "auto uses llama-bench when `ggufcarve toolchain build` has compiled it")
     entries = resolve_models(models)
@@ -67,7 +73,8 @@ def eval_command(
     if existing and not force:
         raise OutputError(f"{existing[0]} already exists", "use --force to replace the results, or another -o directory")
     settings = EvalSettings(
-        ctx=ctx, chunks=chunks, threads=threads or os.cpu_count() or 1, top_k=top_k,
+        ctx=ctx, chunks=chunks, threads=threads or os.cpu_count() or 1, top_k=top_k or DEFAULT_TOP_K, tail_samples=tail_samples,
+        reference_store=REFERENCE_FULL if top_k is None else REFERENCE_TOPK,
         speed=SpeedSettings(runs=speed_runs, engine=speed_engine) if speed_runs > 0 else None, gate=gate_rules, qa_checks=qa_checks,
         cross_check=cross_check, llama_cpp_dir=llama_cpp, cache_dir=cache, kl_base_out=save_kl_base,
     )
@@ -78,7 +85,7 @@ def eval_command(
         return
     for r in run.results:
         line = (f"{r['model']['name']}: PPL {r['ppl']:.4f} ± {r['ppl_stderr']:.4f} ({round(r['ppl_delta_percent'], 2) + 0.0:+.2f}%), "
-                f"mean KLD {r['kld_mean']:.6f} ± {r['kld_mean_stderr']:.6f}, same top p {100 * r['same_top_p']:.2f}%")
+                f"mean KLD {_kld_text(r)}, same top p {100 * r['same_top_p']:.2f}%")
         if r.get("tg_tok_s") is not None:
             line += f", pp {r['pp_tok_s']:.1f} tg {r['tg_tok_s']:.1f} tok/s"
         if r.get("qa_total"):
@@ -92,6 +99,16 @@ def eval_command(
     if release is not None and release != output.resolve():
         records = record_published(release, "evaluation", [p for p in sorted(output.rglob("*")) if p.is_file() and not any(part.startswith(".") for part in p.relative_to(output).parts)])
         err.print(f"recorded {len(records)} evaluation files in {release / 'quant-manifest.json'} and SHA256SUMS", highlight=False)
+
+
+def _kld_text(r: dict) -> str:
+    """The mean KLD as printed: with the sampling error of a top-k estimate, or marked as a lower bound."""
+    text = f"{r['kld_mean']:.6f} ± {r['kld_mean_stderr']:.6f}"
+    if r.get("kld_method") == "topk-sampled-tail":
+        return text + f" (top-{r['parameters']['top_k']} estimate; tail sampling adds ± {r['kld_tail_stderr']:.6f})"
+    if r.get("kld_method") == "topk-lower-bound":
+        return f"≥ {text} (top-{r['parameters']['top_k']} lower bound)"
+    return text
 
 
 def card_command(

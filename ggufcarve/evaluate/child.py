@@ -2,7 +2,8 @@
 
 Run as `python -m ggufcarve.evaluate.child REQUEST.json` through the one launcher (llama.cpp
 aborts the process on failed asserts). The request (`Request`) names the model, the text or the
-reference file whose tokens are scored, and what to write:
+reference file whose tokens are scored, and what to write (`ggufcarve.evaluate.protocol` holds the
+request and the progress-line prefixes):
   * `table_out`: the per-token table (float64 rows of `kld.TOKEN_COLUMNS`) appended chunk by chunk;
   * `cache_out`: the top-k cache of this model as a reference; `base_out`: its llama-perplexity
     base file;
@@ -18,39 +19,13 @@ import json
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-PROGRESS_PREFIX = "@"
-OS_ERROR = "os-error"  # `@os-error {"errno", "strerror", "filename"}` on stdout: a read or write of the child failed (a full disk)
+from ggufcarve.evaluate.protocol import OS_ERROR, PROGRESS_PREFIX, Request
+
 PERPLEXITY_BATCH = 2048  # llama-perplexity's default -b: n_batch // n_ctx chunks are decoded side by side
-
-
-@dataclass
-class Request:
-    model: str
-    threads: int
-    n_ctx: int
-    result_out: str
-    text: str | None = None  # held-out text file (tokenized by this model)
-    reference_in: str | None = None  # a top-k cache or base file: its tokens are scored and compared
-    max_chunks: int | None = None
-    table_out: str | None = None
-    cache_out: str | None = None
-    cache_identity: dict = field(default_factory=dict)  # reference_sha256, text_sha256 for the cache header
-    top_k: int = 64
-    base_out: str | None = None
-    speed: dict | None = None  # SpeedSettings fields
-    qa: list[dict] | None = None  # QA checks as plain dicts (ggufcarve.evaluate.qa)
-
-    @classmethod
-    def read(cls, path: str) -> Request:
-        return cls(**json.loads(Path(path).read_text()))
-
-    def write(self, path: Path) -> None:
-        path.write_text(json.dumps(asdict(self), sort_keys=True))
 
 
 def _progress(what: str, done: int, total: int) -> None:
@@ -90,7 +65,7 @@ def _score(engine, request: Request, result: dict) -> np.ndarray | None:
     if request.cache_out:
         header = kld.ReferenceHeader(n_ctx=chunking.n_ctx, n_vocab=engine.n_vocab, n_chunk=chunking.n_chunk, top_k=request.top_k,
                                      add_bos=engine.add_bos, bos=engine.bos, text_chunks=len(tokens) // chunking.n_ctx,
-                                     **request.cache_identity)
+                                     tail_samples=request.tail_samples, **request.cache_identity)
     sizes = {request.cache_out: header.file_bytes if header else 0,
              request.base_out: kld.base_file_bytes(chunking.n_ctx, engine.n_vocab, chunking.n_chunk) if request.base_out else 0}
     short = _too_little_space({Path(k): v for k, v in sizes.items() if k})
@@ -148,13 +123,16 @@ def _score_chunk(index: int, logits: np.ndarray, targets: np.ndarray, request: R
 
     if base is not None:
         base.write(logits)
+    if reference_chunks is None and cache is None and table_file is None:
+        return  # the base file is all this pass writes
     if reference_chunks is not None:
         records = next(reference_chunks)
         table = kld.compare_topk(logits, targets, records) if reference.kind == "topk" else kld.compare_base(logits, targets, records)
     else:
         logprobs = kld.log_softmax(logits)
         if cache is not None:
-            cache.write(kld.topk_records(logprobs, targets, request.top_k))
+            rng = np.random.default_rng([kld.TAIL_SEED, index])
+            cache.write(kld.topk_records(logprobs, targets, request.top_k, request.tail_samples, rng))
         table = np.zeros((len(targets), kld.TOKEN_COLUMNS))
         table[:, kld.NLL] = -logprobs[np.arange(len(targets)), targets]
         table[:, kld.NLL_BASE] = table[:, kld.NLL]

@@ -3,8 +3,9 @@
 With a GGUF reference, llama-perplexity first writes its own `--kl-divergence-base` file from the
 reference (`-f TEXT -c CTX [--chunks N]`); each model then runs in its PPL mode (`-f TEXT`, the
 `Final estimate` line) and its KLD mode (`--kl-divergence`, the final statistics tables). The
-two PPLs must agree to 4 significant digits (one engine, one convention); KLDs differ by the
-top-k cache's bounded error and llama-perplexity's 16-bit storage of the reference.
+two PPLs must agree to 4 significant digits (one engine, one convention); the KLDs of the default
+reference (a base file ggufcarve writes) differ only by the rounding of the two base files' 16-bit
+values, those of a top-k cache also by its estimate's error.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from ggufcarve.events import Event, Sink, ignore
 
 if TYPE_CHECKING:
     from ggufcarve.evaluate.models import ModelEntry
-    from ggufcarve.evaluate.run import EvalSettings, Reference
+    from ggufcarve.evaluate.protocol import EvalSettings, Reference
 
 TOOL_TIMEOUT_IDLE = 3600.0
 # llama.cpp's common log prints from a worker thread and is never flushed at exit (common/log.cpp,

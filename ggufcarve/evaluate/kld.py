@@ -2,30 +2,36 @@
 
 Two on-disk forms of the reference, both streamed chunk by chunk (never all in memory):
 
-* **Top-k cache** (ggufcarve's default, `*.reflogp`): per scored token the reference's `top_k`
+* **llama-perplexity's `--kl-divergence-base` file** (ggufcarve's default): `_logits_`, u32 n_ctx,
+  i32 n_vocab, i32 n_chunk, int32 tokens[n_chunk * n_ctx], then per chunk `n_ctx - 1 - n_ctx/2`
+  records of `nv = 2*((n_vocab + 1)/2) + 4` uint16: float32 scale and float32 min_log_prob in the
+  first four, then one uint16 per vocabulary entry, log p = scale * value + min_log_prob; logits
+  more than 16 below the maximum are stored as 0 (log p = min_log_prob). KLD from it
+  (`compare_base`) is computed as llama-perplexity's `--kl-divergence` computes it, with its float32
+  arithmetic and its floor (reference log-probs at or below -16 are left out of the sum).
+* **Top-k cache** (`*.reflogp`, asked for with a top-k): per scored token the reference's `top_k`
   largest log-probabilities with their token ids, the log-probability of the token that follows,
-  and the exact probability mass of every other token (the tail). Layout: magic `GGUFCARVE-REFLOGP1`,
-  u32 length of a JSON header (reference_sha256, text_sha256, n_ctx, n_vocab, n_chunk, top_k,
-  add_bos, bos, text_chunks), the header, int32 tokens[n_chunk * n_ctx], then `REFERENCE_RECORD(top_k)`
-  records in chunk order.
-* **llama-perplexity's `--kl-divergence-base` file**: `_logits_`, u32 n_ctx, i32 n_vocab, i32
-  n_chunk, int32 tokens[n_chunk * n_ctx], then per chunk `n_ctx - 1 - n_ctx/2` records of
-  `nv = 2*((n_vocab + 1)/2) + 4` uint16: float32 scale and float32 min_log_prob in the first four,
-  then one uint16 per vocabulary entry, log p = scale * value + min_log_prob; logits more than
-  16 below the maximum are stored as 0 (log p = min_log_prob).
+  the exact probability mass R of every other token (the tail), and `tail_samples` tail tokens
+  drawn from the reference's tail distribution p_tail/R with their log-probabilities. Layout: magic
+  `GGUFCARVE-REFLOGP1`, u32 length of a JSON header (reference_sha256, text_sha256, n_ctx, n_vocab,
+  n_chunk, top_k, tail_samples, add_bos, bos, text_chunks; a header without tail_samples has none),
+  the header, int32 tokens[n_chunk * n_ctx], then `reference_record(top_k, tail_samples)` records
+  in chunk order.
 
-KLD from the top-k cache. With T the stored tokens, R the reference's tail mass and
-Q_tail = 1 - sum_T q the model's, the cache gives
-    KLD_topk = sum_T p_i (log p_i - log q_i) + R log(R / Q_tail).
-Grouping the tail into one outcome never increases a KL divergence (log-sum inequality), and the
-part it drops is R * KL(p_tail/R || q_tail/Q_tail). The cache does not know the reference's tail,
-only that no tail token is more likely than p_k (the k-th largest stored probability), so
-    0 <= KLD_exact - KLD_topk <= R * max over such tails of KL(p_tail/R || q_tail/Q_tail),
-a maximum of a convex function over a polytope, reached by putting mass min(p_k, R) on each of
-the model's least likely tail tokens in turn (`_tail_bound`). That bound is computed per token
-(`KLD_BOUND`) and its mean bounds the error of the mean KLD; it is a worst case over every tail
-the cache allows, so it is positive even for the reference against itself. With top_k equal to
-the vocabulary size the cache is exact. PPL, Δp and "same top p" are exact from the cache.
+KLD from the top-k cache. With T the stored tokens, R the reference's tail mass and Q = 1 - sum_T q
+the model's,
+    KLD = sum_T p_i (log p_i - log q_i) + R log(R / Q) + R * KL(p_tail/R || q_tail/Q).
+The first two terms are exact from the cache. The last is estimated from the m sampled tail tokens
+s_1..s_m (independent draws from a = p_tail/R; b = q_tail/Q; r_j = b(s_j) / a(s_j)):
+    R * (1/m) sum_j [r_j - 1 - log r_j].
+Both a and b sum to 1 over the tail, so E[r_j] = 1 and E[-log r_j] = KL(a || b): the expectation is
+the last term, and each summand is >= 0 and near (r_j - 1)^2 / 2 when the model is close to the
+reference (then a far smaller variance than log(a/b) alone). The per-token KLD estimate is unbiased, and its
+variance R^2 * var_j / m (`TAIL_VARIANCE`) is measured from the same draws; the standard error of
+the mean KLD that the sampling adds is sqrt(sum of those variances) / count. Without samples (a
+cache written before they were, or fewer than two draws) only the first two terms are known: a
+lower bound of the KLD (grouping the tail into one outcome never increases a KL divergence). With
+top_k equal to the vocabulary size the cache is exact. PPL, Δp and "same top p" are exact from the cache.
 
 The statistics are those llama-perplexity's `kl_divergence()` prints, computed as it computes them.
 """
@@ -47,17 +53,20 @@ from ggufcarve.evaluate.perplexity import Chunking, log_softmax
 
 CACHE_MAGIC = b"GGUFCARVE-REFLOGP1"
 BASE_MAGIC = b"_logits_"
-DEFAULT_TOP_K = 128
 BASE_FLOOR = -16.0  # llama-perplexity ignores reference log-probs at or below this
+TAIL_SEED = 0x6B6C64  # the draws of a top-k cache's tail samples: numpy's default_rng([TAIL_SEED, chunk index])
 
-# columns of the per-token table a model's pass produces
-NLL, NLL_BASE, KLD, P_DIFF, SAME_TOP, KLD_BOUND = range(6)
+# columns of the per-token table a model's pass produces; TAIL_VARIANCE: variance of the KLD estimate (0 when exact)
+NLL, NLL_BASE, KLD, P_DIFF, SAME_TOP, TAIL_VARIANCE = range(6)
 TOKEN_COLUMNS = 6
 
 
-def reference_record(top_k: int) -> np.dtype:
+def reference_record(top_k: int, tail_samples: int = 0) -> np.dtype:
     """One scored token of the top-k cache."""
-    return np.dtype([("ids", "<i4", (top_k,)), ("logp", "<f8", (top_k,)), ("token_logp", "<f8"), ("tail", "<f8")])
+    fields = [("ids", "<i4", (top_k,)), ("logp", "<f8", (top_k,)), ("token_logp", "<f8"), ("tail", "<f8")]
+    if tail_samples:
+        fields += [("sample_ids", "<i4", (tail_samples,)), ("sample_logp", "<f8", (tail_samples,))]
+    return np.dtype(fields)
 
 
 def base_values_per_token(n_vocab: int) -> int:
@@ -69,11 +78,11 @@ def base_values_per_token(n_vocab: int) -> int:
 # encoding the reference
 
 
-def topk_records(logprobs: np.ndarray, targets: np.ndarray, top_k: int) -> np.ndarray:
-    """Top-k cache records of rows of reference log-probabilities (float64 [n, n_vocab])."""
+def topk_records(logprobs: np.ndarray, targets: np.ndarray, top_k: int, tail_samples: int = 0, rng: np.random.Generator | None = None) -> np.ndarray:
+    """Top-k cache records of rows of reference log-probabilities (float64 [n, n_vocab]), with `tail_samples` draws from each tail (rng)."""
     n, n_vocab = logprobs.shape
     k = min(top_k, n_vocab)
-    records = np.zeros(n, dtype=reference_record(top_k))
+    records = np.zeros(n, dtype=reference_record(top_k, tail_samples))
     part = np.argpartition(-logprobs, k - 1, axis=1)[:, :k]
     values = np.take_along_axis(logprobs, part, axis=1)
     order = np.lexsort((part, -values), axis=1)  # most likely first, lower id first on ties
@@ -87,6 +96,19 @@ def topk_records(logprobs: np.ndarray, targets: np.ndarray, top_k: int) -> np.nd
     tail = np.exp(logprobs)
     np.put_along_axis(tail, ids, 0.0, axis=1)
     records["tail"] = tail.sum(axis=1)
+    if tail_samples:
+        rng = rng if rng is not None else np.random.default_rng(TAIL_SEED)
+        cumulative = np.cumsum(tail, axis=1)
+        for row in range(n):
+            total = cumulative[row, -1]
+            if total <= 0:
+                records["sample_ids"][row] = ids[row, 0]
+                records["sample_logp"][row] = logprobs[row, ids[row, 0]]
+                continue
+            # inverse CDF: index i has cumulative[i-1] <= u < cumulative[i], so p_i > 0 (never a stored token)
+            drawn = np.minimum(np.searchsorted(cumulative[row], rng.random(tail_samples) * total, side="right"), n_vocab - 1)
+            records["sample_ids"][row] = drawn
+            records["sample_logp"][row] = logprobs[row, drawn]
     return records
 
 
@@ -119,7 +141,7 @@ def base_records(logits: np.ndarray) -> np.ndarray:
 
 
 def compare_topk(logits: np.ndarray, targets: np.ndarray, records: np.ndarray) -> np.ndarray:
-    """The per-token table (TOKEN_COLUMNS) of a model's raw logits [n, n_vocab] against top-k cache records."""
+    """The per-token table (TOKEN_COLUMNS) of a model's raw logits [n, n_vocab] against top-k cache records (module docstring)."""
     logq = log_softmax(logits)
     n = logq.shape[0]
     rows = np.arange(n)
@@ -137,34 +159,20 @@ def compare_topk(logits: np.ndarray, targets: np.ndarray, records: np.ndarray) -
     has_tail = tail > 0
     safe_tail = np.where(has_tail, tail, 1.0)
     kld_tail = np.where(has_tail, tail * (np.log(safe_tail) - np.log(q_tail)), 0.0)
-    p_k = np.where(finite, p, np.inf).min(axis=1)
-    table[:, KLD_BOUND] = [_tail_bound(tail[i], p_k[i], q_tail_terms[i], ids[i], q_tail[i]) if has_tail[i] else 0.0 for i in range(n)]
+    m = records["sample_ids"].shape[1] if "sample_ids" in (records.dtype.names or ()) else 0
+    if m > 1:  # one draw gives no measure of its error: left out
+        # x = log(a_s / b_s) of every draw, a = p_tail/R, b = q_tail/Q; the term r - 1 + x, r = b_s/a_s = e^-x
+        x = (records["sample_logp"] - np.log(safe_tail)[:, None]) - (np.take_along_axis(logq, records["sample_ids"], axis=1) - np.log(q_tail)[:, None])
+        x[~has_tail] = 0.0  # no tail: the draws are placeholders
+        terms = np.expm1(-x) + x
+        kld_tail = kld_tail + np.where(has_tail, tail * terms.mean(axis=1), 0.0)
+        table[:, TAIL_VARIANCE] = np.where(has_tail, tail * tail * terms.var(axis=1, ddof=1) / m, 0.0)
     table[:, NLL] = -logq[rows, targets]
     table[:, NLL_BASE] = -records["token_logp"]
     table[:, KLD] = kld_top + kld_tail
     table[:, P_DIFF] = np.exp(-table[:, NLL]) - np.exp(-table[:, NLL_BASE])
     table[:, SAME_TOP] = np.argmax(logits, axis=1) == ids[:, 0]
     return table
-
-
-def _tail_bound(tail: float, p_k: float, q_terms: np.ndarray, ids: np.ndarray, q_tail: float) -> float:
-    """R * max KL(p_tail/R || q_tail/Q_tail) over every tail p with no token above p_k (module docstring).
-
-    KL is convex in p, so the maximum is at a vertex of {0 <= p_j <= c, sum p_j = 1}, c = min(1, p_k/R):
-    mass c on each of the m-1 least likely tail tokens of the model and the rest on the m-th.
-    """
-    c = min(1.0, p_k / tail)
-    m = int(math.ceil(1.0 / c - 1e-12))
-    mask = np.ones(q_terms.shape[0], dtype=bool)
-    mask[ids] = False
-    q_hat = q_terms[mask] / q_tail
-    m = min(m, q_hat.size)
-    smallest = np.sort(np.partition(q_hat, m - 1)[:m]) if m < q_hat.size else np.sort(q_hat)
-    weights = np.full(m, c)
-    weights[-1] = max(0.0, 1.0 - c * (m - 1))
-    smallest = np.maximum(smallest, np.finfo(np.float64).tiny)
-    positive = weights > 0
-    return float(tail * max(0.0, (weights[positive] * np.log(weights[positive] / smallest[positive])).sum()))
 
 
 def compare_full(logits: np.ndarray, targets: np.ndarray, reference_logits: np.ndarray) -> np.ndarray:
@@ -222,6 +230,7 @@ class ReferenceHeader:
     add_bos: bool
     bos: int
     text_chunks: int  # chunks the whole text holds (n_tokens // n_ctx); the cache may hold fewer
+    tail_samples: int = 0  # tail tokens drawn per scored token; 0 in caches written before the draws
 
     @property
     def chunking(self) -> Chunking:
@@ -235,7 +244,11 @@ class ReferenceHeader:
     @property
     def file_bytes(self) -> int:
         """The size of the complete top-k cache this header describes."""
-        return len(self.encoded()) + 4 * self.chunking.n_tokens + self.chunking.n_scored * reference_record(self.top_k).itemsize
+        return len(self.encoded()) + 4 * self.chunking.n_tokens + self.chunking.n_scored * self.record.itemsize
+
+    @property
+    def record(self) -> np.dtype:
+        return reference_record(self.top_k, self.tail_samples)
 
     @classmethod
     def parse(cls, meta: bytes) -> ReferenceHeader:
@@ -245,11 +258,11 @@ class ReferenceHeader:
             header = cls(**fields)
         except (ValueError, TypeError) as err:
             raise ValueError(f"unreadable top-k cache header ({err})") from None
-        counts = (header.n_ctx, header.n_vocab, header.n_chunk, header.top_k, header.text_chunks, header.bos)
+        counts = (header.n_ctx, header.n_vocab, header.n_chunk, header.top_k, header.text_chunks, header.bos, header.tail_samples)
         if not all(isinstance(v, int) and not isinstance(v, bool) for v in counts) or not isinstance(header.add_bos, bool) \
                 or not all(isinstance(v, str) for v in (header.reference_sha256, header.text_sha256)):
             raise ValueError("top-k cache header has fields of the wrong type")
-        if header.n_ctx < 4 or header.n_vocab <= 0 or header.n_chunk <= 0 or header.top_k <= 0 or header.text_chunks < header.n_chunk:
+        if header.n_ctx < 4 or header.n_vocab <= 0 or header.n_chunk <= 0 or header.top_k <= 0 or header.text_chunks < header.n_chunk or header.tail_samples < 0:
             raise ValueError(f"top-k cache header says n_ctx={header.n_ctx}, n_vocab={header.n_vocab}, n_chunk={header.n_chunk}, top_k={header.top_k}")
         return header
 
@@ -320,9 +333,8 @@ class ReferenceFile:
 
 
 def _read_chunk(f: BinaryIO, ref: ReferenceFile, per_chunk: int, index: int) -> np.ndarray:
-    if ref.kind == "topk":
-        assert ref.header is not None
-        dtype = reference_record(ref.header.top_k)
+    if ref.header is not None:
+        dtype = ref.header.record
         data = f.read(per_chunk * dtype.itemsize)
         if len(data) != per_chunk * dtype.itemsize:
             raise ValueError(f"{ref.path.name}: chunk {index + 1} of {ref.n_chunk} is truncated")
@@ -354,7 +366,7 @@ def open_reference(path: Path) -> ReferenceFile:
             count = header.n_chunk * header.n_ctx
             tokens = np.frombuffer(f.read(4 * count), dtype="<i4")
             offset = len(CACHE_MAGIC) + 4 + length + 4 * count
-            expected = offset + header.chunking.n_scored * reference_record(header.top_k).itemsize
+            expected = offset + header.chunking.n_scored * header.record.itemsize
             if tokens.size != count or size != expected:
                 raise ValueError(f"{path.name}: top-k cache is {size} bytes, its header describes {expected}")
             return ReferenceFile("topk", path, header.n_ctx, header.n_vocab, header.n_chunk, tokens.astype(np.int32), header, offset)
@@ -396,6 +408,21 @@ class BaseWriter(DurableWriter):
         self.write_bytes(base_records(logits).tobytes())
 
 
+def copy_base(reference: ReferenceFile, path: Path, n_chunk: int) -> None:
+    """Write the first n_chunk chunks of a base file as a base file of its own (durable: fsynced)."""
+    if reference.kind != "base":
+        raise ValueError(f"{reference.path.name} is not a llama-perplexity base file")
+    n_chunk = min(n_chunk, reference.n_chunk)
+    writer = DurableWriter(path)
+    try:
+        writer.write_bytes(BASE_MAGIC + struct.pack("<Iii", reference.n_ctx, reference.n_vocab, n_chunk))
+        writer.write_bytes(np.ascontiguousarray(reference.tokens[:reference.n_ctx * n_chunk], dtype="<i4").tobytes())
+        for records in reference.chunks(n_chunk):
+            writer.write_bytes(records.tobytes())
+    finally:
+        writer.close()
+
+
 # ---------------------------------------------------------------------------------------------
 # statistics
 
@@ -435,7 +462,6 @@ def _median(sorted_values: np.ndarray) -> float:
 
 KLD_PERCENTILES = (("p999", 0.999), ("p99", 0.990), ("p95", 0.950), ("p90", 0.900), ("p10", 0.100), ("p5", 0.050), ("p1", 0.010), ("p01", 0.001))
 DP_PERCENTILES = (("p999", 0.999), ("p99", 0.990), ("p95", 0.950), ("p90", 0.900), ("p75", 0.750), ("p25", 0.250), ("p10", 0.100), ("p5", 0.050), ("p1", 0.010), ("p01", 0.001))
-MIN_STATISTICS_TOKENS = 100  # llama-perplexity prints its final statistics only from this many scored tokens
 
 
 @dataclass(frozen=True)
@@ -462,7 +488,7 @@ class KldStatistics:
     rms_dp_stderr: float
     same_top_p: float
     same_top_p_stderr: float
-    kld_bound: float  # upper bound of (exact - reported) mean KLD; 0 for exact references
+    kld_tail_stderr: float  # standard error the tail sampling of a top-k cache adds to kld_mean; 0 for exact references
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -506,5 +532,5 @@ def kld_statistics(table: np.ndarray) -> KldStatistics:
         ln_ppl_correlation=correlation, kld_mean=kl_mean[0], kld_mean_stderr=kl_mean[1], kld=kld,
         dp_mean=dp_mean[0], dp_mean_stderr=dp_mean[1], dp=dp, rms_dp=rms, rms_dp_stderr=(0.5 / rms * mse[1]) if rms else 0.0,
         same_top_p=same, same_top_p_stderr=math.sqrt(same * (1 - same) / (count - 1)),
-        kld_bound=float(table[:, KLD_BOUND].mean()),
+        kld_tail_stderr=math.sqrt(float(table[:, TAIL_VARIANCE].sum())) / count,
     )

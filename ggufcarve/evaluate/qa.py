@@ -9,14 +9,15 @@ Validators (`validator.type`):
     exact       {"expected": "...", "strip": true}: the answer equals the text
     regex       {"pattern": "...", "flags": "is"}: the pattern is found in the answer
     json        {"schema": {...}}: the first JSON value in the answer (a ```json fence, else the
-                first {...} or [...]) parses and matches the schema (type, properties, required,
-                items, enum, minimum, maximum, minItems, additionalProperties: false)
+                first {...} or [...]) parses and is valid under the JSON Schema (every keyword of
+                its `$schema` draft, Draft 2020-12 when it names none, `format` asserted; checked
+                by the jsonschema library, the schema itself when the suite is loaded)
     expression  {"expected": 42, "tolerance": 0}: the answer's last arithmetic expression (after
                 "answer:" when present, else its last line) is evaluated without eval(), over
                 numbers, + - * / // % ** and parentheses, and equals the expected value
     tool_call   {"name": "...", "arguments": {schema}}: the answer holds a tool call, JSON
                 {"name": ..., "arguments": {...}} (bare, fenced or inside <tool_call> tags),
-                naming the tool, with arguments matching the schema
+                naming the tool, with arguments valid under the schema (an object schema)
 
 Prompts are the model's chat template (`tokenizer.chat_template`, rendered with jinja2 as
 llama-cpp-python does) applied to the messages, with the generation prompt; a model without a
@@ -41,9 +42,6 @@ from ggufcarve.errors import BadInput
 
 if TYPE_CHECKING:
     from ggufcarve.evaluate.engine import Engine
-    from ggufcarve.evaluate.models import ModelEntry
-    from ggufcarve.evaluate.run import EvalSettings
-    from ggufcarve.events import Sink
 
 VALIDATOR_TYPES = ("exact", "regex", "json", "expression", "tool_call")
 CHECK_KEYS = {"id", "category", "messages", "max_tokens", "validator", "tools", "description"}
@@ -93,6 +91,8 @@ def _check_from_line(line: str, where: str) -> Check:
         raise BadInput(f"{where}: max_tokens must be an integer in 1..4096", "for example \"max_tokens\": 128")
     check = Check(str(doc["id"]), str(doc.get("category", "")), messages, max_tokens, validator, doc.get("tools"), str(doc.get("description", "")), where)
     try:
+        for schema, name in _schemas(validator):
+            _validator(schema, name)  # an invalid schema fails here, not mid-run
         validate(check, "")  # a malformed validator (bad regex, bad expected value) fails here, not mid-run
     except ValidatorError as err:
         raise BadInput(f"{where}: {err}", "see the ggufcarve.evaluate.qa docstring") from None
@@ -193,49 +193,35 @@ def first_json(answer: str) -> Any:
     raise ValueError("no JSON value in the answer")
 
 
-_TYPES: dict[str, Callable[[Any], bool]] = {
-    "object": lambda v: isinstance(v, dict), "array": lambda v: isinstance(v, list), "string": lambda v: isinstance(v, str),
-    "integer": lambda v: isinstance(v, int) and not isinstance(v, bool), "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
-    "boolean": lambda v: isinstance(v, bool), "null": lambda v: v is None,
-}
+def _validator(schema: Any, where: str = "$"):
+    """A jsonschema validator of the schema (its `$schema` draft, else Draft 2020-12, formats asserted); ValidatorError when the schema is invalid."""
+    import jsonschema
 
-
-def schema_errors(value: Any, schema: dict, where: str = "$") -> list[str]:
-    """Where `value` breaks the schema (a JSON Schema subset: type, properties, required, additionalProperties, items, enum, minimum, maximum, minItems)."""
-    if not isinstance(schema, dict):
+    if not isinstance(schema, (dict, bool)):
         raise ValidatorError(f"schema at {where} must be an object")
-    errors: list[str] = []
-    kind = schema.get("type")
-    if kind is not None:
-        kinds = kind if isinstance(kind, list) else [kind]
-        if any(k not in _TYPES for k in kinds):
-            raise ValidatorError(f"unknown schema type {kind!r} at {where}")
-        if not any(_TYPES[k](value) for k in kinds):
-            return [f"{where} is not {kind}"]
-    if "enum" in schema and value not in schema["enum"]:
-        errors.append(f"{where} is not one of {schema['enum']}")
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        if "minimum" in schema and value < schema["minimum"]:
-            errors.append(f"{where} < {schema['minimum']}")
-        if "maximum" in schema and value > schema["maximum"]:
-            errors.append(f"{where} > {schema['maximum']}")
-    if isinstance(value, dict):
-        properties = schema.get("properties", {})
-        for key in schema.get("required", []):
-            if key not in value:
-                errors.append(f"{where}.{key} is missing")
-        for key, item in value.items():
-            if key in properties:
-                errors.extend(schema_errors(item, properties[key], f"{where}.{key}"))
-            elif schema.get("additionalProperties") is False:
-                errors.append(f"{where}.{key} is not allowed")
-    if isinstance(value, list):
-        if "minItems" in schema and len(value) < schema["minItems"]:
-            errors.append(f"{where} has fewer than {schema['minItems']} items")
-        if "items" in schema:
-            for i, item in enumerate(value):
-                errors.extend(schema_errors(item, schema["items"], f"{where}[{i}]"))
-    return errors
+    cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    try:
+        cls.check_schema(schema)
+    except jsonschema.SchemaError as err:
+        at = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in err.absolute_path)
+        raise ValidatorError(f"invalid JSON schema at {where}{at}: {' '.join(err.message.split())}") from None
+    return cls(schema, format_checker=cls.FORMAT_CHECKER)
+
+
+def schema_errors(value: Any, schema: Any, where: str = "$") -> list[str]:
+    """Where `value` breaks the JSON Schema (every keyword of its draft, through the jsonschema library), in document order."""
+    errors = sorted(_validator(schema, where).iter_errors(value), key=lambda e: [str(p) for p in e.absolute_path])
+    return [f"{where}{e.json_path[1:]}: {' '.join(e.message.split())}" for e in errors]
+
+
+def _schemas(validator: dict) -> list[tuple[Any, str]]:
+    """The JSON schemas a validator holds, with the name an error gives each."""
+    if validator["type"] == "json":
+        return [(validator.get("schema", {}), "schema")]
+    if validator["type"] == "tool_call":
+        arguments = validator.get("arguments", {})
+        return [({"type": "object", **arguments} if isinstance(arguments, dict) else arguments, "arguments")]
+    return []
 
 
 def _tool_call(answer: str) -> Any:
@@ -310,7 +296,8 @@ def validate(check: Check, answer: str) -> tuple[bool, str]:
                 arguments = json.loads(arguments)
             except ValueError:
                 return False, "arguments are not JSON"
-        errors = schema_errors(arguments, {"type": "object", **v.get("arguments", {})}, "arguments")
+        ((schema, name),) = _schemas(v)
+        errors = schema_errors(arguments, schema, name)
         return not errors, "; ".join(errors[:3])
     raise ValidatorError(f"unknown validator {kind!r}")
 
@@ -370,11 +357,3 @@ def summarize(checks: list[dict], outputs: list[dict], reference: list[dict] | N
     exact = sum(1 for r in rows if r["same_as_reference"]) / total if reference is not None and total else None
     return {"passed": sum(r["passed"] for r in rows), "total": total, "exact_vs_reference": exact, "decoding": DECODING, "checks": rows}
 
-
-def reference_outputs(entry: ModelEntry, settings: EvalSettings, work: Path, sink: Sink) -> list[dict]:
-    """The reference model's answers, the yardstick of exact-output agreement."""
-    from ggufcarve.evaluate.child import Request
-    from ggufcarve.evaluate.run import run_child
-
-    request = Request(model=str(entry.path), threads=settings.threads, n_ctx=settings.ctx, result_out=str(work / "reference-qa.result.json"), qa=settings.qa_checks)
-    return run_child(request, f"reference {entry.name}", sink, work).get("qa", [])

@@ -1,10 +1,12 @@
 """Evaluate models against one reference: the cached reference log-probs, one child per model, per-model JSON, gate.
 
-The reference is a GGUF model (its top-k log-probs on the held-out text are computed once and
-cached in `<cache>/reference-logprobs/`, keyed by the reference's sha256, the text's sha256, the
-context and top-k), a top-k cache file, or a llama-perplexity `--kl-divergence-base` file (its
-tokens are scored; no held-out text needed). Each model is loaded once in a child process that
-scores every chunk against the reference, measures speed and answers the QA checks.
+The reference is a GGUF model (its log-probs on the held-out text are computed once and cached in
+`<cache>/reference-logprobs/`, keyed by the reference's sha256, the text's sha256 and the context:
+by default as llama-perplexity's `--kl-divergence-base` file, with a JSON beside it naming what it
+holds; with the "topk" store as a top-k cache), a top-k cache file, or a llama-perplexity
+`--kl-divergence-base` file (its tokens are scored; no held-out text needed). Each model is loaded
+once in a child process that scores every chunk against the reference, measures speed and answers
+the QA checks.
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import sys
 import tempfile
 import threading
 import time
@@ -23,47 +24,17 @@ from pathlib import Path
 import numpy as np
 
 from ggufcarve import __version__
-from ggufcarve.errors import BadInput, OutputError, ToolFailed
+from ggufcarve.errors import BadInput
 from ggufcarve.evaluate import kld
-from ggufcarve.evaluate.gate import Gate
 from ggufcarve.evaluate.models import ModelEntry, read_entry
 from ggufcarve.evaluate.perplexity import Perplexity, perplexity, read_text
-from ggufcarve.evaluate.speed import SpeedSettings
+from ggufcarve.evaluate.protocol import REFERENCE_STORES, REFERENCE_TOPK, EvalSettings, Reference, Request
+from ggufcarve.evaluate.spawn import run_child
 from ggufcarve.events import Event, Sink, ignore
 from ggufcarve.llama.tools import find_tool, require_tool
 
 RESULT_SCHEMA_VERSION = 1
-CHILD_IDLE_TIMEOUT = 3600.0  # seconds without a progress line (one chunk, one QA answer) before the child is stopped
 GGUF_MAGIC = b"GGUF"
-
-
-@dataclass(frozen=True)
-class EvalSettings:
-    ctx: int = 512
-    chunks: int | None = None
-    threads: int = max(1, (os.cpu_count() or 2))
-    top_k: int = kld.DEFAULT_TOP_K
-    speed: SpeedSettings | None = SpeedSettings()
-    gate: Gate | None = None
-    qa_checks: list[dict] | None = None
-    cross_check: bool = False
-    kl_base_out: Path | None = None  # also write the reference's log-probs as a llama-perplexity base file
-    llama_cpp_dir: Path | None = None
-    cache_dir: Path | None = None
-
-
-@dataclass
-class Reference:
-    """The reference as used: a GGUF model (entry set) or a reference file, and the file the children read."""
-
-    label: str
-    kind: str  # "gguf", "topk" or "base"
-    sha256: str
-    file: Path  # the top-k cache or base file the children compare with
-    entry: ModelEntry | None = None
-    top_k: int | None = None  # log-probs per token of a top-k cache; None for a base file (full vocabulary)
-    cached: bool = False  # its top-k log-probs came from the cache
-    seconds: float = 0.0  # spent computing its top-k log-probs in this run
 
 
 @dataclass
@@ -84,55 +55,120 @@ def _sha256_of(entry: ModelEntry, sink: Sink) -> str:
     return digests[0] if len(digests) == 1 else hashlib.sha256(",".join(digests).encode()).hexdigest()
 
 
-def run_child(request, what: str, sink: Sink, work: Path, outputs: dict[str, tuple[Path, str]] | None = None) -> dict:
-    """Run the evaluation child for one request; its progress lines become chunk events of stage `what`.
-
-    `outputs` maps a file the child writes to the path an error names and the hint's other place
-    to write to (a temp file to its final name); files it does not name are work files.
-    """
-    from ggufcarve.evaluate.child import OS_ERROR, PROGRESS_PREFIX
-    from ggufcarve.fileio import write_failed
-    from ggufcarve.llama import launch
-
-    request_path = work / f"{what}.request.json".replace(" ", "_")
-    request.write(request_path)
-    os_errors: list[dict] = []
-
-    def on_line(line: str) -> None:
-        if line.startswith(PROGRESS_PREFIX + OS_ERROR + " "):
-            os_errors.append(json.loads(line[len(PROGRESS_PREFIX + OS_ERROR) + 1:]))
-        elif line.startswith(PROGRESS_PREFIX):
-            kind, done, total = line[1:].split()
-            sink(Event(what if kind == "chunk" else f"{what} QA", int(done), int(total), "chunks" if kind == "chunk" else "steps"))
-
-    finished = launch.run([sys.executable, "-m", "ggufcarve.evaluate.child", str(request_path)], on_line=on_line, idle_timeout=CHILD_IDLE_TIMEOUT)
-    if os_errors:
-        error = os_errors[0]
-        shown, elsewhere = (outputs or {}).get(error["filename"], (Path(error["filename"] or work), "set TMPDIR to a directory with more room"))
-        raise write_failed(OSError(error["errno"], error["strerror"]), shown, elsewhere)
-    launch.check(finished, f"evaluating {Path(request.model).name} in libllama", "the last lines are llama.cpp's own; check that the model loads (ggufcarve inspect MODEL)")
-    result = json.loads(Path(request.result_out).read_text())
-    if "engine_error" in result:
-        raise ToolFailed(f"{Path(request.model).name}: {result['engine_error']}", "check that llama.cpp loads the model (ggufcarve inspect)")
-    if "no_space" in result:
-        short = result["no_space"]
-        shown, elsewhere = (outputs or {}).get(short["path"], (Path(short["path"]), "set TMPDIR to a directory with more room"))
-        raise OutputError(f"{shown.name} needs {short['bytes'] / 2**20:.1f} MiB but {shown.parent} has {short['free'] / 2**20:.1f} MiB free",
-                          f"free disk space or {elsewhere}; nothing was written")
-    return result
-
-
 def _reference_input(path: Path) -> str:
     with open(path, "rb") as f:
         magic = f.read(4)
     return "gguf" if magic == GGUF_MAGIC else "file"
 
 
-def prepare_reference(path: Path, heldout: Path | None, settings: EvalSettings, work: Path, sink: Sink = ignore) -> Reference:
-    """The reference file the children compare with: a given top-k cache or base file, or the cached top-k log-probs of a GGUF reference."""
-    from ggufcarve.evaluate.child import Request
-    from ggufcarve.fileio import cache_root, remove_dead_temps, temp_path_for
+def _cache_path(cache_dir: Path, ref_sha: str, text_sha: str, settings: EvalSettings) -> Path:
+    """Where the reference's log-probs on a text are cached: a base file (full store) or a top-k cache."""
+    stem = f"{ref_sha[:16]}-{text_sha[:16]}-ctx{settings.ctx}"
+    if settings.reference_store == REFERENCE_TOPK:
+        return cache_dir / f"{stem}-top{settings.top_k}-tail{settings.tail_samples}.reflogp"
+    return cache_dir / f"{stem}.kld"
 
+
+def _identity_path(cache: Path) -> Path:
+    """The JSON beside a cached base file naming what it holds (a base file has no room for it)."""
+    return cache.with_name(cache.name + ".json")
+
+
+def _cached(cache: Path, ref_sha: str, text_sha: str, settings: EvalSettings) -> kld.ReferenceFile | None:
+    """The cached reference when it is complete and of this reference, text and context, holding the chunks this run scores."""
+    try:
+        opened = kld.open_reference(cache)
+        if opened.header is not None:
+            identity = {"reference_sha256": opened.header.reference_sha256, "text_sha256": opened.header.text_sha256,
+                        "text_chunks": opened.header.text_chunks, "tail_samples": opened.header.tail_samples}
+        else:
+            identity = json.loads(_identity_path(cache).read_text())
+            if not isinstance(identity, dict) or identity.get("n_chunk") != opened.n_chunk or identity.get("n_ctx") != opened.n_ctx:
+                return None
+    except (OSError, ValueError):
+        return None  # absent, a dead run's or another version's: computed afresh
+    text_chunks = identity.get("text_chunks")
+    if not isinstance(text_chunks, int) or opened.n_ctx != settings.ctx:
+        return None
+    wanted = min(settings.chunks or text_chunks, text_chunks)
+    same = identity.get("reference_sha256") == ref_sha and identity.get("text_sha256") == text_sha and opened.n_chunk >= wanted
+    if settings.reference_store == REFERENCE_TOPK and identity.get("tail_samples") != settings.tail_samples:
+        return None
+    return opened if same else None
+
+
+def _text_sha256(heldout: Path) -> str:
+    try:
+        return hashlib.sha256(read_text(heldout.read_bytes())).hexdigest()
+    except OSError as err:
+        raise BadInput(f"{heldout}: cannot read the held-out text ({err.strerror})", "give a plain text file") from None
+
+
+def reference_disk_bytes(reference: Path, heldout: Path | None, settings: EvalSettings, sink: Sink = ignore) -> int:
+    """At most the bytes the reference's log-probs take on disk in this run (0 when they are cached or given as a file).
+
+    The cache (and `--save-kl-base`) of a GGUF reference: llama-perplexity's base file, or the top-k
+    cache. The held-out text is tokenized only by the run, so its chunk count is bounded here by
+    the text's bytes: a token of llama.cpp's tokenizers spells at least one byte of the text,
+    apart from a BOS and a leading-space marker.
+    """
+    from ggufcarve.fileio import cache_root
+
+    if not reference.is_file() or _reference_input(reference) != "gguf" or heldout is None:
+        return 0
+    entry = read_entry(reference)
+    try:
+        n_tokens = len(read_text(heldout.read_bytes())) + 2
+    except OSError as err:
+        raise BadInput(f"{heldout}: cannot read the held-out text ({err.strerror})", "give a plain text file") from None
+    n_chunk = n_tokens // settings.ctx
+    if settings.chunks:
+        n_chunk = min(n_chunk, settings.chunks)
+    if n_chunk < 1:
+        return 0
+    base = kld.base_file_bytes(settings.ctx, entry.n_vocab, n_chunk)
+    ref_sha, text_sha = _sha256_of(entry, sink), _text_sha256(heldout)
+    cache = _cache_path(settings.cache_dir or cache_root() / "reference-logprobs", ref_sha, text_sha, settings)
+    if settings.reference_store == REFERENCE_TOPK:
+        header = kld.ReferenceHeader("0" * 64, "0" * 64, settings.ctx, entry.n_vocab, n_chunk, settings.top_k, False, 0, n_chunk, settings.tail_samples)
+        cache_bytes = header.file_bytes
+    else:
+        cache_bytes = base
+    cached = _cached(cache, ref_sha, text_sha, settings) is not None
+    return (0 if cached else cache_bytes) + (base if settings.kl_base_out is not None else 0)
+
+
+def _check_room(path: Path, needed: int, elsewhere: str) -> None:
+    """One-line OutputError when the file system of `path` has fewer than `needed` bytes free."""
+    import shutil
+
+    from ggufcarve.errors import OutputError
+
+    free = shutil.disk_usage(path.parent).free
+    if free < needed:
+        raise OutputError(f"{path.name} needs {needed / 2**20:.1f} MiB but {path.parent} has {free / 2**20:.1f} MiB free", f"free disk space or {elsewhere}; nothing was written")
+
+
+def _save_base(opened: kld.ReferenceFile, n_chunk: int, path: Path) -> None:
+    """--save-kl-base from a cached base file: its first n_chunk chunks, under a temp name renamed into place."""
+    from ggufcarve.fileio import atomic_file
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _check_room(path, kld.base_file_bytes(opened.n_ctx, opened.n_vocab, n_chunk), "choose another --save-kl-base path")
+    with atomic_file(path, "choose another --save-kl-base path") as temp:
+        kld.copy_base(opened, temp, n_chunk)
+
+
+def prepare_reference(path: Path, heldout: Path | None, settings: EvalSettings, work: Path, sink: Sink = ignore) -> Reference:
+    """The reference file the children compare with: a given top-k cache or base file, or the cached log-probs of a GGUF reference.
+
+    A GGUF reference's log-probs are kept as llama-perplexity's base file (every token, the default)
+    or, with `settings.reference_store` "topk", as a top-k cache.
+    """
+    from ggufcarve.fileio import atomic_file, cache_root, remove_dead_temps, temp_path_for
+
+    if settings.reference_store not in REFERENCE_STORES:
+        raise BadInput(f"reference store {settings.reference_store!r}: not one of {', '.join(REFERENCE_STORES)}", "full keeps every token's log-prob as llama-perplexity does")
     if not path.is_file():
         raise BadInput(f"{path}: no such reference file", "give the unpruned model (GGUF), a top-k cache or a llama-perplexity --kl-divergence-base file")
     if _reference_input(path) == "file":
@@ -145,40 +181,41 @@ def prepare_reference(path: Path, heldout: Path | None, settings: EvalSettings, 
         from ggufcarve.fileio import sha256_file_cached
 
         digest = opened.header.reference_sha256 if opened.header else sha256_file_cached(path)
-        return Reference(path.name, opened.kind, digest, path, top_k=opened.header.top_k if opened.header else None)
+        return Reference(path.name, opened.kind, digest, path, top_k=opened.header.top_k if opened.header else None,
+                         tail_samples=opened.header.tail_samples if opened.header else 0)
     entry = read_entry(path)
     if heldout is None:
         raise BadInput("--heldout is needed with a GGUF reference", "give a held-out text file, or a llama-perplexity --kl-divergence-base file as --reference")
-    try:
-        text = read_text(heldout.read_bytes())
-    except OSError as err:
-        raise BadInput(f"{heldout}: cannot read the held-out text ({err.strerror})", "give a plain text file") from None
+    text_sha = _text_sha256(heldout)
     ref_sha = _sha256_of(entry, sink)
-    text_sha = hashlib.sha256(text).hexdigest()
+    topk = settings.reference_store == REFERENCE_TOPK
     cache_dir = settings.cache_dir or cache_root() / "reference-logprobs"
     cache_dir.mkdir(parents=True, exist_ok=True)
-    cache = cache_dir / f"{ref_sha[:16]}-{text_sha[:16]}-ctx{settings.ctx}-top{settings.top_k}.reflogp"
-    if cache.exists() and settings.kl_base_out is None:
-        try:
-            opened = kld.open_reference(cache)
-            header = opened.header
-            wanted = min(settings.chunks or header.text_chunks, header.text_chunks)
-            if header.reference_sha256 == ref_sha and header.text_sha256 == text_sha and header.n_chunk >= wanted:
-                return Reference(entry.name, "gguf", ref_sha, cache, entry, top_k=header.top_k, cached=True)
-        except ValueError:
-            pass  # a cache of a dead run or another version: computed afresh below
+    cache = _cache_path(cache_dir, ref_sha, text_sha, settings)
+    store = {"top_k": settings.top_k, "tail_samples": settings.tail_samples} if topk else {}
+    opened = _cached(cache, ref_sha, text_sha, settings)
+    if opened is not None and (settings.kl_base_out is None or not topk):
+        if settings.kl_base_out is not None:
+            text_chunks = json.loads(_identity_path(cache).read_text())["text_chunks"]
+            _save_base(opened, min(settings.chunks or text_chunks, text_chunks), settings.kl_base_out)
+        return Reference(entry.name, "gguf", ref_sha, cache, entry, cached=True, **store)
     started = time.monotonic()
     # The child writes the cache (and the base file) under this process's temp names; they are
     # renamed into place only once it succeeded (it fsyncs them first), so a cache under its final
-    # name is always complete, and a stopped or failed run leaves none.
+    # name is always complete, and a stopped or failed run leaves none. A cached base file counts
+    # only with the JSON naming it, written after it.
     remove_dead_temps(cache_dir, cache.name.__eq__)
     temp = temp_path_for(cache)
     request = Request(model=str(entry.path), threads=settings.threads, n_ctx=settings.ctx, result_out=str(work / "reference.result.json"),
-                      text=str(heldout), max_chunks=settings.chunks, cache_out=str(temp), top_k=settings.top_k,
+                      text=str(heldout), max_chunks=settings.chunks, top_k=settings.top_k, tail_samples=settings.tail_samples,
                       cache_identity={"reference_sha256": ref_sha, "text_sha256": text_sha})
+    if topk:
+        request.cache_out = str(temp)
+    else:
+        request.base_out = str(temp)
     outputs = {str(temp): (cache, "choose another --cache directory")}
     base_temp = None
-    if settings.kl_base_out is not None:
+    if settings.kl_base_out is not None and topk:
         settings.kl_base_out.parent.mkdir(parents=True, exist_ok=True)
         remove_dead_temps(settings.kl_base_out.parent, settings.kl_base_out.name.__eq__)
         base_temp = temp_path_for(settings.kl_base_out)
@@ -188,6 +225,8 @@ def prepare_reference(path: Path, heldout: Path | None, settings: EvalSettings, 
         result = run_child(request, f"reference {entry.name}", sink, work, outputs)
         if "bad_input" in result:
             raise BadInput(f"{heldout}: {result['bad_input']}", "give a longer --heldout text or a smaller --ctx")
+        if not topk:
+            _identity_path(cache).unlink(missing_ok=True)
         os.replace(temp, cache)
         if base_temp is not None:
             os.replace(base_temp, settings.kl_base_out)
@@ -195,7 +234,14 @@ def prepare_reference(path: Path, heldout: Path | None, settings: EvalSettings, 
         temp.unlink(missing_ok=True)
         if base_temp is not None:
             base_temp.unlink(missing_ok=True)
-    return Reference(entry.name, "gguf", ref_sha, cache, entry, top_k=settings.top_k, seconds=time.monotonic() - started)
+    if not topk:
+        identity = {"reference_sha256": ref_sha, "text_sha256": text_sha, "n_ctx": result["n_ctx"], "n_chunk": result["n_chunk"],
+                    "text_chunks": result["n_tokens"] // result["n_ctx"]}
+        with atomic_file(_identity_path(cache), "choose another --cache directory") as identity_temp:
+            identity_temp.write_text(json.dumps(identity, sort_keys=True) + "\n")
+        if settings.kl_base_out is not None:
+            _save_base(kld.open_reference(cache), result["n_chunk"], settings.kl_base_out)
+    return Reference(entry.name, "gguf", ref_sha, cache, entry, seconds=time.monotonic() - started, **store)
 
 
 def check_vocabularies(models: list[ModelEntry], reference: ModelEntry | None, reference_file: Path | None = None) -> None:
@@ -210,13 +256,32 @@ def check_vocabularies(models: list[ModelEntry], reference: ModelEntry | None, r
                            "compare models of the reference's family")
 
 
-def _contract(stats: kld.KldStatistics, ppl: Perplexity, ppl_reference: Perplexity, qa: dict | None, speed: dict | None) -> dict:
+KLD_METHODS = {
+    "base-file": "llama-perplexity's: every token's log-prob from its 16-bit --kl-divergence-base file",
+    "topk-exact": "exact: the top-k cache holds every token",
+    "topk-sampled-tail": "top-k log-probs exact, the tail's part estimated from sampled tail tokens (unbiased; kld_tail_stderr)",
+    "topk-lower-bound": "top-k log-probs and the tail as one outcome: a lower bound",
+}
+
+
+def kld_method(reference: Reference, n_vocab: int) -> str:
+    """How the KLD against this reference is computed (KLD_METHODS)."""
+    if reference.top_k is None:
+        return "base-file"
+    if reference.top_k >= n_vocab:
+        return "topk-exact"
+    return "topk-sampled-tail" if reference.tail_samples > 1 else "topk-lower-bound"
+
+
+def _contract(stats: kld.KldStatistics, ppl: Perplexity, ppl_reference: Perplexity, qa: dict | None, speed: dict | None, method: str) -> dict:
     """The per-model figures under their contract names."""
     return {
         "ppl": ppl.ppl, "ppl_stderr": ppl.ppl_stderr, "ppl_reference": ppl_reference.ppl,
         "ppl_delta_percent": 100.0 * (ppl.ppl / ppl_reference.ppl - 1.0),
         "kld_mean": stats.kld_mean, "kld_mean_stderr": stats.kld_mean_stderr, "kld_median": stats.kld["median"],
-        "kld_p99": stats.kld["p99"], "kld_p999": stats.kld["p999"], "kld_max": stats.kld["max"], "kld_bound": stats.kld_bound,
+        "kld_p99": stats.kld["p99"], "kld_p999": stats.kld["p999"], "kld_max": stats.kld["max"],
+        "kld_method": method, "kld_tail_stderr": stats.kld_tail_stderr,
+        "kld_bound": 0.0 if method in ("base-file", "topk-exact") else None,  # no bound is given for an estimate
         "same_top_p": stats.same_top_p, "rms_dp": stats.rms_dp,
         "qa_passed": qa["passed"] if qa else None, "qa_total": qa["total"] if qa else None,
         "qa_exact_vs_reference": qa.get("exact_vs_reference") if qa else None,
@@ -227,7 +292,6 @@ def _contract(stats: kld.KldStatistics, ppl: Perplexity, ppl_reference: Perplexi
 def evaluate_model(entry: ModelEntry, reference: Reference, settings: EvalSettings, work: Path, sink: Sink = ignore,
                    reference_qa: list[dict] | None = None) -> dict:
     """Score one model against the reference (and time it, and ask it the QA checks): the per-model result document."""
-    from ggufcarve.evaluate.child import Request
 
     started = time.monotonic()
     table_path = work / f"{entry.name}.tokens.f64"
@@ -248,6 +312,7 @@ def evaluate_model(entry: ModelEntry, reference: Reference, settings: EvalSettin
     table = np.fromfile(table_path, dtype="<f8").reshape(-1, kld.TOKEN_COLUMNS)
     table_path.unlink()
     stats = kld.kld_statistics(table)
+    method = kld_method(reference, entry.n_vocab)
     ppl = perplexity(table[:, kld.NLL])
     qa = None
     if settings.qa_checks is not None and "qa" in result:
@@ -264,8 +329,9 @@ def evaluate_model(entry: ModelEntry, reference: Reference, settings: EvalSettin
         "reference": {"name": reference.label, "kind": reference.kind, "sha256": reference.sha256, "log_probs_cached": reference.cached,
                       "log_probs_seconds": round(reference.seconds, 3)},
         "parameters": {"ctx": result["n_ctx"], "chunks": result["n_chunk"], "scored_tokens": stats.count, "threads": settings.threads,
-                       "top_k": reference.top_k, "kld_full_vocabulary": reference.top_k is None or reference.top_k >= entry.n_vocab},
-        **_contract(stats, ppl, perplexity(table[:, kld.NLL_BASE]), qa, result.get("speed")),
+                       "top_k": reference.top_k, "tail_samples": reference.tail_samples if reference.top_k is not None else None,
+                       "kld_full_vocabulary": method in ("base-file", "topk-exact")},
+        **_contract(stats, ppl, perplexity(table[:, kld.NLL_BASE]), qa, result.get("speed"), method),
         "kl_divergence": stats.to_json(),
         "speed": result.get("speed"),
         "qa": qa,
@@ -277,6 +343,12 @@ def evaluate_model(entry: ModelEntry, reference: Reference, settings: EvalSettin
     doc["gate_failed"] = verdict.failed if verdict else []
     doc["gate_not_measured"] = verdict.not_measured if verdict else []
     return doc
+
+
+def reference_outputs(entry: ModelEntry, settings: EvalSettings, work: Path, sink: Sink) -> list[dict]:
+    """The reference model's answers to the QA checks, the yardstick of exact-output agreement."""
+    request = Request(model=str(entry.path), threads=settings.threads, n_ctx=settings.ctx, result_out=str(work / "reference-qa.result.json"), qa=settings.qa_checks)
+    return run_child(request, f"reference {entry.name}", sink, work).get("qa", [])
 
 
 def result_text(doc: dict) -> str:
@@ -304,8 +376,6 @@ def evaluate(models: list[ModelEntry], reference_path: Path, heldout: Path | Non
         check_vocabularies(models, reference.entry, reference.file)
         reference_qa = None
         if settings.qa_checks is not None and reference.entry is not None:
-            from ggufcarve.evaluate.qa import reference_outputs
-
             reference_qa = reference_outputs(reference.entry, settings, work, sink)
         cross = None
         if settings.cross_check:
@@ -323,7 +393,7 @@ def evaluate(models: list[ModelEntry], reference_path: Path, heldout: Path | Non
         def stage(path: Path) -> Path:
             return staged.enter_context(atomic_file(path))
 
-        summary_files = write_summary(results, reference, out_dir, stage)
+        summary_files = write_summary(results, reference.label, out_dir, stage)
         files = []
         for entry, doc in zip(models, results):
             path = out_dir / f"{entry.name}.json"

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from ggufcarve.evaluate.context import Context
+    from ggufcarve.evaluate.engine import Context
 
 
 ENGINES = ("auto", "llama-bench", "libllama")  # auto: llama-bench when found, else libllama

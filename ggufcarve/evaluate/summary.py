@@ -10,12 +10,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from ggufcarve.fileio import write_failed
-
-if TYPE_CHECKING:
-    from ggufcarve.evaluate.run import Reference
 
 KLD_CHART = "size-vs-kld.png"
 PPL_CHART = "size-vs-ppl.png"
@@ -64,13 +60,23 @@ def _by_size(results: list[dict]) -> list[dict]:
     return sorted(results, key=lambda r: (r["model"]["bytes"], r["model"]["name"]))
 
 
+def _kld_note(doc: dict) -> str:
+    """How the KLD figures were computed, in one sentence."""
+    params, method = doc.get("parameters", {}), doc.get("kld_method")
+    if params.get("kld_full_vocabulary"):
+        return "KLD from the reference's full distributions, as llama-perplexity --kl-divergence computes it (every token; its base file stores them in 16 bits)."
+    if method == "topk-sampled-tail":
+        return (f"KLD estimated from the reference's top-{params.get('top_k')} log-probs and {params.get('tail_samples')} sampled tail tokens per token: "
+                "the mean is unbiased, ± the sampling's standard error (`kld_tail_stderr` in each JSON); percentiles are of per-token estimates.")
+    return f"KLD from the reference's top-{params.get('top_k')} log-probs with the rest as one outcome: a lower bound of the KLD."
+
+
 def render_summary(results: list[dict], reference_label: str, charts: list[str]) -> str:
     ordered = _by_size(results)
     params = ordered[0]["parameters"] if ordered else {}
     lines = [f"# Evaluation against {reference_label}", ""]
     lines.append(f"Context {params.get('ctx')}, {params.get('chunks')} chunks ({params.get('scored_tokens')} scored tokens), "
-                 f"{params.get('threads')} threads; KLD from the reference's "
-                 + ("full distributions (every token; a llama-perplexity base file stores them in 16 bits)." if params.get("kld_full_vocabulary") else f"top-{params.get('top_k')} log-probs (error bound per model in its JSON, `kld_bound`)."))
+                 f"{params.get('threads')} threads; " + _kld_note(ordered[0] if ordered else {}))
     lines += ["", "## Release", "", "| Artifact | Size GiB | Passed | Exact vs baseline | Median decode tok/s | Gate |", "|---|---|---|---|---|---|"]
     for r in ordered:
         passed = f"{r['qa_passed']}/{r['qa_total']}" if r.get("qa_total") else "–"
@@ -140,14 +146,14 @@ def draw_charts(results: list[dict], out_dir: Path, stage: Stage) -> list[str]:
     return names
 
 
-def write_summary(results: list[dict], reference: Reference, out_dir: Path, stage: Stage) -> list[Path]:
+def write_summary(results: list[dict], reference_label: str, out_dir: Path, stage: Stage) -> list[Path]:
     """Write the charts and summary.md to the temp paths `stage` gives; returns their final paths."""
     if not results:
         return []
     summary = stage(out_dir / SUMMARY)
     charts = draw_charts(results, out_dir, stage)
     try:
-        summary.write_text(render_summary(results, reference.label, charts), encoding="utf-8")
+        summary.write_text(render_summary(results, reference_label, charts), encoding="utf-8")
     except OSError as err:  # the last path staged is a chart's: name summary.md here
         raise write_failed(err, out_dir / SUMMARY) from None
     return [out_dir / SUMMARY, *(out_dir / c for c in charts)]

@@ -1,0 +1,92 @@
+"""The evaluation's shared types: the child's request and progress lines, the run's settings and its reference.
+
+The bottom of `ggufcarve.evaluate`: the parent side (run, spawn, crosscheck, summary) and the
+child (`python -m ggufcarve.evaluate.child REQUEST.json`) both import it; it imports no module of
+the evaluation that imports it back.
+
+The child's protocol: the request is a JSON file (`Request`); the child answers with the JSON file
+`Request.result_out` and, on stdout, progress lines `@chunk DONE TOTAL` / `@qa DONE TOTAL` and at
+most one `@os-error {"errno", "strerror", "filename"}` line (a read or write of the child failed).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ggufcarve.evaluate.speed import SpeedSettings
+
+if TYPE_CHECKING:
+    from ggufcarve.evaluate.gate import Gate
+    from ggufcarve.evaluate.models import ModelEntry
+
+PROGRESS_PREFIX = "@"
+OS_ERROR = "os-error"  # `@os-error {"errno", "strerror", "filename"}` on stdout: a read or write of the child failed (a full disk)
+DEFAULT_TOP_K = 128  # reference log-probs per token of a top-k cache
+DEFAULT_TAIL_SAMPLES = 32  # tail tokens drawn per token of a top-k cache (the unbiased estimate of the tail's KLD)
+REFERENCE_FULL = "full"  # llama-perplexity's --kl-divergence-base file: every token's log-prob in 16 bits
+REFERENCE_TOPK = "topk"  # ggufcarve's top-k cache: top-k log-probs, the tail mass and sampled tail tokens
+REFERENCE_STORES = (REFERENCE_FULL, REFERENCE_TOPK)
+
+
+@dataclass
+class Request:
+    """What the evaluation child does: load `model`, score the text or the reference file's tokens, write the named files."""
+
+    model: str
+    threads: int
+    n_ctx: int
+    result_out: str
+    text: str | None = None  # held-out text file (tokenized by this model)
+    reference_in: str | None = None  # a top-k cache or base file: its tokens are scored and compared
+    max_chunks: int | None = None
+    table_out: str | None = None  # the per-token table (float64 rows of kld.TOKEN_COLUMNS), chunk by chunk
+    cache_out: str | None = None  # the top-k cache of this model as a reference
+    cache_identity: dict = field(default_factory=dict)  # reference_sha256, text_sha256 for the cache header
+    top_k: int = DEFAULT_TOP_K
+    tail_samples: int = DEFAULT_TAIL_SAMPLES
+    base_out: str | None = None  # this model's llama-perplexity base file
+    speed: dict | None = None  # SpeedSettings fields
+    qa: list[dict] | None = None  # QA checks as plain dicts (ggufcarve.evaluate.qa)
+
+    @classmethod
+    def read(cls, path: str) -> Request:
+        return cls(**json.loads(Path(path).read_text()))
+
+    def write(self, path: Path) -> None:
+        path.write_text(json.dumps(asdict(self), sort_keys=True))
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    ctx: int = 512
+    chunks: int | None = None
+    threads: int = max(1, (os.cpu_count() or 2))
+    top_k: int = DEFAULT_TOP_K  # used with reference_store "topk"
+    speed: SpeedSettings | None = SpeedSettings()
+    gate: Gate | None = None
+    qa_checks: list[dict] | None = None
+    cross_check: bool = False
+    kl_base_out: Path | None = None  # also write the reference's log-probs as a llama-perplexity base file
+    llama_cpp_dir: Path | None = None
+    cache_dir: Path | None = None
+    reference_store: str = REFERENCE_FULL  # how a GGUF reference's log-probs are kept (REFERENCE_STORES)
+    tail_samples: int = DEFAULT_TAIL_SAMPLES  # used with reference_store "topk"
+
+
+@dataclass
+class Reference:
+    """The reference as used: a GGUF model (entry set) or a reference file, and the file the children read."""
+
+    label: str
+    kind: str  # "gguf", "topk" or "base"
+    sha256: str
+    file: Path  # the top-k cache or base file the children compare with
+    entry: ModelEntry | None = None
+    top_k: int | None = None  # log-probs per token of a top-k cache; None for a base file (full vocabulary)
+    tail_samples: int = 0  # sampled tail tokens per token of a top-k cache
+    cached: bool = False  # its log-probs came from the cache
+    seconds: float = 0.0  # spent computing its log-probs in this run
