@@ -501,13 +501,13 @@ def render_card(inputs: CardInputs, settings: CardSettings | None = None) -> str
     kept = keys.get("ggufcarve.kept_expert_count")
     pruned = f" with routed experts pruned to {kept} of {keys['ggufcarve.source.expert_count']}" if kept is not None else ""
     base = ", ".join(_link(b) for b in meta.base_models)
-    intro = (f"GGUF quantizations of {base}{pruned}." if base else f"GGUF quantizations{pruned} of a base model this card does not name.")
+    intro = f"GGUF quantizations of {base}{pruned}." if base else f"GGUF quantizations of a base model this card does not name{',' if pruned else ''}{pruned}."
     example_rung = next((r for r in inputs.rungs if r["name"] == "Q4_K_M"), inputs.rungs[0])
     example = example_rung["files"][0]["name"]
     context = keys.get(f"{arch}.context_length") if arch else None
     server_ctx = f" -c {min(SERVER_CONTEXT, int(context))}" if isinstance(context, int) and context > 0 else ""
     quantizer = manifest.get("quantizer") or {}
-    lines = [*front, "", f"# {meta.model_name} GGUF", "", intro, *([""] + meta.notes if meta.notes else []),
+    lines = [*front, "", f"# {meta.model_name} GGUF", "", intro, *(line for note in meta.notes for line in ("", note)),
              "", "## What was pruned and how", "", *_pruning_lines(inputs)]
     texts = _calibration_rows(inputs)
     if texts:
