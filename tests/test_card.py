@@ -179,16 +179,16 @@ def test_options_make_a_card_the_hub_accepts(copy):
 
 @pytest.mark.slow
 def test_a_hand_edit_is_recorded_by_card_record_or_release_record(copy):
-    from ggufcarve.release.card import card_edited
+    from ggufcarve.release.card import card_edited, card_recorded
 
-    assert not card_edited(copy)
+    assert not card_edited(copy) and card_recorded(copy)
     with open(copy / "README.md", "a") as f:
         f.write("\nA note added by hand.\n")
-    assert card_edited(copy)
+    assert card_edited(copy) and not card_recorded(copy)
     code, report = verify_json(copy)
     assert code == 1 and any(f["path"] == "README.md" and f["problem"].startswith("sha256 mismatch") for f in report["failures"])
     assert ggufcarve("card", copy, "--record").code == 0
-    assert verify_json(copy)[0] == 0 and card_edited(copy)  # recorded as it is: still not the card ggufcarve wrote
+    assert verify_json(copy)[0] == 0 and card_edited(copy) and card_recorded(copy)  # recorded as it is: still not the card ggufcarve wrote
     assert "A note added by hand." in (copy / "README.md").read_text()
     (copy / "README.md").write_text((copy / "README.md").read_text().replace("A note added by hand.", "Another note."))
     assert verify_json(copy)[0] == 1

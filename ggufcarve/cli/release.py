@@ -30,6 +30,7 @@ def merge_command(
     quiet: QuietOption = False,
 ) -> None:
     """Assemble quant-manifest.json and SHA256SUMS from every rung's fragment, checking each rung's files (size, sha256)."""
+    from ggufcarve.fileio import format_size
     from ggufcarve.release.fragments import merge_release
 
     with progress(not quiet and not as_json, transient=True) as sink:
@@ -40,14 +41,14 @@ def merge_command(
                                    "rungs": [{"name": r.get("name"), "status": r.get("status"), "sha256": r.get("sha256")} for r in result.rungs]}))
         return
     table = new_table(title=f"release {directory}: {result.fragments} fragment(s)")
-    for column in ("rung", "file", "GiB", "sha256", "status"):
+    for column in ("rung", "file", "size", "sha256", "status"):
         table.add_column(column)
     for r in result.rungs:
         files = r.get("files") or []
-        table.add_row(escape(str(r.get("name"))), escape(", ".join(str(f.get("name")) for f in files)), f"{r.get('gib', 0):.2f}" if files else "", str(r.get("sha256") or "")[:12], escape(str(r.get("status"))))
+        table.add_row(escape(str(r.get("name"))), escape(", ".join(str(f.get("name")) for f in files)), format_size(sum(int(f.get("bytes") or 0) for f in files)) if files else "", str(r.get("sha256") or "")[:12], escape(str(r.get("status"))))
     out.print(table)
     state = "written" if result.changed else "unchanged"
-    out.print(f"quant-manifest.json and SHA256SUMS {state}: {len(result.rungs)} rung(s), {result.bytes_hashed / 2**30:.2f} GiB hashed in {result.seconds:.1f} s")
+    out.print(f"quant-manifest.json and SHA256SUMS {state}: {len(result.rungs)} rung(s), {format_size(result.bytes_hashed)} hashed in {result.seconds:.1f} s")
 
 
 @app.command("record")

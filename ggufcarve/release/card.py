@@ -562,6 +562,19 @@ def card_edited(release: Path) -> bool:
     return m is None or hashlib.sha256((body + "\n").encode()).hexdigest() != m["digest"]
 
 
+def card_recorded(release: Path) -> bool:
+    """Whether RELEASE/README.md is the card the release's manifest records (its sha256), so that
+    `verify` passes for it; False when there is none or the manifest records none."""
+    from ggufcarve.fileio import sha256_file
+    from ggufcarve.release.manifest import read_manifest
+
+    path = release / CARD_NAME
+    manifest = read_manifest(release)
+    published = manifest.get("published") if manifest is not None and isinstance(manifest.get("published"), dict) else {}
+    records = [r for r in published.get("card") or [] if isinstance(r, dict) and r.get("name") == CARD_NAME]
+    return path.is_file() and bool(records) and records[0].get("sha256") == sha256_file(path)
+
+
 def card_warnings(release: Path, settings: CardSettings | None = None, evaluation_dir: Path | None = None) -> list[str]:
     """What the card would leave unknown (base model, license), as warnings for the command line."""
     inputs = gather(release, evaluation_dir)
