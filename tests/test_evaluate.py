@@ -378,9 +378,9 @@ def test_card_front_matter_and_tables_match_manifest_and_evaluation(release, rel
     card = (copy / "README.md").read_text()
     assert card.startswith("---\n")
     front = yaml.safe_load(card.split("---\n")[1])
-    assert front["base_model_relation"] == "quantized" and front["library_name"] == "gguf" and front["pipeline_tag"] == "text-generation"
+    assert front["library_name"] == "gguf" and front["pipeline_tag"] == "text-generation"
     assert {"gguf", "mixture-of-experts", "expert-pruning"} <= set(front["tags"])
-    assert "license" not in front and "base_model" not in front  # the fixture's GGUF records neither: none is invented
+    assert "license" not in front and "base_model" not in front and "base_model_relation" not in front  # the fixture's GGUF records neither: none is invented
     manifest = json.loads((copy / "quant-manifest.json").read_text())
     for rung in manifest["rungs"]:
         name = rung["files"][0]["name"]
