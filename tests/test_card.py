@@ -277,6 +277,11 @@ def test_card_settings_refuse_what_the_hub_refuses():
         with pytest.raises(BadInput):
             bad.check()
     assert CardSettings(base_model="Qwen/Qwen3-30B-A3B", license="llama3.1", repo_id="me/x.GGUF").check()
+    table = {"base_model": "Qwen/Qwen3-30B-A3B", "license": "other", "license_name": "qwen", "license_link": "LICENSE"}
+    assert CardSettings.from_mapping(table).to_json() == table
+    for bad in ({"base_modle": "a/b"}, {"license": 3}, {"license": "Apache 2"}):
+        with pytest.raises(BadInput):
+            CardSettings.from_mapping(bad)
 
 
 def test_card_edited_tells_the_written_card_from_an_edit(tmp_path):
