@@ -498,3 +498,17 @@ def write_text_atomic(path: Path, text: str) -> None:
         with open(temp, "w", encoding="utf-8") as f:
             f.write(text)
 
+
+
+def size_unit(n_bytes: float) -> tuple[str, int]:
+    """The unit sizes up to `n_bytes` read in: MiB below 1 GiB, GiB from 1 GiB."""
+    return ("GiB", 2**30) if n_bytes >= 2**30 else ("MiB", 2**20)
+
+
+def format_size(n_bytes: float, unit: tuple[str, int] | None = None) -> str:
+    """`n_bytes` with its unit (size_unit's, or the given one) and three significant digits or more:
+    "7.92 MiB", "15.3 MiB", "512 MiB", "17.28 GiB"."""
+    name, scale = unit or size_unit(n_bytes)
+    value = n_bytes / scale
+    digits = 2 if value < 10 or name == "GiB" and value < 100 else 1 if value < 100 else 0
+    return f"{value:.{digits}f} {name}"

@@ -404,7 +404,7 @@ def test_sigkill_mid_ladder_rung_then_rerun(make_model, tmp_path, env):
     assert temps(out)
     again = subprocess.run([sys.executable, "-m", "ggufcarve", *map(str, args), "-o", out], env=env, capture_output=True, text=True)
     assert again.returncode == 0, again.stderr
-    assert ggufcarve("verify", out).code == 0
+    assert ggufcarve("verify", out, "--partial").code == 0
     assert subprocess.run([sys.executable, "-m", "ggufcarve", *map(str, args), "-o", clean], env=env).returncode == 0
     assert listing(out) == listing(clean) and not temps(out)
 

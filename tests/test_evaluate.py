@@ -22,7 +22,7 @@ from conftest import make_imatrix
 
 from ggufcarve.evaluate import kld
 from ggufcarve.evaluate.perplexity import Chunking, chunk_tokens, scored_targets
-from ggufcarve.evaluate.summary import format_gib
+from ggufcarve.fileio import format_size
 
 CTX = 128
 CHUNKS = 4
@@ -212,13 +212,13 @@ def test_cached_reference_is_reused(first_run, reference, heldout, q8_moe, tmp_p
 def test_summary_tables_match_the_json(first_run, reference, q8_moe):
     out, _, _ = first_run
     summary = (out / "summary.md").read_text()
-    assert "| Artifact | Size GiB | Passed | Exact vs baseline | Median decode tok/s | Gate |" in summary
-    assert "| Quant | Size GiB | PPL | Δ vs reference | ± | mean KLD | 99% KLD | same top p |" in summary
+    assert "| Artifact | Size | Passed | Exact vs baseline | Median decode tok/s | Gate |" in summary
+    assert "| Quant | Size | PPL | Δ vs reference | ± | mean KLD | 99% KLD | same top p |" in summary
     for model in (reference, q8_moe):
         doc = _load(out, model)
-        assert f"| {doc['model']['quant']} ({model.stem}) | {format_gib(doc['model']['gib'])} | {doc['ppl']:.4f} |" in summary
+        assert f"| {doc['model']['quant']} ({model.stem}) | {format_size(doc['model']['bytes'])} | {doc['ppl']:.4f} |" in summary and format_size(doc['model']['bytes']).endswith(" MiB")
         assert f"{doc['kld_mean']:.6f} | {doc['kld_p99']:.6f} | {100 * doc['same_top_p']:.2f}% |" in summary
-        assert f"| {model.name} | {format_gib(doc['model']['gib'])} | – | – |" in summary
+        assert f"| {model.name} | {format_size(doc['model']['bytes'])} | – | – |" in summary
     for chart in ("size-vs-kld.png", "size-vs-ppl.png"):
         assert (out / chart).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -550,15 +550,17 @@ def test_card_front_matter_and_tables_match_manifest_and_evaluation(release, rel
     card = (copy / "README.md").read_text()
     assert card.startswith("---\n")
     front = yaml.safe_load(card.split("---\n")[1])
-    assert front["base_model_relation"] == "quantized" and front["library_name"] == "gguf" and front["pipeline_tag"] == "text-generation"
-    assert {"gguf", "mixture-of-experts", "expert-pruning"} <= set(front["tags"]) and front["license"] and front["base_model"]
+    assert front["library_name"] == "gguf" and front["pipeline_tag"] == "text-generation"
+    assert {"gguf", "mixture-of-experts", "expert-pruning"} <= set(front["tags"])
+    assert "license" not in front and "base_model" not in front and "base_model_relation" not in front  # the fixture's GGUF records neither: none is invented
     manifest = json.loads((copy / "quant-manifest.json").read_text())
     for rung in manifest["rungs"]:
         name = rung["files"][0]["name"]
         doc = json.loads((out / f"{Path(name).stem}.json").read_text())
         row = next(line for line in card.splitlines() if line.startswith(f"| {name} |"))
         cells = [c.strip() for c in row.strip("|").split("|")]
-        assert cells[1] == rung["name"] and cells[2] == format_gib(rung['gib']) and cells[3] == f"{rung['bits_per_weight']:.2f}"
+        size, unit = cells[2].split()
+        assert cells[1] == rung["name"] and unit == "MiB" and abs(float(size) - rung["files"][0]["bytes"] / 2**20) < 0.05 and cells[3] == f"{rung['bits_per_weight']:.2f}"
         assert cells[4] == f"{doc['ppl']:.4f}" and cells[6] == f"{doc['kld_mean']:.6f}" and cells[-1] == f"`{rung['sha256'][:16]}`"
     assert "sha256sum -c SHA256SUMS" in card and f"llama-cli -m {manifest['rungs'][0]['files'][0]['name']}" in card
     assert "/tmp" not in card and str(tmp_path) not in card
@@ -571,14 +573,14 @@ def test_card_describes_a_prune():
     keys = {"general.architecture": "qwen3moe", "general.license": "apache-2.0", "general.name": "Tiny",
             "general.base_model.0.organization": "Org", "general.base_model.0.name": "Tiny-MoE",
             "ggufcarve.kept_expert_count": 4, "ggufcarve.source.expert_count": 8, "qwen3moe.expert_used_count": 2, "qwen3moe.expert_count": 4}
-    rung = {"name": "Q4_K_M", "files": [{"name": "tiny-4e-Q4_K_M.gguf"}], "gib": 0.5, "bits_per_weight": 4.9, "sha256": "ab" * 32, "command": ["q", "--allow-requantize"]}
+    rung = {"name": "Q4_K_M", "files": [{"name": "tiny-4e-Q4_K_M.gguf", "bytes": 512 * 2**20}], "gib": 0.5, "bits_per_weight": 4.9, "sha256": "ab" * 32, "command": ["q", "--allow-requantize"]}
     pruning = {"keep_set": {"selection": "routed frequency", "calibration": "512 tokens of code", "layers": {}}, "source": {"mtp_blocks": [2]},
                "verification": {"ok": True, "tensors_checked": 30, "hash": "xxh3_128"}}
     card = render_card(CardInputs({"source": {"name": "tiny-4e-Q8_0.gguf"}}, [rung], keys, pruning, None, {}))
     assert "base_model: \"Org/Tiny-MoE\"" in card and "from 8 to 4 per MoE layer (50% removed)" in card
     assert "- Selection: routed frequency" in card and "512 tokens of code" in card and "MTP block(s) 2" in card
     assert "top-k routing is unchanged (2 experts per token)" in card.lower() and "requantized from tiny-4e-Q8_0.gguf" in card
-    assert "| tiny-4e-Q4_K_M.gguf | Q4_K_M | 0.5 | 4.90 | – | – | – | – | – | not evaluated |" in card
+    assert "| tiny-4e-Q4_K_M.gguf | Q4_K_M | 512 MiB | 4.90 | – | – | – | – | – | not evaluated |" in card
 
 
 @pytest.mark.slow

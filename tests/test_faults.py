@@ -217,7 +217,7 @@ def _ctrl_c_mid_rung(f16_moe: Path, tmp_path: Path, env: dict[str, str], quantiz
     assert [r["status"] for r in manifest["rungs"]] == ["built"]  # the finished rung is recorded, the stopped one not
     again = run(*args, "-o", out, env=env)
     assert again.returncode == 0, again.stderr
-    assert run("verify", out, env=env).returncode == 0
+    assert run("verify", out, "--partial", env=env).returncode == 0
     assert run(*args, "-o", clean, env=env).returncode == 0
     assert listing(out) == listing(clean) and temps(out) == []
 
@@ -438,7 +438,7 @@ def test_file_size_limit_mid_rung_then_rerun(f16_moe, tmp_path, env, llama_tools
     assert no_process_left(env) == []
     again = run(*args, env=env)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert run("verify", out, env=env).returncode == 0
+    assert run("verify", out, "--partial", env=env).returncode == 0
 
 
 @pytest.mark.slow
@@ -542,7 +542,7 @@ def scenario_rung_fills_up(quantizer: str, source: str, spec: str, mount: str) -
     left = listing(out)
     filler.unlink()
     again = run(*args, env=dict(os.environ))
-    verify = run("verify", out, env=dict(os.environ))
+    verify = run("verify", out, "--partial", env=dict(os.environ))
     return {"code": proc.returncode, "stderr": stderr, "left": left, "again": again.returncode, "again_stderr": again.stderr, "verify": verify.returncode,
             "out": str(out), "writers": len(writers)}
 

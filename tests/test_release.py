@@ -41,7 +41,7 @@ def ladder(spec: Path, source: Path, out: Path, llama_tools: Path, *args: object
 
 def failures_full(out: Path) -> set[tuple[str, str]]:
     """(file, problem) of every failure `verify --json` reports; it must fail."""
-    result = ggufcarve("verify", out, "--json")
+    result = ggufcarve("verify", out, "--json", "--partial")
     assert result.code == 1, result.stdout
     return {(f["path"], f["problem"]) for f in json.loads(result.stdout)["failures"]}
 
@@ -73,14 +73,14 @@ def test_a_release_of_one_source_refuses_another(spec, q8_moe, llama_tools, tmp_
     line = one_line_error(refused)
     assert f"holds the release of {q8_moe.name}" in line and other.name in line and "--force" in line
     assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
-    assert ggufcarve("verify", out).code == 0
+    assert ggufcarve("verify", out, "--partial").code == 0
 
     fresh = ladder(spec, other, out, llama_tools, "--only", "Q6_K", "--force")
     assert fresh.code == 0, fresh.stderr
     assert sorted(p.name for p in out.glob("*.gguf")) == ["other-Q6_K.gguf"]  # the old rung is gone
     manifest = json.loads((out / "quant-manifest.json").read_text())
     assert [r["source_sha256"] for r in manifest["rungs"]] == [[sha256(other)]]
-    assert ggufcarve("verify", out).code == 0
+    assert ggufcarve("verify", out, "--partial").code == 0
 
     # a rung recorded as made from another source fails verify
     manifest["rungs"][0]["source_sha256"] = [sha256(q8_moe)]
@@ -99,7 +99,7 @@ def test_a_gguf_the_manifest_does_not_describe_is_not_published(spec, q8_moe, ll
     assert "dropped-in-Q2_K.gguf" not in (out / "SHA256SUMS").read_text()
     assert ("dropped-in-Q2_K.gguf", "not described by quant-manifest.json") in failures(out)
     (out / "dropped-in-Q2_K.gguf").unlink()
-    assert ggufcarve("verify", out).code == 0
+    assert ggufcarve("verify", out, "--partial").code == 0
 
 
 @pytest.mark.slow
@@ -130,7 +130,7 @@ def test_published_files_hold_no_local_paths(spec, q8_moe, q8_moe_imatrix, llama
     assert "/" in read_imatrix(remapped).datasets[0]
     assert rung_file.get("quantize.imatrix.dataset") == Path(read_imatrix(remapped).datasets[0]).name
     assert not [p.name for p in out.iterdir() if p.name.endswith(".tmp")]  # the quantizer's imatrix copy is gone
-    assert ggufcarve("verify", out).code == 0
+    assert ggufcarve("verify", out, "--partial").code == 0
 
 
 @pytest.mark.slow
@@ -148,7 +148,7 @@ def test_a_stale_report_of_the_same_size_is_not_published(spec, q8_moe, llama_to
     assert result.code == 0, result.stderr
     assert "model-Q8_0.pruning-report.json not published: it does not describe model-Q8_0.gguf: its kept experts differ" in " ".join(result.stderr.split())
     assert not (out / "method").exists() and json.loads((out / "quant-manifest.json").read_text())["method"] == []
-    assert ggufcarve("verify", out).code == 0
+    assert ggufcarve("verify", out, "--partial").code == 0
 
     # the report that describes the file is published, byte for byte, under the release's name
     prune(q8_moe, model, "--keep-ids", "4,5,6,7", "--force")
@@ -157,7 +157,7 @@ def test_a_stale_report_of_the_same_size_is_not_published(spec, q8_moe, llama_to
     assert (out / "method" / "pruning-report.json").read_bytes() == beside.read_bytes()
     method = json.loads((out / "quant-manifest.json").read_text())["method"]
     assert method == [{"name": "method/pruning-report.json", "kind": "pruning-report", "describes": model.name, "bytes": beside.stat().st_size, "sha256": sha256(beside)}]
-    assert ggufcarve("verify", out).code == 0
+    assert ggufcarve("verify", out, "--partial").code == 0
     # a published report that describes another model fails verify
     doc = json.loads((out / "method" / "pruning-report.json").read_text())
     doc["output"]["files"][0]["bytes"] += 1
@@ -177,7 +177,7 @@ def test_a_renamed_model_keeps_its_report(spec, q8_moe, llama_tools, tmp_path):
     result = ladder(spec, work / "renamed-Q8_0.gguf", out, llama_tools, "--only", "Q4_K_M")
     assert result.code == 0 and "not published" not in result.stderr, result.stderr
     assert (out / "method" / "pruning-report.json").read_bytes() == (work / "method" / "renamed-Q8_0.pruning-report.json").read_bytes()
-    assert ggufcarve("verify", out).code == 0
+    assert ggufcarve("verify", out, "--partial").code == 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -220,7 +220,7 @@ def test_unreadable_manifest_stops_verify(tmp_path):
     out.mkdir()
     (out / "SHA256SUMS").write_text("")
     (out / "quant-manifest.json").mkdir()
-    line = one_line_error(ggufcarve("verify", out))
+    line = one_line_error(ggufcarve("verify", out, "--partial"))
     assert "cannot read" in line and "quant-manifest.json" in line
 
 
@@ -231,7 +231,7 @@ def test_force_replaces_a_damaged_manifest(spec, q8_moe, llama_tools, tmp_path):
     (out / "quant-manifest.json").write_text("{not json")
     result = ladder(spec, q8_moe, out, llama_tools, "--only", "Q4_K_M", "--force")
     assert result.code == 0, result.stderr
-    assert ggufcarve("verify", out).code == 0
+    assert ggufcarve("verify", out, "--partial").code == 0
 
 
 def test_recorded_errors_drop_local_directories(tmp_path):
@@ -273,7 +273,7 @@ def test_the_selection_record_is_published(spec, q8_moe, tmp_path):
     record = manifest_method(out)["method/expert-selection.json"]
     assert record == {"name": "method/expert-selection.json", "kind": "expert-selection", "describes": model.name, "bytes": selection.stat().st_size, "sha256": sha256(selection)}
     assert "method/expert-selection.json" in (out / "SHA256SUMS").read_text()
-    assert ggufcarve("verify", out).code == 0
+    assert ggufcarve("verify", out, "--partial").code == 0
     # verify checks it: a published record of other experts fails
     doc = json.loads(published.read_text())
     doc["layers"]["0"] = [0, 1, 2, 3] if doc["layers"]["0"] != [0, 1, 2, 3] else [4, 5, 6, 7]
@@ -295,7 +295,7 @@ def test_a_stale_selection_of_the_same_name_is_not_published(spec, q8_moe, tmp_p
     assert result.code == 0, result.stderr
     assert "SELECTION.json not published: it is not the keep-set model-4e-Q8_0.gguf was pruned with" in " ".join(result.stderr.split())
     assert not (out / "method" / "expert-selection.json").exists() and "method/expert-selection.json" not in manifest_method(out)
-    assert ggufcarve("verify", out).code == 0
+    assert ggufcarve("verify", out, "--partial").code == 0
     # an explicit --selection of other experts is refused; one in the model's method/ directory with the recorded bytes is found
     refused = ggufcarve("ladder", "run", spec, "--source", model, "-o", out, "--only", "Q4_K_M", "--quantizer", "libllama", "--selection", selection, "-q")
     assert "chose other experts than model-4e-Q8_0.gguf keeps" in one_line_error(refused)
@@ -305,7 +305,7 @@ def test_a_stale_selection_of_the_same_name_is_not_published(spec, q8_moe, tmp_p
     assert again.code == 0, again.stderr
     assert (out / "method" / "expert-selection.json").read_bytes() == original
     assert sha256(kept) == json.loads((work / "method" / "model-4e-Q8_0.pruning-report.json").read_text())["inputs"][-1]["sha256"]
-    assert ggufcarve("verify", out).code == 0
+    assert ggufcarve("verify", out, "--partial").code == 0
 
 
 @pytest.mark.slow
@@ -322,4 +322,4 @@ def test_a_plain_keep_set_and_an_explicit_selection_are_both_published(spec, q8_
     assert (out / "method" / "keep-set.json").read_bytes() == keep.read_bytes()
     assert (out / "method" / "expert-selection.json").read_bytes() == selection.read_bytes()
     assert {"method/keep-set.json", "method/expert-selection.json"} <= set(manifest_method(out))
-    assert ggufcarve("verify", out).code == 0
+    assert ggufcarve("verify", out, "--partial").code == 0

@@ -234,7 +234,7 @@ def test_a_changed_plan_reruns_from_the_changed_stage(finished, q8_moe, tmp_path
     names = set(_published(directory / "release"))
     assert "qwen3moe-6e-Q8_0.gguf" in names and not any(n.startswith("qwen3moe-4e") for n in names)  # the old release is replaced, not mixed in
     assert not (directory / "release.work" / "qwen3moe-4e-Q8_0.gguf").exists()
-    assert ggufcarve("verify", directory / "release").code == 0
+    assert ggufcarve("verify", directory / "release", "--partial").code == 0  # no [evaluation]: no evaluation results
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in (Path(__file__).resolve().parents[1] / "plans").glob("*.toml")))

@@ -60,9 +60,12 @@ def describe_as_rung(release: Path, name: str, files: list[Path]) -> dict:
 
 def test_clean_directory_passes_both_checkers(ladder_dir):
     assert subprocess.run(["sha256sum", "-c", "SHA256SUMS"], cwd=ladder_dir, capture_output=True).returncode == 0
-    result = ggufcarve("verify", ladder_dir)
+    result = ggufcarve("verify", ladder_dir, "--partial")
     assert result.code == 0, problems(result)
-    assert result.stdout.startswith("OK: 3 files") and "expert_count 8" in result.stdout
+    assert result.stdout.startswith("OK: 3 files") and "expert_count 8" in result.stdout and "2 part(s) missing" in result.stdout
+    # every rung is built, but a release is complete only with its evaluation and card
+    strict = ggufcarve("verify", ladder_dir, "--json")
+    assert strict.code == 1 and {(f["path"], f["problem"].split(":")[0]) for f in json.loads(strict.stdout)["failures"]} == {("evaluation/", "missing"), ("README.md", "missing")}
     report = verify_dir(ladder_dir, workers=2)
     assert report.ok and sorted(report.files_ok) == ["quant-manifest.json", "tiny-Q4_K_M.gguf", "tiny-Q8_0.gguf"]
 
@@ -72,7 +75,7 @@ def test_flipped_byte(copy):
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0x01
     path.write_bytes(bytes(data))
-    result = ggufcarve("verify", copy)
+    result = ggufcarve("verify", copy, "--partial")
     assert result.code == 1
     assert "tiny-Q8_0.gguf" in problems(result) and "sha256 mismatch" in problems(result)
     assert subprocess.run(["sha256sum", "-c", "SHA256SUMS"], cwd=copy, capture_output=True).returncode != 0  # coreutils agrees
@@ -80,34 +83,35 @@ def test_flipped_byte(copy):
 
 def test_missing_file_and_ignore_missing(copy):
     (copy / "tiny-Q4_K_M.gguf").unlink()
-    result = ggufcarve("verify", copy)
+    result = ggufcarve("verify", copy, "--partial")
     assert result.code == 1 and "missing (listed in SHA256SUMS)" in problems(result)
-    assert ggufcarve("verify", copy, "--ignore-missing").code == 0
+    assert ggufcarve("verify", copy, "--partial", "--ignore-missing").code == 0
 
 
 def test_files_the_manifest_does_not_describe(copy):
     (copy / "README.md").write_text("model card\n")
     (copy / "method").mkdir()
     (copy / "method" / "notes.json").write_text("{}\n")
-    result = ggufcarve("verify", copy, "--json")
+    result = ggufcarve("verify", copy, "--partial", "--json")
     assert result.code == 1
     report = json.loads(result.stdout)
-    assert {(f["path"], f["problem"].split(":")[0]) for f in report["failures"]} == {("README.md", "not described by quant-manifest.json"), ("method/notes.json", "not described by quant-manifest.json")}
+    assert {(f["path"], f["problem"].split(":")[0]) for f in report["failures"]} == {("method/notes.json", "not described by quant-manifest.json")}
+    assert [(n["path"], n["problem"].split(":")[0]) for n in report["notes"]] == [("README.md", "not recorded")]  # documentation: noted, not refused
     # SHA256SUMS lists only what the manifest describes: re-writing it does not make them part of the release
     write_sums(copy, json.loads((copy / "quant-manifest.json").read_text()))
     assert [rel for _, rel in parse_sums(copy / "SHA256SUMS")[0]] == ["quant-manifest.json", "tiny-Q4_K_M.gguf", "tiny-Q8_0.gguf"]
-    assert ggufcarve("verify", copy).code == 1
+    assert ggufcarve("verify", copy, "--partial").code == 1
     # a file the manifest describes but SHA256SUMS does not list
     (copy / "README.md").unlink()
     (copy / "method" / "notes.json").unlink()
     with open(copy / "SHA256SUMS") as f:
         kept = [line for line in f if not line.endswith("  tiny-Q8_0.gguf\n")]
     (copy / "SHA256SUMS").write_text("".join(kept))
-    unlisted = ggufcarve("verify", copy, "--json")
+    unlisted = ggufcarve("verify", copy, "--partial", "--json")
     assert unlisted.code == 1
     assert {(f["path"], f["problem"]) for f in json.loads(unlisted.stdout)["failures"]} >= {("tiny-Q8_0.gguf", "not listed in SHA256SUMS")}
     write_sums(copy)
-    assert ggufcarve("verify", copy).code == 0
+    assert ggufcarve("verify", copy, "--partial").code == 0
 
 
 def test_truncated_shard(copy, llama_tools):
@@ -117,10 +121,10 @@ def test_truncated_shard(copy, llama_tools):
     shards = sorted(copy.glob("tiny-Q4_K_M-split-*.gguf"))
     assert len(shards) == 3
     describe_as_rung(copy, "Q4_K_M-split", shards)
-    assert ggufcarve("verify", copy).code == 0
+    assert ggufcarve("verify", copy, "--partial").code == 0
     with open(shards[1], "r+b") as f:
         f.truncate(shards[1].stat().st_size - 1000)
-    result = ggufcarve("verify", copy, "--json")
+    result = ggufcarve("verify", copy, "--partial", "--json")
     assert result.code == 1
     failures = {(f["path"], f["problem"].split(":")[0]) for f in json.loads(result.stdout)["failures"]}
     assert (shards[1].name, "sha256 mismatch") in failures
@@ -128,7 +132,7 @@ def test_truncated_shard(copy, llama_tools):
     shards[2].unlink()
     shards[1].unlink()
     write_sums(copy, json.loads((copy / "quant-manifest.json").read_text()))
-    incomplete = ggufcarve("verify", copy, "--json")
+    incomplete = ggufcarve("verify", copy, "--partial", "--json")
     assert incomplete.code == 1
     assert any("shard 2 of 3 is missing" in f["problem"] for f in json.loads(incomplete.stdout)["failures"])
 
@@ -139,7 +143,7 @@ def test_manifest_disagrees_with_sums(copy):
     manifest["rungs"][0]["files"][0]["bytes"] += 1
     (copy / "quant-manifest.json").write_text(json.dumps(manifest))
     write_sums(copy)  # sums themselves are consistent with the files
-    result = ggufcarve("verify", copy, "--json")
+    result = ggufcarve("verify", copy, "--partial", "--json")
     assert result.code == 1
     failures = [f["problem"] for f in json.loads(result.stdout)["failures"]]
     assert any("disagrees with SHA256SUMS" in p for p in failures)
@@ -150,14 +154,14 @@ def test_expert_count_must_match_the_pruning_report(copy):
     (copy / "method").mkdir()
     (copy / "method" / "pruning-report.json").write_text(json.dumps({"output": {"expert_count": 4}}))
     write_sums(copy, json.loads((copy / "quant-manifest.json").read_text()))
-    result = ggufcarve("verify", copy, "--json")
+    result = ggufcarve("verify", copy, "--partial", "--json")
     assert result.code == 1
     failures = [f["problem"] for f in json.loads(result.stdout)["failures"]]
     assert "expert_count 8, but method/pruning-report.json says 4" in failures
 
 
 def test_not_a_ladder_directory(tmp_path):
-    result = ggufcarve("verify", tmp_path)
+    result = ggufcarve("verify", tmp_path, "--partial")
     assert result.code == 1 and "has no SHA256SUMS" in result.error_line
 
 
@@ -177,7 +181,7 @@ def test_malformed_manifest_or_report_is_a_failure_not_a_traceback(copy, manifes
         (copy / "method").mkdir()
         (copy / "method" / "pruning-report.json").write_text(report)
     write_sums(copy)
-    result = ggufcarve("verify", copy, "--json")
+    result = ggufcarve("verify", copy, "--partial", "--json")
     assert result.code == 1 and "Traceback" not in result.stderr, result.stderr
     failures = [f"{f['path']} {f['problem']}" for f in json.loads(result.stdout)["failures"]]
     assert any(expected in f for f in failures), failures
@@ -191,7 +195,7 @@ def test_sums_naming_paths_outside_the_directory(copy, tmp_path):
     digest = hashlib.sha256(outside.read_bytes()).hexdigest()
     with open(copy / "SHA256SUMS", "a") as f:
         f.write(f"{digest}  ../outside.txt\n{digest}  {outside}\n")
-    result = ggufcarve("verify", copy, "--json")
+    result = ggufcarve("verify", copy, "--partial", "--json")
     assert result.code == 1
     failures = json.loads(result.stdout)["failures"]
     assert {f["path"] for f in failures if "outside the directory" in f["problem"]} == {"../outside.txt", str(outside)}

@@ -114,12 +114,27 @@ def _kld_text(r: dict) -> str:
 def card_command(
     release: Annotated[Path, typer.Argument(help="A release directory (quant-manifest.json, rungs, method/, evaluation/).")],
     evaluation: Annotated[Path | None, typer.Option("--evaluation", help="Directory of ggufcarve eval results (default: RELEASE/evaluation).")] = None,
+    base_model: Annotated[str | None, typer.Option("--base-model", help="The base model's Hub repo id, OWNER/NAME (default: the GGUF's general.base_model.0.repo_url).")] = None,
+    license_: Annotated[str | None, typer.Option("--license", help="A Hub license identifier, e.g. apache-2.0 (default: the GGUF's general.license).")] = None,
+    license_name: Annotated[str | None, typer.Option("--license-name", help="With --license other: the license's short name (default: general.license.name).")] = None,
+    license_link: Annotated[str | None, typer.Option("--license-link", help="With --license other: its URL, or a file of the release such as LICENSE (default: general.license.link).")] = None,
+    model_name: Annotated[str | None, typer.Option("--model-name", help="The card's title (default: the GGUF's general.basename and size label).")] = None,
+    repo_id: Annotated[str | None, typer.Option("--repo-id", help="The Hub repo the release is uploaded to, OWNER/NAME (adds download and llama-server -hf lines).")] = None,
+    record: Annotated[bool, typer.Option("--record", help="Write nothing: record RELEASE/README.md as it is (after a hand edit) in the manifest and SHA256SUMS.")] = False,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing README.md.")] = False,
 ) -> None:
-    """Write the Hugging Face model card RELEASE/README.md from the manifest, the method reports and the evaluation."""
-    from ggufcarve.release.card import write_card
-    from ggufcarve.release.publish import record_published
+    """Write the Hugging Face model card RELEASE/README.md from the manifest, the method reports and the evaluation, and record it in the release."""
+    from ggufcarve.errors import BadInput
+    from ggufcarve.release.card import CardSettings, card_warnings, record_card, write_card
 
-    path = write_card(release, evaluation, force)
-    record_published(release, "card", [path])
+    settings = CardSettings(base_model, license_, license_name, license_link, model_name, repo_id)
+    if record:
+        if any(v is not None for v in (base_model, license_, license_name, license_link, model_name, repo_id, evaluation)) or force:
+            raise BadInput("--record writes nothing, so it takes no card options", "record the card as it is with --record alone, or write it again with the options and --force")
+        path = record_card(release)
+        out.print(f"recorded {path} as it is in {release / 'quant-manifest.json'} and SHA256SUMS", highlight=False)
+        return
+    path = write_card(release, evaluation, force, settings.check())
+    for message in card_warnings(release, settings, evaluation):
+        warn(message)
     out.print(f"wrote {path}; recorded in {release / 'quant-manifest.json'} and SHA256SUMS", highlight=False)

@@ -4,6 +4,8 @@ Examples:
     ggufcarve ladder run ladders/q8-to-iq1.toml --source model-128e-Q8_0.gguf -o /shared/release --only Q4_K_M   # one job per rung, anywhere
     ggufcarve release merge /shared/release
     ggufcarve verify /shared/release
+    ggufcarve release record /shared/release/LICENSE /shared/release/.gitattributes   # documentation you add
+    ggufcarve release record /shared/release/README.md                                 # the card, after a hand edit
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import typer
 from ggufcarve.cli.options import JsonOption, QuietOption, command_group
 from ggufcarve.cli.render import escape, new_table, out, progress
 
-app = command_group("Release directories: assemble quant-manifest.json and SHA256SUMS from the rungs' fragments.")
+app = command_group("Release directories: assemble quant-manifest.json and SHA256SUMS from the rungs' fragments; record documentation.")
 
 
 @app.command("merge", short_help='Assemble the manifest and sums from rung fragments.')
@@ -28,6 +30,7 @@ def merge_command(
     quiet: QuietOption = False,
 ) -> None:
     """Assemble quant-manifest.json and SHA256SUMS from every rung's fragment, checking each rung's files (size, sha256)."""
+    from ggufcarve.fileio import format_size
     from ggufcarve.release.fragments import merge_release
 
     with progress(not quiet and not as_json, transient=True) as sink:
@@ -38,11 +41,32 @@ def merge_command(
                                    "rungs": [{"name": r.get("name"), "status": r.get("status"), "sha256": r.get("sha256")} for r in result.rungs]}))
         return
     table = new_table(title=f"release {directory}: {result.fragments} fragment(s)")
-    for column in ("rung", "file", "GiB", "sha256", "status"):
+    for column in ("rung", "file", "size", "sha256", "status"):
         table.add_column(column)
     for r in result.rungs:
         files = r.get("files") or []
-        table.add_row(escape(str(r.get("name"))), escape(", ".join(str(f.get("name")) for f in files)), f"{r.get('gib', 0):.2f}" if files else "", str(r.get("sha256") or "")[:12], escape(str(r.get("status"))))
+        table.add_row(escape(str(r.get("name"))), escape(", ".join(str(f.get("name")) for f in files)), format_size(sum(int(f.get("bytes") or 0) for f in files)) if files else "", str(r.get("sha256") or "")[:12], escape(str(r.get("status"))))
     out.print(table)
     state = "written" if result.changed else "unchanged"
-    out.print(f"quant-manifest.json and SHA256SUMS {state}: {len(result.rungs)} rung(s), {result.bytes_hashed / 2**30:.2f} GiB hashed in {result.seconds:.1f} s")
+    out.print(f"quant-manifest.json and SHA256SUMS {state}: {len(result.rungs)} rung(s), {format_size(result.bytes_hashed)} hashed in {result.seconds:.1f} s")
+
+
+@app.command("record")
+def record_command(
+    files: Annotated[list[Path], typer.Argument(help="Files inside a release: README.md (the card, as it is) or documentation (LICENSE, NOTICE, .md, .txt, images, .gitattributes).")],
+) -> None:
+    """Make files you added part of the release: describe them in quant-manifest.json and list them in SHA256SUMS."""
+    from ggufcarve.errors import BadInput
+    from ggufcarve.release.publish import record_files, release_of
+
+    releases = {p: release_of(p.absolute().parent) for p in files}
+    outside = [p for p, r in releases.items() if r is None]
+    if outside:
+        raise BadInput(f"{outside[0]} is not inside a release directory (none with quant-manifest.json above it)", "give files inside the release directory")
+    found = {r for r in releases.values() if r is not None}
+    if len(found) != 1:
+        raise BadInput(f"the files are in {len(found)} release directories ({', '.join(sorted(map(str, found)))})", "record the files of one release at a time")
+    release = found.pop()
+    recorded = record_files(release, files)
+    names = [n for kind in recorded.values() for n in kind]
+    out.print(f"recorded {', '.join(names)} in {release / 'quant-manifest.json'} and SHA256SUMS", highlight=False)

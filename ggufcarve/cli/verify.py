@@ -2,6 +2,7 @@
 
 Examples:
     ggufcarve verify release/
+    ggufcarve verify release/ --partial      # a release still being built: list what is missing, do not fail for it
     ggufcarve verify release/ --json
 """
 
@@ -13,26 +14,30 @@ from typing import Annotated
 
 import typer
 
-from ggufcarve.cli.render import err, escape, new_table, out, progress
+from ggufcarve.cli.render import err, escape, new_table, out, progress, warn
 
 
 def verify_command(
     directory: Annotated[Path, typer.Argument(help="A ladder output directory (with SHA256SUMS and quant-manifest.json).")],
     ignore_missing: Annotated[bool, typer.Option("--ignore-missing", help="Do not fail for files listed in SHA256SUMS that are absent (as sha256sum -c --ignore-missing).")] = False,
+    partial: Annotated[bool, typer.Option("--partial", help="Do not fail for what a complete release would hold more (rungs of the ladder, evaluation results, the card); list it.")] = False,
     jobs: Annotated[int | None, typer.Option("--jobs", "-j", help="Files hashed in parallel (default: CPU count).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")] = False,
 ) -> None:
-    """Check a ladder directory before publishing: sums, manifest, GGUF structure, expert counts."""
-    from ggufcarve.release.verify import verify_dir
+    """Check a release before publishing: sums, manifest, GGUF structure, expert counts, completeness, the card."""
+    from ggufcarve.fileio import format_size
+    from ggufcarve.release.verify import PARTS, verify_dir
 
     with progress(not quiet and not as_json, transient=True) as sink:
-        report = verify_dir(directory, ignore_missing=ignore_missing, workers=jobs, on_event=sink)
+        report = verify_dir(directory, ignore_missing=ignore_missing, workers=jobs, on_event=sink, require=() if partial else PARTS)
     if as_json:
         out.print_json(json.dumps(report.to_json()))
     elif report.ok:
         rate = report.bytes_hashed / max(report.seconds, 1e-9) / 2**20
-        out.print(f"OK: {len(report.files_ok)} files of {directory} match SHA256SUMS and the manifest" + (f"; expert_count {report.expert_count}" if report.expert_count is not None else "") + f" ({report.bytes_hashed / 2**30:.2f} GiB in {report.seconds:.1f} s, {rate:.0f} MiB/s, {report.workers} threads)")
+        state = "complete" if report.complete else f"partial, {len(report.missing)} part(s) missing"
+        out.print(f"OK: {len(report.files_ok)} files of {directory} match SHA256SUMS and the manifest" + (f"; expert_count {report.expert_count}" if report.expert_count is not None else "")
+                  + f"; {state} ({format_size(report.bytes_hashed)} in {report.seconds:.1f} s, {rate:.0f} MiB/s, {report.workers} threads)", highlight=False, soft_wrap=True)
     else:
         table = new_table(title=f"verify {directory}: {len(report.failures)} failure(s)")
         table.add_column("file")
@@ -40,6 +45,15 @@ def verify_command(
         for f in report.failures:
             table.add_row(escape(f.path), escape(f.problem))
         err.print(table)
+        if any(f.problem.startswith("missing: ") for f in report.failures):
+            err.print("The release is incomplete; `ggufcarve verify --partial` checks what is there.", highlight=False)
+    if not as_json:
+        if partial:
+            for m in report.missing:
+                warn(m.problem, "missing")
+        for w in report.warnings:
+            warn(f"{w.path}: {w.problem}")
+        for n in report.notes:
+            warn(f"{n.path}: {n.problem}", "note")
     if not report.ok:
         raise typer.Exit(1)
-

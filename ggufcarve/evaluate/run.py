@@ -342,6 +342,8 @@ def evaluate_model(entry: ModelEntry, reference: Reference, settings: EvalSettin
     doc["gate"] = verdict.verdict if verdict else None
     doc["gate_failed"] = verdict.failed if verdict else []
     doc["gate_not_measured"] = verdict.not_measured if verdict else []
+    doc["gate_thresholds"] = dict(settings.gate.thresholds) if settings.gate else None
+    doc["gate_source"] = settings.gate.source if settings.gate else None
     return doc
 
 
@@ -354,6 +356,15 @@ def reference_outputs(entry: ModelEntry, settings: EvalSettings, work: Path, sin
 def result_text(doc: dict) -> str:
     """A per-model result document as written: indented JSON, keys sorted, no NaN."""
     return json.dumps(doc, indent=1, sort_keys=True, allow_nan=False) + "\n"
+
+
+def _heldout_record(heldout: Path | None) -> dict | None:
+    """The held-out text file as the results record it (name, bytes, sha256); None with a reference file."""
+    if heldout is None:
+        return None
+    from ggufcarve.fileio import sha256_file_cached
+
+    return {"name": heldout.name, "bytes": heldout.stat().st_size, "sha256": sha256_file_cached(heldout)}
 
 
 def evaluate(models: list[ModelEntry], reference_path: Path, heldout: Path | None, settings: EvalSettings, out_dir: Path, sink: Sink = ignore) -> EvalRun:
@@ -383,10 +394,12 @@ def evaluate(models: list[ModelEntry], reference_path: Path, heldout: Path | Non
 
             cross = CrossCheck.prepare(reference_path, reference, heldout, settings, work, sink)
         results = []
+        held = _heldout_record(heldout)
         for entry in models:
             doc = evaluate_model(entry, reference, settings, work, sink, reference_qa)
             if cross is not None:
                 doc["cross_check"] = cross.check(entry, doc, sink)
+            doc["heldout"] = held
             results.append(doc)
     with ExitStack() as staged:  # renamed in reverse order of staging, each only if all were written
 

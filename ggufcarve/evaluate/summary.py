@@ -11,7 +11,7 @@ import math
 from collections.abc import Callable
 from pathlib import Path
 
-from ggufcarve.fileio import write_failed
+from ggufcarve.fileio import format_size, size_unit, write_failed
 
 KLD_CHART = "size-vs-kld.png"
 PPL_CHART = "size-vs-ppl.png"
@@ -77,28 +77,28 @@ def render_summary(results: list[dict], reference_label: str, charts: list[str])
     lines = [f"# Evaluation against {reference_label}", ""]
     lines.append(f"Context {params.get('ctx')}, {params.get('chunks')} chunks ({params.get('scored_tokens')} scored tokens), "
                  f"{params.get('threads')} threads; " + _kld_note(ordered[0] if ordered else {}))
-    lines += ["", "## Release", "", "| Artifact | Size GiB | Passed | Exact vs baseline | Median decode tok/s | Gate |", "|---|---|---|---|---|---|"]
+    lines += ["", "## Release", "", "| Artifact | Size | Passed | Exact vs baseline | Median decode tok/s | Gate |", "|---|---|---|---|---|---|"]
     for r in ordered:
         passed = f"{r['qa_passed']}/{r['qa_total']}" if r.get("qa_total") else "–"
         gate = r.get("gate") or "–"
         if r.get("gate_failed"):
             gate += " (" + "; ".join(r["gate_failed"]) + ")"
-        lines.append(f"| {r['model']['file']} | {format_gib(r['model']['gib'])} | {passed} | {_fmt(r.get('qa_exact_vs_reference'), percent=True)} | {_fmt(r.get('tg_tok_s'), 4)} | {gate} |")
-    lines += ["", "## Quality", "", "| Quant | Size GiB | PPL | Δ vs reference | ± | mean KLD | 99% KLD | same top p |", "|---|---|---|---|---|---|---|---|"]
+        lines.append(f"| {r['model']['file']} | {format_size(r['model']['bytes'])} | {passed} | {_fmt(r.get('qa_exact_vs_reference'), percent=True)} | {_fmt(r.get('tg_tok_s'), 4)} | {gate} |")
+    lines += ["", "## Quality", "", "| Quant | Size | PPL | Δ vs reference | ± | mean KLD | 99% KLD | same top p |", "|---|---|---|---|---|---|---|---|"]
     for r in ordered:
-        lines.append(f"| {r['model']['quant']} ({r['model']['name']}) | {format_gib(r['model']['gib'])} | {r['ppl']:.4f} | {round(r['ppl_delta_percent'], 2) + 0.0:+.2f}% | {r['ppl_stderr']:.4f} | "
+        lines.append(f"| {r['model']['quant']} ({r['model']['name']}) | {format_size(r['model']['bytes'])} | {r['ppl']:.4f} | {round(r['ppl_delta_percent'], 2) + 0.0:+.2f}% | {r['ppl_stderr']:.4f} | "
                      f"{r['kld_mean']:.6f} | {r['kld_p99']:.6f} | {100 * r['same_top_p']:.2f}% |")
     front = pareto_front(results)
     lines += ["", "## Pruned vs unpruned at equal size", "",
               "Sorted by size. *Closest other* is the model of another family nearest in size; ✓ marks the one with the lower mean KLD.", "",
-              "| Model | Family | Size GiB | mean KLD | PPL | Pareto front | Closest other (size GiB, mean KLD) |", "|---|---|---|---|---|---|---|"]
+              "| Model | Family | Size | mean KLD | PPL | Pareto front | Closest other (size, mean KLD) |", "|---|---|---|---|---|---|---|"]
     pairs: dict[str, list[str]] = {}
     for r, other in equal_size_pairs(results):
         mark = "✓" if r["kld_mean"] < other["kld_mean"] else "✗"
-        pairs.setdefault(r["model"]["name"], []).append(f"{mark} vs {other['model']['name']} ({format_gib(other['model']['gib'])}, {other['kld_mean']:.4f})")
+        pairs.setdefault(r["model"]["name"], []).append(f"{mark} vs {other['model']['name']} ({format_size(other['model']['bytes'])}, {other['kld_mean']:.4f})")
     for r in ordered:
         name = r["model"]["name"]
-        lines.append(f"| {name} | {r['model']['family']} | {format_gib(r['model']['gib'])} | {r['kld_mean']:.6f} | {r['ppl']:.4f} | {'yes' if name in front else ''} | "
+        lines.append(f"| {name} | {r['model']['family']} | {format_size(r['model']['bytes'])} | {r['kld_mean']:.6f} | {r['ppl']:.4f} | {'yes' if name in front else ''} | "
                      f"{'; '.join(pairs.get(name, [])) or '–'} |")
     if charts:
         lines += ["", *[f"![{c}]({c})" for c in charts]]
@@ -121,20 +121,21 @@ def draw_charts(results: list[dict], out_dir: Path, stage: Stage) -> list[str]:
 
     names = []
     front = pareto_front(results)
+    unit, scale = size_unit(max(r["model"]["bytes"] for r in results))
     for metric, label, file_name in (("kld_mean", "mean KLD vs reference (nats/token)", KLD_CHART), ("ppl", "perplexity", PPL_CHART)):
         fig = Figure(figsize=(7, 4.5), dpi=110)  # no pyplot: no global figure state, no GUI backend
         FigureCanvasAgg(fig)
         ax = fig.add_subplot()
         for family in sorted({r["model"]["family"] for r in results}):
             series = _by_size([r for r in results if r["model"]["family"] == family])
-            xs, ys = [r["model"]["gib"] for r in series], [r[metric] for r in series]
+            xs, ys = [r["model"]["bytes"] / scale for r in series], [r[metric] for r in series]
             ax.plot(xs, ys, marker="o", label=family)
             for r, x, y in zip(series, xs, ys):
                 ax.annotate(r["model"]["quant"], (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
         on_front = _by_size([r for r in results if r["model"]["name"] in front])
         if len(on_front) > 1:
-            ax.plot([r["model"]["gib"] for r in on_front], [r[metric] for r in on_front], linestyle="--", color="grey", linewidth=1, label="Pareto front (mean KLD)")
-        ax.set_xlabel("file size (GiB)")
+            ax.plot([r["model"]["bytes"] / scale for r in on_front], [r[metric] for r in on_front], linestyle="--", color="grey", linewidth=1, label="Pareto front (mean KLD)")
+        ax.set_xlabel(f"file size ({unit})")
         ax.set_ylabel(label)
         if metric == "kld_mean" and all(r[metric] > 0 for r in results):
             ax.set_yscale("log")

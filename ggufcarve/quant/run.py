@@ -606,7 +606,7 @@ def run_ladder(plan: LadderPlan, *, keep_going: bool = False, on_event: Sink = i
             rungs_done(1, r.name)
         for f in pending:
             f.result()
-        manifest = rebuild(out)
+        manifest = rebuild(out, finish=len(plan.rungs) == len(plan.spec.rungs))  # a run of the whole spec removes the fragments once it is complete
         assert manifest is not None
         sums = out / SUMS_NAME
     finally:

@@ -33,6 +33,7 @@ from ggufcarve.events import Sink, ignore
 from ggufcarve.fileio import sha256_file, write_text_atomic
 from ggufcarve.release.lock import lock_release
 from ggufcarve.release.manifest import (
+    KEPT_KINDS,
     MANIFEST_KIND,
     MANIFEST_NAME,
     PUBLISHED_KINDS,
@@ -43,6 +44,7 @@ from ggufcarve.reports import SCHEMA_VERSION, dumps, envelope, read_json_object
 
 FRAGMENTS_DIR = ".ggufcarve-fragments"
 FRAGMENT_KIND = "rung-fragment"
+QUANTIZERS_WARNING = "the rungs were made by different quantizers (llama.cpp builds): each rung records its own under `quantizer`"
 CONTEXT_KEYS = ("ladder", "source", "imatrix", "quantizer", "method", "warnings", "spec_rungs")
 
 
@@ -122,11 +124,17 @@ def adopt_manifest(out_dir: Path) -> int:
     if manifest is None:
         return 0
     context = {k: manifest.get(k) for k in CONTEXT_KEYS}
-    context["spec_rungs"] = [r.get("name") for r in manifest["rungs"] if isinstance(r, dict)]
+    if not isinstance(context.get("spec_rungs"), list):
+        context["spec_rungs"] = [r.get("name") for r in manifest["rungs"] if isinstance(r, dict)]
+    context["warnings"] = [w for w in context.get("warnings") or [] if w != QUANTIZERS_WARNING]
     count = 0
     for rung in manifest["rungs"]:
         if isinstance(rung, dict) and isinstance(rung.get("name"), str):
-            write_fragment(out_dir, rung, context, inputs=manifest.get("inputs", []), parameters=manifest.get("parameters", {}), timings=manifest.get("timings", {}))
+            # a rung that records its own quantizer was made by another build: its fragment's run context
+            own = rung.get("quantizer")
+            record = {k: v for k, v in rung.items() if k != "quantizer"}
+            write_fragment(out_dir, record, {**context, "quantizer": own} if isinstance(own, dict) else context,
+                           inputs=manifest.get("inputs", []), parameters=manifest.get("parameters", {}), timings=manifest.get("timings", {}))
             count += 1
     return count
 
@@ -232,14 +240,15 @@ def assemble(out_dir: Path, fragments: Sequence[Fragment], *, drop_missing: bool
     warnings = list(newest.context.get("warnings") or [])
     if len({_identity(f.context.get("quantizer")) for f in fragments if f.rung.get("files")}) > 1:
         rungs = [{**f.rung, "quantizer": f.context.get("quantizer")} for f in kept]
-        warnings.append("the rungs were made by different quantizers (llama.cpp builds): each rung records its own under `quantizer`")
+        warnings.append(QUANTIZERS_WARNING)
     try:
         earlier = read_manifest(out_dir)
     except CarveError:
         earlier = None
     published: dict[str, Any] = {}
-    if earlier is not None and _rung_identity(earlier["rungs"]) == _rung_identity(rungs) and isinstance(earlier.get("published"), dict):
-        published = {k: v for k, v in earlier["published"].items() if k in PUBLISHED_KINDS}
+    if earlier is not None and isinstance(earlier.get("published"), dict):
+        same_rungs = _rung_identity(earlier["rungs"]) == _rung_identity(rungs)
+        published = {k: v for k, v in earlier["published"].items() if k in PUBLISHED_KINDS and (same_rungs or k in KEPT_KINDS)}
     context = newest.context
     doc = envelope(
         MANIFEST_KIND,
@@ -252,6 +261,7 @@ def assemble(out_dir: Path, fragments: Sequence[Fragment], *, drop_missing: bool
             "imatrix": context.get("imatrix"),
             "quantizer": context.get("quantizer"),
             "rungs": rungs,
+            "spec_rungs": spec_order,
             "method": _method_records(out_dir, fragments),
             "published": published,
             "warnings": warnings,
@@ -267,13 +277,37 @@ def write_release(out_dir: Path, manifest: dict[str, Any]) -> Path:
     return write_sums(out_dir, manifest)
 
 
-def rebuild(out_dir: Path) -> dict[str, Any] | None:
+def ladder_complete(out_dir: Path, manifest: dict[str, Any]) -> bool:
+    """Whether the manifest records every rung of its ladder spec as built (or kept), with its files present."""
+    spec = manifest.get("spec_rungs")
+    done = {str(r.get("name")) for r in manifest.get("rungs") or [] if isinstance(r, dict) and r.get("status") in ("built", "skipped") and r.get("files")
+            and all(isinstance(f, dict) and isinstance(f.get("name"), str) and inside(out_dir, f["name"]) and (out_dir / f["name"]).is_file() for f in r["files"])}
+    return isinstance(spec, list) and bool(spec) and all(str(n) in done for n in spec)
+
+
+def remove_fragments(out_dir: Path) -> bool:
+    """Remove .ggufcarve-fragments/ once the manifest holds all it records (the ladder is
+    complete), so that uploading the directory uploads only the release; under the lock. A later
+    ladder run or `release merge` re-creates the fragments from the manifest (adopt_manifest)."""
+    directory = out_dir / FRAGMENTS_DIR
+    if not directory.is_dir():
+        return False
+    import shutil
+
+    shutil.rmtree(directory)
+    return True
+
+
+def rebuild(out_dir: Path, *, finish: bool = False) -> dict[str, Any] | None:
     """Re-derive the manifest and SHA256SUMS from the fragments (a ladder run's step, under the
-    lock): rungs whose files are gone are left out, as before fragments."""
+    lock): rungs whose files are gone are left out, as before fragments. `finish` (the end of a
+    run of the whole spec) removes the fragments once every rung of the spec is built."""
     with lock_release(out_dir):
         manifest = assemble(out_dir, read_fragments(out_dir), drop_missing=True)
         if manifest is not None:
             write_release(out_dir, manifest)
+            if finish and ladder_complete(out_dir, manifest):
+                remove_fragments(out_dir)
         return manifest
 
 
@@ -356,6 +390,8 @@ def merge_release(directory: str | os.PathLike[str], *, workers: int | None = No
         if previous is not None and _same_apart_from_creation(previous, manifest):
             manifest["created"] = previous.get("created", manifest["created"])
         write_release(out, manifest)
+        if ladder_complete(out, manifest):
+            remove_fragments(out)
     after = {name: (out / name).read_bytes() if (out / name).is_file() else None for name in (MANIFEST_NAME, SUMS_NAME)}
     return MergeResult(out, manifest, len(fragments), adopted, hashed_bytes, time.monotonic() - started, after != before)
 

@@ -23,7 +23,9 @@ MANIFEST_KIND = "quant-manifest"
 MANIFEST_NAME = "quant-manifest.json"
 # Files made from the rungs after the ladder (evaluation results, the model card, the run plan), recorded under
 # manifest["published"][kind]; a manifest whose rung files changed drops them: they describe the old rungs.
-PUBLISHED_KINDS = ("evaluation", "card", "plan")
+# "docs" records documentation a user adds (`ggufcarve release record FILE`); it describes no rung and stays.
+PUBLISHED_KINDS = ("evaluation", "card", "plan", "docs")
+KEPT_KINDS = ("docs",)
 FRESH_START_HINT = "write to another -o directory, or pass --force to start the release afresh, which removes its old rungs"
 
 

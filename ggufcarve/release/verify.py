@@ -11,7 +11,17 @@ Checks, all reported together:
     selection record (method/expert-selection.json) keeps the experts the pruning report records;
   * every GGUF parses, and split sets are complete;
   * expert_count is the same in every rung and matches the manifest's source and the pruning
-    report (method/pruning-report.json), when present.
+    report (method/pruning-report.json), when present;
+  * completeness: every rung of the ladder spec built, every rung evaluated (the evaluation results
+    the manifest records), the card recorded. What is missing fails only for the parts `require`
+    names (the command line requires all unless --partial); it is always listed in `missing`;
+  * the card's front matter is YAML (a failure otherwise, as the Hub refuses it); a base_model that
+    is no Hub repo id, a license the Hub does not know, and relative links to files the release
+    lacks are warnings.
+Documentation files a user adds (LICENSE, NOTICE, .md, .gitattributes) are part of the release
+once recorded (`ggufcarve release record FILE`); unrecorded ones are notes, not failures, as is
+the ladder's .ggufcarve-fragments/ directory (not part of the release: removed once the ladder is
+complete and merged).
 A manifest that cannot be read at all (an I/O error) stops the check with an error.
 """
 
@@ -21,6 +31,7 @@ import json
 import os
 import re
 import time
+from collections.abc import Collection
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,10 +46,13 @@ from ggufcarve.release.manifest import (
     described_files,
     recorded_source,
 )
+from ggufcarve.release.publish import is_documentation
 from ggufcarve.release.sums import SUMS_NAME, inside, published_files
 from ggufcarve.reports import IMATRIX_REMAP_REPORT, PRUNING_REPORT, release_report_name
 
 SELECTION_RECORD = "expert-selection"  # release.method.SELECTION_RECORD (not imported: verify starts without numpy)
+FRAGMENTS_DIR = ".ggufcarve-fragments"  # release.fragments.FRAGMENTS_DIR
+PARTS = ("rungs", "evaluation", "card")  # what a complete release holds
 
 SUMS_LINE = re.compile(r"^(?P<digest>[0-9a-fA-F]{64}) (?P<mode>[ *])(?P<path>.+)$")
 
@@ -58,14 +72,23 @@ class VerifyReport:
     seconds: float = 0.0
     workers: int = 1
     expert_count: int | None = None
+    missing: list[Failure] = field(default_factory=list)  # what a complete release would hold more (PARTS)
+    warnings: list[Failure] = field(default_factory=list)  # to fix before publishing; not failures
+    notes: list[Failure] = field(default_factory=list)  # files in the directory that are not part of the release
 
     @property
     def ok(self) -> bool:
         return not self.failures
 
+    @property
+    def complete(self) -> bool:
+        return not self.missing
+
     def to_json(self) -> dict[str, Any]:
         return {"directory": str(self.directory), "ok": self.ok, "files_ok": self.files_ok, "failures": [f.__dict__ for f in self.failures],
-                "bytes_hashed": self.bytes_hashed, "seconds": round(self.seconds, 3), "workers": self.workers, "expert_count": self.expert_count}
+                "bytes_hashed": self.bytes_hashed, "seconds": round(self.seconds, 3), "workers": self.workers, "expert_count": self.expert_count,
+                "complete": self.complete, "missing": [f.__dict__ for f in self.missing], "warnings": [f.__dict__ for f in self.warnings],
+                "notes": [f.__dict__ for f in self.notes]}
 
 
 def hash_files(paths: list[Path], workers: int | None = None, on_event: Sink = ignore) -> dict[Path, str | OSError]:
@@ -100,7 +123,13 @@ def parse_sums(path: Path) -> tuple[list[tuple[str, str]], list[str]]:
     return entries, bad
 
 
-def verify_dir(directory: str | os.PathLike[str], *, ignore_missing: bool = False, workers: int | None = None, on_event: Sink = ignore) -> VerifyReport:
+def verify_dir(directory: str | os.PathLike[str], *, ignore_missing: bool = False, workers: int | None = None, on_event: Sink = ignore,
+               require: Collection[str] = ()) -> VerifyReport:
+    """Check the release in `directory` (see the module docstring). `require`: the PARTS whose
+    absence fails the check (missing rungs, evaluation, card); others missing are only listed."""
+    unknown = set(require) - set(PARTS)
+    if unknown:
+        raise ValueError(f"unknown release parts {sorted(unknown)}")
     d = Path(directory)
     if not d.is_dir():
         raise BadInput(f"{d} is not a directory", "give the ladder's output directory")
@@ -130,10 +159,13 @@ def verify_dir(directory: str | os.PathLike[str], *, ignore_missing: bool = Fals
     described = set(described_files(manifest)) | {MANIFEST_NAME} if manifest is not None else None
     published = [p.relative_to(d).as_posix() for p in published_files(d)]
     for rel in published:
-        if described is not None and rel not in described:
+        if described is not None and rel not in described and is_documentation(rel):
+            report.notes.append(Failure(rel, f"not recorded: not part of the release (publish it with `ggufcarve release record {rel}`, or remove it)"))
+        elif described is not None and rel not in described:
             fail(Failure(rel, f"not described by {MANIFEST_NAME}: not part of the release (remove it, or make it with ggufcarve)"))
         elif rel not in listed:
             fail(Failure(rel, "not listed in SHA256SUMS"))
+    _note_hidden(d, described or set(), report)
 
     with ThreadPoolExecutor(max_workers=1) as side:
         # GGUF structure checks run beside the hashing
@@ -151,8 +183,152 @@ def verify_dir(directory: str | os.PathLike[str], *, ignore_missing: bool = Fals
         report.bytes_hashed += path.stat().st_size if path.exists() else 0
     report.failures.extend(gguf_failures)
     _check_manifest(d, manifest, listed, report, expert_counts)
+    if manifest is not None:
+        report.missing = missing_parts(d, manifest)
+        fail_missing = [m for m in report.missing if m.path.split(":", 1)[0] in require]
+        report.failures.extend(Failure(m.path.split(":", 1)[1], f"missing: {m.problem}") for m in fail_missing)
+        _check_card(d, manifest, report)
     report.seconds = time.monotonic() - started
     return report
+
+
+def _note_hidden(d: Path, described: set[str], report: VerifyReport) -> None:
+    """Hidden entries at the top of the directory that `hf upload DIR` would publish too."""
+    try:
+        names = sorted(n for n in os.listdir(d) if n.startswith("."))
+    except OSError:
+        return
+    for name in names:
+        if name == FRAGMENTS_DIR:
+            report.notes.append(Failure(f"{name}/", "the ladder's rung fragments, not part of the release: a run of the whole ladder or "
+                                        "`ggufcarve release merge` removes them once every rung is built; remove them before uploading the directory"))
+        elif name in described:
+            continue
+        elif is_documentation(name):
+            report.notes.append(Failure(name, f"not recorded: not part of the release (publish it with `ggufcarve release record {name}`, or remove it)"))
+
+
+def missing_parts(d: Path, manifest: dict[str, Any]) -> list[Failure]:
+    """What a complete release would hold more, each as Failure("<part>:<name>", what): rungs of
+    the ladder spec not built, built rungs without evaluation results, the card."""
+    missing: list[Failure] = []
+    rungs = {str(r.get("name")): r for r in _records(manifest.get("rungs"))}
+
+    def present(rung: dict[str, Any]) -> bool:
+        files = _records(rung.get("files"))
+        return rung.get("status") in ("built", "skipped") and bool(files) and all(
+            isinstance(f.get("name"), str) and inside(d, f["name"]) and (d / f["name"]).is_file() for f in files)
+
+    spec = manifest.get("spec_rungs")
+    for name in [str(n) for n in spec] if isinstance(spec, list) else list(rungs):
+        rung = rungs.get(name)
+        if rung is None or not present(rung):
+            state = "not run" if rung is None else str(rung.get("status") or "not run")
+            missing.append(Failure(f"rungs:{name}", f"rung {name} of the ladder is not built ({state}): run `ggufcarve ladder run` again (finished rungs are kept)"))
+    built = [r for r in rungs.values() if present(r)]
+    published = manifest.get("published") if isinstance(manifest.get("published"), dict) else {}
+    evaluated: set[str] = set()
+    results = [f for f in _records(published.get("evaluation")) if isinstance(f.get("name"), str) and f["name"].endswith(".json")]
+    for f in results:
+        if not inside(d, f["name"]) or not (d / f["name"]).is_file():
+            continue
+        try:
+            doc = json.loads((d / f["name"]).read_text())
+        except (OSError, ValueError):
+            continue
+        model = doc.get("model") if isinstance(doc, dict) else None
+        if isinstance(model, dict):
+            evaluated.add(str(model.get("file")))
+    if built and not results:
+        missing.append(Failure("evaluation:evaluation/", "no evaluation results recorded: run `ggufcarve eval RELEASE --reference ... -o RELEASE/evaluation`"))
+    else:
+        for rung in built:
+            first = _records(rung.get("files"))[0]["name"]
+            if first not in evaluated:
+                missing.append(Failure(f"evaluation:{first}", f"rung {rung.get('name')} has no evaluation results: evaluate it (`ggufcarve eval RELEASE ... -o RELEASE/evaluation --force`)"))
+    card = [f for f in _records(published.get("card")) if f.get("name") == CARD_NAME]
+    if not card or not (d / CARD_NAME).is_file():
+        missing.append(Failure(f"card:{CARD_NAME}", "the model card is not recorded: write it with `ggufcarve card RELEASE`"
+                               + (" (or record the one there with `ggufcarve card RELEASE --record`)" if (d / CARD_NAME).is_file() else "")))
+    return missing
+
+
+CARD_NAME = "README.md"  # release.card.CARD_NAME
+LINK = re.compile(r"!?\[[^\]]*\]\((?P<target>[^)\s]+)(?:\s+\"[^\"]*\")?\)")
+
+
+def card_front_matter(text: str) -> tuple[dict[str, Any] | None, str | None]:
+    """The card's YAML front matter (None when there is none) and why it cannot be read (None when it can)."""
+    if not text.startswith("---\n"):
+        return None, None
+    end = text.find("\n---\n", 3)
+    if end < 0:
+        return None, "the front matter has no closing --- line"
+    import yaml
+
+    try:
+        doc = yaml.safe_load(text[4:end + 1])
+    except yaml.YAMLError as err:
+        return None, f"the front matter is not valid YAML ({' '.join(str(err).split())})"
+    if doc is None:
+        return {}, None
+    if not isinstance(doc, dict):
+        return None, "the front matter is not a YAML mapping"
+    return doc, None
+
+
+def card_problems(d: Path, text: str) -> tuple[list[str], list[str]]:
+    """(failures, warnings) of a card as the Hugging Face Hub reads it: YAML front matter,
+    base_model a repo id, license an identifier the Hub accepts, relative links to files present."""
+    from ggufcarve.release.card import HF_LICENSES, valid_repo_id
+
+    failures: list[str] = []
+    warnings: list[str] = []
+    front, why = card_front_matter(text)
+    if why is not None:
+        failures.append(why)
+    elif front is None:
+        warnings.append("no YAML front matter: the Hub shows no base model, license or tags")
+    else:
+        base = front.get("base_model")
+        bases = base if isinstance(base, list) else [base] if base is not None else []
+        if not bases:
+            warnings.append("no base_model: the Hub cannot link this model to its base (ggufcarve card --base-model OWNER/NAME --force)")
+        for b in bases:
+            if not valid_repo_id(b):
+                warnings.append(f"base_model {b!r} is not a Hub repo id (OWNER/NAME)")
+        license_ = front.get("license")
+        if license_ is None:
+            warnings.append("no license (ggufcarve card --license ID --force)")
+        elif str(license_) not in HF_LICENSES:
+            warnings.append(f"license {license_!r} is not an identifier the Hub accepts")
+        elif license_ == "other" and not (front.get("license_name") and front.get("license_link")):
+            warnings.append("license \"other\" without license_name and license_link")
+    body = text
+    for m in LINK.finditer(body):
+        target = m["target"].split("#", 1)[0]
+        if not target or "://" in target or target.startswith(("mailto:", "/")):
+            continue
+        if not inside(d, target) or not (d / target).is_file():
+            warnings.append(f"links {target}, which is not in the release")
+    link = front.get("license_link") if isinstance(front, dict) else None
+    if isinstance(link, str) and "://" not in link and (not inside(d, link) or not (d / link).is_file()):
+        warnings.append(f"license_link {link} is not a URL nor a file of the release")
+    return failures, warnings
+
+
+def _check_card(d: Path, manifest: dict[str, Any], report: VerifyReport) -> None:
+    path = d / CARD_NAME
+    if not path.is_file():
+        return
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        report.failures.append(Failure(CARD_NAME, f"cannot read: {err}"))
+        return
+    failures, warnings = card_problems(d, text)
+    report.failures.extend(Failure(CARD_NAME, f) for f in failures)
+    report.warnings.extend(Failure(CARD_NAME, w) for w in warnings)
 
 
 def _check_ggufs(d: Path, rels: list[str]) -> tuple[list[Failure], dict[str, int | None]]:
