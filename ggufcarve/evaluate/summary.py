@@ -18,11 +18,6 @@ PPL_CHART = "size-vs-ppl.png"
 SUMMARY = "summary.md"
 
 
-def format_gib(gib: float) -> str:
-    """Sizes in GiB: two decimals, three significant digits below 1 GiB (tiny models stay distinguishable)."""
-    return f"{gib:.2f}" if gib >= 1 else f"{gib:.3g}"
-
-
 def _fmt(value, digits: int = 4, percent: bool = False) -> str:
     if value is None:
         return "–"
