@@ -151,17 +151,16 @@ def tokenize(llama_cpp: Any, vocab: Any, text: str) -> list[int]:
         size = -n
 
 
-def tokenize_files(llama_cpp: Any, model: Any, model_name: str, files: Sequence[Sequence[dict[str, Any]]]) -> tuple[list[int], list[int]]:
-    """Every document of every file (`Document.to_json` records) tokenized and concatenated;
-    also the token count of each file. "messages" go through the model's chat template."""
+def tokenize_files(llama_cpp: Any, model: Any, model_name: str, files: Sequence[Sequence[Document]]) -> tuple[list[int], list[int]]:
+    """Every document of every file tokenized and concatenated; also the token count of each
+    file. "messages" go through the model's chat template."""
     vocab = llama_cpp.llama_model_get_vocab(model)
     template = None
     tokens: list[int] = []
     file_tokens = []
     for documents in files:
         count = 0
-        for raw in documents:
-            doc = Document.from_json(raw)
+        for doc in documents:
             if doc.messages is not None:
                 template = template or llama_cpp.llama_model_chat_template(model, None)
                 if not template:

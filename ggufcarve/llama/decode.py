@@ -273,7 +273,7 @@ def _child(request: DecodeRequest) -> int:
         if request.documents:
             vocab = llama_cpp.llama_model_get_vocab(lmodel)
             bos = int(llama_cpp.llama_vocab_bos(vocab)) if llama_cpp.llama_vocab_get_add_bos(vocab) else None
-            tokens, file_tokens = tokenize_files(llama_cpp, lmodel, Path(request.model).name, [[d.to_json() for d in f] for f in request.documents])
+            tokens, file_tokens = tokenize_files(llama_cpp, lmodel, Path(request.model).name, request.documents)
             work = chunks(tokens, batching.ctx, bos, request.max_tokens)
             if not work:
                 raise BadInput(f"the calibration input tokenizes to {len(tokens)} tokens, fewer than one --ctx chunk of {batching.ctx}", "give more text or a smaller --ctx")

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
@@ -186,7 +185,7 @@ class BlockFolder:
     once the block holds `hold_bytes` of captures or the decode call ends (`flush()`), so that its
     products see as many tokens at once as that memory allows."""
 
-    def __init__(self, tracer: Any, statistics: TraceStatistics, parse: Callable[[str], tuple[str, int] | None] | None, hold_bytes: int = 0) -> None:
+    def __init__(self, tracer: GraphTracer, statistics: TraceStatistics, parse: Callable[[str], tuple[str, int] | None] | None, hold_bytes: int = 0) -> None:
         self.tracer, self.statistics, self.parse = tracer, statistics, parse
         self.hold_bytes = hold_bytes if statistics.batched else 0
         self.block: int | None = None
