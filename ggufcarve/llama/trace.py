@@ -70,7 +70,6 @@ NODES: dict[str, tuple[int, tuple[int, ...]]] = {
 }
 NODE_NAME = re.compile(r"(?P<node>[A-Za-z_][A-Za-z0-9_]*)-(?P<block>\d+)$")
 DEFAULT_BATCH = 512
-TRACE_IDLE_TIMEOUT = IDLE_TIMEOUT
 
 
 def parse_node_name(name: str) -> tuple[str, int] | None:
@@ -163,7 +162,7 @@ def trace_routing(
     batch: int | None = None,
     context: int | None = None,
     timeout: float | None = None,
-    idle_timeout: float | None = TRACE_IDLE_TIMEOUT,
+    idle_timeout: float | None = IDLE_TIMEOUT,
     verbose: bool = False,
     on_event: Sink = ignore,
     on_line: Callable[[str], None] | None = None,
