@@ -11,12 +11,14 @@ import re
 import shutil
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
 import xxhash
 
 from ggufcarve.errors import BadInput, OutputError
+from ggufcarve.events import Counter, Sink, ignore
 
 CHUNK = 16 << 20  # bytes per read/copy call: bounds memory and sets progress granularity
 Progress = Callable[[int], None]  # called with a number of bytes just processed
@@ -82,6 +84,24 @@ def sha256_file(path: str | os.PathLike[str], progress: Progress = _noop) -> str
     finally:
         os.close(fd)
     return hasher.hexdigest()
+
+
+def hash_files(paths: list[Path], workers: int | None = None, on_event: Sink = ignore) -> dict[Path, str | OSError]:
+    """sha256 of each file, files hashed concurrently (largest first, so the tail is short)."""
+    total = sum(p.stat().st_size for p in paths)
+    workers = max(1, min(workers or os.cpu_count() or 1, len(paths) or 1))
+    progress = Counter(on_event, "sha256", total)
+
+    def one(path: Path) -> str | OSError:
+        try:
+            return sha256_file(path, progress)
+        except OSError as err:
+            return err
+
+    order = sorted(paths, key=lambda p: -p.stat().st_size)
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ggufcarve-sha256") as pool:
+        results = dict(zip(order, pool.map(one, order)))
+    return results
 
 
 SHA256_CACHE_NAME = "sha256-cache.json"

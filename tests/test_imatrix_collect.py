@@ -20,10 +20,10 @@ from gguf import GGUFReader
 from ggufcarve.gguf.container import read_model
 from ggufcarve.imatrix.collect import collect_imatrix, squares_in_order
 from ggufcarve.llama import launch
+from ggufcarve.llama.calibration import Batching
 from ggufcarve.moe.layout import inspect_layout
 from ggufcarve.quant.quantizer import BinaryQuantizer, QuantizeJob
 from ggufcarve.select.calibrate import calibrate
-from ggufcarve.select.calibration import Batching
 
 
 @pytest.fixture(scope="module")

@@ -104,7 +104,7 @@ def test_a_calibration_child_started_ahead_and_never_used_exits_with_its_parent(
 
     pid_file = tmp_path / "pid"
     code = ("import sys; from ggufcarve.select import prestart; prestart.prestart(); "
-            f"open({str(pid_file)!r}, 'w').write(str(prestart._ahead[0].proc.pid)); sys.exit(1)")
+            f"from ggufcarve.llama import decode; open({str(pid_file)!r}, 'w').write(str(decode._ahead[0].proc.pid)); sys.exit(1)")
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 1
     assert not alive(int(pid_file.read_text()), grace=30.0)
 
@@ -140,3 +140,20 @@ def test_a_guarded_child_keeps_its_pid_and_argv():
     lines.clear()
     assert launch.run([sys.executable, "-c", "import sys; print(sys.argv[1:])", "a b", "--c"], on_line=lines.append).ok
     assert lines == ["['a b', '--c']"]
+
+
+@pytest.mark.parametrize("form", ["-c", "-m"])
+def test_a_python_child_never_imports_ggufcarve_from_its_working_directory(tmp_path, form):
+    """A directory named ggufcarve where a command runs does not shadow the installed package in
+    the launcher's Python children (`python -m` and `-c` otherwise put the working directory first)."""
+    (tmp_path / "ggufcarve").mkdir()
+    (tmp_path / "ggufcarve" / "__init__.py").write_text("raise SystemExit('shadowed by the working directory')\n")
+    (tmp_path / "ggufcarve" / "where.py").write_text("print('shadowed by the working directory')\n")
+    code = "import ggufcarve, os; print(os.path.dirname(os.path.realpath(ggufcarve.__file__)))"
+    argv = py(code) if form == "-c" else [sys.executable, "-m", "ggufcarve.shipped"]
+    lines: list[str] = []
+    finished = launch.run(argv, cwd=tmp_path, on_line=lines.append)
+    assert finished.ok, finished.describe_failure()
+    assert not any("shadowed" in line for line in lines), lines
+    if form == "-c":
+        assert lines == [os.path.dirname(os.path.dirname(os.path.realpath(launch.__file__)))]

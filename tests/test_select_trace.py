@@ -340,7 +340,7 @@ def test_folding_per_micro_batch_or_held_gives_the_same_statistics(method):
     larger products: both orders give the statistics of one fold of all tokens."""
     from types import SimpleNamespace
 
-    from ggufcarve.select.calibrate import BlockFolder
+    from ggufcarve.select.from_trace import BlockFolder
 
     rng = np.random.default_rng(5)
     experts, k, width, tokens = 6, 2, 8, 12

@@ -8,6 +8,7 @@ checked against the nodes llama.cpp actually built.
 from __future__ import annotations
 
 import ctypes
+import json
 
 import factory
 import gguf
@@ -16,6 +17,8 @@ import pytest
 
 from ggufcarve.errors import BadInput, ToolFailed
 from ggufcarve.gguf.container import read_model
+from ggufcarve.llama.calibration import Batching, Document
+from ggufcarve.llama.decode import ConsumerSpec, DecodeRequest, decode
 from ggufcarve.llama.ggml import GgmlTensor
 from ggufcarve.llama.trace import (
     NODES,
@@ -150,7 +153,32 @@ def test_a_model_llama_cpp_cannot_load_is_one_error(models_dir):
     src = factory.write_model(models_dir / "to-cut.gguf", "qwen3moe")
     cut = models_dir / "cut.gguf"
     cut.write_bytes(src.read_bytes()[: src.stat().st_size // 2])
-    with pytest.raises(ToolFailed, match="tracing cut.gguf in llama.cpp exited 3"):
+    with pytest.raises(ToolFailed, match=r"tracing cut\.gguf: the decode child exited 3: .*could not load .*cut\.gguf"):
         trace_routing(cut, TOKENS[:4])
     with pytest.raises(BadInput, match="no tokens"):
         trace_routing(src, [])
+
+
+def test_a_decode_request_is_the_same_after_its_json():
+    request = DecodeRequest("m.gguf", (ConsumerSpec("nodes", "ggufcarve.llama.trace:capture", {"nodes": ["ffn_moe_topk"]}),), Batching.single(24, 5),
+                            documents=((Document(text="a"), Document(messages=(("user", "hi"),))),), max_tokens=48, logits=True, threads=3)
+    assert DecodeRequest.from_json(json.loads(json.dumps(request.to_json()))) == request
+    with pytest.raises(BadInput, match="not a ggufcarve module:attribute"):
+        ConsumerSpec("x", "os:system")
+    with pytest.raises(BadInput, match="either calibration documents or token ids"):
+        DecodeRequest("m.gguf", (), Batching.of(512))
+
+
+@pytest.mark.slow
+def test_a_failing_decode_child_is_named_by_its_own_last_lines(make_model):
+    """A child that refuses its input is a BadInput; one that fails is a ToolFailed that quotes the
+    child's own last line (here Python's), not a guess about llama.cpp."""
+    path = str(make_model("qwen3moe", "F32"))
+    refused = DecodeRequest(path, (ConsumerSpec("nodes", "ggufcarve.llama.trace:capture", {"nodes": ["ffn_moe_everything"]}),), Batching.single(8, 8), tokens=tuple(TOKENS[:8]))
+    with pytest.raises(BadInput, match="cannot capture ffn_moe_everything"):
+        decode(refused, what="tracing")
+    broken = DecodeRequest(path, (ConsumerSpec("nodes", "ggufcarve.llama.trace:no_such_factory"),), Batching.single(8, 8), tokens=tuple(TOKENS[:8]))
+    with pytest.raises(ToolFailed) as failed:
+        decode(broken, what="tracing")
+    assert "the decode child exited 1" in failed.value.message and "no_such_factory" in failed.value.message, failed.value
+    assert "llama.cpp" not in str(failed.value), failed.value

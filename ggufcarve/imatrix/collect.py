@@ -20,19 +20,20 @@ Sums are float32 and every square is added one row at a time in llama-imatrix's 
 result is the same float32 arithmetic (`acc[j] += x[j] * x[j]`). chunk_count is what llama-imatrix
 records, floor(max count / chunk_size) over all entries, and chunk_size is the --ctx.
 
-`collect_imatrix` runs the calibration child of `ggufcarve.select.calibrate` (tokenizing and
-chunking as llama-imatrix, see `ggufcarve.select.calibration`) with this accumulator only and
+`collect_imatrix` runs a decode pass (`ggufcarve.llama.decode`, tokenizing and chunking as
+llama-imatrix, see `ggufcarve.llama.calibration`) with this accumulator (`IMATRIX_CONSUMER`) and
 writes the GGUF imatrix (names sorted; in_sum2 F32 [ne0, n_mat], counts F32 [1, n_mat], 1-D when
 n_mat is 1; keys general.type, imatrix.datasets = the calibration files' bare names,
-imatrix.chunk_count, imatrix.chunk_size) under a temp name, renamed into place. `calibrate(...,
-imatrix_out=...)` runs it beside a selection criterion in the same decode (`EvalDispatch`).
+imatrix.chunk_count, imatrix.chunk_size) under a temp name, renamed into place
+(`write_collected`). `select.calibrate.calibrate(..., imatrix_out=...)` names the same consumer
+beside a selection criterion's in one decode.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,9 @@ from gguf.constants import GGMLQuantizationType, GGUFValueType
 
 from ggufcarve.errors import BadInput
 from ggufcarve.events import Sink, ignore
+from ggufcarve.fileio import check_outputs
+from ggufcarve.llama.calibration import Batching, check_chunking, read_calibration
+from ggufcarve.llama.decode import ConsumerSpec, DecodeRequest, decode
 from ggufcarve.llama.ggml import GgmlTensor, op_name, read_tensor, tensor_at
 
 F32 = int(GGMLQuantizationType.F32)
@@ -49,7 +53,6 @@ OP_OFFSET = GgmlTensor.op.offset
 MIN_DENSE_ROWS = 16  # llama-imatrix ignores MUL_MAT with fewer src1 rows
 MIN_REDUCE_WIDTH = 16
 SUMS_PREFIX, COUNTS_PREFIX = "imatrix_sums:", "imatrix_counts:"
-EvalCallback = Callable[[int, bool, object], bool]
 
 
 def weight_name(name: str) -> str:
@@ -189,8 +192,11 @@ class ImatrixAccumulator:
         rows = x.shape[0] * x.shape[1] * x.shape[2]
         self.counts[name] += rows // n_mat
 
+    def decoded(self) -> None:
+        """Nothing to do between decode calls: every node is folded when it is computed."""
+
     def arrays(self) -> dict[str, np.ndarray]:
-        """The statistics as named arrays (for the child's .npz)."""
+        """The statistics as named arrays (for the decode result)."""
         out: dict[str, np.ndarray] = {}
         for name in sorted(self.sums):
             out[SUMS_PREFIX + name] = self.sums[name]
@@ -198,22 +204,12 @@ class ImatrixAccumulator:
         return out
 
 
-class EvalDispatch:
-    """One eval callback for several consumers: observes the union of the nodes they ask for and
-    hands every computed node to each of them (each decides again whether it is one of its own)."""
+def accumulator(_request: DecodeRequest) -> ImatrixAccumulator:
+    """The decode consumer that collects the imatrix (`IMATRIX_CONSUMER`)."""
+    return ImatrixAccumulator()
 
-    def __init__(self, *consumers: EvalCallback) -> None:
-        self.consumers = consumers
 
-    def __call__(self, address: int, ask: bool, user_data: object) -> bool:
-        if ask:
-            wanted = False
-            for consumer in self.consumers:
-                wanted = consumer(address, True, user_data) or wanted
-            return wanted
-        for consumer in self.consumers:
-            consumer(address, False, user_data)
-        return True
+IMATRIX_CONSUMER = ConsumerSpec("imatrix", "ggufcarve.imatrix.collect:accumulator")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -295,9 +291,14 @@ def collect_imatrix(
     `model` is a GGUFModel (ggufcarve.gguf.container.read_model). Progress: events of stage
     "imatrix" in tokens. Raises BadInput for input llama-imatrix would refuse or that gives no
     whole chunk, OutputError for an output that exists (without `force`) or is the model."""
-    from ggufcarve.select.calibrate import run_calibration
-
     if chunks is not None and chunks < 1:
         raise BadInput(f"--chunks {chunks} must be at least 1", "give the number of --ctx chunks to use, or omit it for all")
-    return run_calibration(model, files, method=None, ctx=ctx, max_tokens=None if chunks is None else chunks * ctx, threads=threads,
-                           imatrix_out=output, force=force, on_event=on_event, stage="imatrix").imatrix
+    max_tokens = None if chunks is None else chunks * ctx
+    check_chunking(ctx, max_tokens)
+    calibration = read_calibration(files)
+    check_outputs([Path(output)], list(model.paths), 0, force)
+    request = DecodeRequest(os.fspath(model.path), (IMATRIX_CONSUMER,), Batching.of(ctx), documents=tuple(f.documents for f in calibration),
+                            max_tokens=max_tokens, threads=threads or 0)
+    result = decode(request, what=f"collecting the imatrix of {model.path.name}", stage="imatrix", on_event=on_event)
+    return write_collected(result.outputs[IMATRIX_CONSUMER.name], [f.path.name for f in calibration], ctx, Path(output), tokens=result.tokens,
+                           seconds=result.seconds, force=force, sources=list(model.paths), on_event=on_event)

@@ -13,7 +13,8 @@ Every child runs with:
     start-up overlaps the caller's own work;
   * an overall timeout and an idle watchdog (no output for `idle_timeout` seconds);
   * its own process group, killed and reaped on any exception, Ctrl-C included;
-  * on Linux, the kernel's SIGKILL when ggufcarve itself dies, even by SIGKILL (ORPHAN_GUARD).
+  * on Linux, the kernel's SIGKILL when ggufcarve itself dies, even by SIGKILL (ORPHAN_GUARD);
+  * a Python child (this interpreter) never imports from its working directory (`isolated`).
 The last lines of output are kept for the error message.
 
 Children run in sessions of their own, so a terminal's Ctrl-C reaches only ggufcarve. Its signal
@@ -63,6 +64,10 @@ except OSError as err:
     print(f"cannot run {sys.argv[3]}: {err.strerror}", file=sys.stderr, flush=True)
     os._exit(127)
 """
+
+# Run instead of `python -m MODULE ARGS` by a Python without -P (3.10): `-m` puts the working
+# directory first on sys.path, where a directory named ggufcarve would shadow the installed package.
+SAFE_PATH_STUB = "import runpy, sys; del sys.path[0]; runpy.run_module(sys.argv.pop(1), run_name='__main__', alter_sys=True)"
 
 _running: dict[int, subprocess.Popen[bytes]] = {}  # every child of a `run` in progress, by pid
 _stopped_by: list[int] = []  # the signal `stop_all` was called for; no child runs after it
@@ -142,10 +147,22 @@ def guarded(args: list[str]) -> list[str]:
     return [sys.executable, "-S", "-c", ORPHAN_GUARD, str(os.getpid()), program, *args]
 
 
+def isolated(args: list[str]) -> list[str]:
+    """`args`, where they run this interpreter, without the working directory on sys.path: Python's
+    -P (3.11+), or SAFE_PATH_STUB in place of `-m` on 3.10."""
+    if not args or args[0] != sys.executable or "-P" in args[1:2]:
+        return args
+    if sys.version_info >= (3, 11):
+        return [args[0], "-P", *args[1:]]
+    if args[1:2] == ["-m"]:
+        return [args[0], "-c", SAFE_PATH_STUB, *args[2:]]
+    return args
+
+
 def _spawn(args: list[str], cwd: str | os.PathLike[str] | None, env: Mapping[str, str] | None, stdin: int) -> subprocess.Popen[bytes]:
     """Popen in a session of its own, registered in `_running`; safe against a stop signal meanwhile."""
     _check_stopped()
-    command = guarded(args)
+    command = guarded(isolated(args))
     in_main = threading.current_thread() is threading.main_thread()
     if in_main:
         _main_starting[0] = True

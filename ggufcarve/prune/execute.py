@@ -455,5 +455,5 @@ def execute(plan: PrunePlan, model: GGUFModel, *, force: bool = False, on_event:
         # The report is written before the outputs are renamed into place: a crash between the
         # two leaves a report of missing outputs, which a re-run to the same names replaces,
         # never outputs that a re-run refuses to replace without --force.
-        write_text_atomic(report_path, dumps(pruning_report(result)))
+        write_text_atomic(report_path, dumps(pruning_report(plan, source_sha256, verification, timings)))
     return result

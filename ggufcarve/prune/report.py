@@ -9,15 +9,13 @@ files written; a release publishes it only when these match the model it was mad
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from ggufcarve.prune.check import Verification
 from ggufcarve.prune.plan import PrunePlan, _jsonable
 from ggufcarve.reports import PRUNING_REPORT, envelope, report_path_for
 
 KEEP_SET_INPUT = "keep-set"  # the `kind` of the inputs entry naming the keep-set file (the source files have none)
-
-if TYPE_CHECKING:
-    from ggufcarve.prune.execute import PruneResult
 
 
 def default_report_path(plan: PrunePlan) -> Path:
@@ -25,15 +23,16 @@ def default_report_path(plan: PrunePlan) -> Path:
     return report_path_for(plan.outputs[0], PRUNING_REPORT)
 
 
-def pruning_report(result: PruneResult) -> dict[str, Any]:
-    plan, verification = result.plan, result.verification
-    files = [{"name": p.name, "bytes": s, "sha256": h} for p, s, h in zip(plan.sources, plan.source_sizes, result.source_sha256)]
+def pruning_report(plan: PrunePlan, source_sha256: list[str], verification: Verification, timings: dict[str, float]) -> dict[str, Any]:
+    """The report of `plan` executed: the sha256 of each source file (in shard order), the
+    verification of the written outputs, and the timings (seconds by name)."""
+    files = [{"name": p.name, "bytes": s, "sha256": h} for p, s, h in zip(plan.sources, plan.source_sizes, source_sha256)]
     keep_file = [{**plan.keepset.file, "kind": KEEP_SET_INPUT}] if plan.keepset.file else []
     return envelope(
         PRUNING_REPORT,
         inputs=[*files, *keep_file],
         parameters={"provenance_keys": plan.provenance, "split_max_size": plan.split_max_size, "merge": plan.merge},
-        timings=dict(sorted(result.timings.items())),
+        timings=dict(sorted(timings.items())),
         results={
             "source": {
                 "files": files,

@@ -76,7 +76,6 @@ from ggufcarve.release.manifest import (
     MANIFEST_NAME,
     check_same_source,
     described_files,
-    ladder_context,
     read_manifest,
 )
 from ggufcarve.release.method import (
@@ -287,6 +286,44 @@ def plan_ladder(
 def _rung_names(planned: Sequence[PlannedRung], imatrix: ImatrixInfo | None = None) -> Callable[[str], bool]:
     """Accepts the file names of the planned rungs and of the imatrix (to find their temp files)."""
     return ({p.output.name for p in planned} | ({imatrix.path.name} if imatrix else set())).__contains__
+
+
+def _public_quantizer(described: dict[str, object]) -> dict[str, object]:
+    """The quantizer record without local paths: `program` is the file name of the binary (or of
+    libllama), `python` the interpreter's file name; never their directories."""
+    record = {k: v for k, v in described.items() if k != "path"}
+    record["program"] = public_name(str(described["path"]))
+    if isinstance(record.get("python"), str):
+        record["python"] = public_name(str(record["python"]))
+    return record
+
+
+def ladder_context(plan: LadderPlan, method: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any]]:
+    """What a ladder run records beside each rung it made: the manifest's inputs, parameters and
+    header (ladder, source, imatrix, quantizer, method reports, warnings, the spec's rung order)."""
+    source_files = [{"name": p.name, "bytes": p.stat().st_size, "sha256": h} for p, h in zip(plan.source.paths, plan.source_sha256)]
+    inputs = list(source_files)
+    if plan.imatrix is not None:
+        inputs.append({"name": plan.imatrix.path.name, "bytes": plan.imatrix.path.stat().st_size, "sha256": plan.imatrix.sha256})
+    if plan.spec.path is not None:
+        inputs.append({"name": plan.spec.path.name, "bytes": plan.spec.path.stat().st_size, "sha256": plan.spec.sha256})
+    architecture = plan.source.get("general.architecture")
+    context = {
+        "ladder": {"name": plan.spec.name, "description": plan.spec.description, "spec_file": plan.spec.path.name if plan.spec.path else None, "spec_sha256": plan.spec.sha256},
+        "source": {
+            "name": plan.source.path.name, "bytes": plan.source.total_bytes, "n_elements": plan.n_elements,
+            "architecture": architecture,
+            "expert_count": plan.source.get(f"{architecture}.expert_count"),
+            "files": source_files,
+            "sha256": plan.source_sha256[0] if len(plan.source_sha256) == 1 else None,
+        },
+        "imatrix": plan.imatrix.to_json() if plan.imatrix else None,
+        "quantizer": _public_quantizer(plan.quantizer.describe()),
+        "method": method,
+        "warnings": plan.warnings,
+        "spec_rungs": [r.name for r in plan.spec.rungs],
+    }
+    return inputs, {"model_name": plan.model_name}, context
 
 
 def _imatrix_without_directories(plan: LadderPlan, out: Path, to_run: Sequence[PlannedRung]) -> Path | None:

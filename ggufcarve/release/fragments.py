@@ -341,7 +341,7 @@ def merge_release(directory: str | os.PathLike[str], *, workers: int | None = No
     lock (with verify's parallel hasher); under the lock, fragments or files that changed since are
     checked again. Running it again changes nothing."""
     if hash_files is None:
-        from ggufcarve.release.verify import hash_files
+        from ggufcarve.fileio import hash_files
     out = Path(directory)
     if not out.is_dir():
         raise BadInput(f"{out} is not a directory", "give the release directory that ladder runs wrote into")

@@ -11,13 +11,10 @@ File names are relative to the release directory; no local path is recorded.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ggufcarve.errors import BadInput, OutputError
-from ggufcarve.reports import public_name, read_json_object
-
-if TYPE_CHECKING:
-    from ggufcarve.quant.run import LadderPlan
+from ggufcarve.reports import read_json_object
 
 MANIFEST_KIND = "quant-manifest"
 MANIFEST_NAME = "quant-manifest.json"
@@ -88,41 +85,3 @@ def described_files(manifest: dict[str, Any]) -> dict[str, dict[str, Any]]:
             if isinstance(f, dict) and isinstance(f.get("name"), str) and f["name"]:
                 described[f["name"]] = f
     return described
-
-
-def _public_quantizer(described: dict[str, object]) -> dict[str, object]:
-    """The quantizer record without local paths: `program` is the file name of the binary (or of
-    libllama), `python` the interpreter's file name; never their directories."""
-    record = {k: v for k, v in described.items() if k != "path"}
-    record["program"] = public_name(str(described["path"]))
-    if isinstance(record.get("python"), str):
-        record["python"] = public_name(str(record["python"]))
-    return record
-
-
-def ladder_context(plan: LadderPlan, method: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any]]:
-    """What a ladder run records beside each rung it made: the manifest's inputs, parameters and
-    header (ladder, source, imatrix, quantizer, method reports, warnings, the spec's rung order)."""
-    source_files = [{"name": p.name, "bytes": p.stat().st_size, "sha256": h} for p, h in zip(plan.source.paths, plan.source_sha256)]
-    inputs = list(source_files)
-    if plan.imatrix is not None:
-        inputs.append({"name": plan.imatrix.path.name, "bytes": plan.imatrix.path.stat().st_size, "sha256": plan.imatrix.sha256})
-    if plan.spec.path is not None:
-        inputs.append({"name": plan.spec.path.name, "bytes": plan.spec.path.stat().st_size, "sha256": plan.spec.sha256})
-    architecture = plan.source.get("general.architecture")
-    context = {
-        "ladder": {"name": plan.spec.name, "description": plan.spec.description, "spec_file": plan.spec.path.name if plan.spec.path else None, "spec_sha256": plan.spec.sha256},
-        "source": {
-            "name": plan.source.path.name, "bytes": plan.source.total_bytes, "n_elements": plan.n_elements,
-            "architecture": architecture,
-            "expert_count": plan.source.get(f"{architecture}.expert_count"),
-            "files": source_files,
-            "sha256": plan.source_sha256[0] if len(plan.source_sha256) == 1 else None,
-        },
-        "imatrix": plan.imatrix.to_json() if plan.imatrix else None,
-        "quantizer": _public_quantizer(plan.quantizer.describe()),
-        "method": method,
-        "warnings": plan.warnings,
-        "spec_rungs": [r.name for r in plan.spec.rungs],
-    }
-    return inputs, {"model_name": plan.model_name}, context

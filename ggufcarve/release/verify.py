@@ -38,8 +38,8 @@ from pathlib import Path
 from typing import Any
 
 from ggufcarve.errors import BadInput, CarveError, OutputError
-from ggufcarve.events import Counter, Sink, ignore
-from ggufcarve.fileio import sha256_file
+from ggufcarve.events import Sink, ignore
+from ggufcarve.fileio import hash_files
 from ggufcarve.release.manifest import (
     FRESH_START_HINT,
     MANIFEST_NAME,
@@ -89,24 +89,6 @@ class VerifyReport:
                 "bytes_hashed": self.bytes_hashed, "seconds": round(self.seconds, 3), "workers": self.workers, "expert_count": self.expert_count,
                 "complete": self.complete, "missing": [f.__dict__ for f in self.missing], "warnings": [f.__dict__ for f in self.warnings],
                 "notes": [f.__dict__ for f in self.notes]}
-
-
-def hash_files(paths: list[Path], workers: int | None = None, on_event: Sink = ignore) -> dict[Path, str | OSError]:
-    """sha256 of each file, files hashed concurrently (largest first, so the tail is short)."""
-    total = sum(p.stat().st_size for p in paths)
-    workers = max(1, min(workers or os.cpu_count() or 1, len(paths) or 1))
-    progress = Counter(on_event, "sha256", total)
-
-    def one(path: Path) -> str | OSError:
-        try:
-            return sha256_file(path, progress)
-        except OSError as err:
-            return err
-
-    order = sorted(paths, key=lambda p: -p.stat().st_size)
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ggufcarve-verify") as pool:
-        results = dict(zip(order, pool.map(one, order)))
-    return results
 
 
 def parse_sums(path: Path) -> tuple[list[tuple[str, str]], list[str]]:

@@ -24,6 +24,10 @@ requested (the last block otherwise computes only the tokens whose logits are re
 llama.cpp cuts each batch into micro-batches of at most 512 tokens itself (with several
 sequences, an equal number of tokens of every sequence). An eval callback therefore sees the very
 micro-batches llama-imatrix's collector sees.
+
+Token ids given as such (`cut`) are cut into chunks of `ctx` tokens with the last one kept whole or
+partial and no BOS put in; `Batching.single(ctx, batch)` decodes them one sequence at a time, in
+batches of `batch` tokens that are also the micro-batches.
 """
 
 from __future__ import annotations
@@ -147,17 +151,16 @@ def tokenize(llama_cpp: Any, vocab: Any, text: str) -> list[int]:
         size = -n
 
 
-def tokenize_files(llama_cpp: Any, model: Any, model_name: str, files: Sequence[Sequence[dict[str, Any]]]) -> tuple[list[int], list[int]]:
-    """Every document of every file (`Document.to_json` records) tokenized and concatenated;
-    also the token count of each file. "messages" go through the model's chat template."""
+def tokenize_files(llama_cpp: Any, model: Any, model_name: str, files: Sequence[Sequence[Document]]) -> tuple[list[int], list[int]]:
+    """Every document of every file tokenized and concatenated; also the token count of each
+    file. "messages" go through the model's chat template."""
     vocab = llama_cpp.llama_model_get_vocab(model)
     template = None
     tokens: list[int] = []
     file_tokens = []
     for documents in files:
         count = 0
-        for raw in documents:
-            doc = Document.from_json(raw)
+        for doc in documents:
             if doc.messages is not None:
                 template = template or llama_cpp.llama_model_chat_template(model, None)
                 if not template:
@@ -170,6 +173,19 @@ def tokenize_files(llama_cpp: Any, model: Any, model_name: str, files: Sequence[
             tokens.extend(ids)
         file_tokens.append(count)
     return tokens, file_tokens
+
+
+def check_chunking(ctx: int, max_tokens: int | None) -> None:
+    """Refuse a --ctx llama-imatrix could not use, or a --max-tokens shorter than one chunk."""
+    if ctx < 2:
+        raise BadInput(f"--ctx {ctx} is too small", "give a context of at least 2 tokens (llama-imatrix uses 512)")
+    if max_tokens is not None and max_tokens < ctx:
+        raise BadInput(f"--max-tokens {max_tokens} is less than one --ctx chunk of {ctx}", "raise --max-tokens or lower --ctx")
+
+
+def cut(tokens: Sequence[int], ctx: int) -> list[list[int]]:
+    """Token ids in chunks of `ctx`, the last one possibly shorter, unchanged otherwise."""
+    return [list(tokens[start : start + ctx]) for start in range(0, len(tokens), ctx)]
 
 
 def chunks(tokens: list[int], ctx: int, bos: int | None, max_tokens: int | None) -> list[list[int]]:
@@ -190,12 +206,15 @@ MICRO_BATCH = 512  # its default -ub (common_params.n_ubatch)
 
 @dataclass(frozen=True)
 class Batching:
-    """How llama-imatrix lays chunks of `ctx` tokens into batches (see the module docstring)."""
+    """How chunks of at most `ctx` tokens are laid into batches and the context that decodes them:
+    llama-imatrix's layout (`of`, see the module docstring) or one sequence at a time (`single`)."""
 
     ctx: int
     sequences: int  # chunks decoded side by side (llama-imatrix's n_seq / n_parallel)
     batch: int  # tokens per llama_decode call
     micro_batch: int
+    cells: int = 0  # KV cells of the context; 0: sequences * ctx
+    swa_full: bool = False  # llama.cpp's common tools' setting (common_params.swa_full); True: llama_context_default_params'
 
     @classmethod
     def of(cls, ctx: int) -> Batching:
@@ -203,14 +222,22 @@ class Batching:
         batch = min(BATCH, sequences * ctx)
         return cls(ctx, sequences, batch, min(MICRO_BATCH, batch))
 
+    @classmethod
+    def single(cls, ctx: int, batch: int) -> Batching:
+        """One chunk at a time in batches of `batch` tokens (also the micro-batch), with a context
+        of `ctx` rounded up to 64 cells (at least 64) and llama_context_default_params' SWA cache."""
+        return cls(ctx, 1, batch, batch, max(64, -(-ctx // 64) * 64), True)
+
     @property
     def kv_cells(self) -> int:
-        return self.sequences * self.ctx
+        return self.cells or self.sequences * self.ctx
 
     def batches(self, work: Sequence[Sequence[int]]) -> Iterator[tuple[bool, list[tuple[int, int, int]]]]:
         """(clear the KV cache first, [(token, position, sequence), ...]) per llama_decode call."""
         for first in range(0, len(work), self.sequences):
             group = work[first : first + self.sequences]
-            for j, start in enumerate(range(0, self.ctx, self.batch)):
-                size = min(self.ctx - start, self.batch)
-                yield j == 0, [(int(chunk[start + k]), start + k, seq) for seq, chunk in enumerate(group) for k in range(size)]
+            for j, start in enumerate(range(0, max(len(chunk) for chunk in group), self.batch)):
+                yield j == 0, [(int(chunk[start + k]), start + k, seq) for seq, chunk in enumerate(group) for k in range(min(len(chunk) - start, self.batch))]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"ctx": self.ctx, "sequences": self.sequences, "batch": self.batch, "micro_batch": self.micro_batch, "cells": self.cells, "swa_full": self.swa_full}

@@ -1,0 +1,352 @@
+"""The decode pass: token ids or calibration text decoded by llama.cpp in a child process, with
+consumers observing the graph through its eval callback.
+
+    from ggufcarve.llama.calibration import Batching
+    from ggufcarve.llama.decode import ConsumerSpec, DecodeRequest, decode
+    request = DecodeRequest("model.gguf", (ConsumerSpec("imatrix", "ggufcarve.imatrix.collect:accumulator"),),
+                            Batching.of(512), documents=(documents,))
+    result = decode(request, what="collecting the imatrix of model.gguf")
+    result.outputs["imatrix"]         # the arrays that consumer returned, by name
+    result.tokens, result.chunks      # tokens decoded, in that many chunks
+
+Input, one of:
+  * `documents`: calibration text (`llama.calibration.Document`s, one tuple per file), tokenized by
+    the model's vocabulary and cut into whole chunks as llama-imatrix cuts them (`max_tokens`
+    keeps the first whole chunks within it);
+  * `tokens`: token ids, cut into chunks of `batching.ctx` (the last one may be shorter).
+Every chunk is decoded from an empty KV cache, laid into batches by `batching`, with logits
+requested for every token and warm-up off (a warm-up decode routes every token to every expert).
+With `logits`, the logits of every token are returned in decode order.
+
+Consumers: a `ConsumerSpec` names a factory "module:attribute" of the ggufcarve package, which
+the child imports and calls as `factory(request, **options)`. The factories live with their
+callers (the imatrix accumulator in imatrix/collect, the trace statistics in select/from_trace,
+the node capture in llama/trace): this module imports none of them. What a factory returns is a
+`Consumer`; `EvalDispatch` hands every node the graph computes to all of them.
+
+The child protocol (`python -m ggufcarve.llama.decode`, started through the one launcher, since
+llama.cpp aborts the whole process on a failed assert):
+  * stdin: one DecodeRequest as JSON; empty stdin (a child started ahead and never needed) exits 0;
+  * output lines: PROGRESS ("ggufcarve-decode: decoded N/M tokens") after every llama_decode call,
+    REFUSAL ("ggufcarve-decode: error: MESSAGE || HINT") for input it refuses (BadInput in the
+    parent); everything else is llama.cpp's log (warnings and errors) or the child's own failure;
+  * one result file, `request.out` (.npz): "tokens", "chunks", "file_tokens", "logits" when asked,
+    and "<consumer name>/<array name>" for the arrays of each consumer.
+`prestart` starts the child ahead, with the consumers' modules imported, so that its interpreter
+start and imports (numpy, gguf-py, llama_cpp: about half a second) overlap the caller's own work;
+`decode` adopts it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Protocol
+
+from ggufcarve.errors import BadInput, ToolFailed
+from ggufcarve.events import Event, Sink, ignore
+from ggufcarve.llama import launch
+from ggufcarve.llama.calibration import Batching, Document
+
+CHILD_MODULE = "ggufcarve.llama.decode"
+PROGRESS_LINE = re.compile(r"^ggufcarve-decode: decoded (?P<done>\d+)/(?P<total>\d+) tokens$")
+REFUSAL_LINE = re.compile(r"^ggufcarve-decode: error: (?P<message>.*?)(?: \|\| (?P<hint>.*))?$")
+IDLE_TIMEOUT = 600.0  # one micro-batch of a large model on a slow CPU takes minutes, not ten
+# numpy's matrix products (RAZOR's refill experts) run beside llama.cpp's own threads: a BLAS
+# thread pool on top oversubscribes the cores (measured: 30x slower products on 2 cores).
+SINGLE_THREADED_BLAS = {"OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+EXIT_BAD_INPUT, EXIT_LOAD, EXIT_CONTEXT, EXIT_DECODE, EXIT_LOGITS, EXIT_CALLBACK = 2, 3, 4, 5, 6, 7
+
+
+@dataclass(frozen=True)
+class ConsumerSpec:
+    """A consumer of the decode: its `name` (the prefix of its arrays in the result), the factory
+    "ggufcarve.module:attribute" the child calls with the request and `options`."""
+
+    name: str
+    factory: str
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        module, _, attribute = self.factory.partition(":")
+        if not module.startswith("ggufcarve.") or not attribute.isidentifier() or not self.name or "/" in self.name:
+            raise BadInput(f"consumer {self.name!r}: factory {self.factory!r} is not a ggufcarve module:attribute", "name a factory such as ggufcarve.imatrix.collect:accumulator")
+
+    def load(self) -> Callable[..., Consumer]:
+        module, _, attribute = self.factory.partition(":")
+        return getattr(importlib.import_module(module), attribute)  # type: ignore[no-any-return]
+
+
+@dataclass(frozen=True)
+class DecodeRequest:
+    """What one decode child does (see the module docstring); `out` is set by `decode`."""
+
+    model: str
+    consumers: tuple[ConsumerSpec, ...]
+    batching: Batching
+    documents: tuple[tuple[Document, ...], ...] = ()
+    tokens: tuple[int, ...] = ()
+    max_tokens: int | None = None
+    logits: bool = False
+    threads: int = 0  # 0: min(cores, 8)
+    verbose: bool = False  # forward llama.cpp's info and debug logs too
+    out: str = ""
+
+    def __post_init__(self) -> None:
+        if bool(self.documents) == bool(self.tokens):
+            raise BadInput("a decode takes either calibration documents or token ids", "give one of them")
+        names = [c.name for c in self.consumers]
+        if len(set(names)) != len(names):
+            raise BadInput(f"consumers {names}: a name is given twice", "name every consumer once")
+
+    @property
+    def thread_count(self) -> int:
+        return self.threads or min(os.cpu_count() or 1, 8)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "model": self.model, "consumers": [{"name": c.name, "factory": c.factory, "options": c.options} for c in self.consumers],
+            "batching": self.batching.to_json(), "documents": [[d.to_json() for d in f] for f in self.documents], "tokens": list(self.tokens),
+            "max_tokens": self.max_tokens, "logits": self.logits, "threads": self.threads, "verbose": self.verbose, "out": self.out,
+        }
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any]) -> DecodeRequest:
+        return cls(
+            doc["model"], tuple(ConsumerSpec(c["name"], c["factory"], dict(c["options"])) for c in doc["consumers"]), Batching(**doc["batching"]),
+            tuple(tuple(Document.from_json(d) for d in f) for f in doc["documents"]), tuple(int(t) for t in doc["tokens"]),
+            doc["max_tokens"], bool(doc["logits"]), int(doc["threads"]), bool(doc["verbose"]), doc["out"],
+        )
+
+
+class Consumer(Protocol):
+    """What a factory returns: the eval callback of one consumer.
+
+    Called twice per graph node by the scheduler (ggml_backend_sched_eval_callback): with ask=True
+    ("observe this node?") and, for nodes some consumer observes, with ask=False once computed; it
+    never raises (an exception escaping into ctypes reads as False, which stops the graph split)
+    and keeps what went wrong in `errors` instead. `decoded()` runs after every llama_decode call
+    (a BadInput raised there refuses the input); `arrays()` is its result."""
+
+    errors: list[str]
+
+    def __call__(self, address: int, ask: bool, user_data: object) -> bool: ...
+
+    def decoded(self) -> None: ...
+
+    def arrays(self) -> dict[str, Any]: ...
+
+
+class EvalDispatch:
+    """One eval callback for several consumers: observes the union of the nodes they ask for and
+    hands every computed node to each of them (each decides again whether it is one of its own)."""
+
+    def __init__(self, *consumers: Callable[[int, bool, object], bool]) -> None:
+        self.consumers = consumers
+
+    def __call__(self, address: int, ask: bool, user_data: object) -> bool:
+        if ask:
+            wanted = False
+            for consumer in self.consumers:
+                wanted = consumer(address, True, user_data) or wanted
+            return wanted
+        for consumer in self.consumers:
+            consumer(address, False, user_data)
+        return True
+
+
+@dataclass
+class DecodeResult:
+    tokens: int  # tokens decoded
+    chunks: int
+    file_tokens: list[int]  # tokens of each calibration file (documents input)
+    logits: Any  # [tokens, n_vocab] float32 in decode order, or None
+    outputs: dict[str, dict[str, Any]]  # consumer name -> its arrays
+    seconds: float
+
+
+# ---------------------------------------------------------------------------------------------
+# the parent
+
+_ahead: list[launch.Started] = []
+
+
+def child_argv(preload: Sequence[str] = ()) -> list[str]:
+    return [sys.executable, "-m", CHILD_MODULE, *(arg for module in preload for arg in ("--preload", module))]
+
+
+def prestart(preload: Sequence[str] = ()) -> None:
+    """Start a decode child now, importing the modules `preload` names, unless one waits already."""
+    if not _ahead:
+        _ahead.append(launch.start(child_argv(preload), env=SINGLE_THREADED_BLAS))
+
+
+def adopt() -> launch.Started | None:
+    """The child `prestart` started, still waiting for its request; None if there is none."""
+    while _ahead:
+        started = _ahead.pop()
+        if started.proc.poll() is None:
+            return started
+    return None
+
+
+def decode(
+    request: DecodeRequest,
+    *,
+    what: str,
+    stage: str = "decode",
+    on_event: Sink = ignore,
+    on_line: Callable[[str], None] | None = None,
+    timeout: float | None = None,
+    idle_timeout: float | None = IDLE_TIMEOUT,
+) -> DecodeResult:
+    """Run `request` in a decode child (the one `prestart` started, or a new one) and read its result.
+
+    `what` names the work in an error ("calibrating model.gguf"). Progress: events of `stage` in
+    tokens; the child's other lines go to `on_line`. Raises BadInput for input the child refuses,
+    ToolFailed (with the child's last lines) when it fails."""
+    import numpy as np
+
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="ggufcarve-decode-") as tmp:
+        result = Path(tmp) / "result.npz"
+        payload = json.dumps(replace(request, out=str(result)).to_json()).encode()
+        refused: list[BadInput] = []
+
+        def watch(line: str) -> None:
+            if m := PROGRESS_LINE.match(line):
+                on_event(Event(stage, int(m["done"]), int(m["total"]), "tokens"))
+            elif m := REFUSAL_LINE.match(line):
+                refused.append(BadInput(m["message"], m["hint"] or ""))
+            elif on_line is not None:
+                on_line(line)
+
+        child = adopt()
+        finished = launch.run(child_argv(), started=child, input=payload, on_line=watch, timeout=timeout, idle_timeout=idle_timeout, env=SINGLE_THREADED_BLAS)
+        if refused:
+            raise refused[0]
+        launch.check(finished, f"{what}: the decode child", "its last lines are quoted; GGUFCARVE_DEBUG=1 keeps the traceback of an error in ggufcarve itself")
+        if not result.exists():
+            raise ToolFailed(f"{what}: the decode child exited 0 without writing its result", "run again; GGUFCARVE_DEBUG=1 shows more")
+        outputs: dict[str, dict[str, Any]] = {c.name: {} for c in request.consumers}
+        with np.load(result) as data:
+            for key in data.files:
+                name, _, array = key.partition("/")
+                if array:
+                    outputs[name][array] = data[key].copy()
+            logits = data["logits"].copy() if "logits" in data.files else None
+            return DecodeResult(int(data["tokens"]), int(data["chunks"]), [int(n) for n in data["file_tokens"]], logits, outputs, time.monotonic() - started)
+
+
+# ---------------------------------------------------------------------------------------------
+# the child
+
+
+def _say(line: str) -> None:
+    print(f"ggufcarve-decode: {line}", file=sys.stderr, flush=True)
+
+
+def _child(request: DecodeRequest) -> int:
+    import llama_cpp
+    import numpy as np
+
+    from ggufcarve.llama.calibration import chunks, cut, tokenize_files
+    from ggufcarve.llama.libllama import fill_batch, forward_warnings, load_model, traced_context, write_results
+
+    forward_warnings(llama_cpp, request.verbose)
+    lmodel = load_model(llama_cpp, request.model)
+    if not lmodel:
+        _say(f"llama.cpp could not load {request.model}")
+        return EXIT_LOAD
+    batching = request.batching
+    file_tokens: list[int] = []
+    try:
+        if request.documents:
+            vocab = llama_cpp.llama_model_get_vocab(lmodel)
+            bos = int(llama_cpp.llama_vocab_bos(vocab)) if llama_cpp.llama_vocab_get_add_bos(vocab) else None
+            tokens, file_tokens = tokenize_files(llama_cpp, lmodel, Path(request.model).name, request.documents)
+            work = chunks(tokens, batching.ctx, bos, request.max_tokens)
+            if not work:
+                raise BadInput(f"the calibration input tokenizes to {len(tokens)} tokens, fewer than one --ctx chunk of {batching.ctx}", "give more text or a smaller --ctx")
+        else:
+            work = cut(request.tokens, batching.ctx)
+        consumers = [spec.load()(request, **spec.options) for spec in request.consumers]
+    except BadInput as err:
+        _say(f"error: {err.message} || {err.hint}")
+        return EXIT_BAD_INPUT
+    callback = consumers[0] if len(consumers) == 1 else EvalDispatch(*consumers)  # no consumer: nothing observed
+    ctx = traced_context(llama_cpp, lmodel, n_ctx=batching.kv_cells, n_batch=batching.batch, n_ubatch=batching.micro_batch, threads=request.thread_count,
+                         eval_callback=callback, sequences=batching.sequences, swa_full=batching.swa_full)
+    if not ctx:
+        _say("llama.cpp could not create a context")
+        return EXIT_CONTEXT
+    total = sum(len(chunk) for chunk in work)
+    n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(lmodel))
+    logits = np.empty((total, n_vocab), dtype=np.float32) if request.logits else None
+    memory = llama_cpp.llama_get_memory(ctx)
+    batch = llama_cpp.llama_batch_init(batching.batch, 0, 1)
+    done = 0
+    for clear, entries in batching.batches(work):
+        if clear:
+            llama_cpp.llama_memory_clear(memory, True)
+        fill_batch(batch, entries)
+        rc = llama_cpp.llama_decode(ctx, batch)
+        if rc != 0:
+            _say(f"llama_decode returned {rc} at token {done} of the chunks")
+            return EXIT_DECODE
+        if logits is not None:
+            for i in range(len(entries)):
+                pointer = llama_cpp.llama_get_logits_ith(ctx, i)
+                if not pointer:
+                    _say(f"no logits for token {done + i}")
+                    return EXIT_LOGITS
+                logits[done + i] = np.ctypeslib.as_array(pointer, shape=(n_vocab,))
+        try:
+            for consumer in consumers:
+                consumer.decoded()
+        except BadInput as err:
+            _say(f"error: {err.message} || {err.hint}")
+            return EXIT_BAD_INPUT
+        errors = [e for consumer in consumers for e in consumer.errors]
+        if errors:
+            _say("the eval callback failed: " + "; ".join(errors[:5]))
+            return EXIT_CALLBACK
+        done += len(entries)
+        _say(f"decoded {done}/{total} tokens")
+    llama_cpp.llama_batch_free(batch)
+    llama_cpp.llama_free(ctx)
+    llama_cpp.llama_model_free(lmodel)
+    arrays: dict[str, Any] = {"tokens": np.asarray(total), "chunks": np.asarray(len(work)), "file_tokens": np.asarray(file_tokens, dtype=np.int64)}
+    if logits is not None:
+        arrays["logits"] = logits
+    for spec, consumer in zip(request.consumers, consumers):
+        arrays.update({f"{spec.name}/{name}": value for name, value in consumer.arrays().items()})
+    write_results(Path(request.out), arrays)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=f"python -m {CHILD_MODULE}", description="Decode a DecodeRequest (JSON on stdin) in llama.cpp.")
+    parser.add_argument("--preload", action="append", default=[], help="a module to import before the request arrives (repeatable)")
+    args = parser.parse_args(argv)
+    import llama_cpp  # noqa: F401 - imported before the request arrives, for a child started ahead
+
+    for module in args.preload:
+        importlib.import_module(module)
+    text = sys.stdin.read()
+    if not text:
+        return 0
+    return _child(DecodeRequest.from_json(json.loads(text)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
