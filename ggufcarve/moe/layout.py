@@ -101,10 +101,6 @@ class MoeLayout:
     def expert_tensors(self) -> dict[str, ExpertTensor]:
         return {t.name: t for layer in self.layers for t in layer.tensors}
 
-    @property
-    def key_expert_count(self) -> str:
-        return f"{self.architecture}.expert_count"
-
     def to_json(self) -> dict[str, Any]:
         return {
             "architecture": self.architecture,

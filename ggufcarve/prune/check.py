@@ -21,7 +21,7 @@ from ggufcarve.gguf.container import (
 )
 from ggufcarve.moe.keepset import KeepSet, check_keepset
 from ggufcarve.moe.layout import MoeLayout
-from ggufcarve.prune.plan import PROVENANCE, SourceRange, tensor_ranges
+from ggufcarve.prune.plan import PROVENANCE, tensor_ranges
 
 
 @dataclass
@@ -57,7 +57,6 @@ class Verification:
         if problems:
             raise VerificationFailed(f"{where}: " + "; ".join(problems[:3]) + (f" (+{len(problems) - 3} more)" if len(problems) > 3 else ""), "check that the keep-set is the one the output was made with (see its method/<output stem>.pruning-report.json); otherwise re-run the prune")
 
-Ranges = dict[str, tuple[tuple[int, ...], tuple[SourceRange, ...]]]
 OutputHashes = dict[str, tuple[int, int, str]]  # tensor name -> (absolute start, length, xxh3-128) in its output file
 
 def hash_output(files: list[GGUFFile], progress: Callable[[int], None]) -> OutputHashes:
