@@ -24,6 +24,7 @@ from ggufcarve.imatrix.formats import (
     KEY_TYPE,
     Imatrix,
     ImatrixEntry,
+    counts_of,
     lround,
     read_imatrix,
     write_imatrix,
@@ -49,8 +50,7 @@ def to_dat(imatrix: Imatrix) -> Conversion:
         raise BadInput(f"{imatrix.path}: imatrix.chunk_size is {chunk_size}; the .dat ncall cannot be computed", "the file is corrupt")
     entries, skipped = [], []
     for e in imatrix.entries:
-        assert e.counts is not None
-        counts = lround(e.counts)
+        counts = lround(counts_of(e))
         if not counts.any():
             skipped.append(e.name)
             continue

@@ -77,6 +77,13 @@ EXPERT_ENTRY = re.compile(r"^blk\.(?P<block>\d+)\.ffn_(?:gate|up|down|gate_up)_e
 MAX_NAME_BYTES = 1 << 16
 
 
+def counts_of(e: ImatrixEntry) -> np.ndarray:
+    """The stored counts of a GGUF entry (a .dat entry stores ncall instead)."""
+    if e.counts is None:
+        raise BadInput(f"{e.name}: the imatrix entry has no counts (a .dat imatrix stores ncall instead)", "convert the imatrix to GGUF first (ggufcarve imatrix convert)")
+    return e.counts
+
+
 def lround(counts: np.ndarray) -> np.ndarray:
     """Counts as llama.cpp reads them from a GGUF imatrix: std::lround of the stored floats."""
     x = np.asarray(counts, dtype=np.float64)
@@ -458,8 +465,7 @@ def _gguf_tensors(imatrix: Imatrix) -> list[tuple[TensorHeader, Callable[[], byt
         elif part == "in_sum":
             result.append((TensorHeader(name + SUFFIXES[part], sums_ne, F32, 4 * e.nval), lambda e=e: np.ascontiguousarray(e.load_in_sum(), dtype="<f4").tobytes()))  # type: ignore[misc]
         else:
-            assert e.counts is not None
-            result.append((TensorHeader(name + SUFFIXES[part], counts_ne, F32, 4 * e.n_mat), lambda e=e: np.ascontiguousarray(e.counts, dtype="<f4").tobytes()))
+            result.append((TensorHeader(name + SUFFIXES[part], counts_ne, F32, 4 * e.n_mat), lambda e=e: np.ascontiguousarray(counts_of(e), dtype="<f4").tobytes()))
     return result
 
 

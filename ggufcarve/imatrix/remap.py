@@ -35,6 +35,7 @@ from ggufcarve.imatrix.formats import (
     KEY_REMAP_SOURCE_SHA256,
     Imatrix,
     ImatrixEntry,
+    counts_of,
     encoded_size,
     ggml_ne,
     lround,
@@ -150,7 +151,8 @@ def _select(e: ImatrixEntry, ids: Sequence[int], n_expert: int, ne0: int) -> Ima
             load_in_sum = lambda: np.ascontiguousarray(src_in_sum()[index])
         return dataclasses.replace(e, n_mat=len(ids), counts=counts, load_sums=load, load_in_sum=load_in_sum, sums_ne=sums_ne, counts_ne=counts_ne)
     # one row holding all experts (.dat, or a GGUF converted from one): expert-major slices
-    assert e.n_mat == 1 and e.row_len == n_expert * ne0
+    if e.n_mat != 1 or e.row_len != n_expert * ne0:
+        raise BadInput(f"{e.name}: {e.n_mat} rows of {e.row_len} values, expected one row of {n_expert} experts x {ne0}", "the imatrix belongs to another model")
 
     def load_flat() -> np.ndarray:
         return np.ascontiguousarray(e.sums().reshape(n_expert, ne0)[index].reshape(1, -1))
@@ -195,7 +197,8 @@ def resolve_source_layout(
                 "give the source model the pruned model was made from",
             )
         return source_layout
-    assert pruned is not None and pruned_layout is not None
+    if pruned is None or pruned_layout is None:
+        raise BadInput("neither the source model nor the pruned model was given", "give --source-model (the unpruned model) or --model (the pruned one)")
     if recorded is not None:
         return dataclasses.replace(pruned_layout, expert_count=int(recorded))
     ne0 = {t.name: t.shape[0] for t in pruned_layout.expert_tensors.values() if t.role == "expert weight"}
@@ -331,8 +334,7 @@ def plan_remap(
         dropped = tuple(i for i in range(n_expert) if i not in set(ids))
         routed_kept = routed_dropped = None
         if e.per_expert_counts:
-            assert e.counts is not None
-            counts = lround(e.counts)
+            counts = lround(counts_of(e))
             routed_kept = int(counts[list(ids)].sum())
             routed_dropped = int(counts.sum()) - routed_kept
         tensors.append(TensorRemap(e.name, block, layout.is_mtp(block), n_expert, tuple(ids), dropped, routed_kept, routed_dropped))
@@ -444,9 +446,8 @@ def execute_remap(
     (default OUTPUT_DIR/method/<output stem>.imatrix-remap-report.json), then rename the output
     into place: a crash at any point leaves no output without its report."""
     t0 = time.perf_counter()
-    assert plan.source.path is not None
     report_path = report_path or default_report_path(plan.output_path)
-    input_sha = sha256_file(plan.source.path)
+    input_sha = sha256_file(_read_from(plan.source))
     output = plan.output
     if output.format == "gguf" and any(kv.key == KEY_REMAP_SOURCE_SHA256 for kv in output.kvs):
         output = dataclasses.replace(output, kvs=tuple(replace_kvs(output.kvs, {KEY_REMAP_SOURCE_SHA256: make_kv(KEY_REMAP_SOURCE_SHA256, GGUFValueType.STRING, input_sha)})))
@@ -469,14 +470,19 @@ def execute_remap(
     return result
 
 
+def _read_from(imatrix: Imatrix) -> Path:
+    if imatrix.path is None:
+        raise RuntimeError("the imatrix to remap was not read from a file")
+    return imatrix.path
+
+
 def remap_report(result: RemapResult) -> dict[str, Any]:
     """The remap report; `output.sha256` names the imatrix it describes."""
     plan = result.plan
     source = plan.source
-    assert source.path is not None
     results = {
         "input": {
-            "name": source.path.name,
+            "name": _read_from(source).name,
             "format": source.format,
             "bytes": source.size,
             "sha256": result.input_sha256,

@@ -99,7 +99,8 @@ class QuantizeJob:
             argv.append("--dry-run")
         argv.append(file_arg(self.source))
         if not self.dry_run:
-            assert self.output is not None
+            if self.output is None:
+                raise RuntimeError(f"{self.ftype}: a quantize job that is not a dry run needs an output")
             argv.append(file_arg(self.output))
         argv.append(self.ftype.upper())
         if self.nthreads:

@@ -92,7 +92,8 @@ def ggml_gelu(x: np.ndarray) -> np.ndarray:
 
 def activate(kind: str, gate: np.ndarray | None, up: np.ndarray) -> np.ndarray:
     if kind == "swiglu-oai":
-        assert gate is not None
+        if gate is None:
+            raise UnsupportedModel("the swiglu-oai activation needs a gate tensor (ffn_gate_exps) and the model has none", "the model's expert tensors are not the layout its architecture uses")
         g = np.minimum(gate, SWIGLU_OAI_LIMIT)
         u = np.clip(up, -SWIGLU_OAI_LIMIT, SWIGLU_OAI_LIMIT)
         return g / (1.0 + np.exp(-SWIGLU_OAI_ALPHA * g)) * (u + 1.0)

@@ -109,9 +109,8 @@ def part_sums(data: np.ndarray, qtype: Q, parts: int) -> tuple[np.ndarray, int]:
     where the type has a scale rule, else of the squared dequantized values; float64 [parts], and
     the number of terms in each part."""
     block_size, type_size = GGML_QUANT_SIZES[qtype]
-    if has_scale_rule(qtype):
-        scales = block_scales(data.reshape(-1, type_size), qtype)
-        assert scales is not None
+    scales = block_scales(data.reshape(-1, type_size), qtype) if has_scale_rule(qtype) else None
+    if scales is not None:
         return np.add.reduce(scales.reshape(parts, -1), axis=1, dtype=np.float64), scales.size // parts
     values = dequantize(data, qtype, (len(data) // type_size * block_size,))
     return np.add.reduce(np.square(values, dtype=np.float64).reshape(parts, -1), axis=1), values.size // parts
@@ -214,7 +213,8 @@ def weight_energies(model: GGUFModel, layout: MoeLayout, blocks: Sequence[int], 
     sums = {t.name: np.zeros(n, dtype=np.float64) for _, t in located}
     terms = {t.name: np.zeros(n, dtype=np.int64) for _, t in located}
     for (_, _, _, t, _, first, count, _), result in zip(jobs, results):
-        assert result is not None
+        if result is None:  # every job ran unless a reader failed, which raised above
+            raise RuntimeError(f"{t.name}: experts {first}..{first + count - 1} were not read")
         sums[t.name][first : first + count] += result[0]
         terms[t.name][first : first + count] += result[1]
     rules: dict[str, str] = {}
