@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from gguf.constants import GGUFValueType
+from gguf.constants import GGUFType, GGUFValueType
 
 from ggufcarve.errors import BadInput
 from ggufcarve.events import Sink, ignore
@@ -110,7 +110,7 @@ def to_gguf(imatrix: Imatrix, chunk_size: int = DEFAULT_CHUNK_SIZE) -> Conversio
         entries.append(ImatrixEntry(e.name, 1, e.nval, count, None, load))
     chunk_count = imatrix.chunk_count if imatrix.chunk_count is not None else max((e.ncall or 0) for e in imatrix.entries)
     kvs = (
-        make_kv(KEY_TYPE, GGUFValueType.STRING, "imatrix"),
+        make_kv(KEY_TYPE, GGUFValueType.STRING, GGUFType.IMATRIX),
         make_kv(KEY_DATASETS, GGUFValueType.ARRAY, list(imatrix.datasets), GGUFValueType.STRING),
         make_kv(KEY_CHUNK_COUNT, GGUFValueType.UINT32, int(chunk_count)),
         make_kv(KEY_CHUNK_SIZE, GGUFValueType.UINT32, int(chunk_size)),

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf.constants import GGUFValueType
+from gguf.constants import GGUFValueType, Keys
 
 from ggufcarve.errors import BadInput, CarveError
 from ggufcarve.events import Counter, Sink, ignore
@@ -30,7 +30,6 @@ from ggufcarve.imatrix.check import check_against_model, expected_sizes, raise_p
 from ggufcarve.imatrix.convert import convert
 from ggufcarve.imatrix.formats import (
     DEFAULT_CHUNK_SIZE,
-    EXPERT_ENTRY,
     FORMATS,
     KEY_REMAP_SOURCE_SHA256,
     Imatrix,
@@ -50,7 +49,7 @@ from ggufcarve.moe.keepset import (
     check_keepset,
     provenance_kvs,
 )
-from ggufcarve.moe.layout import ExpertTensor, MoeLayer, MoeLayout
+from ggufcarve.moe.layout import ExpertTensor, MoeLayer, MoeLayout, expert_weight_block
 from ggufcarve.moe.routing import UNKNOWN_ROUTING
 from ggufcarve.reports import (
     IMATRIX_REMAP_REPORT,
@@ -224,10 +223,9 @@ def layout_from_imatrix(imatrix: Imatrix) -> MoeLayout:
     per_block: dict[int, list[ExpertTensor]] = {}
     counts = set()
     for e in imatrix.entries:
-        m = EXPERT_ENTRY.match(e.name)
-        if m is None:
+        block = expert_weight_block(e.name)
+        if block is None:
             continue
-        block = int(m["block"])
         counts.add(e.n_mat)
         per_block.setdefault(block, []).append(ExpertTensor(e.name, block, "expert weight", (e.row_len, e.n_mat), "F32", e.nval * 4, e.row_len * 4))
     if not per_block:
@@ -279,13 +277,13 @@ def plan_remap(
             "remap the original imatrix (the one computed on the unpruned model)",
         )
     if pruned is not None:
-        arch = pruned.get("general.architecture")
+        arch = pruned.get(Keys.General.ARCHITECTURE)
         if arch != layout.architecture:
             raise BadInput(f"{pruned.path} is {arch}, the source model is {layout.architecture}", "give the pruned model made from this source")
-        pruned_k = pruned.get(f"{arch}.expert_count")
+        pruned_k = pruned.get(Keys.LLM.EXPERT_COUNT.format(arch=arch))
         if pruned_k != k:
             raise BadInput(
-                f"the keep-set keeps {k} experts per block but {pruned.path} has {arch}.expert_count={pruned_k}",
+                f"the keep-set keeps {k} experts per block but {pruned.path} has {Keys.LLM.EXPERT_COUNT.format(arch=arch)}={pruned_k}",
                 "use the keep-set the model was pruned with (omit --keep to use the one it records)",
             )
 
@@ -366,8 +364,8 @@ def plan_remap(
     models = {}
     for role, m in (("pruned", pruned), ("source", source)):
         if m is not None:
-            arch = m.get("general.architecture")
-            models[role] = {"name": m.path.name, "architecture": arch, "expert_count": int(m.get(f"{arch}.expert_count") or 0)}
+            arch = m.get(Keys.General.ARCHITECTURE)
+            models[role] = {"name": m.path.name, "architecture": arch, "expert_count": int(m.get(Keys.LLM.EXPERT_COUNT.format(arch=arch)) or 0)}
     return RemapPlan(
         source=imatrix,
         output=result,
@@ -392,7 +390,7 @@ def _group_problems(problems: list[str]) -> list[str]:
     grouped: dict[str, list[str]] = {}
     for p in problems:
         name, _, rest = p.partition(" ")
-        if EXPERT_ENTRY.match(name) and "experts" in rest:
+        if expert_weight_block(name) is not None and "experts" in rest:
             grouped.setdefault(rest, []).append(name)
         else:
             grouped.setdefault(p, [])

@@ -6,7 +6,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from gguf.constants import GGUFValueType
+from gguf.constants import GGUFValueType, Keys
 
 from ggufcarve.errors import VerificationFailed
 from ggufcarve.events import Counter, Sink, ignore
@@ -102,11 +102,12 @@ def verify_prune(
         problems.append(f"tensor set differs from the source (missing {missing[:3]}, extra {extra[:3]})")
 
     arch = layout.architecture
-    allowed_changes = {f"{arch}.expert_count", "general.size_label"}
+    expert_count_key = Keys.LLM.EXPERT_COUNT.format(arch=arch)
+    allowed_changes = {expert_count_key, Keys.General.SIZE_LABEL}
     out_meta = output_files[0]
-    expert_kv = out_meta.kv_index.get(f"{arch}.expert_count")
+    expert_kv = out_meta.kv_index.get(expert_count_key)
     if expert_kv is None or expert_kv.value_type != GGUFValueType.UINT32 or expert_kv.value != kept:
-        problems.append(f"{arch}.expert_count is {None if expert_kv is None else expert_kv.value!r}, expected u32 {kept}")
+        problems.append(f"{expert_count_key} is {None if expert_kv is None else expert_kv.value!r}, expected u32 {kept}")
     keys_checked = 0
     for kv in source.metadata.kvs:
         if kv.key in SPLIT_KEYS or kv.key in allowed_changes:

@@ -15,9 +15,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gguf.constants import Keys
+
 from ggufcarve import __version__
 from ggufcarve.errors import BadInput
 from ggufcarve.evaluate.summary import format_gib
+from ggufcarve.moe.keepset import KEY_KEPT_COUNT, KEY_SOURCE_EXPERT_COUNT
 
 CARD_NAME = "README.md"
 EVALUATION_DIR = "evaluation"
@@ -54,13 +57,12 @@ def gather(release: Path, evaluation_dir: Path | None = None) -> CardInputs:
     if not rungs:
         raise BadInput(f"{release}: the manifest lists no built rung present in the directory", "run ggufcarve ladder run first")
     model = read_model(release / rungs[0]["files"][0]["name"])
-    wanted = ("general.license", "general.name", "general.architecture", "general.base_model.count", "ggufcarve.kept_expert_count", "ggufcarve.source.expert_count")
+    wanted = (Keys.General.LICENSE, Keys.General.NAME, Keys.General.ARCHITECTURE, Keys.General.BASE_MODEL_COUNT, KEY_KEPT_COUNT, KEY_SOURCE_EXPERT_COUNT,
+              BASE_NAME, BASE_ORGANIZATION, BASE_REPO_URL)
     keys = {k: model.get(k) for k in wanted}
-    arch = keys["general.architecture"]
-    for suffix in ("expert_count", "expert_used_count", "block_count", "nextn_predict_layers"):
-        keys[f"{arch}.{suffix}"] = model.get(f"{arch}.{suffix}")
-    for field_name in ("name", "organization", "repo_url"):
-        keys[f"general.base_model.0.{field_name}"] = model.get(f"general.base_model.0.{field_name}")
+    arch = keys[Keys.General.ARCHITECTURE]
+    for template in ARCH_KEYS:
+        keys[template.format(arch=arch)] = model.get(template.format(arch=arch))
     evaluation: dict[str, dict] = {}
     directory = evaluation_dir or release / EVALUATION_DIR
     for path in sorted(directory.glob("*.json")) if directory.is_dir() else []:
@@ -70,6 +72,11 @@ def gather(release: Path, evaluation_dir: Path | None = None) -> CardInputs:
     return CardInputs(manifest, rungs, keys, _read_json(release / "method" / "pruning-report.json"), _read_json(release / "method" / "expert-selection.json"), evaluation)
 
 
+# the first base model's keys (general.base_model.0.*) and the architecture keys the card reads
+BASE_NAME, BASE_ORGANIZATION, BASE_REPO_URL = (k.format(id=0) for k in (Keys.General.BASE_MODEL_NAME, Keys.General.BASE_MODEL_ORGANIZATION, Keys.General.BASE_MODEL_REPO_URL))
+ARCH_KEYS = (Keys.LLM.EXPERT_COUNT, Keys.LLM.EXPERT_USED_COUNT, Keys.LLM.BLOCK_COUNT, Keys.LLM.NEXTN_PREDICT_LAYERS)
+
+
 def _yaml(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False)
 
@@ -77,23 +84,23 @@ def _yaml(value: Any) -> str:
 def base_model(inputs: CardInputs) -> str:
     """The base model as a repo id (organization/name) when the GGUF names one, else its name."""
     keys = inputs.keys
-    url = keys.get("general.base_model.0.repo_url") or ""
+    url = keys.get(BASE_REPO_URL) or ""
     if "huggingface.co/" in url:
         return url.split("huggingface.co/", 1)[1].strip("/")
-    org, name = keys.get("general.base_model.0.organization"), keys.get("general.base_model.0.name")
+    org, name = keys.get(BASE_ORGANIZATION), keys.get(BASE_NAME)
     if name:
         return f"{org}/{name}".replace(" ", "-") if org else str(name)
-    return str(keys.get("general.name") or inputs.manifest.get("source", {}).get("name") or "unknown")
+    return str(keys.get(Keys.General.NAME) or inputs.manifest.get("source", {}).get("name") or "unknown")
 
 
 def _pruning_lines(inputs: CardInputs) -> list[str]:
-    keys, arch = inputs.keys, inputs.keys["general.architecture"]
-    kept, source = keys.get("ggufcarve.kept_expert_count"), keys.get("ggufcarve.source.expert_count")
-    used = keys.get(f"{arch}.expert_used_count")
+    keys, arch = inputs.keys, inputs.keys[Keys.General.ARCHITECTURE]
+    kept, source = keys.get(KEY_KEPT_COUNT), keys.get(KEY_SOURCE_EXPERT_COUNT)
+    used = keys.get(Keys.LLM.EXPERT_USED_COUNT.format(arch=arch))
     used = int(max(used)) if hasattr(used, "__len__") else used
     lines = []
     if kept is None:
-        lines.append(f"These files keep every expert of the source ({keys.get(f'{arch}.expert_count')} per MoE layer); no expert was pruned.")
+        lines.append(f"These files keep every expert of the source ({keys.get(Keys.LLM.EXPERT_COUNT.format(arch=arch))} per MoE layer); no expert was pruned.")
         return lines
     lines.append(f"Routed experts were pruned from {source} to {kept} per MoE layer ({100 * (1 - kept / source):.0f}% removed), byte for byte: "
                  "kept experts and router rows keep their original bytes; shared experts, attention and all other tensors are unchanged.")
@@ -134,14 +141,14 @@ def _quant_table(inputs: CardInputs) -> list[str]:
 
 
 def _limitations(inputs: CardInputs) -> list[str]:
-    keys, arch = inputs.keys, inputs.keys["general.architecture"]
+    keys, arch = inputs.keys, inputs.keys[Keys.General.ARCHITECTURE]
     lines = []
-    if keys.get("ggufcarve.kept_expert_count") is not None:
+    if keys.get(KEY_KEPT_COUNT) is not None:
         lines.append("- Experts were removed without retraining; the loss is measured above, not absent. Skills the calibration did not exercise "
                      "(other languages, other domains) can degrade more than perplexity shows.")
         calibration = (inputs.selection or {}).get("calibration") or ((inputs.pruning or {}).get("keep_set") or {}).get("calibration")
         lines.append(f"- Calibration: {calibration}." if calibration else "- No calibration record ships with this release: the selection's data and size are not stated here.")
-        lines.append(f"- Top-k routing is unchanged ({keys.get(f'{arch}.expert_used_count')} experts per token), so compute per token is unchanged; "
+        lines.append(f"- Top-k routing is unchanged ({keys.get(Keys.LLM.EXPERT_USED_COUNT.format(arch=arch))} experts per token), so compute per token is unchanged; "
                      "memory and file size fall.")
     if any("--allow-requantize" in (r.get("command") or []) for r in inputs.rungs):
         lines.append(f"- Rungs were requantized from {inputs.manifest.get('source', {}).get('name')} (already quantized), which compounds quantization error.")
@@ -165,16 +172,16 @@ def _quantizer_line(quantizer: dict[str, Any], rungs: list[dict[str, Any]]) -> s
 
 def render_card(inputs: CardInputs) -> str:
     keys, manifest = inputs.keys, inputs.manifest
-    arch = keys["general.architecture"]
+    arch = keys[Keys.General.ARCHITECTURE]
     base = base_model(inputs)
     tags = [*TAGS, arch] if arch else list(TAGS)
-    front = ["---", f"base_model: {_yaml(base)}", "base_model_relation: quantized", f"license: {_yaml(keys.get('general.license') or 'other')}",
+    front = ["---", f"base_model: {_yaml(base)}", "base_model_relation: quantized", f"license: {_yaml(keys.get(Keys.General.LICENSE) or 'other')}",
              "library_name: gguf", "pipeline_tag: text-generation", f"tags: {_yaml(tags)}", "---"]
-    title = f"{keys.get('general.name') or base} GGUF"
+    title = f"{keys.get(Keys.General.NAME) or base} GGUF"
     example = next((r for r in inputs.rungs if r["name"] == "Q4_K_M"), inputs.rungs[0])["files"][0]["name"]
     quantizer = manifest.get("quantizer") or {}
     lines = [*front, "", f"# {title}", "",
-             f"GGUF quantizations of {base}" + (f" with routed experts pruned to {keys['ggufcarve.kept_expert_count']} of {keys['ggufcarve.source.expert_count']}" if keys.get("ggufcarve.kept_expert_count") is not None else "") + ".",
+             f"GGUF quantizations of {base}" + (f" with routed experts pruned to {keys[KEY_KEPT_COUNT]} of {keys[KEY_SOURCE_EXPERT_COUNT]}" if keys.get(KEY_KEPT_COUNT) is not None else "") + ".",
              "", "## What was pruned and how", "", *_pruning_lines(inputs),
              "", "## Files", "", *_quant_table(inputs),
              "", "PPL, KLD and QA from `ggufcarve eval` against the reference named under Limitations; KLD in nats per token.",
@@ -183,7 +190,7 @@ def render_card(inputs: CardInputs) -> str:
              f"llama-server -m {example} -c 8192 --port 8080", "```",
              "", "## Limitations", "", *_limitations(inputs),
              "", "## Attribution", "",
-             f"- Base model: {base}" + (f" ({keys['general.base_model.0.repo_url']})" if keys.get("general.base_model.0.repo_url") else "") + f"; license {keys.get('general.license') or 'as the base model'}.",
+             f"- Base model: {base}" + (f" ({keys[BASE_REPO_URL]})" if keys.get(BASE_REPO_URL) else "") + f"; license {keys.get(Keys.General.LICENSE) or 'as the base model'}.",
              _quantizer_line(quantizer, inputs.rungs),
              f"- Pruned, quantized and evaluated with ggufcarve {__version__}; every file is described by `quant-manifest.json`.", ""]
     return "\n".join(lines)
