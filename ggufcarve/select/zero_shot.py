@@ -45,7 +45,7 @@ from ggufcarve.errors import BadInput
 from ggufcarve.events import Counter, Sink, ignore
 from ggufcarve.gguf.container import GGUFModel
 from ggufcarve.gguf.tensors import dequantize, tensor_values
-from ggufcarve.moe.layout import ExpertTensor, MoeLayout
+from ggufcarve.moe.layout import EXPERT_WEIGHTS, ROUTER, ExpertTensor, MoeLayout, block_tensor
 from ggufcarve.select.scores import BlockStats
 
 Q = GGMLQuantizationType
@@ -64,7 +64,7 @@ SCALE_RULES: dict[str, str] = {
     "NVFP4": "ue4m3 scale per 16-value sub-block",
 }
 RMS_RULE = "RMS of the dequantized slab"
-WEIGHT_SUFFIXES = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight", "ffn_gate_up_exps.weight")
+WEIGHT_SUFFIXES = tuple(f"{base}.weight" for base in EXPERT_WEIGHTS)
 
 
 F16_AT_ZERO = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL")  # |d|: the f16 at byte 0 of every block
@@ -133,7 +133,7 @@ def _pieces(slab: int, qtype: Q, n: int) -> list[tuple[int, int, int, int]]:
 
 def router_norms(model: GGUFModel, layout: MoeLayout, block: int) -> np.ndarray:
     """||row_e||_2 of the block's router, float64 per expert."""
-    values = tensor_values(model, f"blk.{block}.ffn_gate_inp.weight")
+    values = tensor_values(model, block_tensor(block, ROUTER))
     with np.errstate(invalid="ignore", over="ignore"):
         return np.linalg.norm(values.reshape(layout.expert_count, -1).astype(np.float64), axis=1)
 
