@@ -397,20 +397,20 @@ def read_model(path: str | os.PathLike[str]) -> GGUFModel:
         raise BadInput(f"{first.path}: this is shard {first.get(SPLIT_NO) + 1} of {count} of a split model", "give the first shard (-00001-of-...)")
     match = SHARD_NAME.match(str(first.path))
     if not match:
-        raise BadInput(f"{first.path}: split model (split.count={count}) but the name is not PREFIX-00001-of-{count:05d}.gguf", "rename the shards the way llama-gguf-split names them")
+        raise BadInput(f"{first.path}: split model ({SPLIT_COUNT}={count}) but the name is not {shard_paths('PREFIX', count)[0]}", "rename the shards the way llama-gguf-split names them")
     shards = [first]
     for i, shard_path in enumerate(shard_paths(match["prefix"], count)[1:], start=1):
         if not shard_path.exists():
             raise BadInput(f"{first.path}: shard {i + 1} of {count} is missing ({shard_path})", "download every shard of the split model")
         shard = read_file(shard_path)
         if shard.get(SPLIT_NO) != i or shard.get(SPLIT_COUNT) != count:
-            raise BadInput(f"{shard_path}: split.no/split.count say {shard.get(SPLIT_NO)}/{shard.get(SPLIT_COUNT)}, expected {i}/{count}", "the shards come from different split sets")
+            raise BadInput(f"{shard_path}: {SPLIT_NO}/{SPLIT_COUNT} say {shard.get(SPLIT_NO)}/{shard.get(SPLIT_COUNT)}, expected {i}/{count}", "the shards come from different split sets")
         shards.append(shard)
     model = GGUFModel(shards)
     expected_tensors = first.get(SPLIT_TENSORS_COUNT)
     n_tensors = sum(len(s.tensors) for s in shards)
     if expected_tensors is not None and expected_tensors != n_tensors:
-        raise BadInput(f"{first.path}: split.tensors.count is {expected_tensors} but the shards hold {n_tensors} tensors", "the split set is incomplete or mixed")
+        raise BadInput(f"{first.path}: {SPLIT_TENSORS_COUNT} is {expected_tensors} but the shards hold {n_tensors} tensors", "the split set is incomplete or mixed")
     if len(model.tensor_index) != n_tensors:
         raise BadInput(f"{first.path}: a tensor name appears in more than one shard", "the split set is corrupt")
     return model
