@@ -49,3 +49,15 @@ def test_ggufcarve_debug_shows_the_traceback(monkeypatch, tmp_path):
     _card_raising(monkeypatch, tmp_path, KeyError("rungs"), "1")
     with pytest.raises(KeyError):
         cli.main()
+
+
+def test_a_broken_installation_is_one_line(monkeypatch, capsys):
+    from ggufcarve import console
+
+    monkeypatch.setitem(sys.modules, "ggufcarve.cli", None)  # its import fails as a missing dependency's would
+    monkeypatch.setattr(sys, "argv", ["ggufcarve", "inspect", "m.gguf"])
+    monkeypatch.delenv("GGUFCARVE_DEBUG", raising=False)
+    with pytest.raises(SystemExit) as stopped:
+        console.main()
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert stopped.value.code == 1 and len(lines) == 1 and lines[0].startswith("error: internal error: ModuleNotFoundError: "), lines
