@@ -150,7 +150,9 @@ def _architectures(path: Path) -> dict[str, Architecture]:
                 end += 1
             args = re.sub(r"//[^\n]*|/\*.*?\*/", "", text[m.end():end - 1], flags=re.S)
             owner = [c for pos, c in defs if pos < m.start()][-1]
-            calls.setdefault(owner, []).append(MoeCall(_split_args(args)))
+            call = MoeCall(_split_args(args))
+            assert sum(bool(re.fullmatch(r"LLM_FFN_\w+", a)) for a in call.args) == 1, (name, call.args)
+            calls.setdefault(owner, []).append(call)
     result = {}
     for arch, cls in classes:
         chain, todo = [], [cls, graph_of.get(cls, cls)]
