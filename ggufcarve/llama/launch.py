@@ -218,7 +218,7 @@ def run(
     if proc.stdout is None:  # Popen above is always given stdout=PIPE
         _kill(proc)
         _running.pop(proc.pid, None)
-        raise RuntimeError(f"{argv[0]}: the child's output is not a pipe")
+        raise RuntimeError(f"{proc.args!r}: the child's output is not a pipe")
     selector = selectors.DefaultSelector()
     pending = b""
     last_output = began
