@@ -13,6 +13,14 @@ def main() -> None:
 
         print(f"ggufcarve {__version__}")
         return
-    from ggufcarve.cli import main as cli_main
+    try:
+        from ggufcarve.cli import main as cli_main
+    except Exception as error:  # a broken installation: one line, as every error of the command line
+        import os
 
+        if os.environ.get("GGUFCARVE_DEBUG") == "1":
+            raise
+        print(f"error: internal error: {type(error).__name__}: {' '.join(str(error).split())} (hint: reinstall ggufcarve with its dependencies; "
+              "set GGUFCARVE_DEBUG=1 for the traceback)", file=sys.stderr)
+        sys.exit(1)
     cli_main()

@@ -8,7 +8,6 @@ ladders). A stage is identified by its name; `done` is cumulative within the sta
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -50,5 +49,3 @@ class Counter:
         """An event that carries a message and no progress."""
         self.sink(Event(self.stage, self.done, self.total, self.unit, message))
 
-
-Advance = Callable[[int], None]  # a Counter seen as "n more units are done"

@@ -253,22 +253,22 @@ class BackgroundFlush:
         self.every = every
         self.pending = 0
         self.fd: int | None = None
-        self.error: OSError | None = None
         self.wake = threading.Event()
         self.stopping = False
         self.thread = threading.Thread(target=self._run, name="ggufcarve-flush", daemon=True)
         self.thread.start()
 
     def _run(self) -> None:
+        failed = False
         while True:
             self.wake.wait()
             self.wake.clear()
             fd = self.fd
-            if fd is not None and self.error is None:
+            if fd is not None and not failed:
                 try:
                     start_writeback(fd)
-                except OSError as err:  # the final fsync of the caller reports it too
-                    self.error = err
+                except OSError:  # the caller's final fsync reports the same error
+                    failed = True
             if self.stopping:
                 return
 

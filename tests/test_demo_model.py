@@ -1,17 +1,18 @@
 """The demo model shipped in the package: files present, loads in llama.cpp, really trained,
-and routes meaningfully enough that selection criteria disagree."""
+and routes meaningfully enough that the selection criteria prune it better than chance."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
+from clirun import ggufcarve
 
 from ggufcarve.demo import CALIBRATION, DEMO_MODEL, HELDOUT, LICENSE, NOTES
 from ggufcarve.fileio import sha256_file_cached
 from ggufcarve.gguf.container import read_model
 from ggufcarve.moe.layout import inspect_layout
-from ggufcarve.select.keep import choose
-from ggufcarve.select.methods import score_model
 
 EXPERTS, USED, BLOCKS, N_VOCAB, N_CTX = 16, 4, 4, 3072, 256
 # The first 16 chunks of heldout.txt (ctx 256, scored halves) measured PPL 62.18 in libllama
@@ -71,10 +72,23 @@ def test_heldout_perplexity_in_llama_cpp():
 
 
 @pytest.mark.slow
-def test_selection_methods_disagree_on_the_demo_model(layout):
-    model = read_model(DEMO_MODEL)
-    weights = choose(score_model(model, layout, "weights"), 8).keepset.layers
-    frequency = choose(score_model(model, layout, "frequency", calibration=[CALIBRATION], ctx=N_CTX, max_tokens=8 * N_CTX, threads=2), 8).keepset.layers
-    assert sorted(weights) == sorted(frequency) == list(range(BLOCKS))
-    assert all(len(ids) == 8 for ids in (*weights.values(), *frequency.values()))
-    assert weights != frequency
+def test_criteria_prune_the_demo_model_better_than_random_keep_sets(tmp_path):
+    """Pruned to 8 of its 16 experts per block by reap, frequency and weights, the demo model's
+    mean KLD against the unpruned model on the held-out text is below the median of three random
+    keep-sets' (the commands as a user runs them; eval scores with libllama). Measured: reap 0.17,
+    weights 0.18, frequency 0.39, random 0.56-0.69."""
+    traced = ["--calibration", CALIBRATION, "--ctx", N_CTX, "--max-tokens", 8 * N_CTX, "-t", 2]
+    runs = {"reap": traced, "frequency": traced, "weights": [], **{f"random-{seed}": ["--seed", seed] for seed in (1, 2, 3)}}
+    pruned = []
+    for name, extra in runs.items():
+        selection, out = tmp_path / f"{name}.json", tmp_path / f"{name}.gguf"
+        chosen = ggufcarve("select", DEMO_MODEL, "--method", name.split("-")[0], "--keep", 8, *extra, "-o", selection, "--no-heatmap", "-q")
+        assert chosen.code == 0, chosen.stderr
+        assert ggufcarve("prune", DEMO_MODEL, "--keep", selection, "-o", out, "-q").code == 0
+        pruned.append(out)
+    scored = ggufcarve("eval", *pruned, "--reference", DEMO_MODEL, "--heldout", HELDOUT, "--ctx", N_CTX, "--chunks", 8, "--speed-runs", 0,
+                       "-t", 2, "--cache", tmp_path / "cache", "-q", "-o", tmp_path / "eval")
+    assert scored.code == 0, scored.stderr
+    kld = {p.stem: json.loads((tmp_path / "eval" / f"{p.stem}.json").read_text())["kld_mean"] for p in pruned}
+    random_median = float(np.median([kld[f"random-{seed}"] for seed in (1, 2, 3)]))
+    assert all(kld[method] < random_median for method in ("reap", "frequency", "weights")), kld

@@ -133,7 +133,7 @@ def press_ctrl_c(proc: subprocess.Popen[str], signum: int = signal.SIGINT) -> tu
 
 def assert_stopped_cleanly(code: int, stderr: str, seconds: float, signum: int = signal.SIGINT) -> None:
     assert code == 128 + signum, stderr[-3000:]
-    assert seconds < 10, f"took {seconds:.1f} s to stop"
+    assert seconds < 60, f"took {seconds:.1f} s to stop"
     assert "Traceback" not in stderr, stderr[-3000:]
     line = error_line(stderr)
     assert line.startswith("error: stopped by ") and "run the same command again" in line, stderr[-3000:]
@@ -285,11 +285,11 @@ def test_a_signal_while_the_main_thread_starts_a_child_kills_that_child(tmp_path
         return proc
 
     monkeypatch.setattr(launch.subprocess, "Popen", popen_then_signal)
-    code = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(60)"
+    code = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(600)"
     started = time.monotonic()
     with pytest.raises(Interrupted) as stopped:
         launch.run([sys.executable, "-c", code])
-    assert stopped.value.signum == signal.SIGINT and time.monotonic() - started < 10
+    assert stopped.value.signum == signal.SIGINT and time.monotonic() - started < 60
     assert launch._running == {}
     with pytest.raises(Interrupted):  # nothing starts after a stop
         launch.run([sys.executable, "-c", "pass"])
@@ -329,11 +329,11 @@ def test_stop_all_kills_the_children_of_worker_threads(tmp_path, monkeypatch):
     from concurrent.futures import ThreadPoolExecutor
 
     monkeypatch.setattr(launch, "_stopped_by", [])
-    code = "import time; print('up', flush=True); time.sleep(60)"
+    code = "import time; print('up', flush=True); time.sleep(600)"
     up: list[str] = []
     with ThreadPoolExecutor(max_workers=2) as pool:
         futures = [pool.submit(launch.run, [sys.executable, "-c", code], on_line=up.append) for _ in range(2)]
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 60
         while len(up) < 2 and time.monotonic() < deadline:
             time.sleep(0.01)
         pids = list(launch._running)
@@ -342,8 +342,8 @@ def test_stop_all_kills_the_children_of_worker_threads(tmp_path, monkeypatch):
         assert launch.stop_all(signal.SIGTERM) is True
         for future in futures:
             with pytest.raises(Interrupted):
-                future.result(timeout=10)
-    assert time.monotonic() - started < 10 and launch._running == {}
+                future.result(timeout=60)
+    assert time.monotonic() - started < 60 and launch._running == {}
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)  # killed and reaped

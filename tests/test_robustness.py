@@ -218,7 +218,7 @@ def _assert_clean(read, path: Path, what: str) -> None:
         pass
     except Exception as err:
         raise AssertionError(f"{what}: {type(err).__name__}: {err}") from err
-    assert time.monotonic() - start < 5, f"{what}: took {time.monotonic() - start:.1f} s"
+    assert time.monotonic() - start < 60, f"{what}: took {time.monotonic() - start:.1f} s"
 
 
 def _read_model_and_layout(path: Path) -> None:

@@ -60,7 +60,8 @@ def test_score_then_select_and_merge(make_model, tmp_path):
     scores = tmp_path / "scores.json"
     assert ggufcarve("score", model, "--method", "weights", "-o", scores, "-q").code == 0
     select(scores, "--ratio", 0.5, "-o", tmp_path / "from-scores.json", "--no-heatmap")
-    select(model, "--method", "weights", "--keep", 4, "-o", tmp_path / "direct.json", "--no-heatmap")
+    quiet = select(model, "--method", "weights", "--keep", 4, "-o", tmp_path / "direct.json", "--no-heatmap")
+    assert quiet.stdout.splitlines() == [f"selection: {tmp_path / 'direct.json'}"]  # -q: the result line alone
     a, b = (json.loads((tmp_path / n).read_text()) for n in ("from-scores.json", "direct.json"))
     assert a["layers"] == b["layers"] and set(a["layers"]) == {"0", "1", "2"}  # blk.2 is the MTP block
     assert a["inputs"][-1]["kind"] == "scores"

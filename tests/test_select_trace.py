@@ -242,64 +242,13 @@ def test_gelu_glu_is_ggmls_f16_tanh_gelu():
 
 
 def llama_cpp_moe_type_ops():
-    """{architecture: (type_ops of its build_moe_ffn calls, facts)} read from the llama.cpp sources in the sdist.
+    """{architecture: (type_ops of its build_moe_ffn calls, facts)} read from the llama.cpp sources in the sdist
+    (tests/llama_sources.py). facts: "probs_in" when a call passes precomputed router logits,
+    "clamp" when the class reads LLM_KV_SWIGLU_CLAMP_EXP."""
+    from llama_sources import architectures
 
-    An architecture's graph class is its llama_model_mapping class (src/llama-model.cpp) and the
-    class its `using graph =` names (src/models/models.h); its build_moe_ffn calls are those in
-    function definitions of these classes in src/models/*.cpp. facts: "probs_in" when a call passes
-    precomputed router logits, "clamp" when the class reads LLM_KV_SWIGLU_CLAMP_EXP.
-    """
-    import re
-    import tarfile
-
-    from ggufcarve.llama.build import sdist_path
-    from ggufcarve.llama.tools import llama_cpp_version
-
-    version = llama_cpp_version()
-    sdist = sdist_path(version)
-    if not sdist.exists():
-        pytest.skip(f"the llama-cpp-python {version} sdist is not in the cache ({sdist})")
-    sources: dict[str, str] = {}
-    with tarfile.open(sdist) as tar:
-        for member in tar:
-            parts = member.name.split("/vendor/llama.cpp/src/", 1)
-            if member.isfile() and len(parts) == 2 and (parts[1].startswith("models/") or parts[1] in ("llama-arch.cpp", "llama-model.cpp")):
-                sources[parts[1]] = tar.extractfile(member).read().decode()
-    names = dict(re.findall(r'\{\s*(LLM_ARCH_\w+)\s*,\s*"([^"]+)"\s*\}', sources["llama-arch.cpp"]))
-    mapping = re.search(r"llama_model_mapping\(.*?\n}\n", sources["llama-model.cpp"], re.S).group(0)
-    classes = re.findall(r"case (LLM_ARCH_\w+):\s*return new llama_model_(\w+)\(", mapping)
-    graph_of = {}
-    for struct in re.finditer(r"^struct llama_model_(\w+) : public \w+ \{(.*?)^\};", sources["models/models.h"], re.S | re.M):
-        used = re.search(r"using graph = llama_model_(\w+)::graph", struct.group(2))
-        graph_of[struct.group(1)] = used.group(1) if used else struct.group(1)
-    calls: dict[str, list[tuple[str, bool]]] = {}
-    clamped: set[str] = set()
-    for name, text in sources.items():
-        if not name.endswith(".cpp") or not name.startswith("models/"):
-            continue
-        defs = [(m.start(), m.group(1)) for m in re.finditer(r"^[^\s/#][^\n]*?\bllama_model_(\w+)::", text, re.M)]
-        for m in re.finditer(r"LLM_KV_SWIGLU_CLAMP_EXP", text):
-            clamped.add([c for pos, c in defs if pos < m.start()][-1])
-        for m in re.finditer(r"\bbuild_moe_ffn\(", text):
-            depth, end = 1, m.end()
-            while depth:
-                depth += (text[end] == "(") - (text[end] == ")")
-                end += 1
-            args = re.sub(r"//[^\n]*|/\*.*?\*/", "", text[m.end():end - 1], flags=re.S)
-            ops = re.findall(r"\bLLM_FFN_\w+", args)
-            assert len(ops) == 1, (name, args)
-            owner = [c for pos, c in defs if pos < m.start()][-1]
-            top = [a.strip() for a in re.split(r",(?![^()]*\))", args)]
-            calls.setdefault(owner, []).append((ops[0], len(top) in (14, 18) and top[-5 if len(top) == 18 else -1] != "nullptr"))
-    result = {}
-    for arch, cls in classes:
-        owners = {cls, graph_of.get(cls, cls)}
-        found = [c for o in owners for c in calls.get(o, [])]
-        if found:
-            facts = {"probs_in"} if any(p for _, p in found) else set()
-            facts |= {"clamp"} if owners & clamped else set()
-            result[names[arch]] = ({op for op, _ in found}, facts)
-    return result
+    return {name: ({c.type_op for c in arch.calls}, ({"probs_in"} if any(c.probs_in for c in arch.calls) else set()) | ({"clamp"} if arch.clamp else set()))
+            for name, arch in architectures().items() if arch.calls}
 
 
 def test_activations_table_matches_llama_cpps_build_moe_ffn_calls():

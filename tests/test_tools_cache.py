@@ -133,10 +133,10 @@ def test_a_silent_build_step_is_killed_with_its_children(isolated, monkeypatch):
     started = time.monotonic()
     with pytest.raises(ToolFailed, match="printed nothing for too long") as failure:
         build.compile_tools(isolated / "src", isolated / "build", isolated / "bin")
-    assert time.monotonic() - started < 30
+    assert time.monotonic() - started < 60
     assert "configuring" in str(failure.value)
     child = int(pid_file.read_text())
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 60
     while _alive(child) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not _alive(child)

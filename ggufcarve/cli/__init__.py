@@ -183,3 +183,9 @@ def main() -> None:
         where = f"{error.filename}: " if error.filename else ""
         print_error(f"{where}{error.strerror or error}", "check the path, its permissions and the free disk space, then run again (GGUFCARVE_DEBUG=1 shows where)")
         sys.exit(1)
+    except Exception as error:  # a defect of ggufcarve: one line, the traceback only on request
+        if debug:
+            raise
+        text = " ".join(str(error).split())
+        print_error(f"internal error: {type(error).__name__}" + (f": {text}" if text else ""), "set GGUFCARVE_DEBUG=1 for the traceback")
+        sys.exit(1)

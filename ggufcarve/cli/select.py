@@ -244,7 +244,9 @@ def select_command(
     if as_json:
         out.print_json(json.dumps({"selection": str(output), "heatmap": str(png) if heatmap else None, "kept_count": kept, "layers": record["layers"]}))
         return
-    out.print(_selection_table(selection))
+    if not quiet:  # -q: the result line alone
+        out.print(_selection_table(selection))
     model_name = source if _is_gguf(source) else "MODEL.gguf"
     out.print(f"selection: {output}" + (f"; heatmap: {png}" if heatmap else ""))
-    out.print(f"prune with: ggufcarve prune {model_name} --keep {output} -o OUT.gguf")
+    if not quiet:
+        out.print(f"prune with: ggufcarve prune {model_name} --keep {output} -o OUT.gguf")

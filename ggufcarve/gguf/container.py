@@ -28,18 +28,28 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf.constants import GGUFValueType
+from gguf.constants import GGUF_DEFAULT_ALIGNMENT, GGUFValueType, Keys
+from gguf.gguf_writer import SHARD_NAME_FORMAT
 
 from ggufcarve.errors import BadInput
 from ggufcarve.gguf.types import ggml_type_name, ggml_type_row_bytes
 
 GGUF_MAGIC = b"GGUF"
-DEFAULT_ALIGNMENT = 32
-SPLIT_NO = "split.no"
-SPLIT_COUNT = "split.count"
-SPLIT_TENSORS_COUNT = "split.tensors.count"
+DEFAULT_ALIGNMENT = GGUF_DEFAULT_ALIGNMENT
+SPLIT_NO = Keys.Split.LLM_KV_SPLIT_NO
+SPLIT_COUNT = Keys.Split.LLM_KV_SPLIT_COUNT
+SPLIT_TENSORS_COUNT = Keys.Split.LLM_KV_SPLIT_TENSORS_COUNT
 SPLIT_KEYS = (SPLIT_NO, SPLIT_COUNT, SPLIT_TENSORS_COUNT)
-SHARD_NAME = re.compile(r"^(?P<prefix>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
+
+
+def _shard_name_pattern(form: str) -> re.Pattern[str]:
+    """The regex of a shard name written by `form` ("{:s}-{:05d}-of-{:05d}.gguf", gguf-py's
+    SHARD_NAME_FORMAT, llama_split_path's "%s-%05d-of-%05d.gguf"): groups prefix, no and count."""
+    lead, between, of, tail = re.split(r"\{[^}]*\}", form)
+    return re.compile(f"^{re.escape(lead)}(?P<prefix>.*){re.escape(between)}(?P<no>\\d{{5}}){re.escape(of)}(?P<count>\\d{{5}}){re.escape(tail)}$")
+
+
+SHARD_NAME = _shard_name_pattern(SHARD_NAME_FORMAT)
 
 # Fixed-size scalar encodings, by GGUF value type.
 SCALAR_FORMATS: dict[int, str] = {
@@ -295,7 +305,7 @@ def _parse(buf: Any, path: Path, size: int) -> GGUFFile:
         type_id, offset = cur.unpack("<IQ", f"type and offset of tensor {name!r}")
         infos.append((name, shape, type_id, offset))
 
-    alignment_kv = next((kv for kv in kvs if kv.key == "general.alignment"), None)
+    alignment_kv = next((kv for kv in kvs if kv.key == Keys.General.ALIGNMENT), None)
     alignment = DEFAULT_ALIGNMENT
     if alignment_kv is not None:
         if alignment_kv.value_type != GGUFValueType.UINT32 or alignment_kv.value <= 0 or alignment_kv.value & (alignment_kv.value - 1):
@@ -388,7 +398,7 @@ class GGUFModel:
 
 def shard_paths(prefix: str | os.PathLike[str], count: int) -> list[Path]:
     """llama.cpp's split naming: PREFIX-00001-of-0000N.gguf."""
-    return [Path(f"{prefix}-{i + 1:05d}-of-{count:05d}.gguf") for i in range(count)]
+    return [Path(SHARD_NAME_FORMAT.format(os.fspath(prefix), i + 1, count)) for i in range(count)]
 
 
 def read_model(path: str | os.PathLike[str]) -> GGUFModel:
@@ -401,20 +411,20 @@ def read_model(path: str | os.PathLike[str]) -> GGUFModel:
         raise BadInput(f"{first.path}: this is shard {first.get(SPLIT_NO) + 1} of {count} of a split model", "give the first shard (-00001-of-...)")
     match = SHARD_NAME.match(str(first.path))
     if not match:
-        raise BadInput(f"{first.path}: split model (split.count={count}) but the name is not PREFIX-00001-of-{count:05d}.gguf", "rename the shards the way llama-gguf-split names them")
+        raise BadInput(f"{first.path}: split model ({SPLIT_COUNT}={count}) but the name is not {shard_paths('PREFIX', count)[0]}", "rename the shards the way llama-gguf-split names them")
     shards = [first]
     for i, shard_path in enumerate(shard_paths(match["prefix"], count)[1:], start=1):
         if not shard_path.exists():
             raise BadInput(f"{first.path}: shard {i + 1} of {count} is missing ({shard_path})", "download every shard of the split model")
         shard = read_file(shard_path)
         if shard.get(SPLIT_NO) != i or shard.get(SPLIT_COUNT) != count:
-            raise BadInput(f"{shard_path}: split.no/split.count say {shard.get(SPLIT_NO)}/{shard.get(SPLIT_COUNT)}, expected {i}/{count}", "the shards come from different split sets")
+            raise BadInput(f"{shard_path}: {SPLIT_NO}/{SPLIT_COUNT} say {shard.get(SPLIT_NO)}/{shard.get(SPLIT_COUNT)}, expected {i}/{count}", "the shards come from different split sets")
         shards.append(shard)
     model = GGUFModel(shards)
     expected_tensors = first.get(SPLIT_TENSORS_COUNT)
     n_tensors = sum(len(s.tensors) for s in shards)
     if expected_tensors is not None and expected_tensors != n_tensors:
-        raise BadInput(f"{first.path}: split.tensors.count is {expected_tensors} but the shards hold {n_tensors} tensors", "the split set is incomplete or mixed")
+        raise BadInput(f"{first.path}: {SPLIT_TENSORS_COUNT} is {expected_tensors} but the shards hold {n_tensors} tensors", "the split set is incomplete or mixed")
     if len(model.tensor_index) != n_tensors:
         raise BadInput(f"{first.path}: a tensor name appears in more than one shard", "the split set is corrupt")
     return model

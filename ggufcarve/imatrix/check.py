@@ -17,6 +17,7 @@ from ggufcarve.imatrix.formats import (
     KEY_REMAP_SOURCE_SHA256,
     Imatrix,
     ImatrixEntry,
+    counts_of,
     lround,
 )
 from ggufcarve.moe.keepset import (
@@ -151,8 +152,7 @@ def summarize(imatrix: Imatrix, model: GGUFModel | None = None) -> ImatrixSummar
         with_counts = [e for e in entries if e.per_expert_counts]
         if with_counts:
             first = with_counts[0]
-            assert first.counts is not None
-            counts = tuple(int(c) for c in lround(first.counts))
+            counts = tuple(int(c) for c in lround(counts_of(first)))
             zero = tuple(i for i, c in enumerate(counts) if c == 0)
             blocks.append(BlockRouting(block, tuple(e.name for e in entries), first.n_mat, counts, zero))
         else:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from gguf.constants import GGUFValueType
+from gguf.constants import GGUFType, GGUFValueType
 
 from ggufcarve.errors import BadInput
 from ggufcarve.events import Sink, ignore
@@ -24,6 +24,7 @@ from ggufcarve.imatrix.formats import (
     KEY_TYPE,
     Imatrix,
     ImatrixEntry,
+    counts_of,
     lround,
     read_imatrix,
     write_imatrix,
@@ -49,8 +50,7 @@ def to_dat(imatrix: Imatrix) -> Conversion:
         raise BadInput(f"{imatrix.path}: imatrix.chunk_size is {chunk_size}; the .dat ncall cannot be computed", "the file is corrupt")
     entries, skipped = [], []
     for e in imatrix.entries:
-        assert e.counts is not None
-        counts = lround(e.counts)
+        counts = lround(counts_of(e))
         if not counts.any():
             skipped.append(e.name)
             continue
@@ -110,7 +110,7 @@ def to_gguf(imatrix: Imatrix, chunk_size: int = DEFAULT_CHUNK_SIZE) -> Conversio
         entries.append(ImatrixEntry(e.name, 1, e.nval, count, None, load))
     chunk_count = imatrix.chunk_count if imatrix.chunk_count is not None else max((e.ncall or 0) for e in imatrix.entries)
     kvs = (
-        make_kv(KEY_TYPE, GGUFValueType.STRING, "imatrix"),
+        make_kv(KEY_TYPE, GGUFValueType.STRING, GGUFType.IMATRIX),
         make_kv(KEY_DATASETS, GGUFValueType.ARRAY, list(imatrix.datasets), GGUFValueType.STRING),
         make_kv(KEY_CHUNK_COUNT, GGUFValueType.UINT32, int(chunk_count)),
         make_kv(KEY_CHUNK_SIZE, GGUFValueType.UINT32, int(chunk_size)),

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf.constants import GGMLQuantizationType, GGUFValueType
+from gguf.constants import GGMLQuantizationType, GGUFType, GGUFValueType, Keys
 
 from ggufcarve.errors import BadInput, CarveError
 from ggufcarve.events import Counter, Sink, ignore
@@ -59,12 +59,13 @@ from ggufcarve.moe.keepset import (
     KeepSet,
     keepset_from_provenance,
 )
+from ggufcarve.moe.layout import expert_weight_block
 
 FORMATS = ("gguf", "dat")
-KEY_TYPE = "general.type"
-KEY_DATASETS = "imatrix.datasets"
-KEY_CHUNK_COUNT = "imatrix.chunk_count"
-KEY_CHUNK_SIZE = "imatrix.chunk_size"
+KEY_TYPE = Keys.General.TYPE  # GGUFType.IMATRIX in an imatrix
+KEY_DATASETS = Keys.IMatrix.DATASETS
+KEY_CHUNK_COUNT = Keys.IMatrix.CHUNK_COUNT
+KEY_CHUNK_SIZE = Keys.IMatrix.CHUNK_SIZE
 IMATRIX_KEYS = (KEY_DATASETS, KEY_CHUNK_COUNT, KEY_CHUNK_SIZE)
 # A remapped GGUF imatrix carries keepset.provenance_kvs (spelled as in a pruned model, so
 # keepset_from_provenance reads either file) and the sha256 of the imatrix it was remapped from.
@@ -72,9 +73,14 @@ KEY_REMAP_SOURCE_SHA256 = "ggufcarve.imatrix.source_sha256"
 DEFAULT_CHUNK_SIZE = 512  # llama-imatrix's default: -c 512 (and -b 2048 -> 4 sequences of 512)
 SUFFIXES = {"in_sum2": ".in_sum2", "counts": ".counts", "in_sum": ".in_sum"}
 F32 = int(GGMLQuantizationType.F32)
-# An expert weight as llama-imatrix names its entry (MUL_MAT_ID src0).
-EXPERT_ENTRY = re.compile(r"^blk\.(?P<block>\d+)\.ffn_(?:gate|up|down|gate_up)_exps\.weight$")
 MAX_NAME_BYTES = 1 << 16
+
+
+def counts_of(e: ImatrixEntry) -> np.ndarray:
+    """The stored counts of a GGUF entry (a .dat entry stores ncall instead)."""
+    if e.counts is None:
+        raise BadInput(f"{e.name}: the imatrix entry has no counts (a .dat imatrix stores ncall instead)", "convert the imatrix to GGUF first (ggufcarve imatrix convert)")
+    return e.counts
 
 
 def lround(counts: np.ndarray) -> np.ndarray:
@@ -122,7 +128,7 @@ class ImatrixEntry:
     @property
     def is_expert_weight(self) -> bool:
         """Named like an expert weight (llama-imatrix collects these through MUL_MAT_ID)."""
-        return EXPERT_ENTRY.match(self.name) is not None
+        return expert_weight_block(self.name) is not None
 
     @property
     def per_expert_counts(self) -> bool:
@@ -227,7 +233,7 @@ def _f32_view(mm: np.ndarray, offset: int, count: int) -> np.ndarray:
 
 def _read_gguf(path: Path) -> Imatrix:
     gf = read_file(path)
-    arch = gf.get("general.architecture")
+    arch = gf.get(Keys.General.ARCHITECTURE)
     kind = gf.get(KEY_TYPE)
     parts: dict[str, dict[str, Any]] = {}
     order: list[tuple[str, str]] = []
@@ -246,13 +252,13 @@ def _read_gguf(path: Path) -> Imatrix:
             order.append((t.name, "raw"))
 
     if not parts:
-        if kind not in (None, "imatrix") or arch is not None:
+        if kind not in (None, GGUFType.IMATRIX) or arch is not None:
             raise BadInput(
                 f"{path}: a GGUF {kind or 'model'} file{f' ({arch})' if arch else ''}, not an imatrix (no <weight>.in_sum2 tensors)",
                 "give the imatrix file llama-imatrix wrote, not the model",
             )
         raise BadInput(f"{path}: GGUF imatrix has no entries (no <weight>.in_sum2 / .counts tensors)", "llama-quantize rejects it too ('no data in file'); recompute the imatrix")
-    if kind is not None and kind != "imatrix":
+    if kind is not None and kind != GGUFType.IMATRIX:
         raise BadInput(f"{path}: general.type is {kind!r}, not 'imatrix'", "give the imatrix file llama-imatrix wrote")
     missing = [k for k in IMATRIX_KEYS if k not in gf.kv_index]
     if missing:
@@ -458,8 +464,7 @@ def _gguf_tensors(imatrix: Imatrix) -> list[tuple[TensorHeader, Callable[[], byt
         elif part == "in_sum":
             result.append((TensorHeader(name + SUFFIXES[part], sums_ne, F32, 4 * e.nval), lambda e=e: np.ascontiguousarray(e.load_in_sum(), dtype="<f4").tobytes()))  # type: ignore[misc]
         else:
-            assert e.counts is not None
-            result.append((TensorHeader(name + SUFFIXES[part], counts_ne, F32, 4 * e.n_mat), lambda e=e: np.ascontiguousarray(e.counts, dtype="<f4").tobytes()))
+            result.append((TensorHeader(name + SUFFIXES[part], counts_ne, F32, 4 * e.n_mat), lambda e=e: np.ascontiguousarray(counts_of(e), dtype="<f4").tobytes()))
     return result
 
 

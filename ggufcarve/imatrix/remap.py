@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf.constants import GGUFValueType
+from gguf.constants import GGUFValueType, Keys
 
 from ggufcarve.errors import BadInput, CarveError
 from ggufcarve.events import Counter, Sink, ignore
@@ -30,11 +30,11 @@ from ggufcarve.imatrix.check import check_against_model, expected_sizes, raise_p
 from ggufcarve.imatrix.convert import convert
 from ggufcarve.imatrix.formats import (
     DEFAULT_CHUNK_SIZE,
-    EXPERT_ENTRY,
     FORMATS,
     KEY_REMAP_SOURCE_SHA256,
     Imatrix,
     ImatrixEntry,
+    counts_of,
     encoded_size,
     ggml_ne,
     lround,
@@ -49,7 +49,7 @@ from ggufcarve.moe.keepset import (
     check_keepset,
     provenance_kvs,
 )
-from ggufcarve.moe.layout import ExpertTensor, MoeLayer, MoeLayout
+from ggufcarve.moe.layout import ExpertTensor, MoeLayer, MoeLayout, expert_weight_block
 from ggufcarve.moe.routing import UNKNOWN_ROUTING
 from ggufcarve.reports import (
     IMATRIX_REMAP_REPORT,
@@ -150,7 +150,8 @@ def _select(e: ImatrixEntry, ids: Sequence[int], n_expert: int, ne0: int) -> Ima
             load_in_sum = lambda: np.ascontiguousarray(src_in_sum()[index])
         return dataclasses.replace(e, n_mat=len(ids), counts=counts, load_sums=load, load_in_sum=load_in_sum, sums_ne=sums_ne, counts_ne=counts_ne)
     # one row holding all experts (.dat, or a GGUF converted from one): expert-major slices
-    assert e.n_mat == 1 and e.row_len == n_expert * ne0
+    if e.n_mat != 1 or e.row_len != n_expert * ne0:
+        raise BadInput(f"{e.name}: {e.n_mat} rows of {e.row_len} values, expected one row of {n_expert} experts x {ne0}", "the imatrix belongs to another model")
 
     def load_flat() -> np.ndarray:
         return np.ascontiguousarray(e.sums().reshape(n_expert, ne0)[index].reshape(1, -1))
@@ -195,7 +196,8 @@ def resolve_source_layout(
                 "give the source model the pruned model was made from",
             )
         return source_layout
-    assert pruned is not None and pruned_layout is not None
+    if pruned is None or pruned_layout is None:
+        raise BadInput("neither the source model nor the pruned model was given", "give --source-model (the unpruned model) or --model (the pruned one)")
     if recorded is not None:
         return dataclasses.replace(pruned_layout, expert_count=int(recorded))
     ne0 = {t.name: t.shape[0] for t in pruned_layout.expert_tensors.values() if t.role == "expert weight"}
@@ -221,10 +223,9 @@ def layout_from_imatrix(imatrix: Imatrix) -> MoeLayout:
     per_block: dict[int, list[ExpertTensor]] = {}
     counts = set()
     for e in imatrix.entries:
-        m = EXPERT_ENTRY.match(e.name)
-        if m is None:
+        block = expert_weight_block(e.name)
+        if block is None:
             continue
-        block = int(m["block"])
         counts.add(e.n_mat)
         per_block.setdefault(block, []).append(ExpertTensor(e.name, block, "expert weight", (e.row_len, e.n_mat), "F32", e.nval * 4, e.row_len * 4))
     if not per_block:
@@ -276,13 +277,13 @@ def plan_remap(
             "remap the original imatrix (the one computed on the unpruned model)",
         )
     if pruned is not None:
-        arch = pruned.get("general.architecture")
+        arch = pruned.get(Keys.General.ARCHITECTURE)
         if arch != layout.architecture:
             raise BadInput(f"{pruned.path} is {arch}, the source model is {layout.architecture}", "give the pruned model made from this source")
-        pruned_k = pruned.get(f"{arch}.expert_count")
+        pruned_k = pruned.get(Keys.LLM.EXPERT_COUNT.format(arch=arch))
         if pruned_k != k:
             raise BadInput(
-                f"the keep-set keeps {k} experts per block but {pruned.path} has {arch}.expert_count={pruned_k}",
+                f"the keep-set keeps {k} experts per block but {pruned.path} has {Keys.LLM.EXPERT_COUNT.format(arch=arch)}={pruned_k}",
                 "use the keep-set the model was pruned with (omit --keep to use the one it records)",
             )
 
@@ -331,8 +332,7 @@ def plan_remap(
         dropped = tuple(i for i in range(n_expert) if i not in set(ids))
         routed_kept = routed_dropped = None
         if e.per_expert_counts:
-            assert e.counts is not None
-            counts = lround(e.counts)
+            counts = lround(counts_of(e))
             routed_kept = int(counts[list(ids)].sum())
             routed_dropped = int(counts.sum()) - routed_kept
         tensors.append(TensorRemap(e.name, block, layout.is_mtp(block), n_expert, tuple(ids), dropped, routed_kept, routed_dropped))
@@ -364,8 +364,8 @@ def plan_remap(
     models = {}
     for role, m in (("pruned", pruned), ("source", source)):
         if m is not None:
-            arch = m.get("general.architecture")
-            models[role] = {"name": m.path.name, "architecture": arch, "expert_count": int(m.get(f"{arch}.expert_count") or 0)}
+            arch = m.get(Keys.General.ARCHITECTURE)
+            models[role] = {"name": m.path.name, "architecture": arch, "expert_count": int(m.get(Keys.LLM.EXPERT_COUNT.format(arch=arch)) or 0)}
     return RemapPlan(
         source=imatrix,
         output=result,
@@ -390,7 +390,7 @@ def _group_problems(problems: list[str]) -> list[str]:
     grouped: dict[str, list[str]] = {}
     for p in problems:
         name, _, rest = p.partition(" ")
-        if EXPERT_ENTRY.match(name) and "experts" in rest:
+        if expert_weight_block(name) is not None and "experts" in rest:
             grouped.setdefault(rest, []).append(name)
         else:
             grouped.setdefault(p, [])
@@ -444,9 +444,8 @@ def execute_remap(
     (default OUTPUT_DIR/method/<output stem>.imatrix-remap-report.json), then rename the output
     into place: a crash at any point leaves no output without its report."""
     t0 = time.perf_counter()
-    assert plan.source.path is not None
     report_path = report_path or default_report_path(plan.output_path)
-    input_sha = sha256_file(plan.source.path)
+    input_sha = sha256_file(_read_from(plan.source))
     output = plan.output
     if output.format == "gguf" and any(kv.key == KEY_REMAP_SOURCE_SHA256 for kv in output.kvs):
         output = dataclasses.replace(output, kvs=tuple(replace_kvs(output.kvs, {KEY_REMAP_SOURCE_SHA256: make_kv(KEY_REMAP_SOURCE_SHA256, GGUFValueType.STRING, input_sha)})))
@@ -469,14 +468,19 @@ def execute_remap(
     return result
 
 
+def _read_from(imatrix: Imatrix) -> Path:
+    if imatrix.path is None:
+        raise RuntimeError("the imatrix to remap was not read from a file")
+    return imatrix.path
+
+
 def remap_report(result: RemapResult) -> dict[str, Any]:
     """The remap report; `output.sha256` names the imatrix it describes."""
     plan = result.plan
     source = plan.source
-    assert source.path is not None
     results = {
         "input": {
-            "name": source.path.name,
+            "name": _read_from(source).name,
             "format": source.format,
             "bytes": source.size,
             "sha256": result.input_sha256,

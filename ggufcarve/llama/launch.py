@@ -232,7 +232,10 @@ def run(
     began = time.monotonic()  # timeouts count from here, when the child has its work
     tail: deque[str] = deque(maxlen=tail_lines)
     timed_out = ""
-    assert proc.stdout is not None
+    if proc.stdout is None:  # Popen above is always given stdout=PIPE
+        _kill(proc)
+        _running.pop(proc.pid, None)
+        raise RuntimeError(f"{proc.args!r}: the child's output is not a pipe")
     selector = selectors.DefaultSelector()
     pending = b""
     last_output = began

@@ -12,31 +12,43 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from gguf.constants import MODEL_TENSOR, Keys
+
 from ggufcarve.errors import BadInput, UnsupportedModel
 from ggufcarve.gguf.container import GGUFModel, TensorInfo
-from ggufcarve.moe.routing import Routing, routing_of
+from ggufcarve.moe.routing import BLOCK_PREFIX, SELECTION_BIAS_SUFFIXES, Routing, routing_of, tensor_base
+
+# Block tensor names without "blk.N." and the ".weight"/".bias"/... kind, as gguf-py's
+# TENSOR_NAMES spells them (src/llama-arch.cpp's LLM_TENSOR_NAMES).
+ROUTER = tensor_base(MODEL_TENSOR.FFN_GATE_INP)  # ffn_gate_inp
+GATE_EXPS = tensor_base(MODEL_TENSOR.FFN_GATE_EXP)  # ffn_gate_exps
+UP_EXPS = tensor_base(MODEL_TENSOR.FFN_UP_EXP)  # ffn_up_exps
+DOWN_EXPS = tensor_base(MODEL_TENSOR.FFN_DOWN_EXP)  # ffn_down_exps
+GATE_UP_EXPS = tensor_base(MODEL_TENSOR.FFN_GATE_UP_EXP)  # ffn_gate_up_exps: gate rows, then up rows
+EXPERT_WEIGHTS = (GATE_EXPS, UP_EXPS, DOWN_EXPS, GATE_UP_EXPS)
+# src/llama-arch.cpp names that gguf-py 0.19 does not have (deepseek4)
+SELECTION_BIAS_VL = "exp_probs_b_vl"
+TOKEN_TO_EXPERT = "ffn_gate_tid2eid"
 
 # Tensor name suffix after "blk.N." -> role. Every one of these has ne[-1] == n_expert.
 EXPERT_AXIS_ROLES: dict[str, str] = {
-    "ffn_gate_inp.weight": "router",
-    "ffn_gate_inp.bias": "router bias",
-    "exp_probs_b.bias": "selection bias",
-    "exp_probs_b": "selection bias",  # hy-v3 names it without ".bias"
-    "exp_probs_b_vl.bias": "selection bias",  # deepseek4
+    f"{ROUTER}.weight": "router",
+    f"{ROUTER}.bias": "router bias",
+    **{suffix: "selection bias" for suffix in SELECTION_BIAS_SUFFIXES},  # hy-v3 names it without ".bias"
+    f"{SELECTION_BIAS_VL}.bias": "selection bias",
 }
-for _proj in ("gate", "up", "down", "gate_up"):
-    EXPERT_AXIS_ROLES[f"ffn_{_proj}_exps.weight"] = "expert weight"
-    EXPERT_AXIS_ROLES[f"ffn_{_proj}_exps.bias"] = "expert bias"
-    EXPERT_AXIS_ROLES[f"ffn_{_proj}_exps.scale"] = "expert scale"
-    EXPERT_AXIS_ROLES[f"ffn_{_proj}_exps.input_scale"] = "expert scale"
+for _base in EXPERT_WEIGHTS:
+    EXPERT_AXIS_ROLES[f"{_base}.weight"] = "expert weight"
+    EXPERT_AXIS_ROLES[f"{_base}.bias"] = "expert bias"
+    EXPERT_AXIS_ROLES[f"{_base}.scale"] = "expert scale"
+    EXPERT_AXIS_ROLES[f"{_base}.input_scale"] = "expert scale"
 
 # Expert-related tensors that must not be sliced along a last axis; pruning them needs more than
 # copying byte ranges, so a model carrying them is refused.
 REFUSED_SUFFIXES: dict[str, str] = {
-    "ffn_gate_tid2eid.weight": "stores expert ids as values (deepseek4 token-id routing); slicing would leave ids pointing at dropped experts",
-    "ffn_gate_chexps.weight": "is a grovemoe chunk-expert tensor whose chunks are tied to expert groups",
-    "ffn_up_chexps.weight": "is a grovemoe chunk-expert tensor whose chunks are tied to expert groups",
-    "ffn_down_chexps.weight": "is a grovemoe chunk-expert tensor whose chunks are tied to expert groups",
+    f"{TOKEN_TO_EXPERT}.weight": "stores expert ids as values (deepseek4 token-id routing); slicing would leave ids pointing at dropped experts",
+    **{f"{tensor_base(t)}.weight": "is a grovemoe chunk-expert tensor whose chunks are tied to expert groups"
+       for t in (MODEL_TENSOR.FFN_GATE_CHEXP, MODEL_TENSOR.FFN_UP_CHEXP, MODEL_TENSOR.FFN_DOWN_CHEXP)},
 }
 
 # Names that look expert-related but carry no expert axis (shared experts, per-layer norms).
@@ -45,6 +57,18 @@ NOT_EXPERT_AXIS = re.compile(r"_shexp|^ffn_norm_exps\.")
 LOOKS_EXPERT_RELATED = re.compile(r"exps|exp_probs|gate_inp|tid2eid")
 
 BLOCK_TENSOR = re.compile(r"^blk\.(?P<block>\d+)\.(?P<suffix>.+)$")
+
+
+def block_tensor(block: int, base: str, kind: str = "weight") -> str:
+    """A block tensor's name: block_tensor(3, DOWN_EXPS) -> "blk.3.ffn_down_exps.weight"."""
+    return f"{BLOCK_PREFIX.format(bid=block)}{base}.{kind}"
+
+
+def expert_weight_block(name: str) -> int | None:
+    """The block of an expert weight's name (blk.N.ffn_{gate,up,down,gate_up}_exps.weight, the
+    MUL_MAT_ID matrices whose inputs llama-imatrix collects per expert); None for any other name."""
+    match = BLOCK_TENSOR.match(name)
+    return int(match["block"]) if match and EXPERT_AXIS_ROLES.get(match["suffix"]) == "expert weight" else None
 
 
 @dataclass(frozen=True)
@@ -101,10 +125,6 @@ class MoeLayout:
     def expert_tensors(self) -> dict[str, ExpertTensor]:
         return {t.name: t for layer in self.layers for t in layer.tensors}
 
-    @property
-    def key_expert_count(self) -> str:
-        return f"{self.architecture}.expert_count"
-
     def to_json(self) -> dict[str, Any]:
         return {
             "architecture": self.architecture,
@@ -145,10 +165,10 @@ def _u32(model: GGUFModel, key: str, default: int = 0) -> int:
 
 def _vocab_size(model: GGUFModel, arch: str) -> int:
     """{arch}.vocab_size, else the length of tokenizer.ggml.tokens (llama.cpp's order)."""
-    size = model.get(f"{arch}.vocab_size")
+    size = model.get(Keys.LLM.VOCAB_SIZE.format(arch=arch))
     if size is not None:
         return int(size)
-    tokens = model.get("tokenizer.ggml.tokens")
+    tokens = model.get(Keys.Tokenizer.LIST)
     return len(tokens) if tokens is not None else 0
 
 
@@ -171,14 +191,18 @@ def expert_role(suffix: str) -> str | None:
 
 def inspect_layout(model: GGUFModel) -> MoeLayout:
     """The MoE layout of `model`; raises UnsupportedModel for dense or unsafe models."""
-    arch = model.get("general.architecture")
+    arch = model.get(Keys.General.ARCHITECTURE)
     if not isinstance(arch, str):
-        raise BadInput(f"{model.path}: no general.architecture key", "this is not a llama.cpp model file")
-    expert_count = _u32(model, f"{arch}.expert_count")
+        raise BadInput(f"{model.path}: no {Keys.General.ARCHITECTURE} key", "this is not a llama.cpp model file")
+
+    def key(template: str) -> str:
+        return template.format(arch=arch)
+
+    expert_count = _u32(model, key(Keys.LLM.EXPERT_COUNT))
     if expert_count < 2:
-        raise UnsupportedModel(f"{model.path}: {arch} model has no routed experts ({arch}.expert_count is {expert_count or 'absent'})", "expert pruning needs a Mixture-of-Experts model")
-    block_count = _u32(model, f"{arch}.block_count")
-    nextn = _u32(model, f"{arch}.nextn_predict_layers")
+        raise UnsupportedModel(f"{model.path}: {arch} model has no routed experts ({key(Keys.LLM.EXPERT_COUNT)} is {expert_count or 'absent'})", "expert pruning needs a Mixture-of-Experts model")
+    block_count = _u32(model, key(Keys.LLM.BLOCK_COUNT))
+    nextn = _u32(model, key(Keys.LLM.NEXTN_PREDICT_LAYERS))
 
     per_block: dict[int, list[ExpertTensor]] = {}
     for tensor in model.tensors:
@@ -195,7 +219,7 @@ def inspect_layout(model: GGUFModel) -> MoeLayout:
         per_block.setdefault(block, []).append(_expert_tensor(model, tensor, block, role, expert_count))
 
     if not per_block:
-        raise UnsupportedModel(f"{model.path}: {arch}.expert_count is {expert_count} but no tensor carries an expert axis", "the model is dense or its expert tensors are named in a way ggufcarve does not know")
+        raise UnsupportedModel(f"{model.path}: {key(Keys.LLM.EXPERT_COUNT)} is {expert_count} but no tensor carries an expert axis", "the model is dense or its expert tensors are named in a way ggufcarve does not know")
     layers = []
     for block in sorted(per_block):
         tensors = tuple(per_block[block])
@@ -203,7 +227,7 @@ def inspect_layout(model: GGUFModel) -> MoeLayout:
         if "router" not in roles or "expert weight" not in roles:
             raise UnsupportedModel(f"{model.path}: blk.{block} has expert tensors but {'no router (ffn_gate_inp.weight)' if 'router' not in roles else 'no expert weights'}", "the file is incomplete or uses an unknown layout")
         if block >= block_count:
-            raise BadInput(f"{model.path}: tensor blk.{block}.* is beyond {arch}.block_count={block_count}", "the file's metadata is corrupt")
+            raise BadInput(f"{model.path}: tensor blk.{block}.* is beyond {key(Keys.LLM.BLOCK_COUNT)}={block_count}", "the file's metadata is corrupt")
         layers.append(MoeLayer(block, block >= block_count - nextn, tensors))
 
     expert_bytes = sum(t.nbytes for layer in layers for t in layer.tensors)
@@ -212,11 +236,11 @@ def inspect_layout(model: GGUFModel) -> MoeLayout:
         block_count=block_count,
         nextn_layers=nextn,
         expert_count=expert_count,
-        expert_used_count=_u32(model, f"{arch}.expert_used_count"),
-        group_count=_u32(model, f"{arch}.expert_group_count"),
-        group_used_count=_u32(model, f"{arch}.expert_group_used_count"),
-        shared_expert_count=_u32(model, f"{arch}.expert_shared_count", default=int(any("_shexp." in t.name for t in model.tensors))),
-        leading_dense_blocks=_u32(model, f"{arch}.leading_dense_block_count"),
+        expert_used_count=_u32(model, key(Keys.LLM.EXPERT_USED_COUNT)),
+        group_count=_u32(model, key(Keys.LLM.EXPERT_GROUP_COUNT)),
+        group_used_count=_u32(model, key(Keys.LLM.EXPERT_GROUP_USED_COUNT)),
+        shared_expert_count=_u32(model, key(Keys.LLM.EXPERT_SHARED_COUNT), default=int(any("_shexp." in t.name for t in model.tensors))),
+        leading_dense_blocks=_u32(model, key(Keys.LLM.LEADING_DENSE_BLOCK_COUNT)),
         layers=tuple(layers),
         total_bytes=sum(t.nbytes for t in model.tensors),
         expert_bytes=expert_bytes,

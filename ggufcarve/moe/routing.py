@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from gguf.constants import ExpertGatingFuncType, Keys
+from gguf.constants import MODEL_TENSOR, TENSOR_NAMES, ExpertGatingFuncType, Keys
 
 SOFTMAX, SIGMOID = int(ExpertGatingFuncType.SOFTMAX), int(ExpertGatingFuncType.SIGMOID)
 SOFTMAX_WEIGHT, SQRT_SOFTPLUS = 3, 4  # llama-hparams.h values that gguf-py 0.19 does not name
@@ -34,7 +34,21 @@ SOFTMAX_WEIGHT, SQRT_SOFTPLUS = 3, 4  # llama-hparams.h values that gguf-py 0.19
 GATING_NAMES: dict[int, str] = {int(g): g.name.lower() for g in ExpertGatingFuncType}
 GATING_NAMES.setdefault(SOFTMAX_WEIGHT, "softmax_weight")
 GATING_NAMES.setdefault(SQRT_SOFTPLUS, "sqrtsoftplus")
-SELECTION_BIAS_SUFFIXES = ("exp_probs_b.bias", "exp_probs_b")
+
+
+BLOCK_PREFIX = "blk.{bid}."  # of every block tensor in gguf-py's TENSOR_NAMES
+
+
+def tensor_base(tensor: MODEL_TENSOR) -> str:
+    """gguf-py's name of a block tensor without "blk.N.": tensor_base(FFN_GATE_INP) -> "ffn_gate_inp"."""
+    name = TENSOR_NAMES[tensor]
+    if not name.startswith(BLOCK_PREFIX):
+        raise ValueError(f"{tensor.name} is not a block tensor in gguf-py ({name})")
+    return name.removeprefix(BLOCK_PREFIX)
+
+
+SELECTION_BIAS = tensor_base(MODEL_TENSOR.FFN_EXP_PROBS_B)  # exp_probs_b
+SELECTION_BIAS_SUFFIXES = (f"{SELECTION_BIAS}.bias", SELECTION_BIAS)
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from gguf.constants import GGUFValueType
+from gguf.constants import GGUFValueType, Keys
 
 from ggufcarve.errors import VerificationFailed
 from ggufcarve.events import Counter, Sink, ignore
@@ -21,7 +21,7 @@ from ggufcarve.gguf.container import (
 )
 from ggufcarve.moe.keepset import KeepSet, check_keepset
 from ggufcarve.moe.layout import MoeLayout
-from ggufcarve.prune.plan import PROVENANCE, SourceRange, tensor_ranges
+from ggufcarve.prune.plan import PROVENANCE, tensor_ranges
 
 
 @dataclass
@@ -57,7 +57,6 @@ class Verification:
         if problems:
             raise VerificationFailed(f"{where}: " + "; ".join(problems[:3]) + (f" (+{len(problems) - 3} more)" if len(problems) > 3 else ""), "check that the keep-set is the one the output was made with (see its method/<output stem>.pruning-report.json); otherwise re-run the prune")
 
-Ranges = dict[str, tuple[tuple[int, ...], tuple[SourceRange, ...]]]
 OutputHashes = dict[str, tuple[int, int, str]]  # tensor name -> (absolute start, length, xxh3-128) in its output file
 
 def hash_output(files: list[GGUFFile], progress: Callable[[int], None]) -> OutputHashes:
@@ -103,11 +102,12 @@ def verify_prune(
         problems.append(f"tensor set differs from the source (missing {missing[:3]}, extra {extra[:3]})")
 
     arch = layout.architecture
-    allowed_changes = {f"{arch}.expert_count", "general.size_label"}
+    expert_count_key = Keys.LLM.EXPERT_COUNT.format(arch=arch)
+    allowed_changes = {expert_count_key, Keys.General.SIZE_LABEL}
     out_meta = output_files[0]
-    expert_kv = out_meta.kv_index.get(f"{arch}.expert_count")
+    expert_kv = out_meta.kv_index.get(expert_count_key)
     if expert_kv is None or expert_kv.value_type != GGUFValueType.UINT32 or expert_kv.value != kept:
-        problems.append(f"{arch}.expert_count is {None if expert_kv is None else expert_kv.value!r}, expected u32 {kept}")
+        problems.append(f"{expert_count_key} is {None if expert_kv is None else expert_kv.value!r}, expected u32 {kept}")
     keys_checked = 0
     for kv in source.metadata.kvs:
         if kv.key in SPLIT_KEYS or kv.key in allowed_changes:

@@ -196,7 +196,8 @@ def _fill_source_sha256(planned: PlannedFile, fd: int, digests: list[str]) -> No
     """Overwrite the placeholder digests in the written header; the record keeps its length."""
     real = make_kv(KEY_SOURCE_SHA256, GGUFValueType.ARRAY, digests, GGUFValueType.STRING)
     placeholder = next(kv for kv in planned.kvs if kv.key == KEY_SOURCE_SHA256)
-    assert len(real.raw) == len(placeholder.raw)
+    if len(real.raw) != len(placeholder.raw):
+        raise RuntimeError(f"{KEY_SOURCE_SHA256}: the digests take {len(real.raw)} bytes, the placeholder {len(placeholder.raw)}")
     write_at(fd, real.raw, planned.kv_position(KEY_SOURCE_SHA256))
 
 

@@ -9,7 +9,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from gguf.constants import GGUFValueType
+from gguf.constants import GGUFValueType, Keys
 from gguf.utility import model_weight_count_rounded_notation
 
 from ggufcarve.errors import BadInput
@@ -200,8 +200,9 @@ def parse_size(text: str) -> int:
 def relabel_size(label: str, total_params: int, kept: int, expert_count: int) -> str | None:
     """The general.size_label after pruning; None when the label's form is not recognised.
 
-    Forms: "<N>x<size>" (gguf-py's MoE label) -> "<K>x<size>"; "<total>-A<active>" and "<total>"
-    -> total recomputed from the pruned tensor shapes.
+    Forms: "<N>x<size>" (gguf.utility.size_label of a MoE: size counts the shared parameters and
+    one expert's, which pruning keeps) -> "<K>x<size>"; "<total>-A<active>" and "<total>" -> total
+    recomputed from the pruned tensor shapes (gguf.utility.model_weight_count_rounded_notation).
     """
     if kept == expert_count:
         return label
@@ -234,21 +235,22 @@ def plan_prune(
 
     meta = model.metadata
     arch = layout.architecture
-    changes: dict[str, KeyValue | None] = {f"{arch}.expert_count": make_kv(f"{arch}.expert_count", GGUFValueType.UINT32, kept)}
+    expert_count_key = Keys.LLM.EXPERT_COUNT.format(arch=arch)
+    changes: dict[str, KeyValue | None] = {expert_count_key: make_kv(expert_count_key, GGUFValueType.UINT32, kept)}
     changed_keys: dict[str, tuple[Any, Any]] = {}
     if layout.expert_count != kept:
-        changed_keys[f"{arch}.expert_count"] = (layout.expert_count, kept)
-    label = meta.get("general.size_label")
+        changed_keys[expert_count_key] = (layout.expert_count, kept)
+    label = meta.get(Keys.General.SIZE_LABEL)
     if isinstance(label, str) and kept != layout.expert_count:
         total_params = sum(
             t.n_elements * (kept if t.name in layout.expert_tensors else t.shape[-1]) // t.shape[-1] for t in model.tensors
         )
         new_label = relabel_size(label, total_params, kept, layout.expert_count)
         if new_label is None:
-            warnings.append(f"general.size_label {label!r} has a form ggufcarve does not know; left unchanged")
+            warnings.append(f"{Keys.General.SIZE_LABEL} {label!r} has a form ggufcarve does not know; left unchanged")
         elif new_label != label:
-            changes["general.size_label"] = make_kv("general.size_label", GGUFValueType.STRING, new_label)
-            changed_keys["general.size_label"] = (label, new_label)
+            changes[Keys.General.SIZE_LABEL] = make_kv(Keys.General.SIZE_LABEL, GGUFValueType.STRING, new_label)
+            changed_keys[Keys.General.SIZE_LABEL] = (label, new_label)
     if provenance:
         source_sha256 = make_kv(KEY_SOURCE_SHA256, GGUFValueType.ARRAY, [SHA256_PLACEHOLDER] * len(model.shards), GGUFValueType.STRING)
         for kv in (source_sha256, *provenance_kvs(keepset, layout.expert_count)):

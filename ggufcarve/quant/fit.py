@@ -32,7 +32,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from gguf.constants import GGML_QUANT_VERSION, GGUFValueType
+from gguf.constants import GGML_QUANT_VERSION, GGUFValueType, Keys
 
 from ggufcarve.errors import BadInput
 from ggufcarve.events import Event, Sink, ignore
@@ -221,8 +221,8 @@ def sparse_pruned_header(model: GGUFModel, layout: MoeLayout, kept: int, directo
     plan = plan_prune(model, layout, balanced_keepset(layout, kept), directory / f"pruned-{kept}.gguf", merge=True)
     planned = plan.files[0]
     kvs = [kv for kv in planned.kvs if not (kv.key.startswith("tokenizer.") and kv.item_type == GGUFValueType.STRING)]
-    vocab_key = f"{layout.architecture}.vocab_size"
-    tokens = model.get("tokenizer.ggml.tokens")
+    vocab_key = Keys.LLM.VOCAB_SIZE.format(arch=layout.architecture)
+    tokens = model.get(Keys.Tokenizer.LIST)
     if tokens is not None and model.get(vocab_key) is None:
         kvs.append(make_kv(vocab_key, GGUFValueType.UINT32, len(tokens)))
     header, _ = encode_header(planned.version, kvs, [t.header for t in planned.tensors], planned.alignment)
@@ -239,8 +239,8 @@ def rung_file_bytes(planned: PlannedFile, dry: DryRun, ftype: str) -> int:
     general.quantization_version and general.file_type set and split keys removed, each tensor's
     rows at its target type, padded to the alignment."""
     changes: dict[str, Any] = {key: None for key in SPLIT_KEYS}
-    changes["general.quantization_version"] = make_kv("general.quantization_version", GGUFValueType.UINT32, GGML_QUANT_VERSION)
-    changes["general.file_type"] = make_kv("general.file_type", GGUFValueType.UINT32, FILE_TYPES[ftype])
+    changes[Keys.General.QUANTIZATION_VERSION] = make_kv(Keys.General.QUANTIZATION_VERSION, GGUFValueType.UINT32, GGML_QUANT_VERSION)
+    changes[Keys.General.FILE_TYPE] = make_kv(Keys.General.FILE_TYPE, GGUFValueType.UINT32, FILE_TYPES[ftype])
     tensors = []
     for t in planned.tensors:
         target = dry.targets.get(t.name)

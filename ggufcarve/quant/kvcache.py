@@ -27,13 +27,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, Keys
 
 from ggufcarve.errors import BadInput, UnsupportedModel
 
 KV_TYPES = ("F16", "Q8_0", "F32", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL")  # llama.cpp's -ctk/-ctv choices
 CELL_PADDING = 256  # GGML_PAD(n_ctx, 256) in llama_context; also the iSWA cache's padding
 RECURRENT_STATE_TYPE = "F32"  # create_memory gives the recurrent memory GGML_TYPE_F32 for R and S
+RECURRENT_LAYERS = "{arch}.attention.recurrent_layers"  # LLM_KV_ATTENTION_RECURRENT_LAYERS (src/llama-arch.cpp); gguf-py 0.19 has no name for it
 
 
 @dataclass(frozen=True)
@@ -158,9 +159,13 @@ def _u32(get: Callable[[str], Any], key: str, default: int = 0) -> int:
 def context_memory(get: Callable[[str], Any], settings: ContextSettings) -> ContextMemory:
     """The KV cache and recurrent state llama.cpp allocates for a context of the model whose keys
     `get` reads (a GGUFModel's `get`). See the module docstring for the rules."""
-    arch = get("general.architecture")
+    arch = get(Keys.General.ARCHITECTURE)
     if not isinstance(arch, str):
-        raise BadInput("no general.architecture key", "this is not a llama.cpp model file")
+        raise BadInput(f"no {Keys.General.ARCHITECTURE} key", "this is not a llama.cpp model file")
+
+    def key(template: str) -> str:
+        return template.format(arch=arch)
+
     if settings.n_ctx < 1 or settings.n_seq < 1:
         raise BadInput(f"context {settings.n_ctx} with {settings.n_seq} sequence(s) is not a context", "give --ctx a positive number of tokens")
     for kind, type_name in (("K", settings.type_k), ("V", settings.type_v)):
@@ -175,34 +180,34 @@ def context_memory(get: Callable[[str], Any], settings: ContextSettings) -> Cont
         notes.append(f"{arch}: llama.cpp's cache rules for this architecture are not modelled; sized as plain attention on every main block")
         rules = CacheRules()
 
-    n_layer_all = _u32(get, f"{arch}.block_count")
+    n_layer_all = _u32(get, key(Keys.LLM.BLOCK_COUNT))
     if n_layer_all < 1:
-        raise BadInput(f"{arch}.block_count is missing", "the file's metadata is incomplete")
-    n_nextn = _u32(get, f"{arch}.nextn_predict_layers")
+        raise BadInput(f"{key(Keys.LLM.BLOCK_COUNT)} is missing", "the file's metadata is incomplete")
+    n_nextn = _u32(get, key(Keys.LLM.NEXTN_PREDICT_LAYERS))
     n_layer = n_layer_all - n_nextn
-    n_embd = _u32(get, f"{arch}.embedding_length")
-    n_head = _per_layer(get, f"{arch}.attention.head_count", n_layer_all, [0] * n_layer_all)
-    n_head_kv = _per_layer(get, f"{arch}.attention.head_count_kv", n_layer_all, n_head)
+    n_embd = _u32(get, key(Keys.LLM.EMBEDDING_LENGTH))
+    n_head = _per_layer(get, key(Keys.Attention.HEAD_COUNT), n_layer_all, [0] * n_layer_all)
+    n_head_kv = _per_layer(get, key(Keys.Attention.HEAD_COUNT_KV), n_layer_all, n_head)
     head0 = n_head[0] if n_head else 0
-    head_k = _u32(get, f"{arch}.attention.key_length", n_embd // head0 if head0 else 0)
-    head_v = _u32(get, f"{arch}.attention.value_length", n_embd // head0 if head0 else 0)
-    head_k_swa = _u32(get, f"{arch}.attention.key_length_swa", head_k)
-    head_v_swa = _u32(get, f"{arch}.attention.value_length_swa", head_v)
-    is_mla = rules.mla and bool(get(f"{arch}.attention.key_length_mla")) and bool(get(f"{arch}.attention.value_length_mla"))
+    head_k = _u32(get, key(Keys.Attention.KEY_LENGTH), n_embd // head0 if head0 else 0)
+    head_v = _u32(get, key(Keys.Attention.VALUE_LENGTH), n_embd // head0 if head0 else 0)
+    head_k_swa = _u32(get, key(Keys.Attention.KEY_LENGTH_SWA), head_k)
+    head_v_swa = _u32(get, key(Keys.Attention.VALUE_LENGTH_SWA), head_v)
+    is_mla = rules.mla and bool(get(key(Keys.Attention.KEY_LENGTH_MLA))) and bool(get(key(Keys.Attention.VALUE_LENGTH_MLA)))
 
     recurrent = [False] * n_layer_all
     if rules.recurrent == "full_attention_interval":
-        marked = get(f"{arch}.attention.recurrent_layers")
+        marked = get(key(RECURRENT_LAYERS))
         if marked is not None and hasattr(marked, "__len__"):
             recurrent = [bool(v) for v in marked][:n_layer_all] + [False] * max(0, n_layer_all - len(marked))
         else:
-            interval = _u32(get, f"{arch}.full_attention_interval", rules.default_full_attention_interval)
+            interval = _u32(get, key(Keys.LLM.FULL_ATTENTION_INTERVAL), rules.default_full_attention_interval)
             recurrent = [il < n_layer and (il + 1) % interval != 0 for il in range(n_layer_all)]
 
     swa = [False] * n_layer_all
-    n_swa = _u32(get, f"{arch}.attention.sliding_window")
+    n_swa = _u32(get, key(Keys.Attention.SLIDING_WINDOW))
     if rules.swa_pattern:
-        pattern = get(f"{arch}.attention.sliding_window_pattern")
+        pattern = get(key(Keys.Attention.SLIDING_WINDOW_PATTERN))
         if pattern is not None and hasattr(pattern, "__len__"):
             swa = [bool(v) for v in pattern][:n_layer_all] + [False] * max(0, n_layer_all - len(pattern))
         else:
@@ -228,10 +233,10 @@ def context_memory(get: Callable[[str], Any], settings: ContextSettings) -> Cont
     layers: list[LayerCache] = []
     for il in range(n_layer):
         if recurrent[il]:
-            d_conv = _u32(get, f"{arch}.ssm.conv_kernel")
-            d_inner = _u32(get, f"{arch}.ssm.inner_size")
-            d_state = _u32(get, f"{arch}.ssm.state_size")
-            n_group = _u32(get, f"{arch}.ssm.group_count")
+            d_conv = _u32(get, key(Keys.SSM.CONV_KERNEL))
+            d_inner = _u32(get, key(Keys.SSM.INNER_SIZE))
+            d_state = _u32(get, key(Keys.SSM.STATE_SIZE))
+            n_group = _u32(get, key(Keys.SSM.GROUP_COUNT))
             rows = max(1, settings.n_seq)
             n_embd_r = (d_conv - 1 if d_conv > 0 else 0) * (d_inner + 2 * n_group * d_state)
             n_embd_s = d_state * d_inner

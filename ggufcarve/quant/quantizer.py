@@ -22,11 +22,6 @@ from ggufcarve.llama.tools import (
     require_tool,
 )
 
-# ---------------------------------------------------------------------------------------------
-# Quantizer backends
-
-QUANTIZE_BACKENDS = ("auto", "binary", "libllama")
-
 # tensor_requires_imatrix in src/llama-quant.cpp: the target types whose quantization without
 # importance data llama.cpp refuses ("this quantization requires an imatrix!" when no imatrix is
 # given, "Missing importance matrix for tensor ..." when the given one lacks the tensor's entry),
@@ -104,7 +99,8 @@ class QuantizeJob:
             argv.append("--dry-run")
         argv.append(file_arg(self.source))
         if not self.dry_run:
-            assert self.output is not None
+            if self.output is None:
+                raise RuntimeError(f"{self.ftype}: a quantize job that is not a dry run needs an output")
             argv.append(file_arg(self.output))
         argv.append(self.ftype.upper())
         if self.nthreads:
@@ -127,7 +123,6 @@ class QuantizeRun:
 QUANTIZER_IDLE_TIMEOUT = 3600.0
 TENSOR_LINE = re.compile(r"^\[\s*(?P<index>\d+)/\s*(?P<total>\d+)\]\s+(?P<name>\S+)\s+-\s+\[(?P<shape>[^\]]*)\],\s+type =\s*(?P<type>\S+?),")
 DRY_RUN_SIZE = re.compile(r"size =\s*(?P<before>[\d.]+) MiB(?: ->\s*(?P<after>[\d.]+) MiB \((?P<target>[^)]+)\))?")
-QUANT_SIZE = re.compile(r"quant size\s*=\s*(?P<mib>[\d.]+) MiB \((?P<bpw>[\d.]+) BPW\)")
 ERROR_PATTERNS = (
     re.compile(r"Missing importance matrix for tensor \S+.*"),
     re.compile(r"this quantization requires an imatrix!?"),

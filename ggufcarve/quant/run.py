@@ -41,6 +41,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from gguf.constants import Keys
+
 from ggufcarve.errors import BadInput, CarveError, OutputError, ToolFailed
 from ggufcarve.events import Counter, Event, Sink, ignore
 from ggufcarve.fileio import (
@@ -307,13 +309,13 @@ def ladder_context(plan: LadderPlan, method: list[dict[str, Any]]) -> tuple[list
         inputs.append({"name": plan.imatrix.path.name, "bytes": plan.imatrix.path.stat().st_size, "sha256": plan.imatrix.sha256})
     if plan.spec.path is not None:
         inputs.append({"name": plan.spec.path.name, "bytes": plan.spec.path.stat().st_size, "sha256": plan.spec.sha256})
-    architecture = plan.source.get("general.architecture")
+    architecture = plan.source.get(Keys.General.ARCHITECTURE)
     context = {
         "ladder": {"name": plan.spec.name, "description": plan.spec.description, "spec_file": plan.spec.path.name if plan.spec.path else None, "spec_sha256": plan.spec.sha256},
         "source": {
             "name": plan.source.path.name, "bytes": plan.source.total_bytes, "n_elements": plan.n_elements,
             "architecture": architecture,
-            "expert_count": plan.source.get(f"{architecture}.expert_count"),
+            "expert_count": plan.source.get(Keys.LLM.EXPERT_COUNT.format(arch=architecture)),
             "files": source_files,
             "sha256": plan.source_sha256[0] if len(plan.source_sha256) == 1 else None,
         },

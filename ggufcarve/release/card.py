@@ -22,9 +22,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gguf.constants import Keys
+
 from ggufcarve import __version__
 from ggufcarve.errors import BadInput, OutputError
 from ggufcarve.fileio import format_size
+from ggufcarve.moe.keepset import KEY_KEPT_COUNT, KEY_SOURCE_EXPERT_COUNT
 
 CARD_NAME = "README.md"
 EVALUATION_DIR = "evaluation"
@@ -255,12 +258,12 @@ def gather(release: Path, evaluation_dir: Path | None = None) -> CardInputs:
     names = gguf_key_names()
     arch = model.get(names["architecture"])
     wanted = [names[k] for k in ("name", "basename", "size_label", "license", "license_name", "license_link", "base_count", "architecture")]
-    wanted += ["ggufcarve.kept_expert_count", "ggufcarve.source.expert_count"]
+    wanted += [KEY_KEPT_COUNT, KEY_SOURCE_EXPERT_COUNT]
     count = model.get(names["base_count"])
     for i in range(int(count) if isinstance(count, int) and count > 0 else 1):
         wanted += [_key(names[k], id=i) for k in ("base_name", "base_org", "base_repo_url")]
     if arch:
-        wanted += [f"{arch}.{suffix}" for suffix in ("expert_count", "expert_used_count", "block_count", "nextn_predict_layers")]
+        wanted += [k.format(arch=arch) for k in (Keys.LLM.EXPERT_COUNT, Keys.LLM.EXPERT_USED_COUNT, Keys.LLM.BLOCK_COUNT, Keys.LLM.NEXTN_PREDICT_LAYERS)]
         wanted.append(_key(names["context_length"], arch=arch))
     keys = {k: model.get(k) for k in wanted}
     evaluation: dict[str, dict] = {}
@@ -291,7 +294,7 @@ def base_model(inputs: CardInputs, settings: CardSettings | None = None) -> str 
 
 
 def _arch(inputs: CardInputs) -> str | None:
-    return inputs.keys.get("general.architecture")
+    return inputs.keys.get(Keys.General.ARCHITECTURE)
 
 
 def _calibration_rows(inputs: CardInputs) -> list[str]:
@@ -335,12 +338,12 @@ def _calibration_rows(inputs: CardInputs) -> list[str]:
 
 def _pruning_lines(inputs: CardInputs) -> list[str]:
     keys, arch = inputs.keys, _arch(inputs)
-    kept, source = keys.get("ggufcarve.kept_expert_count"), keys.get("ggufcarve.source.expert_count")
-    used = keys.get(f"{arch}.expert_used_count")
+    kept, source = keys.get(KEY_KEPT_COUNT), keys.get(KEY_SOURCE_EXPERT_COUNT)
+    used = keys.get(Keys.LLM.EXPERT_USED_COUNT.format(arch=arch))
     used = int(max(used)) if hasattr(used, "__len__") else used
     lines = []
     if kept is None:
-        lines.append(f"These files keep every expert of the source ({keys.get(f'{arch}.expert_count')} per MoE layer); no expert was pruned.")
+        lines.append(f"These files keep every expert of the source ({keys.get(Keys.LLM.EXPERT_COUNT.format(arch=arch))} per MoE layer); no expert was pruned.")
         return lines
     lines.append(f"Routed experts were pruned from {source} to {kept} per MoE layer ({100 * (1 - kept / source):.0f}% removed), byte for byte: "
                  "kept experts and router rows keep their original bytes; shared experts, attention and all other tensors are unchanged.")
@@ -456,13 +459,13 @@ def _gate(inputs: CardInputs) -> list[str]:
 def _limitations(inputs: CardInputs) -> list[str]:
     keys, arch = inputs.keys, _arch(inputs)
     lines = []
-    if keys.get("ggufcarve.kept_expert_count") is not None:
+    if keys.get(KEY_KEPT_COUNT) is not None:
         lines.append("- Experts were removed without retraining; the loss is measured above, not absent. Skills the calibration did not exercise "
                      "(other languages, other domains) can degrade more than perplexity shows.")
         selection = inputs.selection or {}
         if not selection.get("calibration"):
             lines.append("- No calibration record ships with this release: the selection's data and size are not stated here.")
-        used = keys.get(f"{arch}.expert_used_count")
+        used = keys.get(Keys.LLM.EXPERT_USED_COUNT.format(arch=arch))
         used = int(max(used)) if hasattr(used, "__len__") else used
         lines.append(f"- Top-k routing is unchanged ({used} experts per token), so compute per token is unchanged; memory and file size fall.")
     if any("--allow-requantize" in (r.get("command") or []) for r in inputs.rungs):
@@ -515,13 +518,13 @@ def render_card(inputs: CardInputs, settings: CardSettings | None = None) -> str
         if meta.license_link:
             front.append(f"license_link: {_yaml(meta.license_link)}")
     front += ["library_name: gguf", "pipeline_tag: text-generation", f"tags: {_yaml(tags)}", "---"]
-    kept = keys.get("ggufcarve.kept_expert_count")
-    pruned = f" with routed experts pruned to {kept} of {keys['ggufcarve.source.expert_count']}" if kept is not None else ""
+    kept = keys.get(KEY_KEPT_COUNT)
+    pruned = f" with routed experts pruned to {kept} of {keys[KEY_SOURCE_EXPERT_COUNT]}" if kept is not None else ""
     base = ", ".join(_link(b) for b in meta.base_models)
     intro = f"GGUF quantizations of {base}{pruned}." if base else f"GGUF quantizations of a base model this card does not name{',' if pruned else ''}{pruned}."
     example_rung = next((r for r in inputs.rungs if r["name"] == "Q4_K_M"), inputs.rungs[0])
     example = example_rung["files"][0]["name"]
-    context = keys.get(f"{arch}.context_length") if arch else None
+    context = keys.get(Keys.LLM.CONTEXT_LENGTH.format(arch=arch)) if arch else None
     server_ctx = f" -c {min(SERVER_CONTEXT, int(context))}" if isinstance(context, int) and context > 0 else ""
     quantizer = manifest.get("quantizer") or {}
     lines = [*front, "", f"# {meta.model_name} GGUF", "", intro, *(line for note in meta.notes for line in ("", note)),
@@ -546,7 +549,7 @@ def render_card(inputs: CardInputs, settings: CardSettings | None = None) -> str
         lines.append(f"llama-server -hf {meta.repo_id}:{example_rung['name']}{server_ctx} --port 8080")
     lines += ["```"]
     if server_ctx:
-        lines += ["", f"The model's context length is {int(context):,} tokens (`{arch}.context_length`)."]
+        lines += ["", f"The model's context length is {int(context):,} tokens (`{Keys.LLM.CONTEXT_LENGTH.format(arch=arch)}`)."]
     lines += ["", "## Limitations", "", *_limitations(inputs),
               "", "## Attribution", "",
               (f"- Base model: {base}" if base else "- Base model: not stated") + f"; license {_license_link(meta)}.",

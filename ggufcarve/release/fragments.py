@@ -385,7 +385,8 @@ def merge_release(directory: str | os.PathLike[str], *, workers: int | None = No
             more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
             raise BadInput(f"cannot merge {out}: {problems[0]}{more}", "run that rung again (ggufcarve ladder run ... --only RUNG), or remove its fragment from .ggufcarve-fragments/ to leave it out")
         manifest = assemble(out, fragments, drop_missing=False)
-        assert manifest is not None
+        if manifest is None:
+            raise BadInput(f"cannot merge {out}: it holds no rung fragment", "run ggufcarve ladder run into it first")
         previous = read_manifest(out) if before[MANIFEST_NAME] is not None else None
         if previous is not None and _same_apart_from_creation(previous, manifest):
             manifest["created"] = previous.get("created", manifest["created"])

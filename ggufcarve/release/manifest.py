@@ -37,6 +37,10 @@ def read_manifest(out_dir: Path) -> dict[str, Any] | None:
     doc = loaded[1]
     if not isinstance(doc.get("rungs"), list) or not isinstance(doc.get("source"), dict):
         raise BadInput(f"{path} is not a ladder manifest (no rungs and source records)", hint)
+    for i, rung in enumerate(doc["rungs"]):
+        files = (rung.get("files") or []) if isinstance(rung, dict) else None
+        if not isinstance(files, list) or not all(isinstance(f, dict) and isinstance(f.get("name"), str) for f in files):
+            raise BadInput(f"{path}: rungs[{i}] is not a rung record (an object whose files are objects with a name)", hint)
     return doc
 
 

@@ -180,10 +180,10 @@ def find_method_reports(model: GGUFModel, imatrix: tuple[Path, str] | None, sele
             continue
         if kind == PRUNING_REPORT:
             why = _pruning_mismatch(doc, path, model)
-        else:
-            assert imatrix is not None
+        else:  # the imatrix remap report, a candidate only when an imatrix is given
             digest = _field(doc, path, "output", "sha256", json_type=str)
-            why = None if digest == imatrix[1] else f"it describes an imatrix with sha256 {digest[:12]}, not this one ({imatrix[1][:12]})"
+            wanted = imatrix[1] if imatrix is not None else ""
+            why = None if digest == wanted else f"it describes an imatrix with sha256 {digest[:12]}, not this one ({wanted[:12]})"
         if why is not None:
             warnings.append(f"{path.name} not published: it does not describe {described}: {why}")
             continue

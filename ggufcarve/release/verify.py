@@ -316,7 +316,9 @@ def _check_card(d: Path, manifest: dict[str, Any], report: VerifyReport) -> None
 def _check_ggufs(d: Path, rels: list[str]) -> tuple[list[Failure], dict[str, int | None]]:
     """Parse every GGUF (split sets complete); runs beside the hashing, so the GGUF reader (numpy,
     gguf-py) is imported here, while the hashing threads already read the files."""
-    from ggufcarve.gguf.container import SHARD_NAME, read_model
+    from gguf.constants import Keys
+
+    from ggufcarve.gguf.container import SHARD_NAME, read_model, shard_paths
 
     failures: list[Failure] = []
     counts: dict[str, int | None] = {}
@@ -336,15 +338,15 @@ def _check_ggufs(d: Path, rels: list[str]) -> tuple[list[Failure], dict[str, int
             failures.append(Failure(rel, f"does not parse: {err.message}"))
             m = SHARD_NAME.match(rel)
             if m:
-                covered.update(p.relative_to(d).as_posix() for p in d.glob(f"{Path(m['prefix']).name}-*-of-{m['count']}.gguf"))
+                covered.update(p.relative_to(d).as_posix() for p in shard_paths(d / m["prefix"], int(m["count"])))
             continue
         covered.update(p.relative_to(d).as_posix() for p in model.paths if p.is_relative_to(d))
-        arch = model.get("general.architecture")
-        counts[rel] = model.get(f"{arch}.expert_count") if arch else None
+        arch = model.get(Keys.General.ARCHITECTURE)
+        counts[rel] = model.get(Keys.LLM.EXPERT_COUNT.format(arch=arch)) if arch else None
     for rel in rels:
         m = SHARD_NAME.match(rel)
         if m and rel not in covered and (d / rel).exists():
-            failures.append(Failure(rel, f"shard of a split set whose first shard ({Path(m['prefix']).name}-00001-of-{m['count']}.gguf) is missing"))
+            failures.append(Failure(rel, f"shard of a split set whose first shard ({shard_paths(Path(m['prefix']).name, int(m['count']))[0]}) is missing"))
     return failures, counts
 
 

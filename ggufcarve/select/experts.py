@@ -34,7 +34,7 @@ import numpy as np
 from ggufcarve.errors import UnsupportedModel
 from ggufcarve.gguf.container import GGUFModel
 from ggufcarve.gguf.tensors import expert_values, tensor_values
-from ggufcarve.moe.layout import MoeLayout
+from ggufcarve.moe.layout import DOWN_EXPS, GATE_EXPS, GATE_UP_EXPS, UP_EXPS, MoeLayout, block_tensor
 
 _CLAMPED = "its build_moe_ffn clamps the SiLU-GLU by the per-layer swiglu_clamp_exp key when the file sets it"
 _OTHER_INPUT = "its router reads another tensor than its experts, so the traced MoE input (src[1] of ffn_moe_logits) is not the experts' input"
@@ -92,7 +92,8 @@ def ggml_gelu(x: np.ndarray) -> np.ndarray:
 
 def activate(kind: str, gate: np.ndarray | None, up: np.ndarray) -> np.ndarray:
     if kind == "swiglu-oai":
-        assert gate is not None
+        if gate is None:
+            raise UnsupportedModel("the swiglu-oai activation needs a gate tensor (ffn_gate_exps) and the model has none", "the model's expert tensors are not the layout its architecture uses")
         g = np.minimum(gate, SWIGLU_OAI_LIMIT)
         u = np.clip(up, -SWIGLU_OAI_LIMIT, SWIGLU_OAI_LIMIT)
         return g / (1.0 + np.exp(-SWIGLU_OAI_ALPHA * g)) * (u + 1.0)
@@ -128,18 +129,17 @@ class ExpertEvaluator:
 
     def _read_matrices(self, block: int, expert: int) -> tuple[np.ndarray, int, np.ndarray]:
         """float32 (the gate rows then the up rows, or the up rows alone; the gate row count; down)."""
-        p = f"blk.{block}."
-        if self._has(p + "ffn_gate_up_exps.weight"):
-            first = expert_values(self.model, p + "ffn_gate_up_exps.weight", expert)
+        if self._has(block_tensor(block, GATE_UP_EXPS)):
+            first = expert_values(self.model, block_tensor(block, GATE_UP_EXPS), expert)
             gate_rows = first.shape[0] // 2
         else:
-            up = expert_values(self.model, p + "ffn_up_exps.weight", expert)
-            if self._has(p + "ffn_gate_exps.weight"):
-                first = np.concatenate([expert_values(self.model, p + "ffn_gate_exps.weight", expert), up])
+            up = expert_values(self.model, block_tensor(block, UP_EXPS), expert)
+            if self._has(block_tensor(block, GATE_EXPS)):
+                first = np.concatenate([expert_values(self.model, block_tensor(block, GATE_EXPS), expert), up])
                 gate_rows = len(first) - len(up)
             else:
                 first, gate_rows = up, 0
-        return first, gate_rows, expert_values(self.model, p + "ffn_down_exps.weight", expert)
+        return first, gate_rows, expert_values(self.model, block_tensor(block, DOWN_EXPS), expert)
 
     def _remember(self, key: tuple[int, int], matrices: tuple[np.ndarray, int, np.ndarray]) -> None:
         size = matrices[0].nbytes + matrices[2].nbytes
@@ -181,12 +181,11 @@ class ExpertEvaluator:
         return self._map(lambda e, x: self._evaluate(block, e, held[e], x), experts, [x for _, x in work])
 
     def _block_vectors(self, block: int) -> list[str]:
-        p = f"blk.{block}."
-        return [p + t + kind for t in ("ffn_up_exps", "ffn_gate_exps", "ffn_gate_up_exps", "ffn_down_exps") for kind in (".scale", ".bias")]
+        return [block_tensor(block, base, kind) for base in (UP_EXPS, GATE_EXPS, GATE_UP_EXPS, DOWN_EXPS) for kind in ("scale", "bias")]
 
     def down_bias(self, block: int) -> np.ndarray | None:
         """[n_expert, n_embd] down-projection biases (gpt-oss), None when the block has none."""
-        return self._per_expert(f"blk.{block}.ffn_down_exps.bias")
+        return self._per_expert(block_tensor(block, DOWN_EXPS, "bias"))
 
     def outputs(self, block: int, expert: int, x: np.ndarray) -> np.ndarray:
         """ffn_moe_down of `expert` for the MoE inputs `x` [T, n_embd]: float32 [T, n_embd] (no down bias)."""
@@ -194,27 +193,26 @@ class ExpertEvaluator:
 
     def _evaluate(self, block: int, expert: int, matrices: tuple[np.ndarray, int, np.ndarray], x: np.ndarray) -> np.ndarray:
         first_w, gate_rows, down_w = matrices
-        p = f"blk.{block}."
-        fused = self._has(p + "ffn_gate_up_exps.weight")
+        fused = self._has(block_tensor(block, GATE_UP_EXPS))
         projected = np.asarray(x, dtype=np.float32) @ first_w.T  # gate and up in one product
         gate, up = (projected[:, :gate_rows], projected[:, gate_rows:]) if gate_rows else (None, projected)
         if fused:
-            scale = self._per_expert(p + "ffn_up_exps.scale")
+            scale = self._per_expert(block_tensor(block, UP_EXPS, "scale"))
             if scale is not None:
                 gate, up = gate * scale[expert], up * scale[expert]
-            bias = self._per_expert(p + "ffn_gate_up_exps.bias")
+            bias = self._per_expert(block_tensor(block, GATE_UP_EXPS, "bias"))
             if bias is not None:
                 half = bias.shape[1] // 2
                 gate, up = gate + bias[expert, :half], up + bias[expert, half:]
         else:
-            for name, kind in (("ffn_up_exps", "up"), ("ffn_gate_exps", "gate")):
+            for base, kind in ((UP_EXPS, "up"), (GATE_EXPS, "gate")):
                 if kind == "gate" and gate is None:
                     continue
                 value = up if kind == "up" else gate
-                scale = self._per_expert(p + name + ".scale")
+                scale = self._per_expert(block_tensor(block, base, "scale"))
                 if scale is not None:
                     value = value * scale[expert]
-                bias = self._per_expert(p + name + ".bias")
+                bias = self._per_expert(block_tensor(block, base, "bias"))
                 if bias is not None:
                     value = value + bias[expert]
                 if kind == "up":
@@ -223,5 +221,5 @@ class ExpertEvaluator:
                     gate = value
         h = activate(activation_of(self.layout.architecture), gate, up)
         out = h @ down_w.T
-        scale = self._per_expert(p + "ffn_down_exps.scale")
+        scale = self._per_expert(block_tensor(block, DOWN_EXPS, "scale"))
         return out * scale[expert] if scale is not None else out

@@ -23,7 +23,7 @@ from ggufcarve.events import Sink, ignore
 from ggufcarve.gguf.container import GGUFModel
 from ggufcarve.imatrix.check import check_against_model, raise_problems
 from ggufcarve.imatrix.formats import Imatrix, lround
-from ggufcarve.moe.layout import MoeLayout
+from ggufcarve.moe.layout import DOWN_EXPS, MoeLayout, block_tensor
 from ggufcarve.select.scores import BlockStats
 from ggufcarve.select.zero_shot import weights_stats
 
@@ -44,12 +44,12 @@ def imatrix_stats(model: GGUFModel, layout: MoeLayout, imatrix: Imatrix, method:
     stats: dict[int, BlockStats] = {}
     fallback: list[int] = []
     for block in layout.blocks:
-        entry = entries.get(f"blk.{block}.ffn_down_exps.weight")
+        entry = entries.get(block_tensor(block, DOWN_EXPS))
         if entry is None:
             if layout.is_mtp(block):
                 fallback.append(block)
                 continue
-            raise BadInput(f"{name} has no entry for blk.{block}.ffn_down_exps.weight", "the imatrix is incomplete or belongs to another model")
+            raise BadInput(f"{name} has no entry for {block_tensor(block, DOWN_EXPS)}", "the imatrix is incomplete or belongs to another model")
         if imatrix.format == "dat":
             stored = entry.sums().reshape(layout.expert_count, -1).astype(np.float64)
             ncall = max(entry.ncall or 1, 1)

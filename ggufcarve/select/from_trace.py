@@ -135,7 +135,8 @@ class TraceStatistics:
 
     def razor_deltas(self, block: int, nodes: dict[str, np.ndarray], topk: np.ndarray, outputs: np.ndarray, weights: np.ndarray, scale: float) -> np.ndarray:
         """δ [T, k] (float64) of every selected (token, slot); the [T, k, n_embd] terms in float32."""
-        assert self.evaluator is not None
+        if self.evaluator is None:
+            raise RuntimeError("razor statistics need the expert evaluator of the model")
         k = topk.shape[1]
         if k < 2:
             raise BadInput("razor needs at least 2 experts per token (top-k >= 2)", "use reap or ean for top-1 routing")

@@ -35,15 +35,14 @@ SUPER_EXPERT_BLOCK_FRACTION = 0.75
 
 def kept_count(expert_count: int, group_count: int, keep: int | None, ratio: float | None) -> int:
     """K from exactly one of --keep K and --ratio R (the fraction kept, rounded to whole groups)."""
-    if (keep is None) == (ratio is None):
+    if keep is not None and ratio is None:
+        return keep
+    if keep is not None or ratio is None:
         raise BadInput("give exactly one of --keep K and --ratio R", "for example --keep 128 or --ratio 0.5")
-    if ratio is not None:
-        if not 0 < ratio <= 1:
-            raise BadInput(f"--ratio {ratio} is not a fraction in (0, 1]", "--ratio is the fraction of experts kept, e.g. 0.5")
-        step = max(1, group_count)
-        keep = max(step, round(ratio * expert_count / step) * step)
-    assert keep is not None
-    return keep
+    if not 0 < ratio <= 1:
+        raise BadInput(f"--ratio {ratio} is not a fraction in (0, 1]", "--ratio is the fraction of experts kept, e.g. 0.5")
+    step = max(1, group_count)
+    return max(step, round(ratio * expert_count / step) * step)
 
 
 def check_kept_count(facts: ModelFacts, kept: int) -> None:

@@ -100,7 +100,8 @@ def score_model(
         from ggufcarve.imatrix.formats import read_imatrix
         from ggufcarve.select.from_imatrix import imatrix_stats
 
-        assert imatrix is not None
+        if imatrix is None:
+            raise BadInput(f"--method {method} reads an imatrix", "give --imatrix FILE (the GGUF imatrix llama-imatrix wrote for this model)")
         loaded = read_imatrix(imatrix)
         blocks, rules = imatrix_stats(model, layout, loaded, method, on_event)
         if rules:

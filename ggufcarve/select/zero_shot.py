@@ -45,7 +45,7 @@ from ggufcarve.errors import BadInput
 from ggufcarve.events import Counter, Sink, ignore
 from ggufcarve.gguf.container import GGUFModel
 from ggufcarve.gguf.tensors import dequantize, tensor_values
-from ggufcarve.moe.layout import ExpertTensor, MoeLayout
+from ggufcarve.moe.layout import EXPERT_WEIGHTS, ROUTER, ExpertTensor, MoeLayout, block_tensor
 from ggufcarve.select.scores import BlockStats
 
 Q = GGMLQuantizationType
@@ -64,7 +64,7 @@ SCALE_RULES: dict[str, str] = {
     "NVFP4": "ue4m3 scale per 16-value sub-block",
 }
 RMS_RULE = "RMS of the dequantized slab"
-WEIGHT_SUFFIXES = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight", "ffn_gate_up_exps.weight")
+WEIGHT_SUFFIXES = tuple(f"{base}.weight" for base in EXPERT_WEIGHTS)
 
 
 F16_AT_ZERO = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL")  # |d|: the f16 at byte 0 of every block
@@ -109,9 +109,8 @@ def part_sums(data: np.ndarray, qtype: Q, parts: int) -> tuple[np.ndarray, int]:
     where the type has a scale rule, else of the squared dequantized values; float64 [parts], and
     the number of terms in each part."""
     block_size, type_size = GGML_QUANT_SIZES[qtype]
-    if has_scale_rule(qtype):
-        scales = block_scales(data.reshape(-1, type_size), qtype)
-        assert scales is not None
+    scales = block_scales(data.reshape(-1, type_size), qtype) if has_scale_rule(qtype) else None
+    if scales is not None:
         return np.add.reduce(scales.reshape(parts, -1), axis=1, dtype=np.float64), scales.size // parts
     values = dequantize(data, qtype, (len(data) // type_size * block_size,))
     return np.add.reduce(np.square(values, dtype=np.float64).reshape(parts, -1), axis=1), values.size // parts
@@ -134,7 +133,7 @@ def _pieces(slab: int, qtype: Q, n: int) -> list[tuple[int, int, int, int]]:
 
 def router_norms(model: GGUFModel, layout: MoeLayout, block: int) -> np.ndarray:
     """||row_e||_2 of the block's router, float64 per expert."""
-    values = tensor_values(model, f"blk.{block}.ffn_gate_inp.weight")
+    values = tensor_values(model, block_tensor(block, ROUTER))
     with np.errstate(invalid="ignore", over="ignore"):
         return np.linalg.norm(values.reshape(layout.expert_count, -1).astype(np.float64), axis=1)
 
@@ -214,7 +213,8 @@ def weight_energies(model: GGUFModel, layout: MoeLayout, blocks: Sequence[int], 
     sums = {t.name: np.zeros(n, dtype=np.float64) for _, t in located}
     terms = {t.name: np.zeros(n, dtype=np.int64) for _, t in located}
     for (_, _, _, t, _, first, count, _), result in zip(jobs, results):
-        assert result is not None
+        if result is None:  # every job ran unless a reader failed, which raised above
+            raise RuntimeError(f"{t.name}: experts {first}..{first + count - 1} were not read")
         sums[t.name][first : first + count] += result[0]
         terms[t.name][first : first + count] += result[1]
     rules: dict[str, str] = {}
