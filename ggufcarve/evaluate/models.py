@@ -10,9 +10,6 @@ from pathlib import Path
 
 from ggufcarve.errors import BadInput
 
-TOKENS_KEY = "tokenizer.ggml.tokens"
-KEPT_EXPERT_COUNT_KEY = "ggufcarve.kept_expert_count"
-SOURCE_EXPERT_COUNT_KEY = "ggufcarve.source.expert_count"
 SPLIT_SUFFIX = re.compile(r"-\d{5}-of-\d{5}$")
 RUNG_STATUSES = ("built", "skipped")  # manifest statuses of rungs whose files are in the release
 
@@ -60,18 +57,21 @@ def _file_type_name(value: int | None) -> str:
 
 def read_entry(path: Path, quant: str | None = None) -> ModelEntry:
     """A model entry for a GGUF file or split set; the first shard names it."""
+    from gguf.constants import Keys
+
     from ggufcarve.gguf.container import read_model
+    from ggufcarve.moe.keepset import KEY_KEPT_COUNT, KEY_SOURCE_EXPERT_COUNT
 
     model = read_model(path)
-    architecture = str(model.get("general.architecture", "unknown"))
-    tokens = model.metadata.kv_index.get(TOKENS_KEY)
+    architecture = str(model.get(Keys.General.ARCHITECTURE, "unknown"))
+    tokens = model.metadata.kv_index.get(Keys.Tokenizer.LIST)
     if tokens is None:
-        raise BadInput(f"{path}: no {TOKENS_KEY} in the file", "a model without a vocabulary cannot be scored")
-    expert_count = model.get(f"{architecture}.expert_count")
-    source_count = model.get(SOURCE_EXPERT_COUNT_KEY) if model.get(KEPT_EXPERT_COUNT_KEY) is not None else None
+        raise BadInput(f"{path}: no {Keys.Tokenizer.LIST} in the file", "a model without a vocabulary cannot be scored")
+    expert_count = model.get(Keys.LLM.EXPERT_COUNT.format(arch=architecture))
+    source_count = model.get(KEY_SOURCE_EXPERT_COUNT) if model.get(KEY_KEPT_COUNT) is not None else None
     return ModelEntry(
         name=SPLIT_SUFFIX.sub("", model.path.stem), path=model.path, files=tuple(model.paths), bytes=model.total_bytes,
-        quant=quant or _file_type_name(model.get("general.file_type")), architecture=architecture,
+        quant=quant or _file_type_name(model.get(Keys.General.FILE_TYPE)), architecture=architecture,
         expert_count=int(expert_count) if expert_count is not None else None,
         source_expert_count=int(source_count) if source_count is not None else None,
         n_vocab=len(tokens.value), vocab_sha256=hashlib.sha256(tokens.raw).hexdigest(),

@@ -104,7 +104,8 @@ class PlannedRung:
 
     @property
     def temp(self) -> Path:
-        assert self.job.output is not None
+        if self.job.output is None:
+            raise RuntimeError(f"rung {self.rung.name}: its quantize job has no output path")
         return self.job.output
 
 
@@ -350,8 +351,7 @@ def _imatrix_without_directories(plan: LadderPlan, out: Path, to_run: Sequence[P
     if imatrix.format == "gguf":
         changed = replace(imatrix, datasets=bare, kvs=tuple(replace_kvs(imatrix.kvs, {KEY_DATASETS: make_kv(KEY_DATASETS, GGUFValueType.ARRAY, list(bare), GGUFValueType.STRING)})))
     else:
-        assert imatrix.dat_trailer is not None
-        chunks, dataset = imatrix.dat_trailer
+        chunks, dataset = imatrix.dat_trailer or (0, None)
         changed = replace(imatrix, datasets=bare, dat_trailer=(chunks, public_name(dataset.decode("utf-8", errors="replace")).encode() if dataset is not None else None))
     copy = make_temp_dir(out / plan.imatrix.path.name) / plan.imatrix.path.name
     fd = os.open(copy, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -646,7 +646,8 @@ def run_ladder(plan: LadderPlan, *, keep_going: bool = False, on_event: Sink = i
         for f in pending:
             f.result()
         manifest = rebuild(out, finish=len(plan.rungs) == len(plan.spec.rungs))  # a run of the whole spec removes the fragments once it is complete
-        assert manifest is not None
+        if manifest is None:
+            raise OutputError(f"{out}: no rung fragment to assemble the manifest from", "run the ladder again")
         sums = out / SUMS_NAME
     finally:
         stop.set()
