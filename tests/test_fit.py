@@ -54,7 +54,7 @@ def test_kept_counts_follow_the_pruners_rules(tmp_path, make_model):
         parse_kept_counts("4", grouped)
     layout = inspect_layout(replica)
     assert parse_kept_counts("96-128/16,200", layout) == [96, 112, 128, 200]
-    with pytest.raises(BadInput, match="fewer than the 8"):
+    with pytest.raises(BadInput, match="below the 8 experts"):
         parse_kept_counts("4", layout)
 
 

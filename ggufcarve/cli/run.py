@@ -92,8 +92,8 @@ def _execute(plan: RunPlan, dry_run: bool, force: bool, quiet: bool, as_json: bo
     from ggufcarve.errors import OutputError
     from ggufcarve.pipeline.run import execute_run, preview_run
 
-    preview = preview_run(plan)
     if dry_run:
+        preview = preview_run(plan)
         if as_json:
             out.print_json(json.dumps({
                 "stages": [{"name": s.name, "does": s.action, "writes": list(s.outputs), "bytes": s.bytes, "done": s.done} for s in preview.stages],

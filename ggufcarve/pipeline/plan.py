@@ -53,9 +53,10 @@ class SelectionStep:
     keep: int | None
     ratio: float | None
     keepset: Path | None
-    protect: str | None
+    protect: str | None  # ids for every block (0,5,9-11), or the path of a keep-set-like file (resolved)
     protect_super_experts: bool
     seed: int
+    protect_file: Path | None = None  # the protect file, when `protect` names one
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,7 @@ class ImatrixStep:
 class LadderStep:
     spec: Path
     only: tuple[str, ...]
-    quantizer: str
+    quantizer: str  # auto, binary, libllama, or the resolved path of a llama-quantize binary
     llama_cpp: Path | None
 
 
@@ -120,7 +121,7 @@ class RunPlan:
             "source": name(self.source), "output": name(self.output), "name": self.name, "threads": self.threads,
             "selection": {
                 "method": self.selection.method, "keep": self.selection.keep, "ratio": self.selection.ratio,
-                "keepset": name(self.selection.keepset), "protect": self.selection.protect,
+                "keepset": name(self.selection.keepset), "protect": name(self.selection.protect_file) or self.selection.protect,
                 "protect_super_experts": self.selection.protect_super_experts, "seed": self.selection.seed,
             },
             "ladder": {"spec": name(self.ladder.spec), "only": list(self.ladder.only), "quantizer": self.ladder.quantizer if self.ladder.quantizer in ("auto", "binary", "libllama") else name(Path(self.ladder.quantizer))},
@@ -265,6 +266,9 @@ def parse_plan(doc: dict[str, Any], base: Path, path: Path | None = None) -> Run
     keep = sel.integer("keep", minimum=1)
     ratio = sel.number("ratio")
     protect = sel.string("protect")
+    protect_file = _protect_file(sel, protect)
+    if protect_file is not None:
+        protect = str(protect_file)
     protect_super = sel.boolean("protect_super_experts", False)
     seed = sel.integer("seed", 0) or 0
     if (method is None) == (keepset is None):
@@ -315,7 +319,7 @@ def parse_plan(doc: dict[str, Any], base: Path, path: Path | None = None) -> Run
     spec_value = lad.string("spec")
     if spec_value is None:
         raise BadInput("[ladder]: no spec", "give spec = \"q8-to-iq1\" (or a path to a ladder TOML)")
-    ladder = LadderStep(find_spec(spec_value, base), tuple(r.upper() for r in lad.strings("only")), lad.string("quantizer", "auto") or "auto", lad.path("llama_cpp"))
+    ladder = LadderStep(find_spec(spec_value, base), tuple(r.upper() for r in lad.strings("only")), _quantizer(lad), lad.path("llama_cpp"))
     _check_rungs(ladder.spec, ladder.only, "[ladder] only")
 
     ev_table = top.table("evaluation")
@@ -339,8 +343,40 @@ def parse_plan(doc: dict[str, Any], base: Path, path: Path | None = None) -> Run
         raise BadInput(f"plan: the output directory {output} holds the source", "write the release to its own directory: everything in it is published")
     if work.resolve() == output.resolve():
         raise BadInput("plan: work and output are the same directory", "intermediates (the pruned source, imatrices) must not be published: give work another directory")
-    return RunPlan(path, source, output, work, name, threads, SelectionStep(method, keep, ratio, keepset, protect, protect_super, seed),
+    return RunPlan(path, source, output, work, name, threads, SelectionStep(method, keep, ratio, keepset, protect, protect_super, seed, protect_file),
                    calibration, imatrix, ladder, evaluation, card, raw=doc)
+
+
+QUANTIZER_CHOICES = ("auto", "binary", "libllama")
+
+
+def _quantizer(table: _Table) -> str:
+    """auto, binary, libllama, or a llama-quantize path relative to the plan, which must exist."""
+    value = table.string("quantizer", "auto") or "auto"
+    if value in QUANTIZER_CHOICES:
+        return value
+    path = table._resolve("quantizer", value, True)
+    if not path.is_file() or not os.access(path, os.X_OK):
+        raise BadInput(f"[ladder]: quantizer = {value!r} is not an executable file ({path})", "give auto, binary, libllama or the path of llama-quantize, relative to the plan file")
+    return str(path.resolve())
+
+
+def _protect_file(table: _Table, value: str | None) -> Path | None:
+    """The protect file a [selection] protect value names (a .json name, or an existing file
+    beside the plan), resolved against the plan; None for a list of ids, which is checked here."""
+    if value is None:
+        return None
+    candidate = Path(os.path.expanduser(value))
+    candidate = candidate if candidate.is_absolute() else table.base / candidate
+    if value.endswith(".json") or candidate.exists():
+        return table._resolve("protect", value, True)
+    from ggufcarve.moe.keepset import parse_id_list
+
+    try:
+        parse_id_list(value)
+    except BadInput:
+        raise BadInput(f"[selection]: protect = {value!r} is neither expert ids (0,5,9-11) nor a file", "paths in a plan are relative to the plan file") from None
+    return None
 
 
 def _check_rungs(spec_path: Path, rungs: tuple[str, ...], where: str) -> None:
