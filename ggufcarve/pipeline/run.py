@@ -134,6 +134,8 @@ def _run_stage(ctx: RunContext, stage: Stage) -> StageResult:
     ctx.sink(Event("run", len(ctx.results), 0, "stages", stage.name))
     started = time.monotonic()
     previous = state.outputs(stage.name)
+    if stage.name in state.stages:
+        ctx.replacing.add(stage.name)
     state.forget(stage.name)
     outputs, summary = stage.work()
     if base.resolve() == ctx.plan.work.resolve():  # intermediates of the stage's last run that this one replaced

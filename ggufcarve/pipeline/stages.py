@@ -121,6 +121,7 @@ class RunContext:
     results: list[StageResult] = field(default_factory=list)
     verification: Any = None  # release.verify.VerifyReport
     digests: dict[Path, str] = field(default_factory=dict)
+    replacing: set[str] = field(default_factory=set)  # stages that run again over a recorded earlier run
 
     def digest_of(self, path: Path) -> str:
         """sha256 of a file, hashed once per run."""
@@ -350,7 +351,7 @@ def _ladder_stage(ctx: RunContext, sizes: bool) -> Stage:
     def work() -> tuple[list[Path], str]:
         # a release this run's ladder made is replaced when the pruned source changed; any other
         # release in the output directory is refused by the ladder unless --force
-        fresh = ctx.force or "ladder" in ctx.state.stages
+        fresh = ctx.force or "ladder" in ctx.replacing
         result = _run_ladder(ctx, names.pruned, plan.output, imatrix, plan.ladder.only, names.name, fresh)
         ctx.ladder_result = result
         built = [r for r in result.rungs if r.status == "built"]
