@@ -310,3 +310,24 @@ def test_a_protect_file_is_an_input_of_the_selection(q8_moe, tmp_path):
     assert select_digest() == before
     protect.write_text(json.dumps({"layers": {"0": [2], "1": [2]}}))
     assert select_digest() != before
+
+
+def test_a_second_run_in_the_same_work_directory_is_refused(q8_moe, tmp_path):
+    """The work lock is the release lock's kind of file (O_EXCL, owner record, heartbeat): a run
+    finding it held by a live process refuses in one line and writes nothing."""
+    plan = _bare_plan(tmp_path, q8_moe, 'method = "weights"\nkeep = 4')
+    work = tmp_path / "release.work"
+    work.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time\nfrom pathlib import Path\nfrom ggufcarve.release.lock import lock_release\n"
+        f"with lock_release(Path({str(work)!r}), name='.ggufcarve-run.lock'):\n    print('held', flush=True)\n    time.sleep(120)\n")],
+        stdout=subprocess.PIPE, env={**os.environ}, start_new_session=True)
+    try:
+        assert holder.stdout.readline().strip() == b"held"
+        result = ggufcarve("run", plan, "-q")
+        assert result.code != 0 and f"pid {holder.pid} on" in result.error_line and "holds the lock" in result.error_line, result.stderr
+        assert "Traceback" not in result.stderr and sorted(p.name for p in work.iterdir()) == [".ggufcarve-run.lock"]
+        assert not (tmp_path / "release").exists()
+    finally:
+        holder.kill()
+        holder.wait()

@@ -59,13 +59,13 @@ def kept_count(layout: MoeLayout, keep: int | None, ratio: float | None) -> int:
     groups), checked against the load rules."""
     if (keep is None) == (ratio is None):
         raise BadInput("give exactly one of --keep K and --ratio R", "for example --keep 128 or --ratio 0.5")
-    if ratio is not None:
+    if keep is not None:
+        kept = keep
+    elif ratio is not None:
         problem = ratio_problem(ratio)
         if problem:
             raise BadInput(f"--ratio {problem}", "--ratio is the fraction of experts kept, e.g. 0.5")
         step = groups_of(layout)
         kept = max(step, round(ratio * layout.expert_count / step) * step)
-    else:
-        kept = int(keep)  # type: ignore[arg-type]
     check_kept_count(layout, kept)
     return kept

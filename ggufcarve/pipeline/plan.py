@@ -1,7 +1,7 @@
 """A run plan: one TOML file naming the source, the selection, the imatrix, the ladder and the
 evaluation, parsed into a validated `RunPlan` before anything touches disk.
 
-    source = "Qwen3.6-35B-A3B-Q8_0.gguf"      # paths are relative to the plan file
+    source = "Qwen3.6-35B-A3B-Q8_0.gguf"      # every path is relative to the plan file
     output = "release"                       # the release directory
     # work = "release.work"                  # intermediates: selection, pruned source, imatrices
     # name = "Qwen3.6-35B-A3B-128e"          # {model} in rung file names
@@ -244,6 +244,7 @@ def find_spec(value: str, base: Path) -> Path:
 
 def parse_plan(doc: dict[str, Any], base: Path, path: Path | None = None) -> RunPlan:
     """Validate a plan document; relative paths are resolved against `base`."""
+    from ggufcarve.moe.kept import ratio_problem
     from ggufcarve.select.methods import method_named
 
     top = _Table(doc, "plan", base)
@@ -277,8 +278,8 @@ def parse_plan(doc: dict[str, Any], base: Path, path: Path | None = None) -> Run
         spec = method_named(method)
         if (keep is None) == (ratio is None):
             raise BadInput(f"[selection]: method {method} needs exactly one of keep = K or ratio = R", "for example keep = 128")
-        if ratio is not None and not 0 < ratio <= 1:
-            raise BadInput(f"[selection]: ratio must be in (0, 1] (got {ratio})", "ratio is the fraction of the experts kept, e.g. 0.5")
+        if ratio is not None and ratio_problem(ratio):
+            raise BadInput(f"[selection]: ratio {ratio_problem(ratio)}", "ratio is the fraction of the experts kept, e.g. 0.5")
     else:
         spec = None
         if keep is not None or ratio is not None or protect is not None or protect_super:

@@ -18,7 +18,7 @@ from typing import Any
 
 from ggufcarve.errors import BadInput, ToolFailed
 from ggufcarve.events import Sink, ignore
-from ggufcarve.pipeline.plan import RunPlan
+from ggufcarve.pipeline.plan import EvaluationStep, RunPlan
 
 SELECTION_NAME = "expert-selection.json"
 EVALUATION_DIR = "evaluation"
@@ -166,13 +166,14 @@ def build_stages(ctx: RunContext, *, sizes: bool = True) -> list[Stage]:
     if plan.selection.method is not None:
         stages.append(_select_stage(ctx))
     stages.append(_prune_stage(ctx))
-    if plan.imatrix is not None:
-        stages.append(_remap_stage(ctx))
+    source_imatrix = imatrix_source(ctx)
+    if source_imatrix is not None:
+        stages.append(_remap_stage(ctx, source_imatrix))
     stages.append(_ladder_stage(ctx, sizes))
     if plan.evaluation is not None:
         if plan.evaluation.unpruned:
-            stages.append(_unpruned_stage(ctx, sizes))
-        stages.append(_evaluate_stage(ctx))
+            stages.append(_unpruned_stage(ctx, plan.evaluation, sizes))
+        stages.append(_evaluate_stage(ctx, plan.evaluation))
     if plan.card:
         stages.append(_card_stage(ctx))
     stages.append(_plan_stage(ctx))
@@ -275,10 +276,8 @@ def imatrix_source(ctx: RunContext) -> Path | None:
     return im.file or ctx.names.collected_imatrix
 
 
-def _remap_stage(ctx: RunContext) -> Stage:
+def _remap_stage(ctx: RunContext, source_imatrix: Path) -> Stage:
     plan, names = ctx.plan, ctx.names
-    source_imatrix = imatrix_source(ctx)
-    assert source_imatrix is not None  # only built with an [imatrix] table
 
     def work() -> tuple[list[Path], str]:
         from ggufcarve.gguf.container import read_model
@@ -372,10 +371,8 @@ def _public_quantizer(choice: str) -> str:
     return choice if choice in ("auto", "binary", "libllama") else Path(choice).name
 
 
-def _unpruned_stage(ctx: RunContext, sizes: bool) -> Stage:
+def _unpruned_stage(ctx: RunContext, ev: EvaluationStep, sizes: bool) -> Stage:
     plan, names = ctx.plan, ctx.names
-    ev = plan.evaluation
-    assert ev is not None  # only built with an [evaluation] table
     imatrix = imatrix_source(ctx)
 
     def work() -> tuple[list[Path], str]:
@@ -403,12 +400,10 @@ def qa_files(qa: Path | None) -> list[Path]:
     return sorted(qa.glob("*.jsonl")) if qa.is_dir() else [qa]
 
 
-def _evaluate_stage(ctx: RunContext) -> Stage:
+def _evaluate_stage(ctx: RunContext, ev: EvaluationStep) -> Stage:
     from ggufcarve.evaluate.gate import default_gate_path
 
     plan = ctx.plan
-    ev = plan.evaluation
-    assert ev is not None  # only built with an [evaluation] table
     directory = plan.output / EVALUATION_DIR
 
     def unpruned() -> list[Path]:

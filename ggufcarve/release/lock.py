@@ -18,6 +18,9 @@ Breaking renames the file to a unique name and checks it was the stale one; a li
 in that instant is put back. The lock only orders rebuilds of the manifest: every fragment is its
 own file replaced by rename, so a manifest built while the lock was wrongly broken can only miss a
 fragment, and `ggufcarve release merge DIR` rebuilds it from all of them.
+
+`lock_release(..., name=...)` takes another lock file of the same kind: `ggufcarve run` holds one
+on its work directory.
 """
 
 from __future__ import annotations
