@@ -121,7 +121,7 @@ def test_dry_run_lists_the_stages_and_writes_nothing(q8_moe, tmp_path):
     result = ggufcarve("run", plan, "--dry-run", "--json")
     assert result.code == 0, result.stderr
     doc = json.loads(result.stdout)
-    assert [s["name"] for s in doc["stages"]] == ["select", "prune", "imatrix", "ladder", "unpruned", "evaluate", "card", "plan", "verify"]
+    assert [s["name"] for s in doc["stages"]] == ["select", "prune", "imatrix", "ladder", "unpruned", "evaluate", "card", "verify"]
     assert "imatrix in the same pass" in doc["stages"][0]["does"]
     from ggufcarve.gguf.container import read_model  # the pruned size is the prune plan's, exact
 
@@ -187,7 +187,7 @@ def test_a_rerun_skips_every_stage_and_changes_nothing(finished):
     result = ggufcarve("run", plan, "-q", "--json")
     assert result.code == 0, result.stderr[-2000:]
     stages = {s["name"]: s["status"] for s in json.loads(result.stdout)["stages"]}
-    assert set(stages.values()) == {"skipped", "ran"} and [n for n, s in stages.items() if s == "ran"] == ["plan", "verify"], stages
+    assert set(stages.values()) == {"skipped", "ran"} and [n for n, s in stages.items() if s == "ran"] == ["verify"], stages
     assert _published(directory / "release") == before
 
 

@@ -93,7 +93,7 @@ def finished(deepseek2, tmp_path_factory):
 
 def test_the_dry_run_previews_a_group_balanced_prune(finished, deepseek2):
     _, dry, _ = finished
-    assert [s["name"] for s in dry["stages"]] == ["select", "prune", "imatrix", "ladder", "evaluate", "card", "plan", "verify"]
+    assert [s["name"] for s in dry["stages"]] == ["select", "prune", "imatrix", "ladder", "evaluate", "card", "verify"]
     source = GGUFReader(deepseek2)
     assert 0 < dry["stages"][1]["bytes"] < sum(int(t.n_bytes) for t in source.tensors)  # the prune of 8 of 16 experts
 

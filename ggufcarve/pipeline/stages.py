@@ -176,7 +176,6 @@ def build_stages(ctx: RunContext, *, sizes: bool = True) -> list[Stage]:
         stages.append(_evaluate_stage(ctx, plan.evaluation))
     if plan.card:
         stages.append(_card_stage(ctx))
-    stages.append(_plan_stage(ctx))
     stages.append(_verify_stage(ctx))
     return stages
 
@@ -489,38 +488,33 @@ def shards(path: Path) -> list[Path]:
     return [path]
 
 
-def _plan_stage(ctx: RunContext) -> Stage:
-    """method/run-plan.json: the resolved plan (bare names), its input files and the stages."""
+def _record_plan(ctx: RunContext) -> None:
+    """method/run-plan.json: the resolved plan (bare names), its input files and the stages before it."""
+    import json
+
+    from ggufcarve.fileio import write_text_atomic
+    from ggufcarve.release.publish import record_published
+    from ggufcarve.reports import dumps, envelope, file_input
+
     plan = ctx.plan
     path = plan.output / "method" / RUN_PLAN_NAME
-
-    def work() -> tuple[list[Path], str]:
-        import json
-
-        from ggufcarve.fileio import write_text_atomic
-        from ggufcarve.release.publish import record_published
-        from ggufcarve.reports import dumps, envelope, file_input
-
-        ev = plan.evaluation
-        files = [plan.source, *(plan.calibration.files if plan.calibration else ()), plan.imatrix.file if plan.imatrix else None, plan.selection.keepset,
-                 plan.selection.protect_file, plan.ladder.spec]
-        if ev is not None:
-            files += [ev.heldout, ev.reference, ev.gate, *qa_files(ev.qa), *ev.compare]
-        inputs = [file_input(shard, ctx.digest_of(shard)) for p in files if p is not None for shard in shards(p)]
-        stages = [{"name": r.name, "outputs": r.outputs or sorted(ctx.state.outputs(r.name))} for r in ctx.results]
-        doc = envelope("run-plan", inputs=inputs, parameters=plan.to_json(),
-                       results={"stages": stages, "kept_count": ctx.names.kept, "model_name": ctx.names.name}, timings={})
-        try:
-            old = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-            old = None
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if _without_created(old) != _without_created(doc):  # an unchanged plan leaves the release unchanged
-            write_text_atomic(path, dumps(doc))
-        record_published(plan.output, "plan", [path])
-        return [], f"method/{RUN_PLAN_NAME}"
-
-    return Stage("plan", "the resolved plan and its inputs", plan.output, {}, (), (f"method/{RUN_PLAN_NAME}",), None, work, recorded=False)
+    ev = plan.evaluation
+    files = [plan.source, *(plan.calibration.files if plan.calibration else ()), plan.imatrix.file if plan.imatrix else None, plan.selection.keepset,
+             plan.selection.protect_file, plan.ladder.spec]
+    if ev is not None:
+        files += [ev.heldout, ev.reference, ev.gate, *qa_files(ev.qa), *ev.compare]
+    inputs = [file_input(shard, ctx.digest_of(shard)) for p in files if p is not None for shard in shards(p)]
+    stages = [{"name": r.name, "outputs": r.outputs or sorted(ctx.state.outputs(r.name))} for r in ctx.results]
+    doc = envelope("run-plan", inputs=inputs, parameters=plan.to_json(),
+                   results={"stages": stages, "kept_count": ctx.names.kept, "model_name": ctx.names.name}, timings={})
+    try:
+        old = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        old = None
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if _without_created(old) != _without_created(doc):  # an unchanged plan leaves the release unchanged
+        write_text_atomic(path, dumps(doc))
+    record_published(plan.output, "plan", [path])
 
 
 def _without_created(doc: Any) -> Any:
@@ -528,10 +522,13 @@ def _without_created(doc: Any) -> Any:
 
 
 def _verify_stage(ctx: RunContext) -> Stage:
+    """Publish the plan's record, then check the release as `ggufcarve verify` does; runs every time."""
+
     def work() -> tuple[list[Path], str]:
         from ggufcarve.errors import VerificationFailed
         from ggufcarve.release.verify import verify_dir
 
+        _record_plan(ctx)
         report = verify_dir(ctx.plan.output, workers=ctx.threads, on_event=ctx.sink)
         if not report.ok:
             first = report.failures[0]
@@ -539,7 +536,7 @@ def _verify_stage(ctx: RunContext) -> Stage:
         ctx.verification = report
         return [], f"{len(report.files_ok)} files match SHA256SUMS and the manifest"
 
-    return Stage("verify", "SHA256SUMS, manifest, GGUF structure", ctx.plan.output, {}, (), (), None, work, recorded=False)
+    return Stage("verify", f"method/{RUN_PLAN_NAME}; SHA256SUMS, manifest, GGUF structure", ctx.plan.output, {}, (), (f"method/{RUN_PLAN_NAME}",), None, work, recorded=False)
 
 
 def default_threads(plan: RunPlan) -> int:
