@@ -250,7 +250,7 @@ def _prune_stage(ctx: RunContext) -> Stage:
 
     plan, names = ctx.plan, ctx.names
     # the sizes of any keep-set of K: every block keeps K equal slabs (group-balanced, as the selection is)
-    preview = plan_prune(ctx.model, ctx.layout, ctx.keepset if ctx.keepset is not None else keep_per_block(ctx.layout, names.kept), names.pruned)
+    preview = plan_prune(ctx.model, ctx.layout, keep_per_block(ctx.layout, names.kept), names.pruned)
 
     def work() -> tuple[list[Path], str]:
         from ggufcarve.prune.execute import execute
@@ -293,7 +293,7 @@ def _remap_stage(ctx: RunContext, source_imatrix: Path) -> Stage:
         return [names.remapped_imatrix, result.report_path], f"{len(remap_plan.output.entries)} entries remapped to {keepset.kept_count} experts"
 
     return Stage("imatrix", "remap the imatrix to the kept experts", plan.work, {"output": names.remapped_imatrix.name},
-                 (source_imatrix, ctx.keepset_file(), names.pruned), (names.remapped_imatrix.name,), None, work)
+                 (source_imatrix, ctx.keepset_file(), names.pruned, plan.source), (names.remapped_imatrix.name,), None, work)
 
 
 def _quantizer(ctx: RunContext) -> Any:
