@@ -147,3 +147,12 @@ def test_a_run_killed_midway_resumes_and_verifies(finished, deepseek2, tmp_path)
         name = f"deepseek2-8e-{rung}.gguf"
         assert resumed[name] == reference[name]
     assert not list(tmp_path.rglob("*.tmp"))
+
+
+@pytest.mark.parametrize("keep, message", [(10, "K=10 is not a multiple of the 4 expert groups"), (4, "K=4 keeps 1 expert(s) per group")])
+def test_a_k_the_groups_refuse_is_named_as_the_plans(deepseek2, tmp_path, keep, message):
+    plan = _plan(tmp_path, deepseek2)
+    plan.write_text(plan.read_text().replace("keep = 8", f"keep = {keep}"))
+    result = ggufcarve("run", plan, "--dry-run")
+    assert result.code != 0 and result.error_line.startswith(f"error: [selection]: {message}"), result.stderr
+    assert "keep-set" not in result.error_line and "Traceback" not in result.stderr
