@@ -207,7 +207,7 @@ def test_cli_json_and_table(make_model, llama_tools):
 @pytest.mark.parametrize("args, message", [
     (["--memory", "plenty"], "is not a memory size"),
     (["--memory", "24GiB", "--kv-type", "q4_k"], "is not f16 or q8_0"),
-    (["--memory", "24GiB", "--k", "1"], "fewer than the 2"),
+    (["--memory", "24GiB", "--k", "1"], "below the 2 experts"),
     (["--memory", "24GiB", "--k", "x"], "is not a count or a range"),
 ])
 def test_cli_refuses_bad_arguments_in_one_line(make_model, args, message):
