@@ -61,7 +61,7 @@ def test_kept_counts_follow_the_pruners_rules(tmp_path, make_model):
         parse_kept_counts("4", grouped)
     layout = inspect_layout(replica)
     assert parse_kept_counts("96-128/16,200", layout) == [96, 112, 128, 200]
-    with pytest.raises(BadInput, match="fewer than the 8"):
+    with pytest.raises(BadInput, match="below the 8 experts"):
         parse_kept_counts("4", layout)
 
 
@@ -214,7 +214,7 @@ def test_cli_json_and_table(make_model, llama_tools):
 @pytest.mark.parametrize("args, message", [
     (["--memory", "plenty"], "is not a memory size"),
     (["--memory", "24GiB", "--kv-type", "q4_k"], "is not f16 or q8_0"),
-    (["--memory", "24GiB", "--k", "1"], "fewer than the 2"),
+    (["--memory", "24GiB", "--k", "1"], "below the 2 experts"),
     (["--memory", "24GiB", "--k", "x"], "is not a count or a range"),
 ])
 def test_cli_refuses_bad_arguments_in_one_line(make_model, args, message):

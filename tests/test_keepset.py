@@ -99,7 +99,7 @@ def test_not_json(tmp_path, qwen35):
         ({0: (0, 1, 1), 1: (0, 1, 2), 2: (0, 1, 2)}, r"blk.0: duplicate id\(s\) 1"),
         ({0: (0, 8), 1: (0, 1), 2: (0, 1)}, r"blk.0: id\(s\) 8 out of range 0..7"),
         ({0: (0, 1), 1: (0, 1, 2), 2: (0, 1)}, "blocks keep different expert counts"),
-        ({0: (0,), 1: (0,), 2: (0,)}, "fewer than the 2 each token is routed to"),
+        ({0: (0,), 1: (0,), 2: (0,)}, "below the 2 experts each token is routed to"),
     ],
 )
 def test_load_rules(qwen35, layers, message):

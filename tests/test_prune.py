@@ -236,7 +236,7 @@ def test_dense_model(dense_model, tmp_path):
         ({"0": [0, 1, 2, 3], "1": [0, 1, 2, 3], "2": [0, 1, 2, 3], "3": [0, 1, 2, 3]}, "block(s) 3 listed but have no experts"),
         ({"0": [0, 1, 2, 2], "1": [0, 1, 2, 3], "2": [0, 1, 2, 3]}, "duplicate id(s) 2"),
         ({"0": [0, 1, 2, 9], "1": [0, 1, 2, 3], "2": [0, 1, 2, 3]}, "id(s) 9 out of range 0..7"),
-        ({"0": [0], "1": [1], "2": [2]}, "fewer than the 2 each token is routed to"),
+        ({"0": [0], "1": [1], "2": [2]}, "below the 2 experts each token is routed to"),
     ],
 )
 def test_bad_keep_sets(make_model, tmp_path, layers, message):
@@ -246,7 +246,7 @@ def test_bad_keep_sets(make_model, tmp_path, layers, message):
 
 
 def test_uneven_groups(make_model, tmp_path):
-    refused(tmp_path, make_model("deepseek2"), "--keep-first", 8, "-o", tmp_path / "out" / "p.gguf", message="every group must keep 2")
+    refused(tmp_path, make_model("deepseek2"), "--keep-ids", "0-7", "-o", tmp_path / "out" / "p.gguf", message="every group must keep 2")
 
 
 def test_output_is_the_source(make_model, tmp_path):

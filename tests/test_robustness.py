@@ -30,6 +30,7 @@ from ggufcarve.gguf.container import (
 )
 from ggufcarve.imatrix.formats import read_imatrix
 from ggufcarve.moe.keepset import KeepSet, check_keepset, keep_first, load_keepset
+from ggufcarve.moe.kept import kept_count_problems
 from ggufcarve.moe.layout import MoeLayout, inspect_layout
 
 SCALARS = {
@@ -173,14 +174,30 @@ def test_accepted_keepsets_satisfy_llama_load_rules(case):
 @settings(max_examples=100, deadline=None)
 @given(case=layouts_and_keepsets())
 def test_keep_first_of_a_valid_count_is_accepted(case):
+    """For every K the one check of K accepts (grouped routing included), keep_first builds a
+    keep-set that check_keepset accepts and that satisfies the load rules stated independently
+    above; every K it refuses, keep_first refuses too."""
     layout, _ = case
+    accepted = 0
     for k in range(1, layout.expert_count + 1):
-        try:
-            keepset = keep_first(layout, k)
-            check_keepset(keepset, layout)
-        except BadInput:
+        if kept_count_problems(layout, k):
+            with pytest.raises(BadInput):
+                keep_first(layout, k)
             continue
-        assert keepset.kept_count == k
+        keepset = keep_first(layout, k)
+        check_keepset(keepset, layout)
+        assert keepset.kept_count == k and set(keepset.layers) == set(layout.blocks)
+        assert layout.expert_used_count <= k <= layout.expert_count
+        if layout.group_count > 1:
+            size, per_group = layout.expert_count // layout.group_count, k // layout.group_count
+            assert k % layout.group_count == 0 and per_group >= 2 and layout.group_used_count * per_group >= layout.expert_used_count
+            for ids in keepset.layers.values():
+                assert list(ids) == sorted(ids) and all(sum(1 for i in ids if i // size == g) == per_group for g in range(layout.group_count))
+        accepted += 1
+    grouped_possible = layout.group_count <= 1 or any(
+        k % layout.group_count == 0 and k // layout.group_count >= 2 and layout.group_used_count * (k // layout.group_count) >= layout.expert_used_count
+        for k in range(max(layout.expert_used_count, 1), layout.expert_count + 1))
+    assert accepted > 0 or not grouped_possible or layout.expert_used_count > layout.expert_count
 
 
 # ---------------------------------------------------------------------------------------------

@@ -53,7 +53,7 @@ def _plan(directory: Path, source: Path, *, keep: int = 4, extra: str = "", eval
     _text(directory / "calibration.txt", 700, 1)
     _text(directory / "heldout.txt", 500, 2)
     (directory / "ladder.toml").write_text(SPEC)
-    text = f'''source = "{source}"
+    text = f'''source = "{source.name}"
 output = "release"
 threads = 2
 {extra}
@@ -222,8 +222,10 @@ def test_a_run_stopped_in_the_middle_resumes_and_verifies(q8_moe, tmp_path, sign
 
 
 @pytest.mark.slow
-def test_a_changed_plan_reruns_from_the_changed_stage(finished, q8_moe, tmp_path):
-    directory, plan, _ = finished
+def test_a_changed_plan_reruns_from_the_changed_stage(finished, tmp_path):
+    directory = tmp_path / "copy"  # the module's finished run stays as the other tests read it
+    shutil.copytree(finished[0], directory, symlinks=True)
+    plan = directory / finished[1].name
     text = plan.read_text().replace("keep = 4", "keep = 6").replace("[evaluation]", "[evaluation_off]")
     changed = directory / "changed.toml"
     changed.write_text(text.split("[evaluation_off]")[0])
@@ -248,3 +250,84 @@ def test_the_example_plans_are_valid(name, q8_moe, tmp_path):
     result = ggufcarve("run", tmp_path / name, "--dry-run", "--json")
     assert result.code == 0, result.stderr
     assert json.loads(result.stdout)["stages"][-1]["name"] == "verify"
+
+
+# ---------------------------------------------------------------------------------------------
+# paths are relative to the plan file, checked when it is parsed, and every file read is an input
+
+
+def _bare_plan(directory: Path, source: Path, selection: str, ladder: str = "") -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(source, directory / "model-Q8_0.gguf")
+    (directory / "ladder.toml").write_text(SPEC)
+    plan = directory / "plan.toml"
+    plan.write_text(f'source = "model-Q8_0.gguf"\noutput = "release"\n[selection]\n{selection}\n[ladder]\nspec = "ladder.toml"\n{ladder}')
+    return plan
+
+
+def test_protect_and_quantizer_paths_are_relative_to_the_plan(q8_moe, tmp_path, monkeypatch):
+    from ggufcarve.errors import BadInput
+    from ggufcarve.pipeline.plan import load_plan
+
+    directory = tmp_path / "plans"
+    (directory / "bin").mkdir(parents=True)
+    quantizer = directory / "bin" / "llama-quantize"
+    quantizer.write_text("#!/bin/sh\n")
+    quantizer.chmod(0o755)
+    (directory / "protect.json").write_text(json.dumps({"layers": {"0": [1], "1": [1]}}))
+    plan = _bare_plan(directory, q8_moe, 'method = "weights"\nkeep = 4\nprotect = "protect.json"', 'quantizer = "bin/llama-quantize"\n')
+    monkeypatch.chdir(tmp_path)  # another directory than the plan's
+    parsed = load_plan(plan)
+    assert parsed.selection.protect_file == directory / "protect.json" and parsed.ladder.quantizer == str(quantizer.resolve())
+    assert parsed.to_json()["selection"]["protect"] == "protect.json" and parsed.to_json()["ladder"]["quantizer"] == "llama-quantize"
+    assert load_plan(_bare_plan(tmp_path / "ids", q8_moe, 'method = "weights"\nkeep = 4\nprotect = "0,5-6"')).selection.protect == "0,5-6"
+    for selection, ladder, message in [
+        ('method = "weights"\nkeep = 4\nprotect = "missing.json"', "", "protect = 'missing.json': no such file"),
+        ('method = "weights"\nkeep = 4\nprotect = "zz"', "", "neither expert ids"),
+        ('method = "weights"\nkeep = 4', 'quantizer = "bin/nothing"\n', "quantizer = 'bin/nothing': no such file"),
+        ('method = "weights"\nkeep = 4', 'quantizer = "protect.json"\n', "is not an executable file"),
+    ]:
+        with pytest.raises(BadInput, match=message):
+            load_plan(_bare_plan(directory, q8_moe, selection, ladder))
+
+
+def test_a_protect_file_is_an_input_of_the_selection(q8_moe, tmp_path):
+    from ggufcarve.pipeline.plan import load_plan
+    from ggufcarve.pipeline.run import _context, _inputs
+    from ggufcarve.pipeline.stages import build_stages
+    from ggufcarve.pipeline.state import stage_digest
+
+    protect = tmp_path / "protect.json"
+    protect.write_text(json.dumps({"layers": {"0": [1], "1": [1]}}))
+    plan = load_plan(_bare_plan(tmp_path, q8_moe, 'method = "weights"\nkeep = 4\nprotect = "protect.json"'))
+
+    def select_digest() -> str:
+        ctx = _context(plan)
+        stage = next(s for s in build_stages(ctx, sizes=False) if s.name == "select")
+        return stage_digest(stage.name, stage.parameters, _inputs(ctx, stage))
+
+    before = select_digest()
+    assert select_digest() == before
+    protect.write_text(json.dumps({"layers": {"0": [2], "1": [2]}}))
+    assert select_digest() != before
+
+
+def test_a_second_run_in_the_same_work_directory_is_refused(q8_moe, tmp_path):
+    """The work lock is the release lock's kind of file (O_EXCL, owner record, heartbeat): a run
+    finding it held by a live process refuses in one line and writes nothing."""
+    plan = _bare_plan(tmp_path, q8_moe, 'method = "weights"\nkeep = 4')
+    work = tmp_path / "release.work"
+    work.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time\nfrom pathlib import Path\nfrom ggufcarve.release.lock import lock_release\n"
+        f"with lock_release(Path({str(work)!r}), name='.ggufcarve-run.lock'):\n    print('held', flush=True)\n    time.sleep(120)\n")],
+        stdout=subprocess.PIPE, env={**os.environ}, start_new_session=True)
+    try:
+        assert holder.stdout.readline().strip() == b"held"
+        result = ggufcarve("run", plan, "-q")
+        assert result.code != 0 and f"pid {holder.pid} on" in result.error_line and "holds the lock" in result.error_line, result.stderr
+        assert "Traceback" not in result.stderr and sorted(p.name for p in work.iterdir()) == [".ggufcarve-run.lock"]
+        assert not (tmp_path / "release").exists()
+    finally:
+        holder.kill()
+        holder.wait()

@@ -11,7 +11,6 @@ Examples:
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Annotated
 
@@ -44,42 +43,22 @@ def eval_command(
     as_json: JsonOption = False,
 ) -> None:
     """Evaluate MODELs against --reference: PPL, KLD, speed, QA and the gate; writes -o DIR/<model>.json and DIR/summary.md."""
-    from ggufcarve.errors import BadInput, OutputError
-    from ggufcarve.evaluate.gate import default_gate_path, load_gate
+    from ggufcarve.errors import OutputError
     from ggufcarve.evaluate.models import resolve_models
-    from ggufcarve.evaluate.protocol import DEFAULT_TAIL_SAMPLES, DEFAULT_TOP_K, REFERENCE_FULL, REFERENCE_TOPK
-    from ggufcarve.evaluate.run import EvalSettings, evaluate
-    from ggufcarve.evaluate.speed import ENGINES, SpeedSettings
-    from ggufcarve.release.publish import record_published, release_of
+    from ggufcarve.evaluate.release import eval_settings, evaluate_release
 
-    if top_k is not None and top_k < 1:
-        raise BadInput(f"--top-k {top_k}: must be at least 1", "leave --top-k out to keep every token's log-prob")
-    if tail_samples < 0 or tail_samples == 1:
-        raise BadInput(f"--tail-samples {tail_samples}: must be 0 (a lower bound) or at least 2 (their spread measures the estimate's error)", f"for example --tail-samples {DEFAULT_TAIL_SAMPLES}")
-    if speed_engine not in ENGINES:
-        raise BadInput(f"--speed-engine {speed_engine}: not one of {', '.join(ENGINES)}", "auto uses llama-bench when `ggufcarve toolchain build` has compiled it")
+    settings, warnings = eval_settings(ctx=ctx, chunks=chunks, threads=threads, top_k=top_k, speed_runs=speed_runs, speed_engine=speed_engine, gate=gate, qa=qa,
+                                       cross_check=cross_check, llama_cpp=llama_cpp, cache=cache, kl_base_out=save_kl_base,
+                                       tail_samples=tail_samples)
+    for warning in warnings:
+        warn(warning)
     entries = resolve_models(models)
-    if gate is None and not default_gate_path().exists():
-        warn(f"no gate: {default_gate_path().name} is not beside this installation (give --gate FILE)")
-        gate_rules = None
-    else:
-        gate_rules = load_gate(gate or default_gate_path())
-    qa_checks = None
-    if qa is not None:
-        from ggufcarve.evaluate.qa import load_suite
-
-        qa_checks = [c.to_json() for c in load_suite(qa)]
     existing = [output / f"{e.name}.json" for e in entries if (output / f"{e.name}.json").exists()]
     if existing and not force:
         raise OutputError(f"{existing[0]} already exists", "use --force to replace the results, or another -o directory")
-    settings = EvalSettings(
-        ctx=ctx, chunks=chunks, threads=threads or os.cpu_count() or 1, top_k=top_k or DEFAULT_TOP_K, tail_samples=tail_samples,
-        reference_store=REFERENCE_FULL if top_k is None else REFERENCE_TOPK,
-        speed=SpeedSettings(runs=speed_runs, engine=speed_engine) if speed_runs > 0 else None, gate=gate_rules, qa_checks=qa_checks,
-        cross_check=cross_check, llama_cpp_dir=llama_cpp, cache_dir=cache, kl_base_out=save_kl_base,
-    )
     with progress(not quiet and not as_json) as sink:
-        run = evaluate(entries, reference, heldout, settings, output, sink)
+        evaluated = evaluate_release(models, reference, heldout, settings, output, sink)
+    run = evaluated.run
     if as_json:
         out.print_json(json.dumps({"results": run.results, "files": [p.name for p in run.files]}))
         return
@@ -95,10 +74,8 @@ def eval_command(
             line += f"; llama-perplexity PPL {c['ppl']:.4f} ({'agrees' if c['ppl_agrees'] else 'DIFFERS'})"
         out.print(line + f" — {r['gate'] or 'no gate'}" + (f" ({'; '.join(r['gate_failed'])})" if r.get("gate_failed") else ""), highlight=False, soft_wrap=True)
     err.print(f"wrote {len(run.files)} files to {output} (reference {run.reference.label}{', cached log-probs' if run.reference.cached else ''})", highlight=False)
-    release = release_of(output.resolve())
-    if release is not None and release != output.resolve():
-        records = record_published(release, "evaluation", [p for p in sorted(output.rglob("*")) if p.is_file() and not any(part.startswith(".") for part in p.relative_to(output).parts)])
-        err.print(f"recorded {len(records)} evaluation files in {release / 'quant-manifest.json'} and SHA256SUMS", highlight=False)
+    if evaluated.records:
+        err.print(f"recorded {len(evaluated.records)} evaluation files in {evaluated.release / 'quant-manifest.json'} and SHA256SUMS", highlight=False)
 
 
 def _kld_text(r: dict) -> str:

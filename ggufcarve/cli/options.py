@@ -20,7 +20,7 @@ def command_group(help: str) -> typer.Typer:
 
 
 KeepOption = Annotated[Path | None, typer.Option("--keep", help="Keep-set JSON: ours, kept_expert_indices.json, carve_manifest.json or expert-selection.json.")]
-KeepFirstOption = Annotated[int | None, typer.Option("--keep-first", help="Keep experts 0..K-1 in every MoE block.")]
+KeepFirstOption = Annotated[int | None, typer.Option("--keep-first", help="Keep the first K experts of every MoE block (with grouped routing, the first K/groups of every group).")]
 KeepIdsOption = Annotated[str | None, typer.Option("--keep-ids", help="Keep these ids in every MoE block, e.g. 0,2,4-7.")]
 QuietOption = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars.")]
 JsonOption = Annotated[bool, typer.Option("--json", help="Print the result as JSON (no progress bars).")]

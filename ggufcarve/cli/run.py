@@ -42,7 +42,10 @@ def _preview_table(preview: RunPreview) -> None:
     out.print(table)
     out.print(f"source {preview.plan.source}; release {preview.plan.output}; work {preview.plan.work}", highlight=False, soft_wrap=True)
     free = "; ".join(f"{escape(d)}: {_size(b)} free" for d, b in preview.free.items())
-    out.print(f"disk needed: about {_size(preview.bytes_needed)} ({free})", highlight=False, soft_wrap=True)
+    out.print(f"disk needed: about {_size(preview.bytes_needed)} in work and release ({free})", highlight=False, soft_wrap=True)
+    if preview.reference_bytes:
+        out.print(f"and up to {_size(preview.reference_bytes)} for the reference's log-probs (every token, as llama-perplexity keeps them; a plan's "
+                  "[evaluation] top_k = 128 keeps a small cache with an estimated KLD instead)", highlight=False, soft_wrap=True)
 
 
 def _result_tables(result: RunResult) -> None:
@@ -92,18 +95,19 @@ def _execute(plan: RunPlan, dry_run: bool, force: bool, quiet: bool, as_json: bo
     from ggufcarve.errors import OutputError
     from ggufcarve.pipeline.run import execute_run, preview_run
 
-    preview = preview_run(plan)
     if dry_run:
+        preview = preview_run(plan)
         if as_json:
             out.print_json(json.dumps({
                 "stages": [{"name": s.name, "does": s.action, "writes": list(s.outputs), "bytes": s.bytes, "done": s.done} for s in preview.stages],
-                "bytes_needed": preview.bytes_needed, "free": preview.free, "plan": plan.to_json(),
+                "bytes_needed": preview.bytes_needed, "reference_bytes": preview.reference_bytes, "needed": preview.needed, "free": preview.free, "plan": plan.to_json(),
             }))
         else:
             _preview_table(preview)
         if preview.short:
             probe = preview.short[0]
-            raise OutputError(f"the run needs about {_size(preview.bytes_needed)} but {probe} has {_size(preview.free[probe])} free", "free disk space, or set work/output in the plan to a larger disk")
+            raise OutputError(f"the run needs about {_size(preview.needed[probe])} but {probe} has {_size(preview.free[probe])} free",
+                              "free disk space, or set work/output in the plan to a larger disk (and GGUFCARVE_CACHE for the reference's log-probs)")
         return
     with progress(not quiet and not as_json) as sink:
         result = execute_run(plan, force=force, on_event=sink)

@@ -14,7 +14,6 @@ Examples:
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -29,7 +28,7 @@ from ggufcarve.cli.options import (
     ThreadsOption,
 )
 from ggufcarve.cli.render import new_table, out, progress, ranges, warn
-from ggufcarve.errors import BadInput, OutputError
+from ggufcarve.errors import BadInput
 
 if TYPE_CHECKING:
     from ggufcarve.gguf.container import GGUFModel
@@ -42,19 +41,6 @@ MethodOption = Annotated[str | None, typer.Option("--method", "-m", help="weight
 ImatrixOption = Annotated[Path | None, typer.Option("--imatrix", help="GGUF imatrix of the model (imatrix-counts, imatrix-energy).")]
 SeedOption = Annotated[int, typer.Option("--seed", help="Seed of the random method.")]
 MaxTokensOption = Annotated[int | None, typer.Option("--max-tokens", help="Trace at most this many calibration tokens (whole chunks).")]
-
-
-def _is_gguf(path: Path) -> bool:
-    try:
-        with open(path, "rb") as f:
-            return f.read(4) == b"GGUF"
-    except FileNotFoundError:
-        raise BadInput(f"{path}: no such file", "give a GGUF model or a scores JSON file") from None
-
-
-def _refuse_existing(path: Path, force: bool) -> None:
-    if path.exists() and not force:
-        raise OutputError(f"output {path} already exists", "pass --force to replace it, or choose another path")
 
 
 def _read_model(source: Path) -> tuple[GGUFModel, MoeLayout]:
@@ -105,12 +91,13 @@ def score_command(
 ) -> None:
     """Score every expert of every MoE block (MTP included) and write the mergeable statistics."""
     _calibrate_ahead(method, calibration)
+    from ggufcarve.select.run import refuse_existing
     from ggufcarve.select.scores import merge_scores, read_scores
 
     sources = sources or []
     if output is None:
         raise BadInput("give -o SCORES.json", "the scores are written to a JSON file")
-    _refuse_existing(output, force)
+    refuse_existing(output, force)
     if merge:
         scores = merge_scores(read_scores(p) for p in sources)
     else:
@@ -186,14 +173,7 @@ def select_command(
 ) -> None:
     """Choose the experts to keep per MoE block (MTP included) and write the selection record."""
     _calibrate_ahead(method, calibration)
-    from ggufcarve.fileio import sha256_file_cached
-    from ggufcarve.select.keep import (
-        check_kept_count,
-        choose,
-        kept_count,
-        protected_from,
-    )
-    from ggufcarve.select.scores import ModelFacts, read_scores
+    from ggufcarve.select.run import SelectSettings, is_gguf, select_to_file
 
     sources = sources or []
     if compare_files:
@@ -206,39 +186,10 @@ def select_command(
     if output is None:
         raise BadInput("give -o SELECTION.json", "the selection is written to a JSON file that `ggufcarve prune --keep` reads")
     source = sources[0]
-    png = output.with_suffix(".png")
-    _refuse_existing(output, force)
-    if heatmap:
-        _refuse_existing(png, force)
-    from_scores: tuple[dict[str, Any], ...] = ()
-    scores = None
-    if _is_gguf(source):
-        model, layout = _read_model(source)
-        facts = ModelFacts.of(model, layout)
-    else:
-        if imatrix is not None or calibration:
-            raise BadInput(f"{source.name} is a scores file: --imatrix and --calibration apply when scoring a model", "drop them, or give the model instead")
-        scores = read_scores(source)
-        if method is not None and method != scores.method:
-            raise BadInput(f"{source.name} holds {scores.method} scores, not {method}", f"drop --method or score the model with --method {method}")
-        facts = scores.model
-        from_scores = ({"kind": "scores", "name": source.name, "sha256": sha256_file_cached(source)},)
-    kept = kept_count(facts.expert_count, facts.group_count, keep, ratio)
-    check_kept_count(facts, kept)
-    protected = protected_from(protect, facts)
-    if protect_super_experts and scores is None and method not in ("ean", "reap", "razor"):
-        raise BadInput(f"--protect-super-experts needs per-expert maximum outputs, which --method {method} does not record", "use --method ean, reap or razor")
-    started = time.perf_counter()
-    if scores is None:
-        scores = _score(model, layout, method, imatrix, calibration or [], seed, ctx, max_tokens, threads, quiet or as_json)
-    selection = choose(scores, kept, protected, protect_super_experts, ratio=ratio, sources=from_scores)
-    record = selection.record({"total_seconds": time.perf_counter() - started})
-    text = json.dumps(record, indent=1, sort_keys=True, allow_nan=False) + "\n"
-    _write(output, text, [source], force)
-    if heatmap:
-        from ggufcarve.select.heatmap import write_heatmap
-
-        write_heatmap(selection, png)
+    settings = SelectSettings(method, keep, ratio, imatrix, tuple(calibration or ()), seed, ctx, max_tokens, threads, protect, protect_super_experts, heatmap)
+    with progress(not quiet and not as_json) as sink:
+        result = select_to_file(source, settings, output, force=force, on_event=sink)
+    selection, record, png, kept = result.selection, result.record, output.with_suffix(".png"), result.selection.kept_count
     for warning in selection.warnings:
         warn(warning)
     if as_json:
@@ -246,7 +197,7 @@ def select_command(
         return
     if not quiet:  # -q: the result line alone
         out.print(_selection_table(selection))
-    model_name = source if _is_gguf(source) else "MODEL.gguf"
+    model_name = source if is_gguf(source) else "MODEL.gguf"
     out.print(f"selection: {output}" + (f"; heatmap: {png}" if heatmap else ""))
     if not quiet:
         out.print(f"prune with: ggufcarve prune {model_name} --keep {output} -o OUT.gguf")

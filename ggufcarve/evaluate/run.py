@@ -104,16 +104,24 @@ def _text_sha256(heldout: Path) -> str:
         raise BadInput(f"{heldout}: cannot read the held-out text ({err.strerror})", "give a plain text file") from None
 
 
-def reference_disk_bytes(reference: Path, heldout: Path | None, settings: EvalSettings, sink: Sink = ignore) -> int:
+def reference_cache_dir(settings: EvalSettings) -> Path:
+    """Where the reference's log-probs are cached."""
+    from ggufcarve.fileio import cache_root
+
+    return settings.cache_dir or cache_root() / "reference-logprobs"
+
+
+def reference_disk_bytes(reference: Path, heldout: Path | None, settings: EvalSettings, sink: Sink = ignore, *, hash_reference: bool = True) -> int:
     """At most the bytes the reference's log-probs take on disk in this run (0 when they are cached or given as a file).
+
+    Without `hash_reference` (a dry run) the reference is not read to learn its sha256: a cache is
+    found only when the digest is already known, otherwise the cache's full size is counted.
 
     The cache (and `--save-kl-base`) of a GGUF reference: llama-perplexity's base file, or the top-k
     cache. The held-out text is tokenized only by the run, so its chunk count is bounded here by
     the text's bytes: a token of llama.cpp's tokenizers spells at least one byte of the text,
     apart from a BOS and a leading-space marker.
     """
-    from ggufcarve.fileio import cache_root
-
     if not reference.is_file() or _reference_input(reference) != "gguf" or heldout is None:
         return 0
     entry = read_entry(reference)
@@ -127,14 +135,21 @@ def reference_disk_bytes(reference: Path, heldout: Path | None, settings: EvalSe
     if n_chunk < 1:
         return 0
     base = kld.base_file_bytes(settings.ctx, entry.n_vocab, n_chunk)
-    ref_sha, text_sha = _sha256_of(entry, sink), _text_sha256(heldout)
-    cache = _cache_path(settings.cache_dir or cache_root() / "reference-logprobs", ref_sha, text_sha, settings)
+    if hash_reference:
+        ref_sha: str | None = _sha256_of(entry, sink)
+    else:
+        from ggufcarve.fileio import cached_sha256
+
+        digests = [cached_sha256(p) for p in entry.files]
+        ref_sha = None if None in digests else digests[0] if len(digests) == 1 else hashlib.sha256(",".join(map(str, digests)).encode()).hexdigest()
+    text_sha = _text_sha256(heldout)
+    cache = _cache_path(reference_cache_dir(settings), ref_sha or "0" * 64, text_sha, settings)
     if settings.reference_store == REFERENCE_TOPK:
         header = kld.ReferenceHeader("0" * 64, "0" * 64, settings.ctx, entry.n_vocab, n_chunk, settings.top_k, False, 0, n_chunk, settings.tail_samples)
         cache_bytes = header.file_bytes
     else:
         cache_bytes = base
-    cached = _cached(cache, ref_sha, text_sha, settings) is not None
+    cached = ref_sha is not None and _cached(cache, ref_sha, text_sha, settings) is not None
     return (0 if cached else cache_bytes) + (base if settings.kl_base_out is not None else 0)
 
 
@@ -165,7 +180,7 @@ def prepare_reference(path: Path, heldout: Path | None, settings: EvalSettings, 
     A GGUF reference's log-probs are kept as llama-perplexity's base file (every token, the default)
     or, with `settings.reference_store` "topk", as a top-k cache.
     """
-    from ggufcarve.fileio import atomic_file, cache_root, remove_dead_temps, temp_path_for
+    from ggufcarve.fileio import atomic_file, remove_dead_temps, temp_path_for
 
     if settings.reference_store not in REFERENCE_STORES:
         raise BadInput(f"reference store {settings.reference_store!r}: not one of {', '.join(REFERENCE_STORES)}", "full keeps every token's log-prob as llama-perplexity does")
@@ -189,7 +204,7 @@ def prepare_reference(path: Path, heldout: Path | None, settings: EvalSettings, 
     text_sha = _text_sha256(heldout)
     ref_sha = _sha256_of(entry, sink)
     topk = settings.reference_store == REFERENCE_TOPK
-    cache_dir = settings.cache_dir or cache_root() / "reference-logprobs"
+    cache_dir = reference_cache_dir(settings)
     cache_dir.mkdir(parents=True, exist_ok=True)
     cache = _cache_path(cache_dir, ref_sha, text_sha, settings)
     store = {"top_k": settings.top_k, "tail_samples": settings.tail_samples} if topk else {}

@@ -12,7 +12,7 @@ import hashlib
 import json
 import os
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,6 +22,7 @@ from gguf.constants import GGUFValueType
 from ggufcarve import __version__
 from ggufcarve.errors import BadInput
 from ggufcarve.gguf.container import KeyValue, make_kv
+from ggufcarve.moe.kept import KEPT_COUNT_HINT, check_kept_count, groups_of, kept_count_problems
 from ggufcarve.moe.layout import MoeLayout
 from ggufcarve.reports import read_json_bytes
 
@@ -31,6 +32,8 @@ KEPT_ID_FIELDS = ("keep", "kept", "retained", "kept_ids", "retained_ids", "kept_
 LAYER_MAP_FIELDS = ("layers", "kept_expert_indices", "kept_experts", "retained_experts", "kept", "retained", "selection", "experts")
 LAYER_NUMBER_FIELDS = ("layer", "block", "layer_index", "block_index", "blk")
 LAYER_KEY = re.compile(r"^(?:(?P<kind>main|mtp|layer|blk|block|model\.layers)[._-]?)?(?P<index>\d+)$")
+# pick(block, the ids of one routing group, how many to keep) -> the kept ids of that group
+Pick = Callable[[int, range, int], Sequence[int]]
 
 
 @dataclass(frozen=True)
@@ -47,15 +50,48 @@ class KeepSet:
     def to_json(self) -> dict[str, Any]:
         return {**self.metadata, "layers": {str(b): list(ids) for b, ids in sorted(self.layers.items())}}
 
+    @classmethod
+    def as_written(cls, keepset: KeepSet, doc: Any, raw: bytes, name: str) -> KeepSet:
+        """The keep-set `load_keepset` reads from a file named `name` holding `raw` (the JSON
+        document `doc`, whose kept ids are `keepset`'s): its metadata and file record."""
+        metadata = {k: v for k, v in doc.items() if k != "layers"} if isinstance(doc, dict) and "layers" in doc else {}
+        return cls(dict(keepset.layers), {**metadata, "source_file": name}, {"name": name, "sha256": hashlib.sha256(raw).hexdigest(), "bytes": len(raw)})
+
     def save(self, path: str | os.PathLike[str]) -> None:
         from ggufcarve.fileio import write_text_atomic
 
         write_text_atomic(Path(path), json.dumps(self.to_json(), indent=1, sort_keys=True) + "\n")
 
 
+def _first(block: int, members: range, quota: int) -> Sequence[int]:
+    return members[:quota]
+
+
+def keep_per_block(layout: MoeLayout, kept: int, pick: Pick = _first, selection: str | None = None) -> KeepSet:
+    """K experts in every MoE block, K/groups from every routing group, stored group by group in
+    ascending id order (the order llama.cpp's grouped top-k needs). `pick` chooses a group's kept
+    ids (default: its first ones). Raises BadInput when K breaks the load rules of moe/kept.py."""
+    check_kept_count(layout, kept)
+    groups = groups_of(layout)
+    size = layout.expert_count // groups
+    quota = kept // groups
+    layers = {}
+    for block in layout.blocks:
+        chosen: list[int] = []
+        for g in range(groups):
+            members = range(g * size, (g + 1) * size)
+            ids = sorted(pick(block, members, quota))
+            if len(ids) != quota or len(set(ids)) != quota or not all(i in members for i in ids):
+                raise ValueError(f"blk.{block}: pick gave {ids} for group {g}, not {quota} distinct ids of {members.start}..{members.stop - 1}")
+            chosen.extend(ids)
+        layers[block] = tuple(chosen)
+    label = f"first {kept}" if groups == 1 else f"first {quota} of each of the {groups} groups"
+    return KeepSet(layers, {"selection": selection or label})
+
+
 def keep_first(layout: MoeLayout, count: int) -> KeepSet:
-    """Experts 0..count-1 in every MoE block (a shortcut for tests and experiments)."""
-    return KeepSet({b: tuple(range(count)) for b in layout.blocks}, {"selection": f"first {count}"})
+    """The first `count` experts of every MoE block; with grouped routing the first count/groups of every group."""
+    return keep_per_block(layout, count)
 
 
 def keep_ids(layout: MoeLayout, ids: Iterable[int]) -> KeepSet:
@@ -115,10 +151,7 @@ def load_keepset(path: str | os.PathLike[str], layout: MoeLayout) -> KeepSet:
     """Read our format or a published manifest; layer keys resolve to GGUF block indices."""
     path = Path(path)
     doc, raw = read_json_bytes(path, "keep-set file", "a keep-set is a JSON file such as {\"layers\": {\"0\": [0, 1]}}")
-    layers = _find_layers(doc, path, layout)
-    metadata = {k: v for k, v in doc.items() if k not in ("layers",)} if isinstance(doc, dict) and "layers" in doc else {}
-    metadata = {**metadata, "source_file": path.name}
-    return KeepSet(layers, metadata, {"name": path.name, "sha256": hashlib.sha256(raw).hexdigest(), "bytes": len(raw)})
+    return KeepSet.as_written(KeepSet(_find_layers(doc, path, layout)), doc, raw, path.name)
 
 
 def _find_layers(doc: Any, path: Path, layout: MoeLayout) -> dict[int, tuple[int, ...]]:
@@ -225,13 +258,11 @@ def check_keepset(keepset: KeepSet, layout: MoeLayout) -> list[str]:
         raise BadInput("keep-set does not fit the model: " + "; ".join(problems[:4]) + (f" (+{len(problems) - 4} more)" if len(problems) > 4 else ""), "list every MoE block once, with the same number of unique ids in range")
 
     k = counts[0]
-    if k < max(layout.expert_used_count, 1):
-        problems.append(f"keeps {k} experts per block, fewer than the {layout.expert_used_count} each token is routed to (expert_used_count)")
-    groups = layout.group_count
-    if groups > 1 and not problems:
+    problems = kept_count_problems(layout, k)
+    if groups_of(layout) > 1 and not problems:
         problems.extend(_check_groups(keepset, layout, k))
     if problems:
-        raise BadInput("keep-set breaks llama.cpp's load rules: " + "; ".join(problems[:4]) + (f" (+{len(problems) - 4} more)" if len(problems) > 4 else ""), "choose K within [expert_used_count, expert_count] and, with grouped routing, the same count from every group")
+        raise BadInput("keep-set breaks llama.cpp's load rules: " + "; ".join(problems[:4]) + (f" (+{len(problems) - 4} more)" if len(problems) > 4 else ""), KEPT_COUNT_HINT)
 
     warnings = []
     if k & (k - 1):
@@ -242,16 +273,10 @@ def check_keepset(keepset: KeepSet, layout: MoeLayout) -> list[str]:
 
 
 def _check_groups(keepset: KeepSet, layout: MoeLayout, k: int) -> list[str]:
-    groups, n = layout.group_count, layout.expert_count
-    size = n // groups
-    if k % groups:
-        return [f"K={k} is not a multiple of the {groups} expert groups"]
-    per_group = k // groups
+    """Per block: the same count from every group, ordered group by group (K itself is checked by kept_count_problems)."""
+    groups = groups_of(layout)
+    size, per_group = layout.expert_count // groups, k // groups
     problems = []
-    if per_group < 2:
-        problems.append(f"keeps {per_group} expert(s) per group; group scoring sums each group's top 2, so at least 2 are needed")
-    if layout.group_used_count * per_group < layout.expert_used_count:
-        problems.append(f"{layout.group_used_count} used groups x {per_group} kept per group < top-k {layout.expert_used_count}")
     for block, ids in sorted(keepset.layers.items()):
         group_of = [i // size for i in ids]
         if group_of != sorted(group_of):

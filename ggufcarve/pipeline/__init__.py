@@ -1,5 +1,6 @@
-"""One plan, one command: a TOML plan (plan.py) executed as stages (run.py) that are skipped when
-their recorded inputs and parameters did not change (state.py).
+"""One plan, one command: a TOML plan (plan.py) turned once into its list of stages (stages.py),
+which the dry run, the run and the resume walk (run.py); a stage is skipped when its recorded
+inputs and parameters did not change (state.py).
 
     from ggufcarve.pipeline.plan import load_plan
     from ggufcarve.pipeline.run import execute_run, preview_run

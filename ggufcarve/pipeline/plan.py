@@ -1,7 +1,7 @@
 """A run plan: one TOML file naming the source, the selection, the imatrix, the ladder and the
 evaluation, parsed into a validated `RunPlan` before anything touches disk.
 
-    source = "Qwen3.6-35B-A3B-Q8_0.gguf"      # paths are relative to the plan file
+    source = "Qwen3.6-35B-A3B-Q8_0.gguf"      # every path is relative to the plan file
     output = "release"                       # the release directory
     # work = "release.work"                  # intermediates: selection, pruned source, imatrices
     # name = "Qwen3.6-35B-A3B-128e"          # {model} in rung file names
@@ -53,9 +53,10 @@ class SelectionStep:
     keep: int | None
     ratio: float | None
     keepset: Path | None
-    protect: str | None
+    protect: str | None  # ids for every block (0,5,9-11), or the path of a keep-set-like file (resolved)
     protect_super_experts: bool
     seed: int
+    protect_file: Path | None = None  # the protect file, when `protect` names one
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,7 @@ class ImatrixStep:
 class LadderStep:
     spec: Path
     only: tuple[str, ...]
-    quantizer: str
+    quantizer: str  # auto, binary, libllama, or the resolved path of a llama-quantize binary
     llama_cpp: Path | None
 
 
@@ -89,7 +90,8 @@ class EvaluationStep:
     gate: Path | None
     speed_runs: int
     speed_engine: str  # auto (llama-bench when found), llama-bench, libllama
-    top_k: int
+    top_k: int | None  # None: every token's reference log-prob (llama-perplexity's KLD); K: a top-K cache, an estimated KLD
+    tail_samples: int | None  # with top_k: tail tokens sampled per token
     compare: tuple[Path, ...]  # more models evaluated against the same reference
     unpruned: tuple[str, ...]  # rungs of the ladder spec also quantized from the unpruned source
 
@@ -120,7 +122,7 @@ class RunPlan:
             "source": name(self.source), "output": name(self.output), "name": self.name, "threads": self.threads,
             "selection": {
                 "method": self.selection.method, "keep": self.selection.keep, "ratio": self.selection.ratio,
-                "keepset": name(self.selection.keepset), "protect": self.selection.protect,
+                "keepset": name(self.selection.keepset), "protect": name(self.selection.protect_file) or self.selection.protect,
                 "protect_super_experts": self.selection.protect_super_experts, "seed": self.selection.seed,
             },
             "ladder": {"spec": name(self.ladder.spec), "only": list(self.ladder.only), "quantizer": self.ladder.quantizer if self.ladder.quantizer in ("auto", "binary", "libllama") else name(Path(self.ladder.quantizer))},
@@ -134,7 +136,7 @@ class RunPlan:
             e = self.evaluation
             doc["evaluation"] = {
                 "heldout": name(e.heldout), "reference": name(e.reference) or "source", "ctx": e.ctx, "chunks": e.chunks, "qa": name(e.qa),
-                "gate": name(e.gate), "speed_runs": e.speed_runs, "speed_engine": e.speed_engine, "top_k": e.top_k, "compare": [p.name for p in e.compare], "unpruned": list(e.unpruned),
+                "gate": name(e.gate), "speed_runs": e.speed_runs, "speed_engine": e.speed_engine, "top_k": e.top_k, "tail_samples": e.tail_samples, "compare": [p.name for p in e.compare], "unpruned": list(e.unpruned),
             }
         return doc
 
@@ -145,7 +147,7 @@ KEYS = {
     "[calibration]": ("files", "ctx", "max_tokens"),
     "[imatrix]": ("file", "collect"),
     "[ladder]": ("spec", "only", "quantizer", "llama_cpp"),
-    "[evaluation]": ("heldout", "reference", "ctx", "chunks", "qa", "gate", "speed_runs", "speed_engine", "top_k", "compare", "unpruned"),
+    "[evaluation]": ("heldout", "reference", "ctx", "chunks", "qa", "gate", "speed_runs", "speed_engine", "top_k", "tail_samples", "compare", "unpruned"),
 }
 
 
@@ -243,6 +245,7 @@ def find_spec(value: str, base: Path) -> Path:
 
 def parse_plan(doc: dict[str, Any], base: Path, path: Path | None = None) -> RunPlan:
     """Validate a plan document; relative paths are resolved against `base`."""
+    from ggufcarve.moe.kept import ratio_problem
     from ggufcarve.select.methods import method_named
 
     top = _Table(doc, "plan", base)
@@ -265,6 +268,9 @@ def parse_plan(doc: dict[str, Any], base: Path, path: Path | None = None) -> Run
     keep = sel.integer("keep", minimum=1)
     ratio = sel.number("ratio")
     protect = sel.string("protect")
+    protect_file = _protect_file(sel, protect)
+    if protect_file is not None:
+        protect = str(protect_file)
     protect_super = sel.boolean("protect_super_experts", False)
     seed = sel.integer("seed", 0) or 0
     if (method is None) == (keepset is None):
@@ -273,8 +279,8 @@ def parse_plan(doc: dict[str, Any], base: Path, path: Path | None = None) -> Run
         spec = method_named(method)
         if (keep is None) == (ratio is None):
             raise BadInput(f"[selection]: method {method} needs exactly one of keep = K or ratio = R", "for example keep = 128")
-        if ratio is not None and not 0 < ratio <= 1:
-            raise BadInput(f"[selection]: ratio must be in (0, 1] (got {ratio})", "ratio is the fraction of the experts kept, e.g. 0.5")
+        if ratio is not None and ratio_problem(ratio):
+            raise BadInput(f"[selection]: ratio {ratio_problem(ratio)}", "ratio is the fraction of the experts kept, e.g. 0.5")
     else:
         spec = None
         if keep is not None or ratio is not None or protect is not None or protect_super:
@@ -315,7 +321,7 @@ def parse_plan(doc: dict[str, Any], base: Path, path: Path | None = None) -> Run
     spec_value = lad.string("spec")
     if spec_value is None:
         raise BadInput("[ladder]: no spec", "give spec = \"q8-to-iq1\" (or a path to a ladder TOML)")
-    ladder = LadderStep(find_spec(spec_value, base), tuple(r.upper() for r in lad.strings("only")), lad.string("quantizer", "auto") or "auto", lad.path("llama_cpp"))
+    ladder = LadderStep(find_spec(spec_value, base), tuple(r.upper() for r in lad.strings("only")), _quantizer(lad), lad.path("llama_cpp"))
     _check_rungs(ladder.spec, ladder.only, "[ladder] only")
 
     ev_table = top.table("evaluation")
@@ -325,7 +331,8 @@ def parse_plan(doc: dict[str, Any], base: Path, path: Path | None = None) -> Run
         evaluation = EvaluationStep(
             heldout=ev_table.path("heldout"), reference=None if reference in (None, "source") else ev_table._resolve("reference", reference, True),
             ctx=ev_table.integer("ctx", 512, minimum=2) or 512, chunks=ev_table.integer("chunks", minimum=1), qa=ev_table.path("qa"), gate=ev_table.path("gate"),
-            speed_runs=ev_table.integer("speed_runs", 3, minimum=0) or 0, speed_engine=ev_table.string("speed_engine", "auto") or "auto", top_k=ev_table.integer("top_k", 128, minimum=1) or 128,
+            speed_runs=ev_table.integer("speed_runs", 3, minimum=0) or 0, speed_engine=ev_table.string("speed_engine", "auto") or "auto", top_k=ev_table.integer("top_k", minimum=1),
+            tail_samples=ev_table.integer("tail_samples", minimum=0),
             compare=ev_table.paths("compare"), unpruned=tuple(r.upper() for r in ev_table.strings("unpruned")),
         )
         from ggufcarve.evaluate.speed import ENGINES
@@ -339,8 +346,40 @@ def parse_plan(doc: dict[str, Any], base: Path, path: Path | None = None) -> Run
         raise BadInput(f"plan: the output directory {output} holds the source", "write the release to its own directory: everything in it is published")
     if work.resolve() == output.resolve():
         raise BadInput("plan: work and output are the same directory", "intermediates (the pruned source, imatrices) must not be published: give work another directory")
-    return RunPlan(path, source, output, work, name, threads, SelectionStep(method, keep, ratio, keepset, protect, protect_super, seed),
+    return RunPlan(path, source, output, work, name, threads, SelectionStep(method, keep, ratio, keepset, protect, protect_super, seed, protect_file),
                    calibration, imatrix, ladder, evaluation, card, raw=doc)
+
+
+QUANTIZER_CHOICES = ("auto", "binary", "libllama")
+
+
+def _quantizer(table: _Table) -> str:
+    """auto, binary, libllama, or a llama-quantize path relative to the plan, which must exist."""
+    value = table.string("quantizer", "auto") or "auto"
+    if value in QUANTIZER_CHOICES:
+        return value
+    path = table._resolve("quantizer", value, True)
+    if not path.is_file() or not os.access(path, os.X_OK):
+        raise BadInput(f"[ladder]: quantizer = {value!r} is not an executable file ({path})", "give auto, binary, libllama or the path of llama-quantize, relative to the plan file")
+    return str(path.resolve())
+
+
+def _protect_file(table: _Table, value: str | None) -> Path | None:
+    """The protect file a [selection] protect value names (a .json name, or an existing file
+    beside the plan), resolved against the plan; None for a list of ids, which is checked here."""
+    if value is None:
+        return None
+    candidate = Path(os.path.expanduser(value))
+    candidate = candidate if candidate.is_absolute() else table.base / candidate
+    if value.endswith(".json") or candidate.exists():
+        return table._resolve("protect", value, True)
+    from ggufcarve.moe.keepset import parse_id_list
+
+    try:
+        parse_id_list(value)
+    except BadInput:
+        raise BadInput(f"[selection]: protect = {value!r} is neither expert ids (0,5,9-11) nor a file", "paths in a plan are relative to the plan file") from None
+    return None
 
 
 def _check_rungs(spec_path: Path, rungs: tuple[str, ...], where: str) -> None:

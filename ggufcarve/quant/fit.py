@@ -15,7 +15,7 @@ which llama-imatrix never runs, or what `imatrix_entries` lacks) are dry-run aga
 ladder's own override. The KV cache and recurrent state come from kvcache.context_memory; the
 total is file + cache (compute buffers and the OS are not counted).
 
-K values: every K the pruner accepts (check_keepset: at least expert_used_count, and with grouped
+K values: every K the pruner accepts (moe/kept.py: at least expert_used_count, and with grouped
 routing the same count from every group) among powers of two, multiples of `kept_step` and the
 original count (kept_step), unless `kept_counts` names them.
 """
@@ -28,7 +28,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +38,8 @@ from ggufcarve.errors import BadInput
 from ggufcarve.events import Event, Sink, ignore
 from ggufcarve.gguf.container import SPLIT_KEYS, GGUFModel, TensorHeader, encode_header, make_kv, pad_to, replace_kvs
 from ggufcarve.gguf.types import FILE_TYPES, ggml_type_row_bytes, tensor_type
-from ggufcarve.moe.keepset import KeepSet, check_keepset
+from ggufcarve.moe.keepset import keep_per_block
+from ggufcarve.moe.kept import kept_count_problems
 from ggufcarve.moe.layout import MoeLayout
 from ggufcarve.prune.plan import PlannedFile, plan_prune
 from ggufcarve.quant.kvcache import ContextMemory, ContextSettings, context_memory
@@ -73,31 +74,10 @@ def parse_memory(text: str) -> int:
 # Kept-expert counts
 
 
-def balanced_keepset(layout: MoeLayout, kept: int) -> KeepSet:
-    """K experts per block, the same number from every routing group (group by group, in order)."""
-    groups = layout.group_count if layout.group_count > 1 else 1
-    size = layout.expert_count // groups
-    per_group, rest = divmod(kept, groups)
-    if rest or per_group > size:
-        ids = tuple(range(kept))  # not balanced: the pruner's check says why
-    else:
-        ids = tuple(g * size + i for g in range(groups) for i in range(per_group))
-    return KeepSet({b: ids for b in layout.blocks}, {"selection": f"{kept} per block, balanced over {groups} group(s)"})
-
-
 def kept_count_problem(layout: MoeLayout, kept: int) -> str | None:
-    """Why the pruner refuses K kept experts per block, or None when it accepts them.
-
-    The pruner's own check (check_keepset) on one MoE block: every block keeps the same ids, so one
-    answers for all."""
-    if not 1 <= kept <= layout.expert_count:
-        return f"K={kept} is outside 1..{layout.expert_count}"
-    one_block = replace(layout, layers=layout.layers[:1])
-    try:
-        check_keepset(balanced_keepset(one_block, kept), one_block)
-    except BadInput as err:
-        return err.message
-    return None
+    """Why the pruner refuses K kept experts per block, or None when it accepts them."""
+    problems = kept_count_problems(layout, kept)
+    return problems[0] if problems else None
 
 
 def kept_step(expert_count: int) -> int:
@@ -218,7 +198,7 @@ def sparse_pruned_header(model: GGUFModel, layout: MoeLayout, kept: int, directo
     vocabulary, and parsing 250k strings costs most of a dry run's time) and states their count
     as `{arch}.vocab_size`, which load_hparams reads where it needs the vocabulary size. The
     returned plan is the full one: output sizes are computed from it."""
-    plan = plan_prune(model, layout, balanced_keepset(layout, kept), directory / f"pruned-{kept}.gguf", merge=True)
+    plan = plan_prune(model, layout, keep_per_block(layout, kept), directory / f"pruned-{kept}.gguf", merge=True)
     planned = plan.files[0]
     kvs = [kv for kv in planned.kvs if not (kv.key.startswith("tokenizer.") and kv.item_type == GGUFValueType.STRING)]
     vocab_key = Keys.LLM.VOCAB_SIZE.format(arch=layout.architecture)

@@ -18,6 +18,9 @@ Breaking renames the file to a unique name and checks it was the stale one; a li
 in that instant is put back. The lock only orders rebuilds of the manifest: every fragment is its
 own file replaced by rename, so a manifest built while the lock was wrongly broken can only miss a
 fragment, and `ggufcarve release merge DIR` rebuilds it from all of them.
+
+`lock_release(..., name=...)` takes another lock file of the same kind: `ggufcarve run` holds one
+on its work directory.
 """
 
 from __future__ import annotations
@@ -39,7 +42,8 @@ LOCK_NAME = ".ggufcarve-ladder.lock"
 HEARTBEAT_SECONDS = 10.0
 STALE_SECONDS = 180.0
 WAIT_SECONDS = 900.0
-_in_process = threading.Lock()  # threads of one process take the file lock one at a time
+_in_process: dict[str, threading.Lock] = {}  # per lock file: threads of one process take it one at a time
+_in_process_guard = threading.Lock()
 _held = threading.local()  # the lock files this thread holds: an inner lock_release of one is a no-op
 
 
@@ -108,17 +112,21 @@ def _try_create(path: Path) -> int | None:
 
 
 @contextmanager
-def lock_release(out_dir: Path, *, wait: float = WAIT_SECONDS, stale_seconds: float = STALE_SECONDS, heartbeat: float = HEARTBEAT_SECONDS) -> Iterator[None]:
-    """Hold the release's lock for the block; waits up to `wait` seconds for another holder,
-    breaking a stale lock (see the module docstring). Raises OutputError when the wait runs out."""
-    path = Path(out_dir) / LOCK_NAME
+def lock_release(out_dir: Path, *, wait: float = WAIT_SECONDS, stale_seconds: float = STALE_SECONDS, heartbeat: float = HEARTBEAT_SECONDS,
+                 name: str = LOCK_NAME, hint: str | None = None) -> Iterator[None]:
+    """Hold the directory's lock file `name` (the release's by default) for the block; waits up
+    to `wait` seconds for another holder, breaking a stale lock (see the module docstring).
+    Raises OutputError, with `hint` when given, when the wait runs out."""
+    path = Path(out_dir) / name
     held: set[str] = _held.__dict__.setdefault("paths", set())
     key = os.path.abspath(path)
     if key in held:
         yield
         return
-    with _in_process:
-        inode = _acquire(path, wait, stale_seconds)
+    with _in_process_guard:
+        in_process = _in_process.setdefault(key, threading.Lock())
+    with in_process:
+        inode = _acquire(path, wait, stale_seconds, hint)
         held.add(key)
         stop = threading.Event()
 
@@ -145,7 +153,7 @@ def lock_release(out_dir: Path, *, wait: float = WAIT_SECONDS, stale_seconds: fl
                 pass
 
 
-def _acquire(path: Path, wait: float, stale_seconds: float) -> int:
+def _acquire(path: Path, wait: float, stale_seconds: float, hint: str | None = None) -> int:
     deadline = time.monotonic() + wait
     seen: tuple[int, int, int] | None = None
     seen_since = time.monotonic()
@@ -168,8 +176,8 @@ def _acquire(path: Path, wait: float, stale_seconds: float) -> int:
             continue
         if now >= deadline:
             raise OutputError(
-                f"{_describe(owner)} holds the lock of {path.parent} ({LOCK_NAME})",
-                f"wait for it to finish and run again; a lock whose owner died on another host is broken after {stale_seconds:.0f} s without a heartbeat",
+                f"{_describe(owner)} holds the lock of {path.parent} ({path.name})",
+                hint or f"wait for it to finish and run again; a lock whose owner died on another host is broken after {stale_seconds:.0f} s without a heartbeat",
             )
         time.sleep(min(delay, max(0.0, deadline - now)))
         delay = min(delay * 2, 1.0)

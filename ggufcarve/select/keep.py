@@ -20,7 +20,8 @@ from typing import Any
 import numpy as np
 
 from ggufcarve.errors import BadInput
-from ggufcarve.moe.keepset import KeepSet, check_keepset, load_keepset, parse_id_list
+from ggufcarve.moe.keepset import KeepSet, check_keepset, keep_per_block, load_keepset, parse_id_list
+from ggufcarve.moe.kept import groups_of
 from ggufcarve.reports import envelope
 from ggufcarve.select.scores import ExpertScores, ModelFacts
 
@@ -31,32 +32,6 @@ SELECTION_REPORT = "expert-selection"
 SUPER_EXPERT_PERCENTILE = 99.5
 SUPER_EXPERT_FRACTION_OF_MAX = 0.1
 SUPER_EXPERT_BLOCK_FRACTION = 0.75
-
-
-def kept_count(expert_count: int, group_count: int, keep: int | None, ratio: float | None) -> int:
-    """K from exactly one of --keep K and --ratio R (the fraction kept, rounded to whole groups)."""
-    if keep is not None and ratio is None:
-        return keep
-    if keep is not None or ratio is None:
-        raise BadInput("give exactly one of --keep K and --ratio R", "for example --keep 128 or --ratio 0.5")
-    if not 0 < ratio <= 1:
-        raise BadInput(f"--ratio {ratio} is not a fraction in (0, 1]", "--ratio is the fraction of experts kept, e.g. 0.5")
-    step = max(1, group_count)
-    return max(step, round(ratio * expert_count / step) * step)
-
-
-def check_kept_count(facts: ModelFacts, kept: int) -> None:
-    """K fits the model's routing: at least top-k, within the expert count, whole groups."""
-    groups = max(1, facts.group_count)
-    if not 1 <= kept <= facts.expert_count:
-        raise BadInput(f"K={kept} is outside 1..{facts.expert_count} (the model has {facts.expert_count} experts per block)", "keep at least the experts each token is routed to")
-    if kept < max(facts.expert_used_count, 1):
-        raise BadInput(
-            f"K={kept} is below the {facts.expert_used_count} experts each token is routed to (expert_used_count of {facts.name})",
-            f"keep at least {facts.expert_used_count} experts per block",
-        )
-    if kept % groups:
-        raise BadInput(f"K={kept} is not a multiple of the {groups} expert groups of {facts.name}", f"choose K as a multiple of {groups} (every group keeps K/{groups})")
 
 
 def protected_from(spec: str | None, facts: ModelFacts) -> dict[int, set[int]]:
@@ -170,27 +145,26 @@ def choose(
 ) -> Selection:
     """The top `kept` experts of every block; raises BadInput if the result would not load in llama.cpp."""
     facts = scores.model
-    check_kept_count(facts, kept)
-    n, groups = facts.expert_count, max(1, facts.group_count)
+    layout = facts.layout()
     protected = {b: set(ids) for b, ids in (protect or {}).items()}
     supers: dict[int, set[int]] = super_experts(scores) if protect_super_experts else {}
     for b, ids in supers.items():
         protected.setdefault(b, set()).update(ids)
-    size, quota = n // groups, kept // groups
-    layers: dict[int, tuple[int, ...]] = {}
-    for b, score in scores.scores().items():
-        mine = protected.get(b, set())
-        chosen: list[int] = []
-        for g in range(groups):
-            members = range(g * size, (g + 1) * size)
-            held = [e for e in members if e in mine]
-            if len(held) > quota:
-                where = f"group {g} (ids {members.start}-{members.stop - 1})" if groups > 1 else "the block"
-                raise BadInput(f"blk.{b}: {len(held)} protected experts in {where} but only {quota} can be kept", "protect fewer experts or keep more")
-            chosen.extend(sorted(rank_experts(score, members, mine)[:quota]))
-        layers[b] = tuple(chosen)
-    keepset = KeepSet(layers, {"selection": f"{scores.method}, top {kept}"})
-    warnings = check_keepset(keepset, facts.layout())
+    per_block = scores.scores()
+    whole_block = groups_of(layout) == 1
+
+    def pick(block: int, members: range, quota: int) -> list[int]:
+        if block not in per_block:
+            raise BadInput(f"the {scores.method} scores have no blk.{block} of {facts.name}", "score every MoE block of the model")
+        mine = protected.get(block, set())
+        held = [e for e in members if e in mine]
+        if len(held) > quota:
+            where = "the block" if whole_block else f"group {members.start // len(members)} (ids {members.start}-{members.stop - 1})"
+            raise BadInput(f"blk.{block}: {len(held)} protected experts in {where} but only {quota} can be kept", "protect fewer experts or keep more")
+        return rank_experts(per_block[block], members, mine)[:quota]
+
+    keepset = keep_per_block(layout, kept, pick, selection=f"{scores.method}, top {kept}")
+    warnings = check_keepset(keepset, layout)
     return Selection(
         scores=scores, keepset=keepset,
         protected={b: tuple(sorted(ids)) for b, ids in sorted(protected.items()) if ids},

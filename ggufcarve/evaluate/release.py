@@ -1,0 +1,121 @@
+"""Evaluating a release: the evaluation settings assembled from their options in one place, and
+the evaluation of models into a directory that a release then publishes. `ggufcarve eval` and the
+run pipeline's evaluate stage both call these.
+
+    settings, warnings = eval_settings(ctx=512, chunks=40, gate=None, qa=Path("evaluation/qa"))
+    run = evaluate_release([Path("release")], Path("model-Q8_0.gguf"), Path("heldout.txt"), settings, Path("release/evaluation"))
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ggufcarve.errors import BadInput
+from ggufcarve.events import Sink, ignore
+
+
+@dataclass(frozen=True)
+class EvaluatedRelease:
+    run: Any  # evaluate.run.EvalRun
+    files: tuple[Path, ...]  # the files written to the output directory
+    release: Path | None  # the release that now publishes them, when the output is inside one
+    records: tuple[dict[str, object], ...]  # their records in the release's manifest
+
+
+def eval_settings(
+    *,
+    ctx: int = 512,
+    chunks: int | None = None,
+    threads: int | None = None,
+    top_k: int | None = None,
+    tail_samples: int | None = None,
+    speed_runs: int = 3,
+    speed_engine: str = "auto",
+    gate: Path | None = None,
+    qa: Path | None = None,
+    cross_check: bool = False,
+    llama_cpp: Path | None = None,
+    cache: Path | None = None,
+    kl_base_out: Path | None = None,
+) -> tuple[Any, list[str]]:
+    """EvalSettings from the options of `ggufcarve eval` (and of a plan's [evaluation]), and the
+    warnings to show: no gate given and none beside the installation.
+
+    `top_k` None keeps every token's reference log-prob (llama-perplexity's base file: the KLD is
+    llama-perplexity's); a K keeps a top-K cache with `tail_samples` sampled tail tokens per token
+    (an unbiased estimate of the KLD whose sampling error is reported; 0: a lower bound)."""
+    from ggufcarve.evaluate.gate import default_gate_path, load_gate
+    from ggufcarve.evaluate.protocol import DEFAULT_TAIL_SAMPLES, DEFAULT_TOP_K, REFERENCE_FULL, REFERENCE_TOPK, EvalSettings
+    from ggufcarve.evaluate.speed import ENGINES, SpeedSettings
+
+    tail_samples = DEFAULT_TAIL_SAMPLES if tail_samples is None else tail_samples
+    if top_k is not None and top_k < 1:
+        raise BadInput(f"--top-k {top_k}: must be at least 1", "leave --top-k out to keep every token's log-prob")
+    if tail_samples < 0 or tail_samples == 1:
+        raise BadInput(f"--tail-samples {tail_samples}: must be 0 (a lower bound) or at least 2 (their spread measures the estimate's error)", f"for example --tail-samples {DEFAULT_TAIL_SAMPLES}")
+    if speed_engine not in ENGINES:
+        raise BadInput(f"--speed-engine {speed_engine}: not one of {', '.join(ENGINES)}", "auto uses llama-bench when `ggufcarve toolchain build` has compiled it")
+    warnings = []
+    if gate is None and not default_gate_path().exists():
+        warnings.append(f"no gate: {default_gate_path().name} is not beside this installation (give --gate FILE)")
+        gate_rules = None
+    else:
+        gate_rules = load_gate(gate or default_gate_path())
+    qa_checks = None
+    if qa is not None:
+        from ggufcarve.evaluate.qa import load_suite
+
+        qa_checks = [c.to_json() for c in load_suite(qa)]
+    settings = EvalSettings(
+        ctx=ctx, chunks=chunks, threads=threads or os.cpu_count() or 1, top_k=top_k or DEFAULT_TOP_K, tail_samples=tail_samples,
+        reference_store=REFERENCE_FULL if top_k is None else REFERENCE_TOPK,
+        speed=SpeedSettings(runs=speed_runs, engine=speed_engine) if speed_runs > 0 else None, gate=gate_rules, qa_checks=qa_checks,
+        cross_check=cross_check, llama_cpp_dir=llama_cpp, cache_dir=cache, kl_base_out=kl_base_out,
+    )
+    return settings, warnings
+
+
+def published_files(directory: Path) -> list[Path]:
+    """The files of an evaluation directory a release publishes (hidden temp names left out)."""
+    if not directory.is_dir():
+        return []
+    return [p for p in sorted(directory.rglob("*")) if p.is_file() and not any(part.startswith(".") for part in p.relative_to(directory).parts)]
+
+
+def evaluate_release(models: list[Path], reference: Path, heldout: Path | None, settings: Any, output: Path, on_event: Sink = ignore, *, replace: bool = False) -> EvaluatedRelease:
+    """Evaluate `models` (GGUF files or release directories) against `reference` into `output`,
+    then record the written files in the release that holds `output`, if one does.
+
+    `replace`: `output` is filled under a hidden temp name and then takes the place of the old
+    directory as a whole (results of models not evaluated now must not stay published beside
+    these); otherwise the files are written into `output` beside what it holds."""
+    from ggufcarve.evaluate.models import resolve_models
+    from ggufcarve.evaluate.run import evaluate
+    from ggufcarve.fileio import make_temp_dir, remove_dead_temps
+    from ggufcarve.release.publish import record_published, release_of
+
+    entries = resolve_models(models)
+    if replace:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        remove_dead_temps(output.parent, lambda name: name == output.name)
+        temp = make_temp_dir(output)  # a hidden temp name: not part of the release while it fills
+        try:
+            run = evaluate(entries, reference, heldout, settings, temp, on_event)
+            if output.exists():
+                shutil.rmtree(output)
+            temp.rename(output)
+        finally:
+            shutil.rmtree(temp, ignore_errors=True)
+        files = published_files(output)
+    else:
+        run = evaluate(entries, reference, heldout, settings, output, on_event)
+        files = published_files(output)
+    release = release_of(output.resolve())
+    records: list[dict[str, object]] = []
+    if release is not None and release != output.resolve():
+        records = record_published(release, "evaluation", files)
+    return EvaluatedRelease(run, tuple(files), release, tuple(records))
