@@ -16,7 +16,8 @@ def run_child(request: Request, what: str, sink: Sink, work: Path, outputs: dict
     (chunks) and `what QA` (steps); its result JSON, read.
 
     `outputs` maps a file the child writes to the path an error names and the hint's other place
-    to write to (a temp file to its final name); files it does not name are work files.
+    to write to (a temp file to its final name); a file it does not name is shown by its own
+    name. `work` is unused: the result file's path is in the request.
     """
     from ggufcarve.llama import child
 
