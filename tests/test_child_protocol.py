@@ -142,6 +142,16 @@ def test_a_child_that_dies_midway_is_named_by_its_last_lines(toy, tmp_path):
         run_toy(toy, tmp_path, "nothing")
 
 
+def test_a_request_of_another_task_is_refused_by_the_child(toy, tmp_path):
+    @dataclass(frozen=True)
+    class Other(Toy):
+        TASK: ClassVar[str] = "other"
+
+    module, env = toy
+    with pytest.raises(ToolFailed, match="exited 3: this child serves toy requests, not 'other'"):
+        child.run(module, Other("done"), tmp_path / "result.txt", lambda p: p.read_text(), what="the toy child", hint="", env=env, timeout=120)
+
+
 def test_protocol_lines_read_back_and_other_lines_are_not_protocol():
     progress = child.Progress("decode", 3, 10, "tokens")
     error = child.ChildError(child.OS, "No space left on device", "", errno.ENOSPC, "No space left on device", "/x/y.npz")
