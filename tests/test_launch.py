@@ -104,7 +104,7 @@ def test_a_calibration_child_started_ahead_and_never_used_exits_with_its_parent(
 
     pid_file = tmp_path / "pid"
     code = ("import sys; from ggufcarve.select import prestart; prestart.prestart(); "
-            f"from ggufcarve.llama import decode; open({str(pid_file)!r}, 'w').write(str(decode._ahead[0].proc.pid)); sys.exit(1)")
+            f"from ggufcarve.llama import child; open({str(pid_file)!r}, 'w').write(str(child._ahead['ggufcarve.llama.decode'].proc.pid)); sys.exit(1)")
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 1
     assert not alive(int(pid_file.read_text()), grace=30.0)
 

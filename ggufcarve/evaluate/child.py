@@ -1,16 +1,16 @@
 """The evaluation child: one model loaded once in libllama, scored chunk by chunk, timed, asked the QA checks.
 
-Run as `python -m ggufcarve.evaluate.child REQUEST.json` through the one launcher (llama.cpp
-aborts the process on failed asserts). The request (`Request`) names the model, the text or the
-reference file whose tokens are scored, and what to write (`ggufcarve.evaluate.protocol` holds the
-request and the progress-line prefixes):
+Run as `python -m ggufcarve.evaluate.child` through the one launcher (llama.cpp aborts the process
+on failed asserts); it speaks the child-task protocol of `ggufcarve.llama.child`. The request
+(`ggufcarve.evaluate.protocol.Request`) names the model, the text or the reference file whose
+tokens are scored, and what to write:
   * `table_out`: the per-token table (float64 rows of `kld.TOKEN_COLUMNS`) appended chunk by chunk;
   * `cache_out`: the top-k cache of this model as a reference; `base_out`: its llama-perplexity
     base file;
-  * `result_out`: a JSON summary (vocabulary, token count, chunking, speed, QA outputs, or a
-    `bad_input` message).
-Progress goes to stdout as lines `@chunk DONE TOTAL` (and `@qa DONE TOTAL`); anything else on
-stdout/stderr is llama.cpp's own warnings.
+  * the result file (`result_out`): a JSON summary (vocabulary, token count, chunking, speed, QA
+    outputs, or a `bad_input` message).
+Progress is reported in chunks and QA steps; a model libllama cannot load is a "failed" error, a
+reference file that would not fit or a failed write an "os" error.
 """
 
 from __future__ import annotations
@@ -23,13 +23,14 @@ from pathlib import Path
 
 import numpy as np
 
-from ggufcarve.evaluate.protocol import OS_ERROR, PROGRESS_PREFIX, Request
+from ggufcarve.evaluate.protocol import CHUNK_TASK, QA_TASK, Request
+from ggufcarve.llama import child
 
 PERPLEXITY_BATCH = 2048  # llama-perplexity's default -b: n_batch // n_ctx chunks are decoded side by side
 
 
-def _progress(what: str, done: int, total: int) -> None:
-    print(f"{PROGRESS_PREFIX}{what} {done} {total}", flush=True)
+def _progress(task: str, done: int, total: int) -> None:
+    child.progress(task, done, total, "chunks" if task == CHUNK_TASK else "steps")
 
 
 def _score(engine, request: Request, result: dict) -> np.ndarray | None:
@@ -70,8 +71,7 @@ def _score(engine, request: Request, result: dict) -> np.ndarray | None:
              request.base_out: kld.base_file_bytes(chunking.n_ctx, engine.n_vocab, chunking.n_chunk) if request.base_out else 0}
     short = _too_little_space({Path(k): v for k, v in sizes.items() if k})
     if short is not None:
-        result["no_space"] = short
-        return None
+        raise child.ShortOfSpace(short["path"], short["bytes"], short["free"])
     if header is not None:
         cache = kld.CacheWriter(Path(request.cache_out), header, tokens)
     if request.base_out:
@@ -82,14 +82,14 @@ def _score(engine, request: Request, result: dict) -> np.ndarray | None:
     context = engine.context(chunking.n_ctx, n_seq, min(PERPLEXITY_BATCH, n_seq * chunking.n_ctx))
     started = time.perf_counter()
     try:
-        _progress("chunk", 0, chunking.n_chunk)
+        _progress(CHUNK_TASK, 0, chunking.n_chunk)
         for group in range(0, chunking.n_chunk, n_seq):
             indices = range(group, min(chunking.n_chunk, group + n_seq))
             group_logits = context.chunk_logits([chunk_tokens(tokens, chunking, i, engine.add_bos, engine.bos) for i in indices], chunking.first)
             for index, logits in zip(indices, group_logits):
                 _score_chunk(index, logits[: chunking.scored_per_chunk], scored_targets(tokens, chunking, index), request, reference,
                              reference_chunks, cache, base, table_file)
-                _progress("chunk", index + 1, chunking.n_chunk)
+                _progress(CHUNK_TASK, index + 1, chunking.n_chunk)
     finally:
         context.close()
         for writer in (cache, base):
@@ -141,10 +141,10 @@ def _score_chunk(index: int, logits: np.ndarray, targets: np.ndarray, request: R
         table_file.write_bytes(np.ascontiguousarray(table, dtype="<f8").tobytes())
 
 
-def main(argv: list[str]) -> int:
+def _evaluate(request: Request, out: Path) -> None:
+    from ggufcarve.errors import ToolFailed
     from ggufcarve.evaluate.engine import Engine, EngineError
 
-    request = Request.read(argv[0])
     result: dict = {}
     try:
         started = time.perf_counter()
@@ -167,24 +167,15 @@ def main(argv: list[str]) -> int:
         if "bad_input" not in result and request.qa:
             from ggufcarve.evaluate.qa import run_checks
 
-            result["qa"] = run_checks(engine, request.qa, lambda done, total: _progress("qa", done, total))
+            result["qa"] = run_checks(engine, request.qa, lambda done, total: _progress(QA_TASK, done, total))
         engine.close()
     except EngineError as err:
-        result["engine_error"] = str(err)
-    except OSError as err:  # a write failed (a full disk): one line the parent turns into its error
-        _report_os_error(err)
-        return 3
-    try:
-        _write_result(Path(request.result_out), result)
-    except OSError as err:
-        _report_os_error(err)
-        return 3
-    sys.stdout.flush()
-    return 0
+        raise ToolFailed(f"{Path(request.model).name}: {err}", "check that llama.cpp loads the model (ggufcarve inspect)") from None
+    _write_result(out, result)
 
 
-def _report_os_error(err: OSError) -> None:
-    print(f"{PROGRESS_PREFIX}{OS_ERROR} " + json.dumps({"errno": err.errno, "strerror": err.strerror, "filename": err.filename}), flush=True)
+def main(argv: list[str] | None = None) -> int:
+    return child.serve(Request, _evaluate, argv)
 
 
 def _write_result(path: Path, result: dict) -> None:
@@ -203,4 +194,4 @@ def _write_result(path: Path, result: dict) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

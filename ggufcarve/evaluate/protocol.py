@@ -1,21 +1,20 @@
-"""The evaluation's shared types: the child's request and progress lines, the run's settings and its reference.
+"""The evaluation's shared types: the child's request, the run's settings and its reference.
 
 The bottom of `ggufcarve.evaluate`: the parent side (run, spawn, crosscheck, summary) and the
-child (`python -m ggufcarve.evaluate.child REQUEST.json`) both import it; it imports no module of
-the evaluation that imports it back.
+child (`python -m ggufcarve.evaluate.child`) both import it; it imports no module of the
+evaluation that imports it back.
 
-The child's protocol: the request is a JSON file (`Request`); the child answers with the JSON file
-`Request.result_out` and, on stdout, progress lines `@chunk DONE TOTAL` / `@qa DONE TOTAL` and at
-most one `@os-error {"errno", "strerror", "filename"}` line (a read or write of the child failed).
+The child speaks the child-task protocol of `ggufcarve.llama.child`: its request is a `Request`
+(task "evaluate"), its progress is in chunks (task CHUNK_TASK) and QA steps (task QA_TASK), its
+result file is the JSON `Request.result_out`.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from ggufcarve.evaluate.speed import SpeedSettings
 
@@ -23,8 +22,8 @@ if TYPE_CHECKING:
     from ggufcarve.evaluate.gate import Gate
     from ggufcarve.evaluate.models import ModelEntry
 
-PROGRESS_PREFIX = "@"
-OS_ERROR = "os-error"  # `@os-error {"errno", "strerror", "filename"}` on stdout: a read or write of the child failed (a full disk)
+CHILD_MODULE = "ggufcarve.evaluate.child"
+CHUNK_TASK, QA_TASK = "chunk", "qa"  # the child's progress tasks: chunks scored, QA checks asked
 DEFAULT_TOP_K = 128  # reference log-probs per token of a top-k cache
 DEFAULT_TAIL_SAMPLES = 32  # tail tokens drawn per token of a top-k cache (the unbiased estimate of the tail's KLD)
 REFERENCE_FULL = "full"  # llama-perplexity's --kl-divergence-base file: every token's log-prob in 16 bits
@@ -35,6 +34,8 @@ REFERENCE_STORES = (REFERENCE_FULL, REFERENCE_TOPK)
 @dataclass
 class Request:
     """What the evaluation child does: load `model`, score the text or the reference file's tokens, write the named files."""
+
+    TASK: ClassVar[str] = "evaluate"
 
     model: str
     threads: int
@@ -52,12 +53,12 @@ class Request:
     speed: dict | None = None  # SpeedSettings fields
     qa: list[dict] | None = None  # QA checks as plain dicts (ggufcarve.evaluate.qa)
 
-    @classmethod
-    def read(cls, path: str) -> Request:
-        return cls(**json.loads(Path(path).read_text()))
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
 
-    def write(self, path: Path) -> None:
-        path.write_text(json.dumps(asdict(self), sort_keys=True))
+    @classmethod
+    def from_json(cls, doc: dict[str, Any]) -> Request:
+        return cls(**doc)
 
 
 @dataclass(frozen=True)

@@ -24,14 +24,11 @@ callers (the imatrix accumulator in imatrix/collect, the trace statistics in sel
 the node capture in llama/trace): this module imports none of them. What a factory returns is a
 `Consumer`; `EvalDispatch` hands every node the graph computes to all of them.
 
-The child protocol (`python -m ggufcarve.llama.decode`, started through the one launcher, since
-llama.cpp aborts the whole process on a failed assert):
-  * stdin: one DecodeRequest as JSON; empty stdin (a child started ahead and never needed) exits 0;
-  * output lines: PROGRESS ("ggufcarve-decode: decoded N/M tokens") after every llama_decode call,
-    REFUSAL ("ggufcarve-decode: error: MESSAGE || HINT") for input it refuses (BadInput in the
-    parent); everything else is llama.cpp's log (warnings and errors) or the child's own failure;
-  * one result file, `request.out` (.npz): "tokens", "chunks", "file_tokens", "logits" when asked,
-    and "<consumer name>/<array name>" for the arrays of each consumer.
+The child (`python -m ggufcarve.llama.decode`) speaks the child-task protocol of
+`ggufcarve.llama.child` (llama.cpp aborts the whole process on a failed assert): the request is one
+DecodeRequest, progress is in tokens (task "decode"), input it refuses is an "input" error
+(BadInput in the parent), and its one result file (.npz) holds "tokens", "chunks", "file_tokens",
+"logits" when asked, and "<consumer name>/<array name>" for the arrays of each consumer.
 `prestart` starts the child ahead, with the consumers' modules imported, so that its interpreter
 start and imports (numpy, gguf-py, llama_cpp: about half a second) overlap the caller's own work;
 `decode` adopts it.
@@ -39,32 +36,28 @@ start and imports (numpy, gguf-py, llama_cpp: about half a second) overlap the c
 
 from __future__ import annotations
 
-import argparse
 import importlib
-import json
 import os
-import re
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 from ggufcarve.errors import BadInput, ToolFailed
-from ggufcarve.events import Event, Sink, ignore
-from ggufcarve.llama import launch
+from ggufcarve.events import Sink, ignore
+from ggufcarve.llama import child
 from ggufcarve.llama.calibration import Batching, Document
 
 CHILD_MODULE = "ggufcarve.llama.decode"
-PROGRESS_LINE = re.compile(r"^ggufcarve-decode: decoded (?P<done>\d+)/(?P<total>\d+) tokens$")
-REFUSAL_LINE = re.compile(r"^ggufcarve-decode: error: (?P<message>.*?)(?: \|\| (?P<hint>.*))?$")
+TASK = "decode"
 IDLE_TIMEOUT = 600.0  # one micro-batch of a large model on a slow CPU takes minutes, not ten
 # numpy's matrix products (RAZOR's refill experts) run beside llama.cpp's own threads: a BLAS
 # thread pool on top oversubscribes the cores (measured: 30x slower products on 2 cores).
 SINGLE_THREADED_BLAS = {"OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-EXIT_BAD_INPUT, EXIT_LOAD, EXIT_CONTEXT, EXIT_DECODE, EXIT_LOGITS, EXIT_CALLBACK = 2, 3, 4, 5, 6, 7
+LLAMA_HINT = "the lines after it are llama.cpp's own; check that the model loads (ggufcarve inspect MODEL)"
 
 
 @dataclass(frozen=True)
@@ -88,7 +81,9 @@ class ConsumerSpec:
 
 @dataclass(frozen=True)
 class DecodeRequest:
-    """What one decode child does (see the module docstring); `out` is set by `decode`."""
+    """What one decode child does (see the module docstring)."""
+
+    TASK: ClassVar[str] = TASK
 
     model: str
     consumers: tuple[ConsumerSpec, ...]
@@ -99,7 +94,6 @@ class DecodeRequest:
     logits: bool = False
     threads: int = 0  # 0: min(cores, 8)
     verbose: bool = False  # forward llama.cpp's info and debug logs too
-    out: str = ""
 
     def __post_init__(self) -> None:
         if bool(self.documents) == bool(self.tokens):
@@ -116,7 +110,7 @@ class DecodeRequest:
         return {
             "model": self.model, "consumers": [{"name": c.name, "factory": c.factory, "options": c.options} for c in self.consumers],
             "batching": self.batching.to_json(), "documents": [[d.to_json() for d in f] for f in self.documents], "tokens": list(self.tokens),
-            "max_tokens": self.max_tokens, "logits": self.logits, "threads": self.threads, "verbose": self.verbose, "out": self.out,
+            "max_tokens": self.max_tokens, "logits": self.logits, "threads": self.threads, "verbose": self.verbose,
         }
 
     @classmethod
@@ -124,7 +118,7 @@ class DecodeRequest:
         return cls(
             doc["model"], tuple(ConsumerSpec(c["name"], c["factory"], dict(c["options"])) for c in doc["consumers"]), Batching(**doc["batching"]),
             tuple(tuple(Document.from_json(d) for d in f) for f in doc["documents"]), tuple(int(t) for t in doc["tokens"]),
-            doc["max_tokens"], bool(doc["logits"]), int(doc["threads"]), bool(doc["verbose"]), doc["out"],
+            doc["max_tokens"], bool(doc["logits"]), int(doc["threads"]), bool(doc["verbose"]),
         )
 
 
@@ -177,26 +171,9 @@ class DecodeResult:
 # ---------------------------------------------------------------------------------------------
 # the parent
 
-_ahead: list[launch.Started] = []
-
-
-def child_argv(preload: Sequence[str] = ()) -> list[str]:
-    return [sys.executable, "-m", CHILD_MODULE, *(arg for module in preload for arg in ("--preload", module))]
-
-
 def prestart(preload: Sequence[str] = ()) -> None:
     """Start a decode child now, importing the modules `preload` names, unless one waits already."""
-    if not _ahead:
-        _ahead.append(launch.start(child_argv(preload), env=SINGLE_THREADED_BLAS))
-
-
-def adopt() -> launch.Started | None:
-    """The child `prestart` started, still waiting for its request; None if there is none."""
-    while _ahead:
-        started = _ahead.pop()
-        if started.proc.poll() is None:
-            return started
-    return None
+    child.start(CHILD_MODULE, preload, env=SINGLE_THREADED_BLAS)
 
 
 def decode(
@@ -214,31 +191,13 @@ def decode(
     `what` names the work in an error ("calibrating model.gguf"). Progress: events of `stage` in
     tokens; the child's other lines go to `on_line`. Raises BadInput for input the child refuses,
     ToolFailed (with the child's last lines) when it fails."""
-    import numpy as np
-
     started = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="ggufcarve-decode-") as tmp:
-        result = Path(tmp) / "result.npz"
-        payload = json.dumps(replace(request, out=str(result)).to_json()).encode()
-        refused: list[BadInput] = []
 
-        def watch(line: str) -> None:
-            if m := PROGRESS_LINE.match(line):
-                on_event(Event(stage, int(m["done"]), int(m["total"]), "tokens"))
-            elif m := REFUSAL_LINE.match(line):
-                refused.append(BadInput(m["message"], m["hint"] or ""))
-            elif on_line is not None:
-                on_line(line)
+    def read(path: Path) -> DecodeResult:
+        import numpy as np
 
-        child = adopt()
-        finished = launch.run(child_argv(), started=child, input=payload, on_line=watch, timeout=timeout, idle_timeout=idle_timeout, env=SINGLE_THREADED_BLAS)
-        if refused:
-            raise refused[0]
-        launch.check(finished, f"{what}: the decode child", "its last lines are quoted; GGUFCARVE_DEBUG=1 keeps the traceback of an error in ggufcarve itself")
-        if not result.exists():
-            raise ToolFailed(f"{what}: the decode child exited 0 without writing its result", "run again; GGUFCARVE_DEBUG=1 shows more")
         outputs: dict[str, dict[str, Any]] = {c.name: {} for c in request.consumers}
-        with np.load(result) as data:
+        with np.load(path) as data:
             for key in data.files:
                 name, _, array = key.partition("/")
                 if array:
@@ -246,16 +205,18 @@ def decode(
             logits = data["logits"].copy() if "logits" in data.files else None
             return DecodeResult(int(data["tokens"]), int(data["chunks"]), [int(n) for n in data["file_tokens"]], logits, outputs, time.monotonic() - started)
 
+    with tempfile.TemporaryDirectory(prefix="ggufcarve-decode-") as tmp:
+        return child.run(CHILD_MODULE, request, Path(tmp) / "result.npz", read, what=f"{what}: the decode child",
+                         hint="its last lines are quoted; GGUFCARVE_DEBUG=1 keeps the traceback of an error in ggufcarve itself",
+                         sink=on_event, stages={TASK: stage}, on_line=on_line, timeout=timeout, idle_timeout=idle_timeout, env=SINGLE_THREADED_BLAS)
+
 
 # ---------------------------------------------------------------------------------------------
 # the child
 
 
-def _say(line: str) -> None:
-    print(f"ggufcarve-decode: {line}", file=sys.stderr, flush=True)
-
-
-def _child(request: DecodeRequest) -> int:
+def _child(request: DecodeRequest, out: Path) -> None:
+    """Decode `request`, write its result to `out`; ToolFailed when llama.cpp fails, BadInput for input it refuses."""
     import llama_cpp
     import numpy as np
 
@@ -265,30 +226,24 @@ def _child(request: DecodeRequest) -> int:
     forward_warnings(llama_cpp, request.verbose)
     lmodel = load_model(llama_cpp, request.model)
     if not lmodel:
-        _say(f"llama.cpp could not load {request.model}")
-        return EXIT_LOAD
+        raise ToolFailed(f"llama.cpp could not load {request.model}", LLAMA_HINT)
     batching = request.batching
     file_tokens: list[int] = []
-    try:
-        if request.documents:
-            vocab = llama_cpp.llama_model_get_vocab(lmodel)
-            bos = int(llama_cpp.llama_vocab_bos(vocab)) if llama_cpp.llama_vocab_get_add_bos(vocab) else None
-            tokens, file_tokens = tokenize_files(llama_cpp, lmodel, Path(request.model).name, request.documents)
-            work = chunks(tokens, batching.ctx, bos, request.max_tokens)
-            if not work:
-                raise BadInput(f"the calibration input tokenizes to {len(tokens)} tokens, fewer than one --ctx chunk of {batching.ctx}", "give more text or a smaller --ctx")
-        else:
-            work = cut(request.tokens, batching.ctx)
-        consumers = [spec.load()(request, **spec.options) for spec in request.consumers]
-    except BadInput as err:
-        _say(f"error: {err.message} || {err.hint}")
-        return EXIT_BAD_INPUT
+    if request.documents:
+        vocab = llama_cpp.llama_model_get_vocab(lmodel)
+        bos = int(llama_cpp.llama_vocab_bos(vocab)) if llama_cpp.llama_vocab_get_add_bos(vocab) else None
+        tokens, file_tokens = tokenize_files(llama_cpp, lmodel, Path(request.model).name, request.documents)
+        work = chunks(tokens, batching.ctx, bos, request.max_tokens)
+        if not work:
+            raise BadInput(f"the calibration input tokenizes to {len(tokens)} tokens, fewer than one --ctx chunk of {batching.ctx}", "give more text or a smaller --ctx")
+    else:
+        work = cut(request.tokens, batching.ctx)
+    consumers = [spec.load()(request, **spec.options) for spec in request.consumers]
     callback = consumers[0] if len(consumers) == 1 else EvalDispatch(*consumers)  # no consumer: nothing observed
     ctx = traced_context(llama_cpp, lmodel, n_ctx=batching.kv_cells, n_batch=batching.batch, n_ubatch=batching.micro_batch, threads=request.thread_count,
                          eval_callback=callback, sequences=batching.sequences, swa_full=batching.swa_full)
     if not ctx:
-        _say("llama.cpp could not create a context")
-        return EXIT_CONTEXT
+        raise ToolFailed("llama.cpp could not create a context", LLAMA_HINT)
     total = sum(len(chunk) for chunk in work)
     n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(lmodel))
     logits = np.empty((total, n_vocab), dtype=np.float32) if request.logits else None
@@ -301,27 +256,20 @@ def _child(request: DecodeRequest) -> int:
         fill_batch(batch, entries)
         rc = llama_cpp.llama_decode(ctx, batch)
         if rc != 0:
-            _say(f"llama_decode returned {rc} at token {done} of the chunks")
-            return EXIT_DECODE
+            raise ToolFailed(f"llama_decode returned {rc} at token {done} of the chunks", LLAMA_HINT)
         if logits is not None:
             for i in range(len(entries)):
                 pointer = llama_cpp.llama_get_logits_ith(ctx, i)
                 if not pointer:
-                    _say(f"no logits for token {done + i}")
-                    return EXIT_LOGITS
+                    raise ToolFailed(f"llama.cpp gave no logits for token {done + i}", LLAMA_HINT)
                 logits[done + i] = np.ctypeslib.as_array(pointer, shape=(n_vocab,))
-        try:
-            for consumer in consumers:
-                consumer.decoded()
-        except BadInput as err:
-            _say(f"error: {err.message} || {err.hint}")
-            return EXIT_BAD_INPUT
+        for consumer in consumers:
+            consumer.decoded()
         errors = [e for consumer in consumers for e in consumer.errors]
         if errors:
-            _say("the eval callback failed: " + "; ".join(errors[:5]))
-            return EXIT_CALLBACK
+            raise ToolFailed("the eval callback failed: " + "; ".join(errors[:5]), "a ggufcarve bug in a consumer of the decode; GGUFCARVE_DEBUG=1 shows more")
         done += len(entries)
-        _say(f"decoded {done}/{total} tokens")
+        child.progress(TASK, done, total, "tokens")
     llama_cpp.llama_batch_free(batch)
     llama_cpp.llama_free(ctx)
     llama_cpp.llama_model_free(lmodel)
@@ -330,22 +278,12 @@ def _child(request: DecodeRequest) -> int:
         arrays["logits"] = logits
     for spec, consumer in zip(request.consumers, consumers):
         arrays.update({f"{spec.name}/{name}": value for name, value in consumer.arrays().items()})
-    write_results(Path(request.out), arrays)
-    return 0
+    write_results(out, arrays)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog=f"python -m {CHILD_MODULE}", description="Decode a DecodeRequest (JSON on stdin) in llama.cpp.")
-    parser.add_argument("--preload", action="append", default=[], help="a module to import before the request arrives (repeatable)")
-    args = parser.parse_args(argv)
-    import llama_cpp  # noqa: F401 - imported before the request arrives, for a child started ahead
-
-    for module in args.preload:
-        importlib.import_module(module)
-    text = sys.stdin.read()
-    if not text:
-        return 0
-    return _child(DecodeRequest.from_json(json.loads(text)))
+    # llama_cpp is imported before the request arrives, for a child started ahead
+    return child.serve(DecodeRequest, _child, argv, preload=("llama_cpp",))
 
 
 if __name__ == "__main__":

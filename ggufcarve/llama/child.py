@@ -1,0 +1,250 @@
+"""The one protocol of ggufcarve's Python child tasks (the decode pass, the evaluation), both sides.
+
+A child task is a module run as `python -m MODULE [--preload M ...]` through the one launcher
+(llama.cpp aborts the whole process on a failed assert, so its work runs in a child):
+  * stdin: one envelope, JSON `{"task": T, "result": PATH, "request": {...}}`: the task the module
+    serves, the one result file the child writes, and the typed request (a dataclass per task,
+    `ChildRequest`); empty stdin (a child started ahead and never needed) exits 0 at once;
+  * progress: lines `@ggufcarve progress {"task", "done", "total", "unit"}` (an `Event` in the parent);
+  * errors: at most one line `@ggufcarve error {"kind", "message", "hint", ...}`, kind
+      - "input": the child refuses its input (BadInput in the parent), exit EXIT_REFUSED;
+      - "failed": the work failed (ToolFailed, with the child's last lines), exit EXIT_FAILED;
+      - "os": a read or write failed, with "errno", "strerror", "filename" and, for a file that
+        would not fit, "needed" and "free" bytes (OutputError: the one-line disk-full error),
+        exit EXIT_OS_ERROR;
+  * every other line is llama.cpp's log or Python's own (a traceback: exit 1);
+  * the result file, written only on success.
+`start` starts a child ahead, its imports done while the parent works; `run` adopts it.
+
+The libllama quantizer child (`llama.quantize_child`) is not a task of this protocol: it takes
+llama-quantize's command line, so that the command a release records runs by hand, and its output
+is parsed as the binary's is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import importlib
+import json
+import sys
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any, ClassVar, Protocol, TypeVar
+
+from ggufcarve.errors import BadInput, CarveError, ToolFailed
+from ggufcarve.events import Event, Sink, ignore
+from ggufcarve.llama import launch
+
+PREFIX = "@ggufcarve "
+PROGRESS = "progress"
+ERROR = "error"
+EXIT_REFUSED, EXIT_FAILED, EXIT_OS_ERROR = 2, 3, 4
+INPUT, FAILED, OS = "input", "failed", "os"  # ChildError.kind
+QUOTED_LINES = 3  # the child's own last lines an error quotes
+
+T = TypeVar("T")
+
+
+class ChildRequest(Protocol):
+    """The typed request of one task: a dataclass with its task name and a JSON form."""
+
+    TASK: ClassVar[str]
+
+    def to_json(self) -> dict[str, Any]: ...
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any]) -> Any: ...
+
+
+@dataclass(frozen=True)
+class Progress:
+    task: str
+    done: int
+    total: int
+    unit: str
+
+
+@dataclass(frozen=True)
+class ChildError:
+    kind: str  # INPUT, FAILED or OS
+    message: str
+    hint: str = ""
+    errno: int | None = None
+    strerror: str | None = None
+    filename: str | None = None
+    needed: int | None = None  # bytes a file needs, when it would not fit
+    free: int | None = None  # bytes free where it was to be written
+
+
+class ShortOfSpace(OSError):
+    """Raised in a child before writing `path`: it needs `needed` bytes, its file system has `free`."""
+
+    def __init__(self, path: str | Path, needed: int, free: int) -> None:
+        super().__init__(errno.ENOSPC, "No space left on device", str(path))
+        self.needed, self.free = needed, free
+
+
+def line(kind: str, payload: Progress | ChildError) -> str:
+    """One protocol line (no newline)."""
+    fields = {k: v for k, v in asdict(payload).items() if v is not None}
+    return f"{PREFIX}{kind} {json.dumps(fields, sort_keys=True)}"
+
+
+def parse(text: str) -> Progress | ChildError | None:
+    """The protocol line `text` carries, or None for any other line."""
+    if not text.startswith(PREFIX):
+        return None
+    kind, _, payload = text[len(PREFIX):].partition(" ")
+    try:
+        fields = json.loads(payload)
+        if kind == PROGRESS:
+            return Progress(str(fields["task"]), int(fields["done"]), int(fields["total"]), str(fields["unit"]))
+        if kind == ERROR:
+            return ChildError(**fields)
+    except (ValueError, KeyError, TypeError):
+        return None
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# the child
+
+
+def progress(task: str, done: int, total: int, unit: str) -> None:
+    """Report progress to the parent."""
+    _say(line(PROGRESS, Progress(task, done, total, unit)))
+
+
+def _say(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def error_of(err: BaseException) -> tuple[ChildError, int] | None:
+    """The error line and exit status an exception of the child's work becomes; None: not one the
+    protocol carries (the child lets Python print its traceback)."""
+    if isinstance(err, BadInput):
+        return ChildError(INPUT, err.message, err.hint), EXIT_REFUSED
+    if isinstance(err, CarveError):
+        return ChildError(FAILED, err.message, err.hint), EXIT_FAILED
+    if isinstance(err, OSError):
+        needed, free = (err.needed, err.free) if isinstance(err, ShortOfSpace) else (None, None)
+        return ChildError(OS, err.strerror or str(err), "", err.errno, err.strerror, None if err.filename is None else str(err.filename), needed, free), EXIT_OS_ERROR
+    return None
+
+
+def serve(request_type: type[ChildRequest], work: Callable[[Any, Path], None], argv: Sequence[str] | None = None, preload: Sequence[str] = ()) -> int:
+    """The child's main: import `preload` and the `--preload` modules, read the envelope on stdin,
+    run `work(request, result_path)`; its BadInput, other CarveError and OSError become the error
+    line. Returns the exit status."""
+    parser = argparse.ArgumentParser(description=f"Run one {request_type.TASK} request (a JSON envelope on stdin).")
+    parser.add_argument("--preload", action="append", default=[], help="a module to import before the request arrives (repeatable)")
+    args = parser.parse_args(argv)
+    for module in (*preload, *args.preload):
+        importlib.import_module(module)
+    text = sys.stdin.read()
+    if not text:
+        return 0
+    envelope = json.loads(text)
+    if envelope.get("task") != request_type.TASK:
+        _say(line(ERROR, ChildError(FAILED, f"this child serves {request_type.TASK} requests, not {envelope.get('task')!r}", "a ggufcarve bug: the parent started the wrong child")))
+        return EXIT_FAILED
+    try:
+        work(request_type.from_json(envelope["request"]), Path(envelope["result"]))
+    except (CarveError, OSError) as err:
+        reported = error_of(err)
+        if reported is None:
+            raise
+        _say(line(ERROR, reported[0]))
+        return reported[1]
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# the parent
+
+_ahead: dict[str, launch.Started] = {}  # module -> its child started ahead, not yet run
+
+
+def argv(module: str, preload: Sequence[str] = ()) -> list[str]:
+    return [sys.executable, "-m", module, *(arg for name in preload for arg in ("--preload", name))]
+
+
+def start(module: str, preload: Sequence[str] = (), env: Mapping[str, str] | None = None) -> None:
+    """Start a child of `module` now, importing `preload`, unless one waits already; the next `run`
+    of that module adopts it (its `env` was given here)."""
+    if module not in _ahead:
+        _ahead[module] = launch.start(argv(module, preload), env=env)
+
+
+def adopt(module: str) -> launch.Started | None:
+    """The child `start` started for `module`, still waiting for its request; None if there is none."""
+    started = _ahead.pop(module, None)
+    return started if started is not None and started.proc.poll() is None else None
+
+
+def run(
+    module: str,
+    request: ChildRequest,
+    result: Path,
+    read: Callable[[Path], T],
+    *,
+    what: str,
+    hint: str,
+    sink: Sink = ignore,
+    stages: Mapping[str, str] | None = None,
+    on_line: Callable[[str], None] | None = None,
+    outputs: Mapping[str, tuple[Path, str]] | None = None,
+    timeout: float | None = None,
+    idle_timeout: float | None = None,
+    env: Mapping[str, str] | None = None,
+) -> T:
+    """Run `request` in a child of `module` (the one `start` started, or a new one) and `read` its result file.
+
+    Progress lines become events (stage: `stages[task]`, else the task's name) for `sink`; other
+    lines go to `on_line`. `what` names the child in an error ("tracing m.gguf: the decode child"),
+    `hint` is the hint when it fails without saying why. An error line raises BadInput, ToolFailed
+    or OutputError; an OS error names the file by `outputs[filename]` = (the path to show, the
+    other place the hint suggests), else by its own name and TMPDIR.
+    """
+    stages = stages or {}
+    envelope = json.dumps({"task": request.TASK, "result": str(result), "request": request.to_json()}).encode()
+    errors: list[tuple[ChildError, list[str]]] = []
+    own: deque[str] = deque(maxlen=launch.TAIL_LINES)  # the child's lines, not the protocol's
+
+    def watch(text: str) -> None:
+        parsed = parse(text)
+        if isinstance(parsed, Progress):
+            sink(Event(stages.get(parsed.task, parsed.task), parsed.done, parsed.total, parsed.unit))
+        elif isinstance(parsed, ChildError):
+            errors.append((parsed, list(own)))
+        else:
+            own.append(text)
+            if on_line is not None:
+                on_line(text)
+
+    finished = launch.run(argv(module), started=adopt(module), input=envelope, on_line=watch, timeout=timeout, idle_timeout=idle_timeout, env=env)
+    if errors:
+        raise _carve_error(*errors[0], finished, what, hint, outputs or {})
+    launch.check(replace(finished, tail=list(own)), what, hint)
+    if not result.exists():
+        raise ToolFailed(f"{what} exited 0 without writing its result", "run again; GGUFCARVE_DEBUG=1 shows more")
+    return read(result)
+
+
+def _carve_error(error: ChildError, before: list[str], finished: launch.Finished, what: str, hint: str, outputs: Mapping[str, tuple[Path, str]]) -> CarveError:
+    if error.kind == INPUT:
+        return BadInput(error.message, error.hint)
+    if error.kind == OS:
+        from ggufcarve.errors import OutputError
+        from ggufcarve.fileio import write_failed
+
+        shown, elsewhere = outputs.get(error.filename or "", (Path(error.filename or "."), "set TMPDIR to a directory with more room"))
+        if error.needed is not None and error.free is not None:
+            return OutputError(f"{shown.name} needs {error.needed / 2**20:.1f} MiB but {shown.parent} has {error.free / 2**20:.1f} MiB free",
+                               f"free disk space or {elsewhere}; nothing was written")
+        return write_failed(OSError(error.errno, error.strerror or error.message), shown, elsewhere)
+    last = " | ".join(text.strip() for text in before[-QUOTED_LINES:] if text.strip())
+    return ToolFailed(f"{what} {replace(finished, tail=[]).describe_failure()}: {error.message}" + (f" | {last}" if last else ""), error.hint or hint)
