@@ -18,7 +18,7 @@ from typing import Annotated
 import typer
 
 from ggufcarve.cli.options import JsonOption, LlamaCppOption, QuietOption
-from ggufcarve.cli.render import err, out, progress, warn
+from ggufcarve.cli.render import err, escape, out, progress, warn
 
 
 def eval_command(
@@ -33,13 +33,14 @@ def eval_command(
     threads: Annotated[int | None, typer.Option("--threads", "-t", help="CPU threads (default: all cores).")] = None,
     top_k: Annotated[int | None, typer.Option("--top-k", help="Cache only the reference's top-K log-probs per token (and sampled tail tokens): a small cache, an estimated KLD. Default: every token, as llama-perplexity keeps them.")] = None,
     tail_samples: Annotated[int, typer.Option("--tail-samples", help="With --top-k: tail tokens sampled per token; the KLD estimate is unbiased and its sampling error is printed (0: a lower bound).")] = 32,
-    speed_runs: Annotated[int, typer.Option("--speed-runs", help="Timed runs of pp and tg speed (median reported); 0 skips speed.")] = 3,
+    speed_runs: Annotated[int, typer.Option("--speed-runs", help="Timed runs of pp and tg speed: the median is reported, or the range when the runs spread more than 10% of it; 0 skips speed.")] = 5,
     speed_engine: Annotated[str, typer.Option("--speed-engine", help="auto (llama-bench when the tools have it, else in-process), llama-bench or libllama.")] = "auto",
     save_kl_base: Annotated[Path | None, typer.Option("--save-kl-base", help="Also write the reference's log-probs as a llama-perplexity --kl-divergence-base file.")] = None,
     cross_check: Annotated[bool, typer.Option("--cross-check", help="Also run llama-perplexity on the same text and report both.")] = False,
     llama_cpp: LlamaCppOption = None,
     cache: Annotated[Path | None, typer.Option("--cache", help="Directory of cached reference log-probs (default: ggufcarve's cache/reference-logprobs).")] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace results already in the output directory.")] = False,
+    strict: Annotated[bool, typer.Option("--strict", help="Exit 1 when any model fails the gate (the results are written all the same).")] = False,
     quiet: QuietOption = False,
     as_json: JsonOption = False,
 ) -> None:
@@ -49,7 +50,7 @@ def eval_command(
     from ggufcarve.evaluate.models import resolve_models
     from ggufcarve.evaluate.protocol import DEFAULT_TAIL_SAMPLES, DEFAULT_TOP_K, REFERENCE_FULL, REFERENCE_TOPK
     from ggufcarve.evaluate.run import EvalSettings, evaluate
-    from ggufcarve.evaluate.speed import ENGINES, SpeedSettings
+    from ggufcarve.evaluate.speed import ENGINES, SpeedSettings, speed_text
     from ggufcarve.release.publish import record_published, release_of
 
     if top_k is not None and top_k < 1:
@@ -64,6 +65,8 @@ def eval_command(
         gate_rules = None
     else:
         gate_rules = load_gate(gate or default_gate_path())
+    if strict and gate_rules is None:
+        raise BadInput("--strict judges the models by a gate, and there is none", "give --gate FILE")
     qa_checks = None
     if qa is not None:
         from ggufcarve.evaluate.qa import load_suite
@@ -82,12 +85,13 @@ def eval_command(
         run = evaluate(entries, reference, heldout, settings, output, sink)
     if as_json:
         out.print_json(json.dumps({"results": run.results, "files": [p.name for p in run.files]}))
+        _strict_exit(strict, run.results)
         return
     for r in run.results:
         line = (f"{r['model']['name']}: PPL {r['ppl']:.4f} ± {r['ppl_stderr']:.4f} ({round(r['ppl_delta_percent'], 2) + 0.0:+.2f}%), "
                 f"mean KLD {_kld_text(r)}, same top p {100 * r['same_top_p']:.2f}%")
         if r.get("tg_tok_s") is not None:
-            line += f", pp {r['pp_tok_s']:.1f} tg {r['tg_tok_s']:.1f} tok/s"
+            line += f", pp {speed_text(r, 'pp')}, tg {speed_text(r, 'tg')}"
         if r.get("qa_total"):
             line += f", QA {r['qa_passed']}/{r['qa_total']}"
         if r.get("cross_check"):
@@ -99,6 +103,16 @@ def eval_command(
     if release is not None and release != output.resolve():
         records = record_published(release, "evaluation", [p for p in sorted(output.rglob("*")) if p.is_file() and not any(part.startswith(".") for part in p.relative_to(output).parts)])
         err.print(f"recorded {len(records)} evaluation files in {release / 'quant-manifest.json'} and SHA256SUMS", highlight=False)
+    _strict_exit(strict, run.results)
+
+
+def _strict_exit(strict: bool, results: list[dict]) -> None:
+    """With --strict, one line naming the models that failed the gate and their failed criteria, and exit 1."""
+    failed = [r for r in results if r.get("gate") == "FAIL"]
+    if strict and failed:
+        err.print(f"[bold red]strict:[/] {len(failed)} of {len(results)} models failed the gate: "
+                  + escape("; ".join(f"{r['model']['name']} ({', '.join(r.get('gate_failed') or [])})" for r in failed)), highlight=False, soft_wrap=True)
+        raise typer.Exit(1)
 
 
 def _kld_text(r: dict) -> str:
