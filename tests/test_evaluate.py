@@ -90,7 +90,8 @@ def test_contract_keys_and_self_kld_is_zero(first_run, reference, q8_moe):
     assert self_doc["ppl"] == pytest.approx(self_doc["ppl_reference"], rel=BASE_STEP)
     q8 = _load(out, q8_moe)
     assert q8["kld_mean"] > 0 and q8["kld_p999"] >= q8["kld_p99"] >= q8["kld_median"] >= 0
-    assert f"{reference.stem}: PPL" in result.stdout and "mean KLD" in result.stdout
+    assert f"{reference.stem} ({format_size(reference.stat().st_size)}): PPL" in result.stdout and "mean KLD" in result.stdout
+    assert format_size(reference.stat().st_size).endswith(" MiB")  # a small model in MiB, not 0.00 GiB
 
 
 def test_perplexity_equals_numpy_on_the_same_logits(first_run, reference, q8_moe):

@@ -18,7 +18,7 @@ from typing import Annotated
 import typer
 
 from ggufcarve.cli.options import JsonOption, LlamaCppOption, QuietOption
-from ggufcarve.cli.render import err, escape, out, progress, warn
+from ggufcarve.cli.render import err, escape, out, progress, size, warn
 
 
 def eval_command(
@@ -88,7 +88,7 @@ def eval_command(
         _strict_exit(strict, run.results)
         return
     for r in run.results:
-        line = (f"{r['model']['name']}: PPL {r['ppl']:.4f} ± {r['ppl_stderr']:.4f} ({round(r['ppl_delta_percent'], 2) + 0.0:+.2f}%), "
+        line = (f"{r['model']['name']} ({size(r['model']['bytes'])}): PPL {r['ppl']:.4f} ± {r['ppl_stderr']:.4f} ({round(r['ppl_delta_percent'], 2) + 0.0:+.2f}%), "
                 f"mean KLD {_kld_text(r)}, same top p {100 * r['same_top_p']:.2f}%")
         if r.get("tg_tok_s") is not None:
             line += f", pp {speed_text(r, 'pp')}, tg {speed_text(r, 'tg')}"
