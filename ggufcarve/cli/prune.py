@@ -97,7 +97,7 @@ def prune(
     from ggufcarve.moe.layout import inspect_layout
     from ggufcarve.prune.execute import execute
     from ggufcarve.prune.plan import parse_size, plan_prune
-    from ggufcarve.prune.report import default_report_path
+    from ggufcarve.prune.report import default_report_path, save_keep_file
 
     loaded = read_model(model)
     layout = inspect_layout(loaded)
@@ -123,6 +123,8 @@ def prune(
         return
     with progress(not quiet and not as_json) as sink:
         result = execute(plan, loaded, force=force, on_event=sink, report_path=report)
+    if keep is not None:
+        save_keep_file(plan, keep)  # beside the report: `ladder run` publishes it with the pruned model
     if as_json:
         out.print_json(json.dumps({**plan.to_json(), "report": str(result.report_path), "timings": result.timings, "verified_tensors": len(result.verification.tensors)}))
         return
