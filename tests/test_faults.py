@@ -263,6 +263,7 @@ def test_ctrl_c_mid_eval_then_rerun(make_model, q8_moe, heldout, tmp_path, env, 
     assert_stopped_cleanly(*press_ctrl_c(proc))
     assert no_process_left(env) == [], "an evaluation child outlived the stopped eval"
     assert [n for n in listing(out) if not n.startswith(".")] == [] and temps(out) == []
+    assert not out.exists(), "the stopped eval left the -o directory it created"
     assert temps(cache) == [], "the stopped reference pass left its temp cache"
     cached = [n for n in listing(cache) if n.endswith(".kld")]
     assert child == 2 or cached == [], "a half-computed reference cache got its final name"
