@@ -408,7 +408,7 @@ def test_ladder_refuses_before_writing_when_space_is_short(make_model, tmp_path,
     monkeypatch.setenv("GGUFCARVE_CACHE", env["GGUFCARVE_CACHE"])
     real = shutil.disk_usage
     monkeypatch.setattr(ladder_run.shutil, "disk_usage", lambda p: real(p)._replace(free=1 << 20))
-    with pytest.raises(OutputError, match="the ladder needs about .* GiB free"):
+    with pytest.raises(OutputError, match="the ladder needs about .* but .* has 1.00 MiB free"):
         app(["ladder", "run", str(spec), "--source", str(make_model("qwen3moe", "Q8_0")), "--quantizer", "libllama", "-q", "-o", str(tmp_path / "out")],
             standalone_mode=False)
     assert listing(tmp_path / "out") == []
