@@ -137,3 +137,18 @@ def test_a_directory_is_refused_naming_the_models_it_holds(make_model, tmp_path)
     assert "is a directory, not a GGUF file (it holds 1 .gguf file)" in refused.error_line
     assert "m-Q8_0.gguf" in refused.error_line
     assert "Traceback" not in refused.stderr
+
+
+def test_inspect_gives_a_small_model_its_size_in_mib():
+    import re
+
+    from clirun import ggufcarve
+
+    from ggufcarve.demo import DEMO_MODEL
+
+    result = ggufcarve("inspect", DEMO_MODEL)
+    assert result.code == 0, result.stderr
+    row = next(line for line in result.stdout.splitlines() if line.strip().startswith("size"))
+    shown = re.search(r"size\s+([\d.]+) MiB; experts ([\d.]+) MiB", row)
+    assert shown is not None, row
+    assert abs(float(shown[1]) - DEMO_MODEL.stat().st_size / 2**20) <= 0.05 and float(shown[2]) > 0.1 and "GiB" not in result.stdout

@@ -49,7 +49,7 @@ def first_run(reference, q8_moe, heldout, tmp_path_factory):
     base = tmp_path_factory.mktemp("eval")
     out, cache = base / "out", base / "cache"
     result = ggufcarve("eval", reference, q8_moe, "--reference", reference, "--heldout", heldout, "--ctx", CTX, "--chunks", CHUNKS,
-                       "--speed-runs", 1, "--cache", cache, "-t", 2, "-o", out)
+                       "--speed-runs", 3, "--cache", cache, "-t", 2, "-o", out)
     assert result.code == 0, result.stderr[-3000:]
     return out, cache, result
 
@@ -90,7 +90,8 @@ def test_contract_keys_and_self_kld_is_zero(first_run, reference, q8_moe):
     assert self_doc["ppl"] == pytest.approx(self_doc["ppl_reference"], rel=BASE_STEP)
     q8 = _load(out, q8_moe)
     assert q8["kld_mean"] > 0 and q8["kld_p999"] >= q8["kld_p99"] >= q8["kld_median"] >= 0
-    assert f"{reference.stem}: PPL" in result.stdout and "mean KLD" in result.stdout
+    assert f"{reference.stem} ({format_size(reference.stat().st_size)}): PPL" in result.stdout and "mean KLD" in result.stdout
+    assert format_size(reference.stat().st_size).endswith(" MiB")  # a small model in MiB, not 0.00 GiB
 
 
 def test_perplexity_equals_numpy_on_the_same_logits(first_run, reference, q8_moe):
@@ -223,6 +224,54 @@ def test_summary_tables_match_the_json(first_run, reference, q8_moe):
         assert (out / chart).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_speed_spread_is_recorded_and_a_noisy_one_is_flagged(first_run, reference, q8_moe):
+    out, _, result = first_run
+    summary = (out / "summary.md").read_text()
+    for model in (reference, q8_moe):
+        doc = _load(out, model)
+        for test in ("pp", "tg"):
+            runs = doc["speed"][f"{test}_runs"]
+            assert len(runs) == 3 and doc[f"{test}_tok_s"] == sorted(runs)[1]
+            wide = (max(runs) - min(runs)) / sorted(runs)[1]
+            assert doc["speed"][f"{test}_spread"] == pytest.approx(wide) and doc[f"{test}_tok_s_spread"] == pytest.approx(wide)
+        tg = doc["speed"]["tg_runs"]
+        tg_wide = (max(tg) - min(tg)) / sorted(tg)[1]
+        row = next(line for line in summary.splitlines() if line.startswith(f"| {model.name} |"))
+        if tg_wide > 0.10:  # the range of runs, not a figure
+            assert "| noisy: " in row and f" {doc['tg_tok_s']:.1f} |" not in row and doc["speed_noisy"] is True
+        else:
+            assert f" {doc['tg_tok_s']:.1f} |" in row and "noisy" not in row
+    assert "tok/s" in result.stdout
+
+
+def test_a_noisy_speed_reads_as_its_range():
+    from ggufcarve.evaluate.speed import speed_text
+
+    noisy = {"tg_tok_s": 100.0, "speed": {"tg_runs": [7.9, 100.0, 711.0]}}
+    steady = {"tg_tok_s": 100.0, "speed": {"tg_runs": [95.0, 100.0, 104.0]}}  # (104 - 95) / 100 = 9%
+    assert speed_text(noisy, "tg") == "noisy: 7.9-711 tok/s"
+    assert speed_text(steady, "tg") == "100.0 tok/s" and speed_text(steady, "tg", unit=False) == "100.0"
+    assert speed_text({"tg_tok_s": None}, "tg") == "–"
+
+
+def test_strict_exits_1_naming_the_models_that_failed_the_gate(first_run, reference, q8_moe, heldout, tmp_path):
+    _, cache, _ = first_run
+    strict_gate = tmp_path / "strict.toml"
+    strict_gate.write_text("max_kld_mean = 1e-6\n")  # the reference against itself: 0 but for its base file's 16-bit rounding; its Q8_0: above
+    common = ("--reference", reference, "--heldout", heldout, "--ctx", CTX, "--chunks", 2, "--speed-runs", 0, "--cache", cache, "-t", 2, "-q")
+    failing = ggufcarve("eval", reference, q8_moe, *common, "--gate", strict_gate, "--strict", "-o", tmp_path / "strict")
+    docs = {m.stem: json.loads((tmp_path / "strict" / f"{m.stem}.json").read_text()) for m in (reference, q8_moe)}
+    assert docs[reference.stem]["kld_mean"] < 1e-6 < docs[q8_moe.stem]["kld_mean"]
+    assert failing.code == 1, failing.stderr[-2000:]
+    line = next(x for x in failing.stderr.splitlines() if "failed the gate" in x)
+    assert q8_moe.stem in line and "kld_mean" in line and f"{reference.stem} (" not in line and "1 of 2 models" in line
+    lenient = ggufcarve("eval", reference, q8_moe, *common, "--gate", strict_gate, "-o", tmp_path / "lenient")
+    assert lenient.code == 0 and "failed the gate" not in lenient.stderr
+    strict_gate.write_text("max_kld_mean = 1.0\n")
+    passing = ggufcarve("eval", reference, q8_moe, *common, "--gate", strict_gate, "--strict", "-o", tmp_path / "passing")
+    assert passing.code == 0, passing.stderr[-2000:]
+
+
 def test_equal_size_ranking_and_pareto_front():
     from ggufcarve.evaluate.summary import equal_size_pairs, pareto_front
 
@@ -264,9 +313,14 @@ def test_bad_inputs_are_one_line(reference, q8_moe, heldout, tmp_path, monkeypat
 
     short = tmp_path / "short.txt"
     short.write_text("too short for one chunk\n")
-    result = ggufcarve("eval", q8_moe, "--reference", reference, "--heldout", short, *common, "-o", tmp_path / "b")
+    result = ggufcarve("eval", q8_moe, "--reference", reference, "--heldout", short, "--ctx", CTX, "--speed-runs", 0, "-t", 2,
+                       "--cache", tmp_path / "new-cache" / "logprobs", "-o", tmp_path / "b" / "evaluation")
     assert result.code == 1 and "short.txt" in result.error_line and f"at least {2 * CTX}" in result.error_line
     assert len([line for line in result.stderr.splitlines() if line.startswith("error")]) == 1 and "Traceback" not in result.stderr
+    assert not (tmp_path / "b").exists() and not (tmp_path / "new-cache").exists()  # what the failed run created, left empty, is gone
+    (tmp_path / "kept").mkdir()
+    result = ggufcarve("eval", q8_moe, "--reference", reference, "--heldout", short, *common, "-o", tmp_path / "kept")
+    assert result.code == 1 and (tmp_path / "kept").is_dir()  # an -o directory that was there stays
 
     tokens, scores, types = factory._vocab()
     monkeypatch.setattr(factory, "_vocab", lambda: (tokens[:-1] + ["<0xff>"], scores, types))

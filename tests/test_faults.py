@@ -263,6 +263,7 @@ def test_ctrl_c_mid_eval_then_rerun(make_model, q8_moe, heldout, tmp_path, env, 
     assert_stopped_cleanly(*press_ctrl_c(proc))
     assert no_process_left(env) == [], "an evaluation child outlived the stopped eval"
     assert [n for n in listing(out) if not n.startswith(".")] == [] and temps(out) == []
+    assert not out.exists(), "the stopped eval left the -o directory it created"
     assert temps(cache) == [], "the stopped reference pass left its temp cache"
     cached = [n for n in listing(cache) if n.endswith(".kld")]
     assert child == 2 or cached == [], "a half-computed reference cache got its final name"
@@ -407,7 +408,7 @@ def test_ladder_refuses_before_writing_when_space_is_short(make_model, tmp_path,
     monkeypatch.setenv("GGUFCARVE_CACHE", env["GGUFCARVE_CACHE"])
     real = shutil.disk_usage
     monkeypatch.setattr(ladder_run.shutil, "disk_usage", lambda p: real(p)._replace(free=1 << 20))
-    with pytest.raises(OutputError, match="the ladder needs about .* GiB free"):
+    with pytest.raises(OutputError, match="the ladder needs about .* but .* has 1.00 MiB free"):
         app(["ladder", "run", str(spec), "--source", str(make_model("qwen3moe", "Q8_0")), "--quantizer", "libllama", "-q", "-o", str(tmp_path / "out")],
             standalone_mode=False)
     assert listing(tmp_path / "out") == []

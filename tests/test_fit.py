@@ -209,6 +209,10 @@ def test_cli_json_and_table(make_model, llama_tools):
     table = ggufcarve("fit", model, "--memory", "8MiB", "--k", "4,8", "--only", "Q8_0,Q4_K_M", "--quantizer", quantizer, "-q")
     assert table.code == 0, table.stderr
     assert "Q4_K_M" in table.stdout and "most experts that fit" in table.stdout and "binary quantizer dry run" in table.stdout
+    # a model of a few MiB is sized in MiB, every cell with three significant digits (none reads 0.00)
+    assert "MiB of the rung file" in " ".join(table.stdout.split()) and "GiB" not in table.stdout  # the caption wraps at the table's width
+    for row in doc["rows"]:
+        assert f"{row['file_bytes'] / 2**20:.2f}" in table.stdout and row["file_bytes"] >= 2**20 / 100
 
 
 @pytest.mark.parametrize("args, message", [

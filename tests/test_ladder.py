@@ -13,6 +13,7 @@ import pytest
 from clirun import ggufcarve, sha256, tensor_bytes
 
 from ggufcarve.errors import BadInput
+from ggufcarve.fileio import format_size
 from ggufcarve.gguf.container import read_model
 from ggufcarve.llama.trace import trace_routing
 from ggufcarve.quant.quantizer import BinaryQuantizer, QuantizeJob
@@ -136,8 +137,9 @@ def test_ladder_rungs_succeed_and_load(ladder, q8_moe, q8_moe_imatrix, llama_too
     q = manifest["quantizer"]
     assert q["backend"] == "binary" and q["sha256"] == sha256(llama_tools / "llama-quantize") and q["build"] is not None
     # the final table
-    for column in ("rung", "size GiB", "bits/weight", "sha256", "seconds", "status"):
+    for column in ("rung", "size", "bits/weight", "sha256", "seconds", "status"):
         assert column in result.stdout
+    assert format_size(manifest["rungs"][2]["bytes"]) in result.stdout and " MiB" in result.stdout  # a small model's sizes in MiB
     assert "IQ2_XS" in result.stdout and manifest["rungs"][2]["sha256"][:12] in result.stdout
     # no temp or partial files left, no lock held; the whole ladder is built, so its rung fragments are merged and removed
     assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == []

@@ -289,11 +289,13 @@ def test_a_stale_selection_of_the_same_name_is_not_published(spec, q8_moe, tmp_p
     selection = select(q8_moe, work / "SELECTION.json")
     model = prune(q8_moe, work / "model-4e-Q8_0.gguf", "--keep", selection)
     original = selection.read_bytes()
+    (work / "method" / "model-4e-Q8_0.SELECTION.json").unlink()  # prune's copy of it
     select(q8_moe, work / "SELECTION.json.new", keep=6).replace(selection)  # a later selection under the same name
     out = tmp_path / "release"
     result = ggufcarve("ladder", "run", spec, "--source", model, "-o", out, "--only", "Q4_K_M", "--quantizer", "libllama", "-t", "2")
     assert result.code == 0, result.stderr
     assert "SELECTION.json not published: it is not the keep-set model-4e-Q8_0.gguf was pruned with" in " ".join(result.stderr.split())
+    assert "no selection record published: model-4e-Q8_0.gguf was pruned with SELECTION.json, not found beside it; add the one `ggufcarve select -o` wrote with --selection FILE" in " ".join(result.stderr.split())
     assert not (out / "method" / "expert-selection.json").exists() and "method/expert-selection.json" not in manifest_method(out)
     assert ggufcarve("verify", out, "--partial").code == 0
     # an explicit --selection of other experts is refused; one in the model's method/ directory with the recorded bytes is found
@@ -306,6 +308,25 @@ def test_a_stale_selection_of_the_same_name_is_not_published(spec, q8_moe, tmp_p
     assert (out / "method" / "expert-selection.json").read_bytes() == original
     assert sha256(kept) == json.loads((work / "method" / "model-4e-Q8_0.pruning-report.json").read_text())["inputs"][-1]["sha256"]
     assert ggufcarve("verify", out, "--partial").code == 0
+
+
+@pytest.mark.slow
+def test_the_readme_route_publishes_the_selection_and_a_prune_without_one_says_so(spec, q8_moe, tmp_path):
+    # select -o selection/X.json, prune --keep selection/X.json -o out/M.gguf, ladder run --source out/M.gguf
+    selection = select(q8_moe, tmp_path / "selection" / "weights.json")
+    model = prune(q8_moe, tmp_path / "out" / "model-4e.gguf", "--keep", selection)
+    assert not (tmp_path / "out" / "weights.json").exists()  # the selection is not beside the model
+    result = ggufcarve("ladder", "run", spec, "--source", model, "-o", tmp_path / "release", "--only", "Q4_K_M", "--quantizer", "libllama", "-t", "2", "-q")
+    assert result.code == 0, result.stderr
+    assert (tmp_path / "release" / "method" / "expert-selection.json").read_bytes() == selection.read_bytes()
+    assert "selection record" not in result.stderr
+    # pruned without a selection: one warning line naming the way to add it
+    plain = prune(q8_moe, tmp_path / "out" / "model-first4.gguf", "--keep-first", "4")
+    result = ggufcarve("ladder", "run", spec, "--source", plain, "-o", tmp_path / "release-first4", "--only", "Q4_K_M", "--quantizer", "libllama", "-t", "2", "-q")
+    assert result.code == 0, result.stderr
+    lines = [line for line in result.stderr.splitlines() if "no selection record published" in line]
+    assert len(lines) == 1 and lines[0].startswith("warning:") and lines[0].rstrip().endswith("--selection FILE"), result.stderr
+    assert not (tmp_path / "release-first4" / "method" / "expert-selection.json").exists()
 
 
 @pytest.mark.slow

@@ -6,6 +6,7 @@ Examples:
     ggufcarve eval model-Q4_K_M.gguf --reference base.kld -o evaluation/      (a llama-perplexity --kl-divergence-base file)
     ggufcarve eval model-Q4_K_M.gguf --reference model-Q8_0.gguf --heldout heldout.txt --cross-check -o evaluation/
     ggufcarve eval release/ --reference model-Q8_0.gguf --heldout heldout.txt --qa evaluation/qa -o release/evaluation && ggufcarve card release/
+    ggufcarve eval release/ --reference model-Q8_0.gguf --heldout heldout.txt --strict -o evaluation/      (exit 1 when a model fails the gate: for CI)
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Annotated
 import typer
 
 from ggufcarve.cli.options import JsonOption, LlamaCppOption, QuietOption
-from ggufcarve.cli.render import err, out, progress, warn
+from ggufcarve.cli.render import err, escape, out, progress, size, warn
 
 
 def eval_command(
@@ -32,20 +33,22 @@ def eval_command(
     threads: Annotated[int | None, typer.Option("--threads", "-t", help="CPU threads (default: all cores).")] = None,
     top_k: Annotated[int | None, typer.Option("--top-k", help="Cache only the reference's top-K log-probs per token (and sampled tail tokens): a small cache, an estimated KLD. Default: every token, as llama-perplexity keeps them.")] = None,
     tail_samples: Annotated[int, typer.Option("--tail-samples", help="With --top-k: tail tokens sampled per token; the KLD estimate is unbiased and its sampling error is printed (0: a lower bound).")] = 32,
-    speed_runs: Annotated[int, typer.Option("--speed-runs", help="Timed runs of pp and tg speed (median reported); 0 skips speed.")] = 3,
+    speed_runs: Annotated[int, typer.Option("--speed-runs", help="Timed runs of pp and tg speed: the median is reported, or the range when the runs spread more than 10% of it; 0 skips speed.")] = 5,
     speed_engine: Annotated[str, typer.Option("--speed-engine", help="auto (llama-bench when the tools have it, else in-process), llama-bench or libllama.")] = "auto",
     save_kl_base: Annotated[Path | None, typer.Option("--save-kl-base", help="Also write the reference's log-probs as a llama-perplexity --kl-divergence-base file.")] = None,
     cross_check: Annotated[bool, typer.Option("--cross-check", help="Also run llama-perplexity on the same text and report both.")] = False,
     llama_cpp: LlamaCppOption = None,
     cache: Annotated[Path | None, typer.Option("--cache", help="Directory of cached reference log-probs (default: ggufcarve's cache/reference-logprobs).")] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace results already in the output directory.")] = False,
+    strict: Annotated[bool, typer.Option("--strict", help="Exit 1 when any model fails the gate (the results are written all the same).")] = False,
     quiet: QuietOption = False,
     as_json: JsonOption = False,
 ) -> None:
     """Evaluate MODELs against --reference: PPL, KLD, speed, QA and the gate; writes -o DIR/<model>.json and DIR/summary.md."""
-    from ggufcarve.errors import OutputError
+    from ggufcarve.errors import BadInput, OutputError
     from ggufcarve.evaluate.models import resolve_models
     from ggufcarve.evaluate.release import eval_settings, evaluate_release
+    from ggufcarve.evaluate.speed import speed_text
 
     settings, warnings = eval_settings(ctx=ctx, chunks=chunks, threads=threads, top_k=top_k, speed_runs=speed_runs, speed_engine=speed_engine, gate=gate, qa=qa,
                                        cross_check=cross_check, llama_cpp=llama_cpp, cache=cache, kl_base_out=save_kl_base,
@@ -53,6 +56,8 @@ def eval_command(
     for warning in warnings:
         warn(warning)
     entries = resolve_models(models)
+    if strict and settings.gate is None:
+        raise BadInput("--strict judges the models by a gate, and there is none", "give --gate FILE")
     existing = [output / f"{e.name}.json" for e in entries if (output / f"{e.name}.json").exists()]
     if existing and not force:
         raise OutputError(f"{existing[0]} already exists", "use --force to replace the results, or another -o directory")
@@ -61,12 +66,13 @@ def eval_command(
     run = evaluated.run
     if as_json:
         out.print_json(json.dumps({"results": run.results, "files": [p.name for p in run.files]}))
+        _strict_exit(strict, run.results)
         return
     for r in run.results:
-        line = (f"{r['model']['name']}: PPL {r['ppl']:.4f} ± {r['ppl_stderr']:.4f} ({round(r['ppl_delta_percent'], 2) + 0.0:+.2f}%), "
+        line = (f"{r['model']['name']} ({size(r['model']['bytes'])}): PPL {r['ppl']:.4f} ± {r['ppl_stderr']:.4f} ({round(r['ppl_delta_percent'], 2) + 0.0:+.2f}%), "
                 f"mean KLD {_kld_text(r)}, same top p {100 * r['same_top_p']:.2f}%")
         if r.get("tg_tok_s") is not None:
-            line += f", pp {r['pp_tok_s']:.1f} tg {r['tg_tok_s']:.1f} tok/s"
+            line += f", pp {speed_text(r, 'pp')}, tg {speed_text(r, 'tg')}"
         if r.get("qa_total"):
             line += f", QA {r['qa_passed']}/{r['qa_total']}"
         if r.get("cross_check"):
@@ -76,6 +82,16 @@ def eval_command(
     err.print(f"wrote {len(run.files)} files to {output} (reference {run.reference.label}{', cached log-probs' if run.reference.cached else ''})", highlight=False)
     if evaluated.records:
         err.print(f"recorded {len(evaluated.records)} evaluation files in {evaluated.release / 'quant-manifest.json'} and SHA256SUMS", highlight=False)
+    _strict_exit(strict, run.results)
+
+
+def _strict_exit(strict: bool, results: list[dict]) -> None:
+    """With --strict, one line naming the models that failed the gate and their failed criteria, and exit 1."""
+    failed = [r for r in results if r.get("gate") == "FAIL"]
+    if strict and failed:
+        err.print(f"[bold red]strict:[/] {len(failed)} of {len(results)} models failed the gate: "
+                  + escape("; ".join(f"{r['model']['name']} ({', '.join(r.get('gate_failed') or [])})" for r in failed)), highlight=False, soft_wrap=True)
+        raise typer.Exit(1)
 
 
 def _kld_text(r: dict) -> str:

@@ -15,7 +15,7 @@ from typing import Annotated
 import typer
 
 from ggufcarve.cli.options import JsonOption, LlamaCppOption, QuietOption
-from ggufcarve.cli.render import escape, gib, new_table, out, progress, warn
+from ggufcarve.cli.render import escape, new_table, out, progress, size, warn
 
 
 def fit_command(
@@ -80,18 +80,21 @@ def fit_command(
     out.print(f"sizes: {q['backend']} quantizer dry run ({q.get('version')}) on a sparse pruned header per K; imatrix coverage: {report.imatrix_assumption}", highlight=False)
     for note in cache.notes:
         warn(note, "note" if cache.exact else "warning")
-    kinds = [f"KV {gib(cache.kv_bytes)} on {sum(1 for x in cache.layers if x.kind != 'recurrent')} attention block(s)"]
+    kinds = [f"KV {size(cache.kv_bytes)} on {sum(1 for x in cache.layers if x.kind != 'recurrent')} attention block(s)"]
     if cache.recurrent_bytes:
-        kinds.append(f"recurrent state {gib(cache.recurrent_bytes)} on {sum(1 for x in cache.layers if x.kind == 'recurrent')} block(s)")
+        kinds.append(f"recurrent state {size(cache.recurrent_bytes)} on {sum(1 for x in cache.layers if x.kind == 'recurrent')} block(s)")
     out.print(f"cache at {ctx} tokens ({cache_type.lower()}, {cache.cells} cells{f', {cache.swa_cells} sliding-window' if cache.swa_cells else ''}): "
-              + " + ".join(kinds) + f" = {gib(cache.total_bytes)}", highlight=False)
+              + " + ".join(kinds) + f" = {size(cache.total_bytes)}", highlight=False)
 
     from rich.box import SIMPLE_HEAD
 
     rungs = [r.name for r in spec.select(only)]
+    from ggufcarve.fileio import size_unit
+
+    unit = size_unit(max(r.rung.bytes for r in report.rows))  # one unit for every cell
     table = new_table(box=SIMPLE_HEAD, pad_edge=False, padding=(0, 0), title=f"{loaded.path.name}: {layout.architecture}, {layout.expert_count} experts, top-{layout.expert_used_count}"
                       + (f", {layout.group_count} groups" if layout.group_count > 1 else ""),
-                      caption=f"GiB of the rung file; ✓: file + cache {gib(cache.total_bytes)} fits in {gib(budget)}; *: power of two" + (f"; last row: the source's {layout.expert_count}" if layout.expert_count in report.kept_counts else ""), caption_justify="left")
+                      caption=f"{unit[0]} of the rung file; ✓: file + cache {size(cache.total_bytes)} fits in {size(budget)}; *: power of two" + (f"; last row: the source's {layout.expert_count}" if layout.expert_count in report.kept_counts else ""), caption_justify="left")
     table.add_column("K", justify="right", no_wrap=True)
     for name in rungs:
         table.add_column(name, justify="right", no_wrap=True)
@@ -100,14 +103,14 @@ def fit_command(
         cells = []
         for name in rungs:
             row = report.row(k, name)
-            size = f"{row.rung.bytes / 2**30:.2f}"
-            cells.append((f"[green]{size}✓[/]" if row.fits else f"[dim]{size}[/] ") + ("f" if row.rung.fallback else " "))
+            figure = size(row.rung.bytes, unit).split()[0]
+            cells.append((f"[green]{figure}✓[/]" if row.fits else f"[dim]{figure}[/] ") + ("f" if row.rung.fallback else " "))
         table.add_row(label, *cells)
     out.print(table)
     if any(r.rung.fallback for r in report.rows):
         out.print(f"f: some tensors need an imatrix entry the ladder's imatrix lacks and get the rung's imatrix_fallback_type ({escape(report.imatrix_assumption)})", highlight=False)
     best = report.best()
     if best is None:
-        out.print(f"nothing fits in {gib(budget)}: the smallest is {gib(min(r.total for r in report.rows))}; try a shorter --ctx, --kv-type q8_0 or fewer experts (--k)", highlight=False)
+        out.print(f"nothing fits in {size(budget)}: the smallest is {size(min(r.total for r in report.rows))}; try a shorter --ctx, --kv-type q8_0 or fewer experts (--k)", highlight=False)
     else:
-        out.print(f"most experts that fit: K={best.kept} {best.rung.rung}: file {gib(best.rung.bytes)} + cache {gib(best.cache_bytes)} = {gib(best.total)} of {gib(budget)}", highlight=False)
+        out.print(f"most experts that fit: K={best.kept} {best.rung.rung}: file {size(best.rung.bytes)} + cache {size(best.cache_bytes)} = {size(best.total)} of {size(budget)}", highlight=False)

@@ -16,7 +16,7 @@ from typing import Annotated
 import typer
 
 from ggufcarve.cli.options import LlamaCppOption, command_group
-from ggufcarve.cli.render import err, escape, new_table, out, progress, warn
+from ggufcarve.cli.render import err, escape, new_table, out, progress, size, warn
 
 app = command_group("Quantization ladders: every rung from one pruned source, hashed and recorded.")
 
@@ -52,20 +52,20 @@ def ladder_run(
     err.print(f"quantizer: {described['backend']} {described['path']}" + (f" (build {described['build']}, {described['commit']})" if described.get("build") is not None else f" ({described.get('version')})"), highlight=False)
     if dry_run:
         table = new_table(title=f"ladder {ladder_spec.name} (dry run: nothing written)")
-        for column in ("rung", "output", "est. GiB", "imatrix fallback", "command"):
+        for column in ("rung", "output", "est. size", "imatrix fallback", "command"):
             table.add_column(column, overflow="fold")
         for p in plan.rungs:
-            table.add_row(p.rung.name, str(p.output), f"{p.estimated_bytes / 2**30:.2f}", f"{len(p.fallback)} -> {p.rung.imatrix_fallback_type}" if p.fallback else "", escape((f"cd {shlex.quote(str(p.job.cwd))} && " if p.job.cwd else "") + shlex.join(quantizer.argv(p.job))))
+            table.add_row(p.rung.name, str(p.output), size(p.estimated_bytes), f"{len(p.fallback)} -> {p.rung.imatrix_fallback_type}" if p.fallback else "", escape((f"cd {shlex.quote(str(p.job.cwd))} && " if p.job.cwd else "") + shlex.join(quantizer.argv(p.job))))
         out.print(table)
         return
     with progress(not quiet) as sink:
         result = run_ladder(plan, keep_going=keep_going, on_event=sink)
     table = new_table(title=f"ladder {ladder_spec.name}: {output}")
-    for column in ("rung", "size GiB", "bits/weight", "sha256", "seconds", "status"):
+    for column in ("rung", "size", "bits/weight", "sha256", "seconds", "status"):
         table.add_column(column, justify="left" if column in ("rung", "sha256", "status") else "right")
     for r in result.rungs:
         status = {"built": "[green]built[/]", "skipped": "skipped (unchanged)", "failed": f"[red]FAILED[/]: {escape(r.error or '')}", "not run": "not run"}[r.status]
-        table.add_row(r.name, f"{r.gib:.2f}" if r.bytes else "", f"{r.bits_per_weight:.2f}" if r.bits_per_weight else "", (r.sha256 or "")[:12], f"{r.seconds:.1f}", status)
+        table.add_row(r.name, size(r.bytes) if r.bytes else "", f"{r.bits_per_weight:.2f}" if r.bits_per_weight else "", (r.sha256 or "")[:12], f"{r.seconds:.1f}", status)
     out.print(table)
     out.print(f"manifest: {result.manifest_path}; sums: {result.sums_path}; {result.seconds:.1f} s total, {result.quantizer_seconds:.1f} s in the quantizer")
     if result.failed:

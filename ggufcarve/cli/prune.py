@@ -22,7 +22,7 @@ from ggufcarve.cli.options import (
     KeepOption,
     resolve_keepset,
 )
-from ggufcarve.cli.render import err, gib, new_table, out, progress, ranges, warn
+from ggufcarve.cli.render import err, new_table, out, progress, ranges, size, warn
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -41,7 +41,7 @@ def _layout_table(model: GGUFModel, layout: MoeLayout) -> Table:
         ("groups", f"{layout.group_count}, {layout.group_used_count} used" if layout.group_count > 1 else "none"),
         ("shared experts", str(layout.shared_expert_count)),
         ("routing", layout.routing.describe() + ("; MTP blocks have their own experts" if layout.nextn_layers and any(layout.is_mtp(b) for b in layout.blocks) else "")),
-        ("size", f"{gib(model.total_bytes)}; experts {gib(layout.expert_bytes)} ({100 * layout.expert_bytes / max(layout.total_bytes, 1):.1f}% of tensor data)"),
+        ("size", f"{size(model.total_bytes)}; experts {size(layout.expert_bytes)} ({100 * layout.expert_bytes / max(layout.total_bytes, 1):.1f}% of tensor data)"),
     ]
     for key, value in rows:
         table.add_row(f"[bold]{key}[/]", value)
@@ -97,7 +97,7 @@ def prune(
     from ggufcarve.moe.layout import inspect_layout
     from ggufcarve.prune.execute import execute
     from ggufcarve.prune.plan import parse_size, plan_prune
-    from ggufcarve.prune.report import default_report_path
+    from ggufcarve.prune.report import default_report_path, save_keep_file
 
     loaded = read_model(model)
     layout = inspect_layout(loaded)
@@ -115,22 +115,24 @@ def prune(
         table.add_row("[bold]tensors[/]", f"{len(summary['tensors_pruned'])} sliced, {summary['tensors_total'] - len(summary['tensors_pruned'])} copied whole")
         for key, change in summary["changed_keys"].items():
             table.add_row(f"[bold]{key}[/]", f"{change['before']} -> {change['after']}")
-        table.add_row("[bold]bytes in[/]", f"{plan.bytes_in:,} ({gib(plan.bytes_in)})")
+        table.add_row("[bold]bytes in[/]", f"{plan.bytes_in:,} ({size(plan.bytes_in)})")
         for f in plan.files:
-            table.add_row("[bold]output[/]", f"{f.path}: {f.size:,} bytes ({gib(f.size)}), {len(f.tensors)} tensors")
+            table.add_row("[bold]output[/]", f"{f.path}: {f.size:,} bytes ({size(f.size)}), {len(f.tensors)} tensors")
         table.add_row("[bold]report[/]", str(report or default_report_path(plan)))
         out.print(table)
         return
     with progress(not quiet and not as_json) as sink:
         result = execute(plan, loaded, force=force, on_event=sink, report_path=report)
+    if keep is not None:
+        save_keep_file(plan, keep)  # beside the report: `ladder run` publishes it with the pruned model
     if as_json:
         out.print_json(json.dumps({**plan.to_json(), "report": str(result.report_path), "timings": result.timings, "verified_tensors": len(result.verification.tensors)}))
         return
     table = new_table(title="pruned and verified")
-    for column in ("output", "bytes", "GiB", "tensors", "sliced"):
+    for column in ("output", "bytes", "size", "tensors", "sliced"):
         table.add_column(column, justify="left" if column == "output" else "right")
     for f in plan.files:
-        table.add_row(str(f.path), f"{f.size:,}", f"{f.size / 2**30:.2f}", str(len(f.tensors)), str(sum(t.pruned for t in f.tensors)))
+        table.add_row(str(f.path), f"{f.size:,}", size(f.size), str(len(f.tensors)), str(sum(t.pruned for t in f.tensors)))
     out.print(table)
     t = result.timings
     out.print(

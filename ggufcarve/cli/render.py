@@ -68,6 +68,13 @@ def gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB"
 
 
+def size(n: float, unit: tuple[str, int] | None = None) -> str:
+    """A size as users read it: MiB under 1 GiB, GiB from 1 GiB (fileio.format_size), or in `unit`."""
+    from ggufcarve.fileio import format_size
+
+    return format_size(n, unit)
+
+
 def ranges(blocks: Any) -> str:
     """0,1,2,5,7,8 -> "0-2,5,7-8"."""
     blocks = list(blocks)

@@ -33,7 +33,7 @@ def eval_settings(
     threads: int | None = None,
     top_k: int | None = None,
     tail_samples: int | None = None,
-    speed_runs: int = 3,
+    speed_runs: int | None = None,
     speed_engine: str = "auto",
     gate: Path | None = None,
     qa: Path | None = None,
@@ -50,9 +50,10 @@ def eval_settings(
     (an unbiased estimate of the KLD whose sampling error is reported; 0: a lower bound)."""
     from ggufcarve.evaluate.gate import default_gate_path, load_gate
     from ggufcarve.evaluate.protocol import DEFAULT_TAIL_SAMPLES, DEFAULT_TOP_K, REFERENCE_FULL, REFERENCE_TOPK, EvalSettings
-    from ggufcarve.evaluate.speed import ENGINES, SpeedSettings
+    from ggufcarve.evaluate.speed import DEFAULT_RUNS, ENGINES, SpeedSettings
 
     tail_samples = DEFAULT_TAIL_SAMPLES if tail_samples is None else tail_samples
+    speed_runs = DEFAULT_RUNS if speed_runs is None else speed_runs
     if top_k is not None and top_k < 1:
         raise BadInput(f"--top-k {top_k}: must be at least 1", "leave --top-k out to keep every token's log-prob")
     if tail_samples < 0 or tail_samples == 1:

@@ -301,7 +301,19 @@ def _contract(stats: kld.KldStatistics, ppl: Perplexity, ppl_reference: Perplexi
         "qa_passed": qa["passed"] if qa else None, "qa_total": qa["total"] if qa else None,
         "qa_exact_vs_reference": qa.get("exact_vs_reference") if qa else None,
         "pp_tok_s": speed["pp_tok_s"] if speed else None, "tg_tok_s": speed["tg_tok_s"] if speed else None,
+        **_spreads(speed),
     }
+
+
+def _spreads(speed: dict | None) -> dict:
+    """pp_tok_s_spread and tg_tok_s_spread ((max - min) / median of the timed runs; None with one run)
+    and speed_noisy (either above NOISY_SPREAD; None when not measured)."""
+    from ggufcarve.evaluate.speed import NOISY_SPREAD, spread
+
+    if not speed:
+        return {"pp_tok_s_spread": None, "tg_tok_s_spread": None, "speed_noisy": None}
+    pp, tg = spread(speed.get("pp_runs") or []), spread(speed.get("tg_runs") or [])
+    return {"pp_tok_s_spread": pp, "tg_tok_s_spread": tg, "speed_noisy": any(x is not None and x > NOISY_SPREAD for x in (pp, tg))}
 
 
 def evaluate_model(entry: ModelEntry, reference: Reference, settings: EvalSettings, work: Path, sink: Sink = ignore,
@@ -386,8 +398,37 @@ def evaluate(models: list[ModelEntry], reference_path: Path, heldout: Path | Non
     """Evaluate every model against the reference; write DIR/<name>.json per model, DIR/summary.md and the charts.
 
     The files are written together once every model is done, each under its temp name, fsynced and
-    renamed (summary.md last): a run that fails or is stopped part way leaves none of them.
+    renamed (summary.md last): a run that fails or is stopped part way leaves none of them, and
+    removes the directories it created that are left empty (never one that existed before).
     """
+    from ggufcarve.fileio import cache_root
+
+    # directories this run creates: on failure those left empty are removed (deepest first)
+    made = _missing_dirs([out_dir, settings.cache_dir or cache_root() / "reference-logprobs",
+                          *([settings.kl_base_out.parent] if settings.kl_base_out is not None else [])])
+    try:
+        return _evaluate(models, reference_path, heldout, settings, out_dir, sink)
+    except BaseException:
+        for directory in made:
+            try:
+                directory.rmdir()  # only when empty
+            except OSError:
+                pass
+        raise
+
+
+def _missing_dirs(paths: list[Path]) -> list[Path]:
+    """The directories among `paths` and their parents that do not exist yet, deepest first."""
+    missing: set[Path] = set()
+    for path in paths:
+        path = path.absolute()
+        while not path.exists() and path != path.parent:
+            missing.add(path)
+            path = path.parent
+    return sorted(missing, key=lambda p: len(p.parts), reverse=True)
+
+
+def _evaluate(models: list[ModelEntry], reference_path: Path, heldout: Path | None, settings: EvalSettings, out_dir: Path, sink: Sink) -> EvalRun:
     from ggufcarve.evaluate.summary import load_charting, write_summary
     from ggufcarve.fileio import atomic_file
 

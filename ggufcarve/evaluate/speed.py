@@ -5,6 +5,10 @@ model: `-p N -n N -r RUNS -t THREADS --repack 0 -o jsonl`, one JSON line per tes
 repetition's tok/s in `samples_ts`. Without one, `measure` times the same two tests inside the
 evaluation child on the model's own context. Either way: one warm-up run, then `runs` timed runs;
 the median tok/s is reported with every run's figure, the thread count and the engine.
+
+The spread of a measurement is (max - min) / median of its runs' tok/s (None with fewer than two
+runs). A spread above NOISY_SPREAD marks it noisy: the tables show its range of runs instead of
+the median.
 """
 
 from __future__ import annotations
@@ -23,13 +27,41 @@ if TYPE_CHECKING:
 
 
 ENGINES = ("auto", "llama-bench", "libllama")  # auto: llama-bench when found, else libllama
+DEFAULT_RUNS = 5  # timed runs per test: enough for a spread
+NOISY_SPREAD = 0.10  # (max - min) / median above which a measurement is flagged noisy
+
+
+def spread(runs: list[float]) -> float | None:
+    """(max - min) / median of the runs' tok/s; None with fewer than two runs."""
+    if len(runs) < 2:
+        return None
+    middle = statistics.median(runs)
+    return (max(runs) - min(runs)) / middle if middle > 0 else None
+
+
+def speed_text(doc: dict, test: str, unit: bool = True) -> str:
+    """A result's `test` ("pp" or "tg") speed as the tables show it: the median tok/s, or
+    "noisy: MIN-MAX tok/s" when its runs spread more than NOISY_SPREAD; "–" when not measured."""
+    median = doc.get(f"{test}_tok_s")
+    if median is None:
+        return "–"
+    runs = (doc.get("speed") or {}).get(f"{test}_runs") or []
+    wide = spread(runs)
+    suffix = " tok/s" if unit else ""
+    if wide is not None and wide > NOISY_SPREAD:
+        return f"noisy: {_tok_s(min(runs))}-{_tok_s(max(runs))}{suffix}"
+    return f"{median:.1f}{suffix}" + (" (1 run)" if len(runs) == 1 else "")
+
+
+def _tok_s(value: float) -> str:
+    return f"{value:.3g}" if value < 100 else f"{value:.0f}"
 
 
 @dataclass(frozen=True)
 class SpeedSettings:
     pp_tokens: int = 512
     tg_tokens: int = 128
-    runs: int = 3
+    runs: int = DEFAULT_RUNS
     engine: str = "auto"
 
 
@@ -45,7 +77,7 @@ class Speed:
     engine: str = "libllama"  # or "llama-bench"
 
     def to_json(self) -> dict:
-        return asdict(self)
+        return {**asdict(self), "pp_spread": spread(self.pp_runs), "tg_spread": spread(self.tg_runs), "noisy_above_spread": NOISY_SPREAD}
 
 
 def _prompt_speed(context: Context, tokens: np.ndarray) -> float:

@@ -11,6 +11,7 @@ import math
 from collections.abc import Callable
 from pathlib import Path
 
+from ggufcarve.evaluate.speed import speed_text
 from ggufcarve.fileio import format_size, size_unit, write_failed
 
 KLD_CHART = "size-vs-kld.png"
@@ -78,7 +79,7 @@ def render_summary(results: list[dict], reference_label: str, charts: list[str])
         gate = r.get("gate") or "–"
         if r.get("gate_failed"):
             gate += " (" + "; ".join(r["gate_failed"]) + ")"
-        lines.append(f"| {r['model']['file']} | {format_size(r['model']['bytes'])} | {passed} | {_fmt(r.get('qa_exact_vs_reference'), percent=True)} | {_fmt(r.get('tg_tok_s'), 4)} | {gate} |")
+        lines.append(f"| {r['model']['file']} | {format_size(r['model']['bytes'])} | {passed} | {_fmt(r.get('qa_exact_vs_reference'), percent=True)} | {speed_text(r, 'tg', unit=False)} | {gate} |")
     lines += ["", "## Quality", "", "| Quant | Size | PPL | Δ vs reference | ± | mean KLD | 99% KLD | same top p |", "|---|---|---|---|---|---|---|---|"]
     for r in ordered:
         lines.append(f"| {r['model']['quant']} ({r['model']['name']}) | {format_size(r['model']['bytes'])} | {r['ppl']:.4f} | {round(r['ppl_delta_percent'], 2) + 0.0:+.2f}% | {r['ppl_stderr']:.4f} | "

@@ -28,7 +28,7 @@ def demo_document(directory: Path) -> dict[str, Any]:
         "calibration": {"files": [str(CALIBRATION)], "ctx": 256, "max_tokens": 4096},
         "imatrix": {"collect": True},
         "ladder": {"spec": str(FILES / "ladder.toml"), "quantizer": "libllama"},
-        "evaluation": {"heldout": str(HELDOUT), "ctx": 256, "chunks": 16, "gate": str(FILES / "gate.toml"), "speed_runs": 1, "speed_engine": "libllama", "unpruned": ["Q4_K_M", "Q2_K"]},
+        "evaluation": {"heldout": str(HELDOUT), "ctx": 256, "chunks": 16, "gate": str(FILES / "gate.toml"), "speed_runs": 3, "speed_engine": "libllama", "unpruned": ["Q4_K_M", "Q2_K"]},
     }
 
 

@@ -327,11 +327,13 @@ def parse_plan(doc: dict[str, Any], base: Path, path: Path | None = None) -> Run
     ev_table = top.table("evaluation")
     evaluation = None
     if ev_table is not None:
+        from ggufcarve.evaluate.speed import DEFAULT_RUNS
+
         reference = ev_table.string("reference")
         evaluation = EvaluationStep(
             heldout=ev_table.path("heldout"), reference=None if reference in (None, "source") else ev_table._resolve("reference", reference, True),
             ctx=ev_table.integer("ctx", 512, minimum=2) or 512, chunks=ev_table.integer("chunks", minimum=1), qa=ev_table.path("qa"), gate=ev_table.path("gate"),
-            speed_runs=ev_table.integer("speed_runs", 3, minimum=0) or 0, speed_engine=ev_table.string("speed_engine", "auto") or "auto", top_k=ev_table.integer("top_k", minimum=1),
+            speed_runs=ev_table.integer("speed_runs", DEFAULT_RUNS, minimum=0) or 0, speed_engine=ev_table.string("speed_engine", "auto") or "auto", top_k=ev_table.integer("top_k", minimum=1),
             tail_samples=ev_table.integer("tail_samples", minimum=0),
             compare=ev_table.paths("compare"), unpruned=tuple(r.upper() for r in ev_table.strings("unpruned")),
         )

@@ -3,19 +3,44 @@
 It names what it describes by content: `inputs` are the source files (name, sha256, bytes) and,
 when the keep-set was read from a file, that file (name, sha256, bytes, kind "keep-set"),
 `keep_set` the kept experts the output's `ggufcarve.kept_*` keys record, and `output.files` the
-files written; a release publishes it only when these match the model it was made from.
+files written; a release publishes it only when these match the model it was made from. The
+keep-set file itself is copied beside the report (keep_copy_path), where a release finds it.
 """
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 from typing import Any
 
+from ggufcarve.fileio import atomic_file
 from ggufcarve.prune.check import Verification
 from ggufcarve.prune.plan import PrunePlan, _jsonable
-from ggufcarve.reports import PRUNING_REPORT, envelope, report_path_for
+from ggufcarve.reports import METHOD_DIR, PRUNING_REPORT, envelope, output_stem, report_path_for
 
 KEEP_SET_INPUT = "keep-set"  # the `kind` of the inputs entry naming the keep-set file (the source files have none)
+
+
+def keep_copy_path(output: Path, keep_name: str) -> Path:
+    """Where a prune keeps a copy of its keep-set file, for a later release to publish:
+    `method/<output stem>.<keep-set file name>` beside the (first) output file."""
+    return output.parent / METHOD_DIR / f"{output_stem(output)}.{keep_name}"
+
+
+def save_keep_file(plan: PrunePlan, keep: Path) -> Path | None:
+    """Copy the keep-set file the plan was made from next to its pruning report (keep_copy_path),
+    byte for byte; None when the file no longer has the sha256 the plan recorded."""
+    recorded = plan.keepset.file
+    if not recorded:
+        return None
+    data = keep.read_bytes()
+    if hashlib.sha256(data).hexdigest() != recorded["sha256"]:
+        return None
+    path = keep_copy_path(plan.outputs[0], recorded["name"])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_file(path) as temp:
+        temp.write_bytes(data)
+    return path
 
 
 def default_report_path(plan: PrunePlan) -> Path:

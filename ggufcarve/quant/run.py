@@ -49,6 +49,7 @@ from ggufcarve.fileio import (
     bytes_on_disk,
     dead_temps,
     disk_full_error,
+    format_size,
     make_temp_dir,
     remove_dead_temps,
     sha256_file,
@@ -370,7 +371,7 @@ def _check_disk(out: Path, planned: Sequence[PlannedRung]) -> None:
     reclaimable = sum(bytes_on_disk(t) for t in dead_temps(out, _rung_names(planned)))  # run_ladder removes them first
     free = shutil.disk_usage(probe).free + reclaimable
     if free < need:
-        raise OutputError(f"the ladder needs about {need / 2**30:.2f} GiB but {probe} has {free / 2**30:.2f} GiB free", "free disk space, write elsewhere, or run fewer rungs with --only")
+        raise OutputError(f"the ladder needs about {format_size(need)} but {probe} has {format_size(free)} free", "free disk space, write elsewhere, or run fewer rungs with --only")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -629,7 +630,7 @@ def run_ladder(plan: LadderPlan, *, keep_going: bool = False, on_event: Sink = i
                 result.bytes = p.output.stat().st_size
                 results[r.name] = result
                 pending.append(hasher.submit(hash_later, result, p.output))
-                on_event(Event(r.name, 1, 1, "tensors", f"hashing; {result.bytes / 2**30:.2f} GiB in {run.seconds:.1f} s"))
+                on_event(Event(r.name, 1, 1, "tensors", f"hashing; {format_size(result.bytes)} in {run.seconds:.1f} s"))
             else:
                 full = _out_of_space(p, run)
                 p.temp.unlink(missing_ok=True)

@@ -9,7 +9,8 @@ imatrix's sha256. A release holds them as `method/pruning-report.json` and
 `method/imatrix-remap-report.json`, byte for byte as found, and records them in its manifest.
 
 The pruning report also names the keep-set file the model was pruned with (name and sha256 in its
-`inputs`); that file, found by name beside the model or in its method/ directory and accepted
+`inputs`); that file, found by name beside the model, in its method/ directory or as the copy
+prune keeps there (`method/<model stem>.<name>`), and accepted
 only by its sha256, is published as `method/expert-selection.json` when it is the selection
 record `ggufcarve select -o` writes (which is the keep-set as well), else as `method/keep-set.json`.
 """
@@ -27,6 +28,7 @@ from ggufcarve.fileio import write_text_atomic
 from ggufcarve.gguf.container import GGUFModel
 from ggufcarve.moe.keepset import keepset_from_provenance
 from ggufcarve.prune.plan import KEY_SOURCE_SHA256
+from ggufcarve.prune.report import keep_copy_path
 from ggufcarve.reports import (
     IMATRIX_REMAP_REPORT,
     METHOD_DIR,
@@ -133,7 +135,8 @@ def find_selection(model: GGUFModel, pruning: dict[str, Any] | None, selection: 
         layers = recorded.to_json()["layers"] if recorded is not None else None
     keep_file: tuple[str, dict[str, Any] | None] | None = None
     if wanted is not None:
-        candidates = [*([selection] if selection is not None else []), model.path.parent / wanted["name"], model.path.parent / METHOD_DIR / wanted["name"]]
+        candidates = [*([selection] if selection is not None else []), keep_copy_path(model.path, wanted["name"]), model.path.parent / wanted["name"],
+                      model.path.parent / METHOD_DIR / wanted["name"]]
         for candidate in candidates:
             loaded = _read_text(candidate)
             if loaded is None:
@@ -156,6 +159,10 @@ def find_selection(model: GGUFModel, pruning: dict[str, Any] | None, selection: 
         if layers is None or doc.get("layers") != layers:
             raise BadInput(f"--selection {selection} chose other experts than {model.path.name} keeps", "give the selection the model was pruned with, or prune again with --keep SELECTION.json")
         found.append(MethodReport(SELECTION_RECORD, text, model.path.name))
+    if (pruning is not None or layers is not None) and not any(r.kind == SELECTION_RECORD for r in found):
+        pruned_with = f"was pruned with {wanted['name']}, not found beside it" if wanted is not None and keep_file is None else \
+            f"was pruned with the plain keep-set {wanted['name']}" if wanted is not None else "was pruned without a keep-set file"
+        warnings.append(f"no selection record published: {model.path.name} {pruned_with}; add the one `ggufcarve select -o` wrote with --selection FILE")
     return found, warnings
 
 
