@@ -51,7 +51,7 @@ def merge_command(
     out.print(f"quant-manifest.json and SHA256SUMS {state}: {len(result.rungs)} rung(s), {format_size(result.bytes_hashed)} hashed in {result.seconds:.1f} s")
 
 
-@app.command("record")
+@app.command("record", short_help="Record a hand-edited card or documentation file.")
 def record_command(
     files: Annotated[list[Path], typer.Argument(help="Files inside a release: README.md (the card, as it is) or documentation (LICENSE, NOTICE, .md, .txt, images, .gitattributes).")],
 ) -> None:

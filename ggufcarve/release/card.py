@@ -246,9 +246,9 @@ def _rung_bytes(rung: dict) -> int:
 
 def gather(release: Path, evaluation_dir: Path | None = None) -> CardInputs:
     from ggufcarve.gguf.container import read_model
-    from ggufcarve.release.manifest import MANIFEST_NAME
+    from ggufcarve.release.manifest import MANIFEST_NAME, read_manifest
 
-    manifest = _read_json(release / MANIFEST_NAME)
+    manifest = read_manifest(release)
     if manifest is None:
         raise BadInput(f"{release}: no {MANIFEST_NAME}", "give a release directory made by ggufcarve ladder run")
     rungs = [r for r in manifest.get("rungs", []) if r.get("status") in ("built", "skipped") and r.get("files") and all((release / f["name"]).exists() for f in r["files"])]
