@@ -331,3 +331,24 @@ def test_a_second_run_in_the_same_work_directory_is_refused(q8_moe, tmp_path):
     finally:
         holder.kill()
         holder.wait()
+
+
+@pytest.mark.slow
+def test_the_card_takes_the_plans_card_table_and_an_edited_card_is_never_overwritten(finished, tmp_path):
+    directory = tmp_path / "copy"  # the module's finished run stays as the other tests read it
+    shutil.copytree(finished[0], directory, symlinks=True)
+    card = directory / "release" / "README.md"
+    assert "license:" not in card.read_text().split("---")[1]  # the fixture's GGUF names no license: none is invented
+    edited = card.read_text() + "\nA paragraph the author wrote by hand.\n"
+    card.write_text(edited)
+    plan = directory / finished[1].name
+    plan.write_text(plan.read_text() + '\n[card]\nbase_model = "Qwen/Qwen3-30B-A3B"\nlicense = "apache-2.0"\n')
+    refused = ggufcarve("run", plan, "-q")
+    assert refused.code == 1, refused.stderr[-2000:]
+    assert "README.md was edited since ggufcarve wrote it" in refused.error_line and "--force" in refused.error_line
+    assert card.read_text() == edited
+    forced = ggufcarve("run", plan, "-q", "--force")
+    assert forced.code == 0, forced.stderr[-3000:]
+    front = card.read_text().split("---")[1]
+    assert 'base_model: "Qwen/Qwen3-30B-A3B"' in front and 'license: "apache-2.0"' in front
+    assert ggufcarve("verify", directory / "release").code == 0

@@ -30,7 +30,7 @@ def eval_command(
     chunks: Annotated[int | None, typer.Option("--chunks", help="Score at most this many chunks (default: the whole text).")] = None,
     qa: Annotated[Path | None, typer.Option("--qa", help="QA suite: a .jsonl file or a directory of them (e.g. evaluation/qa).")] = None,
     gate: Annotated[Path | None, typer.Option("--gate", help="Gate thresholds (TOML; default evaluation/gate.toml).")] = None,
-    threads: Annotated[int | None, typer.Option("--threads", "-t", help="CPU threads (default: all cores).")] = None,
+    threads: Annotated[int | None, typer.Option("--threads", "-t", help="CPU threads (default: the physical cores).")] = None,
     top_k: Annotated[int | None, typer.Option("--top-k", help="Cache only the reference's top-K log-probs per token (and sampled tail tokens): a small cache, an estimated KLD. Default: every token, as llama-perplexity keeps them.")] = None,
     tail_samples: Annotated[int, typer.Option("--tail-samples", help="With --top-k: tail tokens sampled per token; the KLD estimate is unbiased and its sampling error is printed (0: a lower bound).")] = 32,
     speed_runs: Annotated[int, typer.Option("--speed-runs", help="Timed runs of pp and tg speed: the median is reported, or the range when the runs spread more than 10% of it; 0 skips speed.")] = 5,

@@ -8,7 +8,6 @@ Examples:
 
 from __future__ import annotations
 
-import os
 import shlex
 from pathlib import Path
 from typing import Annotated
@@ -32,20 +31,21 @@ def ladder_run(
     quantizer_choice: Annotated[str, typer.Option("--quantizer", help="auto | binary | libllama | PATH to llama-quantize. auto prefers a found binary.")] = "auto",
     llama_cpp: LlamaCppOption = None,
     model_name: Annotated[str | None, typer.Option("--model-name", help="{model} in file names (default: the source name without its quant tag).")] = None,
-    threads: Annotated[int | None, typer.Option("--threads", "-t", help="Quantizer threads (default: all cores).")] = None,
+    threads: Annotated[int | None, typer.Option("--threads", "-t", help="Quantizer threads (default: the physical cores).")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Validate and print the plan; run nothing.")] = False,
     force: Annotated[bool, typer.Option("--force", help="Start the release in -o afresh: remove the rungs, reports and sums its manifest describes (needed when it holds another source's release).")] = False,
     selection: Annotated[Path | None, typer.Option("--selection", help="The SELECTION.json (ggufcarve select -o) the source's experts were chosen by, published as method/expert-selection.json; found beside the source by the sha256 its pruning report records when the source was pruned with --keep SELECTION.json.")] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress output.")] = False,
 ) -> None:
     """Quantize every rung of SPEC from --source into -o DIR; resumable; writes quant-manifest.json and SHA256SUMS."""
+    from ggufcarve.llama.tools import physical_cores
     from ggufcarve.quant.quantizer import make_quantizer
     from ggufcarve.quant.run import plan_ladder, run_ladder
     from ggufcarve.quant.spec import find_spec, load_spec
 
     ladder_spec = load_spec(find_spec(spec))
     quantizer = make_quantizer(quantizer_choice, llama_cpp)
-    plan = plan_ladder(ladder_spec, source, output, quantizer=quantizer, imatrix=imatrix, only=only, model_name=model_name, nthreads=threads or os.cpu_count(), hash_inputs=not dry_run, fresh=force, selection=selection)
+    plan = plan_ladder(ladder_spec, source, output, quantizer=quantizer, imatrix=imatrix, only=only, model_name=model_name, nthreads=threads or physical_cores(), hash_inputs=not dry_run, fresh=force, selection=selection)
     for warning in plan.warnings:
         warn(warning)
     described = quantizer.describe()

@@ -123,30 +123,41 @@ def _execute(plan: RunPlan, dry_run: bool, force: bool, quiet: bool, as_json: bo
     _result_tables(result)
 
 
+RunThreadsOption = Annotated[int | None, typer.Option("--threads", "-t", min=1, help="CPU threads of every llama.cpp stage (default: the plan's threads, else the physical cores).")]
+
+
+def _with_threads(plan: RunPlan, threads: int | None) -> RunPlan:
+    from dataclasses import replace
+
+    return plan if threads is None else replace(plan, threads=threads)
+
+
 def run_command(
     plan_file: Annotated[Path, typer.Argument(help="The plan (TOML): source, selection, calibration, imatrix, ladder, evaluation. See plans/.")],
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the stages, their outputs, sizes and the disk needed; write nothing. Fails when the disk is short.")] = False,
     force: Annotated[bool, typer.Option("--force", help="Run every stage again and start the release afresh (its old rungs are removed).")] = False,
+    threads: RunThreadsOption = None,
     quiet: QuietOption = False,
     as_json: JsonOption = False,
 ) -> None:
     """Select, prune, remap the imatrix, quantize the ladder, evaluate, write the card and verify, from one plan; finished stages are skipped."""
     from ggufcarve.pipeline.plan import load_plan
 
-    _execute(load_plan(plan_file), dry_run, force, quiet, as_json)
+    _execute(_with_threads(load_plan(plan_file), threads), dry_run, force, quiet, as_json)
 
 
 def demo_command(
     directory: Annotated[Path, typer.Argument(help="Where the demo writes its release and work directories.")] = Path("ggufcarve-demo"),
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the demo's stages; write nothing.")] = False,
     force: Annotated[bool, typer.Option("--force", help="Run every stage again.")] = False,
+    threads: RunThreadsOption = None,
     quiet: QuietOption = False,
     as_json: JsonOption = False,
 ) -> None:
     """The whole pipeline on the small trained MoE shipped with ggufcarve (embedded llama.cpp only, a few minutes on 2 cores)."""
     from ggufcarve.pipeline.demo import demo_plan, write_demo_plan
 
-    plan = demo_plan(directory)
+    plan = _with_threads(demo_plan(directory), threads)
     if not dry_run:
         path = write_demo_plan(directory)
         err.print(f"plan: {path} (run it again with `ggufcarve run {path}`)", highlight=False)

@@ -11,12 +11,12 @@ result file is the JSON `Request.result_out`.
 
 from __future__ import annotations
 
-import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from ggufcarve.evaluate.speed import SpeedSettings
+from ggufcarve.llama.tools import physical_cores
 
 if TYPE_CHECKING:
     from ggufcarve.evaluate.gate import Gate
@@ -65,7 +65,7 @@ class Request:
 class EvalSettings:
     ctx: int = 512
     chunks: int | None = None
-    threads: int = max(1, (os.cpu_count() or 2))
+    threads: int = field(default_factory=physical_cores)  # llama.cpp threads
     top_k: int = DEFAULT_TOP_K  # used with reference_store "topk"
     speed: SpeedSettings | None = SpeedSettings()
     gate: Gate | None = None

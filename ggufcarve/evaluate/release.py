@@ -8,7 +8,6 @@ run pipeline's evaluate stage both call these.
 
 from __future__ import annotations
 
-import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,6 +50,7 @@ def eval_settings(
     from ggufcarve.evaluate.gate import default_gate_path, load_gate
     from ggufcarve.evaluate.protocol import DEFAULT_TAIL_SAMPLES, DEFAULT_TOP_K, REFERENCE_FULL, REFERENCE_TOPK, EvalSettings
     from ggufcarve.evaluate.speed import DEFAULT_RUNS, ENGINES, SpeedSettings
+    from ggufcarve.llama.tools import physical_cores
 
     tail_samples = DEFAULT_TAIL_SAMPLES if tail_samples is None else tail_samples
     speed_runs = DEFAULT_RUNS if speed_runs is None else speed_runs
@@ -72,7 +72,7 @@ def eval_settings(
 
         qa_checks = [c.to_json() for c in load_suite(qa)]
     settings = EvalSettings(
-        ctx=ctx, chunks=chunks, threads=threads or os.cpu_count() or 1, top_k=top_k or DEFAULT_TOP_K, tail_samples=tail_samples,
+        ctx=ctx, chunks=chunks, threads=threads or physical_cores(), top_k=top_k or DEFAULT_TOP_K, tail_samples=tail_samples,
         reference_store=REFERENCE_FULL if top_k is None else REFERENCE_TOPK,
         speed=SpeedSettings(runs=speed_runs, engine=speed_engine) if speed_runs > 0 else None, gate=gate_rules, qa_checks=qa_checks,
         cross_check=cross_check, llama_cpp_dir=llama_cpp, cache_dir=cache, kl_base_out=kl_base_out,

@@ -37,7 +37,6 @@ start and imports (numpy, gguf-py, llama_cpp: about half a second) overlap the c
 from __future__ import annotations
 
 import importlib
-import os
 import sys
 import tempfile
 import time
@@ -104,7 +103,9 @@ class DecodeRequest:
 
     @property
     def thread_count(self) -> int:
-        return self.threads or min(os.cpu_count() or 1, 8)
+        from ggufcarve.llama.tools import physical_cores
+
+        return self.threads or min(physical_cores(), 8)
 
     def to_json(self) -> dict[str, Any]:
         return {

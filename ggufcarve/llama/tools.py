@@ -121,6 +121,30 @@ def cpu_features(cpuinfo: Path | None = None) -> CpuFeatures:
     return CpuFeatures(machine, tuple(sorted(set(words))))
 
 
+def physical_cores() -> int:
+    """The physical cores this process may run on: llama.cpp's default thread count, since a
+    second hyper-thread of a core adds little to matrix products and slows the others down.
+
+    Counted from the kernel's topology (one core per distinct `core_cpus_list` among the CPUs of
+    this process's affinity); the CPU count where the topology is not readable."""
+    try:
+        allowed = sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        allowed = list(range(os.cpu_count() or 1))
+    cores = set()
+    for cpu in allowed:
+        topology = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
+        try:
+            siblings = (topology / "core_cpus_list").read_text().strip()
+        except OSError:
+            try:
+                siblings = (topology / "thread_siblings_list").read_text().strip()
+            except OSError:
+                return max(1, len(allowed))
+        cores.add(siblings)
+    return max(1, len(cores))
+
+
 def read_build_info(directory: Path) -> dict[str, object]:
     """A cache entry's build-info.json ({} when absent or unreadable)."""
     try:

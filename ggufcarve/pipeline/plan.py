@@ -23,6 +23,12 @@ evaluation, parsed into a validated `RunPlan` before anything touches disk.
 
     [evaluation]
     heldout = "heldout.txt"                  # reference: the unpruned source unless given
+    # top_k = 128                            # a small reference cache and an estimated KLD (default: every token, llama-perplexity's KLD)
+
+    [card]                                   # or card = false; each key defaults to the GGUF's general.* keys
+    base_model = "Qwen/Qwen3.6-35B-A3B"
+    license = "apache-2.0"                   # "other" also needs license_name and license_link
+    # model_name, repo_id
 
 Every key is checked (an unknown key is a typo, not something to ignore) and every file must exist;
 the errors are one line with a hint, like every other command's.
@@ -36,7 +42,6 @@ from pathlib import Path
 from typing import Any
 
 from ggufcarve.errors import BadInput
-from ggufcarve.shipped import shipped
 
 try:
     import tomllib
@@ -44,7 +49,6 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
 PLAN_HINT = "see plans/*.toml for complete examples"
-SPEC_DIRECTORY = shipped("ladders")
 
 
 @dataclass(frozen=True)
@@ -110,6 +114,7 @@ class RunPlan:
     ladder: LadderStep
     evaluation: EvaluationStep | None
     card: bool
+    card_settings: Any = None  # release.card.CardSettings of a [card] table; None: all from the GGUF's keys
     raw: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def to_json(self) -> dict[str, Any]:
@@ -126,7 +131,7 @@ class RunPlan:
                 "protect_super_experts": self.selection.protect_super_experts, "seed": self.selection.seed,
             },
             "ladder": {"spec": name(self.ladder.spec), "only": list(self.ladder.only), "quantizer": self.ladder.quantizer if self.ladder.quantizer in ("auto", "binary", "libllama") else name(Path(self.ladder.quantizer))},
-            "card": self.card,
+            "card": self.card_settings.to_json() if self.card_settings is not None else self.card,
         }
         if self.calibration is not None:
             doc["calibration"] = {"files": [p.name for p in self.calibration.files], "ctx": self.calibration.ctx, "max_tokens": self.calibration.max_tokens}
@@ -230,19 +235,6 @@ class _Table:
         return None if value is None else _Table(value, f"[{key}]", self.base)
 
 
-def find_spec(value: str, base: Path) -> Path:
-    """A ladder spec path, or a name of a spec shipped in ladders/ (with or without .toml)."""
-    given = Path(os.path.expanduser(value))
-    candidates = [given if given.is_absolute() else base / given]
-    if not given.is_absolute() and given.parent == Path("."):
-        candidates += [SPEC_DIRECTORY / given, SPEC_DIRECTORY / f"{value}.toml"]
-    for candidate in candidates:
-        if candidate.is_file():
-            return candidate
-    known = sorted(p.stem for p in SPEC_DIRECTORY.glob("*.toml")) if SPEC_DIRECTORY.is_dir() else []
-    raise BadInput(f"[ladder] spec = {value!r}: no such spec file", f"give a path relative to the plan, or one of: {', '.join(known) or '(no ladders/ directory beside this installation)'}")
-
-
 def parse_plan(doc: dict[str, Any], base: Path, path: Path | None = None) -> RunPlan:
     """Validate a plan document; relative paths are resolved against `base`."""
     from ggufcarve.moe.kept import ratio_problem
@@ -260,7 +252,7 @@ def parse_plan(doc: dict[str, Any], base: Path, path: Path | None = None) -> Run
     work = top._resolve("work", work_name, False) if work_name else output.with_name(output.name + ".work")
     name = top.string("name")
     threads = top.integer("threads", minimum=1)
-    card = top.boolean("card", True)
+    card, card_settings = _card(top)
 
     sel = top.table("selection") or _Table({}, "[selection]", base)
     method = sel.string("method")
@@ -321,7 +313,9 @@ def parse_plan(doc: dict[str, Any], base: Path, path: Path | None = None) -> Run
     spec_value = lad.string("spec")
     if spec_value is None:
         raise BadInput("[ladder]: no spec", "give spec = \"q8-to-iq1\" (or a path to a ladder TOML)")
-    ladder = LadderStep(find_spec(spec_value, base), tuple(r.upper() for r in lad.strings("only")), _quantizer(lad), lad.path("llama_cpp"))
+    from ggufcarve.quant.spec import find_spec
+
+    ladder = LadderStep(find_spec(spec_value, base, "[ladder] spec"), tuple(r.upper() for r in lad.strings("only")), _quantizer(lad), lad.path("llama_cpp"))
     _check_rungs(ladder.spec, ladder.only, "[ladder] only")
 
     ev_table = top.table("evaluation")
@@ -349,7 +343,17 @@ def parse_plan(doc: dict[str, Any], base: Path, path: Path | None = None) -> Run
     if work.resolve() == output.resolve():
         raise BadInput("plan: work and output are the same directory", "intermediates (the pruned source, imatrices) must not be published: give work another directory")
     return RunPlan(path, source, output, work, name, threads, SelectionStep(method, keep, ratio, keepset, protect, protect_super, seed, protect_file),
-                   calibration, imatrix, ladder, evaluation, card, raw=doc)
+                   calibration, imatrix, ladder, evaluation, card, card_settings, raw=doc)
+
+
+def _card(top: _Table) -> tuple[bool, Any]:
+    """`card = true | false`, or a [card] table of the card's settings (the card is written)."""
+    value = top._get("card")
+    if isinstance(value, dict):
+        from ggufcarve.release.card import CardSettings
+
+        return True, CardSettings.from_mapping(value)
+    return top.boolean("card", True), None
 
 
 QUANTIZER_CHOICES = ("auto", "binary", "libllama")

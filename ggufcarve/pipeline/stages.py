@@ -10,7 +10,6 @@ The calls are the ones the commands make: `select_to_file` (`ggufcarve select`),
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -469,9 +468,13 @@ def _card_stage(ctx: RunContext) -> Stage:
     plan = ctx.plan
 
     def work() -> tuple[list[Path], str]:
-        from ggufcarve.release.card import write_card
+        from ggufcarve.errors import OutputError
+        from ggufcarve.release.card import card_edited, write_card
 
-        path = write_card(plan.output, None, force=True)
+        if card_edited(plan.output) and not ctx.force:
+            raise OutputError(f"{plan.output / 'README.md'} was edited since ggufcarve wrote it, and this run would replace it",
+                              "keep the edit out of the run (card = false in the plan, then `ggufcarve card --record`), or run with --force to write the card again")
+        path = write_card(plan.output, None, force=True, settings=plan.card_settings)
         return [path], f"{path.name}"
 
     def publish() -> str:
@@ -483,7 +486,8 @@ def _card_stage(ctx: RunContext) -> Stage:
     def reads() -> list[Path]:
         return [*rung_files(plan.output), *published_files(plan.output / EVALUATION_DIR), *method_reports(plan.output, RUN_PLAN_NAME)]
 
-    return Stage("card", "the model card", plan.output, {}, (), ("README.md",), None, work, publish=publish, later_inputs=reads)
+    parameters = plan.card_settings.to_json() if plan.card_settings is not None else {}
+    return Stage("card", "the model card", plan.output, parameters, (), ("README.md",), None, work, publish=publish, later_inputs=reads)
 
 
 def shards(path: Path) -> list[Path]:
@@ -538,7 +542,11 @@ def _verify_stage(ctx: RunContext) -> Stage:
         from ggufcarve.release.verify import verify_dir
 
         _record_plan(ctx)
-        report = verify_dir(ctx.plan.output, workers=ctx.threads, on_event=ctx.sink)
+        plan = ctx.plan
+        # a whole release: every rung of the spec (unless the plan builds some only), and the
+        # evaluation and the card the plan makes
+        require = [part for part, wanted in (("rungs", not plan.ladder.only), ("evaluation", plan.evaluation is not None), ("card", plan.card)) if wanted]
+        report = verify_dir(plan.output, workers=ctx.threads, on_event=ctx.sink, require=require)
         if not report.ok:
             first = report.failures[0]
             raise VerificationFailed(f"verify {ctx.plan.output}: {len(report.failures)} failure(s), first {first.path}: {first.problem}", f"run `ggufcarve verify {ctx.plan.output}` for the list")
@@ -549,4 +557,6 @@ def _verify_stage(ctx: RunContext) -> Stage:
 
 
 def default_threads(plan: RunPlan) -> int:
-    return plan.threads or os.cpu_count() or 1
+    from ggufcarve.llama.tools import physical_cores
+
+    return plan.threads or physical_cores()
