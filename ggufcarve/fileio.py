@@ -521,8 +521,8 @@ def write_text_atomic(path: Path, text: str) -> None:
 
 
 def size_unit(n_bytes: float) -> tuple[str, int]:
-    """The unit sizes up to `n_bytes` read in: MiB below 1 GiB, GiB from 1 GiB."""
-    return ("GiB", 2**30) if n_bytes >= 2**30 else ("MiB", 2**20)
+    """The unit sizes up to `n_bytes` read in: GiB from 1 GiB, MiB from 1 MiB, KiB below."""
+    return ("GiB", 2**30) if n_bytes >= 2**30 else ("MiB", 2**20) if n_bytes >= 2**20 else ("KiB", 2**10)
 
 
 def format_size(n_bytes: float, unit: tuple[str, int] | None = None) -> str:

@@ -303,3 +303,4 @@ def test_sizes_take_the_unit_that_fits():
 
     assert format_size(15_213_856) == "14.5 MiB" and format_size(8_300_000) == "7.92 MiB" and format_size(512 * 2**20) == "512 MiB"
     assert format_size(17.28 * 2**30) == "17.28 GiB" and format_size(2**30) == "1.00 GiB"
+    assert format_size(3_200) == "3.12 KiB" and format_size(2**20) == "1.00 MiB"  # a card or a report is not "0.00 MiB"

@@ -64,10 +64,6 @@ def print_error(message: str, hint: str) -> None:
     err.print(f"[bold red]error:[/] {escape(message)}" + (f" [dim](hint: {escape(hint)})[/]" if hint else ""), soft_wrap=True, highlight=False)
 
 
-def gib(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB"
-
-
 def size(n: float, unit: tuple[str, int] | None = None) -> str:
     """A size as users read it: MiB under 1 GiB, GiB from 1 GiB (fileio.format_size), or in `unit`."""
     from ggufcarve.fileio import format_size

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from ggufcarve.cli.options import JsonOption, QuietOption
-from ggufcarve.cli.render import err, escape, new_table, out, progress, warn
+from ggufcarve.cli.render import err, escape, new_table, out, progress, size, warn
 
 if TYPE_CHECKING:
     from ggufcarve.pipeline.plan import RunPlan
@@ -24,12 +24,7 @@ if TYPE_CHECKING:
 
 
 def _size(n: int | None) -> str:
-    if n is None:
-        return "?"
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale // 10:
-            return f"{n / scale:.{3 if unit == 'GiB' else 1}f} {unit}"
-    return f"{n} B"
+    return "?" if n is None else size(n)
 
 
 def _preview_table(preview: RunPreview) -> None:
@@ -45,7 +40,7 @@ def _preview_table(preview: RunPreview) -> None:
     out.print(f"disk needed: about {_size(preview.bytes_needed)} in work and release ({free})", highlight=False, soft_wrap=True)
     if preview.reference_bytes:
         out.print(f"and up to {_size(preview.reference_bytes)} for the reference's log-probs (every token, as llama-perplexity keeps them; a plan's "
-                  "[evaluation] top_k = 128 keeps a small cache with an estimated KLD instead)", highlight=False, soft_wrap=True)
+                  "\\[evaluation] top_k = 128 keeps a small cache with an estimated KLD instead)", highlight=False, soft_wrap=True)
 
 
 def _result_tables(result: RunResult) -> None:
@@ -57,7 +52,9 @@ def _result_tables(result: RunResult) -> None:
     out.print(table)
     if result.evaluation:
         front = _pareto(result.evaluation)
-        unit, scale = ("GiB", 2**30) if max(r["model"]["bytes"] for r in result.evaluation) >= 2**30 else ("MiB", 2**20)
+        from ggufcarve.fileio import size_unit
+
+        unit, scale = size_unit(max(r["model"]["bytes"] for r in result.evaluation))
         quality = new_table(title="evaluation against the unpruned model, by size (* Pareto front by mean KLD)")
         for column in ("quant", "experts", unit, "PPL", "ΔPPL", "mean KLD", "same top p", "gate"):
             quality.add_column(column, justify="left" if column in ("model", "gate") else "right", overflow="fold")

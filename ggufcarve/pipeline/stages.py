@@ -17,6 +17,7 @@ from typing import Any
 
 from ggufcarve.errors import BadInput, ToolFailed
 from ggufcarve.events import Sink, ignore
+from ggufcarve.fileio import format_size
 from ggufcarve.pipeline.plan import EvaluationStep, RunPlan
 
 SELECTION_NAME = "expert-selection.json"
@@ -260,7 +261,7 @@ def _prune_stage(ctx: RunContext) -> Stage:
         ctx.warnings.extend(pruned_plan.warnings)
         result = execute(pruned_plan, ctx.model, force=True, on_event=ctx.sink)
         files = [f.path for f in pruned_plan.files]
-        return [*files, result.report_path], (f"{ctx.layout.expert_count} -> {keepset.kept_count} experts; {pruned_plan.bytes_in / 2**30:.3f} -> {pruned_plan.bytes_out / 2**30:.3f} GiB, "
+        return [*files, result.report_path], (f"{ctx.layout.expert_count} -> {keepset.kept_count} experts; {format_size(pruned_plan.bytes_in)} -> {format_size(pruned_plan.bytes_out)}, "
                                               f"{len(result.verification.tensors)} tensors verified")
 
     keepset_file = ctx.keepset_file()
@@ -354,7 +355,7 @@ def _ladder_stage(ctx: RunContext, sizes: bool) -> Stage:
         ctx.ladder_result = result
         built = [r for r in result.rungs if r.status == "built"]
         outputs = [plan.output / r.output for r in result.rungs if r.output and (plan.output / r.output).is_file()]
-        return outputs, f"{len(result.rungs)} rungs ({len(built)} built), {sum(r.bytes or 0 for r in result.rungs) / 2**30:.3f} GiB"
+        return outputs, f"{len(result.rungs)} rungs ({len(built)} built), {format_size(sum(r.bytes or 0 for r in result.rungs))}"
 
     def selection_record() -> list[Path]:  # published as method/expert-selection.json when it is beside the pruned source
         path = ctx.keepset_file()
