@@ -35,7 +35,14 @@ def test_demo_runs_end_to_end_and_resumes(tmp_path):
     results = [json.loads((release / n).read_text()) for n in names if n.startswith("evaluation/") and n.endswith(".json")]
     assert len(results) == 8  # six pruned rungs and two quants of the unpruned model
     assert {r["model"]["pruned"] for r in results} == {True, False}
-    assert ggufcarve("verify", release).code == 0
+    verified = ggufcarve("verify", release)
+    assert verified.code == 0
+    from test_card import hub_problems
+
+    front, problems = hub_problems(release)
+    assert problems == ["no base_model"], problems  # trained from scratch: no base model, and the card does not invent one
+    assert front["license"] == "mit"
+    assert "no base_model" in verified.stderr  # verify warns about it
     again = ggufcarve("demo", directory, "--json", "-q")
     assert again.code == 0, again.stderr[-2000:]
     assert [s["name"] for s in json.loads(again.stdout)["stages"] if s["status"] == "ran"] == ["verify"]
