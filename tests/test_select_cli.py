@@ -103,3 +103,29 @@ def test_imatrix_of_another_model_or_a_dat_is_refused(make_model, llama_tools, t
     result = ggufcarve("select", model, "--method", "imatrix-counts", "--imatrix", dat, "--keep", 4, "-o", out)
     assert_refused(result, "no per-expert routing counts", out)
     select(model, "--method", "imatrix-energy", "--imatrix", dat, "--keep", 4, "-o", out)
+
+
+@pytest.mark.slow
+def test_calibrating_commands_run_from_a_directory_holding_an_empty_ggufcarve_folder(tmp_path):
+    """A folder named ggufcarve in the working directory (the clone's parent, say) must not shadow
+    the installed package in the children (`python -m ggufcarve.llama.decode`): select and imatrix
+    collect trace through one. The command is started as the installed console script is, without
+    the working directory on sys.path."""
+    import os
+    import subprocess
+    import sys
+
+    from ggufcarve.demo import CALIBRATION, DEMO_MODEL
+
+    (tmp_path / "ggufcarve").mkdir()
+    env = {**os.environ, "COLUMNS": "200", "NO_COLOR": "1"}
+    env.pop("PYTHONPATH", None)
+    commands = (
+        ("select", DEMO_MODEL, "--method", "frequency", "--calibration", CALIBRATION, "--ctx", 256, "--max-tokens", 512, "--keep", 8, "-t", 2, "-o", "selection.json", "--no-heatmap", "-q"),
+        ("imatrix", "collect", DEMO_MODEL, "--calibration", CALIBRATION, "--ctx", 256, "--chunks", 2, "-t", 2, "-o", "demo.imatrix.gguf"),
+    )
+    for argv in commands:
+        done = subprocess.run([sys.executable, "-P", "-m", "ggufcarve", *map(str, argv)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads((tmp_path / "selection.json").read_text())["kept_count"] == 8
+    assert (tmp_path / "demo.imatrix.gguf").is_file()
