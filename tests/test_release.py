@@ -116,7 +116,9 @@ def test_published_files_hold_no_local_paths(spec, q8_moe, q8_moe_imatrix, llama
 
     local = {str(tmp_path_factory.getbasetemp()), str(tmp_path_factory.getbasetemp().resolve()), str(Path.home()) + "/"}
     published = [p for p in out.rglob("*") if p.is_file() and p.suffix != ".gguf" and not any(part.startswith(".") for part in p.relative_to(out).parts)]
-    assert {p.relative_to(out).as_posix() for p in published} == {"SHA256SUMS", "quant-manifest.json", "method/pruning-report.json", "method/imatrix-remap-report.json"}
+    # the plain keep-set the model was pruned with travels with it (prune keeps a copy in method/) and is published
+    assert {p.relative_to(out).as_posix() for p in published} == {"SHA256SUMS", "quant-manifest.json", "method/pruning-report.json", "method/imatrix-remap-report.json",
+                                                                  "method/keep-set.json"}
     fragments = list((out / ".ggufcarve-fragments").iterdir())
     assert [p.name for p in fragments] == ["Q4_K_M.json"]
     for path in [*published, *fragments, *(work / "method").iterdir()]:
