@@ -21,6 +21,17 @@ file, moe/keepset.py), as the pruned file's groups hold exactly the kept experts
 Top-k picks kept experts only while a block keeps at least n_expert_used, which every loadable
 keep-set does.
 
+Precision (tests/test_masking.py, against the pruned files in llama.cpp): bit-identical logits
+for sigmoid gating, softmax over the selected weights (gpt-oss) and, as measured, renormalised
+softmax (qwen3moe, qwen35moe); softmax gating sums exp() in SIMD lanes (ggml_vec_soft_max_f32),
+where the -inf entries regroup the sum, so its last bit may differ from the pruned file's:
+DeepSeek-V2 routing (softmax, no renormalisation, weights x16) differs by up to 1.5e-3 in the
+logits of an F16 fixture, less than decoding in another micro-batch size moves them.
+
+Architectures whose graph names no `ffn_moe_logits-N` node (or no `ffn_moe_probs_biased-N` where
+the block has a selection bias) cannot be masked: `masked_logits` checks the nodes it masked and
+raises UnsupportedModel (score the keep-set by pruning a file instead).
+
 The mask is an eval callback (ggml_backend_sched_eval_callback): the scheduler computes the graph
 up to an observed node, synchronises the backend, calls the callback with ask=False, then computes
 the nodes that depend on it (ggml_backend_sched_compute_splits in ggml/src/ggml-backend.cpp).
