@@ -9,7 +9,7 @@ whole process on a failed assert. Models load on the CPU (`n_gpu_layers = 0`) wi
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -45,8 +45,8 @@ class Engine:
     def close(self) -> None:
         self._llama.llama_model_free(self.model)
 
-    def context(self, n_ctx: int, n_seq: int = 1, n_batch: int | None = None) -> Context:
-        return Context(self, n_ctx, n_seq, n_batch)
+    def context(self, n_ctx: int, n_seq: int = 1, n_batch: int | None = None, eval_callback: Callable[[int, bool, object], bool] | None = None) -> Context:
+        return Context(self, n_ctx, n_seq, n_batch, eval_callback)
 
     def tokenize(self, text: bytes, add_special: bool = True, parse_special: bool = False) -> np.ndarray:
         """Token ids of `text` as llama.cpp's common_tokenize makes them (BOS added when the vocab adds one)."""
@@ -76,9 +76,13 @@ class Engine:
 
 
 class Context:
-    """`n_seq` sequences of `n_ctx` positions each (separate KV streams), decoded `n_batch` tokens at a time."""
+    """`n_seq` sequences of `n_ctx` positions each (separate KV streams), decoded `n_batch` tokens at a time.
 
-    def __init__(self, engine: Engine, n_ctx: int, n_seq: int = 1, n_batch: int | None = None) -> None:
+    `eval_callback`: the graph scheduler's ggml_backend_sched_eval_callback (tensor, ask, user
+    data) -> bool, e.g. a `ggufcarve.llama.masking.RoutingMask`; kept alive with the context."""
+
+    def __init__(self, engine: Engine, n_ctx: int, n_seq: int = 1, n_batch: int | None = None,
+                 eval_callback: Callable[[int, bool, object], bool] | None = None) -> None:
         llama_cpp = engine._llama
         self._llama = llama_cpp
         self.engine = engine
@@ -91,6 +95,11 @@ class Context:
         params.n_seq_max = n_seq
         params.n_threads = engine.threads
         params.n_threads_batch = engine.threads
+        self._callback = None
+        if eval_callback is not None:
+            self._callback = llama_cpp.ggml_backend_sched_eval_callback(eval_callback)
+            params.cb_eval = self._callback
+            params.cb_eval_user_data = None
         self.ctx = llama_cpp.llama_init_from_model(engine.model, params)
         if not self.ctx:
             raise EngineError(f"libllama could not create a context of {n_seq} x {n_ctx} tokens for {engine.path}")

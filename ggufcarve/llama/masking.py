@@ -1,0 +1,197 @@
+"""A keep-set scored without writing a file: the pruned experts taken out of llama.cpp's routing.
+
+    from ggufcarve.llama.masking import masked_logits
+    logits = masked_logits("model.gguf", tokens, keepset, context=256)   # [n_tokens, n_vocab]
+
+A pruned file routes among its kept experts only: a pruned expert is never selected and never
+part of a normalisation. The same graph on the unpruned model computes that when, per MoE block,
+the scores of the pruned experts are -inf where build_moe_ffn (src/llama-graph.cpp of the
+llama.cpp in llama-cpp-python 0.3.36) reads them:
+    ffn_moe_logits        router logits [n_expert, n_tokens]: every gating function maps -inf
+                          to a weight of 0 (softmax: exp(-inf) = 0, so the softmax normalises over
+                          the kept experts; sigmoid, sqrt(softplus): 0) and the router bias
+                          (ffn_moe_logits_biased) keeps it -inf;
+    ffn_moe_probs_biased  selection scores = probs + exp_probs_b (sigmoid gating with a selection
+                          bias): the bias is added after the gating function, so a pruned expert's
+                          score would be its bias; -inf again. The weights read the unbiased probs
+                          (ffn_moe_probs) of the selected experts only.
+Grouped routing (n_expert_groups > 1) then scores each group by the sum of its two best selection
+scores, among kept experts only when every group keeps at least two (the load rule of a pruned
+file, moe/keepset.py), as the pruned file's groups hold exactly the kept experts of each group.
+Top-k picks kept experts only while a block keeps at least n_expert_used, which every loadable
+keep-set does.
+
+Precision (tests/test_masking.py, against the pruned files in llama.cpp): bit-identical logits
+for sigmoid gating, softmax over the selected weights (gpt-oss) and, as measured, renormalised
+softmax (qwen3moe, qwen35moe); softmax gating sums exp() in SIMD lanes (ggml_vec_soft_max_f32),
+where the -inf entries regroup the sum, so its last bit may differ from the pruned file's:
+DeepSeek-V2 routing (softmax, no renormalisation, weights x16) differs by up to 1.5e-3 in the
+logits of an F16 fixture, less than decoding in another micro-batch size moves them.
+
+Architectures whose graph names no `ffn_moe_logits-N` node (or no `ffn_moe_probs_biased-N` where
+the block has a selection bias) cannot be masked: `masked_logits` checks the nodes it masked and
+raises UnsupportedModel (score the keep-set by pruning a file instead).
+
+The mask is an eval callback (ggml_backend_sched_eval_callback): the scheduler computes the graph
+up to an observed node, synchronises the backend, calls the callback with ask=False, then computes
+the nodes that depend on it (ggml_backend_sched_compute_splits in ggml/src/ggml-backend.cpp).
+On the CPU backend the node lies in a host buffer and is written in place. `RoutingMask` is a
+consumer of the decode pass (`ggufcarve.llama.decode`), placed first so that other consumers
+observe the masked graph; its keep-set can be replaced between decodes (`keep`), so one loaded
+model scores any number of keep-sets.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ggufcarve.errors import BadInput, UnsupportedModel
+from ggufcarve.events import Sink, ignore
+from ggufcarve.llama.calibration import Batching
+from ggufcarve.llama.decode import IDLE_TIMEOUT, ConsumerSpec, DecodeRequest, decode
+from ggufcarve.llama.ggml import libggml, tensor_at
+from ggufcarve.llama.trace import DEFAULT_BATCH, parse_node_name
+from ggufcarve.moe.keepset import KeepSet
+from ggufcarve.moe.layout import MoeLayout
+
+ROUTER_LOGITS = "ffn_moe_logits"
+SELECTION_SCORES = "ffn_moe_probs_biased"
+MASKED_NODES = frozenset({ROUTER_LOGITS, SELECTION_SCORES})
+F32 = 0  # enum ggml_type GGML_TYPE_F32
+
+
+@dataclass
+class RoutingMask:
+    """The eval callback that writes -inf into the routing scores of the experts a keep-set drops.
+
+    `keep`: block -> kept expert ids (blocks not listed are left alone); `masked` counts the
+    writes per "<node>:<block>". Never raises inside the callback: what went wrong is kept in
+    `errors` (the decode child stops on it)."""
+
+    keep: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    nodes: frozenset[str] = MASKED_NODES
+    masked: dict[str, int] = field(default_factory=dict)
+    errors: list[str] = field(default_factory=list)
+
+    def __call__(self, address: int, ask: bool, _user_data: object) -> bool:
+        try:
+            t = tensor_at(address)
+            parsed = parse_node_name(t.label)
+            if parsed is None or parsed[0] not in self.nodes or parsed[1] not in self.keep:
+                return not ask
+            if ask:
+                return True
+            self._mask(t, f"{parsed[0]}:{parsed[1]}", self.keep[parsed[1]])
+        except BaseException as err:
+            if len(self.errors) < 20:
+                self.errors.append(f"{type(err).__name__}: {err}")
+        return True
+
+    def _mask(self, t: Any, key: str, kept: Sequence[int]) -> None:
+        if int(t.type) != F32:
+            raise TypeError(f"{t.label!r} has ggml type {t.type}, not F32")
+        if not (t.buffer and libggml().ggml_backend_buffer_is_host(ctypes.c_void_p(t.buffer))):
+            raise TypeError(f"{t.label!r} is not in a host buffer: it cannot be written in place")
+        n_expert, n_tokens = int(t.ne[0]), int(t.ne[1])
+        if int(t.ne[2]) != 1 or int(t.ne[3]) != 1 or int(t.nb[0]) != 4:
+            raise ValueError(f"{t.label!r} has extents {list(t.ne)} and strides {list(t.nb)}, not [n_expert, n_tokens]")
+        if n_tokens == 0:
+            return
+        span = (n_tokens - 1) * int(t.nb[1]) + n_expert * 4
+        scores = np.ndarray((n_tokens, n_expert), dtype=np.float32, buffer=(ctypes.c_char * span).from_address(t.data), strides=(int(t.nb[1]), 4))
+        dropped = np.ones(n_expert, dtype=bool)
+        dropped[list(kept)] = False
+        scores[:, dropped] = -np.inf
+        self.masked[key] = self.masked.get(key, 0) + 1
+
+    def decoded(self) -> None:
+        """Nothing is kept between decode calls."""
+
+    def arrays(self) -> dict[str, Any]:
+        """How many times each node was masked: "<node>:<block>" -> count."""
+        return {key: np.asarray(count) for key, count in sorted(self.masked.items())}
+
+
+def routing_mask(_request: DecodeRequest, keep: Mapping[str, Sequence[int]], nodes: Sequence[str] = tuple(sorted(MASKED_NODES))) -> RoutingMask:
+    """The decode consumer (see the module docstring); `keep` as "block" -> kept ids (JSON keys);
+    `nodes`: the node names masked (both by default; fewer only to show what each one does)."""
+    unknown = sorted(set(nodes) - MASKED_NODES)
+    if unknown:
+        raise BadInput(f"cannot mask {', '.join(unknown)}", f"maskable nodes: {', '.join(sorted(MASKED_NODES))}")
+    return RoutingMask({int(block): tuple(int(i) for i in ids) for block, ids in keep.items()}, frozenset(nodes))
+
+
+def mask_spec(keepset: KeepSet, nodes: Sequence[str] = tuple(sorted(MASKED_NODES))) -> ConsumerSpec:
+    """The decode consumer that masks routing to `keepset`: put it first among the consumers."""
+    return ConsumerSpec("mask", "ggufcarve.llama.masking:routing_mask", {"keep": {str(b): list(ids) for b, ids in sorted(keepset.layers.items())}, "nodes": sorted(nodes)})
+
+
+@dataclass
+class MaskedLogits:
+    logits: np.ndarray  # [n_tokens, n_vocab] float32, decode order
+    masked: dict[str, int]  # "<node>:<block>" -> how many micro-batches it was masked in
+
+
+def masked_logits(
+    model: str | os.PathLike[str],
+    tokens: Sequence[int],
+    keepset: KeepSet,
+    *,
+    threads: int | None = None,
+    batch: int | None = None,
+    context: int | None = None,
+    timeout: float | None = None,
+    idle_timeout: float | None = IDLE_TIMEOUT,
+    verbose: bool = False,
+    on_event: Sink = ignore,
+    on_line: Callable[[str], None] | None = None,
+) -> MaskedLogits:
+    """The logits of `model` with the experts `keepset` drops taken out of routing: what the file
+    `ggufcarve prune --keep` writes computes on the same tokens, with no file written.
+
+    `keepset` must be one a pruned file can hold (moe.keepset.check_keepset: every MoE block, one
+    count, llama.cpp's load rules), BadInput otherwise. `context`: tokens per independently decoded
+    chunk (default: all of them, one sequence); `batch`: tokens per micro-batch (default 512, at
+    most `context`). ToolFailed (with the child's last lines) when the child fails."""
+    from ggufcarve.gguf.container import read_model
+    from ggufcarve.moe.keepset import check_keepset
+    from ggufcarve.moe.layout import inspect_layout
+
+    tokens = [int(t) for t in tokens]
+    if not tokens:
+        raise BadInput("no tokens to score", "give at least one token id")
+    if (context is not None and context < 1) or (batch is not None and batch < 1):
+        raise BadInput(f"context {context} / batch {batch}: both must be at least 1 token", "give positive sizes")
+    layout = inspect_layout(read_model(model))
+    check_keepset(keepset, layout)
+    context = min(context or len(tokens), len(tokens))
+    request = DecodeRequest(os.fspath(model), (mask_spec(keepset),), Batching.single(context, min(batch or DEFAULT_BATCH, context)),
+                            tokens=tuple(tokens), logits=True, threads=threads or 0, verbose=verbose)
+    result = decode(request, what=f"scoring a keep-set of {Path(model).name}", stage="mask", on_event=on_event, on_line=on_line, timeout=timeout, idle_timeout=idle_timeout)
+    masked = {key: int(count) for key, count in result.outputs["mask"].items()}
+    missing = [f"{node}-{block}" for node, block in required_nodes(layout, keepset) if f"{node}:{block}" not in masked]
+    if missing:
+        raise UnsupportedModel(f"{Path(model).name}: llama.cpp's graph of {layout.architecture} has no node {', '.join(missing[:4])} to mask",
+                               "score this keep-set by pruning a file (ggufcarve prune --keep) and evaluating it")
+    return MaskedLogits(result.logits, masked)
+
+
+def required_nodes(layout: MoeLayout, keepset: KeepSet) -> list[tuple[str, int]]:
+    """The (node, block) pairs a decode must mask for `keepset`: the router logits of every block
+    llama.cpp's decode graph runs (not MTP blocks) that drops an expert, and the selection scores
+    where the block has a selection bias."""
+    needed = []
+    for layer in layout.layers:
+        if layer.is_mtp or len(keepset.layers.get(layer.block, ())) >= layout.expert_count:
+            continue
+        needed.append((ROUTER_LOGITS, layer.block))
+        if any(t.role == "selection bias" for t in layer.tensors):
+            needed.append((SELECTION_SCORES, layer.block))
+    return needed
