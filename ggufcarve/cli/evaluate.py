@@ -78,6 +78,8 @@ def eval_command(
         if r.get("cross_check"):
             c = r["cross_check"]
             line += f"; llama-perplexity PPL {c['ppl']:.4f} ({'agrees' if c['ppl_agrees'] else 'DIFFERS'})"
+            if isinstance(c.get("kld_mode"), dict) and c["kld_mode"].get("kld_mean") is not None:
+                line += f", mean KLD {c['kld_mode']['kld_mean']:.6f}"
         out.print(line + f" — {r['gate'] or 'no gate'}" + (f" ({'; '.join(r['gate_failed'])})" if r.get("gate_failed") else ""), highlight=False, soft_wrap=True)
     err.print(f"wrote {len(run.files)} files to {output} (reference {run.reference.label}{', cached log-probs' if run.reference.cached else ''})", highlight=False)
     if evaluated.records:
