@@ -390,3 +390,56 @@ def test_one_pass_criteria_equal_numpy_from_llama_cpps_captured_ffn_moe_down(arc
             ours = stats.blocks(method)[block].score()
             assert np.ptp(values) > 0, method
             np.testing.assert_allclose(ours, values, rtol=2e-5, atol=1e-6 * values.max(), err_msg=f"blk.{block} {method}")
+
+
+def spearman(a, b):
+    """Spearman's rank correlation (the scores here have no ties among routed experts)."""
+    ra, rb = (np.argsort(np.argsort(x, kind="stable")).astype(np.float64) for x in (a, b))
+    return float(np.corrcoef(ra, rb)[0, 1])
+
+
+# measured: the demo model (ctx 256, the first 16 chunks of its calibration text) per-block Spearman
+# 0.971, 0.950, 0.929, 0.888 (mean 0.935; all 60 chunks: 0.93, 0.89, 0.89, 0.92, mean 0.91);
+# q8_moe (8 random experts, top-2, 4 chunks of 128) 1.0, 0.952 (mean 0.976)
+IMATRIX_MSAN_FLOOR = {"demo": 0.85, "q8_moe": 0.8}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["demo", "q8_moe"])
+def test_imatrix_msan_is_gguf_pys_formula_and_ranks_like_the_traced_msan(case, q8_moe, q8_moe_imatrix, llama_tools, tmp_path, capsys):
+    """imatrix-msan equals sum_c in_sum2/counts x ||W_down[:, c]||^2 computed from gguf-py's reads of
+    llama-imatrix's file and the model; its per-block rank correlation with the traced msan (same
+    text, same --ctx, same chunks) is printed and held to the floor measured."""
+    import gguf
+
+    from ggufcarve.demo import CALIBRATION, DEMO_MODEL
+
+    if case == "demo":
+        model, text, ctx, chunks = DEMO_MODEL, CALIBRATION, 256, 16
+        imatrix = tmp_path / "demo.imatrix.gguf"
+        proc = subprocess.run([str(llama_tools / "llama-imatrix"), "-m", str(model), "-f", str(text), "-o", str(imatrix), "-c", str(ctx),
+                               "--chunks", str(chunks), "-t", "2", "--no-repack"], capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    else:
+        model, imatrix, ctx, chunks = q8_moe, q8_moe_imatrix, 128, 4
+        text = q8_moe_imatrix.parent / "calibration.txt"  # the text conftest.make_imatrix gave llama-imatrix
+    loaded = read_model(model)
+    layout = inspect_layout(loaded)
+    estimate = score_model(loaded, layout, "imatrix-msan", imatrix=imatrix)
+    traced = score_model(loaded, layout, "msan", calibration=[text], ctx=ctx, max_tokens=chunks * ctx, threads=2)
+    entries = {t.name: np.asarray(t.data, dtype=np.float64) for t in GGUFReader(imatrix).tensors}
+    weights = {t.name: t for t in GGUFReader(model).tensors}
+    correlations = []
+    for block in layout.blocks:
+        if layout.is_mtp(block):
+            continue
+        down = weights[f"blk.{block}.ffn_down_exps.weight"]
+        w = gguf.quants.dequantize(down.data, down.tensor_type).astype(np.float64)  # [expert, n_embd, n_ff]
+        in_sum2 = entries[f"blk.{block}.ffn_down_exps.weight.in_sum2"].reshape(layout.expert_count, -1)
+        counts = entries[f"blk.{block}.ffn_down_exps.weight.counts"].reshape(-1)
+        expected = np.where(counts > 0, (in_sum2 * (w**2).sum(axis=1)).sum(axis=1) / np.maximum(counts, 1), 0.0)
+        np.testing.assert_allclose(estimate.blocks[block].score(), expected, rtol=1e-6)
+        correlations.append(spearman(estimate.blocks[block].score(), traced.blocks[block].score()))
+    with capsys.disabled():
+        print(f"\nimatrix-msan vs traced msan, {case}: Spearman per block {[round(r, 3) for r in correlations]}, mean {np.mean(correlations):.3f}")
+    assert np.mean(correlations) >= IMATRIX_MSAN_FLOOR[case]

@@ -27,7 +27,8 @@ One pass fills several criteria (`filled_by`): a frequency pass captures ffn_moe
 other pass captures ffn_moe_down and the weights and fills frequency, ean, ean-sum, msan, mone and
 reap together (razor's pass adds razor). All fold per micro-batch from the float32 capture: the
 per-(t, j) norms and squared norms in float32, summed per expert in float64; mone's Σ f per expert
-as float32 sums over the micro-batch's rows grouped by expert (no float64 copy of ffn_moe_down).
+as float32 sums of each expert's rows of the micro-batch, added to a float64 [E, n_embd]
+accumulator (no float64 copy of ffn_moe_down).
 
 MoNE (arXiv 2507.00390) ranks by access frequency and output variance, f being the expert's own
 output before the router weight (its novice replaces that output): here "frequency" is the count
@@ -161,10 +162,7 @@ class TraceStatistics:
         np.maximum.at(self._zeros(self.maxima, block), flat, np.maximum(outputs.max(axis=-1), -outputs.min(axis=-1)).reshape(-1))
         self._zeros(self.norms, block)[:] += np.bincount(flat, weights=norms.reshape(-1), minlength=n)
         self._zeros(self.squares, block)[:] += np.bincount(flat, weights=squares.reshape(-1).astype(np.float64), minlength=n)
-        order = np.argsort(flat, kind="stable")
-        experts, starts = np.unique(flat[order], return_index=True)
-        rows = outputs.reshape(-1, outputs.shape[-1])[order]  # float32, grouped by expert
-        self._zeros(self.outputs, block, outputs.shape[-1])[experts] += np.add.reduceat(rows, starts, axis=0)
+        self._add_output_sums(block, flat, outputs.reshape(-1, outputs.shape[-1]))
         if not any(name in nodes for name in WEIGHT_NODES):
             return
         weights, scale = applied_weights(nodes)
@@ -174,6 +172,17 @@ class TraceStatistics:
         deltas = self.razor_deltas(block, nodes, topk, outputs, weights, scale).reshape(-1)
         self._zeros(self.deltas, block)[:] += np.bincount(flat, weights=deltas, minlength=n)
         self._zeros(self.deltas_sq, block)[:] += np.bincount(flat, weights=deltas**2, minlength=n)
+
+    def _add_output_sums(self, block: int, flat: np.ndarray, rows: np.ndarray) -> None:
+        """Σ f per expert: float32 sums of each expert's rows of this micro-batch (a few rows
+        gathered at a time: np.add.reduceat over the rows, or a gather of all of them, is several
+        times slower), added to the float64 accumulator."""
+        order = np.argsort(flat, kind="stable")
+        experts, starts = np.unique(flat[order], return_index=True)
+        sums = np.empty((len(experts), rows.shape[1]), np.float32)
+        for i, (start, end) in enumerate(zip(starts, [*starts[1:], len(order)])):
+            np.add.reduce(rows[order[start:end]], axis=0, out=sums[i])
+        self._zeros(self.outputs, block, rows.shape[1])[experts] += sums
 
     def razor_deltas(self, block: int, nodes: dict[str, np.ndarray], topk: np.ndarray, outputs: np.ndarray, weights: np.ndarray, scale: float) -> np.ndarray:
         """δ [T, k] (float64) of every selected (token, slot); the [T, k, n_embd] terms in float32."""

@@ -30,7 +30,7 @@ METHODS: dict[str, Method] = {
         Method("random", "model", "seeded uniform scores (a baseline)"),
         Method("imatrix-counts", "imatrix", "routed (token, slot) counts an imatrix recorded per expert"),
         Method("imatrix-energy", "imatrix", "mean ||h||^2 of the tokens routed to each expert, from ffn_down_exps in_sum2"),
-        Method("imatrix-msan", "imatrix", "msan estimated from an imatrix, no pass: sum_c E[h_c^2] ||W_down[:, c]||^2 (diagonal of E[hh^T] only; IMATRIX_MSAN_TRUST)"),
+        Method("imatrix-msan", "imatrix", "msan estimated from an imatrix, no pass: sum_c E[h_c^2] ||W_down[:, c]||^2; ranks like the traced msan to Spearman 0.89-0.97 per block (mean 0.91-0.94) on the demo model: a ranking aid, not a measurement"),
         Method("frequency", "calibration", "routed (token, slot) counts in llama.cpp's own routing of the calibration text"),
         Method("ean", "calibration", "mean ||f_e(x)|| over the tokens routed to e (expert output norm)"),
         Method("ean-sum", "calibration", "sum of ||f_e(x)|| over the tokens routed to e (REAP's EAN sum form: frequency x ean)"),
