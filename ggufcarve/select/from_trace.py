@@ -33,7 +33,10 @@ accumulator (no float64 copy of ffn_moe_down).
 MoNE (arXiv 2507.00390) ranks by access frequency and output variance, f being the expert's own
 output before the router weight (its novice replaces that output): here "frequency" is the count
 n_e of routed (token, slot) pairs (its share n_e / (T k) differs by one constant per block, so the
-order is the same) and the variance the biased E||f - mu_e||^2 over the n_e outputs.
+order is the same) and the variance the biased E||f - mu_e||^2 over the n_e outputs. The paper's
+output variance phi_var is sqrt(sum_d of the unbiased (n_e - 1) variance of dimension d), which
+orders experts as E||f - mu_e||^2 does up to n_e / (n_e - 1); count x phi_var would order them
+differently from count x E||f - mu_e||^2, the product scored here.
 
 In the decode pass (`ggufcarve.llama.decode`) the criterion is the consumer `statistics`: a
 `GraphTracer` copies the nodes it reads, and `BlockFolder` folds each block's copies into the
