@@ -352,3 +352,15 @@ def test_the_card_takes_the_plans_card_table_and_an_edited_card_is_never_overwri
     front = card.read_text().split("---")[1]
     assert 'base_model: "Qwen/Qwen3-30B-A3B"' in front and 'license: "apache-2.0"' in front
     assert ggufcarve("verify", directory / "release").code == 0
+
+
+def test_plans_take_the_one_pass_criteria_and_imatrix_msan(q8_moe, tmp_path):
+    from ggufcarve.pipeline.plan import load_plan
+    from ggufcarve.pipeline.stages import one_pass, traces
+
+    for method in ("ean-sum", "msan", "mone", "imatrix-msan"):
+        plan = _plan(tmp_path / method, q8_moe)
+        plan.write_text(plan.read_text().replace('method = "frequency"', f'method = "{method}"'))
+        parsed = load_plan(plan)
+        assert parsed.selection.method == method
+        assert traces(parsed) == one_pass(parsed) == (method != "imatrix-msan"), method

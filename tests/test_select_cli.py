@@ -35,9 +35,9 @@ def test_every_method_selects_a_keep_set_llama_cpp_loads(arch, make_model, llama
     imatrix = make_imatrix(llama_tools, model, tmp_path, chunks=2)
     text = tmp_path / "calibration.txt"  # make_imatrix's text, traced in two chunks of 64 tokens
     k = K.get(arch, 4)
-    for method in ("weights", "router-norm", "random", "imatrix-counts", "imatrix-energy", "frequency", "ean", "reap", "razor"):
+    for method in ("weights", "router-norm", "random", "imatrix-counts", "imatrix-energy", "imatrix-msan", "frequency", "ean", "mone", "reap", "razor"):
         extra = ["--imatrix", imatrix] if method.startswith("imatrix") else []
-        if method in ("frequency", "ean", "reap", "razor"):
+        if method in ("frequency", "ean", "mone", "reap", "razor"):
             extra = ["--calibration", text, "--ctx", 64, "--max-tokens", 128, "-t", 2]
         selection = tmp_path / f"{method}.json"
         select(model, "--method", method, "--keep", k, *extra, "-o", selection)
@@ -53,6 +53,39 @@ def test_every_method_selects_a_keep_set_llama_cpp_loads(arch, make_model, llama
             assert all("routed" in e for e in record["per_block"].values() if not e["mtp"])
             assert record["inputs"][0]["name"] == imatrix.name and len(record["inputs"][0]["sha256"]) == 64
         prune_and_load(model, selection, tmp_path / method / "pruned.gguf")
+
+
+@pytest.mark.slow
+def test_one_pass_criteria_through_score_select_and_merge(make_model, tmp_path):
+    """ean-sum, msan and mone as `score` and `select` take them: the record names the pass and the
+    statistics it filled, each criterion's scores equal those another criterion's pass filled, and
+    shards merge (ean-sum adds; mone's output sums add)."""
+    model = make_model("gpt-oss", "F16")  # down biases: added to ffn_moe_down before every statistic
+    text = tmp_path / "calibration.txt"
+    text.write_text(" ".join(["experts route tokens through layers of matrices"] * 60))
+    trace = ["--calibration", text, "--ctx", 64, "--max-tokens", 128, "-t", 2]
+    for method in ("ean-sum", "msan", "mone"):
+        assert ggufcarve("score", model, "--method", method, *trace, "-o", tmp_path / f"{method}.json", "-q").code == 0
+    docs = {m: json.loads((tmp_path / f"{m}.json").read_text()) for m in ("ean-sum", "msan", "mone")}
+    for method, doc in docs.items():
+        assert doc["method"] == method
+        assert doc["parameters"]["pass"] == {"decode": "calibration", "consumer": "statistics", "asked": method,
+                                             "statistics": ["frequency", "ean", "ean-sum", "msan", "mone", "reap"]}
+    # the msan pass and the mone pass fill the same Σ||f||²: one decode, every statistic
+    assert docs["msan"]["blocks"]["0"]["sums_sq"] == docs["mone"]["blocks"]["0"]["sums_sq"]
+    from gguf import GGUFReader
+
+    n_embd = next(int(t.shape[0]) for t in GGUFReader(model).tensors if t.name == "token_embd.weight")
+    assert np.asarray(docs["mone"]["blocks"]["0"]["output_sums"]).shape == (len(docs["mone"]["blocks"]["0"]["counts"]), n_embd)
+    merged = tmp_path / "merged.json"
+    assert ggufcarve("score", "--merge", tmp_path / "ean-sum.json", tmp_path / "ean-sum.json", "-o", merged, "-q").code == 0
+    np.testing.assert_allclose(json.loads(merged.read_text())["blocks"]["0"]["sums"], 2 * np.asarray(docs["ean-sum"]["blocks"]["0"]["sums"]))
+    select(model, "--method", "msan", "--keep", 4, *trace, "--protect-super-experts", "-o", tmp_path / "msan-sel.json", "--no-heatmap")
+    record = json.loads((tmp_path / "msan-sel.json").read_text())
+    assert record["parameters"]["pass"]["asked"] == "msan" and record["per_block"]["0"]["statistic"] == "mean_square"
+    select(tmp_path / "mone.json", "--keep", 4, "-o", tmp_path / "mone-sel.json", "--no-heatmap")
+    mone = np.asarray(json.loads((tmp_path / "mone-sel.json").read_text())["per_block"]["0"]["score"])
+    assert json.loads((tmp_path / "mone-sel.json").read_text())["per_block"]["0"]["retained"] == sorted(np.argsort(-mone, kind="stable")[:4].tolist())
 
 
 def test_score_then_select_and_merge(make_model, tmp_path):

@@ -4,8 +4,9 @@ and the importance matrix of the same run.
 `calibrate` runs one decode pass (`ggufcarve.llama.decode`) over the calibration documents,
 tokenized, chunked and batched exactly as llama-imatrix does (`ggufcarve.llama.calibration`), in
 the child a command started ahead (`ggufcarve.select.prestart`) or a new one. Its consumers:
-  * the selection criterion (`ggufcarve.select.from_trace.statistics`): the MoE nodes it reads,
-    folded block by block into mergeable per-expert statistics;
+  * the selection criteria (`ggufcarve.select.from_trace.statistics`): the MoE nodes they read,
+    folded block by block into mergeable per-expert statistics of every criterion the pass fills
+    (`calibrate_all` returns them all; `calibrate` the one asked for);
   * with `imatrix_out`, the importance matrix (`ggufcarve.imatrix.collect.IMATRIX_CONSUMER`):
     llama-imatrix's statistics of every MUL_MAT / MUL_MAT_ID of a blk.* weight, written as
     llama-imatrix would write them from the same text and --ctx.
@@ -29,7 +30,7 @@ from ggufcarve.gguf.container import GGUFModel
 from ggufcarve.llama.calibration import Batching, check_chunking, read_calibration
 from ggufcarve.llama.decode import DecodeRequest, decode
 from ggufcarve.moe.layout import MoeLayout
-from ggufcarve.select.from_trace import statistics_consumer
+from ggufcarve.select.from_trace import TraceStatistics, statistics_consumer
 from ggufcarve.select.prestart import TRACE_METHODS
 from ggufcarve.select.scores import BlockStats, ExpertScores, ModelFacts
 
@@ -37,7 +38,13 @@ DEFAULT_CTX = 512
 MTP_NOTE = "MTP block: llama.cpp's decode graph does not run it; scored by the weights rule"
 
 
-def calibrate(
+def calibrate(model: GGUFModel, layout: MoeLayout, method: str, files: Sequence[Path], **options: Any) -> ExpertScores:
+    """Trace the calibration files through llama.cpp and score every expert with `method` (the
+    options of `calibrate_all`)."""
+    return calibrate_all(model, layout, method, files, **options)[method]
+
+
+def calibrate_all(
     model: GGUFModel,
     layout: MoeLayout,
     method: str,
@@ -49,8 +56,10 @@ def calibrate(
     imatrix_out: Path | None = None,
     force: bool = False,
     on_event: Sink = ignore,
-) -> ExpertScores:
-    """Trace the calibration files through llama.cpp and score every expert with `method`.
+) -> dict[str, ExpertScores]:
+    """One decode pass over the calibration files: the scores of every criterion it fills
+    (`from_trace.filled_by(method)`), by criterion name. Each record's parameters name the pass
+    ("pass": the decode consumer, the criterion it was asked for and every criterion it filled).
 
     With `imatrix_out`, the same decode also collects the model's importance matrix, written
     there as llama-imatrix would write it from the same text and --ctx (refused if it exists,
@@ -81,23 +90,23 @@ def calibrate(
 
         write_collected(run.outputs[IMATRIX_CONSUMER.name], [f.path.name for f in calibration], ctx, Path(imatrix_out), tokens=run.tokens,
                         seconds=run.seconds, force=force, sources=list(model.paths), on_event=on_event)
-    statistics = run.outputs["statistics"]
-    per_block: dict[int, dict[str, Any]] = {}
-    for key, values in statistics.items():
-        name, _, block = key.partition(":")
-        if block.isdigit():
-            per_block.setdefault(int(block), {})[name] = values
-    blocks = {block: BlockStats(method, str(statistics["statistic"]), **per_block[block]) for block in layout.blocks if block in per_block}
-    untraced = [b for b in layout.blocks if b not in blocks]
+    statistics = TraceStatistics.from_arrays(run.outputs["statistics"], layout.expert_count)
+    traced = [b for b in layout.blocks if b in statistics.counts]
+    untraced = [b for b in layout.blocks if b not in traced]
     missing = [b for b in untraced if not layout.is_mtp(b)]
     if missing:
         raise ToolFailed(f"the trace of {model.path.name} has no MoE nodes for block(s) {missing}", "the llama.cpp graph of this architecture does not go through build_moe_ffn")
-    parameters: dict[str, Any] = {"ctx": ctx, "max_tokens": max_tokens, "micro_batch": batching.micro_batch, "sequences": batching.sequences, "chunks": run.chunks}
+    parameters: dict[str, Any] = {"ctx": ctx, "max_tokens": max_tokens, "micro_batch": batching.micro_batch, "sequences": batching.sequences, "chunks": run.chunks,
+                                  "pass": {"decode": "calibration", "consumer": "statistics", "asked": method, "statistics": list(statistics.filled)}}
+    extra: dict[int, BlockStats] = {}
     if untraced:
         extra, rules = weights_stats(model, layout, untraced, on_event, note=MTP_NOTE)
-        blocks.update(extra)
         parameters["scale_rules"] = rules
     inputs = tuple(f.record(n) for f, n in zip(calibration, run.file_tokens))
-    scores = ExpertScores(method, ModelFacts.of(model, layout), blocks, parameters, inputs, run.tokens)
-    scores.check()
-    return scores
+    facts = ModelFacts.of(model, layout)
+    out: dict[str, ExpertScores] = {}
+    for name in statistics.filled:
+        scores = ExpertScores(name, facts, {**statistics.blocks(name), **extra}, parameters, inputs, run.tokens)
+        scores.check()
+        out[name] = scores
+    return out

@@ -7,6 +7,10 @@ activation h, so sum_j in_sum2[e, j] / counts[e] is the mean of ||h||^2 over the
 
 imatrix-counts:  counts of the block's ffn_down_exps (gate/up carry the same counts)
 imatrix-energy:  sum_j in_sum2[e, j] / counts[e] of ffn_down_exps (0 for never-routed experts)
+imatrix-msan:    sum_j in_sum2[e, j] / counts[e] x ||W_down[e][:, j]||^2, W_down dequantized by
+                 gguf-py (x the per-expert down scale where the file has one): the mean of
+                 ||W_down h||^2 = ||f_e||^2 if the channels of h were uncorrelated, i.e. msan
+                 without the off-diagonal terms of E[h h^T] (and without a down bias)
 
 A legacy .dat imatrix stores (sum / count_e) * ncall per value (1 * ncall for a never-routed
 expert) and no per-expert counts, so imatrix-counts refuses it; imatrix-energy reads it as
@@ -21,6 +25,7 @@ import numpy as np
 from ggufcarve.errors import BadInput
 from ggufcarve.events import Sink, ignore
 from ggufcarve.gguf.container import GGUFModel
+from ggufcarve.gguf.tensors import expert_values, tensor_values
 from ggufcarve.imatrix.check import check_against_model, raise_problems
 from ggufcarve.imatrix.formats import Imatrix, lround
 from ggufcarve.moe.layout import DOWN_EXPS, MoeLayout, block_tensor
@@ -31,7 +36,7 @@ MTP_NOTE = "MTP block: the imatrix has no entries for it (llama-imatrix never ru
 
 
 def imatrix_stats(model: GGUFModel, layout: MoeLayout, imatrix: Imatrix, method: str, on_event: Sink = ignore) -> tuple[dict[int, BlockStats], dict[str, str]]:
-    """Per block statistics of `method` ("imatrix-counts" or "imatrix-energy"); rules of any weights fallback."""
+    """Per block statistics of `method` ("imatrix-counts", "imatrix-energy" or "imatrix-msan"); rules of any weights fallback."""
     name = imatrix.path.name if imatrix.path else "the imatrix"
     if imatrix.format == "dat" and method == "imatrix-counts":
         raise BadInput(
@@ -54,6 +59,10 @@ def imatrix_stats(model: GGUFModel, layout: MoeLayout, imatrix: Imatrix, method:
             stored = entry.sums().reshape(layout.expert_count, -1).astype(np.float64)
             ncall = max(entry.ncall or 1, 1)
             never_routed = (stored == ncall).all(axis=1)  # llama-imatrix's placeholder: 1.0 * ncall per value
+            if method == "imatrix-msan":
+                energy = np.where(never_routed, 0.0, (stored * column_norms(model, layout, block)).sum(axis=1) / ncall)
+                stats[block] = BlockStats(method, "value", sums=energy, note="legacy .dat: sum_j (value / ncall) ||W_down[:, j]||^2; experts holding only the never-routed placeholder score 0")
+                continue
             energy = np.where(never_routed, 0.0, stored.sum(axis=1) / ncall)
             stats[block] = BlockStats(method, "value", sums=energy, note="legacy .dat: sum_j (value / ncall); experts holding only the never-routed placeholder score 0")
             continue
@@ -62,6 +71,9 @@ def imatrix_stats(model: GGUFModel, layout: MoeLayout, imatrix: Imatrix, method:
         counts = lround(entry.counts)
         if method == "imatrix-counts":
             stats[block] = BlockStats(method, "count", counts=counts)
+        elif method == "imatrix-msan":
+            sums = entry.sums().reshape(layout.expert_count, -1).astype(np.float64)
+            stats[block] = BlockStats(method, "mean_square", counts=counts, sums_sq=(sums * column_norms(model, layout, block)).sum(axis=1))
         else:
             stats[block] = BlockStats(method, "mean_square", counts=counts, sums_sq=entry.sums().astype(np.float64).sum(axis=1))
     rules: dict[str, str] = {}
@@ -69,3 +81,19 @@ def imatrix_stats(model: GGUFModel, layout: MoeLayout, imatrix: Imatrix, method:
         extra, rules = weights_stats(model, layout, fallback, on_event, note=MTP_NOTE)
         stats.update(extra)
     return stats, rules
+
+
+def column_norms(model: GGUFModel, layout: MoeLayout, block: int) -> np.ndarray:
+    """float64 [n_expert, n_ff]: ||W_down[e][:, j]||^2, the squared norm of the output each unit of
+    h adds, times the square of the expert's down scale where the file has one."""
+    name = block_tensor(block, DOWN_EXPS)
+    scale_name = block_tensor(block, DOWN_EXPS, "scale")
+    scales = tensor_values(model, scale_name).astype(np.float64).reshape(layout.expert_count, -1) if scale_name in model.tensor_index else None
+    out = []
+    for expert in range(layout.expert_count):
+        w = expert_values(model, name, expert).astype(np.float64)  # [n_embd, n_ff]
+        if scales is not None:
+            s = scales[expert]
+            w = w * (s[:, None] if s.size == w.shape[0] else s[0])
+        out.append(np.einsum("ij,ij->j", w, w))
+    return np.asarray(out)

@@ -9,6 +9,10 @@ ffn_moe_weights_norm, ffn_moe_weights_softmax, ffn_moe_weights present in the gr
 
     frequency  count of (t, j) per expert                                  statistic "count"
     ean        mean over routed (t, j) of ||f||                            statistic "mean"
+    ean-sum    sum over routed (t, j) of ||f|| (REAP's EAN sum form)       statistic "sum"
+    msan       mean over routed (t, j) of ||f||^2                          statistic "mean_square"
+    mone       n_e x mean over routed (t, j) of ||f - mu_e||^2             statistic "mone"
+               (n_e the routed count, mu_e the mean of e's outputs)
     reap       mean over routed (t, j) of g_tj ||f||, g the applied weight  statistic "mean"
     razor      conditional RMS over routed (t, j) of                       statistic "rms"
                δ = λ ||w_j r_j - w_r r_r|| / max(1 - w_j + w_r, 1e-6)
@@ -19,11 +23,26 @@ ffn_moe_logits), r_r = f_r - c, w_r = p_r / Σ_j p_Sj with p = ffn_moe_probs (fo
 gating, where ffn_moe_probs holds the logits, p = their softmax over all experts).
 Every criterion also records the largest |f| element per expert (REAP's max activation).
 
+One pass fills several criteria (`filled_by`): a frequency pass captures ffn_moe_topk only; any
+other pass captures ffn_moe_down and the weights and fills frequency, ean, ean-sum, msan, mone and
+reap together (razor's pass adds razor). All fold per micro-batch from the float32 capture: the
+per-(t, j) norms and squared norms in float32, summed per expert in float64; mone's Σ f per expert
+as float32 sums of each expert's rows of the micro-batch, added to a float64 [E, n_embd]
+accumulator (no float64 copy of ffn_moe_down).
+
+MoNE (arXiv 2507.00390) ranks by access frequency and output variance, f being the expert's own
+output before the router weight (its novice replaces that output): here "frequency" is the count
+n_e of routed (token, slot) pairs (its share n_e / (T k) differs by one constant per block, so the
+order is the same) and the variance the biased E||f - mu_e||^2 over the n_e outputs. The paper's
+output variance phi_var is sqrt(sum_d of the unbiased (n_e - 1) variance of dimension d), which
+orders experts as E||f - mu_e||^2 does up to n_e / (n_e - 1); count x phi_var would order them
+differently from count x E||f - mu_e||^2, the product scored here.
+
 In the decode pass (`ggufcarve.llama.decode`) the criterion is the consumer `statistics`: a
 `GraphTracer` copies the nodes it reads, and `BlockFolder` folds each block's copies into the
 `TraceStatistics` once the graph moves on to the next block, so that memory holds one block of one
 micro-batch (razor: up to HELD_BYTES across the micro-batches of one decode call, for larger
-products). Its arrays are "statistic" and "<counts|sums|sums_sq|maxima>:<block>".
+products). Its arrays are "method" and "<accumulator>:<block>" (`TraceStatistics.from_arrays`).
 """
 
 from __future__ import annotations
@@ -40,7 +59,11 @@ from ggufcarve.llama.trace import GraphTracer, parse_node_name
 from ggufcarve.select.experts import ExpertEvaluator
 from ggufcarve.select.scores import BlockStats
 
-STATISTIC = {"frequency": "count", "ean": "mean", "reap": "mean", "razor": "rms"}
+STATISTIC = {"frequency": "count", "ean": "mean", "ean-sum": "sum", "msan": "mean_square", "mone": "mone", "reap": "mean", "razor": "rms"}
+# what one pass fills besides the criterion asked for: everything ffn_moe_down and the weights give
+# (frequency alone captures only ffn_moe_topk, the cheapest pass)
+OUTPUT_METHODS = ("frequency", "ean", "ean-sum", "msan", "mone", "reap")
+ACCUMULATORS = ("counts", "norms", "squares", "gated", "outputs", "deltas", "deltas_sq", "maxima")
 WEIGHT_NODES = ("ffn_moe_weights_scaled", "ffn_moe_weights_norm", "ffn_moe_weights_softmax", "ffn_moe_weights")
 DELTA_FLOOR = 1e-6
 # captures a batched criterion (razor) holds across micro-batches, over all blocks: its refill
@@ -49,13 +72,18 @@ DELTA_FLOOR = 1e-6
 HELD_BYTES = 256 << 20
 
 
+def filled_by(method: str) -> tuple[str, ...]:
+    """The criteria a pass asked for `method` fills (all from the same captured nodes)."""
+    if method == "frequency":
+        return ("frequency",)
+    return (*OUTPUT_METHODS, "razor") if method == "razor" else OUTPUT_METHODS
+
+
 def nodes_for(method: str) -> tuple[str, ...]:
-    """The graph nodes a criterion reads."""
+    """The graph nodes a pass asked for `method` reads (every criterion of `filled_by(method)`)."""
     if method == "frequency":
         return ("ffn_moe_topk",)
-    if method == "ean":
-        return ("ffn_moe_topk", "ffn_moe_down")
-    if method == "reap":
+    if method != "razor":
         return ("ffn_moe_topk", "ffn_moe_down", *WEIGHT_NODES)
     return ("ffn_moe_topk", "ffn_moe_down", "ffn_moe_argsort", "ffn_moe_probs", "ffn_moe_input", *WEIGHT_NODES)
 
@@ -87,14 +115,22 @@ def softmax(x: np.ndarray) -> np.ndarray:
 
 @dataclass
 class TraceStatistics:
-    """Per block accumulators of one criterion; `add` takes one micro-batch of one block's nodes."""
+    """Per block accumulators of one decode pass; `add` takes one micro-batch of one block's nodes.
+
+    `method` is the criterion asked for; the pass fills every criterion of `filled_by(method)`
+    from the same captured nodes: counts, Σ||f||, Σ||f||², Σ g||f||, Σ f (a vector per expert) and
+    the largest |f| element, each folded in float32 per micro-batch into float64 accumulators."""
 
     method: str
     expert_count: int
-    evaluator: ExpertEvaluator | None = None  # razor only
+    evaluator: ExpertEvaluator | None = None  # razor (refill experts) and down biases
     counts: dict[int, np.ndarray] = field(default_factory=dict)
-    sums: dict[int, np.ndarray] = field(default_factory=dict)
-    sums_sq: dict[int, np.ndarray] = field(default_factory=dict)
+    norms: dict[int, np.ndarray] = field(default_factory=dict)  # Σ ||f||
+    squares: dict[int, np.ndarray] = field(default_factory=dict)  # Σ ||f||²
+    gated: dict[int, np.ndarray] = field(default_factory=dict)  # Σ g ||f||
+    outputs: dict[int, np.ndarray] = field(default_factory=dict)  # Σ f [E, n_embd]
+    deltas: dict[int, np.ndarray] = field(default_factory=dict)  # razor: Σ δ
+    deltas_sq: dict[int, np.ndarray] = field(default_factory=dict)  # razor: Σ δ²
     maxima: dict[int, np.ndarray] = field(default_factory=dict)
 
     @property
@@ -102,36 +138,54 @@ class TraceStatistics:
         """Whether `add` gains from many tokens at once (razor evaluates refill experts per product)."""
         return self.method == "razor"
 
-    def _arrays(self, block: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    @property
+    def filled(self) -> tuple[str, ...]:
+        return filled_by(self.method)
+
+    def _zeros(self, table: dict[int, np.ndarray], block: int, width: int = 0) -> np.ndarray:
+        if block not in table:
+            table[block] = np.zeros((self.expert_count, width) if width else self.expert_count)
+        return table[block]
+
+    def add(self, block: int, nodes: dict[str, np.ndarray]) -> None:
         n = self.expert_count
         if block not in self.counts:
             self.counts[block] = np.zeros(n, np.int64)
-            self.sums[block], self.sums_sq[block], self.maxima[block] = np.zeros(n), np.zeros(n), np.zeros(n)
-        return self.counts[block], self.sums[block], self.sums_sq[block], self.maxima[block]
-
-    def add(self, block: int, nodes: dict[str, np.ndarray]) -> None:
-        counts, sums, sums_sq, maxima = self._arrays(block)
         topk = nodes["ffn_moe_topk"].astype(np.intp)  # [T, k]
         flat = topk.reshape(-1)
-        counts += np.bincount(flat, minlength=self.expert_count)
+        self.counts[block] += np.bincount(flat, minlength=n)
         if self.method == "frequency":
             return
         outputs = np.asarray(nodes["ffn_moe_down"], dtype=np.float32)  # [T, k, n_embd], as llama.cpp computed it
         bias = self.evaluator.down_bias(block) if self.evaluator is not None else None
         if bias is not None:
             outputs = outputs + bias[topk]
-        norms = _norms(outputs)  # [T, k]
-        np.maximum.at(maxima, flat, np.maximum(outputs.max(axis=-1), -outputs.min(axis=-1)).reshape(-1))
-        if self.method == "ean":
-            sums += np.bincount(flat, weights=norms.reshape(-1), minlength=self.expert_count)
+        squares = np.einsum("...i,...i->...", outputs, outputs)  # float32 [T, k]
+        norms = np.sqrt(squares.astype(np.float64))
+        np.maximum.at(self._zeros(self.maxima, block), flat, np.maximum(outputs.max(axis=-1), -outputs.min(axis=-1)).reshape(-1))
+        self._zeros(self.norms, block)[:] += np.bincount(flat, weights=norms.reshape(-1), minlength=n)
+        self._zeros(self.squares, block)[:] += np.bincount(flat, weights=squares.reshape(-1).astype(np.float64), minlength=n)
+        self._add_output_sums(block, flat, outputs.reshape(-1, outputs.shape[-1]))
+        if not any(name in nodes for name in WEIGHT_NODES):
             return
         weights, scale = applied_weights(nodes)
-        if self.method == "reap":
-            sums += np.bincount(flat, weights=(weights * norms).reshape(-1), minlength=self.expert_count)
+        self._zeros(self.gated, block)[:] += np.bincount(flat, weights=(weights * norms).reshape(-1), minlength=n)
+        if self.method != "razor":
             return
         deltas = self.razor_deltas(block, nodes, topk, outputs, weights, scale).reshape(-1)
-        sums += np.bincount(flat, weights=deltas, minlength=self.expert_count)
-        sums_sq += np.bincount(flat, weights=deltas**2, minlength=self.expert_count)
+        self._zeros(self.deltas, block)[:] += np.bincount(flat, weights=deltas, minlength=n)
+        self._zeros(self.deltas_sq, block)[:] += np.bincount(flat, weights=deltas**2, minlength=n)
+
+    def _add_output_sums(self, block: int, flat: np.ndarray, rows: np.ndarray) -> None:
+        """Σ f per expert: float32 sums of each expert's rows of this micro-batch (a few rows
+        gathered at a time: np.add.reduceat over the rows, or a gather of all of them, is several
+        times slower), added to the float64 accumulator."""
+        order = np.argsort(flat, kind="stable")
+        experts, starts = np.unique(flat[order], return_index=True)
+        sums = np.empty((len(experts), rows.shape[1]), np.float32)
+        for i, (start, end) in enumerate(zip(starts, [*starts[1:], len(order)])):
+            np.add.reduce(rows[order[start:end]], axis=0, out=sums[i])
+        self._zeros(self.outputs, block, rows.shape[1])[experts] += sums
 
     def razor_deltas(self, block: int, nodes: dict[str, np.ndarray], topk: np.ndarray, outputs: np.ndarray, weights: np.ndarray, scale: float) -> np.ndarray:
         """δ [T, k] (float64) of every selected (token, slot); the [T, k, n_embd] terms in float32."""
@@ -165,17 +219,45 @@ class TraceStatistics:
         numerator = _norms(difference)
         return scale * numerator / np.maximum(1.0 - w + w_refill[:, None], DELTA_FLOOR)
 
-    def blocks(self) -> dict[int, BlockStats]:
-        statistic = STATISTIC[self.method]
+    def blocks(self, method: str | None = None) -> dict[int, BlockStats]:
+        """The statistics of `method` (default: the one asked for), one BlockStats per traced block."""
+        method = method or self.method
+        if method not in self.filled:
+            raise BadInput(f"a {self.method} pass does not fill {method} statistics", f"it fills {', '.join(self.filled)}")
+        statistic = STATISTIC[method]
         out = {}
         for b in sorted(self.counts):
-            out[b] = BlockStats(
-                self.method, statistic, counts=self.counts[b],
-                sums=None if self.method == "frequency" else self.sums[b],
-                sums_sq=self.sums_sq[b] if self.method == "razor" else None,
-                maxima=None if self.method == "frequency" else self.maxima[b],
-            )
+            counts, maxima = self.counts[b], self.maxima.get(b, np.zeros(self.expert_count))
+            if method == "frequency":
+                out[b] = BlockStats(method, statistic, counts=counts)
+            elif method in ("ean", "ean-sum"):
+                out[b] = BlockStats(method, statistic, counts=counts, sums=self._zeros(self.norms, b), maxima=maxima)
+            elif method == "msan":
+                out[b] = BlockStats(method, statistic, counts=counts, sums_sq=self._zeros(self.squares, b), maxima=maxima)
+            elif method == "mone":
+                width = self.outputs[b].shape[1] if b in self.outputs else 1
+                out[b] = BlockStats(method, statistic, counts=counts, sums_sq=self._zeros(self.squares, b), output_sums=self._zeros(self.outputs, b, width), maxima=maxima)
+            elif method == "reap":
+                out[b] = BlockStats(method, statistic, counts=counts, sums=self._zeros(self.gated, b), maxima=maxima)
+            else:
+                out[b] = BlockStats(method, statistic, counts=counts, sums=self._zeros(self.deltas, b), sums_sq=self._zeros(self.deltas_sq, b), maxima=maxima)
         return out
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """"method" and "<accumulator>:<block>": what `from_arrays` reads back."""
+        arrays: dict[str, np.ndarray] = {"method": np.asarray(self.method)}
+        for name in ACCUMULATORS:
+            arrays.update({f"{name}:{b}": values for b, values in getattr(self, name).items()})
+        return arrays
+
+    @classmethod
+    def from_arrays(cls, arrays: dict[str, np.ndarray], expert_count: int) -> TraceStatistics:
+        statistics = cls(str(arrays["method"]), expert_count)
+        for key, values in arrays.items():
+            name, _, block = key.partition(":")
+            if name in ACCUMULATORS and block.isdigit():
+                getattr(statistics, name)[int(block)] = values
+        return statistics
 
 
 class BlockFolder:
@@ -234,20 +316,20 @@ class BlockFolder:
         self.block = None
 
     def arrays(self) -> dict[str, np.ndarray]:
-        arrays: dict[str, np.ndarray] = {"statistic": np.asarray(STATISTIC[self.statistics.method])}
-        for block, stats in self.statistics.blocks().items():
-            arrays.update({f"{name}:{block}": values for name, values in stats.arrays().items()})
-        return arrays
+        return self.statistics.arrays()
 
 
 def statistics(request: DecodeRequest, method: str) -> BlockFolder:
-    """The decode consumer that accumulates `method`'s statistics of every MoE block."""
+    """The decode consumer that accumulates the statistics of every criterion `filled_by(method)`
+    of every MoE block."""
+    if method not in STATISTIC:
+        raise BadInput(f"{method} is not a trace criterion", f"one of {', '.join(STATISTIC)}")
     from ggufcarve.gguf.container import read_model
     from ggufcarve.moe.layout import inspect_layout
 
     model = read_model(request.model)
     layout = inspect_layout(model)
-    evaluator = ExpertEvaluator(model, layout, threads=request.thread_count) if method in ("razor", "ean", "reap") else None
+    evaluator = ExpertEvaluator(model, layout, threads=request.thread_count) if method != "frequency" else None
     tracer = GraphTracer(frozenset(nodes_for(method)))
     return BlockFolder(tracer, TraceStatistics(method, layout.expert_count, evaluator), parse_node_name, hold_bytes=HELD_BYTES // max(1, len(layout.blocks)))
 

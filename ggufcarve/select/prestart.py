@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from ggufcarve.llama import decode
 
-TRACE_METHODS = ("frequency", "ean", "reap", "razor")
+TRACE_METHODS = ("frequency", "ean", "ean-sum", "msan", "mone", "reap", "razor")
 # the modules of the calibration's consumers (select.from_trace.statistics, imatrix.collect.accumulator)
 CONSUMER_MODULES = ("ggufcarve.select.from_trace", "ggufcarve.imatrix.collect")
 

@@ -18,7 +18,7 @@ from typing import Any
 from ggufcarve.errors import BadInput, OutputError
 from ggufcarve.events import Sink, ignore
 
-SUPER_EXPERT_METHODS = ("ean", "reap", "razor")  # the methods that record per-expert maximum outputs
+SUPER_EXPERT_METHODS = ("ean", "ean-sum", "msan", "mone", "reap", "razor")  # the methods that record per-expert maximum outputs
 
 
 @dataclass(frozen=True)

@@ -6,9 +6,13 @@ reduce to one score per expert:
     mean         score = sums / counts                (mean over routed tokens; 0 if never routed)
     rms          score = sqrt(sums_sq / counts)       (conditional root mean square)
     mean_square  score = sums_sq / counts
+    sum          score = sums                         (a sum over routed tokens: adds across shards)
+    mone         score = sums_sq - ||output_sums||^2 / counts per expert, i.e. counts x E||f - mu||^2
+                 with mu = output_sums / counts (the count of routed tokens times the output variance)
     value        score = sums                         (no data involved: weights, router norm, random)
-`counts`, `sums` and `sums_sq` add when shards of one calibration run are merged, `maxima` take the
-larger value; "value" blocks do not depend on data and must agree between shards.
+`counts`, `sums`, `sums_sq` and `output_sums` ([expert, n_embd]: the sum of the expert's output
+vectors) add when shards of one calibration run are merged, `maxima` take the larger value; "value"
+blocks do not depend on data and must agree between shards.
 
 The JSON form holds every array as a list of numbers (float64 written with repr, so a round trip
 is exact) and the model facts that keep-set checks need, so a selection can be made from the
@@ -34,7 +38,8 @@ from ggufcarve.reports import read_json
 
 SCHEMA = "ggufcarve.expert-scores"
 SCHEMA_VERSION = 1
-STATISTICS = ("count", "mean", "rms", "mean_square", "value")
+STATISTICS = ("count", "mean", "rms", "mean_square", "sum", "mone", "value")
+ARRAYS = ("counts", "sums", "sums_sq", "output_sums", "maxima")
 # Parameters that may differ between shards of one calibration run.
 SHARD_PARAMETERS = ("max_tokens", "chunks")
 
@@ -96,17 +101,21 @@ class BlockStats:
     sums_sq: np.ndarray | None = None  # float64
     maxima: np.ndarray | None = None  # float64: largest value seen (REAP's max activation)
     note: str = ""
+    output_sums: np.ndarray | None = None  # float64 [n_expert, n_embd]: sum of each expert's outputs (mone)
 
     def score(self) -> np.ndarray:
         """float64 score per expert; experts never routed score 0."""
         if self.statistic == "count":
             return self._need("counts").astype(np.float64)
-        if self.statistic == "value":
+        if self.statistic in ("value", "sum"):
             return self._need("sums").astype(np.float64)
         counts = self._need("counts").astype(np.float64)
         safe = np.where(counts > 0, counts, 1.0)
         if self.statistic == "mean":
             return np.where(counts > 0, self._need("sums") / safe, 0.0)
+        if self.statistic == "mone":
+            spread = self._need("sums_sq") - np.einsum("ed,ed->e", self._need("output_sums"), self.output_sums) / safe
+            return np.where(counts > 0, np.maximum(spread, 0.0), 0.0)
         mean_square = np.where(counts > 0, self._need("sums_sq") / safe, 0.0)
         return np.sqrt(mean_square) if self.statistic == "rms" else mean_square
 
@@ -117,7 +126,7 @@ class BlockStats:
         return value
 
     def arrays(self) -> dict[str, np.ndarray]:
-        return {k: v for k in ("counts", "sums", "sums_sq", "maxima") if (v := getattr(self, k)) is not None}
+        return {k: v for k in ARRAYS if (v := getattr(self, k)) is not None}
 
     def merged(self, other: BlockStats, block: int) -> BlockStats:
         if (self.rule, self.statistic) != (other.rule, other.statistic) or set(self.arrays()) != set(other.arrays()):
@@ -129,20 +138,20 @@ class BlockStats:
         add = lambda a, b: None if a is None else a + b
         return replace(
             self, counts=add(self.counts, other.counts), sums=add(self.sums, other.sums), sums_sq=add(self.sums_sq, other.sums_sq),
-            maxima=None if self.maxima is None else np.maximum(self.maxima, other.maxima),
+            output_sums=add(self.output_sums, other.output_sums), maxima=None if self.maxima is None else np.maximum(self.maxima, other.maxima),
         )
 
     def to_json(self) -> dict[str, Any]:
         doc: dict[str, Any] = {"rule": self.rule, "statistic": self.statistic}
         for name, values in self.arrays().items():
-            doc[name] = [int(v) for v in values] if name == "counts" else [float(v) for v in values]
+            doc[name] = [int(v) for v in values] if name == "counts" else values.tolist() if values.ndim == 2 else [float(v) for v in values]
         if self.note:
             doc["note"] = self.note
         return doc
 
     @classmethod
     def from_json(cls, doc: dict[str, Any]) -> BlockStats:
-        arrays = {k: np.asarray(doc[k], dtype=np.int64 if k == "counts" else np.float64) for k in ("counts", "sums", "sums_sq", "maxima") if k in doc}
+        arrays = {k: np.asarray(doc[k], dtype=np.int64 if k == "counts" else np.float64) for k in ARRAYS if k in doc}
         return cls(rule=doc["rule"], statistic=doc["statistic"], note=doc.get("note", ""), **arrays)
 
 
@@ -195,7 +204,7 @@ class ExpertScores:
             if s.statistic not in STATISTICS:
                 raise BadInput(f"blk.{b}: unknown statistic {s.statistic!r}", f"one of {', '.join(STATISTICS)}")
             for name, values in s.arrays().items():
-                if values.shape != (n,) or not np.isfinite(values).all():
+                if values.shape[:1] != (n,) or values.ndim != (2 if name == "output_sums" else 1) or not np.isfinite(values).all():
                     raise BadInput(f"blk.{b}: {name} must be {n} finite values, got shape {values.shape}", "the scores file is corrupt")
 
     def merged(self, other: ExpertScores) -> ExpertScores:
