@@ -35,7 +35,8 @@ from ggufcarve.prune.plan import plan_prune
 from ggufcarve.select.keep import choose
 from ggufcarve.select.methods import score_model
 
-METHODS = ("weights", "router-norm", "imatrix-counts", "imatrix-energy", "frequency", "ean", "reap", "razor")
+METHODS = ("weights", "router-norm", "imatrix-counts", "imatrix-energy", "imatrix-msan", "frequency", "ean", "ean-sum", "msan", "mone", "reap", "razor")
+TRACED = ("frequency", "ean", "ean-sum", "msan", "mone", "reap", "razor")
 RANDOM_SEEDS = (0, 1, 2)
 
 
@@ -62,7 +63,7 @@ def main() -> None:
         label = method if method != "random" else f"random (seed {seed})"
         started = time.monotonic()
         scores = score_model(model, layout, method, imatrix=imatrix if method.startswith("imatrix") else None,
-                             calibration=[CALIBRATION] if method in ("frequency", "ean", "reap", "razor") else [],
+                             calibration=[CALIBRATION] if method in TRACED else [],
                              seed=seed, ctx=args.ctx, max_tokens=args.max_tokens, threads=args.threads)
         selection = choose(scores, keep)
         out = work / f"demo-{method}{seed if method == 'random' else ''}-{keep}e.gguf"
