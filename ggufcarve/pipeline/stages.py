@@ -474,7 +474,8 @@ def _card_stage(ctx: RunContext) -> Stage:
 
         if card_edited(plan.output) and not ctx.force:
             raise OutputError(f"{plan.output / 'README.md'} was edited since ggufcarve wrote it, and this run would replace it",
-                              "keep the edit out of the run (card = false in the plan, then `ggufcarve card --record`), or run with --force to write the card again")
+                              "keep the edit (card = false in the plan, then `ggufcarve card --record`), or let the run write the card again: "
+                              "remove README.md (or run with --force, which also runs every stage again)")
         path = write_card(plan.output, None, force=True, settings=plan.card_settings)
         return [path], f"{path.name}"
 
