@@ -95,7 +95,8 @@ def _scores(model: Any, layout: Any, settings: TuneSettings, work: Path, on_even
     if traced or wants_imatrix:
         if not settings.calibration:
             raise BadInput(f"{', '.join(traced or [m for m in methods if m in IMATRIX_METHODS])} read(s) a calibration pass", "give --calibration FILE (repeatable)")
-        asked = "razor" if "razor" in traced else (traced[0] if traced else "frequency")
+        output_methods = [m for m in traced if m != "frequency"]  # a frequency pass reads the routing alone
+        asked = "razor" if "razor" in traced else (output_methods[0] if output_methods else "frequency")
         imatrix = work / "calibration.imatrix.gguf" if wants_imatrix else None
         started = time.perf_counter()
         filled = calibrate_all(model, layout, asked, list(settings.calibration), ctx=settings.ctx, max_tokens=settings.max_tokens,
