@@ -11,7 +11,9 @@ reference's log-probs are kept as llama-perplexity's base records (16 bits per v
 them with `kld.compare_base`: the table `ggufcarve eval` computes for a pruned file against its
 unpruned reference. Tables are written as <candidate>-<file index>.npy (float64 rows of
 kld.TOKEN_COLUMNS, chunk order); the result JSON holds the rounds, each candidate's chunks
-scored and the mask's node counts.
+scored and the mask's node counts. A finalist's chunks are decoded in the groups `eval` decodes
+them in (its last round goes back to the start of a group of n_seq chunks): llama.cpp's logits
+of a chunk move in the last bits with the chunks decoded beside it.
 """
 
 from __future__ import annotations
@@ -53,12 +55,19 @@ def _tune(request: Request, out: Path) -> None:
             result["files"].append({"path": text, "n_tokens": int(len(tokens)), "n_ctx": chunking.n_ctx, "n_chunk": chunking.n_chunk})
         n_chunks = max(c.n_chunk for _, c in files)
         plans = [schedule(len(group), n_chunks) for group in request.groups]
+        n_seq = max(1, PERPLEXITY_BATCH // request.n_ctx)
+
+        def resume(prev: int, final: bool) -> int:
+            """The first chunk a round decodes: the finalists go back to the start of the group of
+            n_seq chunks `ggufcarve eval` decodes side by side, so that every chunk of theirs is
+            decoded beside the same chunks as there."""
+            return (prev // n_seq) * n_seq if final else prev
+
         total = sum(c.n_chunk for _, c in files) + sum(
-            alive * sum(min(n, c.n_chunk) - min(prev, c.n_chunk) for _, c in files)
-            for plan in plans for (alive, n), prev in zip(plan, [0] + [n for _, n in plan[:-1]]))
+            alive * sum(min(n, c.n_chunk) - min(resume(prev, i == len(plan) - 1), c.n_chunk) for _, c in files)
+            for plan in plans for i, ((alive, n), prev) in enumerate(zip(plan, [0] + [n for _, n in plan[:-1]])))
         done = 0
         mask = RoutingMask()
-        n_seq = max(1, PERPLEXITY_BATCH // request.n_ctx)
         context = engine.context(request.n_ctx, n_seq, min(PERPLEXITY_BATCH, n_seq * request.n_ctx), eval_callback=mask)
 
         def decode(f: int, start: int, stop: int):
@@ -89,12 +98,13 @@ def _tune(request: Request, out: Path) -> None:
             tables: dict[str, list[list[np.ndarray]]] = {cid: [[] for _ in files] for cid in request.candidates}
             scored: dict[str, int] = dict.fromkeys(request.candidates, 0)
 
-            def score(cid: str, upto: int) -> None:
+            def score(cid: str, upto: int, final: bool) -> None:
                 nonlocal done
                 mask.keep = {int(b): tuple(int(i) for i in ids) for b, ids in request.candidates[cid].items()}
                 mask.masked = {}
                 for f, (_tokens, chunking) in enumerate(files):
-                    start, stop = min(scored[cid], chunking.n_chunk), min(upto, chunking.n_chunk)
+                    start, stop = min(resume(scored[cid], final), chunking.n_chunk), min(upto, chunking.n_chunk)
+                    del tables[cid][f][start:]
                     for index, rows, targets in decode(f, start, stop):
                         tables[cid][f].append(kld.compare_base(rows, targets, references[f][index]))
                         done += 1
@@ -110,10 +120,10 @@ def _tune(request: Request, out: Path) -> None:
             for group, plan in zip(request.groups, plans):
                 alive = list(group)
                 rounds = []
-                for count, upto in plan:
+                for number, (count, upto) in enumerate(plan):
                     alive = alive[:count]
                     for cid in alive:
-                        score(cid, upto)
+                        score(cid, upto, number == len(plan) - 1)
                     ranked = sorted(alive, key=lambda c: (mean_kld(c), group.index(c)))
                     rounds.append({"chunks": upto, "candidates": list(alive), "mean_kld": {c: mean_kld(c) for c in alive}})
                     alive = ranked

@@ -3,10 +3,11 @@
 Successive halving over held-out chunks, per group of candidates (one group per K): every
 candidate of a group is scored on the first `n` chunks of every held-out file; the better half
 (ceil(C/2), by mean KLD over the tokens scored; ties: the earlier candidate) goes on with the chunk
-count doubled; when one candidate is left, or the doubled count reaches every chunk, the ones left
-(the finalists) are scored on every chunk. `n` starts at max(1, N / 2^ceil(log2 C)), N the
-largest chunk count of the held-out files, so that the finalists reach N after ceil(log2 C) rounds.
-Each round scores only the chunks a candidate has not been scored on yet.
+count doubled; when two candidates are left, or the doubled count reaches every chunk, the ones
+left (the finalists) are scored on every chunk and the lower mean KLD wins. `n` starts at
+max(1, N / 2^(ceil(log2 C) - 1)), N the largest chunk count of the held-out files, so that the two
+finalists reach N after ceil(log2 C) - 1 halvings. Each round scores only the chunks a candidate
+has not been scored on yet.
 """
 
 from __future__ import annotations
@@ -47,14 +48,14 @@ def first_slice(n_candidates: int, n_chunks: int) -> int:
     """The chunk count of the first round (module docstring)."""
     if n_candidates <= 1:
         return n_chunks
-    return max(1, n_chunks >> math.ceil(math.log2(n_candidates)))
+    return max(1, n_chunks >> max(0, math.ceil(math.log2(n_candidates)) - 1))
 
 
 def schedule(n_candidates: int, n_chunks: int) -> list[tuple[int, int]]:
     """The rounds of one group: (candidates scored, chunks each has been scored on at the round's end)."""
     rounds = []
     alive, n = n_candidates, first_slice(n_candidates, n_chunks)
-    while alive > 1 and n < n_chunks:
+    while alive > 2 and n < n_chunks:
         rounds.append((alive, n))
         alive, n = math.ceil(alive / 2), min(n_chunks, 2 * n)
     rounds.append((alive, n_chunks))

@@ -267,9 +267,12 @@ def _chart(candidates: list[dict[str, Any]], settings: TuneSettings, path: Path)
     ax = fig.add_subplot()
     for method in settings.methods:
         series = sorted((c for c in candidates if c["method"] == method), key=lambda c: c["K"])
-        ax.plot([c["K"] for c in series], [c["kld_mean"] for c in series], marker="o", label=method)
+        line = ax.plot([c["K"] for c in series], [c["kld_mean"] for c in series], marker="o", label=method)[0]
+        early = [c for c in series if c["stopped_early"]]  # scored on fewer chunks: hollow
+        ax.plot([c["K"] for c in early], [c["kld_mean"] for c in early], linestyle="none", marker="o", markerfacecolor="white", color=line.get_color())
     ax.set_xlabel("experts kept per block (K)")
     ax.set_ylabel("mean KLD vs unpruned (nats/token)")
+    ax.set_title("hollow: stopped early by successive halving (fewer chunks)", fontsize=8)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     fig.subplots_adjust(left=0.12, right=0.97, bottom=0.12, top=0.96)
