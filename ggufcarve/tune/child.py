@@ -12,8 +12,8 @@ them with `kld.compare_base`: the table `ggufcarve eval` computes for a pruned f
 unpruned reference. Tables are written as <candidate>-<file index>.npy (float64 rows of
 kld.TOKEN_COLUMNS, chunk order); the result JSON holds the rounds, each candidate's chunks
 scored and the mask's node counts. A finalist's chunks are decoded in the groups `eval` decodes
-them in (its last round goes back to the start of a group of n_seq chunks): llama.cpp's logits
-of a chunk move in the last bits with the chunks decoded beside it.
+them in (its last round goes back to the start of a group of n_seq chunks), so that its
+micro-batches hold the tokens they hold there.
 """
 
 from __future__ import annotations
@@ -59,8 +59,7 @@ def _tune(request: Request, out: Path) -> None:
 
         def resume(prev: int, final: bool) -> int:
             """The first chunk a round decodes: the finalists go back to the start of the group of
-            n_seq chunks `ggufcarve eval` decodes side by side, so that every chunk of theirs is
-            decoded beside the same chunks as there."""
+            n_seq chunks `ggufcarve eval` decodes side by side."""
             return (prev // n_seq) * n_seq if final else prev
 
         total = sum(c.n_chunk for _, c in files) + sum(

@@ -115,15 +115,9 @@ def _scores(model: Any, layout: Any, settings: TuneSettings, work: Path, on_even
 
 def tune(source: Path, settings: TuneSettings, out_dir: Path, *, on_event: Sink = ignore) -> TuneResult:
     """Run the tournament and write tune.json, tune.md, tune-kld.png, candidates/ and expert-selection.json under `out_dir`."""
-    from ggufcarve.fileio import write_text_atomic
     from ggufcarve.gguf.container import read_model
-    from ggufcarve.llama import child
-    from ggufcarve.llama.tools import physical_cores
     from ggufcarve.moe.kept import kept_count
     from ggufcarve.moe.layout import inspect_layout
-    from ggufcarve.reports import envelope
-    from ggufcarve.select.keep import choose
-    from ggufcarve.tune.protocol import CHILD_MODULE, CHUNK_TASK, Request
 
     if not settings.heldout:
         raise BadInput("tune scores keep-sets on held-out text", "give --heldout FILE (repeatable)")
@@ -140,6 +134,20 @@ def tune(source: Path, settings: TuneSettings, out_dir: Path, *, on_event: Sink 
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir()
     (out_dir / "candidates").mkdir(exist_ok=True)
+    try:
+        return _tune(model, layout, settings, out_dir, work, started, on_event)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _tune(model: Any, layout: Any, settings: TuneSettings, out_dir: Path, work: Path, started: float, on_event: Sink) -> TuneResult:
+    from ggufcarve.fileio import write_text_atomic
+    from ggufcarve.llama import child
+    from ggufcarve.llama.tools import physical_cores
+    from ggufcarve.reports import envelope
+    from ggufcarve.select.keep import choose
+    from ggufcarve.tune.protocol import CHILD_MODULE, CHUNK_TASK, Request
+
     timings: dict[str, float] = {}
     scores, passed = _scores(model, layout, settings, work, on_event)
     timings["calibration_seconds"] = passed.get("seconds", 0.0)
@@ -206,7 +214,6 @@ def tune(source: Path, settings: TuneSettings, out_dir: Path, *, on_event: Sink 
     write_text_atomic(out_dir / "tune.json", json.dumps(report, indent=1, sort_keys=True, allow_nan=False) + "\n")
     write_text_atomic(out_dir / "tune.md", render_markdown(report))
     _chart(candidates, settings, out_dir / CHART)
-    shutil.rmtree(work, ignore_errors=True)
     outputs = [out_dir / "tune.json", out_dir / "tune.md", out_dir / CHART, out_dir / "expert-selection.json",
                *(out_dir / "candidates" / f"{c['id']}.json" for c in candidates)]
     return TuneResult(report, winner, outputs)
