@@ -6,6 +6,7 @@ commands, so `ggufcarve --version` and `--help` start without numpy, gguf or lla
 Examples:
     ggufcarve inspect model.gguf
     ggufcarve select model.gguf --method weights --keep 128 -o out/selection.json
+    ggufcarve tune model.gguf --calibration cal.txt --heldout heldout.txt --keep 128 -o tune/
     ggufcarve prune model.gguf --keep kept_expert_indices.json -o out/model-128e.gguf
     ggufcarve imatrix remap model.imatrix.gguf --model out/model-128e.gguf -o out/model-128e.imatrix.gguf
     ggufcarve fit model.gguf --memory 24GiB --ctx 16384
@@ -31,7 +32,7 @@ from typing import Annotated
 import typer
 
 from ggufcarve import __version__
-from ggufcarve.cli import evaluate, fit, imatrix, ladder, prune, release, run, select, toolchain, verify
+from ggufcarve.cli import evaluate, fit, imatrix, ladder, prune, release, run, select, toolchain, tune, verify
 from ggufcarve.cli.options import command_group
 from ggufcarve.cli.render import print_error
 from ggufcarve.errors import CarveError, Interrupted
@@ -73,6 +74,7 @@ COMMANDS: dict[str, Callable[[typer.Typer, str], None]] = {
     "fit": _command(fit.fit_command, "Which kept-expert count and rung fit a memory budget."),
     "release": _group(release.app, "Assemble and merge release directories."),
     "verify": _command(verify.verify_command, "Check a release directory before publishing it."),
+    "tune": _command(tune.tune_command, "Score criteria and K by masking; write the winner."),
     "eval": _command(evaluate.eval_command, "PPL, KLD, QA, speed and a gate against a reference."),
     "card": _command(evaluate.card_command, "Write a release's model card (README.md)."),
     "run": _command(run.run_command, "The whole pipeline of a plan file, resumable."),

@@ -1,0 +1,288 @@
+"""`ggufcarve tune`: every criterion's keep-set at every K, scored against the unpruned model by
+masking inside one loaded model (no pruned file written), by successive halving over held-out chunks.
+
+    result = tune(Path("model.gguf"), TuneSettings(keeps=(8,), methods=("reap", "frequency", "weights"),
+                  calibration=(Path("cal.txt"),), heldout=(Path("heldout.txt"),), ctx=256), Path("out"))
+    result.winner  # "reap-8": out/expert-selection.json is its selection record
+
+Steps: one calibration decode pass fills every trace criterion (`select.calibrate.calibrate_all`;
+the imatrix too when an imatrix method is asked, from the same pass; razor only when asked: its pass
+is the heavier one that fills razor as well); zero-shot criteria read the model. Each criterion's
+keep-set at each K (`select.keep.choose`, the record `select -o` writes); identical keep-sets are
+scored once (`identical_to`). The tune child (`tune.child`) scores them: per K the candidates
+compete by successive halving (`tune.protocol`); the statistics are llama-perplexity's
+(`evaluate.kld.kld_statistics`) over every held-out token a candidate was scored on. The winner
+of a K is the finalist with the lowest mean KLD; `expert-selection.json` is the winner at the
+first K given.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ggufcarve.errors import BadInput
+from ggufcarve.events import Sink, ignore
+
+REPORT = "tune"
+CHART = "tune-kld.png"
+ZERO_SHOT = ("weights", "router-norm", "random")
+IMATRIX_METHODS = ("imatrix-counts", "imatrix-energy", "imatrix-msan")
+PASS_METHODS = ("frequency", "ean", "ean-sum", "msan", "mone", "reap")
+ALL_METHODS = (*PASS_METHODS, *IMATRIX_METHODS, *ZERO_SHOT)  # "all": razor is left out (its pass is the heavier one)
+
+
+@dataclass(frozen=True)
+class TuneSettings:
+    keeps: tuple[int, ...]
+    methods: tuple[str, ...] = ALL_METHODS
+    calibration: tuple[Path, ...] = ()
+    heldout: tuple[Path, ...] = ()
+    ctx: int = 512
+    chunks: int | None = None
+    max_tokens: int | None = None
+    threads: int | None = None
+    seed: int = 0
+
+
+@dataclass
+class TuneResult:
+    report: dict[str, Any]
+    winner: str
+    outputs: list[Path] = field(default_factory=list)
+
+
+def parse_methods(text: str) -> tuple[str, ...]:
+    """--methods all|LIST: the criteria in the order given (duplicates dropped)."""
+    from ggufcarve.select.methods import method_named
+
+    if text.strip() == "all":
+        return ALL_METHODS
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names:
+        raise BadInput("--methods names no method", "give all, or a list such as reap,frequency,weights")
+    for name in names:
+        method_named(name)
+    return tuple(dict.fromkeys(names))
+
+
+def parse_keeps(text: str) -> tuple[int, ...]:
+    try:
+        keeps = tuple(dict.fromkeys(int(k) for k in text.split(",") if k.strip()))
+    except ValueError:
+        raise BadInput(f"--keep {text}: not a list of expert counts", "for example --keep 8 or --keep 4,8,12") from None
+    if not keeps:
+        raise BadInput("--keep names no expert count", "for example --keep 8 or --keep 4,8,12")
+    return keeps
+
+
+def _scores(model: Any, layout: Any, settings: TuneSettings, work: Path, on_event: Sink) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The scores of every asked method, and the calibration pass's record."""
+    from ggufcarve.select.calibrate import calibrate_all
+    from ggufcarve.select.methods import score_model
+
+    methods = settings.methods
+    traced = [m for m in methods if m in (*PASS_METHODS, "razor")]
+    wants_imatrix = any(m in IMATRIX_METHODS for m in methods)
+    out: dict[str, Any] = {}
+    passed: dict[str, Any] = {}
+    if traced or wants_imatrix:
+        if not settings.calibration:
+            raise BadInput(f"{', '.join(traced or [m for m in methods if m in IMATRIX_METHODS])} read(s) a calibration pass", "give --calibration FILE (repeatable)")
+        output_methods = [m for m in traced if m != "frequency"]  # a frequency pass reads the routing alone
+        asked = "razor" if "razor" in traced else (output_methods[0] if output_methods else "frequency")
+        imatrix = work / "calibration.imatrix.gguf" if wants_imatrix else None
+        started = time.perf_counter()
+        filled = calibrate_all(model, layout, asked, list(settings.calibration), ctx=settings.ctx, max_tokens=settings.max_tokens,
+                               threads=settings.threads, imatrix_out=imatrix, force=True, on_event=on_event)
+        passed = {"asked": asked, "filled": sorted(filled), "imatrix": wants_imatrix, "seconds": time.perf_counter() - started,
+                  "tokens": next(iter(filled.values())).tokens}
+        out.update({m: filled[m] for m in traced})
+        for m in methods:
+            if m in IMATRIX_METHODS:
+                out[m] = score_model(model, layout, m, imatrix=imatrix, on_event=on_event)
+    for m in methods:
+        if m in ZERO_SHOT:
+            out[m] = score_model(model, layout, m, seed=settings.seed, on_event=on_event)
+    return {m: out[m] for m in methods}, passed
+
+
+def tune(source: Path, settings: TuneSettings, out_dir: Path, *, on_event: Sink = ignore) -> TuneResult:
+    """Run the tournament and write tune.json, tune.md, tune-kld.png, candidates/ and expert-selection.json under `out_dir`."""
+    from ggufcarve.gguf.container import read_model
+    from ggufcarve.moe.kept import kept_count
+    from ggufcarve.moe.layout import inspect_layout
+
+    if not settings.heldout:
+        raise BadInput("tune scores keep-sets on held-out text", "give --heldout FILE (repeatable)")
+    for path in (*settings.calibration, *settings.heldout):
+        if not Path(path).is_file():
+            raise BadInput(f"{path}: no such file", "give an existing text file")
+    started = time.perf_counter()
+    model = read_model(source)
+    layout = inspect_layout(model)
+    for k in settings.keeps:
+        kept_count(layout, k, None)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    work = out_dir / "work"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir()
+    (out_dir / "candidates").mkdir(exist_ok=True)
+    try:
+        return _tune(model, layout, settings, out_dir, work, started, on_event)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _tune(model: Any, layout: Any, settings: TuneSettings, out_dir: Path, work: Path, started: float, on_event: Sink) -> TuneResult:
+    from ggufcarve.fileio import write_text_atomic
+    from ggufcarve.llama import child
+    from ggufcarve.llama.tools import physical_cores
+    from ggufcarve.reports import envelope
+    from ggufcarve.select.keep import choose
+    from ggufcarve.tune.protocol import CHILD_MODULE, CHUNK_TASK, Request
+
+    timings: dict[str, float] = {}
+    scores, passed = _scores(model, layout, settings, work, on_event)
+    timings["calibration_seconds"] = passed.get("seconds", 0.0)
+    candidates: list[dict[str, Any]] = []
+    seen: dict[tuple, str] = {}
+    keep_of: dict[str, dict[str, list[int]]] = {}
+    groups: list[list[str]] = []
+    texts: dict[str, str] = {}
+    for k in settings.keeps:
+        group = []
+        for method, method_scores in scores.items():
+            cid = f"{method}-{k}"
+            selection = choose(method_scores, k)
+            text = json.dumps(selection.record({}), indent=1, sort_keys=True, allow_nan=False) + "\n"
+            texts[cid] = text
+            write_text_atomic(out_dir / "candidates" / f"{cid}.json", text)
+            key = tuple(sorted(selection.keepset.layers.items()))
+            entry: dict[str, Any] = {"id": cid, "method": method, "K": k, "identical_to": seen.get(key)}
+            if key not in seen:
+                seen[key] = cid
+                keep_of[cid] = {str(b): list(ids) for b, ids in sorted(selection.keepset.layers.items())}
+                group.append(cid)
+            candidates.append(entry)
+        groups.append(group)
+    request = Request(model=str(model.path), threads=settings.threads or physical_cores(), n_ctx=settings.ctx, texts=[str(p) for p in settings.heldout],
+                      result_out=str(work / "result.json"), work=str(work), candidates=keep_of, groups=groups, max_chunks=settings.chunks)
+    scored = child.run(CHILD_MODULE, request, Path(request.result_out), lambda p: json.loads(p.read_text()), what=f"tuning {model.path.name} in libllama",
+                       hint="the last lines are llama.cpp's own; check that the model loads (ggufcarve inspect MODEL)", sink=on_event,
+                       stages={CHUNK_TASK: "tune"}, idle_timeout=3600.0)
+    _check_masked(layout, keep_of, scored, model.path.name)
+    timings["reference_seconds"] = scored.get("reference_seconds", 0.0)
+    timings["score_seconds"] = scored.get("score_seconds", 0.0)
+    n_files = len(scored["files"])
+
+    for entry in candidates:
+        source_id = entry["identical_to"] or entry["id"]
+        entry.update(_statistics(work, source_id, n_files))
+        entry.update(chunks_scored=scored["candidates"][source_id]["chunks"], stopped_early=scored["candidates"][source_id]["stopped_early"],
+                     winner=False)
+    for g in scored["groups"]:
+        for entry in candidates:
+            if entry["id"] == g["winner"]:
+                entry["winner"] = True
+    winner = scored["groups"][0]["winner"]
+    write_text_atomic(out_dir / "expert-selection.json", texts[winner])
+    timings["total_seconds"] = time.perf_counter() - started
+    results = {
+        "model": {"name": model.path.name, "architecture": layout.architecture, "expert_count": layout.expert_count, "expert_used_count": layout.expert_used_count},
+        "heldout": scored["files"],
+        "calibration_pass": {k: v for k, v in passed.items() if k != "seconds"},
+        "keeps": list(settings.keeps),
+        "winner": winner,
+        "winners": {str(k): g["winner"] for k, g in zip(settings.keeps, scored["groups"])},
+        "halving": scored["groups"],
+        "candidates": candidates,
+        "kld_method": "llama-perplexity's --kl-divergence from the unpruned model's full log-probs (base records, 16 bits), the pruned experts masked out of routing",
+    }
+
+    report = envelope(REPORT, inputs=[{"kind": "model", "name": model.path.name}, *({"kind": "calibration", "name": p.name} for p in settings.calibration),
+                                      *({"kind": "heldout", "name": p.name} for p in settings.heldout)],
+                      parameters={"keeps": list(settings.keeps), "methods": list(settings.methods), "ctx": settings.ctx, "chunks": settings.chunks,
+                                  "max_tokens": settings.max_tokens, "seed": settings.seed},
+                      results=results, timings=timings)
+    write_text_atomic(out_dir / "tune.json", json.dumps(report, indent=1, sort_keys=True, allow_nan=False) + "\n")
+    write_text_atomic(out_dir / "tune.md", render_markdown(report))
+    _chart(candidates, settings, out_dir / CHART)
+    outputs = [out_dir / "tune.json", out_dir / "tune.md", out_dir / CHART, out_dir / "expert-selection.json",
+               *(out_dir / "candidates" / f"{c['id']}.json" for c in candidates)]
+    return TuneResult(report, winner, outputs)
+
+
+def _check_masked(layout: Any, keep_of: dict[str, dict[str, list[int]]], scored: dict, name: str) -> None:
+    from ggufcarve.errors import UnsupportedModel
+    from ggufcarve.llama.masking import required_nodes
+    from ggufcarve.moe.keepset import KeepSet
+
+    for cid, keep in keep_of.items():
+        masked = set(scored["candidates"].get(cid, {}).get("masked", []))
+        missing = [f"{node}-{block}" for node, block in required_nodes(layout, KeepSet({int(b): tuple(ids) for b, ids in keep.items()})) if f"{node}:{block}" not in masked]
+        if missing:
+            raise UnsupportedModel(f"{name}: llama.cpp's graph of {layout.architecture} has no node {', '.join(missing[:4])} to mask",
+                                   "score keep-sets by pruning files (ggufcarve prune --keep) and evaluating them")
+
+
+def _statistics(work: Path, cid: str, n_files: int) -> dict[str, Any]:
+    from ggufcarve.evaluate.kld import kld_statistics
+
+    tables = [np.load(work / f"{cid}-{f}.npy") for f in range(n_files)]
+    stats = kld_statistics(np.concatenate(tables))
+    per_file = [kld_statistics(t).kld_mean if len(t) > 1 else None for t in tables]
+    return {"kld_mean": stats.kld_mean, "kld_mean_stderr": stats.kld_mean_stderr, "kld_p999": stats.kld["p999"], "same_top_p": stats.same_top_p,
+            "ppl": stats.ppl, "ppl_stderr": stats.ppl_stderr, "ppl_base": stats.ppl_base, "tokens": stats.count, "kld_mean_per_file": per_file}
+
+
+def ranked(candidates: list[dict[str, Any]], k: int) -> list[dict[str, Any]]:
+    """The candidates of one K: the most chunks first (the finalists), then by mean KLD."""
+    return sorted((c for c in candidates if c["K"] == k), key=lambda c: (-c["chunks_scored"], c["kld_mean"], c["id"]))
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    lines = [f"# tune: {report['model']['name']}", "",
+             f"Mean KLD against the unpruned model (llama-perplexity's statistics), pruned experts masked out of routing; "
+             f"ctx {report['parameters']['ctx']}, held-out: {', '.join(Path(f['path']).name for f in report['heldout'])}. "
+             "Candidates stopped early were scored on fewer chunks (successive halving): compare them by round, not with the finalists.", ""]
+    for k in report["keeps"]:
+        lines += [f"## K = {k} of {report['model']['expert_count']}", "",
+                  "| rank | method | mean KLD | ± | 99.9% KLD | same top p | PPL | chunks | stopped early | identical to |",
+                  "|---:|---|---:|---:|---:|---:|---:|---:|---|---|"]
+        for rank, c in enumerate(ranked(report["candidates"], k), 1):
+            name = f"**{c['method']}**" if c["winner"] else c["method"]
+            lines.append(f"| {rank} | {name} | {c['kld_mean']:.4f} | {c['kld_mean_stderr']:.4f} | {c['kld_p999']:.4f} | {100 * c['same_top_p']:.2f}% | "
+                         f"{c['ppl']:.4f} | {c['chunks_scored']} | {'yes' if c['stopped_early'] else 'no'} | {c['identical_to'] or ''} |")
+        lines.append("")
+    lines.append(f"Winner written as expert-selection.json: {report['winner']}.")
+    return "\n".join(lines) + "\n"
+
+
+def _chart(candidates: list[dict[str, Any]], settings: TuneSettings, path: Path) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 4.5), dpi=110)  # no pyplot: no global figure state, no GUI backend
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    for method in settings.methods:
+        series = sorted((c for c in candidates if c["method"] == method), key=lambda c: c["K"])
+        line = ax.plot([c["K"] for c in series], [c["kld_mean"] for c in series], marker="o", label=method)[0]
+        early = [c for c in series if c["stopped_early"]]  # scored on fewer chunks: hollow
+        ax.plot([c["K"] for c in early], [c["kld_mean"] for c in early], linestyle="none", marker="o", markerfacecolor="white", color=line.get_color())
+    ax.set_xlabel("experts kept per block (K)")
+    ax.set_ylabel("mean KLD vs unpruned (nats/token)")
+    ax.set_title("hollow: stopped early by successive halving (fewer chunks)", fontsize=8)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.subplots_adjust(left=0.12, right=0.97, bottom=0.12, top=0.96)
+    tmp = path.with_name(path.name + ".tmp.png")
+    fig.savefig(tmp, format="png")
+    tmp.replace(path)
