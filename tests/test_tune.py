@@ -65,3 +65,38 @@ def test_tune_winner_equals_eval_of_the_pruned_file(tmp_path):
     # the mean KLD; 1.2e-5 at 16 chunks)
     assert winner["kld_mean"] == pytest.approx(evaluated["kld_mean"], rel=1e-4)
     assert winner["tokens"] == CHUNKS * (CTX - 1 - CTX // 2)
+
+
+def _halves(text: str) -> tuple[str, str]:
+    """The calibration text cut at the line break nearest its middle character."""
+    middle = len(text) // 2
+    breaks = [i for i, ch in enumerate(text[:-1]) if ch == "\n"]
+    cut = min(breaks, key=lambda i: abs(i - middle)) + 1
+    return text[:cut], text[cut:]
+
+
+@pytest.mark.slow
+def test_tune_stability_equals_the_overlap_of_select_on_each_half(tmp_path):
+    out = tmp_path / "tune"
+    run = ggufcarve("tune", MODEL, "--calibration", DATA / "calibration.txt", "--heldout", DATA / "heldout.txt", "--keep", "6",
+                    "--methods", "reap,frequency,weights", "--ctx", CTX, "--chunks", 4, "--max-tokens", 8 * CTX, "--stability", "-o", out, "-q")
+    assert run.code == 0, run.stderr
+    candidates = {c["id"]: c for c in json.loads((out / "tune.json").read_text())["candidates"]}
+    assert "stability" not in candidates["weights-6"]
+    for cid in ("reap-6", "frequency-6"):
+        assert 0.0 <= candidates[cid]["stability"]["overlap"] <= 1.0
+    assert "halves overlap" in (out / "tune.md").read_text()
+    # the oracle: `ggufcarve select` on each half written here, with half the token budget
+    keeps = []
+    for side, text in enumerate(_halves((DATA / "calibration.txt").read_text(encoding="utf-8"))):
+        half = tmp_path / f"half{side}.txt"
+        half.write_text(text, encoding="utf-8")
+        selection = tmp_path / f"reap{side}.json"
+        run = ggufcarve("select", MODEL, "--method", "reap", "--keep", 6, "--calibration", half, "--ctx", CTX, "--max-tokens", 4 * CTX,
+                        "-o", selection, "-q", "--no-heatmap")
+        assert run.code == 0, run.stderr
+        keeps.append(json.loads(selection.read_text())["layers"])
+    a, b = keeps
+    per_block = [len(set(a[blk]) & set(b[blk])) / 6 for blk in sorted(a, key=int)]
+    assert candidates["reap-6"]["stability"]["per_block"] == pytest.approx(per_block)
+    assert candidates["reap-6"]["stability"]["overlap"] == pytest.approx(sum(per_block) / len(per_block))

@@ -29,6 +29,7 @@ def tune_command(
     ctx: Annotated[int, typer.Option("--ctx", help="Tokens per chunk, of the calibration pass and of the held-out scoring (as llama-perplexity -c).")] = 512,
     chunks: Annotated[int | None, typer.Option("--chunks", help="Score at most this many held-out chunks per file (the finalists get all of them).")] = None,
     max_tokens: Annotated[int | None, typer.Option("--max-tokens", help="Trace at most this many calibration tokens (whole chunks).")] = None,
+    stability: Annotated[bool, typer.Option("--stability", help="Also build each calibration method's keep-sets from each half of the calibration text (one more pass per half) and report their overlap per block.")] = False,
     threads: ThreadsOption = None,
     force: ForceOption = False,
     quiet: QuietOption = False,
@@ -40,7 +41,7 @@ def tune_command(
     if (output / "tune.json").exists() and not force:
         raise OutputError(f"{output / 'tune.json'} already exists", "pass --force to replace it, or choose another -o DIR")
     settings = TuneSettings(keeps=parse_keeps(keep), methods=parse_methods(methods), calibration=tuple(calibration or ()), heldout=tuple(heldout),
-                            ctx=ctx, chunks=chunks, max_tokens=max_tokens, threads=threads)
+                            ctx=ctx, chunks=chunks, max_tokens=max_tokens, threads=threads, stability=stability)
     with progress(not quiet and not as_json) as sink:
         result = tune(model, settings, output, on_event=sink)
     report = result.report
@@ -53,8 +54,9 @@ def tune_command(
             for c in ranked(report["candidates"], k):
                 note = f"  (= {c['identical_to']})" if c["identical_to"] else ""
                 stopped = f"  stopped after {c['chunks_scored']} chunk(s)" if c["stopped_early"] else ""
+                halves = f"  halves overlap {c['stability']['overlap']:.3f}" if "stability" in c else ""
                 out.print(f"  {c['method']:<15} mean KLD {c['kld_mean']:.4f} ± {c['kld_mean_stderr']:.4f}  99.9% {c['kld_p999']:.4f}  "
-                          f"same top {100 * c['same_top_p']:.2f}%  PPL {c['ppl']:.4f}{stopped}{note}", markup=False, highlight=False)
+                          f"same top {100 * c['same_top_p']:.2f}%  PPL {c['ppl']:.4f}{halves}{stopped}{note}", markup=False, highlight=False)
     out.print(f"winner: {result.winner}; written: {output / 'expert-selection.json'}, {output / 'tune.md'}, {output / 'tune.json'}", markup=False, highlight=False)
     if not quiet:
         out.print(f"prune with: ggufcarve prune {model} --keep {output / 'expert-selection.json'} -o OUT.gguf", markup=False, highlight=False)

@@ -49,6 +49,7 @@ class TuneSettings:
     max_tokens: int | None = None
     threads: int | None = None
     seed: int = 0
+    stability: bool = False
 
 
 @dataclass
@@ -113,6 +114,50 @@ def _scores(model: Any, layout: Any, settings: TuneSettings, work: Path, on_even
     return {m: out[m] for m in methods}, passed
 
 
+def split_text(path: Path) -> tuple[str, str]:
+    """A calibration file's two halves: a JSONL file's records split in half by count; a text file
+    split at the line break nearest its middle character."""
+    text = Path(path).read_text(encoding="utf-8")
+    if Path(path).suffix.lower() == ".jsonl":
+        lines = [line for line in text.splitlines() if line.strip()]
+        half = len(lines) // 2
+        return "\n".join(lines[:half]) + "\n", "\n".join(lines[half:]) + "\n"
+    middle = len(text) // 2
+    before, after = text.rfind("\n", 0, middle), text.find("\n", middle)
+    candidates = [i for i in (before, after) if 0 <= i < len(text) - 1]
+    if not candidates:
+        raise BadInput(f"{path}: one line only, no half to split off", "give calibration text of several lines, or leave out --stability")
+    cut = min(candidates, key=lambda i: abs(i - middle)) + 1
+    return text[:cut], text[cut:]
+
+
+def overlap(a: dict[str, list[int]], b: dict[str, list[int]]) -> dict[str, Any]:
+    """Per block |A∩B|/|A| of two keep-sets (block -> kept expert ids), and its mean over blocks."""
+    per_block = [len(set(a[blk]) & set(b[blk])) / len(a[blk]) for blk in sorted(a, key=int) if a[blk]]
+    return {"overlap": float(np.mean(per_block)) if per_block else 1.0, "per_block": per_block}
+
+
+def _half_scores(model: Any, layout: Any, settings: TuneSettings, work: Path, on_event: Sink) -> list[dict[str, Any]]:
+    """The calibration-reading methods' scores from each half of the calibration text (one pass per half)."""
+    methods = tuple(m for m in settings.methods if m not in ZERO_SHOT)
+    if not methods:
+        return []
+    halves: list[list[Path]] = [[], []]
+    for number, path in enumerate(settings.calibration):
+        for side, text in enumerate(split_text(path)):
+            half_path = work / f"half{side}" / f"{number}-{Path(path).name}"
+            half_path.parent.mkdir(exist_ok=True)
+            half_path.write_text(text, encoding="utf-8")
+            halves[side].append(half_path)
+    max_tokens = None if settings.max_tokens is None else max(settings.ctx, settings.max_tokens // 2 // settings.ctx * settings.ctx)
+    out = []
+    for side, files in enumerate(halves):
+        half = TuneSettings(keeps=settings.keeps, methods=methods, calibration=tuple(files), heldout=settings.heldout, ctx=settings.ctx,
+                            max_tokens=max_tokens, threads=settings.threads, seed=settings.seed)
+        out.append(_scores(model, layout, half, work / f"half{side}", on_event)[0])
+    return out
+
+
 def tune(source: Path, settings: TuneSettings, out_dir: Path, *, on_event: Sink = ignore) -> TuneResult:
     """Run the tournament and write tune.json, tune.md, tune-kld.png, candidates/ and expert-selection.json under `out_dir`."""
     from ggufcarve.gguf.container import read_model
@@ -151,6 +196,11 @@ def _tune(model: Any, layout: Any, settings: TuneSettings, out_dir: Path, work: 
     timings: dict[str, float] = {}
     scores, passed = _scores(model, layout, settings, work, on_event)
     timings["calibration_seconds"] = passed.get("seconds", 0.0)
+    halves: list[dict[str, Any]] = []
+    if settings.stability:
+        started_halves = time.perf_counter()
+        halves = _half_scores(model, layout, settings, work, on_event)
+        timings["stability_seconds"] = time.perf_counter() - started_halves
     candidates: list[dict[str, Any]] = []
     seen: dict[tuple, str] = {}
     keep_of: dict[str, dict[str, list[int]]] = {}
@@ -166,6 +216,9 @@ def _tune(model: Any, layout: Any, settings: TuneSettings, out_dir: Path, work: 
             write_text_atomic(out_dir / "candidates" / f"{cid}.json", text)
             key = tuple(sorted(selection.keepset.layers.items()))
             entry: dict[str, Any] = {"id": cid, "method": method, "K": k, "identical_to": seen.get(key)}
+            if halves and method in halves[0]:
+                a, b = ({str(blk): list(ids) for blk, ids in choose(h[method], k).keepset.layers.items()} for h in halves)
+                entry["stability"] = overlap(a, b)
             if key not in seen:
                 seen[key] = cid
                 keep_of[cid] = {str(b): list(ids) for b, ids in sorted(selection.keepset.layers.items())}
@@ -209,7 +262,7 @@ def _tune(model: Any, layout: Any, settings: TuneSettings, out_dir: Path, work: 
     report = envelope(REPORT, inputs=[{"kind": "model", "name": model.path.name}, *({"kind": "calibration", "name": p.name} for p in settings.calibration),
                                       *({"kind": "heldout", "name": p.name} for p in settings.heldout)],
                       parameters={"keeps": list(settings.keeps), "methods": list(settings.methods), "ctx": settings.ctx, "chunks": settings.chunks,
-                                  "max_tokens": settings.max_tokens, "seed": settings.seed},
+                                  "max_tokens": settings.max_tokens, "seed": settings.seed, "stability": settings.stability},
                       results=results, timings=timings)
     write_text_atomic(out_dir / "tune.json", json.dumps(report, indent=1, sort_keys=True, allow_nan=False) + "\n")
     write_text_atomic(out_dir / "tune.md", render_markdown(report))
@@ -252,14 +305,19 @@ def render_markdown(report: dict[str, Any]) -> str:
              f"Mean KLD against the unpruned model (llama-perplexity's statistics), pruned experts masked out of routing; "
              f"ctx {report['parameters']['ctx']}, held-out: {', '.join(Path(f['path']).name for f in report['heldout'])}. "
              "Candidates stopped early were scored on fewer chunks (successive halving): compare them by round, not with the finalists.", ""]
+    stable = any("stability" in c for c in report["candidates"])
+    if stable:
+        lines += ["Halves overlap: the method's keep-sets from the first and from the second half of the calibration text, "
+                  "mean over blocks of |A∩B|/K (1: the calibration decided every choice; near K/experts: chance).", ""]
     for k in report["keeps"]:
         lines += [f"## K = {k} of {report['model']['expert_count']}", "",
-                  "| rank | method | mean KLD | ± | 99.9% KLD | same top p | PPL | chunks | stopped early | identical to |",
-                  "|---:|---|---:|---:|---:|---:|---:|---:|---|---|"]
+                  f"| rank | method | mean KLD | ± | 99.9% KLD | same top p | PPL | chunks | stopped early | identical to |{' halves overlap |' if stable else ''}",
+                  f"|---:|---|---:|---:|---:|---:|---:|---:|---|---|{'---:|' if stable else ''}"]
         for rank, c in enumerate(ranked(report["candidates"], k), 1):
             name = f"**{c['method']}**" if c["winner"] else c["method"]
+            overlap_cell = (f" {c['stability']['overlap']:.3f} |" if "stability" in c else " |") if stable else ""
             lines.append(f"| {rank} | {name} | {c['kld_mean']:.4f} | {c['kld_mean_stderr']:.4f} | {c['kld_p999']:.4f} | {100 * c['same_top_p']:.2f}% | "
-                         f"{c['ppl']:.4f} | {c['chunks_scored']} | {'yes' if c['stopped_early'] else 'no'} | {c['identical_to'] or ''} |")
+                         f"{c['ppl']:.4f} | {c['chunks_scored']} | {'yes' if c['stopped_early'] else 'no'} | {c['identical_to'] or ''} |{overlap_cell}")
         lines.append("")
     lines.append(f"Winner written as expert-selection.json: {report['winner']}.")
     return "\n".join(lines) + "\n"
