@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from ggufcarve.tune.protocol import schedule
+from ggufcarve.tune.run import cliff, knee
 from tests.clirun import ggufcarve
 
 DATA = Path(__file__).resolve().parent.parent / "ggufcarve" / "demo" / "data"
@@ -24,6 +25,24 @@ def test_halving_schedule_ends_with_two_finalists_on_every_chunk():
     assert schedule(5, 2) == [(5, 1), (3, 2)]  # too few chunks to halve down to two
 
 
+def test_knee_is_where_the_slope_of_kld_against_k_rises_most():
+    # flat from K=8 up, steep below: slopes -0.5, -0.05, -0.01 -> rises 0.45 at 4, 0.04 at 8
+    assert knee([(2, 1.5), (4, 0.5), (8, 0.3), (16, 0.22)]) == 4
+    assert knee([(16, 0.22), (4, 0.5), (2, 1.5), (8, 0.3)]) == 4  # order given does not matter
+    # a straight line then a drop: the knee at the K after which the curve turns flat
+    assert knee([(1, 3.0), (2, 2.0), (3, 1.0), (4, 0.9), (5, 0.85)]) == 3
+    assert knee([(4, 0.5), (8, 0.3)]) is None  # fewer than 3 K: no knee
+
+
+def test_cliff_reports_each_method_and_the_best_per_k():
+    candidates = [{"method": m, "K": k, "kld_mean": y} for m, k, y in
+                  [("reap", 2, 1.0), ("reap", 4, 0.4), ("reap", 8, 0.3), ("weights", 2, 2.0), ("weights", 4, 1.8), ("weights", 8, 0.2)]]
+    got = cliff(candidates, ("reap", "weights"), (2, 4, 8))
+    assert got["methods"]["reap"] == {"K": 4, "curve": [[2, 1.0], [4, 0.4], [8, 0.3]]}
+    assert got["methods"]["weights"]["K"] == 4 and got["best"]["curve"] == [[2, 1.0], [4, 0.4], [8, 0.2]]
+    assert got["best"]["K"] == 4
+
+
 @pytest.mark.slow
 def test_tune_winner_equals_eval_of_the_pruned_file(tmp_path):
     out = tmp_path / "tune"
@@ -37,6 +56,7 @@ def test_tune_winner_equals_eval_of_the_pruned_file(tmp_path):
     for cid in candidates:
         assert (out / "candidates" / f"{cid}.json").is_file()
     assert "## K = 8 of 16" in (out / "tune.md").read_text()
+    assert report["cliff"]["methods"]["reap"] == {"K": None, "curve": [[8, candidates["reap-8"]["kld_mean"]]]}  # one K: no knee
     assert (out / "tune-kld.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     winner = candidates[report["winner"]]
     assert winner["winner"] and winner["chunks_scored"] == CHUNKS and not winner["stopped_early"]

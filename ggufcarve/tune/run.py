@@ -255,6 +255,7 @@ def _tune(model: Any, layout: Any, settings: TuneSettings, out_dir: Path, work: 
         "winner": winner,
         "winners": {str(k): g["winner"] for k, g in zip(settings.keeps, scored["groups"])},
         "halving": scored["groups"],
+        "cliff": cliff(candidates, settings.methods, settings.keeps),
         "candidates": candidates,
         "kld_method": "llama-perplexity's --kl-divergence from the unpruned model's full log-probs (base records, 16 bits), the pruned experts masked out of routing",
     }
@@ -295,6 +296,33 @@ def _statistics(work: Path, cid: str, n_files: int) -> dict[str, Any]:
             "ppl": stats.ppl, "ppl_stderr": stats.ppl_stderr, "ppl_base": stats.ppl_base, "tokens": stats.count, "kld_mean_per_file": per_file}
 
 
+CLIFF_RULE = ("the K with the largest rise in slope of mean KLD against K: over the K given in ascending order, "
+              "(slope to the next K) - (slope from the previous K); at least 3 K, else none")
+
+
+def knee(points: list[tuple[int, float]]) -> int | None:
+    """The K of `points` (K, mean KLD) where the slope of KLD against K rises most (`CLIFF_RULE`):
+    below it KLD climbs steeply as experts are dropped, above it the curve is flat."""
+    points = sorted(points)
+    best, best_rise = None, None
+    for (k0, y0), (k1, y1), (k2, y2) in zip(points, points[1:], points[2:]):
+        rise = (y2 - y1) / (k2 - k1) - (y1 - y0) / (k1 - k0)
+        if best_rise is None or rise > best_rise:
+            best, best_rise = k1, rise
+    return best
+
+
+def cliff(candidates: list[dict[str, Any]], methods: tuple[str, ...], keeps: tuple[int, ...]) -> dict[str, Any]:
+    """Per method and for the best candidate per K: the curve of mean KLD against K and its knee."""
+    out: dict[str, Any] = {"rule": CLIFF_RULE, "methods": {}}
+    for method in methods:
+        curve = sorted((c["K"], c["kld_mean"]) for c in candidates if c["method"] == method)
+        out["methods"][method] = {"K": knee(curve), "curve": [list(p) for p in curve]}
+    best = sorted((k, min(c["kld_mean"] for c in candidates if c["K"] == k)) for k in keeps)
+    out["best"] = {"K": knee(best), "curve": [list(p) for p in best]}
+    return out
+
+
 def ranked(candidates: list[dict[str, Any]], k: int) -> list[dict[str, Any]]:
     """The candidates of one K: the most chunks first (the finalists), then by mean KLD."""
     return sorted((c for c in candidates if c["K"] == k), key=lambda c: (-c["chunks_scored"], c["kld_mean"], c["id"]))
@@ -318,6 +346,15 @@ def render_markdown(report: dict[str, Any]) -> str:
             overlap_cell = (f" {c['stability']['overlap']:.3f} |" if "stability" in c else " |") if stable else ""
             lines.append(f"| {rank} | {name} | {c['kld_mean']:.4f} | {c['kld_mean_stderr']:.4f} | {c['kld_p999']:.4f} | {100 * c['same_top_p']:.2f}% | "
                          f"{c['ppl']:.4f} | {c['chunks_scored']} | {'yes' if c['stopped_early'] else 'no'} | {c['identical_to'] or ''} |{overlap_cell}")
+        lines.append("")
+    cliff_of = report.get("cliff")
+    if cliff_of and len(report["keeps"]) >= 3:
+        lines += ["## Cliff", "", f"Knee of mean KLD against K ({cliff_of['rule']}); candidates stopped early enter with their fewer-chunk mean.", "",
+                  "| method | knee K | mean KLD at each K |", "|---|---:|---|"]
+        rows = [*cliff_of["methods"].items(), ("best per K", cliff_of["best"])]
+        for method, entry in rows:
+            curve = ", ".join(f"{k}: {y:.4f}" for k, y in entry["curve"])
+            lines.append(f"| {method} | {entry['K'] if entry['K'] is not None else ''} | {curve} |")
         lines.append("")
     lines.append(f"Winner written as expert-selection.json: {report['winner']}.")
     return "\n".join(lines) + "\n"
