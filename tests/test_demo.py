@@ -37,7 +37,7 @@ def test_demo_runs_end_to_end_and_resumes(tmp_path):
     assert {r["model"]["pruned"] for r in results} == {True, False}
     verified = ggufcarve("verify", release)
     assert verified.code == 0
-    from test_card import hub_problems
+    from hub import hub_problems
 
     front, problems = hub_problems(release)
     assert problems == ["no base_model"], problems  # trained from scratch: no base model, and the card does not invent one
