@@ -7,6 +7,7 @@ Examples:
     ggufcarve eval model-Q4_K_M.gguf --reference model-Q8_0.gguf --heldout heldout.txt --cross-check -o evaluation/
     ggufcarve eval release/ --reference model-Q8_0.gguf --heldout heldout.txt --qa evaluation/qa -o release/evaluation && ggufcarve card release/
     ggufcarve eval release/ --reference model-Q8_0.gguf --heldout heldout.txt --strict -o evaluation/      (exit 1 when a model fails the gate: for CI)
+    ggufcarve eval release/ --reference model-Q8_0.gguf --heldout wiki.txt --heldout code.txt --gate-segments every -o evaluation/      (each file reported as its own segment)
 """
 
 from __future__ import annotations
@@ -25,11 +26,12 @@ def eval_command(
     models: Annotated[list[Path], typer.Argument(help="GGUF files, first shards of split sets, or release directories (every rung of the manifest).")],
     reference: Annotated[Path, typer.Option("--reference", help="The unpruned model (GGUF), a llama-perplexity --kl-divergence-base file or a top-k cache (.reflogp).")],
     output: Annotated[Path, typer.Option("-o", "--output", help="Output directory: <model>.json per model, summary.md, charts.")],
-    heldout: Annotated[Path | None, typer.Option("--heldout", help="Held-out text scored by every model (needed with a GGUF reference).")] = None,
+    heldout: Annotated[list[Path] | None, typer.Option("--heldout", help="Held-out text scored by every model (needed with a GGUF reference); repeatable: each file is its own segment, reported beside the overall figures.")] = None,
     ctx: Annotated[int, typer.Option("--ctx", help="Context (tokens per chunk), as llama-perplexity -c.")] = 512,
-    chunks: Annotated[int | None, typer.Option("--chunks", help="Score at most this many chunks (default: the whole text).")] = None,
+    chunks: Annotated[int | None, typer.Option("--chunks", help="Score at most this many chunks of each held-out file (default: the whole text).")] = None,
     qa: Annotated[Path | None, typer.Option("--qa", help="QA suite: a .jsonl file or a directory of them (e.g. evaluation/qa).")] = None,
     gate: Annotated[Path | None, typer.Option("--gate", help="Gate thresholds (TOML; default evaluation/gate.toml).")] = None,
+    gate_segments: Annotated[str | None, typer.Option("--gate-segments", help="With several --heldout files: every (a model fails when any file fails the gate) or overall (the files' verdicts are only reported). Default: the gate file's `segments`, else overall.")] = None,
     threads: Annotated[int | None, typer.Option("--threads", "-t", help="CPU threads (default: the physical cores).")] = None,
     top_k: Annotated[int | None, typer.Option("--top-k", help="Cache only the reference's top-K log-probs per token (and sampled tail tokens): a small cache, an estimated KLD. Default: every token, as llama-perplexity keeps them.")] = None,
     tail_samples: Annotated[int, typer.Option("--tail-samples", help="With --top-k: tail tokens sampled per token; the KLD estimate is unbiased and its sampling error is printed (0: a lower bound).")] = 32,
@@ -52,7 +54,7 @@ def eval_command(
 
     settings, warnings = eval_settings(ctx=ctx, chunks=chunks, threads=threads, top_k=top_k, speed_runs=speed_runs, speed_engine=speed_engine, gate=gate, qa=qa,
                                        cross_check=cross_check, llama_cpp=llama_cpp, cache=cache, kl_base_out=save_kl_base,
-                                       tail_samples=tail_samples)
+                                       tail_samples=tail_samples, gate_segments=gate_segments)
     for warning in warnings:
         warn(warning)
     entries = resolve_models(models)
@@ -81,6 +83,8 @@ def eval_command(
             if isinstance(c.get("kld_mode"), dict) and c["kld_mode"].get("kld_mean") is not None:
                 line += f", mean KLD {c['kld_mode']['kld_mean']:.6f}"
         out.print(line + f" — {r['gate'] or 'no gate'}" + (f" ({'; '.join(r['gate_failed'])})" if r.get("gate_failed") else ""), highlight=False, soft_wrap=True)
+        for s in r.get("segments") or []:
+            out.print(escape(_segment_line(s)), highlight=False, soft_wrap=True)
     err.print(f"wrote {len(run.files)} files to {output} (reference {run.reference.label}{', cached log-probs' if run.reference.cached else ''})", highlight=False)
     if evaluated.records:
         err.print(f"recorded {len(evaluated.records)} evaluation files in {evaluated.release / 'quant-manifest.json'} and SHA256SUMS", highlight=False)
@@ -94,6 +98,17 @@ def _strict_exit(strict: bool, results: list[dict]) -> None:
         err.print(f"[bold red]strict:[/] {len(failed)} of {len(results)} models failed the gate: "
                   + escape("; ".join(f"{r['model']['name']} ({', '.join(r.get('gate_failed') or [])})" for r in failed)), highlight=False, soft_wrap=True)
         raise typer.Exit(1)
+
+
+def _segment_line(s: dict) -> str:
+    """One held-out file's figures under its model's line."""
+    line = (f"  {s['name']}: PPL {s['ppl']:.4f} ({round(s['ppl_delta_percent'], 2) + 0.0:+.2f}%), mean KLD {s['kld_mean']:.6f} ± {s['kld_mean_stderr']:.6f}, "
+            f"99.9% KLD {s['kld_p999']:.6f}, same top p {100 * s['same_top_p']:.2f}%, {s['tokens']} tokens")
+    if s.get("cross_check"):
+        line += f"; llama-perplexity PPL {s['cross_check']['ppl']:.4f} ({'agrees' if s['cross_check']['ppl_agrees'] else 'DIFFERS'})"
+    if s.get("gate"):
+        line += f" — {s['gate']}" + (f" ({'; '.join(s['gate_failed'])})" if s.get("gate_failed") else "")
+    return line
 
 
 def _kld_text(r: dict) -> str:

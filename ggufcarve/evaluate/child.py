@@ -33,8 +33,10 @@ def _progress(task: str, done: int, total: int) -> None:
     child.progress(task, done, total, "chunks" if task == CHUNK_TASK else "steps")
 
 
-def _score(engine, request: Request, result: dict) -> np.ndarray | None:
-    """Score every chunk; the tokens scored, or None when the input is refused (`result["bad_input"]` says why)."""
+def _score(engine, request: Request, result: dict, span: tuple[int, int] | None = None) -> np.ndarray | None:
+    """Score every chunk; the tokens scored, or None when the input is refused (`result["bad_input"]` says why).
+
+    `span` (chunks scored before these, chunks in all) places the progress within several segments."""
     from ggufcarve.evaluate import kld
     from ggufcarve.evaluate.perplexity import (
         chunk_tokens,
@@ -81,15 +83,16 @@ def _score(engine, request: Request, result: dict) -> np.ndarray | None:
     n_seq = max(1, PERPLEXITY_BATCH // chunking.n_ctx)
     context = engine.context(chunking.n_ctx, n_seq, min(PERPLEXITY_BATCH, n_seq * chunking.n_ctx))
     started = time.perf_counter()
+    before, total = span or (0, chunking.n_chunk)
     try:
-        _progress(CHUNK_TASK, 0, chunking.n_chunk)
+        _progress(CHUNK_TASK, before, total)
         for group in range(0, chunking.n_chunk, n_seq):
             indices = range(group, min(chunking.n_chunk, group + n_seq))
             group_logits = context.chunk_logits([chunk_tokens(tokens, chunking, i, engine.add_bos, engine.bos) for i in indices], chunking.first)
             for index, logits in zip(indices, group_logits):
                 _score_chunk(index, logits[: chunking.scored_per_chunk], scored_targets(tokens, chunking, index), request, reference,
                              reference_chunks, cache, base, table_file)
-                _progress(CHUNK_TASK, index + 1, chunking.n_chunk)
+                _progress(CHUNK_TASK, before + index + 1, total)
     finally:
         context.close()
         for writer in (cache, base):
@@ -99,6 +102,35 @@ def _score(engine, request: Request, result: dict) -> np.ndarray | None:
             table_file.close()
     result["score_seconds"] = time.perf_counter() - started
     return tokens
+
+
+def _score_segments(engine, request: Request, result: dict) -> np.ndarray | None:
+    """Score each segment's reference file in turn into its own table (`_score`); result["segments"]
+    holds each one's chunking, the top level their sums. The first segment's tokens, or None when
+    one is refused."""
+    from dataclasses import replace
+
+    from ggufcarve.evaluate import kld
+
+    counts = []
+    for segment in request.segments or []:
+        n_chunk = kld.open_reference(Path(segment["reference_in"])).n_chunk
+        counts.append(min(n_chunk, request.max_chunks) if request.max_chunks else n_chunk)
+    result["segments"] = []
+    first = None
+    for number, segment in enumerate(request.segments or []):
+        part: dict = {}
+        tokens = _score(engine, replace(request, reference_in=segment["reference_in"], table_out=segment["table_out"], segments=None), part,
+                        (sum(counts[:number]), sum(counts)))
+        result["segments"].append(part)
+        if tokens is None:
+            result["bad_input"] = part["bad_input"]
+            return None
+        first = tokens if first is None else first
+    parts = result["segments"]
+    result.update(n_tokens=sum(p["n_tokens"] for p in parts), n_ctx=parts[0]["n_ctx"], n_chunk=sum(p["n_chunk"] for p in parts),
+                  add_bos=parts[0]["add_bos"], bos=parts[0]["bos"], score_seconds=sum(p["score_seconds"] for p in parts))
+    return first
 
 
 def _too_little_space(sizes: dict[Path, int]) -> dict | None:
@@ -152,7 +184,9 @@ def _evaluate(request: Request, out: Path) -> None:
         result["load_seconds"] = time.perf_counter() - started
         result["n_vocab"] = engine.n_vocab
         tokens = None
-        if request.text or request.reference_in:
+        if request.segments:
+            tokens = _score_segments(engine, request, result)
+        elif request.text or request.reference_in:
             tokens = _score(engine, request, result)
         if "bad_input" not in result and request.speed is not None:
             from ggufcarve.evaluate.speed import SpeedSettings, measure

@@ -11,6 +11,11 @@ A gate file holds top-level keys (or the same keys under a `[gate]` table), each
 
 A criterion whose measurement was not made (no QA suite, no speed run) is listed as not measured
 and does not fail the gate.
+
+With several held-out files each file (segment) is judged on its own by the criteria it measures
+(PPL, KLD, Δp, same top p) beside the overall verdict. The key `segments` (a string) says what the
+segments' verdicts do: "overall" (the default) reports them only; "every" fails a model when any
+segment fails, its failed criteria named "FILE: criterion ...".
 """
 
 from __future__ import annotations
@@ -55,10 +60,14 @@ CRITERIA: dict[str, tuple[Callable[[dict], Any], str]] = {
 }
 
 
+SEGMENT_MODES = ("overall", "every")  # the gate's `segments` key: what a failed segment does to the model's verdict
+
+
 @dataclass(frozen=True)
 class Gate:
     thresholds: dict[str, float]
     source: str  # the gate file's name
+    segments: str = "overall"  # SEGMENT_MODES
 
     def judge(self, measurements: dict) -> Verdict:
         failed, passed, not_measured = [], [], []
@@ -105,10 +114,15 @@ def load_gate(path: Path) -> Gate:
     if not isinstance(table, dict):
         raise BadInput(f"{path}: [gate] must be a table", "see evaluation/gate.toml")
     thresholds: dict[str, float] = {}
+    segments = table.get("segments", "overall")
+    if segments not in SEGMENT_MODES:
+        raise BadInput(f"{path}: gate key 'segments' must be one of {', '.join(SEGMENT_MODES)}, got {segments!r}", "every: a model fails when any held-out file fails")
     for key, value in table.items():
+        if key == "segments":
+            continue
         if key not in CRITERIA:
-            raise BadInput(f"{path}: unknown gate key '{key}'", f"known keys: {', '.join(CRITERIA)}")
+            raise BadInput(f"{path}: unknown gate key '{key}'", f"known keys: {', '.join(CRITERIA)}, segments")
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise BadInput(f"{path}: gate key '{key}' must be a number, got {value!r}", "for example max_kld_mean = 0.1")
         thresholds[key] = float(value)
-    return Gate(thresholds, Path(path).name)
+    return Gate(thresholds, Path(path).name, segments)

@@ -534,3 +534,19 @@ def kld_statistics(table: np.ndarray) -> KldStatistics:
         same_top_p=same, same_top_p_stderr=math.sqrt(same * (1 - same) / (count - 1)),
         kld_tail_stderr=math.sqrt(float(table[:, TAIL_VARIANCE].sum())) / count,
     )
+
+
+SEGMENT_KEYS = ("kld_mean", "kld_mean_stderr", "kld_p999", "same_top_p", "ppl", "tokens")  # a segment record's figures besides its name
+
+
+def segment_statistics(name: str, table: np.ndarray) -> dict:
+    """One held-out file's record as eval, tune and best report it (its `name` and SEGMENT_KEYS) from
+    its per-token table: kld_statistics' figures, ppl as `perplexity.perplexity` of the NLL column
+    (eval's PPL); the figures are None below two scored tokens."""
+    from ggufcarve.evaluate.perplexity import perplexity
+
+    if table.shape[0] < 2:
+        return {"name": name, **{key: None for key in SEGMENT_KEYS}, "tokens": int(table.shape[0])}
+    stats = kld_statistics(table)
+    return {"name": name, "kld_mean": stats.kld_mean, "kld_mean_stderr": stats.kld_mean_stderr, "kld_p999": stats.kld["p999"],
+            "same_top_p": stats.same_top_p, "ppl": perplexity(table[:, NLL]).ppl, "tokens": stats.count}

@@ -52,6 +52,7 @@ class Request:
     base_out: str | None = None  # this model's llama-perplexity base file
     speed: dict | None = None  # SpeedSettings fields
     qa: list[dict] | None = None  # QA checks as plain dicts (ggufcarve.evaluate.qa)
+    segments: list[dict] | None = None  # instead of reference_in/table_out: per held-out file {"reference_in", "table_out"}, scored in order
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

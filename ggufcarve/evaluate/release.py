@@ -9,7 +9,8 @@ run pipeline's evaluate stage both call these.
 from __future__ import annotations
 
 import shutil
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -40,14 +41,17 @@ def eval_settings(
     llama_cpp: Path | None = None,
     cache: Path | None = None,
     kl_base_out: Path | None = None,
+    gate_segments: str | None = None,
 ) -> tuple[Any, list[str]]:
     """EvalSettings from the options of `ggufcarve eval` (and of a plan's [evaluation]), and the
     warnings to show: no gate given and none beside the installation.
 
     `top_k` None keeps every token's reference log-prob (llama-perplexity's base file: the KLD is
     llama-perplexity's); a K keeps a top-K cache with `tail_samples` sampled tail tokens per token
-    (an unbiased estimate of the KLD whose sampling error is reported; 0: a lower bound)."""
-    from ggufcarve.evaluate.gate import default_gate_path, load_gate
+    (an unbiased estimate of the KLD whose sampling error is reported; 0: a lower bound).
+    `gate_segments` (every, overall) replaces the gate file's `segments`: with several held-out
+    files, whether a model fails when any one of them fails the gate."""
+    from ggufcarve.evaluate.gate import SEGMENT_MODES, default_gate_path, load_gate
     from ggufcarve.evaluate.protocol import DEFAULT_TAIL_SAMPLES, DEFAULT_TOP_K, REFERENCE_FULL, REFERENCE_TOPK, EvalSettings
     from ggufcarve.evaluate.speed import DEFAULT_RUNS, ENGINES, SpeedSettings
     from ggufcarve.llama.tools import physical_cores
@@ -60,12 +64,16 @@ def eval_settings(
         raise BadInput(f"--tail-samples {tail_samples}: must be 0 (a lower bound) or at least 2 (their spread measures the estimate's error)", f"for example --tail-samples {DEFAULT_TAIL_SAMPLES}")
     if speed_engine not in ENGINES:
         raise BadInput(f"--speed-engine {speed_engine}: not one of {', '.join(ENGINES)}", "auto uses llama-bench when `ggufcarve toolchain build` has compiled it")
+    if gate_segments is not None and gate_segments not in SEGMENT_MODES:
+        raise BadInput(f"--gate-segments {gate_segments}: not one of {', '.join(SEGMENT_MODES)}", "every: a model fails when any held-out file fails the gate")
     warnings = []
     if gate is None and not default_gate_path().exists():
         warnings.append(f"no gate: {default_gate_path().name} is not beside this installation (give --gate FILE)")
         gate_rules = None
     else:
         gate_rules = load_gate(gate or default_gate_path())
+        if gate_segments is not None:
+            gate_rules = replace(gate_rules, segments=gate_segments)
     qa_checks = None
     if qa is not None:
         from ggufcarve.evaluate.qa import load_suite
@@ -87,13 +95,14 @@ def published_files(directory: Path) -> list[Path]:
     return [p for p in sorted(directory.rglob("*")) if p.is_file() and not any(part.startswith(".") for part in p.relative_to(directory).parts)]
 
 
-def evaluate_release(models: list[Path], reference: Path, heldout: Path | None, settings: Any, output: Path, on_event: Sink = ignore, *, replace: bool = False) -> EvaluatedRelease:
+def evaluate_release(models: list[Path], reference: Path, heldout: Path | Sequence[Path] | None, settings: Any, output: Path, on_event: Sink = ignore, *, replace: bool = False) -> EvaluatedRelease:
     """Evaluate `models` (GGUF files or release directories) against `reference` into `output`,
     then record the written files in the release that holds `output`, if one does.
 
     `replace`: `output` is filled under a hidden temp name and then takes the place of the old
     directory as a whole (results of models not evaluated now must not stay published beside
-    these); otherwise the files are written into `output` beside what it holds."""
+    these); otherwise the files are written into `output` beside what it holds. `heldout`: one
+    file, or several scored as segments (`evaluate.run`)."""
     from ggufcarve.evaluate.models import resolve_models
     from ggufcarve.evaluate.run import evaluate
     from ggufcarve.fileio import make_temp_dir, remove_dead_temps

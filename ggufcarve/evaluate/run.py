@@ -7,6 +7,11 @@ holds; with the "topk" store as a top-k cache), a top-k cache file, or a llama-p
 `--kl-divergence-base` file (its tokens are scored; no held-out text needed). Each model is loaded
 once in a child process that scores every chunk against the reference, measures speed and answers
 the QA checks.
+
+Several held-out files are segments: each is scored against its own reference log-probs (cached
+per text), chunked on its own (the chunk limit applies per file) and reported as its own record
+(`segments`, in the order given); the overall statistics are those of the segments' per-token
+tables concatenated, as llama-perplexity computes them over the chunks of all the texts.
 """
 
 from __future__ import annotations
@@ -17,8 +22,9 @@ import os
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from contextlib import ExitStack
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -43,6 +49,27 @@ class EvalRun:
     reference: Reference
     out_dir: Path
     files: list[Path] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One held-out file scored on its own: the file's record (name, bytes, sha256) and its reference log-probs."""
+
+    heldout: dict
+    reference: Reference
+
+
+# a segment record's figures beyond `kld.SEGMENT_KEYS`, under the per-model contract's names
+SEGMENT_EXTRA = ("ppl_stderr", "ppl_reference", "ppl_delta_percent", "kld_median", "kld_p99", "kld_max", "kld_tail_stderr", "rms_dp")
+
+
+def heldout_files(heldout: Path | Sequence[Path] | None) -> list[Path]:
+    """The held-out files as a list: none, one path, or several."""
+    if heldout is None:
+        return []
+    if isinstance(heldout, (str, os.PathLike)):
+        return [Path(heldout)]
+    return [Path(p) for p in heldout]
 
 
 def _sha256_of(entry: ModelEntry, sink: Sink) -> str:
@@ -111,8 +138,14 @@ def reference_cache_dir(settings: EvalSettings) -> Path:
     return settings.cache_dir or cache_root() / "reference-logprobs"
 
 
-def reference_disk_bytes(reference: Path, heldout: Path | None, settings: EvalSettings, sink: Sink = ignore, *, hash_reference: bool = True) -> int:
-    """At most the bytes the reference's log-probs take on disk in this run (0 when they are cached or given as a file).
+def reference_disk_bytes(reference: Path, heldout: Path | Sequence[Path] | None, settings: EvalSettings, sink: Sink = ignore, *, hash_reference: bool = True) -> int:
+    """At most the bytes the reference's log-probs take on disk in this run (0 when they are cached or given as a file),
+    summed over the held-out files (one cache each)."""
+    return sum(_reference_disk_bytes(reference, path, settings, sink, hash_reference=hash_reference) for path in heldout_files(heldout))
+
+
+def _reference_disk_bytes(reference: Path, heldout: Path | None, settings: EvalSettings, sink: Sink = ignore, *, hash_reference: bool = True) -> int:
+    """reference_disk_bytes of one held-out file.
 
     Without `hash_reference` (a dry run) the reference is not read to learn its sha256: a cache is
     found only when the digest is already known, otherwise the cache's full size is counted.
@@ -317,17 +350,24 @@ def _spreads(speed: dict | None) -> dict:
 
 
 def evaluate_model(entry: ModelEntry, reference: Reference, settings: EvalSettings, work: Path, sink: Sink = ignore,
-                   reference_qa: list[dict] | None = None) -> dict:
-    """Score one model against the reference (and time it, and ask it the QA checks): the per-model result document."""
+                   reference_qa: list[dict] | None = None, segments: Sequence[Segment] | None = None) -> dict:
+    """Score one model against the reference (and time it, and ask it the QA checks): the per-model result document.
+
+    With `segments` each is scored against its own reference (`reference` then names them all) and
+    reported under "segments"; the overall figures are those of their tables concatenated."""
 
     started = time.monotonic()
-    table_path = work / f"{entry.name}.tokens.f64"
+    if segments:
+        table_paths = [work / f"{entry.name}.segment{number}.tokens.f64" for number in range(len(segments))]
+        parts = [{"reference_in": str(s.reference.file), "table_out": str(path)} for s, path in zip(segments, table_paths)]
+    else:
+        table_paths, parts = [work / f"{entry.name}.tokens.f64"], None
     bench = None
     if settings.speed is not None and settings.speed.engine != "libllama":
         bench = find_tool("llama-bench", settings.llama_cpp_dir) if settings.speed.engine == "auto" else require_tool("llama-bench", settings.llama_cpp_dir)
     request = Request(model=str(entry.path), threads=settings.threads, n_ctx=settings.ctx, result_out=str(work / f"{entry.name}.result.json"),
-                      reference_in=str(reference.file), max_chunks=settings.chunks, table_out=str(table_path),
-                      speed=asdict(settings.speed) if settings.speed and bench is None else None, qa=settings.qa_checks)
+                      reference_in=None if parts else str(reference.file), max_chunks=settings.chunks, table_out=None if parts else str(table_paths[0]),
+                      speed=asdict(settings.speed) if settings.speed and bench is None else None, qa=settings.qa_checks, segments=parts)
     result = run_child(request, entry.name, sink, work)
     if bench is not None and settings.speed is not None and "bad_input" not in result:
         from ggufcarve.evaluate.speed import bench_speed
@@ -336,8 +376,11 @@ def evaluate_model(entry: ModelEntry, reference: Reference, settings: EvalSettin
         result["speed"] = bench_speed(bench, entry.path, settings.speed, settings.threads).to_json()
     if "bad_input" in result:
         raise BadInput(f"{entry.path.name}: {result['bad_input']}", "compare models of the reference's family")
-    table = np.fromfile(table_path, dtype="<f8").reshape(-1, kld.TOKEN_COLUMNS)
-    table_path.unlink()
+    tables = []
+    for path in table_paths:
+        tables.append(np.fromfile(path, dtype="<f8").reshape(-1, kld.TOKEN_COLUMNS))
+        path.unlink()
+    table = tables[0] if len(tables) == 1 else np.concatenate(tables)
     stats = kld.kld_statistics(table)
     method = kld_method(reference, entry.n_vocab)
     ppl = perplexity(table[:, kld.NLL])
@@ -371,7 +414,31 @@ def evaluate_model(entry: ModelEntry, reference: Reference, settings: EvalSettin
     doc["gate_not_measured"] = verdict.not_measured if verdict else []
     doc["gate_thresholds"] = dict(settings.gate.thresholds) if settings.gate else None
     doc["gate_source"] = settings.gate.source if settings.gate else None
+    if segments:
+        doc["segments"] = [_segment_record(s.heldout["name"], t, part["n_chunk"], method) for s, t, part in zip(segments, tables, result["segments"])]
+        _judge_segments(doc, settings.gate)
     return doc
+
+
+def _segment_record(name: str, table: np.ndarray, chunks: int, method: str) -> dict:
+    """One segment's record: `kld.segment_statistics` (the shape tune and best share), its chunks and SEGMENT_EXTRA."""
+    stats = kld.kld_statistics(table)
+    figures = _contract(stats, perplexity(table[:, kld.NLL]), perplexity(table[:, kld.NLL_BASE]), None, None, method)
+    return {**kld.segment_statistics(name, table), "chunks": chunks, **{key: figures[key] for key in SEGMENT_EXTRA}}
+
+
+def _judge_segments(doc: dict, gate) -> None:
+    """Each segment's own verdict (gate, gate_failed); with the gate's segments "every" a failed segment fails the model."""
+    if gate is None:
+        return
+    for record in doc["segments"]:
+        verdict = gate.judge(record)
+        record["gate"], record["gate_failed"] = verdict.verdict, verdict.failed
+    doc["gate_segments"] = gate.segments
+    failed = [f"{r['name']}: {f}" for r in doc["segments"] for f in r["gate_failed"]]
+    if gate.segments == "every" and failed:
+        doc["gate"] = "FAIL"
+        doc["gate_failed"] = [*doc["gate_failed"], *failed]
 
 
 def reference_outputs(entry: ModelEntry, settings: EvalSettings, work: Path, sink: Sink) -> list[dict]:
@@ -394,8 +461,11 @@ def _heldout_record(heldout: Path | None) -> dict | None:
     return {"name": heldout.name, "bytes": heldout.stat().st_size, "sha256": sha256_file_cached(heldout)}
 
 
-def evaluate(models: list[ModelEntry], reference_path: Path, heldout: Path | None, settings: EvalSettings, out_dir: Path, sink: Sink = ignore) -> EvalRun:
+def evaluate(models: list[ModelEntry], reference_path: Path, heldout: Path | Sequence[Path] | None, settings: EvalSettings, out_dir: Path,
+             sink: Sink = ignore) -> EvalRun:
     """Evaluate every model against the reference; write DIR/<name>.json per model, DIR/summary.md and the charts.
+
+    `heldout`: one file, or several (segments: module docstring).
 
     The files are written together once every model is done, each under its temp name, fsynced and
     renamed (summary.md last): a run that fails or is stopped part way leaves none of them, and
@@ -428,10 +498,27 @@ def _missing_dirs(paths: list[Path]) -> list[Path]:
     return sorted(missing, key=lambda p: len(p.parts), reverse=True)
 
 
-def _evaluate(models: list[ModelEntry], reference_path: Path, heldout: Path | None, settings: EvalSettings, out_dir: Path, sink: Sink) -> EvalRun:
+def _check_segments(files: list[Path], reference_path: Path, settings: EvalSettings) -> None:
+    """Several held-out files need a GGUF reference (a reference file holds one text's log-probs) and distinct names."""
+    if len(files) < 2:
+        return
+    if reference_path.is_file() and _reference_input(reference_path) != "gguf":
+        raise BadInput(f"{reference_path.name} holds the log-probs of one text, and {len(files)} held-out files are given",
+                       "give the reference model (GGUF) as --reference, or one --heldout")
+    if settings.kl_base_out is not None:
+        raise BadInput(f"--save-kl-base writes one text's log-probs, and {len(files)} held-out files are given", "give one --heldout with --save-kl-base")
+    names = [p.name for p in files]
+    twice = next((n for n in names if names.count(n) > 1), None)
+    if twice is not None:
+        raise BadInput(f"two held-out files are named {twice}: each names its segment", "give the held-out files distinct names")
+
+
+def _evaluate(models: list[ModelEntry], reference_path: Path, heldout: Path | Sequence[Path] | None, settings: EvalSettings, out_dir: Path, sink: Sink) -> EvalRun:
     from ggufcarve.evaluate.summary import load_charting, write_summary
     from ggufcarve.fileio import atomic_file
 
+    files = heldout_files(heldout)
+    _check_segments(files, reference_path, settings)
     out_dir.mkdir(parents=True, exist_ok=True)
     # matplotlib (about 0.5 s to import) loads while the libllama children run; the charts need it last
     threading.Thread(target=load_charting, name="ggufcarve-import-charts", daemon=True).start()
@@ -439,22 +526,35 @@ def _evaluate(models: list[ModelEntry], reference_path: Path, heldout: Path | No
         work = Path(tmp)
         if reference_path.is_file() and _reference_input(reference_path) == "gguf":
             check_vocabularies(models, read_entry(reference_path))  # before the reference pass, which can take long
-        reference = prepare_reference(reference_path, heldout, settings, work, sink)
+        segments: list[Segment] = []
+        if len(files) > 1:
+            segments = [Segment(_heldout_record(path), prepare_reference(path=reference_path, heldout=path, settings=settings, work=work, sink=sink)) for path in files]
+            reference = replace(segments[0].reference, cached=all(s.reference.cached for s in segments), seconds=sum(s.reference.seconds for s in segments))
+        else:
+            reference = prepare_reference(reference_path, files[0] if files else None, settings, work, sink)
         check_vocabularies(models, reference.entry, reference.file)
         reference_qa = None
         if settings.qa_checks is not None and reference.entry is not None:
             reference_qa = reference_outputs(reference.entry, settings, work, sink)
         cross = None
+        crosses = []
         if settings.cross_check:
             from ggufcarve.evaluate.crosscheck import CrossCheck
 
-            cross = CrossCheck.prepare(reference_path, reference, heldout, settings, work, sink)
+            if segments:  # llama-perplexity on each file: its figures beside each segment's
+                for number, (path, segment) in enumerate(zip(files, segments)):
+                    (work / f"segment{number}").mkdir()
+                    crosses.append(CrossCheck.prepare(reference_path, segment.reference, path, settings, work / f"segment{number}", sink))
+            else:
+                cross = CrossCheck.prepare(reference_path, reference, files[0] if files else None, settings, work, sink)
         results = []
-        held = _heldout_record(heldout)
+        held = [s.heldout for s in segments] if segments else _heldout_record(files[0] if files else None)
         for entry in models:
-            doc = evaluate_model(entry, reference, settings, work, sink, reference_qa)
+            doc = evaluate_model(entry, reference, settings, work, sink, reference_qa, segments)
             if cross is not None:
                 doc["cross_check"] = cross.check(entry, doc, sink)
+            for record, check in zip(doc.get("segments") or [], crosses):
+                record["cross_check"] = check.check(entry, {"ppl": record["ppl"], "parameters": doc["parameters"]}, sink)
             doc["heldout"] = held
             results.append(doc)
     with ExitStack() as staged:  # renamed in reverse order of staging, each only if all were written

@@ -3,6 +3,9 @@
 At equal size: every model is compared with the model of each other family whose size is
 closest (by size ratio); the better one by mean KLD is marked. A model is on the Pareto front
 when no other model is at most its size with a lower mean KLD.
+
+With several held-out files (segments) summary.md adds a table of each model's figures per file
+and size-vs-kld-segments.png the mean KLD against size per file.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from ggufcarve.fileio import format_size, size_unit, write_failed
 
 KLD_CHART = "size-vs-kld.png"
 PPL_CHART = "size-vs-ppl.png"
+SEGMENT_CHART = "size-vs-kld-segments.png"
 SUMMARY = "summary.md"
 
 
@@ -96,9 +100,30 @@ def render_summary(results: list[dict], reference_label: str, charts: list[str])
         name = r["model"]["name"]
         lines.append(f"| {name} | {r['model']['family']} | {format_size(r['model']['bytes'])} | {r['kld_mean']:.6f} | {r['ppl']:.4f} | {'yes' if name in front else ''} | "
                      f"{'; '.join(pairs.get(name, [])) or '–'} |")
+    lines += segment_table(ordered)
     if charts:
         lines += ["", *[f"![{c}]({c})" for c in charts]]
     return "\n".join(lines) + "\n"
+
+
+def segment_table(ordered: list[dict]) -> list[str]:
+    """## Segments: per model its overall figures and each held-out file's; none with one file."""
+    if not any(r.get("segments") for r in ordered):
+        return []
+    modes = {r.get("gate_segments") for r in ordered if r.get("gate_segments")}
+    mode = next(iter(modes)) if len(modes) == 1 else None
+    gate_note = {"every": " The gate requires every file to pass.", "overall": " The gate judges the overall figures; each file's verdict is reported."}.get(mode or "", "")
+    lines = ["", "## Segments", "",
+             "Each held-out file scored on its own against the reference's log-probs on it; *all* is every file's tokens together." + gate_note, "",
+             "| Model | Size | Held-out file | Tokens | PPL | Δ vs reference | mean KLD | ± | 99.9% KLD | same top p | Gate |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in ordered:
+        rows = [("*all*", r, r.get("gate") or "–")]
+        rows += [(s["name"], s, (s.get("gate") or "–") + (" (" + "; ".join(s["gate_failed"]) + ")" if s.get("gate_failed") else "")) for s in r.get("segments") or []]
+        for label, f, gate in rows:
+            tokens = f.get("tokens", (f.get("parameters") or {}).get("scored_tokens"))
+            lines.append(f"| {r['model']['name']} | {format_size(r['model']['bytes'])} | {label} | {tokens} | {f['ppl']:.4f} | {round(f['ppl_delta_percent'], 2) + 0.0:+.2f}% | "
+                         f"{f['kld_mean']:.6f} | {f['kld_mean_stderr']:.6f} | {f['kld_p999']:.6f} | {100 * f['same_top_p']:.2f}% | {gate} |")
+    return lines
 
 
 Stage = Callable[[Path], Path]  # an output's final path -> the temp path to write it to (renamed later)
@@ -140,7 +165,41 @@ def draw_charts(results: list[dict], out_dir: Path, stage: Stage) -> list[str]:
         fig.subplots_adjust(left=0.12, right=0.97, bottom=0.12, top=0.96)
         fig.savefig(stage(out_dir / file_name), format="png")
         names.append(file_name)
+    if any(r.get("segments") for r in results):
+        names.append(_segment_chart(results, out_dir, stage, unit, scale))
     return names
+
+
+def _segment_chart(results: list[dict], out_dir: Path, stage: Stage, unit: str, scale: float) -> str:
+    """size-vs-kld-segments.png: mean KLD against size, one colour per held-out file, one line style per family."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 4.5), dpi=110)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    names = list(dict.fromkeys(s["name"] for r in results for s in r.get("segments") or []))
+    families = sorted({r["model"]["family"] for r in results})
+    styles, markers = ("-", "--", ":", "-."), ("o", "s", "^", "D")
+    values = []
+    for number, name in enumerate(names):
+        colour = f"C{number % 10}"
+        for f_number, family in enumerate(families):
+            series = [(r["model"]["bytes"] / scale, s["kld_mean"]) for r in _by_size([r for r in results if r["model"]["family"] == family])
+                      for s in r.get("segments") or [] if s["name"] == name]
+            if series:
+                values += [y for _, y in series]
+                ax.plot(*zip(*series), color=colour, linestyle=styles[f_number % len(styles)], marker=markers[f_number % len(markers)],
+                        label=f"{name} ({family})" if len(families) > 1 else name)
+    ax.set_xlabel(f"file size ({unit})")
+    ax.set_ylabel("mean KLD vs reference (nats/token)")
+    if values and all(v > 0 for v in values):
+        ax.set_yscale("log")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.subplots_adjust(left=0.12, right=0.97, bottom=0.12, top=0.96)
+    fig.savefig(stage(out_dir / SEGMENT_CHART), format="png")
+    return SEGMENT_CHART
 
 
 def write_summary(results: list[dict], reference_label: str, out_dir: Path, stage: Stage) -> list[Path]:

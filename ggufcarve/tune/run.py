@@ -233,11 +233,11 @@ def _tune(model: Any, layout: Any, settings: TuneSettings, out_dir: Path, work: 
     _check_masked(layout, keep_of, scored, model.path.name)
     timings["reference_seconds"] = scored.get("reference_seconds", 0.0)
     timings["score_seconds"] = scored.get("score_seconds", 0.0)
-    n_files = len(scored["files"])
+    names = [Path(f["path"]).name for f in scored["files"]]
 
     for entry in candidates:
         source_id = entry["identical_to"] or entry["id"]
-        entry.update(_statistics(work, source_id, n_files))
+        entry.update(_statistics(work, source_id, names))
         entry.update(chunks_scored=scored["candidates"][source_id]["chunks"], stopped_early=scored["candidates"][source_id]["stopped_early"],
                      winner=False)
     for g in scored["groups"]:
@@ -286,14 +286,17 @@ def _check_masked(layout: Any, keep_of: dict[str, dict[str, list[int]]], scored:
                                    "score keep-sets by pruning files (ggufcarve prune --keep) and evaluating them")
 
 
-def _statistics(work: Path, cid: str, n_files: int) -> dict[str, Any]:
-    from ggufcarve.evaluate.kld import kld_statistics
+def _statistics(work: Path, cid: str, names: list[str]) -> dict[str, Any]:
+    """A candidate's statistics over every held-out token it was scored on, and each held-out file's
+    own (`segments`: `evaluate.kld.segment_statistics` records, in the order of the files)."""
+    from ggufcarve.evaluate.kld import kld_statistics, segment_statistics
 
-    tables = [np.load(work / f"{cid}-{f}.npy") for f in range(n_files)]
+    tables = [np.load(work / f"{cid}-{f}.npy") for f in range(len(names))]
     stats = kld_statistics(np.concatenate(tables))
-    per_file = [kld_statistics(t).kld_mean if len(t) > 1 else None for t in tables]
+    segments = [segment_statistics(name, t) for name, t in zip(names, tables)]
     return {"kld_mean": stats.kld_mean, "kld_mean_stderr": stats.kld_mean_stderr, "kld_p999": stats.kld["p999"], "same_top_p": stats.same_top_p,
-            "ppl": stats.ppl, "ppl_stderr": stats.ppl_stderr, "ppl_base": stats.ppl_base, "tokens": stats.count, "kld_mean_per_file": per_file}
+            "ppl": stats.ppl, "ppl_stderr": stats.ppl_stderr, "ppl_base": stats.ppl_base, "tokens": stats.count,
+            "kld_mean_per_file": [s["kld_mean"] for s in segments], "segments": segments}
 
 
 CLIFF_RULE = ("the K with the largest rise in slope of mean KLD against K: over the K given in ascending order, "
