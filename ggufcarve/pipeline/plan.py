@@ -22,7 +22,7 @@ evaluation, parsed into a validated `RunPlan` before anything touches disk.
     spec = "q8-to-iq1"                       # a name in ladders/ or a path
 
     [evaluation]
-    heldout = "heldout.txt"                  # reference: the unpruned source unless given
+    heldout = "heldout.txt"                  # or a list: each file its own segment; reference: the unpruned source unless given
     # top_k = 128                            # a small reference cache and an estimated KLD (default: every token, llama-perplexity's KLD)
 
     [card]                                   # or card = false; each key defaults to the GGUF's general.* keys
@@ -86,7 +86,7 @@ class LadderStep:
 
 @dataclass(frozen=True)
 class EvaluationStep:
-    heldout: Path | None
+    heldout: Path | tuple[Path, ...] | None  # one file (a string in the plan), or a list of files: each one a segment
     reference: Path | None  # None: the unpruned source
     ctx: int
     chunks: int | None
@@ -98,6 +98,12 @@ class EvaluationStep:
     tail_samples: int | None  # with top_k: tail tokens sampled per token
     compare: tuple[Path, ...]  # more models evaluated against the same reference
     unpruned: tuple[str, ...]  # rungs of the ladder spec also quantized from the unpruned source
+
+    @property
+    def heldout_files(self) -> tuple[Path, ...]:
+        if self.heldout is None:
+            return ()
+        return (self.heldout,) if isinstance(self.heldout, Path) else self.heldout
 
 
 @dataclass(frozen=True)
@@ -140,7 +146,7 @@ class RunPlan:
         if self.evaluation is not None:
             e = self.evaluation
             doc["evaluation"] = {
-                "heldout": name(e.heldout), "reference": name(e.reference) or "source", "ctx": e.ctx, "chunks": e.chunks, "qa": name(e.qa),
+                "heldout": name(e.heldout) if not isinstance(e.heldout, tuple) else [p.name for p in e.heldout], "reference": name(e.reference) or "source", "ctx": e.ctx, "chunks": e.chunks, "qa": name(e.qa),
                 "gate": name(e.gate), "speed_runs": e.speed_runs, "speed_engine": e.speed_engine, "top_k": e.top_k, "tail_samples": e.tail_samples, "compare": [p.name for p in e.compare], "unpruned": list(e.unpruned),
             }
         return doc
@@ -325,7 +331,7 @@ def parse_plan(doc: dict[str, Any], base: Path, path: Path | None = None) -> Run
 
         reference = ev_table.string("reference")
         evaluation = EvaluationStep(
-            heldout=ev_table.path("heldout"), reference=None if reference in (None, "source") else ev_table._resolve("reference", reference, True),
+            heldout=ev_table.paths("heldout") if isinstance(ev_table._get("heldout"), list) else ev_table.path("heldout"), reference=None if reference in (None, "source") else ev_table._resolve("reference", reference, True),
             ctx=ev_table.integer("ctx", 512, minimum=2) or 512, chunks=ev_table.integer("chunks", minimum=1), qa=ev_table.path("qa"), gate=ev_table.path("gate"),
             speed_runs=ev_table.integer("speed_runs", DEFAULT_RUNS, minimum=0) or 0, speed_engine=ev_table.string("speed_engine", "auto") or "auto", top_k=ev_table.integer("top_k", minimum=1),
             tail_samples=ev_table.integer("tail_samples", minimum=0),
@@ -335,7 +341,7 @@ def parse_plan(doc: dict[str, Any], base: Path, path: Path | None = None) -> Run
 
         if evaluation.speed_engine not in ENGINES:
             raise BadInput(f"[evaluation]: speed_engine = {evaluation.speed_engine!r} is not one of {', '.join(ENGINES)}", "auto uses llama-bench when the tools have it, else the embedded engine")
-        if evaluation.heldout is None and evaluation.reference is None:
+        if not evaluation.heldout_files and evaluation.reference is None:
             raise BadInput("[evaluation]: no heldout text", "give heldout = \"FILE\" (scored by every model against the unpruned source)")
         _check_rungs(ladder.spec, evaluation.unpruned, "[evaluation] unpruned")
     if source.resolve().parent == output.resolve():

@@ -439,7 +439,7 @@ def _evaluate_stage(ctx: RunContext, ev: EvaluationStep) -> Stage:
     if ev.top_k is not None:
         parameters["tail_samples"] = settings.tail_samples
     gate = ev.gate or default_gate_path()
-    inputs = tuple(p for p in (ev.reference or plan.source, ev.heldout, *ev.compare, gate if gate.exists() else None, *qa_files(ev.qa)) if p is not None)
+    inputs = tuple(p for p in (ev.reference or plan.source, *ev.heldout_files, *ev.compare, gate if gate.exists() else None, *qa_files(ev.qa)) if p is not None)
     return Stage("evaluate", f"PPL, KLD vs the unpruned model, speed{', QA' if ev.qa else ''}, gate", plan.output, parameters, inputs, (f"{EVALUATION_DIR}/",), None, work,
                  publish=publish, later_inputs=lambda: [*rung_files(plan.output), *unpruned()],
                  elsewhere=(reference_cache_dir(settings), reference_bytes) if reference_bytes else None)
@@ -517,7 +517,7 @@ def _record_plan(ctx: RunContext) -> None:
     files = [plan.source, *(plan.calibration.files if plan.calibration else ()), plan.imatrix.file if plan.imatrix else None, plan.selection.keepset,
              plan.selection.protect_file, plan.ladder.spec]
     if ev is not None:
-        files += [ev.heldout, ev.reference, ev.gate, *qa_files(ev.qa), *ev.compare]
+        files += [*ev.heldout_files, ev.reference, ev.gate, *qa_files(ev.qa), *ev.compare]
     inputs = [file_input(shard, ctx.digest_of(shard)) for p in files if p is not None for shard in shards(p)]
     stages = [{"name": r.name, "outputs": r.outputs or sorted(ctx.state.outputs(r.name))} for r in ctx.results]
     doc = envelope("run-plan", inputs=inputs, parameters=plan.to_json(),

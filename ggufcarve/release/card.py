@@ -32,6 +32,7 @@ from ggufcarve.moe.keepset import KEY_KEPT_COUNT, KEY_SOURCE_EXPERT_COUNT
 CARD_NAME = "README.md"
 EVALUATION_DIR = "evaluation"
 KLD_CHART = "size-vs-kld.png"  # evaluate.summary.KLD_CHART
+SEGMENT_CHART = "size-vs-kld-segments.png"  # evaluate.summary.SEGMENT_CHART
 SUMMARY = "summary.md"  # evaluate.summary.SUMMARY
 TAGS = ("gguf", "mixture-of-experts", "expert-pruning")
 SERVER_CONTEXT = 8192  # the llama-server context the card suggests, when the model supports it
@@ -322,7 +323,9 @@ def _calibration_rows(inputs: CardInputs) -> list[str]:
         tokens = f"{chunks * size:,} ({chunks} chunks of {size})" if isinstance(chunks, int) and isinstance(size, int) and chunks and size else "–"
         rows.append(f"| importance matrix ({imatrix.get('name')}) | {datasets} | – | {tokens} |")
     docs = _rung_docs(inputs)
-    if docs:
+    if docs and _segment_names(docs[0]):
+        rows += _segment_rows(docs[0])
+    elif docs:
         doc = docs[0]
         p = doc.get("parameters") or {}
         heldout = doc.get("heldout") if isinstance(doc.get("heldout"), dict) else {}
@@ -334,6 +337,59 @@ def _calibration_rows(inputs: CardInputs) -> list[str]:
     if not rows:
         return []
     return ["| Used for | File | sha256 | Tokens used |", "|---|---|---|---|", *rows]
+
+
+def _segment_names(doc: dict) -> list[str]:
+    """The held-out files an evaluation scored as segments, in order; none with one file."""
+    return [str(s.get("name")) for s in doc.get("segments") or [] if isinstance(s, dict)]
+
+
+def _segment_rows(doc: dict) -> list[str]:
+    """One "evaluation (held out)" row per held-out file of a segmented evaluation."""
+    p = doc.get("parameters") or {}
+    files = {h.get("name"): h for h in doc.get("heldout") or [] if isinstance(h, dict)}
+    rows = []
+    for segment in doc["segments"]:
+        record = files.get(segment.get("name")) or {}
+        digest = f"`{str(record['sha256'])[:12]}`" if record.get("sha256") else "–"
+        chunks, tokens = segment.get("chunks"), segment.get("tokens")
+        used = (f"{chunks * p['ctx']:,} ({chunks} chunks of {p['ctx']}; {tokens:,} scored)"
+                if isinstance(chunks, int) and isinstance(tokens, int) and isinstance(p.get("ctx"), int) else "–")
+        rows.append(f"| evaluation (held out) | {segment.get('name')} | {digest} | {used} |")
+    return rows
+
+
+def _segments(inputs: CardInputs) -> list[str]:
+    """Each evaluated model's mean KLD on each held-out file beside its overall one; none with one file."""
+    docs = sorted((d for d in inputs.evaluation.values() if _segment_names(d) and isinstance(d.get("model", {}).get("bytes"), int)),
+                  key=lambda d: (d["model"]["bytes"], d["model"]["file"]))
+    if not docs:
+        return []
+    names = list(dict.fromkeys(n for d in docs for n in _segment_names(d)))
+    rung_files = {r["files"][0]["name"] for r in inputs.rungs}
+    modes = {d.get("gate_segments") for d in docs if d.get("gate_segments")}
+    lines = ["Each held-out file is scored on its own against the reference (mean KLD, nats per token): a loss that one kind of text "
+             "shows (another language, code, structured output) is not averaged away by the others. *All* is every file's tokens together."]
+    if modes == {"every"}:
+        lines[0] += " The release gate requires every file to pass."
+    elif modes == {"overall"}:
+        lines[0] += " The release gate judges *all*; the files' own verdicts are in each JSON (`segments`)."
+    lines += ["", f"| Model | Size | All | {' | '.join(names)} | Gate |", "|---|---|---|" + "---|" * len(names) + "---|"]
+    for d in docs:
+        by_name = {s.get("name"): s for s in d["segments"] if isinstance(s, dict)}
+        cells = []
+        for n in names:
+            s = by_name.get(n) or {}
+            cell = f"{s['kld_mean']:.6f}" if isinstance(s.get("kld_mean"), (int, float)) else "–"
+            cells.append(cell + (" ✗" if s.get("gate") == "FAIL" else ""))
+        name = f"**{d['model']['file']}**" if d["model"]["file"] in rung_files else d["model"]["file"]
+        lines.append(f"| {name} | {format_size(d['model']['bytes'])} | {d['kld_mean']:.6f} | {' | '.join(cells)} | {d.get('gate') or '–'} |")
+    lines += ["", "Files of this release in bold; ✗: the file fails the gate on its own."]
+    if inputs.evaluation_dir is not None:
+        chart = f"{inputs.evaluation_dir}/{SEGMENT_CHART}"
+        if chart in inputs.linked:
+            lines += ["", f"![File size vs mean KLD on each held-out file]({chart})"]
+    return lines
 
 
 def _pruning_lines(inputs: CardInputs) -> list[str]:
@@ -537,6 +593,9 @@ def render_card(inputs: CardInputs, settings: CardSettings | None = None) -> str
     comparison = _comparison(inputs)
     if comparison:
         lines += ["", "## Pruned vs unpruned", "", *comparison]
+    segments = _segments(inputs)
+    if segments:
+        lines += ["", "## Held-out segments", "", *segments]
     gate = _gate(inputs)
     if gate:
         lines += ["", "## The release gate", "", *gate]
