@@ -5,6 +5,8 @@ on failed asserts); it speaks the child-task protocol of `ggufcarve.llama.child`
 (`ggufcarve.evaluate.protocol.Request`) names the model, the text or the reference file whose
 tokens are scored, and what to write:
   * `table_out`: the per-token table (float64 rows of `kld.TOKEN_COLUMNS`) appended chunk by chunk;
+  * `segments`: instead of `reference_in` and `table_out`, one pair per held-out file, scored in
+    turn by the one loaded model (the result's `segments` holds each one's chunking);
   * `cache_out`: the top-k cache of this model as a reference; `base_out`: its llama-perplexity
     base file;
   * the result file (`result_out`): a JSON summary (vocabulary, token count, chunking, speed, QA

@@ -292,6 +292,19 @@ def prepare_reference(path: Path, heldout: Path | None, settings: EvalSettings, 
     return Reference(entry.name, "gguf", ref_sha, cache, entry, seconds=time.monotonic() - started, **store)
 
 
+def prepare_segments(path: Path, heldout: Path | Sequence[Path] | None, settings: EvalSettings, work: Path, sink: Sink = ignore) -> tuple[Reference, list[Segment]]:
+    """The reference (`prepare_reference`) and, with several held-out files, one Segment per file
+    with its own reference log-probs (none with one file); the Reference returned then names them
+    all: cached when every one was, the seconds spent on all. Pass both to `evaluate_model`."""
+    files = heldout_files(heldout)
+    _check_segments(files, path, settings)
+    if len(files) < 2:
+        return prepare_reference(path, files[0] if files else None, settings, work, sink), []
+    segments = [Segment(_heldout_record(file), prepare_reference(path, file, settings, work, sink)) for file in files]
+    joined = replace(segments[0].reference, cached=all(s.reference.cached for s in segments), seconds=sum(s.reference.seconds for s in segments))
+    return joined, segments
+
+
 def check_vocabularies(models: list[ModelEntry], reference: ModelEntry | None, reference_file: Path | None = None) -> None:
     """Every model must share the reference's vocabulary: KL divergence compares distributions over the same tokens."""
     n_vocab = kld.open_reference(reference_file).n_vocab if reference is None and reference_file is not None else None
@@ -526,12 +539,7 @@ def _evaluate(models: list[ModelEntry], reference_path: Path, heldout: Path | Se
         work = Path(tmp)
         if reference_path.is_file() and _reference_input(reference_path) == "gguf":
             check_vocabularies(models, read_entry(reference_path))  # before the reference pass, which can take long
-        segments: list[Segment] = []
-        if len(files) > 1:
-            segments = [Segment(_heldout_record(path), prepare_reference(path=reference_path, heldout=path, settings=settings, work=work, sink=sink)) for path in files]
-            reference = replace(segments[0].reference, cached=all(s.reference.cached for s in segments), seconds=sum(s.reference.seconds for s in segments))
-        else:
-            reference = prepare_reference(reference_path, files[0] if files else None, settings, work, sink)
+        reference, segments = prepare_segments(reference_path, files, settings, work, sink)
         check_vocabularies(models, reference.entry, reference.file)
         reference_qa = None
         if settings.qa_checks is not None and reference.entry is not None:
