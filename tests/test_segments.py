@@ -235,3 +235,25 @@ def test_plan_takes_a_list_of_heldout_files(tmp_path):
     two = parse_plan({**doc, "evaluation": {"heldout": ["a.txt", "b.txt"]}}, tmp_path)
     assert two.evaluation.heldout_files == (tmp_path / "a.txt", tmp_path / "b.txt")
     assert two.to_json()["evaluation"]["heldout"] == ["a.txt", "b.txt"]
+
+
+def test_a_plan_with_several_heldout_files_counts_a_reference_cache_per_file(q8_moe, texts, tmp_path):
+    import shutil
+
+    from ggufcarve.evaluate import kld
+
+    shutil.copyfile(q8_moe, tmp_path / "model-Q8_0.gguf")
+    (tmp_path / "ladder.toml").write_text('[[rungs]]\nftype = "Q8_0"\n')
+    names = []
+    for text in texts:
+        shutil.copyfile(text, tmp_path / text.name)
+        names.append(f'"{text.name}"')
+    (tmp_path / "plan.toml").write_text('source = "model-Q8_0.gguf"\noutput = "release"\n[selection]\nmethod = "weights"\nkeep = 4\n[ladder]\nspec = "ladder.toml"\n'
+                                        f'[evaluation]\nheldout = [{", ".join(names)}]\nctx = {CTX}\nchunks = {CHUNKS}\nspeed_runs = 0\n')
+    result = ggufcarve("run", tmp_path / "plan.toml", "--dry-run", "--json")
+    assert result.code == 0, result.stderr[-2000:]
+    doc = json.loads(result.stdout)
+    # a base file of CHUNKS chunks per held-out text (each holds more than CHUNKS * CTX bytes), none cached
+    assert doc["reference_bytes"] == len(texts) * kld.base_file_bytes(CTX, 259, CHUNKS)
+    assert doc["plan"]["evaluation"]["heldout"] == [t.name for t in texts]
+    assert not (tmp_path / "release").exists()
