@@ -153,3 +153,46 @@ def test_eval_loops_on_the_demo_model(tmp_path):
     summary = (out / "summary.md").read_text()
     assert "Loops |" in summary and f"{carved['loops']['looped']}/5 (ref {carved['loops']['reference_looped']}/5)" in summary
     assert "loops" in result.stdout
+
+
+def test_loops_column_in_the_card_and_the_gate_text():
+    from types import SimpleNamespace
+
+    from ggufcarve.evaluate.gate import Gate
+    from ggufcarve.release.card import GATE_TEXT, _quant_table
+
+    loops = {"looped": 2, "total": 10, "reference_looped": 1, "tokens": 256, "prompts_from": "QA suite",
+             "detector": {"max_period": 64, "min_tokens": 32, "min_repeats": 3}}
+    doc = {"ppl": 5.0, "ppl_delta_percent": 1.0, "kld_mean": 0.01, "same_top_p": 0.9, "qa_passed": 8, "qa_total": 10, "gate": "FAIL",
+           "loops": loops, "loop_share": 0.2, "loop_share_reference": 0.1}
+    rungs = [{"name": "Q4_K_M", "files": [{"name": "m-Q4_K_M.gguf", "bytes": 2**20}], "sha256": "ab" * 32},
+             {"name": "Q2_K", "files": [{"name": "m-Q2_K.gguf", "bytes": 2**19}], "sha256": "cd" * 32}]
+    rows = _quant_table(SimpleNamespace(rungs=rungs, evaluation={"m-Q4_K_M.gguf": doc}))
+    assert rows[0].endswith("| sha256 | Loops |") and rows[1].endswith("|---|")
+    assert rows[2].endswith("| 2/10 (ref 1/10) |") and rows[3].endswith("| – |")  # the second rung was not evaluated
+    assert "ends in a block of p <= 64 tokens repeated over at least max(32 tokens, 3 repeats)" in rows[-1]
+    without = _quant_table(SimpleNamespace(rungs=rungs, evaluation={"m-Q4_K_M.gguf": {**doc, "loops": None}}))
+    assert not any("Loops" in row for row in without)
+    verdict = Gate({"max_loop_share_increase": 0.05, "max_loop_share": 0.5}, "gate.toml").judge(doc)
+    assert verdict.failed == ["loop_share_increase 0.1 > 0.05"] and verdict.passed == ["max_loop_share"]
+    assert Gate({"max_loop_share_increase": 0.05}, "g").judge({**doc, "loop_share_reference": None}).not_measured == ["max_loop_share_increase"]
+    assert GATE_TEXT["max_loop_share_increase"].format(v=0.05, p=5.0).startswith("at most 5 percentage points")
+
+
+def test_loop_settings_from_the_options(tmp_path):
+    from ggufcarve.evaluate.qa import default_suite_path, load_suite
+    from ggufcarve.evaluate.release import eval_settings
+
+    settings, _ = eval_settings(loops=True)
+    suite = load_suite(default_suite_path())
+    assert [p["id"] for p in settings.loops.prompts] == [c.id for c in suite] and settings.loops.tokens == 256
+    assert settings.loops.prompts[0]["messages"] == suite[0].messages and settings.loops.source == "QA suite"
+    assert eval_settings()[0].loops is None
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("once upon a time\n")
+    given, _ = eval_settings(loop_prompts=prompts, loop_tokens=512)  # --loop-prompts implies --loops
+    assert given.loops.tokens == 512 and given.loops.source == "p.txt" and len(given.loops.prompts) == 1
+    with pytest.raises(BadInput, match="add --loops"):
+        eval_settings(loop_tokens=300)
+    with pytest.raises(BadInput, match="--loop-tokens 100"):
+        eval_settings(loops=True, loop_tokens=100)
