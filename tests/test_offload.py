@@ -16,7 +16,7 @@ from llama_sources import sdist
 from ggufcarve.gguf.container import read_model
 from ggufcarve.llama import launch
 from ggufcarve.quant.kvcache import ContextSettings, context_memory
-from ggufcarve.quant.offload import block_range_regex, override_regex, placement_of, plan_offload, weight_placement
+from ggufcarve.quant.offload import block_range_regex, file_offload, override_regex, placement_of, plan_offload, weight_placement
 
 
 def llama_regexes() -> tuple[str, str]:
@@ -122,7 +122,7 @@ def test_fit_column_equals_the_rule_on_the_built_file(make_model, llama_tools, t
                        "--k", 8, "--only", "Q4_K_M", "--quantizer", llama_tools / "llama-quantize", "--json")
     assert result.code == 0, result.stderr
     row = json.loads(result.stdout)["rows"][0]
-    expected = plan_offload(placement, gpu_memory=budget, cache_bytes=cache, margin=margin)
+    expected = file_offload(read_model(rung), gpu_memory=budget, context=ContextSettings(512), margin=margin)
     assert expected.n_cpu_moe == 2
     assert row["gpu"] == expected.to_json() and row["cache_bytes"] == cache
     assert 0 <= row["file_bytes"] - rung.stat().st_size < 1024  # fit sizes the pruned plan's header, with its provenance keys

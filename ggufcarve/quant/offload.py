@@ -1,8 +1,8 @@
 """How to run a rung on one GPU: whole, or with llama.cpp's `--n-cpu-moe N` expert offload.
 
-    placement = weight_placement(read_model("Model-Q4_K_M.gguf"))
-    answer = plan_offload(placement, gpu_memory=parse_memory("16GiB"), cache_bytes=cache.total_bytes)
+    answer = file_offload(read_model("Model-Q4_K_M.gguf"), gpu_memory=parse_memory("16GiB"), context=ContextSettings(16384))
     answer.n_cpu_moe, answer.override  # 12, 'blk\\.([0-9]|1[01])\\.ffn_(up|down|gate|gate_up)_(ch|)exps=CPU'
+    # or, from tensor sizes and a cache size: plan_offload(placement_of(tensors, blocks, nextn), gpu_memory=..., cache_bytes=...)
 
 The rule is llama.cpp 0.3.36's (common/common.h, common/arg.cpp, src/llama-model.cpp,
 src/llama-model-loader.cpp):
@@ -46,6 +46,7 @@ from gguf.constants import Keys
 
 from ggufcarve.errors import BadInput
 from ggufcarve.gguf.container import GGUFModel
+from ggufcarve.quant.kvcache import ContextSettings, context_memory
 
 LLM_FFN_EXPS_REGEX = r"\.ffn_(up|down|gate|gate_up)_(ch|)exps"  # common/common.h
 INPUT_LAYER_TENSORS = ("token_embd", "position_embd", "token_types", "per_layer_token_embd", "masked_embd_centroids", "masked_embd_ordering")  # LLM_TENSOR_LAYER_INPUT (src/llama-arch.cpp)
@@ -211,3 +212,8 @@ def plan_offload(placement: WeightPlacement, *, gpu_memory: int, cache_bytes: in
         if need <= gpu_memory:
             return Offload(gpu_memory, cache_bytes, margin, n, need, sum(placement.expert_bytes[:n]), blocks)
     return Offload(gpu_memory, cache_bytes, margin, None, placement.gpu_weights(blocks) + cache_bytes + margin, sum(placement.expert_bytes), blocks)
+
+
+def file_offload(model: GGUFModel, *, gpu_memory: int, context: ContextSettings, margin: int = DEFAULT_MARGIN) -> Offload:
+    """plan_offload for a rung file: its tensor sizes from the header, its cache at `context` (quant/kvcache.py)."""
+    return plan_offload(weight_placement(model), gpu_memory=gpu_memory, cache_bytes=context_memory(model.get, context).total_bytes, margin=margin)
