@@ -8,6 +8,7 @@ Examples:
     ggufcarve eval release/ --reference model-Q8_0.gguf --heldout heldout.txt --qa evaluation/qa -o release/evaluation && ggufcarve card release/
     ggufcarve eval release/ --reference model-Q8_0.gguf --heldout heldout.txt --strict -o evaluation/      (exit 1 when a model fails the gate: for CI)
     ggufcarve eval release/ --reference model-Q8_0.gguf --heldout wiki.txt --heldout code.txt --gate-segments every -o evaluation/      (each file reported as its own segment)
+    ggufcarve eval release/ --reference model-Q8_0.gguf --heldout heldout.txt --loops --loop-tokens 512 -o evaluation/      (repetition loops on the QA prompts)
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ def eval_command(
     speed_engine: Annotated[str, typer.Option("--speed-engine", help="auto (llama-bench when the tools have it, else in-process), llama-bench or libllama.")] = "auto",
     save_kl_base: Annotated[Path | None, typer.Option("--save-kl-base", help="Also write the reference's log-probs as a llama-perplexity --kl-divergence-base file.")] = None,
     cross_check: Annotated[bool, typer.Option("--cross-check", help="Also run llama-perplexity on the same text and report both.")] = False,
+    loops: Annotated[bool, typer.Option("--loops", help="Continue the QA prompts (or --loop-prompts) greedily and report the share that ends in a repeating cycle, for the reference and every model.")] = False,
+    loop_prompts: Annotated[Path | None, typer.Option("--loop-prompts", help="Prompts for --loops (implies it): one per line, asked as a user message, or a .jsonl file of {\"prompt\": raw text} or {\"messages\": [...]} objects.")] = None,
+    loop_tokens: Annotated[int | None, typer.Option("--loop-tokens", help="New tokens per loop prompt (default 256).")] = None,
     llama_cpp: LlamaCppOption = None,
     cache: Annotated[Path | None, typer.Option("--cache", help="Directory of cached reference log-probs (default: ggufcarve's cache/reference-logprobs).")] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace results already in the output directory.")] = False,
@@ -54,7 +58,8 @@ def eval_command(
 
     settings, warnings = eval_settings(ctx=ctx, chunks=chunks, threads=threads, top_k=top_k, speed_runs=speed_runs, speed_engine=speed_engine, gate=gate, qa=qa,
                                        cross_check=cross_check, llama_cpp=llama_cpp, cache=cache, kl_base_out=save_kl_base,
-                                       tail_samples=tail_samples, gate_segments=gate_segments)
+                                       tail_samples=tail_samples, gate_segments=gate_segments,
+                                       loops=loops, loop_prompts=loop_prompts, loop_tokens=loop_tokens)
     for warning in warnings:
         warn(warning)
     entries = resolve_models(models)
@@ -77,6 +82,9 @@ def eval_command(
             line += f", pp {speed_text(r, 'pp')}, tg {speed_text(r, 'tg')}"
         if r.get("qa_total"):
             line += f", QA {r['qa_passed']}/{r['qa_total']}"
+        if r.get("loops"):
+            lp = r["loops"]
+            line += f", loops {lp['looped']}/{lp['total']}" + (f" (reference {lp['reference_looped']}/{lp['total']})" if lp.get("reference_looped") is not None else "")
         if r.get("cross_check"):
             c = r["cross_check"]
             line += f"; llama-perplexity PPL {c['ppl']:.4f} ({'agrees' if c['ppl_agrees'] else 'DIFFERS'})"

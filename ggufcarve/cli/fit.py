@@ -4,18 +4,22 @@ Examples:
     ggufcarve fit Model-Q8_0.gguf --memory 24GiB
     ggufcarve fit Model-Q8_0-00001-of-00003.gguf --memory 24GB --ctx 32768 --kv-type q8_0
     ggufcarve fit Model-Q8_0.gguf --memory 16000MiB --k 96,128,160 --only Q4_K_M,IQ2_XS --json
+    ggufcarve fit Model-Q8_0.gguf --memory 64GiB --gpu-memory 16GiB --k 128,256 --only Q4_K_M
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from ggufcarve.cli.options import JsonOption, LlamaCppOption, QuietOption
 from ggufcarve.cli.render import escape, new_table, out, progress, size, warn
+
+if TYPE_CHECKING:
+    from ggufcarve.quant.offload import Offload
 
 
 def fit_command(
@@ -29,6 +33,8 @@ def fit_command(
     imatrix: Annotated[Path | None, typer.Option("--imatrix", help="The imatrix the ladder will use: tensors without an entry get the rung's imatrix_fallback_type (default: llama-imatrix's coverage, the MTP blocks missing).")] = None,
     parallel: Annotated[int, typer.Option("--parallel", help="Sequences (llama.cpp -np): each has its own cache cells and recurrent state.")] = 1,
     swa_full: Annotated[bool, typer.Option("--swa-full", help="Full-size cache for sliding-window layers (llama.cpp --swa-full).")] = False,
+    gpu_memory: Annotated[str | None, typer.Option("--gpu-memory", help="GPU memory: each cell also says whether the rung fits the GPU whole (w) or with which llama.cpp --n-cpu-moe N, from its per-block expert bytes.")] = None,
+    gpu_margin: Annotated[str, typer.Option("--gpu-margin", help="GPU memory kept free for compute buffers and the backend (default: llama.cpp --fit's target margin, 1GiB).")] = "1GiB",
     quantizer_choice: Annotated[str, typer.Option("--quantizer", help="auto | binary | libllama | PATH to llama-quantize: who answers the dry runs.")] = "auto",
     llama_cpp: LlamaCppOption = None,
     as_json: JsonOption = False,
@@ -45,6 +51,8 @@ def fit_command(
     from ggufcarve.reports import envelope
 
     budget = parse_memory(memory)
+    gpu_budget = parse_memory(gpu_memory, "--gpu-memory") if gpu_memory is not None else None
+    margin = parse_memory(gpu_margin, "--gpu-margin", allow_zero=True)
     cache_type = kv_type.strip().upper()
     if cache_type not in ("F16", "Q8_0"):
         raise BadInput(f"--kv-type {kv_type!r} is not f16 or q8_0", "give --kv-type f16 or --kv-type q8_0")
@@ -64,11 +72,12 @@ def fit_command(
     quantizer = make_quantizer(quantizer_choice, llama_cpp)
     settings = ContextSettings(ctx, cache_type, cache_type, n_seq=parallel, swa_full=swa_full)
     with progress(not (quiet or as_json), transient=True) as sink:
-        report = plan_fit(loaded, layout, spec, memory=budget, context=settings, quantizer=quantizer, kept_counts=counts, only=only, imatrix_entries=entries, on_event=sink)
+        report = plan_fit(loaded, layout, spec, memory=budget, context=settings, quantizer=quantizer, kept_counts=counts, only=only, imatrix_entries=entries, gpu_memory=gpu_budget, gpu_margin=margin, on_event=sink)
 
     if as_json:
         inputs = [{"name": p.name, "bytes": p.stat().st_size} for p in loaded.paths]
         parameters = {"memory": memory, "memory_bytes": budget, "ctx": ctx, "kv_type": cache_type.lower(), "parallel": parallel, "swa_full": swa_full,
+                      **({"gpu_memory": gpu_memory, "gpu_memory_bytes": gpu_budget, "gpu_margin": gpu_margin} if gpu_budget is not None else {}),
                       "ladder": spec.name, "ladder_sha256": spec.sha256, "k": kept, "only": only, "imatrix": imatrix.name if imatrix else None}
         doc = envelope("fit", inputs=inputs, parameters=parameters, results=report.to_json(), timings={"total_seconds": report.seconds})
         doc["sizes_from"]["quantizer"] = {k: v for k, v in doc["sizes_from"]["quantizer"].items() if k not in ("path", "python")}
@@ -91,6 +100,8 @@ def fit_command(
     rungs = [r.name for r in spec.select(only)]
     from ggufcarve.fileio import size_unit
 
+    best = report.best()
+
     unit = size_unit(max(r.rung.bytes for r in report.rows))  # one unit for every cell
     table = new_table(box=SIMPLE_HEAD, pad_edge=False, padding=(0, 0), title=f"{loaded.path.name}: {layout.architecture}, {layout.expert_count} experts, top-{layout.expert_used_count}"
                       + (f", {layout.group_count} groups" if layout.group_count > 1 else ""),
@@ -104,13 +115,26 @@ def fit_command(
         for name in rungs:
             row = report.row(k, name)
             figure = size(row.rung.bytes, unit).split()[0]
-            cells.append((f"[green]{figure}✓[/]" if row.fits else f"[dim]{figure}[/] ") + ("f" if row.rung.fallback else " "))
+            cells.append((f"[green]{figure}✓[/]" if row.fits else f"[dim]{figure}[/] ") + ("f" if row.rung.fallback else " ")
+                         + (f"{gpu_cell(row.offload):>4}" if row.offload else ""))
         table.add_row(label, *cells)
     out.print(table)
     if any(r.rung.fallback for r in report.rows):
         out.print(f"f: some tensors need an imatrix entry the ladder's imatrix lacks and get the rung's imatrix_fallback_type ({escape(report.imatrix_assumption)})", highlight=False)
-    best = report.best()
     if best is None:
         out.print(f"nothing fits in {size(budget)}: the smallest is {size(min(r.total for r in report.rows))}; try a shorter --ctx, --kv-type q8_0 or fewer experts (--k)", highlight=False)
     else:
         out.print(f"most experts that fit: K={best.kept} {best.rung.rung}: file {size(best.rung.bytes)} + cache {size(best.cache_bytes)} = {size(best.total)} of {size(budget)}", highlight=False)
+    if gpu_budget is not None:
+        out.print(f"GPU {size(gpu_budget)} for weights + cache + {size(margin)} margin: w fits whole; N: llama.cpp --n-cpu-moe N keeps the experts of blocks 0..N-1 "
+                  "in system memory (-ot 'blk\\.(0|..|N-1)\\.ffn_(up|down|gate|gate_up)_(ch|)exps=CPU' is the same); -: not even with every expert there", highlight=False)
+        if best is not None and best.offload is not None:
+            shown = best.offload
+            how = ("whole" if shown.fits_whole else f"with {shown.flags} (or -ot '{escape(shown.override)}')" if shown.n_cpu_moe
+                   else "not with any --n-cpu-moe (fewer layers on it, -ngl)")
+            out.print(f"K={best.kept} {best.rung.rung} on the GPU: {how}; {size(shown.gpu_bytes)} of {size(gpu_budget)}", highlight=False)
+
+
+def gpu_cell(offload: Offload) -> str:
+    """w (whole), N (--n-cpu-moe N) or - (no N fits)."""
+    return "w" if offload.fits_whole else "-" if offload.n_cpu_moe is None else str(offload.n_cpu_moe)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ggufcarve.evaluate.protocol import CHUNK_TASK, QA_TASK, Request
+from ggufcarve.evaluate.protocol import CHUNK_TASK, LOOP_TASK, QA_TASK, Request
 from ggufcarve.llama import child
 
 PERPLEXITY_BATCH = 2048  # llama-perplexity's default -b: n_batch // n_ctx chunks are decoded side by side
@@ -204,6 +204,10 @@ def _evaluate(request: Request, out: Path) -> None:
             from ggufcarve.evaluate.qa import run_checks
 
             result["qa"] = run_checks(engine, request.qa, lambda done, total: _progress(QA_TASK, done, total))
+        if "bad_input" not in result and request.loops:
+            from ggufcarve.evaluate.loops import run_loops
+
+            result["loops"] = run_loops(engine, request.loops["prompts"], request.loops["tokens"], lambda done, total: _progress(LOOP_TASK, done, total))
         engine.close()
     except EngineError as err:
         raise ToolFailed(f"{Path(request.model).name}: {err}", "check that llama.cpp loads the model (ggufcarve inspect)") from None

@@ -8,6 +8,9 @@ A gate file holds top-level keys (or the same keys under a `[gate]` table), each
     min_qa_passed              QA checks passed (count); min_qa_pass_rate the same as a fraction
     min_qa_exact_vs_reference  fraction of QA outputs identical to the reference's
     min_pp_tok_s, min_tg_tok_s prompt-processing and decode speed
+    max_loop_share             share of loop prompts whose greedy continuation ends in a repeating
+                               cycle (ggufcarve.evaluate.loops; eval --loops)
+    max_loop_share_increase    that share minus the reference's (not measured without a GGUF reference)
 
 A criterion whose measurement was not made (no QA suite, no speed run) is listed as not measured
 and does not fail the gate.
@@ -40,6 +43,12 @@ def _ppl_increase(m: dict) -> float | None:
     return 100.0 * (m["ppl"] / m["ppl_reference"] - 1.0)
 
 
+def _loop_increase(m: dict) -> float | None:
+    if m.get("loop_share") is None or m.get("loop_share_reference") is None:
+        return None
+    return m["loop_share"] - m["loop_share_reference"]
+
+
 def _qa_rate(m: dict) -> float | None:
     return m["qa_passed"] / m["qa_total"] if m.get("qa_total") else None
 
@@ -57,6 +66,8 @@ CRITERIA: dict[str, tuple[Callable[[dict], Any], str]] = {
     "min_qa_exact_vs_reference": (lambda m: m.get("qa_exact_vs_reference"), "min"),
     "min_pp_tok_s": (lambda m: m.get("pp_tok_s"), "min"),
     "min_tg_tok_s": (lambda m: m.get("tg_tok_s"), "min"),
+    "max_loop_share": (lambda m: m.get("loop_share"), "max"),
+    "max_loop_share_increase": (_loop_increase, "max"),
 }
 
 

@@ -20,10 +20,11 @@ from ggufcarve.llama.tools import physical_cores
 
 if TYPE_CHECKING:
     from ggufcarve.evaluate.gate import Gate
+    from ggufcarve.evaluate.loops import LoopSettings
     from ggufcarve.evaluate.models import ModelEntry
 
 CHILD_MODULE = "ggufcarve.evaluate.child"
-CHUNK_TASK, QA_TASK = "chunk", "qa"  # the child's progress tasks: chunks scored, QA checks asked
+CHUNK_TASK, QA_TASK, LOOP_TASK = "chunk", "qa", "loops"  # the child's progress tasks: chunks scored, QA checks asked, loop prompts continued
 DEFAULT_TOP_K = 128  # reference log-probs per token of a top-k cache
 DEFAULT_TAIL_SAMPLES = 32  # tail tokens drawn per token of a top-k cache (the unbiased estimate of the tail's KLD)
 REFERENCE_FULL = "full"  # llama-perplexity's --kl-divergence-base file: every token's log-prob in 16 bits
@@ -53,6 +54,7 @@ class Request:
     speed: dict | None = None  # SpeedSettings fields
     qa: list[dict] | None = None  # QA checks as plain dicts (ggufcarve.evaluate.qa)
     segments: list[dict] | None = None  # instead of reference_in/table_out: per held-out file {"reference_in", "table_out"}, scored in order
+    loops: dict | None = None  # {"prompts", "tokens"}: greedy continuations for the loop detector (ggufcarve.evaluate.loops)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -77,6 +79,7 @@ class EvalSettings:
     cache_dir: Path | None = None
     reference_store: str = REFERENCE_FULL  # how a GGUF reference's log-probs are kept (REFERENCE_STORES)
     tail_samples: int = DEFAULT_TAIL_SAMPLES  # used with reference_store "topk"
+    loops: LoopSettings | None = None  # repetition loops: prompts continued greedily and judged by the detector
 
 
 @dataclass

@@ -42,6 +42,9 @@ def eval_settings(
     cache: Path | None = None,
     kl_base_out: Path | None = None,
     gate_segments: str | None = None,
+    loops: bool = False,
+    loop_prompts: Path | None = None,
+    loop_tokens: int | None = None,
 ) -> tuple[Any, list[str]]:
     """EvalSettings from the options of `ggufcarve eval` (and of a plan's [evaluation]), and the
     warnings to show: no gate given and none beside the installation.
@@ -50,7 +53,11 @@ def eval_settings(
     llama-perplexity's); a K keeps a top-K cache with `tail_samples` sampled tail tokens per token
     (an unbiased estimate of the KLD whose sampling error is reported; 0: a lower bound).
     `gate_segments` (every, overall) replaces the gate file's `segments`: with several held-out
-    files, whether a model fails when any one of them fails the gate."""
+    files, whether a model fails when any one of them fails the gate.
+
+    `loops` (implied by `loop_prompts`): continue the loop prompts greedily for `loop_tokens` new
+    tokens and report the share that ends in a repeating cycle (ggufcarve.evaluate.loops); the
+    prompts are `loop_prompts`' or else the QA suite's (`qa`, or the shipped suite)."""
     from ggufcarve.evaluate.gate import SEGMENT_MODES, default_gate_path, load_gate
     from ggufcarve.evaluate.protocol import DEFAULT_TAIL_SAMPLES, DEFAULT_TOP_K, REFERENCE_FULL, REFERENCE_TOPK, EvalSettings
     from ggufcarve.evaluate.speed import DEFAULT_RUNS, ENGINES, SpeedSettings
@@ -79,13 +86,35 @@ def eval_settings(
         from ggufcarve.evaluate.qa import load_suite
 
         qa_checks = [c.to_json() for c in load_suite(qa)]
+    loop_settings = _loop_settings(loops or loop_prompts is not None, loop_prompts, loop_tokens, qa_checks)
     settings = EvalSettings(
         ctx=ctx, chunks=chunks, threads=threads or physical_cores(), top_k=top_k or DEFAULT_TOP_K, tail_samples=tail_samples,
         reference_store=REFERENCE_FULL if top_k is None else REFERENCE_TOPK,
         speed=SpeedSettings(runs=speed_runs, engine=speed_engine) if speed_runs > 0 else None, gate=gate_rules, qa_checks=qa_checks,
-        cross_check=cross_check, llama_cpp_dir=llama_cpp, cache_dir=cache, kl_base_out=kl_base_out,
+        cross_check=cross_check, llama_cpp_dir=llama_cpp, cache_dir=cache, kl_base_out=kl_base_out, loops=loop_settings,
     )
     return settings, warnings
+
+
+def _loop_settings(wanted: bool, prompts_file: Path | None, tokens: int | None, qa_checks: list[dict] | None) -> Any:
+    """LoopSettings of --loops / --loop-prompts / --loop-tokens, or None when loops are not asked for."""
+    from ggufcarve.evaluate.loops import DEFAULT_TOKENS, MAX_PERIOD, MIN_REPEATS, LoopSettings, load_loop_prompts, loop_prompts_from_checks
+
+    if not wanted:
+        if tokens is not None:
+            raise BadInput("--loop-tokens sets the length of the loop test, which is not asked for", "add --loops")
+        return None
+    tokens = DEFAULT_TOKENS if tokens is None else tokens
+    if not MIN_REPEATS * MAX_PERIOD <= tokens <= 4096:
+        raise BadInput(f"--loop-tokens {tokens}: must be in {MIN_REPEATS * MAX_PERIOD}..4096 (the detector needs {MIN_REPEATS} repeats of periods up to {MAX_PERIOD})",
+                       f"for example --loop-tokens {DEFAULT_TOKENS}")
+    if prompts_file is not None:
+        return LoopSettings(load_loop_prompts(prompts_file), tokens, prompts_file.name)
+    if qa_checks is None:
+        from ggufcarve.evaluate.qa import default_suite_path, load_suite
+
+        qa_checks = [c.to_json() for c in load_suite(default_suite_path())]
+    return LoopSettings(loop_prompts_from_checks(qa_checks), tokens, "QA suite")
 
 
 def published_files(directory: Path) -> list[Path]:

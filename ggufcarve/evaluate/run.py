@@ -363,8 +363,9 @@ def _spreads(speed: dict | None) -> dict:
 
 
 def evaluate_model(entry: ModelEntry, reference: Reference, settings: EvalSettings, work: Path, sink: Sink = ignore,
-                   reference_qa: list[dict] | None = None, segments: Sequence[Segment] | None = None) -> dict:
-    """Score one model against the reference (and time it, and ask it the QA checks): the per-model result document.
+                   reference_qa: list[dict] | None = None, segments: Sequence[Segment] | None = None, reference_loops: list[dict] | None = None) -> dict:
+    """Score one model against the reference (and time it, ask it the QA checks, continue the loop
+    prompts): the per-model result document.
 
     With `segments` each is scored against its own reference (`reference` then names them all) and
     reported under "segments"; the overall figures are those of their tables concatenated."""
@@ -380,7 +381,8 @@ def evaluate_model(entry: ModelEntry, reference: Reference, settings: EvalSettin
         bench = find_tool("llama-bench", settings.llama_cpp_dir) if settings.speed.engine == "auto" else require_tool("llama-bench", settings.llama_cpp_dir)
     request = Request(model=str(entry.path), threads=settings.threads, n_ctx=settings.ctx, result_out=str(work / f"{entry.name}.result.json"),
                       reference_in=None if parts else str(reference.file), max_chunks=settings.chunks, table_out=None if parts else str(table_paths[0]),
-                      speed=asdict(settings.speed) if settings.speed and bench is None else None, qa=settings.qa_checks, segments=parts)
+                      speed=asdict(settings.speed) if settings.speed and bench is None else None, qa=settings.qa_checks, segments=parts,
+                      loops=settings.loops.request() if settings.loops else None)
     result = run_child(request, entry.name, sink, work)
     if bench is not None and settings.speed is not None and "bad_input" not in result:
         from ggufcarve.evaluate.speed import bench_speed
@@ -421,6 +423,7 @@ def evaluate_model(entry: ModelEntry, reference: Reference, settings: EvalSettin
         "timings": {"load_seconds": round(result.get("load_seconds", 0.0), 3), "score_seconds": round(result.get("score_seconds", 0.0), 3),
                     "total_seconds": round(time.monotonic() - started, 3)},
     }
+    doc.update(_loop_figures(result, settings, reference_loops))
     verdict = settings.gate.judge(doc) if settings.gate else None
     doc["gate"] = verdict.verdict if verdict else None
     doc["gate_failed"] = verdict.failed if verdict else []
@@ -456,8 +459,24 @@ def _judge_segments(doc: dict, gate) -> None:
 
 def reference_outputs(entry: ModelEntry, settings: EvalSettings, work: Path, sink: Sink) -> list[dict]:
     """The reference model's answers to the QA checks, the yardstick of exact-output agreement."""
-    request = Request(model=str(entry.path), threads=settings.threads, n_ctx=settings.ctx, result_out=str(work / "reference-qa.result.json"), qa=settings.qa_checks)
-    return run_child(request, f"reference {entry.name}", sink, work).get("qa", [])
+    return reference_answers(entry, settings, work, sink).get("qa", [])
+
+
+def reference_answers(entry: ModelEntry, settings: EvalSettings, work: Path, sink: Sink) -> dict:
+    """The reference model's QA answers ("qa") and loop continuations ("loops"), from one load."""
+    request = Request(model=str(entry.path), threads=settings.threads, n_ctx=settings.ctx, result_out=str(work / "reference-qa.result.json"), qa=settings.qa_checks,
+                      loops=settings.loops.request() if settings.loops else None)
+    return run_child(request, f"reference {entry.name}", sink, work)
+
+
+def _loop_figures(result: dict, settings: EvalSettings, reference_loops: list[dict] | None) -> dict:
+    """loop_share, loop_share_reference and the loop record (ggufcarve.evaluate.loops); all None without --loops."""
+    if settings.loops is None or "loops" not in result:
+        return {"loop_share": None, "loop_share_reference": None, "loops": None}
+    from ggufcarve.evaluate.loops import summarize_loops
+
+    record = summarize_loops(result["loops"], settings.loops, reference_loops)
+    return {"loop_share": record["share"], "loop_share_reference": record["reference_share"], "loops": record}
 
 
 def result_text(doc: dict) -> str:
@@ -541,9 +560,11 @@ def _evaluate(models: list[ModelEntry], reference_path: Path, heldout: Path | Se
             check_vocabularies(models, read_entry(reference_path))  # before the reference pass, which can take long
         reference, segments = prepare_segments(reference_path, files, settings, work, sink)
         check_vocabularies(models, reference.entry, reference.file)
-        reference_qa = None
-        if settings.qa_checks is not None and reference.entry is not None:
-            reference_qa = reference_outputs(reference.entry, settings, work, sink)
+        reference_qa = reference_loops = None
+        if (settings.qa_checks is not None or settings.loops is not None) and reference.entry is not None:
+            answers = reference_answers(reference.entry, settings, work, sink)
+            reference_qa = answers.get("qa", []) if settings.qa_checks is not None else None
+            reference_loops = answers.get("loops") if settings.loops is not None else None
         cross = None
         crosses = []
         if settings.cross_check:
@@ -558,7 +579,7 @@ def _evaluate(models: list[ModelEntry], reference_path: Path, heldout: Path | Se
         results = []
         held = [s.heldout for s in segments] if segments else _heldout_record(files[0] if files else None)
         for entry in models:
-            doc = evaluate_model(entry, reference, settings, work, sink, reference_qa, segments)
+            doc = evaluate_model(entry, reference, settings, work, sink, reference_qa, segments, reference_loops)
             if cross is not None:
                 doc["cross_check"] = cross.check(entry, doc, sink)
             for record, check in zip(doc.get("segments") or [], crosses):

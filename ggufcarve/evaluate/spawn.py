@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ggufcarve.evaluate.protocol import CHILD_MODULE, CHUNK_TASK, QA_TASK, Request
+from ggufcarve.evaluate.protocol import CHILD_MODULE, CHUNK_TASK, LOOP_TASK, QA_TASK, Request
 from ggufcarve.events import Sink
 
 CHILD_IDLE_TIMEOUT = 3600.0  # seconds without a progress line (one chunk, one QA answer) before the child is stopped
@@ -26,4 +26,4 @@ def run_child(request: Request, what: str, sink: Sink, work: Path, outputs: dict
 
     return child.run(CHILD_MODULE, request, Path(request.result_out), read, what=f"evaluating {Path(request.model).name} in libllama",
                      hint="the last lines are llama.cpp's own; check that the model loads (ggufcarve inspect MODEL)", sink=sink,
-                     stages={CHUNK_TASK: what, QA_TASK: f"{what} QA"}, outputs=outputs, idle_timeout=CHILD_IDLE_TIMEOUT)
+                     stages={CHUNK_TASK: what, QA_TASK: f"{what} QA", LOOP_TASK: f"{what} loops"}, outputs=outputs, idle_timeout=CHILD_IDLE_TIMEOUT)

@@ -13,7 +13,9 @@ tensor's rows at its target type, padded to the file's alignment. Tensors the la
 `imatrix_fallback_type` (target type needs an imatrix, entry missing: by default the MTP blocks,
 which llama-imatrix never runs, or what `imatrix_entries` lacks) are dry-run again with the
 ladder's own override. The KV cache and recurrent state come from kvcache.context_memory; the
-total is file + cache (compute buffers and the OS are not counted).
+total is file + cache (compute buffers and the OS are not counted). With a GPU budget each row
+also says whether the rung fits the GPU whole or with which `--n-cpu-moe N` (quant/offload.py),
+from the per-block expert bytes of the planned tensors.
 
 K values: every K the pruner accepts (moe/kept.py: at least expert_used_count, and with grouped
 routing the same count from every group) among powers of two, multiples of `kept_step` and the
@@ -43,6 +45,7 @@ from ggufcarve.moe.kept import kept_count_problems
 from ggufcarve.moe.layout import MoeLayout
 from ggufcarve.prune.plan import PlannedFile, plan_prune
 from ggufcarve.quant.kvcache import ContextMemory, ContextSettings, context_memory
+from ggufcarve.quant.offload import DEFAULT_MARGIN, Offload, WeightPlacement, placement_of, plan_offload
 from ggufcarve.quant.quantizer import DryRun, QuantizeJob, Quantizer
 from ggufcarve.quant.spec import LadderSpec, Rung
 
@@ -58,15 +61,15 @@ MEMORY_UNITS = {
 MEMORY_SIZE = re.compile(r"\s*(?P<number>\d+(?:\.\d+)?)\s*(?P<unit>[A-Za-z]*)\s*")
 
 
-def parse_memory(text: str) -> int:
+def parse_memory(text: str, flag: str = "--memory", allow_zero: bool = False) -> int:
     """'24GiB', '24GB', '24000MiB', '23.5G', '25769803776B' -> bytes (GB decimal, GiB and bare G binary).
-    A number without a unit is refused: 24 would be 24 bytes."""
+    A number without a unit is refused: 24 would be 24 bytes. Zero only with `allow_zero`."""
     match = MEMORY_SIZE.fullmatch(text or "")
     unit = match["unit"].upper() if match else ""
     if match and not unit:
-        raise BadInput(f"--memory {text!r} has no unit", f"write it like {match['number']}GiB (or {match['number']}GB = 10^9 bytes, {match['number']}B for bytes)")
-    if not match or unit not in MEMORY_UNITS or float(match["number"]) <= 0:
-        raise BadInput(f"--memory {text!r} is not a memory size", "write it like 24GiB, 24GB or 24000MiB (GB = 10^9 bytes, GiB = 2^30)")
+        raise BadInput(f"{flag} {text!r} has no unit", f"write it like {match['number']}GiB (or {match['number']}GB = 10^9 bytes, {match['number']}B for bytes)")
+    if not match or unit not in MEMORY_UNITS or float(match["number"]) <= 0 and not (allow_zero and float(match["number"]) == 0):
+        raise BadInput(f"{flag} {text!r} is not a memory size", "write it like 24GiB, 24GB or 24000MiB (GB = 10^9 bytes, GiB = 2^30)")
     return int(float(match["number"]) * MEMORY_UNITS[unit])
 
 
@@ -132,6 +135,7 @@ class RungSize:
     bytes: int
     fallback: tuple[str, ...]  # tensors the ladder gives imatrix_fallback_type
     needs_imatrix: bool  # llama.cpp's verdict: some tensor's target type needs an imatrix
+    placement: WeightPlacement | None = None  # the rung's tensors as llama.cpp places them on a GPU
 
 
 @dataclass(frozen=True)
@@ -140,10 +144,19 @@ class FitRow:
     rung: RungSize
     memory: int  # the budget
     cache_bytes: int
+    gpu_memory: int | None = None
+    gpu_margin: int = DEFAULT_MARGIN
 
     @property
     def total(self) -> int:
         return self.rung.bytes + self.cache_bytes
+
+    @property
+    def offload(self) -> Offload | None:
+        """With a GPU budget: whether the rung fits the GPU whole, else the --n-cpu-moe N that makes it fit."""
+        if self.gpu_memory is None or self.rung.placement is None:
+            return None
+        return plan_offload(self.rung.placement, gpu_memory=self.gpu_memory, cache_bytes=self.cache_bytes, margin=self.gpu_margin)
 
     @property
     def fits(self) -> bool:
@@ -162,6 +175,8 @@ class FitReport:
     quantizer: dict[str, Any]
     seconds: float
     imatrix_assumption: str
+    gpu_memory: int | None = None
+    gpu_margin: int = DEFAULT_MARGIN
 
     def row(self, kept: int, rung: str) -> FitRow:
         return next(r for r in self.rows if r.kept == kept and r.rung.rung == rung)
@@ -178,12 +193,14 @@ class FitReport:
                       "expert_group_count": self.layout.group_count, "expert_group_used_count": self.layout.group_used_count, "bytes": self.model.total_bytes},
             "ladder": {"name": self.spec.name, "rungs": [r.name for r in self.spec.rungs]},
             "memory_bytes": self.memory,
+            **({"gpu_memory_bytes": self.gpu_memory, "gpu_margin_bytes": self.gpu_margin} if self.gpu_memory is not None else {}),
             "cache": self.cache.to_json(),
             "kept_counts": self.kept_counts,
             "sizes_from": {"method": "llama.cpp quantizer dry run on a sparse pruned header per K", "quantizer": self.quantizer, "imatrix": self.imatrix_assumption},
             "rows": [
                 {"kept": r.kept, "power_of_two": r.kept & (r.kept - 1) == 0, "rung": r.rung.rung, "ftype": r.rung.ftype, "file_bytes": r.rung.bytes,
-                 "cache_bytes": r.cache_bytes, "total_bytes": r.total, "fits": r.fits, "imatrix_fallback": list(r.rung.fallback), "needs_imatrix": r.rung.needs_imatrix}
+                 "cache_bytes": r.cache_bytes, "total_bytes": r.total, "fits": r.fits, "imatrix_fallback": list(r.rung.fallback), "needs_imatrix": r.rung.needs_imatrix,
+                 **({"gpu": offload.to_json()} if (offload := r.offload) else {})}
                 for r in self.rows
             ],
             "best": {"kept": best.kept, "rung": best.rung.rung, "total_bytes": best.total} if best else None,
@@ -214,13 +231,8 @@ def sparse_pruned_header(model: GGUFModel, layout: MoeLayout, kept: int, directo
     return planned
 
 
-def rung_file_bytes(planned: PlannedFile, dry: DryRun, ftype: str) -> int:
-    """The size of the file llama-quantize writes for `dry`: the input's keys with
-    general.quantization_version and general.file_type set and split keys removed, each tensor's
-    rows at its target type, padded to the alignment."""
-    changes: dict[str, Any] = {key: None for key in SPLIT_KEYS}
-    changes[Keys.General.QUANTIZATION_VERSION] = make_kv(Keys.General.QUANTIZATION_VERSION, GGUFValueType.UINT32, GGML_QUANT_VERSION)
-    changes[Keys.General.FILE_TYPE] = make_kv(Keys.General.FILE_TYPE, GGUFValueType.UINT32, FILE_TYPES[ftype])
+def rung_tensors(planned: PlannedFile, dry: DryRun) -> list[TensorHeader]:
+    """The tensors of the file llama-quantize writes for `dry`: each at its target type."""
     tensors = []
     for t in planned.tensors:
         target = dry.targets.get(t.name)
@@ -228,6 +240,17 @@ def rung_file_bytes(planned: PlannedFile, dry: DryRun, ftype: str) -> int:
         row = ggml_type_row_bytes(type_id, t.shape[0]) if type_id != t.type_id else None
         nbytes = t.nbytes if row is None else row * _rows(t.shape)  # unconverted tensors are copied
         tensors.append(TensorHeader(t.name, t.shape, type_id, nbytes))
+    return tensors
+
+
+def rung_file_bytes(planned: PlannedFile, dry: DryRun, ftype: str, tensors: Sequence[TensorHeader] | None = None) -> int:
+    """The size of the file llama-quantize writes for `dry`: the input's keys with
+    general.quantization_version and general.file_type set and split keys removed, each tensor's
+    rows at its target type (`tensors`, rung_tensors's when not given), padded to the alignment."""
+    tensors = rung_tensors(planned, dry) if tensors is None else tensors
+    changes: dict[str, Any] = {key: None for key in SPLIT_KEYS}
+    changes[Keys.General.QUANTIZATION_VERSION] = make_kv(Keys.General.QUANTIZATION_VERSION, GGUFValueType.UINT32, GGML_QUANT_VERSION)
+    changes[Keys.General.FILE_TYPE] = make_kv(Keys.General.FILE_TYPE, GGUFValueType.UINT32, FILE_TYPES[ftype])
     header, offsets = encode_header(planned.version, replace_kvs(planned.kvs, changes), tensors, planned.alignment)
     return len(header) + (offsets[-1] + pad_to(tensors[-1].nbytes, planned.alignment) if tensors else 0)
 
@@ -243,14 +266,17 @@ def _job(path: Path, rung: Rung, overrides: tuple[tuple[str, str], ...] = ()) ->
     return QuantizeJob(path, None, rung.ftype, None, rung.allow_requantize, rung.output_tensor_type, rung.token_embedding_type, overrides + rung.tensor_types, rung.pure, True, 1)
 
 
-def size_rung(quantizer: Quantizer, planned: PlannedFile, rung: Rung, missing_imatrix: Any) -> RungSize:
-    """One rung of one pruned header: dry run, the ladder's imatrix fallback, the file size."""
+def size_rung(quantizer: Quantizer, planned: PlannedFile, rung: Rung, missing_imatrix: Any, layout: MoeLayout | None = None) -> RungSize:
+    """One rung of one pruned header: dry run, the ladder's imatrix fallback, the file size, and
+    with `layout` the tensors' placement on a GPU."""
     dry = quantizer.dry_run(_job(planned.path, rung))
     fallback = tuple(n for n in dry.refused_without_imatrix() if missing_imatrix(n))
     if fallback:
         overrides = tuple((f"^{re.escape(n)}$", rung.imatrix_fallback_type) for n in fallback)
         dry = quantizer.dry_run(_job(planned.path, rung, overrides))
-    return RungSize(rung.name, rung.ftype, rung_file_bytes(planned, dry, rung.ftype), fallback, bool(dry.refused_without_imatrix()))
+    tensors = rung_tensors(planned, dry)
+    placement = placement_of(((t.name, t.nbytes) for t in tensors), layout.block_count, layout.nextn_layers) if layout else None
+    return RungSize(rung.name, rung.ftype, rung_file_bytes(planned, dry, rung.ftype, tensors), fallback, bool(dry.refused_without_imatrix()), placement)
 
 
 def plan_fit(
@@ -265,9 +291,12 @@ def plan_fit(
     only: Sequence[str] | None = None,
     imatrix_entries: set[str] | None = None,
     workers: int | None = None,
+    gpu_memory: int | None = None,
+    gpu_margin: int = DEFAULT_MARGIN,
     on_event: Sink = ignore,
 ) -> FitReport:
-    """Every (K, rung) pair's file size, the cache at `context`, and whether file + cache fit in `memory`.
+    """Every (K, rung) pair's file size, the cache at `context`, and whether file + cache fit in `memory`;
+    with `gpu_memory`, each row's offload (quant/offload.py: whole, or the smallest --n-cpu-moe N).
 
     `imatrix_entries`: the tensor names the ladder's imatrix holds; None assumes llama-imatrix's
     coverage (every tensor but those of the MTP blocks)."""
@@ -292,9 +321,9 @@ def plan_fit(
     with tempfile.TemporaryDirectory(prefix="ggufcarve-fit-") as tmp:
         headers = {k: sparse_pruned_header(model, layout, k, Path(tmp)) for k in counts}
         with ThreadPoolExecutor(max_workers=workers or max(1, min(4, os.cpu_count() or 1))) as pool:
-            futures = {(k, r.name): pool.submit(size_rung, quantizer, headers[k], r, missing_imatrix) for k in counts for r in rungs}
+            futures = {(k, r.name): pool.submit(size_rung, quantizer, headers[k], r, missing_imatrix, layout) for k in counts for r in rungs}
             for done, (key, future) in enumerate(futures.items(), 1):
                 sizes[key] = future.result()
                 on_event(Event("fit", done, total, "rungs", f"K={key[0]} {key[1]}"))
-    rows = [FitRow(k, sizes[(k, r.name)], memory, cache.total_bytes) for k in counts for r in rungs]
-    return FitReport(model, layout, spec, memory, cache, counts, rows, quantizer.describe(), time.monotonic() - started, assumption)
+    rows = [FitRow(k, sizes[(k, r.name)], memory, cache.total_bytes, gpu_memory, gpu_margin) for k in counts for r in rungs]
+    return FitReport(model, layout, spec, memory, cache, counts, rows, quantizer.describe(), time.monotonic() - started, assumption, gpu_memory, gpu_margin)

@@ -442,6 +442,9 @@ def _quant_table(inputs: CardInputs) -> list[str]:
             figures = "– | – | – | – | – | not evaluated"
         bits = f"{rung['bits_per_weight']:.2f}" if rung.get("bits_per_weight") else "–"
         rows.append(f"| {name} | {rung['name']} | {format_size(_rung_bytes(rung))} | {bits} | {figures} | `{str(rung.get('sha256'))[:16]}` |")
+    from ggufcarve.evaluate.summary import add_loop_column
+
+    add_loop_column(rows, [inputs.evaluation.get(r["files"][0]["name"]) or {} for r in inputs.rungs])
     return rows
 
 
@@ -489,6 +492,8 @@ GATE_TEXT = {
     "min_qa_exact_vs_reference": "at least {p:g}% of QA answers identical to the reference's",
     "min_pp_tok_s": "prompt processing at least {v:g} tokens/s",
     "min_tg_tok_s": "decoding at least {v:g} tokens/s",
+    "max_loop_share": "at most {p:g}% of the loop prompts ending in a repeating cycle",
+    "max_loop_share_increase": "at most {p:g} percentage points more loop prompts ending in a repeating cycle than the reference",
 }
 
 

@@ -1,0 +1,219 @@
+"""How to run a rung on one GPU: whole, or with llama.cpp's `--n-cpu-moe N` expert offload.
+
+    answer = file_offload(read_model("Model-Q4_K_M.gguf"), gpu_memory=parse_memory("16GiB"), context=ContextSettings(16384))
+    answer.n_cpu_moe, answer.override  # 12, 'blk\\.([0-9]|1[0-1])\\.ffn_(up|down|gate|gate_up)_(ch|)exps=CPU'
+    # or, from tensor sizes and a cache size: plan_offload(placement_of(tensors, blocks, nextn), gpu_memory=..., cache_bytes=...)
+
+The rule is llama.cpp 0.3.36's (common/common.h, common/arg.cpp, src/llama-model.cpp,
+src/llama-model-loader.cpp):
+  * `--n-cpu-moe N` adds, for every block i in 0..N-1, the buffer override
+    `blk\\.{i}` + LLM_FFN_EXPS_REGEX = `blk\\.{i}\\.ffn_(up|down|gate|gate_up)_(ch|)exps` to the CPU
+    buffer type (llm_add_n_cpu_ffn_overrides); `--cpu-moe` adds LLM_FFN_EXPS_REGEX alone (every
+    block). The loader applies each override with std::regex_search, unanchored, so a block's
+    pattern matches its routed experts' weights (`ffn_{gate,up,down}_exps.weight`, the fused
+    `ffn_gate_up_exps.weight`, grovemoe's chunk experts `*_chexps`) and everything after the name
+    stem: the per-expert biases `ffn_*_exps.bias` and scales `.scale`/`.input_scale`. It matches
+    no shared expert (`ffn_*_shexp`), no router (`ffn_gate_inp`, `exp_probs_b`) and no other block
+    (`blk\\.1\\.` does not match `blk.10.`). Blocks are counted from 0 as the file names them,
+    dense lead blocks included (they hold no expert, so N counts them without moving anything).
+  * With every layer offloaded (`-ngl all`, or what `--fit` settles on when the GPU holds the
+    rest) the GPU holds every loaded tensor except the input layer's (`token_embd`, and the
+    position / token-type / per-layer embeddings: llama.cpp always keeps the input layer on the
+    CPU) and the overridden experts. A file without `output.weight` reads the output projection
+    from `token_embd`, which llama.cpp then loads a second time on the output layer's device (the
+    GPU).
+  * The MTP/NextN blocks (the last `nextn_predict_layers` blocks) are not loaded at all unless
+    an MTP draft is asked for (`--spec-type draft-mtp` sets load_mtp; otherwise TENSOR_SKIP):
+    they count neither on the GPU nor in N.
+  * The KV cache and recurrent state (quant/kvcache.py) are on the GPU with the layers.
+  * The compute buffers, the backend's context and per-tensor alignment are not in the file:
+    `margin` covers them, by default 1 GiB, the target margin llama.cpp's own `--fit` keeps
+    free per device (`fit_params_target`, `--fit-target`, common/common.h).
+
+The answer is the smallest N whose GPU bytes (non-expert weights + experts of blocks N.. + cache
++ margin) fit `gpu_memory`; N = 0 means the file fits whole. If even all experts on the CPU do not
+fit, there is no N: fewer layers on the GPU (`-ngl`) or a smaller rung is the way.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from gguf.constants import Keys
+
+from ggufcarve.errors import BadInput
+from ggufcarve.gguf.container import GGUFModel
+from ggufcarve.quant.kvcache import ContextSettings, context_memory
+
+LLM_FFN_EXPS_REGEX = r"\.ffn_(up|down|gate|gate_up)_(ch|)exps"  # common/common.h
+INPUT_LAYER_TENSORS = ("token_embd", "position_embd", "token_types", "per_layer_token_embd", "masked_embd_centroids", "masked_embd_ordering")  # LLM_TENSOR_LAYER_INPUT (src/llama-arch.cpp)
+DEFAULT_MARGIN = 2**30  # fit_params_target: llama.cpp's --fit target margin per device, 1024 MiB
+
+
+def block_regex(block: int) -> str:
+    """llm_ffn_block_regex(block, LLM_FFN_EXPS_REGEX): the override --n-cpu-moe adds for one block."""
+    return rf"blk\.{block}{LLM_FFN_EXPS_REGEX}"
+
+
+def _digits_range(lo: str, hi: str) -> str:
+    """A regex for the integers lo..hi written with the same number of digits."""
+    if len(lo) == 1:
+        return lo if lo == hi else f"[{lo}-{hi}]"
+    rest = len(lo) - 1
+    if lo[0] == hi[0]:
+        return lo[0] + _group(_digits_range(lo[1:], hi[1:]))
+    parts = []
+    first = int(lo[0])
+    last = int(hi[0])
+    if lo[1:] != "0" * rest:
+        parts.append(lo[0] + _group(_digits_range(lo[1:], "9" * rest)))
+        first += 1
+    tail = None
+    if hi[1:] != "9" * rest:
+        tail = hi[0] + _group(_digits_range("0" * rest, hi[1:]))
+        last -= 1
+    if first <= last:
+        head = str(first) if first == last else f"[{first}-{last}]"
+        parts.append(head + "[0-9]" * rest)
+    if tail:
+        parts.append(tail)
+    return "|".join(parts)
+
+
+def _group(regex: str) -> str:
+    return f"({regex})" if "|" in regex else regex
+
+
+def block_range_regex(count: int) -> str:
+    """A regex matching exactly the decimal numbers 0..count-1 (no leading zeros), for -ot."""
+    if count < 1:
+        raise BadInput(f"a range of {count} blocks is empty", "give at least one block")
+    parts = []
+    top = count - 1
+    for digits in range(1, len(str(top)) + 1):
+        lo = 0 if digits == 1 else 10 ** (digits - 1)
+        hi = min(top, 10**digits - 1)
+        parts.append(_digits_range(str(lo), str(hi)))
+    return "|".join(parts)
+
+
+def override_regex(n_cpu_moe: int) -> str:
+    """One `-ot` pattern matching what `--n-cpu-moe N` matches: the experts of blocks 0..N-1."""
+    return rf"blk\.{_group(block_range_regex(n_cpu_moe))}{LLM_FFN_EXPS_REGEX}" if n_cpu_moe > 1 else block_regex(0)
+
+
+@dataclass(frozen=True)
+class WeightPlacement:
+    """Where llama.cpp puts a file's tensors with every layer on the GPU, in bytes."""
+
+    gpu_other: int  # loaded on the GPU and never matched by an expert override
+    expert_bytes: tuple[int, ...]  # per main block i: the bytes blk\.{i} + LLM_FFN_EXPS_REGEX matches
+    input_bytes: int  # the input layer's tensors, always in system memory
+    skipped_bytes: int  # the MTP blocks', not loaded without an MTP draft
+    output_from_embedding: bool  # no output.weight: token_embd is loaded again as the output
+
+    @property
+    def gpu_whole(self) -> int:
+        return self.gpu_other + sum(self.expert_bytes)
+
+    def gpu_weights(self, n_cpu_moe: int) -> int:
+        """The weights on the GPU with --n-cpu-moe N."""
+        return self.gpu_other + sum(self.expert_bytes[n_cpu_moe:])
+
+    def to_json(self) -> dict[str, Any]:
+        return {"gpu_other_bytes": self.gpu_other, "expert_bytes_per_block": list(self.expert_bytes), "input_layer_bytes": self.input_bytes,
+                "mtp_skipped_bytes": self.skipped_bytes, "output_from_embedding": self.output_from_embedding}
+
+
+def placement_of(tensors: Iterable[tuple[str, int]], block_count: int, nextn_layers: int = 0) -> WeightPlacement:
+    """WeightPlacement of tensors given as (name, bytes), by the rules in the module docstring."""
+    main = block_count - nextn_layers
+    patterns = [re.compile(block_regex(i)) for i in range(main)]
+    mtp = re.compile(r"blk\.(\d+)\.")
+    experts = [0] * main
+    other = inputs = skipped = 0
+    embedding = 0
+    has_output = False
+    for name, nbytes in tensors:
+        block = mtp.match(name)
+        if block and int(block[1]) >= main:
+            skipped += nbytes
+            continue
+        if name.split(".", 1)[0] in INPUT_LAYER_TENSORS:
+            inputs += nbytes
+            if name == "token_embd.weight":
+                embedding = nbytes
+            continue
+        has_output = has_output or name == "output.weight"
+        index = int(block[1]) if block else -1
+        if 0 <= index < main and patterns[index].search(name):
+            experts[index] += nbytes
+        else:
+            other += nbytes
+    if not has_output:
+        other += embedding
+    return WeightPlacement(other, tuple(experts), inputs, skipped, not has_output)
+
+
+def weight_placement(model: GGUFModel) -> WeightPlacement:
+    """WeightPlacement of a GGUF file (or split set) from its header: tensor names and byte sizes."""
+    arch = model.get(Keys.General.ARCHITECTURE)
+    blocks = model.get(Keys.LLM.BLOCK_COUNT.format(arch=arch))
+    if not isinstance(arch, str) or blocks is None:
+        raise BadInput(f"{model.path}: no {Keys.General.ARCHITECTURE} or block_count key", "this is not a llama.cpp model file")
+    nextn = model.get(Keys.LLM.NEXTN_PREDICT_LAYERS.format(arch=arch)) or 0
+    return placement_of(((t.name, t.nbytes) for t in model.tensors), int(blocks), int(nextn))
+
+
+@dataclass(frozen=True)
+class Offload:
+    """The answer for one file and one GPU: N = 0 fits whole, None fits with no N."""
+
+    gpu_memory: int
+    cache_bytes: int
+    margin: int
+    n_cpu_moe: int | None
+    gpu_bytes: int  # weights + cache + margin on the GPU at n_cpu_moe (at all experts on the CPU when None)
+    cpu_expert_bytes: int  # the experts the overrides keep in system memory
+    main_blocks: int
+
+    @property
+    def fits_whole(self) -> bool:
+        return self.n_cpu_moe == 0
+
+    @property
+    def override(self) -> str | None:
+        """The `-ot`/`--override-tensor` value equal to --n-cpu-moe N (None when nothing moves)."""
+        return f"{override_regex(self.n_cpu_moe)}=CPU" if self.n_cpu_moe else None
+
+    @property
+    def flags(self) -> str:
+        """The llama.cpp argument: '--n-cpu-moe N', or '' when the file fits whole or not at all."""
+        return f"--n-cpu-moe {self.n_cpu_moe}" if self.n_cpu_moe else ""
+
+    def label(self) -> str:
+        """'whole', 'n-cpu-moe 12' or 'no'."""
+        return "no" if self.n_cpu_moe is None else "whole" if self.n_cpu_moe == 0 else f"n-cpu-moe {self.n_cpu_moe}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"gpu_memory_bytes": self.gpu_memory, "cache_bytes": self.cache_bytes, "margin_bytes": self.margin, "fits_whole": self.fits_whole,
+                "fits": self.n_cpu_moe is not None, "n_cpu_moe": self.n_cpu_moe, "override_tensor": self.override, "gpu_bytes": self.gpu_bytes,
+                "cpu_expert_bytes": self.cpu_expert_bytes}
+
+
+def plan_offload(placement: WeightPlacement, *, gpu_memory: int, cache_bytes: int, margin: int = DEFAULT_MARGIN) -> Offload:
+    """The smallest --n-cpu-moe N with weights(N) + cache + margin <= gpu_memory (see the module docstring)."""
+    blocks = len(placement.expert_bytes)
+    for n in range(blocks + 1):
+        need = placement.gpu_weights(n) + cache_bytes + margin
+        if need <= gpu_memory:
+            return Offload(gpu_memory, cache_bytes, margin, n, need, sum(placement.expert_bytes[:n]), blocks)
+    return Offload(gpu_memory, cache_bytes, margin, None, placement.gpu_weights(blocks) + cache_bytes + margin, sum(placement.expert_bytes), blocks)
+
+
+def file_offload(model: GGUFModel, *, gpu_memory: int, context: ContextSettings, margin: int = DEFAULT_MARGIN) -> Offload:
+    """plan_offload for a rung file: its tensor sizes from the header, its cache at `context` (quant/kvcache.py)."""
+    return plan_offload(weight_placement(model), gpu_memory=gpu_memory, cache_bytes=context_memory(model.get, context).total_bytes, margin=margin)

@@ -1,0 +1,132 @@
+"""How to run a rung on a GPU: the --n-cpu-moe / -ot rule judged by llama.cpp's own regex (read
+from the sdist's common/common.h, compiled with Python's re, applied with search as the loader's
+std::regex_search does) and by the tensor sizes gguf-py reads from rung files llama-quantize wrote."""
+
+from __future__ import annotations
+
+import json
+import re
+import tarfile
+
+import pytest
+from clirun import ggufcarve
+from gguf import GGUFReader
+from llama_sources import sdist
+
+from ggufcarve.gguf.container import read_model
+from ggufcarve.llama import launch
+from ggufcarve.quant.kvcache import ContextSettings, context_memory
+from ggufcarve.quant.offload import block_range_regex, file_offload, override_regex, placement_of, plan_offload, weight_placement
+
+
+def llama_regexes() -> tuple[str, str]:
+    """LLM_FFN_EXPS_REGEX and llm_ffn_block_regex's format, as C string literals in common/common.h."""
+    with tarfile.open(sdist()) as tar:
+        member = next(m for m in tar if m.name.endswith("/vendor/llama.cpp/common/common.h"))
+        text = tar.extractfile(member).read().decode()
+    exps = re.search(r'LLM_FFN_EXPS_REGEX\s*=\s*"((?:[^"\\]|\\.)*)"', text)[1]
+    block = re.search(r'llm_ffn_block_regex\(int idx, const char \* ffn_regex\) \{\s*return string_format\("((?:[^"\\]|\\.)*)"', text)[1]
+
+    def unescape(literal: str) -> str:
+        return re.sub(r"\\(.)", r"\1", literal)
+
+    return unescape(exps), unescape(block)
+
+
+def test_block_ranges_match_exactly_the_first_n_numbers():
+    for n in range(1, 1100):
+        pattern = re.compile(f"(?:{block_range_regex(n)})")
+        assert [i for i in range(2100) if pattern.fullmatch(str(i))] == list(range(n)), n
+
+
+def test_placement_without_output_loads_the_embedding_on_the_gpu():
+    tensors = [("token_embd.weight", 100), ("output_norm.weight", 1), ("blk.0.ffn_up_exps.weight", 10), ("blk.0.ffn_gate_inp.weight", 2),
+               ("blk.1.ffn_down_exps.weight", 20), ("blk.1.ffn_up_shexp.weight", 3), ("blk.2.ffn_up_exps.weight", 1000)]
+    placement = placement_of(tensors, block_count=3, nextn_layers=1)
+    assert placement.output_from_embedding and placement.gpu_other == 100 + 1 + 2 + 3
+    assert placement.expert_bytes == (10, 20) and placement.skipped_bytes == 1000 and placement.input_bytes == 100
+    assert plan_offload(placement, gpu_memory=136, cache_bytes=0, margin=0).n_cpu_moe == 0
+    assert plan_offload(placement, gpu_memory=135, cache_bytes=0, margin=0).n_cpu_moe == 1
+    assert plan_offload(placement, gpu_memory=100 + 106 + 1 + 5, cache_bytes=100, margin=5).n_cpu_moe == 2
+    assert plan_offload(placement, gpu_memory=105, cache_bytes=0, margin=0).n_cpu_moe is None
+
+
+def _quantize(bin_dir, source, out, ftype):
+    finished = launch.run([bin_dir / "llama-quantize", source, out, ftype, "2"], timeout=300)
+    assert finished.ok, "\n".join(finished.tail)
+    return out
+
+
+def _oracle(path, exps: str, block_format: str):
+    """GPU weight bytes for every N and the tensors each N moves, from gguf-py's tensor sizes:
+    all tensors but token_embd (kept on the CPU; loaded again as the output when output.weight is
+    missing), the MTP blocks (not loaded) and those matched by blocks 0..N-1's patterns."""
+    reader = GGUFReader(path)
+    arch = reader.get_field("general.architecture").contents()
+    blocks = reader.get_field(f"{arch}.block_count").contents()
+    nextn_field = reader.get_field(f"{arch}.nextn_predict_layers")
+    main = blocks - (nextn_field.contents() if nextn_field else 0)
+    sizes = {t.name: int(t.n_bytes) for t in reader.tensors}
+    loaded = {n: b for n, b in sizes.items() if not (re.match(r"blk\.(\d+)\.", n) and int(n.split(".")[1]) >= main) and not n.startswith("token_embd.")}
+    if "output.weight" not in sizes:
+        loaded["token_embd.weight"] = sizes["token_embd.weight"]
+    patterns = [re.compile(block_format.replace("%d", str(i)).replace("%s", exps)) for i in range(main)]
+    moved = [{n for n in loaded if any(p.search(n) for p in patterns[:count])} for count in range(main + 1)]
+    gpu = [sum(b for n, b in loaded.items() if n not in moved[count]) for count in range(main + 1)]
+    return main, sizes, gpu, moved
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch, n_layer, ftype", [
+    ("fused", 3, "Q4_K_M"),  # qwen35moe: ffn_gate_up_exps, shared experts, one MTP block
+    ("gpt-oss", 3, "Q2_K"),  # per-expert biases
+    ("deepseek2", 4, "Q4_K_M"),  # a dense lead block (no experts), shared expert, exp_probs_b
+])
+def test_rule_against_real_rung_files(make_model, llama_tools, tmp_path, arch, n_layer, ftype):
+    exps, block_format = llama_regexes()
+    rung = _quantize(llama_tools, make_model(arch, n_layer=n_layer), tmp_path / f"{arch}-{ftype}.gguf", ftype)
+    main, sizes, gpu, moved = _oracle(rung, exps, block_format)
+    placement = weight_placement(read_model(rung))
+    assert len(placement.expert_bytes) == main
+    assert [placement.gpu_weights(n) for n in range(main + 1)] == gpu
+    assert all(gpu[n] > gpu[n + 1] for n in range(main) if moved[n + 1] - moved[n])  # every MoE block moves something
+    assert any(n.endswith(("gate_up_exps.weight", "exps.bias")) for n in moved[main]) or arch == "deepseek2"
+    cache, margin = 4096, 1000
+    for n in range(main + 1):
+        expected = min(m for m in range(main + 1) if gpu[m] <= gpu[n])
+        answer = plan_offload(placement, gpu_memory=gpu[n] + cache + margin, cache_bytes=cache, margin=margin)
+        assert answer.n_cpu_moe == expected and answer.gpu_bytes == gpu[expected] + cache + margin
+        assert answer.fits_whole == (expected == 0)
+        assert answer.cpu_expert_bytes == sum(sizes[t] for t in moved[expected])
+        if expected:
+            one = re.compile(answer.override.removesuffix("=CPU"))
+            assert {t for t in sizes if one.search(t) and t in moved[main]} == moved[expected]
+            assert answer.flags == f"--n-cpu-moe {expected}"
+        below = plan_offload(placement, gpu_memory=gpu[n] + cache + margin - 1, cache_bytes=cache, margin=margin)
+        smaller = [m for m in range(main + 1) if gpu[m] < gpu[n]]
+        assert below.n_cpu_moe == (min(smaller) if smaller else None)
+    # -ot for N: llama.cpp's N patterns, one by one, match the same tensors as the single pattern
+    for n in range(1, main + 1):
+        assert {t for t in sizes if re.search(override_regex(n), t)} - {t for t in sizes if re.match(r"blk\.(\d+)\.", t) and int(t.split(".")[1]) >= main} == moved[n]
+
+
+@pytest.mark.slow
+def test_fit_column_equals_the_rule_on_the_built_file(make_model, llama_tools, tmp_path):
+    source = make_model("qwen3moe", n_layer=4)
+    rung = _quantize(llama_tools, source, tmp_path / "qwen3moe-Q4_K_M.gguf", "Q4_K_M")
+    placement = weight_placement(read_model(rung))
+    cache = context_memory(read_model(source).get, ContextSettings(512)).total_bytes
+    margin = 2**18
+    budget = placement.gpu_weights(2) + cache + margin  # two blocks' experts on the CPU
+    result = ggufcarve("fit", source, "--memory", "1GiB", "--gpu-memory", f"{budget}B", "--gpu-margin", f"{margin}B", "--ctx", 512,
+                       "--k", 8, "--only", "Q4_K_M", "--quantizer", llama_tools / "llama-quantize", "--json")
+    assert result.code == 0, result.stderr
+    row = json.loads(result.stdout)["rows"][0]
+    expected = file_offload(read_model(rung), gpu_memory=budget, context=ContextSettings(512), margin=margin)
+    assert expected.n_cpu_moe == 2
+    assert row["gpu"] == expected.to_json() and row["cache_bytes"] == cache
+    assert 0 <= row["file_bytes"] - rung.stat().st_size < 1024  # fit sizes the pruned plan's header, with its provenance keys
+    table = ggufcarve("fit", source, "--memory", "1GiB", "--gpu-memory", f"{budget}B", "--gpu-margin", f"{margin}B", "--ctx", 512,
+                      "--k", 8, "--only", "Q4_K_M", "--quantizer", llama_tools / "llama-quantize")
+    assert table.code == 0, table.stderr
+    assert "--n-cpu-moe 2 (or -ot 'blk\\.[0-1]\\.ffn_(up|down|gate|gate_up)_(ch|)exps=CPU')" in table.stdout
