@@ -38,6 +38,7 @@ METHODS: dict[str, Method] = {
         Method("mone", "calibration", "MoNE: routed count x output variance E||f_e - mean f_e||^2 over the tokens routed to e (ungated outputs)"),
         Method("reap", "calibration", "mean g_e ||f_e(x)|| over the tokens routed to e, g the weight llama.cpp applied"),
         Method("razor", "calibration", "conditional RMS of the output change when e is deleted and the router's next expert takes its place"),
+        Method("greedy", "calibration", "backward elimination per block: remove the expert whose removal raises mean ||y - y_S||^2 of the block's routed output least (router renormalised over S); opt-in"),
     )
 }
 
