@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import json
 import random
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -52,12 +53,13 @@ def _block(path, trace, block):
     return greedy_block(router_of(model, layout, block), nodes, ExpertEvaluator(model, layout), block)
 
 
-def test_greedy_error_equals_brute_force_for_every_subset_of_four(make_model):
-    path = make_model("qwen3moe", "F32", n_layer=1)  # 8 experts, top-2, softmax renormalised over the top-2
+@pytest.mark.parametrize("block", [0, 1])
+def test_greedy_error_equals_brute_force_for_every_subset_of_four(make_model, block):
+    path = make_model("qwen3moe", "F32")  # 8 experts, top-2, softmax renormalised over the top-2
     trace = _trace(path, _tokens(4 * CTX))
-    x = trace.nodes["ffn_moe_input"][0].astype(np.float64)
-    logits = trace.nodes["ffn_moe_logits"][0].astype(np.float64)
-    f = _expert_outputs(_tensors(path), 0, x)  # the oracle: every expert on every token
+    x = trace.nodes["ffn_moe_input"][block].astype(np.float64)
+    logits = trace.nodes["ffn_moe_logits"][block].astype(np.float64)
+    f = _expert_outputs(_tensors(path), block, x)  # the oracle: every expert on every token
     n_expert, k = logits.shape[1], 2
 
     def output(keep) -> np.ndarray:
@@ -73,7 +75,7 @@ def test_greedy_error_equals_brute_force_for_every_subset_of_four(make_model):
     def oracle(keep) -> float:
         return float(np.mean(np.sum((y - output(keep)) ** 2, axis=1)))
 
-    greedy = _block(path, trace, 0)
+    greedy = _block(path, trace, block)
     subsets = list(itertools.combinations(range(n_expert), 4))
     assert len(subsets) == 70
     exhaustive = {s: oracle(s) for s in subsets}
@@ -91,7 +93,7 @@ def test_greedy_error_equals_brute_force_for_every_subset_of_four(make_model):
     rank = sorted(exhaustive.values()).index(exhaustive[keep4]) + 1
 
     # frequency and reap, computed here from llama.cpp's routing and the oracle's outputs
-    top = trace.nodes["ffn_moe_topk"][0].astype(np.intp)
+    top = trace.nodes["ffn_moe_topk"][block].astype(np.intp)
     counts = np.bincount(top.reshape(-1), minlength=n_expert).astype(np.float64)
     full_top = np.argsort(-logits, axis=1)[:, :k]
     w = np.exp(np.take_along_axis(logits, full_top, axis=1))
@@ -99,7 +101,7 @@ def test_greedy_error_equals_brute_force_for_every_subset_of_four(make_model):
     norms = np.linalg.norm(f[full_top, np.arange(len(x))[:, None]], axis=2)
     reap = np.bincount(full_top.reshape(-1), weights=(w * norms).reshape(-1), minlength=n_expert) / np.maximum(counts, 1)
     keep_of = {m: tuple(sorted(sorted(range(n_expert), key=lambda e: (-s[e], e))[:4])) for m, s in (("frequency", counts), ("reap", reap))}
-    print(f"\n| 8 experts keep 4, {len(x)} tokens | keep-set | error(S) |\n|---|---|---:|\n| exhaustive optimum | {best} | {exhaustive[best]:.6g} |"
+    print(f"\n| blk.{block}: 8 experts keep 4, {len(x)} tokens | keep-set | error(S) |\n|---|---|---:|\n| exhaustive optimum | {best} | {exhaustive[best]:.6g} |"
           f"\n| greedy (rank {rank} of 70) | {keep4} | {exhaustive[keep4]:.6g} |"
           + "".join(f"\n| {m} | {s} | {exhaustive[s]:.6g} |" for m, s in keep_of.items()))
     assert exhaustive[keep4] >= exhaustive[best]
@@ -107,8 +109,39 @@ def test_greedy_error_equals_brute_force_for_every_subset_of_four(make_model):
         assert exhaustive[keep4] <= exhaustive[keep] * (1 + 1e-9), method
 
 
-def test_greedy_on_grouped_sigmoid_routing_keeps_groups_balanced(make_model, tmp_path):
-    path = make_model("deepseek2", "F32")  # 16 experts in 4 groups (2 used), top-4, sigmoid, exp_probs_b, x1.5
+def test_greedy_with_softmax_not_renormalised_rescales_every_token(make_model):
+    """qwen2moe-style routing (softmax over S, top-k weights not renormalised) on a traced block:
+    removing an expert rescales the weights of every token, which the elimination computes from
+    dot products for the tokens that keep their experts."""
+    path = make_model("qwen3moe", "F32")
+    trace = _trace(path, _tokens(4 * CTX))
+    greedy = _block(path, trace, 1)
+    greedy.router = replace(greedy.router, normalised=False, scale=2.0)
+    greedy.y = greedy.output(np.ones(8, dtype=bool))
+    x = trace.nodes["ffn_moe_input"][1].astype(np.float64)
+    logits = trace.nodes["ffn_moe_logits"][1].astype(np.float64)
+    f = _expert_outputs(_tensors(path), 1, x)
+
+    def output(keep) -> np.ndarray:
+        masked = np.full_like(logits, -np.inf)
+        masked[:, list(keep)] = logits[:, list(keep)]
+        top = np.argsort(-masked, axis=1)[:, :2]
+        p = np.exp(masked - masked.max(axis=1, keepdims=True))
+        w = 2.0 * np.take_along_axis(p / p.sum(axis=1, keepdims=True), top, axis=1)
+        return np.einsum("tj,tjd->td", w, f[top, np.arange(len(x))[:, None]])
+
+    y = output(range(8))
+    result = greedy.eliminate()
+    for step, error in enumerate(result.errors):
+        keep = sorted(set(range(8)) - set(result.removed[: step + 1]))
+        assert error == pytest.approx(float(np.mean(np.sum((y - output(keep)) ** 2, axis=1))), rel=1e-4, abs=1e-9), keep
+
+
+@pytest.mark.parametrize("v2_routing", [False, True])
+def test_greedy_on_grouped_routing_keeps_groups_balanced(make_model, tmp_path, v2_routing):
+    """deepseek2, 16 experts in 4 groups (2 used), top-4, exp_probs_b: V3's sigmoid gating,
+    renormalised, x1.5; V2's softmax gating, not renormalised, x16 (every token recomputed)."""
+    path = make_model("deepseek2", "F32", v2_routing=v2_routing)
     block = 1
     trace = _trace(path, _tokens(2 * CTX, seed=1))
     x = trace.nodes["ffn_moe_input"][block].astype(np.float64)
@@ -116,9 +149,15 @@ def test_greedy_on_grouped_sigmoid_routing_keeps_groups_balanced(make_model, tmp
     weights = _tensors(path)
     f = _expert_outputs(weights, block, x)
     bias = weights[f"blk.{block}.exp_probs_b.bias"].astype(np.float64)
-    probs = 1 / (1 + np.exp(-logits))
 
     def output(keep) -> np.ndarray:
+        masked = np.full_like(logits, -np.inf)
+        masked[:, list(keep)] = logits[:, list(keep)]
+        if v2_routing:
+            probs = np.exp(masked - masked.max(axis=1, keepdims=True))
+            probs /= probs.sum(axis=1, keepdims=True)
+        else:
+            probs = 1 / (1 + np.exp(-masked))
         selection = np.full_like(probs, -np.inf)
         selection[:, list(keep)] = (probs + bias)[:, list(keep)]
         group_scores = np.sort(selection.reshape(len(x), 4, 4), axis=2)[:, :, -2:].sum(axis=2)
@@ -128,15 +167,24 @@ def test_greedy_on_grouped_sigmoid_routing_keeps_groups_balanced(make_model, tmp
             open_[np.arange(len(x))[:, None], used[:, g, None] * 4 + np.arange(4)] = True
         top = np.argsort(-np.where(open_, selection, -np.inf), axis=1)[:, :4]
         w = np.take_along_axis(probs, top, axis=1)
-        w = 1.5 * w / w.sum(axis=1, keepdims=True)
+        w = 16.0 * w if v2_routing else 1.5 * w / w.sum(axis=1, keepdims=True)
         return np.einsum("tj,tjd->td", w, f[top, np.arange(len(x))[:, None]])
+
+    def oracle(keep) -> float:
+        return float(np.mean(np.sum((y - output(keep)) ** 2, axis=1)))
 
     y = output(range(16))
     greedy = _block(path, trace, block)
     rng = np.random.default_rng(0)
-    for _ in range(6):
+    for _ in range(4):
         keep = sorted(int(e) for g in range(4) for e in rng.choice(range(4 * g, 4 * g + 4), size=2, replace=False))
-        assert greedy.error(keep) == pytest.approx(float(np.mean(np.sum((y - output(keep)) ** 2, axis=1))), rel=1e-4, abs=1e-9), keep
+        assert greedy.error(keep) == pytest.approx(oracle(keep), rel=1e-4, abs=1e-9), keep
+    result = greedy.eliminate()
+    assert len(result.removed) == 8
+    for step in (0, 3, 4, 7):  # unbalanced (15, 12 + 1...) and balanced sets of the elimination
+        assert result.errors[step] == pytest.approx(oracle(sorted(set(range(16)) - set(result.removed[: step + 1]))), rel=1e-4, abs=1e-9)
+    if v2_routing:
+        return
 
     calibration = tmp_path / "calibration.txt"
     calibration.write_text(" ".join(random.Random(2).choice(CALIBRATION_WORDS) for _ in range(400)))

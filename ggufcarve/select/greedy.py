@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -56,6 +56,7 @@ from ggufcarve.select.experts import ExpertEvaluator
 NODES = ("ffn_moe_probs", "ffn_moe_input", "ffn_moe_topk", "ffn_moe_down")
 WEIGHTS_SUM_FLOOR = 6.103515625e-5  # build_moe_ffn clamps the sum of the top-k weights to it
 GATINGS = (SOFTMAX, SIGMOID, SOFTMAX_WEIGHT, SQRT_SOFTPLUS)
+COMBINE_ROWS = 4096  # tokens per gathered [rows, k, n_embd] block of expert outputs (float32 products, float64 sums of squares)
 
 
 @dataclass(frozen=True)
@@ -132,59 +133,55 @@ def router_of(model: Any, layout: Any, block: int) -> Router:
 
 @dataclass
 class BlockOutputs:
-    """f_e(x_t) of one block, filled from llama.cpp's captures and evaluated lazily otherwise."""
+    """f_e(x_t) of one block, filled from llama.cpp's captures and evaluated lazily otherwise.
+
+    `values` is one zero-filled [T, E, n_embd] float32 array (token-major: a token's experts are
+    gathered from one span): its pages are committed by the operating system only where an output
+    is written."""
 
     block: int
     inputs: np.ndarray  # [T, n_embd] float32
     evaluator: ExpertEvaluator | None
+    expert_count: int
     down_bias: np.ndarray | None = None
-    values: dict[int, np.ndarray] = field(default_factory=dict)  # expert -> [T, n_embd] float32
-    have: dict[int, np.ndarray] = field(default_factory=dict)  # expert -> [T] bool
     evaluated: int = 0  # (token, expert) pairs evaluated in numpy
 
-    def _slot(self, expert: int) -> tuple[np.ndarray, np.ndarray]:
-        if expert not in self.values:
-            self.values[expert] = np.zeros(self.inputs.shape, np.float32)
-            self.have[expert] = np.zeros(len(self.inputs), dtype=bool)
-        return self.values[expert], self.have[expert]
+    def __post_init__(self) -> None:
+        self.values = np.zeros((len(self.inputs), self.expert_count, self.inputs.shape[1]), np.float32)
+        self.have = np.zeros((self.expert_count, len(self.inputs)), dtype=bool)
 
     def seed(self, topk: np.ndarray, down: np.ndarray) -> None:
         """llama.cpp's ffn_moe_down [T, k, n_embd] of the experts `topk` [T, k] selected."""
-        for expert in np.unique(topk):
-            rows, slots = np.nonzero(topk == expert)
-            values, have = self._slot(int(expert))
-            values[rows] = down[rows, slots]
-            if self.down_bias is not None:
-                values[rows] += self.down_bias[expert]
-            have[rows] = True
+        rows = np.broadcast_to(np.arange(len(topk))[:, None], topk.shape)
+        self.values[rows, topk] = down if self.down_bias is None else down + self.down_bias[topk]
+        self.have[topk, rows] = True
 
     def ensure(self, rows: np.ndarray, topk: np.ndarray) -> None:
-        """Evaluate every (rows[i], topk[i, j]) not held yet."""
-        work = []
-        for expert in np.unique(topk):
-            _, have = self._slot(int(expert))
-            wanted = np.unique(rows[(topk == expert).any(axis=1)])
-            missing = wanted[~have[wanted]]
-            if missing.size:
-                work.append((int(expert), missing))
-        if not work:
+        """Evaluate every (rows[i], topk[i, j]) not held yet, in one batch."""
+        pairs = np.stack([topk.reshape(-1), np.broadcast_to(rows[:, None], topk.shape).reshape(-1)])
+        pairs = pairs[:, ~self.have[pairs[0], pairs[1]]]
+        if not pairs.size:
             return
+        keys = np.unique(pairs[0].astype(np.int64) * len(self.inputs) + pairs[1])  # sorted by expert, then token
+        pairs = np.stack([keys // len(self.inputs), keys % len(self.inputs)])
+        experts, starts = np.unique(pairs[0], return_index=True)
+        work = [(int(e), m) for e, m in zip(experts, np.split(pairs[1], starts[1:]))]
         if self.evaluator is None:
             raise RuntimeError("greedy needs the expert evaluator of the model")
         outputs = self.evaluator.outputs_many(self.block, [(e, self.inputs[m]) for e, m in work])
         for (expert, missing), out in zip(work, outputs):
-            values, have = self._slot(expert)
-            values[missing] = out if self.down_bias is None else out + self.down_bias[expert]
-            have[missing] = True
+            self.values[missing, expert] = out if self.down_bias is None else out + self.down_bias[expert]
+            self.have[expert, missing] = True
             self.evaluated += len(missing)
 
     def combine(self, rows: np.ndarray, topk: np.ndarray, weights: np.ndarray) -> np.ndarray:
         """sum_j weights[i, j] f_{topk[i, j]}(x_rows[i]): float64 [len(rows), n_embd]."""
         self.ensure(rows, topk)
-        out = np.zeros((len(rows), self.inputs.shape[1]))
-        for expert in np.unique(topk):
-            where, slots = np.nonzero(topk == expert)
-            out[where] += weights[where, slots, None] * self.values[int(expert)][rows[where]]
+        out = np.empty((len(rows), self.inputs.shape[1]))
+        w32 = weights.astype(np.float32)
+        for start in range(0, len(rows), COMBINE_ROWS):
+            part = slice(start, start + COMBINE_ROWS)
+            out[part] = np.einsum("nk,nkd->nd", w32[part], self.values[rows[part, None], topk[part]])
         return out
 
 
@@ -260,12 +257,18 @@ class GreedyBlock:
             if self.router.rescales:
                 z = np.where(allowed, self.probs, 0.0).sum(axis=1)
                 yy, yc, cc = np.sum(self.y**2, axis=1), np.sum(self.y * current, axis=1), np.sum(current**2, axis=1)
-            best: tuple[float, int] | None = None
+            trials = []
             for e in candidates:
                 trial = allowed.copy()
                 trial[e] = False
                 rows = self.tokens if sensitive is None else np.flatnonzero(sensitive[:, e])
-                changed = np.sum((self.y[rows] - self.output(trial, rows)) ** 2, axis=1)
+                topk, weights, _ = self.router.route(self.probs[rows], trial)
+                trials.append((int(e), rows, topk, weights))
+            if trials:  # every output the step's candidates reach, evaluated in one batch
+                self.outputs.ensure(np.concatenate([t[1] for t in trials]), np.concatenate([t[2] for t in trials]))
+            best: tuple[float, int] | None = None
+            for e, rows, topk, weights in trials:
+                changed = np.sum((self.y[rows] - self.outputs.combine(rows, topk, weights)) ** 2, axis=1)
                 if self.router.rescales and sensitive is not None:
                     factor = z / np.maximum(z - self.probs[:, e], np.finfo(np.float64).tiny)
                     others = yy - 2 * factor * yc + factor**2 * cc
@@ -274,7 +277,7 @@ class GreedyBlock:
                 else:
                     total = float(base.sum() - (base[rows].sum() if sensitive is not None else base.sum()) + changed.sum())
                 if best is None or total < best[0]:
-                    best = (total, int(e))
+                    best = (total, e)
             if best is None:
                 break
             allowed[best[1]] = False
@@ -291,7 +294,7 @@ def greedy_block(router: Router, nodes: dict[str, np.ndarray], evaluator: Expert
         raise BadInput(f"blk.{block}: the trace has no {', '.join(missing)}", "this llama.cpp graph does not route through build_moe_ffn")
     topk = nodes["ffn_moe_topk"].astype(np.intp)
     bias = evaluator.down_bias(block) if evaluator is not None else None
-    outputs = BlockOutputs(block, np.ascontiguousarray(nodes["ffn_moe_input"], dtype=np.float32), evaluator, bias)
+    outputs = BlockOutputs(block, np.ascontiguousarray(nodes["ffn_moe_input"], dtype=np.float32), evaluator, router.expert_count, bias)
     outputs.seed(topk, np.asarray(nodes["ffn_moe_down"], dtype=np.float32))
     return GreedyBlock(router, nodes["ffn_moe_probs"], topk, outputs)
 
