@@ -23,6 +23,14 @@ from ggufcarve.select.experts import ExpertEvaluator
 from ggufcarve.select.greedy import NODES, greedy_block, router_of
 
 CTX = 128
+pytestmark = pytest.mark.slow  # every test traces a fixture through llama.cpp
+
+
+@pytest.fixture(scope="module")
+def qwen_traced(make_model):
+    """An 8-expert top-2 qwen3moe fixture (softmax renormalised over the top-2) and its trace."""
+    path = make_model("qwen3moe", "F32")
+    return path, _trace(path, _tokens(4 * CTX))
 
 
 def _tensors(path) -> dict[str, np.ndarray]:
@@ -54,9 +62,8 @@ def _block(path, trace, block):
 
 
 @pytest.mark.parametrize("block", [0, 1])
-def test_greedy_error_equals_brute_force_for_every_subset_of_four(make_model, block):
-    path = make_model("qwen3moe", "F32")  # 8 experts, top-2, softmax renormalised over the top-2
-    trace = _trace(path, _tokens(4 * CTX))
+def test_greedy_error_equals_brute_force_for_every_subset_of_four(qwen_traced, block):
+    path, trace = qwen_traced
     x = trace.nodes["ffn_moe_input"][block].astype(np.float64)
     logits = trace.nodes["ffn_moe_logits"][block].astype(np.float64)
     f = _expert_outputs(_tensors(path), block, x)  # the oracle: every expert on every token
@@ -109,12 +116,11 @@ def test_greedy_error_equals_brute_force_for_every_subset_of_four(make_model, bl
         assert exhaustive[keep4] <= exhaustive[keep] * (1 + 1e-9), method
 
 
-def test_greedy_with_softmax_not_renormalised_rescales_every_token(make_model):
+def test_greedy_with_softmax_not_renormalised_rescales_every_token(qwen_traced):
     """qwen2moe-style routing (softmax over S, top-k weights not renormalised) on a traced block:
     removing an expert rescales the weights of every token, which the elimination computes from
     dot products for the tokens that keep their experts."""
-    path = make_model("qwen3moe", "F32")
-    trace = _trace(path, _tokens(4 * CTX))
+    path, trace = qwen_traced
     greedy = _block(path, trace, 1)
     greedy.router = replace(greedy.router, normalised=False, scale=2.0)
     greedy.y = greedy.output(np.ones(8, dtype=bool))
