@@ -211,3 +211,19 @@ def test_greedy_on_grouped_routing_keeps_groups_balanced(make_model, tmp_path, v
             held = sorted(set(range(16)) - set(removed[: 16 - kept]))
             assert [sum(1 for e in held if e // 4 == g) for g in range(4)] == [kept // 4] * 4
             assert layers[b] == held
+
+
+@pytest.mark.parametrize("arch", ["gpt-oss", "qwen35moe"])
+def test_greedy_full_output_is_llama_cpps_ffn_moe_out(make_model, arch):
+    """The routing recomputed for the full expert set (gpt-oss: softmax over the selected biased
+    logits, down biases; qwen35moe: renormalised softmax) gives llama.cpp's own block output, and
+    the elimination's errors are error(S) of its sets."""
+    path = make_model(arch, "F32")
+    trace = trace_routing(path, _tokens(2 * CTX), nodes=(*NODES, "ffn_moe_out"), logits=False, context=CTX, threads=2)
+    greedy = _block(path, trace, 1)
+    out = trace.nodes["ffn_moe_out"][1].astype(np.float64)
+    assert np.abs(greedy.y - out).max() <= 1e-5 * np.abs(out).max()
+    assert greedy.error(range(8)) == 0.0
+    result = greedy.eliminate()
+    for step, error in enumerate(result.errors):
+        assert error == pytest.approx(greedy.error(sorted(set(range(8)) - set(result.removed[: step + 1]))), rel=1e-6)

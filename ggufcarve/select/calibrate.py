@@ -79,8 +79,10 @@ def calibrate_all(
     greedy = greedy or method == "greedy"
     if greedy:
         from ggufcarve.select.experts import activation_of
+        from ggufcarve.select.greedy import check_routing
 
         activation_of(layout.architecture)
+        check_routing(layout)
         method = "reap" if method == "greedy" else method
     if method == "razor" and layout.expert_used_count < 2:
         raise BadInput("razor needs at least 2 experts per token (top-k >= 2)", "use reap or ean for top-1 routing")

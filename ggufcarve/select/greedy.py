@@ -118,13 +118,19 @@ class Router:
         return per_group * self.groups
 
 
+def check_routing(layout: Any) -> None:
+    """BadInput unless greedy can recompute the model's routing (known gating and normalisation)."""
+    routing = layout.routing
+    if routing.gating not in GATINGS or routing.normalised is None:
+        raise BadInput(f"greedy cannot recompute the routing of {layout.architecture} ({routing.describe()})", "use reap or frequency")
+
+
 def router_of(model: Any, layout: Any, block: int) -> Router:
     """The Router of `block` of a model (gating, normalisation, scale, selection bias, groups)."""
     from ggufcarve.gguf.tensors import tensor_values
 
+    check_routing(layout)
     routing = layout.routing
-    if routing.gating not in GATINGS or routing.normalised is None:
-        raise BadInput(f"greedy cannot reproduce the routing of {layout.architecture} ({routing.describe()})", "use reap or frequency")
     bias_names = [t.name for layer in layout.layers if layer.block == block for t in layer.tensors if t.role == "selection bias"]
     bias = tensor_values(model, bias_names[0]).astype(np.float64).reshape(-1) if bias_names else None
     return Router(layout.expert_count, layout.expert_used_count, routing.gating, bool(routing.normalised), routing.scale, bias,
