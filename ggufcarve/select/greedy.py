@@ -4,7 +4,8 @@ calibration tokens.
     error(S) = mean over tokens t of ||y_t - y_S,t||^2
 
 y_t is the block's routed output in the full model, sum_j w_tj f_{e_tj}(x_t) over the k experts
-llama.cpp selected (shared experts are not routed and cancel out); y_S,t is the output when the
+llama.cpp selected (`route` over all experts reproduces llama.cpp's ffn_moe_out to 1.5e-7 of its
+largest element on the F32 fixtures; shared experts are not routed and cancel out); y_S,t is the output when the
 router picks top-k among the experts of S only, as a file keeping S computes it (build_moe_ffn,
 src/llama-graph.cpp; `route`):
     probs     softmax gating: the softmax over S (ffn_moe_probs / their sum over S); sigmoid,
@@ -28,14 +29,18 @@ so that the top K scores of a block are its greedy S of size K for every loadabl
 
 Only the tokens whose routing the removal of e can change are recomputed for candidate e: those
 that selected e under S, with expert groups also those where e is one of the two best of a
-selectable group. For softmax gating without renormalisation the other tokens keep their experts
+group. For softmax gating without renormalisation the other tokens keep their experts
 and their output scales by Z_S / Z_{S-e} (Z the sum of probs over the set), from three dot
 products per token; softmax gating with a selection bias has no such shortcut (the bias is added
-after the renormalised softmax, so any removal can reorder any token): every token is recomputed.
+to the softmax over S, which scales with S, so any removal can reorder any token): every token is
+recomputed.
 
-Memory per block while it is eliminated: the traced nodes (MoE input, probs, the selected
-experts' outputs: T x (n_embd (1 + k) + n_expert) floats) and the expert outputs rerouting
-reaches (up to T x n_embd floats per expert).
+Memory: the traced nodes of every block are held until the decode ends (MoE input, probs, top-k,
+the selected experts' outputs: T x (n_embd (1 + k) + n_expert + k) values per block, T the
+calibration tokens), and while a block is eliminated the expert outputs rerouting reaches
+([T, n_expert, n_embd] float32, its pages committed where written). On the demo model (17,408
+tokens, 4 blocks, 16 experts, n_embd 256) the decode child peaked at 1.27 GB against 0.11 GB for
+the same pass without greedy.
 """
 
 from __future__ import annotations
