@@ -7,6 +7,10 @@ the child a command started ahead (`ggufcarve.select.prestart`) or a new one. It
   * the selection criteria (`ggufcarve.select.from_trace.statistics`): the MoE nodes they read,
     folded block by block into mergeable per-expert statistics of every criterion the pass fills
     (`calibrate_all` returns them all; `calibrate` the one asked for);
+  * for `greedy` (asked, or with `greedy=True` beside another criterion), the backward
+    elimination of `ggufcarve.select.greedy`, which holds the block inputs and outputs of every
+    token and eliminates once the decode has ended; the statistics consumer then runs as a reap
+    pass (the criteria of `from_trace.OUTPUT_METHODS`) unless razor is asked;
   * with `imatrix_out`, the importance matrix (`ggufcarve.imatrix.collect.IMATRIX_CONSUMER`):
     llama-imatrix's statistics of every MUL_MAT / MUL_MAT_ID of a blk.* weight, written as
     llama-imatrix would write them from the same text and --ctx.
@@ -55,6 +59,7 @@ def calibrate_all(
     threads: int | None = None,
     imatrix_out: Path | None = None,
     force: bool = False,
+    greedy: bool = False,
     on_event: Sink = ignore,
 ) -> dict[str, ExpertScores]:
     """One decode pass over the calibration files: the scores of every criterion it fills
@@ -63,11 +68,22 @@ def calibrate_all(
 
     With `imatrix_out`, the same decode also collects the model's importance matrix, written
     there as llama-imatrix would write it from the same text and --ctx (refused if it exists,
-    unless `force`)."""
+    unless `force`). With `greedy` (or `method` "greedy") the same decode also runs the greedy
+    elimination; its record's "pass" names the consumer "greedy", and its "greedy" parameter holds
+    per block the removal order and error(S) after each removal."""
     from ggufcarve.select.zero_shot import weights_stats
 
     if method not in TRACE_METHODS:
         raise BadInput(f"{method} is not a calibration method", f"one of {', '.join(TRACE_METHODS)}")
+    asked = method
+    greedy = greedy or method == "greedy"
+    if greedy:
+        from ggufcarve.select.experts import activation_of
+        from ggufcarve.select.greedy import check_routing
+
+        activation_of(layout.architecture)
+        check_routing(layout)
+        method = "reap" if method == "greedy" else method
     if method == "razor" and layout.expert_used_count < 2:
         raise BadInput("razor needs at least 2 experts per token (top-k >= 2)", "use reap or ean for top-1 routing")
     if method == "razor":
@@ -77,6 +93,10 @@ def calibrate_all(
     check_chunking(ctx, max_tokens)
     calibration = read_calibration(files)
     consumers = [statistics_consumer(method)]
+    if greedy:
+        from ggufcarve.select.greedy import GREEDY_CONSUMER
+
+        consumers.append(GREEDY_CONSUMER)
     if imatrix_out is not None:
         from ggufcarve.imatrix.collect import IMATRIX_CONSUMER
 
@@ -97,7 +117,7 @@ def calibrate_all(
     if missing:
         raise ToolFailed(f"the trace of {model.path.name} has no MoE nodes for block(s) {missing}", "the llama.cpp graph of this architecture does not go through build_moe_ffn")
     parameters: dict[str, Any] = {"ctx": ctx, "max_tokens": max_tokens, "micro_batch": batching.micro_batch, "sequences": batching.sequences, "chunks": run.chunks,
-                                  "pass": {"decode": "calibration", "consumer": "statistics", "asked": method, "statistics": list(statistics.filled)}}
+                                  "pass": {"decode": "calibration", "consumer": "statistics", "asked": asked, "statistics": [*statistics.filled, *(["greedy"] if greedy else [])]}}
     extra: dict[int, BlockStats] = {}
     if untraced:
         extra, rules = weights_stats(model, layout, untraced, on_event, note=MTP_NOTE)
@@ -109,4 +129,25 @@ def calibrate_all(
         scores = ExpertScores(name, facts, {**statistics.blocks(name), **extra}, parameters, inputs, run.tokens)
         scores.check()
         out[name] = scores
+    if greedy:
+        out["greedy"] = greedy_scores(run.outputs["greedy"], statistics, facts, extra, parameters, inputs, run.tokens)
     return out
+
+
+def greedy_scores(arrays: dict[str, Any], statistics: TraceStatistics, facts: ModelFacts, extra: dict[int, BlockStats], parameters: dict[str, Any],
+                  inputs: tuple[dict[str, Any], ...], tokens: int) -> ExpertScores:
+    """The greedy consumer's eliminations as ExpertScores (statistic "rank": 1 + removal step)."""
+    from ggufcarve.select.greedy import eliminations
+
+    done = eliminations(arrays)
+    blocks: dict[int, BlockStats] = dict(extra)
+    record: dict[str, Any] = {}
+    for block, result in done.items():
+        blocks[block] = BlockStats("greedy", "rank", counts=statistics.counts.get(block), sums=result.scores(facts.expert_count))
+        record[str(block)] = {"removed": result.removed, "error": result.errors, "survivors": result.survivors,
+                              "evaluated_pairs": result.evaluated, "seconds": round(result.seconds, 3),
+                              "routing_agrees": float(arrays[f"agrees:{block}"])}
+    passed = {**parameters["pass"], "consumer": "greedy", "consumers": ["statistics", "greedy"]}
+    scores = ExpertScores("greedy", facts, blocks, {**parameters, "pass": passed, "greedy": record}, inputs, tokens)
+    scores.check()
+    return scores

@@ -38,6 +38,8 @@ METHODS: dict[str, Method] = {
         Method("mone", "calibration", "MoNE: routed count x output variance E||f_e - mean f_e||^2 over the tokens routed to e (ungated outputs)"),
         Method("reap", "calibration", "mean g_e ||f_e(x)|| over the tokens routed to e, g the weight llama.cpp applied"),
         Method("razor", "calibration", "conditional RMS of the output change when e is deleted and the router's next expert takes its place"),
+        Method("greedy", "calibration", "backward elimination per block: drop the expert whose removal raises mean ||y - y_S||^2 of the block's routed output least (routing recomputed over S); "
+               "opt-in: on the demo model mean KLD at K=4/8/12 0.712/0.114/0.0064 against reap's 0.861/0.135/0.0095, for 1.7x the pass time and 11x its peak memory (tokens x experts x n_embd per block)"),
     )
 }
 

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 from ggufcarve.llama import decode
 
-TRACE_METHODS = ("frequency", "ean", "ean-sum", "msan", "mone", "reap", "razor")
-# the modules of the calibration's consumers (select.from_trace.statistics, imatrix.collect.accumulator)
-CONSUMER_MODULES = ("ggufcarve.select.from_trace", "ggufcarve.imatrix.collect")
+TRACE_METHODS = ("frequency", "ean", "ean-sum", "msan", "mone", "reap", "razor", "greedy")
+# the modules of the calibration's consumers (select.from_trace.statistics, select.greedy.greedy,
+# imatrix.collect.accumulator)
+CONSUMER_MODULES = ("ggufcarve.select.from_trace", "ggufcarve.select.greedy", "ggufcarve.imatrix.collect")
 
 
 def prestart() -> None:

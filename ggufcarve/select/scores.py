@@ -10,6 +10,8 @@ reduce to one score per expert:
     mone         score = sums_sq - ||output_sums||^2 / counts per expert, i.e. counts x E||f - mu||^2
                  with mu = output_sums / counts (the count of routed tokens times the output variance)
     value        score = sums                         (no data involved: weights, router norm, random)
+    rank         score = sums                         (greedy: 1 + the elimination step that removed the
+                 expert; an order over all the calibration tokens at once, which shards cannot add up to)
 `counts`, `sums`, `sums_sq` and `output_sums` ([expert, n_embd]: the sum of the expert's output
 vectors) add when shards of one calibration run are merged, `maxima` take the larger value; "value"
 blocks do not depend on data and must agree between shards.
@@ -38,7 +40,7 @@ from ggufcarve.reports import read_json
 
 SCHEMA = "ggufcarve.expert-scores"
 SCHEMA_VERSION = 1
-STATISTICS = ("count", "mean", "rms", "mean_square", "sum", "mone", "value")
+STATISTICS = ("count", "mean", "rms", "mean_square", "sum", "mone", "value", "rank")
 ARRAYS = ("counts", "sums", "sums_sq", "output_sums", "maxima")
 # Parameters that may differ between shards of one calibration run.
 SHARD_PARAMETERS = ("max_tokens", "chunks")
@@ -107,7 +109,7 @@ class BlockStats:
         """float64 score per expert; experts never routed score 0."""
         if self.statistic == "count":
             return self._need("counts").astype(np.float64)
-        if self.statistic in ("value", "sum"):
+        if self.statistic in ("value", "sum", "rank"):
             return self._need("sums").astype(np.float64)
         counts = self._need("counts").astype(np.float64)
         safe = np.where(counts > 0, counts, 1.0)
@@ -131,6 +133,8 @@ class BlockStats:
     def merged(self, other: BlockStats, block: int) -> BlockStats:
         if (self.rule, self.statistic) != (other.rule, other.statistic) or set(self.arrays()) != set(other.arrays()):
             raise BadInput(f"blk.{block}: cannot merge {other.rule} ({other.statistic}) into {self.rule} ({self.statistic})", "merge shards of one scoring run only")
+        if self.statistic == "rank":
+            raise BadInput(f"blk.{block}: {self.rule} orders do not add up across shards", "score the whole calibration text in one pass")
         if self.statistic == "value":
             if any(not np.array_equal(a, other.arrays()[k]) for k, a in self.arrays().items()):
                 raise BadInput(f"blk.{block}: {self.rule} scores differ between the shards", "these scores do not depend on calibration data; shards of one model must agree")

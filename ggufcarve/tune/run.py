@@ -35,7 +35,7 @@ CHART = "tune-kld.png"
 ZERO_SHOT = ("weights", "router-norm", "random")
 IMATRIX_METHODS = ("imatrix-counts", "imatrix-energy", "imatrix-msan")
 PASS_METHODS = ("frequency", "ean", "ean-sum", "msan", "mone", "reap")
-ALL_METHODS = (*PASS_METHODS, *IMATRIX_METHODS, *ZERO_SHOT)  # "all": razor is left out (its pass is the heavier one)
+ALL_METHODS = (*PASS_METHODS, *IMATRIX_METHODS, *ZERO_SHOT)  # "all": razor and greedy are left out (their passes are the heavier ones)
 
 
 @dataclass(frozen=True)
@@ -89,19 +89,19 @@ def _scores(model: Any, layout: Any, settings: TuneSettings, work: Path, on_even
     from ggufcarve.select.methods import score_model
 
     methods = settings.methods
-    traced = [m for m in methods if m in (*PASS_METHODS, "razor")]
+    traced = [m for m in methods if m in (*PASS_METHODS, "razor", "greedy")]
     wants_imatrix = any(m in IMATRIX_METHODS for m in methods)
     out: dict[str, Any] = {}
     passed: dict[str, Any] = {}
     if traced or wants_imatrix:
         if not settings.calibration:
             raise BadInput(f"{', '.join(traced or [m for m in methods if m in IMATRIX_METHODS])} read(s) a calibration pass", "give --calibration FILE (repeatable)")
-        output_methods = [m for m in traced if m != "frequency"]  # a frequency pass reads the routing alone
-        asked = "razor" if "razor" in traced else (output_methods[0] if output_methods else "frequency")
+        output_methods = [m for m in traced if m not in ("frequency", "greedy")]  # a frequency pass reads the routing alone
+        asked = "razor" if "razor" in traced else (output_methods[0] if output_methods else "greedy" if "greedy" in traced else "frequency")
         imatrix = work / "calibration.imatrix.gguf" if wants_imatrix else None
         started = time.perf_counter()
         filled = calibrate_all(model, layout, asked, list(settings.calibration), ctx=settings.ctx, max_tokens=settings.max_tokens,
-                               threads=settings.threads, imatrix_out=imatrix, force=True, on_event=on_event)
+                               threads=settings.threads, imatrix_out=imatrix, force=True, greedy="greedy" in traced, on_event=on_event)
         passed = {"asked": asked, "filled": sorted(filled), "imatrix": wants_imatrix, "seconds": time.perf_counter() - started,
                   "tokens": next(iter(filled.values())).tokens}
         out.update({m: filled[m] for m in traced})
