@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from ggufcarve.select.scores import ExpertScores
 
 SourcesArgument = Annotated[list[Path] | None, typer.Argument(help="A GGUF model (first shard if split), or a SCORES.json written by `ggufcarve score`.", show_default=False)]
-MethodOption = Annotated[str | None, typer.Option("--method", "-m", help="weights, router-norm, random (no data); imatrix-counts, imatrix-energy, imatrix-msan (--imatrix); frequency, ean, ean-sum, msan, mone, reap, razor (--calibration: one pass fills all but razor, razor's pass all).")]
+MethodOption = Annotated[str | None, typer.Option("--method", "-m", help="weights, router-norm, random (no data); imatrix-counts, imatrix-energy, imatrix-msan (--imatrix); frequency, ean, ean-sum, msan, mone, reap, razor, greedy (--calibration: one pass fills all but razor and greedy, razor's pass all; greedy eliminates experts on each block's output).")]
 ImatrixOption = Annotated[Path | None, typer.Option("--imatrix", help="GGUF imatrix of the model (imatrix-counts, imatrix-energy).")]
 SeedOption = Annotated[int, typer.Option("--seed", help="Seed of the random method.")]
 MaxTokensOption = Annotated[int | None, typer.Option("--max-tokens", help="Trace at most this many calibration tokens (whole chunks).")]

@@ -25,7 +25,7 @@ def tune_command(
     keep: Annotated[str, typer.Option("--keep", "-k", help="Experts kept per MoE block: K or K,K,... (each K its own tournament).", show_default=False)],
     heldout: Annotated[list[Path], typer.Option("--heldout", help="Held-out text the keep-sets are scored on (repeatable).", show_default=False)],
     calibration: Annotated[list[Path] | None, typer.Option("--calibration", help="Calibration text or JSONL file (repeatable): one decode pass scores every trace criterion.")] = None,
-    methods: Annotated[str, typer.Option("--methods", help="all, or a list such as reap,frequency,weights. all: the six criteria of one calibration pass, the three imatrix criteria from the same pass's imatrix, weights, router-norm, random; razor only when listed (its pass is the heavier one).")] = "all",
+    methods: Annotated[str, typer.Option("--methods", help="all, or a list such as reap,frequency,weights. all: the six criteria of one calibration pass, the three imatrix criteria from the same pass's imatrix, weights, router-norm, random; razor and greedy only when listed (heavier passes; greedy holds every expert output of the calibration tokens).")] = "all",
     ctx: Annotated[int, typer.Option("--ctx", help="Tokens per chunk, of the calibration pass and of the held-out scoring (as llama-perplexity -c).")] = 512,
     chunks: Annotated[int | None, typer.Option("--chunks", help="Score at most this many held-out chunks per file (the finalists get all of them).")] = None,
     max_tokens: Annotated[int | None, typer.Option("--max-tokens", help="Trace at most this many calibration tokens (whole chunks).")] = None,
