@@ -1,0 +1,111 @@
+"""`ggufcarve best` on the demo model, judged by llama.cpp and by `ggufcarve eval`."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+from clirun import ggufcarve
+
+from ggufcarve.demo import CALIBRATION, DEMO_MODEL, HELDOUT
+from ggufcarve.llama import launch
+from ggufcarve.pipeline.demo import FILES
+
+CTX, EVAL_CTX, CHUNKS = 256, 128, 4
+MEMORY = 7 * 2**20  # between the demo's rungs: unpruned Q2_K and IQ2_XS fit, unpruned Q3_K_M does not, pruned rungs of every quant do
+
+CONTEXT_CHILD = """
+import sys
+import llama_cpp
+from ggufcarve.llama.libllama import forward_warnings, load_model
+forward_warnings(llama_cpp, verbose=True)
+model = load_model(llama_cpp, sys.argv[1])
+params = llama_cpp.llama_context_default_params()
+params.n_ctx, params.n_seq_max = int(sys.argv[2]), 1
+sys.exit(0 if llama_cpp.llama_init_from_model(model, params) else 3)
+"""
+CACHE_SIZE = re.compile(r"^llama_kv_cache: size =\s*(?P<mib>[\d.]+) MiB")
+
+
+def llama_cache_mib(path: Path, n_ctx: int) -> float:
+    """The KV cache llama.cpp reports when it creates a context of `n_ctx` for `path`."""
+    lines: list[str] = []
+    finished = launch.run([sys.executable, "-c", CONTEXT_CHILD, path, str(n_ctx)], on_line=lines.append, timeout=120)
+    assert finished.ok, "\n".join(finished.tail)
+    sizes = [float(m["mib"]) for line in lines if (m := CACHE_SIZE.match(line))]
+    assert len(sizes) == 1, lines[-20:]
+    return sizes[0]
+
+
+@pytest.fixture(scope="module")
+def searched(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("best")
+    text = HELDOUT.read_text(encoding="utf-8")
+    cut = text.find("\n", len(text) // 2) + 1
+    first, second = tmp / "heldout-a.txt", tmp / "heldout-b.txt"
+    first.write_text(text[:cut], encoding="utf-8")
+    second.write_text(text[cut:], encoding="utf-8")
+    out = tmp / "best"
+    result = ggufcarve("best", DEMO_MODEL, "--memory", f"{MEMORY}B", "--ctx", CTX, "--ladder", FILES / "ladder.toml", "--calibration", CALIBRATION,
+                       "--heldout", first, "--heldout", second, "--eval-ctx", EVAL_CTX, "--chunks", CHUNKS, "--max-tokens", 2048,
+                       "--methods", "frequency,weights", "-o", out, "-t", 2, "--quiet")
+    assert result.code == 0, result.stderr[-3000:]
+    return out, (first, second), result
+
+
+@pytest.mark.slow
+def test_the_answer_fits_by_the_real_file_and_llama_cpps_cache(searched):
+    out, _, result = searched
+    report = json.loads((out / "best.json").read_text())
+    winner = report["winner"]
+    path = out / winner["path"]
+    assert path.parent.parent == out / "models" and path.is_file()
+    cache_mib = llama_cache_mib(path, CTX)
+    assert cache_mib > 0.3
+    assert abs(winner["cache_bytes"] / 2**20 - cache_mib) <= 0.005
+    assert path.stat().st_size + cache_mib * 2**20 <= MEMORY
+    assert winner["file_bytes"] == path.stat().st_size
+    assert f"answer: {winner['id']}" in result.stdout
+    # the table holds both families, each scored
+    families = {c["family"] for c in report["candidates"] if c.get("kld_mean") is not None}
+    assert families == {"pruned", "unpruned"}
+    table = (out / "best.md").read_text()
+    assert "| pruned |" in table and "| unpruned |" in table
+    for c in report["candidates"]:
+        for key in ("kept_experts", "quant", "family", "file_bytes", "cache_bytes", "fits", "kld_mean", "kld_mean_stderr", "kld_p999", "same_top_p",
+                    "ppl", "chunks_scored", "stopped_early", "selection"):
+            assert key in c, (c["id"], key)
+    assert [s["name"] for s in winner["segments"]] == ["heldout-a.txt", "heldout-b.txt"]
+    assert set(report["timings"]) >= {"calibration_seconds", "tournament_seconds", "builds_seconds", "evaluation_seconds"}
+
+
+@pytest.mark.slow
+def test_the_winners_kld_is_evals_on_each_file(searched, tmp_path):
+    out, files, _ = searched
+    winner = json.loads((out / "best.json").read_text())["winner"]
+    assert winner["chunks_scored"] == CHUNKS and not winner["stopped_early"]
+    for segment, heldout in zip(winner["segments"], files):
+        result = ggufcarve("eval", out / winner["path"], "--reference", DEMO_MODEL, "--heldout", heldout, "--ctx", EVAL_CTX, "--chunks", CHUNKS,
+                           "--speed-runs", 0, "-o", tmp_path / heldout.stem, "-t", 2, "-q")
+        assert result.code == 0, result.stderr[-2000:]
+        doc = json.loads(next((tmp_path / heldout.stem).glob(f"{Path(winner['path']).stem}*.json")).read_text())
+        assert doc["kld_mean"] == pytest.approx(segment["kld_mean"], rel=1e-9, abs=1e-12)
+        assert doc["kld_p999"] == pytest.approx(segment["kld_p999"], rel=1e-9, abs=1e-12)
+        assert doc["same_top_p"] == pytest.approx(segment["same_top_p"], rel=1e-9)
+
+
+@pytest.mark.slow
+def test_the_plan_parses_and_its_dry_run_shows_the_winner(searched):
+    from ggufcarve.pipeline.plan import load_plan
+
+    out, _, _ = searched
+    winner = json.loads((out / "best.json").read_text())["winner"]
+    plan = load_plan(out / "plan.toml")
+    rungs = plan.ladder.only if winner["family"] == "pruned" else plan.evaluation.unpruned
+    assert winner["quant"] in rungs
+    result = ggufcarve("run", out / "plan.toml", "--dry-run")
+    assert result.code == 0, result.stderr[-2000:]
+    assert winner["quant"] in result.stdout + result.stderr
