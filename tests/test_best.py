@@ -78,6 +78,7 @@ def test_the_answer_fits_by_the_real_file_and_llama_cpps_cache(searched):
         for key in ("kept_experts", "quant", "family", "file_bytes", "cache_bytes", "fits", "kld_mean", "kld_mean_stderr", "kld_p999", "same_top_p",
                     "ppl", "chunks_scored", "stopped_early", "selection"):
             assert key in c, (c["id"], key)
+        assert (c["kld_mean"] is None) == (not c["built"]), c["id"]
     assert [s["name"] for s in winner["segments"]] == ["heldout-a.txt", "heldout-b.txt"]
     assert set(report["timings"]) >= {"calibration_seconds", "tournament_seconds", "builds_seconds", "evaluation_seconds"}
 
@@ -109,3 +110,20 @@ def test_the_plan_parses_and_its_dry_run_shows_the_winner(searched):
     result = ggufcarve("run", out / "plan.toml", "--dry-run")
     assert result.code == 0, result.stderr[-2000:]
     assert winner["quant"] in result.stdout + result.stderr
+
+
+def _result(name: str, pruned: bool, size: int, kld: float) -> dict:
+    return {"model": {"name": name, "bytes": size, "pruned": pruned, "quant": name, "expert_count": 8 if pruned else 16,
+                      "source_expert_count": 16 if pruned else None}, "kld_mean": kld}
+
+
+def test_the_answer_for_a_budget_is_the_lowest_kld_that_fits():
+    from ggufcarve.best.answer import answer_for_budget
+
+    results = [_result("p-Q6_K", True, 6_000, 0.05), _result("p-Q4_K_M", True, 4_000, 0.20), _result("u-Q2_K", False, 5_000, 0.10),
+               _result("u-Q4_K_M", False, 8_000, 0.01)]
+    answer = answer_for_budget(results, 5_600, 500)
+    assert answer["winner"]["model"]["name"] == "u-Q2_K"  # p-Q6_K and u-Q4_K_M do not fit with the cache
+    assert answer["runner_up"]["model"]["name"] == "p-Q4_K_M"
+    assert [r["model"]["name"] for r in answer["fitting"]] == ["p-Q4_K_M", "u-Q2_K"]
+    assert answer_for_budget(results, 4_400, 500) is None

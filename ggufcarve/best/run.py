@@ -367,7 +367,8 @@ def best(source: Path, settings: BestSettings, out_dir: Path, *, plan: Plan | No
     records: dict[str, dict[str, Any]] = {}
     for c in plan.candidates:
         records[c.id] = {**c.to_json(), "predicted_file_bytes": c.file_bytes, "selection": None, "built": False, "stopped_early": False,
-                         "stopped_reason": None, "chunks_scored": 0, "path": None}
+                         "stopped_reason": None, "lost_by": None, "chunks_scored": 0, "path": None, "segments": [],
+                         **dict.fromkeys(("kld_mean", "kld_mean_stderr", "kld_p999", "same_top_p", "ppl"))}
         if c.family == PRUNED:
             b = bound[c.kept]
             records[c.id]["selection"] = {"method": b["method"], "keep_set": b["keep_set"], "masked_kld_mean": b["kld_mean"]}
