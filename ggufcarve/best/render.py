@@ -97,6 +97,10 @@ def chart(report: dict[str, Any], path: Path) -> None:
                 markerfacecolor="white", color=line.get_color())
         for c, x in zip(series, xs):
             ax.annotate(c["id"], (x, c[metric]), fontsize=6, xytext=(3, 3), textcoords="offset points")
+    bounded = [c for c in report["candidates"] if c["stopped_reason"] == "bound"]
+    if bounded:
+        ax.plot([(c["file_bytes"] + c["cache_bytes"]) / unit[1] for c in bounded], [c["selection"]["masked_kld_mean"] for c in bounded],
+                linestyle="none", marker="x", color="grey", label="not built: its K's masked KLD (a lower bound)")
     ax.axvline(report["memory_bytes"] / unit[1], color="grey", linestyle="--", label="budget")
     ax.set_yscale("log")
     ax.set_xlabel(f"file + KV cache ({unit[0]})")

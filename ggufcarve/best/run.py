@@ -294,7 +294,8 @@ def _prune(plan: Plan, keep_file: Path, kept: int, work: Path, imatrix: Path, on
     remapped = work / f"pruned-K{kept}.imatrix.gguf"
     if pruned_path.is_file() and remapped.is_file():
         existing = read_model(pruned_path)
-        if keepset_from_provenance(existing.get, pruned_path.name) == keepset:
+        recorded = keepset_from_provenance(existing.get, pruned_path.name)
+        if recorded is not None and recorded.layers == keepset.layers:
             return pruned_path, remapped
     prune_plan = plan_prune(plan.model, plan.layout, keepset, pruned_path)
     execute(prune_plan, plan.model, force=True, on_event=on_event)
@@ -353,7 +354,7 @@ def best(source: Path, settings: BestSettings, out_dir: Path, *, plan: Plan | No
         gate = load_gate(settings.gate)
 
     tuned = _tune(source, plan, settings, out_dir, imatrix, on_event) if plan.kept_counts else None
-    if tuned is not None and not tuned.get("reused"):
+    if tuned is not None:  # a reused tune counts with the seconds it took when it ran
         timings["calibration_seconds"] = tuned["timings"].get("calibration_seconds", 0.0)
         timings["tournament_seconds"] = tuned["timings"].get("total_seconds", 0.0) - timings["calibration_seconds"]
     bound: dict[int, dict[str, Any]] = {}
@@ -426,7 +427,7 @@ def best(source: Path, settings: BestSettings, out_dir: Path, *, plan: Plan | No
             if wanted is None and lower >= best_unpruned:
                 for c in rungs:
                     records[c.id].update(stopped_early=True, stopped_reason="bound", lost_by=lower - best_unpruned)
-                on_event(Event("best", 0, 0, "steps", f"K={k}: masked mean KLD {lower:.4f} >= {best_unpruned:.4f} measured unpruned; not built"))
+                on_event(Event("best", 0, 0, "steps", f"not building K={k}, its masked mean KLD {lower:.4f} is no lower than {best_unpruned:.4f} measured"))
                 continue
             t0 = time.perf_counter()
             pruned_path, remapped = _prune(plan, bound[k]["file"], k, work, imatrix, on_event)
@@ -493,6 +494,7 @@ def best(source: Path, settings: BestSettings, out_dir: Path, *, plan: Plan | No
         "selection_rule": SELECTION_RULE, "bound_rule": BOUND_RULE,
         "projection": projection(plan.model, plan.layout, timings),
         "only": sorted(wanted) if wanted else None,
+        "tune_reused": bool(tuned and tuned.get("reused")),
     }
     parameters = {"memory_bytes": settings.memory, "ctx": settings.ctx, "kv_type": settings.kv_type.lower(), "eval_ctx": settings.eval_ctx,
                   "chunks": settings.chunks, "max_tokens": settings.max_tokens, "methods": list(settings.methods), "metric": settings.metric,

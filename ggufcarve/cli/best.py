@@ -27,6 +27,33 @@ def _seconds(value: float | None) -> str:
     return f"{value:.0f} s" if value < 120 else f"{value / 60:.1f} min" if value < 7200 else f"{value / 3600:.1f} h"
 
 
+def _table(report: dict) -> object:
+    from rich.box import SIMPLE_HEAD
+
+    from ggufcarve.cli.render import escape, new_table
+    from ggufcarve.fileio import size_unit
+
+    metric = report["parameters"]["metric"]
+    unit = size_unit(max(c["file_bytes"] for c in report["candidates"]))
+    winner = report["winner"]["id"] if report["winner"] else None
+    table = new_table(box=SIMPLE_HEAD, pad_edge=False, caption=f"{unit[0]} of the file (built, else fit's size); ranked by {metric}; *: the answer; stopped: by the K's bound or by halving, and by how much it lost", caption_justify="left")
+    for name in ("candidate", "family", "K", "quant", unit[0], "fits", "mean KLD", "99.9% KLD", "same top", "PPL", *(f"KLD {Path(n).stem}" for n in report["heldout"]), "chunks", "stopped"):
+        table.add_column(escape(name), justify="left" if name in ("candidate", "family", "quant", "fits", "stopped") else "right", no_wrap=name != "stopped")
+
+    def cell(value: object, digits: int = 4) -> str:
+        return "" if value is None else f"{value:.{digits}f}"
+
+    for c in report["candidates"]:
+        segs = {s["name"]: s for s in c.get("segments", [])}
+        reason = {"bound": "bound", "halving": "halving"}.get(c["stopped_reason"] or "")
+        stopped = f"{reason} (+{c['lost_by']:.4f})" if reason and c["lost_by"] is not None else ""
+        table.add_row(escape(c["id"] + ("*" if c["id"] == winner else "")), c["family"], f"{c['kept_experts']}/{c['expert_count']}", escape(c["quant"]),
+                      f"{c['file_bytes'] / unit[1]:.2f}", "yes" if c["fits"] else "no", cell(c["kld_mean"]), cell(c["kld_p999"]),
+                      "" if c["same_top_p"] is None else f"{100 * c['same_top_p']:.2f}%", cell(c["ppl"], 3),
+                      *(cell(segs.get(n, {}).get("kld_mean")) for n in report["heldout"]), str(c["chunks_scored"]), stopped)
+    return table
+
+
 def best_command(
     model: Annotated[Path, typer.Argument(help="The unpruned GGUF model (first shard if split).", show_default=False)],
     memory: Annotated[str, typer.Option("--memory", help="Memory budget for file + KV cache, e.g. 24GiB (GB = 10^9 bytes, GiB = 2^30).", show_default=False)],
@@ -53,7 +80,7 @@ def best_command(
     as_json: JsonOption = False,
 ) -> None:
     """Build and score the (K, quant) pairs that fit a budget; answer which is best."""
-    from ggufcarve.best.render import markdown, stopped_lines
+    from ggufcarve.best.render import stopped_lines
     from ggufcarve.best.run import BestSettings, best, estimate, measure_speed, plan_best
     from ggufcarve.errors import BadInput
     from ggufcarve.quant.fit import parse_memory
@@ -107,10 +134,7 @@ def best_command(
         out.print(f"built: {', '.join(built) or 'nothing'} under {output / 'models'}; run best without --only to score them", highlight=False, markup=False)
         return
     if not quiet:
-        text = markdown(report)
-        table = text.split("\n## ")[0].splitlines()[4:]
-        for line in table:
-            out.print(line, highlight=False, markup=False)
+        out.print(_table(report))
         for line in stopped_lines(report):
             out.print(f"stopped early: {line}", highlight=False, markup=False)
         t = report["timings"]
