@@ -36,8 +36,8 @@ def _table(report: dict) -> object:
     metric = report["parameters"]["metric"]
     unit = size_unit(max(c["file_bytes"] for c in report["candidates"]))
     winner = report["winner"]["id"] if report["winner"] else None
-    table = new_table(box=SIMPLE_HEAD, pad_edge=False, caption=f"{unit[0]} of the file (built, else fit's size); ranked by {metric}; *: the answer", caption_justify="left")
-    for name in ("candidate", "family", "K", "quant", unit[0], "fits", "mean KLD", "99.9% KLD", "same top", "PPL", *(f"KLD {Path(n).stem}" for n in report["heldout"]), "chunks", "stopped"):
+    table = new_table(box=SIMPLE_HEAD, pad_edge=False, caption=f"{unit[0]} of the file (built, else fit's size); ranked by {metric}; *: the answer; 99.9% KLD, same top p, PPL: best.md", caption_justify="left")
+    for name in ("candidate", "family", "K", "quant", unit[0], "fits", "mean KLD", *(f"KLD {Path(n).stem}" for n in report["heldout"]), "chunks", "stopped"):
         table.add_column(escape(name), justify="left" if name in ("candidate", "family", "quant", "fits", "stopped") else "right", no_wrap=True)
 
     def cell(value: object, digits: int = 4) -> str:
@@ -47,8 +47,7 @@ def _table(report: dict) -> object:
         segs = {s["name"]: s for s in c.get("segments", [])}
         stopped = {"bound": "bound", "halving": "halving"}.get(c["stopped_reason"] or "", "")
         table.add_row(escape(c["id"] + ("*" if c["id"] == winner else "")), c["family"], f"{c['kept_experts']}/{c['expert_count']}", escape(c["quant"]),
-                      f"{c['file_bytes'] / unit[1]:.2f}", "yes" if c["fits"] else "no", cell(c["kld_mean"]), cell(c["kld_p999"]),
-                      "" if c["same_top_p"] is None else f"{100 * c['same_top_p']:.2f}%", cell(c["ppl"], 3),
+                      f"{c['file_bytes'] / unit[1]:.2f}", "yes" if c["fits"] else "no", cell(c["kld_mean"]),
                       *(cell(segs.get(n, {}).get("kld_mean")) for n in report["heldout"]), str(c["chunks_scored"]), stopped)
     return table
 
