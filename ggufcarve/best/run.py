@@ -18,7 +18,10 @@ Stages, each timed (`timings`):
               K's rungs (`quant.run`: resumable, each rung a job of its own);
   evaluation  every built candidate against the unpruned model on every held-out file, by
               successive halving over chunks (`tune.protocol.schedule`: the better half by the
-              metric goes on with twice the chunks; the finalists get every chunk).
+              metric goes on with twice the chunks; the finalists get every chunk; a round
+              scores a candidate from the first chunk again, at most twice a finalist's chunks
+              in all; the unpruned rungs, already scored on every chunk, are ranked on the
+              round's first chunks of their tables).
 The answer: the finalist that fits with the lowest metric that passes the gate.
 """
 
