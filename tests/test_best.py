@@ -127,3 +127,29 @@ def test_the_answer_for_a_budget_is_the_lowest_kld_that_fits():
     assert answer["runner_up"]["model"]["name"] == "p-Q4_K_M"
     assert [r["model"]["name"] for r in answer["fitting"]] == ["p-Q4_K_M", "u-Q2_K"]
     assert answer_for_budget(results, 4_400, 500) is None
+
+
+def test_candidates_are_the_largest_fitting_k_per_rung_the_next_smaller_and_the_unpruned_rungs():
+    from types import SimpleNamespace
+
+    from ggufcarve.best.candidates import choose_candidates
+    from ggufcarve.quant.fit import FitRow, RungSize
+
+    sizes = {"Q8_0": 1.0, "Q4_K_M": 0.5}  # bytes per expert kept, per rung
+    rows = [FitRow(k, RungSize(rung, rung, int(100 * k * per), (), False), 900, 100) for k in (4, 8, 12, 16) for rung, per in sizes.items()]
+    report = SimpleNamespace(layout=SimpleNamespace(expert_count=16), spec=SimpleNamespace(rungs=[SimpleNamespace(name=n) for n in sizes]), rows=rows, memory=900)
+    chosen = {c.id: c for c in choose_candidates(report)}
+    # Q8_0: 800 + 100 fits at K=8, not K=12; Q4_K_M: every K fits, 16 is the unpruned model
+    assert set(chosen) == {"K8-Q8_0", "K4-Q8_0", "unpruned-Q4_K_M", "K12-Q4_K_M"}
+    assert chosen["unpruned-Q4_K_M"].family == "unpruned" and chosen["K12-Q4_K_M"].family == "pruned"
+    assert all(c.fits for c in chosen.values())
+
+
+def test_dry_run_lists_the_candidates_and_writes_nothing(tmp_path):
+    out = tmp_path / "best"
+    result = ggufcarve("best", DEMO_MODEL, "--memory", "7MiB", "--ctx", CTX, "--ladder", FILES / "ladder.toml", "--calibration", CALIBRATION,
+                       "--heldout", HELDOUT, "--eval-ctx", EVAL_CTX, "--chunks", CHUNKS, "-o", out, "-t", 2, "--dry-run")
+    assert result.code == 0, result.stderr[-2000:]
+    assert "unpruned-Q2_K" in result.stdout and "K14-Q2_K" in result.stdout and "unpruned-Q3_K_M" not in result.stdout  # 6.85 MiB + 0.5 MiB > 7 MiB
+    assert "disk needed" in result.stdout and "estimate: calibration" in result.stdout and "nothing was written" in result.stdout
+    assert not out.exists()
