@@ -25,6 +25,7 @@ def test_demo_runs_end_to_end_and_resumes(tmp_path):
     assert result.code == 0, result.stderr[-3000:]
     release = directory / "release"
     assert "verify passed" in result.stdout and "evaluation against the unpruned model" in result.stdout
+    assert "best in 6.00 MiB (file + 512 KiB KV cache at 256 tokens)" in result.stdout  # the answer for a budget between the rungs
     assert (directory / "plan.toml").is_file()
     names = sorted(p.relative_to(release).as_posix() for p in release.rglob("*") if p.is_file())
     rungs = [n for n in names if n.endswith(".gguf")]

@@ -32,7 +32,7 @@ from typing import Annotated
 import typer
 
 from ggufcarve import __version__
-from ggufcarve.cli import evaluate, fit, imatrix, ladder, prune, release, run, select, toolchain, tune, verify
+from ggufcarve.cli import best, evaluate, fit, imatrix, ladder, prune, release, run, select, toolchain, tune, verify
 from ggufcarve.cli.options import command_group
 from ggufcarve.cli.render import print_error
 from ggufcarve.errors import CarveError, Interrupted
@@ -75,6 +75,7 @@ COMMANDS: dict[str, Callable[[typer.Typer, str], None]] = {
     "release": _group(release.app, "Assemble and merge release directories."),
     "verify": _command(verify.verify_command, "Check a release directory before publishing it."),
     "tune": _command(tune.tune_command, "Score criteria and K by masking; write the winner."),
+    "best": _command(best.best_command, "The best pruned or unpruned model for a memory budget."),
     "eval": _command(evaluate.eval_command, "PPL, KLD, QA, speed and a gate against a reference."),
     "card": _command(evaluate.card_command, "Write a release's model card (README.md)."),
     "run": _command(run.run_command, "The whole pipeline of a plan file, resumable."),

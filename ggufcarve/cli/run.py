@@ -159,3 +159,33 @@ def demo_command(
         path = write_demo_plan(directory)
         err.print(f"plan: {path} (run it again with `ggufcarve run {path}`)", highlight=False)
     _execute(plan, dry_run, force, quiet, as_json)
+    if not dry_run and not as_json:
+        _demo_answer(plan)
+
+
+def _demo_answer(plan: RunPlan) -> None:
+    """The best of the demo's measured models for a budget between its rungs, pruned or not, and why."""
+    from ggufcarve.best.answer import DEMO_BUDGET, answer_for_budget
+    from ggufcarve.gguf.container import read_model
+    from ggufcarve.pipeline.stages import EVALUATION_DIR, _read_results
+    from ggufcarve.quant.kvcache import ContextSettings, context_memory
+
+    if plan.evaluation is None:
+        return
+    cache = context_memory(read_model(plan.source).get, ContextSettings(plan.evaluation.ctx)).total_bytes
+    answer = answer_for_budget(_read_results(plan.output / EVALUATION_DIR), DEMO_BUDGET, cache)
+    if answer is None:
+        return
+
+    def named(r: dict) -> str:
+        m = r["model"]
+        family = f"pruned {m['expert_count']} of {m['source_expert_count']}" if m["pruned"] else "unpruned"
+        return f"{family} {m['quant']} ({_size(m['bytes'])}, mean KLD {r['kld_mean']:.4f})"
+
+    w, other = answer["winner"], answer["runner_up"]
+    out.print(f"best in {_size(DEMO_BUDGET)} (file + {_size(cache)} KV cache at {plan.evaluation.ctx} tokens), of the {len(answer['fitting'])} measured models that fit: "
+              f"{named(w)}", highlight=False, markup=False)
+    if other is not None:
+        why = "dropping experts costs more than the lower quant" if not w["model"]["pruned"] else "the higher quant is worth more than the dropped experts"
+        out.print(f"  beats the best {'pruned' if other['model']['pruned'] else 'unpruned'} model that fits, {named(other)}: {why}; "
+                  f"search every K and quant with `ggufcarve best`", highlight=False, markup=False)

@@ -50,6 +50,7 @@ class TuneSettings:
     threads: int | None = None
     seed: int = 0
     stability: bool = False
+    imatrix_out: Path | None = None  # also write the calibration pass's imatrix (of the unpruned model) here
 
 
 @dataclass
@@ -90,7 +91,7 @@ def _scores(model: Any, layout: Any, settings: TuneSettings, work: Path, on_even
 
     methods = settings.methods
     traced = [m for m in methods if m in (*PASS_METHODS, "razor", "greedy")]
-    wants_imatrix = any(m in IMATRIX_METHODS for m in methods)
+    wants_imatrix = any(m in IMATRIX_METHODS for m in methods) or settings.imatrix_out is not None
     out: dict[str, Any] = {}
     passed: dict[str, Any] = {}
     if traced or wants_imatrix:
@@ -98,7 +99,7 @@ def _scores(model: Any, layout: Any, settings: TuneSettings, work: Path, on_even
             raise BadInput(f"{', '.join(traced or [m for m in methods if m in IMATRIX_METHODS])} read(s) a calibration pass", "give --calibration FILE (repeatable)")
         output_methods = [m for m in traced if m not in ("frequency", "greedy")]  # a frequency pass reads the routing alone
         asked = "razor" if "razor" in traced else (output_methods[0] if output_methods else "greedy" if "greedy" in traced else "frequency")
-        imatrix = work / "calibration.imatrix.gguf" if wants_imatrix else None
+        imatrix = (settings.imatrix_out or work / "calibration.imatrix.gguf") if wants_imatrix else None
         started = time.perf_counter()
         filled = calibrate_all(model, layout, asked, list(settings.calibration), ctx=settings.ctx, max_tokens=settings.max_tokens,
                                threads=settings.threads, imatrix_out=imatrix, force=True, greedy="greedy" in traced, on_event=on_event)

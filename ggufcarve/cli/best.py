@@ -1,0 +1,149 @@
+"""best: the best model for a memory budget, pruned or unpruned, which K and which quant, by measurement.
+
+Examples:
+    ggufcarve best model-Q8_0.gguf --memory 24GiB --calibration cal.txt --heldout wiki.txt --heldout code.txt -o best/
+    ggufcarve best model-Q8_0.gguf --memory 24GiB --gpu-memory 16GiB --ctx 32768 --kv-type q8_0 --calibration cal.txt --heldout wiki.txt -o best/ --dry-run
+    ggufcarve best model-Q8_0.gguf --memory 24GiB --calibration cal.txt --heldout wiki.txt -o best/ --only K128-Q4_K_M   # one build job of several hosts
+    ggufcarve run best/plan.toml     # publish the winner and its neighbours on the front, fully evaluated
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from ggufcarve.cli.options import ForceOption, JsonOption, LlamaCppOption, QuietOption, ThreadsOption
+from ggufcarve.cli.render import out, progress, size
+from ggufcarve.errors import OutputError
+
+
+def _seconds(value: float | None) -> str:
+    if value is None:
+        return "not measured"
+    return f"{value:.0f} s" if value < 120 else f"{value / 60:.1f} min" if value < 7200 else f"{value / 3600:.1f} h"
+
+
+def _table(report: dict) -> object:
+    from rich.box import SIMPLE_HEAD
+
+    from ggufcarve.cli.render import escape, new_table
+    from ggufcarve.fileio import size_unit
+
+    metric = report["parameters"]["metric"]
+    unit = size_unit(max(c["file_bytes"] for c in report["candidates"]))
+    winner = report["winner"]["id"] if report["winner"] else None
+    table = new_table(box=SIMPLE_HEAD, pad_edge=False, caption=f"{unit[0]} of the file (built, else fit's size); ranked by {metric}; *: the answer; 99.9% KLD, same top p, PPL: best.md", caption_justify="left")
+    for name in ("candidate", "family", "K", "quant", unit[0], "fits", "mean KLD", *(f"KLD {Path(n).stem}" for n in report["heldout"]), "chunks", "stopped"):
+        table.add_column(escape(name), justify="left" if name in ("candidate", "family", "quant", "fits", "stopped") else "right", no_wrap=True)
+
+    def cell(value: object, digits: int = 4) -> str:
+        return "" if value is None else f"{value:.{digits}f}"
+
+    for c in report["candidates"]:
+        segs = {s["name"]: s for s in c.get("segments", [])}
+        stopped = {"bound": "bound", "halving": "halving"}.get(c["stopped_reason"] or "", "")
+        table.add_row(escape(c["id"] + ("*" if c["id"] == winner else "")), c["family"], f"{c['kept_experts']}/{c['expert_count']}", escape(c["quant"]),
+                      f"{c['file_bytes'] / unit[1]:.2f}", "yes" if c["fits"] else "no", cell(c["kld_mean"]),
+                      *(cell(segs.get(n, {}).get("kld_mean")) for n in report["heldout"]), str(c["chunks_scored"]), stopped)
+    return table
+
+
+def best_command(
+    model: Annotated[Path, typer.Argument(help="The unpruned GGUF model (first shard if split).", show_default=False)],
+    memory: Annotated[str, typer.Option("--memory", help="Memory budget for file + KV cache, e.g. 24GiB (GB = 10^9 bytes, GiB = 2^30).", show_default=False)],
+    output: Annotated[Path, typer.Option("-o", "--output", help="DIR: best.json, best.md, best-pareto.png, plan.toml, models/, tune/.", show_default=False)],
+    heldout: Annotated[list[Path], typer.Option("--heldout", help="Held-out text (repeatable): each file is its own segment.", show_default=False)],
+    calibration: Annotated[list[Path], typer.Option("--calibration", help="Calibration text (repeatable): one pass for every criterion and K, and the imatrix.", show_default=False)],
+    gpu_memory: Annotated[str | None, typer.Option("--gpu-memory", help="GPU memory, e.g. 16GiB: each candidate's run command places the model for it.")] = None,
+    ctx: Annotated[int, typer.Option("--ctx", help="Context length whose KV cache counts against --memory.")] = 16384,
+    kv_type: Annotated[str, typer.Option("--kv-type", help="KV cache type: f16 or q8_0.")] = "f16",
+    ladder: Annotated[Path | None, typer.Option("--ladder", help="Ladder spec of the rungs (default: ladders/q8-to-iq1.toml).")] = None,
+    methods: Annotated[str, typer.Option("--methods", help="Criteria of the keep-set tournament at each K (tune's --methods).")] = ",".join(("reap", "frequency", "ean", "weights")),
+    eval_ctx: Annotated[int, typer.Option("--eval-ctx", help="Tokens per chunk of the calibration pass and of the scoring.")] = 512,
+    chunks: Annotated[int | None, typer.Option("--chunks", help="Score at most this many chunks per held-out file.")] = None,
+    max_tokens: Annotated[int | None, typer.Option("--max-tokens", help="Trace at most this many calibration tokens.")] = None,
+    metric: Annotated[str, typer.Option("--metric", help="What ranks the candidates, lower is better: kld_mean, kld_p999 or ppl.")] = "kld_mean",
+    gate: Annotated[Path | None, typer.Option("--gate", help="Gate TOML (eval's keys): the answer must pass it.")] = None,
+    only: Annotated[list[str] | None, typer.Option("--only", help="Build only these candidates (ids as the dry run lists them), score nothing: one job of several hosts.")] = None,
+    quantizer_choice: Annotated[str, typer.Option("--quantizer", help="auto | binary | libllama | PATH to llama-quantize.")] = "auto",
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the candidates, the builds, the disk and a time estimate from measured speed; write nothing.")] = False,
+    llama_cpp: LlamaCppOption = None,
+    threads: ThreadsOption = None,
+    force: ForceOption = False,
+    quiet: QuietOption = False,
+    as_json: JsonOption = False,
+) -> None:
+    """Build and score the (K, quant) pairs that fit a budget; answer which is best."""
+    from ggufcarve.best.render import stopped_lines
+    from ggufcarve.best.run import BestSettings, best, estimate, measure_speed, plan_best
+    from ggufcarve.errors import BadInput
+    from ggufcarve.quant.fit import parse_memory
+    from ggufcarve.quant.spec import DEFAULT_LADDER
+    from ggufcarve.tune.run import parse_methods
+
+    cache_type = kv_type.strip().upper()
+    if cache_type not in ("F16", "Q8_0"):
+        raise BadInput(f"--kv-type {kv_type!r} is not f16 or q8_0", "give --kv-type f16 or --kv-type q8_0")
+    if (output / "best.json").exists() and not force and not dry_run and not only:
+        raise OutputError(f"{output / 'best.json'} already exists", "pass --force to search again (built models are reused), or choose another -o DIR")
+    settings = BestSettings(memory=parse_memory(memory), ladder=ladder or DEFAULT_LADDER, heldout=tuple(heldout), calibration=tuple(calibration),
+                            methods=parse_methods(methods), ctx=ctx, kv_type=cache_type, eval_ctx=eval_ctx, chunks=chunks, max_tokens=max_tokens,
+                            threads=threads, metric=metric, gate=gate, gpu_memory=parse_memory(gpu_memory) if gpu_memory else None,
+                            quantizer=quantizer_choice, llama_cpp_dir=llama_cpp, only=tuple(only or ()))
+    with progress(not quiet and not as_json) as sink:
+        plan = plan_best(model, settings, on_event=sink)
+        if dry_run:
+            with tempfile.TemporaryDirectory(prefix="ggufcarve-best-speed-") as tmp:
+                speed = measure_speed(model, plan, settings, Path(tmp), sink)
+            guess = estimate(plan, settings, speed)
+        else:
+            result = best(model, settings, output, plan=plan, on_event=sink)
+    if dry_run:
+        if as_json:
+            out.print_json(json.dumps({"candidates": [c.to_json() for c in plan.candidates], "kept_counts": plan.kept_counts, "speed": speed, "estimate": guess}))
+            return
+        out.print(f"{model.name}: {plan.layout.expert_count} experts, top-{plan.layout.expert_used_count}; budget {size(settings.memory)} "
+                  f"with a {ctx}-token cache of {size(plan.fit.cache.total_bytes)}", highlight=False, markup=False)
+        out.print(f"candidates ({len(plan.candidates)}, from fit's sizes):", highlight=False)
+        for c in plan.candidates:
+            out.print(f"  {c.id:<22} {c.family:<8} {c.kept:>4} of {c.expert_count}  {c.quant:<8} file {size(c.file_bytes)} + cache {size(c.cache_bytes)}",
+                      highlight=False, markup=False)
+        out.print(f"will build: a tune tournament at K = {', '.join(map(str, plan.kept_counts)) or 'none'} ({', '.join(settings.methods)}), "
+                  f"{len(plan.kept_counts)} pruned source(s), {len(plan.candidates)} rung(s) at most (a K whose masked KLD already loses is not built)",
+                  highlight=False, markup=False)
+        out.print(f"disk needed: at most {size(guess['disk_bytes'])} under {output}", highlight=False)
+        rate, qrate = speed.get("decode_tok_s"), speed.get("quantize_bytes_s")
+        out.print(f"measured here: decode {rate or 0:.0f} tok/s, quantizer {size(qrate) + '/s' if qrate else 'not measured (source over 2 GiB)'}; "
+                  f"calibration {speed['calibration_tokens']} tokens, held-out {speed['heldout_tokens']} tokens", highlight=False, markup=False)
+        out.print("estimate: " + ", ".join(f"{stage} {_seconds(v)}" for stage, v in guess["stages"].items()) + f"; total {_seconds(guess['total'])}",
+                  highlight=False, markup=False)
+        out.print("nothing was written", highlight=False)
+        return
+    report = result.report
+    if as_json:
+        out.print_json(json.dumps({"winner": report["winner"], "candidates": report["candidates"], "timings": report["timings"], "outputs": [str(p) for p in result.outputs]}))
+        return
+    if settings.only:
+        built = [c["id"] for c in report["candidates"] if c["built"]]
+        out.print(f"built: {', '.join(built) or 'nothing'} under {output / 'models'}; run best without --only to score them", highlight=False, markup=False)
+        return
+    if not quiet:
+        out.print(_table(report))
+        for line in stopped_lines(report):
+            out.print(f"stopped early: {line}", highlight=False, markup=False)
+        t = report["timings"]
+        proj = report["projection"]
+        out.print("cost: " + ", ".join(f"{s} {t.get(f'{s}_seconds', 0.0):.1f} s" for s in ("calibration", "tournament", "builds", "evaluation"))
+                  + f"; total {t['total_seconds']:.1f} s; projected for {proj['model']}: {_seconds(proj['total_seconds'])}", highlight=False, markup=False)
+    w = report["winner"]
+    if w is None:
+        out.print("answer: no finalist fits and passes the gate", highlight=False)
+        return
+    out.print(f"answer: {w['id']} ({w['family']}, {w['kept_experts']} of {w['expert_count']} experts, {w['quant']}): {settings.metric} {w[settings.metric]:.4f}, "
+              f"file {size(w['file_bytes'])} + cache {size(w['cache_bytes'])} of {size(settings.memory)}: {output / w['path']}", highlight=False, markup=False)
+    out.print(f"run it: {' '.join(w['run_command']['argv'])}", highlight=False, markup=False)
+    out.print(f"written: {', '.join(str(p) for p in result.outputs)}", highlight=False, markup=False)

@@ -1,0 +1,155 @@
+"""`ggufcarve best` on the demo model, judged by llama.cpp and by `ggufcarve eval`."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+from clirun import ggufcarve
+
+from ggufcarve.demo import CALIBRATION, DEMO_MODEL, HELDOUT
+from ggufcarve.llama import launch
+from ggufcarve.pipeline.demo import FILES
+
+CTX, EVAL_CTX, CHUNKS = 256, 128, 4
+MEMORY = 7 * 2**20  # between the demo's rungs: unpruned Q2_K and IQ2_XS fit, unpruned Q3_K_M does not, pruned rungs of every quant do
+
+CONTEXT_CHILD = """
+import sys
+import llama_cpp
+from ggufcarve.llama.libllama import forward_warnings, load_model
+forward_warnings(llama_cpp, verbose=True)
+model = load_model(llama_cpp, sys.argv[1])
+params = llama_cpp.llama_context_default_params()
+params.n_ctx, params.n_seq_max = int(sys.argv[2]), 1
+sys.exit(0 if llama_cpp.llama_init_from_model(model, params) else 3)
+"""
+CACHE_SIZE = re.compile(r"^llama_kv_cache: size =\s*(?P<mib>[\d.]+) MiB")
+
+
+def llama_cache_mib(path: Path, n_ctx: int) -> float:
+    """The KV cache llama.cpp reports when it creates a context of `n_ctx` for `path`."""
+    lines: list[str] = []
+    finished = launch.run([sys.executable, "-c", CONTEXT_CHILD, path, str(n_ctx)], on_line=lines.append, timeout=120)
+    assert finished.ok, "\n".join(finished.tail)
+    sizes = [float(m["mib"]) for line in lines if (m := CACHE_SIZE.match(line))]
+    assert len(sizes) == 1, lines[-20:]
+    return sizes[0]
+
+
+@pytest.fixture(scope="module")
+def searched(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("best")
+    text = HELDOUT.read_text(encoding="utf-8")
+    cut = text.find("\n", len(text) // 2) + 1
+    first, second = tmp / "heldout-a.txt", tmp / "heldout-b.txt"
+    first.write_text(text[:cut], encoding="utf-8")
+    second.write_text(text[cut:], encoding="utf-8")
+    out = tmp / "best"
+    result = ggufcarve("best", DEMO_MODEL, "--memory", f"{MEMORY}B", "--ctx", CTX, "--ladder", FILES / "ladder.toml", "--calibration", CALIBRATION,
+                       "--heldout", first, "--heldout", second, "--eval-ctx", EVAL_CTX, "--chunks", CHUNKS, "--max-tokens", 2048,
+                       "--methods", "frequency,weights", "-o", out, "-t", 2, "--quiet")
+    assert result.code == 0, result.stderr[-3000:]
+    return out, (first, second), result
+
+
+@pytest.mark.slow
+def test_the_answer_fits_by_the_real_file_and_llama_cpps_cache(searched):
+    out, _, result = searched
+    report = json.loads((out / "best.json").read_text())
+    winner = report["winner"]
+    path = out / winner["path"]
+    assert path.parent.parent == out / "models" and path.is_file()
+    cache_mib = llama_cache_mib(path, CTX)
+    assert cache_mib > 0.3
+    assert abs(winner["cache_bytes"] / 2**20 - cache_mib) <= 0.005
+    assert path.stat().st_size + cache_mib * 2**20 <= MEMORY
+    assert winner["file_bytes"] == path.stat().st_size
+    assert f"answer: {winner['id']}" in result.stdout
+    # the table holds both families, each scored
+    families = {c["family"] for c in report["candidates"] if c.get("kld_mean") is not None}
+    assert families == {"pruned", "unpruned"}
+    table = (out / "best.md").read_text()
+    assert "| pruned |" in table and "| unpruned |" in table
+    for c in report["candidates"]:
+        for key in ("kept_experts", "quant", "family", "file_bytes", "cache_bytes", "fits", "kld_mean", "kld_mean_stderr", "kld_p999", "same_top_p",
+                    "ppl", "chunks_scored", "stopped_early", "selection"):
+            assert key in c, (c["id"], key)
+        assert (c["kld_mean"] is None) == (not c["built"]), c["id"]
+    assert [s["name"] for s in winner["segments"]] == ["heldout-a.txt", "heldout-b.txt"]
+    assert set(report["timings"]) >= {"calibration_seconds", "tournament_seconds", "builds_seconds", "evaluation_seconds"}
+
+
+@pytest.mark.slow
+def test_the_winners_kld_is_evals_on_each_file(searched, tmp_path):
+    out, files, _ = searched
+    winner = json.loads((out / "best.json").read_text())["winner"]
+    assert winner["chunks_scored"] == CHUNKS and not winner["stopped_early"]
+    for segment, heldout in zip(winner["segments"], files):
+        result = ggufcarve("eval", out / winner["path"], "--reference", DEMO_MODEL, "--heldout", heldout, "--ctx", EVAL_CTX, "--chunks", CHUNKS,
+                           "--speed-runs", 0, "-o", tmp_path / heldout.stem, "-t", 2, "-q")
+        assert result.code == 0, result.stderr[-2000:]
+        doc = json.loads(next((tmp_path / heldout.stem).glob(f"{Path(winner['path']).stem}*.json")).read_text())
+        assert doc["kld_mean"] == pytest.approx(segment["kld_mean"], rel=1e-9, abs=1e-12)
+        assert doc["kld_p999"] == pytest.approx(segment["kld_p999"], rel=1e-9, abs=1e-12)
+        assert doc["same_top_p"] == pytest.approx(segment["same_top_p"], rel=1e-9)
+
+
+@pytest.mark.slow
+def test_the_plan_parses_and_its_dry_run_shows_the_winner(searched):
+    from ggufcarve.pipeline.plan import load_plan
+
+    out, _, _ = searched
+    winner = json.loads((out / "best.json").read_text())["winner"]
+    plan = load_plan(out / "plan.toml")
+    rungs = plan.ladder.only if winner["family"] == "pruned" else plan.evaluation.unpruned
+    assert winner["quant"] in rungs
+    result = ggufcarve("run", out / "plan.toml", "--dry-run")
+    assert result.code == 0, result.stderr[-2000:]
+    assert winner["quant"] in result.stdout + result.stderr
+
+
+def _result(name: str, pruned: bool, size: int, kld: float) -> dict:
+    return {"model": {"name": name, "bytes": size, "pruned": pruned, "quant": name, "expert_count": 8 if pruned else 16,
+                      "source_expert_count": 16 if pruned else None}, "kld_mean": kld}
+
+
+def test_the_answer_for_a_budget_is_the_lowest_kld_that_fits():
+    from ggufcarve.best.answer import answer_for_budget
+
+    results = [_result("p-Q6_K", True, 6_000, 0.05), _result("p-Q4_K_M", True, 4_000, 0.20), _result("u-Q2_K", False, 5_000, 0.10),
+               _result("u-Q4_K_M", False, 8_000, 0.01)]
+    answer = answer_for_budget(results, 5_600, 500)
+    assert answer["winner"]["model"]["name"] == "u-Q2_K"  # p-Q6_K and u-Q4_K_M do not fit with the cache
+    assert answer["runner_up"]["model"]["name"] == "p-Q4_K_M"
+    assert [r["model"]["name"] for r in answer["fitting"]] == ["p-Q4_K_M", "u-Q2_K"]
+    assert answer_for_budget(results, 4_400, 500) is None
+
+
+def test_candidates_are_the_largest_fitting_k_per_rung_the_next_smaller_and_the_unpruned_rungs():
+    from types import SimpleNamespace
+
+    from ggufcarve.best.candidates import choose_candidates
+    from ggufcarve.quant.fit import FitRow, RungSize
+
+    sizes = {"Q8_0": 1.0, "Q4_K_M": 0.5}  # bytes per expert kept, per rung
+    rows = [FitRow(k, RungSize(rung, rung, int(100 * k * per), (), False), 900, 100) for k in (4, 8, 12, 16) for rung, per in sizes.items()]
+    report = SimpleNamespace(layout=SimpleNamespace(expert_count=16), spec=SimpleNamespace(rungs=[SimpleNamespace(name=n) for n in sizes]), rows=rows, memory=900)
+    chosen = {c.id: c for c in choose_candidates(report)}
+    # Q8_0: 800 + 100 fits at K=8, not K=12; Q4_K_M: every K fits, 16 is the unpruned model
+    assert set(chosen) == {"K8-Q8_0", "K4-Q8_0", "unpruned-Q4_K_M", "K12-Q4_K_M"}
+    assert chosen["unpruned-Q4_K_M"].family == "unpruned" and chosen["K12-Q4_K_M"].family == "pruned"
+    assert all(c.fits for c in chosen.values())
+
+
+def test_dry_run_lists_the_candidates_and_writes_nothing(tmp_path):
+    out = tmp_path / "best"
+    result = ggufcarve("best", DEMO_MODEL, "--memory", "7MiB", "--ctx", CTX, "--ladder", FILES / "ladder.toml", "--calibration", CALIBRATION,
+                       "--heldout", HELDOUT, "--eval-ctx", EVAL_CTX, "--chunks", CHUNKS, "-o", out, "-t", 2, "--dry-run")
+    assert result.code == 0, result.stderr[-2000:]
+    assert "unpruned-Q2_K" in result.stdout and "K14-Q2_K" in result.stdout and "unpruned-Q3_K_M" not in result.stdout  # 6.85 MiB + 0.5 MiB > 7 MiB
+    assert "disk needed" in result.stdout and "estimate: calibration" in result.stdout and "nothing was written" in result.stdout
+    assert not out.exists()
