@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from gguf import GGUFReader
 
 SDIST_ENV = "GGUFCARVE_LLAMA_SDIST"
 
@@ -175,3 +176,36 @@ def _architectures(path: Path) -> dict[str, Architecture]:
 def architectures() -> dict[str, Architecture]:
     """GGUF architecture name -> its classes, build_moe_ffn calls and load_arch_hparams."""
     return _architectures(sdist())
+
+
+def ffn_exps_regexes() -> tuple[str, str]:
+    """LLM_FFN_EXPS_REGEX and llm_ffn_block_regex's format, as C string literals in common/common.h."""
+    with tarfile.open(sdist()) as tar:
+        member = next(m for m in tar if m.name.endswith("/vendor/llama.cpp/common/common.h"))
+        text = tar.extractfile(member).read().decode()
+    exps = re.search(r'LLM_FFN_EXPS_REGEX\s*=\s*"((?:[^"\\]|\\.)*)"', text)[1]
+    block = re.search(r'llm_ffn_block_regex\(int idx, const char \* ffn_regex\) \{\s*return string_format\("((?:[^"\\]|\\.)*)"', text)[1]
+
+    def unescape(literal: str) -> str:
+        return re.sub(r"\\(.)", r"\1", literal)
+
+    return unescape(exps), unescape(block)
+
+
+def offload_oracle(path, exps: str, block_format: str):
+    """GPU weight bytes for every N and the tensors each N moves, from gguf-py's tensor sizes:
+    all tensors but token_embd (kept on the CPU; loaded again as the output when output.weight is
+    missing), the MTP blocks (not loaded) and those matched by blocks 0..N-1's patterns."""
+    reader = GGUFReader(path)
+    arch = reader.get_field("general.architecture").contents()
+    blocks = reader.get_field(f"{arch}.block_count").contents()
+    nextn_field = reader.get_field(f"{arch}.nextn_predict_layers")
+    main = blocks - (nextn_field.contents() if nextn_field else 0)
+    sizes = {t.name: int(t.n_bytes) for t in reader.tensors}
+    loaded = {n: b for n, b in sizes.items() if not (re.match(r"blk\.(\d+)\.", n) and int(n.split(".")[1]) >= main) and not n.startswith("token_embd.")}
+    if "output.weight" not in sizes:
+        loaded["token_embd.weight"] = sizes["token_embd.weight"]
+    patterns = [re.compile(block_format.replace("%d", str(i)).replace("%s", exps)) for i in range(main)]
+    moved = [{n for n in loaded if any(p.search(n) for p in patterns[:count])} for count in range(main + 1)]
+    gpu = [sum(b for n, b in loaded.items() if n not in moved[count]) for count in range(main + 1)]
+    return main, sizes, gpu, moved

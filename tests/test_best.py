@@ -9,12 +9,14 @@ from pathlib import Path
 
 import pytest
 from clirun import ggufcarve
+from llama_sources import ffn_exps_regexes, offload_oracle
 
 from ggufcarve.demo import CALIBRATION, DEMO_MODEL, HELDOUT
 from ggufcarve.llama import launch
 from ggufcarve.pipeline.demo import FILES
 
 CTX, EVAL_CTX, CHUNKS = 256, 128, 4
+GPU_MEMORY = 2**30 + 5 * 2**20  # llama.cpp's 1 GiB margin and 5 MiB: some rungs fit whole, some with --n-cpu-moe N
 MEMORY = 7 * 2**20  # between the demo's rungs: unpruned Q2_K and IQ2_XS fit, unpruned Q3_K_M does not, pruned rungs of every quant do
 
 CONTEXT_CHILD = """
@@ -51,7 +53,7 @@ def searched(tmp_path_factory):
     out = tmp / "best"
     result = ggufcarve("best", DEMO_MODEL, "--memory", f"{MEMORY}B", "--ctx", CTX, "--ladder", FILES / "ladder.toml", "--calibration", CALIBRATION,
                        "--heldout", first, "--heldout", second, "--eval-ctx", EVAL_CTX, "--chunks", CHUNKS, "--max-tokens", 2048,
-                       "--methods", "frequency,weights", "-o", out, "-t", 2, "--quiet")
+                       "--methods", "frequency,weights", "--gpu-memory", f"{GPU_MEMORY}B", "-o", out, "-t", 2, "--quiet")
     assert result.code == 0, result.stderr[-3000:]
     return out, (first, second), result
 
@@ -81,6 +83,31 @@ def test_the_answer_fits_by_the_real_file_and_llama_cpps_cache(searched):
         assert (c["kld_mean"] is None) == (not c["built"]), c["id"]
     assert [s["name"] for s in winner["segments"]] == ["heldout-a.txt", "heldout-b.txt"]
     assert set(report["timings"]) >= {"calibration_seconds", "tournament_seconds", "builds_seconds", "evaluation_seconds"}
+
+
+@pytest.mark.slow
+def test_each_run_command_places_the_file_by_llama_cpps_n_cpu_moe_rule(searched):
+    """The GPU placement in each built candidate's command: the smallest N whose blocks 0..N-1's
+    expert tensors (llama.cpp's regex from common/common.h on gguf-py's tensor sizes) leave the rest,
+    the cache and llama.cpp's 1 GiB margin within the GPU."""
+    out, _, _ = searched
+    report = json.loads((out / "best.json").read_text())
+    placements = set()
+    for c in report["candidates"]:
+        if not c["built"]:
+            continue
+        main, _, gpu, _ = offload_oracle(out / c["path"], *ffn_exps_regexes())
+        fitting = [n for n in range(main + 1) if gpu[n] + c["cache_bytes"] + 2**30 <= GPU_MEMORY]
+        expected = fitting[0] if fitting else None
+        argv = c["run_command"]["argv"]
+        assert c["run_command"]["gpu"]["n_cpu_moe"] == expected, c["id"]
+        if expected is None:
+            assert "-ngl" not in argv, c["id"]
+        else:
+            assert argv[argv.index("-ngl") + 1] == "99"
+            assert (argv[argv.index("--n-cpu-moe") + 1] if "--n-cpu-moe" in argv else 0) == (str(expected) if expected else 0), c["id"]
+        placements.add("whole" if expected == 0 else "none" if expected is None else "n")
+    assert "n" in placements, placements
 
 
 @pytest.mark.slow

@@ -6,31 +6,15 @@ from __future__ import annotations
 
 import json
 import re
-import tarfile
 
 import pytest
 from clirun import ggufcarve
-from gguf import GGUFReader
-from llama_sources import sdist
+from llama_sources import ffn_exps_regexes, offload_oracle
 
 from ggufcarve.gguf.container import read_model
 from ggufcarve.llama import launch
 from ggufcarve.quant.kvcache import ContextSettings, context_memory
 from ggufcarve.quant.offload import block_range_regex, file_offload, override_regex, placement_of, plan_offload, weight_placement
-
-
-def llama_regexes() -> tuple[str, str]:
-    """LLM_FFN_EXPS_REGEX and llm_ffn_block_regex's format, as C string literals in common/common.h."""
-    with tarfile.open(sdist()) as tar:
-        member = next(m for m in tar if m.name.endswith("/vendor/llama.cpp/common/common.h"))
-        text = tar.extractfile(member).read().decode()
-    exps = re.search(r'LLM_FFN_EXPS_REGEX\s*=\s*"((?:[^"\\]|\\.)*)"', text)[1]
-    block = re.search(r'llm_ffn_block_regex\(int idx, const char \* ffn_regex\) \{\s*return string_format\("((?:[^"\\]|\\.)*)"', text)[1]
-
-    def unescape(literal: str) -> str:
-        return re.sub(r"\\(.)", r"\1", literal)
-
-    return unescape(exps), unescape(block)
 
 
 def test_block_ranges_match_exactly_the_first_n_numbers():
@@ -57,25 +41,6 @@ def _quantize(bin_dir, source, out, ftype):
     return out
 
 
-def _oracle(path, exps: str, block_format: str):
-    """GPU weight bytes for every N and the tensors each N moves, from gguf-py's tensor sizes:
-    all tensors but token_embd (kept on the CPU; loaded again as the output when output.weight is
-    missing), the MTP blocks (not loaded) and those matched by blocks 0..N-1's patterns."""
-    reader = GGUFReader(path)
-    arch = reader.get_field("general.architecture").contents()
-    blocks = reader.get_field(f"{arch}.block_count").contents()
-    nextn_field = reader.get_field(f"{arch}.nextn_predict_layers")
-    main = blocks - (nextn_field.contents() if nextn_field else 0)
-    sizes = {t.name: int(t.n_bytes) for t in reader.tensors}
-    loaded = {n: b for n, b in sizes.items() if not (re.match(r"blk\.(\d+)\.", n) and int(n.split(".")[1]) >= main) and not n.startswith("token_embd.")}
-    if "output.weight" not in sizes:
-        loaded["token_embd.weight"] = sizes["token_embd.weight"]
-    patterns = [re.compile(block_format.replace("%d", str(i)).replace("%s", exps)) for i in range(main)]
-    moved = [{n for n in loaded if any(p.search(n) for p in patterns[:count])} for count in range(main + 1)]
-    gpu = [sum(b for n, b in loaded.items() if n not in moved[count]) for count in range(main + 1)]
-    return main, sizes, gpu, moved
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("arch, n_layer, ftype", [
     ("fused", 3, "Q4_K_M"),  # qwen35moe: ffn_gate_up_exps, shared experts, one MTP block
@@ -83,9 +48,9 @@ def _oracle(path, exps: str, block_format: str):
     ("deepseek2", 4, "Q4_K_M"),  # a dense lead block (no experts), shared expert, exp_probs_b
 ])
 def test_rule_against_real_rung_files(make_model, llama_tools, tmp_path, arch, n_layer, ftype):
-    exps, block_format = llama_regexes()
+    exps, block_format = ffn_exps_regexes()
     rung = _quantize(llama_tools, make_model(arch, n_layer=n_layer), tmp_path / f"{arch}-{ftype}.gguf", ftype)
-    main, sizes, gpu, moved = _oracle(rung, exps, block_format)
+    main, sizes, gpu, moved = offload_oracle(rung, exps, block_format)
     placement = weight_placement(read_model(rung))
     assert len(placement.expert_bytes) == main
     assert [placement.gpu_weights(n) for n in range(main + 1)] == gpu

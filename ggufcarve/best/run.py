@@ -220,17 +220,21 @@ def projection(model: Any, layout: Any, timings: dict[str, float]) -> dict[str, 
 # How to run a candidate
 
 
-def offload_arguments(path: Path, cache_bytes: int, gpu_memory: int | None) -> tuple[list[str], str | None]:
-    """The llama.cpp arguments that place `path` on a GPU of `gpu_memory` bytes, and a note.
-
-    The place where the expert-offload advice (`--n-cpu-moe N` / `-ot`, from the per-layer expert
-    bytes of the rung file) plugs in; until then: the whole model on the GPU when file and cache
-    fit it, else no GPU arguments and a note."""
+def offload_arguments(path: Path, cache_bytes: int, gpu_memory: int | None) -> tuple[list[str], dict[str, Any] | None]:
+    """The llama.cpp arguments that place `path` on a GPU of `gpu_memory` bytes, and the offload
+    record (quant.offload: the file whole, else the smallest --n-cpu-moe N from the per-block
+    expert bytes of the rung file, with the equal -ot regex; none when even every expert on the
+    CPU leaves too much for the GPU)."""
     if gpu_memory is None:
         return [], None
-    if path.stat().st_size + cache_bytes <= gpu_memory:
-        return ["-ngl", "99"], "fits the GPU whole"
-    return [], "does not fit the GPU whole: expert offload (--n-cpu-moe) advice not computed here"
+    from ggufcarve.gguf.container import read_model
+    from ggufcarve.quant.offload import plan_offload, weight_placement
+
+    offload = plan_offload(weight_placement(read_model(path)), gpu_memory=gpu_memory, cache_bytes=cache_bytes)
+    record = {**offload.to_json(), "placement": offload.label()}
+    if offload.n_cpu_moe is None:
+        return [], record
+    return ["-ngl", "99", *(["--n-cpu-moe", str(offload.n_cpu_moe)] if offload.n_cpu_moe else [])], record
 
 
 def run_command(path: Path, settings: BestSettings, cache_bytes: int) -> dict[str, Any]:
@@ -238,8 +242,8 @@ def run_command(path: Path, settings: BestSettings, cache_bytes: int) -> dict[st
     argv = ["llama-server", "-m", path.name, "-c", str(settings.ctx)]
     if settings.kv_type != "F16":
         argv += ["-ctk", settings.kv_type.lower(), "-ctv", settings.kv_type.lower(), "-fa", "on"]
-    gpu, note = offload_arguments(path, cache_bytes, settings.gpu_memory)
-    return {"argv": argv + gpu, "note": note}
+    gpu, offload = offload_arguments(path, cache_bytes, settings.gpu_memory)
+    return {"argv": argv + gpu, "gpu": offload}
 
 
 # ---------------------------------------------------------------------------------------------

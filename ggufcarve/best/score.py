@@ -100,7 +100,7 @@ def _record(table: np.ndarray) -> dict[str, Any]:
 def segment_statistics(tables: Tables, names: list[str]) -> dict[str, Any]:
     """The overall statistics over every segment's tokens, and `segments`: one record per held-out
     file {name, kld_mean, kld_mean_stderr, kld_p999, same_top_p, ppl, tokens}."""
+    from ggufcarve.evaluate.kld import segment_statistics as segment_record
+
     overall = _record(np.concatenate(tables.tables) if tables.tables else np.zeros((0, 6)))
-    keys = ("kld_mean", "kld_mean_stderr", "kld_p999", "same_top_p", "ppl", "tokens")
-    segments = [{"name": name, **{k: v for k, v in _record(t).items() if k in keys}} for name, t in zip(names, tables.tables)]
-    return {**overall, "segments": segments}
+    return {**overall, "segments": [segment_record(name, table) for name, table in zip(names, tables.tables)]}
