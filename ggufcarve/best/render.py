@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -131,19 +132,24 @@ def plan_document(report: dict[str, Any], source: Path, settings: Any, out_dir: 
         kept = max(int(k) for k in bounds)
     else:
         kept = None
-    doc: dict[str, Any] = {"source": str(source.resolve()), "output": str((out_dir / "release").resolve()), "work": str((out_dir / "release.work").resolve())}
+    def rel(path: Path | str) -> str:
+        """A plan path: relative to the plan file when that climbs at most two folders, else absolute."""
+        relative = os.path.relpath(Path(path).resolve(), out_dir.resolve())
+        return relative if Path(relative).parts[:3].count("..") < 3 else str(Path(path).resolve())
+
+    doc: dict[str, Any] = {"source": rel(source), "output": "release", "work": "release.work"}
     if kept is not None:
-        doc["selection"] = {"keepset": str((out_dir / "tune" / "candidates" / f"{bounds[str(kept)]['keep_set']}.json").resolve())}
+        doc["selection"] = {"keepset": rel(out_dir / "tune" / "candidates" / f"{bounds[str(kept)]['keep_set']}.json")}
     only = sorted({c["quant"] for c in neighbours if c["family"] == "pruned" and c["kept_experts"] == kept}) or [winner["quant"]]
     unpruned = sorted({c["quant"] for c in neighbours if c["family"] == "unpruned"})
     if imatrix.is_file():
-        doc["imatrix"] = {"file": str(imatrix.resolve())}
-    doc["ladder"] = {"spec": str(Path(settings.ladder).resolve()), "only": only, "quantizer": settings.quantizer}
-    evaluation: dict[str, Any] = {"heldout": str(Path(settings.heldout[0]).resolve()), "ctx": settings.eval_ctx}
+        doc["imatrix"] = {"file": rel(imatrix)}
+    doc["ladder"] = {"spec": rel(settings.ladder), "only": only, "quantizer": settings.quantizer}
+    evaluation: dict[str, Any] = {"heldout": [rel(p) for p in settings.heldout] if len(settings.heldout) > 1 else rel(settings.heldout[0]), "ctx": settings.eval_ctx}
     if settings.chunks:
         evaluation["chunks"] = settings.chunks
     if settings.gate:
-        evaluation["gate"] = str(Path(settings.gate).resolve())
+        evaluation["gate"] = rel(settings.gate)
     if unpruned:
         evaluation["unpruned"] = unpruned
     doc["evaluation"] = evaluation

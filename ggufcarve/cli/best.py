@@ -61,7 +61,7 @@ def best_command(
     gpu_memory: Annotated[str | None, typer.Option("--gpu-memory", help="GPU memory, e.g. 16GiB: each candidate's run command places the model for it.")] = None,
     ctx: Annotated[int, typer.Option("--ctx", help="Context length whose KV cache counts against --memory.")] = 16384,
     kv_type: Annotated[str, typer.Option("--kv-type", help="KV cache type: f16 or q8_0.")] = "f16",
-    ladder: Annotated[Path | None, typer.Option("--ladder", help="Ladder spec of the rungs (default: ladders/q8-to-iq1.toml).")] = None,
+    ladder: Annotated[str | None, typer.Option("--ladder", help="Ladder spec of the rungs: a TOML path or a shipped name (default: q8-to-iq1).")] = None,
     methods: Annotated[str, typer.Option("--methods", help="Criteria of the keep-set tournament at each K (tune's --methods).")] = ",".join(("reap", "frequency", "ean", "weights")),
     eval_ctx: Annotated[int, typer.Option("--eval-ctx", help="Tokens per chunk of the calibration pass and of the scoring.")] = 512,
     chunks: Annotated[int | None, typer.Option("--chunks", help="Score at most this many chunks per held-out file.")] = None,
@@ -82,7 +82,7 @@ def best_command(
     from ggufcarve.best.run import BestSettings, best, estimate, measure_speed, plan_best
     from ggufcarve.errors import BadInput
     from ggufcarve.quant.fit import parse_memory
-    from ggufcarve.quant.spec import DEFAULT_LADDER
+    from ggufcarve.quant.spec import DEFAULT_LADDER, find_spec
     from ggufcarve.tune.run import parse_methods
 
     cache_type = kv_type.strip().upper()
@@ -90,9 +90,9 @@ def best_command(
         raise BadInput(f"--kv-type {kv_type!r} is not f16 or q8_0", "give --kv-type f16 or --kv-type q8_0")
     if (output / "best.json").exists() and not force and not dry_run and not only:
         raise OutputError(f"{output / 'best.json'} already exists", "pass --force to search again (built models are reused), or choose another -o DIR")
-    settings = BestSettings(memory=parse_memory(memory), ladder=ladder or DEFAULT_LADDER, heldout=tuple(heldout), calibration=tuple(calibration),
+    settings = BestSettings(memory=parse_memory(memory), ladder=find_spec(ladder) if ladder else DEFAULT_LADDER, heldout=tuple(heldout), calibration=tuple(calibration),
                             methods=parse_methods(methods), ctx=ctx, kv_type=cache_type, eval_ctx=eval_ctx, chunks=chunks, max_tokens=max_tokens,
-                            threads=threads, metric=metric, gate=gate, gpu_memory=parse_memory(gpu_memory) if gpu_memory else None,
+                            threads=threads, metric=metric, gate=gate, gpu_memory=parse_memory(gpu_memory, "--gpu-memory") if gpu_memory else None,
                             quantizer=quantizer_choice, llama_cpp_dir=llama_cpp, only=tuple(only or ()))
     with progress(not quiet and not as_json) as sink:
         plan = plan_best(model, settings, on_event=sink)
