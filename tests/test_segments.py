@@ -223,6 +223,22 @@ def test_tune_records_each_files_statistics(tmp_path):
     assert got["tokens"] == 65 and got["kld_mean"] == pytest.approx(np.concatenate(tables)[:, kld.KLD].mean(), rel=1e-12)
 
 
+def test_tune_md_shows_each_files_kld():
+    from ggufcarve.tune.run import render_markdown
+
+    def candidate(method, kld_mean, per_file, winner=False):
+        return {"id": f"{method}-8", "method": method, "K": 8, "identical_to": None, "winner": winner, "kld_mean": kld_mean, "kld_mean_stderr": 0.001,
+                "kld_p999": 1.0, "same_top_p": 0.9, "ppl": 10.0, "chunks_scored": 4, "stopped_early": False,
+                "segments": [{"name": n, "kld_mean": v} for n, v in per_file]}
+
+    report = {"model": {"name": "m.gguf", "expert_count": 16}, "parameters": {"ctx": 128}, "heldout": [{"path": "/x/wiki.txt"}, {"path": "/x/code.txt"}],
+              "keeps": [8], "winner": "reap-8",
+              "candidates": [candidate("reap", 0.1, [("wiki.txt", 0.05), ("code.txt", 0.2)], True), candidate("frequency", 0.3, [("wiki.txt", 0.25), ("code.txt", None)])]}
+    text = render_markdown(report)
+    assert "| method | wiki.txt | code.txt |" in text
+    assert "| reap | 0.0500 | 0.2000 |" in text and "| frequency | 0.2500 | – |" in text
+
+
 def test_plan_takes_a_list_of_heldout_files(tmp_path):
     from ggufcarve.pipeline.plan import parse_plan
 

@@ -351,6 +351,15 @@ def render_markdown(report: dict[str, Any]) -> str:
             lines.append(f"| {rank} | {name} | {c['kld_mean']:.4f} | {c['kld_mean_stderr']:.4f} | {c['kld_p999']:.4f} | {100 * c['same_top_p']:.2f}% | "
                          f"{c['ppl']:.4f} | {c['chunks_scored']} | {'yes' if c['stopped_early'] else 'no'} | {c['identical_to'] or ''} |{overlap_cell}")
         lines.append("")
+        segmented = [c for c in ranked(report["candidates"], k) if len(c.get("segments") or []) > 1]
+        if segmented:
+            names = [seg["name"] for seg in segmented[0]["segments"]]
+            lines += ["Mean KLD on each held-out file (its own segment; the same chunks as above):", "",
+                      "| method | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
+            for c in segmented:
+                cells = " | ".join("–" if seg["kld_mean"] is None else f"{seg['kld_mean']:.4f}" for seg in c["segments"])
+                lines.append(f"| {c['method']} | {cells} |")
+            lines.append("")
     cliff_of = report.get("cliff")
     if cliff_of and len(report["keeps"]) >= 3:
         lines += ["## Cliff", "", f"Knee of mean KLD against K ({cliff_of['rule']}); candidates stopped early enter with their fewer-chunk mean.", "",
