@@ -106,3 +106,28 @@ def test_a_bad_tune_plan_is_one_line(tmp_path, selection, calibration, expect):
     assert "hint:" in result.error_line and len([line for line in result.stderr.splitlines() if line.strip()]) == 1, result.stderr
     assert "Traceback" not in result.stderr
     assert not (tmp_path / "release").exists() and not (tmp_path / "release.work").exists()
+
+
+def test_tune_checks_the_disk_before_writing_the_reference_records(tmp_path, monkeypatch, llama_tools):
+    import shutil
+    import subprocess
+    from collections import namedtuple
+
+    from ggufcarve.errors import OutputError
+    from ggufcarve.llama.launch import child_env
+    from ggufcarve.tune.run import TuneSettings, reference_bytes, tune
+
+    settings = TuneSettings(keeps=(8,), methods=("weights",), heldout=(DATA / "heldout.txt",), ctx=256, chunks=4)
+    # the bound: the size of llama-perplexity's own base file of the same text, ctx and chunks
+    base = tmp_path / "demo.kld"
+    made = subprocess.run([str(llama_tools / "llama-perplexity"), "-m", str(MODEL), "-f", str(DATA / "heldout.txt"), "-c", "256", "--chunks", "4",
+                           "--kl-divergence-base", str(base), "-t", "2"], capture_output=True, text=True, timeout=600, env=child_env())
+    assert made.returncode == 0, made.stderr[-3000:]
+    assert reference_bytes(MODEL, settings) == base.stat().st_size
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(2**40, 2**40 - 2**20, 2**20))  # 1 MiB free
+    with pytest.raises(OutputError) as err:
+        tune(MODEL, settings, tmp_path / "tune")
+    assert "MiB free" in err.value.message and err.value.hint
+    assert not (tmp_path / "tune" / "tune.json").exists() and not (tmp_path / "tune" / "work").exists()
