@@ -577,9 +577,10 @@ def _record_plan(ctx: RunContext) -> None:
     ev = plan.evaluation
     files = [plan.source, *(plan.calibration.files if plan.calibration else ()), plan.imatrix.file if plan.imatrix else None, plan.selection.keepset,
              plan.selection.protect_file, plan.ladder.spec]
+    files += plan.selection.heldout
     if ev is not None:
         files += [ev.heldout, ev.reference, ev.gate, *qa_files(ev.qa), *ev.compare]
-    inputs = [file_input(shard, ctx.digest_of(shard)) for p in files if p is not None for shard in shards(p)]
+    inputs = [file_input(shard, ctx.digest_of(shard)) for p in dict.fromkeys(p for p in files if p is not None) for shard in shards(p)]
     stages = [{"name": r.name, "outputs": r.outputs or sorted(ctx.state.outputs(r.name))} for r in ctx.results]
     doc = envelope("run-plan", inputs=inputs, parameters=plan.to_json(),
                    results={"stages": stages, "kept_count": ctx.names.kept, "model_name": ctx.names.name}, timings={})
