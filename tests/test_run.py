@@ -246,7 +246,8 @@ def test_the_example_plans_are_valid(name, q8_moe, tmp_path):
     shutil.copyfile(q8_moe, tmp_path / "Qwen3.6-35B-A3B-Q8_0.gguf")
     _text(tmp_path / "calibration.jsonl", 10, 3)
     _text(tmp_path / "heldout.txt", 10, 4)
-    (tmp_path / name).write_text(text.replace("keep = 160", "keep = 6").replace("keep = 128", "keep = 4"))
+    _text(tmp_path / "tune-heldout.txt", 10, 5)
+    (tmp_path / name).write_text(text.replace("keep = 160", "keep = 6").replace("keep = 128", "keep = 4").replace("keep = [128, 96, 64]", "keep = [4, 6, 2]"))
     result = ggufcarve("run", tmp_path / name, "--dry-run", "--json")
     assert result.code == 0, result.stderr
     assert json.loads(result.stdout)["stages"][-1]["name"] == "verify"

@@ -253,6 +253,23 @@ def test_plan_takes_a_list_of_heldout_files(tmp_path):
     assert two.to_json()["evaluation"]["heldout"] == ["a.txt", "b.txt"]
 
 
+def test_plan_evaluation_takes_the_segment_gate_and_loops(tmp_path):
+    from ggufcarve.errors import BadInput
+    from ggufcarve.pipeline.plan import parse_plan
+
+    for name in ("model-Q8_0.gguf", "a.txt", "b.txt", "prompts.txt"):
+        (tmp_path / name).write_text("x\n")
+    doc = {"source": "model-Q8_0.gguf", "output": "release", "selection": {"method": "weights", "keep": 4}, "ladder": {"spec": "q8-to-iq1"}}
+    plan = parse_plan({**doc, "evaluation": {"heldout": ["a.txt", "b.txt"], "gate_segments": "every", "loop_prompts": "prompts.txt", "loop_tokens": 300}}, tmp_path)
+    ev = plan.evaluation
+    assert (ev.gate_segments, ev.loop_prompts, ev.loop_tokens) == ("every", tmp_path / "prompts.txt", 300)
+    assert plan.to_json()["evaluation"]["loop_prompts"] == "prompts.txt" and plan.to_json()["evaluation"]["gate_segments"] == "every"
+    plain = parse_plan({**doc, "evaluation": {"heldout": "a.txt"}}, tmp_path).to_json()["evaluation"]
+    assert "loops" not in plain and "gate_segments" not in plain
+    with pytest.raises(BadInput, match="loop_prompts"):
+        parse_plan({**doc, "evaluation": {"heldout": "a.txt", "loop_prompts": "missing.txt"}}, tmp_path)
+
+
 def test_a_plan_with_several_heldout_files_counts_a_reference_cache_per_file(q8_moe, texts, tmp_path):
     import shutil
 

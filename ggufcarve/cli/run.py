@@ -50,6 +50,9 @@ def _result_tables(result: RunResult) -> None:
     for s in result.stages:
         table.add_row(s.name, "[green]ran[/]" if s.status == "ran" else "skipped (unchanged)", f"{s.seconds:.1f}" if s.status == "ran" else "", escape(s.summary))
     out.print(table)
+    tuned = _tune_report(result.plan)
+    if tuned is not None:
+        _tune_table(tuned)
     if result.evaluation:
         front = _pareto(result.evaluation)
         from ggufcarve.fileio import size_unit
@@ -70,6 +73,42 @@ def _result_tables(result: RunResult) -> None:
         out.print(f"per-model results, charts and summary.md: {result.plan.output / 'evaluation'}", highlight=False, soft_wrap=True)
     out.print(_tree(result.plan.output))
     out.print(f"{result.seconds:.1f} s; verify passed: {len(result.verification.files_ok)} files match SHA256SUMS and the manifest", highlight=False)
+
+
+def _tune_report(plan: RunPlan) -> dict | None:
+    """tune.json of a plan with [selection] method = "tune", as its tune stage wrote it."""
+    from ggufcarve.pipeline.stages import TUNE_DIR
+
+    if not plan.selection.tunes:
+        return None
+    try:
+        return json.loads((plan.work / TUNE_DIR / "tune.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def _tune_json(plan: RunPlan) -> dict:
+    report = _tune_report(plan)
+    if report is None:
+        return {}
+    keys = ("id", "method", "K", "kld_mean", "kld_mean_stderr", "same_top_p", "ppl", "chunks_scored", "stopped_early", "identical_to", "winner")
+    return {"tune": {"winner": report["winner"], "candidates": [{k: c.get(k) for k in keys} for c in report["candidates"]]}}
+
+
+def _tune_table(report: dict) -> None:
+    from ggufcarve.tune.run import ranked
+
+    results = report
+    for k in results["keeps"]:
+        table = new_table(title=f"tune: K = {k} of {results['model']['expert_count']}, mean KLD vs the unpruned model (masked), ctx {report['parameters']['ctx']}")
+        for column in ("method", "mean KLD", "±", "99.9% KLD", "same top p", "PPL", "chunks"):
+            table.add_column(column, justify="left" if column == "method" else "right", overflow="fold")
+        for c in ranked(results["candidates"], k):
+            name = f"[bold]{escape(c['method'])}[/] (winner)" if c["winner"] else escape(c["method"]) + (f" (= {escape(c['identical_to'])})" if c["identical_to"] else "")
+            table.add_row(name, f"{c['kld_mean']:.4f}", f"{c['kld_mean_stderr']:.4f}", f"{c['kld_p999']:.3f}", f"{100 * c['same_top_p']:.1f}%", f"{c['ppl']:.2f}",
+                          f"{c['chunks_scored']}" + (" (stopped)" if c["stopped_early"] else ""))
+        out.print(table)
+    out.print(f"carved: {results['winner']} (the winner at the first K); the table and the cliff: method/tune.md", highlight=False, soft_wrap=True)
 
 
 def _pareto(results: list[dict]) -> set[str]:
@@ -115,7 +154,7 @@ def _execute(plan: RunPlan, dry_run: bool, force: bool, quiet: bool, as_json: bo
             "output": str(plan.output), "work": str(plan.work), "seconds": round(result.seconds, 3),
             "stages": [{"name": s.name, "status": s.status, "seconds": round(s.seconds, 3), "outputs": s.outputs, "result": s.summary} for s in result.stages],
             "evaluation": [{k: r.get(k) for k in ("ppl", "ppl_delta_percent", "kld_mean", "same_top_p", "gate")} | {"model": r["model"]["file"]} for r in result.evaluation],
-        }))
+        } | _tune_json(plan)))
         return
     _result_tables(result)
 

@@ -9,6 +9,12 @@ evaluation, parsed into a validated `RunPlan` before anything touches disk.
     [selection]
     method = "frequency"                     # or keepset = "kept_expert_indices.json"
     keep = 128                               # or ratio = 0.5
+    # method = "tune"                        # measure instead: the tournament of `ggufcarve tune`
+    # methods = ["reap", "frequency", "weights"]   # or "all" (the default)
+    # keep = [128, 96, 64]                   # every K scored; the first K is carved
+    # heldout = "tune-heldout.txt"           # default: [evaluation] heldout
+    # chunks = 16                            # held-out chunks per file (default: [evaluation] chunks)
+    # stability = true                       # keep-sets from each half of the calibration text
 
     [calibration]
     files = ["calibration.jsonl"]
@@ -23,6 +29,8 @@ evaluation, parsed into a validated `RunPlan` before anything touches disk.
 
     [evaluation]
     heldout = "heldout.txt"                  # or a list: each file its own segment; reference: the unpruned source unless given
+    # gate_segments = "every"                # with several heldout files: a model fails when any file fails
+    # loops = true                           # repetition loops of the QA prompts' greedy continuations (loop_prompts, loop_tokens)
     # top_k = 128                            # a small reference cache and an estimated KLD (default: every token, llama-perplexity's KLD)
 
     [card]                                   # or card = false; each key defaults to the GGUF's general.* keys
@@ -32,12 +40,22 @@ evaluation, parsed into a validated `RunPlan` before anything touches disk.
 
 Every key is checked (an unknown key is a typo, not something to ignore) and every file must exist;
 the errors are one line with a hint, like every other command's.
+
+`method = "tune"` runs `ggufcarve tune` as the plan's selection stage: one calibration pass scores
+every criterion in `methods` ("all" or a list; default "all"), each criterion's keep-set at every K
+in `keep` (a list, or one K) is scored against the unpruned model by masking, and the run carves
+the winner at the first K listed (tune's `winner`, its `expert-selection.json`); the other K are
+scored for the table and the cliff in tune.md, which the release publishes as method/tune.md
+with the chart method/tune-kld.png. The keep-sets are scored on `heldout` (one file or a list),
+by default the [evaluation] heldout file: then the release's evaluation is measured on the text
+that chose the winner, which favours it; give a separate file for an unbiased evaluation. The
+chunk size is [calibration] ctx (else [evaluation] ctx); `chunks` defaults to [evaluation] chunks.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +67,8 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
 PLAN_HINT = "see plans/*.toml for complete examples"
+TUNE = "tune"  # [selection] method: the tournament of `ggufcarve tune`
+TUNE_ONLY = ("methods", "heldout", "chunks", "stability")  # [selection] keys of method tune alone
 
 
 @dataclass(frozen=True)
@@ -61,6 +81,15 @@ class SelectionStep:
     protect_super_experts: bool
     seed: int
     protect_file: Path | None = None  # the protect file, when `protect` names one
+    keeps: tuple[int, ...] = ()  # method tune: every K scored; keeps[0] is carved
+    methods: tuple[str, ...] = ()  # method tune: the criteria that compete
+    heldout: tuple[Path, ...] = ()  # method tune: the text the keep-sets are scored on
+    chunks: int | None = None  # method tune: held-out chunks per file (None: all)
+    stability: bool = False  # method tune: keep-sets from each half of the calibration text too
+
+    @property
+    def tunes(self) -> bool:
+        return self.method == TUNE
 
 
 @dataclass(frozen=True)
@@ -98,6 +127,10 @@ class EvaluationStep:
     tail_samples: int | None  # with top_k: tail tokens sampled per token
     compare: tuple[Path, ...]  # more models evaluated against the same reference
     unpruned: tuple[str, ...]  # rungs of the ladder spec also quantized from the unpruned source
+    gate_segments: str | None = None  # every, overall: what a held-out file failing the gate does (None: the gate file's)
+    loops: bool = False  # repetition loops of greedy continuations (implied by loop_prompts)
+    loop_prompts: Path | None = None
+    loop_tokens: int | None = None
 
     @property
     def heldout_files(self) -> tuple[Path, ...]:
@@ -139,6 +172,9 @@ class RunPlan:
             "ladder": {"spec": name(self.ladder.spec), "only": list(self.ladder.only), "quantizer": self.ladder.quantizer if self.ladder.quantizer in ("auto", "binary", "libllama") else name(Path(self.ladder.quantizer))},
             "card": self.card_settings.to_json() if self.card_settings is not None else self.card,
         }
+        if self.selection.tunes:
+            doc["selection"].update(keep=list(self.selection.keeps), methods=list(self.selection.methods), heldout=[p.name for p in self.selection.heldout],
+                                    chunks=self.selection.chunks, stability=self.selection.stability)
         if self.calibration is not None:
             doc["calibration"] = {"files": [p.name for p in self.calibration.files], "ctx": self.calibration.ctx, "max_tokens": self.calibration.max_tokens}
         if self.imatrix is not None:
@@ -148,17 +184,20 @@ class RunPlan:
             doc["evaluation"] = {
                 "heldout": name(e.heldout) if not isinstance(e.heldout, tuple) else [p.name for p in e.heldout], "reference": name(e.reference) or "source", "ctx": e.ctx, "chunks": e.chunks, "qa": name(e.qa),
                 "gate": name(e.gate), "speed_runs": e.speed_runs, "speed_engine": e.speed_engine, "top_k": e.top_k, "tail_samples": e.tail_samples, "compare": [p.name for p in e.compare], "unpruned": list(e.unpruned),
+                **({"gate_segments": e.gate_segments} if e.gate_segments else {}),
+                **({"loops": True, "loop_prompts": name(e.loop_prompts), "loop_tokens": e.loop_tokens} if e.loops or e.loop_prompts else {}),
             }
         return doc
 
 
 KEYS = {
     "plan": ("source", "output", "work", "name", "threads", "card", "selection", "calibration", "imatrix", "ladder", "evaluation"),
-    "[selection]": ("method", "keep", "ratio", "keepset", "protect", "protect_super_experts", "seed"),
+    "[selection]": ("method", "keep", "ratio", "keepset", "protect", "protect_super_experts", "seed", *TUNE_ONLY),
     "[calibration]": ("files", "ctx", "max_tokens"),
     "[imatrix]": ("file", "collect"),
     "[ladder]": ("spec", "only", "quantizer", "llama_cpp"),
-    "[evaluation]": ("heldout", "reference", "ctx", "chunks", "qa", "gate", "speed_runs", "speed_engine", "top_k", "tail_samples", "compare", "unpruned"),
+    "[evaluation]": ("heldout", "reference", "ctx", "chunks", "qa", "gate", "speed_runs", "speed_engine", "top_k", "tail_samples", "compare", "unpruned",
+                     "gate_segments", "loops", "loop_prompts", "loop_tokens"),
 }
 
 
@@ -263,7 +302,8 @@ def parse_plan(doc: dict[str, Any], base: Path, path: Path | None = None) -> Run
     sel = top.table("selection") or _Table({}, "[selection]", base)
     method = sel.string("method")
     keepset = sel.path("keepset")
-    keep = sel.integer("keep", minimum=1)
+    keeps = _tune_keeps(sel) if method == TUNE else ()
+    keep = keeps[0] if keeps else sel.integer("keep", minimum=1)
     ratio = sel.number("ratio")
     protect = sel.string("protect")
     protect_file = _protect_file(sel, protect)
@@ -273,7 +313,18 @@ def parse_plan(doc: dict[str, Any], base: Path, path: Path | None = None) -> Run
     seed = sel.integer("seed", 0) or 0
     if (method is None) == (keepset is None):
         raise BadInput("[selection]: give exactly one of method = \"...\" or keepset = \"FILE\"", "for example method = \"frequency\" with keep = 128")
-    if method is not None:
+    given = [k for k in TUNE_ONLY if sel._get(k) is not None]
+    if given and method != TUNE:
+        raise BadInput(f"[selection]: {given[0]} applies to method = \"{TUNE}\" only", f"drop {given[0]}, or set method = \"{TUNE}\" to measure the criteria against each other")
+    methods: tuple[str, ...] = ()
+    if method == TUNE:
+        spec = None
+        methods = _tune_methods(sel)
+        if ratio is not None:
+            raise BadInput(f"[selection]: method {TUNE} takes keep = [K, ...], not ratio", "for example keep = [8] or keep = [12, 8, 4]; the first K is carved")
+        if protect is not None or protect_super:
+            raise BadInput(f"[selection]: method {TUNE} does not protect experts", "drop protect and protect_super_experts, or choose one method instead of tune")
+    elif method is not None:
         spec = method_named(method)
         if (keep is None) == (ratio is None):
             raise BadInput(f"[selection]: method {method} needs exactly one of keep = K or ratio = R", "for example keep = 128")
@@ -310,7 +361,10 @@ def parse_plan(doc: dict[str, Any], base: Path, path: Path | None = None) -> Run
             raise BadInput(f"[selection]: method {method} traces calibration text", "add a [calibration] table with files = [...]")
         if spec.needs == "imatrix" and imatrix is None:
             raise BadInput(f"[selection]: method {method} reads an imatrix", "add [imatrix] file = \"...\" or collect = true")
-    if calibration is not None and (spec is None or spec.needs != "calibration") and (imatrix is None or not imatrix.collect):
+    tune_reads = [m for m in methods if method_named(m).needs != "model"]  # the imatrix ones from tune's own calibration pass
+    if tune_reads and calibration is None:
+        raise BadInput(f"[selection]: method {TUNE} with {tune_reads[0]} traces calibration text", "add a [calibration] table with files = [...], or list only zero-shot methods (weights, router-norm, random)")
+    if calibration is not None and not tune_reads and (spec is None or spec.needs != "calibration") and (imatrix is None or not imatrix.collect):
         raise BadInput("[calibration] is given but nothing reads it", "use a calibration method (frequency, ean, reap, razor) or [imatrix] collect = true, or drop [calibration]")
 
     lad = top.table("ladder")
@@ -336,6 +390,8 @@ def parse_plan(doc: dict[str, Any], base: Path, path: Path | None = None) -> Run
             speed_runs=ev_table.integer("speed_runs", DEFAULT_RUNS, minimum=0) or 0, speed_engine=ev_table.string("speed_engine", "auto") or "auto", top_k=ev_table.integer("top_k", minimum=1),
             tail_samples=ev_table.integer("tail_samples", minimum=0),
             compare=ev_table.paths("compare"), unpruned=tuple(r.upper() for r in ev_table.strings("unpruned")),
+            gate_segments=ev_table.string("gate_segments"), loops=ev_table.boolean("loops", False), loop_prompts=ev_table.path("loop_prompts"),
+            loop_tokens=ev_table.integer("loop_tokens", minimum=1),
         )
         from ggufcarve.evaluate.speed import ENGINES
 
@@ -344,12 +400,48 @@ def parse_plan(doc: dict[str, Any], base: Path, path: Path | None = None) -> Run
         if not evaluation.heldout_files and evaluation.reference is None:
             raise BadInput("[evaluation]: no heldout text", "give heldout = \"FILE\" (scored by every model against the unpruned source)")
         _check_rungs(ladder.spec, evaluation.unpruned, "[evaluation] unpruned")
+    selection = SelectionStep(method, keep, ratio, keepset, protect, protect_super, seed, protect_file)
+    if method == TUNE:
+        heldout = sel.paths("heldout") or (evaluation.heldout_files if evaluation is not None else ())
+        if not heldout:
+            raise BadInput(f"[selection]: method {TUNE} scores the keep-sets on held-out text", "give [selection] heldout = \"FILE\" (or an [evaluation] heldout, which it then reads)")
+        chunks = sel.integer("chunks", minimum=1)
+        selection = replace(selection, keeps=keeps, methods=methods, heldout=heldout, stability=sel.boolean("stability", False),
+                            chunks=chunks if chunks is not None else (evaluation.chunks if evaluation is not None else None))
     if source.resolve().parent == output.resolve():
         raise BadInput(f"plan: the output directory {output} holds the source", "write the release to its own directory: everything in it is published")
     if work.resolve() == output.resolve():
         raise BadInput("plan: work and output are the same directory", "intermediates (the pruned source, imatrices) must not be published: give work another directory")
-    return RunPlan(path, source, output, work, name, threads, SelectionStep(method, keep, ratio, keepset, protect, protect_super, seed, protect_file),
-                   calibration, imatrix, ladder, evaluation, card, card_settings, raw=doc)
+    return RunPlan(path, source, output, work, name, threads, selection, calibration, imatrix, ladder, evaluation, card, card_settings, raw=doc)
+
+
+def _tune_keeps(table: _Table) -> tuple[int, ...]:
+    """[selection] keep of method tune: a list of expert counts (or one), duplicates dropped, order kept."""
+    value = table._get("keep")
+    values = [value] if isinstance(value, int) and not isinstance(value, bool) else value
+    if value is None or not isinstance(values, list) or not values or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in values):
+        raise BadInput(f"[selection]: keep of method {TUNE} must be a list of expert counts (got {value!r})", "for example keep = [8] or keep = [12, 8, 4]; the first K is carved")
+    return tuple(dict.fromkeys(values))
+
+
+def _tune_methods(table: _Table) -> tuple[str, ...]:
+    """[selection] methods of method tune: "all" (the default) or a list of criteria, each one `select` knows."""
+    from ggufcarve.select.methods import method_named
+    from ggufcarve.tune.run import ALL_METHODS
+
+    value = table._get("methods")
+    if value is None or value == "all":
+        return ALL_METHODS
+    if not isinstance(value, list) or not value or not all(isinstance(v, str) and v for v in value):
+        raise BadInput(f"[selection]: methods must be \"all\" or a list of criteria (got {value!r})", "for example methods = [\"reap\", \"frequency\", \"weights\"]")
+    for name in value:
+        if name == TUNE:
+            raise BadInput(f"[selection]: methods lists {TUNE} itself", "list the criteria that compete, e.g. [\"reap\", \"frequency\", \"weights\"]")
+        try:
+            method_named(name)
+        except BadInput as err:
+            raise BadInput(f"[selection]: methods: {err.message}", err.hint) from None
+    return tuple(dict.fromkeys(value))
 
 
 def _card(top: _Table) -> tuple[bool, Any]:

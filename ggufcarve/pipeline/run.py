@@ -1,5 +1,5 @@
-"""Executing a run plan: its stages (stages.py: select -> prune -> imatrix -> ladder -> unpruned ->
-evaluate -> card -> plan -> verify), listed by the dry run and run in order.
+"""Executing a run plan: its stages (stages.py: select or tune -> prune -> imatrix -> ladder ->
+unpruned -> evaluate -> card -> plan -> verify), listed by the dry run and run in order.
 
 Each stage records the digest of its input files and parameters with its outputs (state.py) and
 is skipped when they match: after a crash or a kill, the re-run starts at the stage that did not
@@ -9,8 +9,9 @@ shared file system).
 
 Files: the release directory (`output`) holds only what is published — the rungs, SHA256SUMS,
 quant-manifest.json, method/ (expert-selection.json, pruning-report.json,
-imatrix-remap-report.json, run-plan.json), evaluation/ and the card README.md. The work directory
-holds the selection, the pruned source, the imatrices, the unpruned comparison rungs and the
+imatrix-remap-report.json, run-plan.json; tune.md and tune-kld.png when the plan tunes),
+evaluation/ and the card README.md. The work directory holds the selection (and tune/, the
+tournament's directory), the pruned source, the imatrices, the unpruned comparison rungs and the
 run state.
 
 With a calibration method and `[imatrix] collect = true`, the selection statistics and the full

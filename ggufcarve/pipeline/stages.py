@@ -2,7 +2,8 @@
 reads, its parameters, the files it writes and the library call that writes them. The dry run,
 the run and the resume all iterate this one list (run.py), so the preview is the run.
 
-The calls are the ones the commands make: `select_to_file` (`ggufcarve select`), `plan_prune` /
+The calls are the ones the commands make: `select_to_file` (`ggufcarve select`), `tune`
+(`ggufcarve tune`, for `[selection] method = "tune"`), `plan_prune` /
 `execute` (`prune`), `collect_imatrix` (`imatrix collect`), `plan_remap` / `execute_remap`
 (`imatrix remap`), `plan_ladder` / `run_ladder` (`ladder run`), `evaluate_release` (`eval`),
 `write_card` (`card`).
@@ -23,6 +24,8 @@ from ggufcarve.pipeline.plan import EvaluationStep, RunPlan
 SELECTION_NAME = "expert-selection.json"
 EVALUATION_DIR = "evaluation"
 RUN_PLAN_NAME = "run-plan.json"
+TUNE_DIR = "tune"  # WORK/tune: what `ggufcarve tune -o` writes
+TUNE_PUBLISHED = ("tune.md", "tune-kld.png")  # published in the release's method/ (tune.run's markdown and CHART)
 
 # a stage's work: the files it wrote and a one-line summary
 Work = Callable[[], tuple[list[Path], str]]
@@ -79,6 +82,13 @@ def names_for(plan: RunPlan, layout: Any) -> Names:
 
 
 def _kept_count(plan: RunPlan, layout: Any) -> int:
+    if plan.selection.tunes:  # every K checked; the first is carved
+        from ggufcarve.moe.kept import kept_count
+
+        try:
+            return [kept_count(layout, k, None) for k in plan.selection.keeps][0]
+        except BadInput as err:
+            raise BadInput(f"[selection]: {err.message}", err.hint) from None
     if plan.selection.keepset is not None:
         from ggufcarve.moe.keepset import check_keepset, load_keepset
 
@@ -148,7 +158,7 @@ class RunContext:
 def traces(plan: RunPlan) -> bool:
     from ggufcarve.select.methods import method_named
 
-    return plan.selection.method is not None and method_named(plan.selection.method).needs == "calibration"
+    return plan.selection.method is not None and not plan.selection.tunes and method_named(plan.selection.method).needs == "calibration"
 
 
 def one_pass(plan: RunPlan) -> bool:
@@ -164,7 +174,9 @@ def build_stages(ctx: RunContext, *, sizes: bool = True) -> list[Stage]:
     collects = plan.imatrix is not None and plan.imatrix.collect
     if collects and not one_pass(plan):
         stages.append(_collect_stage(ctx))
-    if plan.selection.method is not None:
+    if plan.selection.tunes:
+        stages.append(_tune_stage(ctx))
+    elif plan.selection.method is not None:
         stages.append(_select_stage(ctx))
     stages.append(_prune_stage(ctx))
     source_imatrix = imatrix_source(ctx)
@@ -243,6 +255,55 @@ def _select_stage(ctx: RunContext) -> Stage:
     outputs = (names.selection.name, names.selection.with_suffix(".png").name) + ((names.collected_imatrix.name,) if together else ())
     action = f"score experts with {sel.method}, keep {names.kept} of {ctx.layout.expert_count}" + ("; the imatrix in the same pass" if together else "")
     return Stage("select", action, plan.work, parameters, (plan.source, *reads), outputs, None, work)
+
+
+def tune_settings(ctx: RunContext) -> Any:
+    """The settings `ggufcarve tune` is given for this plan: [calibration]'s files, ctx and
+    max_tokens (ctx: [evaluation]'s without a calibration table), [selection]'s methods, keep,
+    heldout, chunks, seed and stability."""
+    from ggufcarve.tune.run import ZERO_SHOT, TuneSettings
+
+    plan, sel = ctx.plan, ctx.plan.selection
+    reads = any(m not in ZERO_SHOT for m in sel.methods)
+    cal = plan.calibration if reads else None
+    ctx_tokens = cal.ctx if cal is not None else (plan.evaluation.ctx if plan.evaluation is not None else 512)
+    return TuneSettings(keeps=sel.keeps, methods=sel.methods, calibration=cal.files if cal is not None else (), heldout=sel.heldout, ctx=ctx_tokens,
+                        chunks=sel.chunks, max_tokens=cal.max_tokens if cal is not None else None, threads=ctx.threads, seed=sel.seed, stability=sel.stability)
+
+
+def _tune_stage(ctx: RunContext) -> Stage:
+    """`ggufcarve tune` into WORK/tune/, its winner (at the first K) copied to the selection file the prune reads."""
+    plan, names = ctx.plan, ctx.names
+    settings = tune_settings(ctx)
+    out_dir = plan.work / TUNE_DIR
+
+    def work() -> tuple[list[Path], str]:
+        from ggufcarve.fileio import write_text_atomic
+        from ggufcarve.moe.keepset import load_keepset
+        from ggufcarve.tune.run import tune
+
+        plan.work.mkdir(parents=True, exist_ok=True)
+        result = tune(plan.source, settings, out_dir, on_event=ctx.sink)
+        write_text_atomic(names.selection, (out_dir / SELECTION_NAME).read_text(encoding="utf-8"))
+        ctx.keepset = load_keepset(names.selection, ctx.layout)
+        winner = next(c for c in result.report["candidates"] if c["id"] == result.winner)
+        return [*result.outputs, names.selection], (f"{len(settings.methods)} methods at K = {', '.join(map(str, settings.keeps))}; winner {result.winner} "
+                                                    f"(mean KLD {winner['kld_mean']:.4f}), carved: keep {names.kept} of {names.source_expert_count}")
+
+    parameters = {"method": "tune", "methods": list(settings.methods), "keeps": list(settings.keeps), "ctx": settings.ctx, "chunks": settings.chunks,
+                  "max_tokens": settings.max_tokens, "seed": settings.seed, "stability": settings.stability}
+    outputs = tuple(f"{TUNE_DIR}/{n}" for n in (*TUNE_PUBLISHED, "tune.json", SELECTION_NAME, "candidates/")) + (names.selection.name,)
+    action = (f"{len(settings.methods)} methods at K = {', '.join(map(str, settings.keeps))} scored by masking on {', '.join(p.name for p in settings.heldout)}; "
+              f"carve the winner at K = {names.kept}")
+    return Stage("tune", action, plan.work, parameters, (plan.source, *settings.calibration, *settings.heldout), outputs,
+                 _tune_bytes(ctx, settings), work)
+
+
+def _tune_bytes(ctx: RunContext, settings: Any) -> int:
+    """At most the unpruned model's log-prob records tune keeps in its work directory while it scores."""
+    from ggufcarve.tune.run import reference_bytes
+
+    return reference_bytes(ctx.model.path, settings)
 
 
 def _prune_stage(ctx: RunContext) -> Stage:
@@ -413,7 +474,8 @@ def _evaluate_stage(ctx: RunContext, ev: EvaluationStep) -> Stage:
     from ggufcarve.evaluate.run import reference_cache_dir, reference_disk_bytes
 
     settings, warnings = eval_settings(ctx=ev.ctx, chunks=ev.chunks, threads=ctx.threads, top_k=ev.top_k, tail_samples=ev.tail_samples, speed_runs=ev.speed_runs,
-                                       speed_engine=ev.speed_engine, gate=ev.gate, qa=ev.qa, llama_cpp=plan.ladder.llama_cpp)
+                                       speed_engine=ev.speed_engine, gate=ev.gate, qa=ev.qa, llama_cpp=plan.ladder.llama_cpp,
+                                       gate_segments=ev.gate_segments, loops=ev.loops, loop_prompts=ev.loop_prompts, loop_tokens=ev.loop_tokens)
     reference_bytes = reference_disk_bytes(ev.reference or plan.source, ev.heldout, settings, hash_reference=False)
 
     def work() -> tuple[list[Path], str]:
@@ -438,8 +500,12 @@ def _evaluate_stage(ctx: RunContext, ev: EvaluationStep) -> Stage:
                   "reference": "source" if ev.reference is None else ev.reference.name}
     if ev.top_k is not None:
         parameters["tail_samples"] = settings.tail_samples
+    if ev.gate_segments is not None:
+        parameters["gate_segments"] = ev.gate_segments
+    if settings.loops is not None:
+        parameters["loops"] = {"prompts": ev.loop_prompts.name if ev.loop_prompts else "qa", "tokens": settings.loops.tokens}
     gate = ev.gate or default_gate_path()
-    inputs = tuple(p for p in (ev.reference or plan.source, *ev.heldout_files, *ev.compare, gate if gate.exists() else None, *qa_files(ev.qa)) if p is not None)
+    inputs = tuple(p for p in (ev.reference or plan.source, *ev.heldout_files, *ev.compare, gate if gate.exists() else None, *qa_files(ev.qa), ev.loop_prompts) if p is not None)
     return Stage("evaluate", f"PPL, KLD vs the unpruned model, speed{', QA' if ev.qa else ''}, gate", plan.output, parameters, inputs, (f"{EVALUATION_DIR}/",), None, work,
                  publish=publish, later_inputs=lambda: [*rung_files(plan.output), *unpruned()],
                  elsewhere=(reference_cache_dir(settings), reference_bytes) if reference_bytes else None)
@@ -516,9 +582,10 @@ def _record_plan(ctx: RunContext) -> None:
     ev = plan.evaluation
     files = [plan.source, *(plan.calibration.files if plan.calibration else ()), plan.imatrix.file if plan.imatrix else None, plan.selection.keepset,
              plan.selection.protect_file, plan.ladder.spec]
+    files += plan.selection.heldout
     if ev is not None:
         files += [*ev.heldout_files, ev.reference, ev.gate, *qa_files(ev.qa), *ev.compare]
-    inputs = [file_input(shard, ctx.digest_of(shard)) for p in files if p is not None for shard in shards(p)]
+    inputs = [file_input(shard, ctx.digest_of(shard)) for p in dict.fromkeys(p for p in files if p is not None) for shard in shards(p)]
     stages = [{"name": r.name, "outputs": r.outputs or sorted(ctx.state.outputs(r.name))} for r in ctx.results]
     doc = envelope("run-plan", inputs=inputs, parameters=plan.to_json(),
                    results={"stages": stages, "kept_count": ctx.names.kept, "model_name": ctx.names.name}, timings={})
@@ -529,7 +596,27 @@ def _record_plan(ctx: RunContext) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     if _without_created(old) != _without_created(doc):  # an unchanged plan leaves the release unchanged
         write_text_atomic(path, dumps(doc))
-    record_published(plan.output, "plan", [path])
+    record_published(plan.output, "plan", [path, *_publish_tune(plan)])
+
+
+def _publish_tune(plan: RunPlan) -> list[Path]:
+    """method/tune.md and method/tune-kld.png: the tournament the carved keep-set won, copied from
+    WORK/tune when their bytes differ; removed from the release when the plan does not tune."""
+    import shutil
+
+    published = []
+    for name in TUNE_PUBLISHED:
+        target = plan.output / "method" / name
+        if not plan.selection.tunes:
+            target.unlink(missing_ok=True)
+            continue
+        made = plan.work / TUNE_DIR / name
+        if not target.is_file() or target.read_bytes() != made.read_bytes():
+            temp = target.with_name(target.name + ".tmp")
+            shutil.copyfile(made, temp)
+            temp.replace(target)
+        published.append(target)
+    return published
 
 
 def _without_created(doc: Any) -> Any:
@@ -555,7 +642,9 @@ def _verify_stage(ctx: RunContext) -> Stage:
         ctx.verification = report
         return [], f"{len(report.files_ok)} files match SHA256SUMS and the manifest"
 
-    return Stage("verify", f"method/{RUN_PLAN_NAME}; SHA256SUMS, manifest, GGUF structure", ctx.plan.output, {}, (), (f"method/{RUN_PLAN_NAME}",), None, work, recorded=False)
+    published = (RUN_PLAN_NAME, *(TUNE_PUBLISHED if ctx.plan.selection.tunes else ()))
+    return Stage("verify", f"{', '.join(f'method/{n}' for n in published)}; SHA256SUMS, manifest, GGUF structure", ctx.plan.output, {}, (),
+                 tuple(f"method/{n}" for n in published), None, work, recorded=False)
 
 
 def default_threads(plan: RunPlan) -> int:

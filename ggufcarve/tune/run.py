@@ -159,6 +159,29 @@ def _half_scores(model: Any, layout: Any, settings: TuneSettings, work: Path, on
     return out
 
 
+def reference_bytes(source: Path, settings: TuneSettings) -> int:
+    """At most the bytes of the unpruned model's log-prob records the tune child keeps in its work
+    directory: llama-perplexity's base records (`evaluate.kld.base_file_bytes`) of every held-out
+    file, its chunk count bounded by the text's bytes as `evaluate.run.reference_disk_bytes` bounds
+    it (a token of llama.cpp's tokenizers spells at least one byte, apart from a BOS and a
+    leading-space marker)."""
+    from ggufcarve.evaluate import kld
+    from ggufcarve.evaluate.models import read_entry
+    from ggufcarve.evaluate.perplexity import read_text
+
+    n_vocab = read_entry(Path(source)).n_vocab
+    total = 0
+    for path in settings.heldout:
+        try:
+            n_tokens = len(read_text(Path(path).read_bytes())) + 2
+        except OSError as err:
+            raise BadInput(f"{path}: cannot read the held-out text ({err.strerror})", "give a plain text file") from None
+        n_chunk = n_tokens // settings.ctx if settings.chunks is None else min(n_tokens // settings.ctx, settings.chunks)
+        if n_chunk >= 1:
+            total += kld.base_file_bytes(settings.ctx, n_vocab, n_chunk)
+    return total
+
+
 def tune(source: Path, settings: TuneSettings, out_dir: Path, *, on_event: Sink = ignore) -> TuneResult:
     """Run the tournament and write tune.json, tune.md, tune-kld.png, candidates/ and expert-selection.json under `out_dir`."""
     from ggufcarve.gguf.container import read_model
@@ -181,6 +204,10 @@ def tune(source: Path, settings: TuneSettings, out_dir: Path, *, on_event: Sink 
     work.mkdir()
     (out_dir / "candidates").mkdir(exist_ok=True)
     try:
+        from ggufcarve.evaluate.run import _check_room
+
+        _check_room(work / "the unpruned model's log-probs", reference_bytes(model.path, settings),
+                    "give -o a directory on a larger disk, or fewer --chunks")
         return _tune(model, layout, settings, out_dir, work, started, on_event)
     finally:
         shutil.rmtree(work, ignore_errors=True)
