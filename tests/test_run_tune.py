@@ -72,6 +72,7 @@ def test_a_tune_plan_carves_the_winner_and_publishes_the_tournament(tmp_path):
     assert (release / "method" / "tune-kld.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     sums = (release / "SHA256SUMS").read_text()
     assert "method/tune.md" in sums and "method/tune-kld.png" in sums
+    assert "`method/tune.md`" in (release / "README.md").read_text()  # the card links the tournament
     assert ggufcarve("verify", release).code == 0
 
     again = ggufcarve("run", plan, "--json", "-q")  # resumes: the tournament is not run again
@@ -83,6 +84,7 @@ def test_a_tune_plan_carves_the_winner_and_publishes_the_tournament(tmp_path):
     third = ggufcarve("run", plan, "--json", "-q")
     assert third.code == 0, third.stderr[-2000:]
     assert not (release / "method" / "tune.md").exists() and "tune.md" not in (release / "SHA256SUMS").read_text()
+    assert "tune.md" not in (release / "README.md").read_text()
     assert ggufcarve("verify", release).code == 0
 
 

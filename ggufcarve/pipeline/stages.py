@@ -542,6 +542,11 @@ def _card_stage(ctx: RunContext) -> Stage:
             raise OutputError(f"{plan.output / 'README.md'} was edited since ggufcarve wrote it, and this run would replace it",
                               "keep the edit (card = false in the plan, then `ggufcarve card --record`), or let the run write the card again: "
                               "remove README.md (or run with --force, which also runs every stage again)")
+        if plan.selection.tunes or (plan.output / "method" / TUNE_PUBLISHED[0]).exists():  # the card links the tournament it finds: published (or dropped) first
+            from ggufcarve.release.publish import record_published
+
+            plan_record = plan.output / "method" / RUN_PLAN_NAME
+            record_published(plan.output, "plan", [*([plan_record] if plan_record.is_file() else []), *_publish_tune(plan)])
         path = write_card(plan.output, None, force=True, settings=plan.card_settings)
         return [path], f"{path.name}"
 

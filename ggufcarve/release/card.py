@@ -228,6 +228,7 @@ class CardInputs:
     evaluation: dict[str, dict]  # model file name -> evaluation document (rungs and the models compared with them)
     evaluation_dir: str | None = None  # the evaluation directory relative to the release, when inside it
     linked: frozenset[str] = frozenset()  # files of the release the card may link (relative names)
+    tournament: bool = False  # method/tune.md is in the release (the selection won `ggufcarve tune`)
 
 
 def _read_json(path: Path) -> dict | None:
@@ -277,7 +278,7 @@ def gather(release: Path, evaluation_dir: Path | None = None) -> CardInputs:
     inside = directory.is_relative_to(root)
     linked = frozenset(p.relative_to(root).as_posix() for p in directory.iterdir() if p.is_file()) if inside and directory.is_dir() else frozenset()
     return CardInputs(manifest, rungs, keys, _read_json(release / "method" / "pruning-report.json"), _read_json(release / "method" / "expert-selection.json"),
-                      evaluation, directory.relative_to(root).as_posix() if inside else None, linked)
+                      evaluation, directory.relative_to(root).as_posix() if inside else None, linked, (release / "method" / "tune.md").is_file())
 
 
 def _yaml(value: Any) -> str:
@@ -409,6 +410,9 @@ def _pruning_lines(inputs: CardInputs) -> list[str]:
     method = selection.get("criterion") or selection.get("method") or meta.get("criterion") or meta.get("selection")
     if method:
         lines.append(f"- Selection: {method}" + (" (the calibration texts are listed below)" if selection.get("calibration") else ""))
+    if inputs.tournament:
+        lines.append("- The selection won a tournament: every criterion's keep-set scored against the unpruned model on held-out text with the "
+                     "pruned experts masked out of routing (`method/tune.md`: each criterion's mean KLD at each K).")
     calibration = meta.get("calibration")
     if isinstance(calibration, str) and not selection.get("calibration"):
         lines.append(f"- Calibration: {calibration}")
@@ -422,6 +426,7 @@ def _pruning_lines(inputs: CardInputs) -> list[str]:
         lines.append(f"- Experts used per token (top-k) stay {used}.")
     records = ["method/pruning-report.json"] if inputs.pruning else []
     records += ["method/expert-selection.json"] if inputs.selection else []
+    records += ["method/tune.md"] if inputs.tournament else []
     lines.append("- Records: " + ", ".join(f"`{r}`" for r in [*records, "quant-manifest.json"]) + ".")
     return lines
 
