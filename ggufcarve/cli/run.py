@@ -222,9 +222,10 @@ def _demo_answer(plan: RunPlan) -> None:
         return f"{family} {m['quant']} ({_size(m['bytes'])}, mean KLD {r['kld_mean']:.4f})"
 
     w, other = answer["winner"], answer["runner_up"]
-    out.print(f"best in {_size(DEMO_BUDGET)} (file + {_size(cache)} KV cache at {plan.evaluation.ctx} tokens), of the {len(answer['fitting'])} measured models that fit: "
-              f"{named(w)}", highlight=False, markup=False)
+    out.print(f"best in {_size(DEMO_BUDGET)} (file + {_size(cache)} KV cache at {plan.evaluation.ctx} tokens), of the {len(answer['fitting'])} measured models that fit:",
+              highlight=False, markup=False)
+    out.print(f"  {named(w)}", highlight=False, markup=False)
     if other is not None:
-        why = "dropping experts costs more than the lower quant" if not w["model"]["pruned"] else "the higher quant is worth more than the dropped experts"
-        out.print(f"  beats the best {'pruned' if other['model']['pruned'] else 'unpruned'} model that fits, {named(other)}: {why}; "
-                  f"search every K and quant with `ggufcarve best`", highlight=False, markup=False)
+        why = "dropping experts costs more than a lower quant" if not w["model"]["pruned"] else "the higher quant is worth more than the dropped experts"
+        out.print(f"  the best {'pruned' if other['model']['pruned'] else 'unpruned'} one: {named(other)}: here {why}", highlight=False, markup=False)
+    out.print("  every K and quant for your budget, built and measured: ggufcarve best --help", highlight=False, markup=False)
