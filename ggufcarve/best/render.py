@@ -156,27 +156,10 @@ def plan_document(report: dict[str, Any], source: Path, settings: Any, out_dir: 
     return doc
 
 
-def toml_value(value: Any) -> str:
-    """A TOML literal of a bool, number, string or list of them."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    if isinstance(value, str):
-        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    if isinstance(value, list):
-        return "[" + ", ".join(toml_value(v) for v in value) + "]"
-    raise TypeError(f"no TOML form for {value!r}")
-
-
 def write_plan(doc: dict[str, Any], out_dir: Path) -> Path:
     from ggufcarve.fileio import write_text_atomic
+    from ggufcarve.pipeline.plan import plan_text
 
-    lines = ["# The plan that publishes best's winner and its neighbours on the front, fully evaluated: ggufcarve run plan.toml", ""]
-    lines += [f"{k} = {toml_value(v)}" for k, v in doc.items() if not isinstance(v, dict)]
-    for table, values in doc.items():
-        if isinstance(values, dict):
-            lines += ["", f"[{table}]", *[f"{k} = {toml_value(v)}" for k, v in values.items()]]
     path = out_dir / "plan.toml"
-    write_text_atomic(path, "\n".join(lines) + "\n")
+    write_text_atomic(path, plan_text(doc, "The plan that publishes best's winner and its neighbours on the front, fully evaluated: ggufcarve run plan.toml"))
     return path

@@ -42,29 +42,13 @@ def demo_plan(directory: Path) -> RunPlan:
     return parse_plan(demo_document(directory), directory.resolve())
 
 
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    if isinstance(value, str):
-        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    if isinstance(value, list):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    raise TypeError(f"no TOML form for {value!r}")
-
-
 def write_demo_plan(directory: Path) -> Path:
     """DIRECTORY/plan.toml: the demo's plan as a file `ggufcarve run` takes (a starting point for your own)."""
     from ggufcarve.fileio import write_text_atomic
+    from ggufcarve.pipeline.plan import plan_text
 
-    doc = demo_document(directory)
-    lines = ["# The plan of `ggufcarve demo`; run it again with `ggufcarve run` on this file.", ""]
-    lines += [f"{k} = {_toml_value(v)}" for k, v in doc.items() if not isinstance(v, dict)]
-    for table, values in doc.items():
-        if isinstance(values, dict):
-            lines += ["", f"[{table}]", *[f"{k} = {_toml_value(v)}" for k, v in values.items()]]
+    text = plan_text(demo_document(directory), "The plan of `ggufcarve demo`; run it again with `ggufcarve run` on this file.")
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / PLAN_NAME
-    write_text_atomic(path, "\n".join(lines) + "\n")
+    write_text_atomic(path, text)
     return path

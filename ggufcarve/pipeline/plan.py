@@ -510,3 +510,26 @@ def load_plan(path: str | os.PathLike[str]) -> RunPlan:
     except tomllib.TOMLDecodeError as err:
         raise BadInput(f"{path}: not valid TOML ({err})", PLAN_HINT) from None
     return parse_plan(doc, path.resolve().parent, path)
+
+
+def toml_value(value: Any) -> str:
+    """A TOML literal of a bool, number, string or list of them."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, list):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    raise TypeError(f"no TOML form for {value!r}")
+
+
+def plan_text(doc: dict[str, Any], comment: str) -> str:
+    """A plan document (top-level keys, then one table per dict) as TOML under a comment line."""
+    lines = [f"# {comment}", ""]
+    lines += [f"{k} = {toml_value(v)}" for k, v in doc.items() if not isinstance(v, dict)]
+    for table, values in doc.items():
+        if isinstance(values, dict):
+            lines += ["", f"[{table}]", *[f"{k} = {toml_value(v)}" for k, v in values.items()]]
+    return "\n".join(lines) + "\n"
