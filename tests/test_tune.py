@@ -56,7 +56,7 @@ def test_tune_winner_equals_eval_of_the_pruned_file(tmp_path):
                     "--methods", "reap,frequency,weights", "--ctx", CTX, "--chunks", CHUNKS, "-o", out, "-q")
     assert run.code == 0, run.stderr
     report = json.loads((out / "tune.json").read_text())
-    assert report["kind"] == "tune"
+    assert report["kind"] == "tune" and report["left_out"] == {}
     candidates = {c["id"]: c for c in report["candidates"]}
     assert set(candidates) == {"reap-8", "frequency-8", "weights-8"}
     for cid in candidates:
