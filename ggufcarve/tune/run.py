@@ -7,11 +7,11 @@ masking inside one loaded model (no pruned file written), by successive halving 
 
 Steps: one calibration decode pass fills every trace criterion (`select.calibrate.calibrate_all`;
 the imatrix too when an imatrix method is asked, from the same pass; razor only when asked: its pass
-is the heavier one that fills razor as well); zero-shot criteria read the model. `all` (ALL_METHODS)
-holds greedy only when its memory estimate (`select.greedy.memory_estimate`) is at most ALL_SHARE of
-the memory available (`select.greedy.available_memory`); left out, tune.json's results["left_out"]["greedy"] and a line
-of tune.md say why. Listed by name, greedy is refused before anything runs when its estimate
-exceeds `select.greedy.REFUSE_SHARE` of it. Each criterion's
+is the heavier one that fills razor as well); zero-shot criteria read the model. `all`
+(ALL_METHODS) holds greedy only when its memory estimate (`select.greedy.memory_estimate`) is at
+most ALL_SHARE of the memory available (`select.greedy.available_memory`); left out, tune.json's
+"left_out" and a line of tune.md say why. Listed by name, greedy is refused before anything runs
+when its estimate exceeds `select.greedy.REFUSE_SHARE` of it (`fit_greedy`). Each criterion's
 keep-set at each K (`select.keep.choose`, the record `select -o` writes); identical keep-sets are
 scored once (`identical_to`). The tune child (`tune.child`) scores them: per K the candidates
 compete by successive halving (`tune.protocol`); the statistics are llama-perplexity's
