@@ -116,6 +116,19 @@ def test_greedy_error_equals_brute_force_for_every_subset_of_four(qwen_traced, b
         assert exhaustive[keep4] <= exhaustive[keep] * (1 + 1e-9), method
 
 
+def test_greedy_memory_estimate_is_the_traced_arrays_and_the_block_outputs(qwen_traced):
+    """memory_estimate's captures are the bytes llama.cpp's traced nodes take (every block), its
+    values the [T, E, n_embd] float32 expert outputs a block allocates."""
+    from ggufcarve.select.greedy import memory_estimate
+
+    path, trace = qwen_traced
+    layout = inspect_layout(read_model(path))
+    tokens = len(trace.nodes["ffn_moe_input"][0])
+    estimate = memory_estimate(layout, tokens)
+    assert estimate.captures == sum(trace.nodes[n][b].astype(np.float32 if n != "ffn_moe_topk" else np.int32).nbytes for n in NODES for b in trace.nodes[n])
+    assert estimate.values == _block(path, trace, 0).outputs.values.nbytes
+
+
 def test_greedy_with_softmax_not_renormalised_rescales_every_token(qwen_traced):
     """qwen2moe-style routing (softmax over S, top-k weights not renormalised) on a traced block:
     removing an expert rescales the weights of every token, which the elimination computes from

@@ -4,12 +4,18 @@ really pruned file; successive halving stops the losers early."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+from ggufcarve.errors import BadInput
+from ggufcarve.gguf.container import read_model
+from ggufcarve.llama.calibration import read_calibration
+from ggufcarve.moe.layout import inspect_layout
+from ggufcarve.select import greedy
 from ggufcarve.tune.protocol import schedule
-from ggufcarve.tune.run import cliff, knee
+from ggufcarve.tune.run import ALL_METHODS, TuneSettings, cliff, fit_greedy, knee, render_markdown
 from tests.clirun import ggufcarve
 
 DATA = Path(__file__).resolve().parent.parent / "ggufcarve" / "demo" / "data"
@@ -50,7 +56,7 @@ def test_tune_winner_equals_eval_of_the_pruned_file(tmp_path):
                     "--methods", "reap,frequency,weights", "--ctx", CTX, "--chunks", CHUNKS, "-o", out, "-q")
     assert run.code == 0, run.stderr
     report = json.loads((out / "tune.json").read_text())
-    assert report["kind"] == "tune"
+    assert report["kind"] == "tune" and report["left_out"] == {}
     candidates = {c["id"]: c for c in report["candidates"]}
     assert set(candidates) == {"reap-8", "frequency-8", "weights-8"}
     for cid in candidates:
@@ -120,3 +126,87 @@ def test_tune_stability_equals_the_overlap_of_select_on_each_half(tmp_path):
     per_block = [len(set(a[blk]) & set(b[blk])) / 6 for blk in sorted(a, key=int)]
     assert candidates["reap-6"]["stability"]["per_block"] == pytest.approx(per_block)
     assert candidates["reap-6"]["stability"]["overlap"] == pytest.approx(sum(per_block) / len(per_block))
+
+
+def _demo_dimensions() -> dict[str, int]:
+    """The demo model's dimensions as gguf-py reads them: its keys and its router tensors."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(MODEL)
+    key = {name: int(field.parts[field.data[0]][0]) for name, field in reader.fields.items() if name.startswith("qwen3moe.")}
+    blocks = sum(1 for t in reader.tensors if t.name.endswith(".ffn_gate_inp.weight"))
+    return {"B": blocks, "E": key["qwen3moe.expert_count"], "k": key["qwen3moe.expert_used_count"],
+            "n_embd": key["qwen3moe.embedding_length"], "n_ff": key["qwen3moe.expert_feed_forward_length"]}
+
+
+def test_greedy_memory_estimate_counts_the_arrays_of_the_pass():
+    d = _demo_dimensions()
+    layout = inspect_layout(read_model(MODEL))
+    tokens = 4096
+    got = greedy.memory_estimate(layout, tokens, threads=2)
+    # the docstring's terms: every block's traced nodes (MoE input, probs, top-k, k expert outputs,
+    # 4 bytes each) and one block's [T, E, n_embd] float32 expert outputs
+    assert got.captures == d["B"] * tokens * (d["n_embd"] * (1 + d["k"]) + d["E"] + d["k"]) * 4
+    assert got.values == tokens * d["E"] * d["n_embd"] * 4
+    assert got.evaluator == d["B"] * d["E"] * 3 * d["n_ff"] * d["n_embd"] * 4  # every expert's gate, up, down in float32 (< 1 GiB)
+    assert got.peak == got.captures + got.block + got.evaluator and got.block > got.values
+    # linear in T: the tokens `fitting_tokens` offers fit, one chunk more does not
+    budget = 0.8 * 2**30
+    fits = greedy.fitting_tokens(layout, budget, CTX, threads=2)
+    assert fits % CTX == 0 and greedy.memory_estimate(layout, fits, 2).peak <= budget < greedy.memory_estimate(layout, fits + CTX, 2).peak
+    # T: a token per byte of the text (+3 for BOS, EOS, a leading space), whole chunks, within --max-tokens
+    text_bytes = len((DATA / "calibration.txt").read_bytes().removesuffix(b"\n"))
+    files = read_calibration([DATA / "calibration.txt"])
+    assert greedy.token_bound(files, CTX, None) == (text_bytes + 3) // CTX * CTX
+    assert greedy.token_bound(files, CTX, 1000) == 768
+
+
+def test_greedy_refused_before_the_pass_when_its_estimate_exceeds_the_memory(monkeypatch):
+    from ggufcarve.select import calibrate
+
+    model = read_model(MODEL)
+    layout = inspect_layout(model)
+    monkeypatch.setattr(calibrate, "decode", lambda *a, **k: pytest.fail("the decode pass ran"))
+    available = 2**30
+    with pytest.raises(BadInput) as err:
+        calibrate.calibrate_all(model, layout, "greedy", [DATA / "calibration.txt"], ctx=CTX, threads=2, available_memory=available)
+    tokens = greedy.token_bound(read_calibration([DATA / "calibration.txt"]), CTX, None)
+    assert "greedy needs up to" in err.value.message and f"{tokens:,} calibration tokens" in err.value.message and "1.00 GiB" in err.value.message
+    hinted = int(err.value.hint.split("--max-tokens ")[1].split()[0])
+    assert greedy.memory_estimate(layout, hinted, 2).peak <= 0.8 * available < greedy.memory_estimate(layout, hinted + CTX, 2).peak
+    # the tokens hinted pass the check
+    greedy.check_memory(layout, read_calibration([DATA / "calibration.txt"]), CTX, hinted, 2, available)
+    # tune with greedy listed: refused before its output directory is made
+    settings = TuneSettings(keeps=(8,), methods=("reap", "greedy"), calibration=(DATA / "calibration.txt",), heldout=(DATA / "heldout.txt",),
+                            ctx=CTX, threads=2, available_memory=available)
+    with pytest.raises(BadInput, match="greedy needs up to"):
+        fit_greedy(layout, settings)
+
+
+def test_greedy_refused_by_the_command_line_in_one_line(tmp_path):
+    """The memory this machine has, against a calibration text whose bound needs twice of it."""
+    layout = inspect_layout(read_model(MODEL))
+    available = greedy.available_memory()
+    if available is None:
+        pytest.skip("no /proc/meminfo")
+    per_token = (greedy.memory_estimate(layout, 2 * CTX, 2).peak - greedy.memory_estimate(layout, CTX, 2).peak) / CTX
+    text = tmp_path / "long.txt"
+    text.write_text("x" * int(2 * available / per_token) + "\n")
+    assert greedy.memory_estimate(layout, greedy.token_bound(read_calibration([text]), CTX, None), 2).peak > 1.5 * available
+    run = ggufcarve("score", MODEL, "--method", "greedy", "--calibration", text, "--ctx", CTX, "--threads", 2, "-o", tmp_path / "s.json")
+    assert run.code != 0 and not (tmp_path / "s.json").exists()
+    assert "greedy needs up to" in run.error_line and "memory available" in run.error_line and "hint: give --max-tokens" in run.error_line
+
+
+def test_all_holds_greedy_only_when_it_fits():
+    layout = inspect_layout(read_model(MODEL))
+    settings = TuneSettings(keeps=(8,), methods=ALL_METHODS, calibration=(DATA / "calibration.txt",), heldout=(DATA / "heldout.txt",), ctx=CTX, threads=2)
+    peak = greedy.memory_estimate(layout, greedy.token_bound(read_calibration([DATA / "calibration.txt"]), CTX, None), 2).peak
+    ran, left_out = fit_greedy(layout, replace(settings, available_memory=2 * peak))  # half of it: fits
+    assert "greedy" in ran.methods and left_out == {}
+    ran, left_out = fit_greedy(layout, replace(settings, available_memory=2 * peak - 1))
+    assert ran.methods == tuple(m for m in ALL_METHODS if m != "greedy")
+    assert list(left_out) == ["greedy"] and "of memory available" in left_out["greedy"]
+    report = {"model": {"name": "m.gguf", "expert_count": 16}, "parameters": {"ctx": CTX}, "heldout": [], "candidates": [], "keeps": [],
+              "winner": "reap-8", "left_out": left_out}
+    assert f"greedy left out of all: {left_out['greedy']}." in render_markdown(report).splitlines()

@@ -25,7 +25,7 @@ def tune_command(
     keep: Annotated[str, typer.Option("--keep", "-k", help="Experts kept per MoE block: K or K,K,... (each K its own tournament).", show_default=False)],
     heldout: Annotated[list[Path], typer.Option("--heldout", help="Held-out text the keep-sets are scored on (repeatable).", show_default=False)],
     calibration: Annotated[list[Path] | None, typer.Option("--calibration", help="Calibration text or JSONL file (repeatable): one decode pass scores every trace criterion.")] = None,
-    methods: Annotated[str, typer.Option("--methods", help="all, or a list such as reap,frequency,weights. all: the six criteria of one calibration pass, the three imatrix criteria from the same pass's imatrix, weights, router-norm, random; razor and greedy only when listed (heavier passes; greedy holds every expert output of the calibration tokens).")] = "all",
+    methods: Annotated[str, typer.Option("--methods", help="all, or a list such as reap,frequency,weights. all: the six criteria of one calibration pass, the three imatrix criteria from the same pass's imatrix, weights, router-norm, random, and greedy when its memory estimate (a token per byte of the calibration text, at most --max-tokens) is at most half of the memory available (else left out, with a line saying so); razor only when listed (a heavier pass). greedy listed is refused before the pass when its estimate exceeds 80% of the available memory.")] = "all",
     ctx: Annotated[int, typer.Option("--ctx", help="Tokens per chunk, of the calibration pass and of the held-out scoring (as llama-perplexity -c).")] = 512,
     chunks: Annotated[int | None, typer.Option("--chunks", help="Score at most this many held-out chunks per file (the finalists get all of them).")] = None,
     max_tokens: Annotated[int | None, typer.Option("--max-tokens", help="Trace at most this many calibration tokens (whole chunks).")] = None,
@@ -36,7 +36,7 @@ def tune_command(
     as_json: JsonOption = False,
 ) -> None:
     """Score every criterion's keep-set at every K against the unpruned model, by masking; write the winner."""
-    from ggufcarve.tune.run import TuneSettings, parse_keeps, parse_methods, ranked, tune
+    from ggufcarve.tune.run import TuneSettings, left_out_lines, parse_keeps, parse_methods, ranked, tune
 
     if (output / "tune.json").exists() and not force:
         raise OutputError(f"{output / 'tune.json'} already exists", "pass --force to replace it, or choose another -o DIR")
@@ -46,8 +46,11 @@ def tune_command(
         result = tune(model, settings, output, on_event=sink)
     report = result.report
     if as_json:
-        out.print_json(json.dumps({"winner": result.winner, "winners": report["winners"], "candidates": report["candidates"], "outputs": [str(p) for p in result.outputs]}))
+        out.print_json(json.dumps({"winner": result.winner, "winners": report["winners"], "candidates": report["candidates"], "left_out": report["left_out"],
+                                   "outputs": [str(p) for p in result.outputs]}))
         return
+    for line in left_out_lines(report):
+        out.print(line, markup=False, highlight=False)
     if not quiet:
         for k in report["keeps"]:
             out.print(f"K = {k}:")

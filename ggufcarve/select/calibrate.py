@@ -60,6 +60,7 @@ def calibrate_all(
     imatrix_out: Path | None = None,
     force: bool = False,
     greedy: bool = False,
+    available_memory: int | None = None,
     on_event: Sink = ignore,
 ) -> dict[str, ExpertScores]:
     """One decode pass over the calibration files: the scores of every criterion it fills
@@ -70,7 +71,9 @@ def calibrate_all(
     there as llama-imatrix would write it from the same text and --ctx (refused if it exists,
     unless `force`). With `greedy` (or `method` "greedy") the same decode also runs the greedy
     elimination; its record's "pass" names the consumer "greedy", and its "greedy" parameter holds
-    per block the removal order and error(S) after each removal."""
+    per block the removal order and error(S) after each removal; before the pass, greedy is refused
+    when its memory estimate exceeds greedy.REFUSE_SHARE of `available_memory` (None:
+    `greedy.available_memory()`, /proc/meminfo's)."""
     from ggufcarve.select.zero_shot import weights_stats
 
     if method not in TRACE_METHODS:
@@ -92,6 +95,11 @@ def calibrate_all(
         activation_of(layout.architecture)
     check_chunking(ctx, max_tokens)
     calibration = read_calibration(files)
+    if greedy:
+        from ggufcarve.llama.tools import physical_cores
+        from ggufcarve.select.greedy import check_memory
+
+        check_memory(layout, calibration, ctx, max_tokens, threads or min(physical_cores(), 8), available_memory)
     consumers = [statistics_consumer(method)]
     if greedy:
         from ggufcarve.select.greedy import GREEDY_CONSUMER

@@ -36,11 +36,38 @@ to the softmax over S, which scales with S, so any removal can reorder any token
 recomputed.
 
 Memory: the traced nodes of every block are held until the decode ends (MoE input, probs, top-k,
-the selected experts' outputs: T x (n_embd (1 + k) + n_expert + k) values per block, T the
-calibration tokens), and while a block is eliminated the expert outputs rerouting reaches
-([T, n_expert, n_embd] float32, its pages committed where written). On the demo model (17,408
-tokens, 4 blocks, 16 experts, n_embd 256) the decode child peaked at 1.27 GB against 0.11 GB for
-the same pass without greedy.
+the selected experts' outputs: T x (n_embd (1 + k) + n_expert + k) values per block, 4 bytes each,
+T the calibration tokens), and while a block is eliminated the expert outputs rerouting reaches
+([T, n_expert, n_embd] float32, its pages committed where written). `memory_estimate` bounds the
+pass's own peak beyond the same pass without greedy:
+    captures   B T (n_embd (1 + k) + E + k) 4                 B the traced MoE blocks
+    block      T (E n_embd 4                                   the expert outputs
+                  + E (1 + 7 x 8)                              have-mask; probs and the routing of
+                                                               every token, [T, E] float64/int64
+                  + n_embd (4 + 8 x 8)                         inputs; y, current, residual and
+                                                               the combined outputs, float64
+                  + s k 64                                     each candidate's top-k and weights,
+                                                               the step's (expert, token) keys
+                  + r n_embd 8                                 the pairs a step reaches: inputs
+                                                               gathered, outputs, float32
+                  + threads F 4)                               per evaluating thread one expert's
+                                                               gate/up products and activation
+    evaluator  min(every expert dequantized, select.experts.CACHE_BYTES + one block's experts)
+with s the candidates a token is recomputed for (k; + 2 per group with expert groups; E for
+softmax gating with a selection bias), r the new pairs a token reaches per step (1 without groups
+and with local routing, else min(E - k, s k)), F = 3 n_ff (gate and up rows, the activation);
+one block is eliminated at a time. On the demo model (4 blocks, 16 experts, top-4, n_embd 256,
+n_ff 256, 2 threads) that is 64.7 KB per token + 50 MB; measured, the pass's live numpy arrays
+(tracemalloc) peaked at 48.6 KB per token at 8,192 tokens and the child's peak resident memory grew
+by 56.5 KiB per token from 4,096 to 8,192 tokens (the allocator keeps freed micro-batch captures),
+1.04 GB in all at 17,408 tokens against 0.11 GB for the same pass without greedy.
+
+`token_bound` bounds T before the text is tokenized (the decode child tokenizes it): a token
+spells at least one byte of its document (the BOS, EOS and a leading-space marker apart; a chat
+message's template counted as TEMPLATE_BYTES more), whole --ctx chunks, at most --max-tokens; on
+the demo's text 57,600 against the 17,408 tokens it gives. `check_memory` refuses greedy when the
+estimate exceeds REFUSE_SHARE of the available memory (`available_memory`: /proc/meminfo
+MemAvailable, within the cgroup's memory.max).
 """
 
 from __future__ import annotations
@@ -48,15 +75,18 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from ggufcarve.errors import BadInput
+from ggufcarve.fileio import format_size
+from ggufcarve.llama.calibration import CalibrationFile
 from ggufcarve.llama.decode import ConsumerSpec, DecodeRequest
 from ggufcarve.llama.trace import GraphTracer
 from ggufcarve.moe.routing import SIGMOID, SOFTMAX, SOFTMAX_WEIGHT, SQRT_SOFTPLUS
-from ggufcarve.select.experts import ExpertEvaluator
+from ggufcarve.select.experts import CACHE_BYTES, ExpertEvaluator
 
 NODES = ("ffn_moe_probs", "ffn_moe_input", "ffn_moe_topk", "ffn_moe_down")
 WEIGHTS_SUM_FLOOR = 6.103515625e-5  # build_moe_ffn clamps the sum of the top-k weights to it
@@ -93,7 +123,7 @@ class Router:
             keep = np.zeros((len(p), self.groups), dtype=bool)
             np.put_along_axis(keep, chosen, True, axis=1)
             selection = np.where(np.repeat(keep, self.expert_count // self.groups, axis=1), selection, -np.inf)
-        topk = np.argsort(-selection, axis=1, kind="stable")[:, : self.used]
+        topk = np.argsort(-selection, axis=1, kind="stable")[:, : self.used].copy()  # not a view holding the [n, E] argsort
         weights = np.take_along_axis(p, topk, axis=1)
         if self.gating == SOFTMAX_WEIGHT:
             weights = np.exp(weights - weights.max(axis=1, keepdims=True))
@@ -343,6 +373,7 @@ class GreedyConsumer:
             out.update({f"removed:{block}": np.asarray(result.removed, np.int64), f"errors:{block}": np.asarray(result.errors),
                         f"survivors:{block}": np.asarray(result.survivors, np.int64), f"seconds:{block}": np.asarray(time.perf_counter() - started),
                         f"evaluated:{block}": np.asarray(result.evaluated), f"agrees:{block}": np.asarray(greedy.selection_agrees)})
+            del greedy, result  # the block's expert outputs go before the next block's are allocated
         return out
 
 
@@ -366,3 +397,111 @@ def eliminations(arrays: dict[str, np.ndarray]) -> dict[int, Elimination]:
     blocks = sorted(int(k.partition(":")[2]) for k in arrays if k.startswith("removed:"))
     return {b: Elimination([int(e) for e in arrays[f"removed:{b}"]], [float(x) for x in arrays[f"errors:{b}"]],
                            [int(e) for e in arrays[f"survivors:{b}"]], int(arrays[f"evaluated:{b}"]), float(arrays[f"seconds:{b}"])) for b in blocks}
+
+
+# ---------------------------------------------------------------------------------------------
+# memory, before the pass (see the module docstring)
+
+REFUSE_SHARE = 0.8  # greedy asked: refused when its estimate exceeds this share of the available memory
+TEMPLATE_BYTES = 128  # per chat message and per conversation: more than the text llama.cpp's built-in chat templates add
+MEMINFO = Path("/proc/meminfo")
+CGROUP = Path("/sys/fs/cgroup")
+
+
+@dataclass(frozen=True)
+class GreedyMemory:
+    """`memory_estimate`'s bytes for `tokens` calibration tokens."""
+
+    tokens: int
+    captures: int  # the traced nodes of every block, held until the decode ends
+    values: int  # one block's [T, E, n_embd] float32 expert outputs (part of `block`)
+    block: int  # while one block is eliminated
+    evaluator: int  # dequantized expert weights
+
+    @property
+    def peak(self) -> int:
+        return self.captures + self.block + self.evaluator
+
+
+def memory_estimate(layout: Any, tokens: int, threads: int = 8) -> GreedyMemory:
+    """The greedy pass's peak bytes for `tokens` calibration tokens (the module docstring's terms)
+    from the model's layout: n_embd the router's input rows, n_ff and expert bytes from the expert
+    weights, k, E, the routing and the traced (non-MTP) MoE blocks."""
+    n_expert, k = layout.expert_count, layout.expert_used_count
+    blocks = [layer for layer in layout.layers if not layer.is_mtp]
+    n_embd = max((t.shape[0] for layer in blocks for t in layer.tensors if t.role == "router"), default=0)
+    expert_values = [sum(int(np.prod(t.shape[:-1])) for t in layer.tensors if t.role == "expert weight") for layer in blocks]  # per expert
+    per_token = max(expert_values, default=0) // max(n_embd, 1)  # F = 3 n_ff: gate and up rows, the activation
+    groups = layout.group_count if layout.group_count > 1 else 1
+    local = not (layout.routing.gating == SOFTMAX and layout.routing.selection_bias)
+    sensitive = min(n_expert, k + (2 * groups if groups > 1 else 0)) if local else n_expert
+    reached = 1 if local and groups == 1 else min(n_expert - k, sensitive * k)
+    captures = len(blocks) * tokens * (n_embd * (1 + k) + n_expert + k) * 4
+    values = tokens * n_expert * n_embd * 4
+    block = values + tokens * (n_expert * (1 + 7 * 8) + n_embd * (4 + 8 * 8) + sensitive * k * 64 + reached * n_embd * 8 + threads * per_token * 4)
+    every = sum(expert_values) * n_expert * 4
+    evaluator = min(every, CACHE_BYTES + max(expert_values, default=0) * n_expert * 4)
+    return GreedyMemory(tokens, captures, values, block, evaluator)
+
+
+def token_bound(files: Sequence[CalibrationFile], ctx: int, max_tokens: int | None) -> int:
+    """At least the tokens the decode pass traces from `files` (`llama.calibration.chunks`): whole
+    chunks of `ctx` within `max_tokens` and within the text's bytes (a token spells at least one
+    byte of its document, BOS, EOS and a leading-space marker apart: 3 per document; a chat
+    message's rendering counted as its role and content plus TEMPLATE_BYTES, and TEMPLATE_BYTES
+    more per conversation)."""
+    total = 0
+    for f in files:
+        for doc in f.documents:
+            if doc.messages is None:
+                total += len((doc.text or "").encode("utf-8")) + 3
+            else:
+                total += sum(len(role.encode("utf-8")) + len(content.encode("utf-8")) + TEMPLATE_BYTES for role, content in doc.messages) + TEMPLATE_BYTES + 3
+    if max_tokens is not None:
+        total = min(total, max_tokens)
+    return total // ctx * ctx
+
+
+def available_memory() -> int | None:
+    """Bytes a new process can allocate without swapping: /proc/meminfo MemAvailable, at most what
+    this process's cgroup (v2) has left below its memory.max; None where /proc/meminfo is not readable."""
+    try:
+        fields = dict(line.split(":", 1) for line in MEMINFO.read_text().splitlines() if ":" in line)
+        available = int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError, IndexError):
+        return None
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+        group = CGROUP / next(line[3:] for line in lines if line.startswith("0::")).lstrip("/")
+        limit = (group / "memory.max").read_text().strip()
+        if limit != "max":
+            available = min(available, int(limit) - int((group / "memory.current").read_text()))
+    except (OSError, StopIteration, ValueError):
+        pass
+    return max(available, 0)
+
+
+def fitting_tokens(layout: Any, budget: float, ctx: int, threads: int = 8) -> int:
+    """The most tokens, whole chunks of `ctx`, whose estimate stays within `budget` bytes (0: not one chunk)."""
+    unit = memory_estimate(layout, ctx, threads)
+    fixed = unit.evaluator
+    per_chunk = unit.captures + unit.block
+    return max(0, int((budget - fixed) // per_chunk)) * ctx
+
+
+def check_memory(layout: Any, files: Sequence[CalibrationFile], ctx: int, max_tokens: int | None, threads: int = 8,
+                 available: int | None = None) -> GreedyMemory:
+    """The estimate of the greedy pass over `files`; BadInput when it exceeds REFUSE_SHARE of
+    `available` (None: `available_memory()`; no check where that is unknown)."""
+    text_tokens = token_bound(files, ctx, None)
+    tokens = token_bound(files, ctx, max_tokens)
+    estimate = memory_estimate(layout, tokens, threads)
+    available = available_memory() if available is None else available
+    if available is not None and estimate.peak > REFUSE_SHARE * available:
+        fits = fitting_tokens(layout, REFUSE_SHARE * available, ctx, threads)
+        bound = "--max-tokens" if tokens < text_tokens else "a token per byte of the text"
+        hint = (f"give --max-tokens {fits} or fewer (a plan: [calibration] max_tokens), or use reap" if fits
+                else "use reap: not one --ctx chunk of greedy fits")
+        raise BadInput(f"greedy needs up to {format_size(estimate.peak)} for at most {tokens:,} calibration tokens ({bound}), "
+                       f"above {REFUSE_SHARE:.0%} of the {format_size(available)} of memory available", hint)
+    return estimate

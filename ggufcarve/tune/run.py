@@ -7,7 +7,11 @@ masking inside one loaded model (no pruned file written), by successive halving 
 
 Steps: one calibration decode pass fills every trace criterion (`select.calibrate.calibrate_all`;
 the imatrix too when an imatrix method is asked, from the same pass; razor only when asked: its pass
-is the heavier one that fills razor as well); zero-shot criteria read the model. Each criterion's
+is the heavier one that fills razor as well); zero-shot criteria read the model. `all`
+(ALL_METHODS) holds greedy only when its memory estimate (`select.greedy.memory_estimate`) is at
+most ALL_SHARE of the memory available (`select.greedy.available_memory`); left out, tune.json's
+"left_out" and a line of tune.md say why. Listed by name, greedy is refused before anything runs
+when its estimate exceeds `select.greedy.REFUSE_SHARE` of it (`fit_greedy`). Each criterion's
 keep-set at each K (`select.keep.choose`, the record `select -o` writes); identical keep-sets are
 scored once (`identical_to`). The tune child (`tune.child`) scores them: per K the candidates
 compete by successive halving (`tune.protocol`); the statistics are llama-perplexity's
@@ -35,7 +39,8 @@ CHART = "tune-kld.png"
 ZERO_SHOT = ("weights", "router-norm", "random")
 IMATRIX_METHODS = ("imatrix-counts", "imatrix-energy", "imatrix-msan")
 PASS_METHODS = ("frequency", "ean", "ean-sum", "msan", "mone", "reap")
-ALL_METHODS = (*PASS_METHODS, *IMATRIX_METHODS, *ZERO_SHOT)  # "all": razor and greedy are left out (their passes are the heavier ones)
+ALL_METHODS = (*PASS_METHODS, *IMATRIX_METHODS, *ZERO_SHOT, "greedy")  # "all": razor is left out (its pass is the heavier one), greedy when it does not fit
+ALL_SHARE = 0.5  # greedy's estimate counts a token per byte of the text: on prose 3-4 times the tokens it traces
 
 
 @dataclass(frozen=True)
@@ -51,6 +56,7 @@ class TuneSettings:
     seed: int = 0
     stability: bool = False
     imatrix_out: Path | None = None  # also write the calibration pass's imatrix (of the unpruned model) here
+    available_memory: int | None = None  # bytes greedy's pass may count on; None: select.greedy.available_memory()
 
 
 @dataclass
@@ -61,7 +67,8 @@ class TuneResult:
 
 
 def parse_methods(text: str) -> tuple[str, ...]:
-    """--methods all|LIST: the criteria in the order given (duplicates dropped)."""
+    """--methods all|LIST: the criteria in the order given (duplicates dropped); all: ALL_METHODS,
+    whose greedy `tune` keeps only when it fits (`fit_greedy`)."""
     from ggufcarve.select.methods import method_named
 
     if text.strip() == "all":
@@ -102,7 +109,8 @@ def _scores(model: Any, layout: Any, settings: TuneSettings, work: Path, on_even
         imatrix = (settings.imatrix_out or work / "calibration.imatrix.gguf") if wants_imatrix else None
         started = time.perf_counter()
         filled = calibrate_all(model, layout, asked, list(settings.calibration), ctx=settings.ctx, max_tokens=settings.max_tokens,
-                               threads=settings.threads, imatrix_out=imatrix, force=True, greedy="greedy" in traced, on_event=on_event)
+                               threads=settings.threads, imatrix_out=imatrix, force=True, greedy="greedy" in traced,
+                               available_memory=settings.available_memory, on_event=on_event)
         passed = {"asked": asked, "filled": sorted(filled), "imatrix": wants_imatrix, "seconds": time.perf_counter() - started,
                   "tokens": next(iter(filled.values())).tokens}
         out.update({m: filled[m] for m in traced})
@@ -154,9 +162,37 @@ def _half_scores(model: Any, layout: Any, settings: TuneSettings, work: Path, on
     out = []
     for side, files in enumerate(halves):
         half = TuneSettings(keeps=settings.keeps, methods=methods, calibration=tuple(files), heldout=settings.heldout, ctx=settings.ctx,
-                            max_tokens=max_tokens, threads=settings.threads, seed=settings.seed)
+                            max_tokens=max_tokens, threads=settings.threads, seed=settings.seed, available_memory=settings.available_memory)
         out.append(_scores(model, layout, half, work / f"half{side}", on_event)[0])
     return out
+
+
+def fit_greedy(layout: Any, settings: TuneSettings) -> tuple[TuneSettings, dict[str, str]]:
+    """The settings tune runs and the methods it leaves out, with the reason. Methods equal to
+    ALL_METHODS (`--methods all`, a plan's methods = "all") keep greedy when its estimate is at
+    most ALL_SHARE of the available memory; greedy listed by name is refused (BadInput) when its
+    estimate exceeds REFUSE_SHARE of it."""
+    from dataclasses import replace
+
+    from ggufcarve.fileio import format_size
+    from ggufcarve.llama.calibration import read_calibration
+    from ggufcarve.llama.tools import physical_cores
+    from ggufcarve.select.greedy import available_memory, check_memory, memory_estimate, token_bound
+
+    if "greedy" not in settings.methods or not settings.calibration:
+        return settings, {}
+    calibration = read_calibration(settings.calibration)
+    threads = settings.threads or min(physical_cores(), 8)
+    available = available_memory() if settings.available_memory is None else settings.available_memory
+    if settings.methods != ALL_METHODS:
+        check_memory(layout, calibration, settings.ctx, settings.max_tokens, threads, available)
+        return settings, {}
+    estimate = memory_estimate(layout, token_bound(calibration, settings.ctx, settings.max_tokens), threads)
+    if available is not None and estimate.peak <= ALL_SHARE * available:
+        return settings, {}
+    reason = (f"needs up to {format_size(estimate.peak)} of the {format_size(available)} of memory available; all runs it within {ALL_SHARE:.0%}"
+              if available is not None else "the memory available is unknown (no /proc/meminfo)")
+    return replace(settings, methods=tuple(m for m in settings.methods if m != "greedy")), {"greedy": reason}
 
 
 def reference_bytes(source: Path, settings: TuneSettings) -> int:
@@ -198,6 +234,8 @@ def tune(source: Path, settings: TuneSettings, out_dir: Path, *, on_event: Sink 
     layout = inspect_layout(model)
     for k in settings.keeps:
         kept_count(layout, k, None)
+    asked = settings.methods
+    settings, left_out = fit_greedy(layout, settings)
     out_dir.mkdir(parents=True, exist_ok=True)
     work = out_dir / "work"
     shutil.rmtree(work, ignore_errors=True)
@@ -208,12 +246,13 @@ def tune(source: Path, settings: TuneSettings, out_dir: Path, *, on_event: Sink 
 
         _check_room(work / "the unpruned model's log-probs", reference_bytes(model.path, settings),
                     "give -o a directory on a larger disk, or fewer --chunks")
-        return _tune(model, layout, settings, out_dir, work, started, on_event)
+        return _tune(model, layout, settings, out_dir, work, started, on_event, asked, left_out)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _tune(model: Any, layout: Any, settings: TuneSettings, out_dir: Path, work: Path, started: float, on_event: Sink) -> TuneResult:
+def _tune(model: Any, layout: Any, settings: TuneSettings, out_dir: Path, work: Path, started: float, on_event: Sink,
+          asked: tuple[str, ...], left_out: dict[str, str]) -> TuneResult:
     from ggufcarve.fileio import write_text_atomic
     from ggufcarve.llama import child
     from ggufcarve.llama.tools import physical_cores
@@ -285,12 +324,13 @@ def _tune(model: Any, layout: Any, settings: TuneSettings, out_dir: Path, work: 
         "halving": scored["groups"],
         "cliff": cliff(candidates, settings.methods, settings.keeps),
         "candidates": candidates,
+        "left_out": left_out,
         "kld_method": "llama-perplexity's --kl-divergence from the unpruned model's full log-probs (base records, 16 bits), the pruned experts masked out of routing",
     }
 
     report = envelope(REPORT, inputs=[{"kind": "model", "name": model.path.name}, *({"kind": "calibration", "name": p.name} for p in settings.calibration),
                                       *({"kind": "heldout", "name": p.name} for p in settings.heldout)],
-                      parameters={"keeps": list(settings.keeps), "methods": list(settings.methods), "ctx": settings.ctx, "chunks": settings.chunks,
+                      parameters={"keeps": list(settings.keeps), "methods": list(asked), "ctx": settings.ctx, "chunks": settings.chunks,
                                   "max_tokens": settings.max_tokens, "seed": settings.seed, "stability": settings.stability},
                       results=results, timings=timings)
     write_text_atomic(out_dir / "tune.json", json.dumps(report, indent=1, sort_keys=True, allow_nan=False) + "\n")
@@ -396,8 +436,14 @@ def render_markdown(report: dict[str, Any]) -> str:
             curve = ", ".join(f"{k}: {y:.4f}" for k, y in entry["curve"])
             lines.append(f"| {method} | {entry['K'] if entry['K'] is not None else ''} | {curve} |")
         lines.append("")
+    lines += [f"{line}." for line in left_out_lines(report)]
     lines.append(f"Winner written as expert-selection.json: {report['winner']}.")
     return "\n".join(lines) + "\n"
+
+
+def left_out_lines(report: dict[str, Any]) -> list[str]:
+    """One line per method `all` left out: "greedy left out of all: <reason>"."""
+    return [f"{method} left out of all: {reason}" for method, reason in report.get("left_out", {}).items()]
 
 
 def _chart(candidates: list[dict[str, Any]], settings: TuneSettings, path: Path) -> None:
