@@ -12,6 +12,11 @@
 Each is run --repeat times, alternating; medians are printed with the ratio to the baseline.
 
     PYTHONPATH=. python bench/select_bench.py [--dir bench/out] [--repeat 3] [--tokens 8192] [--threads 2] [--only weights|trace] [--no-cold]
+        [--trace-model MODEL.gguf] [--methods reap,razor]
+
+`--trace-model` times the trace benchmark on a loadable model of your own, for example a factory
+qwen3moe of 256 experts x 40 layers:
+    factory.write_model(PATH, "qwen3moe", dtype="Q8_0", n_expert=256, n_expert_used=8, n_layer=40, n_embd=256, n_ff_exp=64)
 """
 
 from __future__ import annotations
@@ -98,6 +103,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8, help="layers of the weights benchmark's file (0.62 GiB each)")
     parser.add_argument("--only", choices=("weights", "trace"), help="run one of the two benchmarks")
     parser.add_argument("--no-cold", dest="cold", action="store_false", help="weights: skip the cold-cache runs")
+    parser.add_argument("--trace-model", type=Path, help="trace: this loadable model instead of the 32-expert factory model")
+    parser.add_argument("--methods", default="frequency,ean,reap,razor", help="trace: the passes timed, comma-separated")
     args = parser.parse_args()
     args.dir.mkdir(parents=True, exist_ok=True)
     ggufcarve = [sys.executable, "-m", "ggufcarve"]
@@ -127,7 +134,9 @@ def weights(args: argparse.Namespace, ggufcarve: list[str]) -> None:
 
 
 def trace(args: argparse.Namespace, ggufcarve: list[str]) -> None:
-    model = args.dir / "select-trace.gguf"
+    model = args.trace_model or args.dir / "select-trace.gguf"
+    if args.trace_model is not None and not model.exists():
+        raise SystemExit(f"{model}: no such model")
     if not model.exists():
         factory.write_model(model, "qwen3moe", dtype="Q8_0", n_expert=32, n_expert_used=4, n_layer=4, n_embd=512, n_ff_exp=512)
     text = args.dir / "select-calibration.txt"
@@ -140,7 +149,7 @@ def trace(args: argparse.Namespace, ggufcarve: list[str]) -> None:
     baseline = [str(imatrix), "-m", str(model), "-f", str(text), "-o", str(args.dir / "bench.imatrix.gguf"), "-c", str(args.ctx),
                 "--chunks", str(chunks), "-t", str(args.threads), "--no-repack"]
     runs = {m: [*ggufcarve, "score", str(model), "--method", m, "--calibration", str(text), "--ctx", str(args.ctx), "--max-tokens", str(chunks * args.ctx),
-                "-t", str(args.threads), "-o", str(args.dir / f"{m}.json"), "--force", "-q"] for m in ("frequency", "ean", "reap", "razor")}
+                "-t", str(args.threads), "-o", str(args.dir / f"{m}.json"), "--force", "-q"] for m in args.methods.split(",")}
     print(f"trace: {model.stat().st_size / 2**20:.0f} MiB model, {chunks} chunks x {args.ctx} tokens, {args.threads} threads")
     compare("trace", baseline, runs, args.repeat)
 

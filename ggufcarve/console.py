@@ -14,6 +14,9 @@ def main() -> None:
         print(f"ggufcarve {__version__}")
         return
     try:
+        from ggufcarve.select.prestart import prestart_for_command_line
+
+        prestart_for_command_line(sys.argv[1:])  # a calibration child starts beside the imports below
         from ggufcarve.cli import main as cli_main
     except Exception as error:  # a broken installation: one line, as every error of the command line
         import os

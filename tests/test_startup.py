@@ -86,3 +86,24 @@ def test_every_summary_in_help_is_whole_and_h_is_help():
     for name, summary in listed.items():
         assert summary and not summary.endswith("..."), (name, summary)
     assert runner.invoke(app, ["verify", "-h"]).output == runner.invoke(app, ["verify", "--help"]).output
+
+
+def test_the_calibration_child_starts_before_the_command_line_only_for_a_calibrating_command(monkeypatch):
+    from ggufcarve.select import prestart
+
+    started = []
+    monkeypatch.setattr(prestart, "prestart", lambda: started.append(True))
+    cases = {
+        ("score", "m.gguf", "--method", "reap", "--calibration", "c.txt", "-o", "s.json"): True,
+        ("select", "m.gguf", "-m", "razor", "--calibration=c.txt", "--keep", "4"): True,
+        ("select", "m.gguf", "--method=frequency", "--calibration", "c.txt"): True,
+        ("score", "m.gguf", "--method", "weights", "--calibration", "c.txt"): False,
+        ("score", "m.gguf", "--method", "reap"): False,
+        ("score", "m.gguf", "--method", "reap", "--calibration", "c.txt", "--help"): False,
+        ("eval", "m.gguf", "--method", "reap", "--calibration", "c.txt"): False,
+        (): False,
+    }
+    for argv, expected in cases.items():
+        started.clear()
+        prestart.prestart_for_command_line(list(argv))
+        assert started == ([True] if expected else []), argv

@@ -36,6 +36,7 @@ Blocks that llama.cpp's decode graph does not run (MTP/NextN blocks) and dense b
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 from collections.abc import Callable, Iterable, Sequence
@@ -48,7 +49,7 @@ from ggufcarve.errors import BadInput, ToolFailed
 from ggufcarve.events import Sink, ignore
 from ggufcarve.llama.calibration import Batching
 from ggufcarve.llama.decode import IDLE_TIMEOUT, ConsumerSpec, DecodeRequest, decode
-from ggufcarve.llama.ggml import read_tensor, tensor_at
+from ggufcarve.llama.ggml import GgmlTensor, read_tensor, tensor_at
 
 TOPK = "ffn_moe_topk"
 MOE_INPUT = "ffn_moe_input"
@@ -70,6 +71,7 @@ NODES: dict[str, tuple[int, tuple[int, ...]]] = {
 }
 NODE_NAME = re.compile(r"(?P<node>[A-Za-z_][A-Za-z0-9_]*)-(?P<block>\d+)$")
 DEFAULT_BATCH = 512
+NAME_OFFSET = GgmlTensor.name.offset  # of `char name[GGML_MAX_NAME]` in struct ggml_tensor, NUL-terminated
 
 
 def parse_node_name(name: str) -> tuple[str, int] | None:
@@ -105,10 +107,21 @@ class GraphTracer:
         if unknown:
             raise BadInput(f"cannot capture {', '.join(unknown)}", f"capturable nodes: {', '.join(NODES)}")
         self._observed = set(self.nodes) - {MOE_INPUT} | ({ROUTER_LOGITS} if MOE_INPUT in self.nodes else set())
+        self._names: dict[bytes, tuple[str, int] | None] = {}  # raw node name -> parse_node_name of it
+
+    def node_of(self, tensor_address: int) -> tuple[str, int] | None:
+        """(node, block) of the graph node at `tensor_address` (`parse_node_name` of its name, kept
+        per name: the scheduler asks about every node of every micro-batch's graph)."""
+        raw = ctypes.string_at(tensor_address + NAME_OFFSET)
+        try:
+            return self._names[raw]
+        except KeyError:
+            parsed = self._names[raw] = parse_node_name(raw.decode("utf-8", errors="replace"))
+            return parsed
 
     def __call__(self, tensor_address: int, ask: bool, _user_data: object) -> bool:
         try:
-            parsed = parse_node_name(tensor_at(tensor_address).label)
+            parsed = self.node_of(tensor_address)
             if parsed is None or parsed[0] not in self._observed:
                 return not ask
             if ask:

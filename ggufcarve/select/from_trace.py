@@ -153,7 +153,8 @@ class TraceStatistics:
             self.counts[block] = np.zeros(n, np.int64)
         topk = nodes["ffn_moe_topk"].astype(np.intp)  # [T, k]
         flat = topk.reshape(-1)
-        self.counts[block] += np.bincount(flat, minlength=n)
+        routed = np.bincount(flat, minlength=n)
+        self.counts[block] += routed
         if self.method == "frequency":
             return
         outputs = np.asarray(nodes["ffn_moe_down"], dtype=np.float32)  # [T, k, n_embd], as llama.cpp computed it
@@ -162,10 +163,18 @@ class TraceStatistics:
             outputs = outputs + bias[topk]
         squares = np.einsum("...i,...i->...", outputs, outputs)  # float32 [T, k]
         norms = np.sqrt(squares.astype(np.float64))
-        np.maximum.at(self._zeros(self.maxima, block), flat, np.maximum(outputs.max(axis=-1), -outputs.min(axis=-1)).reshape(-1))
+        # the (t, j) pairs grouped by expert, in decode order within each expert (a stable sort)
+        order = np.argsort(flat, kind="stable")
+        experts = np.flatnonzero(routed)
+        ends = np.cumsum(routed[experts])
+        starts = ends - routed[experts]
+        peaks = np.maximum(outputs.max(axis=-1), -outputs.min(axis=-1)).reshape(-1)
+        maxima = self._zeros(self.maxima, block)
+        if len(experts):
+            maxima[experts] = np.maximum(maxima[experts], np.maximum.reduceat(peaks[order], starts))
         self._zeros(self.norms, block)[:] += np.bincount(flat, weights=norms.reshape(-1), minlength=n)
         self._zeros(self.squares, block)[:] += np.bincount(flat, weights=squares.reshape(-1).astype(np.float64), minlength=n)
-        self._add_output_sums(block, flat, outputs.reshape(-1, outputs.shape[-1]))
+        self._add_output_sums(block, order, experts, starts.tolist(), ends.tolist(), outputs.reshape(-1, outputs.shape[-1]))
         if not any(name in nodes for name in WEIGHT_NODES):
             return
         weights, scale = applied_weights(nodes)
@@ -176,15 +185,29 @@ class TraceStatistics:
         self._zeros(self.deltas, block)[:] += np.bincount(flat, weights=deltas, minlength=n)
         self._zeros(self.deltas_sq, block)[:] += np.bincount(flat, weights=deltas**2, minlength=n)
 
-    def _add_output_sums(self, block: int, flat: np.ndarray, rows: np.ndarray) -> None:
-        """Σ f per expert: float32 sums of each expert's rows of this micro-batch (a few rows
-        gathered at a time: np.add.reduceat over the rows, or a gather of all of them, is several
-        times slower), added to the float64 accumulator."""
-        order = np.argsort(flat, kind="stable")
-        experts, starts = np.unique(flat[order], return_index=True)
+    def _add_output_sums(self, block: int, order: np.ndarray, experts: np.ndarray, starts: list[int], ends: list[int], rows: np.ndarray) -> None:
+        """Σ f per expert: float32 sums of each expert's rows of this micro-batch (`order[start:end]`
+        its rows, in decode order), added to the float64 accumulator. Each sum is sequential, row
+        after row, as np.add.reduce along axis 0 of a C-contiguous array adds (np.add.reduceat, or
+        a gather of all rows, is several times slower): per expert when the busiest expert has
+        more rows than there are experts, else by rank, the r-th row of every expert with more than r
+        rows added at once (the same additions in the same order). `starts` and `ends` are Python
+        ints: slicing with numpy integers costs several times more per expert."""
+        counts = np.subtract(ends, starts)
+        if len(experts) and int(counts.max()) < len(experts):
+            busiest = np.argsort(-counts, kind="stable")  # experts by row count, descending
+            first = np.asarray(starts)[busiest]
+            ordered = counts[busiest]
+            sums = rows[order[first]]
+            for rank in range(1, int(ordered[0])):
+                live = int(np.count_nonzero(ordered > rank))  # a prefix: the experts with more than `rank` rows
+                sums[:live] += rows[order[first[:live] + rank]]
+            self._zeros(self.outputs, block, rows.shape[1])[experts[busiest]] += sums
+            return
         sums = np.empty((len(experts), rows.shape[1]), np.float32)
-        for i, (start, end) in enumerate(zip(starts, [*starts[1:], len(order)])):
-            np.add.reduce(rows[order[start:end]], axis=0, out=sums[i])
+        reduce = np.add.reduce
+        for i, (start, end) in enumerate(zip(starts, ends)):
+            reduce(rows[order[start:end]], axis=0, out=sums[i])
         self._zeros(self.outputs, block, rows.shape[1])[experts] += sums
 
     def razor_deltas(self, block: int, nodes: dict[str, np.ndarray], topk: np.ndarray, outputs: np.ndarray, weights: np.ndarray, scale: float) -> np.ndarray:
@@ -273,6 +296,7 @@ class BlockFolder:
         self.hold_bytes = hold_bytes if statistics.batched else 0
         self.block: int | None = None
         self._errors: list[str] = []
+        self._folded = tracer.nodes | {"ffn_moe_logits"}  # the nodes whose block starts a block's computation
 
     @property
     def errors(self) -> list[str]:
@@ -284,8 +308,13 @@ class BlockFolder:
         if ask:
             return answer
         try:
-            parsed = self.parse(tensor_at(address).label) if self.parse is not None else None
-            if parsed is not None and parsed[0] in self.tracer.nodes | {"ffn_moe_logits"} and parsed[1] != self.block:
+            if self.parse is None:
+                parsed = None
+            elif self.parse is parse_node_name:
+                parsed = self.tracer.node_of(address)  # the same parse, kept per node name
+            else:
+                parsed = self.parse(tensor_at(address).label)
+            if parsed is not None and parsed[0] in self._folded and parsed[1] != self.block:
                 self.flush(keep=parsed[1], held=True)
                 self.block = parsed[1]
         except BaseException as err:  # an exception escaping into ctypes would read as False
