@@ -227,5 +227,6 @@ def _demo_answer(plan: RunPlan) -> None:
     out.print(f"  {named(w)}", highlight=False, markup=False)
     if other is not None:
         why = "dropping experts costs more than a lower quant" if not w["model"]["pruned"] else "the higher quant is worth more than the dropped experts"
-        out.print(f"  the best {'pruned' if other['model']['pruned'] else 'unpruned'} one: {named(other)}: here {why}", highlight=False, markup=False)
+        out.print(f"  vs the best {'pruned' if other['model']['pruned'] else 'unpruned'} model that fits: {named(other)}", highlight=False, markup=False)
+        out.print(f"  here {why}", highlight=False, markup=False)
     out.print("  every K and quant for your budget, built and measured: ggufcarve best --help", highlight=False, markup=False)
