@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import xxhash
 
@@ -510,6 +511,17 @@ def atomic_file(path: Path, elsewhere: str = "choose another -o directory") -> I
         raise write_failed(err, path, elsewhere) from None
     finally:
         temp.unlink(missing_ok=True)
+
+
+def save_figure(figure: Any, path: Path) -> Path:
+    """A matplotlib figure as PNG at `path`, written to a temp name and renamed (no partial chart)."""
+    temp = temp_path_for(path)
+    try:
+        figure.savefig(temp, format="png")
+        os.replace(temp, path)
+    finally:
+        temp.unlink(missing_ok=True)
+    return path
 
 
 def write_text_atomic(path: Path, text: str) -> None:

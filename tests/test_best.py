@@ -81,6 +81,7 @@ def test_the_answer_fits_by_the_real_file_and_llama_cpps_cache(searched):
                     "ppl", "chunks_scored", "stopped_early", "selection"):
             assert key in c, (c["id"], key)
         assert (c["kld_mean"] is None) == (not c["built"]), c["id"]
+        assert isinstance(c["selection"], str) and (c["family"] == "unpruned") == (c["keep_set"] is None), c["id"]
     assert [s["name"] for s in winner["segments"]] == ["heldout-a.txt", "heldout-b.txt"]
     assert set(report["timings"]) >= {"calibration_seconds", "tournament_seconds", "builds_seconds", "evaluation_seconds"}
 
@@ -179,4 +180,14 @@ def test_dry_run_lists_the_candidates_and_writes_nothing(tmp_path):
     assert result.code == 0, result.stderr[-2000:]
     assert "unpruned-Q2_K" in result.stdout and "K14-Q2_K" in result.stdout and "unpruned-Q3_K_M" not in result.stdout  # 6.85 MiB + 0.5 MiB > 7 MiB
     assert "disk needed" in result.stdout and "estimate: calibration" in result.stdout and "nothing was written" in result.stdout
+    assert not out.exists()
+
+
+def test_only_an_unknown_candidate_is_one_line_before_anything_is_written(tmp_path):
+    out = tmp_path / "best"
+    result = ggufcarve("best", DEMO_MODEL, "--memory", "7MiB", "--ctx", CTX, "--ladder", FILES / "ladder.toml", "--calibration", CALIBRATION,
+                       "--heldout", HELDOUT, "--eval-ctx", EVAL_CTX, "--chunks", CHUNKS, "-o", out, "-t", 2, "--only", "K99-Q8_0", "--quiet")
+    assert result.code != 0
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: --only K99-Q8_0: not a candidate") and "unpruned-Q2_K" in lines[0], result.stderr
     assert not out.exists()

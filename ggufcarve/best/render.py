@@ -31,7 +31,7 @@ def stopped_lines(report: dict[str, Any]) -> list[str]:
     for c in report["candidates"]:
         if c["stopped_reason"] == "bound":
             lines.append(f"{c['id']}: not built: masked mean KLD of K={c['kept_experts']} at the source's precision is "
-                         f"{c['selection']['masked_kld_mean']:.4f}, {c['lost_by']:+.4f} above the best measured fitting unpruned rung")
+                         f"{c['masked_kld_mean']:.4f}, {c['lost_by']:+.4f} above the best measured fitting unpruned rung")
         elif c["stopped_reason"] == "halving":
             lines.append(f"{c['id']}: stopped after {c['chunks_scored']} chunk(s) of halving, {metric} {c['lost_by']:+.4f} behind that round's leader")
     return lines
@@ -100,7 +100,7 @@ def chart(report: dict[str, Any], path: Path) -> None:
             ax.annotate(c["id"], (x, c[metric]), fontsize=6, xytext=(3, 3), textcoords="offset points")
     bounded = [c for c in report["candidates"] if c["stopped_reason"] == "bound"]
     if bounded:
-        ax.plot([(c["file_bytes"] + c["cache_bytes"]) / unit[1] for c in bounded], [c["selection"]["masked_kld_mean"] for c in bounded],
+        ax.plot([(c["file_bytes"] + c["cache_bytes"]) / unit[1] for c in bounded], [c["masked_kld_mean"] for c in bounded],
                 linestyle="none", marker="x", color="grey", label="not built: its K's masked KLD (a lower bound)")
     ax.axvline(report["memory_bytes"] / unit[1], color="grey", linestyle="--", label="budget")
     ax.set_yscale("log")
@@ -110,9 +110,9 @@ def chart(report: dict[str, Any], path: Path) -> None:
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     fig.subplots_adjust(left=0.12, right=0.97, bottom=0.12, top=0.93)
-    tmp = path.with_name(path.name + ".tmp.png")
-    fig.savefig(tmp, format="png")
-    tmp.replace(path)
+    from ggufcarve.fileio import save_figure
+
+    save_figure(fig, path)
 
 
 def plan_document(report: dict[str, Any], source: Path, settings: Any, out_dir: Path, imatrix: Path) -> dict[str, Any]:

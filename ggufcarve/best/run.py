@@ -338,7 +338,7 @@ def best(source: Path, settings: BestSettings, out_dir: Path, *, plan: Plan | No
     import tempfile
 
     from ggufcarve.best.render import chart, markdown, plan_document, write_plan
-    from ggufcarve.best.score import prepare_segments, score_model, segment_statistics
+    from ggufcarve.best.score import candidate_statistics, references_per_file, score_model
     from ggufcarve.evaluate.protocol import EvalSettings
     from ggufcarve.fileio import write_text_atomic
     from ggufcarve.llama.tools import physical_cores
@@ -348,6 +348,9 @@ def best(source: Path, settings: BestSettings, out_dir: Path, *, plan: Plan | No
 
     started = time.perf_counter()
     plan = plan or plan_best(source, settings, on_event=on_event)
+    wanted = set(settings.only) if settings.only else None
+    if wanted is not None and (unknown := wanted - {c.id for c in plan.candidates}):  # before anything is written
+        raise BadInput(f"--only {', '.join(sorted(unknown))}: not a candidate", f"candidates: {', '.join(c.id for c in plan.candidates)}")
     timings: dict[str, float] = {"fit_seconds": plan.seconds}
     out_dir.mkdir(parents=True, exist_ok=True)
     work = out_dir / "work"
@@ -374,17 +377,14 @@ def best(source: Path, settings: BestSettings, out_dir: Path, *, plan: Plan | No
     base = model_name_from(source)
     records: dict[str, dict[str, Any]] = {}
     for c in plan.candidates:
-        records[c.id] = {**c.to_json(), "predicted_file_bytes": c.file_bytes, "selection": None, "built": False, "stopped_early": False,
+        records[c.id] = {**c.to_json(), "predicted_file_bytes": c.file_bytes, "selection": None, "keep_set": None, "masked_kld_mean": None, "built": False, "stopped_early": False,
                          "stopped_reason": None, "lost_by": None, "chunks_scored": 0, "path": None, "segments": [],
                          **dict.fromkeys(("kld_mean", "kld_mean_stderr", "kld_p999", "same_top_p", "ppl"))}
         if c.family == PRUNED:
             b = bound[c.kept]
-            records[c.id]["selection"] = {"method": b["method"], "keep_set": b["keep_set"], "masked_kld_mean": b["kld_mean"]}
+            records[c.id].update(selection=b["method"], keep_set=b["keep_set"], masked_kld_mean=b["kld_mean"])
         else:
-            records[c.id]["selection"] = {"method": "none (every expert kept)"}
-    wanted = set(settings.only) if settings.only else None
-    if wanted is not None and (unknown := wanted - set(records)):
-        raise BadInput(f"--only {', '.join(sorted(unknown))}: not a candidate", f"candidates: {', '.join(records)}")
+            records[c.id]["selection"] = "none (every expert kept)"
 
     eval_settings = EvalSettings(ctx=settings.eval_ctx, chunks=settings.chunks, threads=settings.threads or physical_cores(), speed=None)
     tables: dict[str, Any] = {}
@@ -396,7 +396,7 @@ def best(source: Path, settings: BestSettings, out_dir: Path, *, plan: Plan | No
         names: list[str] = []
         if wanted is None:
             t0 = time.perf_counter()
-            segments = prepare_segments(source, list(settings.heldout), eval_settings, scratch, on_event)
+            segments = references_per_file(source, list(settings.heldout), eval_settings, scratch, on_event)
             names = [s.name for s in segments]
             eval_seconds += time.perf_counter() - t0
         n_chunks = max((s.n_chunk for s in segments), default=0)
@@ -419,7 +419,7 @@ def best(source: Path, settings: BestSettings, out_dir: Path, *, plan: Plan | No
             t0 = time.perf_counter()
             for c in unpruned:
                 tables[c.id] = score_model(records[c.id]["path"], c.id, segments, eval_settings, scratch, n_chunks, on_event)
-                stats = segment_statistics(tables[c.id], names)
+                stats = candidate_statistics(tables[c.id], names)
                 records[c.id].update(stats, chunks_scored=tables[c.id].max_chunks)
                 passed, _ = _judge(gate, stats)
                 if records[c.id]["fits"] and passed:
@@ -455,15 +455,15 @@ def best(source: Path, settings: BestSettings, out_dir: Path, *, plan: Plan | No
                     have = tables.get(cid)
                     if have is None or have.max_chunks < min(chunks, n_chunks):
                         tables[cid] = score_model(records[cid]["path"], cid, segments, eval_settings, scratch, chunks, on_event)
-                ranked = sorted(alive, key=lambda cid: (_metric(segment_statistics(tables[cid].first(chunks), names), settings.metric), cid))
+                ranked = sorted(alive, key=lambda cid: (_metric(candidate_statistics(tables[cid].first(chunks), names), settings.metric), cid))
                 last = number == len(rounds) - 1
                 keep = ranked if last else ranked[: math.ceil(len(ranked) / 2)]
                 halving.append({"chunks": chunks, "scored": ranked, "kept": keep})
                 for cid in ranked:
                     view = tables[cid].first(chunks)
-                    records[cid].update(segment_statistics(view, names), chunks_scored=max(view.chunks))
+                    records[cid].update(candidate_statistics(view, names), chunks_scored=max(view.chunks))
                 if not last:
-                    leader = _metric(segment_statistics(tables[keep[0]].first(chunks), names), settings.metric)
+                    leader = _metric(candidate_statistics(tables[keep[0]].first(chunks), names), settings.metric)
                     for cid in ranked[len(keep):]:
                         records[cid].update(stopped_early=True, stopped_reason="halving",
                                             lost_by=_metric(records[cid], settings.metric) - leader)

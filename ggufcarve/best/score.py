@@ -4,7 +4,7 @@ The reference's log-probs per file are llama-perplexity's base file (`evaluate.r
 cached); the model is scored by the evaluation child (`evaluate.child`, the one `ggufcarve eval`
 runs), on the first `max_chunks` chunks of each file. The statistics are llama-perplexity's
 (`evaluate.kld.kld_statistics`) over the per-token tables: overall over every file's tokens, and
-per file (`segment_statistics`).
+per file (`candidate_statistics`).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ class Tables:
         return max(self.chunks) if self.chunks else 0
 
 
-def prepare_segments(source: Path, heldout: list[Path], settings: Any, work: Path, sink: Sink = ignore) -> list[Segment]:
+def references_per_file(source: Path, heldout: list[Path], settings: Any, work: Path, sink: Sink = ignore) -> list[Segment]:
     """The unpruned model's log-probs on every held-out file (cached across runs)."""
     from ggufcarve.evaluate import kld
     from ggufcarve.evaluate.run import prepare_reference
@@ -97,7 +97,7 @@ def _record(table: np.ndarray) -> dict[str, Any]:
             "ppl": stats.ppl, "ppl_reference": stats.ppl_base, "rms_dp": stats.rms_dp, "kld_p99": stats.kld["p99"], "tokens": stats.count}
 
 
-def segment_statistics(tables: Tables, names: list[str]) -> dict[str, Any]:
+def candidate_statistics(tables: Tables, names: list[str]) -> dict[str, Any]:
     """The overall statistics over every segment's tokens, and `segments`: one record per held-out
     file {name, kld_mean, kld_mean_stderr, kld_p999, same_top_p, ppl, tokens}."""
     from ggufcarve.evaluate.kld import segment_statistics as segment_record

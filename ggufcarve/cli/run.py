@@ -206,13 +206,13 @@ def _demo_answer(plan: RunPlan) -> None:
     """The best of the demo's measured models for a budget between its rungs, pruned or not, and why."""
     from ggufcarve.best.answer import DEMO_BUDGET, answer_for_budget
     from ggufcarve.gguf.container import read_model
-    from ggufcarve.pipeline.stages import EVALUATION_DIR, _read_results
+    from ggufcarve.pipeline.stages import EVALUATION_DIR, read_results
     from ggufcarve.quant.kvcache import ContextSettings, context_memory
 
     if plan.evaluation is None:
         return
     cache = context_memory(read_model(plan.source).get, ContextSettings(plan.evaluation.ctx)).total_bytes
-    answer = answer_for_budget(_read_results(plan.output / EVALUATION_DIR), DEMO_BUDGET, cache)
+    answer = answer_for_budget(read_results(plan.output / EVALUATION_DIR), DEMO_BUDGET, cache)
     if answer is None:
         return
 

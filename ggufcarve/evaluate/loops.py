@@ -136,7 +136,7 @@ def load_loop_prompts(path: Path) -> list[dict]:
 
 def run_loops(engine: Engine, prompts: list[dict], tokens: int, progress: Callable[[int, int], None]) -> list[dict]:
     """Greedy continuations of every prompt, `tokens` new tokens at most: [{id, tokens, output, prompt_tokens, ended}]."""
-    from ggufcarve.evaluate.qa import _render
+    from ggufcarve.evaluate.qa import render_prompt
 
     template = engine.chat_template()
     encoded = []
@@ -144,7 +144,7 @@ def run_loops(engine: Engine, prompts: list[dict], tokens: int, progress: Callab
         if "prompt" in prompt:
             encoded.append(engine.tokenize(prompt["prompt"].encode("utf-8"), add_special=True, parse_special=False))
         else:
-            text, has_bos = _render(engine, template, prompt)
+            text, has_bos = render_prompt(engine, template, prompt)
             encoded.append(engine.tokenize(text, add_special=not has_bos, parse_special=True))
     context = engine.context(-(-(max(len(p) for p in encoded) + tokens) // 256) * 256)
     outputs = []

@@ -306,7 +306,7 @@ def validate(check: Check, answer: str) -> tuple[bool, str]:
 # answering (in the evaluation child) and judging (in the parent)
 
 
-def _render(engine: Engine, template: str | None, check: dict) -> tuple[bytes, bool]:
+def render_prompt(engine: Engine, template: str | None, check: dict) -> tuple[bytes, bool]:
     """The prompt bytes of a check and whether the template already wrote the special tokens."""
     if template:
         from llama_cpp.llama_chat_format import Jinja2ChatFormatter
@@ -325,7 +325,7 @@ def run_checks(engine: Engine, checks: list[dict], progress: Callable[[int, int]
     template = engine.chat_template()
     prompts = []
     for check in checks:
-        text, has_bos = _render(engine, template, check)
+        text, has_bos = render_prompt(engine, template, check)
         prompts.append(engine.tokenize(text, add_special=not has_bos, parse_special=True))
     n_ctx = max(len(p) + c["max_tokens"] for p, c in zip(prompts, checks))
     context = engine.context(-(-n_ctx // 256) * 256)

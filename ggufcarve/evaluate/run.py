@@ -186,7 +186,7 @@ def _reference_disk_bytes(reference: Path, heldout: Path | None, settings: EvalS
     return (0 if cached else cache_bytes) + (base if settings.kl_base_out is not None else 0)
 
 
-def _check_room(path: Path, needed: int, elsewhere: str) -> None:
+def check_room(path: Path, needed: int, elsewhere: str) -> None:
     """One-line OutputError when the file system of `path` has fewer than `needed` bytes free."""
     import shutil
 
@@ -202,7 +202,7 @@ def _save_base(opened: kld.ReferenceFile, n_chunk: int, path: Path) -> None:
     from ggufcarve.fileio import atomic_file
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    _check_room(path, kld.base_file_bytes(opened.n_ctx, opened.n_vocab, n_chunk), "choose another --save-kl-base path")
+    check_room(path, kld.base_file_bytes(opened.n_ctx, opened.n_vocab, n_chunk), "choose another --save-kl-base path")
     with atomic_file(path, "choose another --save-kl-base path") as temp:
         kld.copy_base(opened, temp, n_chunk)
 

@@ -493,7 +493,7 @@ def _evaluate_stage(ctx: RunContext, ev: EvaluationStep) -> Stage:
 
         record_published(plan.output, "evaluation", published_files(directory))
         if not ctx.evaluation:
-            ctx.evaluation = _read_results(directory)
+            ctx.evaluation = read_results(directory)
         return ""
 
     parameters = {"ctx": ev.ctx, "chunks": ev.chunks, "top_k": ev.top_k, "speed_runs": ev.speed_runs, "speed_engine": ev.speed_engine,
@@ -511,7 +511,7 @@ def _evaluate_stage(ctx: RunContext, ev: EvaluationStep) -> Stage:
                  elsewhere=(reference_cache_dir(settings), reference_bytes) if reference_bytes else None)
 
 
-def _read_results(directory: Path) -> list[dict[str, Any]]:
+def read_results(directory: Path) -> list[dict[str, Any]]:
     import json
 
     results = []

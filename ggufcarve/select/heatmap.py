@@ -3,12 +3,11 @@ pruned experts crossed out. Drawn on matplotlib's Agg canvas (no pyplot, no GUI 
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
 
-from ggufcarve.fileio import temp_path_for
+from ggufcarve.fileio import save_figure
 from ggufcarve.select.keep import Selection
 
 
@@ -43,10 +42,4 @@ def write_heatmap(selection: Selection, path: Path) -> Path:
     ax.set_title(f"{facts.name}: {selection.scores.method}, keep {selection.kept_count} of {n}\nscore / block maximum; x = pruned", fontsize=9)
     fig.colorbar(image, ax=ax, fraction=0.03)
     fig.tight_layout()
-    temp = temp_path_for(path)
-    try:
-        fig.savefig(temp, format="png")
-        os.replace(temp, path)
-    finally:
-        temp.unlink(missing_ok=True)
-    return path
+    return save_figure(fig, path)

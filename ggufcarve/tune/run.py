@@ -242,9 +242,9 @@ def tune(source: Path, settings: TuneSettings, out_dir: Path, *, on_event: Sink 
     work.mkdir()
     (out_dir / "candidates").mkdir(exist_ok=True)
     try:
-        from ggufcarve.evaluate.run import _check_room
+        from ggufcarve.evaluate.run import check_room
 
-        _check_room(work / "the unpruned model's log-probs", reference_bytes(model.path, settings),
+        check_room(work / "the unpruned model's log-probs", reference_bytes(model.path, settings),
                     "give -o a directory on a larger disk, or fewer --chunks")
         return _tune(model, layout, settings, out_dir, work, started, on_event, asked, left_out)
     finally:
@@ -464,6 +464,6 @@ def _chart(candidates: list[dict[str, Any]], settings: TuneSettings, path: Path)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     fig.subplots_adjust(left=0.12, right=0.97, bottom=0.12, top=0.96)
-    tmp = path.with_name(path.name + ".tmp.png")
-    fig.savefig(tmp, format="png")
-    tmp.replace(path)
+    from ggufcarve.fileio import save_figure
+
+    save_figure(fig, path)
