@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -234,4 +233,4 @@ def _write_result(path: Path, result: dict) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    child.exit_now(main())

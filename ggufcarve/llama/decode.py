@@ -37,7 +37,6 @@ start and imports (numpy, gguf-py, llama_cpp: about half a second) overlap the c
 from __future__ import annotations
 
 import importlib
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -53,9 +52,16 @@ from ggufcarve.llama.calibration import Batching, Document
 CHILD_MODULE = "ggufcarve.llama.decode"
 TASK = "decode"
 IDLE_TIMEOUT = 600.0  # one micro-batch of a large model on a slow CPU takes minutes, not ten
-# numpy's matrix products (RAZOR's refill experts) run beside llama.cpp's own threads: a BLAS
-# thread pool on top oversubscribes the cores (measured: 30x slower products on 2 cores).
-SINGLE_THREADED_BLAS = {"OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+# The decode child's environment:
+#  * numpy's matrix products (RAZOR's refill experts) run beside llama.cpp's own threads: a BLAS
+#    thread pool on top oversubscribes the cores (measured: 30x slower products on 2 cores);
+#  * glibc's malloc maps an allocation above M_MMAP_THRESHOLD (adjusted between 128 KiB and 32 MiB)
+#    afresh and unmaps it when freed, and trims the heap's top above M_TRIM_THRESHOLD: the eval
+#    callback's copies and temporaries of every block and micro-batch (MiBs each) then fault their
+#    pages in again each time. Fixed thresholds of 256 MiB keep them in the heap (measured on the
+#    demo model's calibration text: the statistics consumer's cost from about 0.4 s to 0.2 s of a
+#    1.6 s decode).
+DECODE_ENV = {"OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": str(256 << 20), "MALLOC_TRIM_THRESHOLD_": str(256 << 20)}
 LLAMA_HINT = "the lines after it are llama.cpp's own; check that the model loads (ggufcarve inspect MODEL)"
 
 
@@ -174,7 +180,7 @@ class DecodeResult:
 
 def prestart(preload: Sequence[str] = ()) -> None:
     """Start a decode child now, importing the modules `preload` names, unless one waits already."""
-    child.start(CHILD_MODULE, preload, env=SINGLE_THREADED_BLAS)
+    child.start(CHILD_MODULE, preload, env=DECODE_ENV)
 
 
 def decode(
@@ -209,7 +215,7 @@ def decode(
     with tempfile.TemporaryDirectory(prefix="ggufcarve-decode-") as tmp:
         return child.run(CHILD_MODULE, request, Path(tmp) / "result.npz", read, what=f"{what}: the decode child",
                          hint="its last lines are quoted; GGUFCARVE_DEBUG=1 keeps the traceback of an error in ggufcarve itself",
-                         sink=on_event, stages={TASK: stage}, on_line=on_line, timeout=timeout, idle_timeout=idle_timeout, env=SINGLE_THREADED_BLAS)
+                         sink=on_event, stages={TASK: stage}, on_line=on_line, timeout=timeout, idle_timeout=idle_timeout, env=DECODE_ENV)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -288,4 +294,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    child.exit_now(main())
