@@ -492,8 +492,9 @@ def write_failed(err: OSError, path: Path, elsewhere: str = "choose another -o d
 
 
 @contextmanager
-def atomic_file(path: Path, elsewhere: str = "choose another -o directory") -> Iterator[Path]:
-    """A temp path beside `path` to write to; on success it is fsynced and renamed to `path`, on
+def atomic_file(path: Path, elsewhere: str = "choose another -o directory", sync: bool = True) -> Iterator[Path]:
+    """A temp path beside `path` to write to; on success it is fsynced (unless not `sync`: a file
+    read back at once and then deleted, such as a child task's result) and renamed to `path`, on
     any failure (Ctrl-C included) deleted. Dead runs' temp files of `path` are removed first.
     An OSError while writing becomes one OutputError (`write_failed`)."""
     temp = temp_path_for(path)
@@ -501,11 +502,12 @@ def atomic_file(path: Path, elsewhere: str = "choose another -o directory") -> I
         path.parent.mkdir(parents=True, exist_ok=True)
         remove_dead_temps(path.parent, path.name.__eq__)
         yield temp
-        fd = os.open(temp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        if sync:
+            fd = os.open(temp, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
         os.replace(temp, path)
     except OSError as err:
         raise write_failed(err, path, elsewhere) from None

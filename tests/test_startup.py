@@ -107,3 +107,48 @@ def test_the_calibration_child_starts_before_the_command_line_only_for_a_calibra
         started.clear()
         prestart.prestart_for_command_line(list(argv))
         assert started == ([True] if expected else []), argv
+
+
+BINDINGS_PROBE = """
+import json, sys
+from ggufcarve.llama.libllama import bindings
+low = bindings()
+light = sorted(m for m in sys.modules if m.split(".")[0] in ("llama_cpp", "jinja2"))
+import llama_cpp
+from llama_cpp import _ggml, llama_backend_init
+low_again = bindings() is low and llama_backend_init is low.llama_backend_init and _ggml.libggml is not None
+still_light = "llama_cpp.llama" not in sys.modules
+from llama_cpp import Llama
+print(json.dumps({"light": light, "low_again": low_again, "still_light": still_light, "version": llama_cpp.__version__,
+                  "llama": Llama.__module__, "same": llama_cpp.llama_backend_init is low.llama_backend_init}))
+"""
+
+
+def test_the_low_level_bindings_load_without_the_high_level_api_which_still_loads_when_asked():
+    """`bindings()` gives llama_cpp.llama_cpp without llama_cpp.llama (jinja2, the chat formats);
+    submodules and the low-level names come without it, and `from llama_cpp import Llama` then
+    runs the package's own __init__: the package is whole for any other caller."""
+    import importlib.metadata
+
+    proc = subprocess.run([sys.executable, "-c", BINDINGS_PROBE], capture_output=True, text=True, timeout=120, check=True)
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert "llama_cpp.llama_cpp" in seen["light"] and "llama_cpp.llama" not in seen["light"], seen["light"]
+    assert not any(m.startswith("jinja2") for m in seen["light"]), seen["light"]
+    assert seen["low_again"] and seen["still_light"] and seen["same"]
+    assert seen["version"] == importlib.metadata.version("llama_cpp_python")
+    assert seen["llama"] == "llama_cpp.llama"
+
+
+def test_a_decode_child_started_ahead_has_its_imports_done_without_the_high_level_api():
+    """What the calibration child imports before its request: the consumers' modules and the
+    low-level bindings, not llama_cpp.llama."""
+    probe = ("import json, sys, runpy\n"
+             "sys.argv = ['decode', '--preload', 'ggufcarve.select.from_trace', '--preload', 'ggufcarve.imatrix.collect']\n"
+             "import ggufcarve.llama.child as child\n"
+             "child.exit_now = lambda status: print(json.dumps([status, sorted(m for m in sys.modules if m.startswith(('llama_cpp', 'ggufcarve.select', 'ggufcarve.imatrix')))]))\n"
+             "runpy.run_module('ggufcarve.llama.decode', run_name='__main__', alter_sys=True)\n")
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True, stdin=subprocess.DEVNULL)
+    status, loaded = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert status == 0
+    assert {"llama_cpp.llama_cpp", "ggufcarve.select.from_trace", "ggufcarve.imatrix.collect"} <= set(loaded)
+    assert "llama_cpp.llama" not in loaded, loaded

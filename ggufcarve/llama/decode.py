@@ -30,8 +30,9 @@ DecodeRequest, progress is in tokens (task "decode"), input it refuses is an "in
 (BadInput in the parent), and its one result file (.npz) holds "tokens", "chunks", "file_tokens",
 "logits" when asked, and "<consumer name>/<array name>" for the arrays of each consumer.
 `prestart` starts the child ahead, with the consumers' modules imported, so that its interpreter
-start and imports (numpy, gguf-py, llama_cpp: about half a second) overlap the caller's own work;
-`decode` adopts it.
+start and imports (numpy, gguf-py, llama-cpp-python's low-level bindings (`libllama.bindings`):
+about 0.15 s) overlap the caller's own work; `decode` adopts it. The child exits without the
+interpreter's teardown once its result is written (`child.exit_now`).
 """
 
 from __future__ import annotations
@@ -42,12 +43,14 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from ggufcarve.errors import BadInput, ToolFailed
 from ggufcarve.events import Sink, ignore
 from ggufcarve.llama import child
-from ggufcarve.llama.calibration import Batching, Document
+
+if TYPE_CHECKING:  # imported where used: `prestart` runs before anything else a command imports
+    from ggufcarve.llama.calibration import Batching, Document
 
 CHILD_MODULE = "ggufcarve.llama.decode"
 TASK = "decode"
@@ -122,6 +125,8 @@ class DecodeRequest:
 
     @classmethod
     def from_json(cls, doc: dict[str, Any]) -> DecodeRequest:
+        from ggufcarve.llama.calibration import Batching, Document
+
         return cls(
             doc["model"], tuple(ConsumerSpec(c["name"], c["factory"], dict(c["options"])) for c in doc["consumers"]), Batching(**doc["batching"]),
             tuple(tuple(Document.from_json(d) for d in f) for f in doc["documents"]), tuple(int(t) for t in doc["tokens"]),
@@ -224,11 +229,12 @@ def decode(
 
 def _child(request: DecodeRequest, out: Path) -> None:
     """Decode `request`, write its result to `out`; ToolFailed when llama.cpp fails, BadInput for input it refuses."""
-    import llama_cpp
     import numpy as np
 
     from ggufcarve.llama.calibration import chunks, cut, tokenize_files
-    from ggufcarve.llama.libllama import fill_batch, forward_warnings, load_model, traced_context, write_results
+    from ggufcarve.llama.libllama import bindings, fill_batch, forward_warnings, load_model, traced_context, write_results
+
+    llama_cpp = bindings()
 
     forward_warnings(llama_cpp, request.verbose)
     lmodel = load_model(llama_cpp, request.model)
@@ -289,8 +295,10 @@ def _child(request: DecodeRequest, out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    # llama_cpp is imported before the request arrives, for a child started ahead
-    return child.serve(DecodeRequest, _child, argv, preload=("llama_cpp",))
+    from ggufcarve.llama.libllama import bindings
+
+    bindings()  # before the request arrives, for a child started ahead
+    return child.serve(DecodeRequest, _child, argv)
 
 
 if __name__ == "__main__":

@@ -10,18 +10,57 @@ assert. Two settings are shared by all of them:
     False`): on CPUs with AMX, llama.cpp 0.3.36 crashes in `ggml_backend_amx_mul_mat` for small
     models otherwise.
 ctypes callbacks handed to llama.cpp must outlive every call into it, exit included: they are kept
-in `KEEPALIVE`.
+in `KEEPALIVE`. A child that needs only the low-level API imports it with `bindings()`.
 """
 
 from __future__ import annotations
 
 import ctypes
+import importlib
+import importlib.util
 import sys
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 LOG_WARN, LOG_ERROR, LOG_CONT = 3, 4, 5
 KEEPALIVE: list[object] = []
+
+
+def bindings() -> ModuleType:
+    """llama-cpp-python's ctypes bindings (`llama_cpp.llama_cpp`: every llama_* function, struct and
+    constant of libllama), imported without running the package's `__init__`, which also imports its
+    high-level API (`llama_cpp.llama`: jinja2 and the chat formats, about 30 ms of a child's start).
+
+    The package then sits in sys.modules holding the bindings' names (as its `__init__` starts with
+    `from .llama_cpp import *`), with a module `__getattr__` (PEP 562): a submodule it is asked for
+    is imported, and any other name runs the package's `__init__` first, so `import llama_cpp` and
+    `from llama_cpp import Llama` elsewhere in the process still work."""
+    if "llama_cpp" not in sys.modules:
+        spec = importlib.util.find_spec("llama_cpp")
+        if spec is None or spec.loader is None:
+            raise ModuleNotFoundError("No module named 'llama_cpp'", name="llama_cpp")
+        package = importlib.util.module_from_spec(spec)
+        loader = spec.loader
+
+        def complete(name: str) -> Any:
+            submodule = f"{package.__name__}.{name}"
+            try:
+                return importlib.import_module(submodule)
+            except ModuleNotFoundError as err:
+                if err.name != submodule:
+                    raise
+            del package.__getattr__
+            loader.exec_module(package)
+            return getattr(package, name)
+
+        package.__getattr__ = complete  # type: ignore[attr-defined]
+        sys.modules["llama_cpp"] = package
+        low = importlib.import_module("llama_cpp.llama_cpp")
+        # the first line of the package's __init__: `from .llama_cpp import *`
+        public = getattr(low, "__all__", None) or [name for name in vars(low) if not name.startswith("_")]
+        vars(package).update({name: getattr(low, name) for name in public})
+    return importlib.import_module("llama_cpp.llama_cpp")
 
 
 def forward_warnings(llama_cpp: Any, verbose: bool = False) -> None:
@@ -91,10 +130,11 @@ def fill_batch(batch: Any, entries: Any) -> int:
 
 
 def write_results(out: Path, arrays: dict[str, Any]) -> None:
-    """A child task's results as one .npz, written under the temp-name scheme and renamed into place."""
+    """A child task's results as one .npz, written under the temp-name scheme and renamed into
+    place; not fsynced: the parent reads it as soon as the child has exited, then deletes it."""
     import numpy as np
 
     from ggufcarve.fileio import atomic_file
 
-    with atomic_file(out) as partial, open(partial, "wb") as f:
+    with atomic_file(out, sync=False) as partial, open(partial, "wb") as f:
         np.savez(f, **arrays)

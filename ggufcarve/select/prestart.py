@@ -1,6 +1,6 @@
 """The calibration child, started ahead: its interpreter start and imports (numpy, gguf-py,
-llama_cpp and the consumers' modules: about half a second) overlap the parent's own start, model
-read and checks.
+llama-cpp-python's low-level bindings and the consumers' modules: about 0.15 s) overlap the
+parent's own start, model read and checks.
 
 A command that will calibrate calls `prestart()` first thing (the console script calls
 `prestart_for_command_line` before it imports the command line, so the child's start runs beside
