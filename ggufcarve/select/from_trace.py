@@ -18,8 +18,9 @@ ffn_moe_weights_norm, ffn_moe_weights_softmax, ffn_moe_weights present in the gr
                δ = λ ||w_j r_j - w_r r_r|| / max(1 - w_j + w_r, 1e-6)
 with, for token t: w = applied weights / λ, c = Σ_j w_j f_j, r_j = f_j - c; the refill expert
 r = ffn_moe_argsort[t, k] (rank k, 0-based: the router's own ranking, selection bias and group mask
-included); f_r evaluated in numpy from the dequantized weights of r at the MoE input (src[1] of
-ffn_moe_logits), r_r = f_r - c, w_r = p_r / Σ_j p_Sj with p = ffn_moe_probs (for softmax-weight
+included); f_r evaluated at the MoE input (src[1] of ffn_moe_logits) by ggml's own products on
+the quantized weights of r (`select.experts`, engine "ggml": for one token a product, llama.cpp's
+ffn_moe_down of r bit for bit), r_r = f_r - c, w_r = p_r / Σ_j p_Sj with p = ffn_moe_probs (for softmax-weight
 gating, where ffn_moe_probs holds the logits, p = their softmax over all experts).
 Every criterion also records the largest |f| element per expert (REAP's max activation).
 
@@ -67,8 +68,9 @@ ACCUMULATORS = ("counts", "norms", "squares", "gated", "outputs", "deltas", "del
 WEIGHT_NODES = ("ffn_moe_weights_scaled", "ffn_moe_weights_norm", "ffn_moe_weights_softmax", "ffn_moe_weights")
 DELTA_FLOOR = 1e-6
 # captures a batched criterion (razor) holds across micro-batches, over all blocks: its refill
-# experts are evaluated for more tokens per product (on 2 cores a 512-token micro-batch of 32
-# experts took 1.9 s of products per 8,192 tokens, the 2,048 tokens of one decode call 0.9 s)
+# experts are evaluated for more tokens per product, one graph of products per block and batch
+# (with numpy's products of dequantized weights, on 2 cores, a 512-token micro-batch of 32 experts
+# took 1.9 s of products per 8,192 tokens, the 2,048 tokens of one decode call 0.9 s)
 HELD_BYTES = 256 << 20
 
 
@@ -367,7 +369,7 @@ def statistics(request: DecodeRequest, method: str) -> BlockFolder:
 
     model = read_model(request.model)
     layout = inspect_layout(model)
-    evaluator = ExpertEvaluator(model, layout, threads=request.thread_count) if method != "frequency" else None
+    evaluator = ExpertEvaluator(model, layout, threads=request.thread_count, engine="ggml") if method != "frequency" else None
     tracer = GraphTracer(frozenset(nodes_for(method)))
     return BlockFolder(tracer, TraceStatistics(method, layout.expert_count, evaluator), parse_node_name, hold_bytes=HELD_BYTES // max(1, len(layout.blocks)))
 
