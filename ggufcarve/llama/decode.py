@@ -56,7 +56,7 @@ CHILD_MODULE = "ggufcarve.llama.decode"
 TASK = "decode"
 IDLE_TIMEOUT = 600.0  # one micro-batch of a large model on a slow CPU takes minutes, not ten
 # The decode child's environment:
-#  * numpy's matrix products (RAZOR's refill experts) run beside llama.cpp's own threads: a BLAS
+#  * numpy's matrix products (greedy's rerouted experts) run beside llama.cpp's own threads: a BLAS
 #    thread pool on top oversubscribes the cores (measured: 30x slower products on 2 cores);
 #  * glibc's malloc maps an allocation above M_MMAP_THRESHOLD (adjusted between 128 KiB and 32 MiB)
 #    afresh and unmaps it when freed, and trims the heap's top above M_TRIM_THRESHOLD: the eval
