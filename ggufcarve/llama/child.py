@@ -168,8 +168,8 @@ def exit_now(status: int) -> NoReturn:
     """End the child with `status` once `serve` has returned: its output streams flushed, then
     `os._exit`, without the interpreter's teardown (module finalizers, numpy's and llama_cpp's
     objects freed one by one: about 30 ms of a decode child's exit, for which the parent waits).
-    Nothing is left to do then: the result file is written and renamed, the llama.cpp objects
-    freed, every file closed."""
+    Nothing is left to do then: the result file is written and renamed, and the kernel closes
+    the files and maps of a process that exits."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)

@@ -44,7 +44,7 @@ import numpy as np
 from ggufcarve.errors import UnsupportedModel
 from ggufcarve.gguf.container import GGUFModel
 from ggufcarve.gguf.tensors import expert_values, tensor_values
-from ggufcarve.llama.matmul import MatrixProducts, Product
+from ggufcarve.llama.matmul import ExpertProduct, ExpertProducts
 from ggufcarve.moe.layout import DOWN_EXPS, GATE_EXPS, GATE_UP_EXPS, UP_EXPS, MoeLayout, block_tensor
 
 _CLAMPED = "its build_moe_ffn clamps the SiLU-GLU by the per-layer swiglu_clamp_exp key when the file sets it"
@@ -131,7 +131,7 @@ class ExpertEvaluator:
         self._weights: OrderedDict[tuple[int, int], tuple[np.ndarray, int, np.ndarray]] = OrderedDict()
         self._held = 0
         self._vectors: dict[str, np.ndarray | None] = {}
-        self._products: MatrixProducts | None = None
+        self._products: ExpertProducts | None = None
         self._mapped: dict[int, np.ndarray] = {}  # shard -> the bytes of its file, memory-mapped
 
     def _has(self, name: str) -> bool:
@@ -219,38 +219,40 @@ class ExpertEvaluator:
         return self._scaled_down(block, expert, self._hidden(block, expert, gate, up) @ down_w.T)
 
     def _outputs_ggml(self, block: int, work: Sequence[tuple[int, np.ndarray]]) -> list[np.ndarray]:
+        """All rows of `work` in one ggml_mul_mat_id per weight tensor, as build_moe_ffn runs them."""
         if self._products is None:
-            self._products = MatrixProducts(self.threads)
-        inputs = [np.ascontiguousarray(x, dtype=np.float32) for _, x in work]
+            self._products = ExpertProducts(self.threads)
+        if not work:
+            return []
+        lengths = [len(x) for _, x in work]
+        x = np.ascontiguousarray(np.concatenate([np.asarray(x, dtype=np.float32) for _, x in work]))
+        experts = np.repeat(np.asarray([int(e) for e, _ in work], dtype=np.int32), lengths)
         fused = self._has(block_tensor(block, GATE_UP_EXPS))
         gated = fused or self._has(block_tensor(block, GATE_EXPS))
         first_names = [block_tensor(block, GATE_UP_EXPS)] if fused else [block_tensor(block, n) for n in ((GATE_EXPS, UP_EXPS) if gated else (UP_EXPS,))]
-        first = self._products.run([self._product(name, int(e), x) for (e, _), x in zip(work, inputs) for name in first_names])
-        hidden = []
-        for i, (expert, _) in enumerate(work):
-            parts = first[i * len(first_names):(i + 1) * len(first_names)]
-            if fused:
-                gate_rows = parts[0].shape[1] // 2
-                gate, up = parts[0][:, :gate_rows], parts[0][:, gate_rows:]
-            else:
-                gate, up = (parts[0], parts[1]) if gated else (None, parts[0])
-            hidden.append(np.ascontiguousarray(self._hidden(block, int(expert), gate, up), dtype=np.float32))
-        down = block_tensor(block, DOWN_EXPS)
-        outs = self._products.run([self._product(down, int(e), h) for (e, _), h in zip(work, hidden)])
-        return [self._scaled_down(block, int(e), out) for (e, _), out in zip(work, outs)]
+        first = self._products.run([self._product(name, x, experts) for name in first_names])
+        if fused:
+            gate_rows = first[0].shape[1] // 2
+            gate, up = first[0][:, :gate_rows], first[0][:, gate_rows:]
+        else:
+            gate, up = (first[0], first[1]) if gated else (None, first[0])
+        routed = experts.astype(np.intp)
+        hidden = np.ascontiguousarray(self._hidden(block, routed, gate, up), dtype=np.float32)
+        out = self._scaled_down(block, routed, self._products.run([self._product(block_tensor(block, DOWN_EXPS), hidden, experts)])[0])
+        return np.split(out, np.cumsum(lengths)[:-1])
 
-    def _product(self, name: str, expert: int, x: np.ndarray) -> Product:
-        """x @ W.T for expert `expert` of the expert-axis tensor `name`, its bytes in the file's map."""
+    def _product(self, name: str, x: np.ndarray, experts: np.ndarray) -> ExpertProduct:
+        """Row t: the expert experts[t] of the expert-axis tensor `name` (its bytes in the file's map) at x[t]."""
         shard, info = self.model.tensor_index[name]
         if shard not in self._mapped:
             with open(self.model.shards[shard].path, "rb") as f:
                 self._mapped[shard] = np.frombuffer(mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ), np.uint8)
         start, _ = self.model.shards[shard].data_range(info)
-        slab = info.nbytes // info.shape[-1]
-        return Product(self._mapped[shard].ctypes.data + start + expert * slab, info.type_id, info.shape[0], info.shape[1], x)
+        cols, rows, n_expert = info.shape
+        return ExpertProduct(self._mapped[shard].ctypes.data + start, info.type_id, cols, rows, n_expert, x, experts)
 
-    def _hidden(self, block: int, expert: int, gate: np.ndarray | None, up: np.ndarray) -> np.ndarray:
-        """act(gate, up) after the gate and up scales and biases of `expert`."""
+    def _hidden(self, block: int, expert: int | np.ndarray, gate: np.ndarray | None, up: np.ndarray) -> np.ndarray:
+        """act(gate, up) after the gate and up scales and biases of `expert` (one expert, or one per row)."""
         fused = self._has(block_tensor(block, GATE_UP_EXPS))
         if fused:
             scale = self._per_expert(block_tensor(block, UP_EXPS, "scale"))
@@ -277,6 +279,6 @@ class ExpertEvaluator:
                     gate = value
         return activate(activation_of(self.layout.architecture), gate, up)
 
-    def _scaled_down(self, block: int, expert: int, out: np.ndarray) -> np.ndarray:
+    def _scaled_down(self, block: int, expert: int | np.ndarray, out: np.ndarray) -> np.ndarray:
         scale = self._per_expert(block_tensor(block, DOWN_EXPS, "scale"))
         return out * scale[expert] if scale is not None else out
