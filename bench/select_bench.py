@@ -12,11 +12,15 @@
 Each is run --repeat times, alternating; medians are printed with the ratio to the baseline.
 
     PYTHONPATH=. python bench/select_bench.py [--dir bench/out] [--repeat 3] [--tokens 8192] [--threads 2] [--only weights|trace] [--no-cold]
-        [--trace-model MODEL.gguf] [--methods reap,razor]
+        [--trace-model MODEL.gguf] [--text FILE] [--methods reap,razor]
 
 `--trace-model` times the trace benchmark on a loadable model of your own, for example a factory
 qwen3moe of 256 experts x 40 layers:
     factory.write_model(PATH, "qwen3moe", dtype="Q8_0", n_expert=256, n_expert_used=8, n_layer=40, n_embd=256, n_ff_exp=64)
+`--text` calibrates on a text of your own, `--tokens 0` on the whole of it (no --chunks, no
+--max-tokens); the demo's one-pass figures in the README:
+    PYTHONPATH=. python bench/select_bench.py --only trace --repeat 7 --ctx 256 --tokens 0 --methods reap,razor \
+        --trace-model ggufcarve/demo/data/tiny-qwen3moe-16x256-top4-4L-stdlib-Q8_0.gguf --text ggufcarve/demo/data/calibration.txt
 """
 
 from __future__ import annotations
@@ -97,7 +101,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dir", type=Path, default=Path("bench/out"))
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--tokens", type=int, default=8192, help="calibration tokens (whole --ctx chunks)")
+    parser.add_argument("--tokens", type=int, default=8192, help="calibration tokens (whole --ctx chunks); 0: the whole text")
+    parser.add_argument("--text", type=Path, help="trace: this calibration text instead of a synthetic one")
     parser.add_argument("--ctx", type=int, default=512)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--layers", type=int, default=8, help="layers of the weights benchmark's file (0.62 GiB each)")
@@ -139,18 +144,25 @@ def trace(args: argparse.Namespace, ggufcarve: list[str]) -> None:
         raise SystemExit(f"{model}: no such model")
     if not model.exists():
         factory.write_model(model, "qwen3moe", dtype="Q8_0", n_expert=32, n_expert_used=4, n_layer=4, n_embd=512, n_ff_exp=512)
-    text = args.dir / "select-calibration.txt"
-    rng = random.Random(0)
-    text.write_text(" ".join(rng.choice(WORDS) for _ in range(args.tokens // 5 + args.ctx)))  # ~5.4 byte tokens per word
+    text = args.text
+    if text is None:
+        if not args.tokens:
+            raise SystemExit("--tokens 0 (the whole text) needs --text")
+        text = args.dir / "select-calibration.txt"
+        rng = random.Random(0)
+        text.write_text(" ".join(rng.choice(WORDS) for _ in range(args.tokens // 5 + args.ctx)))  # ~5.4 byte tokens per word
     imatrix = find_tool("llama-imatrix")
     if imatrix is None:
         raise SystemExit("llama-imatrix not found (ggufcarve toolchain build)")
     chunks = args.tokens // args.ctx
+    cut_imatrix = ["--chunks", str(chunks)] if chunks else []
+    cut_score = ["--max-tokens", str(chunks * args.ctx)] if chunks else []
     baseline = [str(imatrix), "-m", str(model), "-f", str(text), "-o", str(args.dir / "bench.imatrix.gguf"), "-c", str(args.ctx),
-                "--chunks", str(chunks), "-t", str(args.threads), "--no-repack"]
-    runs = {m: [*ggufcarve, "score", str(model), "--method", m, "--calibration", str(text), "--ctx", str(args.ctx), "--max-tokens", str(chunks * args.ctx),
+                *cut_imatrix, "-t", str(args.threads), "--no-repack"]
+    runs = {m: [*ggufcarve, "score", str(model), "--method", m, "--calibration", str(text), "--ctx", str(args.ctx), *cut_score,
                 "-t", str(args.threads), "-o", str(args.dir / f"{m}.json"), "--force", "-q"] for m in args.methods.split(",")}
-    print(f"trace: {model.stat().st_size / 2**20:.0f} MiB model, {chunks} chunks x {args.ctx} tokens, {args.threads} threads")
+    extent = f"{chunks} chunks x {args.ctx} tokens" if chunks else f"the whole of {text.name} in chunks of {args.ctx}"
+    print(f"trace: {model.stat().st_size / 2**20:.0f} MiB model, {extent}, {args.threads} threads")
     compare("trace", baseline, runs, args.repeat)
 
 
