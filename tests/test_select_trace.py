@@ -505,3 +505,37 @@ def test_imatrix_msan_is_gguf_pys_formula_and_ranks_like_the_traced_msan(case, q
     with capsys.disabled():
         print(f"\nimatrix-msan vs traced msan, {case}: Spearman per block {[round(r, 3) for r in correlations]}, mean {np.mean(correlations):.3f}")
     assert np.mean(correlations) >= IMATRIX_MSAN_FLOOR[case]
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "fused"])
+def test_per_expert_scales_and_biases_apply_per_row_in_ggmls_batches(arch, make_model, monkeypatch):
+    """build_moe_ffn's per-expert scales are one scalar per expert ([n_expert]) and its biases a
+    vector per expert: ggml's batches, one expert per row, apply each row's own, as the numpy engine
+    does one expert at a time (the fixtures have neither, so the tables are given here)."""
+    path = make_model(arch, "F32")
+    model = read_model(path)
+    layout = inspect_layout(model)
+    rng = np.random.default_rng(12)
+    n_expert = layout.expert_count
+    tables = {}
+
+    def per_expert(self, name):
+        if name not in tables:
+            base = name.rsplit(".", 1)[0] + ".weight"
+            if base not in model.tensor_index:
+                tables[name] = None
+            elif name.endswith(".scale"):
+                tables[name] = rng.uniform(0.5, 2.0, n_expert).astype(np.float32)
+            else:
+                tables[name] = rng.normal(size=(n_expert, model.tensor_index[base][1].shape[1])).astype(np.float32)
+        return tables[name]
+
+    monkeypatch.setattr(ExpertEvaluator, "_per_expert", per_expert)
+    width = model.tensor_index["blk.0.ffn_down_exps.weight"][1].shape[1]
+    x = rng.standard_normal((12, width)).astype(np.float32)
+    work = [(e, x[i:i + 4]) for i, e in zip(range(0, 12, 4), (2, 0, 2))]
+    ggml = ExpertEvaluator(model, layout, threads=2, engine="ggml").outputs_many(0, work)
+    numpy = ExpertEvaluator(model, layout)
+    assert any(t is not None for name, t in tables.items() if name.endswith(".scale"))
+    for (expert, rows), ours in zip(work, ggml):
+        np.testing.assert_allclose(ours, numpy.outputs(0, expert, rows), rtol=2e-3, atol=1e-4 * float(np.abs(ours).max()))

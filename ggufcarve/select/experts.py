@@ -119,7 +119,8 @@ def activate(kind: str, gate: np.ndarray | None, up: np.ndarray) -> np.ndarray:
 
 
 class ExpertEvaluator:
-    """f_e(x) for the routed experts of one model, weights read and dequantized on demand."""
+    """f_e(x) for the routed experts of one model: weights read and dequantized on demand (numpy),
+    or multiplied where they lie by ggml (see the module docstring)."""
 
     def __init__(self, model: GGUFModel, layout: MoeLayout, cache_bytes: int = CACHE_BYTES, threads: int = 1, engine: str = "numpy") -> None:
         if engine not in ENGINES:
@@ -257,11 +258,11 @@ class ExpertEvaluator:
         if fused:
             scale = self._per_expert(block_tensor(block, UP_EXPS, "scale"))
             if scale is not None:
-                gate, up = gate * scale[expert], up * scale[expert]
+                gate, up = gate * _per_row(scale, expert), up * _per_row(scale, expert)
             bias = self._per_expert(block_tensor(block, GATE_UP_EXPS, "bias"))
             if bias is not None:
                 half = bias.shape[1] // 2
-                gate, up = gate + bias[expert, :half], up + bias[expert, half:]
+                gate, up = gate + _per_row(bias, expert)[..., :half], up + _per_row(bias, expert)[..., half:]
         else:
             for base, kind in ((UP_EXPS, "up"), (GATE_EXPS, "gate")):
                 if kind == "gate" and gate is None:
@@ -269,10 +270,10 @@ class ExpertEvaluator:
                 value = up if kind == "up" else gate
                 scale = self._per_expert(block_tensor(block, base, "scale"))
                 if scale is not None:
-                    value = value * scale[expert]
+                    value = value * _per_row(scale, expert)
                 bias = self._per_expert(block_tensor(block, base, "bias"))
                 if bias is not None:
-                    value = value + bias[expert]
+                    value = value + _per_row(bias, expert)
                 if kind == "up":
                     up = value
                 else:
@@ -281,4 +282,12 @@ class ExpertEvaluator:
 
     def _scaled_down(self, block: int, expert: int | np.ndarray, out: np.ndarray) -> np.ndarray:
         scale = self._per_expert(block_tensor(block, DOWN_EXPS, "scale"))
-        return out * scale[expert] if scale is not None else out
+        return out * _per_row(scale, expert) if scale is not None else out
+
+
+def _per_row(values: np.ndarray, expert: int | np.ndarray) -> np.ndarray:
+    """values[expert] of a per-expert table ([n_expert] scales, [n_expert, n] biases), shaped to
+    broadcast over products [rows, n]: one expert's, or with an expert per row its values as
+    [rows, n], a scalar's as [rows, 1]."""
+    picked = values[expert]
+    return picked[:, None] if isinstance(expert, np.ndarray) and picked.ndim == 1 else picked
