@@ -18,10 +18,11 @@ ffn_moe_weights_norm, ffn_moe_weights_softmax, ffn_moe_weights present in the gr
                δ = λ ||w_j r_j - w_r r_r|| / max(1 - w_j + w_r, 1e-6)
 with, for token t: w = applied weights / λ, c = Σ_j w_j f_j, r_j = f_j - c; the refill expert
 r = ffn_moe_argsort[t, k] (rank k, 0-based: the router's own ranking, selection bias and group mask
-included); f_r evaluated at the MoE input (src[1] of ffn_moe_logits) by ggml's own products on
-the quantized weights of r (`select.experts`, engine "ggml": for one token a product, llama.cpp's
-ffn_moe_down of r bit for bit), r_r = f_r - c, w_r = p_r / Σ_j p_Sj with p = ffn_moe_probs (for softmax-weight
-gating, where ffn_moe_probs holds the logits, p = their softmax over all experts).
+included); f_r evaluated at the MoE input (src[1] of ffn_moe_logits) by build_moe_ffn's own op,
+ggml_mul_mat_id, on the quantized weights of r (`select.experts`, engine "ggml": llama.cpp's
+ffn_moe_down of r bit for bit on Q8_0), r_r = f_r - c, w_r = p_r / Σ_j p_Sj with p =
+ffn_moe_probs (for softmax-weight gating, where ffn_moe_probs holds the logits, p = their softmax
+over all experts).
 Every criterion also records the largest |f| element per expert (REAP's max activation).
 
 One pass fills several criteria (`filled_by`): a frequency pass captures ffn_moe_topk only; any
