@@ -58,7 +58,7 @@ def work(request, out):
     out.write_text(action)
 
 if __name__ == "__main__":
-    sys.exit(child.serve(Toy, work, preload=("json",)))
+    sys.exit(child.serve(Toy, work))
 '''
 
 

@@ -137,14 +137,14 @@ def error_of(err: BaseException) -> tuple[ChildError, int] | None:
     return None
 
 
-def serve(request_type: type[ChildRequest], work: Callable[[Any, Path], None], argv: Sequence[str] | None = None, preload: Sequence[str] = ()) -> int:
-    """The child's main: import `preload` and the `--preload` modules, read the envelope on stdin,
+def serve(request_type: type[ChildRequest], work: Callable[[Any, Path], None], argv: Sequence[str] | None = None) -> int:
+    """The child's main: import the `--preload` modules, read the envelope on stdin,
     run `work(request, result_path)`; its BadInput, other CarveError and OSError become the error
     line. Returns the exit status."""
     parser = argparse.ArgumentParser(description=f"Run one {request_type.TASK} request (a JSON envelope on stdin).")
     parser.add_argument("--preload", action="append", default=[], help="a module to import before the request arrives (repeatable)")
     args = parser.parse_args(argv)
-    for module in (*preload, *args.preload):
+    for module in args.preload:
         importlib.import_module(module)
     text = sys.stdin.read()
     if not text:
