@@ -103,8 +103,9 @@ def old_way(model: Path, keep: int, methods: list[str], args: argparse.Namespace
 
 
 def table(name: str, keep: int, experts: int, tuned: dict, tune_seconds: float, old: dict | None, work: Path) -> str:
-    # tune's ranking (tune.md): the most chunks first (the finalists), then by mean KLD
-    candidates = sorted((c for c in tuned["candidates"] if c["K"] == keep), key=lambda c: (-c["chunks_scored"], c["kld_mean"], c["id"]))
+    from ggufcarve.tune.run import ranked
+
+    candidates = ranked(tuned["candidates"], keep)  # tune's ranking (tune.md)
     t = tuned["timings"]
     lines = [f"**{name}**: {experts} -> {keep} experts per block; held-out text {HELDOUT.name}, ctx {tuned['parameters']['ctx']}, "
              f"{tuned['parameters']['chunks']} chunks; calibration {CALIBRATION.name}, {tuned['calibration_pass']['tokens']} tokens.", "",

@@ -17,6 +17,12 @@ def main() -> None:
         from ggufcarve.select.prestart import prestart_for_command_line
 
         prestart_for_command_line(sys.argv[1:])  # a calibration child starts beside the imports below
+    except Exception:  # a head start only: the command starts its own child when this one did not start
+        import os
+
+        if os.environ.get("GGUFCARVE_DEBUG") == "1":
+            raise
+    try:
         from ggufcarve.cli import main as cli_main
     except Exception as error:  # a broken installation: one line, as every error of the command line
         import os

@@ -517,12 +517,8 @@ def atomic_file(path: Path, elsewhere: str = "choose another -o directory", sync
 
 def save_figure(figure: Any, path: Path) -> Path:
     """A matplotlib figure as PNG at `path`, written to a temp name and renamed (no partial chart)."""
-    temp = temp_path_for(path)
-    try:
+    with atomic_file(path, sync=False) as temp:
         figure.savefig(temp, format="png")
-        os.replace(temp, path)
-    finally:
-        temp.unlink(missing_ok=True)
     return path
 
 

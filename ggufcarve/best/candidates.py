@@ -48,10 +48,6 @@ def choose_candidates(report: FitReport) -> list[Candidate]:
     for rung in report.spec.rungs:
         rows = [r for r in report.rows if r.rung.rung == rung.name]
         fitting = sorted((r for r in rows if r.fits), key=lambda r: r.kept, reverse=True)
-        picked = fitting[:2]
-        unpruned = next((r for r in rows if r.kept == n and r.fits), None)
-        if unpruned is not None and unpruned not in picked:
-            picked.append(unpruned)
-        for r in picked:
+        for r in fitting[:2]:  # the unpruned row, when it fits, is the first (the largest K)
             chosen[(r.kept, rung.name)] = Candidate(r.kept, n, rung.name, r.rung.bytes, r.cache_bytes, report.memory)
     return sorted(chosen.values(), key=lambda c: (c.file_bytes, -c.kept, c.quant))

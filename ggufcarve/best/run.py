@@ -251,14 +251,19 @@ def run_command(path: Path, settings: BestSettings, cache_bytes: int) -> dict[st
 
 
 def _tune(source: Path, plan: Plan, settings: BestSettings, out_dir: Path, imatrix: Path, on_event: Sink) -> dict[str, Any]:
-    """tune's report for the candidate K values (the one written under out_dir/tune when its parameters match)."""
+    """tune's report for the candidate K values: the one written under out_dir/tune when its
+    parameters and its inputs' names match and no input changed after it, else a new run."""
     from ggufcarve.tune.run import TuneSettings, tune
 
     tune_dir = out_dir / "tune"
     parameters = {"keeps": plan.kept_counts, "methods": list(settings.methods), "ctx": settings.eval_ctx, "chunks": settings.chunks, "max_tokens": settings.max_tokens}
+    inputs = [{"kind": "model", "name": source.name}, *({"kind": "calibration", "name": p.name} for p in settings.calibration),
+              *({"kind": "heldout", "name": p.name} for p in settings.heldout)]
     try:
         previous = json.loads((tune_dir / "tune.json").read_text())
-        if imatrix.is_file() and all(previous["parameters"].get(k) == v for k, v in parameters.items()):
+        newest_input = max(p.stat().st_mtime for p in (source, *settings.calibration, *settings.heldout))
+        if (imatrix.is_file() and all(previous["parameters"].get(k) == v for k, v in parameters.items()) and previous["inputs"] == inputs
+                and (tune_dir / "tune.json").stat().st_mtime >= newest_input):
             previous["reused"] = True
             return previous
     except (OSError, ValueError, KeyError):
@@ -334,7 +339,6 @@ def _judge(gate: Any, record: dict[str, Any]) -> tuple[bool, list[str]]:
 
 def best(source: Path, settings: BestSettings, out_dir: Path, *, plan: Plan | None = None, on_event: Sink = ignore) -> BestResult:
     """Search the candidates; write best.json, best.md, best-pareto.png and plan.toml under `out_dir`, the models under out_dir/models."""
-    import shutil
     import tempfile
 
     from ggufcarve.best.render import chart, markdown, plan_document, write_plan
@@ -455,15 +459,15 @@ def best(source: Path, settings: BestSettings, out_dir: Path, *, plan: Plan | No
                     have = tables.get(cid)
                     if have is None or have.max_chunks < min(chunks, n_chunks):
                         tables[cid] = score_model(records[cid]["path"], cid, segments, eval_settings, scratch, chunks, on_event)
-                ranked = sorted(alive, key=lambda cid: (_metric(candidate_statistics(tables[cid].first(chunks), names), settings.metric), cid))
+                stats = {cid: candidate_statistics(tables[cid].first(chunks), names) for cid in alive}
+                ranked = sorted(alive, key=lambda cid: (_metric(stats[cid], settings.metric), cid))
                 last = number == len(rounds) - 1
                 keep = ranked if last else ranked[: math.ceil(len(ranked) / 2)]
                 halving.append({"chunks": chunks, "scored": ranked, "kept": keep})
                 for cid in ranked:
-                    view = tables[cid].first(chunks)
-                    records[cid].update(candidate_statistics(view, names), chunks_scored=max(view.chunks))
+                    records[cid].update(stats[cid], chunks_scored=max(tables[cid].first(chunks).chunks))
                 if not last:
-                    leader = _metric(candidate_statistics(tables[keep[0]].first(chunks), names), settings.metric)
+                    leader = _metric(stats[keep[0]], settings.metric)
                     for cid in ranked[len(keep):]:
                         records[cid].update(stopped_early=True, stopped_reason="halving",
                                             lost_by=_metric(records[cid], settings.metric) - leader)
@@ -517,5 +521,4 @@ def best(source: Path, settings: BestSettings, out_dir: Path, *, plan: Plan | No
         outputs = [out_dir / "best.json", out_dir / "best.md", out_dir / CHART]
         if winner is not None:
             outputs.append(write_plan(plan_document(report, source, settings, out_dir, imatrix), out_dir))
-        shutil.rmtree(out_dir / "tune" / "work", ignore_errors=True)
     return BestResult(report, outputs)

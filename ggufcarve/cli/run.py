@@ -96,19 +96,20 @@ def _tune_json(plan: RunPlan) -> dict:
 
 
 def _tune_table(report: dict) -> None:
-    from ggufcarve.tune.run import ranked
+    from ggufcarve.tune.run import left_out_lines, ranked
 
-    results = report
-    for k in results["keeps"]:
-        table = new_table(title=f"tune: K = {k} of {results['model']['expert_count']}, mean KLD vs the unpruned model (masked), ctx {report['parameters']['ctx']}")
+    for k in report["keeps"]:
+        table = new_table(title=f"tune: K = {k} of {report['model']['expert_count']}, mean KLD vs the unpruned model (masked), ctx {report['parameters']['ctx']}")
         for column in ("method", "mean KLD", "±", "99.9% KLD", "same top p", "PPL", "chunks"):
             table.add_column(column, justify="left" if column == "method" else "right", overflow="fold")
-        for c in ranked(results["candidates"], k):
+        for c in ranked(report["candidates"], k):
             name = f"[bold]{escape(c['method'])}[/] (winner)" if c["winner"] else escape(c["method"]) + (f" (= {escape(c['identical_to'])})" if c["identical_to"] else "")
             table.add_row(name, f"{c['kld_mean']:.4f}", f"{c['kld_mean_stderr']:.4f}", f"{c['kld_p999']:.3f}", f"{100 * c['same_top_p']:.1f}%", f"{c['ppl']:.2f}",
                           f"{c['chunks_scored']}" + (" (stopped)" if c["stopped_early"] else ""))
         out.print(table)
-    out.print(f"carved: {results['winner']} (the winner at the first K); the table and the cliff: method/tune.md", highlight=False, soft_wrap=True)
+    for line in left_out_lines(report):
+        out.print(line, highlight=False, soft_wrap=True)
+    out.print(f"carved: {report['winner']} (the winner at the first K); the table and the cliff: method/tune.md", highlight=False, soft_wrap=True)
 
 
 def _pareto(results: list[dict]) -> set[str]:

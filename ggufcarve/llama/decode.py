@@ -56,8 +56,8 @@ CHILD_MODULE = "ggufcarve.llama.decode"
 TASK = "decode"
 IDLE_TIMEOUT = 600.0  # one micro-batch of a large model on a slow CPU takes minutes, not ten
 # The decode child's environment:
-#  * numpy's matrix products (greedy's rerouted experts) run beside llama.cpp's own threads: a BLAS
-#    thread pool on top oversubscribes the cores (measured: 30x slower products on 2 cores);
+#  * numpy's matrix products (greedy's rerouted experts) run on ExpertEvaluator's own thread pool:
+#    a BLAS thread pool under each oversubscribes the cores (measured: 30x slower products on 2 cores);
 #  * glibc's malloc maps an allocation above M_MMAP_THRESHOLD (adjusted between 128 KiB and 32 MiB)
 #    afresh and unmaps it when freed, and trims the heap's top above M_TRIM_THRESHOLD: the eval
 #    callback's copies and temporaries of every block and micro-batch (MiBs each) then fault their
@@ -112,9 +112,7 @@ class DecodeRequest:
 
     @property
     def thread_count(self) -> int:
-        from ggufcarve.llama.tools import physical_cores
-
-        return self.threads or min(physical_cores(), 8)
+        return default_threads(self.threads)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -132,6 +130,13 @@ class DecodeRequest:
             tuple(tuple(Document.from_json(d) for d in f) for f in doc["documents"]), tuple(int(t) for t in doc["tokens"]),
             doc["max_tokens"], bool(doc["logits"]), int(doc["threads"]), bool(doc["verbose"]),
         )
+
+
+def default_threads(threads: int | None) -> int:
+    """`threads`, or when not given (None or 0) the decode's default: min(physical cores, 8)."""
+    from ggufcarve.llama.tools import physical_cores
+
+    return threads or min(physical_cores(), 8)
 
 
 class Consumer(Protocol):

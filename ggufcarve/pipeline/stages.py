@@ -287,7 +287,8 @@ def _tune_stage(ctx: RunContext) -> Stage:
         write_text_atomic(names.selection, (out_dir / SELECTION_NAME).read_text(encoding="utf-8"))
         ctx.keepset = load_keepset(names.selection, ctx.layout)
         winner = next(c for c in result.report["candidates"] if c["id"] == result.winner)
-        return [*result.outputs, names.selection], (f"{len(settings.methods)} methods at K = {', '.join(map(str, settings.keeps))}; winner {result.winner} "
+        methods = len({c["method"] for c in result.report["candidates"]})  # greedy left out of "all" is not among them
+        return [*result.outputs, names.selection], (f"{methods} methods at K = {', '.join(map(str, settings.keeps))}; winner {result.winner} "
                                                     f"(mean KLD {winner['kld_mean']:.4f}), carved: keep {names.kept} of {names.source_expert_count}")
 
     parameters = {"method": "tune", "methods": list(settings.methods), "keeps": list(settings.keeps), "ctx": settings.ctx, "chunks": settings.chunks,
@@ -609,6 +610,8 @@ def _publish_tune(plan: RunPlan) -> list[Path]:
     WORK/tune when their bytes differ; removed from the release when the plan does not tune."""
     import shutil
 
+    from ggufcarve.fileio import atomic_file
+
     published = []
     for name in TUNE_PUBLISHED:
         target = plan.output / "method" / name
@@ -617,9 +620,8 @@ def _publish_tune(plan: RunPlan) -> list[Path]:
             continue
         made = plan.work / TUNE_DIR / name
         if not target.is_file() or target.read_bytes() != made.read_bytes():
-            temp = target.with_name(target.name + ".tmp")
-            shutil.copyfile(made, temp)
-            temp.replace(target)
+            with atomic_file(target) as temp:
+                shutil.copyfile(made, temp)
         published.append(target)
     return published
 

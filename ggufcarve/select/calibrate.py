@@ -9,8 +9,8 @@ the child a command started ahead (`ggufcarve.select.prestart`) or a new one. It
     (`calibrate_all` returns them all; `calibrate` the one asked for);
   * for `greedy` (asked, or with `greedy=True` beside another criterion), the backward
     elimination of `ggufcarve.select.greedy`, which holds the block inputs and outputs of every
-    token and eliminates once the decode has ended; the statistics consumer then runs as a reap
-    pass (the criteria of `from_trace.OUTPUT_METHODS`) unless razor is asked;
+    token and eliminates once the decode has ended; the statistics consumer runs the pass of the
+    criterion asked beside it (a reap pass when greedy alone is asked);
   * with `imatrix_out`, the importance matrix (`ggufcarve.imatrix.collect.IMATRIX_CONSUMER`):
     llama-imatrix's statistics of every MUL_MAT / MUL_MAT_ID of a blk.* weight, written as
     llama-imatrix would write them from the same text and --ctx.
@@ -32,7 +32,7 @@ from ggufcarve.events import Sink, ignore
 from ggufcarve.fileio import check_outputs
 from ggufcarve.gguf.container import GGUFModel
 from ggufcarve.llama.calibration import Batching, check_chunking, read_calibration
-from ggufcarve.llama.decode import DecodeRequest, decode
+from ggufcarve.llama.decode import DecodeRequest, decode, default_threads
 from ggufcarve.moe.layout import MoeLayout
 from ggufcarve.select.from_trace import TraceStatistics, statistics_consumer
 from ggufcarve.select.prestart import TRACE_METHODS
@@ -96,10 +96,9 @@ def calibrate_all(
     check_chunking(ctx, max_tokens)
     calibration = read_calibration(files)
     if greedy:
-        from ggufcarve.llama.tools import physical_cores
         from ggufcarve.select.greedy import check_memory
 
-        check_memory(layout, calibration, ctx, max_tokens, threads or min(physical_cores(), 8), available_memory)
+        check_memory(layout, calibration, ctx, max_tokens, default_threads(threads), available_memory)
     consumers = [statistics_consumer(method)]
     if greedy:
         from ggufcarve.select.greedy import GREEDY_CONSUMER

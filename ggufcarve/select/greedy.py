@@ -85,6 +85,7 @@ from ggufcarve.fileio import format_size
 from ggufcarve.llama.calibration import CalibrationFile
 from ggufcarve.llama.decode import ConsumerSpec, DecodeRequest
 from ggufcarve.llama.trace import GraphTracer
+from ggufcarve.moe.kept import groups_of
 from ggufcarve.moe.routing import SIGMOID, SOFTMAX, SOFTMAX_WEIGHT, SQRT_SOFTPLUS
 from ggufcarve.select.experts import CACHE_BYTES, ExpertEvaluator
 
@@ -169,7 +170,7 @@ def router_of(model: Any, layout: Any, block: int) -> Router:
     bias_names = [t.name for layer in layout.layers if layer.block == block for t in layer.tensors if t.role == "selection bias"]
     bias = tensor_values(model, bias_names[0]).astype(np.float64).reshape(-1) if bias_names else None
     return Router(layout.expert_count, layout.expert_used_count, routing.gating, bool(routing.normalised), routing.scale, bias,
-                  layout.group_count if layout.group_count > 1 else 1, layout.group_used_count)
+                  groups_of(layout), layout.group_used_count)
 
 
 @dataclass
@@ -254,10 +255,9 @@ class GreedyBlock:
         self.y = outputs.combine(self.tokens, full_topk, weights)
         self.selection_agrees = float(np.mean(np.sort(full_topk, axis=1) == np.sort(topk, axis=1))) if len(topk) else 1.0
 
-    def output(self, allowed: np.ndarray, rows: np.ndarray | None = None) -> np.ndarray:
-        rows = self.tokens if rows is None else rows
-        topk, weights, _ = self.router.route(self.probs[rows], allowed)
-        return self.outputs.combine(rows, topk, weights)
+    def output(self, allowed: np.ndarray) -> np.ndarray:
+        topk, weights, _ = self.router.route(self.probs, allowed)
+        return self.outputs.combine(self.tokens, topk, weights)
 
     def error(self, keep: Sequence[int]) -> float:
         """mean over tokens ||y - y_S||^2 for S = `keep`."""
@@ -265,9 +265,9 @@ class GreedyBlock:
         allowed[list(keep)] = True
         return float(np.mean(np.sum((self.y - self.output(allowed)) ** 2, axis=1)))
 
-    def _sensitive(self, allowed: np.ndarray) -> np.ndarray:
-        """[T, E] bool: the experts whose removal can change each token's selection."""
-        topk, _, selection = self.router.route(self.probs, allowed)
+    def _sensitive(self, topk: np.ndarray, selection: np.ndarray) -> np.ndarray:
+        """[T, E] bool: the experts whose removal can change each token's selection (`topk` and
+        `selection` the routing over the experts still allowed)."""
         mask = np.zeros((len(self.probs), self.router.expert_count), dtype=bool)
         np.put_along_axis(mask, topk, True, axis=1)
         if self.router.groups > 1:
@@ -288,16 +288,18 @@ class GreedyBlock:
         allowed = np.ones(n, dtype=bool)
         removed: list[int] = []
         errors: list[float] = []
+        yy = np.sum(self.y**2, axis=1) if self.router.rescales else None
         while allowed.sum() > self.router.smallest():
-            current = self.output(allowed)
+            topk_now, weights_now, selection = self.router.route(self.probs, allowed)  # one routing a step
+            current = self.outputs.combine(self.tokens, topk_now, weights_now)
             residual = self.y - current
             base = np.sum(residual**2, axis=1)  # [T]
-            sensitive = self._sensitive(allowed) if self.router.local else None
+            sensitive = self._sensitive(topk_now, selection) if self.router.local else None
             counts = allowed.reshape(groups, size).sum(axis=1)
             candidates = [e for e in np.flatnonzero(allowed) if counts[e // size] == counts.max()]
             if self.router.rescales:
                 z = np.where(allowed, self.probs, 0.0).sum(axis=1)
-                yy, yc, cc = np.sum(self.y**2, axis=1), np.sum(self.y * current, axis=1), np.sum(current**2, axis=1)
+                yc, cc = np.sum(self.y * current, axis=1), np.sum(current**2, axis=1)
             trials = []
             for e in candidates:
                 trial = allowed.copy()
@@ -432,7 +434,7 @@ def memory_estimate(layout: Any, tokens: int, threads: int = 8) -> GreedyMemory:
     n_embd = max((t.shape[0] for layer in blocks for t in layer.tensors if t.role == "router"), default=0)
     expert_values = [sum(int(np.prod(t.shape[:-1])) for t in layer.tensors if t.role == "expert weight") for layer in blocks]  # per expert
     per_token = max(expert_values, default=0) // max(n_embd, 1)  # F = 3 n_ff: gate and up rows, the activation
-    groups = layout.group_count if layout.group_count > 1 else 1
+    groups = groups_of(layout)
     local = not (layout.routing.gating == SOFTMAX and layout.routing.selection_bias)
     sensitive = min(n_expert, k + (2 * groups if groups > 1 else 0)) if local else n_expert
     reached = 1 if local and groups == 1 else min(n_expert - k, sensitive * k)

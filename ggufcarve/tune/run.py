@@ -176,13 +176,13 @@ def fit_greedy(layout: Any, settings: TuneSettings) -> tuple[TuneSettings, dict[
 
     from ggufcarve.fileio import format_size
     from ggufcarve.llama.calibration import read_calibration
-    from ggufcarve.llama.tools import physical_cores
+    from ggufcarve.llama.decode import default_threads
     from ggufcarve.select.greedy import available_memory, check_memory, memory_estimate, token_bound
 
     if "greedy" not in settings.methods or not settings.calibration:
         return settings, {}
     calibration = read_calibration(settings.calibration)
-    threads = settings.threads or min(physical_cores(), 8)
+    threads = default_threads(settings.threads)
     available = available_memory() if settings.available_memory is None else settings.available_memory
     if settings.methods != ALL_METHODS:
         check_memory(layout, calibration, settings.ctx, settings.max_tokens, threads, available)
