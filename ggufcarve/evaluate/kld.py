@@ -331,6 +331,13 @@ class ReferenceFile:
             for index in range(self.n_chunk if n_chunk is None else min(n_chunk, self.n_chunk)):
                 yield _read_chunk(f, self, per_chunk, index)
 
+    def chunk(self, f: BinaryIO, index: int) -> np.ndarray:
+        """The records of chunk `index` read from `f`, this file opened for reading."""
+        per_chunk = self.chunking.scored_per_chunk
+        size = self.header.record.itemsize if self.header is not None else base_values_per_token(self.n_vocab) * 2
+        f.seek(self.data_offset + index * per_chunk * size)
+        return _read_chunk(f, self, per_chunk, index)
+
 
 def _read_chunk(f: BinaryIO, ref: ReferenceFile, per_chunk: int, index: int) -> np.ndarray:
     if ref.header is not None:

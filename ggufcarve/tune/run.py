@@ -13,11 +13,13 @@ most ALL_SHARE of the memory available (`select.greedy.available_memory`); left 
 "left_out" and a line of tune.md say why. Listed by name, greedy is refused before anything runs
 when its estimate exceeds `select.greedy.REFUSE_SHARE` of it (`fit_greedy`). Each criterion's
 keep-set at each K (`select.keep.choose`, the record `select -o` writes); identical keep-sets are
-scored once (`identical_to`). The tune child (`tune.child`) scores them: per K the candidates
-compete by successive halving (`tune.protocol`); the statistics are llama-perplexity's
+scored once (`identical_to`). The measurement layer (`measure.tournament`) scores them against
+the unpruned model's cached log-probs, masked on the one loaded model: per K the candidates compete
+by successive halving decided by the paired per-token KLD difference to each round's leader
+(`delta_vs_leader`, `delta_stderr`, one entry per round); the statistics are llama-perplexity's
 (`evaluate.kld.kld_statistics`) over every held-out token a candidate was scored on. The winner
-of a K is the finalist with the lowest mean KLD; `expert-selection.json` is the winner at the
-first K given.
+of a K is the finalist with the lowest mean KLD, `tie_with` the finalists within z standard
+errors of it; `expert-selection.json` is the winner at the first K given.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import numpy as np
 
 from ggufcarve.errors import BadInput
 from ggufcarve.events import Sink, ignore
+from ggufcarve.measure.statistics import DEFAULT_Z
 
 REPORT = "tune"
 CHART = "tune-kld.png"
@@ -55,6 +58,7 @@ class TuneSettings:
     threads: int | None = None
     seed: int = 0
     stability: bool = False
+    z: float = DEFAULT_Z  # a candidate leaves a round when worse than the leader by more than z standard errors (paired)
     imatrix_out: Path | None = None  # also write the calibration pass's imatrix (of the unpruned model) here
     available_memory: int | None = None  # bytes greedy's pass may count on; None: select.greedy.available_memory()
 
@@ -196,8 +200,7 @@ def fit_greedy(layout: Any, settings: TuneSettings) -> tuple[TuneSettings, dict[
 
 
 def reference_bytes(source: Path, settings: TuneSettings) -> int:
-    """At most the bytes of the unpruned model's log-prob records the tune child keeps in its work
-    directory: llama-perplexity's base records (`evaluate.kld.base_file_bytes`) of every held-out
+    """At most the bytes of the unpruned model's log-prob records the reference cache keeps: llama-perplexity's base records (`evaluate.kld.base_file_bytes`) of every held-out
     file, its chunk count bounded by the text's bytes as `evaluate.run.reference_disk_bytes` bounds
     it (a token of llama.cpp's tokenizers spells at least one byte, apart from a BOS and a
     leading-space marker)."""
@@ -242,10 +245,13 @@ def tune(source: Path, settings: TuneSettings, out_dir: Path, *, on_event: Sink 
     work.mkdir()
     (out_dir / "candidates").mkdir(exist_ok=True)
     try:
-        from ggufcarve.evaluate.run import check_room
+        from ggufcarve.evaluate.protocol import EvalSettings
+        from ggufcarve.evaluate.run import check_room, reference_cache_dir
 
-        check_room(work / "the unpruned model's log-probs", reference_bytes(model.path, settings),
-                    "give -o a directory on a larger disk, or fewer --chunks")
+        cache = reference_cache_dir(EvalSettings(speed=None))
+        cache.mkdir(parents=True, exist_ok=True)
+        check_room(cache / "the unpruned model's log-probs", reference_bytes(model.path, settings),
+                   "free room in the cache (GGUFCARVE_CACHE), or give fewer --chunks")
         return _tune(model, layout, settings, out_dir, work, started, on_event, asked, left_out)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -254,11 +260,12 @@ def tune(source: Path, settings: TuneSettings, out_dir: Path, *, on_event: Sink 
 def _tune(model: Any, layout: Any, settings: TuneSettings, out_dir: Path, work: Path, started: float, on_event: Sink,
           asked: tuple[str, ...], left_out: dict[str, str]) -> TuneResult:
     from ggufcarve.fileio import write_text_atomic
-    from ggufcarve.llama import child
+    from ggufcarve.llama.masking import required_nodes
     from ggufcarve.llama.tools import physical_cores
+    from ggufcarve.measure.tournament import Candidate, MeasureSettings, measure, measure_tables, prepare_segments
+    from ggufcarve.moe.keepset import KeepSet
     from ggufcarve.reports import envelope
     from ggufcarve.select.keep import choose
-    from ggufcarve.tune.protocol import CHILD_MODULE, CHUNK_TASK, Request
 
     timings: dict[str, float] = {}
     scores, passed = _scores(model, layout, settings, work, on_event)
@@ -292,36 +299,45 @@ def _tune(model: Any, layout: Any, settings: TuneSettings, out_dir: Path, work: 
                 group.append(cid)
             candidates.append(entry)
         groups.append(group)
-    request = Request(model=str(model.path), threads=settings.threads or physical_cores(), n_ctx=settings.ctx, texts=[str(p) for p in settings.heldout],
-                      result_out=str(work / "result.json"), work=str(work), candidates=keep_of, groups=groups, max_chunks=settings.chunks)
-    scored = child.run(CHILD_MODULE, request, Path(request.result_out), lambda p: json.loads(p.read_text()), what=f"tuning {model.path.name} in libllama",
-                       hint="the last lines are llama.cpp's own; check that the model loads (ggufcarve inspect MODEL)", sink=on_event,
-                       stages={CHUNK_TASK: "tune"}, idle_timeout=3600.0)
-    _check_masked(layout, keep_of, scored, model.path.name)
-    timings["reference_seconds"] = scored.get("reference_seconds", 0.0)
-    timings["score_seconds"] = scored.get("score_seconds", 0.0)
-    names = [Path(f["path"]).name for f in scored["files"]]
-
+    threads = settings.threads or physical_cores()
+    segments = prepare_segments(model.path, settings.heldout, chunk_ctx=settings.ctx, chunks=settings.chunks, threads=threads, work=work, on_event=on_event)
+    pool = [Candidate(cid, model.path, keep={int(b): ids for b, ids in keep.items()}, group=str(k),
+                      required_nodes=tuple(f"{node}:{block}" for node, block in required_nodes(layout, KeepSet({int(b): tuple(ids) for b, ids in keep.items()}))))
+            for k, group in zip(settings.keeps, groups) for cid in group for keep in [keep_of[cid]]]
+    measured = measure(pool, segments, MeasureSettings(threads=threads, z=settings.z, prefer="metric", tables=measure_tables()), work, on_event=on_event)
+    timings["score_seconds"] = measured.seconds
+    common = {}
+    for method in scores:
+        ids = [c["identical_to"] or c["id"] for c in candidates if c["method"] == method]
+        n = min(len(measured.tables[i]) for i in ids)
+        for c in candidates:
+            if c["method"] == method:
+                common[c["id"]] = measured.statistics_on(c["identical_to"] or c["id"], n)["kld_mean"]
     for entry in candidates:
         source_id = entry["identical_to"] or entry["id"]
-        entry.update(_statistics(work, source_id, names))
-        entry.update(chunks_scored=scored["candidates"][source_id]["chunks"], stopped_early=scored["candidates"][source_id]["stopped_early"],
-                     winner=False)
-    for g in scored["groups"]:
-        for entry in candidates:
-            if entry["id"] == g["winner"]:
-                entry["winner"] = True
-    winner = scored["groups"][0]["winner"]
+        record = measured.records[source_id]
+        entry.update({key: record.get(key) for key in ("kld_mean", "kld_mean_stderr", "kld_p999", "same_top_p", "ppl", "ppl_stderr", "tokens", "segments",
+                                                       "chunks_scored", "stopped_early", "stopped_reason", "delta_vs_leader", "delta_stderr")})
+        entry.update(ppl_base=record.get("ppl_reference"), kld_mean_per_file=[seg["kld_mean"] for seg in record.get("segments", [])],
+                     kld_mean_common=common[entry["id"]], winner=False, tie_with=[])
+    winners = {str(k): measured.groups[str(k)]["winner"] for k in settings.keeps}
+    for entry in candidates:
+        if entry["id"] in winners.values():
+            entry.update(winner=True, tie_with=measured.records[entry["id"]]["tie_with"])
+    winner = winners[str(settings.keeps[0])]
+    if winner is None:
+        raise BadInput("no candidate was scored on every held-out chunk", "give longer held-out text")
     write_text_atomic(out_dir / "expert-selection.json", texts[winner])
     timings["total_seconds"] = time.perf_counter() - started
     results = {
         "model": {"name": model.path.name, "architecture": layout.architecture, "expert_count": layout.expert_count, "expert_used_count": layout.expert_used_count},
-        "heldout": scored["files"],
+        "heldout": [{"path": seg.name, "n_ctx": seg.n_ctx, "n_chunk": seg.n_chunk} for seg in segments],
         "calibration_pass": {k: v for k, v in passed.items() if k != "seconds"},
         "keeps": list(settings.keeps),
         "winner": winner,
-        "winners": {str(k): g["winner"] for k, g in zip(settings.keeps, scored["groups"])},
-        "halving": scored["groups"],
+        "winners": winners,
+        "halving": [{"K": k, "candidates": groups[number], **measured.groups[str(k)]} for number, k in enumerate(settings.keeps)],
+        "halving_rule": HALVING_RULE,
         "cliff": cliff(candidates, settings.methods, settings.keeps),
         "candidates": candidates,
         "left_out": left_out,
@@ -341,32 +357,8 @@ def _tune(model: Any, layout: Any, settings: TuneSettings, out_dir: Path, work: 
     return TuneResult(report, winner, outputs)
 
 
-def _check_masked(layout: Any, keep_of: dict[str, dict[str, list[int]]], scored: dict, name: str) -> None:
-    from ggufcarve.errors import UnsupportedModel
-    from ggufcarve.llama.masking import required_nodes
-    from ggufcarve.moe.keepset import KeepSet
-
-    for cid, keep in keep_of.items():
-        masked = set(scored["candidates"].get(cid, {}).get("masked", []))
-        missing = [f"{node}-{block}" for node, block in required_nodes(layout, KeepSet({int(b): tuple(ids) for b, ids in keep.items()})) if f"{node}:{block}" not in masked]
-        if missing:
-            raise UnsupportedModel(f"{name}: llama.cpp's graph of {layout.architecture} has no node {', '.join(missing[:4])} to mask",
-                                   "score keep-sets by pruning files (ggufcarve prune --keep) and evaluating them")
-
-
-def _statistics(work: Path, cid: str, names: list[str]) -> dict[str, Any]:
-    """A candidate's statistics over every held-out token it was scored on, and each held-out file's
-    own (`segments`: `evaluate.kld.segment_statistics` records, in the order of the files)."""
-    from ggufcarve.evaluate.kld import kld_statistics, segment_statistics
-
-    tables = [np.load(work / f"{cid}-{f}.npy") for f in range(len(names))]
-    stats = kld_statistics(np.concatenate(tables))
-    segments = [segment_statistics(name, t) for name, t in zip(names, tables)]
-    return {"kld_mean": stats.kld_mean, "kld_mean_stderr": stats.kld_mean_stderr, "kld_p999": stats.kld["p999"], "same_top_p": stats.same_top_p,
-            "ppl": stats.ppl, "ppl_stderr": stats.ppl_stderr, "ppl_base": stats.ppl_base, "tokens": stats.count,
-            "kld_mean_per_file": [s["kld_mean"] for s in segments], "segments": segments}
-
-
+HALVING_RULE = ("successive halving over held-out units spread over every file; after each round a candidate leaves when its paired "
+                "per-token KLD difference to the round's leader exceeds z standard errors; the finalists are scored on every unit")
 CLIFF_RULE = ("the K with the largest rise in slope of mean KLD against K: over the K given in ascending order, "
               "(slope to the next K) - (slope from the previous K); at least 3 K, else none")
 
@@ -384,13 +376,20 @@ def knee(points: list[tuple[int, float]]) -> int | None:
 
 
 def cliff(candidates: list[dict[str, Any]], methods: tuple[str, ...], keeps: tuple[int, ...]) -> dict[str, Any]:
-    """Per method and for the best candidate per K: the curve of mean KLD against K and its knee."""
+    """Per method and for the best candidate per K: the curve of mean KLD against K and its knee.
+    A method's curve compares its candidates on the units all of them were scored on
+    (`kld_mean_common`, when given); the best per K is the winner of each K (scored on every unit)
+    when the candidates name one, else the lowest mean KLD."""
     out: dict[str, Any] = {"rule": CLIFF_RULE, "methods": {}}
     for method in methods:
-        curve = sorted((c["K"], c["kld_mean"]) for c in candidates if c["method"] == method)
+        curve = sorted((c["K"], c.get("kld_mean_common", c["kld_mean"])) for c in candidates if c["method"] == method)
         out["methods"][method] = {"K": knee(curve), "curve": [list(p) for p in curve]}
-    best = sorted((k, min(c["kld_mean"] for c in candidates if c["K"] == k)) for k in keeps)
-    out["best"] = {"K": knee(best), "curve": [list(p) for p in best]}
+    best = []
+    for k in keeps:
+        at_k = [c for c in candidates if c["K"] == k]
+        winners = [c for c in at_k if c.get("winner")]
+        best.append((k, winners[0]["kld_mean"] if winners else min(c["kld_mean"] for c in at_k)))
+    out["best"] = {"K": knee(sorted(best)), "curve": [list(p) for p in sorted(best)]}
     return out
 
 
@@ -403,7 +402,8 @@ def render_markdown(report: dict[str, Any]) -> str:
     lines = [f"# tune: {report['model']['name']}", "",
              f"Mean KLD against the unpruned model (llama-perplexity's statistics), pruned experts masked out of routing; "
              f"ctx {report['parameters']['ctx']}, held-out: {', '.join(Path(f['path']).name for f in report['heldout'])}. "
-             "Candidates stopped early were scored on fewer chunks (successive halving): compare them by round, not with the finalists.", ""]
+             "Candidates stopped early were scored on fewer chunks: each left a round of successive halving when its paired per-token KLD "
+             "difference to that round's leader exceeded two standard errors.", ""]
     stable = any("stability" in c for c in report["candidates"])
     if stable:
         lines += ["Halves overlap: the method's keep-sets from the first and from the second half of the calibration text, "
@@ -418,6 +418,10 @@ def render_markdown(report: dict[str, Any]) -> str:
             lines.append(f"| {rank} | {name} | {c['kld_mean']:.4f} | {c['kld_mean_stderr']:.4f} | {c['kld_p999']:.4f} | {100 * c['same_top_p']:.2f}% | "
                          f"{c['ppl']:.4f} | {c['chunks_scored']} | {'yes' if c['stopped_early'] else 'no'} | {c['identical_to'] or ''} |{overlap_cell}")
         lines.append("")
+        tied = [c for c in ranked(report["candidates"], k) if c["winner"] and c.get("tie_with")]
+        if tied:
+            lines += [f"Tie within noise: {tied[0]['method']} and {', '.join(tied[0]['tie_with'])} differ by less than two standard errors "
+                      "of their paired per-token KLD difference.", ""]
         segmented = [c for c in ranked(report["candidates"], k) if len(c.get("segments") or []) > 1]
         if segmented:
             names = [seg["name"] for seg in segmented[0]["segments"]]
@@ -429,7 +433,7 @@ def render_markdown(report: dict[str, Any]) -> str:
             lines.append("")
     cliff_of = report.get("cliff")
     if cliff_of and len(report["keeps"]) >= 3:
-        lines += ["## Cliff", "", f"Knee of mean KLD against K ({cliff_of['rule']}); candidates stopped early enter with their fewer-chunk mean.", "",
+        lines += ["## Cliff", "", f"Knee of mean KLD against K ({cliff_of['rule']}); each method's curve compares its candidates on the chunks all of them were scored on.", "",
                   "| method | knee K | mean KLD at each K |", "|---|---:|---|"]
         rows = [*cliff_of["methods"].items(), ("best per K", cliff_of["best"])]
         for method, entry in rows:

@@ -1,0 +1,100 @@
+"""The measurement child: one model loaded once in libllama; every job's candidate scored on its
+units, the dropped experts taken out of routing (`llama.masking.RoutingMask`, its keep-set swapped
+between jobs; no callback at all when no job masks).
+
+Run as `python -m ggufcarve.measure.child` through the one launcher; it speaks the child-task
+protocol of `ggufcarve.llama.child` (request: `measure.protocol.Request`). Chunks are cut from the
+reference's tokens and decoded as the evaluation child decodes them (llama-perplexity's chunking,
+n_batch 2048 // n_ctx chunks side by side, a unit being one such group), and compared with the
+reference's records as `ggufcarve eval` compares them (`kld.compare_base` for a base file,
+`kld.compare_topk` for a top-k cache). The result JSON holds, per job, the mask's node counts and
+its seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+
+from ggufcarve.llama import child
+from ggufcarve.measure.protocol import CHUNK_TASK, Request
+
+
+def _measure(request: Request, out: Path) -> None:
+    from ggufcarve.errors import BadInput, ToolFailed
+    from ggufcarve.evaluate import kld
+    from ggufcarve.evaluate.child import PERPLEXITY_BATCH
+    from ggufcarve.evaluate.engine import Engine, EngineError
+    from ggufcarve.evaluate.perplexity import chunk_tokens, scored_targets
+    from ggufcarve.llama.masking import RoutingMask
+
+    references = [kld.open_reference(Path(p)) for p in request.references]
+    n_ctx = {r.n_ctx for r in references}
+    if len(n_ctx) != 1:
+        raise BadInput(f"the references were scored at different chunk sizes ({', '.join(map(str, sorted(n_ctx)))})", "score every held-out file at one --chunk-ctx")
+    n_ctx_value = n_ctx.pop()
+    result: dict = {"jobs": {}}
+    try:
+        started = time.perf_counter()
+        engine = Engine(request.model, request.threads)
+        result["load_seconds"] = time.perf_counter() - started
+        result["n_vocab"] = engine.n_vocab
+        for ref in references:
+            if ref.n_vocab != engine.n_vocab:
+                raise BadInput(f"{Path(request.model).name}: the reference has a vocabulary of {ref.n_vocab} tokens, this model {engine.n_vocab}",
+                               "compare models of the reference's family")
+        n_seq = max(1, PERPLEXITY_BATCH // n_ctx_value)
+        masking = any(job.keep is not None for job in request.jobs)
+        mask = RoutingMask() if masking else None
+        context = engine.context(n_ctx_value, n_seq, min(PERPLEXITY_BATCH, n_seq * n_ctx_value), eval_callback=mask)
+        files = [open(ref.path, "rb") for ref in references]
+        total = sum(count for job in request.jobs for _, _, count in job.units)
+        done = 0
+        try:
+            child.progress(CHUNK_TASK, 0, total, "chunks")
+            for job in request.jobs:
+                job_started = time.perf_counter()
+                if mask is not None:
+                    mask.keep = {int(b): tuple(int(i) for i in ids) for b, ids in (job.keep or {}).items()}
+                    mask.masked = {}
+                with open(job.table_out, "wb") as table_file:
+                    for segment, first, count in job.units:
+                        ref = references[segment]
+                        chunking = ref.chunking
+                        if first < 0 or count < 1 or first + count > chunking.n_chunk or count > n_seq:
+                            raise BadInput(f"unit {first}+{count} of held-out file {segment}: outside its {chunking.n_chunk} chunks", "a ggufcarve bug")
+                        indices = range(first, first + count)
+                        logits = context.chunk_logits([chunk_tokens(ref.tokens, chunking, i, engine.add_bos, engine.bos) for i in indices], chunking.first)
+                        if mask is not None and mask.errors:
+                            raise ToolFailed(f"the routing mask failed: {mask.errors[0]}", "this architecture cannot be masked: score keep-sets by pruning files")
+                        for index, rows in zip(indices, logits):
+                            rows = rows[: chunking.scored_per_chunk]
+                            targets = scored_targets(ref.tokens, chunking, index)
+                            records = ref.chunk(files[segment], index)
+                            table = kld.compare_topk(rows, targets, records) if ref.kind == "topk" else kld.compare_base(rows, targets, records)
+                            table_file.write(np.ascontiguousarray(table, dtype="<f8").tobytes())
+                            done += 1
+                            child.progress(CHUNK_TASK, done, total, "chunks")
+                result["jobs"][job.id] = {"masked": sorted(mask.masked) if mask is not None else [], "seconds": time.perf_counter() - job_started}
+        finally:
+            context.close()
+            for f in files:
+                f.close()
+        engine.close()
+    except EngineError as err:
+        raise ToolFailed(f"{Path(request.model).name}: {err}", "check that llama.cpp loads the model (ggufcarve inspect)") from None
+    temp = out.with_name(out.name + f".{os.getpid()}.tmp")
+    temp.write_text(json.dumps(result, sort_keys=True))
+    os.replace(temp, out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return child.serve(Request, _measure, argv)
+
+
+if __name__ == "__main__":
+    child.exit_now(main())

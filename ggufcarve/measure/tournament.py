@@ -1,0 +1,411 @@
+"""Candidates scored against the unpruned model by successive halving, decided by paired statistics.
+
+    segments = prepare_segments(Path("model.gguf"), [Path("wiki.txt"), Path("code.txt")], chunk_ctx=512, chunks=None, threads=2, work=work)
+    result = measure([Candidate("reap-8", Path("model.gguf"), keep=reap_keep, group="8"), ...], segments, MeasureSettings(threads=2), work)
+    result.groups["8"]["winner"]
+
+A candidate is a model file and an optional keep-set (the experts it drops masked out of
+routing); candidates on one file are scored in one loaded model, one child per file and round
+(`measure.child`). Candidates compete within their group (tune: one group per K; best: one group).
+
+Units: each held-out file's chunks in groups of n_seq = 2048 // chunk_ctx (the groups `eval`
+decodes side by side), in a spread order per file (bit-reversed group index: the first units lie
+across the whole file), the files taken in turn. Every round scores a prefix of that order, so two
+candidates always share the units the shorter of them was scored on.
+
+Rounds of a group of C candidates over U units: the first scores max(S, ceil(U / 2^(ceil(log2 C) - 1)))
+units (S the number of held-out files), each next one twice as many, the last every unit. After
+each round but the last: a candidate that does not fit the budget or fails the gate leaves; every
+other candidate is compared with the round's leader (the lowest metric on the round's units) by
+the paired per-token difference (`measure.statistics`) and leaves only when worse by more than z
+standard errors. A group with one candidate left goes to the last round at once. In the last
+round the candidates left (the finalists) are scored on every unit; the leader is the lowest
+metric, `ties` the finalists within z standard errors of it, and the winner the one of those that
+`prefer` names (the smaller file by default).
+
+Tables are cached by content when `MeasureSettings.tables` names a directory: a candidate's table
+on a unit is keyed by the sha256 of its model file, its keep-set, the reference's identity, the unit
+and the scoring settings, so a re-run scores only what it has not scored before.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ggufcarve.errors import BadInput
+from ggufcarve.events import Sink, ignore
+from ggufcarve.measure.statistics import DEFAULT_Z, METRICS, Choice, PairedDifference, choose_answer, metric_column, paired_difference
+
+PERPLEXITY_BATCH = 2048  # llama-perplexity's default -b (evaluate.child.PERPLEXITY_BATCH)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    id: str
+    model: Path
+    keep: Mapping[int, Sequence[int]] | None = None  # block -> kept expert ids; None: every expert routed
+    group: str = ""
+    fits: bool = True
+    file_bytes: int = 0
+    read_bytes: int = 0  # bytes one token reads (prefer = "faster")
+    required_nodes: tuple[str, ...] = ()  # "<node>:<block>" the mask must have written (llama.masking.required_nodes)
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One held-out file: its reference log-probs and the chunks scored."""
+
+    name: str
+    reference: Path  # llama-perplexity base file or top-k cache
+    n_chunk: int
+    n_ctx: int
+    identity: str  # what the reference's records depend on (the unpruned model's sha256 and the text's)
+
+
+@dataclass(frozen=True)
+class MeasureSettings:
+    threads: int
+    z: float = DEFAULT_Z
+    metric: str = "kld_mean"
+    prefer: str = "smaller"
+    gate: Callable[[dict[str, Any]], tuple[bool, list[str]]] | None = None  # statistics -> (passed, failed checks)
+    tables: Path | None = None  # the content-keyed cache of per-unit tables
+
+
+@dataclass
+class Measurement:
+    units: list[tuple[int, int, int]]  # (segment, first chunk, chunk count) in scoring order
+    segments: list[Segment]
+    records: dict[str, dict[str, Any]]
+    groups: dict[str, dict[str, Any]]
+    tables: dict[str, list[np.ndarray]]  # candidate -> its table per unit scored, in unit order
+    seconds: float = 0.0
+    decoded_chunks: int = 0  # chunks decoded by this run (cached ones not counted)
+    cached_chunks: int = 0
+
+    def table(self, cid: str, n_units: int | None = None) -> np.ndarray:
+        parts = self.tables[cid] if n_units is None else self.tables[cid][:n_units]
+        return np.concatenate(parts) if parts else np.zeros((0, 6))
+
+    def statistics_on(self, cid: str, n_units: int) -> dict[str, Any]:
+        """The candidate's statistics on the first `n_units` units (every candidate that was scored on that many shares them)."""
+        return _statistics(self.table(cid, n_units), [], [])
+
+    def chunks_in(self, n_units: int) -> int:
+        return sum(count for _, _, count in self.units[:n_units])
+
+
+def spread_order(n: int) -> list[int]:
+    """0..n-1 ordered by their bit-reversed value: each prefix spread over the whole range (0, n/2, n/4, 3n/4, ...)."""
+    bits = max(1, (n - 1).bit_length())
+    return sorted(range(n), key=lambda i: int(format(i, f"0{bits}b")[::-1], 2))
+
+
+def spread_units(segments: Sequence[Segment], n_seq: int) -> list[tuple[int, int, int]]:
+    """The units of every held-out file (module docstring), the files taken in turn."""
+    per_file = []
+    for number, segment in enumerate(segments):
+        groups = [(number, g * n_seq, min(n_seq, segment.n_chunk - g * n_seq)) for g in range(math.ceil(segment.n_chunk / n_seq))]
+        per_file.append([groups[i] for i in spread_order(len(groups))])
+    out = []
+    for position in range(max((len(p) for p in per_file), default=0)):
+        out += [p[position] for p in per_file if position < len(p)]
+    return out
+
+
+def schedule(n_candidates: int, n_units: int, n_files: int = 1) -> list[int]:
+    """The units scored by each round's end, for a group of `n_candidates` (module docstring)."""
+    if n_units <= 0:
+        return []
+    if n_candidates <= 1:
+        return [n_units]
+    first = min(n_units, max(n_files, math.ceil(n_units / 2 ** max(0, math.ceil(math.log2(n_candidates)) - 1))))
+    rounds = []
+    n = first
+    while n < n_units:
+        rounds.append(n)
+        n = min(n_units, 2 * n)
+    rounds.append(n_units)
+    return rounds
+
+
+def _statistics(table: np.ndarray, names: list[str], per_segment: list[np.ndarray]) -> dict[str, Any]:
+    from ggufcarve.evaluate.kld import kld_statistics, segment_statistics
+
+    if len(table) < 2:
+        return {"kld_mean": None, "kld_mean_stderr": None, "kld_p999": None, "same_top_p": None, "ppl": None, "ppl_reference": None, "tokens": len(table)}
+    stats = kld_statistics(table)
+    out = {"kld_mean": stats.kld_mean, "kld_mean_stderr": stats.kld_mean_stderr, "kld_p999": stats.kld["p999"], "kld_p99": stats.kld["p99"],
+           "same_top_p": stats.same_top_p, "ppl": stats.ppl, "ppl_stderr": stats.ppl_stderr, "ppl_reference": stats.ppl_base, "rms_dp": stats.rms_dp,
+           "tokens": stats.count}
+    if names:
+        out["segments"] = [segment_statistics(name, t) for name, t in zip(names, per_segment)]
+    return out
+
+
+def metric_value(record: Mapping[str, Any], metric: str) -> float:
+    value = record.get(metric)
+    return math.inf if value is None else float(value)
+
+
+class _Scorer:
+    """Scores (candidate, unit) pairs: from the table cache, else by one child per model file."""
+
+    def __init__(self, candidates: Mapping[str, Candidate], segments: Sequence[Segment], units: Sequence[tuple[int, int, int]],
+                 settings: MeasureSettings, work: Path, on_event: Sink,
+                 score_unit: Callable[[Candidate, tuple[int, int, int]], np.ndarray] | None = None) -> None:
+        self.score_unit = score_unit
+        self.candidates, self.segments, self.units, self.settings, self.work, self.on_event = candidates, segments, units, settings, work, on_event
+        self.tables: dict[str, list[np.ndarray]] = {cid: [] for cid in candidates}
+        self.model_keys: dict[Path, str] = {}
+        self.decoded = self.cached = 0
+        self.masked: dict[str, set[str]] = {}
+
+    def _model_key(self, path: Path) -> str:
+        from ggufcarve.fileio import sha256_file_cached
+
+        if path not in self.model_keys:
+            self.model_keys[path] = sha256_file_cached(path)
+        return self.model_keys[path]
+
+    def _key(self, cid: str, unit: int) -> str:
+        from ggufcarve.llama.tools import llama_cpp_version
+
+        c = self.candidates[cid]
+        segment, first, count = self.units[unit]
+        doc = {"model": self._model_key(c.model), "keep": None if c.keep is None else {str(b): sorted(int(i) for i in ids) for b, ids in sorted(c.keep.items())},
+               "reference": self.segments[segment].identity, "n_ctx": self.segments[segment].n_ctx, "first": first, "count": count,
+               "llama_cpp": llama_cpp_version(), "threads": self.settings.threads}
+        return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
+
+    def score(self, upto: Mapping[str, int]) -> None:
+        """Extend each named candidate's tables to its first `upto[cid]` units."""
+        from ggufcarve.errors import UnsupportedModel
+        from ggufcarve.llama import child
+        from ggufcarve.measure.protocol import CHILD_MODULE, CHUNK_TASK, Job, Request
+
+        if self.score_unit is not None:
+            for cid, n in upto.items():
+                for unit in range(len(self.tables[cid]), n):
+                    self.tables[cid].append(self.score_unit(self.candidates[cid], self.units[unit]))
+            return
+        pending: dict[Path, list[tuple[str, list[int]]]] = {}
+        for cid, n in upto.items():
+            missing = []
+            for unit in range(len(self.tables[cid]), n):
+                cached = self._cached(cid, unit)
+                if cached is not None and not missing:
+                    self.tables[cid].append(cached)
+                    self.cached += self.units[unit][2]
+                else:
+                    missing.append(unit)
+            if missing:
+                pending.setdefault(self.candidates[cid].model, []).append((cid, missing))
+        for model, jobs in pending.items():
+            request = Request(model=str(model), threads=self.settings.threads, references=[str(s.reference) for s in self.segments],
+                              result_out=str(self.work / "measure.result.json"))
+            for number, (cid, units) in enumerate(jobs):
+                keep = self.candidates[cid].keep
+                request.jobs.append(Job(cid, [list(self.units[u]) for u in units], str(self.work / f"measure-{number}.f64"),
+                                        None if keep is None else {str(b): [int(i) for i in ids] for b, ids in sorted(keep.items())}))
+            label = f"{len(jobs)} candidate{'s' if len(jobs) != 1 else ''} on {model.name}"
+            result = child.run(CHILD_MODULE, request, Path(request.result_out), lambda p: json.loads(p.read_text()), what=f"scoring {label} in libllama",
+                               hint="the last lines are llama.cpp's own; check that the model loads (ggufcarve inspect MODEL)", sink=self.on_event,
+                               stages={CHUNK_TASK: "measure"}, idle_timeout=3600.0)
+            Path(request.result_out).unlink(missing_ok=True)
+            for job, (cid, units) in zip(request.jobs, jobs):
+                rows = np.fromfile(job.table_out, dtype="<f8").reshape(-1, 6)
+                Path(job.table_out).unlink(missing_ok=True)
+                masked = set(result["jobs"][cid]["masked"])
+                missing_nodes = [n for n in self.candidates[cid].required_nodes if n not in masked]
+                if missing_nodes:
+                    raise UnsupportedModel(f"{model.name}: llama.cpp's graph has no node {', '.join(missing_nodes[:4])} to mask for {cid}",
+                                           "score keep-sets by pruning files (ggufcarve prune --keep) and evaluating them")
+                offset = 0
+                for unit in units:
+                    per_unit = self.units[unit][2] * _scored_per_chunk(self.segments[self.units[unit][0]].n_ctx)
+                    part = rows[offset: offset + per_unit]
+                    offset += per_unit
+                    self.tables[cid].append(part)
+                    self.decoded += self.units[unit][2]
+                    self._store(cid, unit, part)
+                if offset != len(rows):
+                    raise BadInput(f"the measurement child wrote {len(rows)} rows for {cid}, {offset} expected", "a ggufcarve bug")
+
+    def _cached(self, cid: str, unit: int) -> np.ndarray | None:
+        if self.settings.tables is None:
+            return None
+        try:
+            return np.load(self.settings.tables / f"{self._key(cid, unit)}.npy")
+        except (OSError, ValueError):
+            return None
+
+    def _store(self, cid: str, unit: int, table: np.ndarray) -> None:
+        if self.settings.tables is None:
+            return
+        from ggufcarve.fileio import atomic_file
+
+        self.settings.tables.mkdir(parents=True, exist_ok=True)
+        path = self.settings.tables / f"{self._key(cid, unit)}.npy"
+        with atomic_file(path, sync=False) as temp, open(temp, "wb") as f:
+            np.save(f, table)
+
+
+def _scored_per_chunk(n_ctx: int) -> int:
+    from ggufcarve.evaluate.perplexity import Chunking
+
+    return Chunking(n_ctx, 1).scored_per_chunk
+
+
+def measure(candidates: Sequence[Candidate], segments: Sequence[Segment], settings: MeasureSettings, work: Path, *, on_event: Sink = ignore,
+            score_unit: Callable[[Candidate, tuple[int, int, int]], np.ndarray] | None = None) -> Measurement:
+    """Run the rounds of every group (module docstring); the records, the groups' rounds and decisions, the tables.
+
+    `score_unit(candidate, unit)`: a candidate's per-token table on a unit, instead of llama.cpp's
+    (tables of known statistics that test the decision rules)."""
+    if settings.metric not in METRICS:
+        raise BadInput(f"--metric {settings.metric!r} is not one of {', '.join(METRICS)}", "kld_mean ranks by mean KLD against the unpruned model")
+    ids = [c.id for c in candidates]
+    if len(set(ids)) != len(ids):
+        raise BadInput(f"candidate ids repeat: {', '.join(sorted({i for i in ids if ids.count(i) > 1}))}", "a ggufcarve bug")
+    started = time.perf_counter()
+    by_id = {c.id: c for c in candidates}
+    n_ctx = segments[0].n_ctx
+    units = spread_units(segments, max(1, PERPLEXITY_BATCH // n_ctx))
+    names = [s.name for s in segments]
+    column = metric_column(settings.metric)
+    scorer = _Scorer(by_id, segments, units, settings, work, on_event, score_unit)
+    groups: dict[str, list[str]] = {}
+    for c in candidates:
+        groups.setdefault(c.group, []).append(c.id)
+    plans = {g: schedule(len(members), len(units), len(segments)) for g, members in groups.items()}
+    alive = {g: list(members) for g, members in groups.items()}
+    records: dict[str, dict[str, Any]] = {cid: {"id": cid, "group": by_id[cid].group, "fits": by_id[cid].fits, "stopped_early": False, "stopped_reason": None,
+                                                "lost_by": None, "delta_vs_leader": [], "delta_stderr": [], "finalist": False, "leader": False,
+                                                "winner": False, "tie_with": []} for cid in ids}
+    rounds: dict[str, list[dict[str, Any]]] = {g: [] for g in groups}
+    done = dict.fromkeys(groups, False)
+    stats: dict[str, dict[str, Any]] = {}
+
+    def table_of(cid: str, n: int | None = None) -> np.ndarray:
+        parts = scorer.tables[cid] if n is None else scorer.tables[cid][:n]
+        return np.concatenate(parts) if parts else np.zeros((0, 6))
+
+    def judge(cid: str) -> tuple[bool, list[str]]:
+        if settings.gate is None or stats[cid].get("kld_mean") is None:
+            return True, []
+        return settings.gate(stats[cid])
+
+    number = 0
+    while not all(done.values()):
+        wanted: dict[str, int] = {}
+        current: dict[str, tuple[int, bool]] = {}
+        for g, plan in plans.items():
+            if done[g]:
+                continue
+            last = number >= len(plan) - 1 or len(alive[g]) <= 1
+            n = len(units) if last else plan[number]
+            current[g] = (n, last)
+            for cid in alive[g]:
+                wanted[cid] = n
+        scorer.score(wanted)
+        for g, (n, last) in current.items():
+            for cid in alive[g]:
+                stats[cid] = _statistics(table_of(cid, n), [], [])
+            ranked = sorted(alive[g], key=lambda c: (metric_value(stats[c], settings.metric), c))
+            leader = ranked[0]
+            entry: dict[str, Any] = {"units": n, "chunks": sum(u[2] for u in units[:n]), "candidates": list(ranked), "leader": leader,
+                                     settings.metric: {c: stats[c][settings.metric] for c in ranked}, "delta_vs_leader": {}, "left": {}}
+            leader_values = table_of(leader, n)[:, column]
+            diffs: dict[str, PairedDifference] = {}
+            for cid in ranked[1:]:
+                diffs[cid] = paired_difference(table_of(cid, n)[:, column], leader_values)
+                entry["delta_vs_leader"][cid] = diffs[cid].to_json()
+                records[cid]["delta_vs_leader"].append(diffs[cid].mean)
+                records[cid]["delta_stderr"].append(diffs[cid].stderr)
+            records[leader]["delta_vs_leader"].append(0.0)
+            records[leader]["delta_stderr"].append(0.0)
+            if not last:
+                keep = []
+                for cid in ranked:
+                    passed, failed = judge(cid)
+                    reason = ("budget" if not by_id[cid].fits else "gate" if not passed
+                              else "halving" if cid != leader and diffs[cid].worse_beyond(settings.z) else None)
+                    if reason is None:
+                        keep.append(cid)
+                        continue
+                    lost = None if cid == leader else diffs[cid].mean
+                    records[cid].update(stopped_early=True, stopped_reason=reason, lost_by=lost, gate_failed=failed if reason == "gate" else [])
+                    entry["left"][cid] = reason
+                if not keep:  # every candidate left for the budget or the gate: the group ends with no finalist
+                    done[g] = True
+                alive[g] = keep
+            else:
+                done[g] = True
+            rounds[g].append(entry)
+        number += 1
+
+    result_groups: dict[str, dict[str, Any]] = {}
+    for g, members in groups.items():
+        for cid in members:
+            n = len(scorer.tables[cid])
+            table = table_of(cid)
+            per_segment = [np.concatenate([t for u, t in enumerate(scorer.tables[cid]) if units[u][0] == s] or [np.zeros((0, 6))]) for s in range(len(segments))]
+            records[cid].update(_statistics(table, names, per_segment), units_scored=n, chunks_scored=sum(u[2] for u in units[:n]))
+            passed, failed = judge(cid) if records[cid].get("kld_mean") is not None else (True, [])
+            records[cid].update(gate_passed=passed, gate_failed=failed)
+        finalists = [cid for cid in alive[g] if by_id[cid].fits and records[cid]["gate_passed"] and len(scorer.tables[cid]) == len(units)]
+        for cid in alive[g]:
+            if cid not in finalists:
+                records[cid].update(stopped_reason="budget" if not by_id[cid].fits else "gate")
+        decision: dict[str, Any] = {"rounds": rounds[g], "finalists": finalists, "leader": None, "winner": None, "tie_with": []}
+        if finalists:
+            choices = [Choice(cid, metric_value(records[cid], settings.metric), by_id[cid].file_bytes, by_id[cid].read_bytes) for cid in finalists]
+            leader = min(choices, key=lambda c: (c.value, c.id)).id
+            leader_values = table_of(leader)[:, column]
+            ties = [cid for cid in finalists if cid != leader and paired_difference(table_of(cid)[:, column], leader_values).within(settings.z)]
+            winner = choose_answer(choices, ties, settings.prefer)
+            tie_with = sorted({leader, *ties} - {winner})
+            for cid in finalists:
+                records[cid]["finalist"] = True
+            records[leader]["leader"] = True
+            records[winner].update(winner=True, tie_with=tie_with)
+            decision.update(leader=leader, winner=winner, tie_with=tie_with)
+        result_groups[g] = decision
+    return Measurement(units, list(segments), records, result_groups, scorer.tables, time.perf_counter() - started, scorer.decoded, scorer.cached)
+
+
+def measure_tables() -> Path:
+    """The content-keyed cache of per-unit tables shared by every run (module docstring)."""
+    from ggufcarve.fileio import cache_root
+
+    return cache_root() / "measure-tables"
+
+
+def prepare_segments(source: Path, heldout: Sequence[Path], *, chunk_ctx: int, chunks: int | None, threads: int, work: Path,
+                     cache_dir: Path | None = None, on_event: Sink = ignore) -> list[Segment]:
+    """The unpruned model's log-probs on every held-out file (`evaluate.run.prepare_reference`:
+    llama-perplexity's base file, cached by the model's and the text's sha256)."""
+    from ggufcarve.evaluate import kld
+    from ggufcarve.evaluate.protocol import EvalSettings
+    from ggufcarve.evaluate.run import prepare_reference
+
+    settings = EvalSettings(ctx=chunk_ctx, chunks=chunks, threads=threads, speed=None, cache_dir=cache_dir)
+    names = [p.name for p in heldout]
+    segments = []
+    for path in heldout:
+        reference = prepare_reference(source, path, settings, work, on_event)
+        opened = kld.open_reference(reference.file)
+        n_chunk = opened.n_chunk if chunks is None else min(opened.n_chunk, chunks)
+        name = path.name if names.count(path.name) == 1 else str(path)
+        segments.append(Segment(name, reference.file, n_chunk, opened.n_ctx, f"{reference.sha256}/{reference.file.name}"))
+    return segments

@@ -1,0 +1,153 @@
+"""The measurement layer's decision rules on tables of known statistics, and its units and rounds.
+
+The tables are constructed so that the right answer is known without the code under test: a
+candidate's per-token KLD is a fixed series plus an offset, so which one is better, and by how
+many standard errors, follows from the construction."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ggufcarve.evaluate import kld
+from ggufcarve.measure.statistics import Choice, choose_answer, paired_difference
+from ggufcarve.measure.tournament import Candidate, MeasureSettings, Segment, measure, schedule, spread_order, spread_units
+
+TOKENS = 127  # scored tokens per chunk at n_ctx 256 (the second half of each chunk, llama-perplexity's rule)
+
+
+def segment(name: str, n_chunk: int, n_ctx: int = 256) -> Segment:
+    return Segment(name, Path(f"/nonexistent/{name}.kld"), n_chunk, n_ctx, name)
+
+
+def table(kld_values: np.ndarray) -> np.ndarray:
+    rows = np.zeros((len(kld_values), kld.TOKEN_COLUMNS))
+    rows[:, kld.KLD] = kld_values
+    rows[:, kld.NLL] = 2.0 + kld_values
+    rows[:, kld.NLL_BASE] = 2.0
+    rows[:, kld.SAME_TOP] = 1.0
+    return rows
+
+
+def scorer(series: dict[str, list[np.ndarray]]):
+    """score_unit from per-candidate per-chunk KLD series (unit = chunks first..first+count-1)."""
+    def score_unit(candidate: Candidate, unit: tuple[int, int, int]) -> np.ndarray:
+        seg, first, count = unit
+        return table(np.concatenate([series[candidate.id][seg][i] for i in range(first, first + count)]))
+    return score_unit
+
+
+def test_spread_order_covers_the_range_and_each_prefix_is_spread():
+    assert spread_order(1) == [0]
+    assert spread_order(4) == [0, 2, 1, 3]
+    assert spread_order(8) == [0, 4, 2, 6, 1, 5, 3, 7]
+    for n in range(1, 40):
+        assert sorted(spread_order(n)) == list(range(n))
+    order = spread_order(16)
+    assert max(order[:2]) >= 8  # the first two units already lie in both halves
+
+
+def test_units_are_evals_groups_spread_over_every_file_in_turn():
+    segments = [segment("a", 10), segment("b", 3)]
+    units = spread_units(segments, 4)  # n_ctx 512: 4 chunks side by side
+    # a: groups at chunks 0, 4, 8 (the last of 2 chunks); b: one group of 3 chunks
+    assert sorted(units) == [(0, 0, 4), (0, 4, 4), (0, 8, 2), (1, 0, 3)]
+    assert units[:2] == [(0, 0, 4), (1, 0, 3)]  # both files in the first two units
+    assert sum(c for _, _, c in units) == 13
+
+
+def test_schedule_doubles_to_every_unit_from_at_least_one_unit_per_file():
+    assert schedule(1, 8) == [8]
+    assert schedule(2, 8) == [8]
+    assert schedule(3, 8) == [4, 8]
+    assert schedule(11, 16) == [2, 4, 8, 16]
+    assert schedule(11, 16, n_files=3) == [3, 6, 12, 16]
+    assert schedule(5, 1) == [1]
+
+
+def test_paired_difference_is_mean_and_standard_error_of_the_differences():
+    rng = np.random.default_rng(0)
+    a = rng.gamma(0.5, 0.2, 4000)
+    d = paired_difference(a + 0.01, a)
+    assert d.mean == pytest.approx(0.01) and d.stderr == pytest.approx(0.0, abs=1e-12) and d.worse_beyond(2.0)
+    noise = rng.normal(0, 1, 4000)
+    d = paired_difference(a + noise, a)
+    assert d.stderr == pytest.approx(np.std(noise, ddof=1) / math.sqrt(4000))
+    assert d.within(2.0) == (abs(noise.mean()) <= 2 * d.stderr)
+    same = paired_difference(a, a)
+    assert same.mean == 0.0 and same.within(2.0)
+
+
+def test_the_answer_among_ties_is_the_smaller_file_or_what_prefer_says():
+    choices = [Choice("unpruned-Q3_K_M", 0.0132, 683, 300), Choice("K14-Q3_K_M", 0.0136, 611, 300), Choice("K14-Q2_K", 0.0450, 479, 200)]
+    assert choose_answer(choices, ["K14-Q3_K_M"], "smaller") == "K14-Q3_K_M"
+    assert choose_answer(choices, [], "smaller") == "unpruned-Q3_K_M"
+    assert choose_answer(choices, ["K14-Q3_K_M"], "metric") == "unpruned-Q3_K_M"
+    assert choose_answer(choices, ["K14-Q2_K", "K14-Q3_K_M"], "faster") == "K14-Q2_K"
+
+
+def test_a_misleading_first_round_does_not_eliminate_the_true_winner(tmp_path):
+    """'good' is 0.03 nats better than 'plain' on the chunks of the later rounds, but 0.004 worse on
+    the first round's (the even chunks: n_ctx 2048 decodes one chunk per unit, and the spread order
+    of 16 units starts with the 8 even ones), with noise whose standard error exceeds that. By point
+    estimate the first round ranks it third of four (halving by rank would drop it); by the paired
+    test it is within noise of the leader and stays, and wins on every chunk."""
+    rng = np.random.default_rng(1)
+    n_chunk = 16
+    base = [rng.gamma(0.5, 0.4, TOKENS) for _ in range(n_chunk)]
+    first_round = set(range(0, n_chunk, 2))
+    noise = rng.normal(0, 0.2, (len(first_round), TOKENS))
+    noise += 0.004 - noise.mean()  # exactly +0.004 on the first round's tokens
+    good = [b + noise[i // 2] if i in first_round else b - 0.03 for i, b in enumerate(base)]
+    lucky = [b - 0.002 if i in first_round else b + 0.01 for i, b in enumerate(base)]
+    series = {"good": [good], "plain": [base], "lucky": [lucky], "bad": [[b + 0.5 for b in base]]}
+    candidates = [Candidate(cid, Path(f"/nonexistent/{cid}.gguf"), file_bytes=100) for cid in series]
+    got = measure(candidates, [segment("a", n_chunk, 2048)], MeasureSettings(threads=1), tmp_path, score_unit=scorer(series))
+    first = got.groups[""]["rounds"][0]
+    assert first["units"] == 8 and first["chunks"] == 8
+    assert first["candidates"][:3] == ["lucky", "plain", "good"]  # the point estimates' order
+    # 'plain' is 0.002 behind 'lucky' on every token (no noise): beyond noise, it leaves; 'good' stays
+    assert first["left"] == {"bad": "halving", "plain": "halving"}
+    assert got.groups[""]["winner"] == "good" and got.records["good"]["chunks_scored"] == n_chunk
+    assert got.records["bad"]["stopped_early"] and got.records["bad"]["chunks_scored"] == 8
+    assert got.records["bad"]["delta_vs_leader"][0] > 2 * got.records["bad"]["delta_stderr"][0]
+    assert len(got.records["good"]["delta_vs_leader"]) == len(got.groups[""]["rounds"])
+
+
+def test_a_candidate_over_the_budget_or_failing_the_gate_is_never_a_finalist(tmp_path):
+    rng = np.random.default_rng(2)
+    base = [rng.gamma(0.5, 0.4, TOKENS) for _ in range(8)]
+    series = {"big": [[b - 0.05 for b in base]], "gated": [[b - 0.04 for b in base]], "small": [base], "smaller": [[b + 0.001 for b in base]]}
+    candidates = [Candidate("big", Path("/x/big.gguf"), fits=False, file_bytes=900), Candidate("gated", Path("/x/g.gguf"), file_bytes=300),
+                  Candidate("small", Path("/x/s.gguf"), file_bytes=500), Candidate("smaller", Path("/x/t.gguf"), file_bytes=400)]
+
+    def gate(stats):
+        return (False, ["kld_mean"]) if stats["kld_mean"] < base[0].mean() * 0 + np.concatenate(base).mean() - 0.03 else (True, [])
+
+    got = measure(candidates, [segment("a", 8)], MeasureSettings(threads=1, gate=gate), tmp_path, score_unit=scorer(series))
+    decision = got.groups[""]
+    assert "big" not in decision["finalists"] and got.records["big"]["stopped_reason"] == "budget"
+    assert "gated" not in decision["finalists"] and got.records["gated"]["stopped_reason"] == "gate"
+    # 'small' leads; 'smaller' is 0.001 worse on every token: no variance in the difference, so beyond noise
+    assert decision["leader"] == "small" and decision["winner"] == "small" and decision["tie_with"] == []
+
+
+def test_a_tie_within_noise_names_the_smaller_file(tmp_path):
+    rng = np.random.default_rng(3)
+    base = [rng.gamma(0.5, 0.4, TOKENS) for _ in range(8)]
+    series = {"unpruned-Q3_K_M": [base], "K14-Q3_K_M": [[b + rng.normal(0, 0.05, TOKENS) for b in base]], "same-file": [base]}
+    candidates = [Candidate("unpruned-Q3_K_M", Path("/x/u.gguf"), file_bytes=683), Candidate("K14-Q3_K_M", Path("/x/k.gguf"), file_bytes=611),
+                  Candidate("same-file", Path("/x/u.gguf"), file_bytes=683)]
+    got = measure(candidates, [segment("a", 8)], MeasureSettings(threads=1), tmp_path, score_unit=scorer(series))
+    decision = got.groups[""]
+    diff = paired_difference(np.concatenate(series["K14-Q3_K_M"][0]), np.concatenate(base))
+    assert diff.within(2.0)  # the construction: the pruned candidate is within noise
+    assert decision["winner"] == "K14-Q3_K_M"
+    assert set(decision["tie_with"]) == {"unpruned-Q3_K_M", "same-file"}
+    assert got.records["K14-Q3_K_M"]["tie_with"] == decision["tie_with"]
+    got = measure(candidates, [segment("a", 8)], MeasureSettings(threads=1, prefer="metric"), tmp_path, score_unit=scorer(series))
+    means = {cid: np.concatenate(s[0]).mean() for cid, s in series.items()}
+    assert got.groups[""]["winner"] == min(sorted(means), key=means.get)
