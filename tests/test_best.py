@@ -78,12 +78,54 @@ def test_the_answer_fits_by_the_real_file_and_llama_cpps_cache(searched):
     assert "| pruned |" in table and "| unpruned |" in table
     for c in report["candidates"]:
         for key in ("kept_experts", "quant", "family", "file_bytes", "cache_bytes", "fits", "kld_mean", "kld_mean_stderr", "kld_p999", "same_top_p",
-                    "ppl", "chunks_scored", "stopped_early", "selection"):
+                    "ppl", "chunks_scored", "stopped_early", "selection", "scored_by", "masked_on", "types_match"):
             assert key in c, (c["id"], key)
-        assert (c["kld_mean"] is None) == (not c["built"]), c["id"]
         assert isinstance(c["selection"], str) and (c["family"] == "unpruned") == (c["keep_set"] is None), c["id"]
+        if c.get("identical_to") is None:
+            assert c["kld_mean"] is not None and c["chunks_scored"] > 0, c["id"]
     assert [s["name"] for s in winner["segments"]] == ["heldout-a.txt", "heldout-b.txt"]
-    assert set(report["timings"]) >= {"calibration_seconds", "tournament_seconds", "builds_seconds", "evaluation_seconds"}
+    assert set(report["timings"]) >= {"calibration_seconds", "references_seconds", "builds_seconds", "tournament_seconds", "confirmation_seconds"}
+
+
+@pytest.mark.slow
+def test_pruned_candidates_are_masked_on_the_unpruned_rung_where_llama_quantize_chooses_the_same_types(searched):
+    """llama-quantize's type rules depend on n_expert (src/llama-quant.cpp: n_expert == 8 raises
+    attn_v and ffn_down types): at K = 8 of 16 the pruned rungs are scored as built files; at every
+    other K on the unpruned rung of their quant with the dropped experts masked out of routing."""
+    from ggufcarve.gguf.container import read_model
+
+    out, _, _ = searched
+    report = json.loads((out / "best.json").read_text())
+    pruned = [c for c in report["candidates"] if c["family"] == "pruned" and c.get("identical_to") is None]
+    assert {c["kept_experts"] for c in pruned} >= {8, 14}
+    for c in pruned:
+        if c["kept_experts"] == 8:
+            assert c["scored_by"] == "file" and c["types_match"] is False and c["built"], c["id"]
+            assert "llama-quantize gives" in c["scored_by_reason"]
+            unpruned = next((out / "models" / "unpruned").glob(f"*-{c['quant']}.gguf"))  # built for every candidate quant
+            built = {t.name: t.type_id for t in read_model(out / c["path"]).tensors}
+            full = {t.name: t.type_id for t in read_model(unpruned).tensors}
+            assert any(built[n] != full[n] for n in built), c["id"]  # llama.cpp's own files: the types do differ
+        else:
+            assert c["scored_by"] == "mask" and c["types_match"] is True, c["id"]
+            assert c["masked_on"] == next((out / "models" / "unpruned").glob(f"*-{c['quant']}.gguf")).name
+
+
+@pytest.mark.slow
+def test_the_masked_winner_is_confirmed_by_its_built_file(searched):
+    """The winner scored by masking is built as a real file and scored again: the file's mean KLD
+    lies within max(2 standard errors, 1%) of the masked score, and the built file has llama.cpp's
+    types of the unpruned rung on every tensor."""
+    out, _, _ = searched
+    report = json.loads((out / "best.json").read_text())
+    confirmed = [c for c in report["candidates"] if c.get("confirmed")]
+    assert confirmed and all(c["scored_by"] == "mask" and c["built"] for c in confirmed)
+    assert len(confirmed) <= 2  # the winner and --confirm 1 runner-up
+    for c in confirmed:
+        k = c["confirmed"]
+        assert abs(k["file_kld_mean"] - k["masked_kld_mean"]) <= max(2 * k["file_kld_mean_stderr"], 0.01 * k["masked_kld_mean"]), c["id"]
+        assert k["types_mismatched"] == []
+        assert (out / c["path"]).is_file()
 
 
 @pytest.mark.slow
@@ -112,11 +154,12 @@ def test_each_run_command_places_the_file_by_llama_cpps_n_cpu_moe_rule(searched)
 
 
 @pytest.mark.slow
-def test_the_winners_kld_is_evals_on_each_file(searched, tmp_path):
+def test_the_winners_file_kld_is_evals_on_each_file(searched, tmp_path):
     out, files, _ = searched
     winner = json.loads((out / "best.json").read_text())["winner"]
-    assert winner["chunks_scored"] == CHUNKS and not winner["stopped_early"]
-    for segment, heldout in zip(winner["segments"], files):
+    assert winner["chunks_scored"] == 2 * CHUNKS and not winner["stopped_early"]
+    segments = winner["confirmed"]["file_segments"] if winner.get("confirmed") else winner["segments"]
+    for segment, heldout in zip(segments, files):
         result = ggufcarve("eval", out / winner["path"], "--reference", DEMO_MODEL, "--heldout", heldout, "--ctx", EVAL_CTX, "--chunks", CHUNKS,
                            "--speed-runs", 0, "-o", tmp_path / heldout.stem, "-t", 2, "-q")
         assert result.code == 0, result.stderr[-2000:]
@@ -138,23 +181,6 @@ def test_the_plan_parses_and_its_dry_run_shows_the_winner(searched):
     result = ggufcarve("run", out / "plan.toml", "--dry-run")
     assert result.code == 0, result.stderr[-2000:]
     assert winner["quant"] in result.stdout + result.stderr
-
-
-def _result(name: str, pruned: bool, size: int, kld: float) -> dict:
-    return {"model": {"name": name, "bytes": size, "pruned": pruned, "quant": name, "expert_count": 8 if pruned else 16,
-                      "source_expert_count": 16 if pruned else None}, "kld_mean": kld}
-
-
-def test_the_answer_for_a_budget_is_the_lowest_kld_that_fits():
-    from ggufcarve.best.answer import answer_for_budget
-
-    results = [_result("p-Q6_K", True, 6_000, 0.05), _result("p-Q4_K_M", True, 4_000, 0.20), _result("u-Q2_K", False, 5_000, 0.10),
-               _result("u-Q4_K_M", False, 8_000, 0.01)]
-    answer = answer_for_budget(results, 5_600, 500)
-    assert answer["winner"]["model"]["name"] == "u-Q2_K"  # p-Q6_K and u-Q4_K_M do not fit with the cache
-    assert answer["runner_up"]["model"]["name"] == "p-Q4_K_M"
-    assert [r["model"]["name"] for r in answer["fitting"]] == ["p-Q4_K_M", "u-Q2_K"]
-    assert answer_for_budget(results, 4_400, 500) is None
 
 
 def test_candidates_are_the_largest_fitting_k_per_rung_the_next_smaller_and_the_unpruned_rungs():
@@ -180,6 +206,7 @@ def test_dry_run_lists_the_candidates_and_writes_nothing(tmp_path):
     assert result.code == 0, result.stderr[-2000:]
     assert "unpruned-Q2_K" in result.stdout and "K14-Q2_K" in result.stdout and "unpruned-Q3_K_M" not in result.stdout  # 6.85 MiB + 0.5 MiB > 7 MiB
     assert "disk needed" in result.stdout and "estimate: calibration" in result.stdout and "nothing was written" in result.stdout
+    assert "by masking on those rungs" in result.stdout
     assert not out.exists()
 
 

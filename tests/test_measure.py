@@ -151,3 +151,30 @@ def test_a_tie_within_noise_names_the_smaller_file(tmp_path):
     got = measure(candidates, [segment("a", 8)], MeasureSettings(threads=1, prefer="metric"), tmp_path, score_unit=scorer(series))
     means = {cid: np.concatenate(s[0]).mean() for cid, s in series.items()}
     assert got.groups[""]["winner"] == min(sorted(means), key=means.get)
+
+
+@pytest.mark.slow
+def test_two_candidates_on_the_same_file_tie_in_llama_cpp(tmp_path):
+    """Scored by llama.cpp, the same file under two ids gives the same per-token tables: the paired
+    difference is 0 with 0 standard error, the answer names a tie; the tables equal eval's."""
+    import json
+
+    from clirun import ggufcarve
+
+    from ggufcarve.demo import DEMO_MODEL, HELDOUT
+    from ggufcarve.measure.tournament import prepare_segments
+
+    segments = prepare_segments(DEMO_MODEL, [HELDOUT], chunk_ctx=256, chunks=4, threads=2, work=tmp_path)
+    candidates = [Candidate("a", DEMO_MODEL, file_bytes=2), Candidate("b", DEMO_MODEL, file_bytes=1),
+                  Candidate("a-masked", DEMO_MODEL, keep={b: tuple(range(15)) for b in range(4)}, file_bytes=3)]
+    got = measure(candidates, segments, MeasureSettings(threads=2), tmp_path)
+    decision = got.groups[""]
+    assert np.array_equal(got.table("a"), got.table("b"))
+    assert got.records["a"]["kld_mean"] < 1e-6  # the reference scored against itself
+    assert decision["winner"] == "b" and decision["tie_with"] == ["a"]  # within noise: the smaller file
+    assert "a-masked" not in decision["tie_with"] and got.records["a-masked"]["kld_mean"] > 1e-3
+    out = tmp_path / "eval"
+    run = ggufcarve("eval", DEMO_MODEL, "--reference", DEMO_MODEL, "--heldout", HELDOUT, "--ctx", 256, "--chunks", 4, "--speed-runs", 0, "-o", out, "-t", 2, "-q")
+    assert run.code == 0, run.stderr
+    doc = json.loads(next(out.glob("*.json")).read_text())
+    assert doc["kld_mean"] == pytest.approx(got.records["a"]["kld_mean"], rel=1e-9, abs=1e-15)

@@ -15,8 +15,7 @@ def _cell(value: Any, digits: int = 4) -> str:
 
 def front(candidates: list[dict[str, Any]], metric: str) -> list[dict[str, Any]]:
     """The fitting finalists on the Pareto front of metric against file size (none smaller and better), smallest first."""
-    scored = sorted((c for c in candidates if c.get("built") and not c["stopped_early"] and c.get(metric) is not None and c["fits"]),
-                    key=lambda c: (c["file_bytes"], c[metric]))
+    scored = sorted((c for c in candidates if c.get("finalist") and c.get(metric) is not None and c["fits"]), key=lambda c: (c["file_bytes"], c[metric]))
     out: list[dict[str, Any]] = []
     for c in scored:
         if not out or c[metric] < out[-1][metric]:
@@ -24,16 +23,23 @@ def front(candidates: list[dict[str, Any]], metric: str) -> list[dict[str, Any]]
     return out
 
 
+REASONS = {"halving": "halving", "budget": "over budget", "gate": "gate", "identical": "identical keep-set"}
+
+
 def stopped_lines(report: dict[str, Any]) -> list[str]:
-    """One line per candidate stopped early: why, and by how much it lost."""
-    metric = report["parameters"]["metric"]
+    """One line per candidate that left before the final round or was not a finalist: why, and by how much it lost."""
     lines = []
     for c in report["candidates"]:
-        if c["stopped_reason"] == "bound":
-            lines.append(f"{c['id']}: not built: masked mean KLD of K={c['kept_experts']} at the source's precision is "
-                         f"{c['masked_kld_mean']:.4f}, {c['lost_by']:+.4f} above the best measured fitting unpruned rung")
-        elif c["stopped_reason"] == "halving":
-            lines.append(f"{c['id']}: stopped after {c['chunks_scored']} chunk(s) of halving, {metric} {c['lost_by']:+.4f} behind that round's leader")
+        reason = c.get("stopped_reason")
+        if reason == "halving":
+            lines.append(f"{c['id']}: left after {c['chunks_scored']} chunk(s): mean KLD {c['lost_by']:+.4f} behind that round's leader "
+                         f"(paired, ± {c['delta_stderr'][-1]:.4f})")
+        elif reason == "budget":
+            lines.append(f"{c['id']}: over the budget ({format_size(c['file_bytes'] + c['cache_bytes'])} with its cache)")
+        elif reason == "gate":
+            lines.append(f"{c['id']}: failed the gate ({', '.join(c.get('gate_failed') or [])})")
+        elif reason == "identical":
+            lines.append(f"{c['id']}: the same keep-set as {c['identical_to']}")
     return lines
 
 
@@ -44,47 +50,59 @@ def markdown(report: dict[str, Any]) -> str:
     unit = size_unit(max(c["file_bytes"] for c in r["candidates"]))
     lines = [f"# best: {r['model']['name']} in {format_size(r['memory_bytes'])}", "",
              f"File + KV cache at {r['parameters']['ctx']} tokens ({format_size(r['cache']['total_bytes'])}) against the budget; "
-             f"scored against the unpruned model on {', '.join(names)} (ctx {r['parameters']['eval_ctx']}). Answer: {r['selection_rule']}.", "",
-             f"| candidate | family | K of N | quant | file {unit[0]} | fits | mean KLD | ± | 99.9% KLD | same top p | PPL | "
-             + " | ".join(f"KLD {n}" for n in names) + " | chunks | stopped early |",
-             "|---|---|---|---|---:|---|---:|---:|---:|---:|---:|" + "---:|" * len(names) + "---:|---|"]
+             f"scored against the unpruned model on {', '.join(names)} (chunks of {r['parameters']['eval_ctx']} tokens). Answer: {r['selection_rule']}.", "",
+             "Each figure is over the chunks beside it: candidates that left early were scored on fewer chunks than the finalists, "
+             "so compare them by the round they left in (best.json `halving`).", "",
+             f"| candidate | family | K of N | quant | file {unit[0]} | fits | scored by | mean KLD | ± | 99.9% KLD | same top p | PPL | "
+             + " | ".join(f"KLD {n}" for n in names) + " | chunks | left |",
+             "|---|---|---|---|---:|---|---|---:|---:|---:|---:|---:|" + "---:|" * len(names) + "---:|---|"]
     winner = r["winner"]["id"] if r["winner"] else None
     for c in r["candidates"]:
         name = f"**{c['id']}**" if c["id"] == winner else c["id"]
-        segs = {s["name"]: s for s in c.get("segments", [])}
+        segs = {s["name"]: s for s in c.get("segments") or []}
         per_file = " | ".join(_cell(segs.get(n, {}).get("kld_mean")) for n in names)
-        stopped = {"bound": "bound, not built", "halving": "halving"}.get(c["stopped_reason"] or "", "")
         same = "" if c.get("same_top_p") is None else f"{100 * c['same_top_p']:.2f}%"
+        scored = f"mask on {c['masked_on']}" if c.get("scored_by") == "mask" else (c.get("scored_by") or "")
         lines.append(f"| {name} | {c['family']} | {c['kept_experts']} of {c['expert_count']} | {c['quant']} | {c['file_bytes'] / unit[1]:.2f} | "
-                     f"{'yes' if c['fits'] else 'no'} | {_cell(c.get('kld_mean'))} | {_cell(c.get('kld_mean_stderr'))} | {_cell(c.get('kld_p999'))} | {same} | "
-                     f"{_cell(c.get('ppl'))} | {per_file} | {c['chunks_scored']} | {stopped} |")
+                     f"{'yes' if c['fits'] else 'no'} | {scored} | {_cell(c.get('kld_mean'))} | {_cell(c.get('kld_mean_stderr'))} | {_cell(c.get('kld_p999'))} | "
+                     f"{same} | {_cell(c.get('ppl'))} | {per_file} | {c['chunks_scored']} | {REASONS.get(c.get('stopped_reason') or '', '')} |")
     lines.append("")
     stopped = stopped_lines(report)
     if stopped:
-        lines += ["## Stopped early", "", *(f"- {line}" for line in stopped), ""]
+        lines += ["## Left before the final round", "", *(f"- {line}" for line in stopped), ""]
     if r["winner"]:
         w = r["winner"]
         lines += ["## Answer", "", f"{w['id']} ({w['family']}, {w['kept_experts']} of {w['expert_count']} experts, {w['quant']}): {metric} {w[metric]:.4f}, "
-                  f"file {format_size(w['file_bytes'])} + cache {format_size(w['cache_bytes'])} of {format_size(r['memory_bytes'])}.", "",
-                  f"    {' '.join(w['run_command']['argv'])}", ""]
+                  f"file {format_size(w['file_bytes'])} + cache {format_size(w['cache_bytes'])} of {format_size(r['memory_bytes'])}.", ""]
+        if w.get("tie_with"):
+            lines += [f"Tie within noise: {', '.join(w['tie_with'])} differ from it by less than {r['parameters']['z']:g} standard errors of the paired "
+                      f"per-token difference; the answer is the {r['parameters']['prefer']} of them.", ""]
+        if w.get("confirmed"):
+            k = w["confirmed"]
+            lines += [f"Confirmed as a file: masked mean KLD {k['masked_kld_mean']:.4f}, the built file {k['file_kld_mean']:.4f} ± {k['file_kld_mean_stderr']:.4f}.", ""]
+        lines += [f"    {' '.join(w['run_command']['argv'])}", ""]
     else:
         lines += ["## Answer", "", "No finalist fits and passes the gate.", ""]
     lines += ["## Cost", "", "| stage | seconds | projected for " + r["projection"]["model"] + " |", "|---|---:|---:|"]
-    for stage in ("calibration", "tournament", "builds", "evaluation"):
-        lines.append(f"| {stage} | {report['timings'].get(f'{stage}_seconds', 0.0):.1f} | {r['projection']['stages_seconds'][stage] / 3600:.1f} h |")
+    for stage in r["projection"]["stages_seconds"]:
+        lines.append(f"| {stage} | {report['timings'].get(f'{stage}_seconds', 0.0):.1f} | {r['projection']['stages_seconds'][stage] / 3600:.2f} h |")
     lines += ["", f"Projection rule: {r['projection']['rule']}.", ""]
+    if r.get("previous_run_timings"):
+        lines += [f"This run: {report['timings']['total_seconds']:.1f} s; the run before it in this folder: {r['previous_run_timings'].get('total_seconds', 0.0):.1f} s "
+                  f"(work reused by content: {r['chunks_cached']} chunk(s) of scoring{', the keep-sets and imatrix' if r['keep_sets_reused'] else ''}).", ""]
     return "\n".join(lines)
 
 
 def chart(report: dict[str, Any], path: Path) -> None:
-    """Metric against memory (file + cache) per family; the budget as a vertical line; hollow: stopped early."""
+    """Metric against memory (file + cache) per family; the budget as a vertical line; hollow: left
+    before the final round (fewer chunks); the answer ringed."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     metric = report["parameters"]["metric"]
-    candidates = [c for c in report["candidates"] if c.get(metric) is not None]
+    candidates = [c for c in report["candidates"] if c.get(metric) is not None and c.get("stopped_reason") != "identical"]
     unit = size_unit(report["memory_bytes"])
-    fig = Figure(figsize=(7, 4.5), dpi=110)
+    fig = Figure(figsize=(8, 5), dpi=110)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     for family, marker in (("pruned", "o"), ("unpruned", "s")):
@@ -97,16 +115,16 @@ def chart(report: dict[str, Any], path: Path) -> None:
         ax.plot([(c["file_bytes"] + c["cache_bytes"]) / unit[1] for c in early], [c[metric] for c in early], linestyle="none", marker=marker,
                 markerfacecolor="white", color=line.get_color())
         for c, x in zip(series, xs):
-            ax.annotate(c["id"], (x, c[metric]), fontsize=6, xytext=(3, 3), textcoords="offset points")
-    bounded = [c for c in report["candidates"] if c["stopped_reason"] == "bound"]
-    if bounded:
-        ax.plot([(c["file_bytes"] + c["cache_bytes"]) / unit[1] for c in bounded], [c["masked_kld_mean"] for c in bounded],
-                linestyle="none", marker="x", color="grey", label="not built: its K's masked KLD (a lower bound)")
+            ax.annotate(c["id"] + ("" if c.get("built") else " (masked)"), (x, c[metric]), fontsize=6, xytext=(3, 3), textcoords="offset points")
+    w = report.get("winner")
+    if w and w.get(metric) is not None:
+        ax.plot([(w["file_bytes"] + w["cache_bytes"]) / unit[1]], [w[metric]], linestyle="none", marker="o", markersize=14, markerfacecolor="none",
+                markeredgecolor="red", label=f"answer: {w['id']}")
     ax.axvline(report["memory_bytes"] / unit[1], color="grey", linestyle="--", label="budget")
     ax.set_yscale("log")
     ax.set_xlabel(f"file + KV cache ({unit[0]})")
-    ax.set_ylabel(f"{metric} vs unpruned")
-    ax.set_title("hollow: stopped early (fewer chunks)", fontsize=8)
+    ax.set_ylabel(f"{metric} vs unpruned (nats/token)" if metric.startswith("kld") else f"{metric} (lower is better)")
+    ax.set_title("hollow: left before the final round (fewer chunks); (masked): scored by masking, no file built", fontsize=8)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     fig.subplots_adjust(left=0.12, right=0.97, bottom=0.12, top=0.93)
@@ -116,32 +134,26 @@ def chart(report: dict[str, Any], path: Path) -> None:
 
 
 def plan_document(report: dict[str, Any], source: Path, settings: Any, out_dir: Path, imatrix: Path) -> dict[str, Any]:
-    """The `ggufcarve run` plan that builds and fully evaluates the winner and its neighbours on the front
-    (one K per plan: the winner's, or the nearest pruned neighbour's; the unpruned ones as [evaluation] unpruned)."""
+    """The `ggufcarve run` plan that builds and fully evaluates exactly the winner: a pruned winner's
+    keep-set and quant; an unpruned winner's quant as [evaluation] unpruned beside the smallest
+    pruned neighbour on the front (a plan carves one keep-set)."""
     metric = report["parameters"]["metric"]
     winner = report["winner"]
-    on_front = front(report["candidates"], metric)
-    ids = [c["id"] for c in on_front]
-    at = ids.index(winner["id"]) if winner["id"] in ids else None
-    neighbours = [winner] + ([c for i, c in enumerate(on_front) if at is not None and abs(i - at) == 1])
-    pruned = [c for c in neighbours if c["family"] == "pruned"]
-    bounds = report["bounds"]
-    if pruned:
-        kept = pruned[0]["kept_experts"]
-    elif bounds:
-        kept = max(int(k) for k in bounds)
-    else:
-        kept = None
+
     def rel(path: Path | str) -> str:
         """A plan path: relative to the plan file when that climbs at most two folders, else absolute."""
         relative = os.path.relpath(Path(path).resolve(), out_dir.resolve())
         return relative if Path(relative).parts[:3].count("..") < 3 else str(Path(path).resolve())
 
     doc: dict[str, Any] = {"source": rel(source), "output": "release", "work": "release.work"}
-    if kept is not None:
-        doc["selection"] = {"keepset": rel(out_dir / "tune" / "candidates" / f"{bounds[str(kept)]['keep_set']}.json")}
-    only = sorted({c["quant"] for c in neighbours if c["family"] == "pruned" and c["kept_experts"] == kept}) or [winner["quant"]]
-    unpruned = sorted({c["quant"] for c in neighbours if c["family"] == "unpruned"})
+    if winner["family"] == "pruned":
+        carved, only, unpruned = winner, [winner["quant"]], []
+    else:
+        pruned = [c for c in front(report["candidates"], metric) if c["family"] == "pruned"]
+        carved = pruned[-1] if pruned else None
+        only, unpruned = ([carved["quant"]] if carved else [winner["quant"]]), [winner["quant"]]
+    if carved is not None and carved.get("keep_set"):
+        doc["selection"] = {"keepset": rel(out_dir / carved["keep_set"])}
     if imatrix.is_file():
         doc["imatrix"] = {"file": rel(imatrix)}
     doc["ladder"] = {"spec": rel(settings.ladder), "only": only, "quantizer": settings.quantizer}
@@ -161,5 +173,5 @@ def write_plan(doc: dict[str, Any], out_dir: Path) -> Path:
     from ggufcarve.pipeline.plan import plan_text
 
     path = out_dir / "plan.toml"
-    write_text_atomic(path, plan_text(doc, "The plan that publishes best's winner and its neighbours on the front, fully evaluated: ggufcarve run plan.toml"))
+    write_text_atomic(path, plan_text(doc, "The plan that publishes best's winner, fully evaluated: ggufcarve run plan.toml"))
     return path

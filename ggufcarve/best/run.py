@@ -6,46 +6,47 @@ quant, decided by measurement.
     result.report["winner"]["path"]  # models/<family>/<file>.gguf under the output directory
 
 Stages, each timed (`timings`):
-  fit         the candidates from fit's exact sizes (`candidates.choose_candidates`);
-  calibration one decode pass for every criterion and every K, the imatrix from the same pass
-              (`tune`'s, written to work/calibration.imatrix.gguf);
-  tournament  every criterion's keep-set at every candidate K scored by masking (`tune`); the
-              winner per K is the keep-set its rungs are built from, its masked mean KLD at the
-              source's precision the bound of its rungs;
-  builds      the unpruned rungs that fit; then per K, in order of its bound, unless the bound is
-              no lower than the best measured metric of a fitting unpruned rung (no rung of that K
-              is built: `stopped_early`, by how much it lost): prune once, remap the imatrix, the
-              K's rungs (`quant.run`: resumable, each rung a job of its own);
-  evaluation  every built candidate against the unpruned model on every held-out file, by
-              successive halving over chunks (`tune.protocol.schedule`: the better half by the
-              metric goes on with twice the chunks; the finalists get every chunk; a round
-              scores a candidate from the first chunk again, at most twice a finalist's chunks
-              in all; the unpruned rungs, already scored on every chunk, are ranked on the
-              round's first chunks of their tables).
-The answer: the finalist that fits with the lowest metric that passes the gate.
+  fit          the (K, quant) pairs from fit's exact sizes (`candidates.choose_candidates`), and for
+               each pruned pair whether llama-quantize gives every tensor the type it gives it in
+               the unpruned rung of that quant (`quant.fit.types_differ`, from fit's dry runs);
+  calibration  one decode pass for every criterion, its keep-set at every candidate K, and the
+               imatrix from the same pass (all keyed by the sha256 of the source, the texts and the
+               settings, and reused when they match);
+  builds       the unpruned rungs of every candidate quant (the ladder's resume: by content), and
+               the pruned rungs of the pairs whose types differ (prune, remap the imatrix, quantize);
+  tournament   every (K, keep-set, quant) scored against the unpruned model by the one measurement
+               layer (`measure.tournament`): masked on the loaded unpruned rung of its quant when
+               the types agree (`scored_by` "mask", `masked_on`), else its built file ("file");
+               successive halving by paired per-token differences, candidates over the budget or
+               failing the gate out before the final round, ties within noise reported;
+  confirmation the winner (and `confirm` runners-up) scored by masking are built as real files and
+               scored on every chunk; the file's mean KLD must lie within max(2 standard errors,
+               1%) of the masked one (`confirmed`), else the run fails naming both.
+The answer: the finalist with the lowest metric, or among those tied with it within noise the one
+`prefer` names (the smaller file by default).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
-import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ggufcarve.best.candidates import PRUNED, UNPRUNED, Candidate
-from ggufcarve.errors import BadInput
-from ggufcarve.events import Event, Sink, ignore
+from ggufcarve.errors import BadInput, ToolFailed
+from ggufcarve.events import Sink, ignore
+from ggufcarve.measure.statistics import DEFAULT_Z, METRICS, PREFERENCES
 
 REPORT = "best"
 CHART = "best-pareto.png"
-METRICS = ("kld_mean", "kld_p999", "ppl")  # lower is better
 DEFAULT_METHODS = ("reap", "frequency", "ean", "weights")
-SELECTION_RULE = ("successive halving over held-out chunks by the metric; among the finalists (every chunk scored) that fit the budget "
-                  "by their built file plus the context's cache, the lowest metric that passes the gate")
-BOUND_RULE = ("a K's masked mean KLD at the source's precision (tune's score) bounds its quantized rungs from below; "
-              "when it is no lower than the best measured fitting unpruned rung's, no rung of that K is built")
+CONFIRM_RELATIVE = 0.01  # a confirmed file's mean KLD may differ from its masked score by max(2 standard errors, this share)
+SELECTION_RULE = ("successive halving over held-out units by the paired per-token difference to each round's leader; among the finalists "
+                  "that fit the budget (built or planned file plus the context's cache) and pass the gate, the lowest metric, or among those "
+                  "tied with it within z standard errors the one --prefer names")
 
 # The reference release the costs are projected to: Qwen3.6-35B-A3B at Q8_0 (256 routed experts,
 # top-8, 40 layers, 34 GiB; 3B of its 35B parameters active per token).
@@ -71,6 +72,9 @@ class BestSettings:
     quantizer: str = "auto"
     llama_cpp_dir: Path | None = None
     only: tuple[str, ...] = ()  # build only these candidate ids, score nothing (a job of several hosts)
+    confirm: int = 1  # runners-up built and scored as files besides the winner
+    prefer: str = "smaller"  # among candidates tied with the leader: smaller | faster | metric
+    z: float = DEFAULT_Z
 
 
 @dataclass
@@ -88,16 +92,19 @@ class Plan:
     spec: Any
     fit: Any
     candidates: list[Candidate]
-    kept_counts: list[int]  # the pruned K values to tune and build
+    kept_counts: list[int]  # the pruned K values
+    quants: list[str]  # the unpruned rungs built (every candidate's quant, in ladder order)
+    types: dict[tuple[int, str], list[tuple[str, str, str]]]  # (K, quant) -> tensors whose type differs from the unpruned rung's
     seconds: float
 
 
 def plan_best(source: Path, settings: BestSettings, *, on_event: Sink = ignore) -> Plan:
     """Check the inputs and choose the candidates from fit's sizes; nothing is written."""
     from ggufcarve.best.candidates import choose_candidates
+    from ggufcarve.evaluate.perplexity import read_text
     from ggufcarve.gguf.container import read_model
     from ggufcarve.moe.layout import inspect_layout
-    from ggufcarve.quant.fit import plan_fit
+    from ggufcarve.quant.fit import plan_fit, types_differ
     from ggufcarve.quant.kvcache import ContextSettings
     from ggufcarve.quant.quantizer import make_quantizer
     from ggufcarve.quant.spec import load_spec
@@ -105,6 +112,10 @@ def plan_best(source: Path, settings: BestSettings, *, on_event: Sink = ignore) 
     started = time.perf_counter()
     if settings.metric not in METRICS:
         raise BadInput(f"--metric {settings.metric!r} is not one of {', '.join(METRICS)}", "kld_mean ranks by mean KLD against the unpruned model")
+    if settings.prefer not in PREFERENCES:
+        raise BadInput(f"--prefer {settings.prefer!r} is not one of {', '.join(PREFERENCES)}", "smaller answers a tie within noise with the smaller file")
+    if settings.confirm < 0:
+        raise BadInput(f"--confirm {settings.confirm}: a count of runners-up", "give 0 to confirm the winner alone")
     if not settings.heldout:
         raise BadInput("best scores candidates on held-out text", "give --heldout FILE (repeatable)")
     if not settings.calibration:
@@ -112,6 +123,8 @@ def plan_best(source: Path, settings: BestSettings, *, on_event: Sink = ignore) 
     for path in (*settings.calibration, *settings.heldout):
         if not Path(path).is_file():
             raise BadInput(f"{path}: no such file", "give an existing text file")
+        if not read_text(Path(path).read_bytes()).strip():
+            raise BadInput(f"{path}: the text is empty", "give a text file with content")
     model = read_model(source)
     layout = inspect_layout(model)
     spec = load_spec(settings.ladder)
@@ -122,7 +135,11 @@ def plan_best(source: Path, settings: BestSettings, *, on_event: Sink = ignore) 
         smallest = min(r.total for r in fit.rows)
         raise BadInput(f"nothing fits in {settings.memory} bytes: the smallest rung with its cache takes {smallest}", "give a larger --memory, a shorter --ctx or --kv-type q8_0")
     kept = sorted({c.kept for c in candidates if c.family == PRUNED})
-    return Plan(model, layout, spec, fit, candidates, kept, time.perf_counter() - started)
+    order = [r.name for r in spec.rungs]
+    quants = sorted({c.quant for c in candidates}, key=order.index)
+    n = layout.expert_count
+    types = {(c.kept, c.quant): types_differ(fit.row(c.kept, c.quant).rung, fit.row(n, c.quant).rung) for c in candidates if c.family == PRUNED}
+    return Plan(model, layout, spec, fit, candidates, kept, quants, types, time.perf_counter() - started)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -184,24 +201,47 @@ def measure_speed(source: Path, plan: Plan, settings: BestSettings, work: Path, 
 
 
 def estimate(plan: Plan, settings: BestSettings, speed: dict[str, Any]) -> dict[str, Any]:
-    """Upper estimates of each stage's seconds from the measured speed (None where not measured)."""
+    """Upper estimates of each stage's seconds from the measured speed (None where not measured).
+
+    The tournament of C scored candidates over U held-out tokens scores at most 2 C U / 2^r tokens
+    in its round r + 1 (the first round covers U / 2^(ceil(log2 C) - 1) and each round doubles it),
+    bounded here by the schedule with no candidate leaving early but by halving, plus the
+    references (U); builds are the unpruned rungs, the file-scored pruned rungs (a prune and a
+    quantization of the source's size each) and the confirmations (1 + confirm: a prune, a
+    quantization and a full scoring each)."""
+    from ggufcarve.measure.tournament import schedule
+
     rate, qrate = speed.get("decode_tok_s"), speed.get("quantize_bytes_s")
     cal_tokens = speed["calibration_tokens"] if settings.max_tokens is None else min(settings.max_tokens, speed["calibration_tokens"])
     held = speed["heldout_tokens"]
     if settings.chunks:
         held = min(held, settings.chunks * settings.eval_ctx * len(settings.heldout))
-    n_keep_sets = len(plan.kept_counts) * len(settings.methods)
-    n_built = len(plan.candidates)
+    n_methods = len(settings.methods)
+    pruned_pairs = [c for c in plan.candidates if c.family == PRUNED]
+    masked = sum(n_methods for c in pruned_pairs if not plan.types[(c.kept, c.quant)])
+    filed = sum(n_methods for c in pruned_pairs if plan.types[(c.kept, c.quant)])
+    scored = masked + filed + sum(1 for c in plan.candidates if c.family == UNPRUNED)
+    units = max(1, held // settings.eval_ctx)
+    rounds = schedule(scored, units, len(settings.heldout))
+    alive, previous, tournament_tokens = scored, 0, 0.0
+    for number, n in enumerate(rounds):
+        tournament_tokens += alive * (n - previous) / units * held
+        alive, previous = (max(1, -(-alive // 2)) if number < len(rounds) - 1 else alive), n
     source_bytes = plan.model.total_bytes
+    confirmations = min(1 + settings.confirm, masked)
     stages = {
         "calibration": cal_tokens / rate if rate else None,
-        "tournament": (1 + 2 * n_keep_sets) * held / rate if rate else None,  # the reference, then each keep-set at most twice its share
-        "builds": (len(plan.kept_counts) + n_built) * source_bytes / qrate if qrate else None,  # a prune and a quantization of the source's size each
-        "evaluation": (len(settings.heldout) + 2 * n_built) * held / rate if rate else None,  # references, then candidates by halving
+        "references": held / rate if rate else None,
+        "builds": (len(plan.quants) + 2 * filed + 2 * confirmations) * source_bytes / qrate if qrate else None,
+        "tournament": tournament_tokens / rate if rate else None,
+        "confirmation": confirmations * held / rate if rate else None,
     }
     known = [v for v in stages.values() if v is not None]
-    return {"stages": stages, "total": sum(known) if len(known) == len(stages) else None,
-            "disk_bytes": sum(c.file_bytes for c in plan.candidates) + len(plan.kept_counts) * source_bytes}
+    return {"stages": stages, "total": sum(known) if len(known) == len(stages) else None, "scored_candidates": scored, "masked": masked, "file_scored": filed,
+            "disk_bytes": sum(plan.fit.row(plan.layout.expert_count, q).rung.bytes for q in plan.quants) + (filed + confirmations) * source_bytes}
+
+
+STAGES = ("calibration", "references", "builds", "tournament", "confirmation")
 
 
 def projection(model: Any, layout: Any, timings: dict[str, float]) -> dict[str, Any]:
@@ -210,8 +250,7 @@ def projection(model: Any, layout: Any, timings: dict[str, float]) -> dict[str, 
     values and candidate count assumed."""
     decode_scale = REFERENCE_MODEL["bytes"] * REFERENCE_MODEL["active_fraction"] / (model.total_bytes * active_fraction(model, layout))
     build_scale = REFERENCE_MODEL["bytes"] / model.total_bytes
-    scaled = {stage: timings.get(f"{stage}_seconds", 0.0) * (build_scale if stage == "builds" else decode_scale)
-              for stage in ("calibration", "tournament", "builds", "evaluation")}
+    scaled = {stage: timings.get(f"{stage}_seconds", 0.0) * (build_scale if stage == "builds" else decode_scale) for stage in STAGES}
     return {"model": REFERENCE_MODEL["name"], "rule": "decoding stages x (bytes read per token there / here); builds x (file bytes there / here)",
             "decode_scale": decode_scale, "build_scale": build_scale, "stages_seconds": scaled, "total_seconds": sum(scaled.values())}
 
@@ -250,30 +289,6 @@ def run_command(path: Path, settings: BestSettings, cache_bytes: int) -> dict[st
 # Builds
 
 
-def _tune(source: Path, plan: Plan, settings: BestSettings, out_dir: Path, imatrix: Path, on_event: Sink) -> dict[str, Any]:
-    """tune's report for the candidate K values: the one written under out_dir/tune when its
-    parameters and its inputs' names match and no input changed after it, else a new run."""
-    from ggufcarve.tune.run import TuneSettings, tune
-
-    tune_dir = out_dir / "tune"
-    parameters = {"keeps": plan.kept_counts, "methods": list(settings.methods), "ctx": settings.eval_ctx, "chunks": settings.chunks, "max_tokens": settings.max_tokens}
-    inputs = [{"kind": "model", "name": source.name}, *({"kind": "calibration", "name": p.name} for p in settings.calibration),
-              *({"kind": "heldout", "name": p.name} for p in settings.heldout)]
-    try:
-        previous = json.loads((tune_dir / "tune.json").read_text())
-        newest_input = max(p.stat().st_mtime for p in (source, *settings.calibration, *settings.heldout))
-        if (imatrix.is_file() and all(previous["parameters"].get(k) == v for k, v in parameters.items()) and previous["inputs"] == inputs
-                and (tune_dir / "tune.json").stat().st_mtime >= newest_input):
-            previous["reused"] = True
-            return previous
-    except (OSError, ValueError, KeyError):
-        pass
-    result = tune(source, TuneSettings(keeps=tuple(plan.kept_counts), methods=settings.methods, calibration=settings.calibration, heldout=settings.heldout,
-                                       ctx=settings.eval_ctx, chunks=settings.chunks, max_tokens=settings.max_tokens, threads=settings.threads, imatrix_out=imatrix),
-                  tune_dir, on_event=on_event)
-    return result.report
-
-
 def _ladder(spec_path: Path, source: Path, out_dir: Path, rungs: list[str], imatrix: Path | None, name: str, settings: BestSettings, on_event: Sink) -> dict[str, Path]:
     from ggufcarve.errors import ToolFailed
     from ggufcarve.quant.quantizer import make_quantizer
@@ -291,8 +306,9 @@ def _ladder(spec_path: Path, source: Path, out_dir: Path, rungs: list[str], imat
     return {p.rung.name: p.output for p in ladder_plan.rungs}
 
 
-def _prune(plan: Plan, keep_file: Path, kept: int, work: Path, imatrix: Path, on_event: Sink) -> tuple[Path, Path]:
-    """The source pruned to the keep-set of `keep_file`, and the imatrix remapped to it (kept when already written)."""
+def _prune_to(plan: Plan, keep_file: Path, pruned_path: Path, imatrix: Path, on_event: Sink) -> tuple[Path, Path]:
+    """The source pruned to the keep-set of `keep_file` at `pruned_path`, and the imatrix remapped to
+    it beside it (both kept when the pruned file already records that keep-set)."""
     from ggufcarve.gguf.container import read_model
     from ggufcarve.imatrix.formats import read_imatrix
     from ggufcarve.imatrix.remap import execute_remap, plan_remap, resolve_source_layout
@@ -302,15 +318,13 @@ def _prune(plan: Plan, keep_file: Path, kept: int, work: Path, imatrix: Path, on
     from ggufcarve.prune.plan import plan_prune
 
     keepset = load_keepset(keep_file, plan.layout)
-    pruned_path = work / f"pruned-K{kept}.gguf"
-    remapped = work / f"pruned-K{kept}.imatrix.gguf"
+    remapped = pruned_path.with_suffix(".imatrix.gguf")
     if pruned_path.is_file() and remapped.is_file():
-        existing = read_model(pruned_path)
-        recorded = keepset_from_provenance(existing.get, pruned_path.name)
+        recorded = keepset_from_provenance(read_model(pruned_path).get, pruned_path.name)
         if recorded is not None and recorded.layers == keepset.layers:
             return pruned_path, remapped
-    prune_plan = plan_prune(plan.model, plan.layout, keepset, pruned_path)
-    execute(prune_plan, plan.model, force=True, on_event=on_event)
+    pruned_path.parent.mkdir(parents=True, exist_ok=True)
+    execute(plan_prune(plan.model, plan.layout, keepset, pruned_path), plan.model, force=True, on_event=on_event)
     source_imatrix = read_imatrix(imatrix)
     pruned = read_model(pruned_path)
     layout = resolve_source_layout(source_imatrix, pruned, inspect_layout(pruned), plan.layout)
@@ -319,13 +333,65 @@ def _prune(plan: Plan, keep_file: Path, kept: int, work: Path, imatrix: Path, on
     return pruned_path, remapped
 
 
+def _build_pruned(plan: Plan, settings: BestSettings, keep_file: Path, kept: int, quant: str, method: str, work: Path, models_dir: Path,
+                  imatrix: Path, base: str, on_event: Sink) -> Path:
+    """One pruned rung: the source pruned to `keep_file`, its imatrix remapped, the rung quantized."""
+    pruned, remapped = _prune_to(plan, keep_file, work / "pruned" / f"K{kept}-{method}.gguf", imatrix, on_event)
+    return _ladder(settings.ladder, pruned, models_dir / f"K{kept}-{method}", [quant], remapped, f"{base}-{kept}e", settings, on_event)[quant]
+
+
+def _content_key(doc: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def keep_sets(source: Path, plan: Plan, settings: BestSettings, work: Path, imatrix: Path, on_event: Sink) -> tuple[dict[int, dict[str, Any]], float, bool]:
+    """Every method's keep-set at every candidate K (K -> method -> {"file", "identical_to"}) from
+    one calibration pass that also writes `imatrix`; reused when the key of their inputs (the
+    sha256 of the source and of the calibration texts, the methods, K values and pass settings)
+    matches the one recorded. Returns them, the pass's seconds and whether they were reused."""
+    from ggufcarve.fileio import sha256_file_cached, write_text_atomic
+    from ggufcarve.select.keep import choose
+    from ggufcarve.tune.run import TuneSettings, calibration_scores
+
+    key = _content_key({"source": [sha256_file_cached(p) for p in plan.model.paths], "calibration": [sha256_file_cached(p) for p in settings.calibration],
+                        "methods": list(settings.methods), "keeps": plan.kept_counts, "ctx": settings.eval_ctx, "max_tokens": settings.max_tokens})
+    directory = work / "keep-sets"
+    record = directory / "keep-sets.json"
+    try:
+        previous = json.loads(record.read_text())
+        if previous["key"] == key and imatrix.is_file() and all((directory / e["file"]).is_file() for per_k in previous["keep_sets"].values() for e in per_k.values()):
+            return {int(k): {m: {**e, "file": directory / e["file"]} for m, e in v.items()} for k, v in previous["keep_sets"].items()}, 0.0, True
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    started = time.perf_counter()
+    directory.mkdir(parents=True, exist_ok=True)
+    tune_settings = TuneSettings(keeps=tuple(plan.kept_counts), methods=settings.methods, calibration=settings.calibration, ctx=settings.eval_ctx,
+                                 max_tokens=settings.max_tokens, threads=settings.threads, imatrix_out=imatrix)
+    scores, _ = calibration_scores(plan.model, plan.layout, tune_settings, work, on_event)
+    out: dict[int, dict[str, Any]] = {}
+    for k in plan.kept_counts:
+        seen: dict[tuple, str] = {}
+        out[k] = {}
+        for method, method_scores in scores.items():
+            selection = choose(method_scores, k)
+            name = f"{method}-{k}.json"
+            write_text_atomic(directory / name, json.dumps(selection.record({}), indent=1, sort_keys=True, allow_nan=False) + "\n")
+            layers = tuple(sorted(selection.keepset.layers.items()))
+            out[k][method] = {"file": name, "identical_to": seen.get(layers)}
+            seen.setdefault(layers, method)
+    write_text_atomic(record, json.dumps({"key": key, "keep_sets": {str(k): v for k, v in out.items()}}, indent=1, sort_keys=True) + "\n")
+    return {k: {m: {**e, "file": directory / e["file"]} for m, e in v.items()} for k, v in out.items()}, time.perf_counter() - started, False
+
+
+def tensor_types(path: Path) -> dict[str, str]:
+    from ggufcarve.gguf.container import read_model
+    from ggufcarve.quant.fit import type_name
+
+    return {t.name: type_name(t.type_id) for t in read_model(path).tensors}
+
+
 # ---------------------------------------------------------------------------------------------
 # The search
-
-
-def _metric(record: dict[str, Any], metric: str) -> float:
-    value = record.get(metric)
-    return math.inf if value is None else float(value)
 
 
 def _judge(gate: Any, record: dict[str, Any]) -> tuple[bool, list[str]]:
@@ -339,152 +405,151 @@ def _judge(gate: Any, record: dict[str, Any]) -> tuple[bool, list[str]]:
 
 def best(source: Path, settings: BestSettings, out_dir: Path, *, plan: Plan | None = None, on_event: Sink = ignore) -> BestResult:
     """Search the candidates; write best.json, best.md, best-pareto.png and plan.toml under `out_dir`, the models under out_dir/models."""
-    import tempfile
-
     from ggufcarve.best.render import chart, markdown, plan_document, write_plan
-    from ggufcarve.best.score import candidate_statistics, references_per_file, score_model
-    from ggufcarve.evaluate.protocol import EvalSettings
     from ggufcarve.fileio import write_text_atomic
+    from ggufcarve.llama.masking import required_nodes
     from ggufcarve.llama.tools import physical_cores
+    from ggufcarve.measure import tournament as mt
+    from ggufcarve.measure.statistics import metric_column, paired_difference
+    from ggufcarve.moe.keepset import load_keepset
     from ggufcarve.quant.run import model_name_from
     from ggufcarve.reports import envelope
-    from ggufcarve.tune.protocol import schedule
 
     started = time.perf_counter()
     plan = plan or plan_best(source, settings, on_event=on_event)
+    ids = {c.id for c in plan.candidates if c.family == UNPRUNED} | {f"{c.id}-{m}" for c in plan.candidates if c.family == PRUNED for m in settings.methods}
     wanted = set(settings.only) if settings.only else None
-    if wanted is not None and (unknown := wanted - {c.id for c in plan.candidates}):  # before anything is written
-        raise BadInput(f"--only {', '.join(sorted(unknown))}: not a candidate", f"candidates: {', '.join(c.id for c in plan.candidates)}")
+    if wanted is not None and (unknown := wanted - ids):  # before anything is written
+        raise BadInput(f"--only {', '.join(sorted(unknown))}: not a candidate", f"candidates: {', '.join(sorted(ids))}")
+    previous_timings = _previous_timings(out_dir)
     timings: dict[str, float] = {"fit_seconds": plan.seconds}
     out_dir.mkdir(parents=True, exist_ok=True)
     work = out_dir / "work"
     work.mkdir(exist_ok=True)
     models_dir = out_dir / "models"
     imatrix = work / "calibration.imatrix.gguf"
+    threads = settings.threads or physical_cores()
     gate = None
     if settings.gate is not None:
         from ggufcarve.evaluate.gate import load_gate
 
         gate = load_gate(settings.gate)
 
-    tuned = _tune(source, plan, settings, out_dir, imatrix, on_event) if plan.kept_counts else None
-    if tuned is not None:  # a reused tune counts with the seconds it took when it ran
-        timings["calibration_seconds"] = tuned["timings"].get("calibration_seconds", 0.0)
-        timings["tournament_seconds"] = tuned["timings"].get("total_seconds", 0.0) - timings["calibration_seconds"]
-    bound: dict[int, dict[str, Any]] = {}
-    if tuned is not None:
-        by_id = {c["id"]: c for c in tuned["candidates"]}
-        for k in plan.kept_counts:
-            winner = by_id[tuned["winners"][str(k)]]
-            bound[k] = {"keep_set": winner["id"], "method": winner["method"], "kld_mean": winner["kld_mean"], "file": out_dir / "tune" / "candidates" / f"{winner['id']}.json"}
-
+    sets: dict[int, dict[str, Any]] = {}
+    reused = False
+    if plan.kept_counts:
+        sets, timings["calibration_seconds"], reused = keep_sets(source, plan, settings, work, imatrix, on_event)
     base = model_name_from(source)
+    layout = plan.layout
+
+    t0 = time.perf_counter()
+    quants = [q for q in plan.quants if wanted is None or any(i == f"unpruned-{q}" for i in wanted)
+              or any(c.quant == q and f"{c.id}-{m}" in wanted and not plan.types[(c.kept, c.quant)] for c in plan.candidates if c.family == PRUNED for m in settings.methods)]
+    rungs = _ladder(settings.ladder, source, models_dir / UNPRUNED, quants, imatrix if imatrix.is_file() else None, base, settings, on_event) if quants else {}
     records: dict[str, dict[str, Any]] = {}
+    pool: list[mt.Candidate] = []
     for c in plan.candidates:
-        records[c.id] = {**c.to_json(), "predicted_file_bytes": c.file_bytes, "selection": None, "keep_set": None, "masked_kld_mean": None, "built": False, "stopped_early": False,
-                         "stopped_reason": None, "lost_by": None, "chunks_scored": 0, "path": None, "segments": [],
-                         **dict.fromkeys(("kld_mean", "kld_mean_stderr", "kld_p999", "same_top_p", "ppl"))}
-        if c.family == PRUNED:
-            b = bound[c.kept]
-            records[c.id].update(selection=b["method"], keep_set=b["keep_set"], masked_kld_mean=b["kld_mean"])
-        else:
-            records[c.id]["selection"] = "none (every expert kept)"
-
-    eval_settings = EvalSettings(ctx=settings.eval_ctx, chunks=settings.chunks, threads=settings.threads or physical_cores(), speed=None)
-    tables: dict[str, Any] = {}
-    build_seconds = 0.0
-    eval_seconds = 0.0
-    with tempfile.TemporaryDirectory(prefix="ggufcarve-best-") as tmp:
-        scratch = Path(tmp)
-        segments = []
-        names: list[str] = []
-        if wanted is None:
-            t0 = time.perf_counter()
-            segments = references_per_file(source, list(settings.heldout), eval_settings, scratch, on_event)
-            names = [s.name for s in segments]
-            eval_seconds += time.perf_counter() - t0
-        n_chunks = max((s.n_chunk for s in segments), default=0)
-
-        def built(c: Candidate, path: Path) -> None:
+        if c.family == UNPRUNED:
+            if wanted is not None and c.id not in wanted:
+                continue
+            path = rungs[c.quant]
             size = path.stat().st_size
-            records[c.id].update(built=True, path=path, file_bytes=size, fits=size + c.cache_bytes <= settings.memory)
-
-        # the unpruned rungs first: their measurements bound the pruned K values
-        unpruned = [c for c in plan.candidates if c.family == UNPRUNED and (wanted is None or c.id in wanted)]
-        if unpruned:
-            t0 = time.perf_counter()
-            paths = _ladder(settings.ladder, source, models_dir / UNPRUNED,
-                            [c.quant for c in unpruned], imatrix if imatrix.is_file() else None, base, settings, on_event)
-            for c in unpruned:
-                built(c, paths[c.quant])
-            build_seconds += time.perf_counter() - t0
-        best_unpruned = math.inf
-        if wanted is None:
-            t0 = time.perf_counter()
-            for c in unpruned:
-                tables[c.id] = score_model(records[c.id]["path"], c.id, segments, eval_settings, scratch, n_chunks, on_event)
-                stats = candidate_statistics(tables[c.id], names)
-                records[c.id].update(stats, chunks_scored=tables[c.id].max_chunks)
-                passed, _ = _judge(gate, stats)
-                if records[c.id]["fits"] and passed:
-                    best_unpruned = min(best_unpruned, _metric(stats, "kld_mean"))
-            eval_seconds += time.perf_counter() - t0
-
-        for k in sorted(plan.kept_counts, key=lambda k: bound[k]["kld_mean"]):
-            rungs = [c for c in plan.candidates if c.family == PRUNED and c.kept == k and (wanted is None or c.id in wanted)]
-            if not rungs:
+            records[c.id] = {**c.to_json(), "file_bytes": size, "fits": size + c.cache_bytes <= settings.memory, "predicted_file_bytes": c.file_bytes,
+                             "selection": "none (every expert kept)", "keep_set": None, "scored_by": "file", "masked_on": None, "types_match": None,
+                             "built": True, "path": path}
+            pool.append(mt.Candidate(c.id, path, None, fits=records[c.id]["fits"], file_bytes=size, read_bytes=int(size * active_fraction(plan.model, layout))))
+            continue
+        differ = plan.types[(c.kept, c.quant)]
+        for method, entry in sets[c.kept].items():
+            cid = f"{c.id}-{method}"
+            if wanted is not None and cid not in wanted:
                 continue
-            lower = bound[k]["kld_mean"]
-            if wanted is None and lower >= best_unpruned:
-                for c in rungs:
-                    records[c.id].update(stopped_early=True, stopped_reason="bound", lost_by=lower - best_unpruned)
-                on_event(Event("best", 0, 0, "steps", f"not building K={k}, its masked mean KLD {lower:.4f} is no lower than {best_unpruned:.4f} measured"))
+            record = {**c.to_json(), "id": cid, "predicted_file_bytes": c.file_bytes, "selection": method, "keep_set": f"work/keep-sets/{entry['file'].name}",
+                      "identical_to": None if entry["identical_to"] is None else f"{c.id}-{entry['identical_to']}", "types_match": not differ,
+                      "types_differ": [list(t) for t in differ[:8]], "built": False, "path": None}
+            records[cid] = record
+            if entry["identical_to"] is not None:
+                record.update(scored_by=None, masked_on=None)
                 continue
-            t0 = time.perf_counter()
-            pruned_path, remapped = _prune(plan, bound[k]["file"], k, work, imatrix, on_event)
-            paths = _ladder(settings.ladder, pruned_path, models_dir / f"K{k}", [c.quant for c in rungs], remapped, f"{base}-{k}e", settings, on_event)
-            for c in rungs:
-                built(c, paths[c.quant])
-            build_seconds += time.perf_counter() - t0
-        timings["builds_seconds"] = build_seconds
+            keepset = load_keepset(entry["file"], layout)
+            if not differ:
+                if wanted is not None:
+                    continue
+                record.update(scored_by="mask", masked_on=rungs[c.quant].name)
+                nodes = tuple(f"{node}:{block}" for node, block in required_nodes(layout, keepset))
+                pool.append(mt.Candidate(cid, rungs[c.quant], keepset.layers, fits=c.fits, file_bytes=c.file_bytes,
+                                         read_bytes=int(c.file_bytes * active_fraction(plan.model, layout)), required_nodes=nodes))
+            else:
+                name, was, unpruned_type = differ[0]
+                record.update(scored_by="file", masked_on=None,
+                              scored_by_reason=f"llama-quantize gives {len(differ)} tensor(s) another type at K={c.kept} ({name}: {was}, unpruned {unpruned_type})")
+                path = _build_pruned(plan, settings, entry["file"], c.kept, c.quant, method, work, models_dir, imatrix, base, on_event)
+                size = path.stat().st_size
+                record.update(built=True, path=path, file_bytes=size, fits=size + c.cache_bytes <= settings.memory)
+                pool.append(mt.Candidate(cid, path, None, fits=record["fits"], file_bytes=size, read_bytes=int(size * active_fraction(plan.model, layout))))
+    timings["builds_seconds"] = time.perf_counter() - t0
 
-        halving: list[dict[str, Any]] = []
-        if wanted is None:
-            t0 = time.perf_counter()
-            pool = [cid for cid, r in records.items() if r["built"]]
-            alive = list(pool)
-            rounds = schedule(len(alive), n_chunks) if alive else []
-            for number, (_, chunks) in enumerate(rounds):
-                for cid in alive:
-                    have = tables.get(cid)
-                    if have is None or have.max_chunks < min(chunks, n_chunks):
-                        tables[cid] = score_model(records[cid]["path"], cid, segments, eval_settings, scratch, chunks, on_event)
-                stats = {cid: candidate_statistics(tables[cid].first(chunks), names) for cid in alive}
-                ranked = sorted(alive, key=lambda cid: (_metric(stats[cid], settings.metric), cid))
-                last = number == len(rounds) - 1
-                keep = ranked if last else ranked[: math.ceil(len(ranked) / 2)]
-                halving.append({"chunks": chunks, "scored": ranked, "kept": keep})
-                for cid in ranked:
-                    records[cid].update(stats[cid], chunks_scored=max(tables[cid].first(chunks).chunks))
-                if not last:
-                    leader = _metric(stats[keep[0]], settings.metric)
-                    for cid in ranked[len(keep):]:
-                        records[cid].update(stopped_early=True, stopped_reason="halving",
-                                            lost_by=_metric(records[cid], settings.metric) - leader)
-                alive = keep
-            eval_seconds += time.perf_counter() - t0
-    timings["evaluation_seconds"] = eval_seconds
-
-    for r in records.values():
-        if r["built"] and r.get("kld_mean") is not None:
-            r["gate_passed"], r["gate_failed"] = _judge(gate, r)
-            r["run_command"] = run_command(Path(r["path"]), settings, r["cache_bytes"])
-    finalists = [r for r in records.values() if r["built"] and not r["stopped_early"] and r.get("kld_mean") is not None]
-    passing = [r for r in finalists if r["fits"] and r["gate_passed"]]
-    winner = min(passing, key=lambda r: (_metric(r, settings.metric), r["file_bytes"])) if passing else None
-    timings["total_seconds"] = time.perf_counter() - started
-    for stage in ("calibration", "tournament"):
+    measured = None
+    confirmations: list[str] = []
+    if wanted is None:
+        t0 = time.perf_counter()
+        segments = mt.prepare_segments(source, settings.heldout, chunk_ctx=settings.eval_ctx, chunks=settings.chunks, threads=threads, work=work, on_event=on_event)
+        timings["references_seconds"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        measure_settings = mt.MeasureSettings(threads=threads, z=settings.z, metric=settings.metric, prefer=settings.prefer,
+                                              gate=(lambda stats: _judge(gate, stats)) if gate is not None else None, tables=mt.measure_tables())
+        measured = mt.measure(pool, segments, measure_settings, work, on_event=on_event)
+        timings["tournament_seconds"] = time.perf_counter() - t0
+        for cid, r in measured.records.items():
+            records[cid].update({k: v for k, v in r.items() if k not in ("id", "group", "fits", "finalist")}, finalist=r["finalist"])
+        for r in records.values():  # identical keep-sets: the figures of the one scored
+            if r.get("identical_to") and r["identical_to"] in measured.records:
+                twin = records[r["identical_to"]]
+                r.update({k: twin.get(k) for k in ("kld_mean", "kld_mean_stderr", "kld_p999", "same_top_p", "ppl", "tokens", "chunks_scored", "segments")},
+                         stopped_early=True, stopped_reason="identical", lost_by=None)
+        decision = measured.groups[""]
+        t0 = time.perf_counter()
+        finalists = sorted((cid for cid in decision["finalists"]), key=lambda cid: (mt.metric_value(records[cid], settings.metric), cid))
+        if decision["winner"] is not None:
+            runners = [cid for cid in finalists if cid != decision["winner"] and records[cid]["scored_by"] == "mask"][: settings.confirm]
+            confirmations = [cid for cid in (decision["winner"], *runners) if records[cid]["scored_by"] == "mask"]
+        column = metric_column("kld_mean")
+        for cid in confirmations:
+            r = records[cid]
+            keep_file = out_dir / r["keep_set"]
+            path = _build_pruned(plan, settings, keep_file, r["kept_experts"], r["quant"], r["selection"], work, models_dir, imatrix, base, on_event)
+            unpruned_types = tensor_types(rungs[r["quant"]])
+            mismatched = sorted(n for n, t in tensor_types(path).items() if unpruned_types.get(n) != t)
+            confirm = mt.measure([mt.Candidate(f"{cid}@file", path, None)], segments, measure_settings, work, on_event=on_event)
+            file_record = confirm.records[f"{cid}@file"]
+            masked_table, file_table = measured.table(cid), confirm.table(f"{cid}@file")
+            pair = paired_difference(file_table[:, column], masked_table[:, column]) if len(masked_table) == len(file_table) else None
+            size = path.stat().st_size
+            r.update(built=True, path=path, file_bytes=size, fits=size + r["cache_bytes"] <= settings.memory,
+                     confirmed={"masked_kld_mean": r["kld_mean"], "file_kld_mean": file_record["kld_mean"], "file_kld_mean_stderr": file_record["kld_mean_stderr"],
+                                "paired_difference": pair.to_json() if pair else None, "types_mismatched": mismatched[:8],
+                                "file_segments": file_record.get("segments"), "chunks": file_record["chunks_scored"]})
+            tolerance = max(2 * file_record["kld_mean_stderr"], CONFIRM_RELATIVE * r["kld_mean"])
+            if abs(file_record["kld_mean"] - r["kld_mean"]) > tolerance:
+                raise ToolFailed(f"{cid}: masked mean KLD {r['kld_mean']:.6f} but its built file {path.name} measures {file_record['kld_mean']:.6f} "
+                                 f"(more than {tolerance:.6f} apart)" + (f"; tensors of another type than the unpruned rung's: {', '.join(mismatched[:4])}" if mismatched else ""),
+                                 "score this candidate by its file: a masked score stands for the pruned file only where llama-quantize chose the same types")
+        timings["confirmation_seconds"] = time.perf_counter() - t0
+    for stage in STAGES:
         timings.setdefault(f"{stage}_seconds", 0.0)
+
+    winner = None
+    if measured is not None and measured.groups[""]["winner"] is not None:
+        winner = records[measured.groups[""]["winner"]]
+    for r in records.values():
+        if r["built"]:
+            r["run_command"] = run_command(Path(r["path"]), settings, r["cache_bytes"])
+        r.setdefault("chunks_scored", 0)
+        r.setdefault("stopped_early", False)
+        r.setdefault("stopped_reason", None)
+        for key in ("kld_mean", "kld_mean_stderr", "kld_p999", "same_top_p", "ppl"):
+            r.setdefault(key, None)
+    timings["total_seconds"] = time.perf_counter() - started
 
     def public(r: dict[str, Any]) -> dict[str, Any]:
         doc = {k: v for k, v in r.items() if k != "path"}
@@ -493,23 +558,27 @@ def best(source: Path, settings: BestSettings, out_dir: Path, *, plan: Plan | No
 
     candidates = [public(r) for r in sorted(records.values(), key=lambda r: (r["file_bytes"], r["id"]))]
     results = {
-        "model": {"name": source.name, "architecture": plan.layout.architecture, "expert_count": plan.layout.expert_count,
-                  "expert_used_count": plan.layout.expert_used_count, "bytes": plan.model.total_bytes},
+        "model": {"name": source.name, "architecture": layout.architecture, "expert_count": layout.expert_count,
+                  "expert_used_count": layout.expert_used_count, "bytes": plan.model.total_bytes},
         "memory_bytes": settings.memory, "cache": plan.fit.cache.to_json(),
         "heldout": [p.name for p in settings.heldout],
         "candidates": candidates,
         "winner": public(winner) if winner else None,
         "kept_counts": plan.kept_counts,
-        "bounds": {str(k): {kk: vv for kk, vv in b.items() if kk != "file"} for k, b in bound.items()},
-        "halving": halving,
-        "selection_rule": SELECTION_RULE, "bound_rule": BOUND_RULE,
-        "projection": projection(plan.model, plan.layout, timings),
+        "halving": measured.groups[""] if measured is not None else None,
+        "units": [list(u) for u in measured.units] if measured is not None else [],
+        "selection_rule": SELECTION_RULE,
+        "projection": projection(plan.model, layout, timings),
         "only": sorted(wanted) if wanted else None,
-        "tune_reused": bool(tuned and tuned.get("reused")),
+        "keep_sets_reused": reused,
+        "chunks_decoded": measured.decoded_chunks if measured is not None else 0,
+        "chunks_cached": measured.cached_chunks if measured is not None else 0,
+        "previous_run_timings": previous_timings,
     }
     parameters = {"memory_bytes": settings.memory, "ctx": settings.ctx, "kv_type": settings.kv_type.lower(), "eval_ctx": settings.eval_ctx,
                   "chunks": settings.chunks, "max_tokens": settings.max_tokens, "methods": list(settings.methods), "metric": settings.metric,
-                  "gate": settings.gate.name if settings.gate else None, "gpu_memory_bytes": settings.gpu_memory, "ladder": plan.spec.name}
+                  "gate": settings.gate.name if settings.gate else None, "gpu_memory_bytes": settings.gpu_memory, "ladder": plan.spec.name,
+                  "confirm": settings.confirm, "prefer": settings.prefer, "z": settings.z}
     report = envelope(REPORT, inputs=[{"kind": "model", "name": source.name}, *({"kind": "calibration", "name": p.name} for p in settings.calibration),
                                       *({"kind": "heldout", "name": p.name} for p in settings.heldout)],
                       parameters=parameters, results=results, timings=timings)
@@ -522,3 +591,11 @@ def best(source: Path, settings: BestSettings, out_dir: Path, *, plan: Plan | No
         if winner is not None:
             outputs.append(write_plan(plan_document(report, source, settings, out_dir, imatrix), out_dir))
     return BestResult(report, outputs)
+
+
+def _previous_timings(out_dir: Path) -> dict[str, float] | None:
+    """The timings of the run that wrote out_dir/best.json before this one (reported apart from this run's)."""
+    try:
+        return json.loads((out_dir / "best.json").read_text())["timings"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None

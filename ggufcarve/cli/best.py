@@ -30,24 +30,26 @@ def _seconds(value: float | None) -> str:
 def _table(report: dict) -> object:
     from rich.box import SIMPLE_HEAD
 
+    from ggufcarve.best.render import REASONS
     from ggufcarve.cli.render import escape, new_table
     from ggufcarve.fileio import size_unit
 
     metric = report["parameters"]["metric"]
     unit = size_unit(max(c["file_bytes"] for c in report["candidates"]))
     winner = report["winner"]["id"] if report["winner"] else None
-    table = new_table(box=SIMPLE_HEAD, pad_edge=False, caption=f"{unit[0]} of the file (built, else fit's size); ranked by {metric}; *: the answer; 99.9% KLD, same top p, PPL: best.md", caption_justify="left")
-    for name in ("candidate", "family", "K", "quant", unit[0], "fits", "mean KLD", *(f"KLD {Path(n).stem}" for n in report["heldout"]), "chunks", "stopped"):
-        table.add_column(escape(name), justify="left" if name in ("candidate", "family", "quant", "fits", "stopped") else "right", no_wrap=True)
+    table = new_table(box=SIMPLE_HEAD, pad_edge=False, caption=f"{unit[0]} of the file (built, else fit's size); ranked by {metric}; *: the answer; "
+                      "scored by mask: on the unpruned rung, no file built; each figure over its chunks; 99.9% KLD, same top p, PPL: best.md", caption_justify="left")
+    for name in ("candidate", "K", "quant", unit[0], "fits", "scored by", "mean KLD", *(f"KLD {Path(n).stem}" for n in report["heldout"]), "chunks", "left"):
+        table.add_column(escape(name), justify="left" if name in ("candidate", "quant", "fits", "scored by", "left") else "right", no_wrap=True)
 
     def cell(value: object, digits: int = 4) -> str:
         return "" if value is None else f"{value:.{digits}f}"
 
     for c in report["candidates"]:
         segs = {s["name"]: s for s in c.get("segments", [])}
-        stopped = {"bound": "bound", "halving": "halving"}.get(c["stopped_reason"] or "", "")
-        table.add_row(escape(c["id"] + ("*" if c["id"] == winner else "")), c["family"], f"{c['kept_experts']}/{c['expert_count']}", escape(c["quant"]),
-                      f"{c['file_bytes'] / unit[1]:.2f}", "yes" if c["fits"] else "no", cell(c["kld_mean"]),
+        stopped = REASONS.get(c["stopped_reason"] or "", "")
+        table.add_row(escape(c["id"] + ("*" if c["id"] == winner else "")), f"{c['kept_experts']}/{c['expert_count']}", escape(c["quant"]),
+                      f"{c['file_bytes'] / unit[1]:.2f}", "yes" if c["fits"] else "no", c.get("scored_by") or "", cell(c["kld_mean"]),
                       *(cell(segs.get(n, {}).get("kld_mean")) for n in report["heldout"]), str(c["chunks_scored"]), stopped)
     return table
 
@@ -68,6 +70,9 @@ def best_command(
     max_tokens: Annotated[int | None, typer.Option("--max-tokens", help="Trace at most this many calibration tokens.")] = None,
     metric: Annotated[str, typer.Option("--metric", help="What ranks the candidates, lower is better: kld_mean, kld_p999 or ppl.")] = "kld_mean",
     gate: Annotated[Path | None, typer.Option("--gate", help="Gate TOML (eval's keys): the answer must pass it.")] = None,
+    confirm: Annotated[int, typer.Option("--confirm", help="Runners-up built and scored as files besides the winner, to confirm their masked scores.")] = 1,
+    prefer: Annotated[str, typer.Option("--prefer", help="Among candidates tied with the leader within noise: smaller (file), faster (fewer bytes per token) or metric.")] = "smaller",
+    z: Annotated[float, typer.Option("--z", help="Standard errors of the paired difference beyond which a candidate is worse (halving, ties).")] = 2.0,
     only: Annotated[list[str] | None, typer.Option("--only", help="Build only these candidates (ids as the dry run lists them), score nothing: one job of several hosts.")] = None,
     quantizer_choice: Annotated[str, typer.Option("--quantizer", help="auto | binary | libllama | PATH to llama-quantize.")] = "auto",
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the candidates, the builds, the disk and a time estimate from measured speed; write nothing.")] = False,
@@ -77,7 +82,7 @@ def best_command(
     quiet: QuietOption = False,
     as_json: JsonOption = False,
 ) -> None:
-    """Build and score the (K, quant) pairs that fit a budget; answer which is best."""
+    """Score every (K, keep-set, quant) that fits a budget by masking on the unpruned rungs; build and confirm the answer."""
     from ggufcarve.best.render import stopped_lines
     from ggufcarve.best.run import BestSettings, best, estimate, measure_speed, plan_best
     from ggufcarve.errors import BadInput
@@ -93,7 +98,8 @@ def best_command(
     settings = BestSettings(memory=parse_memory(memory), ladder=find_spec(ladder) if ladder else DEFAULT_LADDER, heldout=tuple(heldout), calibration=tuple(calibration),
                             methods=parse_methods(methods), ctx=ctx, kv_type=cache_type, eval_ctx=eval_ctx, chunks=chunks, max_tokens=max_tokens,
                             threads=threads, metric=metric, gate=gate, gpu_memory=parse_memory(gpu_memory, "--gpu-memory") if gpu_memory else None,
-                            quantizer=quantizer_choice, llama_cpp_dir=llama_cpp, only=tuple(only or ()))
+                            quantizer=quantizer_choice, llama_cpp_dir=llama_cpp, only=tuple(only or ()),
+                            confirm=confirm, prefer=prefer, z=z)
     with progress(not quiet and not as_json) as sink:
         plan = plan_best(model, settings, on_event=sink)
         if dry_run:
@@ -112,9 +118,9 @@ def best_command(
         for c in plan.candidates:
             out.print(f"  {c.id:<22} {c.family:<8} {c.kept:>4} of {c.expert_count}  {c.quant:<8} file {size(c.file_bytes)} + cache {size(c.cache_bytes)}",
                       highlight=False, markup=False)
-        out.print(f"will build: a tune tournament at K = {', '.join(map(str, plan.kept_counts)) or 'none'} ({', '.join(settings.methods)}), "
-                  f"{len(plan.kept_counts)} pruned source(s), {len(plan.candidates)} rung(s) at most (a K whose masked KLD already loses is not built)",
-                  highlight=False, markup=False)
+        out.print(f"will build: the unpruned rungs {', '.join(plan.quants)}; score {guess['scored_candidates']} candidate(s): {guess['masked']} by masking on "
+                  f"those rungs, {guess['file_scored']} as built pruned rungs (llama-quantize chooses other types at their K); then build and confirm "
+                  f"the winner and {settings.confirm} runner(s)-up", highlight=False, markup=False)
         out.print(f"disk needed: at most {size(guess['disk_bytes'])} under {output}", highlight=False)
         rate, qrate = speed.get("decode_tok_s"), speed.get("quantize_bytes_s")
         out.print(f"measured here: decode {rate or 0:.0f} tok/s, quantizer {size(qrate) + '/s' if qrate else 'not measured (source over 2 GiB)'}; "
@@ -134,16 +140,27 @@ def best_command(
     if not quiet:
         out.print(_table(report))
         for line in stopped_lines(report):
-            out.print(f"stopped early: {line}", highlight=False, markup=False)
+            out.print(f"left: {line}", highlight=False, markup=False)
         t = report["timings"]
         proj = report["projection"]
-        out.print("cost: " + ", ".join(f"{s} {t.get(f'{s}_seconds', 0.0):.1f} s" for s in ("calibration", "tournament", "builds", "evaluation"))
+        out.print("cost of this run: " + ", ".join(f"{s} {t.get(f'{s}_seconds', 0.0):.1f} s" for s in proj["stages_seconds"])
                   + f"; total {t['total_seconds']:.1f} s; projected for {proj['model']}: {_seconds(proj['total_seconds'])}", highlight=False, markup=False)
+        previous = report.get("previous_run_timings")
+        if previous:
+            out.print(f"the run before it in {output}: total {previous.get('total_seconds', 0.0):.1f} s; reused by content: {report['chunks_cached']} chunk(s) of scoring"
+                      + (", the keep-sets and the imatrix" if report["keep_sets_reused"] else ""), highlight=False, markup=False)
     w = report["winner"]
     if w is None:
         out.print("answer: no finalist fits and passes the gate", highlight=False)
         return
     out.print(f"answer: {w['id']} ({w['family']}, {w['kept_experts']} of {w['expert_count']} experts, {w['quant']}): {settings.metric} {w[settings.metric]:.4f}, "
               f"file {size(w['file_bytes'])} + cache {size(w['cache_bytes'])} of {size(settings.memory)}: {output / w['path']}", highlight=False, markup=False)
+    if w.get("tie_with"):
+        out.print(f"tie within noise: {', '.join(w['tie_with'])} (within {settings.z:g} standard errors); the answer is the {settings.prefer} of them",
+                  highlight=False, markup=False)
+    if w.get("confirmed"):
+        k = w["confirmed"]
+        out.print(f"confirmed as a file: masked mean KLD {k['masked_kld_mean']:.4f}, built file {k['file_kld_mean']:.4f} ± {k['file_kld_mean_stderr']:.4f}",
+                  highlight=False, markup=False)
     out.print(f"run it: {' '.join(w['run_command']['argv'])}", highlight=False, markup=False)
     out.print(f"written: {', '.join(str(p) for p in result.outputs)}", highlight=False, markup=False)

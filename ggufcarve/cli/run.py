@@ -205,22 +205,29 @@ def demo_command(
 
 def _demo_answer(plan: RunPlan) -> None:
     """The best of the demo's measured models for a budget between its rungs, pruned or not, and why."""
+    import tempfile
+
     from ggufcarve.best.answer import DEMO_BUDGET, answer_for_budget
     from ggufcarve.gguf.container import read_model
+    from ggufcarve.llama.tools import physical_cores
     from ggufcarve.pipeline.stages import EVALUATION_DIR, read_results
     from ggufcarve.quant.kvcache import ContextSettings, context_memory
 
     if plan.evaluation is None:
         return
     cache = context_memory(read_model(plan.source).get, ContextSettings(plan.evaluation.ctx)).total_bytes
-    answer = answer_for_budget(read_results(plan.output / EVALUATION_DIR), DEMO_BUDGET, cache)
+    with tempfile.TemporaryDirectory(prefix="ggufcarve-answer-") as tmp:
+        answer = answer_for_budget(read_results(plan.output / EVALUATION_DIR), DEMO_BUDGET, cache, directories=[plan.output, plan.work], source=plan.source,
+                                   heldout=list(plan.evaluation.heldout_files), ctx=plan.evaluation.ctx, chunks=plan.evaluation.chunks,
+                                   threads=plan.threads or physical_cores(), work=Path(tmp))
     if answer is None:
         return
 
     def named(r: dict) -> str:
         m = r["model"]
         family = f"pruned {m['expert_count']} of {m['source_expert_count']}" if m["pruned"] else "unpruned"
-        return f"{family} {m['quant']} ({_size(m['bytes'])}, mean KLD {r['kld_mean']:.4f})"
+        over = f" on {r['chunks_scored']} chunks" if r.get("stopped_early") else ""
+        return f"{family} {m['quant']} ({_size(m['bytes'])}, mean KLD {r['kld_mean']:.4f}{over})"
 
     w, other = answer["winner"], answer["runner_up"]
     out.print(f"best in {_size(DEMO_BUDGET)} (file + {_size(cache)} KV cache at {plan.evaluation.ctx} tokens), of the {len(answer['fitting'])} measured models that fit:",
@@ -229,5 +236,10 @@ def _demo_answer(plan: RunPlan) -> None:
     if other is not None:
         why = "dropping experts costs more than a lower quant" if not w["model"]["pruned"] else "the higher quant is worth more than the dropped experts"
         out.print(f"  vs the best {'pruned' if other['model']['pruned'] else 'unpruned'} model that fits: {named(other)}", highlight=False, markup=False)
+        if other.get("stopped_early") and other["delta_vs_leader"]:
+            out.print(f"  it left after {other['chunks_scored']} chunks: {other['delta_vs_leader'][-1]:+.4f} ± {other['delta_stderr'][-1]:.4f} behind that round's "
+                      "leader (paired per-token KLD)", highlight=False, markup=False)
         out.print(f"  here {why}", highlight=False, markup=False)
+    if answer["tie_with"]:
+        out.print(f"  tie within noise: {', '.join(named(r) for r in answer['tie_with'])}; the answer is the smallest file", highlight=False, markup=False)
     out.print("  every K and quant for your budget, built and measured: ggufcarve best --help", highlight=False, markup=False)

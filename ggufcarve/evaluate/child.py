@@ -25,9 +25,8 @@ from pathlib import Path
 import numpy as np
 
 from ggufcarve.evaluate.protocol import CHUNK_TASK, LOOP_TASK, QA_TASK, Request
+from ggufcarve.evaluate.tables import PERPLEXITY_BATCH
 from ggufcarve.llama import child
-
-PERPLEXITY_BATCH = 2048  # llama-perplexity's default -b: n_batch // n_ctx chunks are decoded side by side
 
 
 def _progress(task: str, done: int, total: int) -> None:

@@ -395,6 +395,7 @@ def evaluate_model(entry: ModelEntry, reference: Reference, settings: EvalSettin
     for path in table_paths:
         tables.append(np.fromfile(path, dtype="<f8").reshape(-1, kld.TOKEN_COLUMNS))
         path.unlink()
+    _cache_tables(entry, reference, segments, tables, result, settings)
     table = tables[0] if len(tables) == 1 else np.concatenate(tables)
     stats = kld.kld_statistics(table)
     method = kld_method(reference, entry.n_vocab)
@@ -434,6 +435,22 @@ def evaluate_model(entry: ModelEntry, reference: Reference, settings: EvalSettin
         doc["segments"] = [_segment_record(s.heldout["name"], t, part["n_chunk"], method) for s, t, part in zip(segments, tables, result["segments"])]
         _judge_segments(doc, settings.gate)
     return doc
+
+
+def _cache_tables(entry: ModelEntry, reference: Reference, segments: Sequence[Segment] | None, tables: list[np.ndarray], result: dict,
+                  settings: EvalSettings) -> None:
+    """Each held-out file's table into the content-keyed cache of the measurement layer
+    (`evaluate.tables`), when the model's sha256 is known already (a hash is not computed for it)."""
+    from ggufcarve.evaluate.tables import reference_identity, store_file_tables, table_cache
+    from ggufcarve.fileio import cached_sha256
+
+    digest = cached_sha256(entry.path) if len(entry.files) == 1 else None
+    if digest is None:
+        return
+    parts = result["segments"] if segments else [result]
+    references = [s.reference for s in segments] if segments else [reference]
+    for ref, table, part in zip(references, tables, parts):
+        store_file_tables(table_cache(), digest, reference_identity(ref.sha256, ref.file), part["n_ctx"], table, part["n_chunk"], settings.threads)
 
 
 def _segment_record(name: str, table: np.ndarray, chunks: int, method: str) -> dict:

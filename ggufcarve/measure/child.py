@@ -27,9 +27,9 @@ from ggufcarve.measure.protocol import CHUNK_TASK, Request
 def _measure(request: Request, out: Path) -> None:
     from ggufcarve.errors import BadInput, ToolFailed
     from ggufcarve.evaluate import kld
-    from ggufcarve.evaluate.child import PERPLEXITY_BATCH
     from ggufcarve.evaluate.engine import Engine, EngineError
     from ggufcarve.evaluate.perplexity import chunk_tokens, scored_targets
+    from ggufcarve.evaluate.tables import PERPLEXITY_BATCH
     from ggufcarve.llama.masking import RoutingMask
 
     references = [kld.open_reference(Path(p)) for p in request.references]

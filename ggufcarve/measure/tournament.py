@@ -30,7 +30,6 @@ and the scoring settings, so a re-run scores only what it has not scored before.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import time
@@ -42,10 +41,9 @@ from typing import Any
 import numpy as np
 
 from ggufcarve.errors import BadInput
+from ggufcarve.evaluate.tables import chunks_per_unit
 from ggufcarve.events import Sink, ignore
 from ggufcarve.measure.statistics import DEFAULT_Z, METRICS, Choice, PairedDifference, choose_answer, metric_column, paired_difference
-
-PERPLEXITY_BATCH = 2048  # llama-perplexity's default -b (evaluate.child.PERPLEXITY_BATCH)
 
 
 @dataclass(frozen=True)
@@ -178,14 +176,11 @@ class _Scorer:
         return self.model_keys[path]
 
     def _key(self, cid: str, unit: int) -> str:
-        from ggufcarve.llama.tools import llama_cpp_version
+        from ggufcarve.evaluate.tables import unit_key
 
         c = self.candidates[cid]
         segment, first, count = self.units[unit]
-        doc = {"model": self._model_key(c.model), "keep": None if c.keep is None else {str(b): sorted(int(i) for i in ids) for b, ids in sorted(c.keep.items())},
-               "reference": self.segments[segment].identity, "n_ctx": self.segments[segment].n_ctx, "first": first, "count": count,
-               "llama_cpp": llama_cpp_version(), "threads": self.settings.threads}
-        return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
+        return unit_key(self._model_key(c.model), c.keep, self.segments[segment].identity, self.segments[segment].n_ctx, first, count, self.settings.threads)
 
     def score(self, upto: Mapping[str, int]) -> None:
         """Extend each named candidate's tables to its first `upto[cid]` units."""
@@ -242,22 +237,15 @@ class _Scorer:
                     raise BadInput(f"the measurement child wrote {len(rows)} rows for {cid}, {offset} expected", "a ggufcarve bug")
 
     def _cached(self, cid: str, unit: int) -> np.ndarray | None:
-        if self.settings.tables is None:
-            return None
-        try:
-            return np.load(self.settings.tables / f"{self._key(cid, unit)}.npy")
-        except (OSError, ValueError):
-            return None
+        from ggufcarve.evaluate.tables import load
+
+        return None if self.settings.tables is None else load(self.settings.tables, self._key(cid, unit))
 
     def _store(self, cid: str, unit: int, table: np.ndarray) -> None:
-        if self.settings.tables is None:
-            return
-        from ggufcarve.fileio import atomic_file
+        from ggufcarve.evaluate.tables import store
 
-        self.settings.tables.mkdir(parents=True, exist_ok=True)
-        path = self.settings.tables / f"{self._key(cid, unit)}.npy"
-        with atomic_file(path, sync=False) as temp, open(temp, "wb") as f:
-            np.save(f, table)
+        if self.settings.tables is not None:
+            store(self.settings.tables, self._key(cid, unit), table)
 
 
 def _scored_per_chunk(n_ctx: int) -> int:
@@ -280,7 +268,7 @@ def measure(candidates: Sequence[Candidate], segments: Sequence[Segment], settin
     started = time.perf_counter()
     by_id = {c.id: c for c in candidates}
     n_ctx = segments[0].n_ctx
-    units = spread_units(segments, max(1, PERPLEXITY_BATCH // n_ctx))
+    units = spread_units(segments, chunks_per_unit(n_ctx))
     names = [s.name for s in segments]
     column = metric_column(settings.metric)
     scorer = _Scorer(by_id, segments, units, settings, work, on_event, score_unit)
@@ -322,29 +310,30 @@ def measure(candidates: Sequence[Candidate], segments: Sequence[Segment], settin
             for cid in alive[g]:
                 stats[cid] = _statistics(table_of(cid, n), [], [])
             ranked = sorted(alive[g], key=lambda c: (metric_value(stats[c], settings.metric), c))
-            leader = ranked[0]
+            verdicts = {cid: judge(cid) for cid in ranked}
+            eligible = [cid for cid in ranked if by_id[cid].fits and verdicts[cid][0]]
+            leader = eligible[0] if eligible else ranked[0]  # the best candidate that can be the answer
             entry: dict[str, Any] = {"units": n, "chunks": sum(u[2] for u in units[:n]), "candidates": list(ranked), "leader": leader,
                                      settings.metric: {c: stats[c][settings.metric] for c in ranked}, "delta_vs_leader": {}, "left": {}}
             leader_values = table_of(leader, n)[:, column]
             diffs: dict[str, PairedDifference] = {}
-            for cid in ranked[1:]:
-                diffs[cid] = paired_difference(table_of(cid, n)[:, column], leader_values)
-                entry["delta_vs_leader"][cid] = diffs[cid].to_json()
+            for cid in ranked:
+                diffs[cid] = paired_difference(table_of(cid, n)[:, column], leader_values) if cid != leader else PairedDifference(0.0, 0.0, len(leader_values))
+                if cid != leader:
+                    entry["delta_vs_leader"][cid] = diffs[cid].to_json()
                 records[cid]["delta_vs_leader"].append(diffs[cid].mean)
                 records[cid]["delta_stderr"].append(diffs[cid].stderr)
-            records[leader]["delta_vs_leader"].append(0.0)
-            records[leader]["delta_stderr"].append(0.0)
             if not last:
                 keep = []
                 for cid in ranked:
-                    passed, failed = judge(cid)
+                    passed, failed = verdicts[cid]
                     reason = ("budget" if not by_id[cid].fits else "gate" if not passed
-                              else "halving" if cid != leader and diffs[cid].worse_beyond(settings.z) else None)
+                              else "halving" if diffs[cid].worse_beyond(settings.z) else None)
                     if reason is None:
                         keep.append(cid)
                         continue
-                    lost = None if cid == leader else diffs[cid].mean
-                    records[cid].update(stopped_early=True, stopped_reason=reason, lost_by=lost, gate_failed=failed if reason == "gate" else [])
+                    records[cid].update(stopped_early=True, stopped_reason=reason, lost_by=diffs[cid].mean if cid != leader else None,
+                                        gate_failed=failed if reason == "gate" else [])
                     entry["left"][cid] = reason
                 if not keep:  # every candidate left for the budget or the gate: the group ends with no finalist
                     done[g] = True
@@ -385,10 +374,10 @@ def measure(candidates: Sequence[Candidate], segments: Sequence[Segment], settin
 
 
 def measure_tables() -> Path:
-    """The content-keyed cache of per-unit tables shared by every run (module docstring)."""
-    from ggufcarve.fileio import cache_root
+    """The content-keyed cache of per-unit tables shared by every run (`evaluate.tables`)."""
+    from ggufcarve.evaluate.tables import table_cache
 
-    return cache_root() / "measure-tables"
+    return table_cache()
 
 
 def prepare_segments(source: Path, heldout: Sequence[Path], *, chunk_ctx: int, chunks: int | None, threads: int, work: Path,
@@ -398,6 +387,7 @@ def prepare_segments(source: Path, heldout: Sequence[Path], *, chunk_ctx: int, c
     from ggufcarve.evaluate import kld
     from ggufcarve.evaluate.protocol import EvalSettings
     from ggufcarve.evaluate.run import prepare_reference
+    from ggufcarve.evaluate.tables import reference_identity
 
     settings = EvalSettings(ctx=chunk_ctx, chunks=chunks, threads=threads, speed=None, cache_dir=cache_dir)
     names = [p.name for p in heldout]
@@ -407,5 +397,5 @@ def prepare_segments(source: Path, heldout: Sequence[Path], *, chunk_ctx: int, c
         opened = kld.open_reference(reference.file)
         n_chunk = opened.n_chunk if chunks is None else min(opened.n_chunk, chunks)
         name = path.name if names.count(path.name) == 1 else str(path)
-        segments.append(Segment(name, reference.file, n_chunk, opened.n_ctx, f"{reference.sha256}/{reference.file.name}"))
+        segments.append(Segment(name, reference.file, n_chunk, opened.n_ctx, reference_identity(reference.sha256, reference.file)))
     return segments

@@ -136,6 +136,7 @@ class RungSize:
     fallback: tuple[str, ...]  # tensors the ladder gives imatrix_fallback_type
     needs_imatrix: bool  # llama.cpp's verdict: some tensor's target type needs an imatrix
     placement: WeightPlacement | None = None  # the rung's tensors as llama.cpp places them on a GPU
+    types: tuple[tuple[str, str], ...] = ()  # every tensor's type in the rung (name, ggml type name), llama.cpp's choice for this K
 
 
 @dataclass(frozen=True)
@@ -276,7 +277,23 @@ def size_rung(quantizer: Quantizer, planned: PlannedFile, rung: Rung, missing_im
         dry = quantizer.dry_run(_job(planned.path, rung, overrides))
     tensors = rung_tensors(planned, dry)
     placement = placement_of(((t.name, t.nbytes) for t in tensors), layout.block_count, layout.nextn_layers) if layout else None
-    return RungSize(rung.name, rung.ftype, rung_file_bytes(planned, dry, rung.ftype, tensors), fallback, bool(dry.refused_without_imatrix()), placement)
+    types = tuple((t.name, type_name(t.type_id)) for t in tensors)
+    return RungSize(rung.name, rung.ftype, rung_file_bytes(planned, dry, rung.ftype, tensors), fallback, bool(dry.refused_without_imatrix()), placement, types)
+
+
+def type_name(type_id: int) -> str:
+    from gguf.constants import GGMLQuantizationType
+
+    return GGMLQuantizationType(type_id).name
+
+
+def types_differ(pruned: RungSize, unpruned: RungSize) -> list[tuple[str, str, str]]:
+    """The tensors llama-quantize gives another type in the pruned rung than in the unpruned rung of
+    the same quant (name, pruned type, unpruned type); empty when every tensor's type agrees, which
+    makes the pruned rung's computation that of the unpruned rung with the dropped experts masked out
+    (quantizing an expert tensor is row by row: the kept experts' slabs are the same bytes)."""
+    unpruned_types = dict(unpruned.types)
+    return [(name, kind, unpruned_types.get(name, "absent")) for name, kind in pruned.types if unpruned_types.get(name) != kind]
 
 
 def plan_fit(

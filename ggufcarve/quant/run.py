@@ -51,6 +51,7 @@ from ggufcarve.fileio import (
     disk_full_error,
     format_size,
     make_temp_dir,
+    remember_sha256,
     remove_dead_temps,
     sha256_file,
     sha256_file_cached,
@@ -575,6 +576,7 @@ def run_ladder(plan: LadderPlan, *, keep_going: bool = False, on_event: Sink = i
         def hash_later(result: RungResult, path: Path) -> None:
             t0 = time.monotonic()
             digest = sha256_file(path, _until(stop))
+            remember_sha256(path, digest)
             st = path.stat()
             with state_lock:
                 result.sha256 = digest
@@ -683,7 +685,7 @@ def _check_resumable(plan: LadderPlan, previous: dict[str, dict[str, Any]], on_e
     _note(on_event, "validate", f"checking {len(candidates)} finished rung(s)")
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
         try:
-            digests = list(pool.map(lambda c: sha256_file(c[0].output, _until(stop)), candidates))
+            digests = list(pool.map(lambda c: sha256_file_cached(c[0].output, _until(stop)), candidates))
         except BaseException:
             stop.set()  # on the way out (Ctrl-C): the hashes still running stop at their next chunk
             raise

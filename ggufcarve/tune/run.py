@@ -95,7 +95,7 @@ def parse_keeps(text: str) -> tuple[int, ...]:
     return keeps
 
 
-def _scores(model: Any, layout: Any, settings: TuneSettings, work: Path, on_event: Sink) -> tuple[dict[str, Any], dict[str, Any]]:
+def calibration_scores(model: Any, layout: Any, settings: TuneSettings, work: Path, on_event: Sink) -> tuple[dict[str, Any], dict[str, Any]]:
     """The scores of every asked method, and the calibration pass's record."""
     from ggufcarve.select.calibrate import calibrate_all
     from ggufcarve.select.methods import score_model
@@ -167,7 +167,7 @@ def _half_scores(model: Any, layout: Any, settings: TuneSettings, work: Path, on
     for side, files in enumerate(halves):
         half = TuneSettings(keeps=settings.keeps, methods=methods, calibration=tuple(files), heldout=settings.heldout, ctx=settings.ctx,
                             max_tokens=max_tokens, threads=settings.threads, seed=settings.seed, available_memory=settings.available_memory)
-        out.append(_scores(model, layout, half, work / f"half{side}", on_event)[0])
+        out.append(calibration_scores(model, layout, half, work / f"half{side}", on_event)[0])
     return out
 
 
@@ -268,7 +268,7 @@ def _tune(model: Any, layout: Any, settings: TuneSettings, out_dir: Path, work: 
     from ggufcarve.select.keep import choose
 
     timings: dict[str, float] = {}
-    scores, passed = _scores(model, layout, settings, work, on_event)
+    scores, passed = calibration_scores(model, layout, settings, work, on_event)
     timings["calibration_seconds"] = passed.get("seconds", 0.0)
     halves: list[dict[str, Any]] = []
     if settings.stability:
