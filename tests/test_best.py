@@ -170,17 +170,43 @@ def test_the_winners_file_kld_is_evals_on_each_file(searched, tmp_path):
 
 
 @pytest.mark.slow
-def test_the_plan_parses_and_its_dry_run_shows_the_winner(searched):
+def test_the_plan_publishes_exactly_the_winner(searched):
     from ggufcarve.pipeline.plan import load_plan
 
     out, _, _ = searched
-    winner = json.loads((out / "best.json").read_text())["winner"]
-    plan = load_plan(out / "plan.toml")
-    rungs = plan.ladder.only if winner["family"] == "pruned" else plan.evaluation.unpruned
-    assert winner["quant"] in rungs
-    result = ggufcarve("run", out / "plan.toml", "--dry-run")
+    report = json.loads((out / "best.json").read_text())
+    winner = report["winner"]
+    if winner["family"] == "pruned":
+        plan = load_plan(out / "plan.toml")
+        assert plan.ladder.only == (winner["quant"],) and plan.evaluation.unpruned == ()
+        assert plan.selection.keepset == (out / winner["keep_set"]).resolve()
+        assert report["publish"]["command"] == ["ggufcarve", "run", "plan.toml"]
+        result = ggufcarve("run", out / "plan.toml", "--dry-run")
+        assert result.code == 0, result.stderr[-2000:]
+        assert winner["quant"] in result.stdout + result.stderr
+    else:
+        assert not (out / "plan.toml").exists()
+        assert report["publish"]["command"][:3] == ["ggufcarve", "ladder", "run"]
+
+
+def test_an_unpruned_winner_is_published_by_the_ladder_alone(tmp_path):
+    """No prune stage: the unpruned winner's rung from the source, with best's imatrix; the command
+    line is the real CLI's (its dry run accepts it)."""
+    from types import SimpleNamespace
+
+    from ggufcarve.best.render import plan_document, publish_command
+
+    out = tmp_path / "best"
+    out.mkdir()
+    report = {"winner": {"family": "unpruned", "quant": "Q2_K", "keep_set": None}}
+    settings = SimpleNamespace(ladder=FILES / "ladder.toml")
+    argv = publish_command(report, DEMO_MODEL, settings, out, tmp_path / "absent.imatrix.gguf")
+    assert argv[:3] == ["ggufcarve", "ladder", "run"] and argv[argv.index("--only") + 1] == "Q2_K" and "--imatrix" not in argv
+    with pytest.raises(ValueError):
+        plan_document(report, DEMO_MODEL, settings, out, tmp_path / "absent.imatrix.gguf")
+    result = ggufcarve(*argv[1:-1], tmp_path / "release", "--dry-run", cwd=out)
     assert result.code == 0, result.stderr[-2000:]
-    assert winner["quant"] in result.stdout + result.stderr
+    assert "Q2_K" in result.stdout + result.stderr and not (tmp_path / "release").exists()
 
 
 def test_candidates_are_the_largest_fitting_k_per_rung_the_next_smaller_and_the_unpruned_rungs():

@@ -100,8 +100,23 @@ def _greedy_by_llama_cpp_python(model, rows: list[dict]) -> None:
     0.4 at some positions, enough to flip a near-tie; a token that is not the arg-max (sampling,
     a shifted position) lies several logits below it."""
     import llama_cpp
+    import llama_cpp.llama_cpp as low_level
 
-    llm = llama_cpp.Llama(str(model), n_ctx=512, n_threads=2, verbose=False, logits_all=True)
+    # llama-cpp-python's Llama takes no use_extra_bufts; without it llama.cpp 0.3.36 repacks the
+    # weights into the CPU's extra buffer types, and on CPUs with AMX the decode crashes
+    # (ggufcarve's children load with use_extra_bufts = False, llama.libllama)
+    defaults = low_level.llama_model_default_params
+
+    def without_extra_buffer_types():
+        params = defaults()
+        params.use_extra_bufts = False
+        return params
+
+    low_level.llama_model_default_params = without_extra_buffer_types
+    try:
+        llm = llama_cpp.Llama(str(model), n_ctx=512, n_threads=2, verbose=False, logits_all=True)
+    finally:
+        low_level.llama_model_default_params = defaults
     try:
         for row in rows:
             prefix = llm.tokenize(row["prompt"].encode(), add_bos=True, special=False)

@@ -134,38 +134,40 @@ def chart(report: dict[str, Any], path: Path) -> None:
 
 
 def plan_document(report: dict[str, Any], source: Path, settings: Any, out_dir: Path, imatrix: Path) -> dict[str, Any]:
-    """The `ggufcarve run` plan that builds and fully evaluates exactly the winner: a pruned winner's
-    keep-set and quant; an unpruned winner's quant as [evaluation] unpruned beside the smallest
-    pruned neighbour on the front (a plan carves one keep-set)."""
-    metric = report["parameters"]["metric"]
+    """The `ggufcarve run` plan that carves, quantizes and fully evaluates exactly a pruned winner:
+    its keep-set, its quant, the imatrix of best's calibration pass."""
     winner = report["winner"]
-
-    def rel(path: Path | str) -> str:
-        """A plan path: relative to the plan file when that climbs at most two folders, else absolute."""
-        relative = os.path.relpath(Path(path).resolve(), out_dir.resolve())
-        return relative if Path(relative).parts[:3].count("..") < 3 else str(Path(path).resolve())
-
-    doc: dict[str, Any] = {"source": rel(source), "output": "release", "work": "release.work"}
-    if winner["family"] == "pruned":
-        carved, only, unpruned = winner, [winner["quant"]], []
-    else:
-        pruned = [c for c in front(report["candidates"], metric) if c["family"] == "pruned"]
-        carved = pruned[-1] if pruned else None
-        only, unpruned = ([carved["quant"]] if carved else [winner["quant"]]), [winner["quant"]]
-    if carved is not None and carved.get("keep_set"):
-        doc["selection"] = {"keepset": rel(out_dir / carved["keep_set"])}
+    if winner["family"] != "pruned":
+        raise ValueError("a run plan carves a keep-set: an unpruned winner is published by publish_command")
+    doc: dict[str, Any] = {"source": _plan_path(source, out_dir), "output": "release", "work": "release.work",
+                           "selection": {"keepset": _plan_path(out_dir / winner["keep_set"], out_dir)}}
     if imatrix.is_file():
-        doc["imatrix"] = {"file": rel(imatrix)}
-    doc["ladder"] = {"spec": rel(settings.ladder), "only": only, "quantizer": settings.quantizer}
-    evaluation: dict[str, Any] = {"heldout": [rel(p) for p in settings.heldout] if len(settings.heldout) > 1 else rel(settings.heldout[0]), "ctx": settings.eval_ctx}
+        doc["imatrix"] = {"file": _plan_path(imatrix, out_dir)}
+    doc["ladder"] = {"spec": _plan_path(settings.ladder, out_dir), "only": [winner["quant"]], "quantizer": settings.quantizer}
+    evaluation: dict[str, Any] = {"heldout": [_plan_path(p, out_dir) for p in settings.heldout] if len(settings.heldout) > 1 else _plan_path(settings.heldout[0], out_dir),
+                                  "ctx": settings.eval_ctx}
     if settings.chunks:
         evaluation["chunks"] = settings.chunks
     if settings.gate:
-        evaluation["gate"] = rel(settings.gate)
-    if unpruned:
-        evaluation["unpruned"] = unpruned
+        evaluation["gate"] = _plan_path(settings.gate, out_dir)
     doc["evaluation"] = evaluation
     return doc
+
+
+def publish_command(report: dict[str, Any], source: Path, settings: Any, out_dir: Path, imatrix: Path) -> list[str]:
+    """The command that publishes exactly an unpruned winner: its rung of the ladder, quantized from the
+    source with the calibration pass's imatrix (no prune stage)."""
+    winner = report["winner"]
+    argv = ["ggufcarve", "ladder", "run", _plan_path(settings.ladder, out_dir), "--source", _plan_path(source, out_dir)]
+    if imatrix.is_file():
+        argv += ["--imatrix", _plan_path(imatrix, out_dir)]
+    return [*argv, "--only", winner["quant"], "-o", "release"]
+
+
+def _plan_path(path: Path | str, out_dir: Path) -> str:
+    """A path as written in best's outputs: relative to out_dir when that climbs at most two folders, else absolute."""
+    relative = os.path.relpath(Path(path).resolve(), out_dir.resolve())
+    return relative if Path(relative).parts[:3].count("..") < 3 else str(Path(path).resolve())
 
 
 def write_plan(doc: dict[str, Any], out_dir: Path) -> Path:
@@ -173,5 +175,5 @@ def write_plan(doc: dict[str, Any], out_dir: Path) -> Path:
     from ggufcarve.pipeline.plan import plan_text
 
     path = out_dir / "plan.toml"
-    write_text_atomic(path, plan_text(doc, "The plan that publishes best's winner, fully evaluated: ggufcarve run plan.toml"))
+    write_text_atomic(path, plan_text(doc, "The plan that publishes best's winner (a pruned model), fully evaluated: ggufcarve run plan.toml"))
     return path

@@ -242,6 +242,26 @@ def estimate(plan: Plan, settings: BestSettings, speed: dict[str, Any]) -> dict[
 
 
 STAGES = ("calibration", "references", "builds", "tournament", "confirmation")
+DECODE_STAGES = ("calibration", "references", "tournament", "confirmation")
+
+
+def project_estimate(plan: Plan, settings: BestSettings, speed: dict[str, Any], guess: dict[str, Any]) -> dict[str, Any]:
+    """The dry run's estimate moved to REFERENCE_MODEL: the same plan of work (texts, candidates, builds),
+    decoding at this machine's measured rate scaled by the bytes one token reads there and here,
+    builds at the quantizer's measured bytes per second on the reference's file bytes. A rate
+    measured on a small file includes fixed costs per process, so the projection is high there."""
+    scale = REFERENCE_MODEL["bytes"] * REFERENCE_MODEL["active_fraction"] / (plan.model.total_bytes * active_fraction(plan.model, plan.layout))
+    stages: dict[str, float | None] = {}
+    for stage, seconds in guess["stages"].items():
+        if seconds is None:
+            stages[stage] = None
+        elif stage == "builds":
+            stages[stage] = seconds * REFERENCE_MODEL["bytes"] / plan.model.total_bytes
+        else:
+            stages[stage] = seconds * scale
+    known = [v for v in stages.values() if v is not None]
+    return {"model": REFERENCE_MODEL["name"], "stages": stages, "total": sum(known) if len(known) == len(stages) else None,
+            "rule": "decoding x (bytes read per token there / here) at this machine's measured rate; builds x (file bytes there / here)"}
 
 
 def projection(model: Any, layout: Any, timings: dict[str, float]) -> dict[str, Any]:
@@ -405,7 +425,7 @@ def _judge(gate: Any, record: dict[str, Any]) -> tuple[bool, list[str]]:
 
 def best(source: Path, settings: BestSettings, out_dir: Path, *, plan: Plan | None = None, on_event: Sink = ignore) -> BestResult:
     """Search the candidates; write best.json, best.md, best-pareto.png and plan.toml under `out_dir`, the models under out_dir/models."""
-    from ggufcarve.best.render import chart, markdown, plan_document, write_plan
+    from ggufcarve.best.render import chart, markdown, plan_document, publish_command, write_plan
     from ggufcarve.fileio import write_text_atomic
     from ggufcarve.llama.masking import required_nodes
     from ggufcarve.llama.tools import physical_cores
@@ -514,10 +534,13 @@ def best(source: Path, settings: BestSettings, out_dir: Path, *, plan: Plan | No
             runners = [cid for cid in finalists if cid != decision["winner"] and records[cid]["scored_by"] == "mask"][: settings.confirm]
             confirmations = [cid for cid in (decision["winner"], *runners) if records[cid]["scored_by"] == "mask"]
         column = metric_column("kld_mean")
+        confirm_builds = 0.0
         for cid in confirmations:
             r = records[cid]
             keep_file = out_dir / r["keep_set"]
+            built_at = time.perf_counter()
             path = _build_pruned(plan, settings, keep_file, r["kept_experts"], r["quant"], r["selection"], work, models_dir, imatrix, base, on_event)
+            confirm_builds += time.perf_counter() - built_at
             unpruned_types = tensor_types(rungs[r["quant"]])
             mismatched = sorted(n for n, t in tensor_types(path).items() if unpruned_types.get(n) != t)
             confirm = mt.measure([mt.Candidate(f"{cid}@file", path, None)], segments, measure_settings, work, on_event=on_event)
@@ -534,7 +557,8 @@ def best(source: Path, settings: BestSettings, out_dir: Path, *, plan: Plan | No
                 raise ToolFailed(f"{cid}: masked mean KLD {r['kld_mean']:.6f} but its built file {path.name} measures {file_record['kld_mean']:.6f} "
                                  f"(more than {tolerance:.6f} apart)" + (f"; tensors of another type than the unpruned rung's: {', '.join(mismatched[:4])}" if mismatched else ""),
                                  "score this candidate by its file: a masked score stands for the pruned file only where llama-quantize chose the same types")
-        timings["confirmation_seconds"] = time.perf_counter() - t0
+        timings["confirmation_seconds"] = time.perf_counter() - t0 - confirm_builds  # scoring the files; their builds count as builds
+        timings["builds_seconds"] += confirm_builds
     for stage in STAGES:
         timings.setdefault(f"{stage}_seconds", 0.0)
 
@@ -575,6 +599,10 @@ def best(source: Path, settings: BestSettings, out_dir: Path, *, plan: Plan | No
         "chunks_cached": measured.cached_chunks if measured is not None else 0,
         "previous_run_timings": previous_timings,
     }
+    if winner is not None and winner["family"] == UNPRUNED:  # published by the ladder alone: no prune stage
+        results["publish"] = {"command": publish_command({"winner": winner}, source, settings, out_dir, imatrix)}
+    elif winner is not None:
+        results["publish"] = {"command": ["ggufcarve", "run", "plan.toml"]}
     parameters = {"memory_bytes": settings.memory, "ctx": settings.ctx, "kv_type": settings.kv_type.lower(), "eval_ctx": settings.eval_ctx,
                   "chunks": settings.chunks, "max_tokens": settings.max_tokens, "methods": list(settings.methods), "metric": settings.metric,
                   "gate": settings.gate.name if settings.gate else None, "gpu_memory_bytes": settings.gpu_memory, "ladder": plan.spec.name,
@@ -588,7 +616,8 @@ def best(source: Path, settings: BestSettings, out_dir: Path, *, plan: Plan | No
         write_text_atomic(out_dir / "best.md", markdown(report))
         chart(report, out_dir / CHART)
         outputs = [out_dir / "best.json", out_dir / "best.md", out_dir / CHART]
-        if winner is not None:
+        (out_dir / "plan.toml").unlink(missing_ok=True)  # a plan of an earlier answer would publish another model
+        if winner is not None and winner["family"] == PRUNED:
             outputs.append(write_plan(plan_document(report, source, settings, out_dir, imatrix), out_dir))
     return BestResult(report, outputs)
 

@@ -84,7 +84,7 @@ def best_command(
 ) -> None:
     """Score every (K, keep-set, quant) that fits a budget by masking on the unpruned rungs; build and confirm the answer."""
     from ggufcarve.best.render import stopped_lines
-    from ggufcarve.best.run import BestSettings, best, estimate, measure_speed, plan_best
+    from ggufcarve.best.run import BestSettings, best, estimate, measure_speed, plan_best, project_estimate
     from ggufcarve.errors import BadInput
     from ggufcarve.quant.fit import parse_memory
     from ggufcarve.quant.spec import DEFAULT_LADDER, find_spec
@@ -106,6 +106,7 @@ def best_command(
             with tempfile.TemporaryDirectory(prefix="ggufcarve-best-speed-") as tmp:
                 speed = measure_speed(model, plan, settings, Path(tmp), sink)
             guess = estimate(plan, settings, speed)
+            guess["projection"] = project_estimate(plan, settings, speed, guess)
         else:
             result = best(model, settings, output, plan=plan, on_event=sink)
     if dry_run:
@@ -127,6 +128,9 @@ def best_command(
                   f"calibration {speed['calibration_tokens']} tokens, held-out {speed['heldout_tokens']} tokens", highlight=False, markup=False)
         out.print("estimate: " + ", ".join(f"{stage} {_seconds(v)}" for stage, v in guess["stages"].items()) + f"; total {_seconds(guess['total'])}",
                   highlight=False, markup=False)
+        proj = guess["projection"]
+        out.print(f"projected for {proj['model']} with this plan of work: " + ", ".join(f"{stage} {_seconds(v)}" for stage, v in proj["stages"].items())
+                  + f"; total {_seconds(proj['total'])}", highlight=False, markup=False)
         out.print("nothing was written", highlight=False)
         return
     report = result.report
@@ -163,4 +167,6 @@ def best_command(
         out.print(f"confirmed as a file: masked mean KLD {k['masked_kld_mean']:.4f}, built file {k['file_kld_mean']:.4f} ± {k['file_kld_mean_stderr']:.4f}",
                   highlight=False, markup=False)
     out.print(f"run it: {' '.join(w['run_command']['argv'])}", highlight=False, markup=False)
+    if report.get("publish"):
+        out.print(f"publish it: {' '.join(report['publish']['command'])} (in {output})", highlight=False, markup=False)
     out.print(f"written: {', '.join(str(p) for p in result.outputs)}", highlight=False, markup=False)
