@@ -196,9 +196,10 @@ def test_cross_check_runs_llama_perplexity_on_each_file(runs, q8_moe, texts, lla
         assert check["kld_mode"]["kld_mean"] == pytest.approx(segment["kld_mean"], abs=2e-6 * (1 + segment["kld_mean"])), segment["name"]
 
 
-def test_tune_records_each_files_statistics(tmp_path):
+def test_the_measurement_layer_records_each_files_statistics(tmp_path):
+    """tune's and best's per-file records (the measurement layer's `segments`) from the tables of each held-out file."""
     from ggufcarve.evaluate import kld
-    from ggufcarve.tune.run import _statistics
+    from ggufcarve.measure.tournament import Candidate, MeasureSettings, Segment, measure
 
     rng = np.random.default_rng(5)
     tables = []
@@ -208,9 +209,11 @@ def test_tune_records_each_files_statistics(tmp_path):
         table[:, kld.NLL_BASE] = table[:, kld.NLL] - rng.uniform(0, 0.1, rows)
         table[:, kld.KLD] = rng.exponential(0.01 * (f + 1), rows)
         table[:, kld.SAME_TOP] = rng.random(rows) < 0.9
-        np.save(tmp_path / f"cand-{f}.npy", table)
         tables.append(table)
-    got = _statistics(tmp_path, "cand", ["a.txt", "b.txt"])
+    segments = [Segment(name, tmp_path / f"{name}.kld", 1, 256, name) for name in ("a.txt", "b.txt")]
+    measured = measure([Candidate("cand", tmp_path / "m.gguf")], segments, MeasureSettings(threads=1), tmp_path,
+                       score_unit=lambda _candidate, unit: tables[unit[0]])
+    got = measured.records["cand"]
     assert [s["name"] for s in got["segments"]] == ["a.txt", "b.txt"]
     for segment, table in zip(got["segments"], tables):
         assert set(segment) == {"name", *kld.SEGMENT_KEYS}
@@ -219,8 +222,7 @@ def test_tune_records_each_files_statistics(tmp_path):
         assert segment["same_top_p"] == pytest.approx(table[:, kld.SAME_TOP].mean(), rel=1e-12)
         assert segment["ppl"] == pytest.approx(math.exp(table[:, kld.NLL].mean()), rel=1e-12)
         assert segment["kld_mean_stderr"] == pytest.approx(table[:, kld.KLD].std(ddof=0) / math.sqrt(len(table) - 1), rel=1e-9)
-    assert got["kld_mean_per_file"] == [s["kld_mean"] for s in got["segments"]]
-    assert got["tokens"] == 65 and got["kld_mean"] == pytest.approx(np.concatenate(tables)[:, kld.KLD].mean(), rel=1e-12)
+    assert got["chunks_scored"] == 2 and got["tokens"] == 65 and got["kld_mean"] == pytest.approx(np.concatenate(tables)[:, kld.KLD].mean(), rel=1e-12)
 
 
 def test_tune_md_shows_each_files_kld():
