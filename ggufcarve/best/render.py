@@ -27,9 +27,10 @@ REASONS = {"halving": "halving", "budget": "over budget", "gate": "gate", "ident
 
 
 def stopped_lines(report: dict[str, Any]) -> list[str]:
-    """One line per candidate that left before the final round or was not a finalist: why, and by how much it lost."""
+    """One line per candidate that left before the final round or was not a finalist: why, and by how much it lost (closest first)."""
     lines = []
-    for c in report["candidates"]:
+    closest_first = sorted(report["candidates"], key=lambda c: (c.get("stopped_reason") != "halving", c.get("lost_by") or 0.0, c["id"]))
+    for c in closest_first:
         reason = c.get("stopped_reason")
         if reason == "halving":
             lines.append(f"{c['id']}: left after {c['chunks_scored']} chunk(s): mean KLD {c['lost_by']:+.4f} behind that round's leader "
@@ -114,8 +115,14 @@ def chart(report: dict[str, Any], path: Path) -> None:
         early = [c for c in series if c["stopped_early"]]
         ax.plot([(c["file_bytes"] + c["cache_bytes"]) / unit[1] for c in early], [c[metric] for c in early], linestyle="none", marker=marker,
                 markerfacecolor="white", color=line.get_color())
+        best_of_pair: dict[tuple[int, str], dict[str, Any]] = {}
+        for c in series:  # one label per (K, quant): its best keep-set
+            key = (c["kept_experts"], c["quant"])
+            if key not in best_of_pair or c[metric] < best_of_pair[key][metric]:
+                best_of_pair[key] = c
         for c, x in zip(series, xs):
-            ax.annotate(c["id"] + ("" if c.get("built") else " (masked)"), (x, c[metric]), fontsize=6, xytext=(3, 3), textcoords="offset points")
+            if best_of_pair[(c["kept_experts"], c["quant"])] is c:
+                ax.annotate(c["id"] + ("" if c.get("built") else " (masked)"), (x, c[metric]), fontsize=6, xytext=(3, 3), textcoords="offset points")
     w = report.get("winner")
     if w and w.get(metric) is not None:
         ax.plot([(w["file_bytes"] + w["cache_bytes"]) / unit[1]], [w[metric]], linestyle="none", marker="o", markersize=14, markerfacecolor="none",
@@ -124,7 +131,8 @@ def chart(report: dict[str, Any], path: Path) -> None:
     ax.set_yscale("log")
     ax.set_xlabel(f"file + KV cache ({unit[0]})")
     ax.set_ylabel(f"{metric} vs unpruned (nats/token)" if metric.startswith("kld") else f"{metric} (lower is better)")
-    ax.set_title("hollow: left before the final round (fewer chunks); (masked): scored by masking, no file built", fontsize=8)
+    ax.set_title("hollow: left before the final round (fewer chunks); (masked): scored by masking, no file built; one label per K and quant: its best keep-set",
+                 fontsize=7)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     fig.subplots_adjust(left=0.12, right=0.97, bottom=0.12, top=0.93)

@@ -20,6 +20,8 @@ from ggufcarve.cli.options import ForceOption, JsonOption, LlamaCppOption, Quiet
 from ggufcarve.cli.render import out, progress, size
 from ggufcarve.errors import OutputError
 
+SHOWN_LEFT = 4  # candidates that left early, printed closest first; best.md lists all
+
 
 def _seconds(value: float | None) -> str:
     if value is None:
@@ -143,7 +145,9 @@ def best_command(
         return
     if not quiet:
         out.print(_table(report))
-        for line in stopped_lines(report):
+        lines = stopped_lines(report)
+        shown = lines if len(lines) <= SHOWN_LEFT + 1 else [*lines[:SHOWN_LEFT], f"... and {len(lines) - SHOWN_LEFT} more: best.md lists every one"]
+        for line in shown:
             out.print(f"left: {line}", highlight=False, markup=False)
         t = report["timings"]
         proj = report["projection"]

@@ -300,7 +300,9 @@ def _tune(model: Any, layout: Any, settings: TuneSettings, out_dir: Path, work: 
             candidates.append(entry)
         groups.append(group)
     threads = settings.threads or physical_cores()
+    reference_started = time.perf_counter()
     segments = prepare_segments(model.path, settings.heldout, chunk_ctx=settings.ctx, chunks=settings.chunks, threads=threads, work=work, on_event=on_event)
+    timings["reference_seconds"] = time.perf_counter() - reference_started
     pool = [Candidate(cid, model.path, keep={int(b): ids for b, ids in keep.items()}, group=str(k),
                       required_nodes=tuple(f"{node}:{block}" for node, block in required_nodes(layout, KeepSet({int(b): tuple(ids) for b, ids in keep.items()}))))
             for k, group in zip(settings.keeps, groups) for cid in group for keep in [keep_of[cid]]]
