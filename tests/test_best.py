@@ -51,11 +51,15 @@ def searched(tmp_path_factory):
     first.write_text(text[:cut], encoding="utf-8")
     second.write_text(text[cut:], encoding="utf-8")
     out = tmp / "best"
-    result = ggufcarve("best", DEMO_MODEL, "--memory", f"{MEMORY}B", "--ctx", CTX, "--ladder", FILES / "ladder.toml", "--calibration", CALIBRATION,
-                       "--heldout", first, "--heldout", second, "--eval-ctx", EVAL_CTX, "--chunks", CHUNKS, "--max-tokens", 2048,
-                       "--methods", "frequency,weights", "--gpu-memory", f"{GPU_MEMORY}B", "-o", out, "-t", 2, "--quiet")
+    result = ggufcarve("best", *best_arguments(first, second, out), "--quiet")
     assert result.code == 0, result.stderr[-3000:]
     return out, (first, second), result
+
+
+def best_arguments(first: Path, second: Path, out: Path, memory: int = MEMORY) -> list:
+    return [DEMO_MODEL, "--memory", f"{memory}B", "--ctx", CTX, "--ladder", FILES / "ladder.toml", "--calibration", CALIBRATION,
+            "--heldout", first, "--heldout", second, "--eval-ctx", EVAL_CTX, "--chunks", CHUNKS, "--max-tokens", 2048,
+            "--methods", "frequency,weights", "--gpu-memory", f"{GPU_MEMORY}B", "-o", out, "-t", 2]
 
 
 @pytest.mark.slow
@@ -244,3 +248,26 @@ def test_only_an_unknown_candidate_is_one_line_before_anything_is_written(tmp_pa
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: --only K99-Q8_0: not a candidate") and "unpruned-Q2_K" in lines[0], result.stderr
     assert not out.exists()
+
+
+@pytest.mark.slow
+def test_a_rerun_with_a_larger_budget_scores_only_the_new_candidates(searched, tmp_path):
+    """Work is reused by content: the keep-sets and the imatrix (sha256 of the source and the
+    texts), the rungs (the ladder's resume), and every candidate's per-unit tables (the model
+    file's sha256 and its keep-set): a second run into a copy of the folder with a larger budget
+    decodes only for candidates the first run did not score."""
+    import shutil
+
+    out, (first, second), _ = searched
+    again = tmp_path / "again"
+    shutil.copytree(out, again)
+    before = json.loads((out / "best.json").read_text())
+    result = ggufcarve("best", *best_arguments(first, second, again, memory=MEMORY + 2 * 2**20), "--quiet", "--force")
+    assert result.code == 0, result.stderr[-3000:]
+    report = json.loads((again / "best.json").read_text())
+    assert report["keep_sets_reused"] and report["previous_run_timings"] == before["timings"]
+    old_ids = {c["id"] for c in before["candidates"] if c.get("scored_by")}
+    new_ids = {c["id"] for c in report["candidates"] if c.get("scored_by")} - old_ids
+    assert new_ids  # the larger budget brings candidates the first run did not have
+    assert report["chunks_cached"] >= sum(c["chunks_scored"] for c in report["candidates"] if c["id"] in old_ids and c.get("scored_by"))
+    assert report["chunks_decoded"] <= sum(c["chunks_scored"] for c in report["candidates"] if c["id"] in new_ids) + 2 * CHUNKS

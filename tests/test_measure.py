@@ -178,3 +178,47 @@ def test_two_candidates_on_the_same_file_tie_in_llama_cpp(tmp_path):
     assert run.code == 0, run.stderr
     doc = json.loads(next(out.glob("*.json")).read_text())
     assert doc["kld_mean"] == pytest.approx(got.records["a"]["kld_mean"], rel=1e-9, abs=1e-15)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["qwen3moe", "qwen35moe", "deepseek2", "gpt-oss", "fused"])
+def test_masked_on_the_unpruned_rung_equals_the_pruned_rungs_file(make_model, tmp_path, arch):
+    """best's confirmation on a fixture of every architecture: the unpruned model and the pruned one
+    quantized to Q8_0 by llama.cpp (the same type for every tensor), the keep-set masked on the
+    unpruned rung scores the pruned rung's file within max(2 standard errors, 1%) of its mean KLD."""
+    import json
+
+    import factory
+    from clirun import ggufcarve
+
+    from ggufcarve.gguf.container import read_model
+    from ggufcarve.llama.masking import required_nodes
+    from ggufcarve.measure.tournament import prepare_segments
+    from ggufcarve.moe.keepset import KeepSet
+    from ggufcarve.moe.layout import inspect_layout
+
+    src = make_model(arch, "F16")
+    layout = inspect_layout(read_model(src))
+    groups = max(layout.group_count, 1)
+    size = layout.expert_count // groups
+    keepset = KeepSet({b: tuple(g * size + i for g in range(groups) for i in range(size // 2)) for b in layout.blocks})
+    keep_file = tmp_path / "keep.json"
+    keep_file.write_text(json.dumps(keepset.to_json()))
+    pruned = tmp_path / "pruned.gguf"
+    run = ggufcarve("prune", src, "--keep", keep_file, "-o", pruned, "-q")
+    assert run.code == 0, run.stderr
+    rung = factory.quantize_with_llama(src, tmp_path / "unpruned-Q8_0.gguf", "Q8_0")
+    pruned_rung = factory.quantize_with_llama(pruned, tmp_path / "pruned-Q8_0.gguf", "Q8_0")
+    full_types = {t.name: t.type_id for t in read_model(rung).tensors}
+    assert all(full_types[t.name] == t.type_id for t in read_model(pruned_rung).tensors)  # the types agree: masking stands for the file
+    words = "the quick brown fox jumps over a lazy dog while experts route tokens through layers".split()
+    heldout = tmp_path / "heldout.txt"
+    heldout.write_text(" ".join(words[i % len(words)] for i in range(600)) + "\n")
+    segments = prepare_segments(src, [heldout], chunk_ctx=64, chunks=8, threads=2, work=tmp_path)
+    nodes = tuple(f"{node}:{block}" for node, block in required_nodes(layout, keepset))
+    got = measure([Candidate("masked", rung, keep=keepset.layers, required_nodes=nodes), Candidate("file", pruned_rung)], segments,
+                  MeasureSettings(threads=2), tmp_path)
+    masked, file = got.records["masked"], got.records["file"]
+    assert masked["chunks_scored"] == file["chunks_scored"] == 8
+    assert file["kld_mean"] > 1e-4  # pruning half the experts moves the model: the comparison can fail
+    assert abs(masked["kld_mean"] - file["kld_mean"]) <= max(2 * file["kld_mean_stderr"], 0.01 * file["kld_mean"])

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from ggufcarve.best.candidates import PRUNED, UNPRUNED, Candidate
-from ggufcarve.errors import BadInput, ToolFailed
+from ggufcarve.errors import BadInput, CarveError, ToolFailed
 from ggufcarve.events import Sink, ignore
 from ggufcarve.measure.statistics import DEFAULT_Z, METRICS, PREFERENCES
 
@@ -366,41 +366,49 @@ def _content_key(doc: dict[str, Any]) -> str:
 
 def keep_sets(source: Path, plan: Plan, settings: BestSettings, work: Path, imatrix: Path, on_event: Sink) -> tuple[dict[int, dict[str, Any]], float, bool]:
     """Every method's keep-set at every candidate K (K -> method -> {"file", "identical_to"}) from
-    one calibration pass that also writes `imatrix`; reused when the key of their inputs (the
-    sha256 of the source and of the calibration texts, the methods, K values and pass settings)
-    matches the one recorded. Returns them, the pass's seconds and whether they were reused."""
+    one calibration pass that also writes `imatrix`. The pass's scores are kept beside them and
+    reused when the key of their inputs (the sha256 of the source and of the calibration texts,
+    the methods and the pass settings) matches the one recorded: a re-run at other K values
+    chooses its keep-sets from them without a pass. Returns the keep-sets, the pass's seconds and
+    whether the pass was reused."""
     from ggufcarve.fileio import sha256_file_cached, write_text_atomic
     from ggufcarve.select.keep import choose
+    from ggufcarve.select.scores import read_scores
     from ggufcarve.tune.run import TuneSettings, calibration_scores
 
     key = _content_key({"source": [sha256_file_cached(p) for p in plan.model.paths], "calibration": [sha256_file_cached(p) for p in settings.calibration],
-                        "methods": list(settings.methods), "keeps": plan.kept_counts, "ctx": settings.eval_ctx, "max_tokens": settings.max_tokens})
+                        "methods": list(settings.methods), "ctx": settings.eval_ctx, "max_tokens": settings.max_tokens})
     directory = work / "keep-sets"
-    record = directory / "keep-sets.json"
+    record = directory / "scores.json"
+    started = time.perf_counter()
+    scores: dict[str, Any] | None = None
     try:
         previous = json.loads(record.read_text())
-        if previous["key"] == key and imatrix.is_file() and all((directory / e["file"]).is_file() for per_k in previous["keep_sets"].values() for e in per_k.values()):
-            return {int(k): {m: {**e, "file": directory / e["file"]} for m, e in v.items()} for k, v in previous["keep_sets"].items()}, 0.0, True
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
-    started = time.perf_counter()
-    directory.mkdir(parents=True, exist_ok=True)
-    tune_settings = TuneSettings(keeps=tuple(plan.kept_counts), methods=settings.methods, calibration=settings.calibration, ctx=settings.eval_ctx,
-                                 max_tokens=settings.max_tokens, threads=settings.threads, imatrix_out=imatrix)
-    scores, _ = calibration_scores(plan.model, plan.layout, tune_settings, work, on_event)
+        if previous["key"] == key and imatrix.is_file():
+            scores = {m: read_scores(directory / name) for m, name in previous["scores"].items()}
+    except (OSError, ValueError, KeyError, TypeError, CarveError):
+        scores = None
+    reused = scores is not None
+    if scores is None:
+        directory.mkdir(parents=True, exist_ok=True)
+        tune_settings = TuneSettings(keeps=tuple(plan.kept_counts), methods=settings.methods, calibration=settings.calibration, ctx=settings.eval_ctx,
+                                     max_tokens=settings.max_tokens, threads=settings.threads, imatrix_out=imatrix)
+        scores = calibration_scores(plan.model, plan.layout, tune_settings, work, on_event)[0]
+        for method, method_scores in scores.items():
+            write_text_atomic(directory / f"{method}.scores.json", method_scores.dumps())
+        write_text_atomic(record, json.dumps({"key": key, "scores": {m: f"{m}.scores.json" for m in scores}}, indent=1, sort_keys=True) + "\n")
     out: dict[int, dict[str, Any]] = {}
     for k in plan.kept_counts:
         seen: dict[tuple, str] = {}
         out[k] = {}
         for method, method_scores in scores.items():
             selection = choose(method_scores, k)
-            name = f"{method}-{k}.json"
-            write_text_atomic(directory / name, json.dumps(selection.record({}), indent=1, sort_keys=True, allow_nan=False) + "\n")
+            path = directory / f"{method}-{k}.json"
+            write_text_atomic(path, json.dumps(selection.record({}), indent=1, sort_keys=True, allow_nan=False) + "\n")
             layers = tuple(sorted(selection.keepset.layers.items()))
-            out[k][method] = {"file": name, "identical_to": seen.get(layers)}
+            out[k][method] = {"file": path, "identical_to": seen.get(layers)}
             seen.setdefault(layers, method)
-    write_text_atomic(record, json.dumps({"key": key, "keep_sets": {str(k): v for k, v in out.items()}}, indent=1, sort_keys=True) + "\n")
-    return {k: {m: {**e, "file": directory / e["file"]} for m, e in v.items()} for k, v in out.items()}, time.perf_counter() - started, False
+    return out, 0.0 if reused else time.perf_counter() - started, reused
 
 
 def tensor_types(path: Path) -> dict[str, str]:
