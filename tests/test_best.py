@@ -17,7 +17,9 @@ from ggufcarve.pipeline.demo import FILES
 
 CTX, EVAL_CTX, CHUNKS = 256, 128, 4
 GPU_MEMORY = 2**30 + 5 * 2**20  # llama.cpp's 1 GiB margin and 5 MiB: some rungs fit whole, some with --n-cpu-moe N
-MEMORY = 7 * 2**20  # between the demo's rungs: unpruned Q2_K and IQ2_XS fit, unpruned Q3_K_M does not, pruned rungs of every quant do
+# between the demo's rungs by llama.cpp's measured total (weights + cache + compute + output; the compute
+# buffers are 4.1 MiB at ctx 256): unpruned Q2_K and IQ2_XS fit, unpruned Q3_K_M does not
+MEMORY = 11 * 2**20
 
 CONTEXT_CHILD = """
 import sys
@@ -73,6 +75,10 @@ def test_the_answer_fits_by_the_real_file_and_llama_cpps_cache(searched):
     assert cache_mib > 0.3
     assert abs(winner["cache_bytes"] / 2**20 - cache_mib) <= 0.005
     assert path.stat().st_size + cache_mib * 2**20 <= MEMORY
+    memory = winner["memory"][0]
+    assert memory["device"] == "host" and memory["total"] <= MEMORY and winner["memory_source"].startswith("measured")
+    assert memory["total"] == memory["weights"] + memory["cache"] + memory["compute"] + memory["output"]
+    assert abs(memory["cache"] / 2**20 - cache_mib) <= 0.005  # the dry load's cache is the allocating load's
     assert winner["file_bytes"] == path.stat().st_size
     assert f"answer: {winner['id']}" in result.stdout
     # the table holds both families, each scored
@@ -231,10 +237,10 @@ def test_candidates_are_the_largest_fitting_k_per_rung_the_next_smaller_and_the_
 
 def test_dry_run_lists_the_candidates_and_writes_nothing(tmp_path):
     out = tmp_path / "best"
-    result = ggufcarve("best", DEMO_MODEL, "--memory", "7MiB", "--ctx", CTX, "--ladder", FILES / "ladder.toml", "--calibration", CALIBRATION,
+    result = ggufcarve("best", DEMO_MODEL, "--memory", "11MiB", "--ctx", CTX, "--ladder", FILES / "ladder.toml", "--calibration", CALIBRATION,
                        "--heldout", HELDOUT, "--eval-ctx", EVAL_CTX, "--chunks", CHUNKS, "-o", out, "-t", 2, "--dry-run")
     assert result.code == 0, result.stderr[-2000:]
-    assert "unpruned-Q2_K" in result.stdout and "K14-Q2_K" in result.stdout and "unpruned-Q3_K_M" not in result.stdout  # 6.85 MiB + 0.5 MiB > 7 MiB
+    assert "unpruned-Q2_K" in result.stdout and "K14-Q2_K" in result.stdout and "unpruned-Q3_K_M" not in result.stdout  # 11.40 MiB measured > 11 MiB
     assert "disk needed" in result.stdout and "estimate: calibration" in result.stdout and "nothing was written" in result.stdout
     assert "by masking on those rungs" in result.stdout
     assert not out.exists()
@@ -242,7 +248,7 @@ def test_dry_run_lists_the_candidates_and_writes_nothing(tmp_path):
 
 def test_only_an_unknown_candidate_is_one_line_before_anything_is_written(tmp_path):
     out = tmp_path / "best"
-    result = ggufcarve("best", DEMO_MODEL, "--memory", "7MiB", "--ctx", CTX, "--ladder", FILES / "ladder.toml", "--calibration", CALIBRATION,
+    result = ggufcarve("best", DEMO_MODEL, "--memory", "11MiB", "--ctx", CTX, "--ladder", FILES / "ladder.toml", "--calibration", CALIBRATION,
                        "--heldout", HELDOUT, "--eval-ctx", EVAL_CTX, "--chunks", CHUNKS, "-o", out, "-t", 2, "--only", "K99-Q8_0", "--quiet")
     assert result.code != 0
     lines = [line for line in result.stderr.splitlines() if line.strip()]

@@ -23,6 +23,7 @@ class Candidate:
     file_bytes: int  # predicted by fit (llama.cpp's quantizer dry run); the built file's size replaces it
     cache_bytes: int
     memory: int
+    measured: dict[str, Any] | None = None  # llama.cpp's dry load (llama.memory.DeviceMemory.to_json) of the K's header, weights from fit's sizes
 
     @property
     def family(self) -> str:
@@ -33,12 +34,19 @@ class Candidate:
         return f"unpruned-{self.quant}" if self.family == UNPRUNED else f"K{self.kept}-{self.quant}"
 
     @property
+    def total(self) -> int:
+        """Host bytes: llama.cpp's measured total when measured, else the file and the cache."""
+        return self.measured["total"] if self.measured else self.file_bytes + self.cache_bytes
+
+    @property
     def fits(self) -> bool:
-        return self.file_bytes + self.cache_bytes <= self.memory
+        return self.total <= self.memory
 
     def to_json(self) -> dict[str, Any]:
         return {"id": self.id, "kept_experts": self.kept, "expert_count": self.expert_count, "quant": self.quant, "family": self.family,
-                "file_bytes": self.file_bytes, "cache_bytes": self.cache_bytes, "fits": self.fits}
+                "file_bytes": self.file_bytes, "cache_bytes": self.cache_bytes, "fits": self.fits,
+                **({"memory": [self.measured], "memory_source": "estimated: llama.cpp's dry load of the K's header, the rung's weights from fit's sizes"}
+                   if self.measured else {})}
 
 
 def choose_candidates(report: FitReport) -> list[Candidate]:
@@ -49,5 +57,6 @@ def choose_candidates(report: FitReport) -> list[Candidate]:
         rows = [r for r in report.rows if r.rung.rung == rung.name]
         fitting = sorted((r for r in rows if r.fits), key=lambda r: r.kept, reverse=True)
         for r in fitting[:2]:  # the unpruned row, when it fits, is the first (the largest K)
-            chosen[(r.kept, rung.name)] = Candidate(r.kept, n, rung.name, r.rung.bytes, r.cache_bytes, report.memory)
+            measured = r.memory_measured.to_json() if r.memory_measured is not None else None
+            chosen[(r.kept, rung.name)] = Candidate(r.kept, n, rung.name, r.rung.bytes, r.cache_bytes, report.memory, measured)
     return sorted(chosen.values(), key=lambda c: (c.file_bytes, -c.kept, c.quant))

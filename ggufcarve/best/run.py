@@ -98,6 +98,21 @@ class Plan:
     seconds: float
 
 
+def run_memory_settings(settings: BestSettings) -> Any:
+    """The run whose memory counts against the budget: llama-server's defaults at --ctx and --kv-type
+    (a quantized V cache needs flash attention: on with q8_0, llama.cpp's auto otherwise)."""
+    from ggufcarve.llama.memory import MemorySettings
+
+    return MemorySettings(settings.ctx, settings.kv_type, flash_attn="on" if settings.kv_type.upper() != "F16" else "auto")
+
+
+def measured_memory(path: Path, settings: BestSettings) -> dict[str, Any]:
+    """llama.cpp's dry load of a built file at the run's settings: one record per device (the host here)."""
+    from ggufcarve.llama.memory import measure_memory
+
+    return measure_memory(path, run_memory_settings(settings)).to_json()
+
+
 def plan_best(source: Path, settings: BestSettings, *, on_event: Sink = ignore) -> Plan:
     """Check the inputs and choose the candidates from fit's sizes; nothing is written."""
     from ggufcarve.best.candidates import choose_candidates
@@ -129,7 +144,7 @@ def plan_best(source: Path, settings: BestSettings, *, on_event: Sink = ignore) 
     layout = inspect_layout(model)
     spec = load_spec(settings.ladder)
     fit = plan_fit(model, layout, spec, memory=settings.memory, context=ContextSettings(settings.ctx, settings.kv_type, settings.kv_type),
-                   quantizer=make_quantizer(settings.quantizer, settings.llama_cpp_dir), on_event=on_event)
+                   quantizer=make_quantizer(settings.quantizer, settings.llama_cpp_dir), measure=run_memory_settings(settings), on_event=on_event)
     candidates = choose_candidates(fit)
     if not candidates:
         smallest = min(r.total for r in fit.rows)
@@ -482,7 +497,9 @@ def best(source: Path, settings: BestSettings, out_dir: Path, *, plan: Plan | No
                 continue
             path = rungs[c.quant]
             size = path.stat().st_size
-            records[c.id] = {**c.to_json(), "file_bytes": size, "fits": size + c.cache_bytes <= settings.memory, "predicted_file_bytes": c.file_bytes,
+            memory = measured_memory(path, settings)
+            records[c.id] = {**c.to_json(), "file_bytes": size, "fits": memory["total"] <= settings.memory, "predicted_file_bytes": c.file_bytes,
+                             "memory": [memory], "memory_source": "measured: llama.cpp's dry load of the built file", "memory_estimated_total": c.total,
                              "selection": "none (every expert kept)", "keep_set": None, "scored_by": "file", "masked_on": None, "types_match": None,
                              "built": True, "path": path}
             pool.append(mt.Candidate(c.id, path, None, fits=records[c.id]["fits"], file_bytes=size, read_bytes=int(size * active_fraction(plan.model, layout))))
@@ -513,7 +530,9 @@ def best(source: Path, settings: BestSettings, out_dir: Path, *, plan: Plan | No
                               scored_by_reason=f"llama-quantize gives {len(differ)} tensor(s) another type at K={c.kept} ({name}: {was}, unpruned {unpruned_type})")
                 path = _build_pruned(plan, settings, entry["file"], c.kept, c.quant, method, work, models_dir, imatrix, base, on_event)
                 size = path.stat().st_size
-                record.update(built=True, path=path, file_bytes=size, fits=size + c.cache_bytes <= settings.memory)
+                memory = measured_memory(path, settings)
+                record.update(built=True, path=path, file_bytes=size, fits=memory["total"] <= settings.memory, memory=[memory],
+                              memory_source="measured: llama.cpp's dry load of the built file", memory_estimated_total=c.total)
                 pool.append(mt.Candidate(cid, path, None, fits=record["fits"], file_bytes=size, read_bytes=int(size * active_fraction(plan.model, layout))))
     timings["builds_seconds"] = time.perf_counter() - t0
 
@@ -556,7 +575,9 @@ def best(source: Path, settings: BestSettings, out_dir: Path, *, plan: Plan | No
             masked_table, file_table = measured.table(cid), confirm.table(f"{cid}@file")
             pair = paired_difference(file_table[:, column], masked_table[:, column]) if len(masked_table) == len(file_table) else None
             size = path.stat().st_size
-            r.update(built=True, path=path, file_bytes=size, fits=size + r["cache_bytes"] <= settings.memory,
+            memory = measured_memory(path, settings)
+            r.update(built=True, path=path, file_bytes=size, fits=memory["total"] <= settings.memory, memory=[memory],
+                     memory_source="measured: llama.cpp's dry load of the built file", memory_estimated_total=r["memory"][0]["total"] if r.get("memory") else None,
                      confirmed={"masked_kld_mean": r["kld_mean"], "file_kld_mean": file_record["kld_mean"], "file_kld_mean_stderr": file_record["kld_mean_stderr"],
                                 "paired_difference": pair.to_json() if pair else None, "types_mismatched": mismatched[:8],
                                 "file_segments": file_record.get("segments"), "chunks": file_record["chunks_scored"]})

@@ -35,6 +35,10 @@ def fit_command(
     swa_full: Annotated[bool, typer.Option("--swa-full", help="Full-size cache for sliding-window layers (llama.cpp --swa-full).")] = False,
     gpu_memory: Annotated[str | None, typer.Option("--gpu-memory", help="GPU memory: each cell also says whether the rung fits the GPU whole (w) or with which llama.cpp --n-cpu-moe N, from its per-block expert bytes.")] = None,
     gpu_margin: Annotated[str, typer.Option("--gpu-margin", help="GPU memory kept free for compute buffers and the backend (default: llama.cpp --fit's target margin, 1GiB).")] = "1GiB",
+    flash_attn: Annotated[str, typer.Option("--flash-attn", help="Flash attention of the run (llama.cpp -fa): auto, on or off; it changes the compute buffers.")] = "auto",
+    batch: Annotated[int, typer.Option("--batch", help="Logical batch size of the run (llama.cpp -b).")] = 2048,
+    ubatch: Annotated[int, typer.Option("--ubatch", help="Micro-batch size of the run (llama.cpp -ub): the compute buffers grow with it.")] = 512,
+    measured: Annotated[bool, typer.Option("--measured/--file-and-cache", help="Count llama.cpp's own dry load (weights, cache, compute and output buffers), or the file and the cache alone.")] = True,
     quantizer_choice: Annotated[str, typer.Option("--quantizer", help="auto | binary | libllama | PATH to llama-quantize: who answers the dry runs.")] = "auto",
     llama_cpp: LlamaCppOption = None,
     as_json: JsonOption = False,
@@ -72,11 +76,18 @@ def fit_command(
     quantizer = make_quantizer(quantizer_choice, llama_cpp)
     settings = ContextSettings(ctx, cache_type, cache_type, n_seq=parallel, swa_full=swa_full)
     with progress(not (quiet or as_json), transient=True) as sink:
-        report = plan_fit(loaded, layout, spec, memory=budget, context=settings, quantizer=quantizer, kept_counts=counts, only=only, imatrix_entries=entries, gpu_memory=gpu_budget, gpu_margin=margin, on_event=sink)
+        from ggufcarve.llama.memory import FLASH_ATTN, MemorySettings
+
+        if flash_attn not in FLASH_ATTN:
+            raise BadInput(f"--flash-attn {flash_attn!r} is not one of {', '.join(FLASH_ATTN)}", "auto is llama.cpp's default")
+        run_settings = MemorySettings(ctx, cache_type, batch, ubatch, parallel, flash_attn, swa_full) if measured else None
+        report = plan_fit(loaded, layout, spec, memory=budget, context=settings, quantizer=quantizer, kept_counts=counts, only=only, imatrix_entries=entries,
+                          gpu_memory=gpu_budget, gpu_margin=margin, measure=run_settings, on_event=sink)
 
     if as_json:
         inputs = [{"name": p.name, "bytes": p.stat().st_size} for p in loaded.paths]
         parameters = {"memory": memory, "memory_bytes": budget, "ctx": ctx, "kv_type": cache_type.lower(), "parallel": parallel, "swa_full": swa_full,
+                      "flash_attn": flash_attn, "batch": batch, "ubatch": ubatch, "measured": measured,
                       **({"gpu_memory": gpu_memory, "gpu_memory_bytes": gpu_budget, "gpu_margin": gpu_margin} if gpu_budget is not None else {}),
                       "ladder": spec.name, "ladder_sha256": spec.sha256, "k": kept, "only": only, "imatrix": imatrix.name if imatrix else None}
         doc = envelope("fit", inputs=inputs, parameters=parameters, results=report.to_json(), timings={"total_seconds": report.seconds})
@@ -105,7 +116,8 @@ def fit_command(
     unit = size_unit(max(r.rung.bytes for r in report.rows))  # one unit for every cell
     table = new_table(box=SIMPLE_HEAD, pad_edge=False, padding=(0, 0), title=f"{loaded.path.name}: {layout.architecture}, {layout.expert_count} experts, top-{layout.expert_used_count}"
                       + (f", {layout.group_count} groups" if layout.group_count > 1 else ""),
-                      caption=f"{unit[0]} of the rung file; ✓: file + cache {size(cache.total_bytes)} fits in {size(budget)}; *: power of two" + (f"; last row: the source's {layout.expert_count}" if layout.expert_count in report.kept_counts else ""), caption_justify="left")
+                      caption=f"{unit[0]} of the rung file; ✓: " + ("llama.cpp's measured weights + cache + compute + output buffers" if measured else f"file + cache {size(cache.total_bytes)}")
+                      + f" fit in {size(budget)}; *: power of two" + (f"; last row: the source's {layout.expert_count}" if layout.expert_count in report.kept_counts else ""), caption_justify="left")
     table.add_column("K", justify="right", no_wrap=True)
     for name in rungs:
         table.add_column(name, justify="right", no_wrap=True)
@@ -124,7 +136,10 @@ def fit_command(
     if best is None:
         out.print(f"nothing fits in {size(budget)}: the smallest is {size(min(r.total for r in report.rows))}; try a shorter --ctx, --kv-type q8_0 or fewer experts (--k)", highlight=False)
     else:
-        out.print(f"most experts that fit: K={best.kept} {best.rung.rung}: file {size(best.rung.bytes)} + cache {size(best.cache_bytes)} = {size(best.total)} of {size(budget)}", highlight=False)
+        m = best.memory_measured
+        parts = (f"weights {size(m.weights)} + cache {size(m.cache)} + compute {size(m.compute)} + output {size(m.output)}" if m is not None
+                 else f"file {size(best.rung.bytes)} + cache {size(best.cache_bytes)}")
+        out.print(f"most experts that fit: K={best.kept} {best.rung.rung}: {parts} = {size(best.total)} of {size(budget)}", highlight=False)
     if gpu_budget is not None:
         out.print(f"GPU {size(gpu_budget)} for weights + cache + {size(margin)} margin: w fits whole; N: llama.cpp --n-cpu-moe N keeps the experts of blocks 0..N-1 "
                   "in system memory (-ot 'blk\\.(0|..|N-1)\\.ffn_(up|down|gate|gate_up)_(ch|)exps=CPU' is the same); -: not even with every expert there", highlight=False)

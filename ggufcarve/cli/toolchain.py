@@ -56,7 +56,7 @@ def toolchain_build(
     from_dir: Annotated[Path | None, typer.Option("--from", help="Install tools already built from the same source (a build's bin dir) instead of compiling.")] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress output.")] = False,
 ) -> None:
-    """Compile llama-quantize, llama-imatrix, llama-perplexity, llama-gguf-split and llama-bench into ggufcarve's cache.
+    """Compile llama-quantize, llama-imatrix, llama-perplexity, llama-gguf-split, llama-bench and llama-fit-params into ggufcarve's cache.
 
     From the llama.cpp source in the llama-cpp-python sdist of the installed version; about 10-13
     minutes on 2 cores, once per version."""

@@ -50,6 +50,7 @@ class MemorySettings:
     n_ubatch: int = 512
     n_seq: int = 1
     flash_attn: str = "auto"
+    swa_full: bool = False
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,7 @@ class Request:
     n_ubatch: int = 512
     n_seq: int = 1
     flash_attn: str = "auto"
+    swa_full: bool = False
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -147,6 +149,8 @@ def _dry_load(request: Request, out: Path) -> None:
     cparams.n_seq_max = request.n_seq
     cparams.type_k = cparams.type_v = KV_TYPES[request.kv_type.upper()]
     cparams.flash_attn_type = FLASH_ATTN[request.flash_attn]
+    cparams.swa_full = request.swa_full  # llama.cpp's tools' default is False (common_params.swa_full), libllama's own True
+    cparams.kv_unified = False
     ctx = llama_cpp.llama_init_from_model(model, cparams)
     if not ctx:
         raise BadInput(f"{Path(request.model).name}: llama.cpp refuses a context of {request.n_ctx} tokens with a {request.kv_type} cache "
@@ -168,7 +172,8 @@ def measure_memory(path: Path, settings: MemorySettings, *, weights: int | None 
 
     with tempfile.TemporaryDirectory(prefix="ggufcarve-memory-") as tmp:
         result = Path(tmp) / "memory.json"
-        request = Request(str(path), str(result), settings.n_ctx, settings.kv_type, settings.n_batch, settings.n_ubatch, settings.n_seq, settings.flash_attn)
+        request = Request(str(path), str(result), settings.n_ctx, settings.kv_type, settings.n_batch, settings.n_ubatch, settings.n_seq, settings.flash_attn,
+                          settings.swa_full)
         figures = child.run(CHILD_MODULE, request, result, lambda p: json.loads(p.read_text()), what=f"measuring the memory of {path.name}",
                             hint="the last lines are llama.cpp's own; check that the model loads (ggufcarve inspect MODEL)", timeout=600)
     return DeviceMemory("host", weight_bytes(path) if weights is None else weights, round(figures.get("cache", 0.0) * MIB),

@@ -40,7 +40,7 @@ from ggufcarve.errors import ToolMissing
 from ggufcarve.fileio import cache_root, sha256_file_cached
 from ggufcarve.llama import launch
 
-TOOLS = ("llama-quantize", "llama-imatrix", "llama-perplexity", "llama-gguf-split", "llama-bench")
+TOOLS = ("llama-quantize", "llama-imatrix", "llama-perplexity", "llama-gguf-split", "llama-bench", "llama-fit-params")
 ENV_LLAMA_CPP = "GGUFCARVE_LLAMA_CPP"
 # The cmake flags of llama.cpp's own static CPU build, without network or server code.
 CMAKE_FLAGS = ("-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF", "-DBUILD_SHARED_LIBS=OFF")

@@ -40,6 +40,7 @@ from ggufcarve.errors import BadInput
 from ggufcarve.events import Event, Sink, ignore
 from ggufcarve.gguf.container import SPLIT_KEYS, GGUFModel, TensorHeader, encode_header, make_kv, pad_to, replace_kvs
 from ggufcarve.gguf.types import FILE_TYPES, ggml_type_row_bytes, tensor_type
+from ggufcarve.llama.memory import DeviceMemory, MemorySettings
 from ggufcarve.moe.keepset import keep_per_block
 from ggufcarve.moe.kept import kept_count_problems
 from ggufcarve.moe.layout import MoeLayout
@@ -137,6 +138,7 @@ class RungSize:
     needs_imatrix: bool  # llama.cpp's verdict: some tensor's target type needs an imatrix
     placement: WeightPlacement | None = None  # the rung's tensors as llama.cpp places them on a GPU
     types: tuple[tuple[str, str], ...] = ()  # every tensor's type in the rung (name, ggml type name), llama.cpp's choice for this K
+    tensor_bytes: int = 0  # the rung's tensor data as the file holds it (each tensor padded to the alignment): the weights llama.cpp maps
 
 
 @dataclass(frozen=True)
@@ -147,10 +149,12 @@ class FitRow:
     cache_bytes: int
     gpu_memory: int | None = None
     gpu_margin: int = DEFAULT_MARGIN
+    memory_measured: DeviceMemory | None = None  # llama.cpp's dry load: the rung's weights, the K's cache, compute and output buffers
 
     @property
     def total(self) -> int:
-        return self.rung.bytes + self.cache_bytes
+        """Host bytes: llama.cpp's measured total when measured, else the file and the cache."""
+        return self.memory_measured.total if self.memory_measured is not None else self.rung.bytes + self.cache_bytes
 
     @property
     def offload(self) -> Offload | None:
@@ -201,6 +205,7 @@ class FitReport:
             "rows": [
                 {"kept": r.kept, "power_of_two": r.kept & (r.kept - 1) == 0, "rung": r.rung.rung, "ftype": r.rung.ftype, "file_bytes": r.rung.bytes,
                  "cache_bytes": r.cache_bytes, "total_bytes": r.total, "fits": r.fits, "imatrix_fallback": list(r.rung.fallback), "needs_imatrix": r.rung.needs_imatrix,
+                 **({"memory": [r.memory_measured.to_json()]} if r.memory_measured is not None else {}),
                  **({"gpu": offload.to_json()} if (offload := r.offload) else {})}
                 for r in self.rows
             ],
@@ -208,20 +213,22 @@ class FitReport:
         }
 
 
-def sparse_pruned_header(model: GGUFModel, layout: MoeLayout, kept: int, directory: Path) -> PlannedFile:
+def sparse_pruned_header(model: GGUFModel, layout: MoeLayout, kept: int, directory: Path, *, vocabulary: bool = False) -> PlannedFile:
     """The pruned model of K experts as `ggufcarve prune` plans it (one file, provenance keys
     included), written as a header and a hole of the planned data size for the quantizer's dry run.
 
     The written header leaves out the tokenizer's string arrays (llama-quantize never reads the
     vocabulary, and parsing 250k strings costs most of a dry run's time) and states their count
     as `{arch}.vocab_size`, which load_hparams reads where it needs the vocabulary size. The
-    returned plan is the full one: output sizes are computed from it."""
-    plan = plan_prune(model, layout, keep_per_block(layout, kept), directory / f"pruned-{kept}.gguf", merge=True)
+    returned plan is the full one: output sizes are computed from it. With `vocabulary` the
+    header keeps every key (llama.cpp's loader reads the vocabulary: the memory dry load)."""
+    name = f"pruned-{kept}{'-vocab' if vocabulary else ''}.gguf"
+    plan = plan_prune(model, layout, keep_per_block(layout, kept), directory / name, merge=True)
     planned = plan.files[0]
-    kvs = [kv for kv in planned.kvs if not (kv.key.startswith("tokenizer.") and kv.item_type == GGUFValueType.STRING)]
+    kvs = list(planned.kvs) if vocabulary else [kv for kv in planned.kvs if not (kv.key.startswith("tokenizer.") and kv.item_type == GGUFValueType.STRING)]
     vocab_key = Keys.LLM.VOCAB_SIZE.format(arch=layout.architecture)
     tokens = model.get(Keys.Tokenizer.LIST)
-    if tokens is not None and model.get(vocab_key) is None:
+    if tokens is not None and model.get(vocab_key) is None and not vocabulary:
         kvs.append(make_kv(vocab_key, GGUFValueType.UINT32, len(tokens)))
     header, _ = encode_header(planned.version, kvs, [t.header for t in planned.tensors], planned.alignment)
     _, data_offsets = planned.encoded_header
@@ -278,7 +285,24 @@ def size_rung(quantizer: Quantizer, planned: PlannedFile, rung: Rung, missing_im
     tensors = rung_tensors(planned, dry)
     placement = placement_of(((t.name, t.nbytes) for t in tensors), layout.block_count, layout.nextn_layers) if layout else None
     types = tuple((t.name, type_name(t.type_id)) for t in tensors)
-    return RungSize(rung.name, rung.ftype, rung_file_bytes(planned, dry, rung.ftype, tensors), fallback, bool(dry.refused_without_imatrix()), placement, types)
+    tensor_bytes = sum(pad_to(t.nbytes, planned.alignment) for t in tensors)
+    return RungSize(rung.name, rung.ftype, rung_file_bytes(planned, dry, rung.ftype, tensors), fallback, bool(dry.refused_without_imatrix()), placement, types,
+                    tensor_bytes)
+
+
+def measure_per_kept(model: GGUFModel, layout: MoeLayout, counts: Sequence[int], settings: MemorySettings, directory: Path,
+                     on_event: Sink = ignore) -> dict[int, DeviceMemory]:
+    """Per K, llama.cpp's dry load (llama.memory) of the pruned model's sparse header with its
+    vocabulary: the KV cache, compute and output buffers at `settings` (weights 0: each rung's own)."""
+    from ggufcarve.llama.memory import measure_memory
+
+    out = {}
+    for done, k in enumerate(counts, 1):
+        header = sparse_pruned_header(model, layout, k, directory, vocabulary=True)
+        out[k] = measure_memory(header.path, settings, weights=0)
+        header.path.unlink(missing_ok=True)
+        on_event(Event("memory", done, len(counts), "K", f"K={k}"))
+    return out
 
 
 def type_name(type_id: int) -> str:
@@ -310,6 +334,7 @@ def plan_fit(
     workers: int | None = None,
     gpu_memory: int | None = None,
     gpu_margin: int = DEFAULT_MARGIN,
+    measure: MemorySettings | None = None,
     on_event: Sink = ignore,
 ) -> FitReport:
     """Every (K, rung) pair's file size, the cache at `context`, and whether file + cache fit in `memory`;
@@ -342,5 +367,14 @@ def plan_fit(
             for done, (key, future) in enumerate(futures.items(), 1):
                 sizes[key] = future.result()
                 on_event(Event("fit", done, total, "rungs", f"K={key[0]} {key[1]}"))
-    rows = [FitRow(k, sizes[(k, r.name)], memory, cache.total_bytes, gpu_memory, gpu_margin) for k in counts for r in rungs]
+        measured = measure_per_kept(model, layout, counts, measure, Path(tmp), on_event) if measure is not None else {}
+    rows = []
+    for k in counts:
+        for r in rungs:
+            size = sizes[(k, r.name)]
+            figures = measured.get(k)
+            rung_memory = None
+            if figures is not None:  # the K's buffers; the weights this rung's tensors
+                rung_memory = DeviceMemory(figures.device, size.tensor_bytes, figures.cache, figures.compute, figures.output)
+            rows.append(FitRow(k, size, memory, cache.total_bytes, gpu_memory, gpu_margin, rung_memory))
     return FitReport(model, layout, spec, memory, cache, counts, rows, quantizer.describe(), time.monotonic() - started, assumption, gpu_memory, gpu_margin)
