@@ -693,6 +693,7 @@ def write_qwen35moe_replica(path, *, n_expert=256, n_layer=40, n_embd=2048, n_ff
         *([make_kv(f"{arch}.nextn_predict_layers", u32, 1)] if mtp else []),
         make_kv("tokenizer.ggml.model", GGUFValueType.STRING, "gpt2"),
         make_kv("tokenizer.ggml.tokens", GGUFValueType.ARRAY, [f"t{i}" for i in range(n_vocab)], GGUFValueType.STRING),
+        make_kv("tokenizer.ggml.merges", GGUFValueType.ARRAY, ["t 1"], GGUFValueType.STRING),  # llama.cpp's BPE vocabulary needs merges to load
     ]
 
     def q8_0(name: str, *ne: int) -> TensorHeader:

@@ -160,7 +160,7 @@ def test_make_quantizer_choices(isolated, monkeypatch):
 FAKE_CMAKE = """cmake_minimum_required(VERSION 3.14)
 project(fake_llama C)
 set(CMAKE_RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/bin)
-foreach(tool llama-quantize llama-imatrix llama-perplexity llama-gguf-split llama-bench llama-cli)
+foreach(tool llama-quantize llama-imatrix llama-perplexity llama-gguf-split llama-bench llama-fit-params llama-cli)
   add_executable(${tool} tool.c)
 endforeach()
 """
