@@ -73,8 +73,10 @@ def markdown(report: dict[str, Any]) -> str:
         lines += ["## Left before the final round", "", *(f"- {line}" for line in stopped), ""]
     if r["winner"]:
         w = r["winner"]
+        taken = (f"llama.cpp allocates {format_size(w['memory'][0]['total'])} (weights, cache, compute and output buffers)" if w.get("memory")
+                 else f"file {format_size(w['file_bytes'])} + cache {format_size(w['cache_bytes'])}")
         lines += ["## Answer", "", f"{w['id']} ({w['family']}, {w['kept_experts']} of {w['expert_count']} experts, {w['quant']}): {metric} {w[metric]:.4f}, "
-                  f"file {format_size(w['file_bytes'])} + cache {format_size(w['cache_bytes'])} of {format_size(r['memory_bytes'])}.", ""]
+                  f"{taken} of {format_size(r['memory_bytes'])}.", ""]
         if w.get("tie_with"):
             lines += [f"Tie within noise: {', '.join(w['tie_with'])} differ from it by less than {r['parameters']['z']:g} standard errors of the paired "
                       f"per-token difference; the answer is the {r['parameters']['prefer']} of them.", ""]

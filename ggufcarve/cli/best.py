@@ -56,6 +56,15 @@ def _table(report: dict) -> object:
     return table
 
 
+def _memory_text(record: dict) -> str:
+    """What a candidate takes: llama.cpp's measured figures when there are, else the file and the cache."""
+    if record.get("memory"):
+        m = record["memory"][0]
+        return (f"weights {size(m['weights'])} + cache {size(m['cache'])} + compute {size(m['compute'])} + output {size(m['output'])} "
+                f"= {size(m['total'])}")
+    return f"file {size(record['file_bytes'])} + cache {size(record['cache_bytes'])}"
+
+
 def best_command(
     model: Annotated[Path, typer.Argument(help="The unpruned GGUF model (first shard if split).", show_default=False)],
     memory: Annotated[str, typer.Option("--memory", help="Memory budget for file + KV cache, e.g. 24GiB (GB = 10^9 bytes, GiB = 2^30).", show_default=False)],
@@ -117,9 +126,10 @@ def best_command(
             return
         out.print(f"{model.name}: {plan.layout.expert_count} experts, top-{plan.layout.expert_used_count}; budget {size(settings.memory)} "
                   f"with a {ctx}-token cache of {size(plan.fit.cache.total_bytes)}", highlight=False, markup=False)
-        out.print(f"candidates ({len(plan.candidates)}, from fit's sizes):", highlight=False)
+        out.print(f"candidates ({len(plan.candidates)}, from fit's sizes; total: llama.cpp's dry load, weights + cache + compute + output):", highlight=False)
         for c in plan.candidates:
-            out.print(f"  {c.id:<22} {c.family:<8} {c.kept:>4} of {c.expert_count}  {c.quant:<8} file {size(c.file_bytes)} + cache {size(c.cache_bytes)}",
+            total = f"; total {size(c.total)}" if c.measured else ""
+            out.print(f"  {c.id:<22} {c.family:<8} {c.kept:>4} of {c.expert_count}  {c.quant:<8} file {size(c.file_bytes)} + cache {size(c.cache_bytes)}{total}",
                       highlight=False, markup=False)
         out.print(f"will build: the unpruned rungs {', '.join(plan.quants)}; score {guess['scored_candidates']} candidate(s): {guess['masked']} by masking on "
                   f"those rungs, {guess['file_scored']} as built pruned rungs (llama-quantize chooses other types at their K); then build and confirm "
@@ -162,7 +172,7 @@ def best_command(
         out.print("answer: no finalist fits and passes the gate", highlight=False)
         return
     out.print(f"answer: {w['id']} ({w['family']}, {w['kept_experts']} of {w['expert_count']} experts, {w['quant']}): {settings.metric} {w[settings.metric]:.4f}, "
-              f"file {size(w['file_bytes'])} + cache {size(w['cache_bytes'])} of {size(settings.memory)}: {output / w['path']}", highlight=False, markup=False)
+              f"{_memory_text(w)} of {size(settings.memory)}: {output / w['path']}", highlight=False, markup=False)
     if w.get("tie_with"):
         out.print(f"tie within noise: {', '.join(w['tie_with'])} (within {settings.z:g} standard errors); the answer is the {settings.prefer} of them",
                   highlight=False, markup=False)
