@@ -222,3 +222,40 @@ def test_masked_on_the_unpruned_rung_equals_the_pruned_rungs_file(make_model, tm
     assert masked["chunks_scored"] == file["chunks_scored"] == 8
     assert file["kld_mean"] > 1e-4  # pruning half the experts moves the model: the comparison can fail
     assert abs(masked["kld_mean"] - file["kld_mean"]) <= max(2 * file["kld_mean_stderr"], 0.01 * file["kld_mean"])
+
+
+@pytest.mark.slow
+def test_the_device_copy_path_gives_the_in_place_results_bit_for_bit(monkeypatch, tmp_path):
+    """GGUFCARVE_TENSOR_COPY=1 makes every eval-callback consumer read graph tensors through
+    ggml_backend_tensor_get and write the routing mask through ggml_backend_tensor_set (the path of
+    a tensor in a device buffer); on the CPU both paths must give the same bits: a masked
+    candidate's per-token table, traced routing and expert inputs, and a collected imatrix."""
+    from ggufcarve.demo import CALIBRATION, DEMO_MODEL, HELDOUT
+    from ggufcarve.gguf.container import read_model
+    from ggufcarve.imatrix.collect import collect_imatrix
+    from ggufcarve.llama.ggml import FORCE_COPY_ENV
+    from ggufcarve.llama.trace import trace_routing
+    from ggufcarve.measure.tournament import prepare_segments
+
+    segments = prepare_segments(DEMO_MODEL, [HELDOUT], chunk_ctx=256, chunks=2, threads=2, work=tmp_path)
+    keep = {b: tuple(range(0, 16, 2)) for b in range(4)}
+    tokens = list(range(3, 300))
+    outputs = {}
+    for forced in (False, True):
+        if forced:
+            monkeypatch.setenv(FORCE_COPY_ENV, "1")
+        work = tmp_path / str(forced)
+        work.mkdir()
+        table = measure([Candidate("masked", DEMO_MODEL, keep=keep)], segments, MeasureSettings(threads=2), work).table("masked")
+        traced = trace_routing(DEMO_MODEL, tokens, nodes=("ffn_moe_topk", "ffn_moe_logits"), context=128, batch=64)
+        imatrix = collect_imatrix(read_model(DEMO_MODEL), [CALIBRATION], work / "im.gguf", ctx=128, chunks=2, threads=2, force=True)
+        outputs[forced] = (table, traced, (work / "im.gguf").read_bytes(), imatrix)
+    (table_a, traced_a, im_a, _), (table_b, traced_b, im_b, _) = outputs[False], outputs[True]
+    assert np.array_equal(table_a, table_b) and len(table_a) > 0
+    assert np.array_equal(traced_a.logits, traced_b.logits)
+    assert traced_a.nodes.keys() == traced_b.nodes.keys() == {"ffn_moe_topk", "ffn_moe_logits"}
+    for node, per_block in traced_a.nodes.items():
+        assert per_block.keys() == traced_b.nodes[node].keys() and per_block
+        for block, values in per_block.items():
+            assert np.array_equal(values, traced_b.nodes[node][block]), (node, block)
+    assert im_a == im_b

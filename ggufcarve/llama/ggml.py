@@ -10,7 +10,9 @@ GGML_MAX_NAME 64):
 a view (e.g. `ffn_moe_topk`, the first k rows of an argsort) has strides of its source.
 `op_name` gives ggml's own name of an op id (ggml_op_name), so no copy of `enum ggml_op` is kept.
 A tensor in a host buffer is read through `data`; one in a device buffer is copied out with
-`ggml_backend_tensor_get`.
+`ggml_backend_tensor_get` and written back with `ggml_backend_tensor_set` (`in_host_memory`).
+With GGUFCARVE_TENSOR_COPY=1 every tensor takes the copy path, so that the path a GPU build takes
+is run, and compared with the in-place one, on the CPU.
 """
 
 from __future__ import annotations
@@ -74,6 +76,8 @@ def libggml() -> Any:
     lib.ggml_backend_buffer_is_host.restype = ctypes.c_bool
     lib.ggml_backend_tensor_get.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
     lib.ggml_backend_tensor_get.restype = None
+    lib.ggml_backend_tensor_set.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
+    lib.ggml_backend_tensor_set.restype = None
     lib.ggml_op_name.argtypes = [ctypes.c_int]
     lib.ggml_op_name.restype = ctypes.c_char_p
     return lib
@@ -87,6 +91,33 @@ def op_name(op: int) -> str:
 
 def tensor_at(address: int) -> GgmlTensor:
     return GgmlTensor.from_address(address)
+
+
+FORCE_COPY_ENV = "GGUFCARVE_TENSOR_COPY"
+
+
+@cache
+def _force_copy() -> bool:
+    import os
+
+    return os.environ.get(FORCE_COPY_ENV) == "1"
+
+
+def in_host_memory(t: GgmlTensor) -> bool:
+    """Whether a graph tensor can be read and written in place (a host buffer), unless GGUFCARVE_TENSOR_COPY=1."""
+    return bool(t.buffer) and not _force_copy() and bool(libggml().ggml_backend_buffer_is_host(ctypes.c_void_p(t.buffer)))
+
+
+def copy_out(address: int, span: int) -> ctypes.Array:
+    """The first `span` bytes of a tensor's data, copied out by its backend."""
+    raw = ctypes.create_string_buffer(span)
+    libggml().ggml_backend_tensor_get(ctypes.c_void_p(address), raw, ctypes.c_size_t(0), ctypes.c_size_t(span))
+    return raw
+
+
+def copy_in(address: int, raw: ctypes.Array, span: int) -> None:
+    """Write `span` bytes back into a tensor's data through its backend."""
+    libggml().ggml_backend_tensor_set(ctypes.c_void_p(address), raw, ctypes.c_size_t(0), ctypes.c_size_t(span))
 
 
 def read_tensor(address: int) -> np.ndarray:
@@ -103,10 +134,9 @@ def read_tensor(address: int) -> np.ndarray:
     if 0 in shape:
         return np.zeros(shape, dtype=np.float32 if dtype is np.float16 else dtype)
     span = sum((n - 1) * s for n, s in zip(shape, strides)) + np.dtype(dtype).itemsize  # ggml_nbytes of a view
-    if t.buffer and libggml().ggml_backend_buffer_is_host(ctypes.c_void_p(t.buffer)):
+    if in_host_memory(t):
         raw: Any = (ctypes.c_char * span).from_address(t.data)  # the node's memory itself: copied once, below
     else:
-        raw = ctypes.create_string_buffer(span)
-        libggml().ggml_backend_tensor_get(ctypes.c_void_p(address), raw, ctypes.c_size_t(0), ctypes.c_size_t(span))
+        raw = copy_out(address, span)
     view = np.ndarray(shape, dtype=dtype, buffer=raw, strides=strides)
     return view.astype(np.float32) if dtype is np.float16 else np.array(view)

@@ -39,7 +39,8 @@ raises UnsupportedModel (score the keep-set by pruning a file instead).
 The mask is an eval callback (ggml_backend_sched_eval_callback): the scheduler computes the graph
 up to an observed node, synchronises the backend, calls the callback with ask=False, then computes
 the nodes that depend on it (ggml_backend_sched_compute_splits in ggml/src/ggml-backend.cpp).
-On the CPU backend the node lies in a host buffer and is written in place. `RoutingMask` is a
+On the CPU backend the node lies in a host buffer and is written in place; in a device buffer
+(a GPU build) it is copied out, masked and written back (`llama.ggml.copy_out`, `copy_in`). `RoutingMask` is a
 consumer of the decode pass (`ggufcarve.llama.decode`), placed first so that other consumers
 observe the masked graph; its keep-set can be replaced between decodes (`keep`), so one loaded
 model scores any number of keep-sets.
@@ -60,7 +61,7 @@ from ggufcarve.errors import BadInput, UnsupportedModel
 from ggufcarve.events import Sink, ignore
 from ggufcarve.llama.calibration import Batching
 from ggufcarve.llama.decode import IDLE_TIMEOUT, ConsumerSpec, DecodeRequest, decode
-from ggufcarve.llama.ggml import libggml, tensor_at
+from ggufcarve.llama.ggml import copy_in, copy_out, in_host_memory, tensor_at
 from ggufcarve.llama.trace import DEFAULT_BATCH, parse_node_name
 from ggufcarve.moe.keepset import KeepSet
 from ggufcarve.moe.layout import MoeLayout
@@ -92,27 +93,29 @@ class RoutingMask:
                 return not ask
             if ask:
                 return True
-            self._mask(t, f"{parsed[0]}:{parsed[1]}", self.keep[parsed[1]])
+            self._mask(address, t, f"{parsed[0]}:{parsed[1]}", self.keep[parsed[1]])
         except BaseException as err:
             if len(self.errors) < 20:
                 self.errors.append(f"{type(err).__name__}: {err}")
         return True
 
-    def _mask(self, t: Any, key: str, kept: Sequence[int]) -> None:
+    def _mask(self, address: int, t: Any, key: str, kept: Sequence[int]) -> None:
         if int(t.type) != F32:
             raise TypeError(f"{t.label!r} has ggml type {t.type}, not F32")
-        if not (t.buffer and libggml().ggml_backend_buffer_is_host(ctypes.c_void_p(t.buffer))):
-            raise TypeError(f"{t.label!r} is not in a host buffer: it cannot be written in place")
         n_expert, n_tokens = int(t.ne[0]), int(t.ne[1])
         if int(t.ne[2]) != 1 or int(t.ne[3]) != 1 or int(t.nb[0]) != 4:
             raise ValueError(f"{t.label!r} has extents {list(t.ne)} and strides {list(t.nb)}, not [n_expert, n_tokens]")
         if n_tokens == 0:
             return
         span = (n_tokens - 1) * int(t.nb[1]) + n_expert * 4
-        scores = np.ndarray((n_tokens, n_expert), dtype=np.float32, buffer=(ctypes.c_char * span).from_address(t.data), strides=(int(t.nb[1]), 4))
+        in_place = in_host_memory(t)  # else (a device buffer): copied out, masked, written back through the backend
+        raw: Any = (ctypes.c_char * span).from_address(t.data) if in_place else copy_out(address, span)
+        scores = np.ndarray((n_tokens, n_expert), dtype=np.float32, buffer=raw, strides=(int(t.nb[1]), 4))
         dropped = np.ones(n_expert, dtype=bool)
         dropped[list(kept)] = False
         scores[:, dropped] = -np.inf
+        if not in_place:
+            copy_in(address, raw, span)
         self.masked[key] = self.masked.get(key, 0) + 1
 
     def decoded(self) -> None:
