@@ -77,20 +77,14 @@ class Request:
 
     model: str
     result_out: str
-    n_ctx: int
-    kv_type: str = "F16"
-    n_batch: int = 2048
-    n_ubatch: int = 512
-    n_seq: int = 1
-    flash_attn: str = "auto"
-    swa_full: bool = False
+    settings: MemorySettings
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
     def from_json(cls, doc: dict[str, Any]) -> Request:
-        return cls(**doc)
+        return cls(doc["model"], doc["result_out"], MemorySettings(**doc["settings"]))
 
 
 def parse_log(lines: list[str]) -> dict[str, float]:
@@ -131,8 +125,9 @@ def _dry_load(request: Request, out: Path) -> None:
     callback = llama_cpp.llama_log_callback(log)
     KEEPALIVE.append(callback)
     llama_cpp.llama_log_set(callback, ctypes.c_void_p(0))
-    if request.kv_type.upper() not in KV_TYPES or request.flash_attn not in FLASH_ATTN:
-        raise BadInput(f"cache type {request.kv_type!r} / flash attention {request.flash_attn!r}", "give f16 or q8_0, and auto, on or off")
+    settings = request.settings
+    if settings.kv_type.upper() not in KV_TYPES or settings.flash_attn not in FLASH_ATTN:
+        raise BadInput(f"cache type {settings.kv_type!r} / flash attention {settings.flash_attn!r}", "give f16 or q8_0, and auto, on or off")
     llama_cpp.llama_backend_init()
     params = llama_cpp.llama_model_default_params()
     params.n_gpu_layers = 0
@@ -143,18 +138,18 @@ def _dry_load(request: Request, out: Path) -> None:
     if not model:
         raise ToolFailed(f"{Path(request.model).name}: llama.cpp could not read the model for a dry load", " | ".join(s.strip() for s in lines[-3:]))
     cparams = llama_cpp.llama_context_default_params()
-    cparams.n_ctx = request.n_ctx
-    cparams.n_batch = request.n_batch
-    cparams.n_ubatch = request.n_ubatch
-    cparams.n_seq_max = request.n_seq
-    cparams.type_k = cparams.type_v = KV_TYPES[request.kv_type.upper()]
-    cparams.flash_attn_type = FLASH_ATTN[request.flash_attn]
-    cparams.swa_full = request.swa_full  # llama.cpp's tools' default is False (common_params.swa_full), libllama's own True
+    cparams.n_ctx = settings.n_ctx
+    cparams.n_batch = settings.n_batch
+    cparams.n_ubatch = settings.n_ubatch
+    cparams.n_seq_max = settings.n_seq
+    cparams.type_k = cparams.type_v = KV_TYPES[settings.kv_type.upper()]
+    cparams.flash_attn_type = FLASH_ATTN[settings.flash_attn]
+    cparams.swa_full = settings.swa_full  # llama.cpp's tools' default is False (common_params.swa_full), libllama's own True
     cparams.kv_unified = False
     ctx = llama_cpp.llama_init_from_model(model, cparams)
     if not ctx:
-        raise BadInput(f"{Path(request.model).name}: llama.cpp refuses a context of {request.n_ctx} tokens with a {request.kv_type} cache "
-                       f"(flash attention {request.flash_attn})", " | ".join(s.strip() for s in lines[-2:] if s.strip()) or "a quantized V cache needs flash attention")
+        raise BadInput(f"{Path(request.model).name}: llama.cpp refuses a context of {settings.n_ctx} tokens with a {settings.kv_type} cache "
+                       f"(flash attention {settings.flash_attn})", " | ".join(s.strip() for s in lines[-2:] if s.strip()) or "a quantized V cache needs flash attention")
     figures = parse_log(lines)
     missing = [key for key in ("compute", "output") if key not in figures]
     if missing:
@@ -172,8 +167,7 @@ def measure_memory(path: Path, settings: MemorySettings, *, weights: int | None 
 
     with tempfile.TemporaryDirectory(prefix="ggufcarve-memory-") as tmp:
         result = Path(tmp) / "memory.json"
-        request = Request(str(path), str(result), settings.n_ctx, settings.kv_type, settings.n_batch, settings.n_ubatch, settings.n_seq, settings.flash_attn,
-                          settings.swa_full)
+        request = Request(str(path), str(result), settings)
         figures = child.run(CHILD_MODULE, request, result, lambda p: json.loads(p.read_text()), what=f"measuring the memory of {path.name}",
                             hint="the last lines are llama.cpp's own; check that the model loads (ggufcarve inspect MODEL)", timeout=600)
     return DeviceMemory("host", weight_bytes(path) if weights is None else weights, round(figures.get("cache", 0.0) * MIB),
