@@ -150,6 +150,45 @@ def _layer(block: int):
     return MoeLayer(block, False, ())
 
 
+def obeys_load_rules(layout, keepset) -> bool:
+    """llama.cpp's rules for a pruned file, stated independently of check_keepset: every MoE block
+    listed, one expert count K for all, unique ids in range, top-k <= K <= n; with grouped routing
+    K/groups >= 2 experts from every contiguous group, in group order, enough for the top-k in
+    the used groups."""
+    n, used, groups = layout.expert_count, layout.expert_used_count, max(layout.group_count, 1)
+    if set(keepset.layers) != set(layout.blocks):
+        return False
+    counts = {len(ids) for ids in keepset.layers.values()}
+    if len(counts) != 1:
+        return False
+    k = counts.pop()
+    if not used <= k <= n or any(len(set(ids)) != len(ids) or not all(0 <= i < n for i in ids) for ids in keepset.layers.values()):
+        return False
+    if groups > 1:
+        size, per = n // groups, k // groups
+        if k % groups or per < 2 or layout.group_used_count * per < used:
+            return False
+        for ids in keepset.layers.values():
+            group_of = [i // size for i in ids]
+            if group_of != sorted(group_of) or any(group_of.count(g) != per for g in range(groups)):
+                return False
+    return True
+
+
+def test_the_load_rules_oracle_accepts_what_llama_cpp_loads():
+    """A keep-set of K experts per block built group by group is accepted by both."""
+    from ggufcarve.moe.keepset import keep_per_block
+
+    # K = n/2 and n; without groups also K = top-k (with 4 of 8 groups used, K=16 is the least: 4 x 2 = 8 = top-k)
+    for n_expert, top_k, groups, group_used, ks in ((16, 4, 1, 1, (4, 8, 16)), (32, 8, 4, 2, (16, 32)), (256, 8, 8, 4, (16, 128, 256))):
+        layout = synthetic_layout(n_expert, top_k, groups, group_used, 3)
+        object.__setattr__(layout, "layers", tuple(_layer(b) for b in range(3)))
+        for k in ks:
+            keepset = keep_per_block(layout, k)
+            assert obeys_load_rules(layout, keepset), (n_expert, k)
+            check_keepset(keepset, layout)
+
+
 @settings(max_examples=300, deadline=None)
 @given(case=layouts_and_keepsets())
 def test_accepted_keepsets_satisfy_llama_load_rules(case):
@@ -159,7 +198,9 @@ def test_accepted_keepsets_satisfy_llama_load_rules(case):
     try:
         check_keepset(keepset, layout)
     except BadInput:
+        assert not obeys_load_rules(layout, keepset), keepset.layers  # refused only when a rule is broken
         return
+    assert obeys_load_rules(layout, keepset)
     k = keepset.kept_count
     assert layout.expert_used_count <= k <= layout.expert_count <= 1024
     if layout.group_count > 1:

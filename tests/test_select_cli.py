@@ -117,7 +117,7 @@ def test_bad_input_is_one_line_and_writes_nothing(make_model, dense_model, tmp_p
     out = tmp_path / "sel.json"
     assert_refused(ggufcarve("select", dense_model, "--method", "weights", "--keep", 2, "-o", out), "no routed experts", out)
     assert_refused(ggufcarve("select", model, "--method", "weights", "--keep", 1, "-o", out), "below the 2 experts", out)
-    assert_refused(ggufcarve("select", model, "--method", "weights", "--keep", 9, "-o", out), "outside 1..8", out)
+    assert_refused(ggufcarve("select", model, "--method", "weights", "--keep", 9, "-o", out), "outside 2..8", out)
     assert_refused(ggufcarve("select", model, "--method", "imatrix-counts", "--keep", 4, "-o", out), "reads an imatrix", out)
     assert_refused(ggufcarve("select", model, "--method", "nope", "--keep", 4, "-o", out), "unknown method", out)
 

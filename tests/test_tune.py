@@ -206,3 +206,31 @@ def test_all_holds_greedy_only_when_it_fits():
     report = {"model": {"name": "m.gguf", "expert_count": 16}, "parameters": {"ctx": CTX}, "heldout": [], "candidates": [], "keeps": [],
               "winner": "reap-8", "left_out": left_out}
     assert f"greedy left out of all: {left_out['greedy']}." in render_markdown(report).splitlines()
+
+
+def test_inputs_are_checked_before_any_pass(tmp_path):
+    """Keeping every expert, an empty held-out file and K beyond the expert count are refused in
+    one line before the calibration pass, and nothing is written."""
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n\n")
+    out = tmp_path / "tune"
+    common = ["--calibration", DATA / "calibration.txt", "--methods", "weights", "--ctx", CTX, "-o", out]
+    run = ggufcarve("tune", MODEL, "--heldout", DATA / "heldout.txt", "--keep", "16", *common)
+    assert run.code == 1 and "keeps every one of the 16 experts: nothing to prune" in run.stderr, run.stderr
+    run = ggufcarve("tune", MODEL, "--heldout", DATA / "heldout.txt", "--keep", "17", *common)
+    assert run.code == 1 and "K=17 is outside 4..16" in run.stderr, run.stderr  # the demo model routes 4 of its 16 experts
+    run = ggufcarve("tune", MODEL, "--heldout", empty, "--keep", "8", *common)
+    assert run.code == 1 and "empty.txt: the text is empty" in run.stderr, run.stderr
+    assert not out.exists()
+
+
+@pytest.mark.slow
+def test_a_run_owns_its_candidates_folder(tmp_path):
+    out = tmp_path / "tune"
+    stale = out / "candidates" / "reap-12.json"
+    stale.parent.mkdir(parents=True)
+    stale.write_text("{}")
+    run = ggufcarve("tune", MODEL, "--heldout", DATA / "heldout.txt", "--keep", "8", "--methods", "weights,random", "--ctx", CTX, "--chunks", 2, "-o", out, "-q")
+    assert run.code == 0, run.stderr
+    report = json.loads((out / "tune.json").read_text())
+    assert sorted(p.name for p in (out / "candidates").iterdir()) == sorted(f"{c['id']}.json" for c in report["candidates"])

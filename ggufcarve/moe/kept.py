@@ -25,7 +25,7 @@ def kept_count_problems(layout: MoeLayout, kept: int) -> list[str]:
     """Every load rule K experts per block break; empty when llama.cpp accepts K."""
     n, used = layout.expert_count, max(layout.expert_used_count, 1)
     if not 1 <= kept <= n:
-        return [f"K={kept} is outside 1..{n} (the model has {n} experts per block)"]
+        return [f"K={kept} is outside {min(used, n)}..{n} (the model has {n} experts per block, {used} routed per token)"]
     problems = []
     if kept < used:
         problems.append(f"K={kept} is below the {used} experts each token is routed to (expert_used_count)")

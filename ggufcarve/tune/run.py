@@ -229,21 +229,28 @@ def tune(source: Path, settings: TuneSettings, out_dir: Path, *, on_event: Sink 
 
     if not settings.heldout:
         raise BadInput("tune scores keep-sets on held-out text", "give --heldout FILE (repeatable)")
+    from ggufcarve.evaluate.perplexity import read_text
+
     for path in (*settings.calibration, *settings.heldout):
         if not Path(path).is_file():
             raise BadInput(f"{path}: no such file", "give an existing text file")
+        if not read_text(Path(path).read_bytes()).strip():
+            raise BadInput(f"{path}: the text is empty", "give a text file with content")
     started = time.perf_counter()
     model = read_model(source)
     layout = inspect_layout(model)
     for k in settings.keeps:
         kept_count(layout, k, None)
+        if k == layout.expert_count:
+            raise BadInput(f"--keep {k} keeps every one of the {k} experts: nothing to prune", f"give K below {k}, e.g. --keep {max(layout.expert_used_count, k // 2)}")
     asked = settings.methods
     settings, left_out = fit_greedy(layout, settings)
     out_dir.mkdir(parents=True, exist_ok=True)
     work = out_dir / "work"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir()
-    (out_dir / "candidates").mkdir(exist_ok=True)
+    shutil.rmtree(out_dir / "candidates", ignore_errors=True)  # the run owns it: no keep-set of an earlier run stays beside this one's
+    (out_dir / "candidates").mkdir()
     try:
         from ggufcarve.evaluate.protocol import EvalSettings
         from ggufcarve.evaluate.run import check_room, reference_cache_dir
