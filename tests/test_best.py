@@ -277,3 +277,20 @@ def test_a_rerun_with_a_larger_budget_scores_only_the_new_candidates(searched, t
     assert new_ids  # the larger budget brings candidates the first run did not have
     assert report["chunks_cached"] >= sum(c["chunks_scored"] for c in report["candidates"] if c["id"] in old_ids and c.get("scored_by"))
     assert report["chunks_decoded"] <= sum(c["chunks_scored"] for c in report["candidates"] if c["id"] in new_ids) + 2 * CHUNKS
+
+
+def test_first_contact_errors_are_one_line_in_units_and_before_any_work(tmp_path):
+    """A budget in MiB is answered in MiB, a zero budget suggests a positive one, -o naming a file is
+    refused (the dry run too), and no blank line stands above an error."""
+    common = ["--ctx", CTX, "--ladder", FILES / "ladder.toml", "--calibration", CALIBRATION, "--heldout", HELDOUT, "--eval-ctx", EVAL_CTX]
+    small = ggufcarve("best", DEMO_MODEL, "--memory", "2MiB", *common, "-o", tmp_path / "b", "-q")
+    assert small.code == 1 and "nothing fits in 2.00 MiB: the smallest rung takes" in small.error_line and " MiB as llama.cpp allocates" in small.error_line
+    assert small.stderr.startswith("error:"), small.stderr[:200]
+    zero = ggufcarve("best", DEMO_MODEL, "--memory", "0", *common, "-o", tmp_path / "b")
+    assert zero.code == 1 and "a budget of nothing" in zero.error_line and "24GiB" in zero.error_line and "0GiB" not in zero.error_line
+    a_file = tmp_path / "taken"
+    a_file.write_text("")
+    for extra in ([], ["--dry-run"]):
+        run = ggufcarve("best", DEMO_MODEL, "--memory", "12MiB", *common, "-o", a_file, *extra)
+        assert run.code == 1 and f"-o {a_file} is a file" in run.error_line and "folder" in run.error_line, run.stderr
+    assert a_file.read_text() == "" and not (tmp_path / "b").exists()

@@ -217,6 +217,7 @@ def test_inputs_are_checked_before_any_pass(tmp_path):
     common = ["--calibration", DATA / "calibration.txt", "--methods", "weights", "--ctx", CTX, "-o", out]
     run = ggufcarve("tune", MODEL, "--heldout", DATA / "heldout.txt", "--keep", "16", *common)
     assert run.code == 1 and "keeps every one of the 16 experts: nothing to prune" in run.stderr, run.stderr
+    assert run.stderr.startswith("error:"), run.stderr[:200]  # no empty progress display above the error
     run = ggufcarve("tune", MODEL, "--heldout", DATA / "heldout.txt", "--keep", "17", *common)
     assert run.code == 1 and "K=17 is outside 4..16" in run.stderr, run.stderr  # the demo model routes 4 of its 16 experts
     run = ggufcarve("tune", MODEL, "--heldout", empty, "--keep", "8", *common)

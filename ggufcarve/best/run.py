@@ -147,8 +147,11 @@ def plan_best(source: Path, settings: BestSettings, *, on_event: Sink = ignore) 
                    quantizer=make_quantizer(settings.quantizer, settings.llama_cpp_dir), measure=run_memory_settings(settings), on_event=on_event)
     candidates = choose_candidates(fit)
     if not candidates:
+        from ggufcarve.fileio import format_size
+
         smallest = min(r.total for r in fit.rows)
-        raise BadInput(f"nothing fits in {settings.memory} bytes: the smallest rung with its cache takes {smallest}", "give a larger --memory, a shorter --ctx or --kv-type q8_0")
+        raise BadInput(f"nothing fits in {format_size(settings.memory)}: the smallest rung takes {format_size(smallest)} as llama.cpp allocates it "
+                       "(weights, cache, compute and output buffers)", "give a larger --memory, a shorter --ctx or --kv-type q8_0")
     kept = sorted({c.kept for c in candidates if c.family == PRUNED})
     order = [r.name for r in spec.rungs]
     quants = sorted({c.quant for c in candidates}, key=order.index)

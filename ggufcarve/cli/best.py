@@ -67,8 +67,8 @@ def _memory_text(record: dict) -> str:
 
 def best_command(
     model: Annotated[Path, typer.Argument(help="The unpruned GGUF model (first shard if split).", show_default=False)],
-    memory: Annotated[str, typer.Option("--memory", help="Memory budget for file + KV cache, e.g. 24GiB (GB = 10^9 bytes, GiB = 2^30).", show_default=False)],
-    output: Annotated[Path, typer.Option("-o", "--output", help="DIR: best.json, best.md, best-pareto.png, plan.toml, models/, tune/.", show_default=False)],
+    memory: Annotated[str, typer.Option("--memory", help="Memory budget for what llama.cpp allocates (weights, KV cache, compute and output buffers), e.g. 24GiB (GB = 10^9 bytes, GiB = 2^30).", show_default=False)],
+    output: Annotated[Path, typer.Option("-o", "--output", help="DIR: best.json, best.md, best-pareto.png, plan.toml, models/, work/.", show_default=False)],
     heldout: Annotated[list[Path], typer.Option("--heldout", help="Held-out text (repeatable): each file is its own segment.", show_default=False)],
     calibration: Annotated[list[Path], typer.Option("--calibration", help="Calibration text (repeatable): one pass for every criterion and K, and the imatrix.", show_default=False)],
     gpu_memory: Annotated[str | None, typer.Option("--gpu-memory", help="GPU memory, e.g. 16GiB: each candidate's run command places the model for it.")] = None,
@@ -104,6 +104,8 @@ def best_command(
     cache_type = kv_type.strip().upper()
     if cache_type not in ("F16", "Q8_0"):
         raise BadInput(f"--kv-type {kv_type!r} is not f16 or q8_0", "give --kv-type f16 or --kv-type q8_0")
+    if output.exists() and not output.is_dir():
+        raise OutputError(f"-o {output} is a file; best writes a folder of results there", "give a folder path (it is made when missing)")
     if (output / "best.json").exists() and not force and not dry_run and not only:
         raise OutputError(f"{output / 'best.json'} already exists", "pass --force to search again (built models are reused), or choose another -o DIR")
     settings = BestSettings(memory=parse_memory(memory), ladder=find_spec(ladder) if ladder else DEFAULT_LADDER, heldout=tuple(heldout), calibration=tuple(calibration),

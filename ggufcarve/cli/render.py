@@ -121,6 +121,8 @@ def progress(enabled: bool = True, transient: bool = False) -> Iterator[Sink]:
     def sink(event: Event) -> None:
         task = tasks.get(event.stage)
         if task is None:
+            if not tasks:
+                bars.start()  # drawn from the first event on: a command that fails before any leaves no empty line above its error
             task = tasks[event.stage] = bars.add_task(event.stage, total=event.total or None, unit=event.unit, message="")
         fields: dict[str, Any] = {"completed": event.done, "unit": event.unit}
         if event.total:
@@ -129,5 +131,8 @@ def progress(enabled: bool = True, transient: bool = False) -> Iterator[Sink]:
             fields["message"] = escape(event.message[-60:])
         bars.update(task, **fields)
 
-    with bars:
+    try:
         yield sink
+    finally:
+        if tasks:
+            bars.stop()

@@ -67,6 +67,8 @@ def parse_memory(text: str, flag: str = "--memory", allow_zero: bool = False) ->
     A number without a unit is refused: 24 would be 24 bytes. Zero only with `allow_zero`."""
     match = MEMORY_SIZE.fullmatch(text or "")
     unit = match["unit"].upper() if match else ""
+    if match and float(match["number"]) == 0 and not allow_zero:
+        raise BadInput(f"{flag} {text!r}: a budget of nothing", "write a positive size like 24GiB (GB = 10^9 bytes, GiB = 2^30)")
     if match and not unit:
         raise BadInput(f"{flag} {text!r} has no unit", f"write it like {match['number']}GiB (or {match['number']}GB = 10^9 bytes, {match['number']}B for bytes)")
     if not match or unit not in MEMORY_UNITS or float(match["number"]) <= 0 and not (allow_zero and float(match["number"]) == 0):

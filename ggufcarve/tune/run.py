@@ -229,6 +229,8 @@ def tune(source: Path, settings: TuneSettings, out_dir: Path, *, on_event: Sink 
 
     if not settings.heldout:
         raise BadInput("tune scores keep-sets on held-out text", "give --heldout FILE (repeatable)")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise BadInput(f"-o {out_dir} is a file; tune writes a folder of results there", "give a folder path (it is made when missing)")
     from ggufcarve.evaluate.perplexity import read_text
 
     for path in (*settings.calibration, *settings.heldout):
