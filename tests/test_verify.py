@@ -63,9 +63,15 @@ def test_clean_directory_passes_both_checkers(ladder_dir):
     result = ggufcarve("verify", ladder_dir, "--partial")
     assert result.code == 0, problems(result)
     assert result.stdout.startswith("OK: 3 files") and "expert_count 8" in result.stdout and "2 part(s) missing" in result.stdout
-    # every rung is built, but a release is complete only with its evaluation and card
-    strict = ggufcarve("verify", ladder_dir, "--json")
+    # a ladder release promises its rungs: every one is built, so it passes, and what a published
+    # release usually holds more is listed as notes; --strict requires the evaluation and the card
+    plain = ggufcarve("verify", ladder_dir)
+    assert plain.code == 0, problems(plain)
+    assert "note: no evaluation results recorded" in plain.stderr and "note: the model card is not recorded" in plain.stderr
+    strict = ggufcarve("verify", ladder_dir, "--strict", "--json")
     assert strict.code == 1 and {(f["path"], f["problem"].split(":")[0]) for f in json.loads(strict.stdout)["failures"]} == {("evaluation/", "missing"), ("README.md", "missing")}
+    both = ggufcarve("verify", ladder_dir, "--strict", "--partial")
+    assert both.code == 1 and "opposite" in both.error_line
     report = verify_dir(ladder_dir, workers=2)
     assert report.ok and sorted(report.files_ok) == ["quant-manifest.json", "tiny-Q4_K_M.gguf", "tiny-Q8_0.gguf"]
 
@@ -199,3 +205,20 @@ def test_sums_naming_paths_outside_the_directory(copy, tmp_path):
     assert result.code == 1
     failures = json.loads(result.stdout)["failures"]
     assert {f["path"] for f in failures if "outside the directory" in f["problem"]} == {"../outside.txt", str(outside)}
+
+
+def test_what_a_release_promises_follows_its_recorded_run_plan(tmp_path):
+    """A ladder run alone promises its rungs; a run plan's release its rungs (unless it builds some
+    only), and the evaluation and the card when its recorded stages make them."""
+    from ggufcarve.release.verify import promised_parts
+
+    assert promised_parts(tmp_path, {"rungs": []}) == ("rungs",)
+    (tmp_path / "method").mkdir()
+
+    def recorded(stages: list[str], only: list[str]) -> dict:
+        (tmp_path / "method" / "run-plan.json").write_text(json.dumps({"stages": [{"name": n} for n in stages], "parameters": {"ladder": {"only": only}}}))
+        return {"published": {"plan": [{"name": "method/run-plan.json"}]}}
+
+    assert promised_parts(tmp_path, recorded(["prune", "ladder", "evaluate", "card"], [])) == ("rungs", "evaluation", "card")
+    assert promised_parts(tmp_path, recorded(["prune", "ladder", "card"], ["Q4_K_M"])) == ("card",)
+    assert promised_parts(tmp_path, {"published": {"plan": [{"name": "../run-plan.json"}]}}) == ("rungs",)  # outside the release: not read

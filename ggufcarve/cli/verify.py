@@ -3,6 +3,7 @@
 Examples:
     ggufcarve verify release/
     ggufcarve verify release/ --partial      # a release still being built: list what is missing, do not fail for it
+    ggufcarve verify release/ --strict       # evaluation results and the card required, whatever the release promises
     ggufcarve verify release/ --json
 """
 
@@ -21,6 +22,7 @@ def verify_command(
     directory: Annotated[Path, typer.Argument(help="A ladder output directory (with SHA256SUMS and quant-manifest.json).")],
     ignore_missing: Annotated[bool, typer.Option("--ignore-missing", help="Do not fail for files listed in SHA256SUMS that are absent (as sha256sum -c --ignore-missing).")] = False,
     partial: Annotated[bool, typer.Option("--partial", help="Do not fail for what a complete release would hold more (rungs of the ladder, evaluation results, the card); list it.")] = False,
+    strict: Annotated[bool, typer.Option("--strict", help="Require evaluation results and the card too (by default: what the release's manifest promises; a ladder alone promises its rungs).")] = False,
     jobs: Annotated[int | None, typer.Option("--jobs", "-j", help="Files hashed in parallel (default: CPU count).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")] = False,
@@ -30,7 +32,11 @@ def verify_command(
     from ggufcarve.release.verify import PARTS, verify_dir
 
     with progress(not quiet and not as_json, transient=True) as sink:
-        report = verify_dir(directory, ignore_missing=ignore_missing, workers=jobs, on_event=sink, require=() if partial else PARTS)
+        if partial and strict:
+            from ggufcarve.errors import BadInput
+
+            raise BadInput("--partial and --strict ask opposite things", "give one of them")
+        report = verify_dir(directory, ignore_missing=ignore_missing, workers=jobs, on_event=sink, require=() if partial else PARTS if strict else None)
     if as_json:
         out.print_json(json.dumps(report.to_json()))
     elif report.ok:
@@ -48,9 +54,9 @@ def verify_command(
         if any(f.problem.startswith("missing: ") for f in report.failures):
             err.print("The release is incomplete; `ggufcarve verify --partial` checks what is there.", highlight=False)
     if not as_json:
-        if partial:
-            for m in report.missing:
-                warn(m.problem, "missing")
+        for m in report.missing:
+            if m.path.split(":", 1)[0] not in report.required:
+                warn(m.problem, "missing" if partial else "note")
         for w in report.warnings:
             warn(f"{w.path}: {w.problem}")
         for n in report.notes:

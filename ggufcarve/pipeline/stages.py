@@ -639,10 +639,9 @@ def _verify_stage(ctx: RunContext) -> Stage:
 
         _record_plan(ctx)
         plan = ctx.plan
-        # a whole release: every rung of the spec (unless the plan builds some only), and the
-        # evaluation and the card the plan makes
-        require = [part for part, wanted in (("rungs", not plan.ladder.only), ("evaluation", plan.evaluation is not None), ("card", plan.card)) if wanted]
-        report = verify_dir(plan.output, workers=ctx.threads, on_event=ctx.sink, require=require)
+        # what the recorded plan promises (release.verify.promised_parts): every rung of the spec
+        # unless it builds some only, and the evaluation and the card it makes
+        report = verify_dir(plan.output, workers=ctx.threads, on_event=ctx.sink)
         if not report.ok:
             first = report.failures[0]
             raise VerificationFailed(f"verify {ctx.plan.output}: {len(report.failures)} failure(s), first {first.path}: {first.problem}", f"run `ggufcarve verify {ctx.plan.output}` for the list")

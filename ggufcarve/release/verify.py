@@ -14,7 +14,9 @@ Checks, all reported together:
     report (method/pruning-report.json), when present;
   * completeness: every rung of the ladder spec built, every rung evaluated (the evaluation results
     the manifest records), the card recorded. What is missing fails only for the parts `require`
-    names (the command line requires all unless --partial); it is always listed in `missing`;
+    names, by default those the release's manifest promises (`promised_parts`: the rungs; the
+    evaluation and the card when its recorded run plan has those stages; the command line's
+    --strict requires all, --partial none); it is always listed in `missing`;
   * the card's front matter is YAML (a failure otherwise, as the Hub refuses it); a base_model that
     is no Hub repo id, a license the Hub does not know, and relative links to files the release
     lacks are warnings.
@@ -73,6 +75,7 @@ class VerifyReport:
     workers: int = 1
     expert_count: int | None = None
     missing: list[Failure] = field(default_factory=list)  # what a complete release would hold more (PARTS)
+    required: tuple[str, ...] = ()  # the PARTS whose absence failed the check
     warnings: list[Failure] = field(default_factory=list)  # to fix before publishing; not failures
     notes: list[Failure] = field(default_factory=list)  # files in the directory that are not part of the release
 
@@ -105,11 +108,32 @@ def parse_sums(path: Path) -> tuple[list[tuple[str, str]], list[str]]:
     return entries, bad
 
 
+def promised_parts(d: Path, manifest: dict[str, Any]) -> tuple[str, ...]:
+    """The PARTS a release's own manifest promises: the ladder spec's rungs (unless its recorded run
+    plan builds some only); evaluation results and the card when the run plan it records
+    (`published.plan`, method/run-plan.json) has those stages. A ladder run alone promises its rungs."""
+    published = manifest.get("published") if isinstance(manifest.get("published"), dict) else {}
+    stages: set[str] = set()
+    only: list[str] = []
+    for f in _records(published.get("plan")):
+        name = f.get("name")
+        if isinstance(name, str) and name.endswith("run-plan.json") and inside(d, name) and (d / name).is_file():
+            try:
+                doc = json.loads((d / name).read_text())
+                stages |= {str(s.get("name")) for s in doc.get("stages", []) if isinstance(s, dict)}
+                only += list((doc.get("parameters", {}).get("ladder") or {}).get("only") or [])
+            except (OSError, ValueError, AttributeError, TypeError):
+                continue
+    # a plan that builds some rungs only (ladder.only) does not promise the spec's others
+    return (*(["rungs"] if not only else []), *(["evaluation"] if "evaluate" in stages else []), *(["card"] if "card" in stages else []))
+
+
 def verify_dir(directory: str | os.PathLike[str], *, ignore_missing: bool = False, workers: int | None = None, on_event: Sink = ignore,
-               require: Collection[str] = ()) -> VerifyReport:
+               require: Collection[str] | None = None) -> VerifyReport:
     """Check the release in `directory` (see the module docstring). `require`: the PARTS whose
-    absence fails the check (missing rungs, evaluation, card); others missing are only listed."""
-    unknown = set(require) - set(PARTS)
+    absence fails the check (missing rungs, evaluation, card); None: what the manifest promises
+    (`promised_parts`); others missing are only listed."""
+    unknown = set(require or ()) - set(PARTS)
     if unknown:
         raise ValueError(f"unknown release parts {sorted(unknown)}")
     d = Path(directory)
@@ -167,7 +191,8 @@ def verify_dir(directory: str | os.PathLike[str], *, ignore_missing: bool = Fals
     _check_manifest(d, manifest, listed, report, expert_counts)
     if manifest is not None:
         report.missing = missing_parts(d, manifest)
-        fail_missing = [m for m in report.missing if m.path.split(":", 1)[0] in require]
+        report.required = tuple(promised_parts(d, manifest) if require is None else require)
+        fail_missing = [m for m in report.missing if m.path.split(":", 1)[0] in report.required]
         report.failures.extend(Failure(m.path.split(":", 1)[1], f"missing: {m.problem}") for m in fail_missing)
         _check_card(d, manifest, report)
     report.seconds = time.monotonic() - started
