@@ -192,7 +192,9 @@ def test_an_unfinished_release_fails_with_what_is_missing(built, tmp_path):
     code, report = verify_json(out)
     assert code == 1 and not report["complete"]
     failures = {(f["path"], f["problem"].split(":")[0]) for f in report["failures"]}
-    assert failures == {("Q4_K_M", "missing"), ("evaluation/", "missing"), ("README.md", "missing")}, report["failures"]
+    # a ladder release promises its rungs: the missing rung fails; the evaluation and card are listed, not required
+    assert failures == {("Q4_K_M", "missing")}, report["failures"]
+    assert {m["path"] for m in report["missing"]} == {"rungs:Q4_K_M", "evaluation:evaluation/", "card:README.md"}
     plain = ggufcarve("verify", out)
     assert plain.code == 1 and "rung Q4_K_M of the ladder is not built" in " ".join(plain.stderr.split()) and "--partial" in plain.stderr
     code, report = verify_json(out, "--partial")
@@ -202,6 +204,8 @@ def test_an_unfinished_release_fails_with_what_is_missing(built, tmp_path):
     assert ggufcarve("ladder", "run", spec, "--source", source, "-o", out, "--quantizer", "libllama", "-t", 2, "-q").code == 0
     assert not (out / ".ggufcarve-fragments").exists()
     code, report = verify_json(out)
+    assert code == 0 and not report["complete"]
+    code, report = verify_json(out, "--strict")
     assert code == 1 and {f["path"] for f in report["failures"]} == {"evaluation/", "README.md"}
 
 

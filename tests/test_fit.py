@@ -33,10 +33,19 @@ def test_memory_sizes_parse(text, expected):
     assert parse_memory(text) == expected
 
 
-@pytest.mark.parametrize("text", ["", "lots", "24GiBs", "-3GB", "0GiB", "24 XB", "GiB", "1e9"])
+@pytest.mark.parametrize("text", ["", "lots", "24GiBs", "-3GB", "24 XB", "GiB", "1e9"])
 def test_nonsense_memory_is_refused(text):
     with pytest.raises(BadInput, match="is not a memory size"):
         parse_memory(text)
+
+
+@pytest.mark.parametrize("text", ["0GiB", "0", "0.0MB"])
+def test_a_zero_budget_is_refused_with_a_positive_example(text):
+    with pytest.raises(BadInput, match="a budget of nothing") as refused:
+        parse_memory(text)
+    assert "24GiB" in refused.value.hint and "0GiB" not in refused.value.hint
+    if text != "0":  # a bare number has no unit, zero or not
+        assert parse_memory(text, allow_zero=True) == 0
 
 
 @pytest.mark.parametrize("text", ["24", "1073741824", "23.5"])
