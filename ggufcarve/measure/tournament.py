@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from ggufcarve.errors import BadInput
+from ggufcarve.evaluate.kld import TOKEN_COLUMNS
 from ggufcarve.evaluate.tables import chunks_per_unit
 from ggufcarve.events import Sink, ignore
 from ggufcarve.measure.statistics import DEFAULT_Z, METRICS, Choice, PairedDifference, choose_answer, metric_column, paired_difference
@@ -91,8 +92,7 @@ class Measurement:
     cached_chunks: int = 0
 
     def table(self, cid: str, n_units: int | None = None) -> np.ndarray:
-        parts = self.tables[cid] if n_units is None else self.tables[cid][:n_units]
-        return np.concatenate(parts) if parts else np.zeros((0, 6))
+        return joined(self.tables[cid], n_units)
 
     def statistics_on(self, cid: str, n_units: int) -> dict[str, Any]:
         """The candidate's statistics on the first `n_units` units (every candidate that was scored on that many shares them)."""
@@ -100,6 +100,12 @@ class Measurement:
 
     def chunks_in(self, n_units: int) -> int:
         return sum(count for _, _, count in self.units[:n_units])
+
+
+def joined(parts: Sequence[np.ndarray], n_units: int | None = None) -> np.ndarray:
+    """A candidate's per-token table over its first `n_units` units (all when None)."""
+    parts = parts if n_units is None else parts[:n_units]
+    return np.concatenate(parts) if len(parts) else np.zeros((0, TOKEN_COLUMNS))
 
 
 def spread_order(n: int) -> list[int]:
@@ -218,7 +224,7 @@ class _Scorer:
                                stages={CHUNK_TASK: "measure"}, idle_timeout=3600.0)
             Path(request.result_out).unlink(missing_ok=True)
             for job, (cid, units) in zip(request.jobs, jobs):
-                rows = np.fromfile(job.table_out, dtype="<f8").reshape(-1, 6)
+                rows = np.fromfile(job.table_out, dtype="<f8").reshape(-1, TOKEN_COLUMNS)
                 Path(job.table_out).unlink(missing_ok=True)
                 masked = set(result["jobs"][cid]["masked"])
                 missing_nodes = [n for n in self.candidates[cid].required_nodes if n not in masked]
@@ -285,8 +291,7 @@ def measure(candidates: Sequence[Candidate], segments: Sequence[Segment], settin
     stats: dict[str, dict[str, Any]] = {}
 
     def table_of(cid: str, n: int | None = None) -> np.ndarray:
-        parts = scorer.tables[cid] if n is None else scorer.tables[cid][:n]
-        return np.concatenate(parts) if parts else np.zeros((0, 6))
+        return joined(scorer.tables[cid], n)
 
     def judge(cid: str) -> tuple[bool, list[str]]:
         if settings.gate is None or stats[cid].get("kld_mean") is None:
@@ -348,7 +353,7 @@ def measure(candidates: Sequence[Candidate], segments: Sequence[Segment], settin
         for cid in members:
             n = len(scorer.tables[cid])
             table = table_of(cid)
-            per_segment = [np.concatenate([t for u, t in enumerate(scorer.tables[cid]) if units[u][0] == s] or [np.zeros((0, 6))]) for s in range(len(segments))]
+            per_segment = [np.concatenate([t for u, t in enumerate(scorer.tables[cid]) if units[u][0] == s] or [np.zeros((0, TOKEN_COLUMNS))]) for s in range(len(segments))]
             records[cid].update(_statistics(table, names, per_segment), units_scored=n, chunks_scored=sum(u[2] for u in units[:n]))
             passed, failed = judge(cid) if records[cid].get("kld_mean") is not None else (True, [])
             records[cid].update(gate_passed=passed, gate_failed=failed)
