@@ -242,4 +242,4 @@ def _demo_answer(plan: RunPlan) -> None:
         out.print(f"  here {why}", highlight=False, markup=False)
     if answer["tie_with"]:
         out.print(f"  tie within noise: {', '.join(named(r) for r in answer['tie_with'])}; the answer is the smallest file", highlight=False, markup=False)
-    out.print("  every K and quant for your budget, built and measured: ggufcarve best --help", highlight=False, markup=False)
+    out.print("  every K and quant for your budget, measured: ggufcarve best --help", highlight=False, markup=False)
