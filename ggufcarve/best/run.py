@@ -219,14 +219,15 @@ def measure_speed(source: Path, plan: Plan, settings: BestSettings, work: Path, 
 
 
 def estimate(plan: Plan, settings: BestSettings, speed: dict[str, Any]) -> dict[str, Any]:
-    """Upper estimates of each stage's seconds from the measured speed (None where not measured).
+    """Estimates of each stage's seconds from the measured speed (None where not measured).
 
-    The tournament of C scored candidates over U held-out tokens scores at most 2 C U / 2^r tokens
-    in its round r + 1 (the first round covers U / 2^(ceil(log2 C) - 1) and each round doubles it),
-    bounded here by the schedule with no candidate leaving early but by halving, plus the
-    references (U); builds are the unpruned rungs, the file-scored pruned rungs (a prune and a
-    quantization of the source's size each) and the confirmations (1 + confirm: a prune, a
-    quantization and a full scoring each)."""
+    The tournament of C scored candidates over U held-out tokens follows the measurement layer's
+    schedule (the first round covers U / 2^(ceil(log2 C) - 1), each next one twice as much),
+    assuming half of the candidates leave after each round: the paired test lets more leave when
+    they are clearly worse and fewer when they are close, so this is an estimate, not a bound. The
+    references score U tokens once; builds are the unpruned rungs, the file-scored pruned rungs (a
+    prune and a quantization of the source's size each) and the confirmations (1 + confirm: a
+    prune, a quantization and a full scoring each)."""
     from ggufcarve.measure.tournament import schedule
 
     rate, qrate = speed.get("decode_tok_s"), speed.get("quantize_bytes_s")
@@ -263,7 +264,7 @@ STAGES = ("calibration", "references", "builds", "tournament", "confirmation")
 DECODE_STAGES = ("calibration", "references", "tournament", "confirmation")
 
 
-def project_estimate(plan: Plan, settings: BestSettings, speed: dict[str, Any], guess: dict[str, Any]) -> dict[str, Any]:
+def project_estimate(plan: Plan, guess: dict[str, Any]) -> dict[str, Any]:
     """The dry run's estimate moved to REFERENCE_MODEL: the same plan of work (texts, candidates, builds),
     decoding at this machine's measured rate scaled by the bytes one token reads there and here,
     builds at the quantizer's measured bytes per second on the reference's file bytes. A rate
@@ -494,6 +495,7 @@ def best(source: Path, settings: BestSettings, out_dir: Path, *, plan: Plan | No
     rungs = _ladder(settings.ladder, source, models_dir / UNPRUNED, quants, imatrix if imatrix.is_file() else None, base, settings, on_event) if quants else {}
     records: dict[str, dict[str, Any]] = {}
     pool: list[mt.Candidate] = []
+    fraction = active_fraction(plan.model, layout)  # of a file's bytes one token reads: prefer = "faster"
     for c in plan.candidates:
         if c.family == UNPRUNED:
             if wanted is not None and c.id not in wanted:
@@ -503,9 +505,9 @@ def best(source: Path, settings: BestSettings, out_dir: Path, *, plan: Plan | No
             memory = measured_memory(path, settings)
             records[c.id] = {**c.to_json(), "file_bytes": size, "fits": memory["total"] <= settings.memory, "predicted_file_bytes": c.file_bytes,
                              "memory": [memory], "memory_source": "measured: llama.cpp's dry load of the built file", "memory_estimated_total": c.total,
-                             "selection": "none (every expert kept)", "keep_set": None, "scored_by": "file", "masked_on": None, "types_match": None,
+                             "selection": "none (every expert kept)", "keep_set": None, "scored_by": "file", "masked_on": None, "types_match": True,
                              "built": True, "path": path}
-            pool.append(mt.Candidate(c.id, path, None, fits=records[c.id]["fits"], file_bytes=size, read_bytes=int(size * active_fraction(plan.model, layout))))
+            pool.append(mt.Candidate(c.id, path, None, fits=records[c.id]["fits"], file_bytes=size, read_bytes=int(size * fraction)))
             continue
         differ = plan.types[(c.kept, c.quant)]
         for method, entry in sets[c.kept].items():
@@ -526,7 +528,7 @@ def best(source: Path, settings: BestSettings, out_dir: Path, *, plan: Plan | No
                 record.update(scored_by="mask", masked_on=rungs[c.quant].name)
                 nodes = tuple(f"{node}:{block}" for node, block in required_nodes(layout, keepset))
                 pool.append(mt.Candidate(cid, rungs[c.quant], keepset.layers, fits=c.fits, file_bytes=c.file_bytes,
-                                         read_bytes=int(c.file_bytes * active_fraction(plan.model, layout)), required_nodes=nodes))
+                                         read_bytes=int(c.file_bytes * fraction), required_nodes=nodes))
             else:
                 name, was, unpruned_type = differ[0]
                 record.update(scored_by="file", masked_on=None,
@@ -536,7 +538,7 @@ def best(source: Path, settings: BestSettings, out_dir: Path, *, plan: Plan | No
                 memory = measured_memory(path, settings)
                 record.update(built=True, path=path, file_bytes=size, fits=memory["total"] <= settings.memory, memory=[memory],
                               memory_source="measured: llama.cpp's dry load of the built file", memory_estimated_total=c.total)
-                pool.append(mt.Candidate(cid, path, None, fits=record["fits"], file_bytes=size, read_bytes=int(size * active_fraction(plan.model, layout))))
+                pool.append(mt.Candidate(cid, path, None, fits=record["fits"], file_bytes=size, read_bytes=int(size * fraction)))
     timings["builds_seconds"] = time.perf_counter() - t0
 
     measured = None

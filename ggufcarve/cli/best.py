@@ -119,7 +119,7 @@ def best_command(
             with tempfile.TemporaryDirectory(prefix="ggufcarve-best-speed-") as tmp:
                 speed = measure_speed(model, plan, settings, Path(tmp), sink)
             guess = estimate(plan, settings, speed)
-            guess["projection"] = project_estimate(plan, settings, speed, guess)
+            guess["projection"] = project_estimate(plan, guess)
         else:
             result = best(model, settings, output, plan=plan, on_event=sink)
     if dry_run:

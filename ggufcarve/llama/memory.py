@@ -93,8 +93,8 @@ def parse_log(lines: list[str]) -> dict[str, float]:
     out: dict[str, float] = {}
     for line in lines:
         for key, pattern in (("cache", CACHE_LINE), ("compute", COMPUTE_LINE), ("output", OUTPUT_LINE)):
-            match = pattern.search(line)
-            if match and (key != "cache" or pattern.match(line.strip())):
+            match = pattern.search(line.strip())
+            if match:
                 out[key] = out.get(key, 0.0) + float(match["mib"])
     return out
 

@@ -172,7 +172,6 @@ class _Scorer:
         self.tables: dict[str, list[np.ndarray]] = {cid: [] for cid in candidates}
         self.model_keys: dict[Path, str] = {}
         self.decoded = self.cached = 0
-        self.masked: dict[str, set[str]] = {}
 
     def _model_key(self, path: Path) -> str:
         from ggufcarve.fileio import sha256_file_cached
