@@ -99,3 +99,100 @@ def test_a_compute_dominated_model_does_not_fit_when_file_and_cache_would(tmp_pa
     assert memory["compute"] > row["file_bytes"] and memory["total"] == row["total_bytes"]
     plain = json.loads(ggufcarve(*args, "--file-and-cache").stdout)["rows"][0]
     assert plain["fits"] and "memory" not in plain
+
+
+@pytest.fixture(scope="module")
+def twelve_blocks(tmp_path_factory) -> Path:
+    import factory
+
+    return factory.write_model(tmp_path_factory.mktemp("memory") / "qwen3moe-16x12.gguf", "qwen3moe", dtype="Q8_0", n_expert=16, n_expert_used=4,
+                               n_layer=12, n_embd=64, n_ff_exp=32)
+
+
+@pytest.mark.parametrize("n_cpu_moe", [1, 2, 11, 12])
+def test_the_n_cpu_moe_pattern_moves_what_llama_cpp_moves(twelve_blocks, n_cpu_moe):
+    """The -ot pattern of --n-cpu-moe N, handed to llama.cpp's loader, moves exactly the routed
+    experts of blocks 0..N-1 (the loader logs each tensor an override places)."""
+    from gguf import GGUFReader
+
+    from ggufcarve.llama.memory import dry_load
+    from ggufcarve.quant.offload import override_regex, weight_placement
+
+    load = dry_load(twelve_blocks, MemorySettings(512, gpu_layers=99, cpu_tensors=(override_regex(n_cpu_moe),)))
+    reader = GGUFReader(twelve_blocks)
+    expected = {}
+    for t in reader.tensors:
+        match = re.fullmatch(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight", t.name)
+        if match and int(match[1]) < n_cpu_moe:
+            expected[t.name] = int(t.n_bytes)
+    assert load.overridden == dict.fromkeys(expected, "CPU")
+    from ggufcarve.gguf.container import read_model
+
+    assert sum(weight_placement(read_model(twelve_blocks)).expert_bytes[:n_cpu_moe]) == sum(expected.values())
+
+
+def test_on_a_cpu_llama_cpp_the_gpu_split_is_marked_estimated():
+    """No GPU backend here: fit's two devices carry llama.cpp's measured cache and CPU graph, the
+    compute figures marked estimated; the weights of the two add up to the loaded tensors."""
+    from gguf import GGUFReader
+
+    result = ggufcarve("fit", DEMO_MODEL, "--memory", "1GiB", "--ctx", "4096", "--k", "16", "--only", "Q8_0", "--quantizer", "libllama",
+                       "--gpu-memory", "2GiB", "--json")
+    assert result.code == 0, result.stderr
+    row = json.loads(result.stdout)["rows"][0]
+    assert row["tier"] == "gpu" and row["tiers"] == ["gpu", "gpu+cpu", "ram", "disk"]
+    gpu, host = row["memory"]
+    assert (gpu["device"], host["device"]) == ("gpu", "host")
+    assert gpu["estimated"] == host["estimated"] == ["compute"]
+    cpu_run = measure_memory(Path(DEMO_MODEL), MemorySettings(4096))
+    assert gpu["cache"] == cpu_run.cache and host["cache"] == 0
+    assert gpu["compute"] == host["compute"] == cpu_run.compute  # whole: nothing copied from system memory
+    assert host["output"] == cpu_run.output and gpu["output"] == 0
+    tensors = {t.name: int(t.n_bytes) for t in GGUFReader(DEMO_MODEL).tensors}
+    # a file without output.weight has its output read from token_embd, loaded again on the output layer's device
+    loaded = sum(tensors.values()) + (tensors["token_embd.weight"] if "output.weight" not in tensors else 0)
+    assert abs(gpu["weights"] + host["weights"] - loaded) <= 32 * len(tensors)  # each tensor padded to the alignment
+    assert row["gpu"]["compute_bytes"] == gpu["compute"] and row["fits"]
+
+
+def test_the_gpu_compute_buffer_moves_the_answer_to_n_cpu_moe():
+    """A GPU that holds weights + cache + margin but not the compute buffers too: with the
+    buffers counted the rung runs with experts in system memory, not whole."""
+    whole = json.loads(ggufcarve("fit", DEMO_MODEL, "--memory", "1GiB", "--ctx", "4096", "--k", "16", "--only", "Q8_0", "--quantizer", "libllama",
+                                 "--gpu-memory", "2GiB", "--gpu-margin", "0B", "--json").stdout)["rows"][0]
+    gpu = whole["memory"][0]
+    budget = gpu["weights"] + gpu["cache"] + gpu["compute"] // 2
+    row = json.loads(ggufcarve("fit", DEMO_MODEL, "--memory", "1GiB", "--ctx", "4096", "--k", "16", "--only", "Q8_0", "--quantizer", "libllama",
+                               "--gpu-memory", f"{budget}B", "--gpu-margin", "0B", "--json").stdout)["rows"][0]
+    assert row["gpu"]["n_cpu_moe"] != 0 and row["tier"] in ("gpu+cpu", "ram")
+    plain = json.loads(ggufcarve("fit", DEMO_MODEL, "--memory", "1GiB", "--ctx", "4096", "--k", "16", "--only", "Q8_0", "--quantizer", "libllama",
+                                 "--gpu-memory", f"{budget}B", "--gpu-margin", "0B", "--file-and-cache", "--json").stdout)["rows"][0]
+    assert plain["gpu"]["fits_whole"]  # file + cache alone would say whole
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--tier", "gpu"], "--gpu-memory"),
+    (["--tier", "fast"], "not one of gpu, gpu+cpu, ram, disk"),
+])
+def test_best_refuses_a_tier_it_cannot_rank_in(tmp_path, args, message):
+    from ggufcarve.demo import CALIBRATION, HELDOUT
+
+    result = ggufcarve("best", DEMO_MODEL, "--memory", "1GiB", "--heldout", HELDOUT, "--calibration", CALIBRATION, "-o", str(tmp_path / "best"), *args)
+    assert result.code != 0 and message in result.stderr, result.stderr
+    assert not (tmp_path / "best").exists()
+
+
+def test_eval_reports_the_memory_llama_cpp_allocates(tmp_path):
+    """eval's report: the memory of the model run as it was evaluated, equal to an allocating load's log."""
+    from ggufcarve.demo import HELDOUT
+
+    result = ggufcarve("eval", DEMO_MODEL, "--reference", DEMO_MODEL, "--heldout", HELDOUT, "--ctx", "512", "--chunks", "2", "--speed-runs", "0",
+                       "-o", str(tmp_path / "eval"), "--quiet")
+    assert result.code == 0, result.stderr
+    reports = [json.loads(p.read_text()) for p in (tmp_path / "eval").glob("*.json") if json.loads(p.read_text()).get("memory")]
+    assert reports, sorted(p.name for p in (tmp_path / "eval").iterdir())
+    (memory,) = reports[0]["memory"]
+    real = allocated(Path(DEMO_MODEL), 512, "f16")
+    for key in ("weights", "cache", "compute", "output"):
+        assert abs(memory[key] / MIB - real[key]) <= 0.01, (key, memory, real)
+    assert reports[0]["memory_settings"]["n_ctx"] == 512

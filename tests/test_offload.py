@@ -84,14 +84,18 @@ def test_fit_column_equals_the_rule_on_the_built_file(make_model, llama_tools, t
     margin = 2**18
     budget = placement.gpu_weights(2) + cache + margin  # two blocks' experts on the CPU
     result = ggufcarve("fit", source, "--memory", "1GiB", "--gpu-memory", f"{budget}B", "--gpu-margin", f"{margin}B", "--ctx", 512,
-                       "--k", 8, "--only", "Q4_K_M", "--quantizer", llama_tools / "llama-quantize", "--json")
+                       "--k", 8, "--only", "Q4_K_M", "--quantizer", llama_tools / "llama-quantize", "--json", "--file-and-cache")
     assert result.code == 0, result.stderr
     row = json.loads(result.stdout)["rows"][0]
     expected = file_offload(read_model(rung), gpu_memory=budget, context=ContextSettings(512), margin=margin)
     assert expected.n_cpu_moe == 2
     assert row["gpu"] == expected.to_json() and row["cache_bytes"] == cache
     assert 0 <= row["file_bytes"] - rung.stat().st_size < 1024  # fit sizes the pruned plan's header, with its provenance keys
+    measured = ggufcarve("fit", source, "--memory", "1GiB", "--gpu-memory", f"{budget}B", "--gpu-margin", f"{margin}B", "--ctx", 512,
+                         "--k", 8, "--only", "Q4_K_M", "--quantizer", llama_tools / "llama-quantize", "--json")
+    counted = json.loads(measured.stdout)["rows"][0]["gpu"]
+    assert counted["compute_bytes"] > 0 and (counted["n_cpu_moe"] is None or counted["n_cpu_moe"] > 2)  # the compute buffers take room too
     table = ggufcarve("fit", source, "--memory", "1GiB", "--gpu-memory", f"{budget}B", "--gpu-margin", f"{margin}B", "--ctx", 512,
-                      "--k", 8, "--only", "Q4_K_M", "--quantizer", llama_tools / "llama-quantize")
+                      "--k", 8, "--only", "Q4_K_M", "--quantizer", llama_tools / "llama-quantize", "--file-and-cache")
     assert table.code == 0, table.stderr
     assert "--n-cpu-moe 2 (or -ot 'blk\\.[0-1]\\.ffn_(up|down|gate|gate_up)_(ch|)exps=CPU')" in table.stdout

@@ -66,9 +66,11 @@ class BestSettings:
     chunks: int | None = None
     max_tokens: int | None = None
     threads: int | None = None
+    gpu_layers: int = 0  # layers offloaded to the accelerator in every llama.cpp child
     metric: str = "kld_mean"
     gate: Path | None = None
     gpu_memory: int | None = None
+    tier: str | None = None  # quant.offload.TIERS: where the answer must run; None: the fastest tier any candidate runs in
     quantizer: str = "auto"
     llama_cpp_dir: Path | None = None
     only: tuple[str, ...] = ()  # build only these candidate ids, score nothing (a job of several hosts)
@@ -96,6 +98,7 @@ class Plan:
     quants: list[str]  # the unpruned rungs built (every candidate's quant, in ladder order)
     types: dict[tuple[int, str], list[tuple[str, str, str]]]  # (K, quant) -> tensors whose type differs from the unpruned rung's
     seconds: float
+    tier: str = "ram"  # the tier the candidates are ranked in (quant.offload.TIERS)
 
 
 def run_memory_settings(settings: BestSettings) -> Any:
@@ -103,7 +106,14 @@ def run_memory_settings(settings: BestSettings) -> Any:
     (a quantized V cache needs flash attention: on with q8_0, llama.cpp's auto otherwise)."""
     from ggufcarve.llama.memory import MemorySettings
 
-    return MemorySettings(settings.ctx, settings.kv_type, flash_attn="on" if settings.kv_type.upper() != "F16" else "auto")
+    return MemorySettings(settings.ctx, settings.kv_type, flash_attn="on" if settings.kv_type.upper() != "F16" else "auto", gpu_layers=settings.gpu_layers)
+
+
+def fits_built(memory: dict[str, Any], tiers: Any, tier: str, budget: int) -> bool:
+    """Whether a built file runs in `tier`: in system memory, its measured total within the budget;
+    on the GPU tiers, fit's verdict from the K's header (the file's GPU split is not measured
+    again); from disk, always."""
+    return memory["total"] <= budget if tier == "ram" else tier in tiers
 
 
 def measured_memory(path: Path, settings: BestSettings) -> dict[str, Any]:
@@ -121,6 +131,7 @@ def plan_best(source: Path, settings: BestSettings, *, on_event: Sink = ignore) 
     from ggufcarve.moe.layout import inspect_layout
     from ggufcarve.quant.fit import plan_fit, types_differ
     from ggufcarve.quant.kvcache import ContextSettings
+    from ggufcarve.quant.offload import TIERS
     from ggufcarve.quant.quantizer import make_quantizer
     from ggufcarve.quant.spec import load_spec
 
@@ -140,15 +151,26 @@ def plan_best(source: Path, settings: BestSettings, *, on_event: Sink = ignore) 
             raise BadInput(f"{path}: no such file", "give an existing text file")
         if not read_text(Path(path).read_bytes()).strip():
             raise BadInput(f"{path}: the text is empty", "give a text file with content")
+    if settings.tier is not None and settings.tier not in TIERS:
+        raise BadInput(f"--tier {settings.tier!r} is not one of {', '.join(TIERS)}", "gpu: all on the GPU; gpu+cpu: --n-cpu-moe N; ram: system memory; disk: paging through mmap")
+    if settings.tier in ("gpu", "gpu+cpu") and settings.gpu_memory is None:
+        raise BadInput(f"--tier {settings.tier} places the model on a GPU", "give --gpu-memory SIZE (the GPU's memory), or --tier ram")
     model = read_model(source)
     layout = inspect_layout(model)
     spec = load_spec(settings.ladder)
     fit = plan_fit(model, layout, spec, memory=settings.memory, context=ContextSettings(settings.ctx, settings.kv_type, settings.kv_type),
-                   quantizer=make_quantizer(settings.quantizer, settings.llama_cpp_dir), measure=run_memory_settings(settings), on_event=on_event)
-    candidates = choose_candidates(fit)
-    if not candidates:
-        from ggufcarve.fileio import format_size
+                   quantizer=make_quantizer(settings.quantizer, settings.llama_cpp_dir), measure=run_memory_settings(settings),
+                   gpu_memory=settings.gpu_memory, on_event=on_event)
+    from ggufcarve.fileio import format_size
 
+    tier = settings.tier or fit.fastest_tier()
+    if tier == "disk" and settings.tier is None:
+        tier = "ram"  # nothing runs faster than from disk: the search stops below with the smallest rung's figure
+    candidates = choose_candidates(fit, tier)
+    if not candidates and settings.tier is not None:
+        raise BadInput(f"nothing runs in tier {tier} with {format_size(settings.memory)} of memory"
+                       + (f" and {format_size(settings.gpu_memory)} of GPU memory" if settings.gpu_memory else ""), f"the fastest tier any rung runs in is {fit.fastest_tier()}: give --tier {fit.fastest_tier()}")
+    if not candidates:
         smallest = min(r.total for r in fit.rows)
         raise BadInput(f"nothing fits in {format_size(settings.memory)}: the smallest rung takes {format_size(smallest)} as llama.cpp allocates it "
                        "(weights, cache, compute and output buffers)", "give a larger --memory, a shorter --ctx or --kv-type q8_0")
@@ -157,7 +179,7 @@ def plan_best(source: Path, settings: BestSettings, *, on_event: Sink = ignore) 
     quants = sorted({c.quant for c in candidates}, key=order.index)
     n = layout.expert_count
     types = {(c.kept, c.quant): types_differ(fit.row(c.kept, c.quant).rung, fit.row(n, c.quant).rung) for c in candidates if c.family == PRUNED}
-    return Plan(model, layout, spec, fit, candidates, kept, quants, types, time.perf_counter() - started)
+    return Plan(model, layout, spec, fit, candidates, kept, quants, types, time.perf_counter() - started, tier)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -192,7 +214,7 @@ def measure_speed(source: Path, plan: Plan, settings: BestSettings, work: Path, 
     for role, paths in (("heldout", settings.heldout), ("calibration", settings.calibration)):
         total = 0
         for number, path in enumerate(paths):
-            request = Request(model=str(source), threads=threads, n_ctx=settings.eval_ctx, result_out=str(work / f"speed-{role}-{number}.json"),
+            request = Request(model=str(source), threads=threads, gpu_layers=settings.gpu_layers, n_ctx=settings.eval_ctx, result_out=str(work / f"speed-{role}-{number}.json"),
                               text=str(path), max_chunks=2 if role == "heldout" and number == 0 else 1)
             result = run_child(request, f"measure {path.name}", on_event, work)
             if "bad_input" in result:
@@ -411,7 +433,8 @@ def keep_sets(source: Path, plan: Plan, settings: BestSettings, work: Path, imat
     if scores is None:
         directory.mkdir(parents=True, exist_ok=True)
         tune_settings = TuneSettings(keeps=tuple(plan.kept_counts), methods=settings.methods, calibration=settings.calibration, ctx=settings.eval_ctx,
-                                     max_tokens=settings.max_tokens, threads=settings.threads, imatrix_out=imatrix)
+                                     max_tokens=settings.max_tokens, threads=settings.threads, gpu_layers=settings.gpu_layers,
+                                     imatrix_out=imatrix)
         scores = calibration_scores(plan.model, plan.layout, tune_settings, work, on_event)[0]
         for method, method_scores in scores.items():
             write_text_atomic(directory / f"{method}.scores.json", method_scores.dumps())
@@ -503,7 +526,7 @@ def best(source: Path, settings: BestSettings, out_dir: Path, *, plan: Plan | No
             path = rungs[c.quant]
             size = path.stat().st_size
             memory = measured_memory(path, settings)
-            records[c.id] = {**c.to_json(), "file_bytes": size, "fits": memory["total"] <= settings.memory, "predicted_file_bytes": c.file_bytes,
+            records[c.id] = {**c.to_json(), "file_bytes": size, "fits": fits_built(memory, c.tiers, plan.tier, settings.memory), "predicted_file_bytes": c.file_bytes,
                              "memory": [memory], "memory_source": "measured: llama.cpp's dry load of the built file", "memory_estimated_total": c.total,
                              "selection": "none (every expert kept)", "keep_set": None, "scored_by": "file", "masked_on": None, "types_match": True,
                              "built": True, "path": path}
@@ -536,7 +559,7 @@ def best(source: Path, settings: BestSettings, out_dir: Path, *, plan: Plan | No
                 path = _build_pruned(plan, settings, entry["file"], c.kept, c.quant, method, work, models_dir, imatrix, base, on_event)
                 size = path.stat().st_size
                 memory = measured_memory(path, settings)
-                record.update(built=True, path=path, file_bytes=size, fits=memory["total"] <= settings.memory, memory=[memory],
+                record.update(built=True, path=path, file_bytes=size, fits=fits_built(memory, c.tiers, plan.tier, settings.memory), memory=[memory],
                               memory_source="measured: llama.cpp's dry load of the built file", memory_estimated_total=c.total)
                 pool.append(mt.Candidate(cid, path, None, fits=record["fits"], file_bytes=size, read_bytes=int(size * fraction)))
     timings["builds_seconds"] = time.perf_counter() - t0
@@ -545,10 +568,11 @@ def best(source: Path, settings: BestSettings, out_dir: Path, *, plan: Plan | No
     confirmations: list[str] = []
     if wanted is None:
         t0 = time.perf_counter()
-        segments = mt.prepare_segments(source, settings.heldout, chunk_ctx=settings.eval_ctx, chunks=settings.chunks, threads=threads, work=work, on_event=on_event)
+        segments = mt.prepare_segments(source, settings.heldout, chunk_ctx=settings.eval_ctx, chunks=settings.chunks, threads=threads, work=work,
+                                          gpu_layers=settings.gpu_layers, on_event=on_event)
         timings["references_seconds"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        measure_settings = mt.MeasureSettings(threads=threads, z=settings.z, metric=settings.metric, prefer=settings.prefer,
+        measure_settings = mt.MeasureSettings(threads=threads, gpu_layers=settings.gpu_layers, z=settings.z, metric=settings.metric, prefer=settings.prefer,
                                               gate=(lambda stats: _judge(gate, stats)) if gate is not None else None, tables=mt.measure_tables())
         measured = mt.measure(pool, segments, measure_settings, work, on_event=on_event)
         timings["tournament_seconds"] = time.perf_counter() - t0
@@ -581,7 +605,7 @@ def best(source: Path, settings: BestSettings, out_dir: Path, *, plan: Plan | No
             pair = paired_difference(file_table[:, column], masked_table[:, column]) if len(masked_table) == len(file_table) else None
             size = path.stat().st_size
             memory = measured_memory(path, settings)
-            r.update(built=True, path=path, file_bytes=size, fits=memory["total"] <= settings.memory, memory=[memory],
+            r.update(built=True, path=path, file_bytes=size, fits=fits_built(memory, r["tiers"], plan.tier, settings.memory), memory=[memory],
                      memory_source="measured: llama.cpp's dry load of the built file", memory_estimated_total=r["memory"][0]["total"] if r.get("memory") else None,
                      confirmed={"masked_kld_mean": r["kld_mean"], "file_kld_mean": file_record["kld_mean"], "file_kld_mean_stderr": file_record["kld_mean_stderr"],
                                 "paired_difference": pair.to_json() if pair else None, "types_mismatched": mismatched[:8],
@@ -639,7 +663,7 @@ def best(source: Path, settings: BestSettings, out_dir: Path, *, plan: Plan | No
         results["publish"] = {"command": ["ggufcarve", "run", "plan.toml"]}
     parameters = {"memory_bytes": settings.memory, "ctx": settings.ctx, "kv_type": settings.kv_type.lower(), "eval_ctx": settings.eval_ctx,
                   "chunks": settings.chunks, "max_tokens": settings.max_tokens, "methods": list(settings.methods), "metric": settings.metric,
-                  "gate": settings.gate.name if settings.gate else None, "gpu_memory_bytes": settings.gpu_memory, "ladder": plan.spec.name,
+                  "gate": settings.gate.name if settings.gate else None, "gpu_memory_bytes": settings.gpu_memory, "tier": plan.tier, "tier_asked": settings.tier, "ladder": plan.spec.name,
                   "confirm": settings.confirm, "prefer": settings.prefer, "z": settings.z}
     report = envelope(REPORT, inputs=[{"kind": "model", "name": source.name}, *({"kind": "calibration", "name": p.name} for p in settings.calibration),
                                       *({"kind": "heldout", "name": p.name} for p in settings.heldout)],

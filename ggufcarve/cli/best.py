@@ -16,7 +16,7 @@ from typing import Annotated
 
 import typer
 
-from ggufcarve.cli.options import ForceOption, JsonOption, LlamaCppOption, QuietOption, ThreadsOption
+from ggufcarve.cli.options import ForceOption, GpuLayersOption, JsonOption, LlamaCppOption, QuietOption, ThreadsOption
 from ggufcarve.cli.render import out, progress, size
 from ggufcarve.errors import OutputError
 
@@ -71,7 +71,8 @@ def best_command(
     output: Annotated[Path, typer.Option("-o", "--output", help="DIR: best.json, best.md, best-pareto.png, plan.toml, models/, work/.", show_default=False)],
     heldout: Annotated[list[Path], typer.Option("--heldout", help="Held-out text (repeatable): each file is its own segment.", show_default=False)],
     calibration: Annotated[list[Path], typer.Option("--calibration", help="Calibration text (repeatable): one pass for every criterion and K, and the imatrix.", show_default=False)],
-    gpu_memory: Annotated[str | None, typer.Option("--gpu-memory", help="GPU memory, e.g. 16GiB: each candidate's run command places the model for it.")] = None,
+    gpu_memory: Annotated[str | None, typer.Option("--gpu-memory", help="GPU memory, e.g. 16GiB: each candidate's tiers and run command place the model for it.")] = None,
+    tier: Annotated[str | None, typer.Option("--tier", help="Where the answer runs: gpu (all on the GPU), gpu+cpu (--n-cpu-moe N), ram (system memory) or disk (paging through mmap). Default: the fastest tier any candidate runs in.")] = None,
     ctx: Annotated[int, typer.Option("--ctx", help="Context length whose KV cache counts against --memory.")] = 16384,
     kv_type: Annotated[str, typer.Option("--kv-type", help="KV cache type: f16 or q8_0.")] = "f16",
     ladder: Annotated[str | None, typer.Option("--ladder", help="Ladder spec of the rungs: a TOML path or a shipped name (default: q8-to-iq1).")] = None,
@@ -89,6 +90,7 @@ def best_command(
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the candidates, the builds, the disk and a time estimate from measured speed; write nothing.")] = False,
     llama_cpp: LlamaCppOption = None,
     threads: ThreadsOption = None,
+    gpu_layers: GpuLayersOption = 0,
     force: ForceOption = False,
     quiet: QuietOption = False,
     as_json: JsonOption = False,
@@ -110,7 +112,7 @@ def best_command(
         raise OutputError(f"{output / 'best.json'} already exists", "pass --force to search again (built models are reused), or choose another -o DIR")
     settings = BestSettings(memory=parse_memory(memory), ladder=find_spec(ladder) if ladder else DEFAULT_LADDER, heldout=tuple(heldout), calibration=tuple(calibration),
                             methods=parse_methods(methods), ctx=ctx, kv_type=cache_type, eval_ctx=eval_ctx, chunks=chunks, max_tokens=max_tokens,
-                            threads=threads, metric=metric, gate=gate, gpu_memory=parse_memory(gpu_memory, "--gpu-memory") if gpu_memory else None,
+                            threads=threads, gpu_layers=gpu_layers, metric=metric, gate=gate, gpu_memory=parse_memory(gpu_memory, "--gpu-memory") if gpu_memory else None, tier=tier,
                             quantizer=quantizer_choice, llama_cpp_dir=llama_cpp, only=tuple(only or ()),
                             confirm=confirm, prefer=prefer, z=z)
     with progress(not quiet and not as_json) as sink:
@@ -124,13 +126,16 @@ def best_command(
             result = best(model, settings, output, plan=plan, on_event=sink)
     if dry_run:
         if as_json:
-            out.print_json(json.dumps({"candidates": [c.to_json() for c in plan.candidates], "kept_counts": plan.kept_counts, "speed": speed, "estimate": guess}))
+            out.print_json(json.dumps({"tier": plan.tier, "candidates": [c.to_json() for c in plan.candidates], "kept_counts": plan.kept_counts, "speed": speed,
+                                       "estimate": guess}))
             return
         out.print(f"{model.name}: {plan.layout.expert_count} experts, top-{plan.layout.expert_used_count}; budget {size(settings.memory)} "
-                  f"with a {ctx}-token cache of {size(plan.fit.cache.total_bytes)}", highlight=False, markup=False)
+                  f"with a {ctx}-token cache of {size(plan.fit.cache.total_bytes)}; ranked in tier {plan.tier}"
+                  + (f" (GPU {size(settings.gpu_memory)})" if settings.gpu_memory else ""), highlight=False, markup=False)
         out.print(f"candidates ({len(plan.candidates)}, from fit's sizes; total: llama.cpp's dry load, weights + cache + compute + output):", highlight=False)
         for c in plan.candidates:
             total = f"; total {size(c.total)}" if c.measured else ""
+            total += f"; tiers {', '.join(c.tiers[:-1]) or 'disk only'}" if settings.gpu_memory else ""
             out.print(f"  {c.id:<22} {c.family:<8} {c.kept:>4} of {c.expert_count}  {c.quant:<8} file {size(c.file_bytes)} + cache {size(c.cache_bytes)}{total}",
                       highlight=False, markup=False)
         out.print(f"will build: the unpruned rungs {', '.join(plan.quants)}; score {guess['scored_candidates']} candidate(s): {guess['masked']} by masking on "

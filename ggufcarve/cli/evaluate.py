@@ -19,7 +19,7 @@ from typing import Annotated
 
 import typer
 
-from ggufcarve.cli.options import JsonOption, LlamaCppOption, QuietOption
+from ggufcarve.cli.options import GpuLayersOption, JsonOption, LlamaCppOption, QuietOption
 from ggufcarve.cli.render import err, escape, out, progress, size, warn
 
 
@@ -34,6 +34,7 @@ def eval_command(
     gate: Annotated[Path | None, typer.Option("--gate", help="Gate thresholds (TOML; default evaluation/gate.toml).")] = None,
     gate_segments: Annotated[str | None, typer.Option("--gate-segments", help="With several --heldout files: every (a model fails when any file fails the gate) or overall (the files' verdicts are only reported). Default: the gate file's `segments`, else overall.")] = None,
     threads: Annotated[int | None, typer.Option("--threads", "-t", help="CPU threads (default: the physical cores).")] = None,
+    gpu_layers: GpuLayersOption = 0,
     top_k: Annotated[int | None, typer.Option("--top-k", help="Cache only the reference's top-K log-probs per token (and sampled tail tokens): a small cache, an estimated KLD. Default: every token, as llama-perplexity keeps them.")] = None,
     tail_samples: Annotated[int, typer.Option("--tail-samples", help="With --top-k: tail tokens sampled per token; the KLD estimate is unbiased and its sampling error is printed (0: a lower bound).")] = 32,
     speed_runs: Annotated[int, typer.Option("--speed-runs", help="Timed runs of pp and tg speed: the median is reported, or the range when the runs spread more than 10% of it; 0 skips speed.")] = 5,
@@ -56,7 +57,7 @@ def eval_command(
     from ggufcarve.evaluate.release import eval_settings, evaluate_release
     from ggufcarve.evaluate.speed import speed_text
 
-    settings, warnings = eval_settings(ctx=ctx, chunks=chunks, threads=threads, top_k=top_k, speed_runs=speed_runs, speed_engine=speed_engine, gate=gate, qa=qa,
+    settings, warnings = eval_settings(ctx=ctx, chunks=chunks, threads=threads, gpu_layers=gpu_layers, top_k=top_k, speed_runs=speed_runs, speed_engine=speed_engine, gate=gate, qa=qa,
                                        cross_check=cross_check, llama_cpp=llama_cpp, cache=cache, kl_base_out=save_kl_base,
                                        tail_samples=tail_samples, gate_segments=gate_segments,
                                        loops=loops, loop_prompts=loop_prompts, loop_tokens=loop_tokens)

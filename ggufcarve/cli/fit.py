@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from ggufcarve.cli.options import JsonOption, LlamaCppOption, QuietOption
+from ggufcarve.cli.options import GpuLayersOption, JsonOption, LlamaCppOption, QuietOption
 from ggufcarve.cli.render import escape, new_table, out, progress, size, warn
 
 if TYPE_CHECKING:
@@ -34,7 +34,8 @@ def fit_command(
     parallel: Annotated[int, typer.Option("--parallel", help="Sequences (llama.cpp -np): each has its own cache cells and recurrent state.")] = 1,
     swa_full: Annotated[bool, typer.Option("--swa-full", help="Full-size cache for sliding-window layers (llama.cpp --swa-full).")] = False,
     gpu_memory: Annotated[str | None, typer.Option("--gpu-memory", help="GPU memory: each cell also says whether the rung fits the GPU whole (w) or with which llama.cpp --n-cpu-moe N, from its per-block expert bytes.")] = None,
-    gpu_margin: Annotated[str, typer.Option("--gpu-margin", help="GPU memory kept free for compute buffers and the backend (default: llama.cpp --fit's target margin, 1GiB).")] = "1GiB",
+    gpu_margin: Annotated[str, typer.Option("--gpu-margin", help="GPU memory kept free beyond weights, cache and compute buffers (default: llama.cpp --fit's target margin, 1GiB).")] = "1GiB",
+    gpu_layers: GpuLayersOption = 0,
     flash_attn: Annotated[str, typer.Option("--flash-attn", help="Flash attention of the run (llama.cpp -fa): auto, on or off; it changes the compute buffers.")] = "auto",
     batch: Annotated[int, typer.Option("--batch", help="Logical batch size of the run (llama.cpp -b).")] = 2048,
     ubatch: Annotated[int, typer.Option("--ubatch", help="Micro-batch size of the run (llama.cpp -ub): the compute buffers grow with it.")] = 512,
@@ -80,7 +81,7 @@ def fit_command(
 
         if flash_attn not in FLASH_ATTN:
             raise BadInput(f"--flash-attn {flash_attn!r} is not one of {', '.join(FLASH_ATTN)}", "auto is llama.cpp's default")
-        run_settings = MemorySettings(ctx, cache_type, batch, ubatch, parallel, flash_attn, swa_full) if measured else None
+        run_settings = MemorySettings(ctx, cache_type, batch, ubatch, parallel, flash_attn, swa_full, gpu_layers) if measured else None
         report = plan_fit(loaded, layout, spec, memory=budget, context=settings, quantizer=quantizer, kept_counts=counts, only=only, imatrix_entries=entries,
                           gpu_memory=gpu_budget, gpu_margin=margin, measure=run_settings, on_event=sink)
 
@@ -139,15 +140,26 @@ def fit_command(
         m = best.memory_measured
         parts = (f"weights {size(m.weights)} + cache {size(m.cache)} + compute {size(m.compute)} + output {size(m.output)}" if m is not None
                  else f"file {size(best.rung.bytes)} + cache {size(best.cache_bytes)}")
-        out.print(f"most experts that fit: K={best.kept} {best.rung.rung}: {parts} = {size(best.total)} of {size(budget)}", highlight=False)
+        if best.tier in ("gpu", "gpu+cpu"):
+            gpu, host = best.gpu_devices
+            parts = f"{gpu.device} {size(gpu.total)} + {size(margin)} margin of {size(gpu_budget)}, host {size(host.total)} of {size(budget)}"
+            out.print(f"most experts that fit: K={best.kept} {best.rung.rung} in tier {best.tier}: {parts}", highlight=False)
+        else:
+            out.print(f"most experts that fit: K={best.kept} {best.rung.rung}: {parts} = {size(best.total)} of {size(budget)}"
+                      + (" (tier ram)" if gpu_budget is not None else ""), highlight=False)
     if gpu_budget is not None:
-        out.print(f"GPU {size(gpu_budget)} for weights + cache + {size(margin)} margin: w fits whole; N: llama.cpp --n-cpu-moe N keeps the experts of blocks 0..N-1 "
+        counted = "weights + cache + compute (estimated from the CPU graph's: module quant.offload)" if measured else "weights + cache"
+        out.print(f"GPU {size(gpu_budget)} for {counted} + {size(margin)} margin: w fits whole; N: llama.cpp --n-cpu-moe N keeps the experts of blocks 0..N-1 "
                   "in system memory (-ot 'blk\\.(0|..|N-1)\\.ffn_(up|down|gate|gate_up)_(ch|)exps=CPU' is the same); -: not even with every expert there", highlight=False)
         if best is not None and best.offload is not None:
             shown = best.offload
             how = ("whole" if shown.fits_whole else f"with {shown.flags} (or -ot '{escape(shown.override)}')" if shown.n_cpu_moe
                    else "not with any --n-cpu-moe (fewer layers on it, -ngl)")
             out.print(f"K={best.kept} {best.rung.rung} on the GPU: {how}; {size(shown.gpu_bytes)} of {size(gpu_budget)}", highlight=False)
+            for device in best.gpu_devices:
+                estimated = f" ({', '.join(device.estimated)} estimated)" if device.estimated else ""
+                out.print(f"  {device.device}: weights {size(device.weights)} + cache {size(device.cache)} + compute {size(device.compute)} + output {size(device.output)}"
+                          f" = {size(device.total)}{estimated}", highlight=False)
 
 
 def gpu_cell(offload: Offload) -> str:

@@ -19,6 +19,7 @@ from ggufcarve.cli.options import (
     CalibrationOption,
     CtxOption,
     ForceOption,
+    GpuLayersOption,
     JsonOption,
     KeepFirstOption,
     KeepIdsOption,
@@ -76,6 +77,7 @@ def imatrix_collect(
     ctx: CtxOption = 512,
     chunks: Annotated[int | None, typer.Option("--chunks", help="Use at most this many --ctx chunks (llama-imatrix --chunks) [default: all].")] = None,
     threads: ThreadsOption = None,
+    gpu_layers: GpuLayersOption = 0,
     force: ForceOption = False,
     quiet: QuietOption = False,
     as_json: JsonOption = False,
@@ -91,7 +93,8 @@ def imatrix_collect(
 
     loaded = read_model(model)
     with progress(not quiet and not as_json) as sink:
-        result = collect_imatrix(loaded, calibration or [], output, ctx=ctx, chunks=chunks, threads=threads, force=force, on_event=sink)
+        result = collect_imatrix(loaded, calibration or [], output, ctx=ctx, chunks=chunks, threads=threads, gpu_layers=gpu_layers, force=force,
+                                 on_event=sink)
     if as_json:
         out.print_json(json.dumps({
             "output": str(result.output_path), "bytes": result.output_bytes, "entries": result.entries, "expert_entries": result.expert_entries,

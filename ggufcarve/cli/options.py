@@ -28,6 +28,7 @@ ForceOption = Annotated[bool, typer.Option("--force", help="Replace an existing 
 CalibrationOption = Annotated[list[Path] | None, typer.Option("--calibration", help="Calibration text or JSONL file (repeatable).")]
 CtxOption = Annotated[int, typer.Option("--ctx", help="Tokens per calibration chunk (each starts with BOS and an empty KV cache, as llama-imatrix -c).")]
 ThreadsOption = Annotated[int | None, typer.Option("--threads", "-t", help="CPU threads of the llama.cpp calibration run.")]
+GpuLayersOption = Annotated[int, typer.Option("--gpu-layers", min=0, help="Layers every llama.cpp child that loads a model offloads to the GPU (llama.cpp's -ngl; 0: all on the CPU; 99: all). A llama-cpp-python built without a GPU backend ignores it.")]
 LlamaCppOption = Annotated[Path | None, typer.Option("--llama-cpp", help="Directory holding llama.cpp tools (DIR, DIR/bin or DIR/build/bin). Env: GGUFCARVE_LLAMA_CPP.")]
 
 

@@ -163,10 +163,14 @@ def _execute(plan: RunPlan, dry_run: bool, force: bool, quiet: bool, as_json: bo
 RunThreadsOption = Annotated[int | None, typer.Option("--threads", "-t", min=1, help="CPU threads of every llama.cpp stage (default: the plan's threads, else the physical cores).")]
 
 
-def _with_threads(plan: RunPlan, threads: int | None) -> RunPlan:
+RunGpuLayersOption = Annotated[int | None, typer.Option("--gpu-layers", min=0, help="Layers every llama.cpp stage offloads to the GPU (llama.cpp's -ngl; default: the plan's gpu_layers, else 0). A llama-cpp-python built without a GPU backend ignores it.")]
+
+
+def _with_threads(plan: RunPlan, threads: int | None, gpu_layers: int | None = None) -> RunPlan:
     from dataclasses import replace
 
-    return plan if threads is None else replace(plan, threads=threads)
+    plan = plan if threads is None else replace(plan, threads=threads)
+    return plan if gpu_layers is None else replace(plan, gpu_layers=gpu_layers)
 
 
 def run_command(
@@ -174,13 +178,14 @@ def run_command(
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the stages, their outputs, sizes and the disk needed; write nothing. Fails when the disk is short.")] = False,
     force: Annotated[bool, typer.Option("--force", help="Run every stage again and start the release afresh (its old rungs are removed).")] = False,
     threads: RunThreadsOption = None,
+    gpu_layers: RunGpuLayersOption = None,
     quiet: QuietOption = False,
     as_json: JsonOption = False,
 ) -> None:
     """Select, prune, remap the imatrix, quantize the ladder, evaluate, write the card and verify, from one plan; finished stages are skipped."""
     from ggufcarve.pipeline.plan import load_plan
 
-    _execute(_with_threads(load_plan(plan_file), threads), dry_run, force, quiet, as_json)
+    _execute(_with_threads(load_plan(plan_file), threads, gpu_layers), dry_run, force, quiet, as_json)
 
 
 def demo_command(
@@ -188,13 +193,14 @@ def demo_command(
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the demo's stages; write nothing.")] = False,
     force: Annotated[bool, typer.Option("--force", help="Run every stage again.")] = False,
     threads: RunThreadsOption = None,
+    gpu_layers: RunGpuLayersOption = None,
     quiet: QuietOption = False,
     as_json: JsonOption = False,
 ) -> None:
     """The whole pipeline on the small trained MoE shipped with ggufcarve (embedded llama.cpp only, a few minutes on 2 cores)."""
     from ggufcarve.pipeline.demo import demo_plan, write_demo_plan
 
-    plan = _with_threads(demo_plan(directory), threads)
+    plan = _with_threads(demo_plan(directory), threads, gpu_layers)
     if not dry_run:
         path = write_demo_plan(directory)
         err.print(f"plan: {path} (run it again with `ggufcarve run {path}`)", highlight=False)

@@ -23,6 +23,7 @@ from ggufcarve.cli.options import (
     CalibrationOption,
     CtxOption,
     ForceOption,
+    GpuLayersOption,
     JsonOption,
     QuietOption,
     ThreadsOption,
@@ -59,13 +60,15 @@ def _calibrate_ahead(method: str | None, calibration: list[Path] | None) -> None
         prestart()
 
 
-def _score(model: GGUFModel, layout: MoeLayout, method: str | None, imatrix: Path | None, calibration: list[Path], seed: int, ctx: int, max_tokens: int | None, threads: int | None, quiet: bool) -> ExpertScores:
+def _score(model: GGUFModel, layout: MoeLayout, method: str | None, imatrix: Path | None, calibration: list[Path], seed: int, ctx: int, max_tokens: int | None, threads: int | None, gpu_layers: int,
+           quiet: bool) -> ExpertScores:
     from ggufcarve.select.methods import score_model
 
     if method is None:
         raise BadInput(f"scoring {model.path.name} needs --method", "for example --method weights (zero-shot) or --method imatrix-counts --imatrix FILE")
     with progress(not quiet) as sink:
-        return score_model(model, layout, method, imatrix=imatrix, calibration=calibration, seed=seed, ctx=ctx, max_tokens=max_tokens, threads=threads, on_event=sink)
+        return score_model(model, layout, method, imatrix=imatrix, calibration=calibration, seed=seed, ctx=ctx, max_tokens=max_tokens, threads=threads,
+                           gpu_layers=gpu_layers, on_event=sink)
 
 
 def _write(path: Path, text: str, sources: list[Path], force: bool) -> None:
@@ -85,6 +88,7 @@ def score_command(
     ctx: CtxOption = 512,
     max_tokens: MaxTokensOption = None,
     threads: ThreadsOption = None,
+    gpu_layers: GpuLayersOption = 0,
     merge: Annotated[bool, typer.Option("--merge", help="Combine the scores files given as arguments (shards of one run).")] = False,
     force: ForceOption = False,
     quiet: QuietOption = False,
@@ -103,7 +107,7 @@ def score_command(
     else:
         if len(sources) != 1:
             raise BadInput(f"give one model to score ({len(sources)} given)", "ggufcarve score MODEL.gguf --method weights -o scores.json, or --merge A.json B.json")
-        scores = _score(*_read_model(sources[0]), method, imatrix, calibration or [], seed, ctx, max_tokens, threads, quiet)
+        scores = _score(*_read_model(sources[0]), method, imatrix, calibration or [], seed, ctx, max_tokens, threads, gpu_layers, quiet)
     _write(output, scores.dumps(), sources, force)
     out.print(f"{scores.method} scores of {scores.model.name}: {len(scores.blocks)} MoE blocks x {scores.model.expert_count} experts" + (f", {scores.tokens:,} tokens" if scores.tokens else "") + f" -> {output}")
 
@@ -163,6 +167,7 @@ def select_command(
     ctx: CtxOption = 512,
     max_tokens: MaxTokensOption = None,
     threads: ThreadsOption = None,
+    gpu_layers: GpuLayersOption = 0,
     protect: Annotated[str | None, typer.Option("--protect", help="Never drop these experts: ids for every block (0,5,9-11) or a keep-set-like JSON file of ids per block.")] = None,
     protect_super_experts: Annotated[bool, typer.Option("--protect-super-experts", help="Keep REAP's super experts (outlier maximum outputs, first 75% of the blocks).")] = False,
     heatmap: Annotated[bool, typer.Option("--heatmap/--no-heatmap", help="Write SELECTION.png beside the selection.")] = True,
@@ -186,7 +191,8 @@ def select_command(
     if output is None:
         raise BadInput("give -o SELECTION.json", "the selection is written to a JSON file that `ggufcarve prune --keep` reads")
     source = sources[0]
-    settings = SelectSettings(method, keep, ratio, imatrix, tuple(calibration or ()), seed, ctx, max_tokens, threads, protect, protect_super_experts, heatmap)
+    settings = SelectSettings(method, keep, ratio, imatrix, tuple(calibration or ()), seed, ctx, max_tokens, threads, protect, protect_super_experts, heatmap,
+                              gpu_layers=gpu_layers)
     with progress(not quiet and not as_json) as sink:
         result = select_to_file(source, settings, output, force=force, on_event=sink)
     selection, record, png, kept = result.selection, result.record, output.with_suffix(".png"), result.selection.kept_count

@@ -14,7 +14,7 @@ from typing import Annotated
 
 import typer
 
-from ggufcarve.cli.options import ForceOption, JsonOption, QuietOption, ThreadsOption
+from ggufcarve.cli.options import ForceOption, GpuLayersOption, JsonOption, QuietOption, ThreadsOption
 from ggufcarve.cli.render import out, progress
 from ggufcarve.errors import OutputError
 
@@ -31,6 +31,7 @@ def tune_command(
     max_tokens: Annotated[int | None, typer.Option("--max-tokens", help="Trace at most this many calibration tokens (whole chunks).")] = None,
     stability: Annotated[bool, typer.Option("--stability", help="Also build each calibration method's keep-sets from each half of the calibration text (one more pass per half) and report their overlap per block.")] = False,
     threads: ThreadsOption = None,
+    gpu_layers: GpuLayersOption = 0,
     force: ForceOption = False,
     quiet: QuietOption = False,
     as_json: JsonOption = False,
@@ -41,7 +42,7 @@ def tune_command(
     if (output / "tune.json").exists() and not force:
         raise OutputError(f"{output / 'tune.json'} already exists", "pass --force to replace it, or choose another -o DIR")
     settings = TuneSettings(keeps=parse_keeps(keep), methods=parse_methods(methods), calibration=tuple(calibration or ()), heldout=tuple(heldout),
-                            ctx=ctx, chunks=chunks, max_tokens=max_tokens, threads=threads, stability=stability)
+                            ctx=ctx, chunks=chunks, max_tokens=max_tokens, threads=threads, gpu_layers=gpu_layers, stability=stability)
     with progress(not quiet and not as_json) as sink:
         result = tune(model, settings, output, on_event=sink)
     report = result.report

@@ -1,8 +1,8 @@
 """A model loaded in libllama for evaluation: tokenize, decode chunks side by side with chosen outputs, greedy decoding.
 
 Used only inside the evaluation child process (`ggufcarve.evaluate.child`): llama.cpp aborts the
-whole process on a failed assert. Models load on the CPU (`n_gpu_layers = 0`) with
-`use_extra_bufts = False`: on CPUs with AMX, llama.cpp 0.3.36 crashes in
+whole process on a failed assert. Models load with `gpu_layers` layers on the accelerator
+(`n_gpu_layers`; 0, the default, is the CPU) and `use_extra_bufts = False`: on CPUs with AMX, llama.cpp 0.3.36 crashes in
 `ggml_backend_amx_mul_mat` on tiny models otherwise.
 """
 
@@ -26,13 +26,13 @@ class EngineError(Exception):
 class Engine:
     """One model loaded in libllama; contexts are made from it for scoring, timing and generation."""
 
-    def __init__(self, path: str, threads: int) -> None:
+    def __init__(self, path: str, threads: int, gpu_layers: int = 0) -> None:
         import llama_cpp
 
         self._llama = llama_cpp
         self.threads = threads
         forward_warnings(llama_cpp)
-        self.model = load_model(llama_cpp, path)
+        self.model = load_model(llama_cpp, path, gpu_layers)
         if not self.model:
             raise EngineError(f"libllama could not load {path}")
         self.path = path

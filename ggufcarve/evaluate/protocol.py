@@ -55,6 +55,7 @@ class Request:
     qa: list[dict] | None = None  # QA checks as plain dicts (ggufcarve.evaluate.qa)
     segments: list[dict] | None = None  # instead of reference_in/table_out: per held-out file {"reference_in", "table_out"}, scored in order
     loops: dict | None = None  # {"prompts", "tokens"}: greedy continuations for the loop detector (ggufcarve.evaluate.loops)
+    gpu_layers: int = 0  # layers offloaded to the accelerator (llama_model_params.n_gpu_layers)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -80,6 +81,7 @@ class EvalSettings:
     reference_store: str = REFERENCE_FULL  # how a GGUF reference's log-probs are kept (REFERENCE_STORES)
     tail_samples: int = DEFAULT_TAIL_SAMPLES  # used with reference_store "topk"
     loops: LoopSettings | None = None  # repetition loops: prompts continued greedily and judged by the detector
+    gpu_layers: int = 0  # layers offloaded to the accelerator in every child (and llama-bench's -ngl)
 
 
 @dataclass

@@ -31,6 +31,7 @@ def eval_settings(
     ctx: int = 512,
     chunks: int | None = None,
     threads: int | None = None,
+    gpu_layers: int = 0,
     top_k: int | None = None,
     tail_samples: int | None = None,
     speed_runs: int | None = None,
@@ -92,6 +93,7 @@ def eval_settings(
         reference_store=REFERENCE_FULL if top_k is None else REFERENCE_TOPK,
         speed=SpeedSettings(runs=speed_runs, engine=speed_engine) if speed_runs > 0 else None, gate=gate_rules, qa_checks=qa_checks,
         cross_check=cross_check, llama_cpp_dir=llama_cpp, cache_dir=cache, kl_base_out=kl_base_out, loops=loop_settings,
+        gpu_layers=gpu_layers,
     )
     return settings, warnings
 

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -254,7 +255,7 @@ def prepare_reference(path: Path, heldout: Path | None, settings: EvalSettings, 
     # only with the JSON naming it, written after it.
     remove_dead_temps(cache_dir, cache.name.__eq__)
     temp = temp_path_for(cache)
-    request = Request(model=str(entry.path), threads=settings.threads, n_ctx=settings.ctx, result_out=str(work / "reference.result.json"),
+    request = Request(model=str(entry.path), threads=settings.threads, gpu_layers=settings.gpu_layers, n_ctx=settings.ctx, result_out=str(work / "reference.result.json"),
                       text=str(heldout), max_chunks=settings.chunks, top_k=settings.top_k, tail_samples=settings.tail_samples,
                       cache_identity={"reference_sha256": ref_sha, "text_sha256": text_sha})
     if topk:
@@ -325,6 +326,16 @@ KLD_METHODS = {
 }
 
 
+def _memory(path: Path, n_ctx: int, settings: EvalSettings) -> dict[str, Any]:
+    """What llama.cpp allocates to run the model as it was evaluated (its context of `n_ctx`
+    tokens, an f16 cache), from its own dry load (llama.memory): one object per device."""
+    from ggufcarve.llama.memory import MemorySettings, measure_memory
+
+    memory = measure_memory(path, MemorySettings(n_ctx, gpu_layers=settings.gpu_layers))
+    return {"memory": [memory.to_json()], "memory_settings": {"n_ctx": n_ctx, "kv_type": "f16", "n_batch": 2048, "n_ubatch": 512,
+                                                             "gpu_layers": settings.gpu_layers}}
+
+
 def kld_method(reference: Reference, n_vocab: int) -> str:
     """How the KLD against this reference is computed (KLD_METHODS)."""
     if reference.top_k is None:
@@ -379,7 +390,7 @@ def evaluate_model(entry: ModelEntry, reference: Reference, settings: EvalSettin
     bench = None
     if settings.speed is not None and settings.speed.engine != "libllama":
         bench = find_tool("llama-bench", settings.llama_cpp_dir) if settings.speed.engine == "auto" else require_tool("llama-bench", settings.llama_cpp_dir)
-    request = Request(model=str(entry.path), threads=settings.threads, n_ctx=settings.ctx, result_out=str(work / f"{entry.name}.result.json"),
+    request = Request(model=str(entry.path), threads=settings.threads, gpu_layers=settings.gpu_layers, n_ctx=settings.ctx, result_out=str(work / f"{entry.name}.result.json"),
                       reference_in=None if parts else str(reference.file), max_chunks=settings.chunks, table_out=None if parts else str(table_paths[0]),
                       speed=asdict(settings.speed) if settings.speed and bench is None else None, qa=settings.qa_checks, segments=parts,
                       loops=settings.loops.request() if settings.loops else None)
@@ -388,7 +399,7 @@ def evaluate_model(entry: ModelEntry, reference: Reference, settings: EvalSettin
         from ggufcarve.evaluate.speed import bench_speed
 
         sink(Event(entry.name, 0, 0, "chunks", "llama-bench"))
-        result["speed"] = bench_speed(bench, entry.path, settings.speed, settings.threads).to_json()
+        result["speed"] = bench_speed(bench, entry.path, settings.speed, settings.threads, settings.gpu_layers).to_json()
     if "bad_input" in result:
         raise BadInput(f"{entry.path.name}: {result['bad_input']}", "compare models of the reference's family")
     tables = []
@@ -419,6 +430,7 @@ def evaluate_model(entry: ModelEntry, reference: Reference, settings: EvalSettin
                        "kld_full_vocabulary": method in ("base-file", "topk-exact")},
         **_contract(stats, ppl, perplexity(table[:, kld.NLL_BASE]), qa, result.get("speed"), method),
         "kl_divergence": stats.to_json(),
+        **_memory(entry.path, result["n_ctx"], settings),
         "speed": result.get("speed"),
         "qa": qa,
         "timings": {"load_seconds": round(result.get("load_seconds", 0.0), 3), "score_seconds": round(result.get("score_seconds", 0.0), 3),
@@ -450,7 +462,7 @@ def _cache_tables(entry: ModelEntry, reference: Reference, segments: Sequence[Se
     parts = result["segments"] if segments else [result]
     references = [s.reference for s in segments] if segments else [reference]
     for ref, table, part in zip(references, tables, parts):
-        store_file_tables(table_cache(), digest, reference_identity(ref.sha256, ref.file), part["n_ctx"], table, part["n_chunk"], settings.threads)
+        store_file_tables(table_cache(), digest, reference_identity(ref.sha256, ref.file), part["n_ctx"], table, part["n_chunk"], settings.threads, settings.gpu_layers)
 
 
 def _segment_record(name: str, table: np.ndarray, chunks: int, method: str) -> dict:
@@ -481,7 +493,7 @@ def reference_outputs(entry: ModelEntry, settings: EvalSettings, work: Path, sin
 
 def reference_answers(entry: ModelEntry, settings: EvalSettings, work: Path, sink: Sink) -> dict:
     """The reference model's QA answers ("qa") and loop continuations ("loops"), from one load."""
-    request = Request(model=str(entry.path), threads=settings.threads, n_ctx=settings.ctx, result_out=str(work / "reference-qa.result.json"), qa=settings.qa_checks,
+    request = Request(model=str(entry.path), threads=settings.threads, gpu_layers=settings.gpu_layers, n_ctx=settings.ctx, result_out=str(work / "reference-qa.result.json"), qa=settings.qa_checks,
                       loops=settings.loops.request() if settings.loops else None)
     return run_child(request, f"reference {entry.name}", sink, work)
 

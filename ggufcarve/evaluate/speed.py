@@ -115,12 +115,13 @@ def measure(context: Context, settings: SpeedSettings, prompt: np.ndarray, threa
 BENCH_IDLE_TIMEOUT = 600.0
 
 
-def bench_speed(tool: Path, model: Path, settings: SpeedSettings, threads: int) -> Speed:
-    """pp and tg tok/s of `model` measured by llama-bench (CPU, weight repacking off)."""
+def bench_speed(tool: Path, model: Path, settings: SpeedSettings, threads: int, gpu_layers: int = 0) -> Speed:
+    """pp and tg tok/s of `model` measured by llama-bench (weight repacking off, `gpu_layers` layers
+    offloaded: llama-bench's -ngl)."""
     from ggufcarve.errors import ToolFailed
     from ggufcarve.llama import launch
 
-    argv = [tool, "-m", model, "-p", str(settings.pp_tokens), "-n", str(settings.tg_tokens), "-r", str(settings.runs), "-t", str(threads), "--repack", "0", "-o", "jsonl"]
+    argv = [tool, "-m", model, "-p", str(settings.pp_tokens), "-n", str(settings.tg_tokens), "-r", str(settings.runs), "-t", str(threads), "-ngl", str(gpu_layers), "--repack", "0", "-o", "jsonl"]
     lines: list[str] = []
     finished = launch.run(argv, on_line=lines.append, idle_timeout=BENCH_IDLE_TIMEOUT)
     launch.check(finished, f"llama-bench on {model.name}", "check that the model loads in llama.cpp (llama-bench's last lines are above)")

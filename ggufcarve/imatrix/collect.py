@@ -282,6 +282,7 @@ def collect_imatrix(
     ctx: int = 512,
     chunks: int | None = None,
     threads: int | None = None,
+    gpu_layers: int = 0,
     force: bool = False,
     on_event: Sink = ignore,
 ) -> Collected:
@@ -298,7 +299,7 @@ def collect_imatrix(
     calibration = read_calibration(files)
     check_outputs([Path(output)], list(model.paths), 0, force)
     request = DecodeRequest(os.fspath(model.path), (IMATRIX_CONSUMER,), Batching.of(ctx), documents=tuple(f.documents for f in calibration),
-                            max_tokens=max_tokens, threads=threads or 0)
+                            max_tokens=max_tokens, threads=threads or 0, gpu_layers=gpu_layers)
     result = decode(request, what=f"collecting the imatrix of {model.path.name}", stage="imatrix", on_event=on_event)
     return write_collected(result.outputs[IMATRIX_CONSUMER.name], [f.path.name for f in calibration], ctx, Path(output), tokens=result.tokens,
                            seconds=result.seconds, force=force, sources=list(model.paths), on_event=on_event)

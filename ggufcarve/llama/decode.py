@@ -101,6 +101,7 @@ class DecodeRequest:
     max_tokens: int | None = None
     logits: bool = False
     threads: int = 0  # 0: min(cores, 8)
+    gpu_layers: int = 0  # layers offloaded to the accelerator (llama_model_params.n_gpu_layers)
     verbose: bool = False  # forward llama.cpp's info and debug logs too
 
     def __post_init__(self) -> None:
@@ -118,7 +119,8 @@ class DecodeRequest:
         return {
             "model": self.model, "consumers": [{"name": c.name, "factory": c.factory, "options": c.options} for c in self.consumers],
             "batching": self.batching.to_json(), "documents": [[d.to_json() for d in f] for f in self.documents], "tokens": list(self.tokens),
-            "max_tokens": self.max_tokens, "logits": self.logits, "threads": self.threads, "verbose": self.verbose,
+            "max_tokens": self.max_tokens, "logits": self.logits, "threads": self.threads, "gpu_layers": self.gpu_layers,
+            "verbose": self.verbose,
         }
 
     @classmethod
@@ -128,7 +130,7 @@ class DecodeRequest:
         return cls(
             doc["model"], tuple(ConsumerSpec(c["name"], c["factory"], dict(c["options"])) for c in doc["consumers"]), Batching(**doc["batching"]),
             tuple(tuple(Document.from_json(d) for d in f) for f in doc["documents"]), tuple(int(t) for t in doc["tokens"]),
-            doc["max_tokens"], bool(doc["logits"]), int(doc["threads"]), bool(doc["verbose"]),
+            doc["max_tokens"], bool(doc["logits"]), int(doc["threads"]), int(doc["gpu_layers"]), bool(doc["verbose"]),
         )
 
 
@@ -242,7 +244,7 @@ def _child(request: DecodeRequest, out: Path) -> None:
     llama_cpp = bindings()
 
     forward_warnings(llama_cpp, request.verbose)
-    lmodel = load_model(llama_cpp, request.model)
+    lmodel = load_model(llama_cpp, request.model, request.gpu_layers)
     if not lmodel:
         raise ToolFailed(f"llama.cpp could not load {request.model}", LLAMA_HINT)
     batching = request.batching

@@ -152,6 +152,7 @@ def masked_logits(
     keepset: KeepSet,
     *,
     threads: int | None = None,
+    gpu_layers: int = 0,
     batch: int | None = None,
     context: int | None = None,
     timeout: float | None = None,
@@ -180,7 +181,7 @@ def masked_logits(
     check_keepset(keepset, layout)
     context = min(context or len(tokens), len(tokens))
     request = DecodeRequest(os.fspath(model), (mask_spec(keepset),), Batching.single(context, min(batch or DEFAULT_BATCH, context)),
-                            tokens=tuple(tokens), logits=True, threads=threads or 0, verbose=verbose)
+                            tokens=tuple(tokens), logits=True, threads=threads or 0, gpu_layers=gpu_layers, verbose=verbose)
     result = decode(request, what=f"scoring a keep-set of {Path(model).name}", stage="mask", on_event=on_event, on_line=on_line, timeout=timeout, idle_timeout=idle_timeout)
     masked = {key: int(count) for key, count in result.outputs["mask"].items()}
     missing = [f"{node}-{block}" for node, block in required_nodes(layout, keepset) if f"{node}:{block}" not in masked]

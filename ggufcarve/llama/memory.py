@@ -16,8 +16,16 @@ llama.cpp in llama-cpp-python 0.3.36):
 With no_alloc the model's buffers log 0 MiB, so the weights are the bytes of the file's tensor
 data (what the CPU buffer maps; llama-fit-params' "model" figure on the host). A no-alloc load
 never reads tensor data, so a sparse header (fit's pruned headers: data a hole) is measured the
-same way. The child runs on the CPU only (n_gpu_layers 0, no extra buffer types): every figure is
-host memory.
+same way. No extra buffer types are used (ggufcarve's children's setting).
+
+Devices. With `gpu_layers` and `cpu_tensors` (the patterns llama.cpp's -ot PATTERN=CPU keeps in
+system memory, --n-cpu-moe's among them) the dry load places the model as a run with those flags
+would. A compute or output buffer whose name starts with "CPU" or ends with "_Host" (pinned host
+memory: "CUDA_Host") is system memory; any other is its device's ("CUDA0", "Vulkan0", ...). A
+llama.cpp built without a GPU backend (this machine's) has no such device: every buffer is the
+CPU's, and `split_devices` gives the GPU's share by llama.cpp's placement rule (quant/offload.py),
+the compute buffers marked as estimated. The weights are never logged by a dry load (its model
+buffers log 0 MiB); they are the file's tensor bytes as placed.
 """
 
 from __future__ import annotations
@@ -36,8 +44,11 @@ MIB = 2**20
 KV_TYPES = {"F16": 1, "Q8_0": 8}  # enum ggml_type of the cache types ggufcarve offers
 FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}  # enum llama_flash_attn_type
 CACHE_LINE = re.compile(r"^(?:llama_kv_cache|llama_memory_recurrent): size = +(?P<mib>[\d.]+) MiB")
-COMPUTE_LINE = re.compile(r"compute buffer size = +(?P<mib>[\d.]+) MiB")
-OUTPUT_LINE = re.compile(r"output buffer size = +(?P<mib>[\d.]+) MiB")
+COMPUTE_LINE = re.compile(r"(?P<buffer>\S+) compute buffer size = +(?P<mib>[\d.]+) MiB")
+OUTPUT_LINE = re.compile(r"(?P<buffer>\S+) +output buffer size = +(?P<mib>[\d.]+) MiB")
+OVERRIDE_LINE = re.compile(r"^tensor (?P<tensor>\S+) \(.*\) buffer type overridden to (?P<buffer>\S+)")  # src/llama-model-loader.cpp, debug level
+GPU_DEVICE_TYPES = (1, 2)  # enum ggml_backend_dev_type: GPU, IGPU
+HOST = "host"
 
 
 @dataclass(frozen=True)
@@ -51,6 +62,8 @@ class MemorySettings:
     n_seq: int = 1
     flash_attn: str = "auto"
     swa_full: bool = False
+    gpu_layers: int = 0  # llama_model_params.n_gpu_layers (-ngl)
+    cpu_tensors: tuple[str, ...] = ()  # regexes of the tensors kept in system memory (-ot PATTERN=CPU)
 
 
 @dataclass(frozen=True)
@@ -62,13 +75,15 @@ class DeviceMemory:
     cache: int
     compute: int
     output: int
+    estimated: tuple[str, ...] = ()  # the figures not measured by llama.cpp here (with the reason in the caller's memory_source)
 
     @property
     def total(self) -> int:
         return self.weights + self.cache + self.compute + self.output
 
     def to_json(self) -> dict[str, Any]:
-        return {"device": self.device, "weights": self.weights, "cache": self.cache, "compute": self.compute, "output": self.output, "total": self.total}
+        return {"device": self.device, "weights": self.weights, "cache": self.cache, "compute": self.compute, "output": self.output, "total": self.total,
+                **({"estimated": list(self.estimated)} if self.estimated else {})}
 
 
 @dataclass
@@ -84,19 +99,33 @@ class Request:
 
     @classmethod
     def from_json(cls, doc: dict[str, Any]) -> Request:
-        return cls(doc["model"], doc["result_out"], MemorySettings(**doc["settings"]))
+        settings = doc["settings"]
+        return cls(doc["model"], doc["result_out"], MemorySettings(**{**settings, "cpu_tensors": tuple(settings.get("cpu_tensors", ()))}))
 
 
-def parse_log(lines: list[str]) -> dict[str, float]:
-    """The MiB figures of llama.cpp's log lines of a dry load (module docstring); a figure whose line
-    is missing is absent from the result."""
-    out: dict[str, float] = {}
+def parse_log(lines: list[str]) -> dict[str, Any]:
+    """The MiB figures of llama.cpp's log lines of a dry load (module docstring): "cache" (all
+    devices), "compute" and "output" as {buffer name: MiB}; a figure whose line is missing is absent."""
+    out: dict[str, Any] = {}
     for line in lines:
-        for key, pattern in (("cache", CACHE_LINE), ("compute", COMPUTE_LINE), ("output", OUTPUT_LINE)):
-            match = pattern.search(line.strip())
+        text = line.strip()
+        match = CACHE_LINE.search(text)
+        if match:
+            out["cache"] = out.get("cache", 0.0) + float(match["mib"])
+        match = OVERRIDE_LINE.search(text)
+        if match:
+            out.setdefault("overridden", {})[match["tensor"]] = match["buffer"]
+        for key, pattern in (("compute", COMPUTE_LINE), ("output", OUTPUT_LINE)):
+            match = pattern.search(text)
             if match:
-                out[key] = out.get(key, 0.0) + float(match["mib"])
+                buffers = out.setdefault(key, {})
+                buffers[match["buffer"]] = buffers.get(match["buffer"], 0.0) + float(match["mib"])
     return out
+
+
+def buffer_device(name: str) -> str:
+    """The device a llama.cpp buffer's memory is on: HOST for the CPU's and pinned host buffers."""
+    return HOST if name.startswith("CPU") or name.endswith("_Host") else name
 
 
 def weight_bytes(path: Path) -> int:
@@ -130,9 +159,11 @@ def _dry_load(request: Request, out: Path) -> None:
         raise BadInput(f"cache type {settings.kv_type!r} / flash attention {settings.flash_attn!r}", "give f16 or q8_0, and auto, on or off")
     llama_cpp.llama_backend_init()
     params = llama_cpp.llama_model_default_params()
-    params.n_gpu_layers = 0
+    params.n_gpu_layers = settings.gpu_layers
     params.use_extra_bufts = False
     params.no_alloc = True
+    if settings.cpu_tensors:
+        params.tensor_buft_overrides = _cpu_overrides(settings.cpu_tensors)
     params.load_mode = 0  # LLAMA_LOAD_MODE_NONE: nothing mapped, as common/fit.cpp
     model = llama_cpp.llama_model_load_from_file(request.model.encode(), params)
     if not model:
@@ -154,15 +185,80 @@ def _dry_load(request: Request, out: Path) -> None:
     missing = [key for key in ("compute", "output") if key not in figures]
     if missing:
         raise ToolFailed(f"{Path(request.model).name}: llama.cpp's dry load logged no {' and no '.join(missing)} buffer size", "a llama.cpp whose log lines ggufcarve does not know")
+    figures["gpu_devices"] = gpu_devices()
     temp = out.with_name(out.name + f".{os.getpid()}.tmp")
     temp.write_text(json.dumps(figures))
     os.replace(temp, out)
 
 
-def measure_memory(path: Path, settings: MemorySettings, *, weights: int | None = None) -> DeviceMemory:
-    """The host memory llama.cpp allocates for `path` with `settings`, from its own dry load;
-    `weights`: the bytes of the weights as placed when they differ from the file's (a rung not yet
-    written: fit's size of its tensors)."""
+def _ggml() -> Any:
+    import ctypes
+
+    from ggufcarve.llama.ggml import libggml
+
+    lib = libggml()
+    lib.ggml_backend_dev_count.restype = ctypes.c_size_t
+    lib.ggml_backend_dev_get.argtypes = [ctypes.c_size_t]
+    lib.ggml_backend_dev_get.restype = ctypes.c_void_p
+    lib.ggml_backend_dev_name.argtypes = [ctypes.c_void_p]
+    lib.ggml_backend_dev_name.restype = ctypes.c_char_p
+    lib.ggml_backend_dev_type.argtypes = [ctypes.c_void_p]
+    lib.ggml_backend_dev_type.restype = ctypes.c_int
+    lib.ggml_backend_dev_by_type.argtypes = [ctypes.c_int]
+    lib.ggml_backend_dev_by_type.restype = ctypes.c_void_p
+    lib.ggml_backend_dev_buffer_type.argtypes = [ctypes.c_void_p]
+    lib.ggml_backend_dev_buffer_type.restype = ctypes.c_void_p
+    return lib
+
+
+def gpu_devices() -> list[str]:
+    """The names of the GPU devices of this llama.cpp (ggml's registry, after llama_backend_init)."""
+    lib = _ggml()
+    devices = (lib.ggml_backend_dev_get(i) for i in range(lib.ggml_backend_dev_count()))
+    return [lib.ggml_backend_dev_name(d).decode() for d in devices if lib.ggml_backend_dev_type(d) in GPU_DEVICE_TYPES]
+
+
+def _cpu_overrides(patterns: tuple[str, ...]) -> int:
+    """A llama_model_tensor_buft_override array ({pattern, CPU buffer type} ..., {NULL, NULL}), kept
+    alive in KEEPALIVE: what common/arg.cpp builds for -ot PATTERN=CPU."""
+    import ctypes
+
+    from ggufcarve.llama.libllama import KEEPALIVE
+
+    class Override(ctypes.Structure):
+        _fields_ = [("pattern", ctypes.c_char_p), ("buft", ctypes.c_void_p)]
+
+    lib = _ggml()
+    cpu = lib.ggml_backend_dev_buffer_type(lib.ggml_backend_dev_by_type(0))  # GGML_BACKEND_DEVICE_TYPE_CPU
+    array = (Override * (len(patterns) + 1))(*[Override(p.encode(), cpu) for p in patterns], Override(None, None))
+    KEEPALIVE.append(array)
+    return ctypes.addressof(array)
+
+
+@dataclass(frozen=True)
+class DryLoad:
+    """What llama.cpp's dry load logged, in bytes: the KV cache and recurrent state (all devices),
+    the compute and output buffers by buffer name, the GPU devices this llama.cpp has, and the
+    tensors the `cpu_tensors` patterns moved."""
+
+    cache: int
+    compute: dict[str, int]
+    output: dict[str, int]
+    gpu_devices: tuple[str, ...]
+    overridden: dict[str, str]  # tensor -> the buffer type a -ot pattern gave it, as the loader logged it
+
+    def on(self, device: str, buffers: dict[str, int]) -> int:
+        return sum(size for name, size in buffers.items() if buffer_device(name) == device)
+
+    @property
+    def devices(self) -> list[str]:
+        """The devices holding a buffer, the host first."""
+        names = {buffer_device(n) for n in (*self.compute, *self.output)}
+        return [HOST, *sorted(names - {HOST})]
+
+
+def dry_load(path: Path, settings: MemorySettings) -> DryLoad:
+    """llama.cpp's own figures for `path` with `settings`, from a no-alloc load in a child."""
     from ggufcarve.llama import child
 
     with tempfile.TemporaryDirectory(prefix="ggufcarve-memory-") as tmp:
@@ -170,8 +266,18 @@ def measure_memory(path: Path, settings: MemorySettings, *, weights: int | None 
         request = Request(str(path), str(result), settings)
         figures = child.run(CHILD_MODULE, request, result, lambda p: json.loads(p.read_text()), what=f"measuring the memory of {path.name}",
                             hint="the last lines are llama.cpp's own; check that the model loads (ggufcarve inspect MODEL)", timeout=600)
-    return DeviceMemory("host", weight_bytes(path) if weights is None else weights, round(figures.get("cache", 0.0) * MIB),
-                        round(figures["compute"] * MIB), round(figures["output"] * MIB))
+    return DryLoad(round(figures.get("cache", 0.0) * MIB), {k: round(v * MIB) for k, v in figures["compute"].items()},
+                   {k: round(v * MIB) for k, v in figures["output"].items()}, tuple(figures.get("gpu_devices", ())),
+                   dict(figures.get("overridden", {})))
+
+
+def measure_memory(path: Path, settings: MemorySettings, *, weights: int | None = None) -> DeviceMemory:
+    """The host memory llama.cpp allocates for `path` with `settings` run on the CPU (with
+    `gpu_layers` on a GPU backend: the host's buffers, while weights and cache count whole), from
+    its own dry load; `weights`: the bytes of the weights as placed when they differ from the file's (a rung
+    not yet written: fit's size of its tensors)."""
+    load = dry_load(path, settings)
+    return DeviceMemory(HOST, weight_bytes(path) if weights is None else weights, load.cache, load.on(HOST, load.compute), load.on(HOST, load.output))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -172,6 +172,7 @@ def trace_routing(
     nodes: Iterable[str] = (TOPK,),
     logits: bool = True,
     threads: int | None = None,
+    gpu_layers: int = 0,
     batch: int | None = None,
     context: int | None = None,
     timeout: float | None = None,
@@ -198,7 +199,7 @@ def trace_routing(
     wanted = sorted(frozenset(nodes))
     GraphTracer(frozenset(wanted))  # validates the node names before a child is started
     request = DecodeRequest(os.fspath(model), (ConsumerSpec("nodes", "ggufcarve.llama.trace:capture", {"nodes": wanted}),), Batching.single(context, min(batch or DEFAULT_BATCH, context)),
-                            tokens=tuple(tokens), logits=logits, threads=threads or 0, verbose=verbose)
+                            tokens=tuple(tokens), logits=logits, threads=threads or 0, gpu_layers=gpu_layers, verbose=verbose)
     result = decode(request, what=f"tracing {Path(model).name}", stage="trace", on_event=on_event, on_line=on_line, timeout=timeout, idle_timeout=idle_timeout)
     captured: dict[str, dict[int, np.ndarray]] = {}
     for key, array in result.outputs["nodes"].items():

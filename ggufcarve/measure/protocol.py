@@ -35,6 +35,7 @@ class Request:
     references: list[str]  # per held-out file: its reference log-probs (base file or top-k cache)
     result_out: str
     jobs: list[Job] = field(default_factory=list)
+    gpu_layers: int = 0  # layers offloaded to the accelerator (llama_model_params.n_gpu_layers)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

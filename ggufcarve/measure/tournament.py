@@ -78,6 +78,7 @@ class MeasureSettings:
     prefer: str = "smaller"
     gate: Callable[[dict[str, Any]], tuple[bool, list[str]]] | None = None  # statistics -> (passed, failed checks)
     tables: Path | None = None  # the content-keyed cache of per-unit tables
+    gpu_layers: int = 0  # layers offloaded to the accelerator in the scoring children
 
 
 @dataclass
@@ -185,7 +186,8 @@ class _Scorer:
 
         c = self.candidates[cid]
         segment, first, count = self.units[unit]
-        return unit_key(self._model_key(c.model), c.keep, self.segments[segment].identity, self.segments[segment].n_ctx, first, count, self.settings.threads)
+        return unit_key(self._model_key(c.model), c.keep, self.segments[segment].identity, self.segments[segment].n_ctx, first, count, self.settings.threads,
+                        self.settings.gpu_layers)
 
     def score(self, upto: Mapping[str, int]) -> None:
         """Extend each named candidate's tables to its first `upto[cid]` units."""
@@ -211,7 +213,7 @@ class _Scorer:
             if missing:
                 pending.setdefault(self.candidates[cid].model, []).append((cid, missing))
         for model, jobs in pending.items():
-            request = Request(model=str(model), threads=self.settings.threads, references=[str(s.reference) for s in self.segments],
+            request = Request(model=str(model), threads=self.settings.threads, gpu_layers=self.settings.gpu_layers, references=[str(s.reference) for s in self.segments],
                               result_out=str(self.work / "measure.result.json"))
             for number, (cid, units) in enumerate(jobs):
                 keep = self.candidates[cid].keep
@@ -385,7 +387,7 @@ def measure_tables() -> Path:
 
 
 def prepare_segments(source: Path, heldout: Sequence[Path], *, chunk_ctx: int, chunks: int | None, threads: int, work: Path,
-                     cache_dir: Path | None = None, on_event: Sink = ignore) -> list[Segment]:
+                     cache_dir: Path | None = None, gpu_layers: int = 0, on_event: Sink = ignore) -> list[Segment]:
     """The unpruned model's log-probs on every held-out file (`evaluate.run.prepare_reference`:
     llama-perplexity's base file, cached by the model's and the text's sha256)."""
     from ggufcarve.evaluate import kld
@@ -393,7 +395,7 @@ def prepare_segments(source: Path, heldout: Sequence[Path], *, chunk_ctx: int, c
     from ggufcarve.evaluate.run import prepare_reference
     from ggufcarve.evaluate.tables import reference_identity
 
-    settings = EvalSettings(ctx=chunk_ctx, chunks=chunks, threads=threads, speed=None, cache_dir=cache_dir)
+    settings = EvalSettings(ctx=chunk_ctx, chunks=chunks, threads=threads, speed=None, cache_dir=cache_dir, gpu_layers=gpu_layers)
     names = [p.name for p in heldout]
     segments = []
     for path in heldout:

@@ -155,6 +155,7 @@ class RunPlan:
     card: bool
     card_settings: Any = None  # release.card.CardSettings of a [card] table; None: all from the GGUF's keys
     raw: dict[str, Any] = field(default_factory=dict, compare=False)
+    gpu_layers: int = 0  # layers offloaded to the accelerator in every llama.cpp stage
 
     def to_json(self) -> dict[str, Any]:
         """The resolved plan with bare file names (it is published in the release)."""
@@ -163,7 +164,7 @@ class RunPlan:
             return p.name if p is not None else None
 
         doc: dict[str, Any] = {
-            "source": name(self.source), "output": name(self.output), "name": self.name, "threads": self.threads,
+            "source": name(self.source), "output": name(self.output), "name": self.name, "threads": self.threads, "gpu_layers": self.gpu_layers,
             "selection": {
                 "method": self.selection.method, "keep": self.selection.keep, "ratio": self.selection.ratio,
                 "keepset": name(self.selection.keepset), "protect": name(self.selection.protect_file) or self.selection.protect,
@@ -191,7 +192,7 @@ class RunPlan:
 
 
 KEYS = {
-    "plan": ("source", "output", "work", "name", "threads", "card", "selection", "calibration", "imatrix", "ladder", "evaluation"),
+    "plan": ("source", "output", "work", "name", "threads", "gpu_layers", "card", "selection", "calibration", "imatrix", "ladder", "evaluation"),
     "[selection]": ("method", "keep", "ratio", "keepset", "protect", "protect_super_experts", "seed", *TUNE_ONLY),
     "[calibration]": ("files", "ctx", "max_tokens"),
     "[imatrix]": ("file", "collect"),
@@ -297,6 +298,7 @@ def parse_plan(doc: dict[str, Any], base: Path, path: Path | None = None) -> Run
     work = top._resolve("work", work_name, False) if work_name else output.with_name(output.name + ".work")
     name = top.string("name")
     threads = top.integer("threads", minimum=1)
+    gpu_layers = top.integer("gpu_layers", minimum=0) or 0
     card, card_settings = _card(top)
 
     sel = top.table("selection") or _Table({}, "[selection]", base)
@@ -412,7 +414,8 @@ def parse_plan(doc: dict[str, Any], base: Path, path: Path | None = None) -> Run
         raise BadInput(f"plan: the output directory {output} holds the source", "write the release to its own directory: everything in it is published")
     if work.resolve() == output.resolve():
         raise BadInput("plan: work and output are the same directory", "intermediates (the pruned source, imatrices) must not be published: give work another directory")
-    return RunPlan(path, source, output, work, name, threads, selection, calibration, imatrix, ladder, evaluation, card, card_settings, raw=doc)
+    return RunPlan(path, source, output, work, name, threads, selection, calibration, imatrix, ladder, evaluation, card, card_settings, raw=doc,
+                   gpu_layers=gpu_layers)
 
 
 def _tune_keeps(table: _Table) -> tuple[int, ...]:

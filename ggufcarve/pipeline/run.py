@@ -90,7 +90,7 @@ def _context(plan: RunPlan, on_event: Sink = ignore, force: bool = False) -> Run
 
     model = read_model(plan.source)
     layout = inspect_layout(model)
-    return RunContext(plan, model, layout, names_for(plan, layout), on_event, force, RunState(plan.work), default_threads(plan))
+    return RunContext(plan, model, layout, names_for(plan, layout), on_event, force, RunState(plan.work), default_threads(plan), plan.gpu_layers)
 
 
 def _preview(ctx: RunContext, stages: list[Stage]) -> RunPreview:

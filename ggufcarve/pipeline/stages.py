@@ -125,6 +125,7 @@ class RunContext:
     force: bool = False
     state: Any = None  # state.RunState
     threads: int = 1
+    gpu_layers: int = 0
     keepset: Any = None  # moe.keepset.KeepSet of the selection, once read or written
     ladder_result: Any = None
     evaluation: list[dict[str, Any]] = field(default_factory=list)
@@ -208,7 +209,8 @@ def _collect_stage(ctx: RunContext) -> Stage:
         from ggufcarve.imatrix.collect import collect_imatrix
 
         chunks = calibration.max_tokens // calibration.ctx if calibration.max_tokens else None  # whole chunks, as the selection's trace
-        collect_imatrix(ctx.model, list(calibration.files), names.collected_imatrix, ctx=calibration.ctx, chunks=chunks, threads=ctx.threads, force=True, on_event=ctx.sink)
+        collect_imatrix(ctx.model, list(calibration.files), names.collected_imatrix, ctx=calibration.ctx, chunks=chunks, threads=ctx.threads,
+                        gpu_layers=ctx.gpu_layers, force=True, on_event=ctx.sink)
         return [names.collected_imatrix], f"imatrix of {names.base} from {len(calibration.files)} calibration file(s)"
 
     return Stage("imatrix-collect", "collect the full model's imatrix from the calibration text", plan.work,
@@ -228,7 +230,7 @@ def _select_settings(ctx: RunContext) -> tuple[Any, tuple[Path, ...]]:
     settings = SelectSettings(
         method=sel.method, keep=sel.keep, ratio=sel.ratio, imatrix=imatrix_in, calibration=tuple(calibration), seed=sel.seed,
         ctx=plan.calibration.ctx if plan.calibration else 512, max_tokens=plan.calibration.max_tokens if plan.calibration else None,
-        threads=ctx.threads, protect=sel.protect, protect_super_experts=sel.protect_super_experts, heatmap=True,
+        threads=ctx.threads, gpu_layers=ctx.gpu_layers, protect=sel.protect, protect_super_experts=sel.protect_super_experts, heatmap=True,
         imatrix_out=ctx.names.collected_imatrix if one_pass(plan) else None,
     )
     reads = tuple(p for p in (*calibration, imatrix_in, sel.protect_file) if p is not None)
@@ -268,7 +270,8 @@ def tune_settings(ctx: RunContext) -> Any:
     cal = plan.calibration if reads else None
     ctx_tokens = cal.ctx if cal is not None else (plan.evaluation.ctx if plan.evaluation is not None else 512)
     return TuneSettings(keeps=sel.keeps, methods=sel.methods, calibration=cal.files if cal is not None else (), heldout=sel.heldout, ctx=ctx_tokens,
-                        chunks=sel.chunks, max_tokens=cal.max_tokens if cal is not None else None, threads=ctx.threads, seed=sel.seed, stability=sel.stability)
+                        chunks=sel.chunks, max_tokens=cal.max_tokens if cal is not None else None, threads=ctx.threads, gpu_layers=ctx.gpu_layers, seed=sel.seed,
+                        stability=sel.stability)
 
 
 def _tune_stage(ctx: RunContext) -> Stage:
@@ -474,7 +477,7 @@ def _evaluate_stage(ctx: RunContext, ev: EvaluationStep) -> Stage:
     from ggufcarve.evaluate.release import eval_settings
     from ggufcarve.evaluate.run import reference_cache_dir, reference_disk_bytes
 
-    settings, warnings = eval_settings(ctx=ev.ctx, chunks=ev.chunks, threads=ctx.threads, top_k=ev.top_k, tail_samples=ev.tail_samples, speed_runs=ev.speed_runs,
+    settings, warnings = eval_settings(ctx=ev.ctx, chunks=ev.chunks, threads=ctx.threads, gpu_layers=ctx.gpu_layers, top_k=ev.top_k, tail_samples=ev.tail_samples, speed_runs=ev.speed_runs,
                                        speed_engine=ev.speed_engine, gate=ev.gate, qa=ev.qa, llama_cpp=plan.ladder.llama_cpp,
                                        gate_segments=ev.gate_segments, loops=ev.loops, loop_prompts=ev.loop_prompts, loop_tokens=ev.loop_tokens)
     reference_bytes = reference_disk_bytes(ev.reference or plan.source, ev.heldout, settings, hash_reference=False)

@@ -40,13 +40,13 @@ from ggufcarve.errors import BadInput
 from ggufcarve.events import Event, Sink, ignore
 from ggufcarve.gguf.container import SPLIT_KEYS, GGUFModel, TensorHeader, encode_header, make_kv, pad_to, replace_kvs
 from ggufcarve.gguf.types import FILE_TYPES, ggml_type_row_bytes, tensor_type
-from ggufcarve.llama.memory import DeviceMemory, MemorySettings
+from ggufcarve.llama.memory import HOST, DeviceMemory, DryLoad, MemorySettings
 from ggufcarve.moe.keepset import keep_per_block
 from ggufcarve.moe.kept import kept_count_problems
 from ggufcarve.moe.layout import MoeLayout
 from ggufcarve.prune.plan import PlannedFile, plan_prune
 from ggufcarve.quant.kvcache import ContextMemory, ContextSettings, context_memory
-from ggufcarve.quant.offload import DEFAULT_MARGIN, Offload, WeightPlacement, placement_of, plan_offload
+from ggufcarve.quant.offload import DEFAULT_MARGIN, TIERS, Offload, WeightPlacement, gpu_compute, placement_of, plan_offload, split_devices
 from ggufcarve.quant.quantizer import DryRun, QuantizeJob, Quantizer
 from ggufcarve.quant.spec import LadderSpec, Rung
 
@@ -151,23 +151,67 @@ class FitRow:
     cache_bytes: int
     gpu_memory: int | None = None
     gpu_margin: int = DEFAULT_MARGIN
-    memory_measured: DeviceMemory | None = None  # llama.cpp's dry load: the rung's weights, the K's cache, compute and output buffers
+    load: DryLoad | None = None  # llama.cpp's dry load of the K's header run on the CPU: cache, compute and output buffers
+
+    @property
+    def memory_measured(self) -> DeviceMemory | None:
+        """Host memory of the CPU run: the rung's weights and the K's measured buffers."""
+        if self.load is None:
+            return None
+        return DeviceMemory(HOST, self.rung.tensor_bytes, self.load.cache, sum(self.load.compute.values()), sum(self.load.output.values()))
 
     @property
     def total(self) -> int:
-        """Host bytes: llama.cpp's measured total when measured, else the file and the cache."""
+        """Host bytes of the CPU run: llama.cpp's measured total when measured, else the file and the cache."""
         return self.memory_measured.total if self.memory_measured is not None else self.rung.bytes + self.cache_bytes
 
     @property
     def offload(self) -> Offload | None:
-        """With a GPU budget: whether the rung fits the GPU whole, else the --n-cpu-moe N that makes it fit."""
+        """With a GPU budget: whether the rung fits the GPU whole, else the --n-cpu-moe N that makes it
+        fit, the GPU's compute buffers counted when measured (quant/offload.py)."""
         if self.gpu_memory is None or self.rung.placement is None:
             return None
-        return plan_offload(self.rung.placement, gpu_memory=self.gpu_memory, cache_bytes=self.cache_bytes, margin=self.gpu_margin)
+        if self.load is None:
+            return plan_offload(self.rung.placement, gpu_memory=self.gpu_memory, cache_bytes=self.cache_bytes, margin=self.gpu_margin)
+        compute = gpu_compute(self.rung.placement, self.load.on(HOST, self.load.compute))
+        return plan_offload(self.rung.placement, gpu_memory=self.gpu_memory, cache_bytes=self.load.cache, margin=self.gpu_margin, compute=compute)
+
+    @property
+    def gpu_devices(self) -> list[DeviceMemory]:
+        """The GPU's and the host's memory at the offload's N (empty without a GPU placement or a measurement)."""
+        offload = self.offload
+        if offload is None or offload.n_cpu_moe is None or self.load is None or self.rung.placement is None:
+            return []
+        return split_devices(self.rung.placement, offload, self.load)
+
+    @property
+    def tiers(self) -> tuple[str, ...]:
+        """The tiers the rung runs in (quant/offload.TIERS), fastest first; "disk" always."""
+        out = []
+        gpu = self.gpu_devices
+        offload = self.offload
+        if gpu and gpu[1].total <= self.memory:
+            out += ["gpu"] if offload is not None and offload.fits_whole else []
+            out += ["gpu+cpu"]
+        if self.total <= self.memory:
+            out.append("ram")
+        return (*out, "disk")
+
+    @property
+    def tier(self) -> str:
+        return self.tiers[0]
+
+    @property
+    def devices(self) -> list[DeviceMemory]:
+        """Per device, the memory of the fastest tier the rung runs in (the CPU run's host memory for ram and disk)."""
+        if self.tier in ("gpu", "gpu+cpu"):
+            return self.gpu_devices
+        return [self.memory_measured] if self.memory_measured is not None else []
 
     @property
     def fits(self) -> bool:
-        return self.total <= self.memory
+        """Every device's total within its budget in some tier but disk."""
+        return self.tier != "disk"
 
 
 @dataclass
@@ -188,9 +232,17 @@ class FitReport:
     def row(self, kept: int, rung: str) -> FitRow:
         return next(r for r in self.rows if r.kept == kept and r.rung.rung == rung)
 
-    def best(self) -> FitRow | None:
-        """The fitting row with the most experts, then the largest file."""
-        fitting = [r for r in self.rows if r.fits]
+    def fastest_tier(self) -> str:
+        """The fastest tier any row runs in."""
+        return min((r.tier for r in self.rows), key=TIERS.index, default="disk")
+
+    def best(self, tier: str | None = None) -> FitRow | None:
+        """The row with the most experts, then the largest file, among those running in `tier`
+        (default: the fastest tier any row runs in; None when that is disk)."""
+        tier = tier or self.fastest_tier()
+        if tier == "disk" and tier == self.fastest_tier():
+            return None
+        fitting = [r for r in self.rows if tier in r.tiers]
         return max(fitting, key=lambda r: (r.kept, r.rung.bytes)) if fitting else None
 
     def to_json(self) -> dict[str, Any]:
@@ -207,11 +259,12 @@ class FitReport:
             "rows": [
                 {"kept": r.kept, "power_of_two": r.kept & (r.kept - 1) == 0, "rung": r.rung.rung, "ftype": r.rung.ftype, "file_bytes": r.rung.bytes,
                  "cache_bytes": r.cache_bytes, "total_bytes": r.total, "fits": r.fits, "imatrix_fallback": list(r.rung.fallback), "needs_imatrix": r.rung.needs_imatrix,
-                 **({"memory": [r.memory_measured.to_json()]} if r.memory_measured is not None else {}),
+                 "tier": r.tier, "tiers": list(r.tiers),
+                 **({"memory": [d.to_json() for d in r.devices]} if r.devices else {}),
                  **({"gpu": offload.to_json()} if (offload := r.offload) else {})}
                 for r in self.rows
             ],
-            "best": {"kept": best.kept, "rung": best.rung.rung, "total_bytes": best.total} if best else None,
+            "best": {"kept": best.kept, "rung": best.rung.rung, "total_bytes": best.total, "tier": best.tier} if best else None,
         }
 
 
@@ -293,15 +346,15 @@ def size_rung(quantizer: Quantizer, planned: PlannedFile, rung: Rung, missing_im
 
 
 def measure_per_kept(model: GGUFModel, layout: MoeLayout, counts: Sequence[int], settings: MemorySettings, directory: Path,
-                     on_event: Sink = ignore) -> dict[int, DeviceMemory]:
+                     on_event: Sink = ignore) -> dict[int, DryLoad]:
     """Per K, llama.cpp's dry load (llama.memory) of the pruned model's sparse header with its
-    vocabulary: the KV cache, compute and output buffers at `settings` (weights 0: each rung's own)."""
-    from ggufcarve.llama.memory import measure_memory
+    vocabulary: the KV cache, compute and output buffers at `settings` (the weights are each rung's own)."""
+    from ggufcarve.llama.memory import dry_load
 
     out = {}
     for done, k in enumerate(counts, 1):
         header = sparse_pruned_header(model, layout, k, directory, vocabulary=True)
-        out[k] = measure_memory(header.path, settings, weights=0)
+        out[k] = dry_load(header.path, settings)
         header.path.unlink(missing_ok=True)
         on_event(Event("memory", done, len(counts), "K", f"K={k}"))
     return out
@@ -374,9 +427,5 @@ def plan_fit(
     for k in counts:
         for r in rungs:
             size = sizes[(k, r.name)]
-            figures = measured.get(k)
-            rung_memory = None
-            if figures is not None:  # the K's buffers; the weights this rung's tensors
-                rung_memory = DeviceMemory(figures.device, size.tensor_bytes, figures.cache, figures.compute, figures.output)
-            rows.append(FitRow(k, size, memory, cache.total_bytes, gpu_memory, gpu_margin, rung_memory))
+            rows.append(FitRow(k, size, memory, cache.total_bytes, gpu_memory, gpu_margin, measured.get(k)))
     return FitReport(model, layout, spec, memory, cache, counts, rows, quantizer.describe(), time.monotonic() - started, assumption, gpu_memory, gpu_margin)

@@ -26,19 +26,27 @@ src/llama-model-loader.cpp):
     an MTP draft is asked for (`--spec-type draft-mtp` sets load_mtp; otherwise TENSOR_SKIP):
     they count neither on the GPU nor in N.
   * The KV cache and recurrent state (quant/kvcache.py) are on the GPU with the layers.
-  * The compute buffers, the backend's context and per-tensor alignment are not in the file:
-    `margin` covers them, by default 1 GiB, the target margin llama.cpp's own `--fit` keeps
-    free per device (`fit_params_target`, `--fit-target`, common/common.h).
+  * The compute buffers: given `compute` (bytes on the GPU at N), they count on the GPU; `margin`
+    stays free on top, by default 1 GiB, the target margin llama.cpp's own `--fit` keeps free per
+    device beyond model, context and compute (`fit_params_target`, `--fit-target`,
+    common/common.h). Without `compute` the margin alone stands for them.
+  * The GPU compute buffer at partial offload (`gpu_compute`): ggml_backend_sched assigns an op
+    whose weight is in a host buffer to the GPU when the GPU backend's offload_op accepts it (a
+    large batch: CUDA's threshold is 32 tokens), and copies the weight into that split's inputs,
+    allocated in the GPU's compute buffer; with --n-cpu-moe N the largest such copy is one block's
+    experts. So the GPU's compute buffer is the full-offload graph's (measured by llama.cpp's dry
+    load on the CPU, the same graph) plus the largest expert block kept on the CPU: an estimate on
+    a llama.cpp without a GPU backend, never run on a device here.
 
 The answer is the smallest N whose GPU bytes (non-expert weights + experts of blocks N.. + cache
-+ margin) fit `gpu_memory`; N = 0 means the file fits whole. If even all experts on the CPU do not
++ compute + margin) fit `gpu_memory`; N = 0 means the file fits whole. If even all experts on the CPU do not
 fit, there is no N: fewer layers on the GPU (`-ngl`) or a smaller rung is the way.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,10 +54,15 @@ from gguf.constants import Keys
 
 from ggufcarve.errors import BadInput
 from ggufcarve.gguf.container import GGUFModel
+from ggufcarve.llama.memory import HOST, DeviceMemory, DryLoad
 from ggufcarve.quant.kvcache import ContextSettings, context_memory
 
 LLM_FFN_EXPS_REGEX = r"\.ffn_(up|down|gate|gate_up)_(ch|)exps"  # common/common.h
 INPUT_LAYER_TENSORS = ("token_embd", "position_embd", "token_types", "per_layer_token_embd", "masked_embd_centroids", "masked_embd_ordering")  # LLM_TENSOR_LAYER_INPUT (src/llama-arch.cpp)
+# Where a rung runs, fastest first: every layer and expert on the GPU; on the GPU with the experts of
+# --n-cpu-moe N blocks in system memory; all in system memory; paging the weights from disk through
+# mmap (a file larger than the memory runs, slowly).
+TIERS = ("gpu", "gpu+cpu", "ram", "disk")
 DEFAULT_MARGIN = 2**30  # fit_params_target: llama.cpp's --fit target margin per device, 1024 MiB
 
 
@@ -179,6 +192,7 @@ class Offload:
     gpu_bytes: int  # weights + cache + margin on the GPU at n_cpu_moe (at all experts on the CPU when None)
     cpu_expert_bytes: int  # the experts the overrides keep in system memory
     main_blocks: int
+    compute_bytes: int = 0  # the GPU's compute buffers at n_cpu_moe (0: not counted, the margin stands for them)
 
     @property
     def fits_whole(self) -> bool:
@@ -201,17 +215,49 @@ class Offload:
     def to_json(self) -> dict[str, Any]:
         return {"gpu_memory_bytes": self.gpu_memory, "cache_bytes": self.cache_bytes, "margin_bytes": self.margin, "fits_whole": self.fits_whole,
                 "fits": self.n_cpu_moe is not None, "n_cpu_moe": self.n_cpu_moe, "override_tensor": self.override, "gpu_bytes": self.gpu_bytes,
-                "cpu_expert_bytes": self.cpu_expert_bytes}
+                "cpu_expert_bytes": self.cpu_expert_bytes, "compute_bytes": self.compute_bytes}
 
 
-def plan_offload(placement: WeightPlacement, *, gpu_memory: int, cache_bytes: int, margin: int = DEFAULT_MARGIN) -> Offload:
-    """The smallest --n-cpu-moe N with weights(N) + cache + margin <= gpu_memory (see the module docstring)."""
+def plan_offload(placement: WeightPlacement, *, gpu_memory: int, cache_bytes: int, margin: int = DEFAULT_MARGIN,
+                 compute: Callable[[int], int] | None = None) -> Offload:
+    """The smallest --n-cpu-moe N with weights(N) + cache + compute(N) + margin <= gpu_memory (see
+    the module docstring)."""
     blocks = len(placement.expert_bytes)
+    at = compute or (lambda n: 0)
     for n in range(blocks + 1):
-        need = placement.gpu_weights(n) + cache_bytes + margin
+        need = placement.gpu_weights(n) + cache_bytes + at(n) + margin
         if need <= gpu_memory:
-            return Offload(gpu_memory, cache_bytes, margin, n, need, sum(placement.expert_bytes[:n]), blocks)
-    return Offload(gpu_memory, cache_bytes, margin, None, placement.gpu_weights(blocks) + cache_bytes + margin, sum(placement.expert_bytes), blocks)
+            return Offload(gpu_memory, cache_bytes, margin, n, need, sum(placement.expert_bytes[:n]), blocks, at(n))
+    return Offload(gpu_memory, cache_bytes, margin, None, placement.gpu_weights(blocks) + cache_bytes + at(blocks) + margin, sum(placement.expert_bytes),
+                   blocks, at(blocks))
+
+
+def gpu_compute(placement: WeightPlacement, full_offload_compute: int) -> Callable[[int], int]:
+    """The GPU's compute buffer bytes at --n-cpu-moe N (module docstring): the full-offload graph's
+    plus the largest expert block kept on the CPU."""
+    return lambda n: full_offload_compute + max(placement.expert_bytes[:n], default=0)
+
+
+def split_devices(placement: WeightPlacement, offload: Offload, load: DryLoad) -> list[DeviceMemory]:
+    """The GPU's and the host's memory at `offload`'s --n-cpu-moe N with every layer on the GPU.
+
+    `load` is llama.cpp's dry load: of that placement on a llama.cpp with a GPU backend (its
+    buffers name the GPU: compute measured), else of the CPU run, whose compute buffers give the
+    GPU's by `gpu_compute` and the host's as at most the whole graph's (both marked estimated).
+    The weights follow the placement rule; the KV cache and recurrent state are the GPU's (every
+    layer there); the output buffer is in host memory (llama_context allocates it in the host
+    buffer type of the output layer's device)."""
+    n = offload.n_cpu_moe if offload.n_cpu_moe is not None else len(placement.expert_bytes)
+    host_weights = placement.input_bytes + sum(placement.expert_bytes[:n])
+    devices = [d for d in load.devices if d != HOST]
+    if devices:
+        gpu = DeviceMemory(devices[0], placement.gpu_weights(n), load.cache, load.on(devices[0], load.compute), load.on(devices[0], load.output))
+        host = DeviceMemory(HOST, host_weights, 0, load.on(HOST, load.compute), load.on(HOST, load.output))
+        return [gpu, host]
+    graph = load.on(HOST, load.compute)
+    gpu = DeviceMemory("gpu", placement.gpu_weights(n), load.cache, gpu_compute(placement, graph)(n), 0, ("compute",))
+    host = DeviceMemory(HOST, host_weights, 0, graph, load.on(HOST, load.output), ("compute",))
+    return [gpu, host]
 
 
 def file_offload(model: GGUFModel, *, gpu_memory: int, context: ContextSettings, margin: int = DEFAULT_MARGIN) -> Offload:

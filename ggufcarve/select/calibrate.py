@@ -57,6 +57,7 @@ def calibrate_all(
     ctx: int = DEFAULT_CTX,
     max_tokens: int | None = None,
     threads: int | None = None,
+    gpu_layers: int = 0,
     imatrix_out: Path | None = None,
     force: bool = False,
     greedy: bool = False,
@@ -110,7 +111,8 @@ def calibrate_all(
         check_outputs([Path(imatrix_out)], list(model.paths), 0, force)
         consumers.append(IMATRIX_CONSUMER)
     batching = Batching.of(ctx)
-    request = DecodeRequest(os.fspath(model.path), tuple(consumers), batching, documents=tuple(f.documents for f in calibration), max_tokens=max_tokens, threads=threads or 0)
+    request = DecodeRequest(os.fspath(model.path), tuple(consumers), batching, documents=tuple(f.documents for f in calibration), max_tokens=max_tokens, threads=threads or 0,
+                            gpu_layers=gpu_layers)
     run = decode(request, what=f"calibrating {model.path.name}", stage="calibrate", on_event=on_event)
     if imatrix_out is not None:
         from ggufcarve.imatrix.collect import write_collected

@@ -69,6 +69,7 @@ def score_model(
     ctx: int = 512,
     max_tokens: int | None = None,
     threads: int | None = None,
+    gpu_layers: int = 0,
     on_event: Sink = ignore,
 ) -> ExpertScores:
     """Score every expert of every MoE block (MTP blocks included) with `method`."""
@@ -84,7 +85,7 @@ def score_model(
 
         if not calibration:
             raise BadInput(f"--method {method} traces calibration text through llama.cpp", "give --calibration FILE (text or JSONL), repeatable")
-        return calibrate(model, layout, method, calibration, ctx=ctx, max_tokens=max_tokens, threads=threads, on_event=on_event)
+        return calibrate(model, layout, method, calibration, ctx=ctx, max_tokens=max_tokens, threads=threads, gpu_layers=gpu_layers, on_event=on_event)
     facts = ModelFacts.of(model, layout)
     parameters: dict[str, Any] = {}
     inputs: tuple[dict[str, Any], ...] = ()

@@ -36,6 +36,7 @@ class SelectSettings:
     protect_super_experts: bool = False
     heatmap: bool = True
     imatrix_out: Path | None = None  # with a calibration method: the model's imatrix from the same pass
+    gpu_layers: int = 0  # layers offloaded to the accelerator in the calibration pass
 
 
 @dataclass(frozen=True)
@@ -130,6 +131,6 @@ def _score(model: Any, layout: Any, settings: SelectSettings, on_event: Sink) ->
         from ggufcarve.select.calibrate import calibrate
 
         return calibrate(model, layout, method, list(settings.calibration), ctx=settings.ctx, max_tokens=settings.max_tokens, threads=settings.threads,
-                         on_event=on_event, imatrix_out=settings.imatrix_out, force=True)
+                         gpu_layers=settings.gpu_layers, on_event=on_event, imatrix_out=settings.imatrix_out, force=True)
     return score_model(model, layout, method, imatrix=settings.imatrix, calibration=list(settings.calibration), seed=settings.seed, ctx=settings.ctx,
-                       max_tokens=settings.max_tokens, threads=settings.threads, on_event=on_event)
+                       max_tokens=settings.max_tokens, threads=settings.threads, gpu_layers=settings.gpu_layers, on_event=on_event)

@@ -56,6 +56,7 @@ class TuneSettings:
     chunks: int | None = None
     max_tokens: int | None = None
     threads: int | None = None
+    gpu_layers: int = 0  # layers offloaded to the accelerator in every llama.cpp child
     seed: int = 0
     stability: bool = False
     z: float = DEFAULT_Z  # a candidate leaves a round when worse than the leader by more than z standard errors (paired)
@@ -113,7 +114,7 @@ def calibration_scores(model: Any, layout: Any, settings: TuneSettings, work: Pa
         imatrix = (settings.imatrix_out or work / "calibration.imatrix.gguf") if wants_imatrix else None
         started = time.perf_counter()
         filled = calibrate_all(model, layout, asked, list(settings.calibration), ctx=settings.ctx, max_tokens=settings.max_tokens,
-                               threads=settings.threads, imatrix_out=imatrix, force=True, greedy="greedy" in traced,
+                               threads=settings.threads, gpu_layers=settings.gpu_layers, imatrix_out=imatrix, force=True, greedy="greedy" in traced,
                                available_memory=settings.available_memory, on_event=on_event)
         passed = {"asked": asked, "filled": sorted(filled), "imatrix": wants_imatrix, "seconds": time.perf_counter() - started,
                   "tokens": next(iter(filled.values())).tokens}
@@ -166,7 +167,7 @@ def _half_scores(model: Any, layout: Any, settings: TuneSettings, work: Path, on
     out = []
     for side, files in enumerate(halves):
         half = TuneSettings(keeps=settings.keeps, methods=methods, calibration=tuple(files), heldout=settings.heldout, ctx=settings.ctx,
-                            max_tokens=max_tokens, threads=settings.threads, seed=settings.seed, available_memory=settings.available_memory)
+                            max_tokens=max_tokens, threads=settings.threads, gpu_layers=settings.gpu_layers, seed=settings.seed, available_memory=settings.available_memory)
         out.append(calibration_scores(model, layout, half, work / f"half{side}", on_event)[0])
     return out
 
@@ -310,12 +311,14 @@ def _tune(model: Any, layout: Any, settings: TuneSettings, out_dir: Path, work: 
         groups.append(group)
     threads = settings.threads or physical_cores()
     reference_started = time.perf_counter()
-    segments = prepare_segments(model.path, settings.heldout, chunk_ctx=settings.ctx, chunks=settings.chunks, threads=threads, work=work, on_event=on_event)
+    segments = prepare_segments(model.path, settings.heldout, chunk_ctx=settings.ctx, chunks=settings.chunks, threads=threads, work=work,
+                                gpu_layers=settings.gpu_layers, on_event=on_event)
     timings["reference_seconds"] = time.perf_counter() - reference_started
     pool = [Candidate(cid, model.path, keep={int(b): ids for b, ids in keep.items()}, group=str(k),
                       required_nodes=tuple(f"{node}:{block}" for node, block in required_nodes(layout, KeepSet({int(b): tuple(ids) for b, ids in keep.items()}))))
             for k, group in zip(settings.keeps, groups) for cid in group for keep in [keep_of[cid]]]
-    measured = measure(pool, segments, MeasureSettings(threads=threads, z=settings.z, prefer="metric", tables=measure_tables()), work, on_event=on_event)
+    measured = measure(pool, segments, MeasureSettings(threads=threads, z=settings.z, prefer="metric", tables=measure_tables(),
+                                                      gpu_layers=settings.gpu_layers), work, on_event=on_event)
     timings["score_seconds"] = measured.seconds
     common = {}
     for method in scores:
