@@ -56,16 +56,38 @@ def test_a_command_run_alone_is_the_command_of_the_full_app():
         assert alone.exit_code == full.exit_code == 0 and alone.output == full.output, name
 
 
-def _listed_commands(output: str) -> dict[str, str]:
-    """The `Commands:` section of a help text: name -> summary."""
-    listed, inside = {}, False
+def _help_panels(output: str) -> dict[str, dict[str, str]]:
+    """The command sections of a help text (every section but Usage, Arguments and Options):
+    panel -> {name: summary}, in the order printed."""
+    panels: dict[str, dict[str, str]] = {}
+    inside: dict[str, str] | None = None
     for line in output.splitlines():
-        if line.startswith("Commands:"):
-            inside = True
-        elif inside and line.startswith("  ") and line.strip():
+        if line and not line.startswith(" ") and line.endswith(":"):
+            inside = None if line[:-1] in ("Usage", "Arguments", "Options") else panels.setdefault(line[:-1], {})
+        elif inside is not None and line.startswith("  ") and line.strip():
             name, _, summary = line.strip().partition(" ")
-            listed[name] = summary.strip()
-    return listed
+            inside[name] = summary.strip()
+    return panels
+
+
+def _listed_commands(output: str) -> dict[str, str]:
+    """Every command a help text lists, under any panel: name -> summary."""
+    return {name: summary for panel in _help_panels(output).values() for name, summary in panel.items()}
+
+
+def test_help_groups_the_commands_by_task():
+    result = CliRunner().invoke(app, ["--help"], terminal_width=80)
+    assert result.exit_code == 0
+    panels = {panel: list(commands) for panel, commands in _help_panels(result.output).items()}
+    assert panels == {
+        "Start here": ["demo", "best", "run"],
+        "Decide": ["fit", "tune", "select", "score"],
+        "Build": ["prune", "imatrix", "ladder"],
+        "Check and publish": ["eval", "card", "verify", "release", "check-prune"],
+        "Set up": ["inspect", "toolchain"],
+    }
+    assert list(panels) == ["Start here", "Decide", "Build", "Check and publish", "Set up"]
+    assert list(_help_panels(CliRunner().invoke(app, ["ladder", "--help"]).output)) == ["Commands"]
 
 
 def test_every_summary_in_help_is_whole_and_h_is_help():

@@ -33,7 +33,7 @@ import typer
 
 from ggufcarve import __version__
 from ggufcarve.cli import best, evaluate, fit, imatrix, ladder, prune, release, run, select, toolchain, tune, verify
-from ggufcarve.cli.options import command_group
+from ggufcarve.cli.options import PanelGroup, command_group
 from ggufcarve.cli.render import print_error
 from ggufcarve.errors import CarveError, Interrupted
 
@@ -52,41 +52,48 @@ def main_options(
     """ggufcarve: expert pruning, imatrix remapping and quantization ladders for MoE GGUF models."""
 
 
-def _command(function: Callable[..., None], summary: str) -> Callable[[typer.Typer, str], None]:
-    return lambda group, name: group.command(name, short_help=summary)(function)
+def _command(function: Callable[..., None], panel: str, summary: str) -> Callable[[typer.Typer, str], None]:
+    return lambda group, name: group.command(name, short_help=summary, rich_help_panel=panel)(function)
 
 
-def _group(sub: typer.Typer, summary: str) -> Callable[[typer.Typer, str], None]:
-    return lambda group, name: group.add_typer(sub, name=name, short_help=summary)
+def _group(sub: typer.Typer, panel: str, summary: str) -> Callable[[typer.Typer, str], None]:
+    return lambda group, name: group.add_typer(sub, name=name, short_help=summary, rich_help_panel=panel)
 
 
-# Every command and command group, in the order of `ggufcarve --help`, with its one-line summary
-# (at most 60 characters: click cuts a longer one to the terminal's width).
+START, DECIDE, BUILD, CHECK, SET_UP = "Start here", "Decide", "Build", "Check and publish", "Set up"
+
+# Every command and command group, in the order of `ggufcarve --help`, with the help panel it is
+# listed under (panels in the order of their first command) and its one-line summary (at most 60
+# characters: click cuts a longer one to the terminal's width).
 COMMANDS: dict[str, Callable[[typer.Typer, str], None]] = {
-    "inspect": _command(prune.inspect, "Show the MoE layout a prune will touch."),
-    "prune": _command(prune.prune, "Keep K experts per MoE block, byte for byte."),
-    "check-prune": _command(prune.check_prune_command, "Re-check a pruned file against its source."),
-    "score": _command(select.score_command, "Score every expert of every MoE block."),
-    "select": _command(select.select_command, "Choose the experts to keep per MoE block."),
-    "imatrix": _group(imatrix.app, "Collect, read, convert and remap importance matrices."),
-    "toolchain": _group(toolchain.app, "Find, probe and build the llama.cpp tools."),
-    "ladder": _group(ladder.app, "Quantize every rung of a ladder from one source."),
-    "fit": _command(fit.fit_command, "Which kept-expert count and rung fit a memory budget."),
-    "release": _group(release.app, "Assemble and merge release directories."),
-    "verify": _command(verify.verify_command, "Check a release directory before publishing it."),
-    "tune": _command(tune.tune_command, "Score criteria and K by masking; write the winner."),
-    "best": _command(best.best_command, "The best pruned or unpruned model for a memory budget."),
-    "eval": _command(evaluate.eval_command, "PPL, KLD, QA, speed and a gate against a reference."),
-    "card": _command(evaluate.card_command, "Write a release's model card (README.md)."),
-    "run": _command(run.run_command, "The whole pipeline of a plan file, resumable."),
-    "demo": _command(run.demo_command, "The whole pipeline on the shipped demo MoE, in minutes."),
+    "demo": _command(run.demo_command, START, "The whole pipeline on the shipped demo MoE, in minutes."),
+    "best": _command(best.best_command, START, "The best pruned or unpruned model for a memory budget."),
+    "run": _command(run.run_command, START, "The whole pipeline of a plan file, resumable."),
+    "fit": _command(fit.fit_command, DECIDE, "Which kept-expert count and rung fit a memory budget."),
+    "tune": _command(tune.tune_command, DECIDE, "Score criteria and K by masking; write the winner."),
+    "select": _command(select.select_command, DECIDE, "Choose the experts to keep per MoE block."),
+    "score": _command(select.score_command, DECIDE, "Score every expert of every MoE block."),
+    "prune": _command(prune.prune, BUILD, "Keep K experts per MoE block, byte for byte."),
+    "imatrix": _group(imatrix.app, BUILD, "Collect, read, convert and remap importance matrices."),
+    "ladder": _group(ladder.app, BUILD, "Quantize every rung of a ladder from one source."),
+    "eval": _command(evaluate.eval_command, CHECK, "PPL, KLD, QA, speed and a gate against a reference."),
+    "card": _command(evaluate.card_command, CHECK, "Write a release's model card (README.md)."),
+    "verify": _command(verify.verify_command, CHECK, "Check a release directory before publishing it."),
+    "release": _group(release.app, CHECK, "Assemble and merge release directories."),
+    "check-prune": _command(prune.check_prune_command, CHECK, "Re-check a pruned file against its source."),
+    "inspect": _command(prune.inspect, SET_UP, "Show the MoE layout a prune will touch."),
+    "toolchain": _group(toolchain.app, SET_UP, "Find, probe and build the llama.cpp tools."),
 }
+
+
+class TopLevelGroup(PanelGroup):
+    order = tuple(COMMANDS)
 
 
 def build_app(only: str | None = None) -> typer.Typer:
     """The typer app of every command, or of the command `only` alone: typer converts each
     registered command's signature when it runs, about 0.1 s for all of them."""
-    group = command_group(HELP)
+    group = command_group(HELP, TopLevelGroup)
     group.callback()(main_options)
     for name, register in COMMANDS.items():
         if only in (None, name):

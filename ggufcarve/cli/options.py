@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
+from typer.core import TyperGroup
 
 from ggufcarve.errors import BadInput
 
@@ -14,9 +15,37 @@ if TYPE_CHECKING:
     from ggufcarve.moe.layout import MoeLayout
 
 
-def command_group(help: str) -> typer.Typer:
-    """A typer app with plain help text: typer's rich help marks every flag with a stray `<bool>`."""
-    return typer.Typer(help=help, no_args_is_help=True, add_completion=False, rich_markup_mode=None, context_settings={"help_option_names": ["-h", "--help"]})
+class PanelGroup(TyperGroup):
+    """A command group whose plain help lists its commands under their help panels
+    (`rich_help_panel`), the panels in the order of their first command; commands without one
+    under "Commands". Commands are listed in `order` (typer registers commands before groups),
+    the ones it does not name after them."""
+
+    order: tuple[str, ...] = ()
+
+    def list_commands(self, ctx) -> list[str]:
+        names = super().list_commands(ctx)
+        return sorted(names, key=lambda name: self.order.index(name) if name in self.order else len(self.order))
+
+    def format_commands(self, ctx, formatter) -> None:
+        listed = [(name, self.get_command(ctx, name)) for name in self.list_commands(ctx)]
+        listed = [(name, command) for name, command in listed if command is not None and not command.hidden]
+        if not listed:
+            return
+        width = formatter.width - 6 - max(len(name) for name, _ in listed)
+        panels: dict[str, list[tuple[str, str]]] = {}
+        for name, command in listed:
+            panels.setdefault(getattr(command, "rich_help_panel", None) or "Commands", []).append((name, command.get_short_help_str(width)))
+        for panel, rows in panels.items():
+            with formatter.section(panel):
+                formatter.write_dl(rows)
+
+
+def command_group(help: str, cls: type[PanelGroup] = PanelGroup) -> typer.Typer:
+    """A typer app with plain help text (typer's rich help marks every flag with a stray `<bool>`),
+    its commands listed under their help panels."""
+    return typer.Typer(cls=cls, help=help, no_args_is_help=True, add_completion=False, rich_markup_mode=None,
+                       context_settings={"help_option_names": ["-h", "--help"]})
 
 
 KeepOption = Annotated[Path | None, typer.Option("--keep", help="Keep-set JSON: ours, kept_expert_indices.json, carve_manifest.json or expert-selection.json.")]
