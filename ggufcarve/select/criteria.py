@@ -49,6 +49,8 @@ CRITERIA: dict[str, Criterion] = {
     for c in (
         Criterion("weights", WEIGHTS, False, False, "||router row|| x scale energy of the expert's weights (zero-shot, one read of the model)",
                   "rule: the published zero-shot carve of Qwen3.6-35B-A3B (router propensity x weight scale energy)"),
+        Criterion("aimer", WEIGHTS, False, False, "mean |w| / RMS(w) over the expert's gate, up and down weights together; the lowest are kept (scored as RMS(w) / mean |w|)",
+                  "AIMER, arXiv 2603.18492"),
         Criterion("router-norm", WEIGHTS, False, False, "||router row|| alone", "rule: the router's propensity alone"),
         Criterion("random", SEED, False, False, "seeded uniform scores (a baseline)", "rule: a baseline"),
         Criterion("imatrix-counts", IMATRIX, False, False, "routed (token, slot) counts an imatrix recorded per expert", "rule: frequency read from llama-imatrix's counts"),

@@ -57,6 +57,11 @@ def score_model(
 
         blocks, rules = weights_stats(model, layout, layout.blocks, on_event)
         parameters["scale_rules"] = rules
+    elif method == "aimer":
+        from ggufcarve.select.zero_shot import aimer_stats
+
+        blocks = aimer_stats(model, layout, on_event)
+        parameters["score"] = "RMS(w) / mean |w| over the expert's weight tensors pooled: 1 / AIMER's score, so the top K are AIMER's lowest"
     elif method == "router-norm":
         from ggufcarve.select.zero_shot import router_norm_stats
 
