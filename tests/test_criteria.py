@@ -4,6 +4,7 @@ against it, and the command line's help names what it holds."""
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -21,6 +22,7 @@ from ggufcarve.select.criteria import (
     TRACE_METHODS,
     ZERO_SHOT,
     criterion_named,
+    markdown_table,
     subset,
 )
 
@@ -74,3 +76,14 @@ def test_select_help_names_every_criterion_and_tune_help_names_the_zero_shot_one
     tune = _help("tune")
     assert all(name in tune for name in ZERO_SHOT)
     assert ",".join(BEST_DEFAULT) in _help("best")
+
+
+def test_the_criteria_page_holds_the_registry_table():
+    page = (Path(__file__).resolve().parent.parent / "docs" / "criteria.md").read_text(encoding="utf-8")
+    assert markdown_table() in page, "docs/criteria.md: paste markdown_table() of ggufcarve.select.criteria over its table"
+
+
+def test_the_table_has_one_row_per_criterion_with_escaped_bars():
+    rows = markdown_table().splitlines()[2:]
+    assert [row.split(" | ")[0].strip("| `") for row in rows] == list(CRITERIA)
+    assert all(row.count(" | ") == 5 for row in rows)  # no unescaped | inside a cell
