@@ -29,7 +29,7 @@ from ggufcarve.cli.options import (
 )
 from ggufcarve.cli.render import new_table, out, progress, ranges, warn
 from ggufcarve.errors import BadInput
-from ggufcarve.select.criteria import method_help
+from ggufcarve.select.criteria import TRACE_METHODS, method_help
 
 if TYPE_CHECKING:
     from ggufcarve.gguf.container import GGUFModel
@@ -54,7 +54,7 @@ def _read_model(source: Path) -> tuple[GGUFModel, MoeLayout]:
 
 def _calibrate_ahead(method: str | None, calibration: list[Path] | None) -> None:
     """With a calibration method and files, the llama.cpp child starts now, its start-up beside ours."""
-    from ggufcarve.select.prestart import TRACE_METHODS, prestart
+    from ggufcarve.select.prestart import prestart
 
     if method in TRACE_METHODS and calibration:
         prestart()
