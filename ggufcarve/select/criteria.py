@@ -1,13 +1,13 @@
 """The registry of expert-selection criteria: every criterion `score`, `select`, `tune`, `best` and a
 run plan accept, what it reads, whether it can protect super experts, whether it records
 per-expert outputs, what it computes and where it comes from. Every list of criteria in the
-package is derived from CRITERIA; named subsets (`best`'s default, the demo's tournament) are
-checked against it when their module is imported (`subset`).
+package is derived from CRITERIA; named subsets (BEST_DEFAULT, the demo's tournament) are built
+with `subset`, which refuses a name the registry lacks when their module is imported.
 
     markdown_table()   # the table of docs/criteria.md (a test keeps the page up to date)
 
-This module imports nothing beyond the standard library: the command line's help and the
-calibration child's start read it.
+This module imports only the standard library and ggufcarve.errors: the command line's help and
+the calibration child's start read it.
 """
 
 from __future__ import annotations
