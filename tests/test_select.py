@@ -382,6 +382,65 @@ def test_weights_on_hand_made_blocks(make_model, tmp_path):
     assert scores.parameters["scale_rules"] == {"MXFP4": SCALE_RULES["MXFP4"], "NVFP4": SCALE_RULES["NVFP4"], "F16": RMS_RULE}
 
 
+# --- aimer: plain numpy over gguf-py's reader ----------------------------------------------------
+
+
+def aimer_by_hand(path) -> dict[int, np.ndarray]:
+    """AIMER's score per block and expert, mean |w| / RMS(w) over the expert's gate, up and down
+    values together, from gguf-py's reader and dequantizer (no ggufcarve code)."""
+    tensors = {t.name: t for t in GGUFReader(path).tensors}
+    blocks = sorted({int(name.split(".")[1]) for name in tensors if name.endswith("_exps.weight")})
+    result = {}
+    for block in blocks:
+        per_expert = []
+        for suffix in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "ffn_gate_up_exps"):
+            t = tensors.get(f"blk.{block}.{suffix}.weight")
+            if t is not None:
+                values = gguf_dequantize(np.asarray(t.data), t.tensor_type).astype(np.float64)
+                per_expert.append(values.reshape(values.shape[0], -1))
+        pooled = np.concatenate(per_expert, axis=1)
+        result[block] = np.mean(np.abs(pooled), axis=1) / np.sqrt(np.mean(pooled**2, axis=1))
+    return result
+
+
+@pytest.mark.parametrize("arch,dtype", [("qwen3moe", "Q8_0"), ("fused", "F16"), ("gpt-oss", "F16")])
+def test_aimer_is_the_reciprocal_of_the_score_by_hand(make_model, arch, dtype):
+    path = make_model(arch, dtype)
+    model = read_model(path)
+    scores = score_model(model, inspect_layout(model), "aimer")
+    by_hand = aimer_by_hand(path)
+    assert set(scores.blocks) == set(by_hand)
+    for block, score in scores.scores().items():
+        np.testing.assert_allclose(1 / score, by_hand[block], rtol=1e-6)
+
+
+def test_aimer_keeps_the_experts_of_the_lowest_score_by_construction(make_model, tmp_path, monkeypatch):
+    """blk.0's experts made sparse: expert e's gate, up and down values are +-1 at a share q_e of
+    the places and 0 elsewhere, so mean |w| = q_e, RMS(w) = sqrt(q_e) and AIMER's score is
+    sqrt(q_e): the sparsest experts are the ones AIMER keeps. Read in pieces smaller than a slab."""
+    n, n_embd, n_ff = 8, 256, 256
+    share = np.array([128, 26, 205, 77, 13, 230, 51, 154]) / 256  # expert e's nonzero share (whole places of every matrix)
+    rng = np.random.default_rng(7)
+    replaced = {}
+    for suffix, shape in (("ffn_gate_exps", (n_ff, n_embd)), ("ffn_up_exps", (n_ff, n_embd)), ("ffn_down_exps", (n_embd, n_ff))):
+        values = np.zeros((n, *shape), dtype=np.float32)
+        for e in range(n):
+            places = rng.permutation(values[e].size)[: round(share[e] * values[e].size)]
+            values[e].reshape(-1)[places] = rng.choice([-1.0, 1.0], size=places.size)
+        replaced[f"blk.0.{suffix}.weight"] = (values, gguf.GGMLQuantizationType.F32)
+    path = _with_tensors(make_model("qwen3moe", "F16"), tmp_path / "sparse.gguf", replaced, {})
+    monkeypatch.setattr(zero_shot, "RMS_VALUES", 10_000)
+
+    model = read_model(path)
+    scores = score_model(model, inspect_layout(model), "aimer")
+    by_hand = aimer_by_hand(path)
+    np.testing.assert_allclose(by_hand[0], np.sqrt(share), rtol=1e-6)
+    for block, score in scores.scores().items():
+        np.testing.assert_allclose(1 / score, by_hand[block], rtol=1e-6)
+    kept = choose(scores, 3).keepset.layers[0]
+    assert sorted(kept) == sorted(np.argsort(share)[:3].tolist()) == [1, 4, 6]
+
+
 def test_imatrix_counts_equal_what_llama_imatrix_wrote(q8_moe, q8_moe_imatrix):
     model = read_model(q8_moe)
     scores = score_model(model, inspect_layout(model), "imatrix-counts", imatrix=q8_moe_imatrix)

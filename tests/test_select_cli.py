@@ -11,6 +11,8 @@ from clirun import ggufcarve
 from conftest import make_imatrix
 from llama_probe import probe
 
+from ggufcarve.select.criteria import ZERO_SHOT
+
 PROMPT = [1] + [3 + (i * 37) % 256 for i in range(40)]
 K = {"deepseek2": 8}  # 16 experts in 4 groups; the others have 8 experts, top-2
 
@@ -35,7 +37,7 @@ def test_every_method_selects_a_keep_set_llama_cpp_loads(arch, make_model, llama
     imatrix = make_imatrix(llama_tools, model, tmp_path, chunks=2)
     text = tmp_path / "calibration.txt"  # make_imatrix's text, traced in two chunks of 64 tokens
     k = K.get(arch, 4)
-    for method in ("weights", "router-norm", "random", "imatrix-counts", "imatrix-energy", "imatrix-msan", "frequency", "ean", "mone", "reap", "razor"):
+    for method in ("weights", "aimer", "router-norm", "random", "imatrix-counts", "imatrix-energy", "imatrix-msan", "frequency", "ean", "mone", "reap", "razor"):
         extra = ["--imatrix", imatrix] if method.startswith("imatrix") else []
         if method in ("frequency", "ean", "mone", "reap", "razor"):
             extra = ["--calibration", text, "--ctx", 64, "--max-tokens", 128, "-t", 2]
@@ -47,7 +49,7 @@ def test_every_method_selects_a_keep_set_llama_cpp_loads(arch, make_model, llama
         for block, entry in record["per_block"].items():
             assert sorted(entry["retained"] + entry["pruned"]) == list(range(record["source_expert_count"]))
             assert entry["retained"] == record["layers"][block]
-            if entry["mtp"] and method not in ("weights", "router-norm", "random"):
+            if entry["mtp"] and method not in ZERO_SHOT:
                 assert entry["rule"] == "weights" and "MTP" in entry["note"]
         if method == "imatrix-counts":
             assert all("routed" in e for e in record["per_block"].values() if not e["mtp"])

@@ -39,10 +39,10 @@ from ggufcarve.best.candidates import PRUNED, UNPRUNED, Candidate
 from ggufcarve.errors import BadInput, CarveError, ToolFailed
 from ggufcarve.events import Sink, ignore
 from ggufcarve.measure.statistics import DEFAULT_Z, METRICS, PREFERENCES
+from ggufcarve.select.criteria import BEST_DEFAULT
 
 REPORT = "best"
 CHART = "best-pareto.png"
-DEFAULT_METHODS = ("reap", "frequency", "ean", "weights")
 CONFIRM_RELATIVE = 0.01  # a confirmed file's mean KLD may differ from its masked score by max(2 standard errors, this share)
 SELECTION_RULE = ("successive halving over held-out units by the paired per-token difference to each round's leader; among the finalists "
                   "that fit the budget (built or planned file plus the context's cache) and pass the gate, the lowest metric, or among those "
@@ -59,7 +59,7 @@ class BestSettings:
     ladder: Path
     heldout: tuple[Path, ...]
     calibration: tuple[Path, ...] = ()
-    methods: tuple[str, ...] = DEFAULT_METHODS
+    methods: tuple[str, ...] = BEST_DEFAULT
     ctx: int = 16384  # the context whose cache counts against the budget
     kv_type: str = "F16"
     eval_ctx: int = 512  # tokens per chunk of the calibration pass and the scoring

@@ -19,6 +19,7 @@ import typer
 from ggufcarve.cli.options import ForceOption, GpuLayersOption, JsonOption, LlamaCppOption, QuietOption, ThreadsOption
 from ggufcarve.cli.render import out, progress, size
 from ggufcarve.errors import OutputError
+from ggufcarve.select.criteria import BEST_DEFAULT
 
 SHOWN_LEFT = 4  # candidates that left early, printed closest first; best.md lists all
 
@@ -76,7 +77,7 @@ def best_command(
     ctx: Annotated[int, typer.Option("--ctx", help="Context length whose KV cache counts against --memory.")] = 16384,
     kv_type: Annotated[str, typer.Option("--kv-type", help="KV cache type: f16 or q8_0.")] = "f16",
     ladder: Annotated[str | None, typer.Option("--ladder", help="Ladder spec of the rungs: a TOML path or a shipped name (default: q8-to-iq1).")] = None,
-    methods: Annotated[str, typer.Option("--methods", help="Criteria of the keep-set tournament at each K (tune's --methods).")] = ",".join(("reap", "frequency", "ean", "weights")),
+    methods: Annotated[str, typer.Option("--methods", help="Criteria of the keep-set tournament at each K (tune's --methods).")] = ",".join(BEST_DEFAULT),
     eval_ctx: Annotated[int, typer.Option("--eval-ctx", help="Tokens per chunk of the calibration pass and of the scoring.")] = 512,
     chunks: Annotated[int | None, typer.Option("--chunks", help="Score at most this many chunks per held-out file.")] = None,
     max_tokens: Annotated[int | None, typer.Option("--max-tokens", help="Trace at most this many calibration tokens.")] = None,

@@ -30,6 +30,7 @@ from ggufcarve.cli.options import (
 )
 from ggufcarve.cli.render import new_table, out, progress, ranges, warn
 from ggufcarve.errors import BadInput
+from ggufcarve.select.criteria import TRACE_METHODS, method_help
 
 if TYPE_CHECKING:
     from ggufcarve.gguf.container import GGUFModel
@@ -38,7 +39,7 @@ if TYPE_CHECKING:
     from ggufcarve.select.scores import ExpertScores
 
 SourcesArgument = Annotated[list[Path] | None, typer.Argument(help="A GGUF model (first shard if split), or a SCORES.json written by `ggufcarve score`.", show_default=False)]
-MethodOption = Annotated[str | None, typer.Option("--method", "-m", help="weights, router-norm, random (no data); imatrix-counts, imatrix-energy, imatrix-msan (--imatrix); frequency, ean, ean-sum, msan, mone, reap, razor, greedy (--calibration: one pass fills all but razor and greedy, razor's pass all; greedy eliminates experts on each block's output).")]
+MethodOption = Annotated[str | None, typer.Option("--method", "-m", help=method_help())]
 ImatrixOption = Annotated[Path | None, typer.Option("--imatrix", help="GGUF imatrix of the model (imatrix-counts, imatrix-energy).")]
 SeedOption = Annotated[int, typer.Option("--seed", help="Seed of the random method.")]
 MaxTokensOption = Annotated[int | None, typer.Option("--max-tokens", help="Trace at most this many calibration tokens (whole chunks).")]
@@ -54,7 +55,7 @@ def _read_model(source: Path) -> tuple[GGUFModel, MoeLayout]:
 
 def _calibrate_ahead(method: str | None, calibration: list[Path] | None) -> None:
     """With a calibration method and files, the llama.cpp child starts now, its start-up beside ours."""
-    from ggufcarve.select.prestart import TRACE_METHODS, prestart
+    from ggufcarve.select.prestart import prestart
 
     if method in TRACE_METHODS and calibration:
         prestart()

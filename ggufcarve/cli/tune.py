@@ -17,6 +17,7 @@ import typer
 from ggufcarve.cli.options import ForceOption, GpuLayersOption, JsonOption, QuietOption, ThreadsOption
 from ggufcarve.cli.render import out, progress
 from ggufcarve.errors import OutputError
+from ggufcarve.select.criteria import all_help
 
 
 def tune_command(
@@ -25,7 +26,7 @@ def tune_command(
     keep: Annotated[str, typer.Option("--keep", "-k", help="Experts kept per MoE block: K or K,K,... (each K its own tournament).", show_default=False)],
     heldout: Annotated[list[Path], typer.Option("--heldout", help="Held-out text the keep-sets are scored on (repeatable).", show_default=False)],
     calibration: Annotated[list[Path] | None, typer.Option("--calibration", help="Calibration text or JSONL file (repeatable): one decode pass scores every trace criterion.")] = None,
-    methods: Annotated[str, typer.Option("--methods", help="all, or a list such as reap,frequency,weights. all: the six criteria of one calibration pass, the three imatrix criteria from the same pass's imatrix, weights, router-norm, random, and greedy when its memory estimate (a token per byte of the calibration text, at most --max-tokens) is at most half of the memory available (else left out, with a line saying so); razor only when listed (a heavier pass). greedy listed is refused before the pass when its estimate exceeds 80% of the available memory.")] = "all",
+    methods: Annotated[str, typer.Option("--methods", help="all, or a list such as reap,frequency,weights. all: " + all_help() + " when its memory estimate (a token per byte of the calibration text, at most --max-tokens) is at most half of the memory available (else left out, with a line saying so); razor only when listed (a heavier pass). greedy listed is refused before the pass when its estimate exceeds 80% of the available memory.")] = "all",
     ctx: Annotated[int, typer.Option("--ctx", help="Tokens per chunk, of the calibration pass and of the held-out scoring (as llama-perplexity -c).")] = 512,
     chunks: Annotated[int | None, typer.Option("--chunks", help="Score at most this many held-out chunks per file (the finalists get all of them).")] = None,
     max_tokens: Annotated[int | None, typer.Option("--max-tokens", help="Trace at most this many calibration tokens (whole chunks).")] = None,

@@ -12,10 +12,11 @@ from pathlib import Path
 from typing import Any
 
 from ggufcarve.pipeline.plan import RunPlan, parse_plan
+from ggufcarve.select.criteria import subset
 
 FILES = Path(__file__).resolve().parent / "demo_files"
 PLAN_NAME = "plan.toml"
-TOURNAMENT = ("reap", "frequency", "ean-sum", "weights", "random")
+TOURNAMENT = subset("reap", "frequency", "ean-sum", "weights", "random")
 
 
 def demo_document(directory: Path) -> dict[str, Any]:

@@ -284,7 +284,7 @@ class _Table:
 def parse_plan(doc: dict[str, Any], base: Path, path: Path | None = None) -> RunPlan:
     """Validate a plan document; relative paths are resolved against `base`."""
     from ggufcarve.moe.kept import ratio_problem
-    from ggufcarve.select.methods import method_named
+    from ggufcarve.select.criteria import criterion_named
 
     top = _Table(doc, "plan", base)
     source = top.path("source")
@@ -327,7 +327,7 @@ def parse_plan(doc: dict[str, Any], base: Path, path: Path | None = None) -> Run
         if protect is not None or protect_super:
             raise BadInput(f"[selection]: method {TUNE} does not protect experts", "drop protect and protect_super_experts, or choose one method instead of tune")
     elif method is not None:
-        spec = method_named(method)
+        spec = criterion_named(method)
         if (keep is None) == (ratio is None):
             raise BadInput(f"[selection]: method {method} needs exactly one of keep = K or ratio = R", "for example keep = 128")
         if ratio is not None and ratio_problem(ratio):
@@ -363,7 +363,7 @@ def parse_plan(doc: dict[str, Any], base: Path, path: Path | None = None) -> Run
             raise BadInput(f"[selection]: method {method} traces calibration text", "add a [calibration] table with files = [...]")
         if spec.needs == "imatrix" and imatrix is None:
             raise BadInput(f"[selection]: method {method} reads an imatrix", "add [imatrix] file = \"...\" or collect = true")
-    tune_reads = [m for m in methods if method_named(m).needs != "model"]  # the imatrix ones from tune's own calibration pass
+    tune_reads = [m for m in methods if criterion_named(m).needs != "model"]  # the imatrix ones from tune's own calibration pass
     if tune_reads and calibration is None:
         raise BadInput(f"[selection]: method {TUNE} with {tune_reads[0]} traces calibration text", "add a [calibration] table with files = [...], or list only zero-shot methods (weights, router-norm, random)")
     if calibration is not None and not tune_reads and (spec is None or spec.needs != "calibration") and (imatrix is None or not imatrix.collect):
@@ -429,8 +429,7 @@ def _tune_keeps(table: _Table) -> tuple[int, ...]:
 
 def _tune_methods(table: _Table) -> tuple[str, ...]:
     """[selection] methods of method tune: "all" (the default) or a list of criteria, each one `select` knows."""
-    from ggufcarve.select.methods import method_named
-    from ggufcarve.tune.run import ALL_METHODS
+    from ggufcarve.select.criteria import ALL_METHODS, criterion_named
 
     value = table._get("methods")
     if value is None or value == "all":
@@ -441,7 +440,7 @@ def _tune_methods(table: _Table) -> tuple[str, ...]:
         if name == TUNE:
             raise BadInput(f"[selection]: methods lists {TUNE} itself", "list the criteria that compete, e.g. [\"reap\", \"frequency\", \"weights\"]")
         try:
-            method_named(name)
+            criterion_named(name)
         except BadInput as err:
             raise BadInput(f"[selection]: methods: {err.message}", err.hint) from None
     return tuple(dict.fromkeys(value))

@@ -157,9 +157,9 @@ class RunContext:
 
 
 def traces(plan: RunPlan) -> bool:
-    from ggufcarve.select.methods import method_named
+    from ggufcarve.select.criteria import criterion_named
 
-    return plan.selection.method is not None and not plan.selection.tunes and method_named(plan.selection.method).needs == "calibration"
+    return plan.selection.method is not None and not plan.selection.tunes and criterion_named(plan.selection.method).needs == "calibration"
 
 
 def one_pass(plan: RunPlan) -> bool:
@@ -219,12 +219,12 @@ def _collect_stage(ctx: RunContext) -> Stage:
 
 def _select_settings(ctx: RunContext) -> tuple[Any, tuple[Path, ...]]:
     """The settings `ggufcarve select` would be given for this plan, and the files they read."""
-    from ggufcarve.select.methods import method_named
+    from ggufcarve.select.criteria import criterion_named
     from ggufcarve.select.run import SelectSettings
 
     plan, sel = ctx.plan, ctx.plan.selection
     imatrix_in = None
-    if sel.method is not None and plan.imatrix is not None and method_named(sel.method).needs == "imatrix":
+    if sel.method is not None and plan.imatrix is not None and criterion_named(sel.method).needs == "imatrix":
         imatrix_in = plan.imatrix.file or ctx.names.collected_imatrix
     calibration = plan.calibration.files if plan.calibration is not None and traces(plan) else ()
     settings = SelectSettings(
@@ -263,7 +263,8 @@ def tune_settings(ctx: RunContext) -> Any:
     """The settings `ggufcarve tune` is given for this plan: [calibration]'s files, ctx and
     max_tokens (ctx: [evaluation]'s without a calibration table), [selection]'s methods, keep,
     heldout, chunks, seed and stability."""
-    from ggufcarve.tune.run import ZERO_SHOT, TuneSettings
+    from ggufcarve.select.criteria import ZERO_SHOT
+    from ggufcarve.tune.run import TuneSettings
 
     plan, sel = ctx.plan, ctx.plan.selection
     reads = any(m not in ZERO_SHOT for m in sel.methods)

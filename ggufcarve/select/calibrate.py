@@ -34,8 +34,8 @@ from ggufcarve.gguf.container import GGUFModel
 from ggufcarve.llama.calibration import Batching, check_chunking, read_calibration
 from ggufcarve.llama.decode import DecodeRequest, decode, default_threads
 from ggufcarve.moe.layout import MoeLayout
+from ggufcarve.select.criteria import TRACE_METHODS
 from ggufcarve.select.from_trace import TraceStatistics, statistics_consumer
-from ggufcarve.select.prestart import TRACE_METHODS
 from ggufcarve.select.scores import BlockStats, ExpertScores, ModelFacts
 
 DEFAULT_CTX = 512

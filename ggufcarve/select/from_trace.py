@@ -58,13 +58,11 @@ from ggufcarve.errors import BadInput
 from ggufcarve.llama.decode import ConsumerSpec, DecodeRequest
 from ggufcarve.llama.ggml import tensor_at
 from ggufcarve.llama.trace import GraphTracer, parse_node_name
+from ggufcarve.select.criteria import PASS_METHODS
 from ggufcarve.select.experts import ExpertEvaluator
 from ggufcarve.select.scores import BlockStats
 
 STATISTIC = {"frequency": "count", "ean": "mean", "ean-sum": "sum", "msan": "mean_square", "mone": "mone", "reap": "mean", "razor": "rms"}
-# what one pass fills besides the criterion asked for: everything ffn_moe_down and the weights give
-# (frequency alone captures only ffn_moe_topk, the cheapest pass)
-OUTPUT_METHODS = ("frequency", "ean", "ean-sum", "msan", "mone", "reap")
 ACCUMULATORS = ("counts", "norms", "squares", "gated", "outputs", "deltas", "deltas_sq", "maxima")
 WEIGHT_NODES = ("ffn_moe_weights_scaled", "ffn_moe_weights_norm", "ffn_moe_weights_softmax", "ffn_moe_weights")
 DELTA_FLOOR = 1e-6
@@ -76,10 +74,12 @@ HELD_BYTES = 256 << 20
 
 
 def filled_by(method: str) -> tuple[str, ...]:
-    """The criteria a pass asked for `method` fills (all from the same captured nodes)."""
+    """The criteria a pass asked for `method` fills (all from the same captured nodes): a frequency
+    pass captures only ffn_moe_topk (the cheapest pass); any other pass ffn_moe_down and the weights,
+    which fill every criterion of the calibration pass (PASS_METHODS), and razor's pass razor too."""
     if method == "frequency":
         return ("frequency",)
-    return (*OUTPUT_METHODS, "razor") if method == "razor" else OUTPUT_METHODS
+    return (*PASS_METHODS, "razor") if method == "razor" else PASS_METHODS
 
 
 def nodes_for(method: str) -> tuple[str, ...]:

@@ -12,7 +12,8 @@ imports nothing heavy.
 
 from __future__ import annotations
 
-TRACE_METHODS = ("frequency", "ean", "ean-sum", "msan", "mone", "reap", "razor", "greedy")
+from ggufcarve.select.criteria import TRACE_METHODS
+
 # the modules of the calibration's consumers (select.from_trace.statistics, select.greedy.greedy,
 # imatrix.collect.accumulator)
 CONSUMER_MODULES = ("ggufcarve.select.from_trace", "ggufcarve.select.greedy", "ggufcarve.imatrix.collect")

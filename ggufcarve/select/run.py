@@ -17,8 +17,7 @@ from typing import Any
 
 from ggufcarve.errors import BadInput, OutputError
 from ggufcarve.events import Sink, ignore
-
-SUPER_EXPERT_METHODS = ("ean", "ean-sum", "msan", "mone", "reap", "razor")  # the methods that record per-expert maximum outputs
+from ggufcarve.select.criteria import SUPER_EXPERT_METHODS, criterion_named
 
 
 @dataclass(frozen=True)
@@ -120,13 +119,13 @@ def select_to_file(source: Path, settings: SelectSettings, output: Path, *, forc
 
 
 def _score(model: Any, layout: Any, settings: SelectSettings, on_event: Sink) -> Any:
-    from ggufcarve.select.methods import method_named, score_model
+    from ggufcarve.select.methods import score_model
 
     method = settings.method
     if method is None:
         raise BadInput(f"scoring {model.path.name} needs --method", "for example --method weights (zero-shot) or --method imatrix-counts --imatrix FILE")
     if settings.imatrix_out is not None:
-        if method_named(method).needs != "calibration":
+        if criterion_named(method).needs != "calibration":
             raise BadInput(f"--method {method} traces no calibration text, so it cannot collect an imatrix in the same pass", "collect the imatrix with `ggufcarve imatrix collect`")
         from ggufcarve.select.calibrate import calibrate
 

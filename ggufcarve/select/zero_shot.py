@@ -1,6 +1,7 @@
-"""Criteria without a forward pass: `weights`, `router-norm` and `random`.
+"""Criteria without a forward pass: `weights`, `aimer`, `router-norm` and `random`.
 
 weights:      I_e = ||router_row_e||_2 x scale_energy_e
+aimer:        RMS(W_e) / mean |W_e|, W_e every value of the expert's weight tensors together
 router-norm:  ||router_row_e||_2 (row e of `ffn_gate_inp.weight`, dequantized)
 random:       uniform [0, 1) per expert from numpy's default generator seeded with (seed, block)
 
@@ -23,11 +24,23 @@ be cut into blocks reliably; gguf-py has no dequantizer for it either, so such a
 Scores are comparable within a block (every expert of a tensor has the same type), which is all a
 per-block top-K needs.
 
+AIMER (arXiv 2603.18492; the authors' calib_free_prune.py) scores expert e by
+    A_e = (sum |w| / N) / sqrt(sum w^2 / N)
+over the N values of its gate, up and down weight matrices pooled (one sum over the three, not a
+score per matrix), and prunes the experts of the highest A_e, keeping the lowest. The values here
+are gguf-py's dequantized ones of every ffn_{gate,up,down,gate_up}_exps.weight slab (a fused
+gate_up slab holds the gate and up values, which pool the same), times |ffn_*_exps.scale[e]|
+where the file has such a per-expert scale; biases are not weights and are left out. The score
+recorded is 1 / A_e = RMS(w) / mean |w| (at least 1), so that the top K kept are AIMER's lowest;
+an expert whose weights are all zero scores 0 (the paper's A_e of such an expert is 0 as well,
+which it would keep first; here it is pruned first, as its output is zero).
+
 The model is read once, in file order, in pieces of at most READ_BYTES (as many whole expert slabs as
-fit, or one slab cut between blocks; RMS_VALUES values for the RMS rule), each read with pread into
-the buffer of one of READ_THREADS threads and decoded there while it is in cache. A piece gives, per
-expert it holds, the sum of its scales (squared values for the RMS rule) and their number; an
-expert's sums over its pieces make its mean.
+fit, or one slab cut between blocks; RMS_VALUES values where the values are dequantized: the RMS rule
+and aimer), each read with pread into the buffer of one of READ_THREADS threads and decoded there
+while it is in cache. A piece gives, per expert it holds, the sum of its scales (squared values for
+the RMS rule; absolute and squared values for aimer) and their number; an expert's sums over its
+pieces make its mean.
 """
 
 from __future__ import annotations
@@ -35,7 +48,8 @@ from __future__ import annotations
 import itertools
 import os
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -116,12 +130,22 @@ def part_sums(data: np.ndarray, qtype: Q, parts: int) -> tuple[np.ndarray, int]:
     return np.add.reduce(np.square(values, dtype=np.float64).reshape(parts, -1), axis=1), values.size // parts
 
 
-def _pieces(slab: int, qtype: Q, n: int) -> list[tuple[int, int, int, int]]:
+def absolute_square_sums(data: np.ndarray, qtype: Q, parts: int) -> tuple[np.ndarray, int]:
+    """Sums over `parts` equal parts of `data` (uint8, whole blocks of `qtype`) of the dequantized
+    values' magnitudes and of their squares: float64 [parts, 2], and the number of values in each part."""
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    values = dequantize(data, qtype, (len(data) // type_size * block_size,)).reshape(parts, -1)
+    sums = np.stack([np.add.reduce(np.abs(values), axis=1, dtype=np.float64), np.add.reduce(np.square(values, dtype=np.float64), axis=1)], axis=1)
+    return sums, values.shape[1]
+
+
+def _pieces(slab: int, qtype: Q, n: int, dequantized: bool = False) -> list[tuple[int, int, int, int]]:
     """(first expert, experts, byte offset in the tensor, bytes) of each read of an expert tensor of
     `n` slabs of `slab` bytes: as many whole slabs as fit in a piece, or one slab cut between blocks
-    into equal pieces. A piece is READ_BYTES, or RMS_VALUES values for a type without a scale rule."""
+    into equal pieces. A piece is READ_BYTES, or RMS_VALUES values where the values are dequantized
+    (`dequantized`, or a type without a scale rule)."""
     block_size, type_size = GGML_QUANT_SIZES[qtype]
-    piece = READ_BYTES if has_scale_rule(qtype) else max(type_size, min(READ_BYTES, RMS_VALUES // block_size * type_size))
+    piece = READ_BYTES if has_scale_rule(qtype) and not dequantized else max(type_size, min(READ_BYTES, RMS_VALUES // block_size * type_size))
     if slab <= piece:
         step = piece // slab
         return [(first, min(step, n - first), first * slab, min(step, n - first) * slab) for first in range(0, n, step)]
@@ -143,13 +167,19 @@ def _weight_tensors(layout: MoeLayout, blocks: Iterable[int]) -> list[ExpertTens
     return [t for layer in layout.layers if layer.block in wanted for t in layer.tensors if t.name.split(".", 2)[2] in WEIGHT_SUFFIXES]
 
 
-def weight_energies(model: GGUFModel, layout: MoeLayout, blocks: Sequence[int], on_event: Sink = ignore) -> tuple[dict[int, np.ndarray], dict[str, str]]:
-    """Scale energy per block and expert, reading each expert weight tensor once in file order.
+PieceSums = Callable[[np.ndarray, Q, int], tuple[np.ndarray, int]]
 
-    Pieces of at most READ_BYTES (whole slabs, or a slab cut between blocks) are read with pread
-    into a per-thread buffer and decoded there while they are in cache, by the calling thread and
-    READ_THREADS - 1 helpers, each taking the next piece in file order (the reads and numpy release
-    the GIL). Returns the energies and the rule applied per tensor type."""
+
+def _expert_sums(model: GGUFModel, layout: MoeLayout, blocks: Sequence[int], on_event: Sink, sums_of: PieceSums,
+                 dequantized: bool) -> tuple[list[tuple[tuple[int, Any], ExpertTensor]], dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """`sums_of` each piece of every expert weight tensor of `blocks`, added up per expert: the
+    tensors (located in the file, in file order), the sums per tensor name ([n] or [n, m], as
+    `sums_of` gives per part) and the number of terms per expert.
+
+    Each tensor is read once in file order, in pieces of at most READ_BYTES (whole slabs, or a slab
+    cut between blocks; RMS_VALUES values where `dequantized`) read with pread into a per-thread
+    buffer and decoded there while they are in cache, by the calling thread and READ_THREADS - 1
+    helpers, each taking the next piece in file order (the reads and numpy release the GIL)."""
     n = layout.expert_count
     tensors = _weight_tensors(layout, blocks)
     located = sorted(((model.tensor_index[t.name], t) for t in tensors), key=lambda x: (x[0][0], x[0][1].offset))
@@ -158,7 +188,7 @@ def weight_energies(model: GGUFModel, layout: MoeLayout, blocks: Sequence[int], 
     for (shard, info), t in located:
         start, _ = model.shards[shard].data_range(info)
         qtype = Q(info.type_id)
-        pieces = _pieces(t.bytes_per_expert, qtype, n)
+        pieces = _pieces(t.bytes_per_expert, qtype, n, dequantized)
         jobs += [(shard, start + offset, size, t, qtype, first, count, i == len(pieces) - 1) for i, (first, count, offset, size) in enumerate(pieces)]
     largest = max((size for _, _, size, *_ in jobs), default=0)
     results: list[tuple[np.ndarray, int] | None] = [None] * len(jobs)
@@ -179,7 +209,7 @@ def weight_energies(model: GGUFModel, layout: MoeLayout, blocks: Sequence[int], 
                 got = os.preadv(fds[shard], [memoryview(buffer)[:size]], offset)
                 if got != size:
                     raise BadInput(f"{model.shards[shard].path}: {t.name} is truncated", "the file is incomplete; re-copy it")
-                results[i] = part_sums(np.frombuffer(buffer, dtype=np.uint8, count=size), qtype, count)
+                results[i] = sums_of(np.frombuffer(buffer, dtype=np.uint8, count=size), qtype, count)
                 pending += size
                 if last or pending >= PROGRESS_BYTES:
                     progress(pending, t.name)
@@ -210,13 +240,31 @@ def weight_energies(model: GGUFModel, layout: MoeLayout, blocks: Sequence[int], 
             os.close(fd)
     if failed:
         raise failed[0]
-    sums = {t.name: np.zeros(n, dtype=np.float64) for _, t in located}
+    sums: dict[str, np.ndarray] = {}
     terms = {t.name: np.zeros(n, dtype=np.int64) for _, t in located}
     for (_, _, _, t, _, first, count, _), result in zip(jobs, results):
         if result is None:  # every job ran unless a reader failed, which raised above
             raise RuntimeError(f"{t.name}: experts {first}..{first + count - 1} were not read")
+        if t.name not in sums:
+            sums[t.name] = np.zeros((n, *result[0].shape[1:]), dtype=np.float64)
         sums[t.name][first : first + count] += result[0]
         terms[t.name][first : first + count] += result[1]
+    return located, sums, terms
+
+
+def _expert_scale(model: GGUFModel, t: ExpertTensor, n: int) -> np.ndarray | None:
+    """|ffn_*_exps.scale[e]| of the tensor's experts, float64 [n]; None: the file has no such scale."""
+    scale_name = t.name.rsplit(".", 1)[0] + ".scale"
+    if scale_name not in model.tensor_index:
+        return None
+    return np.abs(tensor_values(model, scale_name).astype(np.float64).reshape(n))
+
+
+def weight_energies(model: GGUFModel, layout: MoeLayout, blocks: Sequence[int], on_event: Sink = ignore) -> tuple[dict[int, np.ndarray], dict[str, str]]:
+    """Scale energy per block and expert, reading each expert weight tensor once in file order
+    (`_expert_sums`). Returns the energies and the rule applied per tensor type."""
+    n = layout.expert_count
+    located, sums, terms = _expert_sums(model, layout, blocks, on_event, part_sums, dequantized=False)
     rules: dict[str, str] = {}
     per_block: dict[int, list[np.ndarray]] = {b: [] for b in blocks}
     for (_, info), t in located:
@@ -225,11 +273,35 @@ def weight_energies(model: GGUFModel, layout: MoeLayout, blocks: Sequence[int], 
             energy, rules[t.type_name] = sums[t.name] / terms[t.name], SCALE_RULES[qtype.name]
         else:
             energy, rules[t.type_name] = np.sqrt(sums[t.name] / terms[t.name]), RMS_RULE
-        scale_name = t.name.rsplit(".", 1)[0] + ".scale"
-        if scale_name in model.tensor_index:
-            energy = energy * np.abs(tensor_values(model, scale_name).astype(np.float64).reshape(n))
+        scale = _expert_scale(model, t, n)
+        if scale is not None:
+            energy = energy * scale
         per_block[t.block].append(energy)
     return {b: np.mean(per_block[b], axis=0) for b in blocks}, rules
+
+
+def aimer_stats(model: GGUFModel, layout: MoeLayout, on_event: Sink = ignore) -> dict[int, BlockStats]:
+    """RMS(w) / mean |w| per block and expert over its weight tensors pooled (1 / AIMER's score),
+    reading each expert weight tensor once in file order (`_expert_sums`)."""
+    n = layout.expert_count
+    located, sums, terms = _expert_sums(model, layout, layout.blocks, on_event, absolute_square_sums, dequantized=True)
+    magnitudes = {b: np.zeros(n) for b in layout.blocks}
+    squares = {b: np.zeros(n) for b in layout.blocks}
+    counts = {b: np.zeros(n) for b in layout.blocks}
+    for _, t in located:
+        scale = _expert_scale(model, t, n)
+        factor = np.ones(n) if scale is None else scale
+        magnitudes[t.block] += sums[t.name][:, 0] * factor
+        squares[t.block] += sums[t.name][:, 1] * factor**2
+        counts[t.block] += terms[t.name]
+    stats = {}
+    for b in layout.blocks:
+        mean_magnitude = _finite(magnitudes[b] / counts[b], model, b, "weight magnitudes")
+        rms = _finite(np.sqrt(squares[b] / counts[b]), model, b, "weight squares")
+        with np.errstate(divide="ignore", invalid="ignore"):
+            score = np.where(mean_magnitude > 0, rms / mean_magnitude, 0.0)
+        stats[b] = BlockStats("aimer", "value", sums=score)
+    return stats
 
 
 def _finite(values: np.ndarray, model: GGUFModel, block: int, what: str) -> np.ndarray:

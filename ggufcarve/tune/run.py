@@ -36,13 +36,10 @@ import numpy as np
 from ggufcarve.errors import BadInput
 from ggufcarve.events import Sink, ignore
 from ggufcarve.measure.statistics import DEFAULT_Z
+from ggufcarve.select.criteria import ALL_METHODS, IMATRIX_METHODS, TRACE_METHODS, ZERO_SHOT
 
 REPORT = "tune"
 CHART = "tune-kld.png"
-ZERO_SHOT = ("weights", "router-norm", "random")
-IMATRIX_METHODS = ("imatrix-counts", "imatrix-energy", "imatrix-msan")
-PASS_METHODS = ("frequency", "ean", "ean-sum", "msan", "mone", "reap")
-ALL_METHODS = (*PASS_METHODS, *IMATRIX_METHODS, *ZERO_SHOT, "greedy")  # "all": razor is left out (its pass is the heavier one), greedy when it does not fit
 ALL_SHARE = 0.5  # greedy's estimate counts a token per byte of the text: on prose 3-4 times the tokens it traces
 
 
@@ -74,7 +71,7 @@ class TuneResult:
 def parse_methods(text: str) -> tuple[str, ...]:
     """--methods all|LIST: the criteria in the order given (duplicates dropped); all: ALL_METHODS,
     whose greedy `tune` keeps only when it fits (`fit_greedy`)."""
-    from ggufcarve.select.methods import method_named
+    from ggufcarve.select.criteria import criterion_named
 
     if text.strip() == "all":
         return ALL_METHODS
@@ -82,7 +79,7 @@ def parse_methods(text: str) -> tuple[str, ...]:
     if not names:
         raise BadInput("--methods names no method", "give all, or a list such as reap,frequency,weights")
     for name in names:
-        method_named(name)
+        criterion_named(name)
     return tuple(dict.fromkeys(names))
 
 
@@ -102,7 +99,7 @@ def calibration_scores(model: Any, layout: Any, settings: TuneSettings, work: Pa
     from ggufcarve.select.methods import score_model
 
     methods = settings.methods
-    traced = [m for m in methods if m in (*PASS_METHODS, "razor", "greedy")]
+    traced = [m for m in methods if m in TRACE_METHODS]
     wants_imatrix = any(m in IMATRIX_METHODS for m in methods) or settings.imatrix_out is not None
     out: dict[str, Any] = {}
     passed: dict[str, Any] = {}
