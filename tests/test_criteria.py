@@ -67,7 +67,8 @@ def test_a_subset_naming_an_unknown_criterion_is_refused():
 def _help(*argv: str) -> str:
     result = CliRunner().invoke(app, [*argv, "--help"], terminal_width=200)
     assert result.exit_code == 0, result.output
-    return re.sub(r"[\s│]+", " ", result.output)
+    joined = re.sub(r"[\s│]+", " ", result.output)
+    return re.sub(r"(?<=\w)- (?=\w)", "-", joined)  # click's wrapping breaks lines after a hyphen (router-|norm)
 
 
 def test_select_help_names_every_criterion_and_tune_help_names_the_zero_shot_ones():
