@@ -99,3 +99,68 @@ def test_fit_column_equals_the_rule_on_the_built_file(make_model, llama_tools, t
                       "--k", 8, "--only", "Q4_K_M", "--quantizer", llama_tools / "llama-quantize", "--file-and-cache")
     assert table.code == 0, table.stderr
     assert "--n-cpu-moe 2 (or -ot 'blk\\.[0-1]\\.ffn_(up|down|gate|gate_up)_(ch|)exps=CPU')" in table.stdout
+
+
+def test_a_gpu_backends_buffers_are_the_devices_own():
+    """The log lines a llama.cpp with a CUDA backend prints (the format strings of
+    src/llama-context.cpp and src/llama-kv-cache.cpp): the GPU's compute buffer is its own figure,
+    the pinned host buffers are system memory, nothing is marked estimated."""
+    from ggufcarve.llama.memory import DryLoad, parse_log
+    from ggufcarve.quant.offload import WeightPlacement, plan_offload, split_devices
+
+    lines = ["llama_context:  CUDA_Host  output buffer size =     0.58 MiB",
+             "llama_kv_cache: size =  384.00 MiB (  4096 cells,  48 layers,  1/1 seqs), K (f16):  192.00 MiB, V (f16):  192.00 MiB",
+             "sched_reserve:      CUDA0 compute buffer size =  1180.03 MiB",
+             "sched_reserve:  CUDA_Host compute buffer size =    24.02 MiB"]
+    figures = parse_log(lines)
+    mib = 2**20
+    load = DryLoad(round(figures["cache"] * mib), {k: round(v * mib) for k, v in figures["compute"].items()},
+                   {k: round(v * mib) for k, v in figures["output"].items()}, ("CUDA0",), {})
+    assert load.devices == ["host", "CUDA0"]
+    placement = WeightPlacement(4 * 2**30, (2**30,) * 4, 2**28, 0, False)
+    offload = plan_offload(placement, gpu_memory=10 * 2**30, cache_bytes=load.cache, margin=2**30, compute=lambda n: 1180 * mib)
+    gpu, host = split_devices(placement, offload, load)
+    assert (gpu.device, gpu.compute, gpu.cache, gpu.estimated) == ("CUDA0", round(1180.03 * mib), 384 * mib, ())
+    assert (host.device, host.compute, host.output, host.estimated) == ("host", round(24.02 * mib), round(0.58 * mib), ())
+    assert gpu.weights == placement.gpu_weights(offload.n_cpu_moe) and host.weights == placement.input_bytes + sum(placement.expert_bytes[:offload.n_cpu_moe])
+
+
+def test_the_gpu_compute_estimate_grows_by_the_largest_expert_block_on_the_cpu():
+    from ggufcarve.quant.offload import WeightPlacement, gpu_compute, plan_offload
+
+    placement = WeightPlacement(100, (10, 40, 20, 30), 5, 0, False)
+    compute = gpu_compute(placement, 7)
+    assert [compute(n) for n in range(5)] == [7, 17, 47, 47, 47]
+    # weights(N) = 100 + experts of blocks N..: 200, 190, 150, 130, 100; + cache 3 + compute(N): 210, 210, 200, 180, 150
+    assert plan_offload(placement, gpu_memory=185, cache_bytes=3, compute=compute, margin=0).n_cpu_moe == 3
+    assert plan_offload(placement, gpu_memory=185, cache_bytes=3, margin=0).n_cpu_moe == 2  # without the buffers: 153
+
+
+def test_with_a_gpu_backend_fit_reports_the_buffers_llama_cpp_places(monkeypatch):
+    """Wiring: when llama.cpp's dry load names a GPU device, fit loads again at each row's
+    --n-cpu-moe N with every layer offloaded and reports that load's buffers, not the estimate."""
+    from typer.testing import CliRunner
+
+    from ggufcarve.cli import app
+    from ggufcarve.demo import DEMO_MODEL
+    from ggufcarve.llama import memory
+
+    mib = 2**20
+    placed = []
+
+    def fake(path, settings):
+        if settings.gpu_layers == 0:
+            return memory.DryLoad(8 * mib, {"CPU": 12 * mib}, {"CPU": mib // 64}, ("CUDA0",), {})
+        placed.append((settings.gpu_layers, settings.cpu_tensors))
+        return memory.DryLoad(8 * mib, {"CUDA0": 20 * mib, "CUDA_Host": mib}, {"CUDA_Host": mib // 64}, ("CUDA0",), {})
+
+    monkeypatch.setattr(memory, "dry_load", fake)
+    result = CliRunner().invoke(app, ["fit", str(DEMO_MODEL), "--memory", "1GiB", "--ctx", "4096", "--k", "16", "--only", "Q8_0", "--quantizer", "libllama",
+                                      "--gpu-memory", "2GiB", "--json"])
+    assert result.exit_code == 0, result.output
+    row = json.loads(result.stdout)["rows"][0]
+    assert placed == [(-1, ())]  # whole: every layer, no override
+    gpu, host = row["memory"]
+    assert (gpu["device"], gpu["compute"], "estimated" in gpu) == ("CUDA0", 20 * mib, False)
+    assert (host["compute"], host["output"]) == (mib, mib // 64)
+    assert row["gpu"]["compute_bytes"] == 20 * mib and row["tier"] == "gpu"

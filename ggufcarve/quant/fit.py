@@ -53,6 +53,7 @@ from ggufcarve.quant.spec import LadderSpec, Rung
 # ---------------------------------------------------------------------------------------------
 # Memory sizes
 
+ALL_LAYERS = -1  # llama_model_params.n_gpu_layers: a negative value offloads every layer (include/llama.h)
 MEMORY_UNITS = {
     "B": 1,
     "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -152,6 +153,7 @@ class FitRow:
     gpu_memory: int | None = None
     gpu_margin: int = DEFAULT_MARGIN
     load: DryLoad | None = None  # llama.cpp's dry load of the K's header run on the CPU: cache, compute and output buffers
+    gpu_load: tuple[int, DryLoad] | None = None  # (N, the dry load at --n-cpu-moe N, every layer offloaded) on a llama.cpp with a GPU backend
 
     @property
     def memory_measured(self) -> DeviceMemory | None:
@@ -174,6 +176,11 @@ class FitRow:
         if self.load is None:
             return plan_offload(self.rung.placement, gpu_memory=self.gpu_memory, cache_bytes=self.cache_bytes, margin=self.gpu_margin)
         compute = gpu_compute(self.rung.placement, self.load.on(HOST, self.load.compute))
+        if self.gpu_load is not None:  # the estimate moved by its error where llama.cpp measured the GPU's buffers
+            n, load = self.gpu_load
+            error = gpu_buffers(load) - compute(n)
+            estimate = compute
+            compute = lambda m: estimate(m) + error
         return plan_offload(self.rung.placement, gpu_memory=self.gpu_memory, cache_bytes=self.load.cache, margin=self.gpu_margin, compute=compute)
 
     @property
@@ -182,6 +189,8 @@ class FitRow:
         offload = self.offload
         if offload is None or offload.n_cpu_moe is None or self.load is None or self.rung.placement is None:
             return []
+        if self.gpu_load is not None and self.gpu_load[0] == offload.n_cpu_moe:
+            return split_devices(self.rung.placement, offload, self.gpu_load[1])
         return split_devices(self.rung.placement, offload, self.load)
 
     @property
@@ -345,6 +354,40 @@ def size_rung(quantizer: Quantizer, planned: PlannedFile, rung: Rung, missing_im
                     tensor_bytes)
 
 
+def gpu_buffers(load: DryLoad) -> int:
+    """The compute buffers of the first GPU device of a dry load."""
+    device = next(d for d in load.devices if d != HOST)
+    return load.on(device, load.compute)
+
+
+def measure_offloaded(model: GGUFModel, layout: MoeLayout, rows: list[FitRow], settings: MemorySettings, directory: Path,
+                      on_event: Sink = ignore) -> list[FitRow]:
+    """On a llama.cpp with a GPU backend: each row again with llama.cpp's dry load at its offload's
+    --n-cpu-moe N with every layer offloaded (one load per K and N), so that the GPU's buffers are
+    llama.cpp's own (quant.offload.split_devices); rows are returned unchanged without a GPU backend."""
+    from dataclasses import replace
+
+    from ggufcarve.llama.memory import dry_load
+    from ggufcarve.quant.offload import override_regex
+
+    if not any(r.load is not None and r.load.gpu_devices for r in rows):
+        return rows
+    wanted = sorted({(r.kept, r.offload.n_cpu_moe) for r in rows if r.offload is not None and r.offload.n_cpu_moe is not None})
+    loads = {}
+    for done, (k, n) in enumerate(wanted, 1):
+        header = sparse_pruned_header(model, layout, k, directory, vocabulary=True)
+        placed = replace(settings, gpu_layers=ALL_LAYERS, cpu_tensors=(override_regex(n),) if n else ())
+        loads[(k, n)] = dry_load(header.path, placed)
+        header.path.unlink(missing_ok=True)
+        on_event(Event("memory", done, len(wanted), "placements", f"K={k} --n-cpu-moe {n}"))
+    out = []
+    for r in rows:
+        key = (r.kept, r.offload.n_cpu_moe) if r.offload is not None else None
+        load = loads.get(key) if key is not None else None
+        out.append(replace(r, gpu_load=(key[1], load)) if key is not None and load is not None and load.devices != [HOST] else r)
+    return out
+
+
 def measure_per_kept(model: GGUFModel, layout: MoeLayout, counts: Sequence[int], settings: MemorySettings, directory: Path,
                      on_event: Sink = ignore) -> dict[int, DryLoad]:
     """Per K, llama.cpp's dry load (llama.memory) of the pruned model's sparse header with its
@@ -423,9 +466,7 @@ def plan_fit(
                 sizes[key] = future.result()
                 on_event(Event("fit", done, total, "rungs", f"K={key[0]} {key[1]}"))
         measured = measure_per_kept(model, layout, counts, measure, Path(tmp), on_event) if measure is not None else {}
-    rows = []
-    for k in counts:
-        for r in rungs:
-            size = sizes[(k, r.name)]
-            rows.append(FitRow(k, size, memory, cache.total_bytes, gpu_memory, gpu_margin, measured.get(k)))
+        rows = [FitRow(k, sizes[(k, r.name)], memory, cache.total_bytes, gpu_memory, gpu_margin, measured.get(k)) for k in counts for r in rungs]
+        if measure is not None and gpu_memory is not None:
+            rows = measure_offloaded(model, layout, rows, measure, Path(tmp), on_event)
     return FitReport(model, layout, spec, memory, cache, counts, rows, quantizer.describe(), time.monotonic() - started, assumption, gpu_memory, gpu_margin)
