@@ -16,7 +16,7 @@ from ggufcarve.llama import launch
 from ggufcarve.pipeline.demo import FILES
 
 CTX, EVAL_CTX, CHUNKS = 256, 128, 4
-GPU_MEMORY = 2**30 + 5 * 2**20  # llama.cpp's 1 GiB margin and 5 MiB: some rungs fit whole, some with --n-cpu-moe N
+GPU_MEMORY = 2**30 + 10 * 2**20  # llama.cpp's 1 GiB margin and 10 MiB: with the compute buffers, some rungs fit whole, some with --n-cpu-moe N
 # between the demo's rungs by llama.cpp's measured total (weights + cache + compute + output; the compute
 # buffers are 4.1 MiB at ctx 256): unpruned Q2_K and IQ2_XS fit, unpruned Q3_K_M does not
 MEMORY = 11 * 2**20
@@ -32,6 +32,17 @@ params.n_ctx, params.n_seq_max = int(sys.argv[2]), 1
 sys.exit(0 if llama_cpp.llama_init_from_model(model, params) else 3)
 """
 CACHE_SIZE = re.compile(r"^llama_kv_cache: size =\s*(?P<mib>[\d.]+) MiB")
+COMPUTE_SIZE = re.compile(r"CPU compute buffer size =\s*(?P<mib>[\d.]+) MiB")
+
+
+def llama_compute_mib(path: Path, n_ctx: int) -> float:
+    """The compute buffer llama.cpp allocates when it creates a context of `n_ctx` for `path` on the CPU."""
+    lines: list[str] = []
+    finished = launch.run([sys.executable, "-c", CONTEXT_CHILD, path, str(n_ctx)], on_line=lines.append, timeout=120)
+    assert finished.ok, "\n".join(finished.tail)
+    sizes = [float(m["mib"]) for line in lines if (m := COMPUTE_SIZE.search(line))]
+    assert len(sizes) == 1, lines[-20:]
+    return sizes[0]
 
 
 def llama_cache_mib(path: Path, n_ctx: int) -> float:
@@ -61,7 +72,7 @@ def searched(tmp_path_factory):
 def best_arguments(first: Path, second: Path, out: Path, memory: int = MEMORY) -> list:
     return [DEMO_MODEL, "--memory", f"{memory}B", "--ctx", CTX, "--ladder", FILES / "ladder.toml", "--calibration", CALIBRATION,
             "--heldout", first, "--heldout", second, "--eval-ctx", EVAL_CTX, "--chunks", CHUNKS, "--max-tokens", 2048,
-            "--methods", "frequency,weights", "--gpu-memory", f"{GPU_MEMORY}B", "-o", out, "-t", 2]
+            "--methods", "frequency,weights", "--gpu-memory", f"{GPU_MEMORY}B", "--tier", "ram", "-o", out, "-t", 2]
 
 
 @pytest.mark.slow
@@ -142,7 +153,8 @@ def test_the_masked_winner_is_confirmed_by_its_built_file(searched):
 def test_each_run_command_places_the_file_by_llama_cpps_n_cpu_moe_rule(searched):
     """The GPU placement in each built candidate's command: the smallest N whose blocks 0..N-1's
     expert tensors (llama.cpp's regex from common/common.h on gguf-py's tensor sizes) leave the rest,
-    the cache and llama.cpp's 1 GiB margin within the GPU."""
+    the cache, the compute buffers (the graph's, as llama.cpp allocates them on the CPU, plus the
+    largest expert block kept in system memory) and llama.cpp's 1 GiB margin within the GPU."""
     out, _, _ = searched
     report = json.loads((out / "best.json").read_text())
     placements = set()
@@ -150,7 +162,9 @@ def test_each_run_command_places_the_file_by_llama_cpps_n_cpu_moe_rule(searched)
         if not c["built"]:
             continue
         main, _, gpu, _ = offload_oracle(out / c["path"], *ffn_exps_regexes())
-        fitting = [n for n in range(main + 1) if gpu[n] + c["cache_bytes"] + 2**30 <= GPU_MEMORY]
+        graph = round(llama_compute_mib(out / c["path"], CTX) * 2**20)
+        blocks = [gpu[i] - gpu[i + 1] for i in range(main)]
+        fitting = [n for n in range(main + 1) if gpu[n] + c["cache_bytes"] + graph + max(blocks[:n], default=0) + 2**30 <= GPU_MEMORY]
         expected = fitting[0] if fitting else None
         argv = c["run_command"]["argv"]
         assert c["run_command"]["gpu"]["n_cpu_moe"] == expected, c["id"]

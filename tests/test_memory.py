@@ -196,3 +196,23 @@ def test_eval_reports_the_memory_llama_cpp_allocates(tmp_path):
     for key in ("weights", "cache", "compute", "output"):
         assert abs(memory[key] / MIB - real[key]) <= 0.01, (key, memory, real)
     assert reports[0]["memory_settings"]["n_ctx"] == 512
+
+
+def test_best_ranks_in_the_fastest_tier_any_candidate_runs_in(tmp_path):
+    """With a GPU that holds the demo's small rungs whole, the dry run ranks in tier gpu: every
+    candidate runs there, its memory split into the GPU's and the host's; --tier ram ranks in
+    system memory."""
+    from ggufcarve.demo import CALIBRATION, HELDOUT
+
+    common = [DEMO_MODEL, "--memory", "64MiB", "--ctx", "256", "--heldout", HELDOUT, "--calibration", CALIBRATION, "-o", str(tmp_path / "best"),
+              "--dry-run", "--json", "--gpu-memory", f"{2**30 + 12 * MIB}B"]
+    fastest = json.loads(ggufcarve("best", *common).stdout)
+    assert fastest["tier"] == "gpu" and fastest["candidates"]
+    for c in fastest["candidates"]:
+        assert c["tiers"][0] == "gpu" and c["fits"], c
+        gpu, host = c["memory"]
+        assert gpu["total"] + 2**30 <= 2**30 + 12 * MIB and host["total"] <= 64 * MIB
+    ram = json.loads(ggufcarve("best", *common, "--tier", "ram").stdout)
+    assert ram["tier"] == "ram"
+    assert max(c["file_bytes"] for c in ram["candidates"]) > max(c["file_bytes"] for c in fastest["candidates"])  # Q8_0 K=16 runs in ram, not whole on the GPU
+    assert all("ram" in c["tiers"] for c in ram["candidates"])

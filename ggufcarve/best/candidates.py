@@ -27,7 +27,7 @@ class Candidate:
     measured: dict[str, Any] | None = None  # llama.cpp's dry load (llama.memory.DeviceMemory.to_json) of the K's header, weights from fit's sizes
     tiers: tuple[str, ...] = ("ram", "disk")  # the tiers it runs in, fastest first (fit's row)
     asked: str = "ram"  # the tier the search ranks in
-    devices: tuple[dict[str, Any], ...] = ()  # per device at its fastest tier (fit's row.devices)
+    devices: tuple[dict[str, Any], ...] = ()  # per device running in the asked tier (fit's row.devices_in)
 
     @property
     def family(self) -> str:
@@ -41,6 +41,11 @@ class Candidate:
     def total(self) -> int:
         """Host bytes: llama.cpp's measured total when measured, else the file and the cache."""
         return self.measured["total"] if self.measured else self.file_bytes + self.cache_bytes
+
+    @property
+    def estimated_total(self) -> int:
+        """The estimate of the first device's total in the asked tier (the host's without a GPU)."""
+        return self.devices[0]["total"] if self.devices else self.total
 
     @property
     def fits(self) -> bool:
@@ -64,5 +69,5 @@ def choose_candidates(report: FitReport, tier: str = "ram") -> list[Candidate]:
         for r in fitting[:2]:  # the unpruned row, when it fits, is the first (the largest K)
             measured = r.memory_measured.to_json() if r.memory_measured is not None else None
             chosen[(r.kept, rung.name)] = Candidate(r.kept, n, rung.name, r.rung.bytes, r.cache_bytes, report.memory, measured, r.tiers, tier,
-                                                    tuple(d.to_json() for d in r.devices))
+                                                    tuple(d.to_json() for d in r.devices_in(tier)))
     return sorted(chosen.values(), key=lambda c: (c.file_bytes, -c.kept, c.quant))

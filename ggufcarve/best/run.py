@@ -109,18 +109,23 @@ def run_memory_settings(settings: BestSettings) -> Any:
     return MemorySettings(settings.ctx, settings.kv_type, flash_attn="on" if settings.kv_type.upper() != "F16" else "auto", gpu_layers=settings.gpu_layers)
 
 
-def fits_built(memory: dict[str, Any], tiers: Any, tier: str, budget: int) -> bool:
-    """Whether a built file runs in `tier`: in system memory, its measured total within the budget;
-    on the GPU tiers, fit's verdict from the K's header (the file's GPU split is not measured
-    again); from disk, always."""
-    return memory["total"] <= budget if tier == "ram" else tier in tiers
+def measured_memory(path: Path, settings: BestSettings) -> Any:
+    """Where a built file runs (quant.offload.Placed): llama.cpp's dry load of it at the run's
+    settings, per device in the fastest tier it runs in, its offload and its tiers."""
+    from ggufcarve.gguf.container import read_model
+    from ggufcarve.llama.memory import dry_load, weight_bytes
+    from ggufcarve.quant.offload import place, weight_placement
+
+    load = dry_load(path, run_memory_settings(settings))
+    return place(weight_placement(read_model(path)), weight_bytes(path), load, memory=settings.memory, gpu_memory=settings.gpu_memory)
 
 
-def measured_memory(path: Path, settings: BestSettings) -> dict[str, Any]:
-    """llama.cpp's dry load of a built file at the run's settings: one record per device (the host here)."""
-    from ggufcarve.llama.memory import measure_memory
-
-    return measure_memory(path, run_memory_settings(settings)).to_json()
+def built_record(path: Path, settings: BestSettings, tier: str) -> dict[str, Any]:
+    """The memory keys of a built file's record: `memory` per device running in `tier`, its
+    fastest `tier`, its `tiers`, and `fits` (it runs in `tier`)."""
+    placed = measured_memory(path, settings)
+    return {"memory": [d.to_json() for d in placed.devices(tier)], "memory_source": "measured: llama.cpp's dry load of the built file", "tier": placed.tiers[0],
+            "tiers": list(placed.tiers), "fits": tier in placed.tiers}
 
 
 def plan_best(source: Path, settings: BestSettings, *, on_event: Sink = ignore) -> Plan:
@@ -320,29 +325,26 @@ def projection(model: Any, layout: Any, timings: dict[str, float]) -> dict[str, 
 # How to run a candidate
 
 
-def offload_arguments(path: Path, cache_bytes: int, gpu_memory: int | None) -> tuple[list[str], dict[str, Any] | None]:
-    """The llama.cpp arguments that place `path` on a GPU of `gpu_memory` bytes, and the offload
-    record (quant.offload: the file whole, else the smallest --n-cpu-moe N from the per-block
-    expert bytes of the rung file, with the equal -ot regex; none when even every expert on the
-    CPU leaves too much for the GPU)."""
-    if gpu_memory is None:
+def offload_arguments(path: Path, settings: BestSettings) -> tuple[list[str], dict[str, Any] | None]:
+    """The llama.cpp arguments that place `path` on the GPU of --gpu-memory, and the offload record
+    (quant.offload: the file whole, else the smallest --n-cpu-moe N with the compute buffers
+    counted, with the equal -ot regex; none when even every expert on the CPU leaves too much for
+    the GPU)."""
+    if settings.gpu_memory is None:
         return [], None
-    from ggufcarve.gguf.container import read_model
-    from ggufcarve.quant.offload import plan_offload, weight_placement
-
-    offload = plan_offload(weight_placement(read_model(path)), gpu_memory=gpu_memory, cache_bytes=cache_bytes)
+    offload = measured_memory(path, settings).offload
     record = {**offload.to_json(), "placement": offload.label()}
     if offload.n_cpu_moe is None:
         return [], record
     return ["-ngl", "99", *(["--n-cpu-moe", str(offload.n_cpu_moe)] if offload.n_cpu_moe else [])], record
 
 
-def run_command(path: Path, settings: BestSettings, cache_bytes: int) -> dict[str, Any]:
+def run_command(path: Path, settings: BestSettings) -> dict[str, Any]:
     """The llama-server command line of a candidate at the budget's context."""
     argv = ["llama-server", "-m", path.name, "-c", str(settings.ctx)]
     if settings.kv_type != "F16":
         argv += ["-ctk", settings.kv_type.lower(), "-ctv", settings.kv_type.lower(), "-fa", "on"]
-    gpu, offload = offload_arguments(path, cache_bytes, settings.gpu_memory)
+    gpu, offload = offload_arguments(path, settings)
     return {"argv": argv + gpu, "gpu": offload}
 
 
@@ -525,9 +527,8 @@ def best(source: Path, settings: BestSettings, out_dir: Path, *, plan: Plan | No
                 continue
             path = rungs[c.quant]
             size = path.stat().st_size
-            memory = measured_memory(path, settings)
-            records[c.id] = {**c.to_json(), "file_bytes": size, "fits": fits_built(memory, c.tiers, plan.tier, settings.memory), "predicted_file_bytes": c.file_bytes,
-                             "memory": [memory], "memory_source": "measured: llama.cpp's dry load of the built file", "memory_estimated_total": c.total,
+            records[c.id] = {**c.to_json(), "file_bytes": size, **built_record(path, settings, plan.tier), "predicted_file_bytes": c.file_bytes,
+                             "memory_estimated_total": c.estimated_total,
                              "selection": "none (every expert kept)", "keep_set": None, "scored_by": "file", "masked_on": None, "types_match": True,
                              "built": True, "path": path}
             pool.append(mt.Candidate(c.id, path, None, fits=records[c.id]["fits"], file_bytes=size, read_bytes=int(size * fraction)))
@@ -558,9 +559,7 @@ def best(source: Path, settings: BestSettings, out_dir: Path, *, plan: Plan | No
                               scored_by_reason=f"llama-quantize gives {len(differ)} tensor(s) another type at K={c.kept} ({name}: {was}, unpruned {unpruned_type})")
                 path = _build_pruned(plan, settings, entry["file"], c.kept, c.quant, method, work, models_dir, imatrix, base, on_event)
                 size = path.stat().st_size
-                memory = measured_memory(path, settings)
-                record.update(built=True, path=path, file_bytes=size, fits=fits_built(memory, c.tiers, plan.tier, settings.memory), memory=[memory],
-                              memory_source="measured: llama.cpp's dry load of the built file", memory_estimated_total=c.total)
+                record.update(built=True, path=path, file_bytes=size, **built_record(path, settings, plan.tier), memory_estimated_total=c.estimated_total)
                 pool.append(mt.Candidate(cid, path, None, fits=record["fits"], file_bytes=size, read_bytes=int(size * fraction)))
     timings["builds_seconds"] = time.perf_counter() - t0
 
@@ -604,9 +603,8 @@ def best(source: Path, settings: BestSettings, out_dir: Path, *, plan: Plan | No
             masked_table, file_table = measured.table(cid), confirm.table(f"{cid}@file")
             pair = paired_difference(file_table[:, column], masked_table[:, column]) if len(masked_table) == len(file_table) else None
             size = path.stat().st_size
-            memory = measured_memory(path, settings)
-            r.update(built=True, path=path, file_bytes=size, fits=fits_built(memory, r["tiers"], plan.tier, settings.memory), memory=[memory],
-                     memory_source="measured: llama.cpp's dry load of the built file", memory_estimated_total=r["memory"][0]["total"] if r.get("memory") else None,
+            estimated_total = r["memory"][0]["total"] if r.get("memory") else None
+            r.update(built=True, path=path, file_bytes=size, **built_record(path, settings, plan.tier), memory_estimated_total=estimated_total,
                      confirmed={"masked_kld_mean": r["kld_mean"], "file_kld_mean": file_record["kld_mean"], "file_kld_mean_stderr": file_record["kld_mean_stderr"],
                                 "paired_difference": pair.to_json() if pair else None, "types_mismatched": mismatched[:8],
                                 "file_segments": file_record.get("segments"), "chunks": file_record["chunks_scored"]})
@@ -625,7 +623,7 @@ def best(source: Path, settings: BestSettings, out_dir: Path, *, plan: Plan | No
         winner = records[measured.groups[""]["winner"]]
     for r in records.values():
         if r["built"]:
-            r["run_command"] = run_command(Path(r["path"]), settings, r["cache_bytes"])
+            r["run_command"] = run_command(Path(r["path"]), settings)
         r.setdefault("chunks_scored", 0)
         r.setdefault("stopped_early", False)
         r.setdefault("stopped_reason", None)

@@ -46,7 +46,7 @@ from ggufcarve.moe.kept import kept_count_problems
 from ggufcarve.moe.layout import MoeLayout
 from ggufcarve.prune.plan import PlannedFile, plan_prune
 from ggufcarve.quant.kvcache import ContextMemory, ContextSettings, context_memory
-from ggufcarve.quant.offload import DEFAULT_MARGIN, TIERS, Offload, WeightPlacement, gpu_compute, placement_of, plan_offload, split_devices
+from ggufcarve.quant.offload import DEFAULT_MARGIN, GPU_TIERS, TIERS, Offload, WeightPlacement, gpu_compute, placement_of, plan_offload, split_devices, tiers_of
 from ggufcarve.quant.quantizer import DryRun, QuantizeJob, Quantizer
 from ggufcarve.quant.spec import LadderSpec, Rung
 
@@ -196,26 +196,22 @@ class FitRow:
     @property
     def tiers(self) -> tuple[str, ...]:
         """The tiers the rung runs in (quant/offload.TIERS), fastest first; "disk" always."""
-        out = []
-        gpu = self.gpu_devices
-        offload = self.offload
-        if gpu and gpu[1].total <= self.memory:
-            out += ["gpu"] if offload is not None and offload.fits_whole else []
-            out += ["gpu+cpu"]
-        if self.total <= self.memory:
-            out.append("ram")
-        return (*out, "disk")
+        return tiers_of(self.total, self.memory, self.offload, self.gpu_devices)
 
     @property
     def tier(self) -> str:
         return self.tiers[0]
 
-    @property
-    def devices(self) -> list[DeviceMemory]:
-        """Per device, the memory of the fastest tier the rung runs in (the CPU run's host memory for ram and disk)."""
-        if self.tier in ("gpu", "gpu+cpu"):
+    def devices_in(self, tier: str) -> list[DeviceMemory]:
+        """Per device, the memory running in `tier` (the CPU run's host memory for ram and disk)."""
+        if tier in GPU_TIERS and self.gpu_devices:
             return self.gpu_devices
         return [self.memory_measured] if self.memory_measured is not None else []
+
+    @property
+    def devices(self) -> list[DeviceMemory]:
+        """Per device, the memory of the fastest tier the rung runs in."""
+        return self.devices_in(self.tier)
 
     @property
     def fits(self) -> bool:

@@ -63,6 +63,7 @@ INPUT_LAYER_TENSORS = ("token_embd", "position_embd", "token_types", "per_layer_
 # --n-cpu-moe N blocks in system memory; all in system memory; paging the weights from disk through
 # mmap (a file larger than the memory runs, slowly).
 TIERS = ("gpu", "gpu+cpu", "ram", "disk")
+GPU_TIERS = ("gpu", "gpu+cpu")
 DEFAULT_MARGIN = 2**30  # fit_params_target: llama.cpp's --fit target margin per device, 1024 MiB
 
 
@@ -258,6 +259,44 @@ def split_devices(placement: WeightPlacement, offload: Offload, load: DryLoad) -
     gpu = DeviceMemory("gpu", placement.gpu_weights(n), load.cache, gpu_compute(placement, graph)(n), 0, ("compute",))
     host = DeviceMemory(HOST, host_weights, 0, graph, load.on(HOST, load.output), ("compute",))
     return [gpu, host]
+
+
+def tiers_of(cpu_total: int, memory: int, offload: Offload | None, split: list[DeviceMemory]) -> tuple[str, ...]:
+    """The TIERS a rung runs in, fastest first: on the GPU (whole, or with --n-cpu-moe N) when the
+    offload fits and the host's share `split[-1]` is within `memory`; in system memory when the
+    CPU run's total is; from disk always."""
+    out = []
+    if offload is not None and offload.n_cpu_moe is not None and split and split[-1].total <= memory:
+        out += ["gpu", "gpu+cpu"] if offload.fits_whole else ["gpu+cpu"]
+    if cpu_total <= memory:
+        out.append("ram")
+    return (*out, "disk")
+
+
+@dataclass(frozen=True)
+class Placed:
+    """A file's memory: its CPU run's (`host`), split over the GPU and the host at its offload
+    (`split`, empty when it has none), the offload and its tiers."""
+
+    host: DeviceMemory
+    split: list[DeviceMemory]
+    offload: Offload | None
+    tiers: tuple[str, ...]
+
+    def devices(self, tier: str | None = None) -> list[DeviceMemory]:
+        """The memory per device running in `tier` (default: the fastest it runs in)."""
+        return self.split if (tier or self.tiers[0]) in GPU_TIERS and self.split else [self.host]
+
+
+def place(placement: WeightPlacement, weights: int, load: DryLoad, *, memory: int, gpu_memory: int | None, margin: int = DEFAULT_MARGIN) -> Placed:
+    """Where a rung of `weights` bytes runs, from llama.cpp's dry load of its CPU run (`load`) and,
+    with `gpu_memory`, the GPU placement rule with the compute buffers counted."""
+    host = DeviceMemory(HOST, weights, load.cache, load.on(HOST, load.compute), load.on(HOST, load.output))
+    if gpu_memory is None:
+        return Placed(host, [], None, tiers_of(host.total, memory, None, []))
+    offload = plan_offload(placement, gpu_memory=gpu_memory, cache_bytes=load.cache, margin=margin, compute=gpu_compute(placement, host.compute))
+    split = split_devices(placement, offload, load) if offload.n_cpu_moe is not None else []
+    return Placed(host, split, offload, tiers_of(host.total, memory, offload, split))
 
 
 def file_offload(model: GGUFModel, *, gpu_memory: int, context: ContextSettings, margin: int = DEFAULT_MARGIN) -> Offload:
