@@ -71,7 +71,7 @@ def searched(tmp_path_factory):
 
 def best_arguments(first: Path, second: Path, out: Path, memory: int = MEMORY) -> list:
     return [DEMO_MODEL, "--memory", f"{memory}B", "--ctx", CTX, "--ladder", FILES / "ladder.toml", "--calibration", CALIBRATION,
-            "--heldout", first, "--heldout", second, "--eval-ctx", EVAL_CTX, "--chunks", CHUNKS, "--max-tokens", 2048,
+            "--heldout", first, "--heldout", second, "--chunk-ctx", EVAL_CTX, "--chunks", CHUNKS, "--max-tokens", 2048,
             "--methods", "frequency,weights", "--gpu-memory", f"{GPU_MEMORY}B", "--tier", "ram", "-o", out, "-t", 2]
 
 
@@ -252,7 +252,7 @@ def test_candidates_are_the_largest_fitting_k_per_rung_the_next_smaller_and_the_
 def test_dry_run_lists_the_candidates_and_writes_nothing(tmp_path):
     out = tmp_path / "best"
     result = ggufcarve("best", DEMO_MODEL, "--memory", "11MiB", "--ctx", CTX, "--ladder", FILES / "ladder.toml", "--calibration", CALIBRATION,
-                       "--heldout", HELDOUT, "--eval-ctx", EVAL_CTX, "--chunks", CHUNKS, "-o", out, "-t", 2, "--dry-run")
+                       "--heldout", HELDOUT, "--chunk-ctx", EVAL_CTX, "--chunks", CHUNKS, "-o", out, "-t", 2, "--dry-run")
     assert result.code == 0, result.stderr[-2000:]
     assert "unpruned-Q2_K" in result.stdout and "K14-Q2_K" in result.stdout and "unpruned-Q3_K_M" not in result.stdout  # 11.40 MiB measured > 11 MiB
     assert "disk needed" in result.stdout and "estimate: calibration" in result.stdout and "nothing was written" in result.stdout
@@ -308,3 +308,25 @@ def test_first_contact_errors_are_one_line_in_units_and_before_any_work(tmp_path
         run = ggufcarve("best", DEMO_MODEL, "--memory", "12MiB", *common, "-o", a_file, *extra)
         assert run.code == 1 and f"-o {a_file} is a file" in run.error_line and "folder" in run.error_line, run.stderr
     assert a_file.read_text() == "" and not (tmp_path / "b").exists()
+
+
+def test_keep_and_chunk_ctx_speak_the_shared_vocabulary(tmp_path):
+    """best --keep weighs the given K values (the unpruned rungs beside them), or a keep-set file at
+    its K beside the criteria's; --chunk-ctx is the scoring chunk (--eval-ctx its older spelling)."""
+    import json as _json
+
+    from ggufcarve.demo import CALIBRATION as demo_calibration
+
+    keepset = tmp_path / "given.json"
+    keepset.write_text(_json.dumps({str(b): list(range(0, 16, 2)) for b in range(4)}))
+    common = [DEMO_MODEL, "--memory", "64MiB", "--ctx", "256", "--heldout", HELDOUT, "--calibration", demo_calibration, "-o", tmp_path / "b",
+              "--dry-run", "--json"]
+    counts = ggufcarve("best", *common, "--keep", "12", "--chunk-ctx", "128")
+    assert counts.code == 0, counts.stderr
+    kept = {c["kept_experts"] for c in _json.loads(counts.stdout)["candidates"]}
+    assert kept == {12, 16}
+    given = ggufcarve("best", *common, "--keep", keepset, "--eval-ctx", "128")
+    assert given.code == 0, given.stderr
+    assert {c["kept_experts"] for c in _json.loads(given.stdout)["candidates"]} == {8, 16}
+    both = ggufcarve("best", *common, "--chunk-ctx", "128", "--eval-ctx", "128")
+    assert both.code != 0 and "--chunk-ctx and --eval-ctx name the same thing" in both.stderr

@@ -233,9 +233,27 @@ def test_cli_json_and_table(make_model, llama_tools):
     (["--memory", "plenty"], "is not a memory size"),
     (["--memory", "24GiB", "--kv-type", "q4_k"], "is not f16 or q8_0"),
     (["--memory", "24GiB", "--k", "1"], "below the 2 experts"),
-    (["--memory", "24GiB", "--k", "x"], "is not a count or a range"),
+    (["--memory", "24GiB", "--k", "x"], "is neither counts nor an existing keep-set file"),
+    (["--memory", "24GiB", "--keep", "8-4"], "is an empty range"),
+    (["--memory", "24GiB", "--keep", "8", "--k", "8"], "--keep and --k name the same thing"),
 ])
 def test_cli_refuses_bad_arguments_in_one_line(make_model, args, message):
     result = ggufcarve("fit", make_model("qwen3moe"), *args)
     assert result.code == 1 and message in result.error_line and "hint:" in result.error_line, result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_keep_takes_a_keep_set_file_and_sizes_its_count(make_model, tmp_path):
+    """--keep FILE sizes the K the file keeps (its ids per block), as --keep K does."""
+    model = make_model("qwen3moe")
+    keepset = tmp_path / "kept_expert_indices.json"
+    from gguf import GGUFReader
+
+    reader = GGUFReader(model)
+    blocks = int(next(f.parts[f.data[0]][0] for name, f in reader.fields.items() if name.endswith(".block_count")))
+    keepset.write_text(json.dumps({str(b): [0, 2, 4, 6] for b in range(blocks)}))
+    by_file = ggufcarve("fit", model, "--memory", "1GiB", "--keep", keepset, "--only", "Q8_0", "--quantizer", "libllama", "--json")
+    by_count = ggufcarve("fit", model, "--memory", "1GiB", "--keep", "4", "--only", "Q8_0", "--quantizer", "libllama", "--json")
+    assert by_file.code == 0 and by_count.code == 0, by_file.stderr + by_count.stderr
+    assert [r["kept"] for r in json.loads(by_file.stdout)["rows"]] == [4]
+    assert json.loads(by_file.stdout)["rows"][0]["file_bytes"] == json.loads(by_count.stdout)["rows"][0]["file_bytes"]

@@ -90,7 +90,7 @@ def test_measured_memory_is_what_llama_cpp_allocates(llama_tools, many_experts, 
 def test_a_compute_dominated_model_does_not_fit_when_file_and_cache_would(tmp_path):
     """At 32k tokens the demo model's compute buffers (40 MiB) outweigh its file (14.5 MiB): file +
     KV cache (78.5 MiB) is within 100 MiB, llama.cpp's total (118 MiB) is not. fit says it does not fit."""
-    args = ["fit", DEMO_MODEL, "--memory", "100MiB", "--ctx", "32768", "--k", "16", "--only", "Q8_0", "--quantizer", "libllama", "--json"]
+    args = ["fit", DEMO_MODEL, "--memory", "100MiB", "--ctx", "32768", "--keep", "16", "--only", "Q8_0", "--quantizer", "libllama", "--json"]
     measured = ggufcarve(*args)
     assert measured.code == 0, measured.stderr
     row = json.loads(measured.stdout)["rows"][0]
@@ -136,7 +136,7 @@ def test_on_a_cpu_llama_cpp_the_gpu_split_is_marked_estimated():
     compute figures marked estimated; the weights of the two add up to the loaded tensors."""
     from gguf import GGUFReader
 
-    result = ggufcarve("fit", DEMO_MODEL, "--memory", "1GiB", "--ctx", "4096", "--k", "16", "--only", "Q8_0", "--quantizer", "libllama",
+    result = ggufcarve("fit", DEMO_MODEL, "--memory", "1GiB", "--ctx", "4096", "--keep", "16", "--only", "Q8_0", "--quantizer", "libllama",
                        "--gpu-memory", "2GiB", "--json")
     assert result.code == 0, result.stderr
     row = json.loads(result.stdout)["rows"][0]
@@ -158,14 +158,14 @@ def test_on_a_cpu_llama_cpp_the_gpu_split_is_marked_estimated():
 def test_the_gpu_compute_buffer_moves_the_answer_to_n_cpu_moe():
     """A GPU that holds weights + cache + margin but not the compute buffers too: with the
     buffers counted the rung runs with experts in system memory, not whole."""
-    whole = json.loads(ggufcarve("fit", DEMO_MODEL, "--memory", "1GiB", "--ctx", "4096", "--k", "16", "--only", "Q8_0", "--quantizer", "libllama",
+    whole = json.loads(ggufcarve("fit", DEMO_MODEL, "--memory", "1GiB", "--ctx", "4096", "--keep", "16", "--only", "Q8_0", "--quantizer", "libllama",
                                  "--gpu-memory", "2GiB", "--gpu-margin", "0B", "--json").stdout)["rows"][0]
     gpu = whole["memory"][0]
     budget = gpu["weights"] + gpu["cache"] + gpu["compute"] // 2
-    row = json.loads(ggufcarve("fit", DEMO_MODEL, "--memory", "1GiB", "--ctx", "4096", "--k", "16", "--only", "Q8_0", "--quantizer", "libllama",
+    row = json.loads(ggufcarve("fit", DEMO_MODEL, "--memory", "1GiB", "--ctx", "4096", "--keep", "16", "--only", "Q8_0", "--quantizer", "libllama",
                                "--gpu-memory", f"{budget}B", "--gpu-margin", "0B", "--json").stdout)["rows"][0]
     assert row["gpu"]["n_cpu_moe"] != 0 and row["tier"] in ("gpu+cpu", "ram")
-    plain = json.loads(ggufcarve("fit", DEMO_MODEL, "--memory", "1GiB", "--ctx", "4096", "--k", "16", "--only", "Q8_0", "--quantizer", "libllama",
+    plain = json.loads(ggufcarve("fit", DEMO_MODEL, "--memory", "1GiB", "--ctx", "4096", "--keep", "16", "--only", "Q8_0", "--quantizer", "libllama",
                                  "--gpu-memory", f"{budget}B", "--gpu-margin", "0B", "--file-and-cache", "--json").stdout)["rows"][0]
     assert plain["gpu"]["fits_whole"]  # file + cache alone would say whole
 

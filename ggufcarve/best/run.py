@@ -70,6 +70,8 @@ class BestSettings:
     metric: str = "kld_mean"
     gate: Path | None = None
     gpu_memory: int | None = None
+    keep_counts: str | None = None  # the K values weighed, as written (quant.fit.parse_kept_counts); None: fit's grid
+    keep_file: Path | None = None  # a keep-set weighed at its K beside the criteria's (selection "keep-file")
     tier: str | None = None  # quant.offload.TIERS: where the answer must run; None: the fastest tier any candidate runs in
     quantizer: str = "auto"
     llama_cpp_dir: Path | None = None
@@ -163,7 +165,16 @@ def plan_best(source: Path, settings: BestSettings, *, on_event: Sink = ignore) 
     model = read_model(source)
     layout = inspect_layout(model)
     spec = load_spec(settings.ladder)
-    fit = plan_fit(model, layout, spec, memory=settings.memory, context=ContextSettings(settings.ctx, settings.kv_type, settings.kv_type),
+    kept_counts = None
+    if settings.keep_file is not None:
+        from ggufcarve.moe.keepset import load_keepset
+
+        kept_counts = [load_keepset(settings.keep_file, layout).kept_count, layout.expert_count]
+    elif settings.keep_counts is not None:
+        from ggufcarve.quant.fit import parse_kept_counts
+
+        kept_counts = sorted({*parse_kept_counts(settings.keep_counts, layout), layout.expert_count})  # the unpruned rungs compete too
+    fit = plan_fit(model, layout, spec, kept_counts=kept_counts, memory=settings.memory, context=ContextSettings(settings.ctx, settings.kv_type, settings.kv_type),
                    quantizer=make_quantizer(settings.quantizer, settings.llama_cpp_dir), measure=run_memory_settings(settings),
                    gpu_memory=settings.gpu_memory, on_event=on_event)
     from ggufcarve.fileio import format_size
@@ -223,7 +234,7 @@ def measure_speed(source: Path, plan: Plan, settings: BestSettings, work: Path, 
                               text=str(path), max_chunks=2 if role == "heldout" and number == 0 else 1)
             result = run_child(request, f"measure {path.name}", on_event, work)
             if "bad_input" in result:
-                raise BadInput(f"{path}: {result['bad_input']}", "give a longer text or a smaller --eval-ctx")
+                raise BadInput(f"{path}: {result['bad_input']}", "give a longer text or a smaller --chunk-ctx")
             total += int(result["n_tokens"])
             if role == "heldout" and number == 0:
                 decode_seconds, decode_tokens = float(result.get("score_seconds", 0.0)), int(result["n_chunk"]) * int(result["n_ctx"])
@@ -452,6 +463,15 @@ def keep_sets(source: Path, plan: Plan, settings: BestSettings, work: Path, imat
             layers = tuple(sorted(selection.keepset.layers.items()))
             out[k][method] = {"file": path, "identical_to": seen.get(layers)}
             seen.setdefault(layers, method)
+        if settings.keep_file is not None:
+            from ggufcarve.moe.keepset import load_keepset
+
+            given = load_keepset(settings.keep_file, plan.layout)
+            if given.kept_count == k:
+                path = directory / f"keep-file-{k}.json"
+                write_text_atomic(path, json.dumps(given.to_json(), indent=1, sort_keys=True) + "\n")
+                layers = tuple(sorted(given.layers.items()))
+                out[k]["keep-file"] = {"file": path, "identical_to": seen.get(layers)}
     return out, 0.0 if reused else time.perf_counter() - started, reused
 
 
@@ -659,7 +679,8 @@ def best(source: Path, settings: BestSettings, out_dir: Path, *, plan: Plan | No
         results["publish"] = {"command": publish_command({"winner": winner}, source, settings, out_dir, imatrix)}
     elif winner is not None:
         results["publish"] = {"command": ["ggufcarve", "run", "plan.toml"]}
-    parameters = {"memory_bytes": settings.memory, "ctx": settings.ctx, "kv_type": settings.kv_type.lower(), "eval_ctx": settings.eval_ctx,
+    parameters = {"memory_bytes": settings.memory, "ctx": settings.ctx, "kv_type": settings.kv_type.lower(), "eval_ctx": settings.eval_ctx, "chunk_ctx": settings.eval_ctx,
+                  "keep": settings.keep_counts or (settings.keep_file.name if settings.keep_file else None),
                   "chunks": settings.chunks, "max_tokens": settings.max_tokens, "methods": list(settings.methods), "metric": settings.metric,
                   "gate": settings.gate.name if settings.gate else None, "gpu_memory_bytes": settings.gpu_memory, "tier": plan.tier, "tier_asked": settings.tier, "ladder": plan.spec.name,
                   "confirm": settings.confirm, "prefer": settings.prefer, "z": settings.z}

@@ -16,7 +16,7 @@ from typing import Annotated
 
 import typer
 
-from ggufcarve.cli.options import ForceOption, GpuLayersOption, JsonOption, LlamaCppOption, QuietOption, ThreadsOption
+from ggufcarve.cli.options import ForceOption, GpuLayersOption, JsonOption, LlamaCppOption, QuietOption, ThreadsOption, parse_keep
 from ggufcarve.cli.render import out, progress, size
 from ggufcarve.errors import OutputError
 from ggufcarve.select.criteria import BEST_DEFAULT
@@ -78,7 +78,9 @@ def best_command(
     kv_type: Annotated[str, typer.Option("--kv-type", help="KV cache type: f16 or q8_0.")] = "f16",
     ladder: Annotated[str | None, typer.Option("--ladder", help="Ladder spec of the rungs: a TOML path or a shipped name (default: q8-to-iq1).")] = None,
     methods: Annotated[str, typer.Option("--methods", help="Criteria of the keep-set tournament at each K (tune's --methods).")] = ",".join(BEST_DEFAULT),
-    eval_ctx: Annotated[int, typer.Option("--eval-ctx", help="Tokens per chunk of the calibration pass and of the scoring.")] = 512,
+    chunk_ctx: Annotated[int | None, typer.Option("--chunk-ctx", help="Tokens per chunk of the calibration pass and of the scoring (as llama-perplexity -c).  [default: 512]")] = None,
+    eval_ctx: Annotated[int | None, typer.Option("--eval-ctx", hidden=True)] = None,
+    keep: Annotated[str | None, typer.Option("--keep", "-k", help="The K values to weigh: 96, 96,128 or 64-192/32, or a keep-set file (weighed at its K beside the criteria's keep-sets). Default: fit's grid.")] = None,
     chunks: Annotated[int | None, typer.Option("--chunks", help="Score at most this many chunks per held-out file.")] = None,
     max_tokens: Annotated[int | None, typer.Option("--max-tokens", help="Trace at most this many calibration tokens.")] = None,
     metric: Annotated[str, typer.Option("--metric", help="What ranks the candidates, lower is better: kld_mean, kld_p999 or ppl.")] = "kld_mean",
@@ -104,6 +106,9 @@ def best_command(
     from ggufcarve.quant.spec import DEFAULT_LADDER, find_spec
     from ggufcarve.tune.run import parse_methods
 
+    if chunk_ctx is not None and eval_ctx is not None:
+        raise BadInput("--chunk-ctx and --eval-ctx name the same thing", "give --chunk-ctx alone (--eval-ctx is its older spelling)")
+    wanted = parse_keep(keep)
     cache_type = kv_type.strip().upper()
     if cache_type not in ("F16", "Q8_0"):
         raise BadInput(f"--kv-type {kv_type!r} is not f16 or q8_0", "give --kv-type f16 or --kv-type q8_0")
@@ -112,7 +117,9 @@ def best_command(
     if (output / "best.json").exists() and not force and not dry_run and not only:
         raise OutputError(f"{output / 'best.json'} already exists", "pass --force to search again (built models are reused), or choose another -o DIR")
     settings = BestSettings(memory=parse_memory(memory), ladder=find_spec(ladder) if ladder else DEFAULT_LADDER, heldout=tuple(heldout), calibration=tuple(calibration),
-                            methods=parse_methods(methods), ctx=ctx, kv_type=cache_type, eval_ctx=eval_ctx, chunks=chunks, max_tokens=max_tokens,
+                            methods=parse_methods(methods), ctx=ctx, kv_type=cache_type,
+                            eval_ctx=chunk_ctx or eval_ctx or 512, chunks=chunks, keep_counts=wanted.counts if wanted else None,
+                            keep_file=wanted.file if wanted else None, max_tokens=max_tokens,
                             threads=threads, gpu_layers=gpu_layers, metric=metric, gate=gate, gpu_memory=parse_memory(gpu_memory, "--gpu-memory") if gpu_memory else None, tier=tier,
                             quantizer=quantizer_choice, llama_cpp_dir=llama_cpp, only=tuple(only or ()),
                             confirm=confirm, prefer=prefer, z=z)

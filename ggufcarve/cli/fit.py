@@ -3,8 +3,8 @@
 Examples:
     ggufcarve fit Model-Q8_0.gguf --memory 24GiB
     ggufcarve fit Model-Q8_0-00001-of-00003.gguf --memory 24GB --ctx 32768 --kv-type q8_0
-    ggufcarve fit Model-Q8_0.gguf --memory 16000MiB --k 96,128,160 --only Q4_K_M,IQ2_XS --json
-    ggufcarve fit Model-Q8_0.gguf --memory 64GiB --gpu-memory 16GiB --k 128,256 --only Q4_K_M
+    ggufcarve fit Model-Q8_0.gguf --memory 16000MiB --keep 96,128,160 --only Q4_K_M,IQ2_XS --json
+    ggufcarve fit Model-Q8_0.gguf --memory 64GiB --gpu-memory 16GiB --keep 128,256 --only Q4_K_M
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from ggufcarve.cli.options import GpuLayersOption, JsonOption, LlamaCppOption, QuietOption
+from ggufcarve.cli.options import GpuLayersOption, JsonOption, LlamaCppOption, QuietOption, one_keep, parse_keep
 from ggufcarve.cli.render import escape, new_table, out, progress, size, warn
 
 if TYPE_CHECKING:
@@ -28,7 +28,8 @@ def fit_command(
     ctx: Annotated[int, typer.Option("--ctx", help="Context length in tokens whose KV cache is counted.")] = 16384,
     kv_type: Annotated[str, typer.Option("--kv-type", help="KV cache type for K and V: f16 or q8_0 (q8_0 V needs flash attention, which is assumed on).")] = "f16",
     ladder: Annotated[Path | None, typer.Option("--ladder", help="Ladder spec whose rungs are sized (default: ladders/q8-to-iq1.toml).")] = None,
-    kept: Annotated[str | None, typer.Option("--k", help="Kept-expert counts to size, e.g. 96,128 or 64-192/32 (default: powers of two, multiples of expert_count/8, the original).")] = None,
+    keep: Annotated[str | None, typer.Option("--keep", "-k", help="Kept-expert counts to size: 96, 96,128 or 64-192/32, or a keep-set file (its count) (default: powers of two, multiples of expert_count/8, the original).")] = None,
+    kept_alias: Annotated[str | None, typer.Option("--k", hidden=True)] = None,
     only: Annotated[list[str] | None, typer.Option("--only", help="Size only these rungs (repeat or comma-separate).")] = None,
     imatrix: Annotated[Path | None, typer.Option("--imatrix", help="The imatrix the ladder will use: tensors without an entry get the rung's imatrix_fallback_type (default: llama-imatrix's coverage, the MTP blocks missing).")] = None,
     parallel: Annotated[int, typer.Option("--parallel", help="Sequences (llama.cpp -np): each has its own cache cells and recurrent state.")] = 1,
@@ -68,7 +69,14 @@ def fit_command(
     spec = load_spec(ladder or DEFAULT_LADDER)
     loaded = read_model(model)
     layout = inspect_layout(loaded)
-    counts = parse_kept_counts(kept, layout) if kept else None
+    kept = one_keep(keep, kept_alias, "--k")
+    wanted = parse_keep(kept)
+    if wanted is not None and wanted.file is not None:
+        from ggufcarve.moe.keepset import load_keepset
+
+        counts = [load_keepset(wanted.file, layout).kept_count]
+    else:
+        counts = parse_kept_counts(wanted.counts, layout) if wanted is not None and wanted.counts else None
     entries = None
     if imatrix is not None:
         from ggufcarve.imatrix.formats import read_imatrix
@@ -90,7 +98,7 @@ def fit_command(
         parameters = {"memory": memory, "memory_bytes": budget, "ctx": ctx, "kv_type": cache_type.lower(), "parallel": parallel, "swa_full": swa_full,
                       "flash_attn": flash_attn, "batch": batch, "ubatch": ubatch, "measured": measured,
                       **({"gpu_memory": gpu_memory, "gpu_memory_bytes": gpu_budget, "gpu_margin": gpu_margin} if gpu_budget is not None else {}),
-                      "ladder": spec.name, "ladder_sha256": spec.sha256, "k": kept, "only": only, "imatrix": imatrix.name if imatrix else None}
+                      "ladder": spec.name, "ladder_sha256": spec.sha256, "k": kept, "keep": kept, "only": only, "imatrix": imatrix.name if imatrix else None}
         doc = envelope("fit", inputs=inputs, parameters=parameters, results=report.to_json(), timings={"total_seconds": report.seconds})
         doc["sizes_from"]["quantizer"] = {k: v for k, v in doc["sizes_from"]["quantizer"].items() if k not in ("path", "python")}
         out.print_json(json.dumps(doc, sort_keys=True))

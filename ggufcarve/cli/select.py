@@ -27,6 +27,7 @@ from ggufcarve.cli.options import (
     JsonOption,
     QuietOption,
     ThreadsOption,
+    parse_keep,
 )
 from ggufcarve.cli.render import new_table, out, progress, ranges, warn
 from ggufcarve.errors import BadInput
@@ -156,11 +157,23 @@ def _layers_of(path: Path) -> dict[int, tuple[int, ...]]:
     return {int(k): tuple(int(i) for i in v) for k, v in layers.items()}
 
 
+def one_count(keep: str | None) -> int | None:
+    """select's --keep: one count; a list or a keep-set file is refused with where it belongs."""
+    wanted = parse_keep(keep)
+    if wanted is None:
+        return None
+    if wanted.file is not None:
+        raise BadInput(f"--keep {keep}: a keep-set file is a selection already", f"prune with it: ggufcarve prune MODEL --keep {keep} -o OUT.gguf")
+    if not (wanted.counts or "").strip().isdigit():
+        raise BadInput(f"--keep {keep}: select writes one selection", "give one count; ggufcarve tune --keep 8,12 weighs several")
+    return int(wanted.counts or 0)
+
+
 def select_command(
     sources: SourcesArgument = None,
     output: Annotated[Path | None, typer.Option("-o", "--output", help="SELECTION.json to write (a keep-set `ggufcarve prune --keep` reads); the heatmap goes beside it as .png.")] = None,
     method: MethodOption = None,
-    keep: Annotated[int | None, typer.Option("--keep", "-k", help="Experts kept per MoE block.")] = None,
+    keep: Annotated[str | None, typer.Option("--keep", "-k", help="Experts kept per MoE block: one count (select writes one selection; tune weighs several).")] = None,
     ratio: Annotated[float | None, typer.Option("--ratio", help="Fraction of the experts kept (instead of --keep).")] = None,
     imatrix: ImatrixOption = None,
     calibration: CalibrationOption = None,
@@ -192,7 +205,7 @@ def select_command(
     if output is None:
         raise BadInput("give -o SELECTION.json", "the selection is written to a JSON file that `ggufcarve prune --keep` reads")
     source = sources[0]
-    settings = SelectSettings(method, keep, ratio, imatrix, tuple(calibration or ()), seed, ctx, max_tokens, threads, protect, protect_super_experts, heatmap,
+    settings = SelectSettings(method, one_count(keep), ratio, imatrix, tuple(calibration or ()), seed, ctx, max_tokens, threads, protect, protect_super_experts, heatmap,
                               gpu_layers=gpu_layers)
     with progress(not quiet and not as_json) as sink:
         result = select_to_file(source, settings, output, force=force, on_event=sink)

@@ -14,16 +14,16 @@ from typing import Annotated
 
 import typer
 
-from ggufcarve.cli.options import ForceOption, GpuLayersOption, JsonOption, QuietOption, ThreadsOption
+from ggufcarve.cli.options import ForceOption, GpuLayersOption, JsonOption, QuietOption, ThreadsOption, parse_keep
 from ggufcarve.cli.render import out, progress
-from ggufcarve.errors import OutputError
+from ggufcarve.errors import BadInput, OutputError
 from ggufcarve.select.criteria import all_help
 
 
 def tune_command(
     model: Annotated[Path, typer.Argument(help="The unpruned GGUF model (first shard if split).", show_default=False)],
     output: Annotated[Path, typer.Option("-o", "--output", help="DIR: tune.json, tune.md, tune-kld.png, candidates/<method>-<K>.json, expert-selection.json.", show_default=False)],
-    keep: Annotated[str, typer.Option("--keep", "-k", help="Experts kept per MoE block: K or K,K,... (each K its own tournament).", show_default=False)],
+    keep: Annotated[str, typer.Option("--keep", "-k", help="Experts kept per MoE block: a count or a list of counts, 8 or 4,8,12 (each its own tournament).", show_default=False)],
     heldout: Annotated[list[Path], typer.Option("--heldout", help="Held-out text the keep-sets are scored on (repeatable).", show_default=False)],
     calibration: Annotated[list[Path] | None, typer.Option("--calibration", help="Calibration text or JSONL file (repeatable): one decode pass scores every trace criterion.")] = None,
     methods: Annotated[str, typer.Option("--methods", help="all, or a list such as reap,frequency,weights. all: " + all_help() + " when its memory estimate (a token per byte of the calibration text, at most --max-tokens) is at most half of the memory available (else left out, with a line saying so); razor only when listed (a heavier pass). greedy listed is refused before the pass when its estimate exceeds 80% of the available memory.")] = "all",
@@ -42,6 +42,9 @@ def tune_command(
 
     if (output / "tune.json").exists() and not force:
         raise OutputError(f"{output / 'tune.json'} already exists", "pass --force to replace it, or choose another -o DIR")
+    wanted = parse_keep(keep)
+    if wanted is not None and wanted.file is not None:
+        raise BadInput(f"--keep {keep}: tune weighs the criteria's keep-sets at each count", "give counts (--keep 8 or 8,12); score a keep-set file with ggufcarve eval after ggufcarve prune")
     settings = TuneSettings(keeps=parse_keeps(keep), methods=parse_methods(methods), calibration=tuple(calibration or ()), heldout=tuple(heldout),
                             ctx=ctx, chunks=chunks, max_tokens=max_tokens, threads=threads, gpu_layers=gpu_layers, stability=stability)
     with progress(not quiet and not as_json) as sink:

@@ -105,26 +105,26 @@ def listed_kept_counts(layout: MoeLayout) -> list[int]:
 
 
 def parse_kept_counts(text: str, layout: MoeLayout) -> list[int]:
-    """'--k 96,128,200-256/8' style lists ('A-B' every count, 'A-B/S' every S-th), each accepted by the pruner."""
+    """'--keep 96,128,200-256/8' style lists ('A-B' every count, 'A-B/S' every S-th), each accepted by the pruner."""
     counts: set[int] = set()
     for part in (p.strip() for p in text.split(",")):
         if not part:
             continue
         match = re.fullmatch(r"(\d+)(?:-(\d+)(?:/(\d+))?)?", part)
         if not match:
-            raise BadInput(f"--k {part!r} is not a count or a range", "write counts like 64,96,128 or 64-128/16")
+            raise BadInput(f"--keep {part!r} is not a count or a range", "write counts like 64,96,128 or 64-128/16")
         lo = int(match[1])
         hi = int(match[2]) if match[2] else lo
         step = int(match[3]) if match[3] else 1
         if hi < lo or step < 1:
-            raise BadInput(f"--k {part!r} is an empty range", "write ranges low-high, e.g. 64-128/16")
+            raise BadInput(f"--keep {part!r} is an empty range", "write ranges low-high, e.g. 64-128/16")
         counts.update(range(lo, hi + 1, step))
     if not counts:
-        raise BadInput("--k lists no count", "write counts like 64,96,128")
+        raise BadInput("--keep lists no count", "write counts like 64,96,128")
     for k in sorted(counts):
         problem = kept_count_problem(layout, k)
         if problem:
-            raise BadInput(f"--k {k}: {problem}", f"valid counts include {', '.join(map(str, listed_kept_counts(layout)[:12]))}")
+            raise BadInput(f"--keep {k}: {problem}", f"valid counts include {', '.join(map(str, listed_kept_counts(layout)[:12]))}")
     return sorted(counts)
 
 
