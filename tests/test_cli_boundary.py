@@ -61,3 +61,21 @@ def test_a_broken_installation_is_one_line(monkeypatch, capsys):
         console.main()
     lines = capsys.readouterr().err.strip().splitlines()
     assert stopped.value.code == 1 and len(lines) == 1 and lines[0].startswith("error: internal error: ModuleNotFoundError: "), lines
+
+
+def test_output_that_is_not_a_terminal_keeps_each_line_whole(tmp_path):
+    """Piped or logged (no terminal, no COLUMNS): no line is wrapped mid-value and no table cell is cut."""
+    import os
+    import subprocess
+    import sys
+
+    from ggufcarve.demo import CALIBRATION, DEMO_MODEL, HELDOUT
+
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    proc = subprocess.run([sys.executable, "-m", "ggufcarve", "best", str(DEMO_MODEL), "--memory", "64MiB", "--ctx", "256", "--heldout", str(HELDOUT),
+                           "--calibration", str(CALIBRATION), "-o", str(tmp_path / "b"), "--dry-run", "-q"],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    rows = [line for line in proc.stdout.splitlines() if line.startswith(("  K", "  unpruned-"))]
+    assert rows and all("file " in line and "total " in line for line in rows), proc.stdout
+    assert any(len(line) > 100 for line in proc.stdout.splitlines())  # wider than the 80 columns rich assumes without a terminal

@@ -7,6 +7,8 @@ its bar.
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
@@ -20,6 +22,9 @@ if TYPE_CHECKING:
     from ggufcarve.events import Event, Sink
 
 
+PIPE_WIDTH = 240  # columns of output that is not a terminal (without COLUMNS)
+
+
 class _LazyConsole:
     """A rich Console created on first use: `--version` and `--help` never import rich."""
 
@@ -31,7 +36,10 @@ class _LazyConsole:
         if self._console is None:
             from rich.console import Console
 
-            self._console = Console(stderr=self._stderr)
+            stream = sys.stderr if self._stderr else sys.stdout
+            piped = not stream.isatty() and "COLUMNS" not in os.environ
+            # piped or logged: lines are not wrapped and tables get PIPE_WIDTH columns, so no value is cut or split
+            self._console = Console(stderr=self._stderr, width=PIPE_WIDTH, soft_wrap=True) if piped else Console(stderr=self._stderr)
         return self._console
 
     def __getattr__(self, name: str) -> Any:
