@@ -18,10 +18,7 @@ from clirun import ggufcarve
 from ggufcarve.errors import BadInput
 from ggufcarve.gguf.container import read_model
 from ggufcarve.llama import masking
-from ggufcarve.llama.calibration import Batching
-from ggufcarve.llama.decode import DecodeRequest, decode
-from ggufcarve.llama.trace import trace_routing
-from ggufcarve.moe.keepset import KeepSet
+from ggufcarve.moe.keepset import KeepSet, check_keepset
 from ggufcarve.moe.layout import inspect_layout
 
 pytestmark = pytest.mark.slow
@@ -54,6 +51,21 @@ def prune(src, keepset: KeepSet, out):
     return out
 
 
+def engine_logits(path, ids: list[int], mask: masking.RoutingMask | None = None, batch: int = 16) -> np.ndarray:
+    """llama.cpp's logits of `ids` in chunks of CONTEXT tokens, micro-batches of `batch`, through the
+    evaluation engine (the path tune and best score keep-sets by), with `mask` as its eval callback."""
+    from ggufcarve.evaluate.engine import Engine
+
+    engine = Engine(str(path), threads=2)
+    context = engine.context(CONTEXT, 1, batch, eval_callback=mask)
+    try:
+        chunks = [np.asarray(ids[i:i + CONTEXT], dtype=np.int32) for i in range(0, len(ids), CONTEXT)]
+        return np.concatenate([context.chunk_logits([chunk], 0)[0] for chunk in chunks])
+    finally:
+        context.close()
+        engine.close()
+
+
 def tokens(n: int, seed: int = 7) -> list[int]:
     return [factory.BOS_ID] + np.random.default_rng(seed).integers(3, factory.N_VOCAB, n - 1).tolist()
 
@@ -78,17 +90,20 @@ def test_masked_logits_equal_the_pruned_files(make_model, tmp_path, arch, option
     ids = tokens(2 * CONTEXT)
     # micro-batches of 16 (the mask is written in every micro-batch's graph) on both sides: the
     # micro-batch size changes llama.cpp's arithmetic by itself (~3e-3 here between 16 and 64)
-    pruned = trace_routing(prune(src, keepset, tmp_path / "p.gguf"), ids, nodes=(), context=CONTEXT, batch=16).logits
-    masked = masking.masked_logits(src, ids, keepset, context=CONTEXT, batch=16)
-    full = trace_routing(src, ids, nodes=(), context=CONTEXT, batch=16).logits
+    pruned = engine_logits(prune(src, keepset, tmp_path / "p.gguf"), ids)
+    mask = masking.RoutingMask(dict(keepset.layers))
+    masked = engine_logits(src, ids, mask)
+    full = engine_logits(src, ids)
 
-    assert np.abs(masked.logits - pruned).max() <= TOLERANCE
+    assert not mask.errors
+    assert np.abs(masked - pruned).max() <= TOLERANCE
     assert np.abs(full - pruned).max() > 100 * TOLERANCE  # pruning changes the logits: the comparison can fail
-    assert mean_kld(full, masked.logits) == pytest.approx(mean_kld(full, pruned), rel=1e-3)
-    assert mean_kld(pruned, masked.logits) <= 1e-6
+    assert mean_kld(full, masked) == pytest.approx(mean_kld(full, pruned), rel=1e-3)
+    assert mean_kld(pruned, masked) <= 1e-6
     decoded = [b for b in layout.blocks if not layout.is_mtp(b)]
-    assert {key for key in masked.masked if key.startswith("ffn_moe_logits:")} == {f"ffn_moe_logits:{b}" for b in decoded}
-    assert all(count == 2 * CONTEXT // 16 for count in masked.masked.values())
+    assert {key for key in mask.masked if key.startswith("ffn_moe_logits:")} == {f"ffn_moe_logits:{b}" for b in decoded}
+    assert all(count == 2 * CONTEXT // 16 for count in mask.masked.values())
+    assert {f"{node}:{block}" for node, block in masking.required_nodes(layout, keepset)} <= set(mask.masked)
 
 
 def test_grouped_sigmoid_routing_needs_the_selection_scores_masked(make_model, tmp_path):
@@ -99,18 +114,18 @@ def test_grouped_sigmoid_routing_needs_the_selection_scores_masked(make_model, t
     layout = inspect_layout(read_model(src))
     keepset = random_keepset(layout, seed=1)
     ids = tokens(2 * CONTEXT)
-    pruned = trace_routing(prune(src, keepset, tmp_path / "p.gguf"), ids, nodes=(), context=CONTEXT).logits
-    request = DecodeRequest(str(src), (masking.mask_spec(keepset, nodes=[masking.ROUTER_LOGITS]),), Batching.single(CONTEXT, CONTEXT),
-                            tokens=tuple(ids), logits=True)
-    logits_only = decode(request, what="masking router logits only").logits
+    pruned = engine_logits(prune(src, keepset, tmp_path / "p.gguf"), ids, batch=CONTEXT)
+    logits_only = engine_logits(src, ids, masking.RoutingMask(dict(keepset.layers), frozenset({masking.ROUTER_LOGITS})), batch=CONTEXT)
+    both = engine_logits(src, ids, masking.RoutingMask(dict(keepset.layers)), batch=CONTEXT)
     assert np.abs(logits_only - pruned).max() > 100 * TOLERANCE
+    assert np.abs(both - pruned).max() <= TOLERANCE
     assert masking.required_nodes(layout, keepset) == [(node, b) for b in (1, 2) for node in (masking.ROUTER_LOGITS, masking.SELECTION_SCORES)]
 
 
 def test_a_keepset_no_pruned_file_could_hold_is_refused(make_model):
     src = make_model("qwen3moe", "F16")
     with pytest.raises(BadInput, match="different expert counts"):
-        masking.masked_logits(src, tokens(8), KeepSet({0: (0, 1, 2, 3), 1: (0, 1, 2)}))
+        check_keepset(KeepSet({0: (0, 1, 2, 3), 1: (0, 1, 2)}), inspect_layout(read_model(src)))
 
 
 def test_one_loaded_model_scores_several_keepsets(make_model, tmp_path, monkeypatch):

@@ -1,7 +1,8 @@
 """A keep-set scored without writing a file: the pruned experts taken out of llama.cpp's routing.
 
-    from ggufcarve.llama.masking import masked_logits
-    logits = masked_logits("model.gguf", tokens, keepset, context=256)   # [n_tokens, n_vocab]
+    mask = RoutingMask(dict(keepset.layers))
+    context = engine.context(512, eval_callback=mask)   # evaluate.engine; the measure child does this
+    mask.keep = dict(other_keepset.layers)              # another keep-set, the same loaded model
 
 A pruned file routes among its kept experts only: a pruned expert is never selected and never
 part of a normalisation. The same graph on the unpruned model computes that when, per MoE block,
@@ -33,36 +34,31 @@ against the unpruned model agreed with the pruned file's to 1.2e-5 relative over
 (tests/test_tune.py holds 1e-4).
 
 Architectures whose graph names no `ffn_moe_logits-N` node (or no `ffn_moe_probs_biased-N` where
-the block has a selection bias) cannot be masked: `masked_logits` checks the nodes it masked and
-raises UnsupportedModel (score the keep-set by pruning a file instead).
+the block has a selection bias) cannot be masked: `required_nodes` names the nodes a keep-set
+needs, and the measure layer (measure/tournament.py) refuses a keep-set whose nodes were not masked
+(score the keep-set by pruning a file instead).
 
 The mask is an eval callback (ggml_backend_sched_eval_callback): the scheduler computes the graph
 up to an observed node, synchronises the backend, calls the callback with ask=False, then computes
 the nodes that depend on it (ggml_backend_sched_compute_splits in ggml/src/ggml-backend.cpp).
 On the CPU backend the node lies in a host buffer and is written in place; in a device buffer
-(a GPU build) it is copied out, masked and written back (`llama.ggml.copy_out`, `copy_in`). `RoutingMask` is a
-consumer of the decode pass (`ggufcarve.llama.decode`), placed first so that other consumers
-observe the masked graph; its keep-set can be replaced between decodes (`keep`), so one loaded
-model scores any number of keep-sets.
+(a GPU build) it is copied out, masked and written back (`llama.ggml.copy_out`, `copy_in`). `RoutingMask` is
+the eval callback of the evaluation engine's contexts (`evaluate.engine`, used by the measure
+child); its keep-set can be replaced between decodes (`keep`), so one loaded model scores any
+number of keep-sets.
 """
 
 from __future__ import annotations
 
 import ctypes
-import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ggufcarve.errors import BadInput, UnsupportedModel
-from ggufcarve.events import Sink, ignore
-from ggufcarve.llama.calibration import Batching
-from ggufcarve.llama.decode import IDLE_TIMEOUT, ConsumerSpec, DecodeRequest, decode
 from ggufcarve.llama.ggml import copy_in, copy_out, in_host_memory, tensor_at
-from ggufcarve.llama.trace import DEFAULT_BATCH, parse_node_name
+from ggufcarve.llama.trace import parse_node_name
 from ggufcarve.moe.keepset import KeepSet
 from ggufcarve.moe.layout import MoeLayout
 
@@ -124,71 +120,6 @@ class RoutingMask:
     def arrays(self) -> dict[str, Any]:
         """How many times each node was masked: "<node>:<block>" -> count."""
         return {key: np.asarray(count) for key, count in sorted(self.masked.items())}
-
-
-def routing_mask(_request: DecodeRequest, keep: Mapping[str, Sequence[int]], nodes: Sequence[str] = tuple(sorted(MASKED_NODES))) -> RoutingMask:
-    """The decode consumer (see the module docstring); `keep` as "block" -> kept ids (JSON keys);
-    `nodes`: the node names masked (both by default; fewer only to show what each one does)."""
-    unknown = sorted(set(nodes) - MASKED_NODES)
-    if unknown:
-        raise BadInput(f"cannot mask {', '.join(unknown)}", f"maskable nodes: {', '.join(sorted(MASKED_NODES))}")
-    return RoutingMask({int(block): tuple(int(i) for i in ids) for block, ids in keep.items()}, frozenset(nodes))
-
-
-def mask_spec(keepset: KeepSet, nodes: Sequence[str] = tuple(sorted(MASKED_NODES))) -> ConsumerSpec:
-    """The decode consumer that masks routing to `keepset`: put it first among the consumers."""
-    return ConsumerSpec("mask", "ggufcarve.llama.masking:routing_mask", {"keep": {str(b): list(ids) for b, ids in sorted(keepset.layers.items())}, "nodes": sorted(nodes)})
-
-
-@dataclass
-class MaskedLogits:
-    logits: np.ndarray  # [n_tokens, n_vocab] float32, decode order
-    masked: dict[str, int]  # "<node>:<block>" -> how many micro-batches it was masked in
-
-
-def masked_logits(
-    model: str | os.PathLike[str],
-    tokens: Sequence[int],
-    keepset: KeepSet,
-    *,
-    threads: int | None = None,
-    gpu_layers: int = 0,
-    batch: int | None = None,
-    context: int | None = None,
-    timeout: float | None = None,
-    idle_timeout: float | None = IDLE_TIMEOUT,
-    verbose: bool = False,
-    on_event: Sink = ignore,
-    on_line: Callable[[str], None] | None = None,
-) -> MaskedLogits:
-    """The logits of `model` with the experts `keepset` drops taken out of routing: what the file
-    `ggufcarve prune --keep` writes computes on the same tokens, with no file written.
-
-    `keepset` must be one a pruned file can hold (moe.keepset.check_keepset: every MoE block, one
-    count, llama.cpp's load rules), BadInput otherwise. `context`: tokens per independently decoded
-    chunk (default: all of them, one sequence); `batch`: tokens per micro-batch (default 512, at
-    most `context`). ToolFailed (with the child's last lines) when the child fails."""
-    from ggufcarve.gguf.container import read_model
-    from ggufcarve.moe.keepset import check_keepset
-    from ggufcarve.moe.layout import inspect_layout
-
-    tokens = [int(t) for t in tokens]
-    if not tokens:
-        raise BadInput("no tokens to score", "give at least one token id")
-    if (context is not None and context < 1) or (batch is not None and batch < 1):
-        raise BadInput(f"context {context} / batch {batch}: both must be at least 1 token", "give positive sizes")
-    layout = inspect_layout(read_model(model))
-    check_keepset(keepset, layout)
-    context = min(context or len(tokens), len(tokens))
-    request = DecodeRequest(os.fspath(model), (mask_spec(keepset),), Batching.single(context, min(batch or DEFAULT_BATCH, context)),
-                            tokens=tuple(tokens), logits=True, threads=threads or 0, gpu_layers=gpu_layers, verbose=verbose)
-    result = decode(request, what=f"scoring a keep-set of {Path(model).name}", stage="mask", on_event=on_event, on_line=on_line, timeout=timeout, idle_timeout=idle_timeout)
-    masked = {key: int(count) for key, count in result.outputs["mask"].items()}
-    missing = [f"{node}-{block}" for node, block in required_nodes(layout, keepset) if f"{node}:{block}" not in masked]
-    if missing:
-        raise UnsupportedModel(f"{Path(model).name}: llama.cpp's graph of {layout.architecture} has no node {', '.join(missing[:4])} to mask",
-                               "score this keep-set by pruning a file (ggufcarve prune --keep) and evaluating it")
-    return MaskedLogits(result.logits, masked)
 
 
 def required_nodes(layout: MoeLayout, keepset: KeepSet) -> list[tuple[str, int]]:
