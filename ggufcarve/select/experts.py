@@ -21,13 +21,14 @@ The three products run on one of two engines (`ExpertEvaluator(engine=...)`):
   * "numpy": float32 products with the dequantized weights, cached up to a byte budget (least
     recently used first out), so the model is never held in memory whole; `outputs_many` reads and
     evaluates a batch of experts on a few threads (in the eval callback llama.cpp's own threads
-    wait, so the cores are free). Exact in float32: what greedy's elimination is checked against;
+    wait, so the cores are free). Exact in float32: the oracle the ggml engine is checked against;
   * "ggml": build_moe_ffn's own op, ggml_mul_mat_id, on ggml's CPU backend (`llama.matmul`), one
     per weight tensor for all rows of a batch, on the quantized weights where they lie in a memory
     map of the file, the inputs quantized to the weights' dot-product type as llama.cpp quantizes
     them: no dequantized copy (dequantizing an expert costs more than its products for the few
     tokens a batch gives it: at n_embd 2048 and n_ff 512, 3 ms against 1 ms for 8 tokens), and the
-    outputs are llama.cpp's ffn_moe_down bit for bit (tested on Q8_0). RAZOR's refill experts use it.
+    outputs are llama.cpp's ffn_moe_down bit for bit (tested on Q8_0). RAZOR's refill experts and
+    greedy's rerouted experts use it.
 The activation, scales and biases are numpy's in both.
 """
 

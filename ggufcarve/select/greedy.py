@@ -15,8 +15,9 @@ src/llama-graph.cpp; `route`):
     top-k of the selection; weights = probs of the top-k, softmax over them for gating 3,
               / max(sum, 6.103515625e-5) when normalised, x the scale when neither 0 nor 1.
 f_e(x_t) is llama.cpp's own ffn_moe_down (+ the down bias) for the pairs the full model selected;
-the pairs rerouting reaches are evaluated in numpy from the dequantized weights
-(`select.experts.ExpertEvaluator`) on the traced MoE input, once, and cached.
+the pairs rerouting reaches are evaluated by ggml's own ggml_mul_mat_id on the quantized weights
+(`select.experts.ExpertEvaluator`, engine "ggml": llama.cpp's ffn_moe_down bit for bit, the
+engine RAZOR's refill uses too) on the traced MoE input, once, and cached.
 
 Elimination: from S = all experts, at each step the expert whose removal raises error(S) least
 leaves S, until no smaller S is loadable (K = expert_used_count, or with grouped routing the
@@ -186,7 +187,7 @@ class BlockOutputs:
     evaluator: ExpertEvaluator | None
     expert_count: int
     down_bias: np.ndarray | None = None
-    evaluated: int = 0  # (token, expert) pairs evaluated in numpy
+    evaluated: int = 0  # (token, expert) pairs evaluated by the evaluator
 
     def __post_init__(self) -> None:
         self.values = np.zeros((len(self.inputs), self.expert_count, self.inputs.shape[1]), np.float32)
@@ -348,7 +349,7 @@ class GreedyConsumer:
     def __init__(self, model: Any, layout: Any, threads: int) -> None:
         self.model, self.layout = model, layout
         self.tracer = GraphTracer(frozenset(NODES))
-        self.evaluator = ExpertEvaluator(model, layout, threads=threads)
+        self.evaluator = ExpertEvaluator(model, layout, threads=threads, engine="ggml")
 
     @property
     def errors(self) -> list[str]:
