@@ -13,6 +13,7 @@ import pytest
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 import factory
+from progress import terminal_progress
 
 # A test run started in the background of a non-interactive shell inherits SIGINT ignored, and an
 # ignored disposition survives exec: the commands the tests start would then ignore Ctrl-C, as
@@ -81,29 +82,7 @@ def llama_tools(request) -> pathlib.Path:
     found = [find_tool(name) for name in TOOLS]
     if all(found) and len({p.parent for p in found}) == 1:
         return found[0].parent
-    return build_tools(_terminal_progress(request.config))
-
-
-def _terminal_progress(config):
-    """A sink that shows the tool build on the terminal past pytest's capture: a stage line when it
-    changes, then at most one line per 30 s, so the first run does not sit silent for minutes."""
-    import time
-
-    reporter = config.pluginmanager.get_plugin("terminalreporter")
-    shown = {"stage": None, "at": 0.0}
-    if reporter is not None:
-        reporter.write_line("building llama.cpp's tools (llama-quantize, llama-imatrix, llama-perplexity, ...) from the llama-cpp-python sdist "
-                            "once: 10-14 min on 2 cores; later runs use the cache (`ggufcarve toolchain build` does the same ahead)")
-
-    def sink(event) -> None:
-        now = time.monotonic()
-        if reporter is None or (event.stage == shown["stage"] and now - shown["at"] < 30):
-            return
-        shown.update(stage=event.stage, at=now)
-        amount = f" {event.done}/{event.total} {event.unit}" if event.total else ""
-        reporter.write_line(f"  toolchain: {event.stage}{amount} {event.message}".rstrip())
-
-    return sink
+    return build_tools(terminal_progress(request.config))
 
 
 CALIBRATION_WORDS = ("the quick brown fox jumps over a lazy dog while experts route tokens through "

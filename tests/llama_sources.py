@@ -1,9 +1,10 @@
 """The llama.cpp sources in the llama-cpp-python sdist, read as the oracle of ggufcarve's
 per-architecture tables (routing, cache kinds, activations, expert tensor names).
 
-The sdist is the one `ggufcarve toolchain build` downloads into ggufcarve's cache
-(llama/build.py `sdist_path`), or the file named by GGUFCARVE_LLAMA_SDIST; .ci/run provides it.
-Without it the tests that read it skip, which the conftest turns into a failure under CI=true.
+The sdist is the file named by GGUFCARVE_LLAMA_SDIST, else the one in ggufcarve's cache
+(llama/build.py `sdist_path`), which `ggufcarve toolchain build` downloads and which is downloaded
+here the same way (`fetch_sdist`) when missing. When it cannot be had the tests that read it skip,
+which the conftest turns into a failure under CI=true.
 
 An architecture's classes are its llama_model_mapping class (src/llama-model.cpp), the class its
 `using graph =` names and the classes they derive from (src/models/models.h). Its graph's
@@ -27,13 +28,22 @@ SDIST_ENV = "GGUFCARVE_LLAMA_SDIST"
 
 
 def sdist() -> Path:
-    from ggufcarve.llama.build import sdist_path
+    """GGUFCARVE_LLAMA_SDIST, else the sdist in ggufcarve's cache, downloaded with pip when missing."""
+    from ggufcarve.errors import CarveError
+    from ggufcarve.llama import build
     from ggufcarve.llama.tools import llama_cpp_version
 
     given = os.environ.get(SDIST_ENV)
-    path = Path(given) if given else sdist_path(llama_cpp_version())
+    if given:
+        if not Path(given).is_file():
+            pytest.skip(f"the llama-cpp-python sdist is not at {given} (fix {SDIST_ENV}, or unset it to use ggufcarve's cache)")
+        return Path(given)
+    path = build.sdist_path(llama_cpp_version())
     if not path.is_file():
-        pytest.skip(f"the llama-cpp-python sdist is not at {path} (set {SDIST_ENV}, or run ggufcarve toolchain build)")
+        try:
+            path = build.fetch_sdist(llama_cpp_version())
+        except CarveError as e:
+            pytest.skip(f"the llama-cpp-python sdist is not at {path} and could not be fetched: {e} (set {SDIST_ENV}, or run ggufcarve toolchain build)")
     return path
 
 

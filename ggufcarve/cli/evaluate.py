@@ -94,6 +94,9 @@ def eval_command(
         out.print(line + f" — {r['gate'] or 'no gate'}" + (f" ({'; '.join(r['gate_failed'])})" if r.get("gate_failed") else ""), highlight=False, soft_wrap=True)
         for s in r.get("segments") or []:
             out.print(escape(_segment_line(s)), highlight=False, soft_wrap=True)
+        for check in [r.get("cross_check")] + [s.get("cross_check") for s in r.get("segments") or []]:
+            for note in (check or {}).get("notes", []):
+                warn(note, "note")
     err.print(f"wrote {len(run.files)} files to {output} (reference {run.reference.label}{', cached log-probs' if run.reference.cached else ''})", highlight=False)
     if evaluated.records:
         err.print(f"recorded {len(evaluated.records)} evaluation files in {evaluated.release / 'quant-manifest.json'} and SHA256SUMS", highlight=False)

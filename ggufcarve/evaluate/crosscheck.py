@@ -24,8 +24,10 @@ if TYPE_CHECKING:
 
 TOOL_TIMEOUT_IDLE = 3600.0
 # llama.cpp's common log prints from a worker thread and is never flushed at exit (common/log.cpp,
-# common_log_main), so under load the last lines, the final statistics, can be missing: such a
-# run is repeated up to this many times (half the runs lost them on a loaded 2-core machine).
+# common_log_main), so under load the last lines, the final statistics, can be missing while the
+# exit code is 0: such a run is repeated up to this many times (half the runs lost them on a
+# loaded 2-core machine); the repeats are in the result's notes, and a run that lacks them every
+# time is an error.
 ATTEMPTS = 6
 FINAL_ESTIMATE = re.compile(r"Final estimate: PPL = ([-\d.]+) \+/- ([-\d.]+)")
 MEAN_PPL = re.compile(r"^Mean PPL\(Q\)\s*:\s*([-\d.]+)\s*±\s*([-\d.]+)")
@@ -62,6 +64,17 @@ def parse_kld_output(lines: list[str]) -> dict:
     return found
 
 
+def missing_statistics(parse, found: dict) -> str:
+    """The closing lines, quoted and joined, that `parse`'s output lacked ("" when none): the PPL
+    mode's "Final estimate" line; the KLD mode's "Mean PPL(Q)" line, which opens its closing
+    block, and its "Same top p" line, which ends it (all lines between arrived when both did)."""
+    if parse is parse_ppl_output:
+        needed = {"ppl": "Final estimate"}
+    else:
+        needed = {"ppl": "Mean PPL(Q)", "same_top_p": "Same top p"}
+    return " or ".join(f"'{line}'" for key, line in needed.items() if found.get(key) is None)
+
+
 def parse_ppl_output(lines: list[str]) -> dict:
     for line in lines:
         if m := FINAL_ESTIMATE.search(line):
@@ -86,17 +99,27 @@ class CrossCheck:
         launch.check(finished, f"llama-perplexity ({what})", "run the same command by hand to see its whole output")
         return log.read_text(encoding="utf-8", errors="replace").splitlines()
 
-    def _statistics(self, argv: list[str], parse, what: str) -> dict:
-        """Run until the output holds its final statistics (see ATTEMPTS), and parse them."""
+    def _statistics(self, argv: list[str], parse, what: str, sink: Sink, notes: list[str]) -> dict:
+        """Run until the output holds its closing statistics (see ATTEMPTS), and parse them; a
+        repeated run is announced on `sink` and described in `notes`."""
         from ggufcarve.errors import ToolFailed
 
-        for _ in range(ATTEMPTS):
+        lacked: list[str] = []  # the closing lines each run lacked
+        for attempt in range(1, ATTEMPTS + 1):
             lines = self._run(argv, what)
             found = parse(lines)
-            if found.get("ppl") and (parse is not parse_kld_output or "same_top_p" in found):  # its last line: all before it arrived
+            missing = missing_statistics(parse, found)
+            if not missing:
+                if lacked:
+                    notes.append(f"llama-perplexity ({what}) ran again: {len(lacked)} of its {attempt} runs exited 0 without its closing statistics "
+                                 f"(no {lacked[0]} line), which its log thread drops at exit under load")
                 return found
+            lacked.append(missing)
+            if attempt < ATTEMPTS:
+                sink(Event("llama-perplexity", 0, 1, "steps", f"{what}: no {missing} line in its output; running it again ({attempt + 1} of {ATTEMPTS})"))
         last = " | ".join(line.strip() for line in lines[-2:] if line.strip())
-        raise ToolFailed(f"llama-perplexity ({what}) printed no final statistics in {ATTEMPTS} runs: {last}", "run the same command by hand to see its whole output")
+        raise ToolFailed(f"llama-perplexity ({what}) exited 0 without its closing statistics (no {lacked[-1]} line) in each of {ATTEMPTS} runs; "
+                         f"its output ends: {last}", "run the same command by hand to see its whole output, or run on a less loaded machine")
 
     def _chunk_args(self) -> list[str]:
         return ["--chunks", str(self.settings.chunks)] if self.settings.chunks else []
@@ -119,14 +142,18 @@ class CrossCheck:
     def check(self, entry: ModelEntry, doc: dict, sink: Sink = ignore) -> dict:
         """llama-perplexity's figures for one model, and whether its PPL agrees with ggufcarve's."""
         result: dict = {"tool": "llama-perplexity"}
+        notes: list[str] = []
         sink(Event("llama-perplexity", 0, 1, "steps", entry.name))
         if self.heldout is not None:
             what = f"PPL of {entry.name}"
-            result["ppl_mode"] = self._statistics(["-m", str(entry.path), "-f", str(self.heldout), "-c", str(self.settings.ctx), *self._chunk_args()], parse_ppl_output, what)
+            argv = ["-m", str(entry.path), "-f", str(self.heldout), "-c", str(self.settings.ctx), *self._chunk_args()]
+            result["ppl_mode"] = self._statistics(argv, parse_ppl_output, what, sink, notes)
         if self.base_file is not None:
             what = f"KLD of {entry.name}"
             argv = ["-m", str(entry.path), "-c", str(doc["parameters"]["ctx"]), "--kl-divergence-base", str(self.base_file), "--kl-divergence"]
-            result["kld_mode"] = self._statistics(argv, parse_kld_output, what)
+            result["kld_mode"] = self._statistics(argv, parse_kld_output, what, sink, notes)
+        if notes:
+            result["notes"] = notes
         ppl = (result.get("ppl_mode") or {}).get("ppl") or (result.get("kld_mode") or {}).get("ppl")
         result["ppl"] = ppl
         result["ppl_agrees"] = ppl is not None and agrees(doc["ppl"], ppl)

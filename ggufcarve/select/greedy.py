@@ -68,7 +68,7 @@ spells at least one byte of its document (the BOS, EOS and a leading-space marke
 message's template counted as TEMPLATE_BYTES more), whole --ctx chunks, at most --max-tokens; on
 the demo's text 57,600 against the 17,408 tokens it gives. `check_memory` refuses greedy when the
 estimate exceeds REFUSE_SHARE of the available memory (`available_memory`: /proc/meminfo
-MemAvailable, within the cgroup's memory.max).
+MemAvailable, within what the memory cgroup, v2 or v1, and its ancestors have left below their limits).
 """
 
 from __future__ import annotations
@@ -407,8 +407,8 @@ def eliminations(arrays: dict[str, np.ndarray]) -> dict[int, Elimination]:
 
 REFUSE_SHARE = 0.8  # greedy asked: refused when its estimate exceeds this share of the available memory
 TEMPLATE_BYTES = 128  # per chat message and per conversation: more than the text llama.cpp's built-in chat templates add
-MEMINFO = Path("/proc/meminfo")
-CGROUP = Path("/sys/fs/cgroup")
+CGROUP_MOUNT = "sys/fs/cgroup"
+CGROUP_NO_LIMIT = 1 << 62  # cgroup v1 writes LONG_MAX rounded down to whole pages where no limit is set
 
 
 @dataclass(frozen=True)
@@ -465,23 +465,53 @@ def token_bound(files: Sequence[CalibrationFile], ctx: int, max_tokens: int | No
     return total // ctx * ctx
 
 
-def available_memory() -> int | None:
+def available_memory(root: Path = Path("/")) -> int | None:
     """Bytes a new process can allocate without swapping: /proc/meminfo MemAvailable, at most what
-    this process's cgroup (v2) has left below its memory.max; None where /proc/meminfo is not readable."""
+    this process's memory cgroup has left below its limit, under `root` (the filesystem's root);
+    None where /proc/meminfo is not readable."""
     try:
-        fields = dict(line.split(":", 1) for line in MEMINFO.read_text().splitlines() if ":" in line)
+        fields = dict(line.split(":", 1) for line in (root / "proc/meminfo").read_text().splitlines() if ":" in line)
         available = int(fields["MemAvailable"].split()[0]) * 1024
     except (OSError, KeyError, ValueError, IndexError):
         return None
     try:
-        lines = Path("/proc/self/cgroup").read_text().splitlines()
-        group = CGROUP / next(line[3:] for line in lines if line.startswith("0::")).lstrip("/")
-        limit = (group / "memory.max").read_text().strip()
-        if limit != "max":
-            available = min(available, int(limit) - int((group / "memory.current").read_text()))
-    except (OSError, StopIteration, ValueError):
-        pass
+        lines = (root / "proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        lines = []
+    for line in lines:
+        # /proc/self/cgroup: "hierarchy-ID:controller,...:path"; cgroup v2's one line is "0::path"
+        # (its groups under /sys/fs/cgroup), v1's memory controller has its own mount.
+        hierarchy, controllers, listed = (line.split(":", 2) + ["", ""])[:3]
+        if hierarchy == "0" and not controllers:
+            left = _cgroup_left(root / CGROUP_MOUNT, listed, "memory.max", "memory.current")
+        elif "memory" in controllers.split(","):
+            left = _cgroup_left(root / CGROUP_MOUNT / "memory", listed, "memory.limit_in_bytes", "memory.usage_in_bytes")
+        else:
+            continue
+        if left is not None:
+            available = min(available, left)
     return max(available, 0)
+
+
+def _cgroup_left(mount: Path, listed: str, limit_file: str, usage_file: str) -> int | None:
+    """The fewest bytes left below a limit in the group `listed` and its ancestors up to `mount`;
+    None where none of them has a limit. In a cgroup namespace the listed path is not under the
+    mount, whose root is then the group. v2 writes "max" for no limit, v1 a number near 2**63."""
+    group = mount / listed.strip("/")
+    if not group.is_dir():
+        group = mount
+    left = None
+    for directory in [group, *group.parents]:
+        try:
+            limit = (directory / limit_file).read_text().strip()
+            if limit != "max" and int(limit) < CGROUP_NO_LIMIT:
+                here = int(limit) - int((directory / usage_file).read_text())
+                left = here if left is None else min(left, here)
+        except (OSError, ValueError):
+            pass
+        if directory == mount:
+            break
+    return left
 
 
 def fitting_tokens(layout: Any, budget: float, ctx: int, threads: int = 8) -> int:
