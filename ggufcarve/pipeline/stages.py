@@ -369,14 +369,14 @@ def _quantizer(ctx: RunContext) -> Any:
     return make_quantizer(ctx.plan.ladder.quantizer, ctx.plan.ladder.llama_cpp)
 
 
-def _run_ladder(ctx: RunContext, source: Path, out_dir: Path, imatrix: Path | None, only: Sequence[str], model_name: str, fresh: bool) -> Any:
+def _run_ladder(ctx: RunContext, source: Path, out_dir: Path, imatrix: Path | None, only: Sequence[str], model_name: str, fresh: bool, label: str = "") -> Any:
     from ggufcarve.quant.run import plan_ladder, run_ladder
     from ggufcarve.quant.spec import load_spec
 
     ladder_plan = plan_ladder(load_spec(ctx.plan.ladder.spec), source, out_dir, quantizer=_quantizer(ctx), imatrix=imatrix, only=list(only) or None,
                               model_name=model_name, nthreads=ctx.threads, fresh=fresh, on_event=ctx.sink)
     ctx.warnings.extend(ladder_plan.warnings)
-    result = run_ladder(ladder_plan, on_event=ctx.sink)
+    result = run_ladder(ladder_plan, on_event=ctx.sink, label=label)
     if result.failed:
         failed = result.failed[0]
         raise ToolFailed(f"rung {failed.name} failed: {failed.error}", "see the quantizer's last lines above; fix the cause and run the plan again (finished stages are skipped)")
@@ -442,7 +442,7 @@ def _unpruned_stage(ctx: RunContext, ev: EvaluationStep, sizes: bool) -> Stage:
     imatrix = imatrix_source(ctx)
 
     def work() -> tuple[list[Path], str]:
-        result = _run_ladder(ctx, plan.source, names.unpruned_dir, imatrix, ev.unpruned, names.base, True)
+        result = _run_ladder(ctx, plan.source, names.unpruned_dir, imatrix, ev.unpruned, names.base, True, "unpruned")
         files = [names.unpruned_dir / r.output for r in result.rungs if r.output]
         return files, f"{', '.join(r.name for r in result.rungs)} of the unpruned {names.base}"
 
