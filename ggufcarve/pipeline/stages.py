@@ -493,7 +493,7 @@ def _evaluate_stage(ctx: RunContext, ev: EvaluationStep) -> Stage:
         return list(evaluated.files), f"{len(evaluated.run.results)} models; " + ", ".join(f"{g} {gates.count(g)}" for g in ("PASS", "FAIL") if gates.count(g))
 
     def publish() -> str:
-        from ggufcarve.evaluate.release import published_files
+        from ggufcarve.fileio import published_files
         from ggufcarve.release.publish import record_published
 
         record_published(plan.output, "evaluation", published_files(directory))
@@ -535,7 +535,7 @@ def method_reports(output: Path, except_name: str) -> list[Path]:
 
 
 def _card_stage(ctx: RunContext) -> Stage:
-    from ggufcarve.evaluate.release import published_files
+    from ggufcarve.fileio import published_files
 
     plan = ctx.plan
 

@@ -59,6 +59,7 @@ from ggufcarve.fileio import (
 )
 from ggufcarve.gguf.container import SHARD_NAME, GGUFModel, read_model
 from ggufcarve.gguf.types import FILE_TYPES
+from ggufcarve.listing import shortened
 from ggufcarve.quant.quantizer import (
     TENSOR_LINE,
     DryRun,
@@ -177,7 +178,7 @@ def read_imatrix_info(path: Path, model: GGUFModel) -> ImatrixInfo:
 
 def _raise_mismatch(path: Path, model: GGUFModel, problems: list[str]) -> None:
     if problems:
-        shown = "; ".join(problems[:4]) + (f" (+{len(problems) - 4} more)" if len(problems) > 4 else "")
+        shown = shortened(problems, 4)
         raise BadInput(
             f"imatrix {path} does not match {model.path.name}: {shown}",
             "an imatrix of the unpruned model must be remapped first: ggufcarve imatrix remap IMATRIX --keep KEEPSET -o OUT",

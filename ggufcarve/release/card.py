@@ -27,6 +27,7 @@ from gguf.constants import Keys
 from ggufcarve import __version__
 from ggufcarve.errors import BadInput, OutputError
 from ggufcarve.fileio import format_size
+from ggufcarve.listing import pareto_front
 from ggufcarve.moe.keepset import KEY_KEPT_COUNT, KEY_SOURCE_EXPERT_COUNT
 
 CARD_NAME = "README.md"
@@ -454,9 +455,8 @@ def _quant_table(inputs: CardInputs) -> list[str]:
 
 
 def _pareto(docs: list[dict]) -> set[str]:
-    """Files no other model beats by mean KLD at the same or a smaller size."""
-    return {d["model"]["file"] for d in docs
-            if not any(o is not d and o["model"]["bytes"] <= d["model"]["bytes"] and o["kld_mean"] < d["kld_mean"] for o in docs)}
+    """Files on the Pareto front of mean KLD against file size (listing.pareto_front)."""
+    return {d["model"]["file"] for d in pareto_front(docs, lambda d: d["model"]["bytes"], lambda d: d["kld_mean"])}
 
 
 def _comparison(inputs: CardInputs) -> list[str]:
