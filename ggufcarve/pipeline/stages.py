@@ -541,7 +541,7 @@ def _card_stage(ctx: RunContext) -> Stage:
 
     def work() -> tuple[list[Path], str]:
         from ggufcarve.errors import OutputError
-        from ggufcarve.release.card import card_edited, write_card
+        from ggufcarve.release.card import card_edited, card_warnings, write_card
 
         if card_edited(plan.output) and not ctx.force:
             raise OutputError(f"{plan.output / 'README.md'} was edited since ggufcarve wrote it, and this run would replace it",
@@ -553,6 +553,7 @@ def _card_stage(ctx: RunContext) -> Stage:
             plan_record = plan.output / "method" / RUN_PLAN_NAME
             record_published(plan.output, "plan", [*([plan_record] if plan_record.is_file() else []), *_publish_tune(plan)])
         path = write_card(plan.output, None, force=True, settings=plan.card_settings)
+        ctx.warnings.extend(card_warnings(plan.output, plan.card_settings))
         return [path], f"{path.name}"
 
     def publish() -> str:
