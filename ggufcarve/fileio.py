@@ -162,6 +162,18 @@ def sha256_file_cached(path: str | os.PathLike[str], progress: Progress = _noop)
     return digest
 
 
+def published_files(directory: Path, leave_out: Sequence[str] = ()) -> list[Path]:
+    """Every file under `directory` a release publishes, by relative POSIX name: none with a part
+    of its relative path hidden (a leading ".", which every temp name has), none of the relative
+    names in `leave_out`. None when `directory` does not exist."""
+    files = []
+    for root, dirs, names in os.walk(directory):
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        files += [Path(root) / name for name in names if not name.startswith(".")]
+    by_name = {p.relative_to(directory).as_posix(): p for p in files}
+    return [by_name[name] for name in sorted(by_name) if name not in leave_out]
+
+
 def same_file(a: Path, b: Path) -> bool:
     try:
         return os.path.samefile(a, b)

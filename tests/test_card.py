@@ -76,9 +76,9 @@ def test_a_card_without_a_known_base_model_or_license_says_so(built):
     # the tiny model's GGUF names no base model and no license: none is invented
     assert "base_model" not in front and "license" not in front and problems == ["no base_model", "license None"]
     card = (release / "README.md").read_text()
-    assert "The base model is not stated" in card and "--base-model OWNER/NAME" in card and "The license is not stated" in card
-    assert "# tiny-6e GGUF" in card  # the ladder's model name: the GGUF has no general.basename
-    assert "no base_model in the card" in " ".join(built["card_stderr"].split())
+    assert "The base model is not stated" in card and "The license is not stated" in card and "--base-model" not in card
+    assert "# tiny-6e, pruned to 6 of 8 experts, GGUF" in card  # the ladder's model name: the GGUF has no general.basename
+    assert "no base_model in the card" in " ".join(built["card_stderr"].split()) and "--base-model OWNER/NAME" in " ".join(built["card_stderr"].split())
     code, report = verify_json(release)
     assert code == 0 and report["complete"] and report["missing"] == [], report
     assert any("no base_model" in w["problem"] for w in report["warnings"]) and any("no license" in w["problem"] for w in report["warnings"])
@@ -266,3 +266,53 @@ def test_sizes_take_the_unit_that_fits():
     assert format_size(15_213_856) == "14.5 MiB" and format_size(8_300_000) == "7.92 MiB" and format_size(512 * 2**20) == "512 MiB"
     assert format_size(17.28 * 2**30) == "17.28 GiB" and format_size(2**30) == "1.00 GiB"
     assert format_size(3_200) == "3.12 KiB" and format_size(2**20) == "1.00 MiB"  # a card or a report is not "0.00 MiB"
+
+
+def _card_inputs(gates: dict[str, tuple[str, float, int]], unpruned: dict[str, tuple[float, int]]):
+    """CardInputs of a release of 6-of-8-expert rungs: rung -> (gate, mean KLD, bytes), and the
+    unpruned models compared with them: quant -> (mean KLD, bytes)."""
+    from ggufcarve.moe.keepset import KEY_KEPT_COUNT, KEY_SOURCE_EXPERT_COUNT
+    from ggufcarve.release.card import CardInputs
+
+    def doc(file, quant, kld, size, pruned, gate=None):
+        return {"model": {"file": file, "quant": quant, "bytes": size, "pruned": pruned, "family": "6 of 8" if pruned else "8"},
+                "kld_mean": kld, "ppl": 10.0, "ppl_delta_percent": 1.0, "same_top_p": 0.9, "gate": gate,
+                "parameters": {"ctx": 128, "chunks": 2, "scored_tokens": 200}, "reference": {"name": "ref.gguf"}}
+
+    rungs = [{"name": q, "files": [{"name": f"tiny-6e-{q}.gguf", "bytes": size}], "sha256": "ab" * 32, "bits_per_weight": 4.5}
+             for q, (_, _, size) in gates.items()]
+    evaluation = {f"tiny-6e-{q}.gguf": doc(f"tiny-6e-{q}.gguf", q, kld, size, True, gate) for q, (gate, kld, size) in gates.items()}
+    evaluation |= {f"tiny-{q}.gguf": doc(f"tiny-{q}.gguf", q, kld, size, False) for q, (kld, size) in unpruned.items()}
+    imatrix_sha = hashlib.sha256(b"the imatrix").hexdigest()
+    manifest = {"imatrix": {"name": "tiny-6e.imatrix.gguf", "sha256": imatrix_sha, "datasets": ["calibration.txt"], "chunk_count": 4, "chunk_size": 64},
+                "parameters": {"model_name": "tiny-6e"}, "quantizer": {"backend": "libllama"}}
+    keys = {"general.architecture": "qwen3moe", "general.basename": "Tiny", "qwen3moe.expert_used_count": 2, "qwen3moe.expert_count": 6,
+            KEY_KEPT_COUNT: 6, KEY_SOURCE_EXPERT_COUNT: 8}
+    return CardInputs(manifest, rungs, keys, None, None, evaluation), imatrix_sha
+
+
+def _usage(text: str) -> str:
+    return text.split("## Use with llama.cpp", 1)[1].split("## Limitations", 1)[0]
+
+
+def test_the_card_recommends_a_passing_file_titles_the_prune_and_keeps_publisher_advice_out():
+    from ggufcarve.release.card import render_card
+
+    inputs, imatrix_sha = _card_inputs({"Q8_0": ("PASS", 0.01, 800), "Q4_K_M": ("FAIL", 0.30, 500), "Q2_K": ("PASS", 0.05, 300)}, {})
+    text = render_card(inputs)
+    assert "\n# Tiny, pruned to 6 of 8 experts, GGUF\n" in text
+    assert "-m tiny-6e-Q8_0.gguf" in _usage(text) and "Q4_K_M" not in _usage(text)  # Q4_K_M fails the gate
+    assert "ggufcarve card" not in text and "--force" not in text and "--base-model" not in text  # the command is for the publisher, on the command line
+    assert f"| tiny-6e.imatrix.gguf (from calibration.txt) | `{imatrix_sha[:12]}` |" in text
+    assert "Measured here, the unpruned model" not in text  # nothing unpruned was compared
+
+
+def test_the_card_says_when_no_file_passes_and_when_the_unpruned_model_is_better():
+    from ggufcarve.release.card import render_card
+
+    inputs, _ = _card_inputs({"Q8_0": ("FAIL", 0.20, 800), "Q4_K_M": ("FAIL", 0.30, 500)}, {"Q2_K": (0.01, 500), "Q4_K_M": (0.001, 900)})
+    text = render_card(inputs)
+    assert "No file of this release passes the release gate; the example uses tiny-6e-Q8_0.gguf" in text and "-m tiny-6e-Q8_0.gguf" in _usage(text)
+    assert "the unpruned model quantized to Q2_K (tiny-Q2_K.gguf" in text and "than every file of this release" in text
+    inputs, _ = _card_inputs({"Q8_0": ("PASS", 0.005, 800), "Q4_K_M": ("PASS", 0.30, 500)}, {"Q2_K": (0.01, 500)})
+    assert "Measured here, the unpruned model" not in render_card(inputs)  # Q8_0 is larger and better than it

@@ -365,3 +365,37 @@ def test_plans_take_the_one_pass_criteria_and_imatrix_msan(q8_moe, tmp_path):
         parsed = load_plan(plan)
         assert parsed.selection.method == method
         assert traces(parsed) == one_pass(parsed) == (method != "imatrix-msan"), method
+
+
+@pytest.mark.slow
+def test_each_rung_row_shows_its_own_files_hash_and_ends_complete(q8_moe, tmp_path):
+    """The progress rows drawn from a real run's events: the pruned and the unpruned Q4_K_M are
+    separate rows, each row's sha256 is that of its own file, and every rung row ends at n/n."""
+    import io
+    import re
+
+    from rich.console import Console
+
+    from ggufcarve.cli import render
+    from ggufcarve.pipeline.plan import load_plan
+    from ggufcarve.pipeline.run import execute_run
+
+    events = []
+    execute_run(load_plan(_plan(tmp_path, q8_moe)), on_event=events.append)
+    screen = io.StringIO()
+    console = Console(file=screen, width=200, force_terminal=False, color_system=None)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(render.err, "_console", console)
+        with render.progress() as sink:
+            for event in events:
+                sink(event)
+    rows = {m["row"].strip(): m for m in re.finditer(r"^(?P<row>\S+(?: \S+)?)\s+.*?(?P<done>[\d,]+)/(?P<total>[\d,]+) tensors.*?(?:sha256 (?P<sha>[0-9a-f]{12}))?\s*$",
+                                                       screen.getvalue(), re.MULTILINE)}
+    release, unpruned = tmp_path / "release", next((tmp_path / "release.work").rglob("qwen3moe-Q4_K_M.gguf"))
+    files = {"Q8_0": release / "qwen3moe-4e-Q8_0.gguf", "Q4_K_M": release / "qwen3moe-4e-Q4_K_M.gguf", "IQ2_XS": release / "qwen3moe-4e-IQ2_XS.gguf",
+             "unpruned Q4_K_M": unpruned}
+    assert set(files) <= set(rows), screen.getvalue()
+    for name, path in files.items():
+        row = rows[name]
+        assert row["done"] == row["total"], row.group(0)
+        assert row["sha"] == sha256(path)[:12], (name, row.group(0))

@@ -13,16 +13,6 @@ def _cell(value: Any, digits: int = 4) -> str:
     return "" if value is None else f"{value:.{digits}f}"
 
 
-def front(candidates: list[dict[str, Any]], metric: str) -> list[dict[str, Any]]:
-    """The fitting finalists on the Pareto front of metric against file size (none smaller and better), smallest first."""
-    scored = sorted((c for c in candidates if c.get("finalist") and c.get(metric) is not None and c["fits"]), key=lambda c: (c["file_bytes"], c[metric]))
-    out: list[dict[str, Any]] = []
-    for c in scored:
-        if not out or c[metric] < out[-1][metric]:
-            out.append(c)
-    return out
-
-
 REASONS = {"halving": "halving", "budget": "over budget", "gate": "gate", "identical": "identical keep-set"}
 
 

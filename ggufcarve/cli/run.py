@@ -54,9 +54,10 @@ def _result_tables(result: RunResult) -> None:
     if tuned is not None:
         _tune_table(tuned)
     if result.evaluation:
-        front = _pareto(result.evaluation)
+        from ggufcarve.evaluate.summary import pareto_front
         from ggufcarve.fileio import size_unit
 
+        front = pareto_front(result.evaluation)
         unit, scale = size_unit(max(r["model"]["bytes"] for r in result.evaluation))
         quality = new_table(title="evaluation against the unpruned model, by size (* Pareto front by mean KLD)")
         for column in ("quant", "experts", unit, "PPL", "ΔPPL", "mean KLD", "same top p", "gate"):
@@ -110,12 +111,6 @@ def _tune_table(report: dict) -> None:
     for line in left_out_lines(report):
         out.print(line, highlight=False, soft_wrap=True)
     out.print(f"carved: {report['winner']} (the winner at the first K); the table and the cliff: method/tune.md", highlight=False, soft_wrap=True)
-
-
-def _pareto(results: list[dict]) -> set[str]:
-    from ggufcarve.evaluate.summary import pareto_front
-
-    return pareto_front(results)
 
 
 def _tree(directory: Path) -> str:

@@ -16,6 +16,7 @@ from typing import Any
 
 from ggufcarve.errors import BadInput
 from ggufcarve.events import Sink, ignore
+from ggufcarve.fileio import published_files
 
 
 @dataclass(frozen=True)
@@ -117,13 +118,6 @@ def _loop_settings(wanted: bool, prompts_file: Path | None, tokens: int | None, 
 
         qa_checks = [c.to_json() for c in load_suite(default_suite_path())]
     return LoopSettings(loop_prompts_from_checks(qa_checks), tokens, "QA suite")
-
-
-def published_files(directory: Path) -> list[Path]:
-    """The files of an evaluation directory a release publishes (hidden temp names left out)."""
-    if not directory.is_dir():
-        return []
-    return [p for p in sorted(directory.rglob("*")) if p.is_file() and not any(part.startswith(".") for part in p.relative_to(directory).parts)]
 
 
 def evaluate_release(models: list[Path], reference: Path, heldout: Path | Sequence[Path] | None, settings: Any, output: Path, on_event: Sink = ignore, *, replace: bool = False) -> EvaluatedRelease:

@@ -14,6 +14,7 @@ import math
 from collections.abc import Callable
 from pathlib import Path
 
+from ggufcarve import listing
 from ggufcarve.evaluate.speed import speed_text
 from ggufcarve.fileio import format_size, size_unit, write_failed
 
@@ -32,13 +33,8 @@ def _fmt(value, digits: int = 4, percent: bool = False) -> str:
 
 
 def pareto_front(results: list[dict]) -> set[str]:
-    """Names of the models no other model beats by mean KLD at the same or a smaller size."""
-    front = set()
-    for r in results:
-        size, k = r["model"]["bytes"], r["kld_mean"]
-        if not any(o is not r and o["model"]["bytes"] <= size and o["kld_mean"] < k for o in results):
-            front.add(r["model"]["name"])
-    return front
+    """Names of the evaluated models on the Pareto front of mean KLD against file size (listing.pareto_front)."""
+    return {r["model"]["name"] for r in listing.pareto_front(results, lambda r: r["model"]["bytes"], lambda r: r["kld_mean"])}
 
 
 def equal_size_pairs(results: list[dict]) -> list[tuple[dict, dict]]:

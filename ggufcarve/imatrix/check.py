@@ -20,6 +20,7 @@ from ggufcarve.imatrix.formats import (
     counts_of,
     lround,
 )
+from ggufcarve.listing import shortened
 from ggufcarve.moe.keepset import (
     KEY_KEPT_COUNT,
     KEY_SOURCE_EXPERT_COUNT,
@@ -77,7 +78,7 @@ def check_against_model(imatrix: Imatrix, model: GGUFModel, *, sizes: Mapping[st
 
 def raise_problems(problems: Sequence[str], where: str, hint: str) -> None:
     if problems:
-        shown = "; ".join(problems[:6]) + (f" (+{len(problems) - 6} more)" if len(problems) > 6 else "")
+        shown = shortened(problems, 6)
         raise BadInput(f"{where}: {len(problems)} problem{'s' if len(problems) > 1 else ''}: {shown}", hint)
 
 

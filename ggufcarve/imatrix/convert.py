@@ -29,6 +29,7 @@ from ggufcarve.imatrix.formats import (
     read_imatrix,
     write_imatrix,
 )
+from ggufcarve.listing import shortened
 
 # ---------------------------------------------------------------------------------------------
 # Conversion
@@ -76,7 +77,7 @@ def to_dat(imatrix: Imatrix) -> Conversion:
         losses.append(f"imatrix.chunk_size ({imatrix.chunk_size}): give --chunk-size {imatrix.chunk_size} when converting back")
     extra_keys = [kv.key for kv in imatrix.kvs if kv.key not in (KEY_TYPE, *IMATRIX_KEYS)]
     if extra_keys:
-        losses.append(f"metadata keys {', '.join(extra_keys[:4])}" + (f" (+{len(extra_keys) - 4} more)" if len(extra_keys) > 4 else ""))
+        losses.append(f"metadata keys {shortened(extra_keys, 4, ', ')}")
     if imatrix.raw_tensors:
         losses.append(f"{len(imatrix.raw_tensors)} tensors that are not imatrix entries")
     dataset = imatrix.datasets[-1].encode("utf-8") if imatrix.datasets else b""

@@ -55,6 +55,7 @@ from ggufcarve.gguf.container import (
     pad_to,
     read_file,
 )
+from ggufcarve.listing import shortened
 from ggufcarve.moe.keepset import (
     KeepSet,
     keepset_from_provenance,
@@ -420,7 +421,7 @@ def check_finite(imatrix: Imatrix) -> None:
             bad.append(f"{e.name} ({', '.join(problems)})")
     if bad:
         raise BadInput(
-            f"{imatrix.path}: non-finite imatrix data in {len(bad)} entr{'y' if len(bad) == 1 else 'ies'}: " + "; ".join(bad[:4]) + (f" (+{len(bad) - 4} more)" if len(bad) > 4 else ""),
+            f"{imatrix.path}: non-finite imatrix data in {len(bad)} entr{'y' if len(bad) == 1 else 'ies'}: " + shortened(bad, 4),
             "llama-quantize rejects it ('imatrix contains non-finite value'); recompute the imatrix",
         )
 

@@ -22,6 +22,7 @@ from gguf.constants import GGUFValueType
 from ggufcarve import __version__
 from ggufcarve.errors import BadInput
 from ggufcarve.gguf.container import KeyValue, make_kv
+from ggufcarve.listing import shortened
 from ggufcarve.moe.kept import KEPT_COUNT_HINT, check_kept_count, groups_of, kept_count_problems
 from ggufcarve.moe.layout import MoeLayout
 from ggufcarve.reports import read_json_bytes
@@ -255,14 +256,14 @@ def check_keepset(keepset: KeepSet, layout: MoeLayout) -> list[str]:
     if len(counts) > 1:
         problems.append(f"blocks keep different expert counts {counts}; {layout.architecture}.expert_count is one number for all blocks")
     if problems:
-        raise BadInput("keep-set does not fit the model: " + "; ".join(problems[:4]) + (f" (+{len(problems) - 4} more)" if len(problems) > 4 else ""), "list every MoE block once, with the same number of unique ids in range")
+        raise BadInput("keep-set does not fit the model: " + shortened(problems, 4), "list every MoE block once, with the same number of unique ids in range")
 
     k = counts[0]
     problems = kept_count_problems(layout, k)
     if groups_of(layout) > 1 and not problems:
         problems.extend(_check_groups(keepset, layout, k))
     if problems:
-        raise BadInput("keep-set breaks llama.cpp's load rules: " + "; ".join(problems[:4]) + (f" (+{len(problems) - 4} more)" if len(problems) > 4 else ""), KEPT_COUNT_HINT)
+        raise BadInput("keep-set breaks llama.cpp's load rules: " + shortened(problems, 4), KEPT_COUNT_HINT)
 
     warnings = []
     if k & (k - 1):

@@ -35,7 +35,7 @@ def demo_document(directory: Path) -> dict[str, Any]:
         "ladder": {"spec": str(FILES / "ladder.toml"), "quantizer": "libllama"},
         "evaluation": {"heldout": str(HELDOUT), "ctx": 256, "chunks": 16, "gate": str(FILES / "gate.toml"), "speed_runs": 3, "speed_engine": "libllama", "unpruned": ["Q4_K_M", "Q2_K"]},
         # trained from scratch by this project (no base model), released under its license
-        "card": {"license": "mit", "model_name": "ggufcarve demo MoE (16x256, top-4, 4 layers), 8 of 16 experts chosen by tune"},
+        "card": {"license": "mit", "model_name": "ggufcarve demo MoE (16x256, top-4, 4 layers)"},
     }
 
 

@@ -60,6 +60,7 @@ from pathlib import Path
 from typing import Any
 
 from ggufcarve.errors import BadInput
+from ggufcarve.listing import shortened
 
 try:
     import tomllib
@@ -212,7 +213,7 @@ class _Table:
         keys = KEYS[where]
         unknown = sorted(set(doc) - set(keys))
         if unknown:
-            raise BadInput(f"{where}: unknown key {unknown[0]!r}" + (f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""), f"the keys of {where} are {', '.join(keys)}")
+            raise BadInput(f"{where}: unknown key " + shortened([repr(k) for k in unknown], 1), f"the keys of {where} are {', '.join(keys)}")
 
     def _get(self, key: str) -> Any:
         return self.doc.get(key)

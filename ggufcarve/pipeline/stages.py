@@ -369,14 +369,14 @@ def _quantizer(ctx: RunContext) -> Any:
     return make_quantizer(ctx.plan.ladder.quantizer, ctx.plan.ladder.llama_cpp)
 
 
-def _run_ladder(ctx: RunContext, source: Path, out_dir: Path, imatrix: Path | None, only: Sequence[str], model_name: str, fresh: bool) -> Any:
+def _run_ladder(ctx: RunContext, source: Path, out_dir: Path, imatrix: Path | None, only: Sequence[str], model_name: str, fresh: bool, label: str = "") -> Any:
     from ggufcarve.quant.run import plan_ladder, run_ladder
     from ggufcarve.quant.spec import load_spec
 
     ladder_plan = plan_ladder(load_spec(ctx.plan.ladder.spec), source, out_dir, quantizer=_quantizer(ctx), imatrix=imatrix, only=list(only) or None,
                               model_name=model_name, nthreads=ctx.threads, fresh=fresh, on_event=ctx.sink)
     ctx.warnings.extend(ladder_plan.warnings)
-    result = run_ladder(ladder_plan, on_event=ctx.sink)
+    result = run_ladder(ladder_plan, on_event=ctx.sink, label=label)
     if result.failed:
         failed = result.failed[0]
         raise ToolFailed(f"rung {failed.name} failed: {failed.error}", "see the quantizer's last lines above; fix the cause and run the plan again (finished stages are skipped)")
@@ -442,7 +442,7 @@ def _unpruned_stage(ctx: RunContext, ev: EvaluationStep, sizes: bool) -> Stage:
     imatrix = imatrix_source(ctx)
 
     def work() -> tuple[list[Path], str]:
-        result = _run_ladder(ctx, plan.source, names.unpruned_dir, imatrix, ev.unpruned, names.base, True)
+        result = _run_ladder(ctx, plan.source, names.unpruned_dir, imatrix, ev.unpruned, names.base, True, "unpruned")
         files = [names.unpruned_dir / r.output for r in result.rungs if r.output]
         return files, f"{', '.join(r.name for r in result.rungs)} of the unpruned {names.base}"
 
@@ -493,7 +493,7 @@ def _evaluate_stage(ctx: RunContext, ev: EvaluationStep) -> Stage:
         return list(evaluated.files), f"{len(evaluated.run.results)} models; " + ", ".join(f"{g} {gates.count(g)}" for g in ("PASS", "FAIL") if gates.count(g))
 
     def publish() -> str:
-        from ggufcarve.evaluate.release import published_files
+        from ggufcarve.fileio import published_files
         from ggufcarve.release.publish import record_published
 
         record_published(plan.output, "evaluation", published_files(directory))
@@ -535,13 +535,13 @@ def method_reports(output: Path, except_name: str) -> list[Path]:
 
 
 def _card_stage(ctx: RunContext) -> Stage:
-    from ggufcarve.evaluate.release import published_files
+    from ggufcarve.fileio import published_files
 
     plan = ctx.plan
 
     def work() -> tuple[list[Path], str]:
         from ggufcarve.errors import OutputError
-        from ggufcarve.release.card import card_edited, write_card
+        from ggufcarve.release.card import card_edited, card_warnings, write_card
 
         if card_edited(plan.output) and not ctx.force:
             raise OutputError(f"{plan.output / 'README.md'} was edited since ggufcarve wrote it, and this run would replace it",
@@ -553,6 +553,7 @@ def _card_stage(ctx: RunContext) -> Stage:
             plan_record = plan.output / "method" / RUN_PLAN_NAME
             record_published(plan.output, "plan", [*([plan_record] if plan_record.is_file() else []), *_publish_tune(plan)])
         path = write_card(plan.output, None, force=True, settings=plan.card_settings)
+        ctx.warnings.extend(card_warnings(plan.output, plan.card_settings))
         return [path], f"{path.name}"
 
     def publish() -> str:

@@ -19,6 +19,7 @@ from ggufcarve.gguf.container import (
     GGUFFile,
     GGUFModel,
 )
+from ggufcarve.listing import shortened
 from ggufcarve.moe.keepset import KeepSet, check_keepset
 from ggufcarve.moe.layout import MoeLayout
 from ggufcarve.prune.plan import PROVENANCE, tensor_ranges
@@ -53,9 +54,9 @@ class Verification:
 
     def raise_if_failed(self, where: str) -> None:
         bad = [t.name for t in self.tensors if not t.ok]
-        problems = self.problems + ([f"tensor data differs from the source slices: {', '.join(bad[:5])}" + (f" (+{len(bad) - 5} more)" if len(bad) > 5 else "")] if bad else [])
+        problems = self.problems + ([f"tensor data differs from the source slices: {shortened(bad, 5, ', ')}"] if bad else [])
         if problems:
-            raise VerificationFailed(f"{where}: " + "; ".join(problems[:3]) + (f" (+{len(problems) - 3} more)" if len(problems) > 3 else ""), "check that the keep-set is the one the output was made with (see its method/<output stem>.pruning-report.json); otherwise re-run the prune")
+            raise VerificationFailed(f"{where}: " + shortened(problems, 3), "check that the keep-set is the one the output was made with (see its method/<output stem>.pruning-report.json); otherwise re-run the prune")
 
 OutputHashes = dict[str, tuple[int, int, str]]  # tensor name -> (absolute start, length, xxh3-128) in its output file
 

@@ -59,6 +59,7 @@ from ggufcarve.fileio import (
 )
 from ggufcarve.gguf.container import SHARD_NAME, GGUFModel, read_model
 from ggufcarve.gguf.types import FILE_TYPES
+from ggufcarve.listing import shortened
 from ggufcarve.quant.quantizer import (
     TENSOR_LINE,
     DryRun,
@@ -177,7 +178,7 @@ def read_imatrix_info(path: Path, model: GGUFModel) -> ImatrixInfo:
 
 def _raise_mismatch(path: Path, model: GGUFModel, problems: list[str]) -> None:
     if problems:
-        shown = "; ".join(problems[:4]) + (f" (+{len(problems) - 4} more)" if len(problems) > 4 else "")
+        shown = shortened(problems, 4)
         raise BadInput(
             f"imatrix {path} does not match {model.path.name}: {shown}",
             "an imatrix of the unpruned model must be remapped first: ggufcarve imatrix remap IMATRIX --keep KEEPSET -o OUT",
@@ -529,8 +530,17 @@ def bits_per_weight(path: Path) -> float | None:
     return round(sum(t.nbytes for t in model.tensors) * 8 / elements, 4) if elements else None
 
 
-def run_ladder(plan: LadderPlan, *, keep_going: bool = False, on_event: Sink = ignore) -> LadderResult:
+def rung_stage(rung: str, label: str = "") -> str:
+    """The progress stage of a rung: its name, after the ladder's label when it has one."""
+    return f"{label} {rung}" if label else rung
+
+
+def run_ladder(plan: LadderPlan, *, keep_going: bool = False, on_event: Sink = ignore, label: str = "") -> LadderResult:
     """Run the planned rungs; see the module docstring. Raises ToolFailed on the first failure unless keep_going.
+
+    Progress: stage "ladder" counts the rungs and each rung has its own stage (`rung_stage`), both
+    after `label` when given: two ladders of the same rung names (the pruned model's and the
+    unpruned model's) then report on separate rows. A finished rung's stage ends at done == total.
 
     Each finished rung is recorded in its fragment and the manifest and SHA256SUMS are rebuilt from
     all fragments, under the release's lock (release.lock, held only for these steps): runs of
@@ -559,7 +569,7 @@ def run_ladder(plan: LadderPlan, *, keep_going: bool = False, on_event: Sink = i
             method = publish_method_reports(out, plan.method_reports)
             remove_dead_temps(out, _rung_names(plan.rungs, plan.imatrix))  # left by an interrupted run
         inputs, parameters, context = ladder_context(plan, method)
-        resumable = _check_resumable(plan, previous, on_event, stop)
+        resumable = _check_resumable(plan, previous, on_event, stop, label)
         quantizer_imatrix = _imatrix_without_directories(plan, out, [p for p in plan.rungs if p.rung.name not in resumable])
         hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ggufcarve-hash")
         pending: list[Future[None]] = []
@@ -583,17 +593,17 @@ def run_ladder(plan: LadderPlan, *, keep_going: bool = False, on_event: Sink = i
                 result.mtime_ns = st.st_mtime_ns
                 hash_seconds[0] += time.monotonic() - t0
             record(result)
-            _note(on_event, result.name, f"done, sha256 {digest[:12]}")
+            on_event(Event(rung_stage(result.name, label), 1, 1, "tensors", f"done, sha256 {digest[:12]}"))
 
         failure: RungResult | None = None
         out_of_space: tuple[Path, str] | None = None  # the rung whose output did not fit, and why
-        rungs_done = Counter(on_event, "ladder", len(plan.rungs), "rungs")
+        rungs_done = Counter(on_event, rung_stage("ladder", label), len(plan.rungs), "rungs")
         for p in plan.rungs:
             r = p.rung
             if p.rung.name in resumable:
                 results[r.name] = resumable[r.name]
                 record(resumable[r.name])
-                on_event(Event(r.name, 1, 1, "tensors", "skipped: unchanged (sha256 verified)"))
+                on_event(Event(rung_stage(r.name, label), 1, 1, "tensors", "skipped: unchanged (sha256 verified)"))
                 rungs_done(1, r.name)
                 continue
             if (failure is not None and not keep_going) or out_of_space is not None:
@@ -601,12 +611,12 @@ def run_ladder(plan: LadderPlan, *, keep_going: bool = False, on_event: Sink = i
                 if r.name not in previous and not fragment_path(out, r.name).exists():
                     record(results[r.name])
                 continue
-            _note(on_event, r.name, "starting")
+            _note(on_event, rung_stage(r.name, label), "starting")
             result = RungResult(r.name, r.ftype, "failed", p.output.name, command=plan.quantizer.recorded_argv(p.job, p.output), fallback=p.fallback,
                                 fallback_type=r.imatrix_fallback_type if p.fallback else None, inputs_key=p.inputs_key, description=r.description,
                                 tensor_types=[list(t) for t in p.job.tensor_types], source_sha256=list(plan.source_sha256))
 
-            def on_line(line: str, name: str = r.name) -> None:
+            def on_line(line: str, name: str = rung_stage(r.name, label)) -> None:
                 m = TENSOR_LINE.match(line)
                 if m:
                     on_event(Event(name, int(m["index"]), int(m["total"]), "tensors", m["name"]))
@@ -632,7 +642,7 @@ def run_ladder(plan: LadderPlan, *, keep_going: bool = False, on_event: Sink = i
                 result.bytes = p.output.stat().st_size
                 results[r.name] = result
                 pending.append(hasher.submit(hash_later, result, p.output))
-                on_event(Event(r.name, 1, 1, "tensors", f"hashing; {format_size(result.bytes)} in {run.seconds:.1f} s"))
+                on_event(Event(rung_stage(r.name, label), 1, 1, "tensors", f"hashing; {format_size(result.bytes)} in {run.seconds:.1f} s"))
             else:
                 full = _out_of_space(p, run)
                 p.temp.unlink(missing_ok=True)
@@ -644,7 +654,7 @@ def run_ladder(plan: LadderPlan, *, keep_going: bool = False, on_event: Sink = i
                 failure = failure or result
                 results[r.name] = result
                 record(result)
-                _note(on_event, r.name, f"failed: {result.error}")
+                _note(on_event, rung_stage(r.name, label), f"failed: {result.error}")
             rungs_done(1, r.name)
         for f in pending:
             f.result()
@@ -670,7 +680,7 @@ def run_ladder(plan: LadderPlan, *, keep_going: bool = False, on_event: Sink = i
     return result
 
 
-def _check_resumable(plan: LadderPlan, previous: dict[str, dict[str, Any]], on_event: Sink, stop: threading.Event) -> dict[str, RungResult]:
+def _check_resumable(plan: LadderPlan, previous: dict[str, dict[str, Any]], on_event: Sink, stop: threading.Event, label: str = "") -> dict[str, RungResult]:
     """Rungs whose output matches the recorded inputs key and sha256 (hashed in parallel)."""
     candidates = []
     for p in plan.rungs:
@@ -692,7 +702,7 @@ def _check_resumable(plan: LadderPlan, previous: dict[str, dict[str, Any]], on_e
     out: dict[str, RungResult] = {}
     for (p, rec), digest in zip(candidates, digests):
         if digest != rec["sha256"]:
-            _note(on_event, p.rung.name, f"{p.output.name}: sha256 {digest[:12]} != recorded {rec['sha256'][:12]}; rebuilding")
+            _note(on_event, rung_stage(p.rung.name, label), f"{p.output.name}: sha256 {digest[:12]} != recorded {rec['sha256'][:12]}; rebuilding")
             continue
         out[p.rung.name] = RungResult(
             p.rung.name, p.rung.ftype, "skipped", p.output.name, command=list(rec.get("command", [])), exit_status=rec.get("exit_status"),

@@ -27,6 +27,7 @@ from gguf.constants import Keys
 from ggufcarve import __version__
 from ggufcarve.errors import BadInput, OutputError
 from ggufcarve.fileio import format_size
+from ggufcarve.listing import pareto_front
 from ggufcarve.moe.keepset import KEY_KEPT_COUNT, KEY_SOURCE_EXPERT_COUNT
 
 CARD_NAME = "README.md"
@@ -179,9 +180,9 @@ def resolve_metadata(keys: dict[str, Any], manifest: dict[str, Any], settings: C
                 seen.append(f"{_key(n['base_repo_url'] if url else n['base_name'], id=i)} = {json.dumps(url or name, ensure_ascii=False)}")
         if not bases:
             why = f"the source GGUF records no Hub repo id for it ({'; '.join(seen)})" if seen else f"the source GGUF has no {_key(n['base_repo_url'], id=0)} key"
-            notes.append(f"The base model is not stated: {why}. Give it with `ggufcarve card RELEASE --base-model OWNER/NAME --force` "
-                         "(or `base_model` in the plan's [card] table) so the Hub links this model to its base.")
-            warnings.append(f"no base_model in the card: {why} (give --base-model OWNER/NAME)")
+            notes.append(f"The base model is not stated: {why}.")
+            warnings.append(f"no base_model in the card: {why} (give `ggufcarve card RELEASE --base-model OWNER/NAME --force`, "
+                            "or base_model in the plan's [card] table, so the Hub links this model to its base)")
 
     license_ = s.license.strip().lower() if s.license is not None else None
     license_from = "--license"
@@ -189,22 +190,23 @@ def resolve_metadata(keys: dict[str, Any], manifest: dict[str, Any], settings: C
         recorded = _text(keys.get(n["license"]))
         license_from = n["license"]
         if recorded is None:
-            notes.append(f"The license is not stated: the source GGUF has no {n['license']} key. Give it with `ggufcarve card RELEASE --license ID --force` "
-                         "(or `license` in the plan's [card] table); check the base model's license first.")
-            warnings.append(f"no license in the card: the source GGUF has no {n['license']} key (give --license)")
+            notes.append(f"The license is not stated: the source GGUF has no {n['license']} key.")
+            warnings.append(f"no license in the card: the source GGUF has no {n['license']} key (give `ggufcarve card RELEASE --license ID --force`, "
+                            "or license in the plan's [card] table; check the base model's license first)")
         elif recorded.lower() in HF_LICENSES:
             license_ = recorded.lower()
         else:
             notes.append(f"The source GGUF records the license as {json.dumps(recorded, ensure_ascii=False)}, which is not a license identifier the Hugging Face Hub accepts; "
-                         "the front matter leaves it out. Give the identifier with `ggufcarve card RELEASE --license ID --force`, or `--license other` with `--license-name` and `--license-link`.")
-            warnings.append(f"no license in the card: {n['license']} = {recorded!r} is not a Hub license identifier (give --license)")
+                         "the front matter leaves it out.")
+            warnings.append(f"no license in the card: {n['license']} = {recorded!r} is not a Hub license identifier (give `ggufcarve card RELEASE --license ID --force`, "
+                            "or --license other with --license-name and --license-link)")
     license_name = s.license_name or (_text(keys.get(n["license_name"])) if license_ == "other" else None)
     license_link = s.license_link or (_text(keys.get(n["license_link"])) if license_ == "other" else None)
     if license_ == "other" and (license_name is None or license_link is None):
         lacking = " and ".join(k for k, v in (("license_name", license_name), ("license_link", license_link)) if v is None)
-        notes.append(f"The license is \"other\" (from {license_from}) without its {lacking}: give them with `--license-name` and `--license-link` "
-                     "(a URL, or a LICENSE file recorded in the release with `ggufcarve release record LICENSE`).")
-        warnings.append(f"license \"other\" without {lacking} (give --license-name and --license-link)")
+        notes.append(f"The license is \"other\" (from {license_from}) without its {lacking}.")
+        warnings.append(f"license \"other\" without {lacking} (give --license-name and --license-link: a URL, or a LICENSE file "
+                        "recorded in the release with `ggufcarve release record LICENSE`)")
 
     basename, size_label = _text(keys.get(n["basename"])), _text(keys.get(n["size_label"]))
     model_name = (s.model_name or (f"{basename}-{size_label}" if basename and size_label else basename)
@@ -322,7 +324,8 @@ def _calibration_rows(inputs: CardInputs) -> list[str]:
         datasets = ", ".join(str(d) for d in imatrix.get("datasets") or []) or "not recorded"
         chunks, size = imatrix.get("chunk_count"), imatrix.get("chunk_size")
         tokens = f"{chunks * size:,} ({chunks} chunks of {size})" if isinstance(chunks, int) and isinstance(size, int) and chunks and size else "–"
-        rows.append(f"| importance matrix ({imatrix.get('name')}) | {datasets} | – | {tokens} |")
+        digest = f"`{str(imatrix['sha256'])[:12]}`" if imatrix.get("sha256") else "–"
+        rows.append(f"| importance matrix | {imatrix.get('name')} (from {datasets}) | {digest} | {tokens} |")
     docs = _rung_docs(inputs)
     if docs and _segment_names(docs[0]):
         rows += _segment_rows(docs[0])
@@ -454,9 +457,44 @@ def _quant_table(inputs: CardInputs) -> list[str]:
 
 
 def _pareto(docs: list[dict]) -> set[str]:
-    """Files no other model beats by mean KLD at the same or a smaller size."""
-    return {d["model"]["file"] for d in docs
-            if not any(o is not d and o["model"]["bytes"] <= d["model"]["bytes"] and o["kld_mean"] < d["kld_mean"] for o in docs)}
+    """Files on the Pareto front of mean KLD against file size (listing.pareto_front)."""
+    return {d["model"]["file"] for d in pareto_front(docs, lambda d: d["model"]["bytes"], lambda d: d["kld_mean"])}
+
+
+def _example(inputs: CardInputs) -> tuple[dict, list[str]]:
+    """The rung the usage example runs, and what the card says about the choice: the file of lowest
+    mean KLD among those that pass the release gate; when none passes, the lowest of all, said so;
+    without gate verdicts, Q4_K_M (else the first rung)."""
+    judged = [(r, inputs.evaluation[r["files"][0]["name"]]) for r in inputs.rungs
+              if (inputs.evaluation.get(r["files"][0]["name"]) or {}).get("gate") and isinstance(inputs.evaluation[r["files"][0]["name"]].get("kld_mean"), (int, float))]
+    passing = [(r, d) for r, d in judged if d["gate"] == "PASS"]
+    if passing:
+        rung = min(passing, key=lambda p: (p[1]["kld_mean"], _rung_bytes(p[0])))[0]
+        return rung, [f"The example uses {rung['files'][0]['name']}, the file of lowest mean KLD that passes the release gate."]
+    if judged:
+        rung = min(judged, key=lambda p: (p[1]["kld_mean"], _rung_bytes(p[0])))[0]
+        return rung, [f"No file of this release passes the release gate; the example uses {rung['files'][0]['name']}, the one of lowest mean KLD."]
+    return next((r for r in inputs.rungs if r["name"] == "Q4_K_M"), inputs.rungs[0]), []
+
+
+def _unpruned_beats(inputs: CardInputs) -> list[str]:
+    """A sentence when a compared model that keeps every expert has a lower mean KLD than every file
+    of this release of its size or larger (the smallest such model)."""
+    rung_files = {r["files"][0]["name"] for r in inputs.rungs}
+    ours = [d for d in inputs.evaluation.values() if d.get("model", {}).get("file") in rung_files
+            and isinstance(d["model"].get("bytes"), int) and isinstance(d.get("kld_mean"), (int, float))]
+    others = sorted((d for d in inputs.evaluation.values() if d.get("model", {}).get("file") not in rung_files and d["model"].get("pruned") is False
+                     and isinstance(d["model"].get("bytes"), int) and isinstance(d.get("kld_mean"), (int, float))), key=lambda d: (d["model"]["bytes"], d["kld_mean"]))
+    for other in others:
+        size, kld = other["model"]["bytes"], other["kld_mean"]
+        larger = [d for d in ours if d["model"]["bytes"] >= size]
+        if larger and all(kld < d["kld_mean"] for d in larger):
+            scope = "every file of this release" if len(larger) == len(ours) and all(kld < d["kld_mean"] for d in ours) else \
+                f"every file of this release of its size or larger ({', '.join(d['model']['file'] for d in sorted(larger, key=lambda d: d['model']['bytes']))})"
+            quant = f" quantized to {other['model']['quant']}" if other["model"].get("quant") else ""
+            return [f"Measured here, the unpruned model{quant} ({other['model']['file']}, {format_size(size)}, mean KLD {kld:.6f}) is closer to the reference "
+                    f"than {scope}: at these sizes, quantizing the unpruned model costs less than pruning its experts."]
+    return []
 
 
 def _comparison(inputs: CardInputs) -> list[str]:
@@ -588,12 +626,13 @@ def render_card(inputs: CardInputs, settings: CardSettings | None = None) -> str
     pruned = f" with routed experts pruned to {kept} of {keys[KEY_SOURCE_EXPERT_COUNT]}" if kept is not None else ""
     base = ", ".join(_link(b) for b in meta.base_models)
     intro = f"GGUF quantizations of {base}{pruned}." if base else f"GGUF quantizations of a base model this card does not name{',' if pruned else ''}{pruned}."
-    example_rung = next((r for r in inputs.rungs if r["name"] == "Q4_K_M"), inputs.rungs[0])
+    example_rung, example_lines = _example(inputs)
     example = example_rung["files"][0]["name"]
     context = keys.get(Keys.LLM.CONTEXT_LENGTH.format(arch=arch)) if arch else None
     server_ctx = f" -c {min(SERVER_CONTEXT, int(context))}" if isinstance(context, int) and context > 0 else ""
     quantizer = manifest.get("quantizer") or {}
-    lines = [*front, "", f"# {meta.model_name} GGUF", "", intro, *(line for note in meta.notes for line in ("", note)),
+    title = f"{meta.model_name}, pruned to {kept} of {keys[KEY_SOURCE_EXPERT_COUNT]} experts, GGUF" if kept is not None else f"{meta.model_name} GGUF"
+    lines = [*front, "", f"# {title}", "", intro, *(line for note in [*meta.notes, *_unpruned_beats(inputs)] for line in ("", note)),
              "", "## What was pruned and how", "", *_pruning_lines(inputs)]
     texts = _calibration_rows(inputs)
     if texts:
@@ -616,7 +655,7 @@ def render_card(inputs: CardInputs, settings: CardSettings | None = None) -> str
               f"llama-server -m {example}{server_ctx} --port 8080"]
     if meta.repo_id:
         lines.append(f"llama-server -hf {meta.repo_id}:{example_rung['name']}{server_ctx} --port 8080")
-    lines += ["```"]
+    lines += ["```", *(line for note in example_lines for line in ("", note))]
     if server_ctx:
         lines += ["", f"The model's context length is {int(context):,} tokens (`{Keys.LLM.CONTEXT_LENGTH.format(arch=arch)}`)."]
     lines += ["", "## Limitations", "", *_limitations(inputs),

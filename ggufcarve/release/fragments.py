@@ -31,6 +31,7 @@ from typing import Any
 from ggufcarve.errors import BadInput, CarveError
 from ggufcarve.events import Sink, ignore
 from ggufcarve.fileio import sha256_file, write_text_atomic
+from ggufcarve.listing import shortened
 from ggufcarve.release.lock import lock_release
 from ggufcarve.release.manifest import (
     KEPT_KINDS,
@@ -382,8 +383,7 @@ def merge_release(directory: str | os.PathLike[str], *, workers: int | None = No
             hash_names(stale)
         problems = [p for f in fragments for p in rung_problems(out, f, digests)]
         if problems:
-            more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
-            raise BadInput(f"cannot merge {out}: {problems[0]}{more}", "run that rung again (ggufcarve ladder run ... --only RUNG), or remove its fragment from .ggufcarve-fragments/ to leave it out")
+            raise BadInput(f"cannot merge {out}: {shortened(problems, 1)}", "run that rung again (ggufcarve ladder run ... --only RUNG), or remove its fragment from .ggufcarve-fragments/ to leave it out")
         manifest = assemble(out, fragments, drop_missing=False)
         if manifest is None:
             raise BadInput(f"cannot merge {out}: it holds no rung fragment", "run ggufcarve ladder run into it first")

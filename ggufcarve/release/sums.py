@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -11,18 +10,6 @@ from ggufcarve.fileio import sha256_file, write_text_atomic
 from ggufcarve.release.manifest import MANIFEST_NAME, described_files, read_manifest
 
 SUMS_NAME = "SHA256SUMS"
-
-
-def published_files(out_dir: Path) -> list[Path]:
-    """Every file in out_dir a release would publish: all but SHA256SUMS, hidden files and temp files."""
-    files = []
-    for root, dirs, names in os.walk(out_dir):
-        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-        for name in sorted(names):
-            if name.startswith(".") or (Path(root) == out_dir and name == SUMS_NAME):
-                continue
-            files.append(Path(root) / name)
-    return sorted(files, key=lambda p: p.relative_to(out_dir).as_posix())
 
 
 def inside(out_dir: Path, rel: str) -> bool:

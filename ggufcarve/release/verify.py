@@ -41,7 +41,7 @@ from typing import Any
 
 from ggufcarve.errors import BadInput, CarveError, OutputError
 from ggufcarve.events import Sink, ignore
-from ggufcarve.fileio import hash_files
+from ggufcarve.fileio import hash_files, published_files
 from ggufcarve.release.manifest import (
     FRESH_START_HINT,
     MANIFEST_NAME,
@@ -49,7 +49,7 @@ from ggufcarve.release.manifest import (
     recorded_source,
 )
 from ggufcarve.release.publish import is_documentation
-from ggufcarve.release.sums import SUMS_NAME, inside, published_files
+from ggufcarve.release.sums import SUMS_NAME, inside
 from ggufcarve.reports import IMATRIX_REMAP_REPORT, PRUNING_REPORT, release_report_name
 
 SELECTION_RECORD = "expert-selection"  # release.method.SELECTION_RECORD (not imported: verify starts without numpy)
@@ -163,7 +163,7 @@ def verify_dir(directory: str | os.PathLike[str], *, ignore_missing: bool = Fals
             fail(Failure(rel, "missing (listed in SHA256SUMS)"))
     manifest = _read_manifest(d, report)
     described = set(described_files(manifest)) | {MANIFEST_NAME} if manifest is not None else None
-    published = [p.relative_to(d).as_posix() for p in published_files(d)]
+    published = [p.relative_to(d).as_posix() for p in published_files(d, leave_out=(SUMS_NAME,))]
     for rel in published:
         if described is not None and rel not in described and is_documentation(rel):
             report.notes.append(Failure(rel, f"not recorded: not part of the release (publish it with `ggufcarve release record {rel}`, or remove it)"))

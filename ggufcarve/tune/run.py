@@ -461,24 +461,51 @@ def left_out_lines(report: dict[str, Any]) -> list[str]:
     return [f"{method} left out of all: {reason}" for method, reason in report.get("left_out", {}).items()]
 
 
-def _chart(candidates: list[dict[str, Any]], settings: TuneSettings, path: Path) -> None:
+MARKERS = ("o", "s", "^", "D", "v", "P", "X")
+
+
+def method_style(index: int) -> tuple[str, str]:
+    """(colour, marker) of the index-th method: tab10's ten colours by seven markers, distinct for 70 methods."""
+    return f"C{index % 10}", MARKERS[index % len(MARKERS)]
+
+
+def tune_figure(candidates: list[dict[str, Any]], methods: list[str]) -> Any:
+    """Mean KLD of each method's candidates against K; at a single K, one bar per method."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(7, 4.5), dpi=110)  # no pyplot: no global figure state, no GUI backend
+    fig = Figure(figsize=(7, 4.5), dpi=110, layout="constrained")  # no pyplot: no global figure state, no GUI backend
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
-    for method in settings.methods:
-        series = sorted((c for c in candidates if c["method"] == method), key=lambda c: c["K"])
-        line = ax.plot([c["K"] for c in series], [c["kld_mean"] for c in series], marker="o", label=method)[0]
-        early = [c for c in series if c["stopped_early"]]  # scored on fewer chunks: hollow
-        ax.plot([c["K"] for c in early], [c["kld_mean"] for c in early], linestyle="none", marker="o", markerfacecolor="white", color=line.get_color())
-    ax.set_xlabel("experts kept per block (K)")
+    keeps = sorted({c["K"] for c in candidates})
+    if len(keeps) == 1:
+        shown = [m for m in methods if any(c["method"] == m for c in candidates)]
+        for i, method in enumerate(shown):
+            c = next(c for c in candidates if c["method"] == method)
+            colour, _ = method_style(methods.index(method))
+            ax.bar(i, c["kld_mean"], color="white" if c["stopped_early"] else colour, edgecolor=colour, hatch="//" if c["stopped_early"] else None, label=method)
+        ax.set_xticks(range(len(shown)), shown, rotation=45, ha="right", fontsize=8)
+        ax.set_xlabel(f"selection method, K = {keeps[0]} experts kept per block")
+        title = "hatched: stopped early by successive halving (fewer chunks)"
+    else:
+        for i, method in enumerate(methods):
+            colour, marker = method_style(i)
+            series = sorted((c for c in candidates if c["method"] == method), key=lambda c: c["K"])
+            ax.plot([c["K"] for c in series], [c["kld_mean"] for c in series], marker=marker, color=colour, label=method)
+            early = [c for c in series if c["stopped_early"]]  # scored on fewer chunks: hollow
+            ax.plot([c["K"] for c in early], [c["kld_mean"] for c in early], linestyle="none", marker=marker, markerfacecolor="white", color=colour)
+        ax.set_xticks(keeps)
+        ax.set_xlabel("experts kept per block (K)")
+        ax.legend(fontsize=7, ncol=2)
+        title = "hollow: stopped early by successive halving (fewer chunks)"
     ax.set_ylabel("mean KLD vs unpruned (nats/token)")
-    ax.set_title("hollow: stopped early by successive halving (fewer chunks)", fontsize=8)
+    ax.set_title(title, fontsize=8)
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.subplots_adjust(left=0.12, right=0.97, bottom=0.12, top=0.96)
+    return fig
+
+
+def _chart(candidates: list[dict[str, Any]], settings: TuneSettings, path: Path) -> None:
+    fig = tune_figure(candidates, list(settings.methods))
     from ggufcarve.fileio import save_figure
 
     save_figure(fig, path)
