@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -130,7 +131,7 @@ def test_options_make_a_card_the_hub_accepts(copy):
     front, problems = hub_problems(copy)
     assert problems == [] and front["base_model"] == "Org/Tiny-MoE" and front["license_link"] == "LICENSE"
     card = (copy / "README.md").read_text()
-    assert "# Tiny MoE 6e GGUF" in card and "hf download someone/tiny-6e-GGUF" in card and "llama-server -hf someone/tiny-6e-GGUF:Q4_K_M" in card
+    assert re.search(r"^# Tiny MoE 6e, pruned to \d+ of \d+ experts, GGUF$", card, re.M) and "hf download someone/tiny-6e-GGUF" in card and re.search(r"llama-server -hf someone/tiny-6e-GGUF:(Q8_0|Q6_K|Q4_K_M|Q2_K|IQ2_XS|IQ1_S|Q3_K_M|Q5_K_M|IQ1_M) ", card)
     code, report = verify_json(copy)
     assert code == 0 and report["warnings"] == [] and report["notes"] == [], report
 

@@ -21,7 +21,7 @@ from llama_probe import probe
 
 from ggufcarve.gguf.container import read_file, read_model
 from ggufcarve.imatrix.convert import to_dat
-from ggufcarve.imatrix.formats import read_imatrix, write_to_fd
+from ggufcarve.imatrix_format import read_imatrix, write_to_fd
 from ggufcarve.llama import launch
 from ggufcarve.moe.keepset import keepset_from_provenance, load_keepset
 from ggufcarve.moe.layout import inspect_layout

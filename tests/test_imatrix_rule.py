@@ -13,7 +13,7 @@ from dataclasses import replace
 import pytest
 
 from ggufcarve.gguf.container import read_model
-from ggufcarve.imatrix.formats import read_imatrix, write_imatrix
+from ggufcarve.imatrix_format import read_imatrix, write_imatrix
 from ggufcarve.quant.quantizer import (
     BinaryQuantizer,
     QuantizeJob,

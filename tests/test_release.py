@@ -11,7 +11,7 @@ import pytest
 from clirun import ggufcarve, sha256
 
 from ggufcarve.gguf.container import read_model
-from ggufcarve.imatrix.formats import read_imatrix
+from ggufcarve.imatrix_format import read_imatrix
 
 SPEC = """
 [[rungs]]

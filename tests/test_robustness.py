@@ -28,7 +28,7 @@ from ggufcarve.gguf.container import (
     read_file,
     read_model,
 )
-from ggufcarve.imatrix.formats import read_imatrix
+from ggufcarve.imatrix_format import read_imatrix
 from ggufcarve.moe.keepset import KeepSet, check_keepset, keep_first, load_keepset
 from ggufcarve.moe.kept import kept_count_problems
 from ggufcarve.moe.layout import MoeLayout, inspect_layout
@@ -316,7 +316,7 @@ def test_corrupt_imatrices_end_in_a_clean_error(tmp_path):
     model = factory.write_model(tmp_path / "m.gguf", "qwen3moe")
     source = synthetic_gguf(tmp_path / "s.imatrix.gguf", model)
     from ggufcarve.imatrix.convert import convert
-    from ggufcarve.imatrix.formats import write_imatrix
+    from ggufcarve.imatrix_format import write_imatrix
 
     dat = write_imatrix(convert(read_imatrix(source), "dat").imatrix, tmp_path / "s.imatrix.dat")
     rng = np.random.default_rng(1)

@@ -384,8 +384,8 @@ def _prune_to(plan: Plan, keep_file: Path, pruned_path: Path, imatrix: Path, on_
     """The source pruned to the keep-set of `keep_file` at `pruned_path`, and the imatrix remapped to
     it beside it (both kept when the pruned file already records that keep-set)."""
     from ggufcarve.gguf.container import read_model
-    from ggufcarve.imatrix.formats import read_imatrix
     from ggufcarve.imatrix.remap import execute_remap, plan_remap, resolve_source_layout
+    from ggufcarve.imatrix_format import read_imatrix
     from ggufcarve.moe.keepset import keepset_from_provenance, load_keepset
     from ggufcarve.moe.layout import inspect_layout
     from ggufcarve.prune.execute import execute

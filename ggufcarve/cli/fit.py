@@ -79,7 +79,7 @@ def fit_command(
         counts = parse_kept_counts(wanted.counts, layout) if wanted is not None and wanted.counts else None
     entries = None
     if imatrix is not None:
-        from ggufcarve.imatrix.formats import read_imatrix
+        from ggufcarve.imatrix_format import read_imatrix
 
         entries = {e.name for e in read_imatrix(imatrix).entries}
     quantizer = make_quantizer(quantizer_choice, llama_cpp)

@@ -129,7 +129,6 @@ def imatrix_remap(
     block index are enough: the expert count and MoE blocks are read from the imatrix."""
     from ggufcarve.gguf.container import read_model
     from ggufcarve.imatrix.convert import format_from_path
-    from ggufcarve.imatrix.formats import read_imatrix
     from ggufcarve.imatrix.remap import default_report_path as imatrix_report_path
     from ggufcarve.imatrix.remap import (
         execute_remap,
@@ -137,6 +136,7 @@ def imatrix_remap(
         plan_remap,
         resolve_source_layout,
     )
+    from ggufcarve.imatrix_format import read_imatrix
     from ggufcarve.moe.layout import inspect_layout
 
     source_imatrix = read_imatrix(imatrix)
@@ -201,7 +201,7 @@ def imatrix_inspect(
     used. With --model, every entry is checked against the model as llama-quantize will."""
     from ggufcarve.gguf.container import read_model
     from ggufcarve.imatrix.check import raise_problems, summarize
-    from ggufcarve.imatrix.formats import read_imatrix
+    from ggufcarve.imatrix_format import read_imatrix
 
     loaded = read_imatrix(imatrix)
     summary = summarize(loaded, read_model(model) if model is not None else None)
@@ -264,7 +264,7 @@ def imatrix_convert(
     To .dat: per-expert counts are lost (a .dat keeps one ncall per entry); llama-quantize's
     normalised values are unchanged."""
     from ggufcarve.imatrix.convert import convert_file, format_from_path
-    from ggufcarve.imatrix.formats import read_imatrix
+    from ggufcarve.imatrix_format import read_imatrix
 
     target = fmt or format_from_path(output)
     if target is None:

@@ -17,6 +17,7 @@ from pathlib import Path
 from ggufcarve import listing
 from ggufcarve.evaluate.speed import speed_text
 from ggufcarve.fileio import format_size, size_unit, write_failed
+from ggufcarve.listing import add_loop_column
 
 KLD_CHART = "size-vs-kld.png"
 PPL_CHART = "size-vs-ppl.png"
@@ -121,35 +122,6 @@ def segment_table(ordered: list[dict]) -> list[str]:
             lines.append(f"| {r['model']['name']} | {format_size(r['model']['bytes'])} | {label} | {tokens} | {f['ppl']:.4f} | {round(f['ppl_delta_percent'], 2) + 0.0:+.2f}% | "
                          f"{f['kld_mean']:.6f} | {f['kld_mean_stderr']:.6f} | {f['kld_p999']:.6f} | {100 * f['same_top_p']:.2f}% | {gate} |")
     return lines
-
-
-def loop_cell(doc: dict) -> str:
-    """A model's repetition loops as a table cell: "2/10 (ref 1/10)", or "–" without --loops."""
-    loops = doc.get("loops")
-    if not loops:
-        return "–"
-    reference = f" (ref {loops['reference_looped']}/{loops['total']})" if loops.get("reference_looped") is not None else ""
-    return f"{loops['looped']}/{loops['total']}{reference}"
-
-
-def add_loop_column(lines: list[str], docs: list[dict]) -> None:
-    """Append a Loops column to the markdown table that ends `lines` (a header, a rule, one row per
-    doc in order) and the note saying what it counts, when any doc was evaluated with --loops."""
-    if not any(d.get("loops") for d in docs):
-        return
-    start = len(lines) - len(docs) - 2
-    lines[start] += " Loops |"
-    lines[start + 1] += "---|"
-    for i, doc in enumerate(docs):
-        lines[start + 2 + i] += f" {loop_cell(doc)} |"
-    lines += ["", loop_note(next(d["loops"] for d in docs if d.get("loops")))]
-
-
-def loop_note(loops: dict) -> str:
-    """What the Loops column counts, in one sentence."""
-    d = loops["detector"]
-    return (f"Loops: prompts ({loops['prompts_from']}) whose greedy continuation of {loops['tokens']} tokens ends in a block of p <= {d['max_period']} tokens "
-            f"repeated over at least max({d['min_tokens']} tokens, {d['min_repeats']} repeats); the reference's count in brackets.")
 
 
 Stage = Callable[[Path], Path]  # an output's final path -> the temp path to write it to (renamed later)

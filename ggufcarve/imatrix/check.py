@@ -13,7 +13,7 @@ from ggufcarve.errors import BadInput
 from ggufcarve.gguf.container import (
     GGUFModel,
 )
-from ggufcarve.imatrix.formats import (
+from ggufcarve.imatrix_format import (
     KEY_REMAP_SOURCE_SHA256,
     Imatrix,
     ImatrixEntry,

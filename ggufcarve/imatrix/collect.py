@@ -219,7 +219,7 @@ IMATRIX_CONSUMER = ConsumerSpec("imatrix", "ggufcarve.imatrix.collect:accumulato
 def imatrix_from_arrays(arrays: Mapping[str, np.ndarray], datasets: Sequence[str], chunk_size: int) -> Any:
     """The GGUF `Imatrix` llama-imatrix's save_imatrix writes from the same statistics."""
     from ggufcarve.gguf.container import make_kv
-    from ggufcarve.imatrix.formats import (
+    from ggufcarve.imatrix_format import (
         KEY_CHUNK_COUNT,
         KEY_CHUNK_SIZE,
         KEY_DATASETS,
@@ -266,7 +266,7 @@ class Collected:
 def write_collected(arrays: Mapping[str, np.ndarray], datasets: Sequence[str], chunk_size: int, output: Path, *, tokens: int, seconds: float,
                     force: bool = False, sources: Sequence[Path] = (), on_event: Sink = ignore) -> Collected:
     """Write the statistics of a calibration child as a GGUF imatrix (temp name, fsync, rename)."""
-    from ggufcarve.imatrix.formats import write_imatrix
+    from ggufcarve.imatrix_format import write_imatrix
 
     imatrix = imatrix_from_arrays(arrays, datasets, chunk_size)
     path = write_imatrix(imatrix, output, force=force, sources=sources, on_event=on_event)

@@ -14,7 +14,7 @@ from ggufcarve.events import Sink, ignore
 from ggufcarve.gguf.container import (
     make_kv,
 )
-from ggufcarve.imatrix.formats import (
+from ggufcarve.imatrix_format import (
     DEFAULT_CHUNK_SIZE,
     FORMATS,
     IMATRIX_KEYS,

@@ -28,7 +28,7 @@ from ggufcarve.gguf.container import (
 )
 from ggufcarve.imatrix.check import check_against_model, expected_sizes, raise_problems
 from ggufcarve.imatrix.convert import convert
-from ggufcarve.imatrix.formats import (
+from ggufcarve.imatrix_format import (
     DEFAULT_CHUNK_SIZE,
     FORMATS,
     KEY_REMAP_SOURCE_SHA256,

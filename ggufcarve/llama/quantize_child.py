@@ -8,7 +8,7 @@ tools/quantize/quantize.cpp of the vendored llama.cpp: the imatrix is normalised
 same quantize.imatrix.* keys are written, and llama.cpp logs to stderr unfiltered, so its output
 can be parsed like the binary's. A child process because llama.cpp aborts on failed asserts.
 
-The imatrix is read by ggufcarve.imatrix.formats (`ImatrixEntry.normalized` is llama-quantize's
+The imatrix is read by ggufcarve.imatrix_format (`ImatrixEntry.normalized` is llama-quantize's
 load_imatrix normalisation).
 """
 
@@ -102,7 +102,7 @@ def main(argv: list[str]) -> int:
     keep_alive: list[object] = []
     kv_overrides: list[tuple[str, int, object]] = []
     if imatrix_file:
-        from ggufcarve.imatrix.formats import read_imatrix
+        from ggufcarve.imatrix_format import read_imatrix
 
         try:
             imatrix = read_imatrix(imatrix_file)

@@ -347,8 +347,8 @@ def _remap_stage(ctx: RunContext, source_imatrix: Path) -> Stage:
 
     def work() -> tuple[list[Path], str]:
         from ggufcarve.gguf.container import read_model
-        from ggufcarve.imatrix.formats import read_imatrix
         from ggufcarve.imatrix.remap import execute_remap, plan_remap, resolve_source_layout
+        from ggufcarve.imatrix_format import read_imatrix
         from ggufcarve.moe.layout import inspect_layout
 
         imatrix = read_imatrix(source_imatrix)

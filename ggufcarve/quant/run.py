@@ -168,7 +168,7 @@ def model_name_from(source: Path) -> str:
 def read_imatrix_info(path: Path, model: GGUFModel) -> ImatrixInfo:
     """Read the imatrix and check it against the source the way llama-quantize will, all at once."""
     from ggufcarve.imatrix.check import check_against_model
-    from ggufcarve.imatrix.formats import read_imatrix
+    from ggufcarve.imatrix_format import read_imatrix
 
     imatrix = read_imatrix(path)
     check = check_against_model(imatrix, model)
@@ -343,7 +343,7 @@ def _imatrix_without_directories(plan: LadderPlan, out: Path, to_run: Sequence[P
     from gguf.constants import GGUFValueType
 
     from ggufcarve.gguf.container import make_kv, replace_kvs
-    from ggufcarve.imatrix.formats import KEY_DATASETS, read_imatrix, write_to_fd
+    from ggufcarve.imatrix_format import KEY_DATASETS, read_imatrix, write_to_fd
 
     if plan.imatrix is None or not any(p.job.imatrix is not None for p in to_run):
         return None

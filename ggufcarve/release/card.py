@@ -450,7 +450,7 @@ def _quant_table(inputs: CardInputs) -> list[str]:
             figures = "– | – | – | – | – | not evaluated"
         bits = f"{rung['bits_per_weight']:.2f}" if rung.get("bits_per_weight") else "–"
         rows.append(f"| {name} | {rung['name']} | {format_size(_rung_bytes(rung))} | {bits} | {figures} | `{str(rung.get('sha256'))[:16]}` |")
-    from ggufcarve.evaluate.summary import add_loop_column
+    from ggufcarve.listing import add_loop_column
 
     add_loop_column(rows, [inputs.evaluation.get(r["files"][0]["name"]) or {} for r in inputs.rungs])
     return rows

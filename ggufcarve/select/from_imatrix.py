@@ -27,7 +27,7 @@ from ggufcarve.events import Sink, ignore
 from ggufcarve.gguf.container import GGUFModel
 from ggufcarve.gguf.tensors import expert_values, tensor_values
 from ggufcarve.imatrix.check import check_against_model, raise_problems
-from ggufcarve.imatrix.formats import Imatrix, lround
+from ggufcarve.imatrix_format import Imatrix, lround
 from ggufcarve.moe.layout import DOWN_EXPS, MoeLayout, block_tensor
 from ggufcarve.select.scores import BlockStats
 from ggufcarve.select.zero_shot import weights_stats

@@ -73,7 +73,7 @@ def score_model(
         blocks = random_stats(layout, seed)
         parameters["seed"] = seed
     else:
-        from ggufcarve.imatrix.formats import read_imatrix
+        from ggufcarve.imatrix_format import read_imatrix
         from ggufcarve.select.from_imatrix import imatrix_stats
 
         if imatrix is None:
