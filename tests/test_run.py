@@ -209,7 +209,7 @@ def test_a_run_stopped_in_the_middle_resumes_and_verifies(q8_moe, tmp_path, sign
         proc.wait()
     else:
         proc.send_signal(signal.SIGINT)  # Ctrl-C: ggufcarve stops its child itself
-        assert proc.wait(timeout=30) == 130
+        assert proc.wait(timeout=30) == 130, proc.stderr.read().decode()[-3000:]
         lines = [line for line in proc.stderr.read().decode().splitlines() if line.strip()]
         assert "stopped by Ctrl-C" in lines[-1] and "Traceback" not in "\n".join(lines)
     result = ggufcarve("run", plan, "-q", "--json")
