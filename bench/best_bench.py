@@ -50,7 +50,9 @@ ftype = "Q2_K"
 
 def run(argv: list[str], cwd: Path | None = None, env: dict | None = None) -> float:
     started = time.perf_counter()
-    proc = subprocess.run([str(a) for a in argv], capture_output=True, text=True, cwd=cwd, env={**os.environ, **(env or {})})
+    proc = subprocess.run(
+        [str(a) for a in argv], capture_output=True, text=True, cwd=cwd, env={**os.environ, **(env or {})}
+    )
     seconds = time.perf_counter() - started
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(map(str, argv[:4]))} failed:\n{proc.stderr[-3000:]}")
@@ -71,7 +73,9 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     model = work / f"qwen3moe-256x2048x512-{a.layers}L-Q8_0.gguf"
     if not model.is_file():
-        factory.write_model(model, "qwen3moe", dtype="Q8_0", n_expert=256, n_expert_used=8, n_layer=a.layers, n_embd=2048, n_ff_exp=512)
+        factory.write_model(
+            model, "qwen3moe", dtype="Q8_0", n_expert=256, n_expert_used=8, n_layer=a.layers, n_embd=2048, n_ff_exp=512
+        )
     rng = random.Random(0)
     calibration, heldout = work / "calibration.txt", work / "heldout.txt"
     for path, n in ((calibration, 4 * a.ctx), (heldout, (a.chunks + 1) * a.ctx)):
@@ -81,8 +85,29 @@ def main() -> None:
     ladder.write_text(LADDER)
     size = model.stat().st_size
     memory = f"{int(size * 0.75)}B"  # below the unpruned Q8_0: pruned Q8_0, unpruned and pruned Q4_K_M and Q2_K compete
-    common = [model, "--memory", memory, "--ctx", 4096, "--ladder", ladder, "--calibration", calibration, "--heldout", heldout,
-              "--eval-ctx", a.ctx, "--chunks", a.chunks, "--methods", "frequency,weights", "-t", a.threads, "--quiet", "--force"]
+    common = [
+        model,
+        "--memory",
+        memory,
+        "--ctx",
+        4096,
+        "--ladder",
+        ladder,
+        "--calibration",
+        calibration,
+        "--heldout",
+        heldout,
+        "--eval-ctx",
+        a.ctx,
+        "--chunks",
+        a.chunks,
+        "--methods",
+        "frequency,weights",
+        "-t",
+        a.threads,
+        "--quiet",
+        "--force",
+    ]
     cache = {"GGUFCARVE_CACHE": str(work / "cache")}
     for d in ("new", "old", "ladder", "eval", "cache"):
         shutil.rmtree(work / d, ignore_errors=True)
@@ -91,28 +116,84 @@ def main() -> None:
     report = json.loads((work / "new" / "best.json").read_text())
     old_tree = work / "old-tree"
     if not old_tree.exists():
-        subprocess.run(["git", "-C", ROOT, "worktree", "add", "--detach", old_tree, a.old_commit], check=True, capture_output=True)
+        subprocess.run(
+            ["git", "-C", ROOT, "worktree", "add", "--detach", old_tree, a.old_commit], check=True, capture_output=True
+        )
     shutil.rmtree(work / "cache", ignore_errors=True)
-    old = run([sys.executable, "-m", "ggufcarve", "best", *common, "-o", work / "old"], cwd=old_tree, env={**cache, "PYTHONPATH": str(old_tree)})
+    old = run(
+        [sys.executable, "-m", "ggufcarve", "best", *common, "-o", work / "old"],
+        cwd=old_tree,
+        env={**cache, "PYTHONPATH": str(old_tree)},
+    )
     imatrix = work / "new" / "work" / "calibration.imatrix.gguf"
-    build = run([sys.executable, "-m", "ggufcarve", "ladder", "run", ladder, "--source", model, "--imatrix", imatrix, "-o", work / "ladder", "-t", a.threads, "-q"], env=cache)
+    build = run(
+        [
+            sys.executable,
+            "-m",
+            "ggufcarve",
+            "ladder",
+            "run",
+            ladder,
+            "--source",
+            model,
+            "--imatrix",
+            imatrix,
+            "-o",
+            work / "ladder",
+            "-t",
+            a.threads,
+            "-q",
+        ],
+        env=cache,
+    )
     evals = []
     for number in range(7):  # the first computes the reference log-probs; six timed with them cached
-        seconds = run([sys.executable, "-m", "ggufcarve", "eval", model, "--reference", model, "--heldout", heldout, "--ctx", a.ctx, "--chunks", a.chunks,
-                       "--speed-runs", 0, "-o", work / "eval" / str(number), "-t", a.threads, "-q"], env=cache)
+        seconds = run(
+            [
+                sys.executable,
+                "-m",
+                "ggufcarve",
+                "eval",
+                model,
+                "--reference",
+                model,
+                "--heldout",
+                heldout,
+                "--ctx",
+                a.ctx,
+                "--chunks",
+                a.chunks,
+                "--speed-runs",
+                0,
+                "-o",
+                work / "eval" / str(number),
+                "-t",
+                a.threads,
+                "-q",
+            ],
+            env=cache,
+        )
         if number:
             evals.append(seconds)
     reference = build + sum(evals)
     scored = [c for c in report["candidates"] if c.get("scored_by")]
-    print(f"model {model.name}: {size / 2**30:.2f} GiB, {a.chunks} chunks of {a.ctx} held-out tokens, threads {a.threads}")
-    print(f"candidates scored: {len(scored)} ({sum(c['scored_by'] == 'mask' for c in scored)} masked, {sum(c['scored_by'] == 'file' for c in scored)} as files); "
-          f"winner {report['winner']['id'] if report['winner'] else None}")
+    print(
+        f"model {model.name}: {size / 2**30:.2f} GiB, {a.chunks} chunks of {a.ctx} held-out tokens, threads {a.threads}"
+    )
+    print(
+        f"candidates scored: {len(scored)} ({sum(c['scored_by'] == 'mask' for c in scored)} masked, {sum(c['scored_by'] == 'file' for c in scored)} as files); "
+        f"winner {report['winner']['id'] if report['winner'] else None}"
+    )
     for c in report["candidates"]:
         if c.get("confirmed"):
             k = c["confirmed"]
-            print(f"confirmed {c['id']}: masked {k['masked_kld_mean']:.6f}, file {k['file_kld_mean']:.6f} ± {k['file_kld_mean_stderr']:.6f}")
+            print(
+                f"confirmed {c['id']}: masked {k['masked_kld_mean']:.6f}, file {k['file_kld_mean']:.6f} ± {k['file_kld_mean_stderr']:.6f}"
+            )
     print(f"new best {new:.1f} s; old best {old:.1f} s; new / old {new / old:.2f}")
-    print(f"unpruned ladder build {build:.1f} s + 6 evaluations {sum(evals):.1f} s = {reference:.1f} s; new / that {new / reference:.2f}")
+    print(
+        f"unpruned ladder build {build:.1f} s + 6 evaluations {sum(evals):.1f} s = {reference:.1f} s; new / that {new / reference:.2f}"
+    )
     print(f"projection for {report['projection']['model']}: {report['projection']['total_seconds'] / 3600:.1f} h (new)")
     print("new timings: " + ", ".join(f"{k} {v:.1f}" for k, v in sorted(report["timings"].items())))
 

@@ -37,7 +37,9 @@ WORDS = "the quick brown fox jumps over a lazy dog while experts route tokens th
 
 def timed(argv: list[str]) -> float:
     started = time.perf_counter()
-    proc = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, "GGML_NO_BACKTRACE": "1", "LLAMA_ARG_REPACK": "0"})
+    proc = subprocess.run(
+        argv, capture_output=True, text=True, env={**os.environ, "GGML_NO_BACKTRACE": "1", "LLAMA_ARG_REPACK": "0"}
+    )
     seconds = time.perf_counter() - started
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(argv[:3])} failed:\n{proc.stderr[-2000:]}")
@@ -70,27 +72,89 @@ def main() -> None:
     text.write_text(" ".join(words) + "\n")
     tool = str(require_tool("llama-perplexity"))
     base = work / "reference.kld"
-    timed([tool, "-m", str(reference), "-f", str(text), "-c", str(a.ctx), "--chunks", str(a.chunks), "--kl-divergence-base", str(base), "-t", str(a.threads)])
+    timed(
+        [
+            tool,
+            "-m",
+            str(reference),
+            "-f",
+            str(text),
+            "-c",
+            str(a.ctx),
+            "--chunks",
+            str(a.chunks),
+            "--kl-divergence-base",
+            str(base),
+            "-t",
+            str(a.threads),
+        ]
+    )
     cache = work / "cache"
     common = ["--speed-runs", "0", "-t", str(a.threads), "--force", "-q"]
-    ours = [sys.executable, "-m", "ggufcarve", "eval", str(model), "--reference", str(reference), "--heldout", str(text), "--ctx", str(a.ctx),
-            "--chunks", str(a.chunks), "--top-k", "128", "--cache", str(cache), "-o", str(work / "out-topk"), *common]
+    ours = [
+        sys.executable,
+        "-m",
+        "ggufcarve",
+        "eval",
+        str(model),
+        "--reference",
+        str(reference),
+        "--heldout",
+        str(text),
+        "--ctx",
+        str(a.ctx),
+        "--chunks",
+        str(a.chunks),
+        "--top-k",
+        "128",
+        "--cache",
+        str(cache),
+        "-o",
+        str(work / "out-topk"),
+        *common,
+    ]
     timed(ours)  # computes the reference's top-k cache once
     runs = {
-        "llama-perplexity": [tool, "-m", str(model), "--kl-divergence-base", str(base), "--kl-divergence", "-c", str(a.ctx), "-t", str(a.threads)],
+        "llama-perplexity": [
+            tool,
+            "-m",
+            str(model),
+            "--kl-divergence-base",
+            str(base),
+            "--kl-divergence",
+            "-c",
+            str(a.ctx),
+            "-t",
+            str(a.threads),
+        ],
         "eval (top-k cache)": ours,
-        "eval (base file)": [sys.executable, "-m", "ggufcarve", "eval", str(model), "--reference", str(base), "-o", str(work / "out-base"), *common],
+        "eval (base file)": [
+            sys.executable,
+            "-m",
+            "ggufcarve",
+            "eval",
+            str(model),
+            "--reference",
+            str(base),
+            "-o",
+            str(work / "out-base"),
+            *common,
+        ],
     }
     seconds: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(a.repeat):
         for name, argv in runs.items():
             seconds[name].append(timed(argv))
     gib = model.stat().st_size / 2**30
-    print(f"model {model.name} {gib:.2f} GiB, reference {reference.stat().st_size / 2**30:.2f} GiB, ctx {a.ctx}, {a.chunks} chunks, {a.threads} threads, {a.repeat} runs each")
+    print(
+        f"model {model.name} {gib:.2f} GiB, reference {reference.stat().st_size / 2**30:.2f} GiB, ctx {a.ctx}, {a.chunks} chunks, {a.threads} threads, {a.repeat} runs each"
+    )
     baseline = statistics.median(seconds["llama-perplexity"])
     for name, values in seconds.items():
         median = statistics.median(values)
-        print(f"{name:20s} median {median:7.2f} s  ({median / baseline:.2f}x llama-perplexity)  runs: {', '.join(f'{v:.2f}' for v in values)}")
+        print(
+            f"{name:20s} median {median:7.2f} s  ({median / baseline:.2f}x llama-perplexity)  runs: {', '.join(f'{v:.2f}' for v in values)}"
+        )
 
 
 if __name__ == "__main__":

@@ -58,7 +58,9 @@ def timed(argv: list[str], cwd: Path | None = None) -> float:
     proc = subprocess.run(argv, cwd=cwd, capture_output=True, text=True)
     seconds = time.perf_counter() - start
     if proc.returncode != 0:
-        raise SystemExit(f"{' '.join(map(str, argv))} failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+        raise SystemExit(
+            f"{' '.join(map(str, argv))} failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+        )
     return seconds
 
 
@@ -70,7 +72,9 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=1024, help="n_embd = n_ff_exp")
     parser.add_argument("--only", default=None, help="rungs of ladders/q8-to-iq1.toml to run (default: all nine)")
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--skip-ladder", action="store_true", help="reuse an existing ladder directory (verify timing only)")
+    parser.add_argument(
+        "--skip-ladder", action="store_true", help="reuse an existing ladder directory (verify timing only)"
+    )
     args = parser.parse_args()
     args.dir.mkdir(parents=True, exist_ok=True)
     tools = find_tool("llama-quantize")
@@ -79,8 +83,20 @@ def main() -> None:
     source = args.dir / f"bench-moe-{args.layers}x{args.experts}-Q8_0.gguf"
     if not source.exists():
         t = time.perf_counter()
-        factory.write_model(source, "qwen3moe", dtype="Q8_0", n_expert=args.experts, n_expert_used=8, n_layer=args.layers, n_embd=args.width, n_ff_exp=args.width)
-        print(f"built {source.name}: {source.stat().st_size / 2**30:.2f} GiB in {time.perf_counter() - t:.0f} s", flush=True)
+        factory.write_model(
+            source,
+            "qwen3moe",
+            dtype="Q8_0",
+            n_expert=args.experts,
+            n_expert_used=8,
+            n_layer=args.layers,
+            n_embd=args.width,
+            n_ff_exp=args.width,
+        )
+        print(
+            f"built {source.name}: {source.stat().st_size / 2**30:.2f} GiB in {time.perf_counter() - t:.0f} s",
+            flush=True,
+        )
     size = source.stat().st_size
     imatrix = args.dir / f"{source.stem}.imatrix.gguf"
     if not imatrix.exists():
@@ -90,8 +106,23 @@ def main() -> None:
     out = args.dir / "ladder"
     if not args.skip_ladder:
         shutil.rmtree(out, ignore_errors=True)
-        argv = [sys.executable, "-m", "ggufcarve", "ladder", "run", str(ROOT / "ladders" / "q8-to-iq1.toml"), "--source", str(source),
-                "--imatrix", str(imatrix), "-o", str(out), "--quantizer", str(bin_dir / "llama-quantize"), "-q"]
+        argv = [
+            sys.executable,
+            "-m",
+            "ggufcarve",
+            "ladder",
+            "run",
+            str(ROOT / "ladders" / "q8-to-iq1.toml"),
+            "--source",
+            str(source),
+            "--imatrix",
+            str(imatrix),
+            "-o",
+            str(out),
+            "--quantizer",
+            str(bin_dir / "llama-quantize"),
+            "-q",
+        ]
         if args.only:
             argv += ["--only", args.only]
         print("$ " + " ".join(argv), flush=True)
@@ -99,12 +130,17 @@ def main() -> None:
         manifest = json.loads((out / "quant-manifest.json").read_text())
         quantizer = sum(r["seconds"] for r in manifest["rungs"])
         overhead = wall - quantizer
-        print(f"\nladder: source {size / 2**30:.2f} GiB, {len(manifest['rungs'])} rungs, outputs {sum(r['bytes'] for r in manifest['rungs']) / 2**30:.2f} GiB")
+        print(
+            f"\nladder: source {size / 2**30:.2f} GiB, {len(manifest['rungs'])} rungs, outputs {sum(r['bytes'] for r in manifest['rungs']) / 2**30:.2f} GiB"
+        )
         print("| rung | GiB | bits/weight | quantizer s |\n|---|---:|---:|---:|")
         for r in manifest["rungs"]:
             print(f"| {r['name']} | {r['gib']:.2f} | {r['bits_per_weight']:.2f} | {r['seconds']:.1f} |")
-        print(f"wall {wall:.1f} s, quantizer {quantizer:.1f} s, overhead {overhead:.1f} s = {100 * overhead / wall:.2f}% "
-              f"(hashing {manifest['timings']['hash_seconds']:.1f} s ran beside the quantizer)\n", flush=True)
+        print(
+            f"wall {wall:.1f} s, quantizer {quantizer:.1f} s, overhead {overhead:.1f} s = {100 * overhead / wall:.2f}% "
+            f"(hashing {manifest['timings']['hash_seconds']:.1f} s ran beside the quantizer)\n",
+            flush=True,
+        )
 
     listed = [out / line.split("  ", 1)[1] for line in (out / "SHA256SUMS").read_text().splitlines()]
     files = sum(p.stat().st_size for p in listed)
@@ -113,20 +149,28 @@ def main() -> None:
     limit = [sys.executable, "-c", HASH_ALL, str(16 << 20), *map(str, listed)]
     small_reads = [sys.executable, "-c", HASH_ALL, str(128 << 10), *map(str, listed)]
     timed(verify), timed(coreutils, out), timed(limit)  # warm the page cache
-    contenders = {"sha256sum -c SHA256SUMS": (coreutils, out), "hashlib, all cores (the limit)": (limit, None),
-                  "hashlib, all cores, 128 KiB reads": (small_reads, None), "ggufcarve verify DIR": (verify, None)}
+    contenders = {
+        "sha256sum -c SHA256SUMS": (coreutils, out),
+        "hashlib, all cores (the limit)": (limit, None),
+        "hashlib, all cores, 128 KiB reads": (small_reads, None),
+        "ggufcarve verify DIR": (verify, None),
+    }
     runs: dict[str, list[float]] = {name: [] for name in contenders}
     for _ in range(args.repeat):
         for name, (argv, cwd) in contenders.items():
             runs[name].append(timed(argv, cwd))
     medians = {name: statistics.median(times) for name, times in runs.items()}
-    print(f"verify: {files / 2**30:.2f} GiB in {len(listed)} files, warm cache, {os.cpu_count()} cores, median of {args.repeat}")
+    print(
+        f"verify: {files / 2**30:.2f} GiB in {len(listed)} files, warm cache, {os.cpu_count()} cores, median of {args.repeat}"
+    )
     print("| command | seconds | MiB/s |\n|---|---:|---:|")
     for name, seconds in medians.items():
         print(f"| {name} | {seconds:.2f} | {files / seconds / 2**20:.0f} |")
     ours = medians["ggufcarve verify DIR"]
-    print(f"verify / hashing limit = {ours / medians['hashlib, all cores (the limit)']:.2f}x (target <= 1.1x); "
-          f"verify / the same reads hashed = {ours / medians['hashlib, all cores, 128 KiB reads']:.2f}x; sha256sum -c / verify = {medians['sha256sum -c SHA256SUMS'] / ours:.2f}x")
+    print(
+        f"verify / hashing limit = {ours / medians['hashlib, all cores (the limit)']:.2f}x (target <= 1.1x); "
+        f"verify / the same reads hashed = {ours / medians['hashlib, all cores, 128 KiB reads']:.2f}x; sha256sum -c / verify = {medians['sha256sum -c SHA256SUMS'] / ours:.2f}x"
+    )
 
 
 if __name__ == "__main__":

@@ -74,7 +74,21 @@ def main() -> None:
     out = args.dir / "bench-pruned.gguf"
     report = args.dir / "bench-pruned.pruning-report.json"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    prune = [sys.executable, "-m", "ggufcarve", "prune", str(src), "--keep-first", str(args.experts // 2), "-o", str(out), "--force", "-q", "--report", str(report)]
+    prune = [
+        sys.executable,
+        "-m",
+        "ggufcarve",
+        "prune",
+        str(src),
+        "--keep-first",
+        str(args.experts // 2),
+        "-o",
+        str(out),
+        "--force",
+        "-q",
+        "--report",
+        str(report),
+    ]
     warm_cache = tempfile.mkdtemp(prefix="ggufcarve-bench-cache-")
     warm_env = {**env, "GGUFCARVE_CACHE": warm_cache}
 
@@ -88,8 +102,21 @@ def main() -> None:
         os.fsync(f_out.fileno())
     copy_dst = args.dir / "reference-copy.bin"
     prune_rss: list[int] = []
-    sha256_source = [sys.executable, "-c", "import hashlib, sys; hashlib.file_digest(open(sys.argv[1], 'rb'), 'sha256')", str(src)]
-    times: dict[str, list[float]] = {"cp": [], "cp+sync": [], "sha256 source": [], "prune (cold)": [], "prune (warm)": [], "library (cold)": [], "library (warm)": []}
+    sha256_source = [
+        sys.executable,
+        "-c",
+        "import hashlib, sys; hashlib.file_digest(open(sys.argv[1], 'rb'), 'sha256')",
+        str(src),
+    ]
+    times: dict[str, list[float]] = {
+        "cp": [],
+        "cp+sync": [],
+        "sha256 source": [],
+        "prune (cold)": [],
+        "prune (warm)": [],
+        "library (cold)": [],
+        "library (warm)": [],
+    }
     out_bytes = out.stat().st_size
 
     def settle() -> None:
@@ -110,7 +137,11 @@ def main() -> None:
         for kind in ("cold", "warm"):
             settle()
             with tempfile.TemporaryDirectory(prefix="ggufcarve-bench-cold-") as cold_cache:
-                seconds, rss = timed(prune, warm_env if kind == "warm" else {**env, "GGUFCARVE_CACHE": cold_cache}, name=f"prune ({kind})")
+                seconds, rss = timed(
+                    prune,
+                    warm_env if kind == "warm" else {**env, "GGUFCARVE_CACHE": cold_cache},
+                    name=f"prune ({kind})",
+                )
             times[f"prune ({kind})"].append(seconds)
             times[f"library ({kind})"].append(json.loads(report.read_text())["timings"]["total_seconds"])
             prune_rss.append(rss)
@@ -118,7 +149,9 @@ def main() -> None:
 
     src_gib, out_gib = src.stat().st_size / 2**30, out_bytes / 2**30
     median = {name: statistics.median(t) for name, t in times.items()}
-    print(f"source {src_gib:.2f} GiB ({args.layers} MoE layers x {args.experts} experts, Q8_0) -> output {out_gib:.2f} GiB ({args.experts // 2} experts); page cache warm")
+    print(
+        f"source {src_gib:.2f} GiB ({args.layers} MoE layers x {args.experts} experts, Q8_0) -> output {out_gib:.2f} GiB ({args.experts // 2} experts); page cache warm"
+    )
     print(f"{os.cpu_count()} cores; load average {load_before[0]:.1f} before, {os.getloadavg()[0]:.1f} after")
     print(f"{'':15} {'median s':>9} {'out GiB/s':>9} {'CPU s':>6}   runs")
     for name, t in times.items():
@@ -127,7 +160,9 @@ def main() -> None:
     floor = max(median["cp+sync"], median["sha256 source"])
     for what in ("prune", "library"):
         warm, cold = median[f"{what} (warm)"], median[f"{what} (cold)"]
-        print(f"{what:8} warm / (cp+sync) = {warm / median['cp+sync']:.2f} (target <= 1.10)   cold / max(cp+sync, sha256 source) = {cold / floor:.2f} (target <= 1.10)")
+        print(
+            f"{what:8} warm / (cp+sync) = {warm / median['cp+sync']:.2f} (target <= 1.10)   cold / max(cp+sync, sha256 source) = {cold / floor:.2f} (target <= 1.10)"
+        )
     print(f"prune peak RSS = {max(prune_rss) / 1024:.0f} MiB (target <= 256)")
     for path in (ref, copy_dst, report):
         path.unlink(missing_ok=True)

@@ -40,7 +40,9 @@ import factory
 
 from ggufcarve.llama.tools import find_tool
 
-WORDS = ("the quick brown fox jumps over a lazy dog while experts route tokens through layers of matrices that quantize and prune weights").split()
+WORDS = (
+    "the quick brown fox jumps over a lazy dog while experts route tokens through layers of matrices that quantize and prune weights"
+).split()
 
 
 def make_finite(path: Path) -> None:
@@ -68,7 +70,9 @@ def seconds(cmd: list[str], inner: bool = False, drop: Path | None = None) -> fl
     if drop is not None:
         drop_pages(drop)
     started = time.perf_counter()
-    done = subprocess.run(cmd, check=True, stdout=subprocess.PIPE if inner else subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True)
+    done = subprocess.run(
+        cmd, check=True, stdout=subprocess.PIPE if inner else subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True
+    )
     return float(done.stdout) if inner else time.perf_counter() - started
 
 
@@ -81,7 +85,15 @@ def drop_pages(path: Path) -> None:
         os.close(fd)
 
 
-def compare(label: str, baseline: list[str], runs: dict[str, list[str]], repeat: int, inner: tuple[str, ...] = (), drop: Path | None = None, shown: str = "") -> None:
+def compare(
+    label: str,
+    baseline: list[str],
+    runs: dict[str, list[str]],
+    repeat: int,
+    inner: tuple[str, ...] = (),
+    drop: Path | None = None,
+    shown: str = "",
+) -> None:
     """`inner`: the runs timed by the seconds they print (the rest by wall time); `shown`: the
     baseline as printed (else its first two words)."""
     times: dict[str, list[float]] = {"baseline": [], **{name: [] for name in runs}}
@@ -94,22 +106,31 @@ def compare(label: str, baseline: list[str], runs: dict[str, list[str]], repeat:
     print(f"{label}: baseline {shown} {base:.2f} s")
     for name in runs:
         t = statistics.median(times[name])
-        print(f"  {name:<11} {t:7.2f} s  {t / base:5.2f}x" + ("  (timed inside its process: no interpreter start or imports)" if name in inner else ""))
+        print(
+            f"  {name:<11} {t:7.2f} s  {t / base:5.2f}x"
+            + ("  (timed inside its process: no interpreter start or imports)" if name in inner else "")
+        )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dir", type=Path, default=Path("bench/out"))
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--tokens", type=int, default=8192, help="calibration tokens (whole --ctx chunks); 0: the whole text")
+    parser.add_argument(
+        "--tokens", type=int, default=8192, help="calibration tokens (whole --ctx chunks); 0: the whole text"
+    )
     parser.add_argument("--text", type=Path, help="trace: this calibration text instead of a synthetic one")
     parser.add_argument("--ctx", type=int, default=512)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--layers", type=int, default=8, help="layers of the weights benchmark's file (0.62 GiB each)")
     parser.add_argument("--only", choices=("weights", "trace"), help="run one of the two benchmarks")
     parser.add_argument("--no-cold", dest="cold", action="store_false", help="weights: skip the cold-cache runs")
-    parser.add_argument("--trace-model", type=Path, help="trace: this loadable model instead of the 32-expert factory model")
-    parser.add_argument("--methods", default="frequency,ean,reap,razor", help="trace: the passes timed, comma-separated")
+    parser.add_argument(
+        "--trace-model", type=Path, help="trace: this loadable model instead of the 32-expert factory model"
+    )
+    parser.add_argument(
+        "--methods", default="frequency,ean,reap,razor", help="trace: the passes timed, comma-separated"
+    )
     args = parser.parse_args()
     args.dir.mkdir(parents=True, exist_ok=True)
     ggufcarve = [sys.executable, "-m", "ggufcarve"]
@@ -126,16 +147,32 @@ def weights(args: argparse.Namespace, ggufcarve: list[str]) -> None:
         factory.write_bulk_moe(big, n_layer=args.layers, n_expert=128, n_embd=2048, n_ff_exp=768)
         make_finite(big)
     print(f"weights: {big.stat().st_size / 2**30:.2f} GiB")
-    library = ("from ggufcarve.gguf.container import read_model; from ggufcarve.moe.layout import inspect_layout; "
-               "from ggufcarve.select.methods import score_model; import time, sys; m = read_model(sys.argv[1]); "
-               "t = time.perf_counter(); score_model(m, inspect_layout(m), 'weights'); print(time.perf_counter() - t)")
-    runs = {"weights": [*ggufcarve, "score", str(big), "--method", "weights", "-o", str(args.dir / "weights.json"), "--force", "-q"],
-            "score_model": [sys.executable, "-c", library, str(big)]}
+    library = (
+        "from ggufcarve.gguf.container import read_model; from ggufcarve.moe.layout import inspect_layout; "
+        "from ggufcarve.select.methods import score_model; import time, sys; m = read_model(sys.argv[1]); "
+        "t = time.perf_counter(); score_model(m, inspect_layout(m), 'weights'); print(time.perf_counter() - t)"
+    )
+    runs = {
+        "weights": [
+            *ggufcarve,
+            "score",
+            str(big),
+            "--method",
+            "weights",
+            "-o",
+            str(args.dir / "weights.json"),
+            "--force",
+            "-q",
+        ],
+        "score_model": [sys.executable, "-c", library, str(big)],
+    }
     cat = ["sh", "-c", f"cat '{big}' > /dev/null"]
     subprocess.run(cat, check=True)
     compare("weights, warm", cat, runs, args.repeat, inner=("score_model",), shown="cat MODEL > /dev/null")
     if args.cold:
-        compare("weights, cold", cat, runs, args.repeat, inner=("score_model",), drop=big, shown="cat MODEL > /dev/null")
+        compare(
+            "weights, cold", cat, runs, args.repeat, inner=("score_model",), drop=big, shown="cat MODEL > /dev/null"
+        )
 
 
 def trace(args: argparse.Namespace, ggufcarve: list[str]) -> None:
@@ -143,24 +180,60 @@ def trace(args: argparse.Namespace, ggufcarve: list[str]) -> None:
     if args.trace_model is not None and not model.exists():
         raise SystemExit(f"{model}: no such model")
     if not model.exists():
-        factory.write_model(model, "qwen3moe", dtype="Q8_0", n_expert=32, n_expert_used=4, n_layer=4, n_embd=512, n_ff_exp=512)
+        factory.write_model(
+            model, "qwen3moe", dtype="Q8_0", n_expert=32, n_expert_used=4, n_layer=4, n_embd=512, n_ff_exp=512
+        )
     text = args.text
     if text is None:
         if not args.tokens:
             raise SystemExit("--tokens 0 (the whole text) needs --text")
         text = args.dir / "select-calibration.txt"
         rng = random.Random(0)
-        text.write_text(" ".join(rng.choice(WORDS) for _ in range(args.tokens // 5 + args.ctx)))  # ~5.4 byte tokens per word
+        text.write_text(
+            " ".join(rng.choice(WORDS) for _ in range(args.tokens // 5 + args.ctx))
+        )  # ~5.4 byte tokens per word
     imatrix = find_tool("llama-imatrix")
     if imatrix is None:
         raise SystemExit("llama-imatrix not found (ggufcarve toolchain build)")
     chunks = args.tokens // args.ctx
     cut_imatrix = ["--chunks", str(chunks)] if chunks else []
     cut_score = ["--max-tokens", str(chunks * args.ctx)] if chunks else []
-    baseline = [str(imatrix), "-m", str(model), "-f", str(text), "-o", str(args.dir / "bench.imatrix.gguf"), "-c", str(args.ctx),
-                *cut_imatrix, "-t", str(args.threads), "--no-repack"]
-    runs = {m: [*ggufcarve, "score", str(model), "--method", m, "--calibration", str(text), "--ctx", str(args.ctx), *cut_score,
-                "-t", str(args.threads), "-o", str(args.dir / f"{m}.json"), "--force", "-q"] for m in args.methods.split(",")}
+    baseline = [
+        str(imatrix),
+        "-m",
+        str(model),
+        "-f",
+        str(text),
+        "-o",
+        str(args.dir / "bench.imatrix.gguf"),
+        "-c",
+        str(args.ctx),
+        *cut_imatrix,
+        "-t",
+        str(args.threads),
+        "--no-repack",
+    ]
+    runs = {
+        m: [
+            *ggufcarve,
+            "score",
+            str(model),
+            "--method",
+            m,
+            "--calibration",
+            str(text),
+            "--ctx",
+            str(args.ctx),
+            *cut_score,
+            "-t",
+            str(args.threads),
+            "-o",
+            str(args.dir / f"{m}.json"),
+            "--force",
+            "-q",
+        ]
+        for m in args.methods.split(",")
+    }
     extent = f"{chunks} chunks x {args.ctx} tokens" if chunks else f"the whole of {text.name} in chunks of {args.ctx}"
     print(f"trace: {model.stat().st_size / 2**20:.0f} MiB model, {extent}, {args.threads} threads")
     compare("trace", baseline, runs, args.repeat)

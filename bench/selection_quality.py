@@ -60,7 +60,9 @@ def factory_model(work: Path) -> Path:
 
     path = work / "factory-qwen3moe-64x256-top8-4L-Q8_0.gguf"
     if not path.exists():
-        factory.write_model(path, "qwen3moe", dtype="Q8_0", n_expert=64, n_expert_used=8, n_layer=4, n_embd=256, n_ff_exp=256)
+        factory.write_model(
+            path, "qwen3moe", dtype="Q8_0", n_expert=64, n_expert_used=8, n_layer=4, n_embd=256, n_ff_exp=256
+        )
     return path
 
 
@@ -73,33 +75,107 @@ def expert_count(path: Path) -> int:
 
 
 def run_tune(model: Path, keep: int, args: argparse.Namespace, out: Path, env: dict[str, str]) -> tuple[float, dict]:
-    seconds, _ = ggufcarve("tune", model, "--calibration", CALIBRATION, "--heldout", HELDOUT, "--keep", keep, "--methods", "all", "--ctx", args.ctx,
-                           "--chunks", args.chunks, "--max-tokens", args.max_tokens, "-t", args.threads, "-o", out, "--force", "-q", env=env)
+    seconds, _ = ggufcarve(
+        "tune",
+        model,
+        "--calibration",
+        CALIBRATION,
+        "--heldout",
+        HELDOUT,
+        "--keep",
+        keep,
+        "--methods",
+        "all",
+        "--ctx",
+        args.ctx,
+        "--chunks",
+        args.chunks,
+        "--max-tokens",
+        args.max_tokens,
+        "-t",
+        args.threads,
+        "-o",
+        out,
+        "--force",
+        "-q",
+        env=env,
+    )
     return seconds, json.loads((out / "tune.json").read_text())
 
 
-def old_way(model: Path, keep: int, methods: list[str], args: argparse.Namespace, out: Path, env: dict[str, str]) -> dict:
+def old_way(
+    model: Path, keep: int, methods: list[str], args: argparse.Namespace, out: Path, env: dict[str, str]
+) -> dict:
     """Every criterion's keep-set by `select`, pruned by `prune`, all evaluated by one `eval`."""
     out.mkdir(parents=True, exist_ok=True)
     seconds = {"select": 0.0, "imatrix": 0.0, "prune": 0.0, "eval": 0.0}
     calibration = ["--calibration", CALIBRATION, "--ctx", args.ctx, "--max-tokens", args.max_tokens]
     imatrix = out / "calibration.imatrix.gguf"
     if any(m in IMATRIX_METHODS for m in methods):
-        seconds["imatrix"], _ = ggufcarve("imatrix", "collect", model, "--calibration", CALIBRATION, "--ctx", args.ctx, "--chunks", args.max_tokens // args.ctx,
-                                          "-t", args.threads, "-o", imatrix, "--force", "-q", env=env)
+        seconds["imatrix"], _ = ggufcarve(
+            "imatrix",
+            "collect",
+            model,
+            "--calibration",
+            CALIBRATION,
+            "--ctx",
+            args.ctx,
+            "--chunks",
+            args.max_tokens // args.ctx,
+            "-t",
+            args.threads,
+            "-o",
+            imatrix,
+            "--force",
+            "-q",
+            env=env,
+        )
     pruned: dict[str, Path] = {}
     layers: dict[str, dict] = {}
     for method in methods:
         selection = out / f"{method}-{keep}.json"
         extra = calibration if method in TRACED else ["--imatrix", imatrix] if method in IMATRIX_METHODS else []
-        took, _ = ggufcarve("select", model, "--method", method, "--keep", keep, *extra, "-t", args.threads, "-o", selection, "--no-heatmap", "--force", "-q", env=env)
+        took, _ = ggufcarve(
+            "select",
+            model,
+            "--method",
+            method,
+            "--keep",
+            keep,
+            *extra,
+            "-t",
+            args.threads,
+            "-o",
+            selection,
+            "--no-heatmap",
+            "--force",
+            "-q",
+            env=env,
+        )
         seconds["select"] += took
         layers[method] = json.loads(selection.read_text())["layers"]
         pruned[method] = out / f"{method}-{keep}.gguf"
         took, _ = ggufcarve("prune", model, "--keep", selection, "-o", pruned[method], "--force", "-q", env=env)
         seconds["prune"] += took
-    seconds["eval"], _ = ggufcarve("eval", *pruned.values(), "--reference", model, "--heldout", HELDOUT, "--ctx", args.ctx, "--chunks", args.chunks,
-                                   "--speed-runs", 0, "-t", args.threads, "-o", out / "evaluation", env=env)
+    seconds["eval"], _ = ggufcarve(
+        "eval",
+        *pruned.values(),
+        "--reference",
+        model,
+        "--heldout",
+        HELDOUT,
+        "--ctx",
+        args.ctx,
+        "--chunks",
+        args.chunks,
+        "--speed-runs",
+        0,
+        "-t",
+        args.threads,
+        "-o",
+        out / "evaluation",
+        env=env,
+    )
     results = {m: json.loads((out / "evaluation" / f"{m}-{keep}.json").read_text()) for m in methods}
     return {"seconds": seconds, "total_seconds": sum(seconds.values()), "layers": layers, "results": results}
 
@@ -109,10 +185,14 @@ def table(name: str, keep: int, experts: int, tuned: dict, tune_seconds: float, 
 
     candidates = ranked(tuned["candidates"], keep)  # tune's ranking (tune.md)
     t = tuned["timings"]
-    lines = [f"**{name}**: {experts} -> {keep} experts per block; held-out text {HELDOUT.name}, ctx {tuned['parameters']['ctx']}, "
-             f"{tuned['parameters']['chunks']} chunks; calibration {CALIBRATION.name}, {tuned['calibration_pass']['tokens']} tokens.", "",
-             "| rank | method | tune: mean KLD | ± | same top p | PPL | chunks |" + (" old way: mean KLD (every chunk) | same keep-set |" if old else ""),
-             "|---:|---|---:|---:|---:|---:|---:|" + ("---:|---|" if old else "")]
+    lines = [
+        f"**{name}**: {experts} -> {keep} experts per block; held-out text {HELDOUT.name}, ctx {tuned['parameters']['ctx']}, "
+        f"{tuned['parameters']['chunks']} chunks; calibration {CALIBRATION.name}, {tuned['calibration_pass']['tokens']} tokens.",
+        "",
+        "| rank | method | tune: mean KLD | ± | same top p | PPL | chunks |"
+        + (" old way: mean KLD (every chunk) | same keep-set |" if old else ""),
+        "|---:|---|---:|---:|---:|---:|---:|" + ("---:|---|" if old else ""),
+    ]
     for rank, c in enumerate(candidates, 1):
         method = f"**{c['method']}**" if c["winner"] else c["method"]
         if c["identical_to"]:
@@ -123,12 +203,17 @@ def table(name: str, keep: int, experts: int, tuned: dict, tune_seconds: float, 
             tuned_layers = json.loads((work / "candidates" / f"{c['id']}.json").read_text())["layers"]
             row += f" {r['kld_mean']:.4f} | {'yes' if tuned_layers == old['layers'][c['method']] else 'no'} |"
         lines.append(row)
-    lines += ["", f"tune: {tune_seconds:.1f} s wall (calibration pass {t['calibration_seconds']:.1f} s, reference {t['reference_seconds']:.1f} s, "
-                  f"scoring {len({c['identical_to'] or c['id'] for c in candidates})} distinct keep-sets {t['score_seconds']:.1f} s)."]
+    lines += [
+        "",
+        f"tune: {tune_seconds:.1f} s wall (calibration pass {t['calibration_seconds']:.1f} s, reference {t['reference_seconds']:.1f} s, "
+        f"scoring {len({c['identical_to'] or c['id'] for c in candidates})} distinct keep-sets {t['score_seconds']:.1f} s).",
+    ]
     if old:
         s = old["seconds"]
-        lines.append(f"old way: {old['total_seconds']:.1f} s wall (select {s['select']:.1f} s, imatrix collect {s['imatrix']:.1f} s, prune {s['prune']:.1f} s, "
-                     f"eval {s['eval']:.1f} s): tune takes {tune_seconds / old['total_seconds']:.2f}x the old way's time.")
+        lines.append(
+            f"old way: {old['total_seconds']:.1f} s wall (select {s['select']:.1f} s, imatrix collect {s['imatrix']:.1f} s, prune {s['prune']:.1f} s, "
+            f"eval {s['eval']:.1f} s): tune takes {tune_seconds / old['total_seconds']:.2f}x the old way's time."
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -149,7 +234,10 @@ def main() -> None:
         model = DEMO if name == "demo" else factory_model(work) if name == "factory" else Path(name)
         experts = expert_count(model)
         keep = experts // 2
-        env = {**os.environ, "GGUFCARVE_CACHE": tempfile.mkdtemp(prefix="cache-", dir=work)}  # no reference log-probs cached before
+        env = {
+            **os.environ,
+            "GGUFCARVE_CACHE": tempfile.mkdtemp(prefix="cache-", dir=work),
+        }  # no reference log-probs cached before
         tune_seconds, tuned = run_tune(model, keep, args, work / name / "tune", env)
         print(f"{name}: tune {tune_seconds:.1f} s", file=sys.stderr)
         old = None
@@ -157,10 +245,31 @@ def main() -> None:
             methods = [c["method"] for c in tuned["candidates"]]
             old = old_way(model, keep, methods, args, work / name / "old-way", env)
             print(f"{name}: old way {old['total_seconds']:.1f} s", file=sys.stderr)
-        sections.append(table(name if name in ("demo", "factory") else model.name, keep, experts, tuned, tune_seconds, old, work / name / "tune"))
-        figures[name] = {"model": model.name, "keep": keep, "tune_seconds": tune_seconds, "tune": tuned["candidates"], "tune_timings": tuned["timings"],
-                         "old_way": None if old is None else {"seconds": old["seconds"], "total_seconds": old["total_seconds"],
-                                                              "kld_mean": {m: r["kld_mean"] for m, r in old["results"].items()}}}
+        sections.append(
+            table(
+                name if name in ("demo", "factory") else model.name,
+                keep,
+                experts,
+                tuned,
+                tune_seconds,
+                old,
+                work / name / "tune",
+            )
+        )
+        figures[name] = {
+            "model": model.name,
+            "keep": keep,
+            "tune_seconds": tune_seconds,
+            "tune": tuned["candidates"],
+            "tune_timings": tuned["timings"],
+            "old_way": None
+            if old is None
+            else {
+                "seconds": old["seconds"],
+                "total_seconds": old["total_seconds"],
+                "kld_mean": {m: r["kld_mean"] for m, r in old["results"].items()},
+            },
+        }
     text = "\n".join(sections)
     (work / "selection-quality.md").write_text(text)
     (work / "selection-quality.json").write_text(json.dumps(figures, indent=1))

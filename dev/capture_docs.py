@@ -77,8 +77,14 @@ def find_captures(lines: list[str], path: Path) -> list[Capture]:
             close = next((i for i in range(fence + 1, len(lines)) if lines[i].startswith("```")), None)
             if close is None or close + 1 >= len(lines) or lines[close + 1].strip() != CLOSE:
                 raise SystemExit(f"{path}:{index + 1}: the fenced block must be followed by {CLOSE}")
-            captures.append(Capture(fence, close + 1, "file" if written else "command",
-                                    written.group("name") if written else (command.group("filter") or "")))
+            captures.append(
+                Capture(
+                    fence,
+                    close + 1,
+                    "file" if written else "command",
+                    written.group("name") if written else (command.group("filter") or ""),
+                )
+            )
             index = close + 2
         else:
             index += 1
@@ -133,8 +139,15 @@ def relative(text: str, folder: Path) -> str:
 def run(command: list[str], folder: Path, environment: dict[str, str]) -> list[str]:
     script = "\n".join(line[2:] if i == 0 else line for i, line in enumerate(command))
     print(f"  {command[0]}", file=sys.stderr)
-    done = subprocess.run(["bash", "-c", script], cwd=folder, env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True, timeout=TIMEOUT_SECONDS)
+    done = subprocess.run(
+        ["bash", "-c", script],
+        cwd=folder,
+        env=environment,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=TIMEOUT_SECONDS,
+    )
     lines = [line.rstrip() for line in relative(done.stdout, folder).splitlines()]
     while lines and not lines[0]:
         lines.pop(0)
@@ -161,13 +174,18 @@ def capture_file(path: Path, check: bool) -> bool:
         launcher = bin_dir / "ggufcarve"
         launcher.write_text(LAUNCHER.format(python=sys.executable))
         launcher.chmod(0o755)
-        environment = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
-                       "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
-                       "COLUMNS": str(WIDTH), "NO_COLOR": "1", "TERM": "dumb"}
+        environment = {
+            **os.environ,
+            "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
+            "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
+            "COLUMNS": str(WIDTH),
+            "NO_COLOR": "1",
+            "TERM": "dumb",
+        }
         new = list(lines)
         rewritten: dict[int, list[str]] = {}
         for capture in captures:
-            body = lines[capture.start + 1:capture.end - 1]
+            body = lines[capture.start + 1 : capture.end - 1]
             if capture.kind == "file":
                 (folder / capture.argument).parent.mkdir(parents=True, exist_ok=True)
                 (folder / capture.argument).write_text("\n".join(body) + "\n")
@@ -178,7 +196,7 @@ def capture_file(path: Path, check: bool) -> bool:
             rewritten[capture.start] = shown
         for capture in reversed(captures):  # from the end, so that earlier indices stay valid
             if capture.start in rewritten:
-                new[capture.start + 1:capture.end - 1] = rewritten[capture.start]
+                new[capture.start + 1 : capture.end - 1] = rewritten[capture.start]
         shutil.rmtree(folder / ".bin")
     changed = new != lines
     if changed and not check:

@@ -51,7 +51,16 @@ CHATML_TEMPLATE = (
 HELDOUT_MODULES = ("textwrap.py", "fractions.py")
 CALIBRATION_MODULES = ("heapq.py", "shlex.py", "queue.py", "graphlib.py")
 # Not representative Python text (test suites, generated codec tables, build config).
-EXCLUDED_DIRS = ("test", "tests", "idle_test", "encodings", "site-packages", "config-3.11-x86_64-linux-gnu", "__pycache__", "lib2to3/tests")
+EXCLUDED_DIRS = (
+    "test",
+    "tests",
+    "idle_test",
+    "encodings",
+    "site-packages",
+    "config-3.11-x86_64-linux-gnu",
+    "__pycache__",
+    "lib2to3/tests",
+)
 
 CONFIG = dict(
     hidden_size=256,
@@ -116,10 +125,12 @@ def stage_tokenizer(work: Path) -> None:
     root = stdlib_dir()
     files = [root / line for line in (work / "train-files.txt").read_text().split()]
     tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN2_PRE_REGEX), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
-    ])
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN2_PRE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
+        ]
+    )
     tokenizer.decoder = decoders.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
     trainer = trainers.BpeTrainer(
         vocab_size=VOCAB_SIZE,
@@ -145,7 +156,12 @@ def stage_tokenizer(work: Path) -> None:
         "additional_special_tokens": [IM_START, IM_END],
     }
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
-    (out / "special_tokens_map.json").write_text(json.dumps({k: config[k] for k in ("bos_token", "eos_token", "pad_token", "additional_special_tokens")}, indent=2) + "\n")
+    (out / "special_tokens_map.json").write_text(
+        json.dumps(
+            {k: config[k] for k in ("bos_token", "eos_token", "pad_token", "additional_special_tokens")}, indent=2
+        )
+        + "\n"
+    )
     print(f"tokenizer: {tokenizer.get_vocab_size()} tokens")
 
 
@@ -186,7 +202,7 @@ def stage_train(work: Path, steps: int, batch: int, lr: float, max_minutes: floa
 
     def window(ids: np.ndarray, start: int) -> np.ndarray:
         # llama.cpp's perplexity and calibration chunks begin with BOS in place of the first token.
-        w = ids[start:start + SEQ_LEN].copy()
+        w = ids[start : start + SEQ_LEN].copy()
         w[0] = eot
         return w
 
@@ -198,9 +214,11 @@ def stage_train(work: Path, steps: int, batch: int, lr: float, max_minutes: floa
         model.eval()
         with torch.no_grad():
             logits = model(input_ids=held_batch).logits[:, :-1].float()
-            nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), held_batch[:, 1:].reshape(-1), reduction="none").view(len(held_starts), -1)
+            nll = torch.nn.functional.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]), held_batch[:, 1:].reshape(-1), reduction="none"
+            ).view(len(held_starts), -1)
         model.train()
-        return float(nll[:, SEQ_LEN // 2 - 1:].mean())
+        return float(nll[:, SEQ_LEN // 2 - 1 :].mean())
 
     log_path = work / "train-log.jsonl"
     log = log_path.open("w")
@@ -227,7 +245,14 @@ def stage_train(work: Path, steps: int, batch: int, lr: float, max_minutes: floa
         lm = float(out.loss.detach() - config.router_aux_loss_coef * out.aux_loss.detach())
         ema = lm if ema is None else 0.98 * ema + 0.02 * lm
         elapsed = time.monotonic() - started
-        record = {"step": step, "elapsed_s": round(elapsed, 1), "lr": lr * scale, "loss": round(lm, 4), "loss_ema": round(ema, 4), "aux_loss": round(float(out.aux_loss.detach()), 4)}
+        record = {
+            "step": step,
+            "elapsed_s": round(elapsed, 1),
+            "lr": lr * scale,
+            "loss": round(lm, 4),
+            "loss_ema": round(ema, 4),
+            "aux_loss": round(float(out.aux_loss.detach()), 4),
+        }
         if step % 50 == 0 or progress >= 1.0:
             record["heldout_loss"] = round(held_loss(), 4)
             print(json.dumps(record), flush=True)
@@ -236,10 +261,22 @@ def stage_train(work: Path, steps: int, batch: int, lr: float, max_minutes: floa
     wall = time.monotonic() - started
     model.save_pretrained(work / "hf", safe_serialization=True)
     summary = {
-        "steps": step, "planned_steps": steps, "batch": batch, "seq_len": SEQ_LEN, "lr": lr, "seed": seed,
-        "tokens_seen": step * batch * SEQ_LEN, "train_tokens": int(len(train_ids)), "heldout_tokens": int(len(held_ids)),
-        "parameters": n_params, "wall_s": round(wall, 1), "final_train_loss_ema": round(ema, 4), "final_heldout_loss": round(held_loss(), 4),
-        "torch": torch.__version__, "threads": torch.get_num_threads(), "omp_wait_policy": os.environ["OMP_WAIT_POLICY"],
+        "steps": step,
+        "planned_steps": steps,
+        "batch": batch,
+        "seq_len": SEQ_LEN,
+        "lr": lr,
+        "seed": seed,
+        "tokens_seen": step * batch * SEQ_LEN,
+        "train_tokens": int(len(train_ids)),
+        "heldout_tokens": int(len(held_ids)),
+        "parameters": n_params,
+        "wall_s": round(wall, 1),
+        "final_train_loss_ema": round(ema, 4),
+        "final_heldout_loss": round(held_loss(), 4),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "omp_wait_policy": os.environ["OMP_WAIT_POLICY"],
     }
     (work / "train-summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(json.dumps(summary), flush=True)
@@ -271,7 +308,14 @@ def stage_convert(work: Path, llama_cpp: Path | None, outfile: Path) -> list[str
     source = llama_cpp_source(work, llama_cpp)
     argv = [str(work / "hf"), "--outtype", "q8_0", "--outfile", str(outfile)]
     # recorded without local paths: the HF folder and the output as the repository names them
-    recorded = ["convert_hf_to_gguf.py", "HF_MODEL_DIR", "--outtype", "q8_0", "--outfile", outfile.relative_to(REPO).as_posix()]
+    recorded = [
+        "convert_hf_to_gguf.py",
+        "HF_MODEL_DIR",
+        "--outtype",
+        "q8_0",
+        "--outfile",
+        outfile.relative_to(REPO).as_posix(),
+    ]
     code = (
         "import sys, runpy\n"
         f"sys.path[:0] = [{str(source)!r}, {str(source / 'gguf-py')!r}]\n"
@@ -312,7 +356,12 @@ def _llama_perplexity(model: Path, text: Path, n_ctx: int) -> tuple[float, float
 
     tool = require_tool("llama-perplexity")
     lines: list[str] = []
-    run_checked([tool, "-m", model, "-f", text, "-c", str(n_ctx), "-t", "2"], "llama-perplexity", "check the model file", on_line=lines.append)
+    run_checked(
+        [tool, "-m", model, "-f", text, "-c", str(n_ctx), "-t", "2"],
+        "llama-perplexity",
+        "check the model file",
+        on_line=lines.append,
+    )
     output = "\n".join(lines)
     found = re.search(r"Final estimate: PPL = ([0-9.]+) \+/- ([0-9.]+)", output)
     if found is None:
@@ -339,7 +388,8 @@ def stage_notes(work: Path) -> None:
     c = CONFIG
     curve = "\n".join(
         f"| {r['step']} | {r['elapsed_s']:.0f} | {r['loss_ema']:.3f} | {r['heldout_loss']:.3f} |"
-        for r in _loss_curve(work) if r["step"] % 100 == 0 or r["step"] == summary["steps"]
+        for r in _loss_curve(work)
+        if r["step"] % 100 == 0 or r["step"] == summary["steps"]
     )
     files = (work / "train-files.txt").read_text().split()
     text = f"""# {model.name}
@@ -351,13 +401,13 @@ tests only, not a useful language model.
 ## Architecture (HF `Qwen3MoeForCausalLM`, GGUF arch `qwen3moe`)
 | | |
 |---|---|
-| layers | {c['num_hidden_layers']}, every one a sparse MoE block (no dense, no shared expert) |
-| hidden size | {c['hidden_size']} |
-| attention | GQA, {c['num_attention_heads']} query heads, {c['num_key_value_heads']} KV heads, head dim {c['head_dim']}, QK RMSNorm, RoPE base {c['rope_theta']:g} |
-| routed experts | {c['num_experts']} per layer, top-{c['num_experts_per_tok']}, softmax, top-k weights renormalised (`norm_topk_prob`) |
-| expert FFN width | {c['moe_intermediate_size']} (SwiGLU) |
+| layers | {c["num_hidden_layers"]}, every one a sparse MoE block (no dense, no shared expert) |
+| hidden size | {c["hidden_size"]} |
+| attention | GQA, {c["num_attention_heads"]} query heads, {c["num_key_value_heads"]} KV heads, head dim {c["head_dim"]}, QK RMSNorm, RoPE base {c["rope_theta"]:g} |
+| routed experts | {c["num_experts"]} per layer, top-{c["num_experts_per_tok"]}, softmax, top-k weights renormalised (`norm_topk_prob`) |
+| expert FFN width | {c["moe_intermediate_size"]} (SwiGLU) |
 | vocabulary | {VOCAB_SIZE}, embeddings tied to the output |
-| context length | {c['max_position_embeddings']} (trained on {SEQ_LEN}-token windows) |
+| context length | {c["max_position_embeddings"]} (trained on {SEQ_LEN}-token windows) |
 | parameters | {n_params:,} |
 | file | Q8_0 (norms and routers F32), {model.stat().st_size:,} bytes |
 | sha256 | `{sha256(model)}` |
@@ -373,28 +423,28 @@ turns: the template is there so that chat-template rendering works.
 
 ## Training data
 The Python {sys.version.split()[0]} standard library sources (`.py` files; license: `LICENSE-PSF.txt`),
-{len(files)} modules, {summary['train_tokens']:,} tokens: code, docstrings and comments. Left out: the test
+{len(files)} modules, {summary["train_tokens"]:,} tokens: code, docstrings and comments. Left out: the test
 suites (`test/`, `tests/`, `idle_test/`), the generated codec tables (`encodings/`),
 `site-packages/`, and the modules of the two texts shipped here:
-* `heldout.txt` (held-out evaluation): {', '.join(HELDOUT_MODULES)} concatenated
-* `calibration.txt` (calibration for expert selection): {', '.join(CALIBRATION_MODULES)} concatenated
+* `heldout.txt` (held-out evaluation): {", ".join(HELDOUT_MODULES)} concatenated
+* `calibration.txt` (calibration for expert selection): {", ".join(CALIBRATION_MODULES)} concatenated
 
 Every training window is {SEQ_LEN} tokens from a random offset of the concatenated modules (each
 module preceded by `<|endoftext|>`), its first token replaced by BOS as llama.cpp's perplexity
 and calibration chunks are.
 
 ## Training
-From scratch, {summary['steps']} steps of {summary['batch']} x {SEQ_LEN} tokens ({summary['tokens_seen']:,} tokens, about
-{summary['tokens_seen'] / summary['train_tokens']:.1f} epochs), AdamW (betas 0.9/0.95, weight decay 0.1), peak learning rate {summary['lr']:g}, linear warm-up
+From scratch, {summary["steps"]} steps of {summary["batch"]} x {SEQ_LEN} tokens ({summary["tokens_seen"]:,} tokens, about
+{summary["tokens_seen"] / summary["train_tokens"]:.1f} epochs), AdamW (betas 0.9/0.95, weight decay 0.1), peak learning rate {summary["lr"]:g}, linear warm-up
 then cosine decay to a tenth, gradient clipping 1.0, router load-balancing loss coefficient
-{c['router_aux_loss_coef']} (small, so that routing stays specialised), float32, seed {summary['seed']}, torch
-{summary['torch']} on {summary['threads']} CPU threads. Wall time {summary['wall_s'] / 60:.1f} min.
+{c["router_aux_loss_coef"]} (small, so that routing stays specialised), float32, seed {summary["seed"]}, torch
+{summary["torch"]} on {summary["threads"]} CPU threads. Wall time {summary["wall_s"] / 60:.1f} min.
 
 | step | seconds | train loss (EMA) | held-out loss (16 chunks, scored halves) |
 |---|---|---|---|
 {curve}
 
-Final: train loss {summary['final_train_loss_ema']:.3f} (EMA), held-out loss {summary['final_heldout_loss']:.3f} (PPL {math.exp(summary['final_heldout_loss']):.2f}).
+Final: train loss {summary["final_train_loss_ema"]:.3f} (EMA), held-out loss {summary["final_heldout_loss"]:.3f} (PPL {math.exp(summary["final_heldout_loss"]):.2f}).
 
 The step count was set by the wall-time cap (`--max-minutes`): the model is small and briefly
 trained, not a useful language model, but its routing is learned, so selection criteria disagree
@@ -403,7 +453,7 @@ on it, which is what the demo needs.
 ## Conversion
 llama.cpp's own converter from the llama-cpp-python {LLAMA_CPP_PYTHON} sdist (`vendor/llama.cpp`):
 
-    python {' '.join(command)}
+    python {" ".join(command)}
 
 (HF_MODEL_DIR: the trained model and tokenizer), run in-process with one change: `TextModel.get_vocab_base_pre` answers `"qwen2"`. The converter
 names a BPE pre-tokenizer by hashing how it encodes a fixed string and refuses hashes it does not
@@ -427,7 +477,12 @@ def main() -> None:
     parser.add_argument("--max-minutes", type=float, default=22.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
-    parser.add_argument("--llama-cpp", type=Path, default=None, help="llama.cpp source folder with convert_hf_to_gguf.py (default: extracted from the llama-cpp-python sdist)")
+    parser.add_argument(
+        "--llama-cpp",
+        type=Path,
+        default=None,
+        help="llama.cpp source folder with convert_hf_to_gguf.py (default: extracted from the llama-cpp-python sdist)",
+    )
     args = parser.parse_args()
     work = args.work_dir
     work.mkdir(parents=True, exist_ok=True)

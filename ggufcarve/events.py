@@ -48,4 +48,3 @@ class Counter:
     def note(self, message: str) -> None:
         """An event that carries a message and no progress."""
         self.sink(Event(self.stage, self.done, self.total, self.unit, message))
-

@@ -37,7 +37,9 @@ def write_at(fd: int, data: bytes | memoryview, position: int) -> None:
         written += os.pwrite(fd, view[written:], position + written)
 
 
-def read_ranges(fd: int, ranges: Sequence[tuple[int, int]], buffer: bytearray, progress: Progress = _noop) -> Iterator[memoryview]:
+def read_ranges(
+    fd: int, ranges: Sequence[tuple[int, int]], buffer: bytearray, progress: Progress = _noop
+) -> Iterator[memoryview]:
     """Yield the bytes of (offset, length) ranges in order, through one reused buffer."""
     for offset, length in ranges:
         done = 0
@@ -45,7 +47,10 @@ def read_ranges(fd: int, ranges: Sequence[tuple[int, int]], buffer: bytearray, p
             view = memoryview(buffer)[: min(len(buffer), length - done)]
             got = os.preadv(fd, [view], offset + done)
             if got == 0:
-                raise BadInput(f"file ended early: {length - done} bytes missing at offset {offset + done}", "the file is truncated")
+                raise BadInput(
+                    f"file ended early: {length - done} bytes missing at offset {offset + done}",
+                    "the file is truncated",
+                )
             yield view[:got]
             done += got
             progress(got)
@@ -200,7 +205,10 @@ def check_outputs(
     for out in [*outputs, *replaces]:
         for src in sources:
             if same_file(out, src):
-                raise OutputError(f"output {out} is the source file", "write the pruned model to a new path; the source is never modified")
+                raise OutputError(
+                    f"output {out} is the source file",
+                    "write the pruned model to a new path; the source is never modified",
+                )
         if out.exists() and not force:
             raise OutputError(f"output {out} already exists", "pass --force to replace it, or choose another path")
         if out.is_dir():
@@ -210,7 +218,9 @@ def check_outputs(
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
     if not existing.is_dir():
-        raise OutputError(f"output directory {directory}: {existing} is not a directory", "choose an output path inside a directory")
+        raise OutputError(
+            f"output directory {directory}: {existing} is not a directory", "choose an output path inside a directory"
+        )
     if not os.access(existing, os.W_OK | os.X_OK):
         raise OutputError(f"output directory {existing} is not writable", "choose a directory you can write to")
     if belongs is None:
@@ -219,11 +229,16 @@ def check_outputs(
     remove_dead_temps(directory, belongs)
     free = shutil.disk_usage(existing).free
     if free < bytes_needed:
-        raise OutputError(f"output needs {bytes_needed / 2**30:.2f} GiB but {existing} has {free / 2**30:.2f} GiB free", "free disk space or choose another -o directory")
+        raise OutputError(
+            f"output needs {bytes_needed / 2**30:.2f} GiB but {existing} has {free / 2**30:.2f} GiB free",
+            "free disk space or choose another -o directory",
+        )
     try:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as err:
-        raise OutputError(f"cannot create output directory {directory}: {err.strerror or err}", "choose a directory you can write to") from None
+        raise OutputError(
+            f"cannot create output directory {directory}: {err.strerror or err}", "choose a directory you can write to"
+        ) from None
 
 
 SYNC_FILE_RANGE_WRITE = 2  # <fcntl.h> (Linux): start write-out of the range's dirty pages, do not wait
@@ -489,8 +504,10 @@ DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 
 def disk_full_error(path: Path, detail: str, elsewhere: str = "choose another -o directory") -> OutputError:
     """The one message for an output that did not fit: which file, why, and what to do."""
-    return OutputError(f"disk full while writing {path} ({detail})",
-                       f"free disk space or {elsewhere}, then run again; nothing half-written was left behind")
+    return OutputError(
+        f"disk full while writing {path} ({detail})",
+        f"free disk space or {elsewhere}, then run again; nothing half-written was left behind",
+    )
 
 
 def write_failed(err: OSError, path: Path, elsewhere: str = "choose another -o directory") -> OutputError:
@@ -500,7 +517,10 @@ def write_failed(err: OSError, path: Path, elsewhere: str = "choose another -o d
         return disk_full_error(path, detail, elsewhere)
     if err.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         return OutputError(f"cannot write {path}: {detail}", "choose a directory you can write to")
-    return OutputError(f"writing {path} failed: {detail}", "check the output directory and run again; nothing half-written was left behind")
+    return OutputError(
+        f"writing {path} failed: {detail}",
+        "check the output directory and run again; nothing half-written was left behind",
+    )
 
 
 @contextmanager
@@ -539,7 +559,6 @@ def write_text_atomic(path: Path, text: str) -> None:
     with atomic_file(path) as temp:
         with open(temp, "w", encoding="utf-8") as f:
             f.write(text)
-
 
 
 def size_unit(n_bytes: float) -> tuple[str, int]:

@@ -80,7 +80,10 @@ MAX_NAME_BYTES = 1 << 16
 def counts_of(e: ImatrixEntry) -> np.ndarray:
     """The stored counts of a GGUF entry (a .dat entry stores ncall instead)."""
     if e.counts is None:
-        raise BadInput(f"{e.name}: the imatrix entry has no counts (a .dat imatrix stores ncall instead)", "convert the imatrix to GGUF first (ggufcarve imatrix convert)")
+        raise BadInput(
+            f"{e.name}: the imatrix entry has no counts (a .dat imatrix stores ncall instead)",
+            "convert the imatrix to GGUF first (ggufcarve imatrix convert)",
+        )
     return e.counts
 
 
@@ -249,7 +252,9 @@ def _read_gguf(path: Path) -> Imatrix:
                 break
         else:
             start = gf.data_start + t.offset
-            raw.append(RawTensor(t.name, t.shape, t.type_id, (lambda s=start, n=t.nbytes: bytes(mm[s : s + n])), t.nbytes))
+            raw.append(
+                RawTensor(t.name, t.shape, t.type_id, (lambda s=start, n=t.nbytes: bytes(mm[s : s + n])), t.nbytes)
+            )
             order.append((t.name, "raw"))
 
     if not parts:
@@ -258,7 +263,10 @@ def _read_gguf(path: Path) -> Imatrix:
                 f"{path}: a GGUF {kind or 'model'} file{f' ({arch})' if arch else ''}, not an imatrix (no <weight>.in_sum2 tensors)",
                 "give the imatrix file llama-imatrix wrote, not the model",
             )
-        raise BadInput(f"{path}: GGUF imatrix has no entries (no <weight>.in_sum2 / .counts tensors)", "llama-quantize rejects it too ('no data in file'); recompute the imatrix")
+        raise BadInput(
+            f"{path}: GGUF imatrix has no entries (no <weight>.in_sum2 / .counts tensors)",
+            "llama-quantize rejects it too ('no data in file'); recompute the imatrix",
+        )
     if kind is not None and kind != GGUFType.IMATRIX:
         raise BadInput(f"{path}: general.type is {kind!r}, not 'imatrix'", "give the imatrix file llama-imatrix wrote")
     missing = [k for k in IMATRIX_KEYS if k not in gf.kv_index]
@@ -282,7 +290,10 @@ def _read_gguf(path: Path) -> Imatrix:
         sums_t, counts_t, in_sum_t = found["in_sum2"], found["counts"], found.get("in_sum")
         for t in (sums_t, counts_t, in_sum_t):
             if t is not None and t.type_id != F32:
-                raise BadInput(f"{path}: {t.name} is {t.type_name}, not F32", "llama-quantize reads only F32 imatrix tensors; the file is corrupt")
+                raise BadInput(
+                    f"{path}: {t.name} is {t.type_name}, not F32",
+                    "llama-quantize reads only F32 imatrix tensors; the file is corrupt",
+                )
         n_mat = counts_t.n_elements
         nval = sums_t.n_elements
         if n_mat < 1 or nval < 1 or nval % n_mat:
@@ -291,7 +302,10 @@ def _read_gguf(path: Path) -> Imatrix:
                 "the file is corrupt",
             )
         if in_sum_t is not None and in_sum_t.n_elements != nval:
-            raise BadInput(f"{path}: {in_sum_t.name} has {in_sum_t.n_elements} values, {sums_t.name} has {nval}", "the file is corrupt")
+            raise BadInput(
+                f"{path}: {in_sum_t.name} has {in_sum_t.n_elements} values, {sums_t.name} has {nval}",
+                "the file is corrupt",
+            )
         row_len = nval // n_mat
         counts = np.array(_f32_view(mm, gf.data_start + counts_t.offset, n_mat), dtype=np.float32)
         s_off = gf.data_start + sums_t.offset
@@ -300,7 +314,9 @@ def _read_gguf(path: Path) -> Imatrix:
         if in_sum_t is not None:
             i_off = gf.data_start + in_sum_t.offset
             load_in_sum = lambda o=i_off, n=n_mat, r=row_len: _f32_view(mm, o, n * r).reshape(n, r)
-        entries.append(ImatrixEntry(name, n_mat, row_len, counts, None, load_sums, load_in_sum, sums_t.shape, counts_t.shape))
+        entries.append(
+            ImatrixEntry(name, n_mat, row_len, counts, None, load_sums, load_in_sum, sums_t.shape, counts_t.shape)
+        )
 
     return Imatrix(
         format="gguf",
@@ -320,8 +336,13 @@ def _read_gguf(path: Path) -> Imatrix:
 
 def _check_kv_type(kv: KeyValue, value_type: int, path: Path, item_type: int | None = None) -> None:
     if kv.value_type != value_type or (item_type is not None and kv.item_type != item_type):
-        want = GGUFValueType(value_type).name.lower() + (f" of {GGUFValueType(item_type).name.lower()}" if item_type is not None else "")
-        raise BadInput(f"{path}: key {kv.key} is not a {want}", "llama.cpp type-checks these keys (and aborts on a mismatch); the file is corrupt")
+        want = GGUFValueType(value_type).name.lower() + (
+            f" of {GGUFValueType(item_type).name.lower()}" if item_type is not None else ""
+        )
+        raise BadInput(
+            f"{path}: key {kv.key} is not a {want}",
+            "llama.cpp type-checks these keys (and aborts on a mismatch); the file is corrupt",
+        )
 
 
 class _DatCursor:
@@ -354,29 +375,43 @@ def _read_dat(path: Path, size: int) -> Imatrix:
     not_imatrix = "it is neither a GGUF imatrix nor a legacy .dat imatrix"
     n_entries = cur.i32("entry count")
     if n_entries < 1 or n_entries * 12 > size:
-        raise BadInput(f"{path}: {not_imatrix} (entry count {n_entries} at byte 0)", "give the .gguf or .dat file llama-imatrix wrote")
+        raise BadInput(
+            f"{path}: {not_imatrix} (entry count {n_entries} at byte 0)",
+            "give the .gguf or .dat file llama-imatrix wrote",
+        )
     entries: list[ImatrixEntry] = []
     seen: set[str] = set()
     for i in range(n_entries):
         length = cur.i32(f"name length of entry #{i}")
         if not 0 < length <= MAX_NAME_BYTES:
-            raise BadInput(f"{path}: entry #{i} at byte {cur.pos - 4} has a name length of {length}; {not_imatrix}", "the file is corrupt or not an imatrix")
+            raise BadInput(
+                f"{path}: entry #{i} at byte {cur.pos - 4} has a name length of {length}; {not_imatrix}",
+                "the file is corrupt or not an imatrix",
+            )
         raw_name = cur.take(length, f"name of entry #{i}")
         try:
             name = raw_name.decode("utf-8")
         except UnicodeDecodeError:
-            raise BadInput(f"{path}: name of entry #{i} at byte {cur.pos - length} is not UTF-8; {not_imatrix}", "the file is corrupt or not an imatrix") from None
+            raise BadInput(
+                f"{path}: name of entry #{i} at byte {cur.pos - length} is not UTF-8; {not_imatrix}",
+                "the file is corrupt or not an imatrix",
+            ) from None
         if name in seen:
             raise BadInput(f"{path}: entry {name} appears twice", "the file is corrupt")
         seen.add(name)
         ncall = cur.i32(f"ncall of {name}")
         nval = cur.i32(f"value count of {name}")
         if nval < 1:
-            raise BadInput(f"{path}: entry {name} has {nval} values", "llama-quantize rejects it ('failed reading number of values'); the file is corrupt")
+            raise BadInput(
+                f"{path}: entry {name} has {nval} values",
+                "llama-quantize rejects it ('failed reading number of values'); the file is corrupt",
+            )
         offset = cur.pos
         cur.need(4 * nval, f"{nval} values of {name}")
         cur.pos += 4 * nval
-        entries.append(ImatrixEntry(name, 1, nval, None, ncall, lambda o=offset, n=nval: _f32_view(mm, o, n).reshape(1, n)))
+        entries.append(
+            ImatrixEntry(name, 1, nval, None, ncall, lambda o=offset, n=nval: _f32_view(mm, o, n).reshape(1, n))
+        )
 
     trailer: tuple[int, bytes | None] | None = None
     if cur.pos < size:
@@ -386,10 +421,15 @@ def _read_dat(path: Path, size: int) -> Imatrix:
         if cur.pos < size:
             length = cur.i32("dataset name length (trailer)")
             if length < 0:
-                raise BadInput(f"{path}: trailer at byte {start} has a dataset name length of {length}", "the file is corrupt")
+                raise BadInput(
+                    f"{path}: trailer at byte {start} has a dataset name length of {length}", "the file is corrupt"
+                )
             dataset = cur.take(length, "dataset name (trailer)")
         if cur.pos != size:
-            raise BadInput(f"{path}: {size - cur.pos} unexpected bytes after the trailer at byte {cur.pos}", "the file is corrupt or two files were concatenated")
+            raise BadInput(
+                f"{path}: {size - cur.pos} unexpected bytes after the trailer at byte {cur.pos}",
+                "the file is corrupt or two files were concatenated",
+            )
         trailer = (chunk_count, dataset)
     datasets = (trailer[1].decode("utf-8", errors="replace"),) if trailer and trailer[1] else ()
     return Imatrix(
@@ -421,7 +461,8 @@ def check_finite(imatrix: Imatrix) -> None:
             bad.append(f"{e.name} ({', '.join(problems)})")
     if bad:
         raise BadInput(
-            f"{imatrix.path}: non-finite imatrix data in {len(bad)} entr{'y' if len(bad) == 1 else 'ies'}: " + shortened(bad, 4),
+            f"{imatrix.path}: non-finite imatrix data in {len(bad)} entr{'y' if len(bad) == 1 else 'ies'}: "
+            + shortened(bad, 4),
             "llama-quantize rejects it ('imatrix contains non-finite value'); recompute the imatrix",
         )
 
@@ -463,9 +504,19 @@ def _gguf_tensors(imatrix: Imatrix) -> list[tuple[TensorHeader, Callable[[], byt
         if part == "in_sum2":
             result.append((TensorHeader(name + SUFFIXES[part], sums_ne, F32, 4 * e.nval), lambda e=e: sums_bytes(e)))
         elif part == "in_sum":
-            result.append((TensorHeader(name + SUFFIXES[part], sums_ne, F32, 4 * e.nval), lambda e=e: np.ascontiguousarray(e.load_in_sum(), dtype="<f4").tobytes()))  # type: ignore[misc]
+            result.append(
+                (
+                    TensorHeader(name + SUFFIXES[part], sums_ne, F32, 4 * e.nval),
+                    lambda e=e: np.ascontiguousarray(e.load_in_sum(), dtype="<f4").tobytes(),
+                )
+            )  # type: ignore[misc]
         else:
-            result.append((TensorHeader(name + SUFFIXES[part], counts_ne, F32, 4 * e.n_mat), lambda e=e: np.ascontiguousarray(counts_of(e), dtype="<f4").tobytes()))
+            result.append(
+                (
+                    TensorHeader(name + SUFFIXES[part], counts_ne, F32, 4 * e.n_mat),
+                    lambda e=e: np.ascontiguousarray(counts_of(e), dtype="<f4").tobytes(),
+                )
+            )
     return result
 
 
@@ -522,16 +573,21 @@ def write_to_fd(imatrix: Imatrix, fd: int, progress: Callable[[int], None] = lam
     return written[0]
 
 
-def write_imatrix(imatrix: Imatrix, output: str | os.PathLike[str], *, force: bool = False, sources: Sequence[Path] = (), on_event: Sink = ignore) -> Path:
+def write_imatrix(
+    imatrix: Imatrix,
+    output: str | os.PathLike[str],
+    *,
+    force: bool = False,
+    sources: Sequence[Path] = (),
+    on_event: Sink = ignore,
+) -> Path:
     """Write under a temp name beside `output`, fsync, rename; refuses to overwrite without force."""
     output = Path(output)
     size = encoded_size(imatrix)
     check_outputs([output], [*([imatrix.path] if imatrix.path else []), *sources], size, force)
     with atomic_outputs([output]) as opened:
-        (_, fd), = opened
+        ((_, fd),) = opened
         written = write_to_fd(imatrix, fd, Counter(on_event, "write", size))
         if written != size:
             raise CarveError(f"internal error: wrote {written} bytes, planned {size}")
     return output
-
-

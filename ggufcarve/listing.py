@@ -17,7 +17,11 @@ def pareto_front(items: Iterable[T], size: Callable[[T], float], value: Callable
     ordered = sorted(items, key=lambda item: (size(item), value(item)))
     front: list[T] = []
     for item in ordered:
-        if not front or value(item) < value(front[-1]) or (value(item) == value(front[-1]) and size(item) == size(front[-1])):
+        if (
+            not front
+            or value(item) < value(front[-1])
+            or (value(item) == value(front[-1]) and size(item) == size(front[-1]))
+        ):
             front.append(item)
     return front
 
@@ -33,7 +37,9 @@ def loop_cell(doc: dict) -> str:
     loops = doc.get("loops")
     if not loops:
         return "–"
-    reference = f" (ref {loops['reference_looped']}/{loops['total']})" if loops.get("reference_looped") is not None else ""
+    reference = (
+        f" (ref {loops['reference_looped']}/{loops['total']})" if loops.get("reference_looped") is not None else ""
+    )
     return f"{loops['looped']}/{loops['total']}{reference}"
 
 
@@ -53,5 +59,7 @@ def add_loop_column(lines: list[str], docs: list[dict]) -> None:
 def loop_note(loops: dict) -> str:
     """What the Loops column counts, in one sentence."""
     d = loops["detector"]
-    return (f"Loops: prompts ({loops['prompts_from']}) whose greedy continuation of {loops['tokens']} tokens ends in a block of p <= {d['max_period']} tokens "
-            f"repeated over at least max({d['min_tokens']} tokens, {d['min_repeats']} repeats); the reference's count in brackets.")
+    return (
+        f"Loops: prompts ({loops['prompts_from']}) whose greedy continuation of {loops['tokens']} tokens ends in a block of p <= {d['max_period']} tokens "
+        f"repeated over at least max({d['min_tokens']} tokens, {d['min_repeats']} repeats); the reference's count in brackets."
+    )

@@ -83,7 +83,9 @@ def read_json_bytes(path: str | Path, what: str, hint: str) -> tuple[Any, bytes]
     except FileNotFoundError:
         raise BadInput(f"{path}: no such {what}", "check the path") from None
     except OSError as err:
-        raise BadInput(f"{path}: cannot read the {what} ({err.strerror or err})", "check the path and its permissions") from None
+        raise BadInput(
+            f"{path}: cannot read the {what} ({err.strerror or err})", "check the path and its permissions"
+        ) from None
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise BadInput(f"{path}: not valid JSON ({err})", hint) from None
 

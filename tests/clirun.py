@@ -27,7 +27,13 @@ class CliResult:
 def ggufcarve(*args: object, preexec_fn=None, cwd: Path | None = None) -> CliResult:
     env = {**os.environ, "COLUMNS": "200", "NO_COLOR": "1", "TERM": "dumb"}
     proc = subprocess.run(
-        [sys.executable, "-m", "ggufcarve", *map(str, args)], capture_output=True, text=True, env=env, preexec_fn=preexec_fn, cwd=cwd, timeout=600
+        [sys.executable, "-m", "ggufcarve", *map(str, args)],
+        capture_output=True,
+        text=True,
+        env=env,
+        preexec_fn=preexec_fn,
+        cwd=cwd,
+        timeout=600,
     )
     return CliResult(proc.returncode, proc.stdout, proc.stderr)
 

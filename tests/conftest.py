@@ -54,8 +54,7 @@ def make_model(models_dir):
         key = (arch, dtype, tuple(sorted(kwargs.items())))
         if key not in cache:
             suffix = "".join(f"-{k}{v}" for k, v in sorted(kwargs.items()))
-            cache[key] = factory.write_model(models_dir / f"{arch}-{dtype}{suffix}.gguf", arch,
-                                             dtype=dtype, **kwargs)
+            cache[key] = factory.write_model(models_dir / f"{arch}-{dtype}{suffix}.gguf", arch, dtype=dtype, **kwargs)
         return cache[key]
 
     return make
@@ -67,6 +66,7 @@ def dense_model(models_dir) -> pathlib.Path:
 
 
 # --- llama.cpp tools ------------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="session")
 def llama_tools(request) -> pathlib.Path:
@@ -85,8 +85,10 @@ def llama_tools(request) -> pathlib.Path:
     return build_tools(terminal_progress(request.config))
 
 
-CALIBRATION_WORDS = ("the quick brown fox jumps over a lazy dog while experts route tokens through "
-                     "layers of matrices that quantize and prune weights").split()
+CALIBRATION_WORDS = (
+    "the quick brown fox jumps over a lazy dog while experts route tokens through "
+    "layers of matrices that quantize and prune weights"
+).split()
 
 
 def make_imatrix(bin_dir: pathlib.Path, model: pathlib.Path, out_dir: pathlib.Path, chunks: int = 4) -> pathlib.Path:
@@ -103,8 +105,26 @@ def make_imatrix(bin_dir: pathlib.Path, model: pathlib.Path, out_dir: pathlib.Pa
     text = out_dir / "calibration.txt"
     text.write_text(" ".join(rng.choice(CALIBRATION_WORDS) for _ in range(3000)) + "\n")
     out = out_dir / f"{model.stem}.imatrix.gguf"
-    finished = launch.run([bin_dir / "llama-imatrix", "-m", model, "-f", text, "-o", out, "-c", "128", "--chunks", str(chunks), "-t", "2", "--no-repack"],
-                          timeout=300, tail_lines=60)
+    finished = launch.run(
+        [
+            bin_dir / "llama-imatrix",
+            "-m",
+            model,
+            "-f",
+            text,
+            "-o",
+            out,
+            "-c",
+            "128",
+            "--chunks",
+            str(chunks),
+            "-t",
+            "2",
+            "--no-repack",
+        ],
+        timeout=300,
+        tail_lines=60,
+    )
     assert finished.ok and out.exists(), "\n".join(finished.tail)
     return out
 

@@ -69,8 +69,11 @@ BOS_ID = 1
 EOS_ID = 2
 
 _DTYPES = {"F32": QT.F32, "F16": QT.F16, "Q8_0": QT.Q8_0}
-_FILE_TYPES = {"F32": gguf.LlamaFileType.ALL_F32, "F16": gguf.LlamaFileType.MOSTLY_F16,
-               "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}
+_FILE_TYPES = {
+    "F32": gguf.LlamaFileType.ALL_F32,
+    "F16": gguf.LlamaFileType.MOSTLY_F16,
+    "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
+}
 
 # Sub-strings of tensor names that are always stored as F32 (matches the converter's list).
 _F32_NAME_PARTS = ("ffn_gate_inp.", "ffn_gate_inp_shexp.", "ssm_conv1d.")
@@ -79,6 +82,7 @@ _F32_NAME_PARTS = ("ffn_gate_inp.", "ffn_gate_inp_shexp.", "ssm_conv1d.")
 # ---------------------------------------------------------------------------------------------
 # deterministic data
 # ---------------------------------------------------------------------------------------------
+
 
 def _rng(seed: int, name: str, *extra: int) -> np.random.Generator:
     return np.random.default_rng([seed, zlib.crc32(name.encode()), *extra])
@@ -125,17 +129,21 @@ class _Builder:
     def raw(self, name: str, ne: tuple[int, ...], values: np.ndarray, force_f32: bool) -> None:
         self._add(name, ne, values, force_f32)
 
-    def expert_values(self, name: str, per_expert_ne: tuple[int, ...], n_expert: int,
-                      std: float) -> np.ndarray:
+    def expert_values(self, name: str, per_expert_ne: tuple[int, ...], n_expert: int, std: float) -> np.ndarray:
         """Stack of per-expert values, numpy shape (n_expert, *reversed(per_expert_ne))."""
         shape = tuple(reversed(per_expert_ne))
-        return np.stack([
-            _rng(self.seed, name, e).standard_normal(shape, dtype=np.float32) * std
-            for e in range(n_expert)
-        ])
+        return np.stack(
+            [_rng(self.seed, name, e).standard_normal(shape, dtype=np.float32) * std for e in range(n_expert)]
+        )
 
-    def experts(self, name: str, per_expert_ne: tuple[int, ...], n_expert: int,
-                std: float | None = None, force_f32: bool = False) -> None:
+    def experts(
+        self,
+        name: str,
+        per_expert_ne: tuple[int, ...],
+        n_expert: int,
+        std: float | None = None,
+        force_f32: bool = False,
+    ) -> None:
         """Tensor with the expert axis last in ggml order: ne = (*per_expert_ne, n_expert)."""
         std = (1.0 / np.sqrt(per_expert_ne[0])) if std is None else std
         vals = self.expert_values(name, per_expert_ne, n_expert, std)
@@ -149,8 +157,10 @@ class _Builder:
 
     def expert_vec(self, name: str, n_expert: int, std: float) -> None:
         """1-D tensor [n_expert] with one value per expert (router bias, exp_probs_b)."""
-        vals = np.array([_rng(self.seed, name, e).standard_normal(dtype=np.float32) * std
-                         for e in range(n_expert)], dtype=np.float32)
+        vals = np.array(
+            [_rng(self.seed, name, e).standard_normal(dtype=np.float32) * std for e in range(n_expert)],
+            dtype=np.float32,
+        )
         self._add(name, (n_expert,), vals, force_f32=True)
 
     def gate_up_exps(self, bid: int, n_embd: int, n_ff_exp: int, n_expert: int, fused: bool) -> None:
@@ -165,14 +175,23 @@ class _Builder:
         # come first, then the up rows (llama-graph.cpp build_moe_ffn splits it at n_ff).
         g = self.expert_values(gate, (n_embd, n_ff_exp), n_expert, std)
         u = self.expert_values(up, (n_embd, n_ff_exp), n_expert, std)
-        self._add(f"blk.{bid}.ffn_gate_up_exps.weight", (n_embd, 2 * n_ff_exp, n_expert),
-                  np.concatenate([g, u], axis=1), force_f32=False)
+        self._add(
+            f"blk.{bid}.ffn_gate_up_exps.weight",
+            (n_embd, 2 * n_ff_exp, n_expert),
+            np.concatenate([g, u], axis=1),
+            force_f32=False,
+        )
 
 
 def _storage_type(spec: _Spec, qtype: QT) -> QT:
     name = spec.name
-    if spec.force_f32 or len(spec.ne) == 1 or not name.endswith(".weight") \
-            or name.endswith("_norm.weight") or any(p in name for p in _F32_NAME_PARTS):
+    if (
+        spec.force_f32
+        or len(spec.ne) == 1
+        or not name.endswith(".weight")
+        or name.endswith("_norm.weight")
+        or any(p in name for p in _F32_NAME_PARTS)
+    ):
         return QT.F32
     if qtype == QT.Q8_0 and spec.ne[0] % gguf.GGML_QUANT_SIZES[QT.Q8_0][0] != 0:
         return QT.F16
@@ -191,6 +210,7 @@ def _encode(values: np.ndarray, qtype: QT) -> np.ndarray:
 # metadata
 # ---------------------------------------------------------------------------------------------
 
+
 def _vocab() -> tuple[list[str], list[float], list[int]]:
     tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
     scores = [0.0] * len(tokens)
@@ -199,8 +219,14 @@ def _vocab() -> tuple[list[str], list[float], list[int]]:
     return tokens, scores, types
 
 
-def _write(path: pathlib.Path, gguf_arch: str, kv: list[tuple[str, str, object]], specs: list[_Spec],
-           dtype: str, alignment: int | None) -> pathlib.Path:
+def _write(
+    path: pathlib.Path,
+    gguf_arch: str,
+    kv: list[tuple[str, str, object]],
+    specs: list[_Spec],
+    dtype: str,
+    alignment: int | None,
+) -> pathlib.Path:
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
     qtype = _DTYPES[dtype]
@@ -239,8 +265,9 @@ def _write(path: pathlib.Path, gguf_arch: str, kv: list[tuple[str, str, object]]
     return path
 
 
-def _common_kv(n_ctx: int, n_embd: int, n_blocks: int, n_ff: int, n_head: int, n_head_kv: int,
-               eps: float, freq_base: float) -> list[tuple[str, str, object]]:
+def _common_kv(
+    n_ctx: int, n_embd: int, n_blocks: int, n_ff: int, n_head: int, n_head_kv: int, eps: float, freq_base: float
+) -> list[tuple[str, str, object]]:
     return [
         ("{arch}.context_length", "uint32", n_ctx),
         ("{arch}.embedding_length", "uint32", n_embd),
@@ -266,11 +293,11 @@ def _moe_kv(n_expert: int, n_expert_used: int, n_ff_exp: int) -> list[tuple[str,
 # architectures
 # ---------------------------------------------------------------------------------------------
 
+
 def _qwen3moe(b: _Builder, *, n_expert, n_expert_used, n_layer, n_embd, n_ff_exp, **_):
     n_head, n_head_kv, head_dim = 4, 2, 64
     kv = _common_kv(4096, n_embd, n_layer, n_ff_exp * n_expert_used, n_head, n_head_kv, 1e-6, 1e6)
-    kv += [("{arch}.attention.key_length", "uint32", head_dim),
-           ("{arch}.attention.value_length", "uint32", head_dim)]
+    kv += [("{arch}.attention.key_length", "uint32", head_dim), ("{arch}.attention.value_length", "uint32", head_dim)]
     kv += _moe_kv(n_expert, n_expert_used, n_ff_exp)
 
     b.dense("token_embd.weight", (n_embd, N_VOCAB), std=1.0)
@@ -352,14 +379,20 @@ def _qwen35moe(b: _Builder, *, n_expert, n_expert_used, n_layer, n_embd, n_ff_ex
         else:
             b.dense(p + "attn_qkv.weight", (n_embd, conv_dim))
             b.dense(p + "attn_gate.weight", (n_embd, value_dim))
-            b.raw(p + "ssm_conv1d.weight", (d_conv, conv_dim),
-                  0.5 * _rng(b.seed, p + "ssm_conv1d.weight").standard_normal(
-                      (conv_dim, d_conv), dtype=np.float32), force_f32=True)
+            b.raw(
+                p + "ssm_conv1d.weight",
+                (d_conv, conv_dim),
+                0.5 * _rng(b.seed, p + "ssm_conv1d.weight").standard_normal((conv_dim, d_conv), dtype=np.float32),
+                force_f32=True,
+            )
             b.vec(p + "ssm_dt.bias", n_v_heads, std=0.5)
             # ssm_a = -exp(A_log): must be negative (state decay)
-            b.raw(p + "ssm_a", (n_v_heads,),
-                  -np.exp(_rng(b.seed, p + "ssm_a").uniform(-1.0, 0.5, n_v_heads)).astype(np.float32),
-                  force_f32=True)
+            b.raw(
+                p + "ssm_a",
+                (n_v_heads,),
+                -np.exp(_rng(b.seed, p + "ssm_a").uniform(-1.0, 0.5, n_v_heads)).astype(np.float32),
+                force_f32=True,
+            )
             b.dense(p + "ssm_beta.weight", (n_embd, n_v_heads))
             b.dense(p + "ssm_alpha.weight", (n_embd, n_v_heads))
             b.norm(p + "ssm_norm.weight", d_state)
@@ -383,12 +416,13 @@ def _qwen35moe(b: _Builder, *, n_expert, n_expert_used, n_layer, n_embd, n_ff_ex
     return "qwen35moe", kv
 
 
-def _deepseek2(b: _Builder, *, n_expert, n_expert_used, n_layer, n_embd, n_ff_exp,
-               n_group, n_group_used, v2_routing=False, **_):
+def _deepseek2(
+    b: _Builder, *, n_expert, n_expert_used, n_layer, n_embd, n_ff_exp, n_group, n_group_used, v2_routing=False, **_
+):
     n_head = 2
     q_lora_rank, kv_lora_rank = 64, 64
-    n_rot = 32                      # rope part of each q/k head
-    qk_nope = 32                    # non-rope part of each q/k head
+    n_rot = 32  # rope part of each q/k head
+    qk_nope = 32  # non-rope part of each q/k head
     k_mla, v_mla = qk_nope + n_rot, 64
     n_ff_dense = 2 * n_ff_exp
     n_shared = 1
@@ -410,12 +444,17 @@ def _deepseek2(b: _Builder, *, n_expert, n_expert_used, n_layer, n_embd, n_ff_ex
     if v2_routing:  # as DeepSeek-V2/V2.5 GGUFs: no gating key (llama.cpp: softmax), weights not renormalised
         kv += [("{arch}.expert_weights_scale", "float32", 16.0), ("{arch}.expert_weights_norm", "bool", False)]
     else:
-        kv += [("{arch}.expert_weights_scale", "float32", 1.5), ("{arch}.expert_weights_norm", "bool", True),
-               ("{arch}.expert_gating_func", "uint32", int(gguf.ExpertGatingFuncType.SIGMOID))]
+        kv += [
+            ("{arch}.expert_weights_scale", "float32", 1.5),
+            ("{arch}.expert_weights_norm", "bool", True),
+            ("{arch}.expert_gating_func", "uint32", int(gguf.ExpertGatingFuncType.SIGMOID)),
+        ]
     kv += _moe_kv(n_expert, n_expert_used, n_ff_exp)
     if n_group > 1:
-        kv += [("{arch}.expert_group_count", "uint32", n_group),
-               ("{arch}.expert_group_used_count", "uint32", n_group_used)]
+        kv += [
+            ("{arch}.expert_group_count", "uint32", n_group),
+            ("{arch}.expert_group_used_count", "uint32", n_group_used),
+        ]
 
     b.dense("token_embd.weight", (n_embd, N_VOCAB), std=1.0)
     for i in range(n_layer):
@@ -489,16 +528,34 @@ def _check_routing(arch: str, n_expert: int, n_expert_used: int, n_group: int, n
         raise ValueError(f"need 0 < n_expert_used <= n_expert <= 1024, got {n_expert_used}, {n_expert}")
     if arch == "deepseek2" and n_group > 1:
         per_group = n_expert // n_group
-        if n_expert % n_group or per_group < 2 or not (0 < n_group_used < n_group) \
-                or n_group_used * per_group < n_expert_used:
+        if (
+            n_expert % n_group
+            or per_group < 2
+            or not (0 < n_group_used < n_group)
+            or n_group_used * per_group < n_expert_used
+        ):
             raise ValueError(
                 f"invalid grouped routing: n_expert={n_expert} n_group={n_group} "
-                f"n_group_used={n_group_used} top-k={n_expert_used}")
+                f"n_group_used={n_group_used} top-k={n_expert_used}"
+            )
 
 
-def write_model(path, arch, *, dtype="F16", seed=0, n_expert=None, n_expert_used=None, n_layer=None,
-                n_embd=256, n_ff_exp=256, alignment=None, n_group=None, n_group_used=None,
-                v2_routing=False) -> pathlib.Path:
+def write_model(
+    path,
+    arch,
+    *,
+    dtype="F16",
+    seed=0,
+    n_expert=None,
+    n_expert_used=None,
+    n_layer=None,
+    n_embd=256,
+    n_ff_exp=256,
+    alignment=None,
+    n_group=None,
+    n_group_used=None,
+    v2_routing=False,
+) -> pathlib.Path:
     """Write a tiny loadable MoE model of ``arch`` (one of ``ARCHES``) to ``path``.
 
     ``n_expert``, ``n_expert_used``, ``n_layer`` (main blocks, MTP excluded) and, for deepseek2,
@@ -523,8 +580,16 @@ def write_model(path, arch, *, dtype="F16", seed=0, n_expert=None, n_expert_used
         raise ValueError("deepseek2 needs n_layer >= 2 (block 0 is dense)")
 
     b = _Builder(seed)
-    args = dict(n_expert=n_expert, n_expert_used=n_expert_used, n_layer=n_layer, n_embd=n_embd,
-                n_ff_exp=n_ff_exp, n_group=n_group, n_group_used=n_group_used, v2_routing=v2_routing)
+    args = dict(
+        n_expert=n_expert,
+        n_expert_used=n_expert_used,
+        n_layer=n_layer,
+        n_embd=n_embd,
+        n_ff_exp=n_ff_exp,
+        n_group=n_group,
+        n_group_used=n_group_used,
+        v2_routing=v2_routing,
+    )
     if arch == "qwen3moe":
         gguf_arch, kv = _qwen3moe(b, **args)
     elif arch in ("qwen35moe", "fused"):
@@ -560,7 +625,9 @@ def write_dense_model(path) -> pathlib.Path:
     return _write(pathlib.Path(path), "llama", kv, b.specs, "F16", None)
 
 
-def write_bulk_moe(path, *, n_layer=4, n_expert=32, n_embd=1024, n_ff_exp=512, n_vocab=32000, seed=0, sparse=False) -> pathlib.Path:
+def write_bulk_moe(
+    path, *, n_layer=4, n_expert=32, n_embd=1024, n_ff_exp=512, n_vocab=32000, seed=0, sparse=False
+) -> pathlib.Path:
     """A qwen3moe-shaped Q8_0 file whose tensor data is random bytes, for tests and benchmarks of
     byte movement at sizes the loadable fixtures do not reach (n_embd x n_ff_exp x n_expert x 3
     expert tensors per layer, ~1.06 bytes per weight). ggufcarve inspects, prunes and checks it;
@@ -593,9 +660,15 @@ def write_bulk_moe(path, *, n_layer=4, n_expert=32, n_embd=1024, n_ff_exp=512, n
             TensorHeader(p + "attn_norm.weight", (n_embd,), f32, 4 * n_embd),
             TensorHeader(p + "attn_q.weight", (n_embd, n_embd), q8, q8_bytes(n_embd, n_embd)),
             TensorHeader(p + "ffn_gate_inp.weight", (n_embd, n_expert), f32, 4 * n_embd * n_expert),
-            TensorHeader(p + "ffn_gate_exps.weight", (n_embd, n_ff_exp, n_expert), q8, q8_bytes(n_embd, n_ff_exp * n_expert)),
-            TensorHeader(p + "ffn_up_exps.weight", (n_embd, n_ff_exp, n_expert), q8, q8_bytes(n_embd, n_ff_exp * n_expert)),
-            TensorHeader(p + "ffn_down_exps.weight", (n_ff_exp, n_embd, n_expert), q8, q8_bytes(n_ff_exp, n_embd * n_expert)),
+            TensorHeader(
+                p + "ffn_gate_exps.weight", (n_embd, n_ff_exp, n_expert), q8, q8_bytes(n_embd, n_ff_exp * n_expert)
+            ),
+            TensorHeader(
+                p + "ffn_up_exps.weight", (n_embd, n_ff_exp, n_expert), q8, q8_bytes(n_embd, n_ff_exp * n_expert)
+            ),
+            TensorHeader(
+                p + "ffn_down_exps.weight", (n_ff_exp, n_embd, n_expert), q8, q8_bytes(n_ff_exp, n_embd * n_expert)
+            ),
         ]
     header, _ = encode_header(3, kvs, tensors, 32)
     rng = np.random.default_rng(seed)
@@ -619,9 +692,16 @@ def write_bulk_moe(path, *, n_layer=4, n_expert=32, n_embd=1024, n_ff_exp=512, n
 # llama.cpp quantizer
 # ---------------------------------------------------------------------------------------------
 
-def quantize_with_llama(src, dst, ftype: str, *, allow_requantize: bool = False,
-                        tensor_types: tuple[tuple[str, str], ...] = (),
-                        timeout: float = 600) -> pathlib.Path:
+
+def quantize_with_llama(
+    src,
+    dst,
+    ftype: str,
+    *,
+    allow_requantize: bool = False,
+    tensor_types: tuple[tuple[str, str], ...] = (),
+    timeout: float = 600,
+) -> pathlib.Path:
     """Quantize ``src`` to ``dst`` with llama.cpp's own quantizer (``llama_model_quantize``).
 
     Runs ggufcarve's libllama quantizer child through the one launcher (llama.cpp aborts the
@@ -635,14 +715,27 @@ def quantize_with_llama(src, dst, ftype: str, *, allow_requantize: bool = False,
     src, dst = pathlib.Path(src), pathlib.Path(dst)
     quantizer = LibllamaQuantizer()
     quantizer.timeout = timeout
-    result = quantizer.run(QuantizeJob(src, dst, ftype, allow_requantize=allow_requantize, tensor_types=tuple(tensor_types), nthreads=min(2, os.cpu_count() or 1)))
+    result = quantizer.run(
+        QuantizeJob(
+            src,
+            dst,
+            ftype,
+            allow_requantize=allow_requantize,
+            tensor_types=tuple(tensor_types),
+            nthreads=min(2, os.cpu_count() or 1),
+        )
+    )
     if result.returncode != 0 or not dst.exists():
         dst.unlink(missing_ok=True)
-        raise RuntimeError(f"llama_model_quantize({src.name} -> {ftype}) failed: {result.error}\n" + "\n".join(result.tail))
+        raise RuntimeError(
+            f"llama_model_quantize({src.name} -> {ftype}) failed: {result.error}\n" + "\n".join(result.tail)
+        )
     return dst
 
 
-def write_qwen35moe_replica(path, *, n_expert=256, n_layer=40, n_embd=2048, n_ff_exp=512, n_vocab=248320, mtp=True) -> pathlib.Path:
+def write_qwen35moe_replica(
+    path, *, n_expert=256, n_layer=40, n_embd=2048, n_ff_exp=512, n_vocab=248320, mtp=True
+) -> pathlib.Path:
     """A header-only (sparse) Q8_0 qwen35moe file with the tensor layout of Qwen3.6-35B-A3B: 40
     blocks (every 4th full attention, 16 heads / 2 KV heads of 256; gated delta net with 16 key
     and 32 value heads of 128, conv kernel 4) plus one MTP block, 256 experts of 512 (top-8), a
@@ -693,7 +786,9 @@ def write_qwen35moe_replica(path, *, n_expert=256, n_layer=40, n_embd=2048, n_ff
         *([make_kv(f"{arch}.nextn_predict_layers", u32, 1)] if mtp else []),
         make_kv("tokenizer.ggml.model", GGUFValueType.STRING, "gpt2"),
         make_kv("tokenizer.ggml.tokens", GGUFValueType.ARRAY, [f"t{i}" for i in range(n_vocab)], GGUFValueType.STRING),
-        make_kv("tokenizer.ggml.merges", GGUFValueType.ARRAY, ["t 1"], GGUFValueType.STRING),  # llama.cpp's BPE vocabulary needs merges to load
+        make_kv(
+            "tokenizer.ggml.merges", GGUFValueType.ARRAY, ["t 1"], GGUFValueType.STRING
+        ),  # llama.cpp's BPE vocabulary needs merges to load
     ]
 
     def q8_0(name: str, *ne: int) -> TensorHeader:
@@ -709,15 +804,26 @@ def write_qwen35moe_replica(path, *, n_expert=256, n_layer=40, n_embd=2048, n_ff
         return TensorHeader(name, ne, f32, 4 * count)
 
     def attention(p: str) -> list[TensorHeader]:
-        return [q8_0(p + "attn_q.weight", n_embd, n_head * head_dim * 2), q8_0(p + "attn_k.weight", n_embd, n_head_kv * head_dim),
-                q8_0(p + "attn_v.weight", n_embd, n_head_kv * head_dim), q8_0(p + "attn_output.weight", n_head * head_dim, n_embd),
-                f32_(p + "attn_q_norm.weight", head_dim), f32_(p + "attn_k_norm.weight", head_dim)]
+        return [
+            q8_0(p + "attn_q.weight", n_embd, n_head * head_dim * 2),
+            q8_0(p + "attn_k.weight", n_embd, n_head_kv * head_dim),
+            q8_0(p + "attn_v.weight", n_embd, n_head_kv * head_dim),
+            q8_0(p + "attn_output.weight", n_head * head_dim, n_embd),
+            f32_(p + "attn_q_norm.weight", head_dim),
+            f32_(p + "attn_k_norm.weight", head_dim),
+        ]
 
     def moe(p: str) -> list[TensorHeader]:
-        return [f32_(p + "ffn_gate_inp.weight", n_embd, n_expert), q8_0(p + "ffn_gate_exps.weight", n_embd, n_ff_exp, n_expert),
-                q8_0(p + "ffn_up_exps.weight", n_embd, n_ff_exp, n_expert), q8_0(p + "ffn_down_exps.weight", n_ff_exp, n_embd, n_expert),
-                f32_(p + "ffn_gate_inp_shexp.weight", n_embd), q8_0(p + "ffn_gate_shexp.weight", n_embd, n_ff_exp),
-                q8_0(p + "ffn_up_shexp.weight", n_embd, n_ff_exp), q8_0(p + "ffn_down_shexp.weight", n_ff_exp, n_embd)]
+        return [
+            f32_(p + "ffn_gate_inp.weight", n_embd, n_expert),
+            q8_0(p + "ffn_gate_exps.weight", n_embd, n_ff_exp, n_expert),
+            q8_0(p + "ffn_up_exps.weight", n_embd, n_ff_exp, n_expert),
+            q8_0(p + "ffn_down_exps.weight", n_ff_exp, n_embd, n_expert),
+            f32_(p + "ffn_gate_inp_shexp.weight", n_embd),
+            q8_0(p + "ffn_gate_shexp.weight", n_embd, n_ff_exp),
+            q8_0(p + "ffn_up_shexp.weight", n_embd, n_ff_exp),
+            q8_0(p + "ffn_down_shexp.weight", n_ff_exp, n_embd),
+        ]
 
     tensors = [q8_0("token_embd.weight", n_embd, n_vocab)]
     for i in range(n_layer):
@@ -726,16 +832,30 @@ def write_qwen35moe_replica(path, *, n_expert=256, n_layer=40, n_embd=2048, n_ff
         if (i + 1) % 4 == 0:
             tensors += attention(p)
         else:
-            tensors += [q8_0(p + "attn_qkv.weight", n_embd, conv_dim), q8_0(p + "attn_gate.weight", n_embd, value_dim),
-                        f32_(p + "ssm_conv1d.weight", d_conv, conv_dim), f32_(p + "ssm_dt.bias", n_v_heads), f32_(p + "ssm_a", n_v_heads),
-                        q8_0(p + "ssm_beta.weight", n_embd, n_v_heads), q8_0(p + "ssm_alpha.weight", n_embd, n_v_heads),
-                        f32_(p + "ssm_norm.weight", d_state), q8_0(p + "ssm_out.weight", value_dim, n_embd)]
+            tensors += [
+                q8_0(p + "attn_qkv.weight", n_embd, conv_dim),
+                q8_0(p + "attn_gate.weight", n_embd, value_dim),
+                f32_(p + "ssm_conv1d.weight", d_conv, conv_dim),
+                f32_(p + "ssm_dt.bias", n_v_heads),
+                f32_(p + "ssm_a", n_v_heads),
+                q8_0(p + "ssm_beta.weight", n_embd, n_v_heads),
+                q8_0(p + "ssm_alpha.weight", n_embd, n_v_heads),
+                f32_(p + "ssm_norm.weight", d_state),
+                q8_0(p + "ssm_out.weight", value_dim, n_embd),
+            ]
         tensors += moe(p)
     if mtp:
         p = f"blk.{n_layer}."
-        tensors += [f32_(p + "attn_norm.weight", n_embd), f32_(p + "post_attention_norm.weight", n_embd), *attention(p), *moe(p),
-                    q8_0(p + "nextn.eh_proj.weight", 2 * n_embd, n_embd), f32_(p + "nextn.enorm.weight", n_embd),
-                    f32_(p + "nextn.hnorm.weight", n_embd), f32_(p + "nextn.shared_head_norm.weight", n_embd)]
+        tensors += [
+            f32_(p + "attn_norm.weight", n_embd),
+            f32_(p + "post_attention_norm.weight", n_embd),
+            *attention(p),
+            *moe(p),
+            q8_0(p + "nextn.eh_proj.weight", 2 * n_embd, n_embd),
+            f32_(p + "nextn.enorm.weight", n_embd),
+            f32_(p + "nextn.hnorm.weight", n_embd),
+            f32_(p + "nextn.shared_head_norm.weight", n_embd),
+        ]
     tensors += [f32_("output_norm.weight", n_embd), q8_0("output.weight", n_embd, n_vocab)]
     header, _ = encode_header(3, kvs, tensors, 32)
     path = pathlib.Path(path)

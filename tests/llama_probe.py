@@ -27,11 +27,20 @@ class ProbeResult:
         return self.returncode == 0 and self.logits is not None
 
 
-def probe(model_path, tokens: list[int], *, trace_routing: bool = False, timeout: float = 300, verbose: bool = False) -> ProbeResult:
+def probe(
+    model_path, tokens: list[int], *, trace_routing: bool = False, timeout: float = 300, verbose: bool = False
+) -> ProbeResult:
     """Decode ``tokens`` in llama.cpp; ``routed`` holds ``ffn_moe_topk`` per MoE block when traced."""
     lines: list[str] = []
     try:
-        trace = tracing.trace_routing(model_path, tokens, nodes=(tracing.TOPK,) if trace_routing else (), timeout=timeout, verbose=verbose, on_line=lines.append)
+        trace = tracing.trace_routing(
+            model_path,
+            tokens,
+            nodes=(tracing.TOPK,) if trace_routing else (),
+            timeout=timeout,
+            verbose=verbose,
+            on_line=lines.append,
+        )
     except CarveError as err:
         return ProbeResult(1, "\n".join(lines) + f"\n{err}", None)
     return ProbeResult(0, "\n".join(lines), trace.logits, trace.topk)

@@ -36,14 +36,18 @@ def sdist() -> Path:
     given = os.environ.get(SDIST_ENV)
     if given:
         if not Path(given).is_file():
-            pytest.skip(f"the llama-cpp-python sdist is not at {given} (fix {SDIST_ENV}, or unset it to use ggufcarve's cache)")
+            pytest.skip(
+                f"the llama-cpp-python sdist is not at {given} (fix {SDIST_ENV}, or unset it to use ggufcarve's cache)"
+            )
         return Path(given)
     path = build.sdist_path(llama_cpp_version())
     if not path.is_file():
         try:
             path = build.fetch_sdist(llama_cpp_version())
         except CarveError as e:
-            pytest.skip(f"the llama-cpp-python sdist is not at {path} and could not be fetched: {e} (set {SDIST_ENV}, or run ggufcarve toolchain build)")
+            pytest.skip(
+                f"the llama-cpp-python sdist is not at {path} and could not be fetched: {e} (set {SDIST_ENV}, or run ggufcarve toolchain build)"
+            )
     return path
 
 
@@ -139,7 +143,9 @@ def _architectures(path: Path) -> dict[str, Architecture]:
     mapping = re.search(r"llama_model_mapping\(.*?\n}\n", src["llama-model.cpp"], re.S).group(0)
     classes = re.findall(r"case (LLM_ARCH_\w+):\s*return new llama_model_(\w+)\(", mapping)
     graph_of, base_of = {}, {}
-    for struct in re.finditer(r"^struct llama_model_(\w+) : public (\w+) \{(.*?)^\};", src["models/models.h"], re.S | re.M):
+    for struct in re.finditer(
+        r"^struct llama_model_(\w+) : public (\w+) \{(.*?)^\};", src["models/models.h"], re.S | re.M
+    ):
         used = re.search(r"using graph = llama_model_(\w+)::graph", struct.group(3))
         graph_of[struct.group(1)] = used.group(1) if used else struct.group(1)
         base_of[struct.group(1)] = struct.group(2).removeprefix("llama_model_")
@@ -159,7 +165,7 @@ def _architectures(path: Path) -> dict[str, Architecture]:
             while depth:
                 depth += (text[end] == "(") - (text[end] == ")")
                 end += 1
-            args = re.sub(r"//[^\n]*|/\*.*?\*/", "", text[m.end():end - 1], flags=re.S)
+            args = re.sub(r"//[^\n]*|/\*.*?\*/", "", text[m.end() : end - 1], flags=re.S)
             owner = [c for pos, c in defs if pos < m.start()][-1]
             call = MoeCall(_split_args(args))
             assert sum(bool(re.fullmatch(r"LLM_FFN_\w+", a)) for a in call.args) == 1, (name, call.args)
@@ -176,7 +182,9 @@ def _architectures(path: Path) -> dict[str, Architecture]:
         owners = {cls, graph_of.get(cls, cls)}
         found.calls = [call for c in sorted(owners) for call in calls.get(c, [])]
         found.load = next((loads[c] for c in chain if c in loads), "")
-        for called in re.findall(r"\bllama_model_(\w+)::load_arch_hparams\(", found.load):  # a base class's, called first
+        for called in re.findall(
+            r"\bllama_model_(\w+)::load_arch_hparams\(", found.load
+        ):  # a base class's, called first
             found.load += loads.get(called, "")
         found.clamp = bool(owners & clamped)
         result[found.name] = found
@@ -194,7 +202,9 @@ def ffn_exps_regexes() -> tuple[str, str]:
         member = next(m for m in tar if m.name.endswith("/vendor/llama.cpp/common/common.h"))
         text = tar.extractfile(member).read().decode()
     exps = re.search(r'LLM_FFN_EXPS_REGEX\s*=\s*"((?:[^"\\]|\\.)*)"', text)[1]
-    block = re.search(r'llm_ffn_block_regex\(int idx, const char \* ffn_regex\) \{\s*return string_format\("((?:[^"\\]|\\.)*)"', text)[1]
+    block = re.search(
+        r'llm_ffn_block_regex\(int idx, const char \* ffn_regex\) \{\s*return string_format\("((?:[^"\\]|\\.)*)"', text
+    )[1]
 
     def unescape(literal: str) -> str:
         return re.sub(r"\\(.)", r"\1", literal)
@@ -212,7 +222,11 @@ def offload_oracle(path, exps: str, block_format: str):
     nextn_field = reader.get_field(f"{arch}.nextn_predict_layers")
     main = blocks - (nextn_field.contents() if nextn_field else 0)
     sizes = {t.name: int(t.n_bytes) for t in reader.tensors}
-    loaded = {n: b for n, b in sizes.items() if not (re.match(r"blk\.(\d+)\.", n) and int(n.split(".")[1]) >= main) and not n.startswith("token_embd.")}
+    loaded = {
+        n: b
+        for n, b in sizes.items()
+        if not (re.match(r"blk\.(\d+)\.", n) and int(n.split(".")[1]) >= main) and not n.startswith("token_embd.")
+    }
     if "output.weight" not in sizes:
         loaded["token_embd.weight"] = sizes["token_embd.weight"]
     patterns = [re.compile(block_format.replace("%d", str(i)).replace("%s", exps)) for i in range(main)]

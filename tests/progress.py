@@ -5,8 +5,10 @@ from __future__ import annotations
 import contextlib
 import time
 
-BUILD_NOTICE = ("building llama.cpp's tools (llama-quantize, llama-imatrix, llama-perplexity, ...) from the llama-cpp-python sdist "
-                "once: 10-14 min on 2 cores; later runs use the cache (`ggufcarve toolchain build` does the same ahead)")
+BUILD_NOTICE = (
+    "building llama.cpp's tools (llama-quantize, llama-imatrix, llama-perplexity, ...) from the llama-cpp-python sdist "
+    "once: 10-14 min on 2 cores; later runs use the cache (`ggufcarve toolchain build` does the same ahead)"
+)
 
 
 def terminal_progress(config):

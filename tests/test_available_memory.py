@@ -19,7 +19,11 @@ def _write(root, relative: str, text: str) -> None:
 
 
 def _meminfo(root, available_kib: int) -> None:
-    _write(root, "proc/meminfo", f"MemTotal:       {4 * available_kib} kB\nMemFree:        1000 kB\nMemAvailable:   {available_kib} kB\n")
+    _write(
+        root,
+        "proc/meminfo",
+        f"MemTotal:       {4 * available_kib} kB\nMemFree:        1000 kB\nMemAvailable:   {available_kib} kB\n",
+    )
 
 
 def test_cgroup_v2_left_below_memory_max(tmp_path):

@@ -16,7 +16,9 @@ from ggufcarve.llama import launch
 from ggufcarve.pipeline.demo import FILES
 
 CTX, EVAL_CTX, CHUNKS = 256, 128, 4
-GPU_MEMORY = 2**30 + 10 * 2**20  # llama.cpp's 1 GiB margin and 10 MiB: with the compute buffers, some rungs fit whole, some with --n-cpu-moe N
+GPU_MEMORY = (
+    2**30 + 10 * 2**20
+)  # llama.cpp's 1 GiB margin and 10 MiB: with the compute buffers, some rungs fit whole, some with --n-cpu-moe N
 # between the demo's rungs by llama.cpp's measured total (weights + cache + compute + output; the compute
 # buffers are 4.1 MiB at ctx 256): unpruned Q2_K and IQ2_XS fit, unpruned Q3_K_M does not
 MEMORY = 11 * 2**20
@@ -70,9 +72,37 @@ def searched(tmp_path_factory):
 
 
 def best_arguments(first: Path, second: Path, out: Path, memory: int = MEMORY) -> list:
-    return [DEMO_MODEL, "--memory", f"{memory}B", "--ctx", CTX, "--ladder", FILES / "ladder.toml", "--calibration", CALIBRATION,
-            "--heldout", first, "--heldout", second, "--chunk-ctx", EVAL_CTX, "--chunks", CHUNKS, "--max-tokens", 2048,
-            "--methods", "frequency,weights", "--gpu-memory", f"{GPU_MEMORY}B", "--tier", "ram", "-o", out, "-t", 2]
+    return [
+        DEMO_MODEL,
+        "--memory",
+        f"{memory}B",
+        "--ctx",
+        CTX,
+        "--ladder",
+        FILES / "ladder.toml",
+        "--calibration",
+        CALIBRATION,
+        "--heldout",
+        first,
+        "--heldout",
+        second,
+        "--chunk-ctx",
+        EVAL_CTX,
+        "--chunks",
+        CHUNKS,
+        "--max-tokens",
+        2048,
+        "--methods",
+        "frequency,weights",
+        "--gpu-memory",
+        f"{GPU_MEMORY}B",
+        "--tier",
+        "ram",
+        "-o",
+        out,
+        "-t",
+        2,
+    ]
 
 
 @pytest.mark.slow
@@ -98,14 +128,37 @@ def test_the_answer_fits_by_the_real_file_and_llama_cpps_cache(searched):
     table = (out / "best.md").read_text()
     assert "| pruned |" in table and "| unpruned |" in table
     for c in report["candidates"]:
-        for key in ("kept_experts", "quant", "family", "file_bytes", "cache_bytes", "fits", "kld_mean", "kld_mean_stderr", "kld_p999", "same_top_p",
-                    "ppl", "chunks_scored", "stopped_early", "selection", "scored_by", "masked_on", "types_match"):
+        for key in (
+            "kept_experts",
+            "quant",
+            "family",
+            "file_bytes",
+            "cache_bytes",
+            "fits",
+            "kld_mean",
+            "kld_mean_stderr",
+            "kld_p999",
+            "same_top_p",
+            "ppl",
+            "chunks_scored",
+            "stopped_early",
+            "selection",
+            "scored_by",
+            "masked_on",
+            "types_match",
+        ):
             assert key in c, (c["id"], key)
         assert isinstance(c["selection"], str) and (c["family"] == "unpruned") == (c["keep_set"] is None), c["id"]
         if c.get("identical_to") is None:
             assert c["kld_mean"] is not None and c["chunks_scored"] > 0, c["id"]
     assert [s["name"] for s in winner["segments"]] == ["heldout-a.txt", "heldout-b.txt"]
-    assert set(report["timings"]) >= {"calibration_seconds", "references_seconds", "builds_seconds", "tournament_seconds", "confirmation_seconds"}
+    assert set(report["timings"]) >= {
+        "calibration_seconds",
+        "references_seconds",
+        "builds_seconds",
+        "tournament_seconds",
+        "confirmation_seconds",
+    }
 
 
 @pytest.mark.slow
@@ -123,7 +176,9 @@ def test_pruned_candidates_are_masked_on_the_unpruned_rung_where_llama_quantize_
         if c["kept_experts"] == 8:
             assert c["scored_by"] == "file" and c["types_match"] is False and c["built"], c["id"]
             assert "llama-quantize gives" in c["scored_by_reason"]
-            unpruned = next((out / "models" / "unpruned").glob(f"*-{c['quant']}.gguf"))  # built for every candidate quant
+            unpruned = next(
+                (out / "models" / "unpruned").glob(f"*-{c['quant']}.gguf")
+            )  # built for every candidate quant
             built = {t.name: t.type_id for t in read_model(out / c["path"]).tensors}
             full = {t.name: t.type_id for t in read_model(unpruned).tensors}
             assert any(built[n] != full[n] for n in built), c["id"]  # llama.cpp's own files: the types do differ
@@ -144,7 +199,9 @@ def test_the_masked_winner_is_confirmed_by_its_built_file(searched):
     assert len(confirmed) <= 2  # the winner and --confirm 1 runner-up
     for c in confirmed:
         k = c["confirmed"]
-        assert abs(k["file_kld_mean"] - k["masked_kld_mean"]) <= max(2 * k["file_kld_mean_stderr"], 0.01 * k["masked_kld_mean"]), c["id"]
+        assert abs(k["file_kld_mean"] - k["masked_kld_mean"]) <= max(
+            2 * k["file_kld_mean_stderr"], 0.01 * k["masked_kld_mean"]
+        ), c["id"]
         assert k["types_mismatched"] == []
         assert (out / c["path"]).is_file()
 
@@ -164,7 +221,11 @@ def test_each_run_command_places_the_file_by_llama_cpps_n_cpu_moe_rule(searched)
         main, _, gpu, _ = offload_oracle(out / c["path"], *ffn_exps_regexes())
         graph = round(llama_compute_mib(out / c["path"], CTX) * 2**20)
         blocks = [gpu[i] - gpu[i + 1] for i in range(main)]
-        fitting = [n for n in range(main + 1) if gpu[n] + c["cache_bytes"] + graph + max(blocks[:n], default=0) + 2**30 <= GPU_MEMORY]
+        fitting = [
+            n
+            for n in range(main + 1)
+            if gpu[n] + c["cache_bytes"] + graph + max(blocks[:n], default=0) + 2**30 <= GPU_MEMORY
+        ]
         expected = fitting[0] if fitting else None
         argv = c["run_command"]["argv"]
         assert c["run_command"]["gpu"]["n_cpu_moe"] == expected, c["id"]
@@ -172,7 +233,9 @@ def test_each_run_command_places_the_file_by_llama_cpps_n_cpu_moe_rule(searched)
             assert "-ngl" not in argv, c["id"]
         else:
             assert argv[argv.index("-ngl") + 1] == "99"
-            assert (argv[argv.index("--n-cpu-moe") + 1] if "--n-cpu-moe" in argv else 0) == (str(expected) if expected else 0), c["id"]
+            assert (argv[argv.index("--n-cpu-moe") + 1] if "--n-cpu-moe" in argv else 0) == (
+                str(expected) if expected else 0
+            ), c["id"]
         placements.add("whole" if expected == 0 else "none" if expected is None else "n")
     assert "n" in placements, placements
 
@@ -184,8 +247,25 @@ def test_the_winners_file_kld_is_evals_on_each_file(searched, tmp_path):
     assert winner["chunks_scored"] == 2 * CHUNKS and not winner["stopped_early"]
     segments = winner["confirmed"]["file_segments"] if winner.get("confirmed") else winner["segments"]
     for segment, heldout in zip(segments, files):
-        result = ggufcarve("eval", out / winner["path"], "--reference", DEMO_MODEL, "--heldout", heldout, "--ctx", EVAL_CTX, "--chunks", CHUNKS,
-                           "--speed-runs", 0, "-o", tmp_path / heldout.stem, "-t", 2, "-q")
+        result = ggufcarve(
+            "eval",
+            out / winner["path"],
+            "--reference",
+            DEMO_MODEL,
+            "--heldout",
+            heldout,
+            "--ctx",
+            EVAL_CTX,
+            "--chunks",
+            CHUNKS,
+            "--speed-runs",
+            0,
+            "-o",
+            tmp_path / heldout.stem,
+            "-t",
+            2,
+            "-q",
+        )
         assert result.code == 0, result.stderr[-2000:]
         doc = json.loads(next((tmp_path / heldout.stem).glob(f"{Path(winner['path']).stem}*.json")).read_text())
         assert doc["kld_mean"] == pytest.approx(segment["kld_mean"], rel=1e-9, abs=1e-12)
@@ -225,7 +305,11 @@ def test_an_unpruned_winner_is_published_by_the_ladder_alone(tmp_path):
     report = {"winner": {"family": "unpruned", "quant": "Q2_K", "keep_set": None}}
     settings = SimpleNamespace(ladder=FILES / "ladder.toml")
     argv = publish_command(report, DEMO_MODEL, settings, out, tmp_path / "absent.imatrix.gguf")
-    assert argv[:3] == ["ggufcarve", "ladder", "run"] and argv[argv.index("--only") + 1] == "Q2_K" and "--imatrix" not in argv
+    assert (
+        argv[:3] == ["ggufcarve", "ladder", "run"]
+        and argv[argv.index("--only") + 1] == "Q2_K"
+        and "--imatrix" not in argv
+    )
     with pytest.raises(ValueError):
         plan_document(report, DEMO_MODEL, settings, out, tmp_path / "absent.imatrix.gguf")
     result = ggufcarve(*argv[1:-1], tmp_path / "release", "--dry-run", cwd=out)
@@ -240,8 +324,17 @@ def test_candidates_are_the_largest_fitting_k_per_rung_the_next_smaller_and_the_
     from ggufcarve.quant.fit import FitRow, RungSize
 
     sizes = {"Q8_0": 1.0, "Q4_K_M": 0.5}  # bytes per expert kept, per rung
-    rows = [FitRow(k, RungSize(rung, rung, int(100 * k * per), (), False), 900, 100) for k in (4, 8, 12, 16) for rung, per in sizes.items()]
-    report = SimpleNamespace(layout=SimpleNamespace(expert_count=16), spec=SimpleNamespace(rungs=[SimpleNamespace(name=n) for n in sizes]), rows=rows, memory=900)
+    rows = [
+        FitRow(k, RungSize(rung, rung, int(100 * k * per), (), False), 900, 100)
+        for k in (4, 8, 12, 16)
+        for rung, per in sizes.items()
+    ]
+    report = SimpleNamespace(
+        layout=SimpleNamespace(expert_count=16),
+        spec=SimpleNamespace(rungs=[SimpleNamespace(name=n) for n in sizes]),
+        rows=rows,
+        memory=900,
+    )
     chosen = {c.id: c for c in choose_candidates(report)}
     # Q8_0: 800 + 100 fits at K=8, not K=12; Q4_K_M: every K fits, 16 is the unpruned model
     assert set(chosen) == {"K8-Q8_0", "K4-Q8_0", "unpruned-Q4_K_M", "K12-Q4_K_M"}
@@ -251,22 +344,76 @@ def test_candidates_are_the_largest_fitting_k_per_rung_the_next_smaller_and_the_
 
 def test_dry_run_lists_the_candidates_and_writes_nothing(tmp_path):
     out = tmp_path / "best"
-    result = ggufcarve("best", DEMO_MODEL, "--memory", "11MiB", "--ctx", CTX, "--ladder", FILES / "ladder.toml", "--calibration", CALIBRATION,
-                       "--heldout", HELDOUT, "--chunk-ctx", EVAL_CTX, "--chunks", CHUNKS, "-o", out, "-t", 2, "--dry-run")
+    result = ggufcarve(
+        "best",
+        DEMO_MODEL,
+        "--memory",
+        "11MiB",
+        "--ctx",
+        CTX,
+        "--ladder",
+        FILES / "ladder.toml",
+        "--calibration",
+        CALIBRATION,
+        "--heldout",
+        HELDOUT,
+        "--chunk-ctx",
+        EVAL_CTX,
+        "--chunks",
+        CHUNKS,
+        "-o",
+        out,
+        "-t",
+        2,
+        "--dry-run",
+    )
     assert result.code == 0, result.stderr[-2000:]
-    assert "unpruned-Q2_K" in result.stdout and "K14-Q2_K" in result.stdout and "unpruned-Q3_K_M" not in result.stdout  # 11.40 MiB measured > 11 MiB
-    assert "disk needed" in result.stdout and "estimate: calibration" in result.stdout and "nothing was written" in result.stdout
+    assert (
+        "unpruned-Q2_K" in result.stdout and "K14-Q2_K" in result.stdout and "unpruned-Q3_K_M" not in result.stdout
+    )  # 11.40 MiB measured > 11 MiB
+    assert (
+        "disk needed" in result.stdout
+        and "estimate: calibration" in result.stdout
+        and "nothing was written" in result.stdout
+    )
     assert "by masking on those rungs" in result.stdout
     assert not out.exists()
 
 
 def test_only_an_unknown_candidate_is_one_line_before_anything_is_written(tmp_path):
     out = tmp_path / "best"
-    result = ggufcarve("best", DEMO_MODEL, "--memory", "11MiB", "--ctx", CTX, "--ladder", FILES / "ladder.toml", "--calibration", CALIBRATION,
-                       "--heldout", HELDOUT, "--eval-ctx", EVAL_CTX, "--chunks", CHUNKS, "-o", out, "-t", 2, "--only", "K99-Q8_0", "--quiet")
+    result = ggufcarve(
+        "best",
+        DEMO_MODEL,
+        "--memory",
+        "11MiB",
+        "--ctx",
+        CTX,
+        "--ladder",
+        FILES / "ladder.toml",
+        "--calibration",
+        CALIBRATION,
+        "--heldout",
+        HELDOUT,
+        "--eval-ctx",
+        EVAL_CTX,
+        "--chunks",
+        CHUNKS,
+        "-o",
+        out,
+        "-t",
+        2,
+        "--only",
+        "K99-Q8_0",
+        "--quiet",
+    )
     assert result.code != 0
     lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: --only K99-Q8_0: not a candidate") and "unpruned-Q2_K" in lines[0], result.stderr
+    assert (
+        len(lines) == 1
+        and lines[0].startswith("error: --only K99-Q8_0: not a candidate")
+        and "unpruned-Q2_K" in lines[0]
+    ), result.stderr
     assert not out.exists()
 
 
@@ -289,19 +436,44 @@ def test_a_rerun_with_a_larger_budget_scores_only_the_new_candidates(searched, t
     old_ids = {c["id"] for c in before["candidates"] if c.get("scored_by")}
     new_ids = {c["id"] for c in report["candidates"] if c.get("scored_by")} - old_ids
     assert new_ids  # the larger budget brings candidates the first run did not have
-    assert report["chunks_cached"] >= sum(c["chunks_scored"] for c in report["candidates"] if c["id"] in old_ids and c.get("scored_by"))
-    assert report["chunks_decoded"] <= sum(c["chunks_scored"] for c in report["candidates"] if c["id"] in new_ids) + 2 * CHUNKS
+    assert report["chunks_cached"] >= sum(
+        c["chunks_scored"] for c in report["candidates"] if c["id"] in old_ids and c.get("scored_by")
+    )
+    assert (
+        report["chunks_decoded"]
+        <= sum(c["chunks_scored"] for c in report["candidates"] if c["id"] in new_ids) + 2 * CHUNKS
+    )
 
 
 def test_first_contact_errors_are_one_line_in_units_and_before_any_work(tmp_path):
     """A budget in MiB is answered in MiB, a zero budget suggests a positive one, -o naming a file is
     refused (the dry run too), and no blank line stands above an error."""
-    common = ["--ctx", CTX, "--ladder", FILES / "ladder.toml", "--calibration", CALIBRATION, "--heldout", HELDOUT, "--eval-ctx", EVAL_CTX]
+    common = [
+        "--ctx",
+        CTX,
+        "--ladder",
+        FILES / "ladder.toml",
+        "--calibration",
+        CALIBRATION,
+        "--heldout",
+        HELDOUT,
+        "--eval-ctx",
+        EVAL_CTX,
+    ]
     small = ggufcarve("best", DEMO_MODEL, "--memory", "2MiB", *common, "-o", tmp_path / "b", "-q")
-    assert small.code == 1 and "nothing fits in 2.00 MiB: the smallest rung takes" in small.error_line and " MiB as llama.cpp allocates" in small.error_line
+    assert (
+        small.code == 1
+        and "nothing fits in 2.00 MiB: the smallest rung takes" in small.error_line
+        and " MiB as llama.cpp allocates" in small.error_line
+    )
     assert small.stderr.startswith("error:"), small.stderr[:200]
     zero = ggufcarve("best", DEMO_MODEL, "--memory", "0", *common, "-o", tmp_path / "b")
-    assert zero.code == 1 and "a budget of nothing" in zero.error_line and "24GiB" in zero.error_line and "0GiB" not in zero.error_line
+    assert (
+        zero.code == 1
+        and "a budget of nothing" in zero.error_line
+        and "24GiB" in zero.error_line
+        and "0GiB" not in zero.error_line
+    )
     a_file = tmp_path / "taken"
     a_file.write_text("")
     for extra in ([], ["--dry-run"]):
@@ -319,8 +491,21 @@ def test_keep_and_chunk_ctx_speak_the_shared_vocabulary(tmp_path):
 
     keepset = tmp_path / "given.json"
     keepset.write_text(_json.dumps({str(b): list(range(0, 16, 2)) for b in range(4)}))
-    common = [DEMO_MODEL, "--memory", "64MiB", "--ctx", "256", "--heldout", HELDOUT, "--calibration", demo_calibration, "-o", tmp_path / "b",
-              "--dry-run", "--json"]
+    common = [
+        DEMO_MODEL,
+        "--memory",
+        "64MiB",
+        "--ctx",
+        "256",
+        "--heldout",
+        HELDOUT,
+        "--calibration",
+        demo_calibration,
+        "-o",
+        tmp_path / "b",
+        "--dry-run",
+        "--json",
+    ]
     counts = ggufcarve("best", *common, "--keep", "12", "--chunk-ctx", "128")
     assert counts.code == 0, counts.stderr
     kept = {c["kept_experts"] for c in _json.loads(counts.stdout)["candidates"]}

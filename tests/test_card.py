@@ -35,24 +35,89 @@ def built(q8_moe, make_model, tmp_path_factory):
     work = base / "models"
     work.mkdir()
     selection = work / "SELECTION.json"
-    for argv in (("select", q8_moe, "--method", "frequency", "--calibration", calibration, "--ctx", 64, "--max-tokens", 256, "--keep", 6, "-t", 2, "-o", selection, "--no-heatmap", "-q"),
-                 ("prune", q8_moe, "--keep", selection, "-o", work / "tiny-6e-Q8_0.gguf", "-q")):
+    for argv in (
+        (
+            "select",
+            q8_moe,
+            "--method",
+            "frequency",
+            "--calibration",
+            calibration,
+            "--ctx",
+            64,
+            "--max-tokens",
+            256,
+            "--keep",
+            6,
+            "-t",
+            2,
+            "-o",
+            selection,
+            "--no-heatmap",
+            "-q",
+        ),
+        ("prune", q8_moe, "--keep", selection, "-o", work / "tiny-6e-Q8_0.gguf", "-q"),
+    ):
         result = ggufcarve(*argv)
         assert result.code == 0, result.stderr[-3000:]
     (base / "spec.toml").write_text(SPEC)
     (base / "gate.toml").write_text(GATE)
     release = base / "release"
-    result = ggufcarve("ladder", "run", base / "spec.toml", "--source", work / "tiny-6e-Q8_0.gguf", "-o", release, "--model-name", "tiny-6e",
-                       "--quantizer", "libllama", "-t", 2, "-q")
+    result = ggufcarve(
+        "ladder",
+        "run",
+        base / "spec.toml",
+        "--source",
+        work / "tiny-6e-Q8_0.gguf",
+        "-o",
+        release,
+        "--model-name",
+        "tiny-6e",
+        "--quantizer",
+        "libllama",
+        "-t",
+        2,
+        "-q",
+    )
     assert result.code == 0, result.stderr[-3000:]
-    assert not (release / ".ggufcarve-fragments").exists()  # a whole ladder, complete: its fragments are merged and gone
+    assert not (
+        release / ".ggufcarve-fragments"
+    ).exists()  # a whole ladder, complete: its fragments are merged and gone
     assert (release / "method" / "expert-selection.json").read_bytes() == selection.read_bytes()
-    result = ggufcarve("eval", release, q8_moe, "--reference", make_model("qwen3moe", dtype="F16"), "--heldout", heldout, "--ctx", CTX, "--chunks", CHUNKS,
-                       "--gate", base / "gate.toml", "--speed-runs", 0, "--cache", base / "cache", "-t", 2, "-o", release / "evaluation", "-q")
+    result = ggufcarve(
+        "eval",
+        release,
+        q8_moe,
+        "--reference",
+        make_model("qwen3moe", dtype="F16"),
+        "--heldout",
+        heldout,
+        "--ctx",
+        CTX,
+        "--chunks",
+        CHUNKS,
+        "--gate",
+        base / "gate.toml",
+        "--speed-runs",
+        0,
+        "--cache",
+        base / "cache",
+        "-t",
+        2,
+        "-o",
+        release / "evaluation",
+        "-q",
+    )
     assert result.code == 0, result.stderr[-3000:]
     carded = ggufcarve("card", release)
     assert carded.code == 0, carded.stderr[-3000:]
-    return {"release": release, "calibration": calibration, "heldout": heldout, "unpruned": q8_moe, "card_stderr": carded.stderr}
+    return {
+        "release": release,
+        "calibration": calibration,
+        "heldout": heldout,
+        "unpruned": q8_moe,
+        "card_stderr": carded.stderr,
+    }
 
 
 @pytest.fixture
@@ -78,11 +143,17 @@ def test_a_card_without_a_known_base_model_or_license_says_so(built):
     assert "base_model" not in front and "license" not in front and problems == ["no base_model", "license None"]
     card = (release / "README.md").read_text()
     assert "The base model is not stated" in card and "The license is not stated" in card and "--base-model" not in card
-    assert "# tiny-6e, pruned to 6 of 8 experts, GGUF" in card  # the ladder's model name: the GGUF has no general.basename
-    assert "no base_model in the card" in " ".join(built["card_stderr"].split()) and "--base-model OWNER/NAME" in " ".join(built["card_stderr"].split())
+    assert (
+        "# tiny-6e, pruned to 6 of 8 experts, GGUF" in card
+    )  # the ladder's model name: the GGUF has no general.basename
+    assert "no base_model in the card" in " ".join(
+        built["card_stderr"].split()
+    ) and "--base-model OWNER/NAME" in " ".join(built["card_stderr"].split())
     code, report = verify_json(release)
     assert code == 0 and report["complete"] and report["missing"] == [], report
-    assert any("no base_model" in w["problem"] for w in report["warnings"]) and any("no license" in w["problem"] for w in report["warnings"])
+    assert any("no base_model" in w["problem"] for w in report["warnings"]) and any(
+        "no license" in w["problem"] for w in report["warnings"]
+    )
 
 
 @pytest.mark.slow
@@ -92,9 +163,15 @@ def test_the_card_states_texts_comparison_gate_and_context(built):
     manifest = json.loads((release / "quant-manifest.json").read_text())
     # calibration: 256 tokens traced (4 chunks of 64) of the file's tokens; the held-out text: 2 chunks of 128
     calibration = next(line for line in card.splitlines() if line.startswith("| expert selection"))
-    assert f"| {built['calibration'].name} | `{sha256(built['calibration'])[:12]}` | 256 of " in calibration and "(4 chunks of 64)" in calibration
+    assert (
+        f"| {built['calibration'].name} | `{sha256(built['calibration'])[:12]}` | 256 of " in calibration
+        and "(4 chunks of 64)" in calibration
+    )
     heldout = next(line for line in card.splitlines() if line.startswith("| evaluation (held out)"))
-    assert f"| {built['heldout'].name} | `{sha256(built['heldout'])[:12]}` | {CTX * CHUNKS} ({CHUNKS} chunks of {CTX};" in heldout
+    assert (
+        f"| {built['heldout'].name} | `{sha256(built['heldout'])[:12]}` | {CTX * CHUNKS} ({CHUNKS} chunks of {CTX};"
+        in heldout
+    )
     assert "[{" not in card and "{'" not in card  # no JSON or Python reprs
     # the pruned rungs beside the unpruned model, the chart embedded, the gate's thresholds
     assert "## Pruned vs unpruned" in card and f"| {built['unpruned'].name} | qwen3moe 8 experts |" in card
@@ -125,13 +202,34 @@ def test_options_make_a_card_the_hub_accepts(copy):
     assert refused.code == 1 and "not a license identifier" in refused.error_line
     (copy / "LICENSE").write_text("the license text\n")
     assert ggufcarve("release", "record", copy / "LICENSE").code == 0
-    result = ggufcarve("card", copy, "--force", "--base-model", "Org/Tiny-MoE", "--license", "other", "--license-name", "tiny-license",
-                       "--license-link", "LICENSE", "--repo-id", "someone/tiny-6e-GGUF", "--model-name", "Tiny MoE 6e")
+    result = ggufcarve(
+        "card",
+        copy,
+        "--force",
+        "--base-model",
+        "Org/Tiny-MoE",
+        "--license",
+        "other",
+        "--license-name",
+        "tiny-license",
+        "--license-link",
+        "LICENSE",
+        "--repo-id",
+        "someone/tiny-6e-GGUF",
+        "--model-name",
+        "Tiny MoE 6e",
+    )
     assert result.code == 0, result.stderr
     front, problems = hub_problems(copy)
     assert problems == [] and front["base_model"] == "Org/Tiny-MoE" and front["license_link"] == "LICENSE"
     card = (copy / "README.md").read_text()
-    assert re.search(r"^# Tiny MoE 6e, pruned to \d+ of \d+ experts, GGUF$", card, re.M) and "hf download someone/tiny-6e-GGUF" in card and re.search(r"llama-server -hf someone/tiny-6e-GGUF:(Q8_0|Q6_K|Q4_K_M|Q2_K|IQ2_XS|IQ1_S|Q3_K_M|Q5_K_M|IQ1_M) ", card)
+    assert (
+        re.search(r"^# Tiny MoE 6e, pruned to \d+ of \d+ experts, GGUF$", card, re.M)
+        and "hf download someone/tiny-6e-GGUF" in card
+        and re.search(
+            r"llama-server -hf someone/tiny-6e-GGUF:(Q8_0|Q6_K|Q4_K_M|Q2_K|IQ2_XS|IQ1_S|Q3_K_M|Q5_K_M|IQ1_M) ", card
+        )
+    )
     code, report = verify_json(copy)
     assert code == 0 and report["warnings"] == [] and report["notes"] == [], report
 
@@ -145,9 +243,13 @@ def test_a_hand_edit_is_recorded_by_card_record_or_release_record(copy):
         f.write("\nA note added by hand.\n")
     assert card_edited(copy) and not card_recorded(copy)
     code, report = verify_json(copy)
-    assert code == 1 and any(f["path"] == "README.md" and f["problem"].startswith("sha256 mismatch") for f in report["failures"])
+    assert code == 1 and any(
+        f["path"] == "README.md" and f["problem"].startswith("sha256 mismatch") for f in report["failures"]
+    )
     assert ggufcarve("card", copy, "--record").code == 0
-    assert verify_json(copy)[0] == 0 and card_edited(copy) and card_recorded(copy)  # recorded as it is: still not the card ggufcarve wrote
+    assert (
+        verify_json(copy)[0] == 0 and card_edited(copy) and card_recorded(copy)
+    )  # recorded as it is: still not the card ggufcarve wrote
     assert "A note added by hand." in (copy / "README.md").read_text()
     (copy / "README.md").write_text((copy / "README.md").read_text().replace("A note added by hand.", "Another note."))
     assert verify_json(copy)[0] == 1
@@ -179,7 +281,9 @@ def test_documentation_is_noted_until_recorded(copy):
     # a changed recorded file fails
     (copy / "LICENSE").write_text("changed\n")
     code, report = verify_json(copy)
-    assert code == 1 and any(f["path"] == "LICENSE" and f["problem"].startswith("sha256 mismatch") for f in report["failures"])
+    assert code == 1 and any(
+        f["path"] == "LICENSE" and f["problem"].startswith("sha256 mismatch") for f in report["failures"]
+    )
 
 
 @pytest.mark.slow
@@ -187,7 +291,9 @@ def test_an_unfinished_release_fails_with_what_is_missing(built, tmp_path):
     spec = built["release"].parent / "spec.toml"
     source = built["release"].parent / "models" / "tiny-6e-Q8_0.gguf"
     out = tmp_path / "half"
-    result = ggufcarve("ladder", "run", spec, "--source", source, "-o", out, "--only", "Q6_K", "--quantizer", "libllama", "-t", 2, "-q")
+    result = ggufcarve(
+        "ladder", "run", spec, "--source", source, "-o", out, "--only", "Q6_K", "--quantizer", "libllama", "-t", 2, "-q"
+    )
     assert result.code == 0, result.stderr[-3000:]
     (out / "LICENSE").write_text("text\n")  # a user's file does not make it fail
     code, report = verify_json(out)
@@ -197,12 +303,19 @@ def test_an_unfinished_release_fails_with_what_is_missing(built, tmp_path):
     assert failures == {("Q4_K_M", "missing")}, report["failures"]
     assert {m["path"] for m in report["missing"]} == {"rungs:Q4_K_M", "evaluation:evaluation/", "card:README.md"}
     plain = ggufcarve("verify", out)
-    assert plain.code == 1 and "rung Q4_K_M of the ladder is not built" in " ".join(plain.stderr.split()) and "--partial" in plain.stderr
+    assert (
+        plain.code == 1
+        and "rung Q4_K_M of the ladder is not built" in " ".join(plain.stderr.split())
+        and "--partial" in plain.stderr
+    )
     code, report = verify_json(out, "--partial")
     assert code == 0 and len(report["missing"]) == 3
     assert {n["path"] for n in report["notes"]} == {"LICENSE", ".ggufcarve-fragments/"}
     # the rest of the ladder, then its evaluation and card: complete
-    assert ggufcarve("ladder", "run", spec, "--source", source, "-o", out, "--quantizer", "libllama", "-t", 2, "-q").code == 0
+    assert (
+        ggufcarve("ladder", "run", spec, "--source", source, "-o", out, "--quantizer", "libllama", "-t", 2, "-q").code
+        == 0
+    )
     assert not (out / ".ggufcarve-fragments").exists()
     code, report = verify_json(out)
     assert code == 0 and not report["complete"]
@@ -217,26 +330,53 @@ def test_an_unfinished_release_fails_with_what_is_missing(built, tmp_path):
 def test_metadata_is_read_from_the_ggufs_general_keys_and_never_invented():
     from ggufcarve.release.card import CardSettings, resolve_metadata
 
-    keys = {"general.name": "Hf", "general.basename": "Qwen3", "general.size_label": "30B-A3B", "general.license": "Apache-2.0",
-            "general.base_model.count": 1, "general.base_model.0.name": "Qwen3 30B A3B", "general.base_model.0.organization": "Qwen",
-            "general.base_model.0.repo_url": "https://huggingface.co/Qwen/Qwen3-30B-A3B"}
+    keys = {
+        "general.name": "Hf",
+        "general.basename": "Qwen3",
+        "general.size_label": "30B-A3B",
+        "general.license": "Apache-2.0",
+        "general.base_model.count": 1,
+        "general.base_model.0.name": "Qwen3 30B A3B",
+        "general.base_model.0.organization": "Qwen",
+        "general.base_model.0.repo_url": "https://huggingface.co/Qwen/Qwen3-30B-A3B",
+    }
     meta = resolve_metadata(keys, {})
-    assert (meta.base_models, meta.license, meta.model_name, meta.warnings) == (["Qwen/Qwen3-30B-A3B"], "apache-2.0", "Qwen3-30B-A3B", [])
+    assert (meta.base_models, meta.license, meta.model_name, meta.warnings) == (
+        ["Qwen/Qwen3-30B-A3B"],
+        "apache-2.0",
+        "Qwen3-30B-A3B",
+        [],
+    )
     # a humanised name is not a repo id, and general.name is never a base model
-    bare = {"general.name": "Hf", "general.base_model.count": 1, "general.base_model.0.name": "Qwen3 30B A3B", "general.license": "other",
-            "general.license.name": "qwen-research", "general.license.link": "https://huggingface.co/Qwen/Qwen3-30B-A3B/blob/main/LICENSE"}
+    bare = {
+        "general.name": "Hf",
+        "general.base_model.count": 1,
+        "general.base_model.0.name": "Qwen3 30B A3B",
+        "general.license": "other",
+        "general.license.name": "qwen-research",
+        "general.license.link": "https://huggingface.co/Qwen/Qwen3-30B-A3B/blob/main/LICENSE",
+    }
     meta = resolve_metadata(bare, {"parameters": {"model_name": "qwen3-64e"}})
     assert meta.base_models == [] and any("base_model" in w for w in meta.warnings) and "Qwen3 30B A3B" in meta.notes[0]
     assert (meta.license, meta.license_name, meta.model_name) == ("other", "qwen-research", "qwen3-64e")
     meta = resolve_metadata({"general.license": "Apache License 2.0"}, {}, CardSettings(base_model="Org/Model"))
-    assert meta.base_models == ["Org/Model"] and meta.license is None and any("not a Hub license identifier" in w for w in meta.warnings)
+    assert (
+        meta.base_models == ["Org/Model"]
+        and meta.license is None
+        and any("not a Hub license identifier" in w for w in meta.warnings)
+    )
 
 
 def test_card_settings_refuse_what_the_hub_refuses():
     from ggufcarve.errors import BadInput
     from ggufcarve.release.card import CardSettings
 
-    for bad in (CardSettings(base_model="Hf"), CardSettings(base_model="a/b--c"), CardSettings(repo_id="a/b/c"), CardSettings(license="Apache 2")):
+    for bad in (
+        CardSettings(base_model="Hf"),
+        CardSettings(base_model="a/b--c"),
+        CardSettings(repo_id="a/b/c"),
+        CardSettings(license="Apache 2"),
+    ):
         with pytest.raises(BadInput):
             bad.check()
     assert CardSettings(base_model="Qwen/Qwen3-30B-A3B", license="llama3.1", repo_id="me/x.GGUF").check()
@@ -251,20 +391,24 @@ def test_card_edited_tells_the_written_card_from_an_edit(tmp_path):
     from ggufcarve.release.card import card_edited, with_marker
 
     assert not card_edited(tmp_path)
-    text = with_marker("---\nlicense: \"mit\"\n---\n\n# x GGUF\n")
+    text = with_marker('---\nlicense: "mit"\n---\n\n# x GGUF\n')
     (tmp_path / "README.md").write_text(text)
     assert not card_edited(tmp_path)
     (tmp_path / "README.md").write_text(text.replace("# x", "# y"))
     assert card_edited(tmp_path)
     (tmp_path / "README.md").write_text("# written by hand\n")
     assert card_edited(tmp_path)
-    assert hashlib.sha256(b"---\nlicense: \"mit\"\n---\n\n# x GGUF\n").hexdigest() in text
+    assert hashlib.sha256(b'---\nlicense: "mit"\n---\n\n# x GGUF\n').hexdigest() in text
 
 
 def test_sizes_take_the_unit_that_fits():
     from ggufcarve.fileio import format_size
 
-    assert format_size(15_213_856) == "14.5 MiB" and format_size(8_300_000) == "7.92 MiB" and format_size(512 * 2**20) == "512 MiB"
+    assert (
+        format_size(15_213_856) == "14.5 MiB"
+        and format_size(8_300_000) == "7.92 MiB"
+        and format_size(512 * 2**20) == "512 MiB"
+    )
     assert format_size(17.28 * 2**30) == "17.28 GiB" and format_size(2**30) == "1.00 GiB"
     assert format_size(3_200) == "3.12 KiB" and format_size(2**20) == "1.00 MiB"  # a card or a report is not "0.00 MiB"
 
@@ -276,19 +420,57 @@ def _card_inputs(gates: dict[str, tuple[str, float, int]], unpruned: dict[str, t
     from ggufcarve.release.card import CardInputs
 
     def doc(file, quant, kld, size, pruned, gate=None):
-        return {"model": {"file": file, "quant": quant, "bytes": size, "pruned": pruned, "family": "6 of 8" if pruned else "8"},
-                "kld_mean": kld, "ppl": 10.0, "ppl_delta_percent": 1.0, "same_top_p": 0.9, "gate": gate,
-                "parameters": {"ctx": 128, "chunks": 2, "scored_tokens": 200}, "reference": {"name": "ref.gguf"}}
+        return {
+            "model": {
+                "file": file,
+                "quant": quant,
+                "bytes": size,
+                "pruned": pruned,
+                "family": "6 of 8" if pruned else "8",
+            },
+            "kld_mean": kld,
+            "ppl": 10.0,
+            "ppl_delta_percent": 1.0,
+            "same_top_p": 0.9,
+            "gate": gate,
+            "parameters": {"ctx": 128, "chunks": 2, "scored_tokens": 200},
+            "reference": {"name": "ref.gguf"},
+        }
 
-    rungs = [{"name": q, "files": [{"name": f"tiny-6e-{q}.gguf", "bytes": size}], "sha256": "ab" * 32, "bits_per_weight": 4.5}
-             for q, (_, _, size) in gates.items()]
-    evaluation = {f"tiny-6e-{q}.gguf": doc(f"tiny-6e-{q}.gguf", q, kld, size, True, gate) for q, (gate, kld, size) in gates.items()}
+    rungs = [
+        {
+            "name": q,
+            "files": [{"name": f"tiny-6e-{q}.gguf", "bytes": size}],
+            "sha256": "ab" * 32,
+            "bits_per_weight": 4.5,
+        }
+        for q, (_, _, size) in gates.items()
+    ]
+    evaluation = {
+        f"tiny-6e-{q}.gguf": doc(f"tiny-6e-{q}.gguf", q, kld, size, True, gate)
+        for q, (gate, kld, size) in gates.items()
+    }
     evaluation |= {f"tiny-{q}.gguf": doc(f"tiny-{q}.gguf", q, kld, size, False) for q, (kld, size) in unpruned.items()}
     imatrix_sha = hashlib.sha256(b"the imatrix").hexdigest()
-    manifest = {"imatrix": {"name": "tiny-6e.imatrix.gguf", "sha256": imatrix_sha, "datasets": ["calibration.txt"], "chunk_count": 4, "chunk_size": 64},
-                "parameters": {"model_name": "tiny-6e"}, "quantizer": {"backend": "libllama"}}
-    keys = {"general.architecture": "qwen3moe", "general.basename": "Tiny", "qwen3moe.expert_used_count": 2, "qwen3moe.expert_count": 6,
-            KEY_KEPT_COUNT: 6, KEY_SOURCE_EXPERT_COUNT: 8}
+    manifest = {
+        "imatrix": {
+            "name": "tiny-6e.imatrix.gguf",
+            "sha256": imatrix_sha,
+            "datasets": ["calibration.txt"],
+            "chunk_count": 4,
+            "chunk_size": 64,
+        },
+        "parameters": {"model_name": "tiny-6e"},
+        "quantizer": {"backend": "libllama"},
+    }
+    keys = {
+        "general.architecture": "qwen3moe",
+        "general.basename": "Tiny",
+        "qwen3moe.expert_used_count": 2,
+        "qwen3moe.expert_count": 6,
+        KEY_KEPT_COUNT: 6,
+        KEY_SOURCE_EXPERT_COUNT: 8,
+    }
     return CardInputs(manifest, rungs, keys, None, None, evaluation), imatrix_sha
 
 
@@ -299,11 +481,15 @@ def _usage(text: str) -> str:
 def test_the_card_recommends_a_passing_file_titles_the_prune_and_keeps_publisher_advice_out():
     from ggufcarve.release.card import render_card
 
-    inputs, imatrix_sha = _card_inputs({"Q8_0": ("PASS", 0.01, 800), "Q4_K_M": ("FAIL", 0.30, 500), "Q2_K": ("PASS", 0.05, 300)}, {})
+    inputs, imatrix_sha = _card_inputs(
+        {"Q8_0": ("PASS", 0.01, 800), "Q4_K_M": ("FAIL", 0.30, 500), "Q2_K": ("PASS", 0.05, 300)}, {}
+    )
     text = render_card(inputs)
     assert "\n# Tiny, pruned to 6 of 8 experts, GGUF\n" in text
     assert "-m tiny-6e-Q8_0.gguf" in _usage(text) and "Q4_K_M" not in _usage(text)  # Q4_K_M fails the gate
-    assert "ggufcarve card" not in text and "--force" not in text and "--base-model" not in text  # the command is for the publisher, on the command line
+    assert (
+        "ggufcarve card" not in text and "--force" not in text and "--base-model" not in text
+    )  # the command is for the publisher, on the command line
     assert f"| tiny-6e.imatrix.gguf (from calibration.txt) | `{imatrix_sha[:12]}` |" in text
     assert "Measured here, the unpruned model" not in text  # nothing unpruned was compared
 
@@ -311,9 +497,14 @@ def test_the_card_recommends_a_passing_file_titles_the_prune_and_keeps_publisher
 def test_the_card_says_when_no_file_passes_and_when_the_unpruned_model_is_better():
     from ggufcarve.release.card import render_card
 
-    inputs, _ = _card_inputs({"Q8_0": ("FAIL", 0.20, 800), "Q4_K_M": ("FAIL", 0.30, 500)}, {"Q2_K": (0.01, 500), "Q4_K_M": (0.001, 900)})
+    inputs, _ = _card_inputs(
+        {"Q8_0": ("FAIL", 0.20, 800), "Q4_K_M": ("FAIL", 0.30, 500)}, {"Q2_K": (0.01, 500), "Q4_K_M": (0.001, 900)}
+    )
     text = render_card(inputs)
-    assert "No file of this release passes the release gate; the example uses tiny-6e-Q8_0.gguf" in text and "-m tiny-6e-Q8_0.gguf" in _usage(text)
+    assert (
+        "No file of this release passes the release gate; the example uses tiny-6e-Q8_0.gguf" in text
+        and "-m tiny-6e-Q8_0.gguf" in _usage(text)
+    )
     assert "the unpruned model quantized to Q2_K (tiny-Q2_K.gguf" in text and "than every file of this release" in text
     inputs, _ = _card_inputs({"Q8_0": ("PASS", 0.005, 800), "Q4_K_M": ("PASS", 0.30, 500)}, {"Q2_K": (0.01, 500)})
     assert "Measured here, the unpruned model" not in render_card(inputs)  # Q8_0 is larger and better than it

@@ -20,7 +20,7 @@ from ggufcarve.errors import BadInput, OutputError, ToolFailed
 from ggufcarve.events import Event
 from ggufcarve.llama import child, launch
 
-TOY = '''
+TOY = """
 import errno, os, sys
 from dataclasses import asdict, dataclass
 from typing import ClassVar
@@ -59,7 +59,7 @@ def work(request, out):
 
 if __name__ == "__main__":
     sys.exit(child.serve(Toy, work))
-'''
+"""
 
 
 @dataclass(frozen=True)
@@ -85,8 +85,19 @@ def toy(tmp_path):
 
 def run_toy(toy, tmp_path: Path, action: str, events: list[Event] | None = None, **kwargs: Any) -> str:
     module, env = toy
-    return child.run(module, Toy(action), tmp_path / "result.txt", lambda p: p.read_text(), what="the toy child", hint="the parent's own hint",
-                     sink=(events.append if events is not None else lambda e: None), stages={"step": "toy steps"}, env=env, timeout=120, **kwargs)
+    return child.run(
+        module,
+        Toy(action),
+        tmp_path / "result.txt",
+        lambda p: p.read_text(),
+        what="the toy child",
+        hint="the parent's own hint",
+        sink=(events.append if events is not None else lambda e: None),
+        stages={"step": "toy steps"},
+        env=env,
+        timeout=120,
+        **kwargs,
+    )
 
 
 def test_progress_lines_become_events_and_the_result_is_read(toy, tmp_path):
@@ -116,26 +127,37 @@ def test_an_error_line_with_a_hint_is_bad_input(toy, tmp_path):
 def test_a_failure_quotes_the_childs_own_last_lines(toy, tmp_path):
     with pytest.raises(ToolFailed) as failed:
         run_toy(toy, tmp_path, "fail")
-    assert failed.value.message == f"the toy child exited {child.EXIT_FAILED}: llama.cpp could not load m.gguf | llama_model_load: a log line"
+    assert (
+        failed.value.message
+        == f"the toy child exited {child.EXIT_FAILED}: llama.cpp could not load m.gguf | llama_model_load: a log line"
+    )
     assert failed.value.hint == "check that m.gguf loads"
 
 
 def test_an_os_error_line_is_the_disk_full_error_of_the_file_shown(toy, tmp_path):
     final = tmp_path / "final.bin"
     with pytest.raises(OutputError) as full:
-        run_toy(toy, tmp_path, "full", outputs={str(tmp_path / "result.txt"): (final, "choose another --cache directory")})
+        run_toy(
+            toy, tmp_path, "full", outputs={str(tmp_path / "result.txt"): (final, "choose another --cache directory")}
+        )
     assert full.value.message == f"disk full while writing {final} ({os.strerror(errno.ENOSPC)})"
     assert "choose another --cache directory" in full.value.hint
     with pytest.raises(OutputError) as short:
         run_toy(toy, tmp_path, "short")
-    assert short.value.message == f"result.txt needs 3.0 MiB but {tmp_path} has 1.0 MiB free" and "nothing was written" in short.value.hint
+    assert (
+        short.value.message == f"result.txt needs 3.0 MiB but {tmp_path} has 1.0 MiB free"
+        and "nothing was written" in short.value.hint
+    )
 
 
 def test_a_child_that_dies_midway_is_named_by_its_last_lines(toy, tmp_path):
     events: list[Event] = []
     with pytest.raises(ToolFailed) as died:
         run_toy(toy, tmp_path, "abort", events)
-    assert died.value.message == f"the toy child killed by signal {signal.SIGABRT.name}: llama_model_load: a log line | GGML_ASSERT(false) failed"
+    assert (
+        died.value.message
+        == f"the toy child killed by signal {signal.SIGABRT.name}: llama_model_load: a log line | GGML_ASSERT(false) failed"
+    )
     assert died.value.hint == "the parent's own hint" and "@ggufcarve" not in died.value.message
     assert events == [Event("toy steps", 1, 2, "steps")]
     with pytest.raises(ToolFailed, match="the toy child exited 0 without writing its result"):
@@ -149,14 +171,25 @@ def test_a_request_of_another_task_is_refused_by_the_child(toy, tmp_path):
 
     module, env = toy
     with pytest.raises(ToolFailed, match="exited 3: this child serves toy requests, not 'other'"):
-        child.run(module, Other("done"), tmp_path / "result.txt", lambda p: p.read_text(), what="the toy child", hint="", env=env, timeout=120)
+        child.run(
+            module,
+            Other("done"),
+            tmp_path / "result.txt",
+            lambda p: p.read_text(),
+            what="the toy child",
+            hint="",
+            env=env,
+            timeout=120,
+        )
 
 
 def test_protocol_lines_read_back_and_other_lines_are_not_protocol():
     progress = child.Progress("decode", 3, 10, "tokens")
-    error = child.ChildError(child.OS, "No space left on device", "", errno.ENOSPC, "No space left on device", "/x/y.npz")
+    error = child.ChildError(
+        child.OS, "No space left on device", "", errno.ENOSPC, "No space left on device", "/x/y.npz"
+    )
     assert child.parse(child.line(child.PROGRESS, progress)) == progress
     assert child.parse(child.line(child.ERROR, error)) == error
-    for other in ("llama_model_load: loaded", "@ggufcarve progress not json", "@ggufcarve progress {\"task\": \"x\"}", ""):
+    for other in ("llama_model_load: loaded", "@ggufcarve progress not json", '@ggufcarve progress {"task": "x"}', ""):
         assert child.parse(other) is None
     assert sys.executable == child.argv("m")[0]

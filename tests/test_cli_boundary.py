@@ -10,7 +10,9 @@ from clirun import ggufcarve
 
 
 def test_a_manifest_whose_rung_is_a_list_is_one_line(tmp_path):
-    (tmp_path / "quant-manifest.json").write_text(json.dumps({"rungs": [["Q8_0", "m-Q8_0.gguf"]], "source": {"name": "m.gguf"}}))
+    (tmp_path / "quant-manifest.json").write_text(
+        json.dumps({"rungs": [["Q8_0", "m-Q8_0.gguf"]], "source": {"name": "m.gguf"}})
+    )
     result = ggufcarve("card", tmp_path)
     assert result.code == 1 and "Traceback" not in result.stderr, result.stderr
     assert result.stderr.strip().splitlines() == [result.error_line]
@@ -40,7 +42,9 @@ def test_an_unexpected_exception_is_one_internal_error_line(monkeypatch, capsys,
     with pytest.raises(SystemExit) as stopped:
         cli.main()
     assert stopped.value.code == 1
-    assert capsys.readouterr().err.strip().splitlines() == ["error: internal error: KeyError: 'rungs' (hint: set GGUFCARVE_DEBUG=1 for the traceback)"]
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "error: internal error: KeyError: 'rungs' (hint: set GGUFCARVE_DEBUG=1 for the traceback)"
+    ]
 
 
 def test_ggufcarve_debug_shows_the_traceback(monkeypatch, tmp_path):
@@ -60,7 +64,11 @@ def test_a_broken_installation_is_one_line(monkeypatch, capsys):
     with pytest.raises(SystemExit) as stopped:
         console.main()
     lines = capsys.readouterr().err.strip().splitlines()
-    assert stopped.value.code == 1 and len(lines) == 1 and lines[0].startswith("error: internal error: ModuleNotFoundError: "), lines
+    assert (
+        stopped.value.code == 1
+        and len(lines) == 1
+        and lines[0].startswith("error: internal error: ModuleNotFoundError: ")
+    ), lines
 
 
 def test_output_that_is_not_a_terminal_keeps_each_line_whole(tmp_path):
@@ -72,10 +80,34 @@ def test_output_that_is_not_a_terminal_keeps_each_line_whole(tmp_path):
     from ggufcarve.demo import CALIBRATION, DEMO_MODEL, HELDOUT
 
     env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
-    proc = subprocess.run([sys.executable, "-m", "ggufcarve", "best", str(DEMO_MODEL), "--memory", "64MiB", "--ctx", "256", "--heldout", str(HELDOUT),
-                           "--calibration", str(CALIBRATION), "-o", str(tmp_path / "b"), "--dry-run", "-q"],
-                          capture_output=True, text=True, env=env, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ggufcarve",
+            "best",
+            str(DEMO_MODEL),
+            "--memory",
+            "64MiB",
+            "--ctx",
+            "256",
+            "--heldout",
+            str(HELDOUT),
+            "--calibration",
+            str(CALIBRATION),
+            "-o",
+            str(tmp_path / "b"),
+            "--dry-run",
+            "-q",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr
     rows = [line for line in proc.stdout.splitlines() if line.startswith(("  K", "  unpruned-"))]
     assert rows and all("file " in line and "total " in line for line in rows), proc.stdout
-    assert any(len(line) > 100 for line in proc.stdout.splitlines())  # wider than the 80 columns rich assumes without a terminal
+    assert any(
+        len(line) > 100 for line in proc.stdout.splitlines()
+    )  # wider than the 80 columns rich assumes without a terminal

@@ -39,7 +39,9 @@ def sources(make_model, llama_tools, tmp_path_factory):
 
 
 def quantize(quantizer, source, out, ftype, imatrix, arch):
-    result = quantizer.run(QuantizeJob(source, out, ftype, imatrix=imatrix, tensor_types=MTP_OVERRIDE.get(arch, ()), nthreads=2))
+    result = quantizer.run(
+        QuantizeJob(source, out, ftype, imatrix=imatrix, tensor_types=MTP_OVERRIDE.get(arch, ()), nthreads=2)
+    )
     assert result.returncode == 0, result.error
     return out
 

@@ -85,7 +85,9 @@ def test_unknown_tensor_type_is_sized_from_offsets(make_model, tmp_path):
 
 def test_replace_kvs_keeps_order_and_appends():
     kvs = [make_kv(k, GGUFValueType.UINT32, i) for i, k in enumerate("abc")]
-    out = replace_kvs(kvs, {"b": make_kv("b", GGUFValueType.UINT32, 9), "c": None, "d": make_kv("d", GGUFValueType.STRING, "x")})
+    out = replace_kvs(
+        kvs, {"b": make_kv("b", GGUFValueType.UINT32, 9), "c": None, "d": make_kv("d", GGUFValueType.STRING, "x")}
+    )
     assert [kv.key for kv in out] == ["a", "b", "d"] and out[1].value == 9 and out[2].value == "x"
 
 
@@ -110,7 +112,9 @@ def test_split_set_needs_every_shard(make_model, tmp_path):
     from clirun import ggufcarve
 
     src = make_model("qwen3moe")
-    r = ggufcarve("prune", src, "--keep-first", 8, "-o", tmp_path / "s.gguf", "--split-max-size", "2M", "--no-provenance", "-q")
+    r = ggufcarve(
+        "prune", src, "--keep-first", 8, "-o", tmp_path / "s.gguf", "--split-max-size", "2M", "--no-provenance", "-q"
+    )
     assert r.code == 0, r.stderr
     shards = sorted(tmp_path.glob("s-*-of-*.gguf"))
     assert len(shards) >= 3
@@ -151,4 +155,8 @@ def test_inspect_gives_a_small_model_its_size_in_mib():
     row = next(line for line in result.stdout.splitlines() if line.strip().startswith("size"))
     shown = re.search(r"size\s+([\d.]+) MiB; experts ([\d.]+) MiB", row)
     assert shown is not None, row
-    assert abs(float(shown[1]) - DEMO_MODEL.stat().st_size / 2**20) <= 0.05 and float(shown[2]) > 0.1 and "GiB" not in result.stdout
+    assert (
+        abs(float(shown[1]) - DEMO_MODEL.stat().st_size / 2**20) <= 0.05
+        and float(shown[2]) > 0.1
+        and "GiB" not in result.stdout
+    )

@@ -57,7 +57,11 @@ VOLATILE = re.compile(r"created|mtime_ns|written_ns|pid|host_token|.*seconds|.*t
 
 def _stable(value: object) -> object:
     if isinstance(value, dict):
-        return {k: "built" if k == "status" and v == "skipped" else _stable(v) for k, v in value.items() if not VOLATILE.fullmatch(k)}
+        return {
+            k: "built" if k == "status" and v == "skipped" else _stable(v)
+            for k, v in value.items()
+            if not VOLATILE.fullmatch(k)
+        }
     return [_stable(v) for v in value] if isinstance(value, list) else value
 
 
@@ -72,7 +76,9 @@ def digests(directory: Path) -> dict[str, str]:
         if p.suffix == ".json":
             data = json.dumps(_stable(json.loads(p.read_text())), sort_keys=True).encode()
         elif p.name == "SHA256SUMS":
-            data = "".join(line for line in p.read_text().splitlines(keepends=True) if not line.rstrip().endswith(".json")).encode()
+            data = "".join(
+                line for line in p.read_text().splitlines(keepends=True) if not line.rstrip().endswith(".json")
+            ).encode()
         else:
             data = p.read_bytes()
         found[p.relative_to(directory).as_posix()] = hashlib.sha256(data).hexdigest()
@@ -84,10 +90,20 @@ def temps(directory: Path) -> list[str]:
 
 
 def start(*args: object, env: dict[str, str]) -> subprocess.Popen[bytes]:
-    return subprocess.Popen([sys.executable, "-m", "ggufcarve", *map(str, args)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+    return subprocess.Popen(
+        [sys.executable, "-m", "ggufcarve", *map(str, args)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env
+    )
 
 
-def kill_while_writing(proc: subprocess.Popen[bytes], directory: Path, rng: random.Random, *, grown: int, max_delay: float, target: str | None = None) -> None:
+def kill_while_writing(
+    proc: subprocess.Popen[bytes],
+    directory: Path,
+    rng: random.Random,
+    *,
+    grown: int,
+    max_delay: float,
+    target: str | None = None,
+) -> None:
     """SIGKILL `proc` a random 0..max_delay seconds after one of its temp files in `directory` (of
     the output named `target`, or any) holds `grown` bytes of data; fails if the process ended
     before it was killed."""
@@ -104,7 +120,9 @@ def kill_while_writing(proc: subprocess.Popen[bytes], directory: Path, rng: rand
 
 def _temp_grown(directory: Path, grown: int, target: str | None) -> bool:
     try:
-        names = [name for name in os.listdir(directory) if (m := TEMP_NAME.match(name)) and target in (None, m["target"])]
+        names = [
+            name for name in os.listdir(directory) if (m := TEMP_NAME.match(name)) and target in (None, m["target"])
+        ]
     except FileNotFoundError:  # the command has not created its output directory yet
         return False
     for name in names:
@@ -139,14 +157,22 @@ def test_a_temp_name_names_its_writer():
     assert name == f".m.gguf.ggufcarve-{run_token()}.tmp" and writer_alive(name)
     pid, start_ticks, boot = run_token().split("-")
     assert int(start_ticks) > 0 and boot != "0"  # this machine has /proc
-    assert not writer_alive(f".m.gguf.ggufcarve-{pid}-{int(start_ticks) + 1}-{boot}.tmp")  # the pid, reused by a later process
+    assert not writer_alive(
+        f".m.gguf.ggufcarve-{pid}-{int(start_ticks) + 1}-{boot}.tmp"
+    )  # the pid, reused by a later process
     other_boot = "0" * 7 + ("1" if boot != "0" * 7 + "1" else "2")
     assert not writer_alive(f".m.gguf.ggufcarve-{pid}-{start_ticks}-{other_boot}.tmp")
     assert writer_alive(f".m.gguf.ggufcarve-{pid}.tmp")  # the earlier form: the pid alone
-    assert len(boot) == 16 and writer_alive(f".m.gguf.ggufcarve-{pid}-{start_ticks}-{boot[:8]}.tmp")  # BOOT without the host part
+    assert len(boot) == 16 and writer_alive(
+        f".m.gguf.ggufcarve-{pid}-{start_ticks}-{boot[:8]}.tmp"
+    )  # BOOT without the host part
     other_host = boot[:8] + ("0" * 8 if boot[8:] != "0" * 8 else "1" * 8)
-    assert writer_alive(f".m.gguf.ggufcarve-999999999-1-{other_host}.tmp")  # another host's run (a shared directory): never taken for dead
-    assert not writer_alive(f".m.gguf.ggufcarve-{pid}-{start_ticks}-{other_boot}{boot[8:]}.tmp")  # another boot of this host
+    assert writer_alive(
+        f".m.gguf.ggufcarve-999999999-1-{other_host}.tmp"
+    )  # another host's run (a shared directory): never taken for dead
+    assert not writer_alive(
+        f".m.gguf.ggufcarve-{pid}-{start_ticks}-{other_boot}{boot[8:]}.tmp"
+    )  # another boot of this host
     assert writer_alive("m.gguf")  # not a temp name
 
 
@@ -295,10 +321,27 @@ def test_the_sources_shards_are_never_part_of_the_replaced_set(make_model, tmp_p
     src = make_model("qwen3moe", "Q8_0")
     work = tmp_path / "work"
     work.mkdir()
-    assert ggufcarve("prune", src, "--keep-first", 8, "-o", work / "m.gguf", "--split-max-size", f"{read_model(src).total_bytes // 3}", "--no-provenance", "-q").code == 0
+    assert (
+        ggufcarve(
+            "prune",
+            src,
+            "--keep-first",
+            8,
+            "-o",
+            work / "m.gguf",
+            "--split-max-size",
+            f"{read_model(src).total_bytes // 3}",
+            "--no-provenance",
+            "-q",
+        ).code
+        == 0
+    )
     shards = sorted(p.name for p in work.glob("m-*-of-*.gguf"))
     digests = {n: (work / n).read_bytes() for n in shards}
-    assert ggufcarve("prune", work / shards[0], "--keep-first", 4, "--merge", "-o", work / "m.gguf", "--force", "-q").code == 0
+    assert (
+        ggufcarve("prune", work / shards[0], "--keep-first", 4, "--merge", "-o", work / "m.gguf", "--force", "-q").code
+        == 0
+    )
     assert {n: (work / n).read_bytes() for n in shards} == digests and (work / "m.gguf").exists()
 
 
@@ -314,10 +357,18 @@ def test_sigkill_mid_prune_then_rerun(bulk, tmp_path, env):
     args = ("prune", bulk, "--keep-first", 16, "-q")
     kill_while_writing(start(*args, "-o", out / "p.gguf", env=env), out, rng, grown=4 << 20, max_delay=0.15)
     assert temps(out), "the kill left no temp file: it did not land mid-write"
-    again = subprocess.run([sys.executable, "-m", "ggufcarve", *map(str, args), "-o", out / "p.gguf"], env=env, capture_output=True, text=True)
+    again = subprocess.run(
+        [sys.executable, "-m", "ggufcarve", *map(str, args), "-o", out / "p.gguf"],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     assert again.returncode == 0, again.stderr
     assert ggufcarve("check-prune", bulk, out / "p.gguf", "-q").code == 0
-    assert subprocess.run([sys.executable, "-m", "ggufcarve", *map(str, args), "-o", clean / "p.gguf"], env=env).returncode == 0
+    assert (
+        subprocess.run([sys.executable, "-m", "ggufcarve", *map(str, args), "-o", clean / "p.gguf"], env=env).returncode
+        == 0
+    )
     assert digests(out) == digests(clean) and not temps(out)
 
 
@@ -328,16 +379,30 @@ def test_sigkill_mid_split_reprune_then_rerun(bulk, tmp_path, env):
     out.mkdir()
     clean.mkdir()
     base = ("prune", bulk, "--keep-first", 16, "-q")
-    assert subprocess.run([sys.executable, "-m", "ggufcarve", *map(str, base), "-o", out / "p.gguf", "--split-max-size", "40M"], env=env).returncode == 0
+    assert (
+        subprocess.run(
+            [sys.executable, "-m", "ggufcarve", *map(str, base), "-o", out / "p.gguf", "--split-max-size", "40M"],
+            env=env,
+        ).returncode
+        == 0
+    )
     old = [n for n in listing(out) if n.endswith(".gguf")]
     assert len(old) == 4
     args = (*base, "-o", out / "p.gguf", "--split-max-size", "100M", "--force")
     kill_while_writing(start(*args, env=env), out, rng, grown=4 << 20, max_delay=0.15)
     assert temps(out)
-    again = subprocess.run([sys.executable, "-m", "ggufcarve", *map(str, args)], env=env, capture_output=True, text=True)
+    again = subprocess.run(
+        [sys.executable, "-m", "ggufcarve", *map(str, args)], env=env, capture_output=True, text=True
+    )
     assert again.returncode == 0, again.stderr
     assert ggufcarve("check-prune", bulk, out / "p-00001-of-00002.gguf", "-q").code == 0
-    assert subprocess.run([sys.executable, "-m", "ggufcarve", *map(str, base), "-o", clean / "p.gguf", "--split-max-size", "100M"], env=env).returncode == 0
+    assert (
+        subprocess.run(
+            [sys.executable, "-m", "ggufcarve", *map(str, base), "-o", clean / "p.gguf", "--split-max-size", "100M"],
+            env=env,
+        ).returncode
+        == 0
+    )
     assert digests(out) == digests(clean) and not temps(out) and not set(old) & set(listing(out))
 
 
@@ -354,7 +419,10 @@ def write_bulk_imatrix(path: Path, model_path: Path, seed: int = 0) -> Path:
     for t in read_model(model_path).tensors:
         if t.name.startswith("blk.") and len(t.shape) >= 2 and "gate_inp" not in t.name:
             n_mat = t.shape[2] if len(t.shape) == 3 else 1
-            tensors += [TensorHeader(f"{t.name}.in_sum2", (t.shape[0], n_mat), f32, 4 * t.shape[0] * n_mat), TensorHeader(f"{t.name}.counts", (1, n_mat), f32, 4 * n_mat)]
+            tensors += [
+                TensorHeader(f"{t.name}.in_sum2", (t.shape[0], n_mat), f32, 4 * t.shape[0] * n_mat),
+                TensorHeader(f"{t.name}.counts", (1, n_mat), f32, 4 * n_mat),
+            ]
     header, _ = encode_header(3, kvs, tensors, 32)
     rng = np.random.default_rng(seed)
     with open(path, "wb") as f:
@@ -368,7 +436,9 @@ def write_bulk_imatrix(path: Path, model_path: Path, seed: int = 0) -> Path:
 def test_sigkill_mid_imatrix_remap_then_rerun(tmp_path, env):
     """A 230 MiB imatrix (48 layers x 128 experts, n_embd 4096) of a sparse model file."""
     rng = random.Random(SEED + 2)
-    model = factory.write_bulk_moe(tmp_path / "model.gguf", n_layer=48, n_expert=128, n_embd=4096, n_ff_exp=1536, sparse=True)
+    model = factory.write_bulk_moe(
+        tmp_path / "model.gguf", n_layer=48, n_expert=128, n_embd=4096, n_ff_exp=1536, sparse=True
+    )
     imatrix = write_bulk_imatrix(tmp_path / "imatrix.gguf", model)
     out, clean = tmp_path / "out", tmp_path / "clean"
     out.mkdir()
@@ -376,12 +446,21 @@ def test_sigkill_mid_imatrix_remap_then_rerun(tmp_path, env):
     args = ("imatrix", "remap", imatrix, "--source-model", model, "--keep-first", 64, "-q")
     kill_while_writing(start(*args, "-o", out / "imatrix.gguf", env=env), out, rng, grown=1 << 20, max_delay=0.05)
     assert temps(out)
-    again = subprocess.run([sys.executable, "-m", "ggufcarve", *map(str, args), "-o", out / "imatrix.gguf"], env=env, capture_output=True, text=True)
+    again = subprocess.run(
+        [sys.executable, "-m", "ggufcarve", *map(str, args), "-o", out / "imatrix.gguf"],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     assert again.returncode == 0, again.stderr
-    assert subprocess.run([sys.executable, "-m", "ggufcarve", *map(str, args), "-o", clean / "imatrix.gguf"], env=env).returncode == 0
+    assert (
+        subprocess.run(
+            [sys.executable, "-m", "ggufcarve", *map(str, args), "-o", clean / "imatrix.gguf"], env=env
+        ).returncode
+        == 0
+    )
     assert digests(out) == digests(clean) and not temps(out)
     assert (out / "imatrix.gguf").read_bytes() == (clean / "imatrix.gguf").read_bytes()
-
 
 
 def test_remap_report_is_written_before_the_output_is_renamed(tmp_path, monkeypatch):
@@ -432,11 +511,14 @@ def test_sigkill_mid_ladder_rung_then_rerun(make_model, tmp_path, env):
     spec.write_text(LADDER)
     out, clean = tmp_path / "out", tmp_path / "clean"
     args = ("ladder", "run", spec, "--source", src, "--quantizer", "libllama", "-t", "2", "-q")
-    kill_while_writing(start(*args, "-o", out, env=env), out, rng, grown=1 << 20, max_delay=0.5, target=f"{src.stem}-Q4_K_M.gguf")
+    kill_while_writing(
+        start(*args, "-o", out, env=env), out, rng, grown=1 << 20, max_delay=0.5, target=f"{src.stem}-Q4_K_M.gguf"
+    )
     assert temps(out)
-    again = subprocess.run([sys.executable, "-m", "ggufcarve", *map(str, args), "-o", out], env=env, capture_output=True, text=True)
+    again = subprocess.run(
+        [sys.executable, "-m", "ggufcarve", *map(str, args), "-o", out], env=env, capture_output=True, text=True
+    )
     assert again.returncode == 0, again.stderr
     assert ggufcarve("verify", out, "--partial").code == 0
     assert subprocess.run([sys.executable, "-m", "ggufcarve", *map(str, args), "-o", clean], env=env).returncode == 0
     assert digests(out) == digests(clean) and not temps(out)
-

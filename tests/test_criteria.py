@@ -81,7 +81,9 @@ def test_select_help_names_every_criterion_and_tune_help_names_the_zero_shot_one
 
 def test_the_criteria_page_holds_the_registry_table():
     page = (Path(__file__).resolve().parent.parent / "docs" / "criteria.md").read_text(encoding="utf-8")
-    assert markdown_table() in page, "docs/criteria.md: paste markdown_table() of ggufcarve.select.criteria over its table"
+    assert markdown_table() in page, (
+        "docs/criteria.md: paste markdown_table() of ggufcarve.select.criteria over its table"
+    )
 
 
 def test_the_table_has_one_row_per_criterion_with_escaped_bars():

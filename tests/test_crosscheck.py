@@ -24,22 +24,30 @@ HEAD = """\
 0.00.074.813 I cmn          init: llama threadpool init, n_threads = 2
 0.00.082.707 I
 """
-PPL_BODY = HEAD + """\
+PPL_BODY = (
+    HEAD
+    + """\
 0.00.124.424 I perplexity: calculating perplexity over 3 chunks, n_ctx=128, batch_size=2048, n_seq=16
 0.00.535.265 I perplexity: 0.41 seconds per pass - ETA 0.00 minutes
 [1]50.9261,[2]57.9608,[3]58.6352,
 """
+)
 PPL_CLOSING = """\
 0.00.553.423 I Final estimate: PPL = 58.6352 +/- 10.69092
 
 """
-BASE_BODY = HEAD + """\
+BASE_BODY = (
+    HEAD
+    + """\
 0.00.124.424 I perplexity: calculating perplexity over 3 chunks, n_ctx=128, batch_size=2048, n_seq=16
 0.00.535.265 I perplexity: 0.41 seconds per pass - ETA 0.00 minutes
 [1]50.9261,[2]57.9608,[3]58.6352,
 0.00.553.423 I Final estimate: PPL = 58.6352 +/- 10.69092
 """
-KLD_BODY = HEAD + """\
+)
+KLD_BODY = (
+    HEAD
+    + """\
 0.00.107.180 I kl_divergence: computing over 3 chunks, n_ctx=128, batch_size=2048, n_seq=16
 0.00.596.902 I kl_divergence: 0.49 seconds per pass - ETA 0.00 minutes
 
@@ -48,6 +56,7 @@ chunk             PPL               ln(PPL(Q)/PPL(base))          KL Divergence 
    2      57.9608 ±   13.5484       0.00001 ±    0.00003       0.00000 ±    0.00000     0.000 ±  0.000 %    100.000 ±  0.000 %
    3      58.6352 ±   10.6909       0.00000 ±    0.00001       0.00000 ±    0.00000     0.000 ±  0.000 %    100.000 ±  0.000 %
 """
+)
 KLD_CLOSING = """
 ====== Perplexity statistics ======
 Mean PPL(Q)                   :  58.635161 ±  10.690924
@@ -108,15 +117,45 @@ def _tools(tmp_path: Path, drop: int) -> Path:
     tool = bin_dir / "llama-perplexity"
     tool.write_text(FAKE.format(python=sys.executable))
     tool.chmod(tool.stat().st_mode | stat.S_IXUSR)
-    (bin_dir / "texts.json").write_text(json.dumps({"ppl_body": PPL_BODY, "ppl_closing": PPL_CLOSING, "base_body": BASE_BODY,
-                                                    "kld_body": KLD_BODY, "kld_closing": KLD_CLOSING}))
+    (bin_dir / "texts.json").write_text(
+        json.dumps(
+            {
+                "ppl_body": PPL_BODY,
+                "ppl_closing": PPL_CLOSING,
+                "base_body": BASE_BODY,
+                "kld_body": KLD_BODY,
+                "kld_closing": KLD_CLOSING,
+            }
+        )
+    )
     (bin_dir / "drop").write_text(str(drop))
     return bin_dir
 
 
 def _eval(tmp_path: Path, bin_dir: Path):
-    return ggufcarve("eval", MODEL, "--reference", MODEL, "--heldout", HELDOUT, "--ctx", 128, "--chunks", 3, "--speed-runs", 0, "-t", 2,
-                     "--cross-check", "--llama-cpp", bin_dir, "--cache", tmp_path / "cache", "-o", tmp_path / "out")
+    return ggufcarve(
+        "eval",
+        MODEL,
+        "--reference",
+        MODEL,
+        "--heldout",
+        HELDOUT,
+        "--ctx",
+        128,
+        "--chunks",
+        3,
+        "--speed-runs",
+        0,
+        "-t",
+        2,
+        "--cross-check",
+        "--llama-cpp",
+        bin_dir,
+        "--cache",
+        tmp_path / "cache",
+        "-o",
+        tmp_path / "out",
+    )
 
 
 def _runs(bin_dir: Path) -> list[str]:
@@ -147,7 +186,9 @@ def test_a_closing_block_missing_from_every_run_fails_in_one_line(tmp_path):
     assert result.code != 0
     assert _runs(bin_dir) == ["base"] + ["ppl"] * ATTEMPTS
     line = result.error_line
-    assert "llama-perplexity" in line and "Final estimate" in line and f"{ATTEMPTS} runs" in line and "hint:" in line, result.stderr[-3000:]
+    assert "llama-perplexity" in line and "Final estimate" in line and f"{ATTEMPTS} runs" in line and "hint:" in line, (
+        result.stderr[-3000:]
+    )
     assert "Traceback" not in result.stderr
 
 
@@ -161,6 +202,11 @@ def test_the_recorded_output_is_llama_perplexitys(mode):
         assert parse_ppl_output(PPL_BODY.splitlines()) == {}
     else:
         found = parse_kld_output((KLD_BODY + KLD_CLOSING).splitlines())
-        assert found["ppl"] == 58.635161 and found["kld_mean"] == 0.000001 and found["kld"]["p999"] == 0.000028 and found["same_top_p"] == 1.0
+        assert (
+            found["ppl"] == 58.635161
+            and found["kld_mean"] == 0.000001
+            and found["kld"]["p999"] == 0.000028
+            and found["same_top_p"] == 1.0
+        )
         assert "ppl" not in parse_kld_output(KLD_BODY.splitlines())
     assert os.path.exists(MODEL) and os.path.exists(HELDOUT)

@@ -37,14 +37,26 @@ def test_shipped_files_are_in_the_package():
 
 
 def test_demo_model_is_a_qwen3moe_with_the_documented_experts(layout):
-    assert (layout.architecture, layout.expert_count, layout.expert_used_count, layout.block_count) == ("qwen3moe", EXPERTS, USED, BLOCKS)
+    assert (layout.architecture, layout.expert_count, layout.expert_used_count, layout.block_count) == (
+        "qwen3moe",
+        EXPERTS,
+        USED,
+        BLOCKS,
+    )
     assert f"{EXPERTS} per layer, top-{USED}" in NOTES.read_text()
 
 
 @pytest.mark.slow
 def test_heldout_perplexity_in_llama_cpp():
     from ggufcarve.evaluate.engine import Engine
-    from ggufcarve.evaluate.perplexity import chunk_tokens, log_softmax, perplexity, plan_chunks, read_text, scored_targets
+    from ggufcarve.evaluate.perplexity import (
+        chunk_tokens,
+        log_softmax,
+        perplexity,
+        plan_chunks,
+        read_text,
+        scored_targets,
+    )
 
     engine = Engine(str(DEMO_MODEL), threads=2)
     try:
@@ -57,7 +69,9 @@ def test_heldout_perplexity_in_llama_cpp():
         try:
             for group in range(0, chunking.n_chunk, 8):
                 indices = range(group, group + 8)
-                logits = context.chunk_logits([chunk_tokens(tokens, chunking, i, engine.add_bos, engine.bos) for i in indices], chunking.first)
+                logits = context.chunk_logits(
+                    [chunk_tokens(tokens, chunking, i, engine.add_bos, engine.bos) for i in indices], chunking.first
+                )
                 for i, rows in zip(indices, logits):
                     targets = scored_targets(tokens, chunking, i)
                     logp = log_softmax(rows[: chunking.scored_per_chunk])
@@ -78,16 +92,52 @@ def test_criteria_prune_the_demo_model_better_than_random_keep_sets(tmp_path):
     keep-sets' (the commands as a user runs them; eval scores with libllama). Measured: reap 0.17,
     weights 0.18, frequency 0.39, random 0.56-0.69."""
     traced = ["--calibration", CALIBRATION, "--ctx", N_CTX, "--max-tokens", 8 * N_CTX, "-t", 2]
-    runs = {"reap": traced, "frequency": traced, "weights": [], **{f"random-{seed}": ["--seed", seed] for seed in (1, 2, 3)}}
+    runs = {
+        "reap": traced,
+        "frequency": traced,
+        "weights": [],
+        **{f"random-{seed}": ["--seed", seed] for seed in (1, 2, 3)},
+    }
     pruned = []
     for name, extra in runs.items():
         selection, out = tmp_path / f"{name}.json", tmp_path / f"{name}.gguf"
-        chosen = ggufcarve("select", DEMO_MODEL, "--method", name.split("-")[0], "--keep", 8, *extra, "-o", selection, "--no-heatmap", "-q")
+        chosen = ggufcarve(
+            "select",
+            DEMO_MODEL,
+            "--method",
+            name.split("-")[0],
+            "--keep",
+            8,
+            *extra,
+            "-o",
+            selection,
+            "--no-heatmap",
+            "-q",
+        )
         assert chosen.code == 0, chosen.stderr
         assert ggufcarve("prune", DEMO_MODEL, "--keep", selection, "-o", out, "-q").code == 0
         pruned.append(out)
-    scored = ggufcarve("eval", *pruned, "--reference", DEMO_MODEL, "--heldout", HELDOUT, "--ctx", N_CTX, "--chunks", 8, "--speed-runs", 0,
-                       "-t", 2, "--cache", tmp_path / "cache", "-q", "-o", tmp_path / "eval")
+    scored = ggufcarve(
+        "eval",
+        *pruned,
+        "--reference",
+        DEMO_MODEL,
+        "--heldout",
+        HELDOUT,
+        "--ctx",
+        N_CTX,
+        "--chunks",
+        8,
+        "--speed-runs",
+        0,
+        "-t",
+        2,
+        "--cache",
+        tmp_path / "cache",
+        "-q",
+        "-o",
+        tmp_path / "eval",
+    )
     assert scored.code == 0, scored.stderr
     kld = {p.stem: json.loads((tmp_path / "eval" / f"{p.stem}.json").read_text())["kld_mean"] for p in pruned}
     random_median = float(np.median([kld[f"random-{seed}"] for seed in (1, 2, 3)]))

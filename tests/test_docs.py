@@ -66,7 +66,7 @@ def command_lines(text: str) -> list[tuple[int, str]]:
                     continue
                 line = line[2:].strip()
             if line.startswith("python -m ggufcarve"):
-                line = "ggufcarve" + line[len("python -m ggufcarve"):]
+                line = "ggufcarve" + line[len("python -m ggufcarve") :]
             if line == "ggufcarve" or line.startswith("ggufcarve "):
                 found.append((number, line))
     return found
@@ -162,61 +162,101 @@ def check_line(line: str) -> list[str]:
 DOC_LINES = [(path, number, line) for path in DOCS for number, line in command_lines(path.read_text())]
 
 
-@pytest.mark.parametrize(("path", "number", "line"), DOC_LINES, ids=[f"{p.relative_to(ROOT)}:{n}" for p, n, _ in DOC_LINES])
+@pytest.mark.parametrize(
+    ("path", "number", "line"), DOC_LINES, ids=[f"{p.relative_to(ROOT)}:{n}" for p, n, _ in DOC_LINES]
+)
 def test_a_documented_command_line_is_one_the_command_line_takes(path, number, line):
     assert check_line(line) == [], f"{path.relative_to(ROOT)}:{number}: {line}"
 
 
 def test_the_docs_show_the_commands_of_every_task():
-    readme = {" ".join(words[:3]) for _, line in command_lines((ROOT / "README.md").read_text()) for words in invocations(line)}
-    for expected in ("ggufcarve demo -q", "ggufcarve verify ggufcarve-demo/release", "ggufcarve imatrix remap", "ggufcarve ladder run"):
+    readme = {
+        " ".join(words[:3])
+        for _, line in command_lines((ROOT / "README.md").read_text())
+        for words in invocations(line)
+    }
+    for expected in (
+        "ggufcarve demo -q",
+        "ggufcarve verify ggufcarve-demo/release",
+        "ggufcarve imatrix remap",
+        "ggufcarve ladder run",
+    ):
         assert expected in readme, expected
     named = {words[1] for _, _, line in DOC_LINES for words in invocations(line) if len(words) > 1}
-    assert {"demo", "best", "run", "prune", "ladder", "verify", "tune", "fit", "select", "score", "eval", "card", "imatrix", "release", "inspect", "toolchain", "check-prune"} <= named
+    assert {
+        "demo",
+        "best",
+        "run",
+        "prune",
+        "ladder",
+        "verify",
+        "tune",
+        "fit",
+        "select",
+        "score",
+        "eval",
+        "card",
+        "imatrix",
+        "release",
+        "inspect",
+        "toolchain",
+        "check-prune",
+    } <= named
 
 
-@pytest.mark.parametrize(("line", "problem"), [
-    ("ggufcarve prnue model.gguf --keep-first 4 -o out.gguf", "has no command 'prnue'"),
-    ("ggufcarve prune model.gguf --keep-frist 4 -o out.gguf", "has no option --keep-frist"),
-    ("ggufcarve imatrix remapp x.gguf -o y.gguf", "`ggufcarve imatrix` has no command 'remapp'"),
-    ("ggufcarve verify release/ --strict=yes", "--strict is a flag and takes no value"),
-    ("ggufcarve prune model.gguf --keep-first 4 -o", "-o takes a value and none follows it"),
-    ("ggufcarve fit model.gguf --memory --ctx 4096", "--memory takes a value and none follows it"),
-    ("ggufcarve release merge r/ && ggufcarve verfy r/", "has no command 'verfy'"),
-    ("ggufcarve --versoin", "`ggufcarve` has no option --versoin"),
-])
+@pytest.mark.parametrize(
+    ("line", "problem"),
+    [
+        ("ggufcarve prnue model.gguf --keep-first 4 -o out.gguf", "has no command 'prnue'"),
+        ("ggufcarve prune model.gguf --keep-frist 4 -o out.gguf", "has no option --keep-frist"),
+        ("ggufcarve imatrix remapp x.gguf -o y.gguf", "`ggufcarve imatrix` has no command 'remapp'"),
+        ("ggufcarve verify release/ --strict=yes", "--strict is a flag and takes no value"),
+        ("ggufcarve prune model.gguf --keep-first 4 -o", "-o takes a value and none follows it"),
+        ("ggufcarve fit model.gguf --memory --ctx 4096", "--memory takes a value and none follows it"),
+        ("ggufcarve release merge r/ && ggufcarve verfy r/", "has no command 'verfy'"),
+        ("ggufcarve --versoin", "`ggufcarve` has no option --versoin"),
+    ],
+)
 def test_the_checker_finds_a_made_up_command_or_option(line, problem):
     problems = check_line(line)
     assert len(problems) == 1 and problem in problems[0], problems
 
 
-@pytest.mark.parametrize("line", [
-    "ggufcarve prune model.gguf --keep-first 4 -o out.gguf -q",
-    "ggufcarve verify release/ --strict",
-    "ggufcarve ladder run l.toml --source m.gguf -o r/ --only=Q4_K_M -t2",
-    "ggufcarve select MODEL --method M (--keep K | --ratio R) [--calibration FILE ...] [--ctx 512] -o SELECTION.json",
-    "ggufcarve --version",
-    "ggufcarve imatrix --help",
-])
+@pytest.mark.parametrize(
+    "line",
+    [
+        "ggufcarve prune model.gguf --keep-first 4 -o out.gguf -q",
+        "ggufcarve verify release/ --strict",
+        "ggufcarve ladder run l.toml --source m.gguf -o r/ --only=Q4_K_M -t2",
+        "ggufcarve select MODEL --method M (--keep K | --ratio R) [--calibration FILE ...] [--ctx 512] -o SELECTION.json",
+        "ggufcarve --version",
+        "ggufcarve imatrix --help",
+    ],
+)
 def test_the_checker_takes_a_right_line(line):
     assert check_line(line) == []
 
 
 def test_command_lines_are_read_from_fenced_blocks_only_and_prompts_mark_output():
-    text = "\n".join([
-        "ggufcarve not-in-a-block --x",
-        "```console",
-        "$ ggufcarve verify release/ \\",
-        "    --strict",
-        "ggufcarve run: the title of a table, an output line",
-        "```",
-        "```",
-        "ggufcarve fit m.gguf --memory 24GiB   # a synopsis line",
-        "python -m ggufcarve demo",
-        "```",
-    ])
+    text = "\n".join(
+        [
+            "ggufcarve not-in-a-block --x",
+            "```console",
+            "$ ggufcarve verify release/ \\",
+            "    --strict",
+            "ggufcarve run: the title of a table, an output line",
+            "```",
+            "```",
+            "ggufcarve fit m.gguf --memory 24GiB   # a synopsis line",
+            "python -m ggufcarve demo",
+            "```",
+        ]
+    )
     assert [(number, line.split()) for number, line in command_lines(text)] == [
-        (3, ["ggufcarve", "verify", "release/", "--strict"]), (8, ["ggufcarve", "fit", "m.gguf", "--memory", "24GiB", "#", "a", "synopsis", "line"]), (9, ["ggufcarve", "demo"])]
+        (3, ["ggufcarve", "verify", "release/", "--strict"]),
+        (8, ["ggufcarve", "fit", "m.gguf", "--memory", "24GiB", "#", "a", "synopsis", "line"]),
+        (9, ["ggufcarve", "demo"]),
+    ]
 
 
 def _capture_script():
@@ -243,4 +283,7 @@ def test_the_capture_filters_keep_the_lines_they_name_and_mark_the_gaps():
     assert capture.keep_lines(output, "tail 1") == ["...", "run it: y"]
     assert capture.keep_lines(output, "head 2") == ["a", "b", "..."]
     assert capture.keep_lines(output, "grep ^answer|^run it") == ["...", "answer: x", "...", "run it: y"]
-    assert capture.commands_of(["$ ggufcarve a \\", "    --b", "output", "$ ggufcarve c"]) == [["$ ggufcarve a \\", "    --b"], ["$ ggufcarve c"]]
+    assert capture.commands_of(["$ ggufcarve a \\", "    --b", "output", "$ ggufcarve c"]) == [
+        ["$ ggufcarve a \\", "    --b"],
+        ["$ ggufcarve c"],
+    ]

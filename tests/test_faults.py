@@ -54,8 +54,15 @@ def temps(directory: Path) -> list[str]:
 @pytest.fixture
 def env(tmp_path) -> dict[str, str]:
     """A command environment: its own ggufcarve cache and a token that marks its processes."""
-    return {**os.environ, "GGUFCARVE_CACHE": str(tmp_path / "cache"), "NO_COLOR": "1", "TERM": "dumb", "COLUMNS": "200",
-            TOKEN_VAR: uuid.uuid4().hex, "PYTHONPATH": os.pathsep.join([str(TESTS.parent), os.environ.get("PYTHONPATH", "")])}
+    return {
+        **os.environ,
+        "GGUFCARVE_CACHE": str(tmp_path / "cache"),
+        "NO_COLOR": "1",
+        "TERM": "dumb",
+        "COLUMNS": "200",
+        TOKEN_VAR: uuid.uuid4().hex,
+        "PYTHONPATH": os.pathsep.join([str(TESTS.parent), os.environ.get("PYTHONPATH", "")]),
+    }
 
 
 def processes_of(env: dict[str, str]) -> list[tuple[int, str]]:
@@ -69,9 +76,11 @@ def processes_of(env: dict[str, str]) -> list[tuple[int, str]]:
             if marker not in Path(f"/proc/{entry}/environ").read_bytes().split(b"\0"):
                 continue
             stat = Path(f"/proc/{entry}/stat").read_bytes()
-            if stat[stat.rindex(b")") + 2:].split()[0] in (b"Z", b"X"):
+            if stat[stat.rindex(b")") + 2 :].split()[0] in (b"Z", b"X"):
                 continue
-            found.append((int(entry), Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")))
+            found.append(
+                (int(entry), Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"))
+            )
         except (OSError, ValueError):
             continue
     return found
@@ -87,12 +96,26 @@ def no_process_left(env: dict[str, str], grace: float = 3.0) -> list[tuple[int, 
 
 def start(*args: object, env: dict[str, str], preexec_fn=None) -> subprocess.Popen[str]:
     """`python -m ggufcarve ARGS` as a terminal starts a job: a session and process group of its own."""
-    return subprocess.Popen([sys.executable, "-m", "ggufcarve", *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env, start_new_session=True, preexec_fn=preexec_fn)
+    return subprocess.Popen(
+        [sys.executable, "-m", "ggufcarve", *map(str, args)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+        preexec_fn=preexec_fn,
+    )
 
 
 def run(*args: object, env: dict[str, str], preexec_fn=None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "ggufcarve", *map(str, args)], capture_output=True, text=True, env=env, preexec_fn=preexec_fn, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "ggufcarve", *map(str, args)],
+        capture_output=True,
+        text=True,
+        env=env,
+        preexec_fn=preexec_fn,
+        timeout=600,
+    )
 
 
 def error_line(stderr: str) -> str:
@@ -141,6 +164,7 @@ def assert_stopped_cleanly(code: int, stderr: str, seconds: float, signum: int =
 
 def file_size_limit(limit: int):
     """preexec_fn: writes past `limit` bytes fail with EFBIG (SIGXFSZ ignored instead of killing)."""
+
     def apply() -> None:
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
@@ -173,7 +197,9 @@ def bulk(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def f16_moe(tmp_path_factory) -> Path:
     """A 49 MiB F16 MoE model: its Q4_K_M rung takes long enough to be stopped mid-write."""
-    return factory.write_model(tmp_path_factory.mktemp("f16") / "moe-F16.gguf", "qwen3moe", dtype="F16", n_embd=512, n_ff_exp=512, n_expert=16)
+    return factory.write_model(
+        tmp_path_factory.mktemp("f16") / "moe-F16.gguf", "qwen3moe", dtype="F16", n_embd=512, n_ff_exp=512, n_expert=16
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -205,7 +231,11 @@ def _ctrl_c_mid_rung(f16_moe: Path, tmp_path: Path, env: dict[str, str], quantiz
     out, clean = tmp_path / "out", tmp_path / "clean"
     args = ("ladder", "run", spec, "--source", f16_moe, "--quantizer", quantizer, "-t", "2", "-q")
     proc = start(*args, "-o", out, env=env)
-    wait_until(lambda: temp_grown(out, 1 << 20, f"{f16_moe.stem.removesuffix('-F16')}-Q4_K_M.gguf"), proc, "the second rung's temp file grew")
+    wait_until(
+        lambda: temp_grown(out, 1 << 20, f"{f16_moe.stem.removesuffix('-F16')}-Q4_K_M.gguf"),
+        proc,
+        "the second rung's temp file grew",
+    )
     time.sleep(rng.uniform(0, 0.3))
     children = [cmd for pid, cmd in processes_of(env) if pid != proc.pid]
     assert children, "no quantizer child was running"
@@ -250,7 +280,25 @@ def test_ctrl_c_mid_eval_then_rerun(make_model, q8_moe, heldout, tmp_path, env, 
     rng = random.Random(SEED + 20 + child)
     reference = make_model("qwen3moe", dtype="F16")
     out, cache = tmp_path / "out", tmp_path / "reflogp"
-    args = ("eval", q8_moe, "--reference", reference, "--heldout", heldout, "--ctx", 128, "--speed-runs", 1, "--cache", cache, "-t", 2, "-q", "-o", out)
+    args = (
+        "eval",
+        q8_moe,
+        "--reference",
+        reference,
+        "--heldout",
+        heldout,
+        "--ctx",
+        128,
+        "--speed-runs",
+        1,
+        "--cache",
+        cache,
+        "-t",
+        2,
+        "-q",
+        "-o",
+        out,
+    )
     proc = start(*args, env=env)
     seen: set[int] = set()
 
@@ -320,7 +368,9 @@ sys.exit(3)
 def test_a_signal_that_lands_in_a_finalizer_still_stops_the_run(env):
     """Python prints and drops an exception raised inside a __del__ or a weakref callback; a stop
     signal handled there is delivered again, so the run stops instead of going on with it lost."""
-    result = subprocess.run([sys.executable, "-c", SIGNAL_IN_A_FINALIZER], capture_output=True, text=True, env=env, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-c", SIGNAL_IN_A_FINALIZER], capture_output=True, text=True, env=env, timeout=60
+    )
     assert result.returncode == 128 + signal.SIGINT, result.stderr
     assert "Exception ignored" not in result.stderr and "Traceback" not in result.stderr, result.stderr
 
@@ -382,7 +432,9 @@ def test_file_size_limit_on_the_report_leaves_no_output(make_model, tmp_path, en
         return real_open(path, mode, *args, **kwargs)
 
     monkeypatch.setattr(fileio, "open", full_for_reports, raising=False)
-    with pytest.raises(OutputError, match=r"disk full while writing .*p\.pruning-report\.json \(No space left on device\)"):
+    with pytest.raises(
+        OutputError, match=r"disk full while writing .*p\.pruning-report\.json \(No space left on device\)"
+    ):
         app(["prune", str(src), "--keep-first", "6", "-q", "-o", str(out / "p.gguf")], standalone_mode=False)
     assert [n for n in listing(out) if n != "method"] == [] and temps(out / "method") == []
 
@@ -395,7 +447,10 @@ def test_prune_refuses_before_writing_when_space_is_short(make_model, tmp_path, 
     real = fileio.shutil.disk_usage
     monkeypatch.setattr(fileio.shutil, "disk_usage", lambda p: real(p)._replace(free=1 << 20))
     with pytest.raises(OutputError, match="GiB free"):
-        app(["prune", str(src), "--keep-first", "6", "-q", "-o", str(tmp_path / "out" / "p.gguf")], standalone_mode=False)
+        app(
+            ["prune", str(src), "--keep-first", "6", "-q", "-o", str(tmp_path / "out" / "p.gguf")],
+            standalone_mode=False,
+        )
     assert listing(tmp_path / "out") == []
 
 
@@ -409,8 +464,21 @@ def test_ladder_refuses_before_writing_when_space_is_short(make_model, tmp_path,
     real = shutil.disk_usage
     monkeypatch.setattr(ladder_run.shutil, "disk_usage", lambda p: real(p)._replace(free=1 << 20))
     with pytest.raises(OutputError, match="the ladder needs about .* but .* has 1.00 MiB free"):
-        app(["ladder", "run", str(spec), "--source", str(make_model("qwen3moe", "Q8_0")), "--quantizer", "libllama", "-q", "-o", str(tmp_path / "out")],
-            standalone_mode=False)
+        app(
+            [
+                "ladder",
+                "run",
+                str(spec),
+                "--source",
+                str(make_model("qwen3moe", "Q8_0")),
+                "--quantizer",
+                "libllama",
+                "-q",
+                "-o",
+                str(tmp_path / "out"),
+            ],
+            standalone_mode=False,
+        )
     assert listing(tmp_path / "out") == []
 
 
@@ -418,7 +486,11 @@ def test_eval_child_refuses_before_writing_when_space_is_short(tmp_path, monkeyp
     from ggufcarve.evaluate import child
 
     monkeypatch.setattr(shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(1 << 30, 1 << 30, 1000))
-    assert child._too_little_space({tmp_path / "a.reflogp": 600, tmp_path / "b.kld": 600}) == {"path": str(tmp_path / "a.reflogp"), "bytes": 1200, "free": 1000}
+    assert child._too_little_space({tmp_path / "a.reflogp": 600, tmp_path / "b.kld": 600}) == {
+        "path": str(tmp_path / "a.reflogp"),
+        "bytes": 1200,
+        "free": 1000,
+    }
     assert child._too_little_space({tmp_path / "a.reflogp": 600}) is None
 
 
@@ -446,11 +518,33 @@ def test_file_size_limit_mid_rung_then_rerun(f16_moe, tmp_path, env, llama_tools
 def test_file_size_limit_mid_eval_reference_pass(make_model, q8_moe, heldout, tmp_path, env):
     reference = make_model("qwen3moe", dtype="F16")
     out, cache = tmp_path / "out", tmp_path / "reflogp"
-    args = ("eval", q8_moe, "--reference", reference, "--heldout", heldout, "--ctx", 128, "--speed-runs", 0, "--cache", cache, "-t", 2, "-q", "-o", out)
+    args = (
+        "eval",
+        q8_moe,
+        "--reference",
+        reference,
+        "--heldout",
+        heldout,
+        "--ctx",
+        128,
+        "--speed-runs",
+        0,
+        "--cache",
+        cache,
+        "-t",
+        2,
+        "-q",
+        "-o",
+        out,
+    )
     full = run(*args, env=env, preexec_fn=file_size_limit(64 << 10))
     assert full.returncode == 1 and "Traceback" not in full.stderr, full.stderr[-3000:]
     line = error_line(full.stderr)
-    assert line.startswith(f"error: disk full while writing {cache}") and ".kld (File too large)" in line and "another --cache directory" in line, line
+    assert (
+        line.startswith(f"error: disk full while writing {cache}")
+        and ".kld (File too large)" in line
+        and "another --cache directory" in line
+    ), line
     assert listing(cache) == [] and [n for n in listing(out) if not n.startswith(".")] == []
     again = run(*args, env=env)
     assert again.returncode == 0, again.stderr[-3000:]
@@ -477,7 +571,13 @@ def in_tmpfs(mount: Path, size: int, scenario: str, *args: str, env: dict[str, s
     mount.mkdir(parents=True, exist_ok=True)
     code = f"import sys; sys.path.insert(0, {str(TESTS)!r}); import test_faults, json; print(json.dumps(test_faults.{scenario}(*sys.argv[1:])))"
     script = f'mount -t tmpfs -o size={size} tmpfs "$1" && shift && exec "$@"'
-    done = subprocess.run(["unshare", "-rm", "sh", "-c", script, "sh", str(mount), sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, timeout=600)
+    done = subprocess.run(
+        ["unshare", "-rm", "sh", "-c", script, "sh", str(mount), sys.executable, "-c", code, *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -500,7 +600,9 @@ def scenario_prune_fills_up(src: str, mount: str) -> dict:
     SIGSTOP meanwhile); then the filler is removed and the prune run again."""
     out = Path(mount) / "out"
     args = ("prune", src, "--keep-first", 16, "-q", "-o", out / "p.gguf")
-    proc = subprocess.Popen([sys.executable, "-m", "ggufcarve", *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ggufcarve", *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     wait_until(lambda: temp_grown(out, 2 << 20), proc, "its temp file grew")
     proc.send_signal(signal.SIGSTOP)
     filler = _fill(Path(mount))
@@ -510,7 +612,15 @@ def scenario_prune_fills_up(src: str, mount: str) -> dict:
     filler.unlink()
     again = run(*args, env=dict(os.environ))
     check = run("check-prune", src, out / "p.gguf", "-q", env=dict(os.environ))
-    return {"code": proc.returncode, "stderr": stderr, "left": left, "again": again.returncode, "again_stderr": again.stderr, "check": check.returncode, "out": str(out)}
+    return {
+        "code": proc.returncode,
+        "stderr": stderr,
+        "left": left,
+        "again": again.returncode,
+        "again_stderr": again.stderr,
+        "check": check.returncode,
+        "out": str(out),
+    }
 
 
 def _children(pid: int) -> list[int]:
@@ -520,7 +630,7 @@ def _children(pid: int) -> list[int]:
             stat = Path(f"/proc/{entry}/stat").read_bytes() if entry.isdigit() else b""
         except OSError:
             continue
-        if stat and int(stat[stat.rindex(b")") + 2:].split()[1]) == pid:
+        if stat and int(stat[stat.rindex(b")") + 2 :].split()[1]) == pid:
             found.append(int(entry))
     return found
 
@@ -531,7 +641,9 @@ def scenario_rung_fills_up(quantizer: str, source: str, spec: str, mount: str) -
     run again."""
     out = Path(mount) / "out"
     args = ("ladder", "run", spec, "--source", source, "--quantizer", quantizer, "-t", "2", "-q", "-o", out)
-    proc = subprocess.Popen([sys.executable, "-m", "ggufcarve", *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ggufcarve", *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     wait_until(lambda: temp_grown(out, 1 << 20), proc, "the rung's temp file grew")
     writers = _children(proc.pid)
     for pid in writers:
@@ -544,14 +656,26 @@ def scenario_rung_fills_up(quantizer: str, source: str, spec: str, mount: str) -
     filler.unlink()
     again = run(*args, env=dict(os.environ))
     verify = run("verify", out, "--partial", env=dict(os.environ))
-    return {"code": proc.returncode, "stderr": stderr, "left": left, "again": again.returncode, "again_stderr": again.stderr, "verify": verify.returncode,
-            "out": str(out), "writers": len(writers)}
+    return {
+        "code": proc.returncode,
+        "stderr": stderr,
+        "left": left,
+        "again": again.returncode,
+        "again_stderr": again.stderr,
+        "verify": verify.returncode,
+        "out": str(out),
+        "writers": len(writers),
+    }
 
 
 def scenario_too_small(*command: str) -> dict:
     """Run a command once; what it printed and what it left in the tmpfs."""
     done = run(*command, env=dict(os.environ))
-    return {"code": done.returncode, "stderr": done.stderr, "left": listing(Path(command[-1]).parent) if command[-2] == "-o" else []}
+    return {
+        "code": done.returncode,
+        "stderr": done.stderr,
+        "left": listing(Path(command[-1]).parent) if command[-2] == "-o" else [],
+    }
 
 
 @tmpfs
@@ -570,8 +694,24 @@ def test_disk_fills_up_mid_prune_then_rerun(bulk, tmp_path, env):
 def test_prune_into_a_too_small_disk_is_refused_before_writing(make_model, tmp_path, env):
     src = make_model("qwen3moe", "Q8_0")
     mnt = tmp_path / "mnt"
-    result = in_tmpfs(mnt, 256 << 10, "scenario_too_small", "prune", str(src), "--keep-first", "6", "-q", "-o", str(mnt / "p.gguf"), env=env)
-    assert result["code"] == 1 and "GiB free" in error_line(result["stderr"]) and "free disk space" in error_line(result["stderr"])
+    result = in_tmpfs(
+        mnt,
+        256 << 10,
+        "scenario_too_small",
+        "prune",
+        str(src),
+        "--keep-first",
+        "6",
+        "-q",
+        "-o",
+        str(mnt / "p.gguf"),
+        env=env,
+    )
+    assert (
+        result["code"] == 1
+        and "GiB free" in error_line(result["stderr"])
+        and "free disk space" in error_line(result["stderr"])
+    )
     assert result["left"] == []
 
 
@@ -580,11 +720,37 @@ def test_prune_into_a_too_small_disk_is_refused_before_writing(make_model, tmp_p
 def test_eval_cache_on_a_too_small_disk_is_refused_before_writing(make_model, q8_moe, heldout, tmp_path, env):
     reference = make_model("qwen3moe", dtype="F16")
     mnt, out = tmp_path / "mnt", tmp_path / "out"
-    result = in_tmpfs(mnt, 64 << 10, "scenario_too_small", "eval", str(q8_moe), "--reference", str(reference), "--heldout", str(heldout), "--ctx", "128",
-                      "--speed-runs", "0", "--cache", str(mnt), "-t", "2", "-q", "-o", str(out), env=env)
+    result = in_tmpfs(
+        mnt,
+        64 << 10,
+        "scenario_too_small",
+        "eval",
+        str(q8_moe),
+        "--reference",
+        str(reference),
+        "--heldout",
+        str(heldout),
+        "--ctx",
+        "128",
+        "--speed-runs",
+        "0",
+        "--cache",
+        str(mnt),
+        "-t",
+        "2",
+        "-q",
+        "-o",
+        str(out),
+        env=env,
+    )
     line = error_line(result["stderr"])
     assert result["code"] == 1 and "Traceback" not in result["stderr"], result["stderr"][-3000:]
-    assert ".kld needs" in line and "MiB free" in line and "another --cache directory" in line and "nothing was written" in line, line
+    assert (
+        ".kld needs" in line
+        and "MiB free" in line
+        and "another --cache directory" in line
+        and "nothing was written" in line
+    ), line
     assert listing(out) == []
 
 
@@ -595,14 +761,16 @@ def test_disk_fills_up_mid_rung_then_rerun(f16_moe, tmp_path, env, llama_tools, 
     """llama.cpp's quantizer says only `iostream error` when its write fails; the free space tells
     ggufcarve it was a full disk."""
     spec = tmp_path / "ladder.toml"
-    spec.write_text("[[rungs]]\nftype = \"Q8_0\"\n")
+    spec.write_text('[[rungs]]\nftype = "Q8_0"\n')
     mnt = tmp_path / "mnt"
     backend = str(llama_tools / "llama-quantize") if quantizer == "binary" else "libllama"
     result = in_tmpfs(mnt, 128 << 20, "scenario_rung_fills_up", backend, str(f16_moe), str(spec), str(mnt), env=env)
     assert result["writers"] == 1
     assert result["code"] == 1 and "Traceback" not in result["stderr"], result["stderr"][-3000:]
     line = error_line(result["stderr"])
-    assert line.startswith(f"error: disk full while writing {result['out']}/{f16_moe.stem.removesuffix('-F16')}-Q8_0.gguf (0.0 MiB free after"), line
+    assert line.startswith(
+        f"error: disk full while writing {result['out']}/{f16_moe.stem.removesuffix('-F16')}-Q8_0.gguf (0.0 MiB free after"
+    ), line
     assert "free disk space or choose another -o directory" in line, line
     assert not any(TEMP_NAME.match(Path(n).name) or n.endswith(".gguf") for n in result["left"]), result["left"]
     assert result["again"] == 0 and result["verify"] == 0, result["again_stderr"][-3000:]

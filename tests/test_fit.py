@@ -25,10 +25,19 @@ from ggufcarve.quant.spec import DEFAULT_LADDER, load_spec
 # memory sizes and K lists
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("24GiB", 24 * 2**30), ("24GB", 24 * 10**9), ("24000MiB", 24000 * 2**20), ("24 gib", 24 * 2**30),
-    ("23.5G", int(23.5 * 2**30)), ("1073741824B", 2**30), ("512MB", 512 * 10**6), ("2TiB", 2 * 2**40),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("24GiB", 24 * 2**30),
+        ("24GB", 24 * 10**9),
+        ("24000MiB", 24000 * 2**20),
+        ("24 gib", 24 * 2**30),
+        ("23.5G", int(23.5 * 2**30)),
+        ("1073741824B", 2**30),
+        ("512MB", 512 * 10**6),
+        ("2TiB", 2 * 2**40),
+    ],
+)
 def test_memory_sizes_parse(text, expected):
     assert parse_memory(text) == expected
 
@@ -97,25 +106,33 @@ CACHE_SIZE = re.compile(r"^(?P<cache>llama_kv_cache|llama_memory_recurrent): siz
 
 def llama_cache_mib(path: Path, settings: ContextSettings) -> list[tuple[str, float]]:
     lines: list[str] = []
-    argv = [sys.executable, "-c", CONTEXT_CHILD, path, *map(str, (settings.n_ctx, settings.type_k, int(settings.flash_attn), int(settings.swa_full), settings.n_seq))]
-    finished = launch.run(argv,
-                          on_line=lines.append, timeout=120)
+    argv = [
+        sys.executable,
+        "-c",
+        CONTEXT_CHILD,
+        path,
+        *map(str, (settings.n_ctx, settings.type_k, int(settings.flash_attn), int(settings.swa_full), settings.n_seq)),
+    ]
+    finished = launch.run(argv, on_line=lines.append, timeout=120)
     assert finished.ok, "\n".join(finished.tail)
     return [(m["cache"], float(m["mib"])) for line in lines if (m := CACHE_SIZE.match(line))]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch, settings, caches", [
-    ("qwen3moe", ContextSettings(4096), ["llama_kv_cache"]),
-    ("qwen3moe", ContextSettings(3000, "Q8_0", "Q8_0", n_seq=2), ["llama_kv_cache"]),
-    # hybrid with an MTP block: KV on the full-attention block only, recurrent state per sequence
-    ("qwen35moe", ContextSettings(2048, "Q8_0", "Q8_0", n_seq=16), ["llama_kv_cache", "llama_memory_recurrent"]),
-    ("qwen35moe", ContextSettings(8192, flash_attn=False), ["llama_kv_cache", "llama_memory_recurrent"]),
-    ("deepseek2", ContextSettings(4096), ["llama_kv_cache"]),  # MLA: K only
-    ("deepseek2", ContextSettings(5000, "Q8_0", "Q8_0"), ["llama_kv_cache"]),
-    ("gpt-oss", ContextSettings(4096), ["llama_kv_cache", "llama_kv_cache"]),  # iSWA: full cache, then the window's
-    ("gpt-oss", ContextSettings(4096, n_seq=4, swa_full=True), ["llama_kv_cache", "llama_kv_cache"]),
-])
+@pytest.mark.parametrize(
+    "arch, settings, caches",
+    [
+        ("qwen3moe", ContextSettings(4096), ["llama_kv_cache"]),
+        ("qwen3moe", ContextSettings(3000, "Q8_0", "Q8_0", n_seq=2), ["llama_kv_cache"]),
+        # hybrid with an MTP block: KV on the full-attention block only, recurrent state per sequence
+        ("qwen35moe", ContextSettings(2048, "Q8_0", "Q8_0", n_seq=16), ["llama_kv_cache", "llama_memory_recurrent"]),
+        ("qwen35moe", ContextSettings(8192, flash_attn=False), ["llama_kv_cache", "llama_memory_recurrent"]),
+        ("deepseek2", ContextSettings(4096), ["llama_kv_cache"]),  # MLA: K only
+        ("deepseek2", ContextSettings(5000, "Q8_0", "Q8_0"), ["llama_kv_cache"]),
+        ("gpt-oss", ContextSettings(4096), ["llama_kv_cache", "llama_kv_cache"]),  # iSWA: full cache, then the window's
+        ("gpt-oss", ContextSettings(4096, n_seq=4, swa_full=True), ["llama_kv_cache", "llama_kv_cache"]),
+    ],
+)
 def test_cache_matches_what_llama_cpp_allocates(make_model, arch, settings, caches):
     model = make_model(arch)
     reported = llama_cache_mib(model, settings)
@@ -132,7 +149,9 @@ def test_cache_matches_what_llama_cpp_allocates(make_model, arch, settings, cach
 def test_cache_layers_of_the_replica(tmp_path):
     """Qwen3.6-35B-A3B: 10 full-attention blocks of 2 KV heads x 256, 30 gated-delta-net blocks,
     the MTP block without cache."""
-    memory = context_memory(read_model(factory.write_qwen35moe_replica(tmp_path / "r.gguf")).get, ContextSettings(16384))
+    memory = context_memory(
+        read_model(factory.write_qwen35moe_replica(tmp_path / "r.gguf")).get, ContextSettings(16384)
+    )
     kinds = [layer.kind for layer in memory.layers]
     assert kinds.count("attention") == 10 and kinds.count("recurrent") == 30 and len(kinds) == 40
     assert memory.kv_bytes == 10 * 2 * (2 * 256 * 2) * 16384  # layers x (K + V) x f16 row x cells
@@ -146,18 +165,37 @@ def test_cache_layers_of_the_replica(tmp_path):
 
 
 def _ladder_sizes(source: Path, imatrix: Path, out: Path, bin_dir: Path, rungs: str) -> dict[str, int]:
-    result = ggufcarve("ladder", "run", DEFAULT_LADDER, "--source", source, "--imatrix", imatrix, "-o", out, "--only", rungs,
-                       "--quantizer", bin_dir / "llama-quantize", "-t", "2", "-q")
+    result = ggufcarve(
+        "ladder",
+        "run",
+        DEFAULT_LADDER,
+        "--source",
+        source,
+        "--imatrix",
+        imatrix,
+        "-o",
+        out,
+        "--only",
+        rungs,
+        "--quantizer",
+        bin_dir / "llama-quantize",
+        "-t",
+        "2",
+        "-q",
+    )
     assert result.code == 0, result.stderr[-3000:]
     manifest = json.loads((out / "quant-manifest.json").read_text())
     return {r["name"]: r["bytes"] for r in manifest["rungs"]}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch, kept, rungs", [
-    ("qwen3moe", 4, "Q8_0,Q6_K,Q4_K_M,Q2_K,IQ1_S"),
-    ("qwen35moe", 4, "Q5_K_M,Q3_K_M,IQ2_XS,IQ1_M"),  # with an MTP block
-])
+@pytest.mark.parametrize(
+    "arch, kept, rungs",
+    [
+        ("qwen3moe", 4, "Q8_0,Q6_K,Q4_K_M,Q2_K,IQ1_S"),
+        ("qwen35moe", 4, "Q5_K_M,Q3_K_M,IQ2_XS,IQ1_M"),  # with an MTP block
+    ],
+)
 def test_predicted_sizes_match_the_ladders_files(make_model, llama_tools, tmp_path, arch, kept, rungs):
     """Prune for real, collect the pruned model's imatrix with llama-imatrix, run the default
     ladder's rungs (all nine between the two cases): every rung's file is within 1% of fit's
@@ -172,8 +210,16 @@ def test_predicted_sizes_match_the_ladders_files(make_model, llama_tools, tmp_pa
     built = _ladder_sizes(pruned, imatrix, tmp_path / "release", llama_tools, rungs)
 
     model = read_model(source)
-    report = plan_fit(model, inspect_layout(model), load_spec(DEFAULT_LADDER), memory=parse_memory("1GiB"), context=ContextSettings(4096),
-                      quantizer=BinaryQuantizer(llama_tools / "llama-quantize"), kept_counts=[kept], only=[rungs])
+    report = plan_fit(
+        model,
+        inspect_layout(model),
+        load_spec(DEFAULT_LADDER),
+        memory=parse_memory("1GiB"),
+        context=ContextSettings(4096),
+        quantizer=BinaryQuantizer(llama_tools / "llama-quantize"),
+        kept_counts=[kept],
+        only=[rungs],
+    )
     assert list(built) == rungs.split(",")
     for name, size in built.items():
         predicted = report.row(kept, name).rung.bytes
@@ -189,8 +235,16 @@ def test_reference_release_q8_0_sizes(tmp_path, llama_tools):
     128. A header-only replica of that layout (without the MTP block, which those sizes leave out)
     gives the Q8_0 row within 0.1%."""
     model = read_model(factory.write_qwen35moe_replica(tmp_path / "replica.gguf", mtp=False))
-    report = plan_fit(model, inspect_layout(model), load_spec(DEFAULT_LADDER), memory=parse_memory("24GiB"), context=ContextSettings(16384),
-                      quantizer=BinaryQuantizer(llama_tools / "llama-quantize"), kept_counts=[128, 256], only=["Q8_0"])
+    report = plan_fit(
+        model,
+        inspect_layout(model),
+        load_spec(DEFAULT_LADDER),
+        memory=parse_memory("24GiB"),
+        context=ContextSettings(16384),
+        quantizer=BinaryQuantizer(llama_tools / "llama-quantize"),
+        kept_counts=[128, 256],
+        only=["Q8_0"],
+    )
     for kept, gib in ((256, 34.369), (128, 18.392)):
         assert abs(report.row(kept, "Q8_0").rung.bytes / 2**30 - gib) <= 0.001 * gib
     assert not report.row(256, "Q8_0").fits and report.row(128, "Q8_0").fits
@@ -204,7 +258,23 @@ def test_reference_release_q8_0_sizes(tmp_path, llama_tools):
 def test_cli_json_and_table(make_model, llama_tools):
     model = make_model("qwen35moe", dtype="Q8_0", n_embd=256, n_ff_exp=256)
     quantizer = llama_tools / "llama-quantize"
-    result = ggufcarve("fit", model, "--memory", "8MiB", "--ctx", "4096", "--kv-type", "q8_0", "--k", "4,8", "--only", "Q8_0,Q4_K_M", "--quantizer", quantizer, "--json")
+    result = ggufcarve(
+        "fit",
+        model,
+        "--memory",
+        "8MiB",
+        "--ctx",
+        "4096",
+        "--kv-type",
+        "q8_0",
+        "--k",
+        "4,8",
+        "--only",
+        "Q8_0,Q4_K_M",
+        "--quantizer",
+        quantizer,
+        "--json",
+    )
     assert result.code == 0, result.stderr
     doc = json.loads(result.stdout)
     assert doc["kind"] == "fit" and doc["schema_version"] == 2 and doc["inputs"][0]["name"] == model.name
@@ -212,31 +282,50 @@ def test_cli_json_and_table(make_model, llama_tools):
     assert [(r["kept"], r["rung"]) for r in doc["rows"]] == [(4, "Q8_0"), (4, "Q4_K_M"), (8, "Q8_0"), (8, "Q4_K_M")]
     for row in doc["rows"]:  # llama.cpp's dry load: the rung's weights, the K's cache, compute and output buffers
         memory = row["memory"][0]
-        assert row["total_bytes"] == memory["total"] == memory["weights"] + memory["cache"] + memory["compute"] + memory["output"]
+        assert (
+            row["total_bytes"]
+            == memory["total"]
+            == memory["weights"] + memory["cache"] + memory["compute"] + memory["output"]
+        )
         # llama.cpp logs the KV and the recurrent state in MiB to two decimals: equal to the exact cache within that
-        assert memory["weights"] <= row["file_bytes"] and abs(memory["cache"] - row["cache_bytes"]) <= 0.01 * 2**20 and memory["compute"] > 0
+        assert (
+            memory["weights"] <= row["file_bytes"]
+            and abs(memory["cache"] - row["cache_bytes"]) <= 0.01 * 2**20
+            and memory["compute"] > 0
+        )
         assert row["fits"] == (row["total_bytes"] <= 8 * 2**20)
     assert doc["cache"]["recurrent_blocks"] == [0] and doc["cache"]["attention_blocks"] == [1]
     assert doc["sizes_from"]["quantizer"]["backend"] == "binary"
     assert str(Path(model).parent) not in result.stdout  # no local directories
     # at the default 16k context llama.cpp's compute buffers alone take 26 MiB of this model's total
-    table = ggufcarve("fit", model, "--memory", "40MiB", "--k", "4,8", "--only", "Q8_0,Q4_K_M", "--quantizer", quantizer, "-q")
+    table = ggufcarve(
+        "fit", model, "--memory", "40MiB", "--k", "4,8", "--only", "Q8_0,Q4_K_M", "--quantizer", quantizer, "-q"
+    )
     assert table.code == 0, table.stderr
-    assert "Q4_K_M" in table.stdout and "most experts that fit" in table.stdout and "binary quantizer dry run" in table.stdout
+    assert (
+        "Q4_K_M" in table.stdout
+        and "most experts that fit" in table.stdout
+        and "binary quantizer dry run" in table.stdout
+    )
     # a model of a few MiB is sized in MiB, every cell with three significant digits (none reads 0.00)
-    assert "MiB of the rung file" in " ".join(table.stdout.split()) and "GiB" not in table.stdout  # the caption wraps at the table's width
+    assert (
+        "MiB of the rung file" in " ".join(table.stdout.split()) and "GiB" not in table.stdout
+    )  # the caption wraps at the table's width
     for row in doc["rows"]:
         assert f"{row['file_bytes'] / 2**20:.2f}" in table.stdout and row["file_bytes"] >= 2**20 / 100
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--memory", "plenty"], "is not a memory size"),
-    (["--memory", "24GiB", "--kv-type", "q4_k"], "is not f16 or q8_0"),
-    (["--memory", "24GiB", "--k", "1"], "below the 2 experts"),
-    (["--memory", "24GiB", "--k", "x"], "is neither counts nor an existing keep-set file"),
-    (["--memory", "24GiB", "--keep", "8-4"], "is an empty range"),
-    (["--memory", "24GiB", "--keep", "8", "--k", "8"], "--keep and --k name the same thing"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--memory", "plenty"], "is not a memory size"),
+        (["--memory", "24GiB", "--kv-type", "q4_k"], "is not f16 or q8_0"),
+        (["--memory", "24GiB", "--k", "1"], "below the 2 experts"),
+        (["--memory", "24GiB", "--k", "x"], "is neither counts nor an existing keep-set file"),
+        (["--memory", "24GiB", "--keep", "8-4"], "is an empty range"),
+        (["--memory", "24GiB", "--keep", "8", "--k", "8"], "--keep and --k name the same thing"),
+    ],
+)
 def test_cli_refuses_bad_arguments_in_one_line(make_model, args, message):
     result = ggufcarve("fit", make_model("qwen3moe"), *args)
     assert result.code == 1 and message in result.error_line and "hint:" in result.error_line, result.stderr
@@ -252,8 +341,12 @@ def test_keep_takes_a_keep_set_file_and_sizes_its_count(make_model, tmp_path):
     reader = GGUFReader(model)
     blocks = int(next(f.parts[f.data[0]][0] for name, f in reader.fields.items() if name.endswith(".block_count")))
     keepset.write_text(json.dumps({str(b): [0, 2, 4, 6] for b in range(blocks)}))
-    by_file = ggufcarve("fit", model, "--memory", "1GiB", "--keep", keepset, "--only", "Q8_0", "--quantizer", "libllama", "--json")
-    by_count = ggufcarve("fit", model, "--memory", "1GiB", "--keep", "4", "--only", "Q8_0", "--quantizer", "libllama", "--json")
+    by_file = ggufcarve(
+        "fit", model, "--memory", "1GiB", "--keep", keepset, "--only", "Q8_0", "--quantizer", "libllama", "--json"
+    )
+    by_count = ggufcarve(
+        "fit", model, "--memory", "1GiB", "--keep", "4", "--only", "Q8_0", "--quantizer", "libllama", "--json"
+    )
     assert by_file.code == 0 and by_count.code == 0, by_file.stderr + by_count.stderr
     assert [r["kept"] for r in json.loads(by_file.stdout)["rows"]] == [4]
     assert json.loads(by_file.stdout)["rows"][0]["file_bytes"] == json.loads(by_count.stdout)["rows"][0]["file_bytes"]

@@ -26,8 +26,11 @@ def _moe_blocks(reader: gguf.GGUFReader) -> list[int]:
     """Main (non-MTP) blocks with a router: the blocks llama.cpp routes in its decode graph."""
     arch = reader.fields["general.architecture"].contents()
     n_blocks = reader.fields[f"{arch}.block_count"].contents()
-    nextn = reader.fields[f"{arch}.nextn_predict_layers"].contents() \
-        if f"{arch}.nextn_predict_layers" in reader.fields else 0
+    nextn = (
+        reader.fields[f"{arch}.nextn_predict_layers"].contents()
+        if f"{arch}.nextn_predict_layers" in reader.fields
+        else 0
+    )
     names = _tensors(reader)
     return [b for b in range(n_blocks - nextn) if f"blk.{b}.ffn_gate_inp.weight" in names]
 
@@ -35,6 +38,7 @@ def _moe_blocks(reader: gguf.GGUFReader) -> list[int]:
 # ---------------------------------------------------------------------------------------------
 # file layout (no llama.cpp)
 # ---------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("arch", factory.ARCHES)
 @pytest.mark.parametrize("dtype", ["F16", "Q8_0"])
@@ -58,8 +62,11 @@ def test_layout(make_model, arch, dtype):
         assert router.tensor_type == QT.F32
         assert list(router.shape) == [256, d["n_expert"]]
         exps = [t[f"blk.{b}.ffn_down_exps.weight"]]
-        exps += [t[f"blk.{b}.ffn_gate_up_exps.weight"]] if arch == "fused" else \
-            [t[f"blk.{b}.ffn_gate_exps.weight"], t[f"blk.{b}.ffn_up_exps.weight"]]
+        exps += (
+            [t[f"blk.{b}.ffn_gate_up_exps.weight"]]
+            if arch == "fused"
+            else [t[f"blk.{b}.ffn_gate_exps.weight"], t[f"blk.{b}.ffn_up_exps.weight"]]
+        )
         for e in exps:
             assert int(e.shape[-1]) == d["n_expert"], e.name
             assert e.tensor_type == (QT.Q8_0 if dtype == "Q8_0" else QT.F16), e.name
@@ -70,8 +77,8 @@ def test_layout(make_model, arch, dtype):
         mtp = n_blocks - 1
         assert f"blk.{mtp}.nextn.eh_proj.weight" in t and f"blk.{mtp}.ffn_gate_inp.weight" in t
         assert moe == list(range(d["n_layer"]))
-        assert "blk.0.ssm_a" in t and "blk.0.attn_q.weight" not in t      # linear attention
-        assert "blk.1.attn_q.weight" in t and "blk.1.ssm_a" not in t      # full attention
+        assert "blk.0.ssm_a" in t and "blk.0.attn_q.weight" not in t  # linear attention
+        assert "blk.1.attn_q.weight" in t and "blk.1.ssm_a" not in t  # full attention
         assert all(f"blk.{b}.ffn_gate_inp_shexp.weight" in t for b in range(n_blocks))
         fused_names = [n for n in t if n.endswith("ffn_gate_up_exps.weight")]
         split_names = [n for n in t if n.endswith("ffn_gate_exps.weight")]
@@ -115,7 +122,7 @@ def test_fused_holds_split_gate_then_up(make_model):
     fused = _tensors(gguf.GGUFReader(make_model("fused")))
     split = _tensors(gguf.GGUFReader(make_model("qwen35moe")))
     for b in range(3):  # includes the MTP block
-        gate_up = np.asarray(fused[f"blk.{b}.ffn_gate_up_exps.weight"].data)   # [n_expert, 2*n_ff, n_embd]
+        gate_up = np.asarray(fused[f"blk.{b}.ffn_gate_up_exps.weight"].data)  # [n_expert, 2*n_ff, n_embd]
         gate = np.asarray(split[f"blk.{b}.ffn_gate_exps.weight"].data)
         up = np.asarray(split[f"blk.{b}.ffn_up_exps.weight"].data)
         assert np.array_equal(gate_up, np.concatenate([gate, up], axis=1))
@@ -145,6 +152,7 @@ def test_invalid_routing_is_rejected_before_llama(models_dir):
 # ---------------------------------------------------------------------------------------------
 # llama.cpp
 # ---------------------------------------------------------------------------------------------
+
 
 def _check_run(path, n_expert: int, k: int):
     res = probe(path, TOKENS, trace_routing=True)
@@ -211,7 +219,7 @@ def _qwen3moe_block0_router_logits(path, tokens: list[int]) -> np.ndarray:
         pos = np.arange(x.shape[0])[:, None, None]
         inv = base ** (-np.arange(hd // 2) * 2.0 / hd)
         ang = pos * inv[None, None, :]
-        a, b = x[..., : hd // 2], x[..., hd // 2:]
+        a, b = x[..., : hd // 2], x[..., hd // 2 :]
         return np.concatenate([a * np.cos(ang) - b * np.sin(ang), a * np.sin(ang) + b * np.cos(ang)], -1)
 
     x = w["token_embd.weight"][tokens]

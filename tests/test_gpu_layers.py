@@ -39,15 +39,52 @@ def requests(monkeypatch):
     return seen
 
 
-@pytest.mark.parametrize("argv", [
-    ["score", str(DEMO), "--method", "frequency", "--calibration", str(CALIBRATION), "-o", "{tmp}/scores.json"],
-    ["select", str(DEMO), "--method", "reap", "--keep", "8", "--calibration", str(CALIBRATION), "-o", "{tmp}/selection.json"],
-    ["imatrix", "collect", str(DEMO), "--calibration", str(CALIBRATION), "-o", "{tmp}/imatrix.gguf"],
-    ["tune", str(DEMO), "--methods", "weights", "--keep", "8", "--heldout", str(HELDOUT), "-o", "{tmp}/tune"],
-    ["eval", str(DEMO), "--reference", str(DEMO), "--heldout", str(HELDOUT), "--speed-runs", "0", "-o", "{tmp}/eval"],
-    ["best", str(DEMO), "--memory", "20MiB", "--heldout", str(HELDOUT), "--calibration", str(CALIBRATION), "-o", "{tmp}/best"],
-    ["fit", str(DEMO), "--memory", "1GiB", "--ctx", "4096"],
-], ids=lambda argv: " ".join(argv[:2]) if argv[0] == "imatrix" else argv[0])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["score", str(DEMO), "--method", "frequency", "--calibration", str(CALIBRATION), "-o", "{tmp}/scores.json"],
+        [
+            "select",
+            str(DEMO),
+            "--method",
+            "reap",
+            "--keep",
+            "8",
+            "--calibration",
+            str(CALIBRATION),
+            "-o",
+            "{tmp}/selection.json",
+        ],
+        ["imatrix", "collect", str(DEMO), "--calibration", str(CALIBRATION), "-o", "{tmp}/imatrix.gguf"],
+        ["tune", str(DEMO), "--methods", "weights", "--keep", "8", "--heldout", str(HELDOUT), "-o", "{tmp}/tune"],
+        [
+            "eval",
+            str(DEMO),
+            "--reference",
+            str(DEMO),
+            "--heldout",
+            str(HELDOUT),
+            "--speed-runs",
+            "0",
+            "-o",
+            "{tmp}/eval",
+        ],
+        [
+            "best",
+            str(DEMO),
+            "--memory",
+            "20MiB",
+            "--heldout",
+            str(HELDOUT),
+            "--calibration",
+            str(CALIBRATION),
+            "-o",
+            "{tmp}/best",
+        ],
+        ["fit", str(DEMO), "--memory", "1GiB", "--ctx", "4096"],
+    ],
+    ids=lambda argv: " ".join(argv[:2]) if argv[0] == "imatrix" else argv[0],
+)
 def test_every_child_gets_the_gpu_layers(requests, tmp_path, argv):
     argv = [a.replace("{tmp}", str(tmp_path)) for a in argv] + ["--gpu-layers", str(LAYERS), "--quiet"]
     result = CliRunner().invoke(app, argv)
@@ -99,7 +136,7 @@ def test_load_model_sets_n_gpu_layers():
         llama_model_load_from_file=lambda path, params: loaded.append((path, params)) or "model",
     )
     assert load_model(fake, "m.gguf", LAYERS) == "model"
-    (path, params), = loaded
+    ((path, params),) = loaded
     assert (path, params.n_gpu_layers, params.use_extra_bufts) == (b"m.gguf", LAYERS, False)
     load_model(fake, "m.gguf")
     assert loaded[-1][1].n_gpu_layers == 0

@@ -34,7 +34,10 @@ def qwen_traced(make_model):
 
 
 def _tensors(path) -> dict[str, np.ndarray]:
-    return {t.name: dequantize(t.data, t.tensor_type).reshape([int(n) for n in reversed(t.shape)]) for t in GGUFReader(path).tensors}
+    return {
+        t.name: dequantize(t.data, t.tensor_type).reshape([int(n) for n in reversed(t.shape)])
+        for t in GGUFReader(path).tensors
+    }
 
 
 def _expert_outputs(weights: dict[str, np.ndarray], block: int, x: np.ndarray) -> np.ndarray:
@@ -58,7 +61,9 @@ def _block(path, trace, block):
     model = read_model(path)
     layout = inspect_layout(model)
     nodes = {n: trace.nodes[n][block] for n in NODES}
-    return greedy_block(router_of(model, layout, block), nodes, ExpertEvaluator(model, layout, engine="ggml"), block)  # the engine greedy runs
+    return greedy_block(
+        router_of(model, layout, block), nodes, ExpertEvaluator(model, layout, engine="ggml"), block
+    )  # the engine greedy runs
 
 
 @pytest.mark.parametrize("block", [0, 1])
@@ -92,7 +97,9 @@ def test_greedy_error_equals_brute_force_for_every_subset_of_four(qwen_traced, b
     result = greedy.eliminate()
     assert len(result.removed) == n_expert - k and sorted(result.survivors + result.removed) == list(range(n_expert))
     for step, error in enumerate(result.errors):  # the incremental errors of the elimination
-        assert error == pytest.approx(oracle(sorted(set(range(n_expert)) - set(result.removed[: step + 1]))), rel=1e-4, abs=1e-9)
+        assert error == pytest.approx(
+            oracle(sorted(set(range(n_expert)) - set(result.removed[: step + 1]))), rel=1e-4, abs=1e-9
+        )
     keep4 = tuple(sorted(set(range(n_expert)) - set(result.removed[:4])))
     score = result.scores(n_expert)
     assert tuple(sorted(np.argsort(-score, kind="stable")[:4])) == keep4
@@ -106,11 +113,18 @@ def test_greedy_error_equals_brute_force_for_every_subset_of_four(qwen_traced, b
     w = np.exp(np.take_along_axis(logits, full_top, axis=1))
     w /= w.sum(axis=1, keepdims=True)
     norms = np.linalg.norm(f[full_top, np.arange(len(x))[:, None]], axis=2)
-    reap = np.bincount(full_top.reshape(-1), weights=(w * norms).reshape(-1), minlength=n_expert) / np.maximum(counts, 1)
-    keep_of = {m: tuple(sorted(sorted(range(n_expert), key=lambda e: (-s[e], e))[:4])) for m, s in (("frequency", counts), ("reap", reap))}
-    print(f"\n| blk.{block}: 8 experts keep 4, {len(x)} tokens | keep-set | error(S) |\n|---|---|---:|\n| exhaustive optimum | {best} | {exhaustive[best]:.6g} |"
-          f"\n| greedy (rank {rank} of 70) | {keep4} | {exhaustive[keep4]:.6g} |"
-          + "".join(f"\n| {m} | {s} | {exhaustive[s]:.6g} |" for m, s in keep_of.items()))
+    reap = np.bincount(full_top.reshape(-1), weights=(w * norms).reshape(-1), minlength=n_expert) / np.maximum(
+        counts, 1
+    )
+    keep_of = {
+        m: tuple(sorted(sorted(range(n_expert), key=lambda e: (-s[e], e))[:4]))
+        for m, s in (("frequency", counts), ("reap", reap))
+    }
+    print(
+        f"\n| blk.{block}: 8 experts keep 4, {len(x)} tokens | keep-set | error(S) |\n|---|---|---:|\n| exhaustive optimum | {best} | {exhaustive[best]:.6g} |"
+        f"\n| greedy (rank {rank} of 70) | {keep4} | {exhaustive[keep4]:.6g} |"
+        + "".join(f"\n| {m} | {s} | {exhaustive[s]:.6g} |" for m, s in keep_of.items())
+    )
     assert exhaustive[keep4] >= exhaustive[best]
     for method, keep in keep_of.items():
         assert exhaustive[keep4] <= exhaustive[keep] * (1 + 1e-9), method
@@ -125,7 +139,11 @@ def test_greedy_memory_estimate_is_the_traced_arrays_and_the_block_outputs(qwen_
     layout = inspect_layout(read_model(path))
     tokens = len(trace.nodes["ffn_moe_input"][0])
     estimate = memory_estimate(layout, tokens)
-    assert estimate.captures == sum(trace.nodes[n][b].astype(np.float32 if n != "ffn_moe_topk" else np.int32).nbytes for n in NODES for b in trace.nodes[n])
+    assert estimate.captures == sum(
+        trace.nodes[n][b].astype(np.float32 if n != "ffn_moe_topk" else np.int32).nbytes
+        for n in NODES
+        for b in trace.nodes[n]
+    )
     assert estimate.values == _block(path, trace, 0).outputs.values.nbytes
 
 
@@ -201,14 +219,18 @@ def test_greedy_on_grouped_routing_keeps_groups_balanced(make_model, tmp_path, v
     result = greedy.eliminate()
     assert len(result.removed) == 8
     for step in (0, 3, 4, 7):  # unbalanced (15, 12 + 1...) and balanced sets of the elimination
-        assert result.errors[step] == pytest.approx(oracle(sorted(set(range(16)) - set(result.removed[: step + 1]))), rel=1e-4, abs=1e-9)
+        assert result.errors[step] == pytest.approx(
+            oracle(sorted(set(range(16)) - set(result.removed[: step + 1]))), rel=1e-4, abs=1e-9
+        )
     if v2_routing:
         return
 
     calibration = tmp_path / "calibration.txt"
     calibration.write_text(" ".join(random.Random(2).choice(CALIBRATION_WORDS) for _ in range(400)))
     scores = tmp_path / "scores.json"
-    run = ggufcarve("score", path, "--method", "greedy", "--calibration", calibration, "--ctx", CTX, "-t", 2, "-o", scores, "-q")
+    run = ggufcarve(
+        "score", path, "--method", "greedy", "--calibration", calibration, "--ctx", CTX, "-t", 2, "-o", scores, "-q"
+    )
     assert run.code == 0, run.stderr
     doc = json.loads(scores.read_text())
     assert doc["parameters"]["pass"]["consumer"] == "greedy" and "greedy" in doc["parameters"]["pass"]["statistics"]

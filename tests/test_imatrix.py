@@ -32,8 +32,10 @@ N_EXPERT = 8
 # Non-ascending on purpose: rows must come out in keep-set order.
 KEEP = {"0": [6, 1, 4, 3], "1": [0, 7, 3, 5]}
 TOKENS = [factory.BOS_ID] + [int(t) for t in np.random.default_rng(7).integers(3, factory.N_VOCAB, 23)]
-WORDS = ("the quick brown fox jumps over a lazy dog while experts route tokens through layers of matrices "
-         "that quantize and prune weights").split()
+WORDS = (
+    "the quick brown fox jumps over a lazy dog while experts route tokens through layers of matrices "
+    "that quantize and prune weights"
+).split()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -47,10 +49,27 @@ def _str(s: str) -> bytes:
     return struct.pack("<Q", len(raw)) + raw
 
 
-def pack_gguf(path, tensors, *, datasets=("calibration.txt",), chunk_count=4, chunk_size=128, skip_keys=(), extra_kvs=b"", n_extra_kvs=0):
+def pack_gguf(
+    path,
+    tensors,
+    *,
+    datasets=("calibration.txt",),
+    chunk_count=4,
+    chunk_size=128,
+    skip_keys=(),
+    extra_kvs=b"",
+    n_extra_kvs=0,
+):
     """tensors: list of (name, ne, float32 values). Layout as gguf_write_to_file: alignment 32."""
     kvs = [(b"general.type", _str("general.type") + struct.pack("<I", STRING) + _str("imatrix"))]
-    kvs.append((b"imatrix.datasets", _str("imatrix.datasets") + struct.pack("<IIQ", ARRAY, STRING, len(datasets)) + b"".join(_str(d) for d in datasets)))
+    kvs.append(
+        (
+            b"imatrix.datasets",
+            _str("imatrix.datasets")
+            + struct.pack("<IIQ", ARRAY, STRING, len(datasets))
+            + b"".join(_str(d) for d in datasets),
+        )
+    )
     kvs.append((b"imatrix.chunk_count", _str("imatrix.chunk_count") + struct.pack("<II", U32, chunk_count)))
     kvs.append((b"imatrix.chunk_size", _str("imatrix.chunk_size") + struct.pack("<II", U32, chunk_size)))
     kvs = [raw for key, raw in kvs if key.decode() not in skip_keys]
@@ -73,7 +92,12 @@ def pack_dat(path, entries, trailer=(4, "calibration.txt")):
     out = struct.pack("<i", len(entries))
     for name, ncall, values in entries:
         raw = name.encode()
-        out += struct.pack("<i", len(raw)) + raw + struct.pack("<ii", ncall, len(values)) + np.asarray(values, dtype="<f4").tobytes()
+        out += (
+            struct.pack("<i", len(raw))
+            + raw
+            + struct.pack("<ii", ncall, len(values))
+            + np.asarray(values, dtype="<f4").tobytes()
+        )
     if trailer is not None:
         out += struct.pack("<i", trailer[0]) + struct.pack("<i", len(trailer[1].encode())) + trailer[1].encode()
     path.write_bytes(out)
@@ -98,7 +122,9 @@ def synthetic_entries(model_path, *, n_expert=N_EXPERT, seed=0, zero=(), blocks=
             sums = rng.random((n_expert, ne0), dtype=np.float32) * counts[:, None]
             result.append((t.name, (ne0, n_expert), sums, (1, n_expert), counts))
         elif "ssm_conv1d" not in t.name:
-            result.append((t.name, (ne0,), rng.random(ne0, dtype=np.float32) * tokens, (1,), np.array([tokens], np.float32)))
+            result.append(
+                (t.name, (ne0,), rng.random(ne0, dtype=np.float32) * tokens, (1,), np.array([tokens], np.float32))
+            )
     return result
 
 
@@ -124,7 +150,11 @@ def run_llama_imatrix(bin_dir, model, text, out, *extra):
 
 def run_quantize(bin_dir, imatrix, model, out, ftype="IQ2_XS", *extra) -> launch.Finished:
     """llama-quantize through the one launcher; the result's `tail` is its whole log."""
-    finished = launch.run([bin_dir / "llama-quantize", *map(str, extra), "--imatrix", imatrix, model, out, ftype, "2"], timeout=300, tail_lines=100_000)
+    finished = launch.run(
+        [bin_dir / "llama-quantize", *map(str, extra), "--imatrix", imatrix, model, out, ftype, "2"],
+        timeout=300,
+        tail_lines=100_000,
+    )
     if not finished.ok:
         out.unlink(missing_ok=True)  # llama-quantize leaves a truncated output behind on failure
     return finished
@@ -178,7 +208,11 @@ def pruned_bare(q3, work):
     keep = work / "keep.json"
     keep.write_text(json.dumps({"layers": KEEP}))
     out = work / "q3-k4-bare.gguf"
-    execute(plan_prune(model, layout, load_keepset(keep, layout), out, provenance=False), model, report_path=work / "prune-report-bare.json")
+    execute(
+        plan_prune(model, layout, load_keepset(keep, layout), out, provenance=False),
+        model,
+        report_path=work / "prune-report-bare.json",
+    )
     return out
 
 
@@ -208,7 +242,10 @@ def rewrite(imatrix, path):
 
 def test_synthetic_round_trips_byte_for_byte(synthetic, q3, tmp_path):
     assert rewrite(read_imatrix(synthetic), tmp_path / "again.gguf").read_bytes() == synthetic.read_bytes()
-    dat = pack_dat(tmp_path / "s.dat", [("blk.0.attn_q.weight", 3, np.arange(256)), ("blk.0.ffn_up_exps.weight", 7, np.arange(2048) / 7)])
+    dat = pack_dat(
+        tmp_path / "s.dat",
+        [("blk.0.attn_q.weight", 3, np.arange(256)), ("blk.0.ffn_up_exps.weight", 7, np.arange(2048) / 7)],
+    )
     assert rewrite(read_imatrix(dat), tmp_path / "again.dat").read_bytes() == dat.read_bytes()
     no_trailer = pack_dat(tmp_path / "t.dat", [("blk.0.attn_q.weight", 3, np.arange(256))], trailer=None)
     assert rewrite(read_imatrix(no_trailer), tmp_path / "again2.dat").read_bytes() == no_trailer.read_bytes()
@@ -232,7 +269,9 @@ def test_conversions_match_llama_imatrix_byte_for_byte(llama_imatrix, llama_tool
     assert r.code == 0, r.stderr
     assert "per-expert counts" in r.stderr  # what a .dat cannot hold is said
     assert ours_dat.read_bytes() == llama_imatrix["dat"].read_bytes()
-    theirs_dat = run_llama_imatrix(llama_tools, q3, None, tmp_path / "theirs.dat", "--in-file", llama_imatrix["gguf"], "--output-format", "dat")
+    theirs_dat = run_llama_imatrix(
+        llama_tools, q3, None, tmp_path / "theirs.dat", "--in-file", llama_imatrix["gguf"], "--output-format", "dat"
+    )
     assert ours_dat.read_bytes() == theirs_dat.read_bytes()
 
     r = ggufcarve("imatrix", "convert", llama_imatrix["dat"], "-o", ours_gguf, "--chunk-size", 128)
@@ -340,7 +379,20 @@ def test_remap_takes_kept_rows_in_keep_order(llama_imatrix, pruned, tmp_path):
 
     # .dat: expert-major rows of the flat values
     out_dat = tmp_path / "k4.dat"
-    assert ggufcarve("imatrix", "remap", llama_imatrix["dat"], "--model", model, "-o", out_dat, "--report", tmp_path / "dat-report.json").code == 0
+    assert (
+        ggufcarve(
+            "imatrix",
+            "remap",
+            llama_imatrix["dat"],
+            "--model",
+            model,
+            "-o",
+            out_dat,
+            "--report",
+            tmp_path / "dat-report.json",
+        ).code
+        == 0
+    )
     src_dat, dst_dat = read_imatrix(llama_imatrix["dat"]), read_imatrix(out_dat)
     for e in src_dat.entries:
         new = dst_dat.entry_index[e.name]
@@ -352,7 +404,17 @@ def test_remap_takes_kept_rows_in_keep_order(llama_imatrix, pruned, tmp_path):
             assert np.array_equal(new.sums(), e.sums())
     # remapping commutes with conversion: the GGUF remapped into a .dat equals the remapped llama .dat
     via_gguf = tmp_path / "via.dat"
-    r = ggufcarve("imatrix", "remap", llama_imatrix["gguf"], "--model", model, "-o", via_gguf, "--report", tmp_path / "via-report.json")
+    r = ggufcarve(
+        "imatrix",
+        "remap",
+        llama_imatrix["gguf"],
+        "--model",
+        model,
+        "-o",
+        via_gguf,
+        "--report",
+        tmp_path / "via-report.json",
+    )
     assert r.code == 0 and "gguf -> dat drops: per-expert counts" in r.stderr, r.stderr
     assert via_gguf.read_bytes() == out_dat.read_bytes()
 
@@ -363,10 +425,18 @@ def test_remap_report(llama_imatrix, pruned, tmp_path):
     out = tmp_path / "k4.gguf"
     assert ggufcarve("imatrix", "remap", llama_imatrix["gguf"], "--model", model, "-o", out).code == 0
     report = json.loads((tmp_path / "method" / "k4.imatrix-remap-report.json").read_text())
-    assert report["schema_version"] == 2 and report["kind"] == "imatrix-remap-report" and report["expert_count"] == {"before": 8, "after": 4}
+    assert (
+        report["schema_version"] == 2
+        and report["kind"] == "imatrix-remap-report"
+        and report["expert_count"] == {"before": 8, "after": 4}
+    )
     source = llama_imatrix["gguf"]
     assert report["inputs"] == [{"name": source.name, "sha256": sha256(source), "bytes": source.stat().st_size}]
-    assert report["input"]["sha256"] == sha256(source) and report["output"]["sha256"] == sha256(out) and report["output"]["name"] == "k4.gguf"
+    assert (
+        report["input"]["sha256"] == sha256(source)
+        and report["output"]["sha256"] == sha256(out)
+        and report["output"]["name"] == "k4.gguf"
+    )
     counts = {e.name: e.counts for e in read_imatrix(llama_imatrix["gguf"]).entries}
     assert len(report["tensors"]) == 6
     for t in report["tensors"]:
@@ -400,13 +470,18 @@ def test_source_model_and_pruned_model_give_the_same_file(llama_imatrix, q3, pru
     published.write_text(json.dumps({f"main_{b}": {"keep": ids} for b, ids in KEEP.items()}))
     a, b = tmp_path / "a" / "x.gguf", tmp_path / "b" / "x.gguf"
     a.parent.mkdir(), b.parent.mkdir()
-    assert ggufcarve("imatrix", "remap", llama_imatrix["gguf"], "--source-model", q3, "--keep", published, "-o", a).code == 0
+    assert (
+        ggufcarve("imatrix", "remap", llama_imatrix["gguf"], "--source-model", q3, "--keep", published, "-o", a).code
+        == 0
+    )
     r = ggufcarve("imatrix", "remap", llama_imatrix["gguf"], "--model", model, "-o", b)  # keep-set from provenance
     assert r.code == 0, r.stderr
     assert a.read_bytes() == b.read_bytes()
     c = tmp_path / "c" / "x.gguf"
     c.parent.mkdir()
-    assert ggufcarve("imatrix", "remap", llama_imatrix["gguf"], "--model", model, "--source-model", q3, "-o", c).code == 0
+    assert (
+        ggufcarve("imatrix", "remap", llama_imatrix["gguf"], "--model", model, "--source-model", q3, "-o", c).code == 0
+    )
     assert c.read_bytes() == a.read_bytes()
 
 
@@ -452,19 +527,38 @@ def test_mtp_expert_entries_are_remapped_with_mtp_keys(make_model, tmp_path):
 
 def test_many_remaps_share_one_folder_each_with_its_report(synthetic, q3, tmp_path):
     for name, k in (("k4.gguf", 4), ("k2.dat", 2)):
-        r = ggufcarve("imatrix", "remap", synthetic, "--source-model", q3, "--keep-first", k, "-o", tmp_path / name, "-q")
+        r = ggufcarve(
+            "imatrix", "remap", synthetic, "--source-model", q3, "--keep-first", k, "-o", tmp_path / name, "-q"
+        )
         assert r.code == 0, r.stderr
     reports = {p.name: json.loads(p.read_text()) for p in (tmp_path / "method").iterdir()}
     assert sorted(reports) == ["k2.imatrix-remap-report.json", "k4.imatrix-remap-report.json"]
     assert reports["k4.imatrix-remap-report.json"]["output"]["sha256"] == sha256(tmp_path / "k4.gguf")
     assert reports["k2.imatrix-remap-report.json"]["expert_count"]["after"] == 2
-    assert all(str(tmp_path) not in json.dumps(doc) and str(synthetic.parent) not in json.dumps(doc) for doc in reports.values())
-    again = ggufcarve("imatrix", "remap", synthetic, "--source-model", q3, "--keep-first", 3, "-o", tmp_path / "k4.gguf")
+    assert all(
+        str(tmp_path) not in json.dumps(doc) and str(synthetic.parent) not in json.dumps(doc)
+        for doc in reports.values()
+    )
+    again = ggufcarve(
+        "imatrix", "remap", synthetic, "--source-model", q3, "--keep-first", 3, "-o", tmp_path / "k4.gguf"
+    )
     assert again.code == 1 and "already exists" in again.error_line and "--force" in again.error_line
 
 
 def test_dry_run_writes_nothing(synthetic, q3, tmp_path):
-    r = ggufcarve("imatrix", "remap", synthetic, "--source-model", q3, "--keep-first", 4, "-o", tmp_path / "o.gguf", "--dry-run", "--json")
+    r = ggufcarve(
+        "imatrix",
+        "remap",
+        synthetic,
+        "--source-model",
+        q3,
+        "--keep-first",
+        4,
+        "-o",
+        tmp_path / "o.gguf",
+        "--dry-run",
+        "--json",
+    )
     assert r.code == 0, r.stderr
     plan = json.loads(r.stdout)
     assert plan["expert_count"] == {"before": 8, "after": 4} and len(plan["tensors_remapped"]) == 6
@@ -502,7 +596,11 @@ def test_truncated_gguf(synthetic, q3, tmp_path):
 
 
 def test_truncated_dat(tmp_path, q3):
-    dat = pack_dat(tmp_path / "ok.dat", [("blk.0.attn_q.weight", 3, np.ones(256)), ("blk.0.attn_k.weight", 3, np.ones(256))], trailer=None)
+    dat = pack_dat(
+        tmp_path / "ok.dat",
+        [("blk.0.attn_q.weight", 3, np.ones(256)), ("blk.0.attn_k.weight", 3, np.ones(256))],
+        trailer=None,
+    )
     bad = tmp_path / "t.dat"
     bad.write_bytes(dat.read_bytes()[:-100])
     remap_refused(tmp_path, bad, "--source-model", q3, "--keep-first", 4, message="truncated or corrupt .dat imatrix")
@@ -540,7 +638,11 @@ def test_non_finite_values(q3, tmp_path):
 
 def test_missing_imatrix_keys_and_unpaired_tensors(q3, tmp_path):
     name, sne, sums, cne, counts = synthetic_entries(q3)[0]
-    no_size = pack_gguf(tmp_path / "nokey.gguf", [(name + ".in_sum2", sne, sums), (name + ".counts", cne, counts)], skip_keys=("imatrix.chunk_size",))
+    no_size = pack_gguf(
+        tmp_path / "nokey.gguf",
+        [(name + ".in_sum2", sne, sums), (name + ".counts", cne, counts)],
+        skip_keys=("imatrix.chunk_size",),
+    )
     refused(tmp_path, "inspect", no_size, message="lacks imatrix.chunk_size")
     unpaired = pack_gguf(tmp_path / "unpaired.gguf", [(name + ".in_sum2", sne, sums)])
     refused(tmp_path, "inspect", unpaired, message=f"{name}.in_sum2 but no {name}.counts")
@@ -550,7 +652,15 @@ def test_imatrix_expert_count_differs_from_the_keepset_model(make_model, q3, tmp
     """An imatrix of the 8-expert model with a keep-set for a 16-expert one."""
     imatrix = synthetic_gguf(tmp_path / "i.gguf", q3)
     sixteen = make_model("qwen3moe", "F16", n_expert=16)
-    r = remap_refused(tmp_path, imatrix, "--source-model", sixteen, "--keep-first", 4, message="holds 8 experts but the keep-set selects from 16")
+    r = remap_refused(
+        tmp_path,
+        imatrix,
+        "--source-model",
+        sixteen,
+        "--keep-first",
+        4,
+        message="holds 8 experts but the keep-set selects from 16",
+    )
     assert "(and 5 more expert entries)" in r.error_line
 
 
@@ -563,7 +673,15 @@ def test_entry_size_fits_neither_layout(q3, tmp_path):
             sne, sums = (128,), sums[:128]
         tensors += [(name + ".in_sum2", sne, sums), (name + ".counts", cne, counts)]
     bad = pack_gguf(tmp_path / "bad.gguf", tensors)
-    r = remap_refused(tmp_path, bad, "--source-model", q3, "--keep-first", 4, message="fits neither the dense (256) nor the expert (8 x 256) layout")
+    r = remap_refused(
+        tmp_path,
+        bad,
+        "--source-model",
+        q3,
+        "--keep-first",
+        4,
+        message="fits neither the dense (256) nor the expert (8 x 256) layout",
+    )
     assert "blk.1.attn_v.weight has 128 values" in r.error_line and "2 problems" in r.error_line
 
 
@@ -575,12 +693,24 @@ def test_entries_the_model_does_not_have_reported_at_once(q3, pruned, tmp_path):
             sne, sums = (200,), sums[:200]
         tensors += [(name + ".in_sum2", sne, sums), (name + ".counts", cne, counts)]
     tensors += [("blk.9.attn_q.weight.in_sum2", (256,), np.ones(256)), ("blk.9.attn_q.weight.counts", (1,), np.ones(1))]
-    tensors += [("blk.0.ffn_gate.weight.in_sum2", (256,), np.ones(256)), ("blk.0.ffn_gate.weight.counts", (1,), np.ones(1))]
+    tensors += [
+        ("blk.0.ffn_gate.weight.in_sum2", (256,), np.ones(256)),
+        ("blk.0.ffn_gate.weight.counts", (1,), np.ones(1)),
+    ]
     bad = pack_gguf(tmp_path / "extra.gguf", tensors)
     r = remap_refused(tmp_path, bad, "--model", model, message="3 problems")
     assert "blk.9.attn_q.weight is not a tensor of q3-k4.gguf" in r.error_line
-    assert "blk.1.attn_q.weight has 200 values" in r.error_line and "blk.0.ffn_gate.weight is not a tensor" in r.error_line
-    r = refused(tmp_path, "inspect", bad, "--model", q3, message="imatrix size 200 is different from tensor size 256 for blk.1.attn_q.weight")
+    assert (
+        "blk.1.attn_q.weight has 200 values" in r.error_line and "blk.0.ffn_gate.weight is not a tensor" in r.error_line
+    )
+    r = refused(
+        tmp_path,
+        "inspect",
+        bad,
+        "--model",
+        q3,
+        message="imatrix size 200 is different from tensor size 256 for blk.1.attn_q.weight",
+    )
     assert "blk.9.attn_q.weight is not a tensor" in r.error_line
 
 
@@ -598,20 +728,33 @@ def test_inspect_catches_an_imatrix_remapped_with_another_keepset(synthetic, q3,
     model, _ = pruned
     other = tmp_path / "other.gguf"
     assert ggufcarve("imatrix", "remap", synthetic, "--source-model", q3, "--keep-first", 4, "-o", other).code == 0
-    refused(tmp_path, "inspect", other, "--model", model, message="remapped with another keep-set than q3-k4.gguf was pruned with")
+    refused(
+        tmp_path,
+        "inspect",
+        other,
+        "--model",
+        model,
+        message="remapped with another keep-set than q3-k4.gguf was pruned with",
+    )
 
 
 def test_remap_without_a_model(synthetic, q3, pruned, tmp_path):
     """A GGUF imatrix and a keep-set by block index suffice; the output equals the model-checked one."""
     _, keep = pruned
     with_model = tmp_path / "with-model.gguf"
-    assert ggufcarve("imatrix", "remap", synthetic, "--source-model", q3, "--keep", keep, "-o", with_model, "-q").code == 0
+    assert (
+        ggufcarve("imatrix", "remap", synthetic, "--source-model", q3, "--keep", keep, "-o", with_model, "-q").code == 0
+    )
     alone = tmp_path / "alone" / "x.gguf"
     r = ggufcarve("imatrix", "remap", synthetic, "--keep", keep, "-o", alone, "-q")
     assert r.code == 0, r.stderr
     assert alone.read_bytes() == with_model.read_bytes()
     notes = [line for line in r.stderr.splitlines() if line.strip()]
-    assert len(notes) == 1 and notes[0].startswith("note: no model given: 8 experts and MoE blocks 0-1 read from the imatrix") and "size check" in notes[0]
+    assert (
+        len(notes) == 1
+        and notes[0].startswith("note: no model given: 8 experts and MoE blocks 0-1 read from the imatrix")
+        and "size check" in notes[0]
+    )
 
 
 def test_remap_without_a_model_refuses_what_needs_one(synthetic, llama_imatrix, tmp_path):
@@ -626,7 +769,9 @@ def test_keepset_problems(synthetic, q3, pruned, pruned_bare, tmp_path):
     model, _ = pruned
     remap_refused(tmp_path, synthetic, "--model", pruned_bare, message="no keep-set")
     remap_refused(tmp_path, synthetic, "--model", model, "--keep-first", 4, message="differs from the one")
-    remap_refused(tmp_path, synthetic, "--model", pruned_bare, "--keep-first", 2, message="keeps 2 experts per block but")
+    remap_refused(
+        tmp_path, synthetic, "--model", pruned_bare, "--keep-first", 2, message="keeps 2 experts per block but"
+    )
     remap_refused(tmp_path, synthetic, "--source-model", q3, "--keep-ids", "0,1,9,3", message="out of range")
 
 
@@ -643,7 +788,10 @@ def test_outputs_are_never_overwritten(synthetic, q3, tmp_path):
     assert r.code != 0 and "already a gguf imatrix" in r.error_line and not (tmp_path / "c.gguf").exists()
     r = ggufcarve("imatrix", "convert", synthetic, "-o", synthetic, "--format", "dat", "--force")
     assert r.code != 0 and "is the source file" in r.error_line and sha256(synthetic) == before
-    assert ggufcarve("imatrix", "remap", synthetic, "--source-model", q3, "--keep-first", 4, "-o", exists, "--force").code == 0
+    assert (
+        ggufcarve("imatrix", "remap", synthetic, "--source-model", q3, "--keep-first", 4, "-o", exists, "--force").code
+        == 0
+    )
     assert read_imatrix(exists).get("ggufcarve.kept_expert_count") == 4
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
 
@@ -666,7 +814,11 @@ def test_in_sum_tensors_are_kept_and_remapped(q3, tmp_path):
     """Some builds also write <W>.in_sum (llama.cpp ignores it): carried over, and remapped like in_sum2."""
     tensors = []
     for name, sne, sums, cne, counts in synthetic_entries(q3):
-        tensors += [(name + ".in_sum2", sne, sums), (name + ".in_sum", sne, np.sqrt(sums)), (name + ".counts", cne, counts)]
+        tensors += [
+            (name + ".in_sum2", sne, sums),
+            (name + ".in_sum", sne, np.sqrt(sums)),
+            (name + ".counts", cne, counts),
+        ]
     src = pack_gguf(tmp_path / "in_sum.gguf", tensors)
     imatrix = read_imatrix(src)
     assert all(e.has_in_sum for e in imatrix.entries)
@@ -682,12 +834,31 @@ def test_in_sum_tensors_are_kept_and_remapped(q3, tmp_path):
 
 
 def test_bad_format_options(synthetic, q3, tmp_path):
-    remap_refused(tmp_path, synthetic, "--source-model", q3, "--keep-first", 4, "--format", "bin", message="unknown imatrix format 'bin'")
-    refused(tmp_path, "convert", synthetic, "-o", tmp_path / "out" / "x.imatrix", message="cannot tell the output format from x.imatrix")
+    remap_refused(
+        tmp_path,
+        synthetic,
+        "--source-model",
+        q3,
+        "--keep-first",
+        4,
+        "--format",
+        "bin",
+        message="unknown imatrix format 'bin'",
+    )
+    refused(
+        tmp_path,
+        "convert",
+        synthetic,
+        "-o",
+        tmp_path / "out" / "x.imatrix",
+        message="cannot tell the output format from x.imatrix",
+    )
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch,keep_ids", [("deepseek2", "0,1,4,5,8,9,12,13"), ("gpt-oss", "6,1,4,3"), ("fused", "7,0,5,2")])
+@pytest.mark.parametrize(
+    "arch,keep_ids", [("deepseek2", "0,1,4,5,8,9,12,13"), ("gpt-oss", "6,1,4,3"), ("fused", "7,0,5,2")]
+)
 def test_other_fixture_architectures(make_model, llama_tools, calibration, tmp_path, arch, keep_ids):
     """Grouped routing with a dense lead block and shared experts, router/expert biases, fused
     gate_up experts (plus an MTP block): the remapped imatrix quantizes the pruned model to IQ2_XS."""

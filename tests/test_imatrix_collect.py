@@ -37,8 +37,25 @@ def text(tmp_path_factory):
 
 def llama_imatrix(bin_dir, model, text, out, *args):
     """llama-imatrix run from the text's directory, so imatrix.datasets holds its bare name as ours does."""
-    finished = launch.run([bin_dir / "llama-imatrix", "-m", model, "-f", text.name, "-o", out, "-t", "2", "--no-repack", "--no-ppl", *map(str, args)],
-                          cwd=text.parent, timeout=300, tail_lines=40)
+    finished = launch.run(
+        [
+            bin_dir / "llama-imatrix",
+            "-m",
+            model,
+            "-f",
+            text.name,
+            "-o",
+            out,
+            "-t",
+            "2",
+            "--no-repack",
+            "--no-ppl",
+            *map(str, args),
+        ],
+        cwd=text.parent,
+        timeout=300,
+        tail_lines=40,
+    )
     assert finished.ok and out.exists(), "\n".join(finished.tail)
     return out
 
@@ -81,26 +98,49 @@ def test_batching_is_llama_imatrix_defaults():
     assert Batching.of(4096) == Batching(4096, 1, 2048, 512)
     work = [list(range(i * 4096, (i + 1) * 4096)) for i in range(2)]
     calls = list(Batching.of(4096).batches(work))
-    assert [(clear, len(entries)) for clear, entries in calls] == [(True, 2048), (False, 2048), (True, 2048), (False, 2048)]
+    assert [(clear, len(entries)) for clear, entries in calls] == [
+        (True, 2048),
+        (False, 2048),
+        (True, 2048),
+        (False, 2048),
+    ]
     assert calls[1][1][0] == (2048, 2048, 0) and calls[2][1][0] == (4096, 0, 0)
     groups = list(Batching.of(128).batches([[c] * 128 for c in range(17)]))
-    assert [(clear, len(e), e[-1]) for clear, e in groups] == [(True, 16 * 128, (15, 127, 15)), (True, 128, (16, 127, 0))]
+    assert [(clear, len(e), e[-1]) for clear, e in groups] == [
+        (True, 16 * 128, (15, 127, 15)),
+        (True, 128, (16, 127, 0)),
+    ]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("arch", "args"), [
-    ("qwen3moe", ("-c", 128)),
-    ("qwen3moe", ("-c", 128, "--chunks", 5)),
-    ("qwen3moe", ("-c", 2560)),
-    ("qwen35moe", ("-c", 128)),
-    ("gpt-oss", ("-c", 256)),
-    ("deepseek2", ("-c", 512)),
-])
+@pytest.mark.parametrize(
+    ("arch", "args"),
+    [
+        ("qwen3moe", ("-c", 128)),
+        ("qwen3moe", ("-c", 128, "--chunks", 5)),
+        ("qwen3moe", ("-c", 2560)),
+        ("qwen35moe", ("-c", 128)),
+        ("gpt-oss", ("-c", 256)),
+        ("deepseek2", ("-c", 512)),
+    ],
+)
 def test_collect_equals_llama_imatrix(arch, args, make_model, llama_tools, text, tmp_path):
     model = make_model(arch, "F16")
     theirs = llama_imatrix(llama_tools, model, text, tmp_path / "theirs.gguf", *args)
     ours = tmp_path / "ours.gguf"
-    result = ggufcarve("imatrix", "collect", model, "--calibration", text, *(("--ctx" if a == "-c" else a) for a in args), "-t", 2, "-o", ours, "-q")
+    result = ggufcarve(
+        "imatrix",
+        "collect",
+        model,
+        "--calibration",
+        text,
+        *(("--ctx" if a == "-c" else a) for a in args),
+        "-t",
+        2,
+        "-o",
+        ours,
+        "-q",
+    )
     assert result.code == 0, result.stderr
     assert_same_imatrix(ours, theirs)
     keys, written = tensors(ours)
@@ -115,7 +155,9 @@ def test_collect_equals_llama_imatrix(arch, args, make_model, llama_tools, text,
 def test_llama_quantize_takes_the_collected_imatrix_for_iq2_xs(q8_moe, llama_tools, text, tmp_path):
     theirs = llama_imatrix(llama_tools, q8_moe, text, tmp_path / "theirs.imatrix.gguf", "-c", 128)
     (tmp_path / "ours").mkdir()
-    ours = collect_imatrix(read_model(q8_moe), [text], tmp_path / "ours" / "theirs.imatrix.gguf", ctx=128, threads=2).output_path
+    ours = collect_imatrix(
+        read_model(q8_moe), [text], tmp_path / "ours" / "theirs.imatrix.gguf", ctx=128, threads=2
+    ).output_path
     quantizer = BinaryQuantizer(llama_tools / "llama-quantize")
     outputs = []
     for imatrix, name in ((ours, "ours.gguf"), (theirs, "theirs.gguf")):

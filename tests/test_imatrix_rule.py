@@ -25,9 +25,15 @@ pytestmark = pytest.mark.slow
 
 def test_rule_by_name_type_and_file_type():
     assert tensor_requires_imatrix("blk.0.ffn_up_exps.weight", "iq2_xs", "IQ2_M")
-    assert not tensor_requires_imatrix("token_embd.weight", "IQ1_S", "IQ1_S") and not tensor_requires_imatrix("output.weight", "IQ2_XXS", "IQ2_XXS")
-    assert tensor_requires_imatrix("blk.0.attn_q.weight", "Q2_K", "Q2_K_S") and not tensor_requires_imatrix("blk.0.attn_q.weight", "Q2_K", "Q2_K")
-    assert not any(tensor_requires_imatrix("blk.0.attn_q.weight", t, "IQ3_XS") for t in ("IQ3_S", "IQ4_XS", "Q3_K", "IQ4_NL"))
+    assert not tensor_requires_imatrix("token_embd.weight", "IQ1_S", "IQ1_S") and not tensor_requires_imatrix(
+        "output.weight", "IQ2_XXS", "IQ2_XXS"
+    )
+    assert tensor_requires_imatrix("blk.0.attn_q.weight", "Q2_K", "Q2_K_S") and not tensor_requires_imatrix(
+        "blk.0.attn_q.weight", "Q2_K", "Q2_K"
+    )
+    assert not any(
+        tensor_requires_imatrix("blk.0.attn_q.weight", t, "IQ3_XS") for t in ("IQ3_S", "IQ4_XS", "Q3_K", "IQ4_NL")
+    )
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +41,9 @@ def quantizer(llama_tools):
     return BinaryQuantizer(llama_tools / "llama-quantize")
 
 
-@pytest.mark.parametrize("ftype", ["Q4_K_M", "Q2_K", "Q2_K_S", "IQ4_XS", "IQ3_S", "IQ3_XS", "IQ3_XXS", "IQ2_M", "IQ2_XS", "IQ1_M"])
+@pytest.mark.parametrize(
+    "ftype", ["Q4_K_M", "Q2_K", "Q2_K_S", "IQ4_XS", "IQ3_S", "IQ3_XS", "IQ3_XXS", "IQ2_M", "IQ2_XS", "IQ1_M"]
+)
 def test_dry_run_verdict_without_imatrix(quantizer, q8_moe, ftype):
     dry = quantizer.dry_run(QuantizeJob(q8_moe, None, ftype))
     assert dry.quantized
@@ -64,7 +72,9 @@ def test_llama_quantize_needs_exactly_the_entries_the_rule_names(quantizer, q8_m
     result = quantizer.run(QuantizeJob(q8_moe, out, ftype, imatrix=only_needed, nthreads=2))
     assert result.returncode == 0, result.error
     written = {t.name: t.type_name for t in read_model(out).tensors}
-    assert {n: written[n] for n in dry.quantized} == {n: dry.targets[n] for n in dry.quantized}  # the dry run's types are the real ones
+    assert {n: written[n] for n in dry.quantized} == {
+        n: dry.targets[n] for n in dry.quantized
+    }  # the dry run's types are the real ones
 
     missing = needed[len(needed) // 2]
     lacking_one = subset(imatrix, set(needed) - {missing}, tmp_path / "lacking.imatrix.gguf")

@@ -44,7 +44,9 @@ def import_graph(root: Path) -> dict[str, set[str]]:
                     source = ".".join(base + ([node.module] if node.module else []))
                 else:
                     source = node.module or ""
-                targets = [f"{source}.{alias.name}" if f"{source}.{alias.name}" in modules else source for alias in node.names]
+                targets = [
+                    f"{source}.{alias.name}" if f"{source}.{alias.name}" in modules else source for alias in node.names
+                ]
             for target in targets:
                 while target and target not in modules:  # `import a.b.c` of a module a.b.c, or a name in it
                     target = target.rpartition(".")[0]
@@ -140,7 +142,9 @@ def test_no_import_cycle_touches_the_package(package):
 
 def test_every_module_is_in_one_case():
     cases = packages(ROOT)
-    assert all(sum(in_package(m, p) for p in cases) == 1 for m in GRAPH), [m for m in GRAPH if sum(in_package(m, p) for p in cases) != 1]
+    assert all(sum(in_package(m, p) for p in cases) == 1 for m in GRAPH), [
+        m for m in GRAPH if sum(in_package(m, p) for p in cases) != 1
+    ]
 
 
 def test_the_graph_sees_imports_inside_functions_and_relative_ones(tmp_path):
@@ -153,5 +157,12 @@ def test_the_graph_sees_imports_inside_functions_and_relative_ones(tmp_path):
     (package / "sub" / "c.py").write_text("from .. import a\nimport os\n")
     (package / "d.py").write_text("import pkg.a\n")
     graph = import_graph(package)
-    assert graph == {"pkg": set(), "pkg.sub": set(), "pkg.a": {"pkg.sub.b"}, "pkg.sub.b": {"pkg.sub.c"}, "pkg.sub.c": {"pkg.a"}, "pkg.d": {"pkg.a"}}
+    assert graph == {
+        "pkg": set(),
+        "pkg.sub": set(),
+        "pkg.a": {"pkg.sub.b"},
+        "pkg.sub.b": {"pkg.sub.c"},
+        "pkg.sub.c": {"pkg.a"},
+        "pkg.d": {"pkg.a"},
+    }
     assert cycles(graph) == [["pkg.a", "pkg.sub.b", "pkg.sub.c", "pkg.a"]]

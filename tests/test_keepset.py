@@ -37,7 +37,12 @@ def write(tmp_path, doc, name="keep.json"):
 def test_layout_of_every_fixture(qwen35, deepseek):
     assert qwen35.blocks == (0, 1, 2) and qwen35.nextn_layers == 1 and qwen35.is_mtp(2) and not qwen35.is_mtp(1)
     assert qwen35.expert_count == 8 and qwen35.expert_used_count == 2
-    assert deepseek.blocks == (1, 2) and deepseek.group_count == 4 and deepseek.group_used_count == 2 and deepseek.leading_dense_blocks == 1
+    assert (
+        deepseek.blocks == (1, 2)
+        and deepseek.group_count == 4
+        and deepseek.group_used_count == 2
+        and deepseek.leading_dense_blocks == 1
+    )
     roles = {t.name.split(".", 2)[2]: t.role for t in deepseek.layers[0].tensors}
     assert roles["exp_probs_b.bias"] == "selection bias" and roles["ffn_gate_inp.weight"] == "router"
     assert all("shexp" not in name for name in roles)
@@ -53,18 +58,34 @@ def test_our_format_keeps_given_order_and_metadata(tmp_path, qwen35):
 
 
 def test_kept_expert_indices_main_and_mtp_keys(tmp_path, qwen35):
-    path = write(tmp_path, {"main_0": [0, 2, 4, 6], "main_1": {"keep": [1, 3, 5, 7]}, "mtp_0": [0, 1, 2, 3]}, "kept_expert_indices.json")
+    path = write(
+        tmp_path,
+        {"main_0": [0, 2, 4, 6], "main_1": {"keep": [1, 3, 5, 7]}, "mtp_0": [0, 1, 2, 3]},
+        "kept_expert_indices.json",
+    )
     assert load_keepset(path, qwen35).layers == {0: (0, 2, 4, 6), 1: (1, 3, 5, 7), 2: (0, 1, 2, 3)}
 
 
 def test_expert_selection_records(tmp_path, qwen35):
-    doc = {"method": "frequency", "layers": [{"layer": i, "retained": [0, 1, 2, 3], "pruned": [4, 5, 6, 7], "route_counts": [1] * 8} for i in range(2)]}
+    doc = {
+        "method": "frequency",
+        "layers": [
+            {"layer": i, "retained": [0, 1, 2, 3], "pruned": [4, 5, 6, 7], "route_counts": [1] * 8} for i in range(2)
+        ],
+    }
     doc["layers"].append({"layer": 0, "mtp": True, "retained": [4, 5, 6, 7]})
-    assert load_keepset(write(tmp_path, doc, "expert-selection.json"), qwen35).layers == {0: (0, 1, 2, 3), 1: (0, 1, 2, 3), 2: (4, 5, 6, 7)}
+    assert load_keepset(write(tmp_path, doc, "expert-selection.json"), qwen35).layers == {
+        0: (0, 1, 2, 3),
+        1: (0, 1, 2, 3),
+        2: (4, 5, 6, 7),
+    }
 
 
 def test_carve_manifest_nested_mapping(tmp_path, qwen35):
-    doc = {"model": "x", "kept_experts": {"layer_0": {"kept": [0, 1]}, "layer_1": {"kept": [2, 3]}, "mtp_0": {"kept": [4, 5]}}}
+    doc = {
+        "model": "x",
+        "kept_experts": {"layer_0": {"kept": [0, 1]}, "layer_1": {"kept": [2, 3]}, "mtp_0": {"kept": [4, 5]}},
+    }
     assert load_keepset(write(tmp_path, doc, "carve_manifest.json"), qwen35).layers == {0: (0, 1), 1: (2, 3), 2: (4, 5)}
 
 
@@ -111,7 +132,10 @@ def test_grouped_routing_rules(deepseek):
     ok = {1: (0, 1, 4, 5, 8, 9, 12, 13), 2: (2, 3, 6, 7, 10, 11, 14, 15)}
     assert check_keepset(KeepSet(ok), deepseek) == []
     cases = [
-        ({1: tuple(range(8)), 2: tuple(range(8))}, r"keeps \[4, 4, 0, 0\] experts from the 4 groups; every group must keep 2"),
+        (
+            {1: tuple(range(8)), 2: tuple(range(8))},
+            r"keeps \[4, 4, 0, 0\] experts from the 4 groups; every group must keep 2",
+        ),
         ({1: (0, 1, 4, 5, 8, 9, 12, 13), 2: (4, 5, 0, 1, 8, 9, 12, 13)}, "must be ordered group by group"),
         ({1: (0, 4, 8, 12), 2: (0, 4, 8, 12)}, "at least 2 are needed"),
         ({1: tuple(range(10)), 2: tuple(range(10))}, "not a multiple of the 4 expert groups"),
@@ -133,7 +157,14 @@ def test_id_lists():
         parse_id_list("1,x")
 
 
-@pytest.mark.parametrize("suffix, refused", [("ffn_gate_tid2eid.weight", "stores expert ids as values"), ("ffn_up_chexps.weight", "chunk-expert"), ("ffn_mystery_exps.weight", "role is unknown")])
+@pytest.mark.parametrize(
+    "suffix, refused",
+    [
+        ("ffn_gate_tid2eid.weight", "stores expert ids as values"),
+        ("ffn_up_chexps.weight", "chunk-expert"),
+        ("ffn_mystery_exps.weight", "role is unknown"),
+    ],
+)
 def test_unsafe_expert_tensors_are_refused(suffix, refused):
     with pytest.raises(UnsupportedModel, match=refused):
         expert_role(suffix)

@@ -42,7 +42,17 @@ ftype = "IQ2_XS"
 
 def test_shipped_spec_has_the_nine_published_rungs():
     spec = load_spec(SHIPPED)
-    assert [r.name for r in spec.rungs] == ["Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M", "Q3_K_M", "Q2_K", "IQ2_XS", "IQ1_M", "IQ1_S"]
+    assert [r.name for r in spec.rungs] == [
+        "Q8_0",
+        "Q6_K",
+        "Q5_K_M",
+        "Q4_K_M",
+        "Q3_K_M",
+        "Q2_K",
+        "IQ2_XS",
+        "IQ1_M",
+        "IQ1_S",
+    ]
     assert [r.name for r in spec.rungs if r.needs_imatrix] == ["IQ2_XS", "IQ1_M", "IQ1_S"]
     assert all(r.allow_requantize and r.imatrix_fallback_type == "Q4_K" and r.description for r in spec.rungs)
     assert spec.rungs[3].file_name("Qwen3.6-35B-A3B-128E") == "Qwen3.6-35B-A3B-128E-Q4_K_M.gguf"
@@ -50,12 +60,16 @@ def test_shipped_spec_has_the_nine_published_rungs():
 
 
 def test_needs_imatrix_is_derived_from_ftype_and_overrides():
-    spec = parse_spec({"rungs": [
-        {"ftype": "Q4_K_M", "tensor_types": [["ffn_down_exps", "IQ2_XXS"]], "name": "Q4_K_M-IQ"},
-        {"ftype": "Q4_K_M", "tensor_types": ["attn_.*=Q8_0"]},
-        {"ftype": "Q2_K_S"},
-        {"ftype": "Q3_K_S", "tensor_types": {"ffn_up": "Q2_K"}},
-    ]})
+    spec = parse_spec(
+        {
+            "rungs": [
+                {"ftype": "Q4_K_M", "tensor_types": [["ffn_down_exps", "IQ2_XXS"]], "name": "Q4_K_M-IQ"},
+                {"ftype": "Q4_K_M", "tensor_types": ["attn_.*=Q8_0"]},
+                {"ftype": "Q2_K_S"},
+                {"ftype": "Q3_K_S", "tensor_types": {"ffn_up": "Q2_K"}},
+            ]
+        }
+    )
     assert [r.needs_imatrix for r in spec.rungs] == [True, False, True, False]
     assert spec.rungs[1].tensor_types == (("attn_.*", "Q8_0"),)
     assert spec.select(["q4_k_m"]) == (spec.rungs[1],)
@@ -63,16 +77,19 @@ def test_needs_imatrix_is_derived_from_ftype_and_overrides():
         spec.select(["Q5_K_M"])
 
 
-@pytest.mark.parametrize("doc, message", [
-    ({"rungs": [{"ftype": "Q9_K"}]}, "unknown ftype"),
-    ({"rungs": [{"ftype": "Q4_K_M", "colour": "red"}]}, "unknown key"),
-    ({"rungs": [{"ftype": "Q4_K_M", "output_tensor_type": "Q7"}]}, "not a ggml tensor type"),
-    ({"rungs": [{"ftype": "IQ1_S", "imatrix_fallback_type": "IQ2_XS"}]}, "itself needs an imatrix"),
-    ({"rungs": [{"ftype": "Q4_K_M"}, {"ftype": "Q4_K_M"}]}, "appear twice"),
-    ({"rungs": [{"ftype": "Q4_K_M", "tensor_types": [["(", "Q8_0"]]}]}, "regex"),
-    ({"rungs": [{"ftype": "Q4_K_M", "file_pattern": "{model}.gguf"}]}, "must contain"),
-    ({"name": "x"}, "no \\[\\[rungs\\]\\]"),
-])
+@pytest.mark.parametrize(
+    "doc, message",
+    [
+        ({"rungs": [{"ftype": "Q9_K"}]}, "unknown ftype"),
+        ({"rungs": [{"ftype": "Q4_K_M", "colour": "red"}]}, "unknown key"),
+        ({"rungs": [{"ftype": "Q4_K_M", "output_tensor_type": "Q7"}]}, "not a ggml tensor type"),
+        ({"rungs": [{"ftype": "IQ1_S", "imatrix_fallback_type": "IQ2_XS"}]}, "itself needs an imatrix"),
+        ({"rungs": [{"ftype": "Q4_K_M"}, {"ftype": "Q4_K_M"}]}, "appear twice"),
+        ({"rungs": [{"ftype": "Q4_K_M", "tensor_types": [["(", "Q8_0"]]}]}, "regex"),
+        ({"rungs": [{"ftype": "Q4_K_M", "file_pattern": "{model}.gguf"}]}, "must contain"),
+        ({"name": "x"}, "no \\[\\[rungs\\]\\]"),
+    ],
+)
 def test_bad_specs_are_refused(doc, message):
     with pytest.raises(BadInput, match=message):
         parse_spec(doc)
@@ -99,8 +116,21 @@ def small_spec(tmp_path_factory) -> Path:
 def ladder(small_spec, q8_moe, q8_moe_imatrix, llama_tools, tmp_path_factory):
     """Q6_K, Q4_K_M, IQ2_XS from the Q8_0 fixture with the binary quantizer; built once per module."""
     out = tmp_path_factory.mktemp("ladder") / "out"
-    result = ggufcarve("ladder", "run", small_spec, "--source", q8_moe, "--imatrix", q8_moe_imatrix, "-o", out,
-                       "--quantizer", llama_tools / "llama-quantize", "-t", "2")
+    result = ggufcarve(
+        "ladder",
+        "run",
+        small_spec,
+        "--source",
+        q8_moe,
+        "--imatrix",
+        q8_moe_imatrix,
+        "-o",
+        out,
+        "--quantizer",
+        llama_tools / "llama-quantize",
+        "-t",
+        "2",
+    )
     assert result.code == 0, result.stderr[-3000:]
     return out, result
 
@@ -139,7 +169,9 @@ def test_ladder_rungs_succeed_and_load(ladder, q8_moe, q8_moe_imatrix, llama_too
     # the final table
     for column in ("rung", "size", "bits/weight", "sha256", "seconds", "status"):
         assert column in result.stdout
-    assert format_size(manifest["rungs"][2]["bytes"]) in result.stdout and " MiB" in result.stdout  # a small model's sizes in MiB
+    assert (
+        format_size(manifest["rungs"][2]["bytes"]) in result.stdout and " MiB" in result.stdout
+    )  # a small model's sizes in MiB
     assert "IQ2_XS" in result.stdout and manifest["rungs"][2]["sha256"][:12] in result.stdout
     # no temp or partial files left, no lock held; the whole ladder is built, so its rung fragments are merged and removed
     assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == []
@@ -171,9 +203,23 @@ def test_iq_rung_without_imatrix_is_refused_before_anything_runs(small_spec, q8_
 def test_unremapped_imatrix_is_refused(small_spec, q8_moe, q8_moe_imatrix, tmp_path):
     pruned = tmp_path / "pruned-Q8_0.gguf"
     assert ggufcarve("prune", q8_moe, "--keep-first", "4", "-o", pruned, "-q").code == 0
-    result = ggufcarve("ladder", "run", small_spec, "--source", pruned, "--imatrix", q8_moe_imatrix, "-o", tmp_path / "out", "--only", "Q4_K_M")
+    result = ggufcarve(
+        "ladder",
+        "run",
+        small_spec,
+        "--source",
+        pruned,
+        "--imatrix",
+        q8_moe_imatrix,
+        "-o",
+        tmp_path / "out",
+        "--only",
+        "Q4_K_M",
+    )
     assert result.code == 1
-    assert "does not match pruned-Q8_0.gguf" in result.error_line and "is different from tensor size" in result.error_line
+    assert (
+        "does not match pruned-Q8_0.gguf" in result.error_line and "is different from tensor size" in result.error_line
+    )
     assert "imatrix remap" in result.error_line
     assert not (tmp_path / "out").exists()
 
@@ -191,12 +237,31 @@ def test_remapped_imatrix_on_pruned_model(small_spec, q8_moe, q8_moe_imatrix, tm
     remap = ggufcarve("imatrix", "remap", q8_moe_imatrix, "--keep", keep, "-o", remapped, "--model", pruned)
     assert remap.code == 0, remap.stderr
     out = tmp_path / "out"
-    result = ggufcarve("ladder", "run", small_spec, "--source", pruned, "--imatrix", remapped, "-o", out, "--only", "IQ2_XS", "--quantizer", "libllama", "-t", "2")
+    result = ggufcarve(
+        "ladder",
+        "run",
+        small_spec,
+        "--source",
+        pruned,
+        "--imatrix",
+        remapped,
+        "-o",
+        out,
+        "--only",
+        "IQ2_XS",
+        "--quantizer",
+        "libllama",
+        "-t",
+        "2",
+    )
     assert result.code == 0, result.stderr[-2000:]
     rung = out / "pruned-IQ2_XS.gguf"
     assert read_model(rung).get("qwen3moe.expert_count") == 4
     # the reports describing the ladder's inputs are published with it, under the release's names
-    for name, beside in (("pruning-report.json", "pruned-Q8_0.pruning-report.json"), ("imatrix-remap-report.json", "pruned.imatrix.imatrix-remap-report.json")):
+    for name, beside in (
+        ("pruning-report.json", "pruned-Q8_0.pruning-report.json"),
+        ("imatrix-remap-report.json", "pruned.imatrix.imatrix-remap-report.json"),
+    ):
         assert (out / "method" / name).read_bytes() == (tmp_path / "method" / beside).read_bytes()
         assert f"  method/{name}\n" in (out / "SHA256SUMS").read_text()
     assert ggufcarve("verify", out, "--partial").code == 0
@@ -204,7 +269,9 @@ def test_remapped_imatrix_on_pruned_model(small_spec, q8_moe, q8_moe_imatrix, tm
     report["output"]["expert_count"] = 5
     (out / "method" / "pruning-report.json").write_text(json.dumps(report))
     tampered = ggufcarve("verify", out, "--partial")
-    assert tampered.code == 1 and "pruning-report.json" in tampered.stderr and "expert_count" in tampered.stderr, tampered.stderr
+    assert tampered.code == 1 and "pruning-report.json" in tampered.stderr and "expert_count" in tampered.stderr, (
+        tampered.stderr
+    )
     probe = llama_probe.probe(rung, [1, 70, 80, 90])
     assert probe.ok and np.isfinite(probe.logits).all(), probe.stderr[-2000:]
 
@@ -218,13 +285,29 @@ def test_mtp_block_without_imatrix_gets_the_fallback_type(make_model, llama_tool
     imatrix = make_imatrix(llama_tools, model, tmp_path)
     mtp = 2  # blk.2 is the MTP block of the fixture
     # the trap is real: llama-quantize alone aborts, and leaves a truncated file behind
-    direct = BinaryQuantizer(llama_tools / "llama-quantize").run(QuantizeJob(model, tmp_path / "direct.gguf", "IQ2_XS", imatrix=imatrix, nthreads=2))
+    direct = BinaryQuantizer(llama_tools / "llama-quantize").run(
+        QuantizeJob(model, tmp_path / "direct.gguf", "IQ2_XS", imatrix=imatrix, nthreads=2)
+    )
     assert direct.returncode != 0 and direct.error.startswith(f"Missing importance matrix for tensor blk.{mtp}.")
 
     out = tmp_path / "out"
     spec = tmp_path / "spec.toml"
     spec.write_text(SMALL_SPEC.replace('"Q4_K"', '"Q5_K"'))
-    result = ggufcarve("ladder", "run", spec, "--source", model, "--imatrix", imatrix, "-o", out, "--only", "IQ2_XS", "--quantizer", llama_tools / "llama-quantize")
+    result = ggufcarve(
+        "ladder",
+        "run",
+        spec,
+        "--source",
+        model,
+        "--imatrix",
+        imatrix,
+        "-o",
+        out,
+        "--only",
+        "IQ2_XS",
+        "--quantizer",
+        llama_tools / "llama-quantize",
+    )
     assert result.code == 0, result.stderr[-3000:]
     assert "need an imatrix but have no entry; quantized as Q5_K" in result.stderr
     rung = json.loads((out / "quant-manifest.json").read_text())["rungs"][0]
@@ -245,7 +328,21 @@ def test_resume_skips_and_rebuilds_corrupted(ladder, small_spec, q8_moe, q8_moe_
     shutil.copytree(src, out)
     files = sorted(out.glob("*.gguf"))
     before = {p.name: (p.stat().st_mtime_ns, sha256(p)) for p in files}
-    args = ("ladder", "run", small_spec, "--source", q8_moe, "--imatrix", q8_moe_imatrix, "-o", out, "--quantizer", llama_tools / "llama-quantize", "-t", "2")
+    args = (
+        "ladder",
+        "run",
+        small_spec,
+        "--source",
+        q8_moe,
+        "--imatrix",
+        q8_moe_imatrix,
+        "-o",
+        out,
+        "--quantizer",
+        llama_tools / "llama-quantize",
+        "-t",
+        "2",
+    )
     again = ggufcarve(*args)
     assert again.code == 0, again.stderr[-2000:]
     assert again.stdout.count("skipped (unchanged)") == 3
@@ -277,15 +374,32 @@ tensor_types = [["token_embd", "IQ1_S"]]
 [[rungs]]
 ftype = "Q4_K_M"
 """)
-    base = ("ladder", "run", spec, "--source", q8_moe, "--imatrix", q8_moe_imatrix, "--quantizer", llama_tools / "llama-quantize", "-t", "2", "-q")
+    base = (
+        "ladder",
+        "run",
+        spec,
+        "--source",
+        q8_moe,
+        "--imatrix",
+        q8_moe_imatrix,
+        "--quantizer",
+        llama_tools / "llama-quantize",
+        "-t",
+        "2",
+        "-q",
+    )
     out = tmp_path / "stop"
     stop = ggufcarve(*base, "-o", out)
     assert stop.code == 1
     assert "rung BROKEN failed" in stop.error_line
     assert sorted(p.name for p in out.iterdir()) == [".ggufcarve-fragments", "SHA256SUMS", "quant-manifest.json"]
     rungs = {r["name"]: r for r in json.loads((out / "quant-manifest.json").read_text())["rungs"]}
-    assert rungs["BROKEN"]["status"] == "failed" and rungs["BROKEN"]["exit_status"] != 0 and rungs["BROKEN"]["files"] == []
-    assert rungs["BROKEN"]["error"] and str(tmp_path) not in (out / "quant-manifest.json").read_text()  # the error as published: no local paths
+    assert (
+        rungs["BROKEN"]["status"] == "failed" and rungs["BROKEN"]["exit_status"] != 0 and rungs["BROKEN"]["files"] == []
+    )
+    assert (
+        rungs["BROKEN"]["error"] and str(tmp_path) not in (out / "quant-manifest.json").read_text()
+    )  # the error as published: no local paths
     assert rungs["Q4_K_M"]["status"] == "not run" and rungs["Q4_K_M"]["command"] == []
 
     out = tmp_path / "going"
@@ -301,12 +415,42 @@ ftype = "Q4_K_M"
 def test_libllama_backend_ladder_and_dry_run(small_spec, q8_moe, ladder, llama_tools, tmp_path):
     src, _ = ladder
     out = tmp_path / "out"
-    dry = ggufcarve("ladder", "run", small_spec, "--source", q8_moe, "-o", out, "--only", "Q4_K_M", "--quantizer", "libllama", "--dry-run")
+    dry = ggufcarve(
+        "ladder",
+        "run",
+        small_spec,
+        "--source",
+        q8_moe,
+        "-o",
+        out,
+        "--only",
+        "Q4_K_M",
+        "--quantizer",
+        "libllama",
+        "--dry-run",
+    )
     assert dry.code == 0 and "quantize_child" in dry.stdout and not out.exists()
-    run = ggufcarve("ladder", "run", small_spec, "--source", q8_moe, "-o", out, "--only", "Q4_K_M", "--quantizer", "libllama", "-t", "2")
+    run = ggufcarve(
+        "ladder",
+        "run",
+        small_spec,
+        "--source",
+        q8_moe,
+        "-o",
+        out,
+        "--only",
+        "Q4_K_M",
+        "--quantizer",
+        "libllama",
+        "-t",
+        "2",
+    )
     assert run.code == 0, run.stderr[-2000:]
     manifest = json.loads((out / "quant-manifest.json").read_text())
-    assert manifest["quantizer"]["backend"] == "libllama" and manifest["rungs"][0]["command"][1:3] == ["-m", "ggufcarve.llama.quantize_child"]
+    assert manifest["quantizer"]["backend"] == "libllama" and manifest["rungs"][0]["command"][1:3] == [
+        "-m",
+        "ggufcarve.llama.quantize_child",
+    ]
     rung = out / manifest["rungs"][0]["files"][0]["name"]
     assert read_model(rung).get("general.file_type") == 15
     # llama.cpp loads the rung and computes finite logits, routing every token to top-2 experts
@@ -314,9 +458,13 @@ def test_libllama_backend_ladder_and_dry_run(small_spec, q8_moe, ladder, llama_t
     assert np.isfinite(trace.logits).all() and trace.logits.std() > 0
     assert {block: ids.shape for block, ids in trace.topk.items()} == {0: (6, 2), 1: (6, 2)}
     # and it is what llama-quantize itself writes for the same job (one llama.cpp source)
-    binary = BinaryQuantizer(llama_tools / "llama-quantize").run(QuantizeJob(q8_moe, tmp_path / "binary.gguf", "Q4_K_M", nthreads=2))
+    binary = BinaryQuantizer(llama_tools / "llama-quantize").run(
+        QuantizeJob(q8_moe, tmp_path / "binary.gguf", "Q4_K_M", nthreads=2)
+    )
     assert binary.returncode == 0, binary.error
-    assert all(tensor_bytes(rung, t.name) == tensor_bytes(tmp_path / "binary.gguf", t.name) for t in read_model(rung).tensors)
+    assert all(
+        tensor_bytes(rung, t.name) == tensor_bytes(tmp_path / "binary.gguf", t.name) for t in read_model(rung).tensors
+    )
 
 
 @pytest.mark.slow
@@ -324,10 +472,38 @@ def test_dry_run_does_not_hash_the_source(small_spec, q8_moe, tmp_path, monkeypa
     from ggufcarve.fileio import cached_sha256
 
     monkeypatch.setenv("GGUFCARVE_CACHE", str(tmp_path / "cache"))
-    dry = ggufcarve("ladder", "run", small_spec, "--source", q8_moe, "-o", tmp_path / "out", "--only", "Q4_K_M", "--quantizer", "libllama", "--dry-run")
+    dry = ggufcarve(
+        "ladder",
+        "run",
+        small_spec,
+        "--source",
+        q8_moe,
+        "-o",
+        tmp_path / "out",
+        "--only",
+        "Q4_K_M",
+        "--quantizer",
+        "libllama",
+        "--dry-run",
+    )
     assert dry.code == 0, dry.stderr
     assert cached_sha256(q8_moe) is None
-    run = ggufcarve("ladder", "run", small_spec, "--source", q8_moe, "-o", tmp_path / "out", "--only", "Q4_K_M", "--quantizer", "libllama", "-t", "2", "-q")
+    run = ggufcarve(
+        "ladder",
+        "run",
+        small_spec,
+        "--source",
+        q8_moe,
+        "-o",
+        tmp_path / "out",
+        "--only",
+        "Q4_K_M",
+        "--quantizer",
+        "libllama",
+        "-t",
+        "2",
+        "-q",
+    )
     assert run.code == 0 and cached_sha256(q8_moe) is not None, run.stderr[-2000:]
 
 
@@ -348,7 +524,20 @@ def q8_moe_copy_dir(q8_moe, tmp_path):
 
 def test_ladder_run_takes_the_name_of_a_shipped_spec(q8_moe, tmp_path):
     """`ladder run q8-to-iq1` as a plan's `[ladder] spec = "q8-to-iq1"`; an unknown name lists the known ones."""
-    dry = ggufcarve("ladder", "run", "q8-to-iq1", "--source", q8_moe, "-o", tmp_path / "out", "--only", "Q4_K_M", "--quantizer", "libllama", "--dry-run")
+    dry = ggufcarve(
+        "ladder",
+        "run",
+        "q8-to-iq1",
+        "--source",
+        q8_moe,
+        "-o",
+        tmp_path / "out",
+        "--only",
+        "Q4_K_M",
+        "--quantizer",
+        "libllama",
+        "--dry-run",
+    )
     assert dry.code == 0, dry.stderr
     assert "Q4_K_M" in dry.stdout
     unknown = ggufcarve("ladder", "run", "q9-to-iq0", "--source", q8_moe, "-o", tmp_path / "out", "--dry-run")

@@ -103,8 +103,10 @@ def test_a_calibration_child_started_ahead_and_never_used_exits_with_its_parent(
     import subprocess
 
     pid_file = tmp_path / "pid"
-    code = ("import sys; from ggufcarve.select import prestart; prestart.prestart(); "
-            f"from ggufcarve.llama import child; open({str(pid_file)!r}, 'w').write(str(child._ahead['ggufcarve.llama.decode'].proc.pid)); sys.exit(1)")
+    code = (
+        "import sys; from ggufcarve.select import prestart; prestart.prestart(); "
+        f"from ggufcarve.llama import child; open({str(pid_file)!r}, 'w').write(str(child._ahead['ggufcarve.llama.decode'].proc.pid)); sys.exit(1)"
+    )
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 1
     assert not alive(int(pid_file.read_text()), grace=30.0)
 
@@ -121,7 +123,9 @@ def test_children_die_with_a_sigkilled_ggufcarve(tmp_path, where):
     start = f"launch.run([sys.executable, '-c', {child!r}])"
     if where == "worker thread":
         start = f"threading.Thread(target=lambda: {start}).start(); time.sleep(120)"
-    parent = subprocess.Popen([sys.executable, "-c", f"import sys, threading, time; from ggufcarve.llama import launch; {start}"])
+    parent = subprocess.Popen(
+        [sys.executable, "-c", f"import sys, threading, time; from ggufcarve.llama import launch; {start}"]
+    )
     deadline = time.monotonic() + 60
     while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -67,15 +67,24 @@ def test_periodic_suffix_by_definition():
     for _ in range(300):
         stream = [int(x) for x in rng.integers(0, 3, size=int(rng.integers(0, 40)))]
         for p in range(1, 8):
-            by_definition = max((n for n in range(p, len(stream) + 1) if all(stream[i] == stream[i - p] for i in range(len(stream) - n + p, len(stream)))), default=0)
+            by_definition = max(
+                (
+                    n
+                    for n in range(p, len(stream) + 1)
+                    if all(stream[i] == stream[i - p] for i in range(len(stream) - n + p, len(stream)))
+                ),
+                default=0,
+            )
             assert periodic_suffix(stream, p) == by_definition, (stream, p)
 
 
 def test_loop_prompt_files(tmp_path):
     lines = tmp_path / "prompts.txt"
     lines.write_text("Tell me a story\n\nCount to ten\n")
-    assert load_loop_prompts(lines) == [{"id": "line-1", "messages": [{"role": "user", "content": "Tell me a story"}]},
-                                        {"id": "line-3", "messages": [{"role": "user", "content": "Count to ten"}]}]
+    assert load_loop_prompts(lines) == [
+        {"id": "line-1", "messages": [{"role": "user", "content": "Tell me a story"}]},
+        {"id": "line-3", "messages": [{"role": "user", "content": "Count to ten"}]},
+    ]
     jsonl = tmp_path / "prompts.jsonl"
     jsonl.write_text('{"id": "raw", "prompt": "def main():"}\n{"messages": [{"role": "user", "content": "hi"}]}\n')
     assert [p["id"] for p in load_loop_prompts(jsonl)] == ["raw", "line-2"]
@@ -123,9 +132,12 @@ def _greedy_by_llama_cpp_python(model, rows: list[dict]) -> None:
             assert len(prefix) == row["prompt_tokens"]
             llm.reset()
             llm.eval(prefix + row["tokens"])
-            scores = np.asarray(llm.scores[len(prefix) - 1: len(prefix) - 1 + len(row["tokens"])])
+            scores = np.asarray(llm.scores[len(prefix) - 1 : len(prefix) - 1 + len(row["tokens"])])
             chosen = scores[np.arange(len(row["tokens"])), row["tokens"]]
-            assert np.all(chosen >= scores.max(axis=1) - 0.5), (row["id"], np.flatnonzero(chosen < scores.max(axis=1) - 0.5))
+            assert np.all(chosen >= scores.max(axis=1) - 0.5), (
+                row["id"],
+                np.flatnonzero(chosen < scores.max(axis=1) - 0.5),
+            )
     finally:
         llm.close()
 
@@ -138,35 +150,76 @@ def test_eval_loops_on_the_demo_model(tmp_path):
     assert ggufcarve("prune", DEMO_MODEL, "--keep-first", 4, "-o", pruned, "-q").code == 0
     prompts = tmp_path / "loops.jsonl"
     raw = ["import os\n", "def main(", "class Config:\n    ", "    for i in range("]
-    prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": p}) + "\n" for i, p in enumerate(raw))
-                       + json.dumps({"id": "chat", "messages": [{"role": "user", "content": "Write a loop"}]}) + "\n")
+    prompts.write_text(
+        "".join(json.dumps({"id": f"p{i}", "prompt": p}) + "\n" for i, p in enumerate(raw))
+        + json.dumps({"id": "chat", "messages": [{"role": "user", "content": "Write a loop"}]})
+        + "\n"
+    )
     gate = tmp_path / "gate.toml"
     gate.write_text("max_loop_share_increase = 0.0\nmax_loop_share = 1.0\n")
     out = tmp_path / "out"
-    result = ggufcarve("eval", DEMO_MODEL, pruned, "--reference", DEMO_MODEL, "--heldout", HELDOUT, "--ctx", 256, "--chunks", 2, "--speed-runs", 0,
-                       "--loop-prompts", prompts, "--gate", gate, "--cache", tmp_path / "cache", "-t", 2, "-o", out)
+    result = ggufcarve(
+        "eval",
+        DEMO_MODEL,
+        pruned,
+        "--reference",
+        DEMO_MODEL,
+        "--heldout",
+        HELDOUT,
+        "--ctx",
+        256,
+        "--chunks",
+        2,
+        "--speed-runs",
+        0,
+        "--loop-prompts",
+        prompts,
+        "--gate",
+        gate,
+        "--cache",
+        tmp_path / "cache",
+        "-t",
+        2,
+        "-o",
+        out,
+    )
     assert result.code == 0, result.stderr[-3000:]
     itself, carved = (json.loads((out / f"{m.stem}.json").read_text()) for m in (DEMO_MODEL, pruned))
     for doc in (itself, carved):
         loops = doc["loops"]
         assert loops["total"] == 5 and loops["tokens"] == 256 and loops["prompts_from"] == "loops.jsonl"
-        assert doc["loop_share"] == loops["looped"] / 5 and doc["loop_share_reference"] == loops["reference_share"] is not None
+        assert (
+            doc["loop_share"] == loops["looped"] / 5
+            and doc["loop_share_reference"] == loops["reference_share"] is not None
+        )
         increase = doc["loop_share"] - doc["loop_share_reference"]
         assert (doc["gate"] == "FAIL") == (increase > 0), doc["gate_failed"]
         assert any(f.startswith("loop_share_increase") for f in doc["gate_failed"]) == (increase > 0)
     # the reference against itself: the same continuations, the same verdicts
     assert itself["loop_share"] == itself["loop_share_reference"] and itself["gate"] == "PASS"
-    assert sorted(itself["loops"]["reference_looped_ids"]) == sorted(p["id"] for p in itself["loops"]["prompts"] if p["looped"])
+    assert sorted(itself["loops"]["reference_looped_ids"]) == sorted(
+        p["id"] for p in itself["loops"]["prompts"] if p["looped"]
+    )
     # every continuation judged by the definition; the raw prompts' continuations are greedy by llama-cpp-python's logits
     for model, doc in ((DEMO_MODEL, itself), (pruned, carved)):
         rows = doc["loops"]["prompts"]
         for row in rows:
             assert row["output_tokens"] == len(row["tokens"]) and (row["ended"] or len(row["tokens"]) == 256)
-            assert row["period"] == _brute_force_loop(row["tokens"]) and row["looped"] == (row["period"] is not None), (model.name, row["id"])
-        _greedy_by_llama_cpp_python(model, [{**row, "prompt": raw[int(row["id"][1:])]} for row in rows if row["id"] != "chat"])
-    assert any(row["looped"] for row in carved["loops"]["prompts"]) and not all(row["looped"] for row in carved["loops"]["prompts"] + itself["loops"]["prompts"])
+            assert row["period"] == _brute_force_loop(row["tokens"]) and row["looped"] == (row["period"] is not None), (
+                model.name,
+                row["id"],
+            )
+        _greedy_by_llama_cpp_python(
+            model, [{**row, "prompt": raw[int(row["id"][1:])]} for row in rows if row["id"] != "chat"]
+        )
+    assert any(row["looped"] for row in carved["loops"]["prompts"]) and not all(
+        row["looped"] for row in carved["loops"]["prompts"] + itself["loops"]["prompts"]
+    )
     summary = (out / "summary.md").read_text()
-    assert "Loops |" in summary and f"{carved['loops']['looped']}/5 (ref {carved['loops']['reference_looped']}/5)" in summary
+    assert (
+        "Loops |" in summary
+        and f"{carved['loops']['looped']}/5 (ref {carved['loops']['reference_looped']}/5)" in summary
+    )
     assert "loops" in result.stdout
 
 
@@ -176,12 +229,30 @@ def test_loops_column_in_the_card_and_the_gate_text():
     from ggufcarve.evaluate.gate import Gate
     from ggufcarve.release.card import GATE_TEXT, _quant_table
 
-    loops = {"looped": 2, "total": 10, "reference_looped": 1, "tokens": 256, "prompts_from": "QA suite",
-             "detector": {"max_period": 64, "min_tokens": 32, "min_repeats": 3}}
-    doc = {"ppl": 5.0, "ppl_delta_percent": 1.0, "kld_mean": 0.01, "same_top_p": 0.9, "qa_passed": 8, "qa_total": 10, "gate": "FAIL",
-           "loops": loops, "loop_share": 0.2, "loop_share_reference": 0.1}
-    rungs = [{"name": "Q4_K_M", "files": [{"name": "m-Q4_K_M.gguf", "bytes": 2**20}], "sha256": "ab" * 32},
-             {"name": "Q2_K", "files": [{"name": "m-Q2_K.gguf", "bytes": 2**19}], "sha256": "cd" * 32}]
+    loops = {
+        "looped": 2,
+        "total": 10,
+        "reference_looped": 1,
+        "tokens": 256,
+        "prompts_from": "QA suite",
+        "detector": {"max_period": 64, "min_tokens": 32, "min_repeats": 3},
+    }
+    doc = {
+        "ppl": 5.0,
+        "ppl_delta_percent": 1.0,
+        "kld_mean": 0.01,
+        "same_top_p": 0.9,
+        "qa_passed": 8,
+        "qa_total": 10,
+        "gate": "FAIL",
+        "loops": loops,
+        "loop_share": 0.2,
+        "loop_share_reference": 0.1,
+    }
+    rungs = [
+        {"name": "Q4_K_M", "files": [{"name": "m-Q4_K_M.gguf", "bytes": 2**20}], "sha256": "ab" * 32},
+        {"name": "Q2_K", "files": [{"name": "m-Q2_K.gguf", "bytes": 2**19}], "sha256": "cd" * 32},
+    ]
     rows = _quant_table(SimpleNamespace(rungs=rungs, evaluation={"m-Q4_K_M.gguf": doc}))
     assert rows[0].endswith("| sha256 | Loops |") and rows[1].endswith("|---|")
     assert rows[2].endswith("| 2/10 (ref 1/10) |") and rows[3].endswith("| – |")  # the second rung was not evaluated
@@ -190,7 +261,9 @@ def test_loops_column_in_the_card_and_the_gate_text():
     assert not any("Loops" in row for row in without)
     verdict = Gate({"max_loop_share_increase": 0.05, "max_loop_share": 0.5}, "gate.toml").judge(doc)
     assert verdict.failed == ["loop_share_increase 0.1 > 0.05"] and verdict.passed == ["max_loop_share"]
-    assert Gate({"max_loop_share_increase": 0.05}, "g").judge({**doc, "loop_share_reference": None}).not_measured == ["max_loop_share_increase"]
+    assert Gate({"max_loop_share_increase": 0.05}, "g").judge({**doc, "loop_share_reference": None}).not_measured == [
+        "max_loop_share_increase"
+    ]
     assert GATE_TEXT["max_loop_share_increase"].format(v=0.05, p=5.0).startswith("at most 5 percentage points")
 
 

@@ -39,8 +39,14 @@ def random_keepset(layout, seed: int) -> KeepSet:
     rng = np.random.default_rng(seed)
     groups = max(layout.group_count, 1)
     size = layout.expert_count // groups
-    return KeepSet({b: tuple(sorted(int(g * size + i) for g in range(groups) for i in rng.choice(size, size // 2, replace=False)))
-                    for b in layout.blocks})
+    return KeepSet(
+        {
+            b: tuple(
+                sorted(int(g * size + i) for g in range(groups) for i in rng.choice(size, size // 2, replace=False))
+            )
+            for b in layout.blocks
+        }
+    )
 
 
 def prune(src, keepset: KeepSet, out):
@@ -59,7 +65,7 @@ def engine_logits(path, ids: list[int], mask: masking.RoutingMask | None = None,
     engine = Engine(str(path), threads=2)
     context = engine.context(CONTEXT, 1, batch, eval_callback=mask)
     try:
-        chunks = [np.asarray(ids[i:i + CONTEXT], dtype=np.int32) for i in range(0, len(ids), CONTEXT)]
+        chunks = [np.asarray(ids[i : i + CONTEXT], dtype=np.int32) for i in range(0, len(ids), CONTEXT)]
         return np.concatenate([context.chunk_logits([chunk], 0)[0] for chunk in chunks])
     finally:
         context.close()
@@ -80,9 +86,18 @@ def mean_kld(reference: np.ndarray, logits: np.ndarray) -> float:
     return float((np.exp(p) * (p - q)).sum(axis=1).mean())
 
 
-@pytest.mark.parametrize(("arch", "options"), [("qwen3moe", {}), ("qwen35moe", {}), ("deepseek2", {}), ("deepseek2", {"v2_routing": True}),
-                                               ("gpt-oss", {}), ("fused", {})], ids=["qwen3moe", "qwen35moe-mtp", "deepseek2-grouped-sigmoid",
-                                                                                     "deepseek2-grouped-softmax", "gpt-oss", "fused"])
+@pytest.mark.parametrize(
+    ("arch", "options"),
+    [
+        ("qwen3moe", {}),
+        ("qwen35moe", {}),
+        ("deepseek2", {}),
+        ("deepseek2", {"v2_routing": True}),
+        ("gpt-oss", {}),
+        ("fused", {}),
+    ],
+    ids=["qwen3moe", "qwen35moe-mtp", "deepseek2-grouped-sigmoid", "deepseek2-grouped-softmax", "gpt-oss", "fused"],
+)
 def test_masked_logits_equal_the_pruned_files(make_model, tmp_path, arch, options):
     src = make_model(arch, "F16", **options)
     layout = inspect_layout(read_model(src))
@@ -115,11 +130,15 @@ def test_grouped_sigmoid_routing_needs_the_selection_scores_masked(make_model, t
     keepset = random_keepset(layout, seed=1)
     ids = tokens(2 * CONTEXT)
     pruned = engine_logits(prune(src, keepset, tmp_path / "p.gguf"), ids, batch=CONTEXT)
-    logits_only = engine_logits(src, ids, masking.RoutingMask(dict(keepset.layers), frozenset({masking.ROUTER_LOGITS})), batch=CONTEXT)
+    logits_only = engine_logits(
+        src, ids, masking.RoutingMask(dict(keepset.layers), frozenset({masking.ROUTER_LOGITS})), batch=CONTEXT
+    )
     both = engine_logits(src, ids, masking.RoutingMask(dict(keepset.layers)), batch=CONTEXT)
     assert np.abs(logits_only - pruned).max() > 100 * TOLERANCE
     assert np.abs(both - pruned).max() <= TOLERANCE
-    assert masking.required_nodes(layout, keepset) == [(node, b) for b in (1, 2) for node in (masking.ROUTER_LOGITS, masking.SELECTION_SCORES)]
+    assert masking.required_nodes(layout, keepset) == [
+        (node, b) for b in (1, 2) for node in (masking.ROUTER_LOGITS, masking.SELECTION_SCORES)
+    ]
 
 
 def test_a_keepset_no_pruned_file_could_hold_is_refused(make_model):

@@ -11,7 +11,9 @@ from ggufcarve.llama.libllama import bindings
 from ggufcarve.llama.matmul import ExpertProduct, ExpertProducts, context_bytes
 
 
-def random_weights(qtype: GGMLQuantizationType, cols: int, rows: int, n_expert: int, rng: np.random.Generator) -> np.ndarray:
+def random_weights(
+    qtype: GGMLQuantizationType, cols: int, rows: int, n_expert: int, rng: np.random.Generator
+) -> np.ndarray:
     """Random bytes of an expert-axis tensor of `qtype`, every block's f16 scales set to small finite values."""
     block, size = GGML_QUANT_SIZES[qtype]
     raw = rng.integers(0, 256, size=(n_expert * rows * cols // block, size), dtype=np.uint8)
@@ -38,7 +40,9 @@ def test_expert_products_equal_numpy_products_of_the_dequantized_weights(qtype):
         x = rng.standard_normal((tokens, cols)).astype(np.float32)
         experts = rng.integers(0, n_expert, tokens).astype(np.int32)
         products.append(ExpertProduct(raw.ctypes.data, int(qtype), cols, rows, n_expert, x, experts))
-    empty = ExpertProduct(raw.ctypes.data, int(qtype), cols, rows, n_expert, np.empty((0, cols), np.float32), np.empty(0, np.int32))
+    empty = ExpertProduct(
+        raw.ctypes.data, int(qtype), cols, rows, n_expert, np.empty((0, cols), np.float32), np.empty(0, np.int32)
+    )
     engine = ExpertProducts(threads=2)
     outs = engine.run([*products, empty])
     assert outs[-1].shape == (0, rows)

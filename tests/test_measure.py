@@ -14,7 +14,15 @@ import pytest
 
 from ggufcarve.evaluate import kld
 from ggufcarve.measure.statistics import Choice, choose_answer, paired_difference
-from ggufcarve.measure.tournament import Candidate, MeasureSettings, Segment, measure, schedule, spread_order, spread_units
+from ggufcarve.measure.tournament import (
+    Candidate,
+    MeasureSettings,
+    Segment,
+    measure,
+    schedule,
+    spread_order,
+    spread_units,
+)
 
 TOKENS = 127  # scored tokens per chunk at n_ctx 256 (the second half of each chunk, llama-perplexity's rule)
 
@@ -34,9 +42,11 @@ def table(kld_values: np.ndarray) -> np.ndarray:
 
 def scorer(series: dict[str, list[np.ndarray]]):
     """score_unit from per-candidate per-chunk KLD series (unit = chunks first..first+count-1)."""
+
     def score_unit(candidate: Candidate, unit: tuple[int, int, int]) -> np.ndarray:
         seg, first, count = unit
         return table(np.concatenate([series[candidate.id][seg][i] for i in range(first, first + count)]))
+
     return score_unit
 
 
@@ -82,7 +92,11 @@ def test_paired_difference_is_mean_and_standard_error_of_the_differences():
 
 
 def test_the_answer_among_ties_is_the_smaller_file_or_what_prefer_says():
-    choices = [Choice("unpruned-Q3_K_M", 0.0132, 683, 300), Choice("K14-Q3_K_M", 0.0136, 611, 300), Choice("K14-Q2_K", 0.0450, 479, 200)]
+    choices = [
+        Choice("unpruned-Q3_K_M", 0.0132, 683, 300),
+        Choice("K14-Q3_K_M", 0.0136, 611, 300),
+        Choice("K14-Q2_K", 0.0450, 479, 200),
+    ]
     assert choose_answer(choices, ["K14-Q3_K_M"], "smaller") == "K14-Q3_K_M"
     assert choose_answer(choices, [], "smaller") == "unpruned-Q3_K_M"
     assert choose_answer(choices, ["K14-Q3_K_M"], "metric") == "unpruned-Q3_K_M"
@@ -105,7 +119,9 @@ def test_a_misleading_first_round_does_not_eliminate_the_true_winner(tmp_path):
     lucky = [b - 0.002 if i in first_round else b + 0.01 for i, b in enumerate(base)]
     series = {"good": [good], "plain": [base], "lucky": [lucky], "bad": [[b + 0.5 for b in base]]}
     candidates = [Candidate(cid, Path(f"/nonexistent/{cid}.gguf"), file_bytes=100) for cid in series]
-    got = measure(candidates, [segment("a", n_chunk, 2048)], MeasureSettings(threads=1), tmp_path, score_unit=scorer(series))
+    got = measure(
+        candidates, [segment("a", n_chunk, 2048)], MeasureSettings(threads=1), tmp_path, score_unit=scorer(series)
+    )
     first = got.groups[""]["rounds"][0]
     assert first["units"] == 8 and first["chunks"] == 8
     assert first["candidates"][:3] == ["lucky", "plain", "good"]  # the point estimates' order
@@ -120,14 +136,29 @@ def test_a_misleading_first_round_does_not_eliminate_the_true_winner(tmp_path):
 def test_a_candidate_over_the_budget_or_failing_the_gate_is_never_a_finalist(tmp_path):
     rng = np.random.default_rng(2)
     base = [rng.gamma(0.5, 0.4, TOKENS) for _ in range(8)]
-    series = {"big": [[b - 0.05 for b in base]], "gated": [[b - 0.04 for b in base]], "small": [base], "smaller": [[b + 0.001 for b in base]]}
-    candidates = [Candidate("big", Path("/x/big.gguf"), fits=False, file_bytes=900), Candidate("gated", Path("/x/g.gguf"), file_bytes=300),
-                  Candidate("small", Path("/x/s.gguf"), file_bytes=500), Candidate("smaller", Path("/x/t.gguf"), file_bytes=400)]
+    series = {
+        "big": [[b - 0.05 for b in base]],
+        "gated": [[b - 0.04 for b in base]],
+        "small": [base],
+        "smaller": [[b + 0.001 for b in base]],
+    }
+    candidates = [
+        Candidate("big", Path("/x/big.gguf"), fits=False, file_bytes=900),
+        Candidate("gated", Path("/x/g.gguf"), file_bytes=300),
+        Candidate("small", Path("/x/s.gguf"), file_bytes=500),
+        Candidate("smaller", Path("/x/t.gguf"), file_bytes=400),
+    ]
 
     def gate(stats):
-        return (False, ["kld_mean"]) if stats["kld_mean"] < base[0].mean() * 0 + np.concatenate(base).mean() - 0.03 else (True, [])
+        return (
+            (False, ["kld_mean"])
+            if stats["kld_mean"] < base[0].mean() * 0 + np.concatenate(base).mean() - 0.03
+            else (True, [])
+        )
 
-    got = measure(candidates, [segment("a", 8)], MeasureSettings(threads=1, gate=gate), tmp_path, score_unit=scorer(series))
+    got = measure(
+        candidates, [segment("a", 8)], MeasureSettings(threads=1, gate=gate), tmp_path, score_unit=scorer(series)
+    )
     decision = got.groups[""]
     assert "big" not in decision["finalists"] and got.records["big"]["stopped_reason"] == "budget"
     assert "gated" not in decision["finalists"] and got.records["gated"]["stopped_reason"] == "gate"
@@ -138,9 +169,16 @@ def test_a_candidate_over_the_budget_or_failing_the_gate_is_never_a_finalist(tmp
 def test_a_tie_within_noise_names_the_smaller_file(tmp_path):
     rng = np.random.default_rng(3)
     base = [rng.gamma(0.5, 0.4, TOKENS) for _ in range(8)]
-    series = {"unpruned-Q3_K_M": [base], "K14-Q3_K_M": [[b + rng.normal(0, 0.05, TOKENS) for b in base]], "same-file": [base]}
-    candidates = [Candidate("unpruned-Q3_K_M", Path("/x/u.gguf"), file_bytes=683), Candidate("K14-Q3_K_M", Path("/x/k.gguf"), file_bytes=611),
-                  Candidate("same-file", Path("/x/u.gguf"), file_bytes=683)]
+    series = {
+        "unpruned-Q3_K_M": [base],
+        "K14-Q3_K_M": [[b + rng.normal(0, 0.05, TOKENS) for b in base]],
+        "same-file": [base],
+    }
+    candidates = [
+        Candidate("unpruned-Q3_K_M", Path("/x/u.gguf"), file_bytes=683),
+        Candidate("K14-Q3_K_M", Path("/x/k.gguf"), file_bytes=611),
+        Candidate("same-file", Path("/x/u.gguf"), file_bytes=683),
+    ]
     got = measure(candidates, [segment("a", 8)], MeasureSettings(threads=1), tmp_path, score_unit=scorer(series))
     decision = got.groups[""]
     diff = paired_difference(np.concatenate(series["K14-Q3_K_M"][0]), np.concatenate(base))
@@ -148,7 +186,9 @@ def test_a_tie_within_noise_names_the_smaller_file(tmp_path):
     assert decision["winner"] == "K14-Q3_K_M"
     assert set(decision["tie_with"]) == {"unpruned-Q3_K_M", "same-file"}
     assert got.records["K14-Q3_K_M"]["tie_with"] == decision["tie_with"]
-    got = measure(candidates, [segment("a", 8)], MeasureSettings(threads=1, prefer="metric"), tmp_path, score_unit=scorer(series))
+    got = measure(
+        candidates, [segment("a", 8)], MeasureSettings(threads=1, prefer="metric"), tmp_path, score_unit=scorer(series)
+    )
     means = {cid: np.concatenate(s[0]).mean() for cid, s in series.items()}
     assert got.groups[""]["winner"] == min(sorted(means), key=means.get)
 
@@ -165,8 +205,11 @@ def test_two_candidates_on_the_same_file_tie_in_llama_cpp(tmp_path):
     from ggufcarve.measure.tournament import prepare_segments
 
     segments = prepare_segments(DEMO_MODEL, [HELDOUT], chunk_ctx=256, chunks=4, threads=2, work=tmp_path)
-    candidates = [Candidate("a", DEMO_MODEL, file_bytes=2), Candidate("b", DEMO_MODEL, file_bytes=1),
-                  Candidate("a-masked", DEMO_MODEL, keep={b: tuple(range(15)) for b in range(4)}, file_bytes=3)]
+    candidates = [
+        Candidate("a", DEMO_MODEL, file_bytes=2),
+        Candidate("b", DEMO_MODEL, file_bytes=1),
+        Candidate("a-masked", DEMO_MODEL, keep={b: tuple(range(15)) for b in range(4)}, file_bytes=3),
+    ]
     got = measure(candidates, segments, MeasureSettings(threads=2), tmp_path)
     decision = got.groups[""]
     assert np.array_equal(got.table("a"), got.table("b"))
@@ -174,7 +217,25 @@ def test_two_candidates_on_the_same_file_tie_in_llama_cpp(tmp_path):
     assert decision["winner"] == "b" and decision["tie_with"] == ["a"]  # within noise: the smaller file
     assert "a-masked" not in decision["tie_with"] and got.records["a-masked"]["kld_mean"] > 1e-3
     out = tmp_path / "eval"
-    run = ggufcarve("eval", DEMO_MODEL, "--reference", DEMO_MODEL, "--heldout", HELDOUT, "--ctx", 256, "--chunks", 4, "--speed-runs", 0, "-o", out, "-t", 2, "-q")
+    run = ggufcarve(
+        "eval",
+        DEMO_MODEL,
+        "--reference",
+        DEMO_MODEL,
+        "--heldout",
+        HELDOUT,
+        "--ctx",
+        256,
+        "--chunks",
+        4,
+        "--speed-runs",
+        0,
+        "-o",
+        out,
+        "-t",
+        2,
+        "-q",
+    )
     assert run.code == 0, run.stderr
     doc = json.loads(next(out.glob("*.json")).read_text())
     assert doc["kld_mean"] == pytest.approx(got.records["a"]["kld_mean"], rel=1e-9, abs=1e-15)
@@ -210,14 +271,20 @@ def test_masked_on_the_unpruned_rung_equals_the_pruned_rungs_file(make_model, tm
     rung = factory.quantize_with_llama(src, tmp_path / "unpruned-Q8_0.gguf", "Q8_0")
     pruned_rung = factory.quantize_with_llama(pruned, tmp_path / "pruned-Q8_0.gguf", "Q8_0")
     full_types = {t.name: t.type_id for t in read_model(rung).tensors}
-    assert all(full_types[t.name] == t.type_id for t in read_model(pruned_rung).tensors)  # the types agree: masking stands for the file
+    assert all(
+        full_types[t.name] == t.type_id for t in read_model(pruned_rung).tensors
+    )  # the types agree: masking stands for the file
     words = "the quick brown fox jumps over a lazy dog while experts route tokens through layers".split()
     heldout = tmp_path / "heldout.txt"
     heldout.write_text(" ".join(words[i % len(words)] for i in range(600)) + "\n")
     segments = prepare_segments(src, [heldout], chunk_ctx=64, chunks=8, threads=2, work=tmp_path)
     nodes = tuple(f"{node}:{block}" for node, block in required_nodes(layout, keepset))
-    got = measure([Candidate("masked", rung, keep=keepset.layers, required_nodes=nodes), Candidate("file", pruned_rung)], segments,
-                  MeasureSettings(threads=2), tmp_path)
+    got = measure(
+        [Candidate("masked", rung, keep=keepset.layers, required_nodes=nodes), Candidate("file", pruned_rung)],
+        segments,
+        MeasureSettings(threads=2),
+        tmp_path,
+    )
     masked, file = got.records["masked"], got.records["file"]
     assert masked["chunks_scored"] == file["chunks_scored"] == 8
     assert file["kld_mean"] > 1e-4  # pruning half the experts moves the model: the comparison can fail
@@ -246,9 +313,13 @@ def test_the_device_copy_path_gives_the_in_place_results_bit_for_bit(monkeypatch
             monkeypatch.setenv(FORCE_COPY_ENV, "1")
         work = tmp_path / str(forced)
         work.mkdir()
-        table = measure([Candidate("masked", DEMO_MODEL, keep=keep)], segments, MeasureSettings(threads=2), work).table("masked")
+        table = measure([Candidate("masked", DEMO_MODEL, keep=keep)], segments, MeasureSettings(threads=2), work).table(
+            "masked"
+        )
         traced = trace_routing(DEMO_MODEL, tokens, nodes=("ffn_moe_topk", "ffn_moe_logits"), context=128, batch=64)
-        imatrix = collect_imatrix(read_model(DEMO_MODEL), [CALIBRATION], work / "im.gguf", ctx=128, chunks=2, threads=2, force=True)
+        imatrix = collect_imatrix(
+            read_model(DEMO_MODEL), [CALIBRATION], work / "im.gguf", ctx=128, chunks=2, threads=2, force=True
+        )
         outputs[forced] = (table, traced, (work / "im.gguf").read_bytes(), imatrix)
     (table_a, traced_a, im_a, _), (table_b, traced_b, im_b, _) = outputs[False], outputs[True]
     assert np.array_equal(table_a, table_b) and len(table_a) > 0

@@ -38,7 +38,9 @@ MIB = 2**20
 def allocated(path: Path, n_ctx: int, kv: str) -> dict[str, float]:
     """The MiB llama.cpp logs when it really allocates the model and a context."""
     lines: list[str] = []
-    finished = launch.run([sys.executable, "-c", ALLOCATING_CHILD, str(path), str(n_ctx), kv], on_line=lines.append, timeout=300)
+    finished = launch.run(
+        [sys.executable, "-c", ALLOCATING_CHILD, str(path), str(n_ctx), kv], on_line=lines.append, timeout=300
+    )
     assert finished.ok, "\n".join(finished.tail)
     text = "\n".join(lines)
 
@@ -47,14 +49,35 @@ def allocated(path: Path, n_ctx: int, kv: str) -> dict[str, float]:
         assert len(found) == 1, (pattern, lines[-30:])
         return found[0]
 
-    return {"weights": figure(r"CPU_Mapped model buffer size = +([\d.]+) MiB"), "cache": figure(r"llama_kv_cache: size = +([\d.]+) MiB"),
-            "compute": figure(r"CPU compute buffer size = +([\d.]+) MiB"), "output": figure(r"CPU +output buffer size = +([\d.]+) MiB")}
+    return {
+        "weights": figure(r"CPU_Mapped model buffer size = +([\d.]+) MiB"),
+        "cache": figure(r"llama_kv_cache: size = +([\d.]+) MiB"),
+        "compute": figure(r"CPU compute buffer size = +([\d.]+) MiB"),
+        "output": figure(r"CPU +output buffer size = +([\d.]+) MiB"),
+    }
 
 
 def fit_params(tools: Path, path: Path, n_ctx: int, kv: str) -> tuple[int, int, int]:
     """llama-fit-params --fit-print on: the host's model, context and compute MiB (whole MiB, rounded down)."""
-    proc = subprocess.run([str(tools / "llama-fit-params"), "-m", str(path), "-c", str(n_ctx), "-ctk", kv, "-ctv", kv, "--fit-print", "on"],
-                          capture_output=True, text=True, timeout=300, env=launch.child_env())
+    proc = subprocess.run(
+        [
+            str(tools / "llama-fit-params"),
+            "-m",
+            str(path),
+            "-c",
+            str(n_ctx),
+            "-ctk",
+            kv,
+            "-ctv",
+            kv,
+            "--fit-print",
+            "on",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=launch.child_env(),
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     host = [line.split() for line in proc.stdout.splitlines() if line.startswith("Host ")]
     assert len(host) == 1, proc.stdout
@@ -65,8 +88,16 @@ def fit_params(tools: Path, path: Path, n_ctx: int, kv: str) -> tuple[int, int, 
 def many_experts(tmp_path_factory) -> Path:
     import factory
 
-    return factory.write_model(tmp_path_factory.mktemp("memory") / "qwen3moe-256x8.gguf", "qwen3moe", dtype="Q8_0", n_expert=256, n_expert_used=8,
-                               n_layer=2, n_embd=256, n_ff_exp=64)
+    return factory.write_model(
+        tmp_path_factory.mktemp("memory") / "qwen3moe-256x8.gguf",
+        "qwen3moe",
+        dtype="Q8_0",
+        n_expert=256,
+        n_expert_used=8,
+        n_layer=2,
+        n_embd=256,
+        n_ff_exp=64,
+    )
 
 
 @pytest.mark.slow
@@ -90,7 +121,21 @@ def test_measured_memory_is_what_llama_cpp_allocates(llama_tools, many_experts, 
 def test_a_compute_dominated_model_does_not_fit_when_file_and_cache_would(tmp_path):
     """At 32k tokens the demo model's compute buffers (40 MiB) outweigh its file (14.5 MiB): file +
     KV cache (78.5 MiB) is within 100 MiB, llama.cpp's total (118 MiB) is not. fit says it does not fit."""
-    args = ["fit", DEMO_MODEL, "--memory", "100MiB", "--ctx", "32768", "--keep", "16", "--only", "Q8_0", "--quantizer", "libllama", "--json"]
+    args = [
+        "fit",
+        DEMO_MODEL,
+        "--memory",
+        "100MiB",
+        "--ctx",
+        "32768",
+        "--keep",
+        "16",
+        "--only",
+        "Q8_0",
+        "--quantizer",
+        "libllama",
+        "--json",
+    ]
     measured = ggufcarve(*args)
     assert measured.code == 0, measured.stderr
     row = json.loads(measured.stdout)["rows"][0]
@@ -105,8 +150,16 @@ def test_a_compute_dominated_model_does_not_fit_when_file_and_cache_would(tmp_pa
 def twelve_blocks(tmp_path_factory) -> Path:
     import factory
 
-    return factory.write_model(tmp_path_factory.mktemp("memory") / "qwen3moe-16x12.gguf", "qwen3moe", dtype="Q8_0", n_expert=16, n_expert_used=4,
-                               n_layer=12, n_embd=64, n_ff_exp=32)
+    return factory.write_model(
+        tmp_path_factory.mktemp("memory") / "qwen3moe-16x12.gguf",
+        "qwen3moe",
+        dtype="Q8_0",
+        n_expert=16,
+        n_expert_used=4,
+        n_layer=12,
+        n_embd=64,
+        n_ff_exp=32,
+    )
 
 
 @pytest.mark.parametrize("n_cpu_moe", [1, 2, 11, 12])
@@ -136,8 +189,23 @@ def test_on_a_cpu_llama_cpp_the_gpu_split_is_marked_estimated():
     compute figures marked estimated; the weights of the two add up to the loaded tensors."""
     from gguf import GGUFReader
 
-    result = ggufcarve("fit", DEMO_MODEL, "--memory", "1GiB", "--ctx", "4096", "--keep", "16", "--only", "Q8_0", "--quantizer", "libllama",
-                       "--gpu-memory", "2GiB", "--json")
+    result = ggufcarve(
+        "fit",
+        DEMO_MODEL,
+        "--memory",
+        "1GiB",
+        "--ctx",
+        "4096",
+        "--keep",
+        "16",
+        "--only",
+        "Q8_0",
+        "--quantizer",
+        "libllama",
+        "--gpu-memory",
+        "2GiB",
+        "--json",
+    )
     assert result.code == 0, result.stderr
     row = json.loads(result.stdout)["rows"][0]
     assert row["tier"] == "gpu" and row["tiers"] == ["gpu", "gpu+cpu", "ram", "disk"]
@@ -158,26 +226,99 @@ def test_on_a_cpu_llama_cpp_the_gpu_split_is_marked_estimated():
 def test_the_gpu_compute_buffer_moves_the_answer_to_n_cpu_moe():
     """A GPU that holds weights + cache + margin but not the compute buffers too: with the
     buffers counted the rung runs with experts in system memory, not whole."""
-    whole = json.loads(ggufcarve("fit", DEMO_MODEL, "--memory", "1GiB", "--ctx", "4096", "--keep", "16", "--only", "Q8_0", "--quantizer", "libllama",
-                                 "--gpu-memory", "2GiB", "--gpu-margin", "0B", "--json").stdout)["rows"][0]
+    whole = json.loads(
+        ggufcarve(
+            "fit",
+            DEMO_MODEL,
+            "--memory",
+            "1GiB",
+            "--ctx",
+            "4096",
+            "--keep",
+            "16",
+            "--only",
+            "Q8_0",
+            "--quantizer",
+            "libllama",
+            "--gpu-memory",
+            "2GiB",
+            "--gpu-margin",
+            "0B",
+            "--json",
+        ).stdout
+    )["rows"][0]
     gpu = whole["memory"][0]
     budget = gpu["weights"] + gpu["cache"] + gpu["compute"] // 2
-    row = json.loads(ggufcarve("fit", DEMO_MODEL, "--memory", "1GiB", "--ctx", "4096", "--keep", "16", "--only", "Q8_0", "--quantizer", "libllama",
-                               "--gpu-memory", f"{budget}B", "--gpu-margin", "0B", "--json").stdout)["rows"][0]
+    row = json.loads(
+        ggufcarve(
+            "fit",
+            DEMO_MODEL,
+            "--memory",
+            "1GiB",
+            "--ctx",
+            "4096",
+            "--keep",
+            "16",
+            "--only",
+            "Q8_0",
+            "--quantizer",
+            "libllama",
+            "--gpu-memory",
+            f"{budget}B",
+            "--gpu-margin",
+            "0B",
+            "--json",
+        ).stdout
+    )["rows"][0]
     assert row["gpu"]["n_cpu_moe"] != 0 and row["tier"] in ("gpu+cpu", "ram")
-    plain = json.loads(ggufcarve("fit", DEMO_MODEL, "--memory", "1GiB", "--ctx", "4096", "--keep", "16", "--only", "Q8_0", "--quantizer", "libllama",
-                                 "--gpu-memory", f"{budget}B", "--gpu-margin", "0B", "--file-and-cache", "--json").stdout)["rows"][0]
+    plain = json.loads(
+        ggufcarve(
+            "fit",
+            DEMO_MODEL,
+            "--memory",
+            "1GiB",
+            "--ctx",
+            "4096",
+            "--keep",
+            "16",
+            "--only",
+            "Q8_0",
+            "--quantizer",
+            "libllama",
+            "--gpu-memory",
+            f"{budget}B",
+            "--gpu-margin",
+            "0B",
+            "--file-and-cache",
+            "--json",
+        ).stdout
+    )["rows"][0]
     assert plain["gpu"]["fits_whole"]  # file + cache alone would say whole
 
 
-@pytest.mark.parametrize(("args", "message"), [
-    (["--tier", "gpu"], "--gpu-memory"),
-    (["--tier", "fast"], "not one of gpu, gpu+cpu, ram, disk"),
-])
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--tier", "gpu"], "--gpu-memory"),
+        (["--tier", "fast"], "not one of gpu, gpu+cpu, ram, disk"),
+    ],
+)
 def test_best_refuses_a_tier_it_cannot_rank_in(tmp_path, args, message):
     from ggufcarve.demo import CALIBRATION, HELDOUT
 
-    result = ggufcarve("best", DEMO_MODEL, "--memory", "1GiB", "--heldout", HELDOUT, "--calibration", CALIBRATION, "-o", str(tmp_path / "best"), *args)
+    result = ggufcarve(
+        "best",
+        DEMO_MODEL,
+        "--memory",
+        "1GiB",
+        "--heldout",
+        HELDOUT,
+        "--calibration",
+        CALIBRATION,
+        "-o",
+        str(tmp_path / "best"),
+        *args,
+    )
     assert result.code != 0 and message in result.stderr, result.stderr
     assert not (tmp_path / "best").exists()
 
@@ -186,10 +327,27 @@ def test_eval_reports_the_memory_llama_cpp_allocates(tmp_path):
     """eval's report: the memory of the model run as it was evaluated, equal to an allocating load's log."""
     from ggufcarve.demo import HELDOUT
 
-    result = ggufcarve("eval", DEMO_MODEL, "--reference", DEMO_MODEL, "--heldout", HELDOUT, "--ctx", "512", "--chunks", "2", "--speed-runs", "0",
-                       "-o", str(tmp_path / "eval"), "--quiet")
+    result = ggufcarve(
+        "eval",
+        DEMO_MODEL,
+        "--reference",
+        DEMO_MODEL,
+        "--heldout",
+        HELDOUT,
+        "--ctx",
+        "512",
+        "--chunks",
+        "2",
+        "--speed-runs",
+        "0",
+        "-o",
+        str(tmp_path / "eval"),
+        "--quiet",
+    )
     assert result.code == 0, result.stderr
-    reports = [json.loads(p.read_text()) for p in (tmp_path / "eval").glob("*.json") if json.loads(p.read_text()).get("memory")]
+    reports = [
+        json.loads(p.read_text()) for p in (tmp_path / "eval").glob("*.json") if json.loads(p.read_text()).get("memory")
+    ]
     assert reports, sorted(p.name for p in (tmp_path / "eval").iterdir())
     (memory,) = reports[0]["memory"]
     real = allocated(Path(DEMO_MODEL), 512, "f16")
@@ -204,8 +362,23 @@ def test_best_ranks_in_the_fastest_tier_any_candidate_runs_in(tmp_path):
     system memory."""
     from ggufcarve.demo import CALIBRATION, HELDOUT
 
-    common = [DEMO_MODEL, "--memory", "64MiB", "--ctx", "256", "--heldout", HELDOUT, "--calibration", CALIBRATION, "-o", str(tmp_path / "best"),
-              "--dry-run", "--json", "--gpu-memory", f"{2**30 + 12 * MIB}B"]
+    common = [
+        DEMO_MODEL,
+        "--memory",
+        "64MiB",
+        "--ctx",
+        "256",
+        "--heldout",
+        HELDOUT,
+        "--calibration",
+        CALIBRATION,
+        "-o",
+        str(tmp_path / "best"),
+        "--dry-run",
+        "--json",
+        "--gpu-memory",
+        f"{2**30 + 12 * MIB}B",
+    ]
     fastest = json.loads(ggufcarve("best", *common).stdout)
     assert fastest["tier"] == "gpu" and fastest["candidates"]
     for c in fastest["candidates"]:
@@ -214,5 +387,7 @@ def test_best_ranks_in_the_fastest_tier_any_candidate_runs_in(tmp_path):
         assert gpu["total"] + 2**30 <= 2**30 + 12 * MIB and host["total"] <= 64 * MIB
     ram = json.loads(ggufcarve("best", *common, "--tier", "ram").stdout)
     assert ram["tier"] == "ram"
-    assert max(c["file_bytes"] for c in ram["candidates"]) > max(c["file_bytes"] for c in fastest["candidates"])  # Q8_0 K=16 runs in ram, not whole on the GPU
+    assert max(c["file_bytes"] for c in ram["candidates"]) > max(
+        c["file_bytes"] for c in fastest["candidates"]
+    )  # Q8_0 K=16 runs in ram, not whole on the GPU
     assert all("ram" in c["tiers"] for c in ram["candidates"])

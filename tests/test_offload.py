@@ -14,7 +14,14 @@ from llama_sources import ffn_exps_regexes, offload_oracle
 from ggufcarve.gguf.container import read_model
 from ggufcarve.llama import launch
 from ggufcarve.quant.kvcache import ContextSettings, context_memory
-from ggufcarve.quant.offload import block_range_regex, file_offload, override_regex, placement_of, plan_offload, weight_placement
+from ggufcarve.quant.offload import (
+    block_range_regex,
+    file_offload,
+    override_regex,
+    placement_of,
+    plan_offload,
+    weight_placement,
+)
 
 
 def test_block_ranges_match_exactly_the_first_n_numbers():
@@ -24,8 +31,15 @@ def test_block_ranges_match_exactly_the_first_n_numbers():
 
 
 def test_placement_without_output_loads_the_embedding_on_the_gpu():
-    tensors = [("token_embd.weight", 100), ("output_norm.weight", 1), ("blk.0.ffn_up_exps.weight", 10), ("blk.0.ffn_gate_inp.weight", 2),
-               ("blk.1.ffn_down_exps.weight", 20), ("blk.1.ffn_up_shexp.weight", 3), ("blk.2.ffn_up_exps.weight", 1000)]
+    tensors = [
+        ("token_embd.weight", 100),
+        ("output_norm.weight", 1),
+        ("blk.0.ffn_up_exps.weight", 10),
+        ("blk.0.ffn_gate_inp.weight", 2),
+        ("blk.1.ffn_down_exps.weight", 20),
+        ("blk.1.ffn_up_shexp.weight", 3),
+        ("blk.2.ffn_up_exps.weight", 1000),
+    ]
     placement = placement_of(tensors, block_count=3, nextn_layers=1)
     assert placement.output_from_embedding and placement.gpu_other == 100 + 1 + 2 + 3
     assert placement.expert_bytes == (10, 20) and placement.skipped_bytes == 1000 and placement.input_bytes == 100
@@ -42,11 +56,14 @@ def _quantize(bin_dir, source, out, ftype):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch, n_layer, ftype", [
-    ("fused", 3, "Q4_K_M"),  # qwen35moe: ffn_gate_up_exps, shared experts, one MTP block
-    ("gpt-oss", 3, "Q2_K"),  # per-expert biases
-    ("deepseek2", 4, "Q4_K_M"),  # a dense lead block (no experts), shared expert, exp_probs_b
-])
+@pytest.mark.parametrize(
+    "arch, n_layer, ftype",
+    [
+        ("fused", 3, "Q4_K_M"),  # qwen35moe: ffn_gate_up_exps, shared experts, one MTP block
+        ("gpt-oss", 3, "Q2_K"),  # per-expert biases
+        ("deepseek2", 4, "Q4_K_M"),  # a dense lead block (no experts), shared expert, exp_probs_b
+    ],
+)
 def test_rule_against_real_rung_files(make_model, llama_tools, tmp_path, arch, n_layer, ftype):
     exps, block_format = ffn_exps_regexes()
     rung = _quantize(llama_tools, make_model(arch, n_layer=n_layer), tmp_path / f"{arch}-{ftype}.gguf", ftype)
@@ -72,7 +89,9 @@ def test_rule_against_real_rung_files(make_model, llama_tools, tmp_path, arch, n
         assert below.n_cpu_moe == (min(smaller) if smaller else None)
     # -ot for N: llama.cpp's N patterns, one by one, match the same tensors as the single pattern
     for n in range(1, main + 1):
-        assert {t for t in sizes if re.search(override_regex(n), t)} - {t for t in sizes if re.match(r"blk\.(\d+)\.", t) and int(t.split(".")[1]) >= main} == moved[n]
+        assert {t for t in sizes if re.search(override_regex(n), t)} - {
+            t for t in sizes if re.match(r"blk\.(\d+)\.", t) and int(t.split(".")[1]) >= main
+        } == moved[n]
 
 
 @pytest.mark.slow
@@ -83,20 +102,76 @@ def test_fit_column_equals_the_rule_on_the_built_file(make_model, llama_tools, t
     cache = context_memory(read_model(source).get, ContextSettings(512)).total_bytes
     margin = 2**18
     budget = placement.gpu_weights(2) + cache + margin  # two blocks' experts on the CPU
-    result = ggufcarve("fit", source, "--memory", "1GiB", "--gpu-memory", f"{budget}B", "--gpu-margin", f"{margin}B", "--ctx", 512,
-                       "--k", 8, "--only", "Q4_K_M", "--quantizer", llama_tools / "llama-quantize", "--json", "--file-and-cache")
+    result = ggufcarve(
+        "fit",
+        source,
+        "--memory",
+        "1GiB",
+        "--gpu-memory",
+        f"{budget}B",
+        "--gpu-margin",
+        f"{margin}B",
+        "--ctx",
+        512,
+        "--k",
+        8,
+        "--only",
+        "Q4_K_M",
+        "--quantizer",
+        llama_tools / "llama-quantize",
+        "--json",
+        "--file-and-cache",
+    )
     assert result.code == 0, result.stderr
     row = json.loads(result.stdout)["rows"][0]
     expected = file_offload(read_model(rung), gpu_memory=budget, context=ContextSettings(512), margin=margin)
     assert expected.n_cpu_moe == 2
     assert row["gpu"] == expected.to_json() and row["cache_bytes"] == cache
-    assert 0 <= row["file_bytes"] - rung.stat().st_size < 1024  # fit sizes the pruned plan's header, with its provenance keys
-    measured = ggufcarve("fit", source, "--memory", "1GiB", "--gpu-memory", f"{budget}B", "--gpu-margin", f"{margin}B", "--ctx", 512,
-                         "--k", 8, "--only", "Q4_K_M", "--quantizer", llama_tools / "llama-quantize", "--json")
+    assert (
+        0 <= row["file_bytes"] - rung.stat().st_size < 1024
+    )  # fit sizes the pruned plan's header, with its provenance keys
+    measured = ggufcarve(
+        "fit",
+        source,
+        "--memory",
+        "1GiB",
+        "--gpu-memory",
+        f"{budget}B",
+        "--gpu-margin",
+        f"{margin}B",
+        "--ctx",
+        512,
+        "--k",
+        8,
+        "--only",
+        "Q4_K_M",
+        "--quantizer",
+        llama_tools / "llama-quantize",
+        "--json",
+    )
     counted = json.loads(measured.stdout)["rows"][0]["gpu"]
-    assert counted["compute_bytes"] > 0 and (counted["n_cpu_moe"] is None or counted["n_cpu_moe"] > 2)  # the compute buffers take room too
-    table = ggufcarve("fit", source, "--memory", "1GiB", "--gpu-memory", f"{budget}B", "--gpu-margin", f"{margin}B", "--ctx", 512,
-                      "--k", 8, "--only", "Q4_K_M", "--quantizer", llama_tools / "llama-quantize", "--file-and-cache")
+    assert counted["compute_bytes"] > 0 and (
+        counted["n_cpu_moe"] is None or counted["n_cpu_moe"] > 2
+    )  # the compute buffers take room too
+    table = ggufcarve(
+        "fit",
+        source,
+        "--memory",
+        "1GiB",
+        "--gpu-memory",
+        f"{budget}B",
+        "--gpu-margin",
+        f"{margin}B",
+        "--ctx",
+        512,
+        "--k",
+        8,
+        "--only",
+        "Q4_K_M",
+        "--quantizer",
+        llama_tools / "llama-quantize",
+        "--file-and-cache",
+    )
     assert table.code == 0, table.stderr
     assert "--n-cpu-moe 2 (or -ot 'blk\\.[0-1]\\.ffn_(up|down|gate|gate_up)_(ch|)exps=CPU')" in table.stdout
 
@@ -108,21 +183,37 @@ def test_a_gpu_backends_buffers_are_the_devices_own():
     from ggufcarve.llama.memory import DryLoad, parse_log
     from ggufcarve.quant.offload import WeightPlacement, plan_offload, split_devices
 
-    lines = ["llama_context:  CUDA_Host  output buffer size =     0.58 MiB",
-             "llama_kv_cache: size =  384.00 MiB (  4096 cells,  48 layers,  1/1 seqs), K (f16):  192.00 MiB, V (f16):  192.00 MiB",
-             "sched_reserve:      CUDA0 compute buffer size =  1180.03 MiB",
-             "sched_reserve:  CUDA_Host compute buffer size =    24.02 MiB"]
+    lines = [
+        "llama_context:  CUDA_Host  output buffer size =     0.58 MiB",
+        "llama_kv_cache: size =  384.00 MiB (  4096 cells,  48 layers,  1/1 seqs), K (f16):  192.00 MiB, V (f16):  192.00 MiB",
+        "sched_reserve:      CUDA0 compute buffer size =  1180.03 MiB",
+        "sched_reserve:  CUDA_Host compute buffer size =    24.02 MiB",
+    ]
     figures = parse_log(lines)
     mib = 2**20
-    load = DryLoad(round(figures["cache"] * mib), {k: round(v * mib) for k, v in figures["compute"].items()},
-                   {k: round(v * mib) for k, v in figures["output"].items()}, ("CUDA0",), {})
+    load = DryLoad(
+        round(figures["cache"] * mib),
+        {k: round(v * mib) for k, v in figures["compute"].items()},
+        {k: round(v * mib) for k, v in figures["output"].items()},
+        ("CUDA0",),
+        {},
+    )
     assert load.devices == ["host", "CUDA0"]
     placement = WeightPlacement(4 * 2**30, (2**30,) * 4, 2**28, 0, False)
-    offload = plan_offload(placement, gpu_memory=10 * 2**30, cache_bytes=load.cache, margin=2**30, compute=lambda n: 1180 * mib)
+    offload = plan_offload(
+        placement, gpu_memory=10 * 2**30, cache_bytes=load.cache, margin=2**30, compute=lambda n: 1180 * mib
+    )
     gpu, host = split_devices(placement, offload, load)
     assert (gpu.device, gpu.compute, gpu.cache, gpu.estimated) == ("CUDA0", round(1180.03 * mib), 384 * mib, ())
-    assert (host.device, host.compute, host.output, host.estimated) == ("host", round(24.02 * mib), round(0.58 * mib), ())
-    assert gpu.weights == placement.gpu_weights(offload.n_cpu_moe) and host.weights == placement.input_bytes + sum(placement.expert_bytes[:offload.n_cpu_moe])
+    assert (host.device, host.compute, host.output, host.estimated) == (
+        "host",
+        round(24.02 * mib),
+        round(0.58 * mib),
+        (),
+    )
+    assert gpu.weights == placement.gpu_weights(offload.n_cpu_moe) and host.weights == placement.input_bytes + sum(
+        placement.expert_bytes[: offload.n_cpu_moe]
+    )
 
 
 def test_the_gpu_compute_estimate_grows_by_the_largest_expert_block_on_the_cpu():
@@ -155,8 +246,26 @@ def test_with_a_gpu_backend_fit_reports_the_buffers_llama_cpp_places(monkeypatch
         return memory.DryLoad(8 * mib, {"CUDA0": 20 * mib, "CUDA_Host": mib}, {"CUDA_Host": mib // 64}, ("CUDA0",), {})
 
     monkeypatch.setattr(memory, "dry_load", fake)
-    result = CliRunner().invoke(app, ["fit", str(DEMO_MODEL), "--memory", "1GiB", "--ctx", "4096", "--k", "16", "--only", "Q8_0", "--quantizer", "libllama",
-                                      "--gpu-memory", "2GiB", "--json"])
+    result = CliRunner().invoke(
+        app,
+        [
+            "fit",
+            str(DEMO_MODEL),
+            "--memory",
+            "1GiB",
+            "--ctx",
+            "4096",
+            "--k",
+            "16",
+            "--only",
+            "Q8_0",
+            "--quantizer",
+            "libllama",
+            "--gpu-memory",
+            "2GiB",
+            "--json",
+        ],
+    )
     assert result.exit_code == 0, result.output
     row = json.loads(result.stdout)["rows"][0]
     assert placed == [(-1, ())]  # whole: every layer, no override

@@ -42,7 +42,12 @@ def test_alignment_64_is_kept(make_model, tmp_path):
     src = make_model("gpt-oss", "Q8_0", alignment=64)
     assert ggufcarve("prune", src, "--keep-first", 8, "-o", tmp_path / "same.gguf", "--no-provenance", "-q").code == 0
     assert (tmp_path / "same.gguf").read_bytes() == src.read_bytes()
-    assert ggufcarve("prune", src, "--keep-ids", "0,3,4,7", "-o", tmp_path / "p.gguf", "--report", tmp_path / "p.json", "-q").code == 0
+    assert (
+        ggufcarve(
+            "prune", src, "--keep-ids", "0,3,4,7", "-o", tmp_path / "p.gguf", "--report", tmp_path / "p.json", "-q"
+        ).code
+        == 0
+    )
     pruned = read_model(tmp_path / "p.gguf")
     assert pruned.metadata.alignment == 64 and pruned.metadata.data_start % 64 == 0
     assert all(t.offset % 64 == 0 for t in pruned.tensors)
@@ -102,8 +107,14 @@ def test_report_and_check_prune(make_model, tmp_path):
     assert r.code == 0, r.stderr
     assert "verified" in r.stdout
     report = json.loads((tmp_path / "method" / "p.pruning-report.json").read_text())
-    assert report["schema_version"] == 2 and report["kind"] == "pruning-report" and report["tool"]["name"] == "ggufcarve"
-    assert report["inputs"] == [{"name": src.name, "sha256": sha256(src), "bytes": src.stat().st_size}] == report["source"]["files"]
+    assert (
+        report["schema_version"] == 2 and report["kind"] == "pruning-report" and report["tool"]["name"] == "ggufcarve"
+    )
+    assert (
+        report["inputs"]
+        == [{"name": src.name, "sha256": sha256(src), "bytes": src.stat().st_size}]
+        == report["source"]["files"]
+    )
     assert report["parameters"] == {"provenance_keys": True, "split_max_size": None, "merge": False}
     assert report["source"]["mtp_blocks"] == [2]
     assert report["keep_set"]["layers"] == {"0": [1, 3, 5, 7], "1": [1, 3, 5, 7], "2": [1, 3, 5, 7]}
@@ -158,7 +169,11 @@ def test_dry_run_writes_nothing(make_model, tmp_path):
     assert r.code == 0, r.stderr
     assert "16 -> 8" in r.stdout and "nothing written" in r.stdout
     assert list(tmp_path.iterdir()) == []
-    plan = json.loads(ggufcarve("prune", src, "--keep-ids", "0,1,4,5,8,9,12,13", "-o", tmp_path / "p.gguf", "--dry-run", "--json").stdout)
+    plan = json.loads(
+        ggufcarve(
+            "prune", src, "--keep-ids", "0,1,4,5,8,9,12,13", "-o", tmp_path / "p.gguf", "--dry-run", "--json"
+        ).stdout
+    )
     real = ggufcarve("prune", src, "--keep-ids", "0,1,4,5,8,9,12,13", "-o", tmp_path / "p.gguf", "-q")
     assert real.code == 0 and plan["bytes_out"] == (tmp_path / "p.gguf").stat().st_size
 
@@ -176,7 +191,21 @@ def test_split_input_gives_the_same_pruned_tensors(make_model, tmp_path):
     d = {name: tmp_path / name for name in ("split", "single", "from-split", "merged")}
     for path in d.values():
         path.mkdir()
-    assert ggufcarve("prune", src, "--keep-first", 8, "-o", d["split"] / "m.gguf", "--split-max-size", "3M", "--no-provenance", "-q").code == 0
+    assert (
+        ggufcarve(
+            "prune",
+            src,
+            "--keep-first",
+            8,
+            "-o",
+            d["split"] / "m.gguf",
+            "--split-max-size",
+            "3M",
+            "--no-provenance",
+            "-q",
+        ).code
+        == 0
+    )
     split_shards = sorted(d["split"].glob("m-*-of-*.gguf"))
     assert len(split_shards) >= 2 and read_model(split_shards[0]).is_split
     keep = ("--keep-ids", "0,2,4,6", "--no-provenance", "-q")
@@ -226,14 +255,19 @@ def test_not_gguf(tmp_path):
 
 
 def test_dense_model(dense_model, tmp_path):
-    refused(tmp_path, dense_model, "--keep-first", 4, "-o", tmp_path / "out" / "p.gguf", message="has no routed experts")
+    refused(
+        tmp_path, dense_model, "--keep-first", 4, "-o", tmp_path / "out" / "p.gguf", message="has no routed experts"
+    )
 
 
 @pytest.mark.parametrize(
     "layers, message",
     [
         ({"0": [0, 1, 2, 3], "1": [0, 1, 2, 3]}, "MoE block(s) 2 not listed"),
-        ({"0": [0, 1, 2, 3], "1": [0, 1, 2, 3], "2": [0, 1, 2, 3], "3": [0, 1, 2, 3]}, "block(s) 3 listed but have no experts"),
+        (
+            {"0": [0, 1, 2, 3], "1": [0, 1, 2, 3], "2": [0, 1, 2, 3], "3": [0, 1, 2, 3]},
+            "block(s) 3 listed but have no experts",
+        ),
         ({"0": [0, 1, 2, 2], "1": [0, 1, 2, 3], "2": [0, 1, 2, 3]}, "duplicate id(s) 2"),
         ({"0": [0, 1, 2, 9], "1": [0, 1, 2, 3], "2": [0, 1, 2, 3]}, "id(s) 9 out of range 0..7"),
         ({"0": [0], "1": [1], "2": [2]}, "below the 2 experts each token is routed to"),
@@ -246,7 +280,15 @@ def test_bad_keep_sets(make_model, tmp_path, layers, message):
 
 
 def test_uneven_groups(make_model, tmp_path):
-    refused(tmp_path, make_model("deepseek2"), "--keep-ids", "0-7", "-o", tmp_path / "out" / "p.gguf", message="every group must keep 2")
+    refused(
+        tmp_path,
+        make_model("deepseek2"),
+        "--keep-ids",
+        "0-7",
+        "-o",
+        tmp_path / "out" / "p.gguf",
+        message="every group must keep 2",
+    )
 
 
 def test_output_is_the_source(make_model, tmp_path):
@@ -371,7 +413,11 @@ def test_library_never_prints(make_model, tmp_path, capsys, monkeypatch):
     model = read_model(src)
     layout = inspect_layout(model)
     events = []
-    result = execute(plan_prune(model, layout, KeepSet({b: (0, 2, 4, 6) for b in layout.blocks}), tmp_path / "p.gguf"), model, on_event=events.append)
+    result = execute(
+        plan_prune(model, layout, KeepSet({b: (0, 2, 4, 6) for b in layout.blocks}), tmp_path / "p.gguf"),
+        model,
+        on_event=events.append,
+    )
     captured = capsys.readouterr()
     assert captured.out == captured.err == ""
     assert {e.stage for e in events} == {"copy", "hash source", "verify"}
@@ -411,7 +457,12 @@ def test_source_hashing_paths_agree(make_model, tmp_path, monkeypatch):
     def prune(source, keepset, name):
         events = []
         loaded = read_model(source)
-        result = execute(plan_prune(loaded, inspect_layout(loaded), keepset, tmp_path / name), loaded, force=True, on_event=events.append)
+        result = execute(
+            plan_prune(loaded, inspect_layout(loaded), keepset, tmp_path / name),
+            loaded,
+            force=True,
+            on_event=events.append,
+        )
         hashed = [e.done for e in events if e.stage == "hash source"]
         read.append(hashed[-1] if hashed else 0)
         return result
@@ -423,7 +474,9 @@ def test_source_hashing_paths_agree(make_model, tmp_path, monkeypatch):
     warm = prune(src, scrambled, "warm.gguf")
     assert warm.source_sha256 == cold.source_sha256 and read[-1] == 0
     assert {t.name: t.expected_xxh3 for t in warm.verification.tensors} == naive
-    assert tensor_bytes(tmp_path / "warm.gguf", "blk.2.ffn_up_exps.weight") == tensor_bytes(tmp_path / "cold.gguf", "blk.2.ffn_up_exps.weight")
+    assert tensor_bytes(tmp_path / "warm.gguf", "blk.2.ffn_up_exps.weight") == tensor_bytes(
+        tmp_path / "cold.gguf", "blk.2.ffn_up_exps.weight"
+    )
     in_order = prune(src, keep_first(layout, 4), "in-order.gguf")
     first = tensor_bytes(src, "blk.0.ffn_up_exps.weight")
     assert tensor_bytes(tmp_path / "in-order.gguf", "blk.0.ffn_up_exps.weight") == first[: len(first) // 2]
@@ -476,5 +529,7 @@ def test_a_write_that_differs_from_the_source_is_caught(make_model, tmp_path, mo
     data = src.read_bytes()
     true = xxhash.xxh3_128(b"".join(data[r.offset : r.offset + r.length] for r in target.ranges)).hexdigest()
     bad = [t for t in seen["v"].tensors if not t.ok]
-    assert [t.name for t in bad] == ["blk.1.ffn_down_exps.weight"] and bad[0].expected_xxh3 == true != bad[0].output_xxh3
+    assert [t.name for t in bad] == ["blk.1.ffn_down_exps.weight"] and bad[0].expected_xxh3 == true != bad[
+        0
+    ].output_xxh3
     assert list(tmp_path.iterdir()) == []

@@ -41,7 +41,9 @@ def test_pruned_model_loads(make_model, tmp_path, arch, dtype):
 
 
 def test_pruned_llama_cpp_kquant_loads(make_model, models_dir, tmp_path):
-    kquant = factory.quantize_with_llama(make_model("qwen3moe", "F16"), models_dir / "qwen3moe-Q4_K_M-load.gguf", "Q4_K_M")
+    kquant = factory.quantize_with_llama(
+        make_model("qwen3moe", "F16"), models_dir / "qwen3moe-Q4_K_M-load.gguf", "Q4_K_M"
+    )
     out = tmp_path / "p.gguf"
     assert ggufcarve("prune", kquant, "--keep-ids", "1,2,5,6", "-o", out, "-q").code == 0
     result = probe(out, PROMPT)
@@ -79,7 +81,20 @@ def test_dropping_never_routed_experts_keeps_the_logits(make_model, tmp_path, ar
     # and a prune that drops a routed expert does change them (the comparison can fail)
     routed_expert = used[0][0]
     others = [e for e in range(layout.expert_count) if e != routed_expert][:k]
-    assert ggufcarve("prune", src, "--keep-ids", ",".join(map(str, others)), "-o", tmp_path / "q.gguf", "--report", tmp_path / "q.json", "-q").code == 0
+    assert (
+        ggufcarve(
+            "prune",
+            src,
+            "--keep-ids",
+            ",".join(map(str, others)),
+            "-o",
+            tmp_path / "q.gguf",
+            "--report",
+            tmp_path / "q.json",
+            "-q",
+        ).code
+        == 0
+    )
     changed = probe(tmp_path / "q.gguf", prompt)
     assert changed.ok and not np.allclose(changed.logits, base.logits, rtol=1e-5, atol=1e-5)
 
@@ -88,7 +103,22 @@ def test_split_output_loads_and_matches_the_single_file(make_model, tmp_path):
     src = make_model("qwen35moe", "Q8_0")
     single, split = tmp_path / "single.gguf", tmp_path / "split.gguf"
     assert ggufcarve("prune", src, "--keep-ids", "0,2,4,6", "-o", single, "-q").code == 0
-    assert ggufcarve("prune", src, "--keep-ids", "0,2,4,6", "-o", split, "--split-max-size", "2M", "--report", tmp_path / "split.json", "-q").code == 0
+    assert (
+        ggufcarve(
+            "prune",
+            src,
+            "--keep-ids",
+            "0,2,4,6",
+            "-o",
+            split,
+            "--split-max-size",
+            "2M",
+            "--report",
+            tmp_path / "split.json",
+            "-q",
+        ).code
+        == 0
+    )
     shards = sorted(tmp_path.glob("split-*-of-*.gguf"))
     assert len(shards) >= 2
     a, b = probe(single, PROMPT), probe(shards[0], PROMPT)
@@ -100,7 +130,10 @@ def test_split_set_written_by_llama_gguf_split(make_model, llama_tools, tmp_path
     """A split set made by llama.cpp's own splitter prunes to the same tensors as the single file."""
     src = make_model("qwen35moe", "Q8_0")
     (tmp_path / "split").mkdir()
-    finished = launch.run([llama_tools / "llama-gguf-split", "--split", "--split-max-size", "3M", src, tmp_path / "split" / "m"], timeout=120)
+    finished = launch.run(
+        [llama_tools / "llama-gguf-split", "--split", "--split-max-size", "3M", src, tmp_path / "split" / "m"],
+        timeout=120,
+    )
     assert finished.ok, "\n".join(finished.tail)
     shards = sorted((tmp_path / "split").glob("m-*-of-*.gguf"))
     assert len(shards) >= 2
@@ -116,11 +149,12 @@ def test_split_set_written_by_llama_gguf_split(make_model, llama_tools, tmp_path
     assert len(pruned_shards) == len(shards)
     for t in read_model(single).tensors:
         expected = tensor_bytes(single, t.name)
-        assert tensor_bytes(pruned_shards[0], t.name) == expected == tensor_bytes(tmp_path / "merged" / "p.gguf", t.name)
+        assert (
+            tensor_bytes(pruned_shards[0], t.name) == expected == tensor_bytes(tmp_path / "merged" / "p.gguf", t.name)
+        )
     a, b = probe(single, PROMPT), probe(pruned_shards[0], PROMPT)
     assert a.ok and b.ok, b.stderr[-2000:]
     np.testing.assert_array_equal(a.logits, b.logits)
-
 
 
 @pytest.mark.parametrize("max_size", ["1M", "2M"])
@@ -140,9 +174,29 @@ def test_split_max_size_shards_like_llama_gguf_split(make_model, llama_tools, tm
         (tmp_path / name).mkdir()
     keep = ("--keep-ids", "0,2,4,6", "-q")
     assert ggufcarve("prune", src, "-o", tmp_path / "single.gguf", *keep).code == 0
-    r = ggufcarve("prune", src, "-o", tmp_path / "ours" / "p.gguf", "--split-max-size", max_size, "--report", tmp_path / "r.json", *keep)
+    r = ggufcarve(
+        "prune",
+        src,
+        "-o",
+        tmp_path / "ours" / "p.gguf",
+        "--split-max-size",
+        max_size,
+        "--report",
+        tmp_path / "r.json",
+        *keep,
+    )
     assert r.code == 0, r.stderr
-    finished = launch.run([llama_tools / "llama-gguf-split", "--split", "--split-max-size", max_size, tmp_path / "single.gguf", tmp_path / "theirs" / "p"], timeout=120)
+    finished = launch.run(
+        [
+            llama_tools / "llama-gguf-split",
+            "--split",
+            "--split-max-size",
+            max_size,
+            tmp_path / "single.gguf",
+            tmp_path / "theirs" / "p",
+        ],
+        timeout=120,
+    )
     assert finished.ok, "\n".join(finished.tail)
     ours, theirs = sorted((tmp_path / "ours").glob("*.gguf")), sorted((tmp_path / "theirs").glob("*.gguf"))
     assert [p.name for p in ours] == [p.name for p in theirs] and len(ours) >= 2

@@ -36,12 +36,32 @@ def spec(tmp_path) -> Path:
 
 
 def ladder_argv(spec: Path, source: Path, out: Path, rung: str) -> list[str]:
-    return [sys.executable, "-m", "ggufcarve", "ladder", "run", str(spec), "--source", str(source), "-o", str(out), "--only", rung, "--quantizer", "libllama", "-t", "1", "-q"]
+    return [
+        sys.executable,
+        "-m",
+        "ggufcarve",
+        "ladder",
+        "run",
+        str(spec),
+        "--source",
+        str(source),
+        "-o",
+        str(out),
+        "--only",
+        rung,
+        "--quantizer",
+        "libllama",
+        "-t",
+        "1",
+        "-q",
+    ]
 
 
 def run_concurrently(*argvs: list[str]) -> list[subprocess.CompletedProcess]:
     env = {**os.environ, "COLUMNS": "200", "NO_COLOR": "1"}
-    procs = [subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for argv in argvs]
+    procs = [
+        subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for argv in argvs
+    ]
     done = []
     for proc in procs:
         stdout, stderr = proc.communicate(timeout=600)
@@ -81,7 +101,9 @@ def test_concurrent_only_runs_merge_and_verify(two_hosts, q8_moe):
     assert [r["name"] for r in manifest["rungs"]] == ["Q6_K", "Q4_K_M"]  # the spec's order
     for rung in manifest["rungs"]:
         path = out / rung["files"][0]["name"]
-        assert rung["status"] == "built" and rung["sha256"] == sha256(path) and rung["source_sha256"] == [sha256(q8_moe)]
+        assert (
+            rung["status"] == "built" and rung["sha256"] == sha256(path) and rung["source_sha256"] == [sha256(q8_moe)]
+        )
     listed = sorted(line.split("  ", 1)[1] for line in (out / "SHA256SUMS").read_text().splitlines())
     assert listed == sorted(["quant-manifest.json", *(r["files"][0]["name"] for r in manifest["rungs"])])
     verified = ggufcarve("verify", out, "--partial")
@@ -94,7 +116,9 @@ def test_concurrent_only_runs_merge_and_verify(two_hosts, q8_moe):
     # before fragments existed) and gives the same bytes
     before = {name: (out / name).read_bytes() for name in ("quant-manifest.json", "SHA256SUMS")}
     again = ggufcarve("release", "merge", out, "--json")
-    assert again.code == 0 and json.loads(again.stdout)["changed"] is False and json.loads(again.stdout)["adopted"] == 2, again.stdout
+    assert (
+        again.code == 0 and json.loads(again.stdout)["changed"] is False and json.loads(again.stdout)["adopted"] == 2
+    ), again.stdout
     assert {name: (out / name).read_bytes() for name in before} == before
     assert [r["name"] for r in json.loads((out / "quant-manifest.json").read_text())["rungs"]] == ["Q6_K", "Q4_K_M"]
     assert ggufcarve("verify", out, "--partial").code == 0
@@ -115,12 +139,19 @@ def test_merge_refuses_a_fragment_of_another_source(spec, q8_moe, tmp_path):
     before = {name: (out / name).read_bytes() for name in ("quant-manifest.json", "SHA256SUMS")}
     line = one_line_error(ggufcarve("release", "merge", out))
     assert "fragments disagree on the source" in line
-    assert f"{q8_moe.name} (sha256 {sha256(q8_moe)[:12]})" in line and f"{pruned.name} (sha256 {sha256(pruned)[:12]})" in line
+    assert (
+        f"{q8_moe.name} (sha256 {sha256(q8_moe)[:12]})" in line
+        and f"{pruned.name} (sha256 {sha256(pruned)[:12]})" in line
+    )
     assert ".ggufcarve-fragments/Q4_K_M.json" in line and ".ggufcarve-fragments/Q6_K.json" in line
     assert {name: (out / name).read_bytes() for name in before} == before  # nothing written
     # a ladder run into it is refused too, before it quantizes
     refused = ggufcarve(*ladder_argv(spec, q8_moe, out, "Q4_K_M")[3:])
-    assert refused.code == 1 and f"holds the release of {pruned.name}" in refused.error_line and "Traceback" not in refused.stderr
+    assert (
+        refused.code == 1
+        and f"holds the release of {pruned.name}" in refused.error_line
+        and "Traceback" not in refused.stderr
+    )
 
 
 @pytest.mark.slow
@@ -188,7 +219,18 @@ def dead_token() -> str:
 def write_lock(directory: Path, *, token: str, host: str, host_tok: str) -> Path:
     pid, start, boot = token.split("-")
     path = directory / LOCK_NAME
-    path.write_text(json.dumps({"host": host, "host_token": host_tok, "pid": int(pid), "start": int(start), "boot": boot, "since": "2026-01-01T00:00:00Z"}))
+    path.write_text(
+        json.dumps(
+            {
+                "host": host,
+                "host_token": host_tok,
+                "pid": int(pid),
+                "start": int(start),
+                "boot": boot,
+                "since": "2026-01-01T00:00:00Z",
+            }
+        )
+    )
     return path
 
 
@@ -231,10 +273,19 @@ def test_a_remote_lock_is_broken_only_once_its_heartbeat_stops(tmp_path):
 
 
 def test_a_live_holder_on_this_host_is_waited_for(tmp_path):
-    holder = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time; from pathlib import Path; from ggufcarve.release.lock import lock_release\n"
-        f"with lock_release(Path({str(tmp_path)!r}), heartbeat=60):\n    print('held', flush=True); time.sleep(1.5)\n")],
-        stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            (
+                "import sys, time; from pathlib import Path; from ggufcarve.release.lock import lock_release\n"
+                f"with lock_release(Path({str(tmp_path)!r}), heartbeat=60):\n    print('held', flush=True); time.sleep(1.5)\n"
+            ),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)},
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
         with pytest.raises(OutputError, match=f"pid {holder.pid} on .*holds the lock"):

@@ -19,8 +19,13 @@ from ggufcarve.reports import (
 
 
 def test_envelope_fields_and_deterministic_bytes():
-    doc = envelope("pruning-report", inputs=[{"name": "m.gguf", "sha256": "0" * 64, "bytes": 3}], parameters={"k": 1},
-                   results={"zeta": [3, 1, 2], "alpha": {"b": 1, "a": 2}}, timings={"total_seconds": 1.23456})
+    doc = envelope(
+        "pruning-report",
+        inputs=[{"name": "m.gguf", "sha256": "0" * 64, "bytes": 3}],
+        parameters={"k": 1},
+        results={"zeta": [3, 1, 2], "alpha": {"b": 1, "a": 2}},
+        timings={"total_seconds": 1.23456},
+    )
     assert {"schema_version", "kind", "tool", "created", "inputs", "parameters", "timings", "zeta", "alpha"} == set(doc)
     assert doc["timings"] == {"total_seconds": 1.235} and doc["zeta"] == [3, 1, 2]  # lists keep the caller's order
     text = dumps(doc)
@@ -29,12 +34,15 @@ def test_envelope_fields_and_deterministic_bytes():
         envelope("x", inputs=[], parameters={}, results={"inputs": 1}, timings={})
 
 
-@pytest.mark.parametrize("output, stem", [
-    ("out/model-4e.gguf", "model-4e"),
-    ("out/model-4e-00001-of-00003.gguf", "model-4e"),
-    ("out/model.imatrix.gguf", "model.imatrix"),
-    ("out/model.dat", "model"),
-])
+@pytest.mark.parametrize(
+    "output, stem",
+    [
+        ("out/model-4e.gguf", "model-4e"),
+        ("out/model-4e-00001-of-00003.gguf", "model-4e"),
+        ("out/model.imatrix.gguf", "model.imatrix"),
+        ("out/model.dat", "model"),
+    ],
+)
 def test_per_output_report_names(output, stem):
     assert output_stem(Path(output)) == stem
     assert report_path_for(Path(output), PRUNING_REPORT) == Path("out") / "method" / f"{stem}.pruning-report.json"

@@ -47,7 +47,12 @@ SCALARS = {
     GGUFValueType.BOOL: st.booleans(),
 }
 TEXT = st.text(st.characters(codec="utf-8", exclude_categories=["Cs"]), max_size=20)
-TENSOR_TYPES = [GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_K]
+TENSOR_TYPES = [
+    GGMLQuantizationType.F32,
+    GGMLQuantizationType.F16,
+    GGMLQuantizationType.Q8_0,
+    GGMLQuantizationType.Q4_K,
+]
 
 
 @st.composite
@@ -85,9 +90,13 @@ def tensor_headers(draw):
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(records=key_values(), tensors=tensor_headers(), alignment=st.sampled_from([32, 64, 256]), seed=st.integers(0, 2**16))
+@given(
+    records=key_values(), tensors=tensor_headers(), alignment=st.sampled_from([32, 64, 256]), seed=st.integers(0, 2**16)
+)
 def test_header_round_trip_matches_gguf_py(tmp_path, records, tensors, alignment, seed):
-    kvs = [make_kv("general.alignment", GGUFValueType.UINT32, alignment)] + [make_kv(k, vt, v, it) for k, vt, v, it in records if k != "general.alignment"]
+    kvs = [make_kv("general.alignment", GGUFValueType.UINT32, alignment)] + [
+        make_kv(k, vt, v, it) for k, vt, v, it in records if k != "general.alignment"
+    ]
     header, offsets = encode_header(3, kvs, tensors, alignment)
     rng = np.random.default_rng(seed)
     data = [rng.integers(0, 256, t.nbytes, dtype=np.uint8).tobytes() for t in tensors]
@@ -98,7 +107,9 @@ def test_header_round_trip_matches_gguf_py(tmp_path, records, tensors, alignment
             f.write(blob + bytes(-t.nbytes % alignment))
     ours = read_file(path)
     assert [kv.raw for kv in ours.kvs] == [kv.raw for kv in kvs]
-    assert [(t.name, t.shape, t.type_id, t.nbytes) for t in ours.tensors] == [(t.name, t.shape, t.type_id, t.nbytes) for t in tensors]
+    assert [(t.name, t.shape, t.type_id, t.nbytes) for t in ours.tensors] == [
+        (t.name, t.shape, t.type_id, t.nbytes) for t in tensors
+    ]
     raw = path.read_bytes()
     theirs = GGUFReader(path)
     for t, blob, info in zip(tensors, data, ours.tensors):
@@ -125,8 +136,19 @@ def synthetic_layout(n_expert: int, top_k: int, groups: int, group_used: int, bl
     from ggufcarve.moe.routing import UNKNOWN_ROUTING
 
     return MoeLayout(
-        architecture="test", block_count=blocks, nextn_layers=0, expert_count=n_expert, expert_used_count=top_k, group_count=groups,
-        group_used_count=group_used, shared_expert_count=0, leading_dense_blocks=0, layers=(), total_bytes=0, expert_bytes=0, routing=UNKNOWN_ROUTING,
+        architecture="test",
+        block_count=blocks,
+        nextn_layers=0,
+        expert_count=n_expert,
+        expert_used_count=top_k,
+        group_count=groups,
+        group_used_count=group_used,
+        shared_expert_count=0,
+        leading_dense_blocks=0,
+        layers=(),
+        total_bytes=0,
+        expert_bytes=0,
+        routing=UNKNOWN_ROUTING,
     )
 
 
@@ -162,7 +184,9 @@ def obeys_load_rules(layout, keepset) -> bool:
     if len(counts) != 1:
         return False
     k = counts.pop()
-    if not used <= k <= n or any(len(set(ids)) != len(ids) or not all(0 <= i < n for i in ids) for ids in keepset.layers.values()):
+    if not used <= k <= n or any(
+        len(set(ids)) != len(ids) or not all(0 <= i < n for i in ids) for ids in keepset.layers.values()
+    ):
         return False
     if groups > 1:
         size, per = n // groups, k // groups
@@ -180,7 +204,11 @@ def test_the_load_rules_oracle_accepts_what_llama_cpp_loads():
     from ggufcarve.moe.keepset import keep_per_block
 
     # K = n/2 and n; without groups also K = top-k (with 4 of 8 groups used, K=16 is the least: 4 x 2 = 8 = top-k)
-    for n_expert, top_k, groups, group_used, ks in ((16, 4, 1, 1, (4, 8, 16)), (32, 8, 4, 2, (16, 32)), (256, 8, 8, 4, (16, 128, 256))):
+    for n_expert, top_k, groups, group_used, ks in (
+        (16, 4, 1, 1, (4, 8, 16)),
+        (32, 8, 4, 2, (16, 32)),
+        (256, 8, 8, 4, (16, 128, 256)),
+    ):
         layout = synthetic_layout(n_expert, top_k, groups, group_used, 3)
         object.__setattr__(layout, "layers", tuple(_layer(b) for b in range(3)))
         for k in ks:
@@ -206,7 +234,11 @@ def test_accepted_keepsets_satisfy_llama_load_rules(case):
     if layout.group_count > 1:
         size = layout.expert_count // layout.group_count
         new_size = k // layout.group_count
-        assert k % layout.group_count == 0 and new_size >= 2 and layout.group_used_count * new_size >= layout.expert_used_count
+        assert (
+            k % layout.group_count == 0
+            and new_size >= 2
+            and layout.group_used_count * new_size >= layout.expert_used_count
+        )
         for ids in keepset.layers.values():
             assert [i // size for i in ids] == sorted(i // size for i in ids)  # group order kept
             assert all(sum(1 for i in ids if i // size == g) == new_size for g in range(layout.group_count))
@@ -231,13 +263,22 @@ def test_keep_first_of_a_valid_count_is_accepted(case):
         assert layout.expert_used_count <= k <= layout.expert_count
         if layout.group_count > 1:
             size, per_group = layout.expert_count // layout.group_count, k // layout.group_count
-            assert k % layout.group_count == 0 and per_group >= 2 and layout.group_used_count * per_group >= layout.expert_used_count
+            assert (
+                k % layout.group_count == 0
+                and per_group >= 2
+                and layout.group_used_count * per_group >= layout.expert_used_count
+            )
             for ids in keepset.layers.values():
-                assert list(ids) == sorted(ids) and all(sum(1 for i in ids if i // size == g) == per_group for g in range(layout.group_count))
+                assert list(ids) == sorted(ids) and all(
+                    sum(1 for i in ids if i // size == g) == per_group for g in range(layout.group_count)
+                )
         accepted += 1
     grouped_possible = layout.group_count <= 1 or any(
-        k % layout.group_count == 0 and k // layout.group_count >= 2 and layout.group_used_count * (k // layout.group_count) >= layout.expert_used_count
-        for k in range(max(layout.expert_used_count, 1), layout.expert_count + 1))
+        k % layout.group_count == 0
+        and k // layout.group_count >= 2
+        and layout.group_used_count * (k // layout.group_count) >= layout.expert_used_count
+        for k in range(max(layout.expert_used_count, 1), layout.expert_count + 1)
+    )
     assert accepted > 0 or not grouped_possible or layout.expert_used_count > layout.expert_count
 
 
@@ -254,7 +295,9 @@ def _corruptions(data: bytes, rng: np.random.Generator, header_end: int) -> list
             pos = int(rng.integers(0, header_end))
             buf[pos] ^= 1 << int(rng.integers(0, 8))
         out.append((f"bit flips #{i}", bytes(buf)))
-    for cut in sorted({int(x) for x in rng.integers(0, len(data), 20)} | {0, 3, 23, 24, header_end - 1, header_end, len(data) - 1}):
+    for cut in sorted(
+        {int(x) for x in rng.integers(0, len(data), 20)} | {0, 3, 23, 24, header_end - 1, header_end, len(data) - 1}
+    ):
         out.append((f"truncated at {cut}", data[:cut]))
     for pos in [8, 16]:  # n_tensors, n_kv
         for value in (0, 1, 2**31, 2**63, 2**64 - 1):
@@ -331,8 +374,20 @@ def test_corrupt_imatrices_end_in_a_clean_error(tmp_path):
 
 def test_corrupt_keepset_files_end_in_a_clean_error(make_model, tmp_path):
     layout = inspect_layout(read_model(make_model("qwen3moe")))
-    docs = [b"", b"{", b"[]", b"null", b'{"layers": 5}', b'{"layers": {"0": "x"}}', b'{"layers": {"0": [1.5, 2]}}', b'{"layers": {"zz": [1]}}',
-            b'{"layers": {"0": [0, 1], "1": [2, -1]}}', json.dumps({"layers": {"0": list(range(10**4))}}).encode(), b"\xff\xfe", os.urandom(64)]
+    docs = [
+        b"",
+        b"{",
+        b"[]",
+        b"null",
+        b'{"layers": 5}',
+        b'{"layers": {"0": "x"}}',
+        b'{"layers": {"0": [1.5, 2]}}',
+        b'{"layers": {"zz": [1]}}',
+        b'{"layers": {"0": [0, 1], "1": [2, -1]}}',
+        json.dumps({"layers": {"0": list(range(10**4))}}).encode(),
+        b"\xff\xfe",
+        os.urandom(64),
+    ]
     for i, doc in enumerate(docs):
         path = tmp_path / f"k{i}.json"
         path.write_bytes(doc)

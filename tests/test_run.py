@@ -21,10 +21,12 @@ from pathlib import Path
 import pytest
 from clirun import ggufcarve, sha256
 
-WORDS = ("experts that the router rarely picks can be cut out of a mixture of experts model byte for byte while the "
-         "rest of the file stays untouched and every rung of the ladder is measured against the unpruned model").split()
+WORDS = (
+    "experts that the router rarely picks can be cut out of a mixture of experts model byte for byte while the "
+    "rest of the file stays untouched and every rung of the ladder is measured against the unpruned model"
+).split()
 
-SPEC = '''name = "two"
+SPEC = """name = "two"
 [defaults]
 file_pattern = "{model}-{quant}.gguf"
 allow_requantize = true
@@ -35,7 +37,7 @@ ftype = "Q8_0"
 ftype = "Q4_K_M"
 [[rungs]]
 ftype = "IQ2_XS"
-'''
+"""
 
 
 def _text(path: Path, words: int, seed: int) -> Path:
@@ -73,42 +75,55 @@ spec = "ladder.toml"
 quantizer = "libllama"
 '''
     if evaluation:
-        text += '''
+        text += """
 [evaluation]
 heldout = "heldout.txt"
 ctx = 128
 chunks = 6
 speed_runs = 0
 unpruned = ["Q4_K_M"]
-'''
+"""
     path = directory / "plan.toml"
     path.write_text(text)
     return path
 
 
 def _published(release: Path) -> dict[str, str]:
-    return {rel: sha256(release / rel) for rel in (p.relative_to(release).as_posix() for p in sorted(release.rglob("*")) if p.is_file())
-            if not any(part.startswith(".") for part in rel.split("/"))}
+    return {
+        rel: sha256(release / rel)
+        for rel in (p.relative_to(release).as_posix() for p in sorted(release.rglob("*")) if p.is_file())
+        if not any(part.startswith(".") for part in rel.split("/"))
+    }
 
 
 # ---------------------------------------------------------------------------------------------
 # the plan is checked before anything runs
 
 
-@pytest.mark.parametrize("change, expect", [
-    ("unknown_key = 1\n", "unknown key 'unknown_key'"),
-    ("[selection]\nmethod = \"frequency\"\nkeep = 4\nkeepset = \"x.json\"\n", "no such file"),
-    ("[selection]\nmethod = \"frequency\"\nkeep = 4\n", "traces calibration text"),
-    ("[selection]\nmethod = \"weights\"\n", "needs exactly one of keep"),
-    ("[selection]\nmethod = \"telepathy\"\nkeep = 4\n", "telepathy"),
-    ("[selection]\nmethod = \"weights\"\nkeep = 4\n[ladder]\nspec = \"ladder.toml\"\nonly = [\"Q9_9\"]\n", "Q9_9 is not a rung"),
-    ("[selection]\nmethod = \"weights\"\nkeep = 4\n[ladder]\nspec = \"nonexistent-ladder\"\n", "no such spec file"),
-])
+@pytest.mark.parametrize(
+    "change, expect",
+    [
+        ("unknown_key = 1\n", "unknown key 'unknown_key'"),
+        ('[selection]\nmethod = "frequency"\nkeep = 4\nkeepset = "x.json"\n', "no such file"),
+        ('[selection]\nmethod = "frequency"\nkeep = 4\n', "traces calibration text"),
+        ('[selection]\nmethod = "weights"\n', "needs exactly one of keep"),
+        ('[selection]\nmethod = "telepathy"\nkeep = 4\n', "telepathy"),
+        (
+            '[selection]\nmethod = "weights"\nkeep = 4\n[ladder]\nspec = "ladder.toml"\nonly = ["Q9_9"]\n',
+            "Q9_9 is not a rung",
+        ),
+        ('[selection]\nmethod = "weights"\nkeep = 4\n[ladder]\nspec = "nonexistent-ladder"\n', "no such spec file"),
+    ],
+)
 def test_a_bad_plan_is_one_line_before_any_work(q8_moe, tmp_path, change, expect):
     (tmp_path / "ladder.toml").write_text(SPEC)
     has_ladder = "[ladder]" in change
     plan = tmp_path / "plan.toml"
-    plan.write_text(f'source = "{q8_moe}"\noutput = "release"\n' + change + ("" if has_ladder else '[ladder]\nspec = "ladder.toml"\n'))
+    plan.write_text(
+        f'source = "{q8_moe}"\noutput = "release"\n'
+        + change
+        + ("" if has_ladder else '[ladder]\nspec = "ladder.toml"\n')
+    )
     result = ggufcarve("run", plan)
     assert result.code != 0
     assert expect in result.error_line, result.stderr
@@ -121,7 +136,16 @@ def test_dry_run_lists_the_stages_and_writes_nothing(q8_moe, tmp_path):
     result = ggufcarve("run", plan, "--dry-run", "--json")
     assert result.code == 0, result.stderr
     doc = json.loads(result.stdout)
-    assert [s["name"] for s in doc["stages"]] == ["select", "prune", "imatrix", "ladder", "unpruned", "evaluate", "card", "verify"]
+    assert [s["name"] for s in doc["stages"]] == [
+        "select",
+        "prune",
+        "imatrix",
+        "ladder",
+        "unpruned",
+        "evaluate",
+        "card",
+        "verify",
+    ]
     assert "imatrix in the same pass" in doc["stages"][0]["does"]
     from ggufcarve.gguf.container import read_model  # the pruned size is the prune plan's, exact
 
@@ -138,7 +162,11 @@ def test_short_disk_is_refused_before_writing(q8_moe, tmp_path, monkeypatch):
     from ggufcarve.pipeline.plan import load_plan
 
     plan = load_plan(_plan(tmp_path, q8_moe))
-    monkeypatch.setattr(pipeline_run.shutil, "disk_usage", lambda p: real_shutil._ntuple_diskusage(10 * 2**30, 10 * 2**30 - 2**20, 2**20))
+    monkeypatch.setattr(
+        pipeline_run.shutil,
+        "disk_usage",
+        lambda p: real_shutil._ntuple_diskusage(10 * 2**30, 10 * 2**30 - 2**20, 2**20),
+    )
     assert pipeline_run.preview_run(plan).short
     with pytest.raises(OutputError, match="needs about"):
         pipeline_run.execute_run(plan)
@@ -164,17 +192,43 @@ def test_the_release_tree_verifies_and_holds_nothing_local(finished, q8_moe):
     release = directory / "release"
     names = set(_published(release))
     base = "qwen3moe-4e"  # the source's name without its quant tag, and the kept count
-    assert {f"{base}-Q8_0.gguf", f"{base}-Q4_K_M.gguf", f"{base}-IQ2_XS.gguf", "SHA256SUMS", "quant-manifest.json", "README.md",
-            "method/pruning-report.json", "method/imatrix-remap-report.json", "method/run-plan.json",
-            f"evaluation/{base}-Q8_0.json", "evaluation/qwen3moe-Q4_K_M.json", "evaluation/summary.md"} <= names, sorted(names)
-    assert not any(n.startswith("qwen3moe-Q8_0") or n.endswith(".imatrix.gguf") for n in names)  # intermediates stay in the work directory
+    assert {
+        f"{base}-Q8_0.gguf",
+        f"{base}-Q4_K_M.gguf",
+        f"{base}-IQ2_XS.gguf",
+        "SHA256SUMS",
+        "quant-manifest.json",
+        "README.md",
+        "method/pruning-report.json",
+        "method/imatrix-remap-report.json",
+        "method/run-plan.json",
+        f"evaluation/{base}-Q8_0.json",
+        "evaluation/qwen3moe-Q4_K_M.json",
+        "evaluation/summary.md",
+    } <= names, sorted(names)
+    assert not any(
+        n.startswith("qwen3moe-Q8_0") or n.endswith(".imatrix.gguf") for n in names
+    )  # intermediates stay in the work directory
     assert ggufcarve("verify", release).code == 0
     for rel in names:
         data = (release / rel).read_bytes()
-        assert str(directory).encode() not in data and os.path.expanduser("~").encode() + b"/" not in data, f"{rel} holds a local path"
+        assert str(directory).encode() not in data and os.path.expanduser("~").encode() + b"/" not in data, (
+            f"{rel} holds a local path"
+        )
     doc = json.loads((release / "method/run-plan.json").read_text())
-    assert doc["parameters"]["source"] == "qwen3moe-Q8_0.gguf" and doc["parameters"]["imatrix"] == {"collect": True, "file": None}
-    assert [s["name"] for s in doc["stages"]] == ["select", "prune", "imatrix", "ladder", "unpruned", "evaluate", "card"]
+    assert doc["parameters"]["source"] == "qwen3moe-Q8_0.gguf" and doc["parameters"]["imatrix"] == {
+        "collect": True,
+        "file": None,
+    }
+    assert [s["name"] for s in doc["stages"]] == [
+        "select",
+        "prune",
+        "imatrix",
+        "ladder",
+        "unpruned",
+        "evaluate",
+        "card",
+    ]
     rung = json.loads((release / f"evaluation/{base}-Q4_K_M.json").read_text())
     assert rung["model"]["expert_count"] == 4 and rung["kld_mean"] > 0 and rung["gate"] in ("PASS", "FAIL")
     assert "ggufcarve run" in result.stdout and "verify passed" in result.stdout
@@ -187,7 +241,9 @@ def test_a_rerun_skips_every_stage_and_changes_nothing(finished):
     result = ggufcarve("run", plan, "-q", "--json")
     assert result.code == 0, result.stderr[-2000:]
     stages = {s["name"]: s["status"] for s in json.loads(result.stdout)["stages"]}
-    assert set(stages.values()) == {"skipped", "ran"} and [n for n, s in stages.items() if s == "ran"] == ["verify"], stages
+    assert set(stages.values()) == {"skipped", "ran"} and [n for n, s in stages.items() if s == "ran"] == ["verify"], (
+        stages
+    )
     assert _published(directory / "release") == before
 
 
@@ -197,9 +253,17 @@ def test_a_run_stopped_in_the_middle_resumes_and_verifies(q8_moe, tmp_path, sign
     plan = _plan(tmp_path, q8_moe, keep=6)
     state = tmp_path / "release.work" / "run-state.json"
     env = {**os.environ, "NO_COLOR": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "ggufcarve", "run", str(plan), "-q"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ggufcarve", "run", str(plan), "-q"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env=env,
+        start_new_session=True,
+    )
     deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and proc.poll() is None:  # kill once the ladder has finished: during the evaluation
+    while (
+        time.monotonic() < deadline and proc.poll() is None
+    ):  # kill once the ladder has finished: during the evaluation
         if state.exists() and "ladder" in json.loads(state.read_text()).get("stages", {}):
             break
         time.sleep(0.05)
@@ -234,7 +298,9 @@ def test_a_changed_plan_reruns_from_the_changed_stage(finished, tmp_path):
     stages = {s["name"]: s["status"] for s in json.loads(result.stdout)["stages"]}
     assert stages["select"] == stages["prune"] == stages["ladder"] == "ran", stages
     names = set(_published(directory / "release"))
-    assert "qwen3moe-6e-Q8_0.gguf" in names and not any(n.startswith("qwen3moe-4e") for n in names)  # the old release is replaced, not mixed in
+    assert "qwen3moe-6e-Q8_0.gguf" in names and not any(
+        n.startswith("qwen3moe-4e") for n in names
+    )  # the old release is replaced, not mixed in
     assert not (directory / "release.work" / "qwen3moe-4e-Q8_0.gguf").exists()
     assert ggufcarve("verify", directory / "release", "--partial").code == 0  # no [evaluation]: no evaluation results
 
@@ -247,7 +313,11 @@ def test_the_example_plans_are_valid(name, q8_moe, tmp_path):
     _text(tmp_path / "calibration.jsonl", 10, 3)
     _text(tmp_path / "heldout.txt", 10, 4)
     _text(tmp_path / "tune-heldout.txt", 10, 5)
-    (tmp_path / name).write_text(text.replace("keep = 160", "keep = 6").replace("keep = 128", "keep = 4").replace("keep = [128, 96, 64]", "keep = [4, 6, 2]"))
+    (tmp_path / name).write_text(
+        text.replace("keep = 160", "keep = 6")
+        .replace("keep = 128", "keep = 4")
+        .replace("keep = [128, 96, 64]", "keep = [4, 6, 2]")
+    )
     result = ggufcarve("run", tmp_path / name, "--dry-run", "--json")
     assert result.code == 0, result.stderr
     assert json.loads(result.stdout)["stages"][-1]["name"] == "verify"
@@ -262,7 +332,9 @@ def _bare_plan(directory: Path, source: Path, selection: str, ladder: str = "") 
     shutil.copyfile(source, directory / "model-Q8_0.gguf")
     (directory / "ladder.toml").write_text(SPEC)
     plan = directory / "plan.toml"
-    plan.write_text(f'source = "model-Q8_0.gguf"\noutput = "release"\n[selection]\n{selection}\n[ladder]\nspec = "ladder.toml"\n{ladder}')
+    plan.write_text(
+        f'source = "model-Q8_0.gguf"\noutput = "release"\n[selection]\n{selection}\n[ladder]\nspec = "ladder.toml"\n{ladder}'
+    )
     return plan
 
 
@@ -276,12 +348,27 @@ def test_protect_and_quantizer_paths_are_relative_to_the_plan(q8_moe, tmp_path, 
     quantizer.write_text("#!/bin/sh\n")
     quantizer.chmod(0o755)
     (directory / "protect.json").write_text(json.dumps({"layers": {"0": [1], "1": [1]}}))
-    plan = _bare_plan(directory, q8_moe, 'method = "weights"\nkeep = 4\nprotect = "protect.json"', 'quantizer = "bin/llama-quantize"\n')
+    plan = _bare_plan(
+        directory,
+        q8_moe,
+        'method = "weights"\nkeep = 4\nprotect = "protect.json"',
+        'quantizer = "bin/llama-quantize"\n',
+    )
     monkeypatch.chdir(tmp_path)  # another directory than the plan's
     parsed = load_plan(plan)
-    assert parsed.selection.protect_file == directory / "protect.json" and parsed.ladder.quantizer == str(quantizer.resolve())
-    assert parsed.to_json()["selection"]["protect"] == "protect.json" and parsed.to_json()["ladder"]["quantizer"] == "llama-quantize"
-    assert load_plan(_bare_plan(tmp_path / "ids", q8_moe, 'method = "weights"\nkeep = 4\nprotect = "0,5-6"')).selection.protect == "0,5-6"
+    assert parsed.selection.protect_file == directory / "protect.json" and parsed.ladder.quantizer == str(
+        quantizer.resolve()
+    )
+    assert (
+        parsed.to_json()["selection"]["protect"] == "protect.json"
+        and parsed.to_json()["ladder"]["quantizer"] == "llama-quantize"
+    )
+    assert (
+        load_plan(
+            _bare_plan(tmp_path / "ids", q8_moe, 'method = "weights"\nkeep = 4\nprotect = "0,5-6"')
+        ).selection.protect
+        == "0,5-6"
+    )
     for selection, ladder, message in [
         ('method = "weights"\nkeep = 4\nprotect = "missing.json"', "", "protect = 'missing.json': no such file"),
         ('method = "weights"\nkeep = 4\nprotect = "zz"', "", "neither expert ids"),
@@ -319,14 +406,25 @@ def test_a_second_run_in_the_same_work_directory_is_refused(q8_moe, tmp_path):
     plan = _bare_plan(tmp_path, q8_moe, 'method = "weights"\nkeep = 4')
     work = tmp_path / "release.work"
     work.mkdir()
-    holder = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time\nfrom pathlib import Path\nfrom ggufcarve.release.lock import lock_release\n"
-        f"with lock_release(Path({str(work)!r}), name='.ggufcarve-run.lock'):\n    print('held', flush=True)\n    time.sleep(120)\n")],
-        stdout=subprocess.PIPE, env={**os.environ}, start_new_session=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            (
+                "import sys, time\nfrom pathlib import Path\nfrom ggufcarve.release.lock import lock_release\n"
+                f"with lock_release(Path({str(work)!r}), name='.ggufcarve-run.lock'):\n    print('held', flush=True)\n    time.sleep(120)\n"
+            ),
+        ],
+        stdout=subprocess.PIPE,
+        env={**os.environ},
+        start_new_session=True,
+    )
     try:
         assert holder.stdout.readline().strip() == b"held"
         result = ggufcarve("run", plan, "-q")
-        assert result.code != 0 and f"pid {holder.pid} on" in result.error_line and "holds the lock" in result.error_line, result.stderr
+        assert (
+            result.code != 0 and f"pid {holder.pid} on" in result.error_line and "holds the lock" in result.error_line
+        ), result.stderr
         assert "Traceback" not in result.stderr and sorted(p.name for p in work.iterdir()) == [".ggufcarve-run.lock"]
         assert not (tmp_path / "release").exists()
     finally:
@@ -389,11 +487,21 @@ def test_each_rung_row_shows_its_own_files_hash_and_ends_complete(q8_moe, tmp_pa
         with render.progress() as sink:
             for event in events:
                 sink(event)
-    rows = {m["row"].strip(): m for m in re.finditer(r"^(?P<row>\S+(?: \S+)?)\s+.*?(?P<done>[\d,]+)/(?P<total>[\d,]+) tensors.*?(?:sha256 (?P<sha>[0-9a-f]{12}))?\s*$",
-                                                       screen.getvalue(), re.MULTILINE)}
+    rows = {
+        m["row"].strip(): m
+        for m in re.finditer(
+            r"^(?P<row>\S+(?: \S+)?)\s+.*?(?P<done>[\d,]+)/(?P<total>[\d,]+) tensors.*?(?:sha256 (?P<sha>[0-9a-f]{12}))?\s*$",
+            screen.getvalue(),
+            re.MULTILINE,
+        )
+    }
     release, unpruned = tmp_path / "release", next((tmp_path / "release.work").rglob("qwen3moe-Q4_K_M.gguf"))
-    files = {"Q8_0": release / "qwen3moe-4e-Q8_0.gguf", "Q4_K_M": release / "qwen3moe-4e-Q4_K_M.gguf", "IQ2_XS": release / "qwen3moe-4e-IQ2_XS.gguf",
-             "unpruned Q4_K_M": unpruned}
+    files = {
+        "Q8_0": release / "qwen3moe-4e-Q8_0.gguf",
+        "Q4_K_M": release / "qwen3moe-4e-Q4_K_M.gguf",
+        "IQ2_XS": release / "qwen3moe-4e-IQ2_XS.gguf",
+        "unpruned Q4_K_M": unpruned,
+    }
     assert set(files) <= set(rows), screen.getvalue()
     for name, path in files.items():
         row = rows[name]

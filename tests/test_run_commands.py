@@ -19,10 +19,12 @@ from pathlib import Path
 import pytest
 from clirun import ggufcarve, sha256
 
-WORDS = ("the router sends each token to two experts and the experts that few tokens reach are the first to be pruned "
-         "from the file while every other tensor is copied byte for byte").split()
+WORDS = (
+    "the router sends each token to two experts and the experts that few tokens reach are the first to be pruned "
+    "from the file while every other tensor is copied byte for byte"
+).split()
 
-SPEC = '''name = "two"
+SPEC = """name = "two"
 [defaults]
 file_pattern = "{model}-{quant}.gguf"
 allow_requantize = true
@@ -30,7 +32,7 @@ allow_requantize = true
 ftype = "Q8_0"
 [[rungs]]
 ftype = "Q4_K_M"
-'''
+"""
 SOURCE = "qwen3moe-Q8_0.gguf"
 VOLATILE = ("created", "timings", "seconds", "mtime_ns", "log_probs_cached")
 
@@ -52,16 +54,22 @@ def _ok(*args: object) -> None:
 def _normalised(value, volatile_names: set[str]):
     if isinstance(value, dict):
         name = value.get("name") if isinstance(value.get("name"), str) else None
-        return {k: ("(volatile)" if name in volatile_names and k in ("sha256", "bytes") else _normalised(v, volatile_names))
-                for k, v in value.items() if k not in VOLATILE and not k.endswith("_seconds")}
+        return {
+            k: ("(volatile)" if name in volatile_names and k in ("sha256", "bytes") else _normalised(v, volatile_names))
+            for k, v in value.items()
+            if k not in VOLATILE and not k.endswith("_seconds")
+        }
     if isinstance(value, list):
         return [_normalised(v, volatile_names) for v in value]
     return value
 
 
 def _published(release: Path) -> dict[str, Path]:
-    return {p.relative_to(release).as_posix(): p for p in sorted(release.rglob("*"))
-            if p.is_file() and not any(part.startswith(".") for part in p.relative_to(release).parts)}
+    return {
+        p.relative_to(release).as_posix(): p
+        for p in sorted(release.rglob("*"))
+        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(release).parts)
+    }
 
 
 @pytest.mark.slow
@@ -98,21 +106,87 @@ speed_runs = 0
 
     d, work, release = by_hand, by_hand / "release.work", by_hand / "release"
     work.mkdir()
-    _ok("imatrix", "collect", d / SOURCE, "--calibration", d / "calibration.txt", "--ctx", 128, "-t", 2, "-o", work / "qwen3moe.imatrix.gguf", "-q")
+    _ok(
+        "imatrix",
+        "collect",
+        d / SOURCE,
+        "--calibration",
+        d / "calibration.txt",
+        "--ctx",
+        128,
+        "-t",
+        2,
+        "-o",
+        work / "qwen3moe.imatrix.gguf",
+        "-q",
+    )
     _ok("select", d / SOURCE, "--method", "weights", "--keep", 4, "-o", work / "expert-selection.json", "-q")
     _ok("prune", d / SOURCE, "--keep", work / "expert-selection.json", "-o", work / "qwen3moe-4e-Q8_0.gguf", "-q")
-    _ok("imatrix", "remap", work / "qwen3moe.imatrix.gguf", "--keep", work / "expert-selection.json", "--model", work / "qwen3moe-4e-Q8_0.gguf",
-        "--source-model", d / SOURCE, "-o", work / "qwen3moe-4e.imatrix.gguf", "-q")
-    _ok("ladder", "run", d / "ladder.toml", "--source", work / "qwen3moe-4e-Q8_0.gguf", "--imatrix", work / "qwen3moe-4e.imatrix.gguf",
-        "--quantizer", "libllama", "-t", 2, "-o", release, "-q")
-    _ok("eval", release, "--reference", d / SOURCE, "--heldout", d / "heldout.txt", "--ctx", 128, "--chunks", 4, "--speed-runs", 0, "-t", 2,
-        "--cache", tmp_path / "cache", "-o", release / "evaluation", "-q")
+    _ok(
+        "imatrix",
+        "remap",
+        work / "qwen3moe.imatrix.gguf",
+        "--keep",
+        work / "expert-selection.json",
+        "--model",
+        work / "qwen3moe-4e-Q8_0.gguf",
+        "--source-model",
+        d / SOURCE,
+        "-o",
+        work / "qwen3moe-4e.imatrix.gguf",
+        "-q",
+    )
+    _ok(
+        "ladder",
+        "run",
+        d / "ladder.toml",
+        "--source",
+        work / "qwen3moe-4e-Q8_0.gguf",
+        "--imatrix",
+        work / "qwen3moe-4e.imatrix.gguf",
+        "--quantizer",
+        "libllama",
+        "-t",
+        2,
+        "-o",
+        release,
+        "-q",
+    )
+    _ok(
+        "eval",
+        release,
+        "--reference",
+        d / SOURCE,
+        "--heldout",
+        d / "heldout.txt",
+        "--ctx",
+        128,
+        "--chunks",
+        4,
+        "--speed-runs",
+        0,
+        "-t",
+        2,
+        "--cache",
+        tmp_path / "cache",
+        "-o",
+        release / "evaluation",
+        "-q",
+    )
     _ok("card", release)
 
     ours, theirs = _published(planned / "release"), _published(release)
-    assert set(ours) - set(theirs) == {"method/run-plan.json"} and not set(theirs) - set(ours), sorted(set(ours) ^ set(theirs))
-    reports = {name for name in theirs if name.endswith(".json")} | {"README.md", "evaluation/summary.md", "method/run-plan.json"}
-    reports |= {Path(name).name for name in reports}  # as inputs of other reports they are named without their directory
+    assert set(ours) - set(theirs) == {"method/run-plan.json"} and not set(theirs) - set(ours), sorted(
+        set(ours) ^ set(theirs)
+    )
+    reports = {name for name in theirs if name.endswith(".json")} | {
+        "README.md",
+        "evaluation/summary.md",
+        "method/run-plan.json",
+    }
+    reports |= {
+        Path(name).name for name in reports
+    }  # as inputs of other reports they are named without their directory
     for name in sorted(theirs):
         if name.endswith(".json"):
             a, b = (json.loads(p.read_text()) for p in (ours[name], theirs[name]))
@@ -120,9 +194,12 @@ speed_runs = 0
                 del a["published"]["plan"]  # method/run-plan.json
             assert _normalised(a, reports) == _normalised(b, reports), name
         elif name == "SHA256SUMS":
+
             def sums(path: Path) -> dict[str, str]:
                 pairs = (line.split("  ", 1) for line in path.read_text().splitlines() if line.strip())
-                return {n: ("(volatile)" if n in reports else digest) for digest, n in pairs if n != "method/run-plan.json"}
+                return {
+                    n: ("(volatile)" if n in reports else digest) for digest, n in pairs if n != "method/run-plan.json"
+                }
 
             assert sums(ours[name]) == sums(theirs[name])
         else:

@@ -19,10 +19,12 @@ import pytest
 from clirun import ggufcarve, sha256
 from gguf import GGUFReader, Keys
 
-WORDS = ("a mixture of experts routes every token to a few experts chosen group by group and the groups that score "
-         "best keep their experts while the others are masked before the top k is taken").split()
+WORDS = (
+    "a mixture of experts routes every token to a few experts chosen group by group and the groups that score "
+    "best keep their experts while the others are masked before the top k is taken"
+).split()
 
-SPEC = '''name = "two"
+SPEC = """name = "two"
 [defaults]
 file_pattern = "{model}-{quant}.gguf"
 allow_requantize = true
@@ -30,7 +32,7 @@ allow_requantize = true
 ftype = "Q8_0"
 [[rungs]]
 ftype = "Q4_K_M"
-'''
+"""
 RUNGS = ("Q8_0", "Q4_K_M")
 
 
@@ -47,7 +49,7 @@ def _plan(directory: Path, source: Path) -> Path:
     (directory / "heldout.txt").write_text(" ".join(rng.choice(WORDS) for _ in range(300)) + "\n")
     (directory / "ladder.toml").write_text(SPEC)
     plan = directory / "plan.toml"
-    plan.write_text('''source = "deepseek2-Q8_0.gguf"
+    plan.write_text("""source = "deepseek2-Q8_0.gguf"
 output = "release"
 threads = 2
 
@@ -71,13 +73,16 @@ heldout = "heldout.txt"
 ctx = 128
 chunks = 2
 speed_runs = 0
-''')
+""")
     return plan
 
 
 def _published(release: Path) -> dict[str, str]:
-    return {p.relative_to(release).as_posix(): sha256(p) for p in sorted(release.rglob("*"))
-            if p.is_file() and not any(part.startswith(".") for part in p.relative_to(release).parts)}
+    return {
+        p.relative_to(release).as_posix(): sha256(p)
+        for p in sorted(release.rglob("*"))
+        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(release).parts)
+    }
 
 
 @pytest.fixture(scope="module")
@@ -127,10 +132,17 @@ def test_a_run_killed_midway_resumes_and_verifies(finished, deepseek2, tmp_path)
     clean, _, _ = finished
     plan = _plan(tmp_path, deepseek2)
     state = tmp_path / "release.work" / "run-state.json"
-    proc = subprocess.Popen([sys.executable, "-m", "ggufcarve", "run", str(plan), "-q"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            env={**os.environ, "NO_COLOR": "1"}, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ggufcarve", "run", str(plan), "-q"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "NO_COLOR": "1"},
+        start_new_session=True,
+    )
     deadline = time.monotonic() + 600
-    while time.monotonic() < deadline and proc.poll() is None:  # kill once the prune is recorded: during the remap or the ladder
+    while (
+        time.monotonic() < deadline and proc.poll() is None
+    ):  # kill once the prune is recorded: during the remap or the ladder
         if state.exists() and "prune" in json.loads(state.read_text()).get("stages", {}):
             break
         time.sleep(0.05)
@@ -149,7 +161,9 @@ def test_a_run_killed_midway_resumes_and_verifies(finished, deepseek2, tmp_path)
     assert not list(tmp_path.rglob("*.tmp"))
 
 
-@pytest.mark.parametrize("keep, message", [(10, "K=10 is not a multiple of the 4 expert groups"), (4, "K=4 keeps 1 expert(s) per group")])
+@pytest.mark.parametrize(
+    "keep, message", [(10, "K=10 is not a multiple of the 4 expert groups"), (4, "K=4 keeps 1 expert(s) per group")]
+)
 def test_a_k_the_groups_refuse_is_named_as_the_plans(deepseek2, tmp_path, keep, message):
     plan = _plan(tmp_path, deepseek2)
     plan.write_text(plan.read_text().replace("keep = 8", f"keep = {keep}"))

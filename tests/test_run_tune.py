@@ -13,13 +13,13 @@ DATA = Path(__file__).resolve().parent.parent / "ggufcarve" / "demo" / "data"
 MODEL = DATA / "tiny-qwen3moe-16x256-top4-4L-stdlib-Q8_0.gguf"
 SPEC = 'name = "one"\n[defaults]\nfile_pattern = "{model}-{quant}.gguf"\nallow_requantize = true\n[[rungs]]\nftype = "Q8_0"\n'
 
-SELECTION = '''[selection]
+SELECTION = """[selection]
 method = "tune"
 methods = ["reap", "frequency", "weights"]
 keep = [6, 8]
 heldout = "{heldout}"
 chunks = 2
-'''
+"""
 
 
 def _plan(directory: Path, selection: str = SELECTION, calibration: bool = True, evaluation: bool = True) -> Path:
@@ -29,7 +29,11 @@ def _plan(directory: Path, selection: str = SELECTION, calibration: bool = True,
         text += f'\n[calibration]\nfiles = ["{DATA / "calibration.txt"}"]\nctx = 256\nmax_tokens = 1024\n'
     (directory / "ladder.toml").write_text(SPEC)
     text += '\n[ladder]\nspec = "ladder.toml"\nquantizer = "libllama"\n'
-    text += "" if not evaluation else f'\n[evaluation]\nheldout = "{DATA / "heldout.txt"}"\nctx = 256\nchunks = 2\nspeed_runs = 0\n\n[card]\nlicense = "mit"\n'
+    text += (
+        ""
+        if not evaluation
+        else f'\n[evaluation]\nheldout = "{DATA / "heldout.txt"}"\nctx = 256\nchunks = 2\nspeed_runs = 0\n\n[card]\nlicense = "mit"\n'
+    )
     path = directory / "plan.toml"
     path.write_text(text)
     return path
@@ -51,7 +55,11 @@ def test_a_tune_plan_carves_the_winner_and_publishes_the_tournament(tmp_path):
     doc = json.loads(dry.stdout)
     assert [s["name"] for s in doc["stages"]] == ["tune", "prune", "ladder", "evaluate", "card", "verify"]
     assert "carve the winner at K = 6" in doc["stages"][0]["does"] and doc["stages"][0]["bytes"] > 0
-    assert doc["plan"]["selection"]["keep"] == [6, 8] and doc["plan"]["selection"]["methods"] == ["reap", "frequency", "weights"]
+    assert doc["plan"]["selection"]["keep"] == [6, 8] and doc["plan"]["selection"]["methods"] == [
+        "reap",
+        "frequency",
+        "weights",
+    ]
     assert not (tmp_path / "release").exists()
 
     run = ggufcarve("run", plan, "--json", "-q")
@@ -79,7 +87,9 @@ def test_a_tune_plan_carves_the_winner_and_publishes_the_tournament(tmp_path):
     assert again.code == 0, again.stderr[-2000:]
     assert [s["name"] for s in json.loads(again.stdout)["stages"] if s["status"] == "ran"] == ["verify"]
 
-    plain = plan.read_text().replace(SELECTION.format(heldout=DATA / "heldout.txt"), '[selection]\nmethod = "frequency"\nkeep = 6\n')
+    plain = plan.read_text().replace(
+        SELECTION.format(heldout=DATA / "heldout.txt"), '[selection]\nmethod = "frequency"\nkeep = 6\n'
+    )
     plan.write_text(plain)  # the plan no longer tunes: the release drops the tournament
     third = ggufcarve("run", plan, "--json", "-q")
     assert third.code == 0, third.stderr[-2000:]
@@ -88,24 +98,47 @@ def test_a_tune_plan_carves_the_winner_and_publishes_the_tournament(tmp_path):
     assert ggufcarve("verify", release).code == 0
 
 
-@pytest.mark.parametrize("selection, calibration, expect", [
-    ('[selection]\nmethod = "tune"\nmethods = ["weights"]\nkeep = [8]\n', None, "scores the keep-sets on held-out text"),
-    (SELECTION.replace("keep = [6, 8]", 'keep = "8"'), True, "keep of method tune must be a list of expert counts"),
-    (SELECTION.replace("keep = [6, 8]", "keep = [8, 2.5]"), True, "keep of method tune must be a list of expert counts"),
-    (SELECTION.replace("keep = [6, 8]", "keep = []"), True, "keep of method tune must be a list of expert counts"),
-    (SELECTION.replace('"weights"]', '"telepathy"]'), True, "methods: unknown method 'telepathy'"),
-    (SELECTION.replace('methods = ["reap", "frequency", "weights"]', 'methods = "some"'), True, 'methods must be "all" or a list'),
-    (SELECTION + "ratio = 0.5\n", True, "takes keep = [K, ...], not ratio"),
-    (SELECTION, False, "method tune with reap traces calibration text"),
-    ('[selection]\nmethod = "weights"\nkeep = 8\nmethods = ["reap"]\n', False, 'methods applies to method = "tune" only'),
-    (SELECTION.replace("keep = [6, 8]", "keep = [6, 99]"), True, "[selection]:"),
-])
+@pytest.mark.parametrize(
+    "selection, calibration, expect",
+    [
+        (
+            '[selection]\nmethod = "tune"\nmethods = ["weights"]\nkeep = [8]\n',
+            None,
+            "scores the keep-sets on held-out text",
+        ),
+        (SELECTION.replace("keep = [6, 8]", 'keep = "8"'), True, "keep of method tune must be a list of expert counts"),
+        (
+            SELECTION.replace("keep = [6, 8]", "keep = [8, 2.5]"),
+            True,
+            "keep of method tune must be a list of expert counts",
+        ),
+        (SELECTION.replace("keep = [6, 8]", "keep = []"), True, "keep of method tune must be a list of expert counts"),
+        (SELECTION.replace('"weights"]', '"telepathy"]'), True, "methods: unknown method 'telepathy'"),
+        (
+            SELECTION.replace('methods = ["reap", "frequency", "weights"]', 'methods = "some"'),
+            True,
+            'methods must be "all" or a list',
+        ),
+        (SELECTION + "ratio = 0.5\n", True, "takes keep = [K, ...], not ratio"),
+        (SELECTION, False, "method tune with reap traces calibration text"),
+        (
+            '[selection]\nmethod = "weights"\nkeep = 8\nmethods = ["reap"]\n',
+            False,
+            'methods applies to method = "tune" only',
+        ),
+        (SELECTION.replace("keep = [6, 8]", "keep = [6, 99]"), True, "[selection]:"),
+    ],
+)
 def test_a_bad_tune_plan_is_one_line(tmp_path, selection, calibration, expect):
-    plan = _plan(tmp_path, selection, bool(calibration), evaluation=calibration is not None)  # None: no [calibration], no [evaluation]
+    plan = _plan(
+        tmp_path, selection, bool(calibration), evaluation=calibration is not None
+    )  # None: no [calibration], no [evaluation]
     result = ggufcarve("run", plan, "--dry-run")
     assert result.code != 0
     assert expect in result.error_line, result.stderr
-    assert "hint:" in result.error_line and len([line for line in result.stderr.splitlines() if line.strip()]) == 1, result.stderr
+    assert "hint:" in result.error_line and len([line for line in result.stderr.splitlines() if line.strip()]) == 1, (
+        result.stderr
+    )
     assert "Traceback" not in result.stderr
     assert not (tmp_path / "release").exists() and not (tmp_path / "release.work").exists()
 
@@ -122,8 +155,27 @@ def test_tune_checks_the_disk_before_writing_the_reference_records(tmp_path, mon
     settings = TuneSettings(keeps=(8,), methods=("weights",), heldout=(DATA / "heldout.txt",), ctx=256, chunks=4)
     # the bound: the size of llama-perplexity's own base file of the same text, ctx and chunks
     base = tmp_path / "demo.kld"
-    made = subprocess.run([str(llama_tools / "llama-perplexity"), "-m", str(MODEL), "-f", str(DATA / "heldout.txt"), "-c", "256", "--chunks", "4",
-                           "--kl-divergence-base", str(base), "-t", "2"], capture_output=True, text=True, timeout=600, env=child_env())
+    made = subprocess.run(
+        [
+            str(llama_tools / "llama-perplexity"),
+            "-m",
+            str(MODEL),
+            "-f",
+            str(DATA / "heldout.txt"),
+            "-c",
+            "256",
+            "--chunks",
+            "4",
+            "--kl-divergence-base",
+            str(base),
+            "-t",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=child_env(),
+    )
     assert made.returncode == 0, made.stderr[-3000:]
     assert reference_bytes(MODEL, settings) == base.stat().st_size
 

@@ -30,7 +30,9 @@ def facts(n=8, k=2, blocks=(0, 1), groups=0, group_used=0, nextn=0):
 
 def value_scores(per_block, **kw):
     f = facts(n=len(next(iter(per_block.values()))), blocks=tuple(per_block), **kw)
-    return ExpertScores("weights", f, {b: BlockStats("weights", "value", sums=np.asarray(v, float)) for b, v in per_block.items()})
+    return ExpertScores(
+        "weights", f, {b: BlockStats("weights", "value", sums=np.asarray(v, float)) for b, v in per_block.items()}
+    )
 
 
 def test_top_k_ties_go_to_the_lower_id_and_ids_are_ascending():
@@ -63,7 +65,10 @@ def test_super_experts_follow_reaps_rule():
     maxima[0][5] = 50.0  # an outlier in the first 75% of the blocks: protected
     maxima[3][2] = 60.0  # an outlier in the last quarter: not protected
     f = facts(n=128, blocks=(0, 1, 2, 3))
-    blocks = {b: BlockStats("reap", "mean", counts=np.ones(128, np.int64), sums=np.ones(128), maxima=m) for b, m in maxima.items()}
+    blocks = {
+        b: BlockStats("reap", "mean", counts=np.ones(128, np.int64), sums=np.ones(128), maxima=m)
+        for b, m in maxima.items()
+    }
     s = ExpertScores("reap", f, blocks)
     assert super_experts(s) == {0: {5}, 1: set(), 2: set()}
     sel = choose(s, 2, protect_super_experts=True)
@@ -74,8 +79,18 @@ def test_super_experts_follow_reaps_rule():
 
 def test_scores_merge_and_round_trip():
     f = facts(blocks=(0,))
-    part = lambda c, s, m: ExpertScores("reap", f, {0: BlockStats("reap", "mean", counts=np.array(c, np.int64), sums=np.array(s, float), maxima=np.array(m, float))},
-                                        {"ctx": 512, "max_tokens": 10}, ({"kind": "calibration", "name": "a.txt"},), 10)
+    part = lambda c, s, m: ExpertScores(
+        "reap",
+        f,
+        {
+            0: BlockStats(
+                "reap", "mean", counts=np.array(c, np.int64), sums=np.array(s, float), maxima=np.array(m, float)
+            )
+        },
+        {"ctx": 512, "max_tokens": 10},
+        ({"kind": "calibration", "name": "a.txt"},),
+        10,
+    )
     a = part([1, 0, 2, 0, 0, 0, 0, 1], [2.0, 0, 1, 0, 0, 0, 0, 4], [1, 0, 3, 0, 0, 0, 0, 1])
     b = part([1, 1, 0, 0, 0, 0, 0, 1], [4.0, 1, 0, 0, 0, 0, 0, 2], [5, 1, 0, 0, 0, 0, 0, 2])
     merged = merge_scores([a, b])
@@ -104,8 +119,21 @@ def test_compare_reports_overlap_and_disagreement():
 # not use gguf-py's decoders (gguf-py only reads the file and converts F16/BF16 to floats).
 
 #: Bytes per block (the static_asserts of ggml-common.h).
-BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34, "IQ4_NL": 18,
-               "Q2_K": 84, "Q3_K": 110, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210, "MXFP4": 17, "NVFP4": 36}
+BLOCK_BYTES = {
+    "Q4_0": 18,
+    "Q4_1": 20,
+    "Q5_0": 22,
+    "Q5_1": 24,
+    "Q8_0": 34,
+    "IQ4_NL": 18,
+    "Q2_K": 84,
+    "Q3_K": 110,
+    "Q4_K": 144,
+    "Q5_K": 176,
+    "Q6_K": 210,
+    "MXFP4": 17,
+    "NVFP4": 36,
+}
 #: Types whose block starts with `ggml_half d` (block_q4_0 ... block_iq4_nl); Q4_1/Q5_1's m
 #: follows it and is not a scale.
 D_FIRST = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL")
@@ -177,7 +205,9 @@ def brute_force_energy(raw: bytes, type_name: str, values: np.ndarray | None) ->
         return float(np.sqrt(np.mean(values.astype(np.float64) ** 2)))
     size = BLOCK_BYTES[type_name]
     assert len(raw) % size == 0, (type_name, len(raw))
-    return float(np.mean([s for i in range(0, len(raw), size) for s in brute_force_block_scales(raw[i:i + size], type_name)]))
+    return float(
+        np.mean([s for i in range(0, len(raw), size) for s in brute_force_block_scales(raw[i : i + size], type_name)])
+    )
 
 
 def brute_force_weights(path) -> dict[int, np.ndarray]:
@@ -187,7 +217,10 @@ def brute_force_weights(path) -> dict[int, np.ndarray]:
     n = layout.expert_count
     result = {}
     for block in layout.blocks:
-        router = gguf_dequantize(np.asarray(tensors[f"blk.{block}.ffn_gate_inp.weight"].data), tensors[f"blk.{block}.ffn_gate_inp.weight"].tensor_type)
+        router = gguf_dequantize(
+            np.asarray(tensors[f"blk.{block}.ffn_gate_inp.weight"].data),
+            tensors[f"blk.{block}.ffn_gate_inp.weight"].tensor_type,
+        )
         norms = np.linalg.norm(router.reshape(n, -1).astype(np.float64), axis=1)
         energies = []
         for suffix in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "ffn_gate_up_exps"):
@@ -199,7 +232,14 @@ def brute_force_weights(path) -> dict[int, np.ndarray]:
             if t.tensor_type.name in ("F16", "F32", "BF16"):
                 values = gguf_dequantize(np.asarray(t.data), t.tensor_type).reshape(n, -1)
             slab = len(raw) // n
-            energy = np.array([brute_force_energy(raw[e * slab:(e + 1) * slab], t.tensor_type.name, None if values is None else values[e]) for e in range(n)])
+            energy = np.array(
+                [
+                    brute_force_energy(
+                        raw[e * slab : (e + 1) * slab], t.tensor_type.name, None if values is None else values[e]
+                    )
+                    for e in range(n)
+                ]
+            )
             scale = tensors.get(f"blk.{block}.{suffix}.scale")  # a per-expert scale (NVFP4's scale2)
             if scale is not None:
                 energy = energy * np.abs(np.asarray(scale.data, dtype=np.float64).reshape(n))
@@ -222,14 +262,20 @@ def expert_weight_types(path) -> set[str]:
     return {t.tensor_type.name for t in GGUFReader(path).tensors if "_exps.weight" in t.name}
 
 
-@pytest.mark.parametrize("arch,dtype", [("qwen3moe", "F16"), ("qwen3moe", "Q8_0"), ("fused", "Q8_0"), ("gpt-oss", "F16")])
+@pytest.mark.parametrize(
+    "arch,dtype", [("qwen3moe", "F16"), ("qwen3moe", "Q8_0"), ("fused", "Q8_0"), ("gpt-oss", "F16")]
+)
 def test_weights_equals_brute_force(make_model, arch, dtype):
     scores = assert_weights_match(make_model(arch, dtype))
     assert set(scores.parameters["scale_rules"]) == {dtype}
 
 
 @pytest.mark.parametrize("dtype", ["Q8_0", "F16"])
-@pytest.mark.parametrize("read_bytes,rms_values,threads", [(1000, 300, 3), (1 << 30, 1 << 30, 1)], ids=["slabs-cut", "all-slabs-in-one-piece"])
+@pytest.mark.parametrize(
+    "read_bytes,rms_values,threads",
+    [(1000, 300, 3), (1 << 30, 1 << 30, 1)],
+    ids=["slabs-cut", "all-slabs-in-one-piece"],
+)
 def test_weights_do_not_depend_on_how_the_file_is_read(make_model, monkeypatch, dtype, read_bytes, rms_values, threads):
     """Every slab cut between blocks into uneven pieces (per-expert sums added up across pieces,
     on 3 threads), and every tensor read as one piece on the calling thread alone."""
@@ -289,9 +335,13 @@ LLAMA_QUANTS = [
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("ftype,overrides,wanted", LLAMA_QUANTS, ids=[c[0] if not c[1] else "NVFP4" for c in LLAMA_QUANTS])
+@pytest.mark.parametrize(
+    "ftype,overrides,wanted", LLAMA_QUANTS, ids=[c[0] if not c[1] else "NVFP4" for c in LLAMA_QUANTS]
+)
 def test_weights_equals_brute_force_on_llama_quants(make_model, tmp_path, ftype, overrides, wanted):
-    path = factory.quantize_with_llama(make_model("qwen3moe", "F16"), tmp_path / f"{ftype}.gguf", ftype, tensor_types=overrides)
+    path = factory.quantize_with_llama(
+        make_model("qwen3moe", "F16"), tmp_path / f"{ftype}.gguf", ftype, tensor_types=overrides
+    )
     types = expert_weight_types(path)
     assert wanted <= types, f"llama.cpp's {ftype} gave the experts {sorted(types)}"
     scores = assert_weights_match(path)
@@ -304,18 +354,18 @@ def test_every_scale_rule_is_brute_forced():
 
 
 #: E8M0 codes and their values, by hand: 2^(e - 127).
-E8M0 = {0: 2.0 ** -127, 1: 2.0 ** -126, 120: 2.0 ** -7, 127: 1.0, 130: 8.0}
+E8M0 = {0: 2.0**-127, 1: 2.0**-126, 120: 2.0**-7, 127: 1.0, 130: 8.0}
 #: UE4M3 codes and their values, by hand from the format (unsigned, bias 7, 3 mantissa bits,
 #: exponent 0 subnormal: man * 2^-9; 0x7F, the NaN code, reads as 0 in ggml).
 UE4M3 = {
     0x00: 0.0,
-    0x01: 2.0 ** -9,      # the smallest subnormal
-    0x07: 7 * 2.0 ** -9,  # the largest subnormal
-    0x08: 2.0 ** -6,      # exponent 1, the smallest normal
-    0x38: 1.0,            # exponent 7 = the bias
-    0x3C: 1.5,            # 1 + 4/8
-    0x41: 2.25,           # 2^1 * (1 + 1/8)
-    0x7E: 448.0,          # 2^8 * (1 + 6/8), the largest
+    0x01: 2.0**-9,  # the smallest subnormal
+    0x07: 7 * 2.0**-9,  # the largest subnormal
+    0x08: 2.0**-6,  # exponent 1, the smallest normal
+    0x38: 1.0,  # exponent 7 = the bias
+    0x3C: 1.5,  # 1 + 4/8
+    0x41: 2.25,  # 2^1 * (1 + 1/8)
+    0x7E: 448.0,  # 2^8 * (1 + 6/8), the largest
     0x7F: 0.0,
 }
 
@@ -353,7 +403,9 @@ def test_weights_on_hand_made_blocks(make_model, tmp_path):
     gate: MXFP4, blk.0 up: NVFP4 with ffn_up_exps.scale; the rest stays F16). Expected values by hand."""
     n, rows, width = 8, 256, 256  # experts; rows and values per row of blk.0.ffn_{gate,up}_exps
     rng = np.random.default_rng(0)
-    assert {c: _e8m0(c) for c in E8M0} == E8M0 and {c: _ue4m3(c) for c in UE4M3} == UE4M3  # the brute force agrees with the tables
+    assert {c: _e8m0(c) for c in E8M0} == E8M0 and {
+        c: _ue4m3(c) for c in UE4M3
+    } == UE4M3  # the brute force agrees with the tables
     e8m0, ue4m3 = list(E8M0), list(UE4M3)
     mxfp4 = bytearray()  # expert e: its blocks alternate between the codes e8m0[e] and e8m0[e + 1] (cyclic)
     nvfp4 = bytearray()  # expert e: every block has the sub-block scale codes ue4m3[e .. e + 3]
@@ -365,21 +417,38 @@ def test_weights_on_hand_made_blocks(make_model, tmp_path):
             nvfp4 += sub + rng.integers(0, 256, 32).astype(np.uint8).tobytes()
     scale2 = np.array([(-1) ** e * (e + 1) / 4 for e in range(n)])
     src = make_model("qwen3moe", "F16")
-    path = _with_tensors(src, tmp_path / "hand.gguf", {
-        "blk.0.ffn_gate_exps.weight": (np.frombuffer(bytes(mxfp4), np.uint8).reshape(n, rows, -1), gguf.GGMLQuantizationType.MXFP4),
-        "blk.0.ffn_up_exps.weight": (np.frombuffer(bytes(nvfp4), np.uint8).reshape(n, rows, -1), gguf.GGMLQuantizationType.NVFP4),
-    }, {"blk.0.ffn_up_exps.scale": scale2})
+    path = _with_tensors(
+        src,
+        tmp_path / "hand.gguf",
+        {
+            "blk.0.ffn_gate_exps.weight": (
+                np.frombuffer(bytes(mxfp4), np.uint8).reshape(n, rows, -1),
+                gguf.GGMLQuantizationType.MXFP4,
+            ),
+            "blk.0.ffn_up_exps.weight": (
+                np.frombuffer(bytes(nvfp4), np.uint8).reshape(n, rows, -1),
+                gguf.GGMLQuantizationType.NVFP4,
+            ),
+        },
+        {"blk.0.ffn_up_exps.scale": scale2},
+    )
 
     mxfp4_energy = np.array([(E8M0[e8m0[e % len(e8m0)]] + E8M0[e8m0[(e + 1) % len(e8m0)]]) / 2 for e in range(n)])
     nvfp4_energy = np.array([sum(UE4M3[ue4m3[(e + k) % len(ue4m3)]] for k in range(4)) / 4 for e in range(n)])
     tensors = {t.name: t for t in GGUFReader(src).tensors}
     down = np.asarray(tensors["blk.0.ffn_down_exps.weight"].data, dtype=np.float64).reshape(n, -1)
-    norms = np.linalg.norm(np.asarray(tensors["blk.0.ffn_gate_inp.weight"].data, dtype=np.float64).reshape(n, -1), axis=1)
-    expected = norms * (mxfp4_energy + nvfp4_energy * np.abs(scale2) + np.sqrt(np.mean(down ** 2, axis=1))) / 3
+    norms = np.linalg.norm(
+        np.asarray(tensors["blk.0.ffn_gate_inp.weight"].data, dtype=np.float64).reshape(n, -1), axis=1
+    )
+    expected = norms * (mxfp4_energy + nvfp4_energy * np.abs(scale2) + np.sqrt(np.mean(down**2, axis=1))) / 3
 
     scores = assert_weights_match(path)  # the brute force agrees on both blocks ...
     np.testing.assert_allclose(scores.scores()[0], expected, rtol=1e-6)  # ... and so do the values by hand
-    assert scores.parameters["scale_rules"] == {"MXFP4": SCALE_RULES["MXFP4"], "NVFP4": SCALE_RULES["NVFP4"], "F16": RMS_RULE}
+    assert scores.parameters["scale_rules"] == {
+        "MXFP4": SCALE_RULES["MXFP4"],
+        "NVFP4": SCALE_RULES["NVFP4"],
+        "F16": RMS_RULE,
+    }
 
 
 # --- aimer: plain numpy over gguf-py's reader ----------------------------------------------------
@@ -419,10 +488,16 @@ def test_aimer_keeps_the_experts_of_the_lowest_score_by_construction(make_model,
     the places and 0 elsewhere, so mean |w| = q_e, RMS(w) = sqrt(q_e) and AIMER's score is
     sqrt(q_e): the sparsest experts are the ones AIMER keeps. Read in pieces smaller than a slab."""
     n, n_embd, n_ff = 8, 256, 256
-    share = np.array([128, 26, 205, 77, 13, 230, 51, 154]) / 256  # expert e's nonzero share (whole places of every matrix)
+    share = (
+        np.array([128, 26, 205, 77, 13, 230, 51, 154]) / 256
+    )  # expert e's nonzero share (whole places of every matrix)
     rng = np.random.default_rng(7)
     replaced = {}
-    for suffix, shape in (("ffn_gate_exps", (n_ff, n_embd)), ("ffn_up_exps", (n_ff, n_embd)), ("ffn_down_exps", (n_embd, n_ff))):
+    for suffix, shape in (
+        ("ffn_gate_exps", (n_ff, n_embd)),
+        ("ffn_up_exps", (n_ff, n_embd)),
+        ("ffn_down_exps", (n_embd, n_ff)),
+    ):
         values = np.zeros((n, *shape), dtype=np.float32)
         for e in range(n):
             places = rng.permutation(values[e].size)[: round(share[e] * values[e].size)]

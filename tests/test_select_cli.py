@@ -37,7 +37,20 @@ def test_every_method_selects_a_keep_set_llama_cpp_loads(arch, make_model, llama
     imatrix = make_imatrix(llama_tools, model, tmp_path, chunks=2)
     text = tmp_path / "calibration.txt"  # make_imatrix's text, traced in two chunks of 64 tokens
     k = K.get(arch, 4)
-    for method in ("weights", "aimer", "router-norm", "random", "imatrix-counts", "imatrix-energy", "imatrix-msan", "frequency", "ean", "mone", "reap", "razor"):
+    for method in (
+        "weights",
+        "aimer",
+        "router-norm",
+        "random",
+        "imatrix-counts",
+        "imatrix-energy",
+        "imatrix-msan",
+        "frequency",
+        "ean",
+        "mone",
+        "reap",
+        "razor",
+    ):
         extra = ["--imatrix", imatrix] if method.startswith("imatrix") else []
         if method in ("frequency", "ean", "mone", "reap", "razor"):
             extra = ["--calibration", text, "--ctx", 64, "--max-tokens", 128, "-t", 2]
@@ -71,23 +84,48 @@ def test_one_pass_criteria_through_score_select_and_merge(make_model, tmp_path):
     docs = {m: json.loads((tmp_path / f"{m}.json").read_text()) for m in ("ean-sum", "msan", "mone")}
     for method, doc in docs.items():
         assert doc["method"] == method
-        assert doc["parameters"]["pass"] == {"decode": "calibration", "consumer": "statistics", "asked": method,
-                                             "statistics": ["frequency", "ean", "ean-sum", "msan", "mone", "reap"]}
+        assert doc["parameters"]["pass"] == {
+            "decode": "calibration",
+            "consumer": "statistics",
+            "asked": method,
+            "statistics": ["frequency", "ean", "ean-sum", "msan", "mone", "reap"],
+        }
     # the msan pass and the mone pass fill the same Σ||f||²: one decode, every statistic
     assert docs["msan"]["blocks"]["0"]["sums_sq"] == docs["mone"]["blocks"]["0"]["sums_sq"]
     from gguf import GGUFReader
 
     n_embd = next(int(t.shape[0]) for t in GGUFReader(model).tensors if t.name == "token_embd.weight")
-    assert np.asarray(docs["mone"]["blocks"]["0"]["output_sums"]).shape == (len(docs["mone"]["blocks"]["0"]["counts"]), n_embd)
+    assert np.asarray(docs["mone"]["blocks"]["0"]["output_sums"]).shape == (
+        len(docs["mone"]["blocks"]["0"]["counts"]),
+        n_embd,
+    )
     merged = tmp_path / "merged.json"
-    assert ggufcarve("score", "--merge", tmp_path / "ean-sum.json", tmp_path / "ean-sum.json", "-o", merged, "-q").code == 0
-    np.testing.assert_allclose(json.loads(merged.read_text())["blocks"]["0"]["sums"], 2 * np.asarray(docs["ean-sum"]["blocks"]["0"]["sums"]))
-    select(model, "--method", "msan", "--keep", 4, *trace, "--protect-super-experts", "-o", tmp_path / "msan-sel.json", "--no-heatmap")
+    assert (
+        ggufcarve("score", "--merge", tmp_path / "ean-sum.json", tmp_path / "ean-sum.json", "-o", merged, "-q").code
+        == 0
+    )
+    np.testing.assert_allclose(
+        json.loads(merged.read_text())["blocks"]["0"]["sums"], 2 * np.asarray(docs["ean-sum"]["blocks"]["0"]["sums"])
+    )
+    select(
+        model,
+        "--method",
+        "msan",
+        "--keep",
+        4,
+        *trace,
+        "--protect-super-experts",
+        "-o",
+        tmp_path / "msan-sel.json",
+        "--no-heatmap",
+    )
     record = json.loads((tmp_path / "msan-sel.json").read_text())
     assert record["parameters"]["pass"]["asked"] == "msan" and record["per_block"]["0"]["statistic"] == "mean_square"
     select(tmp_path / "mone.json", "--keep", 4, "-o", tmp_path / "mone-sel.json", "--no-heatmap")
     mone = np.asarray(json.loads((tmp_path / "mone-sel.json").read_text())["per_block"]["0"]["score"])
-    assert json.loads((tmp_path / "mone-sel.json").read_text())["per_block"]["0"]["retained"] == sorted(np.argsort(-mone, kind="stable")[:4].tolist())
+    assert json.loads((tmp_path / "mone-sel.json").read_text())["per_block"]["0"]["retained"] == sorted(
+        np.argsort(-mone, kind="stable")[:4].tolist()
+    )
 
 
 def test_score_then_select_and_merge(make_model, tmp_path):
@@ -117,10 +155,16 @@ def assert_refused(result, message, *unwritten):
 def test_bad_input_is_one_line_and_writes_nothing(make_model, dense_model, tmp_path):
     model = make_model("qwen3moe", "F16")
     out = tmp_path / "sel.json"
-    assert_refused(ggufcarve("select", dense_model, "--method", "weights", "--keep", 2, "-o", out), "no routed experts", out)
-    assert_refused(ggufcarve("select", model, "--method", "weights", "--keep", 1, "-o", out), "below the 2 experts", out)
+    assert_refused(
+        ggufcarve("select", dense_model, "--method", "weights", "--keep", 2, "-o", out), "no routed experts", out
+    )
+    assert_refused(
+        ggufcarve("select", model, "--method", "weights", "--keep", 1, "-o", out), "below the 2 experts", out
+    )
     assert_refused(ggufcarve("select", model, "--method", "weights", "--keep", 9, "-o", out), "outside 2..8", out)
-    assert_refused(ggufcarve("select", model, "--method", "imatrix-counts", "--keep", 4, "-o", out), "reads an imatrix", out)
+    assert_refused(
+        ggufcarve("select", model, "--method", "imatrix-counts", "--keep", 4, "-o", out), "reads an imatrix", out
+    )
     assert_refused(ggufcarve("select", model, "--method", "nope", "--keep", 4, "-o", out), "unknown method", out)
 
 
@@ -156,11 +200,51 @@ def test_calibrating_commands_run_from_a_directory_holding_an_empty_ggufcarve_fo
     env = {**os.environ, "COLUMNS": "200", "NO_COLOR": "1"}
     env.pop("PYTHONPATH", None)
     commands = (
-        ("select", DEMO_MODEL, "--method", "frequency", "--calibration", CALIBRATION, "--ctx", 256, "--max-tokens", 512, "--keep", 8, "-t", 2, "-o", "selection.json", "--no-heatmap", "-q"),
-        ("imatrix", "collect", DEMO_MODEL, "--calibration", CALIBRATION, "--ctx", 256, "--chunks", 2, "-t", 2, "-o", "demo.imatrix.gguf"),
+        (
+            "select",
+            DEMO_MODEL,
+            "--method",
+            "frequency",
+            "--calibration",
+            CALIBRATION,
+            "--ctx",
+            256,
+            "--max-tokens",
+            512,
+            "--keep",
+            8,
+            "-t",
+            2,
+            "-o",
+            "selection.json",
+            "--no-heatmap",
+            "-q",
+        ),
+        (
+            "imatrix",
+            "collect",
+            DEMO_MODEL,
+            "--calibration",
+            CALIBRATION,
+            "--ctx",
+            256,
+            "--chunks",
+            2,
+            "-t",
+            2,
+            "-o",
+            "demo.imatrix.gguf",
+        ),
     )
     for argv in commands:
-        done = subprocess.run([sys.executable, "-P", "-m", "ggufcarve", *map(str, argv)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+        done = subprocess.run(
+            [sys.executable, "-P", "-m", "ggufcarve", *map(str, argv)],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert done.returncode == 0, done.stderr[-2000:]
     assert json.loads((tmp_path / "selection.json").read_text())["kept_count"] == 8
     assert (tmp_path / "demo.imatrix.gguf").is_file()

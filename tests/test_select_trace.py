@@ -78,7 +78,9 @@ def test_largest_magnitudes_equal_numpys_abs_max():
 
     rng = np.random.default_rng(3)
     x = (rng.standard_normal((64, 3, 40)) * np.exp(rng.uniform(-100, 80, size=(64, 3, 40)))).astype(np.float32)
-    specials = np.array([0.0, -0.0, 1e-45, -1e-45, 1e-38, -3.4028235e38, 3.4028235e38, np.inf, -np.inf], dtype=np.float32)
+    specials = np.array(
+        [0.0, -0.0, 1e-45, -1e-45, 1e-38, -3.4028235e38, 3.4028235e38, np.inf, -np.inf], dtype=np.float32
+    )
     x[:9, 0, :9] = specials
     x[9:18, 1, 0] = specials
     x[20, 2] = -0.0
@@ -123,16 +125,41 @@ def test_ean_sum_msan_and_mone_equal_a_hand_computation():
 def test_frequency_counts_equal_llama_imatrix_counts(arch, make_model, llama_tools, calibration_text, tmp_path):
     model = make_model(arch, "F16")
     out = tmp_path / "imatrix.gguf"
-    proc = subprocess.run([str(llama_tools / "llama-imatrix"), "-m", str(model), "-f", str(calibration_text), "-o", str(out),
-                           "-c", "128", "-t", "2", "--no-repack"], capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            str(llama_tools / "llama-imatrix"),
+            "-m",
+            str(model),
+            "-f",
+            str(calibration_text),
+            "-o",
+            str(out),
+            "-c",
+            "128",
+            "-t",
+            "2",
+            "--no-repack",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     loaded = read_model(model)
-    scores = score_model(loaded, inspect_layout(loaded), "frequency", calibration=[calibration_text], ctx=128, threads=2)
-    written = {t.name: np.asarray(t.data).reshape(-1) for t in GGUFReader(out).tensors if t.name.endswith("ffn_up_exps.weight.counts")}
+    scores = score_model(
+        loaded, inspect_layout(loaded), "frequency", calibration=[calibration_text], ctx=128, threads=2
+    )
+    written = {
+        t.name: np.asarray(t.data).reshape(-1)
+        for t in GGUFReader(out).tensors
+        if t.name.endswith("ffn_up_exps.weight.counts")
+    }
     traced = [b for b, s in scores.blocks.items() if s.rule == "frequency"]
     assert traced and len(traced) == len(written)
     for block in traced:
-        np.testing.assert_array_equal(scores.blocks[block].counts, np.rint(written[f"blk.{block}.ffn_up_exps.weight.counts"]).astype(np.int64))
+        np.testing.assert_array_equal(
+            scores.blocks[block].counts, np.rint(written[f"blk.{block}.ffn_up_exps.weight.counts"]).astype(np.int64)
+        )
     assert scores.tokens == sum(scores.blocks[traced[0]].counts) // inspect_layout(loaded).expert_used_count
 
 
@@ -146,16 +173,18 @@ def test_expert_outputs_equal_llama_cpps_ffn_moe_down(arch, engine, make_model):
     model = read_model(path)
     layout = inspect_layout(model)
     tokens = [factory.BOS_ID] + [int(t) for t in np.random.default_rng(3).integers(3, factory.N_VOCAB, 15)]
-    trace = trace_routing(path, tokens, nodes=("ffn_moe_topk", "ffn_moe_down", "ffn_moe_input"), logits=False, threads=2)
+    trace = trace_routing(
+        path, tokens, nodes=("ffn_moe_topk", "ffn_moe_down", "ffn_moe_input"), logits=False, threads=2
+    )
     evaluator = ExpertEvaluator(model, layout, threads=2, engine=engine)
     assert set(trace.topk) == {b for b in layout.blocks if not layout.is_mtp(b)}
     for block, topk in trace.topk.items():
         down, x = trace.nodes["ffn_moe_down"][block], trace.nodes["ffn_moe_input"][block]
         pairs = [(t, j, int(expert)) for t in range(len(tokens)) for j, expert in enumerate(topk[t])]
         if engine == "numpy":
-            ours = [evaluator.outputs(block, expert, x[t:t + 1])[0] for t, _, expert in pairs]
+            ours = [evaluator.outputs(block, expert, x[t : t + 1])[0] for t, _, expert in pairs]
         else:
-            ours = [out[0] for out in evaluator.outputs_many(block, [(expert, x[t:t + 1]) for t, _, expert in pairs])]
+            ours = [out[0] for out in evaluator.outputs_many(block, [(expert, x[t : t + 1]) for t, _, expert in pairs])]
         for (t, j, _), out in zip(pairs, ours):
             np.testing.assert_allclose(out, down[t, j], rtol=2e-3, atol=2e-5 * float(np.abs(down[t, j]).max()))
 
@@ -172,14 +201,16 @@ def test_ggml_expert_outputs_of_a_q8_0_model_equal_llama_cpps_ffn_moe_down(arch,
     model = read_model(path)
     layout = inspect_layout(model)
     tokens = [factory.BOS_ID] + [int(t) for t in np.random.default_rng(4).integers(3, factory.N_VOCAB, 23)]
-    trace = trace_routing(path, tokens, nodes=("ffn_moe_topk", "ffn_moe_down", "ffn_moe_input"), logits=False, threads=2)
+    trace = trace_routing(
+        path, tokens, nodes=("ffn_moe_topk", "ffn_moe_down", "ffn_moe_input"), logits=False, threads=2
+    )
     ggml = ExpertEvaluator(model, layout, threads=2, engine="ggml")
     exact = ExpertEvaluator(model, layout)
     worst = {"ggml": 0.0, "ggml, grouped": 0.0, "numpy": 0.0}
     for block, topk in trace.topk.items():
         down, x = trace.nodes["ffn_moe_down"][block], trace.nodes["ffn_moe_input"][block]
         pairs = [(t, j, int(expert)) for t in range(len(tokens)) for j, expert in enumerate(topk[t])]
-        ours = ggml.outputs_many(block, [(expert, x[t:t + 1]) for t, _, expert in pairs])
+        ours = ggml.outputs_many(block, [(expert, x[t : t + 1]) for t, _, expert in pairs])
         experts = sorted({expert for _, _, expert in pairs})
         rows = {e: [t for t, _, expert in pairs if expert == e] for e in experts}
         grouped = dict(zip(experts, ggml.outputs_many(block, [(e, x[rows[e]]) for e in experts])))
@@ -188,7 +219,9 @@ def test_ggml_expert_outputs_of_a_q8_0_model_equal_llama_cpps_ffn_moe_down(arch,
             worst["ggml"] = max(worst["ggml"], float(np.abs(out[0] - down[t, j]).max()) / scale)
             together = grouped[expert][rows[expert].index(t)]
             worst["ggml, grouped"] = max(worst["ggml, grouped"], float(np.abs(together - down[t, j]).max()) / scale)
-            worst["numpy"] = max(worst["numpy"], float(np.abs(exact.outputs(block, expert, x[t:t + 1])[0] - down[t, j]).max()) / scale)
+            worst["numpy"] = max(
+                worst["numpy"], float(np.abs(exact.outputs(block, expert, x[t : t + 1])[0] - down[t, j]).max()) / scale
+            )
     assert worst["ggml"] == 0.0, worst
     assert worst["ggml, grouped"] == 0.0, worst
     assert worst["numpy"] > 1e-3, worst
@@ -220,7 +253,10 @@ def test_razor_scores_interchangeable_copies_near_zero(make_model, calibration_t
     path = copy_experts(make_model("qwen3moe", "F32"), tmp_path / "copies.gguf", 0, copies[0], copies[1:])
     model = read_model(path)
     layout = inspect_layout(model)
-    score = {m: score_model(model, layout, m, calibration=[calibration_text], ctx=128, threads=2).blocks[0] for m in ("frequency", "reap", "razor")}
+    score = {
+        m: score_model(model, layout, m, calibration=[calibration_text], ctx=128, threads=2).blocks[0]
+        for m in ("frequency", "reap", "razor")
+    }
     others = [e for e in range(layout.expert_count) if e not in copies]
     # llama.cpp's argsort breaks the tie between equal router scores the same way every time, so
     # two copies share the selections and the third only ever stands in as the refill expert.
@@ -237,15 +273,54 @@ def test_calibration_through_the_cli(make_model, calibration_text, tmp_path):
     jsonl = tmp_path / "calibration.jsonl"
     jsonl.write_text(json.dumps({"text": calibration_text.read_text()}) + "\n")
     out = tmp_path / "reap.json"
-    result = ggufcarve("select", model, "--method", "reap", "--calibration", jsonl, "--ctx", 128, "--keep", 8, "--protect-super-experts", "-t", 2, "-o", out, "-q")
+    result = ggufcarve(
+        "select",
+        model,
+        "--method",
+        "reap",
+        "--calibration",
+        jsonl,
+        "--ctx",
+        128,
+        "--keep",
+        8,
+        "--protect-super-experts",
+        "-t",
+        2,
+        "-o",
+        out,
+        "-q",
+    )
     assert result.code == 0, result.stderr
     record = json.loads(out.read_text())
     assert record["calibration"][0]["name"] == "calibration.jsonl" and record["calibration"][0]["tokens"] > 128
     assert record["parameters"]["ctx"] == 128 and record["tokens"] == record["parameters"]["chunks"] * 128
     assert all(len(e["routed"]) == 16 for e in record["per_block"].values())
     text_out = tmp_path / "text.json"
-    assert ggufcarve("select", model, "--method", "reap", "--calibration", calibration_text, "--ctx", 128, "--keep", 8, "-t", 2, "-o", text_out, "-q").code == 0
-    assert json.loads(text_out.read_text())["per_block"] == {b: {k: v for k, v in e.items() if k not in ("protected", "super_experts")} for b, e in record["per_block"].items()}
+    assert (
+        ggufcarve(
+            "select",
+            model,
+            "--method",
+            "reap",
+            "--calibration",
+            calibration_text,
+            "--ctx",
+            128,
+            "--keep",
+            8,
+            "-t",
+            2,
+            "-o",
+            text_out,
+            "-q",
+        ).code
+        == 0
+    )
+    assert json.loads(text_out.read_text())["per_block"] == {
+        b: {k: v for k, v in e.items() if k not in ("protected", "super_experts")}
+        for b, e in record["per_block"].items()
+    }
     pruned = tmp_path / "pruned" / "model.gguf"
     assert ggufcarve("prune", model, "--keep", out, "-o", pruned, "-q").code == 0
 
@@ -260,7 +335,9 @@ def test_empty_or_short_calibration_is_refused(make_model, tmp_path):
         ([], "give --calibration FILE"),
     ):
         result = ggufcarve("select", model, "--method", "frequency", "--keep", 4, *args, "-o", out)
-        assert result.code == 1 and message in result.error_line and len(result.stderr.strip().splitlines()) == 1, result.stderr
+        assert result.code == 1 and message in result.error_line and len(result.stderr.strip().splitlines()) == 1, (
+            result.stderr
+        )
         assert not out.exists()
     short = tmp_path / "short.txt"
     short.write_text("a few words")
@@ -277,7 +354,9 @@ def with_chat_template(src, dst, template):
 
     f = read_model(src).shards[0]
     tensors = [TensorHeader(t.name, t.shape, t.type_id, t.nbytes) for t in f.tensors]
-    header, offsets = encode_header(f.version, [*f.kvs, make_kv("tokenizer.chat_template", GGUFValueType.STRING, template)], tensors, f.alignment)
+    header, offsets = encode_header(
+        f.version, [*f.kvs, make_kv("tokenizer.chat_template", GGUFValueType.STRING, template)], tensors, f.alignment
+    )
     assert offsets == [t.offset for t in f.tensors]
     with open(src, "rb") as source:
         source.seek(f.data_start)
@@ -296,11 +375,25 @@ def test_chat_messages_are_rendered_with_the_models_template(make_model, tmp_pat
     (tmp_path / "text.jsonl").write_text(json.dumps({"text": rendered}) + "\n")
     loaded = read_model(model)
     layout = inspect_layout(loaded)
-    chat, text = (score_model(loaded, layout, "frequency", calibration=[tmp_path / n], ctx=128, threads=2) for n in ("chat.jsonl", "text.jsonl"))
+    chat, text = (
+        score_model(loaded, layout, "frequency", calibration=[tmp_path / n], ctx=128, threads=2)
+        for n in ("chat.jsonl", "text.jsonl")
+    )
     assert chat.tokens == text.tokens > 0 and chat.inputs[0]["tokens"] == text.inputs[0]["tokens"]
     for block in (0, 1):
         np.testing.assert_array_equal(chat.blocks[block].counts, text.blocks[block].counts)
-    result = ggufcarve("select", make_model("qwen3moe", "F16"), "--method", "frequency", "--calibration", tmp_path / "chat.jsonl", "--keep", 4, "-o", tmp_path / "s.json")
+    result = ggufcarve(
+        "select",
+        make_model("qwen3moe", "F16"),
+        "--method",
+        "frequency",
+        "--calibration",
+        tmp_path / "chat.jsonl",
+        "--keep",
+        4,
+        "-o",
+        tmp_path / "s.json",
+    )
     assert result.code == 1 and "has no chat template" in result.error_line
 
 
@@ -324,7 +417,9 @@ def test_gelu_glu_is_ggmls_f16_tanh_gelu():
     np.testing.assert_allclose(activate("gelu-glu", None, x), expected, rtol=1e-6, atol=1e-7)
     np.testing.assert_allclose(activate("gelu-glu", x, up), expected * up, rtol=1e-6, atol=1e-7)
     # the tanh approximation, not erf: 0.5 x (1 + erf(x / sqrt 2)) at x = -3.7 is -4.0e-4, the tanh form -6.9e-4
-    assert abs(activate("gelu-glu", None, np.float32([-3.7]))[0] - 0.5 * -3.7 * (1 + math.erf(-3.7 / math.sqrt(2)))) > 1e-4
+    assert (
+        abs(activate("gelu-glu", None, np.float32([-3.7]))[0] - 0.5 * -3.7 * (1 + math.erf(-3.7 / math.sqrt(2)))) > 1e-4
+    )
     silu = x / (1.0 + np.exp(-x))
     np.testing.assert_allclose(activate("silu-glu", x, up), silu * up, rtol=1e-6, atol=1e-7)
     np.testing.assert_allclose(activate("silu-glu", None, x), silu, rtol=1e-6, atol=1e-7)
@@ -336,8 +431,14 @@ def llama_cpp_moe_type_ops():
     "clamp" when the class reads LLM_KV_SWIGLU_CLAMP_EXP."""
     from llama_sources import architectures
 
-    return {name: ({c.type_op for c in arch.calls}, ({"probs_in"} if any(c.probs_in for c in arch.calls) else set()) | ({"clamp"} if arch.clamp else set()))
-            for name, arch in architectures().items() if arch.calls}
+    return {
+        name: (
+            {c.type_op for c in arch.calls},
+            ({"probs_in"} if any(c.probs_in for c in arch.calls) else set()) | ({"clamp"} if arch.clamp else set()),
+        )
+        for name, arch in architectures().items()
+        if arch.calls
+    }
 
 
 def test_activations_table_matches_llama_cpps_build_moe_ffn_calls():
@@ -356,7 +457,13 @@ def test_activations_table_matches_llama_cpps_build_moe_ffn_calls():
 
     assert set(NOT_EVALUATED) <= set(sources)
     # every other graph with a build_moe_ffn call belongs to a model whose loader creates no *_exps tensors
-    assert set(sources) - set(ACTIVATIONS) - set(NOT_EVALUATED) == {"bert", "jina-bert-v2", "jina-bert-v3", "nomic-bert", "phi3"}
+    assert set(sources) - set(ACTIVATIONS) - set(NOT_EVALUATED) == {
+        "bert",
+        "jina-bert-v2",
+        "jina-bert-v3",
+        "nomic-bert",
+        "phi3",
+    }
 
 
 def test_architectures_razor_cannot_evaluate_are_refused_with_their_reason():
@@ -388,9 +495,15 @@ def test_folding_per_micro_batch_or_held_gives_the_same_statistics(method):
         order = np.argsort(-logits, axis=1).astype(np.int32)
         probs = np.exp(logits) / np.exp(logits).sum(axis=1, keepdims=True)
         weights = np.take_along_axis(probs, order[:, :k], axis=1)
-        return {"ffn_moe_topk": order[:, :k], "ffn_moe_argsort": order, "ffn_moe_probs": probs, "ffn_moe_weights": weights,
-                "ffn_moe_weights_norm": weights / weights.sum(axis=1, keepdims=True), "ffn_moe_input": rng.normal(size=(t, width)).astype(np.float32),
-                "ffn_moe_down": rng.normal(size=(t, k, width)).astype(np.float32)}
+        return {
+            "ffn_moe_topk": order[:, :k],
+            "ffn_moe_argsort": order,
+            "ffn_moe_probs": probs,
+            "ffn_moe_weights": weights,
+            "ffn_moe_weights_norm": weights / weights.sum(axis=1, keepdims=True),
+            "ffn_moe_input": rng.normal(size=(t, width)).astype(np.float32),
+            "ffn_moe_down": rng.normal(size=(t, k, width)).astype(np.float32),
+        }
 
     parts = [micro_batch(tokens // 3) for _ in range(3)]
     evaluator = FixedEvaluator(rng.normal(size=width))
@@ -398,7 +511,9 @@ def test_folding_per_micro_batch_or_held_gives_the_same_statistics(method):
     whole.add(0, {node: np.concatenate([p[node] for p in parts]) for node in parts[0]})
     for hold in (0, 1 << 30):
         folded = TraceStatistics(method, experts, evaluator)
-        tracer = SimpleNamespace(nodes=frozenset(parts[0]), captured={node: {0: [p[node] for p in parts]} for node in parts[0]})
+        tracer = SimpleNamespace(
+            nodes=frozenset(parts[0]), captured={node: {0: [p[node] for p in parts]} for node in parts[0]}
+        )
         folder = BlockFolder(tracer, folded, parse=None, hold_bytes=hold)
         folder.flush(keep=1, held=True)  # the graph has moved on to block 1
         still_held = all(blocks for blocks in tracer.captured.values())
@@ -407,7 +522,12 @@ def test_folding_per_micro_batch_or_held_gives_the_same_statistics(method):
         assert all(not blocks for blocks in tracer.captured.values())
         for criterion in folded.filled:
             for name, values in folded.blocks(criterion)[0].arrays().items():
-                np.testing.assert_allclose(values, whole.blocks(criterion)[0].arrays()[name], rtol=1e-5, err_msg=f"{criterion} {name}, hold {hold}")
+                np.testing.assert_allclose(
+                    values,
+                    whole.blocks(criterion)[0].arrays()[name],
+                    rtol=1e-5,
+                    err_msg=f"{criterion} {name}, hold {hold}",
+                )
 
 
 @pytest.mark.slow
@@ -424,8 +544,13 @@ def test_one_pass_criteria_equal_numpy_from_llama_cpps_captured_ffn_moe_down(arc
     layout = inspect_layout(read_model(path))
     tokens = tuple([factory.BOS_ID] + [int(t) for t in np.random.default_rng(7).integers(3, factory.N_VOCAB, 95)])
     nodes = ["ffn_moe_topk", "ffn_moe_down", *WEIGHT_NODES]
-    request = DecodeRequest(str(path), (ConsumerSpec("nodes", "ggufcarve.llama.trace:capture", {"nodes": nodes}), statistics_consumer("mone")),
-                            Batching.single(48, 32), tokens=tokens, threads=2)
+    request = DecodeRequest(
+        str(path),
+        (ConsumerSpec("nodes", "ggufcarve.llama.trace:capture", {"nodes": nodes}), statistics_consumer("mone")),
+        Batching.single(48, 32),
+        tokens=tokens,
+        threads=2,
+    )
     run = decode(request, what="test")
     captured, stats = run.outputs["nodes"], TraceStatistics.from_arrays(run.outputs["statistics"], layout.expert_count)
     assert stats.filled == ("frequency", "ean", "ean-sum", "msan", "mone", "reap")
@@ -451,7 +576,9 @@ def test_one_pass_criteria_equal_numpy_from_llama_cpps_captured_ffn_moe_down(arc
         for method, values in expected.items():
             ours = stats.blocks(method)[block].score()
             assert np.ptp(values) > 0, method
-            np.testing.assert_allclose(ours, values, rtol=2e-5, atol=1e-6 * values.max(), err_msg=f"blk.{block} {method}")
+            np.testing.assert_allclose(
+                ours, values, rtol=2e-5, atol=1e-6 * values.max(), err_msg=f"blk.{block} {method}"
+            )
 
 
 def spearman(a, b):
@@ -468,7 +595,9 @@ IMATRIX_MSAN_FLOOR = {"demo": 0.85, "q8_moe": 0.8}
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["demo", "q8_moe"])
-def test_imatrix_msan_is_gguf_pys_formula_and_ranks_like_the_traced_msan(case, q8_moe, q8_moe_imatrix, llama_tools, tmp_path, capsys):
+def test_imatrix_msan_is_gguf_pys_formula_and_ranks_like_the_traced_msan(
+    case, q8_moe, q8_moe_imatrix, llama_tools, tmp_path, capsys
+):
     """imatrix-msan equals sum_c in_sum2/counts x ||W_down[:, c]||^2 computed from gguf-py's reads of
     llama-imatrix's file and the model; its per-block rank correlation with the traced msan (same
     text, same --ctx, same chunks) is printed and held to the floor measured."""
@@ -479,8 +608,27 @@ def test_imatrix_msan_is_gguf_pys_formula_and_ranks_like_the_traced_msan(case, q
     if case == "demo":
         model, text, ctx, chunks = DEMO_MODEL, CALIBRATION, 256, 16
         imatrix = tmp_path / "demo.imatrix.gguf"
-        proc = subprocess.run([str(llama_tools / "llama-imatrix"), "-m", str(model), "-f", str(text), "-o", str(imatrix), "-c", str(ctx),
-                               "--chunks", str(chunks), "-t", "2", "--no-repack"], capture_output=True, text=True, timeout=600)
+        proc = subprocess.run(
+            [
+                str(llama_tools / "llama-imatrix"),
+                "-m",
+                str(model),
+                "-f",
+                str(text),
+                "-o",
+                str(imatrix),
+                "-c",
+                str(ctx),
+                "--chunks",
+                str(chunks),
+                "-t",
+                "2",
+                "--no-repack",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert proc.returncode == 0, proc.stderr[-2000:]
     else:
         model, imatrix, ctx, chunks = q8_moe, q8_moe_imatrix, 128, 4
@@ -503,7 +651,9 @@ def test_imatrix_msan_is_gguf_pys_formula_and_ranks_like_the_traced_msan(case, q
         np.testing.assert_allclose(estimate.blocks[block].score(), expected, rtol=1e-6)
         correlations.append(spearman(estimate.blocks[block].score(), traced.blocks[block].score()))
     with capsys.disabled():
-        print(f"\nimatrix-msan vs traced msan, {case}: Spearman per block {[round(r, 3) for r in correlations]}, mean {np.mean(correlations):.3f}")
+        print(
+            f"\nimatrix-msan vs traced msan, {case}: Spearman per block {[round(r, 3) for r in correlations]}, mean {np.mean(correlations):.3f}"
+        )
     assert np.mean(correlations) >= IMATRIX_MSAN_FLOOR[case]
 
 
@@ -533,9 +683,11 @@ def test_per_expert_scales_and_biases_apply_per_row_in_ggmls_batches(arch, make_
     monkeypatch.setattr(ExpertEvaluator, "_per_expert", per_expert)
     width = model.tensor_index["blk.0.ffn_down_exps.weight"][1].shape[1]
     x = rng.standard_normal((12, width)).astype(np.float32)
-    work = [(e, x[i:i + 4]) for i, e in zip(range(0, 12, 4), (2, 0, 2))]
+    work = [(e, x[i : i + 4]) for i, e in zip(range(0, 12, 4), (2, 0, 2))]
     ggml = ExpertEvaluator(model, layout, threads=2, engine="ggml").outputs_many(0, work)
     numpy = ExpertEvaluator(model, layout)
     assert any(t is not None for name, t in tables.items() if name.endswith(".scale"))
     for (expert, rows), ours in zip(work, ggml):
-        np.testing.assert_allclose(ours, numpy.outputs(0, expert, rows), rtol=2e-3, atol=1e-4 * float(np.abs(ours).max()))
+        np.testing.assert_allclose(
+            ours, numpy.outputs(0, expert, rows), rtol=2e-3, atol=1e-4 * float(np.abs(ours).max())
+        )

@@ -29,12 +29,16 @@ def test_an_installed_copy_is_used_when_the_tree_has_none(tmp_path, monkeypatch)
     gate.write_text("max_kld_mean = 0.1\n")
     monkeypatch.setattr(sys, "prefix", str(prefix))
     assert shipped("evaluation", "gate.toml") == gate
-    assert shipped("ladders") == tmp_path / "site-packages" / "ladders"  # neither: the tree's path, for the error message
+    assert (
+        shipped("ladders") == tmp_path / "site-packages" / "ladders"
+    )  # neither: the tree's path, for the error message
 
 
 def test_every_shipped_file_is_in_the_wheel_data_files():
     doc = tomllib.loads((ROOT / "pyproject.toml").read_text())
     listed = {pattern for patterns in doc["tool"]["setuptools"]["data-files"].values() for pattern in patterns}
-    files = {p.relative_to(ROOT).as_posix() for d in ("ladders", "evaluation") for p in (ROOT / d).rglob("*") if p.is_file()}
+    files = {
+        p.relative_to(ROOT).as_posix() for d in ("ladders", "evaluation") for p in (ROOT / d).rglob("*") if p.is_file()
+    }
     covered = {f for f in files if any(Path(f).match(pattern) for pattern in listed)}
     assert covered == files, sorted(files - covered)

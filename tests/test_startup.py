@@ -24,7 +24,13 @@ print("\\nLOADED " + json.dumps(sorted(m for m in sys.modules if m.split(".")[0]
 
 
 def loaded_after(argv: list[str], names: tuple[str, ...]) -> tuple[str, list[str]]:
-    proc = subprocess.run([sys.executable, "-c", PROBE.format(argv=argv, names=set(names))], capture_output=True, text=True, timeout=60, check=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", PROBE.format(argv=argv, names=set(names))],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
     head, _, loaded = proc.stdout.rpartition("\nLOADED ")
     return head, json.loads(loaded)
 
@@ -41,7 +47,13 @@ def test_the_command_line_says_the_same_version():
 
 
 def test_help_of_every_group_imports_no_heavy_library():
-    for argv in (["--help"], ["verify", "--help"], ["ladder", "run", "--help"], ["eval", "--help"], ["select", "--help"]):
+    for argv in (
+        ["--help"],
+        ["verify", "--help"],
+        ["ladder", "run", "--help"],
+        ["eval", "--help"],
+        ["select", "--help"],
+    ):
         printed, loaded = loaded_after(argv, HEAVY)
         assert "Usage" in printed and loaded == [], (argv, loaded)
 
@@ -152,7 +164,9 @@ def test_the_low_level_bindings_load_without_the_high_level_api_which_still_load
     runs the package's own __init__: the package is whole for any other caller."""
     import importlib.metadata
 
-    proc = subprocess.run([sys.executable, "-c", BINDINGS_PROBE], capture_output=True, text=True, timeout=120, check=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", BINDINGS_PROBE], capture_output=True, text=True, timeout=120, check=True
+    )
     seen = json.loads(proc.stdout.strip().splitlines()[-1])
     assert "llama_cpp.llama_cpp" in seen["light"] and "llama_cpp.llama" not in seen["light"], seen["light"]
     assert not any(m.startswith("jinja2") for m in seen["light"]), seen["light"]
@@ -164,12 +178,16 @@ def test_the_low_level_bindings_load_without_the_high_level_api_which_still_load
 def test_a_decode_child_started_ahead_has_its_imports_done_without_the_high_level_api():
     """What the calibration child imports before its request: the consumers' modules and the
     low-level bindings, not llama_cpp.llama."""
-    probe = ("import json, sys, runpy\n"
-             "sys.argv = ['decode', '--preload', 'ggufcarve.select.from_trace', '--preload', 'ggufcarve.imatrix.collect']\n"
-             "import ggufcarve.llama.child as child\n"
-             "child.exit_now = lambda status: print(json.dumps([status, sorted(m for m in sys.modules if m.startswith(('llama_cpp', 'ggufcarve.select', 'ggufcarve.imatrix')))]))\n"
-             "runpy.run_module('ggufcarve.llama.decode', run_name='__main__', alter_sys=True)\n")
-    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True, stdin=subprocess.DEVNULL)
+    probe = (
+        "import json, sys, runpy\n"
+        "sys.argv = ['decode', '--preload', 'ggufcarve.select.from_trace', '--preload', 'ggufcarve.imatrix.collect']\n"
+        "import ggufcarve.llama.child as child\n"
+        "child.exit_now = lambda status: print(json.dumps([status, sorted(m for m in sys.modules if m.startswith(('llama_cpp', 'ggufcarve.select', 'ggufcarve.imatrix')))]))\n"
+        "runpy.run_module('ggufcarve.llama.decode', run_name='__main__', alter_sys=True)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True, stdin=subprocess.DEVNULL
+    )
     status, loaded = json.loads(proc.stdout.strip().splitlines()[-1])
     assert status == 0
     assert {"llama_cpp.llama_cpp", "ggufcarve.select.from_trace", "ggufcarve.imatrix.collect"} <= set(loaded)

@@ -37,7 +37,7 @@ def test_tensors_and_slabs_match_gguf_py(make_model, dtype):
     raw, values = reference(path, "blk.1.ffn_up_exps.weight")
     for e in (0, 5, 7):
         slab = len(raw) // 8
-        assert expert_slab(model, "blk.1.ffn_up_exps.weight", e) == raw[e * slab:(e + 1) * slab]
+        assert expert_slab(model, "blk.1.ffn_up_exps.weight", e) == raw[e * slab : (e + 1) * slab]
         np.testing.assert_array_equal(expert_values(model, "blk.1.ffn_up_exps.weight", e), values[e])
 
 
@@ -51,7 +51,7 @@ def test_k_quant_written_by_llama_quantize(make_model, tmp_path):
     raw, values = reference(out, name)
     assert model.tensor_index[name][1].type_name in ("Q4_K", "Q5_K", "Q6_K")
     np.testing.assert_array_equal(expert_values(model, name, 3), values[3])
-    assert expert_slab(model, name, 3) == raw[3 * len(raw) // 8:4 * len(raw) // 8]
+    assert expert_slab(model, name, 3) == raw[3 * len(raw) // 8 : 4 * len(raw) // 8]
 
 
 def test_bad_names_and_ids(make_model):
@@ -72,7 +72,9 @@ def test_q8_0_dequantization_equals_gguf_py_bit_for_bit():
 
     rng = np.random.default_rng(8)
     blocks = rng.integers(0, 256, (1 << 16, 34), dtype=np.uint8)
-    blocks[:, :2] = np.arange(1 << 16, dtype=np.uint16).view(np.uint8).reshape(-1, 2)  # every f16 d, NaN and Inf included
+    blocks[:, :2] = (
+        np.arange(1 << 16, dtype=np.uint16).view(np.uint8).reshape(-1, 2)
+    )  # every f16 d, NaN and Inf included
     raw = blocks.reshape(256, -1)
     ours = dequantize(raw.tobytes(), int(GGMLQuantizationType.Q8_0), (raw.shape[1] // 34 * 32, 256))
     with np.errstate(invalid="ignore"):

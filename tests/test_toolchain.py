@@ -48,13 +48,18 @@ IK_USAGE = """usage: ./llama-quantize [--help] [--allow-requantize] [--leave-out
 """
 
 
-def fake_tool(directory: Path, name: str, usage: str = MAINLINE_USAGE, build_line: str = "version: 0.5.0-dev (build 42, commit abc1234)") -> Path:
+def fake_tool(
+    directory: Path,
+    name: str,
+    usage: str = MAINLINE_USAGE,
+    build_line: str = "version: 0.5.0-dev (build 42, commit abc1234)",
+) -> Path:
     """A shell script that behaves like the tool for --help/--version/--dry-run probing."""
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / name
     path.write_text(
         "#!/bin/sh\n"
-        f"if [ \"$1\" = \"--help\" ]; then cat <<'EOF'\n{usage}EOF\nexit 1; fi\n"
+        f'if [ "$1" = "--help" ]; then cat <<\'EOF\'\n{usage}EOF\nexit 1; fi\n'
         f"echo '{build_line}' >&2\n"
         "exit 1\n"
     )
@@ -87,7 +92,10 @@ def test_find_tool_order(isolated, monkeypatch):
 
     fake_tool(env_dir / "build" / "bin", "llama-quantize")
     monkeypatch.setenv("GGUFCARVE_LLAMA_CPP", str(env_dir))
-    assert locate_tool("llama-quantize") == ((env_dir / "build" / "bin" / "llama-quantize").resolve(), "GGUFCARVE_LLAMA_CPP")
+    assert locate_tool("llama-quantize") == (
+        (env_dir / "build" / "bin" / "llama-quantize").resolve(),
+        "GGUFCARVE_LLAMA_CPP",
+    )
 
     fake_tool(explicit / "bin", "llama-quantize")
     assert find_tool("llama-quantize", explicit) == (explicit / "bin" / "llama-quantize").resolve()
@@ -122,21 +130,63 @@ def test_parse_build_formats():
 
 
 def test_argv_rendering(tmp_path):
-    job = QuantizeJob(Path("/m/in.gguf"), Path("/o/.x.partial"), "iq2_xs", imatrix=Path("/m/im.gguf"), output_tensor_type="Q6_K",
-                      tensor_types=((r"^blk\.40\.", "Q4_K"), ("ffn_down_exps", "Q3_K")), nthreads=2)
+    job = QuantizeJob(
+        Path("/m/in.gguf"),
+        Path("/o/.x.partial"),
+        "iq2_xs",
+        imatrix=Path("/m/im.gguf"),
+        output_tensor_type="Q6_K",
+        tensor_types=((r"^blk\.40\.", "Q4_K"), ("ffn_down_exps", "Q3_K")),
+        nthreads=2,
+    )
     main = BinaryQuantizer(fake_tool(tmp_path / "main", "llama-quantize"))
     # run in the imatrix's directory, so the quantizer stores its bare name in quantize.imatrix.file
     assert job.cwd == Path("/m")
-    assert main.argv(job)[1:] == ["--allow-requantize", "--imatrix", "im.gguf", "--output-tensor-type", "Q6_K",
-                                  "--tensor-type", r"^blk\.40\.=Q4_K", "--tensor-type", "ffn_down_exps=Q3_K",
-                                  "/m/in.gguf", "/o/.x.partial", "IQ2_XS", "2"]
+    assert main.argv(job)[1:] == [
+        "--allow-requantize",
+        "--imatrix",
+        "im.gguf",
+        "--output-tensor-type",
+        "Q6_K",
+        "--tensor-type",
+        r"^blk\.40\.=Q4_K",
+        "--tensor-type",
+        "ffn_down_exps=Q3_K",
+        "/m/in.gguf",
+        "/o/.x.partial",
+        "IQ2_XS",
+        "2",
+    ]
     # what a release records: names only, and the final output name
-    assert main.recorded_argv(job, Path("/o/x.gguf")) == ["llama-quantize", *main.argv(job)[1:-4], "in.gguf", "x.gguf", "IQ2_XS", "2"]
+    assert main.recorded_argv(job, Path("/o/x.gguf")) == [
+        "llama-quantize",
+        *main.argv(job)[1:-4],
+        "in.gguf",
+        "x.gguf",
+        "IQ2_XS",
+        "2",
+    ]
     ik = BinaryQuantizer(fake_tool(tmp_path / "ik", "llama-quantize", IK_USAGE))
-    assert ik.argv(job)[1:] == ["--allow-requantize", "--imatrix", "im.gguf", "--output-tensor-type", "q6_k",
-                                "--custom-q", r"^blk\.40\.=q4_k,ffn_down_exps=q3_k", "/m/in.gguf", "/o/.x.partial", "IQ2_XS", "2"]
+    assert ik.argv(job)[1:] == [
+        "--allow-requantize",
+        "--imatrix",
+        "im.gguf",
+        "--output-tensor-type",
+        "q6_k",
+        "--custom-q",
+        r"^blk\.40\.=q4_k,ffn_down_exps=q3_k",
+        "/m/in.gguf",
+        "/o/.x.partial",
+        "IQ2_XS",
+        "2",
+    ]
     dry = QuantizeJob(Path("in.gguf"), None, "Q4_K_M", dry_run=True)
-    assert dry.cwd is None and main.argv(dry)[1:] == ["--allow-requantize", "--dry-run", os.path.abspath("in.gguf"), "Q4_K_M"]
+    assert dry.cwd is None and main.argv(dry)[1:] == [
+        "--allow-requantize",
+        "--dry-run",
+        os.path.abspath("in.gguf"),
+        "Q4_K_M",
+    ]
     lib = LibllamaQuantizer()
     assert lib.argv(dry)[1:3] == ["-m", "ggufcarve.llama.quantize_child"] and lib.argv(dry)[3:] == main.argv(dry)[1:]
 
@@ -170,7 +220,11 @@ FAKE_TOOL_C = '#include <stdio.h>\nint main(void) { puts("version: 9.9 (build 7,
 def fake_sdist(path: Path, version: str) -> Path:
     top = f"llama_cpp_python-{version}"
     with tarfile.open(path, "w:gz") as tar:
-        for name, text in ((f"{top}/vendor/llama.cpp/CMakeLists.txt", FAKE_CMAKE), (f"{top}/vendor/llama.cpp/tool.c", FAKE_TOOL_C), (f"{top}/setup.py", "")):
+        for name, text in (
+            (f"{top}/vendor/llama.cpp/CMakeLists.txt", FAKE_CMAKE),
+            (f"{top}/vendor/llama.cpp/tool.c", FAKE_TOOL_C),
+            (f"{top}/setup.py", ""),
+        ):
             data = text.encode()
             info = tarfile.TarInfo(name)
             info.size = len(data)
@@ -193,7 +247,9 @@ def test_build_tools_builds_only_its_targets_once(isolated):
     assert {"extract", "configure", "build", "install"} <= stages
     assert any(e.unit == "percent" and 0 < e.done <= e.total == 100 for e in events if e.stage == "build")
     # only the finished entry remains: the staging dir was renamed into place, sources removed
-    entries = sorted(p.name for p in cache_root().iterdir() if not p.name.endswith(".lock") and p.name != "sha256-cache.json")
+    entries = sorted(
+        p.name for p in cache_root().iterdir() if not p.name.endswith(".lock") and p.name != "sha256-cache.json"
+    )
     assert entries == [f"llama.cpp-{version}", "sdist"]
     assert not (bin_dir.parent / "src").exists() and (bin_dir.parent / "build-info.json").exists()
 
@@ -215,7 +271,9 @@ def test_build_tools_failure_leaves_nothing(isolated):
     with pytest.raises(BadInput, match="vendor/llama.cpp"):
         build_tools(version=version)
     assert not (cache_root() / f"llama.cpp-{version}").exists()
-    assert [p.name for p in cache_root().iterdir() if p.name.startswith(".llama.cpp-") and not p.name.endswith(".lock")] == []
+    assert [
+        p.name for p in cache_root().iterdir() if p.name.startswith(".llama.cpp-") and not p.name.endswith(".lock")
+    ] == []
 
 
 def test_fetch_sdist_uses_pip_download_of_the_sdist(isolated, monkeypatch):

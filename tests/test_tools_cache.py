@@ -34,7 +34,9 @@ AVX512_FLAGS = AVX2_FLAGS + " avx512f avx512bw avx512vl avx512_vnni amx_tile amx
 
 
 def cpuinfo(path: Path, flags: str) -> Path:
-    path.write_text(f"processor\t: 0\nvendor_id\t: GenuineIntel\nflags\t\t: {flags}\nbugs\t\t: spectre_v1\n\nprocessor\t: 1\nflags\t\t: {flags}\n")
+    path.write_text(
+        f"processor\t: 0\nvendor_id\t: GenuineIntel\nflags\t\t: {flags}\nbugs\t\t: spectre_v1\n\nprocessor\t: 1\nflags\t\t: {flags}\n"
+    )
     return path
 
 
@@ -88,7 +90,11 @@ def test_entry_without_a_cpu_record_is_adopted_and_kept(isolated):
     mtime = (entry / "bin" / "llama-quantize").stat().st_mtime_ns
     assert locate_tool("llama-imatrix") == (entry / "bin" / "llama-imatrix", "cache")
     info = json.loads((entry / "build-info.json").read_text())
-    assert info["cpu"]["key"] == cpu_features().key and info["cpu_recorded"] == "on first use" and info["sdist"] == "x.tar.gz"
+    assert (
+        info["cpu"]["key"] == cpu_features().key
+        and info["cpu_recorded"] == "on first use"
+        and info["sdist"] == "x.tar.gz"
+    )
     events = []
     assert build.build_tools(events.append, version=version) == entry / "bin"
     assert [e.stage for e in events] == ["cached"] and (entry / "bin" / "llama-quantize").stat().st_mtime_ns == mtime
@@ -108,7 +114,9 @@ def test_entry_built_for_another_cpu_is_rebuilt(isolated):
     assert rebuild and avx512.key in rebuild[0].message and cpu_features().key in rebuild[0].message
     assert json.loads((entry / "build-info.json").read_text())["cpu"] == cpu_features().to_json()
     assert cache_state(entry) == "ready"
-    assert "version: 9.9" in (entry / "bin" / "llama-quantize").read_bytes().decode("latin-1")  # the compiled one, not the script
+    assert "version: 9.9" in (entry / "bin" / "llama-quantize").read_bytes().decode(
+        "latin-1"
+    )  # the compiled one, not the script
 
 
 def _alive(pid: int) -> bool:

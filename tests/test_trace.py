@@ -95,10 +95,14 @@ def test_micro_batches_trace_the_same_tokens(qwen3moe_trace):
     path, whole = qwen3moe_trace
     events = []
     pieces = trace_routing(path, TOKENS, nodes=("ffn_moe_topk", "ffn_moe_probs"), batch=5, on_event=events.append)
-    assert [e.done for e in events] == [5, 10, 15, 20, 24] and {(e.stage, e.total, e.unit) for e in events} == {("trace", 24, "tokens")}
+    assert [e.done for e in events] == [5, 10, 15, 20, 24] and {(e.stage, e.total, e.unit) for e in events} == {
+        ("trace", 24, "tokens")
+    }
     for block, ids in whole.topk.items():
         np.testing.assert_array_equal(pieces.topk[block], ids)
-        np.testing.assert_allclose(pieces.nodes["ffn_moe_probs"][block], whole.nodes["ffn_moe_probs"][block], rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(
+            pieces.nodes["ffn_moe_probs"][block], whole.nodes["ffn_moe_probs"][block], rtol=1e-4, atol=1e-6
+        )
     np.testing.assert_allclose(pieces.logits, whole.logits, rtol=1e-3, atol=1e-3)
 
 
@@ -118,7 +122,10 @@ def test_context_chunks_are_decoded_independently(qwen3moe_trace):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("arch", "options"), [("qwen3moe", {}), ("qwen35moe", {}), ("deepseek2", {}), ("deepseek2", {"v2_routing": True}), ("gpt-oss", {})])
+@pytest.mark.parametrize(
+    ("arch", "options"),
+    [("qwen3moe", {}), ("qwen35moe", {}), ("deepseek2", {}), ("deepseek2", {"v2_routing": True}), ("gpt-oss", {})],
+)
 def test_routing_description_matches_the_graph_llama_cpp_built(make_model, arch, options):
     """Normalised weights exist iff routing.py says so, scaled ones iff it names a scale, which they
     carry; the probabilities are the gating function routing.py names, of the router logits."""
@@ -160,8 +167,15 @@ def test_a_model_llama_cpp_cannot_load_is_one_error(models_dir):
 
 
 def test_a_decode_request_is_the_same_after_its_json():
-    request = DecodeRequest("m.gguf", (ConsumerSpec("nodes", "ggufcarve.llama.trace:capture", {"nodes": ["ffn_moe_topk"]}),), Batching.single(24, 5),
-                            documents=((Document(text="a"), Document(messages=(("user", "hi"),))),), max_tokens=48, logits=True, threads=3)
+    request = DecodeRequest(
+        "m.gguf",
+        (ConsumerSpec("nodes", "ggufcarve.llama.trace:capture", {"nodes": ["ffn_moe_topk"]}),),
+        Batching.single(24, 5),
+        documents=((Document(text="a"), Document(messages=(("user", "hi"),))),),
+        max_tokens=48,
+        logits=True,
+        threads=3,
+    )
     assert DecodeRequest.from_json(json.loads(json.dumps(request.to_json()))) == request
     with pytest.raises(BadInput, match="not a ggufcarve module:attribute"):
         ConsumerSpec("x", "os:system")
@@ -174,11 +188,23 @@ def test_a_failing_decode_child_is_named_by_its_own_last_lines(make_model):
     """A child that refuses its input is a BadInput; one that fails is a ToolFailed that quotes the
     child's own last line (here Python's), not a guess about llama.cpp."""
     path = str(make_model("qwen3moe", "F32"))
-    refused = DecodeRequest(path, (ConsumerSpec("nodes", "ggufcarve.llama.trace:capture", {"nodes": ["ffn_moe_everything"]}),), Batching.single(8, 8), tokens=tuple(TOKENS[:8]))
+    refused = DecodeRequest(
+        path,
+        (ConsumerSpec("nodes", "ggufcarve.llama.trace:capture", {"nodes": ["ffn_moe_everything"]}),),
+        Batching.single(8, 8),
+        tokens=tuple(TOKENS[:8]),
+    )
     with pytest.raises(BadInput, match="cannot capture ffn_moe_everything"):
         decode(refused, what="tracing")
-    broken = DecodeRequest(path, (ConsumerSpec("nodes", "ggufcarve.llama.trace:no_such_factory"),), Batching.single(8, 8), tokens=tuple(TOKENS[:8]))
+    broken = DecodeRequest(
+        path,
+        (ConsumerSpec("nodes", "ggufcarve.llama.trace:no_such_factory"),),
+        Batching.single(8, 8),
+        tokens=tuple(TOKENS[:8]),
+    )
     with pytest.raises(ToolFailed) as failed:
         decode(broken, what="tracing")
-    assert "the decode child exited 1" in failed.value.message and "no_such_factory" in failed.value.message, failed.value
+    assert "the decode child exited 1" in failed.value.message and "no_such_factory" in failed.value.message, (
+        failed.value
+    )
     assert "llama.cpp" not in str(failed.value), failed.value

@@ -32,8 +32,17 @@ def test_knee_is_where_the_slope_of_kld_against_k_rises_most():
 
 
 def test_cliff_reports_each_method_and_the_best_per_k():
-    candidates = [{"method": m, "K": k, "kld_mean": y} for m, k, y in
-                  [("reap", 2, 1.0), ("reap", 4, 0.4), ("reap", 8, 0.3), ("weights", 2, 2.0), ("weights", 4, 1.8), ("weights", 8, 0.2)]]
+    candidates = [
+        {"method": m, "K": k, "kld_mean": y}
+        for m, k, y in [
+            ("reap", 2, 1.0),
+            ("reap", 4, 0.4),
+            ("reap", 8, 0.3),
+            ("weights", 2, 2.0),
+            ("weights", 4, 1.8),
+            ("weights", 8, 0.2),
+        ]
+    ]
     got = cliff(candidates, ("reap", "weights"), (2, 4, 8))
     assert got["methods"]["reap"] == {"K": 4, "curve": [[2, 1.0], [4, 0.4], [8, 0.3]]}
     assert got["methods"]["weights"]["K"] == 4 and got["best"]["curve"] == [[2, 1.0], [4, 0.4], [8, 0.2]]
@@ -43,8 +52,25 @@ def test_cliff_reports_each_method_and_the_best_per_k():
 @pytest.mark.slow
 def test_tune_winner_equals_eval_of_the_pruned_file(tmp_path):
     out = tmp_path / "tune"
-    run = ggufcarve("tune", MODEL, "--calibration", DATA / "calibration.txt", "--heldout", DATA / "heldout.txt", "--keep", "8",
-                    "--methods", "reap,frequency,weights", "--ctx", CTX, "--chunks", CHUNKS, "-o", out, "-q")
+    run = ggufcarve(
+        "tune",
+        MODEL,
+        "--calibration",
+        DATA / "calibration.txt",
+        "--heldout",
+        DATA / "heldout.txt",
+        "--keep",
+        "8",
+        "--methods",
+        "reap,frequency,weights",
+        "--ctx",
+        CTX,
+        "--chunks",
+        CHUNKS,
+        "-o",
+        out,
+        "-q",
+    )
     assert run.code == 0, run.stderr
     report = json.loads((out / "tune.json").read_text())
     assert report["kind"] == "tune" and report["left_out"] == {}
@@ -53,7 +79,10 @@ def test_tune_winner_equals_eval_of_the_pruned_file(tmp_path):
     for cid in candidates:
         assert (out / "candidates" / f"{cid}.json").is_file()
     assert "## K = 8 of 16" in (out / "tune.md").read_text()
-    assert report["cliff"]["methods"]["reap"] == {"K": None, "curve": [[8, candidates["reap-8"]["kld_mean"]]]}  # one K: no knee
+    assert report["cliff"]["methods"]["reap"] == {
+        "K": None,
+        "curve": [[8, candidates["reap-8"]["kld_mean"]]],
+    }  # one K: no knee
     assert (out / "tune-kld.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     winner = candidates[report["winner"]]
     assert winner["winner"] and winner["chunks_scored"] == CHUNKS and not winner["stopped_early"]
@@ -72,13 +101,30 @@ def test_tune_winner_equals_eval_of_the_pruned_file(tmp_path):
     rounds = report["halving"][0]["rounds"]
     assert rounds[0]["chunks"] < CHUNKS and rounds[-1]["chunks"] == CHUNKS
     # the winner's record is the selection written as expert-selection.json
-    assert json.loads((out / "expert-selection.json").read_text())["layers"] == json.loads((out / "candidates" / f"{winner['id']}.json").read_text())["layers"]
+    assert (
+        json.loads((out / "expert-selection.json").read_text())["layers"]
+        == json.loads((out / "candidates" / f"{winner['id']}.json").read_text())["layers"]
+    )
 
     pruned = tmp_path / "pruned.gguf"
     run = ggufcarve("prune", MODEL, "--keep", out / "candidates" / f"{winner['id']}.json", "-o", pruned, "-q")
     assert run.code == 0, run.stderr
-    run = ggufcarve("eval", pruned, "--reference", MODEL, "--heldout", DATA / "heldout.txt", "--ctx", CTX, "--chunks", CHUNKS,
-                    "--speed-runs", "0", "-o", tmp_path / "eval")
+    run = ggufcarve(
+        "eval",
+        pruned,
+        "--reference",
+        MODEL,
+        "--heldout",
+        DATA / "heldout.txt",
+        "--ctx",
+        CTX,
+        "--chunks",
+        CHUNKS,
+        "--speed-runs",
+        "0",
+        "-o",
+        tmp_path / "eval",
+    )
     assert run.code == 0, run.stderr
     evaluated = json.loads((tmp_path / "eval" / "pruned.json").read_text())
     # masked and pruned logits are not bit-identical on the demo model: llama.cpp's softmax gating
@@ -100,8 +146,28 @@ def _halves(text: str) -> tuple[str, str]:
 @pytest.mark.slow
 def test_tune_stability_equals_the_overlap_of_select_on_each_half(tmp_path):
     out = tmp_path / "tune"
-    run = ggufcarve("tune", MODEL, "--calibration", DATA / "calibration.txt", "--heldout", DATA / "heldout.txt", "--keep", "6",
-                    "--methods", "reap,frequency,weights", "--ctx", CTX, "--chunks", 4, "--max-tokens", 8 * CTX, "--stability", "-o", out, "-q")
+    run = ggufcarve(
+        "tune",
+        MODEL,
+        "--calibration",
+        DATA / "calibration.txt",
+        "--heldout",
+        DATA / "heldout.txt",
+        "--keep",
+        "6",
+        "--methods",
+        "reap,frequency,weights",
+        "--ctx",
+        CTX,
+        "--chunks",
+        4,
+        "--max-tokens",
+        8 * CTX,
+        "--stability",
+        "-o",
+        out,
+        "-q",
+    )
     assert run.code == 0, run.stderr
     candidates = {c["id"]: c for c in json.loads((out / "tune.json").read_text())["candidates"]}
     assert "stability" not in candidates["weights-6"]
@@ -114,8 +180,24 @@ def test_tune_stability_equals_the_overlap_of_select_on_each_half(tmp_path):
         half = tmp_path / f"half{side}.txt"
         half.write_text(text, encoding="utf-8")
         selection = tmp_path / f"reap{side}.json"
-        run = ggufcarve("select", MODEL, "--method", "reap", "--keep", 6, "--calibration", half, "--ctx", CTX, "--max-tokens", 4 * CTX,
-                        "-o", selection, "-q", "--no-heatmap")
+        run = ggufcarve(
+            "select",
+            MODEL,
+            "--method",
+            "reap",
+            "--keep",
+            6,
+            "--calibration",
+            half,
+            "--ctx",
+            CTX,
+            "--max-tokens",
+            4 * CTX,
+            "-o",
+            selection,
+            "-q",
+            "--no-heatmap",
+        )
         assert run.code == 0, run.stderr
         keeps.append(json.loads(selection.read_text())["layers"])
     a, b = keeps
@@ -129,10 +211,19 @@ def _demo_dimensions() -> dict[str, int]:
     from gguf import GGUFReader
 
     reader = GGUFReader(MODEL)
-    key = {name: int(field.parts[field.data[0]][0]) for name, field in reader.fields.items() if name.startswith("qwen3moe.")}
+    key = {
+        name: int(field.parts[field.data[0]][0])
+        for name, field in reader.fields.items()
+        if name.startswith("qwen3moe.")
+    }
     blocks = sum(1 for t in reader.tensors if t.name.endswith(".ffn_gate_inp.weight"))
-    return {"B": blocks, "E": key["qwen3moe.expert_count"], "k": key["qwen3moe.expert_used_count"],
-            "n_embd": key["qwen3moe.embedding_length"], "n_ff": key["qwen3moe.expert_feed_forward_length"]}
+    return {
+        "B": blocks,
+        "E": key["qwen3moe.expert_count"],
+        "k": key["qwen3moe.expert_used_count"],
+        "n_embd": key["qwen3moe.embedding_length"],
+        "n_ff": key["qwen3moe.expert_feed_forward_length"],
+    }
 
 
 def test_greedy_memory_estimate_counts_the_arrays_of_the_pass():
@@ -144,12 +235,17 @@ def test_greedy_memory_estimate_counts_the_arrays_of_the_pass():
     # 4 bytes each) and one block's [T, E, n_embd] float32 expert outputs
     assert got.captures == d["B"] * tokens * (d["n_embd"] * (1 + d["k"]) + d["E"] + d["k"]) * 4
     assert got.values == tokens * d["E"] * d["n_embd"] * 4
-    assert got.evaluator == d["B"] * d["E"] * 3 * d["n_ff"] * d["n_embd"] * 4  # every expert's gate, up, down in float32 (< 1 GiB)
+    assert (
+        got.evaluator == d["B"] * d["E"] * 3 * d["n_ff"] * d["n_embd"] * 4
+    )  # every expert's gate, up, down in float32 (< 1 GiB)
     assert got.peak == got.captures + got.block + got.evaluator and got.block > got.values
     # linear in T: the tokens `fitting_tokens` offers fit, one chunk more does not
     budget = 0.8 * 2**30
     fits = greedy.fitting_tokens(layout, budget, CTX, threads=2)
-    assert fits % CTX == 0 and greedy.memory_estimate(layout, fits, 2).peak <= budget < greedy.memory_estimate(layout, fits + CTX, 2).peak
+    assert (
+        fits % CTX == 0
+        and greedy.memory_estimate(layout, fits, 2).peak <= budget < greedy.memory_estimate(layout, fits + CTX, 2).peak
+    )
     # T: a token per byte of the text (+3 for BOS, EOS, a leading space), whole chunks, within --max-tokens
     text_bytes = len((DATA / "calibration.txt").read_bytes().removesuffix(b"\n"))
     files = read_calibration([DATA / "calibration.txt"])
@@ -165,16 +261,33 @@ def test_greedy_refused_before_the_pass_when_its_estimate_exceeds_the_memory(mon
     monkeypatch.setattr(calibrate, "decode", lambda *a, **k: pytest.fail("the decode pass ran"))
     available = 2**30
     with pytest.raises(BadInput) as err:
-        calibrate.calibrate_all(model, layout, "greedy", [DATA / "calibration.txt"], ctx=CTX, threads=2, available_memory=available)
+        calibrate.calibrate_all(
+            model, layout, "greedy", [DATA / "calibration.txt"], ctx=CTX, threads=2, available_memory=available
+        )
     tokens = greedy.token_bound(read_calibration([DATA / "calibration.txt"]), CTX, None)
-    assert "greedy needs up to" in err.value.message and f"{tokens:,} calibration tokens" in err.value.message and "1.00 GiB" in err.value.message
+    assert (
+        "greedy needs up to" in err.value.message
+        and f"{tokens:,} calibration tokens" in err.value.message
+        and "1.00 GiB" in err.value.message
+    )
     hinted = int(err.value.hint.split("--max-tokens ")[1].split()[0])
-    assert greedy.memory_estimate(layout, hinted, 2).peak <= 0.8 * available < greedy.memory_estimate(layout, hinted + CTX, 2).peak
+    assert (
+        greedy.memory_estimate(layout, hinted, 2).peak
+        <= 0.8 * available
+        < greedy.memory_estimate(layout, hinted + CTX, 2).peak
+    )
     # the tokens hinted pass the check
     greedy.check_memory(layout, read_calibration([DATA / "calibration.txt"]), CTX, hinted, 2, available)
     # tune with greedy listed: refused before its output directory is made
-    settings = TuneSettings(keeps=(8,), methods=("reap", "greedy"), calibration=(DATA / "calibration.txt",), heldout=(DATA / "heldout.txt",),
-                            ctx=CTX, threads=2, available_memory=available)
+    settings = TuneSettings(
+        keeps=(8,),
+        methods=("reap", "greedy"),
+        calibration=(DATA / "calibration.txt",),
+        heldout=(DATA / "heldout.txt",),
+        ctx=CTX,
+        threads=2,
+        available_memory=available,
+    )
     with pytest.raises(BadInput, match="greedy needs up to"):
         fit_greedy(layout, settings)
 
@@ -188,23 +301,59 @@ def test_greedy_refused_by_the_command_line_in_one_line(tmp_path):
     per_token = (greedy.memory_estimate(layout, 2 * CTX, 2).peak - greedy.memory_estimate(layout, CTX, 2).peak) / CTX
     text = tmp_path / "long.txt"
     text.write_text("x" * int(2 * available / per_token) + "\n")
-    assert greedy.memory_estimate(layout, greedy.token_bound(read_calibration([text]), CTX, None), 2).peak > 1.5 * available
-    run = ggufcarve("score", MODEL, "--method", "greedy", "--calibration", text, "--ctx", CTX, "--threads", 2, "-o", tmp_path / "s.json")
+    assert (
+        greedy.memory_estimate(layout, greedy.token_bound(read_calibration([text]), CTX, None), 2).peak
+        > 1.5 * available
+    )
+    run = ggufcarve(
+        "score",
+        MODEL,
+        "--method",
+        "greedy",
+        "--calibration",
+        text,
+        "--ctx",
+        CTX,
+        "--threads",
+        2,
+        "-o",
+        tmp_path / "s.json",
+    )
     assert run.code != 0 and not (tmp_path / "s.json").exists()
-    assert "greedy needs up to" in run.error_line and "memory available" in run.error_line and "hint: give --max-tokens" in run.error_line
+    assert (
+        "greedy needs up to" in run.error_line
+        and "memory available" in run.error_line
+        and "hint: give --max-tokens" in run.error_line
+    )
 
 
 def test_all_holds_greedy_only_when_it_fits():
     layout = inspect_layout(read_model(MODEL))
-    settings = TuneSettings(keeps=(8,), methods=ALL_METHODS, calibration=(DATA / "calibration.txt",), heldout=(DATA / "heldout.txt",), ctx=CTX, threads=2)
-    peak = greedy.memory_estimate(layout, greedy.token_bound(read_calibration([DATA / "calibration.txt"]), CTX, None), 2).peak
+    settings = TuneSettings(
+        keeps=(8,),
+        methods=ALL_METHODS,
+        calibration=(DATA / "calibration.txt",),
+        heldout=(DATA / "heldout.txt",),
+        ctx=CTX,
+        threads=2,
+    )
+    peak = greedy.memory_estimate(
+        layout, greedy.token_bound(read_calibration([DATA / "calibration.txt"]), CTX, None), 2
+    ).peak
     ran, left_out = fit_greedy(layout, replace(settings, available_memory=2 * peak))  # half of it: fits
     assert "greedy" in ran.methods and left_out == {}
     ran, left_out = fit_greedy(layout, replace(settings, available_memory=2 * peak - 1))
     assert ran.methods == tuple(m for m in ALL_METHODS if m != "greedy")
     assert list(left_out) == ["greedy"] and "of memory available" in left_out["greedy"]
-    report = {"model": {"name": "m.gguf", "expert_count": 16}, "parameters": {"ctx": CTX}, "heldout": [], "candidates": [], "keeps": [],
-              "winner": "reap-8", "left_out": left_out}
+    report = {
+        "model": {"name": "m.gguf", "expert_count": 16},
+        "parameters": {"ctx": CTX},
+        "heldout": [],
+        "candidates": [],
+        "keeps": [],
+        "winner": "reap-8",
+        "left_out": left_out,
+    }
     assert f"greedy left out of all: {left_out['greedy']}." in render_markdown(report).splitlines()
 
 
@@ -219,7 +368,9 @@ def test_inputs_are_checked_before_any_pass(tmp_path):
     assert run.code == 1 and "keeps every one of the 16 experts: nothing to prune" in run.stderr, run.stderr
     assert run.stderr.startswith("error:"), run.stderr[:200]  # no empty progress display above the error
     run = ggufcarve("tune", MODEL, "--heldout", DATA / "heldout.txt", "--keep", "17", *common)
-    assert run.code == 1 and "K=17 is outside 4..16" in run.stderr, run.stderr  # the demo model routes 4 of its 16 experts
+    assert run.code == 1 and "K=17 is outside 4..16" in run.stderr, (
+        run.stderr
+    )  # the demo model routes 4 of its 16 experts
     run = ggufcarve("tune", MODEL, "--heldout", empty, "--keep", "8", *common)
     assert run.code == 1 and "empty.txt: the text is empty" in run.stderr, run.stderr
     assert not out.exists()
@@ -231,7 +382,25 @@ def test_a_run_owns_its_candidates_folder(tmp_path):
     stale = out / "candidates" / "reap-12.json"
     stale.parent.mkdir(parents=True)
     stale.write_text("{}")
-    run = ggufcarve("tune", MODEL, "--heldout", DATA / "heldout.txt", "--keep", "8", "--methods", "weights,random", "--ctx", CTX, "--chunks", 2, "-o", out, "-q")
+    run = ggufcarve(
+        "tune",
+        MODEL,
+        "--heldout",
+        DATA / "heldout.txt",
+        "--keep",
+        "8",
+        "--methods",
+        "weights,random",
+        "--ctx",
+        CTX,
+        "--chunks",
+        2,
+        "-o",
+        out,
+        "-q",
+    )
     assert run.code == 0, run.stderr
     report = json.loads((out / "tune.json").read_text())
-    assert sorted(p.name for p in (out / "candidates").iterdir()) == sorted(f"{c['id']}.json" for c in report["candidates"])
+    assert sorted(p.name for p in (out / "candidates").iterdir()) == sorted(
+        f"{c['id']}.json" for c in report["candidates"]
+    )

@@ -9,7 +9,11 @@ METHODS = [f"method-{i}" for i in range(13)]
 
 
 def _candidates(keeps):
-    return [{"method": m, "K": k, "kld_mean": 0.01 * (i + 1) + 0.1 / k, "stopped_early": i % 3 == 0} for i, m in enumerate(METHODS) for k in keeps]
+    return [
+        {"method": m, "K": k, "kld_mean": 0.01 * (i + 1) + 0.1 / k, "stopped_early": i % 3 == 0}
+        for i, m in enumerate(METHODS)
+        for k in keeps
+    ]
 
 
 def _title_inside(fig):
@@ -39,7 +43,9 @@ def test_a_single_keep_is_one_bar_per_method():
     ax = fig.axes[0]
     assert [t.get_text() for t in ax.get_xticklabels()] == METHODS
     bars = ax.patches
-    assert len(bars) == len(METHODS) and [b.get_height() for b in bars] == pytest.approx([0.01 * (i + 1) + 0.1 / 8 for i in range(13)])
+    assert len(bars) == len(METHODS) and [b.get_height() for b in bars] == pytest.approx(
+        [0.01 * (i + 1) + 0.1 / 8 for i in range(13)]
+    )
     low, high = ax.get_xlim()
     assert low < 0 and high > len(METHODS) - 1 and high - low < len(METHODS) + 2  # the bars, not a span around one K
     assert _title_inside(fig)

@@ -31,7 +31,22 @@ def ladder_dir(q8_moe, llama_tools, tmp_path_factory) -> Path:
     spec = base / "spec.toml"
     spec.write_text(SPEC)
     out = base / "out"
-    result = ggufcarve("ladder", "run", spec, "--source", q8_moe, "-o", out, "--model-name", "tiny", "--quantizer", llama_tools / "llama-quantize", "-q", "-t", "2")
+    result = ggufcarve(
+        "ladder",
+        "run",
+        spec,
+        "--source",
+        q8_moe,
+        "-o",
+        out,
+        "--model-name",
+        "tiny",
+        "--quantizer",
+        llama_tools / "llama-quantize",
+        "-q",
+        "-t",
+        "2",
+    )
     assert result.code == 0, result.stderr[-2000:]
     return out
 
@@ -51,7 +66,9 @@ def describe_as_rung(release: Path, name: str, files: list[Path]) -> dict:
     """Record `files` as one more rung of the release's manifest (as a ladder run would), and re-list the sums."""
     manifest = json.loads((release / "quant-manifest.json").read_text())
     source = [f["sha256"] for f in manifest["source"]["files"]]
-    records = [{"name": p.name, "bytes": p.stat().st_size, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()} for p in files]
+    records = [
+        {"name": p.name, "bytes": p.stat().st_size, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()} for p in files
+    ]
     manifest["rungs"].append({"name": name, "status": "built", "files": records, "source_sha256": source})
     (release / "quant-manifest.json").write_text(json.dumps(manifest))
     write_sums(release, manifest)
@@ -62,14 +79,23 @@ def test_clean_directory_passes_both_checkers(ladder_dir):
     assert subprocess.run(["sha256sum", "-c", "SHA256SUMS"], cwd=ladder_dir, capture_output=True).returncode == 0
     result = ggufcarve("verify", ladder_dir, "--partial")
     assert result.code == 0, problems(result)
-    assert result.stdout.startswith("OK: 3 files") and "expert_count 8" in result.stdout and "2 part(s) missing" in result.stdout
+    assert (
+        result.stdout.startswith("OK: 3 files")
+        and "expert_count 8" in result.stdout
+        and "2 part(s) missing" in result.stdout
+    )
     # a ladder release promises its rungs: every one is built, so it passes, and what a published
     # release usually holds more is listed as notes; --strict requires the evaluation and the card
     plain = ggufcarve("verify", ladder_dir)
     assert plain.code == 0, problems(plain)
-    assert "note: no evaluation results recorded" in plain.stderr and "note: the model card is not recorded" in plain.stderr
+    assert (
+        "note: no evaluation results recorded" in plain.stderr
+        and "note: the model card is not recorded" in plain.stderr
+    )
     strict = ggufcarve("verify", ladder_dir, "--strict", "--json")
-    assert strict.code == 1 and {(f["path"], f["problem"].split(":")[0]) for f in json.loads(strict.stdout)["failures"]} == {("evaluation/", "missing"), ("README.md", "missing")}
+    assert strict.code == 1 and {
+        (f["path"], f["problem"].split(":")[0]) for f in json.loads(strict.stdout)["failures"]
+    } == {("evaluation/", "missing"), ("README.md", "missing")}
     both = ggufcarve("verify", ladder_dir, "--strict", "--partial")
     assert both.code == 1 and "opposite" in both.error_line
     report = verify_dir(ladder_dir, workers=2)
@@ -84,7 +110,9 @@ def test_flipped_byte(copy):
     result = ggufcarve("verify", copy, "--partial")
     assert result.code == 1
     assert "tiny-Q8_0.gguf" in problems(result) and "sha256 mismatch" in problems(result)
-    assert subprocess.run(["sha256sum", "-c", "SHA256SUMS"], cwd=copy, capture_output=True).returncode != 0  # coreutils agrees
+    assert (
+        subprocess.run(["sha256sum", "-c", "SHA256SUMS"], cwd=copy, capture_output=True).returncode != 0
+    )  # coreutils agrees
 
 
 def test_missing_file_and_ignore_missing(copy):
@@ -101,11 +129,19 @@ def test_files_the_manifest_does_not_describe(copy):
     result = ggufcarve("verify", copy, "--partial", "--json")
     assert result.code == 1
     report = json.loads(result.stdout)
-    assert {(f["path"], f["problem"].split(":")[0]) for f in report["failures"]} == {("method/notes.json", "not described by quant-manifest.json")}
-    assert [(n["path"], n["problem"].split(":")[0]) for n in report["notes"]] == [("README.md", "not recorded")]  # documentation: noted, not refused
+    assert {(f["path"], f["problem"].split(":")[0]) for f in report["failures"]} == {
+        ("method/notes.json", "not described by quant-manifest.json")
+    }
+    assert [(n["path"], n["problem"].split(":")[0]) for n in report["notes"]] == [
+        ("README.md", "not recorded")
+    ]  # documentation: noted, not refused
     # SHA256SUMS lists only what the manifest describes: re-writing it does not make them part of the release
     write_sums(copy, json.loads((copy / "quant-manifest.json").read_text()))
-    assert [rel for _, rel in parse_sums(copy / "SHA256SUMS")[0]] == ["quant-manifest.json", "tiny-Q4_K_M.gguf", "tiny-Q8_0.gguf"]
+    assert [rel for _, rel in parse_sums(copy / "SHA256SUMS")[0]] == [
+        "quant-manifest.json",
+        "tiny-Q4_K_M.gguf",
+        "tiny-Q8_0.gguf",
+    ]
     assert ggufcarve("verify", copy, "--partial").code == 1
     # a file the manifest describes but SHA256SUMS does not list
     (copy / "README.md").unlink()
@@ -115,14 +151,26 @@ def test_files_the_manifest_does_not_describe(copy):
     (copy / "SHA256SUMS").write_text("".join(kept))
     unlisted = ggufcarve("verify", copy, "--partial", "--json")
     assert unlisted.code == 1
-    assert {(f["path"], f["problem"]) for f in json.loads(unlisted.stdout)["failures"]} >= {("tiny-Q8_0.gguf", "not listed in SHA256SUMS")}
+    assert {(f["path"], f["problem"]) for f in json.loads(unlisted.stdout)["failures"]} >= {
+        ("tiny-Q8_0.gguf", "not listed in SHA256SUMS")
+    }
     write_sums(copy)
     assert ggufcarve("verify", copy, "--partial").code == 0
 
 
 def test_truncated_shard(copy, llama_tools):
     # split one rung with llama.cpp's own tool, list the shards, then cut the second shard short
-    finished = launch.run([llama_tools / "llama-gguf-split", "--split", "--split-max-tensors", "10", copy / "tiny-Q4_K_M.gguf", copy / "tiny-Q4_K_M-split"], timeout=120)
+    finished = launch.run(
+        [
+            llama_tools / "llama-gguf-split",
+            "--split",
+            "--split-max-tensors",
+            "10",
+            copy / "tiny-Q4_K_M.gguf",
+            copy / "tiny-Q4_K_M-split",
+        ],
+        timeout=120,
+    )
     assert finished.ok, "\n".join(finished.tail)
     shards = sorted(copy.glob("tiny-Q4_K_M-split-*.gguf"))
     assert len(shards) == 3
@@ -216,9 +264,17 @@ def test_what_a_release_promises_follows_its_recorded_run_plan(tmp_path):
     (tmp_path / "method").mkdir()
 
     def recorded(stages: list[str], only: list[str]) -> dict:
-        (tmp_path / "method" / "run-plan.json").write_text(json.dumps({"stages": [{"name": n} for n in stages], "parameters": {"ladder": {"only": only}}}))
+        (tmp_path / "method" / "run-plan.json").write_text(
+            json.dumps({"stages": [{"name": n} for n in stages], "parameters": {"ladder": {"only": only}}})
+        )
         return {"published": {"plan": [{"name": "method/run-plan.json"}]}}
 
-    assert promised_parts(tmp_path, recorded(["prune", "ladder", "evaluate", "card"], [])) == ("rungs", "evaluation", "card")
+    assert promised_parts(tmp_path, recorded(["prune", "ladder", "evaluate", "card"], [])) == (
+        "rungs",
+        "evaluation",
+        "card",
+    )
     assert promised_parts(tmp_path, recorded(["prune", "ladder", "card"], ["Q4_K_M"])) == ("card",)
-    assert promised_parts(tmp_path, {"published": {"plan": [{"name": "../run-plan.json"}]}}) == ("rungs",)  # outside the release: not read
+    assert promised_parts(tmp_path, {"published": {"plan": [{"name": "../run-plan.json"}]}}) == (
+        "rungs",
+    )  # outside the release: not read

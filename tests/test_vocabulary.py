@@ -62,16 +62,32 @@ def test_older_spellings_are_hidden_aliases():
             for old, new in HIDDEN_ALIASES.items():
                 if old in param.opts:
                     assert param.hidden, (" ".join(path), old)
-                    assert any(new in p.opts for p in command.params if p.param_type_name == "option"), (" ".join(path), old, new)
+                    assert any(new in p.opts for p in command.params if p.param_type_name == "option"), (
+                        " ".join(path),
+                        old,
+                        new,
+                    )
 
 
-@pytest.mark.parametrize(("argv", "message"), [
-    (["select", DEMO_MODEL, "--method", "weights", "--keep", "8,12", "-o", "{tmp}/s.json"], "select writes one selection"),
-    (["select", DEMO_MODEL, "--method", "weights", "--keep", "{keepset}", "-o", "{tmp}/s.json"], "is a selection already"),
-    (["tune", DEMO_MODEL, "--keep", "{keepset}", "--heldout", HELDOUT, "-o", "{tmp}/t"], "tune weighs the criteria's keep-sets"),
-    (["prune", DEMO_MODEL, "--keep", "8", "-o", "{tmp}/p.gguf"], "a count does not say which experts"),
-    (["fit", DEMO_MODEL, "--memory", "1GiB", "--keep", "eight"], "neither counts nor an existing keep-set file"),
-])
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["select", DEMO_MODEL, "--method", "weights", "--keep", "8,12", "-o", "{tmp}/s.json"],
+            "select writes one selection",
+        ),
+        (
+            ["select", DEMO_MODEL, "--method", "weights", "--keep", "{keepset}", "-o", "{tmp}/s.json"],
+            "is a selection already",
+        ),
+        (
+            ["tune", DEMO_MODEL, "--keep", "{keepset}", "--heldout", HELDOUT, "-o", "{tmp}/t"],
+            "tune weighs the criteria's keep-sets",
+        ),
+        (["prune", DEMO_MODEL, "--keep", "8", "-o", "{tmp}/p.gguf"], "a count does not say which experts"),
+        (["fit", DEMO_MODEL, "--memory", "1GiB", "--keep", "eight"], "neither counts nor an existing keep-set file"),
+    ],
+)
 def test_a_keep_form_a_command_has_no_use_for_is_refused_with_a_hint(tmp_path, argv, message):
     keepset = tmp_path / "given.json"
     keepset.write_text(json.dumps({str(b): list(range(8)) for b in range(4)}))
@@ -82,6 +98,8 @@ def test_a_keep_form_a_command_has_no_use_for_is_refused_with_a_hint(tmp_path, a
 
 
 def test_select_takes_one_count_as_before(tmp_path):
-    result = ggufcarve("select", DEMO_MODEL, "--method", "weights", "--keep", "8", "-o", tmp_path / "s.json", "--no-heatmap")
+    result = ggufcarve(
+        "select", DEMO_MODEL, "--method", "weights", "--keep", "8", "-o", tmp_path / "s.json", "--no-heatmap"
+    )
     assert result.code == 0, result.stderr
     assert {len(ids) for ids in json.loads((tmp_path / "s.json").read_text())["layers"].values()} == {8}

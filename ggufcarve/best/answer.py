@@ -11,14 +11,35 @@ from typing import Any
 
 from ggufcarve.events import Sink, ignore
 
-DEMO_BUDGET = 6 * 2**20  # between the demo's rungs: its pruned Q4_K_M and its unpruned Q2_K fit, its pruned Q6_K and unpruned Q4_K_M do not
+DEMO_BUDGET = (
+    6 * 2**20
+)  # between the demo's rungs: its pruned Q4_K_M and its unpruned Q2_K fit, its pruned Q6_K and unpruned Q4_K_M do not
 
 
-def answer_for_budget(results: list[dict[str, Any]], memory: int, cache_bytes: int, *, directories: list[Path], source: Path, heldout: list[Path], ctx: int,
-                      chunks: int | None, threads: int, work: Path, on_event: Sink = ignore) -> dict[str, Any] | None:
+def answer_for_budget(
+    results: list[dict[str, Any]],
+    memory: int,
+    cache_bytes: int,
+    *,
+    directories: list[Path],
+    source: Path,
+    heldout: list[Path],
+    ctx: int,
+    chunks: int | None,
+    threads: int,
+    work: Path,
+    on_event: Sink = ignore,
+) -> dict[str, Any] | None:
     """{winner, runner_up (the best fitting finalist of the other family, or None), tie_with (the results within noise of the
     winner), fitting, memory, cache_bytes}; None when nothing fits. `results` are eval's per-model documents of files under `directories`."""
-    from ggufcarve.measure.tournament import Candidate, MeasureSettings, measure, measure_tables, metric_value, prepare_segments
+    from ggufcarve.measure.tournament import (
+        Candidate,
+        MeasureSettings,
+        measure,
+        measure_tables,
+        metric_value,
+        prepare_segments,
+    )
 
     scored = [r for r in results if r.get("kld_mean") is not None]
     fitting = [r for r in scored if r["model"]["bytes"] + cache_bytes <= memory]
@@ -26,22 +47,59 @@ def answer_for_budget(results: list[dict[str, Any]], memory: int, cache_bytes: i
         return None
     files = {p.name: p for directory in directories for p in sorted(directory.rglob("*.gguf"))}
     by_name = {r["model"]["name"]: r for r in scored if r["model"]["file"] in files}
-    segments = prepare_segments(source, heldout, chunk_ctx=ctx, chunks=chunks, threads=threads, work=work, on_event=on_event)
-    pool = [Candidate(name, files[r["model"]["file"]], fits=r["model"]["bytes"] + cache_bytes <= memory, file_bytes=r["model"]["bytes"]) for name, r in by_name.items()]
-    measured = measure(pool, segments, MeasureSettings(threads=threads, tables=measure_tables()), work, on_event=on_event)
+    segments = prepare_segments(
+        source, heldout, chunk_ctx=ctx, chunks=chunks, threads=threads, work=work, on_event=on_event
+    )
+    pool = [
+        Candidate(
+            name,
+            files[r["model"]["file"]],
+            fits=r["model"]["bytes"] + cache_bytes <= memory,
+            file_bytes=r["model"]["bytes"],
+        )
+        for name, r in by_name.items()
+    ]
+    measured = measure(
+        pool, segments, MeasureSettings(threads=threads, tables=measure_tables()), work, on_event=on_event
+    )
     decision = measured.groups[""]
     if decision["winner"] is None:
         return None
 
     def doc(name: str) -> dict[str, Any]:
         record = measured.records[name]
-        return {**by_name[name], "kld_mean": record["kld_mean"], "kld_mean_stderr": record["kld_mean_stderr"], "chunks_scored": record["chunks_scored"],
-                "stopped_early": record["stopped_early"], "delta_vs_leader": record["delta_vs_leader"], "delta_stderr": record["delta_stderr"]}
+        return {
+            **by_name[name],
+            "kld_mean": record["kld_mean"],
+            "kld_mean_stderr": record["kld_mean_stderr"],
+            "chunks_scored": record["chunks_scored"],
+            "stopped_early": record["stopped_early"],
+            "delta_vs_leader": record["delta_vs_leader"],
+            "delta_stderr": record["delta_stderr"],
+        }
 
     winner = by_name[decision["winner"]]
-    others = [n for n, r in measured.records.items() if r["fits"] and by_name[n]["model"]["pruned"] != winner["model"]["pruned"]]
+    others = [
+        n
+        for n, r in measured.records.items()
+        if r["fits"] and by_name[n]["model"]["pruned"] != winner["model"]["pruned"]
+    ]
     # the best of the other family: the one that lasted the most rounds, then the lowest mean KLD
-    runner_up = min(others, key=lambda n: (-measured.records[n]["chunks_scored"], metric_value(measured.records[n], "kld_mean"), n)) if others else None
-    return {"winner": doc(decision["winner"]), "runner_up": doc(runner_up) if runner_up else None, "tie_with": [doc(n) for n in decision["tie_with"]],
-            "fitting": sorted((doc(n) for n in by_name if measured.records[n]["fits"]), key=lambda r: r["model"]["bytes"]),
-            "memory": memory, "cache_bytes": cache_bytes, "chunks_decoded": measured.decoded_chunks, "chunks_cached": measured.cached_chunks}
+    runner_up = (
+        min(
+            others,
+            key=lambda n: (-measured.records[n]["chunks_scored"], metric_value(measured.records[n], "kld_mean"), n),
+        )
+        if others
+        else None
+    )
+    return {
+        "winner": doc(decision["winner"]),
+        "runner_up": doc(runner_up) if runner_up else None,
+        "tie_with": [doc(n) for n in decision["tie_with"]],
+        "fitting": sorted((doc(n) for n in by_name if measured.records[n]["fits"]), key=lambda r: r["model"]["bytes"]),
+        "memory": memory,
+        "cache_bytes": cache_bytes,
+        "chunks_decoded": measured.decoded_chunks,
+        "chunks_cached": measured.cached_chunks,
+    }

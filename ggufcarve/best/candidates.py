@@ -24,7 +24,9 @@ class Candidate:
     file_bytes: int  # predicted by fit (llama.cpp's quantizer dry run); the built file's size replaces it
     cache_bytes: int
     memory: int
-    measured: dict[str, Any] | None = None  # llama.cpp's dry load (llama.memory.DeviceMemory.to_json) of the K's header, weights from fit's sizes
+    measured: dict[str, Any] | None = (
+        None  # llama.cpp's dry load (llama.memory.DeviceMemory.to_json) of the K's header, weights from fit's sizes
+    )
     tiers: tuple[str, ...] = ("ram", "disk")  # the tiers it runs in, fastest first (fit's row)
     asked: str = "ram"  # the tier the search ranks in
     devices: tuple[dict[str, Any], ...] = ()  # per device running in the asked tier (fit's row.devices_in)
@@ -53,10 +55,26 @@ class Candidate:
         return self.asked in self.tiers
 
     def to_json(self) -> dict[str, Any]:
-        return {"id": self.id, "kept_experts": self.kept, "expert_count": self.expert_count, "quant": self.quant, "family": self.family,
-                "file_bytes": self.file_bytes, "cache_bytes": self.cache_bytes, "fits": self.fits, "tier": self.tiers[0], "tiers": list(self.tiers),
-                **({"memory": list(self.devices) or [self.measured],
-                    "memory_source": "estimated: llama.cpp's dry load of the K's header, the rung's weights from fit's sizes"} if self.measured else {})}
+        return {
+            "id": self.id,
+            "kept_experts": self.kept,
+            "expert_count": self.expert_count,
+            "quant": self.quant,
+            "family": self.family,
+            "file_bytes": self.file_bytes,
+            "cache_bytes": self.cache_bytes,
+            "fits": self.fits,
+            "tier": self.tiers[0],
+            "tiers": list(self.tiers),
+            **(
+                {
+                    "memory": list(self.devices) or [self.measured],
+                    "memory_source": "estimated: llama.cpp's dry load of the K's header, the rung's weights from fit's sizes",
+                }
+                if self.measured
+                else {}
+            ),
+        }
 
 
 def choose_candidates(report: FitReport, tier: str = "ram") -> list[Candidate]:
@@ -68,6 +86,16 @@ def choose_candidates(report: FitReport, tier: str = "ram") -> list[Candidate]:
         fitting = sorted((r for r in rows if tier in r.tiers), key=lambda r: r.kept, reverse=True)
         for r in fitting[:2]:  # the unpruned row, when it fits, is the first (the largest K)
             measured = r.memory_measured.to_json() if r.memory_measured is not None else None
-            chosen[(r.kept, rung.name)] = Candidate(r.kept, n, rung.name, r.rung.bytes, r.cache_bytes, report.memory, measured, r.tiers, tier,
-                                                    tuple(d.to_json() for d in r.devices_in(tier)))
+            chosen[(r.kept, rung.name)] = Candidate(
+                r.kept,
+                n,
+                rung.name,
+                r.rung.bytes,
+                r.cache_bytes,
+                report.memory,
+                measured,
+                r.tiers,
+                tier,
+                tuple(d.to_json() for d in r.devices_in(tier)),
+            )
     return sorted(chosen.values(), key=lambda c: (c.file_bytes, -c.kept, c.quant))

@@ -19,14 +19,20 @@ REASONS = {"halving": "halving", "budget": "over budget", "gate": "gate", "ident
 def stopped_lines(report: dict[str, Any]) -> list[str]:
     """One line per candidate that left before the final round or was not a finalist: why, and by how much it lost (closest first)."""
     lines = []
-    closest_first = sorted(report["candidates"], key=lambda c: (c.get("stopped_reason") != "halving", c.get("lost_by") or 0.0, c["id"]))
+    closest_first = sorted(
+        report["candidates"], key=lambda c: (c.get("stopped_reason") != "halving", c.get("lost_by") or 0.0, c["id"])
+    )
     for c in closest_first:
         reason = c.get("stopped_reason")
         if reason == "halving":
-            lines.append(f"{c['id']}: left after {c['chunks_scored']} chunk(s): mean KLD {c['lost_by']:+.4f} behind that round's leader "
-                         f"(paired, ± {c['delta_stderr'][-1]:.4f})")
+            lines.append(
+                f"{c['id']}: left after {c['chunks_scored']} chunk(s): mean KLD {c['lost_by']:+.4f} behind that round's leader "
+                f"(paired, ± {c['delta_stderr'][-1]:.4f})"
+            )
         elif reason == "budget":
-            lines.append(f"{c['id']}: over the budget ({format_size(c['file_bytes'] + c['cache_bytes'])} with its cache)")
+            lines.append(
+                f"{c['id']}: over the budget ({format_size(c['file_bytes'] + c['cache_bytes'])} with its cache)"
+            )
         elif reason == "gate":
             lines.append(f"{c['id']}: failed the gate ({', '.join(c.get('gate_failed') or [])})")
         elif reason == "identical":
@@ -39,14 +45,20 @@ def markdown(report: dict[str, Any]) -> str:
     metric = r["parameters"]["metric"]
     names = r["heldout"]
     unit = size_unit(max(c["file_bytes"] for c in r["candidates"]))
-    lines = [f"# best: {r['model']['name']} in {format_size(r['memory_bytes'])}", "",
-             f"File + KV cache at {r['parameters']['ctx']} tokens ({format_size(r['cache']['total_bytes'])}) against the budget; "
-             f"scored against the unpruned model on {', '.join(names)} (chunks of {r['parameters']['eval_ctx']} tokens). Answer: {r['selection_rule']}.", "",
-             "Each figure is over the chunks beside it: candidates that left early were scored on fewer chunks than the finalists, "
-             "so compare them by the round they left in (best.json `halving`).", "",
-             f"| candidate | family | K of N | quant | file {unit[0]} | fits | scored by | mean KLD | ± | 99.9% KLD | same top p | PPL | "
-             + " | ".join(f"KLD {n}" for n in names) + " | chunks | left |",
-             "|---|---|---|---|---:|---|---|---:|---:|---:|---:|---:|" + "---:|" * len(names) + "---:|---|"]
+    lines = [
+        f"# best: {r['model']['name']} in {format_size(r['memory_bytes'])}",
+        "",
+        f"File + KV cache at {r['parameters']['ctx']} tokens ({format_size(r['cache']['total_bytes'])}) against the budget; "
+        f"scored against the unpruned model on {', '.join(names)} (chunks of {r['parameters']['eval_ctx']} tokens). Answer: {r['selection_rule']}.",
+        "",
+        "Each figure is over the chunks beside it: candidates that left early were scored on fewer chunks than the finalists, "
+        "so compare them by the round they left in (best.json `halving`).",
+        "",
+        f"| candidate | family | K of N | quant | file {unit[0]} | fits | scored by | mean KLD | ± | 99.9% KLD | same top p | PPL | "
+        + " | ".join(f"KLD {n}" for n in names)
+        + " | chunks | left |",
+        "|---|---|---|---|---:|---|---|---:|---:|---:|---:|---:|" + "---:|" * len(names) + "---:|---|",
+    ]
     winner = r["winner"]["id"] if r["winner"] else None
     for c in r["candidates"]:
         name = f"**{c['id']}**" if c["id"] == winner else c["id"]
@@ -54,35 +66,56 @@ def markdown(report: dict[str, Any]) -> str:
         per_file = " | ".join(_cell(segs.get(n, {}).get("kld_mean")) for n in names)
         same = "" if c.get("same_top_p") is None else f"{100 * c['same_top_p']:.2f}%"
         scored = f"mask on {c['masked_on']}" if c.get("scored_by") == "mask" else (c.get("scored_by") or "")
-        lines.append(f"| {name} | {c['family']} | {c['kept_experts']} of {c['expert_count']} | {c['quant']} | {c['file_bytes'] / unit[1]:.2f} | "
-                     f"{'yes' if c['fits'] else 'no'} | {scored} | {_cell(c.get('kld_mean'))} | {_cell(c.get('kld_mean_stderr'))} | {_cell(c.get('kld_p999'))} | "
-                     f"{same} | {_cell(c.get('ppl'))} | {per_file} | {c['chunks_scored']} | {REASONS.get(c.get('stopped_reason') or '', '')} |")
+        lines.append(
+            f"| {name} | {c['family']} | {c['kept_experts']} of {c['expert_count']} | {c['quant']} | {c['file_bytes'] / unit[1]:.2f} | "
+            f"{'yes' if c['fits'] else 'no'} | {scored} | {_cell(c.get('kld_mean'))} | {_cell(c.get('kld_mean_stderr'))} | {_cell(c.get('kld_p999'))} | "
+            f"{same} | {_cell(c.get('ppl'))} | {per_file} | {c['chunks_scored']} | {REASONS.get(c.get('stopped_reason') or '', '')} |"
+        )
     lines.append("")
     stopped = stopped_lines(report)
     if stopped:
         lines += ["## Left before the final round", "", *(f"- {line}" for line in stopped), ""]
     if r["winner"]:
         w = r["winner"]
-        taken = (f"llama.cpp allocates {format_size(w['memory'][0]['total'])} (weights, cache, compute and output buffers)" if w.get("memory")
-                 else f"file {format_size(w['file_bytes'])} + cache {format_size(w['cache_bytes'])}")
-        lines += ["## Answer", "", f"{w['id']} ({w['family']}, {w['kept_experts']} of {w['expert_count']} experts, {w['quant']}): {metric} {w[metric]:.4f}, "
-                  f"{taken} of {format_size(r['memory_bytes'])}.", ""]
+        taken = (
+            f"llama.cpp allocates {format_size(w['memory'][0]['total'])} (weights, cache, compute and output buffers)"
+            if w.get("memory")
+            else f"file {format_size(w['file_bytes'])} + cache {format_size(w['cache_bytes'])}"
+        )
+        lines += [
+            "## Answer",
+            "",
+            f"{w['id']} ({w['family']}, {w['kept_experts']} of {w['expert_count']} experts, {w['quant']}): {metric} {w[metric]:.4f}, "
+            f"{taken} of {format_size(r['memory_bytes'])}.",
+            "",
+        ]
         if w.get("tie_with"):
-            lines += [f"Tie within noise: {', '.join(w['tie_with'])} differ from it by less than {r['parameters']['z']:g} standard errors of the paired "
-                      f"per-token difference; the answer is the {r['parameters']['prefer']} of them.", ""]
+            lines += [
+                f"Tie within noise: {', '.join(w['tie_with'])} differ from it by less than {r['parameters']['z']:g} standard errors of the paired "
+                f"per-token difference; the answer is the {r['parameters']['prefer']} of them.",
+                "",
+            ]
         if w.get("confirmed"):
             k = w["confirmed"]
-            lines += [f"Confirmed as a file: masked mean KLD {k['masked_kld_mean']:.4f}, the built file {k['file_kld_mean']:.4f} ± {k['file_kld_mean_stderr']:.4f}.", ""]
+            lines += [
+                f"Confirmed as a file: masked mean KLD {k['masked_kld_mean']:.4f}, the built file {k['file_kld_mean']:.4f} ± {k['file_kld_mean_stderr']:.4f}.",
+                "",
+            ]
         lines += [f"    {' '.join(w['run_command']['argv'])}", ""]
     else:
         lines += ["## Answer", "", "No finalist fits and passes the gate.", ""]
     lines += ["## Cost", "", "| stage | seconds | projected for " + r["projection"]["model"] + " |", "|---|---:|---:|"]
     for stage in r["projection"]["stages_seconds"]:
-        lines.append(f"| {stage} | {report['timings'].get(f'{stage}_seconds', 0.0):.1f} | {r['projection']['stages_seconds'][stage] / 3600:.2f} h |")
+        lines.append(
+            f"| {stage} | {report['timings'].get(f'{stage}_seconds', 0.0):.1f} | {r['projection']['stages_seconds'][stage] / 3600:.2f} h |"
+        )
     lines += ["", f"Projection rule: {r['projection']['rule']}.", ""]
     if r.get("previous_run_timings"):
-        lines += [f"This run: {report['timings']['total_seconds']:.1f} s; the run before it in this folder: {r['previous_run_timings'].get('total_seconds', 0.0):.1f} s "
-                  f"(work reused by content: {r['chunks_cached']} chunk(s) of scoring{', the keep-sets and imatrix' if r['keep_sets_reused'] else ''}).", ""]
+        lines += [
+            f"This run: {report['timings']['total_seconds']:.1f} s; the run before it in this folder: {r['previous_run_timings'].get('total_seconds', 0.0):.1f} s "
+            f"(work reused by content: {r['chunks_cached']} chunk(s) of scoring{', the keep-sets and imatrix' if r['keep_sets_reused'] else ''}).",
+            "",
+        ]
     return "\n".join(lines)
 
 
@@ -93,7 +126,9 @@ def chart(report: dict[str, Any], path: Path) -> None:
     from matplotlib.figure import Figure
 
     metric = report["parameters"]["metric"]
-    candidates = [c for c in report["candidates"] if c.get(metric) is not None and c.get("stopped_reason") != "identical"]
+    candidates = [
+        c for c in report["candidates"] if c.get(metric) is not None and c.get("stopped_reason") != "identical"
+    ]
     unit = size_unit(report["memory_bytes"])
     fig = Figure(figsize=(8, 5), dpi=110)
     FigureCanvasAgg(fig)
@@ -105,8 +140,14 @@ def chart(report: dict[str, Any], path: Path) -> None:
         xs = [(c["file_bytes"] + c["cache_bytes"]) / unit[1] for c in series]
         line = ax.plot(xs, [c[metric] for c in series], linestyle="none", marker=marker, label=family)[0]
         early = [c for c in series if c["stopped_early"]]
-        ax.plot([(c["file_bytes"] + c["cache_bytes"]) / unit[1] for c in early], [c[metric] for c in early], linestyle="none", marker=marker,
-                markerfacecolor="white", color=line.get_color())
+        ax.plot(
+            [(c["file_bytes"] + c["cache_bytes"]) / unit[1] for c in early],
+            [c[metric] for c in early],
+            linestyle="none",
+            marker=marker,
+            markerfacecolor="white",
+            color=line.get_color(),
+        )
         best_of_pair: dict[tuple[int, str], dict[str, Any]] = {}
         for c in series:  # one label per (K, quant): its best keep-set
             key = (c["kept_experts"], c["quant"])
@@ -114,17 +155,33 @@ def chart(report: dict[str, Any], path: Path) -> None:
                 best_of_pair[key] = c
         for c, x in zip(series, xs):
             if best_of_pair[(c["kept_experts"], c["quant"])] is c:
-                ax.annotate(c["id"] + ("" if c.get("built") else " (masked)"), (x, c[metric]), fontsize=6, xytext=(3, 3), textcoords="offset points")
+                ax.annotate(
+                    c["id"] + ("" if c.get("built") else " (masked)"),
+                    (x, c[metric]),
+                    fontsize=6,
+                    xytext=(3, 3),
+                    textcoords="offset points",
+                )
     w = report.get("winner")
     if w and w.get(metric) is not None:
-        ax.plot([(w["file_bytes"] + w["cache_bytes"]) / unit[1]], [w[metric]], linestyle="none", marker="o", markersize=14, markerfacecolor="none",
-                markeredgecolor="red", label=f"answer: {w['id']}")
+        ax.plot(
+            [(w["file_bytes"] + w["cache_bytes"]) / unit[1]],
+            [w[metric]],
+            linestyle="none",
+            marker="o",
+            markersize=14,
+            markerfacecolor="none",
+            markeredgecolor="red",
+            label=f"answer: {w['id']}",
+        )
     ax.axvline(report["memory_bytes"] / unit[1], color="grey", linestyle="--", label="budget")
     ax.set_yscale("log")
     ax.set_xlabel(f"file + KV cache ({unit[0]})")
     ax.set_ylabel(f"{metric} vs unpruned (nats/token)" if metric.startswith("kld") else f"{metric} (lower is better)")
-    ax.set_title("hollow: left before the final round (fewer chunks); (masked): scored by masking, no file built; one label per K and quant: its best keep-set",
-                 fontsize=7)
+    ax.set_title(
+        "hollow: left before the final round (fewer chunks); (masked): scored by masking, no file built; one label per K and quant: its best keep-set",
+        fontsize=7,
+    )
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     fig.subplots_adjust(left=0.12, right=0.97, bottom=0.12, top=0.93)
@@ -139,13 +196,25 @@ def plan_document(report: dict[str, Any], source: Path, settings: Any, out_dir: 
     winner = report["winner"]
     if winner["family"] != "pruned":
         raise ValueError("a run plan carves a keep-set: an unpruned winner is published by publish_command")
-    doc: dict[str, Any] = {"source": _plan_path(source, out_dir), "output": "release", "work": "release.work",
-                           "selection": {"keepset": _plan_path(out_dir / winner["keep_set"], out_dir)}}
+    doc: dict[str, Any] = {
+        "source": _plan_path(source, out_dir),
+        "output": "release",
+        "work": "release.work",
+        "selection": {"keepset": _plan_path(out_dir / winner["keep_set"], out_dir)},
+    }
     if imatrix.is_file():
         doc["imatrix"] = {"file": _plan_path(imatrix, out_dir)}
-    doc["ladder"] = {"spec": _plan_path(settings.ladder, out_dir), "only": [winner["quant"]], "quantizer": settings.quantizer}
-    evaluation: dict[str, Any] = {"heldout": [_plan_path(p, out_dir) for p in settings.heldout] if len(settings.heldout) > 1 else _plan_path(settings.heldout[0], out_dir),
-                                  "ctx": settings.eval_ctx}
+    doc["ladder"] = {
+        "spec": _plan_path(settings.ladder, out_dir),
+        "only": [winner["quant"]],
+        "quantizer": settings.quantizer,
+    }
+    evaluation: dict[str, Any] = {
+        "heldout": [_plan_path(p, out_dir) for p in settings.heldout]
+        if len(settings.heldout) > 1
+        else _plan_path(settings.heldout[0], out_dir),
+        "ctx": settings.eval_ctx,
+    }
     if settings.chunks:
         evaluation["chunks"] = settings.chunks
     if settings.gate:
@@ -175,5 +244,10 @@ def write_plan(doc: dict[str, Any], out_dir: Path) -> Path:
     from ggufcarve.pipeline.plan import plan_text
 
     path = out_dir / "plan.toml"
-    write_text_atomic(path, plan_text(doc, "The plan that publishes best's winner (a pruned model), fully evaluated: ggufcarve run plan.toml"))
+    write_text_atomic(
+        path,
+        plan_text(
+            doc, "The plan that publishes best's winner (a pruned model), fully evaluated: ggufcarve run plan.toml"
+        ),
+    )
     return path

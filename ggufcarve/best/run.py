@@ -43,10 +43,14 @@ from ggufcarve.select.criteria import BEST_DEFAULT
 
 REPORT = "best"
 CHART = "best-pareto.png"
-CONFIRM_RELATIVE = 0.01  # a confirmed file's mean KLD may differ from its masked score by max(2 standard errors, this share)
-SELECTION_RULE = ("successive halving over held-out units by the paired per-token difference to each round's leader; among the finalists "
-                  "that fit the budget (built or planned file plus the context's cache) and pass the gate, the lowest metric, or among those "
-                  "tied with it within z standard errors the one --prefer names")
+CONFIRM_RELATIVE = (
+    0.01  # a confirmed file's mean KLD may differ from its masked score by max(2 standard errors, this share)
+)
+SELECTION_RULE = (
+    "successive halving over held-out units by the paired per-token difference to each round's leader; among the finalists "
+    "that fit the budget (built or planned file plus the context's cache) and pass the gate, the lowest metric, or among those "
+    "tied with it within z standard errors the one --prefer names"
+)
 
 # The reference release the costs are projected to: Qwen3.6-35B-A3B at Q8_0 (256 routed experts,
 # top-8, 40 layers, 34 GiB; 3B of its 35B parameters active per token).
@@ -72,7 +76,9 @@ class BestSettings:
     gpu_memory: int | None = None
     keep_counts: str | None = None  # the K values weighed, as written (quant.fit.parse_kept_counts); None: fit's grid
     keep_file: Path | None = None  # a keep-set weighed at its K beside the criteria's (selection "keep-file")
-    tier: str | None = None  # quant.offload.TIERS: where the answer must run; None: the fastest tier any candidate runs in
+    tier: str | None = (
+        None  # quant.offload.TIERS: where the answer must run; None: the fastest tier any candidate runs in
+    )
     quantizer: str = "auto"
     llama_cpp_dir: Path | None = None
     only: tuple[str, ...] = ()  # build only these candidate ids, score nothing (a job of several hosts)
@@ -98,7 +104,9 @@ class Plan:
     candidates: list[Candidate]
     kept_counts: list[int]  # the pruned K values
     quants: list[str]  # the unpruned rungs built (every candidate's quant, in ladder order)
-    types: dict[tuple[int, str], list[tuple[str, str, str]]]  # (K, quant) -> tensors whose type differs from the unpruned rung's
+    types: dict[
+        tuple[int, str], list[tuple[str, str, str]]
+    ]  # (K, quant) -> tensors whose type differs from the unpruned rung's
     seconds: float
     tier: str = "ram"  # the tier the candidates are ranked in (quant.offload.TIERS)
 
@@ -108,7 +116,12 @@ def run_memory_settings(settings: BestSettings) -> Any:
     (a quantized V cache needs flash attention: on with q8_0, llama.cpp's auto otherwise)."""
     from ggufcarve.llama.memory import MemorySettings
 
-    return MemorySettings(settings.ctx, settings.kv_type, flash_attn="on" if settings.kv_type.upper() != "F16" else "auto", gpu_layers=settings.gpu_layers)
+    return MemorySettings(
+        settings.ctx,
+        settings.kv_type,
+        flash_attn="on" if settings.kv_type.upper() != "F16" else "auto",
+        gpu_layers=settings.gpu_layers,
+    )
 
 
 def measured_memory(path: Path, settings: BestSettings) -> Any:
@@ -119,15 +132,26 @@ def measured_memory(path: Path, settings: BestSettings) -> Any:
     from ggufcarve.quant.offload import place, weight_placement
 
     load = dry_load(path, run_memory_settings(settings))
-    return place(weight_placement(read_model(path)), weight_bytes(path), load, memory=settings.memory, gpu_memory=settings.gpu_memory)
+    return place(
+        weight_placement(read_model(path)),
+        weight_bytes(path),
+        load,
+        memory=settings.memory,
+        gpu_memory=settings.gpu_memory,
+    )
 
 
 def built_record(path: Path, settings: BestSettings, tier: str) -> dict[str, Any]:
     """The memory keys of a built file's record: `memory` per device running in `tier`, its
     fastest `tier`, its `tiers`, and `fits` (it runs in `tier`)."""
     placed = measured_memory(path, settings)
-    return {"memory": [d.to_json() for d in placed.devices(tier)], "memory_source": "measured: llama.cpp's dry load of the built file", "tier": placed.tiers[0],
-            "tiers": list(placed.tiers), "fits": tier in placed.tiers}
+    return {
+        "memory": [d.to_json() for d in placed.devices(tier)],
+        "memory_source": "measured: llama.cpp's dry load of the built file",
+        "tier": placed.tiers[0],
+        "tiers": list(placed.tiers),
+        "fits": tier in placed.tiers,
+    }
 
 
 def plan_best(source: Path, settings: BestSettings, *, on_event: Sink = ignore) -> Plan:
@@ -144,9 +168,15 @@ def plan_best(source: Path, settings: BestSettings, *, on_event: Sink = ignore) 
 
     started = time.perf_counter()
     if settings.metric not in METRICS:
-        raise BadInput(f"--metric {settings.metric!r} is not one of {', '.join(METRICS)}", "kld_mean ranks by mean KLD against the unpruned model")
+        raise BadInput(
+            f"--metric {settings.metric!r} is not one of {', '.join(METRICS)}",
+            "kld_mean ranks by mean KLD against the unpruned model",
+        )
     if settings.prefer not in PREFERENCES:
-        raise BadInput(f"--prefer {settings.prefer!r} is not one of {', '.join(PREFERENCES)}", "smaller answers a tie within noise with the smaller file")
+        raise BadInput(
+            f"--prefer {settings.prefer!r} is not one of {', '.join(PREFERENCES)}",
+            "smaller answers a tie within noise with the smaller file",
+        )
     if settings.confirm < 0:
         raise BadInput(f"--confirm {settings.confirm}: a count of runners-up", "give 0 to confirm the winner alone")
     if not settings.heldout:
@@ -159,9 +189,15 @@ def plan_best(source: Path, settings: BestSettings, *, on_event: Sink = ignore) 
         if not read_text(Path(path).read_bytes()).strip():
             raise BadInput(f"{path}: the text is empty", "give a text file with content")
     if settings.tier is not None and settings.tier not in TIERS:
-        raise BadInput(f"--tier {settings.tier!r} is not one of {', '.join(TIERS)}", "gpu: all on the GPU; gpu+cpu: --n-cpu-moe N; ram: system memory; disk: paging through mmap")
+        raise BadInput(
+            f"--tier {settings.tier!r} is not one of {', '.join(TIERS)}",
+            "gpu: all on the GPU; gpu+cpu: --n-cpu-moe N; ram: system memory; disk: paging through mmap",
+        )
     if settings.tier in ("gpu", "gpu+cpu") and settings.gpu_memory is None:
-        raise BadInput(f"--tier {settings.tier} places the model on a GPU", "give --gpu-memory SIZE (the GPU's memory), or --tier ram")
+        raise BadInput(
+            f"--tier {settings.tier} places the model on a GPU",
+            "give --gpu-memory SIZE (the GPU's memory), or --tier ram",
+        )
     model = read_model(source)
     layout = inspect_layout(model)
     spec = load_spec(settings.ladder)
@@ -173,10 +209,21 @@ def plan_best(source: Path, settings: BestSettings, *, on_event: Sink = ignore) 
     elif settings.keep_counts is not None:
         from ggufcarve.quant.fit import parse_kept_counts
 
-        kept_counts = sorted({*parse_kept_counts(settings.keep_counts, layout), layout.expert_count})  # the unpruned rungs compete too
-    fit = plan_fit(model, layout, spec, kept_counts=kept_counts, memory=settings.memory, context=ContextSettings(settings.ctx, settings.kv_type, settings.kv_type),
-                   quantizer=make_quantizer(settings.quantizer, settings.llama_cpp_dir), measure=run_memory_settings(settings),
-                   gpu_memory=settings.gpu_memory, on_event=on_event)
+        kept_counts = sorted(
+            {*parse_kept_counts(settings.keep_counts, layout), layout.expert_count}
+        )  # the unpruned rungs compete too
+    fit = plan_fit(
+        model,
+        layout,
+        spec,
+        kept_counts=kept_counts,
+        memory=settings.memory,
+        context=ContextSettings(settings.ctx, settings.kv_type, settings.kv_type),
+        quantizer=make_quantizer(settings.quantizer, settings.llama_cpp_dir),
+        measure=run_memory_settings(settings),
+        gpu_memory=settings.gpu_memory,
+        on_event=on_event,
+    )
     from ggufcarve.fileio import format_size
 
     tier = settings.tier or fit.fastest_tier()
@@ -184,17 +231,27 @@ def plan_best(source: Path, settings: BestSettings, *, on_event: Sink = ignore) 
         tier = "ram"  # nothing runs faster than from disk: the search stops below with the smallest rung's figure
     candidates = choose_candidates(fit, tier)
     if not candidates and settings.tier is not None:
-        raise BadInput(f"nothing runs in tier {tier} with {format_size(settings.memory)} of memory"
-                       + (f" and {format_size(settings.gpu_memory)} of GPU memory" if settings.gpu_memory else ""), f"the fastest tier any rung runs in is {fit.fastest_tier()}: give --tier {fit.fastest_tier()}")
+        raise BadInput(
+            f"nothing runs in tier {tier} with {format_size(settings.memory)} of memory"
+            + (f" and {format_size(settings.gpu_memory)} of GPU memory" if settings.gpu_memory else ""),
+            f"the fastest tier any rung runs in is {fit.fastest_tier()}: give --tier {fit.fastest_tier()}",
+        )
     if not candidates:
         smallest = min(r.total for r in fit.rows)
-        raise BadInput(f"nothing fits in {format_size(settings.memory)}: the smallest rung takes {format_size(smallest)} as llama.cpp allocates it "
-                       "(weights, cache, compute and output buffers)", "give a larger --memory, a shorter --ctx or --kv-type q8_0")
+        raise BadInput(
+            f"nothing fits in {format_size(settings.memory)}: the smallest rung takes {format_size(smallest)} as llama.cpp allocates it "
+            "(weights, cache, compute and output buffers)",
+            "give a larger --memory, a shorter --ctx or --kv-type q8_0",
+        )
     kept = sorted({c.kept for c in candidates if c.family == PRUNED})
     order = [r.name for r in spec.rungs]
     quants = sorted({c.quant for c in candidates}, key=order.index)
     n = layout.expert_count
-    types = {(c.kept, c.quant): types_differ(fit.row(c.kept, c.quant).rung, fit.row(n, c.quant).rung) for c in candidates if c.family == PRUNED}
+    types = {
+        (c.kept, c.quant): types_differ(fit.row(c.kept, c.quant).rung, fit.row(n, c.quant).rung)
+        for c in candidates
+        if c.family == PRUNED
+    }
     return Plan(model, layout, spec, fit, candidates, kept, quants, types, time.perf_counter() - started, tier)
 
 
@@ -214,7 +271,9 @@ def active_fraction(model: Any, layout: Any) -> float:
     return (total - experts + experts * layout.expert_used_count / layout.expert_count) / total
 
 
-def measure_speed(source: Path, plan: Plan, settings: BestSettings, work: Path, on_event: Sink = ignore) -> dict[str, Any]:
+def measure_speed(
+    source: Path, plan: Plan, settings: BestSettings, work: Path, on_event: Sink = ignore
+) -> dict[str, Any]:
     """The machine's speed on this model for a few seconds: the quantizer's bytes per second (the
     source quantized to the ladder's last rung without an imatrix need, when the source is at most
     2 GiB) and prompt decoding in tokens per second (two chunks of the first held-out file), plus
@@ -230,14 +289,24 @@ def measure_speed(source: Path, plan: Plan, settings: BestSettings, work: Path, 
     for role, paths in (("heldout", settings.heldout), ("calibration", settings.calibration)):
         total = 0
         for number, path in enumerate(paths):
-            request = Request(model=str(source), threads=threads, gpu_layers=settings.gpu_layers, n_ctx=settings.eval_ctx, result_out=str(work / f"speed-{role}-{number}.json"),
-                              text=str(path), max_chunks=2 if role == "heldout" and number == 0 else 1)
+            request = Request(
+                model=str(source),
+                threads=threads,
+                gpu_layers=settings.gpu_layers,
+                n_ctx=settings.eval_ctx,
+                result_out=str(work / f"speed-{role}-{number}.json"),
+                text=str(path),
+                max_chunks=2 if role == "heldout" and number == 0 else 1,
+            )
             result = run_child(request, f"measure {path.name}", on_event, work)
             if "bad_input" in result:
                 raise BadInput(f"{path}: {result['bad_input']}", "give a longer text or a smaller --chunk-ctx")
             total += int(result["n_tokens"])
             if role == "heldout" and number == 0:
-                decode_seconds, decode_tokens = float(result.get("score_seconds", 0.0)), int(result["n_chunk"]) * int(result["n_ctx"])
+                decode_seconds, decode_tokens = (
+                    float(result.get("score_seconds", 0.0)),
+                    int(result["n_chunk"]) * int(result["n_ctx"]),
+                )
         out[f"{role}_tokens"] = total
     out["decode_tok_s"] = decode_tokens / decode_seconds if decode_seconds > 0 else None
     out["quantize_bytes_s"] = None
@@ -245,7 +314,19 @@ def measure_speed(source: Path, plan: Plan, settings: BestSettings, work: Path, 
     if rung is not None and plan.model.total_bytes <= 2 * 2**30:
         quantizer = make_quantizer(settings.quantizer, settings.llama_cpp_dir)
         target = work / "speed-quantized.gguf"
-        job = QuantizeJob(source, target, rung.ftype, None, True, rung.output_tensor_type, rung.token_embedding_type, rung.tensor_types, rung.pure, False, threads)
+        job = QuantizeJob(
+            source,
+            target,
+            rung.ftype,
+            None,
+            True,
+            rung.output_tensor_type,
+            rung.token_embedding_type,
+            rung.tensor_types,
+            rung.pure,
+            False,
+            threads,
+        )
         started = time.perf_counter()
         run = quantizer.run(job)
         seconds = time.perf_counter() - started
@@ -269,7 +350,11 @@ def estimate(plan: Plan, settings: BestSettings, speed: dict[str, Any]) -> dict[
     from ggufcarve.measure.tournament import schedule
 
     rate, qrate = speed.get("decode_tok_s"), speed.get("quantize_bytes_s")
-    cal_tokens = speed["calibration_tokens"] if settings.max_tokens is None else min(settings.max_tokens, speed["calibration_tokens"])
+    cal_tokens = (
+        speed["calibration_tokens"]
+        if settings.max_tokens is None
+        else min(settings.max_tokens, speed["calibration_tokens"])
+    )
     held = speed["heldout_tokens"]
     if settings.chunks:
         held = min(held, settings.chunks * settings.eval_ctx * len(settings.heldout))
@@ -294,8 +379,15 @@ def estimate(plan: Plan, settings: BestSettings, speed: dict[str, Any]) -> dict[
         "confirmation": confirmations * held / rate if rate else None,
     }
     known = [v for v in stages.values() if v is not None]
-    return {"stages": stages, "total": sum(known) if len(known) == len(stages) else None, "scored_candidates": scored, "masked": masked, "file_scored": filed,
-            "disk_bytes": sum(plan.fit.row(plan.layout.expert_count, q).rung.bytes for q in plan.quants) + (filed + confirmations) * source_bytes}
+    return {
+        "stages": stages,
+        "total": sum(known) if len(known) == len(stages) else None,
+        "scored_candidates": scored,
+        "masked": masked,
+        "file_scored": filed,
+        "disk_bytes": sum(plan.fit.row(plan.layout.expert_count, q).rung.bytes for q in plan.quants)
+        + (filed + confirmations) * source_bytes,
+    }
 
 
 STAGES = ("calibration", "references", "builds", "tournament", "confirmation")
@@ -307,7 +399,11 @@ def project_estimate(plan: Plan, guess: dict[str, Any]) -> dict[str, Any]:
     decoding at this machine's measured rate scaled by the bytes one token reads there and here,
     builds at the quantizer's measured bytes per second on the reference's file bytes. A rate
     measured on a small file includes fixed costs per process, so the projection is high there."""
-    scale = REFERENCE_MODEL["bytes"] * REFERENCE_MODEL["active_fraction"] / (plan.model.total_bytes * active_fraction(plan.model, plan.layout))
+    scale = (
+        REFERENCE_MODEL["bytes"]
+        * REFERENCE_MODEL["active_fraction"]
+        / (plan.model.total_bytes * active_fraction(plan.model, plan.layout))
+    )
     stages: dict[str, float | None] = {}
     for stage, seconds in guess["stages"].items():
         if seconds is None:
@@ -317,19 +413,36 @@ def project_estimate(plan: Plan, guess: dict[str, Any]) -> dict[str, Any]:
         else:
             stages[stage] = seconds * scale
     known = [v for v in stages.values() if v is not None]
-    return {"model": REFERENCE_MODEL["name"], "stages": stages, "total": sum(known) if len(known) == len(stages) else None,
-            "rule": "decoding x (bytes read per token there / here) at this machine's measured rate; builds x (file bytes there / here)"}
+    return {
+        "model": REFERENCE_MODEL["name"],
+        "stages": stages,
+        "total": sum(known) if len(known) == len(stages) else None,
+        "rule": "decoding x (bytes read per token there / here) at this machine's measured rate; builds x (file bytes there / here)",
+    }
 
 
 def projection(model: Any, layout: Any, timings: dict[str, float]) -> dict[str, Any]:
     """The measured stage seconds scaled to REFERENCE_MODEL: decoding stages by the bytes one
     token reads (file bytes x active fraction), builds by the file bytes; the same texts, K
     values and candidate count assumed."""
-    decode_scale = REFERENCE_MODEL["bytes"] * REFERENCE_MODEL["active_fraction"] / (model.total_bytes * active_fraction(model, layout))
+    decode_scale = (
+        REFERENCE_MODEL["bytes"]
+        * REFERENCE_MODEL["active_fraction"]
+        / (model.total_bytes * active_fraction(model, layout))
+    )
     build_scale = REFERENCE_MODEL["bytes"] / model.total_bytes
-    scaled = {stage: timings.get(f"{stage}_seconds", 0.0) * (build_scale if stage == "builds" else decode_scale) for stage in STAGES}
-    return {"model": REFERENCE_MODEL["name"], "rule": "decoding stages x (bytes read per token there / here); builds x (file bytes there / here)",
-            "decode_scale": decode_scale, "build_scale": build_scale, "stages_seconds": scaled, "total_seconds": sum(scaled.values())}
+    scaled = {
+        stage: timings.get(f"{stage}_seconds", 0.0) * (build_scale if stage == "builds" else decode_scale)
+        for stage in STAGES
+    }
+    return {
+        "model": REFERENCE_MODEL["name"],
+        "rule": "decoding stages x (bytes read per token there / here); builds x (file bytes there / here)",
+        "decode_scale": decode_scale,
+        "build_scale": build_scale,
+        "stages_seconds": scaled,
+        "total_seconds": sum(scaled.values()),
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -363,7 +476,16 @@ def run_command(path: Path, settings: BestSettings) -> dict[str, Any]:
 # Builds
 
 
-def _ladder(spec_path: Path, source: Path, out_dir: Path, rungs: list[str], imatrix: Path | None, name: str, settings: BestSettings, on_event: Sink) -> dict[str, Path]:
+def _ladder(
+    spec_path: Path,
+    source: Path,
+    out_dir: Path,
+    rungs: list[str],
+    imatrix: Path | None,
+    name: str,
+    settings: BestSettings,
+    on_event: Sink,
+) -> dict[str, Path]:
     from ggufcarve.errors import ToolFailed
     from ggufcarve.quant.quantizer import make_quantizer
     from ggufcarve.quant.run import plan_ladder, run_ladder
@@ -371,12 +493,24 @@ def _ladder(spec_path: Path, source: Path, out_dir: Path, rungs: list[str], imat
 
     spec = load_spec(spec_path)
     needs = any(r.needs_imatrix for r in spec.select(rungs))
-    ladder_plan = plan_ladder(spec, source, out_dir, quantizer=make_quantizer(settings.quantizer, settings.llama_cpp_dir), imatrix=imatrix if needs else None,
-                              only=rungs, model_name=name, nthreads=settings.threads, on_event=on_event)
+    ladder_plan = plan_ladder(
+        spec,
+        source,
+        out_dir,
+        quantizer=make_quantizer(settings.quantizer, settings.llama_cpp_dir),
+        imatrix=imatrix if needs else None,
+        only=rungs,
+        model_name=name,
+        nthreads=settings.threads,
+        on_event=on_event,
+    )
     result = run_ladder(ladder_plan, on_event=on_event)
     if result.failed:
         failed = result.failed[0]
-        raise ToolFailed(f"rung {failed.name} failed: {failed.error}", "see the quantizer's last lines; run best again (built rungs are kept)")
+        raise ToolFailed(
+            f"rung {failed.name} failed: {failed.error}",
+            "see the quantizer's last lines; run best again (built rungs are kept)",
+        )
     return {p.rung.name: p.output for p in ladder_plan.rungs}
 
 
@@ -402,23 +536,47 @@ def _prune_to(plan: Plan, keep_file: Path, pruned_path: Path, imatrix: Path, on_
     source_imatrix = read_imatrix(imatrix)
     pruned = read_model(pruned_path)
     layout = resolve_source_layout(source_imatrix, pruned, inspect_layout(pruned), plan.layout)
-    remap_plan = plan_remap(source_imatrix, keepset, layout, remapped, output_format="gguf", pruned=pruned, source=plan.model)
+    remap_plan = plan_remap(
+        source_imatrix, keepset, layout, remapped, output_format="gguf", pruned=pruned, source=plan.model
+    )
     execute_remap(remap_plan, force=True, sources=[*pruned.paths, *plan.model.paths], on_event=on_event)
     return pruned_path, remapped
 
 
-def _build_pruned(plan: Plan, settings: BestSettings, keep_file: Path, kept: int, quant: str, method: str, work: Path, models_dir: Path,
-                  imatrix: Path, base: str, on_event: Sink) -> Path:
+def _build_pruned(
+    plan: Plan,
+    settings: BestSettings,
+    keep_file: Path,
+    kept: int,
+    quant: str,
+    method: str,
+    work: Path,
+    models_dir: Path,
+    imatrix: Path,
+    base: str,
+    on_event: Sink,
+) -> Path:
     """One pruned rung: the source pruned to `keep_file`, its imatrix remapped, the rung quantized."""
     pruned, remapped = _prune_to(plan, keep_file, work / "pruned" / f"K{kept}-{method}.gguf", imatrix, on_event)
-    return _ladder(settings.ladder, pruned, models_dir / f"K{kept}-{method}", [quant], remapped, f"{base}-{kept}e", settings, on_event)[quant]
+    return _ladder(
+        settings.ladder,
+        pruned,
+        models_dir / f"K{kept}-{method}",
+        [quant],
+        remapped,
+        f"{base}-{kept}e",
+        settings,
+        on_event,
+    )[quant]
 
 
 def _content_key(doc: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def keep_sets(source: Path, plan: Plan, settings: BestSettings, work: Path, imatrix: Path, on_event: Sink) -> tuple[dict[int, dict[str, Any]], float, bool]:
+def keep_sets(
+    source: Path, plan: Plan, settings: BestSettings, work: Path, imatrix: Path, on_event: Sink
+) -> tuple[dict[int, dict[str, Any]], float, bool]:
     """Every method's keep-set at every candidate K (K -> method -> {"file", "identical_to"}) from
     one calibration pass that also writes `imatrix`. The pass's scores are kept beside them and
     reused when the key of their inputs (the sha256 of the source and of the calibration texts,
@@ -430,8 +588,15 @@ def keep_sets(source: Path, plan: Plan, settings: BestSettings, work: Path, imat
     from ggufcarve.select.scores import read_scores
     from ggufcarve.tune.run import TuneSettings, calibration_scores
 
-    key = _content_key({"source": [sha256_file_cached(p) for p in plan.model.paths], "calibration": [sha256_file_cached(p) for p in settings.calibration],
-                        "methods": list(settings.methods), "ctx": settings.eval_ctx, "max_tokens": settings.max_tokens})
+    key = _content_key(
+        {
+            "source": [sha256_file_cached(p) for p in plan.model.paths],
+            "calibration": [sha256_file_cached(p) for p in settings.calibration],
+            "methods": list(settings.methods),
+            "ctx": settings.eval_ctx,
+            "max_tokens": settings.max_tokens,
+        }
+    )
     directory = work / "keep-sets"
     record = directory / "scores.json"
     started = time.perf_counter()
@@ -445,13 +610,24 @@ def keep_sets(source: Path, plan: Plan, settings: BestSettings, work: Path, imat
     reused = scores is not None
     if scores is None:
         directory.mkdir(parents=True, exist_ok=True)
-        tune_settings = TuneSettings(keeps=tuple(plan.kept_counts), methods=settings.methods, calibration=settings.calibration, ctx=settings.eval_ctx,
-                                     max_tokens=settings.max_tokens, threads=settings.threads, gpu_layers=settings.gpu_layers,
-                                     imatrix_out=imatrix)
+        tune_settings = TuneSettings(
+            keeps=tuple(plan.kept_counts),
+            methods=settings.methods,
+            calibration=settings.calibration,
+            ctx=settings.eval_ctx,
+            max_tokens=settings.max_tokens,
+            threads=settings.threads,
+            gpu_layers=settings.gpu_layers,
+            imatrix_out=imatrix,
+        )
         scores = calibration_scores(plan.model, plan.layout, tune_settings, work, on_event)[0]
         for method, method_scores in scores.items():
             write_text_atomic(directory / f"{method}.scores.json", method_scores.dumps())
-        write_text_atomic(record, json.dumps({"key": key, "scores": {m: f"{m}.scores.json" for m in scores}}, indent=1, sort_keys=True) + "\n")
+        write_text_atomic(
+            record,
+            json.dumps({"key": key, "scores": {m: f"{m}.scores.json" for m in scores}}, indent=1, sort_keys=True)
+            + "\n",
+        )
     out: dict[int, dict[str, Any]] = {}
     for k in plan.kept_counts:
         seen: dict[tuple, str] = {}
@@ -490,12 +666,18 @@ def _judge(gate: Any, record: dict[str, Any]) -> tuple[bool, list[str]]:
     if gate is None:
         return True, []
     doc = dict(record)
-    doc["ppl_delta_percent"] = 100.0 * (record["ppl"] / record["ppl_reference"] - 1.0) if record.get("ppl") and record.get("ppl_reference") else None
+    doc["ppl_delta_percent"] = (
+        100.0 * (record["ppl"] / record["ppl_reference"] - 1.0)
+        if record.get("ppl") and record.get("ppl_reference")
+        else None
+    )
     verdict = gate.judge(doc)
     return verdict.verdict == "PASS", list(verdict.failed)
 
 
-def best(source: Path, settings: BestSettings, out_dir: Path, *, plan: Plan | None = None, on_event: Sink = ignore) -> BestResult:
+def best(
+    source: Path, settings: BestSettings, out_dir: Path, *, plan: Plan | None = None, on_event: Sink = ignore
+) -> BestResult:
     """Search the candidates; write best.json, best.md, best-pareto.png and plan.toml under `out_dir`, the models under out_dir/models."""
     from ggufcarve.best.render import chart, markdown, plan_document, publish_command, write_plan
     from ggufcarve.fileio import write_text_atomic
@@ -509,7 +691,9 @@ def best(source: Path, settings: BestSettings, out_dir: Path, *, plan: Plan | No
 
     started = time.perf_counter()
     plan = plan or plan_best(source, settings, on_event=on_event)
-    ids = {c.id for c in plan.candidates if c.family == UNPRUNED} | {f"{c.id}-{m}" for c in plan.candidates if c.family == PRUNED for m in settings.methods}
+    ids = {c.id for c in plan.candidates if c.family == UNPRUNED} | {
+        f"{c.id}-{m}" for c in plan.candidates if c.family == PRUNED for m in settings.methods
+    }
     wanted = set(settings.only) if settings.only else None
     if wanted is not None and (unknown := wanted - ids):  # before anything is written
         raise BadInput(f"--only {', '.join(sorted(unknown))}: not a candidate", f"candidates: {', '.join(sorted(ids))}")
@@ -535,9 +719,32 @@ def best(source: Path, settings: BestSettings, out_dir: Path, *, plan: Plan | No
     layout = plan.layout
 
     t0 = time.perf_counter()
-    quants = [q for q in plan.quants if wanted is None or any(i == f"unpruned-{q}" for i in wanted)
-              or any(c.quant == q and f"{c.id}-{m}" in wanted and not plan.types[(c.kept, c.quant)] for c in plan.candidates if c.family == PRUNED for m in settings.methods)]
-    rungs = _ladder(settings.ladder, source, models_dir / UNPRUNED, quants, imatrix if imatrix.is_file() else None, base, settings, on_event) if quants else {}
+    quants = [
+        q
+        for q in plan.quants
+        if wanted is None
+        or any(i == f"unpruned-{q}" for i in wanted)
+        or any(
+            c.quant == q and f"{c.id}-{m}" in wanted and not plan.types[(c.kept, c.quant)]
+            for c in plan.candidates
+            if c.family == PRUNED
+            for m in settings.methods
+        )
+    ]
+    rungs = (
+        _ladder(
+            settings.ladder,
+            source,
+            models_dir / UNPRUNED,
+            quants,
+            imatrix if imatrix.is_file() else None,
+            base,
+            settings,
+            on_event,
+        )
+        if quants
+        else {}
+    )
     records: dict[str, dict[str, Any]] = {}
     pool: list[mt.Candidate] = []
     fraction = active_fraction(plan.model, layout)  # of a file's bytes one token reads: prefer = "faster"
@@ -547,20 +754,43 @@ def best(source: Path, settings: BestSettings, out_dir: Path, *, plan: Plan | No
                 continue
             path = rungs[c.quant]
             size = path.stat().st_size
-            records[c.id] = {**c.to_json(), "file_bytes": size, **built_record(path, settings, plan.tier), "predicted_file_bytes": c.file_bytes,
-                             "memory_estimated_total": c.estimated_total,
-                             "selection": "none (every expert kept)", "keep_set": None, "scored_by": "file", "masked_on": None, "types_match": True,
-                             "built": True, "path": path}
-            pool.append(mt.Candidate(c.id, path, None, fits=records[c.id]["fits"], file_bytes=size, read_bytes=int(size * fraction)))
+            records[c.id] = {
+                **c.to_json(),
+                "file_bytes": size,
+                **built_record(path, settings, plan.tier),
+                "predicted_file_bytes": c.file_bytes,
+                "memory_estimated_total": c.estimated_total,
+                "selection": "none (every expert kept)",
+                "keep_set": None,
+                "scored_by": "file",
+                "masked_on": None,
+                "types_match": True,
+                "built": True,
+                "path": path,
+            }
+            pool.append(
+                mt.Candidate(
+                    c.id, path, None, fits=records[c.id]["fits"], file_bytes=size, read_bytes=int(size * fraction)
+                )
+            )
             continue
         differ = plan.types[(c.kept, c.quant)]
         for method, entry in sets[c.kept].items():
             cid = f"{c.id}-{method}"
             if wanted is not None and cid not in wanted:
                 continue
-            record = {**c.to_json(), "id": cid, "predicted_file_bytes": c.file_bytes, "selection": method, "keep_set": f"work/keep-sets/{entry['file'].name}",
-                      "identical_to": None if entry["identical_to"] is None else f"{c.id}-{entry['identical_to']}", "types_match": not differ,
-                      "types_differ": [list(t) for t in differ[:8]], "built": False, "path": None}
+            record = {
+                **c.to_json(),
+                "id": cid,
+                "predicted_file_bytes": c.file_bytes,
+                "selection": method,
+                "keep_set": f"work/keep-sets/{entry['file'].name}",
+                "identical_to": None if entry["identical_to"] is None else f"{c.id}-{entry['identical_to']}",
+                "types_match": not differ,
+                "types_differ": [list(t) for t in differ[:8]],
+                "built": False,
+                "path": None,
+            }
             records[cid] = record
             if entry["identical_to"] is not None:
                 record.update(scored_by=None, masked_on=None)
@@ -571,42 +801,102 @@ def best(source: Path, settings: BestSettings, out_dir: Path, *, plan: Plan | No
                     continue
                 record.update(scored_by="mask", masked_on=rungs[c.quant].name)
                 nodes = tuple(f"{node}:{block}" for node, block in required_nodes(layout, keepset))
-                pool.append(mt.Candidate(cid, rungs[c.quant], keepset.layers, fits=c.fits, file_bytes=c.file_bytes,
-                                         read_bytes=int(c.file_bytes * fraction), required_nodes=nodes))
+                pool.append(
+                    mt.Candidate(
+                        cid,
+                        rungs[c.quant],
+                        keepset.layers,
+                        fits=c.fits,
+                        file_bytes=c.file_bytes,
+                        read_bytes=int(c.file_bytes * fraction),
+                        required_nodes=nodes,
+                    )
+                )
             else:
                 name, was, unpruned_type = differ[0]
-                record.update(scored_by="file", masked_on=None,
-                              scored_by_reason=f"llama-quantize gives {len(differ)} tensor(s) another type at K={c.kept} ({name}: {was}, unpruned {unpruned_type})")
-                path = _build_pruned(plan, settings, entry["file"], c.kept, c.quant, method, work, models_dir, imatrix, base, on_event)
+                record.update(
+                    scored_by="file",
+                    masked_on=None,
+                    scored_by_reason=f"llama-quantize gives {len(differ)} tensor(s) another type at K={c.kept} ({name}: {was}, unpruned {unpruned_type})",
+                )
+                path = _build_pruned(
+                    plan, settings, entry["file"], c.kept, c.quant, method, work, models_dir, imatrix, base, on_event
+                )
                 size = path.stat().st_size
-                record.update(built=True, path=path, file_bytes=size, **built_record(path, settings, plan.tier), memory_estimated_total=c.estimated_total)
-                pool.append(mt.Candidate(cid, path, None, fits=record["fits"], file_bytes=size, read_bytes=int(size * fraction)))
+                record.update(
+                    built=True,
+                    path=path,
+                    file_bytes=size,
+                    **built_record(path, settings, plan.tier),
+                    memory_estimated_total=c.estimated_total,
+                )
+                pool.append(
+                    mt.Candidate(cid, path, None, fits=record["fits"], file_bytes=size, read_bytes=int(size * fraction))
+                )
     timings["builds_seconds"] = time.perf_counter() - t0
 
     measured = None
     confirmations: list[str] = []
     if wanted is None:
         t0 = time.perf_counter()
-        segments = mt.prepare_segments(source, settings.heldout, chunk_ctx=settings.eval_ctx, chunks=settings.chunks, threads=threads, work=work,
-                                          gpu_layers=settings.gpu_layers, on_event=on_event)
+        segments = mt.prepare_segments(
+            source,
+            settings.heldout,
+            chunk_ctx=settings.eval_ctx,
+            chunks=settings.chunks,
+            threads=threads,
+            work=work,
+            gpu_layers=settings.gpu_layers,
+            on_event=on_event,
+        )
         timings["references_seconds"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        measure_settings = mt.MeasureSettings(threads=threads, gpu_layers=settings.gpu_layers, z=settings.z, metric=settings.metric, prefer=settings.prefer,
-                                              gate=(lambda stats: _judge(gate, stats)) if gate is not None else None, tables=mt.measure_tables())
+        measure_settings = mt.MeasureSettings(
+            threads=threads,
+            gpu_layers=settings.gpu_layers,
+            z=settings.z,
+            metric=settings.metric,
+            prefer=settings.prefer,
+            gate=(lambda stats: _judge(gate, stats)) if gate is not None else None,
+            tables=mt.measure_tables(),
+        )
         measured = mt.measure(pool, segments, measure_settings, work, on_event=on_event)
         timings["tournament_seconds"] = time.perf_counter() - t0
         for cid, r in measured.records.items():
-            records[cid].update({k: v for k, v in r.items() if k not in ("id", "group", "fits", "finalist")}, finalist=r["finalist"])
+            records[cid].update(
+                {k: v for k, v in r.items() if k not in ("id", "group", "fits", "finalist")}, finalist=r["finalist"]
+            )
         for r in records.values():  # identical keep-sets: the figures of the one scored
             if r.get("identical_to") and r["identical_to"] in measured.records:
                 twin = records[r["identical_to"]]
-                r.update({k: twin.get(k) for k in ("kld_mean", "kld_mean_stderr", "kld_p999", "same_top_p", "ppl", "tokens", "chunks_scored", "segments")},
-                         stopped_early=True, stopped_reason="identical", lost_by=None)
+                r.update(
+                    {
+                        k: twin.get(k)
+                        for k in (
+                            "kld_mean",
+                            "kld_mean_stderr",
+                            "kld_p999",
+                            "same_top_p",
+                            "ppl",
+                            "tokens",
+                            "chunks_scored",
+                            "segments",
+                        )
+                    },
+                    stopped_early=True,
+                    stopped_reason="identical",
+                    lost_by=None,
+                )
         decision = measured.groups[""]
         t0 = time.perf_counter()
-        finalists = sorted((cid for cid in decision["finalists"]), key=lambda cid: (mt.metric_value(records[cid], settings.metric), cid))
+        finalists = sorted(
+            (cid for cid in decision["finalists"]),
+            key=lambda cid: (mt.metric_value(records[cid], settings.metric), cid),
+        )
         if decision["winner"] is not None:
-            runners = [cid for cid in finalists if cid != decision["winner"] and records[cid]["scored_by"] == "mask"][: settings.confirm]
+            runners = [cid for cid in finalists if cid != decision["winner"] and records[cid]["scored_by"] == "mask"][
+                : settings.confirm
+            ]
             confirmations = [cid for cid in (decision["winner"], *runners) if records[cid]["scored_by"] == "mask"]
         column = metric_column("kld_mean")
         confirm_builds = 0.0
@@ -614,26 +904,65 @@ def best(source: Path, settings: BestSettings, out_dir: Path, *, plan: Plan | No
             r = records[cid]
             keep_file = out_dir / r["keep_set"]
             built_at = time.perf_counter()
-            path = _build_pruned(plan, settings, keep_file, r["kept_experts"], r["quant"], r["selection"], work, models_dir, imatrix, base, on_event)
+            path = _build_pruned(
+                plan,
+                settings,
+                keep_file,
+                r["kept_experts"],
+                r["quant"],
+                r["selection"],
+                work,
+                models_dir,
+                imatrix,
+                base,
+                on_event,
+            )
             confirm_builds += time.perf_counter() - built_at
             unpruned_types = tensor_types(rungs[r["quant"]])
             mismatched = sorted(n for n, t in tensor_types(path).items() if unpruned_types.get(n) != t)
-            confirm = mt.measure([mt.Candidate(f"{cid}@file", path, None)], segments, measure_settings, work, on_event=on_event)
+            confirm = mt.measure(
+                [mt.Candidate(f"{cid}@file", path, None)], segments, measure_settings, work, on_event=on_event
+            )
             file_record = confirm.records[f"{cid}@file"]
             masked_table, file_table = measured.table(cid), confirm.table(f"{cid}@file")
-            pair = paired_difference(file_table[:, column], masked_table[:, column]) if len(masked_table) == len(file_table) else None
+            pair = (
+                paired_difference(file_table[:, column], masked_table[:, column])
+                if len(masked_table) == len(file_table)
+                else None
+            )
             size = path.stat().st_size
             estimated_total = r["memory"][0]["total"] if r.get("memory") else None
-            r.update(built=True, path=path, file_bytes=size, **built_record(path, settings, plan.tier), memory_estimated_total=estimated_total,
-                     confirmed={"masked_kld_mean": r["kld_mean"], "file_kld_mean": file_record["kld_mean"], "file_kld_mean_stderr": file_record["kld_mean_stderr"],
-                                "paired_difference": pair.to_json() if pair else None, "types_mismatched": mismatched[:8],
-                                "file_segments": file_record.get("segments"), "chunks": file_record["chunks_scored"]})
+            r.update(
+                built=True,
+                path=path,
+                file_bytes=size,
+                **built_record(path, settings, plan.tier),
+                memory_estimated_total=estimated_total,
+                confirmed={
+                    "masked_kld_mean": r["kld_mean"],
+                    "file_kld_mean": file_record["kld_mean"],
+                    "file_kld_mean_stderr": file_record["kld_mean_stderr"],
+                    "paired_difference": pair.to_json() if pair else None,
+                    "types_mismatched": mismatched[:8],
+                    "file_segments": file_record.get("segments"),
+                    "chunks": file_record["chunks_scored"],
+                },
+            )
             tolerance = max(2 * file_record["kld_mean_stderr"], CONFIRM_RELATIVE * r["kld_mean"])
             if abs(file_record["kld_mean"] - r["kld_mean"]) > tolerance:
-                raise ToolFailed(f"{cid}: masked mean KLD {r['kld_mean']:.6f} but its built file {path.name} measures {file_record['kld_mean']:.6f} "
-                                 f"(more than {tolerance:.6f} apart)" + (f"; tensors of another type than the unpruned rung's: {', '.join(mismatched[:4])}" if mismatched else ""),
-                                 "score this candidate by its file: a masked score stands for the pruned file only where llama-quantize chose the same types")
-        timings["confirmation_seconds"] = time.perf_counter() - t0 - confirm_builds  # scoring the files; their builds count as builds
+                raise ToolFailed(
+                    f"{cid}: masked mean KLD {r['kld_mean']:.6f} but its built file {path.name} measures {file_record['kld_mean']:.6f} "
+                    f"(more than {tolerance:.6f} apart)"
+                    + (
+                        f"; tensors of another type than the unpruned rung's: {', '.join(mismatched[:4])}"
+                        if mismatched
+                        else ""
+                    ),
+                    "score this candidate by its file: a masked score stands for the pruned file only where llama-quantize chose the same types",
+                )
+        timings["confirmation_seconds"] = (
+            time.perf_counter() - t0 - confirm_builds
+        )  # scoring the files; their builds count as builds
         timings["builds_seconds"] += confirm_builds
     for stage in STAGES:
         timings.setdefault(f"{stage}_seconds", 0.0)
@@ -658,9 +987,15 @@ def best(source: Path, settings: BestSettings, out_dir: Path, *, plan: Plan | No
 
     candidates = [public(r) for r in sorted(records.values(), key=lambda r: (r["file_bytes"], r["id"]))]
     results = {
-        "model": {"name": source.name, "architecture": layout.architecture, "expert_count": layout.expert_count,
-                  "expert_used_count": layout.expert_used_count, "bytes": plan.model.total_bytes},
-        "memory_bytes": settings.memory, "cache": plan.fit.cache.to_json(),
+        "model": {
+            "name": source.name,
+            "architecture": layout.architecture,
+            "expert_count": layout.expert_count,
+            "expert_used_count": layout.expert_used_count,
+            "bytes": plan.model.total_bytes,
+        },
+        "memory_bytes": settings.memory,
+        "cache": plan.fit.cache.to_json(),
         "heldout": [p.name for p in settings.heldout],
         "candidates": candidates,
         "winner": public(winner) if winner else None,
@@ -679,14 +1014,37 @@ def best(source: Path, settings: BestSettings, out_dir: Path, *, plan: Plan | No
         results["publish"] = {"command": publish_command({"winner": winner}, source, settings, out_dir, imatrix)}
     elif winner is not None:
         results["publish"] = {"command": ["ggufcarve", "run", "plan.toml"]}
-    parameters = {"memory_bytes": settings.memory, "ctx": settings.ctx, "kv_type": settings.kv_type.lower(), "eval_ctx": settings.eval_ctx, "chunk_ctx": settings.eval_ctx,
-                  "keep": settings.keep_counts or (settings.keep_file.name if settings.keep_file else None),
-                  "chunks": settings.chunks, "max_tokens": settings.max_tokens, "methods": list(settings.methods), "metric": settings.metric,
-                  "gate": settings.gate.name if settings.gate else None, "gpu_memory_bytes": settings.gpu_memory, "tier": plan.tier, "tier_asked": settings.tier, "ladder": plan.spec.name,
-                  "confirm": settings.confirm, "prefer": settings.prefer, "z": settings.z}
-    report = envelope(REPORT, inputs=[{"kind": "model", "name": source.name}, *({"kind": "calibration", "name": p.name} for p in settings.calibration),
-                                      *({"kind": "heldout", "name": p.name} for p in settings.heldout)],
-                      parameters=parameters, results=results, timings=timings)
+    parameters = {
+        "memory_bytes": settings.memory,
+        "ctx": settings.ctx,
+        "kv_type": settings.kv_type.lower(),
+        "eval_ctx": settings.eval_ctx,
+        "chunk_ctx": settings.eval_ctx,
+        "keep": settings.keep_counts or (settings.keep_file.name if settings.keep_file else None),
+        "chunks": settings.chunks,
+        "max_tokens": settings.max_tokens,
+        "methods": list(settings.methods),
+        "metric": settings.metric,
+        "gate": settings.gate.name if settings.gate else None,
+        "gpu_memory_bytes": settings.gpu_memory,
+        "tier": plan.tier,
+        "tier_asked": settings.tier,
+        "ladder": plan.spec.name,
+        "confirm": settings.confirm,
+        "prefer": settings.prefer,
+        "z": settings.z,
+    }
+    report = envelope(
+        REPORT,
+        inputs=[
+            {"kind": "model", "name": source.name},
+            *({"kind": "calibration", "name": p.name} for p in settings.calibration),
+            *({"kind": "heldout", "name": p.name} for p in settings.heldout),
+        ],
+        parameters=parameters,
+        results=results,
+        timings=timings,
+    )
     outputs: list[Path] = []
     if wanted is None:
         write_text_atomic(out_dir / "best.json", json.dumps(report, indent=1, sort_keys=True, allow_nan=False) + "\n")

@@ -47,7 +47,9 @@ def _version(value: bool) -> None:
 
 
 def main_options(
-    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True, help="Show the version and exit.")] = False,
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Show the version and exit.")
+    ] = False,
 ) -> None:
     """ggufcarve: expert pruning, imatrix remapping and quantization ladders for MoE GGUF models."""
 
@@ -105,7 +107,11 @@ app = build_app()
 
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-SIGNAL_NAMES = {signal.SIGINT: "Ctrl-C (SIGINT)", signal.SIGTERM: "SIGTERM", signal.SIGHUP: "SIGHUP (the terminal closed)"}
+SIGNAL_NAMES = {
+    signal.SIGINT: "Ctrl-C (SIGINT)",
+    signal.SIGTERM: "SIGTERM",
+    signal.SIGHUP: "SIGHUP (the terminal closed)",
+}
 
 
 def _stop(signum: int, _frame: object) -> None:
@@ -150,7 +156,9 @@ def _unraisable(hook: object) -> None:
     if isinstance(stop, Interrupted) and threading.current_thread() is threading.main_thread():
         _redelivering.append(threading.Event())
         signal.signal(stop.signum, _stop_again)
-        threading.Thread(target=_deliver_again, args=(stop.signum, _redelivering[-1]), name="ggufcarve-stop", daemon=True).start()
+        threading.Thread(
+            target=_deliver_again, args=(stop.signum, _redelivering[-1]), name="ggufcarve-stop", daemon=True
+        ).start()
         return
     sys.__unraisablehook__(hook)
 
@@ -173,8 +181,10 @@ def main() -> None:
     except Interrupted as stop:
         if debug:
             raise
-        print_error(f"stopped by {SIGNAL_NAMES.get(stop.signum, signal.Signals(stop.signum).name)}: temp files removed, any llama.cpp child killed",
-                    "run the same command again; finished outputs are kept, nothing half-written was left behind")
+        print_error(
+            f"stopped by {SIGNAL_NAMES.get(stop.signum, signal.Signals(stop.signum).name)}: temp files removed, any llama.cpp child killed",
+            "run the same command again; finished outputs are kept, nothing half-written was left behind",
+        )
         sys.exit(stop.exit_code)
     except CarveError as error:
         if debug:
@@ -187,15 +197,23 @@ def main() -> None:
         from ggufcarve.fileio import DISK_FULL, disk_full_error
 
         if error.errno in DISK_FULL:
-            full = disk_full_error(Path(error.filename) if error.filename else Path("an output"), error.strerror or str(error))
+            full = disk_full_error(
+                Path(error.filename) if error.filename else Path("an output"), error.strerror or str(error)
+            )
             print_error(full.message, full.hint)
             sys.exit(full.exit_code)
         where = f"{error.filename}: " if error.filename else ""
-        print_error(f"{where}{error.strerror or error}", "check the path, its permissions and the free disk space, then run again (GGUFCARVE_DEBUG=1 shows where)")
+        print_error(
+            f"{where}{error.strerror or error}",
+            "check the path, its permissions and the free disk space, then run again (GGUFCARVE_DEBUG=1 shows where)",
+        )
         sys.exit(1)
     except Exception as error:  # a defect of ggufcarve: one line, the traceback only on request
         if debug:
             raise
         text = " ".join(str(error).split())
-        print_error(f"internal error: {type(error).__name__}" + (f": {text}" if text else ""), "set GGUFCARVE_DEBUG=1 for the traceback")
+        print_error(
+            f"internal error: {type(error).__name__}" + (f": {text}" if text else ""),
+            "set GGUFCARVE_DEBUG=1 for the traceback",
+        )
         sys.exit(1)

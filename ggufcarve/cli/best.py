@@ -16,7 +16,15 @@ from typing import Annotated
 
 import typer
 
-from ggufcarve.cli.options import ForceOption, GpuLayersOption, JsonOption, LlamaCppOption, QuietOption, ThreadsOption, parse_keep
+from ggufcarve.cli.options import (
+    ForceOption,
+    GpuLayersOption,
+    JsonOption,
+    LlamaCppOption,
+    QuietOption,
+    ThreadsOption,
+    parse_keep,
+)
 from ggufcarve.cli.render import out, progress, size
 from ggufcarve.errors import OutputError
 from ggufcarve.select.criteria import BEST_DEFAULT
@@ -40,10 +48,30 @@ def _table(report: dict) -> object:
     metric = report["parameters"]["metric"]
     unit = size_unit(max(c["file_bytes"] for c in report["candidates"]))
     winner = report["winner"]["id"] if report["winner"] else None
-    table = new_table(box=SIMPLE_HEAD, pad_edge=False, caption=f"{unit[0]} of the file (built, else fit's size); ranked by {metric}; *: the answer; "
-                      "scored by mask: on the unpruned rung, no file built; each figure over its chunks; 99.9% KLD, same top p, PPL: best.md", caption_justify="left")
-    for name in ("candidate", "K", "quant", unit[0], "fits", "scored by", "mean KLD", *(f"KLD {Path(n).stem}" for n in report["heldout"]), "chunks", "left"):
-        table.add_column(escape(name), justify="left" if name in ("candidate", "quant", "fits", "scored by", "left") else "right", no_wrap=True)
+    table = new_table(
+        box=SIMPLE_HEAD,
+        pad_edge=False,
+        caption=f"{unit[0]} of the file (built, else fit's size); ranked by {metric}; *: the answer; "
+        "scored by mask: on the unpruned rung, no file built; each figure over its chunks; 99.9% KLD, same top p, PPL: best.md",
+        caption_justify="left",
+    )
+    for name in (
+        "candidate",
+        "K",
+        "quant",
+        unit[0],
+        "fits",
+        "scored by",
+        "mean KLD",
+        *(f"KLD {Path(n).stem}" for n in report["heldout"]),
+        "chunks",
+        "left",
+    ):
+        table.add_column(
+            escape(name),
+            justify="left" if name in ("candidate", "quant", "fits", "scored by", "left") else "right",
+            no_wrap=True,
+        )
 
     def cell(value: object, digits: int = 4) -> str:
         return "" if value is None else f"{value:.{digits}f}"
@@ -51,9 +79,18 @@ def _table(report: dict) -> object:
     for c in report["candidates"]:
         segs = {s["name"]: s for s in c.get("segments", [])}
         stopped = REASONS.get(c["stopped_reason"] or "", "")
-        table.add_row(escape(c["id"] + ("*" if c["id"] == winner else "")), f"{c['kept_experts']}/{c['expert_count']}", escape(c["quant"]),
-                      f"{c['file_bytes'] / unit[1]:.2f}", "yes" if c["fits"] else "no", c.get("scored_by") or "", cell(c["kld_mean"]),
-                      *(cell(segs.get(n, {}).get("kld_mean")) for n in report["heldout"]), str(c["chunks_scored"]), stopped)
+        table.add_row(
+            escape(c["id"] + ("*" if c["id"] == winner else "")),
+            f"{c['kept_experts']}/{c['expert_count']}",
+            escape(c["quant"]),
+            f"{c['file_bytes'] / unit[1]:.2f}",
+            "yes" if c["fits"] else "no",
+            c.get("scored_by") or "",
+            cell(c["kld_mean"]),
+            *(cell(segs.get(n, {}).get("kld_mean")) for n in report["heldout"]),
+            str(c["chunks_scored"]),
+            stopped,
+        )
     return table
 
 
@@ -61,36 +98,131 @@ def _memory_text(record: dict) -> str:
     """What a candidate takes: llama.cpp's measured figures when there are, else the file and the cache."""
     if record.get("memory"):
         m = record["memory"][0]
-        return (f"weights {size(m['weights'])} + cache {size(m['cache'])} + compute {size(m['compute'])} + output {size(m['output'])} "
-                f"= {size(m['total'])}")
+        return (
+            f"weights {size(m['weights'])} + cache {size(m['cache'])} + compute {size(m['compute'])} + output {size(m['output'])} "
+            f"= {size(m['total'])}"
+        )
     return f"file {size(record['file_bytes'])} + cache {size(record['cache_bytes'])}"
 
 
 def best_command(
     model: Annotated[Path, typer.Argument(help="The unpruned GGUF model (first shard if split).", show_default=False)],
-    memory: Annotated[str, typer.Option("--memory", help="Memory budget for what llama.cpp allocates (weights, KV cache, compute and output buffers), e.g. 24GiB (GB = 10^9 bytes, GiB = 2^30).", show_default=False)],
-    output: Annotated[Path, typer.Option("-o", "--output", help="DIR: best.json, best.md, best-pareto.png, plan.toml, models/, work/.", show_default=False)],
-    heldout: Annotated[list[Path], typer.Option("--heldout", help="Held-out text (repeatable): each file is its own segment.", show_default=False)],
-    calibration: Annotated[list[Path], typer.Option("--calibration", help="Calibration text (repeatable): one pass for every criterion and K, and the imatrix.", show_default=False)],
-    gpu_memory: Annotated[str | None, typer.Option("--gpu-memory", help="GPU memory, e.g. 16GiB: each candidate's tiers and run command place the model for it.")] = None,
-    tier: Annotated[str | None, typer.Option("--tier", help="Where the answer runs: gpu (all on the GPU), gpu+cpu (--n-cpu-moe N), ram (system memory) or disk (paging through mmap). Default: the fastest tier any candidate runs in.")] = None,
+    memory: Annotated[
+        str,
+        typer.Option(
+            "--memory",
+            help="Memory budget for what llama.cpp allocates (weights, KV cache, compute and output buffers), e.g. 24GiB (GB = 10^9 bytes, GiB = 2^30).",
+            show_default=False,
+        ),
+    ],
+    output: Annotated[
+        Path,
+        typer.Option(
+            "-o",
+            "--output",
+            help="DIR: best.json, best.md, best-pareto.png, plan.toml, models/, work/.",
+            show_default=False,
+        ),
+    ],
+    heldout: Annotated[
+        list[Path],
+        typer.Option("--heldout", help="Held-out text (repeatable): each file is its own segment.", show_default=False),
+    ],
+    calibration: Annotated[
+        list[Path],
+        typer.Option(
+            "--calibration",
+            help="Calibration text (repeatable): one pass for every criterion and K, and the imatrix.",
+            show_default=False,
+        ),
+    ],
+    gpu_memory: Annotated[
+        str | None,
+        typer.Option(
+            "--gpu-memory",
+            help="GPU memory, e.g. 16GiB: each candidate's tiers and run command place the model for it.",
+        ),
+    ] = None,
+    tier: Annotated[
+        str | None,
+        typer.Option(
+            "--tier",
+            help="Where the answer runs: gpu (all on the GPU), gpu+cpu (--n-cpu-moe N), ram (system memory) or disk (paging through mmap). Default: the fastest tier any candidate runs in.",
+        ),
+    ] = None,
     ctx: Annotated[int, typer.Option("--ctx", help="Context length whose KV cache counts against --memory.")] = 16384,
     kv_type: Annotated[str, typer.Option("--kv-type", help="KV cache type: f16 or q8_0.")] = "f16",
-    ladder: Annotated[str | None, typer.Option("--ladder", help="Ladder spec of the rungs: a TOML path or a shipped name (default: q8-to-iq1).")] = None,
-    methods: Annotated[str, typer.Option("--methods", help="Criteria of the keep-set tournament at each K (tune's --methods).")] = ",".join(BEST_DEFAULT),
-    chunk_ctx: Annotated[int | None, typer.Option("--chunk-ctx", help="Tokens per chunk of the calibration pass and of the scoring (as llama-perplexity -c).  [default: 512]")] = None,
+    ladder: Annotated[
+        str | None,
+        typer.Option("--ladder", help="Ladder spec of the rungs: a TOML path or a shipped name (default: q8-to-iq1)."),
+    ] = None,
+    methods: Annotated[
+        str, typer.Option("--methods", help="Criteria of the keep-set tournament at each K (tune's --methods).")
+    ] = ",".join(BEST_DEFAULT),
+    chunk_ctx: Annotated[
+        int | None,
+        typer.Option(
+            "--chunk-ctx",
+            help="Tokens per chunk of the calibration pass and of the scoring (as llama-perplexity -c).  [default: 512]",
+        ),
+    ] = None,
     eval_ctx: Annotated[int | None, typer.Option("--eval-ctx", hidden=True)] = None,
-    keep: Annotated[str | None, typer.Option("--keep", "-k", help="The K values to weigh: 96, 96,128 or 64-192/32, or a keep-set file (weighed at its K beside the criteria's keep-sets). Default: fit's grid.")] = None,
-    chunks: Annotated[int | None, typer.Option("--chunks", help="Score at most this many chunks per held-out file.")] = None,
-    max_tokens: Annotated[int | None, typer.Option("--max-tokens", help="Trace at most this many calibration tokens.")] = None,
-    metric: Annotated[str, typer.Option("--metric", help="What ranks the candidates, lower is better: kld_mean, kld_p999 or ppl.")] = "kld_mean",
-    gate: Annotated[Path | None, typer.Option("--gate", help="Gate TOML (eval's keys): the answer must pass it.")] = None,
-    confirm: Annotated[int, typer.Option("--confirm", help="Runners-up built and scored as files besides the winner, to confirm their masked scores.")] = 1,
-    prefer: Annotated[str, typer.Option("--prefer", help="Among candidates tied with the leader within noise: smaller (file), faster (fewer bytes per token) or metric.")] = "smaller",
-    z: Annotated[float, typer.Option("--z", help="Standard errors of the paired difference beyond which a candidate is worse (halving, ties).")] = 2.0,
-    only: Annotated[list[str] | None, typer.Option("--only", help="Build only these candidates (ids as the dry run lists them), score nothing: one job of several hosts.")] = None,
-    quantizer_choice: Annotated[str, typer.Option("--quantizer", help="auto | binary | libllama | PATH to llama-quantize.")] = "auto",
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the candidates, the builds, the disk and a time estimate from measured speed; write nothing.")] = False,
+    keep: Annotated[
+        str | None,
+        typer.Option(
+            "--keep",
+            "-k",
+            help="The K values to weigh: 96, 96,128 or 64-192/32, or a keep-set file (weighed at its K beside the criteria's keep-sets). Default: fit's grid.",
+        ),
+    ] = None,
+    chunks: Annotated[
+        int | None, typer.Option("--chunks", help="Score at most this many chunks per held-out file.")
+    ] = None,
+    max_tokens: Annotated[
+        int | None, typer.Option("--max-tokens", help="Trace at most this many calibration tokens.")
+    ] = None,
+    metric: Annotated[
+        str, typer.Option("--metric", help="What ranks the candidates, lower is better: kld_mean, kld_p999 or ppl.")
+    ] = "kld_mean",
+    gate: Annotated[
+        Path | None, typer.Option("--gate", help="Gate TOML (eval's keys): the answer must pass it.")
+    ] = None,
+    confirm: Annotated[
+        int,
+        typer.Option(
+            "--confirm", help="Runners-up built and scored as files besides the winner, to confirm their masked scores."
+        ),
+    ] = 1,
+    prefer: Annotated[
+        str,
+        typer.Option(
+            "--prefer",
+            help="Among candidates tied with the leader within noise: smaller (file), faster (fewer bytes per token) or metric.",
+        ),
+    ] = "smaller",
+    z: Annotated[
+        float,
+        typer.Option(
+            "--z", help="Standard errors of the paired difference beyond which a candidate is worse (halving, ties)."
+        ),
+    ] = 2.0,
+    only: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--only",
+            help="Build only these candidates (ids as the dry run lists them), score nothing: one job of several hosts.",
+        ),
+    ] = None,
+    quantizer_choice: Annotated[
+        str, typer.Option("--quantizer", help="auto | binary | libllama | PATH to llama-quantize.")
+    ] = "auto",
+    dry_run: Annotated[
+        bool,
+        typer.Option(
+            "--dry-run",
+            help="Print the candidates, the builds, the disk and a time estimate from measured speed; write nothing.",
+        ),
+    ] = False,
     llama_cpp: LlamaCppOption = None,
     threads: ThreadsOption = None,
     gpu_layers: GpuLayersOption = 0,
@@ -107,22 +239,50 @@ def best_command(
     from ggufcarve.tune.run import parse_methods
 
     if chunk_ctx is not None and eval_ctx is not None:
-        raise BadInput("--chunk-ctx and --eval-ctx name the same thing", "give --chunk-ctx alone (--eval-ctx is its older spelling)")
+        raise BadInput(
+            "--chunk-ctx and --eval-ctx name the same thing",
+            "give --chunk-ctx alone (--eval-ctx is its older spelling)",
+        )
     wanted = parse_keep(keep)
     cache_type = kv_type.strip().upper()
     if cache_type not in ("F16", "Q8_0"):
         raise BadInput(f"--kv-type {kv_type!r} is not f16 or q8_0", "give --kv-type f16 or --kv-type q8_0")
     if output.exists() and not output.is_dir():
-        raise OutputError(f"-o {output} is a file; best writes a folder of results there", "give a folder path (it is made when missing)")
+        raise OutputError(
+            f"-o {output} is a file; best writes a folder of results there",
+            "give a folder path (it is made when missing)",
+        )
     if (output / "best.json").exists() and not force and not dry_run and not only:
-        raise OutputError(f"{output / 'best.json'} already exists", "pass --force to search again (built models are reused), or choose another -o DIR")
-    settings = BestSettings(memory=parse_memory(memory), ladder=find_spec(ladder) if ladder else DEFAULT_LADDER, heldout=tuple(heldout), calibration=tuple(calibration),
-                            methods=parse_methods(methods), ctx=ctx, kv_type=cache_type,
-                            eval_ctx=chunk_ctx or eval_ctx or 512, chunks=chunks, keep_counts=wanted.counts if wanted else None,
-                            keep_file=wanted.file if wanted else None, max_tokens=max_tokens,
-                            threads=threads, gpu_layers=gpu_layers, metric=metric, gate=gate, gpu_memory=parse_memory(gpu_memory, "--gpu-memory") if gpu_memory else None, tier=tier,
-                            quantizer=quantizer_choice, llama_cpp_dir=llama_cpp, only=tuple(only or ()),
-                            confirm=confirm, prefer=prefer, z=z)
+        raise OutputError(
+            f"{output / 'best.json'} already exists",
+            "pass --force to search again (built models are reused), or choose another -o DIR",
+        )
+    settings = BestSettings(
+        memory=parse_memory(memory),
+        ladder=find_spec(ladder) if ladder else DEFAULT_LADDER,
+        heldout=tuple(heldout),
+        calibration=tuple(calibration),
+        methods=parse_methods(methods),
+        ctx=ctx,
+        kv_type=cache_type,
+        eval_ctx=chunk_ctx or eval_ctx or 512,
+        chunks=chunks,
+        keep_counts=wanted.counts if wanted else None,
+        keep_file=wanted.file if wanted else None,
+        max_tokens=max_tokens,
+        threads=threads,
+        gpu_layers=gpu_layers,
+        metric=metric,
+        gate=gate,
+        gpu_memory=parse_memory(gpu_memory, "--gpu-memory") if gpu_memory else None,
+        tier=tier,
+        quantizer=quantizer_choice,
+        llama_cpp_dir=llama_cpp,
+        only=tuple(only or ()),
+        confirm=confirm,
+        prefer=prefer,
+        z=z,
+    )
     with progress(not quiet and not as_json) as sink:
         plan = plan_best(model, settings, on_event=sink)
         if dry_run:
@@ -134,67 +294,140 @@ def best_command(
             result = best(model, settings, output, plan=plan, on_event=sink)
     if dry_run:
         if as_json:
-            out.print_json(json.dumps({"tier": plan.tier, "candidates": [c.to_json() for c in plan.candidates], "kept_counts": plan.kept_counts, "speed": speed,
-                                       "estimate": guess}))
+            out.print_json(
+                json.dumps(
+                    {
+                        "tier": plan.tier,
+                        "candidates": [c.to_json() for c in plan.candidates],
+                        "kept_counts": plan.kept_counts,
+                        "speed": speed,
+                        "estimate": guess,
+                    }
+                )
+            )
             return
-        out.print(f"{model.name}: {plan.layout.expert_count} experts, top-{plan.layout.expert_used_count}; budget {size(settings.memory)} "
-                  f"with a {ctx}-token cache of {size(plan.fit.cache.total_bytes)}; ranked in tier {plan.tier}"
-                  + (f" (GPU {size(settings.gpu_memory)})" if settings.gpu_memory else ""), highlight=False, markup=False)
-        out.print(f"candidates ({len(plan.candidates)}, from fit's sizes; total: llama.cpp's dry load, weights + cache + compute + output):", highlight=False)
+        out.print(
+            f"{model.name}: {plan.layout.expert_count} experts, top-{plan.layout.expert_used_count}; budget {size(settings.memory)} "
+            f"with a {ctx}-token cache of {size(plan.fit.cache.total_bytes)}; ranked in tier {plan.tier}"
+            + (f" (GPU {size(settings.gpu_memory)})" if settings.gpu_memory else ""),
+            highlight=False,
+            markup=False,
+        )
+        out.print(
+            f"candidates ({len(plan.candidates)}, from fit's sizes; total: llama.cpp's dry load, weights + cache + compute + output):",
+            highlight=False,
+        )
         for c in plan.candidates:
             total = f"; total {size(c.total)}" if c.measured else ""
             total += f"; tiers {', '.join(c.tiers[:-1]) or 'disk only'}" if settings.gpu_memory else ""
-            out.print(f"  {c.id:<22} {c.family:<8} {c.kept:>4} of {c.expert_count}  {c.quant:<8} file {size(c.file_bytes)} + cache {size(c.cache_bytes)}{total}",
-                      highlight=False, markup=False)
-        out.print(f"will build: the unpruned rungs {', '.join(plan.quants)}; score {guess['scored_candidates']} candidate(s): {guess['masked']} by masking on "
-                  f"those rungs, {guess['file_scored']} as built pruned rungs (llama-quantize chooses other types at their K); then build and confirm "
-                  f"the winner and {settings.confirm} runner(s)-up", highlight=False, markup=False)
+            out.print(
+                f"  {c.id:<22} {c.family:<8} {c.kept:>4} of {c.expert_count}  {c.quant:<8} file {size(c.file_bytes)} + cache {size(c.cache_bytes)}{total}",
+                highlight=False,
+                markup=False,
+            )
+        out.print(
+            f"will build: the unpruned rungs {', '.join(plan.quants)}; score {guess['scored_candidates']} candidate(s): {guess['masked']} by masking on "
+            f"those rungs, {guess['file_scored']} as built pruned rungs (llama-quantize chooses other types at their K); then build and confirm "
+            f"the winner and {settings.confirm} runner(s)-up",
+            highlight=False,
+            markup=False,
+        )
         out.print(f"disk needed: at most {size(guess['disk_bytes'])} under {output}", highlight=False)
         rate, qrate = speed.get("decode_tok_s"), speed.get("quantize_bytes_s")
-        out.print(f"measured here: decode {rate or 0:.0f} tok/s, quantizer {size(qrate) + '/s' if qrate else 'not measured (source over 2 GiB)'}; "
-                  f"calibration {speed['calibration_tokens']} tokens, held-out {speed['heldout_tokens']} tokens", highlight=False, markup=False)
-        out.print("estimate: " + ", ".join(f"{stage} {_seconds(v)}" for stage, v in guess["stages"].items()) + f"; total {_seconds(guess['total'])}",
-                  highlight=False, markup=False)
+        out.print(
+            f"measured here: decode {rate or 0:.0f} tok/s, quantizer {size(qrate) + '/s' if qrate else 'not measured (source over 2 GiB)'}; "
+            f"calibration {speed['calibration_tokens']} tokens, held-out {speed['heldout_tokens']} tokens",
+            highlight=False,
+            markup=False,
+        )
+        out.print(
+            "estimate: "
+            + ", ".join(f"{stage} {_seconds(v)}" for stage, v in guess["stages"].items())
+            + f"; total {_seconds(guess['total'])}",
+            highlight=False,
+            markup=False,
+        )
         proj = guess["projection"]
-        out.print(f"projected for {proj['model']} with this plan of work: " + ", ".join(f"{stage} {_seconds(v)}" for stage, v in proj["stages"].items())
-                  + f"; total {_seconds(proj['total'])}", highlight=False, markup=False)
+        out.print(
+            f"projected for {proj['model']} with this plan of work: "
+            + ", ".join(f"{stage} {_seconds(v)}" for stage, v in proj["stages"].items())
+            + f"; total {_seconds(proj['total'])}",
+            highlight=False,
+            markup=False,
+        )
         out.print("nothing was written", highlight=False)
         return
     report = result.report
     if as_json:
-        out.print_json(json.dumps({"winner": report["winner"], "candidates": report["candidates"], "timings": report["timings"], "outputs": [str(p) for p in result.outputs]}))
+        out.print_json(
+            json.dumps(
+                {
+                    "winner": report["winner"],
+                    "candidates": report["candidates"],
+                    "timings": report["timings"],
+                    "outputs": [str(p) for p in result.outputs],
+                }
+            )
+        )
         return
     if settings.only:
         built = [c["id"] for c in report["candidates"] if c["built"]]
-        out.print(f"built: {', '.join(built) or 'nothing'} under {output / 'models'}; run best without --only to score them", highlight=False, markup=False)
+        out.print(
+            f"built: {', '.join(built) or 'nothing'} under {output / 'models'}; run best without --only to score them",
+            highlight=False,
+            markup=False,
+        )
         return
     if not quiet:
         out.print(_table(report))
         lines = stopped_lines(report)
-        shown = lines if len(lines) <= SHOWN_LEFT + 1 else [*lines[:SHOWN_LEFT], f"... and {len(lines) - SHOWN_LEFT} more: best.md lists every one"]
+        shown = (
+            lines
+            if len(lines) <= SHOWN_LEFT + 1
+            else [*lines[:SHOWN_LEFT], f"... and {len(lines) - SHOWN_LEFT} more: best.md lists every one"]
+        )
         for line in shown:
             out.print(f"left: {line}", highlight=False, markup=False)
         t = report["timings"]
         proj = report["projection"]
-        out.print("cost of this run: " + ", ".join(f"{s} {t.get(f'{s}_seconds', 0.0):.1f} s" for s in proj["stages_seconds"])
-                  + f"; total {t['total_seconds']:.1f} s; projected for {proj['model']}: {_seconds(proj['total_seconds'])}", highlight=False, markup=False)
+        out.print(
+            "cost of this run: "
+            + ", ".join(f"{s} {t.get(f'{s}_seconds', 0.0):.1f} s" for s in proj["stages_seconds"])
+            + f"; total {t['total_seconds']:.1f} s; projected for {proj['model']}: {_seconds(proj['total_seconds'])}",
+            highlight=False,
+            markup=False,
+        )
         previous = report.get("previous_run_timings")
         if previous:
-            out.print(f"the run before it in {output}: total {previous.get('total_seconds', 0.0):.1f} s; reused by content: {report['chunks_cached']} chunk(s) of scoring"
-                      + (", the keep-sets and the imatrix" if report["keep_sets_reused"] else ""), highlight=False, markup=False)
+            out.print(
+                f"the run before it in {output}: total {previous.get('total_seconds', 0.0):.1f} s; reused by content: {report['chunks_cached']} chunk(s) of scoring"
+                + (", the keep-sets and the imatrix" if report["keep_sets_reused"] else ""),
+                highlight=False,
+                markup=False,
+            )
     w = report["winner"]
     if w is None:
         out.print("answer: no finalist fits and passes the gate", highlight=False)
         return
-    out.print(f"answer: {w['id']} ({w['family']}, {w['kept_experts']} of {w['expert_count']} experts, {w['quant']}): {settings.metric} {w[settings.metric]:.4f}, "
-              f"{_memory_text(w)} of {size(settings.memory)}: {output / w['path']}", highlight=False, markup=False)
+    out.print(
+        f"answer: {w['id']} ({w['family']}, {w['kept_experts']} of {w['expert_count']} experts, {w['quant']}): {settings.metric} {w[settings.metric]:.4f}, "
+        f"{_memory_text(w)} of {size(settings.memory)}: {output / w['path']}",
+        highlight=False,
+        markup=False,
+    )
     if w.get("tie_with"):
-        out.print(f"tie within noise: {', '.join(w['tie_with'])} (within {settings.z:g} standard errors); the answer is the {settings.prefer} of them",
-                  highlight=False, markup=False)
+        out.print(
+            f"tie within noise: {', '.join(w['tie_with'])} (within {settings.z:g} standard errors); the answer is the {settings.prefer} of them",
+            highlight=False,
+            markup=False,
+        )
     if w.get("confirmed"):
         k = w["confirmed"]
-        out.print(f"confirmed as a file: masked mean KLD {k['masked_kld_mean']:.4f}, built file {k['file_kld_mean']:.4f} ± {k['file_kld_mean_stderr']:.4f}",
-                  highlight=False, markup=False)
+        out.print(
+            f"confirmed as a file: masked mean KLD {k['masked_kld_mean']:.4f}, built file {k['file_kld_mean']:.4f} ± {k['file_kld_mean_stderr']:.4f}",
+            highlight=False,
+            markup=False,
+        )
     out.print(f"run it: {' '.join(w['run_command']['argv'])}", highlight=False, markup=False)
     if report.get("publish"):
         out.print(f"publish it: {' '.join(report['publish']['command'])} (in {output})", highlight=False, markup=False)

@@ -24,30 +24,120 @@ from ggufcarve.cli.render import err, escape, out, progress, size, warn
 
 
 def eval_command(
-    models: Annotated[list[Path], typer.Argument(help="GGUF files, first shards of split sets, or release directories (every rung of the manifest).")],
-    reference: Annotated[Path, typer.Option("--reference", help="The unpruned model (GGUF), a llama-perplexity --kl-divergence-base file or a top-k cache (.reflogp).")],
-    output: Annotated[Path, typer.Option("-o", "--output", help="Output directory: <model>.json per model, summary.md, charts.")],
-    heldout: Annotated[list[Path] | None, typer.Option("--heldout", help="Held-out text scored by every model (needed with a GGUF reference); repeatable: each file is its own segment, reported beside the overall figures.")] = None,
+    models: Annotated[
+        list[Path],
+        typer.Argument(
+            help="GGUF files, first shards of split sets, or release directories (every rung of the manifest)."
+        ),
+    ],
+    reference: Annotated[
+        Path,
+        typer.Option(
+            "--reference",
+            help="The unpruned model (GGUF), a llama-perplexity --kl-divergence-base file or a top-k cache (.reflogp).",
+        ),
+    ],
+    output: Annotated[
+        Path, typer.Option("-o", "--output", help="Output directory: <model>.json per model, summary.md, charts.")
+    ],
+    heldout: Annotated[
+        list[Path] | None,
+        typer.Option(
+            "--heldout",
+            help="Held-out text scored by every model (needed with a GGUF reference); repeatable: each file is its own segment, reported beside the overall figures.",
+        ),
+    ] = None,
     ctx: Annotated[int, typer.Option("--ctx", help="Context (tokens per chunk), as llama-perplexity -c.")] = 512,
-    chunks: Annotated[int | None, typer.Option("--chunks", help="Score at most this many chunks of each held-out file (default: the whole text).")] = None,
-    qa: Annotated[Path | None, typer.Option("--qa", help="QA suite: a .jsonl file or a directory of them (e.g. evaluation/qa).")] = None,
-    gate: Annotated[Path | None, typer.Option("--gate", help="Gate thresholds (TOML; default evaluation/gate.toml).")] = None,
-    gate_segments: Annotated[str | None, typer.Option("--gate-segments", help="With several --heldout files: every (a model fails when any file fails the gate) or overall (the files' verdicts are only reported). Default: the gate file's `segments`, else overall.")] = None,
-    threads: Annotated[int | None, typer.Option("--threads", "-t", help="CPU threads (default: the physical cores).")] = None,
+    chunks: Annotated[
+        int | None,
+        typer.Option(
+            "--chunks", help="Score at most this many chunks of each held-out file (default: the whole text)."
+        ),
+    ] = None,
+    qa: Annotated[
+        Path | None, typer.Option("--qa", help="QA suite: a .jsonl file or a directory of them (e.g. evaluation/qa).")
+    ] = None,
+    gate: Annotated[
+        Path | None, typer.Option("--gate", help="Gate thresholds (TOML; default evaluation/gate.toml).")
+    ] = None,
+    gate_segments: Annotated[
+        str | None,
+        typer.Option(
+            "--gate-segments",
+            help="With several --heldout files: every (a model fails when any file fails the gate) or overall (the files' verdicts are only reported). Default: the gate file's `segments`, else overall.",
+        ),
+    ] = None,
+    threads: Annotated[
+        int | None, typer.Option("--threads", "-t", help="CPU threads (default: the physical cores).")
+    ] = None,
     gpu_layers: GpuLayersOption = 0,
-    top_k: Annotated[int | None, typer.Option("--top-k", help="Cache only the reference's top-K log-probs per token (and sampled tail tokens): a small cache, an estimated KLD. Default: every token, as llama-perplexity keeps them.")] = None,
-    tail_samples: Annotated[int, typer.Option("--tail-samples", help="With --top-k: tail tokens sampled per token; the KLD estimate is unbiased and its sampling error is printed (0: a lower bound).")] = 32,
-    speed_runs: Annotated[int, typer.Option("--speed-runs", help="Timed runs of pp and tg speed: the median is reported, or the range when the runs spread more than 10% of it; 0 skips speed.")] = 5,
-    speed_engine: Annotated[str, typer.Option("--speed-engine", help="auto (llama-bench when the tools have it, else in-process), llama-bench or libllama.")] = "auto",
-    save_kl_base: Annotated[Path | None, typer.Option("--save-kl-base", help="Also write the reference's log-probs as a llama-perplexity --kl-divergence-base file.")] = None,
-    cross_check: Annotated[bool, typer.Option("--cross-check", help="Also run llama-perplexity on the same text and report both.")] = False,
-    loops: Annotated[bool, typer.Option("--loops", help="Continue the QA prompts (or --loop-prompts) greedily and report the share that ends in a repeating cycle, for the reference and every model.")] = False,
-    loop_prompts: Annotated[Path | None, typer.Option("--loop-prompts", help="Prompts for --loops (implies it): one per line, asked as a user message, or a .jsonl file of {\"prompt\": raw text} or {\"messages\": [...]} objects.")] = None,
-    loop_tokens: Annotated[int | None, typer.Option("--loop-tokens", help="New tokens per loop prompt (default 256).")] = None,
+    top_k: Annotated[
+        int | None,
+        typer.Option(
+            "--top-k",
+            help="Cache only the reference's top-K log-probs per token (and sampled tail tokens): a small cache, an estimated KLD. Default: every token, as llama-perplexity keeps them.",
+        ),
+    ] = None,
+    tail_samples: Annotated[
+        int,
+        typer.Option(
+            "--tail-samples",
+            help="With --top-k: tail tokens sampled per token; the KLD estimate is unbiased and its sampling error is printed (0: a lower bound).",
+        ),
+    ] = 32,
+    speed_runs: Annotated[
+        int,
+        typer.Option(
+            "--speed-runs",
+            help="Timed runs of pp and tg speed: the median is reported, or the range when the runs spread more than 10% of it; 0 skips speed.",
+        ),
+    ] = 5,
+    speed_engine: Annotated[
+        str,
+        typer.Option(
+            "--speed-engine",
+            help="auto (llama-bench when the tools have it, else in-process), llama-bench or libllama.",
+        ),
+    ] = "auto",
+    save_kl_base: Annotated[
+        Path | None,
+        typer.Option(
+            "--save-kl-base",
+            help="Also write the reference's log-probs as a llama-perplexity --kl-divergence-base file.",
+        ),
+    ] = None,
+    cross_check: Annotated[
+        bool, typer.Option("--cross-check", help="Also run llama-perplexity on the same text and report both.")
+    ] = False,
+    loops: Annotated[
+        bool,
+        typer.Option(
+            "--loops",
+            help="Continue the QA prompts (or --loop-prompts) greedily and report the share that ends in a repeating cycle, for the reference and every model.",
+        ),
+    ] = False,
+    loop_prompts: Annotated[
+        Path | None,
+        typer.Option(
+            "--loop-prompts",
+            help='Prompts for --loops (implies it): one per line, asked as a user message, or a .jsonl file of {"prompt": raw text} or {"messages": [...]} objects.',
+        ),
+    ] = None,
+    loop_tokens: Annotated[
+        int | None, typer.Option("--loop-tokens", help="New tokens per loop prompt (default 256).")
+    ] = None,
     llama_cpp: LlamaCppOption = None,
-    cache: Annotated[Path | None, typer.Option("--cache", help="Directory of cached reference log-probs (default: ggufcarve's cache/reference-logprobs).")] = None,
+    cache: Annotated[
+        Path | None,
+        typer.Option(
+            "--cache", help="Directory of cached reference log-probs (default: ggufcarve's cache/reference-logprobs)."
+        ),
+    ] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace results already in the output directory.")] = False,
-    strict: Annotated[bool, typer.Option("--strict", help="Exit 1 when any model fails the gate (the results are written all the same).")] = False,
+    strict: Annotated[
+        bool,
+        typer.Option("--strict", help="Exit 1 when any model fails the gate (the results are written all the same)."),
+    ] = False,
     quiet: QuietOption = False,
     as_json: JsonOption = False,
 ) -> None:
@@ -57,10 +147,26 @@ def eval_command(
     from ggufcarve.evaluate.release import eval_settings, evaluate_release
     from ggufcarve.evaluate.speed import speed_text
 
-    settings, warnings = eval_settings(ctx=ctx, chunks=chunks, threads=threads, gpu_layers=gpu_layers, top_k=top_k, speed_runs=speed_runs, speed_engine=speed_engine, gate=gate, qa=qa,
-                                       cross_check=cross_check, llama_cpp=llama_cpp, cache=cache, kl_base_out=save_kl_base,
-                                       tail_samples=tail_samples, gate_segments=gate_segments,
-                                       loops=loops, loop_prompts=loop_prompts, loop_tokens=loop_tokens)
+    settings, warnings = eval_settings(
+        ctx=ctx,
+        chunks=chunks,
+        threads=threads,
+        gpu_layers=gpu_layers,
+        top_k=top_k,
+        speed_runs=speed_runs,
+        speed_engine=speed_engine,
+        gate=gate,
+        qa=qa,
+        cross_check=cross_check,
+        llama_cpp=llama_cpp,
+        cache=cache,
+        kl_base_out=save_kl_base,
+        tail_samples=tail_samples,
+        gate_segments=gate_segments,
+        loops=loops,
+        loop_prompts=loop_prompts,
+        loop_tokens=loop_tokens,
+    )
     for warning in warnings:
         warn(warning)
     entries = resolve_models(models)
@@ -68,7 +174,9 @@ def eval_command(
         raise BadInput("--strict judges the models by a gate, and there is none", "give --gate FILE")
     existing = [output / f"{e.name}.json" for e in entries if (output / f"{e.name}.json").exists()]
     if existing and not force:
-        raise OutputError(f"{existing[0]} already exists", "use --force to replace the results, or another -o directory")
+        raise OutputError(
+            f"{existing[0]} already exists", "use --force to replace the results, or another -o directory"
+        )
     with progress(not quiet and not as_json) as sink:
         evaluated = evaluate_release(models, reference, heldout, settings, output, sink)
     run = evaluated.run
@@ -77,29 +185,45 @@ def eval_command(
         _strict_exit(strict, run.results)
         return
     for r in run.results:
-        line = (f"{r['model']['name']} ({size(r['model']['bytes'])}): PPL {r['ppl']:.4f} ± {r['ppl_stderr']:.4f} ({round(r['ppl_delta_percent'], 2) + 0.0:+.2f}%), "
-                f"mean KLD {_kld_text(r)}, same top p {100 * r['same_top_p']:.2f}%")
+        line = (
+            f"{r['model']['name']} ({size(r['model']['bytes'])}): PPL {r['ppl']:.4f} ± {r['ppl_stderr']:.4f} ({round(r['ppl_delta_percent'], 2) + 0.0:+.2f}%), "
+            f"mean KLD {_kld_text(r)}, same top p {100 * r['same_top_p']:.2f}%"
+        )
         if r.get("tg_tok_s") is not None:
             line += f", pp {speed_text(r, 'pp')}, tg {speed_text(r, 'tg')}"
         if r.get("qa_total"):
             line += f", QA {r['qa_passed']}/{r['qa_total']}"
         if r.get("loops"):
             lp = r["loops"]
-            line += f", loops {lp['looped']}/{lp['total']}" + (f" (reference {lp['reference_looped']}/{lp['total']})" if lp.get("reference_looped") is not None else "")
+            line += f", loops {lp['looped']}/{lp['total']}" + (
+                f" (reference {lp['reference_looped']}/{lp['total']})" if lp.get("reference_looped") is not None else ""
+            )
         if r.get("cross_check"):
             c = r["cross_check"]
             line += f"; llama-perplexity PPL {c['ppl']:.4f} ({'agrees' if c['ppl_agrees'] else 'DIFFERS'})"
             if isinstance(c.get("kld_mode"), dict) and c["kld_mode"].get("kld_mean") is not None:
                 line += f", mean KLD {c['kld_mode']['kld_mean']:.6f}"
-        out.print(line + f" — {r['gate'] or 'no gate'}" + (f" ({'; '.join(r['gate_failed'])})" if r.get("gate_failed") else ""), highlight=False, soft_wrap=True)
+        out.print(
+            line
+            + f" — {r['gate'] or 'no gate'}"
+            + (f" ({'; '.join(r['gate_failed'])})" if r.get("gate_failed") else ""),
+            highlight=False,
+            soft_wrap=True,
+        )
         for s in r.get("segments") or []:
             out.print(escape(_segment_line(s)), highlight=False, soft_wrap=True)
         for check in [r.get("cross_check")] + [s.get("cross_check") for s in r.get("segments") or []]:
             for note in (check or {}).get("notes", []):
                 warn(note, "note")
-    err.print(f"wrote {len(run.files)} files to {output} (reference {run.reference.label}{', cached log-probs' if run.reference.cached else ''})", highlight=False)
+    err.print(
+        f"wrote {len(run.files)} files to {output} (reference {run.reference.label}{', cached log-probs' if run.reference.cached else ''})",
+        highlight=False,
+    )
     if evaluated.records:
-        err.print(f"recorded {len(evaluated.records)} evaluation files in {evaluated.release / 'quant-manifest.json'} and SHA256SUMS", highlight=False)
+        err.print(
+            f"recorded {len(evaluated.records)} evaluation files in {evaluated.release / 'quant-manifest.json'} and SHA256SUMS",
+            highlight=False,
+        )
     _strict_exit(strict, run.results)
 
 
@@ -107,15 +231,21 @@ def _strict_exit(strict: bool, results: list[dict]) -> None:
     """With --strict, one line naming the models that failed the gate and their failed criteria, and exit 1."""
     failed = [r for r in results if r.get("gate") == "FAIL"]
     if strict and failed:
-        err.print(f"[bold red]strict:[/] {len(failed)} of {len(results)} models failed the gate: "
-                  + escape("; ".join(f"{r['model']['name']} ({', '.join(r.get('gate_failed') or [])})" for r in failed)), highlight=False, soft_wrap=True)
+        err.print(
+            f"[bold red]strict:[/] {len(failed)} of {len(results)} models failed the gate: "
+            + escape("; ".join(f"{r['model']['name']} ({', '.join(r.get('gate_failed') or [])})" for r in failed)),
+            highlight=False,
+            soft_wrap=True,
+        )
         raise typer.Exit(1)
 
 
 def _segment_line(s: dict) -> str:
     """One held-out file's figures under its model's line."""
-    line = (f"  {s['name']}: PPL {s['ppl']:.4f} ({round(s['ppl_delta_percent'], 2) + 0.0:+.2f}%), mean KLD {s['kld_mean']:.6f} ± {s['kld_mean_stderr']:.6f}, "
-            f"99.9% KLD {s['kld_p999']:.6f}, same top p {100 * s['same_top_p']:.2f}%, {s['tokens']} tokens")
+    line = (
+        f"  {s['name']}: PPL {s['ppl']:.4f} ({round(s['ppl_delta_percent'], 2) + 0.0:+.2f}%), mean KLD {s['kld_mean']:.6f} ± {s['kld_mean_stderr']:.6f}, "
+        f"99.9% KLD {s['kld_p999']:.6f}, same top p {100 * s['same_top_p']:.2f}%, {s['tokens']} tokens"
+    )
     if s.get("cross_check"):
         line += f"; llama-perplexity PPL {s['cross_check']['ppl']:.4f} ({'agrees' if s['cross_check']['ppl_agrees'] else 'DIFFERS'})"
     if s.get("gate"):
@@ -134,15 +264,57 @@ def _kld_text(r: dict) -> str:
 
 
 def card_command(
-    release: Annotated[Path, typer.Argument(help="A release directory (quant-manifest.json, rungs, method/, evaluation/).")],
-    evaluation: Annotated[Path | None, typer.Option("--evaluation", help="Directory of ggufcarve eval results (default: RELEASE/evaluation).")] = None,
-    base_model: Annotated[str | None, typer.Option("--base-model", help="The base model's Hub repo id, OWNER/NAME (default: the GGUF's general.base_model.0.repo_url).")] = None,
-    license_: Annotated[str | None, typer.Option("--license", help="A Hub license identifier, e.g. apache-2.0 (default: the GGUF's general.license).")] = None,
-    license_name: Annotated[str | None, typer.Option("--license-name", help="With --license other: the license's short name (default: general.license.name).")] = None,
-    license_link: Annotated[str | None, typer.Option("--license-link", help="With --license other: its URL, or a file of the release such as LICENSE (default: general.license.link).")] = None,
-    model_name: Annotated[str | None, typer.Option("--model-name", help="The card's title (default: the GGUF's general.basename and size label).")] = None,
-    repo_id: Annotated[str | None, typer.Option("--repo-id", help="The Hub repo the release is uploaded to, OWNER/NAME (adds download and llama-server -hf lines).")] = None,
-    record: Annotated[bool, typer.Option("--record", help="Write nothing: record RELEASE/README.md as it is (after a hand edit) in the manifest and SHA256SUMS.")] = False,
+    release: Annotated[
+        Path, typer.Argument(help="A release directory (quant-manifest.json, rungs, method/, evaluation/).")
+    ],
+    evaluation: Annotated[
+        Path | None,
+        typer.Option("--evaluation", help="Directory of ggufcarve eval results (default: RELEASE/evaluation)."),
+    ] = None,
+    base_model: Annotated[
+        str | None,
+        typer.Option(
+            "--base-model",
+            help="The base model's Hub repo id, OWNER/NAME (default: the GGUF's general.base_model.0.repo_url).",
+        ),
+    ] = None,
+    license_: Annotated[
+        str | None,
+        typer.Option(
+            "--license", help="A Hub license identifier, e.g. apache-2.0 (default: the GGUF's general.license)."
+        ),
+    ] = None,
+    license_name: Annotated[
+        str | None,
+        typer.Option(
+            "--license-name", help="With --license other: the license's short name (default: general.license.name)."
+        ),
+    ] = None,
+    license_link: Annotated[
+        str | None,
+        typer.Option(
+            "--license-link",
+            help="With --license other: its URL, or a file of the release such as LICENSE (default: general.license.link).",
+        ),
+    ] = None,
+    model_name: Annotated[
+        str | None,
+        typer.Option("--model-name", help="The card's title (default: the GGUF's general.basename and size label)."),
+    ] = None,
+    repo_id: Annotated[
+        str | None,
+        typer.Option(
+            "--repo-id",
+            help="The Hub repo the release is uploaded to, OWNER/NAME (adds download and llama-server -hf lines).",
+        ),
+    ] = None,
+    record: Annotated[
+        bool,
+        typer.Option(
+            "--record",
+            help="Write nothing: record RELEASE/README.md as it is (after a hand edit) in the manifest and SHA256SUMS.",
+        ),
+    ] = False,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing README.md.")] = False,
 ) -> None:
     """Write the Hugging Face model card RELEASE/README.md from the manifest, the method reports and the evaluation, and record it in the release."""
@@ -151,8 +323,17 @@ def card_command(
 
     settings = CardSettings(base_model, license_, license_name, license_link, model_name, repo_id)
     if record:
-        if any(v is not None for v in (base_model, license_, license_name, license_link, model_name, repo_id, evaluation)) or force:
-            raise BadInput("--record writes nothing, so it takes no card options", "record the card as it is with --record alone, or write it again with the options and --force")
+        if (
+            any(
+                v is not None
+                for v in (base_model, license_, license_name, license_link, model_name, repo_id, evaluation)
+            )
+            or force
+        ):
+            raise BadInput(
+                "--record writes nothing, so it takes no card options",
+                "record the card as it is with --record alone, or write it again with the options and --force",
+            )
         path = record_card(release)
         out.print(f"recorded {path} as it is in {release / 'quant-manifest.json'} and SHA256SUMS", highlight=False)
         return

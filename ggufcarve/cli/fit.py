@@ -23,25 +23,94 @@ if TYPE_CHECKING:
 
 
 def fit_command(
-    model: Annotated[Path, typer.Argument(help="GGUF file, or the first shard of a split set (only its header is read).")],
-    memory: Annotated[str, typer.Option("--memory", help="Memory budget for file + cache, e.g. 24GiB, 24GB, 24000MiB (GB = 10^9 bytes, GiB and a bare G = 2^30).")],
+    model: Annotated[
+        Path, typer.Argument(help="GGUF file, or the first shard of a split set (only its header is read).")
+    ],
+    memory: Annotated[
+        str,
+        typer.Option(
+            "--memory",
+            help="Memory budget for file + cache, e.g. 24GiB, 24GB, 24000MiB (GB = 10^9 bytes, GiB and a bare G = 2^30).",
+        ),
+    ],
     ctx: Annotated[int, typer.Option("--ctx", help="Context length in tokens whose KV cache is counted.")] = 16384,
-    kv_type: Annotated[str, typer.Option("--kv-type", help="KV cache type for K and V: f16 or q8_0 (q8_0 V needs flash attention, which is assumed on).")] = "f16",
-    ladder: Annotated[Path | None, typer.Option("--ladder", help="Ladder spec whose rungs are sized (default: ladders/q8-to-iq1.toml).")] = None,
-    keep: Annotated[str | None, typer.Option("--keep", "-k", help="Kept-expert counts to size: 96, 96,128 or 64-192/32, or a keep-set file (its count) (default: powers of two, multiples of expert_count/8, the original).")] = None,
+    kv_type: Annotated[
+        str,
+        typer.Option(
+            "--kv-type",
+            help="KV cache type for K and V: f16 or q8_0 (q8_0 V needs flash attention, which is assumed on).",
+        ),
+    ] = "f16",
+    ladder: Annotated[
+        Path | None,
+        typer.Option("--ladder", help="Ladder spec whose rungs are sized (default: ladders/q8-to-iq1.toml)."),
+    ] = None,
+    keep: Annotated[
+        str | None,
+        typer.Option(
+            "--keep",
+            "-k",
+            help="Kept-expert counts to size: 96, 96,128 or 64-192/32, or a keep-set file (its count) (default: powers of two, multiples of expert_count/8, the original).",
+        ),
+    ] = None,
     kept_alias: Annotated[str | None, typer.Option("--k", hidden=True)] = None,
-    only: Annotated[list[str] | None, typer.Option("--only", help="Size only these rungs (repeat or comma-separate).")] = None,
-    imatrix: Annotated[Path | None, typer.Option("--imatrix", help="The imatrix the ladder will use: tensors without an entry get the rung's imatrix_fallback_type (default: llama-imatrix's coverage, the MTP blocks missing).")] = None,
-    parallel: Annotated[int, typer.Option("--parallel", help="Sequences (llama.cpp -np): each has its own cache cells and recurrent state.")] = 1,
-    swa_full: Annotated[bool, typer.Option("--swa-full", help="Full-size cache for sliding-window layers (llama.cpp --swa-full).")] = False,
-    gpu_memory: Annotated[str | None, typer.Option("--gpu-memory", help="GPU memory: each cell also says whether the rung fits the GPU whole (w) or with which llama.cpp --n-cpu-moe N, from its per-block expert bytes.")] = None,
-    gpu_margin: Annotated[str, typer.Option("--gpu-margin", help="GPU memory kept free beyond weights, cache and compute buffers (default: llama.cpp --fit's target margin, 1GiB).")] = "1GiB",
+    only: Annotated[
+        list[str] | None, typer.Option("--only", help="Size only these rungs (repeat or comma-separate).")
+    ] = None,
+    imatrix: Annotated[
+        Path | None,
+        typer.Option(
+            "--imatrix",
+            help="The imatrix the ladder will use: tensors without an entry get the rung's imatrix_fallback_type (default: llama-imatrix's coverage, the MTP blocks missing).",
+        ),
+    ] = None,
+    parallel: Annotated[
+        int,
+        typer.Option("--parallel", help="Sequences (llama.cpp -np): each has its own cache cells and recurrent state."),
+    ] = 1,
+    swa_full: Annotated[
+        bool, typer.Option("--swa-full", help="Full-size cache for sliding-window layers (llama.cpp --swa-full).")
+    ] = False,
+    gpu_memory: Annotated[
+        str | None,
+        typer.Option(
+            "--gpu-memory",
+            help="GPU memory: each cell also says whether the rung fits the GPU whole (w) or with which llama.cpp --n-cpu-moe N, from its per-block expert bytes.",
+        ),
+    ] = None,
+    gpu_margin: Annotated[
+        str,
+        typer.Option(
+            "--gpu-margin",
+            help="GPU memory kept free beyond weights, cache and compute buffers (default: llama.cpp --fit's target margin, 1GiB).",
+        ),
+    ] = "1GiB",
     gpu_layers: GpuLayersOption = 0,
-    flash_attn: Annotated[str, typer.Option("--flash-attn", help="Flash attention of the run (llama.cpp -fa): auto, on or off; it changes the compute buffers.")] = "auto",
+    flash_attn: Annotated[
+        str,
+        typer.Option(
+            "--flash-attn",
+            help="Flash attention of the run (llama.cpp -fa): auto, on or off; it changes the compute buffers.",
+        ),
+    ] = "auto",
     batch: Annotated[int, typer.Option("--batch", help="Logical batch size of the run (llama.cpp -b).")] = 2048,
-    ubatch: Annotated[int, typer.Option("--ubatch", help="Micro-batch size of the run (llama.cpp -ub): the compute buffers grow with it.")] = 512,
-    measured: Annotated[bool, typer.Option("--measured/--file-and-cache", help="Count llama.cpp's own dry load (weights, cache, compute and output buffers), or the file and the cache alone.")] = True,
-    quantizer_choice: Annotated[str, typer.Option("--quantizer", help="auto | binary | libllama | PATH to llama-quantize: who answers the dry runs.")] = "auto",
+    ubatch: Annotated[
+        int,
+        typer.Option("--ubatch", help="Micro-batch size of the run (llama.cpp -ub): the compute buffers grow with it."),
+    ] = 512,
+    measured: Annotated[
+        bool,
+        typer.Option(
+            "--measured/--file-and-cache",
+            help="Count llama.cpp's own dry load (weights, cache, compute and output buffers), or the file and the cache alone.",
+        ),
+    ] = True,
+    quantizer_choice: Annotated[
+        str,
+        typer.Option(
+            "--quantizer", help="auto | binary | libllama | PATH to llama-quantize: who answers the dry runs."
+        ),
+    ] = "auto",
     llama_cpp: LlamaCppOption = None,
     as_json: JsonOption = False,
     quiet: QuietOption = False,
@@ -88,32 +157,87 @@ def fit_command(
         from ggufcarve.llama.memory import FLASH_ATTN, MemorySettings
 
         if flash_attn not in FLASH_ATTN:
-            raise BadInput(f"--flash-attn {flash_attn!r} is not one of {', '.join(FLASH_ATTN)}", "auto is llama.cpp's default")
-        run_settings = MemorySettings(ctx, cache_type, batch, ubatch, parallel, flash_attn, swa_full, gpu_layers) if measured else None
-        report = plan_fit(loaded, layout, spec, memory=budget, context=settings, quantizer=quantizer, kept_counts=counts, only=only, imatrix_entries=entries,
-                          gpu_memory=gpu_budget, gpu_margin=margin, measure=run_settings, on_event=sink)
+            raise BadInput(
+                f"--flash-attn {flash_attn!r} is not one of {', '.join(FLASH_ATTN)}", "auto is llama.cpp's default"
+            )
+        run_settings = (
+            MemorySettings(ctx, cache_type, batch, ubatch, parallel, flash_attn, swa_full, gpu_layers)
+            if measured
+            else None
+        )
+        report = plan_fit(
+            loaded,
+            layout,
+            spec,
+            memory=budget,
+            context=settings,
+            quantizer=quantizer,
+            kept_counts=counts,
+            only=only,
+            imatrix_entries=entries,
+            gpu_memory=gpu_budget,
+            gpu_margin=margin,
+            measure=run_settings,
+            on_event=sink,
+        )
 
     if as_json:
         inputs = [{"name": p.name, "bytes": p.stat().st_size} for p in loaded.paths]
-        parameters = {"memory": memory, "memory_bytes": budget, "ctx": ctx, "kv_type": cache_type.lower(), "parallel": parallel, "swa_full": swa_full,
-                      "flash_attn": flash_attn, "batch": batch, "ubatch": ubatch, "measured": measured,
-                      **({"gpu_memory": gpu_memory, "gpu_memory_bytes": gpu_budget, "gpu_margin": gpu_margin} if gpu_budget is not None else {}),
-                      "ladder": spec.name, "ladder_sha256": spec.sha256, "k": kept, "keep": kept, "only": only, "imatrix": imatrix.name if imatrix else None}
-        doc = envelope("fit", inputs=inputs, parameters=parameters, results=report.to_json(), timings={"total_seconds": report.seconds})
-        doc["sizes_from"]["quantizer"] = {k: v for k, v in doc["sizes_from"]["quantizer"].items() if k not in ("path", "python")}
+        parameters = {
+            "memory": memory,
+            "memory_bytes": budget,
+            "ctx": ctx,
+            "kv_type": cache_type.lower(),
+            "parallel": parallel,
+            "swa_full": swa_full,
+            "flash_attn": flash_attn,
+            "batch": batch,
+            "ubatch": ubatch,
+            "measured": measured,
+            **(
+                {"gpu_memory": gpu_memory, "gpu_memory_bytes": gpu_budget, "gpu_margin": gpu_margin}
+                if gpu_budget is not None
+                else {}
+            ),
+            "ladder": spec.name,
+            "ladder_sha256": spec.sha256,
+            "k": kept,
+            "keep": kept,
+            "only": only,
+            "imatrix": imatrix.name if imatrix else None,
+        }
+        doc = envelope(
+            "fit",
+            inputs=inputs,
+            parameters=parameters,
+            results=report.to_json(),
+            timings={"total_seconds": report.seconds},
+        )
+        doc["sizes_from"]["quantizer"] = {
+            k: v for k, v in doc["sizes_from"]["quantizer"].items() if k not in ("path", "python")
+        }
         out.print_json(json.dumps(doc, sort_keys=True))
         return
 
     cache = report.cache
     q = report.quantizer
-    out.print(f"sizes: {q['backend']} quantizer dry run ({q.get('version')}) on a sparse pruned header per K; imatrix coverage: {report.imatrix_assumption}", highlight=False)
+    out.print(
+        f"sizes: {q['backend']} quantizer dry run ({q.get('version')}) on a sparse pruned header per K; imatrix coverage: {report.imatrix_assumption}",
+        highlight=False,
+    )
     for note in cache.notes:
         warn(note, "note" if cache.exact else "warning")
     kinds = [f"KV {size(cache.kv_bytes)} on {sum(1 for x in cache.layers if x.kind != 'recurrent')} attention block(s)"]
     if cache.recurrent_bytes:
-        kinds.append(f"recurrent state {size(cache.recurrent_bytes)} on {sum(1 for x in cache.layers if x.kind == 'recurrent')} block(s)")
-    out.print(f"cache at {ctx} tokens ({cache_type.lower()}, {cache.cells} cells{f', {cache.swa_cells} sliding-window' if cache.swa_cells else ''}): "
-              + " + ".join(kinds) + f" = {size(cache.total_bytes)}", highlight=False)
+        kinds.append(
+            f"recurrent state {size(cache.recurrent_bytes)} on {sum(1 for x in cache.layers if x.kind == 'recurrent')} block(s)"
+        )
+    out.print(
+        f"cache at {ctx} tokens ({cache_type.lower()}, {cache.cells} cells{f', {cache.swa_cells} sliding-window' if cache.swa_cells else ''}): "
+        + " + ".join(kinds)
+        + f" = {size(cache.total_bytes)}",
+        highlight=False,
+    )
 
     from rich.box import SIMPLE_HEAD
 
@@ -123,10 +247,22 @@ def fit_command(
     best = report.best()
 
     unit = size_unit(max(r.rung.bytes for r in report.rows))  # one unit for every cell
-    table = new_table(box=SIMPLE_HEAD, pad_edge=False, padding=(0, 0), title=f"{loaded.path.name}: {layout.architecture}, {layout.expert_count} experts, top-{layout.expert_used_count}"
-                      + (f", {layout.group_count} groups" if layout.group_count > 1 else ""),
-                      caption=f"{unit[0]} of the rung file; ✓: " + ("llama.cpp's measured weights + cache + compute + output buffers" if measured else f"file + cache {size(cache.total_bytes)}")
-                      + f" fit in {size(budget)}; *: power of two" + (f"; last row: the source's {layout.expert_count}" if layout.expert_count in report.kept_counts else ""), caption_justify="left")
+    table = new_table(
+        box=SIMPLE_HEAD,
+        pad_edge=False,
+        padding=(0, 0),
+        title=f"{loaded.path.name}: {layout.architecture}, {layout.expert_count} experts, top-{layout.expert_used_count}"
+        + (f", {layout.group_count} groups" if layout.group_count > 1 else ""),
+        caption=f"{unit[0]} of the rung file; ✓: "
+        + (
+            "llama.cpp's measured weights + cache + compute + output buffers"
+            if measured
+            else f"file + cache {size(cache.total_bytes)}"
+        )
+        + f" fit in {size(budget)}; *: power of two"
+        + (f"; last row: the source's {layout.expert_count}" if layout.expert_count in report.kept_counts else ""),
+        caption_justify="left",
+    )
     table.add_column("K", justify="right", no_wrap=True)
     for name in rungs:
         table.add_column(name, justify="right", no_wrap=True)
@@ -136,38 +272,73 @@ def fit_command(
         for name in rungs:
             row = report.row(k, name)
             figure = size(row.rung.bytes, unit).split()[0]
-            cells.append((f"[green]{figure}✓[/]" if row.fits else f"[dim]{figure}[/] ") + ("f" if row.rung.fallback else " ")
-                         + (f"{gpu_cell(row.offload):>4}" if row.offload else ""))
+            cells.append(
+                (f"[green]{figure}✓[/]" if row.fits else f"[dim]{figure}[/] ")
+                + ("f" if row.rung.fallback else " ")
+                + (f"{gpu_cell(row.offload):>4}" if row.offload else "")
+            )
         table.add_row(label, *cells)
     out.print(table)
     if any(r.rung.fallback for r in report.rows):
-        out.print(f"f: some tensors need an imatrix entry the ladder's imatrix lacks and get the rung's imatrix_fallback_type ({escape(report.imatrix_assumption)})", highlight=False)
+        out.print(
+            f"f: some tensors need an imatrix entry the ladder's imatrix lacks and get the rung's imatrix_fallback_type ({escape(report.imatrix_assumption)})",
+            highlight=False,
+        )
     if best is None:
-        out.print(f"nothing fits in {size(budget)}: the smallest is {size(min(r.total for r in report.rows))}; try a shorter --ctx, --kv-type q8_0 or fewer experts (--k)", highlight=False)
+        out.print(
+            f"nothing fits in {size(budget)}: the smallest is {size(min(r.total for r in report.rows))}; try a shorter --ctx, --kv-type q8_0 or fewer experts (--k)",
+            highlight=False,
+        )
     else:
         m = best.memory_measured
-        parts = (f"weights {size(m.weights)} + cache {size(m.cache)} + compute {size(m.compute)} + output {size(m.output)}" if m is not None
-                 else f"file {size(best.rung.bytes)} + cache {size(best.cache_bytes)}")
+        parts = (
+            f"weights {size(m.weights)} + cache {size(m.cache)} + compute {size(m.compute)} + output {size(m.output)}"
+            if m is not None
+            else f"file {size(best.rung.bytes)} + cache {size(best.cache_bytes)}"
+        )
         if best.tier in ("gpu", "gpu+cpu"):
             gpu, host = best.gpu_devices
             parts = f"{gpu.device} {size(gpu.total)} + {size(margin)} margin of {size(gpu_budget)}, host {size(host.total)} of {size(budget)}"
-            out.print(f"most experts that fit: K={best.kept} {best.rung.rung} in tier {best.tier}: {parts}", highlight=False)
+            out.print(
+                f"most experts that fit: K={best.kept} {best.rung.rung} in tier {best.tier}: {parts}", highlight=False
+            )
         else:
-            out.print(f"most experts that fit: K={best.kept} {best.rung.rung}: {parts} = {size(best.total)} of {size(budget)}"
-                      + (" (tier ram)" if gpu_budget is not None else ""), highlight=False)
+            out.print(
+                f"most experts that fit: K={best.kept} {best.rung.rung}: {parts} = {size(best.total)} of {size(budget)}"
+                + (" (tier ram)" if gpu_budget is not None else ""),
+                highlight=False,
+            )
     if gpu_budget is not None:
-        counted = "weights + cache + compute (estimated from the CPU graph's: module quant.offload)" if measured else "weights + cache"
-        out.print(f"GPU {size(gpu_budget)} for {counted} + {size(margin)} margin: w fits whole; N: llama.cpp --n-cpu-moe N keeps the experts of blocks 0..N-1 "
-                  "in system memory (-ot 'blk\\.(0|..|N-1)\\.ffn_(up|down|gate|gate_up)_(ch|)exps=CPU' is the same); -: not even with every expert there", highlight=False)
+        counted = (
+            "weights + cache + compute (estimated from the CPU graph's: module quant.offload)"
+            if measured
+            else "weights + cache"
+        )
+        out.print(
+            f"GPU {size(gpu_budget)} for {counted} + {size(margin)} margin: w fits whole; N: llama.cpp --n-cpu-moe N keeps the experts of blocks 0..N-1 "
+            "in system memory (-ot 'blk\\.(0|..|N-1)\\.ffn_(up|down|gate|gate_up)_(ch|)exps=CPU' is the same); -: not even with every expert there",
+            highlight=False,
+        )
         if best is not None and best.offload is not None:
             shown = best.offload
-            how = ("whole" if shown.fits_whole else f"with {shown.flags} (or -ot '{escape(shown.override)}')" if shown.n_cpu_moe
-                   else "not with any --n-cpu-moe (fewer layers on it, -ngl)")
-            out.print(f"K={best.kept} {best.rung.rung} on the GPU: {how}; {size(shown.gpu_bytes)} of {size(gpu_budget)}", highlight=False)
+            how = (
+                "whole"
+                if shown.fits_whole
+                else f"with {shown.flags} (or -ot '{escape(shown.override)}')"
+                if shown.n_cpu_moe
+                else "not with any --n-cpu-moe (fewer layers on it, -ngl)"
+            )
+            out.print(
+                f"K={best.kept} {best.rung.rung} on the GPU: {how}; {size(shown.gpu_bytes)} of {size(gpu_budget)}",
+                highlight=False,
+            )
             for device in best.gpu_devices:
                 estimated = f" ({', '.join(device.estimated)} estimated)" if device.estimated else ""
-                out.print(f"  {device.device}: weights {size(device.weights)} + cache {size(device.cache)} + compute {size(device.compute)} + output {size(device.output)}"
-                          f" = {size(device.total)}{estimated}", highlight=False)
+                out.print(
+                    f"  {device.device}: weights {size(device.weights)} + cache {size(device.cache)} + compute {size(device.compute)} + output {size(device.output)}"
+                    f" = {size(device.total)}{estimated}",
+                    highlight=False,
+                )
 
 
 def gpu_cell(offload: Offload) -> str:

@@ -39,9 +39,18 @@ if TYPE_CHECKING:
 
 
 app = command_group("Collect, read, convert and remap importance matrices (GGUF and legacy .dat) for pruned models.")
-ImatrixFormatOption = Annotated[str | None, typer.Option("--format", help="Output format: gguf or dat [default: from the output's suffix, else the input's format].")]
+ImatrixFormatOption = Annotated[
+    str | None,
+    typer.Option(
+        "--format", help="Output format: gguf or dat [default: from the output's suffix, else the input's format]."
+    ),
+]
 ChunkSizeOption = Annotated[
-    int | None, typer.Option("--chunk-size", help="Tokens per chunk the imatrix was computed with, needed to turn a .dat into GGUF (llama-imatrix -c; default 512).")
+    int | None,
+    typer.Option(
+        "--chunk-size",
+        help="Tokens per chunk the imatrix was computed with, needed to turn a .dat into GGUF (llama-imatrix -c; default 512).",
+    ),
 ]
 
 
@@ -49,7 +58,9 @@ def _share(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:.1f}%"
 
 
-def _imatrix_keepset(layout: MoeLayout, pruned: GGUFModel | None, keep: Path | None, first: int | None, ids: str | None) -> KeepSet:
+def _imatrix_keepset(
+    layout: MoeLayout, pruned: GGUFModel | None, keep: Path | None, first: int | None, ids: str | None
+) -> KeepSet:
     """The keep-set given on the command line, else the one the pruned model records; both must agree."""
     from ggufcarve.moe.keepset import keepset_from_provenance
 
@@ -57,11 +68,16 @@ def _imatrix_keepset(layout: MoeLayout, pruned: GGUFModel | None, keep: Path | N
     if keep is None and first is None and ids is None:
         if recorded is None:
             where = f"{pruned.path} has no ggufcarve.kept_* keys" if pruned is not None else "no --model given"
-            raise BadInput(f"no keep-set: {where}", "give --keep FILE (or --keep-first/--keep-ids), or --model with a model ggufcarve pruned")
+            raise BadInput(
+                f"no keep-set: {where}",
+                "give --keep FILE (or --keep-first/--keep-ids), or --model with a model ggufcarve pruned",
+            )
         return recorded
     keepset = resolve_keepset(layout, keep, first, ids)
     if recorded is not None and recorded.layers != {b: tuple(v) for b, v in keepset.layers.items()}:
-        differ = sorted(b for b in set(recorded.layers) | set(keepset.layers) if recorded.layers.get(b) != keepset.layers.get(b))
+        differ = sorted(
+            b for b in set(recorded.layers) | set(keepset.layers) if recorded.layers.get(b) != keepset.layers.get(b)
+        )
         raise BadInput(
             f"the keep-set differs from the one {pruned.path if pruned else ''} was pruned with (ggufcarve.kept_experts), in block(s) {ranges(differ)}",
             "omit --keep to use the recorded keep-set, or give the model pruned with this keep-set",
@@ -75,7 +91,10 @@ def imatrix_collect(
     output: Annotated[Path, typer.Option("-o", "--output", help="Output GGUF imatrix path.")],
     calibration: CalibrationOption = None,
     ctx: CtxOption = 512,
-    chunks: Annotated[int | None, typer.Option("--chunks", help="Use at most this many --ctx chunks (llama-imatrix --chunks) [default: all].")] = None,
+    chunks: Annotated[
+        int | None,
+        typer.Option("--chunks", help="Use at most this many --ctx chunks (llama-imatrix --chunks) [default: all]."),
+    ] = None,
     threads: ThreadsOption = None,
     gpu_layers: GpuLayersOption = 0,
     force: ForceOption = False,
@@ -93,34 +112,77 @@ def imatrix_collect(
 
     loaded = read_model(model)
     with progress(not quiet and not as_json) as sink:
-        result = collect_imatrix(loaded, calibration or [], output, ctx=ctx, chunks=chunks, threads=threads, gpu_layers=gpu_layers, force=force,
-                                 on_event=sink)
+        result = collect_imatrix(
+            loaded,
+            calibration or [],
+            output,
+            ctx=ctx,
+            chunks=chunks,
+            threads=threads,
+            gpu_layers=gpu_layers,
+            force=force,
+            on_event=sink,
+        )
     if as_json:
-        out.print_json(json.dumps({
-            "output": str(result.output_path), "bytes": result.output_bytes, "entries": result.entries, "expert_entries": result.expert_entries,
-            "chunk_count": result.chunk_count, "chunk_size": result.chunk_size, "tokens": result.tokens, "datasets": list(result.datasets), "seconds": round(result.seconds, 2),
-        }))
+        out.print_json(
+            json.dumps(
+                {
+                    "output": str(result.output_path),
+                    "bytes": result.output_bytes,
+                    "entries": result.entries,
+                    "expert_entries": result.expert_entries,
+                    "chunk_count": result.chunk_count,
+                    "chunk_size": result.chunk_size,
+                    "tokens": result.tokens,
+                    "datasets": list(result.datasets),
+                    "seconds": round(result.seconds, 2),
+                }
+            )
+        )
         return
-    out.print(f"{result.chunk_count} chunks x {result.chunk_size} tokens of {', '.join(result.datasets)} in {result.seconds:.1f} s ({result.tokens / max(result.seconds, 1e-9):,.0f} tokens/s)")
-    out.print(f"wrote {result.output_path} ({result.entries} entries, {result.expert_entries} with per-expert counts, {result.output_bytes:,} bytes)")
+    out.print(
+        f"{result.chunk_count} chunks x {result.chunk_size} tokens of {', '.join(result.datasets)} in {result.seconds:.1f} s ({result.tokens / max(result.seconds, 1e-9):,.0f} tokens/s)"
+    )
+    out.print(
+        f"wrote {result.output_path} ({result.entries} entries, {result.expert_entries} with per-expert counts, {result.output_bytes:,} bytes)"
+    )
 
 
 @app.command("remap", short_help="Keep the kept experts' rows of an imatrix.")
 def imatrix_remap(
-    imatrix: Annotated[Path, typer.Argument(help="imatrix of the unpruned model (GGUF or .dat), as llama-imatrix wrote it. Never modified.")],
+    imatrix: Annotated[
+        Path,
+        typer.Argument(help="imatrix of the unpruned model (GGUF or .dat), as llama-imatrix wrote it. Never modified."),
+    ],
     output: Annotated[Path, typer.Option("-o", "--output", help="Output imatrix path.")],
     keep: KeepOption = None,
     keep_first_count: KeepFirstOption = None,
     keep_id_list: KeepIdsOption = None,
-    model: Annotated[Path | None, typer.Option("--model", help="The pruned model: its recorded keep-set is used when --keep is omitted, and the output is checked against it as llama-quantize will.")] = None,
-    source_model: Annotated[Path | None, typer.Option("--source-model", help="The unpruned model: the input is checked against it.")] = None,
+    model: Annotated[
+        Path | None,
+        typer.Option(
+            "--model",
+            help="The pruned model: its recorded keep-set is used when --keep is omitted, and the output is checked against it as llama-quantize will.",
+        ),
+    ] = None,
+    source_model: Annotated[
+        Path | None, typer.Option("--source-model", help="The unpruned model: the input is checked against it.")
+    ] = None,
     fmt: ImatrixFormatOption = None,
     chunk_size: ChunkSizeOption = None,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing output (and its report).")] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Validate and print the plan; write nothing.")] = False,
-    report: Annotated[Path | None, typer.Option("--report", help="Where to write the report [default: OUTPUT_DIR/method/<output stem>.imatrix-remap-report.json].")] = None,
+    report: Annotated[
+        Path | None,
+        typer.Option(
+            "--report",
+            help="Where to write the report [default: OUTPUT_DIR/method/<output stem>.imatrix-remap-report.json].",
+        ),
+    ] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")] = False,
-    as_json: Annotated[bool, typer.Option("--json", help="Print the plan (with --dry-run) or the report as JSON.")] = False,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print the plan (with --dry-run) or the report as JSON.")
+    ] = False,
 ) -> None:
     """Keep the kept experts' rows of every expert entry, in keep-set order; every other entry unchanged.
 
@@ -145,27 +207,50 @@ def imatrix_remap(
     if pruned is None and source is None:
         layout = layout_from_imatrix(source_imatrix)
     else:
-        layout = resolve_source_layout(source_imatrix, pruned, inspect_layout(pruned) if pruned else None, inspect_layout(source) if source else None)
+        layout = resolve_source_layout(
+            source_imatrix,
+            pruned,
+            inspect_layout(pruned) if pruned else None,
+            inspect_layout(source) if source else None,
+        )
     keepset = _imatrix_keepset(layout, pruned, keep, keep_first_count, keep_id_list)
     if layout.described_by == "imatrix":
-        warn(f"no model given: {layout.expert_count} experts and MoE blocks {ranges(layout.blocks)} read from the imatrix; the size check against a model and llama.cpp's top-k and group rules were skipped (give --model to run them)", label="note")
+        warn(
+            f"no model given: {layout.expert_count} experts and MoE blocks {ranges(layout.blocks)} read from the imatrix; the size check against a model and llama.cpp's top-k and group rules were skipped (give --model to run them)",
+            label="note",
+        )
     suffix_format = format_from_path(output)
     target = fmt or suffix_format or source_imatrix.format
-    plan = plan_remap(source_imatrix, keepset, layout, output, output_format=target, chunk_size=chunk_size, pruned=pruned, source=source)
+    plan = plan_remap(
+        source_imatrix,
+        keepset,
+        layout,
+        output,
+        output_format=target,
+        chunk_size=chunk_size,
+        pruned=pruned,
+        source=source,
+    )
     warnings = list(plan.warnings)
     if suffix_format is not None and suffix_format != target:
         warnings.append(f"writing a {target} imatrix to a file named {output.name}")
     if plan.losses:
         warnings.append(f"{source_imatrix.format} -> {target} drops: " + "; ".join(plan.losses))
     if target == "gguf" and source_imatrix.format == "dat" and chunk_size is None:
-        warnings.append(f"a .dat does not record its chunk size; assumed {plan.chunk_size} (pass --chunk-size to set it)")
+        warnings.append(
+            f"a .dat does not record its chunk size; assumed {plan.chunk_size} (pass --chunk-size to set it)"
+        )
     for warning in warnings:
         warn(warning)
     if dry_run:
         if as_json:
-            out.print_json(json.dumps({**plan.to_json(), "report": str(report or imatrix_report_path(output)), "dry_run": True}))
+            out.print_json(
+                json.dumps({**plan.to_json(), "report": str(report or imatrix_report_path(output)), "dry_run": True})
+            )
             return
-        out.print(f"dry run, nothing written: {len(plan.tensors)} expert entries {layout.expert_count} -> {plan.kept_count} experts, {len(plan.unchanged)} entries unchanged -> {output} ({target})")
+        out.print(
+            f"dry run, nothing written: {len(plan.tensors)} expert entries {layout.expert_count} -> {plan.kept_count} experts, {len(plan.unchanged)} entries unchanged -> {output} ({target})"
+        )
         return
     sources = [p for m in (pruned, source) if m is not None for p in m.paths]
     with progress(not quiet and not as_json) as sink:
@@ -181,18 +266,29 @@ def imatrix_remap(
     for block in layout.blocks:
         n = sum(1 for t in plan.tensors if t.block == block)
         ids = keepset.layers[block]
-        table.add_row(f"{block}" + (" (MTP)" if layout.is_mtp(block) else ""), str(n), ",".join(map(str, ids)), _share(shares.get(block)))
+        table.add_row(
+            f"{block}" + (" (MTP)" if layout.is_mtp(block) else ""),
+            str(n),
+            ",".join(map(str, ids)),
+            _share(shares.get(block)),
+        )
     out.print(table)
-    overall = f"{_share(routing['share_kept'])} of the calibration's routed (token, slot) pairs went to kept experts" if routing["available"] else routing["reason"]
+    overall = (
+        f"{_share(routing['share_kept'])} of the calibration's routed (token, slot) pairs went to kept experts"
+        if routing["available"]
+        else routing["reason"]
+    )
     out.print(f"{len(plan.tensors)} entries remapped, {len(plan.unchanged)} unchanged; {overall}")
     out.print(f"wrote {result.output_path} ({target}, {result.output_bytes:,} bytes)")
     out.print(f"report: {result.report_path}")
 
 
-@app.command("inspect", short_help='Entries, chunks and per-block routing of an imatrix.')
+@app.command("inspect", short_help="Entries, chunks and per-block routing of an imatrix.")
 def imatrix_inspect(
     imatrix: Annotated[Path, typer.Argument(help="GGUF or legacy .dat imatrix.")],
-    model: Annotated[Path | None, typer.Option("--model", help="Also check every entry against this model, as llama-quantize will.")] = None,
+    model: Annotated[
+        Path | None, typer.Option("--model", help="Also check every entry against this model, as llama-quantize will.")
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print as JSON.")] = False,
 ) -> None:
     """Entries, chunks, datasets, and per MoE block the routing counts (never-routed experts).
@@ -212,17 +308,34 @@ def imatrix_inspect(
         table = new_table(title=f"{imatrix.name}: {loaded.format} imatrix", show_header=False, box=None)
         rows = [
             ("entries", f"{len(loaded.entries)} ({summary.expert_entries} expert, {summary.dense_entries} other)"),
-            ("chunks", f"{loaded.chunk_count} x {loaded.chunk_size} tokens" if loaded.chunk_size else f"{loaded.chunk_count if loaded.chunk_count is not None else '? (no trailer)'} (a .dat does not record the chunk size)"),
+            (
+                "chunks",
+                f"{loaded.chunk_count} x {loaded.chunk_size} tokens"
+                if loaded.chunk_size
+                else f"{loaded.chunk_count if loaded.chunk_count is not None else '? (no trailer)'} (a .dat does not record the chunk size)",
+            ),
             ("datasets", ", ".join(loaded.datasets) or "-"),
-            ("per-expert counts", "yes" if doc["per_expert_counts"] else "no" + (" (a .dat holds one ncall per entry)" if loaded.format == "dat" else "")),
+            (
+                "per-expert counts",
+                "yes"
+                if doc["per_expert_counts"]
+                else "no" + (" (a .dat holds one ncall per entry)" if loaded.format == "dat" else ""),
+            ),
         ]
         if summary.remapped:
-            rows.append(("remapped", f"by ggufcarve: {summary.remapped['source_expert_count']} -> {summary.remapped['kept_expert_count']} experts"))
+            rows.append(
+                (
+                    "remapped",
+                    f"by ggufcarve: {summary.remapped['source_expert_count']} -> {summary.remapped['kept_expert_count']} experts",
+                )
+            )
         for key, value in rows:
             table.add_row(f"[bold]{key}[/]", escape(str(value)))
         out.print(table)
         if summary.blocks and not doc["per_expert_counts"]:
-            out.print(f"expert entries in MoE blocks {ranges([b.block for b in summary.blocks])}; routing per expert unknown (no per-expert counts)")
+            out.print(
+                f"expert entries in MoE blocks {ranges([b.block for b in summary.blocks])}; routing per expert unknown (no per-expert counts)"
+            )
         elif summary.blocks:
             blocks = new_table(title="routing per MoE block ((token, slot) pairs per expert)")
             for column in ("block", "experts", "routed", "min", "median", "max", "top 25% share", "never routed"):
@@ -233,7 +346,13 @@ def imatrix_inspect(
                     continue
                 zero = b["zero_count_experts"]
                 blocks.add_row(
-                    str(b["block"]), str(b["expert_count"]), f"{b['routed_total']:,}", str(b["min"]), f"{b['median']:g}", str(b["max"]), _share(b["top_quarter_share"]),
+                    str(b["block"]),
+                    str(b["expert_count"]),
+                    f"{b['routed_total']:,}",
+                    str(b["min"]),
+                    f"{b['median']:g}",
+                    str(b["max"]),
+                    _share(b["top_quarter_share"]),
                     f"{len(zero)}: {','.join(map(str, zero[:16]))}{',...' if len(zero) > 16 else ''}" if zero else "0",
                 )
             out.print(blocks)
@@ -250,7 +369,7 @@ def imatrix_inspect(
         )
 
 
-@app.command("convert", short_help='Convert GGUF <-> legacy .dat, as llama-imatrix does.')
+@app.command("convert", short_help="Convert GGUF <-> legacy .dat, as llama-imatrix does.")
 def imatrix_convert(
     source: Annotated[Path, typer.Argument(help="GGUF or legacy .dat imatrix. Never modified.")],
     output: Annotated[Path, typer.Option("-o", "--output", help="Output imatrix path.")],
@@ -273,10 +392,23 @@ def imatrix_convert(
     with progress(not quiet) as sink:
         result = convert_file(loaded, output, target, chunk_size=chunk_size, force=force, on_event=sink)
     if result.conversion.losses:
-        err.print(f"[yellow]warning:[/] {loaded.format} -> {target} drops: {escape('; '.join(result.conversion.losses))}", soft_wrap=True, highlight=False)
+        err.print(
+            f"[yellow]warning:[/] {loaded.format} -> {target} drops: {escape('; '.join(result.conversion.losses))}",
+            soft_wrap=True,
+            highlight=False,
+        )
     if result.conversion.skipped:
-        err.print(f"[yellow]warning:[/] not written (no data, as llama-imatrix skips them): {escape(', '.join(result.conversion.skipped))}", soft_wrap=True, highlight=False)
+        err.print(
+            f"[yellow]warning:[/] not written (no data, as llama-imatrix skips them): {escape(', '.join(result.conversion.skipped))}",
+            soft_wrap=True,
+            highlight=False,
+        )
     if target == "gguf" and chunk_size is None:
-        err.print(f"[yellow]note:[/] a .dat does not record its chunk size; imatrix.chunk_size set to {result.conversion.imatrix.chunk_size} (pass --chunk-size to set it)", soft_wrap=True, highlight=False)
-    out.print(f"wrote {result.output_path} ({target}, {len(result.conversion.imatrix.entries)} entries, {result.output_bytes:,} bytes)")
-
+        err.print(
+            f"[yellow]note:[/] a .dat does not record its chunk size; imatrix.chunk_size set to {result.conversion.imatrix.chunk_size} (pass --chunk-size to set it)",
+            soft_wrap=True,
+            highlight=False,
+        )
+    out.print(
+        f"wrote {result.output_path} ({target}, {len(result.conversion.imatrix.entries)} entries, {result.output_bytes:,} bytes)"
+    )

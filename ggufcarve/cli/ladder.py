@@ -20,21 +20,55 @@ from ggufcarve.cli.render import err, escape, new_table, out, progress, size, wa
 app = command_group("Quantization ladders: every rung from one pruned source, hashed and recorded.")
 
 
-@app.command("run", short_help='Quantize every rung of a spec; resumable.')
+@app.command("run", short_help="Quantize every rung of a spec; resumable.")
 def ladder_run(
-    spec: Annotated[str, typer.Argument(help="Ladder spec: a TOML path or the name of a shipped spec, e.g. q8-to-iq1.")],
-    source: Annotated[Path, typer.Option("--source", help="The pruned model to requantize (first shard if split). Never modified.")],
-    output: Annotated[Path, typer.Option("-o", "--output", help="Output directory for the rungs, quant-manifest.json and SHA256SUMS.")],
-    imatrix: Annotated[Path | None, typer.Option("--imatrix", help="imatrix for the source (remapped to the pruned experts); needed by IQ rungs.")] = None,
-    only: Annotated[list[str] | None, typer.Option("--only", help="Run only these rungs (repeat or comma-separate), e.g. Q4_K_M,IQ2_XS.")] = None,
+    spec: Annotated[
+        str, typer.Argument(help="Ladder spec: a TOML path or the name of a shipped spec, e.g. q8-to-iq1.")
+    ],
+    source: Annotated[
+        Path, typer.Option("--source", help="The pruned model to requantize (first shard if split). Never modified.")
+    ],
+    output: Annotated[
+        Path, typer.Option("-o", "--output", help="Output directory for the rungs, quant-manifest.json and SHA256SUMS.")
+    ],
+    imatrix: Annotated[
+        Path | None,
+        typer.Option("--imatrix", help="imatrix for the source (remapped to the pruned experts); needed by IQ rungs."),
+    ] = None,
+    only: Annotated[
+        list[str] | None,
+        typer.Option("--only", help="Run only these rungs (repeat or comma-separate), e.g. Q4_K_M,IQ2_XS."),
+    ] = None,
     keep_going: Annotated[bool, typer.Option("--keep-going", help="Continue past a failed rung.")] = False,
-    quantizer_choice: Annotated[str, typer.Option("--quantizer", help="auto | binary | libllama | PATH to llama-quantize. auto prefers a found binary.")] = "auto",
+    quantizer_choice: Annotated[
+        str,
+        typer.Option(
+            "--quantizer", help="auto | binary | libllama | PATH to llama-quantize. auto prefers a found binary."
+        ),
+    ] = "auto",
     llama_cpp: LlamaCppOption = None,
-    model_name: Annotated[str | None, typer.Option("--model-name", help="{model} in file names (default: the source name without its quant tag).")] = None,
-    threads: Annotated[int | None, typer.Option("--threads", "-t", help="Quantizer threads (default: the physical cores).")] = None,
+    model_name: Annotated[
+        str | None,
+        typer.Option("--model-name", help="{model} in file names (default: the source name without its quant tag)."),
+    ] = None,
+    threads: Annotated[
+        int | None, typer.Option("--threads", "-t", help="Quantizer threads (default: the physical cores).")
+    ] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Validate and print the plan; run nothing.")] = False,
-    force: Annotated[bool, typer.Option("--force", help="Start the release in -o afresh: remove the rungs, reports and sums its manifest describes (needed when it holds another source's release).")] = False,
-    selection: Annotated[Path | None, typer.Option("--selection", help="The SELECTION.json (ggufcarve select -o) the source's experts were chosen by, published as method/expert-selection.json; found beside the source by the sha256 its pruning report records when the source was pruned with --keep SELECTION.json.")] = None,
+    force: Annotated[
+        bool,
+        typer.Option(
+            "--force",
+            help="Start the release in -o afresh: remove the rungs, reports and sums its manifest describes (needed when it holds another source's release).",
+        ),
+    ] = False,
+    selection: Annotated[
+        Path | None,
+        typer.Option(
+            "--selection",
+            help="The SELECTION.json (ggufcarve select -o) the source's experts were chosen by, published as method/expert-selection.json; found beside the source by the sha256 its pruning report records when the source was pruned with --keep SELECTION.json.",
+        ),
+    ] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress output.")] = False,
 ) -> None:
     """Quantize every rung of SPEC from --source into -o DIR; resumable; writes quant-manifest.json and SHA256SUMS."""
@@ -45,17 +79,45 @@ def ladder_run(
 
     ladder_spec = load_spec(find_spec(spec))
     quantizer = make_quantizer(quantizer_choice, llama_cpp)
-    plan = plan_ladder(ladder_spec, source, output, quantizer=quantizer, imatrix=imatrix, only=only, model_name=model_name, nthreads=threads or physical_cores(), hash_inputs=not dry_run, fresh=force, selection=selection)
+    plan = plan_ladder(
+        ladder_spec,
+        source,
+        output,
+        quantizer=quantizer,
+        imatrix=imatrix,
+        only=only,
+        model_name=model_name,
+        nthreads=threads or physical_cores(),
+        hash_inputs=not dry_run,
+        fresh=force,
+        selection=selection,
+    )
     for warning in plan.warnings:
         warn(warning)
     described = quantizer.describe()
-    err.print(f"quantizer: {described['backend']} {described['path']}" + (f" (build {described['build']}, {described['commit']})" if described.get("build") is not None else f" ({described.get('version')})"), highlight=False)
+    err.print(
+        f"quantizer: {described['backend']} {described['path']}"
+        + (
+            f" (build {described['build']}, {described['commit']})"
+            if described.get("build") is not None
+            else f" ({described.get('version')})"
+        ),
+        highlight=False,
+    )
     if dry_run:
         table = new_table(title=f"ladder {ladder_spec.name} (dry run: nothing written)")
         for column in ("rung", "output", "est. size", "imatrix fallback", "command"):
             table.add_column(column, overflow="fold")
         for p in plan.rungs:
-            table.add_row(p.rung.name, str(p.output), size(p.estimated_bytes), f"{len(p.fallback)} -> {p.rung.imatrix_fallback_type}" if p.fallback else "", escape((f"cd {shlex.quote(str(p.job.cwd))} && " if p.job.cwd else "") + shlex.join(quantizer.argv(p.job))))
+            table.add_row(
+                p.rung.name,
+                str(p.output),
+                size(p.estimated_bytes),
+                f"{len(p.fallback)} -> {p.rung.imatrix_fallback_type}" if p.fallback else "",
+                escape(
+                    (f"cd {shlex.quote(str(p.job.cwd))} && " if p.job.cwd else "") + shlex.join(quantizer.argv(p.job))
+                ),
+            )
         out.print(table)
         return
     with progress(not quiet) as sink:
@@ -64,10 +126,23 @@ def ladder_run(
     for column in ("rung", "size", "bits/weight", "sha256", "seconds", "status"):
         table.add_column(column, justify="left" if column in ("rung", "sha256", "status") else "right")
     for r in result.rungs:
-        status = {"built": "[green]built[/]", "skipped": "skipped (unchanged)", "failed": f"[red]FAILED[/]: {escape(r.error or '')}", "not run": "not run"}[r.status]
-        table.add_row(r.name, size(r.bytes) if r.bytes else "", f"{r.bits_per_weight:.2f}" if r.bits_per_weight else "", (r.sha256 or "")[:12], f"{r.seconds:.1f}", status)
+        status = {
+            "built": "[green]built[/]",
+            "skipped": "skipped (unchanged)",
+            "failed": f"[red]FAILED[/]: {escape(r.error or '')}",
+            "not run": "not run",
+        }[r.status]
+        table.add_row(
+            r.name,
+            size(r.bytes) if r.bytes else "",
+            f"{r.bits_per_weight:.2f}" if r.bits_per_weight else "",
+            (r.sha256 or "")[:12],
+            f"{r.seconds:.1f}",
+            status,
+        )
     out.print(table)
-    out.print(f"manifest: {result.manifest_path}; sums: {result.sums_path}; {result.seconds:.1f} s total, {result.quantizer_seconds:.1f} s in the quantizer")
+    out.print(
+        f"manifest: {result.manifest_path}; sums: {result.sums_path}; {result.seconds:.1f} s total, {result.quantizer_seconds:.1f} s in the quantizer"
+    )
     if result.failed:
         raise typer.Exit(1)
-

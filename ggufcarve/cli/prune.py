@@ -35,18 +35,35 @@ def _layout_table(model: GGUFModel, layout: MoeLayout) -> Table:
     table = new_table(title=f"{model.path.name}: {layout.architecture}", show_header=False, box=None)
     rows = [
         ("files", ", ".join(p.name for p in model.paths)),
-        ("blocks", f"{layout.block_count} ({layout.nextn_layers} MTP)" if layout.nextn_layers else str(layout.block_count)),
-        ("MoE blocks", f"{len(layout.layers)}: {ranges(layout.blocks)}" + (f" (MTP: {ranges([b for b in layout.blocks if layout.is_mtp(b)])})" if layout.nextn_layers else "")),
+        (
+            "blocks",
+            f"{layout.block_count} ({layout.nextn_layers} MTP)" if layout.nextn_layers else str(layout.block_count),
+        ),
+        (
+            "MoE blocks",
+            f"{len(layout.layers)}: {ranges(layout.blocks)}"
+            + (f" (MTP: {ranges([b for b in layout.blocks if layout.is_mtp(b)])})" if layout.nextn_layers else ""),
+        ),
         ("experts", f"{layout.expert_count}, top-{layout.expert_used_count}"),
         ("groups", f"{layout.group_count}, {layout.group_used_count} used" if layout.group_count > 1 else "none"),
         ("shared experts", str(layout.shared_expert_count)),
-        ("routing", layout.routing.describe() + ("; MTP blocks have their own experts" if layout.nextn_layers and any(layout.is_mtp(b) for b in layout.blocks) else "")),
-        ("size", f"{size(model.total_bytes)}; experts {size(layout.expert_bytes)} ({100 * layout.expert_bytes / max(layout.total_bytes, 1):.1f}% of tensor data)"),
+        (
+            "routing",
+            layout.routing.describe()
+            + (
+                "; MTP blocks have their own experts"
+                if layout.nextn_layers and any(layout.is_mtp(b) for b in layout.blocks)
+                else ""
+            ),
+        ),
+        (
+            "size",
+            f"{size(model.total_bytes)}; experts {size(layout.expert_bytes)} ({100 * layout.expert_bytes / max(layout.total_bytes, 1):.1f}% of tensor data)",
+        ),
     ]
     for key, value in rows:
         table.add_row(f"[bold]{key}[/]", value)
     return table
-
 
 
 def inspect(
@@ -70,7 +87,13 @@ def inspect(
     for layer in layout.layers:
         for t in layer.tensors:
             suffix = t.name.split(".", 2)[2]
-            row = (suffix + (" (MTP)" if layer.is_mtp else ""), t.role, "x".join(map(str, t.shape)), t.type_name, f"{t.bytes_per_expert:,}")
+            row = (
+                suffix + (" (MTP)" if layer.is_mtp else ""),
+                t.role,
+                "x".join(map(str, t.shape)),
+                t.type_name,
+                f"{t.bytes_per_expert:,}",
+            )
             seen.setdefault(row[0] + row[2] + row[3], row)
     for row in seen.values():
         tensors.add_row(*row)
@@ -79,18 +102,31 @@ def inspect(
 
 def prune(
     model: Annotated[Path, typer.Argument(help="Source GGUF file, or the first shard of a split set. Never modified.")],
-    output: Annotated[Path, typer.Option("-o", "--output", help="Output .gguf path (split outputs get -0000i-of-0000N).")],
+    output: Annotated[
+        Path, typer.Option("-o", "--output", help="Output .gguf path (split outputs get -0000i-of-0000N).")
+    ],
     keep: KeepOption = None,
     keep_first_count: KeepFirstOption = None,
     keep_id_list: KeepIdsOption = None,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing output.")] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan and write nothing.")] = False,
     no_provenance: Annotated[bool, typer.Option("--no-provenance", help="Do not add ggufcarve.* keys.")] = False,
-    split_max_size: Annotated[str | None, typer.Option("--split-max-size", help="Re-shard the output, e.g. 50G or 512M (as llama-gguf-split).")] = None,
+    split_max_size: Annotated[
+        str | None,
+        typer.Option("--split-max-size", help="Re-shard the output, e.g. 50G or 512M (as llama-gguf-split)."),
+    ] = None,
     merge: Annotated[bool, typer.Option("--merge", help="Write a split source as one file.")] = False,
-    report: Annotated[Path | None, typer.Option("--report", help="Where to write the pruning report [default: OUTPUT_DIR/method/<output stem>.pruning-report.json].")] = None,
+    report: Annotated[
+        Path | None,
+        typer.Option(
+            "--report",
+            help="Where to write the pruning report [default: OUTPUT_DIR/method/<output stem>.pruning-report.json].",
+        ),
+    ] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars.")] = False,
-    as_json: Annotated[bool, typer.Option("--json", help="Print the plan (with --dry-run) or the result as JSON.")] = False,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print the plan (with --dry-run) or the result as JSON.")
+    ] = False,
 ) -> None:
     """Keep K experts per MoE block: kept slabs and router rows copied as raw bytes, then verified."""
     from ggufcarve.gguf.container import read_model
@@ -102,7 +138,15 @@ def prune(
     loaded = read_model(model)
     layout = inspect_layout(loaded)
     keepset = resolve_keepset(layout, keep, keep_first_count, keep_id_list)
-    plan = plan_prune(loaded, layout, keepset, output, provenance=not no_provenance, split_max_size=parse_size(split_max_size) if split_max_size else None, merge=merge)
+    plan = plan_prune(
+        loaded,
+        layout,
+        keepset,
+        output,
+        provenance=not no_provenance,
+        split_max_size=parse_size(split_max_size) if split_max_size else None,
+        merge=merge,
+    )
     for warning in plan.warnings:
         warn(warning)
     if dry_run:
@@ -111,8 +155,13 @@ def prune(
             return
         summary = plan.to_json()
         table = new_table(title="prune plan (dry run: nothing written)", show_header=False, box=None)
-        table.add_row("[bold]experts[/]", f"{layout.expert_count} -> {plan.kept_count} in {len(layout.layers)} MoE blocks")
-        table.add_row("[bold]tensors[/]", f"{len(summary['tensors_pruned'])} sliced, {summary['tensors_total'] - len(summary['tensors_pruned'])} copied whole")
+        table.add_row(
+            "[bold]experts[/]", f"{layout.expert_count} -> {plan.kept_count} in {len(layout.layers)} MoE blocks"
+        )
+        table.add_row(
+            "[bold]tensors[/]",
+            f"{len(summary['tensors_pruned'])} sliced, {summary['tensors_total'] - len(summary['tensors_pruned'])} copied whole",
+        )
         for key, change in summary["changed_keys"].items():
             table.add_row(f"[bold]{key}[/]", f"{change['before']} -> {change['after']}")
         table.add_row("[bold]bytes in[/]", f"{plan.bytes_in:,} ({size(plan.bytes_in)})")
@@ -126,13 +175,24 @@ def prune(
     if keep is not None:
         save_keep_file(plan, keep)  # beside the report: `ladder run` publishes it with the pruned model
     if as_json:
-        out.print_json(json.dumps({**plan.to_json(), "report": str(result.report_path), "timings": result.timings, "verified_tensors": len(result.verification.tensors)}))
+        out.print_json(
+            json.dumps(
+                {
+                    **plan.to_json(),
+                    "report": str(result.report_path),
+                    "timings": result.timings,
+                    "verified_tensors": len(result.verification.tensors),
+                }
+            )
+        )
         return
     table = new_table(title="pruned and verified")
     for column in ("output", "bytes", "size", "tensors", "sliced"):
         table.add_column(column, justify="left" if column == "output" else "right")
     for f in plan.files:
-        table.add_row(str(f.path), f"{f.size:,}", size(f.size), str(len(f.tensors)), str(sum(t.pruned for t in f.tensors)))
+        table.add_row(
+            str(f.path), f"{f.size:,}", size(f.size), str(len(f.tensors)), str(sum(t.pruned for t in f.tensors))
+        )
     out.print(table)
     t = result.timings
     out.print(
@@ -179,5 +239,6 @@ def check_prune_command(
                 failures.add_row(t.name, f"xxh3 {t.output_xxh3[:16]} != expected {t.expected_xxh3[:16]}")
         err.print(failures)
         verification.raise_if_failed(f"{output}")
-    out.print(f"OK: {len(verification.tensors)} tensors and {verification.keys_checked} keys of {output} match {source} with {layout.expert_count} -> {keepset.kept_count} experts")
-
+    out.print(
+        f"OK: {len(verification.tensors)} tensors and {verification.keys_checked} keys of {output} match {source} with {layout.expert_count} -> {keepset.kept_count} experts"
+    )

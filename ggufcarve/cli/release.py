@@ -19,13 +19,17 @@ import typer
 from ggufcarve.cli.options import JsonOption, QuietOption, command_group
 from ggufcarve.cli.render import escape, new_table, out, progress
 
-app = command_group("Release directories: assemble quant-manifest.json and SHA256SUMS from the rungs' fragments; record documentation.")
+app = command_group(
+    "Release directories: assemble quant-manifest.json and SHA256SUMS from the rungs' fragments; record documentation."
+)
 
 
-@app.command("merge", short_help='Assemble the manifest and sums from rung fragments.')
+@app.command("merge", short_help="Assemble the manifest and sums from rung fragments.")
 def merge_command(
     directory: Annotated[Path, typer.Argument(help="The release directory ladder runs wrote into (-o DIR).")],
-    jobs: Annotated[int | None, typer.Option("--jobs", "-j", help="Files hashed in parallel (default: CPU count).")] = None,
+    jobs: Annotated[
+        int | None, typer.Option("--jobs", "-j", help="Files hashed in parallel (default: CPU count).")
+    ] = None,
     as_json: JsonOption = False,
     quiet: QuietOption = False,
 ) -> None:
@@ -36,24 +40,50 @@ def merge_command(
     with progress(not quiet and not as_json, transient=True) as sink:
         result = merge_release(directory, workers=jobs, on_event=sink)
     if as_json:
-        out.print_json(json.dumps({"directory": str(directory), "fragments": result.fragments, "adopted": result.adopted, "changed": result.changed,
-                                   "bytes_hashed": result.bytes_hashed, "seconds": round(result.seconds, 3),
-                                   "rungs": [{"name": r.get("name"), "status": r.get("status"), "sha256": r.get("sha256")} for r in result.rungs]}))
+        out.print_json(
+            json.dumps(
+                {
+                    "directory": str(directory),
+                    "fragments": result.fragments,
+                    "adopted": result.adopted,
+                    "changed": result.changed,
+                    "bytes_hashed": result.bytes_hashed,
+                    "seconds": round(result.seconds, 3),
+                    "rungs": [
+                        {"name": r.get("name"), "status": r.get("status"), "sha256": r.get("sha256")}
+                        for r in result.rungs
+                    ],
+                }
+            )
+        )
         return
     table = new_table(title=f"release {directory}: {result.fragments} fragment(s)")
     for column in ("rung", "file", "size", "sha256", "status"):
         table.add_column(column)
     for r in result.rungs:
         files = r.get("files") or []
-        table.add_row(escape(str(r.get("name"))), escape(", ".join(str(f.get("name")) for f in files)), format_size(sum(int(f.get("bytes") or 0) for f in files)) if files else "", str(r.get("sha256") or "")[:12], escape(str(r.get("status"))))
+        table.add_row(
+            escape(str(r.get("name"))),
+            escape(", ".join(str(f.get("name")) for f in files)),
+            format_size(sum(int(f.get("bytes") or 0) for f in files)) if files else "",
+            str(r.get("sha256") or "")[:12],
+            escape(str(r.get("status"))),
+        )
     out.print(table)
     state = "written" if result.changed else "unchanged"
-    out.print(f"quant-manifest.json and SHA256SUMS {state}: {len(result.rungs)} rung(s), {format_size(result.bytes_hashed)} hashed in {result.seconds:.1f} s")
+    out.print(
+        f"quant-manifest.json and SHA256SUMS {state}: {len(result.rungs)} rung(s), {format_size(result.bytes_hashed)} hashed in {result.seconds:.1f} s"
+    )
 
 
 @app.command("record", short_help="Record a hand-edited card or documentation file.")
 def record_command(
-    files: Annotated[list[Path], typer.Argument(help="Files inside a release: README.md (the card, as it is) or documentation (LICENSE, NOTICE, .md, .txt, images, .gitattributes).")],
+    files: Annotated[
+        list[Path],
+        typer.Argument(
+            help="Files inside a release: README.md (the card, as it is) or documentation (LICENSE, NOTICE, .md, .txt, images, .gitattributes)."
+        ),
+    ],
 ) -> None:
     """Make files you added part of the release: describe them in quant-manifest.json and list them in SHA256SUMS."""
     from ggufcarve.errors import BadInput
@@ -62,10 +92,16 @@ def record_command(
     releases = {p: release_of(p.absolute().parent) for p in files}
     outside = [p for p, r in releases.items() if r is None]
     if outside:
-        raise BadInput(f"{outside[0]} is not inside a release directory (none with quant-manifest.json above it)", "give files inside the release directory")
+        raise BadInput(
+            f"{outside[0]} is not inside a release directory (none with quant-manifest.json above it)",
+            "give files inside the release directory",
+        )
     found = {r for r in releases.values() if r is not None}
     if len(found) != 1:
-        raise BadInput(f"the files are in {len(found)} release directories ({', '.join(sorted(map(str, found)))})", "record the files of one release at a time")
+        raise BadInput(
+            f"the files are in {len(found)} release directories ({', '.join(sorted(map(str, found)))})",
+            "record the files of one release at a time",
+        )
     release = found.pop()
     recorded = record_files(release, files)
     names = [n for kind in recorded.values() for n in kind]

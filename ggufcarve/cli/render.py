@@ -39,7 +39,11 @@ class _LazyConsole:
             stream = sys.stderr if self._stderr else sys.stdout
             piped = not stream.isatty() and "COLUMNS" not in os.environ
             # piped or logged: lines are not wrapped and tables get PIPE_WIDTH columns, so no value is cut or split
-            self._console = Console(stderr=self._stderr, width=PIPE_WIDTH, soft_wrap=True) if piped else Console(stderr=self._stderr)
+            self._console = (
+                Console(stderr=self._stderr, width=PIPE_WIDTH, soft_wrap=True)
+                if piped
+                else Console(stderr=self._stderr)
+            )
         return self._console
 
     def __getattr__(self, name: str) -> Any:
@@ -69,7 +73,11 @@ def warn(message: str, label: str = "warning") -> None:
 
 
 def print_error(message: str, hint: str) -> None:
-    err.print(f"[bold red]error:[/] {escape(message)}" + (f" [dim](hint: {escape(hint)})[/]" if hint else ""), soft_wrap=True, highlight=False)
+    err.print(
+        f"[bold red]error:[/] {escape(message)}" + (f" [dim](hint: {escape(hint)})[/]" if hint else ""),
+        soft_wrap=True,
+        highlight=False,
+    )
 
 
 def size(n: float, unit: tuple[str, int] | None = None) -> str:
@@ -121,8 +129,13 @@ def progress(enabled: bool = True, transient: bool = False) -> Iterator[Sink]:
             return Text(f"{done:,.0f}/{total:,.0f} {unit}" if total else f"{done:,.0f} {unit}")
 
     bars = Progress(
-        TextColumn("{task.description:<12}"), BarColumn(), Count(), TimeRemainingColumn(), TextColumn("{task.fields[message]}"),
-        console=err.console(), transient=transient,
+        TextColumn("{task.description:<12}"),
+        BarColumn(),
+        Count(),
+        TimeRemainingColumn(),
+        TextColumn("{task.fields[message]}"),
+        console=err.console(),
+        transient=transient,
     )
     tasks: dict[str, Any] = {}
 
@@ -131,7 +144,9 @@ def progress(enabled: bool = True, transient: bool = False) -> Iterator[Sink]:
         if task is None:
             if not tasks:
                 bars.start()  # drawn from the first event on: a command that fails before any leaves no empty line above its error
-            task = tasks[event.stage] = bars.add_task(event.stage, total=event.total or None, unit=event.unit, message="")
+            task = tasks[event.stage] = bars.add_task(
+                event.stage, total=event.total or None, unit=event.unit, message=""
+            )
         fields: dict[str, Any] = {"completed": event.done, "unit": event.unit}
         if event.total:
             fields["total"] = event.total

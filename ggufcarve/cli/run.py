@@ -28,19 +28,43 @@ def _size(n: int | None) -> str:
 
 
 def _preview_table(preview: RunPreview) -> None:
-    table = new_table(title=f"run plan{' ' + escape(preview.plan.path.name) if preview.plan.path else ''} (dry run: nothing written)")
+    table = new_table(
+        title=f"run plan{' ' + escape(preview.plan.path.name) if preview.plan.path else ''} (dry run: nothing written)"
+    )
     for column in ("stage", "does", "writes", "size", "state"):
         table.add_column(column, overflow="fold", justify="right" if column == "size" else "left")
     for s in preview.stages:
-        writes = ", ".join(s.outputs) if len(s.outputs) <= 2 else f"{s.outputs[0]} ... {s.outputs[-1]} ({len(s.outputs)} files)"
-        table.add_row(s.name, escape(s.action), escape(writes), _size(s.bytes) if s.bytes is not None else "", "ran before" if s.done else "")
+        writes = (
+            ", ".join(s.outputs)
+            if len(s.outputs) <= 2
+            else f"{s.outputs[0]} ... {s.outputs[-1]} ({len(s.outputs)} files)"
+        )
+        table.add_row(
+            s.name,
+            escape(s.action),
+            escape(writes),
+            _size(s.bytes) if s.bytes is not None else "",
+            "ran before" if s.done else "",
+        )
     out.print(table)
-    out.print(f"source {preview.plan.source}; release {preview.plan.output}; work {preview.plan.work}", highlight=False, soft_wrap=True)
+    out.print(
+        f"source {preview.plan.source}; release {preview.plan.output}; work {preview.plan.work}",
+        highlight=False,
+        soft_wrap=True,
+    )
     free = "; ".join(f"{escape(d)}: {_size(b)} free" for d, b in preview.free.items())
-    out.print(f"disk needed: about {_size(preview.bytes_needed)} in work and release ({free})", highlight=False, soft_wrap=True)
+    out.print(
+        f"disk needed: about {_size(preview.bytes_needed)} in work and release ({free})",
+        highlight=False,
+        soft_wrap=True,
+    )
     if preview.reference_bytes:
-        out.print(f"and up to {_size(preview.reference_bytes)} for the reference's log-probs (every token, as llama-perplexity keeps them; a plan's "
-                  "\\[evaluation] top_k = 128 keeps a small cache with an estimated KLD instead)", highlight=False, soft_wrap=True)
+        out.print(
+            f"and up to {_size(preview.reference_bytes)} for the reference's log-probs (every token, as llama-perplexity keeps them; a plan's "
+            "\\[evaluation] top_k = 128 keeps a small cache with an estimated KLD instead)",
+            highlight=False,
+            soft_wrap=True,
+        )
 
 
 def _result_tables(result: RunResult) -> None:
@@ -48,7 +72,12 @@ def _result_tables(result: RunResult) -> None:
     for column in ("stage", "status", "seconds", "result"):
         table.add_column(column, justify="right" if column == "seconds" else "left", overflow="fold")
     for s in result.stages:
-        table.add_row(s.name, "[green]ran[/]" if s.status == "ran" else "skipped (unchanged)", f"{s.seconds:.1f}" if s.status == "ran" else "", escape(s.summary))
+        table.add_row(
+            s.name,
+            "[green]ran[/]" if s.status == "ran" else "skipped (unchanged)",
+            f"{s.seconds:.1f}" if s.status == "ran" else "",
+            escape(s.summary),
+        )
     out.print(table)
     tuned = _tune_report(result.plan)
     if tuned is not None:
@@ -65,15 +94,32 @@ def _result_tables(result: RunResult) -> None:
         for r in sorted(result.evaluation, key=lambda r: (r["model"]["bytes"], r["model"]["name"])):
             gate = r.get("gate") or "-"
             failed = ", ".join(str(f).split()[0] for f in r.get("gate_failed") or [])
-            gate = "[green]PASS[/]" if gate == "PASS" else (f"[red]FAIL[/] {escape(failed)}" if gate == "FAIL" else gate)
+            gate = (
+                "[green]PASS[/]" if gate == "PASS" else (f"[red]FAIL[/] {escape(failed)}" if gate == "FAIL" else gate)
+            )
             experts = f"{r['model'].get('expert_count')}" + ("" if r["model"].get("pruned") else " (unpruned)")
-            quality.add_row(("* " if r["model"]["name"] in front else "  ") + escape(str(r["model"]["quant"])), experts, f"{r['model']['bytes'] / scale:,.2f}",
-                            f"{r['ppl']:.3f}", f"{round(r['ppl_delta_percent'], 2) + 0.0:+.2f}%", f"{r['kld_mean']:.5f}", f"{100 * r['same_top_p']:.1f}%", gate)
+            quality.add_row(
+                ("* " if r["model"]["name"] in front else "  ") + escape(str(r["model"]["quant"])),
+                experts,
+                f"{r['model']['bytes'] / scale:,.2f}",
+                f"{r['ppl']:.3f}",
+                f"{round(r['ppl_delta_percent'], 2) + 0.0:+.2f}%",
+                f"{r['kld_mean']:.5f}",
+                f"{100 * r['same_top_p']:.1f}%",
+                gate,
+            )
         out.print(quality)
     if result.evaluation:
-        out.print(f"per-model results, charts and summary.md: {result.plan.output / 'evaluation'}", highlight=False, soft_wrap=True)
+        out.print(
+            f"per-model results, charts and summary.md: {result.plan.output / 'evaluation'}",
+            highlight=False,
+            soft_wrap=True,
+        )
     out.print(_tree(result.plan.output))
-    out.print(f"{result.seconds:.1f} s; verify passed: {len(result.verification.files_ok)} files match SHA256SUMS and the manifest", highlight=False)
+    out.print(
+        f"{result.seconds:.1f} s; verify passed: {len(result.verification.files_ok)} files match SHA256SUMS and the manifest",
+        highlight=False,
+    )
 
 
 def _tune_report(plan: RunPlan) -> dict | None:
@@ -92,30 +138,63 @@ def _tune_json(plan: RunPlan) -> dict:
     report = _tune_report(plan)
     if report is None:
         return {}
-    keys = ("id", "method", "K", "kld_mean", "kld_mean_stderr", "same_top_p", "ppl", "chunks_scored", "stopped_early", "identical_to", "winner")
-    return {"tune": {"winner": report["winner"], "candidates": [{k: c.get(k) for k in keys} for c in report["candidates"]]}}
+    keys = (
+        "id",
+        "method",
+        "K",
+        "kld_mean",
+        "kld_mean_stderr",
+        "same_top_p",
+        "ppl",
+        "chunks_scored",
+        "stopped_early",
+        "identical_to",
+        "winner",
+    )
+    return {
+        "tune": {"winner": report["winner"], "candidates": [{k: c.get(k) for k in keys} for c in report["candidates"]]}
+    }
 
 
 def _tune_table(report: dict) -> None:
     from ggufcarve.tune.run import left_out_lines, ranked
 
     for k in report["keeps"]:
-        table = new_table(title=f"tune: K = {k} of {report['model']['expert_count']}, mean KLD vs the unpruned model (masked), ctx {report['parameters']['ctx']}")
+        table = new_table(
+            title=f"tune: K = {k} of {report['model']['expert_count']}, mean KLD vs the unpruned model (masked), ctx {report['parameters']['ctx']}"
+        )
         for column in ("method", "mean KLD", "±", "99.9% KLD", "same top p", "PPL", "chunks"):
             table.add_column(column, justify="left" if column == "method" else "right", overflow="fold")
         for c in ranked(report["candidates"], k):
-            name = f"[bold]{escape(c['method'])}[/] (winner)" if c["winner"] else escape(c["method"]) + (f" (= {escape(c['identical_to'])})" if c["identical_to"] else "")
-            table.add_row(name, f"{c['kld_mean']:.4f}", f"{c['kld_mean_stderr']:.4f}", f"{c['kld_p999']:.3f}", f"{100 * c['same_top_p']:.1f}%", f"{c['ppl']:.2f}",
-                          f"{c['chunks_scored']}" + (" (stopped)" if c["stopped_early"] else ""))
+            name = (
+                f"[bold]{escape(c['method'])}[/] (winner)"
+                if c["winner"]
+                else escape(c["method"]) + (f" (= {escape(c['identical_to'])})" if c["identical_to"] else "")
+            )
+            table.add_row(
+                name,
+                f"{c['kld_mean']:.4f}",
+                f"{c['kld_mean_stderr']:.4f}",
+                f"{c['kld_p999']:.3f}",
+                f"{100 * c['same_top_p']:.1f}%",
+                f"{c['ppl']:.2f}",
+                f"{c['chunks_scored']}" + (" (stopped)" if c["stopped_early"] else ""),
+            )
         out.print(table)
     for line in left_out_lines(report):
         out.print(line, highlight=False, soft_wrap=True)
-    out.print(f"carved: {report['winner']} (the winner at the first K); the table and the cliff: method/tune.md", highlight=False, soft_wrap=True)
+    out.print(
+        f"carved: {report['winner']} (the winner at the first K); the table and the cliff: method/tune.md",
+        highlight=False,
+        soft_wrap=True,
+    )
 
 
 def _tree(directory: Path) -> str:
     lines = [f"{directory}/"]
-    entries = sorted(p for p in directory.rglob("*") if not any(part.startswith(".") for part in p.relative_to(directory).parts))
+    entries = sorted(
+        p for p in directory.rglob("*") if not any(part.startswith(".") for part in p.relative_to(directory).parts)
+    )
     for p in entries:
         rel = p.relative_to(directory)
         indent = "  " * len(rel.parts)
@@ -130,35 +209,89 @@ def _execute(plan: RunPlan, dry_run: bool, force: bool, quiet: bool, as_json: bo
     if dry_run:
         preview = preview_run(plan)
         if as_json:
-            out.print_json(json.dumps({
-                "stages": [{"name": s.name, "does": s.action, "writes": list(s.outputs), "bytes": s.bytes, "done": s.done} for s in preview.stages],
-                "bytes_needed": preview.bytes_needed, "reference_bytes": preview.reference_bytes, "needed": preview.needed, "free": preview.free, "plan": plan.to_json(),
-            }))
+            out.print_json(
+                json.dumps(
+                    {
+                        "stages": [
+                            {
+                                "name": s.name,
+                                "does": s.action,
+                                "writes": list(s.outputs),
+                                "bytes": s.bytes,
+                                "done": s.done,
+                            }
+                            for s in preview.stages
+                        ],
+                        "bytes_needed": preview.bytes_needed,
+                        "reference_bytes": preview.reference_bytes,
+                        "needed": preview.needed,
+                        "free": preview.free,
+                        "plan": plan.to_json(),
+                    }
+                )
+            )
         else:
             _preview_table(preview)
         if preview.short:
             probe = preview.short[0]
-            raise OutputError(f"the run needs about {_size(preview.needed[probe])} but {probe} has {_size(preview.free[probe])} free",
-                              "free disk space, or set work/output in the plan to a larger disk (and GGUFCARVE_CACHE for the reference's log-probs)")
+            raise OutputError(
+                f"the run needs about {_size(preview.needed[probe])} but {probe} has {_size(preview.free[probe])} free",
+                "free disk space, or set work/output in the plan to a larger disk (and GGUFCARVE_CACHE for the reference's log-probs)",
+            )
         return
     with progress(not quiet and not as_json) as sink:
         result = execute_run(plan, force=force, on_event=sink)
     for warning in result.warnings:
         warn(warning)
     if as_json:
-        out.print_json(json.dumps({
-            "output": str(plan.output), "work": str(plan.work), "seconds": round(result.seconds, 3),
-            "stages": [{"name": s.name, "status": s.status, "seconds": round(s.seconds, 3), "outputs": s.outputs, "result": s.summary} for s in result.stages],
-            "evaluation": [{k: r.get(k) for k in ("ppl", "ppl_delta_percent", "kld_mean", "same_top_p", "gate")} | {"model": r["model"]["file"]} for r in result.evaluation],
-        } | _tune_json(plan)))
+        out.print_json(
+            json.dumps(
+                {
+                    "output": str(plan.output),
+                    "work": str(plan.work),
+                    "seconds": round(result.seconds, 3),
+                    "stages": [
+                        {
+                            "name": s.name,
+                            "status": s.status,
+                            "seconds": round(s.seconds, 3),
+                            "outputs": s.outputs,
+                            "result": s.summary,
+                        }
+                        for s in result.stages
+                    ],
+                    "evaluation": [
+                        {k: r.get(k) for k in ("ppl", "ppl_delta_percent", "kld_mean", "same_top_p", "gate")}
+                        | {"model": r["model"]["file"]}
+                        for r in result.evaluation
+                    ],
+                }
+                | _tune_json(plan)
+            )
+        )
         return
     _result_tables(result)
 
 
-RunThreadsOption = Annotated[int | None, typer.Option("--threads", "-t", min=1, help="CPU threads of every llama.cpp stage (default: the plan's threads, else the physical cores).")]
+RunThreadsOption = Annotated[
+    int | None,
+    typer.Option(
+        "--threads",
+        "-t",
+        min=1,
+        help="CPU threads of every llama.cpp stage (default: the plan's threads, else the physical cores).",
+    ),
+]
 
 
-RunGpuLayersOption = Annotated[int | None, typer.Option("--gpu-layers", min=0, help="Layers every llama.cpp stage offloads to the GPU (llama.cpp's -ngl; default: the plan's gpu_layers, else 0). A llama-cpp-python built without a GPU backend ignores it.")]
+RunGpuLayersOption = Annotated[
+    int | None,
+    typer.Option(
+        "--gpu-layers",
+        min=0,
+        help="Layers every llama.cpp stage offloads to the GPU (llama.cpp's -ngl; default: the plan's gpu_layers, else 0). A llama-cpp-python built without a GPU backend ignores it.",
+    ),
+]
 
 
 def _with_threads(plan: RunPlan, threads: int | None, gpu_layers: int | None = None) -> RunPlan:
@@ -169,9 +302,23 @@ def _with_threads(plan: RunPlan, threads: int | None, gpu_layers: int | None = N
 
 
 def run_command(
-    plan_file: Annotated[Path, typer.Argument(help="The plan (TOML): source, selection, calibration, imatrix, ladder, evaluation. See plans/.")],
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the stages, their outputs, sizes and the disk needed; write nothing. Fails when the disk is short.")] = False,
-    force: Annotated[bool, typer.Option("--force", help="Run every stage again and start the release afresh (its old rungs are removed).")] = False,
+    plan_file: Annotated[
+        Path,
+        typer.Argument(
+            help="The plan (TOML): source, selection, calibration, imatrix, ladder, evaluation. See plans/."
+        ),
+    ],
+    dry_run: Annotated[
+        bool,
+        typer.Option(
+            "--dry-run",
+            help="Print the stages, their outputs, sizes and the disk needed; write nothing. Fails when the disk is short.",
+        ),
+    ] = False,
+    force: Annotated[
+        bool,
+        typer.Option("--force", help="Run every stage again and start the release afresh (its old rungs are removed)."),
+    ] = False,
     threads: RunThreadsOption = None,
     gpu_layers: RunGpuLayersOption = None,
     quiet: QuietOption = False,
@@ -184,7 +331,9 @@ def run_command(
 
 
 def demo_command(
-    directory: Annotated[Path, typer.Argument(help="Where the demo writes its release and work directories.")] = Path("ggufcarve-demo"),
+    directory: Annotated[Path, typer.Argument(help="Where the demo writes its release and work directories.")] = Path(
+        "ggufcarve-demo"
+    ),
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the demo's stages; write nothing.")] = False,
     force: Annotated[bool, typer.Option("--force", help="Run every stage again.")] = False,
     threads: RunThreadsOption = None,
@@ -218,9 +367,18 @@ def _demo_answer(plan: RunPlan) -> None:
         return
     cache = context_memory(read_model(plan.source).get, ContextSettings(plan.evaluation.ctx)).total_bytes
     with tempfile.TemporaryDirectory(prefix="ggufcarve-answer-") as tmp:
-        answer = answer_for_budget(read_results(plan.output / EVALUATION_DIR), DEMO_BUDGET, cache, directories=[plan.output, plan.work], source=plan.source,
-                                   heldout=list(plan.evaluation.heldout_files), ctx=plan.evaluation.ctx, chunks=plan.evaluation.chunks,
-                                   threads=plan.threads or physical_cores(), work=Path(tmp))
+        answer = answer_for_budget(
+            read_results(plan.output / EVALUATION_DIR),
+            DEMO_BUDGET,
+            cache,
+            directories=[plan.output, plan.work],
+            source=plan.source,
+            heldout=list(plan.evaluation.heldout_files),
+            ctx=plan.evaluation.ctx,
+            chunks=plan.evaluation.chunks,
+            threads=plan.threads or physical_cores(),
+            work=Path(tmp),
+        )
     if answer is None:
         return
 
@@ -231,16 +389,35 @@ def _demo_answer(plan: RunPlan) -> None:
         return f"{family} {m['quant']} ({_size(m['bytes'])}, mean KLD {r['kld_mean']:.4f}{over})"
 
     w, other = answer["winner"], answer["runner_up"]
-    out.print(f"best in {_size(DEMO_BUDGET)} (file + {_size(cache)} KV cache at {plan.evaluation.ctx} tokens), of the {len(answer['fitting'])} measured models that fit:",
-              highlight=False, markup=False)
+    out.print(
+        f"best in {_size(DEMO_BUDGET)} (file + {_size(cache)} KV cache at {plan.evaluation.ctx} tokens), of the {len(answer['fitting'])} measured models that fit:",
+        highlight=False,
+        markup=False,
+    )
     out.print(f"  {named(w)}", highlight=False, markup=False)
     if other is not None:
-        why = "dropping experts costs more than a lower quant" if not w["model"]["pruned"] else "the higher quant is worth more than the dropped experts"
-        out.print(f"  vs the best {'pruned' if other['model']['pruned'] else 'unpruned'} model that fits: {named(other)}", highlight=False, markup=False)
+        why = (
+            "dropping experts costs more than a lower quant"
+            if not w["model"]["pruned"]
+            else "the higher quant is worth more than the dropped experts"
+        )
+        out.print(
+            f"  vs the best {'pruned' if other['model']['pruned'] else 'unpruned'} model that fits: {named(other)}",
+            highlight=False,
+            markup=False,
+        )
         if other.get("stopped_early") and other["delta_vs_leader"]:
-            out.print(f"  it left after {other['chunks_scored']} chunks: {other['delta_vs_leader'][-1]:+.4f} ± {other['delta_stderr'][-1]:.4f} behind that round's "
-                      "leader (paired per-token KLD)", highlight=False, markup=False)
+            out.print(
+                f"  it left after {other['chunks_scored']} chunks: {other['delta_vs_leader'][-1]:+.4f} ± {other['delta_stderr'][-1]:.4f} behind that round's "
+                "leader (paired per-token KLD)",
+                highlight=False,
+                markup=False,
+            )
         out.print(f"  here {why}", highlight=False, markup=False)
     if answer["tie_with"]:
-        out.print(f"  tie within noise: {', '.join(named(r) for r in answer['tie_with'])}; the answer is the smallest file", highlight=False, markup=False)
+        out.print(
+            f"  tie within noise: {', '.join(named(r) for r in answer['tie_with'])}; the answer is the smallest file",
+            highlight=False,
+            markup=False,
+        )
     out.print("  every K and quant for your budget, measured: ggufcarve best --help", highlight=False, markup=False)

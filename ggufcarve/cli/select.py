@@ -39,11 +39,20 @@ if TYPE_CHECKING:
     from ggufcarve.select.keep import Selection
     from ggufcarve.select.scores import ExpertScores
 
-SourcesArgument = Annotated[list[Path] | None, typer.Argument(help="A GGUF model (first shard if split), or a SCORES.json written by `ggufcarve score`.", show_default=False)]
+SourcesArgument = Annotated[
+    list[Path] | None,
+    typer.Argument(
+        help="A GGUF model (first shard if split), or a SCORES.json written by `ggufcarve score`.", show_default=False
+    ),
+]
 MethodOption = Annotated[str | None, typer.Option("--method", "-m", help=method_help())]
-ImatrixOption = Annotated[Path | None, typer.Option("--imatrix", help="GGUF imatrix of the model (imatrix-counts, imatrix-energy).")]
+ImatrixOption = Annotated[
+    Path | None, typer.Option("--imatrix", help="GGUF imatrix of the model (imatrix-counts, imatrix-energy).")
+]
 SeedOption = Annotated[int, typer.Option("--seed", help="Seed of the random method.")]
-MaxTokensOption = Annotated[int | None, typer.Option("--max-tokens", help="Trace at most this many calibration tokens (whole chunks).")]
+MaxTokensOption = Annotated[
+    int | None, typer.Option("--max-tokens", help="Trace at most this many calibration tokens (whole chunks).")
+]
 
 
 def _read_model(source: Path) -> tuple[GGUFModel, MoeLayout]:
@@ -62,15 +71,40 @@ def _calibrate_ahead(method: str | None, calibration: list[Path] | None) -> None
         prestart()
 
 
-def _score(model: GGUFModel, layout: MoeLayout, method: str | None, imatrix: Path | None, calibration: list[Path], seed: int, ctx: int, max_tokens: int | None, threads: int | None, gpu_layers: int,
-           quiet: bool) -> ExpertScores:
+def _score(
+    model: GGUFModel,
+    layout: MoeLayout,
+    method: str | None,
+    imatrix: Path | None,
+    calibration: list[Path],
+    seed: int,
+    ctx: int,
+    max_tokens: int | None,
+    threads: int | None,
+    gpu_layers: int,
+    quiet: bool,
+) -> ExpertScores:
     from ggufcarve.select.methods import score_model
 
     if method is None:
-        raise BadInput(f"scoring {model.path.name} needs --method", "for example --method weights (zero-shot) or --method imatrix-counts --imatrix FILE")
+        raise BadInput(
+            f"scoring {model.path.name} needs --method",
+            "for example --method weights (zero-shot) or --method imatrix-counts --imatrix FILE",
+        )
     with progress(not quiet) as sink:
-        return score_model(model, layout, method, imatrix=imatrix, calibration=calibration, seed=seed, ctx=ctx, max_tokens=max_tokens, threads=threads,
-                           gpu_layers=gpu_layers, on_event=sink)
+        return score_model(
+            model,
+            layout,
+            method,
+            imatrix=imatrix,
+            calibration=calibration,
+            seed=seed,
+            ctx=ctx,
+            max_tokens=max_tokens,
+            threads=threads,
+            gpu_layers=gpu_layers,
+            on_event=sink,
+        )
 
 
 def _write(path: Path, text: str, sources: list[Path], force: bool) -> None:
@@ -91,7 +125,9 @@ def score_command(
     max_tokens: MaxTokensOption = None,
     threads: ThreadsOption = None,
     gpu_layers: GpuLayersOption = 0,
-    merge: Annotated[bool, typer.Option("--merge", help="Combine the scores files given as arguments (shards of one run).")] = False,
+    merge: Annotated[
+        bool, typer.Option("--merge", help="Combine the scores files given as arguments (shards of one run).")
+    ] = False,
     force: ForceOption = False,
     quiet: QuietOption = False,
 ) -> None:
@@ -108,15 +144,35 @@ def score_command(
         scores = merge_scores(read_scores(p) for p in sources)
     else:
         if len(sources) != 1:
-            raise BadInput(f"give one model to score ({len(sources)} given)", "ggufcarve score MODEL.gguf --method weights -o scores.json, or --merge A.json B.json")
-        scores = _score(*_read_model(sources[0]), method, imatrix, calibration or [], seed, ctx, max_tokens, threads, gpu_layers, quiet)
+            raise BadInput(
+                f"give one model to score ({len(sources)} given)",
+                "ggufcarve score MODEL.gguf --method weights -o scores.json, or --merge A.json B.json",
+            )
+        scores = _score(
+            *_read_model(sources[0]),
+            method,
+            imatrix,
+            calibration or [],
+            seed,
+            ctx,
+            max_tokens,
+            threads,
+            gpu_layers,
+            quiet,
+        )
     _write(output, scores.dumps(), sources, force)
-    out.print(f"{scores.method} scores of {scores.model.name}: {len(scores.blocks)} MoE blocks x {scores.model.expert_count} experts" + (f", {scores.tokens:,} tokens" if scores.tokens else "") + f" -> {output}")
+    out.print(
+        f"{scores.method} scores of {scores.model.name}: {len(scores.blocks)} MoE blocks x {scores.model.expert_count} experts"
+        + (f", {scores.tokens:,} tokens" if scores.tokens else "")
+        + f" -> {output}"
+    )
 
 
 def _selection_table(selection: Selection) -> Any:
     facts = selection.scores.model
-    table = new_table(title=f"{facts.name}: {selection.scores.method}, keep {selection.kept_count} of {facts.expert_count}")
+    table = new_table(
+        title=f"{facts.name}: {selection.scores.method}, keep {selection.kept_count} of {facts.expert_count}"
+    )
     for column in ("block", "rule", "kept", "pruned", "kept score share"):
         table.add_column(column, justify="left" if column in ("block", "rule") else "right")
     scores = selection.scores.scores()
@@ -140,7 +196,13 @@ def _compare(a: Path, b: Path, as_json: bool) -> None:
     for column in ("block", "K", "overlap |A∩B|/K", "only in A", "only in B"):
         table.add_column(column, justify="right" if column in ("block", "K", "overlap |A∩B|/K") else "left")
     for row in rows:
-        table.add_row(str(row["block"]), str(row["kept"]), f"{row['overlap']:.3f}", ",".join(map(str, row["only_a"])) or "-", ",".join(map(str, row["only_b"])) or "-")
+        table.add_row(
+            str(row["block"]),
+            str(row["kept"]),
+            f"{row['overlap']:.3f}",
+            ",".join(map(str, row["only_a"])) or "-",
+            ",".join(map(str, row["only_b"])) or "-",
+        )
     out.print(table)
     mean = sum(r["overlap"] for r in rows) / len(rows) if rows else 1.0
     out.print(f"mean overlap {mean:.3f} over {len(rows)} blocks")
@@ -153,7 +215,10 @@ def _layers_of(path: Path) -> dict[int, tuple[int, ...]]:
     doc = read_json(path, "selection file", "give two selection files written by ggufcarve select")
     layers = doc.get("layers") if isinstance(doc, dict) else None
     if not isinstance(layers, dict) or not all(str(k).isdigit() and isinstance(v, list) for k, v in layers.items()):
-        raise BadInput(f"{path}: no \"layers\" mapping of block index to kept ids", "compare files written by ggufcarve select (or keep-sets in its format)")
+        raise BadInput(
+            f'{path}: no "layers" mapping of block index to kept ids',
+            "compare files written by ggufcarve select (or keep-sets in its format)",
+        )
     return {int(k): tuple(int(i) for i in v) for k, v in layers.items()}
 
 
@@ -163,18 +228,39 @@ def one_count(keep: str | None) -> int | None:
     if wanted is None:
         return None
     if wanted.file is not None:
-        raise BadInput(f"--keep {keep}: a keep-set file is a selection already", f"prune with it: ggufcarve prune MODEL --keep {keep} -o OUT.gguf")
+        raise BadInput(
+            f"--keep {keep}: a keep-set file is a selection already",
+            f"prune with it: ggufcarve prune MODEL --keep {keep} -o OUT.gguf",
+        )
     if not (wanted.counts or "").strip().isdigit():
-        raise BadInput(f"--keep {keep}: select writes one selection", "give one count; ggufcarve tune --keep 8,12 weighs several")
+        raise BadInput(
+            f"--keep {keep}: select writes one selection", "give one count; ggufcarve tune --keep 8,12 weighs several"
+        )
     return int(wanted.counts or 0)
 
 
 def select_command(
     sources: SourcesArgument = None,
-    output: Annotated[Path | None, typer.Option("-o", "--output", help="SELECTION.json to write (a keep-set `ggufcarve prune --keep` reads); the heatmap goes beside it as .png.")] = None,
+    output: Annotated[
+        Path | None,
+        typer.Option(
+            "-o",
+            "--output",
+            help="SELECTION.json to write (a keep-set `ggufcarve prune --keep` reads); the heatmap goes beside it as .png.",
+        ),
+    ] = None,
     method: MethodOption = None,
-    keep: Annotated[str | None, typer.Option("--keep", "-k", help="Experts kept per MoE block: one count (select writes one selection; tune weighs several).")] = None,
-    ratio: Annotated[float | None, typer.Option("--ratio", help="Fraction of the experts kept (instead of --keep).")] = None,
+    keep: Annotated[
+        str | None,
+        typer.Option(
+            "--keep",
+            "-k",
+            help="Experts kept per MoE block: one count (select writes one selection; tune weighs several).",
+        ),
+    ] = None,
+    ratio: Annotated[
+        float | None, typer.Option("--ratio", help="Fraction of the experts kept (instead of --keep).")
+    ] = None,
     imatrix: ImatrixOption = None,
     calibration: CalibrationOption = None,
     seed: SeedOption = 0,
@@ -182,10 +268,26 @@ def select_command(
     max_tokens: MaxTokensOption = None,
     threads: ThreadsOption = None,
     gpu_layers: GpuLayersOption = 0,
-    protect: Annotated[str | None, typer.Option("--protect", help="Never drop these experts: ids for every block (0,5,9-11) or a keep-set-like JSON file of ids per block.")] = None,
-    protect_super_experts: Annotated[bool, typer.Option("--protect-super-experts", help="Keep REAP's super experts (outlier maximum outputs, first 75% of the blocks).")] = False,
-    heatmap: Annotated[bool, typer.Option("--heatmap/--no-heatmap", help="Write SELECTION.png beside the selection.")] = True,
-    compare_files: Annotated[bool, typer.Option("--compare", help="Compare the two selection files given as arguments.")] = False,
+    protect: Annotated[
+        str | None,
+        typer.Option(
+            "--protect",
+            help="Never drop these experts: ids for every block (0,5,9-11) or a keep-set-like JSON file of ids per block.",
+        ),
+    ] = None,
+    protect_super_experts: Annotated[
+        bool,
+        typer.Option(
+            "--protect-super-experts",
+            help="Keep REAP's super experts (outlier maximum outputs, first 75% of the blocks).",
+        ),
+    ] = False,
+    heatmap: Annotated[
+        bool, typer.Option("--heatmap/--no-heatmap", help="Write SELECTION.png beside the selection.")
+    ] = True,
+    compare_files: Annotated[
+        bool, typer.Option("--compare", help="Compare the two selection files given as arguments.")
+    ] = False,
     force: ForceOption = False,
     quiet: QuietOption = False,
     as_json: JsonOption = False,
@@ -197,23 +299,58 @@ def select_command(
     sources = sources or []
     if compare_files:
         if len(sources) != 2:
-            raise BadInput(f"--compare needs two selection files ({len(sources)} given)", "ggufcarve select --compare A.json B.json")
+            raise BadInput(
+                f"--compare needs two selection files ({len(sources)} given)",
+                "ggufcarve select --compare A.json B.json",
+            )
         _compare(sources[0], sources[1], as_json)
         return
     if len(sources) != 1:
-        raise BadInput(f"give one model or scores file ({len(sources)} given)", "ggufcarve select MODEL.gguf --method weights --keep K -o selection.json")
+        raise BadInput(
+            f"give one model or scores file ({len(sources)} given)",
+            "ggufcarve select MODEL.gguf --method weights --keep K -o selection.json",
+        )
     if output is None:
-        raise BadInput("give -o SELECTION.json", "the selection is written to a JSON file that `ggufcarve prune --keep` reads")
+        raise BadInput(
+            "give -o SELECTION.json", "the selection is written to a JSON file that `ggufcarve prune --keep` reads"
+        )
     source = sources[0]
-    settings = SelectSettings(method, one_count(keep), ratio, imatrix, tuple(calibration or ()), seed, ctx, max_tokens, threads, protect, protect_super_experts, heatmap,
-                              gpu_layers=gpu_layers)
+    settings = SelectSettings(
+        method,
+        one_count(keep),
+        ratio,
+        imatrix,
+        tuple(calibration or ()),
+        seed,
+        ctx,
+        max_tokens,
+        threads,
+        protect,
+        protect_super_experts,
+        heatmap,
+        gpu_layers=gpu_layers,
+    )
     with progress(not quiet and not as_json) as sink:
         result = select_to_file(source, settings, output, force=force, on_event=sink)
-    selection, record, png, kept = result.selection, result.record, output.with_suffix(".png"), result.selection.kept_count
+    selection, record, png, kept = (
+        result.selection,
+        result.record,
+        output.with_suffix(".png"),
+        result.selection.kept_count,
+    )
     for warning in selection.warnings:
         warn(warning)
     if as_json:
-        out.print_json(json.dumps({"selection": str(output), "heatmap": str(png) if heatmap else None, "kept_count": kept, "layers": record["layers"]}))
+        out.print_json(
+            json.dumps(
+                {
+                    "selection": str(output),
+                    "heatmap": str(png) if heatmap else None,
+                    "kept_count": kept,
+                    "layers": record["layers"],
+                }
+            )
+        )
         return
     if not quiet:  # -q: the result line alone
         out.print(_selection_table(selection))

@@ -19,7 +19,7 @@ from ggufcarve.cli.render import new_table, out, progress
 app = command_group("Find, probe and build the llama.cpp tools ggufcarve runs.")
 
 
-@app.command("show", short_help='Which llama.cpp tools were found where.')
+@app.command("show", short_help="Which llama.cpp tools were found where.")
 def toolchain_show(
     llama_cpp: LlamaCppOption = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print as JSON.")] = False,
@@ -39,11 +39,24 @@ def toolchain_show(
             table.add_row(name, "[red]missing[/]", "", "", "", "", "")
         else:
             build = f"{info.version or ''} b{info.build_number}" if info.build_number is not None else "?"
-            table.add_row(name, info.origin, info.path, build.strip(), info.commit or "?", info.flavour + ("" if info.works else " [red](probe failed)[/]"), info.sha256[:12])
+            table.add_row(
+                name,
+                info.origin,
+                info.path,
+                build.strip(),
+                info.commit or "?",
+                info.flavour + ("" if info.works else " [red](probe failed)[/]"),
+                info.sha256[:12],
+            )
     out.print(table)
     lib = chain.libllama
-    out.print(f"libllama backend: llama-cpp-python {chain.llama_cpp_python or 'not installed'}" + (f", {lib['path']} (sha256 {lib['sha256'][:12]})" if lib else " [red](libllama not found)[/]"))
-    state = {"ready": "", "missing": " (empty)", "other cpu": " [red](built for another CPU: not used)[/]"}[chain.cache_state]
+    out.print(
+        f"libllama backend: llama-cpp-python {chain.llama_cpp_python or 'not installed'}"
+        + (f", {lib['path']} (sha256 {lib['sha256'][:12]})" if lib else " [red](libllama not found)[/]")
+    )
+    state = {"ready": "", "missing": " (empty)", "other cpu": " [red](built for another CPU: not used)[/]"}[
+        chain.cache_state
+    ]
     out.print(f"cache: {chain.cache_bin}{state}; this CPU: {chain.cpu.key}")
     if any(info is None for info in chain.tools.values()):
         out.print("build the missing tools with: ggufcarve toolchain build")
@@ -52,8 +65,15 @@ def toolchain_show(
 @app.command("build", short_help="Compile llama.cpp's tools from the sdist, once.")
 def toolchain_build(
     force: Annotated[bool, typer.Option("--force", help="Rebuild even when the cache has the tools.")] = False,
-    jobs: Annotated[int | None, typer.Option("--jobs", "-j", help="Parallel compile jobs (default: CPU count).")] = None,
-    from_dir: Annotated[Path | None, typer.Option("--from", help="Install tools already built from the same source (a build's bin dir) instead of compiling.")] = None,
+    jobs: Annotated[
+        int | None, typer.Option("--jobs", "-j", help="Parallel compile jobs (default: CPU count).")
+    ] = None,
+    from_dir: Annotated[
+        Path | None,
+        typer.Option(
+            "--from", help="Install tools already built from the same source (a build's bin dir) instead of compiling."
+        ),
+    ] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress output.")] = False,
 ) -> None:
     """Compile llama-quantize, llama-imatrix, llama-perplexity, llama-gguf-split, llama-bench and llama-fit-params into ggufcarve's cache.
@@ -69,4 +89,3 @@ def toolchain_build(
     with progress(not quiet) as sink:
         bin_dir = build_tools(sink, jobs=jobs, force=force)
     out.print(f"tools ready in {bin_dir}")
-

@@ -19,11 +19,33 @@ from ggufcarve.cli.render import err, escape, new_table, out, progress, warn
 
 
 def verify_command(
-    directory: Annotated[Path, typer.Argument(help="A ladder output directory (with SHA256SUMS and quant-manifest.json).")],
-    ignore_missing: Annotated[bool, typer.Option("--ignore-missing", help="Do not fail for files listed in SHA256SUMS that are absent (as sha256sum -c --ignore-missing).")] = False,
-    partial: Annotated[bool, typer.Option("--partial", help="Do not fail for what a complete release would hold more (rungs of the ladder, evaluation results, the card); list it.")] = False,
-    strict: Annotated[bool, typer.Option("--strict", help="Require evaluation results and the card too (by default: what the release's manifest promises; a ladder alone promises its rungs).")] = False,
-    jobs: Annotated[int | None, typer.Option("--jobs", "-j", help="Files hashed in parallel (default: CPU count).")] = None,
+    directory: Annotated[
+        Path, typer.Argument(help="A ladder output directory (with SHA256SUMS and quant-manifest.json).")
+    ],
+    ignore_missing: Annotated[
+        bool,
+        typer.Option(
+            "--ignore-missing",
+            help="Do not fail for files listed in SHA256SUMS that are absent (as sha256sum -c --ignore-missing).",
+        ),
+    ] = False,
+    partial: Annotated[
+        bool,
+        typer.Option(
+            "--partial",
+            help="Do not fail for what a complete release would hold more (rungs of the ladder, evaluation results, the card); list it.",
+        ),
+    ] = False,
+    strict: Annotated[
+        bool,
+        typer.Option(
+            "--strict",
+            help="Require evaluation results and the card too (by default: what the release's manifest promises; a ladder alone promises its rungs).",
+        ),
+    ] = False,
+    jobs: Annotated[
+        int | None, typer.Option("--jobs", "-j", help="Files hashed in parallel (default: CPU count).")
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")] = False,
 ) -> None:
@@ -36,14 +58,25 @@ def verify_command(
             from ggufcarve.errors import BadInput
 
             raise BadInput("--partial and --strict ask opposite things", "give one of them")
-        report = verify_dir(directory, ignore_missing=ignore_missing, workers=jobs, on_event=sink, require=() if partial else PARTS if strict else None)
+        report = verify_dir(
+            directory,
+            ignore_missing=ignore_missing,
+            workers=jobs,
+            on_event=sink,
+            require=() if partial else PARTS if strict else None,
+        )
     if as_json:
         out.print_json(json.dumps(report.to_json()))
     elif report.ok:
         rate = report.bytes_hashed / max(report.seconds, 1e-9) / 2**20
         state = "complete" if report.complete else f"partial, {len(report.missing)} part(s) missing"
-        out.print(f"OK: {len(report.files_ok)} files of {directory} match SHA256SUMS and the manifest" + (f"; expert_count {report.expert_count}" if report.expert_count is not None else "")
-                  + f"; {state} ({format_size(report.bytes_hashed)} in {report.seconds:.1f} s, {rate:.0f} MiB/s, {report.workers} threads)", highlight=False, soft_wrap=True)
+        out.print(
+            f"OK: {len(report.files_ok)} files of {directory} match SHA256SUMS and the manifest"
+            + (f"; expert_count {report.expert_count}" if report.expert_count is not None else "")
+            + f"; {state} ({format_size(report.bytes_hashed)} in {report.seconds:.1f} s, {rate:.0f} MiB/s, {report.workers} threads)",
+            highlight=False,
+            soft_wrap=True,
+        )
     else:
         table = new_table(title=f"verify {directory}: {len(report.failures)} failure(s)")
         table.add_column("file")

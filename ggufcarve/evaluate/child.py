@@ -48,7 +48,9 @@ def _score(engine, request: Request, result: dict, span: tuple[int, int] | None 
     reference = kld.open_reference(Path(request.reference_in)) if request.reference_in else None
     if reference is not None:
         if reference.n_vocab != engine.n_vocab:
-            result["bad_input"] = f"the reference has a vocabulary of {reference.n_vocab} tokens, this model {engine.n_vocab}"
+            result["bad_input"] = (
+                f"the reference has a vocabulary of {reference.n_vocab} tokens, this model {engine.n_vocab}"
+            )
             return None
         tokens = reference.tokens
         chunking = reference.chunking
@@ -62,15 +64,33 @@ def _score(engine, request: Request, result: dict, span: tuple[int, int] | None 
             result["bad_input"] = str(err)
             result["n_tokens"] = int(len(tokens))
             return None
-    result.update(n_tokens=int(len(tokens)), n_ctx=chunking.n_ctx, n_chunk=chunking.n_chunk, add_bos=engine.add_bos, bos=engine.bos)
+    result.update(
+        n_tokens=int(len(tokens)),
+        n_ctx=chunking.n_ctx,
+        n_chunk=chunking.n_chunk,
+        add_bos=engine.add_bos,
+        bos=engine.bos,
+    )
     cache = base = None
     header = None
     if request.cache_out:
-        header = kld.ReferenceHeader(n_ctx=chunking.n_ctx, n_vocab=engine.n_vocab, n_chunk=chunking.n_chunk, top_k=request.top_k,
-                                     add_bos=engine.add_bos, bos=engine.bos, text_chunks=len(tokens) // chunking.n_ctx,
-                                     tail_samples=request.tail_samples, **request.cache_identity)
-    sizes = {request.cache_out: header.file_bytes if header else 0,
-             request.base_out: kld.base_file_bytes(chunking.n_ctx, engine.n_vocab, chunking.n_chunk) if request.base_out else 0}
+        header = kld.ReferenceHeader(
+            n_ctx=chunking.n_ctx,
+            n_vocab=engine.n_vocab,
+            n_chunk=chunking.n_chunk,
+            top_k=request.top_k,
+            add_bos=engine.add_bos,
+            bos=engine.bos,
+            text_chunks=len(tokens) // chunking.n_ctx,
+            tail_samples=request.tail_samples,
+            **request.cache_identity,
+        )
+    sizes = {
+        request.cache_out: header.file_bytes if header else 0,
+        request.base_out: kld.base_file_bytes(chunking.n_ctx, engine.n_vocab, chunking.n_chunk)
+        if request.base_out
+        else 0,
+    }
     short = _too_little_space({Path(k): v for k, v in sizes.items() if k})
     if short is not None:
         raise child.ShortOfSpace(short["path"], short["bytes"], short["free"])
@@ -88,10 +108,21 @@ def _score(engine, request: Request, result: dict, span: tuple[int, int] | None 
         _progress(CHUNK_TASK, before, total)
         for group in range(0, chunking.n_chunk, n_seq):
             indices = range(group, min(chunking.n_chunk, group + n_seq))
-            group_logits = context.chunk_logits([chunk_tokens(tokens, chunking, i, engine.add_bos, engine.bos) for i in indices], chunking.first)
+            group_logits = context.chunk_logits(
+                [chunk_tokens(tokens, chunking, i, engine.add_bos, engine.bos) for i in indices], chunking.first
+            )
             for index, logits in zip(indices, group_logits):
-                _score_chunk(index, logits[: chunking.scored_per_chunk], scored_targets(tokens, chunking, index), request, reference,
-                             reference_chunks, cache, base, table_file)
+                _score_chunk(
+                    index,
+                    logits[: chunking.scored_per_chunk],
+                    scored_targets(tokens, chunking, index),
+                    request,
+                    reference,
+                    reference_chunks,
+                    cache,
+                    base,
+                    table_file,
+                )
                 _progress(CHUNK_TASK, before + index + 1, total)
     finally:
         context.close()
@@ -120,16 +151,26 @@ def _score_segments(engine, request: Request, result: dict) -> np.ndarray | None
     first = None
     for number, segment in enumerate(request.segments or []):
         part: dict = {}
-        tokens = _score(engine, replace(request, reference_in=segment["reference_in"], table_out=segment["table_out"], segments=None), part,
-                        (sum(counts[:number]), sum(counts)))
+        tokens = _score(
+            engine,
+            replace(request, reference_in=segment["reference_in"], table_out=segment["table_out"], segments=None),
+            part,
+            (sum(counts[:number]), sum(counts)),
+        )
         result["segments"].append(part)
         if tokens is None:
             result["bad_input"] = part["bad_input"]
             return None
         first = tokens if first is None else first
     parts = result["segments"]
-    result.update(n_tokens=sum(p["n_tokens"] for p in parts), n_ctx=parts[0]["n_ctx"], n_chunk=sum(p["n_chunk"] for p in parts),
-                  add_bos=parts[0]["add_bos"], bos=parts[0]["bos"], score_seconds=sum(p["score_seconds"] for p in parts))
+    result.update(
+        n_tokens=sum(p["n_tokens"] for p in parts),
+        n_ctx=parts[0]["n_ctx"],
+        n_chunk=sum(p["n_chunk"] for p in parts),
+        add_bos=parts[0]["add_bos"],
+        bos=parts[0]["bos"],
+        score_seconds=sum(p["score_seconds"] for p in parts),
+    )
     return first
 
 
@@ -149,7 +190,17 @@ def _too_little_space(sizes: dict[Path, int]) -> dict | None:
     return None
 
 
-def _score_chunk(index: int, logits: np.ndarray, targets: np.ndarray, request: Request, reference, reference_chunks, cache, base, table_file) -> None:
+def _score_chunk(
+    index: int,
+    logits: np.ndarray,
+    targets: np.ndarray,
+    request: Request,
+    reference,
+    reference_chunks,
+    cache,
+    base,
+    table_file,
+) -> None:
     """One chunk's scored logits: the reference files it writes, its per-token table against the reference."""
     from ggufcarve.evaluate import kld
 
@@ -159,7 +210,11 @@ def _score_chunk(index: int, logits: np.ndarray, targets: np.ndarray, request: R
         return  # the base file is all this pass writes
     if reference_chunks is not None:
         records = next(reference_chunks)
-        table = kld.compare_topk(logits, targets, records) if reference.kind == "topk" else kld.compare_base(logits, targets, records)
+        table = (
+            kld.compare_topk(logits, targets, records)
+            if reference.kind == "topk"
+            else kld.compare_base(logits, targets, records)
+        )
     else:
         logprobs = kld.log_softmax(logits)
         if cache is not None:
@@ -205,10 +260,17 @@ def _evaluate(request: Request, out: Path) -> None:
         if "bad_input" not in result and request.loops:
             from ggufcarve.evaluate.loops import run_loops
 
-            result["loops"] = run_loops(engine, request.loops["prompts"], request.loops["tokens"], lambda done, total: _progress(LOOP_TASK, done, total))
+            result["loops"] = run_loops(
+                engine,
+                request.loops["prompts"],
+                request.loops["tokens"],
+                lambda done, total: _progress(LOOP_TASK, done, total),
+            )
         engine.close()
     except EngineError as err:
-        raise ToolFailed(f"{Path(request.model).name}: {err}", "check that llama.cpp loads the model (ggufcarve inspect)") from None
+        raise ToolFailed(
+            f"{Path(request.model).name}: {err}", "check that llama.cpp loads the model (ggufcarve inspect)"
+        ) from None
     _write_result(out, result)
 
 

@@ -32,11 +32,24 @@ ATTEMPTS = 6
 FINAL_ESTIMATE = re.compile(r"Final estimate: PPL = ([-\d.]+) \+/- ([-\d.]+)")
 MEAN_PPL = re.compile(r"^Mean PPL\(Q\)\s*:\s*([-\d.]+)\s*±\s*([-\d.]+)")
 MEAN_KLD = re.compile(r"^Mean\s+KLD:\s*([-\d.]+)\s*±\s*([-\d.]+)")
-KLD_ROW = re.compile(r"^\s*(Maximum|99\.9%|99\.0%|95\.0%|90\.0%|Median|10\.0%|5\.0%|1\.0%|0\.1%|Minimum)\s+KLD:\s*([-\d.]+)")
+KLD_ROW = re.compile(
+    r"^\s*(Maximum|99\.9%|99\.0%|95\.0%|90\.0%|Median|10\.0%|5\.0%|1\.0%|0\.1%|Minimum)\s+KLD:\s*([-\d.]+)"
+)
 RMS_DP = re.compile(r"^RMS Δp\s*:\s*([-\d.]+)\s*±\s*([-\d.]+) %")
 SAME_TOP = re.compile(r"^Same top p:\s*([-\d.]+)\s*±\s*([-\d.]+) %")
-KLD_ROW_NAMES = {"Maximum": "max", "99.9%": "p999", "99.0%": "p99", "95.0%": "p95", "90.0%": "p90", "Median": "median",
-                 "10.0%": "p10", "5.0%": "p5", "1.0%": "p1", "0.1%": "p01", "Minimum": "min"}
+KLD_ROW_NAMES = {
+    "Maximum": "max",
+    "99.9%": "p999",
+    "99.0%": "p99",
+    "95.0%": "p95",
+    "90.0%": "p90",
+    "Median": "median",
+    "10.0%": "p10",
+    "5.0%": "p5",
+    "1.0%": "p1",
+    "0.1%": "p01",
+    "Minimum": "min",
+}
 
 
 def agrees(a: float, b: float, digits: int = 4) -> bool:
@@ -95,7 +108,10 @@ class CrossCheck:
         from ggufcarve.llama import launch
 
         log = self.work / f"llama-perplexity-{len(list(self.work.glob('llama-perplexity-*.log')))}.log"
-        finished = launch.run([str(self.tool), *argv, "-t", str(self.settings.threads), "--log-file", str(log)], idle_timeout=TOOL_TIMEOUT_IDLE)
+        finished = launch.run(
+            [str(self.tool), *argv, "-t", str(self.settings.threads), "--log-file", str(log)],
+            idle_timeout=TOOL_TIMEOUT_IDLE,
+        )
         launch.check(finished, f"llama-perplexity ({what})", "run the same command by hand to see its whole output")
         return log.read_text(encoding="utf-8", errors="replace").splitlines()
 
@@ -111,21 +127,42 @@ class CrossCheck:
             missing = missing_statistics(parse, found)
             if not missing:
                 if lacked:
-                    notes.append(f"llama-perplexity ({what}) ran again: {len(lacked)} of its {attempt} runs exited 0 without its closing statistics "
-                                 f"(no {lacked[0]} line), which its log thread drops at exit under load")
+                    notes.append(
+                        f"llama-perplexity ({what}) ran again: {len(lacked)} of its {attempt} runs exited 0 without its closing statistics "
+                        f"(no {lacked[0]} line), which its log thread drops at exit under load"
+                    )
                 return found
             lacked.append(missing)
             if attempt < ATTEMPTS:
-                sink(Event("llama-perplexity", 0, 1, "steps", f"{what}: no {missing} line in its output; running it again ({attempt + 1} of {ATTEMPTS})"))
+                sink(
+                    Event(
+                        "llama-perplexity",
+                        0,
+                        1,
+                        "steps",
+                        f"{what}: no {missing} line in its output; running it again ({attempt + 1} of {ATTEMPTS})",
+                    )
+                )
         last = " | ".join(line.strip() for line in lines[-2:] if line.strip())
-        raise ToolFailed(f"llama-perplexity ({what}) exited 0 without its closing statistics (no {lacked[-1]} line) in each of {ATTEMPTS} runs; "
-                         f"its output ends: {last}", "run the same command by hand to see its whole output, or run on a less loaded machine")
+        raise ToolFailed(
+            f"llama-perplexity ({what}) exited 0 without its closing statistics (no {lacked[-1]} line) in each of {ATTEMPTS} runs; "
+            f"its output ends: {last}",
+            "run the same command by hand to see its whole output, or run on a less loaded machine",
+        )
 
     def _chunk_args(self) -> list[str]:
         return ["--chunks", str(self.settings.chunks)] if self.settings.chunks else []
 
     @classmethod
-    def prepare(cls, reference_path: Path, reference: Reference, heldout: Path | None, settings: EvalSettings, work: Path, sink: Sink = ignore) -> CrossCheck:
+    def prepare(
+        cls,
+        reference_path: Path,
+        reference: Reference,
+        heldout: Path | None,
+        settings: EvalSettings,
+        work: Path,
+        sink: Sink = ignore,
+    ) -> CrossCheck:
         from ggufcarve.llama.tools import require_tool
 
         check = cls(require_tool("llama-perplexity", settings.llama_cpp_dir), settings, heldout, None, work)
@@ -134,7 +171,20 @@ class CrossCheck:
         elif reference.entry is not None and heldout is not None:
             sink(Event("llama-perplexity", 0, 1, "steps", f"base file of {reference.label}"))
             base = work / "llama-perplexity-base.kld"
-            check._run(["-m", str(reference.entry.path), "-f", str(heldout), "-c", str(settings.ctx), *check._chunk_args(), "--kl-divergence-base", str(base)], "writing the base file")
+            check._run(
+                [
+                    "-m",
+                    str(reference.entry.path),
+                    "-f",
+                    str(heldout),
+                    "-c",
+                    str(settings.ctx),
+                    *check._chunk_args(),
+                    "--kl-divergence-base",
+                    str(base),
+                ],
+                "writing the base file",
+            )
             check.base_file = base
             sink(Event("llama-perplexity", 1, 1, "steps", f"base file of {reference.label}"))
         return check
@@ -150,7 +200,15 @@ class CrossCheck:
             result["ppl_mode"] = self._statistics(argv, parse_ppl_output, what, sink, notes)
         if self.base_file is not None:
             what = f"KLD of {entry.name}"
-            argv = ["-m", str(entry.path), "-c", str(doc["parameters"]["ctx"]), "--kl-divergence-base", str(self.base_file), "--kl-divergence"]
+            argv = [
+                "-m",
+                str(entry.path),
+                "-c",
+                str(doc["parameters"]["ctx"]),
+                "--kl-divergence-base",
+                str(self.base_file),
+                "--kl-divergence",
+            ]
             result["kld_mode"] = self._statistics(argv, parse_kld_output, what, sink, notes)
         if notes:
             result["notes"] = notes

@@ -22,7 +22,6 @@ class EngineError(Exception):
     """libllama refused the model or a decode failed."""
 
 
-
 class Engine:
     """One model loaded in libllama; contexts are made from it for scoring, timing and generation."""
 
@@ -45,7 +44,13 @@ class Engine:
     def close(self) -> None:
         self._llama.llama_model_free(self.model)
 
-    def context(self, n_ctx: int, n_seq: int = 1, n_batch: int | None = None, eval_callback: Callable[[int, bool, object], bool] | None = None) -> Context:
+    def context(
+        self,
+        n_ctx: int,
+        n_seq: int = 1,
+        n_batch: int | None = None,
+        eval_callback: Callable[[int, bool, object], bool] | None = None,
+    ) -> Context:
         return Context(self, n_ctx, n_seq, n_batch, eval_callback)
 
     def tokenize(self, text: bytes, add_special: bool = True, parse_special: bool = False) -> np.ndarray:
@@ -81,8 +86,14 @@ class Context:
     `eval_callback`: the graph scheduler's ggml_backend_sched_eval_callback (tensor, ask, user
     data) -> bool, e.g. a `ggufcarve.llama.masking.RoutingMask`; kept alive with the context."""
 
-    def __init__(self, engine: Engine, n_ctx: int, n_seq: int = 1, n_batch: int | None = None,
-                 eval_callback: Callable[[int, bool, object], bool] | None = None) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        n_ctx: int,
+        n_seq: int = 1,
+        n_batch: int | None = None,
+        eval_callback: Callable[[int, bool, object], bool] | None = None,
+    ) -> None:
         llama_cpp = engine._llama
         self._llama = llama_cpp
         self.engine = engine
@@ -130,8 +141,13 @@ class Context:
         """Decode `tokens` of sequence 0 at positions start_pos..; logits for positions >= outputs_from."""
         tokens = [int(t) for t in tokens]
         for offset in range(0, len(tokens), self.n_batch):
-            part = tokens[offset:offset + self.n_batch]
-            self._decode([(t, start_pos + offset + k, 0, outputs_from is not None and start_pos + offset + k >= outputs_from) for k, t in enumerate(part)])
+            part = tokens[offset : offset + self.n_batch]
+            self._decode(
+                [
+                    (t, start_pos + offset + k, 0, outputs_from is not None and start_pos + offset + k >= outputs_from)
+                    for k, t in enumerate(part)
+                ]
+            )
 
     def logits(self, index: int) -> np.ndarray:
         """The logits of batch token `index` of the last decode, -1 the last output (a view into libllama's buffer)."""
@@ -159,19 +175,25 @@ class Context:
             end = min(n, offset + step)
             for group in range(0, len(chunks), per_batch):
                 members = list(range(group, min(len(chunks), group + per_batch)))
-                self._decode([(int(chunks[s][pos]), pos, s, pos >= first) for s in members for pos in range(offset, end)])
+                self._decode(
+                    [(int(chunks[s][pos]), pos, s, pos >= first) for s in members for pos in range(offset, end)]
+                )
                 n_outputs = max(0, end - max(first, offset))
                 if n_outputs:
-                    block = np.ctypeslib.as_array(self._llama.llama_get_logits(self.ctx), shape=(len(members) * n_outputs, n_vocab))
+                    block = np.ctypeslib.as_array(
+                        self._llama.llama_get_logits(self.ctx), shape=(len(members) * n_outputs, n_vocab)
+                    )
                     for j, s in enumerate(members):
-                        rows[s].append(block[j * n_outputs:(j + 1) * n_outputs].copy())
+                        rows[s].append(block[j * n_outputs : (j + 1) * n_outputs].copy())
         return [np.concatenate(r) if len(r) > 1 else r[0] for r in rows]
 
     def generate(self, prompt: Sequence[int], max_tokens: int) -> Iterator[int]:
         """Greedy decoding (temperature 0, top-k 1: the arg-max token, first on ties) until end of generation or max_tokens."""
         self.clear()
         if len(prompt) + max_tokens > self.n_ctx:
-            raise EngineError(f"prompt of {len(prompt)} tokens + {max_tokens} new tokens exceeds the context of {self.n_ctx}")
+            raise EngineError(
+                f"prompt of {len(prompt)} tokens + {max_tokens} new tokens exceeds the context of {self.n_ctx}"
+            )
         self.decode(prompt, 0, len(prompt) - 1)
         pos = len(prompt)
         for _ in range(max_tokens):

@@ -118,7 +118,9 @@ def load_gate(path: Path) -> Gate:
     try:
         doc = tomllib.loads(Path(path).read_text(encoding="utf-8"))
     except OSError as err:
-        raise BadInput(f"{path}: cannot read the gate file ({err.strerror})", "give a TOML file like evaluation/gate.toml") from None
+        raise BadInput(
+            f"{path}: cannot read the gate file ({err.strerror})", "give a TOML file like evaluation/gate.toml"
+        ) from None
     except tomllib.TOMLDecodeError as err:
         raise BadInput(f"{path}: not valid TOML ({err})", "see evaluation/gate.toml") from None
     table = doc.get("gate", doc) if set(doc) <= {"gate"} else doc
@@ -127,13 +129,18 @@ def load_gate(path: Path) -> Gate:
     thresholds: dict[str, float] = {}
     segments = table.get("segments", "overall")
     if segments not in SEGMENT_MODES:
-        raise BadInput(f"{path}: gate key 'segments' must be one of {', '.join(SEGMENT_MODES)}, got {segments!r}", "every: a model fails when any held-out file fails")
+        raise BadInput(
+            f"{path}: gate key 'segments' must be one of {', '.join(SEGMENT_MODES)}, got {segments!r}",
+            "every: a model fails when any held-out file fails",
+        )
     for key, value in table.items():
         if key == "segments":
             continue
         if key not in CRITERIA:
             raise BadInput(f"{path}: unknown gate key '{key}'", f"known keys: {', '.join(CRITERIA)}, segments")
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise BadInput(f"{path}: gate key '{key}' must be a number, got {value!r}", "for example max_kld_mean = 0.1")
+            raise BadInput(
+                f"{path}: gate key '{key}' must be a number, got {value!r}", "for example max_kld_mean = 0.1"
+            )
         thresholds[key] = float(value)
     return Gate(thresholds, Path(path).name, segments)

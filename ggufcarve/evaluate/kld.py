@@ -78,7 +78,9 @@ def base_values_per_token(n_vocab: int) -> int:
 # encoding the reference
 
 
-def topk_records(logprobs: np.ndarray, targets: np.ndarray, top_k: int, tail_samples: int = 0, rng: np.random.Generator | None = None) -> np.ndarray:
+def topk_records(
+    logprobs: np.ndarray, targets: np.ndarray, top_k: int, tail_samples: int = 0, rng: np.random.Generator | None = None
+) -> np.ndarray:
     """Top-k cache records of rows of reference log-probabilities (float64 [n, n_vocab]), with `tail_samples` draws from each tail (rng)."""
     n, n_vocab = logprobs.shape
     k = min(top_k, n_vocab)
@@ -106,7 +108,9 @@ def topk_records(logprobs: np.ndarray, targets: np.ndarray, top_k: int, tail_sam
                 records["sample_logp"][row] = logprobs[row, ids[row, 0]]
                 continue
             # inverse CDF: index i has cumulative[i-1] <= u < cumulative[i], so p_i > 0 (never a stored token)
-            drawn = np.minimum(np.searchsorted(cumulative[row], rng.random(tail_samples) * total, side="right"), n_vocab - 1)
+            drawn = np.minimum(
+                np.searchsorted(cumulative[row], rng.random(tail_samples) * total, side="right"), n_vocab - 1
+            )
             records["sample_ids"][row] = drawn
             records["sample_logp"][row] = logprobs[row, drawn]
     return records
@@ -132,7 +136,7 @@ def base_records(logits: np.ndarray) -> np.ndarray:
     with np.errstate(divide="ignore"):
         inv_scale = np.where(scale > 0, np.float32(1) / scale, np.float32(0)).astype(np.float32)
     values = _nearest_int(inv_scale[:, None] * (x - min_logit[:, None]))
-    out[:, 4:4 + n_vocab] = np.where(x > min_logit[:, None], values, 0).astype(np.uint16)
+    out[:, 4 : 4 + n_vocab] = np.where(x > min_logit[:, None], values, 0).astype(np.uint16)
     return out
 
 
@@ -162,7 +166,9 @@ def compare_topk(logits: np.ndarray, targets: np.ndarray, records: np.ndarray) -
     m = records["sample_ids"].shape[1] if "sample_ids" in (records.dtype.names or ()) else 0
     if m > 1:  # one draw gives no measure of its error: left out
         # x = log(a_s / b_s) of every draw, a = p_tail/R, b = q_tail/Q; the term r - 1 + x, r = b_s/a_s = e^-x
-        x = (records["sample_logp"] - np.log(safe_tail)[:, None]) - (np.take_along_axis(logq, records["sample_ids"], axis=1) - np.log(q_tail)[:, None])
+        x = (records["sample_logp"] - np.log(safe_tail)[:, None]) - (
+            np.take_along_axis(logq, records["sample_ids"], axis=1) - np.log(q_tail)[:, None]
+        )
         x[~has_tail] = 0.0  # no tail: the draws are placeholders
         terms = np.expm1(-x) + x
         kld_tail = kld_tail + np.where(has_tail, tail * terms.mean(axis=1), 0.0)
@@ -202,7 +208,7 @@ def compare_base(logits: np.ndarray, targets: np.ndarray, base: np.ndarray) -> n
     sum_exp = np.exp(x - max_logit[:, None]).astype(np.float64).sum(axis=1)
     shift = max_logit + np.log(sum_exp).astype(np.float32)  # max_logit + log_sum_exp, in float32
     nll = shift - x[rows, targets]
-    log_p_base = scale[:, None] * base[:, 4:4 + n_vocab].astype(np.float32) + min_log_prob[:, None]
+    log_p_base = scale[:, None] * base[:, 4 : 4 + n_vocab].astype(np.float32) + min_log_prob[:, None]
     nll_base = -log_p_base[rows, targets]
     keep = log_p_base > np.float32(BASE_FLOOR)
     terms = np.where(keep, np.exp(log_p_base) * (log_p_base - x + shift[:, None]), np.float32(0))
@@ -258,12 +264,32 @@ class ReferenceHeader:
             header = cls(**fields)
         except (ValueError, TypeError) as err:
             raise ValueError(f"unreadable top-k cache header ({err})") from None
-        counts = (header.n_ctx, header.n_vocab, header.n_chunk, header.top_k, header.text_chunks, header.bos, header.tail_samples)
-        if not all(isinstance(v, int) and not isinstance(v, bool) for v in counts) or not isinstance(header.add_bos, bool) \
-                or not all(isinstance(v, str) for v in (header.reference_sha256, header.text_sha256)):
+        counts = (
+            header.n_ctx,
+            header.n_vocab,
+            header.n_chunk,
+            header.top_k,
+            header.text_chunks,
+            header.bos,
+            header.tail_samples,
+        )
+        if (
+            not all(isinstance(v, int) and not isinstance(v, bool) for v in counts)
+            or not isinstance(header.add_bos, bool)
+            or not all(isinstance(v, str) for v in (header.reference_sha256, header.text_sha256))
+        ):
             raise ValueError("top-k cache header has fields of the wrong type")
-        if header.n_ctx < 4 or header.n_vocab <= 0 or header.n_chunk <= 0 or header.top_k <= 0 or header.text_chunks < header.n_chunk or header.tail_samples < 0:
-            raise ValueError(f"top-k cache header says n_ctx={header.n_ctx}, n_vocab={header.n_vocab}, n_chunk={header.n_chunk}, top_k={header.top_k}")
+        if (
+            header.n_ctx < 4
+            or header.n_vocab <= 0
+            or header.n_chunk <= 0
+            or header.top_k <= 0
+            or header.text_chunks < header.n_chunk
+            or header.tail_samples < 0
+        ):
+            raise ValueError(
+                f"top-k cache header says n_ctx={header.n_ctx}, n_vocab={header.n_vocab}, n_chunk={header.n_chunk}, top_k={header.top_k}"
+            )
         return header
 
 
@@ -300,7 +326,7 @@ class CacheWriter(DurableWriter):
         super().__init__(path)
         self.header = header
         self.write_bytes(header.encoded())
-        self.write_bytes(np.ascontiguousarray(tokens[:header.chunking.n_tokens], dtype="<i4").tobytes())
+        self.write_bytes(np.ascontiguousarray(tokens[: header.chunking.n_tokens], dtype="<i4").tobytes())
 
     def write(self, records: np.ndarray) -> None:
         self.write_bytes(records.tobytes())
@@ -376,9 +402,13 @@ def open_reference(path: Path) -> ReferenceFile:
             expected = offset + header.chunking.n_scored * header.record.itemsize
             if tokens.size != count or size != expected:
                 raise ValueError(f"{path.name}: top-k cache is {size} bytes, its header describes {expected}")
-            return ReferenceFile("topk", path, header.n_ctx, header.n_vocab, header.n_chunk, tokens.astype(np.int32), header, offset)
-        if magic[:len(BASE_MAGIC)] != BASE_MAGIC:
-            raise ValueError(f"{path.name} is neither a ggufcarve top-k cache nor a llama-perplexity --kl-divergence-base file")
+            return ReferenceFile(
+                "topk", path, header.n_ctx, header.n_vocab, header.n_chunk, tokens.astype(np.int32), header, offset
+            )
+        if magic[: len(BASE_MAGIC)] != BASE_MAGIC:
+            raise ValueError(
+                f"{path.name} is neither a ggufcarve top-k cache nor a llama-perplexity --kl-divergence-base file"
+            )
         f.seek(len(BASE_MAGIC))
         fixed = f.read(12)
         if len(fixed) != 12:
@@ -400,7 +430,12 @@ def open_reference(path: Path) -> ReferenceFile:
 
 def base_file_bytes(n_ctx: int, n_vocab: int, n_chunk: int) -> int:
     """The size of a complete llama-perplexity base file."""
-    return len(BASE_MAGIC) + 12 + 4 * n_ctx * n_chunk + Chunking(n_ctx, n_chunk).n_scored * base_values_per_token(n_vocab) * 2
+    return (
+        len(BASE_MAGIC)
+        + 12
+        + 4 * n_ctx * n_chunk
+        + Chunking(n_ctx, n_chunk).n_scored * base_values_per_token(n_vocab) * 2
+    )
 
 
 class BaseWriter(DurableWriter):
@@ -409,7 +444,7 @@ class BaseWriter(DurableWriter):
     def __init__(self, path: Path, n_ctx: int, n_vocab: int, n_chunk: int, tokens: np.ndarray) -> None:
         super().__init__(path)
         self.write_bytes(BASE_MAGIC + struct.pack("<Iii", n_ctx, n_vocab, n_chunk))
-        self.write_bytes(np.ascontiguousarray(tokens[:n_ctx * n_chunk], dtype="<i4").tobytes())
+        self.write_bytes(np.ascontiguousarray(tokens[: n_ctx * n_chunk], dtype="<i4").tobytes())
 
     def write(self, logits: np.ndarray) -> None:
         self.write_bytes(base_records(logits).tobytes())
@@ -423,7 +458,7 @@ def copy_base(reference: ReferenceFile, path: Path, n_chunk: int) -> None:
     writer = DurableWriter(path)
     try:
         writer.write_bytes(BASE_MAGIC + struct.pack("<Iii", reference.n_ctx, reference.n_vocab, n_chunk))
-        writer.write_bytes(np.ascontiguousarray(reference.tokens[:reference.n_ctx * n_chunk], dtype="<i4").tobytes())
+        writer.write_bytes(np.ascontiguousarray(reference.tokens[: reference.n_ctx * n_chunk], dtype="<i4").tobytes())
         for records in reference.chunks(n_chunk):
             writer.write_bytes(records.tobytes())
     finally:
@@ -464,11 +499,35 @@ def _percentile(sorted_values: np.ndarray, fraction: float) -> float:
 
 def _median(sorted_values: np.ndarray) -> float:
     n = sorted_values.size
-    return float(np.float32(0.5) * (sorted_values[n // 2] + sorted_values[n // 2 - 1])) if n % 2 == 0 else float(sorted_values[n // 2])
+    return (
+        float(np.float32(0.5) * (sorted_values[n // 2] + sorted_values[n // 2 - 1]))
+        if n % 2 == 0
+        else float(sorted_values[n // 2])
+    )
 
 
-KLD_PERCENTILES = (("p999", 0.999), ("p99", 0.990), ("p95", 0.950), ("p90", 0.900), ("p10", 0.100), ("p5", 0.050), ("p1", 0.010), ("p01", 0.001))
-DP_PERCENTILES = (("p999", 0.999), ("p99", 0.990), ("p95", 0.950), ("p90", 0.900), ("p75", 0.750), ("p25", 0.250), ("p10", 0.100), ("p5", 0.050), ("p1", 0.010), ("p01", 0.001))
+KLD_PERCENTILES = (
+    ("p999", 0.999),
+    ("p99", 0.990),
+    ("p95", 0.950),
+    ("p90", 0.900),
+    ("p10", 0.100),
+    ("p5", 0.050),
+    ("p1", 0.010),
+    ("p01", 0.001),
+)
+DP_PERCENTILES = (
+    ("p999", 0.999),
+    ("p99", 0.990),
+    ("p95", 0.950),
+    ("p90", 0.900),
+    ("p75", 0.750),
+    ("p25", 0.250),
+    ("p10", 0.100),
+    ("p5", 0.050),
+    ("p1", 0.010),
+    ("p01", 0.001),
+)
 
 
 @dataclass(frozen=True)
@@ -506,7 +565,10 @@ def kld_statistics(table: np.ndarray) -> KldStatistics:
     count = int(table.shape[0])
     if count < 2:
         raise ValueError("KL statistics need at least two scored tokens")
-    nll, nll_base = table[:, NLL].astype(np.float32).astype(np.float64), table[:, NLL_BASE].astype(np.float32).astype(np.float64)
+    nll, nll_base = (
+        table[:, NLL].astype(np.float32).astype(np.float64),
+        table[:, NLL_BASE].astype(np.float32).astype(np.float64),
+    )
     kld_values = table[:, KLD]
     p_diff = table[:, P_DIFF].astype(np.float32).astype(np.float64)
     log_ppl = _mean_and_uncertainty(nll.sum(), (nll * nll).sum(), count)
@@ -528,22 +590,55 @@ def kld_statistics(table: np.ndarray) -> KldStatistics:
     same = float(table[:, SAME_TOP].sum()) / count
     sorted_kld = np.sort(kld_values.astype(np.float32))
     sorted_dp = np.sort(p_diff.astype(np.float32))
-    kld = {"max": float(sorted_kld[-1]), **{name: _percentile(sorted_kld, f) for name, f in KLD_PERCENTILES[:4]}, "median": _median(sorted_kld),
-           **{name: _percentile(sorted_kld, f) for name, f in KLD_PERCENTILES[4:]}, "min": float(sorted_kld[0])}
-    dp = {"max": float(sorted_dp[-1]), **{name: _percentile(sorted_dp, f) for name, f in DP_PERCENTILES[:5]}, "median": _median(sorted_dp),
-          **{name: _percentile(sorted_dp, f) for name, f in DP_PERCENTILES[5:]}, "min": float(sorted_dp[0])}
+    kld = {
+        "max": float(sorted_kld[-1]),
+        **{name: _percentile(sorted_kld, f) for name, f in KLD_PERCENTILES[:4]},
+        "median": _median(sorted_kld),
+        **{name: _percentile(sorted_kld, f) for name, f in KLD_PERCENTILES[4:]},
+        "min": float(sorted_kld[0]),
+    }
+    dp = {
+        "max": float(sorted_dp[-1]),
+        **{name: _percentile(sorted_dp, f) for name, f in DP_PERCENTILES[:5]},
+        "median": _median(sorted_dp),
+        **{name: _percentile(sorted_dp, f) for name, f in DP_PERCENTILES[5:]},
+        "min": float(sorted_dp[0]),
+    }
     return KldStatistics(
-        count=count, ppl=ppl, ppl_stderr=ppl_unc, ppl_base=ppl_base, ppl_base_stderr=ppl_base_unc,
-        ln_ppl_ratio=ratio, ln_ppl_ratio_stderr=ratio_unc, ppl_ratio=math.exp(ratio), ppl_ratio_stderr=math.exp(ratio) * ratio_unc,
-        ppl_diff=ppl - ppl_base, ppl_diff_stderr=math.sqrt(max(0.0, ppl_unc ** 2 + ppl_base_unc ** 2 - 2.0 * ppl_cov)),
-        ln_ppl_correlation=correlation, kld_mean=kl_mean[0], kld_mean_stderr=kl_mean[1], kld=kld,
-        dp_mean=dp_mean[0], dp_mean_stderr=dp_mean[1], dp=dp, rms_dp=rms, rms_dp_stderr=(0.5 / rms * mse[1]) if rms else 0.0,
-        same_top_p=same, same_top_p_stderr=math.sqrt(same * (1 - same) / (count - 1)),
+        count=count,
+        ppl=ppl,
+        ppl_stderr=ppl_unc,
+        ppl_base=ppl_base,
+        ppl_base_stderr=ppl_base_unc,
+        ln_ppl_ratio=ratio,
+        ln_ppl_ratio_stderr=ratio_unc,
+        ppl_ratio=math.exp(ratio),
+        ppl_ratio_stderr=math.exp(ratio) * ratio_unc,
+        ppl_diff=ppl - ppl_base,
+        ppl_diff_stderr=math.sqrt(max(0.0, ppl_unc**2 + ppl_base_unc**2 - 2.0 * ppl_cov)),
+        ln_ppl_correlation=correlation,
+        kld_mean=kl_mean[0],
+        kld_mean_stderr=kl_mean[1],
+        kld=kld,
+        dp_mean=dp_mean[0],
+        dp_mean_stderr=dp_mean[1],
+        dp=dp,
+        rms_dp=rms,
+        rms_dp_stderr=(0.5 / rms * mse[1]) if rms else 0.0,
+        same_top_p=same,
+        same_top_p_stderr=math.sqrt(same * (1 - same) / (count - 1)),
         kld_tail_stderr=math.sqrt(float(table[:, TAIL_VARIANCE].sum())) / count,
     )
 
 
-SEGMENT_KEYS = ("kld_mean", "kld_mean_stderr", "kld_p999", "same_top_p", "ppl", "tokens")  # a segment record's figures besides its name
+SEGMENT_KEYS = (
+    "kld_mean",
+    "kld_mean_stderr",
+    "kld_p999",
+    "same_top_p",
+    "ppl",
+    "tokens",
+)  # a segment record's figures besides its name
 
 
 def segment_statistics(name: str, table: np.ndarray) -> dict:
@@ -555,5 +650,12 @@ def segment_statistics(name: str, table: np.ndarray) -> dict:
     if table.shape[0] < 2:
         return {"name": name, **{key: None for key in SEGMENT_KEYS}, "tokens": int(table.shape[0])}
     stats = kld_statistics(table)
-    return {"name": name, "kld_mean": stats.kld_mean, "kld_mean_stderr": stats.kld_mean_stderr, "kld_p999": stats.kld["p999"],
-            "same_top_p": stats.same_top_p, "ppl": perplexity(table[:, NLL]).ppl, "tokens": stats.count}
+    return {
+        "name": name,
+        "kld_mean": stats.kld_mean,
+        "kld_mean_stderr": stats.kld_mean_stderr,
+        "kld_p999": stats.kld["p999"],
+        "same_top_p": stats.same_top_p,
+        "ppl": perplexity(table[:, NLL]).ppl,
+        "tokens": stats.count,
+    }

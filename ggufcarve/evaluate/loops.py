@@ -62,7 +62,9 @@ def periodic_suffix(tokens: Sequence[int], period: int) -> int:
     return n - 1 - i + period if i >= period else n
 
 
-def find_loop(tokens: Sequence[int], max_period: int = MAX_PERIOD, min_tokens: int = MIN_TOKENS, min_repeats: int = MIN_REPEATS) -> Loop | None:
+def find_loop(
+    tokens: Sequence[int], max_period: int = MAX_PERIOD, min_tokens: int = MIN_TOKENS, min_repeats: int = MIN_REPEATS
+) -> Loop | None:
     """The loop the continuation ends in (the smallest qualifying period), or None; see the module docstring."""
     tokens = list(tokens)
     for period in range(1, max_period + 1):
@@ -94,7 +96,9 @@ class LoopSettings:
 
 def loop_prompts_from_checks(checks: Sequence[dict]) -> list[dict]:
     """The QA checks' prompts (their messages and tools) as loop prompts."""
-    return [{"id": c["id"], "messages": c["messages"], **({"tools": c["tools"]} if c.get("tools") else {})} for c in checks]
+    return [
+        {"id": c["id"], "messages": c["messages"], **({"tools": c["tools"]} if c.get("tools") else {})} for c in checks
+    ]
 
 
 def load_loop_prompts(path: Path) -> list[dict]:
@@ -105,7 +109,10 @@ def load_loop_prompts(path: Path) -> list[dict]:
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as err:
-        raise BadInput(f"{path}: cannot read the loop prompts ({getattr(err, 'strerror', None) or err})", "give a UTF-8 text file, one prompt per line, or a .jsonl file") from None
+        raise BadInput(
+            f"{path}: cannot read the loop prompts ({getattr(err, 'strerror', None) or err})",
+            "give a UTF-8 text file, one prompt per line, or a .jsonl file",
+        ) from None
     prompts: list[dict] = []
     for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
@@ -117,20 +124,41 @@ def load_loop_prompts(path: Path) -> list[dict]:
         try:
             doc = json.loads(line)
         except ValueError as err:
-            raise BadInput(f"{where}: not valid JSON ({err})", 'one object per line: {"prompt": "..."} or {"messages": [...]}') from None
-        if not isinstance(doc, dict) or ("prompt" in doc) == ("messages" in doc) or set(doc) - {"id", "prompt", "messages", "tools"}:
-            raise BadInput(f"{where}: a loop prompt is an object with either \"prompt\" or \"messages\" (and an optional \"id\")", 'e.g. {"id": "story", "prompt": "Once upon a time"}')
+            raise BadInput(
+                f"{where}: not valid JSON ({err})", 'one object per line: {"prompt": "..."} or {"messages": [...]}'
+            ) from None
+        if (
+            not isinstance(doc, dict)
+            or ("prompt" in doc) == ("messages" in doc)
+            or set(doc) - {"id", "prompt", "messages", "tools"}
+        ):
+            raise BadInput(
+                f'{where}: a loop prompt is an object with either "prompt" or "messages" (and an optional "id")',
+                'e.g. {"id": "story", "prompt": "Once upon a time"}',
+            )
         if "prompt" in doc and not (isinstance(doc["prompt"], str) and doc["prompt"]):
-            raise BadInput(f"{where}: \"prompt\" must be a non-empty string", 'e.g. {"prompt": "Once upon a time"}')
+            raise BadInput(f'{where}: "prompt" must be a non-empty string', 'e.g. {"prompt": "Once upon a time"}')
         messages = doc.get("messages")
-        if messages is not None and not (isinstance(messages, list) and messages and all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages)):
-            raise BadInput(f"{where}: \"messages\" must be a non-empty list of {{role, content}} strings", 'e.g. {"messages": [{"role": "user", "content": "Tell a story"}]}')
+        if messages is not None and not (
+            isinstance(messages, list)
+            and messages
+            and all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in messages
+            )
+        ):
+            raise BadInput(
+                f'{where}: "messages" must be a non-empty list of {{role, content}} strings',
+                'e.g. {"messages": [{"role": "user", "content": "Tell a story"}]}',
+            )
         prompts.append({**doc, "id": str(doc.get("id", f"line-{number}"))})
     if not prompts:
-        raise BadInput(f"{path}: no prompts", "one prompt per line, or a .jsonl file of {\"prompt\": ...} objects")
+        raise BadInput(f"{path}: no prompts", 'one prompt per line, or a .jsonl file of {"prompt": ...} objects')
     ids = [p["id"] for p in prompts]
     if len(set(ids)) != len(ids):
-        raise BadInput(f"{path}: the id '{next(i for i in ids if ids.count(i) > 1)}' is used twice", "give every prompt its own id")
+        raise BadInput(
+            f"{path}: the id '{next(i for i in ids if ids.count(i) > 1)}' is used twice", "give every prompt its own id"
+        )
     return prompts
 
 
@@ -153,7 +181,15 @@ def run_loops(engine: Engine, prompts: list[dict], tokens: int, progress: Callab
         for i, (prompt, ids) in enumerate(zip(prompts, encoded)):
             continuation = list(context.generate(ids.tolist(), tokens))
             text = b"".join(engine.piece(t) for t in continuation).decode("utf-8", errors="replace")
-            outputs.append({"id": prompt["id"], "tokens": continuation, "output": text, "prompt_tokens": int(len(ids)), "ended": len(continuation) < tokens})
+            outputs.append(
+                {
+                    "id": prompt["id"],
+                    "tokens": continuation,
+                    "output": text,
+                    "prompt_tokens": int(len(ids)),
+                    "ended": len(continuation) < tokens,
+                }
+            )
             progress(i + 1, len(prompts))
     finally:
         context.close()
@@ -175,10 +211,20 @@ def _judge(outputs: list[dict], settings: LoopSettings) -> LoopSummary:
     rows = []
     for output in outputs:
         loop = find_loop(output["tokens"], **settings.detector())
-        rows.append({"id": output["id"], "looped": loop is not None, "period": loop.period if loop else None,
-                     "loop_start": loop.start if loop else None, "repeats": round(loop.repeats, 2) if loop else None,
-                     "output_tokens": len(output["tokens"]), "ended": output["ended"], "prompt_tokens": output["prompt_tokens"],
-                     "output": output.get("output"), "tokens": output["tokens"]})
+        rows.append(
+            {
+                "id": output["id"],
+                "looped": loop is not None,
+                "period": loop.period if loop else None,
+                "loop_start": loop.start if loop else None,
+                "repeats": round(loop.repeats, 2) if loop else None,
+                "output_tokens": len(output["tokens"]),
+                "ended": output["ended"],
+                "prompt_tokens": output["prompt_tokens"],
+                "output": output.get("output"),
+                "tokens": output["tokens"],
+            }
+        )
     looped = sum(r["looped"] for r in rows)
     return LoopSummary(looped / len(rows) if rows else 0.0, looped, len(rows), rows)
 
@@ -188,7 +234,15 @@ def summarize_loops(outputs: list[dict], settings: LoopSettings, reference: list
     GGUF reference), the detector's parameters and every prompt's verdict."""
     own = _judge(outputs, settings)
     theirs = _judge(reference, settings) if reference is not None else None
-    return {"share": own.share, "looped": own.looped, "total": own.total, "tokens": settings.tokens, "prompts_from": settings.source,
-            "reference_share": theirs.share if theirs else None, "reference_looped": theirs.looped if theirs else None,
-            "detector": settings.detector(), "prompts": own.prompts,
-            "reference_looped_ids": [r["id"] for r in theirs.prompts if r["looped"]] if theirs else None}
+    return {
+        "share": own.share,
+        "looped": own.looped,
+        "total": own.total,
+        "tokens": settings.tokens,
+        "prompts_from": settings.source,
+        "reference_share": theirs.share if theirs else None,
+        "reference_looped": theirs.looped if theirs else None,
+        "detector": settings.detector(),
+        "prompts": own.prompts,
+        "reference_looped_ids": [r["id"] for r in theirs.prompts if r["looped"]] if theirs else None,
+    }

@@ -70,11 +70,16 @@ def read_entry(path: Path, quant: str | None = None) -> ModelEntry:
     expert_count = model.get(Keys.LLM.EXPERT_COUNT.format(arch=architecture))
     source_count = model.get(KEY_SOURCE_EXPERT_COUNT) if model.get(KEY_KEPT_COUNT) is not None else None
     return ModelEntry(
-        name=SPLIT_SUFFIX.sub("", model.path.stem), path=model.path, files=tuple(model.paths), bytes=model.total_bytes,
-        quant=quant or _file_type_name(model.get(Keys.General.FILE_TYPE)), architecture=architecture,
+        name=SPLIT_SUFFIX.sub("", model.path.stem),
+        path=model.path,
+        files=tuple(model.paths),
+        bytes=model.total_bytes,
+        quant=quant or _file_type_name(model.get(Keys.General.FILE_TYPE)),
+        architecture=architecture,
         expert_count=int(expert_count) if expert_count is not None else None,
         source_expert_count=int(source_count) if source_count is not None else None,
-        n_vocab=len(tokens.value), vocab_sha256=hashlib.sha256(tokens.raw).hexdigest(),
+        n_vocab=len(tokens.value),
+        vocab_sha256=hashlib.sha256(tokens.raw).hexdigest(),
     )
 
 
@@ -86,7 +91,10 @@ def release_entries(directory: Path) -> list[ModelEntry]:
     try:
         manifest = json.loads(manifest_path.read_text())
     except OSError:
-        raise BadInput(f"{directory}: a directory but no {MANIFEST_NAME}", "give GGUF files or a release directory made by ggufcarve ladder run") from None
+        raise BadInput(
+            f"{directory}: a directory but no {MANIFEST_NAME}",
+            "give GGUF files or a release directory made by ggufcarve ladder run",
+        ) from None
     except ValueError as err:
         raise BadInput(f"{manifest_path}: not valid JSON ({err})", "run ggufcarve verify on the release") from None
     entries = []
@@ -99,7 +107,9 @@ def release_entries(directory: Path) -> list[ModelEntry]:
             continue
         entries.append(read_entry(paths[0], quant=rung.get("name")))
     if not entries:
-        raise BadInput(f"{directory}: the manifest lists no built rung present in the directory", "run ggufcarve ladder run first")
+        raise BadInput(
+            f"{directory}: the manifest lists no built rung present in the directory", "run ggufcarve ladder run first"
+        )
     return entries
 
 
@@ -112,11 +122,17 @@ def resolve_models(paths: list[Path]) -> list[ModelEntry]:
         elif path.exists():
             entries.append(read_entry(path))
         else:
-            raise BadInput(f"{path}: no such file or directory", "give GGUF files, first shards of split sets or release directories")
+            raise BadInput(
+                f"{path}: no such file or directory",
+                "give GGUF files, first shards of split sets or release directories",
+            )
     seen: dict[str, Path] = {}
     for entry in entries:
         if entry.name in seen and seen[entry.name] != entry.path:
-            raise BadInput(f"two models are named {entry.name}: {seen[entry.name]} and {entry.path}", "evaluate them into different -o directories")
+            raise BadInput(
+                f"two models are named {entry.name}: {seen[entry.name]} and {entry.path}",
+                "evaluate them into different -o directories",
+            )
         seen[entry.name] = entry.path
     unique = {entry.path: entry for entry in entries}
     return list(unique.values())

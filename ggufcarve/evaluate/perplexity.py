@@ -55,7 +55,9 @@ def plan_chunks(n_tokens: int, n_ctx: int, max_chunks: int | None) -> Chunking:
     if n_ctx < 4:
         raise ValueError(f"a context of {n_ctx} tokens is too small to score (at least 4)")
     if n_tokens < min_tokens(n_ctx):
-        raise ValueError(f"the text tokenizes to {n_tokens} tokens; a context of {n_ctx} needs at least {min_tokens(n_ctx)}")
+        raise ValueError(
+            f"the text tokenizes to {n_tokens} tokens; a context of {n_ctx} needs at least {min_tokens(n_ctx)}"
+        )
     n_chunk = n_tokens // n_ctx
     if max_chunks is not None and max_chunks > 0:
         n_chunk = min(n_chunk, max_chunks)
@@ -70,7 +72,7 @@ def read_text(data: bytes) -> bytes:
 def chunk_tokens(tokens: np.ndarray, chunking: Chunking, index: int, add_bos: bool, bos: int) -> np.ndarray:
     """The tokens decoded for chunk `index`: its n_ctx tokens, the first replaced by BOS when the vocab adds one."""
     start = index * chunking.n_ctx
-    chunk = np.array(tokens[start:start + chunking.n_ctx], dtype=np.int32)
+    chunk = np.array(tokens[start : start + chunking.n_ctx], dtype=np.int32)
     if add_bos:
         chunk[0] = bos
     return chunk
@@ -79,7 +81,7 @@ def chunk_tokens(tokens: np.ndarray, chunking: Chunking, index: int, add_bos: bo
 def scored_targets(tokens: np.ndarray, chunking: Chunking, index: int) -> np.ndarray:
     """The tokens predicted by the scored logits of chunk `index` (original tokens, never BOS)."""
     start = index * chunking.n_ctx + chunking.first + 1
-    return np.asarray(tokens[start:start + chunking.scored_per_chunk], dtype=np.int64)
+    return np.asarray(tokens[start : start + chunking.scored_per_chunk], dtype=np.int64)
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:

@@ -24,7 +24,11 @@ if TYPE_CHECKING:
     from ggufcarve.evaluate.models import ModelEntry
 
 CHILD_MODULE = "ggufcarve.evaluate.child"
-CHUNK_TASK, QA_TASK, LOOP_TASK = "chunk", "qa", "loops"  # the child's progress tasks: chunks scored, QA checks asked, loop prompts continued
+CHUNK_TASK, QA_TASK, LOOP_TASK = (
+    "chunk",
+    "qa",
+    "loops",
+)  # the child's progress tasks: chunks scored, QA checks asked, loop prompts continued
 DEFAULT_TOP_K = 128  # reference log-probs per token of a top-k cache
 DEFAULT_TAIL_SAMPLES = 32  # tail tokens drawn per token of a top-k cache (the unbiased estimate of the tail's KLD)
 REFERENCE_FULL = "full"  # llama-perplexity's --kl-divergence-base file: every token's log-prob in 16 bits
@@ -53,8 +57,12 @@ class Request:
     base_out: str | None = None  # this model's llama-perplexity base file
     speed: dict | None = None  # SpeedSettings fields
     qa: list[dict] | None = None  # QA checks as plain dicts (ggufcarve.evaluate.qa)
-    segments: list[dict] | None = None  # instead of reference_in/table_out: per held-out file {"reference_in", "table_out"}, scored in order
-    loops: dict | None = None  # {"prompts", "tokens"}: greedy continuations for the loop detector (ggufcarve.evaluate.loops)
+    segments: list[dict] | None = (
+        None  # instead of reference_in/table_out: per held-out file {"reference_in", "table_out"}, scored in order
+    )
+    loops: dict | None = (
+        None  # {"prompts", "tokens"}: greedy continuations for the loop detector (ggufcarve.evaluate.loops)
+    )
     gpu_layers: int = 0  # layers offloaded to the accelerator (llama_model_params.n_gpu_layers)
 
     def to_json(self) -> dict[str, Any]:

@@ -71,7 +71,10 @@ def _check_from_line(line: str, where: str) -> Check:
     try:
         doc = json.loads(line)
     except ValueError as err:
-        raise BadInput(f"{where}: not valid JSON ({err.msg} at column {err.colno})", "one JSON object per line (see evaluation/qa/)") from None
+        raise BadInput(
+            f"{where}: not valid JSON ({err.msg} at column {err.colno})",
+            "one JSON object per line (see evaluation/qa/)",
+        ) from None
     if not isinstance(doc, dict):
         raise BadInput(f"{where}: a check must be a JSON object", "see evaluation/qa/")
     unknown = set(doc) - CHECK_KEYS
@@ -81,15 +84,34 @@ def _check_from_line(line: str, where: str) -> Check:
         if key not in doc:
             raise BadInput(f"{where}: missing '{key}'", "every check has id, messages and validator")
     messages = doc["messages"]
-    if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages):
+    if (
+        not isinstance(messages, list)
+        or not messages
+        or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages
+        )
+    ):
         raise BadInput(f"{where}: messages must be a non-empty list of {{role, content}} strings", "see evaluation/qa/")
     validator = doc["validator"]
     if not isinstance(validator, dict) or validator.get("type") not in VALIDATOR_TYPES:
-        raise BadInput(f"{where}: validator type must be one of {', '.join(VALIDATOR_TYPES)}", "see the ggufcarve.evaluate.qa docstring")
+        raise BadInput(
+            f"{where}: validator type must be one of {', '.join(VALIDATOR_TYPES)}",
+            "see the ggufcarve.evaluate.qa docstring",
+        )
     max_tokens = doc.get("max_tokens", 128)
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or not 0 < max_tokens <= 4096:
-        raise BadInput(f"{where}: max_tokens must be an integer in 1..4096", "for example \"max_tokens\": 128")
-    check = Check(str(doc["id"]), str(doc.get("category", "")), messages, max_tokens, validator, doc.get("tools"), str(doc.get("description", "")), where)
+        raise BadInput(f"{where}: max_tokens must be an integer in 1..4096", 'for example "max_tokens": 128')
+    check = Check(
+        str(doc["id"]),
+        str(doc.get("category", "")),
+        messages,
+        max_tokens,
+        validator,
+        doc.get("tools"),
+        str(doc.get("description", "")),
+        where,
+    )
     try:
         for schema, name in _schemas(validator):
             _validator(schema, name)  # an invalid schema fails here, not mid-run
@@ -110,14 +132,18 @@ def load_suite(path: Path) -> list[Check]:
         try:
             text = file.read_text(encoding="utf-8")
         except OSError as err:
-            raise BadInput(f"{file}: cannot read the QA file ({err.strerror})", "give a QA file or directory such as evaluation/qa") from None
+            raise BadInput(
+                f"{file}: cannot read the QA file ({err.strerror})", "give a QA file or directory such as evaluation/qa"
+            ) from None
         for number, line in enumerate(text.splitlines(), start=1):
             if line.strip():
                 checks.append(_check_from_line(line, f"{file.name}:{number}"))
     seen: dict[str, str] = {}
     for check in checks:
         if check.id in seen:
-            raise BadInput(f"{check.source}: id '{check.id}' is already used at {seen[check.id]}", "give every check its own id")
+            raise BadInput(
+                f"{check.source}: id '{check.id}' is already used at {seen[check.id]}", "give every check its own id"
+            )
         seen[check.id] = check.source
     return checks
 
@@ -137,13 +163,21 @@ class ValidatorError(Exception):
     """The validator itself is malformed."""
 
 
-_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-           ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
+_BINARY = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+    ast.Pow: operator.pow,
+}
 _UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg}
 
 
 def safe_value(expression: str) -> float:
     """The value of an arithmetic expression, evaluated from its syntax tree (no names, calls or attributes)."""
+
     def value(node: ast.AST) -> float:
         if isinstance(node, ast.Expression):
             return value(node.body)
@@ -167,7 +201,9 @@ _EXPRESSION = re.compile(r"[-+(]*\d[\d.\s+\-*/%()]*")
 def _final_expression(answer: str) -> str | None:
     text = answer.replace(",", "")
     marker = re.search(r"answer\s*(?:is)?\s*[:=]?\s*(.+)", text, re.IGNORECASE | re.DOTALL)
-    candidates = [marker.group(1).splitlines()[0]] if marker else [line for line in text.splitlines() if line.strip()][-1:]
+    candidates = (
+        [marker.group(1).splitlines()[0]] if marker else [line for line in text.splitlines() if line.strip()][-1:]
+    )
     for candidate in candidates:
         found = [m.group(0).strip() for m in _EXPRESSION.finditer(candidate.replace("×", "*").replace("÷", "/"))]
         found = [f.rstrip(".") for f in found if any(ch.isdigit() for ch in f)]
@@ -187,7 +223,7 @@ def first_json(answer: str) -> Any:
     decoder = json.JSONDecoder()
     for match in re.finditer(r"[{\[]", answer):
         try:
-            return decoder.raw_decode(answer[match.start():])[0]
+            return decoder.raw_decode(answer[match.start() :])[0]
         except ValueError:
             continue
     raise ValueError("no JSON value in the answer")
@@ -335,7 +371,15 @@ def run_checks(engine: Engine, checks: list[dict], progress: Callable[[int, int]
         for i, (check, prompt) in enumerate(zip(checks, prompts)):
             tokens = list(context.generate(prompt.tolist(), check["max_tokens"]))
             text = b"".join(engine.piece(t) for t in tokens).decode("utf-8", errors="replace")
-            outputs.append({"id": check["id"], "output": text, "prompt_tokens": int(len(prompt)), "output_tokens": len(tokens), "chat_template": bool(template)})
+            outputs.append(
+                {
+                    "id": check["id"],
+                    "output": text,
+                    "prompt_tokens": int(len(prompt)),
+                    "output_tokens": len(tokens),
+                    "chat_template": bool(template),
+                }
+            )
             progress(i + 1, len(checks))
     finally:
         context.close()
@@ -352,8 +396,22 @@ def summarize(checks: list[dict], outputs: list[dict], reference: list[dict] | N
         output = by_id[check.id]
         passed, reason = validate(check, output["output"])
         same = reference_by_id.get(check.id) == output["output"] if reference is not None else None
-        rows.append({"id": check.id, "category": check.category, "passed": passed, "reason": reason, "same_as_reference": same, **output})
+        rows.append(
+            {
+                "id": check.id,
+                "category": check.category,
+                "passed": passed,
+                "reason": reason,
+                "same_as_reference": same,
+                **output,
+            }
+        )
     total = len(rows)
     exact = sum(1 for r in rows if r["same_as_reference"]) / total if reference is not None and total else None
-    return {"passed": sum(r["passed"] for r in rows), "total": total, "exact_vs_reference": exact, "decoding": DECODING, "checks": rows}
-
+    return {
+        "passed": sum(r["passed"] for r in rows),
+        "total": total,
+        "exact_vs_reference": exact,
+        "decoding": DECODING,
+        "checks": rows,
+    }

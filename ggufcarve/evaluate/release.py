@@ -61,7 +61,13 @@ def eval_settings(
     tokens and report the share that ends in a repeating cycle (ggufcarve.evaluate.loops); the
     prompts are `loop_prompts`' or else the QA suite's (`qa`, or the shipped suite)."""
     from ggufcarve.evaluate.gate import SEGMENT_MODES, default_gate_path, load_gate
-    from ggufcarve.evaluate.protocol import DEFAULT_TAIL_SAMPLES, DEFAULT_TOP_K, REFERENCE_FULL, REFERENCE_TOPK, EvalSettings
+    from ggufcarve.evaluate.protocol import (
+        DEFAULT_TAIL_SAMPLES,
+        DEFAULT_TOP_K,
+        REFERENCE_FULL,
+        REFERENCE_TOPK,
+        EvalSettings,
+    )
     from ggufcarve.evaluate.speed import DEFAULT_RUNS, ENGINES, SpeedSettings
     from ggufcarve.llama.tools import physical_cores
 
@@ -70,11 +76,20 @@ def eval_settings(
     if top_k is not None and top_k < 1:
         raise BadInput(f"--top-k {top_k}: must be at least 1", "leave --top-k out to keep every token's log-prob")
     if tail_samples < 0 or tail_samples == 1:
-        raise BadInput(f"--tail-samples {tail_samples}: must be 0 (a lower bound) or at least 2 (their spread measures the estimate's error)", f"for example --tail-samples {DEFAULT_TAIL_SAMPLES}")
+        raise BadInput(
+            f"--tail-samples {tail_samples}: must be 0 (a lower bound) or at least 2 (their spread measures the estimate's error)",
+            f"for example --tail-samples {DEFAULT_TAIL_SAMPLES}",
+        )
     if speed_engine not in ENGINES:
-        raise BadInput(f"--speed-engine {speed_engine}: not one of {', '.join(ENGINES)}", "auto uses llama-bench when `ggufcarve toolchain build` has compiled it")
+        raise BadInput(
+            f"--speed-engine {speed_engine}: not one of {', '.join(ENGINES)}",
+            "auto uses llama-bench when `ggufcarve toolchain build` has compiled it",
+        )
     if gate_segments is not None and gate_segments not in SEGMENT_MODES:
-        raise BadInput(f"--gate-segments {gate_segments}: not one of {', '.join(SEGMENT_MODES)}", "every: a model fails when any held-out file fails the gate")
+        raise BadInput(
+            f"--gate-segments {gate_segments}: not one of {', '.join(SEGMENT_MODES)}",
+            "every: a model fails when any held-out file fails the gate",
+        )
     warnings = []
     if gate is None and not default_gate_path().exists():
         warnings.append(f"no gate: {default_gate_path().name} is not beside this installation (give --gate FILE)")
@@ -90,10 +105,20 @@ def eval_settings(
         qa_checks = [c.to_json() for c in load_suite(qa)]
     loop_settings = _loop_settings(loops or loop_prompts is not None, loop_prompts, loop_tokens, qa_checks)
     settings = EvalSettings(
-        ctx=ctx, chunks=chunks, threads=threads or physical_cores(), top_k=top_k or DEFAULT_TOP_K, tail_samples=tail_samples,
+        ctx=ctx,
+        chunks=chunks,
+        threads=threads or physical_cores(),
+        top_k=top_k or DEFAULT_TOP_K,
+        tail_samples=tail_samples,
         reference_store=REFERENCE_FULL if top_k is None else REFERENCE_TOPK,
-        speed=SpeedSettings(runs=speed_runs, engine=speed_engine) if speed_runs > 0 else None, gate=gate_rules, qa_checks=qa_checks,
-        cross_check=cross_check, llama_cpp_dir=llama_cpp, cache_dir=cache, kl_base_out=kl_base_out, loops=loop_settings,
+        speed=SpeedSettings(runs=speed_runs, engine=speed_engine) if speed_runs > 0 else None,
+        gate=gate_rules,
+        qa_checks=qa_checks,
+        cross_check=cross_check,
+        llama_cpp_dir=llama_cpp,
+        cache_dir=cache,
+        kl_base_out=kl_base_out,
+        loops=loop_settings,
         gpu_layers=gpu_layers,
     )
     return settings, warnings
@@ -101,7 +126,14 @@ def eval_settings(
 
 def _loop_settings(wanted: bool, prompts_file: Path | None, tokens: int | None, qa_checks: list[dict] | None) -> Any:
     """LoopSettings of --loops / --loop-prompts / --loop-tokens, or None when loops are not asked for."""
-    from ggufcarve.evaluate.loops import DEFAULT_TOKENS, MAX_PERIOD, MIN_REPEATS, LoopSettings, load_loop_prompts, loop_prompts_from_checks
+    from ggufcarve.evaluate.loops import (
+        DEFAULT_TOKENS,
+        MAX_PERIOD,
+        MIN_REPEATS,
+        LoopSettings,
+        load_loop_prompts,
+        loop_prompts_from_checks,
+    )
 
     if not wanted:
         if tokens is not None:
@@ -109,8 +141,10 @@ def _loop_settings(wanted: bool, prompts_file: Path | None, tokens: int | None, 
         return None
     tokens = DEFAULT_TOKENS if tokens is None else tokens
     if not MIN_REPEATS * MAX_PERIOD <= tokens <= 4096:
-        raise BadInput(f"--loop-tokens {tokens}: must be in {MIN_REPEATS * MAX_PERIOD}..4096 (the detector needs {MIN_REPEATS} repeats of periods up to {MAX_PERIOD})",
-                       f"for example --loop-tokens {DEFAULT_TOKENS}")
+        raise BadInput(
+            f"--loop-tokens {tokens}: must be in {MIN_REPEATS * MAX_PERIOD}..4096 (the detector needs {MIN_REPEATS} repeats of periods up to {MAX_PERIOD})",
+            f"for example --loop-tokens {DEFAULT_TOKENS}",
+        )
     if prompts_file is not None:
         return LoopSettings(load_loop_prompts(prompts_file), tokens, prompts_file.name)
     if qa_checks is None:
@@ -120,7 +154,16 @@ def _loop_settings(wanted: bool, prompts_file: Path | None, tokens: int | None, 
     return LoopSettings(loop_prompts_from_checks(qa_checks), tokens, "QA suite")
 
 
-def evaluate_release(models: list[Path], reference: Path, heldout: Path | Sequence[Path] | None, settings: Any, output: Path, on_event: Sink = ignore, *, replace: bool = False) -> EvaluatedRelease:
+def evaluate_release(
+    models: list[Path],
+    reference: Path,
+    heldout: Path | Sequence[Path] | None,
+    settings: Any,
+    output: Path,
+    on_event: Sink = ignore,
+    *,
+    replace: bool = False,
+) -> EvaluatedRelease:
     """Evaluate `models` (GGUF files or release directories) against `reference` into `output`,
     then record the written files in the release that holds `output`, if one does.
 

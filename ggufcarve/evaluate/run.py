@@ -61,7 +61,16 @@ class Segment:
 
 
 # a segment record's figures beyond `kld.SEGMENT_KEYS`, under the per-model contract's names
-SEGMENT_EXTRA = ("ppl_stderr", "ppl_reference", "ppl_delta_percent", "kld_median", "kld_p99", "kld_max", "kld_tail_stderr", "rms_dp")
+SEGMENT_EXTRA = (
+    "ppl_stderr",
+    "ppl_reference",
+    "ppl_delta_percent",
+    "kld_median",
+    "kld_p99",
+    "kld_max",
+    "kld_tail_stderr",
+    "rms_dp",
+)
 
 
 def heldout_files(heldout: Path | Sequence[Path] | None) -> list[Path]:
@@ -107,11 +116,19 @@ def _cached(cache: Path, ref_sha: str, text_sha: str, settings: EvalSettings) ->
     try:
         opened = kld.open_reference(cache)
         if opened.header is not None:
-            identity = {"reference_sha256": opened.header.reference_sha256, "text_sha256": opened.header.text_sha256,
-                        "text_chunks": opened.header.text_chunks, "tail_samples": opened.header.tail_samples}
+            identity = {
+                "reference_sha256": opened.header.reference_sha256,
+                "text_sha256": opened.header.text_sha256,
+                "text_chunks": opened.header.text_chunks,
+                "tail_samples": opened.header.tail_samples,
+            }
         else:
             identity = json.loads(_identity_path(cache).read_text())
-            if not isinstance(identity, dict) or identity.get("n_chunk") != opened.n_chunk or identity.get("n_ctx") != opened.n_ctx:
+            if (
+                not isinstance(identity, dict)
+                or identity.get("n_chunk") != opened.n_chunk
+                or identity.get("n_ctx") != opened.n_ctx
+            ):
                 return None
     except (OSError, ValueError):
         return None  # absent, a dead run's or another version's: computed afresh
@@ -119,7 +136,11 @@ def _cached(cache: Path, ref_sha: str, text_sha: str, settings: EvalSettings) ->
     if not isinstance(text_chunks, int) or opened.n_ctx != settings.ctx:
         return None
     wanted = min(settings.chunks or text_chunks, text_chunks)
-    same = identity.get("reference_sha256") == ref_sha and identity.get("text_sha256") == text_sha and opened.n_chunk >= wanted
+    same = (
+        identity.get("reference_sha256") == ref_sha
+        and identity.get("text_sha256") == text_sha
+        and opened.n_chunk >= wanted
+    )
     if settings.reference_store == REFERENCE_TOPK and identity.get("tail_samples") != settings.tail_samples:
         return None
     return opened if same else None
@@ -139,13 +160,25 @@ def reference_cache_dir(settings: EvalSettings) -> Path:
     return settings.cache_dir or cache_root() / "reference-logprobs"
 
 
-def reference_disk_bytes(reference: Path, heldout: Path | Sequence[Path] | None, settings: EvalSettings, sink: Sink = ignore, *, hash_reference: bool = True) -> int:
+def reference_disk_bytes(
+    reference: Path,
+    heldout: Path | Sequence[Path] | None,
+    settings: EvalSettings,
+    sink: Sink = ignore,
+    *,
+    hash_reference: bool = True,
+) -> int:
     """At most the bytes the reference's log-probs take on disk in this run (0 when they are cached or given as a file),
     summed over the held-out files (one cache each)."""
-    return sum(_reference_disk_bytes(reference, path, settings, sink, hash_reference=hash_reference) for path in heldout_files(heldout))
+    return sum(
+        _reference_disk_bytes(reference, path, settings, sink, hash_reference=hash_reference)
+        for path in heldout_files(heldout)
+    )
 
 
-def _reference_disk_bytes(reference: Path, heldout: Path | None, settings: EvalSettings, sink: Sink = ignore, *, hash_reference: bool = True) -> int:
+def _reference_disk_bytes(
+    reference: Path, heldout: Path | None, settings: EvalSettings, sink: Sink = ignore, *, hash_reference: bool = True
+) -> int:
     """reference_disk_bytes of one held-out file.
 
     Without `hash_reference` (a dry run) the reference is not read to learn its sha256: a cache is
@@ -175,11 +208,28 @@ def _reference_disk_bytes(reference: Path, heldout: Path | None, settings: EvalS
         from ggufcarve.fileio import cached_sha256
 
         digests = [cached_sha256(p) for p in entry.files]
-        ref_sha = None if None in digests else digests[0] if len(digests) == 1 else hashlib.sha256(",".join(map(str, digests)).encode()).hexdigest()
+        ref_sha = (
+            None
+            if None in digests
+            else digests[0]
+            if len(digests) == 1
+            else hashlib.sha256(",".join(map(str, digests)).encode()).hexdigest()
+        )
     text_sha = _text_sha256(heldout)
     cache = _cache_path(reference_cache_dir(settings), ref_sha or "0" * 64, text_sha, settings)
     if settings.reference_store == REFERENCE_TOPK:
-        header = kld.ReferenceHeader("0" * 64, "0" * 64, settings.ctx, entry.n_vocab, n_chunk, settings.top_k, False, 0, n_chunk, settings.tail_samples)
+        header = kld.ReferenceHeader(
+            "0" * 64,
+            "0" * 64,
+            settings.ctx,
+            entry.n_vocab,
+            n_chunk,
+            settings.top_k,
+            False,
+            0,
+            n_chunk,
+            settings.tail_samples,
+        )
         cache_bytes = header.file_bytes
     else:
         cache_bytes = base
@@ -195,7 +245,10 @@ def check_room(path: Path, needed: int, elsewhere: str) -> None:
 
     free = shutil.disk_usage(path.parent).free
     if free < needed:
-        raise OutputError(f"{path.name} needs {needed / 2**20:.1f} MiB but {path.parent} has {free / 2**20:.1f} MiB free", f"free disk space or {elsewhere}; nothing was written")
+        raise OutputError(
+            f"{path.name} needs {needed / 2**20:.1f} MiB but {path.parent} has {free / 2**20:.1f} MiB free",
+            f"free disk space or {elsewhere}; nothing was written",
+        )
 
 
 def _save_base(opened: kld.ReferenceFile, n_chunk: int, path: Path) -> None:
@@ -208,7 +261,9 @@ def _save_base(opened: kld.ReferenceFile, n_chunk: int, path: Path) -> None:
         kld.copy_base(opened, temp, n_chunk)
 
 
-def prepare_reference(path: Path, heldout: Path | None, settings: EvalSettings, work: Path, sink: Sink = ignore) -> Reference:
+def prepare_reference(
+    path: Path, heldout: Path | None, settings: EvalSettings, work: Path, sink: Sink = ignore
+) -> Reference:
     """The reference file the children compare with: a given top-k cache or base file, or the cached log-probs of a GGUF reference.
 
     A GGUF reference's log-probs are kept as llama-perplexity's base file (every token, the default)
@@ -217,24 +272,44 @@ def prepare_reference(path: Path, heldout: Path | None, settings: EvalSettings, 
     from ggufcarve.fileio import atomic_file, remove_dead_temps, temp_path_for
 
     if settings.reference_store not in REFERENCE_STORES:
-        raise BadInput(f"reference store {settings.reference_store!r}: not one of {', '.join(REFERENCE_STORES)}", "full keeps every token's log-prob as llama-perplexity does")
+        raise BadInput(
+            f"reference store {settings.reference_store!r}: not one of {', '.join(REFERENCE_STORES)}",
+            "full keeps every token's log-prob as llama-perplexity does",
+        )
     if not path.is_file():
-        raise BadInput(f"{path}: no such reference file", "give the unpruned model (GGUF), a top-k cache or a llama-perplexity --kl-divergence-base file")
+        raise BadInput(
+            f"{path}: no such reference file",
+            "give the unpruned model (GGUF), a top-k cache or a llama-perplexity --kl-divergence-base file",
+        )
     if _reference_input(path) == "file":
         if settings.kl_base_out is not None:
-            raise BadInput("--save-kl-base writes the log-probs of a GGUF reference", "give the reference model itself as --reference")
+            raise BadInput(
+                "--save-kl-base writes the log-probs of a GGUF reference",
+                "give the reference model itself as --reference",
+            )
         try:
             opened = kld.open_reference(path)
         except ValueError as err:
-            raise BadInput(str(err), "give the unpruned model (GGUF) or a file written by llama-perplexity --kl-divergence-base") from None
+            raise BadInput(
+                str(err), "give the unpruned model (GGUF) or a file written by llama-perplexity --kl-divergence-base"
+            ) from None
         from ggufcarve.fileio import sha256_file_cached
 
         digest = opened.header.reference_sha256 if opened.header else sha256_file_cached(path)
-        return Reference(path.name, opened.kind, digest, path, top_k=opened.header.top_k if opened.header else None,
-                         tail_samples=opened.header.tail_samples if opened.header else 0)
+        return Reference(
+            path.name,
+            opened.kind,
+            digest,
+            path,
+            top_k=opened.header.top_k if opened.header else None,
+            tail_samples=opened.header.tail_samples if opened.header else 0,
+        )
     entry = read_entry(path)
     if heldout is None:
-        raise BadInput("--heldout is needed with a GGUF reference", "give a held-out text file, or a llama-perplexity --kl-divergence-base file as --reference")
+        raise BadInput(
+            "--heldout is needed with a GGUF reference",
+            "give a held-out text file, or a llama-perplexity --kl-divergence-base file as --reference",
+        )
     text_sha = _text_sha256(heldout)
     ref_sha = _sha256_of(entry, sink)
     topk = settings.reference_store == REFERENCE_TOPK
@@ -255,9 +330,18 @@ def prepare_reference(path: Path, heldout: Path | None, settings: EvalSettings, 
     # only with the JSON naming it, written after it.
     remove_dead_temps(cache_dir, cache.name.__eq__)
     temp = temp_path_for(cache)
-    request = Request(model=str(entry.path), threads=settings.threads, gpu_layers=settings.gpu_layers, n_ctx=settings.ctx, result_out=str(work / "reference.result.json"),
-                      text=str(heldout), max_chunks=settings.chunks, top_k=settings.top_k, tail_samples=settings.tail_samples,
-                      cache_identity={"reference_sha256": ref_sha, "text_sha256": text_sha})
+    request = Request(
+        model=str(entry.path),
+        threads=settings.threads,
+        gpu_layers=settings.gpu_layers,
+        n_ctx=settings.ctx,
+        result_out=str(work / "reference.result.json"),
+        text=str(heldout),
+        max_chunks=settings.chunks,
+        top_k=settings.top_k,
+        tail_samples=settings.tail_samples,
+        cache_identity={"reference_sha256": ref_sha, "text_sha256": text_sha},
+    )
     if topk:
         request.cache_out = str(temp)
     else:
@@ -284,8 +368,13 @@ def prepare_reference(path: Path, heldout: Path | None, settings: EvalSettings, 
         if base_temp is not None:
             base_temp.unlink(missing_ok=True)
     if not topk:
-        identity = {"reference_sha256": ref_sha, "text_sha256": text_sha, "n_ctx": result["n_ctx"], "n_chunk": result["n_chunk"],
-                    "text_chunks": result["n_tokens"] // result["n_ctx"]}
+        identity = {
+            "reference_sha256": ref_sha,
+            "text_sha256": text_sha,
+            "n_ctx": result["n_ctx"],
+            "n_chunk": result["n_chunk"],
+            "text_chunks": result["n_tokens"] // result["n_ctx"],
+        }
         with atomic_file(_identity_path(cache), "choose another --cache directory") as identity_temp:
             identity_temp.write_text(json.dumps(identity, sort_keys=True) + "\n")
         if settings.kl_base_out is not None:
@@ -293,7 +382,9 @@ def prepare_reference(path: Path, heldout: Path | None, settings: EvalSettings, 
     return Reference(entry.name, "gguf", ref_sha, cache, entry, seconds=time.monotonic() - started, **store)
 
 
-def prepare_segments(path: Path, heldout: Path | Sequence[Path] | None, settings: EvalSettings, work: Path, sink: Sink = ignore) -> tuple[Reference, list[Segment]]:
+def prepare_segments(
+    path: Path, heldout: Path | Sequence[Path] | None, settings: EvalSettings, work: Path, sink: Sink = ignore
+) -> tuple[Reference, list[Segment]]:
     """The reference (`prepare_reference`) and, with several held-out files, one Segment per file
     with its own reference log-probs (none with one file); the Reference returned then names them
     all: cached when every one was, the seconds spent on all. Pass both to `evaluate_model`."""
@@ -302,20 +393,30 @@ def prepare_segments(path: Path, heldout: Path | Sequence[Path] | None, settings
     if len(files) < 2:
         return prepare_reference(path, files[0] if files else None, settings, work, sink), []
     segments = [Segment(_heldout_record(file), prepare_reference(path, file, settings, work, sink)) for file in files]
-    joined = replace(segments[0].reference, cached=all(s.reference.cached for s in segments), seconds=sum(s.reference.seconds for s in segments))
+    joined = replace(
+        segments[0].reference,
+        cached=all(s.reference.cached for s in segments),
+        seconds=sum(s.reference.seconds for s in segments),
+    )
     return joined, segments
 
 
-def check_vocabularies(models: list[ModelEntry], reference: ModelEntry | None, reference_file: Path | None = None) -> None:
+def check_vocabularies(
+    models: list[ModelEntry], reference: ModelEntry | None, reference_file: Path | None = None
+) -> None:
     """Every model must share the reference's vocabulary: KL divergence compares distributions over the same tokens."""
     n_vocab = kld.open_reference(reference_file).n_vocab if reference is None and reference_file is not None else None
     for entry in models:
         if reference is not None and entry.vocab_sha256 != reference.vocab_sha256:
-            raise BadInput(f"{entry.path.name}: its vocabulary ({entry.n_vocab} tokens) differs from the reference {reference.path.name}'s ({reference.n_vocab} tokens)",
-                           "compare models of one family: quants and pruned versions of the reference")
+            raise BadInput(
+                f"{entry.path.name}: its vocabulary ({entry.n_vocab} tokens) differs from the reference {reference.path.name}'s ({reference.n_vocab} tokens)",
+                "compare models of one family: quants and pruned versions of the reference",
+            )
         if n_vocab is not None and entry.n_vocab != n_vocab:
-            raise BadInput(f"{entry.path.name}: its vocabulary has {entry.n_vocab} tokens, the reference file {reference_file.name} {n_vocab}",
-                           "compare models of the reference's family")
+            raise BadInput(
+                f"{entry.path.name}: its vocabulary has {entry.n_vocab} tokens, the reference file {reference_file.name} {n_vocab}",
+                "compare models of the reference's family",
+            )
 
 
 KLD_METHODS = {
@@ -332,8 +433,16 @@ def _memory(path: Path, n_ctx: int, settings: EvalSettings) -> dict[str, Any]:
     from ggufcarve.llama.memory import MemorySettings, measure_memory
 
     memory = measure_memory(path, MemorySettings(n_ctx, gpu_layers=settings.gpu_layers))
-    return {"memory": [memory.to_json()], "memory_settings": {"n_ctx": n_ctx, "kv_type": "f16", "n_batch": 2048, "n_ubatch": 512,
-                                                             "gpu_layers": settings.gpu_layers}}
+    return {
+        "memory": [memory.to_json()],
+        "memory_settings": {
+            "n_ctx": n_ctx,
+            "kv_type": "f16",
+            "n_batch": 2048,
+            "n_ubatch": 512,
+            "gpu_layers": settings.gpu_layers,
+        },
+    }
 
 
 def kld_method(reference: Reference, n_vocab: int) -> str:
@@ -345,19 +454,36 @@ def kld_method(reference: Reference, n_vocab: int) -> str:
     return "topk-sampled-tail" if reference.tail_samples > 1 else "topk-lower-bound"
 
 
-def _contract(stats: kld.KldStatistics, ppl: Perplexity, ppl_reference: Perplexity, qa: dict | None, speed: dict | None, method: str) -> dict:
+def _contract(
+    stats: kld.KldStatistics,
+    ppl: Perplexity,
+    ppl_reference: Perplexity,
+    qa: dict | None,
+    speed: dict | None,
+    method: str,
+) -> dict:
     """The per-model figures under their contract names."""
     return {
-        "ppl": ppl.ppl, "ppl_stderr": ppl.ppl_stderr, "ppl_reference": ppl_reference.ppl,
+        "ppl": ppl.ppl,
+        "ppl_stderr": ppl.ppl_stderr,
+        "ppl_reference": ppl_reference.ppl,
         "ppl_delta_percent": 100.0 * (ppl.ppl / ppl_reference.ppl - 1.0),
-        "kld_mean": stats.kld_mean, "kld_mean_stderr": stats.kld_mean_stderr, "kld_median": stats.kld["median"],
-        "kld_p99": stats.kld["p99"], "kld_p999": stats.kld["p999"], "kld_max": stats.kld["max"],
-        "kld_method": method, "kld_tail_stderr": stats.kld_tail_stderr,
+        "kld_mean": stats.kld_mean,
+        "kld_mean_stderr": stats.kld_mean_stderr,
+        "kld_median": stats.kld["median"],
+        "kld_p99": stats.kld["p99"],
+        "kld_p999": stats.kld["p999"],
+        "kld_max": stats.kld["max"],
+        "kld_method": method,
+        "kld_tail_stderr": stats.kld_tail_stderr,
         "kld_bound": 0.0 if method in ("base-file", "topk-exact") else None,  # no bound is given for an estimate
-        "same_top_p": stats.same_top_p, "rms_dp": stats.rms_dp,
-        "qa_passed": qa["passed"] if qa else None, "qa_total": qa["total"] if qa else None,
+        "same_top_p": stats.same_top_p,
+        "rms_dp": stats.rms_dp,
+        "qa_passed": qa["passed"] if qa else None,
+        "qa_total": qa["total"] if qa else None,
         "qa_exact_vs_reference": qa.get("exact_vs_reference") if qa else None,
-        "pp_tok_s": speed["pp_tok_s"] if speed else None, "tg_tok_s": speed["tg_tok_s"] if speed else None,
+        "pp_tok_s": speed["pp_tok_s"] if speed else None,
+        "tg_tok_s": speed["tg_tok_s"] if speed else None,
         **_spreads(speed),
     }
 
@@ -370,11 +496,23 @@ def _spreads(speed: dict | None) -> dict:
     if not speed:
         return {"pp_tok_s_spread": None, "tg_tok_s_spread": None, "speed_noisy": None}
     pp, tg = spread(speed.get("pp_runs") or []), spread(speed.get("tg_runs") or [])
-    return {"pp_tok_s_spread": pp, "tg_tok_s_spread": tg, "speed_noisy": any(x is not None and x > NOISY_SPREAD for x in (pp, tg))}
+    return {
+        "pp_tok_s_spread": pp,
+        "tg_tok_s_spread": tg,
+        "speed_noisy": any(x is not None and x > NOISY_SPREAD for x in (pp, tg)),
+    }
 
 
-def evaluate_model(entry: ModelEntry, reference: Reference, settings: EvalSettings, work: Path, sink: Sink = ignore,
-                   reference_qa: list[dict] | None = None, segments: Sequence[Segment] | None = None, reference_loops: list[dict] | None = None) -> dict:
+def evaluate_model(
+    entry: ModelEntry,
+    reference: Reference,
+    settings: EvalSettings,
+    work: Path,
+    sink: Sink = ignore,
+    reference_qa: list[dict] | None = None,
+    segments: Sequence[Segment] | None = None,
+    reference_loops: list[dict] | None = None,
+) -> dict:
     """Score one model against the reference (and time it, ask it the QA checks, continue the loop
     prompts): the per-model result document.
 
@@ -384,22 +522,40 @@ def evaluate_model(entry: ModelEntry, reference: Reference, settings: EvalSettin
     started = time.monotonic()
     if segments:
         table_paths = [work / f"{entry.name}.segment{number}.tokens.f64" for number in range(len(segments))]
-        parts = [{"reference_in": str(s.reference.file), "table_out": str(path)} for s, path in zip(segments, table_paths)]
+        parts = [
+            {"reference_in": str(s.reference.file), "table_out": str(path)} for s, path in zip(segments, table_paths)
+        ]
     else:
         table_paths, parts = [work / f"{entry.name}.tokens.f64"], None
     bench = None
     if settings.speed is not None and settings.speed.engine != "libllama":
-        bench = find_tool("llama-bench", settings.llama_cpp_dir) if settings.speed.engine == "auto" else require_tool("llama-bench", settings.llama_cpp_dir)
-    request = Request(model=str(entry.path), threads=settings.threads, gpu_layers=settings.gpu_layers, n_ctx=settings.ctx, result_out=str(work / f"{entry.name}.result.json"),
-                      reference_in=None if parts else str(reference.file), max_chunks=settings.chunks, table_out=None if parts else str(table_paths[0]),
-                      speed=asdict(settings.speed) if settings.speed and bench is None else None, qa=settings.qa_checks, segments=parts,
-                      loops=settings.loops.request() if settings.loops else None)
+        bench = (
+            find_tool("llama-bench", settings.llama_cpp_dir)
+            if settings.speed.engine == "auto"
+            else require_tool("llama-bench", settings.llama_cpp_dir)
+        )
+    request = Request(
+        model=str(entry.path),
+        threads=settings.threads,
+        gpu_layers=settings.gpu_layers,
+        n_ctx=settings.ctx,
+        result_out=str(work / f"{entry.name}.result.json"),
+        reference_in=None if parts else str(reference.file),
+        max_chunks=settings.chunks,
+        table_out=None if parts else str(table_paths[0]),
+        speed=asdict(settings.speed) if settings.speed and bench is None else None,
+        qa=settings.qa_checks,
+        segments=parts,
+        loops=settings.loops.request() if settings.loops else None,
+    )
     result = run_child(request, entry.name, sink, work)
     if bench is not None and settings.speed is not None and "bad_input" not in result:
         from ggufcarve.evaluate.speed import bench_speed
 
         sink(Event(entry.name, 0, 0, "chunks", "llama-bench"))
-        result["speed"] = bench_speed(bench, entry.path, settings.speed, settings.threads, settings.gpu_layers).to_json()
+        result["speed"] = bench_speed(
+            bench, entry.path, settings.speed, settings.threads, settings.gpu_layers
+        ).to_json()
     if "bad_input" in result:
         raise BadInput(f"{entry.path.name}: {result['bad_input']}", "compare models of the reference's family")
     tables = []
@@ -419,22 +575,45 @@ def evaluate_model(entry: ModelEntry, reference: Reference, settings: EvalSettin
     doc = {
         "schema_version": RESULT_SCHEMA_VERSION,
         "tool": {"name": "ggufcarve", "version": __version__},
-        "model": {"name": entry.name, "file": entry.path.name, "files": [{"name": p.name, "bytes": p.stat().st_size} for p in entry.files],
-                  "bytes": entry.bytes, "gib": round(entry.gib, 4), "quant": entry.quant, "family": entry.family,
-                  "architecture": entry.architecture, "expert_count": entry.expert_count, "source_expert_count": entry.source_expert_count,
-                  "pruned": entry.pruned},
-        "reference": {"name": reference.label, "kind": reference.kind, "sha256": reference.sha256, "log_probs_cached": reference.cached,
-                      "log_probs_seconds": round(reference.seconds, 3)},
-        "parameters": {"ctx": result["n_ctx"], "chunks": result["n_chunk"], "scored_tokens": stats.count, "threads": settings.threads,
-                       "top_k": reference.top_k, "tail_samples": reference.tail_samples if reference.top_k is not None else None,
-                       "kld_full_vocabulary": method in ("base-file", "topk-exact")},
+        "model": {
+            "name": entry.name,
+            "file": entry.path.name,
+            "files": [{"name": p.name, "bytes": p.stat().st_size} for p in entry.files],
+            "bytes": entry.bytes,
+            "gib": round(entry.gib, 4),
+            "quant": entry.quant,
+            "family": entry.family,
+            "architecture": entry.architecture,
+            "expert_count": entry.expert_count,
+            "source_expert_count": entry.source_expert_count,
+            "pruned": entry.pruned,
+        },
+        "reference": {
+            "name": reference.label,
+            "kind": reference.kind,
+            "sha256": reference.sha256,
+            "log_probs_cached": reference.cached,
+            "log_probs_seconds": round(reference.seconds, 3),
+        },
+        "parameters": {
+            "ctx": result["n_ctx"],
+            "chunks": result["n_chunk"],
+            "scored_tokens": stats.count,
+            "threads": settings.threads,
+            "top_k": reference.top_k,
+            "tail_samples": reference.tail_samples if reference.top_k is not None else None,
+            "kld_full_vocabulary": method in ("base-file", "topk-exact"),
+        },
         **_contract(stats, ppl, perplexity(table[:, kld.NLL_BASE]), qa, result.get("speed"), method),
         "kl_divergence": stats.to_json(),
         **_memory(entry.path, result["n_ctx"], settings),
         "speed": result.get("speed"),
         "qa": qa,
-        "timings": {"load_seconds": round(result.get("load_seconds", 0.0), 3), "score_seconds": round(result.get("score_seconds", 0.0), 3),
-                    "total_seconds": round(time.monotonic() - started, 3)},
+        "timings": {
+            "load_seconds": round(result.get("load_seconds", 0.0), 3),
+            "score_seconds": round(result.get("score_seconds", 0.0), 3),
+            "total_seconds": round(time.monotonic() - started, 3),
+        },
     }
     doc.update(_loop_figures(result, settings, reference_loops))
     verdict = settings.gate.judge(doc) if settings.gate else None
@@ -444,13 +623,22 @@ def evaluate_model(entry: ModelEntry, reference: Reference, settings: EvalSettin
     doc["gate_thresholds"] = dict(settings.gate.thresholds) if settings.gate else None
     doc["gate_source"] = settings.gate.source if settings.gate else None
     if segments:
-        doc["segments"] = [_segment_record(s.heldout["name"], t, part["n_chunk"], method) for s, t, part in zip(segments, tables, result["segments"])]
+        doc["segments"] = [
+            _segment_record(s.heldout["name"], t, part["n_chunk"], method)
+            for s, t, part in zip(segments, tables, result["segments"])
+        ]
         _judge_segments(doc, settings.gate)
     return doc
 
 
-def _cache_tables(entry: ModelEntry, reference: Reference, segments: Sequence[Segment] | None, tables: list[np.ndarray], result: dict,
-                  settings: EvalSettings) -> None:
+def _cache_tables(
+    entry: ModelEntry,
+    reference: Reference,
+    segments: Sequence[Segment] | None,
+    tables: list[np.ndarray],
+    result: dict,
+    settings: EvalSettings,
+) -> None:
     """Each held-out file's table into the content-keyed cache of the measurement layer
     (`evaluate.tables`), when the model's sha256 is known already (a hash is not computed for it)."""
     from ggufcarve.evaluate.tables import reference_identity, store_file_tables, table_cache
@@ -462,7 +650,16 @@ def _cache_tables(entry: ModelEntry, reference: Reference, segments: Sequence[Se
     parts = result["segments"] if segments else [result]
     references = [s.reference for s in segments] if segments else [reference]
     for ref, table, part in zip(references, tables, parts):
-        store_file_tables(table_cache(), digest, reference_identity(ref.sha256, ref.file), part["n_ctx"], table, part["n_chunk"], settings.threads, settings.gpu_layers)
+        store_file_tables(
+            table_cache(),
+            digest,
+            reference_identity(ref.sha256, ref.file),
+            part["n_ctx"],
+            table,
+            part["n_chunk"],
+            settings.threads,
+            settings.gpu_layers,
+        )
 
 
 def _segment_record(name: str, table: np.ndarray, chunks: int, method: str) -> dict:
@@ -493,8 +690,15 @@ def reference_outputs(entry: ModelEntry, settings: EvalSettings, work: Path, sin
 
 def reference_answers(entry: ModelEntry, settings: EvalSettings, work: Path, sink: Sink) -> dict:
     """The reference model's QA answers ("qa") and loop continuations ("loops"), from one load."""
-    request = Request(model=str(entry.path), threads=settings.threads, gpu_layers=settings.gpu_layers, n_ctx=settings.ctx, result_out=str(work / "reference-qa.result.json"), qa=settings.qa_checks,
-                      loops=settings.loops.request() if settings.loops else None)
+    request = Request(
+        model=str(entry.path),
+        threads=settings.threads,
+        gpu_layers=settings.gpu_layers,
+        n_ctx=settings.ctx,
+        result_out=str(work / "reference-qa.result.json"),
+        qa=settings.qa_checks,
+        loops=settings.loops.request() if settings.loops else None,
+    )
     return run_child(request, f"reference {entry.name}", sink, work)
 
 
@@ -522,8 +726,14 @@ def _heldout_record(heldout: Path | None) -> dict | None:
     return {"name": heldout.name, "bytes": heldout.stat().st_size, "sha256": sha256_file_cached(heldout)}
 
 
-def evaluate(models: list[ModelEntry], reference_path: Path, heldout: Path | Sequence[Path] | None, settings: EvalSettings, out_dir: Path,
-             sink: Sink = ignore) -> EvalRun:
+def evaluate(
+    models: list[ModelEntry],
+    reference_path: Path,
+    heldout: Path | Sequence[Path] | None,
+    settings: EvalSettings,
+    out_dir: Path,
+    sink: Sink = ignore,
+) -> EvalRun:
     """Evaluate every model against the reference; write DIR/<name>.json per model, DIR/summary.md and the charts.
 
     `heldout`: one file, or several (segments: module docstring).
@@ -535,8 +745,13 @@ def evaluate(models: list[ModelEntry], reference_path: Path, heldout: Path | Seq
     from ggufcarve.fileio import cache_root
 
     # directories this run creates: on failure those left empty are removed (deepest first)
-    made = _missing_dirs([out_dir, settings.cache_dir or cache_root() / "reference-logprobs",
-                          *([settings.kl_base_out.parent] if settings.kl_base_out is not None else [])])
+    made = _missing_dirs(
+        [
+            out_dir,
+            settings.cache_dir or cache_root() / "reference-logprobs",
+            *([settings.kl_base_out.parent] if settings.kl_base_out is not None else []),
+        ]
+    )
     try:
         return _evaluate(models, reference_path, heldout, settings, out_dir, sink)
     except BaseException:
@@ -564,17 +779,31 @@ def _check_segments(files: list[Path], reference_path: Path, settings: EvalSetti
     if len(files) < 2:
         return
     if reference_path.is_file() and _reference_input(reference_path) != "gguf":
-        raise BadInput(f"{reference_path.name} holds the log-probs of one text, and {len(files)} held-out files are given",
-                       "give the reference model (GGUF) as --reference, or one --heldout")
+        raise BadInput(
+            f"{reference_path.name} holds the log-probs of one text, and {len(files)} held-out files are given",
+            "give the reference model (GGUF) as --reference, or one --heldout",
+        )
     if settings.kl_base_out is not None:
-        raise BadInput(f"--save-kl-base writes one text's log-probs, and {len(files)} held-out files are given", "give one --heldout with --save-kl-base")
+        raise BadInput(
+            f"--save-kl-base writes one text's log-probs, and {len(files)} held-out files are given",
+            "give one --heldout with --save-kl-base",
+        )
     names = [p.name for p in files]
     twice = next((n for n in names if names.count(n) > 1), None)
     if twice is not None:
-        raise BadInput(f"two held-out files are named {twice}: each names its segment", "give the held-out files distinct names")
+        raise BadInput(
+            f"two held-out files are named {twice}: each names its segment", "give the held-out files distinct names"
+        )
 
 
-def _evaluate(models: list[ModelEntry], reference_path: Path, heldout: Path | Sequence[Path] | None, settings: EvalSettings, out_dir: Path, sink: Sink) -> EvalRun:
+def _evaluate(
+    models: list[ModelEntry],
+    reference_path: Path,
+    heldout: Path | Sequence[Path] | None,
+    settings: EvalSettings,
+    out_dir: Path,
+    sink: Sink,
+) -> EvalRun:
     from ggufcarve.evaluate.summary import load_charting, write_summary
     from ggufcarve.fileio import atomic_file
 
@@ -602,7 +831,11 @@ def _evaluate(models: list[ModelEntry], reference_path: Path, heldout: Path | Se
             if segments:  # llama-perplexity on each file: its figures beside each segment's
                 for number, (path, segment) in enumerate(zip(files, segments)):
                     (work / f"segment{number}").mkdir()
-                    crosses.append(CrossCheck.prepare(reference_path, segment.reference, path, settings, work / f"segment{number}", sink))
+                    crosses.append(
+                        CrossCheck.prepare(
+                            reference_path, segment.reference, path, settings, work / f"segment{number}", sink
+                        )
+                    )
             else:
                 cross = CrossCheck.prepare(reference_path, reference, files[0] if files else None, settings, work, sink)
         results = []
@@ -612,7 +845,9 @@ def _evaluate(models: list[ModelEntry], reference_path: Path, heldout: Path | Se
             if cross is not None:
                 doc["cross_check"] = cross.check(entry, doc, sink)
             for record, check in zip(doc.get("segments") or [], crosses):
-                record["cross_check"] = check.check(entry, {"ppl": record["ppl"], "parameters": doc["parameters"]}, sink)
+                record["cross_check"] = check.check(
+                    entry, {"ppl": record["ppl"], "parameters": doc["parameters"]}, sink
+                )
             doc["heldout"] = held
             results.append(doc)
     with ExitStack() as staged:  # renamed in reverse order of staging, each only if all were written

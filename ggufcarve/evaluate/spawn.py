@@ -11,7 +11,9 @@ from ggufcarve.events import Sink
 CHILD_IDLE_TIMEOUT = 3600.0  # seconds without a progress line (one chunk, one QA answer) before the child is stopped
 
 
-def run_child(request: Request, what: str, sink: Sink, work: Path, outputs: dict[str, tuple[Path, str]] | None = None) -> dict:
+def run_child(
+    request: Request, what: str, sink: Sink, work: Path, outputs: dict[str, tuple[Path, str]] | None = None
+) -> dict:
     """Run the evaluation child for one request; its progress lines become events of stage `what`
     (chunks) and `what QA` (steps); its result JSON, read.
 
@@ -24,6 +26,15 @@ def run_child(request: Request, what: str, sink: Sink, work: Path, outputs: dict
     def read(path: Path) -> dict:
         return json.loads(path.read_text())  # type: ignore[no-any-return]
 
-    return child.run(CHILD_MODULE, request, Path(request.result_out), read, what=f"evaluating {Path(request.model).name} in libllama",
-                     hint="the last lines are llama.cpp's own; check that the model loads (ggufcarve inspect MODEL)", sink=sink,
-                     stages={CHUNK_TASK: what, QA_TASK: f"{what} QA", LOOP_TASK: f"{what} loops"}, outputs=outputs, idle_timeout=CHILD_IDLE_TIMEOUT)
+    return child.run(
+        CHILD_MODULE,
+        request,
+        Path(request.result_out),
+        read,
+        what=f"evaluating {Path(request.model).name} in libllama",
+        hint="the last lines are llama.cpp's own; check that the model loads (ggufcarve inspect MODEL)",
+        sink=sink,
+        stages={CHUNK_TASK: what, QA_TASK: f"{what} QA", LOOP_TASK: f"{what} loops"},
+        outputs=outputs,
+        idle_timeout=CHILD_IDLE_TIMEOUT,
+    )

@@ -77,7 +77,12 @@ class Speed:
     engine: str = "libllama"  # or "llama-bench"
 
     def to_json(self) -> dict:
-        return {**asdict(self), "pp_spread": spread(self.pp_runs), "tg_spread": spread(self.tg_runs), "noisy_above_spread": NOISY_SPREAD}
+        return {
+            **asdict(self),
+            "pp_spread": spread(self.pp_runs),
+            "tg_spread": spread(self.tg_runs),
+            "noisy_above_spread": NOISY_SPREAD,
+        }
 
 
 def _prompt_speed(context: Context, tokens: np.ndarray) -> float:
@@ -121,10 +126,32 @@ def bench_speed(tool: Path, model: Path, settings: SpeedSettings, threads: int, 
     from ggufcarve.errors import ToolFailed
     from ggufcarve.llama import launch
 
-    argv = [tool, "-m", model, "-p", str(settings.pp_tokens), "-n", str(settings.tg_tokens), "-r", str(settings.runs), "-t", str(threads), "-ngl", str(gpu_layers), "--repack", "0", "-o", "jsonl"]
+    argv = [
+        tool,
+        "-m",
+        model,
+        "-p",
+        str(settings.pp_tokens),
+        "-n",
+        str(settings.tg_tokens),
+        "-r",
+        str(settings.runs),
+        "-t",
+        str(threads),
+        "-ngl",
+        str(gpu_layers),
+        "--repack",
+        "0",
+        "-o",
+        "jsonl",
+    ]
     lines: list[str] = []
     finished = launch.run(argv, on_line=lines.append, idle_timeout=BENCH_IDLE_TIMEOUT)
-    launch.check(finished, f"llama-bench on {model.name}", "check that the model loads in llama.cpp (llama-bench's last lines are above)")
+    launch.check(
+        finished,
+        f"llama-bench on {model.name}",
+        "check that the model loads in llama.cpp (llama-bench's last lines are above)",
+    )
     tests = []
     for line in lines:
         if line.startswith("{"):
@@ -135,7 +162,19 @@ def bench_speed(tool: Path, model: Path, settings: SpeedSettings, threads: int, 
     pp = [t for t in tests if t.get("n_prompt", 0) > 0 and t.get("n_gen", 0) == 0]
     tg = [t for t in tests if t.get("n_gen", 0) > 0 and t.get("n_prompt", 0) == 0]
     if len(pp) != 1 or len(tg) != 1 or not pp[0].get("samples_ts") or not tg[0].get("samples_ts"):
-        raise ToolFailed(f"llama-bench on {model.name} printed {len(tests)} test result(s), not one pp and one tg test", "run it by hand with -o jsonl to see its output")
+        raise ToolFailed(
+            f"llama-bench on {model.name} printed {len(tests)} test result(s), not one pp and one tg test",
+            "run it by hand with -o jsonl to see its output",
+        )
     pp_runs = [float(x) for x in pp[0]["samples_ts"]]
     tg_runs = [float(x) for x in tg[0]["samples_ts"]]
-    return Speed(int(pp[0]["n_prompt"]), int(tg[0]["n_gen"]), int(pp[0].get("n_threads", threads)), statistics.median(pp_runs), statistics.median(tg_runs), pp_runs, tg_runs, engine="llama-bench")
+    return Speed(
+        int(pp[0]["n_prompt"]),
+        int(tg[0]["n_gen"]),
+        int(pp[0].get("n_threads", threads)),
+        statistics.median(pp_runs),
+        statistics.median(tg_runs),
+        pp_runs,
+        tg_runs,
+        engine="llama-bench",
+    )

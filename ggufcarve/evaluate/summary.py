@@ -35,7 +35,10 @@ def _fmt(value, digits: int = 4, percent: bool = False) -> str:
 
 def pareto_front(results: list[dict]) -> set[str]:
     """Names of the evaluated models on the Pareto front of mean KLD against file size (listing.pareto_front)."""
-    return {r["model"]["name"] for r in listing.pareto_front(results, lambda r: r["model"]["bytes"], lambda r: r["kld_mean"])}
+    return {
+        r["model"]["name"]
+        for r in listing.pareto_front(results, lambda r: r["model"]["bytes"], lambda r: r["kld_mean"])
+    }
 
 
 def equal_size_pairs(results: list[dict]) -> list[tuple[dict, dict]]:
@@ -48,7 +51,9 @@ def equal_size_pairs(results: list[dict]) -> list[tuple[dict, dict]]:
                 continue
             others = [o for o in results if o["model"]["family"] == family]
             if others:
-                closest = min(others, key=lambda o: (abs(math.log(o["model"]["bytes"] / r["model"]["bytes"])), o["model"]["name"]))
+                closest = min(
+                    others, key=lambda o: (abs(math.log(o["model"]["bytes"] / r["model"]["bytes"])), o["model"]["name"])
+                )
                 pairs.append((r, closest))
     return pairs
 
@@ -63,8 +68,10 @@ def _kld_note(doc: dict) -> str:
     if params.get("kld_full_vocabulary"):
         return "KLD from the reference's full distributions, as llama-perplexity --kl-divergence computes it (every token; its base file stores them in 16 bits)."
     if method == "topk-sampled-tail":
-        return (f"KLD estimated from the reference's top-{params.get('top_k')} log-probs and {params.get('tail_samples')} sampled tail tokens per token: "
-                "the mean is unbiased, ± the sampling's standard error (`kld_tail_stderr` in each JSON); percentiles are of per-token estimates.")
+        return (
+            f"KLD estimated from the reference's top-{params.get('top_k')} log-probs and {params.get('tail_samples')} sampled tail tokens per token: "
+            "the mean is unbiased, ± the sampling's standard error (`kld_tail_stderr` in each JSON); percentiles are of per-token estimates."
+        )
     return f"KLD from the reference's top-{params.get('top_k')} log-probs with the rest as one outcome: a lower bound of the KLD."
 
 
@@ -72,32 +79,60 @@ def render_summary(results: list[dict], reference_label: str, charts: list[str])
     ordered = _by_size(results)
     params = ordered[0]["parameters"] if ordered else {}
     lines = [f"# Evaluation against {reference_label}", ""]
-    lines.append(f"Context {params.get('ctx')}, {params.get('chunks')} chunks ({params.get('scored_tokens')} scored tokens), "
-                 f"{params.get('threads')} threads; " + _kld_note(ordered[0] if ordered else {}))
-    lines += ["", "## Release", "", "| Artifact | Size | Passed | Exact vs baseline | Median decode tok/s | Gate |", "|---|---|---|---|---|---|"]
+    lines.append(
+        f"Context {params.get('ctx')}, {params.get('chunks')} chunks ({params.get('scored_tokens')} scored tokens), "
+        f"{params.get('threads')} threads; " + _kld_note(ordered[0] if ordered else {})
+    )
+    lines += [
+        "",
+        "## Release",
+        "",
+        "| Artifact | Size | Passed | Exact vs baseline | Median decode tok/s | Gate |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in ordered:
         passed = f"{r['qa_passed']}/{r['qa_total']}" if r.get("qa_total") else "–"
         gate = r.get("gate") or "–"
         if r.get("gate_failed"):
             gate += " (" + "; ".join(r["gate_failed"]) + ")"
-        lines.append(f"| {r['model']['file']} | {format_size(r['model']['bytes'])} | {passed} | {_fmt(r.get('qa_exact_vs_reference'), percent=True)} | {speed_text(r, 'tg', unit=False)} | {gate} |")
+        lines.append(
+            f"| {r['model']['file']} | {format_size(r['model']['bytes'])} | {passed} | {_fmt(r.get('qa_exact_vs_reference'), percent=True)} | {speed_text(r, 'tg', unit=False)} | {gate} |"
+        )
     add_loop_column(lines, ordered)
-    lines += ["", "## Quality", "", "| Quant | Size | PPL | Δ vs reference | ± | mean KLD | 99% KLD | same top p |", "|---|---|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        "## Quality",
+        "",
+        "| Quant | Size | PPL | Δ vs reference | ± | mean KLD | 99% KLD | same top p |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in ordered:
-        lines.append(f"| {r['model']['quant']} ({r['model']['name']}) | {format_size(r['model']['bytes'])} | {r['ppl']:.4f} | {round(r['ppl_delta_percent'], 2) + 0.0:+.2f}% | {r['ppl_stderr']:.4f} | "
-                     f"{r['kld_mean']:.6f} | {r['kld_p99']:.6f} | {100 * r['same_top_p']:.2f}% |")
+        lines.append(
+            f"| {r['model']['quant']} ({r['model']['name']}) | {format_size(r['model']['bytes'])} | {r['ppl']:.4f} | {round(r['ppl_delta_percent'], 2) + 0.0:+.2f}% | {r['ppl_stderr']:.4f} | "
+            f"{r['kld_mean']:.6f} | {r['kld_p99']:.6f} | {100 * r['same_top_p']:.2f}% |"
+        )
     front = pareto_front(results)
-    lines += ["", "## Pruned vs unpruned at equal size", "",
-              "Sorted by size. *Closest other* is the model of another family nearest in size; ✓ marks the one with the lower mean KLD.", "",
-              "| Model | Family | Size | mean KLD | PPL | Pareto front | Closest other (size, mean KLD) |", "|---|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        "## Pruned vs unpruned at equal size",
+        "",
+        "Sorted by size. *Closest other* is the model of another family nearest in size; ✓ marks the one with the lower mean KLD.",
+        "",
+        "| Model | Family | Size | mean KLD | PPL | Pareto front | Closest other (size, mean KLD) |",
+        "|---|---|---|---|---|---|---|",
+    ]
     pairs: dict[str, list[str]] = {}
     for r, other in equal_size_pairs(results):
         mark = "✓" if r["kld_mean"] < other["kld_mean"] else "✗"
-        pairs.setdefault(r["model"]["name"], []).append(f"{mark} vs {other['model']['name']} ({format_size(other['model']['bytes'])}, {other['kld_mean']:.4f})")
+        pairs.setdefault(r["model"]["name"], []).append(
+            f"{mark} vs {other['model']['name']} ({format_size(other['model']['bytes'])}, {other['kld_mean']:.4f})"
+        )
     for r in ordered:
         name = r["model"]["name"]
-        lines.append(f"| {name} | {r['model']['family']} | {format_size(r['model']['bytes'])} | {r['kld_mean']:.6f} | {r['ppl']:.4f} | {'yes' if name in front else ''} | "
-                     f"{'; '.join(pairs.get(name, [])) or '–'} |")
+        lines.append(
+            f"| {name} | {r['model']['family']} | {format_size(r['model']['bytes'])} | {r['kld_mean']:.6f} | {r['ppl']:.4f} | {'yes' if name in front else ''} | "
+            f"{'; '.join(pairs.get(name, [])) or '–'} |"
+        )
     lines += segment_table(ordered)
     if charts:
         lines += ["", *[f"![{c}]({c})" for c in charts]]
@@ -110,17 +145,36 @@ def segment_table(ordered: list[dict]) -> list[str]:
         return []
     modes = {r.get("gate_segments") for r in ordered if r.get("gate_segments")}
     mode = next(iter(modes)) if len(modes) == 1 else None
-    gate_note = {"every": " The gate requires every file to pass.", "overall": " The gate judges the overall figures; each file's verdict is reported."}.get(mode or "", "")
-    lines = ["", "## Segments", "",
-             "Each held-out file scored on its own against the reference's log-probs on it; *all* is every file's tokens together." + gate_note, "",
-             "| Model | Size | Held-out file | Tokens | PPL | Δ vs reference | mean KLD | ± | 99.9% KLD | same top p | Gate |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    gate_note = {
+        "every": " The gate requires every file to pass.",
+        "overall": " The gate judges the overall figures; each file's verdict is reported.",
+    }.get(mode or "", "")
+    lines = [
+        "",
+        "## Segments",
+        "",
+        "Each held-out file scored on its own against the reference's log-probs on it; *all* is every file's tokens together."
+        + gate_note,
+        "",
+        "| Model | Size | Held-out file | Tokens | PPL | Δ vs reference | mean KLD | ± | 99.9% KLD | same top p | Gate |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in ordered:
         rows = [("*all*", r, r.get("gate") or "–")]
-        rows += [(s["name"], s, (s.get("gate") or "–") + (" (" + "; ".join(s["gate_failed"]) + ")" if s.get("gate_failed") else "")) for s in r.get("segments") or []]
+        rows += [
+            (
+                s["name"],
+                s,
+                (s.get("gate") or "–") + (" (" + "; ".join(s["gate_failed"]) + ")" if s.get("gate_failed") else ""),
+            )
+            for s in r.get("segments") or []
+        ]
         for label, f, gate in rows:
             tokens = f.get("tokens", (f.get("parameters") or {}).get("scored_tokens"))
-            lines.append(f"| {r['model']['name']} | {format_size(r['model']['bytes'])} | {label} | {tokens} | {f['ppl']:.4f} | {round(f['ppl_delta_percent'], 2) + 0.0:+.2f}% | "
-                         f"{f['kld_mean']:.6f} | {f['kld_mean_stderr']:.6f} | {f['kld_p999']:.6f} | {100 * f['same_top_p']:.2f}% | {gate} |")
+            lines.append(
+                f"| {r['model']['name']} | {format_size(r['model']['bytes'])} | {label} | {tokens} | {f['ppl']:.4f} | {round(f['ppl_delta_percent'], 2) + 0.0:+.2f}% | "
+                f"{f['kld_mean']:.6f} | {f['kld_mean_stderr']:.6f} | {f['kld_p999']:.6f} | {100 * f['same_top_p']:.2f}% | {gate} |"
+            )
     return lines
 
 
@@ -141,7 +195,10 @@ def draw_charts(results: list[dict], out_dir: Path, stage: Stage) -> list[str]:
     names = []
     front = pareto_front(results)
     unit, scale = size_unit(max(r["model"]["bytes"] for r in results))
-    for metric, label, file_name in (("kld_mean", "mean KLD vs reference (nats/token)", KLD_CHART), ("ppl", "perplexity", PPL_CHART)):
+    for metric, label, file_name in (
+        ("kld_mean", "mean KLD vs reference (nats/token)", KLD_CHART),
+        ("ppl", "perplexity", PPL_CHART),
+    ):
         fig = Figure(figsize=(7, 4.5), dpi=110)  # no pyplot: no global figure state, no GUI backend
         FigureCanvasAgg(fig)
         ax = fig.add_subplot()
@@ -153,7 +210,14 @@ def draw_charts(results: list[dict], out_dir: Path, stage: Stage) -> list[str]:
                 ax.annotate(r["model"]["quant"], (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
         on_front = _by_size([r for r in results if r["model"]["name"] in front])
         if len(on_front) > 1:
-            ax.plot([r["model"]["bytes"] / scale for r in on_front], [r[metric] for r in on_front], linestyle="--", color="grey", linewidth=1, label="Pareto front (mean KLD)")
+            ax.plot(
+                [r["model"]["bytes"] / scale for r in on_front],
+                [r[metric] for r in on_front],
+                linestyle="--",
+                color="grey",
+                linewidth=1,
+                label="Pareto front (mean KLD)",
+            )
         ax.set_xlabel(f"file size ({unit})")
         ax.set_ylabel(label)
         if metric == "kld_mean" and all(r[metric] > 0 for r in results):
@@ -183,12 +247,21 @@ def _segment_chart(results: list[dict], out_dir: Path, stage: Stage, unit: str, 
     for number, name in enumerate(names):
         colour = f"C{number % 10}"
         for f_number, family in enumerate(families):
-            series = [(r["model"]["bytes"] / scale, s["kld_mean"]) for r in _by_size([r for r in results if r["model"]["family"] == family])
-                      for s in r.get("segments") or [] if s["name"] == name]
+            series = [
+                (r["model"]["bytes"] / scale, s["kld_mean"])
+                for r in _by_size([r for r in results if r["model"]["family"] == family])
+                for s in r.get("segments") or []
+                if s["name"] == name
+            ]
             if series:
                 values += [y for _, y in series]
-                ax.plot(*zip(*series), color=colour, linestyle=styles[f_number % len(styles)], marker=markers[f_number % len(markers)],
-                        label=f"{name} ({family})" if len(families) > 1 else name)
+                ax.plot(
+                    *zip(*series),
+                    color=colour,
+                    linestyle=styles[f_number % len(styles)],
+                    marker=markers[f_number % len(markers)],
+                    label=f"{name} ({family})" if len(families) > 1 else name,
+                )
     ax.set_xlabel(f"file size ({unit})")
     ax.set_ylabel("mean KLD vs reference (nats/token)")
     if values and all(v > 0 for v in values):

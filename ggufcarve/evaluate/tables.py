@@ -34,15 +34,32 @@ def table_cache() -> Path:
     return cache_root() / "measure-tables"
 
 
-def unit_key(model_sha256: str, keep: Mapping[int, Sequence[int]] | None, reference: str, n_ctx: int, first: int, count: int, threads: int,
-             gpu_layers: int = 0) -> str:
+def unit_key(
+    model_sha256: str,
+    keep: Mapping[int, Sequence[int]] | None,
+    reference: str,
+    n_ctx: int,
+    first: int,
+    count: int,
+    threads: int,
+    gpu_layers: int = 0,
+) -> str:
     """The cache key of one unit's table: everything its numbers depend on (an accelerator's
     kernels round differently from the CPU's, so offloaded layers are part of the key; 0 keeps the
     CPU's keys)."""
     from ggufcarve.llama.tools import llama_cpp_version
 
-    doc = {**({"gpu_layers": gpu_layers} if gpu_layers else {}), "model": model_sha256, "keep": None if keep is None else {str(b): sorted(int(i) for i in ids) for b, ids in sorted(keep.items())},
-           "reference": reference, "n_ctx": n_ctx, "first": first, "count": count, "llama_cpp": llama_cpp_version(), "threads": threads}
+    doc = {
+        **({"gpu_layers": gpu_layers} if gpu_layers else {}),
+        "model": model_sha256,
+        "keep": None if keep is None else {str(b): sorted(int(i) for i in ids) for b, ids in sorted(keep.items())},
+        "reference": reference,
+        "n_ctx": n_ctx,
+        "first": first,
+        "count": count,
+        "llama_cpp": llama_cpp_version(),
+        "threads": threads,
+    }
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
 
 
@@ -66,11 +83,23 @@ def store(directory: Path, key: str, table: np.ndarray) -> None:
         np.save(f, table)
 
 
-def store_file_tables(directory: Path, model_sha256: str, reference: str, n_ctx: int, table: np.ndarray, n_chunk: int, threads: int,
-                      gpu_layers: int = 0) -> None:
+def store_file_tables(
+    directory: Path,
+    model_sha256: str,
+    reference: str,
+    n_ctx: int,
+    table: np.ndarray,
+    n_chunk: int,
+    threads: int,
+    gpu_layers: int = 0,
+) -> None:
     """Cache a file's table over chunks 0..n_chunk-1 of one held-out file (eval's order) unit by unit."""
     per_chunk = len(table) // n_chunk if n_chunk else 0
     step = chunks_per_unit(n_ctx)
     for first in range(0, n_chunk, step):
         count = min(step, n_chunk - first)
-        store(directory, unit_key(model_sha256, None, reference, n_ctx, first, count, threads, gpu_layers), table[first * per_chunk:(first + count) * per_chunk])
+        store(
+            directory,
+            unit_key(model_sha256, None, reference, n_ctx, first, count, threads, gpu_layers),
+            table[first * per_chunk : (first + count) * per_chunk],
+        )

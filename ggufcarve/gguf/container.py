@@ -46,7 +46,9 @@ def _shard_name_pattern(form: str) -> re.Pattern[str]:
     """The regex of a shard name written by `form` ("{:s}-{:05d}-of-{:05d}.gguf", gguf-py's
     SHARD_NAME_FORMAT, llama_split_path's "%s-%05d-of-%05d.gguf"): groups prefix, no and count."""
     lead, between, of, tail = re.split(r"\{[^}]*\}", form)
-    return re.compile(f"^{re.escape(lead)}(?P<prefix>.*){re.escape(between)}(?P<no>\\d{{5}}){re.escape(of)}(?P<count>\\d{{5}}){re.escape(tail)}$")
+    return re.compile(
+        f"^{re.escape(lead)}(?P<prefix>.*){re.escape(between)}(?P<no>\\d{{5}}){re.escape(of)}(?P<count>\\d{{5}}){re.escape(tail)}$"
+    )
 
 
 SHARD_NAME = _shard_name_pattern(SHARD_NAME_FORMAT)
@@ -183,7 +185,9 @@ class _Cursor:
         try:
             return raw.decode("utf-8")
         except UnicodeDecodeError:
-            raise BadInput(f"{self.path}: {what} at byte {self.pos - n} is not valid UTF-8", "the file is corrupt") from None
+            raise BadInput(
+                f"{self.path}: {what} at byte {self.pos - n} is not valid UTF-8", "the file is corrupt"
+            ) from None
 
     def skip_value(self, value_type: int, what: str) -> None:
         if value_type in SCALAR_FORMATS:
@@ -205,11 +209,19 @@ class _Cursor:
                     self.need(n, what)
                     self.pos += n
             elif item_type == GGUFValueType.ARRAY:
-                raise BadInput(f"{self.path}: {what} is an array of arrays (byte {self.pos}), which llama.cpp's GGUF reader refuses", "the file is corrupt or was not written for llama.cpp")
+                raise BadInput(
+                    f"{self.path}: {what} is an array of arrays (byte {self.pos}), which llama.cpp's GGUF reader refuses",
+                    "the file is corrupt or was not written for llama.cpp",
+                )
             else:
-                raise BadInput(f"{self.path}: {what} has unknown array item type {item_type} at byte {self.pos}", "the file is corrupt")
+                raise BadInput(
+                    f"{self.path}: {what} has unknown array item type {item_type} at byte {self.pos}",
+                    "the file is corrupt",
+                )
         else:
-            raise BadInput(f"{self.path}: {what} has unknown value type {value_type} at byte {self.pos}", "the file is corrupt")
+            raise BadInput(
+                f"{self.path}: {what} has unknown value type {value_type} at byte {self.pos}", "the file is corrupt"
+            )
 
 
 def decode_value(buf: bytes, pos: int, value_type: int) -> tuple[Any, int]:
@@ -237,11 +249,15 @@ def decode_value(buf: bytes, pos: int, value_type: int) -> tuple[Any, int]:
 
 
 def _directory_given(path: Path) -> BadInput:
-    models = sorted(p.name for p in path.glob("*.gguf") if (shard := SHARD_NAME.match(p.name)) is None or shard["no"] == "00001")
+    models = sorted(
+        p.name for p in path.glob("*.gguf") if (shard := SHARD_NAME.match(p.name)) is None or shard["no"] == "00001"
+    )
     if not models:
         return BadInput(f"{path}: is a directory and holds no .gguf file", "give the path of a .gguf file")
-    return BadInput(f"{path}: is a directory, not a GGUF file (it holds {len(models)} .gguf file{'s' if len(models) > 1 else ''})",
-                    f"give one of them, e.g. {path / models[0]}")
+    return BadInput(
+        f"{path}: is a directory, not a GGUF file (it holds {len(models)} .gguf file{'s' if len(models) > 1 else ''})",
+        f"give one of them, e.g. {path / models[0]}",
+    )
 
 
 def read_file(path: str | os.PathLike[str]) -> GGUFFile:
@@ -278,10 +294,16 @@ def _parse(buf: Any, path: Path, size: int) -> GGUFFile:
     cur.pos = 4
     version = cur.unpack("<I", "version")
     if version not in (2, 3):
-        raise BadInput(f"{path}: GGUF version {version} is not supported (only 2 and 3)", "convert the file with a current llama.cpp")
+        raise BadInput(
+            f"{path}: GGUF version {version} is not supported (only 2 and 3)",
+            "convert the file with a current llama.cpp",
+        )
     n_tensors, n_kv = cur.unpack("<QQ", "tensor and key counts")
     if n_kv > size or n_tensors > size:
-        raise BadInput(f"{path}: header claims {n_tensors} tensors and {n_kv} keys, more than the file can hold", "the file is corrupt")
+        raise BadInput(
+            f"{path}: header claims {n_tensors} tensors and {n_kv} keys, more than the file can hold",
+            "the file is corrupt",
+        )
 
     kvs: list[KeyValue] = []
     for i in range(n_kv):
@@ -300,27 +322,42 @@ def _parse(buf: Any, path: Path, size: int) -> GGUFFile:
         name = cur.string(f"name of tensor #{i}")
         n_dims = cur.unpack("<I", f"dimension count of tensor {name!r}")
         if not 1 <= n_dims <= MAX_DIMS:
-            raise BadInput(f"{path}: tensor {name!r} has {n_dims} dimensions (1..{MAX_DIMS} allowed)", "the file is corrupt")
-        shape = tuple(cur.unpack(f"<{n_dims}Q", f"shape of tensor {name!r}") if n_dims > 1 else (cur.unpack("<Q", f"shape of tensor {name!r}"),))
+            raise BadInput(
+                f"{path}: tensor {name!r} has {n_dims} dimensions (1..{MAX_DIMS} allowed)", "the file is corrupt"
+            )
+        shape = tuple(
+            cur.unpack(f"<{n_dims}Q", f"shape of tensor {name!r}")
+            if n_dims > 1
+            else (cur.unpack("<Q", f"shape of tensor {name!r}"),)
+        )
         type_id, offset = cur.unpack("<IQ", f"type and offset of tensor {name!r}")
         infos.append((name, shape, type_id, offset))
 
     alignment_kv = next((kv for kv in kvs if kv.key == Keys.General.ALIGNMENT), None)
     alignment = DEFAULT_ALIGNMENT
     if alignment_kv is not None:
-        if alignment_kv.value_type != GGUFValueType.UINT32 or alignment_kv.value <= 0 or alignment_kv.value & (alignment_kv.value - 1):
+        if (
+            alignment_kv.value_type != GGUFValueType.UINT32
+            or alignment_kv.value <= 0
+            or alignment_kv.value & (alignment_kv.value - 1)
+        ):
             raise BadInput(f"{path}: general.alignment must be a u32 power of two", "the file is corrupt")
         alignment = alignment_kv.value
     data_start = pad_to(cur.pos, alignment)
     if data_start > size:
-        raise BadInput(f"{path}: truncated: header ends at byte {cur.pos} but the file has {size} bytes", "re-download or re-copy the file")
+        raise BadInput(
+            f"{path}: truncated: header ends at byte {cur.pos} but the file has {size} bytes",
+            "re-download or re-copy the file",
+        )
     header_bytes = bytes(buf[:data_start])
 
     tensors = _size_tensors(infos, path, alignment, size - data_start)
     return GGUFFile(path, version, kvs, tensors, alignment, data_start, size, header_bytes)
 
 
-def _size_tensors(infos: list[tuple[str, tuple[int, ...], int, int]], path: Path, alignment: int, data_size: int) -> list[TensorInfo]:
+def _size_tensors(
+    infos: list[tuple[str, tuple[int, ...], int, int]], path: Path, alignment: int, data_size: int
+) -> list[TensorInfo]:
     """Byte sizes from the types; for unknown types from the gap to the next offset.
 
     llama.cpp requires offset[i] == sum of padded sizes of tensors 0..i-1, so the gap before the
@@ -331,7 +368,10 @@ def _size_tensors(infos: list[tuple[str, tuple[int, ...], int, int]], path: Path
     expected = 0
     for i, (name, shape, type_id, offset) in enumerate(infos):
         if offset != expected:
-            raise BadInput(f"{path}: tensor {name!r} has data offset {offset}, expected {expected}", "the file is corrupt or not written by a GGUF writer")
+            raise BadInput(
+                f"{path}: tensor {name!r} has data offset {offset}, expected {expected}",
+                "the file is corrupt or not written by a GGUF writer",
+            )
         row_bytes = ggml_type_row_bytes(type_id, shape[0])
         rows = math.prod(shape[1:])
         if row_bytes is not None:
@@ -408,23 +448,38 @@ def read_model(path: str | os.PathLike[str]) -> GGUFModel:
     if not count or count == 1 and first.get(SPLIT_NO, 0) == 0:
         return GGUFModel([first])
     if first.get(SPLIT_NO, 0) != 0:
-        raise BadInput(f"{first.path}: this is shard {first.get(SPLIT_NO) + 1} of {count} of a split model", "give the first shard (-00001-of-...)")
+        raise BadInput(
+            f"{first.path}: this is shard {first.get(SPLIT_NO) + 1} of {count} of a split model",
+            "give the first shard (-00001-of-...)",
+        )
     match = SHARD_NAME.match(str(first.path))
     if not match:
-        raise BadInput(f"{first.path}: split model ({SPLIT_COUNT}={count}) but the name is not {shard_paths('PREFIX', count)[0]}", "rename the shards the way llama-gguf-split names them")
+        raise BadInput(
+            f"{first.path}: split model ({SPLIT_COUNT}={count}) but the name is not {shard_paths('PREFIX', count)[0]}",
+            "rename the shards the way llama-gguf-split names them",
+        )
     shards = [first]
     for i, shard_path in enumerate(shard_paths(match["prefix"], count)[1:], start=1):
         if not shard_path.exists():
-            raise BadInput(f"{first.path}: shard {i + 1} of {count} is missing ({shard_path})", "download every shard of the split model")
+            raise BadInput(
+                f"{first.path}: shard {i + 1} of {count} is missing ({shard_path})",
+                "download every shard of the split model",
+            )
         shard = read_file(shard_path)
         if shard.get(SPLIT_NO) != i or shard.get(SPLIT_COUNT) != count:
-            raise BadInput(f"{shard_path}: {SPLIT_NO}/{SPLIT_COUNT} say {shard.get(SPLIT_NO)}/{shard.get(SPLIT_COUNT)}, expected {i}/{count}", "the shards come from different split sets")
+            raise BadInput(
+                f"{shard_path}: {SPLIT_NO}/{SPLIT_COUNT} say {shard.get(SPLIT_NO)}/{shard.get(SPLIT_COUNT)}, expected {i}/{count}",
+                "the shards come from different split sets",
+            )
         shards.append(shard)
     model = GGUFModel(shards)
     expected_tensors = first.get(SPLIT_TENSORS_COUNT)
     n_tensors = sum(len(s.tensors) for s in shards)
     if expected_tensors is not None and expected_tensors != n_tensors:
-        raise BadInput(f"{first.path}: {SPLIT_TENSORS_COUNT} is {expected_tensors} but the shards hold {n_tensors} tensors", "the split set is incomplete or mixed")
+        raise BadInput(
+            f"{first.path}: {SPLIT_TENSORS_COUNT} is {expected_tensors} but the shards hold {n_tensors} tensors",
+            "the split set is incomplete or mixed",
+        )
     if len(model.tensor_index) != n_tensors:
         raise BadInput(f"{first.path}: a tensor name appears in more than one shard", "the split set is corrupt")
     return model
@@ -471,7 +526,9 @@ class TensorHeader:
     nbytes: int
 
 
-def encode_header(version: int, kvs: Sequence[KeyValue], tensors: Sequence[TensorHeader], alignment: int) -> tuple[bytes, list[int]]:
+def encode_header(
+    version: int, kvs: Sequence[KeyValue], tensors: Sequence[TensorHeader], alignment: int
+) -> tuple[bytes, list[int]]:
     """The bytes before the data section, and each tensor's offset within the data section."""
     parts = [GGUF_MAGIC, struct.pack("<IQQ", version, len(tensors), len(kvs))]
     parts.extend(kv.raw for kv in kvs)

@@ -24,14 +24,19 @@ def _locate(model: GGUFModel, name: str) -> tuple[int, TensorInfo]:
     try:
         return model.tensor_index[name]
     except KeyError:
-        raise BadInput(f"{model.path.name} has no tensor {name}", "check the tensor name (ggufcarve inspect lists the expert tensors)") from None
+        raise BadInput(
+            f"{model.path.name} has no tensor {name}",
+            "check the tensor name (ggufcarve inspect lists the expert tensors)",
+        ) from None
 
 
 def _read(path: os.PathLike[str] | str, offset: int, length: int) -> bytes:
     with open(path, "rb", buffering=0) as f:
         data = os.pread(f.fileno(), length, offset)
     if len(data) != length:
-        raise BadInput(f"{path}: {length - len(data)} bytes missing at offset {offset + len(data)}", "the file is truncated")
+        raise BadInput(
+            f"{path}: {length - len(data)} bytes missing at offset {offset + len(data)}", "the file is truncated"
+        )
     return data
 
 
@@ -47,7 +52,9 @@ def expert_slab(model: GGUFModel, name: str, expert: int) -> bytes:
     shard, info = _locate(model, name)
     n_expert = info.shape[-1]
     if not 0 <= expert < n_expert:
-        raise BadInput(f"{name}: expert {expert} out of range 0..{n_expert - 1}", "give an id below the tensor's last dimension")
+        raise BadInput(
+            f"{name}: expert {expert} out of range 0..{n_expert - 1}", "give an id below the tensor's last dimension"
+        )
     slab = info.nbytes // n_expert
     start, _ = model.shards[shard].data_range(info)
     return _read(model.shards[shard].path, start + expert * slab, slab)
@@ -70,7 +77,10 @@ def dequantize(raw: bytes, type_id: int, shape: tuple[int, ...]) -> np.ndarray:
         qtype = GGMLQuantizationType(type_id)
         GGML_QUANT_SIZES[qtype]
     except (ValueError, KeyError):
-        raise UnsupportedModel(f"ggml type {ggml_type_name(type_id)} has no numpy dequantizer in gguf-py", "this tensor type cannot be read by ggufcarve") from None
+        raise UnsupportedModel(
+            f"ggml type {ggml_type_name(type_id)} has no numpy dequantizer in gguf-py",
+            "this tensor type cannot be read by ggufcarve",
+        ) from None
     data = np.frombuffer(raw, dtype=np.uint8)
     if qtype == GGMLQuantizationType.Q8_0:
         return dequantize_q8_0(data).reshape(tuple(reversed(shape)))
@@ -78,7 +88,9 @@ def dequantize(raw: bytes, type_id: int, shape: tuple[int, ...]) -> np.ndarray:
     try:
         values = gguf_dequantize(data.reshape(rows, -1), qtype)
     except NotImplementedError:
-        raise UnsupportedModel(f"gguf-py cannot dequantize {qtype.name}", "this tensor type cannot be read by ggufcarve") from None
+        raise UnsupportedModel(
+            f"gguf-py cannot dequantize {qtype.name}", "this tensor type cannot be read by ggufcarve"
+        ) from None
     return np.ascontiguousarray(values, dtype=np.float32).reshape(tuple(reversed(shape)))
 
 

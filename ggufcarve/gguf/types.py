@@ -14,10 +14,17 @@ from ggufcarve.errors import BadInput
 # ggml types that hold integers or are only an operand format of dot products (ggml's vec_dot
 # partners Q8_1 and Q8_K): ggml_quantize_chunk cannot produce them, so no tensor is stored as one
 # by llama-quantize.
-_NOT_STORAGE_TYPES = frozenset({
-    GGMLQuantizationType.I8, GGMLQuantizationType.I16, GGMLQuantizationType.I32, GGMLQuantizationType.I64,
-    GGMLQuantizationType.F64, GGMLQuantizationType.Q8_1, GGMLQuantizationType.Q8_K,
-})
+_NOT_STORAGE_TYPES = frozenset(
+    {
+        GGMLQuantizationType.I8,
+        GGMLQuantizationType.I16,
+        GGMLQuantizationType.I32,
+        GGMLQuantizationType.I64,
+        GGMLQuantizationType.F64,
+        GGMLQuantizationType.Q8_1,
+        GGMLQuantizationType.Q8_K,
+    }
+)
 
 #: ggml type name -> id, every type gguf-py knows.
 TENSOR_TYPES: dict[str, int] = {t.name: int(t) for t in GGMLQuantizationType}
@@ -33,9 +40,7 @@ def _file_type_name(file_type: LlamaFileType) -> str:
 
 
 #: llama-quantize file type name -> llama_ftype id; GUESSED (a loader-only marker) is left out.
-FILE_TYPES: dict[str, int] = {
-    _file_type_name(ft): int(ft) for ft in LlamaFileType if ft is not LlamaFileType.GUESSED
-}
+FILE_TYPES: dict[str, int] = {_file_type_name(ft): int(ft) for ft in LlamaFileType if ft is not LlamaFileType.GUESSED}
 
 
 def ggml_type_name(type_id: int) -> str:

@@ -58,8 +58,12 @@ def check_against_model(imatrix: Imatrix, model: GGUFModel, *, sizes: Mapping[st
     # weight matrices of blocks the imatrix has no entry for at all (MTP blocks: never run by llama-imatrix)
     covered = {e.block for e in imatrix.entries}
     missing = tuple(
-        t.name for t in model.tensors
-        if len(t.shape) >= 2 and t.name.endswith(".weight") and (m := re.match(r"^blk\.(\d+)\.", t.name)) and int(m[1]) not in covered
+        t.name
+        for t in model.tensors
+        if len(t.shape) >= 2
+        and t.name.endswith(".weight")
+        and (m := re.match(r"^blk\.(\d+)\.", t.name))
+        and int(m[1]) not in covered
     )
     if missing:
         blocks = sorted({int(n.split(".")[1]) for n in missing})
@@ -71,8 +75,14 @@ def check_against_model(imatrix: Imatrix, model: GGUFModel, *, sizes: Mapping[st
     if recorded is not None:
         pruned_with = keepset_from_provenance(model.get, model.path.name)
         if pruned_with is not None and pruned_with.layers != recorded.layers:
-            differ = sorted(b for b in set(recorded.layers) | set(pruned_with.layers) if recorded.layers.get(b) != pruned_with.layers.get(b))
-            problems.append(f"the imatrix was remapped with another keep-set than {model.path.name} was pruned with (blocks {', '.join(map(str, differ))} differ)")
+            differ = sorted(
+                b
+                for b in set(recorded.layers) | set(pruned_with.layers)
+                if recorded.layers.get(b) != pruned_with.layers.get(b)
+            )
+            problems.append(
+                f"the imatrix was remapped with another keep-set than {model.path.name} was pruned with (blocks {', '.join(map(str, differ))} differ)"
+            )
     return ModelCheck(tuple(problems), tuple(warnings), missing)
 
 
@@ -137,8 +147,22 @@ class ImatrixSummary:
             "per_expert_counts": any(b.counts is not None for b in self.blocks),
             "remapped_by_ggufcarve": self.remapped,
             "moe_blocks": [b.to_json() for b in self.blocks],
-            "model_check": None if self.model_check is None else {"problems": list(self.model_check.problems), "warnings": list(self.model_check.warnings), "entries_missing": list(self.model_check.missing)},
-            "entry_list": [{"name": e.name, "values": e.nval, "matrices": e.n_mat, **({"ncall": e.ncall} if e.ncall is not None else {})} for e in im.entries],
+            "model_check": None
+            if self.model_check is None
+            else {
+                "problems": list(self.model_check.problems),
+                "warnings": list(self.model_check.warnings),
+                "entries_missing": list(self.model_check.missing),
+            },
+            "entry_list": [
+                {
+                    "name": e.name,
+                    "values": e.nval,
+                    "matrices": e.n_mat,
+                    **({"ncall": e.ncall} if e.ncall is not None else {}),
+                }
+                for e in im.entries
+            ],
         }
 
 
@@ -160,8 +184,13 @@ def summarize(imatrix: Imatrix, model: GGUFModel | None = None) -> ImatrixSummar
             blocks.append(BlockRouting(block, tuple(e.name for e in entries), None, None, None))
     remapped = None
     if imatrix.get(KEY_KEPT_COUNT) is not None:
-        remapped = {"source_expert_count": imatrix.get(KEY_SOURCE_EXPERT_COUNT), "kept_expert_count": imatrix.get(KEY_KEPT_COUNT), "source_sha256": imatrix.get(KEY_REMAP_SOURCE_SHA256)}
+        remapped = {
+            "source_expert_count": imatrix.get(KEY_SOURCE_EXPERT_COUNT),
+            "kept_expert_count": imatrix.get(KEY_KEPT_COUNT),
+            "source_sha256": imatrix.get(KEY_REMAP_SOURCE_SHA256),
+        }
     expert_entries = sum(len(v) for v in per_block.values())
     check = check_against_model(imatrix, model) if model is not None else None
-    return ImatrixSummary(imatrix, expert_entries, len(imatrix.entries) - expert_entries, tuple(blocks), remapped, check)
-
+    return ImatrixSummary(
+        imatrix, expert_entries, len(imatrix.entries) - expert_entries, tuple(blocks), remapped, check
+    )

@@ -239,7 +239,10 @@ def imatrix_from_arrays(arrays: Mapping[str, np.ndarray], datasets: Sequence[str
         chunk_count = max(chunk_count, int(counts.max()) // chunk_size)
         entries.append(ImatrixEntry(name, n_mat, sums.shape[1], counts.astype(np.float32), None, lambda s=sums: s))
     if not entries:
-        raise BadInput("llama.cpp's graph ran no MUL_MAT / MUL_MAT_ID of a blk.* weight: nothing to collect", "check that the model is a transformer llama.cpp runs")
+        raise BadInput(
+            "llama.cpp's graph ran no MUL_MAT / MUL_MAT_ID of a blk.* weight: nothing to collect",
+            "check that the model is a transformer llama.cpp runs",
+        )
     kvs = (
         make_kv(KEY_TYPE, GGUFValueType.STRING, "imatrix"),
         make_kv(KEY_DATASETS, GGUFValueType.ARRAY, list(datasets), GGUFValueType.STRING),
@@ -247,7 +250,9 @@ def imatrix_from_arrays(arrays: Mapping[str, np.ndarray], datasets: Sequence[str
         make_kv(KEY_CHUNK_SIZE, GGUFValueType.UINT32, int(chunk_size)),
     )
     order = tuple((e.name, part) for e in entries for part in ("in_sum2", "counts"))
-    return Imatrix("gguf", None, tuple(entries), tuple(datasets), chunk_count, int(chunk_size), kvs=kvs, tensor_order=order)
+    return Imatrix(
+        "gguf", None, tuple(entries), tuple(datasets), chunk_count, int(chunk_size), kvs=kvs, tensor_order=order
+    )
 
 
 @dataclass(frozen=True)
@@ -263,15 +268,34 @@ class Collected:
     seconds: float
 
 
-def write_collected(arrays: Mapping[str, np.ndarray], datasets: Sequence[str], chunk_size: int, output: Path, *, tokens: int, seconds: float,
-                    force: bool = False, sources: Sequence[Path] = (), on_event: Sink = ignore) -> Collected:
+def write_collected(
+    arrays: Mapping[str, np.ndarray],
+    datasets: Sequence[str],
+    chunk_size: int,
+    output: Path,
+    *,
+    tokens: int,
+    seconds: float,
+    force: bool = False,
+    sources: Sequence[Path] = (),
+    on_event: Sink = ignore,
+) -> Collected:
     """Write the statistics of a calibration child as a GGUF imatrix (temp name, fsync, rename)."""
     from ggufcarve.imatrix_format import write_imatrix
 
     imatrix = imatrix_from_arrays(arrays, datasets, chunk_size)
     path = write_imatrix(imatrix, output, force=force, sources=sources, on_event=on_event)
-    return Collected(path, os.path.getsize(path), len(imatrix.entries), sum(1 for e in imatrix.entries if e.per_expert_counts),
-                     int(imatrix.chunk_count), chunk_size, tokens, tuple(datasets), seconds)
+    return Collected(
+        path,
+        os.path.getsize(path),
+        len(imatrix.entries),
+        sum(1 for e in imatrix.entries if e.per_expert_counts),
+        int(imatrix.chunk_count),
+        chunk_size,
+        tokens,
+        tuple(datasets),
+        seconds,
+    )
 
 
 def collect_imatrix(
@@ -293,13 +317,31 @@ def collect_imatrix(
     "imatrix" in tokens. Raises BadInput for input llama-imatrix would refuse or that gives no
     whole chunk, OutputError for an output that exists (without `force`) or is the model."""
     if chunks is not None and chunks < 1:
-        raise BadInput(f"--chunks {chunks} must be at least 1", "give the number of --ctx chunks to use, or omit it for all")
+        raise BadInput(
+            f"--chunks {chunks} must be at least 1", "give the number of --ctx chunks to use, or omit it for all"
+        )
     max_tokens = None if chunks is None else chunks * ctx
     check_chunking(ctx, max_tokens)
     calibration = read_calibration(files)
     check_outputs([Path(output)], list(model.paths), 0, force)
-    request = DecodeRequest(os.fspath(model.path), (IMATRIX_CONSUMER,), Batching.of(ctx), documents=tuple(f.documents for f in calibration),
-                            max_tokens=max_tokens, threads=threads or 0, gpu_layers=gpu_layers)
+    request = DecodeRequest(
+        os.fspath(model.path),
+        (IMATRIX_CONSUMER,),
+        Batching.of(ctx),
+        documents=tuple(f.documents for f in calibration),
+        max_tokens=max_tokens,
+        threads=threads or 0,
+        gpu_layers=gpu_layers,
+    )
     result = decode(request, what=f"collecting the imatrix of {model.path.name}", stage="imatrix", on_event=on_event)
-    return write_collected(result.outputs[IMATRIX_CONSUMER.name], [f.path.name for f in calibration], ctx, Path(output), tokens=result.tokens,
-                           seconds=result.seconds, force=force, sources=list(model.paths), on_event=on_event)
+    return write_collected(
+        result.outputs[IMATRIX_CONSUMER.name],
+        [f.path.name for f in calibration],
+        ctx,
+        Path(output),
+        tokens=result.tokens,
+        seconds=result.seconds,
+        force=force,
+        sources=list(model.paths),
+        on_event=on_event,
+    )

@@ -48,7 +48,10 @@ def to_dat(imatrix: Imatrix) -> Conversion:
         return Conversion(imatrix, (), ())
     chunk_size = imatrix.chunk_size or 0
     if chunk_size <= 0:
-        raise BadInput(f"{imatrix.path}: imatrix.chunk_size is {chunk_size}; the .dat ncall cannot be computed", "the file is corrupt")
+        raise BadInput(
+            f"{imatrix.path}: imatrix.chunk_size is {chunk_size}; the .dat ncall cannot be computed",
+            "the file is corrupt",
+        )
     entries, skipped = [], []
     for e in imatrix.entries:
         counts = lround(counts_of(e))
@@ -74,7 +77,9 @@ def to_dat(imatrix: Imatrix) -> Conversion:
     if len(imatrix.datasets) > 1:
         losses.append(f"datasets other than the last ({len(imatrix.datasets) - 1})")
     if imatrix.chunk_size:
-        losses.append(f"imatrix.chunk_size ({imatrix.chunk_size}): give --chunk-size {imatrix.chunk_size} when converting back")
+        losses.append(
+            f"imatrix.chunk_size ({imatrix.chunk_size}): give --chunk-size {imatrix.chunk_size} when converting back"
+        )
     extra_keys = [kv.key for kv in imatrix.kvs if kv.key not in (KEY_TYPE, *IMATRIX_KEYS)]
     if extra_keys:
         losses.append(f"metadata keys {shortened(extra_keys, 4, ', ')}")
@@ -99,7 +104,10 @@ def to_gguf(imatrix: Imatrix, chunk_size: int = DEFAULT_CHUNK_SIZE) -> Conversio
     if imatrix.format == "gguf":
         return Conversion(imatrix, (), ())
     if chunk_size <= 0:
-        raise BadInput(f"chunk size {chunk_size} must be positive", "use the -c/--ctx-size the imatrix was computed with (llama-imatrix default 512)")
+        raise BadInput(
+            f"chunk size {chunk_size} must be positive",
+            "use the -c/--ctx-size the imatrix was computed with (llama-imatrix default 512)",
+        )
     entries = []
     for e in imatrix.entries:
         ncall = e.ncall or 0
@@ -109,7 +117,9 @@ def to_gguf(imatrix: Imatrix, chunk_size: int = DEFAULT_CHUNK_SIZE) -> Conversio
             return (e.sums() * np.float32(chunk_size)).astype(np.float32)
 
         entries.append(ImatrixEntry(e.name, 1, e.nval, count, None, load))
-    chunk_count = imatrix.chunk_count if imatrix.chunk_count is not None else max((e.ncall or 0) for e in imatrix.entries)
+    chunk_count = (
+        imatrix.chunk_count if imatrix.chunk_count is not None else max((e.ncall or 0) for e in imatrix.entries)
+    )
     kvs = (
         make_kv(KEY_TYPE, GGUFValueType.STRING, GGUFType.IMATRIX),
         make_kv(KEY_DATASETS, GGUFValueType.ARRAY, list(imatrix.datasets), GGUFValueType.STRING),
@@ -117,7 +127,9 @@ def to_gguf(imatrix: Imatrix, chunk_size: int = DEFAULT_CHUNK_SIZE) -> Conversio
         make_kv(KEY_CHUNK_SIZE, GGUFValueType.UINT32, int(chunk_size)),
     )
     order = tuple((e.name, part) for e in entries for part in ("in_sum2", "counts"))
-    result = Imatrix("gguf", None, tuple(entries), imatrix.datasets, int(chunk_count), int(chunk_size), kvs=kvs, tensor_order=order)
+    result = Imatrix(
+        "gguf", None, tuple(entries), imatrix.datasets, int(chunk_count), int(chunk_size), kvs=kvs, tensor_order=order
+    )
     return Conversion(result, (), ())
 
 
@@ -153,8 +165,13 @@ def convert_file(
     if fmt not in FORMATS:
         raise BadInput(f"unknown imatrix format {fmt!r}", "use --format gguf or --format dat")
     if fmt == source.format:
-        raise BadInput(f"{source.path} is already a {fmt} imatrix", f"nothing to convert; copy the file, or use --format {'dat' if fmt == 'gguf' else 'gguf'}")
+        raise BadInput(
+            f"{source.path} is already a {fmt} imatrix",
+            f"nothing to convert; copy the file, or use --format {'dat' if fmt == 'gguf' else 'gguf'}",
+        )
     conversion = convert(source, fmt, chunk_size if chunk_size is not None else DEFAULT_CHUNK_SIZE)
-    path = write_imatrix(conversion.imatrix, output, force=force, sources=[source.path] if source.path else [], on_event=on_event)
+    path = write_imatrix(
+        conversion.imatrix, output, force=force, sources=[source.path] if source.path else [], on_event=on_event
+    )
     read_imatrix(path)
     return ConvertResult(conversion, source, path, path.stat().st_size)

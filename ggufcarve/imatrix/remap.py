@@ -102,7 +102,10 @@ class RemapPlan:
             if t.routed_kept is not None:
                 per_block.setdefault(t.block, t)
         if not per_block:
-            return {"available": False, "reason": "the imatrix has no per-expert counts (a .dat, or converted from one)"}
+            return {
+                "available": False,
+                "reason": "the imatrix has no per-expert counts (a .dat, or converted from one)",
+            }
         kept = sum(t.routed_kept or 0 for t in per_block.values())
         dropped = sum(t.routed_dropped or 0 for t in per_block.values())
         total = kept + dropped
@@ -113,7 +116,13 @@ class RemapPlan:
             "routed_dropped": dropped,
             "share_kept": kept / total if total else None,
             "blocks": [
-                {"block": b, "mtp": t.mtp, "routed_kept": t.routed_kept, "routed_dropped": t.routed_dropped, "share_kept": (t.routed_kept or 0) / max((t.routed_kept or 0) + (t.routed_dropped or 0), 1)}
+                {
+                    "block": b,
+                    "mtp": t.mtp,
+                    "routed_kept": t.routed_kept,
+                    "routed_dropped": t.routed_dropped,
+                    "share_kept": (t.routed_kept or 0) / max((t.routed_kept or 0) + (t.routed_dropped or 0), 1),
+                }
                 for b, t in sorted(per_block.items())
             ],
         }
@@ -121,7 +130,12 @@ class RemapPlan:
     def to_json(self) -> dict[str, Any]:
         return {
             "input": {"path": str(self.source.path), "format": self.source.format, "entries": len(self.source.entries)},
-            "output": {"path": str(self.output_path), "format": self.output_format, "entries": len(self.output.entries), "bytes": encoded_size(self.output)},
+            "output": {
+                "path": str(self.output_path),
+                "format": self.output_format,
+                "entries": len(self.output.entries),
+                "bytes": encoded_size(self.output),
+            },
             "expert_count": {"before": self.layout.expert_count, "after": self.kept_count},
             "tensors_remapped": [t.name for t in self.tensors],
             "entries_unchanged": list(self.unchanged),
@@ -148,10 +162,21 @@ def _select(e: ImatrixEntry, ids: Sequence[int], n_expert: int, ne0: int) -> Ima
         if e.load_in_sum is not None:
             src_in_sum = e.load_in_sum
             load_in_sum = lambda: np.ascontiguousarray(src_in_sum()[index])
-        return dataclasses.replace(e, n_mat=len(ids), counts=counts, load_sums=load, load_in_sum=load_in_sum, sums_ne=sums_ne, counts_ne=counts_ne)
+        return dataclasses.replace(
+            e,
+            n_mat=len(ids),
+            counts=counts,
+            load_sums=load,
+            load_in_sum=load_in_sum,
+            sums_ne=sums_ne,
+            counts_ne=counts_ne,
+        )
     # one row holding all experts (.dat, or a GGUF converted from one): expert-major slices
     if e.n_mat != 1 or e.row_len != n_expert * ne0:
-        raise BadInput(f"{e.name}: {e.n_mat} rows of {e.row_len} values, expected one row of {n_expert} experts x {ne0}", "the imatrix belongs to another model")
+        raise BadInput(
+            f"{e.name}: {e.n_mat} rows of {e.row_len} values, expected one row of {n_expert} experts x {ne0}",
+            "the imatrix belongs to another model",
+        )
 
     def load_flat() -> np.ndarray:
         return np.ascontiguousarray(e.sums().reshape(n_expert, ne0)[index].reshape(1, -1))
@@ -197,7 +222,10 @@ def resolve_source_layout(
             )
         return source_layout
     if pruned is None or pruned_layout is None:
-        raise BadInput("neither the source model nor the pruned model was given", "give --source-model (the unpruned model) or --model (the pruned one)")
+        raise BadInput(
+            "neither the source model nor the pruned model was given",
+            "give --source-model (the unpruned model) or --model (the pruned one)",
+        )
     if recorded is not None:
         return dataclasses.replace(pruned_layout, expert_count=int(recorded))
     ne0 = {t.name: t.shape[0] for t in pruned_layout.expert_tensors.values() if t.role == "expert weight"}
@@ -219,7 +247,10 @@ def layout_from_imatrix(imatrix: Imatrix) -> MoeLayout:
     """
     where = str(imatrix.path)
     if imatrix.format != "gguf":
-        raise BadInput(f"{where} is a .dat imatrix: it stores each entry as one row, so the expert count cannot be read from it", "give --model PRUNED.gguf or --source-model SOURCE.gguf")
+        raise BadInput(
+            f"{where} is a .dat imatrix: it stores each entry as one row, so the expert count cannot be read from it",
+            "give --model PRUNED.gguf or --source-model SOURCE.gguf",
+        )
     per_block: dict[int, list[ExpertTensor]] = {}
     counts = set()
     for e in imatrix.entries:
@@ -227,18 +258,37 @@ def layout_from_imatrix(imatrix: Imatrix) -> MoeLayout:
         if block is None:
             continue
         counts.add(e.n_mat)
-        per_block.setdefault(block, []).append(ExpertTensor(e.name, block, "expert weight", (e.row_len, e.n_mat), "F32", e.nval * 4, e.row_len * 4))
+        per_block.setdefault(block, []).append(
+            ExpertTensor(e.name, block, "expert weight", (e.row_len, e.n_mat), "F32", e.nval * 4, e.row_len * 4)
+        )
     if not per_block:
-        raise BadInput(f"{where} has no expert entries (blk.N.ffn_*_exps.weight)", "an imatrix of a Mixture-of-Experts model is needed; or give --model")
+        raise BadInput(
+            f"{where} has no expert entries (blk.N.ffn_*_exps.weight)",
+            "an imatrix of a Mixture-of-Experts model is needed; or give --model",
+        )
     if len(counts) != 1 or min(counts) < 2:
-        raise BadInput(f"{where}: expert entries hold {sorted(counts)} rows each, not one common expert count", "give --source-model SOURCE.gguf so the expert count comes from the model")
+        raise BadInput(
+            f"{where}: expert entries hold {sorted(counts)} rows each, not one common expert count",
+            "give --source-model SOURCE.gguf so the expert count comes from the model",
+        )
     n_expert = counts.pop()
     layers = tuple(MoeLayer(b, False, tuple(ts)) for b, ts in sorted(per_block.items()))
     expert_bytes = sum(t.nbytes for layer in layers for t in layer.tensors)
     return MoeLayout(
-        architecture="(from the imatrix)", block_count=max(per_block) + 1, nextn_layers=0, expert_count=n_expert, expert_used_count=0,
-        group_count=0, group_used_count=0, shared_expert_count=0, leading_dense_blocks=0, layers=layers, total_bytes=expert_bytes,
-        expert_bytes=expert_bytes, routing=UNKNOWN_ROUTING, described_by="imatrix",
+        architecture="(from the imatrix)",
+        block_count=max(per_block) + 1,
+        nextn_layers=0,
+        expert_count=n_expert,
+        expert_used_count=0,
+        group_count=0,
+        group_used_count=0,
+        shared_expert_count=0,
+        leading_dense_blocks=0,
+        layers=layers,
+        total_bytes=expert_bytes,
+        expert_bytes=expert_bytes,
+        routing=UNKNOWN_ROUTING,
+        described_by="imatrix",
     )
 
 
@@ -279,7 +329,10 @@ def plan_remap(
     if pruned is not None:
         arch = pruned.get(Keys.General.ARCHITECTURE)
         if arch != layout.architecture:
-            raise BadInput(f"{pruned.path} is {arch}, the source model is {layout.architecture}", "give the pruned model made from this source")
+            raise BadInput(
+                f"{pruned.path} is {arch}, the source model is {layout.architecture}",
+                "give the pruned model made from this source",
+            )
         pruned_k = pruned.get(Keys.LLM.EXPERT_COUNT.format(arch=arch))
         if pruned_k != k:
             raise BadInput(
@@ -291,9 +344,16 @@ def plan_remap(
     # source's expert count): every entry names a tensor and has the size that model needs.
     reference = source if source is not None else pruned
     if reference is None and layout.described_by == "model":
-        raise BadInput("remapping needs the source or the pruned model, or a keep-set by block index", "give --source-model and/or --model")
+        raise BadInput(
+            "remapping needs the source or the pruned model, or a keep-set by block index",
+            "give --source-model and/or --model",
+        )
     expert_weights = {t.name: t for t in layout.expert_tensors.values() if t.role == "expert weight"}
-    shapes = {t.name: t.shape for t in reference.tensors} if reference is not None else {t.name: t.shape for t in expert_weights.values()}
+    shapes = (
+        {t.name: t.shape for t in reference.tensors}
+        if reference is not None
+        else {t.name: t.shape for t in expert_weights.values()}
+    )
     ne0 = {name: shapes[name][0] for name in expert_weights if name in shapes}
     sizes = expected_sizes(reference) if reference is not None else {e.name: e.nval for e in imatrix.entries}
     sizes.update({name: width * n_expert for name, width in ne0.items()})
@@ -310,9 +370,15 @@ def plan_remap(
         elif e.name not in sizes:
             problems.append(f"{e.name} is not a tensor of {reference_name}")
         elif e.nval != sizes[e.name] and e.name != "token_embd.weight":
-            problems.append(f"{e.name} has {e.nval} values, but {reference_name} needs {sizes[e.name]} (ne0 x ne2); it fits neither the dense nor the expert layout")
+            problems.append(
+                f"{e.name} has {e.nval} values, but {reference_name} needs {sizes[e.name]} (ne0 x ne2); it fits neither the dense nor the expert layout"
+            )
     problems = _group_problems(problems)
-    raise_problems(problems, f"{where} does not fit the {n_expert}-expert source model", "check that the imatrix was computed on the unpruned model this keep-set selects from")
+    raise_problems(
+        problems,
+        f"{where} does not fit the {n_expert}-expert source model",
+        "check that the imatrix was computed on the unpruned model this keep-set selects from",
+    )
 
     # Convert first (when asked), then select: remapping commutes with conversion, so a .dat
     # remapped from the GGUF equals the remap of llama-imatrix's own .dat of the same run.
@@ -335,7 +401,9 @@ def plan_remap(
             counts = lround(counts_of(e))
             routed_kept = int(counts[list(ids)].sum())
             routed_dropped = int(counts.sum()) - routed_kept
-        tensors.append(TensorRemap(e.name, block, layout.is_mtp(block), n_expert, tuple(ids), dropped, routed_kept, routed_dropped))
+        tensors.append(
+            TensorRemap(e.name, block, layout.is_mtp(block), n_expert, tuple(ids), dropped, routed_kept, routed_dropped)
+        )
         entries.append(_select(converted[e.name], ids, n_expert, ne0[e.name]))
 
     covered = {t.block for t in tensors}
@@ -344,7 +412,9 @@ def plan_remap(
         mtp = [b for b in without if layout.is_mtp(b)]
         main = [b for b in without if not layout.is_mtp(b)]
         if mtp:
-            warnings.append(f"MTP block(s) {', '.join(map(str, mtp))} have no imatrix entries (llama-imatrix never runs MTP blocks); IQ rungs need a --tensor-type override for blk.{mtp[0]}")
+            warnings.append(
+                f"MTP block(s) {', '.join(map(str, mtp))} have no imatrix entries (llama-imatrix never runs MTP blocks); IQ rungs need a --tensor-type override for blk.{mtp[0]}"
+            )
         if main:
             warnings.append(f"MoE block(s) {', '.join(map(str, main))} have no expert entries in the imatrix")
 
@@ -355,17 +425,27 @@ def plan_remap(
         changes = {kv.key: kv for kv in (provenance[0], source_sha256, *provenance[1:])}
         result = dataclasses.replace(result, kvs=tuple(replace_kvs(result.kvs, changes)))
     for name in conversion.skipped:
-        warnings.append(f"{name} has no data at all; a .dat cannot hold it (llama-imatrix skips such entries), so IQ rungs need a --tensor-type override for it")
+        warnings.append(
+            f"{name} has no data at all; a .dat cannot hold it (llama-imatrix skips such entries), so IQ rungs need a --tensor-type override for it"
+        )
 
     if pruned is not None:
         check = check_against_model(result, pruned)
-        raise_problems(check.problems, f"remapped imatrix does not fit {pruned.path}", "the pruned model and the keep-set do not match; re-prune or give the matching keep-set")
+        raise_problems(
+            check.problems,
+            f"remapped imatrix does not fit {pruned.path}",
+            "the pruned model and the keep-set do not match; re-prune or give the matching keep-set",
+        )
 
     models = {}
     for role, m in (("pruned", pruned), ("source", source)):
         if m is not None:
             arch = m.get(Keys.General.ARCHITECTURE)
-            models[role] = {"name": m.path.name, "architecture": arch, "expert_count": int(m.get(Keys.LLM.EXPERT_COUNT.format(arch=arch)) or 0)}
+            models[role] = {
+                "name": m.path.name,
+                "architecture": arch,
+                "expert_count": int(m.get(Keys.LLM.EXPERT_COUNT.format(arch=arch)) or 0),
+            }
     return RemapPlan(
         source=imatrix,
         output=result,
@@ -412,7 +492,9 @@ def _expert_entry_problem(e: ImatrixEntry, n_expert: int, kept: int, ne0: int) -
     if found == kept and kept != n_expert:
         return f"{e.name} already holds {kept} experts (the pruned count), not the source's {n_expert}: it looks remapped already"
     if found is not None and found != n_expert:
-        return f"{e.name} holds {found} experts but the keep-set selects from {n_expert} (the source model's expert_count)"
+        return (
+            f"{e.name} holds {found} experts but the keep-set selects from {n_expert} (the source model's expert_count)"
+        )
     return f"{e.name} has {e.nval} values ({e.n_mat} x {e.row_len}); it fits neither the dense ({ne0}) nor the expert ({n_expert} x {ne0}) layout"
 
 
@@ -448,11 +530,19 @@ def execute_remap(
     input_sha = sha256_file(_read_from(plan.source))
     output = plan.output
     if output.format == "gguf" and any(kv.key == KEY_REMAP_SOURCE_SHA256 for kv in output.kvs):
-        output = dataclasses.replace(output, kvs=tuple(replace_kvs(output.kvs, {KEY_REMAP_SOURCE_SHA256: make_kv(KEY_REMAP_SOURCE_SHA256, GGUFValueType.STRING, input_sha)})))
+        output = dataclasses.replace(
+            output,
+            kvs=tuple(
+                replace_kvs(
+                    output.kvs,
+                    {KEY_REMAP_SOURCE_SHA256: make_kv(KEY_REMAP_SOURCE_SHA256, GGUFValueType.STRING, input_sha)},
+                )
+            ),
+        )
     size = encoded_size(output)
     check_outputs([plan.output_path], [plan.source.path, *sources], size, force)
     with atomic_outputs([plan.output_path]) as opened:
-        (temp, fd), = opened
+        ((temp, fd),) = opened
         written_bytes = write_to_fd(output, fd, Counter(on_event, "write", size))
         if written_bytes != size:
             raise CarveError(f"internal error: wrote {written_bytes} bytes, planned {size}")
@@ -461,7 +551,9 @@ def execute_remap(
         output_sha = sha256_file(temp)
         written = read_imatrix(temp)  # re-read: the file parses and every value is finite
         if len(written.entries) != len(output.entries):
-            raise CarveError(f"internal error: {plan.output_path.name} has {len(written.entries)} entries, planned {len(output.entries)}")
+            raise CarveError(
+                f"internal error: {plan.output_path.name} has {len(written.entries)} entries, planned {len(output.entries)}"
+            )
         timings = {"write_seconds": t_write - t0, "total_seconds": time.perf_counter() - t0}
         result = RemapResult(plan, plan.output_path, report_path, input_sha, output_sha, size, timings)
         write_text_atomic(report_path, dumps(remap_report(result)))
@@ -509,7 +601,9 @@ def remap_report(result: RemapResult) -> dict[str, Any]:
                 "dropped": list(t.dropped),
                 "routed_kept": t.routed_kept,
                 "routed_dropped": t.routed_dropped,
-                "routed_share_kept": None if t.routed_kept is None else t.routed_kept / max(t.routed_kept + (t.routed_dropped or 0), 1),
+                "routed_share_kept": None
+                if t.routed_kept is None
+                else t.routed_kept / max(t.routed_kept + (t.routed_dropped or 0), 1),
             }
             for t in plan.tensors
         ],
@@ -523,9 +617,10 @@ def remap_report(result: RemapResult) -> dict[str, Any]:
     return envelope(
         IMATRIX_REMAP_REPORT,
         inputs=[file_input(source.path, result.input_sha256, source.size)],
-        parameters={"format": plan.output_format, "chunk_size": plan.chunk_size if "dat" in (source.format, plan.output_format) else source.chunk_size},
+        parameters={
+            "format": plan.output_format,
+            "chunk_size": plan.chunk_size if "dat" in (source.format, plan.output_format) else source.chunk_size,
+        },
         timings=dict(sorted(result.timings.items())),
         results=results,
     )
-
-

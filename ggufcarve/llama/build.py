@@ -70,11 +70,25 @@ def fetch_sdist(version: str, on_event: Sink = ignore) -> Path:
     remove_dead_temps(target_dir, target.name.__eq__)
     tmp = make_temp_dir(target)
     try:
-        argv = [sys.executable, "-m", "pip", "download", f"llama-cpp-python=={version}", "--no-deps", "--no-binary", ":all:", "--dest", str(tmp)]
+        argv = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            f"llama-cpp-python=={version}",
+            "--no-deps",
+            "--no-binary",
+            ":all:",
+            "--dest",
+            str(tmp),
+        ]
         finished = run(argv, timeout=DOWNLOAD_TIMEOUT, idle_timeout=DOWNLOAD_IDLE_TIMEOUT)
         files = sorted(tmp.glob("*.tar.gz"))
         if not finished.ok or not files:
-            raise ToolFailed(f"pip could not download the llama-cpp-python {version} sdist: {finished.describe_failure()}", "check network access to PyPI, or pass --llama-cpp DIR with prebuilt tools")
+            raise ToolFailed(
+                f"pip could not download the llama-cpp-python {version} sdist: {finished.describe_failure()}",
+                "check network access to PyPI, or pass --llama-cpp DIR with prebuilt tools",
+            )
         os.replace(files[0], target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -84,13 +98,24 @@ def fetch_sdist(version: str, on_event: Sink = ignore) -> Path:
 def extract_llama_cpp(sdist: Path, dest: Path) -> Path:
     """Extract `<top>/vendor/llama.cpp` of the sdist into dest; returns the llama.cpp source dir."""
     with tarfile.open(sdist) as tar:
-        members = [m for m in tar.getmembers() if "/vendor/llama.cpp/" in m.name + "/" and (m.isfile() or m.isdir() or m.issym())]
+        members = [
+            m
+            for m in tar.getmembers()
+            if "/vendor/llama.cpp/" in m.name + "/" and (m.isfile() or m.isdir() or m.issym())
+        ]
         if not members:
             raise BadInput(f"{sdist} has no vendor/llama.cpp directory", "the file is not a llama-cpp-python sdist")
         if hasattr(tarfile, "data_filter"):
             tar.extractall(dest, members=members, filter="data")
         else:  # Python without extraction filters: regular files and directories only, no links
-            tar.extractall(dest, members=[m for m in members if (m.isfile() or m.isdir()) and not Path(m.name).is_absolute() and ".." not in Path(m.name).parts])
+            tar.extractall(
+                dest,
+                members=[
+                    m
+                    for m in members
+                    if (m.isfile() or m.isdir()) and not Path(m.name).is_absolute() and ".." not in Path(m.name).parts
+                ],
+            )
     found = sorted(dest.glob("*/vendor/llama.cpp"))
     if not found or not (found[0] / "CMakeLists.txt").exists():
         raise BadInput(f"{sdist}: vendor/llama.cpp has no CMakeLists.txt", "the sdist is incomplete")
@@ -116,29 +141,55 @@ def _stream(argv: list[str], stage: str, on_event: Sink) -> None:
             state["done"] = 100 * int(m[1]) // max(int(m[2]), 1)
         on_event(Event(stage, state["done"], 100, "percent", line))
 
-    run_checked(argv, f"{' '.join(argv[:3])} ...", "install a C++ compiler and cmake >= 3.14, or pass --llama-cpp DIR with prebuilt tools",
-                on_line=on_line, timeout=BUILD_TIMEOUT, idle_timeout=BUILD_IDLE_TIMEOUT)
+    run_checked(
+        argv,
+        f"{' '.join(argv[:3])} ...",
+        "install a C++ compiler and cmake >= 3.14, or pass --llama-cpp DIR with prebuilt tools",
+        on_line=on_line,
+        timeout=BUILD_TIMEOUT,
+        idle_timeout=BUILD_IDLE_TIMEOUT,
+    )
 
 
-def compile_tools(source_dir: Path, build_dir: Path, bin_out: Path, on_event: Sink = ignore, jobs: int | None = None) -> None:
+def compile_tools(
+    source_dir: Path, build_dir: Path, bin_out: Path, on_event: Sink = ignore, jobs: int | None = None
+) -> None:
     """Configure and build only TOOLS from a llama.cpp source tree; copy them into bin_out."""
     cmake = shutil.which("cmake")
     if cmake is None:
-        raise ToolMissing("cmake not found on PATH", "install cmake (and a C++ compiler), or pass --llama-cpp DIR with prebuilt tools")
+        raise ToolMissing(
+            "cmake not found on PATH", "install cmake (and a C++ compiler), or pass --llama-cpp DIR with prebuilt tools"
+        )
     jobs = jobs or os.cpu_count() or 2
     on_event(Event("configure", 0, 100, "percent", f"cmake -S {source_dir} -B {build_dir}"))
     _stream([cmake, "-S", str(source_dir), "-B", str(build_dir), *CMAKE_FLAGS], "configure", on_event)
-    _stream([cmake, "--build", str(build_dir), "--config", "Release", "-j", str(jobs), "--target", *TOOLS], "build", on_event)
+    _stream(
+        [cmake, "--build", str(build_dir), "--config", "Release", "-j", str(jobs), "--target", *TOOLS],
+        "build",
+        on_event,
+    )
     bin_out.mkdir(parents=True, exist_ok=True)
     for tool in TOOLS:
-        built = next((p for p in (build_dir / "bin" / tool, build_dir / "bin" / "Release" / tool, build_dir / tool) if _is_executable(p)), None)
+        built = next(
+            (
+                p
+                for p in (build_dir / "bin" / tool, build_dir / "bin" / "Release" / tool, build_dir / tool)
+                if _is_executable(p)
+            ),
+            None,
+        )
         if built is None:
-            raise ToolFailed(f"the build finished but {tool} was not produced in {build_dir / 'bin'}", "see the build output above; run `ggufcarve toolchain build` again")
+            raise ToolFailed(
+                f"the build finished but {tool} was not produced in {build_dir / 'bin'}",
+                "see the build output above; run `ggufcarve toolchain build` again",
+            )
         shutil.copy2(built, bin_out / tool)
     on_event(Event("install", 100, 100, "percent", f"copied {', '.join(TOOLS)}"))
 
 
-def install_prebuilt(bin_dir: Path, version: str | None = None, origin: str = "prebuilt", force: bool = False) -> tuple[Path, bool]:
+def install_prebuilt(
+    bin_dir: Path, version: str | None = None, origin: str = "prebuilt", force: bool = False
+) -> tuple[Path, bool]:
     """Put already built tools (e.g. from a llama.cpp build of the same source) into the cache layout.
 
     Returns the cache's bin dir and whether anything was copied (False: the cache had them, no force).
@@ -150,7 +201,10 @@ def install_prebuilt(bin_dir: Path, version: str | None = None, origin: str = "p
             return final / "bin", False
         missing = [t for t in TOOLS if not _is_executable(bin_dir / t)]
         if missing:
-            raise BadInput(f"{bin_dir} lacks {', '.join(missing)}", "give the bin directory of a llama.cpp build that has all of them")
+            raise BadInput(
+                f"{bin_dir} lacks {', '.join(missing)}",
+                "give the bin directory of a llama.cpp build that has all of them",
+            )
         remove_dead_temps(final.parent, final.name.__eq__)
         staging = make_temp_dir(final)
         try:
@@ -166,14 +220,17 @@ def install_prebuilt(bin_dir: Path, version: str | None = None, origin: str = "p
 
 def _write_build_info(staging: Path, version: str, **extra: object) -> None:
     """What the entry is: version, tool hashes, cmake flags, and the CPU it was built on."""
-    write_build_info(staging, {
-        "llama_cpp_python": version,
-        "tools": {t: sha256_file_cached(staging / "bin" / t) for t in TOOLS},
-        "cmake_flags": list(CMAKE_FLAGS),
-        "cpu": cpu_features().to_json(),
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        **extra,
-    })
+    write_build_info(
+        staging,
+        {
+            "llama_cpp_python": version,
+            "tools": {t: sha256_file_cached(staging / "bin" / t) for t in TOOLS},
+            "cmake_flags": list(CMAKE_FLAGS),
+            "cpu": cpu_features().to_json(),
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            **extra,
+        },
+    )
 
 
 def _move_into_place(staging: Path, final: Path) -> None:
@@ -182,7 +239,14 @@ def _move_into_place(staging: Path, final: Path) -> None:
     os.rename(staging, final)
 
 
-def build_tools(on_event: Sink = ignore, *, version: str | None = None, sdist: Path | None = None, jobs: int | None = None, force: bool = False) -> Path:
+def build_tools(
+    on_event: Sink = ignore,
+    *,
+    version: str | None = None,
+    sdist: Path | None = None,
+    jobs: int | None = None,
+    force: bool = False,
+) -> Path:
     """Build TOOLS for the installed llama-cpp-python version into the cache; returns the bin dir.
 
     Never rebuilds what is cached for this CPU (unless force); an entry built for another CPU is
@@ -202,7 +266,15 @@ def build_tools(on_event: Sink = ignore, *, version: str | None = None, sdist: P
         if state == "other cpu":
             recorded = read_build_info(final).get("cpu")
             built_for = recorded.get("key") if isinstance(recorded, dict) else "?"
-            sink(Event("rebuild", 0, 0, "steps", f"the cached tools were built for CPU {built_for}, this one is {cpu_features().key}: rebuilding"))
+            sink(
+                Event(
+                    "rebuild",
+                    0,
+                    0,
+                    "steps",
+                    f"the cached tools were built for CPU {built_for}, this one is {cpu_features().key}: rebuilding",
+                )
+            )
         sdist = sdist or fetch_sdist(version, sink)
         remove_dead_temps(final.parent, final.name.__eq__)
         staging = make_temp_dir(final)
@@ -217,5 +289,3 @@ def build_tools(on_event: Sink = ignore, *, version: str | None = None, sdist: P
         finally:
             shutil.rmtree(staging, ignore_errors=True)
     return final / "bin"
-
-

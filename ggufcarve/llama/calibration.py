@@ -65,20 +65,39 @@ class CalibrationFile:
     bytes: int
 
     def record(self, tokens: int) -> dict[str, Any]:
-        return {"kind": "calibration", "name": self.path.name, "sha256": self.sha256, "bytes": self.bytes, "documents": len(self.documents), "tokens": tokens}
+        return {
+            "kind": "calibration",
+            "name": self.path.name,
+            "sha256": self.sha256,
+            "bytes": self.bytes,
+            "documents": len(self.documents),
+            "tokens": tokens,
+        }
 
 
 def _document(record: Any, where: str) -> Document:
     if not isinstance(record, dict):
-        raise BadInput(f"{where}: not a JSON object", 'each line is {"text": ...}, {"prompt": ..., "response": ...} or {"messages": [...]}')
+        raise BadInput(
+            f"{where}: not a JSON object",
+            'each line is {"text": ...}, {"prompt": ..., "response": ...} or {"messages": [...]}',
+        )
     if isinstance(record.get("text"), str):
         return Document(text=record["text"])
     if isinstance(record.get("prompt"), str) and isinstance(record.get("response"), str):
         return Document(text=record["prompt"] + "\n" + record["response"])
     messages = record.get("messages")
-    if isinstance(messages, list) and messages and all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages):
+    if (
+        isinstance(messages, list)
+        and messages
+        and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages
+        )
+    ):
         return Document(messages=tuple((m["role"], m["content"]) for m in messages))
-    raise BadInput(f"{where}: no \"text\", \"prompt\" + \"response\" or \"messages\" (role/content) field", "give one of these per line")
+    raise BadInput(
+        f'{where}: no "text", "prompt" + "response" or "messages" (role/content) field', "give one of these per line"
+    )
 
 
 def read_calibration(paths: Sequence[Path]) -> list[CalibrationFile]:
@@ -133,7 +152,10 @@ def render_chat(llama_cpp: Any, template: bytes, messages: Sequence[tuple[str, s
         buffer = ctypes.create_string_buffer(size)
         n = llama_cpp.llama_chat_apply_template(template, array, len(messages), False, buffer, size)
         if n < 0:
-            raise BadInput("llama.cpp does not recognise the model's chat template", "give JSONL with \"text\" fields instead of \"messages\"")
+            raise BadInput(
+                "llama.cpp does not recognise the model's chat template",
+                'give JSONL with "text" fields instead of "messages"',
+            )
         if n <= size:
             return buffer.raw[:n].decode("utf-8", errors="replace")
         size = n + 1
@@ -151,7 +173,9 @@ def tokenize(llama_cpp: Any, vocab: Any, text: str) -> list[int]:
         size = -n
 
 
-def tokenize_files(llama_cpp: Any, model: Any, model_name: str, files: Sequence[Sequence[Document]]) -> tuple[list[int], list[int]]:
+def tokenize_files(
+    llama_cpp: Any, model: Any, model_name: str, files: Sequence[Sequence[Document]]
+) -> tuple[list[int], list[int]]:
     """Every document of every file tokenized and concatenated; also the token count of each
     file. "messages" go through the model's chat template."""
     vocab = llama_cpp.llama_model_get_vocab(model)
@@ -164,7 +188,10 @@ def tokenize_files(llama_cpp: Any, model: Any, model_name: str, files: Sequence[
             if doc.messages is not None:
                 template = template or llama_cpp.llama_model_chat_template(model, None)
                 if not template:
-                    raise BadInput(f"{model_name} has no chat template (tokenizer.chat_template) to render \"messages\"", "give JSONL with \"text\" or \"prompt\" + \"response\" fields")
+                    raise BadInput(
+                        f'{model_name} has no chat template (tokenizer.chat_template) to render "messages"',
+                        'give JSONL with "text" or "prompt" + "response" fields',
+                    )
                 text = render_chat(llama_cpp, template, doc.messages)
             else:
                 text = doc.text or ""
@@ -180,7 +207,9 @@ def check_chunking(ctx: int, max_tokens: int | None) -> None:
     if ctx < 2:
         raise BadInput(f"--ctx {ctx} is too small", "give a context of at least 2 tokens (llama-imatrix uses 512)")
     if max_tokens is not None and max_tokens < ctx:
-        raise BadInput(f"--max-tokens {max_tokens} is less than one --ctx chunk of {ctx}", "raise --max-tokens or lower --ctx")
+        raise BadInput(
+            f"--max-tokens {max_tokens} is less than one --ctx chunk of {ctx}", "raise --max-tokens or lower --ctx"
+        )
 
 
 def cut(tokens: Sequence[int], ctx: int) -> list[list[int]]:
@@ -214,7 +243,9 @@ class Batching:
     batch: int  # tokens per llama_decode call
     micro_batch: int
     cells: int = 0  # KV cells of the context; 0: sequences * ctx
-    swa_full: bool = False  # llama.cpp's common tools' setting (common_params.swa_full); True: llama_context_default_params'
+    swa_full: bool = (
+        False  # llama.cpp's common tools' setting (common_params.swa_full); True: llama_context_default_params'
+    )
 
     @classmethod
     def of(cls, ctx: int) -> Batching:
@@ -237,7 +268,21 @@ class Batching:
         for first in range(0, len(work), self.sequences):
             group = work[first : first + self.sequences]
             for j, start in enumerate(range(0, max(len(chunk) for chunk in group), self.batch)):
-                yield j == 0, [(int(chunk[start + k]), start + k, seq) for seq, chunk in enumerate(group) for k in range(min(len(chunk) - start, self.batch))]
+                yield (
+                    j == 0,
+                    [
+                        (int(chunk[start + k]), start + k, seq)
+                        for seq, chunk in enumerate(group)
+                        for k in range(min(len(chunk) - start, self.batch))
+                    ],
+                )
 
     def to_json(self) -> dict[str, Any]:
-        return {"ctx": self.ctx, "sequences": self.sequences, "batch": self.batch, "micro_batch": self.micro_batch, "cells": self.cells, "swa_full": self.swa_full}
+        return {
+            "ctx": self.ctx,
+            "sequences": self.sequences,
+            "batch": self.batch,
+            "micro_batch": self.micro_batch,
+            "cells": self.cells,
+            "swa_full": self.swa_full,
+        }

@@ -99,7 +99,7 @@ def parse(text: str) -> Progress | ChildError | None:
     """The protocol line `text` carries, or None for any other line."""
     if not text.startswith(PREFIX):
         return None
-    kind, _, payload = text[len(PREFIX):].partition(" ")
+    kind, _, payload = text[len(PREFIX) :].partition(" ")
     try:
         fields = json.loads(payload)
         if kind == PROGRESS:
@@ -133,16 +133,29 @@ def error_of(err: BaseException) -> tuple[ChildError, int] | None:
         return ChildError(FAILED, err.message, err.hint), EXIT_FAILED
     if isinstance(err, OSError):
         needed, free = (err.needed, err.free) if isinstance(err, ShortOfSpace) else (None, None)
-        return ChildError(OS, err.strerror or str(err), "", err.errno, err.strerror, None if err.filename is None else str(err.filename), needed, free), EXIT_OS_ERROR
+        return ChildError(
+            OS,
+            err.strerror or str(err),
+            "",
+            err.errno,
+            err.strerror,
+            None if err.filename is None else str(err.filename),
+            needed,
+            free,
+        ), EXIT_OS_ERROR
     return None
 
 
-def serve(request_type: type[ChildRequest], work: Callable[[Any, Path], None], argv: Sequence[str] | None = None) -> int:
+def serve(
+    request_type: type[ChildRequest], work: Callable[[Any, Path], None], argv: Sequence[str] | None = None
+) -> int:
     """The child's main: import the `--preload` modules, read the envelope on stdin,
     run `work(request, result_path)`; its BadInput, other CarveError and OSError become the error
     line. Returns the exit status."""
     parser = argparse.ArgumentParser(description=f"Run one {request_type.TASK} request (a JSON envelope on stdin).")
-    parser.add_argument("--preload", action="append", default=[], help="a module to import before the request arrives (repeatable)")
+    parser.add_argument(
+        "--preload", action="append", default=[], help="a module to import before the request arrives (repeatable)"
+    )
     args = parser.parse_args(argv)
     for module in args.preload:
         importlib.import_module(module)
@@ -151,7 +164,16 @@ def serve(request_type: type[ChildRequest], work: Callable[[Any, Path], None], a
         return 0
     envelope = json.loads(text)
     if envelope.get("task") != request_type.TASK:
-        _say(line(ERROR, ChildError(FAILED, f"this child serves {request_type.TASK} requests, not {envelope.get('task')!r}", "a ggufcarve bug: the parent started the wrong child")))
+        _say(
+            line(
+                ERROR,
+                ChildError(
+                    FAILED,
+                    f"this child serves {request_type.TASK} requests, not {envelope.get('task')!r}",
+                    "a ggufcarve bug: the parent started the wrong child",
+                ),
+            )
+        )
         return EXIT_FAILED
     try:
         work(request_type.from_json(envelope["request"]), Path(envelope["result"]))
@@ -238,7 +260,15 @@ def run(
             if on_line is not None:
                 on_line(text)
 
-    finished = launch.run(argv(module), started=adopt(module), input=envelope, on_line=watch, timeout=timeout, idle_timeout=idle_timeout, env=env)
+    finished = launch.run(
+        argv(module),
+        started=adopt(module),
+        input=envelope,
+        on_line=watch,
+        timeout=timeout,
+        idle_timeout=idle_timeout,
+        env=env,
+    )
     if errors:
         raise _carve_error(*errors[0], finished, what, hint, outputs or {})
     launch.check(replace(finished, tail=list(own)), what, hint)
@@ -247,17 +277,31 @@ def run(
     return read(result)
 
 
-def _carve_error(error: ChildError, before: list[str], finished: launch.Finished, what: str, hint: str, outputs: Mapping[str, tuple[Path, str]]) -> CarveError:
+def _carve_error(
+    error: ChildError,
+    before: list[str],
+    finished: launch.Finished,
+    what: str,
+    hint: str,
+    outputs: Mapping[str, tuple[Path, str]],
+) -> CarveError:
     if error.kind == INPUT:
         return BadInput(error.message, error.hint)
     if error.kind == OS:
         from ggufcarve.errors import OutputError
         from ggufcarve.fileio import write_failed
 
-        shown, elsewhere = outputs.get(error.filename or "", (Path(error.filename or "."), "set TMPDIR to a directory with more room"))
+        shown, elsewhere = outputs.get(
+            error.filename or "", (Path(error.filename or "."), "set TMPDIR to a directory with more room")
+        )
         if error.needed is not None and error.free is not None:
-            return OutputError(f"{shown.name} needs {error.needed / 2**20:.1f} MiB but {shown.parent} has {error.free / 2**20:.1f} MiB free",
-                               f"free disk space or {elsewhere}; nothing was written")
+            return OutputError(
+                f"{shown.name} needs {error.needed / 2**20:.1f} MiB but {shown.parent} has {error.free / 2**20:.1f} MiB free",
+                f"free disk space or {elsewhere}; nothing was written",
+            )
         return write_failed(OSError(error.errno, error.strerror or error.message), shown, elsewhere)
     last = " | ".join(text.strip() for text in before[-QUOTED_LINES:] if text.strip())
-    return ToolFailed(f"{what} {replace(finished, tail=[]).describe_failure()}: {error.message}" + (f" | {last}" if last else ""), error.hint or hint)
+    return ToolFailed(
+        f"{what} {replace(finished, tail=[]).describe_failure()}: {error.message}" + (f" | {last}" if last else ""),
+        error.hint or hint,
+    )

@@ -64,7 +64,12 @@ IDLE_TIMEOUT = 600.0  # one micro-batch of a large model on a slow CPU takes min
 #    pages in again each time. Fixed thresholds of 256 MiB keep them in the heap (measured on the
 #    demo model's calibration text: the statistics consumer's cost from about 0.4 s to 0.2 s of a
 #    1.6 s decode).
-DECODE_ENV = {"OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": str(256 << 20), "MALLOC_TRIM_THRESHOLD_": str(256 << 20)}
+DECODE_ENV = {
+    "OPENBLAS_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+    "MALLOC_MMAP_THRESHOLD_": str(256 << 20),
+    "MALLOC_TRIM_THRESHOLD_": str(256 << 20),
+}
 LLAMA_HINT = "the lines after it are llama.cpp's own; check that the model loads (ggufcarve inspect MODEL)"
 
 
@@ -80,7 +85,10 @@ class ConsumerSpec:
     def __post_init__(self) -> None:
         module, _, attribute = self.factory.partition(":")
         if not module.startswith("ggufcarve.") or not attribute.isidentifier() or not self.name or "/" in self.name:
-            raise BadInput(f"consumer {self.name!r}: factory {self.factory!r} is not a ggufcarve module:attribute", "name a factory such as ggufcarve.imatrix.collect:accumulator")
+            raise BadInput(
+                f"consumer {self.name!r}: factory {self.factory!r} is not a ggufcarve module:attribute",
+                "name a factory such as ggufcarve.imatrix.collect:accumulator",
+            )
 
     def load(self) -> Callable[..., Consumer]:
         module, _, attribute = self.factory.partition(":")
@@ -117,9 +125,15 @@ class DecodeRequest:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "model": self.model, "consumers": [{"name": c.name, "factory": c.factory, "options": c.options} for c in self.consumers],
-            "batching": self.batching.to_json(), "documents": [[d.to_json() for d in f] for f in self.documents], "tokens": list(self.tokens),
-            "max_tokens": self.max_tokens, "logits": self.logits, "threads": self.threads, "gpu_layers": self.gpu_layers,
+            "model": self.model,
+            "consumers": [{"name": c.name, "factory": c.factory, "options": c.options} for c in self.consumers],
+            "batching": self.batching.to_json(),
+            "documents": [[d.to_json() for d in f] for f in self.documents],
+            "tokens": list(self.tokens),
+            "max_tokens": self.max_tokens,
+            "logits": self.logits,
+            "threads": self.threads,
+            "gpu_layers": self.gpu_layers,
             "verbose": self.verbose,
         }
 
@@ -128,9 +142,16 @@ class DecodeRequest:
         from ggufcarve.llama.calibration import Batching, Document
 
         return cls(
-            doc["model"], tuple(ConsumerSpec(c["name"], c["factory"], dict(c["options"])) for c in doc["consumers"]), Batching(**doc["batching"]),
-            tuple(tuple(Document.from_json(d) for d in f) for f in doc["documents"]), tuple(int(t) for t in doc["tokens"]),
-            doc["max_tokens"], bool(doc["logits"]), int(doc["threads"]), int(doc["gpu_layers"]), bool(doc["verbose"]),
+            doc["model"],
+            tuple(ConsumerSpec(c["name"], c["factory"], dict(c["options"])) for c in doc["consumers"]),
+            Batching(**doc["batching"]),
+            tuple(tuple(Document.from_json(d) for d in f) for f in doc["documents"]),
+            tuple(int(t) for t in doc["tokens"]),
+            doc["max_tokens"],
+            bool(doc["logits"]),
+            int(doc["threads"]),
+            int(doc["gpu_layers"]),
+            bool(doc["verbose"]),
         )
 
 
@@ -190,6 +211,7 @@ class DecodeResult:
 # ---------------------------------------------------------------------------------------------
 # the parent
 
+
 def prestart(preload: Sequence[str] = ()) -> None:
     """Start a decode child now, importing the modules `preload` names, unless one waits already."""
     child.start(CHILD_MODULE, preload, env=DECODE_ENV)
@@ -222,12 +244,30 @@ def decode(
                 if array:
                     outputs[name][array] = data[key].copy()
             logits = data["logits"].copy() if "logits" in data.files else None
-            return DecodeResult(int(data["tokens"]), int(data["chunks"]), [int(n) for n in data["file_tokens"]], logits, outputs, time.monotonic() - started)
+            return DecodeResult(
+                int(data["tokens"]),
+                int(data["chunks"]),
+                [int(n) for n in data["file_tokens"]],
+                logits,
+                outputs,
+                time.monotonic() - started,
+            )
 
     with tempfile.TemporaryDirectory(prefix="ggufcarve-decode-") as tmp:
-        return child.run(CHILD_MODULE, request, Path(tmp) / "result.npz", read, what=f"{what}: the decode child",
-                         hint="its last lines are quoted; GGUFCARVE_DEBUG=1 keeps the traceback of an error in ggufcarve itself",
-                         sink=on_event, stages={TASK: stage}, on_line=on_line, timeout=timeout, idle_timeout=idle_timeout, env=DECODE_ENV)
+        return child.run(
+            CHILD_MODULE,
+            request,
+            Path(tmp) / "result.npz",
+            read,
+            what=f"{what}: the decode child",
+            hint="its last lines are quoted; GGUFCARVE_DEBUG=1 keeps the traceback of an error in ggufcarve itself",
+            sink=on_event,
+            stages={TASK: stage},
+            on_line=on_line,
+            timeout=timeout,
+            idle_timeout=idle_timeout,
+            env=DECODE_ENV,
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -239,7 +279,14 @@ def _child(request: DecodeRequest, out: Path) -> None:
     import numpy as np
 
     from ggufcarve.llama.calibration import chunks, cut, tokenize_files
-    from ggufcarve.llama.libllama import bindings, fill_batch, forward_warnings, load_model, traced_context, write_results
+    from ggufcarve.llama.libllama import (
+        bindings,
+        fill_batch,
+        forward_warnings,
+        load_model,
+        traced_context,
+        write_results,
+    )
 
     llama_cpp = bindings()
 
@@ -255,13 +302,25 @@ def _child(request: DecodeRequest, out: Path) -> None:
         tokens, file_tokens = tokenize_files(llama_cpp, lmodel, Path(request.model).name, request.documents)
         work = chunks(tokens, batching.ctx, bos, request.max_tokens)
         if not work:
-            raise BadInput(f"the calibration input tokenizes to {len(tokens)} tokens, fewer than one --ctx chunk of {batching.ctx}", "give more text or a smaller --ctx")
+            raise BadInput(
+                f"the calibration input tokenizes to {len(tokens)} tokens, fewer than one --ctx chunk of {batching.ctx}",
+                "give more text or a smaller --ctx",
+            )
     else:
         work = cut(request.tokens, batching.ctx)
     consumers = [spec.load()(request, **spec.options) for spec in request.consumers]
     callback = consumers[0] if len(consumers) == 1 else EvalDispatch(*consumers)  # no consumer: nothing observed
-    ctx = traced_context(llama_cpp, lmodel, n_ctx=batching.kv_cells, n_batch=batching.batch, n_ubatch=batching.micro_batch, threads=request.thread_count,
-                         eval_callback=callback, sequences=batching.sequences, swa_full=batching.swa_full)
+    ctx = traced_context(
+        llama_cpp,
+        lmodel,
+        n_ctx=batching.kv_cells,
+        n_batch=batching.batch,
+        n_ubatch=batching.micro_batch,
+        threads=request.thread_count,
+        eval_callback=callback,
+        sequences=batching.sequences,
+        swa_full=batching.swa_full,
+    )
     if not ctx:
         raise ToolFailed("llama.cpp could not create a context", LLAMA_HINT)
     total = sum(len(chunk) for chunk in work)
@@ -287,13 +346,20 @@ def _child(request: DecodeRequest, out: Path) -> None:
             consumer.decoded()
         errors = [e for consumer in consumers for e in consumer.errors]
         if errors:
-            raise ToolFailed("the eval callback failed: " + "; ".join(errors[:5]), "a ggufcarve bug in a consumer of the decode; GGUFCARVE_DEBUG=1 shows more")
+            raise ToolFailed(
+                "the eval callback failed: " + "; ".join(errors[:5]),
+                "a ggufcarve bug in a consumer of the decode; GGUFCARVE_DEBUG=1 shows more",
+            )
         done += len(entries)
         child.progress(TASK, done, total, "tokens")
     llama_cpp.llama_batch_free(batch)
     llama_cpp.llama_free(ctx)
     llama_cpp.llama_model_free(lmodel)
-    arrays: dict[str, Any] = {"tokens": np.asarray(total), "chunks": np.asarray(len(work)), "file_tokens": np.asarray(file_tokens, dtype=np.int64)}
+    arrays: dict[str, Any] = {
+        "tokens": np.asarray(total),
+        "chunks": np.asarray(len(work)),
+        "file_tokens": np.asarray(file_tokens, dtype=np.int64),
+    }
     if logits is not None:
         arrays["logits"] = logits
     for spec, consumer in zip(request.consumers, consumers):

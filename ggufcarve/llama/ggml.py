@@ -105,7 +105,9 @@ def _force_copy() -> bool:
 
 def in_host_memory(t: GgmlTensor) -> bool:
     """Whether a graph tensor can be read and written in place (a host buffer), unless GGUFCARVE_TENSOR_COPY=1."""
-    return bool(t.buffer) and not _force_copy() and bool(libggml().ggml_backend_buffer_is_host(ctypes.c_void_p(t.buffer)))
+    return (
+        bool(t.buffer) and not _force_copy() and bool(libggml().ggml_backend_buffer_is_host(ctypes.c_void_p(t.buffer)))
+    )
 
 
 def copy_out(address: int, span: int) -> ctypes.Array:

@@ -67,7 +67,9 @@ except OSError as err:
 
 # Run instead of `python -m MODULE ARGS` by a Python without -P (3.10): `-m` puts the working
 # directory first on sys.path, where a directory named ggufcarve would shadow the installed package.
-SAFE_PATH_STUB = "import runpy, sys; del sys.path[0]; runpy.run_module(sys.argv.pop(1), run_name='__main__', alter_sys=True)"
+SAFE_PATH_STUB = (
+    "import runpy, sys; del sys.path[0]; runpy.run_module(sys.argv.pop(1), run_name='__main__', alter_sys=True)"
+)
 
 _running: dict[int, subprocess.Popen[bytes]] = {}  # every child of a `run` in progress, by pid
 _stopped_by: list[int] = []  # the signal `stop_all` was called for; no child runs after it
@@ -141,7 +143,10 @@ def guarded(args: list[str]) -> list[str]:
     when there is no such program."""
     program = shutil.which(args[0])
     if program is None:
-        raise ToolMissing(f"cannot run {Path(args[0]).name}: no such program, or it is not executable", "check the path (ggufcarve toolchain show)")
+        raise ToolMissing(
+            f"cannot run {Path(args[0]).name}: no such program, or it is not executable",
+            "check the path (ggufcarve toolchain show)",
+        )
     if not sys.platform.startswith("linux"):
         return args
     return [sys.executable, "-S", "-c", ORPHAN_GUARD, str(os.getpid()), program, *args]
@@ -159,7 +164,9 @@ def isolated(args: list[str]) -> list[str]:
     return args
 
 
-def _spawn(args: list[str], cwd: str | os.PathLike[str] | None, env: Mapping[str, str] | None, stdin: int) -> subprocess.Popen[bytes]:
+def _spawn(
+    args: list[str], cwd: str | os.PathLike[str] | None, env: Mapping[str, str] | None, stdin: int
+) -> subprocess.Popen[bytes]:
     """Popen in a session of its own, registered in `_running`; safe against a stop signal meanwhile."""
     _check_stopped()
     command = guarded(isolated(args))
@@ -167,12 +174,22 @@ def _spawn(args: list[str], cwd: str | os.PathLike[str] | None, env: Mapping[str
     if in_main:
         _main_starting[0] = True
     try:
-        proc = subprocess.Popen(command, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=cwd, env=child_env(env), start_new_session=True)
+        proc = subprocess.Popen(
+            command,
+            stdin=stdin,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            cwd=cwd,
+            env=child_env(env),
+            start_new_session=True,
+        )
         _running[proc.pid] = proc
     except BaseException as err:
         _check_stopped()
         if isinstance(err, OSError):
-            raise ToolMissing(f"cannot run {Path(args[0]).name}: {err.strerror or err}", "check the path (ggufcarve toolchain show)") from None
+            raise ToolMissing(
+                f"cannot run {Path(args[0]).name}: {err.strerror or err}", "check the path (ggufcarve toolchain show)"
+            ) from None
         raise
     finally:
         if in_main:
@@ -186,7 +203,12 @@ def _spawn(args: list[str], cwd: str | os.PathLike[str] | None, env: Mapping[str
     return proc
 
 
-def start(argv: Sequence[str | os.PathLike[str]], *, cwd: str | os.PathLike[str] | None = None, env: Mapping[str, str] | None = None) -> Started:
+def start(
+    argv: Sequence[str | os.PathLike[str]],
+    *,
+    cwd: str | os.PathLike[str] | None = None,
+    env: Mapping[str, str] | None = None,
+) -> Started:
     """Start a child now, with a pipe as its stdin, for a later `run(..., started=, input=)` to
     feed and follow: its start-up (interpreter, imports) overlaps the caller's own work. A child
     that is never run reads end-of-file when this process exits."""

@@ -90,8 +90,18 @@ def load_model(llama_cpp: Any, path: str, gpu_layers: int = 0) -> Any:
     return llama_cpp.llama_model_load_from_file(path.encode(), params)
 
 
-def traced_context(llama_cpp: Any, model: Any, *, n_ctx: int, n_batch: int, n_ubatch: int, threads: int, eval_callback: Any,
-                   sequences: int = 1, swa_full: bool = True) -> Any:
+def traced_context(
+    llama_cpp: Any,
+    model: Any,
+    *,
+    n_ctx: int,
+    n_batch: int,
+    n_ubatch: int,
+    threads: int,
+    eval_callback: Any,
+    sequences: int = 1,
+    swa_full: bool = True,
+) -> Any:
     """A context of `model` whose graph scheduler calls `eval_callback`
     (ggml_backend_sched_eval_callback: (tensor, ask, user data) -> bool); warm-up off, since a
     warm-up decode routes every token to every expert. `n_ctx` KV cells in all for `sequences`

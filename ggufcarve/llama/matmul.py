@@ -152,7 +152,11 @@ class ExpertProducts:
             indexes = [i for i, p in enumerate(products) if len(p.x)]
             for i, p, result in zip(indexes, live, results):
                 data = GgmlTensor.from_address(result).data  # [rows, 1, T]: the outputs of row t contiguous
-                outs[i] = np.ctypeslib.as_array((ctypes.c_float * (len(p.x) * p.rows)).from_address(data)).reshape(len(p.x), p.rows).copy()
+                outs[i] = (
+                    np.ctypeslib.as_array((ctypes.c_float * (len(p.x) * p.rows)).from_address(data))
+                    .reshape(len(p.x), p.rows)
+                    .copy()
+                )
             return outs
         finally:
             lib.ggml_free(ctx)

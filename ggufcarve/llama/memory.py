@@ -46,7 +46,9 @@ FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}  # enum llama_flash_attn_type
 CACHE_LINE = re.compile(r"^(?:llama_kv_cache|llama_memory_recurrent): size = +(?P<mib>[\d.]+) MiB")
 COMPUTE_LINE = re.compile(r"(?P<buffer>\S+) compute buffer size = +(?P<mib>[\d.]+) MiB")
 OUTPUT_LINE = re.compile(r"(?P<buffer>\S+) +output buffer size = +(?P<mib>[\d.]+) MiB")
-OVERRIDE_LINE = re.compile(r"^tensor (?P<tensor>\S+) \(.*\) buffer type overridden to (?P<buffer>\S+)")  # src/llama-model-loader.cpp, debug level
+OVERRIDE_LINE = re.compile(
+    r"^tensor (?P<tensor>\S+) \(.*\) buffer type overridden to (?P<buffer>\S+)"
+)  # src/llama-model-loader.cpp, debug level
 GPU_DEVICE_TYPES = (1, 2)  # enum ggml_backend_dev_type: GPU, IGPU
 HOST = "host"
 
@@ -75,15 +77,24 @@ class DeviceMemory:
     cache: int
     compute: int
     output: int
-    estimated: tuple[str, ...] = ()  # the figures not measured by llama.cpp here (with the reason in the caller's memory_source)
+    estimated: tuple[
+        str, ...
+    ] = ()  # the figures not measured by llama.cpp here (with the reason in the caller's memory_source)
 
     @property
     def total(self) -> int:
         return self.weights + self.cache + self.compute + self.output
 
     def to_json(self) -> dict[str, Any]:
-        return {"device": self.device, "weights": self.weights, "cache": self.cache, "compute": self.compute, "output": self.output, "total": self.total,
-                **({"estimated": list(self.estimated)} if self.estimated else {})}
+        return {
+            "device": self.device,
+            "weights": self.weights,
+            "cache": self.cache,
+            "compute": self.compute,
+            "output": self.output,
+            "total": self.total,
+            **({"estimated": list(self.estimated)} if self.estimated else {}),
+        }
 
 
 @dataclass
@@ -100,7 +111,11 @@ class Request:
     @classmethod
     def from_json(cls, doc: dict[str, Any]) -> Request:
         settings = doc["settings"]
-        return cls(doc["model"], doc["result_out"], MemorySettings(**{**settings, "cpu_tensors": tuple(settings.get("cpu_tensors", ()))}))
+        return cls(
+            doc["model"],
+            doc["result_out"],
+            MemorySettings(**{**settings, "cpu_tensors": tuple(settings.get("cpu_tensors", ()))}),
+        )
 
 
 def parse_log(lines: list[str]) -> dict[str, Any]:
@@ -156,7 +171,10 @@ def _dry_load(request: Request, out: Path) -> None:
     llama_cpp.llama_log_set(callback, ctypes.c_void_p(0))
     settings = request.settings
     if settings.kv_type.upper() not in KV_TYPES or settings.flash_attn not in FLASH_ATTN:
-        raise BadInput(f"cache type {settings.kv_type!r} / flash attention {settings.flash_attn!r}", "give f16 or q8_0, and auto, on or off")
+        raise BadInput(
+            f"cache type {settings.kv_type!r} / flash attention {settings.flash_attn!r}",
+            "give f16 or q8_0, and auto, on or off",
+        )
     llama_cpp.llama_backend_init()
     params = llama_cpp.llama_model_default_params()
     params.n_gpu_layers = settings.gpu_layers
@@ -167,7 +185,10 @@ def _dry_load(request: Request, out: Path) -> None:
     params.load_mode = 0  # LLAMA_LOAD_MODE_NONE: nothing mapped, as common/fit.cpp
     model = llama_cpp.llama_model_load_from_file(request.model.encode(), params)
     if not model:
-        raise ToolFailed(f"{Path(request.model).name}: llama.cpp could not read the model for a dry load", " | ".join(s.strip() for s in lines[-3:]))
+        raise ToolFailed(
+            f"{Path(request.model).name}: llama.cpp could not read the model for a dry load",
+            " | ".join(s.strip() for s in lines[-3:]),
+        )
     cparams = llama_cpp.llama_context_default_params()
     cparams.n_ctx = settings.n_ctx
     cparams.n_batch = settings.n_batch
@@ -175,16 +196,24 @@ def _dry_load(request: Request, out: Path) -> None:
     cparams.n_seq_max = settings.n_seq
     cparams.type_k = cparams.type_v = KV_TYPES[settings.kv_type.upper()]
     cparams.flash_attn_type = FLASH_ATTN[settings.flash_attn]
-    cparams.swa_full = settings.swa_full  # llama.cpp's tools' default is False (common_params.swa_full), libllama's own True
+    cparams.swa_full = (
+        settings.swa_full
+    )  # llama.cpp's tools' default is False (common_params.swa_full), libllama's own True
     cparams.kv_unified = False
     ctx = llama_cpp.llama_init_from_model(model, cparams)
     if not ctx:
-        raise BadInput(f"{Path(request.model).name}: llama.cpp refuses a context of {settings.n_ctx} tokens with a {settings.kv_type} cache "
-                       f"(flash attention {settings.flash_attn})", " | ".join(s.strip() for s in lines[-2:] if s.strip()) or "a quantized V cache needs flash attention")
+        raise BadInput(
+            f"{Path(request.model).name}: llama.cpp refuses a context of {settings.n_ctx} tokens with a {settings.kv_type} cache "
+            f"(flash attention {settings.flash_attn})",
+            " | ".join(s.strip() for s in lines[-2:] if s.strip()) or "a quantized V cache needs flash attention",
+        )
     figures = parse_log(lines)
     missing = [key for key in ("compute", "output") if key not in figures]
     if missing:
-        raise ToolFailed(f"{Path(request.model).name}: llama.cpp's dry load logged no {' and no '.join(missing)} buffer size", "a llama.cpp whose log lines ggufcarve does not know")
+        raise ToolFailed(
+            f"{Path(request.model).name}: llama.cpp's dry load logged no {' and no '.join(missing)} buffer size",
+            "a llama.cpp whose log lines ggufcarve does not know",
+        )
     figures["gpu_devices"] = gpu_devices()
     temp = out.with_name(out.name + f".{os.getpid()}.tmp")
     temp.write_text(json.dumps(figures))
@@ -264,11 +293,22 @@ def dry_load(path: Path, settings: MemorySettings) -> DryLoad:
     with tempfile.TemporaryDirectory(prefix="ggufcarve-memory-") as tmp:
         result = Path(tmp) / "memory.json"
         request = Request(str(path), str(result), settings)
-        figures = child.run(CHILD_MODULE, request, result, lambda p: json.loads(p.read_text()), what=f"measuring the memory of {path.name}",
-                            hint="the last lines are llama.cpp's own; check that the model loads (ggufcarve inspect MODEL)", timeout=600)
-    return DryLoad(round(figures.get("cache", 0.0) * MIB), {k: round(v * MIB) for k, v in figures["compute"].items()},
-                   {k: round(v * MIB) for k, v in figures["output"].items()}, tuple(figures.get("gpu_devices", ())),
-                   dict(figures.get("overridden", {})))
+        figures = child.run(
+            CHILD_MODULE,
+            request,
+            result,
+            lambda p: json.loads(p.read_text()),
+            what=f"measuring the memory of {path.name}",
+            hint="the last lines are llama.cpp's own; check that the model loads (ggufcarve inspect MODEL)",
+            timeout=600,
+        )
+    return DryLoad(
+        round(figures.get("cache", 0.0) * MIB),
+        {k: round(v * MIB) for k, v in figures["compute"].items()},
+        {k: round(v * MIB) for k, v in figures["output"].items()},
+        tuple(figures.get("gpu_devices", ())),
+        dict(figures.get("overridden", {})),
+    )
 
 
 def measure_memory(path: Path, settings: MemorySettings, *, weights: int | None = None) -> DeviceMemory:
@@ -277,7 +317,13 @@ def measure_memory(path: Path, settings: MemorySettings, *, weights: int | None 
     its own dry load; `weights`: the bytes of the weights as placed when they differ from the file's (a rung
     not yet written: fit's size of its tensors)."""
     load = dry_load(path, settings)
-    return DeviceMemory(HOST, weight_bytes(path) if weights is None else weights, load.cache, load.on(HOST, load.compute), load.on(HOST, load.output))
+    return DeviceMemory(
+        HOST,
+        weight_bytes(path) if weights is None else weights,
+        load.cache,
+        load.on(HOST, load.compute),
+        load.on(HOST, load.output),
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -64,7 +64,9 @@ def main(argv: list[str]) -> int:
             params.pure = True
         elif flag == "--dry-run":
             params.dry_run = True
-        elif flag in ("--imatrix", "--output-tensor-type", "--token-embedding-type", "--tensor-type") and i + 1 < len(argv):
+        elif flag in ("--imatrix", "--output-tensor-type", "--token-embedding-type", "--tensor-type") and i + 1 < len(
+            argv
+        ):
             i += 1
             value = argv[i]
             if flag == "--imatrix":
@@ -145,12 +147,22 @@ def main(argv: list[str]) -> int:
         keep_alive.append(tts)
         params.tt_overrides = ctypes.cast(tts, ctypes.POINTER(llama_cpp.llama_model_tensor_override))
 
-    llama_cpp.llama_log_set(llama_cpp.llama_log_callback(), ctypes.c_void_p(0))  # a NULL callback: llama.cpp logs to stderr
+    llama_cpp.llama_log_set(
+        llama_cpp.llama_log_callback(), ctypes.c_void_p(0)
+    )  # a NULL callback: llama.cpp logs to stderr
     llama_cpp.llama_backend_init()
-    print(f"ggufcarve libllama backend: llama-cpp-python {llama_cpp.__version__}, {'dry run of' if params.dry_run else 'quantizing'} '{source}' as {ftype_name.upper()}", file=sys.stderr, flush=True)
+    print(
+        f"ggufcarve libllama backend: llama-cpp-python {llama_cpp.__version__}, {'dry run of' if params.dry_run else 'quantizing'} '{source}' as {ftype_name.upper()}",
+        file=sys.stderr,
+        flush=True,
+    )
     rc = llama_cpp.llama_model_quantize(source.encode(), output.encode(), ctypes.byref(params))
     if rc != 0:
-        print(f"main: failed to quantize model from '{source}' (llama_model_quantize returned {rc})", file=sys.stderr, flush=True)
+        print(
+            f"main: failed to quantize model from '{source}' (llama_model_quantize returned {rc})",
+            file=sys.stderr,
+            flush=True,
+        )
         return 1
     return 0
 

@@ -43,7 +43,13 @@ from ggufcarve.llama import launch
 TOOLS = ("llama-quantize", "llama-imatrix", "llama-perplexity", "llama-gguf-split", "llama-bench", "llama-fit-params")
 ENV_LLAMA_CPP = "GGUFCARVE_LLAMA_CPP"
 # The cmake flags of llama.cpp's own static CPU build, without network or server code.
-CMAKE_FLAGS = ("-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF", "-DBUILD_SHARED_LIBS=OFF")
+CMAKE_FLAGS = (
+    "-DCMAKE_BUILD_TYPE=Release",
+    "-DLLAMA_CURL=OFF",
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_SERVER=OFF",
+    "-DBUILD_SHARED_LIBS=OFF",
+)
 PROBE_TIMEOUT = 30.0
 BUILD_INFO = "build-info.json"
 CPUINFO = Path("/proc/cpuinfo")
@@ -57,7 +63,15 @@ X86_EXTENSION = re.compile(
 X86_MACHINES = ("x86_64", "amd64", "i386", "i686")
 
 # Strings only ik_llama.cpp's llama-quantize usage text contains (its extra quant types and flags).
-IK_MARKERS = ("--custom-q", "--ignore-imatrix-rules", "--attn-q-type", "IQ4_KS", "IQ2_KT", "IQ3_K ", "Custom Quant Scheme")
+IK_MARKERS = (
+    "--custom-q",
+    "--ignore-imatrix-rules",
+    "--attn-q-type",
+    "IQ4_KS",
+    "IQ2_KT",
+    "IQ3_K ",
+    "Custom Quant Scheme",
+)
 # "version: 0.5.0-dev (build 1, commit 0c1e570)"  (current common/build-info)
 VERSION_LINE = re.compile(r"version:\s*(?P<version>\S+)\s*\(build (?P<build>-?\d+), commit (?P<commit>[^)\s]+)\)")
 # "version: 1234 (abcdef0)" and "main: build = 1234 (abcdef0)"  (older builds, ik_llama.cpp)
@@ -186,7 +200,7 @@ def built_for_this_cpu(directory: Path) -> bool:
 
 
 def cache_state(directory: Path) -> str:
-    """"ready" (all tools, built for this CPU), "missing" (not all tools) or "other cpu"."""
+    """ "ready" (all tools, built for this CPU), "missing" (not all tools) or "other cpu"."""
     if not all(_is_executable(directory / "bin" / t) for t in TOOLS):
         return "missing"
     return "ready" if built_for_this_cpu(directory) else "other cpu"
@@ -233,7 +247,8 @@ def require_tool(name: str, llama_cpp_dir: str | os.PathLike[str] | None = None)
         other_cpu = cache_state(cache_dir()) == "other cpu"
         raise ToolMissing(
             f"{name} not found (looked in --llama-cpp/{ENV_LLAMA_CPP}, PATH and {cache_bin_dir()}"
-            + (", whose tools were built for another CPU" if other_cpu else "") + ")",
+            + (", whose tools were built for another CPU" if other_cpu else "")
+            + ")",
             "run `ggufcarve toolchain build` (about 10-13 minutes on 2 cores), or pass --llama-cpp DIR",
         )
     return path
@@ -241,6 +256,7 @@ def require_tool(name: str, llama_cpp_dir: str | os.PathLike[str] | None = None)
 
 # ---------------------------------------------------------------------------------------------
 # Probing
+
 
 @dataclass(frozen=True)
 class ToolInfo:
@@ -310,7 +326,19 @@ def probe_tool(path: Path, name: str | None = None, origin: str = "") -> ToolInf
         works = "usage" in usage.lower()
         text += usage
     flavour = "ik_llama.cpp" if "ik_llama" in text else "llama.cpp"
-    return ToolInfo(name, str(path), origin, sha, version, build, commit, flavour, works, (), "" if works else f"--version exited {code}")
+    return ToolInfo(
+        name,
+        str(path),
+        origin,
+        sha,
+        version,
+        build,
+        commit,
+        flavour,
+        works,
+        (),
+        "" if works else f"--version exited {code}",
+    )
 
 
 @dataclass(frozen=True)
@@ -364,5 +392,3 @@ def show_toolchain(llama_cpp_dir: str | os.PathLike[str] | None = None) -> Toolc
     except ToolMissing:
         version, bin_dir, state = None, str(cache_root() / "llama.cpp-?" / "bin"), "missing"
     return Toolchain(tools, bin_dir, state, cpu_features(), version, libllama_info())
-
-

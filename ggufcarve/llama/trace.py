@@ -145,7 +145,11 @@ class GraphTracer:
 
     def arrays(self) -> dict[str, np.ndarray]:
         """Every captured node and block as "<node>:<block>", micro-batches concatenated along the tokens."""
-        return {f"{node}:{block}": np.concatenate(parts, axis=0) for node, blocks in self.captured.items() for block, parts in sorted(blocks.items())}
+        return {
+            f"{node}:{block}": np.concatenate(parts, axis=0)
+            for node, blocks in self.captured.items()
+            for block, parts in sorted(blocks.items())
+        }
 
 
 def capture(_request: DecodeRequest, nodes: Sequence[str]) -> GraphTracer:
@@ -198,13 +202,32 @@ def trace_routing(
     context = min(context or len(tokens), len(tokens))
     wanted = sorted(frozenset(nodes))
     GraphTracer(frozenset(wanted))  # validates the node names before a child is started
-    request = DecodeRequest(os.fspath(model), (ConsumerSpec("nodes", "ggufcarve.llama.trace:capture", {"nodes": wanted}),), Batching.single(context, min(batch or DEFAULT_BATCH, context)),
-                            tokens=tuple(tokens), logits=logits, threads=threads or 0, gpu_layers=gpu_layers, verbose=verbose)
-    result = decode(request, what=f"tracing {Path(model).name}", stage="trace", on_event=on_event, on_line=on_line, timeout=timeout, idle_timeout=idle_timeout)
+    request = DecodeRequest(
+        os.fspath(model),
+        (ConsumerSpec("nodes", "ggufcarve.llama.trace:capture", {"nodes": wanted}),),
+        Batching.single(context, min(batch or DEFAULT_BATCH, context)),
+        tokens=tuple(tokens),
+        logits=logits,
+        threads=threads or 0,
+        gpu_layers=gpu_layers,
+        verbose=verbose,
+    )
+    result = decode(
+        request,
+        what=f"tracing {Path(model).name}",
+        stage="trace",
+        on_event=on_event,
+        on_line=on_line,
+        timeout=timeout,
+        idle_timeout=idle_timeout,
+    )
     captured: dict[str, dict[int, np.ndarray]] = {}
     for key, array in result.outputs["nodes"].items():
         node, _, block = key.partition(":")
         if array.shape[0] != len(tokens):
-            raise ToolFailed(f"tracing {Path(model).name}: {node}-{block} holds {array.shape[0]} tokens, expected {len(tokens)}", "the graph of this architecture decodes some tokens twice or not at all")
+            raise ToolFailed(
+                f"tracing {Path(model).name}: {node}-{block} holds {array.shape[0]} tokens, expected {len(tokens)}",
+                "the graph of this architecture decodes some tokens twice or not at all",
+            )
         captured.setdefault(node, {})[int(block)] = array
     return Trace(len(tokens), result.logits, {node: dict(sorted(blocks.items())) for node, blocks in captured.items()})

@@ -35,7 +35,10 @@ def _measure(request: Request, out: Path) -> None:
     references = [kld.open_reference(Path(p)) for p in request.references]
     n_ctx = {r.n_ctx for r in references}
     if len(n_ctx) != 1:
-        raise BadInput(f"the references were scored at different chunk sizes ({', '.join(map(str, sorted(n_ctx)))})", "score every held-out file at one --chunk-ctx")
+        raise BadInput(
+            f"the references were scored at different chunk sizes ({', '.join(map(str, sorted(n_ctx)))})",
+            "score every held-out file at one --chunk-ctx",
+        )
     n_ctx_value = n_ctx.pop()
     result: dict = {"jobs": {}}
     try:
@@ -45,8 +48,10 @@ def _measure(request: Request, out: Path) -> None:
         result["n_vocab"] = engine.n_vocab
         for ref in references:
             if ref.n_vocab != engine.n_vocab:
-                raise BadInput(f"{Path(request.model).name}: the reference has a vocabulary of {ref.n_vocab} tokens, this model {engine.n_vocab}",
-                               "compare models of the reference's family")
+                raise BadInput(
+                    f"{Path(request.model).name}: the reference has a vocabulary of {ref.n_vocab} tokens, this model {engine.n_vocab}",
+                    "compare models of the reference's family",
+                )
         n_seq = max(1, PERPLEXITY_BATCH // n_ctx_value)
         masking = any(job.keep is not None for job in request.jobs)
         mask = RoutingMask() if masking else None
@@ -66,27 +71,45 @@ def _measure(request: Request, out: Path) -> None:
                         ref = references[segment]
                         chunking = ref.chunking
                         if first < 0 or count < 1 or first + count > chunking.n_chunk or count > n_seq:
-                            raise BadInput(f"unit {first}+{count} of held-out file {segment}: outside its {chunking.n_chunk} chunks", "a ggufcarve bug")
+                            raise BadInput(
+                                f"unit {first}+{count} of held-out file {segment}: outside its {chunking.n_chunk} chunks",
+                                "a ggufcarve bug",
+                            )
                         indices = range(first, first + count)
-                        logits = context.chunk_logits([chunk_tokens(ref.tokens, chunking, i, engine.add_bos, engine.bos) for i in indices], chunking.first)
+                        logits = context.chunk_logits(
+                            [chunk_tokens(ref.tokens, chunking, i, engine.add_bos, engine.bos) for i in indices],
+                            chunking.first,
+                        )
                         if mask is not None and mask.errors:
-                            raise ToolFailed(f"the routing mask failed: {mask.errors[0]}", "this architecture cannot be masked: score keep-sets by pruning files")
+                            raise ToolFailed(
+                                f"the routing mask failed: {mask.errors[0]}",
+                                "this architecture cannot be masked: score keep-sets by pruning files",
+                            )
                         for index, rows in zip(indices, logits):
                             rows = rows[: chunking.scored_per_chunk]
                             targets = scored_targets(ref.tokens, chunking, index)
                             records = ref.chunk(files[segment], index)
-                            table = kld.compare_topk(rows, targets, records) if ref.kind == "topk" else kld.compare_base(rows, targets, records)
+                            table = (
+                                kld.compare_topk(rows, targets, records)
+                                if ref.kind == "topk"
+                                else kld.compare_base(rows, targets, records)
+                            )
                             table_file.write(np.ascontiguousarray(table, dtype="<f8").tobytes())
                             done += 1
                             child.progress(CHUNK_TASK, done, total, "chunks")
-                result["jobs"][job.id] = {"masked": sorted(mask.masked) if mask is not None else [], "seconds": time.perf_counter() - job_started}
+                result["jobs"][job.id] = {
+                    "masked": sorted(mask.masked) if mask is not None else [],
+                    "seconds": time.perf_counter() - job_started,
+                }
         finally:
             context.close()
             for f in files:
                 f.close()
         engine.close()
     except EngineError as err:
-        raise ToolFailed(f"{Path(request.model).name}: {err}", "check that llama.cpp loads the model (ggufcarve inspect)") from None
+        raise ToolFailed(
+            f"{Path(request.model).name}: {err}", "check that llama.cpp loads the model (ggufcarve inspect)"
+        ) from None
     temp = out.with_name(out.name + f".{os.getpid()}.tmp")
     temp.write_text(json.dumps(result, sort_keys=True))
     os.replace(temp, out)

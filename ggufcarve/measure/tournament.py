@@ -44,7 +44,15 @@ from ggufcarve.errors import BadInput
 from ggufcarve.evaluate.kld import TOKEN_COLUMNS
 from ggufcarve.evaluate.tables import chunks_per_unit
 from ggufcarve.events import Sink, ignore
-from ggufcarve.measure.statistics import DEFAULT_Z, METRICS, Choice, PairedDifference, choose_answer, metric_column, paired_difference
+from ggufcarve.measure.statistics import (
+    DEFAULT_Z,
+    METRICS,
+    Choice,
+    PairedDifference,
+    choose_answer,
+    metric_column,
+    paired_difference,
+)
 
 
 @dataclass(frozen=True)
@@ -119,7 +127,10 @@ def spread_units(segments: Sequence[Segment], n_seq: int) -> list[tuple[int, int
     """The units of every held-out file (module docstring), the files taken in turn."""
     per_file = []
     for number, segment in enumerate(segments):
-        groups = [(number, g * n_seq, min(n_seq, segment.n_chunk - g * n_seq)) for g in range(math.ceil(segment.n_chunk / n_seq))]
+        groups = [
+            (number, g * n_seq, min(n_seq, segment.n_chunk - g * n_seq))
+            for g in range(math.ceil(segment.n_chunk / n_seq))
+        ]
         per_file.append([groups[i] for i in spread_order(len(groups))])
     out = []
     for position in range(max((len(p) for p in per_file), default=0)):
@@ -147,11 +158,28 @@ def _statistics(table: np.ndarray, names: list[str], per_segment: list[np.ndarra
     from ggufcarve.evaluate.kld import kld_statistics, segment_statistics
 
     if len(table) < 2:
-        return {"kld_mean": None, "kld_mean_stderr": None, "kld_p999": None, "same_top_p": None, "ppl": None, "ppl_reference": None, "tokens": len(table)}
+        return {
+            "kld_mean": None,
+            "kld_mean_stderr": None,
+            "kld_p999": None,
+            "same_top_p": None,
+            "ppl": None,
+            "ppl_reference": None,
+            "tokens": len(table),
+        }
     stats = kld_statistics(table)
-    out = {"kld_mean": stats.kld_mean, "kld_mean_stderr": stats.kld_mean_stderr, "kld_p999": stats.kld["p999"], "kld_p99": stats.kld["p99"],
-           "same_top_p": stats.same_top_p, "ppl": stats.ppl, "ppl_stderr": stats.ppl_stderr, "ppl_reference": stats.ppl_base, "rms_dp": stats.rms_dp,
-           "tokens": stats.count}
+    out = {
+        "kld_mean": stats.kld_mean,
+        "kld_mean_stderr": stats.kld_mean_stderr,
+        "kld_p999": stats.kld["p999"],
+        "kld_p99": stats.kld["p99"],
+        "same_top_p": stats.same_top_p,
+        "ppl": stats.ppl,
+        "ppl_stderr": stats.ppl_stderr,
+        "ppl_reference": stats.ppl_base,
+        "rms_dp": stats.rms_dp,
+        "tokens": stats.count,
+    }
     if names:
         out["segments"] = [segment_statistics(name, t) for name, t in zip(names, per_segment)]
     return out
@@ -165,11 +193,25 @@ def metric_value(record: Mapping[str, Any], metric: str) -> float:
 class _Scorer:
     """Scores (candidate, unit) pairs: from the table cache, else by one child per model file."""
 
-    def __init__(self, candidates: Mapping[str, Candidate], segments: Sequence[Segment], units: Sequence[tuple[int, int, int]],
-                 settings: MeasureSettings, work: Path, on_event: Sink,
-                 score_unit: Callable[[Candidate, tuple[int, int, int]], np.ndarray] | None = None) -> None:
+    def __init__(
+        self,
+        candidates: Mapping[str, Candidate],
+        segments: Sequence[Segment],
+        units: Sequence[tuple[int, int, int]],
+        settings: MeasureSettings,
+        work: Path,
+        on_event: Sink,
+        score_unit: Callable[[Candidate, tuple[int, int, int]], np.ndarray] | None = None,
+    ) -> None:
         self.score_unit = score_unit
-        self.candidates, self.segments, self.units, self.settings, self.work, self.on_event = candidates, segments, units, settings, work, on_event
+        self.candidates, self.segments, self.units, self.settings, self.work, self.on_event = (
+            candidates,
+            segments,
+            units,
+            settings,
+            work,
+            on_event,
+        )
         self.tables: dict[str, list[np.ndarray]] = {cid: [] for cid in candidates}
         self.model_keys: dict[Path, str] = {}
         self.decoded = self.cached = 0
@@ -186,8 +228,16 @@ class _Scorer:
 
         c = self.candidates[cid]
         segment, first, count = self.units[unit]
-        return unit_key(self._model_key(c.model), c.keep, self.segments[segment].identity, self.segments[segment].n_ctx, first, count, self.settings.threads,
-                        self.settings.gpu_layers)
+        return unit_key(
+            self._model_key(c.model),
+            c.keep,
+            self.segments[segment].identity,
+            self.segments[segment].n_ctx,
+            first,
+            count,
+            self.settings.threads,
+            self.settings.gpu_layers,
+        )
 
     def score(self, upto: Mapping[str, int]) -> None:
         """Extend each named candidate's tables to its first `upto[cid]` units."""
@@ -213,16 +263,35 @@ class _Scorer:
             if missing:
                 pending.setdefault(self.candidates[cid].model, []).append((cid, missing))
         for model, jobs in pending.items():
-            request = Request(model=str(model), threads=self.settings.threads, gpu_layers=self.settings.gpu_layers, references=[str(s.reference) for s in self.segments],
-                              result_out=str(self.work / "measure.result.json"))
+            request = Request(
+                model=str(model),
+                threads=self.settings.threads,
+                gpu_layers=self.settings.gpu_layers,
+                references=[str(s.reference) for s in self.segments],
+                result_out=str(self.work / "measure.result.json"),
+            )
             for number, (cid, units) in enumerate(jobs):
                 keep = self.candidates[cid].keep
-                request.jobs.append(Job(cid, [list(self.units[u]) for u in units], str(self.work / f"measure-{number}.f64"),
-                                        None if keep is None else {str(b): [int(i) for i in ids] for b, ids in sorted(keep.items())}))
+                request.jobs.append(
+                    Job(
+                        cid,
+                        [list(self.units[u]) for u in units],
+                        str(self.work / f"measure-{number}.f64"),
+                        None if keep is None else {str(b): [int(i) for i in ids] for b, ids in sorted(keep.items())},
+                    )
+                )
             label = f"{len(jobs)} candidate{'s' if len(jobs) != 1 else ''} on {model.name}"
-            result = child.run(CHILD_MODULE, request, Path(request.result_out), lambda p: json.loads(p.read_text()), what=f"scoring {label} in libllama",
-                               hint="the last lines are llama.cpp's own; check that the model loads (ggufcarve inspect MODEL)", sink=self.on_event,
-                               stages={CHUNK_TASK: "measure"}, idle_timeout=3600.0)
+            result = child.run(
+                CHILD_MODULE,
+                request,
+                Path(request.result_out),
+                lambda p: json.loads(p.read_text()),
+                what=f"scoring {label} in libllama",
+                hint="the last lines are llama.cpp's own; check that the model loads (ggufcarve inspect MODEL)",
+                sink=self.on_event,
+                stages={CHUNK_TASK: "measure"},
+                idle_timeout=3600.0,
+            )
             Path(request.result_out).unlink(missing_ok=True)
             for job, (cid, units) in zip(request.jobs, jobs):
                 rows = np.fromfile(job.table_out, dtype="<f8").reshape(-1, TOKEN_COLUMNS)
@@ -230,18 +299,22 @@ class _Scorer:
                 masked = set(result["jobs"][cid]["masked"])
                 missing_nodes = [n for n in self.candidates[cid].required_nodes if n not in masked]
                 if missing_nodes:
-                    raise UnsupportedModel(f"{model.name}: llama.cpp's graph has no node {', '.join(missing_nodes[:4])} to mask for {cid}",
-                                           "score keep-sets by pruning files (ggufcarve prune --keep) and evaluating them")
+                    raise UnsupportedModel(
+                        f"{model.name}: llama.cpp's graph has no node {', '.join(missing_nodes[:4])} to mask for {cid}",
+                        "score keep-sets by pruning files (ggufcarve prune --keep) and evaluating them",
+                    )
                 offset = 0
                 for unit in units:
                     per_unit = self.units[unit][2] * _scored_per_chunk(self.segments[self.units[unit][0]].n_ctx)
-                    part = rows[offset: offset + per_unit]
+                    part = rows[offset : offset + per_unit]
                     offset += per_unit
                     self.tables[cid].append(part)
                     self.decoded += self.units[unit][2]
                     self._store(cid, unit, part)
                 if offset != len(rows):
-                    raise BadInput(f"the measurement child wrote {len(rows)} rows for {cid}, {offset} expected", "a ggufcarve bug")
+                    raise BadInput(
+                        f"the measurement child wrote {len(rows)} rows for {cid}, {offset} expected", "a ggufcarve bug"
+                    )
 
     def _cached(self, cid: str, unit: int) -> np.ndarray | None:
         from ggufcarve.evaluate.tables import load
@@ -261,17 +334,29 @@ def _scored_per_chunk(n_ctx: int) -> int:
     return Chunking(n_ctx, 1).scored_per_chunk
 
 
-def measure(candidates: Sequence[Candidate], segments: Sequence[Segment], settings: MeasureSettings, work: Path, *, on_event: Sink = ignore,
-            score_unit: Callable[[Candidate, tuple[int, int, int]], np.ndarray] | None = None) -> Measurement:
+def measure(
+    candidates: Sequence[Candidate],
+    segments: Sequence[Segment],
+    settings: MeasureSettings,
+    work: Path,
+    *,
+    on_event: Sink = ignore,
+    score_unit: Callable[[Candidate, tuple[int, int, int]], np.ndarray] | None = None,
+) -> Measurement:
     """Run the rounds of every group (module docstring); the records, the groups' rounds and decisions, the tables.
 
     `score_unit(candidate, unit)`: a candidate's per-token table on a unit, instead of llama.cpp's
     (tables of known statistics that test the decision rules)."""
     if settings.metric not in METRICS:
-        raise BadInput(f"--metric {settings.metric!r} is not one of {', '.join(METRICS)}", "kld_mean ranks by mean KLD against the unpruned model")
+        raise BadInput(
+            f"--metric {settings.metric!r} is not one of {', '.join(METRICS)}",
+            "kld_mean ranks by mean KLD against the unpruned model",
+        )
     ids = [c.id for c in candidates]
     if len(set(ids)) != len(ids):
-        raise BadInput(f"candidate ids repeat: {', '.join(sorted({i for i in ids if ids.count(i) > 1}))}", "a ggufcarve bug")
+        raise BadInput(
+            f"candidate ids repeat: {', '.join(sorted({i for i in ids if ids.count(i) > 1}))}", "a ggufcarve bug"
+        )
     started = time.perf_counter()
     by_id = {c.id: c for c in candidates}
     n_ctx = segments[0].n_ctx
@@ -284,9 +369,23 @@ def measure(candidates: Sequence[Candidate], segments: Sequence[Segment], settin
         groups.setdefault(c.group, []).append(c.id)
     plans = {g: schedule(len(members), len(units), len(segments)) for g, members in groups.items()}
     alive = {g: list(members) for g, members in groups.items()}
-    records: dict[str, dict[str, Any]] = {cid: {"id": cid, "group": by_id[cid].group, "fits": by_id[cid].fits, "stopped_early": False, "stopped_reason": None,
-                                                "lost_by": None, "delta_vs_leader": [], "delta_stderr": [], "finalist": False, "leader": False,
-                                                "winner": False, "tie_with": []} for cid in ids}
+    records: dict[str, dict[str, Any]] = {
+        cid: {
+            "id": cid,
+            "group": by_id[cid].group,
+            "fits": by_id[cid].fits,
+            "stopped_early": False,
+            "stopped_reason": None,
+            "lost_by": None,
+            "delta_vs_leader": [],
+            "delta_stderr": [],
+            "finalist": False,
+            "leader": False,
+            "winner": False,
+            "tie_with": [],
+        }
+        for cid in ids
+    }
     rounds: dict[str, list[dict[str, Any]]] = {g: [] for g in groups}
     done = dict.fromkeys(groups, False)
     stats: dict[str, dict[str, Any]] = {}
@@ -319,12 +418,23 @@ def measure(candidates: Sequence[Candidate], segments: Sequence[Segment], settin
             verdicts = {cid: judge(cid) for cid in ranked}
             eligible = [cid for cid in ranked if by_id[cid].fits and verdicts[cid][0]]
             leader = eligible[0] if eligible else ranked[0]  # the best candidate that can be the answer
-            entry: dict[str, Any] = {"units": n, "chunks": sum(u[2] for u in units[:n]), "candidates": list(ranked), "leader": leader,
-                                     settings.metric: {c: stats[c][settings.metric] for c in ranked}, "delta_vs_leader": {}, "left": {}}
+            entry: dict[str, Any] = {
+                "units": n,
+                "chunks": sum(u[2] for u in units[:n]),
+                "candidates": list(ranked),
+                "leader": leader,
+                settings.metric: {c: stats[c][settings.metric] for c in ranked},
+                "delta_vs_leader": {},
+                "left": {},
+            }
             leader_values = table_of(leader, n)[:, column]
             diffs: dict[str, PairedDifference] = {}
             for cid in ranked:
-                diffs[cid] = paired_difference(table_of(cid, n)[:, column], leader_values) if cid != leader else PairedDifference(0.0, 0.0, len(leader_values))
+                diffs[cid] = (
+                    paired_difference(table_of(cid, n)[:, column], leader_values)
+                    if cid != leader
+                    else PairedDifference(0.0, 0.0, len(leader_values))
+                )
                 if cid != leader:
                     entry["delta_vs_leader"][cid] = diffs[cid].to_json()
                 records[cid]["delta_vs_leader"].append(diffs[cid].mean)
@@ -333,13 +443,24 @@ def measure(candidates: Sequence[Candidate], segments: Sequence[Segment], settin
                 keep = []
                 for cid in ranked:
                     passed, failed = verdicts[cid]
-                    reason = ("budget" if not by_id[cid].fits else "gate" if not passed
-                              else "halving" if diffs[cid].worse_beyond(settings.z) else None)
+                    reason = (
+                        "budget"
+                        if not by_id[cid].fits
+                        else "gate"
+                        if not passed
+                        else "halving"
+                        if diffs[cid].worse_beyond(settings.z)
+                        else None
+                    )
                     if reason is None:
                         keep.append(cid)
                         continue
-                    records[cid].update(stopped_early=True, stopped_reason=reason, lost_by=diffs[cid].mean if cid != leader else None,
-                                        gate_failed=failed if reason == "gate" else [])
+                    records[cid].update(
+                        stopped_early=True,
+                        stopped_reason=reason,
+                        lost_by=diffs[cid].mean if cid != leader else None,
+                        gate_failed=failed if reason == "gate" else [],
+                    )
                     entry["left"][cid] = reason
                 if not keep:  # every candidate left for the budget or the gate: the group ends with no finalist
                     done[g] = True
@@ -354,20 +475,44 @@ def measure(candidates: Sequence[Candidate], segments: Sequence[Segment], settin
         for cid in members:
             n = len(scorer.tables[cid])
             table = table_of(cid)
-            per_segment = [np.concatenate([t for u, t in enumerate(scorer.tables[cid]) if units[u][0] == s] or [np.zeros((0, TOKEN_COLUMNS))]) for s in range(len(segments))]
-            records[cid].update(_statistics(table, names, per_segment), units_scored=n, chunks_scored=sum(u[2] for u in units[:n]))
+            per_segment = [
+                np.concatenate(
+                    [t for u, t in enumerate(scorer.tables[cid]) if units[u][0] == s] or [np.zeros((0, TOKEN_COLUMNS))]
+                )
+                for s in range(len(segments))
+            ]
+            records[cid].update(
+                _statistics(table, names, per_segment), units_scored=n, chunks_scored=sum(u[2] for u in units[:n])
+            )
             passed, failed = judge(cid) if records[cid].get("kld_mean") is not None else (True, [])
             records[cid].update(gate_passed=passed, gate_failed=failed)
-        finalists = [cid for cid in alive[g] if by_id[cid].fits and records[cid]["gate_passed"] and len(scorer.tables[cid]) == len(units)]
+        finalists = [
+            cid
+            for cid in alive[g]
+            if by_id[cid].fits and records[cid]["gate_passed"] and len(scorer.tables[cid]) == len(units)
+        ]
         for cid in alive[g]:
             if cid not in finalists:
                 records[cid].update(stopped_reason="budget" if not by_id[cid].fits else "gate")
-        decision: dict[str, Any] = {"rounds": rounds[g], "finalists": finalists, "leader": None, "winner": None, "tie_with": []}
+        decision: dict[str, Any] = {
+            "rounds": rounds[g],
+            "finalists": finalists,
+            "leader": None,
+            "winner": None,
+            "tie_with": [],
+        }
         if finalists:
-            choices = [Choice(cid, metric_value(records[cid], settings.metric), by_id[cid].file_bytes, by_id[cid].read_bytes) for cid in finalists]
+            choices = [
+                Choice(cid, metric_value(records[cid], settings.metric), by_id[cid].file_bytes, by_id[cid].read_bytes)
+                for cid in finalists
+            ]
             leader = min(choices, key=lambda c: (c.value, c.id)).id
             leader_values = table_of(leader)[:, column]
-            ties = [cid for cid in finalists if cid != leader and paired_difference(table_of(cid)[:, column], leader_values).within(settings.z)]
+            ties = [
+                cid
+                for cid in finalists
+                if cid != leader and paired_difference(table_of(cid)[:, column], leader_values).within(settings.z)
+            ]
             winner = choose_answer(choices, ties, settings.prefer)
             tie_with = sorted({leader, *ties} - {winner})
             for cid in finalists:
@@ -376,7 +521,16 @@ def measure(candidates: Sequence[Candidate], segments: Sequence[Segment], settin
             records[winner].update(winner=True, tie_with=tie_with)
             decision.update(leader=leader, winner=winner, tie_with=tie_with)
         result_groups[g] = decision
-    return Measurement(units, list(segments), records, result_groups, scorer.tables, time.perf_counter() - started, scorer.decoded, scorer.cached)
+    return Measurement(
+        units,
+        list(segments),
+        records,
+        result_groups,
+        scorer.tables,
+        time.perf_counter() - started,
+        scorer.decoded,
+        scorer.cached,
+    )
 
 
 def measure_tables() -> Path:
@@ -386,8 +540,18 @@ def measure_tables() -> Path:
     return table_cache()
 
 
-def prepare_segments(source: Path, heldout: Sequence[Path], *, chunk_ctx: int, chunks: int | None, threads: int, work: Path,
-                     cache_dir: Path | None = None, gpu_layers: int = 0, on_event: Sink = ignore) -> list[Segment]:
+def prepare_segments(
+    source: Path,
+    heldout: Sequence[Path],
+    *,
+    chunk_ctx: int,
+    chunks: int | None,
+    threads: int,
+    work: Path,
+    cache_dir: Path | None = None,
+    gpu_layers: int = 0,
+    on_event: Sink = ignore,
+) -> list[Segment]:
     """The unpruned model's log-probs on every held-out file (`evaluate.run.prepare_reference`:
     llama-perplexity's base file, cached by the model's and the text's sha256)."""
     from ggufcarve.evaluate import kld
@@ -395,7 +559,9 @@ def prepare_segments(source: Path, heldout: Sequence[Path], *, chunk_ctx: int, c
     from ggufcarve.evaluate.run import prepare_reference
     from ggufcarve.evaluate.tables import reference_identity
 
-    settings = EvalSettings(ctx=chunk_ctx, chunks=chunks, threads=threads, speed=None, cache_dir=cache_dir, gpu_layers=gpu_layers)
+    settings = EvalSettings(
+        ctx=chunk_ctx, chunks=chunks, threads=threads, speed=None, cache_dir=cache_dir, gpu_layers=gpu_layers
+    )
     names = [p.name for p in heldout]
     segments = []
     for path in heldout:
@@ -403,5 +569,7 @@ def prepare_segments(source: Path, heldout: Sequence[Path], *, chunk_ctx: int, c
         opened = kld.open_reference(reference.file)
         n_chunk = opened.n_chunk if chunks is None else min(opened.n_chunk, chunks)
         name = path.name if names.count(path.name) == 1 else str(path)
-        segments.append(Segment(name, reference.file, n_chunk, opened.n_ctx, reference_identity(reference.sha256, reference.file)))
+        segments.append(
+            Segment(name, reference.file, n_chunk, opened.n_ctx, reference_identity(reference.sha256, reference.file))
+        )
     return segments

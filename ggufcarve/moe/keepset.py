@@ -28,9 +28,29 @@ from ggufcarve.moe.layout import MoeLayout
 from ggufcarve.reports import read_json_bytes
 
 # Field names published manifests use for the kept ids of one layer.
-KEPT_ID_FIELDS = ("keep", "kept", "retained", "kept_ids", "retained_ids", "kept_experts", "retained_experts", "kept_expert_indices", "indices", "experts")
+KEPT_ID_FIELDS = (
+    "keep",
+    "kept",
+    "retained",
+    "kept_ids",
+    "retained_ids",
+    "kept_experts",
+    "retained_experts",
+    "kept_expert_indices",
+    "indices",
+    "experts",
+)
 # Field names under which a manifest nests its per-layer mapping.
-LAYER_MAP_FIELDS = ("layers", "kept_expert_indices", "kept_experts", "retained_experts", "kept", "retained", "selection", "experts")
+LAYER_MAP_FIELDS = (
+    "layers",
+    "kept_expert_indices",
+    "kept_experts",
+    "retained_experts",
+    "kept",
+    "retained",
+    "selection",
+    "experts",
+)
 LAYER_NUMBER_FIELDS = ("layer", "block", "layer_index", "block_index", "blk")
 LAYER_KEY = re.compile(r"^(?:(?P<kind>main|mtp|layer|blk|block|model\.layers)[._-]?)?(?P<index>\d+)$")
 # pick(block, the ids of one routing group, how many to keep) -> the kept ids of that group
@@ -41,7 +61,9 @@ Pick = Callable[[int, range, int], Sequence[int]]
 class KeepSet:
     layers: dict[int, tuple[int, ...]]
     metadata: dict[str, Any] = field(default_factory=dict)
-    file: dict[str, Any] | None = field(default=None, compare=False)  # the file it was read from: name (no directory), sha256, bytes
+    file: dict[str, Any] | None = field(
+        default=None, compare=False
+    )  # the file it was read from: name (no directory), sha256, bytes
 
     @property
     def kept_count(self) -> int:
@@ -56,7 +78,11 @@ class KeepSet:
         """The keep-set `load_keepset` reads from a file named `name` holding `raw` (the JSON
         document `doc`, whose kept ids are `keepset`'s): its metadata and file record."""
         metadata = {k: v for k, v in doc.items() if k != "layers"} if isinstance(doc, dict) and "layers" in doc else {}
-        return cls(dict(keepset.layers), {**metadata, "source_file": name}, {"name": name, "sha256": hashlib.sha256(raw).hexdigest(), "bytes": len(raw)})
+        return cls(
+            dict(keepset.layers),
+            {**metadata, "source_file": name},
+            {"name": name, "sha256": hashlib.sha256(raw).hexdigest(), "bytes": len(raw)},
+        )
 
     def save(self, path: str | os.PathLike[str]) -> None:
         from ggufcarve.fileio import write_text_atomic
@@ -83,7 +109,9 @@ def keep_per_block(layout: MoeLayout, kept: int, pick: Pick = _first, selection:
             members = range(g * size, (g + 1) * size)
             ids = sorted(pick(block, members, quota))
             if len(ids) != quota or len(set(ids)) != quota or not all(i in members for i in ids):
-                raise ValueError(f"blk.{block}: pick gave {ids} for group {g}, not {quota} distinct ids of {members.start}..{members.stop - 1}")
+                raise ValueError(
+                    f"blk.{block}: pick gave {ids} for group {g}, not {quota} distinct ids of {members.start}..{members.stop - 1}"
+                )
             chosen.extend(ids)
         layers[block] = tuple(chosen)
     label = f"first {kept}" if groups == 1 else f"first {quota} of each of the {groups} groups"
@@ -117,7 +145,9 @@ def provenance_kvs(keepset: KeepSet, source_expert_count: int) -> list[KeyValue]
         make_kv(KEY_SOURCE_EXPERT_COUNT, GGUFValueType.UINT32, source_expert_count),
         make_kv(KEY_KEPT_COUNT, GGUFValueType.UINT32, keepset.kept_count),
         make_kv(KEY_KEPT_BLOCKS, GGUFValueType.ARRAY, blocks, GGUFValueType.UINT32),
-        make_kv(KEY_KEPT_EXPERTS, GGUFValueType.ARRAY, [e for b in blocks for e in keepset.layers[b]], GGUFValueType.UINT32),
+        make_kv(
+            KEY_KEPT_EXPERTS, GGUFValueType.ARRAY, [e for b in blocks for e in keepset.layers[b]], GGUFValueType.UINT32
+        ),
     ]
 
 
@@ -151,7 +181,7 @@ def parse_id_list(text: str) -> list[int]:
 def load_keepset(path: str | os.PathLike[str], layout: MoeLayout) -> KeepSet:
     """Read our format or a published manifest; layer keys resolve to GGUF block indices."""
     path = Path(path)
-    doc, raw = read_json_bytes(path, "keep-set file", "a keep-set is a JSON file such as {\"layers\": {\"0\": [0, 1]}}")
+    doc, raw = read_json_bytes(path, "keep-set file", 'a keep-set is a JSON file such as {"layers": {"0": [0, 1]}}')
     return KeepSet.as_written(KeepSet(_find_layers(doc, path, layout)), doc, raw, path.name)
 
 
@@ -159,7 +189,10 @@ def _find_layers(doc: Any, path: Path, layout: MoeLayout) -> dict[int, tuple[int
     if isinstance(doc, list):
         return _layers_from_records(doc, path, "top level", layout)
     if not isinstance(doc, dict):
-        raise BadInput(f"{path}: top level is a {type(doc).__name__}, expected an object", "see `ggufcarve prune --help` for the keep-set format")
+        raise BadInput(
+            f"{path}: top level is a {type(doc).__name__}, expected an object",
+            "see `ggufcarve prune --help` for the keep-set format",
+        )
     for name in LAYER_MAP_FIELDS:
         if name in doc and isinstance(doc[name], (dict, list)):
             value = doc[name]
@@ -193,19 +226,29 @@ def _ids(value: Any, path: Path, where: str) -> tuple[int, ...]:
     if isinstance(value, dict):
         name = next((f for f in KEPT_ID_FIELDS if f in value), None)
         if name is None:
-            raise BadInput(f"{path}: {where} has no kept-id field (expected one of {', '.join(KEPT_ID_FIELDS)})", "give the kept ids as a list")
+            raise BadInput(
+                f"{path}: {where} has no kept-id field (expected one of {', '.join(KEPT_ID_FIELDS)})",
+                "give the kept ids as a list",
+            )
         value, where = value[name], f"{where}.{name}"
     if not isinstance(value, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in value):
-        raise BadInput(f"{path}: {where} is not a list of integer expert ids", "give the kept ids as a list such as [0, 3, 5]")
+        raise BadInput(
+            f"{path}: {where} is not a list of integer expert ids", "give the kept ids as a list such as [0, 3, 5]"
+        )
     return tuple(value)
 
 
-def _layers_from_mapping(mapping: dict[str, Any], path: Path, where: str, layout: MoeLayout) -> dict[int, tuple[int, ...]]:
+def _layers_from_mapping(
+    mapping: dict[str, Any], path: Path, where: str, layout: MoeLayout
+) -> dict[int, tuple[int, ...]]:
     layers: dict[int, tuple[int, ...]] = {}
     for key, value in mapping.items():
         block = _layer_key(key, layout)
         if block is None:
-            raise BadInput(f"{path}: {where}: key {key!r} is not a layer (expected a block index, main_<i> or mtp_<j>)", "fix the key")
+            raise BadInput(
+                f"{path}: {where}: key {key!r} is not a layer (expected a block index, main_<i> or mtp_<j>)",
+                "fix the key",
+            )
         if block in layers:
             raise BadInput(f"{path}: {where}: block {block} is listed twice (key {key!r})", "list every MoE block once")
         layers[block] = _ids(value, path, f"{where}[{key!r}]")
@@ -217,15 +260,23 @@ def _layers_from_records(records: list[Any], path: Path, where: str, layout: Moe
     for i, record in enumerate(records):
         at = f"{where}[{i}]"
         if not isinstance(record, dict):
-            raise BadInput(f"{path}: {at} is not an object with a layer number and kept ids", 'use {"layer": 3, "retained": [...]}')
+            raise BadInput(
+                f"{path}: {at} is not an object with a layer number and kept ids", 'use {"layer": 3, "retained": [...]}'
+            )
         number_field = next((f for f in LAYER_NUMBER_FIELDS if f in record), None)
         if number_field is None:
-            raise BadInput(f"{path}: {at} has no layer number (expected one of {', '.join(LAYER_NUMBER_FIELDS)})", "add the block index")
+            raise BadInput(
+                f"{path}: {at} has no layer number (expected one of {', '.join(LAYER_NUMBER_FIELDS)})",
+                "add the block index",
+            )
         block = _layer_key(record[number_field], layout)
         if record.get("mtp") is True and block is not None and block < layout.main_layer_count:
             block += layout.main_layer_count
         if block is None:
-            raise BadInput(f"{path}: {at}.{number_field} = {record[number_field]!r} is not a layer index", "use the GGUF block index")
+            raise BadInput(
+                f"{path}: {at}.{number_field} = {record[number_field]!r} is not a layer index",
+                "use the GGUF block index",
+            )
         if block in layers:
             raise BadInput(f"{path}: {at}: block {block} is listed twice", "list every MoE block once")
         layers[block] = _ids(record, path, at)
@@ -254,9 +305,14 @@ def check_keepset(keepset: KeepSet, layout: MoeLayout) -> list[str]:
             problems.append(f"blk.{block}: duplicate id(s) {_fmt(dups)}")
     counts = sorted({len(ids) for ids in keepset.layers.values()})
     if len(counts) > 1:
-        problems.append(f"blocks keep different expert counts {counts}; {layout.architecture}.expert_count is one number for all blocks")
+        problems.append(
+            f"blocks keep different expert counts {counts}; {layout.architecture}.expert_count is one number for all blocks"
+        )
     if problems:
-        raise BadInput("keep-set does not fit the model: " + shortened(problems, 4), "list every MoE block once, with the same number of unique ids in range")
+        raise BadInput(
+            "keep-set does not fit the model: " + shortened(problems, 4),
+            "list every MoE block once, with the same number of unique ids in range",
+        )
 
     k = counts[0]
     problems = kept_count_problems(layout, k)
@@ -267,7 +323,9 @@ def check_keepset(keepset: KeepSet, layout: MoeLayout) -> list[str]:
 
     warnings = []
     if k & (k - 1):
-        warnings.append(f"K={k} is not a power of two: llama.cpp's fused CUDA top-k path needs one (the unfused path is slower)")
+        warnings.append(
+            f"K={k} is not a power of two: llama.cpp's fused CUDA top-k path needs one (the unfused path is slower)"
+        )
     if layout.described_by == "model" and not layout.routing.keeps_outputs and k < n:
         warnings.append(f"{layout.architecture} routing is {layout.routing.describe()}")
     return warnings
@@ -281,11 +339,15 @@ def _check_groups(keepset: KeepSet, layout: MoeLayout, k: int) -> list[str]:
     for block, ids in sorted(keepset.layers.items()):
         group_of = [i // size for i in ids]
         if group_of != sorted(group_of):
-            problems.append(f"blk.{block}: kept ids must be ordered group by group (groups are contiguous ranges of {size})")
+            problems.append(
+                f"blk.{block}: kept ids must be ordered group by group (groups are contiguous ranges of {size})"
+            )
             continue
         per = [group_of.count(g) for g in range(groups)]
         if any(c != per_group for c in per):
-            problems.append(f"blk.{block}: keeps {per} experts from the {groups} groups; every group must keep {per_group}")
+            problems.append(
+                f"blk.{block}: keeps {per} experts from the {groups} groups; every group must keep {per_group}"
+            )
     return problems
 
 

@@ -13,7 +13,9 @@ from __future__ import annotations
 from ggufcarve.errors import BadInput
 from ggufcarve.moe.layout import MoeLayout
 
-KEPT_COUNT_HINT = "choose K within [expert_used_count, expert_count] and, with grouped routing, the same count from every group"
+KEPT_COUNT_HINT = (
+    "choose K within [expert_used_count, expert_count] and, with grouped routing, the same count from every group"
+)
 
 
 def groups_of(layout: MoeLayout) -> int:
@@ -25,7 +27,9 @@ def kept_count_problems(layout: MoeLayout, kept: int) -> list[str]:
     """Every load rule K experts per block break; empty when llama.cpp accepts K."""
     n, used = layout.expert_count, max(layout.expert_used_count, 1)
     if not 1 <= kept <= n:
-        return [f"K={kept} is outside {min(used, n)}..{n} (the model has {n} experts per block, {used} routed per token)"]
+        return [
+            f"K={kept} is outside {min(used, n)}..{n} (the model has {n} experts per block, {used} routed per token)"
+        ]
     problems = []
     if kept < used:
         problems.append(f"K={kept} is below the {used} experts each token is routed to (expert_used_count)")
@@ -36,9 +40,13 @@ def kept_count_problems(layout: MoeLayout, kept: int) -> list[str]:
         else:
             per_group = kept // groups
             if per_group < 2:
-                problems.append(f"K={kept} keeps {per_group} expert(s) per group; group scoring sums each group's top 2, so at least 2 are needed")
+                problems.append(
+                    f"K={kept} keeps {per_group} expert(s) per group; group scoring sums each group's top 2, so at least 2 are needed"
+                )
             if layout.group_used_count * per_group < layout.expert_used_count:
-                problems.append(f"K={kept}: {layout.group_used_count} used groups x {per_group} kept per group < top-k {layout.expert_used_count}")
+                problems.append(
+                    f"K={kept}: {layout.group_used_count} used groups x {per_group} kept per group < top-k {layout.expert_used_count}"
+                )
     return problems
 
 

@@ -47,8 +47,10 @@ for _base in EXPERT_WEIGHTS:
 # copying byte ranges, so a model carrying them is refused.
 REFUSED_SUFFIXES: dict[str, str] = {
     f"{TOKEN_TO_EXPERT}.weight": "stores expert ids as values (deepseek4 token-id routing); slicing would leave ids pointing at dropped experts",
-    **{f"{tensor_base(t)}.weight": "is a grovemoe chunk-expert tensor whose chunks are tied to expert groups"
-       for t in (MODEL_TENSOR.FFN_GATE_CHEXP, MODEL_TENSOR.FFN_UP_CHEXP, MODEL_TENSOR.FFN_DOWN_CHEXP)},
+    **{
+        f"{tensor_base(t)}.weight": "is a grovemoe chunk-expert tensor whose chunks are tied to expert groups"
+        for t in (MODEL_TENSOR.FFN_GATE_CHEXP, MODEL_TENSOR.FFN_UP_CHEXP, MODEL_TENSOR.FFN_DOWN_CHEXP)
+    },
 }
 
 # Names that look expert-related but carry no expert axis (shared experts, per-layer norms).
@@ -144,7 +146,14 @@ class MoeLayout:
                     "block": layer.block,
                     "mtp": layer.is_mtp,
                     "tensors": [
-                        {"name": t.name, "role": t.role, "shape": list(t.shape), "type": t.type_name, "bytes": t.nbytes, "bytes_per_expert": t.bytes_per_expert}
+                        {
+                            "name": t.name,
+                            "role": t.role,
+                            "shape": list(t.shape),
+                            "type": t.type_name,
+                            "bytes": t.nbytes,
+                            "bytes_per_expert": t.bytes_per_expert,
+                        }
                         for t in layer.tensors
                     ],
                 }
@@ -160,7 +169,9 @@ def _u32(model: GGUFModel, key: str, default: int = 0) -> int:
     try:
         return int(max(value)) if hasattr(value, "__len__") else int(value)
     except (TypeError, ValueError):
-        raise BadInput(f"{model.path}: key {key} has a non-integer value {value!r}", "the file's metadata is corrupt") from None
+        raise BadInput(
+            f"{model.path}: key {key} has a non-integer value {value!r}", "the file's metadata is corrupt"
+        ) from None
 
 
 def _vocab_size(model: GGUFModel, arch: str) -> int:
@@ -180,7 +191,10 @@ def expert_role(suffix: str) -> str | None:
     if suffix in EXPERT_AXIS_ROLES:
         return EXPERT_AXIS_ROLES[suffix]
     if suffix in REFUSED_SUFFIXES:
-        raise UnsupportedModel(f"tensor {suffix} {REFUSED_SUFFIXES[suffix]}", "ggufcarve cannot prune this architecture yet; no file was written")
+        raise UnsupportedModel(
+            f"tensor {suffix} {REFUSED_SUFFIXES[suffix]}",
+            "ggufcarve cannot prune this architecture yet; no file was written",
+        )
     if LOOKS_EXPERT_RELATED.search(suffix) and not NOT_EXPERT_AXIS.search(suffix):
         raise UnsupportedModel(
             f"tensor {suffix} looks expert-related but its role is unknown to ggufcarve",
@@ -200,7 +214,10 @@ def inspect_layout(model: GGUFModel) -> MoeLayout:
 
     expert_count = _u32(model, key(Keys.LLM.EXPERT_COUNT))
     if expert_count < 2:
-        raise UnsupportedModel(f"{model.path}: {arch} model has no routed experts ({key(Keys.LLM.EXPERT_COUNT)} is {expert_count or 'absent'})", "expert pruning needs a Mixture-of-Experts model")
+        raise UnsupportedModel(
+            f"{model.path}: {arch} model has no routed experts ({key(Keys.LLM.EXPERT_COUNT)} is {expert_count or 'absent'})",
+            "expert pruning needs a Mixture-of-Experts model",
+        )
     block_count = _u32(model, key(Keys.LLM.BLOCK_COUNT))
     nextn = _u32(model, key(Keys.LLM.NEXTN_PREDICT_LAYERS))
 
@@ -219,15 +236,24 @@ def inspect_layout(model: GGUFModel) -> MoeLayout:
         per_block.setdefault(block, []).append(_expert_tensor(model, tensor, block, role, expert_count))
 
     if not per_block:
-        raise UnsupportedModel(f"{model.path}: {key(Keys.LLM.EXPERT_COUNT)} is {expert_count} but no tensor carries an expert axis", "the model is dense or its expert tensors are named in a way ggufcarve does not know")
+        raise UnsupportedModel(
+            f"{model.path}: {key(Keys.LLM.EXPERT_COUNT)} is {expert_count} but no tensor carries an expert axis",
+            "the model is dense or its expert tensors are named in a way ggufcarve does not know",
+        )
     layers = []
     for block in sorted(per_block):
         tensors = tuple(per_block[block])
         roles = {t.role for t in tensors}
         if "router" not in roles or "expert weight" not in roles:
-            raise UnsupportedModel(f"{model.path}: blk.{block} has expert tensors but {'no router (ffn_gate_inp.weight)' if 'router' not in roles else 'no expert weights'}", "the file is incomplete or uses an unknown layout")
+            raise UnsupportedModel(
+                f"{model.path}: blk.{block} has expert tensors but {'no router (ffn_gate_inp.weight)' if 'router' not in roles else 'no expert weights'}",
+                "the file is incomplete or uses an unknown layout",
+            )
         if block >= block_count:
-            raise BadInput(f"{model.path}: tensor blk.{block}.* is beyond {key(Keys.LLM.BLOCK_COUNT)}={block_count}", "the file's metadata is corrupt")
+            raise BadInput(
+                f"{model.path}: tensor blk.{block}.* is beyond {key(Keys.LLM.BLOCK_COUNT)}={block_count}",
+                "the file's metadata is corrupt",
+            )
         layers.append(MoeLayer(block, block >= block_count - nextn, tensors))
 
     expert_bytes = sum(t.nbytes for layer in layers for t in layer.tensors)
@@ -239,12 +265,16 @@ def inspect_layout(model: GGUFModel) -> MoeLayout:
         expert_used_count=_u32(model, key(Keys.LLM.EXPERT_USED_COUNT)),
         group_count=_u32(model, key(Keys.LLM.EXPERT_GROUP_COUNT)),
         group_used_count=_u32(model, key(Keys.LLM.EXPERT_GROUP_USED_COUNT)),
-        shared_expert_count=_u32(model, key(Keys.LLM.EXPERT_SHARED_COUNT), default=int(any("_shexp." in t.name for t in model.tensors))),
+        shared_expert_count=_u32(
+            model, key(Keys.LLM.EXPERT_SHARED_COUNT), default=int(any("_shexp." in t.name for t in model.tensors))
+        ),
         leading_dense_blocks=_u32(model, key(Keys.LLM.LEADING_DENSE_BLOCK_COUNT)),
         layers=tuple(layers),
         total_bytes=sum(t.nbytes for t in model.tensors),
         expert_bytes=expert_bytes,
-        routing=routing_of(model.get, arch, (t.name for t in model.tensors), block_count - nextn, _vocab_size(model, arch)),
+        routing=routing_of(
+            model.get, arch, (t.name for t in model.tensors), block_count - nextn, _vocab_size(model, arch)
+        ),
     )
 
 
@@ -255,5 +285,10 @@ def _expert_tensor(model: GGUFModel, tensor: TensorInfo, block: int, role: str, 
             "the tensor's layout is not the one llama.cpp loads; no file was written",
         )
     if tensor.nbytes % expert_count:
-        raise UnsupportedModel(f"{model.path}: {tensor.name} has {tensor.nbytes} bytes, not divisible into {expert_count} experts", "the file is corrupt")
-    return ExpertTensor(tensor.name, block, role, tensor.shape, tensor.type_name, tensor.nbytes, tensor.nbytes // expert_count)
+        raise UnsupportedModel(
+            f"{model.path}: {tensor.name} has {tensor.nbytes} bytes, not divisible into {expert_count} experts",
+            "the file is corrupt",
+        )
+    return ExpertTensor(
+        tensor.name, block, role, tensor.shape, tensor.type_name, tensor.nbytes, tensor.nbytes // expert_count
+    )

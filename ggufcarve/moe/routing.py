@@ -74,10 +74,24 @@ _FROM_KEYS = ArchitectureRouting(None, None, True)
 
 # GGUF architecture name -> what src/models/<arch>.cpp does (llama.cpp of llama-cpp-python 0.3.36).
 ARCHITECTURES: dict[str, ArchitectureRouting] = {
-    **{arch: _FIXED_SOFTMAX_NORMALISED for arch in (
-        "qwen3moe", "qwen35moe", "qwen3next", "qwen3vlmoe", "llama", "granitemoe", "hunyuan-moe",
-        "ernie4_5-moe", "phimoe", "dbrx", "arctic", "grok", "minimax-01",
-    )},
+    **{
+        arch: _FIXED_SOFTMAX_NORMALISED
+        for arch in (
+            "qwen3moe",
+            "qwen35moe",
+            "qwen3next",
+            "qwen3vlmoe",
+            "llama",
+            "granitemoe",
+            "hunyuan-moe",
+            "ernie4_5-moe",
+            "phimoe",
+            "dbrx",
+            "arctic",
+            "grok",
+            "minimax-01",
+        )
+    },
     **{arch: _FIXED_SOFTMAX_PLAIN for arch in ("qwen2moe", "olmoe", "jamba", "llada-moe")},
     "gpt-oss": ArchitectureRouting(SOFTMAX_WEIGHT, False, False),
     "llama4": ArchitectureRouting(SIGMOID, False, False),
@@ -140,8 +154,11 @@ class Routing:
         if self.gating is None:
             head = "unknown gating" + ("" if self.known_architecture else " (architecture not in ggufcarve's table)")
         else:
-            source = {"key": f"expert_gating_func={self.gating}", "architecture default": "default: no expert_gating_func",
-                      "fixed by the architecture": "fixed by the architecture"}.get(self.gating_source, self.gating_source)
+            source = {
+                "key": f"expert_gating_func={self.gating}",
+                "architecture default": "default: no expert_gating_func",
+                "fixed by the architecture": "fixed by the architecture",
+            }.get(self.gating_source, self.gating_source)
             head = f"{self.gating_name} ({source})"
         parts = []
         if self.selection_bias:
@@ -162,10 +179,16 @@ class Routing:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "gating": self.gating_name, "gating_func": self.gating, "gating_source": self.gating_source,
-            "weights_normalised": self.normalised, "weights_scale": self.scale, "selection_bias": self.selection_bias,
-            "expert_group_count": self.group_count, "expert_group_used_count": self.group_used_count,
-            "keeps_outputs_of_unaffected_tokens": self.keeps_outputs, "description": self.describe(),
+            "gating": self.gating_name,
+            "gating_func": self.gating,
+            "gating_source": self.gating_source,
+            "weights_normalised": self.normalised,
+            "weights_scale": self.scale,
+            "selection_bias": self.selection_bias,
+            "expert_group_count": self.group_count,
+            "expert_group_used_count": self.group_used_count,
+            "keeps_outputs_of_unaffected_tokens": self.keeps_outputs,
+            "description": self.describe(),
         }
 
 
@@ -190,13 +213,21 @@ def routing_of(get: Any, arch: str, tensor_names: Any, main_block_count: int, vo
             gating, source = table.gating, "fixed by the architecture"
         elif gating_key:  # 0 is LLAMA_EXPERT_GATING_FUNC_TYPE_NONE: treated as absent
             gating, source = int(gating_key), "key"
-        elif arch == "deepseek2" and main_block_count in DEEPSEEK2_SIGMOID_SHAPES[0] and vocab_size == DEEPSEEK2_SIGMOID_SHAPES[1]:
+        elif (
+            arch == "deepseek2"
+            and main_block_count in DEEPSEEK2_SIGMOID_SHAPES[0]
+            and vocab_size == DEEPSEEK2_SIGMOID_SHAPES[1]
+        ):
             gating, source = SIGMOID, "architecture default"
         elif table.gating_default is not None:
             gating, source = table.gating_default, "architecture default"
         else:
             gating, source = None, "unknown"
-        normalised = table.normalises if table.normalises is not None else (bool(norm_key) if norm_key is not None else table.normalises_default)
+        normalised = (
+            table.normalises
+            if table.normalises is not None
+            else (bool(norm_key) if norm_key is not None else table.normalises_default)
+        )
         scale = float(scale_key or 0.0) if table.reads_scale else 0.0
 
     names = list(tensor_names)

@@ -33,7 +33,15 @@ def demo_document(directory: Path) -> dict[str, Any]:
         "calibration": {"files": [str(CALIBRATION)], "ctx": 256, "max_tokens": 4096},
         "imatrix": {"collect": True},
         "ladder": {"spec": str(FILES / "ladder.toml"), "quantizer": "libllama"},
-        "evaluation": {"heldout": str(HELDOUT), "ctx": 256, "chunks": 16, "gate": str(FILES / "gate.toml"), "speed_runs": 3, "speed_engine": "libllama", "unpruned": ["Q4_K_M", "Q2_K"]},
+        "evaluation": {
+            "heldout": str(HELDOUT),
+            "ctx": 256,
+            "chunks": 16,
+            "gate": str(FILES / "gate.toml"),
+            "speed_runs": 3,
+            "speed_engine": "libllama",
+            "unpruned": ["Q4_K_M", "Q2_K"],
+        },
         # trained from scratch by this project (no base model), released under its license
         "card": {"license": "mit", "model_name": "ggufcarve demo MoE (16x256, top-4, 4 layers)"},
     }
@@ -48,7 +56,9 @@ def write_demo_plan(directory: Path) -> Path:
     from ggufcarve.fileio import write_text_atomic
     from ggufcarve.pipeline.plan import plan_text
 
-    text = plan_text(demo_document(directory), "The plan of `ggufcarve demo`; run it again with `ggufcarve run` on this file.")
+    text = plan_text(
+        demo_document(directory), "The plan of `ggufcarve demo`; run it again with `ggufcarve run` on this file."
+    )
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / PLAN_NAME
     write_text_atomic(path, text)

@@ -124,11 +124,15 @@ class EvaluationStep:
     gate: Path | None
     speed_runs: int
     speed_engine: str  # auto (llama-bench when found), llama-bench, libllama
-    top_k: int | None  # None: every token's reference log-prob (llama-perplexity's KLD); K: a top-K cache, an estimated KLD
+    top_k: (
+        int | None
+    )  # None: every token's reference log-prob (llama-perplexity's KLD); K: a top-K cache, an estimated KLD
     tail_samples: int | None  # with top_k: tail tokens sampled per token
     compare: tuple[Path, ...]  # more models evaluated against the same reference
     unpruned: tuple[str, ...]  # rungs of the ladder spec also quantized from the unpruned source
-    gate_segments: str | None = None  # every, overall: what a held-out file failing the gate does (None: the gate file's)
+    gate_segments: str | None = (
+        None  # every, overall: what a held-out file failing the gate does (None: the gate file's)
+    )
     loops: bool = False  # repetition loops of greedy continuations (implied by loop_prompts)
     loop_prompts: Path | None = None
     loop_tokens: int | None = None
@@ -165,41 +169,107 @@ class RunPlan:
             return p.name if p is not None else None
 
         doc: dict[str, Any] = {
-            "source": name(self.source), "output": name(self.output), "name": self.name, "threads": self.threads, "gpu_layers": self.gpu_layers,
+            "source": name(self.source),
+            "output": name(self.output),
+            "name": self.name,
+            "threads": self.threads,
+            "gpu_layers": self.gpu_layers,
             "selection": {
-                "method": self.selection.method, "keep": self.selection.keep, "ratio": self.selection.ratio,
-                "keepset": name(self.selection.keepset), "protect": name(self.selection.protect_file) or self.selection.protect,
-                "protect_super_experts": self.selection.protect_super_experts, "seed": self.selection.seed,
+                "method": self.selection.method,
+                "keep": self.selection.keep,
+                "ratio": self.selection.ratio,
+                "keepset": name(self.selection.keepset),
+                "protect": name(self.selection.protect_file) or self.selection.protect,
+                "protect_super_experts": self.selection.protect_super_experts,
+                "seed": self.selection.seed,
             },
-            "ladder": {"spec": name(self.ladder.spec), "only": list(self.ladder.only), "quantizer": self.ladder.quantizer if self.ladder.quantizer in ("auto", "binary", "libllama") else name(Path(self.ladder.quantizer))},
+            "ladder": {
+                "spec": name(self.ladder.spec),
+                "only": list(self.ladder.only),
+                "quantizer": self.ladder.quantizer
+                if self.ladder.quantizer in ("auto", "binary", "libllama")
+                else name(Path(self.ladder.quantizer)),
+            },
             "card": self.card_settings.to_json() if self.card_settings is not None else self.card,
         }
         if self.selection.tunes:
-            doc["selection"].update(keep=list(self.selection.keeps), methods=list(self.selection.methods), heldout=[p.name for p in self.selection.heldout],
-                                    chunks=self.selection.chunks, stability=self.selection.stability)
+            doc["selection"].update(
+                keep=list(self.selection.keeps),
+                methods=list(self.selection.methods),
+                heldout=[p.name for p in self.selection.heldout],
+                chunks=self.selection.chunks,
+                stability=self.selection.stability,
+            )
         if self.calibration is not None:
-            doc["calibration"] = {"files": [p.name for p in self.calibration.files], "ctx": self.calibration.ctx, "max_tokens": self.calibration.max_tokens}
+            doc["calibration"] = {
+                "files": [p.name for p in self.calibration.files],
+                "ctx": self.calibration.ctx,
+                "max_tokens": self.calibration.max_tokens,
+            }
         if self.imatrix is not None:
             doc["imatrix"] = {"file": name(self.imatrix.file), "collect": self.imatrix.collect}
         if self.evaluation is not None:
             e = self.evaluation
             doc["evaluation"] = {
-                "heldout": name(e.heldout) if not isinstance(e.heldout, tuple) else [p.name for p in e.heldout], "reference": name(e.reference) or "source", "ctx": e.ctx, "chunks": e.chunks, "qa": name(e.qa),
-                "gate": name(e.gate), "speed_runs": e.speed_runs, "speed_engine": e.speed_engine, "top_k": e.top_k, "tail_samples": e.tail_samples, "compare": [p.name for p in e.compare], "unpruned": list(e.unpruned),
+                "heldout": name(e.heldout) if not isinstance(e.heldout, tuple) else [p.name for p in e.heldout],
+                "reference": name(e.reference) or "source",
+                "ctx": e.ctx,
+                "chunks": e.chunks,
+                "qa": name(e.qa),
+                "gate": name(e.gate),
+                "speed_runs": e.speed_runs,
+                "speed_engine": e.speed_engine,
+                "top_k": e.top_k,
+                "tail_samples": e.tail_samples,
+                "compare": [p.name for p in e.compare],
+                "unpruned": list(e.unpruned),
                 **({"gate_segments": e.gate_segments} if e.gate_segments else {}),
-                **({"loops": True, "loop_prompts": name(e.loop_prompts), "loop_tokens": e.loop_tokens} if e.loops or e.loop_prompts else {}),
+                **(
+                    {"loops": True, "loop_prompts": name(e.loop_prompts), "loop_tokens": e.loop_tokens}
+                    if e.loops or e.loop_prompts
+                    else {}
+                ),
             }
         return doc
 
 
 KEYS = {
-    "plan": ("source", "output", "work", "name", "threads", "gpu_layers", "card", "selection", "calibration", "imatrix", "ladder", "evaluation"),
+    "plan": (
+        "source",
+        "output",
+        "work",
+        "name",
+        "threads",
+        "gpu_layers",
+        "card",
+        "selection",
+        "calibration",
+        "imatrix",
+        "ladder",
+        "evaluation",
+    ),
     "[selection]": ("method", "keep", "ratio", "keepset", "protect", "protect_super_experts", "seed", *TUNE_ONLY),
     "[calibration]": ("files", "ctx", "max_tokens"),
     "[imatrix]": ("file", "collect"),
     "[ladder]": ("spec", "only", "quantizer", "llama_cpp"),
-    "[evaluation]": ("heldout", "reference", "ctx", "chunks", "qa", "gate", "speed_runs", "speed_engine", "top_k", "tail_samples", "compare", "unpruned",
-                     "gate_segments", "loops", "loop_prompts", "loop_tokens"),
+    "[evaluation]": (
+        "heldout",
+        "reference",
+        "ctx",
+        "chunks",
+        "qa",
+        "gate",
+        "speed_runs",
+        "speed_engine",
+        "top_k",
+        "tail_samples",
+        "compare",
+        "unpruned",
+        "gate_segments",
+        "loops",
+        "loop_prompts",
+        "loop_tokens",
+    ),
 }
 
 
@@ -213,7 +283,10 @@ class _Table:
         keys = KEYS[where]
         unknown = sorted(set(doc) - set(keys))
         if unknown:
-            raise BadInput(f"{where}: unknown key " + shortened([repr(k) for k in unknown], 1), f"the keys of {where} are {', '.join(keys)}")
+            raise BadInput(
+                f"{where}: unknown key " + shortened([repr(k) for k in unknown], 1),
+                f"the keys of {where} are {', '.join(keys)}",
+            )
 
     def _get(self, key: str) -> Any:
         return self.doc.get(key)
@@ -274,7 +347,10 @@ class _Table:
         path = Path(os.path.expanduser(value))
         path = path if path.is_absolute() else self.base / path
         if must_exist and not path.exists():
-            raise BadInput(f"{self.where}: {key} = {value!r}: no such file ({path})", "paths in a plan are relative to the plan file")
+            raise BadInput(
+                f"{self.where}: {key} = {value!r}: no such file ({path})",
+                "paths in a plan are relative to the plan file",
+            )
         return path
 
     def table(self, key: str) -> _Table | None:
@@ -290,10 +366,10 @@ def parse_plan(doc: dict[str, Any], base: Path, path: Path | None = None) -> Run
     top = _Table(doc, "plan", base)
     source = top.path("source")
     if source is None:
-        raise BadInput("plan: no source", "give source = \"MODEL.gguf\" (the unpruned GGUF, first shard if split)")
+        raise BadInput("plan: no source", 'give source = "MODEL.gguf" (the unpruned GGUF, first shard if split)')
     output_name = top.string("output")
     if output_name is None:
-        raise BadInput("plan: no output", "give output = \"DIR\" (the release directory)")
+        raise BadInput("plan: no output", 'give output = "DIR" (the release directory)')
     output = top._resolve("output", output_name, False)
     work_name = top.string("work")
     work = top._resolve("work", work_name, False) if work_name else output.with_name(output.name + ".work")
@@ -315,28 +391,47 @@ def parse_plan(doc: dict[str, Any], base: Path, path: Path | None = None) -> Run
     protect_super = sel.boolean("protect_super_experts", False)
     seed = sel.integer("seed", 0) or 0
     if (method is None) == (keepset is None):
-        raise BadInput("[selection]: give exactly one of method = \"...\" or keepset = \"FILE\"", "for example method = \"frequency\" with keep = 128")
+        raise BadInput(
+            '[selection]: give exactly one of method = "..." or keepset = "FILE"',
+            'for example method = "frequency" with keep = 128',
+        )
     given = [k for k in TUNE_ONLY if sel._get(k) is not None]
     if given and method != TUNE:
-        raise BadInput(f"[selection]: {given[0]} applies to method = \"{TUNE}\" only", f"drop {given[0]}, or set method = \"{TUNE}\" to measure the criteria against each other")
+        raise BadInput(
+            f'[selection]: {given[0]} applies to method = "{TUNE}" only',
+            f'drop {given[0]}, or set method = "{TUNE}" to measure the criteria against each other',
+        )
     methods: tuple[str, ...] = ()
     if method == TUNE:
         spec = None
         methods = _tune_methods(sel)
         if ratio is not None:
-            raise BadInput(f"[selection]: method {TUNE} takes keep = [K, ...], not ratio", "for example keep = [8] or keep = [12, 8, 4]; the first K is carved")
+            raise BadInput(
+                f"[selection]: method {TUNE} takes keep = [K, ...], not ratio",
+                "for example keep = [8] or keep = [12, 8, 4]; the first K is carved",
+            )
         if protect is not None or protect_super:
-            raise BadInput(f"[selection]: method {TUNE} does not protect experts", "drop protect and protect_super_experts, or choose one method instead of tune")
+            raise BadInput(
+                f"[selection]: method {TUNE} does not protect experts",
+                "drop protect and protect_super_experts, or choose one method instead of tune",
+            )
     elif method is not None:
         spec = criterion_named(method)
         if (keep is None) == (ratio is None):
-            raise BadInput(f"[selection]: method {method} needs exactly one of keep = K or ratio = R", "for example keep = 128")
+            raise BadInput(
+                f"[selection]: method {method} needs exactly one of keep = K or ratio = R", "for example keep = 128"
+            )
         if ratio is not None and ratio_problem(ratio):
-            raise BadInput(f"[selection]: ratio {ratio_problem(ratio)}", "ratio is the fraction of the experts kept, e.g. 0.5")
+            raise BadInput(
+                f"[selection]: ratio {ratio_problem(ratio)}", "ratio is the fraction of the experts kept, e.g. 0.5"
+            )
     else:
         spec = None
         if keep is not None or ratio is not None or protect is not None or protect_super:
-            raise BadInput("[selection]: keep, ratio and protect apply to a method, not to a given keepset", "drop them, or choose a method instead of the keep-set file")
+            raise BadInput(
+                "[selection]: keep, ratio and protect apply to a method, not to a given keepset",
+                "drop them, or choose a method instead of the keep-set file",
+            )
 
     cal_table = top.table("calibration")
     calibration = None
@@ -345,7 +440,7 @@ def parse_plan(doc: dict[str, Any], base: Path, path: Path | None = None) -> Run
         ctx = cal_table.integer("ctx", 512, minimum=2) or 512
         max_tokens = cal_table.integer("max_tokens", minimum=1)
         if not files:
-            raise BadInput("[calibration]: files is empty", "give files = [\"calibration.jsonl\"]")
+            raise BadInput("[calibration]: files is empty", 'give files = ["calibration.jsonl"]')
         calibration = CalibrationStep(files, ctx, max_tokens)
 
     im_table = top.table("imatrix")
@@ -354,31 +449,56 @@ def parse_plan(doc: dict[str, Any], base: Path, path: Path | None = None) -> Run
         file = im_table.path("file")
         collect = im_table.boolean("collect", False)
         if (file is None) == (not collect):
-            raise BadInput("[imatrix]: give exactly one of file = \"MODEL.imatrix.gguf\" or collect = true", "collect = true gathers it from [calibration] in the selection's pass")
+            raise BadInput(
+                '[imatrix]: give exactly one of file = "MODEL.imatrix.gguf" or collect = true',
+                "collect = true gathers it from [calibration] in the selection's pass",
+            )
         if collect and calibration is None:
             raise BadInput("[imatrix]: collect = true needs a [calibration] table", "give [calibration] files = [...]")
         imatrix = ImatrixStep(file, collect)
 
     if spec is not None:
         if spec.needs == "calibration" and calibration is None:
-            raise BadInput(f"[selection]: method {method} traces calibration text", "add a [calibration] table with files = [...]")
+            raise BadInput(
+                f"[selection]: method {method} traces calibration text", "add a [calibration] table with files = [...]"
+            )
         if spec.needs == "imatrix" and imatrix is None:
-            raise BadInput(f"[selection]: method {method} reads an imatrix", "add [imatrix] file = \"...\" or collect = true")
-    tune_reads = [m for m in methods if criterion_named(m).needs != "model"]  # the imatrix ones from tune's own calibration pass
+            raise BadInput(
+                f"[selection]: method {method} reads an imatrix", 'add [imatrix] file = "..." or collect = true'
+            )
+    tune_reads = [
+        m for m in methods if criterion_named(m).needs != "model"
+    ]  # the imatrix ones from tune's own calibration pass
     if tune_reads and calibration is None:
-        raise BadInput(f"[selection]: method {TUNE} with {tune_reads[0]} traces calibration text", "add a [calibration] table with files = [...], or list only zero-shot methods (weights, router-norm, random)")
-    if calibration is not None and not tune_reads and (spec is None or spec.needs != "calibration") and (imatrix is None or not imatrix.collect):
-        raise BadInput("[calibration] is given but nothing reads it", "use a calibration method (frequency, ean, reap, razor) or [imatrix] collect = true, or drop [calibration]")
+        raise BadInput(
+            f"[selection]: method {TUNE} with {tune_reads[0]} traces calibration text",
+            "add a [calibration] table with files = [...], or list only zero-shot methods (weights, router-norm, random)",
+        )
+    if (
+        calibration is not None
+        and not tune_reads
+        and (spec is None or spec.needs != "calibration")
+        and (imatrix is None or not imatrix.collect)
+    ):
+        raise BadInput(
+            "[calibration] is given but nothing reads it",
+            "use a calibration method (frequency, ean, reap, razor) or [imatrix] collect = true, or drop [calibration]",
+        )
 
     lad = top.table("ladder")
     if lad is None:
-        raise BadInput("plan: no [ladder] table", "give [ladder] spec = \"q8-to-iq1\" (or a path to a ladder TOML)")
+        raise BadInput("plan: no [ladder] table", 'give [ladder] spec = "q8-to-iq1" (or a path to a ladder TOML)')
     spec_value = lad.string("spec")
     if spec_value is None:
-        raise BadInput("[ladder]: no spec", "give spec = \"q8-to-iq1\" (or a path to a ladder TOML)")
+        raise BadInput("[ladder]: no spec", 'give spec = "q8-to-iq1" (or a path to a ladder TOML)')
     from ggufcarve.quant.spec import find_spec
 
-    ladder = LadderStep(find_spec(spec_value, base, "[ladder] spec"), tuple(r.upper() for r in lad.strings("only")), _quantizer(lad), lad.path("llama_cpp"))
+    ladder = LadderStep(
+        find_spec(spec_value, base, "[ladder] spec"),
+        tuple(r.upper() for r in lad.strings("only")),
+        _quantizer(lad),
+        lad.path("llama_cpp"),
+    )
     _check_rungs(ladder.spec, ladder.only, "[ladder] only")
 
     ev_table = top.table("evaluation")
@@ -388,43 +508,98 @@ def parse_plan(doc: dict[str, Any], base: Path, path: Path | None = None) -> Run
 
         reference = ev_table.string("reference")
         evaluation = EvaluationStep(
-            heldout=ev_table.paths("heldout") if isinstance(ev_table._get("heldout"), list) else ev_table.path("heldout"), reference=None if reference in (None, "source") else ev_table._resolve("reference", reference, True),
-            ctx=ev_table.integer("ctx", 512, minimum=2) or 512, chunks=ev_table.integer("chunks", minimum=1), qa=ev_table.path("qa"), gate=ev_table.path("gate"),
-            speed_runs=ev_table.integer("speed_runs", DEFAULT_RUNS, minimum=0) or 0, speed_engine=ev_table.string("speed_engine", "auto") or "auto", top_k=ev_table.integer("top_k", minimum=1),
+            heldout=ev_table.paths("heldout")
+            if isinstance(ev_table._get("heldout"), list)
+            else ev_table.path("heldout"),
+            reference=None if reference in (None, "source") else ev_table._resolve("reference", reference, True),
+            ctx=ev_table.integer("ctx", 512, minimum=2) or 512,
+            chunks=ev_table.integer("chunks", minimum=1),
+            qa=ev_table.path("qa"),
+            gate=ev_table.path("gate"),
+            speed_runs=ev_table.integer("speed_runs", DEFAULT_RUNS, minimum=0) or 0,
+            speed_engine=ev_table.string("speed_engine", "auto") or "auto",
+            top_k=ev_table.integer("top_k", minimum=1),
             tail_samples=ev_table.integer("tail_samples", minimum=0),
-            compare=ev_table.paths("compare"), unpruned=tuple(r.upper() for r in ev_table.strings("unpruned")),
-            gate_segments=ev_table.string("gate_segments"), loops=ev_table.boolean("loops", False), loop_prompts=ev_table.path("loop_prompts"),
+            compare=ev_table.paths("compare"),
+            unpruned=tuple(r.upper() for r in ev_table.strings("unpruned")),
+            gate_segments=ev_table.string("gate_segments"),
+            loops=ev_table.boolean("loops", False),
+            loop_prompts=ev_table.path("loop_prompts"),
             loop_tokens=ev_table.integer("loop_tokens", minimum=1),
         )
         from ggufcarve.evaluate.speed import ENGINES
 
         if evaluation.speed_engine not in ENGINES:
-            raise BadInput(f"[evaluation]: speed_engine = {evaluation.speed_engine!r} is not one of {', '.join(ENGINES)}", "auto uses llama-bench when the tools have it, else the embedded engine")
+            raise BadInput(
+                f"[evaluation]: speed_engine = {evaluation.speed_engine!r} is not one of {', '.join(ENGINES)}",
+                "auto uses llama-bench when the tools have it, else the embedded engine",
+            )
         if not evaluation.heldout_files and evaluation.reference is None:
-            raise BadInput("[evaluation]: no heldout text", "give heldout = \"FILE\" (scored by every model against the unpruned source)")
+            raise BadInput(
+                "[evaluation]: no heldout text",
+                'give heldout = "FILE" (scored by every model against the unpruned source)',
+            )
         _check_rungs(ladder.spec, evaluation.unpruned, "[evaluation] unpruned")
     selection = SelectionStep(method, keep, ratio, keepset, protect, protect_super, seed, protect_file)
     if method == TUNE:
         heldout = sel.paths("heldout") or (evaluation.heldout_files if evaluation is not None else ())
         if not heldout:
-            raise BadInput(f"[selection]: method {TUNE} scores the keep-sets on held-out text", "give [selection] heldout = \"FILE\" (or an [evaluation] heldout, which it then reads)")
+            raise BadInput(
+                f"[selection]: method {TUNE} scores the keep-sets on held-out text",
+                'give [selection] heldout = "FILE" (or an [evaluation] heldout, which it then reads)',
+            )
         chunks = sel.integer("chunks", minimum=1)
-        selection = replace(selection, keeps=keeps, methods=methods, heldout=heldout, stability=sel.boolean("stability", False),
-                            chunks=chunks if chunks is not None else (evaluation.chunks if evaluation is not None else None))
+        selection = replace(
+            selection,
+            keeps=keeps,
+            methods=methods,
+            heldout=heldout,
+            stability=sel.boolean("stability", False),
+            chunks=chunks if chunks is not None else (evaluation.chunks if evaluation is not None else None),
+        )
     if source.resolve().parent == output.resolve():
-        raise BadInput(f"plan: the output directory {output} holds the source", "write the release to its own directory: everything in it is published")
+        raise BadInput(
+            f"plan: the output directory {output} holds the source",
+            "write the release to its own directory: everything in it is published",
+        )
     if work.resolve() == output.resolve():
-        raise BadInput("plan: work and output are the same directory", "intermediates (the pruned source, imatrices) must not be published: give work another directory")
-    return RunPlan(path, source, output, work, name, threads, selection, calibration, imatrix, ladder, evaluation, card, card_settings, raw=doc,
-                   gpu_layers=gpu_layers)
+        raise BadInput(
+            "plan: work and output are the same directory",
+            "intermediates (the pruned source, imatrices) must not be published: give work another directory",
+        )
+    return RunPlan(
+        path,
+        source,
+        output,
+        work,
+        name,
+        threads,
+        selection,
+        calibration,
+        imatrix,
+        ladder,
+        evaluation,
+        card,
+        card_settings,
+        raw=doc,
+        gpu_layers=gpu_layers,
+    )
 
 
 def _tune_keeps(table: _Table) -> tuple[int, ...]:
     """[selection] keep of method tune: a list of expert counts (or one), duplicates dropped, order kept."""
     value = table._get("keep")
     values = [value] if isinstance(value, int) and not isinstance(value, bool) else value
-    if value is None or not isinstance(values, list) or not values or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in values):
-        raise BadInput(f"[selection]: keep of method {TUNE} must be a list of expert counts (got {value!r})", "for example keep = [8] or keep = [12, 8, 4]; the first K is carved")
+    if (
+        value is None
+        or not isinstance(values, list)
+        or not values
+        or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in values)
+    ):
+        raise BadInput(
+            f"[selection]: keep of method {TUNE} must be a list of expert counts (got {value!r})",
+            "for example keep = [8] or keep = [12, 8, 4]; the first K is carved",
+        )
     return tuple(dict.fromkeys(values))
 
 
@@ -436,10 +611,16 @@ def _tune_methods(table: _Table) -> tuple[str, ...]:
     if value is None or value == "all":
         return ALL_METHODS
     if not isinstance(value, list) or not value or not all(isinstance(v, str) and v for v in value):
-        raise BadInput(f"[selection]: methods must be \"all\" or a list of criteria (got {value!r})", "for example methods = [\"reap\", \"frequency\", \"weights\"]")
+        raise BadInput(
+            f'[selection]: methods must be "all" or a list of criteria (got {value!r})',
+            'for example methods = ["reap", "frequency", "weights"]',
+        )
     for name in value:
         if name == TUNE:
-            raise BadInput(f"[selection]: methods lists {TUNE} itself", "list the criteria that compete, e.g. [\"reap\", \"frequency\", \"weights\"]")
+            raise BadInput(
+                f"[selection]: methods lists {TUNE} itself",
+                'list the criteria that compete, e.g. ["reap", "frequency", "weights"]',
+            )
         try:
             criterion_named(name)
         except BadInput as err:
@@ -467,7 +648,10 @@ def _quantizer(table: _Table) -> str:
         return value
     path = table._resolve("quantizer", value, True)
     if not path.is_file() or not os.access(path, os.X_OK):
-        raise BadInput(f"[ladder]: quantizer = {value!r} is not an executable file ({path})", "give auto, binary, libllama or the path of llama-quantize, relative to the plan file")
+        raise BadInput(
+            f"[ladder]: quantizer = {value!r} is not an executable file ({path})",
+            "give auto, binary, libllama or the path of llama-quantize, relative to the plan file",
+        )
     return str(path.resolve())
 
 
@@ -485,7 +669,10 @@ def _protect_file(table: _Table, value: str | None) -> Path | None:
     try:
         parse_id_list(value)
     except BadInput:
-        raise BadInput(f"[selection]: protect = {value!r} is neither expert ids (0,5,9-11) nor a file", "paths in a plan are relative to the plan file") from None
+        raise BadInput(
+            f"[selection]: protect = {value!r} is neither expert ids (0,5,9-11) nor a file",
+            "paths in a plan are relative to the plan file",
+        ) from None
     return None
 
 

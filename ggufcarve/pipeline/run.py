@@ -44,7 +44,18 @@ from ggufcarve.pipeline.stages import (
 )
 from ggufcarve.pipeline.state import RunState, stage_digest
 
-__all__ = ["RUN_PLAN_NAME", "SELECTION_NAME", "Names", "RunPreview", "RunResult", "StagePreview", "StageResult", "execute_run", "names_for", "preview_run"]
+__all__ = [
+    "RUN_PLAN_NAME",
+    "SELECTION_NAME",
+    "Names",
+    "RunPreview",
+    "RunResult",
+    "StagePreview",
+    "StageResult",
+    "execute_run",
+    "names_for",
+    "preview_run",
+]
 
 DISK_MARGIN = 64 * 2**20
 WORK_LOCK_NAME = ".ggufcarve-run.lock"
@@ -90,12 +101,24 @@ def _context(plan: RunPlan, on_event: Sink = ignore, force: bool = False) -> Run
 
     model = read_model(plan.source)
     layout = inspect_layout(model)
-    return RunContext(plan, model, layout, names_for(plan, layout), on_event, force, RunState(plan.work), default_threads(plan), plan.gpu_layers)
+    return RunContext(
+        plan,
+        model,
+        layout,
+        names_for(plan, layout),
+        on_event,
+        force,
+        RunState(plan.work),
+        default_threads(plan),
+        plan.gpu_layers,
+    )
 
 
 def _preview(ctx: RunContext, stages: list[Stage]) -> RunPreview:
     plan = ctx.plan
-    listed = tuple(StagePreview(s.name, s.action, s.outputs, s.bytes, s.recorded and s.name in ctx.state.stages) for s in stages)
+    listed = tuple(
+        StagePreview(s.name, s.action, s.outputs, s.bytes, s.recorded and s.name in ctx.state.stages) for s in stages
+    )
     # a stage that ran before still needs its space when it runs again: its output is written
     # beside the old one, under a temp name, before the old one goes
     needed = sum(s.bytes or 0 for s in stages) + DISK_MARGIN
@@ -115,7 +138,9 @@ def _preview(ctx: RunContext, stages: list[Stage]) -> RunPreview:
         on_device[devices[directory]] = needed
     for directory, amount in elsewhere:
         on_device[devices[str(directory)]] = on_device.get(devices[str(directory)], 0) + amount
-    return RunPreview(plan, listed, needed, free, {d: on_device[devices[d]] for d in free}, sum(amount for _, amount in elsewhere))
+    return RunPreview(
+        plan, listed, needed, free, {d: on_device[devices[d]] for d in free}, sum(amount for _, amount in elsewhere)
+    )
 
 
 def preview_run(plan: RunPlan, *, sizes: bool = True) -> RunPreview:
@@ -162,7 +187,9 @@ def _run_stage(ctx: RunContext, stage: Stage) -> StageResult:
         summary = stage.publish() or summary
     seconds = time.monotonic() - started
     state.record(stage.name, digest, base, outputs, seconds)
-    return StageResult(stage.name, "ran", seconds, sorted(p.resolve().relative_to(base.resolve()).as_posix() for p in outputs), summary)
+    return StageResult(
+        stage.name, "ran", seconds, sorted(p.resolve().relative_to(base.resolve()).as_posix() for p in outputs), summary
+    )
 
 
 def _drop_evaluation(ctx: RunContext) -> None:
@@ -192,13 +219,28 @@ def execute_run(plan: RunPlan, *, force: bool = False, on_event: Sink = ignore) 
         from ggufcarve.fileio import format_size
 
         probe = preview.short[0]
-        raise OutputError(f"the run needs about {format_size(preview.needed[probe])} more but {probe} has {format_size(preview.free[probe])} free",
-                          "free disk space, or set work/output in the plan to a larger disk (and GGUFCARVE_CACHE for the reference's log-probs)")
+        raise OutputError(
+            f"the run needs about {format_size(preview.needed[probe])} more but {probe} has {format_size(preview.free[probe])} free",
+            "free disk space, or set work/output in the plan to a larger disk (and GGUFCARVE_CACHE for the reference's log-probs)",
+        )
     plan.work.mkdir(parents=True, exist_ok=True)
-    with lock_release(plan.work, name=WORK_LOCK_NAME, wait=0, hint="wait for the other run to finish, or give this plan another work directory"):
+    with lock_release(
+        plan.work,
+        name=WORK_LOCK_NAME,
+        wait=0,
+        hint="wait for the other run to finish, or give this plan another work directory",
+    ):
         ctx.state = RunState(plan.work)  # as the lock's holder found it
         if plan.evaluation is None:
             _drop_evaluation(ctx)
         for stage in stages:
             ctx.results.append(_run_stage(ctx, stage))
-    return RunResult(plan, ctx.results, ctx.ladder_result, ctx.evaluation, ctx.verification, time.monotonic() - started, list(dict.fromkeys(ctx.warnings)))
+    return RunResult(
+        plan,
+        ctx.results,
+        ctx.ladder_result,
+        ctx.evaluation,
+        ctx.verification,
+        time.monotonic() - started,
+        list(dict.fromkeys(ctx.warnings)),
+    )

@@ -37,14 +37,22 @@ class Stage:
     action: str  # what it does, in words (the preview)
     base: Path  # the directory its outputs are recorded relative to (work or output)
     parameters: dict[str, Any]
-    inputs: tuple[Path, ...]  # files it reads (every shard of a split model); those an earlier stage writes are hashed when it is reached
+    inputs: tuple[
+        Path, ...
+    ]  # files it reads (every shard of a split model); those an earlier stage writes are hashed when it is reached
     outputs: tuple[str, ...]  # the files it writes (names, for the preview)
     bytes: int | None  # what its outputs take on disk; None: known once the stages before it ran
     work: Work
-    publish: Callable[[], str] | None = None  # runs also when the stage is skipped (records published files; idempotent)
-    later_inputs: Callable[[], list[Path]] | None = None  # inputs named only once the stages before it ran (the release's rungs)
+    publish: Callable[[], str] | None = (
+        None  # runs also when the stage is skipped (records published files; idempotent)
+    )
+    later_inputs: Callable[[], list[Path]] | None = (
+        None  # inputs named only once the stages before it ran (the release's rungs)
+    )
     recorded: bool = True  # False: runs every time and records nothing (verify)
-    elsewhere: tuple[Path, int] | None = None  # a directory outside work and output it writes to, and at most how much (the reference's log-probs cache)
+    elsewhere: tuple[Path, int] | None = (
+        None  # a directory outside work and output it writes to, and at most how much (the reference's log-probs cache)
+    )
 
 
 @dataclass(frozen=True)
@@ -68,11 +76,17 @@ def names_for(plan: RunPlan, layout: Any) -> Names:
     kept = _kept_count(plan, layout)
     name = plan.name or f"{base}-{kept}e"
     if name == base and plan.evaluation is not None and plan.evaluation.unpruned:
-        raise BadInput(f"plan: name = {name!r} is also the unpruned model's name, so their rungs would share file names", f"give the pruned model another name, e.g. \"{base}-{kept}e\"")
+        raise BadInput(
+            f"plan: name = {name!r} is also the unpruned model's name, so their rungs would share file names",
+            f'give the pruned model another name, e.g. "{base}-{kept}e"',
+        )
     stem = plan.source.name[:-5] if plan.source.name.endswith(".gguf") else plan.source.name
-    tag = stem[len(base):].lstrip("-._") if stem.startswith(base) else ""
+    tag = stem[len(base) :].lstrip("-._") if stem.startswith(base) else ""
     return Names(
-        base=base, name=name, kept=kept, source_expert_count=layout.expert_count,
+        base=base,
+        name=name,
+        kept=kept,
+        source_expert_count=layout.expert_count,
         pruned=plan.work / (f"{name}-{tag}.gguf" if tag else f"{name}.gguf"),
         selection=plan.work / SELECTION_NAME,
         collected_imatrix=plan.work / f"{base}.imatrix.gguf",
@@ -159,7 +173,11 @@ class RunContext:
 def traces(plan: RunPlan) -> bool:
     from ggufcarve.select.criteria import criterion_named
 
-    return plan.selection.method is not None and not plan.selection.tunes and criterion_named(plan.selection.method).needs == "calibration"
+    return (
+        plan.selection.method is not None
+        and not plan.selection.tunes
+        and criterion_named(plan.selection.method).needs == "calibration"
+    )
 
 
 def one_pass(plan: RunPlan) -> bool:
@@ -208,13 +226,32 @@ def _collect_stage(ctx: RunContext) -> Stage:
     def work() -> tuple[list[Path], str]:
         from ggufcarve.imatrix.collect import collect_imatrix
 
-        chunks = calibration.max_tokens // calibration.ctx if calibration.max_tokens else None  # whole chunks, as the selection's trace
-        collect_imatrix(ctx.model, list(calibration.files), names.collected_imatrix, ctx=calibration.ctx, chunks=chunks, threads=ctx.threads,
-                        gpu_layers=ctx.gpu_layers, force=True, on_event=ctx.sink)
+        chunks = (
+            calibration.max_tokens // calibration.ctx if calibration.max_tokens else None
+        )  # whole chunks, as the selection's trace
+        collect_imatrix(
+            ctx.model,
+            list(calibration.files),
+            names.collected_imatrix,
+            ctx=calibration.ctx,
+            chunks=chunks,
+            threads=ctx.threads,
+            gpu_layers=ctx.gpu_layers,
+            force=True,
+            on_event=ctx.sink,
+        )
         return [names.collected_imatrix], f"imatrix of {names.base} from {len(calibration.files)} calibration file(s)"
 
-    return Stage("imatrix-collect", "collect the full model's imatrix from the calibration text", plan.work,
-                 {"ctx": calibration.ctx, "max_tokens": calibration.max_tokens}, (plan.source, *calibration.files), (names.collected_imatrix.name,), None, work)
+    return Stage(
+        "imatrix-collect",
+        "collect the full model's imatrix from the calibration text",
+        plan.work,
+        {"ctx": calibration.ctx, "max_tokens": calibration.max_tokens},
+        (plan.source, *calibration.files),
+        (names.collected_imatrix.name,),
+        None,
+        work,
+    )
 
 
 def _select_settings(ctx: RunContext) -> tuple[Any, tuple[Path, ...]]:
@@ -228,9 +265,19 @@ def _select_settings(ctx: RunContext) -> tuple[Any, tuple[Path, ...]]:
         imatrix_in = plan.imatrix.file or ctx.names.collected_imatrix
     calibration = plan.calibration.files if plan.calibration is not None and traces(plan) else ()
     settings = SelectSettings(
-        method=sel.method, keep=sel.keep, ratio=sel.ratio, imatrix=imatrix_in, calibration=tuple(calibration), seed=sel.seed,
-        ctx=plan.calibration.ctx if plan.calibration else 512, max_tokens=plan.calibration.max_tokens if plan.calibration else None,
-        threads=ctx.threads, gpu_layers=ctx.gpu_layers, protect=sel.protect, protect_super_experts=sel.protect_super_experts, heatmap=True,
+        method=sel.method,
+        keep=sel.keep,
+        ratio=sel.ratio,
+        imatrix=imatrix_in,
+        calibration=tuple(calibration),
+        seed=sel.seed,
+        ctx=plan.calibration.ctx if plan.calibration else 512,
+        max_tokens=plan.calibration.max_tokens if plan.calibration else None,
+        threads=ctx.threads,
+        gpu_layers=ctx.gpu_layers,
+        protect=sel.protect,
+        protect_super_experts=sel.protect_super_experts,
+        heatmap=True,
         imatrix_out=ctx.names.collected_imatrix if one_pass(plan) else None,
     )
     reads = tuple(p for p in (*calibration, imatrix_in, sel.protect_file) if p is not None)
@@ -246,16 +293,34 @@ def _select_stage(ctx: RunContext) -> Stage:
         from ggufcarve.select.run import select_to_file
 
         plan.work.mkdir(parents=True, exist_ok=True)
-        result = select_to_file(plan.source, settings, names.selection, force=True, model=ctx.model, layout=ctx.layout, on_event=ctx.sink)
+        result = select_to_file(
+            plan.source, settings, names.selection, force=True, model=ctx.model, layout=ctx.layout, on_event=ctx.sink
+        )
         ctx.keepset = result.keepset
         ctx.warnings.extend(result.selection.warnings)
-        return list(result.outputs), f"{sel.method}: keep {names.kept} of {names.source_expert_count} in {len(result.keepset.layers)} MoE blocks" + (" (imatrix collected in the same pass)" if together else "")
+        return (
+            list(result.outputs),
+            f"{sel.method}: keep {names.kept} of {names.source_expert_count} in {len(result.keepset.layers)} MoE blocks"
+            + (" (imatrix collected in the same pass)" if together else ""),
+        )
 
-    parameters = {"method": sel.method, "keep": names.kept, "protect": sel.protect if sel.protect_file is None else sel.protect_file.name,
-                  "protect_super_experts": sel.protect_super_experts, "seed": sel.seed,
-                  "calibration": None if plan.calibration is None else {"ctx": plan.calibration.ctx, "max_tokens": plan.calibration.max_tokens}, "one_pass": together}
-    outputs = (names.selection.name, names.selection.with_suffix(".png").name) + ((names.collected_imatrix.name,) if together else ())
-    action = f"score experts with {sel.method}, keep {names.kept} of {ctx.layout.expert_count}" + ("; the imatrix in the same pass" if together else "")
+    parameters = {
+        "method": sel.method,
+        "keep": names.kept,
+        "protect": sel.protect if sel.protect_file is None else sel.protect_file.name,
+        "protect_super_experts": sel.protect_super_experts,
+        "seed": sel.seed,
+        "calibration": None
+        if plan.calibration is None
+        else {"ctx": plan.calibration.ctx, "max_tokens": plan.calibration.max_tokens},
+        "one_pass": together,
+    }
+    outputs = (names.selection.name, names.selection.with_suffix(".png").name) + (
+        (names.collected_imatrix.name,) if together else ()
+    )
+    action = f"score experts with {sel.method}, keep {names.kept} of {ctx.layout.expert_count}" + (
+        "; the imatrix in the same pass" if together else ""
+    )
     return Stage("select", action, plan.work, parameters, (plan.source, *reads), outputs, None, work)
 
 
@@ -270,9 +335,19 @@ def tune_settings(ctx: RunContext) -> Any:
     reads = any(m not in ZERO_SHOT for m in sel.methods)
     cal = plan.calibration if reads else None
     ctx_tokens = cal.ctx if cal is not None else (plan.evaluation.ctx if plan.evaluation is not None else 512)
-    return TuneSettings(keeps=sel.keeps, methods=sel.methods, calibration=cal.files if cal is not None else (), heldout=sel.heldout, ctx=ctx_tokens,
-                        chunks=sel.chunks, max_tokens=cal.max_tokens if cal is not None else None, threads=ctx.threads, gpu_layers=ctx.gpu_layers, seed=sel.seed,
-                        stability=sel.stability)
+    return TuneSettings(
+        keeps=sel.keeps,
+        methods=sel.methods,
+        calibration=cal.files if cal is not None else (),
+        heldout=sel.heldout,
+        ctx=ctx_tokens,
+        chunks=sel.chunks,
+        max_tokens=cal.max_tokens if cal is not None else None,
+        threads=ctx.threads,
+        gpu_layers=ctx.gpu_layers,
+        seed=sel.seed,
+        stability=sel.stability,
+    )
 
 
 def _tune_stage(ctx: RunContext) -> Stage:
@@ -292,16 +367,38 @@ def _tune_stage(ctx: RunContext) -> Stage:
         ctx.keepset = load_keepset(names.selection, ctx.layout)
         winner = next(c for c in result.report["candidates"] if c["id"] == result.winner)
         methods = len({c["method"] for c in result.report["candidates"]})  # greedy left out of "all" is not among them
-        return [*result.outputs, names.selection], (f"{methods} methods at K = {', '.join(map(str, settings.keeps))}; winner {result.winner} "
-                                                    f"(mean KLD {winner['kld_mean']:.4f}), carved: keep {names.kept} of {names.source_expert_count}")
+        return [*result.outputs, names.selection], (
+            f"{methods} methods at K = {', '.join(map(str, settings.keeps))}; winner {result.winner} "
+            f"(mean KLD {winner['kld_mean']:.4f}), carved: keep {names.kept} of {names.source_expert_count}"
+        )
 
-    parameters = {"method": "tune", "methods": list(settings.methods), "keeps": list(settings.keeps), "ctx": settings.ctx, "chunks": settings.chunks,
-                  "max_tokens": settings.max_tokens, "seed": settings.seed, "stability": settings.stability}
-    outputs = tuple(f"{TUNE_DIR}/{n}" for n in (*TUNE_PUBLISHED, "tune.json", SELECTION_NAME, "candidates/")) + (names.selection.name,)
-    action = (f"{len(settings.methods)} methods at K = {', '.join(map(str, settings.keeps))} scored by masking on {', '.join(p.name for p in settings.heldout)}; "
-              f"carve the winner at K = {names.kept}")
-    return Stage("tune", action, plan.work, parameters, (plan.source, *settings.calibration, *settings.heldout), outputs,
-                 _tune_bytes(ctx, settings), work)
+    parameters = {
+        "method": "tune",
+        "methods": list(settings.methods),
+        "keeps": list(settings.keeps),
+        "ctx": settings.ctx,
+        "chunks": settings.chunks,
+        "max_tokens": settings.max_tokens,
+        "seed": settings.seed,
+        "stability": settings.stability,
+    }
+    outputs = tuple(f"{TUNE_DIR}/{n}" for n in (*TUNE_PUBLISHED, "tune.json", SELECTION_NAME, "candidates/")) + (
+        names.selection.name,
+    )
+    action = (
+        f"{len(settings.methods)} methods at K = {', '.join(map(str, settings.keeps))} scored by masking on {', '.join(p.name for p in settings.heldout)}; "
+        f"carve the winner at K = {names.kept}"
+    )
+    return Stage(
+        "tune",
+        action,
+        plan.work,
+        parameters,
+        (plan.source, *settings.calibration, *settings.heldout),
+        outputs,
+        _tune_bytes(ctx, settings),
+        work,
+    )
 
 
 def _tune_bytes(ctx: RunContext, settings: Any) -> int:
@@ -327,12 +424,22 @@ def _prune_stage(ctx: RunContext) -> Stage:
         ctx.warnings.extend(pruned_plan.warnings)
         result = execute(pruned_plan, ctx.model, force=True, on_event=ctx.sink)
         files = [f.path for f in pruned_plan.files]
-        return [*files, result.report_path], (f"{ctx.layout.expert_count} -> {keepset.kept_count} experts; {format_size(pruned_plan.bytes_in)} -> {format_size(pruned_plan.bytes_out)}, "
-                                              f"{len(result.verification.tensors)} tensors verified")
+        return [*files, result.report_path], (
+            f"{ctx.layout.expert_count} -> {keepset.kept_count} experts; {format_size(pruned_plan.bytes_in)} -> {format_size(pruned_plan.bytes_out)}, "
+            f"{len(result.verification.tensors)} tensors verified"
+        )
 
     keepset_file = ctx.keepset_file()
-    return Stage("prune", f"{ctx.layout.expert_count} -> {names.kept} experts in {len(ctx.layout.layers)} MoE blocks", plan.work,
-                 {"keepset": keepset_file.name, "output": names.pruned.name}, (plan.source, keepset_file), tuple(f.path.name for f in preview.files), preview.bytes_out, work)
+    return Stage(
+        "prune",
+        f"{ctx.layout.expert_count} -> {names.kept} experts in {len(ctx.layout.layers)} MoE blocks",
+        plan.work,
+        {"keepset": keepset_file.name, "output": names.pruned.name},
+        (plan.source, keepset_file),
+        tuple(f.path.name for f in preview.files),
+        preview.bytes_out,
+        work,
+    )
 
 
 def imatrix_source(ctx: RunContext) -> Path | None:
@@ -355,12 +462,25 @@ def _remap_stage(ctx: RunContext, source_imatrix: Path) -> Stage:
         pruned = read_model(names.pruned)
         layout = resolve_source_layout(imatrix, pruned, inspect_layout(pruned), ctx.layout)
         keepset = ctx.selection_keepset()
-        remap_plan = plan_remap(imatrix, keepset, layout, names.remapped_imatrix, output_format="gguf", pruned=pruned, source=ctx.model)
+        remap_plan = plan_remap(
+            imatrix, keepset, layout, names.remapped_imatrix, output_format="gguf", pruned=pruned, source=ctx.model
+        )
         result = execute_remap(remap_plan, force=True, sources=[*pruned.paths, *ctx.model.paths], on_event=ctx.sink)
-        return [names.remapped_imatrix, result.report_path], f"{len(remap_plan.output.entries)} entries remapped to {keepset.kept_count} experts"
+        return [
+            names.remapped_imatrix,
+            result.report_path,
+        ], f"{len(remap_plan.output.entries)} entries remapped to {keepset.kept_count} experts"
 
-    return Stage("imatrix", "remap the imatrix to the kept experts", plan.work, {"output": names.remapped_imatrix.name},
-                 (source_imatrix, ctx.keepset_file(), names.pruned, plan.source), (names.remapped_imatrix.name,), None, work)
+    return Stage(
+        "imatrix",
+        "remap the imatrix to the kept experts",
+        plan.work,
+        {"output": names.remapped_imatrix.name},
+        (source_imatrix, ctx.keepset_file(), names.pruned, plan.source),
+        (names.remapped_imatrix.name,),
+        None,
+        work,
+    )
 
 
 def _quantizer(ctx: RunContext) -> Any:
@@ -369,17 +489,39 @@ def _quantizer(ctx: RunContext) -> Any:
     return make_quantizer(ctx.plan.ladder.quantizer, ctx.plan.ladder.llama_cpp)
 
 
-def _run_ladder(ctx: RunContext, source: Path, out_dir: Path, imatrix: Path | None, only: Sequence[str], model_name: str, fresh: bool, label: str = "") -> Any:
+def _run_ladder(
+    ctx: RunContext,
+    source: Path,
+    out_dir: Path,
+    imatrix: Path | None,
+    only: Sequence[str],
+    model_name: str,
+    fresh: bool,
+    label: str = "",
+) -> Any:
     from ggufcarve.quant.run import plan_ladder, run_ladder
     from ggufcarve.quant.spec import load_spec
 
-    ladder_plan = plan_ladder(load_spec(ctx.plan.ladder.spec), source, out_dir, quantizer=_quantizer(ctx), imatrix=imatrix, only=list(only) or None,
-                              model_name=model_name, nthreads=ctx.threads, fresh=fresh, on_event=ctx.sink)
+    ladder_plan = plan_ladder(
+        load_spec(ctx.plan.ladder.spec),
+        source,
+        out_dir,
+        quantizer=_quantizer(ctx),
+        imatrix=imatrix,
+        only=list(only) or None,
+        model_name=model_name,
+        nthreads=ctx.threads,
+        fresh=fresh,
+        on_event=ctx.sink,
+    )
     ctx.warnings.extend(ladder_plan.warnings)
     result = run_ladder(ladder_plan, on_event=ctx.sink, label=label)
     if result.failed:
         failed = result.failed[0]
-        raise ToolFailed(f"rung {failed.name} failed: {failed.error}", "see the quantizer's last lines above; fix the cause and run the plan again (finished stages are skipped)")
+        raise ToolFailed(
+            f"rung {failed.name} failed: {failed.error}",
+            "see the quantizer's last lines above; fix the cause and run the plan again (finished stages are skipped)",
+        )
     return result
 
 
@@ -400,7 +542,16 @@ def _ladder_bytes(ctx: RunContext, kept: int, rungs: list[str], exact: bool) -> 
     quantizer = _quantizer(ctx)  # the plan's choice: a libllama-only plan runs no compiled tool
     if quantizer.backend != "binary" and not exact:
         return None
-    report = plan_fit(ctx.model, ctx.layout, load_spec(ctx.plan.ladder.spec), memory=2**62, context=ContextSettings(512), quantizer=quantizer, kept_counts=[kept], only=rungs)
+    report = plan_fit(
+        ctx.model,
+        ctx.layout,
+        load_spec(ctx.plan.ladder.spec),
+        memory=2**62,
+        context=ContextSettings(512),
+        quantizer=quantizer,
+        kept_counts=[kept],
+        only=rungs,
+    )
     return sum(row.rung.bytes for row in report.rows)
 
 
@@ -421,16 +572,35 @@ def _ladder_stage(ctx: RunContext, sizes: bool) -> Stage:
         ctx.ladder_result = result
         built = [r for r in result.rungs if r.status == "built"]
         outputs = [plan.output / r.output for r in result.rungs if r.output and (plan.output / r.output).is_file()]
-        return outputs, f"{len(result.rungs)} rungs ({len(built)} built), {format_size(sum(r.bytes or 0 for r in result.rungs))}"
+        return (
+            outputs,
+            f"{len(result.rungs)} rungs ({len(built)} built), {format_size(sum(r.bytes or 0 for r in result.rungs))}",
+        )
 
-    def selection_record() -> list[Path]:  # published as method/expert-selection.json when it is beside the pruned source
+    def selection_record() -> list[
+        Path
+    ]:  # published as method/expert-selection.json when it is beside the pruned source
         path = ctx.keepset_file()
         return [path] if path.exists() else []
 
-    parameters = {"spec": _spec_record(plan.ladder.spec), "only": list(plan.ladder.only), "quantizer": _public_quantizer(plan.ladder.quantizer), "name": names.name}
+    parameters = {
+        "spec": _spec_record(plan.ladder.spec),
+        "only": list(plan.ladder.only),
+        "quantizer": _public_quantizer(plan.ladder.quantizer),
+        "name": names.name,
+    }
     inputs = tuple(p for p in (names.pruned, imatrix) if p is not None)
-    return Stage("ladder", f"{plan.ladder.spec.name}: {', '.join(rungs)}", plan.output, parameters, inputs, tuple(f"{names.name}-{r}.gguf" for r in rungs),
-                 _ladder_bytes(ctx, names.kept, rungs, sizes), work, later_inputs=selection_record)
+    return Stage(
+        "ladder",
+        f"{plan.ladder.spec.name}: {', '.join(rungs)}",
+        plan.output,
+        parameters,
+        inputs,
+        tuple(f"{names.name}-{r}.gguf" for r in rungs),
+        _ladder_bytes(ctx, names.kept, rungs, sizes),
+        work,
+        later_inputs=selection_record,
+    )
 
 
 def _public_quantizer(choice: str) -> str:
@@ -446,10 +616,22 @@ def _unpruned_stage(ctx: RunContext, ev: EvaluationStep, sizes: bool) -> Stage:
         files = [names.unpruned_dir / r.output for r in result.rungs if r.output]
         return files, f"{', '.join(r.name for r in result.rungs)} of the unpruned {names.base}"
 
-    parameters = {"spec": _spec_record(plan.ladder.spec), "rungs": list(ev.unpruned), "quantizer": _public_quantizer(plan.ladder.quantizer)}
+    parameters = {
+        "spec": _spec_record(plan.ladder.spec),
+        "rungs": list(ev.unpruned),
+        "quantizer": _public_quantizer(plan.ladder.quantizer),
+    }
     inputs = tuple(p for p in (plan.source, imatrix) if p is not None)
-    return Stage("unpruned", f"{', '.join(ev.unpruned)} of the unpruned model, for the equal-size comparison", plan.work, parameters, inputs,
-                 tuple(f"{names.base}-{r}.gguf" for r in ev.unpruned), _ladder_bytes(ctx, ctx.layout.expert_count, list(ev.unpruned), sizes), work)
+    return Stage(
+        "unpruned",
+        f"{', '.join(ev.unpruned)} of the unpruned model, for the equal-size comparison",
+        plan.work,
+        parameters,
+        inputs,
+        tuple(f"{names.base}-{r}.gguf" for r in ev.unpruned),
+        _ladder_bytes(ctx, ctx.layout.expert_count, list(ev.unpruned), sizes),
+        work,
+    )
 
 
 def rung_files(output: Path) -> list[Path]:
@@ -457,7 +639,11 @@ def rung_files(output: Path) -> list[Path]:
     from ggufcarve.release.manifest import described_files, read_manifest
 
     manifest = read_manifest(output) or {}
-    return [output / name for name in sorted(described_files(manifest)) if name.endswith(".gguf") and (output / name).is_file()]
+    return [
+        output / name
+        for name in sorted(described_files(manifest))
+        if name.endswith(".gguf") and (output / name).is_file()
+    ]
 
 
 def qa_files(qa: Path | None) -> list[Path]:
@@ -478,19 +664,43 @@ def _evaluate_stage(ctx: RunContext, ev: EvaluationStep) -> Stage:
     from ggufcarve.evaluate.release import eval_settings
     from ggufcarve.evaluate.run import reference_cache_dir, reference_disk_bytes
 
-    settings, warnings = eval_settings(ctx=ev.ctx, chunks=ev.chunks, threads=ctx.threads, gpu_layers=ctx.gpu_layers, top_k=ev.top_k, tail_samples=ev.tail_samples, speed_runs=ev.speed_runs,
-                                       speed_engine=ev.speed_engine, gate=ev.gate, qa=ev.qa, llama_cpp=plan.ladder.llama_cpp,
-                                       gate_segments=ev.gate_segments, loops=ev.loops, loop_prompts=ev.loop_prompts, loop_tokens=ev.loop_tokens)
+    settings, warnings = eval_settings(
+        ctx=ev.ctx,
+        chunks=ev.chunks,
+        threads=ctx.threads,
+        gpu_layers=ctx.gpu_layers,
+        top_k=ev.top_k,
+        tail_samples=ev.tail_samples,
+        speed_runs=ev.speed_runs,
+        speed_engine=ev.speed_engine,
+        gate=ev.gate,
+        qa=ev.qa,
+        llama_cpp=plan.ladder.llama_cpp,
+        gate_segments=ev.gate_segments,
+        loops=ev.loops,
+        loop_prompts=ev.loop_prompts,
+        loop_tokens=ev.loop_tokens,
+    )
     reference_bytes = reference_disk_bytes(ev.reference or plan.source, ev.heldout, settings, hash_reference=False)
 
     def work() -> tuple[list[Path], str]:
         from ggufcarve.evaluate.release import evaluate_release
 
         ctx.warnings.extend(warnings)
-        evaluated = evaluate_release([plan.output, *ev.compare, *unpruned()], ev.reference or plan.source, ev.heldout, settings, directory, ctx.sink, replace=True)
+        evaluated = evaluate_release(
+            [plan.output, *ev.compare, *unpruned()],
+            ev.reference or plan.source,
+            ev.heldout,
+            settings,
+            directory,
+            ctx.sink,
+            replace=True,
+        )
         ctx.evaluation = list(evaluated.run.results)
         gates = [r.get("gate") for r in evaluated.run.results]
-        return list(evaluated.files), f"{len(evaluated.run.results)} models; " + ", ".join(f"{g} {gates.count(g)}" for g in ("PASS", "FAIL") if gates.count(g))
+        return list(evaluated.files), f"{len(evaluated.run.results)} models; " + ", ".join(
+            f"{g} {gates.count(g)}" for g in ("PASS", "FAIL") if gates.count(g)
+        )
 
     def publish() -> str:
         from ggufcarve.fileio import published_files
@@ -501,19 +711,49 @@ def _evaluate_stage(ctx: RunContext, ev: EvaluationStep) -> Stage:
             ctx.evaluation = read_results(directory)
         return ""
 
-    parameters = {"ctx": ev.ctx, "chunks": ev.chunks, "top_k": ev.top_k, "speed_runs": ev.speed_runs, "speed_engine": ev.speed_engine,
-                  "reference": "source" if ev.reference is None else ev.reference.name}
+    parameters = {
+        "ctx": ev.ctx,
+        "chunks": ev.chunks,
+        "top_k": ev.top_k,
+        "speed_runs": ev.speed_runs,
+        "speed_engine": ev.speed_engine,
+        "reference": "source" if ev.reference is None else ev.reference.name,
+    }
     if ev.top_k is not None:
         parameters["tail_samples"] = settings.tail_samples
     if ev.gate_segments is not None:
         parameters["gate_segments"] = ev.gate_segments
     if settings.loops is not None:
-        parameters["loops"] = {"prompts": ev.loop_prompts.name if ev.loop_prompts else "qa", "tokens": settings.loops.tokens}
+        parameters["loops"] = {
+            "prompts": ev.loop_prompts.name if ev.loop_prompts else "qa",
+            "tokens": settings.loops.tokens,
+        }
     gate = ev.gate or default_gate_path()
-    inputs = tuple(p for p in (ev.reference or plan.source, *ev.heldout_files, *ev.compare, gate if gate.exists() else None, *qa_files(ev.qa), ev.loop_prompts) if p is not None)
-    return Stage("evaluate", f"PPL, KLD vs the unpruned model, speed{', QA' if ev.qa else ''}, gate", plan.output, parameters, inputs, (f"{EVALUATION_DIR}/",), None, work,
-                 publish=publish, later_inputs=lambda: [*rung_files(plan.output), *unpruned()],
-                 elsewhere=(reference_cache_dir(settings), reference_bytes) if reference_bytes else None)
+    inputs = tuple(
+        p
+        for p in (
+            ev.reference or plan.source,
+            *ev.heldout_files,
+            *ev.compare,
+            gate if gate.exists() else None,
+            *qa_files(ev.qa),
+            ev.loop_prompts,
+        )
+        if p is not None
+    )
+    return Stage(
+        "evaluate",
+        f"PPL, KLD vs the unpruned model, speed{', QA' if ev.qa else ''}, gate",
+        plan.output,
+        parameters,
+        inputs,
+        (f"{EVALUATION_DIR}/",),
+        None,
+        work,
+        publish=publish,
+        later_inputs=lambda: [*rung_files(plan.output), *unpruned()],
+        elsewhere=(reference_cache_dir(settings), reference_bytes) if reference_bytes else None,
+    )
 
 
 def read_results(directory: Path) -> list[dict[str, Any]]:
@@ -544,14 +784,20 @@ def _card_stage(ctx: RunContext) -> Stage:
         from ggufcarve.release.card import card_edited, card_warnings, write_card
 
         if card_edited(plan.output) and not ctx.force:
-            raise OutputError(f"{plan.output / 'README.md'} was edited since ggufcarve wrote it, and this run would replace it",
-                              "keep the edit (card = false in the plan, then `ggufcarve card --record`), or let the run write the card again: "
-                              "remove README.md (or run with --force, which also runs every stage again)")
-        if plan.selection.tunes or (plan.output / "method" / TUNE_PUBLISHED[0]).exists():  # the card links the tournament it finds: published (or dropped) first
+            raise OutputError(
+                f"{plan.output / 'README.md'} was edited since ggufcarve wrote it, and this run would replace it",
+                "keep the edit (card = false in the plan, then `ggufcarve card --record`), or let the run write the card again: "
+                "remove README.md (or run with --force, which also runs every stage again)",
+            )
+        if (
+            plan.selection.tunes or (plan.output / "method" / TUNE_PUBLISHED[0]).exists()
+        ):  # the card links the tournament it finds: published (or dropped) first
             from ggufcarve.release.publish import record_published
 
             plan_record = plan.output / "method" / RUN_PLAN_NAME
-            record_published(plan.output, "plan", [*([plan_record] if plan_record.is_file() else []), *_publish_tune(plan)])
+            record_published(
+                plan.output, "plan", [*([plan_record] if plan_record.is_file() else []), *_publish_tune(plan)]
+            )
         path = write_card(plan.output, None, force=True, settings=plan.card_settings)
         ctx.warnings.extend(card_warnings(plan.output, plan.card_settings))
         return [path], f"{path.name}"
@@ -563,10 +809,25 @@ def _card_stage(ctx: RunContext) -> Stage:
         return ""
 
     def reads() -> list[Path]:
-        return [*rung_files(plan.output), *published_files(plan.output / EVALUATION_DIR), *method_reports(plan.output, RUN_PLAN_NAME)]
+        return [
+            *rung_files(plan.output),
+            *published_files(plan.output / EVALUATION_DIR),
+            *method_reports(plan.output, RUN_PLAN_NAME),
+        ]
 
     parameters = plan.card_settings.to_json() if plan.card_settings is not None else {}
-    return Stage("card", "the model card", plan.output, parameters, (), ("README.md",), None, work, publish=publish, later_inputs=reads)
+    return Stage(
+        "card",
+        "the model card",
+        plan.output,
+        parameters,
+        (),
+        ("README.md",),
+        None,
+        work,
+        publish=publish,
+        later_inputs=reads,
+    )
 
 
 def shards(path: Path) -> list[Path]:
@@ -591,15 +852,30 @@ def _record_plan(ctx: RunContext) -> None:
     plan = ctx.plan
     path = plan.output / "method" / RUN_PLAN_NAME
     ev = plan.evaluation
-    files = [plan.source, *(plan.calibration.files if plan.calibration else ()), plan.imatrix.file if plan.imatrix else None, plan.selection.keepset,
-             plan.selection.protect_file, plan.ladder.spec]
+    files = [
+        plan.source,
+        *(plan.calibration.files if plan.calibration else ()),
+        plan.imatrix.file if plan.imatrix else None,
+        plan.selection.keepset,
+        plan.selection.protect_file,
+        plan.ladder.spec,
+    ]
     files += plan.selection.heldout
     if ev is not None:
         files += [*ev.heldout_files, ev.reference, ev.gate, *qa_files(ev.qa), *ev.compare]
-    inputs = [file_input(shard, ctx.digest_of(shard)) for p in dict.fromkeys(p for p in files if p is not None) for shard in shards(p)]
+    inputs = [
+        file_input(shard, ctx.digest_of(shard))
+        for p in dict.fromkeys(p for p in files if p is not None)
+        for shard in shards(p)
+    ]
     stages = [{"name": r.name, "outputs": r.outputs or sorted(ctx.state.outputs(r.name))} for r in ctx.results]
-    doc = envelope("run-plan", inputs=inputs, parameters=plan.to_json(),
-                   results={"stages": stages, "kept_count": ctx.names.kept, "model_name": ctx.names.name}, timings={})
+    doc = envelope(
+        "run-plan",
+        inputs=inputs,
+        parameters=plan.to_json(),
+        results={"stages": stages, "kept_count": ctx.names.kept, "model_name": ctx.names.name},
+        timings={},
+    )
     try:
         old = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
@@ -649,13 +925,25 @@ def _verify_stage(ctx: RunContext) -> Stage:
         report = verify_dir(plan.output, workers=ctx.threads, on_event=ctx.sink)
         if not report.ok:
             first = report.failures[0]
-            raise VerificationFailed(f"verify {ctx.plan.output}: {len(report.failures)} failure(s), first {first.path}: {first.problem}", f"run `ggufcarve verify {ctx.plan.output}` for the list")
+            raise VerificationFailed(
+                f"verify {ctx.plan.output}: {len(report.failures)} failure(s), first {first.path}: {first.problem}",
+                f"run `ggufcarve verify {ctx.plan.output}` for the list",
+            )
         ctx.verification = report
         return [], f"{len(report.files_ok)} files match SHA256SUMS and the manifest"
 
     published = (RUN_PLAN_NAME, *(TUNE_PUBLISHED if ctx.plan.selection.tunes else ()))
-    return Stage("verify", f"{', '.join(f'method/{n}' for n in published)}; SHA256SUMS, manifest, GGUF structure", ctx.plan.output, {}, (),
-                 tuple(f"method/{n}" for n in published), None, work, recorded=False)
+    return Stage(
+        "verify",
+        f"{', '.join(f'method/{n}' for n in published)}; SHA256SUMS, manifest, GGUF structure",
+        ctx.plan.output,
+        {},
+        (),
+        tuple(f"method/{n}" for n in published),
+        None,
+        work,
+        recorded=False,
+    )
 
 
 def default_threads(plan: RunPlan) -> int:

@@ -43,7 +43,9 @@ class RunState:
             try:
                 doc = json.loads(self.path.read_text(encoding="utf-8"))
             except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-                raise BadInput(f"{self.path}: unreadable run state ({err})", f"remove {self.path.name} to run every stage again") from None
+                raise BadInput(
+                    f"{self.path}: unreadable run state ({err})", f"remove {self.path.name} to run every stage again"
+                ) from None
             if isinstance(doc, dict) and doc.get("version") == STATE_VERSION and isinstance(doc.get("stages"), dict):
                 self.stages = doc["stages"]
 
@@ -57,7 +59,11 @@ class RunState:
             return False
         for rel, facts in outputs.items():
             path = base / rel
-            if not path.is_file() or path.stat().st_size != facts.get("bytes") or sha256_file_cached(path) != facts.get("sha256"):
+            if (
+                not path.is_file()
+                or path.stat().st_size != facts.get("bytes")
+                or sha256_file_cached(path) != facts.get("sha256")
+            ):
                 return False
         return True
 
@@ -67,8 +73,15 @@ class RunState:
 
     def record(self, stage: str, digest: str, base: Path, outputs: Sequence[Path], seconds: float) -> None:
         self.stages[stage] = {
-            "digest": digest, "seconds": round(seconds, 3),
-            "outputs": {p.resolve().relative_to(base.resolve()).as_posix(): {"bytes": p.stat().st_size, "sha256": sha256_file_cached(p)} for p in outputs},
+            "digest": digest,
+            "seconds": round(seconds, 3),
+            "outputs": {
+                p.resolve().relative_to(base.resolve()).as_posix(): {
+                    "bytes": p.stat().st_size,
+                    "sha256": sha256_file_cached(p),
+                }
+                for p in outputs
+            },
         }
         self.save()
 
@@ -78,4 +91,6 @@ class RunState:
 
     def save(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        write_text_atomic(self.path, json.dumps({"version": STATE_VERSION, "stages": self.stages}, indent=1, sort_keys=True) + "\n")
+        write_text_atomic(
+            self.path, json.dumps({"version": STATE_VERSION, "stages": self.stages}, indent=1, sort_keys=True) + "\n"
+        )

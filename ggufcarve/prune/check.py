@@ -54,11 +54,18 @@ class Verification:
 
     def raise_if_failed(self, where: str) -> None:
         bad = [t.name for t in self.tensors if not t.ok]
-        problems = self.problems + ([f"tensor data differs from the source slices: {shortened(bad, 5, ', ')}"] if bad else [])
+        problems = self.problems + (
+            [f"tensor data differs from the source slices: {shortened(bad, 5, ', ')}"] if bad else []
+        )
         if problems:
-            raise VerificationFailed(f"{where}: " + shortened(problems, 3), "check that the keep-set is the one the output was made with (see its method/<output stem>.pruning-report.json); otherwise re-run the prune")
+            raise VerificationFailed(
+                f"{where}: " + shortened(problems, 3),
+                "check that the keep-set is the one the output was made with (see its method/<output stem>.pruning-report.json); otherwise re-run the prune",
+            )
+
 
 OutputHashes = dict[str, tuple[int, int, str]]  # tensor name -> (absolute start, length, xxh3-128) in its output file
+
 
 def hash_output(files: list[GGUFFile], progress: Callable[[int], None]) -> OutputHashes:
     """xxh3-128 of every tensor of the given files, read back from disk."""
@@ -73,6 +80,7 @@ def hash_output(files: list[GGUFFile], progress: Callable[[int], None]) -> Outpu
         finally:
             os.close(fd)
     return result
+
 
 def verify_prune(
     source: GGUFModel,
@@ -108,7 +116,9 @@ def verify_prune(
     out_meta = output_files[0]
     expert_kv = out_meta.kv_index.get(expert_count_key)
     if expert_kv is None or expert_kv.value_type != GGUFValueType.UINT32 or expert_kv.value != kept:
-        problems.append(f"{expert_count_key} is {None if expert_kv is None else expert_kv.value!r}, expected u32 {kept}")
+        problems.append(
+            f"{expert_count_key} is {None if expert_kv is None else expert_kv.value!r}, expected u32 {kept}"
+        )
     keys_checked = 0
     for kv in source.metadata.kvs:
         if kv.key in SPLIT_KEYS or kv.key in allowed_changes:
@@ -151,16 +161,34 @@ def verify_prune(
         shape, _ = ranges[t.name]
         src = source_info[t.name]
         if t.shape != shape or t.type_id != src.type_id:
-            problems.append(f"{t.name}: shape {list(t.shape)} type {t.type_name}, expected {list(shape)} {src.type_name}")
+            problems.append(
+                f"{t.name}: shape {list(t.shape)} type {t.type_name}, expected {list(shape)} {src.type_name}"
+            )
         start, end = f.data_range(t)
         hashed_start, hashed_length, digest = output_hashes[t.name]
         if (hashed_start, hashed_length) != (start, end - start):
-            problems.append(f"{t.name}: header places it at bytes {start}..{end}, but it was written at {hashed_start}..{hashed_start + hashed_length}")
-        checks.append(TensorCheck(t.name, shape != src.shape, src.shape, t.shape, t.type_name, src.nbytes, t.nbytes, expected[t.name], digest))
+            problems.append(
+                f"{t.name}: header places it at bytes {start}..{end}, but it was written at {hashed_start}..{hashed_start + hashed_length}"
+            )
+        checks.append(
+            TensorCheck(
+                t.name,
+                shape != src.shape,
+                src.shape,
+                t.shape,
+                t.type_name,
+                src.nbytes,
+                t.nbytes,
+                expected[t.name],
+                digest,
+            )
+        )
     return Verification(checks, keys_checked, problems)
 
-def check_prune(source: GGUFModel, layout: MoeLayout, keepset: KeepSet, output: GGUFModel, on_event: Sink = ignore) -> Verification:
+
+def check_prune(
+    source: GGUFModel, layout: MoeLayout, keepset: KeepSet, output: GGUFModel, on_event: Sink = ignore
+) -> Verification:
     """`ggufcarve check-prune`: re-run the verification of an existing output."""
     check_keepset(keepset, layout)
     return verify_prune(source, layout, keepset, list(output.shards), on_event=on_event)
-

@@ -197,7 +197,9 @@ def _fill_source_sha256(planned: PlannedFile, fd: int, digests: list[str]) -> No
     real = make_kv(KEY_SOURCE_SHA256, GGUFValueType.ARRAY, digests, GGUFValueType.STRING)
     placeholder = next(kv for kv in planned.kvs if kv.key == KEY_SOURCE_SHA256)
     if len(real.raw) != len(placeholder.raw):
-        raise RuntimeError(f"{KEY_SOURCE_SHA256}: the digests take {len(real.raw)} bytes, the placeholder {len(placeholder.raw)}")
+        raise RuntimeError(
+            f"{KEY_SOURCE_SHA256}: the digests take {len(real.raw)} bytes, the placeholder {len(placeholder.raw)}"
+        )
     write_at(fd, real.raw, planned.kv_position(KEY_SOURCE_SHA256))
 
 
@@ -222,16 +224,21 @@ class _CopyPass:
             by_tensor.setdefault(p.tensor, []).append(p)
         self.first_piece = {name: pieces[0] for name, pieces in by_tensor.items()}
         self.unit_lengths = {
-            name: (sum(p.length for p in pieces),) if _ascending(pieces) else tuple(p.length for p in pieces) for name, pieces in by_tensor.items()
+            name: (sum(p.length for p in pieces),) if _ascending(pieces) else tuple(p.length for p in pieces)
+            for name, pieces in by_tensor.items()
         }
-        self.unit_of = {(p.tensor, p.index): (p.tensor, p.index if len(self.unit_lengths[p.tensor]) > 1 else 0) for p in self.pieces}
+        self.unit_of = {
+            (p.tensor, p.index): (p.tensor, p.index if len(self.unit_lengths[p.tensor]) > 1 else 0) for p in self.pieces
+        }
         self.source_units: dict[tuple[str, int], Any] = {unit: xxhash.xxh3_128() for unit in self.unit_of.values()}
         self.remaining = {name: sum(lengths) for name, lengths in self.unit_lengths.items()}
         self.cached = [cached_sha256(path) for path in model.paths]
         self.copied = Counter(on_event, "copy", plan.bytes_out)
         hashed_total = sum(s.size for s, digest in zip(model.shards, self.cached) if digest is None)
         self.hashed = Counter(on_event, "hash source", hashed_total)
-        self.output_hasher = _OutputHasher(self.pipeline, self._checked(Counter(on_event, "verify", sum(self.remaining.values()))))
+        self.output_hasher = _OutputHasher(
+            self.pipeline, self._checked(Counter(on_event, "verify", sum(self.remaining.values())))
+        )
         self.free: queue.Queue[bytearray] = queue.Queue()
         for _ in range(RING_BUFFERS):
             self.free.put(bytearray(RING_CHUNK))
@@ -305,7 +312,10 @@ class _CopyPass:
                             buffer = self.pipeline.get(self.free)
                             got = os.preadv(fd, [memoryview(buffer)[: min(RING_CHUNK, length - done)]], offset + done)
                             if got == 0:
-                                raise BadInput(f"{path.name} ended early: {length - done} bytes missing at offset {offset + done}", "the source file changed or is truncated")
+                                raise BadInput(
+                                    f"{path.name} ended early: {length - done} bytes missing at offset {offset + done}",
+                                    "the source file changed or is truncated",
+                                )
                             self.ready.put((shard, offset + done, buffer, got))
                             done += got
                 finally:
@@ -376,7 +386,9 @@ class _CopyPass:
         try:
             for name, tensor in self.plan.tensors.items():
                 units = [(name, k) for k in range(len(self.unit_lengths[name]))]
-                if name in output_hashes and all(self.source_units[u].hexdigest() == output_units.get(u) for u in units):
+                if name in output_hashes and all(
+                    self.source_units[u].hexdigest() == output_units.get(u) for u in units
+                ):
                     expected[name] = output_hashes[name][2]
                     continue
                 buffer = buffer or bytearray(CHUNK)
@@ -421,7 +433,9 @@ def interrupted_swap(plan: PrunePlan) -> bool:
     return bool(others) and bool(dead_temps(first.parent, first.name.__eq__))
 
 
-def execute(plan: PrunePlan, model: GGUFModel, *, force: bool = False, on_event: Sink = ignore, report_path: Path | None = None) -> PruneResult:
+def execute(
+    plan: PrunePlan, model: GGUFModel, *, force: bool = False, on_event: Sink = ignore, report_path: Path | None = None
+) -> PruneResult:
     """Write the plan's outputs (temp names, fsync, rename), verify them, and write the report.
 
     A split output is replaced as a set: every shard is written and verified under its temp name
@@ -434,7 +448,9 @@ def execute(plan: PrunePlan, model: GGUFModel, *, force: bool = False, on_event:
     report_path = report_path or default_report_path(plan)
     replaces = replaced_files(plan)
     force = force or interrupted_swap(plan)
-    check_outputs(plan.outputs, list(plan.sources), plan.bytes_out, force, replaces=replaces, belongs=plan.is_output_name)
+    check_outputs(
+        plan.outputs, list(plan.sources), plan.bytes_out, force, replaces=replaces, belongs=plan.is_output_name
+    )
     timings: dict[str, float] = {}
     with atomic_outputs(plan.outputs, replaces) as outputs:
         t_copy = time.perf_counter()
@@ -446,7 +462,9 @@ def execute(plan: PrunePlan, model: GGUFModel, *, force: bool = False, on_event:
             _fill_source_sha256(plan.files[0], outputs[0][1], source_sha256)
         expected = copy_pass.expected_hashes(output_hashes, output_units)
         written = [read_file(temp) for temp, _ in outputs]
-        verification = verify_prune(model, plan.layout, plan.keepset, written, expected=expected, output_hashes=output_hashes)
+        verification = verify_prune(
+            model, plan.layout, plan.keepset, written, expected=expected, output_hashes=output_hashes
+        )
         verification.raise_if_failed(f"verification of {plan.outputs[0].name}")
         timings["verify_seconds"] = time.perf_counter() - t_verify
         for _, fd in outputs:

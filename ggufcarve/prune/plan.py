@@ -150,7 +150,9 @@ class PrunePlan:
             "moe_blocks": list(self.layout.blocks),
             "tensors_total": len(self.tensors),
             "tensors_pruned": sorted(t.name for t in pruned),
-            "changed_keys": {k: {"before": _jsonable(a), "after": _jsonable(b)} for k, (a, b) in sorted(self.changed_keys.items())},
+            "changed_keys": {
+                k: {"before": _jsonable(a), "after": _jsonable(b)} for k, (a, b) in sorted(self.changed_keys.items())
+            },
             "provenance_keys": self.provenance,
             "bytes_in": self.bytes_in,
             "bytes_out": self.bytes_out,
@@ -158,7 +160,9 @@ class PrunePlan:
         }
 
 
-def tensor_ranges(model: GGUFModel, layout: MoeLayout, keepset: KeepSet) -> dict[str, tuple[tuple[int, ...], tuple[SourceRange, ...]]]:
+def tensor_ranges(
+    model: GGUFModel, layout: MoeLayout, keepset: KeepSet
+) -> dict[str, tuple[tuple[int, ...], tuple[SourceRange, ...]]]:
     """For every source tensor: its output shape and the source byte ranges that make its data."""
     experts = layout.expert_tensors
     result = {}
@@ -243,7 +247,8 @@ def plan_prune(
     label = meta.get(Keys.General.SIZE_LABEL)
     if isinstance(label, str) and kept != layout.expert_count:
         total_params = sum(
-            t.n_elements * (kept if t.name in layout.expert_tensors else t.shape[-1]) // t.shape[-1] for t in model.tensors
+            t.n_elements * (kept if t.name in layout.expert_tensors else t.shape[-1]) // t.shape[-1]
+            for t in model.tensors
         )
         new_label = relabel_size(label, total_params, kept, layout.expert_count)
         if new_label is None:
@@ -252,7 +257,9 @@ def plan_prune(
             changes[Keys.General.SIZE_LABEL] = make_kv(Keys.General.SIZE_LABEL, GGUFValueType.STRING, new_label)
             changed_keys[Keys.General.SIZE_LABEL] = (label, new_label)
     if provenance:
-        source_sha256 = make_kv(KEY_SOURCE_SHA256, GGUFValueType.ARRAY, [SHA256_PLACEHOLDER] * len(model.shards), GGUFValueType.STRING)
+        source_sha256 = make_kv(
+            KEY_SOURCE_SHA256, GGUFValueType.ARRAY, [SHA256_PLACEHOLDER] * len(model.shards), GGUFValueType.STRING
+        )
         for kv in (source_sha256, *provenance_kvs(keepset, layout.expert_count)):
             changes[kv.key] = kv
 
@@ -320,4 +327,3 @@ def _shard_prefix(output: Path) -> str:
     if match:
         return match["prefix"]
     return str(output)[: -len(".gguf")] if output.suffix == ".gguf" else str(output)
-

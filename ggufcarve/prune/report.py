@@ -48,10 +48,14 @@ def default_report_path(plan: PrunePlan) -> Path:
     return report_path_for(plan.outputs[0], PRUNING_REPORT)
 
 
-def pruning_report(plan: PrunePlan, source_sha256: list[str], verification: Verification, timings: dict[str, float]) -> dict[str, Any]:
+def pruning_report(
+    plan: PrunePlan, source_sha256: list[str], verification: Verification, timings: dict[str, float]
+) -> dict[str, Any]:
     """The report of `plan` executed: the sha256 of each source file (in shard order), the
     verification of the written outputs, and the timings (seconds by name)."""
-    files = [{"name": p.name, "bytes": s, "sha256": h} for p, s, h in zip(plan.sources, plan.source_sizes, source_sha256)]
+    files = [
+        {"name": p.name, "bytes": s, "sha256": h} for p, s, h in zip(plan.sources, plan.source_sizes, source_sha256)
+    ]
     keep_file = [{**plan.keepset.file, "kind": KEEP_SET_INPUT}] if plan.keepset.file else []
     return envelope(
         PRUNING_REPORT,
@@ -72,7 +76,9 @@ def pruning_report(plan: PrunePlan, source_sha256: list[str], verification: Veri
                 "expert_count": plan.kept_count,
             },
             "keep_set": plan.keepset.to_json(),
-            "changed_keys": {k: {"before": _jsonable(a), "after": _jsonable(b)} for k, (a, b) in sorted(plan.changed_keys.items())},
+            "changed_keys": {
+                k: {"before": _jsonable(a), "after": _jsonable(b)} for k, (a, b) in sorted(plan.changed_keys.items())
+            },
             "tensors": [
                 {
                     "name": t.name,
@@ -89,7 +95,12 @@ def pruning_report(plan: PrunePlan, source_sha256: list[str], verification: Veri
             ],
             "bytes_in": plan.bytes_in,
             "bytes_out": plan.bytes_out,
-            "verification": {"ok": verification.ok, "tensors_checked": len(verification.tensors), "keys_checked": verification.keys_checked, "hash": "xxh3_128"},
+            "verification": {
+                "ok": verification.ok,
+                "tensors_checked": len(verification.tensors),
+                "keys_checked": verification.keys_checked,
+                "hash": "xxh3_128",
+            },
             "warnings": list(plan.warnings),
         },
     )

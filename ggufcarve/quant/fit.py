@@ -46,7 +46,18 @@ from ggufcarve.moe.kept import kept_count_problems
 from ggufcarve.moe.layout import MoeLayout
 from ggufcarve.prune.plan import PlannedFile, plan_prune
 from ggufcarve.quant.kvcache import ContextMemory, ContextSettings, context_memory
-from ggufcarve.quant.offload import DEFAULT_MARGIN, GPU_TIERS, TIERS, Offload, WeightPlacement, gpu_compute, placement_of, plan_offload, split_devices, tiers_of
+from ggufcarve.quant.offload import (
+    DEFAULT_MARGIN,
+    GPU_TIERS,
+    TIERS,
+    Offload,
+    WeightPlacement,
+    gpu_compute,
+    placement_of,
+    plan_offload,
+    split_devices,
+    tiers_of,
+)
 from ggufcarve.quant.quantizer import DryRun, QuantizeJob, Quantizer
 from ggufcarve.quant.spec import LadderSpec, Rung
 
@@ -56,9 +67,18 @@ from ggufcarve.quant.spec import LadderSpec, Rung
 ALL_LAYERS = -1  # llama_model_params.n_gpu_layers: a negative value offloads every layer (include/llama.h)
 MEMORY_UNITS = {
     "B": 1,
-    "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-    "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
-    "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40,  # a bare letter is binary, as `free -h` and llama.cpp print
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+    "K": 2**10,
+    "M": 2**20,
+    "G": 2**30,
+    "T": 2**40,  # a bare letter is binary, as `free -h` and llama.cpp print
 }
 MEMORY_SIZE = re.compile(r"\s*(?P<number>\d+(?:\.\d+)?)\s*(?P<unit>[A-Za-z]*)\s*")
 
@@ -69,11 +89,24 @@ def parse_memory(text: str, flag: str = "--memory", allow_zero: bool = False) ->
     match = MEMORY_SIZE.fullmatch(text or "")
     unit = match["unit"].upper() if match else ""
     if match and float(match["number"]) == 0 and not allow_zero:
-        raise BadInput(f"{flag} {text!r}: a budget of nothing", "write a positive size like 24GiB (GB = 10^9 bytes, GiB = 2^30)")
+        raise BadInput(
+            f"{flag} {text!r}: a budget of nothing", "write a positive size like 24GiB (GB = 10^9 bytes, GiB = 2^30)"
+        )
     if match and not unit:
-        raise BadInput(f"{flag} {text!r} has no unit", f"write it like {match['number']}GiB (or {match['number']}GB = 10^9 bytes, {match['number']}B for bytes)")
-    if not match or unit not in MEMORY_UNITS or float(match["number"]) <= 0 and not (allow_zero and float(match["number"]) == 0):
-        raise BadInput(f"{flag} {text!r} is not a memory size", "write it like 24GiB, 24GB or 24000MiB (GB = 10^9 bytes, GiB = 2^30)")
+        raise BadInput(
+            f"{flag} {text!r} has no unit",
+            f"write it like {match['number']}GiB (or {match['number']}GB = 10^9 bytes, {match['number']}B for bytes)",
+        )
+    if (
+        not match
+        or unit not in MEMORY_UNITS
+        or float(match["number"]) <= 0
+        and not (allow_zero and float(match["number"]) == 0)
+    ):
+        raise BadInput(
+            f"{flag} {text!r} is not a memory size",
+            "write it like 24GiB, 24GB or 24000MiB (GB = 10^9 bytes, GiB = 2^30)",
+        )
     return int(float(match["number"]) * MEMORY_UNITS[unit])
 
 
@@ -124,7 +157,9 @@ def parse_kept_counts(text: str, layout: MoeLayout) -> list[int]:
     for k in sorted(counts):
         problem = kept_count_problem(layout, k)
         if problem:
-            raise BadInput(f"--keep {k}: {problem}", f"valid counts include {', '.join(map(str, listed_kept_counts(layout)[:12]))}")
+            raise BadInput(
+                f"--keep {k}: {problem}", f"valid counts include {', '.join(map(str, listed_kept_counts(layout)[:12]))}"
+            )
     return sorted(counts)
 
 
@@ -140,7 +175,9 @@ class RungSize:
     fallback: tuple[str, ...]  # tensors the ladder gives imatrix_fallback_type
     needs_imatrix: bool  # llama.cpp's verdict: some tensor's target type needs an imatrix
     placement: WeightPlacement | None = None  # the rung's tensors as llama.cpp places them on a GPU
-    types: tuple[tuple[str, str], ...] = ()  # every tensor's type in the rung (name, ggml type name), llama.cpp's choice for this K
+    types: tuple[
+        tuple[str, str], ...
+    ] = ()  # every tensor's type in the rung (name, ggml type name), llama.cpp's choice for this K
     tensor_bytes: int = 0  # the rung's tensor data as the file holds it (each tensor padded to the alignment): the weights llama.cpp maps
 
 
@@ -152,15 +189,25 @@ class FitRow:
     cache_bytes: int
     gpu_memory: int | None = None
     gpu_margin: int = DEFAULT_MARGIN
-    load: DryLoad | None = None  # llama.cpp's dry load of the K's header run on the CPU: cache, compute and output buffers
-    gpu_load: tuple[int, DryLoad] | None = None  # (N, the dry load at --n-cpu-moe N, every layer offloaded) on a llama.cpp with a GPU backend
+    load: DryLoad | None = (
+        None  # llama.cpp's dry load of the K's header run on the CPU: cache, compute and output buffers
+    )
+    gpu_load: tuple[int, DryLoad] | None = (
+        None  # (N, the dry load at --n-cpu-moe N, every layer offloaded) on a llama.cpp with a GPU backend
+    )
 
     @property
     def memory_measured(self) -> DeviceMemory | None:
         """Host memory of the CPU run: the rung's weights and the K's measured buffers."""
         if self.load is None:
             return None
-        return DeviceMemory(HOST, self.rung.tensor_bytes, self.load.cache, sum(self.load.compute.values()), sum(self.load.output.values()))
+        return DeviceMemory(
+            HOST,
+            self.rung.tensor_bytes,
+            self.load.cache,
+            sum(self.load.compute.values()),
+            sum(self.load.output.values()),
+        )
 
     @property
     def total(self) -> int:
@@ -174,14 +221,22 @@ class FitRow:
         if self.gpu_memory is None or self.rung.placement is None:
             return None
         if self.load is None:
-            return plan_offload(self.rung.placement, gpu_memory=self.gpu_memory, cache_bytes=self.cache_bytes, margin=self.gpu_margin)
+            return plan_offload(
+                self.rung.placement, gpu_memory=self.gpu_memory, cache_bytes=self.cache_bytes, margin=self.gpu_margin
+            )
         compute = gpu_compute(self.rung.placement, self.load.on(HOST, self.load.compute))
         if self.gpu_load is not None:  # the estimate moved by its error where llama.cpp measured the GPU's buffers
             n, load = self.gpu_load
             error = gpu_buffers(load) - compute(n)
             estimate = compute
             compute = lambda m: estimate(m) + error
-        return plan_offload(self.rung.placement, gpu_memory=self.gpu_memory, cache_bytes=self.load.cache, margin=self.gpu_margin, compute=compute)
+        return plan_offload(
+            self.rung.placement,
+            gpu_memory=self.gpu_memory,
+            cache_bytes=self.load.cache,
+            margin=self.gpu_margin,
+            compute=compute,
+        )
 
     @property
     def gpu_devices(self) -> list[DeviceMemory]:
@@ -253,27 +308,56 @@ class FitReport:
     def to_json(self) -> dict[str, Any]:
         best = self.best()
         return {
-            "model": {"architecture": self.layout.architecture, "expert_count": self.layout.expert_count, "expert_used_count": self.layout.expert_used_count,
-                      "expert_group_count": self.layout.group_count, "expert_group_used_count": self.layout.group_used_count, "bytes": self.model.total_bytes},
+            "model": {
+                "architecture": self.layout.architecture,
+                "expert_count": self.layout.expert_count,
+                "expert_used_count": self.layout.expert_used_count,
+                "expert_group_count": self.layout.group_count,
+                "expert_group_used_count": self.layout.group_used_count,
+                "bytes": self.model.total_bytes,
+            },
             "ladder": {"name": self.spec.name, "rungs": [r.name for r in self.spec.rungs]},
             "memory_bytes": self.memory,
-            **({"gpu_memory_bytes": self.gpu_memory, "gpu_margin_bytes": self.gpu_margin} if self.gpu_memory is not None else {}),
+            **(
+                {"gpu_memory_bytes": self.gpu_memory, "gpu_margin_bytes": self.gpu_margin}
+                if self.gpu_memory is not None
+                else {}
+            ),
             "cache": self.cache.to_json(),
             "kept_counts": self.kept_counts,
-            "sizes_from": {"method": "llama.cpp quantizer dry run on a sparse pruned header per K", "quantizer": self.quantizer, "imatrix": self.imatrix_assumption},
+            "sizes_from": {
+                "method": "llama.cpp quantizer dry run on a sparse pruned header per K",
+                "quantizer": self.quantizer,
+                "imatrix": self.imatrix_assumption,
+            },
             "rows": [
-                {"kept": r.kept, "power_of_two": r.kept & (r.kept - 1) == 0, "rung": r.rung.rung, "ftype": r.rung.ftype, "file_bytes": r.rung.bytes,
-                 "cache_bytes": r.cache_bytes, "total_bytes": r.total, "fits": r.fits, "imatrix_fallback": list(r.rung.fallback), "needs_imatrix": r.rung.needs_imatrix,
-                 "tier": r.tier, "tiers": list(r.tiers),
-                 **({"memory": [d.to_json() for d in r.devices]} if r.devices else {}),
-                 **({"gpu": offload.to_json()} if (offload := r.offload) else {})}
+                {
+                    "kept": r.kept,
+                    "power_of_two": r.kept & (r.kept - 1) == 0,
+                    "rung": r.rung.rung,
+                    "ftype": r.rung.ftype,
+                    "file_bytes": r.rung.bytes,
+                    "cache_bytes": r.cache_bytes,
+                    "total_bytes": r.total,
+                    "fits": r.fits,
+                    "imatrix_fallback": list(r.rung.fallback),
+                    "needs_imatrix": r.rung.needs_imatrix,
+                    "tier": r.tier,
+                    "tiers": list(r.tiers),
+                    **({"memory": [d.to_json() for d in r.devices]} if r.devices else {}),
+                    **({"gpu": offload.to_json()} if (offload := r.offload) else {}),
+                }
                 for r in self.rows
             ],
-            "best": {"kept": best.kept, "rung": best.rung.rung, "total_bytes": best.total, "tier": best.tier} if best else None,
+            "best": {"kept": best.kept, "rung": best.rung.rung, "total_bytes": best.total, "tier": best.tier}
+            if best
+            else None,
         }
 
 
-def sparse_pruned_header(model: GGUFModel, layout: MoeLayout, kept: int, directory: Path, *, vocabulary: bool = False) -> PlannedFile:
+def sparse_pruned_header(
+    model: GGUFModel, layout: MoeLayout, kept: int, directory: Path, *, vocabulary: bool = False
+) -> PlannedFile:
     """The pruned model of K experts as `ggufcarve prune` plans it (one file, provenance keys
     included), written as a header and a hole of the planned data size for the quantizer's dry run.
 
@@ -285,7 +369,13 @@ def sparse_pruned_header(model: GGUFModel, layout: MoeLayout, kept: int, directo
     name = f"pruned-{kept}{'-vocab' if vocabulary else ''}.gguf"
     plan = plan_prune(model, layout, keep_per_block(layout, kept), directory / name, merge=True)
     planned = plan.files[0]
-    kvs = list(planned.kvs) if vocabulary else [kv for kv in planned.kvs if not (kv.key.startswith("tokenizer.") and kv.item_type == GGUFValueType.STRING)]
+    kvs = (
+        list(planned.kvs)
+        if vocabulary
+        else [
+            kv for kv in planned.kvs if not (kv.key.startswith("tokenizer.") and kv.item_type == GGUFValueType.STRING)
+        ]
+    )
     vocab_key = Keys.LLM.VOCAB_SIZE.format(arch=layout.architecture)
     tokens = model.get(Keys.Tokenizer.LIST)
     if tokens is not None and model.get(vocab_key) is None and not vocabulary:
@@ -311,13 +401,17 @@ def rung_tensors(planned: PlannedFile, dry: DryRun) -> list[TensorHeader]:
     return tensors
 
 
-def rung_file_bytes(planned: PlannedFile, dry: DryRun, ftype: str, tensors: Sequence[TensorHeader] | None = None) -> int:
+def rung_file_bytes(
+    planned: PlannedFile, dry: DryRun, ftype: str, tensors: Sequence[TensorHeader] | None = None
+) -> int:
     """The size of the file llama-quantize writes for `dry`: the input's keys with
     general.quantization_version and general.file_type set and split keys removed, each tensor's
     rows at its target type (`tensors`, rung_tensors's when not given), padded to the alignment."""
     tensors = rung_tensors(planned, dry) if tensors is None else tensors
     changes: dict[str, Any] = {key: None for key in SPLIT_KEYS}
-    changes[Keys.General.QUANTIZATION_VERSION] = make_kv(Keys.General.QUANTIZATION_VERSION, GGUFValueType.UINT32, GGML_QUANT_VERSION)
+    changes[Keys.General.QUANTIZATION_VERSION] = make_kv(
+        Keys.General.QUANTIZATION_VERSION, GGUFValueType.UINT32, GGML_QUANT_VERSION
+    )
     changes[Keys.General.FILE_TYPE] = make_kv(Keys.General.FILE_TYPE, GGUFValueType.UINT32, FILE_TYPES[ftype])
     header, offsets = encode_header(planned.version, replace_kvs(planned.kvs, changes), tensors, planned.alignment)
     return len(header) + (offsets[-1] + pad_to(tensors[-1].nbytes, planned.alignment) if tensors else 0)
@@ -331,10 +425,24 @@ def _rows(shape: Sequence[int]) -> int:
 
 
 def _job(path: Path, rung: Rung, overrides: tuple[tuple[str, str], ...] = ()) -> QuantizeJob:
-    return QuantizeJob(path, None, rung.ftype, None, rung.allow_requantize, rung.output_tensor_type, rung.token_embedding_type, overrides + rung.tensor_types, rung.pure, True, 1)
+    return QuantizeJob(
+        path,
+        None,
+        rung.ftype,
+        None,
+        rung.allow_requantize,
+        rung.output_tensor_type,
+        rung.token_embedding_type,
+        overrides + rung.tensor_types,
+        rung.pure,
+        True,
+        1,
+    )
 
 
-def size_rung(quantizer: Quantizer, planned: PlannedFile, rung: Rung, missing_imatrix: Any, layout: MoeLayout | None = None) -> RungSize:
+def size_rung(
+    quantizer: Quantizer, planned: PlannedFile, rung: Rung, missing_imatrix: Any, layout: MoeLayout | None = None
+) -> RungSize:
     """One rung of one pruned header: dry run, the ladder's imatrix fallback, the file size, and
     with `layout` the tensors' placement on a GPU."""
     dry = quantizer.dry_run(_job(planned.path, rung))
@@ -343,11 +451,21 @@ def size_rung(quantizer: Quantizer, planned: PlannedFile, rung: Rung, missing_im
         overrides = tuple((f"^{re.escape(n)}$", rung.imatrix_fallback_type) for n in fallback)
         dry = quantizer.dry_run(_job(planned.path, rung, overrides))
     tensors = rung_tensors(planned, dry)
-    placement = placement_of(((t.name, t.nbytes) for t in tensors), layout.block_count, layout.nextn_layers) if layout else None
+    placement = (
+        placement_of(((t.name, t.nbytes) for t in tensors), layout.block_count, layout.nextn_layers) if layout else None
+    )
     types = tuple((t.name, type_name(t.type_id)) for t in tensors)
     tensor_bytes = sum(pad_to(t.nbytes, planned.alignment) for t in tensors)
-    return RungSize(rung.name, rung.ftype, rung_file_bytes(planned, dry, rung.ftype, tensors), fallback, bool(dry.refused_without_imatrix()), placement, types,
-                    tensor_bytes)
+    return RungSize(
+        rung.name,
+        rung.ftype,
+        rung_file_bytes(planned, dry, rung.ftype, tensors),
+        fallback,
+        bool(dry.refused_without_imatrix()),
+        placement,
+        types,
+        tensor_bytes,
+    )
 
 
 def gpu_buffers(load: DryLoad) -> int:
@@ -356,8 +474,14 @@ def gpu_buffers(load: DryLoad) -> int:
     return load.on(device, load.compute)
 
 
-def measure_offloaded(model: GGUFModel, layout: MoeLayout, rows: list[FitRow], settings: MemorySettings, directory: Path,
-                      on_event: Sink = ignore) -> list[FitRow]:
+def measure_offloaded(
+    model: GGUFModel,
+    layout: MoeLayout,
+    rows: list[FitRow],
+    settings: MemorySettings,
+    directory: Path,
+    on_event: Sink = ignore,
+) -> list[FitRow]:
     """On a llama.cpp with a GPU backend: each row again with llama.cpp's dry load at its offload's
     --n-cpu-moe N with every layer offloaded (one load per K and N), so that the GPU's buffers are
     llama.cpp's own (quant.offload.split_devices); rows are returned unchanged without a GPU backend."""
@@ -368,7 +492,9 @@ def measure_offloaded(model: GGUFModel, layout: MoeLayout, rows: list[FitRow], s
 
     if not any(r.load is not None and r.load.gpu_devices for r in rows):
         return rows
-    wanted = sorted({(r.kept, r.offload.n_cpu_moe) for r in rows if r.offload is not None and r.offload.n_cpu_moe is not None})
+    wanted = sorted(
+        {(r.kept, r.offload.n_cpu_moe) for r in rows if r.offload is not None and r.offload.n_cpu_moe is not None}
+    )
     loads = {}
     for done, (k, n) in enumerate(wanted, 1):
         header = sparse_pruned_header(model, layout, k, directory, vocabulary=True)
@@ -380,12 +506,22 @@ def measure_offloaded(model: GGUFModel, layout: MoeLayout, rows: list[FitRow], s
     for r in rows:
         key = (r.kept, r.offload.n_cpu_moe) if r.offload is not None else None
         load = loads.get(key) if key is not None else None
-        out.append(replace(r, gpu_load=(key[1], load)) if key is not None and load is not None and load.devices != [HOST] else r)
+        out.append(
+            replace(r, gpu_load=(key[1], load))
+            if key is not None and load is not None and load.devices != [HOST]
+            else r
+        )
     return out
 
 
-def measure_per_kept(model: GGUFModel, layout: MoeLayout, counts: Sequence[int], settings: MemorySettings, directory: Path,
-                     on_event: Sink = ignore) -> dict[int, DryLoad]:
+def measure_per_kept(
+    model: GGUFModel,
+    layout: MoeLayout,
+    counts: Sequence[int],
+    settings: MemorySettings,
+    directory: Path,
+    on_event: Sink = ignore,
+) -> dict[int, DryLoad]:
     """Per K, llama.cpp's dry load (llama.memory) of the pruned model's sparse header with its
     vocabulary: the KV cache, compute and output buffers at `settings` (the weights are each rung's own)."""
     from ggufcarve.llama.memory import dry_load
@@ -411,7 +547,11 @@ def types_differ(pruned: RungSize, unpruned: RungSize) -> list[tuple[str, str, s
     makes the pruned rung's computation that of the unpruned rung with the dropped experts masked out
     (quantizing an expert tensor is row by row: the kept experts' slabs are the same bytes)."""
     unpruned_types = dict(unpruned.types)
-    return [(name, kind, unpruned_types.get(name, "absent")) for name, kind in pruned.types if unpruned_types.get(name) != kind]
+    return [
+        (name, kind, unpruned_types.get(name, "absent"))
+        for name, kind in pruned.types
+        if unpruned_types.get(name) != kind
+    ]
 
 
 def plan_fit(
@@ -442,7 +582,9 @@ def plan_fit(
     cache = context_memory(model.get, context)
     mtp_prefixes = tuple(f"blk.{b}." for b in range(layout.main_layer_count, layout.block_count))
     if imatrix_entries is None:
-        assumption = "llama-imatrix's: every tensor but the MTP blocks'" if mtp_prefixes else "llama-imatrix's: every tensor"
+        assumption = (
+            "llama-imatrix's: every tensor but the MTP blocks'" if mtp_prefixes else "llama-imatrix's: every tensor"
+        )
 
         def missing_imatrix(name: str) -> bool:
             return name.startswith(mtp_prefixes) if mtp_prefixes else False
@@ -457,12 +599,33 @@ def plan_fit(
     with tempfile.TemporaryDirectory(prefix="ggufcarve-fit-") as tmp:
         headers = {k: sparse_pruned_header(model, layout, k, Path(tmp)) for k in counts}
         with ThreadPoolExecutor(max_workers=workers or max(1, min(4, os.cpu_count() or 1))) as pool:
-            futures = {(k, r.name): pool.submit(size_rung, quantizer, headers[k], r, missing_imatrix, layout) for k in counts for r in rungs}
+            futures = {
+                (k, r.name): pool.submit(size_rung, quantizer, headers[k], r, missing_imatrix, layout)
+                for k in counts
+                for r in rungs
+            }
             for done, (key, future) in enumerate(futures.items(), 1):
                 sizes[key] = future.result()
                 on_event(Event("fit", done, total, "rungs", f"K={key[0]} {key[1]}"))
         measured = measure_per_kept(model, layout, counts, measure, Path(tmp), on_event) if measure is not None else {}
-        rows = [FitRow(k, sizes[(k, r.name)], memory, cache.total_bytes, gpu_memory, gpu_margin, measured.get(k)) for k in counts for r in rungs]
+        rows = [
+            FitRow(k, sizes[(k, r.name)], memory, cache.total_bytes, gpu_memory, gpu_margin, measured.get(k))
+            for k in counts
+            for r in rungs
+        ]
         if measure is not None and gpu_memory is not None:
             rows = measure_offloaded(model, layout, rows, measure, Path(tmp), on_event)
-    return FitReport(model, layout, spec, memory, cache, counts, rows, quantizer.describe(), time.monotonic() - started, assumption, gpu_memory, gpu_margin)
+    return FitReport(
+        model,
+        layout,
+        spec,
+        memory,
+        cache,
+        counts,
+        rows,
+        quantizer.describe(),
+        time.monotonic() - started,
+        assumption,
+        gpu_memory,
+        gpu_margin,
+    )

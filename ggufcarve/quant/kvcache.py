@@ -41,7 +41,9 @@ RECURRENT_LAYERS = "{arch}.attention.recurrent_layers"  # LLM_KV_ATTENTION_RECUR
 class CacheRules:
     """How an architecture's load_arch_hparams marks its layers (src/models/<arch>.cpp)."""
 
-    recurrent: str = ""  # "full_attention_interval": attention.recurrent_layers, else every interval-th layer is attention
+    recurrent: str = (
+        ""  # "full_attention_interval": attention.recurrent_layers, else every interval-th layer is attention
+    )
     default_full_attention_interval: int = 4
     swa_pattern: int = 0  # load_swa_pattern(ml, n): attention.sliding_window_pattern, else this period
     mla: bool = False  # reads attention.key_length_mla / value_length_mla
@@ -50,10 +52,27 @@ class CacheRules:
 # Architectures whose cache layout is checked against llama.cpp 0.3.36's source; a plain-attention
 # entry says the architecture has neither recurrent, sliding-window nor MLA layers there.
 ARCHITECTURE_CACHES: dict[str, CacheRules] = {
-    **{arch: CacheRules() for arch in (
-        "qwen3moe", "qwen2moe", "qwen3vlmoe", "olmoe", "granitemoe", "glm4moe", "ernie4_5-moe", "hunyuan-moe",
-        "dots1", "bailingmoe", "bailingmoe2", "llama", "minimax-m2", "qwen3", "qwen2", "deepseek",
-    )},
+    **{
+        arch: CacheRules()
+        for arch in (
+            "qwen3moe",
+            "qwen2moe",
+            "qwen3vlmoe",
+            "olmoe",
+            "granitemoe",
+            "glm4moe",
+            "ernie4_5-moe",
+            "hunyuan-moe",
+            "dots1",
+            "bailingmoe",
+            "bailingmoe2",
+            "llama",
+            "minimax-m2",
+            "qwen3",
+            "qwen2",
+            "deepseek",
+        )
+    },
     **{arch: CacheRules(recurrent="full_attention_interval") for arch in ("qwen35moe", "qwen35", "qwen3next")},
     "gpt-oss": CacheRules(swa_pattern=2),
     "deepseek2": CacheRules(mla=True),
@@ -74,8 +93,16 @@ class ContextSettings:
     unified: bool = False
 
     def to_json(self) -> dict[str, Any]:
-        return {"n_ctx": self.n_ctx, "type_k": self.type_k, "type_v": self.type_v, "n_seq": self.n_seq, "n_ubatch": self.n_ubatch,
-                "flash_attn": self.flash_attn, "swa_full": self.swa_full, "unified": self.unified}
+        return {
+            "n_ctx": self.n_ctx,
+            "type_k": self.type_k,
+            "type_v": self.type_v,
+            "n_seq": self.n_seq,
+            "n_ubatch": self.n_ubatch,
+            "flash_attn": self.flash_attn,
+            "swa_full": self.swa_full,
+            "unified": self.unified,
+        }
 
 
 @dataclass(frozen=True)
@@ -121,10 +148,18 @@ class ContextMemory:
             return [layer.block for layer in self.layers if layer.kind == kind]
 
         return {
-            "architecture": self.architecture, "settings": self.settings.to_json(), "cells": self.cells, "swa_cells": self.swa_cells,
-            "attention_blocks": blocks("attention"), "sliding_window_blocks": blocks("sliding-window"), "recurrent_blocks": blocks("recurrent"),
-            "kv_bytes": self.kv_bytes, "recurrent_bytes": self.recurrent_bytes, "total_bytes": self.total_bytes,
-            "exact": self.exact, "notes": list(self.notes),
+            "architecture": self.architecture,
+            "settings": self.settings.to_json(),
+            "cells": self.cells,
+            "swa_cells": self.swa_cells,
+            "attention_blocks": blocks("attention"),
+            "sliding_window_blocks": blocks("sliding-window"),
+            "recurrent_blocks": blocks("recurrent"),
+            "kv_bytes": self.kv_bytes,
+            "recurrent_bytes": self.recurrent_bytes,
+            "total_bytes": self.total_bytes,
+            "exact": self.exact,
+            "notes": list(self.notes),
         }
 
 
@@ -135,7 +170,9 @@ def _pad(n: int, to: int) -> int:
 def _row_bytes(type_name: str, n: int) -> int:
     block, size = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
     if n % block:
-        raise BadInput(f"a {type_name} cache row needs a multiple of {block} values, this model's has {n}", "use --kv-type f16")
+        raise BadInput(
+            f"a {type_name} cache row needs a multiple of {block} values, this model's has {n}", "use --kv-type f16"
+        )
     return n // block * size
 
 
@@ -167,17 +204,28 @@ def context_memory(get: Callable[[str], Any], settings: ContextSettings) -> Cont
         return template.format(arch=arch)
 
     if settings.n_ctx < 1 or settings.n_seq < 1:
-        raise BadInput(f"context {settings.n_ctx} with {settings.n_seq} sequence(s) is not a context", "give --ctx a positive number of tokens")
+        raise BadInput(
+            f"context {settings.n_ctx} with {settings.n_seq} sequence(s) is not a context",
+            "give --ctx a positive number of tokens",
+        )
     for kind, type_name in (("K", settings.type_k), ("V", settings.type_v)):
         if type_name not in KV_TYPES:
-            raise BadInput(f"{type_name} is not a KV cache type llama.cpp offers for {kind}", f"use one of {', '.join(t.lower() for t in KV_TYPES)}")
+            raise BadInput(
+                f"{type_name} is not a KV cache type llama.cpp offers for {kind}",
+                f"use one of {', '.join(t.lower() for t in KV_TYPES)}",
+            )
     quantized_v = GGML_QUANT_SIZES[GGMLQuantizationType[settings.type_v]][0] > 1
     if quantized_v and not settings.flash_attn:
-        raise BadInput(f"a {settings.type_v} V cache needs flash attention (llama.cpp refuses it otherwise)", "keep flash attention on, or use an f16 V cache")
+        raise BadInput(
+            f"a {settings.type_v} V cache needs flash attention (llama.cpp refuses it otherwise)",
+            "keep flash attention on, or use an f16 V cache",
+        )
     rules = ARCHITECTURE_CACHES.get(arch)
     notes: list[str] = []
     if rules is None:
-        notes.append(f"{arch}: llama.cpp's cache rules for this architecture are not modelled; sized as plain attention on every main block")
+        notes.append(
+            f"{arch}: llama.cpp's cache rules for this architecture are not modelled; sized as plain attention on every main block"
+        )
         rules = CacheRules()
 
     n_layer_all = _u32(get, key(Keys.LLM.BLOCK_COUNT))
@@ -193,7 +241,9 @@ def context_memory(get: Callable[[str], Any], settings: ContextSettings) -> Cont
     head_v = _u32(get, key(Keys.Attention.VALUE_LENGTH), n_embd // head0 if head0 else 0)
     head_k_swa = _u32(get, key(Keys.Attention.KEY_LENGTH_SWA), head_k)
     head_v_swa = _u32(get, key(Keys.Attention.VALUE_LENGTH_SWA), head_v)
-    is_mla = rules.mla and bool(get(key(Keys.Attention.KEY_LENGTH_MLA))) and bool(get(key(Keys.Attention.VALUE_LENGTH_MLA)))
+    is_mla = (
+        rules.mla and bool(get(key(Keys.Attention.KEY_LENGTH_MLA))) and bool(get(key(Keys.Attention.VALUE_LENGTH_MLA)))
+    )
 
     recurrent = [False] * n_layer_all
     if rules.recurrent == "full_attention_interval":
@@ -223,7 +273,11 @@ def context_memory(get: Callable[[str], Any], settings: ContextSettings) -> Cont
     streams = 1 if settings.unified else settings.n_seq
     n_ctx = _pad(settings.n_ctx, CELL_PADDING)
     cells = n_ctx if settings.unified else _pad(n_ctx // settings.n_seq, CELL_PADDING)
-    swa_cells = cells if settings.swa_full else _pad(min(cells, n_swa * (settings.n_seq if settings.unified else 1) + settings.n_ubatch), CELL_PADDING)
+    swa_cells = (
+        cells
+        if settings.swa_full
+        else _pad(min(cells, n_swa * (settings.n_seq if settings.unified else 1) + settings.n_ubatch), CELL_PADDING)
+    )
     attention = [il for il in range(n_layer) if not recurrent[il]]
     # [TAG_V_CACHE_VARIABLE]: a transposed V is padded to the widest V of all blocks, MTP included
     widest_v = max([width_v(il) for il in range(n_layer_all)] + [0])
@@ -240,16 +294,32 @@ def context_memory(get: Callable[[str], Any], settings: ContextSettings) -> Cont
             rows = max(1, settings.n_seq)
             n_embd_r = (d_conv - 1 if d_conv > 0 else 0) * (d_inner + 2 * n_group * d_state)
             n_embd_s = d_state * d_inner
-            layers.append(LayerCache(il, "recurrent", rows, rows * _row_bytes(RECURRENT_STATE_TYPE, n_embd_r), rows * _row_bytes(RECURRENT_STATE_TYPE, n_embd_s)))
+            layers.append(
+                LayerCache(
+                    il,
+                    "recurrent",
+                    rows,
+                    rows * _row_bytes(RECURRENT_STATE_TYPE, n_embd_r),
+                    rows * _row_bytes(RECURRENT_STATE_TYPE, n_embd_s),
+                )
+            )
             continue
         layer_cells = swa_cells if swa[il] else cells
         k = _row_bytes(settings.type_k, width_k(il)) * layer_cells * streams
-        v = 0 if is_mla else _row_bytes(settings.type_v, width_v(il) if settings.flash_attn else widest_v) * layer_cells * streams
+        v = (
+            0
+            if is_mla
+            else _row_bytes(settings.type_v, width_v(il) if settings.flash_attn else widest_v) * layer_cells * streams
+        )
         layers.append(LayerCache(il, "sliding-window" if swa[il] else "attention", layer_cells, k, v))
     if not layers:
         raise UnsupportedModel(f"{arch}: no block holds a cache", "the file's metadata is incomplete")
     if n_nextn:
-        notes.append(f"the {n_nextn} MTP block(s) hold no cache in the main context (llama.cpp caches them only in an MTP draft context)")
+        notes.append(
+            f"the {n_nextn} MTP block(s) hold no cache in the main context (llama.cpp caches them only in an MTP draft context)"
+        )
     if is_mla:
         notes.append("MLA: K holds the latent kv_lora_rank + rope row; V is read out of it")
-    return ContextMemory(arch, settings, cells, swa_cells if any(swa) else 0, tuple(layers), arch in ARCHITECTURE_CACHES, tuple(notes))
+    return ContextMemory(
+        arch, settings, cells, swa_cells if any(swa) else 0, tuple(layers), arch in ARCHITECTURE_CACHES, tuple(notes)
+    )

@@ -58,7 +58,14 @@ from ggufcarve.llama.memory import HOST, DeviceMemory, DryLoad
 from ggufcarve.quant.kvcache import ContextSettings, context_memory
 
 LLM_FFN_EXPS_REGEX = r"\.ffn_(up|down|gate|gate_up)_(ch|)exps"  # common/common.h
-INPUT_LAYER_TENSORS = ("token_embd", "position_embd", "token_types", "per_layer_token_embd", "masked_embd_centroids", "masked_embd_ordering")  # LLM_TENSOR_LAYER_INPUT (src/llama-arch.cpp)
+INPUT_LAYER_TENSORS = (
+    "token_embd",
+    "position_embd",
+    "token_types",
+    "per_layer_token_embd",
+    "masked_embd_centroids",
+    "masked_embd_ordering",
+)  # LLM_TENSOR_LAYER_INPUT (src/llama-arch.cpp)
 # Where a rung runs, fastest first: every layer and expert on the GPU; on the GPU with the experts of
 # --n-cpu-moe N blocks in system memory; all in system memory; paging the weights from disk through
 # mmap (a file larger than the memory runs, slowly).
@@ -138,8 +145,13 @@ class WeightPlacement:
         return self.gpu_other + sum(self.expert_bytes[n_cpu_moe:])
 
     def to_json(self) -> dict[str, Any]:
-        return {"gpu_other_bytes": self.gpu_other, "expert_bytes_per_block": list(self.expert_bytes), "input_layer_bytes": self.input_bytes,
-                "mtp_skipped_bytes": self.skipped_bytes, "output_from_embedding": self.output_from_embedding}
+        return {
+            "gpu_other_bytes": self.gpu_other,
+            "expert_bytes_per_block": list(self.expert_bytes),
+            "input_layer_bytes": self.input_bytes,
+            "mtp_skipped_bytes": self.skipped_bytes,
+            "output_from_embedding": self.output_from_embedding,
+        }
 
 
 def placement_of(tensors: Iterable[tuple[str, int]], block_count: int, nextn_layers: int = 0) -> WeightPlacement:
@@ -177,7 +189,9 @@ def weight_placement(model: GGUFModel) -> WeightPlacement:
     arch = model.get(Keys.General.ARCHITECTURE)
     blocks = model.get(Keys.LLM.BLOCK_COUNT.format(arch=arch))
     if not isinstance(arch, str) or blocks is None:
-        raise BadInput(f"{model.path}: no {Keys.General.ARCHITECTURE} or block_count key", "this is not a llama.cpp model file")
+        raise BadInput(
+            f"{model.path}: no {Keys.General.ARCHITECTURE} or block_count key", "this is not a llama.cpp model file"
+        )
     nextn = model.get(Keys.LLM.NEXTN_PREDICT_LAYERS.format(arch=arch)) or 0
     return placement_of(((t.name, t.nbytes) for t in model.tensors), int(blocks), int(nextn))
 
@@ -214,13 +228,28 @@ class Offload:
         return "no" if self.n_cpu_moe is None else "whole" if self.n_cpu_moe == 0 else f"n-cpu-moe {self.n_cpu_moe}"
 
     def to_json(self) -> dict[str, Any]:
-        return {"gpu_memory_bytes": self.gpu_memory, "cache_bytes": self.cache_bytes, "margin_bytes": self.margin, "fits_whole": self.fits_whole,
-                "fits": self.n_cpu_moe is not None, "n_cpu_moe": self.n_cpu_moe, "override_tensor": self.override, "gpu_bytes": self.gpu_bytes,
-                "cpu_expert_bytes": self.cpu_expert_bytes, "compute_bytes": self.compute_bytes}
+        return {
+            "gpu_memory_bytes": self.gpu_memory,
+            "cache_bytes": self.cache_bytes,
+            "margin_bytes": self.margin,
+            "fits_whole": self.fits_whole,
+            "fits": self.n_cpu_moe is not None,
+            "n_cpu_moe": self.n_cpu_moe,
+            "override_tensor": self.override,
+            "gpu_bytes": self.gpu_bytes,
+            "cpu_expert_bytes": self.cpu_expert_bytes,
+            "compute_bytes": self.compute_bytes,
+        }
 
 
-def plan_offload(placement: WeightPlacement, *, gpu_memory: int, cache_bytes: int, margin: int = DEFAULT_MARGIN,
-                 compute: Callable[[int], int] | None = None) -> Offload:
+def plan_offload(
+    placement: WeightPlacement,
+    *,
+    gpu_memory: int,
+    cache_bytes: int,
+    margin: int = DEFAULT_MARGIN,
+    compute: Callable[[int], int] | None = None,
+) -> Offload:
     """The smallest --n-cpu-moe N with weights(N) + cache + compute(N) + margin <= gpu_memory (see
     the module docstring)."""
     blocks = len(placement.expert_bytes)
@@ -229,8 +258,16 @@ def plan_offload(placement: WeightPlacement, *, gpu_memory: int, cache_bytes: in
         need = placement.gpu_weights(n) + cache_bytes + at(n) + margin
         if need <= gpu_memory:
             return Offload(gpu_memory, cache_bytes, margin, n, need, sum(placement.expert_bytes[:n]), blocks, at(n))
-    return Offload(gpu_memory, cache_bytes, margin, None, placement.gpu_weights(blocks) + cache_bytes + at(blocks) + margin, sum(placement.expert_bytes),
-                   blocks, at(blocks))
+    return Offload(
+        gpu_memory,
+        cache_bytes,
+        margin,
+        None,
+        placement.gpu_weights(blocks) + cache_bytes + at(blocks) + margin,
+        sum(placement.expert_bytes),
+        blocks,
+        at(blocks),
+    )
 
 
 def gpu_compute(placement: WeightPlacement, full_offload_compute: int) -> Callable[[int], int]:
@@ -252,7 +289,13 @@ def split_devices(placement: WeightPlacement, offload: Offload, load: DryLoad) -
     host_weights = placement.input_bytes + sum(placement.expert_bytes[:n])
     devices = [d for d in load.devices if d != HOST]
     if devices:
-        gpu = DeviceMemory(devices[0], placement.gpu_weights(n), load.cache, load.on(devices[0], load.compute), load.on(devices[0], load.output))
+        gpu = DeviceMemory(
+            devices[0],
+            placement.gpu_weights(n),
+            load.cache,
+            load.on(devices[0], load.compute),
+            load.on(devices[0], load.output),
+        )
         host = DeviceMemory(HOST, host_weights, 0, load.on(HOST, load.compute), load.on(HOST, load.output))
         return [gpu, host]
     graph = load.on(HOST, load.compute)
@@ -288,17 +331,38 @@ class Placed:
         return self.split if (tier or self.tiers[0]) in GPU_TIERS and self.split else [self.host]
 
 
-def place(placement: WeightPlacement, weights: int, load: DryLoad, *, memory: int, gpu_memory: int | None, margin: int = DEFAULT_MARGIN) -> Placed:
+def place(
+    placement: WeightPlacement,
+    weights: int,
+    load: DryLoad,
+    *,
+    memory: int,
+    gpu_memory: int | None,
+    margin: int = DEFAULT_MARGIN,
+) -> Placed:
     """Where a rung of `weights` bytes runs, from llama.cpp's dry load of its CPU run (`load`) and,
     with `gpu_memory`, the GPU placement rule with the compute buffers counted."""
     host = DeviceMemory(HOST, weights, load.cache, load.on(HOST, load.compute), load.on(HOST, load.output))
     if gpu_memory is None:
         return Placed(host, [], None, tiers_of(host.total, memory, None, []))
-    offload = plan_offload(placement, gpu_memory=gpu_memory, cache_bytes=load.cache, margin=margin, compute=gpu_compute(placement, host.compute))
+    offload = plan_offload(
+        placement,
+        gpu_memory=gpu_memory,
+        cache_bytes=load.cache,
+        margin=margin,
+        compute=gpu_compute(placement, host.compute),
+    )
     split = split_devices(placement, offload, load) if offload.n_cpu_moe is not None else []
     return Placed(host, split, offload, tiers_of(host.total, memory, offload, split))
 
 
-def file_offload(model: GGUFModel, *, gpu_memory: int, context: ContextSettings, margin: int = DEFAULT_MARGIN) -> Offload:
+def file_offload(
+    model: GGUFModel, *, gpu_memory: int, context: ContextSettings, margin: int = DEFAULT_MARGIN
+) -> Offload:
     """plan_offload for a rung file: its tensor sizes from the header, its cache at `context` (quant/kvcache.py)."""
-    return plan_offload(weight_placement(model), gpu_memory=gpu_memory, cache_bytes=context_memory(model.get, context).total_bytes, margin=margin)
+    return plan_offload(
+        weight_placement(model),
+        gpu_memory=gpu_memory,
+        cache_bytes=context_memory(model.get, context).total_bytes,
+        margin=margin,
+    )

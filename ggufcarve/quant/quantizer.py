@@ -75,6 +75,7 @@ class QuantizeJob:
     def flags(self, flavour: str = "llama.cpp", *, names_only: bool = False) -> list[str]:
         """The quantizer's arguments; `names_only` gives the form a release records (file names
         without directories), not one to run."""
+
         def file_arg(path: Path) -> str:
             return path.name if names_only else os.path.abspath(path)
 
@@ -86,9 +87,15 @@ class QuantizeJob:
         if self.imatrix is not None:
             argv += ["--imatrix", self.imatrix.name]  # relative to self.cwd
         if self.output_tensor_type:
-            argv += ["--output-tensor-type", self.output_tensor_type.lower() if flavour == "ik_llama.cpp" else self.output_tensor_type]
+            argv += [
+                "--output-tensor-type",
+                self.output_tensor_type.lower() if flavour == "ik_llama.cpp" else self.output_tensor_type,
+            ]
         if self.token_embedding_type:
-            argv += ["--token-embedding-type", self.token_embedding_type.lower() if flavour == "ik_llama.cpp" else self.token_embedding_type]
+            argv += [
+                "--token-embedding-type",
+                self.token_embedding_type.lower() if flavour == "ik_llama.cpp" else self.token_embedding_type,
+            ]
         if self.tensor_types:
             if flavour == "ik_llama.cpp":
                 argv += ["--custom-q", ",".join(f"{p}={t.lower()}" for p, t in self.tensor_types)]
@@ -121,7 +128,9 @@ class QuantizeRun:
 # llama-quantize prints a line per tensor; the largest expert tensor of a big model at an IQ type
 # takes minutes, never an hour.
 QUANTIZER_IDLE_TIMEOUT = 3600.0
-TENSOR_LINE = re.compile(r"^\[\s*(?P<index>\d+)/\s*(?P<total>\d+)\]\s+(?P<name>\S+)\s+-\s+\[(?P<shape>[^\]]*)\],\s+type =\s*(?P<type>\S+?),")
+TENSOR_LINE = re.compile(
+    r"^\[\s*(?P<index>\d+)/\s*(?P<total>\d+)\]\s+(?P<name>\S+)\s+-\s+\[(?P<shape>[^\]]*)\],\s+type =\s*(?P<type>\S+?),"
+)
 DRY_RUN_SIZE = re.compile(r"size =\s*(?P<before>[\d.]+) MiB(?: ->\s*(?P<after>[\d.]+) MiB \((?P<target>[^)]+)\))?")
 ERROR_PATTERNS = (
     re.compile(r"Missing importance matrix for tensor \S+.*"),
@@ -178,7 +187,9 @@ class Quantizer(ABC):
             if on_line is not None:
                 on_line(line)
 
-        finished = launch.run(argv, on_line=watch, timeout=self.timeout, idle_timeout=self.idle_timeout, cwd=job.cwd, env=self.child_env())
+        finished = launch.run(
+            argv, on_line=watch, timeout=self.timeout, idle_timeout=self.idle_timeout, cwd=job.cwd, env=self.child_env()
+        )
         code = finished.returncode if not finished.timed_out else -9
         error = None if finished.ok else (find_error(keep + finished.tail) or finished.describe_failure())
         return QuantizeRun(argv, code, finished.seconds, finished.tail, error)
@@ -195,7 +206,10 @@ class Quantizer(ABC):
         lines: list[str] = []
         result = self.run(replace(job, dry_run=True, output=None), lines.append)
         if result.returncode != 0:
-            raise ToolFailed(f"{self.backend} quantizer dry run for {job.ftype} failed: {result.error}", "check that the source loads in llama.cpp and the rung's types are valid")
+            raise ToolFailed(
+                f"{self.backend} quantizer dry run for {job.ftype} failed: {result.error}",
+                "check that the source loads in llama.cpp and the rung's types are valid",
+            )
         return parse_dry_run(lines, job.ftype)
 
 
@@ -251,7 +265,10 @@ class BinaryQuantizer(Quantizer):
         self.path = Path(os.path.abspath(path))  # the quantizer runs in the imatrix's directory
         self.tool = info or probe_tool(self.path, "llama-quantize", "given")
         if not self.tool.works:
-            raise ToolMissing(f"{self.path} does not behave like llama-quantize ({self.tool.note})", "pass the llama-quantize binary, or --quantizer libllama")
+            raise ToolMissing(
+                f"{self.path} does not behave like llama-quantize ({self.tool.note})",
+                "pass the llama-quantize binary, or --quantizer libllama",
+            )
 
     @property
     def flavour(self) -> str:
@@ -262,7 +279,15 @@ class BinaryQuantizer(Quantizer):
 
     def describe(self) -> dict[str, object]:
         t = self.tool
-        return {"backend": self.backend, "path": t.path, "version": t.version, "build": t.build_number, "commit": t.commit, "flavour": t.flavour, "sha256": t.sha256}
+        return {
+            "backend": self.backend,
+            "path": t.path,
+            "version": t.version,
+            "build": t.build_number,
+            "commit": t.commit,
+            "flavour": t.flavour,
+            "sha256": t.sha256,
+        }
 
 
 class LibllamaQuantizer(Quantizer):
@@ -272,11 +297,18 @@ class LibllamaQuantizer(Quantizer):
     def __init__(self) -> None:
         lib = libllama_info()
         if lib is None:
-            raise ToolMissing("llama-cpp-python's libllama was not found", "pip install llama-cpp-python, or use --quantizer binary")
+            raise ToolMissing(
+                "llama-cpp-python's libllama was not found", "pip install llama-cpp-python, or use --quantizer binary"
+            )
         self.lib = lib
 
     def argv(self, job: QuantizeJob, *, names_only: bool = False) -> list[str]:
-        return [Path(sys.executable).name if names_only else sys.executable, "-m", "ggufcarve.llama.quantize_child", *job.flags("llama.cpp", names_only=names_only)]
+        return [
+            Path(sys.executable).name if names_only else sys.executable,
+            "-m",
+            "ggufcarve.llama.quantize_child",
+            *job.flags("llama.cpp", names_only=names_only),
+        ]
 
     def child_env(self) -> dict[str, str]:
         # the child runs in the imatrix's directory: it must import this ggufcarve, wherever it lives
@@ -286,7 +318,16 @@ class LibllamaQuantizer(Quantizer):
 
     def describe(self) -> dict[str, object]:
         version = llama_cpp_version()
-        return {"backend": self.backend, "path": self.lib["path"], "version": version, "build": None, "commit": None, "flavour": "llama.cpp", "sha256": self.lib["sha256"], "python": sys.executable}
+        return {
+            "backend": self.backend,
+            "path": self.lib["path"],
+            "version": version,
+            "build": None,
+            "commit": None,
+            "flavour": "llama.cpp",
+            "sha256": self.lib["sha256"],
+            "python": sys.executable,
+        }
 
 
 def make_quantizer(choice: str = "auto", llama_cpp_dir: str | os.PathLike[str] | None = None) -> Quantizer:
@@ -302,5 +343,8 @@ def make_quantizer(choice: str = "auto", llama_cpp_dir: str | os.PathLike[str] |
         return LibllamaQuantizer()
     path = Path(choice).expanduser()
     if not _is_executable(path):
-        raise BadInput(f"--quantizer {choice}: not auto, binary, libllama or an executable file", "give one of auto|binary|libllama or the path of llama-quantize")
+        raise BadInput(
+            f"--quantizer {choice}: not auto, binary, libllama or an executable file",
+            "give one of auto|binary|libllama or the path of llama-quantize",
+        )
     return BinaryQuantizer(path.resolve(), probe_tool(path.resolve(), "llama-quantize", "--quantizer"))

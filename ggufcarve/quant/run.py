@@ -123,8 +123,15 @@ class ImatrixInfo:
     entries: set[str]
 
     def to_json(self) -> dict[str, Any]:
-        return {"name": self.path.name, "sha256": self.sha256, "format": self.format, "datasets": [public_name(d) for d in self.datasets],
-                "chunk_count": self.chunk_count, "chunk_size": self.chunk_size, "entries": len(self.entries)}
+        return {
+            "name": self.path.name,
+            "sha256": self.sha256,
+            "format": self.format,
+            "datasets": [public_name(d) for d in self.datasets],
+            "chunk_count": self.chunk_count,
+            "chunk_size": self.chunk_size,
+            "entries": len(self.entries),
+        }
 
 
 @dataclass
@@ -152,7 +159,9 @@ def _note(on_event: Sink, stage: str, message: str) -> None:
     on_event(Event(stage, 0, 0, "steps" if stage == "validate" else "tensors", message))
 
 
-QUANT_TAG = re.compile(r"[-_.](?:" + "|".join(sorted((re.escape(f) for f in FILE_TYPES), key=len, reverse=True)) + r")$", re.IGNORECASE)
+QUANT_TAG = re.compile(
+    r"[-_.](?:" + "|".join(sorted((re.escape(f) for f in FILE_TYPES), key=len, reverse=True)) + r")$", re.IGNORECASE
+)
 
 
 def model_name_from(source: Path) -> str:
@@ -173,7 +182,15 @@ def read_imatrix_info(path: Path, model: GGUFModel) -> ImatrixInfo:
     imatrix = read_imatrix(path)
     check = check_against_model(imatrix, model)
     _raise_mismatch(path, model, list(check.problems))
-    return ImatrixInfo(path, sha256_file_cached(path), imatrix.format, list(imatrix.datasets), imatrix.chunk_count, imatrix.chunk_size, {e.name for e in imatrix.entries})
+    return ImatrixInfo(
+        path,
+        sha256_file_cached(path),
+        imatrix.format,
+        list(imatrix.datasets),
+        imatrix.chunk_count,
+        imatrix.chunk_size,
+        {e.name for e in imatrix.entries},
+    )
 
 
 def _raise_mismatch(path: Path, model: GGUFModel, problems: list[str]) -> None:
@@ -189,10 +206,22 @@ def _source_sha256(model: GGUFModel) -> list[str]:
     return [sha256_file_cached(p) for p in model.paths]
 
 
-def _inputs_key(rung: Rung, job: QuantizeJob, source_sha: Sequence[str], imatrix: ImatrixInfo | None, quantizer: dict[str, Any]) -> str:
-    quantizer_fields = ("ftype", "output_tensor_type", "token_embedding_type", "tensor_types", "imatrix_fallback_type", "allow_requantize", "pure")
+def _inputs_key(
+    rung: Rung, job: QuantizeJob, source_sha: Sequence[str], imatrix: ImatrixInfo | None, quantizer: dict[str, Any]
+) -> str:
+    quantizer_fields = (
+        "ftype",
+        "output_tensor_type",
+        "token_embedding_type",
+        "tensor_types",
+        "imatrix_fallback_type",
+        "allow_requantize",
+        "pure",
+    )
     doc = {
-        "rung": {k: v for k, v in rung.to_json().items() if k in quantizer_fields},  # not its name, description or file pattern
+        "rung": {
+            k: v for k, v in rung.to_json().items() if k in quantizer_fields
+        },  # not its name, description or file pattern
         "ftype": job.ftype,
         "tensor_types": [list(p) for p in job.tensor_types],
         "source_sha256": list(source_sha),
@@ -233,7 +262,10 @@ def plan_ladder(
         raise OutputError(f"{out} is not a directory", "give -o a directory for the ladder's files")
     manifest = None if fresh else read_manifest(out)
     if any(p.resolve().parent == out.resolve() for p in model.paths):
-        raise OutputError(f"{out} holds the source {source_path.name}", "write the ladder to its own directory; the source is never written next to or over")
+        raise OutputError(
+            f"{out} holds the source {source_path.name}",
+            "write the ladder to its own directory; the source is never written next to or over",
+        )
     flavour = getattr(quantizer, "flavour", "llama.cpp")
 
     info: ImatrixInfo | None = None
@@ -241,25 +273,54 @@ def plan_ladder(
         _note(on_event, "validate", f"checking imatrix {imatrix}")
         info = read_imatrix_info(Path(imatrix), model)
         if flavour == "ik_llama.cpp" and info.format != "dat":
-            raise BadInput(f"{quantizer.describe()['path']} is ik_llama.cpp, whose quantizer reads only legacy .dat imatrices", "convert it: ggufcarve imatrix convert IMATRIX -o imatrix.dat --format dat")
+            raise BadInput(
+                f"{quantizer.describe()['path']} is ik_llama.cpp, whose quantizer reads only legacy .dat imatrices",
+                "convert it: ggufcarve imatrix convert IMATRIX -o imatrix.dat --format dat",
+            )
     source_sha = _source_sha256(model) if hash_inputs else []
     if manifest is not None:
-        check_same_source(out, manifest, [{"name": p.name, "bytes": p.stat().st_size, "sha256": h} for p, h in zip(model.paths, source_sha or [None] * len(model.paths))])
-    method_reports, method_warnings = find_method_reports(model, (info.path, info.sha256) if info else None, Path(selection) if selection is not None else None)
+        check_same_source(
+            out,
+            manifest,
+            [
+                {"name": p.name, "bytes": p.stat().st_size, "sha256": h}
+                for p, h in zip(model.paths, source_sha or [None] * len(model.paths))
+            ],
+        )
+    method_reports, method_warnings = find_method_reports(
+        model, (info.path, info.sha256) if info else None, Path(selection) if selection is not None else None
+    )
     needing = [r.name for r in rungs if r.needs_imatrix]
     if needing and info is None:
-        raise BadInput(f"rung{'s' if len(needing) > 1 else ''} {', '.join(needing)} need{'' if len(needing) > 1 else 's'} an imatrix and none was given", "pass --imatrix FILE (remapped to the pruned model), or leave these rungs out with --only")
+        raise BadInput(
+            f"rung{'s' if len(needing) > 1 else ''} {', '.join(needing)} need{'' if len(needing) > 1 else 's'} an imatrix and none was given",
+            "pass --imatrix FILE (remapped to the pruned model), or leave these rungs out with --only",
+        )
 
     names = [r.file_name(model_name or model_name_from(source_path)) for r in rungs]
     clash = sorted({n for n in names if names.count(n) > 1})
     if clash:
-        raise BadInput(f"rungs write the same file {', '.join(clash)}", "give each rung a distinct name or file_pattern")
+        raise BadInput(
+            f"rungs write the same file {', '.join(clash)}", "give each rung a distinct name or file_pattern"
+        )
 
     # dry runs: llama.cpp's own per-tensor target types, and size estimates
     dry: dict[str, DryRun] = {}
     jobs = {}
     for r in rungs:
-        jobs[r.name] = QuantizeJob(source_path, None, r.ftype, info.path if info else None, r.allow_requantize, r.output_tensor_type, r.token_embedding_type, r.tensor_types, r.pure, True, nthreads)
+        jobs[r.name] = QuantizeJob(
+            source_path,
+            None,
+            r.ftype,
+            info.path if info else None,
+            r.allow_requantize,
+            r.output_tensor_type,
+            r.token_embedding_type,
+            r.tensor_types,
+            r.pure,
+            True,
+            nthreads,
+        )
     with ThreadPoolExecutor(max_workers=max(1, min(len(rungs), os.cpu_count() or 1))) as pool:
         futures = {name: pool.submit(quantizer.dry_run, job) for name, job in jobs.items()}
         for r in rungs:
@@ -278,15 +339,54 @@ def plan_ladder(
         fallback = tuple(n for n in needs if info is not None and n not in info.entries)
         overrides = tuple((f"^{re.escape(n)}$", r.imatrix_fallback_type) for n in fallback) + r.tensor_types
         if fallback:
-            warnings.append(f"{r.name}: {len(fallback)} tensor(s) need an imatrix but have no entry; quantized as {r.imatrix_fallback_type} instead: {', '.join(fallback[:4])}{', ...' if len(fallback) > 4 else ''}")
+            warnings.append(
+                f"{r.name}: {len(fallback)} tensor(s) need an imatrix but have no entry; quantized as {r.imatrix_fallback_type} instead: {', '.join(fallback[:4])}{', ...' if len(fallback) > 4 else ''}"
+            )
         final = out / file_name
         temp = temp_path_for(final)
-        job = QuantizeJob(source_path, temp, r.ftype, info.path if info else None, r.allow_requantize, r.output_tensor_type, r.token_embedding_type, overrides, r.pure, False, nthreads)
-        planned.append(PlannedRung(r, final, job, fallback, dry[r.name].size_bytes, _inputs_key(r, job, source_sha, info, qinfo) if hash_inputs else ""))
+        job = QuantizeJob(
+            source_path,
+            temp,
+            r.ftype,
+            info.path if info else None,
+            r.allow_requantize,
+            r.output_tensor_type,
+            r.token_embedding_type,
+            overrides,
+            r.pure,
+            False,
+            nthreads,
+        )
+        planned.append(
+            PlannedRung(
+                r,
+                final,
+                job,
+                fallback,
+                dry[r.name].size_bytes,
+                _inputs_key(r, job, source_sha, info, qinfo) if hash_inputs else "",
+            )
+        )
     if unquantized_iq:
-        raise BadInput(f"without an imatrix these rungs would fail: {'; '.join(unquantized_iq)}", "pass --imatrix FILE, or leave these rungs out with --only")
+        raise BadInput(
+            f"without an imatrix these rungs would fail: {'; '.join(unquantized_iq)}",
+            "pass --imatrix FILE, or leave these rungs out with --only",
+        )
     _check_disk(out, planned)
-    return LadderPlan(spec, model, source_sha, out, model_name or model_name_from(source_path), quantizer, info, planned, warnings, nthreads, method_reports, fresh)
+    return LadderPlan(
+        spec,
+        model,
+        source_sha,
+        out,
+        model_name or model_name_from(source_path),
+        quantizer,
+        info,
+        planned,
+        warnings,
+        nthreads,
+        method_reports,
+        fresh,
+    )
 
 
 def _rung_names(planned: Sequence[PlannedRung], imatrix: ImatrixInfo | None = None) -> Callable[[str], bool]:
@@ -304,20 +404,33 @@ def _public_quantizer(described: dict[str, object]) -> dict[str, object]:
     return record
 
 
-def ladder_context(plan: LadderPlan, method: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any]]:
+def ladder_context(
+    plan: LadderPlan, method: list[dict[str, Any]]
+) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any]]:
     """What a ladder run records beside each rung it made: the manifest's inputs, parameters and
     header (ladder, source, imatrix, quantizer, method reports, warnings, the spec's rung order)."""
-    source_files = [{"name": p.name, "bytes": p.stat().st_size, "sha256": h} for p, h in zip(plan.source.paths, plan.source_sha256)]
+    source_files = [
+        {"name": p.name, "bytes": p.stat().st_size, "sha256": h} for p, h in zip(plan.source.paths, plan.source_sha256)
+    ]
     inputs = list(source_files)
     if plan.imatrix is not None:
-        inputs.append({"name": plan.imatrix.path.name, "bytes": plan.imatrix.path.stat().st_size, "sha256": plan.imatrix.sha256})
+        inputs.append(
+            {"name": plan.imatrix.path.name, "bytes": plan.imatrix.path.stat().st_size, "sha256": plan.imatrix.sha256}
+        )
     if plan.spec.path is not None:
         inputs.append({"name": plan.spec.path.name, "bytes": plan.spec.path.stat().st_size, "sha256": plan.spec.sha256})
     architecture = plan.source.get(Keys.General.ARCHITECTURE)
     context = {
-        "ladder": {"name": plan.spec.name, "description": plan.spec.description, "spec_file": plan.spec.path.name if plan.spec.path else None, "spec_sha256": plan.spec.sha256},
+        "ladder": {
+            "name": plan.spec.name,
+            "description": plan.spec.description,
+            "spec_file": plan.spec.path.name if plan.spec.path else None,
+            "spec_sha256": plan.spec.sha256,
+        },
         "source": {
-            "name": plan.source.path.name, "bytes": plan.source.total_bytes, "n_elements": plan.n_elements,
+            "name": plan.source.path.name,
+            "bytes": plan.source.total_bytes,
+            "n_elements": plan.n_elements,
             "architecture": architecture,
             "expert_count": plan.source.get(Keys.LLM.EXPERT_COUNT.format(arch=architecture)),
             "files": source_files,
@@ -352,10 +465,26 @@ def _imatrix_without_directories(plan: LadderPlan, out: Path, to_run: Sequence[P
     if bare == tuple(imatrix.datasets):
         return None
     if imatrix.format == "gguf":
-        changed = replace(imatrix, datasets=bare, kvs=tuple(replace_kvs(imatrix.kvs, {KEY_DATASETS: make_kv(KEY_DATASETS, GGUFValueType.ARRAY, list(bare), GGUFValueType.STRING)})))
+        changed = replace(
+            imatrix,
+            datasets=bare,
+            kvs=tuple(
+                replace_kvs(
+                    imatrix.kvs,
+                    {KEY_DATASETS: make_kv(KEY_DATASETS, GGUFValueType.ARRAY, list(bare), GGUFValueType.STRING)},
+                )
+            ),
+        )
     else:
         chunks, dataset = imatrix.dat_trailer or (0, None)
-        changed = replace(imatrix, datasets=bare, dat_trailer=(chunks, public_name(dataset.decode("utf-8", errors="replace")).encode() if dataset is not None else None))
+        changed = replace(
+            imatrix,
+            datasets=bare,
+            dat_trailer=(
+                chunks,
+                public_name(dataset.decode("utf-8", errors="replace")).encode() if dataset is not None else None,
+            ),
+        )
     copy = make_temp_dir(out / plan.imatrix.path.name) / plan.imatrix.path.name
     fd = os.open(copy, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
@@ -373,7 +502,10 @@ def _check_disk(out: Path, planned: Sequence[PlannedRung]) -> None:
     reclaimable = sum(bytes_on_disk(t) for t in dead_temps(out, _rung_names(planned)))  # run_ladder removes them first
     free = shutil.disk_usage(probe).free + reclaimable
     if free < need:
-        raise OutputError(f"the ladder needs about {format_size(need)} but {probe} has {format_size(free)} free", "free disk space, write elsewhere, or run fewer rungs with --only")
+        raise OutputError(
+            f"the ladder needs about {format_size(need)} but {probe} has {format_size(free)} free",
+            "free disk space, write elsewhere, or run fewer rungs with --only",
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -407,10 +539,21 @@ class RungResult:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "name": self.name, "ftype": self.ftype, "description": self.description, "status": self.status,
-            "command": self.command, "exit_status": self.exit_status, "seconds": round(self.seconds, 3), "error": self.error,
-            "files": [{"name": self.output, "bytes": self.bytes, "sha256": self.sha256, "mtime_ns": self.mtime_ns}] if self.bytes else [],
-            "bytes": self.bytes, "gib": round(self.gib, 4), "bits_per_weight": self.bits_per_weight, "sha256": self.sha256,
+            "name": self.name,
+            "ftype": self.ftype,
+            "description": self.description,
+            "status": self.status,
+            "command": self.command,
+            "exit_status": self.exit_status,
+            "seconds": round(self.seconds, 3),
+            "error": self.error,
+            "files": [{"name": self.output, "bytes": self.bytes, "sha256": self.sha256, "mtime_ns": self.mtime_ns}]
+            if self.bytes
+            else [],
+            "bytes": self.bytes,
+            "gib": round(self.gib, 4),
+            "bits_per_weight": self.bits_per_weight,
+            "sha256": self.sha256,
             "tensor_types": self.tensor_types,
             "imatrix_fallback": {"type": self.fallback_type, "tensors": list(self.fallback)} if self.fallback else None,
             "inputs_key": self.inputs_key,
@@ -442,7 +585,9 @@ def _previous_rungs(plan: LadderPlan) -> dict[str, dict[str, Any]]:
     earlier ggufcarve is adopted into fragments first), by name; the release must be of this plan's
     source (checked again here: the directory may have changed since planning)."""
     adopt_manifest(plan.out_dir)
-    this = [{"name": p.name, "bytes": p.stat().st_size, "sha256": h} for p, h in zip(plan.source.paths, plan.source_sha256)]
+    this = [
+        {"name": p.name, "bytes": p.stat().st_size, "sha256": h} for p, h in zip(plan.source.paths, plan.source_sha256)
+    ]
     manifest = read_manifest(plan.out_dir)
     if manifest is not None:
         check_same_source(plan.out_dir, manifest, this)
@@ -516,6 +661,7 @@ class _HashStopped(Exception):
 def _until(stop: threading.Event) -> Callable[[int], None]:
     """A progress callback for sha256_file that abandons the hash once `stop` is set: a stopped
     run does not wait for the hash of a big rung to finish."""
+
     def progress(_: int) -> None:
         if stop.is_set():
             raise _HashStopped
@@ -557,7 +703,11 @@ def run_ladder(plan: LadderPlan, *, keep_going: bool = False, on_event: Sink = i
     results: dict[str, RungResult] = {}
     hasher: ThreadPoolExecutor | None = None
     stop = threading.Event()  # set on the way out: background hashes still running are abandoned
-    local_dirs = [out.absolute(), *(p.parent.absolute() for p in plan.source.paths), *([plan.imatrix.path.parent.absolute()] if plan.imatrix else [])]
+    local_dirs = [
+        out.absolute(),
+        *(p.parent.absolute() for p in plan.source.paths),
+        *([plan.imatrix.path.parent.absolute()] if plan.imatrix else []),
+    ]
     quantizer_imatrix: Path | None = None
     try:
         with lock_release(out):
@@ -570,7 +720,9 @@ def run_ladder(plan: LadderPlan, *, keep_going: bool = False, on_event: Sink = i
             remove_dead_temps(out, _rung_names(plan.rungs, plan.imatrix))  # left by an interrupted run
         inputs, parameters, context = ladder_context(plan, method)
         resumable = _check_resumable(plan, previous, on_event, stop, label)
-        quantizer_imatrix = _imatrix_without_directories(plan, out, [p for p in plan.rungs if p.rung.name not in resumable])
+        quantizer_imatrix = _imatrix_without_directories(
+            plan, out, [p for p in plan.rungs if p.rung.name not in resumable]
+        )
         hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ggufcarve-hash")
         pending: list[Future[None]] = []
 
@@ -578,7 +730,12 @@ def run_ladder(plan: LadderPlan, *, keep_going: bool = False, on_event: Sink = i
             """The rung's fragment, then the manifest and SHA256SUMS from all fragments, under the lock."""
             with state_lock:
                 total = time.monotonic() - started
-                timings = {"total_seconds": total, "quantizer_seconds": quantizer_seconds, "hash_seconds": hash_seconds[0], "overhead_seconds": total - quantizer_seconds}
+                timings = {
+                    "total_seconds": total,
+                    "quantizer_seconds": quantizer_seconds,
+                    "hash_seconds": hash_seconds[0],
+                    "overhead_seconds": total - quantizer_seconds,
+                }
             with lock_release(out):
                 write_fragment(out, result.to_json(), context, inputs=inputs, parameters=parameters, timings=timings)
                 rebuild(out)
@@ -607,21 +764,42 @@ def run_ladder(plan: LadderPlan, *, keep_going: bool = False, on_event: Sink = i
                 rungs_done(1, r.name)
                 continue
             if (failure is not None and not keep_going) or out_of_space is not None:
-                results[r.name] = RungResult(r.name, r.ftype, "not run", p.output.name, description=r.description, source_sha256=list(plan.source_sha256))
+                results[r.name] = RungResult(
+                    r.name,
+                    r.ftype,
+                    "not run",
+                    p.output.name,
+                    description=r.description,
+                    source_sha256=list(plan.source_sha256),
+                )
                 if r.name not in previous and not fragment_path(out, r.name).exists():
                     record(results[r.name])
                 continue
             _note(on_event, rung_stage(r.name, label), "starting")
-            result = RungResult(r.name, r.ftype, "failed", p.output.name, command=plan.quantizer.recorded_argv(p.job, p.output), fallback=p.fallback,
-                                fallback_type=r.imatrix_fallback_type if p.fallback else None, inputs_key=p.inputs_key, description=r.description,
-                                tensor_types=[list(t) for t in p.job.tensor_types], source_sha256=list(plan.source_sha256))
+            result = RungResult(
+                r.name,
+                r.ftype,
+                "failed",
+                p.output.name,
+                command=plan.quantizer.recorded_argv(p.job, p.output),
+                fallback=p.fallback,
+                fallback_type=r.imatrix_fallback_type if p.fallback else None,
+                inputs_key=p.inputs_key,
+                description=r.description,
+                tensor_types=[list(t) for t in p.job.tensor_types],
+                source_sha256=list(plan.source_sha256),
+            )
 
             def on_line(line: str, name: str = rung_stage(r.name, label)) -> None:
                 m = TENSOR_LINE.match(line)
                 if m:
                     on_event(Event(name, int(m["index"]), int(m["total"]), "tensors", m["name"]))
 
-            job = replace(p.job, imatrix=quantizer_imatrix) if quantizer_imatrix is not None and p.job.imatrix is not None else p.job
+            job = (
+                replace(p.job, imatrix=quantizer_imatrix)
+                if quantizer_imatrix is not None and p.job.imatrix is not None
+                else p.job
+            )
             run: QuantizeRun = plan.quantizer.run(job, on_line)
             with state_lock:
                 quantizer_seconds += run.seconds
@@ -642,7 +820,15 @@ def run_ladder(plan: LadderPlan, *, keep_going: bool = False, on_event: Sink = i
                 result.bytes = p.output.stat().st_size
                 results[r.name] = result
                 pending.append(hasher.submit(hash_later, result, p.output))
-                on_event(Event(rung_stage(r.name, label), 1, 1, "tensors", f"hashing; {format_size(result.bytes)} in {run.seconds:.1f} s"))
+                on_event(
+                    Event(
+                        rung_stage(r.name, label),
+                        1,
+                        1,
+                        "tensors",
+                        f"hashing; {format_size(result.bytes)} in {run.seconds:.1f} s",
+                    )
+                )
             else:
                 full = _out_of_space(p, run)
                 p.temp.unlink(missing_ok=True)
@@ -658,7 +844,9 @@ def run_ladder(plan: LadderPlan, *, keep_going: bool = False, on_event: Sink = i
             rungs_done(1, r.name)
         for f in pending:
             f.result()
-        manifest = rebuild(out, finish=len(plan.rungs) == len(plan.spec.rungs))  # a run of the whole spec removes the fragments once it is complete
+        manifest = rebuild(
+            out, finish=len(plan.rungs) == len(plan.spec.rungs)
+        )  # a run of the whole spec removes the fragments once it is complete
         if manifest is None:
             raise OutputError(f"{out}: no rung fragment to assemble the manifest from", "run the ladder again")
         sums = out / SUMS_NAME
@@ -671,21 +859,33 @@ def run_ladder(plan: LadderPlan, *, keep_going: bool = False, on_event: Sink = i
         if plan.imatrix is not None:
             shutil.rmtree(temp_path_for(out / plan.imatrix.path.name), ignore_errors=True)
     ordered = [results[p.rung.name] for p in plan.rungs]
-    result = LadderResult(plan, ordered, out / MANIFEST_NAME, sums, time.monotonic() - started, quantizer_seconds, hash_seconds[0])
+    result = LadderResult(
+        plan, ordered, out / MANIFEST_NAME, sums, time.monotonic() - started, quantizer_seconds, hash_seconds[0]
+    )
     if out_of_space is not None:
         raise disk_full_error(*out_of_space)
     if result.failed and not keep_going:
         first = result.failed[0]
-        raise ToolFailed(f"rung {first.name} failed: {first.error}", f"the exact command is in {result.manifest_path}; fix the cause and run again (finished rungs are kept and skipped)")
+        raise ToolFailed(
+            f"rung {first.name} failed: {first.error}",
+            f"the exact command is in {result.manifest_path}; fix the cause and run again (finished rungs are kept and skipped)",
+        )
     return result
 
 
-def _check_resumable(plan: LadderPlan, previous: dict[str, dict[str, Any]], on_event: Sink, stop: threading.Event, label: str = "") -> dict[str, RungResult]:
+def _check_resumable(
+    plan: LadderPlan, previous: dict[str, dict[str, Any]], on_event: Sink, stop: threading.Event, label: str = ""
+) -> dict[str, RungResult]:
     """Rungs whose output matches the recorded inputs key and sha256 (hashed in parallel)."""
     candidates = []
     for p in plan.rungs:
         rec = previous.get(p.rung.name)
-        if not rec or rec.get("status") not in ("built", "skipped") or rec.get("inputs_key") != p.inputs_key or not rec.get("sha256"):
+        if (
+            not rec
+            or rec.get("status") not in ("built", "skipped")
+            or rec.get("inputs_key") != p.inputs_key
+            or not rec.get("sha256")
+        ):
             continue
         if not p.output.exists() or p.output.stat().st_size != rec.get("bytes"):
             continue
@@ -702,15 +902,29 @@ def _check_resumable(plan: LadderPlan, previous: dict[str, dict[str, Any]], on_e
     out: dict[str, RungResult] = {}
     for (p, rec), digest in zip(candidates, digests):
         if digest != rec["sha256"]:
-            _note(on_event, rung_stage(p.rung.name, label), f"{p.output.name}: sha256 {digest[:12]} != recorded {rec['sha256'][:12]}; rebuilding")
+            _note(
+                on_event,
+                rung_stage(p.rung.name, label),
+                f"{p.output.name}: sha256 {digest[:12]} != recorded {rec['sha256'][:12]}; rebuilding",
+            )
             continue
         out[p.rung.name] = RungResult(
-            p.rung.name, p.rung.ftype, "skipped", p.output.name, command=list(rec.get("command", [])), exit_status=rec.get("exit_status"),
-            seconds=float(rec.get("seconds", 0.0)), bytes=int(rec["bytes"]), bits_per_weight=rec.get("bits_per_weight"), sha256=digest,
-            fallback=tuple((rec.get("imatrix_fallback") or {}).get("tensors", [])), fallback_type=(rec.get("imatrix_fallback") or {}).get("type"),
-            inputs_key=p.inputs_key, description=p.rung.description, tensor_types=rec.get("tensor_types", []), mtime_ns=p.output.stat().st_mtime_ns,
+            p.rung.name,
+            p.rung.ftype,
+            "skipped",
+            p.output.name,
+            command=list(rec.get("command", [])),
+            exit_status=rec.get("exit_status"),
+            seconds=float(rec.get("seconds", 0.0)),
+            bytes=int(rec["bytes"]),
+            bits_per_weight=rec.get("bits_per_weight"),
+            sha256=digest,
+            fallback=tuple((rec.get("imatrix_fallback") or {}).get("tensors", [])),
+            fallback_type=(rec.get("imatrix_fallback") or {}).get("type"),
+            inputs_key=p.inputs_key,
+            description=p.rung.description,
+            tensor_types=rec.get("tensor_types", []),
+            mtime_ns=p.output.stat().st_mtime_ns,
             source_sha256=list(plan.source_sha256),
         )
     return out
-
-

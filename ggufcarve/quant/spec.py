@@ -27,7 +27,18 @@ SPEC_DIRECTORY = shipped("ladders")
 DEFAULT_LADDER = SPEC_DIRECTORY / "q8-to-iq1.toml"
 DEFAULT_FALLBACK_TYPE = "Q4_K"
 DISK_MARGIN = 64 << 20  # headroom on top of the estimated sizes
-RUNG_KEYS = {"ftype", "name", "description", "file_pattern", "output_tensor_type", "token_embedding_type", "tensor_types", "imatrix_fallback_type", "allow_requantize", "pure"}
+RUNG_KEYS = {
+    "ftype",
+    "name",
+    "description",
+    "file_pattern",
+    "output_tensor_type",
+    "token_embedding_type",
+    "tensor_types",
+    "imatrix_fallback_type",
+    "allow_requantize",
+    "pure",
+}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -51,17 +62,26 @@ class Rung:
     def needs_imatrix(self) -> bool:
         """Whether some tensor may need an imatrix, from the ftype and the overrides (before any dry run:
         llama.cpp's tensor_requires_imatrix on the dry run's target types decides per tensor)."""
-        return self.ftype in IMATRIX_FTYPES or any(tensor_requires_imatrix("", t, self.ftype) for _, t in self.tensor_types)
+        return self.ftype in IMATRIX_FTYPES or any(
+            tensor_requires_imatrix("", t, self.ftype) for _, t in self.tensor_types
+        )
 
     def file_name(self, model: str) -> str:
         return self.file_pattern.format(model=model, quant=self.name)
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "name": self.name, "ftype": self.ftype, "description": self.description, "file_pattern": self.file_pattern,
-            "output_tensor_type": self.output_tensor_type, "token_embedding_type": self.token_embedding_type,
-            "tensor_types": [list(p) for p in self.tensor_types], "imatrix_fallback_type": self.imatrix_fallback_type,
-            "allow_requantize": self.allow_requantize, "pure": self.pure, "needs_imatrix": self.needs_imatrix,
+            "name": self.name,
+            "ftype": self.ftype,
+            "description": self.description,
+            "file_pattern": self.file_pattern,
+            "output_tensor_type": self.output_tensor_type,
+            "token_embedding_type": self.token_embedding_type,
+            "tensor_types": [list(p) for p in self.tensor_types],
+            "imatrix_fallback_type": self.imatrix_fallback_type,
+            "allow_requantize": self.allow_requantize,
+            "pure": self.pure,
+            "needs_imatrix": self.needs_imatrix,
         }
 
 
@@ -80,13 +100,19 @@ class LadderSpec:
         names = {r.name for r in self.rungs}
         unknown = [w for w in wanted if w not in names]
         if unknown:
-            raise BadInput(f"--only {', '.join(unknown)}: no such rung in {self.name}", f"rungs are {', '.join(r.name for r in self.rungs)}")
+            raise BadInput(
+                f"--only {', '.join(unknown)}: no such rung in {self.name}",
+                f"rungs are {', '.join(r.name for r in self.rungs)}",
+            )
         return tuple(r for r in self.rungs if r.name in wanted)
 
 
 def _type_name(value: Any, where: str) -> str:
     if not isinstance(value, str) or value.upper() not in QUANTIZE_TARGET_TYPES:
-        raise BadInput(f"{where}: {value!r} is not a ggml tensor type llama-quantize writes", f"use one of {', '.join(sorted(QUANTIZE_TARGET_TYPES))}")
+        raise BadInput(
+            f"{where}: {value!r} is not a ggml tensor type llama-quantize writes",
+            f"use one of {', '.join(sorted(QUANTIZE_TARGET_TYPES))}",
+        )
     return value.upper()
 
 
@@ -98,18 +124,25 @@ def _tensor_types(value: Any, where: str) -> tuple[tuple[str, str], ...]:
     elif isinstance(value, list):
         items = value
     else:
-        raise BadInput(f"{where}: tensor_types must be a list of [regex, type] pairs", 'e.g. tensor_types = [["ffn_down_exps", "Q5_K"]]')
+        raise BadInput(
+            f"{where}: tensor_types must be a list of [regex, type] pairs",
+            'e.g. tensor_types = [["ffn_down_exps", "Q5_K"]]',
+        )
     for item in items:
         if isinstance(item, str) and "=" in item:
             item = item.rsplit("=", 1)
         if isinstance(item, dict) and set(item) == {"pattern", "type"}:
             item = (item["pattern"], item["type"])
         if not (isinstance(item, (list, tuple)) and len(item) == 2 and isinstance(item[0], str) and item[0]):
-            raise BadInput(f"{where}: bad tensor_types entry {item!r}", 'each entry is ["regex", "TYPE"] or "regex=TYPE"')
+            raise BadInput(
+                f"{where}: bad tensor_types entry {item!r}", 'each entry is ["regex", "TYPE"] or "regex=TYPE"'
+            )
         try:
             re.compile(item[0])
         except re.error as err:
-            raise BadInput(f"{where}: tensor_types regex {item[0]!r} is invalid ({err})", "fix the regular expression") from None
+            raise BadInput(
+                f"{where}: tensor_types regex {item[0]!r} is invalid ({err})", "fix the regular expression"
+            ) from None
         pairs.append((item[0], _type_name(item[1], where)))
     return tuple(pairs)
 
@@ -121,7 +154,10 @@ def parse_spec(doc: dict[str, Any], path: Path | None = None) -> LadderSpec:
         raise BadInput(f"{where}: [defaults] must be a table", "see ladders/q8-to-iq1.toml")
     unknown = set(defaults) - (RUNG_KEYS - {"ftype", "name", "description"})
     if unknown:
-        raise BadInput(f"{where}: unknown key(s) in [defaults]: {', '.join(sorted(unknown))}", f"allowed: {', '.join(sorted(RUNG_KEYS - {'ftype', 'name', 'description'}))}")
+        raise BadInput(
+            f"{where}: unknown key(s) in [defaults]: {', '.join(sorted(unknown))}",
+            f"allowed: {', '.join(sorted(RUNG_KEYS - {'ftype', 'name', 'description'}))}",
+        )
     raw_rungs = doc.get("rungs")
     if not isinstance(raw_rungs, list) or not raw_rungs:
         raise BadInput(f"{where}: no [[rungs]]", "add at least one [[rungs]] table with an ftype")
@@ -133,33 +169,57 @@ def parse_spec(doc: dict[str, Any], path: Path | None = None) -> LadderSpec:
         merged = {**defaults, **raw}
         unknown = set(merged) - RUNG_KEYS
         if unknown:
-            raise BadInput(f"{here}: unknown key(s) {', '.join(sorted(unknown))}", f"allowed: {', '.join(sorted(RUNG_KEYS))}")
+            raise BadInput(
+                f"{here}: unknown key(s) {', '.join(sorted(unknown))}", f"allowed: {', '.join(sorted(RUNG_KEYS))}"
+            )
         ftype = str(merged.get("ftype", "")).upper()
         if ftype not in FILE_TYPES:
-            raise BadInput(f"{here}: unknown ftype {merged.get('ftype')!r}", f"use a llama-quantize type such as {', '.join(list(FILE_TYPES)[:12])}")
+            raise BadInput(
+                f"{here}: unknown ftype {merged.get('ftype')!r}",
+                f"use a llama-quantize type such as {', '.join(list(FILE_TYPES)[:12])}",
+            )
         name = str(merged.get("name", ftype)).upper()
         if not re.fullmatch(r"[A-Z0-9_.+-]+", name):
             raise BadInput(f"{here}: name {name!r} must be an upper-case quant tag", "e.g. Q4_K_M or IQ2_XS-MTPQ8")
         pattern = str(merged.get("file_pattern", DEFAULT_FILE_PATTERN))
         if "{quant}" not in pattern or "/" in pattern or not pattern.endswith(".gguf"):
-            raise BadInput(f"{here}: file_pattern {pattern!r} must contain {{quant}}, end in .gguf and name a file", 'e.g. "{model}-{quant}.gguf"')
-        fallback = _type_name(merged.get("imatrix_fallback_type", DEFAULT_FALLBACK_TYPE), f"{here}: imatrix_fallback_type")
+            raise BadInput(
+                f"{here}: file_pattern {pattern!r} must contain {{quant}}, end in .gguf and name a file",
+                'e.g. "{model}-{quant}.gguf"',
+            )
+        fallback = _type_name(
+            merged.get("imatrix_fallback_type", DEFAULT_FALLBACK_TYPE), f"{here}: imatrix_fallback_type"
+        )
         if tensor_requires_imatrix("", fallback, ftype):
-            raise BadInput(f"{here}: imatrix_fallback_type {fallback} itself needs an imatrix", "use a K or legacy type such as Q4_K or Q8_0")
+            raise BadInput(
+                f"{here}: imatrix_fallback_type {fallback} itself needs an imatrix",
+                "use a K or legacy type such as Q4_K or Q8_0",
+            )
         rungs.append(
             Rung(
-                name=name, ftype=ftype, description=str(merged.get("description", "")), file_pattern=pattern,
-                output_tensor_type=_type_name(merged["output_tensor_type"], f"{here}: output_tensor_type") if merged.get("output_tensor_type") else None,
-                token_embedding_type=_type_name(merged["token_embedding_type"], f"{here}: token_embedding_type") if merged.get("token_embedding_type") else None,
-                tensor_types=_tensor_types(merged.get("tensor_types", []), here), imatrix_fallback_type=fallback,
-                allow_requantize=bool(merged.get("allow_requantize", True)), pure=bool(merged.get("pure", False)),
+                name=name,
+                ftype=ftype,
+                description=str(merged.get("description", "")),
+                file_pattern=pattern,
+                output_tensor_type=_type_name(merged["output_tensor_type"], f"{here}: output_tensor_type")
+                if merged.get("output_tensor_type")
+                else None,
+                token_embedding_type=_type_name(merged["token_embedding_type"], f"{here}: token_embedding_type")
+                if merged.get("token_embedding_type")
+                else None,
+                tensor_types=_tensor_types(merged.get("tensor_types", []), here),
+                imatrix_fallback_type=fallback,
+                allow_requantize=bool(merged.get("allow_requantize", True)),
+                pure=bool(merged.get("pure", False)),
             )
         )
     names = [r.name for r in rungs]
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
         raise BadInput(f"{where}: rung name(s) {', '.join(dup)} appear twice", "give repeated ftypes distinct names")
-    return LadderSpec(str(doc.get("name", path.stem if path else "ladder")), str(doc.get("description", "")), tuple(rungs), path)
+    return LadderSpec(
+        str(doc.get("name", path.stem if path else "ladder")), str(doc.get("description", "")), tuple(rungs), path
+    )
 
 
 def find_spec(value: str, base: Path | None = None, what: str = "ladder spec") -> Path:
@@ -173,7 +233,10 @@ def find_spec(value: str, base: Path | None = None, what: str = "ladder spec") -
         if candidate.is_file():
             return candidate
     known = sorted(p.stem for p in SPEC_DIRECTORY.glob("*.toml")) if SPEC_DIRECTORY.is_dir() else []
-    raise BadInput(f"{what} {value!r}: no such spec file", f"give a path to a ladder TOML, or one of: {', '.join(known) or '(no ladders/ directory beside this installation)'}")
+    raise BadInput(
+        f"{what} {value!r}: no such spec file",
+        f"give a path to a ladder TOML, or one of: {', '.join(known) or '(no ladders/ directory beside this installation)'}",
+    )
 
 
 def load_spec(path: str | os.PathLike[str]) -> LadderSpec:
@@ -188,5 +251,3 @@ def load_spec(path: str | os.PathLike[str]) -> LadderSpec:
         raise BadInput(f"{path}: not valid TOML ({err})", "fix the spec file") from None
     spec = parse_spec(doc, path)
     return replace(spec, sha256=hashlib.sha256(raw).hexdigest())
-
-

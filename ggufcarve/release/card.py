@@ -41,19 +41,90 @@ MARKER = re.compile(r"^<!-- ggufcarve card sha256 (?P<digest>[0-9a-f]{64}) -->\n
 
 # License identifiers the Hugging Face Hub accepts in a card's `license:` field
 # (huggingface.js, ApiModelMetadata / the Hub's "Licenses" documentation page).
-HF_LICENSES = frozenset((
-    "apache-2.0", "mit", "openrail", "bigscience-openrail-m", "creativeml-openrail-m", "bigscience-bloom-rail-1.0",
-    "bigcode-openrail-m", "afl-3.0", "artistic-2.0", "bsl-1.0", "bsd", "bsd-2-clause", "bsd-3-clause",
-    "bsd-3-clause-clear", "c-uda", "cc", "cc0-1.0", "cc-by-2.0", "cc-by-2.5", "cc-by-3.0", "cc-by-4.0",
-    "cc-by-sa-3.0", "cc-by-sa-4.0", "cc-by-nc-2.0", "cc-by-nc-3.0", "cc-by-nc-4.0", "cc-by-nd-4.0",
-    "cc-by-nc-nd-3.0", "cc-by-nc-nd-4.0", "cc-by-nc-sa-2.0", "cc-by-nc-sa-3.0", "cc-by-nc-sa-4.0",
-    "cdla-sharing-1.0", "cdla-permissive-1.0", "cdla-permissive-2.0", "wtfpl", "ecl-2.0", "epl-1.0", "epl-2.0",
-    "etalab-2.0", "eupl-1.1", "eupl-1.2", "agpl-3.0", "gfdl", "gpl", "gpl-2.0", "gpl-3.0", "lgpl", "lgpl-2.1",
-    "lgpl-3.0", "isc", "h-research", "intel-research", "lppl-1.3c", "ms-pl", "apple-ascl", "apple-amlr", "mpl-2.0",
-    "odc-by", "odbl", "openrail++", "osl-3.0", "postgresql", "ofl-1.1", "ncsa", "unlicense", "zlib", "pddl",
-    "lgpl-lr", "deepfloyd-if-license", "fair-noncommercial-research-license", "llama2", "llama3", "llama3.1",
-    "llama3.2", "llama3.3", "llama4", "gemma", "unknown", "other",
-))
+HF_LICENSES = frozenset(
+    (
+        "apache-2.0",
+        "mit",
+        "openrail",
+        "bigscience-openrail-m",
+        "creativeml-openrail-m",
+        "bigscience-bloom-rail-1.0",
+        "bigcode-openrail-m",
+        "afl-3.0",
+        "artistic-2.0",
+        "bsl-1.0",
+        "bsd",
+        "bsd-2-clause",
+        "bsd-3-clause",
+        "bsd-3-clause-clear",
+        "c-uda",
+        "cc",
+        "cc0-1.0",
+        "cc-by-2.0",
+        "cc-by-2.5",
+        "cc-by-3.0",
+        "cc-by-4.0",
+        "cc-by-sa-3.0",
+        "cc-by-sa-4.0",
+        "cc-by-nc-2.0",
+        "cc-by-nc-3.0",
+        "cc-by-nc-4.0",
+        "cc-by-nd-4.0",
+        "cc-by-nc-nd-3.0",
+        "cc-by-nc-nd-4.0",
+        "cc-by-nc-sa-2.0",
+        "cc-by-nc-sa-3.0",
+        "cc-by-nc-sa-4.0",
+        "cdla-sharing-1.0",
+        "cdla-permissive-1.0",
+        "cdla-permissive-2.0",
+        "wtfpl",
+        "ecl-2.0",
+        "epl-1.0",
+        "epl-2.0",
+        "etalab-2.0",
+        "eupl-1.1",
+        "eupl-1.2",
+        "agpl-3.0",
+        "gfdl",
+        "gpl",
+        "gpl-2.0",
+        "gpl-3.0",
+        "lgpl",
+        "lgpl-2.1",
+        "lgpl-3.0",
+        "isc",
+        "h-research",
+        "intel-research",
+        "lppl-1.3c",
+        "ms-pl",
+        "apple-ascl",
+        "apple-amlr",
+        "mpl-2.0",
+        "odc-by",
+        "odbl",
+        "openrail++",
+        "osl-3.0",
+        "postgresql",
+        "ofl-1.1",
+        "ncsa",
+        "unlicense",
+        "zlib",
+        "pddl",
+        "lgpl-lr",
+        "deepfloyd-if-license",
+        "fair-noncommercial-research-license",
+        "llama2",
+        "llama3",
+        "llama3.1",
+        "llama3.2",
+        "llama3.3",
+        "llama4",
+        "gemma",
+        "unknown",
+        "other",
+    )
+)
 # A Hub repo id: owner/name, each of ASCII letters, digits, "-", "_" and "." (no "--" or ".."),
 # starting and ending with a letter or digit, names up to 96 characters.
 _REPO_PART = r"[A-Za-z0-9](?:[A-Za-z0-9_.-]{0,94}[A-Za-z0-9])?"
@@ -63,7 +134,13 @@ HF_URL = re.compile(r"^https?://(?:www\.)?huggingface\.co/(?P<path>[^?#]+)")
 
 def valid_repo_id(value: object) -> bool:
     """Whether `value` is a Hub repo id (owner/name)."""
-    return isinstance(value, str) and bool(REPO_ID.match(value)) and "--" not in value and ".." not in value and not value.endswith(".git")
+    return (
+        isinstance(value, str)
+        and bool(REPO_ID.match(value))
+        and "--" not in value
+        and ".." not in value
+        and not value.endswith(".git")
+    )
 
 
 def repo_id_of_url(url: object) -> str | None:
@@ -94,7 +171,14 @@ class CardSettings:
     model_name: str | None = None  # the card's title
     repo_id: str | None = None  # the Hub repo the release is uploaded to (download and llama-server -hf lines)
 
-    KEYS = ("base_model", "license", "license_name", "license_link", "model_name", "repo_id")  # plan [card] keys, as the fields
+    KEYS = (
+        "base_model",
+        "license",
+        "license_name",
+        "license_link",
+        "model_name",
+        "repo_id",
+    )  # plan [card] keys, as the fields
 
     @classmethod
     def from_mapping(cls, table: dict[str, Any], where: str = "plan [card]") -> CardSettings:
@@ -104,7 +188,7 @@ class CardSettings:
             raise BadInput(f"{where}: unknown key {unknown[0]!r}", f"known keys: {', '.join(cls.KEYS)}")
         for key, value in table.items():
             if not isinstance(value, str):
-                raise BadInput(f"{where}: {key} must be a string, not {type(value).__name__}", f"e.g. {key} = \"...\"")
+                raise BadInput(f"{where}: {key} must be a string, not {type(value).__name__}", f'e.g. {key} = "..."')
         return cls(**table).check()
 
     def to_json(self) -> dict[str, str]:
@@ -115,11 +199,20 @@ class CardSettings:
         """Raise BadInput (one line, naming the plan key / option) for a value the Hub would refuse."""
         for key, value in (("base_model", self.base_model), ("repo_id", self.repo_id)):
             if value is not None and not valid_repo_id(value):
-                raise BadInput(f"card {key} {value!r} is not a Hugging Face repo id", "give OWNER/NAME as on huggingface.co (letters, digits, '-', '_', '.'), e.g. Qwen/Qwen3-30B-A3B")
+                raise BadInput(
+                    f"card {key} {value!r} is not a Hugging Face repo id",
+                    "give OWNER/NAME as on huggingface.co (letters, digits, '-', '_', '.'), e.g. Qwen/Qwen3-30B-A3B",
+                )
         if self.license is not None and self.license.strip().lower() not in HF_LICENSES:
-            raise BadInput(f"card license {self.license!r} is not a license identifier the Hugging Face Hub accepts",
-                           "give one such as apache-2.0, mit, llama3.1, gemma; or license \"other\" with license_name and license_link")
-        for key, value in (("license_name", self.license_name), ("license_link", self.license_link), ("model_name", self.model_name)):
+            raise BadInput(
+                f"card license {self.license!r} is not a license identifier the Hugging Face Hub accepts",
+                'give one such as apache-2.0, mit, llama3.1, gemma; or license "other" with license_name and license_link',
+            )
+        for key, value in (
+            ("license_name", self.license_name),
+            ("license_link", self.license_link),
+            ("model_name", self.model_name),
+        ):
             if value is not None and (not value.strip() or "\n" in value):
                 raise BadInput(f"card {key} {value!r} is empty or spans lines", "give it on one line")
         return self
@@ -146,17 +239,29 @@ def gguf_key_names() -> dict[str, str]:
     import gguf
 
     general = gguf.Keys.General
-    return {"name": general.NAME, "basename": general.BASENAME, "size_label": general.SIZE_LABEL, "license": general.LICENSE,
-            "license_name": general.LICENSE_NAME, "license_link": general.LICENSE_LINK, "base_count": general.BASE_MODEL_COUNT,
-            "base_name": general.BASE_MODEL_NAME, "base_org": general.BASE_MODEL_ORGANIZATION, "base_repo_url": general.BASE_MODEL_REPO_URL,
-            "context_length": gguf.Keys.LLM.CONTEXT_LENGTH, "architecture": general.ARCHITECTURE}
+    return {
+        "name": general.NAME,
+        "basename": general.BASENAME,
+        "size_label": general.SIZE_LABEL,
+        "license": general.LICENSE,
+        "license_name": general.LICENSE_NAME,
+        "license_link": general.LICENSE_LINK,
+        "base_count": general.BASE_MODEL_COUNT,
+        "base_name": general.BASE_MODEL_NAME,
+        "base_org": general.BASE_MODEL_ORGANIZATION,
+        "base_repo_url": general.BASE_MODEL_REPO_URL,
+        "context_length": gguf.Keys.LLM.CONTEXT_LENGTH,
+        "architecture": general.ARCHITECTURE,
+    }
 
 
 def _text(value: Any) -> str | None:
     return value.strip() if isinstance(value, str) and value.strip() else None
 
 
-def resolve_metadata(keys: dict[str, Any], manifest: dict[str, Any], settings: CardSettings | None = None) -> CardMetadata:
+def resolve_metadata(
+    keys: dict[str, Any], manifest: dict[str, Any], settings: CardSettings | None = None
+) -> CardMetadata:
     """Base model, license, model name and repo id: each from `settings` when given, else from
     the GGUF keys (`keys`, by gguf-py's key names), else unknown (with a note and a warning)."""
     s = settings or CardSettings()
@@ -177,12 +282,20 @@ def resolve_metadata(keys: dict[str, Any], manifest: dict[str, Any], settings: C
             if repo is not None:
                 bases.append(repo)
             elif url or name:
-                seen.append(f"{_key(n['base_repo_url'] if url else n['base_name'], id=i)} = {json.dumps(url or name, ensure_ascii=False)}")
+                seen.append(
+                    f"{_key(n['base_repo_url'] if url else n['base_name'], id=i)} = {json.dumps(url or name, ensure_ascii=False)}"
+                )
         if not bases:
-            why = f"the source GGUF records no Hub repo id for it ({'; '.join(seen)})" if seen else f"the source GGUF has no {_key(n['base_repo_url'], id=0)} key"
+            why = (
+                f"the source GGUF records no Hub repo id for it ({'; '.join(seen)})"
+                if seen
+                else f"the source GGUF has no {_key(n['base_repo_url'], id=0)} key"
+            )
             notes.append(f"The base model is not stated: {why}.")
-            warnings.append(f"no base_model in the card: {why} (give `ggufcarve card RELEASE --base-model OWNER/NAME --force`, "
-                            "or base_model in the plan's [card] table, so the Hub links this model to its base)")
+            warnings.append(
+                f"no base_model in the card: {why} (give `ggufcarve card RELEASE --base-model OWNER/NAME --force`, "
+                "or base_model in the plan's [card] table, so the Hub links this model to its base)"
+            )
 
     license_ = s.license.strip().lower() if s.license is not None else None
     license_from = "--license"
@@ -191,29 +304,51 @@ def resolve_metadata(keys: dict[str, Any], manifest: dict[str, Any], settings: C
         license_from = n["license"]
         if recorded is None:
             notes.append(f"The license is not stated: the source GGUF has no {n['license']} key.")
-            warnings.append(f"no license in the card: the source GGUF has no {n['license']} key (give `ggufcarve card RELEASE --license ID --force`, "
-                            "or license in the plan's [card] table; check the base model's license first)")
+            warnings.append(
+                f"no license in the card: the source GGUF has no {n['license']} key (give `ggufcarve card RELEASE --license ID --force`, "
+                "or license in the plan's [card] table; check the base model's license first)"
+            )
         elif recorded.lower() in HF_LICENSES:
             license_ = recorded.lower()
         else:
-            notes.append(f"The source GGUF records the license as {json.dumps(recorded, ensure_ascii=False)}, which is not a license identifier the Hugging Face Hub accepts; "
-                         "the front matter leaves it out.")
-            warnings.append(f"no license in the card: {n['license']} = {recorded!r} is not a Hub license identifier (give `ggufcarve card RELEASE --license ID --force`, "
-                            "or --license other with --license-name and --license-link)")
+            notes.append(
+                f"The source GGUF records the license as {json.dumps(recorded, ensure_ascii=False)}, which is not a license identifier the Hugging Face Hub accepts; "
+                "the front matter leaves it out."
+            )
+            warnings.append(
+                f"no license in the card: {n['license']} = {recorded!r} is not a Hub license identifier (give `ggufcarve card RELEASE --license ID --force`, "
+                "or --license other with --license-name and --license-link)"
+            )
     license_name = s.license_name or (_text(keys.get(n["license_name"])) if license_ == "other" else None)
     license_link = s.license_link or (_text(keys.get(n["license_link"])) if license_ == "other" else None)
     if license_ == "other" and (license_name is None or license_link is None):
-        lacking = " and ".join(k for k, v in (("license_name", license_name), ("license_link", license_link)) if v is None)
-        notes.append(f"The license is \"other\" (from {license_from}) without its {lacking}.")
-        warnings.append(f"license \"other\" without {lacking} (give --license-name and --license-link: a URL, or a LICENSE file "
-                        "recorded in the release with `ggufcarve release record LICENSE`)")
+        lacking = " and ".join(
+            k for k, v in (("license_name", license_name), ("license_link", license_link)) if v is None
+        )
+        notes.append(f'The license is "other" (from {license_from}) without its {lacking}.')
+        warnings.append(
+            f'license "other" without {lacking} (give --license-name and --license-link: a URL, or a LICENSE file '
+            "recorded in the release with `ggufcarve release record LICENSE`)"
+        )
 
     basename, size_label = _text(keys.get(n["basename"])), _text(keys.get(n["size_label"]))
-    model_name = (s.model_name or (f"{basename}-{size_label}" if basename and size_label else basename)
-                  or _text((manifest.get("parameters") or {}).get("model_name")) or _text(keys.get(n["name"]))
-                  or Path(str((manifest.get("source") or {}).get("name") or "model")).stem)
-    return CardMetadata(bases, license_, license_name if license_ == "other" else None, license_link if license_ == "other" else None,
-                        model_name.strip(), s.repo_id, notes, warnings)
+    model_name = (
+        s.model_name
+        or (f"{basename}-{size_label}" if basename and size_label else basename)
+        or _text((manifest.get("parameters") or {}).get("model_name"))
+        or _text(keys.get(n["name"]))
+        or Path(str((manifest.get("source") or {}).get("name") or "model")).stem
+    )
+    return CardMetadata(
+        bases,
+        license_,
+        license_name if license_ == "other" else None,
+        license_link if license_ == "other" else None,
+        model_name.strip(),
+        s.repo_id,
+        notes,
+        warnings,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -239,7 +374,9 @@ def _read_json(path: Path) -> dict | None:
     try:
         doc = json.loads(path.read_text())
     except ValueError as err:
-        raise BadInput(f"{path}: not valid JSON ({err})", "re-create it, or remove it to leave it out of the card") from None
+        raise BadInput(
+            f"{path}: not valid JSON ({err})", "re-create it, or remove it to leave it out of the card"
+        ) from None
     return doc if isinstance(doc, dict) else None
 
 
@@ -255,19 +392,47 @@ def gather(release: Path, evaluation_dir: Path | None = None) -> CardInputs:
     manifest = read_manifest(release)
     if manifest is None:
         raise BadInput(f"{release}: no {MANIFEST_NAME}", "give a release directory made by ggufcarve ladder run")
-    rungs = [r for r in manifest.get("rungs", []) if r.get("status") in ("built", "skipped") and r.get("files") and all((release / f["name"]).exists() for f in r["files"])]
+    rungs = [
+        r
+        for r in manifest.get("rungs", [])
+        if r.get("status") in ("built", "skipped")
+        and r.get("files")
+        and all((release / f["name"]).exists() for f in r["files"])
+    ]
     if not rungs:
-        raise BadInput(f"{release}: the manifest lists no built rung present in the directory", "run ggufcarve ladder run first")
+        raise BadInput(
+            f"{release}: the manifest lists no built rung present in the directory", "run ggufcarve ladder run first"
+        )
     model = read_model(release / rungs[0]["files"][0]["name"])
     names = gguf_key_names()
     arch = model.get(names["architecture"])
-    wanted = [names[k] for k in ("name", "basename", "size_label", "license", "license_name", "license_link", "base_count", "architecture")]
+    wanted = [
+        names[k]
+        for k in (
+            "name",
+            "basename",
+            "size_label",
+            "license",
+            "license_name",
+            "license_link",
+            "base_count",
+            "architecture",
+        )
+    ]
     wanted += [KEY_KEPT_COUNT, KEY_SOURCE_EXPERT_COUNT]
     count = model.get(names["base_count"])
     for i in range(int(count) if isinstance(count, int) and count > 0 else 1):
         wanted += [_key(names[k], id=i) for k in ("base_name", "base_org", "base_repo_url")]
     if arch:
-        wanted += [k.format(arch=arch) for k in (Keys.LLM.EXPERT_COUNT, Keys.LLM.EXPERT_USED_COUNT, Keys.LLM.BLOCK_COUNT, Keys.LLM.NEXTN_PREDICT_LAYERS)]
+        wanted += [
+            k.format(arch=arch)
+            for k in (
+                Keys.LLM.EXPERT_COUNT,
+                Keys.LLM.EXPERT_USED_COUNT,
+                Keys.LLM.BLOCK_COUNT,
+                Keys.LLM.NEXTN_PREDICT_LAYERS,
+            )
+        ]
         wanted.append(_key(names["context_length"], arch=arch))
     keys = {k: model.get(k) for k in wanted}
     evaluation: dict[str, dict] = {}
@@ -278,9 +443,22 @@ def gather(release: Path, evaluation_dir: Path | None = None) -> CardInputs:
             evaluation[doc["model"]["file"]] = doc
     root = release.resolve()
     inside = directory.is_relative_to(root)
-    linked = frozenset(p.relative_to(root).as_posix() for p in directory.iterdir() if p.is_file()) if inside and directory.is_dir() else frozenset()
-    return CardInputs(manifest, rungs, keys, _read_json(release / "method" / "pruning-report.json"), _read_json(release / "method" / "expert-selection.json"),
-                      evaluation, directory.relative_to(root).as_posix() if inside else None, linked, (release / "method" / "tune.md").is_file())
+    linked = (
+        frozenset(p.relative_to(root).as_posix() for p in directory.iterdir() if p.is_file())
+        if inside and directory.is_dir()
+        else frozenset()
+    )
+    return CardInputs(
+        manifest,
+        rungs,
+        keys,
+        _read_json(release / "method" / "pruning-report.json"),
+        _read_json(release / "method" / "expert-selection.json"),
+        evaluation,
+        directory.relative_to(root).as_posix() if inside else None,
+        linked,
+        (release / "method" / "tune.md").is_file(),
+    )
 
 
 def _yaml(value: Any) -> str:
@@ -316,14 +494,24 @@ def _calibration_rows(inputs: CardInputs) -> list[str]:
             used = min(in_file, left)  # the files' tokens are concatenated in order and cut at the traced total
             left -= used
         of = f" of {in_file:,}" if in_file is not None and used is not None and used != in_file else ""
-        chunking = f" ({used // params['ctx']} chunks of {params['ctx']})" if used and isinstance(params.get("ctx"), int) and used % params["ctx"] == 0 else ""
-        rows.append(f"| expert selection ({selection.get('method') or 'calibration'}) | {c.get('name')} | `{str(c.get('sha256') or '')[:12]}` | "
-                    f"{f'{used:,}{of}{chunking}' if used is not None else '–'} |")
+        chunking = (
+            f" ({used // params['ctx']} chunks of {params['ctx']})"
+            if used and isinstance(params.get("ctx"), int) and used % params["ctx"] == 0
+            else ""
+        )
+        rows.append(
+            f"| expert selection ({selection.get('method') or 'calibration'}) | {c.get('name')} | `{str(c.get('sha256') or '')[:12]}` | "
+            f"{f'{used:,}{of}{chunking}' if used is not None else '–'} |"
+        )
     imatrix = inputs.manifest.get("imatrix") if isinstance(inputs.manifest.get("imatrix"), dict) else None
     if imatrix:
         datasets = ", ".join(str(d) for d in imatrix.get("datasets") or []) or "not recorded"
         chunks, size = imatrix.get("chunk_count"), imatrix.get("chunk_size")
-        tokens = f"{chunks * size:,} ({chunks} chunks of {size})" if isinstance(chunks, int) and isinstance(size, int) and chunks and size else "–"
+        tokens = (
+            f"{chunks * size:,} ({chunks} chunks of {size})"
+            if isinstance(chunks, int) and isinstance(size, int) and chunks and size
+            else "–"
+        )
         digest = f"`{str(imatrix['sha256'])[:12]}`" if imatrix.get("sha256") else "–"
         rows.append(f"| importance matrix | {imatrix.get('name')} (from {datasets}) | {digest} | {tokens} |")
     docs = _rung_docs(inputs)
@@ -335,7 +523,11 @@ def _calibration_rows(inputs: CardInputs) -> list[str]:
         heldout = doc.get("heldout") if isinstance(doc.get("heldout"), dict) else {}
         total = p["ctx"] * p["chunks"] if isinstance(p.get("ctx"), int) and isinstance(p.get("chunks"), int) else None
         name = heldout.get("name") or f"the text of {doc['reference'].get('name')}"
-        used = f"{total:,} ({p['chunks']} chunks of {p['ctx']}; {p.get('scored_tokens'):,} scored)" if total is not None and isinstance(p.get("scored_tokens"), int) else "–"
+        used = (
+            f"{total:,} ({p['chunks']} chunks of {p['ctx']}; {p.get('scored_tokens'):,} scored)"
+            if total is not None and isinstance(p.get("scored_tokens"), int)
+            else "–"
+        )
         digest = f"`{str(heldout['sha256'])[:12]}`" if heldout.get("sha256") else "–"
         rows.append(f"| evaluation (held out) | {name} | {digest} | {used} |")
     if not rows:
@@ -357,28 +549,43 @@ def _segment_rows(doc: dict) -> list[str]:
         record = files.get(segment.get("name")) or {}
         digest = f"`{str(record['sha256'])[:12]}`" if record.get("sha256") else "–"
         chunks, tokens = segment.get("chunks"), segment.get("tokens")
-        used = (f"{chunks * p['ctx']:,} ({chunks} chunks of {p['ctx']}; {tokens:,} scored)"
-                if isinstance(chunks, int) and isinstance(tokens, int) and isinstance(p.get("ctx"), int) else "–")
+        used = (
+            f"{chunks * p['ctx']:,} ({chunks} chunks of {p['ctx']}; {tokens:,} scored)"
+            if isinstance(chunks, int) and isinstance(tokens, int) and isinstance(p.get("ctx"), int)
+            else "–"
+        )
         rows.append(f"| evaluation (held out) | {segment.get('name')} | {digest} | {used} |")
     return rows
 
 
 def _segments(inputs: CardInputs) -> list[str]:
     """Each evaluated model's mean KLD on each held-out file beside its overall one; none with one file."""
-    docs = sorted((d for d in inputs.evaluation.values() if _segment_names(d) and isinstance(d.get("model", {}).get("bytes"), int)),
-                  key=lambda d: (d["model"]["bytes"], d["model"]["file"]))
+    docs = sorted(
+        (
+            d
+            for d in inputs.evaluation.values()
+            if _segment_names(d) and isinstance(d.get("model", {}).get("bytes"), int)
+        ),
+        key=lambda d: (d["model"]["bytes"], d["model"]["file"]),
+    )
     if not docs:
         return []
     names = list(dict.fromkeys(n for d in docs for n in _segment_names(d)))
     rung_files = {r["files"][0]["name"] for r in inputs.rungs}
     modes = {d.get("gate_segments") for d in docs if d.get("gate_segments")}
-    lines = ["Each held-out file is scored on its own against the reference (mean KLD, nats per token): a loss that one kind of text "
-             "shows (another language, code, structured output) is not averaged away by the others. *All* is every file's tokens together."]
+    lines = [
+        "Each held-out file is scored on its own against the reference (mean KLD, nats per token): a loss that one kind of text "
+        "shows (another language, code, structured output) is not averaged away by the others. *All* is every file's tokens together."
+    ]
     if modes == {"every"}:
         lines[0] += " The release gate requires every file to pass."
     elif modes == {"overall"}:
         lines[0] += " The release gate judges *all*; the files' own verdicts are in each JSON (`segments`)."
-    lines += ["", f"| Model | Size | All | {' | '.join(names)} | Gate |", "|---|---|---|" + "---|" * len(names) + "---|"]
+    lines += [
+        "",
+        f"| Model | Size | All | {' | '.join(names)} | Gate |",
+        "|---|---|---|" + "---|" * len(names) + "---|",
+    ]
     for d in docs:
         by_name = {s.get("name"): s for s in d["segments"] if isinstance(s, dict)}
         cells = []
@@ -387,7 +594,9 @@ def _segments(inputs: CardInputs) -> list[str]:
             cell = f"{s['kld_mean']:.6f}" if isinstance(s.get("kld_mean"), (int, float)) else "–"
             cells.append(cell + (" ✗" if s.get("gate") == "FAIL" else ""))
         name = f"**{d['model']['file']}**" if d["model"]["file"] in rung_files else d["model"]["file"]
-        lines.append(f"| {name} | {format_size(d['model']['bytes'])} | {d['kld_mean']:.6f} | {' | '.join(cells)} | {d.get('gate') or '–'} |")
+        lines.append(
+            f"| {name} | {format_size(d['model']['bytes'])} | {d['kld_mean']:.6f} | {' | '.join(cells)} | {d.get('gate') or '–'} |"
+        )
     lines += ["", "Files of this release in bold; ✗: the file fails the gate on its own."]
     if inputs.evaluation_dir is not None:
         chart = f"{inputs.evaluation_dir}/{SEGMENT_CHART}"
@@ -403,28 +612,41 @@ def _pruning_lines(inputs: CardInputs) -> list[str]:
     used = int(max(used)) if hasattr(used, "__len__") else used
     lines = []
     if kept is None:
-        lines.append(f"These files keep every expert of the source ({keys.get(Keys.LLM.EXPERT_COUNT.format(arch=arch))} per MoE layer); no expert was pruned.")
+        lines.append(
+            f"These files keep every expert of the source ({keys.get(Keys.LLM.EXPERT_COUNT.format(arch=arch))} per MoE layer); no expert was pruned."
+        )
         return lines
-    lines.append(f"Routed experts were pruned from {source} to {kept} per MoE layer ({100 * (1 - kept / source):.0f}% removed), byte for byte: "
-                 "kept experts and router rows keep their original bytes; shared experts, attention and all other tensors are unchanged.")
+    lines.append(
+        f"Routed experts were pruned from {source} to {kept} per MoE layer ({100 * (1 - kept / source):.0f}% removed), byte for byte: "
+        "kept experts and router rows keep their original bytes; shared experts, attention and all other tensors are unchanged."
+    )
     report = inputs.pruning or {}
     meta = {k: v for k, v in (report.get("keep_set") or {}).items() if k != "layers"}
     selection = inputs.selection or {}
     method = selection.get("criterion") or selection.get("method") or meta.get("criterion") or meta.get("selection")
     if method:
-        lines.append(f"- Selection: {method}" + (" (the calibration texts are listed below)" if selection.get("calibration") else ""))
+        lines.append(
+            f"- Selection: {method}"
+            + (" (the calibration texts are listed below)" if selection.get("calibration") else "")
+        )
     if inputs.tournament:
-        lines.append("- The selection won a tournament: every criterion's keep-set scored against the unpruned model on held-out text with the "
-                     "pruned experts masked out of routing (`method/tune.md`: each criterion's mean KLD at each K).")
+        lines.append(
+            "- The selection won a tournament: every criterion's keep-set scored against the unpruned model on held-out text with the "
+            "pruned experts masked out of routing (`method/tune.md`: each criterion's mean KLD at each K)."
+        )
     calibration = meta.get("calibration")
     if isinstance(calibration, str) and not selection.get("calibration"):
         lines.append(f"- Calibration: {calibration}")
     mtp = (report.get("source") or {}).get("mtp_blocks")
     if mtp:
-        lines.append(f"- MTP block(s) {', '.join(map(str, mtp))} pruned with the trunk (llama.cpp shape-checks them on load).")
+        lines.append(
+            f"- MTP block(s) {', '.join(map(str, mtp))} pruned with the trunk (llama.cpp shape-checks them on load)."
+        )
     if report.get("verification"):
         v = report["verification"]
-        lines.append(f"- Verified after writing: {v.get('tensors_checked')} tensors re-read and hash-checked ({v.get('hash')}): {'ok' if v.get('ok') else 'FAILED'}.")
+        lines.append(
+            f"- Verified after writing: {v.get('tensors_checked')} tensors re-read and hash-checked ({v.get('hash')}): {'ok' if v.get('ok') else 'FAILED'}."
+        )
     if used:
         lines.append(f"- Experts used per token (top-k) stay {used}.")
     records = ["method/pruning-report.json"] if inputs.pruning else []
@@ -435,11 +657,16 @@ def _pruning_lines(inputs: CardInputs) -> list[str]:
 
 
 def _rung_docs(inputs: CardInputs) -> list[dict]:
-    return [inputs.evaluation[r["files"][0]["name"]] for r in inputs.rungs if r["files"][0]["name"] in inputs.evaluation]
+    return [
+        inputs.evaluation[r["files"][0]["name"]] for r in inputs.rungs if r["files"][0]["name"] in inputs.evaluation
+    ]
 
 
 def _quant_table(inputs: CardInputs) -> list[str]:
-    rows = ["| File | Quant | Size | Bits/weight | PPL | Δ PPL vs reference | Mean KLD | Same top p | QA | Gate | sha256 |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = [
+        "| File | Quant | Size | Bits/weight | PPL | Δ PPL vs reference | Mean KLD | Same top p | QA | Gate | sha256 |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for rung in inputs.rungs:
         name = rung["files"][0]["name"]
         doc = inputs.evaluation.get(name)
@@ -449,7 +676,9 @@ def _quant_table(inputs: CardInputs) -> list[str]:
         else:
             figures = "– | – | – | – | – | not evaluated"
         bits = f"{rung['bits_per_weight']:.2f}" if rung.get("bits_per_weight") else "–"
-        rows.append(f"| {name} | {rung['name']} | {format_size(_rung_bytes(rung))} | {bits} | {figures} | `{str(rung.get('sha256'))[:16]}` |")
+        rows.append(
+            f"| {name} | {rung['name']} | {format_size(_rung_bytes(rung))} | {bits} | {figures} | `{str(rung.get('sha256'))[:16]}` |"
+        )
     from ggufcarve.listing import add_loop_column
 
     add_loop_column(rows, [inputs.evaluation.get(r["files"][0]["name"]) or {} for r in inputs.rungs])
@@ -465,15 +694,23 @@ def _example(inputs: CardInputs) -> tuple[dict, list[str]]:
     """The rung the usage example runs, and what the card says about the choice: the file of lowest
     mean KLD among those that pass the release gate; when none passes, the lowest of all, said so;
     without gate verdicts, Q4_K_M (else the first rung)."""
-    judged = [(r, inputs.evaluation[r["files"][0]["name"]]) for r in inputs.rungs
-              if (inputs.evaluation.get(r["files"][0]["name"]) or {}).get("gate") and isinstance(inputs.evaluation[r["files"][0]["name"]].get("kld_mean"), (int, float))]
+    judged = [
+        (r, inputs.evaluation[r["files"][0]["name"]])
+        for r in inputs.rungs
+        if (inputs.evaluation.get(r["files"][0]["name"]) or {}).get("gate")
+        and isinstance(inputs.evaluation[r["files"][0]["name"]].get("kld_mean"), (int, float))
+    ]
     passing = [(r, d) for r, d in judged if d["gate"] == "PASS"]
     if passing:
         rung = min(passing, key=lambda p: (p[1]["kld_mean"], _rung_bytes(p[0])))[0]
-        return rung, [f"The example uses {rung['files'][0]['name']}, the file of lowest mean KLD that passes the release gate."]
+        return rung, [
+            f"The example uses {rung['files'][0]['name']}, the file of lowest mean KLD that passes the release gate."
+        ]
     if judged:
         rung = min(judged, key=lambda p: (p[1]["kld_mean"], _rung_bytes(p[0])))[0]
-        return rung, [f"No file of this release passes the release gate; the example uses {rung['files'][0]['name']}, the one of lowest mean KLD."]
+        return rung, [
+            f"No file of this release passes the release gate; the example uses {rung['files'][0]['name']}, the one of lowest mean KLD."
+        ]
     return next((r for r in inputs.rungs if r["name"] == "Q4_K_M"), inputs.rungs[0]), []
 
 
@@ -481,45 +718,76 @@ def _unpruned_beats(inputs: CardInputs) -> list[str]:
     """A sentence when a compared model that keeps every expert has a lower mean KLD than every file
     of this release of its size or larger (the smallest such model)."""
     rung_files = {r["files"][0]["name"] for r in inputs.rungs}
-    ours = [d for d in inputs.evaluation.values() if d.get("model", {}).get("file") in rung_files
-            and isinstance(d["model"].get("bytes"), int) and isinstance(d.get("kld_mean"), (int, float))]
-    others = sorted((d for d in inputs.evaluation.values() if d.get("model", {}).get("file") not in rung_files and d["model"].get("pruned") is False
-                     and isinstance(d["model"].get("bytes"), int) and isinstance(d.get("kld_mean"), (int, float))), key=lambda d: (d["model"]["bytes"], d["kld_mean"]))
+    ours = [
+        d
+        for d in inputs.evaluation.values()
+        if d.get("model", {}).get("file") in rung_files
+        and isinstance(d["model"].get("bytes"), int)
+        and isinstance(d.get("kld_mean"), (int, float))
+    ]
+    others = sorted(
+        (
+            d
+            for d in inputs.evaluation.values()
+            if d.get("model", {}).get("file") not in rung_files
+            and d["model"].get("pruned") is False
+            and isinstance(d["model"].get("bytes"), int)
+            and isinstance(d.get("kld_mean"), (int, float))
+        ),
+        key=lambda d: (d["model"]["bytes"], d["kld_mean"]),
+    )
     for other in others:
         size, kld = other["model"]["bytes"], other["kld_mean"]
         larger = [d for d in ours if d["model"]["bytes"] >= size]
         if larger and all(kld < d["kld_mean"] for d in larger):
-            scope = "every file of this release" if len(larger) == len(ours) and all(kld < d["kld_mean"] for d in ours) else \
-                f"every file of this release of its size or larger ({', '.join(d['model']['file'] for d in sorted(larger, key=lambda d: d['model']['bytes']))})"
+            scope = (
+                "every file of this release"
+                if len(larger) == len(ours) and all(kld < d["kld_mean"] for d in ours)
+                else f"every file of this release of its size or larger ({', '.join(d['model']['file'] for d in sorted(larger, key=lambda d: d['model']['bytes']))})"
+            )
             quant = f" quantized to {other['model']['quant']}" if other["model"].get("quant") else ""
-            return [f"Measured here, the unpruned model{quant} ({other['model']['file']}, {format_size(size)}, mean KLD {kld:.6f}) is closer to the reference "
-                    f"than {scope}: at these sizes, quantizing the unpruned model costs less than pruning its experts."]
+            return [
+                f"Measured here, the unpruned model{quant} ({other['model']['file']}, {format_size(size)}, mean KLD {kld:.6f}) is closer to the reference "
+                f"than {scope}: at these sizes, quantizing the unpruned model costs less than pruning its experts."
+            ]
     return []
 
 
 def _comparison(inputs: CardInputs) -> list[str]:
     """Every evaluated model (the rungs and the unpruned models they were compared with) by size."""
-    docs = sorted((d for d in inputs.evaluation.values() if isinstance(d.get("model", {}).get("bytes"), int)), key=lambda d: (d["model"]["bytes"], d["model"]["file"]))
+    docs = sorted(
+        (d for d in inputs.evaluation.values() if isinstance(d.get("model", {}).get("bytes"), int)),
+        key=lambda d: (d["model"]["bytes"], d["model"]["file"]),
+    )
     families = {d["model"].get("family") for d in docs}
     lines: list[str] = []
     rung_files = {r["files"][0]["name"] for r in inputs.rungs}
     if len(families) > 1:
         front = _pareto(docs)
-        lines += ["Every evaluated model by size: these files and the models they were compared with (such as quants of the unpruned model). "
-                  "A model is on the Pareto front when no other model is at most its size with a lower mean KLD.", "",
-                  "| Model | Experts | Quant | Size | Mean KLD | PPL | Δ PPL | Pareto front | Gate |", "|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "Every evaluated model by size: these files and the models they were compared with (such as quants of the unpruned model). "
+            "A model is on the Pareto front when no other model is at most its size with a lower mean KLD.",
+            "",
+            "| Model | Experts | Quant | Size | Mean KLD | PPL | Δ PPL | Pareto front | Gate |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
         for d in docs:
             m = d["model"]
             name = f"**{m['file']}**" if m["file"] in rung_files else m["file"]
-            lines.append(f"| {name} | {m.get('family') or '–'} | {m.get('quant') or '–'} | {format_size(m['bytes'])} | {d['kld_mean']:.6f} | {d['ppl']:.4f} | "
-                         f"{round(d['ppl_delta_percent'], 2) + 0.0:+.2f}% | {'yes' if m['file'] in front else ''} | {d.get('gate') or '–'} |")
+            lines.append(
+                f"| {name} | {m.get('family') or '–'} | {m.get('quant') or '–'} | {format_size(m['bytes'])} | {d['kld_mean']:.6f} | {d['ppl']:.4f} | "
+                f"{round(d['ppl_delta_percent'], 2) + 0.0:+.2f}% | {'yes' if m['file'] in front else ''} | {d.get('gate') or '–'} |"
+            )
         lines += ["", "Files of this release in bold."]
     if inputs.evaluation_dir is not None:
         chart, summary = f"{inputs.evaluation_dir}/{KLD_CHART}", f"{inputs.evaluation_dir}/{SUMMARY}"
         if chart in inputs.linked:
             lines += ["", f"![File size vs mean KLD against the reference]({chart})"]
         if summary in inputs.linked:
-            lines += ["", f"All figures, the quality table and the perplexity chart: [{summary}]({summary}); one JSON per model beside it."]
+            lines += [
+                "",
+                f"All figures, the quality table and the perplexity chart: [{summary}]({summary}); one JSON per model beside it.",
+            ]
     return lines
 
 
@@ -547,16 +815,30 @@ def _gate(inputs: CardInputs) -> list[str]:
         return []
     thresholds = next((d["gate_thresholds"] for d in judged if isinstance(d.get("gate_thresholds"), dict)), None)
     passed = sum(d["gate"] == "PASS" for d in judged)
-    lines = [f"{passed} of {len(judged)} evaluated files pass the release gate" + (f" ({', '.join(d['model']['file'] for d in judged if d['gate'] != 'PASS')} fail it)." if passed < len(judged) else ".")]
+    lines = [
+        f"{passed} of {len(judged)} evaluated files pass the release gate"
+        + (
+            f" ({', '.join(d['model']['file'] for d in judged if d['gate'] != 'PASS')} fail it)."
+            if passed < len(judged)
+            else "."
+        )
+    ]
     if thresholds:
         source = next((d.get("gate_source") for d in judged if d.get("gate_source")), None)
         lines += ["", f"A file passes when it has{f' (thresholds of {source})' if source else ''}:", ""]
-        lines += [f"- {GATE_TEXT.get(k, k + ' {v:g}').format(v=v, p=100 * v)}" for k, v in thresholds.items() if isinstance(v, (int, float))]
+        lines += [
+            f"- {GATE_TEXT.get(k, k + ' {v:g}').format(v=v, p=100 * v)}"
+            for k, v in thresholds.items()
+            if isinstance(v, (int, float))
+        ]
         unmeasured = sorted({k for d in judged for k in d.get("gate_not_measured") or []})
         if unmeasured:
             lines += ["", f"Not measured in this evaluation, so not judged: {', '.join(f'`{k}`' for k in unmeasured)}."]
     else:
-        lines += ["", "The gate's thresholds are not recorded in these evaluation results; each file's failed criteria are in its JSON (`gate_failed`)."]
+        lines += [
+            "",
+            "The gate's thresholds are not recorded in these evaluation results; each file's failed criteria are in its JSON (`gate_failed`).",
+        ]
     return lines
 
 
@@ -564,22 +846,32 @@ def _limitations(inputs: CardInputs) -> list[str]:
     keys, arch = inputs.keys, _arch(inputs)
     lines = []
     if keys.get(KEY_KEPT_COUNT) is not None:
-        lines.append("- Experts were removed without retraining; the loss is measured above, not absent. Skills the calibration did not exercise "
-                     "(other languages, other domains) can degrade more than perplexity shows.")
+        lines.append(
+            "- Experts were removed without retraining; the loss is measured above, not absent. Skills the calibration did not exercise "
+            "(other languages, other domains) can degrade more than perplexity shows."
+        )
         selection = inputs.selection or {}
         if not selection.get("calibration"):
-            lines.append("- No calibration record ships with this release: the selection's data and size are not stated here.")
+            lines.append(
+                "- No calibration record ships with this release: the selection's data and size are not stated here."
+            )
         used = keys.get(Keys.LLM.EXPERT_USED_COUNT.format(arch=arch))
         used = int(max(used)) if hasattr(used, "__len__") else used
-        lines.append(f"- Top-k routing is unchanged ({used} experts per token), so compute per token is unchanged; memory and file size fall.")
+        lines.append(
+            f"- Top-k routing is unchanged ({used} experts per token), so compute per token is unchanged; memory and file size fall."
+        )
     if any("--allow-requantize" in (r.get("command") or []) for r in inputs.rungs):
-        lines.append(f"- Rungs were requantized from {inputs.manifest.get('source', {}).get('name')} (already quantized), which compounds quantization error.")
+        lines.append(
+            f"- Rungs were requantized from {inputs.manifest.get('source', {}).get('name')} (already quantized), which compounds quantization error."
+        )
     docs = _rung_docs(inputs)
     if docs:
         p = docs[0]["parameters"]
         scored = f"{p['scored_tokens']:,}" if isinstance(p.get("scored_tokens"), int) else "the"
-        lines.append(f"- Evaluation: {scored} scored tokens of held-out text (context {p.get('ctx')}) against {docs[0]['reference']['name']}"
-                     + (f"; {docs[0]['qa_total']} QA checks." if docs[0].get("qa_total") else "; no QA suite was run."))
+        lines.append(
+            f"- Evaluation: {scored} scored tokens of held-out text (context {p.get('ctx')}) against {docs[0]['reference']['name']}"
+            + (f"; {docs[0]['qa_total']} QA checks." if docs[0].get("qa_total") else "; no QA suite was run.")
+        )
     else:
         lines.append("- These files were not evaluated (no evaluation JSON in the release).")
     return lines
@@ -588,8 +880,14 @@ def _limitations(inputs: CardInputs) -> list[str]:
 def _quantizer_line(quantizer: dict[str, Any], rungs: list[dict[str, Any]]) -> str:
     """The attribution of the quantizer; rungs record their own when different builds made them."""
     if any("quantizer" in r for r in rungs):
-        return "- Quantized with llama.cpp; the rungs were made by different builds, each named in `quant-manifest.json`."
-    build = f", build {quantizer['build']} {quantizer.get('commit', '')}".rstrip() if quantizer.get("build") is not None else ""
+        return (
+            "- Quantized with llama.cpp; the rungs were made by different builds, each named in `quant-manifest.json`."
+        )
+    build = (
+        f", build {quantizer['build']} {quantizer.get('commit', '')}".rstrip()
+        if quantizer.get("build") is not None
+        else ""
+    )
     return f"- Quantized with llama.cpp ({quantizer.get('backend', 'llama-quantize')}{build})."
 
 
@@ -614,7 +912,10 @@ def render_card(inputs: CardInputs, settings: CardSettings | None = None) -> str
     tags = [*TAGS, arch] if arch else list(TAGS)
     front = ["---"]
     if meta.base_models:
-        front += [f"base_model: {_yaml(meta.base_models[0] if len(meta.base_models) == 1 else meta.base_models)}", "base_model_relation: quantized"]
+        front += [
+            f"base_model: {_yaml(meta.base_models[0] if len(meta.base_models) == 1 else meta.base_models)}",
+            "base_model_relation: quantized",
+        ]
     if meta.license is not None:
         front.append(f"license: {_yaml(meta.license)}")
         if meta.license_name:
@@ -625,20 +926,44 @@ def render_card(inputs: CardInputs, settings: CardSettings | None = None) -> str
     kept = keys.get(KEY_KEPT_COUNT)
     pruned = f" with routed experts pruned to {kept} of {keys[KEY_SOURCE_EXPERT_COUNT]}" if kept is not None else ""
     base = ", ".join(_link(b) for b in meta.base_models)
-    intro = f"GGUF quantizations of {base}{pruned}." if base else f"GGUF quantizations of a base model this card does not name{',' if pruned else ''}{pruned}."
+    intro = (
+        f"GGUF quantizations of {base}{pruned}."
+        if base
+        else f"GGUF quantizations of a base model this card does not name{',' if pruned else ''}{pruned}."
+    )
     example_rung, example_lines = _example(inputs)
     example = example_rung["files"][0]["name"]
     context = keys.get(Keys.LLM.CONTEXT_LENGTH.format(arch=arch)) if arch else None
     server_ctx = f" -c {min(SERVER_CONTEXT, int(context))}" if isinstance(context, int) and context > 0 else ""
     quantizer = manifest.get("quantizer") or {}
-    title = f"{meta.model_name}, pruned to {kept} of {keys[KEY_SOURCE_EXPERT_COUNT]} experts, GGUF" if kept is not None else f"{meta.model_name} GGUF"
-    lines = [*front, "", f"# {title}", "", intro, *(line for note in [*meta.notes, *_unpruned_beats(inputs)] for line in ("", note)),
-             "", "## What was pruned and how", "", *_pruning_lines(inputs)]
+    title = (
+        f"{meta.model_name}, pruned to {kept} of {keys[KEY_SOURCE_EXPERT_COUNT]} experts, GGUF"
+        if kept is not None
+        else f"{meta.model_name} GGUF"
+    )
+    lines = [
+        *front,
+        "",
+        f"# {title}",
+        "",
+        intro,
+        *(line for note in [*meta.notes, *_unpruned_beats(inputs)] for line in ("", note)),
+        "",
+        "## What was pruned and how",
+        "",
+        *_pruning_lines(inputs),
+    ]
     texts = _calibration_rows(inputs)
     if texts:
         lines += ["", "### Calibration and held-out texts", "", *texts]
-    lines += ["", "## Files", "", *_quant_table(inputs),
-              "", "PPL, KLD and QA from `ggufcarve eval` against the reference named under Limitations; KLD in nats per token."]
+    lines += [
+        "",
+        "## Files",
+        "",
+        *_quant_table(inputs),
+        "",
+        "PPL, KLD and QA from `ggufcarve eval` against the reference named under Limitations; KLD in nats per token.",
+    ]
     comparison = _comparison(inputs)
     if comparison:
         lines += ["", "## Pruned vs unpruned", "", *comparison]
@@ -650,19 +975,41 @@ def render_card(inputs: CardInputs, settings: CardSettings | None = None) -> str
         lines += ["", "## The release gate", "", *gate]
     if meta.repo_id:
         lines += ["", "## Download", "", "```sh", f"hf download {meta.repo_id} {example} --local-dir .", "```"]
-    lines += ["", "## Verify the download", "", "```sh", "sha256sum -c SHA256SUMS", "```",
-              "", "## Use with llama.cpp", "", "```sh", f"llama-cli -m {example} -p \"Explain mixture-of-experts in one paragraph.\" -n 256",
-              f"llama-server -m {example}{server_ctx} --port 8080"]
+    lines += [
+        "",
+        "## Verify the download",
+        "",
+        "```sh",
+        "sha256sum -c SHA256SUMS",
+        "```",
+        "",
+        "## Use with llama.cpp",
+        "",
+        "```sh",
+        f'llama-cli -m {example} -p "Explain mixture-of-experts in one paragraph." -n 256',
+        f"llama-server -m {example}{server_ctx} --port 8080",
+    ]
     if meta.repo_id:
         lines.append(f"llama-server -hf {meta.repo_id}:{example_rung['name']}{server_ctx} --port 8080")
     lines += ["```", *(line for note in example_lines for line in ("", note))]
     if server_ctx:
-        lines += ["", f"The model's context length is {int(context):,} tokens (`{Keys.LLM.CONTEXT_LENGTH.format(arch=arch)}`)."]
-    lines += ["", "## Limitations", "", *_limitations(inputs),
-              "", "## Attribution", "",
-              (f"- Base model: {base}" if base else "- Base model: not stated") + f"; license {_license_link(meta)}.",
-              _quantizer_line(quantizer, inputs.rungs),
-              f"- Pruned, quantized and evaluated with ggufcarve {__version__}; every file is described by `quant-manifest.json`.", ""]
+        lines += [
+            "",
+            f"The model's context length is {int(context):,} tokens (`{Keys.LLM.CONTEXT_LENGTH.format(arch=arch)}`).",
+        ]
+    lines += [
+        "",
+        "## Limitations",
+        "",
+        *_limitations(inputs),
+        "",
+        "## Attribution",
+        "",
+        (f"- Base model: {base}" if base else "- Base model: not stated") + f"; license {_license_link(meta)}.",
+        _quantizer_line(quantizer, inputs.rungs),
+        f"- Pruned, quantized and evaluated with ggufcarve {__version__}; every file is described by `quant-manifest.json`.",
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -698,7 +1045,9 @@ def card_recorded(release: Path) -> bool:
 
     path = release / CARD_NAME
     manifest = read_manifest(release)
-    published = manifest.get("published") if manifest is not None and isinstance(manifest.get("published"), dict) else {}
+    published = (
+        manifest.get("published") if manifest is not None and isinstance(manifest.get("published"), dict) else {}
+    )
     records = [r for r in published.get("card") or [] if isinstance(r, dict) and r.get("name") == CARD_NAME]
     return path.is_file() and bool(records) and records[0].get("sha256") == sha256_file(path)
 
@@ -709,7 +1058,9 @@ def card_warnings(release: Path, settings: CardSettings | None = None, evaluatio
     return resolve_metadata(inputs.keys, inputs.manifest, settings).warnings
 
 
-def write_card(release: Path, evaluation_dir: Path | None = None, force: bool = False, settings: CardSettings | None = None) -> Path:
+def write_card(
+    release: Path, evaluation_dir: Path | None = None, force: bool = False, settings: CardSettings | None = None
+) -> Path:
     """Write RELEASE/README.md and record it in the release's manifest and SHA256SUMS. An existing
     card is replaced only with `force`."""
     from ggufcarve.fileio import write_text_atomic
@@ -717,7 +1068,9 @@ def write_card(release: Path, evaluation_dir: Path | None = None, force: bool = 
 
     path = release / CARD_NAME
     if path.exists() and not force:
-        raise OutputError(f"{path} already exists", "use --force to write the card again, or --record to publish the card as it is")
+        raise OutputError(
+            f"{path} already exists", "use --force to write the card again, or --record to publish the card as it is"
+        )
     text = with_marker(render_card(gather(release, evaluation_dir), settings.check() if settings is not None else None))
     write_text_atomic(path, text)
     record_published(release, "card", [path])

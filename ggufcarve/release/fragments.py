@@ -45,7 +45,9 @@ from ggufcarve.reports import SCHEMA_VERSION, dumps, envelope, read_json_object
 
 FRAGMENTS_DIR = ".ggufcarve-fragments"
 FRAGMENT_KIND = "rung-fragment"
-QUANTIZERS_WARNING = "the rungs were made by different quantizers (llama.cpp builds): each rung records its own under `quantizer`"
+QUANTIZERS_WARNING = (
+    "the rungs were made by different quantizers (llama.cpp builds): each rung records its own under `quantizer`"
+)
 CONTEXT_KEYS = ("ladder", "source", "imatrix", "quantizer", "method", "warnings", "spec_rungs")
 
 
@@ -80,17 +82,33 @@ def fragment_path(out_dir: Path, rung: str) -> Path:
     return out_dir / FRAGMENTS_DIR / f"{rung}.json"
 
 
-def write_fragment(out_dir: Path, rung: dict[str, Any], context: dict[str, Any], *, inputs: Sequence[dict[str, Any]], parameters: dict[str, Any], timings: dict[str, float]) -> Path:
+def write_fragment(
+    out_dir: Path,
+    rung: dict[str, Any],
+    context: dict[str, Any],
+    *,
+    inputs: Sequence[dict[str, Any]],
+    parameters: dict[str, Any],
+    timings: dict[str, float],
+) -> Path:
     """Record one rung (its manifest record) and the run that made it; replaces its earlier fragment."""
     path = fragment_path(out_dir, str(rung["name"]))
-    doc = envelope(FRAGMENT_KIND, inputs=inputs, parameters=parameters, timings=timings,
-                   results={"rung": rung, "run": {k: context.get(k) for k in CONTEXT_KEYS}, "written_ns": time.time_ns()})
+    doc = envelope(
+        FRAGMENT_KIND,
+        inputs=inputs,
+        parameters=parameters,
+        timings=timings,
+        results={"rung": rung, "run": {k: context.get(k) for k in CONTEXT_KEYS}, "written_ns": time.time_ns()},
+    )
     write_text_atomic(path, dumps(doc))
     return path
 
 
 def _malformed(path: Path, why: str) -> BadInput:
-    return BadInput(f"{FRAGMENTS_DIR}/{path.name} in {path.parent.parent} {why}", f"remove it and run that rung again (ggufcarve ladder run ... --only {path.stem})")
+    return BadInput(
+        f"{FRAGMENTS_DIR}/{path.name} in {path.parent.parent} {why}",
+        f"remove it and run that rung again (ggufcarve ladder run ... --only {path.stem})",
+    )
 
 
 def read_fragments(out_dir: Path) -> list[Fragment]:
@@ -103,14 +121,21 @@ def read_fragments(out_dir: Path) -> list[Fragment]:
     found = []
     for name in names:
         path = directory / name
-        loaded = read_json_object(path, f"remove it and run that rung again (ggufcarve ladder run ... --only {path.stem})")
+        loaded = read_json_object(
+            path, f"remove it and run that rung again (ggufcarve ladder run ... --only {path.stem})"
+        )
         if loaded is None:
             continue  # replaced or removed since the listing
         text, doc = loaded
         if doc.get("kind") != FRAGMENT_KIND or doc.get("schema_version") != SCHEMA_VERSION:
             raise _malformed(path, f"is not a ggufcarve {FRAGMENT_KIND} of schema {SCHEMA_VERSION}")
         rung, run = doc.get("rung"), doc.get("run")
-        if not isinstance(rung, dict) or not isinstance(run, dict) or not isinstance(run.get("source"), dict) or rung.get("name") != path.stem:
+        if (
+            not isinstance(rung, dict)
+            or not isinstance(run, dict)
+            or not isinstance(run.get("source"), dict)
+            or rung.get("name") != path.stem
+        ):
             raise _malformed(path, "is damaged (no rung record of its name, or no run context)")
         found.append(Fragment(path, text, doc))
     return found
@@ -134,15 +159,23 @@ def adopt_manifest(out_dir: Path) -> int:
             # a rung that records its own quantizer was made by another build: its fragment's run context
             own = rung.get("quantizer")
             record = {k: v for k, v in rung.items() if k != "quantizer"}
-            write_fragment(out_dir, record, {**context, "quantizer": own} if isinstance(own, dict) else context,
-                           inputs=manifest.get("inputs", []), parameters=manifest.get("parameters", {}), timings=manifest.get("timings", {}))
+            write_fragment(
+                out_dir,
+                record,
+                {**context, "quantizer": own} if isinstance(own, dict) else context,
+                inputs=manifest.get("inputs", []),
+                parameters=manifest.get("parameters", {}),
+                timings=manifest.get("timings", {}),
+            )
             count += 1
     return count
 
 
 def _show_source(fragment: Fragment) -> str:
     files = [f for f in fragment.context["source"].get("files", []) if isinstance(f, dict)]
-    return f"{', '.join(str(f.get('name')) for f in files)} (sha256 {', '.join(str(f.get('sha256'))[:12] for f in files)})"
+    return (
+        f"{', '.join(str(f.get('name')) for f in files)} (sha256 {', '.join(str(f.get('sha256'))[:12] for f in files)})"
+    )
 
 
 def check_one_source(fragments: Sequence[Fragment]) -> None:
@@ -186,15 +219,21 @@ def rung_problems(out_dir: Path, fragment: Fragment, digests: dict[str, str | OS
         if not path.is_file():
             problems.append(f"{name} of rung {fragment.rung.get('name')} is missing")
         elif path.stat().st_size != f.get("bytes"):
-            problems.append(f"{name} of rung {fragment.rung.get('name')} has {path.stat().st_size} bytes, its fragment records {f.get('bytes')}")
+            problems.append(
+                f"{name} of rung {fragment.rung.get('name')} has {path.stat().st_size} bytes, its fragment records {f.get('bytes')}"
+            )
         elif digests is not None:
             got = digests.get(name)
             if isinstance(got, OSError):
                 problems.append(f"{name} of rung {fragment.rung.get('name')} cannot be read: {got.strerror or got}")
             elif not f.get("sha256"):
-                problems.append(f"{name} of rung {fragment.rung.get('name')} has no recorded sha256 (its run ended before hashing it)")
+                problems.append(
+                    f"{name} of rung {fragment.rung.get('name')} has no recorded sha256 (its run ended before hashing it)"
+                )
             elif got != f["sha256"]:
-                problems.append(f"{name} of rung {fragment.rung.get('name')} has sha256 {str(got)[:12]}, its fragment records {str(f['sha256'])[:12]}")
+                problems.append(
+                    f"{name} of rung {fragment.rung.get('name')} has sha256 {str(got)[:12]}, its fragment records {str(f['sha256'])[:12]}"
+                )
     return problems
 
 
@@ -211,7 +250,9 @@ def _method_records(out_dir: Path, fragments: Sequence[Fragment]) -> list[dict[s
         if not path.is_file():
             continue
         digest = sha256_file(path)
-        match = next((r for r in by_name[name] if r.get("sha256") == digest and r.get("bytes") == path.stat().st_size), None)
+        match = next(
+            (r for r in by_name[name] if r.get("sha256") == digest and r.get("bytes") == path.stat().st_size), None
+        )
         if match is not None:
             kept.append(match)
     return kept
@@ -222,7 +263,13 @@ def _identity(value: Any) -> str:
 
 
 def _rung_identity(rungs: Sequence[dict[str, Any]]) -> list[tuple[str, str]]:
-    return sorted((str(f.get("name")), str(f.get("sha256"))) for r in rungs if isinstance(r, dict) for f in r.get("files") or [] if isinstance(f, dict))
+    return sorted(
+        (str(f.get("name")), str(f.get("sha256")))
+        for r in rungs
+        if isinstance(r, dict)
+        for f in r.get("files") or []
+        if isinstance(f, dict)
+    )
 
 
 def assemble(out_dir: Path, fragments: Sequence[Fragment], *, drop_missing: bool) -> dict[str, Any] | None:
@@ -249,7 +296,9 @@ def assemble(out_dir: Path, fragments: Sequence[Fragment], *, drop_missing: bool
     published: dict[str, Any] = {}
     if earlier is not None and isinstance(earlier.get("published"), dict):
         same_rungs = _rung_identity(earlier["rungs"]) == _rung_identity(rungs)
-        published = {k: v for k, v in earlier["published"].items() if k in PUBLISHED_KINDS and (same_rungs or k in KEPT_KINDS)}
+        published = {
+            k: v for k, v in earlier["published"].items() if k in PUBLISHED_KINDS and (same_rungs or k in KEPT_KINDS)
+        }
     context = newest.context
     doc = envelope(
         MANIFEST_KIND,
@@ -281,8 +330,20 @@ def write_release(out_dir: Path, manifest: dict[str, Any]) -> Path:
 def ladder_complete(out_dir: Path, manifest: dict[str, Any]) -> bool:
     """Whether the manifest records every rung of its ladder spec as built (or kept), with its files present."""
     spec = manifest.get("spec_rungs")
-    done = {str(r.get("name")) for r in manifest.get("rungs") or [] if isinstance(r, dict) and r.get("status") in ("built", "skipped") and r.get("files")
-            and all(isinstance(f, dict) and isinstance(f.get("name"), str) and inside(out_dir, f["name"]) and (out_dir / f["name"]).is_file() for f in r["files"])}
+    done = {
+        str(r.get("name"))
+        for r in manifest.get("rungs") or []
+        if isinstance(r, dict)
+        and r.get("status") in ("built", "skipped")
+        and r.get("files")
+        and all(
+            isinstance(f, dict)
+            and isinstance(f.get("name"), str)
+            and inside(out_dir, f["name"])
+            and (out_dir / f["name"]).is_file()
+            for f in r["files"]
+        )
+    }
     return isinstance(spec, list) and bool(spec) and all(str(n) in done for n in spec)
 
 
@@ -335,7 +396,13 @@ def _stat_key(path: Path) -> tuple[int, int] | None:
     return (st.st_size, st.st_mtime_ns)
 
 
-def merge_release(directory: str | os.PathLike[str], *, workers: int | None = None, on_event: Sink = ignore, hash_files: Callable[..., dict[Path, str | OSError]] | None = None) -> MergeResult:
+def merge_release(
+    directory: str | os.PathLike[str],
+    *,
+    workers: int | None = None,
+    on_event: Sink = ignore,
+    hash_files: Callable[..., dict[Path, str | OSError]] | None = None,
+) -> MergeResult:
     """`ggufcarve release merge DIR`: assemble quant-manifest.json and SHA256SUMS from the
     fragments, refusing (BadInput, one line) fragments of different sources or imatrices and
     fragments whose files are missing or differ in size or sha256. The files are hashed outside the
@@ -350,7 +417,10 @@ def merge_release(directory: str | os.PathLike[str], *, workers: int | None = No
     with lock_release(out):
         adopted = adopt_manifest(out)
     if not read_fragments(out):
-        raise BadInput(f"{out} has no rung fragments ({FRAGMENTS_DIR}/)", "run ggufcarve ladder run ... -o DIR (with --only RUNG per job) into it first")
+        raise BadInput(
+            f"{out} has no rung fragments ({FRAGMENTS_DIR}/)",
+            "run ggufcarve ladder run ... -o DIR (with --only RUNG per job) into it first",
+        )
     hashed_bytes = 0
     digests: dict[str, str | OSError] = {}
     stats: dict[str, tuple[int, int] | None] = {}
@@ -367,13 +437,22 @@ def merge_release(directory: str | os.PathLike[str], *, workers: int | None = No
                 hashed_bytes += path.stat().st_size
 
     def names_of(fragments: Sequence[Fragment]) -> list[str]:
-        return sorted({f["name"] for fr in fragments for f in fr.rung.get("files") or [] if isinstance(f, dict) and isinstance(f.get("name"), str) and inside(out, f["name"])})
+        return sorted(
+            {
+                f["name"]
+                for fr in fragments
+                for f in fr.rung.get("files") or []
+                if isinstance(f, dict) and isinstance(f.get("name"), str) and inside(out, f["name"])
+            }
+        )
 
     first = read_fragments(out)
     check_one_source(first)
     check_one_imatrix(first)
     hash_names(names_of(first))
-    before = {name: (out / name).read_bytes() if (out / name).is_file() else None for name in (MANIFEST_NAME, SUMS_NAME)}
+    before = {
+        name: (out / name).read_bytes() if (out / name).is_file() else None for name in (MANIFEST_NAME, SUMS_NAME)
+    }
     with lock_release(out):
         fragments = read_fragments(out)
         check_one_source(fragments)
@@ -383,7 +462,10 @@ def merge_release(directory: str | os.PathLike[str], *, workers: int | None = No
             hash_names(stale)
         problems = [p for f in fragments for p in rung_problems(out, f, digests)]
         if problems:
-            raise BadInput(f"cannot merge {out}: {shortened(problems, 1)}", "run that rung again (ggufcarve ladder run ... --only RUNG), or remove its fragment from .ggufcarve-fragments/ to leave it out")
+            raise BadInput(
+                f"cannot merge {out}: {shortened(problems, 1)}",
+                "run that rung again (ggufcarve ladder run ... --only RUNG), or remove its fragment from .ggufcarve-fragments/ to leave it out",
+            )
         manifest = assemble(out, fragments, drop_missing=False)
         if manifest is None:
             raise BadInput(f"cannot merge {out}: it holds no rung fragment", "run ggufcarve ladder run into it first")
@@ -394,7 +476,9 @@ def merge_release(directory: str | os.PathLike[str], *, workers: int | None = No
         if ladder_complete(out, manifest):
             remove_fragments(out)
     after = {name: (out / name).read_bytes() if (out / name).is_file() else None for name in (MANIFEST_NAME, SUMS_NAME)}
-    return MergeResult(out, manifest, len(fragments), adopted, hashed_bytes, time.monotonic() - started, after != before)
+    return MergeResult(
+        out, manifest, len(fragments), adopted, hashed_bytes, time.monotonic() - started, after != before
+    )
 
 
 def _same_apart_from_creation(a: dict[str, Any], b: dict[str, Any]) -> bool:

@@ -49,7 +49,14 @@ _held = threading.local()  # the lock files this thread holds: an inner lock_rel
 
 def _owner_record() -> dict[str, Any]:
     pid, start, boot = run_token().split("-")
-    return {"host": socket.gethostname(), "host_token": host_token(), "pid": int(pid), "start": int(start), "boot": boot, "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    return {
+        "host": socket.gethostname(),
+        "host_token": host_token(),
+        "pid": int(pid),
+        "start": int(start),
+        "boot": boot,
+        "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
 
 
 def read_owner(path: Path) -> dict[str, Any] | None:
@@ -112,8 +119,15 @@ def _try_create(path: Path) -> int | None:
 
 
 @contextmanager
-def lock_release(out_dir: Path, *, wait: float = WAIT_SECONDS, stale_seconds: float = STALE_SECONDS, heartbeat: float = HEARTBEAT_SECONDS,
-                 name: str = LOCK_NAME, hint: str | None = None) -> Iterator[None]:
+def lock_release(
+    out_dir: Path,
+    *,
+    wait: float = WAIT_SECONDS,
+    stale_seconds: float = STALE_SECONDS,
+    heartbeat: float = HEARTBEAT_SECONDS,
+    name: str = LOCK_NAME,
+    hint: str | None = None,
+) -> Iterator[None]:
     """Hold the directory's lock file `name` (the release's by default) for the block; waits up
     to `wait` seconds for another holder, breaking a stale lock (see the module docstring).
     Raises OutputError, with `hint` when given, when the wait runs out."""
@@ -177,7 +191,8 @@ def _acquire(path: Path, wait: float, stale_seconds: float, hint: str | None = N
         if now >= deadline:
             raise OutputError(
                 f"{_describe(owner)} holds the lock of {path.parent} ({path.name})",
-                hint or f"wait for it to finish and run again; a lock whose owner died on another host is broken after {stale_seconds:.0f} s without a heartbeat",
+                hint
+                or f"wait for it to finish and run again; a lock whose owner died on another host is broken after {stale_seconds:.0f} s without a heartbeat",
             )
         time.sleep(min(delay, max(0.0, deadline - now)))
         delay = min(delay * 2, 1.0)

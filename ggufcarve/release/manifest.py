@@ -23,7 +23,9 @@ MANIFEST_NAME = "quant-manifest.json"
 # "docs" records documentation a user adds (`ggufcarve release record FILE`); it describes no rung and stays.
 PUBLISHED_KINDS = ("evaluation", "card", "plan", "docs")
 KEPT_KINDS = ("docs",)
-FRESH_START_HINT = "write to another -o directory, or pass --force to start the release afresh, which removes its old rungs"
+FRESH_START_HINT = (
+    "write to another -o directory, or pass --force to start the release afresh, which removes its old rungs"
+)
 
 
 def read_manifest(out_dir: Path) -> dict[str, Any] | None:
@@ -39,8 +41,12 @@ def read_manifest(out_dir: Path) -> dict[str, Any] | None:
         raise BadInput(f"{path} is not a ladder manifest (no rungs and source records)", hint)
     for i, rung in enumerate(doc["rungs"]):
         files = (rung.get("files") or []) if isinstance(rung, dict) else None
-        if not isinstance(files, list) or not all(isinstance(f, dict) and isinstance(f.get("name"), str) for f in files):
-            raise BadInput(f"{path}: rungs[{i}] is not a rung record (an object whose files are objects with a name)", hint)
+        if not isinstance(files, list) or not all(
+            isinstance(f, dict) and isinstance(f.get("name"), str) for f in files
+        ):
+            raise BadInput(
+                f"{path}: rungs[{i}] is not a rung record (an object whose files are objects with a name)", hint
+            )
     return doc
 
 
@@ -63,12 +69,16 @@ def check_same_source(out_dir: Path, manifest: dict[str, Any], source: list[dict
     else:
         same = [f.get("bytes") for f in recorded] == [f["bytes"] for f in source]
     if not same:
+
         def show(files: list[dict[str, Any]]) -> str:
             names = ", ".join(str(f.get("name")) for f in files) or "nothing"
             digests = ", ".join(str(f.get("sha256"))[:12] for f in files if f.get("sha256"))
             return f"{names} (sha256 {digests})" if digests else names
 
-        raise OutputError(f"{out_dir} holds the release of {show(recorded)}; this source, {show(source)}, is another model", FRESH_START_HINT)
+        raise OutputError(
+            f"{out_dir} holds the release of {show(recorded)}; this source, {show(source)}, is another model",
+            FRESH_START_HINT,
+        )
 
 
 def described_files(manifest: dict[str, Any]) -> dict[str, dict[str, Any]]:

@@ -61,7 +61,13 @@ class MethodReport:
 
     def record(self) -> dict[str, Any]:
         """The manifest's entry for the published copy."""
-        return {"name": self.release_name, "kind": self.kind, "describes": self.describes, "bytes": len(self.text.encode()), "sha256": self.sha256}
+        return {
+            "name": self.release_name,
+            "kind": self.kind,
+            "describes": self.describes,
+            "bytes": len(self.text.encode()),
+            "sha256": self.sha256,
+        }
 
 
 def _field(doc: dict[str, Any], path: Path, *keys: str, json_type: type) -> Any:
@@ -70,13 +76,20 @@ def _field(doc: dict[str, Any], path: Path, *keys: str, json_type: type) -> Any:
     for key in keys:
         value = value.get(key) if isinstance(value, dict) else None
     if not isinstance(value, json_type):
-        raise BadInput(f"{path}: {'.'.join(keys)} is missing or not a JSON {json_type.__name__}", f"the report is damaged: re-run the {WRITTEN_BY[doc['kind']]} that wrote it (with --force), or move it away")
+        raise BadInput(
+            f"{path}: {'.'.join(keys)} is missing or not a JSON {json_type.__name__}",
+            f"the report is damaged: re-run the {WRITTEN_BY[doc['kind']]} that wrote it (with --force), or move it away",
+        )
     return value
 
 
 def _pruning_mismatch(doc: dict[str, Any], path: Path, model: GGUFModel) -> str | None:
     """Why the pruning report does not describe `model`, or None when it does."""
-    files = [(f.get("name"), f.get("bytes")) for f in _field(doc, path, "output", "files", json_type=list) if isinstance(f, dict)]
+    files = [
+        (f.get("name"), f.get("bytes"))
+        for f in _field(doc, path, "output", "files", json_type=list)
+        if isinstance(f, dict)
+    ]
     if [b for _, b in files] != [p.stat().st_size for p in model.paths]:
         return f"it describes {', '.join(f'{n} ({b} bytes)' for n, b in files)}"
     recorded = keepset_from_provenance(model.get, model.path.name)
@@ -86,7 +99,11 @@ def _pruning_mismatch(doc: dict[str, Any], path: Path, model: GGUFModel) -> str 
     layers = _field(doc, path, "keep_set", "layers", json_type=dict)
     if layers != recorded.to_json()["layers"]:
         return f"its kept experts differ from the ones {model.path.name} records"
-    inputs = [i.get("sha256") for i in _field(doc, path, "inputs", json_type=list) if isinstance(i, dict) and i.get("kind") is None]
+    inputs = [
+        i.get("sha256")
+        for i in _field(doc, path, "inputs", json_type=list)
+        if isinstance(i, dict) and i.get("kind") is None
+    ]
     if inputs != [str(d) for d in digests]:
         return f"it was made from another source (sha256 {', '.join(str(i)[:12] for i in inputs)})"
     return None
@@ -95,7 +112,12 @@ def _pruning_mismatch(doc: dict[str, Any], path: Path, model: GGUFModel) -> str 
 def _keep_set_input(doc: dict[str, Any]) -> dict[str, Any] | None:
     """The pruning report's record of the keep-set file it pruned with (name, sha256, bytes)."""
     for i in doc.get("inputs") or []:
-        if isinstance(i, dict) and i.get("kind") == KEEP_SET_FILE and isinstance(i.get("name"), str) and isinstance(i.get("sha256"), str):
+        if (
+            isinstance(i, dict)
+            and i.get("kind") == KEEP_SET_FILE
+            and isinstance(i.get("name"), str)
+            and isinstance(i.get("sha256"), str)
+        ):
             return i
     return None
 
@@ -116,7 +138,9 @@ def _read_text(path: Path) -> tuple[str, dict[str, Any] | None] | None:
     return text, doc if isinstance(doc, dict) else None
 
 
-def find_selection(model: GGUFModel, pruning: dict[str, Any] | None, selection: Path | None) -> tuple[list[MethodReport], list[str]]:
+def find_selection(
+    model: GGUFModel, pruning: dict[str, Any] | None, selection: Path | None
+) -> tuple[list[MethodReport], list[str]]:
     """The selection record and keep-set file the model was pruned with, and warnings.
 
     The pruning report names the keep-set file by name and sha256; a file of that name beside
@@ -129,14 +153,20 @@ def find_selection(model: GGUFModel, pruning: dict[str, Any] | None, selection: 
     found: list[MethodReport] = []
     warnings: list[str] = []
     wanted = _keep_set_input(pruning) if pruning is not None else None
-    layers = (pruning or {}).get("keep_set", {}).get("layers") if isinstance((pruning or {}).get("keep_set"), dict) else None
+    layers = (
+        (pruning or {}).get("keep_set", {}).get("layers") if isinstance((pruning or {}).get("keep_set"), dict) else None
+    )
     if layers is None:
         recorded = keepset_from_provenance(model.get, model.path.name)
         layers = recorded.to_json()["layers"] if recorded is not None else None
     keep_file: tuple[str, dict[str, Any] | None] | None = None
     if wanted is not None:
-        candidates = [*([selection] if selection is not None else []), keep_copy_path(model.path, wanted["name"]), model.path.parent / wanted["name"],
-                      model.path.parent / METHOD_DIR / wanted["name"]]
+        candidates = [
+            *([selection] if selection is not None else []),
+            keep_copy_path(model.path, wanted["name"]),
+            model.path.parent / wanted["name"],
+            model.path.parent / METHOD_DIR / wanted["name"],
+        ]
         for candidate in candidates:
             loaded = _read_text(candidate)
             if loaded is None:
@@ -145,28 +175,48 @@ def find_selection(model: GGUFModel, pruning: dict[str, Any] | None, selection: 
                 keep_file = loaded
                 break
             if candidate != selection:
-                warnings.append(f"{candidate.name} not published: it is not the keep-set {model.path.name} was pruned with (sha256 {hashlib.sha256(loaded[0].encode()).hexdigest()[:12]}, the pruning report records {wanted['sha256'][:12]})")
+                warnings.append(
+                    f"{candidate.name} not published: it is not the keep-set {model.path.name} was pruned with (sha256 {hashlib.sha256(loaded[0].encode()).hexdigest()[:12]}, the pruning report records {wanted['sha256'][:12]})"
+                )
     is_record = keep_file is not None and keep_file[1] is not None and keep_file[1].get("kind") == SELECTION_RECORD
     if keep_file is not None:
         found.append(MethodReport(SELECTION_RECORD if is_record else KEEP_SET_FILE, keep_file[0], model.path.name))
     if selection is not None and not is_record:
         loaded = _read_text(selection)
         if loaded is None:
-            raise BadInput(f"--selection {selection}: no such file, or not JSON", "give the SELECTION.json that ggufcarve select -o wrote")
+            raise BadInput(
+                f"--selection {selection}: no such file, or not JSON",
+                "give the SELECTION.json that ggufcarve select -o wrote",
+            )
         text, doc = loaded
         if doc is None or doc.get("kind") != SELECTION_RECORD:
-            raise BadInput(f"--selection {selection} is not a selection record (kind {SELECTION_RECORD})", "give the SELECTION.json that ggufcarve select -o wrote")
+            raise BadInput(
+                f"--selection {selection} is not a selection record (kind {SELECTION_RECORD})",
+                "give the SELECTION.json that ggufcarve select -o wrote",
+            )
         if layers is None or doc.get("layers") != layers:
-            raise BadInput(f"--selection {selection} chose other experts than {model.path.name} keeps", "give the selection the model was pruned with, or prune again with --keep SELECTION.json")
+            raise BadInput(
+                f"--selection {selection} chose other experts than {model.path.name} keeps",
+                "give the selection the model was pruned with, or prune again with --keep SELECTION.json",
+            )
         found.append(MethodReport(SELECTION_RECORD, text, model.path.name))
     if (pruning is not None or layers is not None) and not any(r.kind == SELECTION_RECORD for r in found):
-        pruned_with = f"was pruned with {wanted['name']}, not found beside it" if wanted is not None and keep_file is None else \
-            f"was pruned with the plain keep-set {wanted['name']}" if wanted is not None else "was pruned without a keep-set file"
-        warnings.append(f"no selection record published: {model.path.name} {pruned_with}; add the one `ggufcarve select -o` wrote with --selection FILE")
+        pruned_with = (
+            f"was pruned with {wanted['name']}, not found beside it"
+            if wanted is not None and keep_file is None
+            else f"was pruned with the plain keep-set {wanted['name']}"
+            if wanted is not None
+            else "was pruned without a keep-set file"
+        )
+        warnings.append(
+            f"no selection record published: {model.path.name} {pruned_with}; add the one `ggufcarve select -o` wrote with --selection FILE"
+        )
     return found, warnings
 
 
-def find_method_reports(model: GGUFModel, imatrix: tuple[Path, str] | None, selection: Path | None = None) -> tuple[list[MethodReport], list[str]]:
+def find_method_reports(
+    model: GGUFModel, imatrix: tuple[Path, str] | None, selection: Path | None = None
+) -> tuple[list[MethodReport], list[str]]:
     """The reports beside the source (and the imatrix, given as path and sha256) that describe
     them, the selection record and keep-set file the source was pruned with (find_selection), and
     a warning for each such file found that does not describe them. Raises BadInput for a
@@ -174,7 +224,9 @@ def find_method_reports(model: GGUFModel, imatrix: tuple[Path, str] | None, sele
     found: list[MethodReport] = []
     warnings: list[str] = []
     pruning: dict[str, Any] | None = None
-    candidates: list[tuple[str, Path, str]] = [(PRUNING_REPORT, report_path_for(model.path, PRUNING_REPORT), model.path.name)]
+    candidates: list[tuple[str, Path, str]] = [
+        (PRUNING_REPORT, report_path_for(model.path, PRUNING_REPORT), model.path.name)
+    ]
     if imatrix is not None:
         candidates.append((IMATRIX_REMAP_REPORT, report_path_for(imatrix[0], IMATRIX_REMAP_REPORT), imatrix[0].name))
     for kind, path, described in candidates:
@@ -183,14 +235,20 @@ def find_method_reports(model: GGUFModel, imatrix: tuple[Path, str] | None, sele
             continue
         text, doc = loaded
         if doc.get("schema_version") != SCHEMA_VERSION or doc.get("kind") != kind:
-            warnings.append(f"{path.name} not published: written by another ggufcarve version (schema {doc.get('schema_version')}); re-run the {WRITTEN_BY[kind]} to publish it")
+            warnings.append(
+                f"{path.name} not published: written by another ggufcarve version (schema {doc.get('schema_version')}); re-run the {WRITTEN_BY[kind]} to publish it"
+            )
             continue
         if kind == PRUNING_REPORT:
             why = _pruning_mismatch(doc, path, model)
         else:  # the imatrix remap report, a candidate only when an imatrix is given
             digest = _field(doc, path, "output", "sha256", json_type=str)
             wanted = imatrix[1] if imatrix is not None else ""
-            why = None if digest == wanted else f"it describes an imatrix with sha256 {digest[:12]}, not this one ({wanted[:12]})"
+            why = (
+                None
+                if digest == wanted
+                else f"it describes an imatrix with sha256 {digest[:12]}, not this one ({wanted[:12]})"
+            )
         if why is not None:
             warnings.append(f"{path.name} not published: it does not describe {described}: {why}")
             continue

@@ -24,8 +24,24 @@ from ggufcarve.reports import dumps
 CARD_NAME = "README.md"  # release.card.CARD_NAME
 DOCS_KIND = "docs"
 # Files a user may add to a release as documentation (matched case-insensitively against the file name).
-DOC_PATTERNS = ("license*", "licence*", "notice*", "copying*", "authors*", "citation*", "*.md", "*.txt", "*.cff",
-                "*.png", "*.jpg", "*.jpeg", "*.gif", "*.svg", "*.webp", ".gitattributes")
+DOC_PATTERNS = (
+    "license*",
+    "licence*",
+    "notice*",
+    "copying*",
+    "authors*",
+    "citation*",
+    "*.md",
+    "*.txt",
+    "*.cff",
+    "*.png",
+    "*.jpg",
+    "*.jpeg",
+    "*.gif",
+    "*.svg",
+    "*.webp",
+    ".gitattributes",
+)
 
 
 def is_documentation(rel: str) -> bool:
@@ -45,12 +61,25 @@ def release_of(path: Path) -> Path | None:
 
 def _describe(release: Path, files: Sequence[Path]) -> list[dict[str, object]]:
     records = []
-    for path in sorted(files, key=lambda p: p.resolve().relative_to(release.resolve()).as_posix() if p.resolve().is_relative_to(release.resolve()) else str(p)):
+    for path in sorted(
+        files,
+        key=lambda p: (
+            p.resolve().relative_to(release.resolve()).as_posix()
+            if p.resolve().is_relative_to(release.resolve())
+            else str(p)
+        ),
+    ):
         if not path.resolve().is_relative_to(release.resolve()):
-            raise BadInput(f"{path} is not inside the release {release}", "write evaluation results, the card and documentation inside the release directory")
+            raise BadInput(
+                f"{path} is not inside the release {release}",
+                "write evaluation results, the card and documentation inside the release directory",
+            )
         rel = path.resolve().relative_to(release.resolve()).as_posix()
         if not inside(release, rel):
-            raise BadInput(f"{path} is not inside the release {release}", "write evaluation results, the card and documentation inside the release directory")
+            raise BadInput(
+                f"{path} is not inside the release {release}",
+                "write evaluation results, the card and documentation inside the release directory",
+            )
         if not path.is_file():
             raise BadInput(f"{path}: no such file", "give files inside the release directory")
         records.append({"name": rel, "bytes": path.stat().st_size, "sha256": sha256_file(path)})
@@ -64,7 +93,11 @@ def _write(release: Path, kind: str, records: list[dict[str, object]], *, merge:
             raise BadInput(f"{release} has no {MANIFEST_NAME}", "run ggufcarve ladder run into it first")
         published = manifest.get("published") if isinstance(manifest.get("published"), dict) else {}
         if merge:
-            earlier = [r for r in published.get(kind) or [] if isinstance(r, dict) and r.get("name") not in {n["name"] for n in records}]
+            earlier = [
+                r
+                for r in published.get(kind) or []
+                if isinstance(r, dict) and r.get("name") not in {n["name"] for n in records}
+            ]
             records = sorted([*earlier, *records], key=lambda r: str(r.get("name")))
         manifest["published"] = {**published, kind: records}
         write_text_atomic(release / MANIFEST_NAME, dumps(manifest))
@@ -97,18 +130,26 @@ def record_files(release: Path, files: Sequence[Path]) -> dict[str, list[str]]:
     for path in files:
         full = (path if path.is_absolute() else Path.cwd() / path).resolve()
         if not full.is_relative_to(root):
-            raise BadInput(f"{path} is not inside the release {release}", "copy it into the release directory, then record it")
+            raise BadInput(
+                f"{path} is not inside the release {release}", "copy it into the release directory, then record it"
+            )
         rel = full.relative_to(root).as_posix()
         if not full.is_file():
             raise BadInput(f"{path}: no such file", "give a file inside the release directory")
         if rel in others or rel in (MANIFEST_NAME, SUMS_NAME):
-            raise BadInput(f"{rel} is already part of the release as a file ggufcarve made", "it is recorded by the command that wrote it (ladder run, eval)")
+            raise BadInput(
+                f"{rel} is already part of the release as a file ggufcarve made",
+                "it is recorded by the command that wrote it (ladder run, eval)",
+            )
         if rel == CARD_NAME:
             card.append(full)
         elif is_documentation(rel):
             docs.append(full)
         else:
-            raise BadInput(f"{rel} is not a documentation file", "record LICENSE, NOTICE, COPYING, .md, .txt, images or .gitattributes; rungs and results are recorded by ladder run and eval")
+            raise BadInput(
+                f"{rel} is not a documentation file",
+                "record LICENSE, NOTICE, COPYING, .md, .txt, images or .gitattributes; rungs and results are recorded by ladder run and eval",
+            )
     recorded: dict[str, list[str]] = {}
     if card:
         recorded["card"] = [str(r["name"]) for r in record_published(release, "card", card)]

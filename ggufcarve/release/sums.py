@@ -37,13 +37,19 @@ def write_sums(out_dir: Path, manifest: dict[str, Any] | None = None) -> Path:
     lines = []
     for rel in names:
         if "\n" in rel or "\\" in rel:
-            raise OutputError(f"{rel}: a file name with a newline or backslash cannot go into SHA256SUMS", "rename the file")
+            raise OutputError(
+                f"{rel}: a file name with a newline or backslash cannot go into SHA256SUMS", "rename the file"
+            )
         path = out_dir / rel
         if not inside(out_dir, rel) or not path.is_file():
             continue
         st = path.stat()
         rec = described.get(rel, {})
-        recorded = rec.get("sha256") if trusted and rec.get("bytes") == st.st_size and rec.get("mtime_ns") == st.st_mtime_ns else None
+        recorded = (
+            rec.get("sha256")
+            if trusted and rec.get("bytes") == st.st_size and rec.get("mtime_ns") == st.st_mtime_ns
+            else None
+        )
         lines.append(f"{recorded or sha256_file(path)}  {rel}\n")
     target = out_dir / SUMS_NAME
     write_text_atomic(target, "".join(lines))

@@ -88,10 +88,20 @@ class VerifyReport:
         return not self.missing
 
     def to_json(self) -> dict[str, Any]:
-        return {"directory": str(self.directory), "ok": self.ok, "files_ok": self.files_ok, "failures": [f.__dict__ for f in self.failures],
-                "bytes_hashed": self.bytes_hashed, "seconds": round(self.seconds, 3), "workers": self.workers, "expert_count": self.expert_count,
-                "complete": self.complete, "missing": [f.__dict__ for f in self.missing], "warnings": [f.__dict__ for f in self.warnings],
-                "notes": [f.__dict__ for f in self.notes]}
+        return {
+            "directory": str(self.directory),
+            "ok": self.ok,
+            "files_ok": self.files_ok,
+            "failures": [f.__dict__ for f in self.failures],
+            "bytes_hashed": self.bytes_hashed,
+            "seconds": round(self.seconds, 3),
+            "workers": self.workers,
+            "expert_count": self.expert_count,
+            "complete": self.complete,
+            "missing": [f.__dict__ for f in self.missing],
+            "warnings": [f.__dict__ for f in self.warnings],
+            "notes": [f.__dict__ for f in self.notes],
+        }
 
 
 def parse_sums(path: Path) -> tuple[list[tuple[str, str]], list[str]]:
@@ -125,11 +135,21 @@ def promised_parts(d: Path, manifest: dict[str, Any]) -> tuple[str, ...]:
             except (OSError, ValueError, AttributeError, TypeError):
                 continue
     # a plan that builds some rungs only (ladder.only) does not promise the spec's others
-    return (*(["rungs"] if not only else []), *(["evaluation"] if "evaluate" in stages else []), *(["card"] if "card" in stages else []))
+    return (
+        *(["rungs"] if not only else []),
+        *(["evaluation"] if "evaluate" in stages else []),
+        *(["card"] if "card" in stages else []),
+    )
 
 
-def verify_dir(directory: str | os.PathLike[str], *, ignore_missing: bool = False, workers: int | None = None, on_event: Sink = ignore,
-               require: Collection[str] | None = None) -> VerifyReport:
+def verify_dir(
+    directory: str | os.PathLike[str],
+    *,
+    ignore_missing: bool = False,
+    workers: int | None = None,
+    on_event: Sink = ignore,
+    require: Collection[str] | None = None,
+) -> VerifyReport:
     """Check the release in `directory` (see the module docstring). `require`: the PARTS whose
     absence fails the check (missing rungs, evaluation, card); None: what the manifest promises
     (`promised_parts`); others missing are only listed."""
@@ -144,7 +164,9 @@ def verify_dir(directory: str | os.PathLike[str], *, ignore_missing: bool = Fals
     fail = report.failures.append
     sums_path = d / SUMS_NAME
     if not sums_path.exists():
-        raise BadInput(f"{d} has no {SUMS_NAME}", "run `ggufcarve ladder run` (it writes SHA256SUMS), or check the directory")
+        raise BadInput(
+            f"{d} has no {SUMS_NAME}", "run `ggufcarve ladder run` (it writes SHA256SUMS), or check the directory"
+        )
     entries, bad = parse_sums(sums_path)
     for problem in bad:
         fail(Failure(SUMS_NAME, problem))
@@ -166,16 +188,28 @@ def verify_dir(directory: str | os.PathLike[str], *, ignore_missing: bool = Fals
     published = [p.relative_to(d).as_posix() for p in published_files(d, leave_out=(SUMS_NAME,))]
     for rel in published:
         if described is not None and rel not in described and is_documentation(rel):
-            report.notes.append(Failure(rel, f"not recorded: not part of the release (publish it with `ggufcarve release record {rel}`, or remove it)"))
+            report.notes.append(
+                Failure(
+                    rel,
+                    f"not recorded: not part of the release (publish it with `ggufcarve release record {rel}`, or remove it)",
+                )
+            )
         elif described is not None and rel not in described:
-            fail(Failure(rel, f"not described by {MANIFEST_NAME}: not part of the release (remove it, or make it with ggufcarve)"))
+            fail(
+                Failure(
+                    rel,
+                    f"not described by {MANIFEST_NAME}: not part of the release (remove it, or make it with ggufcarve)",
+                )
+            )
         elif rel not in listed:
             fail(Failure(rel, "not listed in SHA256SUMS"))
     _note_hidden(d, described or set(), report)
 
     with ThreadPoolExecutor(max_workers=1) as side:
         # GGUF structure checks run beside the hashing
-        structure = side.submit(_check_ggufs, d, sorted(set(present) | {rel for rel in published if rel.endswith(".gguf")}))
+        structure = side.submit(
+            _check_ggufs, d, sorted(set(present) | {rel for rel in published if rel.endswith(".gguf")})
+        )
         digests = hash_files(list(present.values()), report.workers, on_event)
         gguf_failures, expert_counts = structure.result()
     for rel, path in sorted(present.items()):
@@ -207,12 +241,22 @@ def _note_hidden(d: Path, described: set[str], report: VerifyReport) -> None:
         return
     for name in names:
         if name == FRAGMENTS_DIR:
-            report.notes.append(Failure(f"{name}/", "the ladder's rung fragments, not part of the release: a run of the whole ladder or "
-                                        "`ggufcarve release merge` removes them once every rung is built; remove them before uploading the directory"))
+            report.notes.append(
+                Failure(
+                    f"{name}/",
+                    "the ladder's rung fragments, not part of the release: a run of the whole ladder or "
+                    "`ggufcarve release merge` removes them once every rung is built; remove them before uploading the directory",
+                )
+            )
         elif name in described:
             continue
         elif is_documentation(name):
-            report.notes.append(Failure(name, f"not recorded: not part of the release (publish it with `ggufcarve release record {name}`, or remove it)"))
+            report.notes.append(
+                Failure(
+                    name,
+                    f"not recorded: not part of the release (publish it with `ggufcarve release record {name}`, or remove it)",
+                )
+            )
 
 
 def missing_parts(d: Path, manifest: dict[str, Any]) -> list[Failure]:
@@ -223,19 +267,33 @@ def missing_parts(d: Path, manifest: dict[str, Any]) -> list[Failure]:
 
     def present(rung: dict[str, Any]) -> bool:
         files = _records(rung.get("files"))
-        return rung.get("status") in ("built", "skipped") and bool(files) and all(
-            isinstance(f.get("name"), str) and inside(d, f["name"]) and (d / f["name"]).is_file() for f in files)
+        return (
+            rung.get("status") in ("built", "skipped")
+            and bool(files)
+            and all(
+                isinstance(f.get("name"), str) and inside(d, f["name"]) and (d / f["name"]).is_file() for f in files
+            )
+        )
 
     spec = manifest.get("spec_rungs")
     for name in [str(n) for n in spec] if isinstance(spec, list) else list(rungs):
         rung = rungs.get(name)
         if rung is None or not present(rung):
             state = "not run" if rung is None else str(rung.get("status") or "not run")
-            missing.append(Failure(f"rungs:{name}", f"rung {name} of the ladder is not built ({state}): run `ggufcarve ladder run` again (finished rungs are kept)"))
+            missing.append(
+                Failure(
+                    f"rungs:{name}",
+                    f"rung {name} of the ladder is not built ({state}): run `ggufcarve ladder run` again (finished rungs are kept)",
+                )
+            )
     built = [r for r in rungs.values() if present(r)]
     published = manifest.get("published") if isinstance(manifest.get("published"), dict) else {}
     evaluated: set[str] = set()
-    results = [f for f in _records(published.get("evaluation")) if isinstance(f.get("name"), str) and f["name"].endswith(".json")]
+    results = [
+        f
+        for f in _records(published.get("evaluation"))
+        if isinstance(f.get("name"), str) and f["name"].endswith(".json")
+    ]
     for f in results:
         if not inside(d, f["name"]) or not (d / f["name"]).is_file():
             continue
@@ -247,16 +305,35 @@ def missing_parts(d: Path, manifest: dict[str, Any]) -> list[Failure]:
         if isinstance(model, dict):
             evaluated.add(str(model.get("file")))
     if built and not results:
-        missing.append(Failure("evaluation:evaluation/", "no evaluation results recorded: run `ggufcarve eval RELEASE --reference ... -o RELEASE/evaluation`"))
+        missing.append(
+            Failure(
+                "evaluation:evaluation/",
+                "no evaluation results recorded: run `ggufcarve eval RELEASE --reference ... -o RELEASE/evaluation`",
+            )
+        )
     else:
         for rung in built:
             first = _records(rung.get("files"))[0]["name"]
             if first not in evaluated:
-                missing.append(Failure(f"evaluation:{first}", f"rung {rung.get('name')} has no evaluation results: evaluate it (`ggufcarve eval RELEASE ... -o RELEASE/evaluation --force`)"))
+                missing.append(
+                    Failure(
+                        f"evaluation:{first}",
+                        f"rung {rung.get('name')} has no evaluation results: evaluate it (`ggufcarve eval RELEASE ... -o RELEASE/evaluation --force`)",
+                    )
+                )
     card = [f for f in _records(published.get("card")) if f.get("name") == CARD_NAME]
     if not card or not (d / CARD_NAME).is_file():
-        missing.append(Failure(f"card:{CARD_NAME}", "the model card is not recorded: write it with `ggufcarve card RELEASE`"
-                               + (" (or record the one there with `ggufcarve card RELEASE --record`)" if (d / CARD_NAME).is_file() else "")))
+        missing.append(
+            Failure(
+                f"card:{CARD_NAME}",
+                "the model card is not recorded: write it with `ggufcarve card RELEASE`"
+                + (
+                    " (or record the one there with `ggufcarve card RELEASE --record`)"
+                    if (d / CARD_NAME).is_file()
+                    else ""
+                ),
+            )
+        )
     return missing
 
 
@@ -274,7 +351,7 @@ def card_front_matter(text: str) -> tuple[dict[str, Any] | None, str | None]:
     import yaml
 
     try:
-        doc = yaml.safe_load(text[4:end + 1])
+        doc = yaml.safe_load(text[4 : end + 1])
     except yaml.YAMLError as err:
         return None, f"the front matter is not valid YAML ({' '.join(str(err).split())})"
     if doc is None:
@@ -300,7 +377,9 @@ def card_problems(d: Path, text: str) -> tuple[list[str], list[str]]:
         base = front.get("base_model")
         bases = base if isinstance(base, list) else [base] if base is not None else []
         if not bases:
-            warnings.append("no base_model: the Hub cannot link this model to its base (ggufcarve card --base-model OWNER/NAME --force)")
+            warnings.append(
+                "no base_model: the Hub cannot link this model to its base (ggufcarve card --base-model OWNER/NAME --force)"
+            )
         for b in bases:
             if not valid_repo_id(b):
                 warnings.append(f"base_model {b!r} is not a Hub repo id (OWNER/NAME)")
@@ -310,7 +389,7 @@ def card_problems(d: Path, text: str) -> tuple[list[str], list[str]]:
         elif str(license_) not in HF_LICENSES:
             warnings.append(f"license {license_!r} is not an identifier the Hub accepts")
         elif license_ == "other" and not (front.get("license_name") and front.get("license_link")):
-            warnings.append("license \"other\" without license_name and license_link")
+            warnings.append('license "other" without license_name and license_link')
     body = text
     for m in LINK.finditer(body):
         target = m["target"].split("#", 1)[0]
@@ -371,7 +450,12 @@ def _check_ggufs(d: Path, rels: list[str]) -> tuple[list[Failure], dict[str, int
     for rel in rels:
         m = SHARD_NAME.match(rel)
         if m and rel not in covered and (d / rel).exists():
-            failures.append(Failure(rel, f"shard of a split set whose first shard ({shard_paths(Path(m['prefix']).name, int(m['count']))[0]}) is missing"))
+            failures.append(
+                Failure(
+                    rel,
+                    f"shard of a split set whose first shard ({shard_paths(Path(m['prefix']).name, int(m['count']))[0]}) is missing",
+                )
+            )
     return failures, counts
 
 
@@ -380,7 +464,9 @@ def _read_json_object(path: Path, report: VerifyReport) -> dict[str, Any] | None
     try:
         text = path.read_text()
     except OSError as err:
-        report.failures.append(Failure(path.relative_to(report.directory).as_posix(), f"cannot read: {err.strerror or err}"))
+        report.failures.append(
+            Failure(path.relative_to(report.directory).as_posix(), f"cannot read: {err.strerror or err}")
+        )
         return None
     return _parse_json_object(path, text, report)
 
@@ -412,11 +498,20 @@ def _read_manifest(d: Path, report: VerifyReport) -> dict[str, Any] | None:
     try:
         text = path.read_text()
     except OSError as err:
-        raise OutputError(f"cannot read {path}: {err.strerror or err}", f"fix its permissions or restore it from the published release; or, to rebuild the release, {FRESH_START_HINT}") from None
+        raise OutputError(
+            f"cannot read {path}: {err.strerror or err}",
+            f"fix its permissions or restore it from the published release; or, to rebuild the release, {FRESH_START_HINT}",
+        ) from None
     return _parse_json_object(path, text, report)
 
 
-def _check_manifest(d: Path, manifest: dict[str, Any] | None, listed: dict[str, str], report: VerifyReport, counts: dict[str, int | None]) -> None:
+def _check_manifest(
+    d: Path,
+    manifest: dict[str, Any] | None,
+    listed: dict[str, str],
+    report: VerifyReport,
+    counts: dict[str, int | None],
+) -> None:
     fail = report.failures.append
     if manifest is not None:
         source_sha256 = [f.get("sha256") for f in recorded_source(manifest)]
@@ -424,7 +519,12 @@ def _check_manifest(d: Path, manifest: dict[str, Any] | None, listed: dict[str, 
             made_from = rung.get("source_sha256")
             if rung.get("files") and made_from != source_sha256:
                 shown = ", ".join(str(h)[:12] for h in made_from) if isinstance(made_from, list) else "nothing"
-                fail(Failure(MANIFEST_NAME, f"rung {rung.get('name')} was made from another source (sha256 {shown}), not the manifest's ({', '.join(str(h)[:12] for h in source_sha256)})"))
+                fail(
+                    Failure(
+                        MANIFEST_NAME,
+                        f"rung {rung.get('name')} was made from another source (sha256 {shown}), not the manifest's ({', '.join(str(h)[:12] for h in source_sha256)})",
+                    )
+                )
             for f in _records(rung.get("files")):
                 name = f.get("name")
                 if not isinstance(name, str) or not name:
@@ -434,7 +534,12 @@ def _check_manifest(d: Path, manifest: dict[str, Any] | None, listed: dict[str, 
                 if name not in listed:
                     fail(Failure(name, f"rung {rung.get('name')} is in the manifest but the file is not in SHA256SUMS"))
                 elif f.get("sha256") and listed[name] != f["sha256"]:
-                    fail(Failure(name, f"manifest sha256 {str(f['sha256'])[:16]}... disagrees with SHA256SUMS {listed[name][:16]}..."))
+                    fail(
+                        Failure(
+                            name,
+                            f"manifest sha256 {str(f['sha256'])[:16]}... disagrees with SHA256SUMS {listed[name][:16]}...",
+                        )
+                    )
                 if path.is_file() and f.get("bytes") is not None and path.stat().st_size != f["bytes"]:
                     fail(Failure(name, f"size {path.stat().st_size} bytes, the manifest records {f['bytes']}"))
         for f in _records(manifest.get("method")):
@@ -442,7 +547,12 @@ def _check_manifest(d: Path, manifest: dict[str, Any] | None, listed: dict[str, 
             if name not in listed:
                 fail(Failure(str(name), "recorded in the manifest's method reports but not in SHA256SUMS"))
             elif f.get("sha256") and listed[name] != f["sha256"]:
-                fail(Failure(str(name), f"manifest sha256 {str(f['sha256'])[:16]}... disagrees with SHA256SUMS {listed[name][:16]}..."))
+                fail(
+                    Failure(
+                        str(name),
+                        f"manifest sha256 {str(f['sha256'])[:16]}... disagrees with SHA256SUMS {listed[name][:16]}...",
+                    )
+                )
         _check_method_reports(d, manifest, report)
     expected: dict[str, int] = {}
     source = manifest.get("source") if manifest is not None else None
@@ -484,15 +594,29 @@ def _check_method_reports(d: Path, manifest: dict[str, Any], report: VerifyRepor
         if kind == PRUNING_REPORT:
             described = [(o.get("name"), o.get("bytes")) for o in _records(output.get("files"))]
             if [b for _, b in described] != [b for _, b in source]:
+
                 def show(files: list[tuple[Any, Any]]) -> str:
                     return ", ".join(f"{n} ({b} bytes)" for n, b in files) or "no files"
 
                 fail(Failure(str(name), f"describes {show(described)}, not the manifest's source ({show(source)})"))
         elif kind == SELECTION_RECORD:
-            pruning = _read_json_object(d / release_report_name(PRUNING_REPORT), report) if (d / release_report_name(PRUNING_REPORT)).is_file() else None
-            kept = pruning.get("keep_set", {}).get("layers") if pruning is not None and isinstance(pruning.get("keep_set"), dict) else None
+            pruning = (
+                _read_json_object(d / release_report_name(PRUNING_REPORT), report)
+                if (d / release_report_name(PRUNING_REPORT)).is_file()
+                else None
+            )
+            kept = (
+                pruning.get("keep_set", {}).get("layers")
+                if pruning is not None and isinstance(pruning.get("keep_set"), dict)
+                else None
+            )
             if kept is not None and doc is not None and doc.get("layers") != kept:
                 fail(Failure(str(name), f"keeps other experts than {release_report_name(PRUNING_REPORT)} records"))
         elif kind == IMATRIX_REMAP_REPORT and isinstance(output, dict):
             if imatrix is None or output.get("sha256") != imatrix.get("sha256"):
-                fail(Failure(str(name), f"describes an imatrix with sha256 {str(output.get('sha256'))[:12]}, not the manifest's ({str((imatrix or {}).get('sha256'))[:12]})"))
+                fail(
+                    Failure(
+                        str(name),
+                        f"describes an imatrix with sha256 {str(output.get('sha256'))[:12]}, not the manifest's ({str((imatrix or {}).get('sha256'))[:12]})",
+                    )
+                )

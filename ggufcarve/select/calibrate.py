@@ -111,22 +111,52 @@ def calibrate_all(
         check_outputs([Path(imatrix_out)], list(model.paths), 0, force)
         consumers.append(IMATRIX_CONSUMER)
     batching = Batching.of(ctx)
-    request = DecodeRequest(os.fspath(model.path), tuple(consumers), batching, documents=tuple(f.documents for f in calibration), max_tokens=max_tokens, threads=threads or 0,
-                            gpu_layers=gpu_layers)
+    request = DecodeRequest(
+        os.fspath(model.path),
+        tuple(consumers),
+        batching,
+        documents=tuple(f.documents for f in calibration),
+        max_tokens=max_tokens,
+        threads=threads or 0,
+        gpu_layers=gpu_layers,
+    )
     run = decode(request, what=f"calibrating {model.path.name}", stage="calibrate", on_event=on_event)
     if imatrix_out is not None:
         from ggufcarve.imatrix.collect import write_collected
 
-        write_collected(run.outputs[IMATRIX_CONSUMER.name], [f.path.name for f in calibration], ctx, Path(imatrix_out), tokens=run.tokens,
-                        seconds=run.seconds, force=force, sources=list(model.paths), on_event=on_event)
+        write_collected(
+            run.outputs[IMATRIX_CONSUMER.name],
+            [f.path.name for f in calibration],
+            ctx,
+            Path(imatrix_out),
+            tokens=run.tokens,
+            seconds=run.seconds,
+            force=force,
+            sources=list(model.paths),
+            on_event=on_event,
+        )
     statistics = TraceStatistics.from_arrays(run.outputs["statistics"], layout.expert_count)
     traced = [b for b in layout.blocks if b in statistics.counts]
     untraced = [b for b in layout.blocks if b not in traced]
     missing = [b for b in untraced if not layout.is_mtp(b)]
     if missing:
-        raise ToolFailed(f"the trace of {model.path.name} has no MoE nodes for block(s) {missing}", "the llama.cpp graph of this architecture does not go through build_moe_ffn")
-    parameters: dict[str, Any] = {"ctx": ctx, "max_tokens": max_tokens, "micro_batch": batching.micro_batch, "sequences": batching.sequences, "chunks": run.chunks,
-                                  "pass": {"decode": "calibration", "consumer": "statistics", "asked": asked, "statistics": [*statistics.filled, *(["greedy"] if greedy else [])]}}
+        raise ToolFailed(
+            f"the trace of {model.path.name} has no MoE nodes for block(s) {missing}",
+            "the llama.cpp graph of this architecture does not go through build_moe_ffn",
+        )
+    parameters: dict[str, Any] = {
+        "ctx": ctx,
+        "max_tokens": max_tokens,
+        "micro_batch": batching.micro_batch,
+        "sequences": batching.sequences,
+        "chunks": run.chunks,
+        "pass": {
+            "decode": "calibration",
+            "consumer": "statistics",
+            "asked": asked,
+            "statistics": [*statistics.filled, *(["greedy"] if greedy else [])],
+        },
+    }
     extra: dict[int, BlockStats] = {}
     if untraced:
         extra, rules = weights_stats(model, layout, untraced, on_event, note=MTP_NOTE)
@@ -143,8 +173,15 @@ def calibrate_all(
     return out
 
 
-def greedy_scores(arrays: dict[str, Any], statistics: TraceStatistics, facts: ModelFacts, extra: dict[int, BlockStats], parameters: dict[str, Any],
-                  inputs: tuple[dict[str, Any], ...], tokens: int) -> ExpertScores:
+def greedy_scores(
+    arrays: dict[str, Any],
+    statistics: TraceStatistics,
+    facts: ModelFacts,
+    extra: dict[int, BlockStats],
+    parameters: dict[str, Any],
+    inputs: tuple[dict[str, Any], ...],
+    tokens: int,
+) -> ExpertScores:
     """The greedy consumer's eliminations as ExpertScores (statistic "rank": 1 + removal step)."""
     from ggufcarve.select.greedy import eliminations
 
@@ -152,10 +189,17 @@ def greedy_scores(arrays: dict[str, Any], statistics: TraceStatistics, facts: Mo
     blocks: dict[int, BlockStats] = dict(extra)
     record: dict[str, Any] = {}
     for block, result in done.items():
-        blocks[block] = BlockStats("greedy", "rank", counts=statistics.counts.get(block), sums=result.scores(facts.expert_count))
-        record[str(block)] = {"removed": result.removed, "error": result.errors, "survivors": result.survivors,
-                              "evaluated_pairs": result.evaluated, "seconds": round(result.seconds, 3),
-                              "routing_agrees": float(arrays[f"agrees:{block}"])}
+        blocks[block] = BlockStats(
+            "greedy", "rank", counts=statistics.counts.get(block), sums=result.scores(facts.expert_count)
+        )
+        record[str(block)] = {
+            "removed": result.removed,
+            "error": result.errors,
+            "survivors": result.survivors,
+            "evaluated_pairs": result.evaluated,
+            "seconds": round(result.seconds, 3),
+            "routing_agrees": float(arrays[f"agrees:{block}"]),
+        }
     passed = {**parameters["pass"], "consumer": "greedy", "consumers": ["statistics", "greedy"]}
     scores = ExpertScores("greedy", facts, blocks, {**parameters, "pass": passed, "greedy": record}, inputs, tokens)
     scores.check()

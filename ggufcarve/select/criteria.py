@@ -26,7 +26,14 @@ GREEDY_MEMORY = "greedy's memory"  # the calibration pass with every expert's ou
 READS = (WEIGHTS, SEED, IMATRIX, CALIBRATION_PASS, RAZOR_PASS, GREEDY_MEMORY)
 # what each kind of reading asks of the command line: "model" (nothing more), "imatrix" (--imatrix)
 # or "calibration" (--calibration)
-NEEDS = {WEIGHTS: "model", SEED: "model", IMATRIX: "imatrix", CALIBRATION_PASS: "calibration", RAZOR_PASS: "calibration", GREEDY_MEMORY: "calibration"}
+NEEDS = {
+    WEIGHTS: "model",
+    SEED: "model",
+    IMATRIX: "imatrix",
+    CALIBRATION_PASS: "calibration",
+    RAZOR_PASS: "calibration",
+    GREEDY_MEMORY: "calibration",
+}
 
 
 @dataclass(frozen=True)
@@ -40,40 +47,122 @@ class Criterion:
 
     @property
     def needs(self) -> str:
-        """"model", "imatrix" or "calibration": the input the command line must give."""
+        """ "model", "imatrix" or "calibration": the input the command line must give."""
         return NEEDS[self.reads]
 
 
 CRITERIA: dict[str, Criterion] = {
     c.name: c
     for c in (
-        Criterion("weights", WEIGHTS, False, False, "||router row|| x scale energy of the expert's weights (zero-shot, one read of the model)",
-                  "rule: the published zero-shot carve of Qwen3.6-35B-A3B (router propensity x weight scale energy)"),
-        Criterion("aimer", WEIGHTS, False, False, "mean |w| / RMS(w) over the expert's gate, up and down weights together; the lowest are kept (scored as RMS(w) / mean |w|)",
-                  "AIMER, arXiv 2603.18492"),
+        Criterion(
+            "weights",
+            WEIGHTS,
+            False,
+            False,
+            "||router row|| x scale energy of the expert's weights (zero-shot, one read of the model)",
+            "rule: the published zero-shot carve of Qwen3.6-35B-A3B (router propensity x weight scale energy)",
+        ),
+        Criterion(
+            "aimer",
+            WEIGHTS,
+            False,
+            False,
+            "mean |w| / RMS(w) over the expert's gate, up and down weights together; the lowest are kept (scored as RMS(w) / mean |w|)",
+            "AIMER, arXiv 2603.18492",
+        ),
         Criterion("router-norm", WEIGHTS, False, False, "||router row|| alone", "rule: the router's propensity alone"),
         Criterion("random", SEED, False, False, "seeded uniform scores (a baseline)", "rule: a baseline"),
-        Criterion("imatrix-counts", IMATRIX, False, False, "routed (token, slot) counts an imatrix recorded per expert", "rule: frequency read from llama-imatrix's counts"),
-        Criterion("imatrix-energy", IMATRIX, False, False, "mean ||h||^2 of the tokens routed to each expert, from ffn_down_exps in_sum2",
-                  "rule: llama-imatrix's input energy of ffn_down_exps"),
-        Criterion("imatrix-msan", IMATRIX, False, False, "msan estimated from an imatrix, no pass: sum_c E[h_c^2] ||W_down[:, c]||^2; ranks like the traced msan to Spearman 0.89-0.97 per block "
-                  "(mean 0.91-0.94) on the demo model: a ranking aid, not a measurement", "rule: an estimate of MSAN (arXiv 2606.15716) from an imatrix"),
-        Criterion("frequency", CALIBRATION_PASS, False, False, "routed (token, slot) counts in llama.cpp's own routing of the calibration text",
-                  "REAP, arXiv 2510.13999 (its frequency baseline)"),
-        Criterion("ean", CALIBRATION_PASS, True, True, "mean ||f_e(x)|| over the tokens routed to e (expert output norm)",
-                  "REAP, arXiv 2510.13999 (EAN); MAN in arXiv 2606.15716"),
-        Criterion("ean-sum", CALIBRATION_PASS, True, True, "sum of ||f_e(x)|| over the tokens routed to e (REAP's EAN sum form: frequency x ean)",
-                  "REAP, arXiv 2510.13999 (EAN, sum form)"),
-        Criterion("msan", CALIBRATION_PASS, True, True, "mean ||f_e(x)||^2 over the tokens routed to e (mean squared activation norm)", "MSAN, arXiv 2606.15716"),
-        Criterion("mone", CALIBRATION_PASS, True, True, "MoNE: routed count x output variance E||f_e - mean f_e||^2 over the tokens routed to e (ungated outputs)",
-                  "MoNE, arXiv 2507.00390"),
-        Criterion("reap", CALIBRATION_PASS, True, True, "mean g_e ||f_e(x)|| over the tokens routed to e, g the weight llama.cpp applied", "REAP, arXiv 2510.13999"),
-        Criterion("razor", RAZOR_PASS, True, True, "conditional RMS of the output change when e is deleted and the router's next expert takes its place",
-                  "rule: RAZOR's published method (the 256 -> 128 expert RAZOR release)"),
-        Criterion("greedy", GREEDY_MEMORY, False, True, "backward elimination per block: drop the expert whose removal raises mean ||y - y_S||^2 of the block's routed output least "
-                  "(routing recomputed over S); opt-in: on the demo model mean KLD at K=4/8/12 0.712/0.114/0.0064 against reap's 0.861/0.135/0.0095, "
-                  "for 1.7x the pass time and 11x its peak memory (tokens x experts x n_embd per block)",
-                  "rule: backward elimination on each block's output"),
+        Criterion(
+            "imatrix-counts",
+            IMATRIX,
+            False,
+            False,
+            "routed (token, slot) counts an imatrix recorded per expert",
+            "rule: frequency read from llama-imatrix's counts",
+        ),
+        Criterion(
+            "imatrix-energy",
+            IMATRIX,
+            False,
+            False,
+            "mean ||h||^2 of the tokens routed to each expert, from ffn_down_exps in_sum2",
+            "rule: llama-imatrix's input energy of ffn_down_exps",
+        ),
+        Criterion(
+            "imatrix-msan",
+            IMATRIX,
+            False,
+            False,
+            "msan estimated from an imatrix, no pass: sum_c E[h_c^2] ||W_down[:, c]||^2; ranks like the traced msan to Spearman 0.89-0.97 per block "
+            "(mean 0.91-0.94) on the demo model: a ranking aid, not a measurement",
+            "rule: an estimate of MSAN (arXiv 2606.15716) from an imatrix",
+        ),
+        Criterion(
+            "frequency",
+            CALIBRATION_PASS,
+            False,
+            False,
+            "routed (token, slot) counts in llama.cpp's own routing of the calibration text",
+            "REAP, arXiv 2510.13999 (its frequency baseline)",
+        ),
+        Criterion(
+            "ean",
+            CALIBRATION_PASS,
+            True,
+            True,
+            "mean ||f_e(x)|| over the tokens routed to e (expert output norm)",
+            "REAP, arXiv 2510.13999 (EAN); MAN in arXiv 2606.15716",
+        ),
+        Criterion(
+            "ean-sum",
+            CALIBRATION_PASS,
+            True,
+            True,
+            "sum of ||f_e(x)|| over the tokens routed to e (REAP's EAN sum form: frequency x ean)",
+            "REAP, arXiv 2510.13999 (EAN, sum form)",
+        ),
+        Criterion(
+            "msan",
+            CALIBRATION_PASS,
+            True,
+            True,
+            "mean ||f_e(x)||^2 over the tokens routed to e (mean squared activation norm)",
+            "MSAN, arXiv 2606.15716",
+        ),
+        Criterion(
+            "mone",
+            CALIBRATION_PASS,
+            True,
+            True,
+            "MoNE: routed count x output variance E||f_e - mean f_e||^2 over the tokens routed to e (ungated outputs)",
+            "MoNE, arXiv 2507.00390",
+        ),
+        Criterion(
+            "reap",
+            CALIBRATION_PASS,
+            True,
+            True,
+            "mean g_e ||f_e(x)|| over the tokens routed to e, g the weight llama.cpp applied",
+            "REAP, arXiv 2510.13999",
+        ),
+        Criterion(
+            "razor",
+            RAZOR_PASS,
+            True,
+            True,
+            "conditional RMS of the output change when e is deleted and the router's next expert takes its place",
+            "rule: RAZOR's published method (the 256 -> 128 expert RAZOR release)",
+        ),
+        Criterion(
+            "greedy",
+            GREEDY_MEMORY,
+            False,
+            True,
+            "backward elimination per block: drop the expert whose removal raises mean ||y - y_S||^2 of the block's routed output least "
+            "(routing recomputed over S); opt-in: on the demo model mean KLD at K=4/8/12 0.712/0.114/0.0064 against reap's 0.861/0.135/0.0095, "
+            "for 1.7x the pass time and 11x its peak memory (tokens x experts x n_embd per block)",
+            "rule: backward elimination on each block's output",
+        ),
     )
 }
 
@@ -106,26 +195,41 @@ def subset(*names: str) -> tuple[str, ...]:
     return names
 
 
-BEST_DEFAULT = subset("reap", "frequency", "ean", "weights")  # `best`'s keep-set tournament unless --methods says otherwise
+BEST_DEFAULT = subset(
+    "reap", "frequency", "ean", "weights"
+)  # `best`'s keep-set tournament unless --methods says otherwise
 
 
 def method_help() -> str:
     """The help of `--method`: the criteria grouped by what they need."""
-    return (f"{', '.join(ZERO_SHOT)} (no data); {', '.join(IMATRIX_METHODS)} (--imatrix); {', '.join(TRACE_METHODS)} "
-            "(--calibration: one pass fills all but razor and greedy, razor's pass all; greedy eliminates experts on each block's output).")
+    return (
+        f"{', '.join(ZERO_SHOT)} (no data); {', '.join(IMATRIX_METHODS)} (--imatrix); {', '.join(TRACE_METHODS)} "
+        "(--calibration: one pass fills all but razor and greedy, razor's pass all; greedy eliminates experts on each block's output)."
+    )
 
 
 def all_help() -> str:
     """What `tune --methods all` holds, in words."""
-    return (f"the {len(PASS_METHODS)} criteria of one calibration pass, the {len(IMATRIX_METHODS)} imatrix criteria from the same pass's imatrix, "
-            f"{', '.join(ZERO_SHOT)}, and greedy")
+    return (
+        f"the {len(PASS_METHODS)} criteria of one calibration pass, the {len(IMATRIX_METHODS)} imatrix criteria from the same pass's imatrix, "
+        f"{', '.join(ZERO_SHOT)}, and greedy"
+    )
 
 
 def markdown_table() -> str:
     """The registry as a Markdown table, one row per criterion in registry order."""
-    lines = ["| criterion | reads | protects super experts | records expert outputs | what it scores | source |", "|---|---|---|---|---|---|"]
+    lines = [
+        "| criterion | reads | protects super experts | records expert outputs | what it scores | source |",
+        "|---|---|---|---|---|---|",
+    ]
     for c in CRITERIA.values():
-        cells = [f"`{c.name}`", c.reads, "yes" if c.super_experts else "no", "yes" if c.records_outputs else "no", c.summary, c.source]
+        cells = [
+            f"`{c.name}`",
+            c.reads,
+            "yes" if c.super_experts else "no",
+            "yes" if c.records_outputs else "no",
+            c.summary,
+            c.source,
+        ]
         lines.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
     return "\n".join(lines) + "\n"
-

@@ -60,14 +60,57 @@ NOT_EVALUATED: dict[str, str] = {
     **{arch: _OTHER_INPUT for arch in ("gemma4", "smallthinker", "nemotron_h", "nemotron_h_moe")},
 }
 ACTIVATIONS: dict[str, str] = {
-    **{arch: "silu-glu" for arch in (
-        "afmoe", "arctic", "bailingmoe", "bailingmoe2", "cohere2moe", "dbrx", "deepseek", "deepseek2",
-        "deepseek2-ocr", "deepseek32", "dots1", "dots3note", "ernie4_5-moe", "exaone-moe", "glm-dsa",
-        "glm4moe", "granite", "granite_swa", "granitehybrid", "granitemoe", "hunyuan-moe", "hy_v3",
-        "jamba", "kimi-linear", "laguna", "lfm2", "lfm2moe", "llada-moe", "llama", "llama-embed",
-        "mellum", "mimo2", "minicpm", "minimax-01", "minimax-m2", "mistral3", "mistral4", "olmoe",
-        "phimoe", "qwen2moe", "qwen35moe", "qwen3moe", "qwen3next", "qwen3vlmoe", "qwen4exp", "rnd1",
-    )},
+    **{
+        arch: "silu-glu"
+        for arch in (
+            "afmoe",
+            "arctic",
+            "bailingmoe",
+            "bailingmoe2",
+            "cohere2moe",
+            "dbrx",
+            "deepseek",
+            "deepseek2",
+            "deepseek2-ocr",
+            "deepseek32",
+            "dots1",
+            "dots3note",
+            "ernie4_5-moe",
+            "exaone-moe",
+            "glm-dsa",
+            "glm4moe",
+            "granite",
+            "granite_swa",
+            "granitehybrid",
+            "granitemoe",
+            "hunyuan-moe",
+            "hy_v3",
+            "jamba",
+            "kimi-linear",
+            "laguna",
+            "lfm2",
+            "lfm2moe",
+            "llada-moe",
+            "llama",
+            "llama-embed",
+            "mellum",
+            "mimo2",
+            "minicpm",
+            "minimax-01",
+            "minimax-m2",
+            "mistral3",
+            "mistral4",
+            "olmoe",
+            "phimoe",
+            "qwen2moe",
+            "qwen35moe",
+            "qwen3moe",
+            "qwen3next",
+            "qwen3vlmoe",
+            "qwen4exp",
+            "rnd1",
+        )
+    },
     **{arch: "gelu-glu" for arch in ("grok", "nomic-bert-moe")},
     **{arch: "swiglu-oai" for arch in ("gpt-oss", "minimax-m3")},
 }
@@ -85,8 +128,10 @@ def activation_of(architecture: str) -> str:
         return ACTIVATIONS[architecture]
     except KeyError:
         if architecture in NOT_EVALUATED:
-            raise UnsupportedModel(f"razor cannot evaluate the experts of {architecture} in numpy: {NOT_EVALUATED[architecture]}",
-                                   "use frequency, ean or reap, which read llama.cpp's own expert outputs") from None
+            raise UnsupportedModel(
+                f"razor cannot evaluate the experts of {architecture} in numpy: {NOT_EVALUATED[architecture]}",
+                "use frequency, ean or reap, which read llama.cpp's own expert outputs",
+            ) from None
         raise UnsupportedModel(
             f"ggufcarve does not know the expert activation of {architecture} (needed to evaluate experts in numpy)",
             f"use frequency, ean or reap; known architectures: {', '.join(sorted(ACTIVATIONS))}",
@@ -98,7 +143,11 @@ def ggml_gelu(x: np.ndarray) -> np.ndarray:
     x = np.asarray(x, dtype=np.float32)
     h = x.astype(np.float16).astype(np.float32)
     with np.errstate(over="ignore"):
-        table = (np.float32(0.5) * h * (np.float32(1.0) + np.tanh(SQRT_2_OVER_PI * h * (np.float32(1.0) + GELU_COEF_A * h * h))))
+        table = (
+            np.float32(0.5)
+            * h
+            * (np.float32(1.0) + np.tanh(SQRT_2_OVER_PI * h * (np.float32(1.0) + GELU_COEF_A * h * h)))
+        )
     y = table.astype(np.float16).astype(np.float32)
     return np.where(x <= -10.0, np.float32(0.0), np.where(x >= 10.0, x, y))
 
@@ -106,7 +155,10 @@ def ggml_gelu(x: np.ndarray) -> np.ndarray:
 def activate(kind: str, gate: np.ndarray | None, up: np.ndarray) -> np.ndarray:
     if kind == "swiglu-oai":
         if gate is None:
-            raise UnsupportedModel("the swiglu-oai activation needs a gate tensor (ffn_gate_exps) and the model has none", "the model's expert tensors are not the layout its architecture uses")
+            raise UnsupportedModel(
+                "the swiglu-oai activation needs a gate tensor (ffn_gate_exps) and the model has none",
+                "the model's expert tensors are not the layout its architecture uses",
+            )
         g = np.minimum(gate, SWIGLU_OAI_LIMIT)
         u = np.clip(up, -SWIGLU_OAI_LIMIT, SWIGLU_OAI_LIMIT)
         return g / (1.0 + np.exp(-SWIGLU_OAI_ALPHA * g)) * (u + 1.0)
@@ -123,7 +175,14 @@ class ExpertEvaluator:
     """f_e(x) for the routed experts of one model: weights read and dequantized on demand (numpy),
     or multiplied where they lie by ggml (see the module docstring)."""
 
-    def __init__(self, model: GGUFModel, layout: MoeLayout, cache_bytes: int = CACHE_BYTES, threads: int = 1, engine: str = "numpy") -> None:
+    def __init__(
+        self,
+        model: GGUFModel,
+        layout: MoeLayout,
+        cache_bytes: int = CACHE_BYTES,
+        threads: int = 1,
+        engine: str = "numpy",
+    ) -> None:
         if engine not in ENGINES:
             raise ValueError(f"engine {engine!r}: one of {', '.join(ENGINES)}")
         self.model, self.layout, self.engine = model, layout, engine
@@ -202,7 +261,11 @@ class ExpertEvaluator:
         return self._map(lambda e, x: self._evaluate(block, e, held[e], x), experts, [x for _, x in work])
 
     def _block_vectors(self, block: int) -> list[str]:
-        return [block_tensor(block, base, kind) for base in (UP_EXPS, GATE_EXPS, GATE_UP_EXPS, DOWN_EXPS) for kind in ("scale", "bias")]
+        return [
+            block_tensor(block, base, kind)
+            for base in (UP_EXPS, GATE_EXPS, GATE_UP_EXPS, DOWN_EXPS)
+            for kind in ("scale", "bias")
+        ]
 
     def down_bias(self, block: int) -> np.ndarray | None:
         """[n_expert, n_embd] down-projection biases (gpt-oss), None when the block has none."""
@@ -214,7 +277,9 @@ class ExpertEvaluator:
             return self._outputs_ggml(block, [(expert, x)])[0]
         return self._evaluate(block, expert, self._matrices(block, expert), x)
 
-    def _evaluate(self, block: int, expert: int, matrices: tuple[np.ndarray, int, np.ndarray], x: np.ndarray) -> np.ndarray:
+    def _evaluate(
+        self, block: int, expert: int, matrices: tuple[np.ndarray, int, np.ndarray], x: np.ndarray
+    ) -> np.ndarray:
         first_w, gate_rows, down_w = matrices
         projected = np.asarray(x, dtype=np.float32) @ first_w.T  # gate and up in one product
         gate, up = (projected[:, :gate_rows], projected[:, gate_rows:]) if gate_rows else (None, projected)
@@ -231,7 +296,11 @@ class ExpertEvaluator:
         experts = np.repeat(np.asarray([int(e) for e, _ in work], dtype=np.int32), lengths)
         fused = self._has(block_tensor(block, GATE_UP_EXPS))
         gated = fused or self._has(block_tensor(block, GATE_EXPS))
-        first_names = [block_tensor(block, GATE_UP_EXPS)] if fused else [block_tensor(block, n) for n in ((GATE_EXPS, UP_EXPS) if gated else (UP_EXPS,))]
+        first_names = (
+            [block_tensor(block, GATE_UP_EXPS)]
+            if fused
+            else [block_tensor(block, n) for n in ((GATE_EXPS, UP_EXPS) if gated else (UP_EXPS,))]
+        )
         first = self._products.run([self._product(name, x, experts) for name in first_names])
         if fused:
             gate_rows = first[0].shape[1] // 2
@@ -240,7 +309,9 @@ class ExpertEvaluator:
             gate, up = (first[0], first[1]) if gated else (None, first[0])
         routed = experts.astype(np.intp)
         hidden = np.ascontiguousarray(self._hidden(block, routed, gate, up), dtype=np.float32)
-        out = self._scaled_down(block, routed, self._products.run([self._product(block_tensor(block, DOWN_EXPS), hidden, experts)])[0])
+        out = self._scaled_down(
+            block, routed, self._products.run([self._product(block_tensor(block, DOWN_EXPS), hidden, experts)])[0]
+        )
         return np.split(out, np.cumsum(lengths)[:-1])
 
     def _product(self, name: str, x: np.ndarray, experts: np.ndarray) -> ExpertProduct:

@@ -32,10 +32,14 @@ from ggufcarve.moe.layout import DOWN_EXPS, MoeLayout, block_tensor
 from ggufcarve.select.scores import BlockStats
 from ggufcarve.select.zero_shot import weights_stats
 
-MTP_NOTE = "MTP block: the imatrix has no entries for it (llama-imatrix never runs MTP blocks); scored by the weights rule"
+MTP_NOTE = (
+    "MTP block: the imatrix has no entries for it (llama-imatrix never runs MTP blocks); scored by the weights rule"
+)
 
 
-def imatrix_stats(model: GGUFModel, layout: MoeLayout, imatrix: Imatrix, method: str, on_event: Sink = ignore) -> tuple[dict[int, BlockStats], dict[str, str]]:
+def imatrix_stats(
+    model: GGUFModel, layout: MoeLayout, imatrix: Imatrix, method: str, on_event: Sink = ignore
+) -> tuple[dict[int, BlockStats], dict[str, str]]:
     """Per block statistics of `method` ("imatrix-counts", "imatrix-energy" or "imatrix-msan"); rules of any weights fallback."""
     name = imatrix.path.name if imatrix.path else "the imatrix"
     if imatrix.format == "dat" and method == "imatrix-counts":
@@ -44,7 +48,11 @@ def imatrix_stats(model: GGUFModel, layout: MoeLayout, imatrix: Imatrix, method:
             "give the GGUF imatrix llama-imatrix writes by default, or use --method imatrix-energy",
         )
     check = check_against_model(imatrix, model)
-    raise_problems(check.problems, f"{name} is not an imatrix of {model.path.name}", "give the imatrix collected on this model (before pruning)")
+    raise_problems(
+        check.problems,
+        f"{name} is not an imatrix of {model.path.name}",
+        "give the imatrix collected on this model (before pruning)",
+    )
     entries = imatrix.entry_index
     stats: dict[int, BlockStats] = {}
     fallback: list[int] = []
@@ -54,28 +62,48 @@ def imatrix_stats(model: GGUFModel, layout: MoeLayout, imatrix: Imatrix, method:
             if layout.is_mtp(block):
                 fallback.append(block)
                 continue
-            raise BadInput(f"{name} has no entry for {block_tensor(block, DOWN_EXPS)}", "the imatrix is incomplete or belongs to another model")
+            raise BadInput(
+                f"{name} has no entry for {block_tensor(block, DOWN_EXPS)}",
+                "the imatrix is incomplete or belongs to another model",
+            )
         if imatrix.format == "dat":
             stored = entry.sums().reshape(layout.expert_count, -1).astype(np.float64)
             ncall = max(entry.ncall or 1, 1)
             never_routed = (stored == ncall).all(axis=1)  # llama-imatrix's placeholder: 1.0 * ncall per value
             if method == "imatrix-msan":
                 energy = np.where(never_routed, 0.0, (stored * column_norms(model, layout, block)).sum(axis=1) / ncall)
-                stats[block] = BlockStats(method, "value", sums=energy, note="legacy .dat: sum_j (value / ncall) ||W_down[:, j]||^2; experts holding only the never-routed placeholder score 0")
+                stats[block] = BlockStats(
+                    method,
+                    "value",
+                    sums=energy,
+                    note="legacy .dat: sum_j (value / ncall) ||W_down[:, j]||^2; experts holding only the never-routed placeholder score 0",
+                )
                 continue
             energy = np.where(never_routed, 0.0, stored.sum(axis=1) / ncall)
-            stats[block] = BlockStats(method, "value", sums=energy, note="legacy .dat: sum_j (value / ncall); experts holding only the never-routed placeholder score 0")
+            stats[block] = BlockStats(
+                method,
+                "value",
+                sums=energy,
+                note="legacy .dat: sum_j (value / ncall); experts holding only the never-routed placeholder score 0",
+            )
             continue
         if not entry.per_expert_counts:
-            raise BadInput(f"{name}: {entry.name} has one count for all experts (a .dat converted to GGUF keeps no per-expert counts)", "recompute the imatrix with llama-imatrix")
+            raise BadInput(
+                f"{name}: {entry.name} has one count for all experts (a .dat converted to GGUF keeps no per-expert counts)",
+                "recompute the imatrix with llama-imatrix",
+            )
         counts = lround(entry.counts)
         if method == "imatrix-counts":
             stats[block] = BlockStats(method, "count", counts=counts)
         elif method == "imatrix-msan":
             sums = entry.sums().reshape(layout.expert_count, -1).astype(np.float64)
-            stats[block] = BlockStats(method, "mean_square", counts=counts, sums_sq=(sums * column_norms(model, layout, block)).sum(axis=1))
+            stats[block] = BlockStats(
+                method, "mean_square", counts=counts, sums_sq=(sums * column_norms(model, layout, block)).sum(axis=1)
+            )
         else:
-            stats[block] = BlockStats(method, "mean_square", counts=counts, sums_sq=entry.sums().astype(np.float64).sum(axis=1))
+            stats[block] = BlockStats(
+                method, "mean_square", counts=counts, sums_sq=entry.sums().astype(np.float64).sum(axis=1)
+            )
     rules: dict[str, str] = {}
     if fallback:
         extra, rules = weights_stats(model, layout, fallback, on_event, note=MTP_NOTE)
@@ -88,7 +116,11 @@ def column_norms(model: GGUFModel, layout: MoeLayout, block: int) -> np.ndarray:
     h adds, times the square of the expert's down scale where the file has one."""
     name = block_tensor(block, DOWN_EXPS)
     scale_name = block_tensor(block, DOWN_EXPS, "scale")
-    scales = tensor_values(model, scale_name).astype(np.float64).reshape(layout.expert_count, -1) if scale_name in model.tensor_index else None
+    scales = (
+        tensor_values(model, scale_name).astype(np.float64).reshape(layout.expert_count, -1)
+        if scale_name in model.tensor_index
+        else None
+    )
     out = []
     for expert in range(layout.expert_count):
         w = expert_values(model, name, expert).astype(np.float64)  # [n_embd, n_ff]

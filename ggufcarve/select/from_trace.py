@@ -62,7 +62,15 @@ from ggufcarve.select.criteria import PASS_METHODS
 from ggufcarve.select.experts import ExpertEvaluator
 from ggufcarve.select.scores import BlockStats
 
-STATISTIC = {"frequency": "count", "ean": "mean", "ean-sum": "sum", "msan": "mean_square", "mone": "mone", "reap": "mean", "razor": "rms"}
+STATISTIC = {
+    "frequency": "count",
+    "ean": "mean",
+    "ean-sum": "sum",
+    "msan": "mean_square",
+    "mone": "mone",
+    "reap": "mean",
+    "razor": "rms",
+}
 ACCUMULATORS = ("counts", "norms", "squares", "gated", "outputs", "deltas", "deltas_sq", "maxima")
 WEIGHT_NODES = ("ffn_moe_weights_scaled", "ffn_moe_weights_norm", "ffn_moe_weights_softmax", "ffn_moe_weights")
 DELTA_FLOOR = 1e-6
@@ -95,7 +103,10 @@ def applied_weights(nodes: dict[str, np.ndarray]) -> tuple[np.ndarray, float]:
     """The weights llama.cpp multiplied the expert outputs with [T, k], and λ."""
     present = [n for n in WEIGHT_NODES if n in nodes]
     if not present:
-        raise BadInput("the trace has no ffn_moe_weights node", "this llama.cpp graph does not weight its experts the way build_moe_ffn does")
+        raise BadInput(
+            "the trace has no ffn_moe_weights node",
+            "this llama.cpp graph does not weight its experts the way build_moe_ffn does",
+        )
     applied = nodes[present[0]].astype(np.float64)
     scale = 1.0
     if present[0] == "ffn_moe_weights_scaled" and len(present) > 1:
@@ -185,8 +196,12 @@ class TraceStatistics:
         if len(experts):
             maxima[experts] = np.maximum(maxima[experts], np.maximum.reduceat(peaks[order], starts))
         self._zeros(self.norms, block)[:] += np.bincount(flat, weights=norms.reshape(-1), minlength=n)
-        self._zeros(self.squares, block)[:] += np.bincount(flat, weights=squares.reshape(-1).astype(np.float64), minlength=n)
-        self._add_output_sums(block, order, experts, starts.tolist(), ends.tolist(), outputs.reshape(-1, outputs.shape[-1]))
+        self._zeros(self.squares, block)[:] += np.bincount(
+            flat, weights=squares.reshape(-1).astype(np.float64), minlength=n
+        )
+        self._add_output_sums(
+            block, order, experts, starts.tolist(), ends.tolist(), outputs.reshape(-1, outputs.shape[-1])
+        )
         if not any(name in nodes for name in WEIGHT_NODES):
             return
         weights, scale = applied_weights(nodes)
@@ -197,7 +212,9 @@ class TraceStatistics:
         self._zeros(self.deltas, block)[:] += np.bincount(flat, weights=deltas, minlength=n)
         self._zeros(self.deltas_sq, block)[:] += np.bincount(flat, weights=deltas**2, minlength=n)
 
-    def _add_output_sums(self, block: int, order: np.ndarray, experts: np.ndarray, starts: list[int], ends: list[int], rows: np.ndarray) -> None:
+    def _add_output_sums(
+        self, block: int, order: np.ndarray, experts: np.ndarray, starts: list[int], ends: list[int], rows: np.ndarray
+    ) -> None:
         """Σ f per expert: float32 sums of each expert's rows of this micro-batch (`order[start:end]`
         its rows, in decode order), added to the float64 accumulator. Each sum is sequential, row
         after row, as np.add.reduce along axis 0 of a C-contiguous array adds (np.add.reduceat, or
@@ -222,7 +239,15 @@ class TraceStatistics:
             reduce(rows[order[start:end]], axis=0, out=sums[i])
         self._zeros(self.outputs, block, rows.shape[1])[experts] += sums
 
-    def razor_deltas(self, block: int, nodes: dict[str, np.ndarray], topk: np.ndarray, outputs: np.ndarray, weights: np.ndarray, scale: float) -> np.ndarray:
+    def razor_deltas(
+        self,
+        block: int,
+        nodes: dict[str, np.ndarray],
+        topk: np.ndarray,
+        outputs: np.ndarray,
+        weights: np.ndarray,
+        scale: float,
+    ) -> np.ndarray:
         """δ [T, k] (float64) of every selected (token, slot); the [T, k, n_embd] terms in float32."""
         if self.evaluator is None:
             raise RuntimeError("razor statistics need the expert evaluator of the model")
@@ -244,7 +269,9 @@ class TraceStatistics:
         order = np.argsort(refill, kind="stable")
         experts, starts = np.unique(refill[order], return_index=True)
         groups = np.split(order, starts[1:])
-        for expert, rows, out in zip(experts, groups, self.evaluator.outputs_many(block, [(e, inputs[rows]) for e, rows in zip(experts, groups)])):
+        for expert, rows, out in zip(
+            experts, groups, self.evaluator.outputs_many(block, [(e, inputs[rows]) for e, rows in zip(experts, groups)])
+        ):
             refill_out[rows] = out if bias is None else out + bias[expert]
         refill_out -= mixture  # r_r [T, n_embd]
         refill_out *= w_refill.astype(np.float32)[:, None]  # w_r r_r
@@ -258,7 +285,9 @@ class TraceStatistics:
         """The statistics of `method` (default: the one asked for), one BlockStats per traced block."""
         method = method or self.method
         if method not in self.filled:
-            raise BadInput(f"a {self.method} pass does not fill {method} statistics", f"it fills {', '.join(self.filled)}")
+            raise BadInput(
+                f"a {self.method} pass does not fill {method} statistics", f"it fills {', '.join(self.filled)}"
+            )
         statistic = STATISTIC[method]
         out = {}
         for b in sorted(self.counts):
@@ -268,18 +297,34 @@ class TraceStatistics:
             elif method in ("ean", "ean-sum"):
                 out[b] = BlockStats(method, statistic, counts=counts, sums=self._zeros(self.norms, b), maxima=maxima)
             elif method == "msan":
-                out[b] = BlockStats(method, statistic, counts=counts, sums_sq=self._zeros(self.squares, b), maxima=maxima)
+                out[b] = BlockStats(
+                    method, statistic, counts=counts, sums_sq=self._zeros(self.squares, b), maxima=maxima
+                )
             elif method == "mone":
                 width = self.outputs[b].shape[1] if b in self.outputs else 1
-                out[b] = BlockStats(method, statistic, counts=counts, sums_sq=self._zeros(self.squares, b), output_sums=self._zeros(self.outputs, b, width), maxima=maxima)
+                out[b] = BlockStats(
+                    method,
+                    statistic,
+                    counts=counts,
+                    sums_sq=self._zeros(self.squares, b),
+                    output_sums=self._zeros(self.outputs, b, width),
+                    maxima=maxima,
+                )
             elif method == "reap":
                 out[b] = BlockStats(method, statistic, counts=counts, sums=self._zeros(self.gated, b), maxima=maxima)
             else:
-                out[b] = BlockStats(method, statistic, counts=counts, sums=self._zeros(self.deltas, b), sums_sq=self._zeros(self.deltas_sq, b), maxima=maxima)
+                out[b] = BlockStats(
+                    method,
+                    statistic,
+                    counts=counts,
+                    sums=self._zeros(self.deltas, b),
+                    sums_sq=self._zeros(self.deltas_sq, b),
+                    maxima=maxima,
+                )
         return out
 
     def arrays(self) -> dict[str, np.ndarray]:
-        """"method" and "<accumulator>:<block>": what `from_arrays` reads back."""
+        """ "method" and "<accumulator>:<block>": what `from_arrays` reads back."""
         arrays: dict[str, np.ndarray] = {"method": np.asarray(self.method)}
         for name in ACCUMULATORS:
             arrays.update({f"{name}:{b}": values for b, values in getattr(self, name).items()})
@@ -303,7 +348,13 @@ class BlockFolder:
     once the block holds `hold_bytes` of captures or the decode call ends (`flush()`), so that its
     products see as many tokens at once as that memory allows."""
 
-    def __init__(self, tracer: GraphTracer, statistics: TraceStatistics, parse: Callable[[str], tuple[str, int] | None] | None, hold_bytes: int = 0) -> None:
+    def __init__(
+        self,
+        tracer: GraphTracer,
+        statistics: TraceStatistics,
+        parse: Callable[[str], tuple[str, int] | None] | None,
+        hold_bytes: int = 0,
+    ) -> None:
         self.tracer, self.statistics, self.parse = tracer, statistics, parse
         self.hold_bytes = hold_bytes if statistics.batched else 0
         self.block: int | None = None
@@ -344,7 +395,9 @@ class BlockFolder:
         for block in sorted(blocks):
             if held and self.hold_bytes and self._held(block) < self.hold_bytes:
                 continue
-            parts = {node: per_block.pop(block) for node, per_block in self.tracer.captured.items() if block in per_block}
+            parts = {
+                node: per_block.pop(block) for node, per_block in self.tracer.captured.items() if block in per_block
+            }
             if self.statistics.batched or len({len(p) for p in parts.values()}) != 1:
                 self.statistics.add(block, {node: np.concatenate(p, axis=0) for node, p in parts.items()})
             else:  # one micro-batch at a time: every node holds one part per micro-batch
@@ -370,9 +423,16 @@ def statistics(request: DecodeRequest, method: str) -> BlockFolder:
 
     model = read_model(request.model)
     layout = inspect_layout(model)
-    evaluator = ExpertEvaluator(model, layout, threads=request.thread_count, engine="ggml") if method != "frequency" else None
+    evaluator = (
+        ExpertEvaluator(model, layout, threads=request.thread_count, engine="ggml") if method != "frequency" else None
+    )
     tracer = GraphTracer(frozenset(nodes_for(method)))
-    return BlockFolder(tracer, TraceStatistics(method, layout.expert_count, evaluator), parse_node_name, hold_bytes=HELD_BYTES // max(1, len(layout.blocks)))
+    return BlockFolder(
+        tracer,
+        TraceStatistics(method, layout.expert_count, evaluator),
+        parse_node_name,
+        hold_bytes=HELD_BYTES // max(1, len(layout.blocks)),
+    )
 
 
 def statistics_consumer(method: str) -> ConsumerSpec:

@@ -93,7 +93,9 @@ from ggufcarve.select.experts import CACHE_BYTES, ExpertEvaluator
 NODES = ("ffn_moe_probs", "ffn_moe_input", "ffn_moe_topk", "ffn_moe_down")
 WEIGHTS_SUM_FLOOR = 6.103515625e-5  # build_moe_ffn clamps the sum of the top-k weights to it
 GATINGS = (SOFTMAX, SIGMOID, SOFTMAX_WEIGHT, SQRT_SOFTPLUS)
-COMBINE_ROWS = 4096  # tokens per gathered [rows, k, n_embd] block of expert outputs (float32 products, float64 sums of squares)
+COMBINE_ROWS = (
+    4096  # tokens per gathered [rows, k, n_embd] block of expert outputs (float32 products, float64 sums of squares)
+)
 
 
 @dataclass(frozen=True)
@@ -120,12 +122,16 @@ class Router:
         selection[:, ~allowed] = -np.inf
         if self.groups > 1:
             by_group = selection.reshape(len(p), self.groups, -1)
-            group_scores = np.sort(by_group, axis=2)[:, :, -2:].sum(axis=2)  # -inf when a group holds fewer than two of S
+            group_scores = np.sort(by_group, axis=2)[:, :, -2:].sum(
+                axis=2
+            )  # -inf when a group holds fewer than two of S
             chosen = np.argsort(-group_scores, axis=1, kind="stable")[:, : self.groups_used]
             keep = np.zeros((len(p), self.groups), dtype=bool)
             np.put_along_axis(keep, chosen, True, axis=1)
             selection = np.where(np.repeat(keep, self.expert_count // self.groups, axis=1), selection, -np.inf)
-        topk = np.argsort(-selection, axis=1, kind="stable")[:, : self.used].copy()  # not a view holding the [n, E] argsort
+        topk = np.argsort(-selection, axis=1, kind="stable")[
+            :, : self.used
+        ].copy()  # not a view holding the [n, E] argsort
         weights = np.take_along_axis(p, topk, axis=1)
         if self.gating == SOFTMAX_WEIGHT:
             weights = np.exp(weights - weights.max(axis=1, keepdims=True))
@@ -159,7 +165,10 @@ def check_routing(layout: Any) -> None:
     """BadInput unless greedy can recompute the model's routing (known gating and normalisation)."""
     routing = layout.routing
     if routing.gating not in GATINGS or routing.normalised is None:
-        raise BadInput(f"greedy cannot recompute the routing of {layout.architecture} ({routing.describe()})", "use reap or frequency")
+        raise BadInput(
+            f"greedy cannot recompute the routing of {layout.architecture} ({routing.describe()})",
+            "use reap or frequency",
+        )
 
 
 def router_of(model: Any, layout: Any, block: int) -> Router:
@@ -168,10 +177,20 @@ def router_of(model: Any, layout: Any, block: int) -> Router:
 
     check_routing(layout)
     routing = layout.routing
-    bias_names = [t.name for layer in layout.layers if layer.block == block for t in layer.tensors if t.role == "selection bias"]
+    bias_names = [
+        t.name for layer in layout.layers if layer.block == block for t in layer.tensors if t.role == "selection bias"
+    ]
     bias = tensor_values(model, bias_names[0]).astype(np.float64).reshape(-1) if bias_names else None
-    return Router(layout.expert_count, layout.expert_used_count, routing.gating, bool(routing.normalised), routing.scale, bias,
-                  groups_of(layout), layout.group_used_count)
+    return Router(
+        layout.expert_count,
+        layout.expert_used_count,
+        routing.gating,
+        bool(routing.normalised),
+        routing.scale,
+        bias,
+        groups_of(layout),
+        layout.group_used_count,
+    )
 
 
 @dataclass
@@ -254,7 +273,9 @@ class GreedyBlock:
         everything = np.ones(router.expert_count, dtype=bool)
         full_topk, weights, _ = router.route(self.probs, everything)
         self.y = outputs.combine(self.tokens, full_topk, weights)
-        self.selection_agrees = float(np.mean(np.sort(full_topk, axis=1) == np.sort(topk, axis=1))) if len(topk) else 1.0
+        self.selection_agrees = (
+            float(np.mean(np.sort(full_topk, axis=1) == np.sort(topk, axis=1))) if len(topk) else 1.0
+        )
 
     def output(self, allowed: np.ndarray) -> np.ndarray:
         topk, weights, _ = self.router.route(self.probs, allowed)
@@ -274,7 +295,10 @@ class GreedyBlock:
         if self.router.groups > 1:
             size = self.router.expert_count // self.router.groups
             by_group = selection.reshape(len(self.probs), self.router.groups, size)
-            best2 = np.argsort(-by_group, axis=2, kind="stable")[:, :, :2] + (np.arange(self.router.groups) * size)[None, :, None]
+            best2 = (
+                np.argsort(-by_group, axis=2, kind="stable")[:, :, :2]
+                + (np.arange(self.router.groups) * size)[None, :, None]
+            )
             selectable = np.isfinite(np.take_along_axis(selection, best2.reshape(len(self.probs), -1), axis=1))
             rows = np.repeat(self.tokens, best2.shape[1] * 2)
             flat = best2.reshape(-1)
@@ -319,7 +343,9 @@ class GreedyBlock:
                     others[rows] = 0.0
                     total = float(others.sum() + changed.sum())
                 else:
-                    total = float(base.sum() - (base[rows].sum() if sensitive is not None else base.sum()) + changed.sum())
+                    total = float(
+                        base.sum() - (base[rows].sum() if sensitive is not None else base.sum()) + changed.sum()
+                    )
                 if best is None or total < best[0]:
                     best = (total, e)
             if best is None:
@@ -327,18 +353,31 @@ class GreedyBlock:
             allowed[best[1]] = False
             removed.append(best[1])
             errors.append(best[0] / max(len(self.probs), 1))
-        return Elimination(removed, errors, [int(e) for e in np.flatnonzero(allowed)], self.outputs.evaluated, time.perf_counter() - started)
+        return Elimination(
+            removed,
+            errors,
+            [int(e) for e in np.flatnonzero(allowed)],
+            self.outputs.evaluated,
+            time.perf_counter() - started,
+        )
 
 
-def greedy_block(router: Router, nodes: dict[str, np.ndarray], evaluator: ExpertEvaluator | None, block: int) -> GreedyBlock:
+def greedy_block(
+    router: Router, nodes: dict[str, np.ndarray], evaluator: ExpertEvaluator | None, block: int
+) -> GreedyBlock:
     """The GreedyBlock of traced nodes (token-major, micro-batches concatenated): ffn_moe_probs,
     ffn_moe_input, ffn_moe_topk, ffn_moe_down."""
     missing = [n for n in NODES if n not in nodes]
     if missing:
-        raise BadInput(f"blk.{block}: the trace has no {', '.join(missing)}", "this llama.cpp graph does not route through build_moe_ffn")
+        raise BadInput(
+            f"blk.{block}: the trace has no {', '.join(missing)}",
+            "this llama.cpp graph does not route through build_moe_ffn",
+        )
     topk = nodes["ffn_moe_topk"].astype(np.intp)
     bias = evaluator.down_bias(block) if evaluator is not None else None
-    outputs = BlockOutputs(block, np.ascontiguousarray(nodes["ffn_moe_input"], dtype=np.float32), evaluator, router.expert_count, bias)
+    outputs = BlockOutputs(
+        block, np.ascontiguousarray(nodes["ffn_moe_input"], dtype=np.float32), evaluator, router.expert_count, bias
+    )
     outputs.seed(topk, np.asarray(nodes["ffn_moe_down"], dtype=np.float32))
     return GreedyBlock(router, nodes["ffn_moe_probs"], topk, outputs)
 
@@ -369,13 +408,24 @@ class GreedyConsumer:
         blocks = sorted({b for per_block in self.tracer.captured.values() for b in per_block})
         for block in blocks:
             started = time.perf_counter()
-            nodes = {node: np.concatenate(per_block.pop(block), axis=0) for node, per_block in self.tracer.captured.items() if block in per_block}
+            nodes = {
+                node: np.concatenate(per_block.pop(block), axis=0)
+                for node, per_block in self.tracer.captured.items()
+                if block in per_block
+            }
             greedy = greedy_block(router_of(self.model, self.layout, block), nodes, self.evaluator, block)
             del nodes
             result = greedy.eliminate()
-            out.update({f"removed:{block}": np.asarray(result.removed, np.int64), f"errors:{block}": np.asarray(result.errors),
-                        f"survivors:{block}": np.asarray(result.survivors, np.int64), f"seconds:{block}": np.asarray(time.perf_counter() - started),
-                        f"evaluated:{block}": np.asarray(result.evaluated), f"agrees:{block}": np.asarray(greedy.selection_agrees)})
+            out.update(
+                {
+                    f"removed:{block}": np.asarray(result.removed, np.int64),
+                    f"errors:{block}": np.asarray(result.errors),
+                    f"survivors:{block}": np.asarray(result.survivors, np.int64),
+                    f"seconds:{block}": np.asarray(time.perf_counter() - started),
+                    f"evaluated:{block}": np.asarray(result.evaluated),
+                    f"agrees:{block}": np.asarray(greedy.selection_agrees),
+                }
+            )
             del greedy, result  # the block's expert outputs go before the next block's are allocated
         return out
 
@@ -398,15 +448,25 @@ GREEDY_CONSUMER = ConsumerSpec("greedy", "ggufcarve.select.greedy:greedy")
 def eliminations(arrays: dict[str, np.ndarray]) -> dict[int, Elimination]:
     """The consumer's arrays back as one Elimination per block."""
     blocks = sorted(int(k.partition(":")[2]) for k in arrays if k.startswith("removed:"))
-    return {b: Elimination([int(e) for e in arrays[f"removed:{b}"]], [float(x) for x in arrays[f"errors:{b}"]],
-                           [int(e) for e in arrays[f"survivors:{b}"]], int(arrays[f"evaluated:{b}"]), float(arrays[f"seconds:{b}"])) for b in blocks}
+    return {
+        b: Elimination(
+            [int(e) for e in arrays[f"removed:{b}"]],
+            [float(x) for x in arrays[f"errors:{b}"]],
+            [int(e) for e in arrays[f"survivors:{b}"]],
+            int(arrays[f"evaluated:{b}"]),
+            float(arrays[f"seconds:{b}"]),
+        )
+        for b in blocks
+    }
 
 
 # ---------------------------------------------------------------------------------------------
 # memory, before the pass (see the module docstring)
 
 REFUSE_SHARE = 0.8  # greedy asked: refused when its estimate exceeds this share of the available memory
-TEMPLATE_BYTES = 128  # per chat message and per conversation: more than the text llama.cpp's built-in chat templates add
+TEMPLATE_BYTES = (
+    128  # per chat message and per conversation: more than the text llama.cpp's built-in chat templates add
+)
 CGROUP_MOUNT = "sys/fs/cgroup"
 CGROUP_NO_LIMIT = 1 << 62  # cgroup v1 writes LONG_MAX rounded down to whole pages where no limit is set
 
@@ -433,7 +493,9 @@ def memory_estimate(layout: Any, tokens: int, threads: int = 8) -> GreedyMemory:
     n_expert, k = layout.expert_count, layout.expert_used_count
     blocks = [layer for layer in layout.layers if not layer.is_mtp]
     n_embd = max((t.shape[0] for layer in blocks for t in layer.tensors if t.role == "router"), default=0)
-    expert_values = [sum(int(np.prod(t.shape[:-1])) for t in layer.tensors if t.role == "expert weight") for layer in blocks]  # per expert
+    expert_values = [
+        sum(int(np.prod(t.shape[:-1])) for t in layer.tensors if t.role == "expert weight") for layer in blocks
+    ]  # per expert
     per_token = max(expert_values, default=0) // max(n_embd, 1)  # F = 3 n_ff: gate and up rows, the activation
     groups = groups_of(layout)
     local = not (layout.routing.gating == SOFTMAX and layout.routing.selection_bias)
@@ -441,7 +503,13 @@ def memory_estimate(layout: Any, tokens: int, threads: int = 8) -> GreedyMemory:
     reached = 1 if local and groups == 1 else min(n_expert - k, sensitive * k)
     captures = len(blocks) * tokens * (n_embd * (1 + k) + n_expert + k) * 4
     values = tokens * n_expert * n_embd * 4
-    block = values + tokens * (n_expert * (1 + 7 * 8) + n_embd * (4 + 8 * 8) + sensitive * k * 64 + reached * n_embd * 8 + threads * per_token * 4)
+    block = values + tokens * (
+        n_expert * (1 + 7 * 8)
+        + n_embd * (4 + 8 * 8)
+        + sensitive * k * 64
+        + reached * n_embd * 8
+        + threads * per_token * 4
+    )
     every = sum(expert_values) * n_expert * 4
     evaluator = min(every, CACHE_BYTES + max(expert_values, default=0) * n_expert * 4)
     return GreedyMemory(tokens, captures, values, block, evaluator)
@@ -459,7 +527,14 @@ def token_bound(files: Sequence[CalibrationFile], ctx: int, max_tokens: int | No
             if doc.messages is None:
                 total += len((doc.text or "").encode("utf-8")) + 3
             else:
-                total += sum(len(role.encode("utf-8")) + len(content.encode("utf-8")) + TEMPLATE_BYTES for role, content in doc.messages) + TEMPLATE_BYTES + 3
+                total += (
+                    sum(
+                        len(role.encode("utf-8")) + len(content.encode("utf-8")) + TEMPLATE_BYTES
+                        for role, content in doc.messages
+                    )
+                    + TEMPLATE_BYTES
+                    + 3
+                )
     if max_tokens is not None:
         total = min(total, max_tokens)
     return total // ctx * ctx
@@ -485,7 +560,9 @@ def available_memory(root: Path = Path("/")) -> int | None:
         if hierarchy == "0" and not controllers:
             left = _cgroup_left(root / CGROUP_MOUNT, listed, "memory.max", "memory.current")
         elif "memory" in controllers.split(","):
-            left = _cgroup_left(root / CGROUP_MOUNT / "memory", listed, "memory.limit_in_bytes", "memory.usage_in_bytes")
+            left = _cgroup_left(
+                root / CGROUP_MOUNT / "memory", listed, "memory.limit_in_bytes", "memory.usage_in_bytes"
+            )
         else:
             continue
         if left is not None:
@@ -522,8 +599,14 @@ def fitting_tokens(layout: Any, budget: float, ctx: int, threads: int = 8) -> in
     return max(0, int((budget - fixed) // per_chunk)) * ctx
 
 
-def check_memory(layout: Any, files: Sequence[CalibrationFile], ctx: int, max_tokens: int | None, threads: int = 8,
-                 available: int | None = None) -> GreedyMemory:
+def check_memory(
+    layout: Any,
+    files: Sequence[CalibrationFile],
+    ctx: int,
+    max_tokens: int | None,
+    threads: int = 8,
+    available: int | None = None,
+) -> GreedyMemory:
     """The estimate of the greedy pass over `files`; BadInput when it exceeds REFUSE_SHARE of
     `available` (None: `available_memory()`; no check where that is unknown)."""
     text_tokens = token_bound(files, ctx, None)
@@ -533,8 +616,14 @@ def check_memory(layout: Any, files: Sequence[CalibrationFile], ctx: int, max_to
     if available is not None and estimate.peak > REFUSE_SHARE * available:
         fits = fitting_tokens(layout, REFUSE_SHARE * available, ctx, threads)
         bound = "--max-tokens" if tokens < text_tokens else "a token per byte of the text"
-        hint = (f"give --max-tokens {fits} or fewer (a plan: [calibration] max_tokens), or use reap" if fits
-                else "use reap: not one --ctx chunk of greedy fits")
-        raise BadInput(f"greedy needs up to {format_size(estimate.peak)} for at most {tokens:,} calibration tokens ({bound}), "
-                       f"above {REFUSE_SHARE:.0%} of the {format_size(available)} of memory available", hint)
+        hint = (
+            f"give --max-tokens {fits} or fewer (a plan: [calibration] max_tokens), or use reap"
+            if fits
+            else "use reap: not one --ctx chunk of greedy fits"
+        )
+        raise BadInput(
+            f"greedy needs up to {format_size(estimate.peak)} for at most {tokens:,} calibration tokens ({bound}), "
+            f"above {REFUSE_SHARE:.0%} of the {format_size(available)} of memory available",
+            hint,
+        )
     return estimate

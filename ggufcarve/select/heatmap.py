@@ -39,7 +39,10 @@ def write_heatmap(selection: Selection, path: Path) -> Path:
     ax.set_yticks(range(len(blocks)), [f"{b} (MTP)" if facts.is_mtp(b) else str(b) for b in blocks])
     ax.set_xlabel("original expert id")
     ax.set_ylabel("block")
-    ax.set_title(f"{facts.name}: {selection.scores.method}, keep {selection.kept_count} of {n}\nscore / block maximum; x = pruned", fontsize=9)
+    ax.set_title(
+        f"{facts.name}: {selection.scores.method}, keep {selection.kept_count} of {n}\nscore / block maximum; x = pruned",
+        fontsize=9,
+    )
     fig.colorbar(image, ax=ax, fraction=0.03)
     fig.tight_layout()
     return save_figure(fig, path)

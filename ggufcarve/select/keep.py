@@ -44,7 +44,10 @@ def protected_from(spec: str | None, facts: ModelFacts) -> dict[int, set[int]]:
         listed = load_keepset(path, facts.layout()).layers
         unknown = sorted(set(listed) - set(blocks))
         if unknown:
-            raise BadInput(f"--protect {spec}: block(s) {unknown} are not MoE blocks of {facts.name}", f"MoE blocks are {list(blocks)}")
+            raise BadInput(
+                f"--protect {spec}: block(s) {unknown} are not MoE blocks of {facts.name}",
+                f"MoE blocks are {list(blocks)}",
+            )
         protected = {b: set(ids) for b, ids in listed.items()}
     else:
         ids = set(parse_id_list(spec))
@@ -66,7 +69,9 @@ def super_experts(scores: ExpertScores) -> dict[int, set[int]]:
             "use --method ean, reap or razor, which record them",
         )
     pooled = np.concatenate(list(with_maxima.values()))
-    threshold = max(float(np.percentile(pooled, SUPER_EXPERT_PERCENTILE)), float(pooled.max()) * SUPER_EXPERT_FRACTION_OF_MAX)
+    threshold = max(
+        float(np.percentile(pooled, SUPER_EXPERT_PERCENTILE)), float(pooled.max()) * SUPER_EXPERT_FRACTION_OF_MAX
+    )
     ordered = sorted(with_maxima)
     considered = ordered[: int(len(ordered) * SUPER_EXPERT_BLOCK_FRACTION)]
     return {b: {int(e) for e in np.flatnonzero(with_maxima[b] > threshold)} for b in considered}
@@ -130,8 +135,11 @@ class Selection:
             "per_block": per_block,
         }
         return envelope(
-            SELECTION_REPORT, inputs=[*self.scores.inputs, *self.sources], parameters={**self.scores.parameters, **self.parameters},
-            results=results, timings=timings or {},
+            SELECTION_REPORT,
+            inputs=[*self.scores.inputs, *self.sources],
+            parameters={**self.scores.parameters, **self.parameters},
+            results=results,
+            timings=timings or {},
         )
 
 
@@ -155,23 +163,35 @@ def choose(
 
     def pick(block: int, members: range, quota: int) -> list[int]:
         if block not in per_block:
-            raise BadInput(f"the {scores.method} scores have no blk.{block} of {facts.name}", "score every MoE block of the model")
+            raise BadInput(
+                f"the {scores.method} scores have no blk.{block} of {facts.name}", "score every MoE block of the model"
+            )
         mine = protected.get(block, set())
         held = [e for e in members if e in mine]
         if len(held) > quota:
-            where = "the block" if whole_block else f"group {members.start // len(members)} (ids {members.start}-{members.stop - 1})"
-            raise BadInput(f"blk.{block}: {len(held)} protected experts in {where} but only {quota} can be kept", "protect fewer experts or keep more")
+            where = (
+                "the block"
+                if whole_block
+                else f"group {members.start // len(members)} (ids {members.start}-{members.stop - 1})"
+            )
+            raise BadInput(
+                f"blk.{block}: {len(held)} protected experts in {where} but only {quota} can be kept",
+                "protect fewer experts or keep more",
+            )
         return rank_experts(per_block[block], members, mine)[:quota]
 
     keepset = keep_per_block(layout, kept, pick, selection=f"{scores.method}, top {kept}")
     warnings = check_keepset(keepset, layout)
     return Selection(
-        scores=scores, keepset=keepset,
+        scores=scores,
+        keepset=keepset,
         protected={b: tuple(sorted(ids)) for b, ids in sorted(protected.items()) if ids},
         super_experts={b: tuple(sorted(ids)) for b, ids in sorted(supers.items()) if ids},
         warnings=tuple(warnings),
         parameters={
-            "keep": kept, "ratio": ratio, "protect_super_experts": protect_super_experts,
+            "keep": kept,
+            "ratio": ratio,
+            "protect_super_experts": protect_super_experts,
             "protected": {str(b): sorted(ids) for b, ids in sorted(protected.items()) if ids},
         },
         sources=sources,
@@ -181,10 +201,20 @@ def choose(
 def compare(a: Mapping[int, tuple[int, ...]], b: Mapping[int, tuple[int, ...]]) -> list[dict[str, Any]]:
     """Per block: overlap |A∩B|/K and the experts only one of the two keeps."""
     if set(a) != set(b):
-        raise BadInput(f"the selections list different blocks ({sorted(a)} vs {sorted(b)})", "compare selections of the same model")
+        raise BadInput(
+            f"the selections list different blocks ({sorted(a)} vs {sorted(b)})", "compare selections of the same model"
+        )
     rows = []
     for block in sorted(a):
         sa, sb = set(a[block]), set(b[block])
         k = max(len(sa), len(sb))
-        rows.append({"block": block, "kept": k, "overlap": len(sa & sb) / k if k else 1.0, "only_a": sorted(sa - sb), "only_b": sorted(sb - sa)})
+        rows.append(
+            {
+                "block": block,
+                "kept": k,
+                "overlap": len(sa & sb) / k if k else 1.0,
+                "only_a": sorted(sa - sb),
+                "only_b": sorted(sb - sa),
+            }
+        )
     return rows

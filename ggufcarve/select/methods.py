@@ -17,8 +17,14 @@ from ggufcarve.select.scores import ExpertScores, ModelFacts
 
 def imatrix_input(path: Path, imatrix: Any) -> dict[str, Any]:
     return {
-        "kind": "imatrix", "name": path.name, "sha256": sha256_file_cached(path), "bytes": path.stat().st_size, "format": imatrix.format,
-        "chunk_count": imatrix.chunk_count, "chunk_size": imatrix.chunk_size, "datasets": list(imatrix.datasets),
+        "kind": "imatrix",
+        "name": path.name,
+        "sha256": sha256_file_cached(path),
+        "bytes": path.stat().st_size,
+        "format": imatrix.format,
+        "chunk_count": imatrix.chunk_count,
+        "chunk_size": imatrix.chunk_size,
+        "datasets": list(imatrix.datasets),
     }
 
 
@@ -39,17 +45,38 @@ def score_model(
     """Score every expert of every MoE block (MTP blocks included) with `method`."""
     spec = criterion_named(method)
     if spec.needs == "imatrix" and imatrix is None:
-        raise BadInput(f"--method {method} reads an imatrix", "give --imatrix FILE (the GGUF imatrix llama-imatrix wrote for this model)")
+        raise BadInput(
+            f"--method {method} reads an imatrix",
+            "give --imatrix FILE (the GGUF imatrix llama-imatrix wrote for this model)",
+        )
     if spec.needs != "imatrix" and imatrix is not None:
-        raise BadInput(f"--imatrix is read only by {', '.join(IMATRIX_METHODS)}, not by {method}", "drop --imatrix or choose an imatrix method")
+        raise BadInput(
+            f"--imatrix is read only by {', '.join(IMATRIX_METHODS)}, not by {method}",
+            "drop --imatrix or choose an imatrix method",
+        )
     if spec.needs != "calibration" and calibration:
-        raise BadInput(f"--method {method} runs no calibration text", "drop --calibration or choose a calibration method")
+        raise BadInput(
+            f"--method {method} runs no calibration text", "drop --calibration or choose a calibration method"
+        )
     if spec.needs == "calibration":
         from ggufcarve.select.calibrate import calibrate
 
         if not calibration:
-            raise BadInput(f"--method {method} traces calibration text through llama.cpp", "give --calibration FILE (text or JSONL), repeatable")
-        return calibrate(model, layout, method, calibration, ctx=ctx, max_tokens=max_tokens, threads=threads, gpu_layers=gpu_layers, on_event=on_event)
+            raise BadInput(
+                f"--method {method} traces calibration text through llama.cpp",
+                "give --calibration FILE (text or JSONL), repeatable",
+            )
+        return calibrate(
+            model,
+            layout,
+            method,
+            calibration,
+            ctx=ctx,
+            max_tokens=max_tokens,
+            threads=threads,
+            gpu_layers=gpu_layers,
+            on_event=on_event,
+        )
     facts = ModelFacts.of(model, layout)
     parameters: dict[str, Any] = {}
     inputs: tuple[dict[str, Any], ...] = ()
@@ -62,7 +89,9 @@ def score_model(
         from ggufcarve.select.zero_shot import aimer_stats
 
         blocks = aimer_stats(model, layout, on_event)
-        parameters["score"] = "RMS(w) / mean |w| over the expert's weight tensors pooled: 1 / AIMER's score, so the top K are AIMER's lowest"
+        parameters["score"] = (
+            "RMS(w) / mean |w| over the expert's weight tensors pooled: 1 / AIMER's score, so the top K are AIMER's lowest"
+        )
     elif method == "router-norm":
         from ggufcarve.select.zero_shot import router_norm_stats
 
@@ -77,7 +106,10 @@ def score_model(
         from ggufcarve.select.from_imatrix import imatrix_stats
 
         if imatrix is None:
-            raise BadInput(f"--method {method} reads an imatrix", "give --imatrix FILE (the GGUF imatrix llama-imatrix wrote for this model)")
+            raise BadInput(
+                f"--method {method} reads an imatrix",
+                "give --imatrix FILE (the GGUF imatrix llama-imatrix wrote for this model)",
+            )
         loaded = read_imatrix(imatrix)
         blocks, rules = imatrix_stats(model, layout, loaded, method, on_event)
         if rules:

@@ -37,7 +37,7 @@ def _option(argv: list[str], *names: str) -> str | None:
             if arg == name and i + 1 < len(argv):
                 value = argv[i + 1]
             elif name.startswith("--") and arg.startswith(name + "="):
-                value = arg[len(name) + 1:]
+                value = arg[len(name) + 1 :]
     return value
 
 

@@ -61,7 +61,16 @@ def refuse_existing(path: Path, force: bool) -> None:
         raise OutputError(f"output {path} already exists", "pass --force to replace it, or choose another path")
 
 
-def select_to_file(source: Path, settings: SelectSettings, output: Path, *, force: bool = False, model: Any = None, layout: Any = None, on_event: Sink = ignore) -> SelectResult:
+def select_to_file(
+    source: Path,
+    settings: SelectSettings,
+    output: Path,
+    *,
+    force: bool = False,
+    model: Any = None,
+    layout: Any = None,
+    on_event: Sink = ignore,
+) -> SelectResult:
     """Choose the experts to keep and write OUTPUT (the selection record, a keep-set) and, with
     `settings.heatmap`, OUTPUT.png. Everything the options can refuse is refused before the
     model is scored. `model`/`layout`: the source already read."""
@@ -87,23 +96,34 @@ def select_to_file(source: Path, settings: SelectSettings, output: Path, *, forc
         facts = ModelFacts.of(model, layout)
     else:
         if settings.imatrix is not None or settings.calibration:
-            raise BadInput(f"{source.name} is a scores file: --imatrix and --calibration apply when scoring a model", "drop them, or give the model instead")
+            raise BadInput(
+                f"{source.name} is a scores file: --imatrix and --calibration apply when scoring a model",
+                "drop them, or give the model instead",
+            )
         scores = read_scores(source)
         if settings.method is not None and settings.method != scores.method:
-            raise BadInput(f"{source.name} holds {scores.method} scores, not {settings.method}", f"drop --method or score the model with --method {settings.method}")
+            raise BadInput(
+                f"{source.name} holds {scores.method} scores, not {settings.method}",
+                f"drop --method or score the model with --method {settings.method}",
+            )
         facts = scores.model
         from_scores = ({"kind": "scores", "name": source.name, "sha256": sha256_file_cached(source)},)
     kept = kept_count(facts.layout(), settings.keep, settings.ratio)
     protected = protected_from(settings.protect, facts)
     if settings.protect_super_experts and scores is None and settings.method not in SUPER_EXPERT_METHODS:
-        raise BadInput(f"--protect-super-experts needs per-expert maximum outputs, which --method {settings.method} does not record", f"use --method {', '.join(SUPER_EXPERT_METHODS[:-1])} or {SUPER_EXPERT_METHODS[-1]}")
+        raise BadInput(
+            f"--protect-super-experts needs per-expert maximum outputs, which --method {settings.method} does not record",
+            f"use --method {', '.join(SUPER_EXPERT_METHODS[:-1])} or {SUPER_EXPERT_METHODS[-1]}",
+        )
     started = time.perf_counter()
     outputs = [output]
     if scores is None:
         scores = _score(model, layout, settings, on_event)
         if settings.imatrix_out is not None:
             outputs.append(settings.imatrix_out)
-    selection = choose(scores, kept, protected, settings.protect_super_experts, ratio=settings.ratio, sources=from_scores)
+    selection = choose(
+        scores, kept, protected, settings.protect_super_experts, ratio=settings.ratio, sources=from_scores
+    )
     record = selection.record({"total_seconds": time.perf_counter() - started})
     text = json.dumps(record, indent=1, sort_keys=True, allow_nan=False) + "\n"
     check_outputs([output], [source], len(text), force)
@@ -123,13 +143,41 @@ def _score(model: Any, layout: Any, settings: SelectSettings, on_event: Sink) ->
 
     method = settings.method
     if method is None:
-        raise BadInput(f"scoring {model.path.name} needs --method", "for example --method weights (zero-shot) or --method imatrix-counts --imatrix FILE")
+        raise BadInput(
+            f"scoring {model.path.name} needs --method",
+            "for example --method weights (zero-shot) or --method imatrix-counts --imatrix FILE",
+        )
     if settings.imatrix_out is not None:
         if criterion_named(method).needs != "calibration":
-            raise BadInput(f"--method {method} traces no calibration text, so it cannot collect an imatrix in the same pass", "collect the imatrix with `ggufcarve imatrix collect`")
+            raise BadInput(
+                f"--method {method} traces no calibration text, so it cannot collect an imatrix in the same pass",
+                "collect the imatrix with `ggufcarve imatrix collect`",
+            )
         from ggufcarve.select.calibrate import calibrate
 
-        return calibrate(model, layout, method, list(settings.calibration), ctx=settings.ctx, max_tokens=settings.max_tokens, threads=settings.threads,
-                         gpu_layers=settings.gpu_layers, on_event=on_event, imatrix_out=settings.imatrix_out, force=True)
-    return score_model(model, layout, method, imatrix=settings.imatrix, calibration=list(settings.calibration), seed=settings.seed, ctx=settings.ctx,
-                       max_tokens=settings.max_tokens, threads=settings.threads, gpu_layers=settings.gpu_layers, on_event=on_event)
+        return calibrate(
+            model,
+            layout,
+            method,
+            list(settings.calibration),
+            ctx=settings.ctx,
+            max_tokens=settings.max_tokens,
+            threads=settings.threads,
+            gpu_layers=settings.gpu_layers,
+            on_event=on_event,
+            imatrix_out=settings.imatrix_out,
+            force=True,
+        )
+    return score_model(
+        model,
+        layout,
+        method,
+        imatrix=settings.imatrix,
+        calibration=list(settings.calibration),
+        seed=settings.seed,
+        ctx=settings.ctx,
+        max_tokens=settings.max_tokens,
+        threads=settings.threads,
+        gpu_layers=settings.gpu_layers,
+        on_event=on_event,
+    )

@@ -65,9 +65,16 @@ class ModelFacts:
     @classmethod
     def of(cls, model: GGUFModel, layout: MoeLayout) -> ModelFacts:
         return cls(
-            name=model.path.name, bytes=model.total_bytes, architecture=layout.architecture, block_count=layout.block_count,
-            nextn_layers=layout.nextn_layers, expert_count=layout.expert_count, expert_used_count=layout.expert_used_count,
-            group_count=layout.group_count, group_used_count=layout.group_used_count, blocks=layout.blocks,
+            name=model.path.name,
+            bytes=model.total_bytes,
+            architecture=layout.architecture,
+            block_count=layout.block_count,
+            nextn_layers=layout.nextn_layers,
+            expert_count=layout.expert_count,
+            expert_used_count=layout.expert_used_count,
+            group_count=layout.group_count,
+            group_used_count=layout.group_used_count,
+            blocks=layout.blocks,
             routing=asdict(layout.routing),
         )
 
@@ -77,19 +84,37 @@ class ModelFacts:
     def layout(self) -> MoeLayout:
         """A layout with the routing facts of the scored model (no tensors), for check_keepset."""
         return MoeLayout(
-            architecture=self.architecture, block_count=self.block_count, nextn_layers=self.nextn_layers,
-            expert_count=self.expert_count, expert_used_count=self.expert_used_count, group_count=self.group_count,
-            group_used_count=self.group_used_count, shared_expert_count=0, leading_dense_blocks=0,
-            layers=tuple(MoeLayer(b, self.is_mtp(b), ()) for b in self.blocks), total_bytes=0, expert_bytes=0,
-            routing=Routing(**self.routing) if self.routing else UNKNOWN_ROUTING, described_by="model" if self.routing else "scores",
+            architecture=self.architecture,
+            block_count=self.block_count,
+            nextn_layers=self.nextn_layers,
+            expert_count=self.expert_count,
+            expert_used_count=self.expert_used_count,
+            group_count=self.group_count,
+            group_used_count=self.group_used_count,
+            shared_expert_count=0,
+            leading_dense_blocks=0,
+            layers=tuple(MoeLayer(b, self.is_mtp(b), ()) for b in self.blocks),
+            total_bytes=0,
+            expert_bytes=0,
+            routing=Routing(**self.routing) if self.routing else UNKNOWN_ROUTING,
+            described_by="model" if self.routing else "scores",
         )
 
     def to_json(self) -> dict[str, Any]:
-        return {**{k: getattr(self, k) for k in self.__dataclass_fields__ if k != "blocks"}, "blocks": list(self.blocks)}
+        return {
+            **{k: getattr(self, k) for k in self.__dataclass_fields__ if k != "blocks"},
+            "blocks": list(self.blocks),
+        }
 
     @classmethod
     def from_json(cls, doc: dict[str, Any]) -> ModelFacts:
-        return cls(**{**{k: doc[k] for k in cls.__dataclass_fields__ if k != "routing"}, "blocks": tuple(doc["blocks"]), "routing": dict(doc.get("routing") or {})})
+        return cls(
+            **{
+                **{k: doc[k] for k in cls.__dataclass_fields__ if k != "routing"},
+                "blocks": tuple(doc["blocks"]),
+                "routing": dict(doc.get("routing") or {}),
+            }
+        )
 
 
 @dataclass(frozen=True, eq=False)
@@ -124,7 +149,10 @@ class BlockStats:
     def _need(self, name: str) -> np.ndarray:
         value = getattr(self, name)
         if value is None:
-            raise BadInput(f"scores of rule {self.rule} ({self.statistic}) lack {name}", "the scores file is incomplete; score the model again")
+            raise BadInput(
+                f"scores of rule {self.rule} ({self.statistic}) lack {name}",
+                "the scores file is incomplete; score the model again",
+            )
         return value
 
     def arrays(self) -> dict[str, np.ndarray]:
@@ -132,23 +160,42 @@ class BlockStats:
 
     def merged(self, other: BlockStats, block: int) -> BlockStats:
         if (self.rule, self.statistic) != (other.rule, other.statistic) or set(self.arrays()) != set(other.arrays()):
-            raise BadInput(f"blk.{block}: cannot merge {other.rule} ({other.statistic}) into {self.rule} ({self.statistic})", "merge shards of one scoring run only")
+            raise BadInput(
+                f"blk.{block}: cannot merge {other.rule} ({other.statistic}) into {self.rule} ({self.statistic})",
+                "merge shards of one scoring run only",
+            )
         if self.statistic == "rank":
-            raise BadInput(f"blk.{block}: {self.rule} orders do not add up across shards", "score the whole calibration text in one pass")
+            raise BadInput(
+                f"blk.{block}: {self.rule} orders do not add up across shards",
+                "score the whole calibration text in one pass",
+            )
         if self.statistic == "value":
             if any(not np.array_equal(a, other.arrays()[k]) for k, a in self.arrays().items()):
-                raise BadInput(f"blk.{block}: {self.rule} scores differ between the shards", "these scores do not depend on calibration data; shards of one model must agree")
+                raise BadInput(
+                    f"blk.{block}: {self.rule} scores differ between the shards",
+                    "these scores do not depend on calibration data; shards of one model must agree",
+                )
             return self
         add = lambda a, b: None if a is None else a + b
         return replace(
-            self, counts=add(self.counts, other.counts), sums=add(self.sums, other.sums), sums_sq=add(self.sums_sq, other.sums_sq),
-            output_sums=add(self.output_sums, other.output_sums), maxima=None if self.maxima is None else np.maximum(self.maxima, other.maxima),
+            self,
+            counts=add(self.counts, other.counts),
+            sums=add(self.sums, other.sums),
+            sums_sq=add(self.sums_sq, other.sums_sq),
+            output_sums=add(self.output_sums, other.output_sums),
+            maxima=None if self.maxima is None else np.maximum(self.maxima, other.maxima),
         )
 
     def to_json(self) -> dict[str, Any]:
         doc: dict[str, Any] = {"rule": self.rule, "statistic": self.statistic}
         for name, values in self.arrays().items():
-            doc[name] = [int(v) for v in values] if name == "counts" else values.tolist() if values.ndim == 2 else [float(v) for v in values]
+            doc[name] = (
+                [int(v) for v in values]
+                if name == "counts"
+                else values.tolist()
+                if values.ndim == 2
+                else [float(v) for v in values]
+            )
         if self.note:
             doc["note"] = self.note
         return doc
@@ -173,9 +220,15 @@ class ExpertScores:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "schema": SCHEMA, "schema_version": SCHEMA_VERSION, "tool": "ggufcarve", "version": __version__,
-            "method": self.method, "model": self.model.to_json(), "parameters": self.parameters,
-            "inputs": list(self.inputs), "tokens": self.tokens,
+            "schema": SCHEMA,
+            "schema_version": SCHEMA_VERSION,
+            "tool": "ggufcarve",
+            "version": __version__,
+            "method": self.method,
+            "model": self.model.to_json(),
+            "parameters": self.parameters,
+            "inputs": list(self.inputs),
+            "tokens": self.tokens,
             "blocks": {str(b): s.to_json() for b, s in sorted(self.blocks.items())},
         }
 
@@ -185,17 +238,29 @@ class ExpertScores:
     @classmethod
     def from_json(cls, doc: Any, where: str = "scores") -> ExpertScores:
         if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
-            raise BadInput(f"{where}: not a ggufcarve scores file (no \"schema\": \"{SCHEMA}\")", "give a file written by `ggufcarve score`")
+            raise BadInput(
+                f'{where}: not a ggufcarve scores file (no "schema": "{SCHEMA}")',
+                "give a file written by `ggufcarve score`",
+            )
         if doc.get("schema_version") != SCHEMA_VERSION:
-            raise BadInput(f"{where}: scores schema version {doc.get('schema_version')}, this ggufcarve reads {SCHEMA_VERSION}", "score the model again with this version")
+            raise BadInput(
+                f"{where}: scores schema version {doc.get('schema_version')}, this ggufcarve reads {SCHEMA_VERSION}",
+                "score the model again with this version",
+            )
         try:
             blocks = {int(b): BlockStats.from_json(s) for b, s in doc["blocks"].items()}
             scores = cls(
-                method=doc["method"], model=ModelFacts.from_json(doc["model"]), blocks=blocks, parameters=dict(doc.get("parameters", {})),
-                inputs=tuple(doc.get("inputs", ())), tokens=int(doc.get("tokens", 0)),
+                method=doc["method"],
+                model=ModelFacts.from_json(doc["model"]),
+                blocks=blocks,
+                parameters=dict(doc.get("parameters", {})),
+                inputs=tuple(doc.get("inputs", ())),
+                tokens=int(doc.get("tokens", 0)),
             )
         except (KeyError, TypeError, ValueError) as err:
-            raise BadInput(f"{where}: malformed scores file ({type(err).__name__}: {err})", "score the model again") from None
+            raise BadInput(
+                f"{where}: malformed scores file ({type(err).__name__}: {err})", "score the model again"
+            ) from None
         scores.check()
         return scores
 
@@ -203,29 +268,58 @@ class ExpertScores:
         """Every MoE block present, every array one value per expert, finite."""
         n = self.model.expert_count
         if set(self.blocks) != set(self.model.blocks):
-            raise BadInput(f"scores cover blocks {sorted(self.blocks)}, the model's MoE blocks are {list(self.model.blocks)}", "score every MoE block")
+            raise BadInput(
+                f"scores cover blocks {sorted(self.blocks)}, the model's MoE blocks are {list(self.model.blocks)}",
+                "score every MoE block",
+            )
         for b, s in self.blocks.items():
             if s.statistic not in STATISTICS:
                 raise BadInput(f"blk.{b}: unknown statistic {s.statistic!r}", f"one of {', '.join(STATISTICS)}")
             for name, values in s.arrays().items():
-                if values.shape[:1] != (n,) or values.ndim != (2 if name == "output_sums" else 1) or not np.isfinite(values).all():
-                    raise BadInput(f"blk.{b}: {name} must be {n} finite values, got shape {values.shape}", "the scores file is corrupt")
+                if (
+                    values.shape[:1] != (n,)
+                    or values.ndim != (2 if name == "output_sums" else 1)
+                    or not np.isfinite(values).all()
+                ):
+                    raise BadInput(
+                        f"blk.{b}: {name} must be {n} finite values, got shape {values.shape}",
+                        "the scores file is corrupt",
+                    )
 
     def merged(self, other: ExpertScores) -> ExpertScores:
         if self.method != other.method:
-            raise BadInput(f"cannot merge {other.method} scores into {self.method} scores", "merge shards of one method")
+            raise BadInput(
+                f"cannot merge {other.method} scores into {self.method} scores", "merge shards of one method"
+            )
         if self.model != other.model:
-            raise BadInput(f"the shards score different models ({self.model.name}, {other.model.name})", "merge shards of the same model file")
+            raise BadInput(
+                f"the shards score different models ({self.model.name}, {other.model.name})",
+                "merge shards of the same model file",
+            )
         mine = {k: v for k, v in self.parameters.items() if k not in SHARD_PARAMETERS}
         theirs = {k: v for k, v in other.parameters.items() if k not in SHARD_PARAMETERS}
         if mine != theirs:
             differ = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
-            raise BadInput(f"the shards were scored with different parameters ({', '.join(differ)})", "score every shard with the same options")
+            raise BadInput(
+                f"the shards were scored with different parameters ({', '.join(differ)})",
+                "score every shard with the same options",
+            )
         if all(s.statistic == "value" for s in self.blocks.values()):
-            raise BadInput(f"{self.method} scores do not depend on calibration data; there is nothing to merge", "merge shards of a calibration or imatrix method")
+            raise BadInput(
+                f"{self.method} scores do not depend on calibration data; there is nothing to merge",
+                "merge shards of a calibration or imatrix method",
+            )
         blocks = {b: s.merged(other.blocks[b], b) for b, s in self.blocks.items()}
-        parameters = {k: v for k, v in self.parameters.items() if k not in SHARD_PARAMETERS or other.parameters.get(k) == v}
-        return replace(self, blocks=blocks, parameters=parameters, inputs=self.inputs + other.inputs, tokens=self.tokens + other.tokens)
+        parameters = {
+            k: v for k, v in self.parameters.items() if k not in SHARD_PARAMETERS or other.parameters.get(k) == v
+        }
+        return replace(
+            self,
+            blocks=blocks,
+            parameters=parameters,
+            inputs=self.inputs + other.inputs,
+            tokens=self.tokens + other.tokens,
+        )
 
 
 def read_scores(path: str | Path) -> ExpertScores:
@@ -241,4 +335,3 @@ def merge_scores(parts: Iterable[ExpertScores]) -> ExpertScores:
     for part in parts[1:]:
         merged = merged.merged(part)
     return merged
-

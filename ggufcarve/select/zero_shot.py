@@ -135,7 +135,13 @@ def absolute_square_sums(data: np.ndarray, qtype: Q, parts: int) -> tuple[np.nda
     values' magnitudes and of their squares: float64 [parts, 2], and the number of values in each part."""
     block_size, type_size = GGML_QUANT_SIZES[qtype]
     values = dequantize(data, qtype, (len(data) // type_size * block_size,)).reshape(parts, -1)
-    sums = np.stack([np.add.reduce(np.abs(values), axis=1, dtype=np.float64), np.add.reduce(np.square(values, dtype=np.float64), axis=1)], axis=1)
+    sums = np.stack(
+        [
+            np.add.reduce(np.abs(values), axis=1, dtype=np.float64),
+            np.add.reduce(np.square(values, dtype=np.float64), axis=1),
+        ],
+        axis=1,
+    )
     return sums, values.shape[1]
 
 
@@ -145,7 +151,11 @@ def _pieces(slab: int, qtype: Q, n: int, dequantized: bool = False) -> list[tupl
     into equal pieces. A piece is READ_BYTES, or RMS_VALUES values where the values are dequantized
     (`dequantized`, or a type without a scale rule)."""
     block_size, type_size = GGML_QUANT_SIZES[qtype]
-    piece = READ_BYTES if has_scale_rule(qtype) and not dequantized else max(type_size, min(READ_BYTES, RMS_VALUES // block_size * type_size))
+    piece = (
+        READ_BYTES
+        if has_scale_rule(qtype) and not dequantized
+        else max(type_size, min(READ_BYTES, RMS_VALUES // block_size * type_size))
+    )
     if slab <= piece:
         step = piece // slab
         return [(first, min(step, n - first), first * slab, min(step, n - first) * slab) for first in range(0, n, step)]
@@ -164,14 +174,21 @@ def router_norms(model: GGUFModel, layout: MoeLayout, block: int) -> np.ndarray:
 
 def _weight_tensors(layout: MoeLayout, blocks: Iterable[int]) -> list[ExpertTensor]:
     wanted = set(blocks)
-    return [t for layer in layout.layers if layer.block in wanted for t in layer.tensors if t.name.split(".", 2)[2] in WEIGHT_SUFFIXES]
+    return [
+        t
+        for layer in layout.layers
+        if layer.block in wanted
+        for t in layer.tensors
+        if t.name.split(".", 2)[2] in WEIGHT_SUFFIXES
+    ]
 
 
 PieceSums = Callable[[np.ndarray, Q, int], tuple[np.ndarray, int]]
 
 
-def _expert_sums(model: GGUFModel, layout: MoeLayout, blocks: Sequence[int], on_event: Sink, sums_of: PieceSums,
-                 dequantized: bool) -> tuple[list[tuple[tuple[int, Any], ExpertTensor]], dict[str, np.ndarray], dict[str, np.ndarray]]:
+def _expert_sums(
+    model: GGUFModel, layout: MoeLayout, blocks: Sequence[int], on_event: Sink, sums_of: PieceSums, dequantized: bool
+) -> tuple[list[tuple[tuple[int, Any], ExpertTensor]], dict[str, np.ndarray], dict[str, np.ndarray]]:
     """`sums_of` each piece of every expert weight tensor of `blocks`, added up per expert: the
     tensors (located in the file, in file order), the sums per tensor name ([n] or [n, m], as
     `sums_of` gives per part) and the number of terms per expert.
@@ -189,7 +206,10 @@ def _expert_sums(model: GGUFModel, layout: MoeLayout, blocks: Sequence[int], on_
         start, _ = model.shards[shard].data_range(info)
         qtype = Q(info.type_id)
         pieces = _pieces(t.bytes_per_expert, qtype, n, dequantized)
-        jobs += [(shard, start + offset, size, t, qtype, first, count, i == len(pieces) - 1) for i, (first, count, offset, size) in enumerate(pieces)]
+        jobs += [
+            (shard, start + offset, size, t, qtype, first, count, i == len(pieces) - 1)
+            for i, (first, count, offset, size) in enumerate(pieces)
+        ]
     largest = max((size for _, _, size, *_ in jobs), default=0)
     results: list[tuple[np.ndarray, int] | None] = [None] * len(jobs)
     taken = itertools.count()  # next() on it is atomic: each piece goes to one thread
@@ -208,7 +228,9 @@ def _expert_sums(model: GGUFModel, layout: MoeLayout, blocks: Sequence[int], on_
                 shard, offset, size, t, qtype, _, count, last = jobs[i]
                 got = os.preadv(fds[shard], [memoryview(buffer)[:size]], offset)
                 if got != size:
-                    raise BadInput(f"{model.shards[shard].path}: {t.name} is truncated", "the file is incomplete; re-copy it")
+                    raise BadInput(
+                        f"{model.shards[shard].path}: {t.name} is truncated", "the file is incomplete; re-copy it"
+                    )
                 results[i] = sums_of(np.frombuffer(buffer, dtype=np.uint8, count=size), qtype, count)
                 pending += size
                 if last or pending >= PROGRESS_BYTES:
@@ -224,7 +246,9 @@ def _expert_sums(model: GGUFModel, layout: MoeLayout, blocks: Sequence[int], on_
             failed.append(e)
             stop.set()
 
-    helpers = [threading.Thread(target=helper, name="ggufcarve-read-experts", daemon=True) for _ in range(READ_THREADS - 1)]
+    helpers = [
+        threading.Thread(target=helper, name="ggufcarve-read-experts", daemon=True) for _ in range(READ_THREADS - 1)
+    ]
     try:
         for shard in {shard for (shard, _), _ in located}:
             fds[shard] = os.open(model.shards[shard].path, os.O_RDONLY)
@@ -260,7 +284,9 @@ def _expert_scale(model: GGUFModel, t: ExpertTensor, n: int) -> np.ndarray | Non
     return np.abs(tensor_values(model, scale_name).astype(np.float64).reshape(n))
 
 
-def weight_energies(model: GGUFModel, layout: MoeLayout, blocks: Sequence[int], on_event: Sink = ignore) -> tuple[dict[int, np.ndarray], dict[str, str]]:
+def weight_energies(
+    model: GGUFModel, layout: MoeLayout, blocks: Sequence[int], on_event: Sink = ignore
+) -> tuple[dict[int, np.ndarray], dict[str, str]]:
     """Scale energy per block and expert, reading each expert weight tensor once in file order
     (`_expert_sums`). Returns the energies and the rule applied per tensor type."""
     n = layout.expert_count
@@ -307,22 +333,37 @@ def aimer_stats(model: GGUFModel, layout: MoeLayout, on_event: Sink = ignore) ->
 def _finite(values: np.ndarray, model: GGUFModel, block: int, what: str) -> np.ndarray:
     if not np.isfinite(values).all():
         bad = [int(e) for e in np.flatnonzero(~np.isfinite(values))]
-        raise BadInput(f"{model.path.name}: blk.{block} {what} of expert(s) {bad[:8]} are not finite", "the file's weights are corrupt (NaN or Inf); re-convert or re-download it")
+        raise BadInput(
+            f"{model.path.name}: blk.{block} {what} of expert(s) {bad[:8]} are not finite",
+            "the file's weights are corrupt (NaN or Inf); re-convert or re-download it",
+        )
     return values
 
 
-def weights_stats(model: GGUFModel, layout: MoeLayout, blocks: Sequence[int], on_event: Sink = ignore, note: str = "") -> tuple[dict[int, BlockStats], dict[str, str]]:
+def weights_stats(
+    model: GGUFModel, layout: MoeLayout, blocks: Sequence[int], on_event: Sink = ignore, note: str = ""
+) -> tuple[dict[int, BlockStats], dict[str, str]]:
     energies, rules = weight_energies(model, layout, blocks, on_event)
     stats = {}
     for b in blocks:
         norms = _finite(router_norms(model, layout, b), model, b, "router row norms")
-        stats[b] = BlockStats("weights", "value", sums=norms * _finite(energies[b], model, b, "weight scales"), note=note)
+        stats[b] = BlockStats(
+            "weights", "value", sums=norms * _finite(energies[b], model, b, "weight scales"), note=note
+        )
     return stats, rules
 
 
 def router_norm_stats(model: GGUFModel, layout: MoeLayout) -> dict[int, BlockStats]:
-    return {b: BlockStats("router-norm", "value", sums=_finite(router_norms(model, layout, b), model, b, "router row norms")) for b in layout.blocks}
+    return {
+        b: BlockStats(
+            "router-norm", "value", sums=_finite(router_norms(model, layout, b), model, b, "router row norms")
+        )
+        for b in layout.blocks
+    }
 
 
 def random_stats(layout: MoeLayout, seed: int) -> dict[int, BlockStats]:
-    return {b: BlockStats("random", "value", sums=np.random.default_rng([seed, b]).random(layout.expert_count)) for b in layout.blocks}
+    return {
+        b: BlockStats("random", "value", sums=np.random.default_rng([seed, b]).random(layout.expert_count))
+        for b in layout.blocks
+    }

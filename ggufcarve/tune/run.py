@@ -56,7 +56,9 @@ class TuneSettings:
     gpu_layers: int = 0  # layers offloaded to the accelerator in every llama.cpp child
     seed: int = 0
     stability: bool = False
-    z: float = DEFAULT_Z  # a candidate leaves a round when worse than the leader by more than z standard errors (paired)
+    z: float = (
+        DEFAULT_Z  # a candidate leaves a round when worse than the leader by more than z standard errors (paired)
+    )
     imatrix_out: Path | None = None  # also write the calibration pass's imatrix (of the unpruned model) here
     available_memory: int | None = None  # bytes greedy's pass may count on; None: select.greedy.available_memory()
 
@@ -93,7 +95,9 @@ def parse_keeps(text: str) -> tuple[int, ...]:
     return keeps
 
 
-def calibration_scores(model: Any, layout: Any, settings: TuneSettings, work: Path, on_event: Sink) -> tuple[dict[str, Any], dict[str, Any]]:
+def calibration_scores(
+    model: Any, layout: Any, settings: TuneSettings, work: Path, on_event: Sink
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """The scores of every asked method, and the calibration pass's record."""
     from ggufcarve.select.calibrate import calibrate_all
     from ggufcarve.select.methods import score_model
@@ -105,16 +109,42 @@ def calibration_scores(model: Any, layout: Any, settings: TuneSettings, work: Pa
     passed: dict[str, Any] = {}
     if traced or wants_imatrix:
         if not settings.calibration:
-            raise BadInput(f"{', '.join(traced or [m for m in methods if m in IMATRIX_METHODS])} read(s) a calibration pass", "give --calibration FILE (repeatable)")
-        output_methods = [m for m in traced if m not in ("frequency", "greedy")]  # a frequency pass reads the routing alone
-        asked = "razor" if "razor" in traced else (output_methods[0] if output_methods else "greedy" if "greedy" in traced else "frequency")
+            raise BadInput(
+                f"{', '.join(traced or [m for m in methods if m in IMATRIX_METHODS])} read(s) a calibration pass",
+                "give --calibration FILE (repeatable)",
+            )
+        output_methods = [
+            m for m in traced if m not in ("frequency", "greedy")
+        ]  # a frequency pass reads the routing alone
+        asked = (
+            "razor"
+            if "razor" in traced
+            else (output_methods[0] if output_methods else "greedy" if "greedy" in traced else "frequency")
+        )
         imatrix = (settings.imatrix_out or work / "calibration.imatrix.gguf") if wants_imatrix else None
         started = time.perf_counter()
-        filled = calibrate_all(model, layout, asked, list(settings.calibration), ctx=settings.ctx, max_tokens=settings.max_tokens,
-                               threads=settings.threads, gpu_layers=settings.gpu_layers, imatrix_out=imatrix, force=True, greedy="greedy" in traced,
-                               available_memory=settings.available_memory, on_event=on_event)
-        passed = {"asked": asked, "filled": sorted(filled), "imatrix": wants_imatrix, "seconds": time.perf_counter() - started,
-                  "tokens": next(iter(filled.values())).tokens}
+        filled = calibrate_all(
+            model,
+            layout,
+            asked,
+            list(settings.calibration),
+            ctx=settings.ctx,
+            max_tokens=settings.max_tokens,
+            threads=settings.threads,
+            gpu_layers=settings.gpu_layers,
+            imatrix_out=imatrix,
+            force=True,
+            greedy="greedy" in traced,
+            available_memory=settings.available_memory,
+            on_event=on_event,
+        )
+        passed = {
+            "asked": asked,
+            "filled": sorted(filled),
+            "imatrix": wants_imatrix,
+            "seconds": time.perf_counter() - started,
+            "tokens": next(iter(filled.values())).tokens,
+        }
         out.update({m: filled[m] for m in traced})
         for m in methods:
             if m in IMATRIX_METHODS:
@@ -137,7 +167,10 @@ def split_text(path: Path) -> tuple[str, str]:
     before, after = text.rfind("\n", 0, middle), text.find("\n", middle)
     candidates = [i for i in (before, after) if 0 <= i < len(text) - 1]
     if not candidates:
-        raise BadInput(f"{path}: one line only, no half to split off", "give calibration text of several lines, or leave out --stability")
+        raise BadInput(
+            f"{path}: one line only, no half to split off",
+            "give calibration text of several lines, or leave out --stability",
+        )
     cut = min(candidates, key=lambda i: abs(i - middle)) + 1
     return text[:cut], text[cut:]
 
@@ -160,11 +193,25 @@ def _half_scores(model: Any, layout: Any, settings: TuneSettings, work: Path, on
             half_path.parent.mkdir(exist_ok=True)
             half_path.write_text(text, encoding="utf-8")
             halves[side].append(half_path)
-    max_tokens = None if settings.max_tokens is None else max(settings.ctx, settings.max_tokens // 2 // settings.ctx * settings.ctx)
+    max_tokens = (
+        None
+        if settings.max_tokens is None
+        else max(settings.ctx, settings.max_tokens // 2 // settings.ctx * settings.ctx)
+    )
     out = []
     for side, files in enumerate(halves):
-        half = TuneSettings(keeps=settings.keeps, methods=methods, calibration=tuple(files), heldout=settings.heldout, ctx=settings.ctx,
-                            max_tokens=max_tokens, threads=settings.threads, gpu_layers=settings.gpu_layers, seed=settings.seed, available_memory=settings.available_memory)
+        half = TuneSettings(
+            keeps=settings.keeps,
+            methods=methods,
+            calibration=tuple(files),
+            heldout=settings.heldout,
+            ctx=settings.ctx,
+            max_tokens=max_tokens,
+            threads=settings.threads,
+            gpu_layers=settings.gpu_layers,
+            seed=settings.seed,
+            available_memory=settings.available_memory,
+        )
         out.append(calibration_scores(model, layout, half, work / f"half{side}", on_event)[0])
     return out
 
@@ -192,8 +239,11 @@ def fit_greedy(layout: Any, settings: TuneSettings) -> tuple[TuneSettings, dict[
     estimate = memory_estimate(layout, token_bound(calibration, settings.ctx, settings.max_tokens), threads)
     if available is not None and estimate.peak <= ALL_SHARE * available:
         return settings, {}
-    reason = (f"needs up to {format_size(estimate.peak)} of the {format_size(available)} of memory available; all runs it within {ALL_SHARE:.0%}"
-              if available is not None else "the memory available is unknown (no /proc/meminfo)")
+    reason = (
+        f"needs up to {format_size(estimate.peak)} of the {format_size(available)} of memory available; all runs it within {ALL_SHARE:.0%}"
+        if available is not None
+        else "the memory available is unknown (no /proc/meminfo)"
+    )
     return replace(settings, methods=tuple(m for m in settings.methods if m != "greedy")), {"greedy": reason}
 
 
@@ -212,8 +262,12 @@ def reference_bytes(source: Path, settings: TuneSettings) -> int:
         try:
             n_tokens = len(read_text(Path(path).read_bytes())) + 2
         except OSError as err:
-            raise BadInput(f"{path}: cannot read the held-out text ({err.strerror})", "give a plain text file") from None
-        n_chunk = n_tokens // settings.ctx if settings.chunks is None else min(n_tokens // settings.ctx, settings.chunks)
+            raise BadInput(
+                f"{path}: cannot read the held-out text ({err.strerror})", "give a plain text file"
+            ) from None
+        n_chunk = (
+            n_tokens // settings.ctx if settings.chunks is None else min(n_tokens // settings.ctx, settings.chunks)
+        )
         if n_chunk >= 1:
             total += kld.base_file_bytes(settings.ctx, n_vocab, n_chunk)
     return total
@@ -228,7 +282,10 @@ def tune(source: Path, settings: TuneSettings, out_dir: Path, *, on_event: Sink 
     if not settings.heldout:
         raise BadInput("tune scores keep-sets on held-out text", "give --heldout FILE (repeatable)")
     if out_dir.exists() and not out_dir.is_dir():
-        raise BadInput(f"-o {out_dir} is a file; tune writes a folder of results there", "give a folder path (it is made when missing)")
+        raise BadInput(
+            f"-o {out_dir} is a file; tune writes a folder of results there",
+            "give a folder path (it is made when missing)",
+        )
     from ggufcarve.evaluate.perplexity import read_text
 
     for path in (*settings.calibration, *settings.heldout):
@@ -242,14 +299,19 @@ def tune(source: Path, settings: TuneSettings, out_dir: Path, *, on_event: Sink 
     for k in settings.keeps:
         kept_count(layout, k, None)
         if k == layout.expert_count:
-            raise BadInput(f"--keep {k} keeps every one of the {k} experts: nothing to prune", f"give K below {k}, e.g. --keep {max(layout.expert_used_count, k // 2)}")
+            raise BadInput(
+                f"--keep {k} keeps every one of the {k} experts: nothing to prune",
+                f"give K below {k}, e.g. --keep {max(layout.expert_used_count, k // 2)}",
+            )
     asked = settings.methods
     settings, left_out = fit_greedy(layout, settings)
     out_dir.mkdir(parents=True, exist_ok=True)
     work = out_dir / "work"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir()
-    shutil.rmtree(out_dir / "candidates", ignore_errors=True)  # the run owns it: no keep-set of an earlier run stays beside this one's
+    shutil.rmtree(
+        out_dir / "candidates", ignore_errors=True
+    )  # the run owns it: no keep-set of an earlier run stays beside this one's
     (out_dir / "candidates").mkdir()
     try:
         from ggufcarve.evaluate.protocol import EvalSettings
@@ -257,15 +319,27 @@ def tune(source: Path, settings: TuneSettings, out_dir: Path, *, on_event: Sink 
 
         cache = reference_cache_dir(EvalSettings(speed=None))
         cache.mkdir(parents=True, exist_ok=True)
-        check_room(cache / "the unpruned model's log-probs", reference_bytes(model.path, settings),
-                   "free room in the cache (GGUFCARVE_CACHE), or give fewer --chunks")
+        check_room(
+            cache / "the unpruned model's log-probs",
+            reference_bytes(model.path, settings),
+            "free room in the cache (GGUFCARVE_CACHE), or give fewer --chunks",
+        )
         return _tune(model, layout, settings, out_dir, work, started, on_event, asked, left_out)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _tune(model: Any, layout: Any, settings: TuneSettings, out_dir: Path, work: Path, started: float, on_event: Sink,
-          asked: tuple[str, ...], left_out: dict[str, str]) -> TuneResult:
+def _tune(
+    model: Any,
+    layout: Any,
+    settings: TuneSettings,
+    out_dir: Path,
+    work: Path,
+    started: float,
+    on_event: Sink,
+    asked: tuple[str, ...],
+    left_out: dict[str, str],
+) -> TuneResult:
     from ggufcarve.fileio import write_text_atomic
     from ggufcarve.llama.masking import required_nodes
     from ggufcarve.llama.tools import physical_cores
@@ -298,7 +372,9 @@ def _tune(model: Any, layout: Any, settings: TuneSettings, out_dir: Path, work: 
             key = tuple(sorted(selection.keepset.layers.items()))
             entry: dict[str, Any] = {"id": cid, "method": method, "K": k, "identical_to": seen.get(key)}
             if halves and method in halves[0]:
-                a, b = ({str(blk): list(ids) for blk, ids in choose(h[method], k).keepset.layers.items()} for h in halves)
+                a, b = (
+                    {str(blk): list(ids) for blk, ids in choose(h[method], k).keepset.layers.items()} for h in halves
+                )
                 entry["stability"] = overlap(a, b)
             if key not in seen:
                 seen[key] = cid
@@ -308,14 +384,41 @@ def _tune(model: Any, layout: Any, settings: TuneSettings, out_dir: Path, work: 
         groups.append(group)
     threads = settings.threads or physical_cores()
     reference_started = time.perf_counter()
-    segments = prepare_segments(model.path, settings.heldout, chunk_ctx=settings.ctx, chunks=settings.chunks, threads=threads, work=work,
-                                gpu_layers=settings.gpu_layers, on_event=on_event)
+    segments = prepare_segments(
+        model.path,
+        settings.heldout,
+        chunk_ctx=settings.ctx,
+        chunks=settings.chunks,
+        threads=threads,
+        work=work,
+        gpu_layers=settings.gpu_layers,
+        on_event=on_event,
+    )
     timings["reference_seconds"] = time.perf_counter() - reference_started
-    pool = [Candidate(cid, model.path, keep={int(b): ids for b, ids in keep.items()}, group=str(k),
-                      required_nodes=tuple(f"{node}:{block}" for node, block in required_nodes(layout, KeepSet({int(b): tuple(ids) for b, ids in keep.items()}))))
-            for k, group in zip(settings.keeps, groups) for cid in group for keep in [keep_of[cid]]]
-    measured = measure(pool, segments, MeasureSettings(threads=threads, z=settings.z, prefer="metric", tables=measure_tables(),
-                                                      gpu_layers=settings.gpu_layers), work, on_event=on_event)
+    pool = [
+        Candidate(
+            cid,
+            model.path,
+            keep={int(b): ids for b, ids in keep.items()},
+            group=str(k),
+            required_nodes=tuple(
+                f"{node}:{block}"
+                for node, block in required_nodes(layout, KeepSet({int(b): tuple(ids) for b, ids in keep.items()}))
+            ),
+        )
+        for k, group in zip(settings.keeps, groups)
+        for cid in group
+        for keep in [keep_of[cid]]
+    ]
+    measured = measure(
+        pool,
+        segments,
+        MeasureSettings(
+            threads=threads, z=settings.z, prefer="metric", tables=measure_tables(), gpu_layers=settings.gpu_layers
+        ),
+        work,
+        on_event=on_event,
+    )
     timings["score_seconds"] = measured.seconds
     common = {}
     for method in scores:
@@ -327,10 +430,33 @@ def _tune(model: Any, layout: Any, settings: TuneSettings, out_dir: Path, work: 
     for entry in candidates:
         source_id = entry["identical_to"] or entry["id"]
         record = measured.records[source_id]
-        entry.update({key: record.get(key) for key in ("kld_mean", "kld_mean_stderr", "kld_p999", "same_top_p", "ppl", "ppl_stderr", "tokens", "segments",
-                                                       "chunks_scored", "stopped_early", "stopped_reason", "delta_vs_leader", "delta_stderr")})
-        entry.update(ppl_base=record.get("ppl_reference"), kld_mean_per_file=[seg["kld_mean"] for seg in record.get("segments", [])],
-                     kld_mean_common=common[entry["id"]], winner=False, tie_with=[])
+        entry.update(
+            {
+                key: record.get(key)
+                for key in (
+                    "kld_mean",
+                    "kld_mean_stderr",
+                    "kld_p999",
+                    "same_top_p",
+                    "ppl",
+                    "ppl_stderr",
+                    "tokens",
+                    "segments",
+                    "chunks_scored",
+                    "stopped_early",
+                    "stopped_reason",
+                    "delta_vs_leader",
+                    "delta_stderr",
+                )
+            }
+        )
+        entry.update(
+            ppl_base=record.get("ppl_reference"),
+            kld_mean_per_file=[seg["kld_mean"] for seg in record.get("segments", [])],
+            kld_mean_common=common[entry["id"]],
+            winner=False,
+            tie_with=[],
+        )
     winners = {str(k): measured.groups[str(k)]["winner"] for k in settings.keeps}
     for entry in candidates:
         if entry["id"] in winners.values():
@@ -341,13 +467,20 @@ def _tune(model: Any, layout: Any, settings: TuneSettings, out_dir: Path, work: 
     write_text_atomic(out_dir / "expert-selection.json", texts[winner])
     timings["total_seconds"] = time.perf_counter() - started
     results = {
-        "model": {"name": model.path.name, "architecture": layout.architecture, "expert_count": layout.expert_count, "expert_used_count": layout.expert_used_count},
+        "model": {
+            "name": model.path.name,
+            "architecture": layout.architecture,
+            "expert_count": layout.expert_count,
+            "expert_used_count": layout.expert_used_count,
+        },
         "heldout": [{"path": seg.name, "n_ctx": seg.n_ctx, "n_chunk": seg.n_chunk} for seg in segments],
         "calibration_pass": {k: v for k, v in passed.items() if k != "seconds"},
         "keeps": list(settings.keeps),
         "winner": winner,
         "winners": winners,
-        "halving": [{"K": k, "candidates": groups[number], **measured.groups[str(k)]} for number, k in enumerate(settings.keeps)],
+        "halving": [
+            {"K": k, "candidates": groups[number], **measured.groups[str(k)]} for number, k in enumerate(settings.keeps)
+        ],
         "halving_rule": HALVING_RULE,
         "cliff": cliff(candidates, settings.methods, settings.keeps),
         "candidates": candidates,
@@ -355,23 +488,46 @@ def _tune(model: Any, layout: Any, settings: TuneSettings, out_dir: Path, work: 
         "kld_method": "llama-perplexity's --kl-divergence from the unpruned model's full log-probs (base records, 16 bits), the pruned experts masked out of routing",
     }
 
-    report = envelope(REPORT, inputs=[{"kind": "model", "name": model.path.name}, *({"kind": "calibration", "name": p.name} for p in settings.calibration),
-                                      *({"kind": "heldout", "name": p.name} for p in settings.heldout)],
-                      parameters={"keeps": list(settings.keeps), "methods": list(asked), "ctx": settings.ctx, "chunks": settings.chunks,
-                                  "max_tokens": settings.max_tokens, "seed": settings.seed, "stability": settings.stability},
-                      results=results, timings=timings)
+    report = envelope(
+        REPORT,
+        inputs=[
+            {"kind": "model", "name": model.path.name},
+            *({"kind": "calibration", "name": p.name} for p in settings.calibration),
+            *({"kind": "heldout", "name": p.name} for p in settings.heldout),
+        ],
+        parameters={
+            "keeps": list(settings.keeps),
+            "methods": list(asked),
+            "ctx": settings.ctx,
+            "chunks": settings.chunks,
+            "max_tokens": settings.max_tokens,
+            "seed": settings.seed,
+            "stability": settings.stability,
+        },
+        results=results,
+        timings=timings,
+    )
     write_text_atomic(out_dir / "tune.json", json.dumps(report, indent=1, sort_keys=True, allow_nan=False) + "\n")
     write_text_atomic(out_dir / "tune.md", render_markdown(report))
     _chart(candidates, settings, out_dir / CHART)
-    outputs = [out_dir / "tune.json", out_dir / "tune.md", out_dir / CHART, out_dir / "expert-selection.json",
-               *(out_dir / "candidates" / f"{c['id']}.json" for c in candidates)]
+    outputs = [
+        out_dir / "tune.json",
+        out_dir / "tune.md",
+        out_dir / CHART,
+        out_dir / "expert-selection.json",
+        *(out_dir / "candidates" / f"{c['id']}.json" for c in candidates),
+    ]
     return TuneResult(report, winner, outputs)
 
 
-HALVING_RULE = ("successive halving over held-out units spread over every file; after each round a candidate leaves when its paired "
-                "per-token KLD difference to the round's leader exceeds z standard errors; the finalists are scored on every unit")
-CLIFF_RULE = ("the K with the largest rise in slope of mean KLD against K: over the K given in ascending order, "
-              "(slope to the next K) - (slope from the previous K); at least 3 K, else none")
+HALVING_RULE = (
+    "successive halving over held-out units spread over every file; after each round a candidate leaves when its paired "
+    "per-token KLD difference to the round's leader exceeds z standard errors; the finalists are scored on every unit"
+)
+CLIFF_RULE = (
+    "the K with the largest rise in slope of mean KLD against K: over the K given in ascending order, "
+    "(slope to the next K) - (slope from the previous K); at least 3 K, else none"
+)
 
 
 def knee(points: list[tuple[int, float]]) -> int | None:
@@ -410,42 +566,69 @@ def ranked(candidates: list[dict[str, Any]], k: int) -> list[dict[str, Any]]:
 
 
 def render_markdown(report: dict[str, Any]) -> str:
-    lines = [f"# tune: {report['model']['name']}", "",
-             f"Mean KLD against the unpruned model (llama-perplexity's statistics), pruned experts masked out of routing; "
-             f"ctx {report['parameters']['ctx']}, held-out: {', '.join(Path(f['path']).name for f in report['heldout'])}. "
-             "Candidates stopped early were scored on fewer chunks: each left a round of successive halving when its paired per-token KLD "
-             "difference to that round's leader exceeded two standard errors.", ""]
+    lines = [
+        f"# tune: {report['model']['name']}",
+        "",
+        f"Mean KLD against the unpruned model (llama-perplexity's statistics), pruned experts masked out of routing; "
+        f"ctx {report['parameters']['ctx']}, held-out: {', '.join(Path(f['path']).name for f in report['heldout'])}. "
+        "Candidates stopped early were scored on fewer chunks: each left a round of successive halving when its paired per-token KLD "
+        "difference to that round's leader exceeded two standard errors.",
+        "",
+    ]
     stable = any("stability" in c for c in report["candidates"])
     if stable:
-        lines += ["Halves overlap: the method's keep-sets from the first and from the second half of the calibration text, "
-                  "mean over blocks of |A∩B|/K (1: the calibration decided every choice; near K/experts: chance).", ""]
+        lines += [
+            "Halves overlap: the method's keep-sets from the first and from the second half of the calibration text, "
+            "mean over blocks of |A∩B|/K (1: the calibration decided every choice; near K/experts: chance).",
+            "",
+        ]
     for k in report["keeps"]:
-        lines += [f"## K = {k} of {report['model']['expert_count']}", "",
-                  f"| rank | method | mean KLD | ± | 99.9% KLD | same top p | PPL | chunks | stopped early | identical to |{' halves overlap |' if stable else ''}",
-                  f"|---:|---|---:|---:|---:|---:|---:|---:|---|---|{'---:|' if stable else ''}"]
+        lines += [
+            f"## K = {k} of {report['model']['expert_count']}",
+            "",
+            f"| rank | method | mean KLD | ± | 99.9% KLD | same top p | PPL | chunks | stopped early | identical to |{' halves overlap |' if stable else ''}",
+            f"|---:|---|---:|---:|---:|---:|---:|---:|---|---|{'---:|' if stable else ''}",
+        ]
         for rank, c in enumerate(ranked(report["candidates"], k), 1):
             name = f"**{c['method']}**" if c["winner"] else c["method"]
             overlap_cell = (f" {c['stability']['overlap']:.3f} |" if "stability" in c else " |") if stable else ""
-            lines.append(f"| {rank} | {name} | {c['kld_mean']:.4f} | {c['kld_mean_stderr']:.4f} | {c['kld_p999']:.4f} | {100 * c['same_top_p']:.2f}% | "
-                         f"{c['ppl']:.4f} | {c['chunks_scored']} | {'yes' if c['stopped_early'] else 'no'} | {c['identical_to'] or ''} |{overlap_cell}")
+            lines.append(
+                f"| {rank} | {name} | {c['kld_mean']:.4f} | {c['kld_mean_stderr']:.4f} | {c['kld_p999']:.4f} | {100 * c['same_top_p']:.2f}% | "
+                f"{c['ppl']:.4f} | {c['chunks_scored']} | {'yes' if c['stopped_early'] else 'no'} | {c['identical_to'] or ''} |{overlap_cell}"
+            )
         lines.append("")
         tied = [c for c in ranked(report["candidates"], k) if c["winner"] and c.get("tie_with")]
         if tied:
-            lines += [f"Tie within noise: {tied[0]['method']} and {', '.join(tied[0]['tie_with'])} differ by less than two standard errors "
-                      "of their paired per-token KLD difference.", ""]
+            lines += [
+                f"Tie within noise: {tied[0]['method']} and {', '.join(tied[0]['tie_with'])} differ by less than two standard errors "
+                "of their paired per-token KLD difference.",
+                "",
+            ]
         segmented = [c for c in ranked(report["candidates"], k) if len(c.get("segments") or []) > 1]
         if segmented:
             names = [seg["name"] for seg in segmented[0]["segments"]]
-            lines += ["Mean KLD on each held-out file (its own segment; the same chunks as above):", "",
-                      "| method | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
+            lines += [
+                "Mean KLD on each held-out file (its own segment; the same chunks as above):",
+                "",
+                "| method | " + " | ".join(names) + " |",
+                "|---|" + "---:|" * len(names),
+            ]
             for c in segmented:
-                cells = " | ".join("–" if seg["kld_mean"] is None else f"{seg['kld_mean']:.4f}" for seg in c["segments"])
+                cells = " | ".join(
+                    "–" if seg["kld_mean"] is None else f"{seg['kld_mean']:.4f}" for seg in c["segments"]
+                )
                 lines.append(f"| {c['method']} | {cells} |")
             lines.append("")
     cliff_of = report.get("cliff")
     if cliff_of and len(report["keeps"]) >= 3:
-        lines += ["## Cliff", "", f"Knee of mean KLD against K ({cliff_of['rule']}); each method's curve compares its candidates on the chunks all of them were scored on.", "",
-                  "| method | knee K | mean KLD at each K |", "|---|---:|---|"]
+        lines += [
+            "## Cliff",
+            "",
+            f"Knee of mean KLD against K ({cliff_of['rule']}); each method's curve compares its candidates on the chunks all of them were scored on.",
+            "",
+            "| method | knee K | mean KLD at each K |",
+            "|---|---:|---|",
+        ]
         rows = [*cliff_of["methods"].items(), ("best per K", cliff_of["best"])]
         for method, entry in rows:
             curve = ", ".join(f"{k}: {y:.4f}" for k, y in entry["curve"])
@@ -483,7 +666,14 @@ def tune_figure(candidates: list[dict[str, Any]], methods: list[str]) -> Any:
         for i, method in enumerate(shown):
             c = next(c for c in candidates if c["method"] == method)
             colour, _ = method_style(methods.index(method))
-            ax.bar(i, c["kld_mean"], color="white" if c["stopped_early"] else colour, edgecolor=colour, hatch="//" if c["stopped_early"] else None, label=method)
+            ax.bar(
+                i,
+                c["kld_mean"],
+                color="white" if c["stopped_early"] else colour,
+                edgecolor=colour,
+                hatch="//" if c["stopped_early"] else None,
+                label=method,
+            )
         ax.set_xticks(range(len(shown)), shown, rotation=45, ha="right", fontsize=8)
         ax.set_xlabel(f"selection method, K = {keeps[0]} experts kept per block")
         title = "hatched: stopped early by successive halving (fewer chunks)"
@@ -491,9 +681,18 @@ def tune_figure(candidates: list[dict[str, Any]], methods: list[str]) -> Any:
         for i, method in enumerate(methods):
             colour, marker = method_style(i)
             series = sorted((c for c in candidates if c["method"] == method), key=lambda c: c["K"])
-            ax.plot([c["K"] for c in series], [c["kld_mean"] for c in series], marker=marker, color=colour, label=method)
+            ax.plot(
+                [c["K"] for c in series], [c["kld_mean"] for c in series], marker=marker, color=colour, label=method
+            )
             early = [c for c in series if c["stopped_early"]]  # scored on fewer chunks: hollow
-            ax.plot([c["K"] for c in early], [c["kld_mean"] for c in early], linestyle="none", marker=marker, markerfacecolor="white", color=colour)
+            ax.plot(
+                [c["K"] for c in early],
+                [c["kld_mean"] for c in early],
+                linestyle="none",
+                marker=marker,
+                markerfacecolor="white",
+                color=colour,
+            )
         ax.set_xticks(keeps)
         ax.set_xlabel("experts kept per block (K)")
         ax.legend(fontsize=7, ncol=2)
