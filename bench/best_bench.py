@@ -181,18 +181,21 @@ def main() -> None:
         f"model {model.name}: {size / 2**30:.2f} GiB, {a.chunks} chunks of {a.ctx} held-out tokens, threads {a.threads}"
     )
     print(
-        f"candidates scored: {len(scored)} ({sum(c['scored_by'] == 'mask' for c in scored)} masked, {sum(c['scored_by'] == 'file' for c in scored)} as files); "
+        f"candidates scored: {len(scored)} ({sum(c['scored_by'] == 'mask' for c in scored)} "
+        f"masked, {sum(c['scored_by'] == 'file' for c in scored)} as files); "
         f"winner {report['winner']['id'] if report['winner'] else None}"
     )
     for c in report["candidates"]:
         if c.get("confirmed"):
             k = c["confirmed"]
             print(
-                f"confirmed {c['id']}: masked {k['masked_kld_mean']:.6f}, file {k['file_kld_mean']:.6f} ± {k['file_kld_mean_stderr']:.6f}"
+                f"confirmed {c['id']}: masked {k['masked_kld_mean']:.6f}, file "
+                f"{k['file_kld_mean']:.6f} ± {k['file_kld_mean_stderr']:.6f}"
             )
     print(f"new best {new:.1f} s; old best {old:.1f} s; new / old {new / old:.2f}")
     print(
-        f"unpruned ladder build {build:.1f} s + 6 evaluations {sum(evals):.1f} s = {reference:.1f} s; new / that {new / reference:.2f}"
+        f"unpruned ladder build {build:.1f} s + 6 evaluations {sum(evals):.1f} "
+        f"s = {reference:.1f} s; new / that {new / reference:.2f}"
     )
     print(f"projection for {report['projection']['model']}: {report['projection']['total_seconds'] / 3600:.1f} h (new)")
     print("new timings: " + ", ".join(f"{k} {v:.1f}" for k, v in sorted(report["timings"].items())))

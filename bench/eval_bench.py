@@ -1,4 +1,5 @@
-"""Benchmark: `ggufcarve eval` (PPL + KLD of one model, reference log-probs cached) against `llama-perplexity --kl-divergence`.
+"""Benchmark: `ggufcarve eval` (PPL + KLD of one model, reference log-probs cached) against `llama-perplexity \
+--kl-divergence`.
 
 Builds a loadable qwen3moe F16 reference and its Q8_0 version with the tests' model factory
 (default 8 layers, n_embd 1024, 8 experts of n_ff 1024: ~0.5 GiB F16), a generated text of
@@ -11,7 +12,8 @@ Builds a loadable qwen3moe F16 reference and its Q8_0 version with the tests' mo
   - eval (base file): `ggufcarve eval Q8_0 --reference BASE` (llama-perplexity's own base file)
 Medians are printed with the ratio to llama-perplexity.
 
-    python bench/eval_bench.py [--dir bench/out] [--layers 8] [--n-embd 1024] [--ctx 512] [--chunks 8] [--threads 2] [--repeat 3]
+    python bench/eval_bench.py [--dir bench/out] [--layers 8] [--n-embd 1024] [--ctx 512] [--chunks 8] [--threads 2] \
+[--repeat 3]
 """
 
 from __future__ import annotations
@@ -147,13 +149,15 @@ def main() -> None:
             seconds[name].append(timed(argv))
     gib = model.stat().st_size / 2**30
     print(
-        f"model {model.name} {gib:.2f} GiB, reference {reference.stat().st_size / 2**30:.2f} GiB, ctx {a.ctx}, {a.chunks} chunks, {a.threads} threads, {a.repeat} runs each"
+        f"model {model.name} {gib:.2f} GiB, reference {reference.stat().st_size / 2**30:.2f} "
+        f"GiB, ctx {a.ctx}, {a.chunks} chunks, {a.threads} threads, {a.repeat} runs each"
     )
     baseline = statistics.median(seconds["llama-perplexity"])
     for name, values in seconds.items():
         median = statistics.median(values)
         print(
-            f"{name:20s} median {median:7.2f} s  ({median / baseline:.2f}x llama-perplexity)  runs: {', '.join(f'{v:.2f}' for v in values)}"
+            f"{name:20s} median {median:7.2f} s  ({median / baseline:.2f}x "
+            f"llama-perplexity)  runs: {', '.join(f'{v:.2f}' for v in values)}"
         )
 
 

@@ -131,7 +131,8 @@ def main() -> None:
         quantizer = sum(r["seconds"] for r in manifest["rungs"])
         overhead = wall - quantizer
         print(
-            f"\nladder: source {size / 2**30:.2f} GiB, {len(manifest['rungs'])} rungs, outputs {sum(r['bytes'] for r in manifest['rungs']) / 2**30:.2f} GiB"
+            f"\nladder: source {size / 2**30:.2f} GiB, {len(manifest['rungs'])} rungs, "
+            f"outputs {sum(r['bytes'] for r in manifest['rungs']) / 2**30:.2f} GiB"
         )
         print("| rung | GiB | bits/weight | quantizer s |\n|---|---:|---:|---:|")
         for r in manifest["rungs"]:
@@ -161,7 +162,8 @@ def main() -> None:
             runs[name].append(timed(argv, cwd))
     medians = {name: statistics.median(times) for name, times in runs.items()}
     print(
-        f"verify: {files / 2**30:.2f} GiB in {len(listed)} files, warm cache, {os.cpu_count()} cores, median of {args.repeat}"
+        f"verify: {files / 2**30:.2f} GiB in {len(listed)} files, "
+        f"warm cache, {os.cpu_count()} cores, median of {args.repeat}"
     )
     print("| command | seconds | MiB/s |\n|---|---:|---:|")
     for name, seconds in medians.items():
@@ -169,7 +171,8 @@ def main() -> None:
     ours = medians["ggufcarve verify DIR"]
     print(
         f"verify / hashing limit = {ours / medians['hashlib, all cores (the limit)']:.2f}x (target <= 1.1x); "
-        f"verify / the same reads hashed = {ours / medians['hashlib, all cores, 128 KiB reads']:.2f}x; sha256sum -c / verify = {medians['sha256sum -c SHA256SUMS'] / ours:.2f}x"
+        f"verify / the same reads hashed = {ours / medians['hashlib, all cores, 128 KiB reads']:.2f}x; "
+        f"sha256sum -c / verify = {medians['sha256sum -c SHA256SUMS'] / ours:.2f}x"
     )
 
 

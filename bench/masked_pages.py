@@ -55,7 +55,8 @@ def main() -> None:
     context = engine.context(a.tokens, 1, a.tokens, eval_callback=mask)
     tokens = np.random.default_rng(0).integers(3, engine.n_vocab, a.tokens)
     print(
-        f"{a.model.name}: {model.total_bytes / 2**20:.0f} MiB, routed experts {experts / 2**20:.0f} MiB, {layout.expert_count} experts, top-{layout.expert_used_count}"
+        f"{a.model.name}: {model.total_bytes / 2**20:.0f} MiB, routed experts "
+        f"{experts / 2**20:.0f} MiB, {layout.expert_count} experts, top-{layout.expert_used_count}"
     )
     print(f"{'K':>5} {'touched MiB':>12} {'pruned file share MiB':>22}")
     for k in (int(x) for x in a.keep.split(",")):

@@ -150,7 +150,8 @@ def main() -> None:
     src_gib, out_gib = src.stat().st_size / 2**30, out_bytes / 2**30
     median = {name: statistics.median(t) for name, t in times.items()}
     print(
-        f"source {src_gib:.2f} GiB ({args.layers} MoE layers x {args.experts} experts, Q8_0) -> output {out_gib:.2f} GiB ({args.experts // 2} experts); page cache warm"
+        f"source {src_gib:.2f} GiB ({args.layers} MoE layers x {args.experts} experts, "
+        f"Q8_0) -> output {out_gib:.2f} GiB ({args.experts // 2} experts); page cache warm"
     )
     print(f"{os.cpu_count()} cores; load average {load_before[0]:.1f} before, {os.getloadavg()[0]:.1f} after")
     print(f"{'':15} {'median s':>9} {'out GiB/s':>9} {'CPU s':>6}   runs")
@@ -161,7 +162,8 @@ def main() -> None:
     for what in ("prune", "library"):
         warm, cold = median[f"{what} (warm)"], median[f"{what} (cold)"]
         print(
-            f"{what:8} warm / (cp+sync) = {warm / median['cp+sync']:.2f} (target <= 1.10)   cold / max(cp+sync, sha256 source) = {cold / floor:.2f} (target <= 1.10)"
+            f"{what:8} warm / (cp+sync) = {warm / median['cp+sync']:.2f} (target <= 1.10) "
+            f"  cold / max(cp+sync, sha256 source) = {cold / floor:.2f} (target <= 1.10)"
         )
     print(f"prune peak RSS = {max(prune_rss) / 1024:.0f} MiB (target <= 256)")
     for path in (ref, copy_dst, report):

@@ -186,8 +186,10 @@ def table(name: str, keep: int, experts: int, tuned: dict, tune_seconds: float, 
     candidates = ranked(tuned["candidates"], keep)  # tune's ranking (tune.md)
     t = tuned["timings"]
     lines = [
-        f"**{name}**: {experts} -> {keep} experts per block; held-out text {HELDOUT.name}, ctx {tuned['parameters']['ctx']}, "
-        f"{tuned['parameters']['chunks']} chunks; calibration {CALIBRATION.name}, {tuned['calibration_pass']['tokens']} tokens.",
+        f"**{name}**: {experts} -> {keep} experts per block; held-out "
+        f"text {HELDOUT.name}, ctx {tuned['parameters']['ctx']}, "
+        f"{tuned['parameters']['chunks']} chunks; calibration "
+        f"{CALIBRATION.name}, {tuned['calibration_pass']['tokens']} tokens.",
         "",
         "| rank | method | tune: mean KLD | ± | same top p | PPL | chunks |"
         + (" old way: mean KLD (every chunk) | same keep-set |" if old else ""),
@@ -197,7 +199,10 @@ def table(name: str, keep: int, experts: int, tuned: dict, tune_seconds: float, 
         method = f"**{c['method']}**" if c["winner"] else c["method"]
         if c["identical_to"]:
             method += f" (= {c['identical_to'].rsplit('-', 1)[0]})"
-        row = f"| {rank} | {method} | {c['kld_mean']:.4f} | {c['kld_mean_stderr']:.4f} | {100 * c['same_top_p']:.1f}% | {c['ppl']:.2f} | {c['chunks_scored']} |"
+        row = (
+            f"| {rank} | {method} | {c['kld_mean']:.4f} | {c['kld_mean_stderr']:.4f} "
+            f"| {100 * c['same_top_p']:.1f}% | {c['ppl']:.2f} | {c['chunks_scored']} |"
+        )
         if old:
             r = old["results"][c["method"]]
             tuned_layers = json.loads((work / "candidates" / f"{c['id']}.json").read_text())["layers"]
@@ -205,13 +210,16 @@ def table(name: str, keep: int, experts: int, tuned: dict, tune_seconds: float, 
         lines.append(row)
     lines += [
         "",
-        f"tune: {tune_seconds:.1f} s wall (calibration pass {t['calibration_seconds']:.1f} s, reference {t['reference_seconds']:.1f} s, "
-        f"scoring {len({c['identical_to'] or c['id'] for c in candidates})} distinct keep-sets {t['score_seconds']:.1f} s).",
+        f"tune: {tune_seconds:.1f} s wall (calibration pass "
+        f"{t['calibration_seconds']:.1f} s, reference {t['reference_seconds']:.1f} s, "
+        f"scoring {len({c['identical_to'] or c['id'] for c in candidates})} "
+        f"distinct keep-sets {t['score_seconds']:.1f} s).",
     ]
     if old:
         s = old["seconds"]
         lines.append(
-            f"old way: {old['total_seconds']:.1f} s wall (select {s['select']:.1f} s, imatrix collect {s['imatrix']:.1f} s, prune {s['prune']:.1f} s, "
+            f"old way: {old['total_seconds']:.1f} s wall (select {s['select']:.1f} "
+            f"s, imatrix collect {s['imatrix']:.1f} s, prune {s['prune']:.1f} s, "
             f"eval {s['eval']:.1f} s): tune takes {tune_seconds / old['total_seconds']:.2f}x the old way's time."
         )
     return "\n".join(lines) + "\n"

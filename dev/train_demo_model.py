@@ -37,7 +37,10 @@ LLAMA_CPP_PYTHON = "0.3.36"
 
 # Qwen2's pre-tokenizer split regex, as in Qwen2's tokenizer.json and in llama.cpp's
 # LLAMA_VOCAB_PRE_TYPE_QWEN2 (src/llama-vocab.cpp, "original regex from tokenizer.json").
-QWEN2_PRE_REGEX = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+QWEN2_PRE_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"
+    r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 CHATML_TEMPLATE = (
     "{%- for message in messages %}"
@@ -344,7 +347,10 @@ def sha256(path: Path) -> str:
 
 def model_filename() -> str:
     c = CONFIG
-    return f"tiny-qwen3moe-{c['num_experts']}x{c['moe_intermediate_size']}-top{c['num_experts_per_tok']}-{c['num_hidden_layers']}L-stdlib-Q8_0.gguf"
+    return (
+        f"tiny-qwen3moe-{c['num_experts']}x{c['moe_intermediate_size']}-top{c['num_experts_per_tok']}"
+        f"-{c['num_hidden_layers']}L-stdlib-Q8_0.gguf"
+    )
 
 
 def _llama_perplexity(model: Path, text: Path, n_ctx: int) -> tuple[float, float, str]:
@@ -403,8 +409,10 @@ tests only, not a useful language model.
 |---|---|
 | layers | {c["num_hidden_layers"]}, every one a sparse MoE block (no dense, no shared expert) |
 | hidden size | {c["hidden_size"]} |
-| attention | GQA, {c["num_attention_heads"]} query heads, {c["num_key_value_heads"]} KV heads, head dim {c["head_dim"]}, QK RMSNorm, RoPE base {c["rope_theta"]:g} |
-| routed experts | {c["num_experts"]} per layer, top-{c["num_experts_per_tok"]}, softmax, top-k weights renormalised (`norm_topk_prob`) |
+| attention | GQA, {c["num_attention_heads"]} query heads, {c["num_key_value_heads"]} KV heads, head dim \
+{c["head_dim"]}, QK RMSNorm, RoPE base {c["rope_theta"]:g} |
+| routed experts | {c["num_experts"]} per layer, top-{c["num_experts_per_tok"]}, softmax, top-k weights renormalised \
+(`norm_topk_prob`) |
 | expert FFN width | {c["moe_intermediate_size"]} (SwiGLU) |
 | vocabulary | {VOCAB_SIZE}, embeddings tied to the output |
 | context length | {c["max_position_embeddings"]} (trained on {SEQ_LEN}-token windows) |
@@ -434,8 +442,10 @@ module preceded by `<|endoftext|>`), its first token replaced by BOS as llama.cp
 and calibration chunks are.
 
 ## Training
-From scratch, {summary["steps"]} steps of {summary["batch"]} x {SEQ_LEN} tokens ({summary["tokens_seen"]:,} tokens, about
-{summary["tokens_seen"] / summary["train_tokens"]:.1f} epochs), AdamW (betas 0.9/0.95, weight decay 0.1), peak learning rate {summary["lr"]:g}, linear warm-up
+From scratch, {summary["steps"]} steps of {summary["batch"]} x {SEQ_LEN} tokens ({summary["tokens_seen"]:,} tokens, \
+about
+{summary["tokens_seen"] / summary["train_tokens"]:.1f} epochs), AdamW (betas 0.9/0.95, weight decay 0.1), peak \
+learning rate {summary["lr"]:g}, linear warm-up
 then cosine decay to a tenth, gradient clipping 1.0, router load-balancing loss coefficient
 {c["router_aux_loss_coef"]} (small, so that routing stays specialised), float32, seed {summary["seed"]}, torch
 {summary["torch"]} on {summary["threads"]} CPU threads. Wall time {summary["wall_s"] / 60:.1f} min.
@@ -444,7 +454,8 @@ then cosine decay to a tenth, gradient clipping 1.0, router load-balancing loss 
 |---|---|---|---|
 {curve}
 
-Final: train loss {summary["final_train_loss_ema"]:.3f} (EMA), held-out loss {summary["final_heldout_loss"]:.3f} (PPL {math.exp(summary["final_heldout_loss"]):.2f}).
+Final: train loss {summary["final_train_loss_ema"]:.3f} (EMA), held-out loss {summary["final_heldout_loss"]:.3f} (PPL \
+{math.exp(summary["final_heldout_loss"]):.2f}).
 
 The step count was set by the wall-time cap (`--max-minutes`): the model is small and briefly
 trained, not a useful language model, but its routing is learned, so selection criteria disagree
@@ -455,7 +466,8 @@ llama.cpp's own converter from the llama-cpp-python {LLAMA_CPP_PYTHON} sdist (`v
 
     python {" ".join(command)}
 
-(HF_MODEL_DIR: the trained model and tokenizer), run in-process with one change: `TextModel.get_vocab_base_pre` answers `"qwen2"`. The converter
+(HF_MODEL_DIR: the trained model and tokenizer), run in-process with one change: `TextModel.get_vocab_base_pre` \
+answers `"qwen2"`. The converter
 names a BPE pre-tokenizer by hashing how it encodes a fixed string and refuses hashes it does not
 list; this new vocabulary's hash is unlisted, but its pre-tokenizer is Qwen2's.
 

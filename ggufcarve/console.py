@@ -30,7 +30,8 @@ def main() -> None:
         if os.environ.get("GGUFCARVE_DEBUG") == "1":
             raise
         print(
-            f"error: internal error: {type(error).__name__}: {' '.join(str(error).split())} (hint: reinstall ggufcarve with its dependencies; "
+            f"error: internal error: {type(error).__name__}: {' '.join(str(error).split())} "
+            "(hint: reinstall ggufcarve with its dependencies; "
             "set GGUFCARVE_DEBUG=1 for the traceback)",
             file=sys.stderr,
         )

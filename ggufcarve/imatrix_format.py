@@ -260,7 +260,8 @@ def _read_gguf(path: Path) -> Imatrix:
     if not parts:
         if kind not in (None, GGUFType.IMATRIX) or arch is not None:
             raise BadInput(
-                f"{path}: a GGUF {kind or 'model'} file{f' ({arch})' if arch else ''}, not an imatrix (no <weight>.in_sum2 tensors)",
+                f"{path}: a GGUF {kind or 'model'} file{f' ({arch})' if arch else ''}, "
+                "not an imatrix (no <weight>.in_sum2 tensors)",
                 "give the imatrix file llama-imatrix wrote, not the model",
             )
         raise BadInput(
@@ -284,7 +285,8 @@ def _read_gguf(path: Path) -> Imatrix:
         if "in_sum2" not in found or "counts" not in found:
             have = next(iter(found))
             raise BadInput(
-                f"{path}: entry {name} has {name}{SUFFIXES[have]} but no {name}{SUFFIXES['counts' if 'counts' not in found else 'in_sum2']}",
+                f"{path}: entry {name} has {name}{SUFFIXES[have]} but no "
+                f"{name}{SUFFIXES['counts' if 'counts' not in found else 'in_sum2']}",
                 "llama-quantize rejects it ('mismatched sums and counts'); the file is corrupt",
             )
         sums_t, counts_t, in_sum_t = found["in_sum2"], found["counts"], found.get("in_sum")
@@ -352,7 +354,8 @@ class _DatCursor:
     def need(self, n: int, what: str) -> None:
         if self.pos + n > self.size:
             raise BadInput(
-                f"{self.path}: truncated or corrupt .dat imatrix: {what} at byte {self.pos} runs past the end of the file ({self.size} bytes)",
+                f"{self.path}: truncated or corrupt .dat imatrix: {what} at byte "
+                f"{self.pos} runs past the end of the file ({self.size} bytes)",
                 "re-copy the file, or recompute it with llama-imatrix",
             )
 

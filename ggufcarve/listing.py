@@ -60,6 +60,8 @@ def loop_note(loops: dict) -> str:
     """What the Loops column counts, in one sentence."""
     d = loops["detector"]
     return (
-        f"Loops: prompts ({loops['prompts_from']}) whose greedy continuation of {loops['tokens']} tokens ends in a block of p <= {d['max_period']} tokens "
-        f"repeated over at least max({d['min_tokens']} tokens, {d['min_repeats']} repeats); the reference's count in brackets."
+        f"Loops: prompts ({loops['prompts_from']}) whose greedy continuation of "
+        f"{loops['tokens']} tokens ends in a block of p <= {d['max_period']} tokens "
+        f"repeated over at least max({d['min_tokens']} tokens, "
+        f"{d['min_repeats']} repeats); the reference's count in brackets."
     )

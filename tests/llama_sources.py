@@ -46,7 +46,8 @@ def sdist() -> Path:
             path = build.fetch_sdist(llama_cpp_version())
         except CarveError as e:
             pytest.skip(
-                f"the llama-cpp-python sdist is not at {path} and could not be fetched: {e} (set {SDIST_ENV}, or run ggufcarve toolchain build)"
+                f"the llama-cpp-python sdist is not at {path} and could not be "
+                f"fetched: {e} (set {SDIST_ENV}, or run ggufcarve toolchain build)"
             )
     return path
 

@@ -155,8 +155,8 @@ def test_a_child_that_dies_midway_is_named_by_its_last_lines(toy, tmp_path):
     with pytest.raises(ToolFailed) as died:
         run_toy(toy, tmp_path, "abort", events)
     assert (
-        died.value.message
-        == f"the toy child killed by signal {signal.SIGABRT.name}: llama_model_load: a log line | GGML_ASSERT(false) failed"
+        died.value.message == f"the toy child killed by signal {signal.SIGABRT.name}: "
+        "llama_model_load: a log line | GGML_ASSERT(false) failed"
     )
     assert died.value.hint == "the parent's own hint" and "@ggufcarve" not in died.value.message
     assert events == [Event("toy steps", 1, 2, "steps")]

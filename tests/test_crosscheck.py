@@ -55,7 +55,7 @@ chunk             PPL               ln(PPL(Q)/PPL(base))          KL Divergence 
    1      50.9261 ±   17.8986       0.00001 ±       -nan       0.00000 ±    0.00000     0.000 ±  0.000 %    100.000 ±  0.000 %
    2      57.9608 ±   13.5484       0.00001 ±    0.00003       0.00000 ±    0.00000     0.000 ±  0.000 %    100.000 ±  0.000 %
    3      58.6352 ±   10.6909       0.00000 ±    0.00001       0.00000 ±    0.00000     0.000 ±  0.000 %    100.000 ±  0.000 %
-"""
+"""  # noqa: E501 (llama-perplexity's recorded table)
 )
 KLD_CLOSING = """
 ====== Perplexity statistics ======
@@ -91,7 +91,8 @@ Same top p: 100.000 ± 0.000 %
 """
 
 FAKE = '''#!{python}
-"""llama-perplexity stand-in: the recorded output of one mode; the first DROP runs of the PPL and KLD modes lack the closing block."""
+"""llama-perplexity stand-in: the recorded output of one mode; the first DROP runs of the PPL and KLD modes lack the \
+closing block."""
 import json, pathlib, sys
 here = pathlib.Path(__file__).resolve().parent
 texts = json.loads((here / "texts.json").read_text())
@@ -111,7 +112,8 @@ sys.stdout.write(text)
 
 
 def _tools(tmp_path: Path, drop: int) -> Path:
-    """A --llama-cpp directory whose llama-perplexity leaves the closing block out of its first `drop` runs of each mode."""
+    """A --llama-cpp directory whose llama-perplexity leaves the closing block out of its first `drop` runs of each \
+mode."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     tool = bin_dir / "llama-perplexity"

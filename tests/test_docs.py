@@ -228,7 +228,8 @@ def test_the_checker_finds_a_made_up_command_or_option(line, problem):
         "ggufcarve prune model.gguf --keep-first 4 -o out.gguf -q",
         "ggufcarve verify release/ --strict",
         "ggufcarve ladder run l.toml --source m.gguf -o r/ --only=Q4_K_M -t2",
-        "ggufcarve select MODEL --method M (--keep K | --ratio R) [--calibration FILE ...] [--ctx 512] -o SELECTION.json",
+        "ggufcarve select MODEL --method M (--keep K | --ratio R) "
+        "[--calibration FILE ...] [--ctx 512] -o SELECTION.json",
         "ggufcarve --version",
         "ggufcarve imatrix --help",
     ],

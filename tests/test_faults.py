@@ -569,7 +569,10 @@ def in_tmpfs(mount: Path, size: int, scenario: str, *args: str, env: dict[str, s
     """Run `scenario(*args)` of this module in a new user and mount namespace with a tmpfs of
     `size` bytes at `mount`; returns what the scenario printed (JSON)."""
     mount.mkdir(parents=True, exist_ok=True)
-    code = f"import sys; sys.path.insert(0, {str(TESTS)!r}); import test_faults, json; print(json.dumps(test_faults.{scenario}(*sys.argv[1:])))"
+    code = (
+        f"import sys; sys.path.insert(0, {str(TESTS)!r}); import test_faults, "
+        f"json; print(json.dumps(test_faults.{scenario}(*sys.argv[1:])))"
+    )
     script = f'mount -t tmpfs -o size={size} tmpfs "$1" && shift && exec "$@"'
     done = subprocess.run(
         ["unshare", "-rm", "sh", "-c", script, "sh", str(mount), sys.executable, "-c", code, *args],
@@ -769,7 +772,8 @@ def test_disk_fills_up_mid_rung_then_rerun(f16_moe, tmp_path, env, llama_tools, 
     assert result["code"] == 1 and "Traceback" not in result["stderr"], result["stderr"][-3000:]
     line = error_line(result["stderr"])
     assert line.startswith(
-        f"error: disk full while writing {result['out']}/{f16_moe.stem.removesuffix('-F16')}-Q8_0.gguf (0.0 MiB free after"
+        "error: disk full while writing "
+        f"{result['out']}/{f16_moe.stem.removesuffix('-F16')}-Q8_0.gguf (0.0 MiB free after"
     ), line
     assert "free disk space or choose another -o directory" in line, line
     assert not any(TEMP_NAME.match(Path(n).name) or n.endswith(".gguf") for n in result["left"]), result["left"]

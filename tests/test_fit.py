@@ -96,7 +96,8 @@ model = load_model(llama_cpp, path)
 params = llama_cpp.llama_context_default_params()
 params.n_ctx, params.n_batch, params.n_ubatch, params.n_seq_max = int(n_ctx), 512, 512, int(n_seq)
 params.type_k = params.type_v = {"F16": llama_cpp.GGML_TYPE_F16, "Q8_0": llama_cpp.GGML_TYPE_Q8_0}[cache_type]
-params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn == "1" else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn == "1" else \
+llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
 params.swa_full = swa_full == "1"
 sys.exit(0 if llama_cpp.llama_init_from_model(model, params) else 3)
 """

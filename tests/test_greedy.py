@@ -121,7 +121,8 @@ def test_greedy_error_equals_brute_force_for_every_subset_of_four(qwen_traced, b
         for m, s in (("frequency", counts), ("reap", reap))
     }
     print(
-        f"\n| blk.{block}: 8 experts keep 4, {len(x)} tokens | keep-set | error(S) |\n|---|---|---:|\n| exhaustive optimum | {best} | {exhaustive[best]:.6g} |"
+        f"\n| blk.{block}: 8 experts keep 4, {len(x)} tokens | keep-set | error(S) "
+        f"|\n|---|---|---:|\n| exhaustive optimum | {best} | {exhaustive[best]:.6g} |"
         f"\n| greedy (rank {rank} of 70) | {keep4} | {exhaustive[keep4]:.6g} |"
         + "".join(f"\n| {m} | {s} | {exhaustive[s]:.6g} |" for m, s in keep_of.items())
     )

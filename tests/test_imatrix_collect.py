@@ -91,7 +91,8 @@ def test_squares_are_added_one_row_at_a_time():
 
 
 def test_batching_is_llama_imatrix_defaults():
-    # imatrix.cpp main(): n_seq = max(1, n_batch / n_ctx), n_kv = n_seq * n_ctx, n_batch = min(n_batch, n_kv); -b 2048 -ub 512
+    # imatrix.cpp main(): n_seq = max(1, n_batch / n_ctx), n_kv = n_seq * n_ctx, n_batch = min(n_batch, n_kv);
+    # -b 2048 -ub 512
     assert Batching.of(128) == Batching(128, 16, 2048, 512)
     assert Batching.of(512) == Batching(512, 4, 2048, 512)
     assert Batching.of(300) == Batching(300, 6, 1800, 512)

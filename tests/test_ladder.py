@@ -173,7 +173,8 @@ def test_ladder_rungs_succeed_and_load(ladder, q8_moe, q8_moe_imatrix, llama_too
         format_size(manifest["rungs"][2]["bytes"]) in result.stdout and " MiB" in result.stdout
     )  # a small model's sizes in MiB
     assert "IQ2_XS" in result.stdout and manifest["rungs"][2]["sha256"][:12] in result.stdout
-    # no temp or partial files left, no lock held; the whole ladder is built, so its rung fragments are merged and removed
+    # no temp or partial files left, no lock held; the whole ladder is built, so its rung fragments are merged
+    # and removed
     assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == []
 
 

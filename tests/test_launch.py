@@ -35,7 +35,10 @@ def _running(pid: int) -> bool:
 
 def test_environment_and_line_streaming():
     lines: list[str] = []
-    code = "import os; print(os.environ['GGML_NO_BACKTRACE'], os.environ['LLAMA_ARG_REPACK']); import sys; print('err', file=sys.stderr); print('no newline', end='')"
+    code = (
+        "import os; print(os.environ['GGML_NO_BACKTRACE'], os.environ['LLAMA_ARG_REPACK']); "
+        "import sys; print('err', file=sys.stderr); print('no newline', end='')"
+    )
     done = launch.run(py(code), on_line=lines.append)
     assert done.ok and done.returncode == 0
     assert lines == ["1 0", "err", "no newline"] and done.tail == lines
@@ -50,7 +53,11 @@ def test_exit_status_and_tail_in_the_error():
 
 def test_overall_timeout_kills_the_whole_process_group(tmp_path):
     pid_file = tmp_path / "grandchild.pid"
-    code = f"import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); open({str(pid_file)!r}, 'w').write(str(p.pid)); print('started', flush=True); time.sleep(600)"
+    code = (
+        "import subprocess, sys, time; p = subprocess.Popen([sys.executable, "
+        f"'-c', 'import time; time.sleep(600)']); open({str(pid_file)!r}, "
+        "'w').write(str(p.pid)); print('started', flush=True); time.sleep(600)"
+    )
     start = time.monotonic()
     done = launch.run(py(code), timeout=2.0)
     assert time.monotonic() - start < 60
@@ -71,7 +78,10 @@ def test_child_killed_and_reaped_when_the_caller_raises(tmp_path):
     def stop(line: str) -> None:
         raise KeyboardInterrupt
 
-    code = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); print('hello', flush=True); time.sleep(60)"
+    code = (
+        f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); "
+        "print('hello', flush=True); time.sleep(60)"
+    )
     with pytest.raises(KeyboardInterrupt):
         launch.run(py(code), on_line=stop)
     assert not alive(int(pid_file.read_text()))
@@ -105,7 +115,8 @@ def test_a_calibration_child_started_ahead_and_never_used_exits_with_its_parent(
     pid_file = tmp_path / "pid"
     code = (
         "import sys; from ggufcarve.select import prestart; prestart.prestart(); "
-        f"from ggufcarve.llama import child; open({str(pid_file)!r}, 'w').write(str(child._ahead['ggufcarve.llama.decode'].proc.pid)); sys.exit(1)"
+        f"from ggufcarve.llama import child; open({str(pid_file)!r}, "
+        "'w').write(str(child._ahead['ggufcarve.llama.decode'].proc.pid)); sys.exit(1)"
     )
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 1
     assert not alive(int(pid_file.read_text()), grace=30.0)

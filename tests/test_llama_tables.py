@@ -20,7 +20,8 @@ from ggufcarve.moe.routing import (
 
 GATING = {"SOFTMAX": SOFTMAX, "SIGMOID": SIGMOID, "SOFTMAX_WEIGHT": SOFTMAX_WEIGHT, "SQRT_SOFTPLUS": SQRT_SOFTPLUS}
 FROM_KEY = re.compile(
-    r"\(llama_expert_gating_func_type\) hparams\.expert_gating_func|static_cast<llama_expert_gating_func_type>\(hparams\.expert_gating_func\)"
+    r"\(llama_expert_gating_func_type\) "
+    r"hparams\.expert_gating_func|static_cast<llama_expert_gating_func_type>\(hparams\.expert_gating_func\)"
 )
 
 

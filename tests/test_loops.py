@@ -200,7 +200,8 @@ def test_eval_loops_on_the_demo_model(tmp_path):
     assert sorted(itself["loops"]["reference_looped_ids"]) == sorted(
         p["id"] for p in itself["loops"]["prompts"] if p["looped"]
     )
-    # every continuation judged by the definition; the raw prompts' continuations are greedy by llama-cpp-python's logits
+    # every continuation judged by the definition; the raw prompts' continuations are greedy by
+    # llama-cpp-python's logits
     for model, doc in ((DEMO_MODEL, itself), (pruned, carved)):
         rows = doc["loops"]["prompts"]
         for row in rows:

@@ -185,7 +185,8 @@ def test_a_gpu_backends_buffers_are_the_devices_own():
 
     lines = [
         "llama_context:  CUDA_Host  output buffer size =     0.58 MiB",
-        "llama_kv_cache: size =  384.00 MiB (  4096 cells,  48 layers,  1/1 seqs), K (f16):  192.00 MiB, V (f16):  192.00 MiB",
+        "llama_kv_cache: size =  384.00 MiB (  4096 cells,  48 layers, "
+        " 1/1 seqs), K (f16):  192.00 MiB, V (f16):  192.00 MiB",
         "sched_reserve:      CUDA0 compute buffer size =  1180.03 MiB",
         "sched_reserve:  CUDA_Host compute buffer size =    24.02 MiB",
     ]

@@ -395,14 +395,16 @@ def test_a_stale_selection_of_the_same_name_is_not_published(spec, q8_moe, tmp_p
         result.stderr.split()
     )
     assert (
-        "no selection record published: model-4e-Q8_0.gguf was pruned with SELECTION.json, not found beside it; add the one `ggufcarve select -o` wrote with --selection FILE"
+        "no selection record published: model-4e-Q8_0.gguf was pruned with SELECTION.json, "
+        "not found beside it; add the one `ggufcarve select -o` wrote with --selection FILE"
         in " ".join(result.stderr.split())
     )
     assert not (
         out / "method" / "expert-selection.json"
     ).exists() and "method/expert-selection.json" not in manifest_method(out)
     assert ggufcarve("verify", out, "--partial").code == 0
-    # an explicit --selection of other experts is refused; one in the model's method/ directory with the recorded bytes is found
+    # an explicit --selection of other experts is refused; one in the model's method/ directory with the recorded
+    # bytes is found
     refused = ggufcarve(
         "ladder",
         "run",

@@ -172,7 +172,8 @@ def test_rungs_made_by_different_quantizers_each_record_their_own(two_hosts):
     assert carded.code == 0, carded.stderr
     assert "made by different builds, each named in `quant-manifest.json`" in (out / "README.md").read_text()
     assert ggufcarve("verify", out, "--partial").code == 0
-    # one build again: the rungs carry no quantizer of their own (the merge removed the fragments: adopted back from the manifest)
+    # one build again: the rungs carry no quantizer of their own (the merge removed the fragments: adopted back
+    # from the manifest)
     from ggufcarve.release.fragments import adopt_manifest
 
     assert not (out / FRAGMENTS).exists() and adopt_manifest(out) == 2
@@ -279,7 +280,8 @@ def test_a_live_holder_on_this_host_is_waited_for(tmp_path):
             "-c",
             (
                 "import sys, time; from pathlib import Path; from ggufcarve.release.lock import lock_release\n"
-                f"with lock_release(Path({str(tmp_path)!r}), heartbeat=60):\n    print('held', flush=True); time.sleep(1.5)\n"
+                f"with lock_release(Path({str(tmp_path)!r}), heartbeat=60):\n "
+                "   print('held', flush=True); time.sleep(1.5)\n"
             ),
         ],
         stdout=subprocess.PIPE,

@@ -32,8 +32,8 @@ def test_deepseek_v2_without_gating_key_is_softmax_and_not_renormalised():
     assert (r.gating, r.gating_source, r.normalised, r.scale) == (SOFTMAX, "architecture default", False, 16.0)
     assert not r.keeps_outputs  # softmax over all experts, not renormalised: the denominator loses terms
     assert (
-        r.describe()
-        == "softmax (default: no expert_gating_func): top-k weights not renormalised; scaled by 16; dropping experts changes the kept experts' weights"
+        r.describe() == "softmax (default: no expert_gating_func): top-k weights not renormalised; "
+        "scaled by 16; dropping experts changes the kept experts' weights"
     )
 
 
@@ -49,8 +49,8 @@ def test_deepseek_v3_keys_give_sigmoid_with_bias_and_groups():
     assert (r.gating, r.gating_source, r.normalised, r.scale, r.selection_bias) == (SIGMOID, "key", True, 2.5, True)
     assert (r.group_count, r.group_used_count, r.keeps_outputs) == (8, 4, True)
     assert (
-        r.describe()
-        == "sigmoid (expert_gating_func=2): selection bias exp_probs_b; 8 groups, best 4 by top-2 sum; top-k weights renormalised; scaled by 2.5"
+        r.describe() == "sigmoid (expert_gating_func=2): selection bias exp_probs_b; 8 groups, "
+        "best 4 by top-2 sum; top-k weights renormalised; scaled by 2.5"
     )
 
 
@@ -80,7 +80,8 @@ def test_inspect_describes_the_fixtures_from_their_keys(make_model):
         (
             "deepseek2",
             {},
-            "sigmoid (expert_gating_func=2): selection bias exp_probs_b; 4 groups, best 2 by top-2 sum; top-k weights renormalised; scaled by 1.5",
+            "sigmoid (expert_gating_func=2): selection bias exp_probs_b; 4 groups, "
+            "best 2 by top-2 sum; top-k weights renormalised; scaled by 1.5",
         ),
         (
             "deepseek2",

@@ -333,7 +333,8 @@ def _bare_plan(directory: Path, source: Path, selection: str, ladder: str = "") 
     (directory / "ladder.toml").write_text(SPEC)
     plan = directory / "plan.toml"
     plan.write_text(
-        f'source = "model-Q8_0.gguf"\noutput = "release"\n[selection]\n{selection}\n[ladder]\nspec = "ladder.toml"\n{ladder}'
+        'source = "model-Q8_0.gguf"\noutput = '
+        f'"release"\n[selection]\n{selection}\n[ladder]\nspec = "ladder.toml"\n{ladder}'
     )
     return plan
 
@@ -412,7 +413,8 @@ def test_a_second_run_in_the_same_work_directory_is_refused(q8_moe, tmp_path):
             "-c",
             (
                 "import sys, time\nfrom pathlib import Path\nfrom ggufcarve.release.lock import lock_release\n"
-                f"with lock_release(Path({str(work)!r}), name='.ggufcarve-run.lock'):\n    print('held', flush=True)\n    time.sleep(120)\n"
+                f"with lock_release(Path({str(work)!r}), name='.ggufcarve-run.lock'):\n "
+                "   print('held', flush=True)\n    time.sleep(120)\n"
             ),
         ],
         stdout=subprocess.PIPE,
@@ -490,7 +492,8 @@ def test_each_rung_row_shows_its_own_files_hash_and_ends_complete(q8_moe, tmp_pa
     rows = {
         m["row"].strip(): m
         for m in re.finditer(
-            r"^(?P<row>\S+(?: \S+)?)\s+.*?(?P<done>[\d,]+)/(?P<total>[\d,]+) tensors.*?(?:sha256 (?P<sha>[0-9a-f]{12}))?\s*$",
+            r"^(?P<row>\S+(?: \S+)?)\s+.*?(?P<done>[\d,]+)/(?P<total>[\d,]+) "
+            r"tensors.*?(?:sha256 (?P<sha>[0-9a-f]{12}))?\s*$",
             screen.getvalue(),
             re.MULTILINE,
         )

@@ -11,7 +11,10 @@ from clirun import ggufcarve
 
 DATA = Path(__file__).resolve().parent.parent / "ggufcarve" / "demo" / "data"
 MODEL = DATA / "tiny-qwen3moe-16x256-top4-4L-stdlib-Q8_0.gguf"
-SPEC = 'name = "one"\n[defaults]\nfile_pattern = "{model}-{quant}.gguf"\nallow_requantize = true\n[[rungs]]\nftype = "Q8_0"\n'
+SPEC = (
+    'name = "one"\n[defaults]\nfile_pattern = '
+    '"{model}-{quant}.gguf"\nallow_requantize = true\n[[rungs]]\nftype = "Q8_0"\n'
+)
 
 SELECTION = """[selection]
 method = "tune"
@@ -32,7 +35,8 @@ def _plan(directory: Path, selection: str = SELECTION, calibration: bool = True,
     text += (
         ""
         if not evaluation
-        else f'\n[evaluation]\nheldout = "{DATA / "heldout.txt"}"\nctx = 256\nchunks = 2\nspeed_runs = 0\n\n[card]\nlicense = "mit"\n'
+        else f'\n[evaluation]\nheldout = "{DATA / "heldout.txt"}"\nctx = '
+        '256\nchunks = 2\nspeed_runs = 0\n\n[card]\nlicense = "mit"\n'
     )
     path = directory / "plan.toml"
     path.write_text(text)

@@ -455,7 +455,8 @@ def test_a_plan_with_several_heldout_files_counts_a_reference_cache_per_file(q8_
         shutil.copyfile(text, tmp_path / text.name)
         names.append(f'"{text.name}"')
     (tmp_path / "plan.toml").write_text(
-        'source = "model-Q8_0.gguf"\noutput = "release"\n[selection]\nmethod = "weights"\nkeep = 4\n[ladder]\nspec = "ladder.toml"\n'
+        'source = "model-Q8_0.gguf"\noutput = "release"\n[selection]\nmethod '
+        '= "weights"\nkeep = 4\n[ladder]\nspec = "ladder.toml"\n'
         f"[evaluation]\nheldout = [{', '.join(names)}]\nctx = {CTX}\nchunks = {CHUNKS}\nspeed_runs = 0\n"
     )
     result = ggufcarve("run", tmp_path / "plan.toml", "--dry-run", "--json")

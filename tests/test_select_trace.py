@@ -652,7 +652,8 @@ def test_imatrix_msan_is_gguf_pys_formula_and_ranks_like_the_traced_msan(
         correlations.append(spearman(estimate.blocks[block].score(), traced.blocks[block].score()))
     with capsys.disabled():
         print(
-            f"\nimatrix-msan vs traced msan, {case}: Spearman per block {[round(r, 3) for r in correlations]}, mean {np.mean(correlations):.3f}"
+            f"\nimatrix-msan vs traced msan, {case}: Spearman per block "
+            f"{[round(r, 3) for r in correlations]}, mean {np.mean(correlations):.3f}"
         )
     assert np.mean(correlations) >= IMATRIX_MSAN_FLOOR[case]
 

@@ -182,7 +182,8 @@ def test_a_decode_child_started_ahead_has_its_imports_done_without_the_high_leve
         "import json, sys, runpy\n"
         "sys.argv = ['decode', '--preload', 'ggufcarve.select.from_trace', '--preload', 'ggufcarve.imatrix.collect']\n"
         "import ggufcarve.llama.child as child\n"
-        "child.exit_now = lambda status: print(json.dumps([status, sorted(m for m in sys.modules if m.startswith(('llama_cpp', 'ggufcarve.select', 'ggufcarve.imatrix')))]))\n"
+        "child.exit_now = lambda status: print(json.dumps([status, sorted(m for m in sys.modules "
+        "if m.startswith(('llama_cpp', 'ggufcarve.select', 'ggufcarve.imatrix')))]))\n"
         "runpy.run_module('ggufcarve.llama.decode', run_name='__main__', alter_sys=True)\n"
     )
     proc = subprocess.run(

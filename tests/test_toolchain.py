@@ -37,12 +37,14 @@ from ggufcarve.quant.quantizer import (
     make_quantizer,
 )
 
-MAINLINE_USAGE = """usage: llama-quantize [--help] [--allow-requantize] [--leave-output-tensor] [--pure] [--imatrix] [--include-weights]
+MAINLINE_USAGE = """usage: llama-quantize [--help] [--allow-requantize] [--leave-output-tensor] [--pure] [--imatrix] \
+[--include-weights]
        [--tensor-type] [--dry-run]
   --allow-requantize
   --imatrix file_name
 """
-IK_USAGE = """usage: ./llama-quantize [--help] [--allow-requantize] [--leave-output-tensor] [--pure] [--imatrix] [--attn-q-type] [--custom-q]
+IK_USAGE = """usage: ./llama-quantize [--help] [--allow-requantize] [--leave-output-tensor] [--pure] [--imatrix] \
+[--attn-q-type] [--custom-q]
   --ignore-imatrix-rules
   136  or  IQ4_KS  : 4.25 bpw non-linear quantization
 """

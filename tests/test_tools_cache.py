@@ -29,13 +29,17 @@ from ggufcarve.llama.tools import (
     require_tool,
 )
 
-AVX2_FLAGS = "fpu vme de pse tsc msr pae mce cx8 apic sep mtrr sse sse2 ht syscall nx lm constant_tsc pni ssse3 fma cx16 sse4_1 sse4_2 popcnt f16c avx avx2 bmi1 bmi2 hypervisor"
+AVX2_FLAGS = (
+    "fpu vme de pse tsc msr pae mce cx8 apic sep mtrr sse sse2 ht syscall nx lm "
+    "constant_tsc pni ssse3 fma cx16 sse4_1 sse4_2 popcnt f16c avx avx2 bmi1 bmi2 hypervisor"
+)
 AVX512_FLAGS = AVX2_FLAGS + " avx512f avx512bw avx512vl avx512_vnni amx_tile amx_int8"
 
 
 def cpuinfo(path: Path, flags: str) -> Path:
     path.write_text(
-        f"processor\t: 0\nvendor_id\t: GenuineIntel\nflags\t\t: {flags}\nbugs\t\t: spectre_v1\n\nprocessor\t: 1\nflags\t\t: {flags}\n"
+        "processor\t: 0\nvendor_id\t: GenuineIntel\nflags\t\t: "
+        f"{flags}\nbugs\t\t: spectre_v1\n\nprocessor\t: 1\nflags\t\t: {flags}\n"
     )
     return path
 

@@ -69,7 +69,8 @@ class Candidate:
             **(
                 {
                     "memory": list(self.devices) or [self.measured],
-                    "memory_source": "estimated: llama.cpp's dry load of the K's header, the rung's weights from fit's sizes",
+                    "memory_source": "estimated: llama.cpp's dry load of the K's "
+                    "header, the rung's weights from fit's sizes",
                 }
                 if self.measured
                 else {}

@@ -17,7 +17,8 @@ REASONS = {"halving": "halving", "budget": "over budget", "gate": "gate", "ident
 
 
 def stopped_lines(report: dict[str, Any]) -> list[str]:
-    """One line per candidate that left before the final round or was not a finalist: why, and by how much it lost (closest first)."""
+    """One line per candidate that left before the final round or was not a finalist: why, and by how much it lost \
+(closest first)."""
     lines = []
     closest_first = sorted(
         report["candidates"], key=lambda c: (c.get("stopped_reason") != "halving", c.get("lost_by") or 0.0, c["id"])
@@ -26,7 +27,8 @@ def stopped_lines(report: dict[str, Any]) -> list[str]:
         reason = c.get("stopped_reason")
         if reason == "halving":
             lines.append(
-                f"{c['id']}: left after {c['chunks_scored']} chunk(s): mean KLD {c['lost_by']:+.4f} behind that round's leader "
+                f"{c['id']}: left after {c['chunks_scored']} chunk(s): "
+                f"mean KLD {c['lost_by']:+.4f} behind that round's leader "
                 f"(paired, ± {c['delta_stderr'][-1]:.4f})"
             )
         elif reason == "budget":
@@ -48,13 +50,17 @@ def markdown(report: dict[str, Any]) -> str:
     lines = [
         f"# best: {r['model']['name']} in {format_size(r['memory_bytes'])}",
         "",
-        f"File + KV cache at {r['parameters']['ctx']} tokens ({format_size(r['cache']['total_bytes'])}) against the budget; "
-        f"scored against the unpruned model on {', '.join(names)} (chunks of {r['parameters']['eval_ctx']} tokens). Answer: {r['selection_rule']}.",
+        f"File + KV cache at {r['parameters']['ctx']} tokens "
+        f"({format_size(r['cache']['total_bytes'])}) against the budget; "
+        f"scored against the unpruned model on {', '.join(names)} (chunks of "
+        f"{r['parameters']['eval_ctx']} tokens). Answer: {r['selection_rule']}.",
         "",
-        "Each figure is over the chunks beside it: candidates that left early were scored on fewer chunks than the finalists, "
+        "Each figure is over the chunks beside it: candidates that "
+        "left early were scored on fewer chunks than the finalists, "
         "so compare them by the round they left in (best.json `halving`).",
         "",
-        f"| candidate | family | K of N | quant | file {unit[0]} | fits | scored by | mean KLD | ± | 99.9% KLD | same top p | PPL | "
+        f"| candidate | family | K of N | quant | file {unit[0]} | fits "
+        "| scored by | mean KLD | ± | 99.9% KLD | same top p | PPL | "
         + " | ".join(f"KLD {n}" for n in names)
         + " | chunks | left |",
         "|---|---|---|---|---:|---|---|---:|---:|---:|---:|---:|" + "---:|" * len(names) + "---:|---|",
@@ -67,9 +73,12 @@ def markdown(report: dict[str, Any]) -> str:
         same = "" if c.get("same_top_p") is None else f"{100 * c['same_top_p']:.2f}%"
         scored = f"mask on {c['masked_on']}" if c.get("scored_by") == "mask" else (c.get("scored_by") or "")
         lines.append(
-            f"| {name} | {c['family']} | {c['kept_experts']} of {c['expert_count']} | {c['quant']} | {c['file_bytes'] / unit[1]:.2f} | "
-            f"{'yes' if c['fits'] else 'no'} | {scored} | {_cell(c.get('kld_mean'))} | {_cell(c.get('kld_mean_stderr'))} | {_cell(c.get('kld_p999'))} | "
-            f"{same} | {_cell(c.get('ppl'))} | {per_file} | {c['chunks_scored']} | {REASONS.get(c.get('stopped_reason') or '', '')} |"
+            f"| {name} | {c['family']} | {c['kept_experts']} of {c['expert_count']} "
+            f"| {c['quant']} | {c['file_bytes'] / unit[1]:.2f} | "
+            f"{'yes' if c['fits'] else 'no'} | {scored} | {_cell(c.get('kld_mean'))} "
+            f"| {_cell(c.get('kld_mean_stderr'))} | {_cell(c.get('kld_p999'))} | "
+            f"{same} | {_cell(c.get('ppl'))} | {per_file} | {c['chunks_scored']} "
+            f"| {REASONS.get(c.get('stopped_reason') or '', '')} |"
         )
     lines.append("")
     stopped = stopped_lines(report)
@@ -85,20 +94,23 @@ def markdown(report: dict[str, Any]) -> str:
         lines += [
             "## Answer",
             "",
-            f"{w['id']} ({w['family']}, {w['kept_experts']} of {w['expert_count']} experts, {w['quant']}): {metric} {w[metric]:.4f}, "
+            f"{w['id']} ({w['family']}, {w['kept_experts']} of {w['expert_count']} "
+            f"experts, {w['quant']}): {metric} {w[metric]:.4f}, "
             f"{taken} of {format_size(r['memory_bytes'])}.",
             "",
         ]
         if w.get("tie_with"):
             lines += [
-                f"Tie within noise: {', '.join(w['tie_with'])} differ from it by less than {r['parameters']['z']:g} standard errors of the paired "
+                f"Tie within noise: {', '.join(w['tie_with'])} differ from it by "
+                f"less than {r['parameters']['z']:g} standard errors of the paired "
                 f"per-token difference; the answer is the {r['parameters']['prefer']} of them.",
                 "",
             ]
         if w.get("confirmed"):
             k = w["confirmed"]
             lines += [
-                f"Confirmed as a file: masked mean KLD {k['masked_kld_mean']:.4f}, the built file {k['file_kld_mean']:.4f} ± {k['file_kld_mean_stderr']:.4f}.",
+                f"Confirmed as a file: masked mean KLD {k['masked_kld_mean']:.4f}, the "
+                f"built file {k['file_kld_mean']:.4f} ± {k['file_kld_mean_stderr']:.4f}.",
                 "",
             ]
         lines += [f"    {' '.join(w['run_command']['argv'])}", ""]
@@ -107,13 +119,16 @@ def markdown(report: dict[str, Any]) -> str:
     lines += ["## Cost", "", "| stage | seconds | projected for " + r["projection"]["model"] + " |", "|---|---:|---:|"]
     for stage in r["projection"]["stages_seconds"]:
         lines.append(
-            f"| {stage} | {report['timings'].get(f'{stage}_seconds', 0.0):.1f} | {r['projection']['stages_seconds'][stage] / 3600:.2f} h |"
+            f"| {stage} | {report['timings'].get(f'{stage}_seconds', 0.0):.1f} "
+            f"| {r['projection']['stages_seconds'][stage] / 3600:.2f} h |"
         )
     lines += ["", f"Projection rule: {r['projection']['rule']}.", ""]
     if r.get("previous_run_timings"):
         lines += [
-            f"This run: {report['timings']['total_seconds']:.1f} s; the run before it in this folder: {r['previous_run_timings'].get('total_seconds', 0.0):.1f} s "
-            f"(work reused by content: {r['chunks_cached']} chunk(s) of scoring{', the keep-sets and imatrix' if r['keep_sets_reused'] else ''}).",
+            f"This run: {report['timings']['total_seconds']:.1f} s; the run before it in "
+            f"this folder: {r['previous_run_timings'].get('total_seconds', 0.0):.1f} s "
+            f"(work reused by content: {r['chunks_cached']} chunk(s) of "
+            f"scoring{', the keep-sets and imatrix' if r['keep_sets_reused'] else ''}).",
             "",
         ]
     return "\n".join(lines)
@@ -179,7 +194,8 @@ def chart(report: dict[str, Any], path: Path) -> None:
     ax.set_xlabel(f"file + KV cache ({unit[0]})")
     ax.set_ylabel(f"{metric} vs unpruned (nats/token)" if metric.startswith("kld") else f"{metric} (lower is better)")
     ax.set_title(
-        "hollow: left before the final round (fewer chunks); (masked): scored by masking, no file built; one label per K and quant: its best keep-set",
+        "hollow: left before the final round (fewer chunks); (masked): scored "
+        "by masking, no file built; one label per K and quant: its best keep-set",
         fontsize=7,
     )
     ax.grid(True, alpha=0.3)

@@ -47,8 +47,10 @@ CONFIRM_RELATIVE = (
     0.01  # a confirmed file's mean KLD may differ from its masked score by max(2 standard errors, this share)
 )
 SELECTION_RULE = (
-    "successive halving over held-out units by the paired per-token difference to each round's leader; among the finalists "
-    "that fit the budget (built or planned file plus the context's cache) and pass the gate, the lowest metric, or among those "
+    "successive halving over held-out units by the paired per-token "
+    "difference to each round's leader; among the finalists "
+    "that fit the budget (built or planned file plus the context's "
+    "cache) and pass the gate, the lowest metric, or among those "
     "tied with it within z standard errors the one --prefer names"
 )
 
@@ -239,7 +241,8 @@ def plan_best(source: Path, settings: BestSettings, *, on_event: Sink = ignore) 
     if not candidates:
         smallest = min(r.total for r in fit.rows)
         raise BadInput(
-            f"nothing fits in {format_size(settings.memory)}: the smallest rung takes {format_size(smallest)} as llama.cpp allocates it "
+            f"nothing fits in {format_size(settings.memory)}: the smallest "
+            f"rung takes {format_size(smallest)} as llama.cpp allocates it "
             "(weights, cache, compute and output buffers)",
             "give a larger --memory, a shorter --ctx or --kv-type q8_0",
         )
@@ -417,7 +420,8 @@ def project_estimate(plan: Plan, guess: dict[str, Any]) -> dict[str, Any]:
         "model": REFERENCE_MODEL["name"],
         "stages": stages,
         "total": sum(known) if len(known) == len(stages) else None,
-        "rule": "decoding x (bytes read per token there / here) at this machine's measured rate; builds x (file bytes there / here)",
+        "rule": "decoding x (bytes read per token there / here) at this "
+        "machine's measured rate; builds x (file bytes there / here)",
     }
 
 
@@ -678,7 +682,8 @@ def _judge(gate: Any, record: dict[str, Any]) -> tuple[bool, list[str]]:
 def best(
     source: Path, settings: BestSettings, out_dir: Path, *, plan: Plan | None = None, on_event: Sink = ignore
 ) -> BestResult:
-    """Search the candidates; write best.json, best.md, best-pareto.png and plan.toml under `out_dir`, the models under out_dir/models."""
+    """Search the candidates; write best.json, best.md, best-pareto.png and plan.toml under `out_dir`, the models \
+under out_dir/models."""
     from ggufcarve.best.render import chart, markdown, plan_document, publish_command, write_plan
     from ggufcarve.fileio import write_text_atomic
     from ggufcarve.llama.masking import required_nodes
@@ -817,7 +822,8 @@ def best(
                 record.update(
                     scored_by="file",
                     masked_on=None,
-                    scored_by_reason=f"llama-quantize gives {len(differ)} tensor(s) another type at K={c.kept} ({name}: {was}, unpruned {unpruned_type})",
+                    scored_by_reason=f"llama-quantize gives {len(differ)} tensor(s) another type "
+                    f"at K={c.kept} ({name}: {was}, unpruned {unpruned_type})",
                 )
                 path = _build_pruned(
                     plan, settings, entry["file"], c.kept, c.quant, method, work, models_dir, imatrix, base, on_event
@@ -951,14 +957,16 @@ def best(
             tolerance = max(2 * file_record["kld_mean_stderr"], CONFIRM_RELATIVE * r["kld_mean"])
             if abs(file_record["kld_mean"] - r["kld_mean"]) > tolerance:
                 raise ToolFailed(
-                    f"{cid}: masked mean KLD {r['kld_mean']:.6f} but its built file {path.name} measures {file_record['kld_mean']:.6f} "
+                    f"{cid}: masked mean KLD {r['kld_mean']:.6f} but its built "
+                    f"file {path.name} measures {file_record['kld_mean']:.6f} "
                     f"(more than {tolerance:.6f} apart)"
                     + (
                         f"; tensors of another type than the unpruned rung's: {', '.join(mismatched[:4])}"
                         if mismatched
                         else ""
                     ),
-                    "score this candidate by its file: a masked score stands for the pruned file only where llama-quantize chose the same types",
+                    "score this candidate by its file: a masked score stands for "
+                    "the pruned file only where llama-quantize chose the same types",
                 )
         timings["confirmation_seconds"] = (
             time.perf_counter() - t0 - confirm_builds

@@ -2,8 +2,10 @@
 
 Examples:
     ggufcarve best model-Q8_0.gguf --memory 24GiB --calibration cal.txt --heldout wiki.txt --heldout code.txt -o best/
-    ggufcarve best model-Q8_0.gguf --memory 24GiB --gpu-memory 16GiB --ctx 32768 --kv-type q8_0 --calibration cal.txt --heldout wiki.txt -o best/ --dry-run
-    ggufcarve best model-Q8_0.gguf --memory 24GiB --calibration cal.txt --heldout wiki.txt -o best/ --only K128-Q4_K_M   # one build job of several hosts
+    ggufcarve best model-Q8_0.gguf --memory 24GiB --gpu-memory 16GiB --ctx 32768 --kv-type q8_0 --calibration cal.txt \
+--heldout wiki.txt -o best/ --dry-run
+    ggufcarve best model-Q8_0.gguf --memory 24GiB --calibration cal.txt --heldout wiki.txt -o best/ --only \
+K128-Q4_K_M   # one build job of several hosts
     ggufcarve run best/plan.toml     # publish the winner and its neighbours on the front, fully evaluated
 """
 
@@ -52,7 +54,8 @@ def _table(report: dict) -> object:
         box=SIMPLE_HEAD,
         pad_edge=False,
         caption=f"{unit[0]} of the file (built, else fit's size); ranked by {metric}; *: the answer; "
-        "scored by mask: on the unpruned rung, no file built; each figure over its chunks; 99.9% KLD, same top p, PPL: best.md",
+        "scored by mask: on the unpruned rung, no file built; each "
+        "figure over its chunks; 99.9% KLD, same top p, PPL: best.md",
         caption_justify="left",
     )
     for name in (
@@ -99,7 +102,8 @@ def _memory_text(record: dict) -> str:
     if record.get("memory"):
         m = record["memory"][0]
         return (
-            f"weights {size(m['weights'])} + cache {size(m['cache'])} + compute {size(m['compute'])} + output {size(m['output'])} "
+            f"weights {size(m['weights'])} + cache {size(m['cache'])} + "
+            f"compute {size(m['compute'])} + output {size(m['output'])} "
             f"= {size(m['total'])}"
         )
     return f"file {size(record['file_bytes'])} + cache {size(record['cache_bytes'])}"
@@ -111,7 +115,8 @@ def best_command(
         str,
         typer.Option(
             "--memory",
-            help="Memory budget for what llama.cpp allocates (weights, KV cache, compute and output buffers), e.g. 24GiB (GB = 10^9 bytes, GiB = 2^30).",
+            help="Memory budget for what llama.cpp allocates (weights, KV cache, "
+            "compute and output buffers), e.g. 24GiB (GB = 10^9 bytes, GiB = 2^30).",
             show_default=False,
         ),
     ],
@@ -147,7 +152,8 @@ def best_command(
         str | None,
         typer.Option(
             "--tier",
-            help="Where the answer runs: gpu (all on the GPU), gpu+cpu (--n-cpu-moe N), ram (system memory) or disk (paging through mmap). Default: the fastest tier any candidate runs in.",
+            help="Where the answer runs: gpu (all on the GPU), gpu+cpu (--n-cpu-moe N), ram (system "
+            "memory) or disk (paging through mmap). Default: the fastest tier any candidate runs in.",
         ),
     ] = None,
     ctx: Annotated[int, typer.Option("--ctx", help="Context length whose KV cache counts against --memory.")] = 16384,
@@ -163,7 +169,8 @@ def best_command(
         int | None,
         typer.Option(
             "--chunk-ctx",
-            help="Tokens per chunk of the calibration pass and of the scoring (as llama-perplexity -c).  [default: 512]",
+            help="Tokens per chunk of the calibration pass and of the "
+            "scoring (as llama-perplexity -c).  [default: 512]",
         ),
     ] = None,
     eval_ctx: Annotated[int | None, typer.Option("--eval-ctx", hidden=True)] = None,
@@ -172,7 +179,8 @@ def best_command(
         typer.Option(
             "--keep",
             "-k",
-            help="The K values to weigh: 96, 96,128 or 64-192/32, or a keep-set file (weighed at its K beside the criteria's keep-sets). Default: fit's grid.",
+            help="The K values to weigh: 96, 96,128 or 64-192/32, or a keep-set file "
+            "(weighed at its K beside the criteria's keep-sets). Default: fit's grid.",
         ),
     ] = None,
     chunks: Annotated[
@@ -197,7 +205,8 @@ def best_command(
         str,
         typer.Option(
             "--prefer",
-            help="Among candidates tied with the leader within noise: smaller (file), faster (fewer bytes per token) or metric.",
+            help="Among candidates tied with the leader within noise: "
+            "smaller (file), faster (fewer bytes per token) or metric.",
         ),
     ] = "smaller",
     z: Annotated[
@@ -210,7 +219,8 @@ def best_command(
         list[str] | None,
         typer.Option(
             "--only",
-            help="Build only these candidates (ids as the dry run lists them), score nothing: one job of several hosts.",
+            help="Build only these candidates (ids as the dry run "
+            "lists them), score nothing: one job of several hosts.",
         ),
     ] = None,
     quantizer_choice: Annotated[
@@ -230,7 +240,8 @@ def best_command(
     quiet: QuietOption = False,
     as_json: JsonOption = False,
 ) -> None:
-    """Score every (K, keep-set, quant) that fits a budget by masking on the unpruned rungs; build and confirm the answer."""
+    """Score every (K, keep-set, quant) that fits a budget by masking on the unpruned rungs; build and confirm the \
+answer."""
     from ggufcarve.best.render import stopped_lines
     from ggufcarve.best.run import BestSettings, best, estimate, measure_speed, plan_best, project_estimate
     from ggufcarve.errors import BadInput
@@ -307,27 +318,32 @@ def best_command(
             )
             return
         out.print(
-            f"{model.name}: {plan.layout.expert_count} experts, top-{plan.layout.expert_used_count}; budget {size(settings.memory)} "
+            f"{model.name}: {plan.layout.expert_count} experts, "
+            f"top-{plan.layout.expert_used_count}; budget {size(settings.memory)} "
             f"with a {ctx}-token cache of {size(plan.fit.cache.total_bytes)}; ranked in tier {plan.tier}"
             + (f" (GPU {size(settings.gpu_memory)})" if settings.gpu_memory else ""),
             highlight=False,
             markup=False,
         )
         out.print(
-            f"candidates ({len(plan.candidates)}, from fit's sizes; total: llama.cpp's dry load, weights + cache + compute + output):",
+            f"candidates ({len(plan.candidates)}, from fit's sizes; total: "
+            "llama.cpp's dry load, weights + cache + compute + output):",
             highlight=False,
         )
         for c in plan.candidates:
             total = f"; total {size(c.total)}" if c.measured else ""
             total += f"; tiers {', '.join(c.tiers[:-1]) or 'disk only'}" if settings.gpu_memory else ""
             out.print(
-                f"  {c.id:<22} {c.family:<8} {c.kept:>4} of {c.expert_count}  {c.quant:<8} file {size(c.file_bytes)} + cache {size(c.cache_bytes)}{total}",
+                f"  {c.id:<22} {c.family:<8} {c.kept:>4} of {c.expert_count}  {c.quant:<8} "
+                f"file {size(c.file_bytes)} + cache {size(c.cache_bytes)}{total}",
                 highlight=False,
                 markup=False,
             )
         out.print(
-            f"will build: the unpruned rungs {', '.join(plan.quants)}; score {guess['scored_candidates']} candidate(s): {guess['masked']} by masking on "
-            f"those rungs, {guess['file_scored']} as built pruned rungs (llama-quantize chooses other types at their K); then build and confirm "
+            f"will build: the unpruned rungs {', '.join(plan.quants)}; score "
+            f"{guess['scored_candidates']} candidate(s): {guess['masked']} by masking on "
+            f"those rungs, {guess['file_scored']} as built pruned rungs "
+            "(llama-quantize chooses other types at their K); then build and confirm "
             f"the winner and {settings.confirm} runner(s)-up",
             highlight=False,
             markup=False,
@@ -335,7 +351,8 @@ def best_command(
         out.print(f"disk needed: at most {size(guess['disk_bytes'])} under {output}", highlight=False)
         rate, qrate = speed.get("decode_tok_s"), speed.get("quantize_bytes_s")
         out.print(
-            f"measured here: decode {rate or 0:.0f} tok/s, quantizer {size(qrate) + '/s' if qrate else 'not measured (source over 2 GiB)'}; "
+            f"measured here: decode {rate or 0:.0f} tok/s, quantizer "
+            f"{size(qrate) + '/s' if qrate else 'not measured (source over 2 GiB)'}; "
             f"calibration {speed['calibration_tokens']} tokens, held-out {speed['heldout_tokens']} tokens",
             highlight=False,
             markup=False,
@@ -400,7 +417,8 @@ def best_command(
         previous = report.get("previous_run_timings")
         if previous:
             out.print(
-                f"the run before it in {output}: total {previous.get('total_seconds', 0.0):.1f} s; reused by content: {report['chunks_cached']} chunk(s) of scoring"
+                f"the run before it in {output}: total {previous.get('total_seconds', 0.0):.1f} "
+                f"s; reused by content: {report['chunks_cached']} chunk(s) of scoring"
                 + (", the keep-sets and the imatrix" if report["keep_sets_reused"] else ""),
                 highlight=False,
                 markup=False,
@@ -410,21 +428,24 @@ def best_command(
         out.print("answer: no finalist fits and passes the gate", highlight=False)
         return
     out.print(
-        f"answer: {w['id']} ({w['family']}, {w['kept_experts']} of {w['expert_count']} experts, {w['quant']}): {settings.metric} {w[settings.metric]:.4f}, "
+        f"answer: {w['id']} ({w['family']}, {w['kept_experts']} of {w['expert_count']} "
+        f"experts, {w['quant']}): {settings.metric} {w[settings.metric]:.4f}, "
         f"{_memory_text(w)} of {size(settings.memory)}: {output / w['path']}",
         highlight=False,
         markup=False,
     )
     if w.get("tie_with"):
         out.print(
-            f"tie within noise: {', '.join(w['tie_with'])} (within {settings.z:g} standard errors); the answer is the {settings.prefer} of them",
+            f"tie within noise: {', '.join(w['tie_with'])} (within {settings.z:g} "
+            f"standard errors); the answer is the {settings.prefer} of them",
             highlight=False,
             markup=False,
         )
     if w.get("confirmed"):
         k = w["confirmed"]
         out.print(
-            f"confirmed as a file: masked mean KLD {k['masked_kld_mean']:.4f}, built file {k['file_kld_mean']:.4f} ± {k['file_kld_mean_stderr']:.4f}",
+            f"confirmed as a file: masked mean KLD {k['masked_kld_mean']:.4f}, "
+            f"built file {k['file_kld_mean']:.4f} ± {k['file_kld_mean_stderr']:.4f}",
             highlight=False,
             markup=False,
         )

@@ -1,14 +1,21 @@
-"""eval: perplexity, KL divergence against a reference, speed, QA checks and a PASS/FAIL gate for every model; card: the model card.
+"""eval: perplexity, KL divergence against a reference, speed, QA checks and a PASS/FAIL gate for every model; card: \
+the model card.
 
 Examples:
     ggufcarve eval release/ --reference model-Q8_0.gguf --heldout heldout.txt -o evaluation/
-    ggufcarve eval release/ unpruned-Q2_K.gguf unpruned-Q3_K_M.gguf --reference model-Q8_0.gguf --heldout heldout.txt --ctx 512 --chunks 40 -o evaluation/
-    ggufcarve eval model-Q4_K_M.gguf --reference base.kld -o evaluation/      (a llama-perplexity --kl-divergence-base file)
+    ggufcarve eval release/ unpruned-Q2_K.gguf unpruned-Q3_K_M.gguf --reference model-Q8_0.gguf --heldout heldout.txt \
+--ctx 512 --chunks 40 -o evaluation/
+    ggufcarve eval model-Q4_K_M.gguf --reference base.kld -o evaluation/      (a llama-perplexity --kl-divergence-base \
+file)
     ggufcarve eval model-Q4_K_M.gguf --reference model-Q8_0.gguf --heldout heldout.txt --cross-check -o evaluation/
-    ggufcarve eval release/ --reference model-Q8_0.gguf --heldout heldout.txt --qa evaluation/qa -o release/evaluation && ggufcarve card release/
-    ggufcarve eval release/ --reference model-Q8_0.gguf --heldout heldout.txt --strict -o evaluation/      (exit 1 when a model fails the gate: for CI)
-    ggufcarve eval release/ --reference model-Q8_0.gguf --heldout wiki.txt --heldout code.txt --gate-segments every -o evaluation/      (each file reported as its own segment)
-    ggufcarve eval release/ --reference model-Q8_0.gguf --heldout heldout.txt --loops --loop-tokens 512 -o evaluation/      (repetition loops on the QA prompts)
+    ggufcarve eval release/ --reference model-Q8_0.gguf --heldout heldout.txt --qa evaluation/qa -o release/evaluation \
+&& ggufcarve card release/
+    ggufcarve eval release/ --reference model-Q8_0.gguf --heldout heldout.txt --strict -o evaluation/      (exit 1 \
+when a model fails the gate: for CI)
+    ggufcarve eval release/ --reference model-Q8_0.gguf --heldout wiki.txt --heldout code.txt --gate-segments every -o \
+evaluation/      (each file reported as its own segment)
+    ggufcarve eval release/ --reference model-Q8_0.gguf --heldout heldout.txt --loops --loop-tokens 512 -o \
+evaluation/      (repetition loops on the QA prompts)
 """
 
 from __future__ import annotations
@@ -44,7 +51,8 @@ def eval_command(
         list[Path] | None,
         typer.Option(
             "--heldout",
-            help="Held-out text scored by every model (needed with a GGUF reference); repeatable: each file is its own segment, reported beside the overall figures.",
+            help="Held-out text scored by every model (needed with a GGUF reference); "
+            "repeatable: each file is its own segment, reported beside the overall figures.",
         ),
     ] = None,
     ctx: Annotated[int, typer.Option("--ctx", help="Context (tokens per chunk), as llama-perplexity -c.")] = 512,
@@ -64,7 +72,8 @@ def eval_command(
         str | None,
         typer.Option(
             "--gate-segments",
-            help="With several --heldout files: every (a model fails when any file fails the gate) or overall (the files' verdicts are only reported). Default: the gate file's `segments`, else overall.",
+            help="With several --heldout files: every (a model fails when any file fails the gate) or overall "
+            "(the files' verdicts are only reported). Default: the gate file's `segments`, else overall.",
         ),
     ] = None,
     threads: Annotated[
@@ -75,21 +84,24 @@ def eval_command(
         int | None,
         typer.Option(
             "--top-k",
-            help="Cache only the reference's top-K log-probs per token (and sampled tail tokens): a small cache, an estimated KLD. Default: every token, as llama-perplexity keeps them.",
+            help="Cache only the reference's top-K log-probs per token (and sampled tail tokens): a "
+            "small cache, an estimated KLD. Default: every token, as llama-perplexity keeps them.",
         ),
     ] = None,
     tail_samples: Annotated[
         int,
         typer.Option(
             "--tail-samples",
-            help="With --top-k: tail tokens sampled per token; the KLD estimate is unbiased and its sampling error is printed (0: a lower bound).",
+            help="With --top-k: tail tokens sampled per token; the KLD estimate is "
+            "unbiased and its sampling error is printed (0: a lower bound).",
         ),
     ] = 32,
     speed_runs: Annotated[
         int,
         typer.Option(
             "--speed-runs",
-            help="Timed runs of pp and tg speed: the median is reported, or the range when the runs spread more than 10% of it; 0 skips speed.",
+            help="Timed runs of pp and tg speed: the median is reported, or the "
+            "range when the runs spread more than 10% of it; 0 skips speed.",
         ),
     ] = 5,
     speed_engine: Annotated[
@@ -113,14 +125,16 @@ def eval_command(
         bool,
         typer.Option(
             "--loops",
-            help="Continue the QA prompts (or --loop-prompts) greedily and report the share that ends in a repeating cycle, for the reference and every model.",
+            help="Continue the QA prompts (or --loop-prompts) greedily and report the "
+            "share that ends in a repeating cycle, for the reference and every model.",
         ),
     ] = False,
     loop_prompts: Annotated[
         Path | None,
         typer.Option(
             "--loop-prompts",
-            help='Prompts for --loops (implies it): one per line, asked as a user message, or a .jsonl file of {"prompt": raw text} or {"messages": [...]} objects.',
+            help="Prompts for --loops (implies it): one per line, asked as a user message, "
+            'or a .jsonl file of {"prompt": raw text} or {"messages": [...]} objects.',
         ),
     ] = None,
     loop_tokens: Annotated[
@@ -141,7 +155,8 @@ def eval_command(
     quiet: QuietOption = False,
     as_json: JsonOption = False,
 ) -> None:
-    """Evaluate MODELs against --reference: PPL, KLD, speed, QA and the gate; writes -o DIR/<model>.json and DIR/summary.md."""
+    """Evaluate MODELs against --reference: PPL, KLD, speed, QA and the gate; writes -o DIR/<model>.json and \
+DIR/summary.md."""
     from ggufcarve.errors import BadInput, OutputError
     from ggufcarve.evaluate.models import resolve_models
     from ggufcarve.evaluate.release import eval_settings, evaluate_release
@@ -186,7 +201,8 @@ def eval_command(
         return
     for r in run.results:
         line = (
-            f"{r['model']['name']} ({size(r['model']['bytes'])}): PPL {r['ppl']:.4f} ± {r['ppl_stderr']:.4f} ({round(r['ppl_delta_percent'], 2) + 0.0:+.2f}%), "
+            f"{r['model']['name']} ({size(r['model']['bytes'])}): PPL {r['ppl']:.4f} ± "
+            f"{r['ppl_stderr']:.4f} ({round(r['ppl_delta_percent'], 2) + 0.0:+.2f}%), "
             f"mean KLD {_kld_text(r)}, same top p {100 * r['same_top_p']:.2f}%"
         )
         if r.get("tg_tok_s") is not None:
@@ -216,12 +232,14 @@ def eval_command(
             for note in (check or {}).get("notes", []):
                 warn(note, "note")
     err.print(
-        f"wrote {len(run.files)} files to {output} (reference {run.reference.label}{', cached log-probs' if run.reference.cached else ''})",
+        f"wrote {len(run.files)} files to {output} (reference "
+        f"{run.reference.label}{', cached log-probs' if run.reference.cached else ''})",
         highlight=False,
     )
     if evaluated.records:
         err.print(
-            f"recorded {len(evaluated.records)} evaluation files in {evaluated.release / 'quant-manifest.json'} and SHA256SUMS",
+            f"recorded {len(evaluated.records)} evaluation files in "
+            f"{evaluated.release / 'quant-manifest.json'} and SHA256SUMS",
             highlight=False,
         )
     _strict_exit(strict, run.results)
@@ -243,11 +261,15 @@ def _strict_exit(strict: bool, results: list[dict]) -> None:
 def _segment_line(s: dict) -> str:
     """One held-out file's figures under its model's line."""
     line = (
-        f"  {s['name']}: PPL {s['ppl']:.4f} ({round(s['ppl_delta_percent'], 2) + 0.0:+.2f}%), mean KLD {s['kld_mean']:.6f} ± {s['kld_mean_stderr']:.6f}, "
+        f"  {s['name']}: PPL {s['ppl']:.4f} ({round(s['ppl_delta_percent'], 2) + 0.0:+.2f}%), "
+        f"mean KLD {s['kld_mean']:.6f} ± {s['kld_mean_stderr']:.6f}, "
         f"99.9% KLD {s['kld_p999']:.6f}, same top p {100 * s['same_top_p']:.2f}%, {s['tokens']} tokens"
     )
     if s.get("cross_check"):
-        line += f"; llama-perplexity PPL {s['cross_check']['ppl']:.4f} ({'agrees' if s['cross_check']['ppl_agrees'] else 'DIFFERS'})"
+        line += (
+            f"; llama-perplexity PPL {s['cross_check']['ppl']:.4f} "
+            f"({'agrees' if s['cross_check']['ppl_agrees'] else 'DIFFERS'})"
+        )
     if s.get("gate"):
         line += f" — {s['gate']}" + (f" ({'; '.join(s['gate_failed'])})" if s.get("gate_failed") else "")
     return line
@@ -294,7 +316,8 @@ def card_command(
         str | None,
         typer.Option(
             "--license-link",
-            help="With --license other: its URL, or a file of the release such as LICENSE (default: general.license.link).",
+            help="With --license other: its URL, or a file of the release "
+            "such as LICENSE (default: general.license.link).",
         ),
     ] = None,
     model_name: Annotated[
@@ -317,7 +340,8 @@ def card_command(
     ] = False,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing README.md.")] = False,
 ) -> None:
-    """Write the Hugging Face model card RELEASE/README.md from the manifest, the method reports and the evaluation, and record it in the release."""
+    """Write the Hugging Face model card RELEASE/README.md from the manifest, the method reports and the evaluation, \
+and record it in the release."""
     from ggufcarve.errors import BadInput
     from ggufcarve.release.card import CardSettings, card_warnings, record_card, write_card
 

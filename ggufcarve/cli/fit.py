@@ -30,7 +30,8 @@ def fit_command(
         str,
         typer.Option(
             "--memory",
-            help="Memory budget for file + cache, e.g. 24GiB, 24GB, 24000MiB (GB = 10^9 bytes, GiB and a bare G = 2^30).",
+            help="Memory budget for file + cache, e.g. 24GiB, 24GB, "
+            "24000MiB (GB = 10^9 bytes, GiB and a bare G = 2^30).",
         ),
     ],
     ctx: Annotated[int, typer.Option("--ctx", help="Context length in tokens whose KV cache is counted.")] = 16384,
@@ -50,7 +51,8 @@ def fit_command(
         typer.Option(
             "--keep",
             "-k",
-            help="Kept-expert counts to size: 96, 96,128 or 64-192/32, or a keep-set file (its count) (default: powers of two, multiples of expert_count/8, the original).",
+            help="Kept-expert counts to size: 96, 96,128 or 64-192/32, or a keep-set file (its "
+            "count) (default: powers of two, multiples of expert_count/8, the original).",
         ),
     ] = None,
     kept_alias: Annotated[str | None, typer.Option("--k", hidden=True)] = None,
@@ -61,7 +63,8 @@ def fit_command(
         Path | None,
         typer.Option(
             "--imatrix",
-            help="The imatrix the ladder will use: tensors without an entry get the rung's imatrix_fallback_type (default: llama-imatrix's coverage, the MTP blocks missing).",
+            help="The imatrix the ladder will use: tensors without an entry get the rung's "
+            "imatrix_fallback_type (default: llama-imatrix's coverage, the MTP blocks missing).",
         ),
     ] = None,
     parallel: Annotated[
@@ -75,14 +78,16 @@ def fit_command(
         str | None,
         typer.Option(
             "--gpu-memory",
-            help="GPU memory: each cell also says whether the rung fits the GPU whole (w) or with which llama.cpp --n-cpu-moe N, from its per-block expert bytes.",
+            help="GPU memory: each cell also says whether the rung fits the GPU whole (w) "
+            "or with which llama.cpp --n-cpu-moe N, from its per-block expert bytes.",
         ),
     ] = None,
     gpu_margin: Annotated[
         str,
         typer.Option(
             "--gpu-margin",
-            help="GPU memory kept free beyond weights, cache and compute buffers (default: llama.cpp --fit's target margin, 1GiB).",
+            help="GPU memory kept free beyond weights, cache and compute "
+            "buffers (default: llama.cpp --fit's target margin, 1GiB).",
         ),
     ] = "1GiB",
     gpu_layers: GpuLayersOption = 0,
@@ -102,7 +107,8 @@ def fit_command(
         bool,
         typer.Option(
             "--measured/--file-and-cache",
-            help="Count llama.cpp's own dry load (weights, cache, compute and output buffers), or the file and the cache alone.",
+            help="Count llama.cpp's own dry load (weights, cache, compute "
+            "and output buffers), or the file and the cache alone.",
         ),
     ] = True,
     quantizer_choice: Annotated[
@@ -115,7 +121,8 @@ def fit_command(
     as_json: JsonOption = False,
     quiet: QuietOption = False,
 ) -> None:
-    """Table of kept experts K x ladder rung: predicted file size, cache at --ctx, total, and whether it fits in --memory."""
+    """Table of kept experts K x ladder rung: predicted file size, cache at --ctx, total, and whether it fits in \
+--memory."""
     from ggufcarve.errors import BadInput
     from ggufcarve.gguf.container import read_model
     from ggufcarve.moe.layout import inspect_layout
@@ -222,7 +229,8 @@ def fit_command(
     cache = report.cache
     q = report.quantizer
     out.print(
-        f"sizes: {q['backend']} quantizer dry run ({q.get('version')}) on a sparse pruned header per K; imatrix coverage: {report.imatrix_assumption}",
+        f"sizes: {q['backend']} quantizer dry run ({q.get('version')}) on a sparse "
+        f"pruned header per K; imatrix coverage: {report.imatrix_assumption}",
         highlight=False,
     )
     for note in cache.notes:
@@ -230,10 +238,12 @@ def fit_command(
     kinds = [f"KV {size(cache.kv_bytes)} on {sum(1 for x in cache.layers if x.kind != 'recurrent')} attention block(s)"]
     if cache.recurrent_bytes:
         kinds.append(
-            f"recurrent state {size(cache.recurrent_bytes)} on {sum(1 for x in cache.layers if x.kind == 'recurrent')} block(s)"
+            f"recurrent state {size(cache.recurrent_bytes)} on "
+            f"{sum(1 for x in cache.layers if x.kind == 'recurrent')} block(s)"
         )
     out.print(
-        f"cache at {ctx} tokens ({cache_type.lower()}, {cache.cells} cells{f', {cache.swa_cells} sliding-window' if cache.swa_cells else ''}): "
+        f"cache at {ctx} tokens ({cache_type.lower()}, {cache.cells} "
+        f"cells{f', {cache.swa_cells} sliding-window' if cache.swa_cells else ''}): "
         + " + ".join(kinds)
         + f" = {size(cache.total_bytes)}",
         highlight=False,
@@ -251,7 +261,8 @@ def fit_command(
         box=SIMPLE_HEAD,
         pad_edge=False,
         padding=(0, 0),
-        title=f"{loaded.path.name}: {layout.architecture}, {layout.expert_count} experts, top-{layout.expert_used_count}"
+        title=f"{loaded.path.name}: {layout.architecture}, "
+        f"{layout.expert_count} experts, top-{layout.expert_used_count}"
         + (f", {layout.group_count} groups" if layout.group_count > 1 else ""),
         caption=f"{unit[0]} of the rung file; ✓: "
         + (
@@ -281,12 +292,14 @@ def fit_command(
     out.print(table)
     if any(r.rung.fallback for r in report.rows):
         out.print(
-            f"f: some tensors need an imatrix entry the ladder's imatrix lacks and get the rung's imatrix_fallback_type ({escape(report.imatrix_assumption)})",
+            "f: some tensors need an imatrix entry the ladder's imatrix lacks and get "
+            f"the rung's imatrix_fallback_type ({escape(report.imatrix_assumption)})",
             highlight=False,
         )
     if best is None:
         out.print(
-            f"nothing fits in {size(budget)}: the smallest is {size(min(r.total for r in report.rows))}; try a shorter --ctx, --kv-type q8_0 or fewer experts (--k)",
+            f"nothing fits in {size(budget)}: the smallest is {size(min(r.total for r in report.rows))}; "
+            "try a shorter --ctx, --kv-type q8_0 or fewer experts (--k)",
             highlight=False,
         )
     else:
@@ -298,7 +311,10 @@ def fit_command(
         )
         if best.tier in ("gpu", "gpu+cpu"):
             gpu, host = best.gpu_devices
-            parts = f"{gpu.device} {size(gpu.total)} + {size(margin)} margin of {size(gpu_budget)}, host {size(host.total)} of {size(budget)}"
+            parts = (
+                f"{gpu.device} {size(gpu.total)} + {size(margin)} margin of "
+                f"{size(gpu_budget)}, host {size(host.total)} of {size(budget)}"
+            )
             out.print(
                 f"most experts that fit: K={best.kept} {best.rung.rung} in tier {best.tier}: {parts}", highlight=False
             )
@@ -315,8 +331,10 @@ def fit_command(
             else "weights + cache"
         )
         out.print(
-            f"GPU {size(gpu_budget)} for {counted} + {size(margin)} margin: w fits whole; N: llama.cpp --n-cpu-moe N keeps the experts of blocks 0..N-1 "
-            "in system memory (-ot 'blk\\.(0|..|N-1)\\.ffn_(up|down|gate|gate_up)_(ch|)exps=CPU' is the same); -: not even with every expert there",
+            f"GPU {size(gpu_budget)} for {counted} + {size(margin)} margin: w fits "
+            "whole; N: llama.cpp --n-cpu-moe N keeps the experts of blocks 0..N-1 "
+            "in system memory (-ot 'blk\\.(0|..|N-1)\\.ffn_(up|down|gate|gate_up)_(ch|)exps=CPU' "
+            "is the same); -: not even with every expert there",
             highlight=False,
         )
         if best is not None and best.offload is not None:
@@ -335,7 +353,8 @@ def fit_command(
             for device in best.gpu_devices:
                 estimated = f" ({', '.join(device.estimated)} estimated)" if device.estimated else ""
                 out.print(
-                    f"  {device.device}: weights {size(device.weights)} + cache {size(device.cache)} + compute {size(device.compute)} + output {size(device.output)}"
+                    f"  {device.device}: weights {size(device.weights)} + cache {size(device.cache)} "
+                    f"+ compute {size(device.compute)} + output {size(device.output)}"
                     f" = {size(device.total)}{estimated}",
                     highlight=False,
                 )

@@ -49,7 +49,8 @@ ChunkSizeOption = Annotated[
     int | None,
     typer.Option(
         "--chunk-size",
-        help="Tokens per chunk the imatrix was computed with, needed to turn a .dat into GGUF (llama-imatrix -c; default 512).",
+        help="Tokens per chunk the imatrix was computed with, needed "
+        "to turn a .dat into GGUF (llama-imatrix -c; default 512).",
     ),
 ]
 
@@ -79,7 +80,8 @@ def _imatrix_keepset(
             b for b in set(recorded.layers) | set(keepset.layers) if recorded.layers.get(b) != keepset.layers.get(b)
         )
         raise BadInput(
-            f"the keep-set differs from the one {pruned.path if pruned else ''} was pruned with (ggufcarve.kept_experts), in block(s) {ranges(differ)}",
+            f"the keep-set differs from the one {pruned.path if pruned else ''} was "
+            f"pruned with (ggufcarve.kept_experts), in block(s) {ranges(differ)}",
             "omit --keep to use the recorded keep-set, or give the model pruned with this keep-set",
         )
     return keepset
@@ -141,10 +143,12 @@ def imatrix_collect(
         )
         return
     out.print(
-        f"{result.chunk_count} chunks x {result.chunk_size} tokens of {', '.join(result.datasets)} in {result.seconds:.1f} s ({result.tokens / max(result.seconds, 1e-9):,.0f} tokens/s)"
+        f"{result.chunk_count} chunks x {result.chunk_size} tokens of {', '.join(result.datasets)} "
+        f"in {result.seconds:.1f} s ({result.tokens / max(result.seconds, 1e-9):,.0f} tokens/s)"
     )
     out.print(
-        f"wrote {result.output_path} ({result.entries} entries, {result.expert_entries} with per-expert counts, {result.output_bytes:,} bytes)"
+        f"wrote {result.output_path} ({result.entries} entries, {result.expert_entries} "
+        f"with per-expert counts, {result.output_bytes:,} bytes)"
     )
 
 
@@ -162,7 +166,8 @@ def imatrix_remap(
         Path | None,
         typer.Option(
             "--model",
-            help="The pruned model: its recorded keep-set is used when --keep is omitted, and the output is checked against it as llama-quantize will.",
+            help="The pruned model: its recorded keep-set is used when --keep is "
+            "omitted, and the output is checked against it as llama-quantize will.",
         ),
     ] = None,
     source_model: Annotated[
@@ -216,7 +221,9 @@ def imatrix_remap(
     keepset = _imatrix_keepset(layout, pruned, keep, keep_first_count, keep_id_list)
     if layout.described_by == "imatrix":
         warn(
-            f"no model given: {layout.expert_count} experts and MoE blocks {ranges(layout.blocks)} read from the imatrix; the size check against a model and llama.cpp's top-k and group rules were skipped (give --model to run them)",
+            f"no model given: {layout.expert_count} experts and MoE blocks "
+            f"{ranges(layout.blocks)} read from the imatrix; the size check against a model "
+            "and llama.cpp's top-k and group rules were skipped (give --model to run them)",
             label="note",
         )
     suffix_format = format_from_path(output)
@@ -249,7 +256,8 @@ def imatrix_remap(
             )
             return
         out.print(
-            f"dry run, nothing written: {len(plan.tensors)} expert entries {layout.expert_count} -> {plan.kept_count} experts, {len(plan.unchanged)} entries unchanged -> {output} ({target})"
+            f"dry run, nothing written: {len(plan.tensors)} expert entries {layout.expert_count} -> "
+            f"{plan.kept_count} experts, {len(plan.unchanged)} entries unchanged -> {output} ({target})"
         )
         return
     sources = [p for m in (pruned, source) if m is not None for p in m.paths]
@@ -312,7 +320,8 @@ def imatrix_inspect(
                 "chunks",
                 f"{loaded.chunk_count} x {loaded.chunk_size} tokens"
                 if loaded.chunk_size
-                else f"{loaded.chunk_count if loaded.chunk_count is not None else '? (no trailer)'} (a .dat does not record the chunk size)",
+                else f"{loaded.chunk_count if loaded.chunk_count is not None else '? (no trailer)'} "
+                "(a .dat does not record the chunk size)",
             ),
             ("datasets", ", ".join(loaded.datasets) or "-"),
             (
@@ -326,7 +335,8 @@ def imatrix_inspect(
             rows.append(
                 (
                     "remapped",
-                    f"by ggufcarve: {summary.remapped['source_expert_count']} -> {summary.remapped['kept_expert_count']} experts",
+                    f"by ggufcarve: {summary.remapped['source_expert_count']} "
+                    f"-> {summary.remapped['kept_expert_count']} experts",
                 )
             )
         for key, value in rows:
@@ -334,7 +344,8 @@ def imatrix_inspect(
         out.print(table)
         if summary.blocks and not doc["per_expert_counts"]:
             out.print(
-                f"expert entries in MoE blocks {ranges([b.block for b in summary.blocks])}; routing per expert unknown (no per-expert counts)"
+                f"expert entries in MoE blocks {ranges([b.block for b in summary.blocks])}; "
+                "routing per expert unknown (no per-expert counts)"
             )
         elif summary.blocks:
             blocks = new_table(title="routing per MoE block ((token, slot) pairs per expert)")
@@ -365,7 +376,8 @@ def imatrix_inspect(
         raise_problems(
             list(summary.model_check.problems),
             f"{imatrix} does not fit {model}",
-            f"llama-quantize fails on these entries; for a pruned model remap the source's imatrix: ggufcarve imatrix remap {imatrix} --model {model} -o OUT",
+            "llama-quantize fails on these entries; for a pruned model remap the "
+            f"source's imatrix: ggufcarve imatrix remap {imatrix} --model {model} -o OUT",
         )
 
 
@@ -399,16 +411,19 @@ def imatrix_convert(
         )
     if result.conversion.skipped:
         err.print(
-            f"[yellow]warning:[/] not written (no data, as llama-imatrix skips them): {escape(', '.join(result.conversion.skipped))}",
+            "[yellow]warning:[/] not written (no data, as llama-imatrix "
+            f"skips them): {escape(', '.join(result.conversion.skipped))}",
             soft_wrap=True,
             highlight=False,
         )
     if target == "gguf" and chunk_size is None:
         err.print(
-            f"[yellow]note:[/] a .dat does not record its chunk size; imatrix.chunk_size set to {result.conversion.imatrix.chunk_size} (pass --chunk-size to set it)",
+            "[yellow]note:[/] a .dat does not record its chunk size; imatrix.chunk_size "
+            f"set to {result.conversion.imatrix.chunk_size} (pass --chunk-size to set it)",
             soft_wrap=True,
             highlight=False,
         )
     out.print(
-        f"wrote {result.output_path} ({target}, {len(result.conversion.imatrix.entries)} entries, {result.output_bytes:,} bytes)"
+        f"wrote {result.output_path} ({target}, {len(result.conversion.imatrix.entries)} "
+        f"entries, {result.output_bytes:,} bytes)"
     )

@@ -1,9 +1,11 @@
 """ladder run: every rung of a spec from one source, hashed and recorded.
 
 Examples:
-    ggufcarve ladder run ladders/q8-to-iq1.toml --source model-128e-Q8_0.gguf --imatrix model-128e.imatrix.gguf -o release/
+    ggufcarve ladder run ladders/q8-to-iq1.toml --source model-128e-Q8_0.gguf --imatrix model-128e.imatrix.gguf -o \
+release/
     ggufcarve ladder run ladders/q8-to-iq1.toml --source model-128e-Q8_0.gguf -o release/ --only Q4_K_M --dry-run
-    ggufcarve ladder run ladders/q8-to-iq1.toml --source other-model-Q8_0.gguf -o release/ --force   # a new release in release/
+    ggufcarve ladder run ladders/q8-to-iq1.toml --source other-model-Q8_0.gguf -o release/ --force   # a new release \
+in release/
 """
 
 from __future__ import annotations
@@ -59,14 +61,17 @@ def ladder_run(
         bool,
         typer.Option(
             "--force",
-            help="Start the release in -o afresh: remove the rungs, reports and sums its manifest describes (needed when it holds another source's release).",
+            help="Start the release in -o afresh: remove the rungs, reports and sums its "
+            "manifest describes (needed when it holds another source's release).",
         ),
     ] = False,
     selection: Annotated[
         Path | None,
         typer.Option(
             "--selection",
-            help="The SELECTION.json (ggufcarve select -o) the source's experts were chosen by, published as method/expert-selection.json; found beside the source by the sha256 its pruning report records when the source was pruned with --keep SELECTION.json.",
+            help="The SELECTION.json (ggufcarve select -o) the source's experts were chosen by, "
+            "published as method/expert-selection.json; found beside the source by the sha256 "
+            "its pruning report records when the source was pruned with --keep SELECTION.json.",
         ),
     ] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress output.")] = False,
@@ -142,7 +147,8 @@ def ladder_run(
         )
     out.print(table)
     out.print(
-        f"manifest: {result.manifest_path}; sums: {result.sums_path}; {result.seconds:.1f} s total, {result.quantizer_seconds:.1f} s in the quantizer"
+        f"manifest: {result.manifest_path}; sums: {result.sums_path}; "
+        f"{result.seconds:.1f} s total, {result.quantizer_seconds:.1f} s in the quantizer"
     )
     if result.failed:
         raise typer.Exit(1)

@@ -99,7 +99,8 @@ GpuLayersOption = Annotated[
     typer.Option(
         "--gpu-layers",
         min=0,
-        help="Layers every llama.cpp child that loads a model offloads to the GPU (llama.cpp's -ngl; 0: all on the CPU; 99: all). A llama-cpp-python built without a GPU backend ignores it.",
+        help="Layers every llama.cpp child that loads a model offloads to the GPU (llama.cpp's -ngl; "
+        "0: all on the CPU; 99: all). A llama-cpp-python built without a GPU backend ignores it.",
     ),
 ]
 LlamaCppOption = Annotated[

@@ -58,7 +58,8 @@ def _layout_table(model: GGUFModel, layout: MoeLayout) -> Table:
         ),
         (
             "size",
-            f"{size(model.total_bytes)}; experts {size(layout.expert_bytes)} ({100 * layout.expert_bytes / max(layout.total_bytes, 1):.1f}% of tensor data)",
+            f"{size(model.total_bytes)}; experts {size(layout.expert_bytes)} "
+            f"({100 * layout.expert_bytes / max(layout.total_bytes, 1):.1f}% of tensor data)",
         ),
     ]
     for key, value in rows:
@@ -160,7 +161,8 @@ def prune(
         )
         table.add_row(
             "[bold]tensors[/]",
-            f"{len(summary['tensors_pruned'])} sliced, {summary['tensors_total'] - len(summary['tensors_pruned'])} copied whole",
+            f"{len(summary['tensors_pruned'])} sliced, "
+            f"{summary['tensors_total'] - len(summary['tensors_pruned'])} copied whole",
         )
         for key, change in summary["changed_keys"].items():
             table.add_row(f"[bold]{key}[/]", f"{change['before']} -> {change['after']}")
@@ -197,7 +199,8 @@ def prune(
     t = result.timings
     out.print(
         f"experts {layout.expert_count} -> {plan.kept_count}; {plan.bytes_in:,} -> {plan.bytes_out:,} bytes; "
-        f"{len(result.verification.tensors)} tensors and {result.verification.keys_checked} keys verified (xxh3-128) in {t['total_seconds']:.1f} s"
+        f"{len(result.verification.tensors)} tensors and {result.verification.keys_checked} "
+        f"keys verified (xxh3-128) in {t['total_seconds']:.1f} s"
     )
     out.print(f"report: {result.report_path}")
 
@@ -240,5 +243,6 @@ def check_prune_command(
         err.print(failures)
         verification.raise_if_failed(f"{output}")
     out.print(
-        f"OK: {len(verification.tensors)} tensors and {verification.keys_checked} keys of {output} match {source} with {layout.expert_count} -> {keepset.kept_count} experts"
+        f"OK: {len(verification.tensors)} tensors and {verification.keys_checked} keys of "
+        f"{output} match {source} with {layout.expert_count} -> {keepset.kept_count} experts"
     )

@@ -1,7 +1,8 @@
 """release: assemble a release directory that several ladder runs (processes or hosts) wrote into.
 
 Examples:
-    ggufcarve ladder run ladders/q8-to-iq1.toml --source model-128e-Q8_0.gguf -o /shared/release --only Q4_K_M   # one job per rung, anywhere
+    ggufcarve ladder run ladders/q8-to-iq1.toml --source model-128e-Q8_0.gguf -o /shared/release --only Q4_K_M   # one \
+job per rung, anywhere
     ggufcarve release merge /shared/release
     ggufcarve verify /shared/release
     ggufcarve release record /shared/release/LICENSE /shared/release/.gitattributes   # documentation you add
@@ -33,7 +34,8 @@ def merge_command(
     as_json: JsonOption = False,
     quiet: QuietOption = False,
 ) -> None:
-    """Assemble quant-manifest.json and SHA256SUMS from every rung's fragment, checking each rung's files (size, sha256)."""
+    """Assemble quant-manifest.json and SHA256SUMS from every rung's fragment, checking each rung's files (size, \
+sha256)."""
     from ggufcarve.fileio import format_size
     from ggufcarve.release.fragments import merge_release
 
@@ -72,7 +74,8 @@ def merge_command(
     out.print(table)
     state = "written" if result.changed else "unchanged"
     out.print(
-        f"quant-manifest.json and SHA256SUMS {state}: {len(result.rungs)} rung(s), {format_size(result.bytes_hashed)} hashed in {result.seconds:.1f} s"
+        f"quant-manifest.json and SHA256SUMS {state}: {len(result.rungs)} rung(s), "
+        f"{format_size(result.bytes_hashed)} hashed in {result.seconds:.1f} s"
     )
 
 
@@ -81,7 +84,8 @@ def record_command(
     files: Annotated[
         list[Path],
         typer.Argument(
-            help="Files inside a release: README.md (the card, as it is) or documentation (LICENSE, NOTICE, .md, .txt, images, .gitattributes)."
+            help="Files inside a release: README.md (the card, as it is) or "
+            "documentation (LICENSE, NOTICE, .md, .txt, images, .gitattributes)."
         ),
     ],
 ) -> None:

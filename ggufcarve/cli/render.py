@@ -143,7 +143,8 @@ def progress(enabled: bool = True, transient: bool = False) -> Iterator[Sink]:
         task = tasks.get(event.stage)
         if task is None:
             if not tasks:
-                bars.start()  # drawn from the first event on: a command that fails before any leaves no empty line above its error
+                # drawn from the first event on: a command that fails before any leaves no empty line above its error
+                bars.start()
             task = tasks[event.stage] = bars.add_task(
                 event.stage, total=event.total or None, unit=event.unit, message=""
             )

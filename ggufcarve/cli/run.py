@@ -60,7 +60,8 @@ def _preview_table(preview: RunPreview) -> None:
     )
     if preview.reference_bytes:
         out.print(
-            f"and up to {_size(preview.reference_bytes)} for the reference's log-probs (every token, as llama-perplexity keeps them; a plan's "
+            f"and up to {_size(preview.reference_bytes)} for the reference's "
+            "log-probs (every token, as llama-perplexity keeps them; a plan's "
             "\\[evaluation] top_k = 128 keeps a small cache with an estimated KLD instead)",
             highlight=False,
             soft_wrap=True,
@@ -117,7 +118,8 @@ def _result_tables(result: RunResult) -> None:
         )
     out.print(_tree(result.plan.output))
     out.print(
-        f"{result.seconds:.1f} s; verify passed: {len(result.verification.files_ok)} files match SHA256SUMS and the manifest",
+        f"{result.seconds:.1f} s; verify passed: {len(result.verification.files_ok)} "
+        "files match SHA256SUMS and the manifest",
         highlight=False,
     )
 
@@ -161,7 +163,8 @@ def _tune_table(report: dict) -> None:
 
     for k in report["keeps"]:
         table = new_table(
-            title=f"tune: K = {k} of {report['model']['expert_count']}, mean KLD vs the unpruned model (masked), ctx {report['parameters']['ctx']}"
+            title=f"tune: K = {k} of {report['model']['expert_count']}, mean KLD vs "
+            f"the unpruned model (masked), ctx {report['parameters']['ctx']}"
         )
         for column in ("method", "mean KLD", "±", "99.9% KLD", "same top p", "PPL", "chunks"):
             table.add_column(column, justify="left" if column == "method" else "right", overflow="fold")
@@ -236,7 +239,8 @@ def _execute(plan: RunPlan, dry_run: bool, force: bool, quiet: bool, as_json: bo
             probe = preview.short[0]
             raise OutputError(
                 f"the run needs about {_size(preview.needed[probe])} but {probe} has {_size(preview.free[probe])} free",
-                "free disk space, or set work/output in the plan to a larger disk (and GGUFCARVE_CACHE for the reference's log-probs)",
+                "free disk space, or set work/output in the plan to a larger "
+                "disk (and GGUFCARVE_CACHE for the reference's log-probs)",
             )
         return
     with progress(not quiet and not as_json) as sink:
@@ -289,7 +293,8 @@ RunGpuLayersOption = Annotated[
     typer.Option(
         "--gpu-layers",
         min=0,
-        help="Layers every llama.cpp stage offloads to the GPU (llama.cpp's -ngl; default: the plan's gpu_layers, else 0). A llama-cpp-python built without a GPU backend ignores it.",
+        help="Layers every llama.cpp stage offloads to the GPU (llama.cpp's -ngl; default: the "
+        "plan's gpu_layers, else 0). A llama-cpp-python built without a GPU backend ignores it.",
     ),
 ]
 
@@ -312,7 +317,8 @@ def run_command(
         bool,
         typer.Option(
             "--dry-run",
-            help="Print the stages, their outputs, sizes and the disk needed; write nothing. Fails when the disk is short.",
+            help="Print the stages, their outputs, sizes and the disk "
+            "needed; write nothing. Fails when the disk is short.",
         ),
     ] = False,
     force: Annotated[
@@ -324,7 +330,8 @@ def run_command(
     quiet: QuietOption = False,
     as_json: JsonOption = False,
 ) -> None:
-    """Select, prune, remap the imatrix, quantize the ladder, evaluate, write the card and verify, from one plan; finished stages are skipped."""
+    """Select, prune, remap the imatrix, quantize the ladder, evaluate, write the card and verify, from one plan; \
+finished stages are skipped."""
     from ggufcarve.pipeline.plan import load_plan
 
     _execute(_with_threads(load_plan(plan_file), threads, gpu_layers), dry_run, force, quiet, as_json)
@@ -341,7 +348,8 @@ def demo_command(
     quiet: QuietOption = False,
     as_json: JsonOption = False,
 ) -> None:
-    """The whole pipeline on the small trained MoE shipped with ggufcarve (embedded llama.cpp only, a few minutes on 2 cores)."""
+    """The whole pipeline on the small trained MoE shipped with ggufcarve (embedded llama.cpp only, a few minutes on 2 \
+cores)."""
     from ggufcarve.pipeline.demo import demo_plan, write_demo_plan
 
     plan = _with_threads(demo_plan(directory), threads, gpu_layers)
@@ -390,7 +398,8 @@ def _demo_answer(plan: RunPlan) -> None:
 
     w, other = answer["winner"], answer["runner_up"]
     out.print(
-        f"best in {_size(DEMO_BUDGET)} (file + {_size(cache)} KV cache at {plan.evaluation.ctx} tokens), of the {len(answer['fitting'])} measured models that fit:",
+        f"best in {_size(DEMO_BUDGET)} (file + {_size(cache)} KV cache at {plan.evaluation.ctx} "
+        f"tokens), of the {len(answer['fitting'])} measured models that fit:",
         highlight=False,
         markup=False,
     )
@@ -408,7 +417,8 @@ def _demo_answer(plan: RunPlan) -> None:
         )
         if other.get("stopped_early") and other["delta_vs_leader"]:
             out.print(
-                f"  it left after {other['chunks_scored']} chunks: {other['delta_vs_leader'][-1]:+.4f} ± {other['delta_stderr'][-1]:.4f} behind that round's "
+                f"  it left after {other['chunks_scored']} chunks: {other['delta_vs_leader'][-1]:+.4f} "
+                f"± {other['delta_stderr'][-1]:.4f} behind that round's "
                 "leader (paired per-token KLD)",
                 highlight=False,
                 markup=False,

@@ -3,7 +3,8 @@
 Examples:
     ggufcarve select model.gguf --method weights --keep 128 -o selection.json
     ggufcarve select model.gguf --method imatrix-counts --imatrix model.imatrix.gguf --ratio 0.5 -o selection.json
-    ggufcarve select model.gguf --method reap --calibration code.jsonl --calibration chat.jsonl --keep 128 -o selection.json
+    ggufcarve select model.gguf --method reap --calibration code.jsonl --calibration chat.jsonl --keep 128 -o \
+selection.json
     ggufcarve score model.gguf --method imatrix-energy --imatrix model.imatrix.gguf -o scores.json
     ggufcarve select scores.json --keep 128 --protect 0,7 -o selection.json
     ggufcarve score --merge part1.json part2.json -o scores.json
@@ -162,7 +163,8 @@ def score_command(
         )
     _write(output, scores.dumps(), sources, force)
     out.print(
-        f"{scores.method} scores of {scores.model.name}: {len(scores.blocks)} MoE blocks x {scores.model.expert_count} experts"
+        f"{scores.method} scores of {scores.model.name}: {len(scores.blocks)} "
+        f"MoE blocks x {scores.model.expert_count} experts"
         + (f", {scores.tokens:,} tokens" if scores.tokens else "")
         + f" -> {output}"
     )
@@ -246,7 +248,8 @@ def select_command(
         typer.Option(
             "-o",
             "--output",
-            help="SELECTION.json to write (a keep-set `ggufcarve prune --keep` reads); the heatmap goes beside it as .png.",
+            help="SELECTION.json to write (a keep-set `ggufcarve prune "
+            "--keep` reads); the heatmap goes beside it as .png.",
         ),
     ] = None,
     method: MethodOption = None,
@@ -272,7 +275,8 @@ def select_command(
         str | None,
         typer.Option(
             "--protect",
-            help="Never drop these experts: ids for every block (0,5,9-11) or a keep-set-like JSON file of ids per block.",
+            help="Never drop these experts: ids for every block (0,5,9-11) "
+            "or a keep-set-like JSON file of ids per block.",
         ),
     ] = None,
     protect_super_experts: Annotated[

@@ -2,7 +2,8 @@
 
 Examples:
     ggufcarve tune model.gguf --calibration cal.txt --heldout heldout.txt --keep 8 -o tune/
-    ggufcarve tune model.gguf --calibration cal.txt --heldout wiki.txt --heldout code.txt --keep 64,96,128 --methods reap,frequency,weights --ctx 512 --chunks 32 -o tune/
+    ggufcarve tune model.gguf --calibration cal.txt --heldout wiki.txt --heldout code.txt --keep 64,96,128 --methods \
+reap,frequency,weights --ctx 512 --chunks 32 -o tune/
     ggufcarve prune model.gguf --keep tune/expert-selection.json -o model-pruned.gguf
 """
 
@@ -57,7 +58,10 @@ def tune_command(
             "--methods",
             help="all, or a list such as reap,frequency,weights. all: "
             + all_help()
-            + " when its memory estimate (a token per byte of the calibration text, at most --max-tokens) is at most half of the memory available (else left out, with a line saying so); razor only when listed (a heavier pass). greedy listed is refused before the pass when its estimate exceeds 80% of the available memory.",
+            + " when its memory estimate (a token per byte of the calibration text, at most "
+            "--max-tokens) is at most half of the memory available (else left out, with a "
+            "line saying so); razor only when listed (a heavier pass). greedy listed is "
+            "refused before the pass when its estimate exceeds 80% of the available memory.",
         ),
     ] = "all",
     ctx: Annotated[
@@ -80,7 +84,8 @@ def tune_command(
         bool,
         typer.Option(
             "--stability",
-            help="Also build each calibration method's keep-sets from each half of the calibration text (one more pass per half) and report their overlap per block.",
+            help="Also build each calibration method's keep-sets from each half of the "
+            "calibration text (one more pass per half) and report their overlap per block.",
         ),
     ] = False,
     threads: ThreadsOption = None,
@@ -140,13 +145,15 @@ def tune_command(
                 stopped = f"  stopped after {c['chunks_scored']} chunk(s)" if c["stopped_early"] else ""
                 halves = f"  halves overlap {c['stability']['overlap']:.3f}" if "stability" in c else ""
                 out.print(
-                    f"  {c['method']:<15} mean KLD {c['kld_mean']:.4f} ± {c['kld_mean_stderr']:.4f}  99.9% {c['kld_p999']:.4f}  "
+                    f"  {c['method']:<15} mean KLD {c['kld_mean']:.4f} ± "
+                    f"{c['kld_mean_stderr']:.4f}  99.9% {c['kld_p999']:.4f}  "
                     f"same top {100 * c['same_top_p']:.2f}%  PPL {c['ppl']:.4f}{halves}{stopped}{note}",
                     markup=False,
                     highlight=False,
                 )
     out.print(
-        f"winner: {result.winner}; written: {output / 'expert-selection.json'}, {output / 'tune.md'}, {output / 'tune.json'}",
+        f"winner: {result.winner}; written: {output / 'expert-selection.json'}, "
+        f"{output / 'tune.md'}, {output / 'tune.json'}",
         markup=False,
         highlight=False,
     )

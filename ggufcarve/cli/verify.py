@@ -33,14 +33,16 @@ def verify_command(
         bool,
         typer.Option(
             "--partial",
-            help="Do not fail for what a complete release would hold more (rungs of the ladder, evaluation results, the card); list it.",
+            help="Do not fail for what a complete release would hold more "
+            "(rungs of the ladder, evaluation results, the card); list it.",
         ),
     ] = False,
     strict: Annotated[
         bool,
         typer.Option(
             "--strict",
-            help="Require evaluation results and the card too (by default: what the release's manifest promises; a ladder alone promises its rungs).",
+            help="Require evaluation results and the card too (by default: what the "
+            "release's manifest promises; a ladder alone promises its rungs).",
         ),
     ] = False,
     jobs: Annotated[
@@ -73,7 +75,8 @@ def verify_command(
         out.print(
             f"OK: {len(report.files_ok)} files of {directory} match SHA256SUMS and the manifest"
             + (f"; expert_count {report.expert_count}" if report.expert_count is not None else "")
-            + f"; {state} ({format_size(report.bytes_hashed)} in {report.seconds:.1f} s, {rate:.0f} MiB/s, {report.workers} threads)",
+            + f"; {state} ({format_size(report.bytes_hashed)} in "
+            f"{report.seconds:.1f} s, {rate:.0f} MiB/s, {report.workers} threads)",
             highlight=False,
             soft_wrap=True,
         )

@@ -61,7 +61,8 @@ def agrees(a: float, b: float, digits: int = 4) -> bool:
 
 
 def parse_kld_output(lines: list[str]) -> dict:
-    """llama-perplexity --kl-divergence's final statistics: ppl, kld_mean(_stderr), kld percentiles, rms_dp, same_top_p (fractions)."""
+    """llama-perplexity --kl-divergence's final statistics: ppl, kld_mean(_stderr), kld percentiles, rms_dp, \
+same_top_p (fractions)."""
     found: dict = {"kld": {}}
     for line in lines:
         if m := MEAN_PPL.match(line):
@@ -128,7 +129,8 @@ class CrossCheck:
             if not missing:
                 if lacked:
                     notes.append(
-                        f"llama-perplexity ({what}) ran again: {len(lacked)} of its {attempt} runs exited 0 without its closing statistics "
+                        f"llama-perplexity ({what}) ran again: {len(lacked)} of its "
+                        f"{attempt} runs exited 0 without its closing statistics "
                         f"(no {lacked[0]} line), which its log thread drops at exit under load"
                     )
                 return found
@@ -145,7 +147,8 @@ class CrossCheck:
                 )
         last = " | ".join(line.strip() for line in lines[-2:] if line.strip())
         raise ToolFailed(
-            f"llama-perplexity ({what}) exited 0 without its closing statistics (no {lacked[-1]} line) in each of {ATTEMPTS} runs; "
+            f"llama-perplexity ({what}) exited 0 without its closing "
+            f"statistics (no {lacked[-1]} line) in each of {ATTEMPTS} runs; "
             f"its output ends: {last}",
             "run the same command by hand to see its whole output, or run on a less loaded machine",
         )

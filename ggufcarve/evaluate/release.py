@@ -3,7 +3,8 @@ the evaluation of models into a directory that a release then publishes. `ggufca
 run pipeline's evaluate stage both call these.
 
     settings, warnings = eval_settings(ctx=512, chunks=40, gate=None, qa=Path("evaluation/qa"))
-    run = evaluate_release([Path("release")], Path("model-Q8_0.gguf"), Path("heldout.txt"), settings, Path("release/evaluation"))
+    run = evaluate_release([Path("release")], Path("model-Q8_0.gguf"), Path("heldout.txt"), settings, \
+Path("release/evaluation"))
 """
 
 from __future__ import annotations
@@ -77,7 +78,8 @@ def eval_settings(
         raise BadInput(f"--top-k {top_k}: must be at least 1", "leave --top-k out to keep every token's log-prob")
     if tail_samples < 0 or tail_samples == 1:
         raise BadInput(
-            f"--tail-samples {tail_samples}: must be 0 (a lower bound) or at least 2 (their spread measures the estimate's error)",
+            f"--tail-samples {tail_samples}: must be 0 (a lower bound) "
+            "or at least 2 (their spread measures the estimate's error)",
             f"for example --tail-samples {DEFAULT_TAIL_SAMPLES}",
         )
     if speed_engine not in ENGINES:
@@ -142,7 +144,8 @@ def _loop_settings(wanted: bool, prompts_file: Path | None, tokens: int | None, 
     tokens = DEFAULT_TOKENS if tokens is None else tokens
     if not MIN_REPEATS * MAX_PERIOD <= tokens <= 4096:
         raise BadInput(
-            f"--loop-tokens {tokens}: must be in {MIN_REPEATS * MAX_PERIOD}..4096 (the detector needs {MIN_REPEATS} repeats of periods up to {MAX_PERIOD})",
+            f"--loop-tokens {tokens}: must be in {MIN_REPEATS * MAX_PERIOD}..4096 "
+            f"(the detector needs {MIN_REPEATS} repeats of periods up to {MAX_PERIOD})",
             f"for example --loop-tokens {DEFAULT_TOKENS}",
         )
     if prompts_file is not None:

@@ -112,7 +112,8 @@ def _identity_path(cache: Path) -> Path:
 
 
 def _cached(cache: Path, ref_sha: str, text_sha: str, settings: EvalSettings) -> kld.ReferenceFile | None:
-    """The cached reference when it is complete and of this reference, text and context, holding the chunks this run scores."""
+    """The cached reference when it is complete and of this reference, text and context, holding the chunks this run \
+scores."""
     try:
         opened = kld.open_reference(cache)
         if opened.header is not None:
@@ -264,7 +265,8 @@ def _save_base(opened: kld.ReferenceFile, n_chunk: int, path: Path) -> None:
 def prepare_reference(
     path: Path, heldout: Path | None, settings: EvalSettings, work: Path, sink: Sink = ignore
 ) -> Reference:
-    """The reference file the children compare with: a given top-k cache or base file, or the cached log-probs of a GGUF reference.
+    """The reference file the children compare with: a given top-k cache or base file, or the cached log-probs of a \
+GGUF reference.
 
     A GGUF reference's log-probs are kept as llama-perplexity's base file (every token, the default)
     or, with `settings.reference_store` "topk", as a top-k cache.
@@ -409,12 +411,14 @@ def check_vocabularies(
     for entry in models:
         if reference is not None and entry.vocab_sha256 != reference.vocab_sha256:
             raise BadInput(
-                f"{entry.path.name}: its vocabulary ({entry.n_vocab} tokens) differs from the reference {reference.path.name}'s ({reference.n_vocab} tokens)",
+                f"{entry.path.name}: its vocabulary ({entry.n_vocab} tokens) differs "
+                f"from the reference {reference.path.name}'s ({reference.n_vocab} tokens)",
                 "compare models of one family: quants and pruned versions of the reference",
             )
         if n_vocab is not None and entry.n_vocab != n_vocab:
             raise BadInput(
-                f"{entry.path.name}: its vocabulary has {entry.n_vocab} tokens, the reference file {reference_file.name} {n_vocab}",
+                f"{entry.path.name}: its vocabulary has {entry.n_vocab} "
+                f"tokens, the reference file {reference_file.name} {n_vocab}",
                 "compare models of the reference's family",
             )
 
@@ -422,7 +426,8 @@ def check_vocabularies(
 KLD_METHODS = {
     "base-file": "llama-perplexity's: every token's log-prob from its 16-bit --kl-divergence-base file",
     "topk-exact": "exact: the top-k cache holds every token",
-    "topk-sampled-tail": "top-k log-probs exact, the tail's part estimated from sampled tail tokens (unbiased; kld_tail_stderr)",
+    "topk-sampled-tail": "top-k log-probs exact, the tail's part estimated "
+    "from sampled tail tokens (unbiased; kld_tail_stderr)",
     "topk-lower-bound": "top-k log-probs and the tail as one outcome: a lower bound",
 }
 
@@ -670,7 +675,8 @@ def _segment_record(name: str, table: np.ndarray, chunks: int, method: str) -> d
 
 
 def _judge_segments(doc: dict, gate) -> None:
-    """Each segment's own verdict (gate, gate_failed); with the gate's segments "every" a failed segment fails the model."""
+    """Each segment's own verdict (gate, gate_failed); with the gate's segments "every" a failed segment fails the \
+model."""
     if gate is None:
         return
     for record in doc["segments"]:

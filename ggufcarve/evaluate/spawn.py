@@ -1,4 +1,5 @@
-"""The parent side of the evaluation child: one request run through the child-task protocol (`ggufcarve.llama.child`)."""
+"""The parent side of the evaluation child: one request run through the child-task protocol \
+(`ggufcarve.llama.child`)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Prompt-processing and decode speed as llama-bench defines them (pp: one batch of N prompt tokens; tg: N single-token decodes).
+"""Prompt-processing and decode speed as llama-bench defines them (pp: one batch of N prompt tokens; tg: N \
+single-token decodes).
 
 With a llama-bench binary (`ggufcarve toolchain build` compiles it), `bench_speed` runs it on the
 model: `-p N -n N -r RUNS -t THREADS --repack 0 -o jsonl`, one JSON line per test with every

@@ -1,4 +1,5 @@
-"""summary.md and the charts of an evaluation: the release table, the quality table, and pruned vs unpruned at equal size.
+"""summary.md and the charts of an evaluation: the release table, the quality table, and pruned vs unpruned at equal \
+size.
 
 At equal size: every model is compared with the model of each other family whose size is
 closest (by size ratio); the better one by mean KLD is marked. A model is on the Pareto front
@@ -66,13 +67,21 @@ def _kld_note(doc: dict) -> str:
     """How the KLD figures were computed, in one sentence."""
     params, method = doc.get("parameters", {}), doc.get("kld_method")
     if params.get("kld_full_vocabulary"):
-        return "KLD from the reference's full distributions, as llama-perplexity --kl-divergence computes it (every token; its base file stores them in 16 bits)."
+        return (
+            "KLD from the reference's full distributions, as llama-perplexity "
+            "--kl-divergence computes it (every token; its base file stores them in 16 bits)."
+        )
     if method == "topk-sampled-tail":
         return (
-            f"KLD estimated from the reference's top-{params.get('top_k')} log-probs and {params.get('tail_samples')} sampled tail tokens per token: "
-            "the mean is unbiased, ± the sampling's standard error (`kld_tail_stderr` in each JSON); percentiles are of per-token estimates."
+            f"KLD estimated from the reference's top-{params.get('top_k')} log-probs "
+            f"and {params.get('tail_samples')} sampled tail tokens per token: "
+            "the mean is unbiased, ± the sampling's standard error (`kld_tail_stderr` "
+            "in each JSON); percentiles are of per-token estimates."
         )
-    return f"KLD from the reference's top-{params.get('top_k')} log-probs with the rest as one outcome: a lower bound of the KLD."
+    return (
+        f"KLD from the reference's top-{params.get('top_k')} log-probs "
+        "with the rest as one outcome: a lower bound of the KLD."
+    )
 
 
 def render_summary(results: list[dict], reference_label: str, charts: list[str]) -> str:
@@ -96,7 +105,8 @@ def render_summary(results: list[dict], reference_label: str, charts: list[str])
         if r.get("gate_failed"):
             gate += " (" + "; ".join(r["gate_failed"]) + ")"
         lines.append(
-            f"| {r['model']['file']} | {format_size(r['model']['bytes'])} | {passed} | {_fmt(r.get('qa_exact_vs_reference'), percent=True)} | {speed_text(r, 'tg', unit=False)} | {gate} |"
+            f"| {r['model']['file']} | {format_size(r['model']['bytes'])} | {passed} | "
+            f"{_fmt(r.get('qa_exact_vs_reference'), percent=True)} | {speed_text(r, 'tg', unit=False)} | {gate} |"
         )
     add_loop_column(lines, ordered)
     lines += [
@@ -108,7 +118,8 @@ def render_summary(results: list[dict], reference_label: str, charts: list[str])
     ]
     for r in ordered:
         lines.append(
-            f"| {r['model']['quant']} ({r['model']['name']}) | {format_size(r['model']['bytes'])} | {r['ppl']:.4f} | {round(r['ppl_delta_percent'], 2) + 0.0:+.2f}% | {r['ppl_stderr']:.4f} | "
+            f"| {r['model']['quant']} ({r['model']['name']}) | {format_size(r['model']['bytes'])} | "
+            f"{r['ppl']:.4f} | {round(r['ppl_delta_percent'], 2) + 0.0:+.2f}% | {r['ppl_stderr']:.4f} | "
             f"{r['kld_mean']:.6f} | {r['kld_p99']:.6f} | {100 * r['same_top_p']:.2f}% |"
         )
     front = pareto_front(results)
@@ -116,7 +127,8 @@ def render_summary(results: list[dict], reference_label: str, charts: list[str])
         "",
         "## Pruned vs unpruned at equal size",
         "",
-        "Sorted by size. *Closest other* is the model of another family nearest in size; ✓ marks the one with the lower mean KLD.",
+        "Sorted by size. *Closest other* is the model of another family "
+        "nearest in size; ✓ marks the one with the lower mean KLD.",
         "",
         "| Model | Family | Size | mean KLD | PPL | Pareto front | Closest other (size, mean KLD) |",
         "|---|---|---|---|---|---|---|",
@@ -130,7 +142,8 @@ def render_summary(results: list[dict], reference_label: str, charts: list[str])
     for r in ordered:
         name = r["model"]["name"]
         lines.append(
-            f"| {name} | {r['model']['family']} | {format_size(r['model']['bytes'])} | {r['kld_mean']:.6f} | {r['ppl']:.4f} | {'yes' if name in front else ''} | "
+            f"| {name} | {r['model']['family']} | {format_size(r['model']['bytes'])} | "
+            f"{r['kld_mean']:.6f} | {r['ppl']:.4f} | {'yes' if name in front else ''} | "
             f"{'; '.join(pairs.get(name, [])) or '–'} |"
         )
     lines += segment_table(ordered)
@@ -153,10 +166,11 @@ def segment_table(ordered: list[dict]) -> list[str]:
         "",
         "## Segments",
         "",
-        "Each held-out file scored on its own against the reference's log-probs on it; *all* is every file's tokens together."
-        + gate_note,
+        "Each held-out file scored on its own against the reference's "
+        "log-probs on it; *all* is every file's tokens together." + gate_note,
         "",
-        "| Model | Size | Held-out file | Tokens | PPL | Δ vs reference | mean KLD | ± | 99.9% KLD | same top p | Gate |",
+        "| Model | Size | Held-out file | Tokens | PPL | Δ vs "
+        "reference | mean KLD | ± | 99.9% KLD | same top p | Gate |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in ordered:
@@ -172,8 +186,10 @@ def segment_table(ordered: list[dict]) -> list[str]:
         for label, f, gate in rows:
             tokens = f.get("tokens", (f.get("parameters") or {}).get("scored_tokens"))
             lines.append(
-                f"| {r['model']['name']} | {format_size(r['model']['bytes'])} | {label} | {tokens} | {f['ppl']:.4f} | {round(f['ppl_delta_percent'], 2) + 0.0:+.2f}% | "
-                f"{f['kld_mean']:.6f} | {f['kld_mean_stderr']:.6f} | {f['kld_p999']:.6f} | {100 * f['same_top_p']:.2f}% | {gate} |"
+                f"| {r['model']['name']} | {format_size(r['model']['bytes'])} | {label} | "
+                f"{tokens} | {f['ppl']:.4f} | {round(f['ppl_delta_percent'], 2) + 0.0:+.2f}% | "
+                f"{f['kld_mean']:.6f} | {f['kld_mean_stderr']:.6f} | "
+                f"{f['kld_p999']:.6f} | {100 * f['same_top_p']:.2f}% | {gate} |"
             )
     return lines
 

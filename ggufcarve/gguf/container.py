@@ -166,7 +166,8 @@ class _Cursor:
     def need(self, n: int, what: str) -> None:
         if n < 0 or self.pos + n > self.size:
             raise BadInput(
-                f"{self.path}: truncated or corrupt GGUF header: {what} at byte {self.pos} runs past the end of the file ({self.size} bytes)",
+                f"{self.path}: truncated or corrupt GGUF header: {what} at byte "
+                f"{self.pos} runs past the end of the file ({self.size} bytes)",
                 "re-download or re-copy the file; compare its size and sha256 with the source",
             )
 
@@ -210,7 +211,8 @@ class _Cursor:
                     self.pos += n
             elif item_type == GGUFValueType.ARRAY:
                 raise BadInput(
-                    f"{self.path}: {what} is an array of arrays (byte {self.pos}), which llama.cpp's GGUF reader refuses",
+                    f"{self.path}: {what} is an array of arrays (byte "
+                    f"{self.pos}), which llama.cpp's GGUF reader refuses",
                     "the file is corrupt or was not written for llama.cpp",
                 )
             else:
@@ -388,7 +390,8 @@ def _size_tensors(
             nbytes = candidates[0]
         if offset + nbytes > data_size:
             raise BadInput(
-                f"{path}: truncated: tensor {name!r} needs bytes up to {offset + nbytes} of the data section, the file has {data_size}",
+                f"{path}: truncated: tensor {name!r} needs bytes up to "
+                f"{offset + nbytes} of the data section, the file has {data_size}",
                 "re-download or re-copy the file; compare its size and sha256 with the source",
             )
         tensors.append(TensorInfo(name, shape, type_id, offset, nbytes))
@@ -468,7 +471,8 @@ def read_model(path: str | os.PathLike[str]) -> GGUFModel:
         shard = read_file(shard_path)
         if shard.get(SPLIT_NO) != i or shard.get(SPLIT_COUNT) != count:
             raise BadInput(
-                f"{shard_path}: {SPLIT_NO}/{SPLIT_COUNT} say {shard.get(SPLIT_NO)}/{shard.get(SPLIT_COUNT)}, expected {i}/{count}",
+                f"{shard_path}: {SPLIT_NO}/{SPLIT_COUNT} say "
+                f"{shard.get(SPLIT_NO)}/{shard.get(SPLIT_COUNT)}, expected {i}/{count}",
                 "the shards come from different split sets",
             )
         shards.append(shard)

@@ -68,8 +68,10 @@ def check_against_model(imatrix: Imatrix, model: GGUFModel, *, sizes: Mapping[st
     if missing:
         blocks = sorted({int(n.split(".")[1]) for n in missing})
         warnings.append(
-            f"block(s) {', '.join(map(str, blocks))} of {model.path.name} have no imatrix entries (llama-imatrix never runs MTP blocks); "
-            f"IQ1/IQ2/IQ3_XXS targets fail on their {len(missing)} weight matrices ('Missing importance matrix'): give them a --tensor-type override such as blk\\.{blocks[0]}\\.=q4_K"
+            f"block(s) {', '.join(map(str, blocks))} of {model.path.name} "
+            "have no imatrix entries (llama-imatrix never runs MTP blocks); "
+            f"IQ1/IQ2/IQ3_XXS targets fail on their {len(missing)} weight matrices ('Missing "
+            f"importance matrix'): give them a --tensor-type override such as blk\\.{blocks[0]}\\.=q4_K"
         )
     recorded = imatrix.remap_keepset
     if recorded is not None:
@@ -81,7 +83,8 @@ def check_against_model(imatrix: Imatrix, model: GGUFModel, *, sizes: Mapping[st
                 if recorded.layers.get(b) != pruned_with.layers.get(b)
             )
             problems.append(
-                f"the imatrix was remapped with another keep-set than {model.path.name} was pruned with (blocks {', '.join(map(str, differ))} differ)"
+                f"the imatrix was remapped with another keep-set than {model.path.name} "
+                f"was pruned with (blocks {', '.join(map(str, differ))} differ)"
             )
     return ModelCheck(tuple(problems), tuple(warnings), missing)
 

@@ -217,7 +217,8 @@ def resolve_source_layout(
     if source_layout is not None:
         if recorded is not None and int(recorded) != source_layout.expert_count:
             raise BadInput(
-                f"{pruned.path if pruned else 'the pruned model'} was pruned from a {int(recorded)}-expert model ({KEY_SOURCE_EXPERT_COUNT}), the source model has {source_layout.expert_count}",
+                f"{pruned.path if pruned else 'the pruned model'} was pruned from a {int(recorded)}-expert "
+                f"model ({KEY_SOURCE_EXPERT_COUNT}), the source model has {source_layout.expert_count}",
                 "give the source model the pruned model was made from",
             )
         return source_layout
@@ -232,7 +233,8 @@ def resolve_source_layout(
     found = sorted(set(imatrix_expert_count(imatrix, ne0).values()))
     if len(found) != 1:
         raise BadInput(
-            f"{pruned.path} does not record the source expert count (no {KEY_SOURCE_EXPERT_COUNT}) and the imatrix entries give {found or 'none'}",
+            f"{pruned.path} does not record the source expert count (no "
+            f"{KEY_SOURCE_EXPERT_COUNT}) and the imatrix entries give {found or 'none'}",
             "pass --source-model with the unpruned model",
         )
     return dataclasses.replace(pruned_layout, expert_count=found[0])
@@ -336,7 +338,8 @@ def plan_remap(
         pruned_k = pruned.get(Keys.LLM.EXPERT_COUNT.format(arch=arch))
         if pruned_k != k:
             raise BadInput(
-                f"the keep-set keeps {k} experts per block but {pruned.path} has {Keys.LLM.EXPERT_COUNT.format(arch=arch)}={pruned_k}",
+                f"the keep-set keeps {k} experts per block but {pruned.path} "
+                f"has {Keys.LLM.EXPERT_COUNT.format(arch=arch)}={pruned_k}",
                 "use the keep-set the model was pruned with (omit --keep to use the one it records)",
             )
 
@@ -371,7 +374,8 @@ def plan_remap(
             problems.append(f"{e.name} is not a tensor of {reference_name}")
         elif e.nval != sizes[e.name] and e.name != "token_embd.weight":
             problems.append(
-                f"{e.name} has {e.nval} values, but {reference_name} needs {sizes[e.name]} (ne0 x ne2); it fits neither the dense nor the expert layout"
+                f"{e.name} has {e.nval} values, but {reference_name} needs {sizes[e.name]} "
+                "(ne0 x ne2); it fits neither the dense nor the expert layout"
             )
     problems = _group_problems(problems)
     raise_problems(
@@ -413,7 +417,8 @@ def plan_remap(
         main = [b for b in without if not layout.is_mtp(b)]
         if mtp:
             warnings.append(
-                f"MTP block(s) {', '.join(map(str, mtp))} have no imatrix entries (llama-imatrix never runs MTP blocks); IQ rungs need a --tensor-type override for blk.{mtp[0]}"
+                f"MTP block(s) {', '.join(map(str, mtp))} have no imatrix entries (llama-imatrix "
+                f"never runs MTP blocks); IQ rungs need a --tensor-type override for blk.{mtp[0]}"
             )
         if main:
             warnings.append(f"MoE block(s) {', '.join(map(str, main))} have no expert entries in the imatrix")
@@ -426,7 +431,8 @@ def plan_remap(
         result = dataclasses.replace(result, kvs=tuple(replace_kvs(result.kvs, changes)))
     for name in conversion.skipped:
         warnings.append(
-            f"{name} has no data at all; a .dat cannot hold it (llama-imatrix skips such entries), so IQ rungs need a --tensor-type override for it"
+            f"{name} has no data at all; a .dat cannot hold it (llama-imatrix "
+            "skips such entries), so IQ rungs need a --tensor-type override for it"
         )
 
     if pruned is not None:
@@ -490,12 +496,18 @@ def _expert_entry_problem(e: ImatrixEntry, n_expert: int, kept: int, ne0: int) -
         return None
     found = e.n_mat if e.n_mat > 1 else (e.nval // ne0 if e.nval % ne0 == 0 else None)
     if found == kept and kept != n_expert:
-        return f"{e.name} already holds {kept} experts (the pruned count), not the source's {n_expert}: it looks remapped already"
+        return (
+            f"{e.name} already holds {kept} experts (the pruned count), "
+            f"not the source's {n_expert}: it looks remapped already"
+        )
     if found is not None and found != n_expert:
         return (
             f"{e.name} holds {found} experts but the keep-set selects from {n_expert} (the source model's expert_count)"
         )
-    return f"{e.name} has {e.nval} values ({e.n_mat} x {e.row_len}); it fits neither the dense ({ne0}) nor the expert ({n_expert} x {ne0}) layout"
+    return (
+        f"{e.name} has {e.nval} values ({e.n_mat} x {e.row_len}); it fits "
+        f"neither the dense ({ne0}) nor the expert ({n_expert} x {ne0}) layout"
+    )
 
 
 @dataclass
@@ -552,7 +564,8 @@ def execute_remap(
         written = read_imatrix(temp)  # re-read: the file parses and every value is finite
         if len(written.entries) != len(output.entries):
             raise CarveError(
-                f"internal error: {plan.output_path.name} has {len(written.entries)} entries, planned {len(output.entries)}"
+                f"internal error: {plan.output_path.name} has "
+                f"{len(written.entries)} entries, planned {len(output.entries)}"
             )
         timings = {"write_seconds": t_write - t0, "total_seconds": time.perf_counter() - t0}
         result = RemapResult(plan, plan.output_path, report_path, input_sha, output_sha, size, timings)

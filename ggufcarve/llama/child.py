@@ -296,7 +296,8 @@ def _carve_error(
         )
         if error.needed is not None and error.free is not None:
             return OutputError(
-                f"{shown.name} needs {error.needed / 2**20:.1f} MiB but {shown.parent} has {error.free / 2**20:.1f} MiB free",
+                f"{shown.name} needs {error.needed / 2**20:.1f} MiB but "
+                f"{shown.parent} has {error.free / 2**20:.1f} MiB free",
                 f"free disk space or {elsewhere}; nothing was written",
             )
         return write_failed(OSError(error.errno, error.strerror or error.message), shown, elsewhere)

@@ -303,7 +303,8 @@ def _child(request: DecodeRequest, out: Path) -> None:
         work = chunks(tokens, batching.ctx, bos, request.max_tokens)
         if not work:
             raise BadInput(
-                f"the calibration input tokenizes to {len(tokens)} tokens, fewer than one --ctx chunk of {batching.ctx}",
+                f"the calibration input tokenizes to {len(tokens)} "
+                f"tokens, fewer than one --ctx chunk of {batching.ctx}",
                 "give more text or a smaller --ctx",
             )
     else:

@@ -123,7 +123,14 @@ class Finished:
         elif self.returncode == -signal.SIGXFSZ:
             why = "killed by SIGXFSZ: a file it wrote reached the file size limit (ulimit -f)"
         elif self.returncode < 0:
-            why = f"killed by signal {signal.Signals(-self.returncode).name if -self.returncode in signal.valid_signals() else -self.returncode}"
+            why = (
+                "killed by signal "
+                f"""{
+                    signal.Signals(-self.returncode).name
+                    if -self.returncode in signal.valid_signals()
+                    else -self.returncode
+                }"""
+            )
         else:
             why = f"exited {self.returncode}"
         last = " | ".join(line.strip() for line in self.tail[-3:] if line.strip())

@@ -203,7 +203,8 @@ def _dry_load(request: Request, out: Path) -> None:
     ctx = llama_cpp.llama_init_from_model(model, cparams)
     if not ctx:
         raise BadInput(
-            f"{Path(request.model).name}: llama.cpp refuses a context of {settings.n_ctx} tokens with a {settings.kv_type} cache "
+            f"{Path(request.model).name}: llama.cpp refuses a context of "
+            f"{settings.n_ctx} tokens with a {settings.kv_type} cache "
             f"(flash attention {settings.flash_attn})",
             " | ".join(s.strip() for s in lines[-2:] if s.strip()) or "a quantized V cache needs flash attention",
         )

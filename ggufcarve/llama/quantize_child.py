@@ -152,7 +152,8 @@ def main(argv: list[str]) -> int:
     )  # a NULL callback: llama.cpp logs to stderr
     llama_cpp.llama_backend_init()
     print(
-        f"ggufcarve libllama backend: llama-cpp-python {llama_cpp.__version__}, {'dry run of' if params.dry_run else 'quantizing'} '{source}' as {ftype_name.upper()}",
+        f"ggufcarve libllama backend: llama-cpp-python {llama_cpp.__version__}, "
+        f"{'dry run of' if params.dry_run else 'quantizing'} '{source}' as {ftype_name.upper()}",
         file=sys.stderr,
         flush=True,
     )

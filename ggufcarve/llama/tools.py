@@ -200,7 +200,7 @@ def built_for_this_cpu(directory: Path) -> bool:
 
 
 def cache_state(directory: Path) -> str:
-    """ "ready" (all tools, built for this CPU), "missing" (not all tools) or "other cpu"."""
+    """\"ready" (all tools, built for this CPU), "missing" (not all tools) or "other cpu"."""
     if not all(_is_executable(directory / "bin" / t) for t in TOOLS):
         return "missing"
     return "ready" if built_for_this_cpu(directory) else "other cpu"

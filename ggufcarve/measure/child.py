@@ -49,7 +49,8 @@ def _measure(request: Request, out: Path) -> None:
         for ref in references:
             if ref.n_vocab != engine.n_vocab:
                 raise BadInput(
-                    f"{Path(request.model).name}: the reference has a vocabulary of {ref.n_vocab} tokens, this model {engine.n_vocab}",
+                    f"{Path(request.model).name}: the reference has a vocabulary "
+                    f"of {ref.n_vocab} tokens, this model {engine.n_vocab}",
                     "compare models of the reference's family",
                 )
         n_seq = max(1, PERPLEXITY_BATCH // n_ctx_value)
@@ -72,7 +73,8 @@ def _measure(request: Request, out: Path) -> None:
                         chunking = ref.chunking
                         if first < 0 or count < 1 or first + count > chunking.n_chunk or count > n_seq:
                             raise BadInput(
-                                f"unit {first}+{count} of held-out file {segment}: outside its {chunking.n_chunk} chunks",
+                                f"unit {first}+{count} of held-out file "
+                                f"{segment}: outside its {chunking.n_chunk} chunks",
                                 "a ggufcarve bug",
                             )
                         indices = range(first, first + count)

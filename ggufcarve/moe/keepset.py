@@ -110,7 +110,8 @@ def keep_per_block(layout: MoeLayout, kept: int, pick: Pick = _first, selection:
             ids = sorted(pick(block, members, quota))
             if len(ids) != quota or len(set(ids)) != quota or not all(i in members for i in ids):
                 raise ValueError(
-                    f"blk.{block}: pick gave {ids} for group {g}, not {quota} distinct ids of {members.start}..{members.stop - 1}"
+                    f"blk.{block}: pick gave {ids} for group {g}, not {quota} "
+                    f"distinct ids of {members.start}..{members.stop - 1}"
                 )
             chosen.extend(ids)
         layers[block] = tuple(chosen)
@@ -204,7 +205,8 @@ def _find_layers(doc: Any, path: Path, layout: MoeLayout) -> dict[int, tuple[int
     if layer_keys:
         return _layers_from_mapping({k: doc[k] for k in layer_keys}, path, "top level", layout)
     raise BadInput(
-        f"{path}: no per-layer expert lists found (looked for fields {', '.join(LAYER_MAP_FIELDS)} and keys like main_0, mtp_0, 12)",
+        f"{path}: no per-layer expert lists found (looked for fields "
+        f"{', '.join(LAYER_MAP_FIELDS)} and keys like main_0, mtp_0, 12)",
         'write {"layers": {"<block>": [kept ids]}}',
     )
 
@@ -216,7 +218,8 @@ def _layer_key(key: Any, layout: MoeLayout) -> int | None:
     index = int(match["index"])
     if match["kind"] == "mtp" and layout.described_by != "model":
         raise BadInput(
-            f"keep-set key {key!r} counts MTP blocks after the main layers, and the {layout.described_by} does not say how many main layers there are",
+            f"keep-set key {key!r} counts MTP blocks after the main layers, and "
+            f"the {layout.described_by} does not say how many main layers there are",
             "give --model PRUNED.gguf or --source-model SOURCE.gguf, or write the keep-set with block indices",
         )
     return layout.main_layer_count + index if match["kind"] == "mtp" else index
@@ -306,7 +309,8 @@ def check_keepset(keepset: KeepSet, layout: MoeLayout) -> list[str]:
     counts = sorted({len(ids) for ids in keepset.layers.values()})
     if len(counts) > 1:
         problems.append(
-            f"blocks keep different expert counts {counts}; {layout.architecture}.expert_count is one number for all blocks"
+            f"blocks keep different expert counts {counts}; "
+            f"{layout.architecture}.expert_count is one number for all blocks"
         )
     if problems:
         raise BadInput(
@@ -332,7 +336,8 @@ def check_keepset(keepset: KeepSet, layout: MoeLayout) -> list[str]:
 
 
 def _check_groups(keepset: KeepSet, layout: MoeLayout, k: int) -> list[str]:
-    """Per block: the same count from every group, ordered group by group (K itself is checked by kept_count_problems)."""
+    """Per block: the same count from every group, ordered group by group (K itself is checked by \
+kept_count_problems)."""
     groups = groups_of(layout)
     size, per_group = layout.expert_count // groups, k // groups
     problems = []

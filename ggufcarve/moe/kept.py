@@ -41,11 +41,13 @@ def kept_count_problems(layout: MoeLayout, kept: int) -> list[str]:
             per_group = kept // groups
             if per_group < 2:
                 problems.append(
-                    f"K={kept} keeps {per_group} expert(s) per group; group scoring sums each group's top 2, so at least 2 are needed"
+                    f"K={kept} keeps {per_group} expert(s) per group; group "
+                    "scoring sums each group's top 2, so at least 2 are needed"
                 )
             if layout.group_used_count * per_group < layout.expert_used_count:
                 problems.append(
-                    f"K={kept}: {layout.group_used_count} used groups x {per_group} kept per group < top-k {layout.expert_used_count}"
+                    f"K={kept}: {layout.group_used_count} used groups x "
+                    f"{per_group} kept per group < top-k {layout.expert_used_count}"
                 )
     return problems
 

@@ -46,7 +46,8 @@ for _base in EXPERT_WEIGHTS:
 # Expert-related tensors that must not be sliced along a last axis; pruning them needs more than
 # copying byte ranges, so a model carrying them is refused.
 REFUSED_SUFFIXES: dict[str, str] = {
-    f"{TOKEN_TO_EXPERT}.weight": "stores expert ids as values (deepseek4 token-id routing); slicing would leave ids pointing at dropped experts",
+    f"{TOKEN_TO_EXPERT}.weight": "stores expert ids as values (deepseek4 token-id routing); "
+    "slicing would leave ids pointing at dropped experts",
     **{
         f"{tensor_base(t)}.weight": "is a grovemoe chunk-expert tensor whose chunks are tied to expert groups"
         for t in (MODEL_TENSOR.FFN_GATE_CHEXP, MODEL_TENSOR.FFN_UP_CHEXP, MODEL_TENSOR.FFN_DOWN_CHEXP)
@@ -215,7 +216,8 @@ def inspect_layout(model: GGUFModel) -> MoeLayout:
     expert_count = _u32(model, key(Keys.LLM.EXPERT_COUNT))
     if expert_count < 2:
         raise UnsupportedModel(
-            f"{model.path}: {arch} model has no routed experts ({key(Keys.LLM.EXPERT_COUNT)} is {expert_count or 'absent'})",
+            f"{model.path}: {arch} model has no routed experts "
+            f"({key(Keys.LLM.EXPERT_COUNT)} is {expert_count or 'absent'})",
             "expert pruning needs a Mixture-of-Experts model",
         )
     block_count = _u32(model, key(Keys.LLM.BLOCK_COUNT))
@@ -246,7 +248,8 @@ def inspect_layout(model: GGUFModel) -> MoeLayout:
         roles = {t.role for t in tensors}
         if "router" not in roles or "expert weight" not in roles:
             raise UnsupportedModel(
-                f"{model.path}: blk.{block} has expert tensors but {'no router (ffn_gate_inp.weight)' if 'router' not in roles else 'no expert weights'}",
+                f"{model.path}: blk.{block} has expert tensors but "
+                f"{'no router (ffn_gate_inp.weight)' if 'router' not in roles else 'no expert weights'}",
                 "the file is incomplete or uses an unknown layout",
             )
         if block >= block_count:
@@ -281,7 +284,8 @@ def inspect_layout(model: GGUFModel) -> MoeLayout:
 def _expert_tensor(model: GGUFModel, tensor: TensorInfo, block: int, role: str, expert_count: int) -> ExpertTensor:
     if tensor.shape[-1] != expert_count:
         raise UnsupportedModel(
-            f"{model.path}: {tensor.name} has shape {list(tensor.shape)} whose last axis is not expert_count={expert_count}",
+            f"{model.path}: {tensor.name} has shape {list(tensor.shape)} "
+            f"whose last axis is not expert_count={expert_count}",
             "the tensor's layout is not the one llama.cpp loads; no file was written",
         )
     if tensor.nbytes % expert_count:

@@ -28,10 +28,13 @@ evaluation, parsed into a validated `RunPlan` before anything touches disk.
     spec = "q8-to-iq1"                       # a name in ladders/ or a path
 
     [evaluation]
-    heldout = "heldout.txt"                  # or a list: each file its own segment; reference: the unpruned source unless given
+    heldout = "heldout.txt"                  # or a list: each file its own segment; reference: the unpruned source \
+unless given
     # gate_segments = "every"                # with several heldout files: a model fails when any file fails
-    # loops = true                           # repetition loops of the QA prompts' greedy continuations (loop_prompts, loop_tokens)
-    # top_k = 128                            # a small reference cache and an estimated KLD (default: every token, llama-perplexity's KLD)
+    # loops = true                           # repetition loops of the QA prompts' greedy continuations (loop_prompts, \
+loop_tokens)
+    # top_k = 128                            # a small reference cache and an estimated KLD (default: every token, \
+llama-perplexity's KLD)
 
     [card]                                   # or card = false; each key defaults to the GGUF's general.* keys
     base_model = "Qwen/Qwen3.6-35B-A3B"
@@ -472,7 +475,8 @@ def parse_plan(doc: dict[str, Any], base: Path, path: Path | None = None) -> Run
     if tune_reads and calibration is None:
         raise BadInput(
             f"[selection]: method {TUNE} with {tune_reads[0]} traces calibration text",
-            "add a [calibration] table with files = [...], or list only zero-shot methods (weights, router-norm, random)",
+            "add a [calibration] table with files = [...], or list "
+            "only zero-shot methods (weights, router-norm, random)",
         )
     if (
         calibration is not None

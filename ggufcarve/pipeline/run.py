@@ -220,8 +220,10 @@ def execute_run(plan: RunPlan, *, force: bool = False, on_event: Sink = ignore) 
 
         probe = preview.short[0]
         raise OutputError(
-            f"the run needs about {format_size(preview.needed[probe])} more but {probe} has {format_size(preview.free[probe])} free",
-            "free disk space, or set work/output in the plan to a larger disk (and GGUFCARVE_CACHE for the reference's log-probs)",
+            f"the run needs about {format_size(preview.needed[probe])} "
+            f"more but {probe} has {format_size(preview.free[probe])} free",
+            "free disk space, or set work/output in the plan to a larger "
+            "disk (and GGUFCARVE_CACHE for the reference's log-probs)",
         )
     plan.work.mkdir(parents=True, exist_ok=True)
     with lock_release(

@@ -386,7 +386,8 @@ def _tune_stage(ctx: RunContext) -> Stage:
         names.selection.name,
     )
     action = (
-        f"{len(settings.methods)} methods at K = {', '.join(map(str, settings.keeps))} scored by masking on {', '.join(p.name for p in settings.heldout)}; "
+        f"{len(settings.methods)} methods at K = {', '.join(map(str, settings.keeps))} "
+        f"scored by masking on {', '.join(p.name for p in settings.heldout)}; "
         f"carve the winner at K = {names.kept}"
     )
     return Stage(
@@ -425,7 +426,8 @@ def _prune_stage(ctx: RunContext) -> Stage:
         result = execute(pruned_plan, ctx.model, force=True, on_event=ctx.sink)
         files = [f.path for f in pruned_plan.files]
         return [*files, result.report_path], (
-            f"{ctx.layout.expert_count} -> {keepset.kept_count} experts; {format_size(pruned_plan.bytes_in)} -> {format_size(pruned_plan.bytes_out)}, "
+            f"{ctx.layout.expert_count} -> {keepset.kept_count} experts; "
+            f"{format_size(pruned_plan.bytes_in)} -> {format_size(pruned_plan.bytes_out)}, "
             f"{len(result.verification.tensors)} tensors verified"
         )
 
@@ -786,7 +788,8 @@ def _card_stage(ctx: RunContext) -> Stage:
         if card_edited(plan.output) and not ctx.force:
             raise OutputError(
                 f"{plan.output / 'README.md'} was edited since ggufcarve wrote it, and this run would replace it",
-                "keep the edit (card = false in the plan, then `ggufcarve card --record`), or let the run write the card again: "
+                "keep the edit (card = false in the plan, then `ggufcarve "
+                "card --record`), or let the run write the card again: "
                 "remove README.md (or run with --force, which also runs every stage again)",
             )
         if (

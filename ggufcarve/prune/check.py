@@ -60,7 +60,8 @@ class Verification:
         if problems:
             raise VerificationFailed(
                 f"{where}: " + shortened(problems, 3),
-                "check that the keep-set is the one the output was made with (see its method/<output stem>.pruning-report.json); otherwise re-run the prune",
+                "check that the keep-set is the one the output was made with (see its "
+                "method/<output stem>.pruning-report.json); otherwise re-run the prune",
             )
 
 
@@ -168,7 +169,8 @@ def verify_prune(
         hashed_start, hashed_length, digest = output_hashes[t.name]
         if (hashed_start, hashed_length) != (start, end - start):
             problems.append(
-                f"{t.name}: header places it at bytes {start}..{end}, but it was written at {hashed_start}..{hashed_start + hashed_length}"
+                f"{t.name}: header places it at bytes {start}..{end}, but it "
+                f"was written at {hashed_start}..{hashed_start + hashed_length}"
             )
         checks.append(
             TensorCheck(

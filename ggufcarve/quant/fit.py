@@ -178,7 +178,8 @@ class RungSize:
     types: tuple[
         tuple[str, str], ...
     ] = ()  # every tensor's type in the rung (name, ggml type name), llama.cpp's choice for this K
-    tensor_bytes: int = 0  # the rung's tensor data as the file holds it (each tensor padded to the alignment): the weights llama.cpp maps
+    # the rung's tensor data as the file holds it (each tensor padded to the alignment): the weights llama.cpp maps
+    tensor_bytes: int = 0
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,8 @@ from ggufcarve.errors import BadInput, UnsupportedModel
 KV_TYPES = ("F16", "Q8_0", "F32", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL")  # llama.cpp's -ctk/-ctv choices
 CELL_PADDING = 256  # GGML_PAD(n_ctx, 256) in llama_context; also the iSWA cache's padding
 RECURRENT_STATE_TYPE = "F32"  # create_memory gives the recurrent memory GGML_TYPE_F32 for R and S
-RECURRENT_LAYERS = "{arch}.attention.recurrent_layers"  # LLM_KV_ATTENTION_RECURRENT_LAYERS (src/llama-arch.cpp); gguf-py 0.19 has no name for it
+# LLM_KV_ATTENTION_RECURRENT_LAYERS (src/llama-arch.cpp); gguf-py 0.19 has no name for it
+RECURRENT_LAYERS = "{arch}.attention.recurrent_layers"
 
 
 @dataclass(frozen=True)
@@ -224,7 +225,8 @@ def context_memory(get: Callable[[str], Any], settings: ContextSettings) -> Cont
     notes: list[str] = []
     if rules is None:
         notes.append(
-            f"{arch}: llama.cpp's cache rules for this architecture are not modelled; sized as plain attention on every main block"
+            f"{arch}: llama.cpp's cache rules for this architecture are "
+            "not modelled; sized as plain attention on every main block"
         )
         rules = CacheRules()
 
@@ -316,7 +318,8 @@ def context_memory(get: Callable[[str], Any], settings: ContextSettings) -> Cont
         raise UnsupportedModel(f"{arch}: no block holds a cache", "the file's metadata is incomplete")
     if n_nextn:
         notes.append(
-            f"the {n_nextn} MTP block(s) hold no cache in the main context (llama.cpp caches them only in an MTP draft context)"
+            f"the {n_nextn} MTP block(s) hold no cache in the main "
+            "context (llama.cpp caches them only in an MTP draft context)"
         )
     if is_mla:
         notes.append("MLA: K holds the latent kv_lora_rank + rope row; V is read out of it")

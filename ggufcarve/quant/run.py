@@ -198,7 +198,8 @@ def _raise_mismatch(path: Path, model: GGUFModel, problems: list[str]) -> None:
         shown = shortened(problems, 4)
         raise BadInput(
             f"imatrix {path} does not match {model.path.name}: {shown}",
-            "an imatrix of the unpruned model must be remapped first: ggufcarve imatrix remap IMATRIX --keep KEEPSET -o OUT",
+            "an imatrix of the unpruned model must be remapped first: "
+            "ggufcarve imatrix remap IMATRIX --keep KEEPSET -o OUT",
         )
 
 
@@ -293,7 +294,8 @@ def plan_ladder(
     needing = [r.name for r in rungs if r.needs_imatrix]
     if needing and info is None:
         raise BadInput(
-            f"rung{'s' if len(needing) > 1 else ''} {', '.join(needing)} need{'' if len(needing) > 1 else 's'} an imatrix and none was given",
+            f"rung{'s' if len(needing) > 1 else ''} {', '.join(needing)} "
+            f"need{'' if len(needing) > 1 else 's'} an imatrix and none was given",
             "pass --imatrix FILE (remapped to the pruned model), or leave these rungs out with --only",
         )
 
@@ -340,7 +342,9 @@ def plan_ladder(
         overrides = tuple((f"^{re.escape(n)}$", r.imatrix_fallback_type) for n in fallback) + r.tensor_types
         if fallback:
             warnings.append(
-                f"{r.name}: {len(fallback)} tensor(s) need an imatrix but have no entry; quantized as {r.imatrix_fallback_type} instead: {', '.join(fallback[:4])}{', ...' if len(fallback) > 4 else ''}"
+                f"{r.name}: {len(fallback)} tensor(s) need an imatrix but have "
+                f"no entry; quantized as {r.imatrix_fallback_type} instead: "
+                f"{', '.join(fallback[:4])}{', ...' if len(fallback) > 4 else ''}"
             )
         final = out / file_name
         temp = temp_path_for(final)
@@ -868,7 +872,8 @@ def run_ladder(plan: LadderPlan, *, keep_going: bool = False, on_event: Sink = i
         first = result.failed[0]
         raise ToolFailed(
             f"rung {first.name} failed: {first.error}",
-            f"the exact command is in {result.manifest_path}; fix the cause and run again (finished rungs are kept and skipped)",
+            f"the exact command is in {result.manifest_path}; fix the "
+            "cause and run again (finished rungs are kept and skipped)",
         )
     return result
 

@@ -235,7 +235,8 @@ def find_spec(value: str, base: Path | None = None, what: str = "ladder spec") -
     known = sorted(p.stem for p in SPEC_DIRECTORY.glob("*.toml")) if SPEC_DIRECTORY.is_dir() else []
     raise BadInput(
         f"{what} {value!r}: no such spec file",
-        f"give a path to a ladder TOML, or one of: {', '.join(known) or '(no ladders/ directory beside this installation)'}",
+        "give a path to a ladder TOML, or one of: "
+        f"{', '.join(known) or '(no ladders/ directory beside this installation)'}",
     )
 
 

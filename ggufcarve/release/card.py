@@ -206,7 +206,8 @@ class CardSettings:
         if self.license is not None and self.license.strip().lower() not in HF_LICENSES:
             raise BadInput(
                 f"card license {self.license!r} is not a license identifier the Hugging Face Hub accepts",
-                'give one such as apache-2.0, mit, llama3.1, gemma; or license "other" with license_name and license_link',
+                "give one such as apache-2.0, mit, llama3.1, gemma; "
+                'or license "other" with license_name and license_link',
             )
         for key, value in (
             ("license_name", self.license_name),
@@ -283,7 +284,8 @@ def resolve_metadata(
                 bases.append(repo)
             elif url or name:
                 seen.append(
-                    f"{_key(n['base_repo_url'] if url else n['base_name'], id=i)} = {json.dumps(url or name, ensure_ascii=False)}"
+                    f"{_key(n['base_repo_url'] if url else n['base_name'], id=i)} "
+                    f"= {json.dumps(url or name, ensure_ascii=False)}"
                 )
         if not bases:
             why = (
@@ -305,18 +307,21 @@ def resolve_metadata(
         if recorded is None:
             notes.append(f"The license is not stated: the source GGUF has no {n['license']} key.")
             warnings.append(
-                f"no license in the card: the source GGUF has no {n['license']} key (give `ggufcarve card RELEASE --license ID --force`, "
+                f"no license in the card: the source GGUF has no {n['license']} "
+                "key (give `ggufcarve card RELEASE --license ID --force`, "
                 "or license in the plan's [card] table; check the base model's license first)"
             )
         elif recorded.lower() in HF_LICENSES:
             license_ = recorded.lower()
         else:
             notes.append(
-                f"The source GGUF records the license as {json.dumps(recorded, ensure_ascii=False)}, which is not a license identifier the Hugging Face Hub accepts; "
+                f"The source GGUF records the license as {json.dumps(recorded, ensure_ascii=False)}, "
+                "which is not a license identifier the Hugging Face Hub accepts; "
                 "the front matter leaves it out."
             )
             warnings.append(
-                f"no license in the card: {n['license']} = {recorded!r} is not a Hub license identifier (give `ggufcarve card RELEASE --license ID --force`, "
+                f"no license in the card: {n['license']} = {recorded!r} is not a Hub "
+                "license identifier (give `ggufcarve card RELEASE --license ID --force`, "
                 "or --license other with --license-name and --license-link)"
             )
     license_name = s.license_name or (_text(keys.get(n["license_name"])) if license_ == "other" else None)
@@ -500,7 +505,8 @@ def _calibration_rows(inputs: CardInputs) -> list[str]:
             else ""
         )
         rows.append(
-            f"| expert selection ({selection.get('method') or 'calibration'}) | {c.get('name')} | `{str(c.get('sha256') or '')[:12]}` | "
+            f"| expert selection ({selection.get('method') or 'calibration'}) "
+            f"| {c.get('name')} | `{str(c.get('sha256') or '')[:12]}` | "
             f"{f'{used:,}{of}{chunking}' if used is not None else '–'} |"
         )
     imatrix = inputs.manifest.get("imatrix") if isinstance(inputs.manifest.get("imatrix"), dict) else None
@@ -574,8 +580,10 @@ def _segments(inputs: CardInputs) -> list[str]:
     rung_files = {r["files"][0]["name"] for r in inputs.rungs}
     modes = {d.get("gate_segments") for d in docs if d.get("gate_segments")}
     lines = [
-        "Each held-out file is scored on its own against the reference (mean KLD, nats per token): a loss that one kind of text "
-        "shows (another language, code, structured output) is not averaged away by the others. *All* is every file's tokens together."
+        "Each held-out file is scored on its own against the reference "
+        "(mean KLD, nats per token): a loss that one kind of text "
+        "shows (another language, code, structured output) is not averaged "
+        "away by the others. *All* is every file's tokens together."
     ]
     if modes == {"every"}:
         lines[0] += " The release gate requires every file to pass."
@@ -595,7 +603,8 @@ def _segments(inputs: CardInputs) -> list[str]:
             cells.append(cell + (" ✗" if s.get("gate") == "FAIL" else ""))
         name = f"**{d['model']['file']}**" if d["model"]["file"] in rung_files else d["model"]["file"]
         lines.append(
-            f"| {name} | {format_size(d['model']['bytes'])} | {d['kld_mean']:.6f} | {' | '.join(cells)} | {d.get('gate') or '–'} |"
+            f"| {name} | {format_size(d['model']['bytes'])} | {d['kld_mean']:.6f} "
+            f"| {' | '.join(cells)} | {d.get('gate') or '–'} |"
         )
     lines += ["", "Files of this release in bold; ✗: the file fails the gate on its own."]
     if inputs.evaluation_dir is not None:
@@ -613,12 +622,15 @@ def _pruning_lines(inputs: CardInputs) -> list[str]:
     lines = []
     if kept is None:
         lines.append(
-            f"These files keep every expert of the source ({keys.get(Keys.LLM.EXPERT_COUNT.format(arch=arch))} per MoE layer); no expert was pruned."
+            "These files keep every expert of the source "
+            f"({keys.get(Keys.LLM.EXPERT_COUNT.format(arch=arch))} per MoE layer); no expert was pruned."
         )
         return lines
     lines.append(
-        f"Routed experts were pruned from {source} to {kept} per MoE layer ({100 * (1 - kept / source):.0f}% removed), byte for byte: "
-        "kept experts and router rows keep their original bytes; shared experts, attention and all other tensors are unchanged."
+        f"Routed experts were pruned from {source} to {kept} per MoE layer "
+        f"({100 * (1 - kept / source):.0f}% removed), byte for byte: "
+        "kept experts and router rows keep their original bytes; "
+        "shared experts, attention and all other tensors are unchanged."
     )
     report = inputs.pruning or {}
     meta = {k: v for k, v in (report.get("keep_set") or {}).items() if k != "layers"}
@@ -631,7 +643,8 @@ def _pruning_lines(inputs: CardInputs) -> list[str]:
         )
     if inputs.tournament:
         lines.append(
-            "- The selection won a tournament: every criterion's keep-set scored against the unpruned model on held-out text with the "
+            "- The selection won a tournament: every criterion's keep-set "
+            "scored against the unpruned model on held-out text with the "
             "pruned experts masked out of routing (`method/tune.md`: each criterion's mean KLD at each K)."
         )
     calibration = meta.get("calibration")
@@ -645,7 +658,8 @@ def _pruning_lines(inputs: CardInputs) -> list[str]:
     if report.get("verification"):
         v = report["verification"]
         lines.append(
-            f"- Verified after writing: {v.get('tensors_checked')} tensors re-read and hash-checked ({v.get('hash')}): {'ok' if v.get('ok') else 'FAILED'}."
+            f"- Verified after writing: {v.get('tensors_checked')} tensors re-read "
+            f"and hash-checked ({v.get('hash')}): {'ok' if v.get('ok') else 'FAILED'}."
         )
     if used:
         lines.append(f"- Experts used per token (top-k) stay {used}.")
@@ -672,12 +686,16 @@ def _quant_table(inputs: CardInputs) -> list[str]:
         doc = inputs.evaluation.get(name)
         if doc:
             qa = f"{doc['qa_passed']}/{doc['qa_total']}" if doc.get("qa_total") else "–"
-            figures = f"{doc['ppl']:.4f} | {round(doc['ppl_delta_percent'], 2) + 0.0:+.2f}% | {doc['kld_mean']:.6f} | {100 * doc['same_top_p']:.2f}% | {qa} | {doc.get('gate') or '–'}"
+            figures = (
+                f"{doc['ppl']:.4f} | {round(doc['ppl_delta_percent'], 2) + 0.0:+.2f}% | "
+                f"{doc['kld_mean']:.6f} | {100 * doc['same_top_p']:.2f}% | {qa} | {doc.get('gate') or '–'}"
+            )
         else:
             figures = "– | – | – | – | – | not evaluated"
         bits = f"{rung['bits_per_weight']:.2f}" if rung.get("bits_per_weight") else "–"
         rows.append(
-            f"| {name} | {rung['name']} | {format_size(_rung_bytes(rung))} | {bits} | {figures} | `{str(rung.get('sha256'))[:16]}` |"
+            f"| {name} | {rung['name']} | {format_size(_rung_bytes(rung))} "
+            f"| {bits} | {figures} | `{str(rung.get('sha256'))[:16]}` |"
         )
     from ggufcarve.listing import add_loop_column
 
@@ -709,7 +727,8 @@ def _example(inputs: CardInputs) -> tuple[dict, list[str]]:
     if judged:
         rung = min(judged, key=lambda p: (p[1]["kld_mean"], _rung_bytes(p[0])))[0]
         return rung, [
-            f"No file of this release passes the release gate; the example uses {rung['files'][0]['name']}, the one of lowest mean KLD."
+            "No file of this release passes the release gate; the example "
+            f"uses {rung['files'][0]['name']}, the one of lowest mean KLD."
         ]
     return next((r for r in inputs.rungs if r["name"] == "Q4_K_M"), inputs.rungs[0]), []
 
@@ -743,11 +762,13 @@ def _unpruned_beats(inputs: CardInputs) -> list[str]:
             scope = (
                 "every file of this release"
                 if len(larger) == len(ours) and all(kld < d["kld_mean"] for d in ours)
-                else f"every file of this release of its size or larger ({', '.join(d['model']['file'] for d in sorted(larger, key=lambda d: d['model']['bytes']))})"
+                else "every file of this release of its size or larger "
+                f"({', '.join(d['model']['file'] for d in sorted(larger, key=lambda d: d['model']['bytes']))})"
             )
             quant = f" quantized to {other['model']['quant']}" if other["model"].get("quant") else ""
             return [
-                f"Measured here, the unpruned model{quant} ({other['model']['file']}, {format_size(size)}, mean KLD {kld:.6f}) is closer to the reference "
+                f"Measured here, the unpruned model{quant} ({other['model']['file']}, "
+                f"{format_size(size)}, mean KLD {kld:.6f}) is closer to the reference "
                 f"than {scope}: at these sizes, quantizing the unpruned model costs less than pruning its experts."
             ]
     return []
@@ -765,7 +786,8 @@ def _comparison(inputs: CardInputs) -> list[str]:
     if len(families) > 1:
         front = _pareto(docs)
         lines += [
-            "Every evaluated model by size: these files and the models they were compared with (such as quants of the unpruned model). "
+            "Every evaluated model by size: these files and the models they "
+            "were compared with (such as quants of the unpruned model). "
             "A model is on the Pareto front when no other model is at most its size with a lower mean KLD.",
             "",
             "| Model | Experts | Quant | Size | Mean KLD | PPL | Δ PPL | Pareto front | Gate |",
@@ -775,8 +797,10 @@ def _comparison(inputs: CardInputs) -> list[str]:
             m = d["model"]
             name = f"**{m['file']}**" if m["file"] in rung_files else m["file"]
             lines.append(
-                f"| {name} | {m.get('family') or '–'} | {m.get('quant') or '–'} | {format_size(m['bytes'])} | {d['kld_mean']:.6f} | {d['ppl']:.4f} | "
-                f"{round(d['ppl_delta_percent'], 2) + 0.0:+.2f}% | {'yes' if m['file'] in front else ''} | {d.get('gate') or '–'} |"
+                f"| {name} | {m.get('family') or '–'} | {m.get('quant') or '–'} | "
+                f"{format_size(m['bytes'])} | {d['kld_mean']:.6f} | {d['ppl']:.4f} | "
+                f"{round(d['ppl_delta_percent'], 2) + 0.0:+.2f}% | "
+                f"{'yes' if m['file'] in front else ''} | {d.get('gate') or '–'} |"
             )
         lines += ["", "Files of this release in bold."]
     if inputs.evaluation_dir is not None:
@@ -786,7 +810,8 @@ def _comparison(inputs: CardInputs) -> list[str]:
         if summary in inputs.linked:
             lines += [
                 "",
-                f"All figures, the quality table and the perplexity chart: [{summary}]({summary}); one JSON per model beside it.",
+                "All figures, the quality table and the perplexity chart: "
+                f"[{summary}]({summary}); one JSON per model beside it.",
             ]
     return lines
 
@@ -804,7 +829,8 @@ GATE_TEXT = {
     "min_pp_tok_s": "prompt processing at least {v:g} tokens/s",
     "min_tg_tok_s": "decoding at least {v:g} tokens/s",
     "max_loop_share": "at most {p:g}% of the loop prompts ending in a repeating cycle",
-    "max_loop_share_increase": "at most {p:g} percentage points more loop prompts ending in a repeating cycle than the reference",
+    "max_loop_share_increase": "at most {p:g} percentage points more loop prompts "
+    "ending in a repeating cycle than the reference",
 }
 
 
@@ -837,7 +863,8 @@ def _gate(inputs: CardInputs) -> list[str]:
     else:
         lines += [
             "",
-            "The gate's thresholds are not recorded in these evaluation results; each file's failed criteria are in its JSON (`gate_failed`).",
+            "The gate's thresholds are not recorded in these evaluation results; "
+            "each file's failed criteria are in its JSON (`gate_failed`).",
         ]
     return lines
 
@@ -847,7 +874,8 @@ def _limitations(inputs: CardInputs) -> list[str]:
     lines = []
     if keys.get(KEY_KEPT_COUNT) is not None:
         lines.append(
-            "- Experts were removed without retraining; the loss is measured above, not absent. Skills the calibration did not exercise "
+            "- Experts were removed without retraining; the loss is measured "
+            "above, not absent. Skills the calibration did not exercise "
             "(other languages, other domains) can degrade more than perplexity shows."
         )
         selection = inputs.selection or {}
@@ -858,18 +886,21 @@ def _limitations(inputs: CardInputs) -> list[str]:
         used = keys.get(Keys.LLM.EXPERT_USED_COUNT.format(arch=arch))
         used = int(max(used)) if hasattr(used, "__len__") else used
         lines.append(
-            f"- Top-k routing is unchanged ({used} experts per token), so compute per token is unchanged; memory and file size fall."
+            f"- Top-k routing is unchanged ({used} experts per token), so "
+            "compute per token is unchanged; memory and file size fall."
         )
     if any("--allow-requantize" in (r.get("command") or []) for r in inputs.rungs):
         lines.append(
-            f"- Rungs were requantized from {inputs.manifest.get('source', {}).get('name')} (already quantized), which compounds quantization error."
+            f"- Rungs were requantized from {inputs.manifest.get('source', {}).get('name')} "
+            "(already quantized), which compounds quantization error."
         )
     docs = _rung_docs(inputs)
     if docs:
         p = docs[0]["parameters"]
         scored = f"{p['scored_tokens']:,}" if isinstance(p.get("scored_tokens"), int) else "the"
         lines.append(
-            f"- Evaluation: {scored} scored tokens of held-out text (context {p.get('ctx')}) against {docs[0]['reference']['name']}"
+            f"- Evaluation: {scored} scored tokens of held-out text (context "
+            f"{p.get('ctx')}) against {docs[0]['reference']['name']}"
             + (f"; {docs[0]['qa_total']} QA checks." if docs[0].get("qa_total") else "; no QA suite was run.")
         )
     else:
@@ -1007,7 +1038,8 @@ def render_card(inputs: CardInputs, settings: CardSettings | None = None) -> str
         "",
         (f"- Base model: {base}" if base else "- Base model: not stated") + f"; license {_license_link(meta)}.",
         _quantizer_line(quantizer, inputs.rungs),
-        f"- Pruned, quantized and evaluated with ggufcarve {__version__}; every file is described by `quant-manifest.json`.",
+        f"- Pruned, quantized and evaluated with ggufcarve {__version__}; "
+        "every file is described by `quant-manifest.json`.",
         "",
     ]
     return "\n".join(lines)

@@ -186,8 +186,10 @@ def check_one_source(fragments: Sequence[Fragment]) -> None:
     if len(first) > 1:
         a, b = list(first.values())[:2]
         raise BadInput(
-            f"fragments disagree on the source: {a.rel} (rung {a.rung.get('name')}) was made from {_show_source(a)}, {b.rel} (rung {b.rung.get('name')}) from {_show_source(b)}",
-            "a release holds one source: move the other source's rung files and fragments to their own directory, or run those rungs again from this release's source",
+            f"fragments disagree on the source: {a.rel} (rung {a.rung.get('name')}) was made "
+            f"from {_show_source(a)}, {b.rel} (rung {b.rung.get('name')}) from {_show_source(b)}",
+            "a release holds one source: move the other source's rung files and fragments "
+            "to their own directory, or run those rungs again from this release's source",
         )
 
 
@@ -201,7 +203,8 @@ def check_one_imatrix(fragments: Sequence[Fragment]) -> None:
     if len(first) > 1:
         (da, a), (db, b) = list(first.items())[:2]
         raise BadInput(
-            f"fragments disagree on the imatrix: {a.rel} was made with {a.context['imatrix'].get('name')} (sha256 {da[:12]}), {b.rel} with {b.context['imatrix'].get('name')} (sha256 {db[:12]})",
+            f"fragments disagree on the imatrix: {a.rel} was made with {a.context['imatrix'].get('name')} "
+            f"(sha256 {da[:12]}), {b.rel} with {b.context['imatrix'].get('name')} (sha256 {db[:12]})",
             "a release has one imatrix: run those rungs again with the same --imatrix",
         )
 
@@ -220,7 +223,8 @@ def rung_problems(out_dir: Path, fragment: Fragment, digests: dict[str, str | OS
             problems.append(f"{name} of rung {fragment.rung.get('name')} is missing")
         elif path.stat().st_size != f.get("bytes"):
             problems.append(
-                f"{name} of rung {fragment.rung.get('name')} has {path.stat().st_size} bytes, its fragment records {f.get('bytes')}"
+                f"{name} of rung {fragment.rung.get('name')} has "
+                f"{path.stat().st_size} bytes, its fragment records {f.get('bytes')}"
             )
         elif digests is not None:
             got = digests.get(name)
@@ -228,11 +232,13 @@ def rung_problems(out_dir: Path, fragment: Fragment, digests: dict[str, str | OS
                 problems.append(f"{name} of rung {fragment.rung.get('name')} cannot be read: {got.strerror or got}")
             elif not f.get("sha256"):
                 problems.append(
-                    f"{name} of rung {fragment.rung.get('name')} has no recorded sha256 (its run ended before hashing it)"
+                    f"{name} of rung {fragment.rung.get('name')} has no "
+                    "recorded sha256 (its run ended before hashing it)"
                 )
             elif got != f["sha256"]:
                 problems.append(
-                    f"{name} of rung {fragment.rung.get('name')} has sha256 {str(got)[:12]}, its fragment records {str(f['sha256'])[:12]}"
+                    f"{name} of rung {fragment.rung.get('name')} has sha256 "
+                    f"{str(got)[:12]}, its fragment records {str(f['sha256'])[:12]}"
                 )
     return problems
 
@@ -464,7 +470,8 @@ def merge_release(
         if problems:
             raise BadInput(
                 f"cannot merge {out}: {shortened(problems, 1)}",
-                "run that rung again (ggufcarve ladder run ... --only RUNG), or remove its fragment from .ggufcarve-fragments/ to leave it out",
+                "run that rung again (ggufcarve ladder run ... --only RUNG), or "
+                "remove its fragment from .ggufcarve-fragments/ to leave it out",
             )
         manifest = assemble(out, fragments, drop_missing=False)
         if manifest is None:

@@ -192,7 +192,8 @@ def _acquire(path: Path, wait: float, stale_seconds: float, hint: str | None = N
             raise OutputError(
                 f"{_describe(owner)} holds the lock of {path.parent} ({path.name})",
                 hint
-                or f"wait for it to finish and run again; a lock whose owner died on another host is broken after {stale_seconds:.0f} s without a heartbeat",
+                or "wait for it to finish and run again; a lock whose owner died on "
+                f"another host is broken after {stale_seconds:.0f} s without a heartbeat",
             )
         time.sleep(min(delay, max(0.0, deadline - now)))
         delay = min(delay * 2, 1.0)

@@ -4,7 +4,8 @@ of its imatrix, found beside them by the per-output name and accepted only by co
 A pruning report describes a pruned model when the model's own keys say the same thing: the
 kept experts (`ggufcarve.kept_*`) equal the report's `keep_set`, the source digests
 (`ggufcarve.source.sha256`) equal the report's `inputs`, and its `output.files` have the sizes
-of the model's files (names may differ: a renamed file is still the same model). A remap report describes an imatrix when its `output.sha256` is the
+of the model's files (names may differ: a renamed file is still the same model). A remap report describes an imatrix \
+when its `output.sha256` is the
 imatrix's sha256. A release holds them as `method/pruning-report.json` and
 `method/imatrix-remap-report.json`, byte for byte as found, and records them in its manifest.
 
@@ -78,7 +79,8 @@ def _field(doc: dict[str, Any], path: Path, *keys: str, json_type: type) -> Any:
     if not isinstance(value, json_type):
         raise BadInput(
             f"{path}: {'.'.join(keys)} is missing or not a JSON {json_type.__name__}",
-            f"the report is damaged: re-run the {WRITTEN_BY[doc['kind']]} that wrote it (with --force), or move it away",
+            f"the report is damaged: re-run the {WRITTEN_BY[doc['kind']]} "
+            "that wrote it (with --force), or move it away",
         )
     return value
 
@@ -176,7 +178,9 @@ def find_selection(
                 break
             if candidate != selection:
                 warnings.append(
-                    f"{candidate.name} not published: it is not the keep-set {model.path.name} was pruned with (sha256 {hashlib.sha256(loaded[0].encode()).hexdigest()[:12]}, the pruning report records {wanted['sha256'][:12]})"
+                    f"{candidate.name} not published: it is not the keep-set {model.path.name} was "
+                    f"pruned with (sha256 {hashlib.sha256(loaded[0].encode()).hexdigest()[:12]}, "
+                    f"the pruning report records {wanted['sha256'][:12]})"
                 )
     is_record = keep_file is not None and keep_file[1] is not None and keep_file[1].get("kind") == SELECTION_RECORD
     if keep_file is not None:
@@ -209,7 +213,8 @@ def find_selection(
             else "was pruned without a keep-set file"
         )
         warnings.append(
-            f"no selection record published: {model.path.name} {pruned_with}; add the one `ggufcarve select -o` wrote with --selection FILE"
+            f"no selection record published: {model.path.name} {pruned_with}; "
+            "add the one `ggufcarve select -o` wrote with --selection FILE"
         )
     return found, warnings
 
@@ -236,7 +241,8 @@ def find_method_reports(
         text, doc = loaded
         if doc.get("schema_version") != SCHEMA_VERSION or doc.get("kind") != kind:
             warnings.append(
-                f"{path.name} not published: written by another ggufcarve version (schema {doc.get('schema_version')}); re-run the {WRITTEN_BY[kind]} to publish it"
+                f"{path.name} not published: written by another ggufcarve version (schema "
+                f"{doc.get('schema_version')}); re-run the {WRITTEN_BY[kind]} to publish it"
             )
             continue
         if kind == PRUNING_REPORT:

@@ -148,7 +148,8 @@ def record_files(release: Path, files: Sequence[Path]) -> dict[str, list[str]]:
         else:
             raise BadInput(
                 f"{rel} is not a documentation file",
-                "record LICENSE, NOTICE, COPYING, .md, .txt, images or .gitattributes; rungs and results are recorded by ladder run and eval",
+                "record LICENSE, NOTICE, COPYING, .md, .txt, images or "
+                ".gitattributes; rungs and results are recorded by ladder run and eval",
             )
     recorded: dict[str, list[str]] = {}
     if card:

@@ -191,7 +191,8 @@ def verify_dir(
             report.notes.append(
                 Failure(
                     rel,
-                    f"not recorded: not part of the release (publish it with `ggufcarve release record {rel}`, or remove it)",
+                    "not recorded: not part of the release (publish it "
+                    f"with `ggufcarve release record {rel}`, or remove it)",
                 )
             )
         elif described is not None and rel not in described:
@@ -245,7 +246,8 @@ def _note_hidden(d: Path, described: set[str], report: VerifyReport) -> None:
                 Failure(
                     f"{name}/",
                     "the ladder's rung fragments, not part of the release: a run of the whole ladder or "
-                    "`ggufcarve release merge` removes them once every rung is built; remove them before uploading the directory",
+                    "`ggufcarve release merge` removes them once every rung "
+                    "is built; remove them before uploading the directory",
                 )
             )
         elif name in described:
@@ -254,7 +256,8 @@ def _note_hidden(d: Path, described: set[str], report: VerifyReport) -> None:
             report.notes.append(
                 Failure(
                     name,
-                    f"not recorded: not part of the release (publish it with `ggufcarve release record {name}`, or remove it)",
+                    "not recorded: not part of the release (publish it "
+                    f"with `ggufcarve release record {name}`, or remove it)",
                 )
             )
 
@@ -283,7 +286,8 @@ def missing_parts(d: Path, manifest: dict[str, Any]) -> list[Failure]:
             missing.append(
                 Failure(
                     f"rungs:{name}",
-                    f"rung {name} of the ladder is not built ({state}): run `ggufcarve ladder run` again (finished rungs are kept)",
+                    f"rung {name} of the ladder is not built ({state}): run "
+                    "`ggufcarve ladder run` again (finished rungs are kept)",
                 )
             )
     built = [r for r in rungs.values() if present(r)]
@@ -318,7 +322,8 @@ def missing_parts(d: Path, manifest: dict[str, Any]) -> list[Failure]:
                 missing.append(
                     Failure(
                         f"evaluation:{first}",
-                        f"rung {rung.get('name')} has no evaluation results: evaluate it (`ggufcarve eval RELEASE ... -o RELEASE/evaluation --force`)",
+                        f"rung {rung.get('name')} has no evaluation results: evaluate it "
+                        "(`ggufcarve eval RELEASE ... -o RELEASE/evaluation --force`)",
                     )
                 )
     card = [f for f in _records(published.get("card")) if f.get("name") == CARD_NAME]
@@ -378,7 +383,8 @@ def card_problems(d: Path, text: str) -> tuple[list[str], list[str]]:
         bases = base if isinstance(base, list) else [base] if base is not None else []
         if not bases:
             warnings.append(
-                "no base_model: the Hub cannot link this model to its base (ggufcarve card --base-model OWNER/NAME --force)"
+                "no base_model: the Hub cannot link this model to its "
+                "base (ggufcarve card --base-model OWNER/NAME --force)"
             )
         for b in bases:
             if not valid_repo_id(b):
@@ -453,7 +459,8 @@ def _check_ggufs(d: Path, rels: list[str]) -> tuple[list[Failure], dict[str, int
             failures.append(
                 Failure(
                     rel,
-                    f"shard of a split set whose first shard ({shard_paths(Path(m['prefix']).name, int(m['count']))[0]}) is missing",
+                    "shard of a split set whose first shard "
+                    f"({shard_paths(Path(m['prefix']).name, int(m['count']))[0]}) is missing",
                 )
             )
     return failures, counts
@@ -500,7 +507,8 @@ def _read_manifest(d: Path, report: VerifyReport) -> dict[str, Any] | None:
     except OSError as err:
         raise OutputError(
             f"cannot read {path}: {err.strerror or err}",
-            f"fix its permissions or restore it from the published release; or, to rebuild the release, {FRESH_START_HINT}",
+            "fix its permissions or restore it from the published "
+            f"release; or, to rebuild the release, {FRESH_START_HINT}",
         ) from None
     return _parse_json_object(path, text, report)
 
@@ -522,7 +530,8 @@ def _check_manifest(
                 fail(
                     Failure(
                         MANIFEST_NAME,
-                        f"rung {rung.get('name')} was made from another source (sha256 {shown}), not the manifest's ({', '.join(str(h)[:12] for h in source_sha256)})",
+                        f"rung {rung.get('name')} was made from another source (sha256 {shown}), "
+                        f"not the manifest's ({', '.join(str(h)[:12] for h in source_sha256)})",
                     )
                 )
             for f in _records(rung.get("files")):
@@ -537,7 +546,8 @@ def _check_manifest(
                     fail(
                         Failure(
                             name,
-                            f"manifest sha256 {str(f['sha256'])[:16]}... disagrees with SHA256SUMS {listed[name][:16]}...",
+                            f"manifest sha256 {str(f['sha256'])[:16]}... "
+                            f"disagrees with SHA256SUMS {listed[name][:16]}...",
                         )
                     )
                 if path.is_file() and f.get("bytes") is not None and path.stat().st_size != f["bytes"]:
@@ -617,6 +627,7 @@ def _check_method_reports(d: Path, manifest: dict[str, Any], report: VerifyRepor
                 fail(
                     Failure(
                         str(name),
-                        f"describes an imatrix with sha256 {str(output.get('sha256'))[:12]}, not the manifest's ({str((imatrix or {}).get('sha256'))[:12]})",
+                        f"describes an imatrix with sha256 {str(output.get('sha256'))[:12]}, "
+                        f"not the manifest's ({str((imatrix or {}).get('sha256'))[:12]})",
                     )
                 )

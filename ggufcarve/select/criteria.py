@@ -47,7 +47,7 @@ class Criterion:
 
     @property
     def needs(self) -> str:
-        """ "model", "imatrix" or "calibration": the input the command line must give."""
+        """\"model", "imatrix" or "calibration": the input the command line must give."""
         return NEEDS[self.reads]
 
 
@@ -67,7 +67,8 @@ CRITERIA: dict[str, Criterion] = {
             WEIGHTS,
             False,
             False,
-            "mean |w| / RMS(w) over the expert's gate, up and down weights together; the lowest are kept (scored as RMS(w) / mean |w|)",
+            "mean |w| / RMS(w) over the expert's gate, up and down weights "
+            "together; the lowest are kept (scored as RMS(w) / mean |w|)",
             "AIMER, arXiv 2603.18492",
         ),
         Criterion("router-norm", WEIGHTS, False, False, "||router row|| alone", "rule: the router's propensity alone"),
@@ -93,7 +94,8 @@ CRITERIA: dict[str, Criterion] = {
             IMATRIX,
             False,
             False,
-            "msan estimated from an imatrix, no pass: sum_c E[h_c^2] ||W_down[:, c]||^2; ranks like the traced msan to Spearman 0.89-0.97 per block "
+            "msan estimated from an imatrix, no pass: sum_c E[h_c^2] ||W_down[:, "
+            "c]||^2; ranks like the traced msan to Spearman 0.89-0.97 per block "
             "(mean 0.91-0.94) on the demo model: a ranking aid, not a measurement",
             "rule: an estimate of MSAN (arXiv 2606.15716) from an imatrix",
         ),
@@ -158,8 +160,10 @@ CRITERIA: dict[str, Criterion] = {
             GREEDY_MEMORY,
             False,
             True,
-            "backward elimination per block: drop the expert whose removal raises mean ||y - y_S||^2 of the block's routed output least "
-            "(routing recomputed over S); opt-in: on the demo model mean KLD at K=4/8/12 0.712/0.114/0.0064 against reap's 0.861/0.135/0.0095, "
+            "backward elimination per block: drop the expert whose removal "
+            "raises mean ||y - y_S||^2 of the block's routed output least "
+            "(routing recomputed over S); opt-in: on the demo model mean KLD "
+            "at K=4/8/12 0.712/0.114/0.0064 against reap's 0.861/0.135/0.0095, "
             "for 1.7x the pass time and 11x its peak memory (tokens x experts x n_embd per block)",
             "rule: backward elimination on each block's output",
         ),
@@ -204,14 +208,16 @@ def method_help() -> str:
     """The help of `--method`: the criteria grouped by what they need."""
     return (
         f"{', '.join(ZERO_SHOT)} (no data); {', '.join(IMATRIX_METHODS)} (--imatrix); {', '.join(TRACE_METHODS)} "
-        "(--calibration: one pass fills all but razor and greedy, razor's pass all; greedy eliminates experts on each block's output)."
+        "(--calibration: one pass fills all but razor and greedy, razor's "
+        "pass all; greedy eliminates experts on each block's output)."
     )
 
 
 def all_help() -> str:
     """What `tune --methods all` holds, in words."""
     return (
-        f"the {len(PASS_METHODS)} criteria of one calibration pass, the {len(IMATRIX_METHODS)} imatrix criteria from the same pass's imatrix, "
+        f"the {len(PASS_METHODS)} criteria of one calibration pass, the "
+        f"{len(IMATRIX_METHODS)} imatrix criteria from the same pass's imatrix, "
         f"{', '.join(ZERO_SHOT)}, and greedy"
     )
 

@@ -49,7 +49,10 @@ from ggufcarve.llama.matmul import ExpertProduct, ExpertProducts
 from ggufcarve.moe.layout import DOWN_EXPS, GATE_EXPS, GATE_UP_EXPS, UP_EXPS, MoeLayout, block_tensor
 
 _CLAMPED = "its build_moe_ffn clamps the SiLU-GLU by the per-layer swiglu_clamp_exp key when the file sets it"
-_OTHER_INPUT = "its router reads another tensor than its experts, so the traced MoE input (src[1] of ffn_moe_logits) is not the experts' input"
+_OTHER_INPUT = (
+    "its router reads another tensor than its experts, so the traced "
+    "MoE input (src[1] of ffn_moe_logits) is not the experts' input"
+)
 # llama.cpp 0.3.36 MoE architectures whose routed experts are not what ExpertEvaluator computes
 # from the traced ffn_moe_input, with the reason
 NOT_EVALUATED: dict[str, str] = {

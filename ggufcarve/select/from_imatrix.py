@@ -14,7 +14,8 @@ imatrix-msan:    sum_j in_sum2[e, j] / counts[e] x ||W_down[e][:, j]||^2, W_down
 
 A legacy .dat imatrix stores (sum / count_e) * ncall per value (1 * ncall for a never-routed
 expert) and no per-expert counts, so imatrix-counts refuses it; imatrix-energy reads it as
-sum_j value[e, j] / ncall, with the placeholder rows scored 0. llama-imatrix 0.3.36 never runs MTP blocks; a block without entries
+sum_j value[e, j] / ncall, with the placeholder rows scored 0. llama-imatrix 0.3.36 never runs MTP blocks; a block \
+without entries
 that is an MTP block is scored by the weights rule instead, and the record says so.
 """
 
@@ -40,7 +41,8 @@ MTP_NOTE = (
 def imatrix_stats(
     model: GGUFModel, layout: MoeLayout, imatrix: Imatrix, method: str, on_event: Sink = ignore
 ) -> tuple[dict[int, BlockStats], dict[str, str]]:
-    """Per block statistics of `method` ("imatrix-counts", "imatrix-energy" or "imatrix-msan"); rules of any weights fallback."""
+    """Per block statistics of `method` ("imatrix-counts", "imatrix-energy" or "imatrix-msan"); rules of any weights \
+fallback."""
     name = imatrix.path.name if imatrix.path else "the imatrix"
     if imatrix.format == "dat" and method == "imatrix-counts":
         raise BadInput(
@@ -76,7 +78,8 @@ def imatrix_stats(
                     method,
                     "value",
                     sums=energy,
-                    note="legacy .dat: sum_j (value / ncall) ||W_down[:, j]||^2; experts holding only the never-routed placeholder score 0",
+                    note="legacy .dat: sum_j (value / ncall) ||W_down[:, j]||^2; "
+                    "experts holding only the never-routed placeholder score 0",
                 )
                 continue
             energy = np.where(never_routed, 0.0, stored.sum(axis=1) / ncall)
@@ -89,7 +92,8 @@ def imatrix_stats(
             continue
         if not entry.per_expert_counts:
             raise BadInput(
-                f"{name}: {entry.name} has one count for all experts (a .dat converted to GGUF keeps no per-expert counts)",
+                f"{name}: {entry.name} has one count for all experts "
+                "(a .dat converted to GGUF keeps no per-expert counts)",
                 "recompute the imatrix with llama-imatrix",
             )
         counts = lround(entry.counts)

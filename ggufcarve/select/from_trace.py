@@ -324,7 +324,7 @@ class TraceStatistics:
         return out
 
     def arrays(self) -> dict[str, np.ndarray]:
-        """ "method" and "<accumulator>:<block>": what `from_arrays` reads back."""
+        """\"method" and "<accumulator>:<block>": what `from_arrays` reads back."""
         arrays: dict[str, np.ndarray] = {"method": np.asarray(self.method)}
         for name in ACCUMULATORS:
             arrays.update({f"{name}:{b}": values for b, values in getattr(self, name).items()})

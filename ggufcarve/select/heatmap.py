@@ -40,7 +40,8 @@ def write_heatmap(selection: Selection, path: Path) -> Path:
     ax.set_xlabel("original expert id")
     ax.set_ylabel("block")
     ax.set_title(
-        f"{facts.name}: {selection.scores.method}, keep {selection.kept_count} of {n}\nscore / block maximum; x = pruned",
+        f"{facts.name}: {selection.scores.method}, keep "
+        f"{selection.kept_count} of {n}\nscore / block maximum; x = pruned",
         fontsize=9,
     )
     fig.colorbar(image, ax=ax, fraction=0.03)

@@ -90,7 +90,8 @@ def score_model(
 
         blocks = aimer_stats(model, layout, on_event)
         parameters["score"] = (
-            "RMS(w) / mean |w| over the expert's weight tensors pooled: 1 / AIMER's score, so the top K are AIMER's lowest"
+            "RMS(w) / mean |w| over the expert's weight tensors "
+            "pooled: 1 / AIMER's score, so the top K are AIMER's lowest"
         )
     elif method == "router-norm":
         from ggufcarve.select.zero_shot import router_norm_stats

@@ -112,7 +112,8 @@ def select_to_file(
     protected = protected_from(settings.protect, facts)
     if settings.protect_super_experts and scores is None and settings.method not in SUPER_EXPERT_METHODS:
         raise BadInput(
-            f"--protect-super-experts needs per-expert maximum outputs, which --method {settings.method} does not record",
+            "--protect-super-experts needs per-expert maximum "
+            f"outputs, which --method {settings.method} does not record",
             f"use --method {', '.join(SUPER_EXPERT_METHODS[:-1])} or {SUPER_EXPERT_METHODS[-1]}",
         )
     started = time.perf_counter()

@@ -240,7 +240,8 @@ def fit_greedy(layout: Any, settings: TuneSettings) -> tuple[TuneSettings, dict[
     if available is not None and estimate.peak <= ALL_SHARE * available:
         return settings, {}
     reason = (
-        f"needs up to {format_size(estimate.peak)} of the {format_size(available)} of memory available; all runs it within {ALL_SHARE:.0%}"
+        f"needs up to {format_size(estimate.peak)} of the {format_size(available)} "
+        f"of memory available; all runs it within {ALL_SHARE:.0%}"
         if available is not None
         else "the memory available is unknown (no /proc/meminfo)"
     )
@@ -248,7 +249,8 @@ def fit_greedy(layout: Any, settings: TuneSettings) -> tuple[TuneSettings, dict[
 
 
 def reference_bytes(source: Path, settings: TuneSettings) -> int:
-    """At most the bytes of the unpruned model's log-prob records the reference cache keeps: llama-perplexity's base records (`evaluate.kld.base_file_bytes`) of every held-out
+    """At most the bytes of the unpruned model's log-prob records the reference cache keeps: llama-perplexity's base \
+records (`evaluate.kld.base_file_bytes`) of every held-out
     file, its chunk count bounded by the text's bytes as `evaluate.run.reference_disk_bytes` bounds
     it (a token of llama.cpp's tokenizers spells at least one byte, apart from a BOS and a
     leading-space marker)."""
@@ -274,7 +276,8 @@ def reference_bytes(source: Path, settings: TuneSettings) -> int:
 
 
 def tune(source: Path, settings: TuneSettings, out_dir: Path, *, on_event: Sink = ignore) -> TuneResult:
-    """Run the tournament and write tune.json, tune.md, tune-kld.png, candidates/ and expert-selection.json under `out_dir`."""
+    """Run the tournament and write tune.json, tune.md, tune-kld.png, candidates/ and expert-selection.json under \
+`out_dir`."""
     from ggufcarve.gguf.container import read_model
     from ggufcarve.moe.kept import kept_count
     from ggufcarve.moe.layout import inspect_layout
@@ -485,7 +488,8 @@ def _tune(
         "cliff": cliff(candidates, settings.methods, settings.keeps),
         "candidates": candidates,
         "left_out": left_out,
-        "kld_method": "llama-perplexity's --kl-divergence from the unpruned model's full log-probs (base records, 16 bits), the pruned experts masked out of routing",
+        "kld_method": "llama-perplexity's --kl-divergence from the unpruned model's full "
+        "log-probs (base records, 16 bits), the pruned experts masked out of routing",
     }
 
     report = envelope(
@@ -521,7 +525,8 @@ def _tune(
 
 
 HALVING_RULE = (
-    "successive halving over held-out units spread over every file; after each round a candidate leaves when its paired "
+    "successive halving over held-out units spread over every "
+    "file; after each round a candidate leaves when its paired "
     "per-token KLD difference to the round's leader exceeds z standard errors; the finalists are scored on every unit"
 )
 CLIFF_RULE = (
@@ -571,7 +576,8 @@ def render_markdown(report: dict[str, Any]) -> str:
         "",
         f"Mean KLD against the unpruned model (llama-perplexity's statistics), pruned experts masked out of routing; "
         f"ctx {report['parameters']['ctx']}, held-out: {', '.join(Path(f['path']).name for f in report['heldout'])}. "
-        "Candidates stopped early were scored on fewer chunks: each left a round of successive halving when its paired per-token KLD "
+        "Candidates stopped early were scored on fewer chunks: each left "
+        "a round of successive halving when its paired per-token KLD "
         "difference to that round's leader exceeded two standard errors.",
         "",
     ]
@@ -586,21 +592,25 @@ def render_markdown(report: dict[str, Any]) -> str:
         lines += [
             f"## K = {k} of {report['model']['expert_count']}",
             "",
-            f"| rank | method | mean KLD | ± | 99.9% KLD | same top p | PPL | chunks | stopped early | identical to |{' halves overlap |' if stable else ''}",
+            "| rank | method | mean KLD | ± | 99.9% KLD | same top p | PPL | chunks "
+            f"| stopped early | identical to |{' halves overlap |' if stable else ''}",
             f"|---:|---|---:|---:|---:|---:|---:|---:|---|---|{'---:|' if stable else ''}",
         ]
         for rank, c in enumerate(ranked(report["candidates"], k), 1):
             name = f"**{c['method']}**" if c["winner"] else c["method"]
             overlap_cell = (f" {c['stability']['overlap']:.3f} |" if "stability" in c else " |") if stable else ""
             lines.append(
-                f"| {rank} | {name} | {c['kld_mean']:.4f} | {c['kld_mean_stderr']:.4f} | {c['kld_p999']:.4f} | {100 * c['same_top_p']:.2f}% | "
-                f"{c['ppl']:.4f} | {c['chunks_scored']} | {'yes' if c['stopped_early'] else 'no'} | {c['identical_to'] or ''} |{overlap_cell}"
+                f"| {rank} | {name} | {c['kld_mean']:.4f} | {c['kld_mean_stderr']:.4f} "
+                f"| {c['kld_p999']:.4f} | {100 * c['same_top_p']:.2f}% | "
+                f"{c['ppl']:.4f} | {c['chunks_scored']} | {'yes' if c['stopped_early'] else 'no'} "
+                f"| {c['identical_to'] or ''} |{overlap_cell}"
             )
         lines.append("")
         tied = [c for c in ranked(report["candidates"], k) if c["winner"] and c.get("tie_with")]
         if tied:
             lines += [
-                f"Tie within noise: {tied[0]['method']} and {', '.join(tied[0]['tie_with'])} differ by less than two standard errors "
+                f"Tie within noise: {tied[0]['method']} and "
+                f"{', '.join(tied[0]['tie_with'])} differ by less than two standard errors "
                 "of their paired per-token KLD difference.",
                 "",
             ]
@@ -624,7 +634,8 @@ def render_markdown(report: dict[str, Any]) -> str:
         lines += [
             "## Cliff",
             "",
-            f"Knee of mean KLD against K ({cliff_of['rule']}); each method's curve compares its candidates on the chunks all of them were scored on.",
+            f"Knee of mean KLD against K ({cliff_of['rule']}); each method's curve "
+            "compares its candidates on the chunks all of them were scored on.",
             "",
             "| method | knee K | mean KLD at each K |",
             "|---|---:|---|",
