@@ -1,4 +1,4 @@
-"""Benchmark: `ggufcarve eval` (PPL + KLD of one model, reference log-probs cached) against `llama-perplexity \
+"""Benchmark: `ggufcarve eval` (PPL + KLD of one model, reference log-probs cached) against `llama-perplexity
 --kl-divergence`.
 
 Builds a loadable qwen3moe F16 reference and its Q8_0 version with the tests' model factory
@@ -12,8 +12,8 @@ Builds a loadable qwen3moe F16 reference and its Q8_0 version with the tests' mo
   - eval (base file): `ggufcarve eval Q8_0 --reference BASE` (llama-perplexity's own base file)
 Medians are printed with the ratio to llama-perplexity.
 
-    python bench/eval_bench.py [--dir bench/out] [--layers 8] [--n-embd 1024] [--ctx 512] [--chunks 8] [--threads 2] \
-[--repeat 3]
+    python bench/eval_bench.py [--dir bench/out] [--layers 8] [--n-embd 1024] [--ctx 512] [--chunks 8] [--threads \\
+        2] [--repeat 3]
 """
 
 from __future__ import annotations

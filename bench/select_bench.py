@@ -11,19 +11,19 @@
             threads; each includes process start and model load
 Each is run --repeat times, alternating; medians are printed with the ratio to the baseline.
 
-    PYTHONPATH=. python bench/select_bench.py [--dir bench/out] [--repeat 3] [--tokens 8192] [--threads 2] [--only \
-weights|trace] [--no-cold]
+    PYTHONPATH=. python bench/select_bench.py [--dir bench/out] [--repeat 3] [--tokens 8192] [--threads 2] [--only \\
+        weights|trace] [--no-cold]
         [--trace-model MODEL.gguf] [--text FILE] [--methods reap,razor]
 
 `--trace-model` times the trace benchmark on a loadable model of your own, for example a factory
 qwen3moe of 256 experts x 40 layers:
-    factory.write_model(PATH, "qwen3moe", dtype="Q8_0", n_expert=256, n_expert_used=8, n_layer=40, n_embd=256, \
-n_ff_exp=64)
+    factory.write_model(PATH, "qwen3moe", dtype="Q8_0", n_expert=256, n_expert_used=8, n_layer=40, n_embd=256,
+        n_ff_exp=64)
 `--text` calibrates on a text of your own, `--tokens 0` on the whole of it (no --chunks, no
 --max-tokens); the demo's one-pass figures in the README:
     PYTHONPATH=. python bench/select_bench.py --only trace --repeat 7 --ctx 256 --tokens 0 --methods reap,razor \
-        --trace-model ggufcarve/demo/data/tiny-qwen3moe-16x256-top4-4L-stdlib-Q8_0.gguf --text \
-ggufcarve/demo/data/calibration.txt
+        --trace-model ggufcarve/demo/data/tiny-qwen3moe-16x256-top4-4L-stdlib-Q8_0.gguf --text \\
+            ggufcarve/demo/data/calibration.txt
 """
 
 from __future__ import annotations

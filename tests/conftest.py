@@ -70,8 +70,8 @@ def dense_model(models_dir) -> pathlib.Path:
 
 @pytest.fixture(scope="session")
 def llama_tools(request) -> pathlib.Path:
-    """The bin dir holding llama.cpp's tools (llama-quantize, llama-imatrix, llama-perplexity, llama-gguf-split, \
-llama-bench, llama-fit-params).
+    """The bin dir holding llama.cpp's tools (llama-quantize, llama-imatrix, llama-perplexity, llama-gguf-split,
+    llama-bench, llama-fit-params).
 
     Found through ggufcarve's own lookup (``GGUFCARVE_LLAMA_CPP``, PATH, ggufcarve's cache); when
     they are not all in one place, they are built once into the cache from the llama-cpp-python

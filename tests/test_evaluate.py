@@ -760,8 +760,8 @@ def release(q8_moe, llama_tools, tmp_path_factory) -> Path:
 
 
 def _llama_perplexity(bin_dir: Path, *args, expect: str = "") -> str:
-    """Run llama-perplexity until its output holds `expect`: its log thread can drop the last lines at exit \
-(crosscheck.ATTEMPTS)."""
+    """Run llama-perplexity until its output holds `expect`: its log thread can drop the last lines at exit
+    (crosscheck.ATTEMPTS)."""
     from ggufcarve.evaluate.crosscheck import ATTEMPTS
 
     for _ in range(ATTEMPTS):
@@ -779,8 +779,8 @@ def _llama_perplexity(bin_dir: Path, *args, expect: str = "") -> str:
 
 @pytest.fixture(scope="module")
 def release_eval(release, reference, q8_moe, heldout, llama_tools, tmp_path_factory):
-    """eval --cross-check of the Q8_0 fixture, a 6-expert prune of it and the release's rungs against the F16 \
-reference."""
+    """eval --cross-check of the Q8_0 fixture, a 6-expert prune of it and the release's rungs against the F16
+    reference."""
     base = tmp_path_factory.mktemp("release-eval")
     pruned = base / "qwen3moe-6e-Q8_0.gguf"
     result = ggufcarve("prune", q8_moe, "--keep-first", 6, "-o", pruned, "-q")
@@ -854,8 +854,8 @@ BASE_STEP = 16 / 65535  # the largest step of a base file's 16-bit log-probs (th
 
 
 def _oracle(bin_dir: Path, model: Path, base: Path, ctx: int) -> dict[str, float]:
-    """llama-perplexity -m MODEL --kl-divergence-base BASE --kl-divergence, in the launcher's environment: its printed \
-figures.
+    """llama-perplexity -m MODEL --kl-divergence-base BASE --kl-divergence, in the launcher's environment: its
+    printed figures.
 
     Its log thread can drop the last lines at exit (crosscheck.ATTEMPTS): run until "Same top p" is printed.
     """
@@ -896,8 +896,8 @@ figures.
 def _assert_equals_llama_perplexity(
     bin_dir: Path, out: Path, models: list[Path], base: Path, ctx: int, chunks: int
 ) -> None:
-    """eval's figures equal llama-perplexity's printed ones (KLD to the 16-bit storage of the reference, same top p to \
-its 3 printed decimals)."""
+    """eval's figures equal llama-perplexity's printed ones (KLD to the 16-bit storage of the reference, same top p
+    to its 3 printed decimals)."""
     for model in models:
         doc = _load(out, model)
         theirs = _oracle(bin_dir, model, base, ctx)
@@ -925,8 +925,8 @@ its 3 printed decimals)."""
 
 @pytest.mark.slow
 def test_demo_pruned_rungs_kld_equals_llama_perplexity(llama_tools, tmp_path):
-    """The demo model pruned to 8 of 16 experts (Q8_0) and its Q4_K_M against the unpruned demo: held-out text, ctx \
-256, 16 chunks."""
+    """The demo model pruned to 8 of 16 experts (Q8_0) and its Q4_K_M against the unpruned demo: held-out text, ctx
+    256, 16 chunks."""
     from ggufcarve.demo import DEMO_MODEL, HELDOUT
 
     pruned = tmp_path / "demo-8e-Q8_0.gguf"
@@ -985,8 +985,8 @@ def test_demo_pruned_rungs_kld_equals_llama_perplexity(llama_tools, tmp_path):
 
 @pytest.mark.slow
 def test_iq2_xs_kld_equals_llama_perplexity(release, make_model, heldout, llama_tools, tmp_path):
-    """An IQ2_XS (llama-quantize with llama-imatrix's imatrix) of the qwen3moe fixture against the F16 it was made \
-from."""
+    """An IQ2_XS (llama-quantize with llama-imatrix's imatrix) of the qwen3moe fixture against the F16 it was made
+    from."""
     f16 = make_model("qwen3moe", dtype="F16", n_embd=256, n_ff_exp=256)
     (iq2,) = release.glob("*IQ2_XS*.gguf")
     out = tmp_path / "out"
@@ -1333,8 +1333,8 @@ def test_qa_prompt_is_the_models_chat_template(reference, q8_moe, heldout, tmp_p
 
 @pytest.mark.slow
 def test_evaluation_and_card_become_part_of_the_release(release, reference, heldout, tmp_path):
-    """eval -o RELEASE/evaluation and card RELEASE are recorded in the manifest and SHA256SUMS, so verify covers \
-them."""
+    """eval -o RELEASE/evaluation and card RELEASE are recorded in the manifest and SHA256SUMS, so verify covers
+    them."""
     import shutil
 
     copy = tmp_path / "release"

@@ -30,10 +30,10 @@ def answer_for_budget(
     work: Path,
     on_event: Sink = ignore,
 ) -> dict[str, Any] | None:
-    """{winner, runner_up (the best fitting finalist of the other family, or None), tie_with (the results within noise \
-of the
-    winner), fitting, memory, cache_bytes}; None when nothing fits. `results` are eval's per-model documents of files \
-under `directories`."""
+    """{winner, runner_up (the best fitting finalist of the other family, or None), tie_with (the results within
+    noise of the
+    winner), fitting, memory, cache_bytes}; None when nothing fits. `results` are eval's per-model documents of files
+    under `directories`."""
     from ggufcarve.measure.tournament import (
         Candidate,
         MeasureSettings,

@@ -17,8 +17,8 @@ REASONS = {"halving": "halving", "budget": "over budget", "gate": "gate", "ident
 
 
 def stopped_lines(report: dict[str, Any]) -> list[str]:
-    """One line per candidate that left before the final round or was not a finalist: why, and by how much it lost \
-(closest first)."""
+    """One line per candidate that left before the final round or was not a finalist: why, and by how much it lost
+    (closest first)."""
     lines = []
     closest_first = sorted(
         report["candidates"], key=lambda c: (c.get("stopped_reason") != "halving", c.get("lost_by") or 0.0, c["id"])

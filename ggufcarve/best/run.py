@@ -682,8 +682,8 @@ def _judge(gate: Any, record: dict[str, Any]) -> tuple[bool, list[str]]:
 def best(
     source: Path, settings: BestSettings, out_dir: Path, *, plan: Plan | None = None, on_event: Sink = ignore
 ) -> BestResult:
-    """Search the candidates; write best.json, best.md, best-pareto.png and plan.toml under `out_dir`, the models \
-under out_dir/models."""
+    """Search the candidates; write best.json, best.md, best-pareto.png and plan.toml under `out_dir`, the models
+    under out_dir/models."""
     from ggufcarve.best.render import chart, markdown, plan_document, publish_command, write_plan
     from ggufcarve.fileio import write_text_atomic
     from ggufcarve.llama.masking import required_nodes

@@ -10,8 +10,8 @@ Examples:
     ggufcarve prune model.gguf --keep kept_expert_indices.json -o out/model-128e.gguf
     ggufcarve imatrix remap model.imatrix.gguf --model out/model-128e.gguf -o out/model-128e.imatrix.gguf
     ggufcarve fit model.gguf --memory 24GiB --ctx 16384
-    ggufcarve ladder run ladders/q8-to-iq1.toml --source out/model-128e.gguf --imatrix out/model-128e.imatrix.gguf -o \
-release/
+    ggufcarve ladder run ladders/q8-to-iq1.toml --source out/model-128e.gguf --imatrix out/model-128e.imatrix.gguf \\
+        -o release/
     ggufcarve release merge release/      # after ladder runs of single rungs from several hosts
     ggufcarve verify release/
     ggufcarve run plans/frequency-128.toml

@@ -2,10 +2,10 @@
 
 Examples:
     ggufcarve best model-Q8_0.gguf --memory 24GiB --calibration cal.txt --heldout wiki.txt --heldout code.txt -o best/
-    ggufcarve best model-Q8_0.gguf --memory 24GiB --gpu-memory 16GiB --ctx 32768 --kv-type q8_0 --calibration cal.txt \
---heldout wiki.txt -o best/ --dry-run
-    ggufcarve best model-Q8_0.gguf --memory 24GiB --calibration cal.txt --heldout wiki.txt -o best/ --only \
-K128-Q4_K_M   # one build job of several hosts
+    ggufcarve best model-Q8_0.gguf --memory 24GiB --gpu-memory 16GiB --ctx 32768 --kv-type q8_0 --calibration \\
+        cal.txt --heldout wiki.txt -o best/ --dry-run
+    ggufcarve best model-Q8_0.gguf --memory 24GiB --calibration cal.txt --heldout wiki.txt -o best/ --only \\
+        K128-Q4_K_M   # one build job of several hosts
     ggufcarve run best/plan.toml     # publish the winner and its neighbours on the front, fully evaluated
 """
 
@@ -240,8 +240,8 @@ def best_command(
     quiet: QuietOption = False,
     as_json: JsonOption = False,
 ) -> None:
-    """Score every (K, keep-set, quant) that fits a budget by masking on the unpruned rungs; build and confirm the \
-answer."""
+    """Score every (K, keep-set, quant) that fits a budget by masking on the unpruned rungs; build and confirm the
+    answer."""
     from ggufcarve.best.render import stopped_lines
     from ggufcarve.best.run import BestSettings, best, estimate, measure_speed, plan_best, project_estimate
     from ggufcarve.errors import BadInput

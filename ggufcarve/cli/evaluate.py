@@ -1,21 +1,21 @@
-"""eval: perplexity, KL divergence against a reference, speed, QA checks and a PASS/FAIL gate for every model; card: \
+"""eval: perplexity, KL divergence against a reference, speed, QA checks and a PASS/FAIL gate for every model; card:
 the model card.
 
 Examples:
     ggufcarve eval release/ --reference model-Q8_0.gguf --heldout heldout.txt -o evaluation/
-    ggufcarve eval release/ unpruned-Q2_K.gguf unpruned-Q3_K_M.gguf --reference model-Q8_0.gguf --heldout heldout.txt \
---ctx 512 --chunks 40 -o evaluation/
-    ggufcarve eval model-Q4_K_M.gguf --reference base.kld -o evaluation/      (a llama-perplexity --kl-divergence-base \
-file)
+    ggufcarve eval release/ unpruned-Q2_K.gguf unpruned-Q3_K_M.gguf --reference model-Q8_0.gguf --heldout \\
+        heldout.txt --ctx 512 --chunks 40 -o evaluation/
+    ggufcarve eval model-Q4_K_M.gguf --reference base.kld -o evaluation/      (a llama-perplexity \\
+        --kl-divergence-base file)
     ggufcarve eval model-Q4_K_M.gguf --reference model-Q8_0.gguf --heldout heldout.txt --cross-check -o evaluation/
-    ggufcarve eval release/ --reference model-Q8_0.gguf --heldout heldout.txt --qa evaluation/qa -o release/evaluation \
-&& ggufcarve card release/
-    ggufcarve eval release/ --reference model-Q8_0.gguf --heldout heldout.txt --strict -o evaluation/      (exit 1 \
-when a model fails the gate: for CI)
-    ggufcarve eval release/ --reference model-Q8_0.gguf --heldout wiki.txt --heldout code.txt --gate-segments every -o \
-evaluation/      (each file reported as its own segment)
-    ggufcarve eval release/ --reference model-Q8_0.gguf --heldout heldout.txt --loops --loop-tokens 512 -o \
-evaluation/      (repetition loops on the QA prompts)
+    ggufcarve eval release/ --reference model-Q8_0.gguf --heldout heldout.txt --qa evaluation/qa -o \\
+        release/evaluation && ggufcarve card release/
+    ggufcarve eval release/ --reference model-Q8_0.gguf --heldout heldout.txt --strict -o evaluation/      (exit 1 \\
+        when a model fails the gate: for CI)
+    ggufcarve eval release/ --reference model-Q8_0.gguf --heldout wiki.txt --heldout code.txt --gate-segments every \\
+        -o evaluation/      (each file reported as its own segment)
+    ggufcarve eval release/ --reference model-Q8_0.gguf --heldout heldout.txt --loops --loop-tokens 512 -o \\
+        evaluation/      (repetition loops on the QA prompts)
 """
 
 from __future__ import annotations
@@ -155,8 +155,8 @@ def eval_command(
     quiet: QuietOption = False,
     as_json: JsonOption = False,
 ) -> None:
-    """Evaluate MODELs against --reference: PPL, KLD, speed, QA and the gate; writes -o DIR/<model>.json and \
-DIR/summary.md."""
+    """Evaluate MODELs against --reference: PPL, KLD, speed, QA and the gate; writes -o DIR/<model>.json and
+    DIR/summary.md."""
     from ggufcarve.errors import BadInput, OutputError
     from ggufcarve.evaluate.models import resolve_models
     from ggufcarve.evaluate.release import eval_settings, evaluate_release
@@ -340,8 +340,8 @@ def card_command(
     ] = False,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing README.md.")] = False,
 ) -> None:
-    """Write the Hugging Face model card RELEASE/README.md from the manifest, the method reports and the evaluation, \
-and record it in the release."""
+    """Write the Hugging Face model card RELEASE/README.md from the manifest, the method reports and the evaluation,
+    and record it in the release."""
     from ggufcarve.errors import BadInput
     from ggufcarve.release.card import CardSettings, card_warnings, record_card, write_card
 

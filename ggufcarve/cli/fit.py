@@ -121,8 +121,8 @@ def fit_command(
     as_json: JsonOption = False,
     quiet: QuietOption = False,
 ) -> None:
-    """Table of kept experts K x ladder rung: predicted file size, cache at --ctx, total, and whether it fits in \
---memory."""
+    """Table of kept experts K x ladder rung: predicted file size, cache at --ctx, total, and whether it fits in
+    --memory."""
     from ggufcarve.errors import BadInput
     from ggufcarve.gguf.container import read_model
     from ggufcarve.moe.layout import inspect_layout

@@ -1,11 +1,11 @@
 """ladder run: every rung of a spec from one source, hashed and recorded.
 
 Examples:
-    ggufcarve ladder run ladders/q8-to-iq1.toml --source model-128e-Q8_0.gguf --imatrix model-128e.imatrix.gguf -o \
-release/
+    ggufcarve ladder run ladders/q8-to-iq1.toml --source model-128e-Q8_0.gguf --imatrix model-128e.imatrix.gguf -o \\
+        release/
     ggufcarve ladder run ladders/q8-to-iq1.toml --source model-128e-Q8_0.gguf -o release/ --only Q4_K_M --dry-run
-    ggufcarve ladder run ladders/q8-to-iq1.toml --source other-model-Q8_0.gguf -o release/ --force   # a new release \
-in release/
+    # a new release in release/:
+    ggufcarve ladder run ladders/q8-to-iq1.toml --source other-model-Q8_0.gguf -o release/ --force
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """release: assemble a release directory that several ladder runs (processes or hosts) wrote into.
 
 Examples:
-    ggufcarve ladder run ladders/q8-to-iq1.toml --source model-128e-Q8_0.gguf -o /shared/release --only Q4_K_M   # one \
-job per rung, anywhere
+    # one job per rung, anywhere:
+    ggufcarve ladder run ladders/q8-to-iq1.toml --source model-128e-Q8_0.gguf -o /shared/release --only Q4_K_M
     ggufcarve release merge /shared/release
     ggufcarve verify /shared/release
     ggufcarve release record /shared/release/LICENSE /shared/release/.gitattributes   # documentation you add
@@ -34,8 +34,8 @@ def merge_command(
     as_json: JsonOption = False,
     quiet: QuietOption = False,
 ) -> None:
-    """Assemble quant-manifest.json and SHA256SUMS from every rung's fragment, checking each rung's files (size, \
-sha256)."""
+    """Assemble quant-manifest.json and SHA256SUMS from every rung's fragment, checking each rung's files (size,
+    sha256)."""
     from ggufcarve.fileio import format_size
     from ggufcarve.release.fragments import merge_release
 

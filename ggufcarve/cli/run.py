@@ -330,8 +330,8 @@ def run_command(
     quiet: QuietOption = False,
     as_json: JsonOption = False,
 ) -> None:
-    """Select, prune, remap the imatrix, quantize the ladder, evaluate, write the card and verify, from one plan; \
-finished stages are skipped."""
+    """Select, prune, remap the imatrix, quantize the ladder, evaluate, write the card and verify, from one plan;
+    finished stages are skipped."""
     from ggufcarve.pipeline.plan import load_plan
 
     _execute(_with_threads(load_plan(plan_file), threads, gpu_layers), dry_run, force, quiet, as_json)
@@ -348,8 +348,8 @@ def demo_command(
     quiet: QuietOption = False,
     as_json: JsonOption = False,
 ) -> None:
-    """The whole pipeline on the small trained MoE shipped with ggufcarve (embedded llama.cpp only, a few minutes on 2 \
-cores)."""
+    """The whole pipeline on the small trained MoE shipped with ggufcarve (embedded llama.cpp only, a few minutes on
+    2 cores)."""
     from ggufcarve.pipeline.demo import demo_plan, write_demo_plan
 
     plan = _with_threads(demo_plan(directory), threads, gpu_layers)

@@ -3,8 +3,8 @@
 Examples:
     ggufcarve select model.gguf --method weights --keep 128 -o selection.json
     ggufcarve select model.gguf --method imatrix-counts --imatrix model.imatrix.gguf --ratio 0.5 -o selection.json
-    ggufcarve select model.gguf --method reap --calibration code.jsonl --calibration chat.jsonl --keep 128 -o \
-selection.json
+    ggufcarve select model.gguf --method reap --calibration code.jsonl --calibration chat.jsonl --keep 128 -o \\
+        selection.json
     ggufcarve score model.gguf --method imatrix-energy --imatrix model.imatrix.gguf -o scores.json
     ggufcarve select scores.json --keep 128 --protect 0,7 -o selection.json
     ggufcarve score --merge part1.json part2.json -o scores.json

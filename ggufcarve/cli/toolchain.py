@@ -76,8 +76,8 @@ def toolchain_build(
     ] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress output.")] = False,
 ) -> None:
-    """Compile llama-quantize, llama-imatrix, llama-perplexity, llama-gguf-split, llama-bench and llama-fit-params \
-into ggufcarve's cache.
+    """Compile llama-quantize, llama-imatrix, llama-perplexity, llama-gguf-split, llama-bench and llama-fit-params
+    into ggufcarve's cache.
 
     From the llama.cpp source in the llama-cpp-python sdist of the installed version; about 10-13
     minutes on 2 cores, once per version."""

@@ -2,8 +2,8 @@
 
 Examples:
     ggufcarve tune model.gguf --calibration cal.txt --heldout heldout.txt --keep 8 -o tune/
-    ggufcarve tune model.gguf --calibration cal.txt --heldout wiki.txt --heldout code.txt --keep 64,96,128 --methods \
-reap,frequency,weights --ctx 512 --chunks 32 -o tune/
+    ggufcarve tune model.gguf --calibration cal.txt --heldout wiki.txt --heldout code.txt --keep 64,96,128 \\
+        --methods reap,frequency,weights --ctx 512 --chunks 32 -o tune/
     ggufcarve prune model.gguf --keep tune/expert-selection.json -o model-pruned.gguf
 """
 

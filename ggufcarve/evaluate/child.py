@@ -175,8 +175,8 @@ def _score_segments(engine, request: Request, result: dict) -> np.ndarray | None
 
 
 def _too_little_space(sizes: dict[Path, int]) -> dict | None:
-    """The first file system that cannot hold the reference files to be written there (path, bytes needed, bytes \
-free), or None."""
+    """The first file system that cannot hold the reference files to be written there (path, bytes needed, bytes
+    free), or None."""
     import shutil
 
     by_device: dict[int, tuple[Path, int]] = {}

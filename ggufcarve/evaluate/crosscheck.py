@@ -61,8 +61,8 @@ def agrees(a: float, b: float, digits: int = 4) -> bool:
 
 
 def parse_kld_output(lines: list[str]) -> dict:
-    """llama-perplexity --kl-divergence's final statistics: ppl, kld_mean(_stderr), kld percentiles, rms_dp, \
-same_top_p (fractions)."""
+    """llama-perplexity --kl-divergence's final statistics: ppl, kld_mean(_stderr), kld percentiles, rms_dp,
+    same_top_p (fractions)."""
     found: dict = {"kld": {}}
     for line in lines:
         if m := MEAN_PPL.match(line):

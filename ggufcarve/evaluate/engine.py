@@ -2,8 +2,8 @@
 
 Used only inside the evaluation child process (`ggufcarve.evaluate.child`): llama.cpp aborts the
 whole process on a failed assert. Models load with `gpu_layers` layers on the accelerator
-(`n_gpu_layers`; 0, the default, is the CPU) and `use_extra_bufts = False`: on CPUs with AMX, llama.cpp 0.3.36 crashes \
-in
+(`n_gpu_layers`; 0, the default, is the CPU) and `use_extra_bufts = False`: on CPUs with AMX, llama.cpp 0.3.36
+crashes in
 `ggml_backend_amx_mul_mat` on tiny models otherwise.
 """
 
@@ -189,8 +189,8 @@ class Context:
         return [np.concatenate(r) if len(r) > 1 else r[0] for r in rows]
 
     def generate(self, prompt: Sequence[int], max_tokens: int) -> Iterator[int]:
-        """Greedy decoding (temperature 0, top-k 1: the arg-max token, first on ties) until end of generation or \
-max_tokens."""
+        """Greedy decoding (temperature 0, top-k 1: the arg-max token, first on ties) until end of generation or
+        max_tokens."""
         self.clear()
         if len(prompt) + max_tokens > self.n_ctx:
             raise EngineError(

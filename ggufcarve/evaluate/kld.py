@@ -1,4 +1,4 @@
-"""KL divergence against a reference model: the reference's log-probabilities on disk, per-token comparisons, \
+"""KL divergence against a reference model: the reference's log-probabilities on disk, per-token comparisons,
 statistics.
 
 Two on-disk forms of the reference, both streamed chunk by chunk (never all in memory):
@@ -82,8 +82,8 @@ def base_values_per_token(n_vocab: int) -> int:
 def topk_records(
     logprobs: np.ndarray, targets: np.ndarray, top_k: int, tail_samples: int = 0, rng: np.random.Generator | None = None
 ) -> np.ndarray:
-    """Top-k cache records of rows of reference log-probabilities (float64 [n, n_vocab]), with `tail_samples` draws \
-from each tail (rng)."""
+    """Top-k cache records of rows of reference log-probabilities (float64 [n, n_vocab]), with `tail_samples` draws
+    from each tail (rng)."""
     n, n_vocab = logprobs.shape
     k = min(top_k, n_vocab)
     records = np.zeros(n, dtype=reference_record(top_k, tail_samples))
@@ -147,8 +147,8 @@ def base_records(logits: np.ndarray) -> np.ndarray:
 
 
 def compare_topk(logits: np.ndarray, targets: np.ndarray, records: np.ndarray) -> np.ndarray:
-    """The per-token table (TOKEN_COLUMNS) of a model's raw logits [n, n_vocab] against top-k cache records (module \
-docstring)."""
+    """The per-token table (TOKEN_COLUMNS) of a model's raw logits [n, n_vocab] against top-k cache records (module
+    docstring)."""
     logq = log_softmax(logits)
     n = logq.shape[0]
     rows = np.arange(n)
@@ -199,8 +199,8 @@ def compare_full(logits: np.ndarray, targets: np.ndarray, reference_logits: np.n
 
 
 def compare_base(logits: np.ndarray, targets: np.ndarray, base: np.ndarray) -> np.ndarray:
-    """The per-token table against llama-perplexity base records, with its float32 arithmetic (perplexity.cpp \
-`log_softmax` of the KLD pass)."""
+    """The per-token table against llama-perplexity base records, with its float32 arithmetic (perplexity.cpp
+    `log_softmax` of the KLD pass)."""
     x = np.asarray(logits, dtype=np.float32)
     n, n_vocab = x.shape
     rows = np.arange(n)

@@ -163,8 +163,8 @@ def load_loop_prompts(path: Path) -> list[dict]:
 
 
 def run_loops(engine: Engine, prompts: list[dict], tokens: int, progress: Callable[[int, int], None]) -> list[dict]:
-    """Greedy continuations of every prompt, `tokens` new tokens at most: [{id, tokens, output, prompt_tokens, \
-ended}]."""
+    """Greedy continuations of every prompt, `tokens` new tokens at most: [{id, tokens, output, prompt_tokens,
+    ended}]."""
     from ggufcarve.evaluate.qa import render_prompt
 
     template = engine.chat_template()

@@ -1,5 +1,5 @@
-"""What is evaluated: models given as GGUF files, split sets (their first shard) or release directories (every rung of \
-the manifest)."""
+"""What is evaluated: models given as GGUF files, split sets (their first shard) or release directories (every rung
+of the manifest)."""
 
 from __future__ import annotations
 

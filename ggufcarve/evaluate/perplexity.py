@@ -100,8 +100,8 @@ class Perplexity:
 
 
 def perplexity(nll: np.ndarray) -> Perplexity:
-    """PPL and its standard error from per-token negative log-likelihoods, exactly as perplexity.cpp's `perplexity()` \
-ends."""
+    """PPL and its standard error from per-token negative log-likelihoods, exactly as perplexity.cpp's `perplexity()`
+    ends."""
     nll = np.asarray(nll, dtype=np.float64)
     count = int(nll.size)
     if count < 2:

@@ -38,8 +38,8 @@ REFERENCE_STORES = (REFERENCE_FULL, REFERENCE_TOPK)
 
 @dataclass
 class Request:
-    """What the evaluation child does: load `model`, score the text or the reference file's tokens, write the named \
-files."""
+    """What the evaluation child does: load `model`, score the text or the reference file's tokens, write the named
+    files."""
 
     TASK: ClassVar[str] = "evaluate"
 

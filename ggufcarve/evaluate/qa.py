@@ -1,4 +1,4 @@
-"""Deterministic QA checks: a suite of JSONL files, greedy answers from each model, validators, agreement with the \
+"""Deterministic QA checks: a suite of JSONL files, greedy answers from each model, validators, agreement with the
 reference.
 
 One check per line:
@@ -231,8 +231,8 @@ def first_json(answer: str) -> Any:
 
 
 def _validator(schema: Any, where: str = "$"):
-    """A jsonschema validator of the schema (its `$schema` draft, else Draft 2020-12, formats asserted); \
-ValidatorError when the schema is invalid."""
+    """A jsonschema validator of the schema (its `$schema` draft, else Draft 2020-12, formats asserted);
+    ValidatorError when the schema is invalid."""
     import jsonschema
 
     if not isinstance(schema, (dict, bool)):
@@ -247,8 +247,8 @@ ValidatorError when the schema is invalid."""
 
 
 def schema_errors(value: Any, schema: Any, where: str = "$") -> list[str]:
-    """Where `value` breaks the JSON Schema (every keyword of its draft, through the jsonschema library), in document \
-order."""
+    """Where `value` breaks the JSON Schema (every keyword of its draft, through the jsonschema library), in document
+    order."""
     errors = sorted(_validator(schema, where).iter_errors(value), key=lambda e: [str(p) for p in e.absolute_path])
     return [f"{where}{e.json_path[1:]}: {' '.join(e.message.split())}" for e in errors]
 

@@ -3,8 +3,8 @@ the evaluation of models into a directory that a release then publishes. `ggufca
 run pipeline's evaluate stage both call these.
 
     settings, warnings = eval_settings(ctx=512, chunks=40, gate=None, qa=Path("evaluation/qa"))
-    run = evaluate_release([Path("release")], Path("model-Q8_0.gguf"), Path("heldout.txt"), settings, \
-Path("release/evaluation"))
+    run = evaluate_release([Path("release")], Path("model-Q8_0.gguf"), Path("heldout.txt"), settings,
+        Path("release/evaluation"))
 """
 
 from __future__ import annotations

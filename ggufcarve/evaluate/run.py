@@ -112,8 +112,8 @@ def _identity_path(cache: Path) -> Path:
 
 
 def _cached(cache: Path, ref_sha: str, text_sha: str, settings: EvalSettings) -> kld.ReferenceFile | None:
-    """The cached reference when it is complete and of this reference, text and context, holding the chunks this run \
-scores."""
+    """The cached reference when it is complete and of this reference, text and context, holding the chunks this run
+    scores."""
     try:
         opened = kld.open_reference(cache)
         if opened.header is not None:
@@ -265,8 +265,8 @@ def _save_base(opened: kld.ReferenceFile, n_chunk: int, path: Path) -> None:
 def prepare_reference(
     path: Path, heldout: Path | None, settings: EvalSettings, work: Path, sink: Sink = ignore
 ) -> Reference:
-    """The reference file the children compare with: a given top-k cache or base file, or the cached log-probs of a \
-GGUF reference.
+    """The reference file the children compare with: a given top-k cache or base file, or the cached log-probs of a
+    GGUF reference.
 
     A GGUF reference's log-probs are kept as llama-perplexity's base file (every token, the default)
     or, with `settings.reference_store` "topk", as a top-k cache.
@@ -675,8 +675,8 @@ def _segment_record(name: str, table: np.ndarray, chunks: int, method: str) -> d
 
 
 def _judge_segments(doc: dict, gate) -> None:
-    """Each segment's own verdict (gate, gate_failed); with the gate's segments "every" a failed segment fails the \
-model."""
+    """Each segment's own verdict (gate, gate_failed); with the gate's segments "every" a failed segment fails the
+    model."""
     if gate is None:
         return
     for record in doc["segments"]:

@@ -1,4 +1,4 @@
-"""The parent side of the evaluation child: one request run through the child-task protocol \
+"""The parent side of the evaluation child: one request run through the child-task protocol
 (`ggufcarve.llama.child`)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Prompt-processing and decode speed as llama-bench defines them (pp: one batch of N prompt tokens; tg: N \
+"""Prompt-processing and decode speed as llama-bench defines them (pp: one batch of N prompt tokens; tg: N
 single-token decodes).
 
 With a llama-bench binary (`ggufcarve toolchain build` compiles it), `bench_speed` runs it on the

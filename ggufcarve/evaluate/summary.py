@@ -1,4 +1,4 @@
-"""summary.md and the charts of an evaluation: the release table, the quality table, and pruned vs unpruned at equal \
+"""summary.md and the charts of an evaluation: the release table, the quality table, and pruned vs unpruned at equal
 size.
 
 At equal size: every model is compared with the model of each other family whose size is

@@ -1,2 +1,2 @@
-"""llama.cpp itself: finding, probing and building its tools, the one launcher of its child processes, and the \
+"""llama.cpp itself: finding, probing and building its tools, the one launcher of its child processes, and the
 libllama child tasks."""

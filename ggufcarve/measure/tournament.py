@@ -1,9 +1,9 @@
 """Candidates scored against the unpruned model by successive halving, decided by paired statistics.
 
-    segments = prepare_segments(Path("model.gguf"), [Path("wiki.txt"), Path("code.txt")], chunk_ctx=512, chunks=None, \
-threads=2, work=work)
-    result = measure([Candidate("reap-8", Path("model.gguf"), keep=reap_keep, group="8"), ...], segments, \
-MeasureSettings(threads=2), work)
+    segments = prepare_segments(Path("model.gguf"), [Path("wiki.txt"), Path("code.txt")], chunk_ctx=512, chunks=None,
+        threads=2, work=work)
+    result = measure([Candidate("reap-8", Path("model.gguf"), keep=reap_keep, group="8"), ...], segments,
+        MeasureSettings(threads=2), work)
     result.groups["8"]["winner"]
 
 A candidate is a model file and an optional keep-set (the experts it drops masked out of
@@ -106,8 +106,8 @@ class Measurement:
         return joined(self.tables[cid], n_units)
 
     def statistics_on(self, cid: str, n_units: int) -> dict[str, Any]:
-        """The candidate's statistics on the first `n_units` units (every candidate that was scored on that many \
-shares them)."""
+        """The candidate's statistics on the first `n_units` units (every candidate that was scored on that many
+        shares them)."""
         return _statistics(self.table(cid, n_units), [], [])
 
     def chunks_in(self, n_units: int) -> int:

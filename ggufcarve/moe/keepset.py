@@ -336,8 +336,8 @@ def check_keepset(keepset: KeepSet, layout: MoeLayout) -> list[str]:
 
 
 def _check_groups(keepset: KeepSet, layout: MoeLayout, k: int) -> list[str]:
-    """Per block: the same count from every group, ordered group by group (K itself is checked by \
-kept_count_problems)."""
+    """Per block: the same count from every group, ordered group by group (K itself is checked by
+    kept_count_problems)."""
     groups = groups_of(layout)
     size, per_group = layout.expert_count // groups, k // groups
     problems = []

@@ -150,8 +150,8 @@ class Routing:
         return self.group_count > 1
 
     def describe(self) -> str:
-        """One line, e.g. "sigmoid (expert_gating_func=2): selection bias exp_probs_b; 8 groups, best 4 by top-2 sum; \
-..."."""
+        """One line, e.g. "sigmoid (expert_gating_func=2): selection bias exp_probs_b; 8 groups, best 4 by top-2 sum;
+        ..."."""
         if self.gating is None:
             head = "unknown gating" + ("" if self.known_architecture else " (architecture not in ggufcarve's table)")
         else:

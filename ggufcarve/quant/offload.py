@@ -1,10 +1,10 @@
 """How to run a rung on one GPU: whole, or with llama.cpp's `--n-cpu-moe N` expert offload.
 
-    answer = file_offload(read_model("Model-Q4_K_M.gguf"), gpu_memory=parse_memory("16GiB"), \
-context=ContextSettings(16384))
+    answer = file_offload(read_model("Model-Q4_K_M.gguf"), gpu_memory=parse_memory("16GiB"),
+        context=ContextSettings(16384))
     answer.n_cpu_moe, answer.override  # 12, 'blk\\.([0-9]|1[0-1])\\.ffn_(up|down|gate|gate_up)_(ch|)exps=CPU'
-    # or, from tensor sizes and a cache size: plan_offload(placement_of(tensors, blocks, nextn), gpu_memory=..., \
-cache_bytes=...)
+    # or, from tensor sizes and a cache size: plan_offload(placement_of(tensors, blocks, nextn), gpu_memory=...,
+        cache_bytes=...)
 
 The rule is llama.cpp 0.3.36's (common/common.h, common/arg.cpp, src/llama-model.cpp,
 src/llama-model-loader.cpp):

@@ -4,7 +4,7 @@ of its imatrix, found beside them by the per-output name and accepted only by co
 A pruning report describes a pruned model when the model's own keys say the same thing: the
 kept experts (`ggufcarve.kept_*`) equal the report's `keep_set`, the source digests
 (`ggufcarve.source.sha256`) equal the report's `inputs`, and its `output.files` have the sizes
-of the model's files (names may differ: a renamed file is still the same model). A remap report describes an imatrix \
+of the model's files (names may differ: a renamed file is still the same model). A remap report describes an imatrix
 when its `output.sha256` is the
 imatrix's sha256. A release holds them as `method/pruning-report.json` and
 `method/imatrix-remap-report.json`, byte for byte as found, and records them in its manifest.

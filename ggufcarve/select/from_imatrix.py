@@ -14,7 +14,7 @@ imatrix-msan:    sum_j in_sum2[e, j] / counts[e] x ||W_down[e][:, j]||^2, W_down
 
 A legacy .dat imatrix stores (sum / count_e) * ncall per value (1 * ncall for a never-routed
 expert) and no per-expert counts, so imatrix-counts refuses it; imatrix-energy reads it as
-sum_j value[e, j] / ncall, with the placeholder rows scored 0. llama-imatrix 0.3.36 never runs MTP blocks; a block \
+sum_j value[e, j] / ncall, with the placeholder rows scored 0. llama-imatrix 0.3.36 never runs MTP blocks; a block
 without entries
 that is an MTP block is scored by the weights rule instead, and the record says so.
 """
@@ -41,8 +41,8 @@ MTP_NOTE = (
 def imatrix_stats(
     model: GGUFModel, layout: MoeLayout, imatrix: Imatrix, method: str, on_event: Sink = ignore
 ) -> tuple[dict[int, BlockStats], dict[str, str]]:
-    """Per block statistics of `method` ("imatrix-counts", "imatrix-energy" or "imatrix-msan"); rules of any weights \
-fallback."""
+    """Per block statistics of `method` ("imatrix-counts", "imatrix-energy" or "imatrix-msan"); rules of any weights
+    fallback."""
     name = imatrix.path.name if imatrix.path else "the imatrix"
     if imatrix.format == "dat" and method == "imatrix-counts":
         raise BadInput(

@@ -249,8 +249,8 @@ def fit_greedy(layout: Any, settings: TuneSettings) -> tuple[TuneSettings, dict[
 
 
 def reference_bytes(source: Path, settings: TuneSettings) -> int:
-    """At most the bytes of the unpruned model's log-prob records the reference cache keeps: llama-perplexity's base \
-records (`evaluate.kld.base_file_bytes`) of every held-out
+    """At most the bytes of the unpruned model's log-prob records the reference cache keeps: llama-perplexity's base
+    records (`evaluate.kld.base_file_bytes`) of every held-out
     file, its chunk count bounded by the text's bytes as `evaluate.run.reference_disk_bytes` bounds
     it (a token of llama.cpp's tokenizers spells at least one byte, apart from a BOS and a
     leading-space marker)."""
@@ -276,8 +276,8 @@ records (`evaluate.kld.base_file_bytes`) of every held-out
 
 
 def tune(source: Path, settings: TuneSettings, out_dir: Path, *, on_event: Sink = ignore) -> TuneResult:
-    """Run the tournament and write tune.json, tune.md, tune-kld.png, candidates/ and expert-selection.json under \
-`out_dir`."""
+    """Run the tournament and write tune.json, tune.md, tune-kld.png, candidates/ and expert-selection.json under
+    `out_dir`."""
     from ggufcarve.gguf.container import read_model
     from ggufcarve.moe.kept import kept_count
     from ggufcarve.moe.layout import inspect_layout
