@@ -28,13 +28,11 @@ evaluation, parsed into a validated `RunPlan` before anything touches disk.
     spec = "q8-to-iq1"                       # a name in ladders/ or a path
 
     [evaluation]
-    heldout = "heldout.txt"                  # or a list: each file its own segment; reference: the unpruned source \
-unless given
+    # heldout: or a list, each file its own segment; reference: the unpruned source unless given
+    heldout = "heldout.txt"
     # gate_segments = "every"                # with several heldout files: a model fails when any file fails
-    # loops = true                           # repetition loops of the QA prompts' greedy continuations (loop_prompts, \
-loop_tokens)
-    # top_k = 128                            # a small reference cache and an estimated KLD (default: every token, \
-llama-perplexity's KLD)
+    # loops = true                           # repetition loops of the QA prompts' greedy continuations
+    # top_k = 128                            # a small reference cache and an estimated KLD (default: every token)
 
     [card]                                   # or card = false; each key defaults to the GGUF's general.* keys
     base_model = "Qwen/Qwen3.6-35B-A3B"
