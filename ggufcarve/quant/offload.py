@@ -206,7 +206,7 @@ class Offload:
     cache_bytes: int
     margin: int
     n_cpu_moe: int | None
-    gpu_bytes: int  # weights + cache + margin on the GPU at n_cpu_moe (at all experts on the CPU when None)
+    gpu_bytes: int  # weights + cache + compute + margin on the GPU at n_cpu_moe (at all experts on the CPU when None)
     cpu_expert_bytes: int  # the experts the overrides keep in system memory
     main_blocks: int
     compute_bytes: int = 0  # the GPU's compute buffers at n_cpu_moe (0: not counted, the margin stands for them)
