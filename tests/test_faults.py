@@ -375,6 +375,50 @@ def test_a_signal_that_lands_in_a_finalizer_still_stops_the_run(env):
     assert "Exception ignored" not in result.stderr and "Traceback" not in result.stderr, result.stderr
 
 
+SIGNAL_IN_A_FINALIZER_WHILE_UNWINDING = """
+import signal, sys, time
+from ggufcarve.cli import install_stop_handlers, stopping
+from ggufcarve.errors import Interrupted
+
+class Dropped:  # what Python hands sys.unraisablehook for an exception raised inside a finalizer
+    exc_value = Interrupted(signal.SIGINT)
+
+def busy(seconds):
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        pass
+
+install_stop_handlers()
+sys.unraisablehook(Dropped())
+try:
+    busy(10)
+except Interrupted:
+    sys.unraisablehook(Dropped())  # a stop dropped by a finalizer that ran while the first one unwound
+    stopping()  # what the command line does first when it reports the stop
+    try:
+        busy(0.5)  # the report (rich's first import) runs here
+    except Interrupted:
+        sys.exit(4)
+    sys.exit(130)
+sys.exit(3)
+"""
+
+
+def test_a_stop_queued_again_while_the_first_unwinds_does_not_break_the_report(env):
+    """A stop signal handled inside a finalizer is delivered again from a thread; when a second one
+    lands in a finalizer while the first stop unwinds, its redelivery must not raise into the
+    report of the stop (seen: the error line's rich import interrupted, exit 1 with a traceback)."""
+    result = subprocess.run(
+        [sys.executable, "-c", SIGNAL_IN_A_FINALIZER_WHILE_UNWINDING],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+    assert result.returncode == 130, result.stderr
+    assert "Exception ignored" not in result.stderr and "Traceback" not in result.stderr, result.stderr
+
+
 def test_stop_all_kills_the_children_of_worker_threads(tmp_path, monkeypatch):
     """The dry runs of a ladder run in threads: a stop kills their children and each run raises."""
     from concurrent.futures import ThreadPoolExecutor

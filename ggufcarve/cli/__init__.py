@@ -128,6 +128,23 @@ def _stop(signum: int, _frame: object) -> None:
 
 
 _redelivering: list[threading.Event] = []  # one per delivering thread, set once Interrupted is raised
+_reported: list[bool] = []  # the stop is being reported: a stop delivered again is dropped
+
+
+def _ignore_late(signum: int, frame: FrameType | None) -> None:
+    """The handler of a stop signal delivered after the stop was raised (a redelivery already queued)."""
+
+
+def stopping() -> None:
+    """The stop is raised and about to be reported: every redelivering thread ends and a stop still
+    queued for the main thread lands in a handler that does nothing (a finalizer that ran while the
+    first Interrupted unwound may have queued another)."""
+    _reported.append(True)
+    for delivered in _redelivering:
+        delivered.set()
+    for signum in STOP_SIGNALS:
+        if signal.getsignal(signum) is not signal.SIG_IGN:
+            signal.signal(signum, _ignore_late)
 
 
 def _stop_again(signum: int, frame: FrameType | None) -> None:
@@ -154,6 +171,8 @@ def _unraisable(hook: object) -> None:
     delivered again instead, through the same signal, from a thread that repeats it until the main
     thread has raised it outside this hook."""
     stop = getattr(hook, "exc_value", None)
+    if isinstance(stop, Interrupted) and _reported:
+        return
     if isinstance(stop, Interrupted) and threading.current_thread() is threading.main_thread():
         _redelivering.append(threading.Event())
         signal.signal(stop.signum, _stop_again)
@@ -180,6 +199,7 @@ def main() -> None:
     try:
         (build_app(invoked) if invoked in COMMANDS else app)()
     except Interrupted as stop:
+        stopping()
         if debug:
             raise
         print_error(
