@@ -664,8 +664,8 @@ def _evaluate_stage(ctx: RunContext, ev: EvaluationStep) -> Stage:
     def unpruned() -> list[Path]:
         return [plan.work / rel for rel in sorted(ctx.state.outputs("unpruned"))] if ev.unpruned else []
 
+    from ggufcarve.evaluate.reference import reference_cache_dir, reference_disk_bytes
     from ggufcarve.evaluate.release import eval_settings
-    from ggufcarve.evaluate.run import reference_cache_dir, reference_disk_bytes
 
     settings, warnings = eval_settings(
         ctx=ev.ctx,
