@@ -266,7 +266,7 @@ def test_topk_cache_on_request_prints_its_sampling_error(reference, q8_moe, held
 
 def test_cached_reference_is_reused(first_run, reference, heldout, q8_moe, tmp_path):
     from ggufcarve.evaluate.protocol import EvalSettings
-    from ggufcarve.evaluate.run import reference_disk_bytes
+    from ggufcarve.evaluate.reference import reference_disk_bytes
 
     _, cache, _ = first_run
     (cache_file,) = cache.glob("*.kld")

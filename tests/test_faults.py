@@ -500,13 +500,13 @@ def test_prune_refuses_before_writing_when_space_is_short(make_model, tmp_path, 
 
 def test_ladder_refuses_before_writing_when_space_is_short(make_model, tmp_path, monkeypatch, env):
     from ggufcarve.cli import app
-    from ggufcarve.quant import run as ladder_run
+    from ggufcarve.quant import ladder_plan
 
     spec = tmp_path / "ladder.toml"
     spec.write_text(LADDER)
     monkeypatch.setenv("GGUFCARVE_CACHE", env["GGUFCARVE_CACHE"])
     real = shutil.disk_usage
-    monkeypatch.setattr(ladder_run.shutil, "disk_usage", lambda p: real(p)._replace(free=1 << 20))
+    monkeypatch.setattr(ladder_plan.shutil, "disk_usage", lambda p: real(p)._replace(free=1 << 20))
     with pytest.raises(OutputError, match="the ladder needs about .* but .* has 1.00 MiB free"):
         app(
             [

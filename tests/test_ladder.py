@@ -16,8 +16,8 @@ from ggufcarve.errors import BadInput
 from ggufcarve.fileio import format_size
 from ggufcarve.gguf.container import read_model
 from ggufcarve.llama.trace import trace_routing
+from ggufcarve.quant.ladder_plan import model_name_from, plan_ladder
 from ggufcarve.quant.quantizer import BinaryQuantizer, QuantizeJob
-from ggufcarve.quant.run import model_name_from, plan_ladder
 from ggufcarve.quant.spec import load_spec, parse_spec
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -299,7 +299,7 @@ def test_force_replaces_a_damaged_manifest(spec, q8_moe, llama_tools, tmp_path):
 
 
 def test_recorded_errors_drop_local_directories(tmp_path):
-    from ggufcarve.quant.run import _without_dirs
+    from ggufcarve.quant.ladder_run import _without_dirs
 
     message = f"error loading model: cannot open {tmp_path}/release/.m-Q4_K_M.gguf.partial"
     assert (

@@ -491,8 +491,9 @@ def _ladder(
     on_event: Sink,
 ) -> dict[str, Path]:
     from ggufcarve.errors import ToolFailed
+    from ggufcarve.quant.ladder_plan import plan_ladder
+    from ggufcarve.quant.ladder_run import run_ladder
     from ggufcarve.quant.quantizer import make_quantizer
-    from ggufcarve.quant.run import plan_ladder, run_ladder
     from ggufcarve.quant.spec import load_spec
 
     spec = load_spec(spec_path)
@@ -691,7 +692,7 @@ def best(
     from ggufcarve.measure import tournament as mt
     from ggufcarve.measure.statistics import metric_column, paired_difference
     from ggufcarve.moe.keepset import load_keepset
-    from ggufcarve.quant.run import model_name_from
+    from ggufcarve.quant.ladder_plan import model_name_from
     from ggufcarve.reports import envelope
 
     started = time.perf_counter()

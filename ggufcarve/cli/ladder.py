@@ -78,8 +78,9 @@ def ladder_run(
 ) -> None:
     """Quantize every rung of SPEC from --source into -o DIR; resumable; writes quant-manifest.json and SHA256SUMS."""
     from ggufcarve.llama.tools import physical_cores
+    from ggufcarve.quant.ladder_plan import plan_ladder
+    from ggufcarve.quant.ladder_run import run_ladder
     from ggufcarve.quant.quantizer import make_quantizer
-    from ggufcarve.quant.run import plan_ladder, run_ladder
     from ggufcarve.quant.spec import find_spec, load_spec
 
     ladder_spec = load_spec(find_spec(spec))

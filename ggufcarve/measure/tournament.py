@@ -555,11 +555,11 @@ def prepare_segments(
     gpu_layers: int = 0,
     on_event: Sink = ignore,
 ) -> list[Segment]:
-    """The unpruned model's log-probs on every held-out file (`evaluate.run.prepare_reference`:
+    """The unpruned model's log-probs on every held-out file (`evaluate.reference.prepare_reference`:
     llama-perplexity's base file, cached by the model's and the text's sha256)."""
     from ggufcarve.evaluate import kld
     from ggufcarve.evaluate.protocol import EvalSettings
-    from ggufcarve.evaluate.run import prepare_reference
+    from ggufcarve.evaluate.reference import prepare_reference
     from ggufcarve.evaluate.tables import reference_identity
 
     settings = EvalSettings(

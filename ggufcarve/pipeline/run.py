@@ -65,7 +65,7 @@ WORK_LOCK_NAME = ".ggufcarve-run.lock"
 class RunResult:
     plan: RunPlan
     stages: list[StageResult]
-    ladder: Any = None  # quant.run.LadderResult of the release's ladder stage, when it ran
+    ladder: Any = None  # quant.ladder_run.LadderResult of the release's ladder stage, when it ran
     evaluation: list[dict[str, Any]] = field(default_factory=list)
     verification: Any = None  # release.verify.VerifyReport
     seconds: float = 0.0

@@ -70,7 +70,7 @@ class Names:
 
 def names_for(plan: RunPlan, layout: Any) -> Names:
     """The intermediate files' names; K checked against the model's load rules."""
-    from ggufcarve.quant.run import model_name_from
+    from ggufcarve.quant.ladder_plan import model_name_from
 
     base = model_name_from(plan.source)
     kept = _kept_count(plan, layout)
@@ -501,7 +501,8 @@ def _run_ladder(
     fresh: bool,
     label: str = "",
 ) -> Any:
-    from ggufcarve.quant.run import plan_ladder, run_ladder
+    from ggufcarve.quant.ladder_plan import plan_ladder
+    from ggufcarve.quant.ladder_run import run_ladder
     from ggufcarve.quant.spec import load_spec
 
     ladder_plan = plan_ladder(
@@ -663,8 +664,8 @@ def _evaluate_stage(ctx: RunContext, ev: EvaluationStep) -> Stage:
     def unpruned() -> list[Path]:
         return [plan.work / rel for rel in sorted(ctx.state.outputs("unpruned"))] if ev.unpruned else []
 
+    from ggufcarve.evaluate.reference import reference_cache_dir, reference_disk_bytes
     from ggufcarve.evaluate.release import eval_settings
-    from ggufcarve.evaluate.run import reference_cache_dir, reference_disk_bytes
 
     settings, warnings = eval_settings(
         ctx=ev.ctx,

@@ -251,7 +251,7 @@ def fit_greedy(layout: Any, settings: TuneSettings) -> tuple[TuneSettings, dict[
 def reference_bytes(source: Path, settings: TuneSettings) -> int:
     """At most the bytes of the unpruned model's log-prob records the reference cache keeps: llama-perplexity's base
     records (`evaluate.kld.base_file_bytes`) of every held-out
-    file, its chunk count bounded by the text's bytes as `evaluate.run.reference_disk_bytes` bounds
+    file, its chunk count bounded by the text's bytes as `evaluate.reference.reference_disk_bytes` bounds
     it (a token of llama.cpp's tokenizers spells at least one byte, apart from a BOS and a
     leading-space marker)."""
     from ggufcarve.evaluate import kld
@@ -318,7 +318,7 @@ def tune(source: Path, settings: TuneSettings, out_dir: Path, *, on_event: Sink 
     (out_dir / "candidates").mkdir()
     try:
         from ggufcarve.evaluate.protocol import EvalSettings
-        from ggufcarve.evaluate.run import check_room, reference_cache_dir
+        from ggufcarve.evaluate.reference import check_room, reference_cache_dir
 
         cache = reference_cache_dir(EvalSettings(speed=None))
         cache.mkdir(parents=True, exist_ok=True)

@@ -1,22 +1,7 @@
-"""Quantization ladders: a TOML spec of rungs, validated as a whole, run rung by rung.
+"""The run of a planned quantization ladder (quant.ladder_plan), rung by rung.
 
-    spec = load_spec("ladders/q8-to-iq1.toml")
     plan = plan_ladder(spec, source, out_dir, imatrix=imatrix, quantizer=make_quantizer("auto"))
     result = run_ladder(plan, on_event=print)
-
-`plan_ladder` validates everything before anything runs: the source parses, the imatrix matches
-the source tensor for tensor (the exact size check llama-quantize applies), rungs that need an
-imatrix have one, and the free disk space covers the estimated sizes. It asks the quantizer for a
-dry run of every rung, so the per-tensor target types are llama.cpp's own; every tensor that would
-need importance data but has no imatrix entry (the MTP block of Qwen3.5/3.6: llama-imatrix never
-runs it) gets the rung's `imatrix_fallback_type` through a tensor-type override, recorded in the
-manifest, instead of aborting hours into the run with `Missing importance matrix for tensor ...`.
-
-The output directory is one release of one source: a plan for a directory whose manifest names
-another source is refused, unless `fresh` starts the release afresh (its old rungs removed).
-The pruning and imatrix remap reports beside the source and the imatrix, and the selection record
-or keep-set file the pruning report names by sha256, are published into `method/` when their
-content describes those exact files (see release.method).
 
 `run_ladder` runs each rung into a temp name in the output directory, renames it on success and
 deletes it on failure (llama-quantize leaves truncated files), hashes each finished file in a
@@ -28,10 +13,7 @@ whose output still matches its recorded inputs and sha256 is skipped (resume).
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
-import re
 import shutil
 import threading
 import time
@@ -41,33 +23,27 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from gguf.constants import Keys
-
 from ggufcarve.errors import BadInput, CarveError, OutputError, ToolFailed
 from ggufcarve.events import Counter, Event, Sink, ignore
 from ggufcarve.fileio import (
-    bytes_on_disk,
-    dead_temps,
     disk_full_error,
     format_size,
-    make_temp_dir,
     remember_sha256,
     remove_dead_temps,
     sha256_file,
     sha256_file_cached,
     temp_path_for,
 )
-from ggufcarve.gguf.container import SHARD_NAME, GGUFModel, read_model
-from ggufcarve.gguf.types import FILE_TYPES
-from ggufcarve.listing import shortened
-from ggufcarve.quant.quantizer import (
-    TENSOR_LINE,
-    DryRun,
-    QuantizeJob,
-    Quantizer,
-    QuantizeRun,
+from ggufcarve.gguf.container import read_model
+from ggufcarve.quant.ladder_plan import (
+    LadderPlan,
+    PlannedRung,
+    _imatrix_without_directories,
+    _note,
+    _rung_names,
+    ladder_context,
 )
-from ggufcarve.quant.spec import DISK_MARGIN, LadderSpec, Rung
+from ggufcarve.quant.quantizer import TENSOR_LINE, QuantizeRun
 from ggufcarve.release.fragments import (
     FRAGMENTS_DIR,
     adopt_manifest,
@@ -77,443 +53,10 @@ from ggufcarve.release.fragments import (
     write_fragment,
 )
 from ggufcarve.release.lock import lock_release
-from ggufcarve.release.manifest import (
-    MANIFEST_NAME,
-    check_same_source,
-    described_files,
-    read_manifest,
-)
-from ggufcarve.release.method import (
-    METHOD_KINDS,
-    MethodReport,
-    find_method_reports,
-    publish_method_reports,
-)
+from ggufcarve.release.manifest import MANIFEST_NAME, check_same_source, described_files, read_manifest
+from ggufcarve.release.method import METHOD_KINDS, publish_method_reports
 from ggufcarve.release.sums import SUMS_NAME, inside
-from ggufcarve.reports import public_name, release_report_name
-
-# ---------------------------------------------------------------------------------------------
-# Planning
-
-
-@dataclass(frozen=True)
-class PlannedRung:
-    rung: Rung
-    output: Path
-    job: QuantizeJob  # writes to the temp name
-    fallback: tuple[str, ...]  # tensors given rung.imatrix_fallback_type for lack of imatrix data
-    estimated_bytes: int
-    inputs_key: str  # what the output depends on; equal key + equal sha256 = skip
-
-    @property
-    def temp(self) -> Path:
-        if self.job.output is None:
-            raise RuntimeError(f"rung {self.rung.name}: its quantize job has no output path")
-        return self.job.output
-
-
-@dataclass
-class ImatrixInfo:
-    path: Path
-    sha256: str
-    format: str
-    datasets: list[str]
-    chunk_count: int | None
-    chunk_size: int | None
-    entries: set[str]
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "name": self.path.name,
-            "sha256": self.sha256,
-            "format": self.format,
-            "datasets": [public_name(d) for d in self.datasets],
-            "chunk_count": self.chunk_count,
-            "chunk_size": self.chunk_size,
-            "entries": len(self.entries),
-        }
-
-
-@dataclass
-class LadderPlan:
-    spec: LadderSpec
-    source: GGUFModel
-    source_sha256: list[str]
-    out_dir: Path
-    model_name: str
-    quantizer: Quantizer
-    imatrix: ImatrixInfo | None
-    rungs: list[PlannedRung]
-    warnings: list[str] = field(default_factory=list)
-    nthreads: int | None = None
-    method_reports: list[MethodReport] = field(default_factory=list)
-    fresh: bool = False  # start the release afresh: the old rungs are removed before running
-
-    @property
-    def n_elements(self) -> int:
-        return sum(t.n_elements for t in self.source.tensors)
-
-
-def _note(on_event: Sink, stage: str, message: str) -> None:
-    """A message-only event: stage "validate" for the checks, a rung's name for its status."""
-    on_event(Event(stage, 0, 0, "steps" if stage == "validate" else "tensors", message))
-
-
-QUANT_TAG = re.compile(
-    r"[-_.](?:" + "|".join(sorted((re.escape(f) for f in FILE_TYPES), key=len, reverse=True)) + r")$", re.IGNORECASE
-)
-
-
-def model_name_from(source: Path) -> str:
-    """The source file name without .gguf, shard suffix and a trailing quant tag."""
-    name = source.name
-    m = SHARD_NAME.match(name)
-    if m:
-        name = m["prefix"]
-    name = name[:-5] if name.endswith(".gguf") else name
-    return QUANT_TAG.sub("", name) or name
-
-
-def read_imatrix_info(path: Path, model: GGUFModel) -> ImatrixInfo:
-    """Read the imatrix and check it against the source the way llama-quantize will, all at once."""
-    from ggufcarve.imatrix.check import check_against_model
-    from ggufcarve.imatrix_format import read_imatrix
-
-    imatrix = read_imatrix(path)
-    check = check_against_model(imatrix, model)
-    _raise_mismatch(path, model, list(check.problems))
-    return ImatrixInfo(
-        path,
-        sha256_file_cached(path),
-        imatrix.format,
-        list(imatrix.datasets),
-        imatrix.chunk_count,
-        imatrix.chunk_size,
-        {e.name for e in imatrix.entries},
-    )
-
-
-def _raise_mismatch(path: Path, model: GGUFModel, problems: list[str]) -> None:
-    if problems:
-        shown = shortened(problems, 4)
-        raise BadInput(
-            f"imatrix {path} does not match {model.path.name}: {shown}",
-            "an imatrix of the unpruned model must be remapped first: "
-            "ggufcarve imatrix remap IMATRIX --keep KEEPSET -o OUT",
-        )
-
-
-def _source_sha256(model: GGUFModel) -> list[str]:
-    return [sha256_file_cached(p) for p in model.paths]
-
-
-def _inputs_key(
-    rung: Rung, job: QuantizeJob, source_sha: Sequence[str], imatrix: ImatrixInfo | None, quantizer: dict[str, Any]
-) -> str:
-    quantizer_fields = (
-        "ftype",
-        "output_tensor_type",
-        "token_embedding_type",
-        "tensor_types",
-        "imatrix_fallback_type",
-        "allow_requantize",
-        "pure",
-    )
-    doc = {
-        "rung": {
-            k: v for k, v in rung.to_json().items() if k in quantizer_fields
-        },  # not its name, description or file pattern
-        "ftype": job.ftype,
-        "tensor_types": [list(p) for p in job.tensor_types],
-        "source_sha256": list(source_sha),
-        "imatrix_sha256": imatrix.sha256 if imatrix else None,
-        "quantizer": {k: quantizer.get(k) for k in ("backend", "sha256", "version", "build", "commit")},
-    }
-    return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
-
-
-def plan_ladder(
-    spec: LadderSpec,
-    source: str | os.PathLike[str],
-    out_dir: str | os.PathLike[str],
-    *,
-    quantizer: Quantizer,
-    imatrix: str | os.PathLike[str] | None = None,
-    only: Sequence[str] | None = None,
-    model_name: str | None = None,
-    nthreads: int | None = None,
-    hash_inputs: bool = True,
-    fresh: bool = False,
-    selection: str | os.PathLike[str] | None = None,
-    on_event: Sink = ignore,
-) -> LadderPlan:
-    """Validate everything and resolve every rung's exact job before anything is written.
-
-    `hash_inputs=False` (a dry run) skips the source's sha256 and the rungs' inputs keys, which
-    only running and resuming need; such a plan cannot be run. `fresh` plans a new release in a
-    directory that holds another (or an unreadable manifest). `selection` is the selection record
-    the source's keep-set was chosen by, when it is not found beside the source (release.method).
-    """
-    rungs = spec.select(only)
-    source_path = Path(source)
-    _note(on_event, "validate", f"reading {source_path}")
-    model = read_model(source_path)
-    out = Path(out_dir)
-    if out.exists() and not out.is_dir():
-        raise OutputError(f"{out} is not a directory", "give -o a directory for the ladder's files")
-    manifest = None if fresh else read_manifest(out)
-    if any(p.resolve().parent == out.resolve() for p in model.paths):
-        raise OutputError(
-            f"{out} holds the source {source_path.name}",
-            "write the ladder to its own directory; the source is never written next to or over",
-        )
-    flavour = getattr(quantizer, "flavour", "llama.cpp")
-
-    info: ImatrixInfo | None = None
-    if imatrix is not None:
-        _note(on_event, "validate", f"checking imatrix {imatrix}")
-        info = read_imatrix_info(Path(imatrix), model)
-        if flavour == "ik_llama.cpp" and info.format != "dat":
-            raise BadInput(
-                f"{quantizer.describe()['path']} is ik_llama.cpp, whose quantizer reads only legacy .dat imatrices",
-                "convert it: ggufcarve imatrix convert IMATRIX -o imatrix.dat --format dat",
-            )
-    source_sha = _source_sha256(model) if hash_inputs else []
-    if manifest is not None:
-        check_same_source(
-            out,
-            manifest,
-            [
-                {"name": p.name, "bytes": p.stat().st_size, "sha256": h}
-                for p, h in zip(model.paths, source_sha or [None] * len(model.paths))
-            ],
-        )
-    method_reports, method_warnings = find_method_reports(
-        model, (info.path, info.sha256) if info else None, Path(selection) if selection is not None else None
-    )
-    needing = [r.name for r in rungs if r.needs_imatrix]
-    if needing and info is None:
-        raise BadInput(
-            f"rung{'s' if len(needing) > 1 else ''} {', '.join(needing)} "
-            f"need{'' if len(needing) > 1 else 's'} an imatrix and none was given",
-            "pass --imatrix FILE (remapped to the pruned model), or leave these rungs out with --only",
-        )
-
-    names = [r.file_name(model_name or model_name_from(source_path)) for r in rungs]
-    clash = sorted({n for n in names if names.count(n) > 1})
-    if clash:
-        raise BadInput(
-            f"rungs write the same file {', '.join(clash)}", "give each rung a distinct name or file_pattern"
-        )
-
-    # dry runs: llama.cpp's own per-tensor target types, and size estimates
-    dry: dict[str, DryRun] = {}
-    jobs = {}
-    for r in rungs:
-        jobs[r.name] = QuantizeJob(
-            source_path,
-            None,
-            r.ftype,
-            info.path if info else None,
-            r.allow_requantize,
-            r.output_tensor_type,
-            r.token_embedding_type,
-            r.tensor_types,
-            r.pure,
-            True,
-            nthreads,
-        )
-    with ThreadPoolExecutor(max_workers=max(1, min(len(rungs), os.cpu_count() or 1))) as pool:
-        futures = {name: pool.submit(quantizer.dry_run, job) for name, job in jobs.items()}
-        for r in rungs:
-            _note(on_event, "validate", f"dry run {r.name} ({r.ftype})")
-            dry[r.name] = futures[r.name].result()
-
-    qinfo = quantizer.describe()
-    planned: list[PlannedRung] = []
-    warnings: list[str] = list(method_warnings)
-    unquantized_iq = []
-    for r, file_name in zip(rungs, names):
-        needs = dry[r.name].needs_imatrix_entries() if info is not None else dry[r.name].refused_without_imatrix()
-        if needs and info is None:
-            unquantized_iq.append(f"{r.name} ({', '.join(needs[:3])}{', ...' if len(needs) > 3 else ''})")
-            continue
-        fallback = tuple(n for n in needs if info is not None and n not in info.entries)
-        overrides = tuple((f"^{re.escape(n)}$", r.imatrix_fallback_type) for n in fallback) + r.tensor_types
-        if fallback:
-            warnings.append(
-                f"{r.name}: {len(fallback)} tensor(s) need an imatrix but have "
-                f"no entry; quantized as {r.imatrix_fallback_type} instead: "
-                f"{', '.join(fallback[:4])}{', ...' if len(fallback) > 4 else ''}"
-            )
-        final = out / file_name
-        temp = temp_path_for(final)
-        job = QuantizeJob(
-            source_path,
-            temp,
-            r.ftype,
-            info.path if info else None,
-            r.allow_requantize,
-            r.output_tensor_type,
-            r.token_embedding_type,
-            overrides,
-            r.pure,
-            False,
-            nthreads,
-        )
-        planned.append(
-            PlannedRung(
-                r,
-                final,
-                job,
-                fallback,
-                dry[r.name].size_bytes,
-                _inputs_key(r, job, source_sha, info, qinfo) if hash_inputs else "",
-            )
-        )
-    if unquantized_iq:
-        raise BadInput(
-            f"without an imatrix these rungs would fail: {'; '.join(unquantized_iq)}",
-            "pass --imatrix FILE, or leave these rungs out with --only",
-        )
-    _check_disk(out, planned)
-    return LadderPlan(
-        spec,
-        model,
-        source_sha,
-        out,
-        model_name or model_name_from(source_path),
-        quantizer,
-        info,
-        planned,
-        warnings,
-        nthreads,
-        method_reports,
-        fresh,
-    )
-
-
-def _rung_names(planned: Sequence[PlannedRung], imatrix: ImatrixInfo | None = None) -> Callable[[str], bool]:
-    """Accepts the file names of the planned rungs and of the imatrix (to find their temp files)."""
-    return ({p.output.name for p in planned} | ({imatrix.path.name} if imatrix else set())).__contains__
-
-
-def _public_quantizer(described: dict[str, object]) -> dict[str, object]:
-    """The quantizer record without local paths: `program` is the file name of the binary (or of
-    libllama), `python` the interpreter's file name; never their directories."""
-    record = {k: v for k, v in described.items() if k != "path"}
-    record["program"] = public_name(str(described["path"]))
-    if isinstance(record.get("python"), str):
-        record["python"] = public_name(str(record["python"]))
-    return record
-
-
-def ladder_context(
-    plan: LadderPlan, method: list[dict[str, Any]]
-) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any]]:
-    """What a ladder run records beside each rung it made: the manifest's inputs, parameters and
-    header (ladder, source, imatrix, quantizer, method reports, warnings, the spec's rung order)."""
-    source_files = [
-        {"name": p.name, "bytes": p.stat().st_size, "sha256": h} for p, h in zip(plan.source.paths, plan.source_sha256)
-    ]
-    inputs = list(source_files)
-    if plan.imatrix is not None:
-        inputs.append(
-            {"name": plan.imatrix.path.name, "bytes": plan.imatrix.path.stat().st_size, "sha256": plan.imatrix.sha256}
-        )
-    if plan.spec.path is not None:
-        inputs.append({"name": plan.spec.path.name, "bytes": plan.spec.path.stat().st_size, "sha256": plan.spec.sha256})
-    architecture = plan.source.get(Keys.General.ARCHITECTURE)
-    context = {
-        "ladder": {
-            "name": plan.spec.name,
-            "description": plan.spec.description,
-            "spec_file": plan.spec.path.name if plan.spec.path else None,
-            "spec_sha256": plan.spec.sha256,
-        },
-        "source": {
-            "name": plan.source.path.name,
-            "bytes": plan.source.total_bytes,
-            "n_elements": plan.n_elements,
-            "architecture": architecture,
-            "expert_count": plan.source.get(Keys.LLM.EXPERT_COUNT.format(arch=architecture)),
-            "files": source_files,
-            "sha256": plan.source_sha256[0] if len(plan.source_sha256) == 1 else None,
-        },
-        "imatrix": plan.imatrix.to_json() if plan.imatrix else None,
-        "quantizer": _public_quantizer(plan.quantizer.describe()),
-        "method": method,
-        "warnings": plan.warnings,
-        "spec_rungs": [r.name for r in plan.spec.rungs],
-    }
-    return inputs, {"model_name": plan.model_name}, context
-
-
-def _imatrix_without_directories(plan: LadderPlan, out: Path, to_run: Sequence[PlannedRung]) -> Path | None:
-    """A copy of the imatrix whose dataset names are bare file names, or None when they already are.
-
-    llama-quantize (and llama_model_quantize) copy the imatrix's first dataset name, which
-    llama-imatrix records as given on its command line (often an absolute path), into every rung's
-    `quantize.imatrix.dataset` key; a published rung must not carry a local directory. The copy
-    holds the same values under the same file name, in this run's temp directory of the release.
-    """
-    from gguf.constants import GGUFValueType
-
-    from ggufcarve.gguf.container import make_kv, replace_kvs
-    from ggufcarve.imatrix_format import KEY_DATASETS, read_imatrix, write_to_fd
-
-    if plan.imatrix is None or not any(p.job.imatrix is not None for p in to_run):
-        return None
-    imatrix = read_imatrix(plan.imatrix.path)
-    bare = tuple(public_name(d) for d in imatrix.datasets)
-    if bare == tuple(imatrix.datasets):
-        return None
-    if imatrix.format == "gguf":
-        changed = replace(
-            imatrix,
-            datasets=bare,
-            kvs=tuple(
-                replace_kvs(
-                    imatrix.kvs,
-                    {KEY_DATASETS: make_kv(KEY_DATASETS, GGUFValueType.ARRAY, list(bare), GGUFValueType.STRING)},
-                )
-            ),
-        )
-    else:
-        chunks, dataset = imatrix.dat_trailer or (0, None)
-        changed = replace(
-            imatrix,
-            datasets=bare,
-            dat_trailer=(
-                chunks,
-                public_name(dataset.decode("utf-8", errors="replace")).encode() if dataset is not None else None,
-            ),
-        )
-    copy = make_temp_dir(out / plan.imatrix.path.name) / plan.imatrix.path.name
-    fd = os.open(copy, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        write_to_fd(changed, fd)
-    finally:
-        os.close(fd)
-    return copy
-
-
-def _check_disk(out: Path, planned: Sequence[PlannedRung]) -> None:
-    probe = out
-    while not probe.exists():
-        probe = probe.parent
-    need = sum(p.estimated_bytes for p in planned if not p.output.exists()) + DISK_MARGIN
-    reclaimable = sum(bytes_on_disk(t) for t in dead_temps(out, _rung_names(planned)))  # run_ladder removes them first
-    free = shutil.disk_usage(probe).free + reclaimable
-    if free < need:
-        raise OutputError(
-            f"the ladder needs about {format_size(need)} but {probe} has {format_size(free)} free",
-            "free disk space, write elsewhere, or run fewer rungs with --only",
-        )
-
-
-# ---------------------------------------------------------------------------------------------
-# Running
+from ggufcarve.reports import release_report_name
 
 
 @dataclass
