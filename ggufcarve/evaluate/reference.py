@@ -58,7 +58,7 @@ def _sha256_of(entry: ModelEntry, sink: Sink) -> str:
     return digests[0] if len(digests) == 1 else hashlib.sha256(",".join(digests).encode()).hexdigest()
 
 
-def _reference_input(path: Path) -> str:
+def reference_input(path: Path) -> str:
     with open(path, "rb") as f:
         magic = f.read(4)
     return "gguf" if magic == GGUF_MAGIC else "file"
@@ -156,7 +156,7 @@ def _reference_disk_bytes(
     the text's bytes: a token of llama.cpp's tokenizers spells at least one byte of the text,
     apart from a BOS and a leading-space marker.
     """
-    if not reference.is_file() or _reference_input(reference) != "gguf" or heldout is None:
+    if not reference.is_file() or reference_input(reference) != "gguf" or heldout is None:
         return 0
     entry = read_entry(reference)
     try:
@@ -249,7 +249,7 @@ def prepare_reference(
             f"{path}: no such reference file",
             "give the unpruned model (GGUF), a top-k cache or a llama-perplexity --kl-divergence-base file",
         )
-    if _reference_input(path) == "file":
+    if reference_input(path) == "file":
         if settings.kl_base_out is not None:
             raise BadInput(
                 "--save-kl-base writes the log-probs of a GGUF reference",
@@ -357,10 +357,10 @@ def prepare_segments(
     with its own reference log-probs (none with one file); the Reference returned then names them
     all: cached when every one was, the seconds spent on all. Pass both to `evaluate_model`."""
     files = heldout_files(heldout)
-    _check_segments(files, path, settings)
+    check_segments(files, path, settings)
     if len(files) < 2:
         return prepare_reference(path, files[0] if files else None, settings, work, sink), []
-    segments = [Segment(_heldout_record(file), prepare_reference(path, file, settings, work, sink)) for file in files]
+    segments = [Segment(heldout_record(file), prepare_reference(path, file, settings, work, sink)) for file in files]
     joined = replace(
         segments[0].reference,
         cached=all(s.reference.cached for s in segments),
@@ -369,7 +369,7 @@ def prepare_segments(
     return joined, segments
 
 
-def _heldout_record(heldout: Path | None) -> dict | None:
+def heldout_record(heldout: Path | None) -> dict | None:
     """The held-out text file as the results record it (name, bytes, sha256); None with a reference file."""
     if heldout is None:
         return None
@@ -378,11 +378,11 @@ def _heldout_record(heldout: Path | None) -> dict | None:
     return {"name": heldout.name, "bytes": heldout.stat().st_size, "sha256": sha256_file_cached(heldout)}
 
 
-def _check_segments(files: list[Path], reference_path: Path, settings: EvalSettings) -> None:
+def check_segments(files: list[Path], reference_path: Path, settings: EvalSettings) -> None:
     """Several held-out files need a GGUF reference (a reference file holds one text's log-probs) and distinct names."""
     if len(files) < 2:
         return
-    if reference_path.is_file() and _reference_input(reference_path) != "gguf":
+    if reference_path.is_file() and reference_input(reference_path) != "gguf":
         raise BadInput(
             f"{reference_path.name} holds the log-probs of one text, and {len(files)} held-out files are given",
             "give the reference model (GGUF) as --reference, or one --heldout",

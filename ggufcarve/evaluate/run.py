@@ -32,11 +32,12 @@ from ggufcarve.evaluate.perplexity import Perplexity, perplexity
 from ggufcarve.evaluate.protocol import EvalSettings, Reference, Request
 from ggufcarve.evaluate.reference import (
     Segment,
-    _check_segments,
-    _heldout_record,
-    _reference_input,
+    check_segments,
     heldout_files,
+    heldout_record,
     prepare_segments,
+    reference_cache_dir,
+    reference_input,
 )
 from ggufcarve.evaluate.spawn import run_child
 from ggufcarve.events import Event, Sink, ignore
@@ -402,13 +403,11 @@ def evaluate(
     renamed (summary.md last): a run that fails or is stopped part way leaves none of them, and
     removes the directories it created that are left empty (never one that existed before).
     """
-    from ggufcarve.fileio import cache_root
-
     # directories this run creates: on failure those left empty are removed (deepest first)
     made = _missing_dirs(
         [
             out_dir,
-            settings.cache_dir or cache_root() / "reference-logprobs",
+            reference_cache_dir(settings),
             *([settings.kl_base_out.parent] if settings.kl_base_out is not None else []),
         ]
     )
@@ -446,13 +445,13 @@ def _evaluate(
     from ggufcarve.fileio import atomic_file
 
     files = heldout_files(heldout)
-    _check_segments(files, reference_path, settings)
+    check_segments(files, reference_path, settings)
     out_dir.mkdir(parents=True, exist_ok=True)
     # matplotlib (about 0.5 s to import) loads while the libllama children run; the charts need it last
     threading.Thread(target=load_charting, name="ggufcarve-import-charts", daemon=True).start()
     with tempfile.TemporaryDirectory(prefix="ggufcarve-eval-") as tmp:  # requests, results, per-token tables
         work = Path(tmp)
-        if reference_path.is_file() and _reference_input(reference_path) == "gguf":
+        if reference_path.is_file() and reference_input(reference_path) == "gguf":
             check_vocabularies(models, read_entry(reference_path))  # before the reference pass, which can take long
         reference, segments = prepare_segments(reference_path, files, settings, work, sink)
         check_vocabularies(models, reference.entry, reference.file)
@@ -477,7 +476,7 @@ def _evaluate(
             else:
                 cross = CrossCheck.prepare(reference_path, reference, files[0] if files else None, settings, work, sink)
         results = []
-        held = [s.heldout for s in segments] if segments else _heldout_record(files[0] if files else None)
+        held = [s.heldout for s in segments] if segments else heldout_record(files[0] if files else None)
         for entry in models:
             doc = evaluate_model(entry, reference, settings, work, sink, reference_qa, segments, reference_loops)
             if cross is not None:

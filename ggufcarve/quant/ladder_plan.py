@@ -27,7 +27,7 @@ import re
 import shutil
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +35,7 @@ from gguf.constants import Keys
 
 from ggufcarve.errors import BadInput, OutputError
 from ggufcarve.events import Event, Sink, ignore
-from ggufcarve.fileio import bytes_on_disk, dead_temps, format_size, make_temp_dir, sha256_file_cached, temp_path_for
+from ggufcarve.fileio import bytes_on_disk, dead_temps, format_size, sha256_file_cached, temp_path_for
 from ggufcarve.gguf.container import SHARD_NAME, GGUFModel, read_model
 from ggufcarve.gguf.types import FILE_TYPES
 from ggufcarve.listing import shortened
@@ -104,7 +104,7 @@ class LadderPlan:
         return sum(t.n_elements for t in self.source.tensors)
 
 
-def _note(on_event: Sink, stage: str, message: str) -> None:
+def note(on_event: Sink, stage: str, message: str) -> None:
     """A message-only event: stage "validate" for the checks, a rung's name for its status."""
     on_event(Event(stage, 0, 0, "steps" if stage == "validate" else "tensors", message))
 
@@ -206,7 +206,7 @@ def plan_ladder(
     """
     rungs = spec.select(only)
     source_path = Path(source)
-    _note(on_event, "validate", f"reading {source_path}")
+    note(on_event, "validate", f"reading {source_path}")
     model = read_model(source_path)
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
@@ -221,7 +221,7 @@ def plan_ladder(
 
     info: ImatrixInfo | None = None
     if imatrix is not None:
-        _note(on_event, "validate", f"checking imatrix {imatrix}")
+        note(on_event, "validate", f"checking imatrix {imatrix}")
         info = read_imatrix_info(Path(imatrix), model)
         if flavour == "ik_llama.cpp" and info.format != "dat":
             raise BadInput(
@@ -276,7 +276,7 @@ def plan_ladder(
     with ThreadPoolExecutor(max_workers=max(1, min(len(rungs), os.cpu_count() or 1))) as pool:
         futures = {name: pool.submit(quantizer.dry_run, job) for name, job in jobs.items()}
         for r in rungs:
-            _note(on_event, "validate", f"dry run {r.name} ({r.ftype})")
+            note(on_event, "validate", f"dry run {r.name} ({r.ftype})")
             dry[r.name] = futures[r.name].result()
 
     qinfo = quantizer.describe()
@@ -343,7 +343,7 @@ def plan_ladder(
     )
 
 
-def _rung_names(planned: Sequence[PlannedRung], imatrix: ImatrixInfo | None = None) -> Callable[[str], bool]:
+def rung_names(planned: Sequence[PlannedRung], imatrix: ImatrixInfo | None = None) -> Callable[[str], bool]:
     """Accepts the file names of the planned rungs and of the imatrix (to find their temp files)."""
     return ({p.output.name for p in planned} | ({imatrix.path.name} if imatrix else set())).__contains__
 
@@ -399,61 +399,12 @@ def ladder_context(
     return inputs, {"model_name": plan.model_name}, context
 
 
-def _imatrix_without_directories(plan: LadderPlan, out: Path, to_run: Sequence[PlannedRung]) -> Path | None:
-    """A copy of the imatrix whose dataset names are bare file names, or None when they already are.
-
-    llama-quantize (and llama_model_quantize) copy the imatrix's first dataset name, which
-    llama-imatrix records as given on its command line (often an absolute path), into every rung's
-    `quantize.imatrix.dataset` key; a published rung must not carry a local directory. The copy
-    holds the same values under the same file name, in this run's temp directory of the release.
-    """
-    from gguf.constants import GGUFValueType
-
-    from ggufcarve.gguf.container import make_kv, replace_kvs
-    from ggufcarve.imatrix_format import KEY_DATASETS, read_imatrix, write_to_fd
-
-    if plan.imatrix is None or not any(p.job.imatrix is not None for p in to_run):
-        return None
-    imatrix = read_imatrix(plan.imatrix.path)
-    bare = tuple(public_name(d) for d in imatrix.datasets)
-    if bare == tuple(imatrix.datasets):
-        return None
-    if imatrix.format == "gguf":
-        changed = replace(
-            imatrix,
-            datasets=bare,
-            kvs=tuple(
-                replace_kvs(
-                    imatrix.kvs,
-                    {KEY_DATASETS: make_kv(KEY_DATASETS, GGUFValueType.ARRAY, list(bare), GGUFValueType.STRING)},
-                )
-            ),
-        )
-    else:
-        chunks, dataset = imatrix.dat_trailer or (0, None)
-        changed = replace(
-            imatrix,
-            datasets=bare,
-            dat_trailer=(
-                chunks,
-                public_name(dataset.decode("utf-8", errors="replace")).encode() if dataset is not None else None,
-            ),
-        )
-    copy = make_temp_dir(out / plan.imatrix.path.name) / plan.imatrix.path.name
-    fd = os.open(copy, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        write_to_fd(changed, fd)
-    finally:
-        os.close(fd)
-    return copy
-
-
 def _check_disk(out: Path, planned: Sequence[PlannedRung]) -> None:
     probe = out
     while not probe.exists():
         probe = probe.parent
     need = sum(p.estimated_bytes for p in planned if not p.output.exists()) + DISK_MARGIN
-    reclaimable = sum(bytes_on_disk(t) for t in dead_temps(out, _rung_names(planned)))  # run_ladder removes them first
+    reclaimable = sum(bytes_on_disk(t) for t in dead_temps(out, rung_names(planned)))  # run_ladder removes them first
     free = shutil.disk_usage(probe).free + reclaimable
     if free < need:
         raise OutputError(

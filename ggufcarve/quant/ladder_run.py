@@ -28,6 +28,7 @@ from ggufcarve.events import Counter, Event, Sink, ignore
 from ggufcarve.fileio import (
     disk_full_error,
     format_size,
+    make_temp_dir,
     remember_sha256,
     remove_dead_temps,
     sha256_file,
@@ -38,10 +39,9 @@ from ggufcarve.gguf.container import read_model
 from ggufcarve.quant.ladder_plan import (
     LadderPlan,
     PlannedRung,
-    _imatrix_without_directories,
-    _note,
-    _rung_names,
     ladder_context,
+    note,
+    rung_names,
 )
 from ggufcarve.quant.quantizer import TENSOR_LINE, QuantizeRun
 from ggufcarve.release.fragments import (
@@ -56,7 +56,7 @@ from ggufcarve.release.lock import lock_release
 from ggufcarve.release.manifest import MANIFEST_NAME, check_same_source, described_files, read_manifest
 from ggufcarve.release.method import METHOD_KINDS, publish_method_reports
 from ggufcarve.release.sums import SUMS_NAME, inside
-from ggufcarve.reports import release_report_name
+from ggufcarve.reports import public_name, release_report_name
 
 
 @dataclass
@@ -228,6 +228,55 @@ def rung_stage(rung: str, label: str = "") -> str:
     return f"{label} {rung}" if label else rung
 
 
+def imatrix_without_directories(plan: LadderPlan, out: Path, to_run: Sequence[PlannedRung]) -> Path | None:
+    """A copy of the imatrix whose dataset names are bare file names, or None when they already are.
+
+    llama-quantize (and llama_model_quantize) copy the imatrix's first dataset name, which
+    llama-imatrix records as given on its command line (often an absolute path), into every rung's
+    `quantize.imatrix.dataset` key; a published rung must not carry a local directory. The copy
+    holds the same values under the same file name, in this run's temp directory of the release.
+    """
+    from gguf.constants import GGUFValueType
+
+    from ggufcarve.gguf.container import make_kv, replace_kvs
+    from ggufcarve.imatrix_format import KEY_DATASETS, read_imatrix, write_to_fd
+
+    if plan.imatrix is None or not any(p.job.imatrix is not None for p in to_run):
+        return None
+    imatrix = read_imatrix(plan.imatrix.path)
+    bare = tuple(public_name(d) for d in imatrix.datasets)
+    if bare == tuple(imatrix.datasets):
+        return None
+    if imatrix.format == "gguf":
+        changed = replace(
+            imatrix,
+            datasets=bare,
+            kvs=tuple(
+                replace_kvs(
+                    imatrix.kvs,
+                    {KEY_DATASETS: make_kv(KEY_DATASETS, GGUFValueType.ARRAY, list(bare), GGUFValueType.STRING)},
+                )
+            ),
+        )
+    else:
+        chunks, dataset = imatrix.dat_trailer or (0, None)
+        changed = replace(
+            imatrix,
+            datasets=bare,
+            dat_trailer=(
+                chunks,
+                public_name(dataset.decode("utf-8", errors="replace")).encode() if dataset is not None else None,
+            ),
+        )
+    copy = make_temp_dir(out / plan.imatrix.path.name) / plan.imatrix.path.name
+    fd = os.open(copy, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        write_to_fd(changed, fd)
+    finally:
+        os.close(fd)
+    return copy
+
+
 def run_ladder(plan: LadderPlan, *, keep_going: bool = False, on_event: Sink = ignore, label: str = "") -> LadderResult:
     """Run the planned rungs; see the module docstring. Raises ToolFailed on the first failure unless keep_going.
 
@@ -261,13 +310,13 @@ def run_ladder(plan: LadderPlan, *, keep_going: bool = False, on_event: Sink = i
             if plan.fresh:
                 removed = _start_afresh(out)
                 if removed:
-                    _note(on_event, "validate", f"started the release afresh: removed {', '.join(removed)}")
+                    note(on_event, "validate", f"started the release afresh: removed {', '.join(removed)}")
             previous = _previous_rungs(plan)
             method = publish_method_reports(out, plan.method_reports)
-            remove_dead_temps(out, _rung_names(plan.rungs, plan.imatrix))  # left by an interrupted run
+            remove_dead_temps(out, rung_names(plan.rungs, plan.imatrix))  # left by an interrupted run
         inputs, parameters, context = ladder_context(plan, method)
         resumable = _check_resumable(plan, previous, on_event, stop, label)
-        quantizer_imatrix = _imatrix_without_directories(
+        quantizer_imatrix = imatrix_without_directories(
             plan, out, [p for p in plan.rungs if p.rung.name not in resumable]
         )
         hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ggufcarve-hash")
@@ -322,7 +371,7 @@ def run_ladder(plan: LadderPlan, *, keep_going: bool = False, on_event: Sink = i
                 if r.name not in previous and not fragment_path(out, r.name).exists():
                     record(results[r.name])
                 continue
-            _note(on_event, rung_stage(r.name, label), "starting")
+            note(on_event, rung_stage(r.name, label), "starting")
             result = RungResult(
                 r.name,
                 r.ftype,
@@ -387,7 +436,7 @@ def run_ladder(plan: LadderPlan, *, keep_going: bool = False, on_event: Sink = i
                 failure = failure or result
                 results[r.name] = result
                 record(result)
-                _note(on_event, rung_stage(r.name, label), f"failed: {result.error}")
+                note(on_event, rung_stage(r.name, label), f"failed: {result.error}")
             rungs_done(1, r.name)
         for f in pending:
             f.result()
@@ -440,7 +489,7 @@ def _check_resumable(
         candidates.append((p, rec))
     if not candidates:
         return {}
-    _note(on_event, "validate", f"checking {len(candidates)} finished rung(s)")
+    note(on_event, "validate", f"checking {len(candidates)} finished rung(s)")
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
         try:
             digests = list(pool.map(lambda c: sha256_file_cached(c[0].output, _until(stop)), candidates))
@@ -450,7 +499,7 @@ def _check_resumable(
     out: dict[str, RungResult] = {}
     for (p, rec), digest in zip(candidates, digests):
         if digest != rec["sha256"]:
-            _note(
+            note(
                 on_event,
                 rung_stage(p.rung.name, label),
                 f"{p.output.name}: sha256 {digest[:12]} != recorded {rec['sha256'][:12]}; rebuilding",
