@@ -1,8 +1,10 @@
 """The answer for a memory budget among models already built and evaluated (the demo's rungs): the
 one measurement layer (`measure.tournament`) decides it over the files, from the per-token tables
 `ggufcarve eval` left in the content-keyed cache (it decodes only what is not there): among the
-models whose file plus the context's cache fits, the lowest mean KLD, or, when others are within
-noise of it, the smallest of them; and the best fitting model of the other family beside it."""
+models whose memory fits (what llama.cpp allocates to run each at the evaluation's context, from
+eval's report: weights, cache, compute and output buffers; file plus cache for a report without
+it), the lowest mean KLD, or, when others are within noise of it, the smallest of them; and the
+best fitting model of the other family beside it."""
 
 from __future__ import annotations
 
@@ -11,9 +13,15 @@ from typing import Any
 
 from ggufcarve.events import Sink, ignore
 
-DEMO_BUDGET = (
-    6 * 2**20
-)  # between the demo's rungs: its pruned Q4_K_M and its unpruned Q2_K fit, its pruned Q6_K and unpruned Q4_K_M do not
+# between the demo's rungs as llama.cpp allocates them at 256 tokens: its pruned Q4_K_M (9.51 MiB) and its
+# unpruned Q2_K (9.96 MiB) fit, its pruned Q6_K (10.90 MiB) and unpruned Q4_K_M (13.03 MiB) do not
+DEMO_BUDGET = 10 * 2**20 + 2**19
+
+
+def memory_of(result: dict[str, Any], cache_bytes: int) -> int:
+    """The bytes a model evaluated by eval takes to run: its report's measured total, else file + cache."""
+    measured = result.get("memory")
+    return int(measured[0]["total"]) if measured else int(result["model"]["bytes"]) + cache_bytes
 
 
 def answer_for_budget(
@@ -31,9 +39,8 @@ def answer_for_budget(
     on_event: Sink = ignore,
 ) -> dict[str, Any] | None:
     """{winner, runner_up (the best fitting finalist of the other family, or None), tie_with (the results within
-    noise of the
-    winner), fitting, memory, cache_bytes}; None when nothing fits. `results` are eval's per-model documents of files
-    under `directories`."""
+    noise of the winner), fitting, memory, cache_bytes}; None when nothing fits. `results` are eval's per-model
+    documents of files under `directories`."""
     from ggufcarve.measure.tournament import (
         Candidate,
         MeasureSettings,
@@ -44,7 +51,7 @@ def answer_for_budget(
     )
 
     scored = [r for r in results if r.get("kld_mean") is not None]
-    fitting = [r for r in scored if r["model"]["bytes"] + cache_bytes <= memory]
+    fitting = [r for r in scored if memory_of(r, cache_bytes) <= memory]
     if not fitting:
         return None
     files = {p.name: p for directory in directories for p in sorted(directory.rglob("*.gguf"))}
@@ -56,7 +63,7 @@ def answer_for_budget(
         Candidate(
             name,
             files[r["model"]["file"]],
-            fits=r["model"]["bytes"] + cache_bytes <= memory,
+            fits=memory_of(r, cache_bytes) <= memory,
             file_bytes=r["model"]["bytes"],
         )
         for name, r in by_name.items()

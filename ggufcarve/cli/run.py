@@ -365,7 +365,7 @@ def _demo_answer(plan: RunPlan) -> None:
     """The best of the demo's measured models for a budget between its rungs, pruned or not, and why."""
     import tempfile
 
-    from ggufcarve.best.answer import DEMO_BUDGET, answer_for_budget
+    from ggufcarve.best.answer import DEMO_BUDGET, answer_for_budget, memory_of
     from ggufcarve.gguf.container import read_model
     from ggufcarve.llama.tools import physical_cores
     from ggufcarve.pipeline.stages import EVALUATION_DIR, read_results
@@ -394,12 +394,12 @@ def _demo_answer(plan: RunPlan) -> None:
         m = r["model"]
         family = f"pruned {m['expert_count']} of {m['source_expert_count']}" if m["pruned"] else "unpruned"
         over = f" on {r['chunks_scored']} chunks" if r.get("stopped_early") else ""
-        return f"{family} {m['quant']} ({_size(m['bytes'])}, mean KLD {r['kld_mean']:.4f}{over})"
+        return f"{family} {m['quant']} ({_size(memory_of(r, cache))}, mean KLD {r['kld_mean']:.4f}{over})"
 
     w, other = answer["winner"], answer["runner_up"]
     out.print(
-        f"best in {_size(DEMO_BUDGET)} (file + {_size(cache)} KV cache at {plan.evaluation.ctx} "
-        f"tokens), of the {len(answer['fitting'])} measured models that fit:",
+        f"best in {_size(DEMO_BUDGET)} (llama.cpp's memory at {plan.evaluation.ctx} tokens), "
+        f"of the {len(answer['fitting'])} measured models that fit:",
         highlight=False,
         markup=False,
     )
