@@ -257,23 +257,22 @@ def fit_command(
     best = report.best()
 
     unit = size_unit(max(r.rung.bytes for r in report.rows))  # one unit for every cell
-    table = new_table(
-        box=SIMPLE_HEAD,
-        pad_edge=False,
-        padding=(0, 0),
-        title=f"{loaded.path.name}: {layout.architecture}, "
-        f"{layout.expert_count} experts, top-{layout.expert_used_count}"
-        + (f", {layout.group_count} groups" if layout.group_count > 1 else ""),
-        caption=f"{unit[0]} of the rung file; ✓: "
+    # title and caption as lines of their own: a table's caption wraps to the table's width
+    title = (
+        f"{loaded.path.name}: {layout.architecture}, {layout.expert_count} experts, top-{layout.expert_used_count}"
+        + (f", {layout.group_count} groups" if layout.group_count > 1 else "")
+    )
+    caption = (
+        f"{unit[0]} of the rung file; ✓: "
         + (
             "llama.cpp's measured weights + cache + compute + output buffers"
             if measured
             else f"file + cache {size(cache.total_bytes)}"
         )
         + f" fit in {size(budget)}; *: power of two"
-        + (f"; last row: the source's {layout.expert_count}" if layout.expert_count in report.kept_counts else ""),
-        caption_justify="left",
+        + (f"; last row: the source's {layout.expert_count}" if layout.expert_count in report.kept_counts else "")
     )
+    table = new_table(box=SIMPLE_HEAD, pad_edge=False, padding=(0, 0))
     table.add_column("K", justify="right", no_wrap=True)
     for name in rungs:
         table.add_column(name, justify="right", no_wrap=True)
@@ -289,7 +288,9 @@ def fit_command(
                 + (f"{gpu_cell(row.offload):>4}" if row.offload else "")
             )
         table.add_row(label, *cells)
+    out.print(escape(title), highlight=False)
     out.print(table)
+    out.print(escape(caption), highlight=False)
     if any(r.rung.fallback for r in report.rows):
         out.print(
             "f: some tensors need an imatrix entry the ladder's imatrix lacks and get "
