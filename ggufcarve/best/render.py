@@ -50,8 +50,9 @@ def markdown(report: dict[str, Any]) -> str:
     lines = [
         f"# best: {r['model']['name']} in {format_size(r['memory_bytes'])}",
         "",
-        f"File + KV cache at {r['parameters']['ctx']} tokens "
-        f"({format_size(r['cache']['total_bytes'])}) against the budget; "
+        f"Memory as llama.cpp allocates it at {r['parameters']['ctx']} tokens (weights, KV cache "
+        f"{format_size(r['cache']['total_bytes'])}, compute and output buffers) against the budget, "
+        f"ranked in tier {r['parameters'].get('tier', 'ram')}; "
         f"scored against the unpruned model on {', '.join(names)} (chunks of "
         f"{r['parameters']['eval_ctx']} tokens). Answer: {r['selection_rule']}.",
         "",

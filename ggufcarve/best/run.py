@@ -43,15 +43,13 @@ from ggufcarve.select.criteria import BEST_DEFAULT
 
 REPORT = "best"
 CHART = "best-pareto.png"
-CONFIRM_RELATIVE = (
-    0.01  # a confirmed file's mean KLD may differ from its masked score by max(2 standard errors, this share)
-)
+# a confirmed file's mean KLD may differ from its masked score by max(2 standard errors, this share)
+CONFIRM_RELATIVE = 0.01
 SELECTION_RULE = (
-    "successive halving over held-out units by the paired per-token "
-    "difference to each round's leader; among the finalists "
-    "that fit the budget (built or planned file plus the context's "
-    "cache) and pass the gate, the lowest metric, or among those "
-    "tied with it within z standard errors the one --prefer names"
+    "successive halving over held-out units by the paired per-token difference to each round's leader; among the "
+    "finalists that run in the tier ranked in (memory as llama.cpp allocates it: weights, cache, compute and output "
+    "buffers, per device) and pass the gate, the lowest metric, or among those tied with it within z standard errors "
+    "the one --prefer names"
 )
 
 # The reference release the costs are projected to: Qwen3.6-35B-A3B at Q8_0 (256 routed experts,
