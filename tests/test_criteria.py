@@ -48,7 +48,7 @@ def test_all_is_every_criterion_but_the_razor_pass_with_greedy_last():
 
 
 def test_named_subsets_are_criteria_of_the_registry():
-    from ggufcarve.best.run import BestSettings
+    from ggufcarve.best.plan import BestSettings
     from ggufcarve.pipeline.demo import TOURNAMENT
 
     for names in (BEST_DEFAULT, TOURNAMENT, BestSettings.__dataclass_fields__["methods"].default):

@@ -242,8 +242,10 @@ def best_command(
 ) -> None:
     """Score every (K, keep-set, quant) that fits a budget by masking on the unpruned rungs; build and confirm the
     answer."""
+    from ggufcarve.best.cost import estimate, measure_speed, project_estimate
+    from ggufcarve.best.plan import BestSettings, plan_best
     from ggufcarve.best.render import stopped_lines
-    from ggufcarve.best.run import BestSettings, best, estimate, measure_speed, plan_best, project_estimate
+    from ggufcarve.best.run import best
     from ggufcarve.errors import BadInput
     from ggufcarve.quant.fit import parse_memory
     from ggufcarve.quant.spec import DEFAULT_LADDER, find_spec

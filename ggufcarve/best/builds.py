@@ -1,0 +1,220 @@
+"""What `best` builds: the unpruned rungs (the ladder, resumed by content), the pruned rungs of the pairs
+whose types differ, the keep-sets of every criterion at every K from one calibration pass, and how to run a
+built candidate (`run_command`)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from ggufcarve.best.plan import BestSettings, Plan, measured_memory
+from ggufcarve.errors import CarveError, ToolFailed
+from ggufcarve.events import Sink
+
+
+def offload_arguments(path: Path, settings: BestSettings) -> tuple[list[str], dict[str, Any] | None]:
+    """The llama.cpp arguments that place `path` on the GPU of --gpu-memory, and the offload record
+    (quant.offload: the file whole, else the smallest --n-cpu-moe N with the compute buffers
+    counted, with the equal -ot regex; none when even every expert on the CPU leaves too much for
+    the GPU)."""
+    if settings.gpu_memory is None:
+        return [], None
+    offload = measured_memory(path, settings).offload
+    record = {**offload.to_json(), "placement": offload.label()}
+    if offload.n_cpu_moe is None:
+        return [], record
+    return ["-ngl", "99", *(["--n-cpu-moe", str(offload.n_cpu_moe)] if offload.n_cpu_moe else [])], record
+
+
+def run_command(path: Path, settings: BestSettings) -> dict[str, Any]:
+    """The llama-server command line of a candidate at the budget's context."""
+    argv = ["llama-server", "-m", path.name, "-c", str(settings.ctx)]
+    if settings.kv_type != "F16":
+        argv += ["-ctk", settings.kv_type.lower(), "-ctv", settings.kv_type.lower(), "-fa", "on"]
+    gpu, offload = offload_arguments(path, settings)
+    return {"argv": argv + gpu, "gpu": offload}
+
+
+def build_rungs(
+    spec_path: Path,
+    source: Path,
+    out_dir: Path,
+    rungs: list[str],
+    imatrix: Path | None,
+    name: str,
+    settings: BestSettings,
+    on_event: Sink,
+) -> dict[str, Path]:
+    from ggufcarve.quant.ladder_plan import plan_ladder
+    from ggufcarve.quant.ladder_run import run_ladder
+    from ggufcarve.quant.quantizer import make_quantizer
+    from ggufcarve.quant.spec import load_spec
+
+    spec = load_spec(spec_path)
+    needs = any(r.needs_imatrix for r in spec.select(rungs))
+    ladder_plan = plan_ladder(
+        spec,
+        source,
+        out_dir,
+        quantizer=make_quantizer(settings.quantizer, settings.llama_cpp_dir),
+        imatrix=imatrix if needs else None,
+        only=rungs,
+        model_name=name,
+        nthreads=settings.threads,
+        on_event=on_event,
+    )
+    result = run_ladder(ladder_plan, on_event=on_event)
+    if result.failed:
+        failed = result.failed[0]
+        raise ToolFailed(
+            f"rung {failed.name} failed: {failed.error}",
+            "see the quantizer's last lines; run best again (built rungs are kept)",
+        )
+    return {p.rung.name: p.output for p in ladder_plan.rungs}
+
+
+def _prune_to(plan: Plan, keep_file: Path, pruned_path: Path, imatrix: Path, on_event: Sink) -> tuple[Path, Path]:
+    """The source pruned to the keep-set of `keep_file` at `pruned_path`, and the imatrix remapped to
+    it beside it (both kept when the pruned file already records that keep-set)."""
+    from ggufcarve.gguf.container import read_model
+    from ggufcarve.imatrix.remap import execute_remap, plan_remap, resolve_source_layout
+    from ggufcarve.imatrix_format import read_imatrix
+    from ggufcarve.moe.keepset import keepset_from_provenance, load_keepset
+    from ggufcarve.moe.layout import inspect_layout
+    from ggufcarve.prune.execute import execute
+    from ggufcarve.prune.plan import plan_prune
+
+    keepset = load_keepset(keep_file, plan.layout)
+    remapped = pruned_path.with_suffix(".imatrix.gguf")
+    if pruned_path.is_file() and remapped.is_file():
+        recorded = keepset_from_provenance(read_model(pruned_path).get, pruned_path.name)
+        if recorded is not None and recorded.layers == keepset.layers:
+            return pruned_path, remapped
+    pruned_path.parent.mkdir(parents=True, exist_ok=True)
+    execute(plan_prune(plan.model, plan.layout, keepset, pruned_path), plan.model, force=True, on_event=on_event)
+    source_imatrix = read_imatrix(imatrix)
+    pruned = read_model(pruned_path)
+    layout = resolve_source_layout(source_imatrix, pruned, inspect_layout(pruned), plan.layout)
+    remap_plan = plan_remap(
+        source_imatrix, keepset, layout, remapped, output_format="gguf", pruned=pruned, source=plan.model
+    )
+    execute_remap(remap_plan, force=True, sources=[*pruned.paths, *plan.model.paths], on_event=on_event)
+    return pruned_path, remapped
+
+
+def build_pruned(
+    plan: Plan,
+    settings: BestSettings,
+    keep_file: Path,
+    kept: int,
+    quant: str,
+    method: str,
+    work: Path,
+    models_dir: Path,
+    imatrix: Path,
+    base: str,
+    on_event: Sink,
+) -> Path:
+    """One pruned rung: the source pruned to `keep_file`, its imatrix remapped, the rung quantized."""
+    pruned, remapped = _prune_to(plan, keep_file, work / "pruned" / f"K{kept}-{method}.gguf", imatrix, on_event)
+    return build_rungs(
+        settings.ladder,
+        pruned,
+        models_dir / f"K{kept}-{method}",
+        [quant],
+        remapped,
+        f"{base}-{kept}e",
+        settings,
+        on_event,
+    )[quant]
+
+
+def _content_key(doc: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def keep_sets(
+    source: Path, plan: Plan, settings: BestSettings, work: Path, imatrix: Path, on_event: Sink
+) -> tuple[dict[int, dict[str, Any]], float, bool]:
+    """Every method's keep-set at every candidate K (K -> method -> {"file", "identical_to"}) from
+    one calibration pass that also writes `imatrix`. The pass's scores are kept beside them and
+    reused when the key of their inputs (the sha256 of the source and of the calibration texts,
+    the methods and the pass settings) matches the one recorded: a re-run at other K values
+    chooses its keep-sets from them without a pass. Returns the keep-sets, the pass's seconds and
+    whether the pass was reused."""
+    from ggufcarve.fileio import sha256_file_cached, write_text_atomic
+    from ggufcarve.select.keep import choose
+    from ggufcarve.select.scores import read_scores
+    from ggufcarve.tune.run import TuneSettings, calibration_scores
+
+    key = _content_key(
+        {
+            "source": [sha256_file_cached(p) for p in plan.model.paths],
+            "calibration": [sha256_file_cached(p) for p in settings.calibration],
+            "methods": list(settings.methods),
+            "ctx": settings.eval_ctx,
+            "max_tokens": settings.max_tokens,
+        }
+    )
+    directory = work / "keep-sets"
+    record = directory / "scores.json"
+    started = time.perf_counter()
+    scores: dict[str, Any] | None = None
+    try:
+        previous = json.loads(record.read_text())
+        if previous["key"] == key and imatrix.is_file():
+            scores = {m: read_scores(directory / name) for m, name in previous["scores"].items()}
+    except (OSError, ValueError, KeyError, TypeError, CarveError):
+        scores = None
+    reused = scores is not None
+    if scores is None:
+        directory.mkdir(parents=True, exist_ok=True)
+        tune_settings = TuneSettings(
+            keeps=tuple(plan.kept_counts),
+            methods=settings.methods,
+            calibration=settings.calibration,
+            ctx=settings.eval_ctx,
+            max_tokens=settings.max_tokens,
+            threads=settings.threads,
+            gpu_layers=settings.gpu_layers,
+            imatrix_out=imatrix,
+        )
+        scores = calibration_scores(plan.model, plan.layout, tune_settings, work, on_event)[0]
+        for method, method_scores in scores.items():
+            write_text_atomic(directory / f"{method}.scores.json", method_scores.dumps())
+        write_text_atomic(
+            record,
+            json.dumps({"key": key, "scores": {m: f"{m}.scores.json" for m in scores}}, indent=1, sort_keys=True)
+            + "\n",
+        )
+    out: dict[int, dict[str, Any]] = {}
+    for k in plan.kept_counts:
+        seen: dict[tuple, str] = {}
+        out[k] = {}
+        for method, method_scores in scores.items():
+            selection = choose(method_scores, k)
+            path = directory / f"{method}-{k}.json"
+            write_text_atomic(path, json.dumps(selection.record({}), indent=1, sort_keys=True, allow_nan=False) + "\n")
+            layers = tuple(sorted(selection.keepset.layers.items()))
+            out[k][method] = {"file": path, "identical_to": seen.get(layers)}
+            seen.setdefault(layers, method)
+        if settings.keep_file is not None:
+            from ggufcarve.moe.keepset import load_keepset
+
+            given = load_keepset(settings.keep_file, plan.layout)
+            if given.kept_count == k:
+                path = directory / f"keep-file-{k}.json"
+                write_text_atomic(path, json.dumps(given.to_json(), indent=1, sort_keys=True) + "\n")
+                layers = tuple(sorted(given.layers.items()))
+                out[k]["keep-file"] = {"file": path, "identical_to": seen.get(layers)}
+    return out, 0.0 if reused else time.perf_counter() - started, reused
+
+
+def tensor_types(path: Path) -> dict[str, str]:
+    from ggufcarve.gguf.container import read_model
+    from ggufcarve.quant.fit import type_name
+
+    return {t.name: type_name(t.type_id) for t in read_model(path).tensors}

@@ -1,0 +1,208 @@
+"""What `best` weighs before anything is built: its settings, the candidates from fit's exact sizes and
+llama.cpp's measured memory per tier (`plan_best`), and where a built file runs (`measured_memory`)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ggufcarve.best.candidates import PRUNED, Candidate
+from ggufcarve.errors import BadInput
+from ggufcarve.events import Sink, ignore
+from ggufcarve.measure.statistics import DEFAULT_Z, METRICS, PREFERENCES
+from ggufcarve.select.criteria import BEST_DEFAULT
+
+
+@dataclass(frozen=True)
+class BestSettings:
+    memory: int
+    ladder: Path
+    heldout: tuple[Path, ...]
+    calibration: tuple[Path, ...] = ()
+    methods: tuple[str, ...] = BEST_DEFAULT
+    ctx: int = 16384  # the context whose cache counts against the budget
+    kv_type: str = "F16"
+    eval_ctx: int = 512  # tokens per chunk of the calibration pass and the scoring
+    chunks: int | None = None
+    max_tokens: int | None = None
+    threads: int | None = None
+    gpu_layers: int = 0  # layers offloaded to the accelerator in every llama.cpp child
+    metric: str = "kld_mean"
+    gate: Path | None = None
+    gpu_memory: int | None = None
+    keep_counts: str | None = None  # the K values weighed, as written (quant.fit.parse_kept_counts); None: fit's grid
+    keep_file: Path | None = None  # a keep-set weighed at its K beside the criteria's (selection "keep-file")
+    tier: str | None = (
+        None  # quant.offload.TIERS: where the answer must run; None: the fastest tier any candidate runs in
+    )
+    quantizer: str = "auto"
+    llama_cpp_dir: Path | None = None
+    only: tuple[str, ...] = ()  # build only these candidate ids, score nothing (a job of several hosts)
+    confirm: int = 1  # runners-up built and scored as files besides the winner
+    prefer: str = "smaller"  # among candidates tied with the leader: smaller | faster | metric
+    z: float = DEFAULT_Z
+
+
+@dataclass
+class Plan:
+    """What `best` will do, before anything is written (the dry run prints it)."""
+
+    model: Any
+    layout: Any
+    spec: Any
+    fit: Any
+    candidates: list[Candidate]
+    kept_counts: list[int]  # the pruned K values
+    quants: list[str]  # the unpruned rungs built (every candidate's quant, in ladder order)
+    types: dict[
+        tuple[int, str], list[tuple[str, str, str]]
+    ]  # (K, quant) -> tensors whose type differs from the unpruned rung's
+    seconds: float
+    tier: str = "ram"  # the tier the candidates are ranked in (quant.offload.TIERS)
+
+
+def run_memory_settings(settings: BestSettings) -> Any:
+    """The run whose memory counts against the budget: llama-server's defaults at --ctx and --kv-type
+    (a quantized V cache needs flash attention: on with q8_0, llama.cpp's auto otherwise)."""
+    from ggufcarve.llama.memory import MemorySettings
+
+    return MemorySettings(
+        settings.ctx,
+        settings.kv_type,
+        flash_attn="on" if settings.kv_type.upper() != "F16" else "auto",
+        gpu_layers=settings.gpu_layers,
+    )
+
+
+def measured_memory(path: Path, settings: BestSettings) -> Any:
+    """Where a built file runs (quant.offload.Placed): llama.cpp's dry load of it at the run's
+    settings, per device in the fastest tier it runs in, its offload and its tiers."""
+    from ggufcarve.gguf.container import read_model
+    from ggufcarve.llama.memory import dry_load, weight_bytes
+    from ggufcarve.quant.offload import place, weight_placement
+
+    load = dry_load(path, run_memory_settings(settings))
+    return place(
+        weight_placement(read_model(path)),
+        weight_bytes(path),
+        load,
+        memory=settings.memory,
+        gpu_memory=settings.gpu_memory,
+    )
+
+
+def built_record(path: Path, settings: BestSettings, tier: str) -> dict[str, Any]:
+    """The memory keys of a built file's record: `memory` per device running in `tier`, its
+    fastest `tier`, its `tiers`, and `fits` (it runs in `tier`)."""
+    placed = measured_memory(path, settings)
+    return {
+        "memory": [d.to_json() for d in placed.devices(tier)],
+        "memory_source": "measured: llama.cpp's dry load of the built file",
+        "tier": placed.tiers[0],
+        "tiers": list(placed.tiers),
+        "fits": tier in placed.tiers,
+    }
+
+
+def plan_best(source: Path, settings: BestSettings, *, on_event: Sink = ignore) -> Plan:
+    """Check the inputs and choose the candidates from fit's sizes; nothing is written."""
+    from ggufcarve.best.candidates import choose_candidates
+    from ggufcarve.evaluate.perplexity import read_text
+    from ggufcarve.gguf.container import read_model
+    from ggufcarve.moe.layout import inspect_layout
+    from ggufcarve.quant.fit import plan_fit, types_differ
+    from ggufcarve.quant.kvcache import ContextSettings
+    from ggufcarve.quant.offload import TIERS
+    from ggufcarve.quant.quantizer import make_quantizer
+    from ggufcarve.quant.spec import load_spec
+
+    started = time.perf_counter()
+    if settings.metric not in METRICS:
+        raise BadInput(
+            f"--metric {settings.metric!r} is not one of {', '.join(METRICS)}",
+            "kld_mean ranks by mean KLD against the unpruned model",
+        )
+    if settings.prefer not in PREFERENCES:
+        raise BadInput(
+            f"--prefer {settings.prefer!r} is not one of {', '.join(PREFERENCES)}",
+            "smaller answers a tie within noise with the smaller file",
+        )
+    if settings.confirm < 0:
+        raise BadInput(f"--confirm {settings.confirm}: a count of runners-up", "give 0 to confirm the winner alone")
+    if not settings.heldout:
+        raise BadInput("best scores candidates on held-out text", "give --heldout FILE (repeatable)")
+    if not settings.calibration:
+        raise BadInput("best chooses keep-sets from a calibration pass", "give --calibration FILE (repeatable)")
+    for path in (*settings.calibration, *settings.heldout):
+        if not Path(path).is_file():
+            raise BadInput(f"{path}: no such file", "give an existing text file")
+        if not read_text(Path(path).read_bytes()).strip():
+            raise BadInput(f"{path}: the text is empty", "give a text file with content")
+    if settings.tier is not None and settings.tier not in TIERS:
+        raise BadInput(
+            f"--tier {settings.tier!r} is not one of {', '.join(TIERS)}",
+            "gpu: all on the GPU; gpu+cpu: --n-cpu-moe N; ram: system memory; disk: paging through mmap",
+        )
+    if settings.tier in ("gpu", "gpu+cpu") and settings.gpu_memory is None:
+        raise BadInput(
+            f"--tier {settings.tier} places the model on a GPU",
+            "give --gpu-memory SIZE (the GPU's memory), or --tier ram",
+        )
+    model = read_model(source)
+    layout = inspect_layout(model)
+    spec = load_spec(settings.ladder)
+    kept_counts = None
+    if settings.keep_file is not None:
+        from ggufcarve.moe.keepset import load_keepset
+
+        kept_counts = [load_keepset(settings.keep_file, layout).kept_count, layout.expert_count]
+    elif settings.keep_counts is not None:
+        from ggufcarve.quant.fit import parse_kept_counts
+
+        kept_counts = sorted(
+            {*parse_kept_counts(settings.keep_counts, layout), layout.expert_count}
+        )  # the unpruned rungs compete too
+    fit = plan_fit(
+        model,
+        layout,
+        spec,
+        kept_counts=kept_counts,
+        memory=settings.memory,
+        context=ContextSettings(settings.ctx, settings.kv_type, settings.kv_type),
+        quantizer=make_quantizer(settings.quantizer, settings.llama_cpp_dir),
+        measure=run_memory_settings(settings),
+        gpu_memory=settings.gpu_memory,
+        on_event=on_event,
+    )
+    from ggufcarve.fileio import format_size
+
+    tier = settings.tier or fit.fastest_tier()
+    if tier == "disk" and settings.tier is None:
+        tier = "ram"  # nothing runs faster than from disk: the search stops below with the smallest rung's figure
+    candidates = choose_candidates(fit, tier)
+    if not candidates and settings.tier is not None:
+        raise BadInput(
+            f"nothing runs in tier {tier} with {format_size(settings.memory)} of memory"
+            + (f" and {format_size(settings.gpu_memory)} of GPU memory" if settings.gpu_memory else ""),
+            f"the fastest tier any rung runs in is {fit.fastest_tier()}: give --tier {fit.fastest_tier()}",
+        )
+    if not candidates:
+        smallest = min(r.total for r in fit.rows)
+        raise BadInput(
+            f"nothing fits in {format_size(settings.memory)}: the smallest "
+            f"rung takes {format_size(smallest)} as llama.cpp allocates it "
+            "(weights, cache, compute and output buffers)",
+            "give a larger --memory, a shorter --ctx or --kv-type q8_0",
+        )
+    kept = sorted({c.kept for c in candidates if c.family == PRUNED})
+    order = [r.name for r in spec.rungs]
+    quants = sorted({c.quant for c in candidates}, key=order.index)
+    n = layout.expert_count
+    types = {
+        (c.kept, c.quant): types_differ(fit.row(c.kept, c.quant).rung, fit.row(n, c.quant).rung)
+        for c in candidates
+        if c.family == PRUNED
+    }
+    return Plan(model, layout, spec, fit, candidates, kept, quants, types, time.perf_counter() - started, tier)
