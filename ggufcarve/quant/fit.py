@@ -206,8 +206,8 @@ class FitRow:
             HOST,
             self.rung.tensor_bytes,
             self.load.cache,
-            sum(self.load.compute.values()),
-            sum(self.load.output.values()),
+            self.load.on(HOST, self.load.compute),
+            self.load.on(HOST, self.load.output),
         )
 
     @property
