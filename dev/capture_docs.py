@@ -3,6 +3,7 @@
     python dev/capture_docs.py                  # README.md and every docs/*.md holding a capture
     python dev/capture_docs.py README.md        # these files only
     python dev/capture_docs.py --check          # run everything, write nothing, exit 1 if a file would change
+    python dev/capture_docs.py --plan-keys      # only docs/run.md's table of plan keys, from the settings
 
 Markers (HTML comments, invisible on GitHub), each around one fenced block:
 
@@ -204,11 +205,38 @@ def capture_file(path: Path, check: bool) -> bool:
     return changed
 
 
+PLAN_KEYS = re.compile(r"(<!-- plan-keys -->\n)(.*?)(<!-- /plan-keys -->)", re.S)
+
+
+def write_plan_keys(check: bool) -> bool:
+    """docs/run.md's table of plan keys, made from the plan's tables and their settings (between
+    `<!-- plan-keys -->` and `<!-- /plan-keys -->`); True when it changed."""
+    sys.path.insert(0, str(ROOT))
+    import typer
+
+    from ggufcarve.cli import app
+    from ggufcarve.cli.options import commands_by_setting
+    from ggufcarve.pipeline.plan import plan_keys_markdown
+
+    path = ROOT / "docs" / "run.md"
+    text = path.read_text()
+    table = plan_keys_markdown(commands_by_setting(typer.main.get_command(app)))
+    new = PLAN_KEYS.sub(lambda m: m.group(1) + table + m.group(3), text)
+    if new != text and not check:
+        path.write_text(new)
+    return new != text
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("files", nargs="*", type=Path, help="markdown files (default: README.md and docs/*.md)")
     parser.add_argument("--check", action="store_true", help="write nothing; exit 1 when a file would change")
+    parser.add_argument("--plan-keys", action="store_true", help="only docs/run.md's table of plan keys (runs nothing)")
     arguments = parser.parse_args()
+    if arguments.plan_keys:
+        changed_keys = write_plan_keys(arguments.check)
+        print(f"{'would change' if arguments.check else 'rewrote'}: docs/run.md" * changed_keys, file=sys.stderr)
+        sys.exit(1 if arguments.check and changed_keys else 0)
     files = [path.resolve() for path in arguments.files] or [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
     changed = [path for path in files if capture_file(path, arguments.check)]
     for path in changed:

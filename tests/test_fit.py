@@ -16,10 +16,11 @@ from ggufcarve.errors import BadInput
 from ggufcarve.gguf.container import read_model
 from ggufcarve.llama import launch
 from ggufcarve.moe.layout import inspect_layout
-from ggufcarve.quant.fit import listed_kept_counts, parse_kept_counts, parse_memory, plan_fit
+from ggufcarve.quant.fit import listed_kept_counts, parse_kept_counts, plan_fit
 from ggufcarve.quant.kvcache import ContextSettings, context_memory
 from ggufcarve.quant.quantizer import BinaryQuantizer
 from ggufcarve.quant.spec import DEFAULT_LADDER, load_spec
+from ggufcarve.settings import parse_memory
 
 # ---------------------------------------------------------------------------------------------
 # memory sizes and K lists
@@ -320,9 +321,9 @@ def test_cli_json_and_table(make_model, llama_tools):
     "args, message",
     [
         (["--memory", "plenty"], "is not a memory size"),
-        (["--memory", "24GiB", "--kv-type", "q4_k"], "is not f16 or q8_0"),
+        (["--memory", "24GiB", "--kv-type", "q4_k"], "--kv-type must be one of f16, q8_0"),
         (["--memory", "24GiB", "--k", "1"], "below the 2 experts"),
-        (["--memory", "24GiB", "--k", "x"], "is neither counts nor an existing keep-set file"),
+        (["--memory", "24GiB", "--k", "x"], "must be a count (8), a list of counts"),
         (["--memory", "24GiB", "--keep", "8-4"], "is an empty range"),
         (["--memory", "24GiB", "--keep", "8", "--k", "8"], "--keep and --k name the same thing"),
     ],

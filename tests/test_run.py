@@ -371,9 +371,9 @@ def test_protect_and_quantizer_paths_are_relative_to_the_plan(q8_moe, tmp_path, 
         == "0,5-6"
     )
     for selection, ladder, message in [
-        ('method = "weights"\nkeep = 4\nprotect = "missing.json"', "", "protect = 'missing.json': no such file"),
+        ('method = "weights"\nkeep = 4\nprotect = "missing.json"', "", "protect 'missing.json': no such file"),
         ('method = "weights"\nkeep = 4\nprotect = "zz"', "", "neither expert ids"),
-        ('method = "weights"\nkeep = 4', 'quantizer = "bin/nothing"\n', "quantizer = 'bin/nothing': no such file"),
+        ('method = "weights"\nkeep = 4', 'quantizer = "bin/nothing"\n', "quantizer 'bin/nothing': no such file"),
         ('method = "weights"\nkeep = 4', 'quantizer = "protect.json"\n', "is not an executable file"),
     ]:
         with pytest.raises(BadInput, match=message):

@@ -85,7 +85,7 @@ def test_older_spellings_are_hidden_aliases():
             "tune weighs the criteria's keep-sets",
         ),
         (["prune", DEMO_MODEL, "--keep", "8", "-o", "{tmp}/p.gguf"], "a count does not say which experts"),
-        (["fit", DEMO_MODEL, "--memory", "1GiB", "--keep", "eight"], "neither counts nor an existing keep-set file"),
+        (["fit", DEMO_MODEL, "--memory", "1GiB", "--keep", "eight"], "must be a count (8), a list of counts"),
     ],
 )
 def test_a_keep_form_a_command_has_no_use_for_is_refused_with_a_hint(tmp_path, argv, message):

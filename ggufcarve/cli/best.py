@@ -18,6 +18,7 @@ from typing import Annotated
 
 import typer
 
+from ggufcarve import settings as S
 from ggufcarve.cli.options import (
     ForceOption,
     GpuLayersOption,
@@ -25,11 +26,13 @@ from ggufcarve.cli.options import (
     LlamaCppOption,
     QuietOption,
     ThreadsOption,
+    option,
     parse_keep,
 )
 from ggufcarve.cli.render import out, progress, size
 from ggufcarve.errors import OutputError
 from ggufcarve.select.criteria import BEST_DEFAULT
+from ggufcarve.settings import Keep
 
 SHOWN_LEFT = 4  # candidates that left early, printed closest first; best.md lists all
 
@@ -111,42 +114,18 @@ def _memory_text(record: dict) -> str:
 
 def best_command(
     model: Annotated[Path, typer.Argument(help="The unpruned GGUF model (first shard if split).", show_default=False)],
-    memory: Annotated[
-        str,
-        typer.Option(
-            "--memory",
-            help="Memory budget for what llama.cpp allocates (weights, KV cache, "
-            "compute and output buffers), e.g. 24GiB (GB = 10^9 bytes, GiB = 2^30).",
-            show_default=False,
-        ),
-    ],
+    memory: Annotated[int, option(S.MEMORY, show_default=False)],
     output: Annotated[
         Path,
-        typer.Option(
-            "-o",
-            "--output",
-            help="DIR: best.json, best.md, best-pareto.png, plan.toml, models/, work/.",
-            show_default=False,
-        ),
+        option(S.OUTPUT, "DIR: best.json, best.md, best-pareto.png, plan.toml, models/, work/.", show_default=False),
     ],
-    heldout: Annotated[
-        list[Path],
-        typer.Option("--heldout", help="Held-out text (repeatable): each file is its own segment.", show_default=False),
-    ],
+    heldout: Annotated[list[Path], option(S.HELDOUT, show_default=False)],
     calibration: Annotated[
         list[Path],
-        typer.Option(
-            "--calibration",
-            help="Calibration text (repeatable): one pass for every criterion and K, and the imatrix.",
-            show_default=False,
-        ),
+        option(S.CALIBRATION, "One pass for every criterion and K, and the imatrix.", show_default=False),
     ],
     gpu_memory: Annotated[
-        str | None,
-        typer.Option(
-            "--gpu-memory",
-            help="GPU memory, e.g. 16GiB: each candidate's tiers and run command place the model for it.",
-        ),
+        int | None, option(S.GPU_MEMORY, "each candidate's tiers and run command place the model for it.")
     ] = None,
     tier: Annotated[
         str | None,
@@ -156,45 +135,28 @@ def best_command(
             "memory) or disk (paging through mmap). Default: the fastest tier any candidate runs in.",
         ),
     ] = None,
-    ctx: Annotated[int, typer.Option("--ctx", help="Context length whose KV cache counts against --memory.")] = 16384,
-    kv_type: Annotated[str, typer.Option("--kv-type", help="KV cache type: f16 or q8_0.")] = "f16",
-    ladder: Annotated[
-        str | None,
-        typer.Option("--ladder", help="Ladder spec of the rungs: a TOML path or a shipped name (default: q8-to-iq1)."),
-    ] = None,
-    methods: Annotated[
-        str, typer.Option("--methods", help="Criteria of the keep-set tournament at each K (tune's --methods).")
-    ] = ",".join(BEST_DEFAULT),
-    chunk_ctx: Annotated[
-        int | None,
-        typer.Option(
-            "--chunk-ctx",
-            help="Tokens per chunk of the calibration pass and of the "
-            "scoring (as llama-perplexity -c).  [default: 512]",
-        ),
-    ] = None,
+    ctx: Annotated[int, option(S.CTX, "the KV cache counted against --memory.")] = 16384,
+    kv_type: Annotated[str, option(S.KV_TYPE)] = "f16",
+    ladder: Annotated[str | None, option(S.LADDER)] = None,
+    methods: Annotated[str, option(S.METHODS, "The keep-set tournament at each K (tune's --methods).")] = ",".join(
+        BEST_DEFAULT
+    ),
+    chunk_ctx: Annotated[int | None, option(S.CHUNK_CTX, "[default: 512]")] = None,
     eval_ctx: Annotated[int | None, typer.Option("--eval-ctx", hidden=True)] = None,
     keep: Annotated[
-        str | None,
-        typer.Option(
-            "--keep",
-            "-k",
-            help="The K values to weigh: 96, 96,128 or 64-192/32, or a keep-set file "
-            "(weighed at its K beside the criteria's keep-sets). Default: fit's grid.",
+        Keep | None,
+        option(
+            S.KEEP,
+            "the K values weighed; a keep-set file is weighed at its K beside the criteria's keep-sets "
+            "(default: fit's grid).",
         ),
     ] = None,
-    chunks: Annotated[
-        int | None, typer.Option("--chunks", help="Score at most this many chunks per held-out file.")
-    ] = None,
-    max_tokens: Annotated[
-        int | None, typer.Option("--max-tokens", help="Trace at most this many calibration tokens.")
-    ] = None,
+    chunks: Annotated[int | None, option(S.CHUNKS, "the held-out files scored.")] = None,
+    max_tokens: Annotated[int | None, option(S.MAX_TOKENS)] = None,
     metric: Annotated[
         str, typer.Option("--metric", help="What ranks the candidates, lower is better: kld_mean, kld_p999 or ppl.")
     ] = "kld_mean",
-    gate: Annotated[
-        Path | None, typer.Option("--gate", help="Gate TOML (eval's keys): the answer must pass it.")
-    ] = None,
+    gate: Annotated[Path | None, option(S.GATE, "The answer must pass it.")] = None,
     confirm: Annotated[
         int,
         typer.Option(
@@ -217,21 +179,13 @@ def best_command(
     ] = 2.0,
     only: Annotated[
         list[str] | None,
-        typer.Option(
-            "--only",
-            help="Build only these candidates (ids as the dry run "
-            "lists them), score nothing: one job of several hosts.",
+        option(
+            S.ONLY, "candidates, by the ids the dry run lists; build them and score nothing (one job of several hosts)."
         ),
     ] = None,
-    quantizer_choice: Annotated[
-        str, typer.Option("--quantizer", help="auto | binary | libllama | PATH to llama-quantize.")
-    ] = "auto",
+    quantizer_choice: Annotated[str, option(S.QUANTIZER)] = "auto",
     dry_run: Annotated[
-        bool,
-        typer.Option(
-            "--dry-run",
-            help="Print the candidates, the builds, the disk and a time estimate from measured speed; write nothing.",
-        ),
+        bool, option(S.DRY_RUN, "print the candidates, the builds, the disk and a time estimate from measured speed.")
     ] = False,
     llama_cpp: LlamaCppOption = None,
     threads: ThreadsOption = None,
@@ -247,7 +201,6 @@ def best_command(
     from ggufcarve.best.render import stopped_lines
     from ggufcarve.best.run import best
     from ggufcarve.errors import BadInput
-    from ggufcarve.quant.fit import parse_memory
     from ggufcarve.quant.spec import DEFAULT_LADDER, find_spec
     from ggufcarve.tune.run import parse_methods
 
@@ -257,9 +210,7 @@ def best_command(
             "give --chunk-ctx alone (--eval-ctx is its older spelling)",
         )
     wanted = parse_keep(keep)
-    cache_type = kv_type.strip().upper()
-    if cache_type not in ("F16", "Q8_0"):
-        raise BadInput(f"--kv-type {kv_type!r} is not f16 or q8_0", "give --kv-type f16 or --kv-type q8_0")
+    cache_type = kv_type.upper()
     if output.exists() and not output.is_dir():
         raise OutputError(
             f"-o {output} is a file; best writes a folder of results there",
@@ -271,7 +222,7 @@ def best_command(
             "pass --force to search again (built models are reused), or choose another -o DIR",
         )
     settings = BestSettings(
-        memory=parse_memory(memory),
+        memory=memory,
         ladder=find_spec(ladder) if ladder else DEFAULT_LADDER,
         heldout=tuple(heldout),
         calibration=tuple(calibration),
@@ -287,7 +238,7 @@ def best_command(
         gpu_layers=gpu_layers,
         metric=metric,
         gate=gate,
-        gpu_memory=parse_memory(gpu_memory, "--gpu-memory") if gpu_memory else None,
+        gpu_memory=gpu_memory,
         tier=tier,
         quantizer=quantizer_choice,
         llama_cpp_dir=llama_cpp,

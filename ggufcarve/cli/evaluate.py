@@ -26,7 +26,16 @@ from typing import Annotated
 
 import typer
 
-from ggufcarve.cli.options import GpuLayersOption, JsonOption, LlamaCppOption, QuietOption
+from ggufcarve import settings as S
+from ggufcarve.cli.options import (
+    ChunkCtxOption,
+    GpuLayersOption,
+    JsonOption,
+    LlamaCppOption,
+    QuietOption,
+    ThreadsOption,
+    option,
+)
 from ggufcarve.cli.render import err, escape, out, progress, size, warn
 
 
@@ -37,80 +46,25 @@ def eval_command(
             help="GGUF files, first shards of split sets, or release directories (every rung of the manifest)."
         ),
     ],
-    reference: Annotated[
-        Path,
-        typer.Option(
-            "--reference",
-            help="The unpruned model (GGUF), a llama-perplexity --kl-divergence-base file or a top-k cache (.reflogp).",
-        ),
-    ],
-    output: Annotated[
-        Path, typer.Option("-o", "--output", help="Output directory: <model>.json per model, summary.md, charts.")
-    ],
+    reference: Annotated[Path, option(S.REFERENCE)],
+    output: Annotated[Path, option(S.OUTPUT, "DIR: <model>.json per model, summary.md, charts.")],
     heldout: Annotated[
         list[Path] | None,
-        typer.Option(
-            "--heldout",
-            help="Held-out text scored by every model (needed with a GGUF reference); "
-            "repeatable: each file is its own segment, reported beside the overall figures.",
+        option(
+            S.HELDOUT, "Scored by every model (needed with a GGUF reference), each file beside the overall figures."
         ),
     ] = None,
-    ctx: Annotated[int, typer.Option("--ctx", help="Context (tokens per chunk), as llama-perplexity -c.")] = 512,
-    chunks: Annotated[
-        int | None,
-        typer.Option(
-            "--chunks", help="Score at most this many chunks of each held-out file (default: the whole text)."
-        ),
-    ] = None,
-    qa: Annotated[
-        Path | None, typer.Option("--qa", help="QA suite: a .jsonl file or a directory of them (e.g. evaluation/qa).")
-    ] = None,
-    gate: Annotated[
-        Path | None, typer.Option("--gate", help="Gate thresholds (TOML; default evaluation/gate.toml).")
-    ] = None,
-    gate_segments: Annotated[
-        str | None,
-        typer.Option(
-            "--gate-segments",
-            help="With several --heldout files: every (a model fails when any file fails the gate) or overall "
-            "(the files' verdicts are only reported). Default: the gate file's `segments`, else overall.",
-        ),
-    ] = None,
-    threads: Annotated[
-        int | None, typer.Option("--threads", "-t", help="CPU threads (default: the physical cores).")
-    ] = None,
+    ctx: ChunkCtxOption = 512,
+    chunks: Annotated[int | None, option(S.CHUNKS, "the held-out files scored (default: the whole text).")] = None,
+    qa: Annotated[Path | None, option(S.QA)] = None,
+    gate: Annotated[Path | None, option(S.GATE)] = None,
+    gate_segments: Annotated[str | None, option(S.GATE_SEGMENTS)] = None,
+    threads: ThreadsOption = None,
     gpu_layers: GpuLayersOption = 0,
-    top_k: Annotated[
-        int | None,
-        typer.Option(
-            "--top-k",
-            help="Cache only the reference's top-K log-probs per token (and sampled tail tokens): a "
-            "small cache, an estimated KLD. Default: every token, as llama-perplexity keeps them.",
-        ),
-    ] = None,
-    tail_samples: Annotated[
-        int,
-        typer.Option(
-            "--tail-samples",
-            help="With --top-k: tail tokens sampled per token; the KLD estimate is "
-            "unbiased and its sampling error is printed (0: a lower bound).",
-        ),
-    ] = 32,
-    speed_runs: Annotated[
-        int,
-        typer.Option(
-            "--speed-runs",
-            help="Timed runs of pp and tg speed: the median is reported, or the "
-            "range when the runs spread more than 10% of it; 0 skips speed.",
-        ),
-    ] = 5,
-    speed_engine: Annotated[
-        str,
-        typer.Option(
-            "--speed-engine",
-            help="auto (llama-bench when the tools have it, else in-process), llama-bench or libllama.",
-        ),
-    ] = "auto",
+    top_k: Annotated[int | None, option(S.TOP_K)] = None,
+    tail_samples: Annotated[int, option(S.TAIL_SAMPLES)] = 32,
+    speed_runs: Annotated[int, option(S.SPEED_RUNS)] = 5,
+    speed_engine: Annotated[str, option(S.SPEED_ENGINE)] = "auto",
     save_kl_base: Annotated[
         Path | None,
         typer.Option(
@@ -121,25 +75,9 @@ def eval_command(
     cross_check: Annotated[
         bool, typer.Option("--cross-check", help="Also run llama-perplexity on the same text and report both.")
     ] = False,
-    loops: Annotated[
-        bool,
-        typer.Option(
-            "--loops",
-            help="Continue the QA prompts (or --loop-prompts) greedily and report the "
-            "share that ends in a repeating cycle, for the reference and every model.",
-        ),
-    ] = False,
-    loop_prompts: Annotated[
-        Path | None,
-        typer.Option(
-            "--loop-prompts",
-            help="Prompts for --loops (implies it): one per line, asked as a user message, "
-            'or a .jsonl file of {"prompt": raw text} or {"messages": [...]} objects.',
-        ),
-    ] = None,
-    loop_tokens: Annotated[
-        int | None, typer.Option("--loop-tokens", help="New tokens per loop prompt (default 256).")
-    ] = None,
+    loops: Annotated[bool, option(S.LOOPS)] = False,
+    loop_prompts: Annotated[Path | None, option(S.LOOP_PROMPTS)] = None,
+    loop_tokens: Annotated[int | None, option(S.LOOP_TOKENS)] = None,
     llama_cpp: LlamaCppOption = None,
     cache: Annotated[
         Path | None,
@@ -147,10 +85,9 @@ def eval_command(
             "--cache", help="Directory of cached reference log-probs (default: ggufcarve's cache/reference-logprobs)."
         ),
     ] = None,
-    force: Annotated[bool, typer.Option("--force", help="Replace results already in the output directory.")] = False,
+    force: Annotated[bool, option(S.FORCE, "results already in the output directory.")] = False,
     strict: Annotated[
-        bool,
-        typer.Option("--strict", help="Exit 1 when any model fails the gate (the results are written all the same)."),
+        bool, option(S.STRICT, "any model failing the gate exits 1 (the results are written all the same).")
     ] = False,
     quiet: QuietOption = False,
     as_json: JsonOption = False,
@@ -293,44 +230,12 @@ def card_command(
         Path | None,
         typer.Option("--evaluation", help="Directory of ggufcarve eval results (default: RELEASE/evaluation)."),
     ] = None,
-    base_model: Annotated[
-        str | None,
-        typer.Option(
-            "--base-model",
-            help="The base model's Hub repo id, OWNER/NAME (default: the GGUF's general.base_model.0.repo_url).",
-        ),
-    ] = None,
-    license_: Annotated[
-        str | None,
-        typer.Option(
-            "--license", help="A Hub license identifier, e.g. apache-2.0 (default: the GGUF's general.license)."
-        ),
-    ] = None,
-    license_name: Annotated[
-        str | None,
-        typer.Option(
-            "--license-name", help="With --license other: the license's short name (default: general.license.name)."
-        ),
-    ] = None,
-    license_link: Annotated[
-        str | None,
-        typer.Option(
-            "--license-link",
-            help="With --license other: its URL, or a file of the release "
-            "such as LICENSE (default: general.license.link).",
-        ),
-    ] = None,
-    model_name: Annotated[
-        str | None,
-        typer.Option("--model-name", help="The card's title (default: the GGUF's general.basename and size label)."),
-    ] = None,
-    repo_id: Annotated[
-        str | None,
-        typer.Option(
-            "--repo-id",
-            help="The Hub repo the release is uploaded to, OWNER/NAME (adds download and llama-server -hf lines).",
-        ),
-    ] = None,
+    base_model: Annotated[str | None, option(S.BASE_MODEL)] = None,
+    license_: Annotated[str | None, option(S.LICENSE)] = None,
+    license_name: Annotated[str | None, option(S.LICENSE_NAME)] = None,
+    license_link: Annotated[str | None, option(S.LICENSE_LINK)] = None,
+    model_name: Annotated[str | None, option(S.MODEL_NAME)] = None,
+    repo_id: Annotated[str | None, option(S.REPO_ID)] = None,
     record: Annotated[
         bool,
         typer.Option(
@@ -338,14 +243,21 @@ def card_command(
             help="Write nothing: record RELEASE/README.md as it is (after a hand edit) in the manifest and SHA256SUMS.",
         ),
     ] = False,
-    force: Annotated[bool, typer.Option("--force", help="Replace an existing README.md.")] = False,
+    force: Annotated[bool, option(S.FORCE, "an existing README.md.")] = False,
 ) -> None:
     """Write the Hugging Face model card RELEASE/README.md from the manifest, the method reports and the evaluation,
     and record it in the release."""
     from ggufcarve.errors import BadInput
     from ggufcarve.release.card import CardSettings, card_warnings, record_card, write_card
 
-    settings = CardSettings(base_model, license_, license_name, license_link, model_name, repo_id)
+    settings = CardSettings(
+        base_model=base_model,
+        license=license_,
+        license_name=license_name,
+        license_link=license_link,
+        model_name=model_name,
+        repo_id=repo_id,
+    )
     if record:
         if (
             any(

@@ -15,8 +15,10 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from ggufcarve.cli.options import GpuLayersOption, JsonOption, LlamaCppOption, QuietOption, one_keep, parse_keep
+from ggufcarve import settings as S
+from ggufcarve.cli.options import GpuLayersOption, JsonOption, LlamaCppOption, QuietOption, one_keep, option
 from ggufcarve.cli.render import escape, new_table, out, progress, size, warn
+from ggufcarve.settings import Keep
 
 if TYPE_CHECKING:
     from ggufcarve.quant.offload import Offload
@@ -26,45 +28,26 @@ def fit_command(
     model: Annotated[
         Path, typer.Argument(help="GGUF file, or the first shard of a split set (only its header is read).")
     ],
-    memory: Annotated[
-        str,
-        typer.Option(
-            "--memory",
-            help="Memory budget for file + cache, e.g. 24GiB, 24GB, "
-            "24000MiB (GB = 10^9 bytes, GiB and a bare G = 2^30).",
-        ),
-    ],
-    ctx: Annotated[int, typer.Option("--ctx", help="Context length in tokens whose KV cache is counted.")] = 16384,
-    kv_type: Annotated[
-        str,
-        typer.Option(
-            "--kv-type",
-            help="KV cache type for K and V: f16 or q8_0 (q8_0 V needs flash attention, which is assumed on).",
-        ),
-    ] = "f16",
-    ladder: Annotated[
-        Path | None,
-        typer.Option("--ladder", help="Ladder spec whose rungs are sized (default: ladders/q8-to-iq1.toml)."),
-    ] = None,
+    memory: Annotated[int, option(S.MEMORY, show_default=False)],
+    ctx: Annotated[int, option(S.CTX, "the KV cache counted.")] = 16384,
+    kv_type: Annotated[str, option(S.KV_TYPE, "q8_0 V needs flash attention, which is assumed on.")] = "f16",
+    ladder: Annotated[str | None, option(S.LADDER, "Its rungs are sized.")] = None,
     keep: Annotated[
-        str | None,
-        typer.Option(
-            "--keep",
-            "-k",
-            help="Kept-expert counts to size: 96, 96,128 or 64-192/32, or a keep-set file (its "
-            "count) (default: powers of two, multiples of expert_count/8, the original).",
+        Keep | None,
+        option(
+            S.KEEP,
+            "the counts sized; a keep-set file is sized at its count (default: powers of two, multiples of "
+            "expert_count/8, the original).",
         ),
     ] = None,
     kept_alias: Annotated[str | None, typer.Option("--k", hidden=True)] = None,
-    only: Annotated[
-        list[str] | None, typer.Option("--only", help="Size only these rungs (repeat or comma-separate).")
-    ] = None,
+    only: Annotated[list[str] | None, option(S.ONLY, "rungs sized.")] = None,
     imatrix: Annotated[
         Path | None,
-        typer.Option(
-            "--imatrix",
-            help="The imatrix the ladder will use: tensors without an entry get the rung's "
-            "imatrix_fallback_type (default: llama-imatrix's coverage, the MTP blocks missing).",
+        option(
+            S.IMATRIX,
+            "the one the ladder will use: tensors without an entry get the rung's imatrix_fallback_type "
+            "(default: llama-imatrix's coverage, the MTP blocks missing).",
         ),
     ] = None,
     parallel: Annotated[
@@ -75,11 +58,11 @@ def fit_command(
         bool, typer.Option("--swa-full", help="Full-size cache for sliding-window layers (llama.cpp --swa-full).")
     ] = False,
     gpu_memory: Annotated[
-        str | None,
-        typer.Option(
-            "--gpu-memory",
-            help="GPU memory: each cell also says whether the rung fits the GPU whole (w) "
-            "or with which llama.cpp --n-cpu-moe N, from its per-block expert bytes.",
+        int | None,
+        option(
+            S.GPU_MEMORY,
+            "each cell also says whether the rung fits the GPU whole (w) or with which llama.cpp --n-cpu-moe N, "
+            "from its per-block expert bytes.",
         ),
     ] = None,
     gpu_margin: Annotated[
@@ -111,12 +94,7 @@ def fit_command(
             "and output buffers), or the file and the cache alone.",
         ),
     ] = True,
-    quantizer_choice: Annotated[
-        str,
-        typer.Option(
-            "--quantizer", help="auto | binary | libllama | PATH to llama-quantize: who answers the dry runs."
-        ),
-    ] = "auto",
+    quantizer_choice: Annotated[str, option(S.QUANTIZER, "It answers the dry runs.")] = "auto",
     llama_cpp: LlamaCppOption = None,
     as_json: JsonOption = False,
     quiet: QuietOption = False,
@@ -126,27 +104,26 @@ def fit_command(
     from ggufcarve.errors import BadInput
     from ggufcarve.gguf.container import read_model
     from ggufcarve.moe.layout import inspect_layout
-    from ggufcarve.quant.fit import parse_kept_counts, parse_memory, plan_fit
+    from ggufcarve.quant.fit import parse_kept_counts, plan_fit
     from ggufcarve.quant.kvcache import ContextSettings
     from ggufcarve.quant.quantizer import make_quantizer
-    from ggufcarve.quant.spec import DEFAULT_LADDER, load_spec
+    from ggufcarve.quant.spec import DEFAULT_LADDER, find_spec, load_spec
     from ggufcarve.reports import envelope
+    from ggufcarve.settings import parse_memory
 
-    budget = parse_memory(memory)
-    gpu_budget = parse_memory(gpu_memory, "--gpu-memory") if gpu_memory is not None else None
+    budget = memory
+    gpu_budget = gpu_memory
     margin = parse_memory(gpu_margin, "--gpu-margin", allow_zero=True)
-    cache_type = kv_type.strip().upper()
-    if cache_type not in ("F16", "Q8_0"):
-        raise BadInput(f"--kv-type {kv_type!r} is not f16 or q8_0", "give --kv-type f16 or --kv-type q8_0")
-    if ctx < 1 or parallel < 1:
-        raise BadInput(f"--ctx {ctx} / --parallel {parallel} must be positive", "e.g. --ctx 16384 --parallel 1")
+    cache_type = kv_type.upper()
+    if parallel < 1:
+        raise BadInput(f"--parallel {parallel} must be positive", "e.g. --parallel 1")
     if ladder is None and not DEFAULT_LADDER.exists():
         raise BadInput(f"the default ladder {DEFAULT_LADDER} is not installed", "give --ladder FILE.toml")
-    spec = load_spec(ladder or DEFAULT_LADDER)
+    spec = load_spec(find_spec(ladder) if ladder else DEFAULT_LADDER)
     loaded = read_model(model)
     layout = inspect_layout(loaded)
-    kept = one_keep(keep, kept_alias, "--k")
-    wanted = parse_keep(kept)
+    wanted = one_keep(keep, kept_alias, "--k")
+    kept = None if wanted is None else wanted.counts or (wanted.file.name if wanted.file else None)
     if wanted is not None and wanted.file is not None:
         from ggufcarve.moe.keepset import load_keepset
 

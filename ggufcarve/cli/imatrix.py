@@ -15,22 +15,25 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from ggufcarve import settings as S
 from ggufcarve.cli.options import (
     CalibrationOption,
-    CtxOption,
+    ChunkCtxOption,
     ForceOption,
     GpuLayersOption,
     JsonOption,
+    KeepFileOption,
     KeepFirstOption,
     KeepIdsOption,
-    KeepOption,
     QuietOption,
     ThreadsOption,
     command_group,
+    option,
     resolve_keepset,
 )
 from ggufcarve.cli.render import err, escape, new_table, out, progress, ranges, warn
 from ggufcarve.errors import BadInput
+from ggufcarve.settings import Keep
 
 if TYPE_CHECKING:
     from ggufcarve.gguf.container import GGUFModel
@@ -41,16 +44,13 @@ if TYPE_CHECKING:
 app = command_group("Collect, read, convert and remap importance matrices (GGUF and legacy .dat) for pruned models.")
 ImatrixFormatOption = Annotated[
     str | None,
-    typer.Option(
-        "--format", help="Output format: gguf or dat [default: from the output's suffix, else the input's format]."
-    ),
+    option(S.FORMAT, "Default: from the output's suffix, else the input's format."),
 ]
 ChunkSizeOption = Annotated[
     int | None,
-    typer.Option(
-        "--chunk-size",
-        help="Tokens per chunk the imatrix was computed with, needed "
-        "to turn a .dat into GGUF (llama-imatrix -c; default 512).",
+    option(
+        S.CHUNK_SIZE,
+        "The imatrix was computed with it (llama-imatrix -c; default 512); needed to turn a .dat into GGUF.",
     ),
 ]
 
@@ -60,7 +60,7 @@ def _share(value: float | None) -> str:
 
 
 def _imatrix_keepset(
-    layout: MoeLayout, pruned: GGUFModel | None, keep: Path | None, first: int | None, ids: str | None
+    layout: MoeLayout, pruned: GGUFModel | None, keep: Keep | None, first: int | None, ids: str | None
 ) -> KeepSet:
     """The keep-set given on the command line, else the one the pruned model records; both must agree."""
     from ggufcarve.moe.keepset import keepset_from_provenance
@@ -90,12 +90,12 @@ def _imatrix_keepset(
 @app.command("collect", short_help="Collect the model's imatrix in llama.cpp.")
 def imatrix_collect(
     model: Annotated[Path, typer.Argument(help="The model (GGUF, first shard if split), as llama.cpp loads it.")],
-    output: Annotated[Path, typer.Option("-o", "--output", help="Output GGUF imatrix path.")],
+    output: Annotated[Path, option(S.OUTPUT, "the GGUF imatrix.")],
     calibration: CalibrationOption = None,
-    ctx: CtxOption = 512,
+    ctx: ChunkCtxOption = 512,
     chunks: Annotated[
         int | None,
-        typer.Option("--chunks", help="Use at most this many --ctx chunks (llama-imatrix --chunks) [default: all]."),
+        option(S.CHUNKS, "the calibration text (llama-imatrix --chunks; default: all)."),
     ] = None,
     threads: ThreadsOption = None,
     gpu_layers: GpuLayersOption = 0,
@@ -158,16 +158,16 @@ def imatrix_remap(
         Path,
         typer.Argument(help="imatrix of the unpruned model (GGUF or .dat), as llama-imatrix wrote it. Never modified."),
     ],
-    output: Annotated[Path, typer.Option("-o", "--output", help="Output imatrix path.")],
-    keep: KeepOption = None,
+    output: Annotated[Path, option(S.OUTPUT, "the imatrix.")],
+    keep: KeepFileOption = None,
     keep_first_count: KeepFirstOption = None,
     keep_id_list: KeepIdsOption = None,
     model: Annotated[
         Path | None,
-        typer.Option(
-            "--model",
-            help="The pruned model: its recorded keep-set is used when --keep is "
-            "omitted, and the output is checked against it as llama-quantize will.",
+        option(
+            S.MODEL,
+            "the pruned model: its recorded keep-set is used when --keep is omitted, and the output is checked "
+            "against it as llama-quantize will.",
         ),
     ] = None,
     source_model: Annotated[
@@ -175,19 +175,14 @@ def imatrix_remap(
     ] = None,
     fmt: ImatrixFormatOption = None,
     chunk_size: ChunkSizeOption = None,
-    force: Annotated[bool, typer.Option("--force", help="Replace an existing output (and its report).")] = False,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Validate and print the plan; write nothing.")] = False,
+    force: Annotated[bool, option(S.FORCE, "an existing output (and its report).")] = False,
+    dry_run: Annotated[bool, option(S.DRY_RUN, "validate and print the plan.")] = False,
     report: Annotated[
         Path | None,
-        typer.Option(
-            "--report",
-            help="Where to write the report [default: OUTPUT_DIR/method/<output stem>.imatrix-remap-report.json].",
-        ),
+        option(S.REPORT, "(default: OUTPUT_DIR/method/<output stem>.imatrix-remap-report.json)."),
     ] = None,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")] = False,
-    as_json: Annotated[
-        bool, typer.Option("--json", help="Print the plan (with --dry-run) or the report as JSON.")
-    ] = False,
+    quiet: Annotated[bool, option(S.QUIET)] = False,
+    as_json: Annotated[bool, option(S.JSON, "the plan (with --dry-run) or the report.")] = False,
 ) -> None:
     """Keep the kept experts' rows of every expert entry, in keep-set order; every other entry unchanged.
 
@@ -294,10 +289,8 @@ def imatrix_remap(
 @app.command("inspect", short_help="Entries, chunks and per-block routing of an imatrix.")
 def imatrix_inspect(
     imatrix: Annotated[Path, typer.Argument(help="GGUF or legacy .dat imatrix.")],
-    model: Annotated[
-        Path | None, typer.Option("--model", help="Also check every entry against this model, as llama-quantize will.")
-    ] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print as JSON.")] = False,
+    model: Annotated[Path | None, option(S.MODEL, "every entry is checked against it, as llama-quantize will.")] = None,
+    as_json: Annotated[bool, option(S.JSON)] = False,
 ) -> None:
     """Entries, chunks, datasets, and per MoE block the routing counts (never-routed experts).
 
@@ -384,11 +377,11 @@ def imatrix_inspect(
 @app.command("convert", short_help="Convert GGUF <-> legacy .dat, as llama-imatrix does.")
 def imatrix_convert(
     source: Annotated[Path, typer.Argument(help="GGUF or legacy .dat imatrix. Never modified.")],
-    output: Annotated[Path, typer.Option("-o", "--output", help="Output imatrix path.")],
+    output: Annotated[Path, option(S.OUTPUT, "the imatrix.")],
     fmt: ImatrixFormatOption = None,
     chunk_size: ChunkSizeOption = None,
-    force: Annotated[bool, typer.Option("--force", help="Replace an existing output.")] = False,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")] = False,
+    force: Annotated[bool, option(S.FORCE, "an existing output.")] = False,
+    quiet: Annotated[bool, option(S.QUIET)] = False,
 ) -> None:
     """GGUF <-> legacy .dat, as llama-imatrix itself converts (some forks' quantizers read only .dat).
 

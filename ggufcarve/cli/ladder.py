@@ -16,7 +16,8 @@ from typing import Annotated
 
 import typer
 
-from ggufcarve.cli.options import LlamaCppOption, command_group
+from ggufcarve import settings as S
+from ggufcarve.cli.options import LlamaCppOption, command_group, option
 from ggufcarve.cli.render import err, escape, new_table, out, progress, size, warn
 
 app = command_group("Quantization ladders: every rung from one pruned source, hashed and recorded.")
@@ -27,42 +28,32 @@ def ladder_run(
     spec: Annotated[
         str, typer.Argument(help="Ladder spec: a TOML path or the name of a shipped spec, e.g. q8-to-iq1.")
     ],
-    source: Annotated[
-        Path, typer.Option("--source", help="The pruned model to requantize (first shard if split). Never modified.")
-    ],
-    output: Annotated[
-        Path, typer.Option("-o", "--output", help="Output directory for the rungs, quant-manifest.json and SHA256SUMS.")
-    ],
+    source: Annotated[Path, option(S.SOURCE, "the pruned model to requantize.")],
+    output: Annotated[Path, option(S.OUTPUT, "DIR: the rungs, quant-manifest.json and SHA256SUMS.")],
     imatrix: Annotated[
         Path | None,
-        typer.Option("--imatrix", help="imatrix for the source (remapped to the pruned experts); needed by IQ rungs."),
+        option(S.IMATRIX, "remapped to the source's kept experts; needed by IQ rungs."),
     ] = None,
     only: Annotated[
         list[str] | None,
-        typer.Option("--only", help="Run only these rungs (repeat or comma-separate), e.g. Q4_K_M,IQ2_XS."),
+        option(S.ONLY, "rungs run, e.g. Q4_K_M,IQ2_XS."),
     ] = None,
     keep_going: Annotated[bool, typer.Option("--keep-going", help="Continue past a failed rung.")] = False,
     quantizer_choice: Annotated[
         str,
-        typer.Option(
-            "--quantizer", help="auto | binary | libllama | PATH to llama-quantize. auto prefers a found binary."
-        ),
+        option(S.QUANTIZER),
     ] = "auto",
     llama_cpp: LlamaCppOption = None,
-    model_name: Annotated[
-        str | None,
-        typer.Option("--model-name", help="{model} in file names (default: the source name without its quant tag)."),
-    ] = None,
-    threads: Annotated[
-        int | None, typer.Option("--threads", "-t", help="Quantizer threads (default: the physical cores).")
-    ] = None,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Validate and print the plan; run nothing.")] = False,
+    name: Annotated[str | None, option(S.NAME)] = None,
+    model_name: Annotated[str | None, typer.Option("--model-name", hidden=True)] = None,
+    threads: Annotated[int | None, option(S.THREADS)] = None,
+    dry_run: Annotated[bool, option(S.DRY_RUN, "validate and print the plan.")] = False,
     force: Annotated[
         bool,
-        typer.Option(
-            "--force",
-            help="Start the release in -o afresh: remove the rungs, reports and sums its "
-            "manifest describes (needed when it holds another source's release).",
+        option(
+            S.FORCE,
+            "start the release in -o afresh: the rungs, reports and sums its manifest describes are removed "
+            "(needed when it holds another source's release).",
         ),
     ] = False,
     selection: Annotated[
@@ -74,7 +65,7 @@ def ladder_run(
             "its pruning report records when the source was pruned with --keep SELECTION.json.",
         ),
     ] = None,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress output.")] = False,
+    quiet: Annotated[bool, option(S.QUIET)] = False,
 ) -> None:
     """Quantize every rung of SPEC from --source into -o DIR; resumable; writes quant-manifest.json and SHA256SUMS."""
     from ggufcarve.llama.tools import physical_cores
@@ -92,7 +83,7 @@ def ladder_run(
         quantizer=quantizer,
         imatrix=imatrix,
         only=only,
-        model_name=model_name,
+        model_name=one_name(name, model_name),
         nthreads=threads or physical_cores(),
         hash_inputs=not dry_run,
         fresh=force,
@@ -153,3 +144,14 @@ def ladder_run(
     )
     if result.failed:
         raise typer.Exit(1)
+
+
+def one_name(name: str | None, older: str | None) -> str | None:
+    """--name, or its older spelling --model-name; both given is refused."""
+    from ggufcarve.errors import BadInput
+
+    if name is not None and older is not None:
+        raise BadInput(
+            "--name and --model-name name the same thing", "give --name alone (--model-name is its older spelling)"
+        )
+    return name if name is not None else older

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from typer.core import TyperGroup
 
+from ggufcarve import settings as S
 from ggufcarve.errors import BadInput
+from ggufcarve.settings import Flag, Keep, Setting
 
 if TYPE_CHECKING:
     from ggufcarve.moe.keepset import KeepSet
@@ -58,104 +58,68 @@ def command_group(help: str, cls: type[PanelGroup] = PanelGroup) -> typer.Typer:
     )
 
 
-KeepOption = Annotated[
-    Path | None,
-    typer.Option(
-        "--keep", help="Keep-set JSON: ours, kept_expert_indices.json, carve_manifest.json or expert-selection.json."
+def option(setting: Setting, detail: str = "", **kwargs: Any) -> Any:
+    """The typer option of a setting: its flag (and short flag), its help with what it does in this
+    command (`detail`), its unit's parser (the same reading and errors as the plan's key)."""
+    names = [setting.flag, *([setting.short] if setting.short else [])]
+    text = f"{setting.help} {detail}" if detail else setting.help.removesuffix(":") + "." * setting.help.endswith(":")
+    if isinstance(setting.unit, Flag):
+        return typer.Option(*names, help=text, **kwargs)
+    return typer.Option(*names, help=text, parser=setting.parse_text, metavar=setting.unit.metavar, **kwargs)
+
+
+KeepFileOption = Annotated[
+    Keep | None,
+    option(
+        S.KEEP,
+        "Here a keep-set file: ours, kept_expert_indices.json, carve_manifest.json or expert-selection.json.",
     ),
 ]
-KeepFirstOption = Annotated[
-    int | None,
-    typer.Option(
-        "--keep-first",
-        help="Keep the first K experts of every MoE block (with grouped routing, the first K/groups of every group).",
-    ),
-]
-KeepIdsOption = Annotated[
-    str | None, typer.Option("--keep-ids", help="Keep these ids in every MoE block, e.g. 0,2,4-7.")
-]
-QuietOption = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars.")]
-JsonOption = Annotated[bool, typer.Option("--json", help="Print the result as JSON (no progress bars).")]
-ForceOption = Annotated[bool, typer.Option("--force", help="Replace an existing output.")]
-CalibrationOption = Annotated[
-    list[Path] | None, typer.Option("--calibration", help="Calibration text or JSONL file (repeatable).")
-]
-CtxOption = Annotated[
+KeepFirstOption = Annotated[int | None, option(S.KEEP_FIRST)]
+KeepIdsOption = Annotated[str | None, option(S.KEEP_IDS)]
+QuietOption = Annotated[bool, option(S.QUIET)]
+JsonOption = Annotated[bool, option(S.JSON, "the result.")]
+ForceOption = Annotated[bool, option(S.FORCE, "an existing output.")]
+CalibrationOption = Annotated[list[Path] | None, option(S.CALIBRATION)]
+ChunkCtxOption = Annotated[
     int,
-    typer.Option(
-        "--ctx", help="Tokens per calibration chunk (each starts with BOS and an empty KV cache, as llama-imatrix -c)."
+    option(
+        S.CTX,
+        "the length of each chunk the text is read in (each starts with BOS and an empty KV cache, as "
+        "llama-perplexity and llama-imatrix -c).",
     ),
 ]
-ThreadsOption = Annotated[
-    int | None,
-    typer.Option(
-        "--threads",
-        "-t",
-        help="CPU threads of every llama.cpp child the command runs (calibration, scoring, quantizing).",
-    ),
-]
-GpuLayersOption = Annotated[
-    int,
-    typer.Option(
-        "--gpu-layers",
-        min=0,
-        help="Layers every llama.cpp child that loads a model offloads to the GPU (llama.cpp's -ngl; "
-        "0: all on the CPU; 99: all). A llama-cpp-python built without a GPU backend ignores it.",
-    ),
-]
-LlamaCppOption = Annotated[
-    Path | None,
-    typer.Option(
-        "--llama-cpp",
-        help="Directory holding llama.cpp tools (DIR, DIR/bin or DIR/build/bin). Env: GGUFCARVE_LLAMA_CPP.",
-    ),
-]
+ThreadsOption = Annotated[int | None, option(S.THREADS)]
+GpuLayersOption = Annotated[int, option(S.GPU_LAYERS)]
+LlamaCppOption = Annotated[Path | None, option(S.LLAMA_CPP)]
 
 
 KEEP_FORMS = "a count (8), a list of counts (8,12 or 64-192/32) or a keep-set file"
-COUNTS = re.compile(r"[\d\s,/-]+")
 
 
-@dataclass(frozen=True)
-class Keep:
-    """What --keep names, in every command that keeps experts: counts (as written: the command's
-    parser checks them against the model) or a keep-set file."""
-
-    counts: str | None = None
-    file: Path | None = None
+def parse_keep(value: Keep | str | None) -> Keep | None:
+    """--keep's value (read by the setting's unit): counts as written, or a keep-set file that exists."""
+    if value is None or isinstance(value, Keep):
+        return value
+    return S.KEEP.parse_text(value)
 
 
-def parse_keep(text: str | None, option: str = "--keep") -> Keep | None:
-    """--keep's value: counts when it is digits, commas, ranges and steps, else a keep-set file that must exist."""
-    if text is None:
-        return None
-    value = text.strip()
-    if COUNTS.fullmatch(value) and any(c.isdigit() for c in value):
-        return Keep(counts=value)
-    path = Path(value)
-    if not path.is_file():
-        raise BadInput(
-            f"{option} {text!r} is neither counts nor an existing keep-set file", f"{option} takes {KEEP_FORMS}"
-        )
-    return Keep(file=path)
-
-
-def one_keep(keep: str | None, alias: str | None, alias_name: str) -> str | None:
+def one_keep(keep: Keep | None, alias: str | None, alias_name: str) -> Keep | None:
     """--keep, or its older spelling `alias_name`; both given is refused."""
     if keep is not None and alias is not None:
         raise BadInput(
             f"--keep and {alias_name} name the same thing", f"give --keep alone ({alias_name} is its older spelling)"
         )
-    return keep if keep is not None else alias
+    return keep if keep is not None else parse_keep(alias)
 
 
-def resolve_keepset(layout: MoeLayout, keep: Path | None, first: int | None, ids: str | None) -> KeepSet:
+def resolve_keepset(layout: MoeLayout, keep: Keep | None, first: int | None, ids: str | None) -> KeepSet:
     """The keep-set of exactly one of --keep FILE, --keep-first K, --keep-ids LIST."""
     from ggufcarve.moe.keepset import keep_first, keep_ids, load_keepset, parse_id_list
 
-    if keep is not None and not keep.is_file() and COUNTS.fullmatch(str(keep)):
+    if keep is not None and keep.file is None:
         raise BadInput(
-            f"--keep {keep}: a count does not say which experts",
+            f"--keep {keep.counts}: a count does not say which experts",
             "give a keep-set file (ggufcarve select or tune writes one), or --keep-first K",
         )
     given = [x is not None for x in (keep, first, ids)]
@@ -164,8 +128,41 @@ def resolve_keepset(layout: MoeLayout, keep: Path | None, first: int | None, ids
             "give exactly one of --keep FILE, --keep-first K, --keep-ids LIST",
             "for example --keep kept_expert_indices.json",
         )
-    if keep is not None:
-        return load_keepset(keep, layout)
+    if keep is not None and keep.file is not None:
+        return load_keepset(keep.file, layout)
     if first is not None:
         return keep_first(layout, first)
     return keep_ids(layout, parse_id_list(ids or ""))
+
+
+def commands_of(group: Any, path: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], Any]]:
+    """Every command of a (typer-made) command group with its path of names."""
+    if hasattr(group, "commands"):
+        return [found for name, sub in group.commands.items() for found in commands_of(sub, (*path, name))]
+    return [(path, group)]
+
+
+def setting_of_option(param: Any) -> Setting | None:
+    """The setting an option was made from (its parser is the setting's, or, for an on/off flag, its
+    flag is the setting's); None for an option of one command alone."""
+    func = getattr(getattr(param, "type", None), "func", None)
+    owner = getattr(func, "__self__", None)
+    if isinstance(owner, Setting):
+        return owner
+    for flag in getattr(param, "opts", ()):
+        setting = S.SETTINGS.get(flag.removeprefix("--").replace("-", "_")) if flag.startswith("--") else None
+        if setting is not None and isinstance(setting.unit, Flag):
+            return setting
+    return None
+
+
+def commands_by_setting(group: Any) -> dict[str, list[str]]:
+    """Setting name -> the commands (as typed) with a visible option made from it."""
+    found: dict[str, list[str]] = {}
+    for path, command in commands_of(group):
+        for param in command.params:
+            if getattr(param, "param_type_name", "") == "option" and not param.hidden:
+                setting = setting_of_option(param)
+                if setting is not None:
+                    found.setdefault(setting.name, []).append(" ".join(path))
+    return found

@@ -16,10 +16,12 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
+from ggufcarve import settings as S
 from ggufcarve.cli.options import (
+    KeepFileOption,
     KeepFirstOption,
     KeepIdsOption,
-    KeepOption,
+    option,
     resolve_keepset,
 )
 from ggufcarve.cli.render import err, new_table, out, progress, ranges, size, warn
@@ -69,7 +71,7 @@ def _layout_table(model: GGUFModel, layout: MoeLayout) -> Table:
 
 def inspect(
     model: Annotated[Path, typer.Argument(help="GGUF file, or the first shard of a split set.")],
-    as_json: Annotated[bool, typer.Option("--json", help="Print the layout as JSON.")] = False,
+    as_json: Annotated[bool, option(S.JSON, "the layout.")] = False,
 ) -> None:
     """Show the MoE layout: experts, MoE blocks (MTP included), expert-axis tensors and sizes."""
     from ggufcarve.gguf.container import read_model
@@ -103,31 +105,24 @@ def inspect(
 
 def prune(
     model: Annotated[Path, typer.Argument(help="Source GGUF file, or the first shard of a split set. Never modified.")],
-    output: Annotated[
-        Path, typer.Option("-o", "--output", help="Output .gguf path (split outputs get -0000i-of-0000N).")
-    ],
-    keep: KeepOption = None,
+    output: Annotated[Path, option(S.OUTPUT, "the .gguf (split outputs get -0000i-of-0000N).")],
+    keep: KeepFileOption = None,
     keep_first_count: KeepFirstOption = None,
     keep_id_list: KeepIdsOption = None,
-    force: Annotated[bool, typer.Option("--force", help="Replace an existing output.")] = False,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan and write nothing.")] = False,
+    force: Annotated[bool, option(S.FORCE, "an existing output.")] = False,
+    dry_run: Annotated[bool, option(S.DRY_RUN, "print the plan.")] = False,
     no_provenance: Annotated[bool, typer.Option("--no-provenance", help="Do not add ggufcarve.* keys.")] = False,
     split_max_size: Annotated[
         str | None,
         typer.Option("--split-max-size", help="Re-shard the output, e.g. 50G or 512M (as llama-gguf-split)."),
     ] = None,
-    merge: Annotated[bool, typer.Option("--merge", help="Write a split source as one file.")] = False,
+    merge: Annotated[bool, option(S.MERGE, "a split source is written as one file.")] = False,
     report: Annotated[
         Path | None,
-        typer.Option(
-            "--report",
-            help="Where to write the pruning report [default: OUTPUT_DIR/method/<output stem>.pruning-report.json].",
-        ),
+        option(S.REPORT, "(default: OUTPUT_DIR/method/<output stem>.pruning-report.json)."),
     ] = None,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars.")] = False,
-    as_json: Annotated[
-        bool, typer.Option("--json", help="Print the plan (with --dry-run) or the result as JSON.")
-    ] = False,
+    quiet: Annotated[bool, option(S.QUIET)] = False,
+    as_json: Annotated[bool, option(S.JSON, "the plan (with --dry-run) or the result.")] = False,
 ) -> None:
     """Keep K experts per MoE block: kept slabs and router rows copied as raw bytes, then verified."""
     from ggufcarve.gguf.container import read_model
@@ -174,8 +169,8 @@ def prune(
         return
     with progress(not quiet and not as_json) as sink:
         result = execute(plan, loaded, force=force, on_event=sink, report_path=report)
-    if keep is not None:
-        save_keep_file(plan, keep)  # beside the report: `ladder run` publishes it with the pruned model
+    if keep is not None and keep.file is not None:
+        save_keep_file(plan, keep.file)  # beside the report: `ladder run` publishes it with the pruned model
     if as_json:
         out.print_json(
             json.dumps(
@@ -208,10 +203,10 @@ def prune(
 def check_prune_command(
     source: Annotated[Path, typer.Argument(help="The unpruned source GGUF (first shard if split).")],
     output: Annotated[Path, typer.Argument(help="The pruned GGUF (first shard if split).")],
-    keep: KeepOption = None,
+    keep: KeepFileOption = None,
     keep_first_count: KeepFirstOption = None,
     keep_id_list: KeepIdsOption = None,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars.")] = False,
+    quiet: Annotated[bool, option(S.QUIET)] = False,
 ) -> None:
     """Re-check a pruned file against its source: every tensor hash and every key.
 

@@ -17,7 +17,8 @@ from typing import Annotated
 
 import typer
 
-from ggufcarve.cli.options import JsonOption, QuietOption, command_group
+from ggufcarve import settings as S
+from ggufcarve.cli.options import JsonOption, QuietOption, command_group, option
 from ggufcarve.cli.render import escape, new_table, out, progress
 
 app = command_group(
@@ -28,9 +29,7 @@ app = command_group(
 @app.command("merge", short_help="Assemble the manifest and sums from rung fragments.")
 def merge_command(
     directory: Annotated[Path, typer.Argument(help="The release directory ladder runs wrote into (-o DIR).")],
-    jobs: Annotated[
-        int | None, typer.Option("--jobs", "-j", help="Files hashed in parallel (default: CPU count).")
-    ] = None,
+    jobs: Annotated[int | None, option(S.JOBS, "files hashed.")] = None,
     as_json: JsonOption = False,
     quiet: QuietOption = False,
 ) -> None:

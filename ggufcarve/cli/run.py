@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from ggufcarve.cli.options import JsonOption, QuietOption
+from ggufcarve import settings as S
+from ggufcarve.cli.options import JsonOption, QuietOption, option
 from ggufcarve.cli.render import err, escape, new_table, out, progress, size, warn
 
 if TYPE_CHECKING:
@@ -279,23 +280,13 @@ def _execute(plan: RunPlan, dry_run: bool, force: bool, quiet: bool, as_json: bo
 
 RunThreadsOption = Annotated[
     int | None,
-    typer.Option(
-        "--threads",
-        "-t",
-        min=1,
-        help="CPU threads of every llama.cpp stage (default: the plan's threads, else the physical cores).",
-    ),
+    option(S.THREADS, "The plan's threads come before the physical cores.", min=1),
 ]
 
 
 RunGpuLayersOption = Annotated[
     int | None,
-    typer.Option(
-        "--gpu-layers",
-        min=0,
-        help="Layers every llama.cpp stage offloads to the GPU (llama.cpp's -ngl; default: the "
-        "plan's gpu_layers, else 0). A llama-cpp-python built without a GPU backend ignores it.",
-    ),
+    option(S.GPU_LAYERS, "Default: the plan's gpu_layers, else 0.", min=0),
 ]
 
 
@@ -315,15 +306,11 @@ def run_command(
     ],
     dry_run: Annotated[
         bool,
-        typer.Option(
-            "--dry-run",
-            help="Print the stages, their outputs, sizes and the disk "
-            "needed; write nothing. Fails when the disk is short.",
-        ),
+        option(S.DRY_RUN, "print the stages, their outputs, sizes and the disk needed; fails when the disk is short."),
     ] = False,
     force: Annotated[
         bool,
-        typer.Option("--force", help="Run every stage again and start the release afresh (its old rungs are removed)."),
+        option(S.FORCE, "every stage runs again and the release starts afresh (its old rungs are removed)."),
     ] = False,
     threads: RunThreadsOption = None,
     gpu_layers: RunGpuLayersOption = None,
@@ -341,8 +328,8 @@ def demo_command(
     directory: Annotated[Path, typer.Argument(help="Where the demo writes its release and work directories.")] = Path(
         "ggufcarve-demo"
     ),
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the demo's stages; write nothing.")] = False,
-    force: Annotated[bool, typer.Option("--force", help="Run every stage again.")] = False,
+    dry_run: Annotated[bool, option(S.DRY_RUN, "print the demo's stages.")] = False,
+    force: Annotated[bool, option(S.FORCE, "every stage runs again.")] = False,
     threads: RunThreadsOption = None,
     gpu_layers: RunGpuLayersOption = None,
     quiet: QuietOption = False,

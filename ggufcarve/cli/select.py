@@ -20,19 +20,21 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
+from ggufcarve import settings as S
 from ggufcarve.cli.options import (
     CalibrationOption,
-    CtxOption,
+    ChunkCtxOption,
     ForceOption,
     GpuLayersOption,
     JsonOption,
     QuietOption,
     ThreadsOption,
-    parse_keep,
+    option,
 )
 from ggufcarve.cli.render import new_table, out, progress, ranges, warn
 from ggufcarve.errors import BadInput
 from ggufcarve.select.criteria import TRACE_METHODS, method_help
+from ggufcarve.settings import Keep
 
 if TYPE_CHECKING:
     from ggufcarve.gguf.container import GGUFModel
@@ -46,14 +48,10 @@ SourcesArgument = Annotated[
         help="A GGUF model (first shard if split), or a SCORES.json written by `ggufcarve score`.", show_default=False
     ),
 ]
-MethodOption = Annotated[str | None, typer.Option("--method", "-m", help=method_help())]
-ImatrixOption = Annotated[
-    Path | None, typer.Option("--imatrix", help="GGUF imatrix of the model (imatrix-counts, imatrix-energy).")
-]
-SeedOption = Annotated[int, typer.Option("--seed", help="Seed of the random method.")]
-MaxTokensOption = Annotated[
-    int | None, typer.Option("--max-tokens", help="Trace at most this many calibration tokens (whole chunks).")
-]
+MethodOption = Annotated[str | None, option(S.METHOD, method_help())]
+ImatrixOption = Annotated[Path | None, option(S.IMATRIX, "for imatrix-counts and imatrix-energy.")]
+SeedOption = Annotated[int, option(S.SEED)]
+MaxTokensOption = Annotated[int | None, option(S.MAX_TOKENS)]
 
 
 def _read_model(source: Path) -> tuple[GGUFModel, MoeLayout]:
@@ -117,18 +115,16 @@ def _write(path: Path, text: str, sources: list[Path], force: bool) -> None:
 
 def score_command(
     sources: SourcesArgument = None,
-    output: Annotated[Path | None, typer.Option("-o", "--output", help="SCORES.json to write.")] = None,
+    output: Annotated[Path | None, option(S.OUTPUT, "SCORES.json.")] = None,
     method: MethodOption = None,
     imatrix: ImatrixOption = None,
     calibration: CalibrationOption = None,
     seed: SeedOption = 0,
-    ctx: CtxOption = 512,
+    ctx: ChunkCtxOption = 512,
     max_tokens: MaxTokensOption = None,
     threads: ThreadsOption = None,
     gpu_layers: GpuLayersOption = 0,
-    merge: Annotated[
-        bool, typer.Option("--merge", help="Combine the scores files given as arguments (shards of one run).")
-    ] = False,
+    merge: Annotated[bool, option(S.MERGE, "the scores files given as arguments (shards of one run).")] = False,
     force: ForceOption = False,
     quiet: QuietOption = False,
 ) -> None:
@@ -224,19 +220,19 @@ def _layers_of(path: Path) -> dict[int, tuple[int, ...]]:
     return {int(k): tuple(int(i) for i in v) for k, v in layers.items()}
 
 
-def one_count(keep: str | None) -> int | None:
+def one_count(wanted: Keep | None) -> int | None:
     """select's --keep: one count; a list or a keep-set file is refused with where it belongs."""
-    wanted = parse_keep(keep)
     if wanted is None:
         return None
     if wanted.file is not None:
         raise BadInput(
-            f"--keep {keep}: a keep-set file is a selection already",
-            f"prune with it: ggufcarve prune MODEL --keep {keep} -o OUT.gguf",
+            f"--keep {wanted.file}: a keep-set file is a selection already",
+            f"prune with it: ggufcarve prune MODEL --keep {wanted.file} -o OUT.gguf",
         )
     if not (wanted.counts or "").strip().isdigit():
         raise BadInput(
-            f"--keep {keep}: select writes one selection", "give one count; ggufcarve tune --keep 8,12 weighs several"
+            f"--keep {wanted.counts}: select writes one selection",
+            "give one count; ggufcarve tune --keep 8,12 weighs several",
         )
     return int(wanted.counts or 0)
 
@@ -245,53 +241,29 @@ def select_command(
     sources: SourcesArgument = None,
     output: Annotated[
         Path | None,
-        typer.Option(
-            "-o",
-            "--output",
-            help="SELECTION.json to write (a keep-set `ggufcarve prune "
-            "--keep` reads); the heatmap goes beside it as .png.",
+        option(
+            S.OUTPUT,
+            "SELECTION.json (a keep-set `ggufcarve prune --keep` reads); the heatmap goes beside it as .png.",
         ),
     ] = None,
     method: MethodOption = None,
     keep: Annotated[
-        str | None,
-        typer.Option(
-            "--keep",
-            "-k",
-            help="Experts kept per MoE block: one count (select writes one selection; tune weighs several).",
-        ),
+        Keep | None, option(S.KEEP, "one count (select writes one selection; tune weighs several).")
     ] = None,
-    ratio: Annotated[
-        float | None, typer.Option("--ratio", help="Fraction of the experts kept (instead of --keep).")
-    ] = None,
+    ratio: Annotated[float | None, option(S.RATIO)] = None,
     imatrix: ImatrixOption = None,
     calibration: CalibrationOption = None,
     seed: SeedOption = 0,
-    ctx: CtxOption = 512,
+    ctx: ChunkCtxOption = 512,
     max_tokens: MaxTokensOption = None,
     threads: ThreadsOption = None,
     gpu_layers: GpuLayersOption = 0,
-    protect: Annotated[
-        str | None,
-        typer.Option(
-            "--protect",
-            help="Never drop these experts: ids for every block (0,5,9-11) "
-            "or a keep-set-like JSON file of ids per block.",
-        ),
-    ] = None,
-    protect_super_experts: Annotated[
-        bool,
-        typer.Option(
-            "--protect-super-experts",
-            help="Keep REAP's super experts (outlier maximum outputs, first 75% of the blocks).",
-        ),
-    ] = False,
+    protect: Annotated[str | None, option(S.PROTECT)] = None,
+    protect_super_experts: Annotated[bool, option(S.PROTECT_SUPER_EXPERTS)] = False,
     heatmap: Annotated[
         bool, typer.Option("--heatmap/--no-heatmap", help="Write SELECTION.png beside the selection.")
     ] = True,
-    compare_files: Annotated[
-        bool, typer.Option("--compare", help="Compare the two selection files given as arguments.")
-    ] = False,
+    compare_files: Annotated[bool, option(S.COMPARE)] = False,
     force: ForceOption = False,
     quiet: QuietOption = False,
     as_json: JsonOption = False,

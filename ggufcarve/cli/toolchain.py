@@ -13,7 +13,8 @@ from typing import Annotated
 
 import typer
 
-from ggufcarve.cli.options import LlamaCppOption, command_group
+from ggufcarve import settings as S
+from ggufcarve.cli.options import LlamaCppOption, command_group, option
 from ggufcarve.cli.render import new_table, out, progress
 
 app = command_group("Find, probe and build the llama.cpp tools ggufcarve runs.")
@@ -22,7 +23,7 @@ app = command_group("Find, probe and build the llama.cpp tools ggufcarve runs.")
 @app.command("show", short_help="Which llama.cpp tools were found where.")
 def toolchain_show(
     llama_cpp: LlamaCppOption = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print as JSON.")] = False,
+    as_json: Annotated[bool, option(S.JSON)] = False,
 ) -> None:
     """Which llama.cpp tools were found where: build, commit, flavour, sha256; and the libllama backend."""
     from ggufcarve.llama.tools import show_toolchain
@@ -64,17 +65,15 @@ def toolchain_show(
 
 @app.command("build", short_help="Compile llama.cpp's tools from the sdist, once.")
 def toolchain_build(
-    force: Annotated[bool, typer.Option("--force", help="Rebuild even when the cache has the tools.")] = False,
-    jobs: Annotated[
-        int | None, typer.Option("--jobs", "-j", help="Parallel compile jobs (default: CPU count).")
-    ] = None,
+    force: Annotated[bool, option(S.FORCE, "the cached tools are built again.")] = False,
+    jobs: Annotated[int | None, option(S.JOBS, "compile jobs.")] = None,
     from_dir: Annotated[
         Path | None,
         typer.Option(
             "--from", help="Install tools already built from the same source (a build's bin dir) instead of compiling."
         ),
     ] = None,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress output.")] = False,
+    quiet: Annotated[bool, option(S.QUIET)] = False,
 ) -> None:
     """Compile llama-quantize, llama-imatrix, llama-perplexity, llama-gguf-split, llama-bench and llama-fit-params
     into ggufcarve's cache.

@@ -15,79 +15,53 @@ from typing import Annotated
 
 import typer
 
-from ggufcarve.cli.options import ForceOption, GpuLayersOption, JsonOption, QuietOption, ThreadsOption, parse_keep
+from ggufcarve import settings as S
+from ggufcarve.cli.options import (
+    ChunkCtxOption,
+    ForceOption,
+    GpuLayersOption,
+    JsonOption,
+    QuietOption,
+    ThreadsOption,
+    option,
+)
 from ggufcarve.cli.render import out, progress
 from ggufcarve.errors import BadInput, OutputError
 from ggufcarve.select.criteria import all_help
+from ggufcarve.settings import Keep
 
 
 def tune_command(
     model: Annotated[Path, typer.Argument(help="The unpruned GGUF model (first shard if split).", show_default=False)],
     output: Annotated[
         Path,
-        typer.Option(
-            "-o",
-            "--output",
-            help="DIR: tune.json, tune.md, tune-kld.png, candidates/<method>-<K>.json, expert-selection.json.",
+        option(
+            S.OUTPUT,
+            "DIR: tune.json, tune.md, tune-kld.png, candidates/<method>-<K>.json, expert-selection.json.",
             show_default=False,
         ),
     ],
-    keep: Annotated[
-        str,
-        typer.Option(
-            "--keep",
-            "-k",
-            help="Experts kept per MoE block: a count or a list of counts, 8 or 4,8,12 (each its own tournament).",
-            show_default=False,
-        ),
-    ],
-    heldout: Annotated[
-        list[Path],
-        typer.Option("--heldout", help="Held-out text the keep-sets are scored on (repeatable).", show_default=False),
-    ],
+    keep: Annotated[Keep, option(S.KEEP, "a count or a list of counts (each its own tournament).", show_default=False)],
+    heldout: Annotated[list[Path], option(S.HELDOUT, "The keep-sets are scored on it.", show_default=False)],
     calibration: Annotated[
-        list[Path] | None,
-        typer.Option(
-            "--calibration",
-            help="Calibration text or JSONL file (repeatable): one decode pass scores every trace criterion.",
-        ),
+        list[Path] | None, option(S.CALIBRATION, "One decode pass scores every trace criterion.")
     ] = None,
     methods: Annotated[
         str,
-        typer.Option(
-            "--methods",
-            help="all, or a list such as reap,frequency,weights. all: "
-            + all_help()
-            + " when its memory estimate (a token per byte of the calibration text, at most "
+        option(
+            S.METHODS,
+            "all: " + all_help() + " when its memory estimate (a token per byte of the calibration text, at most "
             "--max-tokens) is at most half of the memory available (else left out, with a "
             "line saying so); razor only when listed (a heavier pass). greedy listed is "
             "refused before the pass when its estimate exceeds 80% of the available memory.",
         ),
     ] = "all",
-    ctx: Annotated[
-        int,
-        typer.Option(
-            "--ctx",
-            help="Tokens per chunk, of the calibration pass and of the held-out scoring (as llama-perplexity -c).",
-        ),
-    ] = 512,
+    ctx: ChunkCtxOption = 512,
     chunks: Annotated[
-        int | None,
-        typer.Option(
-            "--chunks", help="Score at most this many held-out chunks per file (the finalists get all of them)."
-        ),
+        int | None, option(S.CHUNKS, "the held-out files scored (the finalists get all of their chunks).")
     ] = None,
-    max_tokens: Annotated[
-        int | None, typer.Option("--max-tokens", help="Trace at most this many calibration tokens (whole chunks).")
-    ] = None,
-    stability: Annotated[
-        bool,
-        typer.Option(
-            "--stability",
-            help="Also build each calibration method's keep-sets from each half of the "
-            "calibration text (one more pass per half) and report their overlap per block.",
-        ),
-    ] = False,
+    max_tokens: Annotated[int | None, option(S.MAX_TOKENS)] = None,
+    stability: Annotated[bool, option(S.STABILITY)] = False,
     threads: ThreadsOption = None,
     gpu_layers: GpuLayersOption = 0,
     force: ForceOption = False,
@@ -101,14 +75,14 @@ def tune_command(
         raise OutputError(
             f"{output / 'tune.json'} already exists", "pass --force to replace it, or choose another -o DIR"
         )
-    wanted = parse_keep(keep)
-    if wanted is not None and wanted.file is not None:
+    wanted = keep
+    if wanted.file is not None:
         raise BadInput(
-            f"--keep {keep}: tune weighs the criteria's keep-sets at each count",
+            f"--keep {wanted.file}: tune weighs the criteria's keep-sets at each count",
             "give counts (--keep 8 or 8,12); score a keep-set file with ggufcarve eval after ggufcarve prune",
         )
     settings = TuneSettings(
-        keeps=parse_keeps(keep),
+        keeps=parse_keeps(wanted.counts or ""),
         methods=parse_methods(methods),
         calibration=tuple(calibration or ()),
         heldout=tuple(heldout),

@@ -15,6 +15,8 @@ from typing import Annotated
 
 import typer
 
+from ggufcarve import settings as S
+from ggufcarve.cli.options import option
 from ggufcarve.cli.render import err, escape, new_table, out, progress, warn
 
 
@@ -39,17 +41,15 @@ def verify_command(
     ] = False,
     strict: Annotated[
         bool,
-        typer.Option(
-            "--strict",
-            help="Require evaluation results and the card too (by default: what the "
-            "release's manifest promises; a ladder alone promises its rungs).",
+        option(
+            S.STRICT,
+            "a release without evaluation results and a card fails too (by default: what the release's "
+            "manifest promises; a ladder alone promises its rungs).",
         ),
     ] = False,
-    jobs: Annotated[
-        int | None, typer.Option("--jobs", "-j", help="Files hashed in parallel (default: CPU count).")
-    ] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")] = False,
+    jobs: Annotated[int | None, option(S.JOBS, "files hashed.")] = None,
+    as_json: Annotated[bool, option(S.JSON, "the report.")] = False,
+    quiet: Annotated[bool, option(S.QUIET)] = False,
 ) -> None:
     """Check a release before publishing: sums, manifest, GGUF structure, expert counts, completeness, the card."""
     from ggufcarve.fileio import format_size

@@ -56,19 +56,19 @@ chunk size is [calibration] ctx (else [evaluation] ctx); `chunks` defaults to [e
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from ggufcarve import settings as S
 from ggufcarve.errors import BadInput
-from ggufcarve.listing import shortened
+from ggufcarve.settings import PLAN_HINT, Keep, key, read_table, table_keys
 
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
-PLAN_HINT = "see plans/*.toml for complete examples"
 TUNE = "tune"  # [selection] method: the tournament of `ggufcarve tune`
 TUNE_ONLY = ("methods", "heldout", "chunks", "stability")  # [selection] keys of method tune alone
 
@@ -234,129 +234,134 @@ class RunPlan:
         return doc
 
 
-KEYS = {
-    "plan": (
-        "source",
-        "output",
-        "work",
-        "name",
-        "threads",
-        "gpu_layers",
-        "card",
-        "selection",
-        "calibration",
-        "imatrix",
-        "ladder",
-        "evaluation",
-    ),
-    "[selection]": ("method", "keep", "ratio", "keepset", "protect", "protect_super_experts", "seed", *TUNE_ONLY),
-    "[calibration]": ("files", "ctx", "max_tokens"),
-    "[imatrix]": ("file", "collect"),
-    "[ladder]": ("spec", "only", "quantizer", "llama_cpp"),
-    "[evaluation]": (
-        "heldout",
-        "reference",
-        "ctx",
-        "chunks",
-        "qa",
-        "gate",
-        "speed_runs",
-        "speed_engine",
-        "top_k",
-        "tail_samples",
-        "compare",
-        "unpruned",
-        "gate_segments",
-        "loops",
-        "loop_prompts",
-        "loop_tokens",
-    ),
+# The plan's tables: one field per TOML key, each read by its setting (ggufcarve.settings), the
+# same reading, units and errors as the command line's option of that name.
+
+
+@dataclass(frozen=True)
+class PlanKeys:
+    """The plan's top-level keys (the tables below are named beside them)."""
+
+    source: Path | None = key(S.SOURCE)
+    output: Path | None = key(S.OUTPUT)
+    work: Path | None = key(S.WORK)
+    name: str | None = key(S.NAME)
+    threads: int | None = key(S.THREADS)
+    gpu_layers: int = key(S.GPU_LAYERS, 0)
+    card: bool = key(S.CARD, True)
+
+
+@dataclass(frozen=True)
+class SelectionKeys:
+    method: str | None = key(S.METHOD)
+    keep: Keep | None = key(S.KEEP)
+    ratio: float | None = key(S.RATIO)
+    keepset: Path | None = key(S.KEEPSET)
+    protect: str | None = key(S.PROTECT)
+    protect_super_experts: bool = key(S.PROTECT_SUPER_EXPERTS, False)
+    seed: int = key(S.SEED, 0)
+    methods: str | None = key(S.METHODS)  # method tune
+    heldout: tuple[Path, ...] | None = key(S.HELDOUT)  # method tune
+    chunks: int | None = key(S.CHUNKS)  # method tune
+    stability: bool | None = key(S.STABILITY)  # method tune
+
+
+@dataclass(frozen=True)
+class CalibrationKeys:
+    files: tuple[Path, ...] | None = key(S.CALIBRATION)
+    ctx: int = key(S.CTX, 512)
+    max_tokens: int | None = key(S.MAX_TOKENS)
+
+
+@dataclass(frozen=True)
+class ImatrixKeys:
+    file: Path | None = key(S.IMATRIX)
+    collect: bool = key(S.COLLECT, False)
+
+
+@dataclass(frozen=True)
+class LadderKeys:
+    spec: str | None = key(S.LADDER)
+    only: str | None = key(S.ONLY)
+    quantizer: str = key(S.QUANTIZER, "auto")
+    llama_cpp: Path | None = key(S.LLAMA_CPP)
+
+
+@dataclass(frozen=True)
+class EvaluationKeys:
+    heldout: tuple[Path, ...] | None = key(S.HELDOUT)
+    reference: Path | None = key(S.REFERENCE)  # "source" (the default) is read before the setting
+    ctx: int = key(S.CTX, 512)
+    chunks: int | None = key(S.CHUNKS)
+    qa: Path | None = key(S.QA)
+    gate: Path | None = key(S.GATE)
+    speed_runs: int = key(S.SPEED_RUNS, 5)
+    speed_engine: str = key(S.SPEED_ENGINE, "auto")
+    top_k: int | None = key(S.TOP_K)
+    tail_samples: int | None = key(S.TAIL_SAMPLES)
+    compare_models: tuple[Path, ...] | None = key(S.COMPARE_MODELS)
+    unpruned: str | None = key(S.UNPRUNED)
+    gate_segments: str | None = key(S.GATE_SEGMENTS)
+    loops: bool = key(S.LOOPS, False)
+    loop_prompts: Path | None = key(S.LOOP_PROMPTS)
+    loop_tokens: int | None = key(S.LOOP_TOKENS)
+
+
+@dataclass(frozen=True)
+class CardKeys:
+    base_model: str | None = key(S.BASE_MODEL)
+    license: str | None = key(S.LICENSE)
+    license_name: str | None = key(S.LICENSE_NAME)
+    license_link: str | None = key(S.LICENSE_LINK)
+    model_name: str | None = key(S.MODEL_NAME)
+    repo_id: str | None = key(S.REPO_ID)
+
+
+TABLES: dict[str, type] = {  # where -> its keys, in the order the docs list them
+    "plan": PlanKeys,
+    "[selection]": SelectionKeys,
+    "[calibration]": CalibrationKeys,
+    "[imatrix]": ImatrixKeys,
+    "[ladder]": LadderKeys,
+    "[evaluation]": EvaluationKeys,
+    "[card]": CardKeys,
 }
+SUBTABLES = ("selection", "calibration", "imatrix", "ladder", "evaluation", "card")
+OLDER_KEYS = {"[evaluation]": {"compare": "compare_models"}}  # older spelling -> the key's name
 
 
-class _Table:
-    """One TOML table being read: its keys checked against KEYS, and typed getters."""
+def plan_keys_markdown(commands: dict[str, list[str]]) -> str:
+    """The docs' table of plan keys, from the tables' fields and their settings; `commands`: setting
+    name -> the commands with an option made from the same setting (it reads the same there)."""
+    rows = ["| key | value | default | option of | what it is |", "|---|---|---|---|---|"]
+    for where, table in TABLES.items():
+        for name, setting, default in table_keys(table):
+            label = name if where == "plan" else f"{where} {name}"
+            shown = "–" if default is None else toml_value(default)
+            users = commands.get(setting.name, [])
+            option = f"`{setting.flag}` ({', '.join(users)})" if users else "–"
+            text = (setting.help.removesuffix(":") + "." * setting.help.endswith(":")).replace("|", "\\|")
+            rows.append(f"| `{label}` | {setting.unit.what} | {shown} | {option} | {text} |")
+    return "\n".join(rows) + "\n"
 
-    def __init__(self, doc: Any, where: str, base: Path) -> None:
-        if not isinstance(doc, dict):
-            raise BadInput(f"{where} must be a table", PLAN_HINT)
-        self.doc, self.where, self.base = doc, where, base
-        keys = KEYS[where]
-        unknown = sorted(set(doc) - set(keys))
-        if unknown:
-            raise BadInput(
-                f"{where}: unknown key " + shortened([repr(k) for k in unknown], 1),
-                f"the keys of {where} are {', '.join(keys)}",
-            )
 
-    def _get(self, key: str) -> Any:
-        return self.doc.get(key)
+def _read(doc: dict[str, Any], name: str, base: Path, skip: tuple[str, ...] = ()) -> Any:
+    """The table `name` of the plan document, but the keys in `skip`."""
+    where = f"[{name}]"
+    table = doc.get(name, {})
+    if not isinstance(table, dict):
+        raise BadInput(f"{where} must be a table", PLAN_HINT)
+    table = {k: v for k, v in table.items() if k not in skip}
+    for older, newer in OLDER_KEYS.get(where, {}).items():
+        if older in table:
+            if newer in table:
+                raise BadInput(f"{where}: {older} and {newer} name the same thing", f"give {newer} alone")
+            table[newer] = table.pop(older)
+    return read_table(TABLES[where], table, where, base)
 
-    def _fail(self, key: str, what: str) -> BadInput:
-        return BadInput(f"{self.where}: {key} must be {what} (got {self.doc.get(key)!r})", PLAN_HINT)
 
-    def string(self, key: str, default: str | None = None) -> str | None:
-        value = self._get(key)
-        if value is None:
-            return default
-        if not isinstance(value, str) or not value:
-            raise self._fail(key, "a non-empty string")
-        return value
-
-    def integer(self, key: str, default: int | None = None, minimum: int | None = None) -> int | None:
-        value = self._get(key)
-        if value is None:
-            return default
-        if isinstance(value, bool) or not isinstance(value, int) or (minimum is not None and value < minimum):
-            raise self._fail(key, "an integer" + (f" >= {minimum}" if minimum is not None else ""))
-        return value
-
-    def number(self, key: str) -> float | None:
-        value = self._get(key)
-        if value is None:
-            return None
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise self._fail(key, "a number")
-        return float(value)
-
-    def boolean(self, key: str, default: bool) -> bool:
-        value = self._get(key)
-        if value is None:
-            return default
-        if not isinstance(value, bool):
-            raise self._fail(key, "true or false")
-        return value
-
-    def strings(self, key: str) -> tuple[str, ...]:
-        value = self._get(key)
-        if value is None:
-            return ()
-        if isinstance(value, str):
-            value = [value]
-        if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
-            raise self._fail(key, "a list of strings")
-        return tuple(value)
-
-    def path(self, key: str, *, must_exist: bool = True) -> Path | None:
-        value = self.string(key)
-        return None if value is None else self._resolve(key, value, must_exist)
-
-    def paths(self, key: str) -> tuple[Path, ...]:
-        return tuple(self._resolve(key, v, True) for v in self.strings(key))
-
-    def _resolve(self, key: str, value: str, must_exist: bool) -> Path:
-        path = Path(os.path.expanduser(value))
-        path = path if path.is_absolute() else self.base / path
-        if must_exist and not path.exists():
-            raise BadInput(
-                f"{self.where}: {key} = {value!r}: no such file ({path})",
-                "paths in a plan are relative to the plan file",
-            )
-        return path
-
-    def table(self, key: str) -> _Table | None:
-        value = self._get(key)
-        return None if value is None else _Table(value, f"[{key}]", self.base)
+def _names(value: str | None) -> tuple[str, ...]:
+    return tuple(n.upper() for n in value.split(",")) if value else ()
 
 
 def parse_plan(doc: dict[str, Any], base: Path, path: Path | None = None) -> RunPlan:
@@ -364,39 +369,53 @@ def parse_plan(doc: dict[str, Any], base: Path, path: Path | None = None) -> Run
     from ggufcarve.moe.kept import ratio_problem
     from ggufcarve.select.criteria import criterion_named
 
-    top = _Table(doc, "plan", base)
-    source = top.path("source")
-    if source is None:
+    if not isinstance(doc, dict):
+        raise BadInput("plan must be a table", PLAN_HINT)
+    card_value = doc.get("card")
+    top_doc = {k: v for k, v in doc.items() if k not in SUBTABLES or (k == "card" and not isinstance(v, dict))}
+    unknown_tables = [k for k in doc if k in SUBTABLES and k != "card" and not isinstance(doc[k], dict)]
+    if unknown_tables:
+        raise BadInput(f"[{unknown_tables[0]}] must be a table", PLAN_HINT)
+    top = read_table(PlanKeys, top_doc, "plan", base, extra=SUBTABLES)
+    if top.source is None:
         raise BadInput("plan: no source", 'give source = "MODEL.gguf" (the unpruned GGUF, first shard if split)')
-    output_name = top.string("output")
-    if output_name is None:
+    if top.output is None:
         raise BadInput("plan: no output", 'give output = "DIR" (the release directory)')
-    output = top._resolve("output", output_name, False)
-    work_name = top.string("work")
-    work = top._resolve("work", work_name, False) if work_name else output.with_name(output.name + ".work")
-    name = top.string("name")
-    threads = top.integer("threads", minimum=1)
-    gpu_layers = top.integer("gpu_layers", minimum=0) or 0
-    card, card_settings = _card(top)
+    source, output = top.source, top.output
+    work = top.work if top.work is not None else output.with_name(output.name + ".work")
+    raw_evaluation = doc.get("evaluation") if isinstance(doc.get("evaluation"), dict) else {}
+    reference_is_source = raw_evaluation.get("reference") == "source"  # the default, named
+    read = {  # every value of every table is read (and refused) before any rule across keys
+        name: _read(doc, name, base, skip=("reference",) if name == "evaluation" and reference_is_source else ())
+        for name in SUBTABLES
+        if name in doc and (name != "card" or isinstance(card_value, dict))
+    }
+    card, card_settings = top.card, None
+    if "card" in read:
+        from ggufcarve.release.card import CardSettings
 
-    sel = top.table("selection") or _Table({}, "[selection]", base)
-    method = sel.string("method")
-    keepset = sel.path("keepset")
-    keeps = _tune_keeps(sel) if method == TUNE else ()
-    keep = keeps[0] if keeps else sel.integer("keep", minimum=1)
-    ratio = sel.number("ratio")
-    protect = sel.string("protect")
-    protect_file = _protect_file(sel, protect)
+        card, card_settings = True, CardSettings(**asdict(read["card"])).check()
+
+    sel = read.get("selection") or SelectionKeys()
+    method, keep_value, ratio = sel.method, sel.keep, sel.ratio
+    keepset = sel.keepset
+    if keep_value is not None and keep_value.file is not None:
+        if keepset is not None:
+            raise BadInput("[selection]: keep = FILE and keepset name the same thing", "give keep = FILE alone")
+        keepset, keep_value = keep_value.file, None
+    keeps = _tune_keeps(keep_value) if method == TUNE else ()
+    keep = keeps[0] if keeps else _one_keep(keep_value, method)
+    protect = sel.protect
+    protect_file = _protect_file(base, protect)
     if protect_file is not None:
         protect = str(protect_file)
-    protect_super = sel.boolean("protect_super_experts", False)
-    seed = sel.integer("seed", 0) or 0
+    protect_super = sel.protect_super_experts
     if (method is None) == (keepset is None):
         raise BadInput(
-            '[selection]: give exactly one of method = "..." or keepset = "FILE"',
+            '[selection]: give exactly one of method = "..." or keep = "FILE"',
             'for example method = "frequency" with keep = 128',
         )
-    given = [k for k in TUNE_ONLY if sel._get(k) is not None]
+    given = [k for k in TUNE_ONLY if getattr(sel, k) is not None]
     if given and method != TUNE:
         raise BadInput(
             f'[selection]: {given[0]} applies to method = "{TUNE}" only',
@@ -405,7 +424,7 @@ def parse_plan(doc: dict[str, Any], base: Path, path: Path | None = None) -> Run
     methods: tuple[str, ...] = ()
     if method == TUNE:
         spec = None
-        methods = _tune_methods(sel)
+        methods = _tune_methods(sel.methods)
         if ratio is not None:
             raise BadInput(
                 f"[selection]: method {TUNE} takes keep = [K, ...], not ratio",
@@ -434,29 +453,24 @@ def parse_plan(doc: dict[str, Any], base: Path, path: Path | None = None) -> Run
                 "drop them, or choose a method instead of the keep-set file",
             )
 
-    cal_table = top.table("calibration")
     calibration = None
-    if cal_table is not None:
-        files = cal_table.paths("files")
-        ctx = cal_table.integer("ctx", 512, minimum=2) or 512
-        max_tokens = cal_table.integer("max_tokens", minimum=1)
-        if not files:
+    if "calibration" in read:
+        cal = read["calibration"]
+        if not cal.files:
             raise BadInput("[calibration]: files is empty", 'give files = ["calibration.jsonl"]')
-        calibration = CalibrationStep(files, ctx, max_tokens)
+        calibration = CalibrationStep(cal.files, cal.ctx, cal.max_tokens)
 
-    im_table = top.table("imatrix")
     imatrix = None
-    if im_table is not None:
-        file = im_table.path("file")
-        collect = im_table.boolean("collect", False)
-        if (file is None) == (not collect):
+    if "imatrix" in read:
+        im = read["imatrix"]
+        if (im.file is None) == (not im.collect):
             raise BadInput(
                 '[imatrix]: give exactly one of file = "MODEL.imatrix.gguf" or collect = true',
                 "collect = true gathers it from [calibration] in the selection's pass",
             )
-        if collect and calibration is None:
+        if im.collect and calibration is None:
             raise BadInput("[imatrix]: collect = true needs a [calibration] table", "give [calibration] files = [...]")
-        imatrix = ImatrixStep(file, collect)
+        imatrix = ImatrixStep(im.file, im.collect)
 
     if spec is not None:
         if spec.needs == "calibration" and calibration is None:
@@ -467,9 +481,7 @@ def parse_plan(doc: dict[str, Any], base: Path, path: Path | None = None) -> Run
             raise BadInput(
                 f"[selection]: method {method} reads an imatrix", 'add [imatrix] file = "..." or collect = true'
             )
-    tune_reads = [
-        m for m in methods if criterion_named(m).needs != "model"
-    ]  # the imatrix ones from tune's own calibration pass
+    tune_reads = [m for m in methods if criterion_named(m).needs != "model"]  # from tune's own calibration pass
     if tune_reads and calibration is None:
         raise BadInput(
             f"[selection]: method {TUNE} with {tune_reads[0]} traces calibration text",
@@ -487,77 +499,62 @@ def parse_plan(doc: dict[str, Any], base: Path, path: Path | None = None) -> Run
             "use a calibration method (frequency, ean, reap, razor) or [imatrix] collect = true, or drop [calibration]",
         )
 
-    lad = top.table("ladder")
-    if lad is None:
+    if "ladder" not in read:
         raise BadInput("plan: no [ladder] table", 'give [ladder] spec = "q8-to-iq1" (or a path to a ladder TOML)')
-    spec_value = lad.string("spec")
-    if spec_value is None:
+    lad = read["ladder"]
+    if lad.spec is None:
         raise BadInput("[ladder]: no spec", 'give spec = "q8-to-iq1" (or a path to a ladder TOML)')
     from ggufcarve.quant.spec import find_spec
 
     ladder = LadderStep(
-        find_spec(spec_value, base, "[ladder] spec"),
-        tuple(r.upper() for r in lad.strings("only")),
-        _quantizer(lad),
-        lad.path("llama_cpp"),
+        find_spec(lad.spec, base, "[ladder] spec"), _names(lad.only), _quantizer(lad.quantizer, base), lad.llama_cpp
     )
     _check_rungs(ladder.spec, ladder.only, "[ladder] only")
 
-    ev_table = top.table("evaluation")
     evaluation = None
-    if ev_table is not None:
-        from ggufcarve.evaluate.speed import DEFAULT_RUNS
-
-        reference = ev_table.string("reference")
+    if "evaluation" in read:
+        ev = read["evaluation"]
+        single = isinstance(raw_evaluation.get("heldout"), str)  # one file: a path, as the plan wrote it
+        heldout = ev.heldout[0] if ev.heldout is not None and single else ev.heldout
         evaluation = EvaluationStep(
-            heldout=ev_table.paths("heldout")
-            if isinstance(ev_table._get("heldout"), list)
-            else ev_table.path("heldout"),
-            reference=None if reference in (None, "source") else ev_table._resolve("reference", reference, True),
-            ctx=ev_table.integer("ctx", 512, minimum=2) or 512,
-            chunks=ev_table.integer("chunks", minimum=1),
-            qa=ev_table.path("qa"),
-            gate=ev_table.path("gate"),
-            speed_runs=ev_table.integer("speed_runs", DEFAULT_RUNS, minimum=0) or 0,
-            speed_engine=ev_table.string("speed_engine", "auto") or "auto",
-            top_k=ev_table.integer("top_k", minimum=1),
-            tail_samples=ev_table.integer("tail_samples", minimum=0),
-            compare=ev_table.paths("compare"),
-            unpruned=tuple(r.upper() for r in ev_table.strings("unpruned")),
-            gate_segments=ev_table.string("gate_segments"),
-            loops=ev_table.boolean("loops", False),
-            loop_prompts=ev_table.path("loop_prompts"),
-            loop_tokens=ev_table.integer("loop_tokens", minimum=1),
+            heldout=heldout,
+            reference=ev.reference,
+            ctx=ev.ctx,
+            chunks=ev.chunks,
+            qa=ev.qa,
+            gate=ev.gate,
+            speed_runs=ev.speed_runs,
+            speed_engine=ev.speed_engine,
+            top_k=ev.top_k,
+            tail_samples=ev.tail_samples,
+            compare=ev.compare_models or (),
+            unpruned=_names(ev.unpruned),
+            gate_segments=ev.gate_segments,
+            loops=ev.loops,
+            loop_prompts=ev.loop_prompts,
+            loop_tokens=ev.loop_tokens,
         )
-        from ggufcarve.evaluate.speed import ENGINES
-
-        if evaluation.speed_engine not in ENGINES:
-            raise BadInput(
-                f"[evaluation]: speed_engine = {evaluation.speed_engine!r} is not one of {', '.join(ENGINES)}",
-                "auto uses llama-bench when the tools have it, else the embedded engine",
-            )
         if not evaluation.heldout_files and evaluation.reference is None:
             raise BadInput(
                 "[evaluation]: no heldout text",
                 'give heldout = "FILE" (scored by every model against the unpruned source)',
             )
         _check_rungs(ladder.spec, evaluation.unpruned, "[evaluation] unpruned")
-    selection = SelectionStep(method, keep, ratio, keepset, protect, protect_super, seed, protect_file)
+    selection = SelectionStep(method, keep, ratio, keepset, protect, protect_super, sel.seed, protect_file)
     if method == TUNE:
-        heldout = sel.paths("heldout") or (evaluation.heldout_files if evaluation is not None else ())
+        heldout = sel.heldout or (evaluation.heldout_files if evaluation is not None else ())
         if not heldout:
             raise BadInput(
                 f"[selection]: method {TUNE} scores the keep-sets on held-out text",
                 'give [selection] heldout = "FILE" (or an [evaluation] heldout, which it then reads)',
             )
-        chunks = sel.integer("chunks", minimum=1)
         selection = replace(
             selection,
             keeps=keeps,
             methods=methods,
             heldout=heldout,
-            stability=sel.boolean("stability", False),
-            chunks=chunks if chunks is not None else (evaluation.chunks if evaluation is not None else None),
+            stability=bool(sel.stability),
+            chunks=sel.chunks if sel.chunks is not None else (evaluation.chunks if evaluation is not None else None),
         )
     if source.resolve().parent == output.resolve():
         raise BadInput(
@@ -570,85 +567,84 @@ def parse_plan(doc: dict[str, Any], base: Path, path: Path | None = None) -> Run
             "intermediates (the pruned source, imatrices) must not be published: give work another directory",
         )
     return RunPlan(
-        path,
-        source,
-        output,
-        work,
-        name,
-        threads,
-        selection,
-        calibration,
-        imatrix,
-        ladder,
-        evaluation,
-        card,
-        card_settings,
+        path=path,
+        source=source,
+        output=output,
+        work=work,
+        name=top.name,
+        threads=top.threads,
+        selection=selection,
+        calibration=calibration,
+        imatrix=imatrix,
+        ladder=ladder,
+        evaluation=evaluation,
+        card=card,
+        card_settings=card_settings,
         raw=doc,
-        gpu_layers=gpu_layers,
+        gpu_layers=top.gpu_layers,
     )
 
 
-def _tune_keeps(table: _Table) -> tuple[int, ...]:
-    """[selection] keep of method tune: a list of expert counts (or one), duplicates dropped, order kept."""
-    value = table._get("keep")
-    values = [value] if isinstance(value, int) and not isinstance(value, bool) else value
-    if (
-        value is None
-        or not isinstance(values, list)
-        or not values
-        or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in values)
-    ):
+def _tune_keeps(keep: Keep | None) -> tuple[int, ...]:
+    """[selection] keep of method tune: expert counts (one or a list), duplicates dropped, order kept."""
+    from ggufcarve.tune.run import parse_keeps
+
+    if keep is None or keep.counts is None:
         raise BadInput(
-            f"[selection]: keep of method {TUNE} must be a list of expert counts (got {value!r})",
+            f"[selection]: keep of method {TUNE} must be a list of expert counts (got {keep!r})",
             "for example keep = [8] or keep = [12, 8, 4]; the first K is carved",
         )
-    return tuple(dict.fromkeys(values))
-
-
-def _tune_methods(table: _Table) -> tuple[str, ...]:
-    """[selection] methods of method tune: "all" (the default) or a list of criteria, each one `select` knows."""
-    from ggufcarve.select.criteria import ALL_METHODS, criterion_named
-
-    value = table._get("methods")
-    if value is None or value == "all":
-        return ALL_METHODS
-    if not isinstance(value, list) or not value or not all(isinstance(v, str) and v for v in value):
+    try:
+        return parse_keeps(keep.counts)
+    except BadInput:
         raise BadInput(
-            f'[selection]: methods must be "all" or a list of criteria (got {value!r})',
-            'for example methods = ["reap", "frequency", "weights"]',
+            f"[selection]: keep of method {TUNE} must be a list of expert counts (got {keep.counts!r})",
+            "for example keep = [8] or keep = [12, 8, 4]; the first K is carved",
+        ) from None
+
+
+def _one_keep(keep: Keep | None, method: str | None) -> int | None:
+    """[selection] keep of one method: one count (a method carves one K)."""
+    if keep is None or keep.counts is None:
+        return None
+    if not keep.counts.strip().isdigit() or int(keep.counts) < 1:
+        raise BadInput(
+            f"[selection]: method {method} carves one count, keep = {keep.counts!r}",
+            f'give keep = 128, or method = "{TUNE}" to weigh several counts',
         )
-    for name in value:
-        if name == TUNE:
-            raise BadInput(
-                f"[selection]: methods lists {TUNE} itself",
-                'list the criteria that compete, e.g. ["reap", "frequency", "weights"]',
-            )
-        try:
-            criterion_named(name)
-        except BadInput as err:
-            raise BadInput(f"[selection]: methods: {err.message}", err.hint) from None
-    return tuple(dict.fromkeys(value))
+    return int(keep.counts)
 
 
-def _card(top: _Table) -> tuple[bool, Any]:
-    """`card = true | false`, or a [card] table of the card's settings (the card is written)."""
-    value = top._get("card")
-    if isinstance(value, dict):
-        from ggufcarve.release.card import CardSettings
+def _tune_methods(value: str | None) -> tuple[str, ...]:
+    """[selection] methods of method tune: "all" (the default) or a list of criteria, each one `select` knows."""
+    from ggufcarve.tune.run import parse_methods
 
-        return True, CardSettings.from_mapping(value)
-    return top.boolean("card", True), None
+    if value is None:
+        value = "all"
+    if TUNE in value.split(","):
+        raise BadInput(
+            f"[selection]: methods lists {TUNE} itself",
+            'list the criteria that compete, e.g. ["reap", "frequency", "weights"]',
+        )
+    try:
+        return parse_methods(value)
+    except BadInput as err:
+        raise BadInput(f"[selection]: methods: {err.message}", err.hint) from None
 
 
 QUANTIZER_CHOICES = ("auto", "binary", "libllama")
 
 
-def _quantizer(table: _Table) -> str:
+def _quantizer(value: str, base: Path) -> str:
     """auto, binary, libllama, or a llama-quantize path relative to the plan, which must exist."""
-    value = table.string("quantizer", "auto") or "auto"
     if value in QUANTIZER_CHOICES:
         return value
-    path = table._resolve("quantizer", value, True)
+    path = Path(os.path.expanduser(value))
+    path = path if path.is_absolute() else base / path
+    if not path.exists():
+        raise BadInput(
+            f"[ladder] quantizer {value!r}: no such file ({path})", "paths in a plan are relative to the plan file"
+        )
     if not path.is_file() or not os.access(path, os.X_OK):
         raise BadInput(
             f"[ladder]: quantizer = {value!r} is not an executable file ({path})",
@@ -657,15 +653,20 @@ def _quantizer(table: _Table) -> str:
     return str(path.resolve())
 
 
-def _protect_file(table: _Table, value: str | None) -> Path | None:
+def _protect_file(base: Path, value: str | None) -> Path | None:
     """The protect file a [selection] protect value names (a .json name, or an existing file
     beside the plan), resolved against the plan; None for a list of ids, which is checked here."""
     if value is None:
         return None
     candidate = Path(os.path.expanduser(value))
-    candidate = candidate if candidate.is_absolute() else table.base / candidate
+    candidate = candidate if candidate.is_absolute() else base / candidate
     if value.endswith(".json") or candidate.exists():
-        return table._resolve("protect", value, True)
+        if not candidate.exists():
+            raise BadInput(
+                f"[selection] protect {value!r}: no such file ({candidate})",
+                "paths in a plan are relative to the plan file",
+            )
+        return candidate
     from ggufcarve.moe.keepset import parse_id_list
 
     try:

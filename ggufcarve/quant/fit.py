@@ -65,51 +65,6 @@ from ggufcarve.quant.spec import LadderSpec, Rung
 # Memory sizes
 
 ALL_LAYERS = -1  # llama_model_params.n_gpu_layers: a negative value offloads every layer (include/llama.h)
-MEMORY_UNITS = {
-    "B": 1,
-    "KB": 10**3,
-    "MB": 10**6,
-    "GB": 10**9,
-    "TB": 10**12,
-    "KIB": 2**10,
-    "MIB": 2**20,
-    "GIB": 2**30,
-    "TIB": 2**40,
-    "K": 2**10,
-    "M": 2**20,
-    "G": 2**30,
-    "T": 2**40,  # a bare letter is binary, as `free -h` and llama.cpp print
-}
-MEMORY_SIZE = re.compile(r"\s*(?P<number>\d+(?:\.\d+)?)\s*(?P<unit>[A-Za-z]*)\s*")
-
-
-def parse_memory(text: str, flag: str = "--memory", allow_zero: bool = False) -> int:
-    """'24GiB', '24GB', '24000MiB', '23.5G', '25769803776B' -> bytes (GB decimal, GiB and bare G binary).
-    A number without a unit is refused: 24 would be 24 bytes. Zero only with `allow_zero`."""
-    match = MEMORY_SIZE.fullmatch(text or "")
-    unit = match["unit"].upper() if match else ""
-    if match and float(match["number"]) == 0 and not allow_zero:
-        raise BadInput(
-            f"{flag} {text!r}: a budget of nothing", "write a positive size like 24GiB (GB = 10^9 bytes, GiB = 2^30)"
-        )
-    if match and not unit:
-        raise BadInput(
-            f"{flag} {text!r} has no unit",
-            f"write it like {match['number']}GiB (or {match['number']}GB = 10^9 bytes, {match['number']}B for bytes)",
-        )
-    if (
-        not match
-        or unit not in MEMORY_UNITS
-        or float(match["number"]) <= 0
-        and not (allow_zero and float(match["number"]) == 0)
-    ):
-        raise BadInput(
-            f"{flag} {text!r} is not a memory size",
-            "write it like 24GiB, 24GB or 24000MiB (GB = 10^9 bytes, GiB = 2^30)",
-        )
-    return int(float(match["number"]) * MEMORY_UNITS[unit])
-
-
 # ---------------------------------------------------------------------------------------------
 # Kept-expert counts
 

@@ -1,0 +1,762 @@
+"""The settings layer: every option that more than one command takes, and every key of a run plan,
+defined once as a `Setting`: its name (the plan key; the flag is `--name` with dashes), its unit
+(how a value is read from a command line and from TOML, and what it must be) and its help.
+
+The command line's options are made from these (`cli.options.option`), the plan's tables are
+dataclasses whose fields name them (`pipeline.plan`), and the docs' table of plan keys is written
+from them (`plan_keys_markdown`), so a name means one thing, in one unit, with one error, wherever
+it is spelled:
+
+    --ctx 1          ->  --ctx must be an integer >= 2 (got '1')
+    ctx = 1          ->  [evaluation] ctx must be an integer >= 2 (got 1)
+
+A command adds a sentence saying what the setting does there (`detail`); an option only one
+command has and no plan names stays with that command.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable
+from dataclasses import MISSING, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from ggufcarve.errors import BadInput
+
+PLAN_HINT = "see plans/*.toml for complete examples"
+
+
+# ---------------------------------------------------------------------------------------------
+# units: how a value is read from a command line (text) and from a plan (TOML), and what it must be
+
+
+class Unit:
+    """A kind of value. `what` completes "must be ..." in both sources' errors; `example` is a
+    value a hint shows."""
+
+    what = "a value"
+    metavar = "TEXT"
+    example = "..."
+
+    def from_text(self, text: str) -> Any:
+        return text
+
+    def from_toml(self, value: Any, base: Path) -> Any:
+        if not isinstance(value, str):
+            raise ValueError
+        return self.from_text(value)
+
+    def toml_example(self) -> str:
+        return f'"{self.example}"'
+
+
+@dataclass(frozen=True)
+class Count(Unit):
+    """A whole number at least `minimum`."""
+
+    example: str = "..."
+    minimum: int = 0
+    metavar = "N"
+
+    @property
+    def what(self) -> str:  # type: ignore[override]
+        return f"an integer >= {self.minimum}"
+
+    def from_text(self, text: str) -> int:
+        try:
+            value = int(text.strip())
+        except ValueError:
+            raise ValueError from None
+        return self._checked(value)
+
+    def from_toml(self, value: Any, base: Path) -> int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError
+        return self._checked(value)
+
+    def _checked(self, value: int) -> int:
+        if value < self.minimum:
+            raise ValueError
+        return value
+
+    def toml_example(self) -> str:
+        return self.example if self.example != "..." else str(max(self.minimum, 1))
+
+
+@dataclass(frozen=True)
+class Fraction(Unit):
+    """A number in (0, 1]."""
+
+    what = "a number in (0, 1]"
+    metavar = "R"
+    example: str = "0.5"
+
+    def from_text(self, text: str) -> float:
+        try:
+            return self._checked(float(text))
+        except ValueError:
+            raise ValueError from None
+
+    def from_toml(self, value: Any, base: Path) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError
+        return self._checked(float(value))
+
+    @staticmethod
+    def _checked(value: float) -> float:
+        if not 0 < value <= 1:
+            raise ValueError
+        return value
+
+    def toml_example(self) -> str:
+        return self.example
+
+
+@dataclass(frozen=True)
+class Number(Unit):
+    """A positive number."""
+
+    what = "a positive number"
+    metavar = "X"
+    example: str = "2"
+
+    def from_text(self, text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise ValueError from None
+        if not value > 0:
+            raise ValueError
+        return value
+
+    def from_toml(self, value: Any, base: Path) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ValueError
+        return float(value)
+
+    def toml_example(self) -> str:
+        return self.example
+
+
+@dataclass(frozen=True)
+class Text(Unit):
+    """A non-empty string on one line."""
+
+    example: str = "..."
+    what = "a non-empty string"
+
+    def from_text(self, text: str) -> str:
+        if not text.strip() or "\n" in text:
+            raise ValueError
+        return text
+
+
+@dataclass(frozen=True)
+class Choice(Unit):
+    """One of `choices`, case-insensitive; the value is the choice as listed."""
+
+    choices: tuple[str, ...] = ()
+
+    @property
+    def what(self) -> str:  # type: ignore[override]
+        return "one of " + ", ".join(self.choices)
+
+    @property
+    def example(self) -> str:  # type: ignore[override]
+        return self.choices[0]
+
+    @property
+    def metavar(self) -> str:  # type: ignore[override]
+        return "|".join(self.choices).upper() if len(self.choices) <= 3 else "NAME"
+
+    def from_text(self, text: str) -> str:
+        for choice in self.choices:
+            if text.strip().lower() == choice.lower():
+                return choice
+        raise ValueError
+
+    def toml_example(self) -> str:
+        return f'"{self.choices[0]}"'
+
+
+@dataclass(frozen=True)
+class Flag(Unit):
+    """On or off: a flag on the command line, true or false in a plan."""
+
+    what = "true or false"
+    metavar = ""
+
+    def from_text(self, text: str) -> bool:
+        return {"true": True, "false": False}[text.strip().lower()]
+
+    def from_toml(self, value: Any, base: Path) -> bool:
+        if not isinstance(value, bool):
+            raise ValueError
+        return value
+
+    def toml_example(self) -> str:
+        return "true"
+
+
+@dataclass(frozen=True)
+class File(Unit):
+    """A path: on a command line as given, in a plan relative to the plan file. `exists`: it must
+    be there when read (an input)."""
+
+    example: str = "..."
+    what = "a path"
+    metavar = "PATH"
+    exists: bool = True
+
+    def from_text(self, text: str) -> Path:
+        if not text.strip():
+            raise ValueError
+        path = Path(os.path.expanduser(text))
+        if self.exists and not path.exists():
+            raise Missing(path)
+        return path
+
+    def from_toml(self, value: Any, base: Path) -> Path:
+        if not isinstance(value, str) or not value.strip():
+            raise ValueError
+        path = Path(os.path.expanduser(value))
+        path = path if path.is_absolute() else base / path
+        if self.exists and not path.exists():
+            raise Missing(path)
+        return path
+
+
+@dataclass(frozen=True)
+class Files(File):
+    """Paths: on a command line the option is repeated (a path each time); in a plan one path or a
+    list of them."""
+
+    what = "a path or a list of paths"
+
+    def from_toml(self, value: Any, base: Path) -> tuple[Path, ...]:  # type: ignore[override]
+        values = [value] if isinstance(value, str) else value
+        if not isinstance(values, list) or not values:
+            raise ValueError
+        return tuple(File.from_toml(self, v, base) for v in values)
+
+    def toml_example(self) -> str:
+        return f'["{self.example}"]'
+
+
+@dataclass(frozen=True)
+class Names(Unit):
+    """A list of names: repeated or comma-separated on a command line, a list (or one
+    comma-separated string) in a plan; the value is the comma-joined names, as written."""
+
+    example: str = "..."
+    what = "names, comma-separated or a list of strings"
+    metavar = "NAMES"
+
+    def from_text(self, text: str) -> str:
+        names = [n.strip() for n in text.split(",")]
+        if not names or not all(names):
+            raise ValueError
+        return ",".join(names)
+
+    def from_toml(self, value: Any, base: Path) -> str:
+        values = [value] if isinstance(value, str) else value
+        if not isinstance(values, list) or not values or not all(isinstance(v, str) for v in values):
+            raise ValueError
+        return self.from_text(",".join(values))
+
+    def toml_example(self) -> str:
+        return f'["{self.example}"]'
+
+
+COUNTS = re.compile(r"[\d\s,/-]+")
+
+
+@dataclass(frozen=True)
+class Keep:
+    """What a keep setting names: counts (as written: the command checks them against the model)
+    or a keep-set file."""
+
+    counts: str | None = None
+    file: Path | None = None
+
+
+@dataclass(frozen=True)
+class KeepUnit(Unit):
+    """Experts kept per MoE block: a count (8), a list of counts (8,12 or 64-192/32) or a keep-set
+    file; in a plan also a list of integers."""
+
+    what = "a count (8), a list of counts (8,12 or 64-192/32) or a keep-set file"
+    metavar = "K|LIST|FILE"
+    example: str = "128"
+
+    def from_text(self, text: str) -> Keep:
+        return self._read(text, None)
+
+    def from_toml(self, value: Any, base: Path) -> Keep:
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+            return Keep(counts=str(value))
+        if isinstance(value, list):
+            if not value or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in value):
+                raise ValueError
+            return Keep(counts=",".join(str(v) for v in value))
+        if not isinstance(value, str):
+            raise ValueError
+        return self._read(value, base)
+
+    @staticmethod
+    def _read(text: str, base: Path | None) -> Keep:
+        """Counts when the text is digits, commas, ranges and steps; else a keep-set file (relative to
+        `base` when given), which must exist."""
+        value = text.strip()
+        if COUNTS.fullmatch(value) and any(c.isdigit() for c in value):
+            return Keep(counts=value)
+        path = Path(os.path.expanduser(value))
+        path = path if base is None or path.is_absolute() else base / path
+        if not path.is_file():
+            if path.suffix or "/" in value:
+                raise Missing(path)
+            raise ValueError
+        return Keep(file=path)
+
+    def toml_example(self) -> str:
+        return self.example
+
+
+MEMORY_UNITS = {
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+    "K": 2**10,
+    "M": 2**20,
+    "G": 2**30,
+    "T": 2**40,  # a bare letter is binary, as `free -h` and llama.cpp print
+}
+MEMORY_SIZE = re.compile(r"\s*(?P<number>\d+(?:\.\d+)?)\s*(?P<unit>[A-Za-z]*)\s*")
+
+
+def parse_memory(text: str, flag: str = "--memory", allow_zero: bool = False) -> int:
+    """'24GiB', '24GB', '24000MiB', '23.5G', '25769803776B' -> bytes (GB decimal, GiB and bare G binary).
+    A number without a unit is refused: 24 would be 24 bytes. Zero only with `allow_zero`."""
+    match = MEMORY_SIZE.fullmatch(text or "")
+    unit = match["unit"].upper() if match else ""
+    if match and float(match["number"]) == 0 and not allow_zero:
+        raise BadInput(
+            f"{flag} {text!r}: a budget of nothing", "write a positive size like 24GiB (GB = 10^9 bytes, GiB = 2^30)"
+        )
+    if match and not unit:
+        raise BadInput(
+            f"{flag} {text!r} has no unit",
+            f"write it like {match['number']}GiB (or {match['number']}GB = 10^9 bytes, {match['number']}B for bytes)",
+        )
+    if (
+        not match
+        or unit not in MEMORY_UNITS
+        or float(match["number"]) <= 0
+        and not (allow_zero and float(match["number"]) == 0)
+    ):
+        raise BadInput(
+            f"{flag} {text!r} is not a memory size",
+            "write it like 24GiB, 24GB or 24000MiB (GB = 10^9 bytes, GiB = 2^30)",
+        )
+    return int(float(match["number"]) * MEMORY_UNITS[unit])
+
+
+@dataclass(frozen=True)
+class Size(Unit):
+    """A memory size with its unit: 24GiB, 24GB, 24000MiB (GB = 10^9 bytes, GiB and a bare G = 2^30);
+    the value is bytes."""
+
+    what = "a memory size such as 24GiB"
+    metavar = "SIZE"
+    example: str = "24GiB"
+
+
+class Missing(Exception):
+    """A path a setting reads is not there."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(str(path))
+        self.path = path
+
+
+# ---------------------------------------------------------------------------------------------
+# settings
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One named setting: the plan key `name`, the flag `--name` (dashes for underscores)."""
+
+    name: str
+    unit: Unit
+    help: str
+    short: str | None = None  # a one-letter flag beside the long one
+    hint: str = ""  # the next step after a value is refused (default: an example)
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    def parse_text(self, text: Any) -> Any:
+        """A command line's value (typer hands a default through as it is)."""
+        if not isinstance(text, str):
+            return text
+        if isinstance(self.unit, Size):
+            return parse_memory(text, self.flag)
+        return self._read(
+            lambda: self.unit.from_text(text), self.flag, repr(text), f"for example {self.flag} {self.unit.example}"
+        )
+
+    def parse_toml(self, value: Any, where: str, base: Path, key: str | None = None) -> Any:
+        """A plan's value of this setting in the table `where` ("[evaluation]"; "plan" at the top),
+        under its own name or the table's `key` for it."""
+        name = key or self.name
+        label = f"{where} {name}" if where != "plan" else name
+        if isinstance(self.unit, Size) and isinstance(value, str):
+            return parse_memory(value, label)
+        hint = f"for example {name} = {self.unit.toml_example()}"
+        return self._read(lambda: self.unit.from_toml(value, base), label, repr(value), hint, plan=True)
+
+    def _read(self, read: Callable[[], Any], label: str, shown: str, example: str, plan: bool = False) -> Any:
+        try:
+            return read()
+        except Missing as missing:
+            raise BadInput(
+                f"{label} {shown}: no such file ({missing.path})",
+                "paths in a plan are relative to the plan file" if plan else "check the path",
+            ) from None
+        except (ValueError, KeyError, TypeError):
+            raise BadInput(f"{label} must be {self.unit.what} (got {shown})", self.hint or example) from None
+
+    def __call__(self, text: Any) -> Any:
+        return self.parse_text(text)
+
+
+def key(setting: Setting, default: Any = None) -> Any:
+    """A plan table's field read as `setting` (the field's name is the TOML key)."""
+    return field(default=default, metadata={"setting": setting})
+
+
+def setting_of(table_field: Any) -> Setting:
+    return table_field.metadata["setting"]
+
+
+def read_table(table: type, doc: Any, where: str, base: Path, extra: tuple[str, ...] = ()) -> Any:
+    """A plan table (a dataclass whose fields are `key`s) from its TOML mapping: every key checked
+    against the fields and the `extra` names (an unknown key is a typo), every value read by its
+    setting."""
+    if not isinstance(doc, dict):
+        raise BadInput(f"{where} must be a table", PLAN_HINT)
+    names = [f.name for f in fields(table) if "setting" in f.metadata] + list(extra)
+    unknown = sorted(set(doc) - set(names))
+    if unknown:
+        from ggufcarve.listing import shortened
+
+        raise BadInput(
+            f"{where}: unknown key " + shortened([repr(k) for k in unknown], 1),
+            f"the keys of {where} are {', '.join(names)}",
+        )
+    values = {}
+    for f in fields(table):
+        if f.name in doc and "setting" in f.metadata and doc[f.name] is not None:
+            values[f.name] = setting_of(f).parse_toml(doc[f.name], where, base, f.name)
+    return table(**values)
+
+
+def table_keys(table: type) -> list[tuple[str, Setting, Any]]:
+    """(key, setting, default) of every key of a plan table, in the table's order."""
+    return [
+        (f.name, setting_of(f), None if f.default is MISSING else f.default)
+        for f in fields(table)
+        if "setting" in f.metadata
+    ]
+
+
+# The settings. Each help says what the setting is; a command's option adds what it does there.
+
+THREADS = Setting(
+    "threads",
+    Count(minimum=1),
+    "CPU threads of every llama.cpp child the command runs: calibration, scoring, quantizing "
+    "(default: the physical cores).",
+    short="-t",
+)
+GPU_LAYERS = Setting(
+    "gpu_layers",
+    Count(minimum=0),
+    "Layers every llama.cpp child that loads a model offloads to the GPU (llama.cpp's -ngl; 0: all on "
+    "the CPU; 99: all). A llama-cpp-python built without a GPU backend ignores it.",
+)
+CTX = Setting("ctx", Count(minimum=2, example="512"), "Context length in tokens:")
+CHUNK_CTX = Setting(
+    "chunk_ctx",
+    Count(minimum=2, example="512"),
+    "Tokens per chunk of the calibration pass and of the held-out scoring (as llama-perplexity -c), "
+    "where it can differ from --ctx.",
+)
+CHUNKS = Setting("chunks", Count(minimum=1, example="32"), "Use at most this many chunks of each text file:")
+MAX_TOKENS = Setting(
+    "max_tokens", Count(minimum=1, example="65536"), "Trace at most this many calibration tokens (whole chunks)."
+)
+CALIBRATION = Setting("calibration", Files(example="calibration.jsonl"), "Calibration text or JSONL file (repeatable).")
+HELDOUT = Setting("heldout", Files(example="heldout.txt"), "Held-out text (repeatable): each file is its own segment.")
+KEEP = Setting("keep", KeepUnit(), "Experts kept per MoE block:", short="-k")
+KEEP_FIRST = Setting(
+    "keep_first",
+    Count(minimum=1, example="64"),
+    "Keep the first K experts of every MoE block (with grouped routing, the first K/groups of every group).",
+)
+KEEP_IDS = Setting("keep_ids", Text(example="0,2,4-7"), "Keep these ids in every MoE block, e.g. 0,2,4-7.")
+METHOD = Setting(
+    "method", Text(example="frequency"), "Selection criterion (ggufcarve select --help lists them).", short="-m"
+)
+METHODS = Setting(
+    "methods",
+    Names(example="reap"),
+    "The criteria that compete: all, or a list such as reap,frequency,weights.",
+)
+SEED = Setting("seed", Count(minimum=0, example="0"), "Seed of the random criterion.")
+RATIO = Setting("ratio", Fraction(), "Fraction of the experts kept (instead of keep).")
+PROTECT = Setting(
+    "protect",
+    Text(example="0,5,9-11"),
+    "Never drop these experts: ids for every block (0,5,9-11) or a keep-set-like JSON file of ids per block.",
+)
+PROTECT_SUPER_EXPERTS = Setting(
+    "protect_super_experts",
+    Flag(),
+    "Keep REAP's super experts (outlier maximum outputs, first 75% of the blocks).",
+)
+STABILITY = Setting(
+    "stability",
+    Flag(),
+    "Also build each calibration method's keep-sets from each half of the calibration text (one more "
+    "pass per half) and report their overlap per block.",
+)
+IMATRIX = Setting("imatrix", File(example="model.imatrix.gguf"), "An imatrix (GGUF or legacy .dat):")
+COLLECT = Setting(
+    "collect", Flag(), "Collect the imatrix from the calibration text (in the selection's pass when it traces)."
+)
+LADDER = Setting(
+    "ladder", Text(example="q8-to-iq1"), "Ladder spec: a shipped name (q8-to-iq1) or a TOML path (default: q8-to-iq1)."
+)
+ONLY = Setting("only", Names(example="Q4_K_M"), "Only these (repeat or comma-separate):")
+QUANTIZER = Setting(
+    "quantizer",
+    Text(example="auto"),
+    "auto | binary | libllama | PATH to llama-quantize (auto prefers a found binary).",
+)
+LLAMA_CPP = Setting(
+    "llama_cpp",
+    File(example="~/llama.cpp"),
+    "Directory holding llama.cpp tools (DIR, DIR/bin or DIR/build/bin). Env: GGUFCARVE_LLAMA_CPP.",
+)
+REFERENCE = Setting(
+    "reference",
+    File(example="model-Q8_0.gguf"),
+    "The unpruned model (GGUF), a llama-perplexity --kl-divergence-base file or a top-k cache (.reflogp).",
+)
+QA = Setting(
+    "qa", File(example="evaluation/qa"), "QA suite: a .jsonl file or a directory of them (e.g. evaluation/qa)."
+)
+GATE = Setting("gate", File(example="evaluation/gate.toml"), "Gate thresholds (TOML; default evaluation/gate.toml).")
+SPEED_RUNS = Setting(
+    "speed_runs",
+    Count(minimum=0, example="5"),
+    "Timed runs of pp and tg speed: the median is reported, or the range when the runs spread more than 10% "
+    "of it; 0 skips speed.",
+)
+SPEED_ENGINE = Setting(
+    "speed_engine",
+    Choice(choices=("auto", "llama-bench", "libllama")),
+    "auto (llama-bench when the tools have it, else in-process), llama-bench or libllama.",
+)
+TOP_K = Setting(
+    "top_k",
+    Count(minimum=1, example="128"),
+    "Cache only the reference's top-K log-probs per token (and sampled tail tokens): a small cache, an "
+    "estimated KLD. Default: every token, as llama-perplexity keeps them.",
+)
+TAIL_SAMPLES = Setting(
+    "tail_samples",
+    Count(minimum=0, example="32"),
+    "With top-k: tail tokens sampled per token; the KLD estimate is unbiased and its sampling error is printed "
+    "(0: a lower bound).",
+)
+GATE_SEGMENTS = Setting(
+    "gate_segments",
+    Choice(choices=("every", "overall")),
+    "With several held-out files: every (a model fails when any file fails the gate) or overall (the files' "
+    "verdicts are only reported). Default: the gate file's `segments`, else overall.",
+)
+LOOPS = Setting(
+    "loops",
+    Flag(),
+    "Continue the QA prompts (or the loop prompts) greedily and report the share that ends in a repeating "
+    "cycle, for the reference and every model.",
+)
+LOOP_PROMPTS = Setting(
+    "loop_prompts",
+    File(example="prompts.txt"),
+    "Prompts for the loops (implies them): one per line, asked as a user message, or a .jsonl file of "
+    '{"prompt": raw text} or {"messages": [...]} objects.',
+)
+LOOP_TOKENS = Setting("loop_tokens", Count(minimum=1, example="256"), "New tokens per loop prompt (default 256).")
+COMPARE_MODELS = Setting(
+    "compare_models",
+    Files(example="other-Q4_K_M.gguf"),
+    "More models evaluated against the same reference (their own rows in the summary).",
+)
+UNPRUNED = Setting(
+    "unpruned",
+    Names(example="Q4_K_M"),
+    "Rungs of the ladder spec also quantized from the unpruned source, compared at equal size.",
+)
+SOURCE = Setting(
+    "source", File(example="model-Q8_0.gguf"), "The GGUF the work starts from (first shard if split; never modified):"
+)
+OUTPUT = Setting("output", File(exists=False, example="release"), "Where the outputs go:", short="-o")
+WORK = Setting(
+    "work",
+    File(exists=False, example="release.work"),
+    "Directory of intermediates (selection, pruned source, imatrices; default: OUTPUT.work).",
+)
+NAME = Setting(
+    "name",
+    Text(example="Qwen3.6-35B-A3B-128e"),
+    "{model} in rung file names (default: the source name without its quant tag).",
+)
+CARD = Setting("card", Flag(), "Write the model card (or a [card] table of its settings).")
+KEEPSET = Setting(
+    "keepset",
+    File(example="kept_expert_indices.json"),
+    "A keep-set file: the experts kept, as given (the same as keep = FILE).",
+)
+BASE_MODEL = Setting(
+    "base_model",
+    Text(example="Qwen/Qwen3.6-35B-A3B"),
+    "The base model's Hub repo id, OWNER/NAME (default: the GGUF's general.base_model.0.repo_url).",
+)
+LICENSE = Setting(
+    "license",
+    Text(example="apache-2.0"),
+    "A Hub license identifier, e.g. apache-2.0 (default: the GGUF's general.license).",
+)
+LICENSE_NAME = Setting(
+    "license_name",
+    Text(example="my-license"),
+    "With license other: the license's short name (default: general.license.name).",
+)
+LICENSE_LINK = Setting(
+    "license_link",
+    Text(example="LICENSE"),
+    "With license other: its URL, or a file of the release such as LICENSE (default: general.license.link).",
+)
+MODEL_NAME = Setting(
+    "model_name",
+    Text(example="Qwen3.6-35B-A3B-128e"),
+    "The card's title (default: the GGUF's general.basename and size label).",
+)
+REPO_ID = Setting(
+    "repo_id",
+    Text(example="you/Qwen3.6-35B-A3B-128e-GGUF"),
+    "The Hub repo the release is uploaded to, OWNER/NAME (adds download and llama-server -hf lines).",
+)
+MEMORY = Setting(
+    "memory",
+    Size(),
+    "Memory budget for what llama.cpp allocates (weights, KV cache, compute and output buffers), e.g. 24GiB, "
+    "24GB, 24000MiB (GB = 10^9 bytes, GiB and a bare G = 2^30).",
+)
+GPU_MEMORY = Setting("gpu_memory", Size(example="16GiB"), "GPU memory, e.g. 16GiB:")
+KV_TYPE = Setting("kv_type", Choice(choices=("f16", "q8_0")), "KV cache type for K and V: f16 or q8_0.")
+QUIET = Setting("quiet", Flag(), "No progress output.", short="-q")
+JSON = Setting("json", Flag(), "Print JSON (no progress output):")
+FORCE = Setting("force", Flag(), "Replace what exists:")
+DRY_RUN = Setting("dry_run", Flag(), "Write nothing:")
+JOBS = Setting("jobs", Count(minimum=1, example="2"), "Jobs in parallel (default: the CPU count):", short="-j")
+MERGE = Setting("merge", Flag(), "Merge several into one:")
+REPORT = Setting("report", File(exists=False, example="report.json"), "Where the report is written:")
+STRICT = Setting("strict", Flag(), "Fail (exit 1) for more than by default:")
+MODEL = Setting("model", File(example="model.gguf"), "A GGUF model:")
+FORMAT = Setting("format", Choice(choices=("gguf", "dat")), "The output imatrix's format: gguf or dat (legacy).")
+CHUNK_SIZE = Setting("chunk_size", Count(minimum=1, example="512"), "Tokens per chunk of an imatrix:")
+COMPARE = Setting("compare", Flag(), "Compare the two selection files given as arguments.")
+
+SETTINGS: dict[str, Setting] = {
+    s.name: s
+    for s in (
+        THREADS,
+        GPU_LAYERS,
+        CTX,
+        CHUNK_CTX,
+        CHUNKS,
+        MAX_TOKENS,
+        CALIBRATION,
+        HELDOUT,
+        KEEP,
+        KEEP_FIRST,
+        KEEP_IDS,
+        METHOD,
+        METHODS,
+        SEED,
+        RATIO,
+        PROTECT,
+        PROTECT_SUPER_EXPERTS,
+        STABILITY,
+        IMATRIX,
+        COLLECT,
+        LADDER,
+        ONLY,
+        QUANTIZER,
+        LLAMA_CPP,
+        REFERENCE,
+        QA,
+        GATE,
+        SPEED_RUNS,
+        SPEED_ENGINE,
+        TOP_K,
+        TAIL_SAMPLES,
+        GATE_SEGMENTS,
+        LOOPS,
+        LOOP_PROMPTS,
+        LOOP_TOKENS,
+        COMPARE_MODELS,
+        UNPRUNED,
+        SOURCE,
+        OUTPUT,
+        WORK,
+        NAME,
+        CARD,
+        KEEPSET,
+        BASE_MODEL,
+        LICENSE,
+        LICENSE_NAME,
+        LICENSE_LINK,
+        MODEL_NAME,
+        REPO_ID,
+        MEMORY,
+        GPU_MEMORY,
+        KV_TYPE,
+        QUIET,
+        JSON,
+        FORCE,
+        DRY_RUN,
+        JOBS,
+        MERGE,
+        REPORT,
+        STRICT,
+        MODEL,
+        FORMAT,
+        CHUNK_SIZE,
+        COMPARE,
+    )
+}
