@@ -445,6 +445,11 @@ def key(setting: Setting, default: Any = None) -> Any:
     return field(default=default, metadata={"setting": setting})
 
 
+def required(setting: Setting) -> Any:
+    """A settings dataclass's field without a default, read as `setting`."""
+    return field(metadata={"setting": setting})
+
+
 def setting_of(table_field: Any) -> Setting:
     return table_field.metadata["setting"]
 

@@ -208,3 +208,32 @@ def test_the_docs_table_of_plan_keys_is_made_from_the_settings():
     assert found.group(1) == plan_keys_markdown(commands_by_setting(GROUP)), (
         "the plan keys changed: python dev/capture_docs.py --plan-keys writes the table again"
     )
+
+
+CONTROLS = {"quiet", "json", "force", "dry_run", "output", "compare"}  # how the command runs, not what it computes
+
+
+@pytest.mark.parametrize(
+    "command, settings_class",
+    [
+        ("best", "ggufcarve.best.plan:BestSettings"),
+        ("tune", "ggufcarve.tune.run:TuneSettings"),
+        ("select", "ggufcarve.select.run:SelectSettings"),
+    ],
+)
+def test_a_commands_settings_dataclass_names_the_settings_of_its_options(command, settings_class):
+    """Each field of the command's settings dataclass that a setting reads is an option of the
+    command made from that setting, and each such option but the run's controls is a field."""
+    import dataclasses
+    import importlib
+
+    module, name = settings_class.split(":")
+    fields = [f for f in dataclasses.fields(getattr(importlib.import_module(module), name)) if "setting" in f.metadata]
+    from_fields = {f.metadata["setting"].name for f in fields}
+    options = {
+        setting_of_option(param).name
+        for cmd, _flag, param in visible_options()
+        if cmd == command and setting_of_option(param) is not None
+    }
+    assert from_fields <= options, from_fields - options
+    assert options - CONTROLS <= from_fields, (options - CONTROLS) - from_fields

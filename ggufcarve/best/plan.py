@@ -8,38 +8,41 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ggufcarve import settings as S
 from ggufcarve.best.candidates import PRUNED, Candidate
 from ggufcarve.errors import BadInput
 from ggufcarve.events import Sink, ignore
 from ggufcarve.measure.statistics import DEFAULT_Z, METRICS, PREFERENCES
 from ggufcarve.select.criteria import BEST_DEFAULT
+from ggufcarve.settings import key, required
 
 
 @dataclass(frozen=True)
 class BestSettings:
-    memory: int
-    ladder: Path
-    heldout: tuple[Path, ...]
-    calibration: tuple[Path, ...] = ()
-    methods: tuple[str, ...] = BEST_DEFAULT
-    ctx: int = 16384  # the context whose cache counts against the budget
-    kv_type: str = "F16"
-    eval_ctx: int = 512  # tokens per chunk of the calibration pass and the scoring
-    chunks: int | None = None
-    max_tokens: int | None = None
-    threads: int | None = None
-    gpu_layers: int = 0  # layers offloaded to the accelerator in every llama.cpp child
+    memory: int = required(S.MEMORY)
+    ladder: Path = required(S.LADDER)
+    heldout: tuple[Path, ...] = required(S.HELDOUT)
+    calibration: tuple[Path, ...] = key(S.CALIBRATION, ())
+    methods: tuple[str, ...] = key(S.METHODS, BEST_DEFAULT)
+    ctx: int = key(S.CTX, 16384)  # the context whose cache counts against the budget
+    kv_type: str = key(S.KV_TYPE, "F16")
+    eval_ctx: int = key(S.CHUNK_CTX, 512)  # tokens per chunk of the calibration pass and the scoring
+    chunks: int | None = key(S.CHUNKS, None)
+    max_tokens: int | None = key(S.MAX_TOKENS, None)
+    threads: int | None = key(S.THREADS, None)
+    gpu_layers: int = key(S.GPU_LAYERS, 0)  # layers offloaded to the accelerator in every llama.cpp child
     metric: str = "kld_mean"
-    gate: Path | None = None
-    gpu_memory: int | None = None
-    keep_counts: str | None = None  # the K values weighed, as written (quant.fit.parse_kept_counts); None: fit's grid
+    gate: Path | None = key(S.GATE, None)
+    gpu_memory: int | None = key(S.GPU_MEMORY, None)
+    # the K values weighed, as written (quant.fit.parse_kept_counts); None: fit's grid
+    keep_counts: str | None = key(S.KEEP, None)
     keep_file: Path | None = None  # a keep-set weighed at its K beside the criteria's (selection "keep-file")
     tier: str | None = (
         None  # quant.offload.TIERS: where the answer must run; None: the fastest tier any candidate runs in
     )
-    quantizer: str = "auto"
-    llama_cpp_dir: Path | None = None
-    only: tuple[str, ...] = ()  # build only these candidate ids, score nothing (a job of several hosts)
+    quantizer: str = key(S.QUANTIZER, "auto")
+    llama_cpp_dir: Path | None = key(S.LLAMA_CPP, None)
+    only: tuple[str, ...] = key(S.ONLY, ())  # build only these candidate ids, score nothing (a job of several hosts)
     confirm: int = 1  # runners-up built and scored as files besides the winner
     prefer: str = "smaller"  # among candidates tied with the leader: smaller | faster | metric
     z: float = DEFAULT_Z
@@ -170,7 +173,7 @@ def plan_best(source: Path, settings: BestSettings, *, on_event: Sink = ignore) 
         spec,
         kept_counts=kept_counts,
         memory=settings.memory,
-        context=ContextSettings(settings.ctx, settings.kv_type, settings.kv_type),
+        context=ContextSettings(n_ctx=settings.ctx, type_k=settings.kv_type, type_v=settings.kv_type),
         quantizer=make_quantizer(settings.quantizer, settings.llama_cpp_dir),
         measure=run_memory_settings(settings),
         gpu_memory=settings.gpu_memory,

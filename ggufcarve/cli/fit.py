@@ -136,7 +136,7 @@ def fit_command(
 
         entries = {e.name for e in read_imatrix(imatrix).entries}
     quantizer = make_quantizer(quantizer_choice, llama_cpp)
-    settings = ContextSettings(ctx, cache_type, cache_type, n_seq=parallel, swa_full=swa_full)
+    settings = ContextSettings(n_ctx=ctx, type_k=cache_type, type_v=cache_type, n_seq=parallel, swa_full=swa_full)
     with progress(not (quiet or as_json), transient=True) as sink:
         from ggufcarve.llama.memory import FLASH_ATTN, MemorySettings
 
@@ -145,7 +145,16 @@ def fit_command(
                 f"--flash-attn {flash_attn!r} is not one of {', '.join(FLASH_ATTN)}", "auto is llama.cpp's default"
             )
         run_settings = (
-            MemorySettings(ctx, cache_type, batch, ubatch, parallel, flash_attn, swa_full, gpu_layers)
+            MemorySettings(
+                n_ctx=ctx,
+                kv_type=cache_type,
+                n_batch=batch,
+                n_ubatch=ubatch,
+                n_seq=parallel,
+                flash_attn=flash_attn,
+                swa_full=swa_full,
+                gpu_layers=gpu_layers,
+            )
             if measured
             else None
         )

@@ -15,27 +15,29 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ggufcarve import settings as S
 from ggufcarve.errors import BadInput, OutputError
 from ggufcarve.events import Sink, ignore
 from ggufcarve.select.criteria import SUPER_EXPERT_METHODS, criterion_named
+from ggufcarve.settings import key, required
 
 
 @dataclass(frozen=True)
 class SelectSettings:
-    method: str | None  # None: the source is a scores file, whose method is used
-    keep: int | None = None
-    ratio: float | None = None
-    imatrix: Path | None = None
-    calibration: tuple[Path, ...] = ()
-    seed: int = 0
-    ctx: int = 512
-    max_tokens: int | None = None
-    threads: int | None = None
-    protect: str | None = None  # ids for every block (0,5,9-11) or a keep-set-like JSON file
-    protect_super_experts: bool = False
+    method: str | None = required(S.METHOD)  # None: the source is a scores file, whose method is used
+    keep: int | None = key(S.KEEP, None)
+    ratio: float | None = key(S.RATIO, None)
+    imatrix: Path | None = key(S.IMATRIX, None)
+    calibration: tuple[Path, ...] = key(S.CALIBRATION, ())
+    seed: int = key(S.SEED, 0)
+    ctx: int = key(S.CTX, 512)
+    max_tokens: int | None = key(S.MAX_TOKENS, None)
+    threads: int | None = key(S.THREADS, None)
+    protect: str | None = key(S.PROTECT, None)  # ids for every block (0,5,9-11) or a keep-set-like JSON file
+    protect_super_experts: bool = key(S.PROTECT_SUPER_EXPERTS, False)
     heatmap: bool = True
     imatrix_out: Path | None = None  # with a calibration method: the model's imatrix from the same pass
-    gpu_layers: int = 0  # layers offloaded to the accelerator in the calibration pass
+    gpu_layers: int = key(S.GPU_LAYERS, 0)  # layers offloaded to the accelerator in the calibration pass
 
 
 @dataclass(frozen=True)

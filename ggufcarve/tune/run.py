@@ -33,10 +33,12 @@ from typing import Any
 
 import numpy as np
 
+from ggufcarve import settings as S
 from ggufcarve.errors import BadInput
 from ggufcarve.events import Sink, ignore
 from ggufcarve.measure.statistics import DEFAULT_Z
 from ggufcarve.select.criteria import ALL_METHODS, IMATRIX_METHODS, TRACE_METHODS, ZERO_SHOT
+from ggufcarve.settings import key, required
 
 REPORT = "tune"
 CHART = "tune-kld.png"
@@ -45,17 +47,17 @@ ALL_SHARE = 0.5  # greedy's estimate counts a token per byte of the text: on pro
 
 @dataclass(frozen=True)
 class TuneSettings:
-    keeps: tuple[int, ...]
-    methods: tuple[str, ...] = ALL_METHODS
-    calibration: tuple[Path, ...] = ()
-    heldout: tuple[Path, ...] = ()
-    ctx: int = 512
-    chunks: int | None = None
-    max_tokens: int | None = None
-    threads: int | None = None
-    gpu_layers: int = 0  # layers offloaded to the accelerator in every llama.cpp child
+    keeps: tuple[int, ...] = required(S.KEEP)
+    methods: tuple[str, ...] = key(S.METHODS, ALL_METHODS)
+    calibration: tuple[Path, ...] = key(S.CALIBRATION, ())
+    heldout: tuple[Path, ...] = key(S.HELDOUT, ())
+    ctx: int = key(S.CTX, 512)
+    chunks: int | None = key(S.CHUNKS, None)
+    max_tokens: int | None = key(S.MAX_TOKENS, None)
+    threads: int | None = key(S.THREADS, None)
+    gpu_layers: int = key(S.GPU_LAYERS, 0)  # layers offloaded to the accelerator in every llama.cpp child
     seed: int = 0
-    stability: bool = False
+    stability: bool = key(S.STABILITY, False)
     z: float = (
         DEFAULT_Z  # a candidate leaves a round when worse than the leader by more than z standard errors (paired)
     )
