@@ -188,9 +188,6 @@ class Flag(Unit):
     what = "true or false"
     metavar = ""
 
-    def from_text(self, text: str) -> bool:
-        return {"true": True, "false": False}[text.strip().lower()]
-
     def from_toml(self, value: Any, base: Path) -> bool:
         if not isinstance(value, bool):
             raise ValueError
@@ -399,7 +396,6 @@ class Setting:
     unit: Unit
     help: str
     short: str | None = None  # a one-letter flag beside the long one
-    hint: str = ""  # the next step after a value is refused (default: an example)
 
     @property
     def flag(self) -> str:
@@ -434,14 +430,12 @@ class Setting:
                 "paths in a plan are relative to the plan file" if plan else "check the path",
             ) from None
         except (ValueError, KeyError, TypeError):
-            raise BadInput(f"{label} must be {self.unit.what} (got {shown})", self.hint or example) from None
-
-    def __call__(self, text: Any) -> Any:
-        return self.parse_text(text)
+            raise BadInput(f"{label} must be {self.unit.what} (got {shown})", example) from None
 
 
 def key(setting: Setting, default: Any = None) -> Any:
-    """A plan table's field read as `setting` (the field's name is the TOML key)."""
+    """A settings dataclass's field read as `setting`, with its default (in a plan table the field's
+    name is the TOML key)."""
     return field(default=default, metadata={"setting": setting})
 
 

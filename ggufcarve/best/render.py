@@ -217,7 +217,7 @@ def plan_document(report: dict[str, Any], source: Path, settings: Any, out_dir: 
         "source": _plan_path(source, out_dir),
         "output": "release",
         "work": "release.work",
-        "selection": {"keepset": _plan_path(out_dir / winner["keep_set"], out_dir)},
+        "selection": {"keep": _plan_path(out_dir / winner["keep_set"], out_dir)},
     }
     if imatrix.is_file():
         doc["imatrix"] = {"file": _plan_path(imatrix, out_dir)}

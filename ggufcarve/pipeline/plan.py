@@ -7,7 +7,7 @@ evaluation, parsed into a validated `RunPlan` before anything touches disk.
     # name = "Qwen3.6-35B-A3B-128e"          # {model} in rung file names
 
     [selection]
-    method = "frequency"                     # or keepset = "kept_expert_indices.json"
+    method = "frequency"                     # or keep = "kept_expert_indices.json" (a keep-set file)
     keep = 128                               # or ratio = 0.5
     # method = "tune"                        # measure instead: the tournament of `ggufcarve tune`
     # methods = ["reap", "frequency", "weights"]   # or "all" (the default)
