@@ -32,7 +32,7 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ggufcarve.best.builds import build_pruned, build_rungs, keep_sets, run_command, tensor_types
 from ggufcarve.best.candidates import PRUNED, UNPRUNED
@@ -40,6 +40,10 @@ from ggufcarve.best.cost import STAGES, active_fraction, projection
 from ggufcarve.best.plan import BestSettings, Plan, built_record, plan_best
 from ggufcarve.errors import BadInput, ToolFailed
 from ggufcarve.events import Sink, ignore
+
+if TYPE_CHECKING:  # imported where used: the measurement layer imports numpy
+    from ggufcarve.evaluate.gate import Gate
+    from ggufcarve.measure import tournament as mt
 
 REPORT = "best"
 CHART = "best-pareto.png"
@@ -80,35 +84,54 @@ def _judge(gate: Any, record: dict[str, Any]) -> tuple[bool, list[str]]:
     return verdict.verdict == "PASS", list(verdict.failed)
 
 
+@dataclass(frozen=True)
+class _Search:
+    """One search's source, settings and plan, and where its files go."""
+
+    source: Path
+    settings: BestSettings
+    plan: Plan
+    out_dir: Path
+    work: Path  # out_dir/work: keep-sets, pruned sources, references
+    models_dir: Path  # out_dir/models: the rungs, unpruned and pruned
+    imatrix: Path  # the calibration pass's imatrix
+    base: str  # the model name the rungs are named after
+    on_event: Sink
+
+    def pruned_rung(self, keep_file: Path, kept: int, quant: str, method: str) -> Path:
+        """The rung `quant` of the source pruned to the keep-set in `keep_file` (K=`kept`), built by
+        `builds.build_pruned`."""
+        return build_pruned(
+            self.plan,
+            self.settings,
+            keep_file,
+            kept,
+            quant,
+            method,
+            self.work,
+            self.models_dir,
+            self.imatrix,
+            self.base,
+            self.on_event,
+        )
+
+
 def best(
     source: Path, settings: BestSettings, out_dir: Path, *, plan: Plan | None = None, on_event: Sink = ignore
 ) -> BestResult:
     """Search the candidates; write best.json, best.md, best-pareto.png and plan.toml under `out_dir`, the models
     under out_dir/models."""
-    from ggufcarve.best.render import chart, markdown, plan_document, publish_command, write_plan
-    from ggufcarve.fileio import write_text_atomic
-    from ggufcarve.llama.masking import required_nodes
     from ggufcarve.llama.tools import physical_cores
-    from ggufcarve.measure import tournament as mt
-    from ggufcarve.measure.statistics import metric_column, paired_difference
-    from ggufcarve.moe.keepset import load_keepset
     from ggufcarve.quant.ladder_plan import model_name_from
-    from ggufcarve.reports import envelope
 
     started = time.perf_counter()
     plan = plan or plan_best(source, settings, on_event=on_event)
-    ids = {c.id for c in plan.candidates if c.family == UNPRUNED} | {
-        f"{c.id}-{m}" for c in plan.candidates if c.family == PRUNED for m in settings.methods
-    }
-    wanted = set(settings.only) if settings.only else None
-    if wanted is not None and (unknown := wanted - ids):  # before anything is written
-        raise BadInput(f"--only {', '.join(sorted(unknown))}: not a candidate", f"candidates: {', '.join(sorted(ids))}")
+    wanted = _wanted(plan, settings)
     previous_timings = _previous_timings(out_dir)
     timings: dict[str, float] = {"fit_seconds": plan.seconds}
     out_dir.mkdir(parents=True, exist_ok=True)
     work = out_dir / "work"
     work.mkdir(exist_ok=True)
-    models_dir = out_dir / "models"
     imatrix = work / "calibration.imatrix.gguf"
     threads = settings.threads or physical_cores()
     gate = None
@@ -121,10 +144,60 @@ def best(
     reused = False
     if plan.kept_counts:
         sets, timings["calibration_seconds"], reused = keep_sets(source, plan, settings, work, imatrix, on_event)
-    base = model_name_from(source)
-    layout = plan.layout
+    search = _Search(
+        source=source,
+        settings=settings,
+        plan=plan,
+        out_dir=out_dir,
+        work=work,
+        models_dir=out_dir / "models",
+        imatrix=imatrix,
+        base=model_name_from(source),
+        on_event=on_event,
+    )
 
     t0 = time.perf_counter()
+    rungs = _unpruned_rungs(search, wanted)
+    records, pool = _candidate_records(search, sets, rungs, wanted)
+    timings["builds_seconds"] = time.perf_counter() - t0
+
+    measured = None
+    if wanted is None:
+        measured, segments, measure_settings, tournament_timings = _tournament(search, records, pool, threads, gate)
+        timings.update(tournament_timings)
+        timings["confirmation_seconds"], confirm_builds = _confirm(
+            search, records, rungs, measured, segments, measure_settings
+        )
+        timings["builds_seconds"] += confirm_builds  # the confirmations' builds count as builds
+    for stage in STAGES:
+        timings.setdefault(f"{stage}_seconds", 0.0)
+
+    winner = None
+    if measured is not None and measured.groups[""]["winner"] is not None:
+        winner = records[measured.groups[""]["winner"]]
+    _complete_records(records, settings)
+    timings["total_seconds"] = time.perf_counter() - started
+
+    report = _report(search, records, winner, measured, timings, wanted, reused, previous_timings)
+    outputs = _write_outputs(search, report, winner) if wanted is None else []
+    return BestResult(report, outputs)
+
+
+def _wanted(plan: Plan, settings: BestSettings) -> set[str] | None:
+    """The candidate ids --only names (None: every candidate); an id that is not a candidate is a BadInput."""
+    ids = {c.id for c in plan.candidates if c.family == UNPRUNED} | {
+        f"{c.id}-{m}" for c in plan.candidates if c.family == PRUNED for m in settings.methods
+    }
+    wanted = set(settings.only) if settings.only else None
+    if wanted is not None and (unknown := wanted - ids):  # before anything is written
+        raise BadInput(f"--only {', '.join(sorted(unknown))}: not a candidate", f"candidates: {', '.join(sorted(ids))}")
+    return wanted
+
+
+def _unpruned_rungs(search: _Search, wanted: set[str] | None) -> dict[str, Path]:
+    """The unpruned rungs built (quant -> file): every quant of the plan, or under --only the quants of the unpruned
+    candidates named and of the pruned candidates named whose types agree with the unpruned rung's."""
+    plan, settings = search.plan, search.settings
     quants = [
         q
         for q in plan.quants
@@ -137,20 +210,35 @@ def best(
             for m in settings.methods
         )
     ]
-    rungs = (
+    return (
         build_rungs(
             settings.ladder,
-            source,
-            models_dir / UNPRUNED,
+            search.source,
+            search.models_dir / UNPRUNED,
             quants,
-            imatrix if imatrix.is_file() else None,
-            base,
+            search.imatrix if search.imatrix.is_file() else None,
+            search.base,
             settings,
-            on_event,
+            search.on_event,
         )
         if quants
         else {}
     )
+
+
+def _candidate_records(
+    search: _Search, sets: dict[int, dict[str, Any]], rungs: dict[str, Path], wanted: set[str] | None
+) -> tuple[dict[str, dict[str, Any]], list[mt.Candidate]]:
+    """Every candidate's record (id -> record, in plan order) and the tournament's pool. An unpruned rung is scored
+    by its file; a pruned candidate whose keep-set is identical to another method's is not scored; one whose types
+    agree with the unpruned rung's is masked on that rung (not scored under --only); one whose types differ is built
+    (prune, remap the imatrix, quantize) and scored by its file."""
+    from ggufcarve.llama.masking import required_nodes
+    from ggufcarve.measure import tournament as mt
+    from ggufcarve.moe.keepset import load_keepset
+
+    plan, settings = search.plan, search.settings
+    layout = plan.layout
     records: dict[str, dict[str, Any]] = {}
     pool: list[mt.Candidate] = []
     fraction = active_fraction(plan.model, layout)  # of a file's bytes one token reads: prefer = "faster"
@@ -226,9 +314,7 @@ def best(
                     scored_by_reason=f"llama-quantize gives {len(differ)} tensor(s) another type "
                     f"at K={c.kept} ({name}: {was}, unpruned {unpruned_type})",
                 )
-                path = build_pruned(
-                    plan, settings, entry["file"], c.kept, c.quant, method, work, models_dir, imatrix, base, on_event
-                )
+                path = search.pruned_rung(entry["file"], c.kept, c.quant, method)
                 size = path.stat().st_size
                 record.update(
                     built=True,
@@ -240,145 +326,158 @@ def best(
                 pool.append(
                     mt.Candidate(cid, path, None, fits=record["fits"], file_bytes=size, read_bytes=int(size * fraction))
                 )
-    timings["builds_seconds"] = time.perf_counter() - t0
+    return records, pool
 
-    measured = None
-    confirmations: list[str] = []
-    if wanted is None:
-        t0 = time.perf_counter()
-        segments = mt.prepare_segments(
-            source,
-            settings.heldout,
-            chunk_ctx=settings.eval_ctx,
-            chunks=settings.chunks,
-            threads=threads,
-            work=work,
-            gpu_layers=settings.gpu_layers,
-            on_event=on_event,
+
+def _tournament(
+    search: _Search, records: dict[str, dict[str, Any]], pool: list[mt.Candidate], threads: int, gate: Gate | None
+) -> tuple[mt.Measurement, list[mt.Segment], mt.MeasureSettings, dict[str, float]]:
+    """The unpruned model's references on the held-out files and the tournament of `pool` on them
+    (`measure.tournament`). Each scored record in `records` takes its figures; a record whose keep-set is identical
+    to a scored one's takes that one's figures, stopped early as "identical". Returns the measurement, the segments
+    and measurement settings it was scored with, and the seconds of the references and of the tournament."""
+    from ggufcarve.measure import tournament as mt
+
+    settings = search.settings
+    timings: dict[str, float] = {}
+    t0 = time.perf_counter()
+    segments = mt.prepare_segments(
+        search.source,
+        settings.heldout,
+        chunk_ctx=settings.eval_ctx,
+        chunks=settings.chunks,
+        threads=threads,
+        work=search.work,
+        gpu_layers=settings.gpu_layers,
+        on_event=search.on_event,
+    )
+    timings["references_seconds"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    measure_settings = mt.MeasureSettings(
+        threads=threads,
+        gpu_layers=settings.gpu_layers,
+        z=settings.z,
+        metric=settings.metric,
+        prefer=settings.prefer,
+        gate=(lambda stats: _judge(gate, stats)) if gate is not None else None,
+        tables=mt.measure_tables(),
+    )
+    measured = mt.measure(pool, segments, measure_settings, search.work, on_event=search.on_event)
+    timings["tournament_seconds"] = time.perf_counter() - t0
+    for cid, r in measured.records.items():
+        records[cid].update(
+            {k: v for k, v in r.items() if k not in ("id", "group", "fits", "finalist")}, finalist=r["finalist"]
         )
-        timings["references_seconds"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        measure_settings = mt.MeasureSettings(
-            threads=threads,
-            gpu_layers=settings.gpu_layers,
-            z=settings.z,
-            metric=settings.metric,
-            prefer=settings.prefer,
-            gate=(lambda stats: _judge(gate, stats)) if gate is not None else None,
-            tables=mt.measure_tables(),
-        )
-        measured = mt.measure(pool, segments, measure_settings, work, on_event=on_event)
-        timings["tournament_seconds"] = time.perf_counter() - t0
-        for cid, r in measured.records.items():
-            records[cid].update(
-                {k: v for k, v in r.items() if k not in ("id", "group", "fits", "finalist")}, finalist=r["finalist"]
-            )
-        for r in records.values():  # identical keep-sets: the figures of the one scored
-            if r.get("identical_to") and r["identical_to"] in measured.records:
-                twin = records[r["identical_to"]]
-                r.update(
-                    {
-                        k: twin.get(k)
-                        for k in (
-                            "kld_mean",
-                            "kld_mean_stderr",
-                            "kld_p999",
-                            "same_top_p",
-                            "ppl",
-                            "tokens",
-                            "chunks_scored",
-                            "segments",
-                        )
-                    },
-                    stopped_early=True,
-                    stopped_reason="identical",
-                    lost_by=None,
-                )
-        decision = measured.groups[""]
-        t0 = time.perf_counter()
-        finalists = sorted(
-            (cid for cid in decision["finalists"]),
-            key=lambda cid: (mt.metric_value(records[cid], settings.metric), cid),
-        )
-        if decision["winner"] is not None:
-            runners = [cid for cid in finalists if cid != decision["winner"] and records[cid]["scored_by"] == "mask"][
-                : settings.confirm
-            ]
-            confirmations = [cid for cid in (decision["winner"], *runners) if records[cid]["scored_by"] == "mask"]
-        column = metric_column("kld_mean")
-        confirm_builds = 0.0
-        for cid in confirmations:
-            r = records[cid]
-            keep_file = out_dir / r["keep_set"]
-            built_at = time.perf_counter()
-            path = build_pruned(
-                plan,
-                settings,
-                keep_file,
-                r["kept_experts"],
-                r["quant"],
-                r["selection"],
-                work,
-                models_dir,
-                imatrix,
-                base,
-                on_event,
-            )
-            confirm_builds += time.perf_counter() - built_at
-            unpruned_types = tensor_types(rungs[r["quant"]])
-            mismatched = sorted(n for n, t in tensor_types(path).items() if unpruned_types.get(n) != t)
-            confirm = mt.measure(
-                [mt.Candidate(f"{cid}@file", path, None)], segments, measure_settings, work, on_event=on_event
-            )
-            file_record = confirm.records[f"{cid}@file"]
-            masked_table, file_table = measured.table(cid), confirm.table(f"{cid}@file")
-            pair = (
-                paired_difference(file_table[:, column], masked_table[:, column])
-                if len(masked_table) == len(file_table)
-                else None
-            )
-            size = path.stat().st_size
-            estimated_total = r["memory"][0]["total"] if r.get("memory") else None
+    for r in records.values():  # identical keep-sets: the figures of the one scored
+        if r.get("identical_to") and r["identical_to"] in measured.records:
+            twin = records[r["identical_to"]]
             r.update(
-                built=True,
-                path=path,
-                file_bytes=size,
-                **built_record(path, settings, plan.tier),
-                memory_estimated_total=estimated_total,
-                confirmed={
-                    "masked_kld_mean": r["kld_mean"],
-                    "file_kld_mean": file_record["kld_mean"],
-                    "file_kld_mean_stderr": file_record["kld_mean_stderr"],
-                    "paired_difference": pair.to_json() if pair else None,
-                    "types_mismatched": mismatched[:8],
-                    "file_segments": file_record.get("segments"),
-                    "chunks": file_record["chunks_scored"],
+                {
+                    k: twin.get(k)
+                    for k in (
+                        "kld_mean",
+                        "kld_mean_stderr",
+                        "kld_p999",
+                        "same_top_p",
+                        "ppl",
+                        "tokens",
+                        "chunks_scored",
+                        "segments",
+                    )
                 },
+                stopped_early=True,
+                stopped_reason="identical",
+                lost_by=None,
             )
-            tolerance = max(2 * file_record["kld_mean_stderr"], CONFIRM_RELATIVE * r["kld_mean"])
-            if abs(file_record["kld_mean"] - r["kld_mean"]) > tolerance:
-                raise ToolFailed(
-                    f"{cid}: masked mean KLD {r['kld_mean']:.6f} but its built "
-                    f"file {path.name} measures {file_record['kld_mean']:.6f} "
-                    f"(more than {tolerance:.6f} apart)"
-                    + (
-                        f"; tensors of another type than the unpruned rung's: {', '.join(mismatched[:4])}"
-                        if mismatched
-                        else ""
-                    ),
-                    "score this candidate by its file: a masked score stands for "
-                    "the pruned file only where llama-quantize chose the same types",
-                )
-        timings["confirmation_seconds"] = (
-            time.perf_counter() - t0 - confirm_builds
-        )  # scoring the files; their builds count as builds
-        timings["builds_seconds"] += confirm_builds
-    for stage in STAGES:
-        timings.setdefault(f"{stage}_seconds", 0.0)
+    return measured, segments, measure_settings, timings
 
-    winner = None
-    if measured is not None and measured.groups[""]["winner"] is not None:
-        winner = records[measured.groups[""]["winner"]]
+
+def _confirm(
+    search: _Search,
+    records: dict[str, dict[str, Any]],
+    rungs: dict[str, Path],
+    measured: mt.Measurement,
+    segments: list[mt.Segment],
+    measure_settings: mt.MeasureSettings,
+) -> tuple[float, float]:
+    """The winner and the first `confirm` other finalists by metric, those scored by mask: each built as a file and
+    scored on every chunk, its record given the file and `confirmed`. A file whose mean KLD lies further than
+    max(2 of its standard errors, CONFIRM_RELATIVE of the masked mean) from the masked one is a ToolFailed. Returns
+    the seconds of scoring the files and the seconds of building them."""
+    from ggufcarve.measure import tournament as mt
+    from ggufcarve.measure.statistics import metric_column, paired_difference
+
+    plan, settings = search.plan, search.settings
+    confirmations: list[str] = []
+    decision = measured.groups[""]
+    t0 = time.perf_counter()
+    finalists = sorted(
+        (cid for cid in decision["finalists"]),
+        key=lambda cid: (mt.metric_value(records[cid], settings.metric), cid),
+    )
+    if decision["winner"] is not None:
+        runners = [cid for cid in finalists if cid != decision["winner"] and records[cid]["scored_by"] == "mask"][
+            : settings.confirm
+        ]
+        confirmations = [cid for cid in (decision["winner"], *runners) if records[cid]["scored_by"] == "mask"]
+    column = metric_column("kld_mean")
+    confirm_builds = 0.0
+    for cid in confirmations:
+        r = records[cid]
+        keep_file = search.out_dir / r["keep_set"]
+        built_at = time.perf_counter()
+        path = search.pruned_rung(keep_file, r["kept_experts"], r["quant"], r["selection"])
+        confirm_builds += time.perf_counter() - built_at
+        unpruned_types = tensor_types(rungs[r["quant"]])
+        mismatched = sorted(n for n, t in tensor_types(path).items() if unpruned_types.get(n) != t)
+        confirm = mt.measure(
+            [mt.Candidate(f"{cid}@file", path, None)], segments, measure_settings, search.work, on_event=search.on_event
+        )
+        file_record = confirm.records[f"{cid}@file"]
+        masked_table, file_table = measured.table(cid), confirm.table(f"{cid}@file")
+        pair = (
+            paired_difference(file_table[:, column], masked_table[:, column])
+            if len(masked_table) == len(file_table)
+            else None
+        )
+        size = path.stat().st_size
+        estimated_total = r["memory"][0]["total"] if r.get("memory") else None
+        r.update(
+            built=True,
+            path=path,
+            file_bytes=size,
+            **built_record(path, settings, plan.tier),
+            memory_estimated_total=estimated_total,
+            confirmed={
+                "masked_kld_mean": r["kld_mean"],
+                "file_kld_mean": file_record["kld_mean"],
+                "file_kld_mean_stderr": file_record["kld_mean_stderr"],
+                "paired_difference": pair.to_json() if pair else None,
+                "types_mismatched": mismatched[:8],
+                "file_segments": file_record.get("segments"),
+                "chunks": file_record["chunks_scored"],
+            },
+        )
+        tolerance = max(2 * file_record["kld_mean_stderr"], CONFIRM_RELATIVE * r["kld_mean"])
+        if abs(file_record["kld_mean"] - r["kld_mean"]) > tolerance:
+            raise ToolFailed(
+                f"{cid}: masked mean KLD {r['kld_mean']:.6f} but its built "
+                f"file {path.name} measures {file_record['kld_mean']:.6f} "
+                f"(more than {tolerance:.6f} apart)"
+                + (
+                    f"; tensors of another type than the unpruned rung's: {', '.join(mismatched[:4])}"
+                    if mismatched
+                    else ""
+                ),
+                "score this candidate by its file: a masked score stands for "
+                "the pruned file only where llama-quantize chose the same types",
+            )
+    return time.perf_counter() - t0 - confirm_builds, confirm_builds
+
+
+def _complete_records(records: dict[str, dict[str, Any]], settings: BestSettings) -> None:
+    """Gives each built record its run command, and each record the figures of a candidate not scored where it has
+    none (0 chunks, not stopped, no KLD, top-token agreement or perplexity)."""
     for r in records.values():
         if r["built"]:
             r["run_command"] = run_command(Path(r["path"]), settings)
@@ -387,14 +486,34 @@ def best(
         r.setdefault("stopped_reason", None)
         for key in ("kld_mean", "kld_mean_stderr", "kld_p999", "same_top_p", "ppl"):
             r.setdefault(key, None)
-    timings["total_seconds"] = time.perf_counter() - started
 
-    def public(r: dict[str, Any]) -> dict[str, Any]:
-        doc = {k: v for k, v in r.items() if k != "path"}
-        doc["path"] = str(Path(r["path"]).relative_to(out_dir)) if r["path"] else None
-        return doc
 
-    candidates = [public(r) for r in sorted(records.values(), key=lambda r: (r["file_bytes"], r["id"]))]
+def _public(record: dict[str, Any], out_dir: Path) -> dict[str, Any]:
+    """A record as best.json shows it: its path relative to `out_dir`, last."""
+    doc = {k: v for k, v in record.items() if k != "path"}
+    doc["path"] = str(Path(record["path"]).relative_to(out_dir)) if record["path"] else None
+    return doc
+
+
+def _report(
+    search: _Search,
+    records: dict[str, dict[str, Any]],
+    winner: dict[str, Any] | None,
+    measured: mt.Measurement | None,
+    timings: dict[str, float],
+    wanted: set[str] | None,
+    reused: bool,
+    previous_timings: dict[str, float] | None,
+) -> dict[str, Any]:
+    """best.json's document: the report envelope of the inputs, the parameters, the results (the model, the
+    candidates by file size, the winner, the halving, the projection, the command that publishes the winner) and
+    the timings."""
+    from ggufcarve.best.render import publish_command
+    from ggufcarve.reports import envelope
+
+    source, settings, plan, out_dir = search.source, search.settings, search.plan, search.out_dir
+    layout = plan.layout
+    candidates = [_public(r, out_dir) for r in sorted(records.values(), key=lambda r: (r["file_bytes"], r["id"]))]
     results = {
         "model": {
             "name": source.name,
@@ -407,7 +526,7 @@ def best(
         "cache": plan.fit.cache.to_json(),
         "heldout": [p.name for p in settings.heldout],
         "candidates": candidates,
-        "winner": public(winner) if winner else None,
+        "winner": _public(winner, out_dir) if winner else None,
         "kept_counts": plan.kept_counts,
         "halving": measured.groups[""] if measured is not None else None,
         "units": [list(u) for u in measured.units] if measured is not None else [],
@@ -420,7 +539,7 @@ def best(
         "previous_run_timings": previous_timings,
     }
     if winner is not None and winner["family"] == UNPRUNED:  # published by the ladder alone: no prune stage
-        results["publish"] = {"command": publish_command({"winner": winner}, source, settings, out_dir, imatrix)}
+        results["publish"] = {"command": publish_command({"winner": winner}, source, settings, out_dir, search.imatrix)}
     elif winner is not None:
         results["publish"] = {"command": ["ggufcarve", "run", "plan.toml"]}
     parameters = {
@@ -443,7 +562,7 @@ def best(
         "prefer": settings.prefer,
         "z": settings.z,
     }
-    report = envelope(
+    return envelope(
         REPORT,
         inputs=[
             {"kind": "model", "name": source.name},
@@ -454,16 +573,25 @@ def best(
         results=results,
         timings=timings,
     )
-    outputs: list[Path] = []
-    if wanted is None:
-        write_text_atomic(out_dir / "best.json", json.dumps(report, indent=1, sort_keys=True, allow_nan=False) + "\n")
-        write_text_atomic(out_dir / "best.md", markdown(report))
-        chart(report, out_dir / CHART)
-        outputs = [out_dir / "best.json", out_dir / "best.md", out_dir / CHART]
-        (out_dir / "plan.toml").unlink(missing_ok=True)  # a plan of an earlier answer would publish another model
-        if winner is not None and winner["family"] == PRUNED:
-            outputs.append(write_plan(plan_document(report, source, settings, out_dir, imatrix), out_dir))
-    return BestResult(report, outputs)
+
+
+def _write_outputs(search: _Search, report: dict[str, Any], winner: dict[str, Any] | None) -> list[Path]:
+    """Writes best.json, best.md and the chart under out_dir, removes an earlier plan.toml and writes the plan of a
+    pruned winner; returns the files written."""
+    from ggufcarve.best.render import chart, markdown, plan_document, write_plan
+    from ggufcarve.fileio import write_text_atomic
+
+    out_dir = search.out_dir
+    write_text_atomic(out_dir / "best.json", json.dumps(report, indent=1, sort_keys=True, allow_nan=False) + "\n")
+    write_text_atomic(out_dir / "best.md", markdown(report))
+    chart(report, out_dir / CHART)
+    outputs = [out_dir / "best.json", out_dir / "best.md", out_dir / CHART]
+    (out_dir / "plan.toml").unlink(missing_ok=True)  # a plan of an earlier answer would publish another model
+    if winner is not None and winner["family"] == PRUNED:
+        outputs.append(
+            write_plan(plan_document(report, search.source, search.settings, out_dir, search.imatrix), out_dir)
+        )
+    return outputs
 
 
 def _previous_timings(out_dir: Path) -> dict[str, float] | None:
