@@ -25,10 +25,11 @@ Markers (HTML comments, invisible on GitHub), each around one fenced block:
 
 Every markdown file gets one fresh temp folder; its blocks run in the order they appear there, so a
 later block reads what an earlier one wrote (the README's tasks read the demo's release). The
-folder holds links to the repository's ggufcarve/, ladders/, plans/ and evaluation/, so a command
-names the shipped files as it does from a clone. `ggufcarve` runs this checkout's package (the
-repository root first on PYTHONPATH) at 100 columns. In the output the temp folder's and the
-repository's absolute paths are made relative and the home directory is written `~`.
+folder holds links to the repository's ggufcarve/, ladders/, plans/, evaluation/ and tests/, so a
+command names the shipped files (and the test suite's model factory) as it does from a clone.
+`ggufcarve` runs this checkout's package (the repository root first on PYTHONPATH) at 100 columns.
+In the output the temp folder's and the repository's absolute paths are made relative and the home
+directory is written `~`.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-LINKED = ("ggufcarve", "ladders", "plans", "evaluation")
+LINKED = ("ggufcarve", "ladders", "plans", "evaluation", "tests")
 WIDTH = 100
 TIMEOUT_SECONDS = 1800
 OPEN = re.compile(r"^<!-- capture(?::\s*(?P<filter>.*?))?\s*-->$")
