@@ -15,6 +15,7 @@ Markers (HTML comments, invisible on GitHub), each around one fenced block:
     <!-- capture: tail N -->         only the last N lines of each command's output
     <!-- capture: head N -->         only the first N lines
     <!-- capture: grep REGEX -->     only the lines REGEX matches (re.search)
+    <!-- capture: drop REGEX -->     only the lines REGEX does not match (progress bars: `drop ━`)
                                      left-out lines are shown as one `...` line per gap
 
     <!-- capture-file: NAME -->      the block's text is written to NAME in the capture folder
@@ -117,11 +118,11 @@ def keep_lines(output: list[str], rule: str) -> list[str]:
         kept = set(range(max(0, len(output) - int(value)), len(output)))
     elif verb == "head":
         kept = set(range(min(len(output), int(value))))
-    elif verb == "grep":
+    elif verb in ("grep", "drop"):
         pattern = re.compile(value)
-        kept = {i for i, line in enumerate(output) if pattern.search(line)}
+        kept = {i for i, line in enumerate(output) if bool(pattern.search(line)) == (verb == "grep")}
     else:
-        raise SystemExit(f"unknown capture filter {rule!r}: tail N, head N or grep REGEX")
+        raise SystemExit(f"unknown capture filter {rule!r}: tail N, head N, grep REGEX or drop REGEX")
     shown: list[str] = []
     for i, line in enumerate(output):
         if i in kept:
