@@ -24,6 +24,9 @@ Markers (HTML comments, invisible on GitHub), each around one fenced block:
     ```
     <!-- /capture -->
 
+A marked block may be indented (inside a list item): its indentation is taken off its lines and put
+back on the output's.
+
 Every markdown file gets one fresh temp folder; its blocks run in the order they appear there, so a
 later block reads what an earlier one wrote (the README's tasks read the demo's release). The
 folder holds links to the repository's ggufcarve/, ladders/, plans/, evaluation/ and tests/, so a
@@ -65,6 +68,7 @@ class Capture:
     end: int
     kind: str  # "command" or "file"
     argument: str  # the filter of a command block, the file name of a file block
+    indent: str = ""  # the fence's indentation (a block inside a list item), taken off the body and put back
 
 
 def find_captures(lines: list[str], path: Path) -> list[Capture]:
@@ -74,9 +78,10 @@ def find_captures(lines: list[str], path: Path) -> list[Capture]:
         command, written = OPEN.match(line), OPEN_FILE.match(line)
         if command or written:
             fence = index + 1
-            if fence >= len(lines) or not lines[fence].startswith("```"):
+            if fence >= len(lines) or not lines[fence].lstrip().startswith("```"):
                 raise SystemExit(f"{path}:{index + 1}: a capture marker must be followed by a fenced block")
-            close = next((i for i in range(fence + 1, len(lines)) if lines[i].startswith("```")), None)
+            indent = lines[fence][: len(lines[fence]) - len(lines[fence].lstrip())]
+            close = next((i for i in range(fence + 1, len(lines)) if lines[i].lstrip().startswith("```")), None)
             if close is None or close + 1 >= len(lines) or lines[close + 1].strip() != CLOSE:
                 raise SystemExit(f"{path}:{index + 1}: the fenced block must be followed by {CLOSE}")
             captures.append(
@@ -85,6 +90,7 @@ def find_captures(lines: list[str], path: Path) -> list[Capture]:
                     close + 1,
                     "file" if written else "command",
                     written.group("name") if written else (command.group("filter") or ""),
+                    indent,
                 )
             )
             index = close + 2
@@ -187,7 +193,7 @@ def capture_file(path: Path, check: bool) -> bool:
         new = list(lines)
         rewritten: dict[int, list[str]] = {}
         for capture in captures:
-            body = lines[capture.start + 1 : capture.end - 1]
+            body = [line.removeprefix(capture.indent) for line in lines[capture.start + 1 : capture.end - 1]]
             if capture.kind == "file":
                 (folder / capture.argument).parent.mkdir(parents=True, exist_ok=True)
                 (folder / capture.argument).write_text("\n".join(body) + "\n")
@@ -195,7 +201,7 @@ def capture_file(path: Path, check: bool) -> bool:
             shown: list[str] = []
             for command in commands_of(body):
                 shown += command + keep_lines(run(command, folder, environment), capture.argument)
-            rewritten[capture.start] = shown
+            rewritten[capture.start] = [capture.indent + line if line else line for line in shown]
         for capture in reversed(captures):  # from the end, so that earlier indices stay valid
             if capture.start in rewritten:
                 new[capture.start + 1 : capture.end - 1] = rewritten[capture.start]

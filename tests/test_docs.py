@@ -296,3 +296,16 @@ def test_the_capture_filters_keep_the_lines_they_name_and_mark_the_gaps():
         ["$ ggufcarve a \\", "    --b"],
         ["$ ggufcarve c"],
     ]
+
+
+def test_a_capture_inside_a_list_item_is_found_with_its_indentation():
+    capture = _capture_script()
+    indented = [
+        "- item:",
+        "  <!-- capture: tail 1 -->",
+        "  ```console",
+        "  $ ggufcarve c",
+        "  ```",
+        "  <!-- /capture -->",
+    ]
+    assert capture.find_captures(indented, Path("x.md")) == [capture.Capture(2, 5, "command", "tail 1", "  ")]
