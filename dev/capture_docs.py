@@ -16,6 +16,7 @@ Markers (HTML comments, invisible on GitHub), each around one fenced block:
     <!-- capture: tail N -->         only the last N lines of each command's output
     <!-- capture: head N -->         only the first N lines
     <!-- capture: grep REGEX -->     only the lines REGEX matches (re.search)
+    <!-- capture: drop REGEX -->     only the lines REGEX does not match (progress bars: `drop ━`)
                                      left-out lines are shown as one `...` line per gap
 
     <!-- capture-file: NAME -->      the block's text is written to NAME in the capture folder
@@ -24,12 +25,16 @@ Markers (HTML comments, invisible on GitHub), each around one fenced block:
     ```
     <!-- /capture -->
 
+A marked block may be indented (inside a list item): its indentation is taken off its lines and put
+back on the output's.
+
 Every markdown file gets one fresh temp folder; its blocks run in the order they appear there, so a
 later block reads what an earlier one wrote (the README's tasks read the demo's release). The
-folder holds links to the repository's ggufcarve/, ladders/, plans/ and evaluation/, so a command
-names the shipped files as it does from a clone. `ggufcarve` runs this checkout's package (the
-repository root first on PYTHONPATH) at 100 columns. In the output the temp folder's and the
-repository's absolute paths are made relative and the home directory is written `~`.
+folder holds links to the repository's ggufcarve/, ladders/, plans/, evaluation/ and tests/, so a
+command names the shipped files (and the test suite's model factory) as it does from a clone.
+`ggufcarve` runs this checkout's package (the repository root first on PYTHONPATH) at 100 columns.
+In the output the temp folder's and the repository's absolute paths are made relative and the home
+directory is written `~`.
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-LINKED = ("ggufcarve", "ladders", "plans", "evaluation")
+LINKED = ("ggufcarve", "ladders", "plans", "evaluation", "tests")
 WIDTH = 100
 TIMEOUT_SECONDS = 1800
 OPEN = re.compile(r"^<!-- capture(?::\s*(?P<filter>.*?))?\s*-->$")
@@ -64,6 +69,7 @@ class Capture:
     end: int
     kind: str  # "command" or "file"
     argument: str  # the filter of a command block, the file name of a file block
+    indent: str = ""  # the fence's indentation (a block inside a list item), taken off the body and put back
 
 
 def find_captures(lines: list[str], path: Path) -> list[Capture]:
@@ -73,9 +79,10 @@ def find_captures(lines: list[str], path: Path) -> list[Capture]:
         command, written = OPEN.match(line), OPEN_FILE.match(line)
         if command or written:
             fence = index + 1
-            if fence >= len(lines) or not lines[fence].startswith("```"):
+            if fence >= len(lines) or not lines[fence].lstrip().startswith("```"):
                 raise SystemExit(f"{path}:{index + 1}: a capture marker must be followed by a fenced block")
-            close = next((i for i in range(fence + 1, len(lines)) if lines[i].startswith("```")), None)
+            indent = lines[fence][: len(lines[fence]) - len(lines[fence].lstrip())]
+            close = next((i for i in range(fence + 1, len(lines)) if lines[i].lstrip().startswith("```")), None)
             if close is None or close + 1 >= len(lines) or lines[close + 1].strip() != CLOSE:
                 raise SystemExit(f"{path}:{index + 1}: the fenced block must be followed by {CLOSE}")
             captures.append(
@@ -84,6 +91,7 @@ def find_captures(lines: list[str], path: Path) -> list[Capture]:
                     close + 1,
                     "file" if written else "command",
                     written.group("name") if written else (command.group("filter") or ""),
+                    indent,
                 )
             )
             index = close + 2
@@ -117,11 +125,11 @@ def keep_lines(output: list[str], rule: str) -> list[str]:
         kept = set(range(max(0, len(output) - int(value)), len(output)))
     elif verb == "head":
         kept = set(range(min(len(output), int(value))))
-    elif verb == "grep":
+    elif verb in ("grep", "drop"):
         pattern = re.compile(value)
-        kept = {i for i, line in enumerate(output) if pattern.search(line)}
+        kept = {i for i, line in enumerate(output) if bool(pattern.search(line)) == (verb == "grep")}
     else:
-        raise SystemExit(f"unknown capture filter {rule!r}: tail N, head N or grep REGEX")
+        raise SystemExit(f"unknown capture filter {rule!r}: tail N, head N, grep REGEX or drop REGEX")
     shown: list[str] = []
     for i, line in enumerate(output):
         if i in kept:
@@ -186,7 +194,7 @@ def capture_file(path: Path, check: bool) -> bool:
         new = list(lines)
         rewritten: dict[int, list[str]] = {}
         for capture in captures:
-            body = lines[capture.start + 1 : capture.end - 1]
+            body = [line.removeprefix(capture.indent) for line in lines[capture.start + 1 : capture.end - 1]]
             if capture.kind == "file":
                 (folder / capture.argument).parent.mkdir(parents=True, exist_ok=True)
                 (folder / capture.argument).write_text("\n".join(body) + "\n")
@@ -194,7 +202,7 @@ def capture_file(path: Path, check: bool) -> bool:
             shown: list[str] = []
             for command in commands_of(body):
                 shown += command + keep_lines(run(command, folder, environment), capture.argument)
-            rewritten[capture.start] = shown
+            rewritten[capture.start] = [capture.indent + line if line else line for line in shown]
         for capture in reversed(captures):  # from the end, so that earlier indices stay valid
             if capture.start in rewritten:
                 new[capture.start + 1 : capture.end - 1] = rewritten[capture.start]

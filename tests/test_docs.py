@@ -19,6 +19,7 @@ COMMAND_LINE = typer.main.get_command(app)
 HELP_NAMES = tuple(COMMAND_LINE.context_settings.get("help_option_names", ("--help",)))
 SEPARATORS = ("&&", "||", ";")
 SYNOPSIS_MARKS = "[]()"  # `[--ctx 512]`, `(--keep K | --ratio R)`: optional and alternative parts of a synopsis
+ENVIRONMENT = re.compile(r"^(?:[A-Z_][A-Z0-9_]*=\S*\s+)+")  # `COLUMNS=140 ggufcarve ...`: variables set for one command
 
 
 def fenced_blocks(text: str) -> list[tuple[int, list[str]]]:
@@ -65,6 +66,7 @@ def command_lines(text: str) -> list[tuple[int, str]]:
                 if not line.startswith("$ "):
                     continue
                 line = line[2:].strip()
+            line = ENVIRONMENT.sub("", line)
             if line.startswith("python -m ggufcarve"):
                 line = "ggufcarve" + line[len("python -m ggufcarve") :]
             if line == "ggufcarve" or line.startswith("ggufcarve "):
@@ -260,6 +262,11 @@ def test_command_lines_are_read_from_fenced_blocks_only_and_prompts_mark_output(
     ]
 
 
+def test_a_command_line_is_read_past_the_variables_it_sets():
+    text = "\n".join(["```console", "$ GGUFCARVE_CACHE=new COLUMNS=140 ggufcarve verify r/", "```"])
+    assert command_lines(text) == [(2, "ggufcarve verify r/")]
+
+
 def _capture_script():
     import importlib.util
     import sys
@@ -284,7 +291,21 @@ def test_the_capture_filters_keep_the_lines_they_name_and_mark_the_gaps():
     assert capture.keep_lines(output, "tail 1") == ["...", "run it: y"]
     assert capture.keep_lines(output, "head 2") == ["a", "b", "..."]
     assert capture.keep_lines(output, "grep ^answer|^run it") == ["...", "answer: x", "...", "run it: y"]
+    assert capture.keep_lines(output, "drop ^answer|^run it") == ["a", "b", "...", "c", "..."]
     assert capture.commands_of(["$ ggufcarve a \\", "    --b", "output", "$ ggufcarve c"]) == [
         ["$ ggufcarve a \\", "    --b"],
         ["$ ggufcarve c"],
     ]
+
+
+def test_a_capture_inside_a_list_item_is_found_with_its_indentation():
+    capture = _capture_script()
+    indented = [
+        "- item:",
+        "  <!-- capture: tail 1 -->",
+        "  ```console",
+        "  $ ggufcarve c",
+        "  ```",
+        "  <!-- /capture -->",
+    ]
+    assert capture.find_captures(indented, Path("x.md")) == [capture.Capture(2, 5, "command", "tail 1", "  ")]
