@@ -24,7 +24,7 @@ from ggufcarve.cli.options import (
     GpuLayersOption,
     JsonOption,
     LlamaCppOption,
-    QuietOption,
+    QuietResultOption,
     ThreadsOption,
     option,
     parse_keep,
@@ -191,7 +191,7 @@ def best_command(
     threads: ThreadsOption = None,
     gpu_layers: GpuLayersOption = 0,
     force: ForceOption = False,
-    quiet: QuietOption = False,
+    quiet: QuietResultOption = False,
     as_json: JsonOption = False,
 ) -> None:
     """Score every (K, keep-set, quant) that fits a budget by masking on the unpruned rungs; build and confirm the

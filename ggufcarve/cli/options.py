@@ -78,6 +78,7 @@ KeepFileOption = Annotated[
 KeepFirstOption = Annotated[int | None, option(S.KEEP_FIRST)]
 KeepIdsOption = Annotated[str | None, option(S.KEEP_IDS)]
 QuietOption = Annotated[bool, option(S.QUIET)]
+QuietResultOption = Annotated[bool, option(S.QUIET, "The answer's line alone: no ranked table, no next step.")]
 JsonOption = Annotated[bool, option(S.JSON, "the result.")]
 ForceOption = Annotated[bool, option(S.FORCE, "an existing output.")]
 CalibrationOption = Annotated[list[Path] | None, option(S.CALIBRATION)]

@@ -28,6 +28,7 @@ from ggufcarve.cli.options import (
     GpuLayersOption,
     JsonOption,
     QuietOption,
+    QuietResultOption,
     ThreadsOption,
     option,
 )
@@ -265,7 +266,7 @@ def select_command(
     ] = True,
     compare_files: Annotated[bool, option(S.COMPARE)] = False,
     force: ForceOption = False,
-    quiet: QuietOption = False,
+    quiet: QuietResultOption = False,
     as_json: JsonOption = False,
 ) -> None:
     """Choose the experts to keep per MoE block (MTP included) and write the selection record."""

@@ -21,7 +21,7 @@ from ggufcarve.cli.options import (
     ForceOption,
     GpuLayersOption,
     JsonOption,
-    QuietOption,
+    QuietResultOption,
     ThreadsOption,
     option,
 )
@@ -65,7 +65,7 @@ def tune_command(
     threads: ThreadsOption = None,
     gpu_layers: GpuLayersOption = 0,
     force: ForceOption = False,
-    quiet: QuietOption = False,
+    quiet: QuietResultOption = False,
     as_json: JsonOption = False,
 ) -> None:
     """Score every criterion's keep-set at every K against the unpruned model, by masking; write the winner."""
