@@ -843,7 +843,7 @@ def test_bad_format_options(synthetic, q3, tmp_path):
         4,
         "--format",
         "bin",
-        message="unknown imatrix format 'bin'",
+        message="--format must be one of gguf, dat (got 'bin')",
     )
     refused(
         tmp_path,

@@ -195,9 +195,9 @@ def test_cli_refusals_are_one_line_with_a_hint(make_model, text, tmp_path):
     cases = [
         (("--calibration", short), out, "fewer than one --ctx chunk of 512"),
         ((), out, "no calibration input"),
-        (("--calibration", tmp_path / "missing.txt"), out, "no such calibration file"),
-        (("--calibration", text, "--chunks", 0), out, "--chunks 0 must be at least 1"),
-        (("--calibration", text, "--ctx", 1), out, "--ctx 1 is too small"),
+        (("--calibration", tmp_path / "missing.txt"), out, "missing.txt': no such file"),
+        (("--calibration", text, "--chunks", 0), out, "--chunks must be an integer >= 1 (got '0')"),
+        (("--calibration", text, "--ctx", 1), out, "--ctx must be an integer >= 2 (got '1')"),
         (("--calibration", text), existing, "already exists"),
         (("--calibration", text), model, "is the source file"),
     ]
