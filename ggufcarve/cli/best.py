@@ -27,7 +27,6 @@ from ggufcarve.cli.options import (
     QuietResultOption,
     ThreadsOption,
     option,
-    parse_keep,
 )
 from ggufcarve.cli.render import out, progress, size
 from ggufcarve.errors import OutputError
@@ -209,7 +208,7 @@ def best_command(
             "--chunk-ctx and --eval-ctx name the same thing",
             "give --chunk-ctx alone (--eval-ctx is its older spelling)",
         )
-    wanted = parse_keep(keep)
+    wanted = keep
     cache_type = kv_type.upper()
     if output.exists() and not output.is_dir():
         raise OutputError(

@@ -95,23 +95,13 @@ GpuLayersOption = Annotated[int, option(S.GPU_LAYERS)]
 LlamaCppOption = Annotated[Path | None, option(S.LLAMA_CPP)]
 
 
-KEEP_FORMS = "a count (8), a list of counts (8,12 or 64-192/32) or a keep-set file"
-
-
-def parse_keep(value: Keep | str | None) -> Keep | None:
-    """--keep's value (read by the setting's unit): counts as written, or a keep-set file that exists."""
-    if value is None or isinstance(value, Keep):
-        return value
-    return S.KEEP.parse_text(value)
-
-
 def one_keep(keep: Keep | None, alias: str | None, alias_name: str) -> Keep | None:
     """--keep, or its older spelling `alias_name`; both given is refused."""
     if keep is not None and alias is not None:
         raise BadInput(
             f"--keep and {alias_name} name the same thing", f"give --keep alone ({alias_name} is its older spelling)"
         )
-    return keep if keep is not None else parse_keep(alias)
+    return keep if keep is not None else None if alias is None else S.KEEP.parse_text(alias)
 
 
 def resolve_keepset(layout: MoeLayout, keep: Keep | None, first: int | None, ids: str | None) -> KeepSet:
