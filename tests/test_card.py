@@ -367,7 +367,7 @@ def test_metadata_is_read_from_the_ggufs_general_keys_and_never_invented():
     )
 
 
-def test_card_settings_refuse_what_the_hub_refuses():
+def test_card_settings_refuse_what_the_hub_refuses(tmp_path):
     from ggufcarve.errors import BadInput
     from ggufcarve.release.card import CardSettings
 
@@ -380,11 +380,22 @@ def test_card_settings_refuse_what_the_hub_refuses():
         with pytest.raises(BadInput):
             bad.check()
     assert CardSettings(base_model="Qwen/Qwen3-30B-A3B", license="llama3.1", repo_id="me/x.GGUF").check()
+    from ggufcarve.pipeline.plan import parse_plan
+
+    def planned(card: dict) -> CardSettings:
+        plan = {"source": "m.gguf", "output": "r", "selection": {"method": "weights", "keep": 4}, "card": card}
+        return parse_plan({**plan, "ladder": {"spec": "q8-to-iq1"}}, tmp_path).card_settings
+
+    (tmp_path / "m.gguf").write_bytes(b"")
     table = {"base_model": "Qwen/Qwen3-30B-A3B", "license": "other", "license_name": "qwen", "license_link": "LICENSE"}
-    assert CardSettings.from_mapping(table).to_json() == table
-    for bad in ({"base_modle": "a/b"}, {"license": 3}, {"license": "Apache 2"}):
-        with pytest.raises(BadInput):
-            CardSettings.from_mapping(bad)
+    assert planned(table).to_json() == table
+    for bad, words in (
+        ({"base_modle": "a/b"}, "unknown key 'base_modle'"),
+        ({"license": 3}, "[card] license must be a non-empty string"),
+        ({"license": "Apache 2"}, "not a license identifier"),
+    ):
+        with pytest.raises(BadInput, match=re.escape(words)):
+            planned(bad)
 
 
 def test_card_edited_tells_the_written_card_from_an_edit(tmp_path):

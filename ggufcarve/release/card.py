@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -171,29 +171,9 @@ class CardSettings:
     model_name: str | None = None  # the card's title
     repo_id: str | None = None  # the Hub repo the release is uploaded to (download and llama-server -hf lines)
 
-    KEYS = (
-        "base_model",
-        "license",
-        "license_name",
-        "license_link",
-        "model_name",
-        "repo_id",
-    )  # plan [card] keys, as the fields
-
-    @classmethod
-    def from_mapping(cls, table: dict[str, Any], where: str = "plan [card]") -> CardSettings:
-        """The settings of a plan's [card] table (keys KEYS, string values), checked."""
-        unknown = sorted(set(table) - set(cls.KEYS))
-        if unknown:
-            raise BadInput(f"{where}: unknown key {unknown[0]!r}", f"known keys: {', '.join(cls.KEYS)}")
-        for key, value in table.items():
-            if not isinstance(value, str):
-                raise BadInput(f"{where}: {key} must be a string, not {type(value).__name__}", f'e.g. {key} = "..."')
-        return cls(**table).check()
-
     def to_json(self) -> dict[str, str]:
         """The settings given (for a plan's record and its stage's parameters)."""
-        return {k: getattr(self, k) for k in self.KEYS if getattr(self, k) is not None}
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
 
     def check(self) -> CardSettings:
         """Raise BadInput (one line, naming the plan key / option) for a value the Hub would refuse."""
