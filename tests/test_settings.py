@@ -69,7 +69,6 @@ def test_an_option_of_a_registered_name_is_made_from_its_setting():
         assert (param.help or "").startswith(help_of(registered)), (command, flag, param.help)
         if not isinstance(registered.unit, S.Flag):
             assert param.type.func == registered.parse_text, (command, flag)
-            assert param.metavar == registered.unit.metavar or param.metavar is None, (command, flag)
         if registered.short:
             assert registered.short in param.opts, (command, flag)
         checked += 1

@@ -65,14 +65,16 @@ def option(setting: Setting, detail: str = "", **kwargs: Any) -> Any:
     text = f"{setting.help} {detail}" if detail else setting.help.removesuffix(":") + "." * setting.help.endswith(":")
     if isinstance(setting.unit, Flag):
         return typer.Option(*names, help=text, **kwargs)
-    return typer.Option(*names, help=text, parser=setting.parse_text, metavar=setting.unit.metavar, **kwargs)
+    kwargs.setdefault("metavar", setting.unit.metavar)
+    return typer.Option(*names, help=text, parser=setting.parse_text, **kwargs)
 
 
 KeepFileOption = Annotated[
     Keep | None,
     option(
         S.KEEP,
-        "Here a keep-set file: ours, kept_expert_indices.json, carve_manifest.json or expert-selection.json.",
+        "here a keep-set file: ours, kept_expert_indices.json, carve_manifest.json or expert-selection.json.",
+        metavar="FILE",
     ),
 ]
 KeepFirstOption = Annotated[int | None, option(S.KEEP_FIRST)]
