@@ -209,30 +209,44 @@ def test_the_docs_table_of_plan_keys_is_made_from_the_settings():
     )
 
 
-CONTROLS = {"quiet", "json", "force", "dry_run", "output", "compare"}  # how the command runs, not what it computes
+CONTROLS = {"quiet", "json", "force", "dry_run", "output", "compare", "strict"}  # how it runs, not what it computes
 
 
 @pytest.mark.parametrize(
-    "command, settings_class",
+    "command, settings_classes, inputs",
     [
-        ("best", "ggufcarve.best.plan:BestSettings"),
-        ("tune", "ggufcarve.tune.run:TuneSettings"),
-        ("select", "ggufcarve.select.run:SelectSettings"),
+        ("best", ["ggufcarve.best.plan:BestSettings"], set()),
+        ("tune", ["ggufcarve.tune.run:TuneSettings"], set()),
+        ("select", ["ggufcarve.select.run:SelectSettings"], set()),
+        (
+            "eval",
+            [
+                "ggufcarve.evaluate.protocol:EvalSettings",
+                "ggufcarve.evaluate.speed:SpeedSettings",
+                "ggufcarve.evaluate.loops:LoopSettings",
+            ],
+            # what is evaluated against what (evaluate_release's arguments); gate_segments is a rule of
+            # the loaded gate, --loops the presence of LoopSettings
+            {"heldout", "reference", "gate_segments", "loops"},
+        ),
     ],
 )
-def test_a_commands_settings_dataclass_names_the_settings_of_its_options(command, settings_class):
-    """Each field of the command's settings dataclass that a setting reads is an option of the
-    command made from that setting, and each such option but the run's controls is a field."""
+def test_a_commands_settings_dataclasses_name_the_settings_of_its_options(command, settings_classes, inputs):
+    """Each field of the command's settings dataclasses that a setting reads is an option of the
+    command made from that setting, and each such option but the run's controls (and the inputs
+    the command hands over beside its settings) is a field."""
     import dataclasses
     import importlib
 
-    module, name = settings_class.split(":")
-    fields = [f for f in dataclasses.fields(getattr(importlib.import_module(module), name)) if "setting" in f.metadata]
-    from_fields = {f.metadata["setting"].name for f in fields}
+    from_fields = set()
+    for settings_class in settings_classes:
+        module, name = settings_class.split(":")
+        cls = getattr(importlib.import_module(module), name)
+        from_fields |= {f.metadata["setting"].name for f in dataclasses.fields(cls) if "setting" in f.metadata}
     options = {
         setting_of_option(param).name
         for cmd, _flag, param in visible_options()
         if cmd == command and setting_of_option(param) is not None
     }
     assert from_fields <= options, from_fields - options
-    assert options - CONTROLS <= from_fields, (options - CONTROLS) - from_fields
+    assert options - CONTROLS - inputs <= from_fields, (options - CONTROLS - inputs) - from_fields

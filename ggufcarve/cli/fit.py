@@ -177,7 +177,7 @@ def fit_command(
     if as_json:
         inputs = [{"name": p.name, "bytes": p.stat().st_size} for p in loaded.paths]
         parameters = {
-            "memory": memory,
+            "memory": f"{budget}B",
             "memory_bytes": budget,
             "ctx": ctx,
             "kv_type": cache_type.lower(),
@@ -188,7 +188,7 @@ def fit_command(
             "ubatch": ubatch,
             "measured": measured,
             **(
-                {"gpu_memory": gpu_memory, "gpu_memory_bytes": gpu_budget, "gpu_margin": gpu_margin}
+                {"gpu_memory": f"{gpu_budget}B", "gpu_memory_bytes": gpu_budget, "gpu_margin": gpu_margin}
                 if gpu_budget is not None
                 else {}
             ),

@@ -29,7 +29,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ggufcarve import settings as S
 from ggufcarve.errors import BadInput
+from ggufcarve.settings import key, required
 
 if TYPE_CHECKING:
     from ggufcarve.evaluate.engine import Engine
@@ -79,8 +81,9 @@ def find_loop(
 
 @dataclass(frozen=True)
 class LoopSettings:
-    prompts: list[dict]  # {"id", "messages", "tools"?} rendered with the chat template, or {"id", "prompt"} as raw text
-    tokens: int = DEFAULT_TOKENS
+    # {"id", "messages", "tools"?} rendered with the chat template, or {"id", "prompt"} as raw text
+    prompts: list[dict] = required(S.LOOP_PROMPTS)
+    tokens: int = key(S.LOOP_TOKENS, DEFAULT_TOKENS)
     source: str = "QA suite"  # where the prompts come from, as the results name it
     max_period: int = MAX_PERIOD
     min_tokens: int = MIN_TOKENS

@@ -15,8 +15,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from ggufcarve import settings as S
 from ggufcarve.evaluate.speed import SpeedSettings
 from ggufcarve.llama.tools import physical_cores
+from ggufcarve.settings import key
 
 if TYPE_CHECKING:
     from ggufcarve.evaluate.gate import Gate
@@ -76,21 +78,21 @@ class Request:
 
 @dataclass(frozen=True)
 class EvalSettings:
-    ctx: int = 512
-    chunks: int | None = None
-    threads: int = field(default_factory=physical_cores)  # llama.cpp threads
-    top_k: int = DEFAULT_TOP_K  # used with reference_store "topk"
+    ctx: int = key(S.CTX, 512)
+    chunks: int | None = key(S.CHUNKS, None)
+    threads: int = field(default_factory=physical_cores, metadata={"setting": S.THREADS})  # llama.cpp threads
+    top_k: int = key(S.TOP_K, DEFAULT_TOP_K)  # used with reference_store "topk"
     speed: SpeedSettings | None = SpeedSettings()
-    gate: Gate | None = None
-    qa_checks: list[dict] | None = None
+    gate: Gate | None = key(S.GATE, None)  # the gate file's rules, loaded (with gate_segments)
+    qa_checks: list[dict] | None = key(S.QA, None)  # the QA suite's checks, loaded
     cross_check: bool = False
     kl_base_out: Path | None = None  # also write the reference's log-probs as a llama-perplexity base file
-    llama_cpp_dir: Path | None = None
+    llama_cpp_dir: Path | None = key(S.LLAMA_CPP, None)
     cache_dir: Path | None = None
     reference_store: str = REFERENCE_FULL  # how a GGUF reference's log-probs are kept (REFERENCE_STORES)
-    tail_samples: int = DEFAULT_TAIL_SAMPLES  # used with reference_store "topk"
+    tail_samples: int = key(S.TAIL_SAMPLES, DEFAULT_TAIL_SAMPLES)  # used with reference_store "topk"
     loops: LoopSettings | None = None  # repetition loops: prompts continued greedily and judged by the detector
-    gpu_layers: int = 0  # layers offloaded to the accelerator in every child (and llama-bench's -ngl)
+    gpu_layers: int = key(S.GPU_LAYERS, 0)  # layers offloaded to the accelerator in every child (llama-bench's -ngl)
 
 
 @dataclass

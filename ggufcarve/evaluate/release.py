@@ -149,12 +149,12 @@ def _loop_settings(wanted: bool, prompts_file: Path | None, tokens: int | None, 
             f"for example --loop-tokens {DEFAULT_TOKENS}",
         )
     if prompts_file is not None:
-        return LoopSettings(load_loop_prompts(prompts_file), tokens, prompts_file.name)
+        return LoopSettings(prompts=load_loop_prompts(prompts_file), tokens=tokens, source=prompts_file.name)
     if qa_checks is None:
         from ggufcarve.evaluate.qa import default_suite_path, load_suite
 
         qa_checks = [c.to_json() for c in load_suite(default_suite_path())]
-    return LoopSettings(loop_prompts_from_checks(qa_checks), tokens, "QA suite")
+    return LoopSettings(prompts=loop_prompts_from_checks(qa_checks), tokens=tokens, source="QA suite")
 
 
 def evaluate_release(

@@ -23,6 +23,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ggufcarve import settings as S
+from ggufcarve.settings import key
+
 if TYPE_CHECKING:
     from ggufcarve.evaluate.engine import Context
 
@@ -62,8 +65,8 @@ def _tok_s(value: float) -> str:
 class SpeedSettings:
     pp_tokens: int = 512
     tg_tokens: int = 128
-    runs: int = DEFAULT_RUNS
-    engine: str = "auto"
+    runs: int = key(S.SPEED_RUNS, DEFAULT_RUNS)
+    engine: str = key(S.SPEED_ENGINE, "auto")
 
 
 @dataclass
