@@ -218,6 +218,7 @@ CONTROLS = {"quiet", "json", "force", "dry_run", "output", "compare", "strict"} 
         ("best", ["ggufcarve.best.plan:BestSettings"], set()),
         ("tune", ["ggufcarve.tune.run:TuneSettings"], set()),
         ("select", ["ggufcarve.select.run:SelectSettings"], set()),
+        ("card", ["ggufcarve.release.card:CardSettings"], set()),
         (
             "eval",
             [

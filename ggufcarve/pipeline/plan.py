@@ -56,12 +56,13 @@ chunk size is [calibration] ctx (else [evaluation] ctx); `chunks` defaults to [e
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from ggufcarve import settings as S
 from ggufcarve.errors import BadInput
+from ggufcarve.release.card import CardSettings
 from ggufcarve.settings import PLAN_HINT, Keep, key, read_table, table_keys
 
 try:
@@ -159,7 +160,7 @@ class RunPlan:
     ladder: LadderStep
     evaluation: EvaluationStep | None
     card: bool
-    card_settings: Any = None  # release.card.CardSettings of a [card] table; None: all from the GGUF's keys
+    card_settings: CardSettings | None = None  # a [card] table's; None: all from the GGUF's general.* keys
     raw: dict[str, Any] = field(default_factory=dict, compare=False)
     gpu_layers: int = 0  # layers offloaded to the accelerator in every llama.cpp stage
 
@@ -307,16 +308,6 @@ class EvaluationKeys:
     loop_tokens: int | None = key(S.LOOP_TOKENS)
 
 
-@dataclass(frozen=True)
-class CardKeys:
-    base_model: str | None = key(S.BASE_MODEL)
-    license: str | None = key(S.LICENSE)
-    license_name: str | None = key(S.LICENSE_NAME)
-    license_link: str | None = key(S.LICENSE_LINK)
-    model_name: str | None = key(S.MODEL_NAME)
-    repo_id: str | None = key(S.REPO_ID)
-
-
 TABLES: dict[str, type] = {  # where -> its keys, in the order the docs list them
     "plan": PlanKeys,
     "[selection]": SelectionKeys,
@@ -324,7 +315,7 @@ TABLES: dict[str, type] = {  # where -> its keys, in the order the docs list the
     "[imatrix]": ImatrixKeys,
     "[ladder]": LadderKeys,
     "[evaluation]": EvaluationKeys,
-    "[card]": CardKeys,
+    "[card]": CardSettings,
 }
 SUBTABLES = ("selection", "calibration", "imatrix", "ladder", "evaluation", "card")
 OLDER_KEYS = {"[evaluation]": {"compare": "compare_models"}}  # older spelling -> the key's name
@@ -392,9 +383,7 @@ def parse_plan(doc: dict[str, Any], base: Path, path: Path | None = None) -> Run
     }
     card, card_settings = top.card, None
     if "card" in read:
-        from ggufcarve.release.card import CardSettings
-
-        card, card_settings = True, CardSettings(**asdict(read["card"])).check()
+        card, card_settings = True, read["card"].check()
 
     sel = read.get("selection") or SelectionKeys()
     method, keep_value, ratio = sel.method, sel.keep, sel.ratio

@@ -25,10 +25,12 @@ from typing import Any
 from gguf.constants import Keys
 
 from ggufcarve import __version__
+from ggufcarve import settings as S
 from ggufcarve.errors import BadInput, OutputError
 from ggufcarve.fileio import format_size
 from ggufcarve.listing import pareto_front
 from ggufcarve.moe.keepset import KEY_KEPT_COUNT, KEY_SOURCE_EXPERT_COUNT
+from ggufcarve.settings import key as setting_key
 
 CARD_NAME = "README.md"
 EVALUATION_DIR = "evaluation"
@@ -164,12 +166,12 @@ class CardSettings:
     """What a user states for the card (options of `ggufcarve card`, keys of a plan's [card]
     table); None leaves it to the GGUF's general.* keys."""
 
-    base_model: str | None = None  # a Hub repo id, owner/name
-    license: str | None = None  # a Hub license identifier (HF_LICENSES)
-    license_name: str | None = None  # with license "other": the license's short name
-    license_link: str | None = None  # with license "other": a URL, or a file of the release (e.g. LICENSE)
-    model_name: str | None = None  # the card's title
-    repo_id: str | None = None  # the Hub repo the release is uploaded to (download and llama-server -hf lines)
+    base_model: str | None = setting_key(S.BASE_MODEL)  # a Hub repo id, owner/name
+    license: str | None = setting_key(S.LICENSE)  # a Hub license identifier (HF_LICENSES)
+    license_name: str | None = setting_key(S.LICENSE_NAME)  # with license "other": the license's short name
+    license_link: str | None = setting_key(S.LICENSE_LINK)  # with license "other": a URL, or a file of the release
+    model_name: str | None = setting_key(S.MODEL_NAME)  # the card's title
+    repo_id: str | None = setting_key(S.REPO_ID)  # the Hub repo the release is uploaded to (download, llama-server -hf)
 
     def to_json(self) -> dict[str, str]:
         """The settings given (for a plan's record and its stage's parameters)."""
