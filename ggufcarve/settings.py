@@ -48,8 +48,12 @@ class Unit:
             raise ValueError
         return self.from_text(value)
 
+    def text_example(self) -> str:
+        """A value a hint shows on a command line."""
+        return self.example
+
     def toml_example(self) -> str:
-        return f'"{self.example}"'
+        return f'"{self.text_example()}"'
 
 
 @dataclass(frozen=True)
@@ -81,8 +85,11 @@ class Count(Unit):
             raise ValueError
         return value
 
-    def toml_example(self) -> str:
+    def text_example(self) -> str:
         return self.example if self.example != "..." else str(max(self.minimum, 1))
+
+    def toml_example(self) -> str:
+        return self.text_example()
 
 
 @dataclass(frozen=True)
@@ -408,7 +415,10 @@ class Setting:
         if isinstance(self.unit, Size):
             return parse_memory(text, self.flag)
         return self._read(
-            lambda: self.unit.from_text(text), self.flag, repr(text), f"for example {self.flag} {self.unit.example}"
+            lambda: self.unit.from_text(text),
+            self.flag,
+            repr(text),
+            f"for example {self.flag} {self.unit.text_example()}",
         )
 
     def parse_toml(self, value: Any, where: str, base: Path, key: str | None = None) -> Any:

@@ -280,13 +280,13 @@ def _execute(plan: RunPlan, dry_run: bool, force: bool, quiet: bool, as_json: bo
 
 RunThreadsOption = Annotated[
     int | None,
-    option(S.THREADS, "The plan's threads come before the physical cores.", min=1),
+    option(S.THREADS, "The plan's threads come before the physical cores."),
 ]
 
 
 RunGpuLayersOption = Annotated[
     int | None,
-    option(S.GPU_LAYERS, "Default: the plan's gpu_layers, else 0.", min=0),
+    option(S.GPU_LAYERS, "Default: the plan's gpu_layers, else 0."),
 ]
 
 
