@@ -251,3 +251,19 @@ def test_a_commands_settings_dataclasses_name_the_settings_of_its_options(comman
     }
     assert from_fields <= options, from_fields - options
     assert options - CONTROLS - inputs <= from_fields, (options - CONTROLS - inputs) - from_fields
+
+
+@pytest.mark.parametrize("name", sorted(n for n, s in S.SETTINGS.items() if not isinstance(s.unit, S.Flag)))
+def test_a_refused_value_is_answered_with_an_example_the_setting_takes(name, tmp_path):
+    """The hint after "must be" shows a value of the setting's own unit, which it then accepts."""
+    setting = S.SETTINGS[name]
+    example = setting.unit.text_example()
+    assert example not in ("", "..."), name
+    if isinstance(setting.unit, S.File) and setting.unit.exists:
+        (tmp_path / example.replace("~/", "")).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / example.replace("~/", "")).touch()
+        example = str(tmp_path / example.replace("~/", ""))
+    if isinstance(setting.unit, S.KeepUnit) or not isinstance(setting.unit, S.File):
+        assert setting.parse_text(example) is not None, name
+    else:
+        assert setting.parse_text(example) == Path(example), name
