@@ -39,6 +39,7 @@ class Unit:
     what = "a value"
     metavar = "TEXT"
     example = "..."
+    toml_form = '"{}"'  # how an example is written in TOML
 
     def from_text(self, text: str) -> Any:
         return text
@@ -53,7 +54,7 @@ class Unit:
         return self.example
 
     def toml_example(self) -> str:
-        return f'"{self.text_example()}"'
+        return self.toml_form.format(self.text_example())
 
 
 @dataclass(frozen=True)
@@ -63,17 +64,14 @@ class Count(Unit):
     example: str = "..."
     minimum: int = 0
     metavar = "N"
+    toml_form = "{}"
 
     @property
     def what(self) -> str:  # type: ignore[override]
         return f"an integer >= {self.minimum}"
 
     def from_text(self, text: str) -> int:
-        try:
-            value = int(text.strip())
-        except ValueError:
-            raise ValueError from None
-        return self._checked(value)
+        return self._checked(int(text.strip()))
 
     def from_toml(self, value: Any, base: Path) -> int:
         if isinstance(value, bool) or not isinstance(value, int):
@@ -88,9 +86,6 @@ class Count(Unit):
     def text_example(self) -> str:
         return self.example if self.example != "..." else str(max(self.minimum, 1))
 
-    def toml_example(self) -> str:
-        return self.text_example()
-
 
 @dataclass(frozen=True)
 class Fraction(Unit):
@@ -98,13 +93,11 @@ class Fraction(Unit):
 
     what = "a number in (0, 1]"
     metavar = "R"
+    toml_form = "{}"
     example: str = "0.5"
 
     def from_text(self, text: str) -> float:
-        try:
-            return self._checked(float(text))
-        except ValueError:
-            raise ValueError from None
+        return self._checked(float(text))
 
     def from_toml(self, value: Any, base: Path) -> float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -116,35 +109,6 @@ class Fraction(Unit):
         if not 0 < value <= 1:
             raise ValueError
         return value
-
-    def toml_example(self) -> str:
-        return self.example
-
-
-@dataclass(frozen=True)
-class Number(Unit):
-    """A positive number."""
-
-    what = "a positive number"
-    metavar = "X"
-    example: str = "2"
-
-    def from_text(self, text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise ValueError from None
-        if not value > 0:
-            raise ValueError
-        return value
-
-    def from_toml(self, value: Any, base: Path) -> float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-            raise ValueError
-        return float(value)
-
-    def toml_example(self) -> str:
-        return self.example
 
 
 @dataclass(frozen=True)
@@ -184,9 +148,6 @@ class Choice(Unit):
                 return choice
         raise ValueError
 
-    def toml_example(self) -> str:
-        return f'"{self.choices[0]}"'
-
 
 @dataclass(frozen=True)
 class Flag(Unit):
@@ -194,14 +155,13 @@ class Flag(Unit):
 
     what = "true or false"
     metavar = ""
+    example = "true"
+    toml_form = "{}"
 
     def from_toml(self, value: Any, base: Path) -> bool:
         if not isinstance(value, bool):
             raise ValueError
         return value
-
-    def toml_example(self) -> str:
-        return "true"
 
 
 @dataclass(frozen=True)
@@ -238,15 +198,13 @@ class Files(File):
     list of them."""
 
     what = "a path or a list of paths"
+    toml_form = '["{}"]'
 
     def from_toml(self, value: Any, base: Path) -> tuple[Path, ...]:  # type: ignore[override]
         values = [value] if isinstance(value, str) else value
         if not isinstance(values, list) or not values:
             raise ValueError
         return tuple(File.from_toml(self, v, base) for v in values)
-
-    def toml_example(self) -> str:
-        return f'["{self.example}"]'
 
 
 @dataclass(frozen=True)
@@ -257,6 +215,7 @@ class Names(Unit):
     example: str = "..."
     what = "names, comma-separated or a list of strings"
     metavar = "NAMES"
+    toml_form = '["{}"]'
 
     def from_text(self, text: str) -> str:
         names = [n.strip() for n in text.split(",")]
@@ -269,9 +228,6 @@ class Names(Unit):
         if not isinstance(values, list) or not values or not all(isinstance(v, str) for v in values):
             raise ValueError
         return self.from_text(",".join(values))
-
-    def toml_example(self) -> str:
-        return f'["{self.example}"]'
 
 
 COUNTS = re.compile(r"[\d\s,/-]+")
@@ -293,6 +249,7 @@ class KeepUnit(Unit):
 
     what = "a count (8), a list of counts (8,12 or 64-192/32) or a keep-set file"
     metavar = "K|LIST|FILE"
+    toml_form = "{}"
     example: str = "128"
 
     def from_text(self, text: str) -> Keep:
@@ -323,9 +280,6 @@ class KeepUnit(Unit):
                 raise Missing(path)
             raise ValueError
         return Keep(file=path)
-
-    def toml_example(self) -> str:
-        return self.example
 
 
 MEMORY_UNITS = {

@@ -118,7 +118,6 @@ def test_the_plan_defaults_are_the_command_line_defaults():
 BAD = {  # a value each unit refuses, on a command line and in TOML
     S.Count: ("x", "x"),
     S.Fraction: ("2", 2),
-    S.Number: ("x", "x"),
     S.Choice: ("nonsense", "nonsense"),
     S.Names: (" , ", []),
     S.KeepUnit: ("eight", "eight"),
