@@ -39,6 +39,7 @@ from ggufcarve.best.candidates import PRUNED, UNPRUNED
 from ggufcarve.best.cost import STAGES, active_fraction, projection
 from ggufcarve.best.plan import BestSettings, Plan, built_record, plan_best
 from ggufcarve.errors import BadInput, ToolFailed
+from ggufcarve.evaluate.kld import SEGMENT_KEYS
 from ggufcarve.events import Sink, ignore
 
 if TYPE_CHECKING:  # imported where used: the measurement layer imports numpy
@@ -368,19 +369,7 @@ def _tournament(
         if r.get("identical_to") and r["identical_to"] in measured.records:
             twin = records[r["identical_to"]]
             r.update(
-                {
-                    k: twin.get(k)
-                    for k in (
-                        "kld_mean",
-                        "kld_mean_stderr",
-                        "kld_p999",
-                        "same_top_p",
-                        "ppl",
-                        "tokens",
-                        "chunks_scored",
-                        "segments",
-                    )
-                },
+                {k: twin.get(k) for k in (*SEGMENT_KEYS, "chunks_scored", "segments")},
                 stopped_early=True,
                 stopped_reason="identical",
                 lost_by=None,
