@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from ggufcarve.errors import BadInput
+from ggufcarve.llama.devices import CPU, Compute, parse_endpoints, parse_split
 
 PLAN_HINT = "see plans/*.toml for complete examples"
 
@@ -327,6 +328,16 @@ def parse_memory(text: str, flag: str = "--memory", allow_zero: bool = False) ->
     return int(float(match["number"]) * MEMORY_UNITS[unit])
 
 
+def parse_memories(text: str, flag: str = "--gpu-memory") -> tuple[int, ...]:
+    """'8GiB,8GiB,10GiB' -> bytes per device (each as parse_memory reads it)."""
+    parts = [part.strip() for part in text.split(",")]
+    if not parts or not all(parts):
+        raise BadInput(
+            f"{flag} {text!r} is not a list of sizes", "write it like 24GiB or 8GiB,8GiB,10GiB (one per GPU)"
+        )
+    return tuple(parse_memory(part, flag) for part in parts)
+
+
 @dataclass(frozen=True)
 class Size(Unit):
     """A memory size with its unit: 24GiB, 24GB, 24000MiB (GB = 10^9 bytes, GiB and a bare G = 2^30);
@@ -334,6 +345,62 @@ class Size(Unit):
 
     what = "a memory size such as 24GiB"
     metavar = "SIZE"
+    example: str = "24GiB"
+
+
+@dataclass(frozen=True)
+class Endpoints(Unit):
+    """RPC servers: HOST:PORT, comma-separated on a command line, a list (or one comma-separated
+    string) in a plan; the value is the tuple of endpoints."""
+
+    what = "HOST:PORT[,HOST:PORT...]"
+    metavar = "HOST:PORT[,...]"
+    example: str = "127.0.0.1:50052"
+    toml_form = '["{}"]'
+
+    def from_text(self, text: str) -> tuple[str, ...]:
+        try:
+            return parse_endpoints(text)
+        except BadInput:
+            raise ValueError from None
+
+    def from_toml(self, value: Any, base: Path) -> tuple[str, ...]:
+        values = [value] if isinstance(value, str) else value
+        if not isinstance(values, list) or not values or not all(isinstance(v, str) for v in values):
+            raise ValueError
+        return self.from_text(",".join(values))
+
+
+@dataclass(frozen=True)
+class Shares(Unit):
+    """Proportions, one per device (llama.cpp's -ts 3,1): comma-separated on a command line, a list
+    of numbers in a plan."""
+
+    what = "shares such as 1,1 or 3,1 (one per device)"
+    metavar = "R,R[,...]"
+    example: str = "1,1"
+    toml_form = "[{}]"
+
+    def from_text(self, text: str) -> tuple[float, ...]:
+        try:
+            return parse_split(text)
+        except BadInput:
+            raise ValueError from None
+
+    def from_toml(self, value: Any, base: Path) -> tuple[float, ...]:
+        if not isinstance(value, list) or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) for v in value
+        ):
+            raise ValueError
+        return self.from_text(",".join(str(v) for v in value))
+
+
+@dataclass(frozen=True)
+class Sizes(Unit):
+    """Memory sizes, one per device in device order: 24GiB or 8GiB,8GiB,10GiB; the value is a tuple of bytes."""
+
+    what = "memory sizes such as 24GiB or 8GiB,8GiB (one per GPU)"
+    metavar = "SIZE[,SIZE...]"
     example: str = "24GiB"
 
 
@@ -368,6 +435,8 @@ class Setting:
             return text
         if isinstance(self.unit, Size):
             return parse_memory(text, self.flag)
+        if isinstance(self.unit, Sizes):
+            return parse_memories(text, self.flag)
         return self._read(
             lambda: self.unit.from_text(text),
             self.flag,
@@ -382,6 +451,8 @@ class Setting:
         label = f"{where} {name}" if where != "plan" else name
         if isinstance(self.unit, Size) and isinstance(value, str):
             return parse_memory(value, label)
+        if isinstance(self.unit, Sizes) and isinstance(value, (str, list)):
+            return parse_memories(value if isinstance(value, str) else ",".join(map(str, value)), label)
         hint = f"for example {name} = {self.unit.toml_example()}"
         return self._read(lambda: self.unit.from_toml(value, base), label, repr(value), hint, plan=True)
 
@@ -458,6 +529,36 @@ GPU_LAYERS = Setting(
     "Layers every llama.cpp child that loads a model offloads to the GPU (llama.cpp's -ngl; 0: all on "
     "the CPU; 99: all). A llama-cpp-python built without a GPU backend ignores it.",
 )
+RPC = Setting(
+    "rpc",
+    Endpoints(),
+    "RPC servers whose devices every llama.cpp child adds (llama.cpp's --rpc; ggml-rpc-server -H HOST -p PORT "
+    "on each), e.g. 127.0.0.1:50052,127.0.0.1:50053.",
+)
+TENSOR_SPLIT = Setting(
+    "tensor_split",
+    Shares(),
+    "How the offloaded layers are shared between the devices, one share each in device order (llama.cpp's -ts), "
+    "e.g. 1,1. Default: by their free memory.",
+)
+COMPUTE_SETTINGS = (THREADS, GPU_LAYERS, RPC, TENSOR_SPLIT)  # the fields of llama.devices.Compute
+
+
+def compute(
+    threads: int | None = None,
+    gpu_layers: int | None = None,
+    rpc: tuple[str, ...] | None = None,
+    tensor_split: tuple[float, ...] | None = None,
+) -> Compute:
+    """The one `Compute` of a run, from its four settings (None: not given)."""
+    return Compute(gpu_layers or 0, tuple(rpc or ()), tuple(tensor_split or ()), threads or 0)
+
+
+def compute_key() -> Any:
+    """A settings dataclass's field holding the run's `Compute`, read from the COMPUTE_SETTINGS."""
+    return field(default=CPU, metadata={"settings": COMPUTE_SETTINGS})
+
+
 CTX = Setting("ctx", Count(minimum=2, example="512"), "Context length in tokens:")
 CHUNK_CTX = Setting(
     "chunk_ctx",
@@ -639,7 +740,11 @@ MEMORY = Setting(
     "Memory budget for what llama.cpp allocates (weights, KV cache, compute and output buffers), e.g. 24GiB, "
     "24GB, 24000MiB (GB = 10^9 bytes, GiB and a bare G = 2^30).",
 )
-GPU_MEMORY = Setting("gpu_memory", Size(example="16GiB"), "GPU memory, e.g. 16GiB:")
+GPU_MEMORY = Setting(
+    "gpu_memory",
+    Sizes(example="16GiB"),
+    "GPU memory, one size per GPU in device order (e.g. 16GiB or 8GiB,8GiB,10GiB):",
+)
 KV_TYPE = Setting("kv_type", Choice(choices=("f16", "q8_0")), "KV cache type for K and V: f16 or q8_0.")
 QUIET = Setting("quiet", Flag(), "No progress output.", short="-q")
 JSON = Setting("json", Flag(), "Print JSON (no progress output):")
@@ -659,6 +764,8 @@ SETTINGS: dict[str, Setting] = {
     for s in (
         THREADS,
         GPU_LAYERS,
+        RPC,
+        TENSOR_SPLIT,
         CTX,
         CHUNK_CTX,
         CHUNKS,

@@ -71,19 +71,54 @@ def dense_model(models_dir) -> pathlib.Path:
 @pytest.fixture(scope="session")
 def llama_tools(request) -> pathlib.Path:
     """The bin dir holding llama.cpp's tools (llama-quantize, llama-imatrix, llama-perplexity, llama-gguf-split,
-    llama-bench, llama-fit-params).
+    llama-bench, llama-fit-params) and ggml-rpc-server, built with the RPC backend.
 
     Found through ggufcarve's own lookup (``GGUFCARVE_LLAMA_CPP``, PATH, ggufcarve's cache); when
     they are not all in one place, they are built once into the cache from the llama-cpp-python
     sdist (~10-13 min on 2 cores on a fresh machine; later runs reuse the cache).
     """
     from ggufcarve.llama.build import build_tools
-    from ggufcarve.llama.tools import TOOLS, find_tool
+    from ggufcarve.llama.tools import find_tool, tools_of
 
-    found = [find_tool(name) for name in TOOLS]
+    found = [find_tool(name) for name in tools_of("rpc")]
     if all(found) and len({p.parent for p in found}) == 1:
         return found[0].parent
-    return build_tools(terminal_progress(request.config))
+    return build_tools(terminal_progress(request.config), backend="rpc")
+
+
+@pytest.fixture(scope="session")
+def rpc_servers(llama_tools) -> tuple[str, ...]:
+    """Two ggml-rpc-server processes on 127.0.0.1, each exporting this machine's CPU as a ggml device
+    (RPC0, RPC1) whose buffers are not host memory: -ngl, per-device buffers, tensor get/set and splits
+    run for real without a GPU. Their endpoints; the servers stop with the session."""
+    import socket
+    import subprocess
+    import time
+
+    procs, endpoints = [], []
+    env = {**os.environ, "GGML_NO_BACKTRACE": "1"}
+    try:
+        for _ in range(2):
+            with socket.socket() as probe:
+                probe.bind(("127.0.0.1", 0))
+                port = probe.getsockname()[1]
+            argv = [str(llama_tools / "ggml-rpc-server"), "-H", "127.0.0.1", "-p", str(port), "-t", "1"]
+            procs.append(subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env))
+            for _attempt in range(300):  # hang guard: 30 s
+                assert procs[-1].poll() is None, f"ggml-rpc-server exited {procs[-1].returncode}"
+                try:
+                    socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                    break
+                except OSError:
+                    time.sleep(0.1)
+            else:
+                raise AssertionError(f"ggml-rpc-server on port {port} did not start")
+            endpoints.append(f"127.0.0.1:{port}")
+        yield tuple(endpoints)
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
 
 
 CALIBRATION_WORDS = (

@@ -12,6 +12,7 @@ from clirun import ggufcarve
 from ggufcarve.demo import CALIBRATION, DEMO_MODEL, HELDOUT, LICENSE, NOTES
 from ggufcarve.fileio import sha256_file_cached
 from ggufcarve.gguf.container import read_model
+from ggufcarve.llama.devices import Compute
 from ggufcarve.moe.layout import inspect_layout
 
 EXPERTS, USED, BLOCKS, N_VOCAB, N_CTX = 16, 4, 4, 3072, 256
@@ -58,7 +59,7 @@ def test_heldout_perplexity_in_llama_cpp():
         scored_targets,
     )
 
-    engine = Engine(str(DEMO_MODEL), threads=2)
+    engine = Engine(str(DEMO_MODEL), Compute(threads=2))
     try:
         assert engine.n_vocab == N_VOCAB and engine.add_bos
         tokens = engine.tokenize(read_text(HELDOUT.read_bytes()))

@@ -16,8 +16,8 @@ from ggufcarve.errors import BadInput
 from ggufcarve.gguf.container import read_model
 from ggufcarve.llama import launch
 from ggufcarve.moe.layout import inspect_layout
+from ggufcarve.placement.kvcache import ContextSettings, context_memory
 from ggufcarve.quant.fit import listed_kept_counts, parse_kept_counts, plan_fit
-from ggufcarve.quant.kvcache import ContextSettings, context_memory
 from ggufcarve.quant.quantizer import BinaryQuantizer
 from ggufcarve.quant.spec import DEFAULT_LADDER, load_spec
 from ggufcarve.settings import parse_memory

@@ -17,6 +17,7 @@ from gguf import GGUFReader
 from gguf.quants import dequantize
 
 from ggufcarve.gguf.container import read_model
+from ggufcarve.llama.devices import Compute
 from ggufcarve.llama.trace import trace_routing
 from ggufcarve.moe.layout import inspect_layout
 from ggufcarve.select.experts import ExpertEvaluator
@@ -54,7 +55,9 @@ def _tokens(count: int, seed: int = 0) -> list[int]:
 
 
 def _trace(path, tokens):
-    return trace_routing(path, tokens, nodes=(*NODES, "ffn_moe_logits"), logits=False, context=CTX, threads=2)
+    return trace_routing(
+        path, tokens, nodes=(*NODES, "ffn_moe_logits"), logits=False, context=CTX, compute=Compute(threads=2)
+    )
 
 
 def _block(path, trace, block):
@@ -255,7 +258,9 @@ def test_greedy_full_output_is_llama_cpps_ffn_moe_out(make_model, arch):
     logits, down biases; qwen35moe: renormalised softmax) gives llama.cpp's own block output, and
     the elimination's errors are error(S) of its sets."""
     path = make_model(arch, "F32")
-    trace = trace_routing(path, _tokens(2 * CTX), nodes=(*NODES, "ffn_moe_out"), logits=False, context=CTX, threads=2)
+    trace = trace_routing(
+        path, _tokens(2 * CTX), nodes=(*NODES, "ffn_moe_out"), logits=False, context=CTX, compute=Compute(threads=2)
+    )
     greedy = _block(path, trace, 1)
     out = trace.nodes["ffn_moe_out"][1].astype(np.float64)
     assert np.abs(greedy.y - out).max() <= 1e-5 * np.abs(out).max()

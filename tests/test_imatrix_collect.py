@@ -21,6 +21,7 @@ from ggufcarve.gguf.container import read_model
 from ggufcarve.imatrix.collect import collect_imatrix, squares_in_order
 from ggufcarve.llama import launch
 from ggufcarve.llama.calibration import Batching
+from ggufcarve.llama.devices import Compute
 from ggufcarve.moe.layout import inspect_layout
 from ggufcarve.quant.quantizer import BinaryQuantizer, QuantizeJob
 from ggufcarve.select.calibrate import calibrate
@@ -157,7 +158,7 @@ def test_llama_quantize_takes_the_collected_imatrix_for_iq2_xs(q8_moe, llama_too
     theirs = llama_imatrix(llama_tools, q8_moe, text, tmp_path / "theirs.imatrix.gguf", "-c", 128)
     (tmp_path / "ours").mkdir()
     ours = collect_imatrix(
-        read_model(q8_moe), [text], tmp_path / "ours" / "theirs.imatrix.gguf", ctx=128, threads=2
+        read_model(q8_moe), [text], tmp_path / "ours" / "theirs.imatrix.gguf", ctx=128, compute=Compute(threads=2)
     ).output_path
     quantizer = BinaryQuantizer(llama_tools / "llama-quantize")
     outputs = []
@@ -176,10 +177,10 @@ def test_one_calibration_pass_scores_and_collects(make_model, text, tmp_path):
     path = make_model("qwen35moe", "F16")
     model = read_model(path)
     layout = inspect_layout(model)
-    alone = collect_imatrix(model, [text], tmp_path / "alone.gguf", ctx=128, threads=2).output_path
+    alone = collect_imatrix(model, [text], tmp_path / "alone.gguf", ctx=128, compute=Compute(threads=2)).output_path
     together = tmp_path / "together.gguf"
-    both = calibrate(model, layout, "reap", [text], ctx=128, threads=2, imatrix_out=together)
-    scores = calibrate(model, layout, "reap", [text], ctx=128, threads=2)
+    both = calibrate(model, layout, "reap", [text], ctx=128, compute=Compute(threads=2), imatrix_out=together)
+    scores = calibrate(model, layout, "reap", [text], ctx=128, compute=Compute(threads=2))
     assert together.read_bytes() == alone.read_bytes()
     assert both.to_json() == scores.to_json()
 

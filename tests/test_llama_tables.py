@@ -1,6 +1,6 @@
 """ggufcarve's per-architecture tables that gguf-py cannot give, checked against the llama.cpp
 sources in the llama-cpp-python sdist (tests/llama_sources.py): routing (moe/routing.py), cache
-kinds (quant/kvcache.py) and the expert tensor names gguf-py 0.19 lacks (moe/layout.py).
+kinds (placement/kvcache.py) and the expert tensor names gguf-py 0.19 lacks (moe/layout.py).
 The activation table (select/experts.py) is checked in test_select_trace.py."""
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def test_deepseek2_sigmoid_shapes_match_its_loader():
 
 
 def test_cache_kinds_match_each_architectures_hparams():
-    from ggufcarve.quant.kvcache import ARCHITECTURE_CACHES
+    from ggufcarve.placement.kvcache import ARCHITECTURE_CACHES
 
     archs = architectures()
     for name, rules in ARCHITECTURE_CACHES.items():

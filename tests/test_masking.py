@@ -18,6 +18,7 @@ from clirun import ggufcarve
 from ggufcarve.errors import BadInput
 from ggufcarve.gguf.container import read_model
 from ggufcarve.llama import masking
+from ggufcarve.llama.devices import Compute
 from ggufcarve.moe.keepset import KeepSet, check_keepset
 from ggufcarve.moe.layout import inspect_layout
 
@@ -62,7 +63,7 @@ def engine_logits(path, ids: list[int], mask: masking.RoutingMask | None = None,
     evaluation engine (the path tune and best score keep-sets by), with `mask` as its eval callback."""
     from ggufcarve.evaluate.engine import Engine
 
-    engine = Engine(str(path), threads=2)
+    engine = Engine(str(path), Compute(threads=2))
     context = engine.context(CONTEXT, 1, batch, eval_callback=mask)
     try:
         chunks = [np.asarray(ids[i : i + CONTEXT], dtype=np.int32) for i in range(0, len(ids), CONTEXT)]
@@ -162,7 +163,7 @@ def test_one_loaded_model_scores_several_keepsets(make_model, tmp_path, monkeypa
     assert keepsets[0] != keepsets[1]
 
     def pruned_logits(path):
-        engine = Engine(str(path), threads=2)
+        engine = Engine(str(path), Compute(threads=2))
         context = engine.context(CONTEXT, 2)
         try:
             return context.chunk_logits(chunks, 1)
@@ -172,7 +173,7 @@ def test_one_loaded_model_scores_several_keepsets(make_model, tmp_path, monkeypa
 
     expected = [pruned_logits(prune(src, k, tmp_path / f"p{i}.gguf")) for i, k in enumerate(keepsets)]
     mask = masking.RoutingMask()
-    engine = Engine(str(src), threads=2)
+    engine = Engine(str(src), Compute(threads=2))
     context = engine.context(CONTEXT, 2, eval_callback=mask)
     try:
         got = []

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from ggufcarve.evaluate import kld
+from ggufcarve.llama.devices import Compute
 from ggufcarve.measure.statistics import Choice, choose_answer, paired_difference
 from ggufcarve.measure.tournament import (
     Candidate,
@@ -120,7 +121,11 @@ def test_a_misleading_first_round_does_not_eliminate_the_true_winner(tmp_path):
     series = {"good": [good], "plain": [base], "lucky": [lucky], "bad": [[b + 0.5 for b in base]]}
     candidates = [Candidate(cid, Path(f"/nonexistent/{cid}.gguf"), file_bytes=100) for cid in series]
     got = measure(
-        candidates, [segment("a", n_chunk, 2048)], MeasureSettings(threads=1), tmp_path, score_unit=scorer(series)
+        candidates,
+        [segment("a", n_chunk, 2048)],
+        MeasureSettings(Compute(threads=1)),
+        tmp_path,
+        score_unit=scorer(series),
     )
     first = got.groups[""]["rounds"][0]
     assert first["units"] == 8 and first["chunks"] == 8
@@ -157,7 +162,11 @@ def test_a_candidate_over_the_budget_or_failing_the_gate_is_never_a_finalist(tmp
         )
 
     got = measure(
-        candidates, [segment("a", 8)], MeasureSettings(threads=1, gate=gate), tmp_path, score_unit=scorer(series)
+        candidates,
+        [segment("a", 8)],
+        MeasureSettings(Compute(threads=1), gate=gate),
+        tmp_path,
+        score_unit=scorer(series),
     )
     decision = got.groups[""]
     assert "big" not in decision["finalists"] and got.records["big"]["stopped_reason"] == "budget"
@@ -179,7 +188,13 @@ def test_a_tie_within_noise_names_the_smaller_file(tmp_path):
         Candidate("K14-Q3_K_M", Path("/x/k.gguf"), file_bytes=611),
         Candidate("same-file", Path("/x/u.gguf"), file_bytes=683),
     ]
-    got = measure(candidates, [segment("a", 8)], MeasureSettings(threads=1), tmp_path, score_unit=scorer(series))
+    got = measure(
+        candidates,
+        [segment("a", 8)],
+        MeasureSettings(Compute(threads=1)),
+        tmp_path,
+        score_unit=scorer(series),
+    )
     decision = got.groups[""]
     diff = paired_difference(np.concatenate(series["K14-Q3_K_M"][0]), np.concatenate(base))
     assert diff.within(2.0)  # the construction: the pruned candidate is within noise
@@ -187,7 +202,11 @@ def test_a_tie_within_noise_names_the_smaller_file(tmp_path):
     assert set(decision["tie_with"]) == {"unpruned-Q3_K_M", "same-file"}
     assert got.records["K14-Q3_K_M"]["tie_with"] == decision["tie_with"]
     got = measure(
-        candidates, [segment("a", 8)], MeasureSettings(threads=1, prefer="metric"), tmp_path, score_unit=scorer(series)
+        candidates,
+        [segment("a", 8)],
+        MeasureSettings(Compute(threads=1), prefer="metric"),
+        tmp_path,
+        score_unit=scorer(series),
     )
     means = {cid: np.concatenate(s[0]).mean() for cid, s in series.items()}
     assert got.groups[""]["winner"] == min(sorted(means), key=means.get)
@@ -204,13 +223,15 @@ def test_two_candidates_on_the_same_file_tie_in_llama_cpp(tmp_path):
     from ggufcarve.demo import DEMO_MODEL, HELDOUT
     from ggufcarve.measure.tournament import prepare_segments
 
-    segments = prepare_segments(DEMO_MODEL, [HELDOUT], chunk_ctx=256, chunks=4, threads=2, work=tmp_path)
+    segments = prepare_segments(
+        DEMO_MODEL, [HELDOUT], chunk_ctx=256, chunks=4, compute=Compute(threads=2), work=tmp_path
+    )
     candidates = [
         Candidate("a", DEMO_MODEL, file_bytes=2),
         Candidate("b", DEMO_MODEL, file_bytes=1),
         Candidate("a-masked", DEMO_MODEL, keep={b: tuple(range(15)) for b in range(4)}, file_bytes=3),
     ]
-    got = measure(candidates, segments, MeasureSettings(threads=2), tmp_path)
+    got = measure(candidates, segments, MeasureSettings(Compute(threads=2)), tmp_path)
     decision = got.groups[""]
     assert np.array_equal(got.table("a"), got.table("b"))
     assert got.records["a"]["kld_mean"] < 1e-6  # the reference scored against itself
@@ -277,12 +298,12 @@ def test_masked_on_the_unpruned_rung_equals_the_pruned_rungs_file(make_model, tm
     words = "the quick brown fox jumps over a lazy dog while experts route tokens through layers".split()
     heldout = tmp_path / "heldout.txt"
     heldout.write_text(" ".join(words[i % len(words)] for i in range(600)) + "\n")
-    segments = prepare_segments(src, [heldout], chunk_ctx=64, chunks=8, threads=2, work=tmp_path)
+    segments = prepare_segments(src, [heldout], chunk_ctx=64, chunks=8, compute=Compute(threads=2), work=tmp_path)
     nodes = tuple(f"{node}:{block}" for node, block in required_nodes(layout, keepset))
     got = measure(
         [Candidate("masked", rung, keep=keepset.layers, required_nodes=nodes), Candidate("file", pruned_rung)],
         segments,
-        MeasureSettings(threads=2),
+        MeasureSettings(Compute(threads=2)),
         tmp_path,
     )
     masked, file = got.records["masked"], got.records["file"]
@@ -304,7 +325,9 @@ def test_the_device_copy_path_gives_the_in_place_results_bit_for_bit(monkeypatch
     from ggufcarve.llama.trace import trace_routing
     from ggufcarve.measure.tournament import prepare_segments
 
-    segments = prepare_segments(DEMO_MODEL, [HELDOUT], chunk_ctx=256, chunks=2, threads=2, work=tmp_path)
+    segments = prepare_segments(
+        DEMO_MODEL, [HELDOUT], chunk_ctx=256, chunks=2, compute=Compute(threads=2), work=tmp_path
+    )
     keep = {b: tuple(range(0, 16, 2)) for b in range(4)}
     tokens = list(range(3, 300))
     outputs = {}
@@ -313,12 +336,21 @@ def test_the_device_copy_path_gives_the_in_place_results_bit_for_bit(monkeypatch
             monkeypatch.setenv(FORCE_COPY_ENV, "1")
         work = tmp_path / str(forced)
         work.mkdir()
-        table = measure([Candidate("masked", DEMO_MODEL, keep=keep)], segments, MeasureSettings(threads=2), work).table(
-            "masked"
-        )
+        table = measure(
+            [Candidate("masked", DEMO_MODEL, keep=keep)],
+            segments,
+            MeasureSettings(Compute(threads=2)),
+            work,
+        ).table("masked")
         traced = trace_routing(DEMO_MODEL, tokens, nodes=("ffn_moe_topk", "ffn_moe_logits"), context=128, batch=64)
         imatrix = collect_imatrix(
-            read_model(DEMO_MODEL), [CALIBRATION], work / "im.gguf", ctx=128, chunks=2, threads=2, force=True
+            read_model(DEMO_MODEL),
+            [CALIBRATION],
+            work / "im.gguf",
+            ctx=128,
+            chunks=2,
+            compute=Compute(threads=2),
+            force=True,
         )
         outputs[forced] = (table, traced, (work / "im.gguf").read_bytes(), imatrix)
     (table_a, traced_a, im_a, _), (table_b, traced_b, im_b, _) = outputs[False], outputs[True]

@@ -17,6 +17,7 @@ from clirun import ggufcarve
 
 from ggufcarve.demo import DEMO_MODEL
 from ggufcarve.llama import launch
+from ggufcarve.llama.devices import Compute
 from ggufcarve.llama.memory import MemorySettings, measure_memory
 
 ALLOCATING_CHILD = """
@@ -169,9 +170,11 @@ def test_the_n_cpu_moe_pattern_moves_what_llama_cpp_moves(twelve_blocks, n_cpu_m
     from gguf import GGUFReader
 
     from ggufcarve.llama.memory import dry_load
-    from ggufcarve.quant.offload import override_regex, weight_placement
+    from ggufcarve.placement.offload import override_regex, weight_placement
 
-    load = dry_load(twelve_blocks, MemorySettings(512, gpu_layers=99, cpu_tensors=(override_regex(n_cpu_moe),)))
+    load = dry_load(
+        twelve_blocks, MemorySettings(512, compute=Compute(gpu_layers=99), cpu_tensors=(override_regex(n_cpu_moe),))
+    )
     reader = GGUFReader(twelve_blocks)
     expected = {}
     for t in reader.tensors:

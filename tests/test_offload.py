@@ -13,8 +13,8 @@ from llama_sources import ffn_exps_regexes, offload_oracle
 
 from ggufcarve.gguf.container import read_model
 from ggufcarve.llama import launch
-from ggufcarve.quant.kvcache import ContextSettings, context_memory
-from ggufcarve.quant.offload import (
+from ggufcarve.placement.kvcache import ContextSettings, context_memory
+from ggufcarve.placement.offload import (
     block_range_regex,
     file_offload,
     override_regex,
@@ -22,6 +22,7 @@ from ggufcarve.quant.offload import (
     plan_offload,
     weight_placement,
 )
+from ggufcarve.quant.fit import ALL_LAYERS
 
 
 def test_block_ranges_match_exactly_the_first_n_numbers():
@@ -181,7 +182,7 @@ def test_a_gpu_backends_buffers_are_the_devices_own():
     src/llama-context.cpp and src/llama-kv-cache.cpp): the GPU's compute buffer is its own figure,
     the pinned host buffers are system memory, nothing is marked estimated."""
     from ggufcarve.llama.memory import DryLoad, parse_log
-    from ggufcarve.quant.offload import WeightPlacement, plan_offload, split_devices
+    from ggufcarve.placement.offload import WeightPlacement, plan_offload, split_devices
 
     lines = [
         "llama_context:  CUDA_Host  output buffer size =     0.58 MiB",
@@ -218,7 +219,7 @@ def test_a_gpu_backends_buffers_are_the_devices_own():
 
 
 def test_the_gpu_compute_estimate_grows_by_the_largest_expert_block_on_the_cpu():
-    from ggufcarve.quant.offload import WeightPlacement, gpu_compute, plan_offload
+    from ggufcarve.placement.offload import WeightPlacement, gpu_compute, plan_offload
 
     placement = WeightPlacement(100, (10, 40, 20, 30), 5, 0, False)
     compute = gpu_compute(placement, 7)
@@ -241,9 +242,9 @@ def test_with_a_gpu_backend_fit_reports_the_buffers_llama_cpp_places(monkeypatch
     placed = []
 
     def fake(path, settings):
-        if settings.gpu_layers == 0:
+        if settings.compute.gpu_layers == 0:
             return memory.DryLoad(8 * mib, {"CPU": 12 * mib}, {"CPU": mib // 64}, ("CUDA0",), {})
-        placed.append((settings.gpu_layers, settings.cpu_tensors))
+        placed.append((settings.compute.gpu_layers, settings.cpu_tensors))
         return memory.DryLoad(8 * mib, {"CUDA0": 20 * mib, "CUDA_Host": mib}, {"CUDA_Host": mib // 64}, ("CUDA0",), {})
 
     monkeypatch.setattr(memory, "dry_load", fake)
@@ -269,7 +270,7 @@ def test_with_a_gpu_backend_fit_reports_the_buffers_llama_cpp_places(monkeypatch
     )
     assert result.exit_code == 0, result.output
     row = json.loads(result.stdout)["rows"][0]
-    assert placed == [(-1, ())]  # whole: every layer, no override
+    assert placed == [(ALL_LAYERS, ())]  # whole: every layer, no override
     gpu, host = row["memory"]
     assert (gpu["device"], gpu["compute"], "estimated" in gpu) == ("CUDA0", 20 * mib, False)
     assert (host["compute"], host["output"]) == (mib, mib // 64)

@@ -17,6 +17,8 @@ import numpy as np
 import pytest
 from clirun import ggufcarve
 
+from ggufcarve.llama.devices import Compute
+
 CTX, CHUNKS = 128, 2
 WORDS = "experts route every token through a few of many feed forward blocks chosen by a router".split()
 
@@ -330,7 +332,7 @@ def test_the_measurement_layer_records_each_files_statistics(tmp_path):
     measured = measure(
         [Candidate("cand", tmp_path / "m.gguf")],
         segments,
-        MeasureSettings(threads=1),
+        MeasureSettings(Compute(threads=1)),
         tmp_path,
         score_unit=lambda _candidate, unit: tables[unit[0]],
     )

@@ -15,6 +15,7 @@ from gguf import GGUFReader
 
 from ggufcarve.errors import BadInput
 from ggufcarve.gguf.container import read_model
+from ggufcarve.llama.devices import Compute
 from ggufcarve.llama.trace import trace_routing
 from ggufcarve.moe.layout import inspect_layout
 from ggufcarve.select.experts import ExpertEvaluator
@@ -147,7 +148,7 @@ def test_frequency_counts_equal_llama_imatrix_counts(arch, make_model, llama_too
     assert proc.returncode == 0, proc.stderr[-2000:]
     loaded = read_model(model)
     scores = score_model(
-        loaded, inspect_layout(loaded), "frequency", calibration=[calibration_text], ctx=128, threads=2
+        loaded, inspect_layout(loaded), "frequency", calibration=[calibration_text], ctx=128, compute=Compute(threads=2)
     )
     written = {
         t.name: np.asarray(t.data).reshape(-1)
@@ -174,7 +175,7 @@ def test_expert_outputs_equal_llama_cpps_ffn_moe_down(arch, engine, make_model):
     layout = inspect_layout(model)
     tokens = [factory.BOS_ID] + [int(t) for t in np.random.default_rng(3).integers(3, factory.N_VOCAB, 15)]
     trace = trace_routing(
-        path, tokens, nodes=("ffn_moe_topk", "ffn_moe_down", "ffn_moe_input"), logits=False, threads=2
+        path, tokens, nodes=("ffn_moe_topk", "ffn_moe_down", "ffn_moe_input"), logits=False, compute=Compute(threads=2)
     )
     evaluator = ExpertEvaluator(model, layout, threads=2, engine=engine)
     assert set(trace.topk) == {b for b in layout.blocks if not layout.is_mtp(b)}
@@ -202,7 +203,7 @@ def test_ggml_expert_outputs_of_a_q8_0_model_equal_llama_cpps_ffn_moe_down(arch,
     layout = inspect_layout(model)
     tokens = [factory.BOS_ID] + [int(t) for t in np.random.default_rng(4).integers(3, factory.N_VOCAB, 23)]
     trace = trace_routing(
-        path, tokens, nodes=("ffn_moe_topk", "ffn_moe_down", "ffn_moe_input"), logits=False, threads=2
+        path, tokens, nodes=("ffn_moe_topk", "ffn_moe_down", "ffn_moe_input"), logits=False, compute=Compute(threads=2)
     )
     ggml = ExpertEvaluator(model, layout, threads=2, engine="ggml")
     exact = ExpertEvaluator(model, layout)
@@ -254,7 +255,7 @@ def test_razor_scores_interchangeable_copies_near_zero(make_model, calibration_t
     model = read_model(path)
     layout = inspect_layout(model)
     score = {
-        m: score_model(model, layout, m, calibration=[calibration_text], ctx=128, threads=2).blocks[0]
+        m: score_model(model, layout, m, calibration=[calibration_text], ctx=128, compute=Compute(threads=2)).blocks[0]
         for m in ("frequency", "reap", "razor")
     }
     others = [e for e in range(layout.expert_count) if e not in copies]
@@ -376,7 +377,7 @@ def test_chat_messages_are_rendered_with_the_models_template(make_model, tmp_pat
     loaded = read_model(model)
     layout = inspect_layout(loaded)
     chat, text = (
-        score_model(loaded, layout, "frequency", calibration=[tmp_path / n], ctx=128, threads=2)
+        score_model(loaded, layout, "frequency", calibration=[tmp_path / n], ctx=128, compute=Compute(threads=2))
         for n in ("chat.jsonl", "text.jsonl")
     )
     assert chat.tokens == text.tokens > 0 and chat.inputs[0]["tokens"] == text.inputs[0]["tokens"]
@@ -549,7 +550,7 @@ def test_one_pass_criteria_equal_numpy_from_llama_cpps_captured_ffn_moe_down(arc
         (ConsumerSpec("nodes", "ggufcarve.llama.trace:capture", {"nodes": nodes}), statistics_consumer("mone")),
         Batching.single(48, 32),
         tokens=tokens,
-        threads=2,
+        compute=Compute(threads=2),
     )
     run = decode(request, what="test")
     captured, stats = run.outputs["nodes"], TraceStatistics.from_arrays(run.outputs["statistics"], layout.expert_count)
@@ -636,7 +637,9 @@ def test_imatrix_msan_is_gguf_pys_formula_and_ranks_like_the_traced_msan(
     loaded = read_model(model)
     layout = inspect_layout(loaded)
     estimate = score_model(loaded, layout, "imatrix-msan", imatrix=imatrix)
-    traced = score_model(loaded, layout, "msan", calibration=[text], ctx=ctx, max_tokens=chunks * ctx, threads=2)
+    traced = score_model(
+        loaded, layout, "msan", calibration=[text], ctx=ctx, max_tokens=chunks * ctx, compute=Compute(threads=2)
+    )
     entries = {t.name: np.asarray(t.data, dtype=np.float64) for t in GGUFReader(imatrix).tensors}
     weights = {t.name: t for t in GGUFReader(model).tensors}
     correlations = []

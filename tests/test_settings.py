@@ -243,6 +243,8 @@ def test_a_commands_settings_dataclasses_name_the_settings_of_its_options(comman
         module, name = settings_class.split(":")
         cls = getattr(importlib.import_module(module), name)
         from_fields |= {f.metadata["setting"].name for f in dataclasses.fields(cls) if "setting" in f.metadata}
+        # a field holding the run's Compute is read from its four settings (settings.compute_key)
+        from_fields |= {s.name for f in dataclasses.fields(cls) for s in f.metadata.get("settings", ())}
     options = {
         setting_of_option(param).name
         for cmd, _flag, param in visible_options()

@@ -9,6 +9,7 @@ import statistics
 import pytest
 
 from ggufcarve.evaluate.speed import SpeedSettings, bench_speed
+from ggufcarve.llama.devices import Compute
 
 
 @pytest.mark.slow
@@ -16,7 +17,7 @@ def test_bench_speed_reports_llama_benchs_own_samples(q8_moe, llama_tools):
     from ggufcarve.llama import launch
 
     settings = SpeedSettings(pp_tokens=64, tg_tokens=16, runs=3)
-    speed = bench_speed(llama_tools / "llama-bench", q8_moe, settings, 2)
+    speed = bench_speed(llama_tools / "llama-bench", q8_moe, settings, Compute(threads=2))
     assert speed.engine == "llama-bench" and speed.threads == 2 and (speed.pp_tokens, speed.tg_tokens) == (64, 16)
     assert len(speed.pp_runs) == len(speed.tg_runs) == 3
     assert (

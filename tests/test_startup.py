@@ -96,7 +96,7 @@ def test_help_groups_the_commands_by_task():
         "Decide": ["fit", "tune", "select", "score"],
         "Build": ["prune", "imatrix", "ladder"],
         "Check and publish": ["eval", "card", "verify", "release", "check-prune"],
-        "Set up": ["inspect", "toolchain"],
+        "Set up": ["inspect", "devices", "toolchain", "cache"],
     }
     assert list(panels) == ["Start here", "Decide", "Build", "Check and publish", "Set up"]
     assert list(_help_panels(CliRunner().invoke(app, ["ladder", "--help"]).output)) == ["Commands"]

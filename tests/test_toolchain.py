@@ -7,6 +7,7 @@ quantizers themselves run for real (marked slow).
 from __future__ import annotations
 
 import io
+import json
 import os
 import shutil
 import stat
@@ -215,6 +216,9 @@ set(CMAKE_RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/bin)
 foreach(tool llama-quantize llama-imatrix llama-perplexity llama-gguf-split llama-bench llama-fit-params llama-cli)
   add_executable(${tool} tool.c)
 endforeach()
+if(GGML_RPC)
+  add_executable(ggml-rpc-server tool.c)
+endif()
 """
 FAKE_TOOL_C = '#include <stdio.h>\nint main(void) { puts("version: 9.9 (build 7, commit fake123)"); return 0; }\n'
 
@@ -241,7 +245,7 @@ def test_build_tools_builds_only_its_targets_once(isolated):
     sdist_dir.mkdir(parents=True)
     fake_sdist(sdist_dir / build.sdist_name(version), version)  # cached sdist: no pip download
     events = []
-    bin_dir = build_tools(events.append, version=version)
+    bin_dir = build_tools(events.append, version=version, backend="cpu")
     assert bin_dir == cache_root() / f"llama.cpp-{version}" / "bin"
     assert sorted(p.name for p in bin_dir.iterdir()) == sorted(TOOLS)  # llama-cli not built/copied
     assert subprocess.run([bin_dir / "llama-imatrix"], capture_output=True, text=True).stdout.startswith("version: 9.9")
@@ -257,9 +261,30 @@ def test_build_tools_builds_only_its_targets_once(isolated):
 
     mtime = (bin_dir / "llama-quantize").stat().st_mtime_ns
     again = []
-    assert build_tools(again.append, version=version) == bin_dir
+    assert build_tools(again.append, version=version, backend="cpu") == bin_dir
     assert [e.stage for e in again] == ["cached"]
     assert (bin_dir / "llama-quantize").stat().st_mtime_ns == mtime
+    assert json.loads((bin_dir.parent / "build-info.json").read_text())["backend"] == "cpu"
+
+
+@pytest.mark.skipif(shutil.which("cmake") is None or shutil.which("cc") is None, reason="needs cmake and a C compiler")
+def test_the_rpc_backend_builds_its_server_and_replaces_a_cpu_build(isolated):
+    """--backend rpc configures with -DGGML_RPC=ON (the fake source adds the server only then) and
+    the entry of another backend is rebuilt, not taken."""
+    version = "0.0.4-test"
+    (cache_root() / "sdist").mkdir(parents=True)
+    fake_sdist(cache_root() / "sdist" / build.sdist_name(version), version)
+    bin_dir = build_tools(version=version, backend="cpu")
+    assert not (bin_dir / "ggml-rpc-server").exists()
+    events = []
+    assert build_tools(events.append, version=version, backend="rpc") == bin_dir
+    assert any(e.stage == "rebuild" and "built with cpu" in e.message for e in events)
+    assert sorted(p.name for p in bin_dir.iterdir()) == sorted((*TOOLS, "ggml-rpc-server"))
+    info = json.loads((bin_dir.parent / "build-info.json").read_text())
+    assert info["backend"] == "rpc" and "-DGGML_RPC=ON" in info["cmake_flags"] and "ggml-rpc-server" in info["tools"]
+    again = []
+    build_tools(again.append, version=version, backend="rpc")
+    assert [e.stage for e in again] == ["cached"]
 
 
 def test_build_tools_failure_leaves_nothing(isolated):

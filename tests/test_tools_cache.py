@@ -100,7 +100,7 @@ def test_entry_without_a_cpu_record_is_adopted_and_kept(isolated):
         and info["sdist"] == "x.tar.gz"
     )
     events = []
-    assert build.build_tools(events.append, version=version) == entry / "bin"
+    assert build.build_tools(events.append, version=version, backend="cpu") == entry / "bin"
     assert [e.stage for e in events] == ["cached"] and (entry / "bin" / "llama-quantize").stat().st_mtime_ns == mtime
     assert [p.name for p in entry.iterdir() if p.name.startswith(".")] == []  # no temp file of the record left
 
@@ -113,7 +113,7 @@ def test_entry_built_for_another_cpu_is_rebuilt(isolated):
     (cache_root() / "sdist").mkdir(parents=True)
     fake_sdist(cache_root() / "sdist" / build.sdist_name(version), version)
     events = []
-    assert build.build_tools(events.append, version=version) == entry / "bin"
+    assert build.build_tools(events.append, version=version, backend="cpu") == entry / "bin"
     rebuild = [e for e in events if e.stage == "rebuild"]
     assert rebuild and avx512.key in rebuild[0].message and cpu_features().key in rebuild[0].message
     assert json.loads((entry / "build-info.json").read_text())["cpu"] == cpu_features().to_json()

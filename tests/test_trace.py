@@ -19,6 +19,7 @@ from ggufcarve.errors import BadInput, ToolFailed
 from ggufcarve.gguf.container import read_model
 from ggufcarve.llama.calibration import Batching, Document
 from ggufcarve.llama.decode import ConsumerSpec, DecodeRequest, decode
+from ggufcarve.llama.devices import Compute
 from ggufcarve.llama.ggml import GgmlTensor
 from ggufcarve.llama.trace import (
     NODES,
@@ -174,7 +175,7 @@ def test_a_decode_request_is_the_same_after_its_json():
         documents=((Document(text="a"), Document(messages=(("user", "hi"),))),),
         max_tokens=48,
         logits=True,
-        threads=3,
+        compute=Compute(threads=3),
     )
     assert DecodeRequest.from_json(json.loads(json.dumps(request.to_json()))) == request
     with pytest.raises(BadInput, match="not a ggufcarve module:attribute"):

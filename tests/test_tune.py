@@ -12,6 +12,7 @@ import pytest
 from ggufcarve.errors import BadInput
 from ggufcarve.gguf.container import read_model
 from ggufcarve.llama.calibration import read_calibration
+from ggufcarve.llama.devices import Compute
 from ggufcarve.moe.layout import inspect_layout
 from ggufcarve.select import greedy
 from ggufcarve.tune.run import ALL_METHODS, TuneSettings, cliff, fit_greedy, knee, render_markdown
@@ -262,7 +263,13 @@ def test_greedy_refused_before_the_pass_when_its_estimate_exceeds_the_memory(mon
     available = 2**30
     with pytest.raises(BadInput) as err:
         calibrate.calibrate_all(
-            model, layout, "greedy", [DATA / "calibration.txt"], ctx=CTX, threads=2, available_memory=available
+            model,
+            layout,
+            "greedy",
+            [DATA / "calibration.txt"],
+            ctx=CTX,
+            compute=Compute(threads=2),
+            available_memory=available,
         )
     tokens = greedy.token_bound(read_calibration([DATA / "calibration.txt"]), CTX, None)
     assert (
@@ -285,7 +292,7 @@ def test_greedy_refused_before_the_pass_when_its_estimate_exceeds_the_memory(mon
         calibration=(DATA / "calibration.txt",),
         heldout=(DATA / "heldout.txt",),
         ctx=CTX,
-        threads=2,
+        compute=Compute(threads=2),
         available_memory=available,
     )
     with pytest.raises(BadInput, match="greedy needs up to"):
@@ -335,7 +342,7 @@ def test_all_holds_greedy_only_when_it_fits():
         calibration=(DATA / "calibration.txt",),
         heldout=(DATA / "heldout.txt",),
         ctx=CTX,
-        threads=2,
+        compute=Compute(threads=2),
     )
     peak = greedy.memory_estimate(
         layout, greedy.token_bound(read_calibration([DATA / "calibration.txt"]), CTX, None), 2

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ggufcarve.events import Sink, ignore
+from ggufcarve.llama.devices import Compute
 
 # between the demo's rungs as llama.cpp allocates them at 256 tokens: its pruned Q4_K_M (9.51 MiB) and its
 # unpruned Q2_K (9.96 MiB) fit, its pruned Q6_K (10.90 MiB) and unpruned Q4_K_M (13.03 MiB) do not
@@ -34,7 +35,7 @@ def answer_for_budget(
     heldout: list[Path],
     ctx: int,
     chunks: int | None,
-    threads: int,
+    compute: Compute,
     work: Path,
     on_event: Sink = ignore,
 ) -> dict[str, Any] | None:
@@ -57,7 +58,7 @@ def answer_for_budget(
     files = {p.name: p for directory in directories for p in sorted(directory.rglob("*.gguf"))}
     by_name = {r["model"]["name"]: r for r in scored if r["model"]["file"] in files}
     segments = prepare_segments(
-        source, heldout, chunk_ctx=ctx, chunks=chunks, threads=threads, work=work, on_event=on_event
+        source, heldout, chunk_ctx=ctx, chunks=chunks, compute=compute, work=work, on_event=on_event
     )
     pool = [
         Candidate(
@@ -68,9 +69,7 @@ def answer_for_budget(
         )
         for name, r in by_name.items()
     ]
-    measured = measure(
-        pool, segments, MeasureSettings(threads=threads, tables=measure_tables()), work, on_event=on_event
-    )
+    measured = measure(pool, segments, MeasureSettings(compute, tables=measure_tables()), work, on_event=on_event)
     decision = measured.groups[""]
     if decision["winner"] is None:
         return None

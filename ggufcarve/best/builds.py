@@ -17,7 +17,7 @@ from ggufcarve.events import Sink
 
 def offload_arguments(path: Path, settings: BestSettings) -> tuple[list[str], dict[str, Any] | None]:
     """The llama.cpp arguments that place `path` on the GPU of --gpu-memory, and the offload record
-    (quant.offload: the file whole, else the smallest --n-cpu-moe N with the compute buffers
+    (placement.offload: the file whole, else the smallest --n-cpu-moe N with the compute buffers
     counted, with the equal -ot regex; none when even every expert on the CPU leaves too much for
     the GPU)."""
     if settings.gpu_memory is None:
@@ -63,7 +63,7 @@ def build_rungs(
         imatrix=imatrix if needs else None,
         only=rungs,
         model_name=name,
-        nthreads=settings.threads,
+        nthreads=settings.compute.threads or None,
         on_event=on_event,
     )
     result = run_ladder(ladder_plan, on_event=on_event)
@@ -178,8 +178,7 @@ def keep_sets(
             calibration=settings.calibration,
             ctx=settings.eval_ctx,
             max_tokens=settings.max_tokens,
-            threads=settings.threads,
-            gpu_layers=settings.gpu_layers,
+            compute=settings.compute,
             imatrix_out=imatrix,
         )
         scores = calibration_scores(plan.model, plan.layout, tune_settings, work, on_event)[0]

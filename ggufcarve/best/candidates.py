@@ -1,7 +1,7 @@
 """Which (K, rung) pairs compete for a memory budget, from `fit`'s exact sizes.
 
 For every rung of the ladder: the largest K of fit's grid that runs in the asked tier
-(quant.offload.TIERS: on the GPU whole, on the GPU with --n-cpu-moe N, in system memory, or paging
+(placement.offload.TIERS: on the GPU whole, on the GPU with --n-cpu-moe N, in system memory, or paging
 from disk), and the next smaller K of the grid; a K equal to the source's expert count is the
 unpruned model at that rung. Every rung of the unpruned model that runs in the tier is a candidate too.
 """

@@ -41,7 +41,8 @@ def measure_speed(
     from ggufcarve.llama.tools import physical_cores
     from ggufcarve.quant.quantizer import QuantizeJob, make_quantizer
 
-    threads = settings.threads or physical_cores()
+    compute = settings.compute.with_threads(settings.compute.threads or physical_cores())
+    threads = compute.threads
     out: dict[str, Any] = {"threads": threads}
     decode_seconds, decode_tokens = 0.0, 0
     for role, paths in (("heldout", settings.heldout), ("calibration", settings.calibration)):
@@ -49,8 +50,7 @@ def measure_speed(
         for number, path in enumerate(paths):
             request = Request(
                 model=str(source),
-                threads=threads,
-                gpu_layers=settings.gpu_layers,
+                compute=compute,
                 n_ctx=settings.eval_ctx,
                 result_out=str(work / f"speed-{role}-{number}.json"),
                 text=str(path),
@@ -154,11 +154,28 @@ STAGES = ("calibration", "references", "builds", "tournament", "confirmation")
 DECODE_STAGES = ("calibration", "references", "tournament", "confirmation")
 
 
+SMALLEST_PROJECTED = 256 * 2**20  # below it a stage's time is mostly fixed per-process costs (start, load)
+TOO_SMALL = (
+    "not projected: the model is {size}, too small to project from (its stages' time is mostly fixed "
+    "per-process costs, which do not grow with the model); run the dry run on a model of at least 256 MiB"
+)
+
+
+def _too_small(model: Any) -> str | None:
+    from ggufcarve.fileio import format_size
+
+    return TOO_SMALL.format(size=format_size(model.total_bytes)) if model.total_bytes < SMALLEST_PROJECTED else None
+
+
 def project_estimate(plan: Plan, guess: dict[str, Any]) -> dict[str, Any]:
     """The dry run's estimate moved to REFERENCE_MODEL: the same plan of work (texts, candidates, builds),
     decoding at this machine's measured rate scaled by the bytes one token reads there and here,
     builds at the quantizer's measured bytes per second on the reference's file bytes. A rate
-    measured on a small file includes fixed costs per process, so the projection is high there."""
+    measured on a small file includes fixed costs per process: below SMALLEST_PROJECTED nothing is
+    projected."""
+    note = _too_small(plan.model)
+    if note is not None:
+        return {"model": REFERENCE_MODEL["name"], "stages": dict.fromkeys(guess["stages"]), "total": None, "rule": note}
     scale = (
         REFERENCE_MODEL["bytes"]
         * REFERENCE_MODEL["active_fraction"]
@@ -182,10 +199,22 @@ def project_estimate(plan: Plan, guess: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def projection(model: Any, layout: Any, timings: dict[str, float]) -> dict[str, Any]:
-    """The measured stage seconds scaled to REFERENCE_MODEL: decoding stages by the bytes one
-    token reads (file bytes x active fraction), builds by the file bytes; the same texts, K
-    values and candidate count assumed."""
+def projection(model: Any, layout: Any, timings: dict[str, float], device: str = "this machine") -> dict[str, Any]:
+    """The measured stage seconds scaled to REFERENCE_MODEL on `device` (where this run computed):
+    decoding stages by the bytes one token reads (file bytes x active fraction), builds by the file
+    bytes; the same texts, K values and candidate count assumed. Below SMALLEST_PROJECTED nothing
+    is projected (`stages_seconds` and `total_seconds` None, `rule` says why)."""
+    note = _too_small(model)
+    if note is not None:
+        return {
+            "model": REFERENCE_MODEL["name"],
+            "device": device,
+            "rule": note,
+            "decode_scale": None,
+            "build_scale": None,
+            "stages_seconds": dict.fromkeys(STAGES),
+            "total_seconds": None,
+        }
     decode_scale = (
         REFERENCE_MODEL["bytes"]
         * REFERENCE_MODEL["active_fraction"]
@@ -198,6 +227,7 @@ def projection(model: Any, layout: Any, timings: dict[str, float]) -> dict[str, 
     }
     return {
         "model": REFERENCE_MODEL["name"],
+        "device": device,
         "rule": "decoding stages x (bytes read per token there / here); builds x (file bytes there / here)",
         "decode_scale": decode_scale,
         "build_scale": build_scale,

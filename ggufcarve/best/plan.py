@@ -12,6 +12,7 @@ from ggufcarve import settings as S
 from ggufcarve.best.candidates import PRUNED, Candidate
 from ggufcarve.errors import BadInput
 from ggufcarve.events import Sink, ignore
+from ggufcarve.llama.devices import Compute
 from ggufcarve.measure.statistics import DEFAULT_Z, METRICS, PREFERENCES
 from ggufcarve.select.criteria import BEST_DEFAULT
 from ggufcarve.settings import key, required
@@ -29,8 +30,7 @@ class BestSettings:
     eval_ctx: int = key(S.CHUNK_CTX, 512)  # tokens per chunk of the calibration pass and the scoring
     chunks: int | None = key(S.CHUNKS, None)
     max_tokens: int | None = key(S.MAX_TOKENS, None)
-    threads: int | None = key(S.THREADS, None)
-    gpu_layers: int = key(S.GPU_LAYERS, 0)  # layers offloaded to the accelerator in every llama.cpp child
+    compute: Compute = S.compute_key()  # where every llama.cpp child runs (not what the budget counts)
     metric: str = "kld_mean"
     gate: Path | None = key(S.GATE, None)
     gpu_memory: int | None = key(S.GPU_MEMORY, None)
@@ -38,13 +38,14 @@ class BestSettings:
     keep_counts: str | None = key(S.KEEP, None)
     keep_file: Path | None = None  # a keep-set weighed at its K beside the criteria's (selection "keep-file")
     tier: str | None = (
-        None  # quant.offload.TIERS: where the answer must run; None: the fastest tier any candidate runs in
+        None  # placement.offload.TIERS: where the answer must run; None: the fastest tier any candidate runs in
     )
     quantizer: str = key(S.QUANTIZER, "auto")
     llama_cpp_dir: Path | None = key(S.LLAMA_CPP, None)
     only: tuple[str, ...] = key(S.ONLY, ())  # build only these candidate ids, score nothing (a job of several hosts)
     confirm: int = 1  # runners-up built and scored as files besides the winner
     prefer: str = "smaller"  # among candidates tied with the leader: smaller | faster | metric
+    min_decode: float | None = None  # tok/s the answer must decode at, measured in its placement
     z: float = DEFAULT_Z
 
 
@@ -63,7 +64,7 @@ class Plan:
         tuple[int, str], list[tuple[str, str, str]]
     ]  # (K, quant) -> tensors whose type differs from the unpruned rung's
     seconds: float
-    tier: str = "ram"  # the tier the candidates are ranked in (quant.offload.TIERS)
+    tier: str = "ram"  # the tier the candidates are ranked in (placement.offload.TIERS)
 
 
 def run_memory_settings(settings: BestSettings) -> Any:
@@ -75,25 +76,46 @@ def run_memory_settings(settings: BestSettings) -> Any:
         settings.ctx,
         settings.kv_type,
         flash_attn="on" if settings.kv_type.upper() != "F16" else "auto",
-        gpu_layers=settings.gpu_layers,
+        compute=Compute(rpc=settings.compute.rpc),  # the devices present; the placement is the budget's
     )
 
 
 def measured_memory(path: Path, settings: BestSettings) -> Any:
-    """Where a built file runs (quant.offload.Placed): llama.cpp's dry load of it at the run's
-    settings, per device in the fastest tier it runs in, its offload and its tiers."""
-    from ggufcarve.gguf.container import read_model
-    from ggufcarve.llama.memory import dry_load, weight_bytes
-    from ggufcarve.quant.offload import place, weight_placement
+    """Where a built file runs (placement.offload.Placed): llama.cpp's dry load of it at the run's
+    settings, per device in the fastest tier it runs in, its offload and its tiers. With the GPU
+    present (a GPU build, or --rpc's devices) the offload's placement is loaded on it as well: the
+    GPU tiers then hold its measured rows, and a GPU over its budget (with the margin) loses them."""
+    from dataclasses import replace
 
-    load = dry_load(path, run_memory_settings(settings))
-    return place(
-        weight_placement(read_model(path)),
-        weight_bytes(path),
-        load,
-        memory=settings.memory,
-        gpu_memory=settings.gpu_memory,
+    from ggufcarve.gguf.container import read_model
+    from ggufcarve.llama.memory import HOST, dry_load, weight_bytes
+    from ggufcarve.placement.memory import device_memory
+    from ggufcarve.placement.offload import DEFAULT_MARGIN, place, tiers_of, weight_placement
+    from ggufcarve.placement.search import Placement
+
+    run = run_memory_settings(settings)
+    load = dry_load(path, run)
+    model = read_model(path)
+    weights = weight_placement(model)
+    placed = place(weights, weight_bytes(path), load, memory=settings.memory, gpu_memory=settings.gpu_memory)
+    offload = placed.offload
+    if offload is None or offload.n_cpu_moe is None or not load.gpu_devices:
+        return placed
+    placement = Placement(n_cpu_moe=offload.n_cpu_moe)
+    on_device = dry_load(
+        path,
+        replace(
+            run,
+            compute=placement.compute(settings.compute.rpc),
+            cpu_tensors=placement.cpu_tensors(len(weights.expert_bytes)),
+        ),
     )
+    rows = device_memory(model, on_device)
+    gpu = rows[0]
+    fits = gpu.device != HOST and gpu.total + DEFAULT_MARGIN <= settings.gpu_memory
+    measured = replace(offload, gpu_bytes=gpu.total + DEFAULT_MARGIN, compute_bytes=gpu.compute)
+    tiers = tiers_of(placed.host.total, settings.memory, measured if fits else None, rows)
+    return replace(placed, split=rows if fits else [], offload=measured, tiers=tiers)
 
 
 def built_record(path: Path, settings: BestSettings, tier: str) -> dict[str, Any]:
@@ -115,9 +137,9 @@ def plan_best(source: Path, settings: BestSettings, *, on_event: Sink = ignore) 
     from ggufcarve.evaluate.perplexity import read_text
     from ggufcarve.gguf.container import read_model
     from ggufcarve.moe.layout import inspect_layout
+    from ggufcarve.placement.kvcache import ContextSettings
+    from ggufcarve.placement.offload import TIERS
     from ggufcarve.quant.fit import plan_fit, types_differ
-    from ggufcarve.quant.kvcache import ContextSettings
-    from ggufcarve.quant.offload import TIERS
     from ggufcarve.quant.quantizer import make_quantizer
     from ggufcarve.quant.spec import load_spec
 

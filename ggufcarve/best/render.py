@@ -9,6 +9,14 @@ from typing import Any
 from ggufcarve.fileio import format_size, size_unit
 
 
+def _hours(seconds: float | None) -> str:
+    return "not projected" if seconds is None else f"{seconds / 3600:.2f} h"
+
+
+def _speed(value: float | None) -> str:
+    return "" if value is None else f"{value:.1f}"
+
+
 def _cell(value: Any, digits: int = 4) -> str:
     return "" if value is None else f"{value:.{digits}f}"
 
@@ -63,8 +71,8 @@ def markdown(report: dict[str, Any]) -> str:
         f"| candidate | family | K of N | quant | file {unit[0]} | fits "
         "| scored by | mean KLD | ± | 99.9% KLD | same top p | PPL | "
         + " | ".join(f"KLD {n}" for n in names)
-        + " | chunks | left |",
-        "|---|---|---|---|---:|---|---|---:|---:|---:|---:|---:|" + "---:|" * len(names) + "---:|---|",
+        + " | decode tok/s | prompt tok/s | chunks | left |",
+        "|---|---|---|---|---:|---|---|---:|---:|---:|---:|---:|" + "---:|" * len(names) + "---:|---:|---:|---|",
     ]
     winner = r["winner"]["id"] if r["winner"] else None
     for c in r["candidates"]:
@@ -78,7 +86,8 @@ def markdown(report: dict[str, Any]) -> str:
             f"| {c['quant']} | {c['file_bytes'] / unit[1]:.2f} | "
             f"{'yes' if c['fits'] else 'no'} | {scored} | {_cell(c.get('kld_mean'))} "
             f"| {_cell(c.get('kld_mean_stderr'))} | {_cell(c.get('kld_p999'))} | "
-            f"{same} | {_cell(c.get('ppl'))} | {per_file} | {c['chunks_scored']} "
+            f"{same} | {_cell(c.get('ppl'))} | {per_file} | {_speed(c.get('decode_tok_s'))} "
+            f"| {_speed(c.get('prompt_tok_s'))} | {c['chunks_scored']} "
             f"| {REASONS.get(c.get('stopped_reason') or '', '')} |"
         )
     lines.append("")
@@ -121,7 +130,7 @@ def markdown(report: dict[str, Any]) -> str:
     for stage in r["projection"]["stages_seconds"]:
         lines.append(
             f"| {stage} | {report['timings'].get(f'{stage}_seconds', 0.0):.1f} "
-            f"| {r['projection']['stages_seconds'][stage] / 3600:.2f} h |"
+            f"| {_hours(r['projection']['stages_seconds'][stage])} |"
         )
     lines += ["", f"Projection rule: {r['projection']['rule']}.", ""]
     if r.get("previous_run_timings"):

@@ -44,6 +44,7 @@ from ggufcarve.events import Sink, ignore
 
 if TYPE_CHECKING:  # imported where used: the measurement layer imports numpy
     from ggufcarve.evaluate.gate import Gate
+    from ggufcarve.llama.devices import Compute
     from ggufcarve.measure import tournament as mt
 
 REPORT = "best"
@@ -130,7 +131,7 @@ def best(
     work = out_dir / "work"
     work.mkdir(exist_ok=True)
     imatrix = work / "calibration.imatrix.gguf"
-    threads = settings.threads or physical_cores()
+    compute = settings.compute.with_threads(settings.compute.threads or physical_cores())
     gate = None
     if settings.gate is not None:
         from ggufcarve.evaluate.gate import load_gate
@@ -160,7 +161,7 @@ def best(
 
     measured = None
     if wanted is None:
-        measured, segments, measure_settings, tournament_timings = _tournament(search, records, pool, threads, gate)
+        measured, segments, measure_settings, tournament_timings = _tournament(search, records, pool, compute, gate)
         timings.update(tournament_timings)
         timings["confirmation_seconds"], confirm_builds = _confirm(
             search, records, rungs, measured, segments, measure_settings
@@ -171,7 +172,7 @@ def best(
 
     winner = None
     if measured is not None and measured.groups[""]["winner"] is not None:
-        winner = records[measured.groups[""]["winner"]]
+        winner = _rechecked(records, measured.groups[""], settings)
     _complete_records(records, settings)
     timings["total_seconds"] = time.perf_counter() - started
 
@@ -327,7 +328,7 @@ def _candidate_records(
 
 
 def _tournament(
-    search: _Search, records: dict[str, dict[str, Any]], pool: list[mt.Candidate], threads: int, gate: Gate | None
+    search: _Search, records: dict[str, dict[str, Any]], pool: list[mt.Candidate], compute: Compute, gate: Gate | None
 ) -> tuple[mt.Measurement, list[mt.Segment], mt.MeasureSettings, dict[str, float]]:
     """The unpruned model's references on the held-out files and the tournament of `pool` on them
     (`measure.tournament`). Each scored record in `records` takes its figures; a record whose keep-set is identical
@@ -343,16 +344,14 @@ def _tournament(
         settings.heldout,
         chunk_ctx=settings.eval_ctx,
         chunks=settings.chunks,
-        threads=threads,
+        compute=compute,
         work=search.work,
-        gpu_layers=settings.gpu_layers,
         on_event=search.on_event,
     )
     timings["references_seconds"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     measure_settings = mt.MeasureSettings(
-        threads=threads,
-        gpu_layers=settings.gpu_layers,
+        compute,
         z=settings.z,
         metric=settings.metric,
         prefer=settings.prefer,
@@ -460,6 +459,95 @@ def _confirm(
     return time.perf_counter() - t0 - confirm_builds, confirm_builds
 
 
+SPEED = {"pp_tokens": 512, "tg_tokens": 64, "runs": 3}  # llama-bench's method: pp512 and tg64, the median of 3 runs
+
+
+def _speeds(search: _Search, records: dict[str, dict[str, Any]], decision: dict[str, Any], compute: Compute) -> None:
+    """Decode and prompt tok/s of every built finalist in its placement on this machine's devices,
+    measured by llama-bench (its own method), as `decode_tok_s` and `prompt_tok_s`: every layer on
+    the devices (and --n-cpu-moe N) where the finalist runs in a GPU tier and a device is here,
+    else on the CPU. Without llama-bench the figures are None and `speed_note` says why."""
+    from ggufcarve.evaluate.speed import SpeedSettings, bench_speed
+    from ggufcarve.llama.devices import Compute
+    from ggufcarve.llama.tools import find_tool
+    from ggufcarve.placement.offload import GPU_TIERS
+    from ggufcarve.placement.search import ALL_LAYERS
+
+    settings = search.settings
+    tool = find_tool("llama-bench", settings.llama_cpp_dir)
+    for cid in decision["finalists"]:
+        r = records[cid]
+        r.setdefault("decode_tok_s", None)
+        r.setdefault("prompt_tok_s", None)
+        if not r.get("built") or not r.get("path"):
+            continue
+        if tool is None:
+            r["speed_note"] = "not measured: llama-bench is not built (ggufcarve toolchain build)"
+            continue
+        on_device = r.get("tier") in GPU_TIERS and bool(compute.offloads or compute.rpc)
+        n_cpu_moe = _n_cpu_moe(Path(r["path"]), settings) if on_device else 0
+        placed = Compute(ALL_LAYERS, compute.rpc, compute.tensor_split, compute.threads) if on_device else compute
+        flags = ("-ncmoe", str(n_cpu_moe)) if n_cpu_moe else ()
+        speed = bench_speed(tool, Path(r["path"]), SpeedSettings(**SPEED), placed, flags)
+        r["decode_tok_s"], r["prompt_tok_s"] = speed.tg_tok_s, speed.pp_tok_s
+        r["speed_placement"] = {"gpu_layers": placed.gpu_layers, "n_cpu_moe": n_cpu_moe, "rpc_servers": len(placed.rpc)}
+
+
+def _n_cpu_moe(path: Path, settings: BestSettings) -> int:
+    from ggufcarve.best.plan import measured_memory
+
+    offload = measured_memory(path, settings).offload
+    return offload.n_cpu_moe or 0 if offload is not None else 0
+
+
+def _device_words(compute: Compute) -> str:
+    """Where this run's children computed, in words (the device a projection assumes)."""
+    if not compute.offloads:
+        return f"this machine's CPU ({compute.threads or 'all physical'} threads)"
+    servers = f" on {len(compute.rpc)} RPC device(s)" if compute.rpc else " on this machine's GPU(s)"
+    return f"{compute.gpu_layers} layers offloaded{servers}"
+
+
+def _rechecked(records: dict[str, dict[str, Any]], decision: dict[str, Any], settings: BestSettings) -> dict[str, Any]:
+    """The winner, re-checked once built: its measured memory per device (`fits` of its built record)
+    is the budget check, its measured decode speed the --min-decode one. Failing one, the next built
+    finalist by metric that passes both takes its place, and both records say why. With --prefer
+    faster, a finalist tied with the winner within noise that decodes faster (measured) is taken."""
+    from ggufcarve.measure import tournament as mt
+
+    first = records[decision["winner"]]
+    finalists = sorted(decision["finalists"], key=lambda cid: (mt.metric_value(records[cid], settings.metric), cid))
+
+    def failing(r: dict[str, Any]) -> str | None:
+        if r.get("built") and not r.get("fits", True):
+            over = ", ".join(f"{m['device']} {m['total']} B" for m in r.get("memory", [])) or "its measured memory"
+            return f"built, it does not fit in the tier ranked in: {over} (llama.cpp's dry load of the file)"
+        speed = r.get("decode_tok_s")
+        if settings.min_decode is not None and (speed is None or speed < settings.min_decode):
+            measured = "not measured" if speed is None else f"{speed:.1f} tok/s"
+            return f"it decodes at {measured}, below --min-decode {settings.min_decode:g}"
+        return None
+
+    why = failing(first)
+    chosen = first
+    if why is not None:
+        chosen = next((records[c] for c in finalists if records[c].get("built") and failing(records[c]) is None), first)
+    elif settings.prefer == "faster" and first.get("decode_tok_s") is not None:
+        tied = [records[c] for c in first.get("tie_with") or [] if c in records]
+        faster = [r for r in tied if (r.get("decode_tok_s") or 0) > first["decode_tok_s"] and failing(r) is None]
+        if faster:
+            chosen = max(faster, key=lambda r: r["decode_tok_s"])
+            why = f"tied within noise, {chosen['id']} decodes faster ({chosen['decode_tok_s']:.1f} tok/s, measured)"
+    if chosen is not first:
+        first["winner"] = False
+        first["replaced_because"] = why
+        chosen["winner"] = True
+        chosen["replaces"] = {"id": first["id"], "because": why}
+    elif why is not None:
+        first["answer_note"] = f"no finalist passes once built: {why}"
+    return chosen
+
+
 def _complete_records(records: dict[str, dict[str, Any]], settings: BestSettings) -> None:
     """Gives each built record its run command, and each record the figures of a candidate not scored where it has
     none (0 chunks, not stopped, no KLD, top-token agreement or perplexity)."""
@@ -516,7 +604,7 @@ def _report(
         "halving": measured.groups[""] if measured is not None else None,
         "units": [list(u) for u in measured.units] if measured is not None else [],
         "selection_rule": SELECTION_RULE,
-        "projection": projection(plan.model, layout, timings),
+        "projection": projection(plan.model, layout, timings, _device_words(settings.compute)),
         "only": sorted(wanted) if wanted else None,
         "keep_sets_reused": reused,
         "chunks_decoded": measured.decoded_chunks if measured is not None else 0,

@@ -33,7 +33,22 @@ from typing import Annotated
 import typer
 
 from ggufcarve import __version__
-from ggufcarve.cli import best, evaluate, fit, imatrix, ladder, prune, release, run, select, toolchain, tune, verify
+from ggufcarve.cli import (
+    best,
+    cache,
+    devices,
+    evaluate,
+    fit,
+    imatrix,
+    ladder,
+    prune,
+    release,
+    run,
+    select,
+    toolchain,
+    tune,
+    verify,
+)
 from ggufcarve.cli.options import PanelGroup, command_group
 from ggufcarve.cli.render import print_error
 from ggufcarve.errors import CarveError, Interrupted
@@ -85,7 +100,9 @@ COMMANDS: dict[str, Callable[[typer.Typer, str], None]] = {
     "release": _group(release.app, CHECK, "Assemble and merge release directories."),
     "check-prune": _command(prune.check_prune_command, CHECK, "Re-check a pruned file against its source."),
     "inspect": _command(prune.inspect, SET_UP, "Show the MoE layout a prune will touch."),
+    "devices": _command(devices.devices_command, SET_UP, "The GPUs, RPC devices and memory llama.cpp sees."),
     "toolchain": _group(toolchain.app, SET_UP, "Find, probe and build the llama.cpp tools."),
+    "cache": _group(cache.app, SET_UP, "Show and clear ggufcarve's caches."),
 }
 
 

@@ -25,11 +25,13 @@ from ggufcarve.cli.options import (
     JsonOption,
     LlamaCppOption,
     QuietResultOption,
+    RpcOption,
+    TensorSplitOption,
     ThreadsOption,
     option,
 )
 from ggufcarve.cli.render import out, progress, size
-from ggufcarve.errors import OutputError
+from ggufcarve.errors import BadInput, OutputError
 from ggufcarve.select.criteria import BEST_DEFAULT
 from ggufcarve.settings import Keep
 
@@ -124,7 +126,7 @@ def best_command(
         option(S.CALIBRATION, "One pass for every criterion and K, and the imatrix.", show_default=False),
     ],
     gpu_memory: Annotated[
-        int | None, option(S.GPU_MEMORY, "each candidate's tiers and run command place the model for it.")
+        str | None, option(S.GPU_MEMORY, "each candidate's tiers and run command place the model for it (one GPU).")
     ] = None,
     tier: Annotated[
         str | None,
@@ -167,9 +169,18 @@ def best_command(
         typer.Option(
             "--prefer",
             help="Among candidates tied with the leader within noise: "
-            "smaller (file), faster (fewer bytes per token) or metric.",
+            "smaller (file), faster (fewer bytes per token; then the finalists' measured decode speed) or metric.",
         ),
     ] = "smaller",
+    min_decode: Annotated[
+        float | None,
+        typer.Option(
+            "--min-decode",
+            metavar="TOK_S",
+            help="The answer must decode at least this many tokens per second, measured by llama-bench in its "
+            "placement on this machine's devices.",
+        ),
+    ] = None,
     z: Annotated[
         float,
         typer.Option(
@@ -189,6 +200,8 @@ def best_command(
     llama_cpp: LlamaCppOption = None,
     threads: ThreadsOption = None,
     gpu_layers: GpuLayersOption = 0,
+    rpc: RpcOption = None,
+    tensor_split: TensorSplitOption = None,
     force: ForceOption = False,
     quiet: QuietResultOption = False,
     as_json: JsonOption = False,
@@ -233,17 +246,17 @@ def best_command(
         keep_counts=wanted.counts if wanted else None,
         keep_file=wanted.file if wanted else None,
         max_tokens=max_tokens,
-        threads=threads,
-        gpu_layers=gpu_layers,
+        compute=S.compute(threads, gpu_layers, rpc, tensor_split),
         metric=metric,
         gate=gate,
-        gpu_memory=gpu_memory,
+        gpu_memory=_one_gpu(gpu_memory),
         tier=tier,
         quantizer=quantizer_choice,
         llama_cpp_dir=llama_cpp,
         only=tuple(only or ()),
         confirm=confirm,
         prefer=prefer,
+        min_decode=min_decode,
         z=z,
     )
     with progress(not quiet and not as_json) as sink:
@@ -318,7 +331,9 @@ def best_command(
         )
         proj = guess["projection"]
         out.print(
-            f"projected for {proj['model']} with this plan of work: "
+            f"projected for {proj['model']}: {proj['rule']}"
+            if proj["total"] is None and proj["rule"].startswith("not projected")
+            else f"projected for {proj['model']} with this plan of work: "
             + ", ".join(f"{stage} {_seconds(v)}" for stage, v in proj["stages"].items())
             + f"; total {_seconds(proj['total'])}",
             highlight=False,
@@ -362,7 +377,8 @@ def best_command(
         out.print(
             "cost of this run: "
             + ", ".join(f"{s} {t.get(f'{s}_seconds', 0.0):.1f} s" for s in proj["stages_seconds"])
-            + f"; total {t['total_seconds']:.1f} s; projected for {proj['model']}: {_seconds(proj['total_seconds'])}",
+            + f"; total {t['total_seconds']:.1f} s; projected for {proj['model']} ({proj.get('device')}): "
+            + (proj["rule"] if proj["total_seconds"] is None else _seconds(proj["total_seconds"])),
             highlight=False,
             markup=False,
         )
@@ -405,3 +421,13 @@ def best_command(
     if report.get("publish"):
         out.print(f"publish it: {' '.join(report['publish']['command'])} (in {output})", highlight=False, markup=False)
     out.print(f"written: {', '.join(str(p) for p in result.outputs)}", highlight=False, markup=False)
+
+
+def _one_gpu(budgets: tuple[int, ...] | None) -> int | None:
+    """best's GPU budget: one device (fit places several)."""
+    if budgets is not None and len(budgets) > 1:
+        raise BadInput(
+            f"best ranks for one GPU budget ({len(budgets)} given)",
+            "give one --gpu-memory here; ggufcarve fit --gpu-memory 8GiB,8GiB,10GiB places a model on several",
+        )
+    return budgets[0] if budgets else None

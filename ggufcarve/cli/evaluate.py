@@ -33,6 +33,8 @@ from ggufcarve.cli.options import (
     JsonOption,
     LlamaCppOption,
     QuietOption,
+    RpcOption,
+    TensorSplitOption,
     ThreadsOption,
     option,
 )
@@ -61,6 +63,8 @@ def eval_command(
     gate_segments: Annotated[str | None, option(S.GATE_SEGMENTS)] = None,
     threads: ThreadsOption = None,
     gpu_layers: GpuLayersOption = 0,
+    rpc: RpcOption = None,
+    tensor_split: TensorSplitOption = None,
     top_k: Annotated[int | None, option(S.TOP_K)] = None,
     tail_samples: Annotated[int, option(S.TAIL_SAMPLES)] = 32,
     speed_runs: Annotated[int, option(S.SPEED_RUNS)] = 5,
@@ -102,8 +106,7 @@ def eval_command(
     settings, warnings = eval_settings(
         ctx=ctx,
         chunks=chunks,
-        threads=threads,
-        gpu_layers=gpu_layers,
+        compute=S.compute(threads, gpu_layers, rpc, tensor_split),
         top_k=top_k,
         speed_runs=speed_runs,
         speed_engine=speed_engine,

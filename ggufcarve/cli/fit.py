@@ -16,12 +16,13 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from ggufcarve import settings as S
-from ggufcarve.cli.options import GpuLayersOption, JsonOption, LlamaCppOption, QuietOption, one_keep, option
+from ggufcarve.cli.options import JsonOption, LlamaCppOption, QuietOption, one_keep, option
 from ggufcarve.cli.render import escape, new_table, out, progress, size, warn
 from ggufcarve.settings import Keep
 
 if TYPE_CHECKING:
-    from ggufcarve.quant.offload import Offload
+    from ggufcarve.llama.memory import DeviceMemory
+    from ggufcarve.placement.offload import Offload
 
 
 def fit_command(
@@ -58,11 +59,11 @@ def fit_command(
         bool, typer.Option("--swa-full", help="Full-size cache for sliding-window layers (llama.cpp --swa-full).")
     ] = False,
     gpu_memory: Annotated[
-        int | None,
+        str | None,
         option(
             S.GPU_MEMORY,
             "each cell also says whether the rung fits the GPU whole (w) or with which llama.cpp --n-cpu-moe N, "
-            "from its per-block expert bytes.",
+            "from its per-block expert bytes; several sizes place the layers across the GPUs (-ts by their sizes).",
         ),
     ] = None,
     gpu_margin: Annotated[
@@ -73,7 +74,14 @@ def fit_command(
             "buffers (default: llama.cpp --fit's target margin, 1GiB).",
         ),
     ] = "1GiB",
-    gpu_layers: GpuLayersOption = 0,
+    rpc: Annotated[
+        str | None,
+        option(
+            S.RPC,
+            "Placements on these devices are measured by llama.cpp's dry load (the budget's placement "
+            "is fit's own: --gpu-layers does not apply).",
+        ),
+    ] = None,
     flash_attn: Annotated[
         str,
         typer.Option(
@@ -104,15 +112,16 @@ def fit_command(
     from ggufcarve.errors import BadInput
     from ggufcarve.gguf.container import read_model
     from ggufcarve.moe.layout import inspect_layout
+    from ggufcarve.placement.kvcache import ContextSettings
     from ggufcarve.quant.fit import parse_kept_counts, plan_fit
-    from ggufcarve.quant.kvcache import ContextSettings
     from ggufcarve.quant.quantizer import make_quantizer
     from ggufcarve.quant.spec import DEFAULT_LADDER, find_spec, load_spec
     from ggufcarve.reports import envelope
     from ggufcarve.settings import parse_memory
 
     budget = memory
-    gpu_budget = gpu_memory
+    budgets: tuple[int, ...] = tuple(gpu_memory or ())  # the parser's tuple of bytes
+    gpu_budget = budgets[0] if len(budgets) == 1 else None
     margin = parse_memory(gpu_margin, "--gpu-margin", allow_zero=True)
     cache_type = kv_type.upper()
     if parallel < 1:
@@ -153,7 +162,7 @@ def fit_command(
                 n_seq=parallel,
                 flash_attn=flash_attn,
                 swa_full=swa_full,
-                gpu_layers=gpu_layers,
+                compute=S.compute(rpc=rpc),
             )
             if measured
             else None
@@ -168,7 +177,7 @@ def fit_command(
             kept_counts=counts,
             only=only,
             imatrix_entries=entries,
-            gpu_memory=gpu_budget,
+            gpu_memory=budgets or None,
             gpu_margin=margin,
             measure=run_settings,
             on_event=sink,
@@ -188,8 +197,12 @@ def fit_command(
             "ubatch": ubatch,
             "measured": measured,
             **(
-                {"gpu_memory": f"{gpu_budget}B", "gpu_memory_bytes": gpu_budget, "gpu_margin": gpu_margin}
-                if gpu_budget is not None
+                {
+                    "gpu_memory": ",".join(f"{b}B" for b in budgets),
+                    "gpu_memory_bytes": budgets[0] if len(budgets) == 1 else list(budgets),
+                    "gpu_margin": gpu_margin,
+                }
+                if budgets
                 else {}
             ),
             "ladder": spec.name,
@@ -272,6 +285,7 @@ def fit_command(
                 (f"[green]{figure}✓[/]" if row.fits else f"[dim]{figure}[/] ")
                 + ("f" if row.rung.fallback else " ")
                 + (f"{gpu_cell(row.offload):>4}" if row.offload else "")
+                + (f"{placed_cell(row.placed):>4}" if len(budgets) > 1 else "")
             )
         table.add_row(label, *cells)
     out.print(escape(title), highlight=False)
@@ -296,7 +310,18 @@ def fit_command(
             if m is not None
             else f"file {size(best.rung.bytes)} + cache {size(best.cache_bytes)}"
         )
-        if best.tier in ("gpu", "gpu+cpu"):
+        if best.tier in ("gpu", "gpu+cpu") and best.placed is not None:
+            placed = best.placed
+            out.print(
+                f"most experts that fit: K={best.kept} {best.rung.rung} in tier {best.tier}: "
+                f"{escape(placed.placement.label())} ({'measured' if placed.measured else 'estimated'})",
+                highlight=False,
+            )
+            for device in placed.devices:
+                out.print(device_line(device, placed.budgets.get(device.device)), highlight=False)
+            line = report.to_json()["rows"][report.rows.index(best)].get("server", [])
+            out.print("run it: " + escape(" ".join(line)), highlight=False)
+        elif best.tier in ("gpu", "gpu+cpu"):
             gpu, host = best.gpu_devices
             parts = (
                 f"{gpu.device} {size(gpu.total)} + {size(margin)} margin of "
@@ -313,7 +338,7 @@ def fit_command(
             )
     if gpu_budget is not None:
         counted = (
-            "weights + cache + compute (estimated from the CPU graph's: module quant.offload)"
+            "weights + cache + compute (estimated from the CPU graph's: module placement.offload)"
             if measured
             else "weights + cache"
         )
@@ -338,13 +363,26 @@ def fit_command(
                 highlight=False,
             )
             for device in best.gpu_devices:
-                estimated = f" ({', '.join(device.estimated)} estimated)" if device.estimated else ""
-                out.print(
-                    f"  {device.device}: weights {size(device.weights)} + cache {size(device.cache)} "
-                    f"+ compute {size(device.compute)} + output {size(device.output)}"
-                    f" = {size(device.total)}{estimated}",
-                    highlight=False,
-                )
+                out.print(device_line(device), highlight=False)
+
+
+def device_line(device: DeviceMemory, limit: int | None = None) -> str:
+    """One device's row: weights + cache + compute + output = total (of its budget), what is estimated."""
+    estimated = f" ({', '.join(device.estimated)} estimated)" if device.estimated else ""
+    return (
+        f"  {device.device}: weights {size(device.weights)} + cache {size(device.cache)} "
+        f"+ compute {size(device.compute)} + output {size(device.output)} = {size(device.total)}"
+        + (f" of {size(limit)}" if limit else "")
+        + estimated
+    )
+
+
+def placed_cell(placed: object) -> str:
+    """w (whole on the GPUs), N (the experts of N blocks on the CPU) or - (no placement fits)."""
+    if placed is None:
+        return "-"
+    n = placed.placement.n_cpu_moe  # type: ignore[attr-defined]
+    return "w" if not n else str(n)
 
 
 def gpu_cell(offload: Offload) -> str:

@@ -288,13 +288,30 @@ RunGpuLayersOption = Annotated[
     int | None,
     option(S.GPU_LAYERS, "Default: the plan's gpu_layers, else 0."),
 ]
+RunRpcOption = Annotated[str | None, option(S.RPC, "Default: the plan's rpc.")]
+RunTensorSplitOption = Annotated[str | None, option(S.TENSOR_SPLIT, "Default: the plan's tensor_split.")]
 
 
-def _with_threads(plan: RunPlan, threads: int | None, gpu_layers: int | None = None) -> RunPlan:
+def _with_compute(
+    plan: RunPlan,
+    threads: int | None,
+    gpu_layers: int | None = None,
+    rpc: tuple[str, ...] | None = None,
+    tensor_split: tuple[float, ...] | None = None,
+) -> RunPlan:
+    """The plan with the command line's compute settings in place of the plan's, where given."""
     from dataclasses import replace
 
-    plan = plan if threads is None else replace(plan, threads=threads)
-    return plan if gpu_layers is None else replace(plan, gpu_layers=gpu_layers)
+    given = plan.compute
+    return replace(
+        plan,
+        compute=S.compute(
+            given.threads if threads is None else threads,
+            given.gpu_layers if gpu_layers is None else gpu_layers,
+            given.rpc if rpc is None else rpc,
+            given.tensor_split if tensor_split is None else tensor_split,
+        ),
+    )
 
 
 def run_command(
@@ -314,6 +331,8 @@ def run_command(
     ] = False,
     threads: RunThreadsOption = None,
     gpu_layers: RunGpuLayersOption = None,
+    rpc: RunRpcOption = None,
+    tensor_split: RunTensorSplitOption = None,
     quiet: QuietOption = False,
     as_json: JsonOption = False,
 ) -> None:
@@ -321,7 +340,8 @@ def run_command(
     finished stages are skipped."""
     from ggufcarve.pipeline.plan import load_plan
 
-    _execute(_with_threads(load_plan(plan_file), threads, gpu_layers), dry_run, force, quiet, as_json)
+    plan = _with_compute(load_plan(plan_file), threads, gpu_layers, rpc, tensor_split)
+    _execute(plan, dry_run, force, quiet, as_json)
 
 
 def demo_command(
@@ -332,6 +352,8 @@ def demo_command(
     force: Annotated[bool, option(S.FORCE, "every stage runs again.")] = False,
     threads: RunThreadsOption = None,
     gpu_layers: RunGpuLayersOption = None,
+    rpc: RunRpcOption = None,
+    tensor_split: RunTensorSplitOption = None,
     quiet: QuietOption = False,
     as_json: JsonOption = False,
 ) -> None:
@@ -339,7 +361,7 @@ def demo_command(
     2 cores)."""
     from ggufcarve.pipeline.demo import demo_plan, write_demo_plan
 
-    plan = _with_threads(demo_plan(directory), threads, gpu_layers)
+    plan = _with_compute(demo_plan(directory), threads, gpu_layers, rpc, tensor_split)
     if not dry_run:
         path = write_demo_plan(directory)
         err.print(f"plan: {path} (run it again with `ggufcarve run {path}`)", highlight=False)
@@ -354,9 +376,8 @@ def _demo_answer(plan: RunPlan) -> None:
 
     from ggufcarve.best.answer import DEMO_BUDGET, answer_for_budget, memory_of
     from ggufcarve.gguf.container import read_model
-    from ggufcarve.llama.tools import physical_cores
-    from ggufcarve.pipeline.stages import EVALUATION_DIR, read_results
-    from ggufcarve.quant.kvcache import ContextSettings, context_memory
+    from ggufcarve.pipeline.stages import EVALUATION_DIR, read_results, run_compute
+    from ggufcarve.placement.kvcache import ContextSettings, context_memory
 
     if plan.evaluation is None:
         return
@@ -371,7 +392,7 @@ def _demo_answer(plan: RunPlan) -> None:
             heldout=list(plan.evaluation.heldout_files),
             ctx=plan.evaluation.ctx,
             chunks=plan.evaluation.chunks,
-            threads=plan.threads or physical_cores(),
+            compute=run_compute(plan),
             work=Path(tmp),
         )
     if answer is None:

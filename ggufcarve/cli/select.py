@@ -29,6 +29,8 @@ from ggufcarve.cli.options import (
     JsonOption,
     QuietOption,
     QuietResultOption,
+    RpcOption,
+    TensorSplitOption,
     ThreadsOption,
     option,
 )
@@ -39,6 +41,7 @@ from ggufcarve.settings import Keep
 
 if TYPE_CHECKING:
     from ggufcarve.gguf.container import GGUFModel
+    from ggufcarve.llama.devices import Compute
     from ggufcarve.moe.layout import MoeLayout
     from ggufcarve.select.keep import Selection
     from ggufcarve.select.scores import ExpertScores
@@ -80,8 +83,7 @@ def _score(
     seed: int,
     ctx: int,
     max_tokens: int | None,
-    threads: int | None,
-    gpu_layers: int,
+    compute: Compute,
     quiet: bool,
 ) -> ExpertScores:
     from ggufcarve.select.methods import score_model
@@ -101,8 +103,7 @@ def _score(
             seed=seed,
             ctx=ctx,
             max_tokens=max_tokens,
-            threads=threads,
-            gpu_layers=gpu_layers,
+            compute=compute,
             on_event=sink,
         )
 
@@ -125,6 +126,8 @@ def score_command(
     max_tokens: MaxTokensOption = None,
     threads: ThreadsOption = None,
     gpu_layers: GpuLayersOption = 0,
+    rpc: RpcOption = None,
+    tensor_split: TensorSplitOption = None,
     merge: Annotated[bool, option(S.MERGE, "the scores files given as arguments (shards of one run).")] = False,
     force: ForceOption = False,
     quiet: QuietOption = False,
@@ -154,8 +157,7 @@ def score_command(
             seed,
             ctx,
             max_tokens,
-            threads,
-            gpu_layers,
+            S.compute(threads, gpu_layers, rpc, tensor_split),
             quiet,
         )
     _write(output, scores.dumps(), sources, force)
@@ -259,6 +261,8 @@ def select_command(
     max_tokens: MaxTokensOption = None,
     threads: ThreadsOption = None,
     gpu_layers: GpuLayersOption = 0,
+    rpc: RpcOption = None,
+    tensor_split: TensorSplitOption = None,
     protect: Annotated[str | None, option(S.PROTECT)] = None,
     protect_super_experts: Annotated[bool, option(S.PROTECT_SUPER_EXPERTS)] = False,
     heatmap: Annotated[
@@ -301,11 +305,10 @@ def select_command(
         seed,
         ctx,
         max_tokens,
-        threads,
         protect,
         protect_super_experts,
         heatmap,
-        gpu_layers=gpu_layers,
+        compute=S.compute(threads, gpu_layers, rpc, tensor_split),
     )
     with progress(not quiet and not as_json) as sink:
         result = select_to_file(source, settings, output, force=force, on_event=sink)

@@ -22,6 +22,8 @@ from ggufcarve.cli.options import (
     GpuLayersOption,
     JsonOption,
     QuietResultOption,
+    RpcOption,
+    TensorSplitOption,
     ThreadsOption,
     option,
 )
@@ -64,6 +66,8 @@ def tune_command(
     stability: Annotated[bool, option(S.STABILITY)] = False,
     threads: ThreadsOption = None,
     gpu_layers: GpuLayersOption = 0,
+    rpc: RpcOption = None,
+    tensor_split: TensorSplitOption = None,
     force: ForceOption = False,
     quiet: QuietResultOption = False,
     as_json: JsonOption = False,
@@ -89,8 +93,7 @@ def tune_command(
         ctx=ctx,
         chunks=chunks,
         max_tokens=max_tokens,
-        threads=threads,
-        gpu_layers=gpu_layers,
+        compute=S.compute(threads, gpu_layers, rpc, tensor_split),
         stability=stability,
     )
     with progress(not quiet and not as_json) as sink:

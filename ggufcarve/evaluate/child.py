@@ -236,7 +236,7 @@ def _evaluate(request: Request, out: Path) -> None:
     result: dict = {}
     try:
         started = time.perf_counter()
-        engine = Engine(request.model, request.threads, request.gpu_layers)
+        engine = Engine(request.model, request.compute)
         result["load_seconds"] = time.perf_counter() - started
         result["n_vocab"] = engine.n_vocab
         tokens = None
@@ -244,6 +244,17 @@ def _evaluate(request: Request, out: Path) -> None:
             tokens = _score_segments(engine, request, result)
         elif request.text or request.reference_in:
             tokens = _score(engine, request, result)
+        if "bad_input" not in result and request.speed is not None and request.compute.offloads:
+            from ggufcarve.llama.devices import offload_devices
+
+            if not offload_devices(request.compute.rpc):
+                result["bad_input"] = (
+                    f"this llama-cpp-python has no GPU or RPC device, so --gpu-layers {request.compute.gpu_layers} "
+                    "would time the CPU"
+                )
+                result["bad_input_hint"] = (
+                    "install llama-cpp-python with a GPU backend (docs/gpus.md), or --gpu-layers 0"
+                )
         if "bad_input" not in result and request.speed is not None:
             from ggufcarve.evaluate.speed import SpeedSettings, measure
 
@@ -251,7 +262,7 @@ def _evaluate(request: Request, out: Path) -> None:
             prompt = tokens if tokens is not None and len(tokens) else np.arange(3, engine.n_vocab, dtype=np.int32)
             context = engine.context(max(settings.pp_tokens, settings.tg_tokens + 1))
             try:
-                result["speed"] = measure(context, settings, prompt, request.threads).to_json()
+                result["speed"] = measure(context, settings, prompt, engine.threads).to_json()
             finally:
                 context.close()
         if "bad_input" not in result and request.qa:

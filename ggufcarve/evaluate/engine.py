@@ -1,10 +1,9 @@
 """A model loaded in libllama for evaluation: tokenize, decode chunks side by side with chosen outputs, greedy decoding.
 
 Used only inside the evaluation child process (`ggufcarve.evaluate.child`): llama.cpp aborts the
-whole process on a failed assert. Models load with `gpu_layers` layers on the accelerator
-(`n_gpu_layers`; 0, the default, is the CPU) and `use_extra_bufts = False`: on CPUs with AMX, llama.cpp 0.3.36
-crashes in
-`ggml_backend_amx_mul_mat` on tiny models otherwise.
+whole process on a failed assert. Models load placed by a `Compute` (llama.devices: offloaded
+layers, RPC devices, split; 0 layers, the default, is the CPU) and `use_extra_bufts = False`: on
+CPUs with AMX, llama.cpp 0.3.36 crashes in `ggml_backend_amx_mul_mat` on tiny models otherwise.
 """
 
 from __future__ import annotations
@@ -14,7 +13,9 @@ from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
+from ggufcarve.llama.devices import Compute
 from ggufcarve.llama.libllama import forward_warnings, load_model
+from ggufcarve.llama.tools import physical_cores
 
 # ggml_log_level: DEBUG 1, INFO 2, WARN 3, ERROR 4, CONT 5 (continues the previous message)
 
@@ -26,13 +27,13 @@ class EngineError(Exception):
 class Engine:
     """One model loaded in libllama; contexts are made from it for scoring, timing and generation."""
 
-    def __init__(self, path: str, threads: int, gpu_layers: int = 0) -> None:
+    def __init__(self, path: str, compute: Compute) -> None:
         import llama_cpp
 
         self._llama = llama_cpp
-        self.threads = threads
+        self.threads = compute.threads or physical_cores()
         forward_warnings(llama_cpp)
-        self.model = load_model(llama_cpp, path, gpu_layers)
+        self.model = load_model(llama_cpp, path, compute)
         if not self.model:
             raise EngineError(f"libllama could not load {path}")
         self.path = path

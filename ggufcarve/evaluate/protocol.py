@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from ggufcarve import settings as S
 from ggufcarve.evaluate.speed import SpeedSettings
+from ggufcarve.llama.devices import Compute
 from ggufcarve.llama.tools import physical_cores
 from ggufcarve.settings import key
 
@@ -46,7 +47,7 @@ class Request:
     TASK: ClassVar[str] = "evaluate"
 
     model: str
-    threads: int
+    compute: Compute  # devices, offloaded layers, threads (threads given: the parent resolves the default)
     n_ctx: int
     result_out: str
     text: str | None = None  # held-out text file (tokenized by this model)
@@ -66,21 +67,19 @@ class Request:
     loops: dict | None = (
         None  # {"prompts", "tokens"}: greedy continuations for the loop detector (ggufcarve.evaluate.loops)
     )
-    gpu_layers: int = 0  # layers offloaded to the accelerator (llama_model_params.n_gpu_layers)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
     def from_json(cls, doc: dict[str, Any]) -> Request:
-        return cls(**doc)
+        return cls(**{**doc, "compute": Compute.from_json(doc["compute"])})
 
 
 @dataclass(frozen=True)
 class EvalSettings:
     ctx: int = key(S.CTX, 512)
     chunks: int | None = key(S.CHUNKS, None)
-    threads: int = field(default_factory=physical_cores, metadata={"setting": S.THREADS})  # llama.cpp threads
     top_k: int = key(S.TOP_K, DEFAULT_TOP_K)  # used with reference_store "topk"
     speed: SpeedSettings | None = SpeedSettings()
     gate: Gate | None = key(S.GATE, None)  # the gate file's rules, loaded (with gate_segments)
@@ -92,7 +91,17 @@ class EvalSettings:
     reference_store: str = REFERENCE_FULL  # how a GGUF reference's log-probs are kept (REFERENCE_STORES)
     tail_samples: int = key(S.TAIL_SAMPLES, DEFAULT_TAIL_SAMPLES)  # used with reference_store "topk"
     loops: LoopSettings | None = None  # repetition loops: prompts continued greedily and judged by the detector
-    gpu_layers: int = key(S.GPU_LAYERS, 0)  # layers offloaded to the accelerator in every child (llama-bench's -ngl)
+    compute: Compute = S.compute_key()  # where every child runs (threads 0: the physical cores)
+
+    @property
+    def threads(self) -> int:
+        """The CPU threads of every child: the given ones, else the physical cores."""
+        return self.compute.threads or physical_cores()
+
+    @property
+    def child_compute(self) -> Compute:
+        """`compute` with its threads resolved, as every child gets it."""
+        return self.compute.with_threads(self.threads)
 
 
 @dataclass

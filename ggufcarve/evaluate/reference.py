@@ -65,11 +65,23 @@ def reference_input(path: Path) -> str:
 
 
 def _cache_path(cache_dir: Path, ref_sha: str, text_sha: str, settings: EvalSettings) -> Path:
-    """Where the reference's log-probs on a text are cached: a base file (full store) or a top-k cache."""
-    stem = f"{ref_sha[:16]}-{text_sha[:16]}-ctx{settings.ctx}"
+    """Where the reference's log-probs on a text are cached: a base file (full store) or a top-k cache.
+    The name holds what changes the numbers besides the model and the text: the context, and the
+    llama.cpp that computed them and where (`computed_by`)."""
+    stem = f"{ref_sha[:16]}-{text_sha[:16]}-ctx{settings.ctx}-{computed_by(settings)}"
     if settings.reference_store == REFERENCE_TOPK:
         return cache_dir / f"{stem}-top{settings.top_k}-tail{settings.tail_samples}.reflogp"
     return cache_dir / f"{stem}.kld"
+
+
+def computed_by(settings: EvalSettings) -> str:
+    """A short key of the llama.cpp (version, and the backend of an offloading run) and the
+    placement and threads the reference's log-probs are computed with (`Compute.key`): a CPU
+    reference is not taken for a GPU run, whose kernels round differently."""
+    from ggufcarve.llama.tools import llama_cpp_version
+
+    doc = {"llama_cpp": llama_cpp_version(), **settings.child_compute.key()}
+    return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:12]
 
 
 def _identity_path(cache: Path) -> Path:
@@ -300,8 +312,7 @@ def prepare_reference(
     temp = temp_path_for(cache)
     request = Request(
         model=str(entry.path),
-        threads=settings.threads,
-        gpu_layers=settings.gpu_layers,
+        compute=settings.child_compute,
         n_ctx=settings.ctx,
         result_out=str(work / "reference.result.json"),
         text=str(heldout),

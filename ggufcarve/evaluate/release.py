@@ -18,6 +18,7 @@ from typing import Any
 from ggufcarve.errors import BadInput
 from ggufcarve.events import Sink, ignore
 from ggufcarve.fileio import published_files
+from ggufcarve.llama.devices import CPU, Compute
 
 
 @dataclass(frozen=True)
@@ -32,8 +33,7 @@ def eval_settings(
     *,
     ctx: int = 512,
     chunks: int | None = None,
-    threads: int | None = None,
-    gpu_layers: int = 0,
+    compute: Compute = CPU,
     top_k: int | None = None,
     tail_samples: int | None = None,
     speed_runs: int | None = None,
@@ -70,7 +70,6 @@ def eval_settings(
         EvalSettings,
     )
     from ggufcarve.evaluate.speed import DEFAULT_RUNS, ENGINES, SpeedSettings
-    from ggufcarve.llama.tools import physical_cores
 
     tail_samples = DEFAULT_TAIL_SAMPLES if tail_samples is None else tail_samples
     speed_runs = DEFAULT_RUNS if speed_runs is None else speed_runs
@@ -109,7 +108,6 @@ def eval_settings(
     settings = EvalSettings(
         ctx=ctx,
         chunks=chunks,
-        threads=threads or physical_cores(),
         top_k=top_k or DEFAULT_TOP_K,
         tail_samples=tail_samples,
         reference_store=REFERENCE_FULL if top_k is None else REFERENCE_TOPK,
@@ -121,7 +119,7 @@ def eval_settings(
         cache_dir=cache,
         kl_base_out=kl_base_out,
         loops=loop_settings,
-        gpu_layers=gpu_layers,
+        compute=compute,
     )
     return settings, warnings
 

@@ -101,7 +101,7 @@ def _memory(path: Path, n_ctx: int, settings: EvalSettings) -> dict[str, Any]:
     tokens, an f16 cache), from its own dry load (llama.memory): one object per device."""
     from ggufcarve.llama.memory import MemorySettings, measure_memory
 
-    memory = measure_memory(path, MemorySettings(n_ctx, gpu_layers=settings.gpu_layers))
+    memory = measure_memory(path, MemorySettings(n_ctx, compute=settings.compute))
     return {
         "memory": [memory.to_json()],
         "memory_settings": {
@@ -109,7 +109,7 @@ def _memory(path: Path, n_ctx: int, settings: EvalSettings) -> dict[str, Any]:
             "kv_type": "f16",
             "n_batch": 2048,
             "n_ubatch": 512,
-            "gpu_layers": settings.gpu_layers,
+            "gpu_layers": settings.compute.gpu_layers,
         },
     }
 
@@ -205,8 +205,7 @@ def evaluate_model(
         )
     request = Request(
         model=str(entry.path),
-        threads=settings.threads,
-        gpu_layers=settings.gpu_layers,
+        compute=settings.child_compute,
         n_ctx=settings.ctx,
         result_out=str(work / f"{entry.name}.result.json"),
         reference_in=None if parts else str(reference.file),
@@ -222,11 +221,12 @@ def evaluate_model(
         from ggufcarve.evaluate.speed import bench_speed
 
         sink(Event(entry.name, 0, 0, "chunks", "llama-bench"))
-        result["speed"] = bench_speed(
-            bench, entry.path, settings.speed, settings.threads, settings.gpu_layers
-        ).to_json()
+        result["speed"] = bench_speed(bench, entry.path, settings.speed, settings.child_compute).to_json()
     if "bad_input" in result:
-        raise BadInput(f"{entry.path.name}: {result['bad_input']}", "compare models of the reference's family")
+        raise BadInput(
+            f"{entry.path.name}: {result['bad_input']}",
+            result.get("bad_input_hint", "compare models of the reference's family"),
+        )
     tables = []
     for path in table_paths:
         tables.append(np.fromfile(path, dtype="<f8").reshape(-1, kld.TOKEN_COLUMNS))
@@ -326,8 +326,7 @@ def _cache_tables(
             part["n_ctx"],
             table,
             part["n_chunk"],
-            settings.threads,
-            settings.gpu_layers,
+            settings.child_compute,
         )
 
 
@@ -362,8 +361,7 @@ def reference_answers(entry: ModelEntry, settings: EvalSettings, work: Path, sin
     """The reference model's QA answers ("qa") and loop continuations ("loops"), from one load."""
     request = Request(
         model=str(entry.path),
-        threads=settings.threads,
-        gpu_layers=settings.gpu_layers,
+        compute=settings.child_compute,
         n_ctx=settings.ctx,
         result_out=str(work / "reference-qa.result.json"),
         qa=settings.qa_checks,

@@ -24,10 +24,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ggufcarve import settings as S
+from ggufcarve.errors import BadInput
 from ggufcarve.settings import key
 
 if TYPE_CHECKING:
     from ggufcarve.evaluate.engine import Context
+    from ggufcarve.llama.devices import Compute
 
 
 ENGINES = ("auto", "llama-bench", "libllama")  # auto: llama-bench when found, else libllama
@@ -124,11 +126,25 @@ def measure(context: Context, settings: SpeedSettings, prompt: np.ndarray, threa
 BENCH_IDLE_TIMEOUT = 600.0
 
 
-def bench_speed(tool: Path, model: Path, settings: SpeedSettings, threads: int, gpu_layers: int = 0) -> Speed:
-    """pp and tg tok/s of `model` measured by llama-bench (weight repacking off, `gpu_layers` layers
-    offloaded: llama-bench's -ngl)."""
+def bench_speed(
+    tool: Path, model: Path, settings: SpeedSettings, compute: Compute, placement: tuple[str, ...] = ()
+) -> Speed:
+    """pp and tg tok/s of `model` measured by llama-bench (weight repacking off, placed by
+    `compute`, whose threads are resolved: llama-bench's -ngl, --rpc, -ts, -t). With layers
+    offloaded, a llama-bench that sees no device (built for the CPU alone) is refused: it would time
+    the CPU under a GPU's placement."""
     from ggufcarve.errors import ToolFailed
     from ggufcarve.llama import launch
+
+    if compute.offloads:
+        from ggufcarve.llama.device_list import tool_devices
+
+        if not tool_devices(tool, compute.rpc):
+            raise BadInput(
+                f"{tool} sees no GPU or RPC device, so --gpu-layers {compute.gpu_layers} would time the CPU",
+                "build the tools with the device's backend (ggufcarve toolchain build --backend cuda, or rpc with "
+                "--rpc), or measure speed with --gpu-layers 0",
+            )
 
     argv = [
         tool,
@@ -140,10 +156,8 @@ def bench_speed(tool: Path, model: Path, settings: SpeedSettings, threads: int, 
         str(settings.tg_tokens),
         "-r",
         str(settings.runs),
-        "-t",
-        str(threads),
-        "-ngl",
-        str(gpu_layers),
+        *compute.tool_args(bench=True),
+        *placement,  # llama-bench's own placement flags (-ncmoe N)
         "--repack",
         "0",
         "-o",
@@ -175,7 +189,7 @@ def bench_speed(tool: Path, model: Path, settings: SpeedSettings, threads: int, 
     return Speed(
         int(pp[0]["n_prompt"]),
         int(tg[0]["n_gen"]),
-        int(pp[0].get("n_threads", threads)),
+        int(pp[0].get("n_threads", compute.threads)),
         statistics.median(pp_runs),
         statistics.median(tg_runs),
         pp_runs,

@@ -17,8 +17,12 @@ import hashlib
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from ggufcarve.llama.devices import Compute
 
 PERPLEXITY_BATCH = 2048  # llama-perplexity's default -b: n_batch // n_ctx chunks are decoded side by side
 
@@ -41,16 +45,16 @@ def unit_key(
     n_ctx: int,
     first: int,
     count: int,
-    threads: int,
-    gpu_layers: int = 0,
+    compute: Compute,
 ) -> str:
-    """The cache key of one unit's table: everything its numbers depend on (an accelerator's
-    kernels round differently from the CPU's, so offloaded layers are part of the key; 0 keeps the
-    CPU's keys)."""
+    """The cache key of one unit's table: everything its numbers depend on, the llama.cpp that
+    computes it and where (`Compute.key`: an accelerator's kernels round differently from the
+    CPU's, so offloaded layers and their backend are part of the key; the CPU's keys name threads alone).
+    `compute` has its threads resolved."""
     from ggufcarve.llama.tools import llama_cpp_version
 
     doc = {
-        **({"gpu_layers": gpu_layers} if gpu_layers else {}),
+        **compute.key(),
         "model": model_sha256,
         "keep": None if keep is None else {str(b): sorted(int(i) for i in ids) for b, ids in sorted(keep.items())},
         "reference": reference,
@@ -58,7 +62,6 @@ def unit_key(
         "first": first,
         "count": count,
         "llama_cpp": llama_cpp_version(),
-        "threads": threads,
     }
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
 
@@ -68,11 +71,31 @@ def reference_identity(sha256: str, file: Path) -> str:
     return f"{sha256}/{Path(file).name}"
 
 
+DEFAULT_LIMIT = 2 * 2**30  # bytes the table cache keeps; GGUFCARVE_TABLE_CACHE_BYTES sets another
+LIMIT_ENV = "GGUFCARVE_TABLE_CACHE_BYTES"
+
+
+def cache_limit() -> int:
+    import os
+
+    text = os.environ.get(LIMIT_ENV, "")
+    return int(text) if text.isdigit() else DEFAULT_LIMIT
+
+
 def load(directory: Path, key: str) -> np.ndarray | None:
+    """A cached table; its use renews its place among the newest (the oldest are dropped first)."""
+    import os
+
+    path = directory / f"{key}.npy"
     try:
-        return np.load(directory / f"{key}.npy")
+        table = np.load(path)
     except (OSError, ValueError):
         return None
+    try:
+        os.utime(path)
+    except OSError:
+        pass  # a read-only cache: used as it is
+    return table
 
 
 def store(directory: Path, key: str, table: np.ndarray) -> None:
@@ -81,6 +104,31 @@ def store(directory: Path, key: str, table: np.ndarray) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     with atomic_file(directory / f"{key}.npy", sync=False) as temp, open(temp, "wb") as f:
         np.save(f, table)
+    bound(directory, cache_limit())
+
+
+def bound(directory: Path, limit: int) -> int:
+    """Drop the least recently used tables until the cache holds at most `limit` bytes; returns
+    the bytes dropped."""
+    import os
+
+    try:
+        entries = [
+            (e.stat().st_mtime_ns, e.stat().st_size, e.path) for e in os.scandir(directory) if e.name.endswith(".npy")
+        ]
+    except OSError:
+        return 0
+    total = sum(size for _, size, _ in entries)
+    dropped = 0
+    for _, size, path in sorted(entries):
+        if total - dropped <= limit:
+            break
+        try:
+            os.unlink(path)
+            dropped += size
+        except OSError:
+            continue
+    return dropped
 
 
 def store_file_tables(
@@ -90,8 +138,7 @@ def store_file_tables(
     n_ctx: int,
     table: np.ndarray,
     n_chunk: int,
-    threads: int,
-    gpu_layers: int = 0,
+    compute: Compute,
 ) -> None:
     """Cache a file's table over chunks 0..n_chunk-1 of one held-out file (eval's order) unit by unit."""
     per_chunk = len(table) // n_chunk if n_chunk else 0
@@ -100,6 +147,6 @@ def store_file_tables(
         count = min(step, n_chunk - first)
         store(
             directory,
-            unit_key(model_sha256, None, reference, n_ctx, first, count, threads, gpu_layers),
+            unit_key(model_sha256, None, reference, n_ctx, first, count, compute),
             table[first * per_chunk : (first + count) * per_chunk],
         )

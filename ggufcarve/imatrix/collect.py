@@ -46,6 +46,7 @@ from ggufcarve.events import Sink, ignore
 from ggufcarve.fileio import check_outputs
 from ggufcarve.llama.calibration import Batching, check_chunking, read_calibration
 from ggufcarve.llama.decode import ConsumerSpec, DecodeRequest, decode
+from ggufcarve.llama.devices import CPU, Compute
 from ggufcarve.llama.ggml import GgmlTensor, op_name, read_tensor, tensor_at
 
 F32 = int(GGMLQuantizationType.F32)
@@ -305,8 +306,7 @@ def collect_imatrix(
     *,
     ctx: int = 512,
     chunks: int | None = None,
-    threads: int | None = None,
-    gpu_layers: int = 0,
+    compute: Compute = CPU,
     force: bool = False,
     on_event: Sink = ignore,
 ) -> Collected:
@@ -330,8 +330,7 @@ def collect_imatrix(
         Batching.of(ctx),
         documents=tuple(f.documents for f in calibration),
         max_tokens=max_tokens,
-        threads=threads or 0,
-        gpu_layers=gpu_layers,
+        compute=compute,
     )
     result = decode(request, what=f"collecting the imatrix of {model.path.name}", stage="imatrix", on_event=on_event)
     return write_collected(

@@ -23,14 +23,17 @@ from ggufcarve.fileio import (
 )
 from ggufcarve.llama.launch import run, run_checked
 from ggufcarve.llama.tools import (
-    CMAKE_FLAGS,
-    TOOLS,
+    BACKENDS,
     _is_executable,
     cache_dir,
     cache_state,
+    cmake_flags,
     cpu_features,
+    libllama_backend,
     llama_cpp_version,
     read_build_info,
+    tools_backend,
+    tools_of,
     write_build_info,
 )
 
@@ -152,9 +155,16 @@ def _stream(argv: list[str], stage: str, on_event: Sink) -> None:
 
 
 def compile_tools(
-    source_dir: Path, build_dir: Path, bin_out: Path, on_event: Sink = ignore, jobs: int | None = None
+    source_dir: Path,
+    build_dir: Path,
+    bin_out: Path,
+    on_event: Sink = ignore,
+    jobs: int | None = None,
+    backend: str = "cpu",
+    cuda_architectures: str | None = None,
 ) -> None:
-    """Configure and build only TOOLS from a llama.cpp source tree; copy them into bin_out."""
+    """Configure and build only the tools of `backend` (`tools_of`) from a llama.cpp source tree;
+    copy them into bin_out."""
     cmake = shutil.which("cmake")
     if cmake is None:
         raise ToolMissing(
@@ -162,14 +172,16 @@ def compile_tools(
         )
     jobs = jobs or os.cpu_count() or 2
     on_event(Event("configure", 0, 100, "percent", f"cmake -S {source_dir} -B {build_dir}"))
-    _stream([cmake, "-S", str(source_dir), "-B", str(build_dir), *CMAKE_FLAGS], "configure", on_event)
+    flags = cmake_flags(backend, cuda_architectures)
+    programs = tools_of(backend)
+    _stream([cmake, "-S", str(source_dir), "-B", str(build_dir), *flags], "configure", on_event)
     _stream(
-        [cmake, "--build", str(build_dir), "--config", "Release", "-j", str(jobs), "--target", *TOOLS],
+        [cmake, "--build", str(build_dir), "--config", "Release", "-j", str(jobs), "--target", *programs],
         "build",
         on_event,
     )
     bin_out.mkdir(parents=True, exist_ok=True)
-    for tool in TOOLS:
+    for tool in programs:
         built = next(
             (
                 p
@@ -184,22 +196,28 @@ def compile_tools(
                 "see the build output above; run `ggufcarve toolchain build` again",
             )
         shutil.copy2(built, bin_out / tool)
-    on_event(Event("install", 100, 100, "percent", f"copied {', '.join(TOOLS)}"))
+    on_event(Event("install", 100, 100, "percent", f"copied {', '.join(programs)}"))
 
 
 def install_prebuilt(
-    bin_dir: Path, version: str | None = None, origin: str = "prebuilt", force: bool = False
+    bin_dir: Path,
+    version: str | None = None,
+    origin: str = "prebuilt",
+    force: bool = False,
+    backend: str = "cpu",
 ) -> tuple[Path, bool]:
-    """Put already built tools (e.g. from a llama.cpp build of the same source) into the cache layout.
+    """Put already built tools (e.g. from a llama.cpp build of the same source, with `backend`)
+    into the cache layout.
 
     Returns the cache's bin dir and whether anything was copied (False: the cache had them, no force).
     """
     version = version or llama_cpp_version()
     final = cache_dir(version)
+    programs = tools_of(backend)
     with _lock(cache_root() / f".llama.cpp-{version}.lock"):
-        if not force and cache_state(final) == "ready":
+        if not force and cache_state(final, backend) == "ready":
             return final / "bin", False
-        missing = [t for t in TOOLS if not _is_executable(bin_dir / t)]
+        missing = [t for t in programs if not _is_executable(bin_dir / t)]
         if missing:
             raise BadInput(
                 f"{bin_dir} lacks {', '.join(missing)}",
@@ -209,23 +227,26 @@ def install_prebuilt(
         staging = make_temp_dir(final)
         try:
             (staging / "bin").mkdir()
-            for tool in TOOLS:
+            for tool in programs:
                 shutil.copy2(bin_dir / tool, staging / "bin" / tool)
-            _write_build_info(staging, version, origin=origin)
+            _write_build_info(staging, version, backend, origin=origin)
             _move_into_place(staging, final)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
     return final / "bin", True
 
 
-def _write_build_info(staging: Path, version: str, **extra: object) -> None:
-    """What the entry is: version, tool hashes, cmake flags, and the CPU it was built on."""
+def _write_build_info(
+    staging: Path, version: str, backend: str, cuda_architectures: str | None = None, **extra: object
+) -> None:
+    """What the entry is: version, backend, tool hashes, cmake flags, and the CPU it was built on."""
     write_build_info(
         staging,
         {
             "llama_cpp_python": version,
-            "tools": {t: sha256_file_cached(staging / "bin" / t) for t in TOOLS},
-            "cmake_flags": list(CMAKE_FLAGS),
+            "backend": backend,
+            "tools": {t: sha256_file_cached(staging / "bin" / t) for t in tools_of(backend)},
+            "cmake_flags": list(cmake_flags(backend, cuda_architectures)),
             "cpu": cpu_features().to_json(),
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             **extra,
@@ -246,23 +267,48 @@ def build_tools(
     sdist: Path | None = None,
     jobs: int | None = None,
     force: bool = False,
+    backend: str | None = None,
+    cuda_architectures: str | None = None,
 ) -> Path:
-    """Build TOOLS for the installed llama-cpp-python version into the cache; returns the bin dir.
+    """Build the tools of `backend` (default: the installed libllama's, `libllama_backend`) for the
+    installed llama-cpp-python version into the cache; returns the bin dir.
 
-    Never rebuilds what is cached for this CPU (unless force); an entry built for another CPU is
-    rebuilt. Concurrent callers wait on a lock. The build runs in a temp directory beside the cache
-    entry, which is renamed into place only when complete.
+    Never rebuilds what is cached for this CPU and backend (unless force); an entry built for
+    another CPU or with another backend is rebuilt. Concurrent callers wait on a lock. The build
+    runs in a temp directory beside the cache entry, which is renamed into place only when complete.
     """
     sink = on_event
+    backend = backend or libllama_backend()
+    if backend not in BACKENDS:
+        raise BadInput(f"backend {backend!r} is not one of {', '.join(BACKENDS)}", "give --backend cpu or rpc, ...")
     version = version or llama_cpp_version()
     final = cache_dir(version)
     root = cache_root()
     root.mkdir(parents=True, exist_ok=True)
     with _lock(root / f".llama.cpp-{version}.lock"):
-        state = cache_state(final)
+        state = cache_state(final, backend)
         if not force and state == "ready":
-            sink(Event("cached", 100, 100, "percent", f"{final / 'bin'} already has {', '.join(TOOLS)}"))
+            sink(
+                Event(
+                    "cached",
+                    100,
+                    100,
+                    "percent",
+                    f"{final / 'bin'} already has {', '.join(tools_of(backend))} ({backend})",
+                )
+            )
             return final / "bin"
+        if state == "other backend":
+            built_with = tools_backend(final)
+            sink(
+                Event(
+                    "rebuild",
+                    0,
+                    0,
+                    "steps",
+                    f"the cached tools were built with {built_with}: rebuilding with {backend}",
+                )
+            )
         if state == "other cpu":
             recorded = read_build_info(final).get("cpu")
             built_for = recorded.get("key") if isinstance(recorded, dict) else "?"
@@ -281,8 +327,15 @@ def build_tools(
         try:
             sink(Event("extract", 0, 100, "percent", f"extracting vendor/llama.cpp from {sdist.name}"))
             source = extract_llama_cpp(sdist, staging / "src")
-            compile_tools(source, staging / "build", staging / "bin", sink, jobs)
-            _write_build_info(staging, version, sdist=sdist.name, sdist_sha256=sha256_file_cached(sdist))
+            compile_tools(source, staging / "build", staging / "bin", sink, jobs, backend, cuda_architectures)
+            _write_build_info(
+                staging,
+                version,
+                backend,
+                cuda_architectures,
+                sdist=sdist.name,
+                sdist_sha256=sha256_file_cached(sdist),
+            )
             shutil.rmtree(staging / "src", ignore_errors=True)
             shutil.rmtree(staging / "build", ignore_errors=True)
             _move_into_place(staging, final)

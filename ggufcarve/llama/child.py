@@ -271,7 +271,10 @@ def run(
     )
     if errors:
         raise _carve_error(*errors[0], finished, what, hint, outputs or {})
-    launch.check(replace(finished, tail=list(own)), what, hint)
+    # the RPC servers a child was given: in its request's Compute (the memory child's, in its settings)
+    compute = getattr(request, "compute", None) or getattr(getattr(request, "settings", None), "compute", None)
+    servers = getattr(compute, "rpc", ())
+    launch.check(replace(finished, tail=list(own)), what, hint, servers)
     if not result.exists():
         raise ToolFailed(f"{what} exited 0 without writing its result", "run again; GGUFCARVE_DEBUG=1 shows more")
     return read(result)

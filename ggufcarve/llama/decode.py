@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 from ggufcarve.errors import BadInput, ToolFailed
 from ggufcarve.events import Sink, ignore
 from ggufcarve.llama import child
+from ggufcarve.llama.devices import CPU, Compute
 
 if TYPE_CHECKING:  # imported where used: `prestart` runs before anything else a command imports
     from ggufcarve.llama.calibration import Batching, Document
@@ -108,8 +109,7 @@ class DecodeRequest:
     tokens: tuple[int, ...] = ()
     max_tokens: int | None = None
     logits: bool = False
-    threads: int = 0  # 0: min(cores, 8)
-    gpu_layers: int = 0  # layers offloaded to the accelerator (llama_model_params.n_gpu_layers)
+    compute: Compute = CPU  # devices, offloaded layers, threads (0: min(cores, 8))
     verbose: bool = False  # forward llama.cpp's info and debug logs too
 
     def __post_init__(self) -> None:
@@ -121,7 +121,7 @@ class DecodeRequest:
 
     @property
     def thread_count(self) -> int:
-        return default_threads(self.threads)
+        return default_threads(self.compute.threads)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -132,8 +132,7 @@ class DecodeRequest:
             "tokens": list(self.tokens),
             "max_tokens": self.max_tokens,
             "logits": self.logits,
-            "threads": self.threads,
-            "gpu_layers": self.gpu_layers,
+            "compute": self.compute.to_json(),
             "verbose": self.verbose,
         }
 
@@ -149,8 +148,7 @@ class DecodeRequest:
             tuple(int(t) for t in doc["tokens"]),
             doc["max_tokens"],
             bool(doc["logits"]),
-            int(doc["threads"]),
-            int(doc["gpu_layers"]),
+            Compute.from_json(doc["compute"]),
             bool(doc["verbose"]),
         )
 
@@ -291,7 +289,7 @@ def _child(request: DecodeRequest, out: Path) -> None:
     llama_cpp = bindings()
 
     forward_warnings(llama_cpp, request.verbose)
-    lmodel = load_model(llama_cpp, request.model, request.gpu_layers)
+    lmodel = load_model(llama_cpp, request.model, request.compute)
     if not lmodel:
         raise ToolFailed(f"llama.cpp could not load {request.model}", LLAMA_HINT)
     batching = request.batching

@@ -27,6 +27,7 @@ the run.
 from __future__ import annotations
 
 import os
+import re
 import selectors
 import shutil
 import signal
@@ -334,9 +335,40 @@ def _kill(proc: subprocess.Popen[bytes]) -> None:
     proc.wait()
 
 
-def check(finished: Finished, what: str, hint: str) -> Finished:
-    """Raise ToolFailed (one line: what, why, the last output) unless the child succeeded."""
+# What llama.cpp aborts with when a device goes away (ggml/src/ggml-rpc/ggml-rpc.cpp, ggml-cuda):
+# an RPC server that died or cannot be reached, a GPU out of memory.
+DEVICE_LOST = re.compile(
+    r"(?P<rpc>Remote RPC server crashed or returned malformed response"
+    r"|Failed to connect to (?P<endpoint>\S+)|RPC handshake failed for (?P<handshake>\S+))"
+    r"|(?P<oom>CUDA error: out of memory|cudaMalloc failed: out of memory|ErrorOutOfDeviceMemory"
+    r"|failed to allocate \S+ buffer of size)"
+)
+DEVICE_HINT = (
+    "restart the ggml-rpc-server (or free the device's memory, or place less on it) and run the same "
+    "command again: finished builds and cached measurements are kept"
+)
+
+
+def device_failure(lines: Sequence[str], servers: Sequence[str] = ()) -> str | None:
+    """The device a failed child lost, in words, from llama.cpp's abort lines (`servers`: the RPC
+    servers it was given, named when the abort names none); None for another failure."""
+    found = [m for m in map(DEVICE_LOST.search, lines) if m is not None]
+    if not found:
+        return None
+    named = next((m["endpoint"] or m["handshake"] for m in found if m["endpoint"] or m["handshake"]), None)
+    if any(m["rpc"] for m in found):
+        endpoint = named or ", ".join(servers)
+        return f"the RPC server {endpoint} went away" if endpoint else "an RPC server went away (--rpc)"
+    return f"a device ran out of memory ({found[-1]['oom']})"
+
+
+def check(finished: Finished, what: str, hint: str, servers: Sequence[str] = ()) -> Finished:
+    """Raise ToolFailed (one line: what, why, the last output) unless the child succeeded; a child
+    that lost its device says which (`servers`: the RPC servers it was given) and how to go on."""
     if not finished.ok:
+        lost = device_failure(finished.tail, servers)
+        if lost is not None:
+            raise ToolFailed(f"{what}: {lost}", DEVICE_HINT)
         raise ToolFailed(f"{what} {finished.describe_failure()}", hint)
     return finished
 

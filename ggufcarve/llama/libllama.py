@@ -6,10 +6,11 @@ assert. Two settings are shared by all of them:
   * the log: llama.cpp calls one global callback with a ggml_log_level (DEBUG 1, INFO 2, WARN 3,
     ERROR 4, CONT 5: continues the previous message); warnings and errors reach stderr, where the
     launcher keeps the tail for the error message (all levels with `verbose`);
-  * the model: its first `gpu_layers` layers on the accelerator (llama_model_params.n_gpu_layers;
-    0, the default, keeps every layer on the CPU; a llama.cpp built without an accelerator backend
-    ignores it), without extra buffer types (`use_extra_bufts = False`): on CPUs with AMX,
-    llama.cpp 0.3.36 crashes in `ggml_backend_amx_mul_mat` for small models otherwise.
+  * the model: placed by a `Compute` (`llama.devices`: its last `gpu_layers` layers on the offload
+    devices, RPC servers' devices added, split by `tensor_split`; 0 layers, the default, keeps every
+    layer on the CPU; a llama.cpp without a GPU or RPC device keeps them there), without extra
+    buffer types (`use_extra_bufts = False`): on CPUs with AMX, llama.cpp 0.3.36 crashes in
+    `ggml_backend_amx_mul_mat` for small models otherwise.
 ctypes callbacks handed to llama.cpp must outlive every call into it, exit included: they are kept
 in `KEEPALIVE`. A child that needs only the low-level API imports it with `bindings()`.
 """
@@ -23,6 +24,8 @@ import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
+
+from ggufcarve.llama.devices import CPU, Compute, set_model_params
 
 LOG_WARN, LOG_ERROR, LOG_CONT = 3, 4, 5
 KEEPALIVE: list[object] = []
@@ -80,12 +83,12 @@ def forward_warnings(llama_cpp: Any, verbose: bool = False) -> None:
     llama_cpp.llama_log_set(callback, ctypes.c_void_p(0))
 
 
-def load_model(llama_cpp: Any, path: str, gpu_layers: int = 0) -> Any:
-    """The llama_model pointer of `path` with `gpu_layers` layers offloaded, without extra buffer
-    types; None when it fails."""
+def load_model(llama_cpp: Any, path: str, compute: Compute = CPU) -> Any:
+    """The llama_model pointer of `path` placed by `compute`, without extra buffer types; None when
+    it fails."""
     llama_cpp.llama_backend_init()
     params = llama_cpp.llama_model_default_params()
-    params.n_gpu_layers = gpu_layers
+    set_model_params(llama_cpp, params, compute)
     params.use_extra_bufts = False
     return llama_cpp.llama_model_load_from_file(path.encode(), params)
 

@@ -23,7 +23,7 @@ system memory, --n-cpu-moe's among them) the dry load places the model as a run 
 would. A compute or output buffer whose name starts with "CPU" or ends with "_Host" (pinned host
 memory: "CUDA_Host") is system memory; any other is its device's ("CUDA0", "Vulkan0", ...). A
 llama.cpp built without a GPU backend (this machine's) has no such device: every buffer is the
-CPU's, and `split_devices` gives the GPU's share by llama.cpp's placement rule (quant/offload.py),
+CPU's, and `split_devices` gives the GPU's share by llama.cpp's placement rule (placement/offload.py),
 the compute buffers marked as estimated. The weights are never logged by a dry load (its model
 buffers log 0 MiB); they are the file's tensor bytes as placed.
 """
@@ -35,20 +35,26 @@ import os
 import re
 import sys
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
+
+from ggufcarve.llama.devices import CPU, Compute, set_model_params
 
 CHILD_MODULE = "ggufcarve.llama.memory"
 MIB = 2**20
 KV_TYPES = {"F16": 1, "Q8_0": 8}  # enum ggml_type of the cache types ggufcarve offers
 FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}  # enum llama_flash_attn_type
-CACHE_LINE = re.compile(r"^(?:llama_kv_cache|llama_memory_recurrent): size = +(?P<mib>[\d.]+) MiB")
+CACHE_LINE = re.compile(r"^(?P<kind>llama_kv_cache|llama_memory_recurrent): size = +(?P<mib>[\d.]+) MiB")
+CACHE_LAYER_LINE = re.compile(
+    r"^(?P<kind>llama_kv_cache|llama_memory_recurrent)[:,] layer +(?P<layer>\d+): dev = (?P<device>\S+)"
+)  # debug level: the device of each layer's cache (src/llama-kv-cache.cpp, src/llama-memory-recurrent.cpp)
 COMPUTE_LINE = re.compile(r"(?P<buffer>\S+) compute buffer size = +(?P<mib>[\d.]+) MiB")
 OUTPUT_LINE = re.compile(r"(?P<buffer>\S+) +output buffer size = +(?P<mib>[\d.]+) MiB")
 OVERRIDE_LINE = re.compile(
     r"^tensor (?P<tensor>\S+) \(.*\) buffer type overridden to (?P<buffer>\S+)"
 )  # src/llama-model-loader.cpp, debug level
+LAYER_LINE = re.compile(r"load_tensors: layer +(?P<layer>\d+) assigned to device (?P<device>\S+?),")  # debug level
 GPU_DEVICE_TYPES = (1, 2)  # enum ggml_backend_dev_type: GPU, IGPU
 HOST = "host"
 
@@ -64,7 +70,7 @@ class MemorySettings:
     n_seq: int = 1
     flash_attn: str = "auto"
     swa_full: bool = False
-    gpu_layers: int = 0  # llama_model_params.n_gpu_layers (-ngl)
+    compute: Compute = CPU  # the placement loaded: offloaded layers (-ngl), RPC devices (--rpc), split (-ts)
     cpu_tensors: tuple[str, ...] = ()  # regexes of the tensors kept in system memory (-ot PATTERN=CPU)
 
 
@@ -114,7 +120,13 @@ class Request:
         return cls(
             doc["model"],
             doc["result_out"],
-            MemorySettings(**{**settings, "cpu_tensors": tuple(settings.get("cpu_tensors", ()))}),
+            MemorySettings(
+                **{
+                    **settings,
+                    "compute": Compute.from_json(settings.get("compute", {})),
+                    "cpu_tensors": tuple(settings.get("cpu_tensors", ())),
+                }
+            ),
         )
 
 
@@ -127,6 +139,10 @@ def parse_log(lines: list[str]) -> dict[str, Any]:
         match = CACHE_LINE.search(text)
         if match:
             out["cache"] = out.get("cache", 0.0) + float(match["mib"])
+            out.setdefault("cache_kinds", {})[match["kind"]] = float(match["mib"])
+        match = CACHE_LAYER_LINE.search(text)
+        if match:
+            out.setdefault("cache_layers", {}).setdefault(match["kind"], {})[match["layer"]] = match["device"]
         match = OVERRIDE_LINE.search(text)
         if match:
             out.setdefault("overridden", {})[match["tensor"]] = match["buffer"]
@@ -138,9 +154,14 @@ def parse_log(lines: list[str]) -> dict[str, Any]:
     return out
 
 
+def device_name(name: str) -> str:
+    """A device's name as llama.cpp's tools print it: an RPC buffer's "RPC0[127.0.0.1:50052]" is RPC0."""
+    return name.partition("[")[0]
+
+
 def buffer_device(name: str) -> str:
     """The device a llama.cpp buffer's memory is on: HOST for the CPU's and pinned host buffers."""
-    return HOST if name.startswith("CPU") or name.endswith("_Host") else name
+    return HOST if name.startswith("CPU") or name.endswith("_Host") else device_name(name)
 
 
 def weight_bytes(path: Path) -> int:
@@ -177,7 +198,7 @@ def _dry_load(request: Request, out: Path) -> None:
         )
     llama_cpp.llama_backend_init()
     params = llama_cpp.llama_model_default_params()
-    params.n_gpu_layers = settings.gpu_layers
+    offload = set_model_params(llama_cpp, params, settings.compute)
     params.use_extra_bufts = False
     params.no_alloc = True
     if settings.cpu_tensors:
@@ -216,6 +237,8 @@ def _dry_load(request: Request, out: Path) -> None:
             "a llama.cpp whose log lines ggufcarve does not know",
         )
     figures["gpu_devices"] = gpu_devices()
+    figures["offload_devices"] = [device.to_json() for device in offload]
+    figures["layers"] = {m["layer"]: device_name(m["device"]) for m in map(LAYER_LINE.search, lines) if m}
     temp = out.with_name(out.name + f".{os.getpid()}.tmp")
     temp.write_text(json.dumps(figures))
     os.replace(temp, out)
@@ -276,14 +299,32 @@ class DryLoad:
     output: dict[str, int]
     gpu_devices: tuple[str, ...]
     overridden: dict[str, str]  # tensor -> the buffer type a -ot pattern gave it, as the loader logged it
+    layers: dict[int, str] = field(default_factory=dict)  # layer -> the device llama.cpp assigned it (CPU, RPC0, ..)
+    offload_devices: tuple[tuple[str, str], ...] = ()  # (name, description) of the devices offloaded to, in order
+    cache_by_device: dict[str, int] = field(default_factory=dict)  # the cache's bytes per device, by its layers
+    cache_kinds: dict[str, tuple[int, tuple[int, ...]]] = field(
+        default_factory=dict
+    )  # kind (llama_kv_cache, llama_memory_recurrent) -> (bytes, the layers holding it)
+
+    def device_of(self, buffer: str) -> str:
+        """The device of a buffer: HOST for system memory; an RPC buffer "RPCk[HOST:PORT]" names the
+        k-th device of that server, whose global name (RPC0, RPC1, ...) the offload list holds."""
+        device = buffer_device(buffer)
+        if device == HOST or "[" not in buffer:
+            return device
+        stem, _, rest = buffer.partition("[")
+        endpoint = rest.rstrip("]")
+        served = [name for name, description in self.offload_devices if description == endpoint]
+        index = stem.removeprefix("RPC")
+        return served[int(index)] if index.isdigit() and int(index) < len(served) else device
 
     def on(self, device: str, buffers: dict[str, int]) -> int:
-        return sum(size for name, size in buffers.items() if buffer_device(name) == device)
+        return sum(size for name, size in buffers.items() if self.device_of(name) == device)
 
     @property
     def devices(self) -> list[str]:
         """The devices holding a buffer, the host first."""
-        names = {buffer_device(n) for n in (*self.compute, *self.output)}
+        names = {self.device_of(n) for n in (*self.compute, *self.output)}
         return [HOST, *sorted(names - {HOST})]
 
 
@@ -309,7 +350,30 @@ def dry_load(path: Path, settings: MemorySettings) -> DryLoad:
         {k: round(v * MIB) for k, v in figures["output"].items()},
         tuple(figures.get("gpu_devices", ())),
         dict(figures.get("overridden", {})),
+        {int(k): v for k, v in figures.get("layers", {}).items()},
+        tuple((d["name"], d["description"]) for d in figures.get("offload_devices", ())),
+        _cache_by_device(figures),
+        {
+            kind: (round(mib * MIB), tuple(sorted(int(il) for il in figures.get("cache_layers", {}).get(kind, {}))))
+            for kind, mib in figures.get("cache_kinds", {}).items()
+        },
     )
+
+
+def _cache_by_device(figures: dict[str, Any]) -> dict[str, int]:
+    """Each kind of cache (KV, recurrent state) split over the devices of its layers, in bytes (every
+    layer of a kind holds the same share: the per-layer buffer lines of a dry load log 0 MiB)."""
+    out: dict[str, int] = {}
+    for kind, mib in figures.get("cache_kinds", {}).items():
+        layers = figures.get("cache_layers", {}).get(kind, {})
+        if not layers:
+            out[HOST] = out.get(HOST, 0) + round(mib * MIB)
+            continue
+        for device in set(layers.values()):
+            share = sum(1 for d in layers.values() if d == device) / len(layers)
+            name = HOST if device == "CPU" else device
+            out[name] = out.get(name, 0) + round(mib * MIB * share)
+    return out
 
 
 def measure_memory(path: Path, settings: MemorySettings, *, weights: int | None = None) -> DeviceMemory:

@@ -34,6 +34,7 @@ import shutil
 import tempfile
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from functools import cache
 from pathlib import Path
 
 from ggufcarve.errors import ToolMissing
@@ -41,6 +42,7 @@ from ggufcarve.fileio import cache_root, sha256_file_cached
 from ggufcarve.llama import launch
 
 TOOLS = ("llama-quantize", "llama-imatrix", "llama-perplexity", "llama-gguf-split", "llama-bench", "llama-fit-params")
+RPC_SERVER = "ggml-rpc-server"  # tools/rpc: serves one ggml device of this machine over a socket
 ENV_LLAMA_CPP = "GGUFCARVE_LLAMA_CPP"
 # The cmake flags of llama.cpp's own static CPU build, without network or server code.
 CMAKE_FLAGS = (
@@ -50,6 +52,19 @@ CMAKE_FLAGS = (
     "-DLLAMA_BUILD_SERVER=OFF",
     "-DBUILD_SHARED_LIBS=OFF",
 )
+# ggml backends the tools can be built with, on top of the CPU backend (always built): their cmake
+# flags (ggml/CMakeLists.txt options). "rpc" adds llama.cpp's RPC client (--rpc HOST:PORT: remote
+# ggml devices) and the server that exports a device.
+BACKEND_FLAGS: dict[str, tuple[str, ...]] = {
+    "cpu": (),
+    "rpc": ("-DGGML_RPC=ON",),
+    "cuda": ("-DGGML_CUDA=ON",),
+    "vulkan": ("-DGGML_VULKAN=ON",),
+    "metal": ("-DGGML_METAL=ON",),
+}
+BACKENDS = tuple(BACKEND_FLAGS)
+# libggml-<name> files of llama-cpp-python's lib/ that name a backend it was built with; the first found names it.
+LIBRARY_BACKENDS = (("cuda", "cuda"), ("vulkan", "vulkan"), ("metal", "metal"), ("rpc", "rpc"))
 PROBE_TIMEOUT = 30.0
 BUILD_INFO = "build-info.json"
 CPUINFO = Path("/proc/cpuinfo")
@@ -92,6 +107,45 @@ def llama_cpp_version() -> str:
         except metadata.PackageNotFoundError:
             continue
     raise ToolMissing("llama-cpp-python is not installed", "pip install llama-cpp-python (ggufcarve depends on it)")
+
+
+def tools_of(backend: str) -> tuple[str, ...]:
+    """The programs a build with `backend` holds: TOOLS, and the RPC server where RPC is built in."""
+    return (*TOOLS, RPC_SERVER) if backend == "rpc" else TOOLS
+
+
+def cmake_flags(backend: str, cuda_architectures: str | None = None) -> tuple[str, ...]:
+    """The cmake flags of a build with `backend` (CUDA for `cuda_architectures` only, when given)."""
+    extra = (f"-DCMAKE_CUDA_ARCHITECTURES={cuda_architectures}",) if backend == "cuda" and cuda_architectures else ()
+    return (*CMAKE_FLAGS, *BACKEND_FLAGS[backend], *extra)
+
+
+@cache
+def libllama_backend() -> str:
+    """The backend llama-cpp-python's libllama was built with, from the ggml libraries beside it:
+    "cuda", "vulkan", "metal", "rpc" or "cpu" ("cpu" also when the package is not installed)."""
+    lib = libllama_info()
+    if lib is None:
+        return "cpu"
+    names = [p.name for p in Path(lib["path"]).parent.iterdir()]
+    for backend, stem in LIBRARY_BACKENDS:
+        if any(name.startswith(f"libggml-{stem}") or name.startswith(f"ggml-{stem}") for name in names):
+            return backend
+    return "cpu"
+
+
+def tools_backend(directory: Path) -> str:
+    """The backend a cache entry's tools were built with (build-info.json; "cpu" for an entry that
+    does not record it, as builds before the backend was recorded were CPU builds)."""
+    backend = read_build_info(directory).get("backend", "cpu")
+    return backend if isinstance(backend, str) else "cpu"
+
+
+def backend_of_tool(path: Path) -> str | None:
+    """The backend a tool was built with, where its build says (a ggufcarve cache entry's
+    build-info.json beside its bin dir); None for a tool of unknown origin (PATH, --llama-cpp)."""
+    entry = Path(path).parent.parent
+    return tools_backend(entry) if (entry / BUILD_INFO).exists() else None
 
 
 def cache_dir(version: str | None = None) -> Path:
@@ -199,11 +253,18 @@ def built_for_this_cpu(directory: Path) -> bool:
     return recorded.get("key") == here.key
 
 
-def cache_state(directory: Path) -> str:
-    """\"ready" (all tools, built for this CPU), "missing" (not all tools) or "other cpu"."""
+def cache_state(directory: Path, backend: str | None = None) -> str:
+    """\"ready" (all tools, built for this CPU, with `backend` when one is asked for), "missing"
+    (not all tools), "other cpu" (built for another CPU) or "other backend"."""
     if not all(_is_executable(directory / "bin" / t) for t in TOOLS):
         return "missing"
-    return "ready" if built_for_this_cpu(directory) else "other cpu"
+    if not built_for_this_cpu(directory):
+        return "other cpu"
+    if backend is not None and tools_backend(directory) != backend:
+        return "other backend"
+    if not all(_is_executable(directory / "bin" / t) for t in tools_of(tools_backend(directory))):
+        return "missing"
+    return "ready"
 
 
 def _candidates_in(directory: Path, name: str) -> list[Path]:

@@ -49,6 +49,7 @@ from ggufcarve.errors import BadInput, ToolFailed
 from ggufcarve.events import Sink, ignore
 from ggufcarve.llama.calibration import Batching
 from ggufcarve.llama.decode import IDLE_TIMEOUT, ConsumerSpec, DecodeRequest, decode
+from ggufcarve.llama.devices import CPU, Compute
 from ggufcarve.llama.ggml import GgmlTensor, read_tensor, tensor_at
 
 TOPK = "ffn_moe_topk"
@@ -175,8 +176,7 @@ def trace_routing(
     *,
     nodes: Iterable[str] = (TOPK,),
     logits: bool = True,
-    threads: int | None = None,
-    gpu_layers: int = 0,
+    compute: Compute = CPU,
     batch: int | None = None,
     context: int | None = None,
     timeout: float | None = None,
@@ -208,8 +208,7 @@ def trace_routing(
         Batching.single(context, min(batch or DEFAULT_BATCH, context)),
         tokens=tuple(tokens),
         logits=logits,
-        threads=threads or 0,
-        gpu_layers=gpu_layers,
+        compute=compute,
         verbose=verbose,
     )
     result = decode(

@@ -43,7 +43,7 @@ def _measure(request: Request, out: Path) -> None:
     result: dict = {"jobs": {}}
     try:
         started = time.perf_counter()
-        engine = Engine(request.model, request.threads, request.gpu_layers)
+        engine = Engine(request.model, request.compute)
         result["load_seconds"] = time.perf_counter() - started
         result["n_vocab"] = engine.n_vocab
         for ref in references:

@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
+from ggufcarve.llama.devices import Compute
+
 CHILD_MODULE = "ggufcarve.measure.child"
 CHUNK_TASK = "chunk"  # progress: chunks decoded
 
@@ -31,15 +33,16 @@ class Request:
     TASK: ClassVar[str] = "measure"
 
     model: str
-    threads: int
+    compute: Compute  # devices, offloaded layers, threads (resolved)
     references: list[str]  # per held-out file: its reference log-probs (base file or top-k cache)
     result_out: str
     jobs: list[Job] = field(default_factory=list)
-    gpu_layers: int = 0  # layers offloaded to the accelerator (llama_model_params.n_gpu_layers)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
     def from_json(cls, doc: dict[str, Any]) -> Request:
-        return cls(**{**doc, "jobs": [Job(**j) for j in doc.get("jobs", [])]})
+        return cls(
+            **{**doc, "compute": Compute.from_json(doc["compute"]), "jobs": [Job(**j) for j in doc.get("jobs", [])]}
+        )

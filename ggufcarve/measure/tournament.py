@@ -1,9 +1,9 @@
 """Candidates scored against the unpruned model by successive halving, decided by paired statistics.
 
     segments = prepare_segments(Path("model.gguf"), [Path("wiki.txt"), Path("code.txt")], chunk_ctx=512, chunks=None,
-        threads=2, work=work)
+        compute=Compute(threads=2), work=work)
     result = measure([Candidate("reap-8", Path("model.gguf"), keep=reap_keep, group="8"), ...], segments,
-        MeasureSettings(threads=2), work)
+        MeasureSettings(Compute(threads=2)), work)
     result.groups["8"]["winner"]
 
 A candidate is a model file and an optional keep-set (the experts it drops masked out of
@@ -46,6 +46,7 @@ from ggufcarve.errors import BadInput
 from ggufcarve.evaluate.kld import TOKEN_COLUMNS
 from ggufcarve.evaluate.tables import chunks_per_unit
 from ggufcarve.events import Sink, ignore
+from ggufcarve.llama.devices import Compute
 from ggufcarve.measure.statistics import (
     DEFAULT_Z,
     METRICS,
@@ -82,13 +83,12 @@ class Segment:
 
 @dataclass(frozen=True)
 class MeasureSettings:
-    threads: int
+    compute: Compute  # where the scoring children run, threads resolved
     z: float = DEFAULT_Z
     metric: str = "kld_mean"
     prefer: str = "smaller"
     gate: Callable[[dict[str, Any]], tuple[bool, list[str]]] | None = None  # statistics -> (passed, failed checks)
     tables: Path | None = None  # the content-keyed cache of per-unit tables
-    gpu_layers: int = 0  # layers offloaded to the accelerator in the scoring children
 
 
 @dataclass
@@ -238,8 +238,7 @@ class _Scorer:
             self.segments[segment].n_ctx,
             first,
             count,
-            self.settings.threads,
-            self.settings.gpu_layers,
+            self.settings.compute,
         )
 
     def score(self, upto: Mapping[str, int]) -> None:
@@ -268,8 +267,7 @@ class _Scorer:
         for model, jobs in pending.items():
             request = Request(
                 model=str(model),
-                threads=self.settings.threads,
-                gpu_layers=self.settings.gpu_layers,
+                compute=self.settings.compute,
                 references=[str(s.reference) for s in self.segments],
                 result_out=str(self.work / "measure.result.json"),
             )
@@ -549,10 +547,9 @@ def prepare_segments(
     *,
     chunk_ctx: int,
     chunks: int | None,
-    threads: int,
+    compute: Compute,
     work: Path,
     cache_dir: Path | None = None,
-    gpu_layers: int = 0,
     on_event: Sink = ignore,
 ) -> list[Segment]:
     """The unpruned model's log-probs on every held-out file (`evaluate.reference.prepare_reference`:
@@ -562,9 +559,7 @@ def prepare_segments(
     from ggufcarve.evaluate.reference import prepare_reference
     from ggufcarve.evaluate.tables import reference_identity
 
-    settings = EvalSettings(
-        ctx=chunk_ctx, chunks=chunks, threads=threads, speed=None, cache_dir=cache_dir, gpu_layers=gpu_layers
-    )
+    settings = EvalSettings(ctx=chunk_ctx, chunks=chunks, compute=compute, speed=None, cache_dir=cache_dir)
     names = [p.name for p in heldout]
     segments = []
     for path in heldout:

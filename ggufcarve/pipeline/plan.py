@@ -62,6 +62,7 @@ from typing import Any
 
 from ggufcarve import settings as S
 from ggufcarve.errors import BadInput
+from ggufcarve.llama.devices import CPU, Compute
 from ggufcarve.release.card import CardSettings
 from ggufcarve.settings import PLAN_HINT, Keep, key, read_table, table_keys
 
@@ -153,7 +154,6 @@ class RunPlan:
     output: Path
     work: Path
     name: str | None
-    threads: int | None
     selection: SelectionStep
     calibration: CalibrationStep | None
     imatrix: ImatrixStep | None
@@ -162,7 +162,7 @@ class RunPlan:
     card: bool
     card_settings: CardSettings | None = None  # a [card] table's; None: all from the GGUF's general.* keys
     raw: dict[str, Any] = field(default_factory=dict, compare=False)
-    gpu_layers: int = 0  # layers offloaded to the accelerator in every llama.cpp stage
+    compute: Compute = CPU  # where every llama.cpp stage runs (threads 0: the physical cores)
 
     def to_json(self) -> dict[str, Any]:
         """The resolved plan with bare file names (it is published in the release)."""
@@ -174,8 +174,10 @@ class RunPlan:
             "source": name(self.source),
             "output": name(self.output),
             "name": self.name,
-            "threads": self.threads,
-            "gpu_layers": self.gpu_layers,
+            "threads": self.compute.threads or None,
+            "gpu_layers": self.compute.gpu_layers,
+            "rpc_servers": len(self.compute.rpc),
+            "tensor_split": list(self.compute.tensor_split),
             "selection": {
                 "method": self.selection.method,
                 "keep": self.selection.keep,
@@ -249,6 +251,8 @@ class PlanKeys:
     name: str | None = key(S.NAME)
     threads: int | None = key(S.THREADS)
     gpu_layers: int = key(S.GPU_LAYERS, 0)
+    rpc: tuple[str, ...] | None = key(S.RPC)
+    tensor_split: tuple[float, ...] | None = key(S.TENSOR_SPLIT)
     card: bool = key(S.CARD, True)
 
 
@@ -561,7 +565,6 @@ def parse_plan(doc: dict[str, Any], base: Path, path: Path | None = None) -> Run
         output=output,
         work=work,
         name=top.name,
-        threads=top.threads,
         selection=selection,
         calibration=calibration,
         imatrix=imatrix,
@@ -570,7 +573,7 @@ def parse_plan(doc: dict[str, Any], base: Path, path: Path | None = None) -> Run
         card=card,
         card_settings=card_settings,
         raw=doc,
-        gpu_layers=top.gpu_layers,
+        compute=S.compute(top.threads, top.gpu_layers, top.rpc, top.tensor_split),
     )
 
 

@@ -38,8 +38,8 @@ from ggufcarve.pipeline.stages import (
     Stage,
     StageResult,
     build_stages,
-    default_threads,
     names_for,
+    run_compute,
     shards,
 )
 from ggufcarve.pipeline.state import RunState, stage_digest
@@ -109,8 +109,7 @@ def _context(plan: RunPlan, on_event: Sink = ignore, force: bool = False) -> Run
         on_event,
         force,
         RunState(plan.work),
-        default_threads(plan),
-        plan.gpu_layers,
+        run_compute(plan),
     )
 
 

@@ -19,6 +19,7 @@ from typing import Any
 from ggufcarve.errors import BadInput, ToolFailed
 from ggufcarve.events import Sink, ignore
 from ggufcarve.fileio import format_size
+from ggufcarve.llama.devices import CPU, Compute
 from ggufcarve.pipeline.plan import EvaluationStep, RunPlan
 
 SELECTION_NAME = "expert-selection.json"
@@ -138,8 +139,7 @@ class RunContext:
     sink: Sink = ignore
     force: bool = False
     state: Any = None  # state.RunState
-    threads: int = 1
-    gpu_layers: int = 0
+    compute: Compute = CPU  # where every llama.cpp stage runs, threads resolved
     keepset: Any = None  # moe.keepset.KeepSet of the selection, once read or written
     ladder_result: Any = None
     evaluation: list[dict[str, Any]] = field(default_factory=list)
@@ -235,8 +235,7 @@ def _collect_stage(ctx: RunContext) -> Stage:
             names.collected_imatrix,
             ctx=calibration.ctx,
             chunks=chunks,
-            threads=ctx.threads,
-            gpu_layers=ctx.gpu_layers,
+            compute=ctx.compute,
             force=True,
             on_event=ctx.sink,
         )
@@ -273,8 +272,7 @@ def _select_settings(ctx: RunContext) -> tuple[Any, tuple[Path, ...]]:
         seed=sel.seed,
         ctx=plan.calibration.ctx if plan.calibration else 512,
         max_tokens=plan.calibration.max_tokens if plan.calibration else None,
-        threads=ctx.threads,
-        gpu_layers=ctx.gpu_layers,
+        compute=ctx.compute,
         protect=sel.protect,
         protect_super_experts=sel.protect_super_experts,
         heatmap=True,
@@ -343,8 +341,7 @@ def tune_settings(ctx: RunContext) -> Any:
         ctx=ctx_tokens,
         chunks=sel.chunks,
         max_tokens=cal.max_tokens if cal is not None else None,
-        threads=ctx.threads,
-        gpu_layers=ctx.gpu_layers,
+        compute=ctx.compute,
         seed=sel.seed,
         stability=sel.stability,
     )
@@ -513,7 +510,7 @@ def _run_ladder(
         imatrix=imatrix,
         only=list(only) or None,
         model_name=model_name,
-        nthreads=ctx.threads,
+        nthreads=ctx.compute.threads,
         fresh=fresh,
         on_event=ctx.sink,
     )
@@ -538,8 +535,8 @@ def _ladder_bytes(ctx: RunContext, kept: int, rungs: list[str], exact: bool) -> 
     """The rungs' predicted bytes (quant/fit.py: llama.cpp's dry run on a sparse pruned header),
     or None when only libllama can answer and `exact` is not asked for (a libllama dry run takes
     seconds per rung; the ladder checks its own disk before writing)."""
+    from ggufcarve.placement.kvcache import ContextSettings
     from ggufcarve.quant.fit import plan_fit
-    from ggufcarve.quant.kvcache import ContextSettings
     from ggufcarve.quant.spec import load_spec
 
     quantizer = _quantizer(ctx)  # the plan's choice: a libllama-only plan runs no compiled tool
@@ -670,8 +667,7 @@ def _evaluate_stage(ctx: RunContext, ev: EvaluationStep) -> Stage:
     settings, warnings = eval_settings(
         ctx=ev.ctx,
         chunks=ev.chunks,
-        threads=ctx.threads,
-        gpu_layers=ctx.gpu_layers,
+        compute=ctx.compute,
         top_k=ev.top_k,
         tail_samples=ev.tail_samples,
         speed_runs=ev.speed_runs,
@@ -926,7 +922,7 @@ def _verify_stage(ctx: RunContext) -> Stage:
         plan = ctx.plan
         # what the recorded plan promises (release.verify.promised_parts): every rung of the spec
         # unless it builds some only, and the evaluation and the card it makes
-        report = verify_dir(plan.output, workers=ctx.threads, on_event=ctx.sink)
+        report = verify_dir(plan.output, workers=ctx.compute.threads, on_event=ctx.sink)
         if not report.ok:
             first = report.failures[0]
             raise VerificationFailed(
@@ -950,7 +946,8 @@ def _verify_stage(ctx: RunContext) -> Stage:
     )
 
 
-def default_threads(plan: RunPlan) -> int:
+def run_compute(plan: RunPlan) -> Compute:
+    """The plan's `Compute` with its threads resolved: the plan's, else the physical cores."""
     from ggufcarve.llama.tools import physical_cores
 
-    return plan.threads or physical_cores()
+    return plan.compute.with_threads(plan.compute.threads or physical_cores())

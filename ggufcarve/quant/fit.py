@@ -14,7 +14,7 @@ tensor's rows at its target type, padded to the file's alignment. Tensors the la
 which llama-imatrix never runs, or what `imatrix_entries` lacks) are dry-run again with the
 ladder's own override. The KV cache and recurrent state come from kvcache.context_memory; the
 total is file + cache (compute buffers and the OS are not counted). With a GPU budget each row
-also says whether the rung fits the GPU whole or with which `--n-cpu-moe N` (quant/offload.py),
+also says whether the rung fits the GPU whole or with which `--n-cpu-moe N` (placement/offload.py),
 from the per-block expert bytes of the planned tensors.
 
 K values: every K the pruner accepts (moe/kept.py: at least expert_used_count, and with grouped
@@ -44,9 +44,8 @@ from ggufcarve.llama.memory import HOST, DeviceMemory, DryLoad, MemorySettings
 from ggufcarve.moe.keepset import keep_per_block
 from ggufcarve.moe.kept import kept_count_problems
 from ggufcarve.moe.layout import MoeLayout
-from ggufcarve.prune.plan import PlannedFile, plan_prune
-from ggufcarve.quant.kvcache import ContextMemory, ContextSettings, context_memory
-from ggufcarve.quant.offload import (
+from ggufcarve.placement.kvcache import ContextMemory, ContextSettings, context_memory
+from ggufcarve.placement.offload import (
     DEFAULT_MARGIN,
     GPU_TIERS,
     TIERS,
@@ -58,13 +57,14 @@ from ggufcarve.quant.offload import (
     split_devices,
     tiers_of,
 )
+from ggufcarve.prune.plan import PlannedFile, plan_prune
 from ggufcarve.quant.quantizer import DryRun, QuantizeJob, Quantizer
 from ggufcarve.quant.spec import LadderSpec, Rung
 
 # ---------------------------------------------------------------------------------------------
 # Memory sizes
 
-ALL_LAYERS = -1  # llama_model_params.n_gpu_layers: a negative value offloads every layer (include/llama.h)
+ALL_LAYERS = 999  # n_gpu_layers above the layer count offloads every layer and the output (src/llama-model.cpp)
 # ---------------------------------------------------------------------------------------------
 # Kept-expert counts
 
@@ -151,6 +151,7 @@ class FitRow:
     gpu_load: tuple[int, DryLoad] | None = (
         None  # (N, the dry load at --n-cpu-moe N, every layer offloaded) on a llama.cpp with a GPU backend
     )
+    placed: Any = None  # placement.search.PlacedMemory: with several GPU budgets, the placement chosen
 
     @property
     def memory_measured(self) -> DeviceMemory | None:
@@ -173,7 +174,7 @@ class FitRow:
     @property
     def offload(self) -> Offload | None:
         """With a GPU budget: whether the rung fits the GPU whole, else the --n-cpu-moe N that makes it
-        fit, the GPU's compute buffers counted when measured (quant/offload.py)."""
+        fit, the GPU's compute buffers counted when measured (placement/offload.py)."""
         if self.gpu_memory is None or self.rung.placement is None:
             return None
         if self.load is None:
@@ -206,7 +207,16 @@ class FitRow:
 
     @property
     def tiers(self) -> tuple[str, ...]:
-        """The tiers the rung runs in (quant/offload.TIERS), fastest first; "disk" always."""
+        """The tiers the rung runs in (placement/offload.TIERS), fastest first; "disk" always."""
+        if self.placed is not None:
+            gpu = (
+                ()
+                if not self.placed.fits
+                else ("gpu", "gpu+cpu")
+                if not self.placed.placement.n_cpu_moe
+                else ("gpu+cpu",)
+            )
+            return (*gpu, *(("ram",) if self.total <= self.memory else ()), "disk")
         return tiers_of(self.total, self.memory, self.offload, self.gpu_devices)
 
     @property
@@ -215,6 +225,8 @@ class FitRow:
 
     def devices_in(self, tier: str) -> list[DeviceMemory]:
         """Per device, the memory running in `tier` (the CPU run's host memory for ram and disk)."""
+        if tier in GPU_TIERS and self.placed is not None:
+            return self.placed.devices
         if tier in GPU_TIERS and self.gpu_devices:
             return self.gpu_devices
         return [self.memory_measured] if self.memory_measured is not None else []
@@ -261,6 +273,31 @@ class FitReport:
         fitting = [r for r in self.rows if tier in r.tiers]
         return max(fitting, key=lambda r: (r.kept, r.rung.bytes)) if fitting else None
 
+    def _placement_json(self, row: FitRow) -> dict[str, Any]:
+        """With GPU budgets: the placement a user runs the row with and its llama-server line."""
+        from ggufcarve.placement.search import Placement
+
+        main = self.layout.main_layer_count
+        placement = row.placed.placement if row.placed is not None else None
+        if placement is None and row.offload is not None and row.offload.n_cpu_moe is not None:
+            placement = Placement(n_cpu_moe=row.offload.n_cpu_moe)
+        if placement is None:
+            return {}
+        from ggufcarve.quant.ladder_plan import model_name_from
+
+        base = model_name_from(self.model.path)
+        name = base if row.kept == self.layout.expert_count else f"{base}-{row.kept}e"
+        rung = next(r for r in self.spec.rungs if r.name == row.rung.rung)
+        context = self.cache.settings
+        cache_type = context.type_k.lower()
+        kv = ["-ctk", cache_type, "-ctv", context.type_v.lower(), "-fa", "on"] if cache_type != "f16" else []
+        server = ["llama-server", "-m", rung.file_name(name), "-c", str(context.n_ctx), *kv]
+        return {
+            "placement": {**placement.to_json(main), "label": placement.label()},
+            "placement_measured": row.placed.measured if row.placed is not None else row.gpu_load is not None,
+            "server": server + placement.flags(main),
+        }
+
     def to_json(self) -> dict[str, Any]:
         best = self.best()
         return {
@@ -302,6 +339,7 @@ class FitReport:
                     "tiers": list(r.tiers),
                     **({"memory": [d.to_json() for d in r.devices]} if r.devices else {}),
                     **({"gpu": offload.to_json()} if (offload := r.offload) else {}),
+                    **self._placement_json(r),
                 }
                 for r in self.rows
             ],
@@ -309,6 +347,59 @@ class FitReport:
             if best
             else None,
         }
+
+
+def place_rows(
+    model: GGUFModel,
+    layout: MoeLayout,
+    rows: list[FitRow],
+    budgets: tuple[int, ...],
+    margin: int,
+    settings: MemorySettings,
+    directory: Path,
+    on_event: Sink = ignore,
+) -> list[FitRow]:
+    """Each row placed on the devices of `budgets` (placement.search.choose); where the devices are
+    present, the chosen placement is loaded by llama.cpp (one dry load per K and placement) and the
+    next candidate taken while a device is over its budget."""
+    from dataclasses import replace
+
+    from ggufcarve.llama.memory import dry_load
+    from ggufcarve.placement.search import PlacedMemory, candidates, choose, measured_rows, shares_of
+
+    out = []
+    headers: dict[int, Path] = {}
+    loads: dict[tuple[int, Any], DryLoad] = {}
+    for done, row in enumerate(rows, 1):
+        weights, load = row.rung.placement, row.load
+        if weights is None or load is None:
+            out.append(row)
+            continue
+        present = list(load.gpu_devices)[: len(budgets)] if len(load.gpu_devices) >= len(budgets) else []
+        names = present or [f"GPU{i}" for i in range(len(budgets))]
+        limits = {**dict(zip(names, budgets)), HOST: row.memory}
+        placed = choose(weights, load, budgets=budgets, memory=row.memory, devices=names, margin=margin)
+        if placed is not None and present:
+            tried = candidates(weights, shares_of(budgets))
+            first, placed = placed.placement, None
+            for placement in tried[tried.index(first) :]:
+                if row.kept not in headers:
+                    headers[row.kept] = sparse_pruned_header(model, layout, row.kept, directory, vocabulary=True).path
+                key = (row.kept, placement)
+                if key not in loads:
+                    run = replace(
+                        settings,
+                        compute=placement.compute(settings.compute.rpc),
+                        cpu_tensors=placement.cpu_tensors(len(weights.expert_bytes)),
+                    )
+                    loads[key] = dry_load(headers[row.kept], run)
+                again = PlacedMemory(placement, measured_rows(weights, placement, loads[key]), True, limits, margin)
+                if again.fits:
+                    placed = again
+                    break
+        out.append(replace(row, placed=placed))
+        on_event(Event("memory", done, len(rows), "rows", f"K={row.kept} {row.rung.rung}"))
+    return out
 
 
 def sparse_pruned_header(
@@ -440,11 +531,11 @@ def measure_offloaded(
 ) -> list[FitRow]:
     """On a llama.cpp with a GPU backend: each row again with llama.cpp's dry load at its offload's
     --n-cpu-moe N with every layer offloaded (one load per K and N), so that the GPU's buffers are
-    llama.cpp's own (quant.offload.split_devices); rows are returned unchanged without a GPU backend."""
+    llama.cpp's own (placement.offload.split_devices); rows are returned unchanged without a GPU backend."""
     from dataclasses import replace
 
     from ggufcarve.llama.memory import dry_load
-    from ggufcarve.quant.offload import override_regex
+    from ggufcarve.placement.offload import override_regex
 
     if not any(r.load is not None and r.load.gpu_devices for r in rows):
         return rows
@@ -454,7 +545,11 @@ def measure_offloaded(
     loads = {}
     for done, (k, n) in enumerate(wanted, 1):
         header = sparse_pruned_header(model, layout, k, directory, vocabulary=True)
-        placed = replace(settings, gpu_layers=ALL_LAYERS, cpu_tensors=(override_regex(n),) if n else ())
+        placed = replace(
+            settings,
+            compute=replace(settings.compute, gpu_layers=ALL_LAYERS),
+            cpu_tensors=(override_regex(n),) if n else (),
+        )
         loads[(k, n)] = dry_load(header.path, placed)
         header.path.unlink(missing_ok=True)
         on_event(Event("memory", done, len(wanted), "placements", f"K={k} --n-cpu-moe {n}"))
@@ -522,17 +617,29 @@ def plan_fit(
     only: Sequence[str] | None = None,
     imatrix_entries: set[str] | None = None,
     workers: int | None = None,
-    gpu_memory: int | None = None,
+    gpu_memory: int | tuple[int, ...] | None = None,
     gpu_margin: int = DEFAULT_MARGIN,
     measure: MemorySettings | None = None,
     on_event: Sink = ignore,
 ) -> FitReport:
     """Every (K, rung) pair's file size, the cache at `context`, and whether file + cache fit in `memory`;
-    with `gpu_memory`, each row's offload (quant/offload.py: whole, or the smallest --n-cpu-moe N).
+    with `gpu_memory`, each row's offload (placement/offload.py: whole, or the smallest --n-cpu-moe N).
 
     `imatrix_entries`: the tensor names the ladder's imatrix holds; None assumes llama-imatrix's
-    coverage (every tensor but those of the MTP blocks)."""
+    coverage (every tensor but those of the MTP blocks).
+
+    Several GPU budgets (one per device, in device order) are placed by placement.search: the
+    fastest placement whose estimated memory fits every device, measured again by llama.cpp's dry
+    load on the devices when they are present (`measure.compute.rpc`, or a GPU build) and replaced
+    by the next one while a measured device is over its budget."""
     started = time.monotonic()
+    budgets = (gpu_memory,) if isinstance(gpu_memory, int) else tuple(gpu_memory or ())
+    if len(budgets) > 1 and measure is None:
+        raise BadInput(
+            f"{len(budgets)} GPU budgets are placed from llama.cpp's dry load",
+            "leave --file-and-cache out, or give one --gpu-memory",
+        )
+    gpu_memory = budgets[0] if len(budgets) == 1 else None
     rungs = spec.select(only)
     counts = sorted(kept_counts) if kept_counts else listed_kept_counts(layout)
     cache = context_memory(model.get, context)
@@ -571,6 +678,8 @@ def plan_fit(
         ]
         if measure is not None and gpu_memory is not None:
             rows = measure_offloaded(model, layout, rows, measure, Path(tmp), on_event)
+        if len(budgets) > 1 and measure is not None:
+            rows = place_rows(model, layout, rows, budgets, gpu_margin, measure, Path(tmp), on_event)
     return FitReport(
         model,
         layout,

@@ -157,22 +157,23 @@ def _source_sha256(model: GGUFModel) -> list[str]:
     return [sha256_file_cached(p) for p in model.paths]
 
 
+NAMING_FIELDS = frozenset({"name", "description", "file_pattern"})  # a rung's fields that only name its output
+
+
+def rung_quantizer_fields(rung: Rung) -> dict[str, Any]:
+    """Every field of the rung spec but those that only name its output: what the quantizer is asked
+    for, so a field added to `Rung` is part of the resume key without being listed here."""
+    from dataclasses import fields
+
+    wanted = {f.name for f in fields(Rung)} - NAMING_FIELDS
+    return {k: v for k, v in rung.to_json().items() if k in wanted}
+
+
 def _inputs_key(
     rung: Rung, job: QuantizeJob, source_sha: Sequence[str], imatrix: ImatrixInfo | None, quantizer: dict[str, Any]
 ) -> str:
-    quantizer_fields = (
-        "ftype",
-        "output_tensor_type",
-        "token_embedding_type",
-        "tensor_types",
-        "imatrix_fallback_type",
-        "allow_requantize",
-        "pure",
-    )
     doc = {
-        "rung": {
-            k: v for k, v in rung.to_json().items() if k in quantizer_fields
-        },  # not its name, description or file pattern
+        "rung": rung_quantizer_fields(rung),
         "ftype": job.ftype,
         "tensor_types": [list(p) for p in job.tensor_types],
         "source_sha256": list(source_sha),

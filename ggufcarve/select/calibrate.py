@@ -33,6 +33,7 @@ from ggufcarve.fileio import check_outputs
 from ggufcarve.gguf.container import GGUFModel
 from ggufcarve.llama.calibration import Batching, check_chunking, read_calibration
 from ggufcarve.llama.decode import DecodeRequest, decode, default_threads
+from ggufcarve.llama.devices import CPU, Compute
 from ggufcarve.moe.layout import MoeLayout
 from ggufcarve.select.criteria import TRACE_METHODS
 from ggufcarve.select.from_trace import TraceStatistics, statistics_consumer
@@ -56,8 +57,7 @@ def calibrate_all(
     *,
     ctx: int = DEFAULT_CTX,
     max_tokens: int | None = None,
-    threads: int | None = None,
-    gpu_layers: int = 0,
+    compute: Compute = CPU,
     imatrix_out: Path | None = None,
     force: bool = False,
     greedy: bool = False,
@@ -99,7 +99,7 @@ def calibrate_all(
     if greedy:
         from ggufcarve.select.greedy import check_memory
 
-        check_memory(layout, calibration, ctx, max_tokens, default_threads(threads), available_memory)
+        check_memory(layout, calibration, ctx, max_tokens, default_threads(compute.threads), available_memory)
     consumers = [statistics_consumer(method)]
     if greedy:
         from ggufcarve.select.greedy import GREEDY_CONSUMER
@@ -117,8 +117,7 @@ def calibrate_all(
         batching,
         documents=tuple(f.documents for f in calibration),
         max_tokens=max_tokens,
-        threads=threads or 0,
-        gpu_layers=gpu_layers,
+        compute=compute,
     )
     run = decode(request, what=f"calibrating {model.path.name}", stage="calibrate", on_event=on_event)
     if imatrix_out is not None:

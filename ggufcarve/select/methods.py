@@ -10,6 +10,7 @@ from ggufcarve.errors import BadInput
 from ggufcarve.events import Sink, ignore
 from ggufcarve.fileio import sha256_file_cached
 from ggufcarve.gguf.container import GGUFModel
+from ggufcarve.llama.devices import CPU, Compute
 from ggufcarve.moe.layout import MoeLayout
 from ggufcarve.select.criteria import IMATRIX_METHODS, criterion_named
 from ggufcarve.select.scores import ExpertScores, ModelFacts
@@ -38,8 +39,7 @@ def score_model(
     seed: int = 0,
     ctx: int = 512,
     max_tokens: int | None = None,
-    threads: int | None = None,
-    gpu_layers: int = 0,
+    compute: Compute = CPU,
     on_event: Sink = ignore,
 ) -> ExpertScores:
     """Score every expert of every MoE block (MTP blocks included) with `method`."""
@@ -73,8 +73,7 @@ def score_model(
             calibration,
             ctx=ctx,
             max_tokens=max_tokens,
-            threads=threads,
-            gpu_layers=gpu_layers,
+            compute=compute,
             on_event=on_event,
         )
     facts = ModelFacts.of(model, layout)

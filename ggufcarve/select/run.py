@@ -18,6 +18,7 @@ from typing import Any
 from ggufcarve import settings as S
 from ggufcarve.errors import BadInput, OutputError
 from ggufcarve.events import Sink, ignore
+from ggufcarve.llama.devices import Compute
 from ggufcarve.select.criteria import SUPER_EXPERT_METHODS, criterion_named
 from ggufcarve.settings import key, required
 
@@ -32,12 +33,11 @@ class SelectSettings:
     seed: int = key(S.SEED, 0)
     ctx: int = key(S.CTX, 512)
     max_tokens: int | None = key(S.MAX_TOKENS, None)
-    threads: int | None = key(S.THREADS, None)
     protect: str | None = key(S.PROTECT, None)  # ids for every block (0,5,9-11) or a keep-set-like JSON file
     protect_super_experts: bool = key(S.PROTECT_SUPER_EXPERTS, False)
     heatmap: bool = True
     imatrix_out: Path | None = None  # with a calibration method: the model's imatrix from the same pass
-    gpu_layers: int = key(S.GPU_LAYERS, 0)  # layers offloaded to the accelerator in the calibration pass
+    compute: Compute = S.compute_key()  # where the calibration pass runs
 
 
 @dataclass(frozen=True)
@@ -165,8 +165,7 @@ def _score(model: Any, layout: Any, settings: SelectSettings, on_event: Sink) ->
             list(settings.calibration),
             ctx=settings.ctx,
             max_tokens=settings.max_tokens,
-            threads=settings.threads,
-            gpu_layers=settings.gpu_layers,
+            compute=settings.compute,
             on_event=on_event,
             imatrix_out=settings.imatrix_out,
             force=True,
@@ -180,7 +179,6 @@ def _score(model: Any, layout: Any, settings: SelectSettings, on_event: Sink) ->
         seed=settings.seed,
         ctx=settings.ctx,
         max_tokens=settings.max_tokens,
-        threads=settings.threads,
-        gpu_layers=settings.gpu_layers,
+        compute=settings.compute,
         on_event=on_event,
     )

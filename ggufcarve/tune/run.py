@@ -36,6 +36,7 @@ import numpy as np
 from ggufcarve import settings as S
 from ggufcarve.errors import BadInput
 from ggufcarve.events import Sink, ignore
+from ggufcarve.llama.devices import Compute
 from ggufcarve.measure.statistics import DEFAULT_Z
 from ggufcarve.select.criteria import ALL_METHODS, IMATRIX_METHODS, TRACE_METHODS, ZERO_SHOT
 from ggufcarve.settings import key, required
@@ -54,8 +55,7 @@ class TuneSettings:
     ctx: int = key(S.CTX, 512)
     chunks: int | None = key(S.CHUNKS, None)
     max_tokens: int | None = key(S.MAX_TOKENS, None)
-    threads: int | None = key(S.THREADS, None)
-    gpu_layers: int = key(S.GPU_LAYERS, 0)  # layers offloaded to the accelerator in every llama.cpp child
+    compute: Compute = S.compute_key()  # where every llama.cpp child runs
     seed: int = 0
     stability: bool = key(S.STABILITY, False)
     z: float = (
@@ -132,8 +132,7 @@ def calibration_scores(
             list(settings.calibration),
             ctx=settings.ctx,
             max_tokens=settings.max_tokens,
-            threads=settings.threads,
-            gpu_layers=settings.gpu_layers,
+            compute=settings.compute,
             imatrix_out=imatrix,
             force=True,
             greedy="greedy" in traced,
@@ -209,8 +208,7 @@ def _half_scores(model: Any, layout: Any, settings: TuneSettings, work: Path, on
             heldout=settings.heldout,
             ctx=settings.ctx,
             max_tokens=max_tokens,
-            threads=settings.threads,
-            gpu_layers=settings.gpu_layers,
+            compute=settings.compute,
             seed=settings.seed,
             available_memory=settings.available_memory,
         )
@@ -233,7 +231,7 @@ def fit_greedy(layout: Any, settings: TuneSettings) -> tuple[TuneSettings, dict[
     if "greedy" not in settings.methods or not settings.calibration:
         return settings, {}
     calibration = read_calibration(settings.calibration)
-    threads = default_threads(settings.threads)
+    threads = default_threads(settings.compute.threads)
     available = available_memory() if settings.available_memory is None else settings.available_memory
     if settings.methods != ALL_METHODS:
         check_memory(layout, calibration, settings.ctx, settings.max_tokens, threads, available)
@@ -387,16 +385,15 @@ def _tune(
                 group.append(cid)
             candidates.append(entry)
         groups.append(group)
-    threads = settings.threads or physical_cores()
+    compute = settings.compute.with_threads(settings.compute.threads or physical_cores())
     reference_started = time.perf_counter()
     segments = prepare_segments(
         model.path,
         settings.heldout,
         chunk_ctx=settings.ctx,
         chunks=settings.chunks,
-        threads=threads,
+        compute=compute,
         work=work,
-        gpu_layers=settings.gpu_layers,
         on_event=on_event,
     )
     timings["reference_seconds"] = time.perf_counter() - reference_started
@@ -418,9 +415,7 @@ def _tune(
     measured = measure(
         pool,
         segments,
-        MeasureSettings(
-            threads=threads, z=settings.z, prefer="metric", tables=measure_tables(), gpu_layers=settings.gpu_layers
-        ),
+        MeasureSettings(compute, z=settings.z, prefer="metric", tables=measure_tables()),
         work,
         on_event=on_event,
     )

@@ -27,7 +27,7 @@ src/llama-model-loader.cpp):
   * The MTP/NextN blocks (the last `nextn_predict_layers` blocks) are not loaded at all unless
     an MTP draft is asked for (`--spec-type draft-mtp` sets load_mtp; otherwise TENSOR_SKIP):
     they count neither on the GPU nor in N.
-  * The KV cache and recurrent state (quant/kvcache.py) are on the GPU with the layers.
+  * The KV cache and recurrent state (placement/kvcache.py) are on the GPU with the layers.
   * The compute buffers: given `compute` (bytes on the GPU at N), they count on the GPU; `margin`
     stays free on top, by default 1 GiB, the target margin llama.cpp's own `--fit` keeps free per
     device beyond model, context and compute (`fit_params_target`, `--fit-target`,
@@ -57,7 +57,7 @@ from gguf.constants import Keys
 from ggufcarve.errors import BadInput
 from ggufcarve.gguf.container import GGUFModel
 from ggufcarve.llama.memory import HOST, DeviceMemory, DryLoad
-from ggufcarve.quant.kvcache import ContextSettings, context_memory
+from ggufcarve.placement.kvcache import ContextSettings, context_memory
 
 LLM_FFN_EXPS_REGEX = r"\.ffn_(up|down|gate|gate_up)_(ch|)exps"  # common/common.h
 INPUT_LAYER_TENSORS = (
@@ -137,6 +137,9 @@ class WeightPlacement:
     input_bytes: int  # the input layer's tensors, always in system memory
     skipped_bytes: int  # the MTP blocks', not loaded without an MTP draft
     output_from_embedding: bool  # no output.weight: token_embd is loaded again as the output
+    block_other: tuple[int, ...] = ()  # per main block i: its bytes the expert override does not match
+    output_bytes: int = 0  # the output layer's (output.weight, output_norm; token_embd again without output.weight)
+    nextn_blocks: int = 0  # the MTP blocks after the main ones: counted in llama.cpp's layer split, not loaded
 
     @property
     def gpu_whole(self) -> int:
@@ -162,7 +165,8 @@ def placement_of(tensors: Iterable[tuple[str, int]], block_count: int, nextn_lay
     patterns = [re.compile(block_regex(i)) for i in range(main)]
     mtp = re.compile(r"blk\.(\d+)\.")
     experts = [0] * main
-    other = inputs = skipped = 0
+    block_other = [0] * main
+    other = inputs = skipped = output = 0
     embedding = 0
     has_output = False
     for name, nbytes in tensors:
@@ -181,9 +185,16 @@ def placement_of(tensors: Iterable[tuple[str, int]], block_count: int, nextn_lay
             experts[index] += nbytes
         else:
             other += nbytes
+            if 0 <= index < main:
+                block_other[index] += nbytes
+            else:
+                output += nbytes
     if not has_output:
         other += embedding
-    return WeightPlacement(other, tuple(experts), inputs, skipped, not has_output)
+        output += embedding
+    return WeightPlacement(
+        other, tuple(experts), inputs, skipped, not has_output, tuple(block_other), output, block_count - main
+    )
 
 
 def weight_placement(model: GGUFModel) -> WeightPlacement:
@@ -361,7 +372,7 @@ def place(
 def file_offload(
     model: GGUFModel, *, gpu_memory: int, context: ContextSettings, margin: int = DEFAULT_MARGIN
 ) -> Offload:
-    """plan_offload for a rung file: its tensor sizes from the header, its cache at `context` (quant/kvcache.py)."""
+    """plan_offload for a rung file: its tensor sizes from the header, its cache at `context` (placement/kvcache.py)."""
     return plan_offload(
         weight_placement(model),
         gpu_memory=gpu_memory,

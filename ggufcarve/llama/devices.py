@@ -1,0 +1,343 @@
+"""Where llama.cpp computes: the devices it sees, and `Compute`, the one object that says where every
+child runs.
+
+    compute = Compute(gpu_layers=99, rpc=("127.0.0.1:50052",))
+    compute.tool_args()                 # ["-ngl", "99", "--rpc", "127.0.0.1:50052"] for llama.cpp's tools
+    set_model_params(llama_cpp, params, compute)    # in a libllama child: llama_model_params
+
+Devices (ggml/include/ggml-backend.h of the llama.cpp in llama-cpp-python 0.3.36): every backend
+registers its devices, each with a name (`CUDA0`, `Vulkan0`, `CPU`), a description, a type (enum
+ggml_backend_dev_type: CPU, GPU, IGPU, ACCEL, META) and its free and total memory. An RPC server
+(`ggml-rpc-server -H HOST -p PORT`, ggml/src/ggml-rpc) exports the devices of another process
+over a socket: `ggml_backend_rpc_add_server(endpoint)` (looked up through the "RPC" registry's
+proc address, as common/arg.cpp's `--rpc` does) answers a registry of its devices, named `RPC0`,
+`RPC1`, ... in the order they were added, of type GPU, whose buffers are not host memory; it
+answers NULL when the server does not answer. `ggml_backend_register` then lists them with the
+others.
+
+Which devices a model offloads to: llama_model_load_from_file (src/llama.cpp) takes
+`llama_model_params.devices` (a NULL-terminated array) when set, else RPC devices first, then the
+GPUs, then integrated GPUs when there is no GPU. `offload_devices` makes that list and
+`set_model_params` sets it explicitly, so that a device registered after the backend was
+initialised is used, as llama.cpp's tools use theirs. `tensor_split` is the share of each of those
+devices (llama.cpp's -ts); `gpu_layers` the layers offloaded (-ngl), the last ones first.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from ggufcarve.errors import BadInput
+
+DEVICE_TYPES = ("CPU", "GPU", "IGPU", "ACCEL", "META")  # enum ggml_backend_dev_type, in its order
+RPC_REGISTRY = "RPC"
+HOST = "host"  # system memory, as a row beside the devices
+ENDPOINT = re.compile(r"^(?P<host>[A-Za-z0-9_.\-]+|\[[0-9A-Fa-f:]+\]):(?P<port>\d{1,5})$")
+KEEPALIVE: list[object] = []  # arrays handed to llama.cpp through llama_model_params
+
+
+def parse_endpoints(text: str, flag: str = "--rpc") -> tuple[str, ...]:
+    """ "HOST:PORT[,HOST:PORT...]" -> the endpoints, each checked."""
+    endpoints = tuple(part.strip() for part in text.split(",") if part.strip())
+    if not endpoints:
+        raise BadInput(f"{flag} {text!r} names no server", "write it like 127.0.0.1:50052 (comma-separate several)")
+    for endpoint in endpoints:
+        m = ENDPOINT.match(endpoint)
+        if m is None or not 0 < int(m["port"]) < 65536:
+            raise BadInput(
+                f"{flag} {endpoint!r} is not HOST:PORT", "write it like 127.0.0.1:50052 (comma-separate several)"
+            )
+    if len(set(endpoints)) != len(endpoints):
+        raise BadInput(f"{flag} {text!r} names a server twice", "name every ggml-rpc-server once")
+    return endpoints
+
+
+def parse_split(text: str, flag: str = "--tensor-split") -> tuple[float, ...]:
+    """ "3,1" -> the share of each device (llama.cpp's -ts: proportions, not necessarily summing to 1)."""
+    try:
+        shares = tuple(float(part) for part in text.split(","))
+    except ValueError:
+        shares = ()
+    if not shares or any(not share >= 0 for share in shares) or sum(shares) <= 0:
+        raise BadInput(f"{flag} {text!r} is not a list of shares", "write it like 1,1 or 3,1 (one per device)")
+    return shares
+
+
+@dataclass(frozen=True)
+class Compute:
+    """Where and with what a llama.cpp child computes: the layers it offloads (`gpu_layers`, -ngl),
+    the RPC servers whose devices it adds (`rpc`, --rpc), the share of each offload device
+    (`tensor_split`, -ts) and the CPU threads (`threads`, -t; 0: the child's default)."""
+
+    gpu_layers: int = 0
+    rpc: tuple[str, ...] = ()
+    tensor_split: tuple[float, ...] = ()
+    threads: int = 0
+
+    def __post_init__(self) -> None:
+        if self.gpu_layers < 0 or self.threads < 0:
+            raise BadInput(
+                f"gpu layers {self.gpu_layers} and threads {self.threads} must be >= 0", "for example --gpu-layers 99"
+            )
+
+    @property
+    def offloads(self) -> bool:
+        """Whether any layer is offloaded (to a GPU or an RPC device)."""
+        return self.gpu_layers > 0
+
+    def with_threads(self, threads: int) -> Compute:
+        return Compute(self.gpu_layers, self.rpc, self.tensor_split, threads)
+
+    def tool_args(self, threads: bool = True, bench: bool = False) -> list[str]:
+        """The same placement as llama.cpp tools' options (llama-perplexity, llama-fit-params; with
+        `bench`, llama-bench's, whose -ts separates the shares of one split by "/")."""
+        args = ["-ngl", str(self.gpu_layers)]
+        if self.rpc:
+            args += ["--rpc", ",".join(self.rpc)]
+        if self.tensor_split:
+            args += ["-ts", ("/" if bench else ",").join(f"{share:g}" for share in self.tensor_split)]
+        if threads and self.threads:
+            args += ["-t", str(self.threads)]
+        return args
+
+    def key(self) -> dict[str, Any]:
+        """What of it changes computed numbers (a cache's key): which backend runs the offloaded
+        layers (the libllama's), how many, split how, and how many threads sum the rest. The RPC
+        endpoints' addresses do not; how many servers there are does."""
+        if not self.offloads:
+            return {"threads": self.threads}
+        from ggufcarve.llama.tools import libllama_backend
+
+        return {
+            "backend": libllama_backend(),
+            "gpu_layers": self.gpu_layers,
+            "rpc_servers": len(self.rpc),
+            "tensor_split": list(self.tensor_split),
+            "threads": self.threads,
+        }
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "gpu_layers": self.gpu_layers,
+            "rpc": list(self.rpc),
+            "tensor_split": list(self.tensor_split),
+            "threads": self.threads,
+        }
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any]) -> Compute:
+        return cls(
+            int(doc.get("gpu_layers", 0)),
+            tuple(str(e) for e in doc.get("rpc", ())),
+            tuple(float(s) for s in doc.get("tensor_split", ())),
+            int(doc.get("threads", 0)),
+        )
+
+
+CPU = Compute()
+
+
+@dataclass(frozen=True)
+class Device:
+    """One device llama.cpp sees: its name (`CUDA0`, `RPC0`, `CPU`; `host` for system memory), what
+    it is (`description`), its `type` (GPU, IGPU, CPU, ACCEL, or RPC for a GPU-type device of an RPC
+    server) and its memory in bytes."""
+
+    name: str
+    description: str
+    type: str
+    free: int
+    total: int
+    backend: str = ""  # the registry's name: "CUDA", "RPC", "CPU", ...
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "description": self.description,
+            "type": self.type,
+            "free": self.free,
+            "total": self.total,
+            "backend": self.backend,
+        }
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any]) -> Device:
+        return cls(
+            str(doc["name"]),
+            str(doc["description"]),
+            str(doc["type"]),
+            int(doc["free"]),
+            int(doc["total"]),
+            str(doc.get("backend", "")),
+        )
+
+
+def host_memory() -> Device:
+    """System memory as a row beside the devices: MemAvailable and MemTotal of /proc/meminfo."""
+    values: dict[str, int] = {}
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                name, _, rest = line.partition(":")
+                parts = rest.split()
+                if parts:
+                    values[name] = int(parts[0]) * 1024
+    except OSError:
+        pass
+    total = values.get("MemTotal") or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return Device(HOST, "system memory", "CPU", values.get("MemAvailable", total), total)
+
+
+# ---------------------------------------------------------------------------------------------
+# in a libllama child
+
+
+def _libggml() -> Any:
+    from llama_cpp import _ggml
+
+    lib = _ggml.libggml
+    void, size, text = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p
+    for name, args, result in (
+        ("ggml_backend_load_all", [], None),
+        ("ggml_backend_dev_count", [], size),
+        ("ggml_backend_dev_get", [size], void),
+        ("ggml_backend_dev_name", [void], text),
+        ("ggml_backend_dev_description", [void], text),
+        ("ggml_backend_dev_type", [void], ctypes.c_int),
+        ("ggml_backend_dev_memory", [void, ctypes.POINTER(size), ctypes.POINTER(size)], None),
+        ("ggml_backend_dev_backend_reg", [void], void),
+        ("ggml_backend_reg_name", [void], text),
+        ("ggml_backend_reg_by_name", [text], void),
+        ("ggml_backend_reg_get_proc_address", [void, text], void),
+        ("ggml_backend_register", [void], None),
+    ):
+        function = getattr(lib, name)
+        function.argtypes = args
+        function.restype = result
+    return lib
+
+
+_added: set[str] = set()
+CONNECT_TIMEOUT = 5.0
+
+
+def answers(endpoint: str) -> None:
+    """BadInput unless a TCP connection to the RPC server at `endpoint` opens."""
+    import socket
+
+    host, _, port = endpoint.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT):
+            pass
+    except OSError as err:
+        raise BadInput(
+            f"--rpc {endpoint}: the RPC server does not answer ({err.strerror or err})",
+            f"start it (ggml-rpc-server -H {host} -p {port}) or correct the address",
+        ) from None
+
+
+def add_rpc_servers(endpoints: tuple[str, ...]) -> None:
+    """Register the devices of each RPC server in this process (common/arg.cpp's add_rpc_devices);
+    a server already added is not added again. BadInput when llama.cpp has no RPC backend or a
+    server does not answer."""
+    if not endpoints:
+        return
+    lib = _libggml()
+    lib.ggml_backend_load_all()
+    registry = lib.ggml_backend_reg_by_name(RPC_REGISTRY.encode())
+    if not registry:
+        raise BadInput(
+            "--rpc: this llama-cpp-python was built without the RPC backend",
+            'reinstall it with CMAKE_ARGS="-DGGML_RPC=on" pip install --no-cache-dir --force-reinstall '
+            "llama-cpp-python==0.3.36 (see docs/gpus.md)",
+        )
+    address = lib.ggml_backend_reg_get_proc_address(registry, b"ggml_backend_rpc_add_server")
+    add_server = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_char_p)(address)
+    for endpoint in endpoints:
+        if endpoint in _added:
+            continue
+        answers(endpoint)  # ggml-rpc aborts the process on a server it cannot connect to
+        server = add_server(endpoint.encode())
+        if not server:
+            raise BadInput(
+                f"--rpc {endpoint}: the RPC server does not answer",
+                f"start it (ggml-rpc-server -H {endpoint.rpartition(':')[0]} -p {endpoint.rpartition(':')[2]}) "
+                "or correct the address",
+            )
+        lib.ggml_backend_register(server)
+        _added.add(endpoint)
+
+
+def _devices(lib: Any) -> list[tuple[int, Device]]:
+    found = []
+    for index in range(lib.ggml_backend_dev_count()):
+        handle = lib.ggml_backend_dev_get(index)
+        free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
+        lib.ggml_backend_dev_memory(handle, ctypes.byref(free), ctypes.byref(total))
+        kind = int(lib.ggml_backend_dev_type(handle))
+        backend = (lib.ggml_backend_reg_name(lib.ggml_backend_dev_backend_reg(handle)) or b"").decode()
+        type_name = DEVICE_TYPES[kind] if kind < len(DEVICE_TYPES) else str(kind)
+        if backend == RPC_REGISTRY and type_name == "GPU":
+            type_name = "RPC"
+        found.append(
+            (
+                handle,
+                Device(
+                    (lib.ggml_backend_dev_name(handle) or b"").decode(),
+                    (lib.ggml_backend_dev_description(handle) or b"").decode(),
+                    type_name,
+                    free.value,
+                    total.value,
+                    backend,
+                ),
+            )
+        )
+    return found
+
+
+def registered_devices(rpc: tuple[str, ...] = ()) -> list[Device]:
+    """Every device this process's llama.cpp sees, after the RPC servers' devices are added."""
+    add_rpc_servers(rpc)
+    return [device for _, device in _devices(_libggml())]
+
+
+def offload_devices(rpc: tuple[str, ...] = ()) -> list[tuple[int, Device]]:
+    """The devices a model offloads to, in llama.cpp's default order (RPC devices, GPUs, then
+    integrated GPUs where there is no GPU), as (handle, device)."""
+    add_rpc_servers(rpc)
+    found = _devices(_libggml())
+    rpc_devices = [d for d in found if d[1].type == "RPC"]
+    gpus = [d for d in found if d[1].type == "GPU"]
+    igpus = [d for d in found if d[1].type == "IGPU"]
+    return rpc_devices + gpus + (igpus if not gpus else [])
+
+
+def set_model_params(llama_cpp: Any, params: Any, compute: Compute) -> list[Device]:
+    """Put `compute`'s placement into llama_model_params: n_gpu_layers, the offload devices (set
+    explicitly, NULL-terminated) and tensor_split. Returns the offload devices."""
+    params.n_gpu_layers = compute.gpu_layers
+    add_rpc_servers(compute.rpc)  # listed with the others even when nothing is offloaded
+    if not compute.offloads:
+        return []
+    devices = offload_devices(compute.rpc)
+    if compute.tensor_split and len(compute.tensor_split) > len(devices):
+        raise BadInput(
+            f"--tensor-split gives {len(compute.tensor_split)} shares for {len(devices)} device(s)",
+            "give one share per device (ggufcarve devices lists them)",
+        )
+    if devices:
+        array = (ctypes.c_void_p * (len(devices) + 1))(*[handle for handle, _ in devices], None)
+        KEEPALIVE.append(array)
+        params.devices = ctypes.cast(array, ctypes.c_void_p)
+    if compute.tensor_split:
+        shares = (ctypes.c_float * max(int(llama_cpp.llama_max_devices()), len(compute.tensor_split)))()
+        for i, share in enumerate(compute.tensor_split):
+            shares[i] = share
+        KEEPALIVE.append(shares)
+        params.tensor_split = shares
+    return [device for _, device in devices]

@@ -1,0 +1,247 @@
+"""How a user runs a model on their devices: the placements tried, fastest first, and the first that fits.
+
+    placement = Placement(n_cpu_moe=12, tensor_split=(8, 8, 10))
+    placement.flags(blocks)      # ["-ngl", "all", "--n-cpu-moe", "12", "-ts", "8,8,10"]
+    choice = choose(weight_placement(model), host_load, budgets=(8 * GiB, 8 * GiB, 10 * GiB), memory=64 * GiB)
+
+The placements, fastest first (every one offloads every layer; `-ngl` below the layer count is
+slower than keeping experts in system memory and is not tried):
+  * whole: every tensor but the input layer on the devices;
+  * --n-cpu-moe N: the routed experts of blocks 0..N-1 in system memory (N = 1, 2, ...);
+  * the last-N variant (-ot of blocks n-N..n-1), tried where it moves more expert bytes than
+    --n-cpu-moe N does (a model whose first blocks are dense holds no experts there);
+several devices share the layers by their budgets (`-ts` in proportion, llama.cpp's split rule).
+
+A placement fits when every device's weights + cache + compute buffers + `margin` (llama.cpp's
+--fit target margin, 1 GiB) are within its budget and the host's total within `memory`. The
+figures of a device that is not on this machine are estimated: the weights and the cache by
+llama.cpp's own layer assignment (src/llama-model.cpp, load_tensors: layer il goes to the device
+whose cumulative share first exceeds il / (n_layer + 1), the output layer as layer n_layer), the
+compute buffers from the CPU run's graph (`offload.gpu_compute` for one device; each device of a
+split is given the whole graph's, which llama.cpp's pipeline copies exceed: estimated). With the
+devices present (`--rpc`, or a GPU build), fit loads the placement for real and `measured_rows` reads it.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ggufcarve.llama.devices import Compute
+from ggufcarve.llama.memory import HOST, DeviceMemory, DryLoad
+from ggufcarve.placement.offload import DEFAULT_MARGIN, LLM_FFN_EXPS_REGEX, WeightPlacement, override_regex
+
+ALL_LAYERS = 999  # n_gpu_layers above the layer count offloads every layer and the output (llama-server: -ngl all)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where the layers and experts go: every layer offloaded (`gpu_layers`), the routed experts of
+    `n_cpu_moe` blocks in system memory (the first ones, or the last ones with `from_last`), shared
+    between the devices by `tensor_split`."""
+
+    gpu_layers: int = ALL_LAYERS
+    n_cpu_moe: int = 0
+    from_last: bool = False
+    tensor_split: tuple[float, ...] = ()
+
+    def cpu_blocks(self, main_blocks: int) -> range:
+        n = min(self.n_cpu_moe, main_blocks)
+        return range(main_blocks - n, main_blocks) if self.from_last else range(n)
+
+    def cpu_tensors(self, main_blocks: int) -> tuple[str, ...]:
+        """The patterns of the tensors kept in system memory (what -ot PATTERN=CPU or --n-cpu-moe adds)."""
+        if not self.n_cpu_moe:
+            return ()
+        if not self.from_last:
+            return (override_regex(self.n_cpu_moe),)
+        blocks = "|".join(str(i) for i in self.cpu_blocks(main_blocks))
+        return (rf"blk\.({blocks}){LLM_FFN_EXPS_REGEX}",)
+
+    def compute(self, rpc: tuple[str, ...] = ()) -> Compute:
+        """The `Compute` that loads this placement on the devices present (`rpc`'s among them)."""
+        return Compute(self.gpu_layers, rpc, self.tensor_split)
+
+    def override_tensor(self, main_blocks: int) -> str | None:
+        patterns = self.cpu_tensors(main_blocks)
+        return f"{patterns[0]}=CPU" if patterns else None
+
+    def flags(self, main_blocks: int) -> list[str]:
+        """llama-server's (and llama-cli's) flags for it."""
+        args = ["-ngl", "all" if self.gpu_layers >= ALL_LAYERS else str(self.gpu_layers)]
+        if self.n_cpu_moe and not self.from_last:
+            args += ["--n-cpu-moe", str(self.n_cpu_moe)]
+        elif self.n_cpu_moe:
+            args += ["-ot", self.override_tensor(main_blocks) or ""]
+        if len(self.tensor_split) > 1:
+            args += ["-ts", ",".join(f"{s:g}" for s in self.tensor_split)]
+        return args
+
+    def label(self) -> str:
+        where = (
+            "whole"
+            if not self.n_cpu_moe
+            else f"n-cpu-moe {self.n_cpu_moe}"
+            if not self.from_last
+            else f"last {self.n_cpu_moe} blocks' experts on the CPU"
+        )
+        return where + (
+            f", split {':'.join(f'{s:g}' for s in self.tensor_split)}" if len(self.tensor_split) > 1 else ""
+        )
+
+    def to_json(self, main_blocks: int) -> dict[str, Any]:
+        return {
+            "gpu_layers": self.gpu_layers,
+            "n_cpu_moe": None if self.from_last else self.n_cpu_moe,
+            "override_tensor": self.override_tensor(main_blocks) if self.from_last else None,
+            "tensor_split": list(self.tensor_split),
+        }
+
+
+def assign_layers(layer_count: int, gpu_layers: int, shares: tuple[float, ...], devices: list[str]) -> dict[int, str]:
+    """Layer -> device by llama.cpp's rule (module docstring) for layers 0..layer_count (the last
+    one the output layer), in float32 as llama.cpp computes the split points."""
+    if not devices:
+        return dict.fromkeys(range(layer_count + 1), "CPU")
+    weights = np.asarray(shares if shares else [1.0] * len(devices), dtype=np.float32)
+    points = list(np.cumsum(weights, dtype=np.float32) / np.float32(weights.sum()))
+    start = max(layer_count + 1 - gpu_layers, 0)
+    active = min(gpu_layers, layer_count + 1)
+    out = {}
+    for il in range(layer_count + 1):
+        if il < start or il - start >= active:
+            out[il] = "CPU"
+            continue
+        index = bisect_right(points, float(np.float32(il - start) / np.float32(active)))
+        out[il] = devices[min(index, len(devices) - 1)]
+    return out
+
+
+@dataclass(frozen=True)
+class PlacedMemory:
+    """A placement and what each device then holds (the devices in order, then the host)."""
+
+    placement: Placement
+    devices: list[DeviceMemory]
+    measured: bool  # loaded by llama.cpp on the devices present; else estimated
+    budgets: dict[str, int] = field(default_factory=dict)  # device -> its budget (the host's: --memory)
+    margin: int = DEFAULT_MARGIN
+
+    def over(self) -> list[str]:
+        """The devices over their budget (a GPU's with the margin kept free)."""
+        out = []
+        for row in self.devices:
+            budget = self.budgets.get(row.device)
+            if budget is not None and row.total + (0 if row.device == HOST else self.margin) > budget:
+                out.append(row.device)
+        return out
+
+    @property
+    def fits(self) -> bool:
+        return not self.over()
+
+
+def _rows(
+    weights: WeightPlacement,
+    placement: Placement,
+    layers: dict[int, str],
+    devices: list[str],
+    cache: dict[str, int],
+    buffers: dict[str, tuple[int, int]],
+    estimated: tuple[str, ...],
+) -> list[DeviceMemory]:
+    """Rows of `devices` and the host: the weights by `layers` (layer -> device, HOST for the CPU;
+    the output layer at index n_layer_all), the cache and the (compute, output) buffers given."""
+    main = len(weights.expert_bytes)
+    blocks = main + weights.nextn_blocks
+    on_cpu = set(placement.cpu_blocks(main))
+    held = dict.fromkeys([*devices, HOST], 0)
+    held[HOST] += weights.input_bytes
+    for block in range(main):
+        held[layers.get(block, HOST)] += weights.block_other[block] if weights.block_other else 0
+        held[HOST if block in on_cpu else layers.get(block, HOST)] += weights.expert_bytes[block]
+    held[layers.get(blocks, HOST)] += weights.output_bytes
+    return [
+        DeviceMemory(
+            d,
+            held.get(d, 0),
+            cache.get(d, 0),
+            *buffers.get(d, (0, 0)),
+            () if d == HOST and not estimated else estimated,
+        )
+        for d in [*devices, HOST]
+    ]
+
+
+def estimate(
+    weights: WeightPlacement, host_load: DryLoad, placement: Placement, devices: list[str]
+) -> list[DeviceMemory]:
+    """Each device's memory for `placement` on devices not present here: the weights and the cache
+    by llama.cpp's layer assignment, the compute buffers from the CPU run's (module docstring)."""
+    from ggufcarve.placement.offload import gpu_compute
+
+    main = len(weights.expert_bytes)
+    assigned = assign_layers(main + weights.nextn_blocks, placement.gpu_layers, placement.tensor_split, devices)
+    layers = {il: HOST if d == "CPU" else d for il, d in assigned.items()}
+    cache = dict.fromkeys([*devices, HOST], 0)
+    for total, held_by in host_load.cache_kinds.values() or [(host_load.cache, tuple(range(main)))]:
+        for block in held_by:
+            cache[layers.get(block, HOST)] += total / max(len(held_by), 1)
+    cache = {d: round(v) for d, v in cache.items()}
+    graph = host_load.on(HOST, host_load.compute)
+    one = len(devices) == 1 and not placement.from_last
+    buffers = {d: (gpu_compute(weights, graph)(placement.n_cpu_moe) if one else graph, 0) for d in devices}
+    buffers[HOST] = (graph, host_load.on(HOST, host_load.output))
+    return _rows(weights, placement, layers, devices, cache, buffers, ("compute",))
+
+
+def measured_rows(weights: WeightPlacement, placement: Placement, load: DryLoad) -> list[DeviceMemory]:
+    """Each device's memory for `placement` from llama.cpp's dry load of it on the devices present:
+    the weights of `weights` (a rung's tensor bytes) by the layers llama.cpp assigned, the cache and
+    the buffers as it logged them."""
+    devices = [name for name, _ in load.offload_devices]
+    layers = {il: HOST if d == "CPU" else d for il, d in load.layers.items()}
+    buffers = {d: (load.on(d, load.compute), load.on(d, load.output)) for d in [*devices, HOST]}
+    return _rows(weights, placement, layers, devices, load.cache_by_device, buffers, ())
+
+
+def shares_of(budgets: tuple[int, ...]) -> tuple[float, ...]:
+    """-ts shares in proportion to the budgets, in GiB to two decimals (8GiB,8GiB,10GiB: 8,8,10)."""
+    return tuple(round(b / 2**30, 2) or 0.01 for b in budgets)
+
+
+def candidates(weights: WeightPlacement, shares: tuple[float, ...]) -> list[Placement]:
+    """The placements tried, fastest first (module docstring)."""
+    main = len(weights.expert_bytes)
+    split = shares if len(shares) > 1 else ()
+    out = [Placement(tensor_split=split)]
+    for n in range(1, main + 1):
+        first = Placement(n_cpu_moe=n, tensor_split=split)
+        last = Placement(n_cpu_moe=n, from_last=True, tensor_split=split)
+        moved_first = sum(weights.expert_bytes[:n])
+        moved_last = sum(weights.expert_bytes[main - n :])
+        out += [last, first] if moved_last > moved_first else [first]
+    return out
+
+
+def choose(
+    weights: WeightPlacement,
+    host_load: DryLoad,
+    *,
+    budgets: tuple[int, ...],
+    memory: int,
+    devices: list[str] | None = None,
+    margin: int = DEFAULT_MARGIN,
+) -> PlacedMemory | None:
+    """The fastest placement whose estimated memory fits every device's budget and the host's
+    `memory`; None when even every expert in system memory does not fit."""
+    names = devices or [f"GPU{i}" for i in range(len(budgets))]
+    limits = {**dict(zip(names, budgets)), HOST: memory}
+    for placement in candidates(weights, shares_of(budgets)):
+        placed = PlacedMemory(placement, estimate(weights, host_load, placement, names), False, limits, margin)
+        if placed.fits:
+            return placed
+    return None

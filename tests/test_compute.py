@@ -1,0 +1,188 @@
+"""One `Compute` (--gpu-layers, --rpc, --tensor-split, --threads) reaches llama.cpp in every child
+that loads a model.
+
+The value is checked where ggufcarve hands it over: the request every child task receives,
+llama-bench's argv and the llama_model_params the child sets; tests/test_devices.py runs the
+children on RPC devices.
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+from typer.testing import CliRunner
+
+from ggufcarve.cli import app
+from ggufcarve.demo import CALIBRATION, HELDOUT
+from ggufcarve.demo import DEMO_MODEL as DEMO
+from ggufcarve.errors import BadInput
+from ggufcarve.llama.devices import Compute
+
+LAYERS = 7
+DEVICES = ["--gpu-layers", str(LAYERS), "--rpc", "127.0.0.1:1,127.0.0.1:2", "--tensor-split", "3,1", "--threads", "3"]
+EXPECTED = Compute(LAYERS, ("127.0.0.1:1", "127.0.0.1:2"), (3.0, 1.0), 3)
+
+
+class Stop(Exception):
+    pass
+
+
+@pytest.fixture()
+def requests(monkeypatch):
+    """Every request handed to a child task; the first child ends the command."""
+    from ggufcarve.llama import child
+
+    seen: list[object] = []
+
+    def run(module, request, *args, **kwargs):
+        seen.append(request)
+        raise Stop(module)
+
+    monkeypatch.setattr(child, "run", run)
+    return seen
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["score", str(DEMO), "--method", "frequency", "--calibration", str(CALIBRATION), "-o", "{tmp}/scores.json"],
+        [
+            "select",
+            str(DEMO),
+            "--method",
+            "reap",
+            "--keep",
+            "8",
+            "--calibration",
+            str(CALIBRATION),
+            "-o",
+            "{tmp}/selection.json",
+        ],
+        ["imatrix", "collect", str(DEMO), "--calibration", str(CALIBRATION), "-o", "{tmp}/imatrix.gguf"],
+        ["tune", str(DEMO), "--methods", "weights", "--keep", "8", "--heldout", str(HELDOUT), "-o", "{tmp}/tune"],
+        [
+            "eval",
+            str(DEMO),
+            "--reference",
+            str(DEMO),
+            "--heldout",
+            str(HELDOUT),
+            "--speed-runs",
+            "0",
+            "-o",
+            "{tmp}/eval",
+        ],
+        [
+            "best",
+            str(DEMO),
+            "--memory",
+            "20MiB",
+            "--heldout",
+            str(HELDOUT),
+            "--calibration",
+            str(CALIBRATION),
+            "-o",
+            "{tmp}/best",
+        ],
+    ],
+    ids=lambda argv: " ".join(argv[:2]) if argv[0] == "imatrix" else argv[0],
+)
+def test_every_child_gets_the_compute(requests, tmp_path, argv):
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv] + [*DEVICES, "--quiet"]
+    result = CliRunner().invoke(app, argv)
+    assert isinstance(result.exception, Stop), result.output
+    (request,) = requests
+    if argv[0] == "best":  # its first child is the budget's dry load: the devices, not the scoring's layers
+        assert request.settings.compute == Compute(rpc=EXPECTED.rpc), request
+        return
+    assert request.compute == EXPECTED, request
+
+
+def test_fit_measures_on_the_devices_but_places_by_itself(requests):
+    """fit's dry loads see the --rpc devices; where layers go is the placement's, not --gpu-layers
+    (fit has none: scoring and budgets are two things)."""
+    result = CliRunner().invoke(app, ["fit", str(DEMO), "--memory", "1GiB", "--ctx", "4096", "--rpc", "127.0.0.1:1"])
+    assert isinstance(result.exception, Stop), result.output
+    (request,) = requests
+    assert request.settings.compute == Compute(rpc=("127.0.0.1:1",))
+    refused = CliRunner().invoke(app, ["fit", str(DEMO), "--memory", "1GiB", "--gpu-layers", "9"])
+    assert refused.exit_code != 0 and "--gpu-layers" in refused.output
+
+
+def test_tools_get_the_same_placement():
+    assert EXPECTED.tool_args() == ["-ngl", "7", "--rpc", "127.0.0.1:1,127.0.0.1:2", "-ts", "3,1", "-t", "3"]
+    assert EXPECTED.tool_args(bench=True)[5] == "3/1"  # llama-bench: one split's shares by "/"
+    assert Compute().tool_args() == ["-ngl", "0"]  # never llama.cpp's default -ngl auto (its --fit)
+
+
+def test_the_plan_keys_and_the_run_options(tmp_path):
+    from ggufcarve.pipeline.demo import demo_plan, write_demo_plan
+    from ggufcarve.pipeline.plan import load_plan
+
+    path = write_demo_plan(tmp_path / "demo")
+    assert demo_plan(tmp_path / "demo").compute == Compute()
+    text = path.read_text()
+    path.write_text('gpu_layers = 5\nrpc = ["127.0.0.1:50052"]\ntensor_split = [1, 2]\nthreads = 2\n' + text)
+    assert load_plan(path).compute == Compute(5, ("127.0.0.1:50052",), (1.0, 2.0), 2)
+    from ggufcarve.cli.run import _with_compute
+
+    assert _with_compute(load_plan(path), None, 0, None, None).compute == Compute(
+        0, ("127.0.0.1:50052",), (1.0, 2.0), 2
+    )
+    path.write_text('rpc = "localhost"\n' + text)
+    result = CliRunner().invoke(app, ["run", str(path), "--dry-run"])
+    assert result.exit_code != 0 and "rpc must be HOST:PORT" in str(result.exception)
+    path.write_text("gpu_layers = -1\n" + text)
+    result = CliRunner().invoke(app, ["run", str(path), "--dry-run"])
+    assert result.exit_code != 0 and "gpu_layers must be an integer >= 0" in str(result.exception)
+
+
+def test_llama_bench_gets_ngl(monkeypatch, tmp_path):
+    from ggufcarve.errors import ToolFailed
+    from ggufcarve.evaluate.speed import SpeedSettings, bench_speed
+    from ggufcarve.llama import launch
+
+    seen = []
+
+    def run(argv, **kwargs):
+        seen.append([str(a) for a in argv])
+        raise ToolFailed("stop", "")
+
+    from ggufcarve.llama import device_list, devices
+
+    monkeypatch.setattr(launch, "run", run)
+    # the tool's --list-devices (tests/test_devices.py runs it for real): one device seen
+    monkeypatch.setattr(device_list, "tool_devices", lambda tool, rpc: [devices.Device("RPC0", rpc[0], "RPC", 1, 1)])
+    with pytest.raises(ToolFailed):
+        bench_speed(tmp_path / "llama-bench", DEMO, SpeedSettings(runs=1), EXPECTED)
+    argv = seen[0]
+    assert argv[argv.index("-ngl") + 1] == str(LAYERS)
+    assert argv[argv.index("--rpc") + 1] == "127.0.0.1:1,127.0.0.1:2" and argv[argv.index("-ts") + 1] == "3/1"
+
+
+def test_load_model_sets_the_placement():
+    from ggufcarve.llama.libllama import load_model
+
+    loaded = []
+    fake = types.SimpleNamespace(
+        llama_backend_init=lambda: None,
+        llama_model_default_params=lambda: types.SimpleNamespace(n_gpu_layers=-1, use_extra_bufts=True),
+        llama_model_load_from_file=lambda path, params: loaded.append((path, params)) or "model",
+    )
+    assert load_model(fake, "m.gguf") == "model"
+    ((path, params),) = loaded
+    assert (path, params.n_gpu_layers, params.use_extra_bufts) == (b"m.gguf", 0, False)
+
+
+def test_an_rpc_server_that_does_not_answer_is_one_line():
+    """ggml-rpc aborts the process on a server it cannot reach: the child refuses it first."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # bound, never listening: refused
+        from ggufcarve.llama.trace import trace_routing
+
+        with pytest.raises(BadInput, match=f"--rpc 127.0.0.1:{port}: the RPC server does not answer"):
+            trace_routing(DEMO, [1, 2, 3], compute=Compute(99, (f"127.0.0.1:{port}",)))

@@ -1,0 +1,206 @@
+"""Every child on a device: llama.cpp's RPC devices (two ggml-rpc-server processes, conftest's
+`rpc_servers`) stand in for GPUs. Their buffers are not host memory, so offloaded layers, the
+routing mask and the trace (read and written through ggml_backend_tensor_get/set), and a split over
+two devices run for real on the CPU.
+
+Oracles: the CPU run of the same code (a device's kernels may round differently: relative 1e-4),
+llama-bench's own --list-devices, and llama-perplexity run on the pruned file with the same
+`--rpc -ngl 99`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+
+import numpy as np
+import pytest
+
+from ggufcarve.demo import CALIBRATION, DEMO_MODEL, HELDOUT
+from ggufcarve.llama.devices import Compute
+from tests.clirun import ggufcarve
+
+pytestmark = pytest.mark.slow
+RELATIVE = 1e-4  # how far a device's figures may be from the CPU's
+KEEP = {b: tuple(range(0, 16, 2)) for b in range(4)}  # 8 of the demo's 16 experts in every block
+
+
+def _child_env() -> dict[str, str]:
+    from ggufcarve.llama.launch import child_env
+
+    return child_env()
+
+
+def test_devices_lists_the_rpc_devices_as_the_tools_see_them(rpc_servers, llama_tools):
+    result = ggufcarve("devices", "--rpc", ",".join(rpc_servers), "--json")
+    assert result.code == 0, result.stderr[-2000:]
+    doc = json.loads(result.stdout)
+    listed = {d["name"]: d for d in doc["libllama"]["devices"]}
+    assert {"RPC0", "RPC1"} <= set(listed) and listed["RPC0"]["type"] == listed["RPC1"]["type"] == "RPC"
+    assert [listed[f"RPC{i}"]["description"] for i in range(2)] == list(rpc_servers)
+    bench = subprocess.run(
+        [str(llama_tools / "llama-bench"), "--rpc", ",".join(rpc_servers), "--list-devices"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=_child_env(),
+    )
+    theirs = {
+        m["name"]: int(m["total"])
+        for m in re.finditer(r"^\s+(?P<name>RPC\d+): \S+ \((?P<total>\d+) MiB", bench.stdout, re.M)
+    }
+    assert theirs.keys() == {"RPC0", "RPC1"}, bench.stdout
+    for name, mib in theirs.items():
+        assert listed[name]["total"] // 2**20 == mib
+    assert doc["tools"]["backend"] == "rpc" and {d["name"] for d in doc["tools"]["devices"]} == set(theirs)
+    assert doc["host"]["name"] == "host" and doc["host"]["total"] > 0
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["one device", "two devices"])
+def test_decode_and_trace_on_rpc_equal_the_cpu(rpc_servers, split):
+    from ggufcarve.llama.trace import trace_routing
+
+    tokens = list(range(3, 300))
+    nodes = ("ffn_moe_topk", "ffn_moe_probs", "ffn_moe_logits")
+    cpu = trace_routing(DEMO_MODEL, tokens, nodes=nodes, context=128, compute=Compute(threads=2))
+    placed = Compute(99, rpc_servers if split else rpc_servers[:1], (1, 1) if split else (), 2)
+    lines: list[str] = []
+    device = trace_routing(
+        DEMO_MODEL, tokens, nodes=nodes, context=128, compute=placed, verbose=True, on_line=lines.append
+    )
+    assigned = {m[1] for line in lines for m in [re.search(r"layer +\d+ assigned to device (\w+)", line)] if m}
+    assert assigned == ({"RPC0", "RPC1"} if split else {"RPC0"}), assigned
+    np.testing.assert_allclose(device.logits, cpu.logits, rtol=RELATIVE, atol=RELATIVE)
+    for node in nodes:
+        for block, values in cpu.nodes[node].items():
+            if node == "ffn_moe_topk":
+                assert np.array_equal(device.nodes[node][block], values), (node, block)
+            else:
+                np.testing.assert_allclose(device.nodes[node][block], values, rtol=RELATIVE, atol=RELATIVE)
+
+
+def test_calibration_statistics_on_rpc_equal_the_cpu(rpc_servers):
+    """Every trace statistic of the one calibration pass (frequency, REAP, EAN, ... and the imatrix)."""
+    from ggufcarve.gguf.container import read_model
+    from ggufcarve.moe.layout import inspect_layout
+    from ggufcarve.select.calibrate import calibrate_all
+
+    model = read_model(DEMO_MODEL)
+    layout = inspect_layout(model)
+    runs = {}
+    for where, compute in (("cpu", Compute(threads=2)), ("rpc", Compute(99, rpc_servers[:1], threads=2))):
+        runs[where] = calibrate_all(model, layout, "reap", [CALIBRATION], ctx=128, max_tokens=1024, compute=compute)
+    assert runs["cpu"].keys() == runs["rpc"].keys() and len(runs["cpu"]) > 1
+    for method, scores in runs["cpu"].items():
+        other = runs["rpc"][method]
+        assert scores.blocks.keys() == other.blocks.keys()
+        for block, stats in scores.blocks.items():
+            for name, values in stats.arrays().items():
+                np.testing.assert_allclose(
+                    other.blocks[block].arrays()[name], values, rtol=RELATIVE, atol=1e-9, err_msg=f"{method} {name}"
+                )
+
+
+def test_masked_kld_on_rpc_equals_the_cpu_and_llama_perplexity_on_the_pruned_file(rpc_servers, llama_tools, tmp_path):
+    from ggufcarve.evaluate import kld
+    from ggufcarve.measure.tournament import Candidate, MeasureSettings, measure, prepare_segments
+
+    means = {}
+    for where, compute in (("cpu", Compute(threads=2)), ("rpc", Compute(99, rpc_servers[:1], threads=2))):
+        work = tmp_path / where
+        work.mkdir()
+        segments = prepare_segments(
+            DEMO_MODEL, [HELDOUT], chunk_ctx=256, chunks=4, compute=compute, work=work, cache_dir=work / "cache"
+        )
+        table = measure([Candidate("masked", DEMO_MODEL, keep=KEEP)], segments, MeasureSettings(compute), work).table(
+            "masked"
+        )
+        means[where] = kld.kld_statistics(table).kld_mean
+    assert means["rpc"] == pytest.approx(means["cpu"], rel=RELATIVE)
+
+    pruned = tmp_path / "demo-8e.gguf"
+    result = ggufcarve("prune", DEMO_MODEL, "--keep-ids", "0,2,4,6,8,10,12,14", "-o", pruned, "-q")
+    assert result.code == 0, result.stderr[-2000:]
+    device = ["--rpc", rpc_servers[0], "-ngl", "99", "-t", "2", "-c", "256", "--chunks", "4"]
+    base = tmp_path / "demo.kld"
+    made = subprocess.run(
+        [str(llama_tools / "llama-perplexity"), "-m", str(DEMO_MODEL), "-f", str(HELDOUT), *device]
+        + ["--kl-divergence-base", str(base)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=_child_env(),
+    )
+    assert made.returncode == 0 and base.exists(), made.stderr[-2000:]
+    for _attempt in range(6):  # its log thread can drop the closing lines at exit
+        run = subprocess.run(
+            [str(llama_tools / "llama-perplexity"), "-m", str(pruned), *device]
+            + ["--kl-divergence-base", str(base), "--kl-divergence", "-lv", "4"],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env=_child_env(),
+        )
+        assert run.returncode == 0, run.stderr[-2000:]
+        found = re.search(r"^Mean    KLD:\s*(-?[\d.]+)", run.stdout + run.stderr, re.M)
+        if found:
+            break
+    assert found, (run.stdout + run.stderr)[-2000:]
+    log = run.stdout + run.stderr
+    assert "using device RPC0" in log and re.search(r"offloaded (\d+)/\1 layers to GPU", log), log[-2000:]
+    # printed to 6 decimals; masked and pruned routing agree to 1.2e-5 relative (llama.masking)
+    assert means["rpc"] == pytest.approx(float(found[1]), rel=RELATIVE, abs=2e-6)
+
+
+def test_speed_under_an_offloading_placement_needs_a_device(rpc_servers, llama_tools, tmp_path):
+    """A speed timed by a tool or a libllama that sees no device while layers are offloaded would be the
+    CPU's under a GPU's name: refused. With the RPC device present llama-bench times it."""
+    from ggufcarve.errors import BadInput
+    from ggufcarve.evaluate.speed import SpeedSettings, bench_speed
+
+    settings = SpeedSettings(runs=1, pp_tokens=32, tg_tokens=4)
+    with pytest.raises(BadInput, match="sees no GPU or RPC device"):
+        bench_speed(llama_tools / "llama-bench", DEMO_MODEL, settings, Compute(99, threads=2))
+    timed = bench_speed(llama_tools / "llama-bench", DEMO_MODEL, settings, Compute(99, rpc_servers[:1], threads=2))
+    assert timed.pp_tok_s > 0 and timed.tg_tok_s > 0 and timed.engine == "llama-bench"
+    result = ggufcarve(
+        "eval", DEMO_MODEL, "--reference", DEMO_MODEL, "--heldout", HELDOUT, "--ctx", 128, "--chunks", 1,
+        "--speed-engine", "libllama", "--speed-runs", 1, "--gpu-layers", 99, "--cache", tmp_path / "cache",
+        "-o", tmp_path / "eval",
+    )  # fmt: skip
+    assert result.code != 0 and "has no GPU or RPC device" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_an_rpc_server_that_goes_away_is_one_line_naming_it_and_the_stage(tmp_path):
+    """A server that accepts the connection and closes it at once: ggml-rpc aborts the child
+    ("RPC handshake failed for HOST:PORT"); the error names the server and the stage, in one line."""
+    import socket
+    import threading
+
+    from ggufcarve.errors import ToolFailed
+    from ggufcarve.llama.trace import trace_routing
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    endpoint = f"127.0.0.1:{listener.getsockname()[1]}"
+
+    def hang_up() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            conn.close()
+
+    threading.Thread(target=hang_up, daemon=True).start()
+    try:
+        with pytest.raises(ToolFailed) as failed:
+            trace_routing(DEMO_MODEL, list(range(3, 40)), compute=Compute(99, (endpoint,)))
+    finally:
+        listener.close()
+    message = str(failed.value)
+    assert message.startswith(f"tracing {DEMO_MODEL.name}: the decode child: the RPC server {endpoint} went away")
+    assert "\n" not in message
+    assert "kept" in failed.value.hint

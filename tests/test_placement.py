@@ -1,0 +1,206 @@
+"""Memory per device of a placement, judged by llama-fit-params on the same RPC devices.
+
+A placement (placement.search.Placement: every layer offloaded, the experts of N blocks in system
+memory, a split over the devices) is loaded by llama.cpp's dry load on two ggml-rpc-server devices
+(conftest's `rpc_servers`); each device's weights, cache and compute buffers must equal what
+llama-fit-params --fit-print on prints for the same flags on the same devices, within
+max(1%, 16 MiB) (it prints whole MiB). The estimate for devices that are not present (llama.cpp's
+layer split rule, no load) must give the measured weights and cache. On the demo model and on the
+256-expert Qwen3.6-35B-A3B replica (a sparse header of 35 GiB; a dry load reads no tensor data).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from ggufcarve.demo import DEMO_MODEL
+from ggufcarve.gguf.container import read_model
+from ggufcarve.llama.memory import HOST, MemorySettings, dry_load
+from ggufcarve.placement.memory import device_memory
+from ggufcarve.placement.offload import weight_placement
+from ggufcarve.placement.search import Placement, estimate, measured_rows
+from tests import factory
+from tests.clirun import ggufcarve
+
+pytestmark = pytest.mark.slow
+MIB = 2**20
+CTX = 4096
+
+
+@pytest.fixture(scope="module")
+def replica(tmp_path_factory):
+    return factory.write_qwen35moe_replica(tmp_path_factory.mktemp("replica") / "qwen35moe-replica-Q8_0.gguf")
+
+
+def _fit_params(tool, model, args) -> dict[str, tuple[int, int, int]]:
+    """llama-fit-params --fit-print on: device -> (model, context, compute) in MiB."""
+    from ggufcarve.llama.launch import child_env
+
+    run = subprocess.run(
+        [str(tool), "-m", str(model), *args, "--fit-print", "on"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=child_env(),
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = {
+        m[1]: (int(m[2]), int(m[3]), int(m[4])) for m in re.finditer(r"^(\S+) (\d+) (\d+) (\d+) *$", run.stdout, re.M)
+    }
+    return {HOST if name == "Host" else name: figures for name, figures in rows.items()}
+
+
+def _within(ours: int, theirs_mib: int) -> bool:
+    return abs(ours / MIB - theirs_mib) <= max(0.01 * theirs_mib, 16)
+
+
+PLACEMENTS = {
+    "whole": (Placement(), 1),
+    "n-cpu-moe": (Placement(n_cpu_moe=2), 1),
+    "two devices": (Placement(tensor_split=(1, 1)), 2),
+    "two devices, last experts": (Placement(n_cpu_moe=1, from_last=True, tensor_split=(3, 1)), 2),
+}
+
+
+@pytest.mark.parametrize("which", ["demo", "replica"])
+@pytest.mark.parametrize("name", list(PLACEMENTS))
+def test_memory_per_device_equals_llama_fit_params(which, name, replica, rpc_servers, llama_tools):
+    path = DEMO_MODEL if which == "demo" else replica
+    model = read_model(path)
+    weights = weight_placement(model)
+    main = len(weights.expert_bytes)
+    placement, devices = PLACEMENTS[name]
+    if which == "replica" and placement.n_cpu_moe:
+        placement = Placement(n_cpu_moe=20 if not placement.from_last else 10, from_last=placement.from_last,
+                              tensor_split=placement.tensor_split)  # fmt: skip
+    rpc = rpc_servers[:devices]
+    load = dry_load(path, MemorySettings(CTX, compute=placement.compute(rpc), cpu_tensors=placement.cpu_tensors(main)))
+    ours = {row.device: row for row in device_memory(model, load)}
+    flags = placement.flags(main)
+    theirs = _fit_params(llama_tools / "llama-fit-params", path, ["--rpc", ",".join(rpc), *flags, "-c", str(CTX)])
+    assert set(theirs) == {*(f"RPC{i}" for i in range(devices)), HOST} <= set(ours), (theirs, ours)
+    for device, (model_mib, context_mib, compute_mib) in theirs.items():
+        row = ours[device]
+        assert _within(row.weights, model_mib), (device, "model", row.weights / MIB, model_mib)
+        assert _within(row.cache, context_mib), (device, "context", row.cache / MIB, context_mib)
+        assert _within(row.compute, compute_mib), (device, "compute", row.compute / MIB, compute_mib)
+    # the same rows from the placement's tensor bytes (what fit uses for a rung not yet written)
+    by_rule = {row.device: row for row in measured_rows(weights, placement, load)}
+    assert {d: (r.weights, r.cache) for d, r in by_rule.items()} == {
+        d: (ours[d].weights, ours[d].cache) for d in by_rule
+    }
+    # and estimated for devices that are not present: llama.cpp's layer split rule, the same weights and cache
+    host = dry_load(path, MemorySettings(CTX))
+    guessed = {row.device: row for row in estimate(weights, host, placement, [f"RPC{i}" for i in range(devices)])}
+    for device, row in guessed.items():
+        assert (row.weights, abs(row.cache - ours[device].cache) <= MIB) == (ours[device].weights, True), device
+        assert row.estimated == ("compute",)
+
+
+def test_fit_places_on_several_gpus_measured_on_the_devices(rpc_servers, llama_tools, tmp_path):
+    """fit --gpu-memory A,B --rpc: each row's placement is measured on the devices; its llama-server
+    line's flags load within the budgets in llama-fit-params' own figures."""
+    budgets = (1100 * MIB, 1060 * MIB)
+    result = ggufcarve(
+        "fit", DEMO_MODEL, "--memory", "64GiB", "--ctx", CTX, "--keep", "8,16", "--only", "Q8_0",
+        "--gpu-memory", ",".join(f"{b // MIB}MiB" for b in budgets), "--rpc", ",".join(rpc_servers), "--json",
+    )  # fmt: skip
+    assert result.code == 0, result.stderr[-2000:]
+    doc = json.loads(result.stdout)
+    assert doc["parameters"]["gpu_memory_bytes"] == list(budgets)
+    rows = doc["rows"]
+    assert rows and all(r["placement_measured"] and r["tier"] == "gpu" for r in rows), rows
+    for row in rows:
+        memory = {m["device"]: m for m in row["memory"]}
+        assert set(memory) == {"RPC0", "RPC1", HOST} and not any(m.get("estimated") for m in memory.values())
+        assert row["placement"]["tensor_split"] == [round(b / 2**30, 2) for b in budgets]
+        server = row["server"]
+        assert server[:2] == ["llama-server", "-m"] and server[server.index("-ts") + 1] == "1.07,1.04"
+        path = DEMO_MODEL if row["kept"] == 16 else None
+        if path is None:
+            continue  # the pruned rung is not written by fit
+        theirs = _fit_params(llama_tools / "llama-fit-params", path, ["--rpc", ",".join(rpc_servers), *server[3:]])
+        for i, budget in enumerate(budgets):
+            assert sum(theirs[f"RPC{i}"]) * MIB + 2**30 <= budget + 2 * MIB, (i, theirs)
+            assert _within(memory[f"RPC{i}"]["total"] - memory[f"RPC{i}"]["output"], sum(theirs[f"RPC{i}"]))
+
+
+def test_the_placement_loads_and_offloads_no_fewer_layers_than_llama_cpps_fit(replica, rpc_servers, llama_tools):
+    """llama.cpp's own --fit for a card of 6 GiB (emulated on the RPC device by its -fitt margin):
+    fit's answer for the same budget offloads every layer, as --fit does, and its per-device
+    figures in llama-fit-params' own dry load stay within the budget."""
+    from ggufcarve.llama.launch import child_env
+
+    card = 6 * 2**30
+    free = _free_of(llama_tools, rpc_servers[0])
+    run = subprocess.run(
+        [str(llama_tools / "llama-fit-params"), "-m", str(replica), "--rpc", rpc_servers[0], "-c", "16384"]
+        + ["-fitt", str((free - card) // MIB)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=child_env(),
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    picked = re.search(r"-ngl (\d+)", run.stdout)
+    assert picked, run.stdout[-2000:]
+    result = ggufcarve(
+        "fit", replica, "--memory", "120GiB", "--ctx", 16384, "--keep", 256, "--only", "Q8_0",
+        "--gpu-memory", "6GiB", "--rpc", rpc_servers[0], "--json",
+    )  # fmt: skip
+    assert result.code == 0, result.stderr[-2000:]
+    (row,) = json.loads(result.stdout)["rows"]
+    server = row["server"]
+    ngl = server[server.index("-ngl") + 1]
+    assert ngl == "all" or int(ngl) >= int(picked[1]), (server, picked[1])
+    theirs = _fit_params(llama_tools / "llama-fit-params", replica, ["--rpc", rpc_servers[0], *server[3:]])
+    assert sum(theirs["RPC0"]) * MIB + 2**30 <= card + 16 * MIB, theirs
+
+
+def _free_of(llama_tools, endpoint: str) -> int:
+    from ggufcarve.llama.device_list import tool_devices
+
+    (device,) = tool_devices(llama_tools / "llama-bench", (endpoint,))
+    return device.free
+
+
+def test_a_built_winner_over_its_budget_gives_way_to_the_next_finalist_that_fits():
+    from ggufcarve.best.plan import BestSettings
+    from ggufcarve.best.run import _rechecked
+
+    def record(cid, kld, fits, built=True):
+        memory = [{"device": "RPC0", "total": 9 * 2**30}, {"device": HOST, "total": 2**30}]
+        return {"id": cid, "kld_mean": kld, "built": built, "fits": fits, "memory": memory, "winner": cid == "a"}
+
+    records = {"a": record("a", 0.01, False), "b": record("b", 0.02, True), "c": record("c", 0.015, True, built=False)}
+    settings = BestSettings(memory=2**34, ladder=Path("q8-to-iq1"), heldout=())
+    winner = _rechecked(records, {"winner": "a", "finalists": ["a", "b", "c"]}, settings)
+    assert winner["id"] == "b" and records["a"]["winner"] is False and records["b"]["winner"] is True
+    assert "RPC0 9663676416 B" in records["a"]["replaced_because"] and records["b"]["replaces"]["id"] == "a"
+    fitting = {"a": record("a", 0.01, True)}
+    assert _rechecked(fitting, {"winner": "a", "finalists": ["a"]}, settings) is fitting["a"]
+
+
+def test_min_decode_and_prefer_faster_use_the_measured_speed():
+    from ggufcarve.best.plan import BestSettings
+    from ggufcarve.best.run import _rechecked
+
+    def record(cid, kld, speed, ties=()):
+        return {"id": cid, "kld_mean": kld, "built": True, "fits": True, "decode_tok_s": speed, "tie_with": list(ties)}
+
+    slow = {"a": record("a", 0.01, 5.0, ties=["b"]), "b": record("b", 0.011, 50.0)}
+    settings = BestSettings(memory=2**34, ladder=Path("q8-to-iq1"), heldout=(), min_decode=20)
+    assert _rechecked(slow, {"winner": "a", "finalists": ["a", "b"]}, settings)["id"] == "b"
+    assert "below --min-decode 20" in slow["a"]["replaced_because"]
+    tied = {"a": record("a", 0.01, 5.0, ties=["b"]), "b": record("b", 0.011, 50.0)}
+    faster = BestSettings(memory=2**34, ladder=Path("q8-to-iq1"), heldout=(), prefer="faster")
+    assert _rechecked(tied, {"winner": "a", "finalists": ["a", "b"]}, faster)["id"] == "b"
+    assert "decodes faster" in tied["b"]["replaces"]["because"]
+    smaller = BestSettings(memory=2**34, ladder=Path("q8-to-iq1"), heldout=())
+    kept = {"a": record("a", 0.01, 5.0, ties=["b"]), "b": record("b", 0.011, 50.0)}
+    assert _rechecked(kept, {"winner": "a", "finalists": ["a", "b"]}, smaller)["id"] == "a"
