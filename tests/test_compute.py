@@ -186,3 +186,24 @@ def test_an_rpc_server_that_does_not_answer_is_one_line():
 
         with pytest.raises(BadInput, match=f"--rpc 127.0.0.1:{port}: the RPC server does not answer"):
             trace_routing(DEMO, [1, 2, 3], compute=Compute(99, (f"127.0.0.1:{port}",)))
+
+
+def test_llama_perplexitys_cross_check_gets_the_placement(monkeypatch, tmp_path):
+    from ggufcarve.errors import ToolFailed
+    from ggufcarve.evaluate.crosscheck import CrossCheck
+    from ggufcarve.evaluate.protocol import EvalSettings
+    from ggufcarve.llama import launch
+
+    seen = []
+
+    def run(argv, **kwargs):
+        seen.append([str(a) for a in argv])
+        raise ToolFailed("stop", "")
+
+    monkeypatch.setattr(launch, "run", run)
+    check = CrossCheck(tmp_path / "llama-perplexity", EvalSettings(compute=EXPECTED), None, None, tmp_path)
+    with pytest.raises(ToolFailed):
+        check._run(["-m", "x.gguf"], "a test")
+    argv = seen[0]
+    assert argv[argv.index("-ngl") + 1] == "7" and argv[argv.index("--rpc") + 1] == "127.0.0.1:1,127.0.0.1:2"
+    assert argv[argv.index("-t") + 1] == "3" and argv[argv.index("-ts") + 1] == "3,1"

@@ -167,7 +167,15 @@ def _too_small(model: Any) -> str | None:
     return TOO_SMALL.format(size=format_size(model.total_bytes)) if model.total_bytes < SMALLEST_PROJECTED else None
 
 
-def project_estimate(plan: Plan, guess: dict[str, Any]) -> dict[str, Any]:
+def device_words(compute: Any) -> str:
+    """Where a run's children compute (llama.devices.Compute), in words: the device a projection assumes."""
+    if not compute.offloads:
+        return f"this machine's CPU ({compute.threads or 'all physical'} threads)"
+    where = f"{len(compute.rpc)} RPC device(s)" if compute.rpc else "this machine's GPU(s)"
+    return f"{compute.gpu_layers} layers offloaded to {where}"
+
+
+def project_estimate(plan: Plan, guess: dict[str, Any], device: str = "this machine") -> dict[str, Any]:
     """The dry run's estimate moved to REFERENCE_MODEL: the same plan of work (texts, candidates, builds),
     decoding at this machine's measured rate scaled by the bytes one token reads there and here,
     builds at the quantizer's measured bytes per second on the reference's file bytes. A rate
@@ -175,7 +183,13 @@ def project_estimate(plan: Plan, guess: dict[str, Any]) -> dict[str, Any]:
     projected."""
     note = _too_small(plan.model)
     if note is not None:
-        return {"model": REFERENCE_MODEL["name"], "stages": dict.fromkeys(guess["stages"]), "total": None, "rule": note}
+        return {
+            "model": REFERENCE_MODEL["name"],
+            "device": device,
+            "stages": dict.fromkeys(guess["stages"]),
+            "total": None,
+            "rule": note,
+        }
     scale = (
         REFERENCE_MODEL["bytes"]
         * REFERENCE_MODEL["active_fraction"]
@@ -192,6 +206,7 @@ def project_estimate(plan: Plan, guess: dict[str, Any]) -> dict[str, Any]:
     known = [v for v in stages.values() if v is not None]
     return {
         "model": REFERENCE_MODEL["name"],
+        "device": device,
         "stages": stages,
         "total": sum(known) if len(known) == len(stages) else None,
         "rule": "decoding x (bytes read per token there / here) at this "

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from ggufcarve.best.builds import build_pruned, build_rungs, keep_sets, run_command, tensor_types
 from ggufcarve.best.candidates import PRUNED, UNPRUNED
-from ggufcarve.best.cost import STAGES, active_fraction, projection
+from ggufcarve.best.cost import STAGES, active_fraction, device_words, projection
 from ggufcarve.best.plan import BestSettings, Plan, built_record, plan_best
 from ggufcarve.errors import BadInput, ToolFailed
 from ggufcarve.evaluate.kld import SEGMENT_KEYS
@@ -500,14 +500,6 @@ def _n_cpu_moe(path: Path, settings: BestSettings) -> int:
     return offload.n_cpu_moe or 0 if offload is not None else 0
 
 
-def _device_words(compute: Compute) -> str:
-    """Where this run's children computed, in words (the device a projection assumes)."""
-    if not compute.offloads:
-        return f"this machine's CPU ({compute.threads or 'all physical'} threads)"
-    servers = f" on {len(compute.rpc)} RPC device(s)" if compute.rpc else " on this machine's GPU(s)"
-    return f"{compute.gpu_layers} layers offloaded{servers}"
-
-
 def _rechecked(records: dict[str, dict[str, Any]], decision: dict[str, Any], settings: BestSettings) -> dict[str, Any]:
     """The winner, re-checked once built: its measured memory per device (`fits` of its built record)
     is the budget check, its measured decode speed the --min-decode one. Failing one, the next built
@@ -604,7 +596,7 @@ def _report(
         "halving": measured.groups[""] if measured is not None else None,
         "units": [list(u) for u in measured.units] if measured is not None else [],
         "selection_rule": SELECTION_RULE,
-        "projection": projection(plan.model, layout, timings, _device_words(settings.compute)),
+        "projection": projection(plan.model, layout, timings, device_words(settings.compute)),
         "only": sorted(wanted) if wanted else None,
         "keep_sets_reused": reused,
         "chunks_decoded": measured.decoded_chunks if measured is not None else 0,

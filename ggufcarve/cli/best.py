@@ -59,7 +59,8 @@ def _table(report: dict) -> object:
         pad_edge=False,
         caption=f"{unit[0]} of the file (built, else fit's size); ranked by {metric}; *: the answer; "
         "scored by mask: on the unpruned rung, no file built; each "
-        "figure over its chunks; 99.9% KLD, same top p, PPL: best.md",
+        "figure over its chunks; tg tok/s: llama-bench's decode speed of a built finalist in its placement; "
+        "99.9% KLD, same top p, PPL: best.md",
         caption_justify="left",
     )
     for name in (
@@ -71,6 +72,7 @@ def _table(report: dict) -> object:
         "scored by",
         "mean KLD",
         *(f"KLD {Path(n).stem}" for n in report["heldout"]),
+        "tg tok/s",
         "chunks",
         "left",
     ):
@@ -95,6 +97,7 @@ def _table(report: dict) -> object:
             c.get("scored_by") or "",
             cell(c["kld_mean"]),
             *(cell(segs.get(n, {}).get("kld_mean")) for n in report["heldout"]),
+            cell(c.get("decode_tok_s"), 1),
             str(c["chunks_scored"]),
             stopped,
         )
@@ -208,7 +211,7 @@ def best_command(
 ) -> None:
     """Score every (K, keep-set, quant) that fits a budget by masking on the unpruned rungs; build and confirm the
     answer."""
-    from ggufcarve.best.cost import estimate, measure_speed, project_estimate
+    from ggufcarve.best.cost import device_words, estimate, measure_speed, project_estimate
     from ggufcarve.best.plan import BestSettings, plan_best
     from ggufcarve.best.render import stopped_lines
     from ggufcarve.best.run import best
@@ -265,7 +268,7 @@ def best_command(
             with tempfile.TemporaryDirectory(prefix="ggufcarve-best-speed-") as tmp:
                 speed = measure_speed(model, plan, settings, Path(tmp), sink)
             guess = estimate(plan, settings, speed)
-            guess["projection"] = project_estimate(plan, guess)
+            guess["projection"] = project_estimate(plan, guess, device_words(settings.compute))
         else:
             result = best(model, settings, output, plan=plan, on_event=sink)
     if dry_run:
@@ -333,7 +336,7 @@ def best_command(
         out.print(
             f"projected for {proj['model']}: {proj['rule']}"
             if proj["total"] is None and proj["rule"].startswith("not projected")
-            else f"projected for {proj['model']} with this plan of work: "
+            else f"projected for {proj['model']} ({proj['device']}) with this plan of work: "
             + ", ".join(f"{stage} {_seconds(v)}" for stage, v in proj["stages"].items())
             + f"; total {_seconds(proj['total'])}",
             highlight=False,

@@ -110,7 +110,7 @@ class CrossCheck:
 
         log = self.work / f"llama-perplexity-{len(list(self.work.glob('llama-perplexity-*.log')))}.log"
         finished = launch.run(
-            [str(self.tool), *argv, "-t", str(self.settings.threads), "--log-file", str(log)],
+            [str(self.tool), *argv, *self.settings.child_compute.tool_args(), "--log-file", str(log)],
             idle_timeout=TOOL_TIMEOUT_IDLE,
         )
         launch.check(finished, f"llama-perplexity ({what})", "run the same command by hand to see its whole output")

@@ -28,7 +28,7 @@ from __future__ import annotations
 import ctypes
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from ggufcarve.errors import BadInput
@@ -92,7 +92,7 @@ class Compute:
     def with_threads(self, threads: int) -> Compute:
         return Compute(self.gpu_layers, self.rpc, self.tensor_split, threads)
 
-    def tool_args(self, threads: bool = True, bench: bool = False) -> list[str]:
+    def tool_args(self, bench: bool = False) -> list[str]:
         """The same placement as llama.cpp tools' options (llama-perplexity, llama-fit-params; with
         `bench`, llama-bench's, whose -ts separates the shares of one split by "/")."""
         args = ["-ngl", str(self.gpu_layers)]
@@ -100,7 +100,7 @@ class Compute:
             args += ["--rpc", ",".join(self.rpc)]
         if self.tensor_split:
             args += ["-ts", ("/" if bench else ",").join(f"{share:g}" for share in self.tensor_split)]
-        if threads and self.threads:
+        if self.threads:
             args += ["-t", str(self.threads)]
         return args
 
@@ -153,7 +153,6 @@ class Device:
     free: int
     total: int
     backend: str = ""  # the registry's name: "CUDA", "RPC", "CPU", ...
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {

@@ -39,7 +39,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from ggufcarve.llama.devices import CPU, Compute, set_model_params
+from ggufcarve.llama.devices import CPU, HOST, Compute, set_model_params
 
 CHILD_MODULE = "ggufcarve.llama.memory"
 MIB = 2**20
@@ -56,7 +56,6 @@ OVERRIDE_LINE = re.compile(
 )  # src/llama-model-loader.cpp, debug level
 LAYER_LINE = re.compile(r"load_tensors: layer +(?P<layer>\d+) assigned to device (?P<device>\S+?),")  # debug level
 GPU_DEVICE_TYPES = (1, 2)  # enum ggml_backend_dev_type: GPU, IGPU
-HOST = "host"
 
 
 @dataclass(frozen=True)

@@ -57,6 +57,7 @@ from ggufcarve.placement.offload import (
     split_devices,
     tiers_of,
 )
+from ggufcarve.placement.search import ALL_LAYERS
 from ggufcarve.prune.plan import PlannedFile, plan_prune
 from ggufcarve.quant.quantizer import DryRun, QuantizeJob, Quantizer
 from ggufcarve.quant.spec import LadderSpec, Rung
@@ -64,7 +65,6 @@ from ggufcarve.quant.spec import LadderSpec, Rung
 # ---------------------------------------------------------------------------------------------
 # Memory sizes
 
-ALL_LAYERS = 999  # n_gpu_layers above the layer count offloads every layer and the output (src/llama-model.cpp)
 # ---------------------------------------------------------------------------------------------
 # Kept-expert counts
 
