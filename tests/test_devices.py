@@ -204,3 +204,52 @@ def test_an_rpc_server_that_goes_away_is_one_line_naming_it_and_the_stage(tmp_pa
     assert message.startswith(f"tracing {DEMO_MODEL.name}: the decode child: the RPC server {endpoint} went away")
     assert "\n" not in message
     assert "kept" in failed.value.hint
+
+
+def test_best_on_an_rpc_gpu_answers_with_a_placement_measured_memory_and_speed(rpc_servers, llama_tools, tmp_path):
+    """best --gpu-memory --rpc --gpu-layers 99 on the demo model: the winner's memory per device is
+    llama.cpp's dry load of the built file on the RPC device (nothing estimated), its decode speed is
+    llama-bench's in that placement, and its llama-server line's flags, loaded by llama-fit-params on
+    the same device, fit the budget."""
+    from ggufcarve.demo import CALIBRATION
+
+    out = tmp_path / "best"
+    result = ggufcarve(
+        "best", DEMO_MODEL, "--memory", "64GiB", "--gpu-memory", "2GiB", "--heldout", HELDOUT,
+        "--calibration", CALIBRATION, "--ctx", 4096, "--chunks", 4, "--methods", "reap,frequency",
+        "--gpu-layers", 99, "--rpc", rpc_servers[0], "-t", 2, "-o", out, "-q",
+    )  # fmt: skip
+    assert result.code == 0, result.stderr[-2000:]
+    doc = json.loads((out / "best.json").read_text())
+    winner = doc["winner"]
+    assert winner["tier"] == "gpu" and winner["fits"]
+    devices = {m["device"]: m for m in winner["memory"]}
+    assert set(devices) == {"RPC0", "host"} and not any(m.get("estimated") for m in devices.values()), devices
+    assert winner["decode_tok_s"] > 0 and winner["prompt_tok_s"] > 0 and winner["speed_placement"]["rpc_servers"] == 1
+    argv = winner["run_command"]["argv"]
+    model = out / winner["path"]
+    from ggufcarve.llama.launch import child_env
+
+    fit = subprocess.run(
+        [
+            str(llama_tools / "llama-fit-params"),
+            "-m",
+            str(model),
+            "--rpc",
+            rpc_servers[0],
+            *argv[3:],
+            "--fit-print",
+            "on",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=child_env(),
+    )
+    assert fit.returncode == 0, fit.stderr[-2000:]
+    row = re.search(r"^RPC0 (\d+) (\d+) (\d+)", fit.stdout, re.M)
+    assert row, fit.stdout
+    used = sum(int(x) for x in row.groups()) * 2**20
+    assert (
+        used + 2**30 <= 2 * 2**30 and abs(used - (devices["RPC0"]["total"] - devices["RPC0"]["output"])) <= 16 * 2**20
+    )

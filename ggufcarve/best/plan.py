@@ -120,9 +120,12 @@ def measured_memory(path: Path, settings: BestSettings) -> Any:
 
 def built_record(path: Path, settings: BestSettings, tier: str) -> dict[str, Any]:
     """The memory keys of a built file's record: `memory` per device running in `tier`, its
-    fastest `tier`, its `tiers`, and `fits` (it runs in `tier`)."""
+    fastest `tier`, its `tiers`, `fits` (it runs in `tier`) and `n_cpu_moe` (the experts of that
+    many blocks in system memory on the GPU; None without a GPU placement)."""
     placed = measured_memory(path, settings)
+    offload = placed.offload
     return {
+        "n_cpu_moe": offload.n_cpu_moe if offload is not None else None,
         "memory": [d.to_json() for d in placed.devices(tier)],
         "memory_source": "measured: llama.cpp's dry load of the built file",
         "tier": placed.tiers[0],

@@ -172,6 +172,9 @@ def best(
 
     winner = None
     if measured is not None and measured.groups[""]["winner"] is not None:
+        t0 = time.perf_counter()
+        _speeds(search, records, measured.groups[""], compute)
+        timings["speed_seconds"] = time.perf_counter() - t0
         winner = _rechecked(records, measured.groups[""], settings)
     _complete_records(records, settings)
     timings["total_seconds"] = time.perf_counter() - started
@@ -466,7 +469,8 @@ def _speeds(search: _Search, records: dict[str, dict[str, Any]], decision: dict[
     """Decode and prompt tok/s of every built finalist in its placement on this machine's devices,
     measured by llama-bench (its own method), as `decode_tok_s` and `prompt_tok_s`: every layer on
     the devices (and --n-cpu-moe N) where the finalist runs in a GPU tier and a device is here,
-    else on the CPU. Without llama-bench the figures are None and `speed_note` says why."""
+    else on the CPU. Without llama-bench, or with layers offloaded where llama-bench sees no
+    device, the figures are None and `speed_note` says why."""
     from ggufcarve.evaluate.speed import SpeedSettings, bench_speed
     from ggufcarve.llama.devices import Compute
     from ggufcarve.llama.tools import find_tool
@@ -485,19 +489,16 @@ def _speeds(search: _Search, records: dict[str, dict[str, Any]], decision: dict[
             r["speed_note"] = "not measured: llama-bench is not built (ggufcarve toolchain build)"
             continue
         on_device = r.get("tier") in GPU_TIERS and bool(compute.offloads or compute.rpc)
-        n_cpu_moe = _n_cpu_moe(Path(r["path"]), settings) if on_device else 0
+        n_cpu_moe = (r.get("n_cpu_moe") or 0) if on_device else 0
         placed = Compute(ALL_LAYERS, compute.rpc, compute.tensor_split, compute.threads) if on_device else compute
         flags = ("-ncmoe", str(n_cpu_moe)) if n_cpu_moe else ()
-        speed = bench_speed(tool, Path(r["path"]), SpeedSettings(**SPEED), placed, flags)
+        try:
+            speed = bench_speed(tool, Path(r["path"]), SpeedSettings(**SPEED), placed, flags)
+        except BadInput as refused:  # layers offloaded but no device seen: no CPU figure under a GPU's name
+            r["speed_note"] = f"not measured: {refused}"
+            continue
         r["decode_tok_s"], r["prompt_tok_s"] = speed.tg_tok_s, speed.pp_tok_s
         r["speed_placement"] = {"gpu_layers": placed.gpu_layers, "n_cpu_moe": n_cpu_moe, "rpc_servers": len(placed.rpc)}
-
-
-def _n_cpu_moe(path: Path, settings: BestSettings) -> int:
-    from ggufcarve.best.plan import measured_memory
-
-    offload = measured_memory(path, settings).offload
-    return offload.n_cpu_moe or 0 if offload is not None else 0
 
 
 def _rechecked(records: dict[str, dict[str, Any]], decision: dict[str, Any], settings: BestSettings) -> dict[str, Any]:
