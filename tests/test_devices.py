@@ -223,6 +223,7 @@ def test_best_on_an_rpc_gpu_answers_with_a_placement_measured_memory_and_speed(r
     doc = json.loads((out / "best.json").read_text())
     winner = doc["winner"]
     assert winner["tier"] == "gpu" and winner["fits"]
+    assert winner["placement"] == {"gpu_layers": 99, "n_cpu_moe": 0, "override_tensor": None, "tensor_split": []}
     devices = {m["device"]: m for m in winner["memory"]}
     assert set(devices) == {"RPC0", "host"} and not any(m.get("estimated") for m in devices.values()), devices
     assert winner["decode_tok_s"] > 0 and winner["prompt_tok_s"] > 0 and winner["speed_placement"]["rpc_servers"] == 1

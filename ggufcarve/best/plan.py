@@ -120,12 +120,19 @@ def measured_memory(path: Path, settings: BestSettings) -> Any:
 
 def built_record(path: Path, settings: BestSettings, tier: str) -> dict[str, Any]:
     """The memory keys of a built file's record: `memory` per device running in `tier`, its
-    fastest `tier`, its `tiers`, `fits` (it runs in `tier`) and `n_cpu_moe` (the experts of that
-    many blocks in system memory on the GPU; None without a GPU placement)."""
+    fastest `tier`, its `tiers`, `fits` (it runs in `tier`), `n_cpu_moe` (the experts of that
+    many blocks in system memory on the GPU; None without a GPU placement) and `placement` (how it
+    runs in `tier`: placement.search.Placement's keys; 0 GPU layers in system memory)."""
+    from ggufcarve.placement.search import Placement
+
     placed = measured_memory(path, settings)
     offload = placed.offload
+    on_gpu = tier in ("gpu", "gpu+cpu") and offload is not None and offload.n_cpu_moe is not None
+    # the run line's -ngl 99 (best.builds.offload_arguments): every layer of the models it ranks
+    placement = Placement(gpu_layers=99, n_cpu_moe=offload.n_cpu_moe) if on_gpu else Placement(gpu_layers=0)
     return {
         "n_cpu_moe": offload.n_cpu_moe if offload is not None else None,
+        "placement": placement.to_json(offload.main_blocks if offload is not None else 0),
         "memory": [d.to_json() for d in placed.devices(tier)],
         "memory_source": "measured: llama.cpp's dry load of the built file",
         "tier": placed.tiers[0],
