@@ -20,6 +20,7 @@ import pytest
 from ggufcarve.demo import CALIBRATION, DEMO_MODEL, HELDOUT
 from ggufcarve.llama.devices import Compute
 from tests.clirun import ggufcarve
+from tests.fit_params import fit_params
 
 pytestmark = pytest.mark.slow
 RELATIVE = 1e-4  # how far a device's figures may be from the CPU's
@@ -229,28 +230,9 @@ def test_best_on_an_rpc_gpu_answers_with_a_placement_measured_memory_and_speed(r
     assert winner["decode_tok_s"] > 0 and winner["prompt_tok_s"] > 0 and winner["speed_placement"]["rpc_servers"] == 1
     argv = winner["run_command"]["argv"]
     model = out / winner["path"]
-    from ggufcarve.llama.launch import child_env
-
-    fit = subprocess.run(
-        [
-            str(llama_tools / "llama-fit-params"),
-            "-m",
-            str(model),
-            "--rpc",
-            rpc_servers[0],
-            *argv[3:],
-            "--fit-print",
-            "on",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=child_env(),
-    )
-    assert fit.returncode == 0, fit.stderr[-2000:]
-    row = re.search(r"^RPC0 (\d+) (\d+) (\d+)", fit.stdout, re.M)
-    assert row, fit.stdout
-    used = sum(int(x) for x in row.groups()) * 2**20
+    theirs = fit_params(llama_tools / "llama-fit-params", model, ["--rpc", rpc_servers[0], *argv[3:]])
+    assert "RPC0" in theirs, theirs
+    used = sum(theirs["RPC0"]) * 2**20
     assert (
         used + 2**30 <= 2 * 2**30 and abs(used - (devices["RPC0"]["total"] - devices["RPC0"]["output"])) <= 16 * 2**20
     )

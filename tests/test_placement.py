@@ -26,6 +26,7 @@ from ggufcarve.placement.offload import weight_placement
 from ggufcarve.placement.search import Placement, estimate, measured_rows
 from tests import factory
 from tests.clirun import ggufcarve
+from tests.fit_params import fit_params
 
 pytestmark = pytest.mark.slow
 MIB = 2**20
@@ -35,24 +36,6 @@ CTX = 4096
 @pytest.fixture(scope="module")
 def replica(tmp_path_factory):
     return factory.write_qwen35moe_replica(tmp_path_factory.mktemp("replica") / "qwen35moe-replica-Q8_0.gguf")
-
-
-def _fit_params(tool, model, args) -> dict[str, tuple[int, int, int]]:
-    """llama-fit-params --fit-print on: device -> (model, context, compute) in MiB."""
-    from ggufcarve.llama.launch import child_env
-
-    run = subprocess.run(
-        [str(tool), "-m", str(model), *args, "--fit-print", "on"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=child_env(),
-    )
-    assert run.returncode == 0, run.stderr[-2000:]
-    rows = {
-        m[1]: (int(m[2]), int(m[3]), int(m[4])) for m in re.finditer(r"^(\S+) (\d+) (\d+) (\d+) *$", run.stdout, re.M)
-    }
-    return {HOST if name == "Host" else name: figures for name, figures in rows.items()}
 
 
 def _within(ours: int, theirs_mib: int) -> bool:
@@ -69,7 +52,7 @@ PLACEMENTS = {
 
 @pytest.mark.parametrize("which", ["demo", "replica"])
 @pytest.mark.parametrize("name", list(PLACEMENTS))
-def test_memory_per_device_equals_llama_fit_params(which, name, replica, rpc_servers, llama_tools):
+def test_memory_per_device_equals_llamafit_params(which, name, replica, rpc_servers, llama_tools):
     path = DEMO_MODEL if which == "demo" else replica
     model = read_model(path)
     weights = weight_placement(model)
@@ -82,7 +65,7 @@ def test_memory_per_device_equals_llama_fit_params(which, name, replica, rpc_ser
     load = dry_load(path, MemorySettings(CTX, compute=placement.compute(rpc), cpu_tensors=placement.cpu_tensors(main)))
     ours = {row.device: row for row in device_memory(model, load)}
     flags = placement.flags(main)
-    theirs = _fit_params(llama_tools / "llama-fit-params", path, ["--rpc", ",".join(rpc), *flags, "-c", str(CTX)])
+    theirs = fit_params(llama_tools / "llama-fit-params", path, ["--rpc", ",".join(rpc), *flags, "-c", str(CTX)])
     assert set(theirs) == {*(f"RPC{i}" for i in range(devices)), HOST} <= set(ours), (theirs, ours)
     for device, (model_mib, context_mib, compute_mib) in theirs.items():
         row = ours[device]
@@ -124,7 +107,7 @@ def test_fit_places_on_several_gpus_measured_on_the_devices(rpc_servers, llama_t
         path = DEMO_MODEL if row["kept"] == 16 else None
         if path is None:
             continue  # the pruned rung is not written by fit
-        theirs = _fit_params(llama_tools / "llama-fit-params", path, ["--rpc", ",".join(rpc_servers), *server[3:]])
+        theirs = fit_params(llama_tools / "llama-fit-params", path, ["--rpc", ",".join(rpc_servers), *server[3:]])
         for i, budget in enumerate(budgets):
             assert sum(theirs[f"RPC{i}"]) * MIB + 2**30 <= budget + 2 * MIB, (i, theirs)
             assert _within(memory[f"RPC{i}"]["total"] - memory[f"RPC{i}"]["output"], sum(theirs[f"RPC{i}"]))
@@ -158,7 +141,7 @@ def test_the_placement_loads_and_offloads_no_fewer_layers_than_llama_cpps_fit(re
     server = row["server"]
     ngl = server[server.index("-ngl") + 1]
     assert ngl == "all" or int(ngl) >= int(picked[1]), (server, picked[1])
-    theirs = _fit_params(llama_tools / "llama-fit-params", replica, ["--rpc", rpc_servers[0], *server[3:]])
+    theirs = fit_params(llama_tools / "llama-fit-params", replica, ["--rpc", rpc_servers[0], *server[3:]])
     assert sum(theirs["RPC0"]) * MIB + 2**30 <= card + 16 * MIB, theirs
 
 
