@@ -519,3 +519,18 @@ def test_the_card_says_when_no_file_passes_and_when_the_unpruned_model_is_better
     assert "the unpruned model quantized to Q2_K (tiny-Q2_K.gguf" in text and "than every file of this release" in text
     inputs, _ = _card_inputs({"Q8_0": ("PASS", 0.005, 800), "Q4_K_M": ("PASS", 0.30, 500)}, {"Q2_K": (0.01, 500)})
     assert "Measured here, the unpruned model" not in render_card(inputs)  # Q8_0 is larger and better than it
+
+
+def test_the_card_shows_each_files_speed_and_where_it_was_measured():
+    from ggufcarve.release.card import render_card
+
+    inputs, _ = _card_inputs({"Q8_0": ("PASS", 0.01, 800), "Q4_K_M": ("PASS", 0.05, 500)}, {})
+    assert "### Speed" not in render_card(inputs)  # nothing timed: no speed claimed
+    speed = {"engine": "llama-bench", "pp_tokens": 512, "tg_tokens": 128, "tg_runs": [40.0, 41.0, 42.0]}
+    for tg, (_, doc) in zip((41.0, 63.5), sorted(inputs.evaluation.items())):
+        placement = {"backend": "cuda", "gpu_layers": 99, "rpc_servers": 0, "tensor_split": [3, 1], "threads": 16}
+        doc.update(tg_tok_s=tg, pp_tok_s=900.0, speed=speed, speed_placement=placement)
+    text = render_card(inputs)
+    assert "| tiny-6e-Q4_K_M.gguf | 41.0 | 900.0 | -ngl 99 on cuda, split 3:1, 16 CPU threads |" in text
+    assert "| tiny-6e-Q8_0.gguf | 63.5 |" in text
+    assert "(llama-bench: prompt of 512 tokens, 128 tokens decoded, the median of 3 run(s))" in text

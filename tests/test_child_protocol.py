@@ -37,10 +37,16 @@ class Toy:
     def from_json(cls, doc):
         return cls(**doc)
 
+SERVED = []
+
 def work(request, out):
     print("llama_model_load: a log line", file=sys.stderr, flush=True)
     child.progress("step", 1, 2, "steps")
     action = request.action
+    SERVED.append(action)
+    if action == "served":
+        out.write_text(f"{os.getpid()} {' '.join(SERVED)}")
+        return
     if action == "refuse":
         raise BadInput("this input is refused", "give another one")
     if action == "fail":
@@ -193,3 +199,48 @@ def test_protocol_lines_read_back_and_other_lines_are_not_protocol():
     for other in ("llama_model_load: loaded", "@ggufcarve progress not json", '@ggufcarve progress {"task": "x"}', ""):
         assert child.parse(other) is None
     assert sys.executable == child.argv("m")[0]
+
+
+def test_a_session_serves_request_after_request_in_one_child(toy, tmp_path):
+    module, env = toy
+    session = child.Session(module, env=env)
+    events: list[Event] = []
+    answers = [
+        session.run(
+            Toy("served"),
+            tmp_path / f"result-{n}.txt",
+            lambda p: p.read_text(),
+            what="the toy child",
+            hint="",
+            sink=events.append,
+            stages={"step": "toy steps"},
+            timeout=120,
+        )
+        for n in range(3)
+    ]
+    pids = {a.split()[0] for a in answers}
+    assert len(pids) == 1 and answers[-1].split()[1:] == ["served"] * 3  # one process, its state kept
+    assert events.count(Event("toy steps", 1, 2, "steps")) == 3
+    proc = session.conversation.proc
+    session.close()
+    assert not session.alive and proc.returncode == 0
+
+
+def test_a_failed_request_ends_its_session_with_the_childs_error(toy, tmp_path):
+    module, env = toy
+    session = child.Session(module, env=env)
+    run = lambda action: session.run(
+        Toy(action), tmp_path / "result.txt", lambda p: p.read_text(), what="the toy child", hint="h", timeout=120
+    )
+    assert run("done") == "done"
+    with pytest.raises(ToolFailed, match=f"the toy child exited {child.EXIT_FAILED}: llama.cpp could not load"):
+        run("fail")
+    assert not session.alive
+    with pytest.raises(ToolFailed, match="its child has ended"):
+        run("done")
+    aborted = child.Session(module, env=env)
+    with pytest.raises(ToolFailed, match=f"killed by signal {signal.SIGABRT.name}: .*GGML_ASSERT"):
+        aborted.run(
+            Toy("abort"), tmp_path / "r.txt", lambda p: p.read_text(), what="the toy child", hint="", timeout=120
+        )
+    assert not aborted.alive and launch._running == {}

@@ -171,6 +171,22 @@ def test_speed_under_an_offloading_placement_needs_a_device(rpc_servers, llama_t
         "-o", tmp_path / "eval",
     )  # fmt: skip
     assert result.code != 0 and "has no GPU or RPC device" in result.stderr and "Traceback" not in result.stderr
+    placed = ggufcarve(
+        "eval", DEMO_MODEL, "--reference", DEMO_MODEL, "--heldout", HELDOUT, "--ctx", 128, "--chunks", 1,
+        "--speed-runs", 1, "--gpu-layers", 99, "--rpc", rpc_servers[0], "-t", 2, "--cache", tmp_path / "cache",
+        "--llama-cpp", llama_tools, "-o", tmp_path / "on-rpc",
+    )  # fmt: skip
+    assert placed.code == 0, placed.stderr[-2000:]
+    doc = json.loads(next((tmp_path / "on-rpc").glob("*.json")).read_text())
+    assert doc["tg_tok_s"] > 0 and doc["speed"]["engine"] == "llama-bench"
+    assert {k: doc["speed_placement"][k] for k in ("gpu_layers", "rpc_servers", "threads")} == {
+        "gpu_layers": 99,
+        "rpc_servers": 1,
+        "threads": 2,
+    }
+    from ggufcarve.release.card import _placement_words
+
+    assert _placement_words(doc["speed_placement"]) == "-ngl 99 on 1 RPC server(s), 2 CPU threads"
 
 
 def test_an_rpc_server_that_goes_away_is_one_line_naming_it_and_the_stage(tmp_path):

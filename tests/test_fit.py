@@ -352,3 +352,48 @@ def test_keep_takes_a_keep_set_file_and_sizes_its_count(make_model, tmp_path):
     assert by_file.code == 0 and by_count.code == 0, by_file.stderr + by_count.stderr
     assert [r["kept"] for r in json.loads(by_file.stdout)["rows"]] == [4]
     assert json.loads(by_file.stdout)["rows"][0]["file_bytes"] == json.loads(by_count.stdout)["rows"][0]["file_bytes"]
+
+
+@pytest.mark.slow
+def test_measure_speed_times_each_fitting_row_in_its_placement_on_the_rungs_types(
+    make_model, llama_tools, rpc_servers, tmp_path
+):
+    """fit --measure-speed: every row that fits gets llama-bench's decode and prompt tok/s, on the CPU for a
+    RAM budget and with every layer on the RPC device for a GPU budget; the file timed has the tensor names,
+    types and shapes of the rung llama-quantize really writes (the oracle), and its size."""
+    from ggufcarve.quant.fit import sparse_rung_file
+
+    model = make_model("qwen3moe", dtype="Q8_0", n_embd=256, n_ff_exp=256)
+    quantizer = llama_tools / "llama-quantize"
+    common = ("fit", model, "--k", "4", "--only", "Q8_0,Q4_K_M", "--quantizer", quantizer, "--measure-speed", "--json")
+    on_cpu = ggufcarve(*common, "--memory", "8GiB", "-t", "2", "--llama-cpp", llama_tools)
+    assert on_cpu.code == 0, on_cpu.stderr
+    rows = json.loads(on_cpu.stdout)["rows"]
+    assert all(r["fits"] and r["decode_tok_s"] > 0 and r["prompt_tok_s"] > 0 for r in rows)
+    assert {r["speed_placement"]["label"] for r in rows} == {"CPU"}
+    on_gpu = ggufcarve(
+        *common, "--memory", "8GiB", "--gpu-memory", "2GiB", "--rpc", rpc_servers[0], "--llama-cpp", llama_tools
+    )
+    assert on_gpu.code == 0, on_gpu.stderr
+    for row in json.loads(on_gpu.stdout)["rows"]:
+        assert row["tier"] == "gpu" and row["decode_tok_s"] > 0
+        assert row["speed_placement"]["gpu_layers"] == 999 and row["speed_placement"]["label"] == "whole"
+
+    pruned = tmp_path / "pruned.gguf"
+    assert ggufcarve("prune", model, "--keep-first", 4, "-o", pruned, "-q").code == 0
+    real = factory.quantize_with_llama(pruned, tmp_path / "real-Q4_K_M.gguf", "Q4_K_M", allow_requantize=True)
+    source = read_model(model)
+    report = plan_fit(
+        source,
+        inspect_layout(source),
+        load_spec(DEFAULT_LADDER),
+        memory=parse_memory("8GiB"),
+        context=ContextSettings(4096),
+        quantizer=BinaryQuantizer(quantizer),
+        kept_counts=[4],
+        only=["Q4_K_M"],
+    )
+    timed = sparse_rung_file(source, inspect_layout(source), report.row(4, "Q4_K_M"), tmp_path)
+    shape = {t.name: (t.type_id, tuple(t.shape)) for t in read_model(real).tensors}
+    assert {t.name: (t.type_id, tuple(t.shape)) for t in read_model(timed).tensors} == shape
+    assert abs(timed.stat().st_size - real.stat().st_size) < 512  # llama-quantize's own keys at most

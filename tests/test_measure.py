@@ -362,3 +362,31 @@ def test_the_device_copy_path_gives_the_in_place_results_bit_for_bit(monkeypatch
         for block, values in per_block.items():
             assert np.array_equal(values, traced_b.nodes[node][block]), (node, block)
     assert im_a == im_b
+
+
+@pytest.mark.slow
+def test_every_round_on_one_file_is_scored_by_the_child_that_loaded_it_once(tmp_path):
+    """Four candidates on one file over two rounds: one load of the file in all (the child kept between the
+    rounds), and each candidate's table equals the one a fresh child scores for it alone."""
+    from ggufcarve.demo import DEMO_MODEL, HELDOUT
+    from ggufcarve.measure.tournament import prepare_segments
+
+    segments = prepare_segments(
+        DEMO_MODEL, [HELDOUT], chunk_ctx=1024, chunks=6, compute=Compute(threads=2), work=tmp_path
+    )
+    keeps = {
+        "keep-15": {b: tuple(range(15)) for b in range(4)},
+        "keep-12": {b: tuple(range(12)) for b in range(4)},
+        "keep-8": {b: tuple(range(8)) for b in range(4)},
+        "keep-4": {b: tuple(range(4)) for b in range(4)},
+    }
+    settings = MeasureSettings(Compute(threads=2), keep_loaded=0)  # one file held at most: this one
+    got = measure([Candidate(cid, DEMO_MODEL, keep=keep) for cid, keep in keeps.items()], segments, settings, tmp_path)
+    rounds = got.groups[""]["rounds"]
+    assert len(rounds) == 2 and rounds[0]["units"] < rounds[1]["units"] == 3
+    assert got.loads == {DEMO_MODEL.name: 1}
+    for cid, keep in keeps.items():
+        (tmp_path / cid).mkdir()
+        alone = measure([Candidate(cid, DEMO_MODEL, keep=keep)], segments, settings, tmp_path / cid)
+        n = len(got.tables[cid])
+        assert np.array_equal(got.table(cid), alone.table(cid, n)) and n >= rounds[0]["units"]

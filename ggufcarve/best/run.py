@@ -462,16 +462,13 @@ def _confirm(
     return time.perf_counter() - t0 - confirm_builds, confirm_builds
 
 
-SPEED = {"pp_tokens": 512, "tg_tokens": 64, "runs": 3}  # llama-bench's method: pp512 and tg64, the median of 3 runs
-
-
 def _speeds(search: _Search, records: dict[str, dict[str, Any]], decision: dict[str, Any], compute: Compute) -> None:
     """Decode and prompt tok/s of every built finalist in its placement on this machine's devices,
     measured by llama-bench (its own method), as `decode_tok_s` and `prompt_tok_s`: every layer on
     the devices (and --n-cpu-moe N) where the finalist runs in a GPU tier and a device is here,
     else on the CPU. Without llama-bench, or with layers offloaded where llama-bench sees no
     device, the figures are None and `speed_note` says why."""
-    from ggufcarve.evaluate.speed import SpeedSettings, bench_speed
+    from ggufcarve.evaluate.speed import BENCH_METHOD, bench_speed
     from ggufcarve.llama.devices import Compute
     from ggufcarve.llama.tools import find_tool
     from ggufcarve.placement.offload import GPU_TIERS
@@ -493,7 +490,7 @@ def _speeds(search: _Search, records: dict[str, dict[str, Any]], decision: dict[
         placed = Compute(ALL_LAYERS, compute.rpc, compute.tensor_split, compute.threads) if on_device else compute
         flags = ("-ncmoe", str(n_cpu_moe)) if n_cpu_moe else ()
         try:
-            speed = bench_speed(tool, Path(r["path"]), SpeedSettings(**SPEED), placed, flags)
+            speed = bench_speed(tool, Path(r["path"]), BENCH_METHOD, placed, flags)
         except BadInput as refused:  # layers offloaded but no device seen: no CPU figure under a GPU's name
             r["speed_note"] = f"not measured: {refused}"
             continue

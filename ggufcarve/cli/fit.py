@@ -16,13 +16,16 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from ggufcarve import settings as S
-from ggufcarve.cli.options import JsonOption, LlamaCppOption, QuietOption, one_keep, option
+from ggufcarve.cli.options import JsonOption, LlamaCppOption, QuietOption, ThreadsOption, one_keep, option
 from ggufcarve.cli.render import escape, new_table, out, progress, size, warn
 from ggufcarve.settings import Keep
 
 if TYPE_CHECKING:
+    from ggufcarve.events import Sink
+    from ggufcarve.llama.devices import Compute
     from ggufcarve.llama.memory import DeviceMemory
     from ggufcarve.placement.offload import Offload
+    from ggufcarve.quant.fit import FitReport
 
 
 def fit_command(
@@ -102,6 +105,16 @@ def fit_command(
             "and output buffers), or the file and the cache alone.",
         ),
     ] = True,
+    measure_speed: Annotated[
+        bool,
+        typer.Option(
+            "--measure-speed",
+            help="Time every row that fits with llama-bench (pp512, tg64, median of 3) in its placement, on the "
+            "devices here (on the CPU where the row runs from RAM or no device is here), on a file of the rung's "
+            "tensor shapes and types with zero weights.",
+        ),
+    ] = False,
+    threads: ThreadsOption = None,
     quantizer_choice: Annotated[str, option(S.QUANTIZER, "It answers the dry runs.")] = "auto",
     llama_cpp: LlamaCppOption = None,
     as_json: JsonOption = False,
@@ -182,6 +195,10 @@ def fit_command(
             measure=run_settings,
             on_event=sink,
         )
+        if measure_speed:
+            from ggufcarve.llama.tools import physical_cores
+
+            report = timed(report, llama_cpp, S.compute(rpc=rpc, threads=threads or physical_cores()), sink)
 
     if as_json:
         inputs = [{"name": p.name, "bytes": p.stat().st_size} for p in loaded.paths]
@@ -196,6 +213,7 @@ def fit_command(
             "batch": batch,
             "ubatch": ubatch,
             "measured": measured,
+            "measure_speed": measure_speed,
             **(
                 {
                     "gpu_memory": ",".join(f"{b}B" for b in budgets),
@@ -336,6 +354,14 @@ def fit_command(
                 + (" (tier ram)" if gpu_budget is not None else ""),
                 highlight=False,
             )
+    if measure_speed and best is not None and best.speed is not None:
+        where = best.speed["speed_placement"]["label"]
+        out.print(
+            f"speed of K={best.kept} {best.rung.rung} ({escape(where)}): "
+            f"decode {best.speed['decode_tok_s']:.1f} tok/s, prompt {best.speed['prompt_tok_s']:.1f} tok/s "
+            "(llama-bench tg64/pp512 on zero weights of its shapes and types; --json has every fitting row's)",
+            highlight=False,
+        )
     if gpu_budget is not None:
         counted = (
             "weights + cache + compute (estimated from the CPU graph's: module placement.offload)"
@@ -364,6 +390,25 @@ def fit_command(
             )
             for device in best.gpu_devices:
                 out.print(device_line(device), highlight=False)
+
+
+def timed(report: FitReport, llama_cpp: Path | None, compute: Compute, sink: Sink) -> FitReport:
+    """The report with every fitting row's llama-bench speed (quant.fit.measure_speeds)."""
+    from ggufcarve.errors import ToolMissing
+    from ggufcarve.evaluate.speed import BENCH_METHOD, bench_speed
+    from ggufcarve.llama.tools import find_tool
+    from ggufcarve.quant.fit import measure_speeds
+
+    tool = find_tool("llama-bench", llama_cpp)
+    if tool is None:
+        raise ToolMissing("--measure-speed needs llama-bench", "build it: ggufcarve toolchain build")
+
+    def bench(path: Path, placed: Compute, flags: tuple[str, ...]) -> tuple[float, float]:
+        speed = bench_speed(tool, path, BENCH_METHOD, placed, flags)
+        return speed.pp_tok_s, speed.tg_tok_s
+
+    on_device = bool(compute.rpc) or any(r.load is not None and r.load.gpu_devices for r in report.rows)
+    return measure_speeds(report, bench, compute, on_device, sink)
 
 
 def device_line(device: DeviceMemory, limit: int | None = None) -> str:

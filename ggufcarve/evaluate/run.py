@@ -277,6 +277,8 @@ def evaluate_model(
         "kl_divergence": stats.to_json(),
         **_memory(entry.path, result["n_ctx"], settings),
         "speed": result.get("speed"),
+        # where the speed was measured: the run's placement (no endpoint addresses) and the machine's CPU threads
+        "speed_placement": settings.child_compute.key() if result.get("speed") else None,
         "qa": qa,
         "timings": {
             "load_seconds": round(result.get("load_seconds", 0.0), 3),

@@ -71,6 +71,10 @@ class SpeedSettings:
     engine: str = key(S.SPEED_ENGINE, "auto")
 
 
+# llama-bench's own method, as `best` and `fit --measure-speed` time a placement: pp512 and tg64, the median of 3 runs
+BENCH_METHOD = SpeedSettings(pp_tokens=512, tg_tokens=64, runs=3)
+
+
 @dataclass
 class Speed:
     pp_tokens: int

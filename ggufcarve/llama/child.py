@@ -2,9 +2,12 @@
 
 A child task is a module run as `python -m MODULE [--preload M ...]` through the one launcher
 (llama.cpp aborts the whole process on a failed assert, so its work runs in a child):
-  * stdin: one envelope, JSON `{"task": T, "result": PATH, "request": {...}}`: the task the module
-    serves, the one result file the child writes, and the typed request (a dataclass per task,
-    `ChildRequest`); empty stdin (a child started ahead and never needed) exits 0 at once;
+  * stdin: envelopes, one JSON line each, `{"task": T, "result": PATH, "request": {...}}`: the task
+    the module serves, the one result file the child writes, and the typed request (a dataclass per
+    task, `ChildRequest`); the child serves them in turn until its stdin ends (`run`: one envelope;
+    a `Session`: one per call, the child and what it loaded kept between them); empty stdin (a child
+    started ahead and never needed) exits 0 at once;
+  * answered: after each envelope's result file is written, the line `@ggufcarve done {"result": PATH}`;
   * progress: lines `@ggufcarve progress {"task", "done", "total", "unit"}` (an `Event` in the parent);
   * errors: at most one line `@ggufcarve error {"kind", "message", "hint", ...}`, kind
       - "input": the child refuses its input (BadInput in the parent), exit EXIT_REFUSED;
@@ -43,6 +46,7 @@ from ggufcarve.llama import launch
 PREFIX = "@ggufcarve "
 PROGRESS = "progress"
 ERROR = "error"
+DONE = "done"
 EXIT_REFUSED, EXIT_FAILED, EXIT_OS_ERROR = 2, 3, 4
 INPUT, FAILED, OS = "input", "failed", "os"  # ChildError.kind
 QUOTED_LINES = 3  # the child's own last lines an error quotes
@@ -89,13 +93,18 @@ class ShortOfSpace(OSError):
         self.needed, self.free = needed, free
 
 
-def line(kind: str, payload: Progress | ChildError) -> str:
+@dataclass(frozen=True)
+class Done:
+    result: str  # the result file of the envelope just served
+
+
+def line(kind: str, payload: Progress | ChildError | Done) -> str:
     """One protocol line (no newline)."""
     fields = {k: v for k, v in asdict(payload).items() if v is not None}
     return f"{PREFIX}{kind} {json.dumps(fields, sort_keys=True)}"
 
 
-def parse(text: str) -> Progress | ChildError | None:
+def parse(text: str) -> Progress | ChildError | Done | None:
     """The protocol line `text` carries, or None for any other line."""
     if not text.startswith(PREFIX):
         return None
@@ -106,6 +115,8 @@ def parse(text: str) -> Progress | ChildError | None:
             return Progress(str(fields["task"]), int(fields["done"]), int(fields["total"]), str(fields["unit"]))
         if kind == ERROR:
             return ChildError(**fields)
+        if kind == DONE:
+            return Done(str(fields["result"]))
     except (ValueError, KeyError, TypeError):
         return None
     return None
@@ -159,9 +170,16 @@ def serve(
     args = parser.parse_args(argv)
     for module in args.preload:
         importlib.import_module(module)
-    text = sys.stdin.read()
-    if not text:
-        return 0
+    for text in sys.stdin:
+        if not text.strip():
+            continue
+        status = _serve_one(request_type, work, text)
+        if status:
+            return status
+    return 0
+
+
+def _serve_one(request_type: type[ChildRequest], work: Callable[[Any, Path], None], text: str) -> int:
     envelope = json.loads(text)
     if envelope.get("task") != request_type.TASK:
         _say(
@@ -183,6 +201,8 @@ def serve(
             raise
         _say(line(ERROR, reported[0]))
         return reported[1]
+    sys.stdout.flush()
+    _say(line(DONE, Done(str(envelope["result"]))))
     return 0
 
 
@@ -244,40 +264,123 @@ def run(
     or OutputError; an OS error names the file by `outputs[filename]` = (the path to show, the
     other place the hint suggests), else by its own name and TMPDIR.
     """
-    stages = stages or {}
-    envelope = json.dumps({"task": request.TASK, "result": str(result), "request": request.to_json()}).encode()
-    errors: list[tuple[ChildError, list[str]]] = []
-    own: deque[str] = deque(maxlen=launch.TAIL_LINES)  # the child's lines, not the protocol's
-
-    def watch(text: str) -> None:
-        parsed = parse(text)
-        if isinstance(parsed, Progress):
-            sink(Event(stages.get(parsed.task, parsed.task), parsed.done, parsed.total, parsed.unit))
-        elif isinstance(parsed, ChildError):
-            errors.append((parsed, list(own)))
-        else:
-            own.append(text)
-            if on_line is not None:
-                on_line(text)
-
+    watch = _Watch(sink, stages or {}, on_line)
     finished = launch.run(
         argv(module),
         started=adopt(module),
-        input=envelope,
+        input=_envelope(request, result),
         on_line=watch,
         timeout=timeout,
         idle_timeout=idle_timeout,
         env=env,
     )
-    if errors:
-        raise _carve_error(*errors[0], finished, what, hint, outputs or {})
-    # the RPC servers a child was given: in its request's Compute (the memory child's, in its settings)
-    compute = getattr(request, "compute", None) or getattr(getattr(request, "settings", None), "compute", None)
-    servers = getattr(compute, "rpc", ())
-    launch.check(replace(finished, tail=list(own)), what, hint, servers)
-    if not result.exists():
-        raise ToolFailed(f"{what} exited 0 without writing its result", "run again; GGUFCARVE_DEBUG=1 shows more")
-    return read(result)
+    return watch.result(finished, request, result, read, what, hint, outputs or {})
+
+
+def _envelope(request: ChildRequest, result: Path) -> bytes:
+    return (json.dumps({"task": request.TASK, "result": str(result), "request": request.to_json()}) + "\n").encode()
+
+
+class _Watch:
+    """A child's lines while it serves one envelope: progress becomes events, an error line is kept with the
+    child's own lines before it, the rest goes to `on_line`."""
+
+    def __init__(self, sink: Sink, stages: Mapping[str, str], on_line: Callable[[str], None] | None) -> None:
+        self.sink, self.stages, self.on_line = sink, stages, on_line
+        self.errors: list[tuple[ChildError, list[str]]] = []
+        self.own: deque[str] = deque(maxlen=launch.TAIL_LINES)  # the child's lines, not the protocol's
+        self.done = False
+
+    def __call__(self, text: str) -> None:
+        parsed = parse(text)
+        if isinstance(parsed, Progress):
+            self.sink(Event(self.stages.get(parsed.task, parsed.task), parsed.done, parsed.total, parsed.unit))
+        elif isinstance(parsed, ChildError):
+            self.errors.append((parsed, list(self.own)))
+        elif isinstance(parsed, Done):
+            self.done = True
+        else:
+            self.own.append(text)
+            if self.on_line is not None:
+                self.on_line(text)
+
+    def answered(self, text: str) -> bool:
+        """The line ends the envelope: its result is written, or the child said why not."""
+        return text.startswith(PREFIX) and isinstance(parse(text), (Done, ChildError))
+
+    def result(
+        self,
+        finished: launch.Finished | None,
+        request: ChildRequest,
+        result: Path,
+        read: Callable[[Path], T],
+        what: str,
+        hint: str,
+        outputs: Mapping[str, tuple[Path, str]],
+    ) -> T:
+        """The result file read, or the error the child's lines and its end (`finished`; None: still running) say."""
+        if self.errors:
+            raise _carve_error(*self.errors[0], finished or launch.Finished([], EXIT_FAILED, 0.0), what, hint, outputs)
+        if finished is not None:
+            # the RPC servers a child was given: in its request's Compute (the memory child's, in its settings)
+            compute = getattr(request, "compute", None) or getattr(getattr(request, "settings", None), "compute", None)
+            servers = getattr(compute, "rpc", ())
+            launch.check(replace(finished, tail=list(self.own)), what, hint, servers)
+        if not result.exists():
+            raise ToolFailed(f"{what} exited 0 without writing its result", "run again; GGUFCARVE_DEBUG=1 shows more")
+        return read(result)
+
+
+class Session:
+    """One child of `module` serving request after request (the child keeps what it loaded between them: the
+    measurement child its model). `close` ends it; a failed request ends it too."""
+
+    def __init__(self, module: str, preload: Sequence[str] = (), env: Mapping[str, str] | None = None) -> None:
+        self.module = module
+        self.conversation: launch.Conversation | None = launch.Conversation(
+            adopt(module) or launch.start(argv(module, preload), env=env)
+        )
+
+    @property
+    def alive(self) -> bool:
+        return self.conversation is not None
+
+    def run(
+        self,
+        request: ChildRequest,
+        result: Path,
+        read: Callable[[Path], T],
+        *,
+        what: str,
+        hint: str,
+        sink: Sink = ignore,
+        stages: Mapping[str, str] | None = None,
+        outputs: Mapping[str, tuple[Path, str]] | None = None,
+        timeout: float | None = None,
+        idle_timeout: float | None = None,
+    ) -> T:
+        """`request` served by this session's child, as `run` serves it in a child of its own."""
+        if self.conversation is None:
+            raise ToolFailed(f"{what}: its child has ended", "a ggufcarve bug: a closed session was asked again")
+        watch = _Watch(sink, stages or {}, None)
+        finished = self.conversation.exchange(
+            _envelope(request, result), watch.answered, on_line=watch, timeout=timeout, idle_timeout=idle_timeout
+        )
+        if finished is None and watch.errors:  # the child exits after an error line: its status says how
+            finished = self.conversation.close()
+        if finished is not None:
+            self.conversation = None
+        return watch.result(finished, request, result, read, what, hint, outputs or {})
+
+    def close(self) -> None:
+        if self.conversation is not None:
+            conversation, self.conversation = self.conversation, None
+            conversation.close()
+
+    def kill(self) -> None:
+        if self.conversation is not None:
+            conversation, self.conversation = self.conversation, None
+            conversation.kill()
 
 
 def _carve_error(

@@ -260,50 +260,13 @@ def run(
         _running.pop(proc.pid, None)
         raise
     began = time.monotonic()  # timeouts count from here, when the child has its work
-    tail: deque[str] = deque(maxlen=tail_lines)
-    timed_out = ""
     if proc.stdout is None:  # Popen above is always given stdout=PIPE
         _kill(proc)
         _running.pop(proc.pid, None)
         raise RuntimeError(f"{proc.args!r}: the child's output is not a pipe")
-    selector = selectors.DefaultSelector()
-    pending = b""
-    last_output = began
+    output = _Output(proc, tail_lines)
     try:
-        selector.register(proc.stdout, selectors.EVENT_READ)
-        _check_stopped()
-        while True:
-            now = time.monotonic()
-            waits = [1.0]
-            if timeout is not None:
-                waits.append(began + timeout - now)
-            if idle_timeout is not None:
-                waits.append(last_output + idle_timeout - now)
-            events = selector.select(max(0.0, min(waits)))
-            now = time.monotonic()
-            if events:
-                chunk = os.read(proc.stdout.fileno(), 1 << 16)
-                if not chunk:
-                    break
-                last_output = now
-                pending += chunk
-                *lines, pending = pending.split(b"\n")
-                for raw in lines:
-                    line = raw.decode("utf-8", errors="replace").rstrip("\r")
-                    tail.append(line)
-                    if on_line is not None:
-                        on_line(line)
-            if timeout is not None and now - began > timeout:
-                timed_out = "timeout"
-                break
-            if idle_timeout is not None and now - last_output > idle_timeout:
-                timed_out = "idle"
-                break
-        if pending:
-            line = pending.decode("utf-8", errors="replace").rstrip("\r")
-            tail.append(line)
-            if on_line is not None:
-                on_line(line)
+        timed_out = output.follow(on_line, timeout, idle_timeout)
         if timed_out:
             _kill(proc)
         code = proc.wait()
@@ -313,9 +276,145 @@ def run(
         raise
     finally:
         _running.pop(proc.pid, None)
-        selector.close()
-        proc.stdout.close()
-    return Finished(args, code, time.monotonic() - began, list(tail), timed_out)
+        output.close()
+    return Finished(args, code, time.monotonic() - began, list(output.tail), timed_out)
+
+
+class _Output:
+    """A child's merged stdout and stderr, read line by line (the last `tail_lines` kept)."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], tail_lines: int) -> None:
+        if proc.stdout is None:
+            raise RuntimeError(f"{proc.args!r}: the child's output is not a pipe")
+        self.proc, self.stream = proc, proc.stdout
+        self.tail: deque[str] = deque(maxlen=tail_lines)
+        self.selector = selectors.DefaultSelector()
+        self.selector.register(self.stream, selectors.EVENT_READ)
+        self.pending = b""
+        self.ended = False
+
+    def follow(
+        self,
+        on_line: Callable[[str], None] | None,
+        timeout: float | None,
+        idle_timeout: float | None,
+        until: Callable[[str], bool] | None = None,
+    ) -> str:
+        """Read lines until the output ends or a line for which `until` is true; "" then, else "timeout" or
+        "idle" when a limit passed first (counted from this call)."""
+        began = last_output = time.monotonic()
+        _check_stopped()
+        while not self.ended:
+            now = time.monotonic()
+            waits = [1.0]
+            if timeout is not None:
+                waits.append(began + timeout - now)
+            if idle_timeout is not None:
+                waits.append(last_output + idle_timeout - now)
+            events = self.selector.select(max(0.0, min(waits)))
+            now = time.monotonic()
+            if events:
+                chunk = os.read(self.stream.fileno(), 1 << 16)
+                if not chunk:
+                    self.ended = True
+                    if self.pending:
+                        self._line(self.pending, on_line)
+                        self.pending = b""
+                    break
+                last_output = now
+                self.pending += chunk
+                *lines, self.pending = self.pending.split(b"\n")
+                for number, raw in enumerate(lines):
+                    text = self._line(raw, on_line)
+                    if until is not None and until(text):
+                        self.pending = b"\n".join([*lines[number + 1 :], self.pending])
+                        return ""
+            if timeout is not None and now - began > timeout:
+                return "timeout"
+            if idle_timeout is not None and now - last_output > idle_timeout:
+                return "idle"
+        return ""
+
+    def _line(self, raw: bytes, on_line: Callable[[str], None] | None) -> str:
+        text = raw.decode("utf-8", errors="replace").rstrip("\r")
+        self.tail.append(text)
+        if on_line is not None:
+            on_line(text)
+        return text
+
+    def close(self) -> None:
+        if not self.stream.closed:
+            self.selector.close()
+            self.stream.close()
+
+
+class Conversation:
+    """A child kept running across several requests: `exchange` writes one line to its stdin and follows its
+    output until a line marks the answer; `close` ends its stdin and reaps it. The child's process group is
+    killed on any exception, as `run` kills it."""
+
+    def __init__(self, started: Started, tail_lines: int = TAIL_LINES) -> None:
+        self.argv, self.proc = started.argv, started.proc
+        self.output = _Output(self.proc, tail_lines)
+        self.began = time.monotonic()
+
+    def exchange(
+        self,
+        data: bytes,
+        until: Callable[[str], bool],
+        *,
+        on_line: Callable[[str], None] | None = None,
+        timeout: float | None = None,
+        idle_timeout: float | None = None,
+    ) -> Finished | None:
+        """Write `data` (one line) and read the child's lines until `until(line)`: None, the child waits for the
+        next line. A child that ended (or timed out, then killed) instead: its Finished."""
+        try:
+            if self.proc.stdin is None:
+                raise RuntimeError(f"{self.argv!r}: the child's input is not a pipe")
+            try:
+                self.proc.stdin.write(data)
+                self.proc.stdin.flush()
+            except BrokenPipeError:  # the child died: its output and status say why
+                pass
+            timed_out = self.output.follow(on_line, timeout, idle_timeout, until)
+            if not timed_out and not self.output.ended:
+                return None
+            return self._finish(timed_out)
+        except BaseException:
+            self.kill()
+            raise
+
+    def _finish(self, timed_out: str = "") -> Finished:
+        if timed_out:
+            _kill(self.proc)
+        code = self.proc.wait()
+        _running.pop(self.proc.pid, None)
+        self.output.close()
+        _check_stopped()
+        return Finished(self.argv, code, time.monotonic() - self.began, list(self.output.tail), timed_out)
+
+    def close(self, grace: float = 30.0) -> Finished:
+        """End the child's input; it exits once it has read it (killed after `grace` seconds)."""
+        try:
+            if self.proc.stdin is not None and not self.proc.stdin.closed:
+                try:
+                    self.proc.stdin.close()
+                except BrokenPipeError:
+                    pass
+            timed_out = self.output.follow(None, grace, None) if not self.output.ended else ""
+            return self._finish(timed_out)
+        except BaseException:
+            self.kill()
+            raise
+
+    def kill(self) -> None:
+        """Kill the child's process group now (nothing more is read from it)."""
+        if self.proc.poll() is None:
+            _kill(self.proc)
+        _running.pop(self.proc.pid, None)
+        if not self.output.stream.closed:
+            self.output.close()
 
 
 def _kill_group(pid: int) -> None:

@@ -3,10 +3,12 @@ units, the dropped experts taken out of routing (`llama.masking.RoutingMask`, it
 between jobs; no callback at all when no job masks).
 
 Run as `python -m ggufcarve.measure.child` through the one launcher; it speaks the child-task
-protocol of `ggufcarve.llama.child` (request: `measure.protocol.Request`). Chunks are cut from the
-reference's tokens and decoded as the evaluation child decodes them (llama-perplexity's chunking,
-n_batch 2048 // n_ctx chunks side by side, a unit being one such group), and compared with the
-reference's records as `ggufcarve eval` compares them (`kld.compare_base` for a base file,
+protocol of `ggufcarve.llama.child` (request: `measure.protocol.Request`). Served in a session
+(`child.Session`), the child keeps its model and contexts loaded from one request to the next
+(the tournament's rounds on one file): only a request for another model or placement loads again.
+Chunks are cut from the reference's tokens and decoded as the evaluation child decodes them
+(llama-perplexity's chunking, n_batch 2048 // n_ctx chunks side by side, a unit being one such
+group), and compared with the reference's records as `ggufcarve eval` compares them (`kld.compare_base` for a base file,
 `kld.compare_topk` for a top-k cache). The result JSON holds, per job, the mask's node counts and
 its seconds.
 """
@@ -21,16 +23,56 @@ from pathlib import Path
 import numpy as np
 
 from ggufcarve.llama import child
+from ggufcarve.llama.devices import Compute
 from ggufcarve.measure.protocol import CHUNK_TASK, Request
+
+
+class _Loaded:
+    """The model the child holds between requests, and its contexts by (n_ctx, n_seq, n_batch, masked)."""
+
+    key: tuple[str, str] | None = None
+    engine = None
+    contexts: dict = {}
+    masks: dict = {}
+
+    @classmethod
+    def engine_for(cls, model: str, compute: Compute):
+        from ggufcarve.evaluate.engine import Engine
+
+        key = (model, json.dumps(compute.to_json(), sort_keys=True))
+        if cls.key != key:
+            cls.release()
+            cls.engine = Engine(model, compute)
+            cls.key = key
+        return cls.engine
+
+    @classmethod
+    def context_for(cls, n_ctx: int, n_seq: int, n_batch: int, masking: bool):
+        from ggufcarve.llama.masking import RoutingMask
+
+        shape = (n_ctx, n_seq, n_batch, masking)
+        if shape not in cls.contexts:
+            mask = RoutingMask() if masking else None
+            cls.contexts[shape] = cls.engine.context(n_ctx, n_seq, n_batch, eval_callback=mask)
+            cls.masks[shape] = mask
+        return cls.contexts[shape], cls.masks[shape]
+
+    @classmethod
+    def release(cls) -> None:
+        for context in cls.contexts.values():
+            context.close()
+        cls.contexts, cls.masks = {}, {}
+        if cls.engine is not None:
+            cls.engine.close()
+        cls.engine, cls.key = None, None
 
 
 def _measure(request: Request, out: Path) -> None:
     from ggufcarve.errors import BadInput, ToolFailed
     from ggufcarve.evaluate import kld
-    from ggufcarve.evaluate.engine import Engine, EngineError
+    from ggufcarve.evaluate.engine import EngineError
     from ggufcarve.evaluate.perplexity import chunk_tokens, scored_targets
     from ggufcarve.evaluate.tables import PERPLEXITY_BATCH
-    from ggufcarve.llama.masking import RoutingMask
 
     references = [kld.open_reference(Path(p)) for p in request.references]
     n_ctx = {r.n_ctx for r in references}
@@ -43,8 +85,10 @@ def _measure(request: Request, out: Path) -> None:
     result: dict = {"jobs": {}}
     try:
         started = time.perf_counter()
-        engine = Engine(request.model, request.compute)
+        before = _Loaded.engine
+        engine = _Loaded.engine_for(request.model, request.compute)
         result["load_seconds"] = time.perf_counter() - started
+        result["loaded"] = engine is not before  # false: the model of an earlier request of this session
         result["n_vocab"] = engine.n_vocab
         for ref in references:
             if ref.n_vocab != engine.n_vocab:
@@ -55,8 +99,7 @@ def _measure(request: Request, out: Path) -> None:
                 )
         n_seq = max(1, PERPLEXITY_BATCH // n_ctx_value)
         masking = any(job.keep is not None for job in request.jobs)
-        mask = RoutingMask() if masking else None
-        context = engine.context(n_ctx_value, n_seq, min(PERPLEXITY_BATCH, n_seq * n_ctx_value), eval_callback=mask)
+        context, mask = _Loaded.context_for(n_ctx_value, n_seq, min(PERPLEXITY_BATCH, n_seq * n_ctx_value), masking)
         files = [open(ref.path, "rb") for ref in references]
         total = sum(count for job in request.jobs for _, _, count in job.units)
         done = 0
@@ -104,11 +147,10 @@ def _measure(request: Request, out: Path) -> None:
                     "seconds": time.perf_counter() - job_started,
                 }
         finally:
-            context.close()
             for f in files:
                 f.close()
-        engine.close()
     except EngineError as err:
+        _Loaded.release()
         raise ToolFailed(
             f"{Path(request.model).name}: {err}", "check that llama.cpp loads the model (ggufcarve inspect)"
         ) from None

@@ -7,8 +7,10 @@
     result.groups["8"]["winner"]
 
 A candidate is a model file and an optional keep-set (the experts it drops masked out of
-routing); candidates on one file are scored in one loaded model, one child per file and round
-(`measure.child`). Candidates compete within their group (tune: one group per K; best: one group).
+routing); candidates on one file are scored in one loaded model: one child per file, kept loaded
+from round to round (`measure.child` in a `child.Session`) while the files held stay within
+`MeasureSettings.keep_loaded` bytes (the least recently scored file's child ends first).
+Candidates compete within their group (tune: one group per K; best: one group).
 
 Units: each held-out file's chunks in groups of n_seq = 2048 // chunk_ctx (the groups `eval`
 decodes side by side), in a spread order per file (bit-reversed group index: the first units lie
@@ -36,7 +38,7 @@ import json
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +91,15 @@ class MeasureSettings:
     prefer: str = "smaller"
     gate: Callable[[dict[str, Any]], tuple[bool, list[str]]] | None = None  # statistics -> (passed, failed checks)
     tables: Path | None = None  # the content-keyed cache of per-unit tables
+    keep_loaded: int | None = None  # model bytes kept loaded between rounds; None: `loaded_budget(compute)`
+
+
+def loaded_budget(compute: Compute) -> int:
+    """Model bytes the scoring children may hold at once: the host's available memory when they run on the CPU;
+    0 with layers on a device (one model at a time on the card)."""
+    from ggufcarve.llama.devices import host_memory
+
+    return host_memory().free // 2 if compute.gpu_layers == 0 else 0
 
 
 @dataclass
@@ -101,6 +112,7 @@ class Measurement:
     seconds: float = 0.0
     decoded_chunks: int = 0  # chunks decoded by this run (cached ones not counted)
     cached_chunks: int = 0
+    loads: dict[str, int] = field(default_factory=dict)  # model file name -> times a child loaded it
 
     def table(self, cid: str, n_units: int | None = None) -> np.ndarray:
         return joined(self.tables[cid], n_units)
@@ -218,6 +230,29 @@ class _Scorer:
         self.tables: dict[str, list[np.ndarray]] = {cid: [] for cid in candidates}
         self.model_keys: dict[Path, str] = {}
         self.decoded = self.cached = 0
+        self.sessions: dict[Path, Any] = {}  # model -> its child.Session, least recently used first
+        self.loads: dict[str, int] = {}
+        self.budget = settings.keep_loaded if settings.keep_loaded is not None else loaded_budget(settings.compute)
+
+    def _session(self, model: Path) -> Any:
+        """The child that holds `model`, started (and others ended to stay within the budget) when none does."""
+        from ggufcarve.llama import child
+        from ggufcarve.measure.protocol import CHILD_MODULE
+
+        session = self.sessions.pop(model, None)
+        if session is None or not session.alive:
+            size = model.stat().st_size
+            while self.sessions and sum(m.stat().st_size for m in self.sessions) + size > self.budget:
+                self.sessions.pop(next(iter(self.sessions))).close()
+            session = child.Session(CHILD_MODULE)
+        self.sessions[model] = session
+        return session
+
+    def close(self, failed: bool = False) -> None:
+        """End every child (killed when the run failed)."""
+        sessions, self.sessions = list(self.sessions.values()), {}
+        for session in sessions:
+            session.kill() if failed else session.close()
 
     def _model_key(self, path: Path) -> str:
         from ggufcarve.fileio import sha256_file_cached
@@ -244,8 +279,7 @@ class _Scorer:
     def score(self, upto: Mapping[str, int]) -> None:
         """Extend each named candidate's tables to its first `upto[cid]` units."""
         from ggufcarve.errors import UnsupportedModel
-        from ggufcarve.llama import child
-        from ggufcarve.measure.protocol import CHILD_MODULE, CHUNK_TASK, Job, Request
+        from ggufcarve.measure.protocol import CHUNK_TASK, Job, Request
 
         if self.score_unit is not None:
             for cid, n in upto.items():
@@ -282,8 +316,7 @@ class _Scorer:
                     )
                 )
             label = f"{len(jobs)} candidate{'s' if len(jobs) != 1 else ''} on {model.name}"
-            result = child.run(
-                CHILD_MODULE,
+            result = self._session(model).run(
                 request,
                 Path(request.result_out),
                 lambda p: json.loads(p.read_text()),
@@ -294,6 +327,8 @@ class _Scorer:
                 idle_timeout=3600.0,
             )
             Path(request.result_out).unlink(missing_ok=True)
+            if result.get("loaded", True):
+                self.loads[model.name] = self.loads.get(model.name, 0) + 1
             for job, (cid, units) in zip(request.jobs, jobs):
                 rows = np.fromfile(job.table_out, dtype="<f8").reshape(-1, TOKEN_COLUMNS)
                 Path(job.table_out).unlink(missing_ok=True)
@@ -399,77 +434,82 @@ def measure(
             return True, []
         return settings.gate(stats[cid])
 
-    number = 0
-    while not all(done.values()):
-        wanted: dict[str, int] = {}
-        current: dict[str, tuple[int, bool]] = {}
-        for g, plan in plans.items():
-            if done[g]:
-                continue
-            last = number >= len(plan) - 1 or len(alive[g]) <= 1
-            n = len(units) if last else plan[number]
-            current[g] = (n, last)
-            for cid in alive[g]:
-                wanted[cid] = n
-        scorer.score(wanted)
-        for g, (n, last) in current.items():
-            for cid in alive[g]:
-                stats[cid] = _statistics(table_of(cid, n), [], [])
-            ranked = sorted(alive[g], key=lambda c: (metric_value(stats[c], settings.metric), c))
-            verdicts = {cid: judge(cid) for cid in ranked}
-            eligible = [cid for cid in ranked if by_id[cid].fits and verdicts[cid][0]]
-            leader = eligible[0] if eligible else ranked[0]  # the best candidate that can be the answer
-            entry: dict[str, Any] = {
-                "units": n,
-                "chunks": sum(u[2] for u in units[:n]),
-                "candidates": list(ranked),
-                "leader": leader,
-                settings.metric: {c: stats[c][settings.metric] for c in ranked},
-                "delta_vs_leader": {},
-                "left": {},
-            }
-            leader_values = table_of(leader, n)[:, column]
-            diffs: dict[str, PairedDifference] = {}
-            for cid in ranked:
-                diffs[cid] = (
-                    paired_difference(table_of(cid, n)[:, column], leader_values)
-                    if cid != leader
-                    else PairedDifference(0.0, 0.0, len(leader_values))
-                )
-                if cid != leader:
-                    entry["delta_vs_leader"][cid] = diffs[cid].to_json()
-                records[cid]["delta_vs_leader"].append(diffs[cid].mean)
-                records[cid]["delta_stderr"].append(diffs[cid].stderr)
-            if not last:
-                keep = []
+    try:
+        number = 0
+        while not all(done.values()):
+            wanted: dict[str, int] = {}
+            current: dict[str, tuple[int, bool]] = {}
+            for g, plan in plans.items():
+                if done[g]:
+                    continue
+                last = number >= len(plan) - 1 or len(alive[g]) <= 1
+                n = len(units) if last else plan[number]
+                current[g] = (n, last)
+                for cid in alive[g]:
+                    wanted[cid] = n
+            scorer.score(wanted)
+            for g, (n, last) in current.items():
+                for cid in alive[g]:
+                    stats[cid] = _statistics(table_of(cid, n), [], [])
+                ranked = sorted(alive[g], key=lambda c: (metric_value(stats[c], settings.metric), c))
+                verdicts = {cid: judge(cid) for cid in ranked}
+                eligible = [cid for cid in ranked if by_id[cid].fits and verdicts[cid][0]]
+                leader = eligible[0] if eligible else ranked[0]  # the best candidate that can be the answer
+                entry: dict[str, Any] = {
+                    "units": n,
+                    "chunks": sum(u[2] for u in units[:n]),
+                    "candidates": list(ranked),
+                    "leader": leader,
+                    settings.metric: {c: stats[c][settings.metric] for c in ranked},
+                    "delta_vs_leader": {},
+                    "left": {},
+                }
+                leader_values = table_of(leader, n)[:, column]
+                diffs: dict[str, PairedDifference] = {}
                 for cid in ranked:
-                    passed, failed = verdicts[cid]
-                    reason = (
-                        "budget"
-                        if not by_id[cid].fits
-                        else "gate"
-                        if not passed
-                        else "halving"
-                        if diffs[cid].worse_beyond(settings.z)
-                        else None
+                    diffs[cid] = (
+                        paired_difference(table_of(cid, n)[:, column], leader_values)
+                        if cid != leader
+                        else PairedDifference(0.0, 0.0, len(leader_values))
                     )
-                    if reason is None:
-                        keep.append(cid)
-                        continue
-                    records[cid].update(
-                        stopped_early=True,
-                        stopped_reason=reason,
-                        lost_by=diffs[cid].mean if cid != leader else None,
-                        gate_failed=failed if reason == "gate" else [],
-                    )
-                    entry["left"][cid] = reason
-                if not keep:  # every candidate left for the budget or the gate: the group ends with no finalist
+                    if cid != leader:
+                        entry["delta_vs_leader"][cid] = diffs[cid].to_json()
+                    records[cid]["delta_vs_leader"].append(diffs[cid].mean)
+                    records[cid]["delta_stderr"].append(diffs[cid].stderr)
+                if not last:
+                    keep = []
+                    for cid in ranked:
+                        passed, failed = verdicts[cid]
+                        reason = (
+                            "budget"
+                            if not by_id[cid].fits
+                            else "gate"
+                            if not passed
+                            else "halving"
+                            if diffs[cid].worse_beyond(settings.z)
+                            else None
+                        )
+                        if reason is None:
+                            keep.append(cid)
+                            continue
+                        records[cid].update(
+                            stopped_early=True,
+                            stopped_reason=reason,
+                            lost_by=diffs[cid].mean if cid != leader else None,
+                            gate_failed=failed if reason == "gate" else [],
+                        )
+                        entry["left"][cid] = reason
+                    if not keep:  # every candidate left for the budget or the gate: the group ends with no finalist
+                        done[g] = True
+                    alive[g] = keep
+                else:
                     done[g] = True
-                alive[g] = keep
-            else:
-                done[g] = True
-            rounds[g].append(entry)
-        number += 1
+                rounds[g].append(entry)
+            number += 1
+    except BaseException:
+        scorer.close(failed=True)
+        raise
+    scorer.close()
 
     result_groups: dict[str, dict[str, Any]] = {}
     for g, members in groups.items():
@@ -531,6 +571,7 @@ def measure(
         time.perf_counter() - started,
         scorer.decoded,
         scorer.cached,
+        scorer.loads,
     )
 
 

@@ -28,7 +28,7 @@ import os
 import re
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +40,7 @@ from ggufcarve.errors import BadInput
 from ggufcarve.events import Event, Sink, ignore
 from ggufcarve.gguf.container import SPLIT_KEYS, GGUFModel, TensorHeader, encode_header, make_kv, pad_to, replace_kvs
 from ggufcarve.gguf.types import FILE_TYPES, ggml_type_row_bytes, tensor_type
+from ggufcarve.llama.devices import Compute
 from ggufcarve.llama.memory import HOST, DeviceMemory, DryLoad, MemorySettings
 from ggufcarve.moe.keepset import keep_per_block
 from ggufcarve.moe.kept import kept_count_problems
@@ -152,6 +153,7 @@ class FitRow:
         None  # (N, the dry load at --n-cpu-moe N, every layer offloaded) on a llama.cpp with a GPU backend
     )
     placed: Any = None  # placement.search.PlacedMemory: with several GPU budgets, the placement chosen
+    speed: dict[str, Any] | None = None  # --measure-speed: decode_tok_s, prompt_tok_s, speed_placement, speed_of
 
     @property
     def memory_measured(self) -> DeviceMemory | None:
@@ -340,6 +342,7 @@ class FitReport:
                     **({"memory": [d.to_json() for d in r.devices]} if r.devices else {}),
                     **({"gpu": offload.to_json()} if (offload := r.offload) else {}),
                     **self._placement_json(r),
+                    **(r.speed or {}),
                 }
                 for r in self.rows
             ],
@@ -454,14 +457,90 @@ def rung_file_bytes(
     """The size of the file llama-quantize writes for `dry`: the input's keys with
     general.quantization_version and general.file_type set and split keys removed, each tensor's
     rows at its target type (`tensors`, rung_tensors's when not given), padded to the alignment."""
-    tensors = rung_tensors(planned, dry) if tensors is None else tensors
+    header, data_size = _rung_header(planned, rung_tensors(planned, dry) if tensors is None else tensors, ftype)
+    return len(header) + data_size
+
+
+def _rung_header(planned: PlannedFile, tensors: Sequence[TensorHeader], ftype: str) -> tuple[bytes, int]:
+    """The header llama-quantize writes for `planned` at `tensors`' types, and the size of its data."""
     changes: dict[str, Any] = {key: None for key in SPLIT_KEYS}
     changes[Keys.General.QUANTIZATION_VERSION] = make_kv(
         Keys.General.QUANTIZATION_VERSION, GGUFValueType.UINT32, GGML_QUANT_VERSION
     )
     changes[Keys.General.FILE_TYPE] = make_kv(Keys.General.FILE_TYPE, GGUFValueType.UINT32, FILE_TYPES[ftype])
     header, offsets = encode_header(planned.version, replace_kvs(planned.kvs, changes), tensors, planned.alignment)
-    return len(header) + (offsets[-1] + pad_to(tensors[-1].nbytes, planned.alignment) if tensors else 0)
+    return header, (offsets[-1] + pad_to(tensors[-1].nbytes, planned.alignment) if tensors else 0)
+
+
+def sparse_rung_file(model: GGUFModel, layout: MoeLayout, row: FitRow, directory: Path) -> Path:
+    """The rung of `row` as a file llama.cpp loads: its header (every key, every tensor at the type the
+    quantizer's dry run chose) and a hole of its data size, so every weight is zero (a zero-scale block in
+    every quantized type). What it holds is the rung's shapes and types: what a speed depends on."""
+    from gguf.constants import GGMLQuantizationType
+
+    planned = sparse_pruned_header(model, layout, row.kept, directory, vocabulary=True)
+    planned.path.unlink(missing_ok=True)
+    types = dict(row.rung.types)
+    tensors = []
+    for t in planned.tensors:
+        type_id = int(GGMLQuantizationType[types[t.name]]) if t.name in types else t.type_id
+        nbytes = t.nbytes if type_id == t.type_id else ggml_type_row_bytes(type_id, t.shape[0]) * _rows(t.shape)
+        tensors.append(TensorHeader(t.name, t.shape, type_id, nbytes))
+    header, data_size = _rung_header(planned, tensors, row.rung.ftype)
+    path = directory / f"speed-{row.kept}-{row.rung.rung}.gguf"
+    with open(path, "wb") as f:
+        f.write(header)
+        f.truncate(len(header) + data_size)
+    return path
+
+
+# what a --measure-speed figure is of (the zero weights route every token to the same experts)
+SPEED_OF = (
+    "llama-bench on a file of the rung's tensor shapes and types with zero weights (the same experts every token)"
+)
+
+
+def measure_speeds(
+    report: FitReport,
+    bench: Callable[[Path, Compute, tuple[str, ...]], tuple[float, float]],
+    compute: Compute,
+    on_device: bool,
+    on_event: Sink = ignore,
+) -> FitReport:
+    """Every row that fits, timed in its placement by `bench(file, compute, extra flags)` -> (prompt tok/s, decode
+    tok/s) on `sparse_rung_file`: in a GPU tier with the devices here (`on_device`), every layer on them with the
+    row's --n-cpu-moe N (or its last-N -ot) and split; else on the CPU with `compute`."""
+    from dataclasses import replace
+
+    from ggufcarve.placement.search import Placement
+
+    main = report.layout.main_layer_count
+    wanted = [r for r in report.rows if r.fits]
+    rows = list(report.rows)
+    with tempfile.TemporaryDirectory(prefix="ggufcarve-speed-") as tmp:
+        for done, row in enumerate(wanted, 1):
+            placement = row.placed.placement if row.placed is not None else None
+            if placement is None and row.offload is not None and row.offload.n_cpu_moe is not None:
+                placement = Placement(n_cpu_moe=row.offload.n_cpu_moe)
+            if row.tier in GPU_TIERS and on_device and placement is not None:
+                placed = Compute(ALL_LAYERS, compute.rpc, placement.tensor_split, compute.threads)
+                if placement.from_last:
+                    flags: tuple[str, ...] = ("-ot", placement.override_tensor(main) or "")
+                else:
+                    flags = ("-ncmoe", str(placement.n_cpu_moe)) if placement.n_cpu_moe else ()
+                where = {**placement.to_json(main), "label": placement.label()}
+            else:
+                placed, flags = Compute(0, (), (), compute.threads), ()
+                where = {"gpu_layers": 0, "label": "CPU"}
+            path = sparse_rung_file(report.model, report.layout, row, Path(tmp))
+            try:
+                prompt, decode = bench(path, placed, flags)
+            finally:
+                path.unlink(missing_ok=True)
+            speed = {"decode_tok_s": decode, "prompt_tok_s": prompt, "speed_placement": where, "speed_of": SPEED_OF}
+            rows[rows.index(row)] = replace(row, speed=speed)
+            on_event(Event("speed", done, len(wanted), "rows", f"K={row.kept} {row.rung.rung}"))
+    return replace(report, rows=rows)
 
 
 def _rows(shape: Sequence[int]) -> int:

@@ -685,6 +685,43 @@ def _quant_table(inputs: CardInputs) -> list[str]:
     return rows
 
 
+def _speed_rows(inputs: CardInputs) -> list[str]:
+    """Decode and prompt tok/s of every evaluated file, with where they were measured (`speed_placement`)."""
+    measured = [
+        (r["files"][0]["name"], doc)
+        for r in inputs.rungs
+        if (doc := inputs.evaluation.get(r["files"][0]["name"])) and doc.get("tg_tok_s") is not None
+    ]
+    if not measured:
+        return []
+    rows = ["| File | Decode tok/s | Prompt tok/s | Placement |", "|---|---|---|---|"]
+    for name, doc in measured:
+        prompt = f"{doc['pp_tok_s']:.1f}" if doc.get("pp_tok_s") is not None else "–"
+        rows.append(f"| {name} | {doc['tg_tok_s']:.1f} | {prompt} | {_placement_words(doc.get('speed_placement'))} |")
+    speed = measured[0][1].get("speed") or {}
+    method = (
+        f"{speed.get('engine', 'libllama')}: prompt of {speed.get('pp_tokens')} tokens, "
+        f"{speed.get('tg_tokens')} tokens decoded, the median of {len(speed.get('tg_runs') or []) or 1} run(s)"
+    )
+    return [*rows, "", f"Measured by `ggufcarve eval` on the machine that evaluated the files ({method})."]
+
+
+def _placement_words(placement: dict | None) -> str:
+    """llama.devices.Compute.key() in words."""
+    if not placement:
+        return "not recorded"
+    threads = f"{placement['threads']} CPU threads" if placement.get("threads") else "CPU"
+    if not placement.get("gpu_layers"):
+        return threads
+    where = f"{placement['rpc_servers']} RPC server(s)" if placement.get("rpc_servers") else placement.get("backend")
+    split = placement.get("tensor_split") or []
+    return (
+        f"-ngl {placement['gpu_layers']} on {where}"
+        + (f", split {':'.join(f'{x:g}' for x in split)}" if len(split) > 1 else "")
+        + f", {threads}"
+    )
+
+
 def _pareto(docs: list[dict]) -> set[str]:
     """Files on the Pareto front of mean KLD against file size (listing.pareto_front)."""
     return {d["model"]["file"] for d in pareto_front(docs, lambda d: d["model"]["bytes"], lambda d: d["kld_mean"])}
@@ -977,6 +1014,9 @@ def render_card(inputs: CardInputs, settings: CardSettings | None = None) -> str
         "",
         "PPL, KLD and QA from `ggufcarve eval` against the reference named under Limitations; KLD in nats per token.",
     ]
+    speeds = _speed_rows(inputs)
+    if speeds:
+        lines += ["", "### Speed", "", *speeds]
     comparison = _comparison(inputs)
     if comparison:
         lines += ["", "## Pruned vs unpruned", "", *comparison]
