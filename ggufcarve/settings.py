@@ -605,6 +605,18 @@ STABILITY = Setting(
     "Also build each calibration method's keep-sets from each half of the calibration text (one more "
     "pass per half) and report their overlap per block.",
 )
+SEARCH = Setting(
+    "search",
+    Flag(),
+    "Then search from each K's winner: swaps of one kept and one dropped expert in a block, ranked by HOPE's "
+    "pairwise proxy, scored by masking on the calibration text, taken when better beyond noise.",
+)
+SEARCH_PASSES = Setting(
+    "search_passes",
+    Count(minimum=1, example="4"),
+    "The search's budget in passes over the calibration text (chunks decoded; default: what tune itself "
+    "decoded for the K, its calibration pass, held-out reference and tournament, at least 2).",
+)
 IMATRIX = Setting("imatrix", File(example="model.imatrix.gguf"), "An imatrix (GGUF or legacy .dat):")
 COLLECT = Setting(
     "collect", Flag(), "Collect the imatrix from the calibration text (in the selection's pass when it traces)."
@@ -782,6 +794,8 @@ SETTINGS: dict[str, Setting] = {
         PROTECT,
         PROTECT_SUPER_EXPERTS,
         STABILITY,
+        SEARCH,
+        SEARCH_PASSES,
         IMATRIX,
         COLLECT,
         LADDER,

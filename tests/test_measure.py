@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from ggufcarve.errors import BadInput
 from ggufcarve.evaluate import kld
 from ggufcarve.llama.devices import Compute
 from ggufcarve.measure.statistics import Choice, choose_answer, paired_difference
@@ -111,10 +112,10 @@ def test_a_misleading_first_round_does_not_eliminate_the_true_winner(tmp_path):
     estimate the first round ranks it third of four (halving by rank would drop it); by the paired
     test it is within noise of the leader and stays, and wins on every chunk."""
     rng = np.random.default_rng(1)
-    n_chunk = 16
-    base = [rng.gamma(0.5, 0.4, TOKENS) for _ in range(n_chunk)]
+    n_chunk, tokens = 16, 1023  # scored tokens per chunk at n_ctx 2048
+    base = [rng.gamma(0.5, 0.4, tokens) for _ in range(n_chunk)]
     first_round = set(range(0, n_chunk, 2))
-    noise = rng.normal(0, 0.2, (len(first_round), TOKENS))
+    noise = rng.normal(0, 0.5, (len(first_round), tokens))
     noise += 0.004 - noise.mean()  # exactly +0.004 on the first round's tokens
     good = [b + noise[i // 2] if i in first_round else b - 0.03 for i, b in enumerate(base)]
     lucky = [b - 0.002 if i in first_round else b + 0.01 for i, b in enumerate(base)]
@@ -390,3 +391,128 @@ def test_every_round_on_one_file_is_scored_by_the_child_that_loaded_it_once(tmp_
         alone = measure([Candidate(cid, DEMO_MODEL, keep=keep)], segments, settings, tmp_path / cid)
         n = len(got.tables[cid])
         assert np.array_equal(got.table(cid), alone.table(cid, n)) and n >= rounds[0]["units"]
+
+
+def test_chunk_standard_errors_match_a_bootstrap_over_chunks_where_the_token_formula_is_too_small():
+    """Per-token differences with a shared offset per chunk (tokens of one chunk share their context): the
+    per-token formula sd/sqrt(n) is smaller than the spread of the mean by about sqrt(tokens per chunk); the
+    chunk standard error matches the spread of the mean over many draws of the data, and a bootstrap over
+    chunks of one draw."""
+    from ggufcarve.measure.statistics import chunk_stderr, token_stderr
+
+    rng = np.random.default_rng(7)
+    chunks, per_chunk = 40, 127
+
+    def draw() -> np.ndarray:
+        return (rng.normal(0, 0.05, chunks)[:, None] + rng.normal(0, 0.05, (chunks, per_chunk))).reshape(-1)
+
+    means = [draw().mean() for _ in range(2000)]
+    truth = float(np.std(means))  # the spread of the mean itself
+    one = draw()
+    picks = rng.integers(0, chunks, size=(2000, chunks))
+    bootstrap = float(np.std([one.reshape(chunks, per_chunk)[p].mean() for p in picks]))
+    chunked, tokens = chunk_stderr(one, per_chunk), token_stderr(one)
+    assert abs(chunked - bootstrap) < 0.1 * bootstrap and abs(chunked - truth) < 0.25 * truth
+    assert tokens < 0.2 * truth  # sqrt(1 + per_chunk / 2) / 1 = 8x too small here
+    pair = paired_difference(one, np.zeros_like(one), per_chunk)
+    assert pair.stderr == pytest.approx(chunked) and pair.chunks == chunks and pair.tokens == chunks * per_chunk
+
+
+def test_kld_p999_decides_by_the_percentile_and_the_gate_judges_all_chunks(tmp_path):
+    """'spiky' has the lower mean but rare large KLDs; 'even' the lower 99.9th percentile. Ranked by kld_p999,
+    'even' wins beyond noise (the percentile's own bootstrap standard error), ranked by kld_mean 'spiky'. A
+    gate that the first round's chunks fail and all chunks pass does not stop a candidate early."""
+    rng = np.random.default_rng(5)
+    n_chunk = 16
+    even = [np.full(TOKENS, 0.05) + rng.normal(0, 0.002, TOKENS) for _ in range(n_chunk)]
+    spiky = []
+    for _ in range(n_chunk):
+        chunk = np.full(TOKENS, 0.03) + rng.normal(0, 0.002, TOKENS)
+        chunk[rng.integers(0, TOKENS)] = 1.0  # mean 0.038, below even's 0.05; 99.9th percentile 1.0
+        spiky.append(chunk)
+    series = {"even": [even], "spiky": [spiky], "worse": [[c + 0.2 for c in even]]}
+    candidates = [Candidate(cid, Path(f"/x/{cid}.gguf"), file_bytes=1) for cid in series]
+    for metric, winner in (("kld_p999", "even"), ("kld_mean", "spiky")):
+        got = measure(
+            candidates,
+            [segment("a", n_chunk)],
+            MeasureSettings(Compute(threads=1), metric=metric),
+            tmp_path,
+            score_unit=scorer(series),
+        )
+        assert got.groups[""]["winner"] == winner and got.groups[""]["tie_with"] == [], metric
+    # 32 chunks at n_ctx 256: 4 units of 8 chunks, the first round's units 0 and 2 (chunks 0-7 and 16-23)
+    first_round = {*range(0, 8), *range(16, 24)}
+    even32 = even + even
+    late = {
+        "late": [[c + (0.5 if i in first_round else -0.3) + rng.normal(0, 1, TOKENS) for i, c in enumerate(even32)]],
+        "other": [even32],
+        "third": [[c + rng.normal(0, 1, TOKENS) for c in even32]],
+    }
+
+    def gate(stats):
+        return (stats["kld_mean"] < 0.3, [] if stats["kld_mean"] < 0.3 else ["kld_mean"])
+
+    got = measure(
+        [Candidate(cid, Path(f"/x/{cid}.gguf"), file_bytes=1) for cid in late],
+        [segment("a", 32)],
+        MeasureSettings(Compute(threads=1), gate=gate, z=50.0),
+        tmp_path,
+        score_unit=scorer(late),
+    )
+    first = got.groups[""]["rounds"][0]
+    assert first["units"] == 2 and first["kld_mean"]["late"] > 0.3  # the first round's chunks fail the gate
+    assert "late" in got.groups[""]["finalists"] and got.records["late"]["gate_passed"]
+    with pytest.raises(BadInput, match="--z 0 must be > 0"):
+        measure(candidates, [segment("a", n_chunk)], MeasureSettings(Compute(threads=1), z=0.0), tmp_path)
+
+
+def _search_problem(costs: dict[int, np.ndarray], noise: float, seed: int):
+    """score_unit of a keep-set problem whose answer is known: a token's KLD is a base plus, per block, the
+    summed cost of the experts the block drops, plus noise of its own for every keep-set."""
+
+    def score_unit(candidate: Candidate, unit: tuple[int, int, int]) -> np.ndarray:
+        _, first, count = unit
+        loss = sum(float(c.sum() - c[list(candidate.keep[b])].sum()) for b, c in costs.items())
+        key = hash((tuple(sorted((b, tuple(ids)) for b, ids in candidate.keep.items())), first, seed)) % 2**32
+        rng = np.random.default_rng(key)
+        return table(0.05 + loss + rng.normal(0, noise, count * TOKENS))
+
+    return score_unit
+
+
+def test_the_search_reaches_the_best_keep_set_and_takes_no_move_within_noise(tmp_path):
+    """Two blocks of 6 experts keeping 3, each dropped expert adding its cost to every token's KLD: from the
+    worst keep-set the search takes moves until each block keeps its 3 costliest experts (the proxy: the costs
+    on the diagonal of the pair sums), every taken move better beyond noise on all the calibration units. With
+    costs far below the noise, no move is taken."""
+    from ggufcarve.measure.search import SearchSettings, local_search, pairwise_moves
+
+    costs = {0: np.array([0.01, 0.02, 0.03, 0.04, 0.05, 0.06]), 1: np.array([0.06, 0.01, 0.05, 0.02, 0.04, 0.03])}
+    start = {0: (0, 1, 2), 1: (1, 3, 5)}
+    segments = [segment("calibration", 32)]
+    found = local_search(
+        Path("/x/model.gguf"),
+        start,
+        pairwise_moves({b: np.diag(c) for b, c in costs.items()}),
+        segments,
+        MeasureSettings(Compute(threads=1)),
+        SearchSettings(passes=200, moves=4),
+        tmp_path,
+        score_unit=_search_problem(costs, 0.01, 1),
+    )
+    assert found.keep == {0: (3, 4, 5), 1: (0, 2, 4)}
+    assert found.path and all(step["improvement"] > 2 * step["stderr"] for step in found.path)
+    assert found.kld < found.start_kld and found.stopped
+    flat = {b: c * 1e-4 for b, c in costs.items()}
+    still = local_search(
+        Path("/x/model.gguf"),
+        start,
+        pairwise_moves({b: np.diag(c) for b, c in flat.items()}),
+        segments,
+        MeasureSettings(Compute(threads=1)),
+        SearchSettings(passes=3, moves=4),
+        tmp_path,
+        score_unit=_search_problem(flat, 0.5, 2),
+    )
+    assert still.keep == start and still.path == [] and still.kld == still.start_kld

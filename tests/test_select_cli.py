@@ -49,10 +49,11 @@ def test_every_method_selects_a_keep_set_llama_cpp_loads(arch, make_model, llama
         "ean",
         "mone",
         "reap",
+        "hope",
         "razor",
     ):
         extra = ["--imatrix", imatrix] if method.startswith("imatrix") else []
-        if method in ("frequency", "ean", "mone", "reap", "razor"):
+        if method in ("frequency", "ean", "mone", "reap", "hope", "razor"):
             extra = ["--calibration", text, "--ctx", 64, "--max-tokens", 128, "-t", 2]
         selection = tmp_path / f"{method}.json"
         select(model, "--method", method, "--keep", k, *extra, "-o", selection)
@@ -88,7 +89,7 @@ def test_one_pass_criteria_through_score_select_and_merge(make_model, tmp_path):
             "decode": "calibration",
             "consumer": "statistics",
             "asked": method,
-            "statistics": ["frequency", "ean", "ean-sum", "msan", "mone", "reap"],
+            "statistics": ["frequency", "ean", "ean-sum", "msan", "mone", "reap", "hope"],
         }
     # the msan pass and the mone pass fill the same Σ||f||²: one decode, every statistic
     assert docs["msan"]["blocks"]["0"]["sums_sq"] == docs["mone"]["blocks"]["0"]["sums_sq"]

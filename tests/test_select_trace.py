@@ -105,7 +105,7 @@ def test_ean_sum_msan_and_mone_equal_a_hand_computation():
     }
     stats = TraceStatistics("msan", 4)
     stats.add(0, nodes)
-    assert stats.filled == ("frequency", "ean", "ean-sum", "msan", "mone", "reap")
+    assert stats.filled == ("frequency", "ean", "ean-sum", "msan", "mone", "reap", "hope")
     score = {m: stats.blocks(m)[0].score() for m in stats.filled}
     np.testing.assert_allclose(score["ean-sum"], [5.0 + 2.0, 1.0, 1.0, 0.0])
     np.testing.assert_allclose(score["ean"], [3.5, 1.0, 1.0, 0.0])
@@ -554,7 +554,7 @@ def test_one_pass_criteria_equal_numpy_from_llama_cpps_captured_ffn_moe_down(arc
     )
     run = decode(request, what="test")
     captured, stats = run.outputs["nodes"], TraceStatistics.from_arrays(run.outputs["statistics"], layout.expert_count)
-    assert stats.filled == ("frequency", "ean", "ean-sum", "msan", "mone", "reap")
+    assert stats.filled == ("frequency", "ean", "ean-sum", "msan", "mone", "reap", "hope")
     blocks = [b for b in layout.blocks if not layout.is_mtp(b)]
     assert blocks and sorted(stats.counts) == blocks
     for block in blocks:
@@ -580,6 +580,18 @@ def test_one_pass_criteria_equal_numpy_from_llama_cpps_captured_ffn_moe_down(arc
             np.testing.assert_allclose(
                 ours, values, rtol=2e-5, atol=1e-6 * values.max(), err_msg=f"blk.{block} {method}"
             )
+        # hope: token by token, every ordered pair of its selected experts (i = j included)
+        sums = np.zeros((layout.expert_count, layout.expert_count))
+        counts = np.zeros_like(sums)
+        for t in range(len(tokens)):
+            v = weight[t] * np.linalg.norm(down[t], axis=1)
+            for a, i in enumerate(topk[t]):
+                for c, j in enumerate(topk[t]):
+                    sums[i, j] += v[a] * v[c]
+                    counts[i, j] += 1
+        hope = stats.blocks("hope")[block]
+        assert np.array_equal(hope.pair_counts, counts) and counts.trace() == topk.size
+        np.testing.assert_allclose(hope.pair_sums, sums, rtol=2e-5, atol=1e-9 * sums.max(), err_msg=f"blk.{block}")
 
 
 def spearman(a, b):

@@ -411,3 +411,44 @@ def test_a_run_owns_its_candidates_folder(tmp_path):
     assert sorted(p.name for p in (out / "candidates").iterdir()) == sorted(
         f"{c['id']}.json" for c in report["candidates"]
     )
+
+
+@pytest.mark.slow
+def test_tune_search_writes_a_keep_set_scored_on_heldout_text_it_never_chose_by(tmp_path):
+    """tune --search: from the K's winner, moves scored on the calibration text only; its keep-set file prunes,
+    and the pruned file's KLD on the held-out text (ggufcarve eval) equals the search candidate's; another
+    held-out file gives the same search, move for move."""
+    heldout_b = tmp_path / "heldout-b.txt"
+    heldout_b.write_text((DATA / "heldout.txt").read_text()[::-1][:6000])
+    reports = {}
+    for name, heldout in (("a", DATA / "heldout.txt"), ("b", heldout_b)):
+        out = tmp_path / name
+        run = ggufcarve(
+            "tune", MODEL, "--calibration", DATA / "calibration.txt", "--heldout", heldout, "--keep", "8",
+            "--methods", "reap,frequency", "--ctx", CTX, "--chunks", CHUNKS, "--search", "--search-passes", "2",
+            "-o", out, "-q",
+        )  # fmt: skip
+        assert run.code == 0, run.stderr
+        reports[name] = json.loads((out / "tune.json").read_text())
+    report = reports["a"]
+    found = next(c for c in report["candidates"] if c["method"] == "search")
+    assert found["id"] == "search-8" and found["chunks_scored"] == CHUNKS
+    search = found["search"]
+    start = report["halving"][0]["winner"]
+    assert search["start"] == start and search["passes"] == 2 and search["steps"] >= 1
+    assert (
+        search["start_calibration_kld_mean"] > 0
+        and search["calibration_kld_mean"] <= search["start_calibration_kld_mean"]
+    )
+    other = next(c for c in reports["b"]["candidates"] if c["method"] == "search")["search"]
+    assert (other["path"], other["calibration_kld_mean"]) == (search["path"], search["calibration_kld_mean"])
+    keep_file = tmp_path / "a" / "candidates" / "search-8.json"
+    pruned = tmp_path / "pruned.gguf"
+    assert ggufcarve("prune", MODEL, "--keep", keep_file, "-o", pruned, "-q").code == 0
+    run = ggufcarve(
+        "eval", pruned, "--reference", MODEL, "--heldout", DATA / "heldout.txt", "--ctx", CTX, "--chunks", CHUNKS,
+        "--speed-runs", "0", "-o", tmp_path / "eval",
+    )  # fmt: skip
+    assert run.code == 0, run.stderr
+    evaluated = json.loads((tmp_path / "eval" / "pruned.json").read_text())
+    assert found["kld_mean"] == pytest.approx(evaluated["kld_mean"], rel=1e-4)

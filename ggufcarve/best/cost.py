@@ -29,6 +29,16 @@ def active_fraction(model: Any, layout: Any) -> float:
     return (total - experts + experts * layout.expert_used_count / layout.expert_count) / total
 
 
+def token_read_bytes(path: Path) -> int:
+    """The bytes of `path` one token reads: every tensor but the routed experts, and top-k of the file's own
+    experts (a pruned file reads k of its K, the unpruned rung k of its E)."""
+    from ggufcarve.gguf.container import read_model
+    from ggufcarve.moe.layout import inspect_layout
+
+    model = read_model(path)
+    return round(model.total_bytes * active_fraction(model, inspect_layout(model)))
+
+
 def measure_speed(
     source: Path, plan: Plan, settings: BestSettings, work: Path, on_event: Sink = ignore
 ) -> dict[str, Any]:

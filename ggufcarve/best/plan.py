@@ -13,7 +13,7 @@ from ggufcarve.best.candidates import PRUNED, Candidate
 from ggufcarve.errors import BadInput
 from ggufcarve.events import Sink, ignore
 from ggufcarve.llama.devices import Compute
-from ggufcarve.measure.statistics import DEFAULT_Z, METRICS, PREFERENCES
+from ggufcarve.measure.statistics import DEFAULT_Z, METRICS, PREFERENCES, check_z
 from ggufcarve.select.criteria import BEST_DEFAULT
 from ggufcarve.settings import key, required
 
@@ -164,6 +164,7 @@ def plan_best(source: Path, settings: BestSettings, *, on_event: Sink = ignore) 
             f"--prefer {settings.prefer!r} is not one of {', '.join(PREFERENCES)}",
             "smaller answers a tie within noise with the smaller file",
         )
+    check_z(settings.z)
     if settings.confirm < 0:
         raise BadInput(f"--confirm {settings.confirm}: a count of runners-up", "give 0 to confirm the winner alone")
     if not settings.heldout:

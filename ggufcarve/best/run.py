@@ -28,6 +28,7 @@ The answer: the finalist with the lowest metric, or among those tied with it wit
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from dataclasses import dataclass, field
@@ -36,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from ggufcarve.best.builds import build_pruned, build_rungs, keep_sets, run_command, tensor_types
 from ggufcarve.best.candidates import PRUNED, UNPRUNED
-from ggufcarve.best.cost import STAGES, active_fraction, device_words, projection
+from ggufcarve.best.cost import STAGES, device_words, projection, token_read_bytes
 from ggufcarve.best.plan import BestSettings, Plan, built_record, plan_best
 from ggufcarve.errors import BadInput, ToolFailed
 from ggufcarve.evaluate.kld import SEGMENT_KEYS
@@ -242,7 +243,7 @@ def _candidate_records(
     layout = plan.layout
     records: dict[str, dict[str, Any]] = {}
     pool: list[mt.Candidate] = []
-    fraction = active_fraction(plan.model, layout)  # of a file's bytes one token reads: prefer = "faster"
+    read = functools.cache(token_read_bytes)  # bytes one token reads of each file (prefer = "faster")
     for c in plan.candidates:
         if c.family == UNPRUNED:
             if wanted is not None and c.id not in wanted:
@@ -264,9 +265,7 @@ def _candidate_records(
                 "path": path,
             }
             pool.append(
-                mt.Candidate(
-                    c.id, path, None, fits=records[c.id]["fits"], file_bytes=size, read_bytes=int(size * fraction)
-                )
+                mt.Candidate(c.id, path, None, fits=records[c.id]["fits"], file_bytes=size, read_bytes=read(path))
             )
             continue
         differ = plan.types[(c.kept, c.quant)]
@@ -303,7 +302,7 @@ def _candidate_records(
                         keepset.layers,
                         fits=c.fits,
                         file_bytes=c.file_bytes,
-                        read_bytes=int(c.file_bytes * fraction),
+                        read_bytes=read(rungs[c.quant]),  # a mask reads what its rung reads: top-k of its experts
                         required_nodes=nodes,
                     )
                 )
@@ -324,9 +323,7 @@ def _candidate_records(
                     **built_record(path, settings, plan.tier),
                     memory_estimated_total=c.estimated_total,
                 )
-                pool.append(
-                    mt.Candidate(cid, path, None, fits=record["fits"], file_bytes=size, read_bytes=int(size * fraction))
-                )
+                pool.append(mt.Candidate(cid, path, None, fits=record["fits"], file_bytes=size, read_bytes=read(path)))
     return records, pool
 
 
@@ -423,7 +420,7 @@ def _confirm(
         file_record = confirm.records[f"{cid}@file"]
         masked_table, file_table = measured.table(cid), confirm.table(f"{cid}@file")
         pair = (
-            paired_difference(file_table[:, column], masked_table[:, column])
+            paired_difference(file_table[:, column], masked_table[:, column], measured.per_chunk)
             if len(masked_table) == len(file_table)
             else None
         )

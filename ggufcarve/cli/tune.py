@@ -64,6 +64,10 @@ def tune_command(
     ] = None,
     max_tokens: Annotated[int | None, option(S.MAX_TOKENS)] = None,
     stability: Annotated[bool, option(S.STABILITY)] = False,
+    search: Annotated[
+        bool, option(S.SEARCH, "Written as candidates/search-<K>.json and scored on the held-out text.")
+    ] = False,
+    search_passes: Annotated[int | None, option(S.SEARCH_PASSES)] = None,
     threads: ThreadsOption = None,
     gpu_layers: GpuLayersOption = 0,
     rpc: RpcOption = None,
@@ -95,6 +99,8 @@ def tune_command(
         max_tokens=max_tokens,
         compute=S.compute(threads, gpu_layers, rpc, tensor_split),
         stability=stability,
+        search=search,
+        search_passes=search_passes,
     )
     with progress(not quiet and not as_json) as sink:
         result = tune(model, settings, output, on_event=sink)
@@ -121,6 +127,12 @@ def tune_command(
                 note = f"  (= {c['identical_to']})" if c["identical_to"] else ""
                 stopped = f"  stopped after {c['chunks_scored']} chunk(s)" if c["stopped_early"] else ""
                 halves = f"  halves overlap {c['stability']['overlap']:.3f}" if "stability" in c else ""
+                if "search" in c:
+                    found = c["search"]
+                    halves = (
+                        f"  from {found['start']}: {len(found['path'])} move(s), calibration KLD "
+                        f"{found['start_calibration_kld_mean']:.4f} -> {found['calibration_kld_mean']:.4f}"
+                    )
                 out.print(
                     f"  {c['method']:<15} mean KLD {c['kld_mean']:.4f} ± "
                     f"{c['kld_mean_stderr']:.4f}  99.9% {c['kld_p999']:.4f}  "

@@ -19,13 +19,15 @@ candidates always share the units the shorter of them was scored on.
 
 Rounds of a group of C candidates over U units: the first scores max(S, ceil(U / 2^(ceil(log2 C) - 1)))
 units (S the number of held-out files), each next one twice as many, the last every unit. After
-each round but the last: a candidate that does not fit the budget or fails the gate leaves; every
-other candidate is compared with the round's leader (the lowest metric on the round's units) by
-the paired per-token difference (`measure.statistics`) and leaves only when worse by more than z
-standard errors. A group with one candidate left goes to the last round at once. In the last
-round the candidates left (the finalists) are scored on every unit; the leader is the lowest
-metric, `ties` the finalists within z standard errors of it, and the winner the one of those that
-`prefer` names (the smaller file by default).
+each round but the last: a candidate that does not fit the budget leaves; every other candidate
+is compared with the round's leader (the lowest metric on the round's units among those that fit)
+by the paired difference of the metric's own statistic (`measure.statistics`: the mean, or the
+percentile of kld_p999; standard errors over chunks) and leaves only when worse by more than z
+standard errors. The gate judges a candidate on all the units, once: the candidates left after the
+last round pass it or are no finalists. A group with one candidate left goes to the last round at
+once. In the last round the candidates left are scored on every unit; the leader is the lowest
+metric among the finalists, `ties` the finalists within z standard errors of it, and the winner the
+one of those that `prefer` names (the smaller file by default).
 
 Tables are cached by content when `MeasureSettings.tables` names a directory: a candidate's table
 on a unit is keyed by the sha256 of its model file, its keep-set, the reference's identity, the unit
@@ -54,6 +56,7 @@ from ggufcarve.measure.statistics import (
     METRICS,
     Choice,
     PairedDifference,
+    check_z,
     choose_answer,
     metric_column,
     paired_difference,
@@ -92,6 +95,8 @@ class MeasureSettings:
     gate: Callable[[dict[str, Any]], tuple[bool, list[str]]] | None = None  # statistics -> (passed, failed checks)
     tables: Path | None = None  # the content-keyed cache of per-unit tables
     keep_loaded: int | None = None  # model bytes kept loaded between rounds; None: `loaded_budget(compute)`
+    first_units: int | None = None  # units of the first round; None: the module docstring's rule
+    never_leave: tuple[str, ...] = ()  # candidates halving never stops (the search's current keep-set)
 
 
 def loaded_budget(compute: Compute) -> int:
@@ -120,7 +125,12 @@ class Measurement:
     def statistics_on(self, cid: str, n_units: int) -> dict[str, Any]:
         """The candidate's statistics on the first `n_units` units (every candidate that was scored on that many
         shares them)."""
-        return _statistics(self.table(cid, n_units), [], [])
+        return _statistics(self.table(cid, n_units), [], [], self.per_chunk)
+
+    @property
+    def per_chunk(self) -> int:
+        """Tokens scored per chunk (every held-out file is scored at one chunk size)."""
+        return _scored_per_chunk(self.segments[0].n_ctx) if self.segments else 1
 
     def chunks_in(self, n_units: int) -> int:
         return sum(count for _, _, count in self.units[:n_units])
@@ -153,13 +163,16 @@ def spread_units(segments: Sequence[Segment], n_seq: int) -> list[tuple[int, int
     return out
 
 
-def schedule(n_candidates: int, n_units: int, n_files: int = 1) -> list[int]:
-    """The units scored by each round's end, for a group of `n_candidates` (module docstring)."""
+def schedule(n_candidates: int, n_units: int, n_files: int = 1, first_units: int | None = None) -> list[int]:
+    """The units scored by each round's end, for a group of `n_candidates` (module docstring); `first_units`:
+    the first round's instead (the search's steps start on one unit)."""
     if n_units <= 0:
         return []
     if n_candidates <= 1:
         return [n_units]
     first = min(n_units, max(n_files, math.ceil(n_units / 2 ** max(0, math.ceil(math.log2(n_candidates)) - 1))))
+    if first_units is not None:
+        first = min(n_units, max(1, first_units))
     rounds = []
     n = first
     while n < n_units:
@@ -169,8 +182,14 @@ def schedule(n_candidates: int, n_units: int, n_files: int = 1) -> list[int]:
     return rounds
 
 
-def _statistics(table: np.ndarray, names: list[str], per_segment: list[np.ndarray]) -> dict[str, Any]:
+def _statistics(
+    table: np.ndarray, names: list[str], per_segment: list[np.ndarray], per_chunk: int | None = None
+) -> dict[str, Any]:
+    """A candidate's statistics on its table; the standard errors over chunks of `per_chunk` tokens
+    (`measure.statistics`; llama-perplexity's per-token kld_mean_stderr kept as kld_mean_stderr_tokens)."""
+    from ggufcarve.evaluate import kld
     from ggufcarve.evaluate.kld import kld_statistics, segment_statistics
+    from ggufcarve.measure.statistics import chunk_stderr
 
     if len(table) < 2:
         return {
@@ -183,14 +202,17 @@ def _statistics(table: np.ndarray, names: list[str], per_segment: list[np.ndarra
             "tokens": len(table),
         }
     stats = kld_statistics(table)
+    per_chunk = per_chunk or 1
+    whole = len(table) - len(table) % per_chunk
     out = {
         "kld_mean": stats.kld_mean,
-        "kld_mean_stderr": stats.kld_mean_stderr,
+        "kld_mean_stderr": chunk_stderr(table[:whole, kld.KLD], per_chunk),
+        "kld_mean_stderr_tokens": stats.kld_mean_stderr,
         "kld_p999": stats.kld["p999"],
         "kld_p99": stats.kld["p99"],
         "same_top_p": stats.same_top_p,
         "ppl": stats.ppl,
-        "ppl_stderr": stats.ppl_stderr,
+        "ppl_stderr": stats.ppl * chunk_stderr(table[:whole, kld.NLL], per_chunk),  # delta method, over chunks
         "ppl_reference": stats.ppl_base,
         "rms_dp": stats.rms_dp,
         "tokens": stats.count,
@@ -285,6 +307,7 @@ class _Scorer:
             for cid, n in upto.items():
                 for unit in range(len(self.tables[cid]), n):
                     self.tables[cid].append(self.score_unit(self.candidates[cid], self.units[unit]))
+                    self.decoded += self.units[unit][2]
             return
         pending: dict[Path, list[tuple[str, list[int]]]] = {}
         for cid, n in upto.items():
@@ -388,6 +411,7 @@ def measure(
             f"--metric {settings.metric!r} is not one of {', '.join(METRICS)}",
             "kld_mean ranks by mean KLD against the unpruned model",
         )
+    check_z(settings.z)
     ids = [c.id for c in candidates]
     if len(set(ids)) != len(ids):
         raise BadInput(
@@ -399,11 +423,14 @@ def measure(
     units = spread_units(segments, chunks_per_unit(n_ctx))
     names = [s.name for s in segments]
     column = metric_column(settings.metric)
+    per_chunk = _scored_per_chunk(n_ctx)
     scorer = _Scorer(by_id, segments, units, settings, work, on_event, score_unit)
     groups: dict[str, list[str]] = {}
     for c in candidates:
         groups.setdefault(c.group, []).append(c.id)
-    plans = {g: schedule(len(members), len(units), len(segments)) for g, members in groups.items()}
+    plans = {
+        g: schedule(len(members), len(units), len(segments), settings.first_units) for g, members in groups.items()
+    }
     alive = {g: list(members) for g, members in groups.items()}
     records: dict[str, dict[str, Any]] = {
         cid: {
@@ -450,10 +477,9 @@ def measure(
             scorer.score(wanted)
             for g, (n, last) in current.items():
                 for cid in alive[g]:
-                    stats[cid] = _statistics(table_of(cid, n), [], [])
+                    stats[cid] = _statistics(table_of(cid, n), [], [], per_chunk)
                 ranked = sorted(alive[g], key=lambda c: (metric_value(stats[c], settings.metric), c))
-                verdicts = {cid: judge(cid) for cid in ranked}
-                eligible = [cid for cid in ranked if by_id[cid].fits and verdicts[cid][0]]
+                eligible = [cid for cid in ranked if by_id[cid].fits]
                 leader = eligible[0] if eligible else ranked[0]  # the best candidate that can be the answer
                 entry: dict[str, Any] = {
                     "units": n,
@@ -468,9 +494,9 @@ def measure(
                 diffs: dict[str, PairedDifference] = {}
                 for cid in ranked:
                     diffs[cid] = (
-                        paired_difference(table_of(cid, n)[:, column], leader_values)
+                        paired_difference(table_of(cid, n)[:, column], leader_values, per_chunk, settings.metric)
                         if cid != leader
-                        else PairedDifference(0.0, 0.0, len(leader_values))
+                        else PairedDifference(0.0, 0.0, len(leader_values), len(leader_values) // per_chunk)
                     )
                     if cid != leader:
                         entry["delta_vs_leader"][cid] = diffs[cid].to_json()
@@ -479,14 +505,11 @@ def measure(
                 if not last:
                     keep = []
                     for cid in ranked:
-                        passed, failed = verdicts[cid]
                         reason = (
                             "budget"
                             if not by_id[cid].fits
-                            else "gate"
-                            if not passed
                             else "halving"
-                            if diffs[cid].worse_beyond(settings.z)
+                            if diffs[cid].worse_beyond(settings.z) and cid not in settings.never_leave
                             else None
                         )
                         if reason is None:
@@ -496,10 +519,9 @@ def measure(
                             stopped_early=True,
                             stopped_reason=reason,
                             lost_by=diffs[cid].mean if cid != leader else None,
-                            gate_failed=failed if reason == "gate" else [],
                         )
                         entry["left"][cid] = reason
-                    if not keep:  # every candidate left for the budget or the gate: the group ends with no finalist
+                    if not keep:  # every candidate left for the budget: the group ends with no finalist
                         done[g] = True
                     alive[g] = keep
                 else:
@@ -523,9 +545,14 @@ def measure(
                 for s in range(len(segments))
             ]
             records[cid].update(
-                _statistics(table, names, per_segment), units_scored=n, chunks_scored=sum(u[2] for u in units[:n])
+                _statistics(table, names, per_segment, per_chunk),
+                units_scored=n,
+                chunks_scored=sum(u[2] for u in units[:n]),
             )
-            passed, failed = judge(cid) if records[cid].get("kld_mean") is not None else (True, [])
+            stats[cid] = records[cid]
+            # the gate on every unit, for the candidates scored on all of them (a partial table is no verdict)
+            judged = records[cid].get("kld_mean") is not None and n == len(units)
+            passed, failed = judge(cid) if judged else (True, [])
             records[cid].update(gate_passed=passed, gate_failed=failed)
         finalists = [
             cid
@@ -552,7 +579,10 @@ def measure(
             ties = [
                 cid
                 for cid in finalists
-                if cid != leader and paired_difference(table_of(cid)[:, column], leader_values).within(settings.z)
+                if cid != leader
+                and paired_difference(table_of(cid)[:, column], leader_values, per_chunk, settings.metric).within(
+                    settings.z
+                )
             ]
             winner = choose_answer(choices, ties, settings.prefer)
             tie_with = sorted({leader, *ties} - {winner})

@@ -148,6 +148,15 @@ CRITERIA: dict[str, Criterion] = {
             "REAP, arXiv 2510.13999",
         ),
         Criterion(
+            "hope",
+            CALIBRATION_PASS,
+            True,
+            True,
+            "pairwise: per block the E x E mean of g_i ||f_i|| g_j ||f_j|| over tokens routing to both i and j; "
+            "drops the experts whose quadratic form is smallest (relaxed to [0, 1]^E, then rounded), per K",
+            "HOPE, arXiv 2609.18916",
+        ),
+        Criterion(
             "razor",
             RAZOR_PASS,
             True,

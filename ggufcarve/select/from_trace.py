@@ -14,6 +14,8 @@ ffn_moe_weights_norm, ffn_moe_weights_softmax, ffn_moe_weights present in the gr
     mone       n_e x mean over routed (t, j) of ||f - mu_e||^2             statistic "mone"
                (n_e the routed count, mu_e the mean of e's outputs)
     reap       mean over routed (t, j) of g_tj ||f||, g the applied weight  statistic "mean"
+    hope       per pair (i, j) of experts both routed for t (i = j too):   statistic "pairwise"
+               the sum of v_ti v_tj, v = g ||f||, and the count of such t
     razor      conditional RMS over routed (t, j) of                       statistic "rms"
                δ = λ ||w_j r_j - w_r r_r|| / max(1 - w_j + w_r, 1e-6)
 with, for token t: w = applied weights / λ, c = Σ_j w_j f_j, r_j = f_j - c; the refill expert
@@ -26,8 +28,8 @@ over all experts).
 Every criterion also records the largest |f| element per expert (REAP's max activation).
 
 One pass fills several criteria (`filled_by`): a frequency pass captures ffn_moe_topk only; any
-other pass captures ffn_moe_down and the weights and fills frequency, ean, ean-sum, msan, mone and
-reap together (razor's pass adds razor). All fold per micro-batch from the float32 capture: the
+other pass captures ffn_moe_down and the weights and fills frequency, ean, ean-sum, msan, mone,
+reap and hope together (razor's pass adds razor). All fold per micro-batch from the float32 capture: the
 per-(t, j) norms and squared norms in float32, summed per expert in float64; mone's Σ f per expert
 as float32 sums of each expert's rows of the micro-batch, added to a float64 [E, n_embd]
 accumulator (no float64 copy of ffn_moe_down).
@@ -69,9 +71,21 @@ STATISTIC = {
     "msan": "mean_square",
     "mone": "mone",
     "reap": "mean",
+    "hope": "pairwise",
     "razor": "rms",
 }
-ACCUMULATORS = ("counts", "norms", "squares", "gated", "outputs", "deltas", "deltas_sq", "maxima")
+ACCUMULATORS = (
+    "counts",
+    "norms",
+    "squares",
+    "gated",
+    "outputs",
+    "deltas",
+    "deltas_sq",
+    "maxima",
+    "pair_sums",
+    "pair_counts",
+)
 WEIGHT_NODES = ("ffn_moe_weights_scaled", "ffn_moe_weights_norm", "ffn_moe_weights_softmax", "ffn_moe_weights")
 DELTA_FLOOR = 1e-6
 # captures a batched criterion (razor) holds across micro-batches, over all blocks: its refill
@@ -155,6 +169,8 @@ class TraceStatistics:
     deltas: dict[int, np.ndarray] = field(default_factory=dict)  # razor: Σ δ
     deltas_sq: dict[int, np.ndarray] = field(default_factory=dict)  # razor: Σ δ²
     maxima: dict[int, np.ndarray] = field(default_factory=dict)
+    pair_sums: dict[int, np.ndarray] = field(default_factory=dict)  # hope: Σ v_i v_j [E, E], v = g ||f||
+    pair_counts: dict[int, np.ndarray] = field(default_factory=dict)  # hope: tokens routing to both [E, E]
 
     @property
     def batched(self) -> bool:
@@ -205,7 +221,12 @@ class TraceStatistics:
         if not any(name in nodes for name in WEIGHT_NODES):
             return
         weights, scale = applied_weights(nodes)
-        self._zeros(self.gated, block)[:] += np.bincount(flat, weights=(weights * norms).reshape(-1), minlength=n)
+        gated = weights * norms  # [T, k]
+        self._zeros(self.gated, block)[:] += np.bincount(flat, weights=gated.reshape(-1), minlength=n)
+        pairs = (topk[:, :, None] * n + topk[:, None, :]).reshape(-1)  # (i, j) of every token's selected pairs
+        products = (gated[:, :, None] * gated[:, None, :]).reshape(-1)
+        self._zeros(self.pair_sums, block, n)[:] += np.bincount(pairs, weights=products, minlength=n * n).reshape(n, n)
+        self._zeros(self.pair_counts, block, n)[:] += np.bincount(pairs, minlength=n * n).reshape(n, n)
         if self.method != "razor":
             return
         deltas = self.razor_deltas(block, nodes, topk, outputs, weights, scale).reshape(-1)
@@ -312,6 +333,16 @@ class TraceStatistics:
                 )
             elif method == "reap":
                 out[b] = BlockStats(method, statistic, counts=counts, sums=self._zeros(self.gated, b), maxima=maxima)
+            elif method == "hope":
+                n = self.expert_count
+                out[b] = BlockStats(
+                    method,
+                    statistic,
+                    counts=counts,
+                    maxima=maxima,
+                    pair_sums=self._zeros(self.pair_sums, b, n),
+                    pair_counts=self._zeros(self.pair_counts, b, n),
+                )
             else:
                 out[b] = BlockStats(
                     method,

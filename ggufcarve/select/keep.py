@@ -178,6 +178,11 @@ def choose(
                 f"blk.{block}: {len(held)} protected experts in {where} but only {quota} can be kept",
                 "protect fewer experts or keep more",
             )
+        stats = scores.blocks[block]
+        if stats.statistic == "pairwise":  # HOPE: a set per quota, not a ranking
+            from ggufcarve.select.hope import hope_keep
+
+            return hope_keep(stats.pair_matrix(), members, quota, mine)
         return rank_experts(per_block[block], members, mine)[:quota]
 
     keepset = keep_per_block(layout, kept, pick, selection=f"{scores.method}, top {kept}")

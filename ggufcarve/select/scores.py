@@ -40,8 +40,8 @@ from ggufcarve.reports import read_json
 
 SCHEMA = "ggufcarve.expert-scores"
 SCHEMA_VERSION = 1
-STATISTICS = ("count", "mean", "rms", "mean_square", "sum", "mone", "value", "rank")
-ARRAYS = ("counts", "sums", "sums_sq", "output_sums", "maxima")
+STATISTICS = ("count", "mean", "rms", "mean_square", "sum", "mone", "value", "rank", "pairwise")
+ARRAYS = ("counts", "sums", "sums_sq", "output_sums", "maxima", "pair_sums", "pair_counts")
 # Parameters that may differ between shards of one calibration run.
 SHARD_PARAMETERS = ("max_tokens", "chunks")
 
@@ -129,6 +129,10 @@ class BlockStats:
     maxima: np.ndarray | None = None  # float64: largest value seen (REAP's max activation)
     note: str = ""
     output_sums: np.ndarray | None = None  # float64 [n_expert, n_embd]: sum of each expert's outputs (mone)
+    # float64 [n_expert, n_expert] (hope): sum over tokens routing to both i and j of g_i ||f_i|| g_j ||f_j||,
+    # and how many such tokens (i = j: the expert's own tokens)
+    pair_sums: np.ndarray | None = None
+    pair_counts: np.ndarray | None = None
 
     def score(self) -> np.ndarray:
         """float64 score per expert; experts never routed score 0."""
@@ -136,6 +140,8 @@ class BlockStats:
             return self._need("counts").astype(np.float64)
         if self.statistic in ("value", "sum", "rank"):
             return self._need("sums").astype(np.float64)
+        if self.statistic == "pairwise":  # the diagonal: mean (g ||f||)^2 over the expert's tokens
+            return np.diag(self.pair_matrix()).copy()
         counts = self._need("counts").astype(np.float64)
         safe = np.where(counts > 0, counts, 1.0)
         if self.statistic == "mean":
@@ -145,6 +151,11 @@ class BlockStats:
             return np.where(counts > 0, np.maximum(spread, 0.0), 0.0)
         mean_square = np.where(counts > 0, self._need("sums_sq") / safe, 0.0)
         return np.sqrt(mean_square) if self.statistic == "rms" else mean_square
+
+    def pair_matrix(self) -> np.ndarray:
+        """HOPE's F: the mean of g_i ||f_i|| g_j ||f_j|| over tokens routing to both i and j, 0 where none does."""
+        sums, counts = self._need("pair_sums"), self._need("pair_counts")
+        return np.where(counts > 0, sums / np.where(counts > 0, counts, 1.0), 0.0)
 
     def _need(self, name: str) -> np.ndarray:
         value = getattr(self, name)
@@ -183,6 +194,8 @@ class BlockStats:
             sums=add(self.sums, other.sums),
             sums_sq=add(self.sums_sq, other.sums_sq),
             output_sums=add(self.output_sums, other.output_sums),
+            pair_sums=add(self.pair_sums, other.pair_sums),
+            pair_counts=add(self.pair_counts, other.pair_counts),
             maxima=None if self.maxima is None else np.maximum(self.maxima, other.maxima),
         )
 
@@ -276,13 +289,16 @@ class ExpertScores:
             if s.statistic not in STATISTICS:
                 raise BadInput(f"blk.{b}: unknown statistic {s.statistic!r}", f"one of {', '.join(STATISTICS)}")
             for name, values in s.arrays().items():
+                pairs = name in ("pair_sums", "pair_counts")
                 if (
                     values.shape[:1] != (n,)
-                    or values.ndim != (2 if name == "output_sums" else 1)
+                    or values.ndim != (2 if name == "output_sums" or pairs else 1)
+                    or (pairs and values.shape != (n, n))
                     or not np.isfinite(values).all()
                 ):
+                    shape = f"{n} x {n}" if pairs else f"{n}"
                     raise BadInput(
-                        f"blk.{b}: {name} must be {n} finite values, got shape {values.shape}",
+                        f"blk.{b}: {name} must be {shape} finite values, got shape {values.shape}",
                         "the scores file is corrupt",
                     )
 

@@ -15,11 +15,13 @@ when its estimate exceeds `select.greedy.REFUSE_SHARE` of it (`fit_greedy`). Eac
 keep-set at each K (`select.keep.choose`, the record `select -o` writes); identical keep-sets are
 scored once (`identical_to`). The measurement layer (`measure.tournament`) scores them against
 the unpruned model's cached log-probs, masked on the one loaded model: per K the candidates compete
-by successive halving decided by the paired per-token KLD difference to each round's leader
-(`delta_vs_leader`, `delta_stderr`, one entry per round); the statistics are llama-perplexity's
-(`evaluate.kld.kld_statistics`) over every held-out token a candidate was scored on. The winner
-of a K is the finalist with the lowest mean KLD, `tie_with` the finalists within z standard
-errors of it; `expert-selection.json` is the winner at the first K given.
+by successive halving decided by the paired difference of the metric's statistic to each round's
+leader (`delta_vs_leader`, `delta_stderr`, one entry per round; standard errors over chunks,
+`measure.statistics`); the statistics are llama-perplexity's (`evaluate.kld.kld_statistics`) over
+every held-out token a candidate was scored on, their standard errors over chunks (the per-token
+one as `kld_mean_stderr_tokens`). The winner of a K is the finalist with the lowest mean KLD,
+`tie_with` the finalists within z standard errors of it; `expert-selection.json` is the winner at
+the first K given.
 """
 
 from __future__ import annotations
@@ -61,6 +63,8 @@ class TuneSettings:
     z: float = (
         DEFAULT_Z  # a candidate leaves a round when worse than the leader by more than z standard errors (paired)
     )
+    search: bool = key(S.SEARCH, False)  # then the local search from each K's winner (tune.search)
+    search_passes: int | None = key(S.SEARCH_PASSES, None)
     imatrix_out: Path | None = None  # also write the calibration pass's imatrix (of the unpruned model) here
     available_memory: int | None = None  # bytes greedy's pass may count on; None: select.greedy.available_memory()
 
@@ -97,10 +101,30 @@ def parse_keeps(text: str) -> tuple[int, ...]:
     return keeps
 
 
+# what a candidate's entry of tune.json takes from its measurement record
+RECORD_KEYS = (
+    "kld_mean",
+    "kld_mean_stderr",
+    "kld_mean_stderr_tokens",
+    "kld_p999",
+    "same_top_p",
+    "ppl",
+    "ppl_stderr",
+    "tokens",
+    "segments",
+    "chunks_scored",
+    "stopped_early",
+    "stopped_reason",
+    "delta_vs_leader",
+    "delta_stderr",
+)
+
+
 def calibration_scores(
     model: Any, layout: Any, settings: TuneSettings, work: Path, on_event: Sink
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The scores of every asked method, and the calibration pass's record."""
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """The scores of every asked method, the calibration pass's record, and the scores of every criterion the
+    pass filled (with `settings.search`, a pass that fills hope's, the search's proxy, runs in any case)."""
     from ggufcarve.select.calibrate import calibrate_all
     from ggufcarve.select.methods import score_model
 
@@ -109,7 +133,8 @@ def calibration_scores(
     wants_imatrix = any(m in IMATRIX_METHODS for m in methods) or settings.imatrix_out is not None
     out: dict[str, Any] = {}
     passed: dict[str, Any] = {}
-    if traced or wants_imatrix:
+    filled: dict[str, Any] = {}
+    if traced or wants_imatrix or settings.search:
         if not settings.calibration:
             raise BadInput(
                 f"{', '.join(traced or [m for m in methods if m in IMATRIX_METHODS])} read(s) a calibration pass",
@@ -121,7 +146,15 @@ def calibration_scores(
         asked = (
             "razor"
             if "razor" in traced
-            else (output_methods[0] if output_methods else "greedy" if "greedy" in traced else "frequency")
+            else (
+                output_methods[0]
+                if output_methods
+                else "greedy"
+                if "greedy" in traced
+                else "hope"
+                if settings.search
+                else "frequency"
+            )
         )
         imatrix = (settings.imatrix_out or work / "calibration.imatrix.gguf") if wants_imatrix else None
         started = time.perf_counter()
@@ -153,7 +186,7 @@ def calibration_scores(
     for m in methods:
         if m in ZERO_SHOT:
             out[m] = score_model(model, layout, m, seed=settings.seed, on_event=on_event)
-    return {m: out[m] for m in methods}, passed
+    return {m: out[m] for m in methods}, passed, filled
 
 
 def split_text(path: Path) -> tuple[str, str]:
@@ -279,11 +312,17 @@ def tune(source: Path, settings: TuneSettings, out_dir: Path, *, on_event: Sink 
     """Run the tournament and write tune.json, tune.md, tune-kld.png, candidates/ and expert-selection.json under
     `out_dir`."""
     from ggufcarve.gguf.container import read_model
+    from ggufcarve.measure.statistics import check_z
     from ggufcarve.moe.kept import kept_count
     from ggufcarve.moe.layout import inspect_layout
 
     if not settings.heldout:
         raise BadInput("tune scores keep-sets on held-out text", "give --heldout FILE (repeatable)")
+    check_z(settings.z)
+    if settings.search:
+        from ggufcarve.tune.search import check_search
+
+        check_search(settings.calibration)
     if out_dir.exists() and not out_dir.is_dir():
         raise BadInput(
             f"-o {out_dir} is a file; tune writes a folder of results there",
@@ -352,7 +391,7 @@ def _tune(
     from ggufcarve.select.keep import choose
 
     timings: dict[str, float] = {}
-    scores, passed = calibration_scores(model, layout, settings, work, on_event)
+    scores, passed, filled = calibration_scores(model, layout, settings, work, on_event)
     timings["calibration_seconds"] = passed.get("seconds", 0.0)
     halves: list[dict[str, Any]] = []
     if settings.stability:
@@ -420,6 +459,15 @@ def _tune(
         on_event=on_event,
     )
     timings["score_seconds"] = measured.seconds
+    searched: list[dict[str, Any]] = []
+    if settings.search:
+        from ggufcarve.tune.search import search_winners
+
+        search_started = time.perf_counter()
+        searched = search_winners(
+            model, layout, settings, filled["hope"], measured, segments, keep_of, compute, work, out_dir, on_event
+        )
+        timings["search_seconds"] = time.perf_counter() - search_started
     common = {}
     for method in scores:
         ids = [c["identical_to"] or c["id"] for c in candidates if c["method"] == method]
@@ -430,26 +478,7 @@ def _tune(
     for entry in candidates:
         source_id = entry["identical_to"] or entry["id"]
         record = measured.records[source_id]
-        entry.update(
-            {
-                key: record.get(key)
-                for key in (
-                    "kld_mean",
-                    "kld_mean_stderr",
-                    "kld_p999",
-                    "same_top_p",
-                    "ppl",
-                    "ppl_stderr",
-                    "tokens",
-                    "segments",
-                    "chunks_scored",
-                    "stopped_early",
-                    "stopped_reason",
-                    "delta_vs_leader",
-                    "delta_stderr",
-                )
-            }
-        )
+        entry.update({key: record.get(key) for key in RECORD_KEYS})
         entry.update(
             ppl_base=record.get("ppl_reference"),
             kld_mean_per_file=[seg["kld_mean"] for seg in record.get("segments", [])],
@@ -461,6 +490,28 @@ def _tune(
     for entry in candidates:
         if entry["id"] in winners.values():
             entry.update(winner=True, tie_with=measured.records[entry["id"]]["tie_with"])
+    for found in searched:
+        record = found["record"]
+        entry = {
+            "id": found["id"],
+            "method": "search",
+            "K": found["K"],
+            "identical_to": None,
+            **{key: record.get(key) for key in RECORD_KEYS},
+            "ppl_base": record.get("ppl_reference"),
+            "kld_mean_per_file": [seg["kld_mean"] for seg in record.get("segments", [])],
+            "kld_mean_common": record.get("kld_mean"),
+            "winner": False,
+            "tie_with": [],
+            "search": found["search"],
+        }
+        candidates.append(entry)
+        texts[found["id"]] = found["text"]
+        if found["search"]["beats_start"]:  # the K's winner is worse than the search's result beyond noise
+            start = next(c for c in candidates if c["id"] == found["search"]["start"])
+            start.update(winner=False, tie_with=[])
+            entry["winner"] = True
+            winners[str(found["K"])] = found["id"]
     winner = winners[str(settings.keeps[0])]
     if winner is None:
         raise BadInput("no candidate was scored on every held-out chunk", "give longer held-out text")
@@ -504,6 +555,8 @@ def _tune(
             "max_tokens": settings.max_tokens,
             "seed": settings.seed,
             "stability": settings.stability,
+            "search": settings.search,
+            "search_passes": settings.search_passes,
         },
         results=results,
         timings=timings,
