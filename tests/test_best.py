@@ -515,3 +515,30 @@ def test_keep_and_chunk_ctx_speak_the_shared_vocabulary(tmp_path):
     assert {c["kept_experts"] for c in _json.loads(given.stdout)["candidates"]} == {8, 16}
     both = ggufcarve("best", *common, "--chunk-ctx", "128", "--eval-ctx", "128")
     assert both.code != 0 and "--chunk-ctx and --eval-ctx name the same thing" in both.stderr
+
+
+@pytest.mark.slow
+def test_best_search_starts_from_the_winner_and_answers_only_when_better_on_heldout_text(tmp_path):
+    """best --search: a search from the tournament's masked winner on the calibration text; its keep-set is
+    a candidate of its own that prunes; it is the answer exactly when the winner is worse than it beyond noise
+    on the held-out text, and an answer scored by mask is confirmed by its built file (llama.cpp's judgement)."""
+    text = HELDOUT.read_text(encoding="utf-8")
+    cut = text.find("\n", len(text) // 2) + 1
+    first, second = tmp_path / "heldout-a.txt", tmp_path / "heldout-b.txt"
+    first.write_text(text[:cut], encoding="utf-8")
+    second.write_text(text[cut:], encoding="utf-8")
+    out = tmp_path / "best"
+    arguments = best_arguments(first, second, out)
+    arguments[arguments.index("frequency,weights")] = "weights"
+    result = ggufcarve("best", *arguments, "--search", "--search-passes", 1, "--quiet")
+    assert result.code == 0, result.stderr[-3000:]
+    report = json.loads((out / "best.json").read_text())
+    found = report["search"]
+    assert found["searched"] and found["passes"] == 1
+    candidate = next(c for c in report["candidates"] if c["id"] == found["candidate"])
+    assert candidate["selection"] == "search" and found["start"] == candidate["id"].removesuffix("-search")
+    assert (report["winner"]["id"] == found["candidate"]) == found["beats_start"]
+    if report["winner"]["scored_by"] == "mask":
+        assert report["winner"]["confirmed"]["chunks"] == 2 * CHUNKS
+    pruned = tmp_path / "searched.gguf"
+    assert ggufcarve("prune", DEMO_MODEL, "--keep", out / candidate["keep_set"], "-o", pruned, "-q").code == 0

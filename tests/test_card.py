@@ -328,7 +328,7 @@ def test_an_unfinished_release_fails_with_what_is_missing(built, tmp_path):
 
 
 def test_metadata_is_read_from_the_ggufs_general_keys_and_never_invented():
-    from ggufcarve.release.card import CardSettings, resolve_metadata
+    from ggufcarve.release.card_metadata import CardSettings, resolve_metadata
 
     keys = {
         "general.name": "Hf",
@@ -369,7 +369,7 @@ def test_metadata_is_read_from_the_ggufs_general_keys_and_never_invented():
 
 def test_card_settings_refuse_what_the_hub_refuses(tmp_path):
     from ggufcarve.errors import BadInput
-    from ggufcarve.release.card import CardSettings
+    from ggufcarve.release.card_metadata import CardSettings
 
     for bad in (
         CardSettings(base_model="Hf"),
@@ -428,7 +428,7 @@ def _card_inputs(gates: dict[str, tuple[str, float, int]], unpruned: dict[str, t
     """CardInputs of a release of 6-of-8-expert rungs: rung -> (gate, mean KLD, bytes), and the
     unpruned models compared with them: quant -> (mean KLD, bytes)."""
     from ggufcarve.moe.keepset import KEY_KEPT_COUNT, KEY_SOURCE_EXPERT_COUNT
-    from ggufcarve.release.card import CardInputs
+    from ggufcarve.release.card_inputs import CardInputs
 
     def doc(file, quant, kld, size, pruned, gate=None):
         return {

@@ -184,9 +184,9 @@ def test_speed_under_an_offloading_placement_needs_a_device(rpc_servers, llama_t
         "rpc_servers": 1,
         "threads": 2,
     }
-    from ggufcarve.release.card import _placement_words
+    from ggufcarve.release.card_tables import placement_words
 
-    assert _placement_words(doc["speed_placement"]) == "-ngl 99 on 1 RPC server(s), 2 CPU threads"
+    assert placement_words(doc["speed_placement"]) == "-ngl 99 on 1 RPC server(s), 2 CPU threads"
 
 
 def test_an_rpc_server_that_goes_away_is_one_line_naming_it_and_the_stage(tmp_path):

@@ -1087,7 +1087,8 @@ def test_card_front_matter_and_tables_match_manifest_and_evaluation(release, rel
 
 
 def test_card_describes_a_prune():
-    from ggufcarve.release.card import CardInputs, render_card
+    from ggufcarve.release.card import render_card
+    from ggufcarve.release.card_inputs import CardInputs
 
     keys = {
         "general.architecture": "qwen3moe",

@@ -228,7 +228,7 @@ def test_loops_column_in_the_card_and_the_gate_text():
     from types import SimpleNamespace
 
     from ggufcarve.evaluate.gate import Gate
-    from ggufcarve.release.card import GATE_TEXT, _quant_table
+    from ggufcarve.release.card_tables import GATE_TEXT, quant_table
 
     loops = {
         "looped": 2,
@@ -254,11 +254,11 @@ def test_loops_column_in_the_card_and_the_gate_text():
         {"name": "Q4_K_M", "files": [{"name": "m-Q4_K_M.gguf", "bytes": 2**20}], "sha256": "ab" * 32},
         {"name": "Q2_K", "files": [{"name": "m-Q2_K.gguf", "bytes": 2**19}], "sha256": "cd" * 32},
     ]
-    rows = _quant_table(SimpleNamespace(rungs=rungs, evaluation={"m-Q4_K_M.gguf": doc}))
+    rows = quant_table(SimpleNamespace(rungs=rungs, evaluation={"m-Q4_K_M.gguf": doc}))
     assert rows[0].endswith("| sha256 | Loops |") and rows[1].endswith("|---|")
     assert rows[2].endswith("| 2/10 (ref 1/10) |") and rows[3].endswith("| – |")  # the second rung was not evaluated
     assert "ends in a block of p <= 64 tokens repeated over at least max(32 tokens, 3 repeats)" in rows[-1]
-    without = _quant_table(SimpleNamespace(rungs=rungs, evaluation={"m-Q4_K_M.gguf": {**doc, "loops": None}}))
+    without = quant_table(SimpleNamespace(rungs=rungs, evaluation={"m-Q4_K_M.gguf": {**doc, "loops": None}}))
     assert not any("Loops" in row for row in without)
     verdict = Gate({"max_loop_share_increase": 0.05, "max_loop_share": 0.5}, "gate.toml").judge(doc)
     assert verdict.failed == ["loop_share_increase 0.1 > 0.05"] and verdict.passed == ["max_loop_share"]

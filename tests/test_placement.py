@@ -153,8 +153,8 @@ def _free_of(llama_tools, endpoint: str) -> int:
 
 
 def test_a_built_winner_over_its_budget_gives_way_to_the_next_finalist_that_fits():
+    from ggufcarve.best.finalists import rechecked
     from ggufcarve.best.plan import BestSettings
-    from ggufcarve.best.run import _rechecked
 
     def record(cid, kld, fits, built=True):
         memory = [{"device": "RPC0", "total": 9 * 2**30}, {"device": HOST, "total": 2**30}]
@@ -162,28 +162,28 @@ def test_a_built_winner_over_its_budget_gives_way_to_the_next_finalist_that_fits
 
     records = {"a": record("a", 0.01, False), "b": record("b", 0.02, True), "c": record("c", 0.015, True, built=False)}
     settings = BestSettings(memory=2**34, ladder=Path("q8-to-iq1"), heldout=())
-    winner = _rechecked(records, {"winner": "a", "finalists": ["a", "b", "c"]}, settings)
+    winner = rechecked(records, {"winner": "a", "finalists": ["a", "b", "c"]}, settings)
     assert winner["id"] == "b" and records["a"]["winner"] is False and records["b"]["winner"] is True
     assert "RPC0 9663676416 B" in records["a"]["replaced_because"] and records["b"]["replaces"]["id"] == "a"
     fitting = {"a": record("a", 0.01, True)}
-    assert _rechecked(fitting, {"winner": "a", "finalists": ["a"]}, settings) is fitting["a"]
+    assert rechecked(fitting, {"winner": "a", "finalists": ["a"]}, settings) is fitting["a"]
 
 
 def test_min_decode_and_prefer_faster_use_the_measured_speed():
+    from ggufcarve.best.finalists import rechecked
     from ggufcarve.best.plan import BestSettings
-    from ggufcarve.best.run import _rechecked
 
     def record(cid, kld, speed, ties=()):
         return {"id": cid, "kld_mean": kld, "built": True, "fits": True, "decode_tok_s": speed, "tie_with": list(ties)}
 
     slow = {"a": record("a", 0.01, 5.0, ties=["b"]), "b": record("b", 0.011, 50.0)}
     settings = BestSettings(memory=2**34, ladder=Path("q8-to-iq1"), heldout=(), min_decode=20)
-    assert _rechecked(slow, {"winner": "a", "finalists": ["a", "b"]}, settings)["id"] == "b"
+    assert rechecked(slow, {"winner": "a", "finalists": ["a", "b"]}, settings)["id"] == "b"
     assert "below --min-decode 20" in slow["a"]["replaced_because"]
     tied = {"a": record("a", 0.01, 5.0, ties=["b"]), "b": record("b", 0.011, 50.0)}
     faster = BestSettings(memory=2**34, ladder=Path("q8-to-iq1"), heldout=(), prefer="faster")
-    assert _rechecked(tied, {"winner": "a", "finalists": ["a", "b"]}, faster)["id"] == "b"
+    assert rechecked(tied, {"winner": "a", "finalists": ["a", "b"]}, faster)["id"] == "b"
     assert "decodes faster" in tied["b"]["replaces"]["because"]
     smaller = BestSettings(memory=2**34, ladder=Path("q8-to-iq1"), heldout=())
     kept = {"a": record("a", 0.01, 5.0, ties=["b"]), "b": record("b", 0.011, 50.0)}
-    assert _rechecked(kept, {"winner": "a", "finalists": ["a", "b"]}, smaller)["id"] == "a"
+    assert rechecked(kept, {"winner": "a", "finalists": ["a", "b"]}, smaller)["id"] == "a"

@@ -255,7 +255,8 @@ def test_several_files_need_a_gguf_reference_and_distinct_names(reference, q8_mo
 
 
 def test_card_shows_each_files_mean_kld(runs, q8_moe, texts):
-    from ggufcarve.release.card import CardInputs, render_card
+    from ggufcarve.release.card import render_card
+    from ggufcarve.release.card_inputs import CardInputs
 
     out = runs["base"] / "both"
     docs = {d["model"]["file"]: d for d in (json.loads(p.read_text()) for p in out.glob("*.json"))}
@@ -355,7 +356,7 @@ def test_the_measurement_layer_records_each_files_statistics(tmp_path):
 
 
 def test_tune_md_shows_each_files_kld():
-    from ggufcarve.tune.run import render_markdown
+    from ggufcarve.tune.report import render_markdown
 
     def candidate(method, kld_mean, per_file, winner=False):
         return {

@@ -26,7 +26,7 @@ def _title_inside(fig):
 def test_every_method_has_its_own_colour_and_marker_over_several_keeps():
     from matplotlib.colors import to_rgba
 
-    from ggufcarve.tune.run import tune_figure
+    from ggufcarve.tune.report import tune_figure
 
     fig = tune_figure(_candidates([4, 6, 8]), METHODS)
     lines = [line for line in fig.axes[0].get_lines() if line.get_label() in METHODS]
@@ -37,7 +37,7 @@ def test_every_method_has_its_own_colour_and_marker_over_several_keeps():
 
 
 def test_a_single_keep_is_one_bar_per_method():
-    from ggufcarve.tune.run import tune_figure
+    from ggufcarve.tune.report import tune_figure
 
     fig = tune_figure(_candidates([8]), METHODS)
     ax = fig.axes[0]

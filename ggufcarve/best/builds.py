@@ -145,6 +145,7 @@ def keep_sets(
     the methods and the pass settings) matches the one recorded: a re-run at other K values
     chooses its keep-sets from them without a pass. Returns the keep-sets, the pass's seconds and
     whether the pass was reused."""
+    from ggufcarve.best.search import PROXY_SCORES
     from ggufcarve.fileio import sha256_file_cached, write_text_atomic
     from ggufcarve.select.keep import choose
     from ggufcarve.select.scores import read_scores
@@ -157,6 +158,7 @@ def keep_sets(
             "methods": list(settings.methods),
             "ctx": settings.eval_ctx,
             "max_tokens": settings.max_tokens,
+            **({"search": True} if settings.search else {}),  # the pass also keeps the search's proxy
         }
     )
     directory = work / "keep-sets"
@@ -165,7 +167,11 @@ def keep_sets(
     scores: dict[str, Any] | None = None
     try:
         previous = json.loads(record.read_text())
-        if previous["key"] == key and imatrix.is_file():
+        if (
+            previous["key"] == key
+            and imatrix.is_file()
+            and (not settings.search or (directory / PROXY_SCORES).is_file())
+        ):
             scores = {m: read_scores(directory / name) for m, name in previous["scores"].items()}
     except (OSError, ValueError, KeyError, TypeError, CarveError):
         scores = None
@@ -180,10 +186,13 @@ def keep_sets(
             max_tokens=settings.max_tokens,
             compute=settings.compute,
             imatrix_out=imatrix,
+            search=settings.search,
         )
-        scores = calibration_scores(plan.model, plan.layout, tune_settings, work, on_event)[0]
+        scores, _, filled = calibration_scores(plan.model, plan.layout, tune_settings, work, on_event)
         for method, method_scores in scores.items():
             write_text_atomic(directory / f"{method}.scores.json", method_scores.dumps())
+        if settings.search:
+            write_text_atomic(directory / PROXY_SCORES, filled["hope"].dumps())
         write_text_atomic(
             record,
             json.dumps({"key": key, "scores": {m: f"{m}.scores.json" for m in scores}}, indent=1, sort_keys=True)

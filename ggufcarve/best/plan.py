@@ -46,6 +46,8 @@ class BestSettings:
     confirm: int = 1  # runners-up built and scored as files besides the winner
     prefer: str = "smaller"  # among candidates tied with the leader: smaller | faster | metric
     min_decode: float | None = None  # tok/s the answer must decode at, measured in its placement
+    search: bool = key(S.SEARCH, False)  # then the local search from the winner (best.search)
+    search_passes: int | None = key(S.SEARCH_PASSES, None)
     z: float = DEFAULT_Z
 
 
@@ -165,6 +167,10 @@ def plan_best(source: Path, settings: BestSettings, *, on_event: Sink = ignore) 
             "smaller answers a tie within noise with the smaller file",
         )
     check_z(settings.z)
+    if settings.search:
+        from ggufcarve.tune.search import check_search
+
+        check_search(settings.calibration)
     if settings.confirm < 0:
         raise BadInput(f"--confirm {settings.confirm}: a count of runners-up", "give 0 to confirm the winner alone")
     if not settings.heldout:

@@ -113,7 +113,7 @@ def markdown(report: dict[str, Any]) -> str:
             lines += [
                 f"Tie within noise: {', '.join(w['tie_with'])} differ from it by "
                 f"less than {r['parameters']['z']:g} standard errors of the paired "
-                f"per-token difference; the answer is the {r['parameters']['prefer']} of them.",
+                f"difference (over chunks); the answer is the {r['parameters']['prefer']} of them.",
                 "",
             ]
         if w.get("confirmed"):
@@ -121,6 +121,21 @@ def markdown(report: dict[str, Any]) -> str:
             lines += [
                 f"Confirmed as a file: masked mean KLD {k['masked_kld_mean']:.4f}, the "
                 f"built file {k['file_kld_mean']:.4f} ± {k['file_kld_mean_stderr']:.4f}.",
+                "",
+            ]
+        found = r.get("search")
+        if found and found.get("searched"):
+            moves = sum(len(p["moves"]) for p in found["path"])
+            verdict = (
+                "better beyond noise there: it is the answer"
+                if found["beats_start"]
+                else "not better beyond noise there: the answer stays the tournament's"
+            )
+            lines += [
+                f"Search from {found['start']} (`--search`): {moves} move(s) taken, calibration mean KLD "
+                f"{found['start_calibration_kld_mean']:.4f} -> {found['calibration_kld_mean']:.4f} in "
+                f"{found['passes_used']:.1f} passes ({found['stopped']}); on the held-out text {verdict} "
+                f"(difference {found['heldout_vs_start']['mean']:+.4f} ± {found['heldout_vs_start']['stderr']:.4f}).",
                 "",
             ]
         lines += [f"    {' '.join(w['run_command']['argv'])}", ""]

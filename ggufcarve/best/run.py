@@ -35,11 +35,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ggufcarve.best.builds import build_pruned, build_rungs, keep_sets, run_command, tensor_types
+from ggufcarve.best.builds import build_pruned, build_rungs, keep_sets, run_command
 from ggufcarve.best.candidates import PRUNED, UNPRUNED
 from ggufcarve.best.cost import STAGES, device_words, projection, token_read_bytes
+from ggufcarve.best.finalists import confirm, measure_speeds, rechecked
 from ggufcarve.best.plan import BestSettings, Plan, built_record, plan_best
-from ggufcarve.errors import BadInput, ToolFailed
+from ggufcarve.errors import BadInput
 from ggufcarve.evaluate.kld import SEGMENT_KEYS
 from ggufcarve.events import Sink, ignore
 
@@ -51,7 +52,6 @@ if TYPE_CHECKING:  # imported where used: the measurement layer imports numpy
 REPORT = "best"
 CHART = "best-pareto.png"
 # a confirmed file's mean KLD may differ from its masked score by max(2 standard errors, this share)
-CONFIRM_RELATIVE = 0.01
 SELECTION_RULE = (
     "successive halving over held-out units by the paired per-token difference to each round's leader; among the "
     "finalists that run in the tier ranked in (memory as llama.cpp allocates it: weights, cache, compute and output "
@@ -161,10 +161,17 @@ def best(
     timings["builds_seconds"] = time.perf_counter() - t0
 
     measured = None
+    searched: dict[str, Any] | None = None
     if wanted is None:
         measured, segments, measure_settings, tournament_timings = _tournament(search, records, pool, compute, gate)
         timings.update(tournament_timings)
-        timings["confirmation_seconds"], confirm_builds = _confirm(
+        if settings.search and measured.groups[""]["winner"] is not None:
+            from ggufcarve.best.search import search_winner
+
+            t0 = time.perf_counter()
+            searched = search_winner(search, records, measured, segments, measure_settings, rungs, compute)
+            timings["search_seconds"] = time.perf_counter() - t0
+        timings["confirmation_seconds"], confirm_builds = confirm(
             search, records, rungs, measured, segments, measure_settings
         )
         timings["builds_seconds"] += confirm_builds  # the confirmations' builds count as builds
@@ -174,13 +181,15 @@ def best(
     winner = None
     if measured is not None and measured.groups[""]["winner"] is not None:
         t0 = time.perf_counter()
-        _speeds(search, records, measured.groups[""], compute)
+        measure_speeds(search, records, measured.groups[""], compute)
         timings["speed_seconds"] = time.perf_counter() - t0
-        winner = _rechecked(records, measured.groups[""], settings)
+        winner = rechecked(records, measured.groups[""], settings)
     _complete_records(records, settings)
     timings["total_seconds"] = time.perf_counter() - started
 
     report = _report(search, records, winner, measured, timings, wanted, reused, previous_timings)
+    if searched is not None:
+        report["search"] = searched
     outputs = _write_outputs(search, report, winner) if wanted is None else []
     return BestResult(report, outputs)
 
@@ -374,165 +383,6 @@ def _tournament(
                 lost_by=None,
             )
     return measured, segments, measure_settings, timings
-
-
-def _confirm(
-    search: _Search,
-    records: dict[str, dict[str, Any]],
-    rungs: dict[str, Path],
-    measured: mt.Measurement,
-    segments: list[mt.Segment],
-    measure_settings: mt.MeasureSettings,
-) -> tuple[float, float]:
-    """The winner and the first `confirm` other finalists by metric, those scored by mask: each built as a file and
-    scored on every chunk, its record given the file and `confirmed`. A file whose mean KLD lies further than
-    max(2 of its standard errors, CONFIRM_RELATIVE of the masked mean) from the masked one is a ToolFailed. Returns
-    the seconds of scoring the files and the seconds of building them."""
-    from ggufcarve.measure import tournament as mt
-    from ggufcarve.measure.statistics import metric_column, paired_difference
-
-    plan, settings = search.plan, search.settings
-    confirmations: list[str] = []
-    decision = measured.groups[""]
-    t0 = time.perf_counter()
-    finalists = sorted(
-        (cid for cid in decision["finalists"]),
-        key=lambda cid: (mt.metric_value(records[cid], settings.metric), cid),
-    )
-    if decision["winner"] is not None:
-        runners = [cid for cid in finalists if cid != decision["winner"] and records[cid]["scored_by"] == "mask"][
-            : settings.confirm
-        ]
-        confirmations = [cid for cid in (decision["winner"], *runners) if records[cid]["scored_by"] == "mask"]
-    column = metric_column("kld_mean")
-    confirm_builds = 0.0
-    for cid in confirmations:
-        r = records[cid]
-        keep_file = search.out_dir / r["keep_set"]
-        built_at = time.perf_counter()
-        path = search.pruned_rung(keep_file, r["kept_experts"], r["quant"], r["selection"])
-        confirm_builds += time.perf_counter() - built_at
-        unpruned_types = tensor_types(rungs[r["quant"]])
-        mismatched = sorted(n for n, t in tensor_types(path).items() if unpruned_types.get(n) != t)
-        confirm = mt.measure(
-            [mt.Candidate(f"{cid}@file", path, None)], segments, measure_settings, search.work, on_event=search.on_event
-        )
-        file_record = confirm.records[f"{cid}@file"]
-        masked_table, file_table = measured.table(cid), confirm.table(f"{cid}@file")
-        pair = (
-            paired_difference(file_table[:, column], masked_table[:, column], measured.per_chunk)
-            if len(masked_table) == len(file_table)
-            else None
-        )
-        size = path.stat().st_size
-        estimated_total = r["memory"][0]["total"] if r.get("memory") else None
-        r.update(
-            built=True,
-            path=path,
-            file_bytes=size,
-            **built_record(path, settings, plan.tier),
-            memory_estimated_total=estimated_total,
-            confirmed={
-                "masked_kld_mean": r["kld_mean"],
-                "file_kld_mean": file_record["kld_mean"],
-                "file_kld_mean_stderr": file_record["kld_mean_stderr"],
-                "paired_difference": pair.to_json() if pair else None,
-                "types_mismatched": mismatched[:8],
-                "file_segments": file_record.get("segments"),
-                "chunks": file_record["chunks_scored"],
-            },
-        )
-        tolerance = max(2 * file_record["kld_mean_stderr"], CONFIRM_RELATIVE * r["kld_mean"])
-        if abs(file_record["kld_mean"] - r["kld_mean"]) > tolerance:
-            raise ToolFailed(
-                f"{cid}: masked mean KLD {r['kld_mean']:.6f} but its built "
-                f"file {path.name} measures {file_record['kld_mean']:.6f} "
-                f"(more than {tolerance:.6f} apart)"
-                + (
-                    f"; tensors of another type than the unpruned rung's: {', '.join(mismatched[:4])}"
-                    if mismatched
-                    else ""
-                ),
-                "score this candidate by its file: a masked score stands for "
-                "the pruned file only where llama-quantize chose the same types",
-            )
-    return time.perf_counter() - t0 - confirm_builds, confirm_builds
-
-
-def _speeds(search: _Search, records: dict[str, dict[str, Any]], decision: dict[str, Any], compute: Compute) -> None:
-    """Decode and prompt tok/s of every built finalist in its placement on this machine's devices,
-    measured by llama-bench (its own method), as `decode_tok_s` and `prompt_tok_s`: every layer on
-    the devices (and --n-cpu-moe N) where the finalist runs in a GPU tier and a device is here,
-    else on the CPU. Without llama-bench, or with layers offloaded where llama-bench sees no
-    device, the figures are None and `speed_note` says why."""
-    from ggufcarve.evaluate.speed import BENCH_METHOD, bench_speed
-    from ggufcarve.llama.devices import Compute
-    from ggufcarve.llama.tools import find_tool
-    from ggufcarve.placement.offload import GPU_TIERS
-    from ggufcarve.placement.search import ALL_LAYERS
-
-    settings = search.settings
-    tool = find_tool("llama-bench", settings.llama_cpp_dir)
-    for cid in decision["finalists"]:
-        r = records[cid]
-        r.setdefault("decode_tok_s", None)
-        r.setdefault("prompt_tok_s", None)
-        if not r.get("built") or not r.get("path"):
-            continue
-        if tool is None:
-            r["speed_note"] = "not measured: llama-bench is not built (ggufcarve toolchain build)"
-            continue
-        on_device = r.get("tier") in GPU_TIERS and bool(compute.offloads or compute.rpc)
-        n_cpu_moe = (r.get("n_cpu_moe") or 0) if on_device else 0
-        placed = Compute(ALL_LAYERS, compute.rpc, compute.tensor_split, compute.threads) if on_device else compute
-        flags = ("-ncmoe", str(n_cpu_moe)) if n_cpu_moe else ()
-        try:
-            speed = bench_speed(tool, Path(r["path"]), BENCH_METHOD, placed, flags)
-        except BadInput as refused:  # layers offloaded but no device seen: no CPU figure under a GPU's name
-            r["speed_note"] = f"not measured: {refused}"
-            continue
-        r["decode_tok_s"], r["prompt_tok_s"] = speed.tg_tok_s, speed.pp_tok_s
-        r["speed_placement"] = {"gpu_layers": placed.gpu_layers, "n_cpu_moe": n_cpu_moe, "rpc_servers": len(placed.rpc)}
-
-
-def _rechecked(records: dict[str, dict[str, Any]], decision: dict[str, Any], settings: BestSettings) -> dict[str, Any]:
-    """The winner, re-checked once built: its measured memory per device (`fits` of its built record)
-    is the budget check, its measured decode speed the --min-decode one. Failing one, the next built
-    finalist by metric that passes both takes its place, and both records say why. With --prefer
-    faster, a finalist tied with the winner within noise that decodes faster (measured) is taken."""
-    from ggufcarve.measure import tournament as mt
-
-    first = records[decision["winner"]]
-    finalists = sorted(decision["finalists"], key=lambda cid: (mt.metric_value(records[cid], settings.metric), cid))
-
-    def failing(r: dict[str, Any]) -> str | None:
-        if r.get("built") and not r.get("fits", True):
-            over = ", ".join(f"{m['device']} {m['total']} B" for m in r.get("memory", [])) or "its measured memory"
-            return f"built, it does not fit in the tier ranked in: {over} (llama.cpp's dry load of the file)"
-        speed = r.get("decode_tok_s")
-        if settings.min_decode is not None and (speed is None or speed < settings.min_decode):
-            measured = "not measured" if speed is None else f"{speed:.1f} tok/s"
-            return f"it decodes at {measured}, below --min-decode {settings.min_decode:g}"
-        return None
-
-    why = failing(first)
-    chosen = first
-    if why is not None:
-        chosen = next((records[c] for c in finalists if records[c].get("built") and failing(records[c]) is None), first)
-    elif settings.prefer == "faster" and first.get("decode_tok_s") is not None:
-        tied = [records[c] for c in first.get("tie_with") or [] if c in records]
-        faster = [r for r in tied if (r.get("decode_tok_s") or 0) > first["decode_tok_s"] and failing(r) is None]
-        if faster:
-            chosen = max(faster, key=lambda r: r["decode_tok_s"])
-            why = f"tied within noise, {chosen['id']} decodes faster ({chosen['decode_tok_s']:.1f} tok/s, measured)"
-    if chosen is not first:
-        first["winner"] = False
-        first["replaced_because"] = why
-        chosen["winner"] = True
-        chosen["replaces"] = {"id": first["id"], "because": why}
-    elif why is not None:
-        first["answer_note"] = f"no finalist passes once built: {why}"
-    return chosen
 
 
 def _complete_records(records: dict[str, dict[str, Any]], settings: BestSettings) -> None:

@@ -187,9 +187,18 @@ def best_command(
     z: Annotated[
         float,
         typer.Option(
-            "--z", help="Standard errors of the paired difference beyond which a candidate is worse (halving, ties)."
+            "--z",
+            help="Standard errors of the paired difference (over chunks) beyond which a candidate is worse "
+            "(halving, ties, the search's moves); > 0.",
         ),
     ] = 2.0,
+    search: Annotated[
+        bool,
+        option(
+            S.SEARCH, "From the winner when it is pruned and scored by mask; it must then beat it on held-out text."
+        ),
+    ] = False,
+    search_passes: Annotated[int | None, option(S.SEARCH_PASSES)] = None,
     only: Annotated[
         list[str] | None,
         option(
@@ -260,6 +269,8 @@ def best_command(
         confirm=confirm,
         prefer=prefer,
         min_decode=min_decode,
+        search=search,
+        search_passes=search_passes,
         z=z,
     )
     with progress(not quiet and not as_json) as sink:
@@ -409,6 +420,16 @@ def best_command(
         out.print(
             f"tie within noise: {', '.join(w['tie_with'])} (within {settings.z:g} "
             f"standard errors); the answer is the {settings.prefer} of them",
+            highlight=False,
+            markup=False,
+        )
+    found = report.get("search")
+    if found and found.get("searched"):
+        moves = sum(len(p["moves"]) for p in found["path"])
+        out.print(
+            f"search from {found['start']}: {moves} move(s), calibration KLD {found['start_calibration_kld_mean']:.4f}"
+            f" -> {found['calibration_kld_mean']:.4f}; on held-out text "
+            + ("better beyond noise: the answer" if found["beats_start"] else "not better beyond noise"),
             highlight=False,
             markup=False,
         )

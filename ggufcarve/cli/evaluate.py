@@ -251,7 +251,8 @@ def card_command(
     """Write the Hugging Face model card RELEASE/README.md from the manifest, the method reports and the evaluation,
     and record it in the release."""
     from ggufcarve.errors import BadInput
-    from ggufcarve.release.card import CardSettings, card_warnings, record_card, write_card
+    from ggufcarve.release.card import card_warnings, record_card, write_card
+    from ggufcarve.release.card_metadata import CardSettings
 
     settings = CardSettings(
         base_model=base_model,

@@ -160,7 +160,7 @@ def _tune_json(plan: RunPlan) -> dict:
 
 
 def _tune_table(report: dict) -> None:
-    from ggufcarve.tune.run import left_out_lines, ranked
+    from ggufcarve.tune.report import left_out_lines, ranked
 
     for k in report["keeps"]:
         table = new_table(

@@ -77,7 +77,8 @@ def tune_command(
     as_json: JsonOption = False,
 ) -> None:
     """Score every criterion's keep-set at every K against the unpruned model, by masking; write the winner."""
-    from ggufcarve.tune.run import TuneSettings, left_out_lines, parse_keeps, parse_methods, ranked, tune
+    from ggufcarve.tune.report import left_out_lines, ranked
+    from ggufcarve.tune.run import TuneSettings, parse_keeps, parse_methods, tune
 
     if (output / "tune.json").exists() and not force:
         raise OutputError(

@@ -63,7 +63,7 @@ from typing import Any
 from ggufcarve import settings as S
 from ggufcarve.errors import BadInput
 from ggufcarve.llama.devices import CPU, Compute
-from ggufcarve.release.card import CardSettings
+from ggufcarve.release.card_metadata import CardSettings
 from ggufcarve.settings import PLAN_HINT, Keep, key, read_table, table_keys
 
 try:

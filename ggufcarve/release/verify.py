@@ -369,7 +369,7 @@ def card_front_matter(text: str) -> tuple[dict[str, Any] | None, str | None]:
 def card_problems(d: Path, text: str) -> tuple[list[str], list[str]]:
     """(failures, warnings) of a card as the Hugging Face Hub reads it: YAML front matter,
     base_model a repo id, license an identifier the Hub accepts, relative links to files present."""
-    from ggufcarve.release.card import HF_LICENSES, valid_repo_id
+    from ggufcarve.release.card_metadata import HF_LICENSES, valid_repo_id
 
     failures: list[str] = []
     warnings: list[str] = []
