@@ -88,7 +88,7 @@ def test_tune_winner_equals_eval_of_the_pruned_file(tmp_path):
     assert (out / "tune-kld.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     winner = candidates[report["winner"]]
     assert winner["winner"] and winner["chunks_scored"] == CHUNKS and not winner["stopped_early"]
-    # three distinct keep-sets; a candidate leaves a round only when its paired per-token KLD
+    # three distinct keep-sets; a candidate leaves a round only when its paired KLD
     # difference to the round's leader exceeds two standard errors; the finalists get every chunk
     distinct = [c for c in candidates.values() if c["identical_to"] is None]
     assert len(distinct) == 3

@@ -17,8 +17,8 @@ Stages, each timed (`timings`):
   tournament   every (K, keep-set, quant) scored against the unpruned model by the one measurement
                layer (`measure.tournament`): masked on the loaded unpruned rung of its quant when
                the types agree (`scored_by` "mask", `masked_on`), else its built file ("file");
-               successive halving by paired per-token differences, candidates over the budget or
-               failing the gate out before the final round, ties within noise reported;
+               successive halving by paired differences (standard errors over chunks), candidates
+               over the budget out before the final round, the gate on every unit, ties within noise;
   confirmation the winner (and `confirm` runners-up) scored by masking are built as real files and
                scored on every chunk; the file's mean KLD must lie within max(2 standard errors,
                1%) of the masked one (`confirmed`), else the run fails naming both.
@@ -53,7 +53,8 @@ REPORT = "best"
 CHART = "best-pareto.png"
 # a confirmed file's mean KLD may differ from its masked score by max(2 standard errors, this share)
 SELECTION_RULE = (
-    "successive halving over held-out units by the paired per-token difference to each round's leader; among the "
+    "successive halving over held-out units by the paired difference to each round's leader (standard errors "
+    "over chunks); among the "
     "finalists that run in the tier ranked in (memory as llama.cpp allocates it: weights, cache, compute and output "
     "buffers, per device) and pass the gate, the lowest metric, or among those tied with it within z standard errors "
     "the one --prefer names"

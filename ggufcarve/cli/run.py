@@ -427,7 +427,7 @@ def _demo_answer(plan: RunPlan) -> None:
             out.print(
                 f"  it left after {other['chunks_scored']} chunks: {other['delta_vs_leader'][-1]:+.4f} "
                 f"± {other['delta_stderr'][-1]:.4f} behind that round's "
-                "leader (paired per-token KLD)",
+                "leader (paired KLD, standard error over chunks)",
                 highlight=False,
                 markup=False,
             )

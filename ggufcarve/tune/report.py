@@ -11,7 +11,8 @@ CHART = "tune-kld.png"
 HALVING_RULE = (
     "successive halving over held-out units spread over every "
     "file; after each round a candidate leaves when its paired "
-    "per-token KLD difference to the round's leader exceeds z standard errors; the finalists are scored on every unit"
+    "KLD difference to the round's leader exceeds z standard errors (over chunks); the finalists are scored on "
+    "every unit"
 )
 CLIFF_RULE = (
     "the K with the largest rise in slope of mean KLD against K: over the K given in ascending order, "
@@ -61,8 +62,8 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"Mean KLD against the unpruned model (llama-perplexity's statistics), pruned experts masked out of routing; "
         f"ctx {report['parameters']['ctx']}, held-out: {', '.join(Path(f['path']).name for f in report['heldout'])}. "
         "Candidates stopped early were scored on fewer chunks: each left "
-        "a round of successive halving when its paired per-token KLD "
-        "difference to that round's leader exceeded two standard errors.",
+        "a round of successive halving when its paired KLD difference "
+        "to that round's leader exceeded two standard errors (over chunks: tokens of one chunk share their context).",
         "",
     ]
     stable = any("stability" in c for c in report["candidates"])
@@ -95,7 +96,7 @@ def render_markdown(report: dict[str, Any]) -> str:
             lines += [
                 f"Tie within noise: {tied[0]['method']} and "
                 f"{', '.join(tied[0]['tie_with'])} differ by less than two standard errors "
-                "of their paired per-token KLD difference.",
+                "of their paired KLD difference (over chunks).",
                 "",
             ]
         segmented = [c for c in ranked(report["candidates"], k) if len(c.get("segments") or []) > 1]
