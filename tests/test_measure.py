@@ -516,3 +516,24 @@ def test_the_search_reaches_the_best_keep_set_and_takes_no_move_within_noise(tmp
         score_unit=_search_problem(flat, 0.5, 2),
     )
     assert still.keep == start and still.path == [] and still.kld == still.start_kld
+
+
+def test_a_round_of_one_chunk_decides_nothing_and_its_records_are_json(tmp_path):
+    """At n_ctx 2048 a unit is one chunk: a first round of one unit has no spread of chunk means, so no
+    candidate leaves on it (an infinite standard error, written as null), and every record is plain JSON."""
+    import json
+
+    rng = np.random.default_rng(9)
+    tokens = 1023
+    series = {f"c{i}": [[rng.gamma(0.5, 0.4, tokens) + 0.01 * i for _ in range(4)]] for i in range(8)}
+    got = measure(
+        [Candidate(cid, Path(f"/x/{cid}.gguf"), file_bytes=1) for cid in series],
+        [segment("a", 4, 2048)],
+        MeasureSettings(Compute(threads=1)),
+        tmp_path,
+        score_unit=scorer(series),
+    )
+    first = got.groups[""]["rounds"][0]
+    assert first["units"] == 1 and first["left"] == {}
+    assert all(d["stderr"] is None for d in first["delta_vs_leader"].values())
+    json.dumps({"records": got.records, "groups": got.groups}, allow_nan=False)

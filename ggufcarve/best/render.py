@@ -135,7 +135,13 @@ def markdown(report: dict[str, Any]) -> str:
                 f"Search from {found['start']} (`--search`): {moves} move(s) taken, calibration mean KLD "
                 f"{found['start_calibration_kld_mean']:.4f} -> {found['calibration_kld_mean']:.4f} in "
                 f"{found['passes_used']:.1f} passes ({found['stopped']}); on the held-out text {verdict} "
-                f"(difference {found['heldout_vs_start']['mean']:+.4f} ± {found['heldout_vs_start']['stderr']:.4f}).",
+                f"(difference {found['heldout_vs_start']['mean']:+.4f} ± "
+                + (
+                    f"{found['heldout_vs_start']['stderr']:.4f}"
+                    if found["heldout_vs_start"]["stderr"] is not None
+                    else "–"
+                )
+                + ").",
                 "",
             ]
         lines += [f"    {' '.join(w['run_command']['argv'])}", ""]

@@ -61,7 +61,9 @@ class PairedDifference:
         return abs(self.mean) <= z * self.stderr
 
     def to_json(self) -> dict[str, Any]:
-        return {"mean": self.mean, "stderr": self.stderr, "tokens": self.tokens, "chunks": self.chunks}
+        """JSON has no infinity: a difference over fewer than two chunks has the standard error None."""
+        stderr = self.stderr if math.isfinite(self.stderr) else None
+        return {"mean": self.mean, "stderr": stderr, "tokens": self.tokens, "chunks": self.chunks}
 
 
 def _chunks(values: np.ndarray, per_chunk: int) -> np.ndarray:

@@ -204,15 +204,22 @@ def _statistics(
     stats = kld_statistics(table)
     per_chunk = per_chunk or 1
     whole = len(table) - len(table) % per_chunk
+
+    def over_chunks(column: int, per_token: float) -> float:
+        # one chunk has no spread of chunk means: the per-token figure stands in (the decisions treat it as no
+        # information: `paired_difference` over one chunk has an infinite standard error)
+        found = chunk_stderr(table[:whole, column], per_chunk) if whole else math.inf
+        return found if math.isfinite(found) else per_token
+
     out = {
         "kld_mean": stats.kld_mean,
-        "kld_mean_stderr": chunk_stderr(table[:whole, kld.KLD], per_chunk),
+        "kld_mean_stderr": over_chunks(kld.KLD, stats.kld_mean_stderr),
         "kld_mean_stderr_tokens": stats.kld_mean_stderr,
         "kld_p999": stats.kld["p999"],
         "kld_p99": stats.kld["p99"],
         "same_top_p": stats.same_top_p,
         "ppl": stats.ppl,
-        "ppl_stderr": stats.ppl * chunk_stderr(table[:whole, kld.NLL], per_chunk),  # delta method, over chunks
+        "ppl_stderr": stats.ppl * over_chunks(kld.NLL, stats.ppl_stderr / stats.ppl),  # delta method
         "ppl_reference": stats.ppl_base,
         "rms_dp": stats.rms_dp,
         "tokens": stats.count,
@@ -501,7 +508,7 @@ def measure(
                     if cid != leader:
                         entry["delta_vs_leader"][cid] = diffs[cid].to_json()
                     records[cid]["delta_vs_leader"].append(diffs[cid].mean)
-                    records[cid]["delta_stderr"].append(diffs[cid].stderr)
+                    records[cid]["delta_stderr"].append(diffs[cid].to_json()["stderr"])
                 if not last:
                     keep = []
                     for cid in ranked:
