@@ -73,8 +73,7 @@ def search_winners(
     pairs = {
         b: stats.pair_sums for b, stats in hope.blocks.items() if stats.statistic == "pairwise" and not layout.is_mtp(b)
     }
-    found_settings = SearchSettings(passes=1)
-    propose = pairwise_moves(pairs, layout.group_count, found_settings)
+    propose = pairwise_moves(pairs, layout.group_count)
     scoring = MeasureSettings(compute, z=settings.z, prefer="metric", tables=measure_tables())
 
     def nodes(keep: Any) -> tuple[str, ...]:
