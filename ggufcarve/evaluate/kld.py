@@ -488,7 +488,7 @@ def _covariance(a: float, b: float, ab: float, count: int) -> float:
     return (ab / count - (a / count) * (b / count)) / (count - 1)
 
 
-def _percentile(sorted_values: np.ndarray, fraction: float) -> float:
+def sorted_percentile(sorted_values: np.ndarray, fraction: float) -> float:
     """perplexity.cpp's percentile: linear interpolation in float32 over sorted values."""
     fraction = np.float32(fraction)
     if fraction <= 0:
@@ -597,16 +597,16 @@ def kld_statistics(table: np.ndarray) -> KldStatistics:
     sorted_dp = np.sort(p_diff.astype(np.float32))
     kld = {
         "max": float(sorted_kld[-1]),
-        **{name: _percentile(sorted_kld, f) for name, f in KLD_PERCENTILES[:4]},
+        **{name: sorted_percentile(sorted_kld, f) for name, f in KLD_PERCENTILES[:4]},
         "median": _median(sorted_kld),
-        **{name: _percentile(sorted_kld, f) for name, f in KLD_PERCENTILES[4:]},
+        **{name: sorted_percentile(sorted_kld, f) for name, f in KLD_PERCENTILES[4:]},
         "min": float(sorted_kld[0]),
     }
     dp = {
         "max": float(sorted_dp[-1]),
-        **{name: _percentile(sorted_dp, f) for name, f in DP_PERCENTILES[:5]},
+        **{name: sorted_percentile(sorted_dp, f) for name, f in DP_PERCENTILES[:5]},
         "median": _median(sorted_dp),
-        **{name: _percentile(sorted_dp, f) for name, f in DP_PERCENTILES[5:]},
+        **{name: sorted_percentile(sorted_dp, f) for name, f in DP_PERCENTILES[5:]},
         "min": float(sorted_dp[0]),
     }
     return KldStatistics(

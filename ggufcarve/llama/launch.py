@@ -260,12 +260,9 @@ def run(
         _running.pop(proc.pid, None)
         raise
     began = time.monotonic()  # timeouts count from here, when the child has its work
-    if proc.stdout is None:  # Popen above is always given stdout=PIPE
-        _kill(proc)
-        _running.pop(proc.pid, None)
-        raise RuntimeError(f"{proc.args!r}: the child's output is not a pipe")
-    output = _Output(proc, tail_lines)
+    output: _Output | None = None
     try:
+        output = _Output(proc, tail_lines)
         timed_out = output.follow(on_line, timeout, idle_timeout)
         if timed_out:
             _kill(proc)
@@ -276,7 +273,8 @@ def run(
         raise
     finally:
         _running.pop(proc.pid, None)
-        output.close()
+        if output is not None:
+            output.close()
     return Finished(args, code, time.monotonic() - began, list(output.tail), timed_out)
 
 

@@ -94,15 +94,15 @@ class SearchResult:
         }
 
 
-Propose = Callable[[Keep, set[tuple[int, int, int]]], list[Move]]  # (keep, moves not to propose) -> ranked moves
+# (keep, moves not to propose, most moves per block) -> moves, best first
+Propose = Callable[[Keep, set[tuple[int, int, int]], int], list[Move]]
 
 
-def pairwise_moves(pairs: Mapping[int, np.ndarray], groups: int = 1, settings: SearchSettings | None = None) -> Propose:
+def pairwise_moves(pairs: Mapping[int, np.ndarray], groups: int = 1) -> Propose:
     """The proposer of the pairwise proxy (module docstring): `pairs` block -> S; swaps stay within a routing
     group of E / `groups` experts."""
-    settings = settings or SearchSettings(passes=1)
 
-    def propose(keep: Keep, tried: set[tuple[int, int, int]]) -> list[Move]:
+    def propose(keep: Keep, tried: set[tuple[int, int, int]], per_block: int) -> list[Move]:
         ranked: list[Move] = []
         for block, matrix in pairs.items():
             if block not in keep:
@@ -130,7 +130,7 @@ def pairwise_moves(pairs: Mapping[int, np.ndarray], groups: int = 1, settings: S
                 if d // size != k // size or (block, k, d) in tried:
                     continue
                 ranked.append(Move(block, k, d, float(change[i, j])))
-                if sum(1 for m in ranked if m.block == block) >= settings.per_block:
+                if sum(1 for m in ranked if m.block == block) >= per_block:
                     break
         return sorted(ranked, key=lambda m: (m.proxy, m.block, m.drop, m.add))
 
@@ -166,7 +166,7 @@ def local_search(
         return Candidate(cid, model, keep=keep, group="search", required_nodes=required_nodes(keep))
 
     while True:
-        moves = propose(current, tried)[: settings.moves]
+        moves = propose(current, tried, settings.per_block)[: settings.moves]
         if not moves:
             result.stopped = "no move left to try"
             break

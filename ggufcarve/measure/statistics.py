@@ -88,9 +88,9 @@ def token_stderr(values: np.ndarray) -> float:
 
 def percentile(values: np.ndarray, fraction: float) -> float:
     """perplexity.cpp's percentile of a series (evaluate.kld's rule)."""
-    from ggufcarve.evaluate.kld import _percentile
+    from ggufcarve.evaluate.kld import sorted_percentile
 
-    return _percentile(np.sort(np.asarray(values, dtype=np.float32)), fraction)
+    return sorted_percentile(np.sort(np.asarray(values, dtype=np.float32)), fraction)
 
 
 def paired_difference(
@@ -119,13 +119,6 @@ def paired_difference(
         return PairedDifference(difference, float(np.std(draws, ddof=1)), n, chunks)
     d = np.asarray(values, dtype=np.float64) - np.asarray(other, dtype=np.float64)
     return PairedDifference(float(d.mean()), chunk_stderr(d, per_chunk), n, chunks)
-
-
-def metric_statistic(values: np.ndarray, metric: str) -> float:
-    """The decision statistic of `metric` on one series of its column: the percentile, else the mean."""
-    if len(values) == 0:
-        return math.inf
-    return percentile(values, PERCENTILES[metric]) if metric in PERCENTILES else float(np.mean(values))
 
 
 @dataclass(frozen=True)

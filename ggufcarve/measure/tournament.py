@@ -281,7 +281,10 @@ class _Scorer:
         """End every child (killed when the run failed)."""
         sessions, self.sessions = list(self.sessions.values()), {}
         for session in sessions:
-            session.kill() if failed else session.close()
+            if failed:
+                session.kill()
+            else:
+                session.close()
 
     def _model_key(self, path: Path) -> str:
         from ggufcarve.fileio import sha256_file_cached

@@ -405,6 +405,11 @@ def place_rows(
     return out
 
 
+def pruned_plan(model: GGUFModel, layout: MoeLayout, kept: int, path: Path) -> PlannedFile:
+    """The one file `ggufcarve prune` plans for K experts per block (the first of each), at `path`."""
+    return plan_prune(model, layout, keep_per_block(layout, kept), path, merge=True).files[0]
+
+
 def sparse_pruned_header(
     model: GGUFModel, layout: MoeLayout, kept: int, directory: Path, *, vocabulary: bool = False
 ) -> PlannedFile:
@@ -416,9 +421,7 @@ def sparse_pruned_header(
     as `{arch}.vocab_size`, which load_hparams reads where it needs the vocabulary size. The
     returned plan is the full one: output sizes are computed from it. With `vocabulary` the
     header keeps every key (llama.cpp's loader reads the vocabulary: the memory dry load)."""
-    name = f"pruned-{kept}{'-vocab' if vocabulary else ''}.gguf"
-    plan = plan_prune(model, layout, keep_per_block(layout, kept), directory / name, merge=True)
-    planned = plan.files[0]
+    planned = pruned_plan(model, layout, kept, directory / f"pruned-{kept}{'-vocab' if vocabulary else ''}.gguf")
     kvs = (
         list(planned.kvs)
         if vocabulary
@@ -472,14 +475,17 @@ def _rung_header(planned: PlannedFile, tensors: Sequence[TensorHeader], ftype: s
     return header, (offsets[-1] + pad_to(tensors[-1].nbytes, planned.alignment) if tensors else 0)
 
 
-def sparse_rung_file(model: GGUFModel, layout: MoeLayout, row: FitRow, directory: Path) -> Path:
+def sparse_rung_file(
+    model: GGUFModel, layout: MoeLayout, row: FitRow, directory: Path, planned: PlannedFile | None = None
+) -> Path:
     """The rung of `row` as a file llama.cpp loads: its header (every key, every tensor at the type the
     quantizer's dry run chose) and a hole of its data size, so every weight is zero (a zero-scale block in
-    every quantized type). What it holds is the rung's shapes and types: what a speed depends on."""
+    every quantized type). What it holds is the rung's shapes and types: what a speed depends on.
+    `planned`: the K's `pruned_plan`, when the caller has it."""
     from gguf.constants import GGMLQuantizationType
 
-    planned = sparse_pruned_header(model, layout, row.kept, directory, vocabulary=True)
-    planned.path.unlink(missing_ok=True)
+    if planned is None:
+        planned = pruned_plan(model, layout, row.kept, directory / f"pruned-{row.kept}.gguf")
     types = dict(row.rung.types)
     tensors = []
     for t in planned.tensors:
@@ -517,6 +523,7 @@ def measure_speeds(
     main = report.layout.main_layer_count
     wanted = [r for r in report.rows if r.fits]
     rows = list(report.rows)
+    plans: dict[int, PlannedFile] = {}  # per K: the pruned file's plan, shared by its rungs
     with tempfile.TemporaryDirectory(prefix="ggufcarve-speed-") as tmp:
         for done, row in enumerate(wanted, 1):
             placement = row.placed.placement if row.placed is not None else None
@@ -532,7 +539,9 @@ def measure_speeds(
             else:
                 placed, flags = Compute(0, (), (), compute.threads), ()
                 where = {"gpu_layers": 0, "label": "CPU"}
-            path = sparse_rung_file(report.model, report.layout, row, Path(tmp))
+            if row.kept not in plans:
+                plans[row.kept] = pruned_plan(report.model, report.layout, row.kept, Path(tmp) / "pruned.gguf")
+            path = sparse_rung_file(report.model, report.layout, row, Path(tmp), plans[row.kept])
             try:
                 prompt, decode = bench(path, placed, flags)
             finally:

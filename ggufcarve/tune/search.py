@@ -17,9 +17,8 @@ from typing import Any
 
 from ggufcarve.errors import BadInput
 from ggufcarve.events import Sink
+from ggufcarve.llama.calibration import JSONL_SUFFIXES
 from ggufcarve.llama.devices import Compute
-
-JSONL_SUFFIXES = (".jsonl", ".ndjson")
 
 
 def check_search(calibration: tuple[Path, ...]) -> None:
