@@ -252,3 +252,41 @@ def test_best_on_an_rpc_gpu_answers_with_a_placement_measured_memory_and_speed(r
     assert (
         used + 2**30 <= 2 * 2**30 and abs(used - (devices["RPC0"]["total"] - devices["RPC0"]["output"])) <= 16 * 2**20
     )
+
+
+def test_best_on_two_rpc_gpus_places_the_answer_over_both_by_their_budgets(rpc_servers, llama_tools, tmp_path):
+    """best --gpu-memory A,B --rpc S0,S1 on the demo model: the winner is split over both devices by
+    the budgets (-ts), its memory rows are llama.cpp's dry load of the built file on them, its speed is
+    measured in that split, and its llama-server flags, loaded by llama-fit-params on the same two
+    devices, keep each one within its budget (and agree with its rows within 16 MiB)."""
+    out = tmp_path / "best"
+    budgets = (2 * 2**30, 3 * 2**30)
+    result = ggufcarve(
+        "best", DEMO_MODEL, "--memory", "64GiB", "--gpu-memory", "2GiB,3GiB", "--heldout", HELDOUT,
+        "--calibration", CALIBRATION, "--ctx", 4096, "--chunks", 2, "--methods", "frequency",
+        "--rpc", ",".join(rpc_servers), "-t", 2, "-o", out, "-q",
+    )  # fmt: skip
+    assert result.code == 0, result.stderr[-2000:]
+    doc = json.loads((out / "best.json").read_text())
+    assert doc["parameters"]["gpu_memory_bytes"] == list(budgets)
+    winner = doc["winner"]
+    assert winner["tier"] == "gpu" and winner["fits"]
+    assert winner["placement"] == {"gpu_layers": 999, "n_cpu_moe": 0, "override_tensor": None, "tensor_split": [2, 3]}
+    devices = {m["device"]: m for m in winner["memory"]}
+    assert set(devices) == {"RPC0", "RPC1", "host"} and not any(m.get("estimated") for m in devices.values()), devices
+    assert all(devices[d]["weights"] > 0 for d in ("RPC0", "RPC1"))
+    assert winner["speed_placement"]["tensor_split"] == [2, 3] and winner["speed_placement"]["rpc_servers"] == 2
+    assert winner["decode_tok_s"] > 0
+    argv = winner["run_command"]["argv"]
+    assert argv[argv.index("-ts") + 1] == "2,3" and argv[argv.index("-ngl") + 1] == "all"
+    theirs = fit_params(
+        llama_tools / "llama-fit-params", out / winner["path"], ["--rpc", ",".join(rpc_servers), *argv[3:]]
+    )
+    for device, budget in zip(("RPC0", "RPC1"), budgets):
+        used = sum(theirs[device]) * 2**20
+        assert used + 2**30 <= budget, (device, theirs)
+        assert abs(used - (devices[device]["total"] - devices[device]["output"])) <= 16 * 2**20, (
+            device,
+            theirs,
+            devices,
+        )

@@ -16,13 +16,25 @@ from ggufcarve.events import Sink
 
 
 def offload_arguments(path: Path, settings: BestSettings) -> tuple[list[str], dict[str, Any] | None]:
-    """The llama.cpp arguments that place `path` on the GPU of --gpu-memory, and the offload record
-    (placement.offload: the file whole, else the smallest --n-cpu-moe N with the compute buffers
-    counted, with the equal -ot regex; none when even every expert on the CPU leaves too much for
-    the GPU)."""
-    if settings.gpu_memory is None:
+    """The llama.cpp arguments that place `path` on the GPU(s) of --gpu-memory, and the offload record.
+    One GPU: placement.offload's (the file whole, else the smallest --n-cpu-moe N with the compute
+    buffers counted, with the equal -ot regex; none when even every expert on the CPU leaves too
+    much for the GPU). Several: placement.search's placement over the devices (`-ts` by the budgets)."""
+    if not settings.gpu_memory:
         return [], None
-    offload = measured_memory(path, settings).offload
+    placed = measured_memory(path, settings)
+    if len(settings.gpu_memory) > 1:
+        several = placed.several
+        if several is None:
+            return [], {"placement": "none: even every expert in system memory leaves too much for the GPUs"}
+        main = len(placed.weights.expert_bytes)
+        placement = several.placement
+        return placement.flags(main), {
+            **placement.to_json(main),
+            "placement": placement.label(),
+            "measured": several.measured,
+        }
+    offload = placed.offload
     record = {**offload.to_json(), "placement": offload.label()}
     if offload.n_cpu_moe is None:
         return [], record

@@ -126,16 +126,30 @@ def measure_speeds(search: Any, records: dict[str, dict[str, Any]], decision: di
             r["speed_note"] = "not measured: llama-bench is not built (ggufcarve toolchain build)"
             continue
         on_device = r.get("tier") in GPU_TIERS and bool(compute.offloads or compute.rpc)
-        n_cpu_moe = (r.get("n_cpu_moe") or 0) if on_device else 0
-        placed = Compute(ALL_LAYERS, compute.rpc, compute.tensor_split, compute.threads) if on_device else compute
-        flags = ("-ncmoe", str(n_cpu_moe)) if n_cpu_moe else ()
+        placement = r.get("placement") or {}
+        n_cpu_moe = (placement.get("n_cpu_moe") or 0) if on_device else 0
+        split = tuple(placement.get("tensor_split") or ()) or compute.tensor_split
+        placed = Compute(ALL_LAYERS, compute.rpc, split, compute.threads) if on_device else compute
+        flags: tuple[str, ...] = ("-ncmoe", str(n_cpu_moe)) if n_cpu_moe else ()
+        if on_device and placement.get("override_tensor"):
+            flags = ("-ot", placement["override_tensor"])
         try:
             speed = bench_speed(tool, Path(r["path"]), BENCH_METHOD, placed, flags)
         except BadInput as refused:  # layers offloaded but no device seen: no CPU figure under a GPU's name
             r["speed_note"] = f"not measured: {refused}"
             continue
         r["decode_tok_s"], r["prompt_tok_s"] = speed.tg_tok_s, speed.pp_tok_s
-        r["speed_placement"] = {"gpu_layers": placed.gpu_layers, "n_cpu_moe": n_cpu_moe, "rpc_servers": len(placed.rpc)}
+        r["speed_placement"] = {
+            "gpu_layers": placed.gpu_layers,
+            "n_cpu_moe": n_cpu_moe,
+            "rpc_servers": len(placed.rpc),
+            **({"tensor_split": list(split)} if on_device and split else {}),
+            **(
+                {"override_tensor": placement["override_tensor"]}
+                if on_device and placement.get("override_tensor")
+                else {}
+            ),
+        }
 
 
 def rechecked(records: dict[str, dict[str, Any]], decision: dict[str, Any], settings: BestSettings) -> dict[str, Any]:

@@ -33,7 +33,7 @@ class BestSettings:
     compute: Compute = S.compute_key()  # where every llama.cpp child runs (not what the budget counts)
     metric: str = "kld_mean"
     gate: Path | None = key(S.GATE, None)
-    gpu_memory: int | None = key(S.GPU_MEMORY, None)
+    gpu_memory: tuple[int, ...] = key(S.GPU_MEMORY, ())  # one budget per GPU, in device order (several: a split)
     # the K values weighed, as written (quant.fit.parse_kept_counts); None: fit's grid
     keep_counts: str | None = key(S.KEEP, None)
     keep_file: Path | None = None  # a keep-set weighed at its K beside the criteria's (selection "keep-file")
@@ -69,6 +69,13 @@ class Plan:
     tier: str = "ram"  # the tier the candidates are ranked in (placement.offload.TIERS)
 
 
+def gpu_words(budgets: tuple[int, ...]) -> str:
+    """ "8 GiB of GPU memory", or "8 GiB + 10 GiB of GPU memory" for several devices."""
+    from ggufcarve.fileio import format_size
+
+    return " + ".join(format_size(b) for b in budgets) + " of GPU memory"
+
+
 def run_memory_settings(settings: BestSettings) -> Any:
     """The run whose memory counts against the budget: llama-server's defaults at --ctx and --kv-type
     (a quantized V cache needs flash attention: on with q8_0, llama.cpp's auto otherwise)."""
@@ -82,42 +89,102 @@ def run_memory_settings(settings: BestSettings) -> Any:
     )
 
 
+MEASURED: dict[tuple[str, int, int, BestSettings], Any] = {}  # measured_memory's, by file and settings
+
+
 def measured_memory(path: Path, settings: BestSettings) -> Any:
     """Where a built file runs (placement.offload.Placed): llama.cpp's dry load of it at the run's
-    settings, per device in the fastest tier it runs in, its offload and its tiers. With the GPU
-    present (a GPU build, or --rpc's devices) the offload's placement is loaded on it as well: the
-    GPU tiers then hold its measured rows, and a GPU over its budget (with the margin) loses them."""
+    settings, per device in the fastest tier it runs in, its placement and its tiers.
+
+    One GPU budget: the one-GPU rule (placement.offload); with the GPU present (a GPU build, or
+    --rpc's devices) its placement is loaded on it as well, the GPU tiers then hold its measured
+    rows, and a GPU over its budget (with the margin) loses them. Several budgets: placement.search
+    places the file over the devices (`-ts` by the budgets), loaded on them when present.
+    A file's answer is kept for the process (by path, size and modification time)."""
+    stat = path.stat()
+    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns, settings)
+    if key not in MEASURED:
+        MEASURED[key] = _measured_memory(path, settings)
+    return MEASURED[key]
+
+
+def _measured_memory(path: Path, settings: BestSettings) -> Any:
     from dataclasses import replace
 
     from ggufcarve.gguf.container import read_model
     from ggufcarve.llama.memory import HOST, dry_load, weight_bytes
     from ggufcarve.placement.memory import device_memory
     from ggufcarve.placement.offload import DEFAULT_MARGIN, place, tiers_of, weight_placement
-    from ggufcarve.placement.search import Placement
+    from ggufcarve.placement.search import Placement, place_on_devices, present_devices
 
     run = run_memory_settings(settings)
     load = dry_load(path, run)
     model = read_model(path)
     weights = weight_placement(model)
-    placed = place(weights, weight_bytes(path), load, memory=settings.memory, gpu_memory=settings.gpu_memory)
+    budgets = settings.gpu_memory
+
+    def on_device(placement: Placement) -> Any:
+        return dry_load(
+            path,
+            replace(
+                run,
+                compute=placement.compute(settings.compute.rpc),
+                cpu_tensors=placement.cpu_tensors(len(weights.expert_bytes)),
+            ),
+        )
+
+    if len(budgets) > 1:
+        placed = place(weights, weight_bytes(path), load, memory=settings.memory, gpu_memory=None)
+        several = place_on_devices(
+            weights,
+            load,
+            budgets=budgets,
+            memory=settings.memory,
+            present=present_devices(load, budgets),
+            load=on_device,
+        )
+        tiers = several_tiers(placed, several)
+        return replace(placed, split=several.devices if several else [], several=several, tiers=tiers)
+    budget = budgets[0] if budgets else None
+    placed = place(weights, weight_bytes(path), load, memory=settings.memory, gpu_memory=budget)
     offload = placed.offload
     if offload is None or offload.n_cpu_moe is None or not load.gpu_devices:
         return placed
-    placement = Placement(n_cpu_moe=offload.n_cpu_moe)
-    on_device = dry_load(
-        path,
-        replace(
-            run,
-            compute=placement.compute(settings.compute.rpc),
-            cpu_tensors=placement.cpu_tensors(len(weights.expert_bytes)),
-        ),
-    )
-    rows = device_memory(model, on_device)
+    rows = device_memory(model, on_device(Placement(n_cpu_moe=offload.n_cpu_moe)))
     gpu = rows[0]
-    fits = gpu.device != HOST and gpu.total + DEFAULT_MARGIN <= settings.gpu_memory
+    fits = gpu.device != HOST and gpu.total + DEFAULT_MARGIN <= budgets[0]
     measured = replace(offload, gpu_bytes=gpu.total + DEFAULT_MARGIN, compute_bytes=gpu.compute)
     tiers = tiers_of(placed.host.total, settings.memory, measured if fits else None, rows)
     return replace(placed, split=rows if fits else [], offload=measured, tiers=tiers)
+
+
+def several_tiers(placed: Any, several: Any) -> tuple[str, ...]:
+    """The tiers of a file placed over several devices (placement.search.PlacedMemory, None when it
+    fits none): gpu with no experts in system memory, gpu+cpu with or without; then ram and disk as
+    its CPU run allows."""
+    from ggufcarve.placement.offload import GPU_TIERS
+
+    gpu: tuple[str, ...] = ()
+    if several is not None:
+        gpu = GPU_TIERS if not several.placement.n_cpu_moe else ("gpu+cpu",)
+    return (*gpu, *(t for t in placed.tiers if t not in GPU_TIERS))
+
+
+def built_placement(placed: Any, tier: str) -> Any:
+    """How a built file runs in `tier` (placement.search.Placement): over the devices of several
+    budgets, every layer on the GPU with its --n-cpu-moe N for one, 0 GPU layers in system memory."""
+    from ggufcarve.placement.offload import GPU_TIERS
+    from ggufcarve.placement.search import Placement
+
+    if tier not in GPU_TIERS:
+        return Placement(gpu_layers=0)
+    if placed.several is not None:
+        return placed.several.placement
+    offload = placed.offload
+    if offload is None or offload.n_cpu_moe is None:
+        return Placement(gpu_layers=0)
+    # the run line's -ngl 99 (best.builds.offload_arguments): every layer of the models it ranks
+    return Placement(gpu_layers=99, n_cpu_moe=offload.n_cpu_moe)
 
 
 def built_record(path: Path, settings: BestSettings, tier: str) -> dict[str, Any]:
@@ -125,18 +192,19 @@ def built_record(path: Path, settings: BestSettings, tier: str) -> dict[str, Any
     fastest `tier`, its `tiers`, `fits` (it runs in `tier`), `n_cpu_moe` (the experts of that
     many blocks in system memory on the GPU; None without a GPU placement) and `placement` (how it
     runs in `tier`: placement.search.Placement's keys; 0 GPU layers in system memory)."""
-    from ggufcarve.placement.search import Placement
-
     placed = measured_memory(path, settings)
-    offload = placed.offload
-    on_gpu = tier in ("gpu", "gpu+cpu") and offload is not None and offload.n_cpu_moe is not None
-    # the run line's -ngl 99 (best.builds.offload_arguments): every layer of the models it ranks
-    placement = Placement(gpu_layers=99, n_cpu_moe=offload.n_cpu_moe) if on_gpu else Placement(gpu_layers=0)
+    placement = built_placement(placed, tier)
+    main_blocks = len(placed.weights.expert_bytes)
+    if placed.several is not None:
+        n_cpu_moe = placed.several.placement.n_cpu_moe
+    else:
+        n_cpu_moe = placed.offload.n_cpu_moe if placed.offload is not None else None
     return {
-        "n_cpu_moe": offload.n_cpu_moe if offload is not None else None,
-        "placement": placement.to_json(offload.main_blocks if offload is not None else 0),
+        "n_cpu_moe": n_cpu_moe,
+        "placement": placement.to_json(main_blocks),
         "memory": [d.to_json() for d in placed.devices(tier)],
-        "memory_source": "measured: llama.cpp's dry load of the built file",
+        "memory_source": "measured: llama.cpp's dry load of the built file"
+        + ("" if placed.several is None or placed.several.measured else "; the GPUs' rows estimated from it"),
         "tier": placed.tiers[0],
         "tiers": list(placed.tiers),
         "fits": tier in placed.tiers,
@@ -187,7 +255,7 @@ def plan_best(source: Path, settings: BestSettings, *, on_event: Sink = ignore) 
             f"--tier {settings.tier!r} is not one of {', '.join(TIERS)}",
             "gpu: all on the GPU; gpu+cpu: --n-cpu-moe N; ram: system memory; disk: paging through mmap",
         )
-    if settings.tier in ("gpu", "gpu+cpu") and settings.gpu_memory is None:
+    if settings.tier in ("gpu", "gpu+cpu") and not settings.gpu_memory:
         raise BadInput(
             f"--tier {settings.tier} places the model on a GPU",
             "give --gpu-memory SIZE (the GPU's memory), or --tier ram",
@@ -215,7 +283,7 @@ def plan_best(source: Path, settings: BestSettings, *, on_event: Sink = ignore) 
         context=ContextSettings(n_ctx=settings.ctx, type_k=settings.kv_type, type_v=settings.kv_type),
         quantizer=make_quantizer(settings.quantizer, settings.llama_cpp_dir),
         measure=run_memory_settings(settings),
-        gpu_memory=settings.gpu_memory,
+        gpu_memory=settings.gpu_memory or None,
         on_event=on_event,
     )
     from ggufcarve.fileio import format_size
@@ -227,7 +295,7 @@ def plan_best(source: Path, settings: BestSettings, *, on_event: Sink = ignore) 
     if not candidates and settings.tier is not None:
         raise BadInput(
             f"nothing runs in tier {tier} with {format_size(settings.memory)} of memory"
-            + (f" and {format_size(settings.gpu_memory)} of GPU memory" if settings.gpu_memory else ""),
+            + (f" and {gpu_words(settings.gpu_memory)}" if settings.gpu_memory else ""),
             f"the fastest tier any rung runs in is {fit.fastest_tier()}: give --tier {fit.fastest_tier()}",
         )
     if not candidates:

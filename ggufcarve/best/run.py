@@ -465,7 +465,9 @@ def _report(
         "methods": list(settings.methods),
         "metric": settings.metric,
         "gate": settings.gate.name if settings.gate else None,
-        "gpu_memory_bytes": settings.gpu_memory,
+        "gpu_memory_bytes": (settings.gpu_memory[0] if len(settings.gpu_memory) == 1 else list(settings.gpu_memory))
+        if settings.gpu_memory
+        else None,
         "tier": plan.tier,
         "tier_asked": settings.tier,
         "ladder": plan.spec.name,

@@ -129,7 +129,12 @@ def best_command(
         option(S.CALIBRATION, "One pass for every criterion and K, and the imatrix.", show_default=False),
     ],
     gpu_memory: Annotated[
-        str | None, option(S.GPU_MEMORY, "each candidate's tiers and run command place the model for it (one GPU).")
+        str | None,
+        option(
+            S.GPU_MEMORY,
+            "each candidate's tiers and run command place the model for it; several sizes are "
+            "several GPUs in device order, the layers split by the budgets (-ts).",
+        ),
     ] = None,
     tier: Annotated[
         str | None,
@@ -224,7 +229,6 @@ def best_command(
     from ggufcarve.best.plan import BestSettings, plan_best
     from ggufcarve.best.render import stopped_lines
     from ggufcarve.best.run import best
-    from ggufcarve.errors import BadInput
     from ggufcarve.quant.spec import DEFAULT_LADDER, find_spec
     from ggufcarve.tune.run import parse_methods
 
@@ -261,7 +265,7 @@ def best_command(
         compute=S.compute(threads, gpu_layers, rpc, tensor_split),
         metric=metric,
         gate=gate,
-        gpu_memory=_one_gpu(gpu_memory),
+        gpu_memory=tuple(gpu_memory or ()),
         tier=tier,
         quantizer=quantizer_choice,
         llama_cpp_dir=llama_cpp,
@@ -300,7 +304,7 @@ def best_command(
             f"{model.name}: {plan.layout.expert_count} experts, "
             f"top-{plan.layout.expert_used_count}; budget {size(settings.memory)} "
             f"with a {ctx}-token cache of {size(plan.fit.cache.total_bytes)}; ranked in tier {plan.tier}"
-            + (f" (GPU {size(settings.gpu_memory)})" if settings.gpu_memory else ""),
+            + (f" (GPU {' + '.join(size(b) for b in settings.gpu_memory)})" if settings.gpu_memory else ""),
             highlight=False,
             markup=False,
         )
@@ -445,13 +449,3 @@ def best_command(
     if report.get("publish"):
         out.print(f"publish it: {' '.join(report['publish']['command'])} (in {output})", highlight=False, markup=False)
     out.print(f"written: {', '.join(str(p) for p in result.outputs)}", highlight=False, markup=False)
-
-
-def _one_gpu(budgets: tuple[int, ...] | None) -> int | None:
-    """best's GPU budget: one device (fit places several)."""
-    if budgets is not None and len(budgets) > 1:
-        raise BadInput(
-            f"best ranks for one GPU budget ({len(budgets)} given)",
-            "give one --gpu-memory here; ggufcarve fit --gpu-memory 8GiB,8GiB,10GiB places a model on several",
-        )
-    return budgets[0] if budgets else None

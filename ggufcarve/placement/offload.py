@@ -332,12 +332,15 @@ def tiers_of(cpu_total: int, memory: int, offload: Offload | None, split: list[D
 @dataclass(frozen=True)
 class Placed:
     """A file's memory: its CPU run's (`host`), split over the GPU and the host at its offload
-    (`split`, empty when it has none), the offload and its tiers."""
+    (`split`, empty when it has none), the offload and its tiers; `weights` its tensor bytes by
+    block; over several GPUs, `several` (placement.search.PlacedMemory) instead of the offload."""
 
     host: DeviceMemory
     split: list[DeviceMemory]
     offload: Offload | None
     tiers: tuple[str, ...]
+    weights: WeightPlacement | None = None
+    several: Any = None
 
     def devices(self, tier: str | None = None) -> list[DeviceMemory]:
         """The memory per device running in `tier` (default: the fastest it runs in)."""
@@ -357,7 +360,7 @@ def place(
     with `gpu_memory`, the GPU placement rule with the compute buffers counted."""
     host = DeviceMemory(HOST, weights, load.cache, load.on(HOST, load.compute), load.on(HOST, load.output))
     if gpu_memory is None:
-        return Placed(host, [], None, tiers_of(host.total, memory, None, []))
+        return Placed(host, [], None, tiers_of(host.total, memory, None, []), placement)
     offload = plan_offload(
         placement,
         gpu_memory=gpu_memory,
@@ -366,7 +369,7 @@ def place(
         compute=gpu_compute(placement, host.compute),
     )
     split = split_devices(placement, offload, load) if offload.n_cpu_moe is not None else []
-    return Placed(host, split, offload, tiers_of(host.total, memory, offload, split))
+    return Placed(host, split, offload, tiers_of(host.total, memory, offload, split), placement)
 
 
 def file_offload(

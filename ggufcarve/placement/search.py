@@ -25,6 +25,7 @@ devices present (`--rpc`, or a GPU build), fit loads the placement for real and 
 from __future__ import annotations
 
 from bisect import bisect_right
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -245,3 +246,36 @@ def choose(
         if placed.fits:
             return placed
     return None
+
+
+def place_on_devices(
+    weights: WeightPlacement,
+    host_load: DryLoad,
+    *,
+    budgets: tuple[int, ...],
+    memory: int,
+    present: list[str],
+    load: Callable[[Placement], DryLoad],
+    margin: int = DEFAULT_MARGIN,
+) -> PlacedMemory | None:
+    """The fastest placement that fits the budgets: `choose`'s by the estimate; with the devices
+    `present` (their names, one per budget), each placement from that one on is loaded by llama.cpp
+    (`load`: its dry load of the placement) until every measured device fits. None when none fits."""
+    names = present or [f"GPU{i}" for i in range(len(budgets))]
+    placed = choose(weights, host_load, budgets=budgets, memory=memory, devices=names, margin=margin)
+    if placed is None or not present:
+        return placed
+    limits = {**dict(zip(names, budgets)), HOST: memory}
+    tried = candidates(weights, shares_of(budgets))
+    for placement in tried[tried.index(placed.placement) :]:
+        again = PlacedMemory(placement, measured_rows(weights, placement, load(placement)), True, limits, margin)
+        if again.fits:
+            return again
+    return None
+
+
+def present_devices(load: DryLoad, budgets: tuple[int, ...]) -> list[str]:
+    """The offload devices of `load` that the budgets name (the first ones, in device order), or none
+    when fewer devices than budgets are present (then the placement is estimated)."""
+    devices = list(load.gpu_devices)
+    return devices[: len(budgets)] if len(devices) >= len(budgets) else []

@@ -368,38 +368,38 @@ def place_rows(
     from dataclasses import replace
 
     from ggufcarve.llama.memory import dry_load
-    from ggufcarve.placement.search import PlacedMemory, candidates, choose, measured_rows, shares_of
+    from ggufcarve.placement.search import Placement, place_on_devices, present_devices
 
     out = []
     headers: dict[int, Path] = {}
-    loads: dict[tuple[int, Any], DryLoad] = {}
+    loads: dict[tuple[int, Placement], DryLoad] = {}
     for done, row in enumerate(rows, 1):
         weights, load = row.rung.placement, row.load
         if weights is None or load is None:
             out.append(row)
             continue
-        present = list(load.gpu_devices)[: len(budgets)] if len(load.gpu_devices) >= len(budgets) else []
-        names = present or [f"GPU{i}" for i in range(len(budgets))]
-        limits = {**dict(zip(names, budgets)), HOST: row.memory}
-        placed = choose(weights, load, budgets=budgets, memory=row.memory, devices=names, margin=margin)
-        if placed is not None and present:
-            tried = candidates(weights, shares_of(budgets))
-            first, placed = placed.placement, None
-            for placement in tried[tried.index(first) :]:
-                if row.kept not in headers:
-                    headers[row.kept] = sparse_pruned_header(model, layout, row.kept, directory, vocabulary=True).path
-                key = (row.kept, placement)
-                if key not in loads:
-                    run = replace(
-                        settings,
-                        compute=placement.compute(settings.compute.rpc),
-                        cpu_tensors=placement.cpu_tensors(len(weights.expert_bytes)),
-                    )
-                    loads[key] = dry_load(headers[row.kept], run)
-                again = PlacedMemory(placement, measured_rows(weights, placement, loads[key]), True, limits, margin)
-                if again.fits:
-                    placed = again
-                    break
+
+        def load_placement(placement: Placement, kept: int = row.kept, main: int = len(weights.expert_bytes)) -> Any:
+            if kept not in headers:
+                headers[kept] = sparse_pruned_header(model, layout, kept, directory, vocabulary=True).path
+            if (kept, placement) not in loads:
+                run = replace(
+                    settings,
+                    compute=placement.compute(settings.compute.rpc),
+                    cpu_tensors=placement.cpu_tensors(main),
+                )
+                loads[(kept, placement)] = dry_load(headers[kept], run)
+            return loads[(kept, placement)]
+
+        placed = place_on_devices(
+            weights,
+            load,
+            budgets=budgets,
+            memory=row.memory,
+            present=present_devices(load, budgets),
+            load=load_placement,
+            margin=margin,
+        )
         out.append(replace(row, placed=placed))
         on_event(Event("memory", done, len(rows), "rows", f"K={row.kept} {row.rung.rung}"))
     return out
