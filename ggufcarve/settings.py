@@ -541,7 +541,13 @@ TENSOR_SPLIT = Setting(
     "How the offloaded layers are shared between the devices, one share each in device order (llama.cpp's -ts), "
     "e.g. 1,1. Default: by their free memory.",
 )
-COMPUTE_SETTINGS = (THREADS, GPU_LAYERS, RPC, TENSOR_SPLIT)  # the fields of llama.devices.Compute
+N_CPU_MOE = Setting(
+    "n_cpu_moe",
+    Count(minimum=0, example="12"),
+    "Keep the routed experts of the first N MoE blocks in system memory while --gpu-layers offloads the "
+    "rest (llama.cpp's --n-cpu-moe): a model larger than the GPU runs on it.",
+)
+COMPUTE_SETTINGS = (THREADS, GPU_LAYERS, RPC, TENSOR_SPLIT, N_CPU_MOE)  # the fields of llama.devices.Compute
 
 
 def compute(
@@ -549,9 +555,10 @@ def compute(
     gpu_layers: int | None = None,
     rpc: tuple[str, ...] | None = None,
     tensor_split: tuple[float, ...] | None = None,
+    n_cpu_moe: int | None = None,
 ) -> Compute:
-    """The one `Compute` of a run, from its four settings (None: not given)."""
-    return Compute(gpu_layers or 0, tuple(rpc or ()), tuple(tensor_split or ()), threads or 0)
+    """The one `Compute` of a run, from its five settings (None: not given)."""
+    return Compute(gpu_layers or 0, tuple(rpc or ()), tuple(tensor_split or ()), threads or 0, n_cpu_moe or 0)
 
 
 def compute_key() -> Any:
@@ -778,6 +785,7 @@ SETTINGS: dict[str, Setting] = {
         GPU_LAYERS,
         RPC,
         TENSOR_SPLIT,
+        N_CPU_MOE,
         CTX,
         CHUNK_CTX,
         CHUNKS,

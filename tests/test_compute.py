@@ -20,8 +20,11 @@ from ggufcarve.errors import BadInput
 from ggufcarve.llama.devices import Compute
 
 LAYERS = 7
-DEVICES = ["--gpu-layers", str(LAYERS), "--rpc", "127.0.0.1:1,127.0.0.1:2", "--tensor-split", "3,1", "--threads", "3"]
-EXPECTED = Compute(LAYERS, ("127.0.0.1:1", "127.0.0.1:2"), (3.0, 1.0), 3)
+DEVICES = [
+    "--gpu-layers", str(LAYERS), "--rpc", "127.0.0.1:1,127.0.0.1:2", "--tensor-split", "3,1", "--threads", "3",
+    "--n-cpu-moe", "2",
+]  # fmt: skip
+EXPECTED = Compute(LAYERS, ("127.0.0.1:1", "127.0.0.1:2"), (3.0, 1.0), 3, 2)
 
 
 class Stop(Exception):
@@ -111,8 +114,11 @@ def test_fit_measures_on_the_devices_but_places_by_itself(requests):
 
 
 def test_tools_get_the_same_placement():
-    assert EXPECTED.tool_args() == ["-ngl", "7", "--rpc", "127.0.0.1:1,127.0.0.1:2", "-ts", "3,1", "-t", "3"]
+    assert EXPECTED.tool_args() == [
+        "-ngl", "7", "--rpc", "127.0.0.1:1,127.0.0.1:2", "-ts", "3,1", "-t", "3", "--n-cpu-moe", "2",
+    ]  # fmt: skip
     assert EXPECTED.tool_args(bench=True)[5] == "3/1"  # llama-bench: one split's shares by "/"
+    assert EXPECTED.tool_args(bench=True)[-2:] == ["-ncmoe", "2"]  # llama-bench's spelling
     assert Compute().tool_args() == ["-ngl", "0"]  # never llama.cpp's default -ngl auto (its --fit)
 
 
@@ -123,13 +129,16 @@ def test_the_plan_keys_and_the_run_options(tmp_path):
     path = write_demo_plan(tmp_path / "demo")
     assert demo_plan(tmp_path / "demo").compute == Compute()
     text = path.read_text()
-    path.write_text('gpu_layers = 5\nrpc = ["127.0.0.1:50052"]\ntensor_split = [1, 2]\nthreads = 2\n' + text)
-    assert load_plan(path).compute == Compute(5, ("127.0.0.1:50052",), (1.0, 2.0), 2)
+    path.write_text(
+        'gpu_layers = 5\nrpc = ["127.0.0.1:50052"]\ntensor_split = [1, 2]\nthreads = 2\nn_cpu_moe = 3\n' + text
+    )
+    assert load_plan(path).compute == Compute(5, ("127.0.0.1:50052",), (1.0, 2.0), 2, 3)
     from ggufcarve.cli.run import _with_compute
 
     assert _with_compute(load_plan(path), None, 0, None, None).compute == Compute(
-        0, ("127.0.0.1:50052",), (1.0, 2.0), 2
+        0, ("127.0.0.1:50052",), (1.0, 2.0), 2, 3
     )
+    assert _with_compute(load_plan(path), None, None, None, None, 0).compute.n_cpu_moe == 0
     path.write_text('rpc = "localhost"\n' + text)
     result = CliRunner().invoke(app, ["run", str(path), "--dry-run"])
     assert result.exit_code != 0 and "rpc must be HOST:PORT" in str(result.exception)

@@ -58,20 +58,28 @@ def test_devices_lists_the_rpc_devices_as_the_tools_see_them(rpc_servers, llama_
     assert doc["host"]["name"] == "host" and doc["host"]["total"] > 0
 
 
-@pytest.mark.parametrize("split", [False, True], ids=["one device", "two devices"])
-def test_decode_and_trace_on_rpc_equal_the_cpu(rpc_servers, split):
+@pytest.mark.parametrize(
+    "split, n_cpu_moe",
+    [(False, 0), (True, 0), (False, 2)],
+    ids=["one device", "two devices", "experts of 2 on the CPU"],
+)
+def test_decode_and_trace_on_rpc_equal_the_cpu(rpc_servers, split, n_cpu_moe):
     from ggufcarve.llama.trace import trace_routing
 
     tokens = list(range(3, 300))
     nodes = ("ffn_moe_topk", "ffn_moe_probs", "ffn_moe_logits")
     cpu = trace_routing(DEMO_MODEL, tokens, nodes=nodes, context=128, compute=Compute(threads=2))
-    placed = Compute(99, rpc_servers if split else rpc_servers[:1], (1, 1) if split else (), 2)
+    placed = Compute(99, rpc_servers if split else rpc_servers[:1], (1, 1) if split else (), 2, n_cpu_moe)
     lines: list[str] = []
     device = trace_routing(
         DEMO_MODEL, tokens, nodes=nodes, context=128, compute=placed, verbose=True, on_line=lines.append
     )
     assigned = {m[1] for line in lines for m in [re.search(r"layer +\d+ assigned to device (\w+)", line)] if m}
     assert assigned == ({"RPC0", "RPC1"} if split else {"RPC0"}), assigned
+    # llama.cpp's loader names every tensor a buffer type override moved (--n-cpu-moe's, per block)
+    moved = {m[1] for line in lines for m in [re.search(r"tensor (\S+) \(.*buffer type overridden to CPU", line)] if m}
+    expected = {f"blk.{b}.ffn_{w}_exps.weight" for b in range(n_cpu_moe) for w in ("gate", "up", "down")}
+    assert moved == expected, moved
     np.testing.assert_allclose(device.logits, cpu.logits, rtol=RELATIVE, atol=RELATIVE)
     for node in nodes:
         for block, values in cpu.nodes[node].items():

@@ -96,6 +96,7 @@ ThreadsOption = Annotated[int | None, option(S.THREADS)]
 GpuLayersOption = Annotated[int, option(S.GPU_LAYERS)]
 RpcOption = Annotated[str | None, option(S.RPC)]  # the value: a tuple of HOST:PORT
 TensorSplitOption = Annotated[str | None, option(S.TENSOR_SPLIT)]  # the value: a tuple of shares
+NCpuMoeOption = Annotated[int, option(S.N_CPU_MOE)]
 LlamaCppOption = Annotated[Path | None, option(S.LLAMA_CPP)]
 
 

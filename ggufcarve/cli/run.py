@@ -290,6 +290,7 @@ RunGpuLayersOption = Annotated[
 ]
 RunRpcOption = Annotated[str | None, option(S.RPC, "Default: the plan's rpc.")]
 RunTensorSplitOption = Annotated[str | None, option(S.TENSOR_SPLIT, "Default: the plan's tensor_split.")]
+RunNCpuMoeOption = Annotated[int | None, option(S.N_CPU_MOE, "Default: the plan's n_cpu_moe, else 0.")]
 
 
 def _with_compute(
@@ -298,6 +299,7 @@ def _with_compute(
     gpu_layers: int | None = None,
     rpc: tuple[str, ...] | None = None,
     tensor_split: tuple[float, ...] | None = None,
+    n_cpu_moe: int | None = None,
 ) -> RunPlan:
     """The plan with the command line's compute settings in place of the plan's, where given."""
     from dataclasses import replace
@@ -310,6 +312,7 @@ def _with_compute(
             given.gpu_layers if gpu_layers is None else gpu_layers,
             given.rpc if rpc is None else rpc,
             given.tensor_split if tensor_split is None else tensor_split,
+            given.n_cpu_moe if n_cpu_moe is None else n_cpu_moe,
         ),
     )
 
@@ -333,6 +336,7 @@ def run_command(
     gpu_layers: RunGpuLayersOption = None,
     rpc: RunRpcOption = None,
     tensor_split: RunTensorSplitOption = None,
+    n_cpu_moe: RunNCpuMoeOption = None,
     quiet: QuietOption = False,
     as_json: JsonOption = False,
 ) -> None:
@@ -340,7 +344,7 @@ def run_command(
     finished stages are skipped."""
     from ggufcarve.pipeline.plan import load_plan
 
-    plan = _with_compute(load_plan(plan_file), threads, gpu_layers, rpc, tensor_split)
+    plan = _with_compute(load_plan(plan_file), threads, gpu_layers, rpc, tensor_split, n_cpu_moe)
     _execute(plan, dry_run, force, quiet, as_json)
 
 
@@ -354,6 +358,7 @@ def demo_command(
     gpu_layers: RunGpuLayersOption = None,
     rpc: RunRpcOption = None,
     tensor_split: RunTensorSplitOption = None,
+    n_cpu_moe: RunNCpuMoeOption = None,
     quiet: QuietOption = False,
     as_json: JsonOption = False,
 ) -> None:
@@ -361,7 +366,7 @@ def demo_command(
     2 cores)."""
     from ggufcarve.pipeline.demo import demo_plan, write_demo_plan
 
-    plan = _with_compute(demo_plan(directory), threads, gpu_layers, rpc, tensor_split)
+    plan = _with_compute(demo_plan(directory), threads, gpu_layers, rpc, tensor_split, n_cpu_moe)
     if not dry_run:
         path = write_demo_plan(directory)
         err.print(f"plan: {path} (run it again with `ggufcarve run {path}`)", highlight=False)

@@ -27,6 +27,7 @@ from ggufcarve.cli.options import (
     ForceOption,
     GpuLayersOption,
     JsonOption,
+    NCpuMoeOption,
     QuietOption,
     QuietResultOption,
     RpcOption,
@@ -128,6 +129,7 @@ def score_command(
     gpu_layers: GpuLayersOption = 0,
     rpc: RpcOption = None,
     tensor_split: TensorSplitOption = None,
+    n_cpu_moe: NCpuMoeOption = 0,
     merge: Annotated[bool, option(S.MERGE, "the scores files given as arguments (shards of one run).")] = False,
     force: ForceOption = False,
     quiet: QuietOption = False,
@@ -157,7 +159,7 @@ def score_command(
             seed,
             ctx,
             max_tokens,
-            S.compute(threads, gpu_layers, rpc, tensor_split),
+            S.compute(threads, gpu_layers, rpc, tensor_split, n_cpu_moe),
             quiet,
         )
     _write(output, scores.dumps(), sources, force)
@@ -263,6 +265,7 @@ def select_command(
     gpu_layers: GpuLayersOption = 0,
     rpc: RpcOption = None,
     tensor_split: TensorSplitOption = None,
+    n_cpu_moe: NCpuMoeOption = 0,
     protect: Annotated[str | None, option(S.PROTECT)] = None,
     protect_super_experts: Annotated[bool, option(S.PROTECT_SUPER_EXPERTS)] = False,
     heatmap: Annotated[
@@ -308,7 +311,7 @@ def select_command(
         protect,
         protect_super_experts,
         heatmap,
-        compute=S.compute(threads, gpu_layers, rpc, tensor_split),
+        compute=S.compute(threads, gpu_layers, rpc, tensor_split, n_cpu_moe),
     )
     with progress(not quiet and not as_json) as sink:
         result = select_to_file(source, settings, output, force=force, on_event=sink)

@@ -20,7 +20,9 @@ Which devices a model offloads to: llama_model_load_from_file (src/llama.cpp) ta
 GPUs, then integrated GPUs when there is no GPU. `offload_devices` makes that list and
 `set_model_params` sets it explicitly, so that a device registered after the backend was
 initialised is used, as llama.cpp's tools use theirs. `tensor_split` is the share of each of those
-devices (llama.cpp's -ts); `gpu_layers` the layers offloaded (-ngl), the last ones first.
+devices (llama.cpp's -ts); `gpu_layers` the layers offloaded (-ngl), the last ones first;
+`n_cpu_moe` keeps the routed experts of blocks 0..N-1 in system memory (--n-cpu-moe: common/arg.cpp
+adds one tensor_buft_override per block, `blk\\.{i}` + LLM_FFN_EXPS_REGEX to the CPU buffer type).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from __future__ import annotations
 import ctypes
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ggufcarve.errors import BadInput
@@ -38,6 +40,12 @@ RPC_REGISTRY = "RPC"
 HOST = "host"  # system memory, as a row beside the devices
 ENDPOINT = re.compile(r"^(?P<host>[A-Za-z0-9_.\-]+|\[[0-9A-Fa-f:]+\]):(?P<port>\d{1,5})$")
 KEEPALIVE: list[object] = []  # arrays handed to llama.cpp through llama_model_params
+LLM_FFN_EXPS_REGEX = r"\.ffn_(up|down|gate|gate_up)_(ch|)exps"  # common/common.h
+
+
+def block_regex(block: int) -> str:
+    """llm_ffn_block_regex(block, LLM_FFN_EXPS_REGEX): the override --n-cpu-moe adds for one block."""
+    return rf"blk\.{block}{LLM_FFN_EXPS_REGEX}"
 
 
 def parse_endpoints(text: str, flag: str = "--rpc") -> tuple[str, ...]:
@@ -71,18 +79,25 @@ def parse_split(text: str, flag: str = "--tensor-split") -> tuple[float, ...]:
 class Compute:
     """Where and with what a llama.cpp child computes: the layers it offloads (`gpu_layers`, -ngl),
     the RPC servers whose devices it adds (`rpc`, --rpc), the share of each offload device
-    (`tensor_split`, -ts) and the CPU threads (`threads`, -t; 0: the child's default)."""
+    (`tensor_split`, -ts), the CPU threads (`threads`, -t; 0: the child's default) and the MoE
+    blocks whose routed experts stay in system memory (`n_cpu_moe`, --n-cpu-moe)."""
 
     gpu_layers: int = 0
     rpc: tuple[str, ...] = ()
     tensor_split: tuple[float, ...] = ()
     threads: int = 0
+    n_cpu_moe: int = 0
 
     def __post_init__(self) -> None:
-        if self.gpu_layers < 0 or self.threads < 0:
+        if self.gpu_layers < 0 or self.threads < 0 or self.n_cpu_moe < 0:
             raise BadInput(
-                f"gpu layers {self.gpu_layers} and threads {self.threads} must be >= 0", "for example --gpu-layers 99"
+                f"gpu layers {self.gpu_layers}, threads {self.threads} and n-cpu-moe {self.n_cpu_moe} must be >= 0",
+                "for example --gpu-layers 99",
             )
+
+    def cpu_tensors(self) -> tuple[str, ...]:
+        """The -ot patterns of the tensors it keeps in system memory: one per block, as --n-cpu-moe."""
+        return tuple(block_regex(i) for i in range(self.n_cpu_moe))
 
     @property
     def offloads(self) -> bool:
@@ -90,7 +105,7 @@ class Compute:
         return self.gpu_layers > 0
 
     def with_threads(self, threads: int) -> Compute:
-        return Compute(self.gpu_layers, self.rpc, self.tensor_split, threads)
+        return replace(self, threads=threads)
 
     def tool_args(self, bench: bool = False) -> list[str]:
         """The same placement as llama.cpp tools' options (llama-perplexity, llama-fit-params; with
@@ -102,6 +117,8 @@ class Compute:
             args += ["-ts", ("/" if bench else ",").join(f"{share:g}" for share in self.tensor_split)]
         if self.threads:
             args += ["-t", str(self.threads)]
+        if self.n_cpu_moe:
+            args += ["-ncmoe" if bench else "--n-cpu-moe", str(self.n_cpu_moe)]
         return args
 
     def key(self) -> dict[str, Any]:
@@ -118,6 +135,7 @@ class Compute:
             "rpc_servers": len(self.rpc),
             "tensor_split": list(self.tensor_split),
             "threads": self.threads,
+            **({"n_cpu_moe": self.n_cpu_moe} if self.n_cpu_moe else {}),
         }
 
     def to_json(self) -> dict[str, Any]:
@@ -126,6 +144,7 @@ class Compute:
             "rpc": list(self.rpc),
             "tensor_split": list(self.tensor_split),
             "threads": self.threads,
+            "n_cpu_moe": self.n_cpu_moe,
         }
 
     @classmethod
@@ -135,6 +154,7 @@ class Compute:
             tuple(str(e) for e in doc.get("rpc", ())),
             tuple(float(s) for s in doc.get("tensor_split", ())),
             int(doc.get("threads", 0)),
+            int(doc.get("n_cpu_moe", 0)),
         )
 
 
@@ -214,6 +234,8 @@ def _libggml() -> Any:
         ("ggml_backend_reg_by_name", [text], void),
         ("ggml_backend_reg_get_proc_address", [void, text], void),
         ("ggml_backend_register", [void], None),
+        ("ggml_backend_dev_by_type", [ctypes.c_int], void),
+        ("ggml_backend_dev_buffer_type", [void], void),
     ):
         function = getattr(lib, name)
         function.argtypes = args
@@ -339,4 +361,20 @@ def set_model_params(llama_cpp: Any, params: Any, compute: Compute) -> list[Devi
             shares[i] = share
         KEEPALIVE.append(shares)
         params.tensor_split = shares
+    if compute.n_cpu_moe:
+        params.tensor_buft_overrides = cpu_overrides(compute.cpu_tensors())
     return [device for _, device in devices]
+
+
+def cpu_overrides(patterns: tuple[str, ...]) -> int:
+    """A llama_model_tensor_buft_override array ({pattern, CPU buffer type} ..., {NULL, NULL}), kept
+    alive in KEEPALIVE: what common/arg.cpp builds for -ot PATTERN=CPU and --n-cpu-moe N."""
+
+    class Override(ctypes.Structure):
+        _fields_ = [("pattern", ctypes.c_char_p), ("buft", ctypes.c_void_p)]
+
+    lib = _libggml()
+    cpu = lib.ggml_backend_dev_buffer_type(lib.ggml_backend_dev_by_type(0))  # GGML_BACKEND_DEVICE_TYPE_CPU
+    array = (Override * (len(patterns) + 1))(*[Override(p.encode(), cpu) for p in patterns], Override(None, None))
+    KEEPALIVE.append(array)
+    return ctypes.addressof(array)

@@ -39,7 +39,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from ggufcarve.llama.devices import CPU, HOST, Compute, set_model_params
+from ggufcarve.llama.devices import CPU, HOST, Compute, cpu_overrides, set_model_params
 
 CHILD_MODULE = "ggufcarve.llama.memory"
 MIB = 2**20
@@ -201,7 +201,7 @@ def _dry_load(request: Request, out: Path) -> None:
     params.use_extra_bufts = False
     params.no_alloc = True
     if settings.cpu_tensors:
-        params.tensor_buft_overrides = _cpu_overrides(settings.cpu_tensors)
+        params.tensor_buft_overrides = cpu_overrides(settings.compute.cpu_tensors() + settings.cpu_tensors)
     params.load_mode = 0  # LLAMA_LOAD_MODE_NONE: nothing mapped, as common/fit.cpp
     model = llama_cpp.llama_model_load_from_file(request.model.encode(), params)
     if not model:
@@ -256,10 +256,6 @@ def _ggml() -> Any:
     lib.ggml_backend_dev_name.restype = ctypes.c_char_p
     lib.ggml_backend_dev_type.argtypes = [ctypes.c_void_p]
     lib.ggml_backend_dev_type.restype = ctypes.c_int
-    lib.ggml_backend_dev_by_type.argtypes = [ctypes.c_int]
-    lib.ggml_backend_dev_by_type.restype = ctypes.c_void_p
-    lib.ggml_backend_dev_buffer_type.argtypes = [ctypes.c_void_p]
-    lib.ggml_backend_dev_buffer_type.restype = ctypes.c_void_p
     return lib
 
 
@@ -268,23 +264,6 @@ def gpu_devices() -> list[str]:
     lib = _ggml()
     devices = (lib.ggml_backend_dev_get(i) for i in range(lib.ggml_backend_dev_count()))
     return [lib.ggml_backend_dev_name(d).decode() for d in devices if lib.ggml_backend_dev_type(d) in GPU_DEVICE_TYPES]
-
-
-def _cpu_overrides(patterns: tuple[str, ...]) -> int:
-    """A llama_model_tensor_buft_override array ({pattern, CPU buffer type} ..., {NULL, NULL}), kept
-    alive in KEEPALIVE: what common/arg.cpp builds for -ot PATTERN=CPU."""
-    import ctypes
-
-    from ggufcarve.llama.libllama import KEEPALIVE
-
-    class Override(ctypes.Structure):
-        _fields_ = [("pattern", ctypes.c_char_p), ("buft", ctypes.c_void_p)]
-
-    lib = _ggml()
-    cpu = lib.ggml_backend_dev_buffer_type(lib.ggml_backend_dev_by_type(0))  # GGML_BACKEND_DEVICE_TYPE_CPU
-    array = (Override * (len(patterns) + 1))(*[Override(p.encode(), cpu) for p in patterns], Override(None, None))
-    KEEPALIVE.append(array)
-    return ctypes.addressof(array)
 
 
 @dataclass(frozen=True)

@@ -178,6 +178,7 @@ class RunPlan:
             "gpu_layers": self.compute.gpu_layers,
             "rpc_servers": len(self.compute.rpc),
             "tensor_split": list(self.compute.tensor_split),
+            "n_cpu_moe": self.compute.n_cpu_moe,
             "selection": {
                 "method": self.selection.method,
                 "keep": self.selection.keep,
@@ -253,6 +254,7 @@ class PlanKeys:
     gpu_layers: int = key(S.GPU_LAYERS, 0)
     rpc: tuple[str, ...] | None = key(S.RPC)
     tensor_split: tuple[float, ...] | None = key(S.TENSOR_SPLIT)
+    n_cpu_moe: int = key(S.N_CPU_MOE, 0)
     card: bool = key(S.CARD, True)
 
 
@@ -573,7 +575,7 @@ def parse_plan(doc: dict[str, Any], base: Path, path: Path | None = None) -> Run
         card=card,
         card_settings=card_settings,
         raw=doc,
-        compute=S.compute(top.threads, top.gpu_layers, top.rpc, top.tensor_split),
+        compute=S.compute(top.threads, top.gpu_layers, top.rpc, top.tensor_split, top.n_cpu_moe),
     )
 
 

@@ -56,10 +56,10 @@ from gguf.constants import Keys
 
 from ggufcarve.errors import BadInput
 from ggufcarve.gguf.container import GGUFModel
+from ggufcarve.llama.devices import LLM_FFN_EXPS_REGEX, block_regex
 from ggufcarve.llama.memory import HOST, DeviceMemory, DryLoad
 from ggufcarve.placement.kvcache import ContextSettings, context_memory
 
-LLM_FFN_EXPS_REGEX = r"\.ffn_(up|down|gate|gate_up)_(ch|)exps"  # common/common.h
 INPUT_LAYER_TENSORS = (
     "token_embd",
     "position_embd",
@@ -74,11 +74,6 @@ INPUT_LAYER_TENSORS = (
 TIERS = ("gpu", "gpu+cpu", "ram", "disk")
 GPU_TIERS = ("gpu", "gpu+cpu")
 DEFAULT_MARGIN = 2**30  # fit_params_target: llama.cpp's --fit target margin per device, 1024 MiB
-
-
-def block_regex(block: int) -> str:
-    """llm_ffn_block_regex(block, LLM_FFN_EXPS_REGEX): the override --n-cpu-moe adds for one block."""
-    return rf"blk\.{block}{LLM_FFN_EXPS_REGEX}"
 
 
 def _digits_range(lo: str, hi: str) -> str:

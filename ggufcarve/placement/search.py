@@ -31,9 +31,9 @@ from typing import Any
 
 import numpy as np
 
-from ggufcarve.llama.devices import Compute
+from ggufcarve.llama.devices import LLM_FFN_EXPS_REGEX, Compute
 from ggufcarve.llama.memory import HOST, DeviceMemory, DryLoad
-from ggufcarve.placement.offload import DEFAULT_MARGIN, LLM_FFN_EXPS_REGEX, WeightPlacement, override_regex
+from ggufcarve.placement.offload import DEFAULT_MARGIN, WeightPlacement, override_regex
 
 ALL_LAYERS = 999  # n_gpu_layers above the layer count offloads every layer and the output (llama-server: -ngl all)
 
