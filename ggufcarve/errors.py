@@ -41,6 +41,18 @@ class ToolFailed(CarveError):
     """A llama.cpp tool ran and failed."""
 
 
+class DeviceOutOfMemory(ToolFailed):
+    """A llama.cpp child could not allocate its buffers on a device, with what it was loading: the
+    `model` path, its placement (`compute`, a llama.devices.Compute) and its context (`n_ctx`, None
+    when the request does not say), so that a placement that fits can be answered."""
+
+    def __init__(self, message: str, hint: str, *, model: str, compute: object, n_ctx: int | None) -> None:
+        super().__init__(message, hint)
+        self.model = model
+        self.compute = compute
+        self.n_ctx = n_ctx
+
+
 class Interrupted(BaseException):
     """A signal (Ctrl-C's SIGINT, SIGTERM, SIGHUP) stopped the run.
 

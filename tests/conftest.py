@@ -121,6 +121,60 @@ def rpc_servers(llama_tools) -> tuple[str, ...]:
             proc.wait()
 
 
+SMALL_DEVICE_BYTES = 6 * 2**30  # the memory of small_rpc_server's device
+SMALL_DEVICE_SLACK = 64 * 2**20  # address space of the server process beyond its device's memory
+
+
+@pytest.fixture(scope="session")
+def small_rpc_server(llama_tools, tmp_path_factory) -> str:
+    """A ggml-rpc-server whose device has SMALL_DEVICE_BYTES: it reports that much memory (an
+    LD_PRELOAD shim, tests/native/small_device.c, answers ggml-cpu's sysconf(_SC_PHYS_PAGES)) and
+    fails to allocate beyond it (the process's address space is capped, RLIMIT_AS), as a card of that
+    size does. Its endpoint; the server stops with the session."""
+    import resource
+    import socket
+    import subprocess
+    import time
+
+    built = tmp_path_factory.mktemp("small-device") / "small_device.so"
+    source = pathlib.Path(__file__).parent / "native" / "small_device.c"
+    compiled = subprocess.run(
+        ["cc", "-shared", "-fPIC", "-O2", "-o", str(built), str(source), "-ldl"], capture_output=True, text=True
+    )
+    assert compiled.returncode == 0, compiled.stderr
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    limit = SMALL_DEVICE_BYTES + SMALL_DEVICE_SLACK
+    env = {
+        **os.environ,
+        "GGML_NO_BACKTRACE": "1",
+        "LD_PRELOAD": str(built),
+        "GGUFCARVE_DEVICE_BYTES": str(SMALL_DEVICE_BYTES),
+    }
+    proc = subprocess.Popen(
+        [str(llama_tools / "ggml-rpc-server"), "-H", "127.0.0.1", "-p", str(port), "-t", "1"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=env,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (limit, limit)),
+    )
+    try:
+        for _attempt in range(300):  # hang guard: 30 s
+            assert proc.poll() is None, f"ggml-rpc-server exited {proc.returncode}"
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.1)
+        else:
+            raise AssertionError(f"ggml-rpc-server on port {port} did not start")
+        yield f"127.0.0.1:{port}"
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 CALIBRATION_WORDS = (
     "the quick brown fox jumps over a lazy dog while experts route tokens through "
     "layers of matrices that quantize and prune weights"

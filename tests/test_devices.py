@@ -298,3 +298,43 @@ def test_best_on_two_rpc_gpus_places_the_answer_over_both_by_their_budgets(rpc_s
             theirs,
             devices,
         )
+
+
+def test_out_of_memory_at_load_is_answered_with_the_placement_that_fits(small_rpc_server, llama_tools, tmp_path):
+    """A 35 GiB model (the Qwen3.6-35B-A3B replica) loaded whole on a 6 GiB device (tests/conftest.py's
+    small_rpc_server: it reports 6 GiB and cannot allocate more): one line naming the stage and the
+    device, answered with --gpu-layers 999 --n-cpu-moe N. Oracles: llama-fit-params with that
+    placement keeps the device within its memory and llama.cpp's margin, and llama-bench loads it
+    there and decodes, while a placement with fewer experts in system memory fails to load."""
+    from tests import factory
+    from tests.conftest import SMALL_DEVICE_BYTES
+
+    replica = factory.write_qwen35moe_replica(tmp_path / "qwen35moe-replica-Q8_0.gguf")
+    result = ggufcarve(
+        "imatrix", "collect", replica, "--calibration", CALIBRATION, "--ctx", 64, "--chunks", 1,
+        "--gpu-layers", 99, "--rpc", small_rpc_server, "-o", tmp_path / "replica.imatrix.gguf",
+    )  # fmt: skip
+    assert result.code != 0 and not (tmp_path / "replica.imatrix.gguf").exists()
+    line = result.stderr.strip()
+    assert "\n" not in line, line
+    assert line.startswith("error: collecting the imatrix of qwen35moe-replica-Q8_0.gguf: the decode child: "), line
+    assert "a device ran out of memory (failed to allocate RPC0" in line, line
+    advised = re.search(r"it fits with --gpu-layers 999 --n-cpu-moe (\d+) \(RPC0 ", line)
+    assert advised, line
+    n = int(advised[1])
+    assert 0 < n < 40
+    theirs = fit_params(
+        llama_tools / "llama-fit-params",
+        replica,
+        ["--rpc", small_rpc_server, "-ngl", "all", "--n-cpu-moe", str(n), "-c", "64"],
+    )
+    assert sum(theirs["RPC0"]) * 2**20 + 2**30 <= SMALL_DEVICE_BYTES, theirs
+
+    def bench(n_cpu_moe: int) -> subprocess.CompletedProcess:
+        argv = [str(llama_tools / "llama-bench"), "-m", str(replica), "--rpc", small_rpc_server, "-ngl", "999"]
+        argv += ["-ncmoe", str(n_cpu_moe), "-p", "0", "-n", "1", "-r", "1", "-t", "2", "-o", "json"]
+        return subprocess.run(argv, capture_output=True, text=True, timeout=300, env=_child_env())
+
+    loaded = bench(n)
+    assert loaded.returncode == 0 and json.loads(loaded.stdout)[0]["avg_ts"] > 0, loaded.stderr[-2000:]
+    assert bench(n - 8).returncode != 0  # the device's limit is real: 8 more expert blocks do not fit

@@ -51,7 +51,7 @@ from ggufcarve.cli import (
 )
 from ggufcarve.cli.options import PanelGroup, command_group
 from ggufcarve.cli.render import print_error
-from ggufcarve.errors import CarveError, Interrupted
+from ggufcarve.errors import CarveError, DeviceOutOfMemory, Interrupted
 
 HELP = "Cut routed experts out of Mixture-of-Experts GGUF files, byte for byte."
 
@@ -228,6 +228,10 @@ def main() -> None:
     except CarveError as error:
         if debug:
             raise
+        if isinstance(error, DeviceOutOfMemory):  # answered with the placement that fits the devices
+            from ggufcarve.placement.advice import fitting_answer
+
+            error = fitting_answer(error)
         print_error(error.message, error.hint)
         sys.exit(error.exit_code)
     except OSError as error:  # a file vanished, a permission or the disk failed outside the checked paths

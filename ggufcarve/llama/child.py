@@ -39,9 +39,10 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, ClassVar, NoReturn, Protocol, TypeVar
 
-from ggufcarve.errors import BadInput, CarveError, ToolFailed
+from ggufcarve.errors import BadInput, CarveError, DeviceOutOfMemory, ToolFailed
 from ggufcarve.events import Event, Sink, ignore
 from ggufcarve.llama import launch
+from ggufcarve.llama.devices import CPU, Compute
 
 PREFIX = "@ggufcarve "
 PROGRESS = "progress"
@@ -320,15 +321,36 @@ class _Watch:
     ) -> T:
         """The result file read, or the error the child's lines and its end (`finished`; None: still running) say."""
         if self.errors:
-            raise _carve_error(*self.errors[0], finished or launch.Finished([], EXIT_FAILED, 0.0), what, hint, outputs)
+            error, before = self.errors[0]
+            out_of_memory(request, before, what)
+            raise _carve_error(error, before, finished or launch.Finished([], EXIT_FAILED, 0.0), what, hint, outputs)
         if finished is not None:
-            # the RPC servers a child was given: in its request's Compute (the memory child's, in its settings)
-            compute = getattr(request, "compute", None) or getattr(getattr(request, "settings", None), "compute", None)
-            servers = getattr(compute, "rpc", ())
-            launch.check(replace(finished, tail=list(self.own)), what, hint, servers)
+            out_of_memory(request, list(self.own), what)
+            launch.check(replace(finished, tail=list(self.own)), what, hint, placed(request)[1].rpc)
         if not result.exists():
             raise ToolFailed(f"{what} exited 0 without writing its result", "run again; GGUFCARVE_DEBUG=1 shows more")
         return read(result)
+
+
+def placed(request: ChildRequest) -> tuple[str, Compute, int | None]:
+    """What a request loads where: its model, its Compute (the memory child's in its settings) and its
+    context (None where the request does not name one)."""
+    settings = getattr(request, "settings", None)
+    compute = getattr(request, "compute", None) or getattr(settings, "compute", None) or CPU
+    batching = getattr(request, "batching", None)
+    n_ctx = getattr(request, "n_ctx", None) or getattr(settings, "n_ctx", None) or getattr(batching, "ctx", None)
+    return str(getattr(request, "model", "")), compute, n_ctx
+
+
+def out_of_memory(request: ChildRequest, lines: Sequence[str], what: str) -> None:
+    """Raise DeviceOutOfMemory where llama.cpp's lines say a device could not hold what the request
+    placed on it (at load: "failed to allocate RPC0 buffer of size N"; later, a CUDA or Vulkan
+    out-of-memory abort)."""
+    lost = launch.device_failure(lines)
+    if lost is None or not lost.startswith(launch.OUT_OF_MEMORY):
+        return
+    model, compute, n_ctx = placed(request)
+    raise DeviceOutOfMemory(f"{what}: {lost}", launch.DEVICE_HINT, model=model, compute=compute, n_ctx=n_ctx)
 
 
 class Session:

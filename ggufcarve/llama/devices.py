@@ -332,10 +332,16 @@ def offload_devices(rpc: tuple[str, ...] = ()) -> list[tuple[int, Device]]:
     integrated GPUs where there is no GPU), as (handle, device)."""
     add_rpc_servers(rpc)
     found = _devices(_libggml())
-    rpc_devices = [d for d in found if d[1].type == "RPC"]
-    gpus = [d for d in found if d[1].type == "GPU"]
-    igpus = [d for d in found if d[1].type == "IGPU"]
-    return rpc_devices + gpus + (igpus if not gpus else [])
+    order = offload_order([device for _, device in found])
+    return sorted((d for d in found if d[1] in order), key=lambda d: order.index(d[1]))
+
+
+def offload_order(devices: list[Device]) -> list[Device]:
+    """The devices a model offloads to, in llama.cpp's default order: RPC devices, GPUs, then
+    integrated GPUs where there is no GPU."""
+    gpus = [d for d in devices if d.type == "GPU"]
+    igpus = [d for d in devices if d.type == "IGPU"]
+    return [d for d in devices if d.type == "RPC"] + gpus + (igpus if not gpus else [])
 
 
 def set_model_params(llama_cpp: Any, params: Any, compute: Compute) -> list[Device]:

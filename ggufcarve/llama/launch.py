@@ -438,8 +438,9 @@ DEVICE_LOST = re.compile(
     r"(?P<rpc>Remote RPC server crashed or returned malformed response"
     r"|Failed to connect to (?P<endpoint>\S+)|RPC handshake failed for (?P<handshake>\S+))"
     r"|(?P<oom>CUDA error: out of memory|cudaMalloc failed: out of memory|ErrorOutOfDeviceMemory"
-    r"|failed to allocate \S+ buffer of size)"
+    r"|failed to allocate \S+ buffer of size \d+)"
 )
+OUT_OF_MEMORY = "a device ran out of memory"
 DEVICE_HINT = (
     "restart the ggml-rpc-server (or free the device's memory, or place less on it) and run the same "
     "command again: finished builds and cached measurements are kept"
@@ -456,7 +457,7 @@ def device_failure(lines: Sequence[str], servers: Sequence[str] = ()) -> str | N
     if any(m["rpc"] for m in found):
         endpoint = named or ", ".join(servers)
         return f"the RPC server {endpoint} went away" if endpoint else "an RPC server went away (--rpc)"
-    return f"a device ran out of memory ({found[-1]['oom']})"
+    return f"{OUT_OF_MEMORY} ({found[-1]['oom']})"
 
 
 def check(finished: Finished, what: str, hint: str, servers: Sequence[str] = ()) -> Finished:

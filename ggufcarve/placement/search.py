@@ -214,8 +214,8 @@ def shares_of(budgets: tuple[int, ...]) -> tuple[float, ...]:
     return tuple(round(b / 2**30, 2) or 0.01 for b in budgets)
 
 
-def candidates(weights: WeightPlacement, shares: tuple[float, ...]) -> list[Placement]:
-    """The placements tried, fastest first (module docstring)."""
+def candidates(weights: WeightPlacement, shares: tuple[float, ...], from_last: bool = True) -> list[Placement]:
+    """The placements tried, fastest first (module docstring); without `from_last`, --n-cpu-moe's alone."""
     main = len(weights.expert_bytes)
     split = shares if len(shares) > 1 else ()
     out = [Placement(tensor_split=split)]
@@ -224,7 +224,7 @@ def candidates(weights: WeightPlacement, shares: tuple[float, ...]) -> list[Plac
         last = Placement(n_cpu_moe=n, from_last=True, tensor_split=split)
         moved_first = sum(weights.expert_bytes[:n])
         moved_last = sum(weights.expert_bytes[main - n :])
-        out += [last, first] if moved_last > moved_first else [first]
+        out += [last, first] if from_last and moved_last > moved_first else [first]
     return out
 
 
@@ -236,12 +236,13 @@ def choose(
     memory: int,
     devices: list[str] | None = None,
     margin: int = DEFAULT_MARGIN,
+    from_last: bool = True,
 ) -> PlacedMemory | None:
     """The fastest placement whose estimated memory fits every device's budget and the host's
     `memory`; None when even every expert in system memory does not fit."""
     names = devices or [f"GPU{i}" for i in range(len(budgets))]
     limits = {**dict(zip(names, budgets)), HOST: memory}
-    for placement in candidates(weights, shares_of(budgets)):
+    for placement in candidates(weights, shares_of(budgets), from_last):
         placed = PlacedMemory(placement, estimate(weights, host_load, placement, names), False, limits, margin)
         if placed.fits:
             return placed
@@ -257,16 +258,20 @@ def place_on_devices(
     present: list[str],
     load: Callable[[Placement], DryLoad],
     margin: int = DEFAULT_MARGIN,
+    from_last: bool = True,
 ) -> PlacedMemory | None:
     """The fastest placement that fits the budgets: `choose`'s by the estimate; with the devices
     `present` (their names, one per budget), each placement from that one on is loaded by llama.cpp
-    (`load`: its dry load of the placement) until every measured device fits. None when none fits."""
+    (`load`: its dry load of the placement) until every measured device fits. None when none fits.
+    Without `from_last`, --n-cpu-moe's placements alone (the ones a ggufcarve command takes)."""
     names = present or [f"GPU{i}" for i in range(len(budgets))]
-    placed = choose(weights, host_load, budgets=budgets, memory=memory, devices=names, margin=margin)
+    placed = choose(
+        weights, host_load, budgets=budgets, memory=memory, devices=names, margin=margin, from_last=from_last
+    )
     if placed is None or not present:
         return placed
     limits = {**dict(zip(names, budgets)), HOST: memory}
-    tried = candidates(weights, shares_of(budgets))
+    tried = candidates(weights, shares_of(budgets), from_last)
     for placement in tried[tried.index(placed.placement) :]:
         again = PlacedMemory(placement, measured_rows(weights, placement, load(placement)), True, limits, margin)
         if again.fits:
