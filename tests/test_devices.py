@@ -338,3 +338,38 @@ def test_out_of_memory_at_load_is_answered_with_the_placement_that_fits(small_rp
     loaded = bench(n)
     assert loaded.returncode == 0 and json.loads(loaded.stdout)[0]["avg_ts"] > 0, loaded.stderr[-2000:]
     assert bench(n - 8).returncode != 0  # the device's limit is real: 8 more expert blocks do not fit
+
+
+def test_a_tournament_on_an_rpc_device_holds_one_child_at_a_time(rpc_servers, tmp_path):
+    """Two files on an RPC device, candidates on both in two rounds: ggml-rpc-server serves one client at
+    a time, so one child is held at once (each file loaded again in the second round; two held open
+    would wait on each other for ever), and the tables equal the CPU's (relative 1e-4)."""
+    import shutil
+    from pathlib import Path
+
+    from ggufcarve.llama.devices import Device
+    from ggufcarve.measure.tournament import Candidate, MeasureSettings, loaded_budget, measure, prepare_segments
+
+    other = tmp_path / "copy-of-the-demo.gguf"
+    shutil.copyfile(DEMO_MODEL, other)
+    placed = Compute(99, rpc_servers[:1], threads=2)
+    assert loaded_budget(placed) == 0
+    gpu = Device("CUDA0", "a 24 GiB card", "GPU", 23 * 2**30, 24 * 2**30, "CUDA")
+    assert loaded_budget(Compute(99), [gpu, Device("CPU", "cpu", "CPU", 1, 1, "CPU")]) == 22 * 2**30
+    segments = prepare_segments(DEMO_MODEL, [HELDOUT], chunk_ctx=1024, chunks=6, compute=placed, work=tmp_path)
+    candidates = [
+        Candidate("keep-15", DEMO_MODEL, keep={b: tuple(range(15)) for b in range(4)}),
+        Candidate("keep-4", DEMO_MODEL, keep={b: tuple(range(4)) for b in range(4)}),
+        Candidate("keep-12", Path(other), keep={b: tuple(range(12)) for b in range(4)}),
+        Candidate("keep-8", Path(other), keep={b: tuple(range(8)) for b in range(4)}),
+    ]
+    settings = MeasureSettings(placed, never_leave=("keep-15", "keep-12"))  # one on each file in every round
+    got = measure(candidates, segments, settings, tmp_path)
+    rounds = got.groups[""]["rounds"]
+    assert len(rounds) == 2
+    assert min(len(got.tables["keep-15"]), len(got.tables["keep-12"])) > rounds[0]["units"]  # both files in round 2
+    assert got.loads == {DEMO_MODEL.name: 2, other.name: 2}
+    (tmp_path / "cpu").mkdir()
+    cpu = measure(candidates[:1], segments, MeasureSettings(Compute(threads=2)), tmp_path / "cpu")
+    n = len(got.tables["keep-15"])
+    np.testing.assert_allclose(got.table("keep-15"), cpu.table("keep-15", n), rtol=RELATIVE, atol=1e-9)

@@ -537,3 +537,48 @@ def test_a_round_of_one_chunk_decides_nothing_and_its_records_are_json(tmp_path)
     assert first["units"] == 1 and first["left"] == {}
     assert all(d["stderr"] is None for d in first["delta_vs_leader"].values())
     json.dumps({"records": got.records, "groups": got.groups}, allow_nan=False)
+
+
+def test_a_device_out_of_memory_with_other_models_held_ends_them_and_loads_again_alone():
+    """The scorer holds other files' children on the device: a load that runs the device out of memory
+    ends them, and the same request is made again to a child of its own; alone, the error stands."""
+    from ggufcarve.errors import DeviceOutOfMemory
+    from ggufcarve.measure.tournament import _Scorer
+
+    closed, asked = [], []
+
+    class Held:
+        alive = True
+
+        def close(self) -> None:
+            closed.append(self)
+
+        def kill(self) -> None:
+            closed.append(self)
+
+    class Loading:
+        def __init__(self, fails: int) -> None:
+            self.fails = fails
+
+        def run(self, request, *args, **kwargs):
+            asked.append(request)
+            if len(asked) <= self.fails:
+                raise DeviceOutOfMemory("out of memory", "", model="m.gguf", compute=Compute(99), n_ctx=512)
+            return {"loaded": True, "jobs": {}}
+
+    scorer = object.__new__(_Scorer)
+    scorer.on_event = lambda event: None
+    scorer.sessions = {Path("other.gguf"): Held()}
+    scorer.budget = 10**12
+    loading = Loading(fails=1)
+    scorer._session = lambda model: loading
+    import types
+
+    request = types.SimpleNamespace(result_out="measure.result.json")
+    assert scorer._scored(Path("m.gguf"), request, "1 candidate") == {"loaded": True, "jobs": {}}
+    assert asked == [request, request] and len(closed) == 1 and scorer.sessions == {} and scorer.budget == 0
+    asked.clear()
+    loading.fails = 1
+    with pytest.raises(DeviceOutOfMemory):  # nothing else held: the model does not fit alone
+        scorer._scored(Path("m.gguf"), request, "1 candidate")
+    assert asked == [request]

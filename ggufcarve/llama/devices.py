@@ -38,6 +38,7 @@ from ggufcarve.errors import BadInput
 DEVICE_TYPES = ("CPU", "GPU", "IGPU", "ACCEL", "META")  # enum ggml_backend_dev_type, in its order
 RPC_REGISTRY = "RPC"
 HOST = "host"  # system memory, as a row beside the devices
+FIT_MARGIN = 2**30  # common/fit.cpp's fit_params_target: the memory llama.cpp's --fit leaves free per device, 1024 MiB
 ENDPOINT = re.compile(r"^(?P<host>[A-Za-z0-9_.\-]+|\[[0-9A-Fa-f:]+\]):(?P<port>\d{1,5})$")
 KEEPALIVE: list[object] = []  # arrays handed to llama.cpp through llama_model_params
 LLM_FFN_EXPS_REGEX = r"\.ffn_(up|down|gate|gate_up)_(ch|)exps"  # common/common.h

@@ -99,12 +99,27 @@ class MeasureSettings:
     never_leave: tuple[str, ...] = ()  # candidates halving never stops (the search's current keep-set)
 
 
-def loaded_budget(compute: Compute) -> int:
-    """Model bytes the scoring children may hold at once: the host's available memory when they run on the CPU;
-    0 with layers on a device (one model at a time on the card)."""
-    from ggufcarve.llama.devices import host_memory
+def loaded_budget(compute: Compute, devices: list[Any] | None = None) -> int:
+    """Model bytes the scoring children may hold at once: half the host's available memory when they
+    run on the CPU; with layers on devices, the free memory of the devices they offload to
+    (`devices`: llama.devices.Device rows, default: llama.cpp's listing) less llama.cpp's --fit
+    margin on each. 0 (one child at a time) where an RPC server is among them: ggml-rpc-server serves
+    one client at a time (ggml/src/ggml-rpc/ggml-rpc.cpp, ggml_backend_rpc_start_server: the next
+    connection is accepted when the current one closes), so a second child held open would wait on
+    the first. A child that runs a device out of memory at load ends the others and loads again
+    alone (`_Scorer._scored`)."""
+    from ggufcarve.llama.devices import FIT_MARGIN, host_memory, offload_order
 
-    return host_memory().free // 2 if compute.gpu_layers == 0 else 0
+    if not compute.offloads:
+        return host_memory().free // 2
+    if compute.rpc:
+        return 0
+    if devices is None:
+        from ggufcarve.llama.device_list import libllama_devices
+
+        devices = libllama_devices()
+    offload = offload_order(devices)
+    return max(sum(d.free for d in offload) - FIT_MARGIN * len(offload), 0)
 
 
 @dataclass
@@ -277,6 +292,33 @@ class _Scorer:
         self.sessions[model] = session
         return session
 
+    def _scored(self, model: Path, request: Any, label: str) -> dict[str, Any]:
+        """The measurement child's answer to `request` (measure.protocol.Request) on `model`. A device
+        out of memory while other models are held there ends their children and loads `model` again alone."""
+        from ggufcarve.errors import DeviceOutOfMemory
+        from ggufcarve.measure.protocol import CHUNK_TASK
+
+        def run() -> dict[str, Any]:
+            return self._session(model).run(
+                request,
+                Path(request.result_out),
+                lambda p: json.loads(p.read_text()),
+                what=f"scoring {label} in libllama",
+                hint="the last lines are llama.cpp's own; check that the model loads (ggufcarve inspect MODEL)",
+                sink=self.on_event,
+                stages={CHUNK_TASK: "measure"},
+                idle_timeout=3600.0,
+            )
+
+        try:
+            return run()
+        except DeviceOutOfMemory:
+            if not self.sessions:
+                raise
+            self.close()
+            self.budget = 0  # one model at a time on the devices from here on
+            return run()
+
     def close(self, failed: bool = False) -> None:
         """End every child (killed when the run failed)."""
         sessions, self.sessions = list(self.sessions.values()), {}
@@ -311,7 +353,7 @@ class _Scorer:
     def score(self, upto: Mapping[str, int]) -> None:
         """Extend each named candidate's tables to its first `upto[cid]` units."""
         from ggufcarve.errors import UnsupportedModel
-        from ggufcarve.measure.protocol import CHUNK_TASK, Job, Request
+        from ggufcarve.measure.protocol import Job, Request
 
         if self.score_unit is not None:
             for cid, n in upto.items():
@@ -349,16 +391,7 @@ class _Scorer:
                     )
                 )
             label = f"{len(jobs)} candidate{'s' if len(jobs) != 1 else ''} on {model.name}"
-            result = self._session(model).run(
-                request,
-                Path(request.result_out),
-                lambda p: json.loads(p.read_text()),
-                what=f"scoring {label} in libllama",
-                hint="the last lines are llama.cpp's own; check that the model loads (ggufcarve inspect MODEL)",
-                sink=self.on_event,
-                stages={CHUNK_TASK: "measure"},
-                idle_timeout=3600.0,
-            )
+            result = self._scored(model, request, label)
             Path(request.result_out).unlink(missing_ok=True)
             if result.get("loaded", True):
                 self.loads[model.name] = self.loads.get(model.name, 0) + 1

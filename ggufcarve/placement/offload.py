@@ -56,7 +56,7 @@ from gguf.constants import Keys
 
 from ggufcarve.errors import BadInput
 from ggufcarve.gguf.container import GGUFModel
-from ggufcarve.llama.devices import LLM_FFN_EXPS_REGEX, block_regex
+from ggufcarve.llama.devices import FIT_MARGIN, LLM_FFN_EXPS_REGEX, block_regex
 from ggufcarve.llama.memory import HOST, DeviceMemory, DryLoad
 from ggufcarve.placement.kvcache import ContextSettings, context_memory
 
@@ -73,7 +73,7 @@ INPUT_LAYER_TENSORS = (
 # mmap (a file larger than the memory runs, slowly).
 TIERS = ("gpu", "gpu+cpu", "ram", "disk")
 GPU_TIERS = ("gpu", "gpu+cpu")
-DEFAULT_MARGIN = 2**30  # fit_params_target: llama.cpp's --fit target margin per device, 1024 MiB
+DEFAULT_MARGIN = FIT_MARGIN  # llama.cpp's --fit target margin per device
 
 
 def _digits_range(lo: str, hi: str) -> str:
