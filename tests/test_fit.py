@@ -397,3 +397,83 @@ def test_measure_speed_times_each_fitting_row_in_its_placement_on_the_rungs_type
     shape = {t.name: (t.type_id, tuple(t.shape)) for t in read_model(real).tensors}
     assert {t.name: (t.type_id, tuple(t.shape)) for t in read_model(timed).tensors} == shape
     assert abs(timed.stat().st_size - real.stat().st_size) < 512  # llama-quantize's own keys at most
+
+
+def _demo_row_with_experts_on_the_cpu(llama_tools):
+    """fit's report for the demo model's Q8_0 on a 1045 MiB GPU at ctx 512 (its experts of some blocks,
+    not all, in system memory) and that row."""
+    from ggufcarve.demo import DEMO_MODEL
+    from ggufcarve.llama.memory import MemorySettings
+
+    source = read_model(DEMO_MODEL)
+    report = plan_fit(
+        source,
+        inspect_layout(source),
+        load_spec(DEFAULT_LADDER),
+        memory=parse_memory("8GiB"),
+        context=ContextSettings(512),
+        quantizer=BinaryQuantizer(llama_tools / "llama-quantize"),
+        kept_counts=[16],
+        only=["Q8_0"],
+        gpu_memory=parse_memory("1045MiB"),
+        measure=MemorySettings(512),
+    )
+    row = report.row(16, "Q8_0")
+    assert row.tier == "gpu+cpu" and 0 < row.offload.n_cpu_moe < 4
+    return report, row
+
+
+@pytest.mark.parametrize("last_runs, chosen", [((20.0, 21.0, 22.0), "last"), ((10.5, 11.0, 11.5), "first")])
+def test_measure_speed_takes_the_other_variant_only_when_it_decodes_faster_beyond_noise(llama_tools, last_runs, chosen):
+    """A row with the experts of N blocks in system memory is timed as --n-cpu-moe N and as the last N
+    blocks' -ot; the variant takes the row's place (placement, llama-server line, speed) only when its
+    decode runs are faster beyond noise (a tie keeps the placement found by bytes)."""
+    from ggufcarve.evaluate.speed import Speed
+    from ggufcarve.llama.devices import Compute
+    from ggufcarve.quant.fit import measure_speeds
+
+    report, row = _demo_row_with_experts_on_the_cpu(llama_tools)
+    n = row.offload.n_cpu_moe
+    asked = []
+
+    def bench(path, placed, flags):
+        asked.append(flags)
+        runs = list(last_runs) if flags and flags[0] == "-ot" else [10.0, 11.0, 12.0]
+        return Speed(512, 64, 2, 100.0, float(sorted(runs)[1]), [100.0] * 3, runs, "llama-bench")
+
+    timed = measure_speeds(report, bench, Compute(threads=2), on_device=True)
+    assert [f[0] for f in asked] == ["-ncmoe", "-ot"] and asked[0] == ("-ncmoe", str(n))
+    doc = next(r for r in timed.to_json()["rows"] if r["kept"] == 16 and r["rung"] == "Q8_0")
+    labels = [p["label"] for p in doc["speed_placements"]]
+    assert labels == [f"n-cpu-moe {n}", f"last {n} blocks' experts on the CPU"]
+    if chosen == "last":
+        assert doc["placement"]["override_tensor"] == asked[1][1] and doc["placement"]["n_cpu_moe"] is None
+        assert doc["placement_chosen_by"].startswith("measured speed") and doc["decode_tok_s"] == 21.0
+        assert doc["server"][doc["server"].index("-ot") + 1] == asked[1][1]
+    else:
+        assert doc["placement"]["n_cpu_moe"] == n and "placement_chosen_by" not in doc and doc["decode_tok_s"] == 11.0
+        assert "--n-cpu-moe" in doc["server"]
+
+
+@pytest.mark.slow
+def test_measure_speed_times_both_variants_on_the_device_and_the_answer_fits(llama_tools, rpc_servers):
+    """fit --measure-speed --gpu-memory on an RPC device: the row with experts in system memory is timed
+    by llama-bench in both variants, and the llama-server line of the one chosen, loaded by
+    llama-fit-params on the same device, fits the budget with llama.cpp's margin."""
+    from ggufcarve.demo import DEMO_MODEL
+    from tests.fit_params import fit_params
+
+    result = ggufcarve(
+        "fit", DEMO_MODEL, "--ctx", 512, "--k", 16, "--only", "Q8_0", "--memory", "8GiB", "--gpu-memory", "1040MiB",
+        "--rpc", rpc_servers[0], "--quantizer", llama_tools / "llama-quantize", "--llama-cpp", llama_tools,
+        "--measure-speed", "-t", 2, "--json",
+    )  # fmt: skip
+    assert result.code == 0, result.stderr[-2000:]
+    (row,) = json.loads(result.stdout)["rows"]
+    assert row["tier"] == "gpu+cpu" and len(row["speed_placements"]) == 2
+    assert all(p["decode_tok_s"] > 0 and p["prompt_tok_s"] > 0 for p in row["speed_placements"])
+    speeds = {p["label"]: p["decode_tok_s"] for p in row["speed_placements"]}
+    assert row["decode_tok_s"] == speeds[row["placement"]["label"]]
+    server = row["server"]
+    theirs = fit_params(llama_tools / "llama-fit-params", DEMO_MODEL, ["--rpc", rpc_servers[0], *server[3:]])
+    assert sum(theirs["RPC0"]) * 2**20 + 2**30 <= 1040 * 2**20, theirs

@@ -403,9 +403,8 @@ def timed(report: FitReport, llama_cpp: Path | None, compute: Compute, sink: Sin
     if tool is None:
         raise ToolMissing("--measure-speed needs llama-bench", "build it: ggufcarve toolchain build")
 
-    def bench(path: Path, placed: Compute, flags: tuple[str, ...]) -> tuple[float, float]:
-        speed = bench_speed(tool, path, BENCH_METHOD, placed, flags)
-        return speed.pp_tok_s, speed.tg_tok_s
+    def bench(path: Path, placed: Compute, flags: tuple[str, ...]) -> object:
+        return bench_speed(tool, path, BENCH_METHOD, placed, flags)
 
     on_device = bool(compute.rpc) or any(r.load is not None and r.load.gpu_devices for r in report.rows)
     return measure_speeds(report, bench, compute, on_device, sink)

@@ -154,6 +154,7 @@ class FitRow:
     )
     placed: Any = None  # placement.search.PlacedMemory: with several GPU budgets, the placement chosen
     speed: dict[str, Any] | None = None  # --measure-speed: decode_tok_s, prompt_tok_s, speed_placement, speed_of
+    faster: Any = None  # placement.search.Placement: --measure-speed's faster variant of the placement found by bytes
 
     @property
     def memory_measured(self) -> DeviceMemory | None:
@@ -277,12 +278,9 @@ class FitReport:
 
     def _placement_json(self, row: FitRow) -> dict[str, Any]:
         """With GPU budgets: the placement a user runs the row with and its llama-server line."""
-        from ggufcarve.placement.search import Placement
 
         main = self.layout.main_layer_count
-        placement = row.placed.placement if row.placed is not None else None
-        if placement is None and row.offload is not None and row.offload.n_cpu_moe is not None:
-            placement = Placement(n_cpu_moe=row.offload.n_cpu_moe)
+        placement = row_placement(row)
         if placement is None:
             return {}
         from ggufcarve.quant.ladder_plan import model_name_from
@@ -296,6 +294,7 @@ class FitReport:
         server = ["llama-server", "-m", rung.file_name(name), "-c", str(context.n_ctx), *kv]
         return {
             "placement": {**placement.to_json(main), "label": placement.label()},
+            **({"placement_chosen_by": "measured speed (llama-bench)"} if row.faster is not None else {}),
             "placement_measured": row.placed.measured if row.placed is not None else row.gpu_load is not None,
             "server": server + placement.flags(main),
         }
@@ -506,48 +505,83 @@ SPEED_OF = (
 )
 
 
+def row_placement(row: FitRow) -> Any:
+    """How a row runs on the GPUs (placement.search.Placement; None without a GPU placement): the faster
+    variant measured by --measure-speed, else the one the placement search found by bytes."""
+    from ggufcarve.placement.search import Placement
+
+    if row.faster is not None:
+        return row.faster
+    if row.placed is not None:
+        return row.placed.placement
+    if row.offload is not None and row.offload.n_cpu_moe is not None:
+        return Placement(n_cpu_moe=row.offload.n_cpu_moe)
+    return None
+
+
 def measure_speeds(
     report: FitReport,
-    bench: Callable[[Path, Compute, tuple[str, ...]], tuple[float, float]],
+    bench: Callable[[Path, Compute, tuple[str, ...]], Any],
     compute: Compute,
     on_device: bool,
     on_event: Sink = ignore,
 ) -> FitReport:
-    """Every row that fits, timed in its placement by `bench(file, compute, extra flags)` -> (prompt tok/s, decode
-    tok/s) on `sparse_rung_file`: in a GPU tier with the devices here (`on_device`), every layer on them with the
-    row's --n-cpu-moe N (or its last-N -ot) and split; else on the CPU with `compute`."""
+    """Every row that fits, timed in its placement by `bench(file, compute, extra flags)` (an
+    evaluate.speed.Speed) on `sparse_rung_file`: in a GPU tier with the devices here (`on_device`),
+    every layer on them with the row's --n-cpu-moe N (or its last-N -ot) and split; else on the CPU
+    with `compute`. A row with experts in system memory is timed in the other variant too (the same
+    N from the other end, placement.search.other_variant), which takes its place when it decodes
+    faster beyond noise (`faster`); `speed_placements` lists both."""
     from dataclasses import replace
 
-    from ggufcarve.placement.search import Placement
+    from ggufcarve.placement.search import Placement, faster_beyond_noise, other_variant
 
     main = report.layout.main_layer_count
     wanted = [r for r in report.rows if r.fits]
     rows = list(report.rows)
     plans: dict[int, PlannedFile] = {}  # per K: the pruned file's plan, shared by its rungs
+
+    def timed(path: Path, placement: Placement | None) -> tuple[Any, dict[str, Any]]:
+        if placement is None:
+            return bench(path, Compute(0, (), (), compute.threads), ()), {"gpu_layers": 0, "label": "CPU"}
+        placed = Compute(ALL_LAYERS, compute.rpc, placement.tensor_split, compute.threads)
+        if placement.from_last:
+            flags: tuple[str, ...] = ("-ot", placement.override_tensor(main) or "")
+        else:
+            flags = ("-ncmoe", str(placement.n_cpu_moe)) if placement.n_cpu_moe else ()
+        return bench(path, placed, flags), {**placement.to_json(main), "label": placement.label()}
+
     with tempfile.TemporaryDirectory(prefix="ggufcarve-speed-") as tmp:
         for done, row in enumerate(wanted, 1):
-            placement = row.placed.placement if row.placed is not None else None
-            if placement is None and row.offload is not None and row.offload.n_cpu_moe is not None:
-                placement = Placement(n_cpu_moe=row.offload.n_cpu_moe)
-            if row.tier in GPU_TIERS and on_device and placement is not None:
-                placed = Compute(ALL_LAYERS, compute.rpc, placement.tensor_split, compute.threads)
-                if placement.from_last:
-                    flags: tuple[str, ...] = ("-ot", placement.override_tensor(main) or "")
-                else:
-                    flags = ("-ncmoe", str(placement.n_cpu_moe)) if placement.n_cpu_moe else ()
-                where = {**placement.to_json(main), "label": placement.label()}
-            else:
-                placed, flags = Compute(0, (), (), compute.threads), ()
-                where = {"gpu_layers": 0, "label": "CPU"}
+            placement = row_placement(row) if row.tier in GPU_TIERS and on_device else None
+            other = None
+            if placement is not None and row.rung.placement is not None and row.load is not None:
+                devices = [d.device for d in row.devices_in(row.tier) if d.device != HOST]
+                other = other_variant(row.rung.placement, row.load, placement, devices)
             if row.kept not in plans:
                 plans[row.kept] = pruned_plan(report.model, report.layout, row.kept, Path(tmp) / "pruned.gguf")
             path = sparse_rung_file(report.model, report.layout, row, Path(tmp), plans[row.kept])
             try:
-                prompt, decode = bench(path, placed, flags)
+                speed, where = timed(path, placement)
+                variants = [(speed, where)]
+                faster = None
+                if other is not None:
+                    variants.append(timed(path, other))
+                    if faster_beyond_noise(variants[1][0].tg_runs, speed.tg_runs):
+                        faster, (speed, where) = other, variants[1]
             finally:
                 path.unlink(missing_ok=True)
-            speed = {"decode_tok_s": decode, "prompt_tok_s": prompt, "speed_placement": where, "speed_of": SPEED_OF}
-            rows[rows.index(row)] = replace(row, speed=speed)
+            record = {
+                "decode_tok_s": speed.tg_tok_s,
+                "prompt_tok_s": speed.pp_tok_s,
+                "speed_placement": where,
+                "speed_of": SPEED_OF,
+            }
+            if len(variants) > 1:
+                record["speed_placements"] = [
+                    {"label": w["label"], "decode_tok_s": s.tg_tok_s, "prompt_tok_s": s.pp_tok_s} for s, w in variants
+                ]
+            rows[rows.index(row)] = replace(row, speed=record, faster=faster)
             on_event(Event("speed", done, len(wanted), "rows", f"K={row.kept} {row.rung.rung}"))
     return replace(report, rows=rows)
 
