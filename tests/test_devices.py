@@ -373,3 +373,31 @@ def test_a_tournament_on_an_rpc_device_holds_one_child_at_a_time(rpc_servers, tm
     cpu = measure(candidates[:1], segments, MeasureSettings(Compute(threads=2)), tmp_path / "cpu")
     n = len(got.tables["keep-15"])
     np.testing.assert_allclose(got.table("keep-15"), cpu.table("keep-15", n), rtol=RELATIVE, atol=1e-9)
+
+
+def test_best_times_both_variants_of_a_winner_with_experts_in_system_memory(rpc_servers, llama_tools, tmp_path):
+    """best --gpu-memory 1045MiB --rpc on the demo model at ctx 512: the built winner runs with the experts of
+    some blocks in system memory; llama-bench times it as --n-cpu-moe N and as the last N blocks' -ot on the
+    RPC device, the one recorded is the faster beyond noise (else --n-cpu-moe's), and its llama-server line,
+    loaded by llama-fit-params on the same device, fits the budget with llama.cpp's margin."""
+    out = tmp_path / "best"
+    ladder = tmp_path / "q8.toml"  # one rung: every candidate is a Q8_0 that needs experts in system memory
+    ladder.write_text('name = "q8"\n\n[defaults]\nfile_pattern = "{model}-{quant}.gguf"\n\n[[rungs]]\nftype = "Q8_0"\n')
+    result = ggufcarve(
+        "best", DEMO_MODEL, "--memory", "64GiB", "--gpu-memory", "1045MiB", "--ctx", 512, "--heldout", HELDOUT,
+        "--calibration", CALIBRATION, "--chunks", 2, "--methods", "frequency", "--keep", 14, "--ladder", ladder,
+        "--tier", "gpu+cpu",
+        "--gpu-layers", 99, "--rpc", rpc_servers[0], "-t", 2, "-o", out, "-q",
+    )  # fmt: skip
+    assert result.code == 0, result.stderr[-2000:]
+    winner = json.loads((out / "best.json").read_text())["winner"]
+    assert winner["tier"] == "gpu+cpu" and winner["fits"], winner
+    timed = {p["label"]: p for p in winner["speed_placements"]}
+    assert len(timed) == 2 and all(p["decode_tok_s"] > 0 for p in timed.values())
+    last = next(label for label in timed if label.startswith("last"))
+    chosen = last if winner.get("placement_chosen_by") else next(label for label in timed if label != last)
+    assert winner["decode_tok_s"] == timed[chosen]["decode_tok_s"]
+    argv = winner["run_command"]["argv"]
+    assert ("-ot" in argv) == (chosen == last) and ("--n-cpu-moe" in argv) == (chosen != last)
+    theirs = fit_params(llama_tools / "llama-fit-params", out / winner["path"], ["--rpc", rpc_servers[0], *argv[3:]])
+    assert sum(theirs["RPC0"]) * 2**20 + 2**30 <= 1045 * 2**20, theirs

@@ -187,3 +187,26 @@ def test_min_decode_and_prefer_faster_use_the_measured_speed():
     smaller = BestSettings(memory=2**34, ladder=Path("q8-to-iq1"), heldout=())
     kept = {"a": record("a", 0.01, 5.0, ties=["b"]), "b": record("b", 0.011, 50.0)}
     assert rechecked(kept, {"winner": "a", "finalists": ["a", "b"]}, smaller)["id"] == "a"
+
+
+def test_a_faster_last_n_variant_is_the_run_line_and_it_fits(rpc_servers, llama_tools):
+    """best's run line for a built file whose record holds the last N blocks' -ot (the variant timed
+    faster): -ngl 99 -ot PATTERN=CPU instead of --n-cpu-moe N, and llama-fit-params with it on an RPC
+    device keeps the budget with llama.cpp's margin."""
+    from ggufcarve.best.builds import run_command
+    from ggufcarve.best.plan import BestSettings
+
+    budget = 1045 * MIB
+    settings = BestSettings(memory=2**34, ladder=Path("q8-to-iq1"), heldout=(), gpu_memory=(budget,), ctx=512)
+    plain = run_command(DEMO_MODEL, settings)["argv"]
+    n = int(plain[plain.index("--n-cpu-moe") + 1])
+    last = Placement(99, n, True).to_json(4)
+    argv = run_command(DEMO_MODEL, settings, last)["argv"]
+    assert argv[argv.index("-ngl") + 1] == "99" and "--n-cpu-moe" not in argv
+    assert (
+        argv[argv.index("-ot") + 1]
+        == last["override_tensor"]
+        == r"blk\.(2|3)\.ffn_(up|down|gate|gate_up)_(ch|)exps=CPU"
+    )
+    theirs = fit_params(llama_tools / "llama-fit-params", DEMO_MODEL, ["--rpc", rpc_servers[0], *argv[3:]])
+    assert sum(theirs["RPC0"]) * MIB + 2**30 <= budget, theirs

@@ -13,6 +13,7 @@ from typing import Any
 from ggufcarve.best.plan import BestSettings, Plan, measured_memory
 from ggufcarve.errors import CarveError, ToolFailed
 from ggufcarve.events import Sink
+from ggufcarve.placement.search import ALL_LAYERS
 
 
 def offload_arguments(path: Path, settings: BestSettings) -> tuple[list[str], dict[str, Any] | None]:
@@ -41,12 +42,20 @@ def offload_arguments(path: Path, settings: BestSettings) -> tuple[list[str], di
     return ["-ngl", "99", *(["--n-cpu-moe", str(offload.n_cpu_moe)] if offload.n_cpu_moe else [])], record
 
 
-def run_command(path: Path, settings: BestSettings) -> dict[str, Any]:
-    """The llama-server command line of a candidate at the budget's context."""
+def run_command(path: Path, settings: BestSettings, placement: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The llama-server command line of a candidate at the budget's context; with `placement` (a
+    record's, placement.search.Placement's keys) that keeps the last N blocks' experts in system
+    memory (-ot, the variant measured faster), that placement's flags on the GPU."""
     argv = ["llama-server", "-m", path.name, "-c", str(settings.ctx)]
     if settings.kv_type != "F16":
         argv += ["-ctk", settings.kv_type.lower(), "-ctv", settings.kv_type.lower(), "-fa", "on"]
     gpu, offload = offload_arguments(path, settings)
+    if placement and placement.get("override_tensor") and gpu:
+        layers = placement["gpu_layers"]
+        gpu = ["-ngl", "all" if layers >= ALL_LAYERS else str(layers), "-ot", placement["override_tensor"]]
+        if len(placement.get("tensor_split") or ()) > 1:
+            gpu += ["-ts", ",".join(f"{x:g}" for x in placement["tensor_split"])]
+        offload = {**(offload or {}), **placement, "placement": "the last blocks' experts on the CPU (-ot)"}
     return {"argv": argv + gpu, "gpu": offload}
 
 

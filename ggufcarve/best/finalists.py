@@ -105,17 +105,40 @@ def confirm(
 def measure_speeds(search: Any, records: dict[str, dict[str, Any]], decision: dict[str, Any], compute: Compute) -> None:
     """Decode and prompt tok/s of every built finalist in its placement on this machine's devices,
     measured by llama-bench (its own method), as `decode_tok_s` and `prompt_tok_s`: every layer on
-    the devices (and --n-cpu-moe N) where the finalist runs in a GPU tier and a device is here,
-    else on the CPU. Without llama-bench, or with layers offloaded where llama-bench sees no
-    device, the figures are None and `speed_note` says why."""
+    the devices (with its --n-cpu-moe N or -ot, and split) where the finalist runs in a GPU tier and
+    a device is here, else on the CPU. A finalist with the experts of N blocks in system memory is
+    timed in the other variant too (placement.search.other_variant), which takes its place
+    (`placement`, the speeds, `placement_chosen_by`) when it decodes faster beyond noise;
+    `speed_placements` lists both. Without llama-bench, or with layers offloaded where llama-bench
+    sees no device, the figures are None and `speed_note` says why."""
+    from ggufcarve.best.plan import measured_memory
     from ggufcarve.evaluate.speed import BENCH_METHOD, bench_speed
-    from ggufcarve.llama.devices import Compute
+    from ggufcarve.llama.devices import HOST, Compute
     from ggufcarve.llama.tools import find_tool
     from ggufcarve.placement.offload import GPU_TIERS
-    from ggufcarve.placement.search import ALL_LAYERS
+    from ggufcarve.placement.search import ALL_LAYERS, Placement, faster_beyond_noise, other_variant
 
     settings = search.settings
     tool = find_tool("llama-bench", settings.llama_cpp_dir)
+
+    def timed(path: Path, placement: dict[str, Any], on_device: bool) -> tuple[Any, dict[str, Any]]:
+        n_cpu_moe = (placement.get("n_cpu_moe") or 0) if on_device else 0
+        split = tuple(placement.get("tensor_split") or ()) or compute.tensor_split
+        placed = Compute(ALL_LAYERS, compute.rpc, split, compute.threads) if on_device else compute
+        flags: tuple[str, ...] = ("-ncmoe", str(n_cpu_moe)) if n_cpu_moe else ()
+        override = placement.get("override_tensor") if on_device else None
+        if override:
+            flags = ("-ot", override)
+        speed = bench_speed(tool, path, BENCH_METHOD, placed, flags)
+        where = {
+            "gpu_layers": placed.gpu_layers,
+            "n_cpu_moe": n_cpu_moe,
+            "rpc_servers": len(placed.rpc),
+            **({"tensor_split": list(split)} if on_device and split else {}),
+            **({"override_tensor": override} if override else {}),
+        }
+        return speed, where
+
     for cid in decision["finalists"]:
         r = records[cid]
         r.setdefault("decode_tok_s", None)
@@ -125,31 +148,37 @@ def measure_speeds(search: Any, records: dict[str, dict[str, Any]], decision: di
         if tool is None:
             r["speed_note"] = "not measured: llama-bench is not built (ggufcarve toolchain build)"
             continue
+        path = Path(r["path"])
         on_device = r.get("tier") in GPU_TIERS and bool(compute.offloads or compute.rpc)
         placement = r.get("placement") or {}
-        n_cpu_moe = (placement.get("n_cpu_moe") or 0) if on_device else 0
-        split = tuple(placement.get("tensor_split") or ()) or compute.tensor_split
-        placed = Compute(ALL_LAYERS, compute.rpc, split, compute.threads) if on_device else compute
-        flags: tuple[str, ...] = ("-ncmoe", str(n_cpu_moe)) if n_cpu_moe else ()
-        if on_device and placement.get("override_tensor"):
-            flags = ("-ot", placement["override_tensor"])
         try:
-            speed = bench_speed(tool, Path(r["path"]), BENCH_METHOD, placed, flags)
+            speed, where = timed(path, placement, on_device)
         except BadInput as refused:  # layers offloaded but no device seen: no CPU figure under a GPU's name
             r["speed_note"] = f"not measured: {refused}"
             continue
-        r["decode_tok_s"], r["prompt_tok_s"] = speed.tg_tok_s, speed.pp_tok_s
-        r["speed_placement"] = {
-            "gpu_layers": placed.gpu_layers,
-            "n_cpu_moe": n_cpu_moe,
-            "rpc_servers": len(placed.rpc),
-            **({"tensor_split": list(split)} if on_device and split else {}),
-            **(
-                {"override_tensor": placement["override_tensor"]}
-                if on_device and placement.get("override_tensor")
-                else {}
-            ),
-        }
+        r["decode_tok_s"], r["prompt_tok_s"], r["speed_placement"] = speed.tg_tok_s, speed.pp_tok_s, where
+        if not on_device or not placement.get("n_cpu_moe"):
+            continue
+        placed = measured_memory(path, settings)
+        if placed.weights is None or placed.load is None:
+            continue
+        main = len(placed.weights.expert_bytes)
+        ours = Placement(placement["gpu_layers"], placement["n_cpu_moe"], False, tuple(placement["tensor_split"]))
+        devices = [m["device"] for m in r.get("memory", []) if m["device"] != HOST]
+        other = other_variant(placed.weights, placed.load, ours, devices)
+        if other is None:
+            continue
+        alternative = other.to_json(main)
+        other_speed, other_where = timed(path, alternative, on_device)
+        r["speed_placements"] = [
+            {"label": ours.label(), "decode_tok_s": speed.tg_tok_s, "prompt_tok_s": speed.pp_tok_s},
+            {"label": other.label(), "decode_tok_s": other_speed.tg_tok_s, "prompt_tok_s": other_speed.pp_tok_s},
+        ]
+        if faster_beyond_noise(other_speed.tg_runs, speed.tg_runs):
+            r["placement"] = alternative
+            r["placement_chosen_by"] = "measured speed (llama-bench)"
+            r["decode_tok_s"], r["prompt_tok_s"] = other_speed.tg_tok_s, other_speed.pp_tok_s
+            r["speed_placement"] = other_where
 
 
 def rechecked(records: dict[str, dict[str, Any]], decision: dict[str, Any], settings: BestSettings) -> dict[str, Any]:

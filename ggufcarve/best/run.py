@@ -391,7 +391,7 @@ def _complete_records(records: dict[str, dict[str, Any]], settings: BestSettings
     none (0 chunks, not stopped, no KLD, top-token agreement or perplexity)."""
     for r in records.values():
         if r["built"]:
-            r["run_command"] = run_command(Path(r["path"]), settings)
+            r["run_command"] = run_command(Path(r["path"]), settings, r.get("placement"))
         r.setdefault("chunks_scored", 0)
         r.setdefault("stopped_early", False)
         r.setdefault("stopped_reason", None)

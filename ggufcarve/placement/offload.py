@@ -336,6 +336,7 @@ class Placed:
     tiers: tuple[str, ...]
     weights: WeightPlacement | None = None
     several: Any = None
+    load: DryLoad | None = None  # llama.cpp's dry load of the CPU run it was placed from
 
     def devices(self, tier: str | None = None) -> list[DeviceMemory]:
         """The memory per device running in `tier` (default: the fastest it runs in)."""
@@ -355,7 +356,7 @@ def place(
     with `gpu_memory`, the GPU placement rule with the compute buffers counted."""
     host = DeviceMemory(HOST, weights, load.cache, load.on(HOST, load.compute), load.on(HOST, load.output))
     if gpu_memory is None:
-        return Placed(host, [], None, tiers_of(host.total, memory, None, []), placement)
+        return Placed(host, [], None, tiers_of(host.total, memory, None, []), placement, load=load)
     offload = plan_offload(
         placement,
         gpu_memory=gpu_memory,
@@ -364,7 +365,7 @@ def place(
         compute=gpu_compute(placement, host.compute),
     )
     split = split_devices(placement, offload, load) if offload.n_cpu_moe is not None else []
-    return Placed(host, split, offload, tiers_of(host.total, memory, offload, split), placement)
+    return Placed(host, split, offload, tiers_of(host.total, memory, offload, split), placement, load=load)
 
 
 def file_offload(
