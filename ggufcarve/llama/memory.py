@@ -236,6 +236,8 @@ def _dry_load(request: Request, out: Path) -> None:
             "a llama.cpp whose log lines ggufcarve does not know",
         )
     figures["gpu_devices"] = gpu_devices()
+    figures["n_embd"] = int(llama_cpp.llama_model_n_embd(model))
+    figures["n_swa"] = int(llama_cpp.llama_model_n_swa(model))
     figures["offload_devices"] = [device.to_json() for device in offload]
     figures["layers"] = {m["layer"]: device_name(m["device"]) for m in map(LAYER_LINE.search, lines) if m}
     temp = out.with_name(out.name + f".{os.getpid()}.tmp")
@@ -283,6 +285,9 @@ class DryLoad:
     cache_kinds: dict[str, tuple[int, tuple[int, ...]]] = field(
         default_factory=dict
     )  # kind (llama_kv_cache, llama_memory_recurrent) -> (bytes, the layers holding it)
+    n_embd: int = 0  # the model's embedding length (llama_model_n_embd)
+    n_swa: int = 0  # its sliding window (llama_model_n_swa; 0: none)
+    settings: MemorySettings | None = None  # the settings it was loaded with
 
     def device_of(self, buffer: str) -> str:
         """The device of a buffer: HOST for system memory; an RPC buffer "RPCk[HOST:PORT]" names the
@@ -335,6 +340,9 @@ def dry_load(path: Path, settings: MemorySettings) -> DryLoad:
             kind: (round(mib * MIB), tuple(sorted(int(il) for il in figures.get("cache_layers", {}).get(kind, {}))))
             for kind, mib in figures.get("cache_kinds", {}).items()
         },
+        int(figures.get("n_embd", 0)),
+        int(figures.get("n_swa", 0)),
+        settings,
     )
 
 

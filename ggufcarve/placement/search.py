@@ -18,7 +18,8 @@ figures of a device that is not on this machine are estimated: the weights and t
 llama.cpp's own layer assignment (src/llama-model.cpp, load_tensors: layer il goes to the device
 whose cumulative share first exceeds il / (n_layer + 1), the output layer as layer n_layer), the
 compute buffers from the CPU run's graph (`offload.gpu_compute` for one device; each device of a
-split is given the whole graph's, which llama.cpp's pipeline copies exceed: estimated). With the
+split the whole graph's, plus the copies of the graph's inputs llama.cpp's pipeline parallelism
+keeps: `pipelined`, `graph_inputs`; estimated). With the
 devices present (`--rpc`, or a GPU build), fit loads the placement for real and `measured_rows` reads it.
 """
 
@@ -196,7 +197,36 @@ def estimate(
     one = len(devices) == 1 and not placement.from_last
     buffers = {d: (gpu_compute(weights, graph)(placement.n_cpu_moe) if one else graph, 0) for d in devices}
     buffers[HOST] = (graph, host_load.on(HOST, host_load.output))
+    if pipelined(placement, devices, main + weights.nextn_blocks):
+        inputs = graph_inputs(host_load)
+        buffers = {d: (graph + (SCHED_MAX_COPIES - 1) * inputs, 0) for d in devices}
+        buffers[HOST] = (max(graph, SCHED_MAX_COPIES * inputs), host_load.on(HOST, host_load.output))
     return _rows(weights, placement, layers, devices, cache, buffers, ("compute",))
+
+
+SCHED_MAX_COPIES = 4  # ggml-backend.cpp's GGML_SCHED_MAX_COPIES: input copies with pipeline parallelism
+
+
+def pipelined(placement: Placement, devices: list[str], layer_count: int) -> bool:
+    """Whether llama.cpp runs `placement` with pipeline parallelism (llama_context: more than one
+    device, every layer offloaded, the layer split, no tensor override; every device able to run
+    asynchronously with events, as CUDA's and RPC's are): then the scheduler keeps
+    SCHED_MAX_COPIES copies of every split's inputs."""
+    return len(devices) > 1 and placement.gpu_layers > layer_count and not placement.n_cpu_moe
+
+
+def graph_inputs(load: DryLoad) -> int:
+    """The bytes of a micro-batch's graph inputs, what the host's compute buffer holds with every layer
+    offloaded: the attention masks (n_ctx x n_ubatch, F16 with flash attention, else F32; a second
+    one with a sliding window) and the input embeddings (n_embd x n_ubatch, F32). Measured on RPC
+    devices, a split's devices each hold (copies - 1) of these beyond one device's compute buffer
+    and the host `copies` of them, within about 1 MiB (tests/test_placement.py)."""
+    settings = load.settings
+    if settings is None:
+        return 0
+    ubatch = min(settings.n_ubatch, settings.n_ctx)
+    mask = settings.n_ctx * ubatch * (4 if settings.flash_attn == "off" else 2) * (2 if load.n_swa else 1)
+    return mask + load.n_embd * ubatch * 4
 
 
 def measured_rows(weights: WeightPlacement, placement: Placement, load: DryLoad) -> list[DeviceMemory]:
