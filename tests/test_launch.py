@@ -172,3 +172,31 @@ def test_a_python_child_never_imports_ggufcarve_from_its_working_directory(tmp_p
     assert not any("shadowed" in line for line in lines), lines
     if form == "-c":
         assert lines == [os.path.dirname(os.path.dirname(os.path.realpath(launch.__file__)))]
+
+
+def test_a_device_out_of_memory_is_raised_with_what_was_loaded_unless_llama_cpp_recovered():
+    """llama.cpp's "failed to allocate RPC0 buffer of size N" in a failed child's lines: DeviceOutOfMemory
+    with the request's model, Compute and context; followed by llama_context's retry without pipeline
+    parallelism (which then allocates less), nothing."""
+    from ggufcarve.errors import DeviceOutOfMemory
+    from ggufcarve.llama.child import out_of_memory
+    from ggufcarve.llama.devices import Compute
+
+    class Request:
+        TASK = "evaluate"
+        model = "m.gguf"
+        compute = Compute(99, ("127.0.0.1:1",))
+        n_ctx = 4096
+
+    failed = ["alloc_tensor_range: failed to allocate RPC0[127.0.0.1:1] buffer of size 36351805952"]
+    with pytest.raises(DeviceOutOfMemory) as raised:
+        out_of_memory(Request(), failed, "evaluating m.gguf")
+    error = raised.value
+    assert (error.model, error.compute, error.n_ctx) == ("m.gguf", Request.compute, 4096)
+    assert error.message == (
+        "evaluating m.gguf: a device ran out of memory "
+        "(failed to allocate RPC0[127.0.0.1:1] buffer of size 36351805952)"
+    )
+    recovered = [*failed, "graph_reserve: compute buffer allocation failed, retrying without pipeline parallelism"]
+    out_of_memory(Request(), recovered, "evaluating m.gguf")  # no error
+    out_of_memory(Request(), ["llama_model_load: error loading model: some other reason"], "evaluating m.gguf")

@@ -325,7 +325,8 @@ class _Watch:
             out_of_memory(request, before, what)
             raise _carve_error(error, before, finished or launch.Finished([], EXIT_FAILED, 0.0), what, hint, outputs)
         if finished is not None:
-            out_of_memory(request, list(self.own), what)
+            if not finished.ok:  # llama.cpp logs a failed allocation it then recovers from (pipeline parallelism off)
+                out_of_memory(request, list(self.own), what)
             launch.check(replace(finished, tail=list(self.own)), what, hint, placed(request)[1].rpc)
         if not result.exists():
             raise ToolFailed(f"{what} exited 0 without writing its result", "run again; GGUFCARVE_DEBUG=1 shows more")
@@ -342,12 +343,18 @@ def placed(request: ChildRequest) -> tuple[str, Compute, int | None]:
     return str(getattr(request, "model", "")), compute, n_ctx
 
 
+RECOVERED = "retrying without pipeline parallelism"  # src/llama-context.cpp, after a failed compute buffer
+
+
 def out_of_memory(request: ChildRequest, lines: Sequence[str], what: str) -> None:
     """Raise DeviceOutOfMemory where llama.cpp's lines say a device could not hold what the request
     placed on it (at load: "failed to allocate RPC0 buffer of size N"; later, a CUDA or Vulkan
     out-of-memory abort)."""
     lost = launch.device_failure(lines)
     if lost is None or not lost.startswith(launch.OUT_OF_MEMORY):
+        return
+    last = max(i for i, line in enumerate(lines) if launch.DEVICE_LOST.search(line))
+    if any(RECOVERED in line for line in lines[last:]):  # llama_context retried without pipeline parallelism
         return
     model, compute, n_ctx = placed(request)
     raise DeviceOutOfMemory(f"{what}: {lost}", launch.DEVICE_HINT, model=model, compute=compute, n_ctx=n_ctx)
