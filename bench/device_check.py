@@ -5,7 +5,8 @@
 
 1. devices: libllama and llama-bench see a GPU (or the RPC device);
 2. memory: the dry load of the demo model with every layer on the device, per device, against
-   llama-fit-params with the same placement (within max(1%, 16 MiB) per device and column);
+   llama-fit-params with the same placement (within max(1%, 16 MiB) per device and column), and
+   the same with --n-cpu-moe 2 (the experts of blocks 0 and 1 in system memory);
 3. masked KLD with -ngl 99: a keep-set scored by masking on the device equals llama-perplexity's
    --kl-divergence on the really pruned file run with -ngl 99 (relative 1e-4, its 6 printed decimals);
 4. best: `ggufcarve best` on the demo model with every child on the device answers.
@@ -69,24 +70,26 @@ def main() -> int:
         f"devices: libllama {[d.name for d in seen]}, llama-bench {[d.name for d in by_tools]}",
     )
     if not seen:
-        return failed + 3
+        return failed + 4
     compute = Compute(99, rpc, threads=4)
-    load = dry_load(DEMO_MODEL, MemorySettings(options.ctx, compute=compute))
-    ours = {r.device: r for r in device_memory(read_model(DEMO_MODEL), load)}
-    theirs = fit_params_rows(
-        require_tool("llama-fit-params"), DEMO_MODEL, [*compute.tool_args(), "-c", str(options.ctx)]
-    )
-    worst = 0.0
-    for device, (model_mib, context_mib, compute_mib) in theirs.items():
-        row = ours.get(device)
-        for mine, other in (
-            ((row.weights, model_mib), (row.cache, context_mib), (row.compute, compute_mib)) if row else ()
-        ):
-            worst = max(worst, abs(mine / MIB - other) / max(0.01 * other, 16))
-    failed += not say(
-        bool(theirs) and theirs.keys() <= ours.keys() and worst <= 1,
-        f"memory per device vs llama-fit-params: {sorted(theirs)} (worst {worst:.2f} of the tolerance)",
-    )
+    for placed in (compute, Compute(99, rpc, threads=4, n_cpu_moe=2)):
+        load = dry_load(DEMO_MODEL, MemorySettings(options.ctx, compute=placed))
+        ours = {r.device: r for r in device_memory(read_model(DEMO_MODEL), load)}
+        theirs = fit_params_rows(
+            require_tool("llama-fit-params"), DEMO_MODEL, [*placed.tool_args(), "-c", str(options.ctx)]
+        )
+        worst = 0.0
+        for device, (model_mib, context_mib, compute_mib) in theirs.items():
+            row = ours.get(device)
+            for mine, other in (
+                ((row.weights, model_mib), (row.cache, context_mib), (row.compute, compute_mib)) if row else ()
+            ):
+                worst = max(worst, abs(mine / MIB - other) / max(0.01 * other, 16))
+        failed += not say(
+            bool(theirs) and theirs.keys() <= ours.keys() and worst <= 1,
+            f"memory per device vs llama-fit-params, {' '.join(placed.tool_args())}: {sorted(theirs)} "
+            f"(worst {worst:.2f} of the tolerance)",
+        )
 
     from ggufcarve.evaluate import kld
     from ggufcarve.measure.tournament import Candidate, MeasureSettings, measure, prepare_segments
