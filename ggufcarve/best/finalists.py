@@ -116,7 +116,7 @@ def measure_speeds(search: Any, records: dict[str, dict[str, Any]], decision: di
     from ggufcarve.llama.devices import HOST, Compute
     from ggufcarve.llama.tools import find_tool
     from ggufcarve.placement.offload import GPU_TIERS
-    from ggufcarve.placement.search import ALL_LAYERS, Placement, faster_beyond_noise, other_variant
+    from ggufcarve.placement.search import ALL_LAYERS, Placement, bench_flags, faster_beyond_noise, other_variant
 
     settings = search.settings
     tool = find_tool("llama-bench", settings.llama_cpp_dir)
@@ -125,11 +125,8 @@ def measure_speeds(search: Any, records: dict[str, dict[str, Any]], decision: di
         n_cpu_moe = (placement.get("n_cpu_moe") or 0) if on_device else 0
         split = tuple(placement.get("tensor_split") or ()) or compute.tensor_split
         placed = Compute(ALL_LAYERS, compute.rpc, split, compute.threads) if on_device else compute
-        flags: tuple[str, ...] = ("-ncmoe", str(n_cpu_moe)) if n_cpu_moe else ()
         override = placement.get("override_tensor") if on_device else None
-        if override:
-            flags = ("-ot", override)
-        speed = bench_speed(tool, path, BENCH_METHOD, placed, flags)
+        speed = bench_speed(tool, path, BENCH_METHOD, placed, bench_flags(n_cpu_moe, override))
         where = {
             "gpu_layers": placed.gpu_layers,
             "n_cpu_moe": n_cpu_moe,

@@ -17,7 +17,8 @@ from pathlib import Path
 from ggufcarve.errors import CarveError, DeviceOutOfMemory
 from ggufcarve.fileio import format_size
 from ggufcarve.llama.devices import Compute, offload_order
-from ggufcarve.placement.search import ALL_LAYERS, PlacedMemory, place_on_devices, present_devices
+from ggufcarve.llama.memory import DryLoad
+from ggufcarve.placement.search import ALL_LAYERS, PlacedMemory, Placement, place_on_devices, present_devices
 
 DEFAULT_CTX = 512  # the context of a dry load for a request that names none
 HOST_UNBOUNDED = 2**62  # the host's share is mapped from the file (mmap): it pages, it does not fail to load
@@ -41,7 +42,7 @@ def fitting_placement(model: Path, compute: Compute, n_ctx: int | None) -> tuple
     budgets = tuple(d.free for d in devices)
     present = present_devices(host_load, budgets)
 
-    def load(placement):  # type: ignore[no-untyped-def]
+    def load(placement: Placement) -> DryLoad:
         placed = replace(
             run,
             compute=placement.compute(compute.rpc),

@@ -82,6 +82,10 @@ class Placement:
             args += ["-ts", ",".join(f"{s:g}" for s in self.tensor_split)]
         return args
 
+    def bench_flags(self, main_blocks: int) -> tuple[str, ...]:
+        """llama-bench's flags for the experts it keeps in system memory (-ncmoe N, or -ot for the last N)."""
+        return bench_flags(self.n_cpu_moe, self.override_tensor(main_blocks) if self.from_last else None)
+
     def label(self) -> str:
         where = (
             "whole"
@@ -101,6 +105,14 @@ class Placement:
             "override_tensor": self.override_tensor(main_blocks) if self.from_last else None,
             "tensor_split": list(self.tensor_split),
         }
+
+
+def bench_flags(n_cpu_moe: int | None, override_tensor: str | None) -> tuple[str, ...]:
+    """llama-bench's flags for a placement's keys (Placement.to_json): -ot PATTERN=CPU where it has
+    an override (the last N blocks' experts), else -ncmoe N where N > 0."""
+    if override_tensor:
+        return ("-ot", override_tensor)
+    return ("-ncmoe", str(n_cpu_moe)) if n_cpu_moe else ()
 
 
 def assign_layers(layer_count: int, gpu_layers: int, shares: tuple[float, ...], devices: list[str]) -> dict[int, str]:
@@ -218,9 +230,11 @@ def pipelined(placement: Placement, devices: list[str], layer_count: int) -> boo
 def graph_inputs(load: DryLoad) -> int:
     """The bytes of a micro-batch's graph inputs, what the host's compute buffer holds with every layer
     offloaded: the attention masks (n_ctx x n_ubatch, F16 with flash attention, else F32; a second
-    one with a sliding window) and the input embeddings (n_embd x n_ubatch, F32). Measured on RPC
+    one with a sliding window) and the input embeddings (n_embd x n_ubatch, F32). Measured on two RPC
     devices, a split's devices each hold (copies - 1) of these beyond one device's compute buffer
-    and the host `copies` of them, within about 1 MiB (tests/test_placement.py)."""
+    and the host `copies` of them: within about 1 MiB on the demo model; the Qwen3.6-35B-A3B
+    replica's recurrent blocks add inputs not counted here (its last device 3.7% low,
+    tests/test_placement.py)."""
     settings = load.settings
     if settings is None:
         return 0

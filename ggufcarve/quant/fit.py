@@ -545,11 +545,7 @@ def measure_speeds(
         if placement is None:
             return bench(path, Compute(0, (), (), compute.threads), ()), {"gpu_layers": 0, "label": "CPU"}
         placed = Compute(ALL_LAYERS, compute.rpc, placement.tensor_split, compute.threads)
-        if placement.from_last:
-            flags: tuple[str, ...] = ("-ot", placement.override_tensor(main) or "")
-        else:
-            flags = ("-ncmoe", str(placement.n_cpu_moe)) if placement.n_cpu_moe else ()
-        return bench(path, placed, flags), {**placement.to_json(main), "label": placement.label()}
+        return bench(path, placed, placement.bench_flags(main)), {**placement.to_json(main), "label": placement.label()}
 
     with tempfile.TemporaryDirectory(prefix="ggufcarve-speed-") as tmp:
         for done, row in enumerate(wanted, 1):
