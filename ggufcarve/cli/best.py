@@ -105,16 +105,25 @@ def _table(report: dict) -> object:
     return table
 
 
-def _memory_text(record: dict) -> str:
-    """What a candidate takes: llama.cpp's measured figures when there are, else the file and the cache."""
-    if record.get("memory"):
-        m = record["memory"][0]
+def _memory_text(record: dict, memory: int, gpu_memory: tuple[int, ...]) -> str:
+    """What a candidate takes of its budgets: llama.cpp's measured figures when there are (in system
+    memory its parts; on GPUs each device's total of its budget, then the host's), else the file and
+    the cache."""
+    rows = record.get("memory") or []
+    if not rows:
+        return f"file {size(record['file_bytes'])} + cache {size(record['cache_bytes'])} of {size(memory)}"
+    if len(rows) == 1:
+        m = rows[0]
         return (
             f"weights {size(m['weights'])} + cache {size(m['cache'])} + "
             f"compute {size(m['compute'])} + output {size(m['output'])} "
-            f"= {size(m['total'])}"
+            f"= {size(m['total'])} of {size(memory)}"
         )
-    return f"file {size(record['file_bytes'])} + cache {size(record['cache_bytes'])}"
+    devices = [m for m in rows if m["device"] != "host"]
+    budgets = [*gpu_memory, *([None] * len(devices))]
+    parts = [f"{m['device']} {size(m['total'])}" + (f" of {size(b)}" if b else "") for m, b in zip(devices, budgets)]
+    parts += [f"host {size(m['total'])} of {size(memory)}" for m in rows if m["device"] == "host"]
+    return ", ".join(parts)
 
 
 def best_command(
@@ -418,7 +427,7 @@ def best_command(
     out.print(
         f"answer: {w['id']} ({w['family']}, {w['kept_experts']} of {w['expert_count']} "
         f"experts, {w['quant']}): {settings.metric} {w[settings.metric]:.4f}, "
-        f"{_memory_text(w)} of {size(settings.memory)}: {output / w['path']}",
+        f"{_memory_text(w, settings.memory, settings.gpu_memory)}: {output / w['path']}",
         highlight=False,
         markup=False,
     )
