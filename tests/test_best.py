@@ -552,3 +552,61 @@ def test_best_search_starts_from_the_winner_and_answers_only_when_better_on_held
         assert report["winner"]["confirmed"]["chunks"] == 2 * CHUNKS
     pruned = tmp_path / "searched.gguf"
     assert ggufcarve("prune", DEMO_MODEL, "--keep", out / candidate["keep_set"], "-o", pruned, "-q").code == 0
+
+
+OVER_BUDGET_CHILD = """
+import sys
+from ggufcarve.best import finalists, run
+from ggufcarve.console import main
+
+over = set(sys.argv[1].split(","))
+real = run.built_record
+
+
+def built_record(path, settings, tier):
+    record = real(path, settings, tier)
+    if path.name in over:
+        record["fits"] = False
+    return record
+
+
+run.built_record = finalists.built_record = built_record
+sys.argv = ["ggufcarve", *sys.argv[2:]]
+main()
+"""
+
+
+@pytest.mark.slow
+def test_a_winner_over_budget_once_built_gives_way_to_the_next_finalist_by_metric_built_then(searched, tmp_path):
+    """Built files measured over their budget (a dry load's verdict, made false here for the first
+    run's winner and every built finalist ahead of the first one not built): the rerun walks the
+    finalists by metric, builds the first unbuilt one, confirms and times it, and answers with it."""
+    import shutil
+    import subprocess
+
+    out, (first, second), _ = searched
+    before = json.loads((out / "best.json").read_text())
+    finalists = sorted((c for c in before["candidates"] if c.get("finalist")), key=lambda c: (c["kld_mean"], c["id"]))
+    old = before["winner"]
+    target = next(c for c in finalists if not c.get("built") and c["scored_by"] == "mask")
+    ahead = [c for c in finalists[: finalists.index(target)] if c.get("built")]
+    over = {Path(c["path"]).name for c in [old, *ahead]}
+    again = tmp_path / "again"
+    shutil.copytree(out, again)
+    argv = [str(a) for a in ("best", *best_arguments(first, second, again), "--quiet", "--force")]
+    proc = subprocess.run(
+        [sys.executable, "-c", OVER_BUDGET_CHILD, ",".join(sorted(over)), *argv],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((again / "best.json").read_text())
+    winner = report["winner"]
+    assert winner["id"] == target["id"], (winner["id"], target["id"], sorted(over))
+    assert winner["built"] and winner["fits"] and (again / winner["path"]).is_file()
+    assert winner["replaces"]["id"] == old["id"] and "does not fit" in winner["replaces"]["because"]
+    assert winner["confirmed"]["chunks"] == target["chunks_scored"]
+    assert winner["decode_tok_s"] > 0 and winner["prompt_tok_s"] > 0
+    by_id = {c["id"]: c for c in report["candidates"]}
+    assert by_id[old["id"]]["winner"] is False and "does not fit" in by_id[old["id"]]["replaced_because"]

@@ -176,6 +176,28 @@ def test_a_built_winner_over_its_budget_gives_way_to_the_next_finalist_that_fits
     fitting = {"a": record("a", 0.01, True)}
     assert rechecked(fitting, {"winner": "a", "finalists": ["a"]}, settings) is fitting["a"]
 
+    # with a builder, the finalists are built in turn by metric: c (0.015) before b (0.02); d (0.012) is
+    # built first and measures over its budget too
+    built: list[str] = []
+
+    def build(cid):
+        built.append(cid)
+        records[cid].update(built=True, fits=cid != "d")
+
+    records = {
+        "a": record("a", 0.01, False),
+        "b": record("b", 0.02, True),
+        "c": record("c", 0.015, True, built=False),
+        "d": record("d", 0.012, True, built=False),
+    }
+    winner = rechecked(records, {"winner": "a", "finalists": ["b", "a", "c", "d"]}, settings, build)
+    assert winner["id"] == "c" and built == ["d", "c"], (winner["id"], built)
+    assert records["c"]["replaces"]["id"] == "a" and records["d"].get("winner") is not True
+    none_fit = {"a": record("a", 0.01, False), "d": record("d", 0.012, True, built=False)}
+    records = none_fit
+    assert rechecked(none_fit, {"winner": "a", "finalists": ["a", "d"]}, settings, build) is none_fit["a"]
+    assert none_fit["a"]["answer_note"].startswith("no finalist passes once built")
+
 
 def test_min_decode_and_prefer_faster_use_the_measured_speed():
     from ggufcarve.best.finalists import rechecked

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,11 +27,12 @@ def confirm(
     measured: mt.Measurement,
     segments: list[mt.Segment],
     measure_settings: mt.MeasureSettings,
+    ids: list[str] | None = None,
 ) -> tuple[float, float]:
-    """The winner and the first `confirm` other finalists by metric, those scored by mask: each built as a file and
-    scored on every chunk, its record given the file and `confirmed`. A file whose mean KLD lies further than
-    max(2 of its standard errors, CONFIRM_RELATIVE of the masked mean) from the masked one is a ToolFailed. Returns
-    the seconds of scoring the files and the seconds of building them."""
+    """The winner and the first `confirm` other finalists by metric (or the finalists `ids` names), those scored by
+    mask: each built as a file and scored on every chunk, its record given the file and `confirmed`. A file whose
+    mean KLD lies further than max(2 of its standard errors, CONFIRM_RELATIVE of the masked mean) from the masked
+    one is a ToolFailed. Returns the seconds of scoring the files and the seconds of building them."""
     from ggufcarve.measure import tournament as mt
     from ggufcarve.measure.statistics import metric_column, paired_difference
 
@@ -42,7 +44,9 @@ def confirm(
         (cid for cid in decision["finalists"]),
         key=lambda cid: (mt.metric_value(records[cid], settings.metric), cid),
     )
-    if decision["winner"] is not None:
+    if ids is not None:
+        confirmations = [cid for cid in ids if records[cid]["scored_by"] == "mask" and not records[cid].get("built")]
+    elif decision["winner"] is not None:
         runners = [cid for cid in finalists if cid != decision["winner"] and records[cid]["scored_by"] == "mask"][
             : settings.confirm
         ]
@@ -102,7 +106,13 @@ def confirm(
     return time.perf_counter() - t0 - confirm_builds, confirm_builds
 
 
-def measure_speeds(search: Any, records: dict[str, dict[str, Any]], decision: dict[str, Any], compute: Compute) -> None:
+def measure_speeds(
+    search: Any,
+    records: dict[str, dict[str, Any]],
+    decision: dict[str, Any],
+    compute: Compute,
+    ids: list[str] | None = None,
+) -> None:
     """Decode and prompt tok/s of every built finalist in its placement on this machine's devices,
     measured by llama-bench (its own method), as `decode_tok_s` and `prompt_tok_s`: every layer on
     the devices (with its --n-cpu-moe N or -ot, and split) where the finalist runs in a GPU tier and
@@ -110,7 +120,8 @@ def measure_speeds(search: Any, records: dict[str, dict[str, Any]], decision: di
     timed in the other variant too (placement.search.other_variant), which takes its place
     (`placement`, the speeds, `placement_chosen_by`) when it decodes faster beyond noise;
     `speed_placements` lists both. Without llama-bench, or with layers offloaded where llama-bench
-    sees no device, the figures are None and `speed_note` says why."""
+    sees no device, the figures are None and `speed_note` says why. `ids` names the finalists to
+    time (default: all of them)."""
     from ggufcarve.best.plan import measured_memory
     from ggufcarve.evaluate.speed import BENCH_METHOD, bench_speed
     from ggufcarve.llama.devices import HOST, Compute
@@ -136,7 +147,7 @@ def measure_speeds(search: Any, records: dict[str, dict[str, Any]], decision: di
         }
         return speed, where
 
-    for cid in decision["finalists"]:
+    for cid in decision["finalists"] if ids is None else ids:
         r = records[cid]
         r.setdefault("decode_tok_s", None)
         r.setdefault("prompt_tok_s", None)
@@ -178,11 +189,18 @@ def measure_speeds(search: Any, records: dict[str, dict[str, Any]], decision: di
             r["speed_placement"] = other_where
 
 
-def rechecked(records: dict[str, dict[str, Any]], decision: dict[str, Any], settings: BestSettings) -> dict[str, Any]:
+def rechecked(
+    records: dict[str, dict[str, Any]],
+    decision: dict[str, Any],
+    settings: BestSettings,
+    build: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
     """The winner, re-checked once built: its measured memory per device (`fits` of its built record)
-    is the budget check, its measured decode speed the --min-decode one. Failing one, the next built
-    finalist by metric that passes both takes its place, and both records say why. With --prefer
-    faster, a finalist tied with the winner within noise that decodes faster (measured) is taken."""
+    is the budget check, its measured decode speed the --min-decode one. Failing one, the finalists
+    are taken in turn by metric: one not built yet is built first by `build` (its file, confirmation
+    and speed; without `build` it is passed over), and the first that passes both takes the winner's
+    place; both records say why. With --prefer faster, a finalist tied with the winner within noise
+    that decodes faster (measured) is taken."""
     from ggufcarve.measure import tournament as mt
 
     first = records[decision["winner"]]
@@ -198,10 +216,16 @@ def rechecked(records: dict[str, dict[str, Any]], decision: dict[str, Any], sett
             return f"it decodes at {measured}, below --min-decode {settings.min_decode:g}"
         return None
 
+    def passing(cid: str) -> bool:
+        r = records[cid]
+        if not r.get("built") and build is not None:
+            build(cid)
+        return bool(r.get("built")) and failing(r) is None
+
     why = failing(first)
     chosen = first
     if why is not None:
-        chosen = next((records[c] for c in finalists if records[c].get("built") and failing(records[c]) is None), first)
+        chosen = next((records[c] for c in finalists if c != first["id"] and passing(c)), first)
     elif settings.prefer == "faster" and first.get("decode_tok_s") is not None:
         tied = [records[c] for c in first.get("tie_with") or [] if c in records]
         faster = [r for r in tied if (r.get("decode_tok_s") or 0) > first["decode_tok_s"] and failing(r) is None]
