@@ -477,3 +477,130 @@ def test_measure_speed_times_both_variants_on_the_device_and_the_answer_fits(lla
     server = row["server"]
     theirs = fit_params(llama_tools / "llama-fit-params", DEMO_MODEL, ["--rpc", rpc_servers[0], *server[3:]])
     assert sum(theirs["RPC0"]) * 2**20 + 2**30 <= 1040 * 2**20, theirs
+
+
+@pytest.mark.slow
+def test_a_faster_variant_on_a_present_device_carries_its_own_measured_memory(llama_tools, rpc_servers):
+    """With the device present (an RPC server), the variant timed faster is loaded by llama.cpp in its
+    own placement: the row's memory per device is that load's, and the device's row equals
+    llama-fit-params' for the row's llama-server line on the same device, within max(1%, 16 MiB)."""
+    from ggufcarve.demo import DEMO_MODEL
+    from ggufcarve.evaluate.speed import Speed
+    from ggufcarve.llama.devices import Compute
+    from ggufcarve.llama.memory import MemorySettings
+    from ggufcarve.quant.fit import measure_speeds
+    from tests.fit_params import fit_params
+
+    on_rpc = MemorySettings(512, compute=Compute(rpc=(rpc_servers[0],)))
+    source = read_model(DEMO_MODEL)
+    report = plan_fit(
+        source,
+        inspect_layout(source),
+        load_spec(DEFAULT_LADDER),
+        memory=parse_memory("8GiB"),
+        context=ContextSettings(512),
+        quantizer=BinaryQuantizer(llama_tools / "llama-quantize"),
+        kept_counts=[16],
+        only=["Q8_0"],
+        gpu_memory=parse_memory("1040MiB"),
+        measure=on_rpc,
+    )
+
+    def bench(path, placed, flags):
+        runs = [20.0, 21.0, 22.0] if flags and flags[0] == "-ot" else [10.0, 11.0, 12.0]
+        return Speed(512, 64, 2, 100.0, float(sorted(runs)[1]), [100.0] * 3, runs, "llama-bench")
+
+    timed = measure_speeds(report, bench, Compute(rpc=on_rpc.compute.rpc, threads=2), True, measure=on_rpc)
+    (doc,) = timed.to_json()["rows"]
+    assert "placement_chosen_by" in doc, (doc.get("placement_kept_because"), doc["memory"], doc["speed_placement"])
+    assert doc["placement_chosen_by"].startswith("measured speed") and doc["placement"]["override_tensor"]
+    assert doc["placement_measured"] is True and "placement_kept_because" not in doc
+    rows = {m["device"]: m for m in doc["memory"]}
+    theirs = fit_params(llama_tools / "llama-fit-params", DEMO_MODEL, ["--rpc", rpc_servers[0], *doc["server"][3:]])
+    ours = rows["RPC0"]["total"]
+    assert abs(ours - sum(theirs["RPC0"]) * 2**20) <= max(0.01 * ours, 16 * 2**20), (rows, theirs)
+    assert ours + 2**30 <= parse_memory("1040MiB")
+
+
+@pytest.mark.slow
+def test_one_present_gpu_gets_the_smallest_n_cpu_moe_llama_fit_params_keeps_within_it(llama_tools, rpc_servers):
+    """One --gpu-memory with its device present (an RPC server): fit loads --n-cpu-moe N on it, from
+    the estimate's N both ways, and answers with the smallest N whose device total llama-fit-params
+    keeps within the budget with llama.cpp's margin, where N - 1 it does not (the estimate without
+    the device answers a larger N here, or none: its compute buffers are on the safe side)."""
+    from ggufcarve.demo import DEMO_MODEL
+    from tests.fit_params import fit_params
+
+    budget = 1038 * 2**20
+    common = ("fit", DEMO_MODEL, "--ctx", 512, "--k", 16, "--only", "Q8_0", "--memory", "8GiB")
+    tools = ("--gpu-memory", f"{budget}B", "--quantizer", llama_tools / "llama-quantize", "--json")
+    present = ggufcarve(*common, *tools, "--rpc", rpc_servers[0], "--llama-cpp", llama_tools)
+    absent = ggufcarve(*common, *tools)
+    assert present.code == 0 and absent.code == 0, present.stderr[-2000:] + absent.stderr[-2000:]
+    (row,) = json.loads(present.stdout)["rows"]
+    (estimated,) = json.loads(absent.stdout)["rows"]
+    n = row["placement"]["n_cpu_moe"]
+    assert row["placement_measured"] is True and not estimated.get("placement_measured")
+    assert 0 < n and (estimated["gpu"]["n_cpu_moe"] is None or n < estimated["gpu"]["n_cpu_moe"]), estimated["gpu"]
+    assert row["gpu"]["n_cpu_moe"] == n and row["server"][row["server"].index("--n-cpu-moe") + 1] == str(n)
+
+    def device_mib(k: int) -> int:
+        args = ["--rpc", rpc_servers[0], "-c", "512", "-ngl", "999", "--n-cpu-moe", str(k)]
+        return sum(fit_params(llama_tools / "llama-fit-params", DEMO_MODEL, args)["RPC0"])
+
+    assert device_mib(n) * 2**20 + 2**30 <= budget < (device_mib(n - 1) + 1) * 2**20 + 2**30
+    rows = {m["device"]: m for m in row["memory"]}
+    assert abs(rows["RPC0"]["total"] - device_mib(n) * 2**20) <= 16 * 2**20
+
+
+@pytest.mark.slow
+def test_a_faster_variant_measured_over_the_budget_is_not_taken(llama_tools, rpc_servers):
+    """A budget between what llama.cpp allocates on the device for --n-cpu-moe 3 and for the last
+    three blocks' -ot (the estimate calls them equal; the -ot's compute buffer is larger): the -ot
+    variant timed faster is measured over the budget, so the row keeps --n-cpu-moe 3, its memory and
+    its line, and `placement_kept_because` names the device."""
+    from dataclasses import replace
+
+    from ggufcarve.demo import DEMO_MODEL
+    from ggufcarve.evaluate.speed import Speed
+    from ggufcarve.llama.devices import Compute
+    from ggufcarve.llama.memory import MemorySettings, dry_load
+    from ggufcarve.placement.memory import device_memory
+    from ggufcarve.placement.search import Placement
+    from ggufcarve.quant.fit import measure_speeds
+
+    on_rpc = MemorySettings(512, compute=Compute(rpc=(rpc_servers[0],)))
+    source = read_model(DEMO_MODEL)
+    main = inspect_layout(source).main_layer_count
+
+    def on_device(placement: Placement) -> int:
+        run = replace(on_rpc, compute=placement.compute(on_rpc.compute.rpc), cpu_tensors=placement.cpu_tensors(main))
+        return next(row.total for row in device_memory(source, dry_load(DEMO_MODEL, run)) if row.device == "RPC0")
+
+    first, last = on_device(Placement(n_cpu_moe=3)), on_device(Placement(n_cpu_moe=3, from_last=True))
+    assert first < last, (first, last)  # the window this test needs
+    budget = 2**30 + (first + last) // 2
+    report = plan_fit(
+        source,
+        inspect_layout(source),
+        load_spec(DEFAULT_LADDER),
+        memory=parse_memory("8GiB"),
+        context=ContextSettings(512),
+        quantizer=BinaryQuantizer(llama_tools / "llama-quantize"),
+        kept_counts=[16],
+        only=["Q8_0"],
+        gpu_memory=budget,
+        measure=on_rpc,
+    )
+
+    def bench(path, placed, flags):
+        runs = [20.0, 21.0, 22.0] if flags and flags[0] == "-ot" else [10.0, 11.0, 12.0]
+        return Speed(512, 64, 2, 100.0, float(sorted(runs)[1]), [100.0] * 3, runs, "llama-bench")
+
+    timed = measure_speeds(report, bench, Compute(rpc=on_rpc.compute.rpc, threads=2), True, measure=on_rpc)
+    (doc,) = timed.to_json()["rows"]
+    assert doc["placement"]["n_cpu_moe"] == 3 and not doc["placement"]["override_tensor"], doc["placement"]
+    assert "placement_chosen_by" not in doc and "RPC0" in doc["placement_kept_because"], doc
+    assert doc["server"][doc["server"].index("--n-cpu-moe") + 1] == "3"
+    assert [m["total"] for m in doc["memory"] if m["device"] == "RPC0"] == [first]
+    assert doc["decode_tok_s"] == 11.0

@@ -240,3 +240,17 @@ def test_a_faster_last_n_variant_is_the_run_line_and_it_fits(rpc_servers, llama_
     )
     theirs = fit_params(llama_tools / "llama-fit-params", DEMO_MODEL, ["--rpc", rpc_servers[0], *argv[3:]])
     assert sum(theirs["RPC0"]) * MIB + 2**30 <= budget, theirs
+    # the variant's own memory, as best records it once the variant is taken: its dry load on the device
+    from dataclasses import replace
+
+    from ggufcarve.best.plan import placement_memory
+    from ggufcarve.llama.devices import Compute
+
+    on_rpc = replace(settings, compute=Compute(rpc=(rpc_servers[0],)))
+    placed = placement_memory(DEMO_MODEL, on_rpc, Placement(99, n, True))
+    assert placed is not None and placed.measured and placed.fits, placed
+    rpc0 = next(row for row in placed.devices if row.device == "RPC0")
+    assert abs(rpc0.total - sum(theirs["RPC0"]) * MIB) <= max(0.01 * rpc0.total, 16 * MIB), (rpc0, theirs)
+    assert placement_memory(DEMO_MODEL, settings, Placement(99, n, True)) is None  # no device here: not measured
+    tight = replace(on_rpc, gpu_memory=(rpc0.total + 2**30 - MIB,))
+    assert placement_memory(DEMO_MODEL, tight, Placement(99, n, True)).over() == ["RPC0"]

@@ -119,10 +119,12 @@ def measure_speeds(
     a device is here, else on the CPU. A finalist with the experts of N blocks in system memory is
     timed in the other variant too (placement.search.other_variant), which takes its place
     (`placement`, the speeds, `placement_chosen_by`) when it decodes faster beyond noise;
-    `speed_placements` lists both. Without llama-bench, or with layers offloaded where llama-bench
+    `speed_placements` lists both; with the devices present its `memory` is then the variant's,
+    measured by a dry load of it, and a variant measured over a budget is not taken
+    (`placement_kept_because`). Without llama-bench, or with layers offloaded where llama-bench
     sees no device, the figures are None and `speed_note` says why. `ids` names the finalists to
     time (default: all of them)."""
-    from ggufcarve.best.plan import measured_memory
+    from ggufcarve.best.plan import measured_memory, placement_memory
     from ggufcarve.evaluate.speed import BENCH_METHOD, bench_speed
     from ggufcarve.llama.devices import HOST, Compute
     from ggufcarve.llama.tools import find_tool
@@ -182,11 +184,20 @@ def measure_speeds(
             {"label": ours.label(), "decode_tok_s": speed.tg_tok_s, "prompt_tok_s": speed.pp_tok_s},
             {"label": other.label(), "decode_tok_s": other_speed.tg_tok_s, "prompt_tok_s": other_speed.pp_tok_s},
         ]
-        if faster_beyond_noise(other_speed.tg_runs, speed.tg_runs):
-            r["placement"] = alternative
-            r["placement_chosen_by"] = "measured speed (llama-bench)"
-            r["decode_tok_s"], r["prompt_tok_s"] = other_speed.tg_tok_s, other_speed.pp_tok_s
-            r["speed_placement"] = other_where
+        if not faster_beyond_noise(other_speed.tg_runs, speed.tg_runs):
+            continue
+        memory = placement_memory(path, settings, other)
+        if memory is not None and not memory.fits:
+            over = ", ".join(memory.over())
+            r["placement_kept_because"] = f"{other.label()} decodes faster but, loaded, {over} is over its budget"
+            continue
+        if memory is not None:
+            r["memory"] = [d.to_json() for d in memory.devices]
+            r["memory_source"] = "measured: llama.cpp's dry load of the built file in this placement"
+        r["placement"] = alternative
+        r["placement_chosen_by"] = "measured speed (llama-bench)"
+        r["decode_tok_s"], r["prompt_tok_s"] = other_speed.tg_tok_s, other_speed.pp_tok_s
+        r["speed_placement"] = other_where
 
 
 def rechecked(

@@ -97,9 +97,11 @@ def measured_memory(path: Path, settings: BestSettings) -> Any:
     settings, per device in the fastest tier it runs in, its placement and its tiers.
 
     One GPU budget: the one-GPU rule (placement.offload); with the GPU present (a GPU build, or
-    --rpc's devices) its placement is loaded on it as well, the GPU tiers then hold its measured
-    rows, and a GPU over its budget (with the margin) loses them. Several budgets: placement.search
-    places the file over the devices (`-ts` by the budgets), loaded on them when present.
+    --rpc's devices) llama.cpp loads --n-cpu-moe N on it from the estimate's N
+    (placement.search.place_on_devices: the next N while over the budget, the smaller ones while they
+    fit), the GPU tiers then hold the measured rows, and with no N that fits they are lost. Several
+    budgets: placement.search places the file over the devices (`-ts` by the budgets), loaded on
+    them when present.
     A file's answer is kept for the process (by path, size and modification time)."""
     stat = path.stat()
     key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns, settings)
@@ -112,26 +114,17 @@ def _measured_memory(path: Path, settings: BestSettings) -> Any:
     from dataclasses import replace
 
     from ggufcarve.gguf.container import read_model
-    from ggufcarve.llama.memory import HOST, dry_load, weight_bytes
-    from ggufcarve.placement.memory import device_memory
+    from ggufcarve.llama.memory import dry_load, weight_bytes
     from ggufcarve.placement.offload import DEFAULT_MARGIN, place, tiers_of, weight_placement
-    from ggufcarve.placement.search import Placement, place_on_devices, present_devices
+    from ggufcarve.placement.search import Placement, place_on_devices, placed_offload, present_devices
 
-    run = run_memory_settings(settings)
-    load = dry_load(path, run)
+    load = dry_load(path, run_memory_settings(settings))
     model = read_model(path)
     weights = weight_placement(model)
     budgets = settings.gpu_memory
 
     def on_device(placement: Placement) -> Any:
-        return dry_load(
-            path,
-            replace(
-                run,
-                compute=placement.compute(settings.compute.rpc),
-                cpu_tensors=placement.cpu_tensors(len(weights.expert_bytes)),
-            ),
-        )
+        return placed_load(path, settings, placement, len(weights.expert_bytes))
 
     if len(budgets) > 1:
         placed = place(weights, weight_bytes(path), load, memory=settings.memory, gpu_memory=None)
@@ -147,15 +140,50 @@ def _measured_memory(path: Path, settings: BestSettings) -> Any:
         return replace(placed, split=several.devices if several else [], several=several, tiers=tiers)
     budget = budgets[0] if budgets else None
     placed = place(weights, weight_bytes(path), load, memory=settings.memory, gpu_memory=budget)
-    offload = placed.offload
-    if offload is None or offload.n_cpu_moe is None or not load.gpu_devices:
+    present = present_devices(load, budgets) if budgets else []
+    if placed.offload is None or not present:
         return placed
-    rows = device_memory(model, on_device(Placement(n_cpu_moe=offload.n_cpu_moe)))
-    gpu = rows[0]
-    fits = gpu.device != HOST and gpu.total + DEFAULT_MARGIN <= budgets[0]
-    measured = replace(offload, gpu_bytes=gpu.total + DEFAULT_MARGIN, compute_bytes=gpu.compute)
-    tiers = tiers_of(placed.host.total, settings.memory, measured if fits else None, rows)
-    return replace(placed, split=rows if fits else [], offload=measured, tiers=tiers)
+    on_gpu = place_on_devices(
+        weights, load, budgets=budgets, memory=settings.memory, present=present, load=on_device, from_last=False
+    )
+    if on_gpu is None:
+        offload = replace(placed.offload, n_cpu_moe=None)
+        return replace(placed, split=[], offload=offload, tiers=tiers_of(placed.host.total, settings.memory, None, []))
+    offload = placed_offload(on_gpu, weights, budgets[0], DEFAULT_MARGIN)
+    tiers = tiers_of(placed.host.total, settings.memory, offload, on_gpu.devices)
+    return replace(placed, split=on_gpu.devices, offload=offload, tiers=tiers)
+
+
+def placed_load(path: Path, settings: BestSettings, placement: Any, main_blocks: int) -> Any:
+    """llama.cpp's dry load of `path` at the run's settings in `placement` (placement.search.Placement)
+    on the devices present."""
+    from dataclasses import replace
+
+    from ggufcarve.llama.memory import dry_load
+
+    run = run_memory_settings(settings)
+    placed = replace(
+        run, compute=placement.compute(settings.compute.rpc), cpu_tensors=placement.cpu_tensors(main_blocks)
+    )
+    return dry_load(path, placed)
+
+
+def placement_memory(path: Path, settings: BestSettings, placement: Any) -> Any:
+    """What each device holds when the built file `path` runs in `placement` (a
+    placement.search.PlacedMemory against the budgets and --memory, measured by llama.cpp's dry load
+    of it), or None when fewer devices than GPU budgets are present (nothing to measure on)."""
+    from ggufcarve.gguf.container import read_model
+    from ggufcarve.llama.memory import HOST
+    from ggufcarve.placement.memory import device_memory
+    from ggufcarve.placement.search import PlacedMemory, present_devices
+
+    placed = measured_memory(path, settings)
+    devices = present_devices(placed.load, settings.gpu_memory) if settings.gpu_memory else []
+    if not devices:
+        return None
+    load = placed_load(path, settings, placement, len(placed.weights.expert_bytes))
+    limits = {**dict(zip(devices, settings.gpu_memory)), HOST: settings.memory}
+    return PlacedMemory(placement, device_memory(read_model(path), load), True, limits)
 
 
 def several_tiers(placed: Any, several: Any) -> tuple[str, ...]:

@@ -23,7 +23,7 @@ from ggufcarve.settings import Keep
 if TYPE_CHECKING:
     from ggufcarve.events import Sink
     from ggufcarve.llama.devices import Compute
-    from ggufcarve.llama.memory import DeviceMemory
+    from ggufcarve.llama.memory import DeviceMemory, MemorySettings
     from ggufcarve.placement.offload import Offload
     from ggufcarve.quant.fit import FitReport
 
@@ -198,7 +198,8 @@ def fit_command(
         if measure_speed:
             from ggufcarve.llama.tools import physical_cores
 
-            report = timed(report, llama_cpp, S.compute(rpc=rpc, threads=threads or physical_cores()), sink)
+            bench_on = S.compute(rpc=rpc, threads=threads or physical_cores())
+            report = timed(report, llama_cpp, bench_on, sink, run_settings)
 
     if as_json:
         inputs = [{"name": p.name, "bytes": p.stat().st_size} for p in loaded.paths]
@@ -363,8 +364,11 @@ def fit_command(
             highlight=False,
         )
     if gpu_budget is not None:
+        on_device = best is not None and best.placed is not None and best.placed.measured
         counted = (
-            "weights + cache + compute (estimated from the CPU graph's: module placement.offload)"
+            "weights + cache + compute (measured: llama.cpp's dry load on the device)"
+            if on_device
+            else "weights + cache + compute (estimated from the CPU graph's: module placement.offload)"
             if measured
             else "weights + cache"
         )
@@ -388,12 +392,16 @@ def fit_command(
                 f"K={best.kept} {best.rung.rung} on the GPU: {how}; {size(shown.gpu_bytes)} of {size(gpu_budget)}",
                 highlight=False,
             )
-            for device in best.gpu_devices:
-                out.print(device_line(device), highlight=False)
+            if best.placed is None:
+                for device in best.gpu_devices:
+                    out.print(device_line(device), highlight=False)
 
 
-def timed(report: FitReport, llama_cpp: Path | None, compute: Compute, sink: Sink) -> FitReport:
-    """The report with every fitting row's llama-bench speed (quant.fit.measure_speeds)."""
+def timed(
+    report: FitReport, llama_cpp: Path | None, compute: Compute, sink: Sink, measure: MemorySettings | None
+) -> FitReport:
+    """The report with every fitting row's llama-bench speed (quant.fit.measure_speeds); `measure`:
+    the run's memory settings, for a faster variant's dry load."""
     from ggufcarve.errors import ToolMissing
     from ggufcarve.evaluate.speed import BENCH_METHOD, bench_speed
     from ggufcarve.llama.tools import find_tool
@@ -407,7 +415,7 @@ def timed(report: FitReport, llama_cpp: Path | None, compute: Compute, sink: Sin
         return bench_speed(tool, path, BENCH_METHOD, placed, flags)
 
     on_device = bool(compute.rpc) or any(r.load is not None and r.load.gpu_devices for r in report.rows)
-    return measure_speeds(report, bench, compute, on_device, sink)
+    return measure_speeds(report, bench, compute, on_device, sink, measure)
 
 
 def device_line(device: DeviceMemory, limit: int | None = None) -> str:

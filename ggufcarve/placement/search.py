@@ -34,7 +34,7 @@ import numpy as np
 
 from ggufcarve.llama.devices import LLM_FFN_EXPS_REGEX, Compute
 from ggufcarve.llama.memory import HOST, DeviceMemory, DryLoad
-from ggufcarve.placement.offload import DEFAULT_MARGIN, WeightPlacement, override_regex
+from ggufcarve.placement.offload import DEFAULT_MARGIN, Offload, WeightPlacement, override_regex
 
 ALL_LAYERS = 999  # n_gpu_layers above the layer count offloads every layer and the output (llama-server: -ngl all)
 
@@ -305,22 +305,50 @@ def place_on_devices(
     from_last: bool = True,
 ) -> PlacedMemory | None:
     """The fastest placement that fits the budgets: `choose`'s by the estimate; with the devices
-    `present` (their names, one per budget), each placement from that one on is loaded by llama.cpp
-    (`load`: its dry load of the placement) until every measured device fits. None when none fits.
-    Without `from_last`, --n-cpu-moe's placements alone (the ones a ggufcarve command takes)."""
+    `present` (their names, one per budget), llama.cpp loads the placements (`load`: its dry load of
+    one) from the estimate's: while a measured device is over its budget the next one, and where the
+    estimate's fits, the faster ones before it while they fit too (an estimate on the safe side
+    does not cost layers). None when none fits. Without `from_last`, --n-cpu-moe's placements alone
+    (the ones a ggufcarve command takes)."""
     names = present or [f"GPU{i}" for i in range(len(budgets))]
     placed = choose(
         weights, host_load, budgets=budgets, memory=memory, devices=names, margin=margin, from_last=from_last
     )
-    if placed is None or not present:
+    if not present:
         return placed
     limits = {**dict(zip(names, budgets)), HOST: memory}
     tried = candidates(weights, shares_of(budgets), from_last)
-    for placement in tried[tried.index(placed.placement) :]:
-        again = PlacedMemory(placement, measured_rows(weights, placement, load(placement)), True, limits, margin)
+
+    def measured(placement: Placement) -> PlacedMemory:
+        return PlacedMemory(placement, measured_rows(weights, placement, load(placement)), True, limits, margin)
+
+    start = tried.index(placed.placement) if placed is not None else len(tried) - 1
+    found = None
+    for placement in tried[start:]:
+        again = measured(placement)
         if again.fits:
-            return again
-    return None
+            found = again
+            break
+    if found is None:
+        return None
+    for placement in reversed(tried[: tried.index(found.placement)]):
+        faster = measured(placement)
+        if not faster.fits:
+            break
+        found = faster
+    return found
+
+
+def placed_offload(placed: PlacedMemory, weights: WeightPlacement, gpu_memory: int, margin: int) -> Offload:
+    """The one-GPU answer (placement.offload.Offload) of --n-cpu-moe N placed on that GPU: N (None
+    when it is over a budget), the GPU's total with the margin, its cache and compute buffers."""
+    gpu = next(row for row in placed.devices if row.device != HOST)
+    main = len(weights.expert_bytes)
+    n = placed.placement.n_cpu_moe or 0
+    moved = sum(weights.expert_bytes[:n])
+    return Offload(
+        gpu_memory, gpu.cache, margin, n if placed.fits else None, gpu.total + margin, moved, main, gpu.compute
+    )
 
 
 def present_devices(load: DryLoad, budgets: tuple[int, ...]) -> list[str]:

@@ -58,7 +58,7 @@ from ggufcarve.placement.offload import (
     split_devices,
     tiers_of,
 )
-from ggufcarve.placement.search import ALL_LAYERS
+from ggufcarve.placement.search import ALL_LAYERS, placed_offload
 from ggufcarve.prune.plan import PlannedFile, plan_prune
 from ggufcarve.quant.quantizer import DryRun, QuantizeJob, Quantizer
 from ggufcarve.quant.spec import LadderSpec, Rung
@@ -149,12 +149,11 @@ class FitRow:
     load: DryLoad | None = (
         None  # llama.cpp's dry load of the K's header run on the CPU: cache, compute and output buffers
     )
-    gpu_load: tuple[int, DryLoad] | None = (
-        None  # (N, the dry load at --n-cpu-moe N, every layer offloaded) on a llama.cpp with a GPU backend
-    )
-    placed: Any = None  # placement.search.PlacedMemory: with several GPU budgets, the placement chosen
+    placed: Any = None  # placement.search.PlacedMemory: the placement chosen (over several GPU budgets; on one
+    # GPU where it is present, measured) and each device's memory in it
     speed: dict[str, Any] | None = None  # --measure-speed: decode_tok_s, prompt_tok_s, speed_placement, speed_of
     faster: Any = None  # placement.search.Placement: --measure-speed's faster variant of the placement found by bytes
+    faster_memory: Any = None  # placement.search.PlacedMemory: `faster` loaded on the devices present
 
     @property
     def memory_measured(self) -> DeviceMemory | None:
@@ -177,19 +176,17 @@ class FitRow:
     @property
     def offload(self) -> Offload | None:
         """With a GPU budget: whether the rung fits the GPU whole, else the --n-cpu-moe N that makes it
-        fit, the GPU's compute buffers counted when measured (placement/offload.py)."""
+        fit, the GPU's compute buffers counted when measured (placement/offload.py); with the GPU
+        present, the placement llama.cpp's dry loads found (`placed`)."""
         if self.gpu_memory is None or self.rung.placement is None:
             return None
+        if self.placed is not None:
+            return placed_offload(self.placed, self.rung.placement, self.gpu_memory, self.gpu_margin)
         if self.load is None:
             return plan_offload(
                 self.rung.placement, gpu_memory=self.gpu_memory, cache_bytes=self.cache_bytes, margin=self.gpu_margin
             )
         compute = gpu_compute(self.rung.placement, self.load.on(HOST, self.load.compute))
-        if self.gpu_load is not None:  # the estimate moved by its error where llama.cpp measured the GPU's buffers
-            n, load = self.gpu_load
-            error = gpu_buffers(load) - compute(n)
-            estimate = compute
-            compute = lambda m: estimate(m) + error
         return plan_offload(
             self.rung.placement,
             gpu_memory=self.gpu_memory,
@@ -204,8 +201,8 @@ class FitRow:
         offload = self.offload
         if offload is None or offload.n_cpu_moe is None or self.load is None or self.rung.placement is None:
             return []
-        if self.gpu_load is not None and self.gpu_load[0] == offload.n_cpu_moe:
-            return split_devices(self.rung.placement, offload, self.gpu_load[1])
+        if self.placed is not None:
+            return self.placed.devices
         return split_devices(self.rung.placement, offload, self.load)
 
     @property
@@ -228,6 +225,8 @@ class FitRow:
 
     def devices_in(self, tier: str) -> list[DeviceMemory]:
         """Per device, the memory running in `tier` (the CPU run's host memory for ram and disk)."""
+        if tier in GPU_TIERS and self.faster_memory is not None:
+            return self.faster_memory.devices
         if tier in GPU_TIERS and self.placed is not None:
             return self.placed.devices
         if tier in GPU_TIERS and self.gpu_devices:
@@ -295,7 +294,7 @@ class FitReport:
         return {
             "placement": {**placement.to_json(main), "label": placement.label()},
             **({"placement_chosen_by": "measured speed (llama-bench)"} if row.faster is not None else {}),
-            "placement_measured": row.placed.measured if row.placed is not None else row.gpu_load is not None,
+            "placement_measured": (placed := row.faster_memory or row.placed) is not None and placed.measured,
             "server": server + placement.flags(main),
         }
 
@@ -361,13 +360,15 @@ def place_rows(
     directory: Path,
     on_event: Sink = ignore,
 ) -> list[FitRow]:
-    """Each row placed on the devices of `budgets` (placement.search.choose); where the devices are
-    present, the chosen placement is loaded by llama.cpp (one dry load per K and placement) and the
-    next candidate taken while a device is over its budget."""
+    """Each row placed on the devices of `budgets` (placement.search.place_on_devices); where the
+    devices are present, the placements are loaded by llama.cpp (one dry load per K and placement)
+    from the estimate's until the fastest that fits. One budget is placed here only with its device
+    present (else by placement.offload's rule, FitRow.offload), by --n-cpu-moe's placements alone;
+    measured to fit with none of them, the row holds the last one's measured memory."""
     from dataclasses import replace
 
     from ggufcarve.llama.memory import dry_load
-    from ggufcarve.placement.search import Placement, place_on_devices, present_devices
+    from ggufcarve.placement.search import PlacedMemory, Placement, measured_rows, place_on_devices, present_devices
 
     out = []
     headers: dict[int, Path] = {}
@@ -390,15 +391,24 @@ def place_rows(
                 loads[(kept, placement)] = dry_load(headers[kept], run)
             return loads[(kept, placement)]
 
+        present = present_devices(load, budgets)
+        if len(budgets) == 1 and not present:
+            out.append(row)
+            continue
         placed = place_on_devices(
             weights,
             load,
             budgets=budgets,
             memory=row.memory,
-            present=present_devices(load, budgets),
+            present=present,
             load=load_placement,
             margin=margin,
+            from_last=len(budgets) > 1,
         )
+        if placed is None and len(budgets) == 1:
+            slowest = Placement(n_cpu_moe=len(weights.expert_bytes))
+            rows_at = measured_rows(weights, slowest, load_placement(slowest))
+            placed = PlacedMemory(slowest, rows_at, True, {present[0]: budgets[0], HOST: row.memory}, margin)
         out.append(replace(row, placed=placed))
         on_event(Event("memory", done, len(rows), "rows", f"K={row.kept} {row.rung.rung}"))
     return out
@@ -525,21 +535,39 @@ def measure_speeds(
     compute: Compute,
     on_device: bool,
     on_event: Sink = ignore,
+    measure: MemorySettings | None = None,
 ) -> FitReport:
     """Every row that fits, timed in its placement by `bench(file, compute, extra flags)` (an
     evaluate.speed.Speed) on `sparse_rung_file`: in a GPU tier with the devices here (`on_device`),
     every layer on them with the row's --n-cpu-moe N (or its last-N -ot) and split; else on the CPU
     with `compute`. A row with experts in system memory is timed in the other variant too (the same
     N from the other end, placement.search.other_variant), which takes its place when it decodes
-    faster beyond noise (`faster`); `speed_placements` lists both."""
+    faster beyond noise (`faster`); `speed_placements` lists both. With `measure` (the run's memory
+    settings) and the devices present, the variant's memory is llama.cpp's dry load of that file in
+    it (`faster_memory`), and a variant over a budget is not taken (`placement_kept_because`)."""
     from dataclasses import replace
 
-    from ggufcarve.placement.search import Placement, faster_beyond_noise, other_variant
+    from ggufcarve.gguf.container import read_model
+    from ggufcarve.llama.memory import dry_load
+    from ggufcarve.placement.memory import device_memory
+    from ggufcarve.placement.search import PlacedMemory, Placement, faster_beyond_noise, other_variant, present_devices
 
     main = report.layout.main_layer_count
     wanted = [r for r in report.rows if r.fits]
     rows = list(report.rows)
     plans: dict[int, PlannedFile] = {}  # per K: the pruned file's plan, shared by its rungs
+
+    def variant_memory(path: Path, row: FitRow, variant: Placement) -> PlacedMemory | None:
+        if row.placed is not None:
+            budgets = tuple(b for d, b in row.placed.budgets.items() if d != HOST)
+        else:
+            budgets = (row.gpu_memory,) if row.gpu_memory is not None else ()
+        present = present_devices(row.load, budgets) if row.load is not None and budgets else []
+        if measure is None or not present:
+            return None
+        run = replace(measure, compute=variant.compute(measure.compute.rpc), cpu_tensors=variant.cpu_tensors(main))
+        rows = device_memory(read_model(path), dry_load(path, run))
+        return PlacedMemory(variant, rows, True, {**dict(zip(present, budgets)), HOST: row.memory}, row.gpu_margin)
 
     def timed(path: Path, placement: Placement | None) -> tuple[Any, dict[str, Any]]:
         if placement is None:
@@ -557,6 +585,7 @@ def measure_speeds(
             if row.kept not in plans:
                 plans[row.kept] = pruned_plan(report.model, report.layout, row.kept, Path(tmp) / "pruned.gguf")
             path = sparse_rung_file(report.model, report.layout, row, Path(tmp), plans[row.kept])
+            loaded, kept_because = None, None
             try:
                 speed, where = timed(path, placement)
                 variants = [(speed, where)]
@@ -564,7 +593,12 @@ def measure_speeds(
                 if other is not None:
                     variants.append(timed(path, other))
                     if faster_beyond_noise(variants[1][0].tg_runs, speed.tg_runs):
-                        faster, (speed, where) = other, variants[1]
+                        loaded = variant_memory(path, row, other)
+                        if loaded is not None and not loaded.fits:
+                            over = ", ".join(loaded.over())
+                            kept_because = f"{other.label()} decodes faster but, loaded, {over} is over its budget"
+                        else:
+                            faster, (speed, where) = other, variants[1]
             finally:
                 path.unlink(missing_ok=True)
             record = {
@@ -572,12 +606,13 @@ def measure_speeds(
                 "prompt_tok_s": speed.pp_tok_s,
                 "speed_placement": where,
                 "speed_of": SPEED_OF,
+                **({"placement_kept_because": kept_because} if kept_because else {}),
             }
             if len(variants) > 1:
                 record["speed_placements"] = [
                     {"label": w["label"], "decode_tok_s": s.tg_tok_s, "prompt_tok_s": s.pp_tok_s} for s, w in variants
                 ]
-            rows[rows.index(row)] = replace(row, speed=record, faster=faster)
+            rows[rows.index(row)] = replace(row, speed=record, faster=faster, faster_memory=loaded if faster else None)
             on_event(Event("speed", done, len(wanted), "rows", f"K={row.kept} {row.rung.rung}"))
     return replace(report, rows=rows)
 
@@ -631,56 +666,6 @@ def size_rung(
         types,
         tensor_bytes,
     )
-
-
-def gpu_buffers(load: DryLoad) -> int:
-    """The compute buffers of the first GPU device of a dry load."""
-    device = next(d for d in load.devices if d != HOST)
-    return load.on(device, load.compute)
-
-
-def measure_offloaded(
-    model: GGUFModel,
-    layout: MoeLayout,
-    rows: list[FitRow],
-    settings: MemorySettings,
-    directory: Path,
-    on_event: Sink = ignore,
-) -> list[FitRow]:
-    """On a llama.cpp with a GPU backend: each row again with llama.cpp's dry load at its offload's
-    --n-cpu-moe N with every layer offloaded (one load per K and N), so that the GPU's buffers are
-    llama.cpp's own (placement.offload.split_devices); rows are returned unchanged without a GPU backend."""
-    from dataclasses import replace
-
-    from ggufcarve.llama.memory import dry_load
-    from ggufcarve.placement.offload import override_regex
-
-    if not any(r.load is not None and r.load.gpu_devices for r in rows):
-        return rows
-    wanted = sorted(
-        {(r.kept, r.offload.n_cpu_moe) for r in rows if r.offload is not None and r.offload.n_cpu_moe is not None}
-    )
-    loads = {}
-    for done, (k, n) in enumerate(wanted, 1):
-        header = sparse_pruned_header(model, layout, k, directory, vocabulary=True)
-        placed = replace(
-            settings,
-            compute=replace(settings.compute, gpu_layers=ALL_LAYERS),
-            cpu_tensors=(override_regex(n),) if n else (),
-        )
-        loads[(k, n)] = dry_load(header.path, placed)
-        header.path.unlink(missing_ok=True)
-        on_event(Event("memory", done, len(wanted), "placements", f"K={k} --n-cpu-moe {n}"))
-    out = []
-    for r in rows:
-        key = (r.kept, r.offload.n_cpu_moe) if r.offload is not None else None
-        load = loads.get(key) if key is not None else None
-        out.append(
-            replace(r, gpu_load=(key[1], load))
-            if key is not None and load is not None and load.devices != [HOST]
-            else r
-        )
-    return out
 
 
 def measure_per_kept(
@@ -794,9 +779,7 @@ def plan_fit(
             for k in counts
             for r in rungs
         ]
-        if measure is not None and gpu_memory is not None:
-            rows = measure_offloaded(model, layout, rows, measure, Path(tmp), on_event)
-        if len(budgets) > 1 and measure is not None:
+        if budgets and measure is not None:
             rows = place_rows(model, layout, rows, budgets, gpu_margin, measure, Path(tmp), on_event)
     return FitReport(
         model,
