@@ -399,14 +399,13 @@ def test_measure_speed_times_each_fitting_row_in_its_placement_on_the_rungs_type
     assert abs(timed.stat().st_size - real.stat().st_size) < 512  # llama-quantize's own keys at most
 
 
-def _demo_row_with_experts_on_the_cpu(llama_tools):
-    """fit's report for the demo model's Q8_0 on a 1045 MiB GPU at ctx 512 (its experts of some blocks,
-    not all, in system memory) and that row."""
+def _demo_q8_report(llama_tools, gpu_memory: int, measure):
+    """fit's report for the demo model's Q8_0 (K=16, every expert) at ctx 512 and 8 GiB of system
+    memory on a GPU of `gpu_memory` bytes, measured with `measure` (llama.memory.MemorySettings)."""
     from ggufcarve.demo import DEMO_MODEL
-    from ggufcarve.llama.memory import MemorySettings
 
     source = read_model(DEMO_MODEL)
-    report = plan_fit(
+    return plan_fit(
         source,
         inspect_layout(source),
         load_spec(DEFAULT_LADDER),
@@ -415,9 +414,31 @@ def _demo_row_with_experts_on_the_cpu(llama_tools):
         quantizer=BinaryQuantizer(llama_tools / "llama-quantize"),
         kept_counts=[16],
         only=["Q8_0"],
-        gpu_memory=parse_memory("1045MiB"),
-        measure=MemorySettings(512),
+        gpu_memory=gpu_memory,
+        measure=measure,
     )
+
+
+def _bench_with_last_runs(last_runs, asked=None):
+    """A stand-in for llama-bench: decode runs of 10, 11, 12 tok/s, `last_runs` for the last-N -ot
+    variant; each call's flags appended to `asked`."""
+    from ggufcarve.evaluate.speed import Speed
+
+    def bench(path, placed, flags):
+        if asked is not None:
+            asked.append(flags)
+        runs = list(last_runs) if flags and flags[0] == "-ot" else [10.0, 11.0, 12.0]
+        return Speed(512, 64, 2, 100.0, float(sorted(runs)[1]), [100.0] * 3, runs, "llama-bench")
+
+    return bench
+
+
+def _demo_row_with_experts_on_the_cpu(llama_tools):
+    """fit's report for the demo model's Q8_0 on a 1045 MiB GPU at ctx 512 (its experts of some blocks,
+    not all, in system memory) and that row."""
+    from ggufcarve.llama.memory import MemorySettings
+
+    report = _demo_q8_report(llama_tools, parse_memory("1045MiB"), MemorySettings(512))
     row = report.row(16, "Q8_0")
     assert row.tier == "gpu+cpu" and 0 < row.offload.n_cpu_moe < 4
     return report, row
@@ -428,19 +449,13 @@ def test_measure_speed_takes_the_other_variant_only_when_it_decodes_faster_beyon
     """A row with the experts of N blocks in system memory is timed as --n-cpu-moe N and as the last N
     blocks' -ot; the variant takes the row's place (placement, llama-server line, speed) only when its
     decode runs are faster beyond noise (a tie keeps the placement found by bytes)."""
-    from ggufcarve.evaluate.speed import Speed
     from ggufcarve.llama.devices import Compute
     from ggufcarve.quant.fit import measure_speeds
 
     report, row = _demo_row_with_experts_on_the_cpu(llama_tools)
     n = row.offload.n_cpu_moe
     asked = []
-
-    def bench(path, placed, flags):
-        asked.append(flags)
-        runs = list(last_runs) if flags and flags[0] == "-ot" else [10.0, 11.0, 12.0]
-        return Speed(512, 64, 2, 100.0, float(sorted(runs)[1]), [100.0] * 3, runs, "llama-bench")
-
+    bench = _bench_with_last_runs(last_runs, asked)
     timed = measure_speeds(report, bench, Compute(threads=2), on_device=True)
     assert [f[0] for f in asked] == ["-ncmoe", "-ot"] and asked[0] == ("-ncmoe", str(n))
     doc = next(r for r in timed.to_json()["rows"] if r["kept"] == 16 and r["rung"] == "Q8_0")
@@ -485,31 +500,14 @@ def test_a_faster_variant_on_a_present_device_carries_its_own_measured_memory(ll
     own placement: the row's memory per device is that load's, and the device's row equals
     llama-fit-params' for the row's llama-server line on the same device, within max(1%, 16 MiB)."""
     from ggufcarve.demo import DEMO_MODEL
-    from ggufcarve.evaluate.speed import Speed
     from ggufcarve.llama.devices import Compute
     from ggufcarve.llama.memory import MemorySettings
     from ggufcarve.quant.fit import measure_speeds
     from tests.fit_params import fit_params
 
     on_rpc = MemorySettings(512, compute=Compute(rpc=(rpc_servers[0],)))
-    source = read_model(DEMO_MODEL)
-    report = plan_fit(
-        source,
-        inspect_layout(source),
-        load_spec(DEFAULT_LADDER),
-        memory=parse_memory("8GiB"),
-        context=ContextSettings(512),
-        quantizer=BinaryQuantizer(llama_tools / "llama-quantize"),
-        kept_counts=[16],
-        only=["Q8_0"],
-        gpu_memory=parse_memory("1040MiB"),
-        measure=on_rpc,
-    )
-
-    def bench(path, placed, flags):
-        runs = [20.0, 21.0, 22.0] if flags and flags[0] == "-ot" else [10.0, 11.0, 12.0]
-        return Speed(512, 64, 2, 100.0, float(sorted(runs)[1]), [100.0] * 3, runs, "llama-bench")
-
+    report = _demo_q8_report(llama_tools, parse_memory("1040MiB"), on_rpc)
+    bench = _bench_with_last_runs([20.0, 21.0, 22.0])
     timed = measure_speeds(report, bench, Compute(rpc=on_rpc.compute.rpc, threads=2), True, measure=on_rpc)
     (doc,) = timed.to_json()["rows"]
     assert "placement_chosen_by" in doc, (doc.get("placement_kept_because"), doc["memory"], doc["speed_placement"])
@@ -562,7 +560,6 @@ def test_a_faster_variant_measured_over_the_budget_is_not_taken(llama_tools, rpc
     from dataclasses import replace
 
     from ggufcarve.demo import DEMO_MODEL
-    from ggufcarve.evaluate.speed import Speed
     from ggufcarve.llama.devices import Compute
     from ggufcarve.llama.memory import MemorySettings, dry_load
     from ggufcarve.placement.memory import device_memory
@@ -580,23 +577,9 @@ def test_a_faster_variant_measured_over_the_budget_is_not_taken(llama_tools, rpc
     first, last = on_device(Placement(n_cpu_moe=3)), on_device(Placement(n_cpu_moe=3, from_last=True))
     assert first < last, (first, last)  # the window this test needs
     budget = 2**30 + (first + last) // 2
-    report = plan_fit(
-        source,
-        inspect_layout(source),
-        load_spec(DEFAULT_LADDER),
-        memory=parse_memory("8GiB"),
-        context=ContextSettings(512),
-        quantizer=BinaryQuantizer(llama_tools / "llama-quantize"),
-        kept_counts=[16],
-        only=["Q8_0"],
-        gpu_memory=budget,
-        measure=on_rpc,
-    )
+    report = _demo_q8_report(llama_tools, budget, on_rpc)
 
-    def bench(path, placed, flags):
-        runs = [20.0, 21.0, 22.0] if flags and flags[0] == "-ot" else [10.0, 11.0, 12.0]
-        return Speed(512, 64, 2, 100.0, float(sorted(runs)[1]), [100.0] * 3, runs, "llama-bench")
-
+    bench = _bench_with_last_runs([20.0, 21.0, 22.0])
     timed = measure_speeds(report, bench, Compute(rpc=on_rpc.compute.rpc, threads=2), True, measure=on_rpc)
     (doc,) = timed.to_json()["rows"]
     assert doc["placement"]["n_cpu_moe"] == 3 and not doc["placement"]["override_tensor"], doc["placement"]
