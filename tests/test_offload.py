@@ -230,8 +230,9 @@ def test_the_gpu_compute_estimate_grows_by_the_largest_expert_block_on_the_cpu()
 
 
 def test_with_a_gpu_backend_fit_reports_the_buffers_llama_cpp_places(monkeypatch):
-    """Wiring: when llama.cpp's dry load names a GPU device, fit loads again at each row's
-    --n-cpu-moe N with every layer offloaded and reports that load's buffers, not the estimate."""
+    """Wiring: when llama.cpp's dry load names a GPU device, fit loads each row on it (every layer
+    offloaded, from the estimate's --n-cpu-moe N) and reports that load's layers, cache and buffers,
+    not the estimate."""
     from typer.testing import CliRunner
 
     from ggufcarve.cli import app
@@ -245,7 +246,16 @@ def test_with_a_gpu_backend_fit_reports_the_buffers_llama_cpp_places(monkeypatch
         if settings.compute.gpu_layers == 0:
             return memory.DryLoad(8 * mib, {"CPU": 12 * mib}, {"CPU": mib // 64}, ("CUDA0",), {})
         placed.append((settings.compute.gpu_layers, settings.cpu_tensors))
-        return memory.DryLoad(8 * mib, {"CUDA0": 20 * mib, "CUDA_Host": mib}, {"CUDA_Host": mib // 64}, ("CUDA0",), {})
+        return memory.DryLoad(
+            8 * mib,
+            {"CUDA0": 20 * mib, "CUDA_Host": mib},
+            {"CUDA_Host": mib // 64},
+            ("CUDA0",),
+            {},
+            layers=dict.fromkeys(range(64), "CUDA0"),  # every block and the output layer
+            offload_devices=(("CUDA0", "NVIDIA GeForce RTX 4090"),),
+            cache_by_device={"CUDA0": 8 * mib},
+        )
 
     monkeypatch.setattr(memory, "dry_load", fake)
     result = CliRunner().invoke(
