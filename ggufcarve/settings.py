@@ -621,8 +621,8 @@ SEARCH = Setting(
 SEARCH_PASSES = Setting(
     "search_passes",
     Count(minimum=1, example="4"),
-    "The search's budget in passes over the calibration text (chunks decoded; default: what tune itself "
-    "decoded for the K, its calibration pass, held-out reference and tournament, at least 2).",
+    "The search's budget in passes over the calibration text (chunks scored, cached ones too; default: what "
+    "tune itself scored for the K, its calibration pass, held-out reference and tournament, at least 2).",
 )
 IMATRIX = Setting("imatrix", File(example="model.imatrix.gguf"), "An imatrix (GGUF or legacy .dat):")
 COLLECT = Setting(

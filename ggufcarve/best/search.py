@@ -52,7 +52,8 @@ def search_winner(
         search.source, settings.calibration, chunk_ctx=settings.eval_ctx, chunks=None, compute=compute, work=search.work
     )
     calibration_chunks = sum(s.n_chunk for s in calibration)
-    passes = settings.search_passes or max(2, round(measured.decoded_chunks / max(calibration_chunks, 1)))
+    scored = measured.decoded_chunks + measured.cached_chunks  # the tournament's chunks, whatever the cache held
+    passes = settings.search_passes or max(2, round(scored / max(calibration_chunks, 1)))
     rung = rungs[winner["quant"]]
 
     def nodes(keep: Any) -> tuple[str, ...]:

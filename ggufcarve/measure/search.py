@@ -14,8 +14,9 @@ round of one unit, so most moves leave after a few chunks). The step's leader re
 keep-set only when the current one is worse than it beyond noise on every calibration unit (the
 paired difference, standard errors over chunks, more than z of them); then the next step proposes
 moves from the new keep-set. Moves scored and not taken are not proposed again. The search ends when
-the budget is spent (chunks decoded, in passes over the calibration text: `passes`; cached tables
-cost nothing), when `patience` steps in a row took no move, or when no move is left.
+the budget is spent (chunks scored, decoded or read from the table cache alike, in passes over the
+calibration text: `passes`; so the path does not depend on what the cache holds), when `patience`
+steps in a row took no move, or when no move is left.
 
 The proxy (`pairwise_moves`): the pairwise form of the dropped experts, J(D) = sum over i, j in D of
 S_ij with S HOPE's pair sums (`BlockStats.pair_sums`: S_ij the sum over tokens routing to both i and
@@ -64,7 +65,7 @@ class Move:
 
 @dataclass(frozen=True)
 class SearchSettings:
-    passes: float  # the budget: chunks decoded, in passes over the calibration units
+    passes: float  # the budget: chunks scored (decoded or cached), in passes over the calibration units
     moves: int = 8  # moves scored per step
     per_block: int = 2  # at most this many of a step's moves in one block
     patience: int = 4  # steps in a row without a move taken before the search ends
@@ -159,7 +160,7 @@ def local_search(
     tried: set[tuple[int, int, int]] = set()
     units_chunks = sum(s.n_chunk for s in segments)
     budget = settings.passes * units_chunks
-    decoded = 0
+    scored = 0
     idle = 0
 
     def candidate(cid: str, keep: Keep) -> Candidate:
@@ -176,7 +177,7 @@ def local_search(
             steps["combined"] = tuple(best_per_block)
         pool = [candidate("current", current), *(candidate(cid, _applied(current, ms)) for cid, ms in steps.items())]
         measured = measure(pool, segments, scoring, work, on_event=on_event, score_unit=score_unit)
-        decoded += measured.decoded_chunks
+        scored += measured.decoded_chunks + measured.cached_chunks
         per_chunk = measured.per_chunk
         leader = measured.groups["search"]["leader"]
         step: dict[str, Any] = {
@@ -213,7 +214,7 @@ def local_search(
         result.steps.append(step)
         idle = 0 if step["taken"] else idle + 1
         on_event(Event("search", len(result.path), 0, "moves", f"step {len(result.steps)}"))
-        if decoded >= budget:
+        if scored >= budget:
             result.stopped = f"the budget of {settings.passes:g} passes is spent"
             break
         if idle >= settings.patience:
@@ -222,7 +223,7 @@ def local_search(
     result.keep = current
     if result.kld is None:
         result.kld = result.start_kld
-    result.passes_used = decoded / units_chunks if units_chunks else 0.0
+    result.passes_used = scored / units_chunks if units_chunks else 0.0
     result.seconds = time.perf_counter() - began
     return result
 
