@@ -188,8 +188,7 @@ def measure_speeds(
             continue
         memory = placement_memory(path, settings, other)
         if memory is not None and not memory.fits:
-            over = ", ".join(memory.over())
-            r["placement_kept_because"] = f"{other.label()} decodes faster but, loaded, {over} is over its budget"
+            r["placement_kept_because"] = memory.kept_because()
             continue
         if memory is not None:
             r["memory"] = [d.to_json() for d in memory.devices]

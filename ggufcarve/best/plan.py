@@ -157,15 +157,9 @@ def _measured_memory(path: Path, settings: BestSettings) -> Any:
 def placed_load(path: Path, settings: BestSettings, placement: Any, main_blocks: int) -> Any:
     """llama.cpp's dry load of `path` at the run's settings in `placement` (placement.search.Placement)
     on the devices present."""
-    from dataclasses import replace
-
     from ggufcarve.llama.memory import dry_load
 
-    run = run_memory_settings(settings)
-    placed = replace(
-        run, compute=placement.compute(settings.compute.rpc), cpu_tensors=placement.cpu_tensors(main_blocks)
-    )
-    return dry_load(path, placed)
+    return dry_load(path, placement.loaded_with(run_memory_settings(settings), main_blocks))
 
 
 def placement_memory(path: Path, settings: BestSettings, placement: Any) -> Any:

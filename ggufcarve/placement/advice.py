@@ -11,7 +11,6 @@ free memory (--tensor-split). The margin kept free on each device is llama.cpp's
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 
 from ggufcarve.errors import CarveError, DeviceOutOfMemory
@@ -43,12 +42,7 @@ def fitting_placement(model: Path, compute: Compute, n_ctx: int | None) -> tuple
     present = present_devices(host_load, budgets)
 
     def load(placement: Placement) -> DryLoad:
-        placed = replace(
-            run,
-            compute=placement.compute(compute.rpc),
-            cpu_tensors=placement.cpu_tensors(len(weights.expert_bytes)),
-        )
-        return dry_load(model, placed)
+        return dry_load(model, placement.loaded_with(run, len(weights.expert_bytes)))
 
     placed = place_on_devices(
         weights,

@@ -27,13 +27,13 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
 from ggufcarve.llama.devices import LLM_FFN_EXPS_REGEX, Compute
-from ggufcarve.llama.memory import HOST, DeviceMemory, DryLoad
+from ggufcarve.llama.memory import HOST, DeviceMemory, DryLoad, MemorySettings
 from ggufcarve.placement.offload import DEFAULT_MARGIN, Offload, WeightPlacement, override_regex
 
 ALL_LAYERS = 999  # n_gpu_layers above the layer count offloads every layer and the output (llama-server: -ngl all)
@@ -85,6 +85,11 @@ class Placement:
     def bench_flags(self, main_blocks: int) -> tuple[str, ...]:
         """llama-bench's flags for the experts it keeps in system memory (-ncmoe N, or -ot for the last N)."""
         return bench_flags(self.n_cpu_moe, self.override_tensor(main_blocks) if self.from_last else None)
+
+    def loaded_with(self, settings: MemorySettings, main_blocks: int) -> MemorySettings:
+        """`settings` (a dry load's) with this placement's layers, split and CPU tensors, on the devices
+        its `compute.rpc` names."""
+        return replace(settings, compute=self.compute(settings.compute.rpc), cpu_tensors=self.cpu_tensors(main_blocks))
 
     def label(self) -> str:
         where = (
@@ -156,6 +161,10 @@ class PlacedMemory:
     @property
     def fits(self) -> bool:
         return not self.over()
+
+    def kept_because(self) -> str:
+        """Why a faster placement measured over a budget (this one) is not taken."""
+        return f"{self.placement.label()} decodes faster but, loaded, {', '.join(self.over())} is over its budget"
 
 
 def _rows(
@@ -342,7 +351,9 @@ def place_on_devices(
 def placed_offload(placed: PlacedMemory, weights: WeightPlacement, gpu_memory: int, margin: int) -> Offload:
     """The one-GPU answer (placement.offload.Offload) of --n-cpu-moe N placed on that GPU: N (None
     when it is over a budget), the GPU's total with the margin, its cache and compute buffers."""
-    gpu = next(row for row in placed.devices if row.device != HOST)
+    gpu = next((row for row in placed.devices if row.device != HOST), None)
+    if gpu is None:
+        raise ValueError(f"{placed.placement.label()}: no device row to place on (the host's alone)")
     main = len(weights.expert_bytes)
     n = placed.placement.n_cpu_moe or 0
     moved = sum(weights.expert_bytes[:n])

@@ -383,12 +383,7 @@ def place_rows(
             if kept not in headers:
                 headers[kept] = sparse_pruned_header(model, layout, kept, directory, vocabulary=True).path
             if (kept, placement) not in loads:
-                run = replace(
-                    settings,
-                    compute=placement.compute(settings.compute.rpc),
-                    cpu_tensors=placement.cpu_tensors(main),
-                )
-                loads[(kept, placement)] = dry_load(headers[kept], run)
+                loads[(kept, placement)] = dry_load(headers[kept], placement.loaded_with(settings, main))
             return loads[(kept, placement)]
 
         present = present_devices(load, budgets)
@@ -550,7 +545,7 @@ def measure_speeds(
     from ggufcarve.gguf.container import read_model
     from ggufcarve.llama.memory import dry_load
     from ggufcarve.placement.memory import device_memory
-    from ggufcarve.placement.search import PlacedMemory, Placement, faster_beyond_noise, other_variant, present_devices
+    from ggufcarve.placement.search import PlacedMemory, Placement, faster_beyond_noise, other_variant
 
     main = report.layout.main_layer_count
     wanted = [r for r in report.rows if r.fits]
@@ -558,16 +553,10 @@ def measure_speeds(
     plans: dict[int, PlannedFile] = {}  # per K: the pruned file's plan, shared by its rungs
 
     def variant_memory(path: Path, row: FitRow, variant: Placement) -> PlacedMemory | None:
-        if row.placed is not None:
-            budgets = tuple(b for d, b in row.placed.budgets.items() if d != HOST)
-        else:
-            budgets = (row.gpu_memory,) if row.gpu_memory is not None else ()
-        present = present_devices(row.load, budgets) if row.load is not None and budgets else []
-        if measure is None or not present:
+        if measure is None or row.placed is None or not row.placed.measured:  # no device here to load it on
             return None
-        run = replace(measure, compute=variant.compute(measure.compute.rpc), cpu_tensors=variant.cpu_tensors(main))
-        rows = device_memory(read_model(path), dry_load(path, run))
-        return PlacedMemory(variant, rows, True, {**dict(zip(present, budgets)), HOST: row.memory}, row.gpu_margin)
+        rows = device_memory(read_model(path), dry_load(path, variant.loaded_with(measure, main)))
+        return PlacedMemory(variant, rows, True, row.placed.budgets, row.gpu_margin)
 
     def timed(path: Path, placement: Placement | None) -> tuple[Any, dict[str, Any]]:
         if placement is None:
@@ -595,8 +584,7 @@ def measure_speeds(
                     if faster_beyond_noise(variants[1][0].tg_runs, speed.tg_runs):
                         loaded = variant_memory(path, row, other)
                         if loaded is not None and not loaded.fits:
-                            over = ", ".join(loaded.over())
-                            kept_because = f"{other.label()} decodes faster but, loaded, {over} is over its budget"
+                            kept_because = loaded.kept_because()
                         else:
                             faster, (speed, where) = other, variants[1]
             finally:
