@@ -9,7 +9,9 @@
    the same with --n-cpu-moe 2 (the experts of blocks 0 and 1 in system memory);
 3. masked KLD with -ngl 99: a keep-set scored by masking on the device equals llama-perplexity's
    --kl-divergence on the really pruned file run with -ngl 99 (relative 1e-4, its 6 printed decimals);
-4. best: `ggufcarve best` on the demo model with every child on the device answers.
+4. best: `ggufcarve best` on the demo model with --gpu-memory and no --gpu-layers answers, every
+   stage computed on the device (best.json's `computed_on`, llama.cpp's own loader lines), the
+   winner timed there in its own placement, its run line naming the device's -ngl.
 Exit status: the number of failed checks.
 """
 
@@ -144,8 +146,6 @@ def main() -> int:
             "4096",
             "--chunks",
             "4",
-            "--gpu-layers",
-            "99",
             "-o",
             str(out),
             "-q",
@@ -157,6 +157,25 @@ def main() -> int:
         failed += not say(
             run.returncode == 0 and answer is not None,
             f"best on the device: winner {answer}" + ("" if run.returncode == 0 else f": {run.stderr[-300:]}"),
+        )
+        gpu = seen[0].name
+        computed = {
+            stage: sorted({d for entry in entries for d in entry["layers"]})
+            for stage, entries in doc.get("computed_on", {}).items()
+            if stage != "dry-load"
+        }
+        failed += not say(
+            {"calibration", "tournament", "speed"} <= set(computed) and all(d == [gpu] for d in computed.values()),
+            f"best without --gpu-layers computed every stage on {gpu}: {computed}",
+        )
+        winner = doc.get("winner") or {}
+        line = (winner.get("run_command") or {}).get("argv", [])
+        failed += not say(
+            winner.get("speed_placement") == winner.get("placement")
+            and list(winner.get("speed_computed_on") or {}) == [gpu]
+            and "-ngl" in line,
+            f"the answer timed where it runs ({winner.get('speed_computed_on')}, "
+            f"{winner.get('decode_tok_s')} tok/s): {' '.join(line)}",
         )
     return failed
 

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from ggufcarve.errors import BadInput
-from ggufcarve.llama.devices import CPU, Compute, parse_endpoints, parse_split
+from ggufcarve.llama.devices import AUTO, CPU, Compute, parse_endpoints, parse_split
 
 PLAN_HINT = "see plans/*.toml for complete examples"
 
@@ -89,6 +89,27 @@ class Count(Unit):
 
 
 @dataclass(frozen=True)
+class Layers(Count):
+    """`auto` (AUTO: placed on the devices present) or a whole number of layers."""
+
+    example: str = "auto"
+    metavar = "auto|N"
+    toml_form = '"{}"'
+
+    @property
+    def what(self) -> str:  # type: ignore[override]
+        return "auto or an integer >= 0"
+
+    def from_text(self, text: str) -> int:
+        return AUTO if text.strip().lower() == "auto" else self._checked(int(text.strip()))
+
+    def from_toml(self, value: Any, base: Path) -> int:
+        if isinstance(value, str) and value.strip().lower() == "auto":
+            return AUTO
+        return super().from_toml(value, base)
+
+
+@dataclass(frozen=True)
 class Fraction(Unit):
     """A number in (0, 1]."""
 
@@ -108,6 +129,30 @@ class Fraction(Unit):
     @staticmethod
     def _checked(value: float) -> float:
         if not 0 < value <= 1:
+            raise ValueError
+        return value
+
+
+@dataclass(frozen=True)
+class Positive(Unit):
+    """A number > 0."""
+
+    what = "a number > 0"
+    metavar = "X"
+    toml_form = "{}"
+    example: str = "2"
+
+    def from_text(self, text: str) -> float:
+        return self._checked(float(text))
+
+    def from_toml(self, value: Any, base: Path) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError
+        return self._checked(float(value))
+
+    @staticmethod
+    def _checked(value: float) -> float:
+        if not value > 0 or value == float("inf"):
             raise ValueError
         return value
 
@@ -328,14 +373,45 @@ def parse_memory(text: str, flag: str = "--memory", allow_zero: bool = False) ->
     return int(float(match["number"]) * MEMORY_UNITS[unit])
 
 
-def parse_memories(text: str, flag: str = "--gpu-memory") -> tuple[int, ...]:
-    """'8GiB,8GiB,10GiB' -> bytes per device (each as parse_memory reads it)."""
+def parse_margin(text: str, flag: str = "--gpu-margin") -> int:
+    """'1GiB', '512MiB', '0', '0MiB' -> bytes: a size as parse_memory reads it, zero with or without a unit."""
+    return 0 if text.strip() == "0" else parse_memory(text, flag, allow_zero=True)
+
+
+class Budgets(tuple):
+    """Memory budgets, bytes per device (a tuple of ints), and the device each one names (`names`:
+    empty where they were given in the one device order, the first offload devices)."""
+
+    names: tuple[str, ...]
+
+    def __new__(cls, sizes: Any = (), names: Any = ()) -> Budgets:
+        made = super().__new__(cls, sizes)
+        made.names = tuple(names)
+        return made
+
+    def __repr__(self) -> str:
+        return f"Budgets({tuple(self)!r}, names={self.names!r})"
+
+
+DEVICE_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]*$")
+
+
+def parse_memories(text: str, flag: str = "--gpu-memory") -> Budgets:
+    """'8GiB,8GiB,10GiB' -> bytes per device in device order; 'CUDA0=20GiB,CUDA1=8GiB' -> bytes per
+    device named (each size as parse_memory reads it)."""
     parts = [part.strip() for part in text.split(",")]
+    hint = "write it like 24GiB, 8GiB,8GiB,10GiB (one per GPU in device order) or CUDA0=20GiB,CUDA1=8GiB"
     if not parts or not all(parts):
-        raise BadInput(
-            f"{flag} {text!r} is not a list of sizes", "write it like 24GiB or 8GiB,8GiB,10GiB (one per GPU)"
-        )
-    return tuple(parse_memory(part, flag) for part in parts)
+        raise BadInput(f"{flag} {text!r} is not a list of sizes", hint)
+    named = [part.partition("=") for part in parts]
+    if any(sep for _, sep, _ in named):
+        if not all(sep and DEVICE_NAME.match(name.strip()) for name, sep, _ in named):
+            raise BadInput(f"{flag} {text!r}: give every size a device, or none", hint)
+        names = [name.strip() for name, _, _ in named]
+        if len(set(names)) != len(names):
+            raise BadInput(f"{flag} {text!r} names a device twice", "give each device one budget")
+        return Budgets((parse_memory(size.strip(), flag) for _, _, size in named), names)
+    return Budgets(parse_memory(part, flag) for part in parts)
 
 
 @dataclass(frozen=True)
@@ -396,11 +472,20 @@ class Shares(Unit):
 
 
 @dataclass(frozen=True)
-class Sizes(Unit):
-    """Memory sizes, one per device in device order: 24GiB or 8GiB,8GiB,10GiB; the value is a tuple of bytes."""
+class Margin(Size):
+    """The memory kept free on each device: a size as Size reads it, or zero (0, 0MiB); the value is bytes."""
 
-    what = "memory sizes such as 24GiB or 8GiB,8GiB (one per GPU)"
-    metavar = "SIZE[,SIZE...]"
+    what = "a memory size such as 1GiB, or 0"
+    example: str = "1GiB"
+
+
+@dataclass(frozen=True)
+class Sizes(Unit):
+    """Memory sizes, one per device in device order (24GiB or 8GiB,8GiB,10GiB) or per device named
+    (CUDA0=20GiB,CUDA1=8GiB); the value is Budgets (a tuple of bytes and the names)."""
+
+    what = "memory sizes such as 24GiB, 8GiB,8GiB (one per GPU) or CUDA0=20GiB,CUDA1=8GiB"
+    metavar = "SIZE[,SIZE...]|DEVICE=SIZE[,...]"
     example: str = "24GiB"
 
 
@@ -433,6 +518,8 @@ class Setting:
         """A command line's value (typer hands a default through as it is)."""
         if not isinstance(text, str):
             return text
+        if isinstance(self.unit, Margin):
+            return parse_margin(text, self.flag)
         if isinstance(self.unit, Size):
             return parse_memory(text, self.flag)
         if isinstance(self.unit, Sizes):
@@ -449,6 +536,8 @@ class Setting:
         under its own name or the table's `key` for it."""
         name = key or self.name
         label = f"{where} {name}" if where != "plan" else name
+        if isinstance(self.unit, Margin) and isinstance(value, (str, int)) and not isinstance(value, bool):
+            return parse_margin(str(value), label)
         if isinstance(self.unit, Size) and isinstance(value, str):
             return parse_memory(value, label)
         if isinstance(self.unit, Sizes) and isinstance(value, (str, list)):
@@ -525,9 +614,11 @@ THREADS = Setting(
 )
 GPU_LAYERS = Setting(
     "gpu_layers",
-    Count(minimum=0),
-    "Layers every llama.cpp child that loads a model offloads to the GPU (llama.cpp's -ngl; 0: all on "
-    "the CPU; 99: all). A llama-cpp-python built without a GPU backend ignores it.",
+    Layers(),
+    "Layers every llama.cpp child that loads a model offloads to the devices (llama.cpp's -ngl). auto, the "
+    "default: as many as fit the devices present (GPUs of the installed backend, --rpc servers) in their free "
+    "memory less llama.cpp's 1 GiB margin, the routed experts of the first blocks in system memory where the "
+    "model is larger (llama.cpp's --fit on); the CPU where there is no device. 0: all on the CPU; 99: all.",
 )
 RPC = Setting(
     "rpc",
@@ -556,9 +647,18 @@ def compute(
     rpc: tuple[str, ...] | None = None,
     tensor_split: tuple[float, ...] | None = None,
     n_cpu_moe: int | None = None,
+    devices: tuple[str, ...] = (),
 ) -> Compute:
-    """The one `Compute` of a run, from its five settings (None: not given)."""
-    return Compute(gpu_layers or 0, tuple(rpc or ()), tuple(tensor_split or ()), threads or 0, n_cpu_moe or 0)
+    """The one `Compute` of a run, from its five settings (None: not given; --gpu-layers then auto)
+    and the devices its budgets are for (none: every offload device)."""
+    return Compute(
+        AUTO if gpu_layers is None else gpu_layers,
+        tuple(rpc or ()),
+        tuple(tensor_split or ()),
+        threads or 0,
+        n_cpu_moe or 0,
+        tuple(devices),
+    )
 
 
 def compute_key() -> Any:
@@ -567,6 +667,12 @@ def compute_key() -> Any:
 
 
 CTX = Setting("ctx", Count(minimum=2, example="512"), "Context length in tokens:")
+BENCH_DEPTH = Setting(
+    "bench_depth",
+    Count(minimum=0, example="8192"),
+    "Tokens already in the context when llama-bench times decode and prompt speed (its -d; default: half of "
+    "--ctx, the depth a run of that context meets on average).",
+)
 CHUNK_CTX = Setting(
     "chunk_ctx",
     Count(minimum=2, example="512"),
@@ -593,6 +699,12 @@ METHODS = Setting(
     "methods",
     Names(example="reap"),
     "The criteria that compete: all, or a list such as reap,frequency,weights.",
+)
+Z = Setting(
+    "z",
+    Positive(),
+    "Standard errors of the paired difference (over chunks) beyond which a candidate is worse "
+    "(halving, ties, the search's moves); default 2:",
 )
 SEED = Setting("seed", Count(minimum=0, example="0"), "Seed of the random criterion.")
 RATIO = Setting("ratio", Fraction(), "Fraction of the experts kept (instead of keep).")
@@ -762,7 +874,14 @@ MEMORY = Setting(
 GPU_MEMORY = Setting(
     "gpu_memory",
     Sizes(example="16GiB"),
-    "GPU memory, one size per GPU in device order (e.g. 16GiB or 8GiB,8GiB,10GiB):",
+    "GPU memory, one size per GPU in device order (16GiB or 8GiB,8GiB,10GiB; the order ggufcarve devices "
+    "lists them) or per device named (CUDA0=20GiB,CUDA1=8GiB, RPC0=1GiB); a device without a budget is not used:",
+)
+GPU_MARGIN = Setting(
+    "gpu_margin",
+    Margin(),
+    "GPU memory kept free on each device beyond weights, cache and compute buffers (default: llama.cpp "
+    "--fit's target margin, 1GiB; 0 accepted):",
 )
 KV_TYPE = Setting("kv_type", Choice(choices=("f16", "q8_0")), "KV cache type for K and V: f16 or q8_0.")
 QUIET = Setting("quiet", Flag(), "No progress output.", short="-q")
@@ -837,6 +956,9 @@ SETTINGS: dict[str, Setting] = {
         REPO_ID,
         MEMORY,
         GPU_MEMORY,
+        GPU_MARGIN,
+        BENCH_DEPTH,
+        Z,
         KV_TYPE,
         QUIET,
         JSON,

@@ -68,6 +68,20 @@ def sources() -> dict[str, str]:
     return _read(sdist())
 
 
+@functools.cache
+def _member(path: Path, relative: str) -> str:
+    with tarfile.open(path) as tar:
+        for member in tar:
+            if member.isfile() and member.name.endswith(f"/vendor/llama.cpp/{relative}"):
+                return tar.extractfile(member).read().decode()
+    raise FileNotFoundError(f"{relative} is not in {path.name}")
+
+
+def source_text(relative: str) -> str:
+    """One file of the vendored llama.cpp (`common/arg.cpp`, `tools/llama-bench/llama-bench.cpp`)."""
+    return _member(sdist(), relative)
+
+
 @dataclass
 class MoeCall:
     """One build_moe_ffn call: its top-level arguments, comments removed."""

@@ -17,7 +17,7 @@ from ggufcarve.cli import app
 from ggufcarve.demo import CALIBRATION, HELDOUT
 from ggufcarve.demo import DEMO_MODEL as DEMO
 from ggufcarve.errors import BadInput
-from ggufcarve.llama.devices import Compute
+from ggufcarve.llama.devices import AUTO, Compute
 
 LAYERS = 7
 DEVICES = [
@@ -33,17 +33,23 @@ class Stop(Exception):
 
 @pytest.fixture()
 def requests(monkeypatch):
-    """Every request handed to a child task; the first child ends the command."""
+    """Every request handed to a child task; the first child ends the command. A listing of the RPC
+    servers' devices (what a cache key holds of them, `Compute.key`) is answered: no device."""
     from ggufcarve.llama import child
+    from ggufcarve.llama.devices import rpc_device_key
 
     seen: list[object] = []
 
     def run(module, request, *args, **kwargs):
+        if getattr(request, "TASK", None) == "devices":
+            return {"devices": [], "offload": False}
         seen.append(request)
         raise Stop(module)
 
     monkeypatch.setattr(child, "run", run)
-    return seen
+    rpc_device_key.cache_clear()
+    yield seen
+    rpc_device_key.cache_clear()
 
 
 @pytest.mark.parametrize(
@@ -127,7 +133,7 @@ def test_the_plan_keys_and_the_run_options(tmp_path):
     from ggufcarve.pipeline.plan import load_plan
 
     path = write_demo_plan(tmp_path / "demo")
-    assert demo_plan(tmp_path / "demo").compute == Compute()
+    assert demo_plan(tmp_path / "demo").compute == Compute(AUTO)  # placed on the devices present
     text = path.read_text()
     path.write_text(
         'gpu_layers = 5\nrpc = ["127.0.0.1:50052"]\ntensor_split = [1, 2]\nthreads = 2\nn_cpu_moe = 3\n' + text
@@ -144,7 +150,9 @@ def test_the_plan_keys_and_the_run_options(tmp_path):
     assert result.exit_code != 0 and "rpc must be HOST:PORT" in str(result.exception)
     path.write_text("gpu_layers = -1\n" + text)
     result = CliRunner().invoke(app, ["run", str(path), "--dry-run"])
-    assert result.exit_code != 0 and "gpu_layers must be an integer >= 0" in str(result.exception)
+    assert result.exit_code != 0 and "gpu_layers must be auto or an integer >= 0" in str(result.exception)
+    path.write_text('gpu_layers = "auto"\n' + text)
+    assert load_plan(path).compute == Compute(AUTO)
 
 
 def test_llama_bench_gets_ngl(monkeypatch, tmp_path):
@@ -175,6 +183,8 @@ def test_load_model_sets_the_placement():
 
     loaded = []
     fake = types.SimpleNamespace(
+        llama_log_callback=lambda function: function,
+        llama_log_set=lambda callback, user_data: None,
         llama_backend_init=lambda: None,
         llama_model_default_params=lambda: types.SimpleNamespace(n_gpu_layers=-1, use_extra_bufts=True),
         llama_model_load_from_file=lambda path, params: loaded.append((path, params)) or "model",
@@ -216,3 +226,20 @@ def test_llama_perplexitys_cross_check_gets_the_placement(monkeypatch, tmp_path)
     argv = seen[0]
     assert argv[argv.index("-ngl") + 1] == "7" and argv[argv.index("--rpc") + 1] == "127.0.0.1:1,127.0.0.1:2"
     assert argv[argv.index("-t") + 1] == "3" and argv[argv.index("-ts") + 1] == "3,1"
+
+
+@pytest.mark.parametrize(
+    "argv, margin",
+    [([], 2**30), (["--gpu-margin", "0"], 0), (["--gpu-margin=512MiB"], 512 * 2**20), (["--gpu-margin", "x"], 2**30)],
+)
+def test_the_out_of_memory_answer_keeps_the_commands_gpu_margin(argv, margin, monkeypatch):
+    """The command line's --gpu-margin reaches the advice's placement search (a value it cannot read:
+    llama.cpp's --fit margin), with a progress sink."""
+    from ggufcarve import cli
+    from ggufcarve.errors import DeviceOutOfMemory
+    from ggufcarve.placement import advice
+
+    seen = []
+    monkeypatch.setattr(advice, "fitting_answer", lambda error, margin, on_event: seen.append(margin) or error)
+    error = DeviceOutOfMemory("out of memory", "hint", model="m.gguf", compute=Compute(), n_ctx=512)
+    assert cli._answered(error, ["m.gguf", *argv, "-q"]) is error and seen == [margin]

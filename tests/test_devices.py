@@ -187,14 +187,20 @@ def test_speed_under_an_offloading_placement_needs_a_device(rpc_servers, llama_t
     assert placed.code == 0, placed.stderr[-2000:]
     doc = json.loads(next((tmp_path / "on-rpc").glob("*.json")).read_text())
     assert doc["tg_tok_s"] > 0 and doc["speed"]["engine"] == "llama-bench"
-    assert {k: doc["speed_placement"][k] for k in ("gpu_layers", "rpc_servers", "threads")} == {
+    placement = doc["speed_placement"]
+    assert {k: placement[k] for k in ("backend", "gpu_layers", "threads")} == {
+        "backend": "rpc",
         "gpu_layers": 99,
-        "rpc_servers": 1,
         "threads": 2,
     }
+    (device,) = placement["rpc_devices"]  # the server's device as it describes itself, not its address
+    assert device == {"name": "RPC0", "description": "", "backend": "RPC", "total": device["total"]}
+    assert device["total"] > 0 and rpc_servers[0] not in json.dumps(doc)
+    from ggufcarve.fileio import format_size
     from ggufcarve.release.card_tables import placement_words
 
-    assert placement_words(doc["speed_placement"]) == "-ngl 99 on 1 RPC server(s), 2 CPU threads"
+    words = f"-ngl 99 on RPC0 ({format_size(device['total'])} over RPC), 2 CPU threads"
+    assert placement_words(placement) == words
 
 
 def test_an_rpc_server_that_goes_away_is_one_line_naming_it_and_the_stage(tmp_path):
@@ -231,35 +237,127 @@ def test_an_rpc_server_that_goes_away_is_one_line_naming_it_and_the_stage(tmp_pa
     assert "kept" in failed.value.hint
 
 
-def test_best_on_an_rpc_gpu_answers_with_a_placement_measured_memory_and_speed(rpc_servers, llama_tools, tmp_path):
-    """best --gpu-memory --rpc --gpu-layers 99 on the demo model: the winner's memory per device is
-    llama.cpp's dry load of the built file on the RPC device (nothing estimated), its decode speed is
-    llama-bench's in that placement, and its llama-server line's flags, loaded by llama-fit-params on
-    the same device, fit the budget."""
+LAYERS = 5  # the demo's 4 blocks and its output layer, as llama.cpp's loader counts them
+
+
+def _on(computed_on: dict, device: str) -> None:
+    """Every child of every stage put all its layers on `device` (llama.cpp's own loader lines); a
+    memory measurement's dry loads keep their own stage and are not a computation."""
+    from ggufcarve.llama.computed import DRY_LOAD
+
+    for stage, seen in computed_on.items():
+        if stage != DRY_LOAD:
+            assert seen and all(s["layers"] == {device: LAYERS} for s in seen), (stage, seen)
+
+
+def test_best_on_an_rpc_gpu_answers_with_a_placement_measured_memory_and_speed(
+    rpc_servers, llama_tools, tmp_path, monkeypatch
+):
+    """best --gpu-memory --rpc on the demo model, without --gpu-layers: every stage computes on the RPC
+    device (llama.cpp's loader lines of each child), the winner's memory per device is llama.cpp's dry
+    load of the built file there (nothing estimated), its decode speed is llama-bench's in that very
+    placement with the run line's cache and flash attention at half the context, and its llama-server
+    line, pasted as it is into llama-fit-params, fits the budget. With --gpu-layers 0 the scoring
+    computes on the CPU, the answer's timing still on the device it will run on. Its own cache: every
+    stage decodes rather than take an earlier run's tables."""
     from ggufcarve.demo import CALIBRATION
 
+    monkeypatch.setenv("GGUFCARVE_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "best"
-    result = ggufcarve(
+    common = [
         "best", DEMO_MODEL, "--memory", "64GiB", "--gpu-memory", "2GiB", "--heldout", HELDOUT,
-        "--calibration", CALIBRATION, "--ctx", 4096, "--chunks", 4, "--methods", "reap,frequency",
-        "--gpu-layers", 99, "--rpc", rpc_servers[0], "-t", 2, "-o", out, "-q",
-    )  # fmt: skip
+        "--calibration", CALIBRATION, "--ctx", 4096, "--kv-type", "q8_0", "--chunks", 4, "--methods", "reap,frequency",
+        "--rpc", rpc_servers[0], "--llama-cpp", llama_tools, "-t", 2, "-q",
+    ]  # fmt: skip
+    result = ggufcarve(*common, "-o", out)
     assert result.code == 0, result.stderr[-2000:]
     doc = json.loads((out / "best.json").read_text())
+    assert {"calibration", "tournament", "confirmation", "speed"} <= set(doc["computed_on"]), doc["computed_on"]
+    _on(doc["computed_on"], "RPC0")
+    cost = (out / "best.md").read_text().split("## Cost", 1)[1]
+    assert "| calibration |" in cost and re.search(r"\| calibration \|.*\| RPC0 5/5 layers", cost), cost
+    assert doc["scoring_placement"]["gpu_layers"] == 999 and doc["scoring_placement"]["rpc_servers"] == 1
     winner = doc["winner"]
     assert winner["tier"] == "gpu" and winner["fits"]
-    assert winner["placement"] == {"gpu_layers": 99, "n_cpu_moe": 0, "override_tensor": None, "tensor_split": []}
+    assert winner["placement"] == {
+        "gpu_layers": 999, "n_cpu_moe": 0, "override_tensor": None, "tensor_split": [], "blocks_on_cpu": 0,
+    }  # fmt: skip
     devices = {m["device"]: m for m in winner["memory"]}
     assert set(devices) == {"RPC0", "host"} and not any(m.get("estimated") for m in devices.values()), devices
-    assert winner["decode_tok_s"] > 0 and winner["prompt_tok_s"] > 0 and winner["speed_placement"]["rpc_servers"] == 1
+    assert winner["decode_tok_s"] > 0 and winner["prompt_tok_s"] > 0
+    timed = [c for c in doc["candidates"] if c.get("decode_tok_s") is not None]
+    assert timed and all(c["speed_placement"] == c["placement"] for c in timed)
+    assert winner["speed_method"] == {
+        "tool": "llama-bench", "tests": ["pp512", "tg128"], "repetitions": 5,
+        "statistic": "mean of the repetitions' tok/s (llama-bench's avg_ts)", "depth": 2048,
+    }  # fmt: skip
+    assert winner["speed_computed_on"] == {"RPC0": LAYERS}
     argv = winner["run_command"]["argv"]
+    assert argv[argv.index("--rpc") + 1] == rpc_servers[0] and argv[argv.index("-dev") + 1] == "RPC0"
+    assert argv[argv.index("-ngl") + 1] == "999" and argv[argv.index("-fa") + 1] == "on"
+    assert argv[argv.index("-ctk") + 1] == argv[argv.index("-ctv") + 1] == "q8_0"
     model = out / winner["path"]
-    theirs = fit_params(llama_tools / "llama-fit-params", model, ["--rpc", rpc_servers[0], *argv[3:]])
+    theirs = fit_params(llama_tools / "llama-fit-params", model, argv[3:])
     assert "RPC0" in theirs, theirs
     used = sum(theirs["RPC0"]) * 2**20
     assert (
         used + 2**30 <= 2 * 2**30 and abs(used - (devices["RPC0"]["total"] - devices["RPC0"]["output"])) <= 16 * 2**20
     )
+
+    on_cpu = tmp_path / "on-cpu"
+    result = ggufcarve(*common, "--gpu-layers", 0, "-o", on_cpu)
+    assert result.code == 0, result.stderr[-2000:]
+    cpu_doc = json.loads((on_cpu / "best.json").read_text())
+    scoring = {k: v for k, v in cpu_doc["computed_on"].items() if k != "speed"}
+    _on(scoring, "CPU")
+    _on({"speed": cpu_doc["computed_on"]["speed"]}, "RPC0")  # the answer is timed where it will run
+    rpc_kld = {c["id"]: c["kld_mean"] for c in doc["candidates"] if c["kld_mean"] is not None}
+    cpu_kld = {c["id"]: c["kld_mean"] for c in cpu_doc["candidates"] if c["kld_mean"] is not None}
+    assert rpc_kld.keys() == cpu_kld.keys() and rpc_kld
+    for cid, value in rpc_kld.items():
+        assert value == pytest.approx(cpu_kld[cid], rel=RELATIVE), cid
+
+
+def test_tune_without_gpu_layers_computes_every_stage_on_the_rpc_device(rpc_servers, tmp_path, monkeypatch):
+    """tune --rpc without --gpu-layers: the calibration pass, the references and the tournament compute
+    on RPC0 (each child's own loader lines); --gpu-layers 0 on the CPU; the masked KLDs agree. Its own
+    cache: every stage decodes."""
+    monkeypatch.setenv("GGUFCARVE_CACHE", str(tmp_path / "cache"))
+    common = [
+        "tune", DEMO_MODEL, "--methods", "reap,frequency", "--keep", 8, "--calibration", CALIBRATION,
+        "--heldout", HELDOUT, "--ctx", 128, "--chunks", 4, "--max-tokens", 1024, "--rpc", rpc_servers[0], "-t", 2,
+        "-q",
+    ]  # fmt: skip
+    docs = {}
+    for where, flags in (("RPC0", []), ("CPU", ["--gpu-layers", 0])):
+        result = ggufcarve(*common, *flags, "-o", tmp_path / where)
+        assert result.code == 0, result.stderr[-2000:]
+        docs[where] = json.loads((tmp_path / where / "tune.json").read_text())
+        assert {"calibration", "references", "tournament"} <= set(docs[where]["computed_on"])
+        _on(docs[where]["computed_on"], where)
+    kld = {w: {c["id"]: c["kld_mean"] for c in d["candidates"]} for w, d in docs.items()}
+    assert kld["RPC0"].keys() == kld["CPU"].keys()
+    for cid, value in kld["RPC0"].items():
+        assert value == pytest.approx(kld["CPU"][cid], rel=RELATIVE), cid
+
+
+def test_one_budget_on_two_devices_uses_the_budgeted_device_alone(rpc_servers):
+    """fit --gpu-memory 2GiB --rpc A,B: every row's bytes on RPC0 and the host, none on RPC1, and the run
+    line names -dev RPC0; RPC1=2GiB puts them on RPC1 alone. A device named that is not here is one line."""
+    for budget, device in (("2GiB", "RPC0"), ("RPC1=2GiB", "RPC1")):
+        result = ggufcarve(
+            "fit", DEMO_MODEL, "--memory", "64GiB", "--gpu-memory", budget, "--ctx", 512, "--k", 16,
+            "--rpc", ",".join(rpc_servers), "--json",
+        )  # fmt: skip
+        assert result.code == 0, result.stderr[-2000:]
+        rows = json.loads(result.stdout)["rows"]
+        assert rows
+        for row in rows:
+            held = {m["device"] for m in row["memory"] if m["total"] > 0}
+            assert held <= {device, "host"} and device in held, (budget, row["memory"])
+            assert row["server"][row["server"].index("-dev") + 1] == device
+    refused = ggufcarve("fit", DEMO_MODEL, "--memory", "64GiB", "--gpu-memory", "RPC7=2GiB", "--rpc", rpc_servers[0])
+    assert refused.code == 1 and "RPC7" in refused.error_line and "not a device here" in refused.error_line
 
 
 def test_best_on_two_rpc_gpus_places_the_answer_over_both_by_their_budgets(rpc_servers, llama_tools, tmp_path):
@@ -279,17 +377,18 @@ def test_best_on_two_rpc_gpus_places_the_answer_over_both_by_their_budgets(rpc_s
     assert doc["parameters"]["gpu_memory_bytes"] == list(budgets)
     winner = doc["winner"]
     assert winner["tier"] == "gpu" and winner["fits"]
-    assert winner["placement"] == {"gpu_layers": 999, "n_cpu_moe": 0, "override_tensor": None, "tensor_split": [2, 3]}
+    assert winner["placement"] == {
+        "gpu_layers": 999, "n_cpu_moe": 0, "override_tensor": None, "tensor_split": [2, 3], "blocks_on_cpu": 0,
+    }  # fmt: skip
     devices = {m["device"]: m for m in winner["memory"]}
     assert set(devices) == {"RPC0", "RPC1", "host"} and not any(m.get("estimated") for m in devices.values()), devices
     assert all(devices[d]["weights"] > 0 for d in ("RPC0", "RPC1"))
-    assert winner["speed_placement"]["tensor_split"] == [2, 3] and winner["speed_placement"]["rpc_servers"] == 2
-    assert winner["decode_tok_s"] > 0
+    assert winner["speed_placement"] == winner["placement"] and winner["decode_tok_s"] > 0
+    assert winner["speed_computed_on"].keys() == {"RPC0", "RPC1"}
     argv = winner["run_command"]["argv"]
-    assert argv[argv.index("-ts") + 1] == "2,3" and argv[argv.index("-ngl") + 1] == "all"
-    theirs = fit_params(
-        llama_tools / "llama-fit-params", out / winner["path"], ["--rpc", ",".join(rpc_servers), *argv[3:]]
-    )
+    assert argv[argv.index("-ts") + 1] == "2,3" and argv[argv.index("-ngl") + 1] == "999"
+    assert argv[argv.index("-dev") + 1] == "RPC0,RPC1" and argv[argv.index("--rpc") + 1] == ",".join(rpc_servers)
+    theirs = fit_params(llama_tools / "llama-fit-params", out / winner["path"], argv[3:])
     for device, budget in zip(("RPC0", "RPC1"), budgets):
         used = sum(theirs[device]) * 2**20
         assert used + 2**30 <= budget, (device, theirs)
@@ -399,5 +498,6 @@ def test_best_times_both_variants_of_a_winner_with_experts_in_system_memory(rpc_
     assert winner["decode_tok_s"] == timed[chosen]["decode_tok_s"]
     argv = winner["run_command"]["argv"]
     assert ("-ot" in argv) == (chosen == last) and ("--n-cpu-moe" in argv) == (chosen != last)
-    theirs = fit_params(llama_tools / "llama-fit-params", out / winner["path"], ["--rpc", rpc_servers[0], *argv[3:]])
+    assert winner["speed_placement"] == winner["placement"]
+    theirs = fit_params(llama_tools / "llama-fit-params", out / winner["path"], argv[3:])
     assert sum(theirs["RPC0"]) * 2**20 + 2**30 <= 1045 * 2**20, theirs

@@ -427,7 +427,7 @@ def _bench_with_last_runs(last_runs, asked=None):
     def bench(path, placed, flags):
         if asked is not None:
             asked.append(flags)
-        runs = list(last_runs) if flags and flags[0] == "-ot" else [10.0, 11.0, 12.0]
+        runs = list(last_runs) if "-ot" in flags else [10.0, 11.0, 12.0]
         return Speed(512, 64, 2, 100.0, float(sorted(runs)[1]), [100.0] * 3, runs, "llama-bench")
 
     return bench
@@ -457,14 +457,16 @@ def test_measure_speed_takes_the_other_variant_only_when_it_decodes_faster_beyon
     asked = []
     bench = _bench_with_last_runs(last_runs, asked)
     timed = measure_speeds(report, bench, Compute(threads=2), on_device=True)
-    assert [f[0] for f in asked] == ["-ncmoe", "-ot"] and asked[0] == ("-ncmoe", str(n))
+    assert len(asked) == 2 and "-ot" not in asked[0] and "-ot" in asked[1]
+    assert asked[0][asked[0].index("-ncmoe") + 1] == str(n) and "-ncmoe" not in asked[1]
+    override = asked[1][asked[1].index("-ot") + 1]
     doc = next(r for r in timed.to_json()["rows"] if r["kept"] == 16 and r["rung"] == "Q8_0")
     labels = [p["label"] for p in doc["speed_placements"]]
     assert labels == [f"n-cpu-moe {n}", f"last {n} blocks' experts on the CPU"]
     if chosen == "last":
-        assert doc["placement"]["override_tensor"] == asked[1][1] and doc["placement"]["n_cpu_moe"] is None
+        assert doc["placement"]["override_tensor"] == override and doc["placement"]["n_cpu_moe"] is None
         assert doc["placement_chosen_by"].startswith("measured speed") and doc["decode_tok_s"] == 21.0
-        assert doc["server"][doc["server"].index("-ot") + 1] == asked[1][1]
+        assert doc["server"][doc["server"].index("-ot") + 1] == override
     else:
         assert doc["placement"]["n_cpu_moe"] == n and "placement_chosen_by" not in doc and doc["decode_tok_s"] == 11.0
         assert "--n-cpu-moe" in doc["server"]
@@ -490,7 +492,7 @@ def test_measure_speed_times_both_variants_on_the_device_and_the_answer_fits(lla
     speeds = {p["label"]: p["decode_tok_s"] for p in row["speed_placements"]}
     assert row["decode_tok_s"] == speeds[row["placement"]["label"]]
     server = row["server"]
-    theirs = fit_params(llama_tools / "llama-fit-params", DEMO_MODEL, ["--rpc", rpc_servers[0], *server[3:]])
+    theirs = fit_params(llama_tools / "llama-fit-params", DEMO_MODEL, server[3:])  # its --rpc and -dev included
     assert sum(theirs["RPC0"]) * 2**20 + 2**30 <= 1040 * 2**20, theirs
 
 
@@ -514,7 +516,7 @@ def test_a_faster_variant_on_a_present_device_carries_its_own_measured_memory(ll
     assert doc["placement_chosen_by"].startswith("measured speed") and doc["placement"]["override_tensor"]
     assert doc["placement_measured"] is True and "placement_kept_because" not in doc
     rows = {m["device"]: m for m in doc["memory"]}
-    theirs = fit_params(llama_tools / "llama-fit-params", DEMO_MODEL, ["--rpc", rpc_servers[0], *doc["server"][3:]])
+    theirs = fit_params(llama_tools / "llama-fit-params", DEMO_MODEL, doc["server"][3:])
     ours = rows["RPC0"]["total"]
     assert abs(ours - sum(theirs["RPC0"]) * 2**20) <= max(0.01 * ours, 16 * 2**20), (rows, theirs)
     assert ours + 2**30 <= parse_memory("1040MiB")
@@ -587,3 +589,36 @@ def test_a_faster_variant_measured_over_the_budget_is_not_taken(llama_tools, rpc
     assert doc["server"][doc["server"].index("--n-cpu-moe") + 1] == "3"
     assert [m["total"] for m in doc["memory"] if m["device"] == "RPC0"] == [first]
     assert doc["decode_tok_s"] == 11.0
+
+
+def test_gpu_margin_zero_is_accepted_and_counted_on_the_device():
+    """--gpu-margin 0 (with or without a unit) leaves nothing free: the demo's Q8_0 (16.2 MB on the GPU
+    with its cache) fits 1030 MiB whole, where llama.cpp's 1 GiB margin leaves 6 MiB and sends experts
+    to system memory; the margin is in the row's bytes and the report's settings."""
+    from ggufcarve.demo import DEMO_MODEL
+
+    rows = {}
+    for margin in ("0", "0MiB", "1GiB"):
+        result = ggufcarve(
+            "fit", DEMO_MODEL, "--memory", "8GiB", "--gpu-memory", "1030MiB", "--gpu-margin", margin, "--ctx", 512,
+            "--keep", 16, "--only", "Q8_0", "--file-and-cache", "--json",
+        )  # fmt: skip
+        assert result.code == 0, result.stderr[-2000:]
+        doc = json.loads(result.stdout)
+        rows[margin] = (doc["gpu_margin_bytes"], doc["rows"][0]["gpu"])
+    for margin, bytes_free in (("0", 0), ("0MiB", 0), ("1GiB", 2**30)):
+        recorded, gpu = rows[margin]
+        assert recorded == bytes_free == gpu["margin_bytes"]
+    assert rows["0"][1]["fits_whole"] and rows["0"][1]["n_cpu_moe"] == 0
+    assert not rows["1GiB"][1]["fits_whole"] and rows["1GiB"][1]["n_cpu_moe"] > 0
+    assert rows["0"][1]["gpu_bytes"] + 2**30 > 1030 * 2**20 >= rows["0"][1]["gpu_bytes"]
+    refused = ggufcarve("fit", DEMO_MODEL, "--memory", "8GiB", "--gpu-memory", "1GiB", "--gpu-margin", "1")
+    assert refused.code != 0 and "--gpu-margin '1' has no unit" in refused.stderr, refused.stderr
+
+
+def test_the_nothing_fits_hint_names_the_flag_fit_takes():
+    from ggufcarve.demo import DEMO_MODEL
+
+    result = ggufcarve("fit", DEMO_MODEL, "--memory", "1MiB", "--ctx", 512, "--only", "Q8_0", "--file-and-cache")
+    assert result.code == 0, result.stderr[-2000:]
+    assert "nothing fits" in result.stdout and "(--keep)" in result.stdout

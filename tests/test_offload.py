@@ -22,7 +22,7 @@ from ggufcarve.placement.offload import (
     plan_offload,
     weight_placement,
 )
-from ggufcarve.quant.fit import ALL_LAYERS
+from ggufcarve.placement.search import ALL_LAYERS
 
 
 def test_block_ranges_match_exactly_the_first_n_numbers():

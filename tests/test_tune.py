@@ -454,3 +454,28 @@ def test_tune_search_writes_a_keep_set_scored_on_heldout_text_it_never_chose_by(
     assert run.code == 0, run.stderr
     evaluated = json.loads((tmp_path / "eval" / "pruned.json").read_text())
     assert found["kld_mean"] == pytest.approx(evaluated["kld_mean"], rel=1e-4)
+
+
+@pytest.mark.parametrize("flags, z", [([], 2.0), (["--z", "3.5"], 3.5)])
+def test_tune_takes_z_from_the_command_line(flags, z, monkeypatch, tmp_path):
+    """--z is the same setting as best's: it reaches TuneSettings.z (the tournament's threshold); 0 is
+    refused in one line before anything runs."""
+    from typer.testing import CliRunner
+
+    from ggufcarve.cli import app
+    from ggufcarve.demo import DEMO_MODEL, HELDOUT
+    from ggufcarve.tune import run as tune_run
+
+    seen = []
+
+    def tune(model, settings, output, on_event):
+        seen.append(settings)
+        raise BadInput("stopped here", "the settings were seen")
+
+    monkeypatch.setattr(tune_run, "tune", tune)
+    args = ["tune", str(DEMO_MODEL), "--methods", "frequency", "--keep", "8", "--heldout", str(HELDOUT)]
+    result = CliRunner().invoke(app, [*args, *flags, "-o", str(tmp_path / "out"), "-q"])
+    assert result.exit_code == 1 and [s.z for s in seen] == [z], result.output
+    refused = CliRunner().invoke(app, [*args, "--z", "0", "-o", str(tmp_path / "out")])
+    assert isinstance(refused.exception, BadInput) and "--z must be a number > 0" in str(refused.exception)
+    assert len(seen) == 1

@@ -13,50 +13,51 @@ from typing import Any
 from ggufcarve.best.plan import BestSettings, Plan, measured_memory
 from ggufcarve.errors import CarveError, ToolFailed
 from ggufcarve.events import Sink
-from ggufcarve.placement.search import ALL_LAYERS
+from ggufcarve.placement.search import Placement
 
 
-def offload_arguments(path: Path, settings: BestSettings) -> tuple[list[str], dict[str, Any] | None]:
-    """The llama.cpp arguments that place `path` on the GPU(s) of --gpu-memory, and the offload record.
-    One GPU: placement.offload's (the file whole, else the smallest --n-cpu-moe N with the compute
-    buffers counted, with the equal -ot regex; none when even every expert on the CPU leaves too
-    much for the GPU). Several: placement.search's placement over the devices (`-ts` by the budgets)."""
+def budget_placement(path: Path, settings: BestSettings) -> tuple[Placement | None, dict[str, Any] | None]:
+    """How `path` runs on the GPU(s) of --gpu-memory, and the offload record. One GPU:
+    placement.offload's (the file whole, else the smallest --n-cpu-moe N with the compute buffers
+    counted; none when even every expert on the CPU leaves too much for the GPU). Several:
+    placement.search's placement over the devices."""
     if not settings.gpu_memory:
-        return [], None
+        return None, None
     placed = measured_memory(path, settings)
+    main = len(placed.weights.expert_bytes)
     if len(settings.gpu_memory) > 1:
         several = placed.several
         if several is None:
-            return [], {"placement": "none: even every expert in system memory leaves too much for the GPUs"}
-        main = len(placed.weights.expert_bytes)
+            return None, {"placement": "none: even every expert in system memory leaves too much for the GPUs"}
         placement = several.placement
-        return placement.flags(main), {
-            **placement.to_json(main),
-            "placement": placement.label(),
-            "measured": several.measured,
-        }
+        return placement, {**placement.to_json(main), "placement": placement.label(), "measured": several.measured}
     offload = placed.offload
     record = {**offload.to_json(), "placement": offload.label()}
-    if offload.n_cpu_moe is None:
-        return [], record
-    return ["-ngl", "99", *(["--n-cpu-moe", str(offload.n_cpu_moe)] if offload.n_cpu_moe else [])], record
+    return (None if offload.n_cpu_moe is None else Placement(n_cpu_moe=offload.n_cpu_moe)), record
 
 
 def run_command(path: Path, settings: BestSettings, placement: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The llama-server command line of a candidate at the budget's context; with `placement` (a
-    record's, placement.search.Placement's keys) that keeps the last N blocks' experts in system
-    memory (-ot, the variant measured faster), that placement's flags on the GPU."""
-    argv = ["llama-server", "-m", path.name, "-c", str(settings.ctx)]
-    if settings.kv_type != "F16":
-        argv += ["-ctk", settings.kv_type.lower(), "-ctv", settings.kv_type.lower(), "-fa", "on"]
-    gpu, offload = offload_arguments(path, settings)
-    if placement and placement.get("override_tensor") and gpu:
-        layers = placement["gpu_layers"]
-        gpu = ["-ngl", "all" if layers >= ALL_LAYERS else str(layers), "-ot", placement["override_tensor"]]
-        if len(placement.get("tensor_split") or ()) > 1:
-            gpu += ["-ts", ",".join(f"{x:g}" for x in placement["tensor_split"])]
+    """The llama-server command line of a candidate as it is measured (placement.run_line): `placement`
+    (a record's, placement.search.Placement's keys; else the budget's) on the budgeted devices with
+    their --rpc servers, at the budget's context and cache type."""
+    from ggufcarve.best.plan import budgeted_devices, run_context
+    from ggufcarve.placement.run_line import server_argv
+
+    derived, offload = budget_placement(path, settings)
+    placed = Placement.from_json(placement) if placement else derived
+    if placement and placement.get("override_tensor"):
         offload = {**(offload or {}), **placement, "placement": "the last blocks' experts on the CPU (-ot)"}
-    return {"argv": argv + gpu, "gpu": offload}
+    main = len(measured_memory(path, settings).weights.expert_bytes)
+    on_devices = placed is not None and placed.gpu_layers > 0
+    argv = server_argv(
+        path.name,
+        placed,
+        main,
+        run_context(settings),
+        rpc=settings.compute.rpc if on_devices else (),
+        devices=budgeted_devices(settings) if on_devices else (),
+    )
+    return {"argv": argv, "gpu": offload}
 
 
 def build_rungs(
@@ -163,11 +164,13 @@ def keep_sets(
     """Every method's keep-set at every candidate K (K -> method -> {"file", "identical_to"}) from
     one calibration pass that also writes `imatrix`. The pass's scores are kept beside them and
     reused when the key of their inputs (the sha256 of the source and of the calibration texts,
-    the methods and the pass settings) matches the one recorded: a re-run at other K values
-    chooses its keep-sets from them without a pass. Returns the keep-sets, the pass's seconds and
-    whether the pass was reused."""
+    the methods, the pass settings, the llama.cpp version and where the pass computed:
+    `Compute.key`) matches the one recorded and `imatrix` is the file that pass wrote (its sha256,
+    recorded beside the key): a re-run at other K values chooses its keep-sets from them without a
+    pass. Returns the keep-sets, the pass's seconds and whether the pass was reused."""
     from ggufcarve.best.search import PROXY_SCORES
     from ggufcarve.fileio import sha256_file_cached, write_text_atomic
+    from ggufcarve.llama.tools import llama_cpp_version
     from ggufcarve.select.keep import choose
     from ggufcarve.select.scores import read_scores
     from ggufcarve.tune.run import TuneSettings, calibration_scores
@@ -180,6 +183,8 @@ def keep_sets(
             "ctx": settings.eval_ctx,
             "max_tokens": settings.max_tokens,
             **({"search": True} if settings.search else {}),  # the pass also keeps the search's proxy
+            "llama_cpp": llama_cpp_version(),
+            "compute": settings.compute.key(),
         }
     )
     directory = work / "keep-sets"
@@ -190,7 +195,7 @@ def keep_sets(
         previous = json.loads(record.read_text())
         if (
             previous["key"] == key
-            and imatrix.is_file()
+            and previous["imatrix"] == sha256_file_cached(imatrix)
             and (not settings.search or (directory / PROXY_SCORES).is_file())
         ):
             scores = {m: read_scores(directory / name) for m, name in previous["scores"].items()}
@@ -216,7 +221,11 @@ def keep_sets(
             write_text_atomic(directory / PROXY_SCORES, filled["hope"].dumps())
         write_text_atomic(
             record,
-            json.dumps({"key": key, "scores": {m: f"{m}.scores.json" for m in scores}}, indent=1, sort_keys=True)
+            json.dumps(
+                {"key": key, "imatrix": sha256_file_cached(imatrix), "scores": {m: f"{m}.scores.json" for m in scores}},
+                indent=1,
+                sort_keys=True,
+            )
             + "\n",
         )
     out: dict[int, dict[str, Any]] = {}

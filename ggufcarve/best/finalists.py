@@ -113,41 +113,38 @@ def measure_speeds(
     compute: Compute,
     ids: list[str] | None = None,
 ) -> None:
-    """Decode and prompt tok/s of every built finalist in its placement on this machine's devices,
-    measured by llama-bench (its own method), as `decode_tok_s` and `prompt_tok_s`: every layer on
-    the devices (with its --n-cpu-moe N or -ot, and split) where the finalist runs in a GPU tier and
-    a device is here, else on the CPU. A finalist with the experts of N blocks in system memory is
-    timed in the other variant too (placement.search.other_variant), which takes its place
-    (`placement`, the speeds, `placement_chosen_by`) when it decodes faster beyond noise;
-    `speed_placements` lists both; with the devices present its `memory` is then the variant's,
-    measured by a dry load of it, and a variant measured over a budget is not taken
-    (`placement_kept_because`). Without llama-bench, or with layers offloaded where llama-bench
-    sees no device, the figures are None and `speed_note` says why. `ids` names the finalists to
-    time (default: all of them)."""
-    from ggufcarve.best.plan import measured_memory, placement_memory
+    """Decode and prompt tok/s of every built finalist in its own placement (`placement`: its layers,
+    --n-cpu-moe N or -ot and split on the budgeted devices in a GPU tier, -ngl 0 in system memory)
+    and the run line's context (-fa, -ctk/-ctv, -b/-ub, at depth `-d`), measured by llama-bench (its
+    own method: `speed_method`), as `decode_tok_s` and `prompt_tok_s`; `speed_placement` is the
+    placement timed, `placement` itself. A finalist of a GPU tier whose devices are not here is not
+    timed (`speed_note`): a CPU figure would stand under the GPU's placement. A finalist with the
+    experts of N blocks in system memory is timed in the other variant too
+    (placement.search.other_variant), which takes its place (`placement`, the speeds,
+    `placement_chosen_by`) when it decodes faster beyond noise; `speed_placements` lists both; with
+    the devices present its `memory` is then the variant's, measured by a dry load of it, and a
+    variant measured over a budget is not taken (`placement_kept_because`). Without llama-bench, or
+    with layers offloaded where llama-bench sees no device, the figures are None and `speed_note`
+    says why. `ids` names the finalists to time (default: all of them)."""
+    from ggufcarve.best.plan import budgeted_devices, measured_memory, placement_memory, run_context
     from ggufcarve.evaluate.speed import BENCH_METHOD, bench_speed
-    from ggufcarve.llama.devices import HOST, Compute
+    from ggufcarve.llama.devices import HOST
     from ggufcarve.llama.tools import find_tool
     from ggufcarve.placement.offload import GPU_TIERS
-    from ggufcarve.placement.search import ALL_LAYERS, Placement, bench_flags, faster_beyond_noise, other_variant
+    from ggufcarve.placement.run_line import bench_args
+    from ggufcarve.placement.search import Placement, faster_beyond_noise, other_variant
 
     settings = search.settings
     tool = find_tool("llama-bench", settings.llama_cpp_dir)
+    main = search.plan.layout.main_layer_count
+    context = run_context(settings)
+    devices = budgeted_devices(settings)
 
     def timed(path: Path, placement: dict[str, Any], on_device: bool) -> tuple[Any, dict[str, Any]]:
-        n_cpu_moe = (placement.get("n_cpu_moe") or 0) if on_device else 0
-        split = tuple(placement.get("tensor_split") or ()) or compute.tensor_split
-        placed = Compute(ALL_LAYERS, compute.rpc, split, compute.threads) if on_device else compute
-        override = placement.get("override_tensor") if on_device else None
-        speed = bench_speed(tool, path, BENCH_METHOD, placed, bench_flags(n_cpu_moe, override))
-        where = {
-            "gpu_layers": placed.gpu_layers,
-            "n_cpu_moe": n_cpu_moe,
-            "rpc_servers": len(placed.rpc),
-            **({"tensor_split": list(split)} if on_device and split else {}),
-            **({"override_tensor": override} if override else {}),
-        }
-        return speed, where
+        placed = Placement.from_json(placement)
+        rpc = settings.compute.rpc if placed.gpu_layers > 0 else ()
+        flags = bench_args(placed, main, context, rpc=rpc, devices=devices if placed.gpu_layers > 0 else ())
+        return bench_speed(tool, path, BENCH_METHOD, compute, flags=flags), dict(placement)
 
     for cid in decision["finalists"] if ids is None else ids:
         r = records[cid]
@@ -159,21 +156,25 @@ def measure_speeds(
             r["speed_note"] = "not measured: llama-bench is not built (ggufcarve toolchain build)"
             continue
         path = Path(r["path"])
-        on_device = r.get("tier") in GPU_TIERS and bool(compute.offloads or compute.rpc)
+        on_device = r.get("tier") in GPU_TIERS
         placement = r.get("placement") or {}
+        if on_device and not devices:
+            r["speed_note"] = "not measured: the budgeted devices are not on this machine"
+            continue
         try:
             speed, where = timed(path, placement, on_device)
         except BadInput as refused:  # layers offloaded but no device seen: no CPU figure under a GPU's name
             r["speed_note"] = f"not measured: {refused}"
             continue
         r["decode_tok_s"], r["prompt_tok_s"], r["speed_placement"] = speed.tg_tok_s, speed.pp_tok_s, where
+        r["speed_method"] = BENCH_METHOD.method(context.bench_depth)
+        r["speed_computed_on"] = speed.computed_on
         if not on_device or not placement.get("n_cpu_moe"):
             continue
         placed = measured_memory(path, settings)
         if placed.weights is None or placed.load is None:
             continue
-        main = len(placed.weights.expert_bytes)
-        ours = Placement(placement["gpu_layers"], placement["n_cpu_moe"], False, tuple(placement["tensor_split"]))
+        ours = Placement.from_json(placement)
         devices = [m["device"] for m in r.get("memory", []) if m["device"] != HOST]
         other = other_variant(placed.weights, placed.load, ours, devices)
         if other is None:
@@ -197,6 +198,7 @@ def measure_speeds(
         r["placement_chosen_by"] = "measured speed (llama-bench)"
         r["decode_tok_s"], r["prompt_tok_s"] = other_speed.tg_tok_s, other_speed.pp_tok_s
         r["speed_placement"] = other_where
+        r["speed_computed_on"] = other_speed.computed_on
 
 
 def rechecked(

@@ -12,7 +12,7 @@ from ggufcarve import settings as S
 from ggufcarve.best.candidates import PRUNED, Candidate
 from ggufcarve.errors import BadInput
 from ggufcarve.events import Sink, ignore
-from ggufcarve.llama.devices import Compute
+from ggufcarve.llama.devices import FIT_MARGIN, Compute
 from ggufcarve.measure.statistics import DEFAULT_Z, METRICS, PREFERENCES, check_z
 from ggufcarve.select.criteria import BEST_DEFAULT
 from ggufcarve.settings import key, required
@@ -48,7 +48,36 @@ class BestSettings:
     min_decode: float | None = None  # tok/s the answer must decode at, measured in its placement
     search: bool = key(S.SEARCH, False)  # then the local search from the winner (best.search)
     search_passes: int | None = key(S.SEARCH_PASSES, None)
-    z: float = DEFAULT_Z
+    z: float = key(S.Z, DEFAULT_Z)
+    bench_depth: int | None = key(S.BENCH_DEPTH, None)  # llama-bench -d of the finalists' timing; None: ctx / 2
+    gpu_margin: int = key(S.GPU_MARGIN, FIT_MARGIN)  # kept free on each budgeted device
+
+
+def run_context(settings: BestSettings) -> Any:
+    """The run line's context (placement.run_line.RunContext): the budget's context and cache type,
+    flash attention on with a quantized cache, timed at `bench_depth` (half the context by default)."""
+    from ggufcarve.placement.run_line import RunContext
+
+    return RunContext(n_ctx=settings.ctx, kv_type=settings.kv_type, depth=settings.bench_depth)
+
+
+def placed_settings(settings: BestSettings, source: Path) -> BestSettings:
+    """`settings` with the scoring's placement resolved (placement.auto) for `source` at the scoring's
+    context, on the budgeted devices alone where --gpu-memory gives budgets."""
+    from dataclasses import replace
+
+    from ggufcarve.placement import auto
+
+    if settings.gpu_memory and not settings.compute.devices:
+        settings = replace(settings, compute=replace(settings.compute, devices=budgeted_devices(settings)))
+    return auto.placed_settings(settings, source, settings.eval_ctx, settings.gpu_margin)
+
+
+def budgeted_devices(settings: BestSettings) -> tuple[str, ...]:
+    """The devices the --gpu-memory budgets are for (placement.auto.budget_devices)."""
+    from ggufcarve.placement.auto import budget_devices
+
+    return budget_devices(settings.gpu_memory, settings.compute.rpc)
 
 
 @dataclass
@@ -85,7 +114,8 @@ def run_memory_settings(settings: BestSettings) -> Any:
         settings.ctx,
         settings.kv_type,
         flash_attn="on" if settings.kv_type.upper() != "F16" else "auto",
-        compute=Compute(rpc=settings.compute.rpc),  # the devices present; the placement is the budget's
+        # the budgeted devices present; the placement is the budget's
+        compute=Compute(rpc=settings.compute.rpc, devices=budgeted_devices(settings)),
     )
 
 
@@ -115,7 +145,7 @@ def _measured_memory(path: Path, settings: BestSettings) -> Any:
 
     from ggufcarve.gguf.container import read_model
     from ggufcarve.llama.memory import dry_load, weight_bytes
-    from ggufcarve.placement.offload import DEFAULT_MARGIN, place, tiers_of, weight_placement
+    from ggufcarve.placement.offload import place, tiers_of, weight_placement
     from ggufcarve.placement.search import Placement, place_on_devices, placed_offload, present_devices
 
     load = dry_load(path, run_memory_settings(settings))
@@ -135,21 +165,31 @@ def _measured_memory(path: Path, settings: BestSettings) -> Any:
             memory=settings.memory,
             present=present_devices(load, budgets),
             load=on_device,
+            margin=settings.gpu_margin,
         )
         tiers = several_tiers(placed, several)
         return replace(placed, split=several.devices if several else [], several=several, tiers=tiers)
     budget = budgets[0] if budgets else None
-    placed = place(weights, weight_bytes(path), load, memory=settings.memory, gpu_memory=budget)
+    placed = place(
+        weights, weight_bytes(path), load, memory=settings.memory, gpu_memory=budget, margin=settings.gpu_margin
+    )
     present = present_devices(load, budgets) if budgets else []
     if placed.offload is None or not present:
         return placed
     on_gpu = place_on_devices(
-        weights, load, budgets=budgets, memory=settings.memory, present=present, load=on_device, from_last=False
+        weights,
+        load,
+        budgets=budgets,
+        memory=settings.memory,
+        present=present,
+        load=on_device,
+        from_last=False,
+        margin=settings.gpu_margin,
     )
     if on_gpu is None:
         offload = replace(placed.offload, n_cpu_moe=None)
         return replace(placed, split=[], offload=offload, tiers=tiers_of(placed.host.total, settings.memory, None, []))
-    offload = placed_offload(on_gpu, weights, budgets[0], DEFAULT_MARGIN)
+    offload = placed_offload(on_gpu, weights, budgets[0], settings.gpu_margin)
     tiers = tiers_of(placed.host.total, settings.memory, offload, on_gpu.devices)
     return replace(placed, split=on_gpu.devices, offload=offload, tiers=tiers)
 
@@ -177,7 +217,7 @@ def placement_memory(path: Path, settings: BestSettings, placement: Any) -> Any:
         return None
     load = placed_load(path, settings, placement, len(placed.weights.expert_bytes))
     limits = {**dict(zip(devices, settings.gpu_memory)), HOST: settings.memory}
-    return PlacedMemory(placement, device_memory(read_model(path), load), True, limits)
+    return PlacedMemory(placement, device_memory(read_model(path), load), True, limits, settings.gpu_margin)
 
 
 def several_tiers(placed: Any, several: Any) -> tuple[str, ...]:
@@ -205,8 +245,7 @@ def built_placement(placed: Any, tier: str) -> Any:
     offload = placed.offload
     if offload is None or offload.n_cpu_moe is None:
         return Placement(gpu_layers=0)
-    # the run line's -ngl 99 (best.builds.offload_arguments): every layer of the models it ranks
-    return Placement(gpu_layers=99, n_cpu_moe=offload.n_cpu_moe)
+    return Placement(n_cpu_moe=offload.n_cpu_moe)  # every layer and the output offloaded
 
 
 def built_record(path: Path, settings: BestSettings, tier: str) -> dict[str, Any]:
@@ -306,6 +345,7 @@ def plan_best(source: Path, settings: BestSettings, *, on_event: Sink = ignore) 
         quantizer=make_quantizer(settings.quantizer, settings.llama_cpp_dir),
         measure=run_memory_settings(settings),
         gpu_memory=settings.gpu_memory or None,
+        gpu_margin=settings.gpu_margin,
         on_event=on_event,
     )
     from ggufcarve.fileio import format_size

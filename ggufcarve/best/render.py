@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from ggufcarve.fileio import format_size, size_unit
+from ggufcarve.llama.computed import in_words
 
 
 def _hours(seconds: float | None) -> str:
@@ -147,12 +148,21 @@ def markdown(report: dict[str, Any]) -> str:
         lines += [f"    {' '.join(w['run_command']['argv'])}", ""]
     else:
         lines += ["## Answer", "", "No finalist fits and passes the gate.", ""]
-    lines += ["## Cost", "", "| stage | seconds | projected for " + r["projection"]["model"] + " |", "|---|---:|---:|"]
+    lines += [
+        "## Cost",
+        "",
+        "| stage | seconds | projected for " + r["projection"]["model"] + " | computed on (llama.cpp's loader) |",
+        "|---|---:|---:|---|",
+    ]
+    computed = r.get("computed_on") or {}
     for stage in r["projection"]["stages_seconds"]:
         lines.append(
             f"| {stage} | {report['timings'].get(f'{stage}_seconds', 0.0):.1f} "
-            f"| {_hours(r['projection']['stages_seconds'][stage])} |"
+            f"| {_hours(r['projection']['stages_seconds'][stage])} "
+            f"| {in_words(computed.get(stage)) if stage in computed else '–'} |"
         )
+    if "speed" in computed:
+        lines.append(f"| speed (the finalists' timing) | | | {in_words(computed['speed'])} |")
     lines += ["", f"Projection rule: {r['projection']['rule']}.", ""]
     if r.get("previous_run_timings"):
         lines += [

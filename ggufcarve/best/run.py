@@ -39,7 +39,7 @@ from ggufcarve.best.builds import build_pruned, build_rungs, keep_sets, run_comm
 from ggufcarve.best.candidates import PRUNED, UNPRUNED
 from ggufcarve.best.cost import STAGES, device_words, projection, token_read_bytes
 from ggufcarve.best.finalists import confirm, measure_speeds, rechecked
-from ggufcarve.best.plan import BestSettings, Plan, built_record, plan_best
+from ggufcarve.best.plan import BestSettings, Plan, built_record, placed_settings, plan_best
 from ggufcarve.errors import BadInput
 from ggufcarve.evaluate.kld import SEGMENT_KEYS
 from ggufcarve.events import Sink, ignore
@@ -121,87 +121,103 @@ def best(
 ) -> BestResult:
     """Search the candidates; write best.json, best.md, best-pareto.png and plan.toml under `out_dir`, the models
     under out_dir/models."""
+    from ggufcarve.llama.computed import recording, stage
     from ggufcarve.llama.tools import physical_cores
     from ggufcarve.quant.ladder_plan import model_name_from
 
     started = time.perf_counter()
-    plan = plan or plan_best(source, settings, on_event=on_event)
-    wanted = _wanted(plan, settings)
-    previous_timings = _previous_timings(out_dir)
-    timings: dict[str, float] = {"fit_seconds": plan.seconds}
-    out_dir.mkdir(parents=True, exist_ok=True)
-    work = out_dir / "work"
-    work.mkdir(exist_ok=True)
-    imatrix = work / "calibration.imatrix.gguf"
-    compute = settings.compute.with_threads(settings.compute.threads or physical_cores())
-    gate = None
-    if settings.gate is not None:
-        from ggufcarve.evaluate.gate import load_gate
+    with recording() as computed:
+        settings = placed_settings(settings, source)
+        plan = plan or plan_best(source, settings, on_event=on_event)
+        wanted = _wanted(plan, settings)
+        previous_timings = _previous_timings(out_dir)
+        timings: dict[str, float] = {"fit_seconds": plan.seconds}
+        out_dir.mkdir(parents=True, exist_ok=True)
+        work = out_dir / "work"
+        work.mkdir(exist_ok=True)
+        imatrix = work / "calibration.imatrix.gguf"
+        compute = settings.compute.with_threads(settings.compute.threads or physical_cores())
+        gate = None
+        if settings.gate is not None:
+            from ggufcarve.evaluate.gate import load_gate
 
-        gate = load_gate(settings.gate)
+            gate = load_gate(settings.gate)
 
-    sets: dict[int, dict[str, Any]] = {}
-    reused = False
-    if plan.kept_counts:
-        sets, timings["calibration_seconds"], reused = keep_sets(source, plan, settings, work, imatrix, on_event)
-    search = _Search(
-        source=source,
-        settings=settings,
-        plan=plan,
-        out_dir=out_dir,
-        work=work,
-        models_dir=out_dir / "models",
-        imatrix=imatrix,
-        base=model_name_from(source),
-        on_event=on_event,
-    )
-
-    t0 = time.perf_counter()
-    rungs = _unpruned_rungs(search, wanted)
-    records, pool = _candidate_records(search, sets, rungs, wanted)
-    timings["builds_seconds"] = time.perf_counter() - t0
-
-    measured = None
-    searched: dict[str, Any] | None = None
-    if wanted is None:
-        measured, segments, measure_settings, tournament_timings = _tournament(search, records, pool, compute, gate)
-        timings.update(tournament_timings)
-        if settings.search and measured.groups[""]["winner"] is not None:
-            from ggufcarve.best.search import search_winner
-
-            t0 = time.perf_counter()
-            searched = search_winner(search, records, measured, segments, measure_settings, rungs, compute)
-            timings["search_seconds"] = time.perf_counter() - t0
-        timings["confirmation_seconds"], confirm_builds = confirm(
-            search, records, rungs, measured, segments, measure_settings
+        sets: dict[int, dict[str, Any]] = {}
+        reused = False
+        if plan.kept_counts:
+            with stage("calibration"):
+                sets, timings["calibration_seconds"], reused = keep_sets(
+                    source, plan, settings, work, imatrix, on_event
+                )
+        search = _Search(
+            source=source,
+            settings=settings,
+            plan=plan,
+            out_dir=out_dir,
+            work=work,
+            models_dir=out_dir / "models",
+            imatrix=imatrix,
+            base=model_name_from(source),
+            on_event=on_event,
         )
-        timings["builds_seconds"] += confirm_builds  # the confirmations' builds count as builds
-    for stage in STAGES:
-        timings.setdefault(f"{stage}_seconds", 0.0)
 
-    winner = None
-    if measured is not None and measured.groups[""]["winner"] is not None:
         t0 = time.perf_counter()
-        measure_speeds(search, records, measured.groups[""], compute)
-        timings["speed_seconds"] = time.perf_counter() - t0
+        rungs = _unpruned_rungs(search, wanted)
+        records, pool = _candidate_records(search, sets, rungs, wanted)
+        timings["builds_seconds"] = time.perf_counter() - t0
 
-        def build_finalist(cid: str) -> None:
-            scored, built = confirm(search, records, rungs, measured, segments, measure_settings, ids=[cid])
-            timings["confirmation_seconds"] += scored
-            timings["builds_seconds"] += built
+        measured = None
+        searched: dict[str, Any] | None = None
+        if wanted is None:
+            with stage("tournament"):
+                measured, segments, measure_settings, tournament_timings = _tournament(
+                    search, records, pool, compute, gate
+                )
+            timings.update(tournament_timings)
+            if settings.search and measured.groups[""]["winner"] is not None:
+                from ggufcarve.best.search import search_winner
+
+                t0 = time.perf_counter()
+                with stage("search"):
+                    searched = search_winner(search, records, measured, segments, measure_settings, rungs, compute)
+                timings["search_seconds"] = time.perf_counter() - t0
+            with stage("confirmation"):
+                timings["confirmation_seconds"], confirm_builds = confirm(
+                    search, records, rungs, measured, segments, measure_settings
+                )
+            timings["builds_seconds"] += confirm_builds  # the confirmations' builds count as builds
+        for name in STAGES:
+            timings.setdefault(f"{name}_seconds", 0.0)
+
+        winner = None
+        if measured is not None and measured.groups[""]["winner"] is not None:
             t0 = time.perf_counter()
-            measure_speeds(search, records, measured.groups[""], compute, ids=[cid])
-            timings["speed_seconds"] += time.perf_counter() - t0
+            with stage("speed"):
+                measure_speeds(search, records, measured.groups[""], compute)
+            timings["speed_seconds"] = time.perf_counter() - t0
 
-        winner = rechecked(records, measured.groups[""], settings, build_finalist)
-    _complete_records(records, settings)
-    timings["total_seconds"] = time.perf_counter() - started
+            def build_finalist(cid: str) -> None:
+                with stage("confirmation"):
+                    scored, built = confirm(search, records, rungs, measured, segments, measure_settings, ids=[cid])
+                timings["confirmation_seconds"] += scored
+                timings["builds_seconds"] += built
+                t0 = time.perf_counter()
+                with stage("speed"):
+                    measure_speeds(search, records, measured.groups[""], compute, ids=[cid])
+                timings["speed_seconds"] += time.perf_counter() - t0
 
-    report = _report(search, records, winner, measured, timings, wanted, reused, previous_timings)
-    if searched is not None:
-        report["search"] = searched
-    outputs = _write_outputs(search, report, winner) if wanted is None else []
-    return BestResult(report, outputs)
+            winner = rechecked(records, measured.groups[""], settings, build_finalist)
+        _complete_records(records, settings)
+        timings["total_seconds"] = time.perf_counter() - started
+
+        report = _report(search, records, winner, measured, timings, wanted, reused, previous_timings)
+        report["scoring_placement"] = compute.record()
+        report["computed_on"] = computed.to_json()
+        if searched is not None:
+            report["search"] = searched
+        outputs = _write_outputs(search, report, winner) if wanted is None else []
+        return BestResult(report, outputs)
 
 
 def _wanted(plan: Plan, settings: BestSettings) -> set[str] | None:

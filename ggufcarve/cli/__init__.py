@@ -209,6 +209,29 @@ def install_stop_handlers() -> None:
     sys.unraisablehook = _unraisable
 
 
+def _answered(error: DeviceOutOfMemory, argv: list[str]) -> CarveError:
+    """placement.advice's answer to `error` with the command's --gpu-margin (llama.cpp's --fit margin
+    when not given or not readable), its dry loads drawn as progress unless -q or --json was given."""
+    from ggufcarve import settings as S
+    from ggufcarve.cli.render import progress
+    from ggufcarve.llama.devices import FIT_MARGIN
+    from ggufcarve.placement.advice import fitting_answer
+
+    margin = FIT_MARGIN
+    for i, arg in enumerate(argv):
+        text = arg.partition("=")[2] if arg.startswith(S.GPU_MARGIN.flag + "=") else None
+        if arg == S.GPU_MARGIN.flag and i + 1 < len(argv):
+            text = argv[i + 1]
+        if text is not None:
+            try:
+                margin = S.GPU_MARGIN.parse_text(text)
+            except CarveError:
+                pass
+    quiet = any(arg in ("-q", "--quiet", "--json") for arg in argv)
+    with progress(not quiet, transient=True) as sink:
+        return fitting_answer(error, margin, sink)
+
+
 def main() -> None:
     debug = os.environ.get("GGUFCARVE_DEBUG") == "1"
     install_stop_handlers()
@@ -229,9 +252,7 @@ def main() -> None:
         if debug:
             raise
         if isinstance(error, DeviceOutOfMemory):  # answered with the placement that fits the devices
-            from ggufcarve.placement.advice import fitting_answer
-
-            error = fitting_answer(error)
+            error = _answered(error, sys.argv[2:])
         print_error(error.message, error.hint)
         sys.exit(error.exit_code)
     except OSError as error:  # a file vanished, a permission or the disk failed outside the checked paths

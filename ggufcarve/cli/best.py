@@ -105,6 +105,29 @@ def _table(report: dict) -> object:
     return table
 
 
+def _where(computed_on: dict, stage: str) -> str:
+    """ " (on RPC0)", " (on CUDA0 + CPU)": the devices llama.cpp's loader gave a stage's layers; "" for
+    a stage no child reported."""
+    devices = sorted({d for entry in computed_on.get(stage) or () for d in entry["layers"]}, key=lambda d: d == "CPU")
+    return f" (on {' + '.join(devices)})" if devices else ""
+
+
+def _speed_text(record: dict) -> str:
+    """ "decode 41.2 tok/s at depth 8192 on CUDA0 (llama-bench)", "decode 9.8 tok/s at depth 256 on the
+    CPU", or why it was not measured."""
+    rate = record.get("decode_tok_s")
+    if rate is None:
+        return "decode " + (record.get("speed_note") or "not measured")
+    where = record.get("speed_computed_on") or {}
+    devices = [name for name in where if name != "CPU"]
+    on = (
+        " + ".join(f"{name}" for name in devices) + (" and the CPU" if "CPU" in where else "") if devices else "the CPU"
+    )
+    depth = (record.get("speed_method") or {}).get("depth")
+    tool = (record.get("speed_method") or {}).get("tool", "llama-bench")
+    return f"decode {rate:.1f} tok/s" + (f" at depth {depth}" if depth else "") + f" on {on} ({tool})"
+
+
 def _memory_text(record: dict, memory: int, gpu_memory: tuple[int, ...]) -> str:
     """What a candidate takes of its budgets: llama.cpp's measured figures when there are (in system
     memory its parts; on GPUs each device's total of its budget, then the host's), else the file and
@@ -146,6 +169,7 @@ def best_command(
             "several GPUs in device order, the layers split by the budgets (-ts).",
         ),
     ] = None,
+    gpu_margin: Annotated[int | None, option(S.GPU_MARGIN, show_default=False)] = None,
     tier: Annotated[
         str | None,
         typer.Option(
@@ -196,17 +220,12 @@ def best_command(
             "--min-decode",
             metavar="TOK_S",
             help="The answer must decode at least this many tokens per second, measured by llama-bench in its "
-            "placement on this machine's devices.",
+            "placement on this machine's devices, with its run line's cache type and flash attention, at "
+            "--bench-depth.",
         ),
     ] = None,
-    z: Annotated[
-        float,
-        typer.Option(
-            "--z",
-            help="Standard errors of the paired difference (over chunks) beyond which a candidate is worse "
-            "(halving, ties, the search's moves); > 0.",
-        ),
-    ] = 2.0,
+    bench_depth: Annotated[int | None, option(S.BENCH_DEPTH, "The finalists' timing.")] = None,
+    z: Annotated[float | None, option(S.Z, show_default=False)] = None,
     search: Annotated[
         bool,
         option(
@@ -226,7 +245,7 @@ def best_command(
     ] = False,
     llama_cpp: LlamaCppOption = None,
     threads: ThreadsOption = None,
-    gpu_layers: GpuLayersOption = 0,
+    gpu_layers: GpuLayersOption = None,
     rpc: RpcOption = None,
     tensor_split: TensorSplitOption = None,
     n_cpu_moe: NCpuMoeOption = 0,
@@ -237,9 +256,11 @@ def best_command(
     """Score every (K, keep-set, quant) that fits a budget by masking on the unpruned rungs; build and confirm the
     answer."""
     from ggufcarve.best.cost import device_words, estimate, measure_speed, project_estimate
-    from ggufcarve.best.plan import BestSettings, plan_best
+    from ggufcarve.best.plan import BestSettings, placed_settings, plan_best
     from ggufcarve.best.render import stopped_lines
     from ggufcarve.best.run import best
+    from ggufcarve.llama.devices import FIT_MARGIN
+    from ggufcarve.measure.statistics import DEFAULT_Z
     from ggufcarve.quant.spec import DEFAULT_LADDER, find_spec
     from ggufcarve.tune.run import parse_methods
 
@@ -276,7 +297,8 @@ def best_command(
         compute=S.compute(threads, gpu_layers, rpc, tensor_split, n_cpu_moe),
         metric=metric,
         gate=gate,
-        gpu_memory=tuple(gpu_memory or ()),
+        gpu_memory=gpu_memory or S.Budgets(),
+        gpu_margin=FIT_MARGIN if gpu_margin is None else gpu_margin,
         tier=tier,
         quantizer=quantizer_choice,
         llama_cpp_dir=llama_cpp,
@@ -284,11 +306,13 @@ def best_command(
         confirm=confirm,
         prefer=prefer,
         min_decode=min_decode,
+        bench_depth=bench_depth,
         search=search,
         search_passes=search_passes,
-        z=z,
+        z=DEFAULT_Z if z is None else z,
     )
     with progress(not quiet and not as_json) as sink:
+        settings = placed_settings(settings, model)
         plan = plan_best(model, settings, on_event=sink)
         if dry_run:
             with tempfile.TemporaryDirectory(prefix="ggufcarve-best-speed-") as tmp:
@@ -405,7 +429,10 @@ def best_command(
         proj = report["projection"]
         out.print(
             "cost of this run: "
-            + ", ".join(f"{s} {t.get(f'{s}_seconds', 0.0):.1f} s" for s in proj["stages_seconds"])
+            + ", ".join(
+                f"{s} {t.get(f'{s}_seconds', 0.0):.1f} s" + _where(report.get("computed_on") or {}, s)
+                for s in proj["stages_seconds"]
+            )
             + f"; total {t['total_seconds']:.1f} s; projected for {proj['model']} ({proj.get('device')}): "
             + (proj["rule"] if proj["total_seconds"] is None else _seconds(proj["total_seconds"])),
             highlight=False,
@@ -427,7 +454,7 @@ def best_command(
     out.print(
         f"answer: {w['id']} ({w['family']}, {w['kept_experts']} of {w['expert_count']} "
         f"experts, {w['quant']}): {settings.metric} {w[settings.metric]:.4f}, "
-        f"{_memory_text(w, settings.memory, settings.gpu_memory)}: {output / w['path']}",
+        f"{_memory_text(w, settings.memory, settings.gpu_memory)}; {_speed_text(w)}: {output / w['path']}",
         highlight=False,
         markup=False,
     )

@@ -24,11 +24,11 @@ def devices_command(
     installed llama-cpp-python and through the tools (llama-bench --list-devices): name, type, free
     and total memory."""
     from ggufcarve.llama.device_list import libllama_devices, tool_devices
-    from ggufcarve.llama.devices import host_memory
+    from ggufcarve.llama.devices import device_order, host_memory
     from ggufcarve.llama.tools import backend_of_tool, find_tool, libllama_backend
 
     endpoints = tuple(rpc or ())
-    seen = libllama_devices(endpoints)
+    seen = device_order(libllama_devices(endpoints))
     bench = find_tool("llama-bench", llama_cpp)
     by_tools = tool_devices(bench, endpoints) if bench is not None else None
     host = host_memory()

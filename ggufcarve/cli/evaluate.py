@@ -63,7 +63,7 @@ def eval_command(
     gate: Annotated[Path | None, option(S.GATE)] = None,
     gate_segments: Annotated[str | None, option(S.GATE_SEGMENTS)] = None,
     threads: ThreadsOption = None,
-    gpu_layers: GpuLayersOption = 0,
+    gpu_layers: GpuLayersOption = None,
     rpc: RpcOption = None,
     tensor_split: TensorSplitOption = None,
     n_cpu_moe: NCpuMoeOption = 0,

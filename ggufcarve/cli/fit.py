@@ -69,14 +69,7 @@ def fit_command(
             "from its per-block expert bytes; several sizes place the layers across the GPUs (-ts by their sizes).",
         ),
     ] = None,
-    gpu_margin: Annotated[
-        str,
-        typer.Option(
-            "--gpu-margin",
-            help="GPU memory kept free beyond weights, cache and compute "
-            "buffers (default: llama.cpp --fit's target margin, 1GiB).",
-        ),
-    ] = "1GiB",
+    gpu_margin: Annotated[int | None, option(S.GPU_MARGIN, show_default=False)] = None,
     rpc: Annotated[
         str | None,
         option(
@@ -109,7 +102,7 @@ def fit_command(
         bool,
         typer.Option(
             "--measure-speed",
-            help="Time every row that fits with llama-bench (pp512, tg64, median of 3) in its placement, on the "
+            help="Time every row that fits with llama-bench (pp512, tg128, mean of 5) in its placement, on the "
             "devices here (on the CPU where the row runs from RAM or no device is here), on a file of the rung's "
             "tensor shapes and types with zero weights.",
         ),
@@ -125,17 +118,18 @@ def fit_command(
     from ggufcarve.errors import BadInput
     from ggufcarve.gguf.container import read_model
     from ggufcarve.moe.layout import inspect_layout
+    from ggufcarve.placement.auto import budget_devices
     from ggufcarve.placement.kvcache import ContextSettings
+    from ggufcarve.placement.offload import DEFAULT_MARGIN
     from ggufcarve.quant.fit import parse_kept_counts, plan_fit
     from ggufcarve.quant.quantizer import make_quantizer
     from ggufcarve.quant.spec import DEFAULT_LADDER, find_spec, load_spec
     from ggufcarve.reports import envelope
-    from ggufcarve.settings import parse_memory
 
     budget = memory
-    budgets: tuple[int, ...] = tuple(gpu_memory or ())  # the parser's tuple of bytes
+    budgets: tuple[int, ...] = gpu_memory or S.Budgets()  # the parser's Budgets: bytes, the devices named
     gpu_budget = budgets[0] if len(budgets) == 1 else None
-    margin = parse_memory(gpu_margin, "--gpu-margin", allow_zero=True)
+    margin = DEFAULT_MARGIN if gpu_margin is None else gpu_margin
     cache_type = kv_type.upper()
     if parallel < 1:
         raise BadInput(f"--parallel {parallel} must be positive", "e.g. --parallel 1")
@@ -159,7 +153,9 @@ def fit_command(
         entries = {e.name for e in read_imatrix(imatrix).entries}
     quantizer = make_quantizer(quantizer_choice, llama_cpp)
     settings = ContextSettings(n_ctx=ctx, type_k=cache_type, type_v=cache_type, n_seq=parallel, swa_full=swa_full)
-    with progress(not (quiet or as_json), transient=True) as sink:
+    from ggufcarve.llama.computed import recording
+
+    with progress(not (quiet or as_json), transient=True) as sink, recording() as computed:
         from ggufcarve.llama.memory import FLASH_ATTN, MemorySettings
 
         if flash_attn not in FLASH_ATTN:
@@ -175,7 +171,7 @@ def fit_command(
                 n_seq=parallel,
                 flash_attn=flash_attn,
                 swa_full=swa_full,
-                compute=S.compute(rpc=rpc),
+                compute=S.compute(gpu_layers=0, rpc=rpc, devices=budget_devices(budgets, tuple(rpc or ()))),
             )
             if measured
             else None
@@ -198,7 +194,7 @@ def fit_command(
         if measure_speed:
             from ggufcarve.llama.tools import physical_cores
 
-            bench_on = S.compute(rpc=rpc, threads=threads or physical_cores())
+            bench_on = S.compute(gpu_layers=0, rpc=rpc, threads=threads or physical_cores())
             report = timed(report, llama_cpp, bench_on, sink, run_settings)
 
     if as_json:
@@ -219,7 +215,8 @@ def fit_command(
                 {
                     "gpu_memory": ",".join(f"{b}B" for b in budgets),
                     "gpu_memory_bytes": budgets[0] if len(budgets) == 1 else list(budgets),
-                    "gpu_margin": gpu_margin,
+                    "gpu_margin": f"{margin}B",
+                    "gpu_margin_bytes": margin,
                 }
                 if budgets
                 else {}
@@ -238,6 +235,7 @@ def fit_command(
             results=report.to_json(),
             timings={"total_seconds": report.seconds},
         )
+        doc["computed_on"] = computed.to_json()  # the dry loads' layers and the timings', by llama.cpp's loader
         doc["sizes_from"]["quantizer"] = {
             k: v for k, v in doc["sizes_from"]["quantizer"].items() if k not in ("path", "python")
         }
@@ -319,7 +317,7 @@ def fit_command(
     if best is None:
         out.print(
             f"nothing fits in {size(budget)}: the smallest is {size(min(r.total for r in report.rows))}; "
-            "try a shorter --ctx, --kv-type q8_0 or fewer experts (--k)",
+            "try a shorter --ctx, --kv-type q8_0 or fewer experts (--keep)",
             highlight=False,
         )
     else:
@@ -412,10 +410,10 @@ def timed(
         raise ToolMissing("--measure-speed needs llama-bench", "build it: ggufcarve toolchain build")
 
     def bench(path: Path, placed: Compute, flags: tuple[str, ...]) -> object:
-        return bench_speed(tool, path, BENCH_METHOD, placed, flags)
+        return bench_speed(tool, path, BENCH_METHOD, placed, flags=list(flags))
 
     on_device = bool(compute.rpc) or any(r.load is not None and r.load.gpu_devices for r in report.rows)
-    return measure_speeds(report, bench, compute, on_device, sink, measure)
+    return measure_speeds(report, bench, compute, on_device, sink, measure, BENCH_METHOD)
 
 
 def device_line(device: DeviceMemory, limit: int | None = None) -> str:

@@ -101,7 +101,7 @@ def imatrix_collect(
         option(S.CHUNKS, "the calibration text (llama-imatrix --chunks; default: all)."),
     ] = None,
     threads: ThreadsOption = None,
-    gpu_layers: GpuLayersOption = 0,
+    gpu_layers: GpuLayersOption = None,
     rpc: RpcOption = None,
     tensor_split: TensorSplitOption = None,
     n_cpu_moe: NCpuMoeOption = 0,

@@ -93,7 +93,7 @@ ChunkCtxOption = Annotated[
     ),
 ]
 ThreadsOption = Annotated[int | None, option(S.THREADS)]
-GpuLayersOption = Annotated[int, option(S.GPU_LAYERS)]
+GpuLayersOption = Annotated[int | None, option(S.GPU_LAYERS)]  # None: auto
 RpcOption = Annotated[str | None, option(S.RPC)]  # the value: a tuple of HOST:PORT
 TensorSplitOption = Annotated[str | None, option(S.TENSOR_SPLIT)]  # the value: a tuple of shares
 NCpuMoeOption = Annotated[int, option(S.N_CPU_MOE)]

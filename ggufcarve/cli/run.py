@@ -286,7 +286,7 @@ RunThreadsOption = Annotated[
 
 RunGpuLayersOption = Annotated[
     int | None,
-    option(S.GPU_LAYERS, "Default: the plan's gpu_layers, else 0."),
+    option(S.GPU_LAYERS, "Default: the plan's gpu_layers, else auto."),
 ]
 RunRpcOption = Annotated[str | None, option(S.RPC, "Default: the plan's rpc.")]
 RunTensorSplitOption = Annotated[str | None, option(S.TENSOR_SPLIT, "Default: the plan's tensor_split.")]

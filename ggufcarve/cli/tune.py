@@ -69,8 +69,9 @@ def tune_command(
         bool, option(S.SEARCH, "Written as candidates/search-<K>.json and scored on the held-out text.")
     ] = False,
     search_passes: Annotated[int | None, option(S.SEARCH_PASSES)] = None,
+    z: Annotated[float | None, option(S.Z, show_default=False)] = None,
     threads: ThreadsOption = None,
-    gpu_layers: GpuLayersOption = 0,
+    gpu_layers: GpuLayersOption = None,
     rpc: RpcOption = None,
     tensor_split: TensorSplitOption = None,
     n_cpu_moe: NCpuMoeOption = 0,
@@ -104,6 +105,7 @@ def tune_command(
         stability=stability,
         search=search,
         search_passes=search_passes,
+        **({} if z is None else {"z": z}),
     )
     with progress(not quiet and not as_json) as sink:
         result = tune(model, settings, output, on_event=sink)

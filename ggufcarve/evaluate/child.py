@@ -236,7 +236,7 @@ def _evaluate(request: Request, out: Path) -> None:
     result: dict = {}
     try:
         started = time.perf_counter()
-        engine = Engine(request.model, request.compute)
+        engine = Engine(request.model, request.compute, request.TASK)
         result["load_seconds"] = time.perf_counter() - started
         result["n_vocab"] = engine.n_vocab
         tokens = None

@@ -105,16 +105,21 @@ class CrossCheck:
     work: Path
 
     def _run(self, argv: list[str], what: str) -> list[str]:
-        """Run llama-perplexity and return the lines of its `--log-file` (its tables and log lines, in order)."""
+        """Run llama-perplexity and return the lines of its `--log-file` (its tables and log lines, in order;
+        at debug verbosity, `-lv 5`, for the loader's "layer N assigned to device D" lines, recorded as
+        where the cross-check computed)."""
         from ggufcarve.llama import launch
+        from ggufcarve.llama.computed import layers_of, record
 
         log = self.work / f"llama-perplexity-{len(list(self.work.glob('llama-perplexity-*.log')))}.log"
         finished = launch.run(
-            [str(self.tool), *argv, *self.settings.child_compute.tool_args(), "--log-file", str(log)],
+            [str(self.tool), *argv, *self.settings.child_compute.tool_args(), "-lv", "5", "--log-file", str(log)],
             idle_timeout=TOOL_TIMEOUT_IDLE,
         )
         launch.check(finished, f"llama-perplexity ({what})", "run the same command by hand to see its whole output")
-        return log.read_text(encoding="utf-8", errors="replace").splitlines()
+        lines = log.read_text(encoding="utf-8", errors="replace").splitlines()
+        record(layers_of(lines), "crosscheck")
+        return lines
 
     def _statistics(self, argv: list[str], parse, what: str, sink: Sink, notes: list[str]) -> dict:
         """Run until the output holds its closing statistics (see ATTEMPTS), and parse them; a

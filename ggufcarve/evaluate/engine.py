@@ -27,13 +27,13 @@ class EngineError(Exception):
 class Engine:
     """One model loaded in libllama; contexts are made from it for scoring, timing and generation."""
 
-    def __init__(self, path: str, compute: Compute) -> None:
+    def __init__(self, path: str, compute: Compute, task: str = "") -> None:
         import llama_cpp
 
         self._llama = llama_cpp
         self.threads = compute.threads or physical_cores()
         forward_warnings(llama_cpp)
-        self.model = load_model(llama_cpp, path, compute)
+        self.model = load_model(llama_cpp, path, compute, task)
         if not self.model:
             raise EngineError(f"libllama could not load {path}")
         self.path = path

@@ -75,9 +75,9 @@ def _cache_path(cache_dir: Path, ref_sha: str, text_sha: str, settings: EvalSett
 
 
 def computed_by(settings: EvalSettings) -> str:
-    """A short key of the llama.cpp (version, and the backend of an offloading run) and the
-    placement and threads the reference's log-probs are computed with (`Compute.key`): a CPU
-    reference is not taken for a GPU run, whose kernels round differently."""
+    """A short key of the llama.cpp (version and backend) and the placement, devices and threads
+    the reference's log-probs are computed with (`Compute.key`): a CPU reference is not taken for a
+    GPU or RPC run, whose kernels round differently."""
     from ggufcarve.llama.tools import llama_cpp_version
 
     doc = {"llama_cpp": llama_cpp_version(), **settings.child_compute.key()}

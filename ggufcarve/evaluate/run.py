@@ -403,6 +403,10 @@ def evaluate(
     renamed (summary.md last): a run that fails or is stopped part way leaves none of them, and
     removes the directories it created that are left empty (never one that existed before).
     """
+    from ggufcarve.placement.auto import placed_settings
+
+    largest = max([Path(reference_path), *(m.path for m in models)], key=lambda p: p.stat().st_size)
+    settings = placed_settings(settings, largest, settings.ctx)
     # directories this run creates: on failure those left empty are removed (deepest first)
     made = _missing_dirs(
         [
@@ -443,6 +447,8 @@ def _evaluate(
 ) -> EvalRun:
     from ggufcarve.evaluate.summary import load_charting, write_summary
     from ggufcarve.fileio import atomic_file
+    from ggufcarve.llama.computed import recording
+    from ggufcarve.llama.computed import stage as computed_stage
 
     files = heldout_files(heldout)
     check_segments(files, reference_path, settings)
@@ -478,14 +484,19 @@ def _evaluate(
         results = []
         held = [s.heldout for s in segments] if segments else heldout_record(files[0] if files else None)
         for entry in models:
-            doc = evaluate_model(entry, reference, settings, work, sink, reference_qa, segments, reference_loops)
-            if cross is not None:
-                doc["cross_check"] = cross.check(entry, doc, sink)
-            for record, check in zip(doc.get("segments") or [], crosses):
-                record["cross_check"] = check.check(
-                    entry, {"ppl": record["ppl"], "parameters": doc["parameters"]}, sink
-                )
+            with recording() as computed:
+                with computed_stage("evaluation"):
+                    doc = evaluate_model(
+                        entry, reference, settings, work, sink, reference_qa, segments, reference_loops
+                    )
+                if cross is not None:
+                    doc["cross_check"] = cross.check(entry, doc, sink)
+                for record, check in zip(doc.get("segments") or [], crosses):
+                    record["cross_check"] = check.check(
+                        entry, {"ppl": record["ppl"], "parameters": doc["parameters"]}, sink
+                    )
             doc["heldout"] = held
+            doc["computed_on"] = computed.to_json()
             results.append(doc)
     with ExitStack() as staged:  # renamed in reverse order of staging, each only if all were written
 

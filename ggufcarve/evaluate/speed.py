@@ -69,10 +69,24 @@ class SpeedSettings:
     tg_tokens: int = 128
     runs: int = key(S.SPEED_RUNS, DEFAULT_RUNS)
     engine: str = key(S.SPEED_ENGINE, "auto")
+    statistic: str = "median"  # of the runs' tok/s; "mean" is llama-bench's avg_ts
+
+    def method(self, depth: int = 0) -> dict[str, object]:
+        """What a timing of these settings is, as a report states it."""
+        return {
+            "tool": "llama-bench",
+            "tests": [f"pp{self.pp_tokens}", f"tg{self.tg_tokens}"],
+            "repetitions": self.runs,
+            "statistic": "mean of the repetitions' tok/s (llama-bench's avg_ts)"
+            if self.statistic == "mean"
+            else "median of the repetitions' tok/s",
+            "depth": depth,
+        }
 
 
-# llama-bench's own method, as `best` and `fit --measure-speed` time a placement: pp512 and tg64, the median of 3 runs
-BENCH_METHOD = SpeedSettings(pp_tokens=512, tg_tokens=64, runs=3)
+# llama-bench's own method, as `best` and `fit --measure-speed` time a placement: its defaults (pp512, tg128,
+# 5 repetitions, their mean), at the depth the run line states
+BENCH_METHOD = SpeedSettings(pp_tokens=512, tg_tokens=128, runs=5, statistic="mean")
 
 
 @dataclass
@@ -85,6 +99,7 @@ class Speed:
     pp_runs: list[float] = field(default_factory=list)
     tg_runs: list[float] = field(default_factory=list)
     engine: str = "libllama"  # or "llama-bench"
+    computed_on: dict[str, int] = field(default_factory=dict)  # device -> layers, as llama.cpp's loader assigned them
 
     def to_json(self) -> dict:
         return {
@@ -131,21 +146,30 @@ BENCH_IDLE_TIMEOUT = 600.0
 
 
 def bench_speed(
-    tool: Path, model: Path, settings: SpeedSettings, compute: Compute, placement: tuple[str, ...] = ()
+    tool: Path,
+    model: Path,
+    settings: SpeedSettings,
+    compute: Compute,
+    placement: tuple[str, ...] = (),
+    flags: list[str] | None = None,
 ) -> Speed:
     """pp and tg tok/s of `model` measured by llama-bench (weight repacking off, placed by
-    `compute`, whose threads are resolved: llama-bench's -ngl, --rpc, -ts, -t). With layers
+    `compute`, whose threads are resolved: llama-bench's -ngl, --rpc, -ts, -t; `placement`: more
+    placement flags, -ncmoe N). `flags`: the whole placement and context of a run line instead
+    (placement.run_line.bench_args), `compute` then giving the threads alone. With layers
     offloaded, a llama-bench that sees no device (built for the CPU alone) is refused: it would time
     the CPU under a GPU's placement."""
     from ggufcarve.errors import ToolFailed
     from ggufcarve.llama import launch
 
-    if compute.offloads:
+    placed = compute.tool_args(bench=True) if flags is None else [*flags, "-t", str(compute.threads or 1)]
+    layers = int(placed[placed.index("-ngl") + 1]) if "-ngl" in placed else 0
+    if layers > 0:
         from ggufcarve.llama.device_list import tool_devices
 
         if not tool_devices(tool, compute.rpc):
             raise BadInput(
-                f"{tool} sees no GPU or RPC device, so --gpu-layers {compute.gpu_layers} would time the CPU",
+                f"{tool} sees no GPU or RPC device, so --gpu-layers {layers} would time the CPU",
                 "build the tools with the device's backend (ggufcarve toolchain build --backend cuda, or rpc with "
                 "--rpc), or measure speed with --gpu-layers 0",
             )
@@ -160,12 +184,13 @@ def bench_speed(
         str(settings.tg_tokens),
         "-r",
         str(settings.runs),
-        *compute.tool_args(bench=True),
+        *placed,
         *placement,  # llama-bench's own placement flags (-ncmoe N)
         "--repack",
         "0",
         "-o",
         "jsonl",
+        "-v",  # llama.cpp's log at debug level on stderr: the loader's "layer N assigned to device D" lines
     ]
     lines: list[str] = []
     finished = launch.run(argv, on_line=lines.append, idle_timeout=BENCH_IDLE_TIMEOUT)
@@ -190,13 +215,19 @@ def bench_speed(
         )
     pp_runs = [float(x) for x in pp[0]["samples_ts"]]
     tg_runs = [float(x) for x in tg[0]["samples_ts"]]
+    from ggufcarve.llama.computed import layers_of, record
+
+    computed_on = layers_of(lines)
+    record(computed_on, "speed")
+    middle = statistics.mean if settings.statistic == "mean" else statistics.median
     return Speed(
         int(pp[0]["n_prompt"]),
         int(tg[0]["n_gen"]),
         int(pp[0].get("n_threads", compute.threads)),
-        statistics.median(pp_runs),
-        statistics.median(tg_runs),
+        middle(pp_runs),
+        middle(tg_runs),
         pp_runs,
         tg_runs,
         engine="llama-bench",
+        computed_on=computed_on,
     )

@@ -7,7 +7,8 @@ so a unit's table does not depend on which other units were decoded. Its key is 
 what it depends on: the model file's sha256, the keep-set masked into routing (none for a file
 scored whole), the reference's identity (the unpruned model's sha256 and the name of its cached
 log-probs, which holds the text's sha256 and the chunk size), the chunk size, the unit, the
-llama.cpp version and the thread count. A re-run, and a `best` after an `eval` of the same files,
+llama.cpp version and where it computed (`Compute.key`: the backend, the placement, the RPC
+servers' devices, the thread count). A re-run, and a `best` after an `eval` of the same files,
 reads the tables instead of decoding again.
 """
 
@@ -49,7 +50,7 @@ def unit_key(
 ) -> str:
     """The cache key of one unit's table: everything its numbers depend on, the llama.cpp that
     computes it and where (`Compute.key`: an accelerator's kernels round differently from the
-    CPU's, so offloaded layers and their backend are part of the key; the CPU's keys name threads alone).
+    CPU's, so the backend, the offloaded layers and the RPC servers' devices are part of the key).
     `compute` has its threads resolved."""
     from ggufcarve.llama.tools import llama_cpp_version
 

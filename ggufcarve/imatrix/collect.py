@@ -320,6 +320,9 @@ def collect_imatrix(
         raise BadInput(
             f"--chunks {chunks} must be at least 1", "give the number of --ctx chunks to use, or omit it for all"
         )
+    from ggufcarve.placement.auto import resolve
+
+    compute = resolve(compute, Path(model.path), ctx)
     max_tokens = None if chunks is None else chunks * ctx
     check_chunking(ctx, max_tokens)
     calibration = read_calibration(files)

@@ -9,6 +9,8 @@ A child task is a module run as `python -m MODULE [--preload M ...]` through the
     started ahead and never needed) exits 0 at once;
   * answered: after each envelope's result file is written, the line `@ggufcarve done {"result": PATH}`;
   * progress: lines `@ggufcarve progress {"task", "done", "total", "unit"}` (an `Event` in the parent);
+  * where it computed: after each model it loads, `@ggufcarve computed {"task", "layers"}`, the
+    devices llama.cpp's loader assigned the layers to (`llama.computed`, recorded in the parent);
   * errors: at most one line `@ggufcarve error {"kind", "message", "hint", ...}`, kind
       - "input": the child refuses its input (BadInput in the parent), exit EXIT_REFUSED;
       - "failed": the work failed (ToolFailed, with the child's last lines), exit EXIT_FAILED;
@@ -42,10 +44,12 @@ from typing import Any, ClassVar, NoReturn, Protocol, TypeVar
 from ggufcarve.errors import BadInput, CarveError, DeviceOutOfMemory, ToolFailed
 from ggufcarve.events import Event, Sink, ignore
 from ggufcarve.llama import launch
+from ggufcarve.llama.computed import record
 from ggufcarve.llama.devices import CPU, Compute
 
 PREFIX = "@ggufcarve "
 PROGRESS = "progress"
+COMPUTED = "computed"
 ERROR = "error"
 DONE = "done"
 EXIT_REFUSED, EXIT_FAILED, EXIT_OS_ERROR = 2, 3, 4
@@ -75,6 +79,12 @@ class Progress:
 
 
 @dataclass(frozen=True)
+class ComputedOn:
+    task: str
+    layers: dict[str, int]  # device -> layers llama.cpp assigned it
+
+
+@dataclass(frozen=True)
 class ChildError:
     kind: str  # INPUT, FAILED or OS
     message: str
@@ -99,13 +109,13 @@ class Done:
     result: str  # the result file of the envelope just served
 
 
-def line(kind: str, payload: Progress | ChildError | Done) -> str:
+def line(kind: str, payload: Progress | ComputedOn | ChildError | Done) -> str:
     """One protocol line (no newline)."""
     fields = {k: v for k, v in asdict(payload).items() if v is not None}
     return f"{PREFIX}{kind} {json.dumps(fields, sort_keys=True)}"
 
 
-def parse(text: str) -> Progress | ChildError | Done | None:
+def parse(text: str) -> Progress | ComputedOn | ChildError | Done | None:
     """The protocol line `text` carries, or None for any other line."""
     if not text.startswith(PREFIX):
         return None
@@ -114,6 +124,8 @@ def parse(text: str) -> Progress | ChildError | Done | None:
         fields = json.loads(payload)
         if kind == PROGRESS:
             return Progress(str(fields["task"]), int(fields["done"]), int(fields["total"]), str(fields["unit"]))
+        if kind == COMPUTED:
+            return ComputedOn(str(fields["task"]), {str(k): int(v) for k, v in fields["layers"].items()})
         if kind == ERROR:
             return ChildError(**fields)
         if kind == DONE:
@@ -130,6 +142,11 @@ def parse(text: str) -> Progress | ChildError | Done | None:
 def progress(task: str, done: int, total: int, unit: str) -> None:
     """Report progress to the parent."""
     _say(line(PROGRESS, Progress(task, done, total, unit)))
+
+
+def computed(task: str, layers: dict[str, int]) -> None:
+    """Tell the parent where the model just loaded computes (device -> layers)."""
+    _say(line(COMPUTED, ComputedOn(task, layers)))
 
 
 def _say(text: str) -> None:
@@ -296,6 +313,8 @@ class _Watch:
         parsed = parse(text)
         if isinstance(parsed, Progress):
             self.sink(Event(self.stages.get(parsed.task, parsed.task), parsed.done, parsed.total, parsed.unit))
+        elif isinstance(parsed, ComputedOn):
+            record(parsed.layers, self.stages.get(parsed.task, parsed.task))
         elif isinstance(parsed, ChildError):
             self.errors.append((parsed, list(self.own)))
         elif isinstance(parsed, Done):

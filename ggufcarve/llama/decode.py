@@ -289,7 +289,7 @@ def _child(request: DecodeRequest, out: Path) -> None:
     llama_cpp = bindings()
 
     forward_warnings(llama_cpp, request.verbose)
-    lmodel = load_model(llama_cpp, request.model, request.compute)
+    lmodel = load_model(llama_cpp, request.model, request.compute, TASK)
     if not lmodel:
         raise ToolFailed(f"llama.cpp could not load {request.model}", LLAMA_HINT)
     batching = request.batching

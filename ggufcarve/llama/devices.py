@@ -31,6 +31,7 @@ import ctypes
 import os
 import re
 from dataclasses import dataclass, replace
+from functools import cache
 from typing import Any
 
 from ggufcarve.errors import BadInput
@@ -42,6 +43,7 @@ FIT_MARGIN = 2**30  # common/fit.cpp's fit_params_target: the memory llama.cpp's
 ENDPOINT = re.compile(r"^(?P<host>[A-Za-z0-9_.\-]+|\[[0-9A-Fa-f:]+\]):(?P<port>\d{1,5})$")
 KEEPALIVE: list[object] = []  # arrays handed to llama.cpp through llama_model_params
 LLM_FFN_EXPS_REGEX = r"\.ffn_(up|down|gate|gate_up)_(ch|)exps"  # common/common.h
+AUTO = -1  # gpu_layers: placed on the devices present by the placement search (llama.cpp's -ngl auto, --fit on)
 
 
 def block_regex(block: int) -> str:
@@ -76,21 +78,54 @@ def parse_split(text: str, flag: str = "--tensor-split") -> tuple[float, ...]:
     return shares
 
 
+@cache
+def rpc_device_key(rpc: tuple[str, ...]) -> tuple[tuple[tuple[str, Any], ...], ...]:
+    """The devices of the RPC servers `rpc` as a cache key names them: each one's name, description,
+    backend and total memory (not its free memory, which changes), in llama.cpp's order. Listed by a
+    child (device_list.libllama_devices) once per process and tuple of servers. The endpoints'
+    addresses are left out: ggml-rpc names a server's registry and describes its devices by the
+    address (ggml_backend_rpc_add_server), which says where a server listens, not what computes."""
+    import importlib
+
+    # looked up when a key is made, not imported: the listing runs through llama.child, which
+    # imports this module (an import here would close the cycle devices -> device_list -> child)
+    libllama_devices = importlib.import_module("ggufcarve.llama.device_list").libllama_devices
+
+    def without_address(text: str) -> str:
+        for endpoint in rpc:
+            text = text.replace(endpoint, "")
+        return text
+
+    return tuple(
+        (
+            ("name", without_address(device.name)),
+            ("description", without_address(device.description)),
+            ("backend", device.backend),
+            ("total", device.total),
+        )
+        for device in libllama_devices(rpc)
+        if device.type == "RPC" or device.backend == RPC_REGISTRY
+    )
+
+
 @dataclass(frozen=True)
 class Compute:
-    """Where and with what a llama.cpp child computes: the layers it offloads (`gpu_layers`, -ngl),
-    the RPC servers whose devices it adds (`rpc`, --rpc), the share of each offload device
-    (`tensor_split`, -ts), the CPU threads (`threads`, -t; 0: the child's default) and the MoE
-    blocks whose routed experts stay in system memory (`n_cpu_moe`, --n-cpu-moe)."""
+    """Where and with what a llama.cpp child computes: the layers it offloads (`gpu_layers`, -ngl; AUTO
+    until `placement.auto.resolve` places it on the devices present), the RPC servers whose devices
+    it adds (`rpc`, --rpc), the share of each offload device (`tensor_split`, -ts), the CPU threads
+    (`threads`, -t; 0: the child's default), the MoE blocks whose routed experts stay in system
+    memory (`n_cpu_moe`, --n-cpu-moe) and the devices offloaded to (`devices`, -dev: their names;
+    none: every offload device, in the order llama.cpp takes them)."""
 
     gpu_layers: int = 0
     rpc: tuple[str, ...] = ()
     tensor_split: tuple[float, ...] = ()
     threads: int = 0
     n_cpu_moe: int = 0
+    devices: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.gpu_layers < 0 or self.threads < 0 or self.n_cpu_moe < 0:
+        if self.gpu_layers < AUTO or self.threads < 0 or self.n_cpu_moe < 0:
             raise BadInput(
                 f"gpu layers {self.gpu_layers}, threads {self.threads} and n-cpu-moe {self.n_cpu_moe} must be >= 0",
                 "for example --gpu-layers 99",
@@ -105,15 +140,24 @@ class Compute:
         """Whether any layer is offloaded (to a GPU or an RPC device)."""
         return self.gpu_layers > 0
 
+    @property
+    def auto(self) -> bool:
+        """Whether the layers are still to be placed on the devices present."""
+        return self.gpu_layers == AUTO
+
     def with_threads(self, threads: int) -> Compute:
         return replace(self, threads=threads)
 
     def tool_args(self, bench: bool = False) -> list[str]:
         """The same placement as llama.cpp tools' options (llama-perplexity, llama-fit-params; with
         `bench`, llama-bench's, whose -ts separates the shares of one split by "/")."""
+        if self.auto:
+            raise ValueError("an automatic placement is resolved (placement.auto.resolve) before a tool runs")
         args = ["-ngl", str(self.gpu_layers)]
         if self.rpc:
             args += ["--rpc", ",".join(self.rpc)]
+        if self.devices and self.offloads:
+            args += ["-dev", ("/" if bench else ",").join(self.devices)]
         if self.tensor_split:
             args += ["-ts", ("/" if bench else ",").join(f"{share:g}" for share in self.tensor_split)]
         if self.threads:
@@ -123,39 +167,54 @@ class Compute:
         return args
 
     def key(self) -> dict[str, Any]:
-        """What of it changes computed numbers (a cache's key): which backend runs the offloaded
-        layers (the libllama's), how many, split how, and how many threads sum the rest. The RPC
-        endpoints' addresses do not; how many servers there are does."""
-        if not self.offloads:
-            return {"threads": self.threads}
+        """What of it changes computed numbers (a cache's key): the libllama's backend (always: a
+        CUDA build offloads large matmuls to its GPUs even at -ngl 0), the layers offloaded ("auto"
+        while unplaced), the threads; where layers are offloaded, the split, the experts kept in
+        system memory, the devices named, and each RPC server's devices as they describe
+        themselves (name, description, backend, total memory: `rpc_device_key`). The endpoints'
+        addresses do not change a number and are not in it."""
         from ggufcarve.llama.tools import libllama_backend
 
-        return {
+        key: dict[str, Any] = {
             "backend": libllama_backend(),
-            "gpu_layers": self.gpu_layers,
-            "rpc_servers": len(self.rpc),
-            "tensor_split": list(self.tensor_split),
+            "gpu_layers": "auto" if self.auto else self.gpu_layers,
             "threads": self.threads,
-            **({"n_cpu_moe": self.n_cpu_moe} if self.n_cpu_moe else {}),
         }
+        if not (self.offloads or self.auto):
+            return key  # every layer on the CPU: an RPC device added then computes nothing (ggml-rpc offloads no op)
+        key["tensor_split"] = list(self.tensor_split)
+        if self.n_cpu_moe:
+            key["n_cpu_moe"] = self.n_cpu_moe
+        if self.devices:
+            key["devices"] = list(self.devices)
+        if self.rpc:
+            key["rpc_devices"] = [dict(device) for device in rpc_device_key(self.rpc)]
+        return key
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "gpu_layers": self.gpu_layers,
+            "gpu_layers": "auto" if self.auto else self.gpu_layers,
             "rpc": list(self.rpc),
             "tensor_split": list(self.tensor_split),
             "threads": self.threads,
             "n_cpu_moe": self.n_cpu_moe,
+            "devices": list(self.devices),
         }
+
+    def record(self) -> dict[str, Any]:
+        """What a report publishes of it: the JSON form with the RPC servers counted, not addressed."""
+        return {**{k: v for k, v in self.to_json().items() if k != "rpc"}, "rpc_servers": len(self.rpc)}
 
     @classmethod
     def from_json(cls, doc: dict[str, Any]) -> Compute:
+        layers = doc.get("gpu_layers", 0)
         return cls(
-            int(doc.get("gpu_layers", 0)),
+            AUTO if layers == "auto" else int(layers),
             tuple(str(e) for e in doc.get("rpc", ())),
             tuple(float(s) for s in doc.get("tensor_split", ())),
             int(doc.get("threads", 0)),
             int(doc.get("n_cpu_moe", 0)),
+            tuple(str(d) for d in doc.get("devices", ())),
         )
 
 
@@ -328,11 +387,21 @@ def registered_devices(rpc: tuple[str, ...] = ()) -> list[Device]:
     return [device for _, device in _devices(_libggml())]
 
 
-def offload_devices(rpc: tuple[str, ...] = ()) -> list[tuple[int, Device]]:
+def offload_devices(rpc: tuple[str, ...] = (), names: tuple[str, ...] = ()) -> list[tuple[int, Device]]:
     """The devices a model offloads to, in llama.cpp's default order (RPC devices, GPUs, then
-    integrated GPUs where there is no GPU), as (handle, device)."""
+    integrated GPUs where there is no GPU), as (handle, device); with `names`, those devices in
+    that order (BadInput for a name llama.cpp does not list)."""
     add_rpc_servers(rpc)
     found = _devices(_libggml())
+    if names:
+        by_name = {device.name: (handle, device) for handle, device in found}
+        missing = [name for name in names if name not in by_name]
+        if missing:
+            raise BadInput(
+                f"no device {', '.join(missing)} here (llama.cpp lists {', '.join(by_name) or 'none'})",
+                "name the devices as ggufcarve devices lists them",
+            )
+        return [by_name[name] for name in names]
     order = offload_order([device for _, device in found])
     return sorted((d for d in found if d[1] in order), key=lambda d: order.index(d[1]))
 
@@ -345,14 +414,23 @@ def offload_order(devices: list[Device]) -> list[Device]:
     return [d for d in devices if d.type == "RPC"] + gpus + (igpus if not gpus else [])
 
 
+def device_order(devices: list[Device]) -> list[Device]:
+    """Every device in the one order ggufcarve names them (`ggufcarve devices`, budgets, rows, run
+    lines): the offload devices in the order a model offloads to them, then the others (the CPU)."""
+    first = offload_order(devices)
+    return first + [d for d in devices if d not in first]
+
+
 def set_model_params(llama_cpp: Any, params: Any, compute: Compute) -> list[Device]:
     """Put `compute`'s placement into llama_model_params: n_gpu_layers, the offload devices (set
     explicitly, NULL-terminated) and tensor_split. Returns the offload devices."""
+    if compute.auto:
+        raise ValueError("an automatic placement is resolved (placement.auto.resolve) before a model is loaded")
     params.n_gpu_layers = compute.gpu_layers
     add_rpc_servers(compute.rpc)  # listed with the others even when nothing is offloaded
     if not compute.offloads:
         return []
-    devices = offload_devices(compute.rpc)
+    devices = offload_devices(compute.rpc, compute.devices)
     if compute.tensor_split and len(compute.tensor_split) > len(devices):
         raise BadInput(
             f"--tensor-split gives {len(compute.tensor_split)} shares for {len(devices)} device(s)",

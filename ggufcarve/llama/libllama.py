@@ -29,6 +29,8 @@ from ggufcarve.llama.devices import CPU, Compute, set_model_params
 
 LOG_WARN, LOG_ERROR, LOG_CONT = 3, 4, 5
 KEEPALIVE: list[object] = []
+_assigned: list[str] = []  # the loader's "layer N assigned to device D" lines since the last load began
+_logging: list[bool] = []  # whether forward_warnings installed its callback
 
 
 def bindings() -> ModuleType:
@@ -72,6 +74,8 @@ def forward_warnings(llama_cpp: Any, verbose: bool = False) -> None:
     forwarding = [False]
 
     def log(level: int, text: bytes, _user_data: object) -> None:
+        if text and b"assigned to device" in text:
+            _assigned.append(text.decode("utf-8", errors="replace"))
         forward = verbose or level in (LOG_WARN, LOG_ERROR) or (level == LOG_CONT and forwarding[0])
         if level != LOG_CONT:
             forwarding[0] = forward
@@ -81,16 +85,28 @@ def forward_warnings(llama_cpp: Any, verbose: bool = False) -> None:
     callback = llama_cpp.llama_log_callback(log)
     KEEPALIVE.append(callback)
     llama_cpp.llama_log_set(callback, ctypes.c_void_p(0))
+    _logging.append(True)
 
 
-def load_model(llama_cpp: Any, path: str, compute: Compute = CPU) -> Any:
+def load_model(llama_cpp: Any, path: str, compute: Compute = CPU, task: str = "") -> Any:
     """The llama_model pointer of `path` placed by `compute`, without extra buffer types; None when
-    it fails."""
+    it fails. In a child task (`task` its name), the devices llama.cpp's loader assigned the layers
+    to are told to the parent (`child.computed`)."""
+    from ggufcarve.llama.computed import layers_of
+
+    if not _logging:
+        forward_warnings(llama_cpp)
     llama_cpp.llama_backend_init()
     params = llama_cpp.llama_model_default_params()
     set_model_params(llama_cpp, params, compute)
     params.use_extra_bufts = False
-    return llama_cpp.llama_model_load_from_file(path.encode(), params)
+    _assigned.clear()
+    model = llama_cpp.llama_model_load_from_file(path.encode(), params)
+    if model and task:
+        from ggufcarve.llama import child
+
+        child.computed(task, layers_of(_assigned))
+    return model
 
 
 def traced_context(

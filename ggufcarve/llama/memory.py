@@ -55,7 +55,6 @@ OVERRIDE_LINE = re.compile(
     r"^tensor (?P<tensor>\S+) \(.*\) buffer type overridden to (?P<buffer>\S+)"
 )  # src/llama-model-loader.cpp, debug level
 LAYER_LINE = re.compile(r"load_tensors: layer +(?P<layer>\d+) assigned to device (?P<device>\S+?),")  # debug level
-GPU_DEVICE_TYPES = (1, 2)  # enum ggml_backend_dev_type: GPU, IGPU
 
 
 @dataclass(frozen=True)
@@ -240,32 +239,21 @@ def _dry_load(request: Request, out: Path) -> None:
     figures["n_swa"] = int(llama_cpp.llama_model_n_swa(model))
     figures["offload_devices"] = [device.to_json() for device in offload]
     figures["layers"] = {m["layer"]: device_name(m["device"]) for m in map(LAYER_LINE.search, lines) if m}
+    from ggufcarve.llama import child
+    from ggufcarve.llama.computed import DRY_LOAD, layers_of
+
+    child.computed(DRY_LOAD, layers_of(lines))
     temp = out.with_name(out.name + f".{os.getpid()}.tmp")
     temp.write_text(json.dumps(figures))
     os.replace(temp, out)
 
 
-def _ggml() -> Any:
-    import ctypes
-
-    from ggufcarve.llama.ggml import libggml
-
-    lib = libggml()
-    lib.ggml_backend_dev_count.restype = ctypes.c_size_t
-    lib.ggml_backend_dev_get.argtypes = [ctypes.c_size_t]
-    lib.ggml_backend_dev_get.restype = ctypes.c_void_p
-    lib.ggml_backend_dev_name.argtypes = [ctypes.c_void_p]
-    lib.ggml_backend_dev_name.restype = ctypes.c_char_p
-    lib.ggml_backend_dev_type.argtypes = [ctypes.c_void_p]
-    lib.ggml_backend_dev_type.restype = ctypes.c_int
-    return lib
-
-
 def gpu_devices() -> list[str]:
-    """The names of the GPU devices of this llama.cpp (ggml's registry, after llama_backend_init)."""
-    lib = _ggml()
-    devices = (lib.ggml_backend_dev_get(i) for i in range(lib.ggml_backend_dev_count()))
-    return [lib.ggml_backend_dev_name(d).decode() for d in devices if lib.ggml_backend_dev_type(d) in GPU_DEVICE_TYPES]
+    """The names of the offload devices of this llama.cpp (after llama_backend_init), in the one
+    device order (llama.devices.offload_order: RPC devices, GPUs, integrated GPUs where no GPU)."""
+    from ggufcarve.llama.devices import offload_order, registered_devices
+
+    return [device.name for device in offload_order(registered_devices())]
 
 
 @dataclass(frozen=True)

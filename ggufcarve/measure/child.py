@@ -42,7 +42,7 @@ class _Loaded:
         key = (model, json.dumps(compute.to_json(), sort_keys=True))
         if cls.key != key:
             cls.release()
-            cls.engine = Engine(model, compute)
+            cls.engine = Engine(model, compute, "measure")
             cls.key = key
         return cls.engine
 

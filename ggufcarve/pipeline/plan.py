@@ -175,7 +175,7 @@ class RunPlan:
             "output": name(self.output),
             "name": self.name,
             "threads": self.compute.threads or None,
-            "gpu_layers": self.compute.gpu_layers,
+            "gpu_layers": "auto" if self.compute.auto else self.compute.gpu_layers,
             "rpc_servers": len(self.compute.rpc),
             "tensor_split": list(self.compute.tensor_split),
             "n_cpu_moe": self.compute.n_cpu_moe,
@@ -251,7 +251,7 @@ class PlanKeys:
     work: Path | None = key(S.WORK)
     name: str | None = key(S.NAME)
     threads: int | None = key(S.THREADS)
-    gpu_layers: int = key(S.GPU_LAYERS, 0)
+    gpu_layers: int | None = key(S.GPU_LAYERS)  # None: auto
     rpc: tuple[str, ...] | None = key(S.RPC)
     tensor_split: tuple[float, ...] | None = key(S.TENSOR_SPLIT)
     n_cpu_moe: int = key(S.N_CPU_MOE, 0)

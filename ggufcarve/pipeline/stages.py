@@ -947,7 +947,11 @@ def _verify_stage(ctx: RunContext) -> Stage:
 
 
 def run_compute(plan: RunPlan) -> Compute:
-    """The plan's `Compute` with its threads resolved: the plan's, else the physical cores."""
+    """The plan's `Compute` with its threads resolved (the plan's, else the physical cores) and an
+    automatic placement placed for the source at the longest context the plan decodes."""
     from ggufcarve.llama.tools import physical_cores
+    from ggufcarve.placement.auto import resolve
 
-    return plan.compute.with_threads(plan.compute.threads or physical_cores())
+    compute = plan.compute.with_threads(plan.compute.threads or physical_cores())
+    contexts = [plan.calibration.ctx if plan.calibration else 512, *([plan.evaluation.ctx] if plan.evaluation else [])]
+    return resolve(compute, plan.source, max(contexts)) if plan.source is not None else compute

@@ -6,7 +6,9 @@ memory (llama.cpp's own figures for them), found by the placement search over th
 
 Only the placements a ggufcarve command takes are answered: every layer offloaded with the routed
 experts of the first N blocks in system memory (--n-cpu-moe N), split over several devices by their
-free memory (--tensor-split). The margin kept free on each device is llama.cpp's --fit margin.
+free memory (--tensor-split), on the devices the run named (`Compute.devices`) or else every offload
+device present (placement.auto.present_devices). The margin kept free on each device is the command's
+--gpu-margin, by default llama.cpp's --fit margin; each dry load is a progress event ("placing").
 """
 
 from __future__ import annotations
@@ -14,8 +16,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from ggufcarve.errors import CarveError, DeviceOutOfMemory
+from ggufcarve.events import Event, Sink, ignore
 from ggufcarve.fileio import format_size
-from ggufcarve.llama.devices import Compute, offload_order
+from ggufcarve.llama.devices import FIT_MARGIN, Compute
 from ggufcarve.llama.memory import DryLoad
 from ggufcarve.placement.search import ALL_LAYERS, PlacedMemory, Placement, place_on_devices, present_devices
 
@@ -23,37 +26,48 @@ DEFAULT_CTX = 512  # the context of a dry load for a request that names none
 HOST_UNBOUNDED = 2**62  # the host's share is mapped from the file (mmap): it pages, it does not fail to load
 
 
-def fitting_placement(model: Path, compute: Compute, n_ctx: int | None) -> tuple[PlacedMemory | None, list[str]]:
+def fitting_placement(
+    model: Path, compute: Compute, n_ctx: int | None, margin: int = FIT_MARGIN, on_event: Sink = ignore
+) -> tuple[PlacedMemory | None, list[str]]:
     """The fastest --n-cpu-moe placement of `model` that fits the free memory of the offload devices
-    `compute` sees (its RPC servers' among them), measured by llama.cpp's dry loads on them, and
-    their names; (None, names) when even every expert in system memory does not fit."""
+    `compute` names or sees (its RPC servers' among them), `margin` left free on each, measured by
+    llama.cpp's dry loads on them, and their names; (None, names) when even every expert in system
+    memory does not fit."""
     from ggufcarve.gguf.container import read_model
-    from ggufcarve.llama.device_list import libllama_devices
     from ggufcarve.llama.memory import MemorySettings, dry_load
+    from ggufcarve.placement import auto
     from ggufcarve.placement.offload import weight_placement
 
-    devices = offload_order(libllama_devices(compute.rpc))
+    devices = auto.present_devices(compute.rpc)
+    if compute.devices:
+        devices = [d for d in devices if d.name in compute.devices]
     if not devices:
         return None, []
-    run = MemorySettings(n_ctx or DEFAULT_CTX, compute=Compute(rpc=compute.rpc))
+    names = [d.name for d in devices]
+    run = MemorySettings(n_ctx or DEFAULT_CTX, compute=Compute(rpc=compute.rpc, devices=tuple(names)))
+    loads = 0
+
+    def load(placement: Placement) -> DryLoad:
+        nonlocal loads
+        loads += 1
+        on_event(Event("placing", loads, 0, "loads", placement.label()))
+        return dry_load(model, placement.loaded_with(run, len(weights.expert_bytes)))
+
+    on_event(Event("placing", 0, 0, "loads", f"{model.name} on {', '.join(names)}"))
     host_load = dry_load(model, run)
     weights = weight_placement(read_model(model))
     budgets = tuple(d.free for d in devices)
-    present = present_devices(host_load, budgets)
-
-    def load(placement: Placement) -> DryLoad:
-        return dry_load(model, placement.loaded_with(run, len(weights.expert_bytes)))
-
     placed = place_on_devices(
         weights,
         host_load,
         budgets=budgets,
         memory=HOST_UNBOUNDED,
-        present=present,
+        present=present_devices(host_load, budgets),
         load=load,
         from_last=False,
+        margin=margin,
     )
-    return placed, [d.name for d in devices]
+    return placed, names
 
 
 def placement_flags(placed: PlacedMemory) -> list[str]:
@@ -67,14 +81,14 @@ def placement_flags(placed: PlacedMemory) -> list[str]:
     return flags
 
 
-def fitting_answer(error: DeviceOutOfMemory) -> CarveError:
-    """`error` with the placement that fits as its hint; the error as it was when the model or the
-    devices cannot be read again."""
+def fitting_answer(error: DeviceOutOfMemory, margin: int = FIT_MARGIN, on_event: Sink = ignore) -> CarveError:
+    """`error` with the placement that fits as its hint (`margin` free on each device, each dry load an
+    event to `on_event`); the error as it was when the model or the devices cannot be read again."""
     model = Path(error.model)
     if not model.is_file() or not isinstance(error.compute, Compute):
         return error
     try:
-        placed, names = fitting_placement(model, error.compute, error.n_ctx)
+        placed, names = fitting_placement(model, error.compute, error.n_ctx, margin, on_event)
     except CarveError:
         return error
     if not names:

@@ -63,9 +63,10 @@ class Placement:
         blocks = "|".join(str(i) for i in self.cpu_blocks(main_blocks))
         return (rf"blk\.({blocks}){LLM_FFN_EXPS_REGEX}",)
 
-    def compute(self, rpc: tuple[str, ...] = ()) -> Compute:
-        """The `Compute` that loads this placement on the devices present (`rpc`'s among them)."""
-        return Compute(self.gpu_layers, rpc, self.tensor_split)
+    def compute(self, rpc: tuple[str, ...] = (), devices: tuple[str, ...] = ()) -> Compute:
+        """The `Compute` that loads this placement on the devices present (`rpc`'s among them; the
+        `devices` named, else every offload device)."""
+        return Compute(self.gpu_layers, rpc, self.tensor_split, devices=devices)
 
     def override_tensor(self, main_blocks: int) -> str | None:
         patterns = self.cpu_tensors(main_blocks)
@@ -88,8 +89,9 @@ class Placement:
 
     def loaded_with(self, settings: MemorySettings, main_blocks: int) -> MemorySettings:
         """`settings` (a dry load's) with this placement's layers, split and CPU tensors, on the devices
-        its `compute.rpc` names."""
-        return replace(settings, compute=self.compute(settings.compute.rpc), cpu_tensors=self.cpu_tensors(main_blocks))
+        its `compute` names (`rpc`'s among them)."""
+        placed = self.compute(settings.compute.rpc, settings.compute.devices)
+        return replace(settings, compute=placed, cpu_tensors=self.cpu_tensors(main_blocks))
 
     def label(self) -> str:
         where = (
@@ -104,12 +106,23 @@ class Placement:
         )
 
     def to_json(self, main_blocks: int) -> dict[str, Any]:
+        """Its keys (`from_json` reads them back): llama.cpp's -ngl, --n-cpu-moe N (None for the last
+        N blocks'), the -ot pattern of the last N blocks' experts, -ts; `blocks_on_cpu` N either way."""
         return {
             "gpu_layers": self.gpu_layers,
             "n_cpu_moe": None if self.from_last else self.n_cpu_moe,
             "override_tensor": self.override_tensor(main_blocks) if self.from_last else None,
             "tensor_split": list(self.tensor_split),
+            "blocks_on_cpu": self.n_cpu_moe,
         }
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any]) -> Placement:
+        from_last = bool(doc.get("override_tensor"))
+        blocks = doc.get("blocks_on_cpu")
+        if blocks is None:
+            blocks = doc.get("n_cpu_moe") or 0
+        return cls(int(doc.get("gpu_layers", ALL_LAYERS)), int(blocks), from_last, tuple(doc.get("tensor_split") or ()))
 
 
 def bench_flags(n_cpu_moe: int | None, override_tensor: str | None) -> tuple[str, ...]:
@@ -150,11 +163,14 @@ class PlacedMemory:
     margin: int = DEFAULT_MARGIN
 
     def over(self) -> list[str]:
-        """The devices over their budget (a GPU's with the margin kept free)."""
+        """The devices over their budget (a GPU's with the margin kept free), and any device holding
+        bytes that has no budget (it is not the user's to fill)."""
         out = []
         for row in self.devices:
             budget = self.budgets.get(row.device)
-            if budget is not None and row.total + (0 if row.device == HOST else self.margin) > budget:
+            if budget is None and row.device != HOST and row.total > 0:
+                out.append(row.device)
+            elif budget is not None and row.total + (0 if row.device == HOST else self.margin) > budget:
                 out.append(row.device)
         return out
 
@@ -290,12 +306,13 @@ def choose(
     devices: list[str] | None = None,
     margin: int = DEFAULT_MARGIN,
     from_last: bool = True,
+    shares: tuple[float, ...] | None = None,
 ) -> PlacedMemory | None:
     """The fastest placement whose estimated memory fits every device's budget and the host's
     `memory`; None when even every expert in system memory does not fit."""
     names = devices or [f"GPU{i}" for i in range(len(budgets))]
     limits = {**dict(zip(names, budgets)), HOST: memory}
-    for placement in candidates(weights, shares_of(budgets), from_last):
+    for placement in candidates(weights, shares or shares_of(budgets), from_last):
         placed = PlacedMemory(placement, estimate(weights, host_load, placement, names), False, limits, margin)
         if placed.fits:
             return placed
@@ -312,21 +329,29 @@ def place_on_devices(
     load: Callable[[Placement], DryLoad],
     margin: int = DEFAULT_MARGIN,
     from_last: bool = True,
+    shares: tuple[float, ...] | None = None,
 ) -> PlacedMemory | None:
     """The fastest placement that fits the budgets: `choose`'s by the estimate; with the devices
     `present` (their names, one per budget), llama.cpp loads the placements (`load`: its dry load of
     one) from the estimate's: while a measured device is over its budget the next one, and where the
     estimate's fits, the faster ones before it while they fit too (an estimate on the safe side
     does not cost layers). None when none fits. Without `from_last`, --n-cpu-moe's placements alone
-    (the ones a ggufcarve command takes)."""
+    (the ones a ggufcarve command takes). `shares`: the split tried (-ts), else by the budgets."""
     names = present or [f"GPU{i}" for i in range(len(budgets))]
     placed = choose(
-        weights, host_load, budgets=budgets, memory=memory, devices=names, margin=margin, from_last=from_last
+        weights,
+        host_load,
+        budgets=budgets,
+        memory=memory,
+        devices=names,
+        margin=margin,
+        from_last=from_last,
+        shares=shares,
     )
     if not present:
         return placed
     limits = {**dict(zip(names, budgets)), HOST: memory}
-    tried = candidates(weights, shares_of(budgets), from_last)
+    tried = candidates(weights, shares or shares_of(budgets), from_last)
 
     def measured(placement: Placement) -> PlacedMemory:
         return PlacedMemory(placement, measured_rows(weights, placement, load(placement)), True, limits, margin)
@@ -363,9 +388,13 @@ def placed_offload(placed: PlacedMemory, weights: WeightPlacement, gpu_memory: i
 
 
 def present_devices(load: DryLoad, budgets: tuple[int, ...]) -> list[str]:
-    """The offload devices of `load` that the budgets name (the first ones, in device order), or none
-    when fewer devices than budgets are present (then the placement is estimated)."""
+    """The offload devices of `load` that the budgets are for: those they name (settings.Budgets'
+    `names`), else the first ones in device order; none when they are not all present (then the
+    placement is estimated)."""
     devices = list(load.gpu_devices)
+    names = list(getattr(budgets, "names", ()))
+    if names:
+        return names if all(name in devices for name in names) else []
     return devices[: len(budgets)] if len(devices) >= len(budgets) else []
 
 

@@ -58,7 +58,7 @@ from ggufcarve.placement.offload import (
     split_devices,
     tiers_of,
 )
-from ggufcarve.placement.search import ALL_LAYERS, placed_offload
+from ggufcarve.placement.search import placed_offload
 from ggufcarve.prune.plan import PlannedFile, plan_prune
 from ggufcarve.quant.quantizer import DryRun, QuantizeJob, Quantizer
 from ggufcarve.quant.spec import LadderSpec, Rung
@@ -258,6 +258,7 @@ class FitReport:
     imatrix_assumption: str
     gpu_memory: int | None = None
     gpu_margin: int = DEFAULT_MARGIN
+    rpc: tuple[str, ...] = ()  # the RPC servers the devices measured on are on: the run lines' --rpc
 
     def row(self, kept: int, rung: str) -> FitRow:
         return next(r for r in self.rows if r.kept == kept and r.rung.rung == rung)
@@ -287,15 +288,24 @@ class FitReport:
         base = model_name_from(self.model.path)
         name = base if row.kept == self.layout.expert_count else f"{base}-{row.kept}e"
         rung = next(r for r in self.spec.rungs if r.name == row.rung.rung)
+        from ggufcarve.placement.run_line import RunContext, server_argv
+
         context = self.cache.settings
-        cache_type = context.type_k.lower()
-        kv = ["-ctk", cache_type, "-ctv", context.type_v.lower(), "-fa", "on"] if cache_type != "f16" else []
-        server = ["llama-server", "-m", rung.file_name(name), "-c", str(context.n_ctx), *kv]
+        placed = row.faster_memory or row.placed
+        devices = tuple(d.device for d in placed.devices if d.device != HOST) if placed and placed.measured else ()
+        server = server_argv(
+            rung.file_name(name),
+            placement,
+            main,
+            RunContext(n_ctx=context.n_ctx, kv_type=context.type_k),
+            rpc=self.rpc,
+            devices=devices,
+        )
         return {
             "placement": {**placement.to_json(main), "label": placement.label()},
             **({"placement_chosen_by": "measured speed (llama-bench)"} if row.faster is not None else {}),
-            "placement_measured": (placed := row.faster_memory or row.placed) is not None and placed.measured,
-            "server": server + placement.flags(main),
+            "placement_measured": placed is not None and placed.measured,
+            "server": server,
         }
 
     def to_json(self) -> dict[str, Any]:
@@ -531,9 +541,11 @@ def measure_speeds(
     on_device: bool,
     on_event: Sink = ignore,
     measure: MemorySettings | None = None,
+    method: Any = None,
 ) -> FitReport:
-    """Every row that fits, timed in its placement by `bench(file, compute, extra flags)` (an
-    evaluate.speed.Speed) on `sparse_rung_file`: in a GPU tier with the devices here (`on_device`),
+    """Every row that fits, timed in its placement by `bench(file, compute, llama-bench's placement and
+    context flags)` (an evaluate.speed.Speed; `method`: its SpeedSettings, whose description each row
+    records) on `sparse_rung_file`: in a GPU tier with the devices here (`on_device`),
     every layer on them with the row's --n-cpu-moe N (or its last-N -ot) and split; else on the CPU
     with `compute`. A row with experts in system memory is timed in the other variant too (the same
     N from the other end, placement.search.other_variant), which takes its place when it decodes
@@ -558,11 +570,29 @@ def measure_speeds(
         rows = device_memory(read_model(path), dry_load(path, variant.loaded_with(measure, main)))
         return PlacedMemory(variant, rows, True, row.placed.budgets, row.gpu_margin)
 
-    def timed(path: Path, placement: Placement | None) -> tuple[Any, dict[str, Any]]:
+    from ggufcarve.placement.run_line import RunContext, bench_args
+
+    cache = report.cache.settings
+    context = RunContext(
+        n_ctx=cache.n_ctx,
+        kv_type=cache.type_k,
+        **(
+            {"flash_attn": measure.flash_attn, "n_batch": measure.n_batch, "n_ubatch": measure.n_ubatch}
+            if measure
+            else {}
+        ),
+    )
+
+    def timed(path: Path, placement: Placement | None, row: FitRow) -> tuple[Any, dict[str, Any]]:
+        """llama-bench's speed of the row's run line (placement.run_line: its placement on the devices
+        measured, its context at half --ctx's depth), and the placement timed."""
         if placement is None:
-            return bench(path, Compute(0, (), (), compute.threads), ()), {"gpu_layers": 0, "label": "CPU"}
-        placed = Compute(ALL_LAYERS, compute.rpc, placement.tensor_split, compute.threads)
-        return bench(path, placed, placement.bench_flags(main)), {**placement.to_json(main), "label": placement.label()}
+            flags = bench_args(Placement(gpu_layers=0), main, context)
+            return bench(path, Compute(0, (), (), compute.threads), tuple(flags)), {"gpu_layers": 0, "label": "CPU"}
+        placed = row.faster_memory or row.placed
+        devices = tuple(d.device for d in placed.devices if d.device != HOST) if placed and placed.measured else ()
+        flags = bench_args(placement, main, context, rpc=compute.rpc, devices=devices)
+        return bench(path, compute, tuple(flags)), {**placement.to_json(main), "label": placement.label()}
 
     with tempfile.TemporaryDirectory(prefix="ggufcarve-speed-") as tmp:
         for done, row in enumerate(wanted, 1):
@@ -576,11 +606,11 @@ def measure_speeds(
             path = sparse_rung_file(report.model, report.layout, row, Path(tmp), plans[row.kept])
             loaded, kept_because = None, None
             try:
-                speed, where = timed(path, placement)
+                speed, where = timed(path, placement, row)
                 variants = [(speed, where)]
                 faster = None
                 if other is not None:
-                    variants.append(timed(path, other))
+                    variants.append(timed(path, other, row))
                     if faster_beyond_noise(variants[1][0].tg_runs, speed.tg_runs):
                         loaded = variant_memory(path, row, other)
                         if loaded is not None and not loaded.fits:
@@ -594,6 +624,8 @@ def measure_speeds(
                 "prompt_tok_s": speed.pp_tok_s,
                 "speed_placement": where,
                 "speed_of": SPEED_OF,
+                **({"speed_method": method.method(context.bench_depth)} if method is not None else {}),
+                "speed_computed_on": speed.computed_on,
                 **({"placement_kept_because": kept_because} if kept_because else {}),
             }
             if len(variants) > 1:
@@ -724,7 +756,7 @@ def plan_fit(
     load on the devices when they are present (`measure.compute.rpc`, or a GPU build) and replaced
     by the next one while a measured device is over its budget."""
     started = time.monotonic()
-    budgets = (gpu_memory,) if isinstance(gpu_memory, int) else tuple(gpu_memory or ())
+    budgets = (gpu_memory,) if isinstance(gpu_memory, int) else (gpu_memory or ())  # settings.Budgets keeps its names
     if len(budgets) > 1 and measure is None:
         raise BadInput(
             f"{len(budgets)} GPU budgets are placed from llama.cpp's dry load",
@@ -782,4 +814,5 @@ def plan_fit(
         assumption,
         gpu_memory,
         gpu_margin,
+        measure.compute.rpc if measure is not None else (),
     )

@@ -193,17 +193,31 @@ def speed_rows(inputs: CardInputs) -> list[str]:
 
 
 def placement_words(placement: dict | None) -> str:
-    """llama.devices.Compute.key() in words."""
+    """llama.devices.Compute.key() in words: "CPU", "16 CPU threads (a cuda build)", "-ngl 99 on
+    RPC0 (23.54 GiB over RPC), 2 CPU threads", "-ngl 99 on cuda, split 3:1, 16 CPU threads" (a
+    record of before the RPC devices were described counts its RPC servers)."""
     if not placement:
         return "not recorded"
     threads = f"{placement['threads']} CPU threads" if placement.get("threads") else "CPU"
+    backend = placement.get("backend")
     if not placement.get("gpu_layers"):
-        return threads
-    where = f"{placement['rpc_servers']} RPC server(s)" if placement.get("rpc_servers") else placement.get("backend")
+        return threads + (f" (a {backend} build)" if backend and backend not in ("cpu", "rpc") else "")
+    rpc = {d.get("name"): d for d in placement.get("rpc_devices") or []}
+    named = placement.get("devices") or list(rpc)
+    if named:
+        where = ", ".join(
+            f"{name} ({format_size(rpc[name]['total'])} over RPC)" if name in rpc else f"{name} ({backend})"
+            for name in named
+        )
+    elif placement.get("rpc_servers"):
+        where = f"{placement['rpc_servers']} RPC server(s)"
+    else:
+        where = backend or "an unrecorded backend"
     split = placement.get("tensor_split") or []
     return (
         f"-ngl {placement['gpu_layers']} on {where}"
         + (f", split {':'.join(f'{x:g}' for x in split)}" if len(split) > 1 else "")
+        + (f", --n-cpu-moe {placement['n_cpu_moe']}" if placement.get("n_cpu_moe") else "")
         + f", {threads}"
     )
 

@@ -79,9 +79,11 @@ def select_to_file(
     from ggufcarve.fileio import check_outputs, sha256_file_cached, write_text_atomic
     from ggufcarve.moe.keepset import KeepSet
     from ggufcarve.moe.kept import kept_count
+    from ggufcarve.placement.auto import placed_settings
     from ggufcarve.select.keep import choose, protected_from
     from ggufcarve.select.scores import ModelFacts, read_scores
 
+    settings = placed_settings(settings, source, settings.ctx)
     png = output.with_suffix(".png")
     refuse_existing(output, force)
     if settings.heatmap:

@@ -59,9 +59,7 @@ class TuneSettings:
     compute: Compute = S.compute_key()  # where every llama.cpp child runs
     seed: int = 0
     stability: bool = key(S.STABILITY, False)
-    z: float = (
-        DEFAULT_Z  # a candidate leaves a round when worse than the leader by more than z standard errors (paired)
-    )
+    z: float = key(S.Z, DEFAULT_Z)  # worse than the leader by more than z standard errors (paired): out of a round
     search: bool = key(S.SEARCH, False)  # then the local search from each K's winner (tune.search)
     search_passes: int | None = key(S.SEARCH_PASSES, None)
     imatrix_out: Path | None = None  # also write the calibration pass's imatrix (of the unpruned model) here
@@ -288,10 +286,12 @@ def tune(source: Path, settings: TuneSettings, out_dir: Path, *, on_event: Sink 
     from ggufcarve.measure.statistics import check_z
     from ggufcarve.moe.kept import kept_count
     from ggufcarve.moe.layout import inspect_layout
+    from ggufcarve.placement.auto import placed_settings
 
     if not settings.heldout:
         raise BadInput("tune scores keep-sets on held-out text", "give --heldout FILE (repeatable)")
     check_z(settings.z)
+    settings = placed_settings(settings, source, settings.ctx)
     if settings.search:
         from ggufcarve.tune.search import check_search
 
@@ -339,7 +339,10 @@ def tune(source: Path, settings: TuneSettings, out_dir: Path, *, on_event: Sink 
             reference_bytes(model.path, settings),
             "free room in the cache (GGUFCARVE_CACHE), or give fewer --chunks",
         )
-        return _tune(model, layout, settings, out_dir, work, started, on_event, asked, left_out)
+        from ggufcarve.llama.computed import recording
+
+        with recording() as computed:
+            return _tune(model, layout, settings, out_dir, work, started, on_event, asked, left_out, computed)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -354,8 +357,10 @@ def _tune(
     on_event: Sink,
     asked: tuple[str, ...],
     left_out: dict[str, str],
+    computed: Any,
 ) -> TuneResult:
     from ggufcarve.fileio import write_text_atomic
+    from ggufcarve.llama.computed import stage
     from ggufcarve.llama.masking import required_nodes
     from ggufcarve.llama.tools import physical_cores
     from ggufcarve.measure.tournament import Candidate, MeasureSettings, measure, measure_tables, prepare_segments
@@ -364,12 +369,14 @@ def _tune(
     from ggufcarve.select.keep import choose
 
     timings: dict[str, float] = {}
-    scores, passed, filled = calibration_scores(model, layout, settings, work, on_event)
+    with stage("calibration"):
+        scores, passed, filled = calibration_scores(model, layout, settings, work, on_event)
     timings["calibration_seconds"] = passed.get("seconds", 0.0)
     halves: list[dict[str, Any]] = []
     if settings.stability:
         started_halves = time.perf_counter()
-        halves = half_scores(model, layout, settings, work, on_event)
+        with stage("calibration"):
+            halves = half_scores(model, layout, settings, work, on_event)
         timings["stability_seconds"] = time.perf_counter() - started_halves
     candidates: list[dict[str, Any]] = []
     seen: dict[tuple, str] = {}
@@ -399,15 +406,16 @@ def _tune(
         groups.append(group)
     compute = settings.compute.with_threads(settings.compute.threads or physical_cores())
     reference_started = time.perf_counter()
-    segments = prepare_segments(
-        model.path,
-        settings.heldout,
-        chunk_ctx=settings.ctx,
-        chunks=settings.chunks,
-        compute=compute,
-        work=work,
-        on_event=on_event,
-    )
+    with stage("references"):
+        segments = prepare_segments(
+            model.path,
+            settings.heldout,
+            chunk_ctx=settings.ctx,
+            chunks=settings.chunks,
+            compute=compute,
+            work=work,
+            on_event=on_event,
+        )
     timings["reference_seconds"] = time.perf_counter() - reference_started
     pool = [
         Candidate(
@@ -424,22 +432,24 @@ def _tune(
         for cid in group
         for keep in [keep_of[cid]]
     ]
-    measured = measure(
-        pool,
-        segments,
-        MeasureSettings(compute, z=settings.z, prefer="metric", tables=measure_tables()),
-        work,
-        on_event=on_event,
-    )
+    with stage("tournament"):
+        measured = measure(
+            pool,
+            segments,
+            MeasureSettings(compute, z=settings.z, prefer="metric", tables=measure_tables()),
+            work,
+            on_event=on_event,
+        )
     timings["score_seconds"] = measured.seconds
     searched: list[dict[str, Any]] = []
     if settings.search:
         from ggufcarve.tune.search import search_winners
 
         search_started = time.perf_counter()
-        searched = search_winners(
-            model, layout, settings, filled["hope"], measured, segments, keep_of, compute, work, out_dir, on_event
-        )
+        with stage("search"):
+            searched = search_winners(
+                model, layout, settings, filled["hope"], measured, segments, keep_of, compute, work, out_dir, on_event
+            )
         timings["search_seconds"] = time.perf_counter() - search_started
     common = {}
     for method in scores:
@@ -511,6 +521,8 @@ def _tune(
         "left_out": left_out,
         "kld_method": "llama-perplexity's --kl-divergence from the unpruned model's full "
         "log-probs (base records, 16 bits), the pruned experts masked out of routing",
+        "scoring_placement": compute.record(),
+        "computed_on": computed.to_json(),
     }
 
     report = envelope(
