@@ -122,9 +122,6 @@ def test_the_answer_fits_by_the_real_file_and_llama_cpps_cache(searched):
     assert abs(memory["cache"] / 2**20 - cache_mib) <= 0.005  # the dry load's cache is the allocating load's
     assert winner["file_bytes"] == path.stat().st_size
     assert f"answer: {winner['id']}" in result.stdout
-    depth = winner["speed_method"]["depth"]
-    assert winner["speed_computed_on"] == {"CPU": 5} and depth == CTX // 2  # the RAM tier's timing, on the CPU
-    assert f"decode {winner['decode_tok_s']:.1f} tok/s at depth {depth} on the CPU (llama-bench)" in result.stdout
     # the table holds both families, each scored
     families = {c["family"] for c in report["candidates"] if c.get("kld_mean") is not None}
     assert families == {"pruned", "unpruned"}
