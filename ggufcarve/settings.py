@@ -134,25 +134,16 @@ class Fraction(Unit):
 
 
 @dataclass(frozen=True)
-class Positive(Unit):
-    """A number > 0."""
+class Positive(Fraction):
+    """A finite number > 0 (Fraction's reading without its upper bound)."""
 
     what = "a number > 0"
     metavar = "X"
-    toml_form = "{}"
     example: str = "2"
-
-    def from_text(self, text: str) -> float:
-        return self._checked(float(text))
-
-    def from_toml(self, value: Any, base: Path) -> float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ValueError
-        return self._checked(float(value))
 
     @staticmethod
     def _checked(value: float) -> float:
-        if not value > 0 or value == float("inf"):
+        if not 0 < value < float("inf"):
             raise ValueError
         return value
 
