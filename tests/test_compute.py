@@ -52,51 +52,54 @@ def requests(monkeypatch):
     rpc_device_key.cache_clear()
 
 
-@pytest.mark.parametrize(
-    "argv",
+COMMANDS = [
+    ["score", str(DEMO), "--method", "frequency", "--calibration", str(CALIBRATION), "-o", "{tmp}/scores.json"],
     [
-        ["score", str(DEMO), "--method", "frequency", "--calibration", str(CALIBRATION), "-o", "{tmp}/scores.json"],
-        [
-            "select",
-            str(DEMO),
-            "--method",
-            "reap",
-            "--keep",
-            "8",
-            "--calibration",
-            str(CALIBRATION),
-            "-o",
-            "{tmp}/selection.json",
-        ],
-        ["imatrix", "collect", str(DEMO), "--calibration", str(CALIBRATION), "-o", "{tmp}/imatrix.gguf"],
-        ["tune", str(DEMO), "--methods", "weights", "--keep", "8", "--heldout", str(HELDOUT), "-o", "{tmp}/tune"],
-        [
-            "eval",
-            str(DEMO),
-            "--reference",
-            str(DEMO),
-            "--heldout",
-            str(HELDOUT),
-            "--speed-runs",
-            "0",
-            "-o",
-            "{tmp}/eval",
-        ],
-        [
-            "best",
-            str(DEMO),
-            "--memory",
-            "20MiB",
-            "--heldout",
-            str(HELDOUT),
-            "--calibration",
-            str(CALIBRATION),
-            "-o",
-            "{tmp}/best",
-        ],
+        "select",
+        str(DEMO),
+        "--method",
+        "reap",
+        "--keep",
+        "8",
+        "--calibration",
+        str(CALIBRATION),
+        "-o",
+        "{tmp}/selection.json",
     ],
-    ids=lambda argv: " ".join(argv[:2]) if argv[0] == "imatrix" else argv[0],
-)
+    ["imatrix", "collect", str(DEMO), "--calibration", str(CALIBRATION), "-o", "{tmp}/imatrix.gguf"],
+    ["tune", str(DEMO), "--methods", "weights", "--keep", "8", "--heldout", str(HELDOUT), "-o", "{tmp}/tune"],
+    [
+        "eval",
+        str(DEMO),
+        "--reference",
+        str(DEMO),
+        "--heldout",
+        str(HELDOUT),
+        "--speed-runs",
+        "0",
+        "-o",
+        "{tmp}/eval",
+    ],
+    [
+        "best",
+        str(DEMO),
+        "--memory",
+        "20MiB",
+        "--heldout",
+        str(HELDOUT),
+        "--calibration",
+        str(CALIBRATION),
+        "-o",
+        "{tmp}/best",
+    ],
+]
+
+
+def _command_id(argv: list[str]) -> str:
+    return " ".join(argv[:2]) if argv[0] == "imatrix" else argv[0]
+
+
+@pytest.mark.parametrize("argv", COMMANDS, ids=_command_id)
 def test_every_child_gets_the_compute(requests, tmp_path, argv):
     argv = [a.replace("{tmp}", str(tmp_path)) for a in argv] + [*DEVICES, "--quiet"]
     result = CliRunner().invoke(app, argv)
@@ -106,6 +109,21 @@ def test_every_child_gets_the_compute(requests, tmp_path, argv):
         assert request.settings.compute == Compute(rpc=EXPECTED.rpc), request
         return
     assert request.compute == EXPECTED, request
+
+
+@pytest.mark.parametrize("argv", COMMANDS, ids=_command_id)
+def test_the_default_placement_is_resolved_before_the_first_child(requests, tmp_path, argv):
+    """Without --gpu-layers every command places the work itself (--gpu-layers auto): the first child
+    gets a concrete placement, here 0 layers (this llama.cpp offloads to no device, no --rpc)."""
+    from ggufcarve.llama.tools import libllama_backend
+
+    assert libllama_backend() in ("cpu", "rpc")  # the machine this test describes: no GPU backend
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv] + ["--threads", "1", "--quiet"]
+    result = CliRunner().invoke(app, argv)
+    assert isinstance(result.exception, Stop), result.output
+    (request,) = requests
+    compute = request.settings.compute if argv[0] == "best" else request.compute
+    assert not compute.auto and compute.gpu_layers == 0, request
 
 
 def test_fit_measures_on_the_devices_but_places_by_itself(requests):

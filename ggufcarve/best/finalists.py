@@ -117,8 +117,8 @@ def measure_speeds(
     --n-cpu-moe N or -ot and split on the budgeted devices in a GPU tier, -ngl 0 in system memory)
     and the run line's context (-fa, -ctk/-ctv, -b/-ub, at depth `-d`), measured by llama-bench (its
     own method: `speed_method`), as `decode_tok_s` and `prompt_tok_s`; `speed_placement` is the
-    placement timed, `placement` itself. A finalist of a GPU tier whose devices are not here is not
-    timed (`speed_note`): a CPU figure would stand under the GPU's placement. A finalist with the
+    placement timed, `placement` itself. A finalist placed on devices (layers offloaded) whose devices
+    are not here is not timed (`speed_note`): a CPU figure would stand under the GPU's placement. A finalist with the
     experts of N blocks in system memory is timed in the other variant too
     (placement.search.other_variant), which takes its place (`placement`, the speeds,
     `placement_chosen_by`) when it decodes faster beyond noise; `speed_placements` lists both; with
@@ -130,7 +130,6 @@ def measure_speeds(
     from ggufcarve.evaluate.speed import BENCH_METHOD, bench_speed
     from ggufcarve.llama.devices import HOST
     from ggufcarve.llama.tools import find_tool
-    from ggufcarve.placement.offload import GPU_TIERS
     from ggufcarve.placement.run_line import bench_args
     from ggufcarve.placement.search import Placement, faster_beyond_noise, other_variant
 
@@ -156,8 +155,8 @@ def measure_speeds(
             r["speed_note"] = "not measured: llama-bench is not built (ggufcarve toolchain build)"
             continue
         path = Path(r["path"])
-        on_device = r.get("tier") in GPU_TIERS
         placement = r.get("placement") or {}
+        on_device = bool(placement) and Placement.from_json(placement).gpu_layers != 0
         if on_device and not devices:
             r["speed_note"] = "not measured: the budgeted devices are not on this machine"
             continue

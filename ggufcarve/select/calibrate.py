@@ -35,6 +35,7 @@ from ggufcarve.llama.calibration import Batching, check_chunking, read_calibrati
 from ggufcarve.llama.decode import DecodeRequest, decode, default_threads
 from ggufcarve.llama.devices import CPU, Compute
 from ggufcarve.moe.layout import MoeLayout
+from ggufcarve.placement.auto import resolve
 from ggufcarve.select.criteria import TRACE_METHODS
 from ggufcarve.select.from_trace import TraceStatistics, statistics_consumer
 from ggufcarve.select.scores import BlockStats, ExpertScores, ModelFacts
@@ -95,6 +96,7 @@ def calibrate_all(
 
         activation_of(layout.architecture)
     check_chunking(ctx, max_tokens)
+    compute = resolve(compute, model.path, ctx)
     calibration = read_calibration(files)
     if greedy:
         from ggufcarve.select.greedy import check_memory
