@@ -8,6 +8,7 @@ children on RPC devices.
 
 from __future__ import annotations
 
+import dataclasses
 import types
 
 import pytest
@@ -124,6 +125,77 @@ def test_the_default_placement_is_resolved_before_the_first_child(requests, tmp_
     (request,) = requests
     compute = request.settings.compute if argv[0] == "best" else request.compute
     assert not compute.auto and compute.gpu_layers == 0, request
+
+
+def _computes(value: object) -> list[Compute]:
+    """Every `Compute` a request holds, however deep (dataclass fields, tuples, lists, dicts)."""
+    if isinstance(value, Compute):
+        return [value]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return [c for f in dataclasses.fields(value) for c in _computes(getattr(value, f.name))]
+    if isinstance(value, (tuple, list)):
+        return [c for v in value for c in _computes(v)]
+    if isinstance(value, dict):
+        return [c for v in value.values() for c in _computes(v)]
+    return []
+
+
+def _on_the_cpu(value: object) -> object:
+    """`value` with every `Compute` in it replaced by the CPU's (one thread): the devices of the
+    command line are not there, the child runs for real on the CPU."""
+    if isinstance(value, Compute):
+        return Compute(0, threads=1)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        changed = {f.name: _on_the_cpu(getattr(value, f.name)) for f in dataclasses.fields(value) if f.init}
+        return dataclasses.replace(value, **changed)
+    if type(value) is tuple:
+        return tuple(_on_the_cpu(v) for v in value)
+    if type(value) is list:
+        return [_on_the_cpu(v) for v in value]
+    if type(value) is dict:
+        return {k: _on_the_cpu(v) for k, v in value.items()}
+    return value
+
+
+FOLLOWED = [argv for argv in COMMANDS if argv[0] != "best"]  # best's dry loads carry each placement's own
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("argv", FOLLOWED, ids=_command_id)
+def test_every_child_a_command_starts_gets_the_compute(monkeypatch, tmp_path, argv):
+    """Each command runs to its end, every child it starts recorded: each one's request carries the
+    command line's Compute (and no other), then runs for real on the CPU (the devices named are not
+    there). At least two children for the commands that start several (tune: calibration,
+    references, tournament)."""
+    from ggufcarve.llama import child
+    from ggufcarve.llama.devices import rpc_device_key
+
+    real_run, real_envelope = child.run, child._envelope
+    seen: list[object] = []
+
+    def run(module, request, *args, **kwargs):
+        if getattr(request, "TASK", None) == "devices":
+            return {"devices": [], "offload": False}
+        return real_run(module, request, *args, **kwargs)
+
+    def envelope(request, result):  # what every child is handed, by child.run and by a child.Session
+        seen.append(request)
+        return real_envelope(_on_the_cpu(request), result)
+
+    monkeypatch.setattr(child, "run", run)
+    monkeypatch.setattr(child, "_envelope", envelope)
+    monkeypatch.setenv("GGUFCARVE_CACHE", str(tmp_path / "cache"))  # every measurement made, none read back
+    rpc_device_key.cache_clear()
+    try:
+        argv = [a.replace("{tmp}", str(tmp_path)) for a in argv] + [*DEVICES, "--quiet"]
+        result = CliRunner().invoke(app, argv)
+    finally:
+        rpc_device_key.cache_clear()
+    assert result.exit_code == 0, (result.output, result.exception)
+    assert len(seen) >= (2 if argv[0] == "tune" else 1), seen
+    for request in seen:
+        computes = _computes(request)
+        assert computes and all(c == EXPECTED for c in computes), (type(request).__name__, computes)
 
 
 def test_fit_measures_on_the_devices_but_places_by_itself(requests):

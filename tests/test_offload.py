@@ -285,3 +285,51 @@ def test_with_a_gpu_backend_fit_reports_the_buffers_llama_cpp_places(monkeypatch
     assert (gpu["device"], gpu["compute"], "estimated" in gpu) == ("CUDA0", 20 * mib, False)
     assert (host["compute"], host["output"]) == (mib, mib // 64)
     assert row["gpu"]["compute_bytes"] == 20 * mib and row["tier"] == "gpu"
+
+
+def _layered_rows(per_layer: int, names: list[str], layer_count: int):
+    """Each device holds `per_layer` bytes per layer llama.cpp's split rule gives it (the oracle of a
+    uniform model); the host none."""
+    from ggufcarve.llama.memory import HOST, DeviceMemory
+    from ggufcarve.placement.search import assign_layers
+
+    def rows_of(placement):
+        assigned = assign_layers(layer_count, placement.gpu_layers, placement.tensor_split, names)
+        held = [per_layer * sum(1 for d in assigned.values() if d == name) for name in names]
+        return [DeviceMemory(name, bytes_, 0, 0, 0) for name, bytes_ in zip(names, held)] + [
+            DeviceMemory(HOST, 0, 0, 0, 0)
+        ]
+
+    return rows_of
+
+
+def test_a_split_moves_whole_layers_from_the_device_over_its_budget():
+    """10 layers of 100 bytes by -ts 1,1 put 500 on each device; budgets of 700 and 300 leave B over
+    by 200: two layers move to A (-ts 7,3, the only split that fits both), and llama.cpp's split rule
+    gives exactly those layer counts."""
+    from ggufcarve.llama.memory import HOST
+    from ggufcarve.placement.search import PlacedMemory, Placement, assign_layers, relieved
+
+    names, layer_count = ["A", "B"], 9  # 9 blocks and the output layer
+    rows_of = _layered_rows(100, names, layer_count)
+    start = Placement(tensor_split=(1.0, 1.0))
+    placed = PlacedMemory(start, rows_of(start), True, {"A": 700, "B": 300, HOST: 10**9}, 0)
+    assert placed.over() == ["B"]
+    got = relieved(placed, rows_of, layer_count)
+    assert got.fits and got.placement.tensor_split == (7.0, 3.0), got.placement
+    layers = list(assign_layers(layer_count, got.placement.gpu_layers, got.placement.tensor_split, names).values())
+    assert (layers.count("A"), layers.count("B")) == (7, 3)
+    assert got.placement.label() == "whole, split 7:3"
+
+
+def test_a_split_that_cannot_fit_is_left_as_it_was():
+    """Budgets of 500 and 300 hold 8 of the 10 layers: no split fits, the placement comes back over."""
+    from ggufcarve.llama.memory import HOST
+    from ggufcarve.placement.search import PlacedMemory, Placement, relieved
+
+    names, layer_count = ["A", "B"], 9
+    rows_of = _layered_rows(100, names, layer_count)
+    start = Placement(tensor_split=(1.0, 1.0))
+    placed = PlacedMemory(start, rows_of(start), True, {"A": 500, "B": 300, HOST: 10**9}, 0)
+    got = relieved(placed, rows_of, layer_count)
+    assert got is placed and not got.fits

@@ -23,6 +23,7 @@ from ggufcarve.gguf.container import read_model
 from ggufcarve.llama.memory import HOST, MemorySettings, dry_load
 from ggufcarve.placement.memory import device_memory
 from ggufcarve.placement.offload import weight_placement
+from ggufcarve.placement.run_line import placement_args
 from ggufcarve.placement.search import Placement, estimate, measured_rows, pipelined
 from tests import factory
 from tests.clirun import ggufcarve
@@ -64,7 +65,7 @@ def test_memory_per_device_equals_llamafit_params(which, name, replica, rpc_serv
     rpc = rpc_servers[:devices]
     load = dry_load(path, MemorySettings(CTX, compute=placement.compute(rpc), cpu_tensors=placement.cpu_tensors(main)))
     ours = {row.device: row for row in device_memory(model, load)}
-    flags = placement.flags(main)
+    flags = placement_args(placement, main)
     theirs = fit_params(llama_tools / "llama-fit-params", path, ["--rpc", ",".join(rpc), *flags, "-c", str(CTX)])
     assert set(theirs) == {*(f"RPC{i}" for i in range(devices)), HOST} <= set(ours), (theirs, ours)
     for device, (model_mib, context_mib, compute_mib) in theirs.items():
@@ -254,3 +255,77 @@ def test_a_faster_last_n_variant_is_the_run_line_and_it_fits(rpc_servers, llama_
     assert placement_memory(DEMO_MODEL, settings, Placement(99, n, True)) is None  # no device here: not measured
     tight = replace(on_rpc, gpu_memory=(rpc0.total + 2**30 - MIB,))
     assert placement_memory(DEMO_MODEL, tight, Placement(99, n, True)).over() == ["RPC0"]
+
+
+def _fitted(llama_tools, model, rpc: str, margins_mib: tuple[int, ...], ctx: int) -> tuple[list[int], str]:
+    """llama-fit-params' own --fit on for `margins_mib` (-fitt per device): the target it placed each
+    device against (MiB, its "id=N, target=T MiB" lines) and its fitted arguments."""
+    from ggufcarve.llama.launch import child_env
+
+    argv = [str(llama_tools / "llama-fit-params"), "-m", str(model), "--rpc", rpc, "-c", str(ctx)]
+    argv += ["-fitt", ",".join(map(str, margins_mib)), "-v"]
+    run = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=child_env())
+    assert run.returncode == 0, run.stderr[-2000:]
+    targets = [int(t) for t in re.findall(r"id=\d+, target=(\d+) MiB", run.stderr + run.stdout)]
+    fitted = next(line for line in run.stdout.splitlines() if line.startswith("-c "))
+    return targets, fitted
+
+
+def _expert_blocks_on_devices(fitted: str, blocks: int) -> int:
+    """The blocks whose routed experts llama-fit-params' arguments leave on the devices: every block
+    offloaded (-ngl counts the output layer too) less those an -ot pattern sends to the CPU."""
+    ngl = int(re.search(r"-ngl (-?\d+)", fitted)[1])
+    offloaded = blocks if ngl < 0 else min(blocks, max(ngl - 1, 0))
+    on_cpu = {int(b) for b in re.findall(r"blk\\\.(\d+)\\\.ffn_[^=,]*=CPU", fitted)}
+    return sum(1 for b in range(blocks - offloaded, blocks) if b not in on_cpu)
+
+
+@pytest.mark.parametrize("headroom_mib", [(10, 25), (25, 15)], ids=["RPC0-small", "RPC1-small"])
+def test_a_split_with_experts_on_the_cpu_offloads_as_much_as_llama_cpps_fit(rpc_servers, llama_tools, headroom_mib):
+    """Two RPC devices whose budgets force a split *and* experts in system memory: fit's placement
+    (a -ts shift relieving the device that is over, --n-cpu-moe N by bisection) keeps no fewer blocks'
+    experts on the devices than llama.cpp's own --fit on against the same per-device targets (what
+    llama-fit-params -fitt placed against), within one block; its llama-server line, loaded by
+    llama-fit-params, agrees with fit's rows per device within max(1%, 16 MiB) and keeps each device
+    within its budget."""
+    from ggufcarve.llama.launch import child_env
+    from ggufcarve.moe.layout import inspect_layout
+
+    ctx = 4096
+    rpc = ",".join(rpc_servers)
+    layout = inspect_layout(read_model(DEMO_MODEL))
+    blocks = len(layout.blocks)
+    total = subprocess.run(
+        [str(llama_tools / "llama-fit-params"), "-m", str(DEMO_MODEL), "--rpc", rpc, "-c", str(ctx), "-v"],
+        capture_output=True, text=True, timeout=300, env=child_env(),
+    )  # fmt: skip
+    free = [int(m) for m in re.findall(r"RPC\d \([^)]*\):\s+(\d+) total", total.stderr + total.stdout)][:2]
+    assert len(free) == 2, total.stderr[-2000:]
+    targets, fitted = _fitted(llama_tools, DEMO_MODEL, rpc, tuple(f - h for f, h in zip(free, headroom_mib)), ctx)
+    assert len(targets) == 2 and all(t > 0 for t in targets), (targets, fitted)
+    theirs = _expert_blocks_on_devices(fitted, blocks)
+    assert theirs < blocks, fitted  # the targets force experts into system memory
+
+    budgets = ",".join(f"RPC{i}={t}MiB" for i, t in enumerate(targets))
+    result = ggufcarve(
+        "fit", DEMO_MODEL, "--memory", "64GiB", "--gpu-memory", budgets, "--gpu-margin", 0, "--rpc", rpc,
+        "--ctx", ctx, "--keep", 16, "--only", "Q8_0", "--json",
+    )  # fmt: skip
+    assert result.code == 0, result.stderr[-2000:]
+    (row,) = json.loads(result.stdout)["rows"]
+    placement = row["placement"]
+    assert row["fits"] and row["tier"] == "gpu+cpu", row
+    assert len(placement["tensor_split"]) == 2 and placement["blocks_on_cpu"] > 0, (
+        placement
+    )  # a split, experts on the CPU
+    ours = blocks - placement["blocks_on_cpu"]
+    assert ours >= theirs - 1, (placement, fitted)
+    assert placement["walk"].startswith("bisection over N"), placement
+    rows = {m["device"]: m for m in row["memory"]}
+    loaded = fit_params(llama_tools / "llama-fit-params", DEMO_MODEL, row["server"][3:])
+    for device, target in zip(("RPC0", "RPC1"), targets):
+        used = sum(loaded[device]) * 2**20
+        assert rows[device]["total"] <= target * 2**20, (device, rows[device], target)
+        assert used <= target * 2**20 + 2**20, (device, loaded, target)  # llama-fit-params rounds to MiB
+        expected = rows[device]["total"] - rows[device]["output"]
+        assert abs(used - expected) <= max(0.01 * expected, 16 * 2**20), (device, loaded, rows[device])

@@ -1,16 +1,19 @@
 """How a user runs a model on their devices: the placements tried, fastest first, and the first that fits.
 
     placement = Placement(n_cpu_moe=12, tensor_split=(8, 8, 10))
-    placement.flags(blocks)      # ["-ngl", "all", "--n-cpu-moe", "12", "-ts", "8,8,10"]
+    placement_args(placement, blocks)   # placement.run_line: ["-ngl", "999", "-ts", "8,8,10", "--n-cpu-moe", "12"]
     choice = choose(weight_placement(model), host_load, budgets=(8 * GiB, 8 * GiB, 10 * GiB), memory=64 * GiB)
 
 The placements, fastest first (every one offloads every layer; `-ngl` below the layer count is
 slower than keeping experts in system memory and is not tried):
   * whole: every tensor but the input layer on the devices;
   * --n-cpu-moe N: the routed experts of blocks 0..N-1 in system memory (N = 1, 2, ...);
-  * the last-N variant (-ot of blocks n-N..n-1), tried where it moves more expert bytes than
-    --n-cpu-moe N does (a model whose first blocks are dense holds no experts there);
-several devices share the layers by their budgets (`-ts` in proportion, llama.cpp's split rule).
+  * the last-N variant (-ot of blocks n-N..n-1), tried before --n-cpu-moe N where it moves more
+    expert bytes (a model whose first blocks are dense holds no experts there), after it over
+    several devices (it relieves the last device, which holds the output layer);
+several devices share the layers by their budgets (`-ts` in proportion, llama.cpp's split rule),
+and where one is over its budget the split moves whole layers to a device with room (`relieved`:
+-ts as layer counts, llama-fit-params' form).
 
 A placement fits when every device's weights + cache + compute buffers + `margin` (llama.cpp's
 --fit target margin, 1 GiB) are within its budget and the host's total within `memory`. The
@@ -72,21 +75,6 @@ class Placement:
         patterns = self.cpu_tensors(main_blocks)
         return f"{patterns[0]}=CPU" if patterns else None
 
-    def flags(self, main_blocks: int) -> list[str]:
-        """llama-server's (and llama-cli's) flags for it."""
-        args = ["-ngl", "all" if self.gpu_layers >= ALL_LAYERS else str(self.gpu_layers)]
-        if self.n_cpu_moe and not self.from_last:
-            args += ["--n-cpu-moe", str(self.n_cpu_moe)]
-        elif self.n_cpu_moe:
-            args += ["-ot", self.override_tensor(main_blocks) or ""]
-        if len(self.tensor_split) > 1:
-            args += ["-ts", ",".join(f"{s:g}" for s in self.tensor_split)]
-        return args
-
-    def bench_flags(self, main_blocks: int) -> tuple[str, ...]:
-        """llama-bench's flags for the experts it keeps in system memory (-ncmoe N, or -ot for the last N)."""
-        return bench_flags(self.n_cpu_moe, self.override_tensor(main_blocks) if self.from_last else None)
-
     def loaded_with(self, settings: MemorySettings, main_blocks: int) -> MemorySettings:
         """`settings` (a dry load's) with this placement's layers, split and CPU tensors, on the devices
         its `compute` names (`rpc`'s among them)."""
@@ -125,14 +113,6 @@ class Placement:
         return cls(int(doc.get("gpu_layers", ALL_LAYERS)), int(blocks), from_last, tuple(doc.get("tensor_split") or ()))
 
 
-def bench_flags(n_cpu_moe: int | None, override_tensor: str | None) -> tuple[str, ...]:
-    """llama-bench's flags for a placement's keys (Placement.to_json): -ot PATTERN=CPU where it has
-    an override (the last N blocks' experts), else -ncmoe N where N > 0."""
-    if override_tensor:
-        return ("-ot", override_tensor)
-    return ("-ncmoe", str(n_cpu_moe)) if n_cpu_moe else ()
-
-
 def assign_layers(layer_count: int, gpu_layers: int, shares: tuple[float, ...], devices: list[str]) -> dict[int, str]:
     """Layer -> device by llama.cpp's rule (module docstring) for layers 0..layer_count (the last
     one the output layer), in float32 as llama.cpp computes the split points."""
@@ -161,6 +141,7 @@ class PlacedMemory:
     measured: bool  # loaded by llama.cpp on the devices present; else estimated
     budgets: dict[str, int] = field(default_factory=dict)  # device -> its budget (the host's: --memory)
     margin: int = DEFAULT_MARGIN
+    walk: str = ""  # how place_on_devices reached it over N (loaded placements only)
 
     def over(self) -> list[str]:
         """The devices over their budget (a GPU's with the margin kept free), and any device holding
@@ -285,16 +266,79 @@ def shares_of(budgets: tuple[int, ...]) -> tuple[float, ...]:
 
 def candidates(weights: WeightPlacement, shares: tuple[float, ...], from_last: bool = True) -> list[Placement]:
     """The placements tried, fastest first (module docstring); without `from_last`, --n-cpu-moe's alone."""
+    return [placement for group in _by_blocks_on_cpu(weights, shares, from_last) for placement in group]
+
+
+def _by_blocks_on_cpu(weights: WeightPlacement, shares: tuple[float, ...], from_last: bool) -> list[list[Placement]]:
+    """`candidates` grouped by N, the blocks whose experts are in system memory (index N): within a
+    group the first-N and the last-N variant, the one moving more expert bytes first; over several
+    devices the last-N variant is tried on uniform models too (it relieves the last device, which
+    holds the output layer)."""
     main = len(weights.expert_bytes)
     split = shares if len(shares) > 1 else ()
-    out = [Placement(tensor_split=split)]
+    groups = [[Placement(tensor_split=split)]]
     for n in range(1, main + 1):
         first = Placement(n_cpu_moe=n, tensor_split=split)
         last = Placement(n_cpu_moe=n, from_last=True, tensor_split=split)
         moved_first = sum(weights.expert_bytes[:n])
         moved_last = sum(weights.expert_bytes[main - n :])
-        out += [last, first] if from_last and moved_last > moved_first else [first]
-    return out
+        if not from_last or n == main:
+            groups.append([first])
+        elif moved_last > moved_first:
+            groups.append([last, first])
+        else:
+            groups.append([first, last] if split else [first])
+    return groups
+
+
+def layer_counts(placement: Placement, layer_count: int, devices: list[str]) -> list[int]:
+    """The layers llama.cpp gives each of `devices` under `placement` (assign_layers; the output layer
+    at index `layer_count` included)."""
+    assigned = assign_layers(layer_count, placement.gpu_layers, placement.tensor_split, devices)
+    return [sum(1 for d in assigned.values() if d == device) for device in devices]
+
+
+def relieved(
+    placed: PlacedMemory,
+    rows_of: Callable[[Placement], list[DeviceMemory]],
+    layer_count: int,
+    steps: int | None = None,
+) -> PlacedMemory:
+    """`placed`, or where a device is over its budget and another has room, the split that moves
+    whole layers from the device most over to the one with the most room, one layer at a time
+    (`-ts` as layer counts, as llama-fit-params writes it; `rows_of`: each device's memory for a
+    placement, estimated or measured), until every device fits: the first split that fits, else
+    `placed`. Stops where no device has room, where the host is over (a split moves no bytes off the
+    host), at a split seen before, or after `steps` moves (default: one per layer and device)."""
+    names = [row.device for row in placed.devices if row.device != HOST]
+    if len(names) < 2 or placed.fits:
+        return placed
+    counts = layer_counts(placed.placement, layer_count, names)
+    seen = {tuple(counts)}
+    current = placed
+    for _ in range(steps if steps is not None else (layer_count + 1) * len(names)):
+        over = current.over()
+        if not over:
+            return current
+        if HOST in over:
+            break
+        room = {
+            row.device: current.budgets[row.device] - row.total - current.margin
+            for row in current.devices
+            if row.device in current.budgets and row.device != HOST
+        }
+        giver = min((d for d in over if counts[names.index(d)] > 0), key=lambda d: room.get(d, 0), default=None)
+        takers = sorted((d for d in names if room.get(d, -1) > 0), key=lambda d: -room[d])
+        if giver is None or not takers:
+            break
+        counts[names.index(giver)] -= 1
+        counts[names.index(takers[0])] += 1
+        if tuple(counts) in seen:
+            break
+        seen.add(tuple(counts))
+        placement = replace(current.placement, tensor_split=tuple(float(c) for c in counts))
+        current = PlacedMemory(placement, rows_of(placement), placed.measured, placed.budgets, placed.margin)
+    return current if current.fits else placed
 
 
 def choose(
@@ -309,11 +353,17 @@ def choose(
     shares: tuple[float, ...] | None = None,
 ) -> PlacedMemory | None:
     """The fastest placement whose estimated memory fits every device's budget and the host's
-    `memory`; None when even every expert in system memory does not fit."""
+    `memory`, its split relieved where a device is over (`relieved`); None when even every expert in
+    system memory does not fit."""
     names = devices or [f"GPU{i}" for i in range(len(budgets))]
     limits = {**dict(zip(names, budgets)), HOST: memory}
+    layer_count = len(weights.expert_bytes) + weights.nextn_blocks
+
+    def rows_of(placement: Placement) -> list[DeviceMemory]:
+        return estimate(weights, host_load, placement, names)
+
     for placement in candidates(weights, shares or shares_of(budgets), from_last):
-        placed = PlacedMemory(placement, estimate(weights, host_load, placement, names), False, limits, margin)
+        placed = relieved(PlacedMemory(placement, rows_of(placement), False, limits, margin), rows_of, layer_count)
         if placed.fits:
             return placed
     return None
@@ -333,10 +383,15 @@ def place_on_devices(
 ) -> PlacedMemory | None:
     """The fastest placement that fits the budgets: `choose`'s by the estimate; with the devices
     `present` (their names, one per budget), llama.cpp loads the placements (`load`: its dry load of
-    one) from the estimate's: while a measured device is over its budget the next one, and where the
-    estimate's fits, the faster ones before it while they fit too (an estimate on the safe side
-    does not cost layers). None when none fits. Without `from_last`, --n-cpu-moe's placements alone
-    (the ones a ggufcarve command takes). `shares`: the split tried (-ts), else by the budgets."""
+    one). The walk over N (the blocks whose experts are in system memory) is a bisection: from N = 1
+    on, no device's memory grows with N (block N's experts leave the devices; the compute buffer of
+    a device grows by at most that block, as ggml copies a system-memory expert block to the device
+    for a large batch), while N = 0 to 1 adds that copy: N = 0 is tried by itself. The bisection
+    starts at the estimate's N; at each N the split is the estimate's, relieved by measured rows
+    (`relieved`) where a loaded device is over. Where the loads contradict the monotone order (N fits,
+    a larger N does not), the walk goes through every N upward and `PlacedMemory.walk` says so. None
+    when none fits. Without `from_last`, --n-cpu-moe's placements alone (the ones a ggufcarve command
+    takes). `shares`: the split tried (-ts), else by the budgets."""
     names = present or [f"GPU{i}" for i in range(len(budgets))]
     placed = choose(
         weights,
@@ -351,26 +406,62 @@ def place_on_devices(
     if not present:
         return placed
     limits = {**dict(zip(names, budgets)), HOST: memory}
-    tried = candidates(weights, shares or shares_of(budgets), from_last)
+    layer_count = len(weights.expert_bytes) + weights.nextn_blocks
+    groups = _by_blocks_on_cpu(weights, shares or shares_of(budgets), from_last)
+    loads = 0
 
-    def measured(placement: Placement) -> PlacedMemory:
-        return PlacedMemory(placement, measured_rows(weights, placement, load(placement)), True, limits, margin)
+    def measured_rows_of(placement: Placement) -> list[DeviceMemory]:
+        nonlocal loads
+        loads += 1
+        return measured_rows(weights, placement, load(placement))
 
-    start = tried.index(placed.placement) if placed is not None else len(tried) - 1
-    found = None
-    for placement in tried[start:]:
-        again = measured(placement)
-        if again.fits:
-            found = again
-            break
-    if found is None:
+    def estimated_rows_of(placement: Placement) -> list[DeviceMemory]:
+        return estimate(weights, host_load, placement, names)
+
+    def estimated(placement: Placement) -> Placement:
+        """The placement with the split the estimate relieves it to (itself where none fits)."""
+        placed = PlacedMemory(placement, estimated_rows_of(placement), False, limits, margin)
+        return relieved(placed, estimated_rows_of, layer_count).placement
+
+    found: dict[int, PlacedMemory | None] = {}
+
+    def fits_at(n: int) -> PlacedMemory | None:
+        if n not in found:
+            found[n] = None
+            for placement in groups[n]:
+                start = estimated(placement)
+                again = relieved(
+                    PlacedMemory(start, measured_rows_of(start), True, limits, margin),
+                    measured_rows_of,
+                    layer_count,
+                    steps=2 * len(names),
+                )
+                if again.fits:
+                    found[n] = again
+                    break
+        return found[n]
+
+    last = len(groups) - 1
+    start = placed.placement.n_cpu_moe if placed is not None else last
+    if fits_at(start) is not None:
+        low, high = (1, start) if start > 0 and fits_at(0) is None else (0, 0)
+    elif start < last and fits_at(last) is not None:
+        low, high = start + 1, last
+    else:
         return None
-    for placement in reversed(tried[: tried.index(found.placement)]):
-        faster = measured(placement)
-        if not faster.fits:
-            break
-        found = faster
-    return found
+    while low < high:
+        mid = (low + high) // 2
+        if fits_at(mid) is not None:
+            high = mid
+        else:
+            low = mid + 1
+    walk = f"bisection over N, {loads} dry loads"
+    contradicted = [(a, b) for a in found for b in found if 1 <= a < b and found[a] and not found[b]]
+    if high > 0 and contradicted:
+        a, b = contradicted[0]
+        high = next(n for n in range(1, last + 1) if fits_at(n) is not None)
+        walk = f"every N upward ({loads} dry loads): N = {a} fits and N = {b} does not, memory is not monotone in N"
+    return replace(found[high], walk=walk)
 
 
 def placed_offload(placed: PlacedMemory, weights: WeightPlacement, gpu_memory: int, margin: int) -> Offload:

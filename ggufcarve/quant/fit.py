@@ -302,7 +302,11 @@ class FitReport:
             devices=devices,
         )
         return {
-            "placement": {**placement.to_json(main), "label": placement.label()},
+            "placement": {
+                **placement.to_json(main),
+                "label": placement.label(),
+                **({"walk": row.placed.walk} if row.placed is not None and row.placed.walk else {}),
+            },
             **({"placement_chosen_by": "measured speed (llama-bench)"} if row.faster is not None else {}),
             "placement_measured": placed is not None and placed.measured,
             "server": server,
