@@ -501,3 +501,34 @@ def test_best_times_both_variants_of_a_winner_with_experts_in_system_memory(rpc_
     assert winner["speed_placement"] == winner["placement"]
     theirs = fit_params(llama_tools / "llama-fit-params", out / winner["path"], argv[3:])
     assert sum(theirs["RPC0"]) * 2**20 + 2**30 <= 1045 * 2**20, theirs
+
+
+def test_eval_with_qa_and_cross_check_computes_on_the_rpc_device(rpc_servers, llama_tools, tmp_path, monkeypatch):
+    """eval --rpc without --gpu-layers: the evaluation (held-out text and the QA prompts) and
+    llama-perplexity's cross-check compute on RPC0 by their own loader lines; --gpu-layers 0 on the
+    CPU; the KLD and the perplexity agree."""
+    monkeypatch.setenv("GGUFCARVE_CACHE", str(tmp_path / "cache"))
+    suite = tmp_path / "qa.jsonl"
+    check = {
+        "id": "a",
+        "messages": [{"role": "user", "content": "def"}],
+        "validator": {"type": "regex", "pattern": "."},
+    }
+    suite.write_text(json.dumps(check) + "\n")
+    pruned = tmp_path / "pruned.gguf"
+    made = ggufcarve("prune", DEMO_MODEL, "--keep-ids", "0,2,4,6,8,10,12,14", "-o", pruned, "-q")
+    assert made.code == 0, made.stderr[-2000:]
+    docs = {}
+    for where, flags in (("RPC0", []), ("CPU", ["--gpu-layers", 0])):
+        result = ggufcarve(
+            "eval", pruned, "--reference", DEMO_MODEL, "--heldout", HELDOUT, "--ctx", 128, "--chunks", 2,
+            "--qa", suite, "--cross-check", "--speed-runs", 0, "--llama-cpp", llama_tools, "--rpc", rpc_servers[0],
+            "-t", 2, *flags, "-o", tmp_path / where, "-q",
+        )  # fmt: skip
+        assert result.code == 0, result.stderr[-2000:]
+        docs[where] = json.loads((tmp_path / where / "pruned.json").read_text())
+        computed = docs[where]["computed_on"]
+        assert "evaluation" in computed and len(computed) >= 2, computed  # the cross-check's own stage too
+        _on(computed, where)
+    assert docs["RPC0"]["kld_mean"] == pytest.approx(docs["CPU"]["kld_mean"], rel=RELATIVE)
+    assert docs["RPC0"]["ppl"] == pytest.approx(docs["CPU"]["ppl"], rel=RELATIVE)
