@@ -33,11 +33,14 @@ class Stop(Exception):
 
 
 @pytest.fixture()
-def requests(monkeypatch):
+def requests(monkeypatch, tmp_path):
     """Every request handed to a child task; the first child ends the command. A listing of the RPC
-    servers' devices (what a cache key holds of them, `Compute.key`) is answered: no device."""
+    servers' devices (what a cache key holds of them, `Compute.key`) is answered: no device. The
+    cache is empty: a table another test measured on the CPU would answer before any child starts."""
     from ggufcarve.llama import child
     from ggufcarve.llama.devices import rpc_device_key
+
+    monkeypatch.setenv("GGUFCARVE_CACHE", str(tmp_path / "cache"))
 
     seen: list[object] = []
 
