@@ -771,6 +771,12 @@ TOP_K = Setting(
     "Cache only the reference's top-K log-probs per token (and sampled tail tokens): a small cache, an "
     "estimated KLD. Default: every token, as llama-perplexity keeps them.",
 )
+TOPK = Setting(
+    "topk",
+    Count(minimum=1, example="4"),
+    "Experts each token is routed to in the output, {arch}.expert_used_count (default: the source's; the "
+    "trained value is recorded beside it):",
+)
 TAIL_SAMPLES = Setting(
     "tail_samples",
     Count(minimum=0, example="32"),
@@ -881,6 +887,11 @@ FORCE = Setting("force", Flag(), "Replace what exists:")
 DRY_RUN = Setting("dry_run", Flag(), "Write nothing:")
 JOBS = Setting("jobs", Count(minimum=1, example="2"), "Jobs in parallel (default: the CPU count):", short="-j")
 MERGE = Setting("merge", Flag(), "Merge several into one:")
+SPLIT_MAX_SIZE = Setting(
+    "split_max_size",
+    Text(example="50G"),
+    "Re-shard the output, e.g. 50G or 512M (decimal units, as llama-gguf-split).",
+)
 REPORT = Setting("report", File(exists=False, example="report.json"), "Where the report is written")
 STRICT = Setting("strict", Flag(), "Fail (exit 1) for more than by default:")
 MODEL = Setting("model", File(example="model.gguf"), "A GGUF model:")
@@ -926,6 +937,7 @@ SETTINGS: dict[str, Setting] = {
         SPEED_RUNS,
         SPEED_ENGINE,
         TOP_K,
+        TOPK,
         TAIL_SAMPLES,
         GATE_SEGMENTS,
         LOOPS,
@@ -957,6 +969,7 @@ SETTINGS: dict[str, Setting] = {
         DRY_RUN,
         JOBS,
         MERGE,
+        SPLIT_MAX_SIZE,
         REPORT,
         STRICT,
         MODEL,

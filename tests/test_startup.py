@@ -94,7 +94,7 @@ def test_help_groups_the_commands_by_task():
     assert panels == {
         "Start here": ["demo", "best", "run"],
         "Decide": ["fit", "tune", "select", "score"],
-        "Build": ["prune", "imatrix", "ladder"],
+        "Build": ["prune", "topk", "imatrix", "ladder"],
         "Check and publish": ["eval", "card", "verify", "release", "check-prune"],
         "Set up": ["inspect", "devices", "toolchain", "cache"],
     }

@@ -92,6 +92,7 @@ COMMANDS: dict[str, Callable[[typer.Typer, str], None]] = {
     "select": _command(select.select_command, DECIDE, "Choose the experts to keep per MoE block."),
     "score": _command(select.score_command, DECIDE, "Score every expert of every MoE block."),
     "prune": _command(prune.prune, BUILD, "Keep K experts per MoE block, byte for byte."),
+    "topk": _command(prune.topk_command, BUILD, "A copy routed to N experts per token, byte for byte."),
     "imatrix": _group(imatrix.app, BUILD, "Collect, read, convert and remap importance matrices."),
     "ladder": _group(ladder.app, BUILD, "Quantize every rung of a ladder from one source."),
     "eval": _command(evaluate.eval_command, CHECK, "PPL, KLD, QA, speed and a gate against a reference."),

@@ -5,6 +5,8 @@ Examples:
     ggufcarve inspect model-00001-of-00003.gguf --json
     ggufcarve prune model.gguf --keep kept_expert_indices.json -o pruned.gguf
     ggufcarve prune model.gguf --keep-first 128 -o pruned.gguf --dry-run
+    ggufcarve prune model.gguf --keep-first 128 --topk 6 -o pruned-top6.gguf
+    ggufcarve topk model.gguf 6 -o model-top6.gguf
     ggufcarve check-prune model.gguf pruned.gguf
 """
 
@@ -31,6 +33,7 @@ if TYPE_CHECKING:
 
     from ggufcarve.gguf.container import GGUFModel
     from ggufcarve.moe.layout import MoeLayout
+    from ggufcarve.prune.plan import PrunePlan
 
 
 def _layout_table(model: GGUFModel, layout: MoeLayout) -> Table:
@@ -103,6 +106,11 @@ def inspect(
     out.print(tensors)
 
 
+ReportOption = Annotated[
+    Path | None, option(S.REPORT, "(default: OUTPUT_DIR/method/<output stem>.pruning-report.json).")
+]
+
+
 def prune(
     model: Annotated[Path, typer.Argument(help="Source GGUF file, or the first shard of a split set. Never modified.")],
     output: Annotated[Path, option(S.OUTPUT, "the .gguf (split outputs get -0000i-of-0000N).")],
@@ -112,28 +120,25 @@ def prune(
     force: Annotated[bool, option(S.FORCE, "an existing output.")] = False,
     dry_run: Annotated[bool, option(S.DRY_RUN, "print the plan.")] = False,
     no_provenance: Annotated[bool, typer.Option("--no-provenance", help="Do not add ggufcarve.* keys.")] = False,
-    split_max_size: Annotated[
-        str | None,
-        typer.Option("--split-max-size", help="Re-shard the output, e.g. 50G or 512M (as llama-gguf-split)."),
-    ] = None,
+    split_max_size: Annotated[str | None, option(S.SPLIT_MAX_SIZE)] = None,
     merge: Annotated[bool, option(S.MERGE, "a split source is written as one file.")] = False,
-    report: Annotated[
-        Path | None,
-        option(S.REPORT, "(default: OUTPUT_DIR/method/<output stem>.pruning-report.json)."),
-    ] = None,
+    topk: Annotated[int | None, option(S.TOPK, "At most K.")] = None,
+    report: ReportOption = None,
     quiet: Annotated[bool, option(S.QUIET)] = False,
     as_json: Annotated[bool, option(S.JSON, "the plan (with --dry-run) or the result.")] = False,
 ) -> None:
     """Keep K experts per MoE block: kept slabs and router rows copied as raw bytes, then verified."""
     from ggufcarve.gguf.container import read_model
+    from ggufcarve.moe.experts_used import with_experts_used
     from ggufcarve.moe.layout import inspect_layout
-    from ggufcarve.prune.execute import execute
     from ggufcarve.prune.plan import parse_size, plan_prune
-    from ggufcarve.prune.report import default_report_path, save_keep_file
+    from ggufcarve.prune.report import save_keep_file
 
     loaded = read_model(model)
     layout = inspect_layout(loaded)
-    keepset = resolve_keepset(layout, keep, keep_first_count, keep_id_list)
+    keepset = resolve_keepset(
+        layout if topk is None else with_experts_used(layout, topk), keep, keep_first_count, keep_id_list
+    )
     plan = plan_prune(
         loaded,
         layout,
@@ -142,13 +147,27 @@ def prune(
         provenance=not no_provenance,
         split_max_size=parse_size(split_max_size) if split_max_size else None,
         merge=merge,
+        experts_used=topk,
     )
+    if _write_plan(plan, loaded, force=force, dry_run=dry_run, report=report, quiet=quiet, as_json=as_json):
+        if keep is not None and keep.file is not None:
+            save_keep_file(plan, keep.file)  # beside the report: `ladder run` publishes it with the pruned model
+
+
+def _write_plan(
+    plan: PrunePlan, loaded: GGUFModel, *, force: bool, dry_run: bool, report: Path | None, quiet: bool, as_json: bool
+) -> bool:
+    """Print the plan (dry run), or write and verify it and print the result; whether it wrote."""
+    from ggufcarve.prune.execute import execute
+    from ggufcarve.prune.report import default_report_path
+
+    layout = plan.layout
     for warning in plan.warnings:
         warn(warning)
     if dry_run:
         if as_json:
             out.print_json(json.dumps(plan.to_json()))
-            return
+            return False
         summary = plan.to_json()
         table = new_table(title="prune plan (dry run: nothing written)", show_header=False, box=None)
         table.add_row(
@@ -166,11 +185,9 @@ def prune(
             table.add_row("[bold]output[/]", f"{f.path}: {f.size:,} bytes ({size(f.size)}), {len(f.tensors)} tensors")
         table.add_row("[bold]report[/]", str(report or default_report_path(plan)))
         out.print(table)
-        return
+        return False
     with progress(not quiet and not as_json) as sink:
         result = execute(plan, loaded, force=force, on_event=sink, report_path=report)
-    if keep is not None and keep.file is not None:
-        save_keep_file(plan, keep.file)  # beside the report: `ladder run` publishes it with the pruned model
     if as_json:
         out.print_json(
             json.dumps(
@@ -182,8 +199,8 @@ def prune(
                 }
             )
         )
-        return
-    table = new_table(title="pruned and verified")
+        return True
+    table = new_table(title="pruned and verified" if plan.pruned else "rewritten and verified")
     for column in ("output", "bytes", "size", "tensors", "sliced"):
         table.add_column(column, justify="left" if column == "output" else "right")
     for f in plan.files:
@@ -192,12 +209,52 @@ def prune(
         )
     out.print(table)
     t = result.timings
+    used = plan.to_json()["expert_used_count"]
     out.print(
-        f"experts {layout.expert_count} -> {plan.kept_count}; {plan.bytes_in:,} -> {plan.bytes_out:,} bytes; "
+        f"experts {layout.expert_count} -> {plan.kept_count}"
+        + (f", used per token {used['before']} -> {used['after']}" if used["before"] != used["after"] else "")
+        + f"; {plan.bytes_in:,} -> {plan.bytes_out:,} bytes; "
         f"{len(result.verification.tensors)} tensors and {result.verification.keys_checked} "
         f"keys verified (xxh3-128) in {t['total_seconds']:.1f} s"
     )
     out.print(f"report: {result.report_path}")
+    return True
+
+
+def topk_command(
+    model: Annotated[Path, typer.Argument(help="Source GGUF file, or the first shard of a split set. Never modified.")],
+    experts_used: Annotated[
+        int, typer.Argument(metavar="N", help="Experts each token is routed to in the copy ({arch}.expert_used_count).")
+    ],
+    output: Annotated[Path, option(S.OUTPUT, "the .gguf (a split source gives the same shards).")],
+    force: Annotated[bool, option(S.FORCE, "an existing output.")] = False,
+    dry_run: Annotated[bool, option(S.DRY_RUN, "print the plan.")] = False,
+    split_max_size: Annotated[str | None, option(S.SPLIT_MAX_SIZE)] = None,
+    merge: Annotated[bool, option(S.MERGE, "a split source is written as one file.")] = False,
+    report: ReportOption = None,
+    quiet: Annotated[bool, option(S.QUIET)] = False,
+    as_json: Annotated[bool, option(S.JSON, "the plan (with --dry-run) or the result.")] = False,
+) -> None:
+    """A copy routed to N experts per token: every tensor and every other key byte for byte
+    (with {arch}.expert_feed_forward_length added where the file derives the width from N), verified."""
+    from ggufcarve.gguf.container import read_model
+    from ggufcarve.moe.keepset import keep_first
+    from ggufcarve.moe.layout import inspect_layout
+    from ggufcarve.prune.plan import parse_size, plan_prune
+
+    loaded = read_model(model)
+    layout = inspect_layout(loaded)
+    plan = plan_prune(
+        loaded,
+        layout,
+        keep_first(layout, layout.expert_count),
+        output,
+        provenance=False,
+        split_max_size=parse_size(split_max_size) if split_max_size else None,
+        merge=merge,
+        experts_used=experts_used,
+    )
+    _write_plan(plan, loaded, force=force, dry_run=dry_run, report=report, quiet=quiet, as_json=as_json)
 
 
 def check_prune_command(
@@ -212,7 +269,7 @@ def check_prune_command(
 
     Without a keep-set option, the one the output records in its ggufcarve.kept_* keys is used."""
     from ggufcarve.gguf.container import read_model
-    from ggufcarve.moe.keepset import keepset_from_provenance
+    from ggufcarve.moe.keepset import keep_first, keepset_from_provenance
     from ggufcarve.moe.layout import inspect_layout
     from ggufcarve.prune.check import check_prune
 
@@ -220,8 +277,11 @@ def check_prune_command(
     layout = inspect_layout(src)
     pruned = read_model(output)
     recorded = keepset_from_provenance(pruned.get, pruned.path.name)
-    if recorded is not None and keep is None and keep_first_count is None and keep_id_list is None:
+    unspecified = keep is None and keep_first_count is None and keep_id_list is None
+    if recorded is not None and unspecified:
         keepset = recorded
+    elif unspecified and inspect_layout(pruned).expert_count == layout.expert_count:
+        keepset = keep_first(layout, layout.expert_count)  # a `topk` copy: every expert
     else:
         keepset = resolve_keepset(layout, keep, keep_first_count, keep_id_list)
     with progress(not quiet) as sink:

@@ -6,7 +6,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from gguf.constants import GGUFValueType, Keys
+from gguf.constants import Keys
 
 from ggufcarve.errors import VerificationFailed
 from ggufcarve.events import Counter, Sink, ignore
@@ -20,9 +20,10 @@ from ggufcarve.gguf.container import (
     GGUFModel,
 )
 from ggufcarve.listing import shortened
+from ggufcarve.moe.experts_used import used_count_key, with_experts_used
 from ggufcarve.moe.keepset import KeepSet, check_keepset
 from ggufcarve.moe.layout import MoeLayout
-from ggufcarve.prune.plan import PROVENANCE, tensor_ranges
+from ggufcarve.prune.plan import PROVENANCE, expert_records, jsonable, tensor_ranges
 
 
 @dataclass
@@ -91,10 +92,12 @@ def verify_prune(
     *,
     expected: dict[str, str] | None = None,
     output_hashes: OutputHashes | None = None,
+    experts_used: int | None = None,
     on_event: Sink = ignore,
 ) -> Verification:
     """Check an output against its source: every tensor is the concatenation of its source slices
-    (xxh3-128), every source key is byte-identical except the ones pruning changes.
+    (xxh3-128), every source key is byte-identical except the ones pruning changes (prune/plan.py
+    `expert_records`: the expert count, and the used count `experts_used` with its expert width).
 
     `expected` and `output_hashes` may come precomputed from the executor's hashing threads;
     output hashes then carry the byte range they were read from, which must be where the
@@ -111,15 +114,14 @@ def verify_prune(
         extra = sorted(set(out_names) - set(source_names))
         problems.append(f"tensor set differs from the source (missing {missing[:3]}, extra {extra[:3]})")
 
-    arch = layout.architecture
-    expert_count_key = Keys.LLM.EXPERT_COUNT.format(arch=arch)
-    allowed_changes = {expert_count_key, Keys.General.SIZE_LABEL}
+    records = expert_records(source, layout, kept, experts_used)
+    allowed_changes = {*records, Keys.General.SIZE_LABEL}
     out_meta = output_files[0]
-    expert_kv = out_meta.kv_index.get(expert_count_key)
-    if expert_kv is None or expert_kv.value_type != GGUFValueType.UINT32 or expert_kv.value != kept:
-        problems.append(
-            f"{expert_count_key} is {None if expert_kv is None else expert_kv.value!r}, expected u32 {kept}"
-        )
+    for key, record in records.items():
+        out_kv = out_meta.kv_index.get(key)
+        if out_kv is None or out_kv.raw != record.raw:
+            found = None if out_kv is None else jsonable(out_kv.value)
+            problems.append(f"{key} is {found!r}, expected {jsonable(record.value)!r}")
     keys_checked = 0
     for kv in source.metadata.kvs:
         if kv.key in SPLIT_KEYS or kv.key in allowed_changes:
@@ -133,7 +135,12 @@ def verify_prune(
     source_keys = set(source.metadata.kv_index)
     for f_index, f in enumerate(output_files):
         for kv in f.kvs:
-            new_key = kv.key not in source_keys and not kv.key.startswith(PROVENANCE) and kv.key not in SPLIT_KEYS
+            new_key = (
+                kv.key not in source_keys
+                and not kv.key.startswith(PROVENANCE)
+                and kv.key not in SPLIT_KEYS
+                and kv.key not in records
+            )
             if (f_index == 0 and new_key) or (f_index > 0 and kv.key not in SPLIT_KEYS):
                 problems.append(f"{f.path.name}: unexpected key {kv.key}")
 
@@ -191,6 +198,14 @@ def verify_prune(
 def check_prune(
     source: GGUFModel, layout: MoeLayout, keepset: KeepSet, output: GGUFModel, on_event: Sink = ignore
 ) -> Verification:
-    """`ggufcarve check-prune`: re-run the verification of an existing output."""
-    check_keepset(keepset, layout)
-    return verify_prune(source, layout, keepset, list(output.shards), on_event=on_event)
+    """`ggufcarve check-prune`: re-run the verification of an existing output (a used count it was
+    rewritten to, `prune --topk` or `topk`, is read from it)."""
+    key = used_count_key(layout)
+    written = output.metadata.kv_index.get(key)
+    source_record = source.metadata.kv_index.get(key)
+    experts_used = None
+    if written is not None and (source_record is None or written.raw != source_record.raw):
+        value = written.value
+        experts_used = int(value[0] if hasattr(value, "__len__") else value)
+    check_keepset(keepset, layout if experts_used is None else with_experts_used(layout, experts_used))
+    return verify_prune(source, layout, keepset, list(output.shards), experts_used=experts_used, on_event=on_event)

@@ -463,7 +463,13 @@ def execute(
         expected = copy_pass.expected_hashes(output_hashes, output_units)
         written = [read_file(temp) for temp, _ in outputs]
         verification = verify_prune(
-            model, plan.layout, plan.keepset, written, expected=expected, output_hashes=output_hashes
+            model,
+            plan.layout,
+            plan.keepset,
+            written,
+            expected=expected,
+            output_hashes=output_hashes,
+            experts_used=plan.experts_used,
         )
         verification.raise_if_failed(f"verification of {plan.outputs[0].name}")
         timings["verify_seconds"] = time.perf_counter() - t_verify

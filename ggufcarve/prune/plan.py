@@ -28,6 +28,13 @@ from ggufcarve.gguf.container import (
     replace_kvs,
     shard_paths,
 )
+from ggufcarve.moe.experts_used import (
+    TRAINED_KEY,
+    check_experts_used,
+    experts_used_records,
+    used_count_key,
+    with_experts_used,
+)
 from ggufcarve.moe.keepset import KeepSet, check_keepset, provenance_kvs
 from ggufcarve.moe.layout import MoeLayout
 
@@ -36,7 +43,7 @@ KEY_SOURCE_SHA256 = "ggufcarve.source.sha256"  # one entry per source file, fill
 SHA256_PLACEHOLDER = "0" * 64
 
 
-def _jsonable(value: Any) -> Any:
+def jsonable(value: Any) -> Any:
     return value.tolist() if hasattr(value, "tolist") else value
 
 
@@ -109,10 +116,15 @@ class PrunePlan:
     warnings: tuple[str, ...]
     split_max_size: int | None = None  # bytes of tensor data per output shard, as llama-gguf-split
     merge: bool = False  # a split source written as one file
+    experts_used: int | None = None  # the {arch}.expert_used_count written; None: the source's kept
 
     @property
     def kept_count(self) -> int:
         return self.keepset.kept_count
+
+    @property
+    def pruned(self) -> bool:
+        return self.kept_count != self.layout.expert_count
 
     @property
     def bytes_in(self) -> int:
@@ -147,17 +159,33 @@ class PrunePlan:
             "sources": [{"path": str(p), "bytes": s} for p, s in zip(self.sources, self.source_sizes)],
             "outputs": [{"path": str(f.path), "bytes": f.size, "tensors": len(f.tensors)} for f in self.files],
             "expert_count": {"before": self.layout.expert_count, "after": self.kept_count},
+            "expert_used_count": {
+                "before": self.layout.expert_used_count,
+                "after": self.layout.expert_used_count if self.experts_used is None else self.experts_used,
+            },
             "moe_blocks": list(self.layout.blocks),
             "tensors_total": len(self.tensors),
             "tensors_pruned": sorted(t.name for t in pruned),
             "changed_keys": {
-                k: {"before": _jsonable(a), "after": _jsonable(b)} for k, (a, b) in sorted(self.changed_keys.items())
+                k: {"before": jsonable(a), "after": jsonable(b)} for k, (a, b) in sorted(self.changed_keys.items())
             },
             "provenance_keys": self.provenance,
             "bytes_in": self.bytes_in,
             "bytes_out": self.bytes_out,
             "warnings": list(self.warnings),
         }
+
+
+def expert_records(model: GGUFModel, layout: MoeLayout, kept: int, experts_used: int | None) -> dict[str, KeyValue]:
+    """The expert keys an output of K kept experts routed to N writes, where they differ from the
+    source's records: `{arch}.expert_count` (u32 K), and the used count with the expert width a
+    changed N needs (moe/experts_used.py)."""
+    key = Keys.LLM.EXPERT_COUNT.format(arch=layout.architecture)
+    records = {} if kept == layout.expert_count else {key: make_kv(key, GGUFValueType.UINT32, kept)}
+    if experts_used is not None:
+        records.update(experts_used_records(model, layout, experts_used))
+    source = model.metadata.kv_index
+    return {k: r for k, r in records.items() if k not in source or source[k].raw != r.raw}
 
 
 def tensor_ranges(
@@ -226,9 +254,14 @@ def plan_prune(
     provenance: bool = True,
     split_max_size: int | None = None,
     merge: bool = False,
+    experts_used: int | None = None,
 ) -> PrunePlan:
-    """Everything the executor will do, decided before a byte is written."""
-    warnings = list(check_keepset(keepset, layout))
+    """Everything the executor will do, decided before a byte is written. `experts_used` rewrites
+    the experts each token is routed to (moe/experts_used.py); the keep-set must then hold K >= it."""
+    if experts_used is not None:
+        check_experts_used(model, layout, experts_used)
+    used_layout = layout if experts_used is None else with_experts_used(layout, experts_used)
+    warnings = list(check_keepset(keepset, used_layout))
     kept = keepset.kept_count
     ranges = tensor_ranges(model, layout, keepset)
     source_tensors = [(i, t) for i, shard in enumerate(model.shards) for t in shard.tensors]
@@ -238,12 +271,11 @@ def plan_prune(
     }
 
     meta = model.metadata
-    arch = layout.architecture
-    expert_count_key = Keys.LLM.EXPERT_COUNT.format(arch=arch)
-    changes: dict[str, KeyValue | None] = {expert_count_key: make_kv(expert_count_key, GGUFValueType.UINT32, kept)}
+    changes: dict[str, KeyValue | None] = {}
     changed_keys: dict[str, tuple[Any, Any]] = {}
-    if layout.expert_count != kept:
-        changed_keys[expert_count_key] = (layout.expert_count, kept)
+    for key, record in expert_records(model, layout, kept, experts_used).items():
+        changes[key] = record
+        changed_keys[key] = (jsonable(meta.get(key)), jsonable(record.value))
     label = meta.get(Keys.General.SIZE_LABEL)
     if isinstance(label, str) and kept != layout.expert_count:
         total_params = sum(
@@ -262,6 +294,8 @@ def plan_prune(
         )
         for kv in (source_sha256, *provenance_kvs(keepset, layout.expert_count)):
             changes[kv.key] = kv
+        if used_count_key(layout) in changed_keys:
+            changes[TRAINED_KEY] = make_kv(TRAINED_KEY, GGUFValueType.UINT32, layout.expert_used_count)
 
     output = Path(output)
     same_sharding = model.is_split and split_max_size is None and not merge
@@ -305,6 +339,7 @@ def plan_prune(
         warnings=tuple(warnings),
         split_max_size=split_max_size,
         merge=merge,
+        experts_used=experts_used,
     )
 
 

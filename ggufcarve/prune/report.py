@@ -15,7 +15,7 @@ from typing import Any
 
 from ggufcarve.fileio import atomic_file
 from ggufcarve.prune.check import Verification
-from ggufcarve.prune.plan import PrunePlan, _jsonable
+from ggufcarve.prune.plan import PrunePlan, jsonable
 from ggufcarve.reports import METHOD_DIR, PRUNING_REPORT, envelope, output_stem, report_path_for
 
 KEEP_SET_INPUT = "keep-set"  # the `kind` of the inputs entry naming the keep-set file (the source files have none)
@@ -74,10 +74,11 @@ def pruning_report(
             "output": {
                 "files": [{"name": f.path.name, "bytes": f.size, "tensors": len(f.tensors)} for f in plan.files],
                 "expert_count": plan.kept_count,
+                "expert_used_count": plan.layout.expert_used_count if plan.experts_used is None else plan.experts_used,
             },
             "keep_set": plan.keepset.to_json(),
             "changed_keys": {
-                k: {"before": _jsonable(a), "after": _jsonable(b)} for k, (a, b) in sorted(plan.changed_keys.items())
+                k: {"before": jsonable(a), "after": jsonable(b)} for k, (a, b) in sorted(plan.changed_keys.items())
             },
             "tensors": [
                 {
