@@ -13,8 +13,6 @@ graphs (qwen2moe, qwen3moe, qwen35moe, glm4moe, ...) derive the expert width as
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-from typing import Any
 
 from gguf.constants import GGUFValueType, Keys
 
@@ -53,7 +51,7 @@ def experts_used_problems(model: GGUFModel, layout: MoeLayout, used: int) -> lis
     if used < 1:
         problems.append(f"N={used} is below 1: every token is routed to at least one expert")
     if used > layout.expert_count:
-        problems.append(f"N={used} is above {key.split('.')[0]}.expert_count={layout.expert_count}")
+        problems.append(f"N={used} is above {layout.architecture}.expert_count={layout.expert_count}")
     elif used > grouped_limit(layout):
         problems.append(
             f"N={used} is above what grouped routing can choose: {layout.group_used_count} used groups x "
@@ -91,8 +89,8 @@ def expert_width(layout: MoeLayout) -> int:
 def experts_used_records(model: GGUFModel, layout: MoeLayout, used: int) -> dict[str, KeyValue]:
     """The header records of a copy routed to N experts: `{arch}.expert_used_count` (a uint32, or the
     per-layer array with every MoE layer's entry N) and, where the file lacks it,
-    `{arch}.expert_feed_forward_length` with the width the tensors have. Checked by check_experts_used."""
-    check_experts_used(model, layout, used)
+    `{arch}.expert_feed_forward_length` with the width the tensors have. N is one check_experts_used
+    accepted (plan_prune checks it first)."""
     key = used_count_key(layout)
     current = model.metadata.kv_index[key]
     if current.value_type == GGUFValueType.ARRAY:
@@ -109,10 +107,3 @@ def experts_used_records(model: GGUFModel, layout: MoeLayout, used: int) -> dict
 def with_experts_used(layout: MoeLayout, used: int) -> MoeLayout:
     """The layout as a file routed to N experts describes it (the kept-count rules then hold K >= N)."""
     return dataclasses.replace(layout, expert_used_count=used)
-
-
-def trained_experts_used(get: Callable[[str], Any], layout: MoeLayout) -> int:
-    """The used count a file was trained with: the provenance record a pruner's rewrite left
-    (TRAINED_KEY), else the file's own value (the largest per-layer value of an array)."""
-    recorded = get(TRAINED_KEY)
-    return int(recorded) if recorded is not None else layout.expert_used_count

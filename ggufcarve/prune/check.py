@@ -20,7 +20,7 @@ from ggufcarve.gguf.container import (
     GGUFModel,
 )
 from ggufcarve.listing import shortened
-from ggufcarve.moe.experts_used import used_count_key, with_experts_used
+from ggufcarve.moe.experts_used import check_experts_used, used_count_key, with_experts_used
 from ggufcarve.moe.keepset import KeepSet, check_keepset
 from ggufcarve.moe.layout import MoeLayout
 from ggufcarve.prune.plan import PROVENANCE, expert_records, jsonable, tensor_ranges
@@ -207,5 +207,6 @@ def check_prune(
     if written is not None and (source_record is None or written.raw != source_record.raw):
         value = written.value
         experts_used = int(value[0] if hasattr(value, "__len__") else value)
+        check_experts_used(source, layout, experts_used)
     check_keepset(keepset, layout if experts_used is None else with_experts_used(layout, experts_used))
     return verify_prune(source, layout, keepset, list(output.shards), experts_used=experts_used, on_event=on_event)
