@@ -534,3 +534,17 @@ def test_the_card_shows_each_files_speed_and_where_it_was_measured():
     assert "| tiny-6e-Q4_K_M.gguf | 41.0 | 900.0 | -ngl 99 on cuda, split 3:1, 16 CPU threads |" in text
     assert "| tiny-6e-Q8_0.gguf | 63.5 |" in text
     assert "(llama-bench: prompt of 512 tokens, 128 tokens decoded, the median of 3 run(s))" in text
+
+
+def test_the_card_gives_the_written_top_k_beside_the_trained_one_and_the_override_back():
+    from ggufcarve.release.card import render_card
+
+    inputs, _ = _card_inputs({"Q8_0": ("PASS", 0.01, 800)}, {})
+    assert "- Experts used per token (top-k) stay 2." in render_card(inputs)
+    inputs.manifest["expert_used_count"] = {"trained": 4, "written": 2}
+    text = render_card(inputs)
+    assert "- Experts used per token (top-k): 2, lowered from the trained 4 (`qwen3moe.expert_used_count`)" in text
+    assert "`--override-kv qwen3moe.expert_used_count=int:4`" in text
+    assert "Top-k routing was lowered from 4 to 2 experts per token" in text and "Top-k routing is unchanged" not in text
+    inputs.keys["ggufcarve.expert_used_count_trained"] = 8  # the file's own record comes first
+    assert "lowered from the trained 8" in render_card(inputs)

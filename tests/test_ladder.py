@@ -544,3 +544,34 @@ def test_ladder_run_takes_the_name_of_a_shipped_spec(q8_moe, tmp_path):
     unknown = ggufcarve("ladder", "run", "q9-to-iq0", "--source", q8_moe, "-o", tmp_path / "out", "--dry-run")
     assert unknown.code == 1
     assert "no such spec file" in unknown.error_line and "q8-to-iq1" in unknown.error_line
+
+
+@pytest.mark.slow
+def test_topk_routes_every_rung_and_the_manifest_records_the_trained_value(small_spec, q8_moe, tmp_path):
+    """--topk 1 on the top-2 fixture: the rung differs from the same rung built without it in the used count
+    alone (every tensor and every other key equal), llama.cpp routes each token to one expert, the manifest says
+    trained 2, written 1, and a run without --topk rebuilds the rung rather than resuming it."""
+    out = tmp_path / "out"
+    common = ["ladder", "run", small_spec, "--source", q8_moe, "-o", out, "--only", "Q4_K_M", "-t", "2"]
+    routed = ggufcarve(*common, "--quantizer", "libllama", "--topk", "1")
+    assert routed.code == 0, routed.stderr[-2000:]
+    assert "experts per token: 1 in every rung (trained: 2)" in routed.stderr
+    manifest = json.loads((out / "quant-manifest.json").read_text())
+    assert manifest["expert_used_count"] == {"trained": 2, "written": 1}
+    rung = out / manifest["rungs"][0]["files"][0]["name"]
+    assert manifest["rungs"][0]["sha256"] == sha256(rung)
+    assert [p.name for p in out.rglob("*.tmp")] == []  # no unrouted temp left
+    trace = trace_routing(rung, [1, 70, 80, 90, 100, 110])
+    assert {block: ids.shape for block, ids in trace.topk.items()} == {0: (6, 1), 1: (6, 1)}
+    kept = tmp_path / "routed.gguf"
+    rung.rename(kept)  # the run without --topk must rebuild it, not find it unchanged
+    plain = ggufcarve(*common, "--quantizer", "libllama")
+    assert plain.code == 0, plain.stderr[-2000:]
+    assert json.loads((out / "quant-manifest.json").read_text())["expert_used_count"] == {"trained": 2, "written": 2}
+    routed_model, plain_model = read_model(kept), read_model(rung)
+    used = "qwen3moe.expert_used_count"
+    assert (routed_model.get(used), plain_model.get(used)) == (1, 2)
+    assert {k.key: k.raw for k in routed_model.metadata.kvs if k.key != used} == {
+        k.key: k.raw for k in plain_model.metadata.kvs if k.key != used
+    }
+    assert all(tensor_bytes(kept, t.name) == tensor_bytes(rung, t.name) for t in plain_model.tensors)

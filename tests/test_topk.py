@@ -205,3 +205,81 @@ def test_a_copy_without_the_expert_width_loads_once_it_is_written(q8_moe, llama_
         llama_tools, q8_moe, base, 128, "--override-kv", f"{USED}=int:1"
     )  # the source with its width: the override alone would break the derived width of the one without
     assert _llama_kld(llama_tools, copy, base, 128) == pytest.approx(overridden, rel=1e-3)
+
+
+def test_overrides_route_the_loaded_file_as_the_copy_is_written(q8_moe, tmp_path):
+    """The load-time form of a copy routed to N: the used count, and the width where the file lacks it;
+    nothing at the file's own N; refused as the copy is."""
+    from ggufcarve.errors import BadInput
+    from ggufcarve.gguf.container import read_model
+    from ggufcarve.moe.experts_used import experts_used_overrides
+    from ggufcarve.moe.layout import inspect_layout
+
+    demo = read_model(DEMO_MODEL)
+    assert experts_used_overrides(demo, inspect_layout(demo), 2) == ((USED, 2),)
+    assert experts_used_overrides(demo, inspect_layout(demo), 4) == ()
+    with pytest.raises(BadInput, match="N=17 is above"):
+        experts_used_overrides(demo, inspect_layout(demo), 17)
+    bare = read_model(_without_width(q8_moe, tmp_path))
+    assert experts_used_overrides(bare, inspect_layout(bare), 1) == ((USED, 1), (WIDTH, _fields(q8_moe)[WIDTH]))
+
+
+def test_a_compute_with_overrides_passes_them_to_tools_and_keys():
+    from ggufcarve.llama.devices import Compute
+
+    plain = Compute(threads=2)
+    routed = plain.with_overrides(((USED, 2),))
+    assert Compute.from_json(json.loads(json.dumps(routed.to_json()))) == routed
+    assert routed.tool_args()[-2:] == ["--override-kv", f"{USED}=int:2"]
+    assert routed.key() != plain.key() and routed.key()["kv_overrides"] == [[USED, 2]]
+    assert plain.to_json() == Compute.from_json(plain.to_json()).to_json() and "kv_overrides" not in plain.to_json()
+    with pytest.raises(ValueError, match="llama-bench takes no --override-kv"):
+        routed.tool_args(bench=True)
+
+
+@pytest.mark.slow
+def test_masked_scoring_at_n_used_equals_the_pruned_rewritten_file(llama_tools, tmp_path):
+    """One load of the demo with the used count overridden scores (K, N) by masking: its KLD equals the
+    KLD of the file pruned to K and rewritten to N, and without a mask llama-perplexity's on the demo
+    loaded with --override-kv."""
+    from ggufcarve.gguf.container import read_model
+    from ggufcarve.llama.devices import Compute
+    from ggufcarve.llama.masking import required_nodes
+    from ggufcarve.measure.tournament import Candidate, MeasureSettings, measure, prepare_segments
+    from ggufcarve.moe.experts_used import experts_used_overrides
+    from ggufcarve.moe.keepset import KeepSet
+    from ggufcarve.moe.layout import inspect_layout
+
+    model = read_model(DEMO_MODEL)
+    layout = inspect_layout(model)
+    keepset = KeepSet({b: tuple(range(3, 15)) for b in layout.blocks})
+    keep_file = tmp_path / "keep.json"
+    keep_file.write_text(json.dumps(keepset.to_json()))
+    pruned = tmp_path / "k12-top3.gguf"
+    made = ggufcarve("prune", DEMO_MODEL, "--keep", keep_file, "--topk", "3", "-o", pruned, "-q")
+    assert made.code == 0, made.stderr[-2000:]
+    top3 = experts_used_overrides(model, layout, 3)
+    nodes = tuple(f"{node}:{block}" for node, block in required_nodes(layout, keepset))
+    segments = prepare_segments(
+        DEMO_MODEL, [HELDOUT], chunk_ctx=256, chunks=8, compute=Compute(threads=2), work=tmp_path
+    )
+    got = measure(
+        [
+            Candidate("top3", DEMO_MODEL, overrides=top3),
+            Candidate("K12-top3", DEMO_MODEL, keep=keepset.layers, required_nodes=nodes, overrides=top3),
+            Candidate("K12-top4", DEMO_MODEL, keep=keepset.layers, required_nodes=nodes),
+            Candidate("K12-top3@file", pruned),
+        ],
+        segments,
+        MeasureSettings(Compute(threads=2), first_units=99),
+        tmp_path,
+    )
+    r = got.records
+    assert all(r[c]["chunks_scored"] == 8 for c in r)
+    assert r["K12-top3"]["kld_mean"] == pytest.approx(r["K12-top3@file"]["kld_mean"], rel=1e-3)
+    assert not np.allclose(got.table("K12-top3"), got.table("K12-top4"))  # one load each: the override is applied
+    assert got.loads == {DEMO_MODEL.name: 2, pruned.name: 1}
+    base = tmp_path / "demo.kld"
+    _llama_base(llama_tools, DEMO_MODEL, base, 256, 8)
+    overridden = _llama_kld(llama_tools, DEMO_MODEL, base, 256, "--override-kv", f"{USED}=int:3")
+    assert r["top3"]["kld_mean"] == pytest.approx(overridden, rel=1e-3, abs=2e-6)

@@ -4,6 +4,8 @@ Examples:
     ggufcarve ladder run ladders/q8-to-iq1.toml --source model-128e-Q8_0.gguf --imatrix model-128e.imatrix.gguf -o \\
         release/
     ggufcarve ladder run ladders/q8-to-iq1.toml --source model-128e-Q8_0.gguf -o release/ --only Q4_K_M --dry-run
+    # every rung routed to 6 experts per token (the trained top-k recorded beside it in the manifest):
+    ggufcarve ladder run ladders/q8-to-iq1.toml --source model-128e-Q8_0.gguf -o release-top6/ --topk 6
     # a new release in release/:
     ggufcarve ladder run ladders/q8-to-iq1.toml --source other-model-Q8_0.gguf -o release/ --force
 """
@@ -65,6 +67,7 @@ def ladder_run(
             "its pruning report records when the source was pruned with --keep SELECTION.json.",
         ),
     ] = None,
+    topk: Annotated[int | None, option(S.TOPK, "Every rung is rewritten to it once quantized.")] = None,
     quiet: Annotated[bool, option(S.QUIET)] = False,
 ) -> None:
     """Quantize every rung of SPEC from --source into -o DIR; resumable; writes quant-manifest.json and SHA256SUMS."""
@@ -88,6 +91,7 @@ def ladder_run(
         hash_inputs=not dry_run,
         fresh=force,
         selection=selection,
+        experts_used=topk,
     )
     for warning in plan.warnings:
         warn(warning)
@@ -101,6 +105,11 @@ def ladder_run(
         ),
         highlight=False,
     )
+    if plan.experts_used is not None:
+        err.print(
+            f"experts per token: {plan.experts_used} in every rung (trained: {plan.trained_experts_used})",
+            highlight=False,
+        )
     if dry_run:
         table = new_table(title=f"ladder {ladder_spec.name} (dry run: nothing written)")
         for column in ("rung", "output", "est. size", "imatrix fallback", "command"):

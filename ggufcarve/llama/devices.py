@@ -23,6 +23,11 @@ initialised is used, as llama.cpp's tools use theirs. `tensor_split` is the shar
 devices (llama.cpp's -ts); `gpu_layers` the layers offloaded (-ngl), the last ones first;
 `n_cpu_moe` keeps the routed experts of blocks 0..N-1 in system memory (--n-cpu-moe: common/arg.cpp
 adds one tensor_buft_override per block, `blk\\.{i}` + LLM_FFN_EXPS_REGEX to the CPU buffer type).
+
+`kv_overrides` replaces header values at load (llama.cpp's --override-kv KEY=int:VALUE):
+llama_model_params.kv_overrides is an array of llama_model_kv_override {tag, char key[128], value}
+ended by an entry whose key is empty; the loader (src/llama-model-loader.cpp, GGUFMeta) takes an
+override before the file's value, and also where the file has no such key.
 """
 
 from __future__ import annotations
@@ -43,6 +48,8 @@ FIT_MARGIN = 2**30  # common/fit.cpp's fit_params_target: the memory llama.cpp's
 ENDPOINT = re.compile(r"^(?P<host>[A-Za-z0-9_.\-]+|\[[0-9A-Fa-f:]+\]):(?P<port>\d{1,5})$")
 KEEPALIVE: list[object] = []  # arrays handed to llama.cpp through llama_model_params
 LLM_FFN_EXPS_REGEX = r"\.ffn_(up|down|gate|gate_up)_(ch|)exps"  # common/common.h
+KV_KEY_BYTES = 128  # llama_model_kv_override.key: char[128], NUL included
+KV_OVERRIDE_INT = 0  # enum llama_model_kv_override_type: LLAMA_KV_OVERRIDE_TYPE_INT
 AUTO = -1  # gpu_layers: placed on the devices present by the placement search (llama.cpp's -ngl auto, --fit on)
 
 
@@ -123,6 +130,7 @@ class Compute:
     threads: int = 0
     n_cpu_moe: int = 0
     devices: tuple[str, ...] = ()
+    kv_overrides: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self) -> None:
         if self.gpu_layers < AUTO or self.threads < 0 or self.n_cpu_moe < 0:
@@ -130,6 +138,20 @@ class Compute:
                 f"gpu layers {self.gpu_layers}, threads {self.threads} and n-cpu-moe {self.n_cpu_moe} must be >= 0",
                 "for example --gpu-layers 99",
             )
+        for key, _ in self.kv_overrides:
+            if not key or len(key.encode()) >= KV_KEY_BYTES:
+                raise BadInput(
+                    f"--override-kv key {key!r} is empty or longer than {KV_KEY_BYTES - 1} bytes",
+                    "name a header key of the model (ggufcarve inspect MODEL)",
+                )
+
+    def with_overrides(self, overrides: tuple[tuple[str, int], ...]) -> Compute:
+        """The same placement with these header values replaced at load (none: the file's own)."""
+        return replace(self, kv_overrides=tuple(overrides))
+
+    def override_args(self) -> list[str]:
+        """--override-kv KEY=int:VALUE for each replaced header value (llama-perplexity, llama-cli, llama-server)."""
+        return [arg for key, value in self.kv_overrides for arg in ("--override-kv", f"{key}=int:{value}")]
 
     def cpu_tensors(self) -> tuple[str, ...]:
         """The -ot patterns of the tensors it keeps in system memory: one per block, as --n-cpu-moe."""
@@ -153,6 +175,8 @@ class Compute:
         `bench`, llama-bench's, whose -ts separates the shares of one split by "/")."""
         if self.auto:
             raise ValueError("an automatic placement is resolved (placement.auto.resolve) before a tool runs")
+        if bench and self.kv_overrides:
+            raise ValueError("llama-bench takes no --override-kv: time a file that carries the values")
         args = ["-ngl", str(self.gpu_layers)]
         if self.rpc:
             args += ["--rpc", ",".join(self.rpc)]
@@ -164,7 +188,7 @@ class Compute:
             args += ["-t", str(self.threads)]
         if self.n_cpu_moe:
             args += ["-ncmoe" if bench else "--n-cpu-moe", str(self.n_cpu_moe)]
-        return args
+        return args + self.override_args()
 
     def key(self) -> dict[str, Any]:
         """What of it changes computed numbers (a cache's key): the libllama's backend (always: a
@@ -180,6 +204,8 @@ class Compute:
             "gpu_layers": "auto" if self.auto else self.gpu_layers,
             "threads": self.threads,
         }
+        if self.kv_overrides:
+            key["kv_overrides"] = [list(pair) for pair in self.kv_overrides]
         if not (self.offloads or self.auto):
             return key  # every layer on the CPU: an RPC device added then computes nothing (ggml-rpc offloads no op)
         key["tensor_split"] = list(self.tensor_split)
@@ -199,6 +225,7 @@ class Compute:
             "threads": self.threads,
             "n_cpu_moe": self.n_cpu_moe,
             "devices": list(self.devices),
+            **({"kv_overrides": [list(pair) for pair in self.kv_overrides]} if self.kv_overrides else {}),
         }
 
     def record(self) -> dict[str, Any]:
@@ -215,6 +242,7 @@ class Compute:
             int(doc.get("threads", 0)),
             int(doc.get("n_cpu_moe", 0)),
             tuple(str(d) for d in doc.get("devices", ())),
+            tuple((str(key), int(value)) for key, value in doc.get("kv_overrides", ())),
         )
 
 
@@ -423,10 +451,13 @@ def device_order(devices: list[Device]) -> list[Device]:
 
 def set_model_params(llama_cpp: Any, params: Any, compute: Compute) -> list[Device]:
     """Put `compute`'s placement into llama_model_params: n_gpu_layers, the offload devices (set
-    explicitly, NULL-terminated) and tensor_split. Returns the offload devices."""
+    explicitly, NULL-terminated), tensor_split and the header values replaced at load. Returns the
+    offload devices."""
     if compute.auto:
         raise ValueError("an automatic placement is resolved (placement.auto.resolve) before a model is loaded")
     params.n_gpu_layers = compute.gpu_layers
+    if compute.kv_overrides:
+        params.kv_overrides = kv_override_array(llama_cpp, compute.kv_overrides)
     add_rpc_servers(compute.rpc)  # listed with the others even when nothing is offloaded
     if not compute.offloads:
         return []
@@ -449,6 +480,19 @@ def set_model_params(llama_cpp: Any, params: Any, compute: Compute) -> list[Devi
     if compute.n_cpu_moe:
         params.tensor_buft_overrides = cpu_overrides(compute.cpu_tensors())
     return [device for _, device in devices]
+
+
+def kv_override_array(llama_cpp: Any, overrides: tuple[tuple[str, int], ...]) -> Any:
+    """A llama_model_kv_override array of integer overrides ended by an empty key, kept alive in
+    KEEPALIVE: what common/arg.cpp builds for --override-kv KEY=int:VALUE."""
+    entry = llama_cpp.llama_model_kv_override
+    array = (entry * (len(overrides) + 1))()
+    for i, (key, value) in enumerate(overrides):
+        array[i].tag = KV_OVERRIDE_INT
+        array[i].key = key.encode()
+        array[i].value.val_i64 = value
+    KEEPALIVE.append(array)
+    return ctypes.cast(array, ctypes.POINTER(entry))
 
 
 def cpu_overrides(patterns: tuple[str, ...]) -> int:

@@ -6,9 +6,11 @@
         MeasureSettings(Compute(threads=2)), work)
     result.groups["8"]["winner"]
 
-A candidate is a model file and an optional keep-set (the experts it drops masked out of
-routing); candidates on one file are scored in one loaded model: one child per file, kept loaded
-from round to round (`measure.child` in a `child.Session`) while the files held stay within
+A candidate is a model file, an optional keep-set (the experts it drops masked out of routing) and
+optional header values replaced at load (`overrides`: the experts used per token, so that the
+mask's top-k picks N of the kept experts, as a file routed to N would); candidates on one file
+with the same overrides are scored in one loaded model: one child per (file, overrides), kept
+loaded from round to round (`measure.child` in a `child.Session`) while the files held stay within
 `MeasureSettings.keep_loaded` bytes (the least recently scored file's child ends first).
 Candidates compete within their group (tune: one group per K; best: one group).
 
@@ -73,6 +75,7 @@ class Candidate:
     file_bytes: int = 0
     read_bytes: int = 0  # bytes one token reads (prefer = "faster")
     required_nodes: tuple[str, ...] = ()  # "<node>:<block>" the mask must have written (llama.masking.required_nodes)
+    overrides: tuple[tuple[str, int], ...] = ()  # header values replaced at load (llama.devices.Compute.kv_overrides)
 
 
 @dataclass(frozen=True)
@@ -274,32 +277,38 @@ class _Scorer:
         self.tables: dict[str, list[np.ndarray]] = {cid: [] for cid in candidates}
         self.model_keys: dict[Path, str] = {}
         self.decoded = self.cached = 0
-        self.sessions: dict[Path, Any] = {}  # model -> its child.Session, least recently used first
+        # (model, overrides) -> the child.Session holding it, least recently used first
+        self.sessions: dict[tuple[Path, tuple[tuple[str, int], ...]], Any] = {}
         self.loads: dict[str, int] = {}
         self.budget = settings.keep_loaded if settings.keep_loaded is not None else loaded_budget(settings.compute)
 
-    def _session(self, model: Path) -> Any:
-        """The child that holds `model`, started (and others ended to stay within the budget) when none does."""
+    def compute_of(self, c: Candidate) -> Compute:
+        """Where and with what `c` is scored: the settings' placement, its header values replaced."""
+        return self.settings.compute.with_overrides(c.overrides) if c.overrides else self.settings.compute
+
+    def _session(self, loaded: tuple[Path, tuple[tuple[str, int], ...]]) -> Any:
+        """The child that holds `loaded` (a model and its overrides), started (and others ended to stay
+        within the budget) when none does."""
         from ggufcarve.llama import child
         from ggufcarve.measure.protocol import CHILD_MODULE
 
-        session = self.sessions.pop(model, None)
+        session = self.sessions.pop(loaded, None)
         if session is None or not session.alive:
-            size = model.stat().st_size
-            while self.sessions and sum(m.stat().st_size for m in self.sessions) + size > self.budget:
+            size = loaded[0].stat().st_size
+            while self.sessions and sum(m.stat().st_size for m, _ in self.sessions) + size > self.budget:
                 self.sessions.pop(next(iter(self.sessions))).close()
             session = child.Session(CHILD_MODULE)
-        self.sessions[model] = session
+        self.sessions[loaded] = session
         return session
 
-    def _scored(self, model: Path, request: Any, label: str) -> dict[str, Any]:
-        """The measurement child's answer to `request` (measure.protocol.Request) on `model`. A device
-        out of memory while other models are held there ends their children and loads `model` again alone."""
+    def _scored(self, loaded: tuple[Path, tuple[tuple[str, int], ...]], request: Any, label: str) -> dict[str, Any]:
+        """The measurement child's answer to `request` (measure.protocol.Request) on `loaded`. A device
+        out of memory while other models are held there ends their children and loads it again alone."""
         from ggufcarve.errors import DeviceOutOfMemory
         from ggufcarve.measure.protocol import CHUNK_TASK
 
         def run() -> dict[str, Any]:
-            return self._session(model).run(
+            return self._session(loaded).run(
                 request,
                 Path(request.result_out),
                 lambda p: json.loads(p.read_text()),
@@ -347,7 +356,7 @@ class _Scorer:
             self.segments[segment].n_ctx,
             first,
             count,
-            self.settings.compute,
+            self.compute_of(c),
         )
 
     def score(self, upto: Mapping[str, int]) -> None:
@@ -361,7 +370,7 @@ class _Scorer:
                     self.tables[cid].append(self.score_unit(self.candidates[cid], self.units[unit]))
                     self.decoded += self.units[unit][2]
             return
-        pending: dict[Path, list[tuple[str, list[int]]]] = {}
+        pending: dict[tuple[Path, tuple[tuple[str, int], ...]], list[tuple[str, list[int]]]] = {}
         for cid, n in upto.items():
             missing = []
             for unit in range(len(self.tables[cid]), n):
@@ -372,11 +381,13 @@ class _Scorer:
                 else:
                     missing.append(unit)
             if missing:
-                pending.setdefault(self.candidates[cid].model, []).append((cid, missing))
-        for model, jobs in pending.items():
+                c = self.candidates[cid]
+                pending.setdefault((c.model, c.overrides), []).append((cid, missing))
+        for loaded, jobs in pending.items():
+            model = loaded[0]
             request = Request(
                 model=str(model),
-                compute=self.settings.compute,
+                compute=self.compute_of(self.candidates[jobs[0][0]]),
                 references=[str(s.reference) for s in self.segments],
                 result_out=str(self.work / "measure.result.json"),
             )
@@ -390,8 +401,10 @@ class _Scorer:
                         None if keep is None else {str(b): [int(i) for i in ids] for b, ids in sorted(keep.items())},
                     )
                 )
-            label = f"{len(jobs)} candidate{'s' if len(jobs) != 1 else ''} on {model.name}"
-            result = self._scored(model, request, label)
+            label = f"{len(jobs)} candidate{'s' if len(jobs) != 1 else ''} on {model.name}" + "".join(
+                f", {key}={value}" for key, value in loaded[1]
+            )
+            result = self._scored(loaded, request, label)
             Path(request.result_out).unlink(missing_ok=True)
             if result.get("loaded", True):
                 self.loads[model.name] = self.loads.get(model.name, 0) + 1

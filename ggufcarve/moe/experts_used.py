@@ -104,6 +104,26 @@ def experts_used_records(model: GGUFModel, layout: MoeLayout, used: int) -> dict
     return records
 
 
+def experts_used_overrides(model: GGUFModel, layout: MoeLayout, used: int) -> tuple[tuple[str, int], ...]:
+    """The load-time overrides (llama.devices.Compute.kv_overrides, --override-kv KEY=int:N) that route
+    this file to N experts as the file `experts_used_records` writes would: `{arch}.expert_used_count`
+    and, where the file lacks it, `{arch}.expert_feed_forward_length` at the tensors' width. None at
+    the file's own N. A per-layer array is not replaced at load (an override is one value)."""
+    check_experts_used(model, layout, used)
+    key = used_count_key(layout)
+    if model.metadata.kv_index[key].value_type == GGUFValueType.ARRAY:
+        raise BadInput(
+            f"{key} is a per-layer array: an override at load replaces it by one value",
+            f"write a file routed to N experts instead (ggufcarve topk MODEL {used} -o OUT)",
+        )
+    if used == layout.expert_used_count:
+        return ()
+    overrides = [(key, used)]
+    if model.get(expert_width_key(layout)) is None:
+        overrides.append((expert_width_key(layout), expert_width(layout)))
+    return tuple(overrides)
+
+
 def with_experts_used(layout: MoeLayout, used: int) -> MoeLayout:
     """The layout as a file routed to N experts describes it (the kept-count rules then hold K >= N)."""
     return dataclasses.replace(layout, expert_used_count=used)

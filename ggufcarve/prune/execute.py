@@ -434,9 +434,16 @@ def interrupted_swap(plan: PrunePlan) -> bool:
 
 
 def execute(
-    plan: PrunePlan, model: GGUFModel, *, force: bool = False, on_event: Sink = ignore, report_path: Path | None = None
+    plan: PrunePlan,
+    model: GGUFModel,
+    *,
+    force: bool = False,
+    on_event: Sink = ignore,
+    report_path: Path | None = None,
+    write_report: bool = True,
 ) -> PruneResult:
-    """Write the plan's outputs (temp names, fsync, rename), verify them, and write the report.
+    """Write the plan's outputs (temp names, fsync, rename), verify them, and write the report
+    (unless `write_report` is False: a step of a larger run that records the outputs itself).
 
     A split output is replaced as a set: every shard is written and verified under its temp name
     first; shards of an earlier output of the same name that the new set does not contain are
@@ -480,5 +487,6 @@ def execute(
         # The report is written before the outputs are renamed into place: a crash between the
         # two leaves a report of missing outputs, which a re-run to the same names replaces,
         # never outputs that a re-run refuses to replace without --force.
-        write_text_atomic(report_path, dumps(pruning_report(plan, source_sha256, verification, timings)))
+        if write_report:
+            write_text_atomic(report_path, dumps(pruning_report(plan, source_sha256, verification, timings)))
     return result

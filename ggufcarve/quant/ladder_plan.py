@@ -56,6 +56,11 @@ class PlannedRung:
     inputs_key: str  # what the output depends on; equal key + equal sha256 = skip
 
     @property
+    def routed(self) -> bool:
+        """Whether the quantizer's output is rewritten to another used-expert count before it is the rung."""
+        return self.job.output is not None and self.job.output != temp_path_for(self.output)
+
+    @property
     def temp(self) -> Path:
         if self.job.output is None:
             raise RuntimeError(f"rung {self.rung.name}: its quantize job has no output path")
@@ -98,6 +103,8 @@ class LadderPlan:
     nthreads: int | None = None
     method_reports: list[MethodReport] = field(default_factory=list)
     fresh: bool = False  # start the release afresh: the old rungs are removed before running
+    experts_used: int | None = None  # every rung rewritten to N experts per token (None: the source's)
+    trained_experts_used: int | None = None  # the source's N before any rewrite (its recorded trained value)
 
     @property
     def n_elements(self) -> int:
@@ -170,9 +177,14 @@ def rung_quantizer_fields(rung: Rung) -> dict[str, Any]:
 
 
 def _inputs_key(
-    rung: Rung, job: QuantizeJob, source_sha: Sequence[str], imatrix: ImatrixInfo | None, quantizer: dict[str, Any]
+    rung: Rung,
+    job: QuantizeJob,
+    source_sha: Sequence[str],
+    imatrix: ImatrixInfo | None,
+    quantizer: dict[str, Any],
+    experts_used: int | None = None,
 ) -> str:
-    doc = {
+    doc: dict[str, Any] = {
         "rung": rung_quantizer_fields(rung),
         "ftype": job.ftype,
         "tensor_types": [list(p) for p in job.tensor_types],
@@ -180,6 +192,8 @@ def _inputs_key(
         "imatrix_sha256": imatrix.sha256 if imatrix else None,
         "quantizer": {k: quantizer.get(k) for k in ("backend", "sha256", "version", "build", "commit")},
     }
+    if experts_used is not None:
+        doc["experts_used"] = experts_used
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
 
 
@@ -196,6 +210,7 @@ def plan_ladder(
     hash_inputs: bool = True,
     fresh: bool = False,
     selection: str | os.PathLike[str] | None = None,
+    experts_used: int | None = None,
     on_event: Sink = ignore,
 ) -> LadderPlan:
     """Validate everything and resolve every rung's exact job before anything is written.
@@ -204,6 +219,8 @@ def plan_ladder(
     only running and resuming need; such a plan cannot be run. `fresh` plans a new release in a
     directory that holds another (or an unreadable manifest). `selection` is the selection record
     the source's keep-set was chosen by, when it is not found beside the source (release.method).
+    `experts_used` routes every rung to N experts per token: the quantizer writes under a temp name
+    of `unrouted_name(rung)`, and that file is rewritten into the rung (`route_rung`).
     """
     rungs = spec.select(only)
     source_path = Path(source)
@@ -219,6 +236,12 @@ def plan_ladder(
             "write the ladder to its own directory; the source is never written next to or over",
         )
     flavour = getattr(quantizer, "flavour", "llama.cpp")
+    trained = trained_experts_used(model)
+    if experts_used is not None:
+        from ggufcarve.moe.experts_used import check_experts_used
+        from ggufcarve.moe.layout import inspect_layout
+
+        check_experts_used(model, inspect_layout(model), experts_used)
 
     info: ImatrixInfo | None = None
     if imatrix is not None:
@@ -298,7 +321,7 @@ def plan_ladder(
                 f"{', '.join(fallback[:4])}{', ...' if len(fallback) > 4 else ''}"
             )
         final = out / file_name
-        temp = temp_path_for(final)
+        temp = temp_path_for(final if experts_used is None else unrouted_name(final))
         job = QuantizeJob(
             source_path,
             temp,
@@ -319,7 +342,7 @@ def plan_ladder(
                 job,
                 fallback,
                 dry[r.name].size_bytes,
-                _inputs_key(r, job, source_sha, info, qinfo) if hash_inputs else "",
+                _inputs_key(r, job, source_sha, info, qinfo, experts_used) if hash_inputs else "",
             )
         )
     if unquantized_iq:
@@ -341,12 +364,39 @@ def plan_ladder(
         nthreads,
         method_reports,
         fresh,
+        experts_used,
+        trained,
     )
 
 
+def unrouted_name(rung: Path) -> Path:
+    """The name the quantizer writes a rung under (as a temp name) before it is routed to N experts."""
+    return rung.with_name(rung.name + ".unrouted")
+
+
+def trained_experts_used(model: GGUFModel) -> int | None:
+    """The source's experts per token as trained: the value `prune --topk` / `topk` recorded, else the file's own
+    (the first entry of a per-layer array); None without a used count."""
+    from ggufcarve.moe.experts_used import TRAINED_KEY
+
+    recorded = model.get(TRAINED_KEY)
+    return int(recorded) if recorded is not None else used_count(model)
+
+
+def used_count(model: GGUFModel) -> int | None:
+    """The file's experts per token (the first entry of a per-layer array: what llama.cpp's graphs read); None
+    without one."""
+    value = model.get(Keys.LLM.EXPERT_USED_COUNT.format(arch=model.get(Keys.General.ARCHITECTURE)))
+    if value is None:
+        return None
+    return int(value[0]) if hasattr(value, "__len__") else int(value)
+
+
 def rung_names(planned: Sequence[PlannedRung], imatrix: ImatrixInfo | None = None) -> Callable[[str], bool]:
-    """Accepts the file names of the planned rungs and of the imatrix (to find their temp files)."""
-    return ({p.output.name for p in planned} | ({imatrix.path.name} if imatrix else set())).__contains__
+    """Accepts the file names of the planned rungs (and of their unrouted forms) and of the imatrix (to find their
+    temp files)."""
+    names = {p.output.name for p in planned} | {unrouted_name(p.output).name for p in planned}
+    return (names | ({imatrix.path.name} if imatrix else set())).__contains__
 
 
 def _public_quantizer(described: dict[str, object]) -> dict[str, object]:
@@ -396,6 +446,10 @@ def ladder_context(
         "method": method,
         "warnings": plan.warnings,
         "spec_rungs": [r.name for r in plan.spec.rungs],
+        "expert_used_count": {
+            "trained": plan.trained_experts_used,
+            "written": plan.experts_used if plan.experts_used is not None else used_count(plan.source),
+        },
     }
     return inputs, {"model_name": plan.model_name}, context
 
@@ -405,6 +459,7 @@ def _check_disk(out: Path, planned: Sequence[PlannedRung]) -> None:
     while not probe.exists():
         probe = probe.parent
     need = sum(p.estimated_bytes for p in planned if not p.output.exists()) + DISK_MARGIN
+    need += max((p.estimated_bytes for p in planned if p.routed), default=0)  # a rung and its unrouted form
     reclaimable = sum(bytes_on_disk(t) for t in dead_temps(out, rung_names(planned)))  # run_ladder removes them first
     free = shutil.disk_usage(probe).free + reclaimable
     if free < need:

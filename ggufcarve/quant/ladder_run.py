@@ -405,13 +405,22 @@ def run_ladder(plan: LadderPlan, *, keep_going: bool = False, on_event: Sink = i
                     result.bits_per_weight = bits_per_weight(p.temp)
                 except BadInput as err:
                     run.error = f"the quantizer's output does not parse: {err.message}"
-            if run.returncode == 0 and p.temp.exists() and run.error is None:
+            placed = False  # the rung's file is this run's output
+            if run.returncode == 0 and p.temp.exists() and run.error is None and p.routed:
+                try:
+                    route_rung(p.temp, p.output, plan.experts_used or 0)
+                    placed = True
+                except CarveError as err:
+                    run.error = f"routing it to {plan.experts_used} experts per token failed: {err.message}"
+            elif run.returncode == 0 and p.temp.exists() and run.error is None:
                 fd = os.open(p.temp, os.O_RDONLY)
                 try:
                     os.fsync(fd)
                 finally:
                     os.close(fd)
                 os.replace(p.temp, p.output)  # replaces an earlier output only now that this one exists
+                placed = True
+            if placed:
                 result.status = "built"
                 result.bytes = p.output.stat().st_size
                 results[r.name] = result
@@ -468,6 +477,25 @@ def run_ladder(plan: LadderPlan, *, keep_going: bool = False, on_event: Sink = i
             "cause and run again (finished rungs are kept and skipped)",
         )
     return result
+
+
+def route_rung(unrouted: Path, rung: Path, experts_used: int) -> None:
+    """`unrouted` (the quantizer's output) rewritten into `rung` routed to N experts per token: the
+    pruner's copy with every expert kept (moe/experts_used.py: the used count, and the expert width
+    where the file lacks it; every tensor and every other key byte for byte, verified by per-tensor
+    hashes), written under the rung's temp name, fsynced and renamed; `unrouted` is removed."""
+    from ggufcarve.moe.keepset import keep_first
+    from ggufcarve.moe.layout import inspect_layout
+    from ggufcarve.prune.execute import execute
+    from ggufcarve.prune.plan import plan_prune
+
+    model = read_model(unrouted)
+    layout = inspect_layout(model)
+    routed = plan_prune(
+        model, layout, keep_first(layout, layout.expert_count), rung, provenance=False, experts_used=experts_used
+    )
+    execute(routed, model, force=True, write_report=False)
+    unrouted.unlink()
 
 
 def _check_resumable(

@@ -26,6 +26,7 @@ from gguf.constants import Keys
 from ggufcarve import __version__
 from ggufcarve.errors import BadInput, OutputError
 from ggufcarve.fileio import format_size
+from ggufcarve.moe.experts_used import TRAINED_KEY
 from ggufcarve.moe.keepset import KEY_KEPT_COUNT, KEY_SOURCE_EXPERT_COUNT
 from ggufcarve.release.card_inputs import (
     CardInputs,
@@ -72,15 +73,13 @@ def _arch(inputs: CardInputs) -> str | None:
 def _pruning_lines(inputs: CardInputs) -> list[str]:
     keys, arch = inputs.keys, _arch(inputs)
     kept, source = keys.get(KEY_KEPT_COUNT), keys.get(KEY_SOURCE_EXPERT_COUNT)
-    used = keys.get(Keys.LLM.EXPERT_USED_COUNT.format(arch=arch))
-    used = int(max(used)) if hasattr(used, "__len__") else used
     lines = []
     if kept is None:
         lines.append(
             "These files keep every expert of the source "
             f"({keys.get(Keys.LLM.EXPERT_COUNT.format(arch=arch))} per MoE layer); no expert was pruned."
         )
-        return lines
+        return [*lines, *_topk_lines(inputs)]
     lines.append(
         f"Routed experts were pruned from {source} to {kept} per MoE layer "
         f"({100 * (1 - kept / source):.0f}% removed), byte for byte: "
@@ -116,13 +115,37 @@ def _pruning_lines(inputs: CardInputs) -> list[str]:
             f"- Verified after writing: {v.get('tensors_checked')} tensors re-read "
             f"and hash-checked ({v.get('hash')}): {'ok' if v.get('ok') else 'FAILED'}."
         )
-    if used:
-        lines.append(f"- Experts used per token (top-k) stay {used}.")
+    lines += _topk_lines(inputs)
     records = ["method/pruning-report.json"] if inputs.pruning else []
     records += ["method/expert-selection.json"] if inputs.selection else []
     records += ["method/tune.md"] if inputs.tournament else []
     lines.append("- Records: " + ", ".join(f"`{r}`" for r in [*records, "quant-manifest.json"]) + ".")
     return lines
+
+
+def _experts_used(inputs: CardInputs) -> tuple[int | None, int | None]:
+    """The files' experts per token (the largest entry of a per-layer array) and the trained value: the
+    files' record, else the manifest's, else the files' own."""
+    used = inputs.keys.get(Keys.LLM.EXPERT_USED_COUNT.format(arch=_arch(inputs)))
+    used = int(max(used)) if hasattr(used, "__len__") else used
+    recorded = inputs.manifest.get("expert_used_count") or {}
+    return used, inputs.keys.get(TRAINED_KEY) or recorded.get("trained") or used
+
+
+def _topk_lines(inputs: CardInputs) -> list[str]:
+    """The experts each token is routed to, beside the trained value (the file's record, else the manifest's) when
+    they differ, with the load-time override that runs a file at its trained top-k."""
+    key = Keys.LLM.EXPERT_USED_COUNT.format(arch=_arch(inputs))
+    used, trained = _experts_used(inputs)
+    if not used:
+        return []
+    if trained == used:
+        return [f"- Experts used per token (top-k) stay {used}."]
+    return [
+        f"- Experts used per token (top-k): {used}, lowered from the trained {trained} (`{key}`): fewer experts "
+        f"read per token, faster decoding, some quality lost (KLD below). To run a file at its trained top-k: "
+        f"`--override-kv {key}=int:{trained}`."
+    ]
 
 
 def _example(inputs: CardInputs) -> tuple[dict, list[str]]:
@@ -192,7 +215,7 @@ def _unpruned_beats(inputs: CardInputs) -> list[str]:
 
 
 def _limitations(inputs: CardInputs) -> list[str]:
-    keys, arch = inputs.keys, _arch(inputs)
+    keys = inputs.keys
     lines = []
     if keys.get(KEY_KEPT_COUNT) is not None:
         lines.append(
@@ -205,11 +228,13 @@ def _limitations(inputs: CardInputs) -> list[str]:
             lines.append(
                 "- No calibration record ships with this release: the selection's data and size are not stated here."
             )
-        used = keys.get(Keys.LLM.EXPERT_USED_COUNT.format(arch=arch))
-        used = int(max(used)) if hasattr(used, "__len__") else used
+        used, trained = _experts_used(inputs)
         lines.append(
             f"- Top-k routing is unchanged ({used} experts per token), so "
             "compute per token is unchanged; memory and file size fall."
+            if used == trained
+            else f"- Top-k routing was lowered from {trained} to {used} experts per token: a routing the model "
+            "was not trained with, whose loss the KLD above measures."
         )
     if any("--allow-requantize" in (r.get("command") or []) for r in inputs.rungs):
         lines.append(

@@ -48,7 +48,7 @@ FRAGMENT_KIND = "rung-fragment"
 QUANTIZERS_WARNING = (
     "the rungs were made by different quantizers (llama.cpp builds): each rung records its own under `quantizer`"
 )
-CONTEXT_KEYS = ("ladder", "source", "imatrix", "quantizer", "method", "warnings", "spec_rungs")
+CONTEXT_KEYS = ("ladder", "source", "imatrix", "quantizer", "method", "warnings", "spec_rungs", "expert_used_count")
 
 
 @dataclass(frozen=True)
@@ -209,6 +209,22 @@ def check_one_imatrix(fragments: Sequence[Fragment]) -> None:
         )
 
 
+def check_one_used_count(fragments: Sequence[Fragment]) -> None:
+    """Refuse fragments whose rungs were routed to different experts per token (a fragment that records none, of
+    an earlier version, agrees with any)."""
+    first: dict[Any, Fragment] = {}
+    for f in fragments:
+        used = f.context.get("expert_used_count")
+        if isinstance(used, dict) and used.get("written") is not None and f.rung.get("files"):
+            first.setdefault(used["written"], f)
+    if len(first) > 1:
+        (na, a), (nb, b) = list(first.items())[:2]
+        raise BadInput(
+            f"fragments disagree on the experts per token: {a.rel} was routed to {na}, {b.rel} to {nb}",
+            "a release has one top-k: run those rungs again with the same --topk (or without it)",
+        )
+
+
 def rung_problems(out_dir: Path, fragment: Fragment, digests: dict[str, str | OSError] | None) -> list[str]:
     """What is wrong with the files a fragment's rung records: missing, other size, other sha256
     (only when `digests`, computed from the files, are given)."""
@@ -287,6 +303,7 @@ def assemble(out_dir: Path, fragments: Sequence[Fragment], *, drop_missing: bool
     check_one_source(fragments)
     newest = max(fragments, key=lambda f: f.order)
     kept = [f for f in fragments if not (drop_missing and f.rung.get("files") and rung_problems(out_dir, f, None))]
+    check_one_used_count(kept)
     spec_order = [str(n) for n in newest.context.get("spec_rungs") or []]
     position = {name: i for i, name in enumerate(spec_order)}
     kept.sort(key=lambda f: (position.get(str(f.rung.get("name")), len(position)), str(f.rung.get("name"))))
@@ -321,6 +338,7 @@ def assemble(out_dir: Path, fragments: Sequence[Fragment], *, drop_missing: bool
             "method": _method_records(out_dir, fragments),
             "published": published,
             "warnings": warnings,
+            **({"expert_used_count": context["expert_used_count"]} if context.get("expert_used_count") else {}),
         },
     )
     return doc
