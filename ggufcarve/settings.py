@@ -186,6 +186,51 @@ class Choice(Unit):
         raise ValueError
 
 
+TOPK_AUTO = "auto"
+
+
+@dataclass(frozen=True)
+class UsedCounts(Unit):
+    """Experts routed per token: one count, several comma-separated (a list in a plan), or `auto`; the value is
+    the tuple of counts, or "auto"."""
+
+    example: str = "4"
+    what = "an integer >= 1, several comma-separated, or auto"
+    metavar = "N"
+    toml_form = "{}"
+
+    def from_text(self, text: str) -> tuple[int, ...] | str:
+        if text.strip().lower() == TOPK_AUTO:
+            return TOPK_AUTO
+        counts = tuple(int(part.strip()) for part in text.split(","))
+        if not counts or any(count < 1 for count in counts):
+            raise ValueError
+        return tuple(dict.fromkeys(counts))
+
+    def from_toml(self, value: Any, base: Path) -> tuple[int, ...] | str:
+        if isinstance(value, list) and value and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+            return self.from_text(",".join(map(str, value)))
+        if isinstance(value, int) and not isinstance(value, bool):
+            return self.from_text(str(value))
+        if isinstance(value, str):
+            return self.from_text(value)
+        raise ValueError
+
+
+def one_used_count(value: tuple[int, ...] | str | None, label: str = "--topk") -> int | None:
+    """The one count a command that writes files takes from --topk (`label`: the option or plan key; None: not
+    given)."""
+    if value is None:
+        return None
+    if value == TOPK_AUTO or len(value) != 1:
+        shown = value if isinstance(value, str) else ",".join(map(str, value))
+        raise BadInput(
+            f"{label} {shown}: a written file is routed to one count of experts per token",
+            "give one, for example 4 (best weighs several, or auto)",
+        )
+    return value[0]
+
+
 @dataclass(frozen=True)
 class Flag(Unit):
     """On or off: a flag on the command line, true or false in a plan."""
@@ -773,9 +818,9 @@ TOP_K = Setting(
 )
 TOPK = Setting(
     "topk",
-    Count(minimum=1, example="4"),
-    "Experts each token is routed to in the output, {arch}.expert_used_count (default: the source's; the "
-    "trained value is recorded beside it):",
+    UsedCounts(),
+    "Experts each token is routed to, {arch}.expert_used_count (default: the file's own; the trained value is "
+    "recorded beside a written one):",
 )
 TAIL_SAMPLES = Setting(
     "tail_samples",

@@ -545,6 +545,8 @@ def test_the_card_gives_the_written_top_k_beside_the_trained_one_and_the_overrid
     text = render_card(inputs)
     assert "- Experts used per token (top-k): 2, lowered from the trained 4 (`qwen3moe.expert_used_count`)" in text
     assert "`--override-kv qwen3moe.expert_used_count=int:4`" in text
-    assert "Top-k routing was lowered from 4 to 2 experts per token" in text and "Top-k routing is unchanged" not in text
+    assert (
+        "Top-k routing was lowered from 4 to 2 experts per token" in text and "Top-k routing is unchanged" not in text
+    )
     inputs.keys["ggufcarve.expert_used_count_trained"] = 8  # the file's own record comes first
     assert "lowered from the trained 8" in render_card(inputs)

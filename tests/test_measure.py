@@ -582,3 +582,59 @@ def test_a_device_out_of_memory_with_other_models_held_ends_them_and_loads_again
     with pytest.raises(DeviceOutOfMemory):  # nothing else held: the model does not fit alone
         scorer._scored(Path("m.gguf"), request, "1 candidate")
     assert asked == [request]
+
+
+def test_expand_adds_candidates_for_the_survivors_of_the_first_round(tmp_path):
+    """'bad' leaves in the first round, so only 'good' gets its variant; the variant is scored from the first
+    unit up, on every unit by the end, and competes in the rounds left."""
+    rng = np.random.default_rng(5)
+    base = [rng.gamma(0.5, 0.4, TOKENS) for _ in range(16)]
+    series = {
+        "good": [base],
+        "plain": [[b + 0.0005 * rng.normal(size=TOKENS) for b in base]],
+        "bad": [[b + 0.5 for b in base]],
+        "good-top3": [[b + 0.2 for b in base]],
+        "bad-top3": [[b + 0.9 for b in base]],
+    }
+    asked: list[list[str]] = []
+
+    def expand(survivors):
+        asked.append(sorted(survivors))
+        return [Candidate(f"{cid}-top3", Path(f"/x/{cid}.gguf"), file_bytes=100) for cid in survivors if cid == "good"]
+
+    candidates = [Candidate(cid, Path(f"/x/{cid}.gguf"), file_bytes=100) for cid in ("good", "plain", "bad")]
+    got = measure(
+        candidates, [segment("a", 16)], MeasureSettings(Compute(threads=1)), tmp_path,
+        score_unit=scorer(series), expand=expand,
+    )  # fmt: skip
+    rounds = got.groups[""]["rounds"]
+    assert asked == [["good", "plain"]] and rounds[0]["left"] == {"bad": "halving"}
+    assert "good-top3" not in rounds[0]["candidates"] and "good-top3" in rounds[1]["candidates"]
+    assert "bad-top3" not in got.records
+    variant = got.records["good-top3"]
+    assert variant["finalist"] and variant["chunks_scored"] == 16
+    assert variant["kld_mean"] == pytest.approx(float(np.concatenate(series["good-top3"][0]).mean()))
+    assert got.groups[""]["winner"] in ("good", "plain")
+
+
+def test_keep_faster_keeps_a_worse_candidate_that_reads_fewer_bytes(tmp_path):
+    """'fast' is 0.05 worse than 'slow' on every token but reads half the bytes per token: halving keeps it
+    with keep_faster (nothing at least as fast beats it) and drops it without; 'dominated' reads as many bytes
+    as 'fast' and is worse than it, so it leaves either way."""
+    rng = np.random.default_rng(6)
+    base = [rng.gamma(0.5, 0.4, TOKENS) for _ in range(16)]
+    series = {
+        "slow": [base],
+        "fast": [[b + 0.05 for b in base]],
+        "dominated": [[b + 0.08 for b in base]],
+        "other": [[b + 0.0002 * rng.normal(size=TOKENS) for b in base]],
+    }
+    read = {"slow": 200, "fast": 100, "dominated": 100, "other": 200}
+    candidates = [Candidate(cid, Path(f"/x/{cid}.gguf"), file_bytes=100, read_bytes=read[cid]) for cid in series]
+    for keep_faster, finalists in ((True, {"slow", "fast", "other"}), (False, {"slow", "other"})):
+        got = measure(
+            candidates, [segment("a", 16)], MeasureSettings(Compute(threads=1), keep_faster=keep_faster), tmp_path,
+            score_unit=scorer(series),
+        )  # fmt: skip
+        assert set(got.groups[""]["finalists"]) == finalists, keep_faster
+        assert got.records["dominated"]["stopped_reason"] == "halving"

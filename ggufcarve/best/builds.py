@@ -60,6 +60,22 @@ def run_command(path: Path, settings: BestSettings, placement: dict[str, Any] | 
     return {"argv": argv, "gpu": offload}
 
 
+def override_command(
+    trained: Path, experts_used: int, settings: BestSettings, placement: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """`run_command` of the file at its trained top-k (`trained`) routed to N at load: the same line with
+    --override-kv {arch}.expert_used_count=int:N (and the expert width where the file lacks it)."""
+    from ggufcarve.gguf.container import read_model
+    from ggufcarve.llama.devices import Compute
+    from ggufcarve.moe.experts_used import experts_used_overrides
+    from ggufcarve.moe.layout import inspect_layout
+
+    model = read_model(trained)
+    command = run_command(trained, settings, placement)
+    overrides = Compute(kv_overrides=experts_used_overrides(model, inspect_layout(model), experts_used))
+    return {**command, "argv": [*command["argv"], *overrides.override_args()]}
+
+
 def build_rungs(
     spec_path: Path,
     source: Path,
@@ -76,13 +92,14 @@ def build_rungs(
     from ggufcarve.quant.spec import load_spec
 
     spec = load_spec(spec_path)
-    needs = any(r.needs_imatrix for r in spec.select(rungs))
+    # the imatrix whether or not a rung needs it: a pruned rung built alone and the unpruned rung of its quant
+    # built beside an IQ rung are then quantized alike (llama-quantize weighs every K-quant by an imatrix it is given)
     ladder_plan = plan_ladder(
         spec,
         source,
         out_dir,
         quantizer=make_quantizer(settings.quantizer, settings.llama_cpp_dir),
-        imatrix=imatrix if needs else None,
+        imatrix=imatrix,
         only=rungs,
         model_name=name,
         nthreads=settings.compute.threads or None,
@@ -152,6 +169,27 @@ def build_pruned(
         settings,
         on_event,
     )[quant]
+
+
+def routed_path(path: Path, experts_used: int) -> Path:
+    """Where `build_routed` writes `path` routed to N experts: models/<family>-topN/<stem>-topN.gguf."""
+    return path.parent.with_name(f"{path.parent.name}-top{experts_used}") / f"{path.stem}-top{experts_used}.gguf"
+
+
+def build_routed(path: Path, experts_used: int, on_event: Sink) -> Path:
+    """The built file `path` routed to N experts per token (prune.execute.write_routed: a verified copy) at
+    `routed_path`; a copy written after `path` changed last that says N is kept."""
+    from ggufcarve.gguf.container import read_model
+    from ggufcarve.prune.execute import write_routed
+    from ggufcarve.quant.ladder_plan import used_count
+
+    routed = routed_path(path, experts_used)
+    if routed.is_file() and routed.stat().st_mtime_ns >= path.stat().st_mtime_ns:
+        if used_count(read_model(routed)) == experts_used:
+            return routed
+    routed.parent.mkdir(parents=True, exist_ok=True)
+    write_routed(path, routed, experts_used, on_event=on_event)
+    return routed
 
 
 def _content_key(doc: dict[str, Any]) -> str:

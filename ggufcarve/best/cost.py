@@ -22,21 +22,23 @@ def expert_bytes(model: Any) -> int:
     return sum(t.nbytes for t in model.tensors if "_exps." in t.name)
 
 
-def active_fraction(model: Any, layout: Any) -> float:
-    """The share of the file's bytes one token reads: every tensor but the routed experts, and top-k of n of those."""
+def active_fraction(model: Any, layout: Any, experts_used: int | None = None) -> float:
+    """The share of the file's bytes one token reads: every tensor but the routed experts, and top-k of n of those
+    (k: `experts_used`, default the file's)."""
     total = model.total_bytes
     experts = expert_bytes(model)
-    return (total - experts + experts * layout.expert_used_count / layout.expert_count) / total
+    used = experts_used or layout.expert_used_count
+    return (total - experts + experts * used / layout.expert_count) / total
 
 
-def token_read_bytes(path: Path) -> int:
+def token_read_bytes(path: Path, experts_used: int | None = None) -> int:
     """The bytes of `path` one token reads: every tensor but the routed experts, and top-k of the file's own
-    experts (a pruned file reads k of its K, the unpruned rung k of its E)."""
+    experts (a pruned file reads k of its K, the unpruned rung k of its E; k: `experts_used`, default the file's)."""
     from ggufcarve.gguf.container import read_model
     from ggufcarve.moe.layout import inspect_layout
 
     model = read_model(path)
-    return round(model.total_bytes * active_fraction(model, inspect_layout(model)))
+    return round(model.total_bytes * active_fraction(model, inspect_layout(model), experts_used))
 
 
 def measure_speed(

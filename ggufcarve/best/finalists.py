@@ -18,6 +18,45 @@ if TYPE_CHECKING:
     from ggufcarve.measure import tournament as mt
 
 CONFIRM_RELATIVE = 0.01
+# how a candidate scored without a file of its own stands in for that file: routing masked on its quant's
+# unpruned rung, or another file with the used count overridden at load
+STANDINS = ("mask", "override")
+
+
+def built_file(search: Any, records: dict[str, dict[str, Any]], cid: str) -> Path:
+    """The file a candidate scored without one stands for, built: a masked keep-set pruned and quantized
+    (best.builds.build_pruned); a used-count variant (`topk_of`) its trained candidate's file routed to N
+    (best.builds.build_routed), its record given `routed_from`, that file's path under the output directory."""
+    from ggufcarve.best.builds import build_routed
+
+    r = records[cid]
+    if not r.get("topk_of"):
+        return search.pruned_rung(search.out_dir / r["keep_set"], r["kept_experts"], r["quant"], r["selection"])
+    parent = records[r["topk_of"]]
+    trained = Path(parent["path"]) if parent.get("built") else built_file(search, records, parent["id"])
+    r["routed_from"] = str(trained.relative_to(search.out_dir))
+    return build_routed(trained, r["experts_used"], search.on_event)
+
+
+def route_built_finalists(search: Any, records: dict[str, dict[str, Any]], decision: dict[str, Any]) -> float:
+    """Every finalist at another used count whose trained candidate's file is built: that file routed to N (a
+    copy) and recorded as built, so that its speed is measured on a file that carries N. Returns the seconds."""
+    plan, settings = search.plan, search.settings
+    t0 = time.perf_counter()
+    for cid in decision["finalists"]:
+        r = records[cid]
+        if r.get("built") or not r.get("topk_of") or not records[r["topk_of"]].get("built"):
+            continue
+        path = built_file(search, records, cid)
+        estimated_total = r["memory"][0]["total"] if r.get("memory") else None
+        r.update(
+            built=True,
+            path=path,
+            file_bytes=path.stat().st_size,
+            **built_record(path, settings, plan.tier),
+            memory_estimated_total=estimated_total,
+        )
+    return time.perf_counter() - t0
 
 
 def confirm(
@@ -45,19 +84,18 @@ def confirm(
         key=lambda cid: (mt.metric_value(records[cid], settings.metric), cid),
     )
     if ids is not None:
-        confirmations = [cid for cid in ids if records[cid]["scored_by"] == "mask" and not records[cid].get("built")]
+        confirmations = [cid for cid in ids if records[cid]["scored_by"] in STANDINS and not records[cid].get("built")]
     elif decision["winner"] is not None:
-        runners = [cid for cid in finalists if cid != decision["winner"] and records[cid]["scored_by"] == "mask"][
+        runners = [cid for cid in finalists if cid != decision["winner"] and records[cid]["scored_by"] in STANDINS][
             : settings.confirm
         ]
-        confirmations = [cid for cid in (decision["winner"], *runners) if records[cid]["scored_by"] == "mask"]
+        confirmations = [cid for cid in (decision["winner"], *runners) if records[cid]["scored_by"] in STANDINS]
     column = metric_column("kld_mean")
     confirm_builds = 0.0
     for cid in confirmations:
         r = records[cid]
-        keep_file = search.out_dir / r["keep_set"]
         built_at = time.perf_counter()
-        path = search.pruned_rung(keep_file, r["kept_experts"], r["quant"], r["selection"])
+        path = built_file(search, records, cid)
         confirm_builds += time.perf_counter() - built_at
         unpruned_types = tensor_types(rungs[r["quant"]])
         mismatched = sorted(n for n, t in tensor_types(path).items() if unpruned_types.get(n) != t)
@@ -250,4 +288,11 @@ def rechecked(
         chosen["replaces"] = {"id": first["id"], "because": why}
     elif why is not None:
         first["answer_note"] = f"no finalist passes once built: {why}"
+        timed = [records[c] for c in finalists if records[c].get("decode_tok_s")]
+        if settings.min_decode is not None and timed:
+            fastest = max(timed, key=lambda r: r["decode_tok_s"])
+            first["answer_note"] = (
+                f"no finalist reaches --min-decode {settings.min_decode:g} tok/s: the fastest of the "
+                f"{len(timed)} timed, {fastest['id']}, decodes at {fastest['decode_tok_s']:.1f} tok/s"
+            )
     return chosen

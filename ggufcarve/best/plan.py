@@ -51,6 +51,9 @@ class BestSettings:
     z: float = key(S.Z, DEFAULT_Z)
     bench_depth: int | None = key(S.BENCH_DEPTH, None)  # llama-bench -d of the finalists' timing; None: ctx / 2
     gpu_margin: int = key(S.GPU_MARGIN, FIT_MARGIN)  # kept free on each budgeted device
+    # experts per token weighed beside the trained count: "auto" (trained - 1 down to half of it) or counts; None:
+    # the trained count alone
+    topk: tuple[int, ...] | str | None = key(S.TOPK, None)
 
 
 def run_context(settings: BestSettings) -> Any:
@@ -96,6 +99,7 @@ class Plan:
     ]  # (K, quant) -> tensors whose type differs from the unpruned rung's
     seconds: float
     tier: str = "ram"  # the tier the candidates are ranked in (placement.offload.TIERS)
+    used_counts: tuple[int, ...] = ()  # experts per token weighed below the trained count, largest first
 
 
 def gpu_words(budgets: tuple[int, ...]) -> str:
@@ -377,4 +381,28 @@ def plan_best(source: Path, settings: BestSettings, *, on_event: Sink = ignore) 
         for c in candidates
         if c.family == PRUNED
     }
-    return Plan(model, layout, spec, fit, candidates, kept, quants, types, time.perf_counter() - started, tier)
+    used_counts = weighed_used_counts(model, layout, settings.topk)
+    return Plan(
+        model, layout, spec, fit, candidates, kept, quants, types, time.perf_counter() - started, tier, used_counts
+    )
+
+
+def weighed_used_counts(model: Any, layout: Any, topk: tuple[int, ...] | str | None) -> tuple[int, ...]:
+    """The experts per token `--topk` weighs besides the trained count, largest first: with "auto", every count
+    from the trained one less down to half of it (never below 1, never above grouped routing's limit); else the
+    counts given, each checked against llama.cpp's rules (moe/experts_used.py), the trained one left out. Each
+    is applied at load (`--override-kv`), so the file's count must be one value."""
+    import math
+
+    from ggufcarve.moe.experts_used import experts_used_overrides, grouped_limit
+
+    if topk is None:
+        return ()
+    trained = layout.expert_used_count
+    if topk == S.TOPK_AUTO:
+        counts = [n for n in range(trained - 1, max(1, math.ceil(trained / 2)) - 1, -1) if n <= grouped_limit(layout)]
+    else:
+        counts = sorted({n for n in topk if n != trained}, reverse=True)
+    for n in counts:
+        experts_used_overrides(model, layout, n)  # refused here, before anything is built
+    return tuple(counts)

@@ -22,6 +22,8 @@ def _cell(value: Any, digits: int = 4) -> str:
     return "" if value is None else f"{value:.{digits}f}"
 
 
+CHART = "best-pareto.png"  # the metric against memory
+SPEED_CHART = "best-speed.png"  # the metric against decode speed, the timed finalists
 REASONS = {"halving": "halving", "budget": "over budget", "gate": "gate", "identical": "identical keep-set"}
 
 
@@ -69,11 +71,11 @@ def markdown(report: dict[str, Any]) -> str:
         "left early were scored on fewer chunks than the finalists, "
         "so compare them by the round they left in (best.json `halving`).",
         "",
-        f"| candidate | family | K of N | quant | file {unit[0]} | fits "
+        f"| candidate | family | K of N | quant | top-k | file {unit[0]} | fits "
         "| scored by | mean KLD | ± | 99.9% KLD | same top p | PPL | "
         + " | ".join(f"KLD {n}" for n in names)
         + " | decode tok/s | prompt tok/s | chunks | left |",
-        "|---|---|---|---|---:|---|---|---:|---:|---:|---:|---:|" + "---:|" * len(names) + "---:|---:|---:|---|",
+        "|---|---|---|---|---:|---:|---|---|---:|---:|---:|---:|---:|" + "---:|" * len(names) + "---:|---:|---:|---|",
     ]
     winner = r["winner"]["id"] if r["winner"] else None
     for c in r["candidates"]:
@@ -82,9 +84,11 @@ def markdown(report: dict[str, Any]) -> str:
         per_file = " | ".join(_cell(segs.get(n, {}).get("kld_mean")) for n in names)
         same = "" if c.get("same_top_p") is None else f"{100 * c['same_top_p']:.2f}%"
         scored = f"mask on {c['masked_on']}" if c.get("scored_by") == "mask" else (c.get("scored_by") or "")
+        if c.get("topk_of"):
+            scored += f", top-{c['experts_used']} at load"
         lines.append(
             f"| {name} | {c['family']} | {c['kept_experts']} of {c['expert_count']} "
-            f"| {c['quant']} | {c['file_bytes'] / unit[1]:.2f} | "
+            f"| {c['quant']} | {c.get('experts_used', '')} | {c['file_bytes'] / unit[1]:.2f} | "
             f"{'yes' if c['fits'] else 'no'} | {scored} | {_cell(c.get('kld_mean'))} "
             f"| {_cell(c.get('kld_mean_stderr'))} | {_cell(c.get('kld_p999'))} | "
             f"{same} | {_cell(c.get('ppl'))} | {per_file} | {_speed(c.get('decode_tok_s'))} "
@@ -102,12 +106,16 @@ def markdown(report: dict[str, Any]) -> str:
             if w.get("memory")
             else f"file {format_size(w['file_bytes'])} + cache {format_size(w['cache_bytes'])}"
         )
+        trained = r["model"].get("expert_used_count")
+        topk = f", routed to {w['experts_used']} experts per token (trained: {trained})" if w.get("topk_of") else ""
         lines += [
             "## Answer",
             "",
             f"{w['id']} ({w['family']}, {w['kept_experts']} of {w['expert_count']} "
-            f"experts, {w['quant']}): {metric} {w[metric]:.4f}, "
-            f"{taken} of {format_size(r['memory_bytes'])}.",
+            f"experts, {w['quant']}{topk}): {metric} {w[metric]:.4f}, "
+            f"{taken} of {format_size(r['memory_bytes'])}"
+            + (f"; decodes at {w['decode_tok_s']:.1f} tok/s (llama-bench)" if w.get("decode_tok_s") else "")
+            + ".",
             "",
         ]
         if w.get("tie_with"):
@@ -146,8 +154,22 @@ def markdown(report: dict[str, Any]) -> str:
                 "",
             ]
         lines += [f"    {' '.join(w['run_command']['argv'])}", ""]
+        if w.get("run_command_override"):
+            lines += [
+                f"The same with the file at its trained top-k ({w['routed_from']}), the count given at load:",
+                "",
+                f"    {' '.join(w['run_command_override']['argv'])}",
+                "",
+            ]
     else:
         lines += ["## Answer", "", "No finalist fits and passes the gate.", ""]
+    lines += ["## Charts", "", f"![{metric} against memory]({CHART})", ""]
+    if timed_finalists(report):
+        lines += [
+            f"![{metric} against decode speed]({SPEED_CHART}): the finalists timed by llama-bench, each labelled "
+            "K, quant and experts per token; the frontier joins those no faster finalist beats.",
+            "",
+        ]
     lines += [
         "## Cost",
         "",
@@ -204,13 +226,13 @@ def chart(report: dict[str, Any], path: Path) -> None:
             markerfacecolor="white",
             color=line.get_color(),
         )
-        best_of_pair: dict[tuple[int, str], dict[str, Any]] = {}
-        for c in series:  # one label per (K, quant): its best keep-set
-            key = (c["kept_experts"], c["quant"])
+        best_of_pair: dict[tuple[int, str, Any], dict[str, Any]] = {}
+        for c in series:  # one label per (K, quant, N used): its best keep-set
+            key = (c["kept_experts"], c["quant"], c.get("experts_used"))
             if key not in best_of_pair or c[metric] < best_of_pair[key][metric]:
                 best_of_pair[key] = c
         for c, x in zip(series, xs):
-            if best_of_pair[(c["kept_experts"], c["quant"])] is c:
+            if best_of_pair[(c["kept_experts"], c["quant"], c.get("experts_used"))] is c:
                 ax.annotate(
                     c["id"] + ("" if c.get("built") else " (masked)"),
                     (x, c[metric]),
@@ -247,6 +269,68 @@ def chart(report: dict[str, Any], path: Path) -> None:
     save_figure(fig, path)
 
 
+def timed_finalists(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """The candidates with a measured decode speed and the metric (the finalists timed by llama-bench)."""
+    metric = report["parameters"]["metric"]
+    return [c for c in report["candidates"] if c.get("decode_tok_s") and c.get(metric) is not None]
+
+
+def speed_frontier(points: list[dict[str, Any]], metric: str) -> list[dict[str, Any]]:
+    """The points no other point beats at once in the metric (lower) and in decode speed (higher), fastest first."""
+    frontier, best = [], float("inf")
+    for c in sorted(points, key=lambda c: (-c["decode_tok_s"], c[metric])):
+        if c[metric] < best:
+            frontier.append(c)
+            best = c[metric]
+    return frontier
+
+
+def speed_chart(report: dict[str, Any], path: Path) -> bool:
+    """The metric against decode tok/s of the timed finalists, each labelled (K, quant, N used), the frontier
+    joined, the answer ringed; nothing is written (False) without a timed finalist."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    metric = report["parameters"]["metric"]
+    points = timed_finalists(report)
+    if not points:
+        return False
+    fig = Figure(figsize=(8, 5), dpi=110)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    for family, marker in (("pruned", "o"), ("unpruned", "s")):
+        series = [c for c in points if c["family"] == family]
+        if series:
+            ax.plot([c["decode_tok_s"] for c in series], [c[metric] for c in series], marker=marker,
+                    linestyle="none", label=family)  # fmt: skip
+        for c in series:
+            ax.annotate(
+                f"K{c['kept_experts']} {c['quant']} top-{c.get('experts_used')}",
+                (c["decode_tok_s"], c[metric]),
+                fontsize=6,
+                xytext=(3, 3),
+                textcoords="offset points",
+            )
+    frontier = speed_frontier(points, metric)
+    ax.plot([c["decode_tok_s"] for c in frontier], [c[metric] for c in frontier], color="grey", linewidth=0.8,
+            label="frontier")  # fmt: skip
+    w = report.get("winner")
+    if w and w.get("decode_tok_s") and w.get(metric) is not None:
+        ax.plot([w["decode_tok_s"]], [w[metric]], linestyle="none", marker="o", markersize=14, markerfacecolor="none",
+                markeredgecolor="red", label=f"answer: {w['id']}")  # fmt: skip
+    ax.set_yscale("log")
+    ax.set_xlabel("decode tok/s (llama-bench, each finalist in its own placement)")
+    ax.set_ylabel(f"{metric} vs unpruned (nats/token)" if metric.startswith("kld") else f"{metric} (lower is better)")
+    ax.set_title("finalists: quality against decode speed; labels: K kept, quant, experts per token", fontsize=7)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.subplots_adjust(left=0.12, right=0.97, bottom=0.12, top=0.93)
+    from ggufcarve.fileio import save_figure
+
+    save_figure(fig, path)
+    return True
+
+
 def plan_document(report: dict[str, Any], source: Path, settings: Any, out_dir: Path, imatrix: Path) -> dict[str, Any]:
     """The `ggufcarve run` plan that carves, quantizes and fully evaluates exactly a pruned winner:
     its keep-set, its quant, the imatrix of best's calibration pass."""
@@ -265,6 +349,7 @@ def plan_document(report: dict[str, Any], source: Path, settings: Any, out_dir: 
         "spec": _plan_path(settings.ladder, out_dir),
         "only": [winner["quant"]],
         "quantizer": settings.quantizer,
+        **({"topk": winner["experts_used"]} if winner.get("topk_of") else {}),
     }
     evaluation: dict[str, Any] = {
         "heldout": [_plan_path(p, out_dir) for p in settings.heldout]
@@ -287,7 +372,8 @@ def publish_command(report: dict[str, Any], source: Path, settings: Any, out_dir
     argv = ["ggufcarve", "ladder", "run", _plan_path(settings.ladder, out_dir), "--source", _plan_path(source, out_dir)]
     if imatrix.is_file():
         argv += ["--imatrix", _plan_path(imatrix, out_dir)]
-    return [*argv, "--only", winner["quant"], "-o", "release"]
+    topk = ["--topk", str(winner["experts_used"])] if winner.get("topk_of") else []
+    return [*argv, "--only", winner["quant"], *topk, "-o", "release"]
 
 
 def _plan_path(path: Path | str, out_dir: Path) -> str:

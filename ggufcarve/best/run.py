@@ -31,14 +31,15 @@ from __future__ import annotations
 import functools
 import json
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ggufcarve.best.builds import build_pruned, build_rungs, keep_sets, run_command
+from ggufcarve.best.builds import build_pruned, build_rungs, keep_sets, override_command, run_command
 from ggufcarve.best.candidates import PRUNED, UNPRUNED
 from ggufcarve.best.cost import STAGES, device_words, projection, token_read_bytes
-from ggufcarve.best.finalists import confirm, measure_speeds, rechecked
+from ggufcarve.best.finalists import confirm, measure_speeds, rechecked, route_built_finalists
 from ggufcarve.best.plan import BestSettings, Plan, built_record, placed_settings, plan_best
 from ggufcarve.errors import BadInput
 from ggufcarve.evaluate.kld import SEGMENT_KEYS
@@ -50,7 +51,6 @@ if TYPE_CHECKING:  # imported where used: the measurement layer imports numpy
     from ggufcarve.measure import tournament as mt
 
 REPORT = "best"
-CHART = "best-pareto.png"
 # a confirmed file's mean KLD may differ from its masked score by max(2 standard errors, this share)
 SELECTION_RULE = (
     "successive halving over held-out units by the paired difference to each round's leader (standard errors "
@@ -119,7 +119,8 @@ class _Search:
 def best(
     source: Path, settings: BestSettings, out_dir: Path, *, plan: Plan | None = None, on_event: Sink = ignore
 ) -> BestResult:
-    """Search the candidates; write best.json, best.md, best-pareto.png and plan.toml under `out_dir`, the models
+    """Search the candidates; write best.json, best.md, best-pareto.png (best-speed.png with timed finalists) and
+    plan.toml under `out_dir`, the models
     under out_dir/models."""
     from ggufcarve.llama.computed import recording, stage
     from ggufcarve.llama.tools import physical_cores
@@ -192,6 +193,7 @@ def best(
 
         winner = None
         if measured is not None and measured.groups[""]["winner"] is not None:
+            timings["builds_seconds"] += route_built_finalists(search, records, measured.groups[""])
             t0 = time.perf_counter()
             with stage("speed"):
                 measure_speeds(search, records, measured.groups[""], compute)
@@ -208,7 +210,7 @@ def best(
                 timings["speed_seconds"] += time.perf_counter() - t0
 
             winner = rechecked(records, measured.groups[""], settings, build_finalist)
-        _complete_records(records, settings)
+        _complete_records(records, settings, out_dir)
         timings["total_seconds"] = time.perf_counter() - started
 
         report = _report(search, records, winner, measured, timings, wanted, reused, previous_timings)
@@ -359,7 +361,64 @@ def _candidate_records(
                     memory_estimated_total=c.estimated_total,
                 )
                 pool.append(mt.Candidate(cid, path, None, fits=record["fits"], file_bytes=size, read_bytes=read(path)))
+    for record in records.values():
+        record["experts_used"] = layout.expert_used_count
     return records, pool
+
+
+# a trained candidate's record fields its used-count variants share (what it is, not how it scored or was built)
+VARIANT_FIELDS = (
+    "kept_experts", "expert_count", "quant", "family", "file_bytes", "cache_bytes", "fits", "tier", "tiers", "memory",
+    "memory_source", "predicted_file_bytes", "memory_estimated_total", "selection", "keep_set", "types_match",
+    "types_differ", "masked_on", "placement", "n_cpu_moe",
+)  # fmt: skip
+
+
+def _used_count_variants(
+    search: _Search, records: dict[str, dict[str, Any]], pool: list[mt.Candidate]
+) -> Callable[[Sequence[str]], list[mt.Candidate]]:
+    """`measure`'s expand: for each survivor of the first round, its candidates at the --topk counts (at most its K),
+    scored on the same file with the used count overridden at load (and masked as it is): `<id>-topN`, records
+    `experts_used` N and `topk_of` the trained candidate."""
+    from dataclasses import replace
+
+    from ggufcarve.moe.experts_used import experts_used_overrides
+
+    plan = search.plan
+    by_id = {c.id: c for c in pool}
+    read = functools.cache(token_read_bytes)
+
+    def expand(survivors: Sequence[str]) -> list[mt.Candidate]:
+        added = []
+        for cid in survivors:
+            parent, record = by_id.get(cid), records[cid]
+            if parent is None or record.get("topk_of"):
+                continue
+            for n in plan.used_counts:
+                if n > record["kept_experts"]:
+                    continue
+                vid = f"{cid}-top{n}"
+                records[vid] = {
+                    **{k: record[k] for k in VARIANT_FIELDS if k in record},
+                    "id": vid,
+                    "experts_used": n,
+                    "topk_of": cid,
+                    "scored_by": "mask" if record["scored_by"] == "mask" else "override",
+                    "identical_to": None,
+                    "built": False,
+                    "path": None,
+                }
+                added.append(
+                    replace(
+                        parent,
+                        id=vid,
+                        overrides=experts_used_overrides(plan.model, plan.layout, n),
+                        read_bytes=read(parent.model, n),
+                    )
+                )
+        return added
+
+    return expand
 
 
 def _tournament(
@@ -392,8 +451,11 @@ def _tournament(
         prefer=settings.prefer,
         gate=(lambda stats: _judge(gate, stats)) if gate is not None else None,
         tables=mt.measure_tables(),
+        # a speed target weighs used counts: a faster, worse candidate stays for the speed it is then timed at
+        keep_faster=bool(search.plan.used_counts) and (settings.min_decode is not None or settings.prefer == "faster"),
     )
-    measured = mt.measure(pool, segments, measure_settings, search.work, on_event=search.on_event)
+    expand = _used_count_variants(search, records, pool) if search.plan.used_counts else None
+    measured = mt.measure(pool, segments, measure_settings, search.work, on_event=search.on_event, expand=expand)
     timings["tournament_seconds"] = time.perf_counter() - t0
     for cid, r in measured.records.items():
         records[cid].update(
@@ -411,12 +473,16 @@ def _tournament(
     return measured, segments, measure_settings, timings
 
 
-def _complete_records(records: dict[str, dict[str, Any]], settings: BestSettings) -> None:
+def _complete_records(records: dict[str, dict[str, Any]], settings: BestSettings, out_dir: Path) -> None:
     """Gives each built record its run command, and each record the figures of a candidate not scored where it has
     none (0 chunks, not stopped, no KLD, top-token agreement or perplexity)."""
     for r in records.values():
         if r["built"]:
             r["run_command"] = run_command(Path(r["path"]), settings, r.get("placement"))
+            if r.get("routed_from"):
+                r["run_command_override"] = override_command(
+                    out_dir / r["routed_from"], r["experts_used"], settings, r.get("placement")
+                )
         r.setdefault("chunks_scored", 0)
         r.setdefault("stopped_early", False)
         r.setdefault("stopped_reason", None)
@@ -499,6 +565,8 @@ def _report(
         "confirm": settings.confirm,
         "prefer": settings.prefer,
         "z": settings.z,
+        "topk": settings.topk if isinstance(settings.topk, str) or settings.topk is None else list(settings.topk),
+        "used_counts_weighed": list(plan.used_counts),
     }
     return envelope(
         REPORT,
@@ -516,7 +584,7 @@ def _report(
 def _write_outputs(search: _Search, report: dict[str, Any], winner: dict[str, Any] | None) -> list[Path]:
     """Writes best.json, best.md and the chart under out_dir, removes an earlier plan.toml and writes the plan of a
     pruned winner; returns the files written."""
-    from ggufcarve.best.render import chart, markdown, plan_document, write_plan
+    from ggufcarve.best.render import CHART, SPEED_CHART, chart, markdown, plan_document, speed_chart, write_plan
     from ggufcarve.fileio import write_text_atomic
 
     out_dir = search.out_dir
@@ -524,6 +592,9 @@ def _write_outputs(search: _Search, report: dict[str, Any], winner: dict[str, An
     write_text_atomic(out_dir / "best.md", markdown(report))
     chart(report, out_dir / CHART)
     outputs = [out_dir / "best.json", out_dir / "best.md", out_dir / CHART]
+    (out_dir / SPEED_CHART).unlink(missing_ok=True)  # an earlier run's finalists
+    if speed_chart(report, out_dir / SPEED_CHART):
+        outputs.append(out_dir / SPEED_CHART)
     (out_dir / "plan.toml").unlink(missing_ok=True)  # a plan of an earlier answer would publish another model
     if winner is not None and winner["family"] == PRUNED:
         outputs.append(

@@ -225,6 +225,15 @@ def best_command(
         ),
     ] = None,
     bench_depth: Annotated[int | None, option(S.BENCH_DEPTH, "The finalists' timing.")] = None,
+    topk: Annotated[
+        str | None,
+        option(
+            S.TOPK,
+            "Here the counts weighed beside the trained one: auto (the trained count less one down to half of it) "
+            "or N[,N...]; each survivor of the first round is scored at them by masking with the count overridden "
+            "at load, its finalists timed on files rewritten to N.",
+        ),
+    ] = None,
     z: Annotated[float | None, option(S.Z, show_default=False)] = None,
     search: Annotated[
         bool,
@@ -307,6 +316,7 @@ def best_command(
         prefer=prefer,
         min_decode=min_decode,
         bench_depth=bench_depth,
+        topk=topk,
         search=search,
         search_passes=search_passes,
         z=DEFAULT_Z if z is None else z,
@@ -366,6 +376,14 @@ def best_command(
             highlight=False,
             markup=False,
         )
+        if plan.used_counts:
+            out.print(
+                f"experts per token weighed: {plan.layout.expert_used_count} (trained) and "
+                f"{', '.join(map(str, plan.used_counts))}, for each survivor of the first round (scored by masking "
+                "with the count overridden at load)",
+                highlight=False,
+                markup=False,
+            )
         out.print(f"disk needed: at most {size(guess['disk_bytes'])} under {output}", highlight=False)
         rate, qrate = speed.get("decode_tok_s"), speed.get("quantize_bytes_s")
         out.print(
@@ -451,9 +469,10 @@ def best_command(
     if w is None:
         out.print("answer: no finalist fits and passes the gate", highlight=False)
         return
+    routed = f", top-{w['experts_used']} of trained {plan.layout.expert_used_count}" if w.get("topk_of") else ""
     out.print(
         f"answer: {w['id']} ({w['family']}, {w['kept_experts']} of {w['expert_count']} "
-        f"experts, {w['quant']}): {settings.metric} {w[settings.metric]:.4f}, "
+        f"experts, {w['quant']}{routed}): {settings.metric} {w[settings.metric]:.4f}, "
         f"{_memory_text(w, settings.memory, settings.gpu_memory)}; {_speed_text(w)}: {output / w['path']}",
         highlight=False,
         markup=False,
@@ -484,6 +503,14 @@ def best_command(
             markup=False,
         )
     out.print(f"run it: {' '.join(w['run_command']['argv'])}", highlight=False, markup=False)
+    if w.get("run_command_override"):
+        out.print(
+            f"or the file at its trained top-k ({w['routed_from']}): {' '.join(w['run_command_override']['argv'])}",
+            highlight=False,
+            markup=False,
+        )
+    if w.get("answer_note"):
+        out.print(f"note: {w['answer_note']}", highlight=False, markup=False)
     if report.get("publish"):
         out.print(f"publish it: {' '.join(report['publish']['command'])} (in {output})", highlight=False, markup=False)
     out.print(f"written: {', '.join(str(p) for p in result.outputs)}", highlight=False, markup=False)

@@ -67,7 +67,7 @@ def ladder_run(
             "its pruning report records when the source was pruned with --keep SELECTION.json.",
         ),
     ] = None,
-    topk: Annotated[int | None, option(S.TOPK, "Every rung is rewritten to it once quantized.")] = None,
+    topk: Annotated[str | None, option(S.TOPK, "One count: every rung is rewritten to it once quantized.")] = None,
     quiet: Annotated[bool, option(S.QUIET)] = False,
 ) -> None:
     """Quantize every rung of SPEC from --source into -o DIR; resumable; writes quant-manifest.json and SHA256SUMS."""
@@ -91,7 +91,7 @@ def ladder_run(
         hash_inputs=not dry_run,
         fresh=force,
         selection=selection,
-        experts_used=topk,
+        experts_used=S.one_used_count(topk),
     )
     for warning in plan.warnings:
         warn(warning)

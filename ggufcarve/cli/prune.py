@@ -122,7 +122,7 @@ def prune(
     no_provenance: Annotated[bool, typer.Option("--no-provenance", help="Do not add ggufcarve.* keys.")] = False,
     split_max_size: Annotated[str | None, option(S.SPLIT_MAX_SIZE)] = None,
     merge: Annotated[bool, option(S.MERGE, "a split source is written as one file.")] = False,
-    topk: Annotated[int | None, option(S.TOPK, "At most K.")] = None,
+    topk: Annotated[str | None, option(S.TOPK, "One count, at most K.")] = None,
     report: ReportOption = None,
     quiet: Annotated[bool, option(S.QUIET)] = False,
     as_json: Annotated[bool, option(S.JSON, "the plan (with --dry-run) or the result.")] = False,
@@ -134,10 +134,11 @@ def prune(
     from ggufcarve.prune.plan import parse_size, plan_prune
     from ggufcarve.prune.report import save_keep_file
 
+    used = S.one_used_count(topk)
     loaded = read_model(model)
     layout = inspect_layout(loaded)
     keepset = resolve_keepset(
-        layout if topk is None else with_experts_used(layout, topk), keep, keep_first_count, keep_id_list
+        layout if used is None else with_experts_used(layout, used), keep, keep_first_count, keep_id_list
     )
     plan = plan_prune(
         loaded,
@@ -147,7 +148,7 @@ def prune(
         provenance=not no_provenance,
         split_max_size=parse_size(split_max_size) if split_max_size else None,
         merge=merge,
-        experts_used=topk,
+        experts_used=used,
     )
     if _write_plan(plan, loaded, force=force, dry_run=dry_run, report=report, quiet=quiet, as_json=as_json):
         if keep is not None and keep.file is not None:

@@ -31,6 +31,13 @@ once. In the last round the candidates left are scored on every unit; the leader
 metric among the finalists, `ties` the finalists within z standard errors of it, and the winner the
 one of those that `prefer` names (the smaller file by default).
 
+With `keep_faster` (a speed target), a candidate worse than the leader beyond noise stays while it
+reads fewer bytes per token than every candidate that beats it beyond noise: halving then keeps the
+frontier of quality against bytes read, for the speed measured after the tournament to choose on.
+`expand(survivors)` (best's used-expert counts) adds candidates to a group once, after its first
+round (before it, when a single round scores every unit): they are scored from the first unit up
+and compete in the rounds left.
+
 Tables are cached by content when `MeasureSettings.tables` names a directory: a candidate's table
 on a unit is keyed by the sha256 of its model file, its keep-set, the reference's identity, the unit
 and the scoring settings, so a re-run scores only what it has not scored before.
@@ -42,7 +49,7 @@ import json
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -100,6 +107,9 @@ class MeasureSettings:
     keep_loaded: int | None = None  # model bytes kept loaded between rounds; None: `loaded_budget(compute)`
     first_units: int | None = None  # units of the first round; None: the module docstring's rule
     never_leave: tuple[str, ...] = ()  # candidates halving never stops (the search's current keep-set)
+    # halving stops a candidate only when one that reads no more bytes per token beats it beyond noise (a speed
+    # target: a faster, worse candidate stays for the speed check)
+    keep_faster: bool = False
 
 
 def loaded_budget(compute: Compute, devices: list[Any] | None = None) -> int:
@@ -457,11 +467,13 @@ def measure(
     *,
     on_event: Sink = ignore,
     score_unit: Callable[[Candidate, tuple[int, int, int]], np.ndarray] | None = None,
+    expand: Callable[[Sequence[str]], Sequence[Candidate]] | None = None,
 ) -> Measurement:
     """Run the rounds of every group (module docstring); the records, the groups' rounds and decisions, the tables.
 
     `score_unit(candidate, unit)`: a candidate's per-token table on a unit, instead of llama.cpp's
-    (tables of known statistics that test the decision rules)."""
+    (tables of known statistics that test the decision rules). `expand(survivors)`: the candidates a
+    group's survivors of its first round add to it (module docstring)."""
     if settings.metric not in METRICS:
         raise BadInput(
             f"--metric {settings.metric!r} is not one of {', '.join(METRICS)}",
@@ -488,8 +500,9 @@ def measure(
         g: schedule(len(members), len(units), len(segments), settings.first_units) for g, members in groups.items()
     }
     alive = {g: list(members) for g, members in groups.items()}
-    records: dict[str, dict[str, Any]] = {
-        cid: {
+
+    def new_record(cid: str) -> dict[str, Any]:
+        return {
             "id": cid,
             "group": by_id[cid].group,
             "fits": by_id[cid].fits,
@@ -503,14 +516,45 @@ def measure(
             "winner": False,
             "tie_with": [],
         }
-        for cid in ids
-    }
+
+    records: dict[str, dict[str, Any]] = {cid: new_record(cid) for cid in ids}
+    expanded: set[str] = set()
+
+    def grow(g: str, survivors: Sequence[str]) -> None:
+        """The group's candidates `expand` adds for its survivors (once per group)."""
+        expanded.add(g)
+        if expand is None:
+            return
+        for c in expand(list(survivors)):
+            if c.id in by_id:
+                raise BadInput(f"candidate id {c.id} repeats", "a ggufcarve bug")
+            c = c if c.group == g else replace(c, group=g)
+            by_id[c.id] = c
+            scorer.candidates[c.id] = c
+            scorer.tables[c.id] = []
+            records[c.id] = new_record(c.id)
+            groups[g].append(c.id)
+            alive[g].append(c.id)
+
     rounds: dict[str, list[dict[str, Any]]] = {g: [] for g in groups}
     done = dict.fromkeys(groups, False)
     stats: dict[str, dict[str, Any]] = {}
 
     def table_of(cid: str, n: int | None = None) -> np.ndarray:
         return joined(scorer.tables[cid], n)
+
+    def _on_frontier(cid: str, ranked: Sequence[str], n: int) -> bool:
+        """No candidate that fits and reads no more bytes per token is better than `cid` beyond noise on `n` units."""
+        mine = by_id[cid]
+        values = table_of(cid, n)[:, column]
+        for other in ranked:
+            rival = by_id[other]
+            if other == cid or not rival.fits or rival.read_bytes > mine.read_bytes:
+                continue
+            diff = paired_difference(values, table_of(other, n)[:, column], per_chunk, settings.metric)
+            if diff.worse_beyond(settings.z):
+                return False
+        return mine.read_bytes > 0
 
     def judge(cid: str) -> tuple[bool, list[str]]:
         if settings.gate is None or stats[cid].get("kld_mean") is None:
@@ -522,9 +566,12 @@ def measure(
         while not all(done.values()):
             wanted: dict[str, int] = {}
             current: dict[str, tuple[int, bool]] = {}
-            for g, plan in plans.items():
+            for g, plan in list(plans.items()):
                 if done[g]:
                     continue
+                if number == 0 and len(plan) == 1 and g not in expanded:  # one round: expanded before it
+                    grow(g, alive[g])
+                    plan = plans[g] = schedule(len(alive[g]), len(units), len(segments), settings.first_units)
                 last = number >= len(plan) - 1 or len(alive[g]) <= 1
                 n = len(units) if last else plan[number]
                 current[g] = (n, last)
@@ -565,7 +612,9 @@ def measure(
                             "budget"
                             if not by_id[cid].fits
                             else "halving"
-                            if diffs[cid].worse_beyond(settings.z) and cid not in settings.never_leave
+                            if diffs[cid].worse_beyond(settings.z)
+                            and cid not in settings.never_leave
+                            and not (settings.keep_faster and _on_frontier(cid, ranked, n))
                             else None
                         )
                         if reason is None:
@@ -580,6 +629,8 @@ def measure(
                     if not keep:  # every candidate left for the budget: the group ends with no finalist
                         done[g] = True
                     alive[g] = keep
+                    if keep and g not in expanded:
+                        grow(g, keep)
                 else:
                     done[g] = True
                 rounds[g].append(entry)

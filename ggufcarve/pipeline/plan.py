@@ -115,6 +115,7 @@ class LadderStep:
     only: tuple[str, ...]
     quantizer: str  # auto, binary, libllama, or the resolved path of a llama-quantize binary
     llama_cpp: Path | None
+    topk: int | None = None  # every rung routed to N experts per token (None: the source's)
 
 
 @dataclass(frozen=True)
@@ -292,6 +293,7 @@ class LadderKeys:
     only: str | None = key(S.ONLY)
     quantizer: str = key(S.QUANTIZER, "auto")
     llama_cpp: Path | None = key(S.LLAMA_CPP)
+    topk: tuple[int, ...] | str | None = key(S.TOPK)
 
 
 @dataclass(frozen=True)
@@ -502,7 +504,11 @@ def parse_plan(doc: dict[str, Any], base: Path, path: Path | None = None) -> Run
     from ggufcarve.quant.spec import find_spec
 
     ladder = LadderStep(
-        find_spec(lad.spec, base, "[ladder] spec"), _names(lad.only), _quantizer(lad.quantizer, base), lad.llama_cpp
+        find_spec(lad.spec, base, "[ladder] spec"),
+        _names(lad.only),
+        _quantizer(lad.quantizer, base),
+        lad.llama_cpp,
+        S.one_used_count(lad.topk, "[ladder] topk"),
     )
     _check_rungs(ladder.spec, ladder.only, "[ladder] only")
 

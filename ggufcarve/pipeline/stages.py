@@ -512,6 +512,7 @@ def _run_ladder(
         model_name=model_name,
         nthreads=ctx.compute.threads,
         fresh=fresh,
+        experts_used=None if label else ctx.plan.ladder.topk,  # the unpruned comparison: as trained
         on_event=ctx.sink,
     )
     ctx.warnings.extend(ladder_plan.warnings)

@@ -43,7 +43,7 @@ from ggufcarve.fileio import (
     write_text_atomic,
     xxh3_of_ranges,
 )
-from ggufcarve.gguf.container import GGUFModel, make_kv, read_file
+from ggufcarve.gguf.container import GGUFModel, make_kv, read_file, read_model
 from ggufcarve.prune.check import OutputHashes, Verification, verify_prune
 from ggufcarve.prune.plan import KEY_SOURCE_SHA256, PlannedFile, PrunePlan
 from ggufcarve.prune.report import default_report_path, pruning_report
@@ -490,3 +490,19 @@ def execute(
         if write_report:
             write_text_atomic(report_path, dumps(pruning_report(plan, source_sha256, verification, timings)))
     return result
+
+
+def write_routed(source: Path, output: Path, experts_used: int, *, on_event: Sink = ignore) -> PruneResult:
+    """`source` copied to `output` routed to N experts per token (`ggufcarve topk`): every expert kept, the used
+    count rewritten (and the expert width added where the file derives it from N: moe/experts_used.py), every
+    tensor and every other key byte for byte, verified by per-tensor hashes; no report. `output` is replaced."""
+    from ggufcarve.moe.keepset import keep_first
+    from ggufcarve.moe.layout import inspect_layout
+    from ggufcarve.prune.plan import plan_prune
+
+    model = read_model(source)
+    layout = inspect_layout(model)
+    plan = plan_prune(
+        model, layout, keep_first(layout, layout.expert_count), output, provenance=False, experts_used=experts_used
+    )
+    return execute(plan, model, force=True, on_event=on_event, write_report=False)

@@ -480,21 +480,12 @@ def run_ladder(plan: LadderPlan, *, keep_going: bool = False, on_event: Sink = i
 
 
 def route_rung(unrouted: Path, rung: Path, experts_used: int) -> None:
-    """`unrouted` (the quantizer's output) rewritten into `rung` routed to N experts per token: the
-    pruner's copy with every expert kept (moe/experts_used.py: the used count, and the expert width
-    where the file lacks it; every tensor and every other key byte for byte, verified by per-tensor
-    hashes), written under the rung's temp name, fsynced and renamed; `unrouted` is removed."""
-    from ggufcarve.moe.keepset import keep_first
-    from ggufcarve.moe.layout import inspect_layout
-    from ggufcarve.prune.execute import execute
-    from ggufcarve.prune.plan import plan_prune
+    """`unrouted` (the quantizer's output) rewritten into `rung` routed to N experts per token
+    (prune.execute.write_routed: verified, written under the rung's temp name, fsynced and renamed);
+    `unrouted` is removed."""
+    from ggufcarve.prune.execute import write_routed
 
-    model = read_model(unrouted)
-    layout = inspect_layout(model)
-    routed = plan_prune(
-        model, layout, keep_first(layout, layout.expert_count), rung, provenance=False, experts_used=experts_used
-    )
-    execute(routed, model, force=True, write_report=False)
+    write_routed(unrouted, rung, experts_used)
     unrouted.unlink()
 
 
