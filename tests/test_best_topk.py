@@ -83,7 +83,7 @@ def test_min_decode_takes_the_best_finalist_that_reaches_it_and_says_when_none_d
 
 
 def test_the_frontier_keeps_the_finalists_no_faster_one_beats():
-    from ggufcarve.best.render import speed_frontier
+    from ggufcarve.evaluate.summary import speed_frontier
 
     points = [
         {"id": "a", "decode_tok_s": 10.0, "kld_mean": 0.01},
@@ -91,7 +91,7 @@ def test_the_frontier_keeps_the_finalists_no_faster_one_beats():
         {"id": "c", "decode_tok_s": 15.0, "kld_mean": 0.06},  # slower and worse than b
         {"id": "d", "decode_tok_s": 30.0, "kld_mean": 0.20},
     ]
-    assert [c["id"] for c in speed_frontier(points, "kld_mean")] == ["d", "b", "a"]
+    assert [c["id"] for c in speed_frontier(points, "decode_tok_s", "kld_mean")] == ["d", "b", "a"]
 
 
 @pytest.mark.slow

@@ -550,3 +550,17 @@ def test_the_card_gives_the_written_top_k_beside_the_trained_one_and_the_overrid
     )
     inputs.keys["ggufcarve.expert_used_count_trained"] = 8  # the file's own record comes first
     assert "lowered from the trained 8" in render_card(inputs)
+
+
+def test_timed_files_get_a_speed_chart_beside_the_size_chart(tmp_path):
+    from ggufcarve.evaluate.summary import SPEED_CHART, draw_charts
+    from ggufcarve.release.card_inputs import SPEED_CHART as CARD_SPEED_CHART
+
+    def result(quant, size, kld, speed):
+        return {"model": {"name": f"m-{quant}.gguf", "file": f"m-{quant}.gguf", "quant": quant, "family": "8",
+                          "bytes": size}, "kld_mean": kld, "ppl": 10 + kld, "tg_tok_s": speed}  # fmt: skip
+
+    results = [result("Q8_0", 800, 0.001, 40.0), result("Q4_K_M", 500, 0.02, 55.0)]
+    names = draw_charts(results, tmp_path, lambda p: p)
+    assert SPEED_CHART in names and (tmp_path / SPEED_CHART).stat().st_size > 0 and CARD_SPEED_CHART == SPEED_CHART
+    assert SPEED_CHART not in draw_charts(results[:1], tmp_path / "one", lambda p: p.parent.mkdir(exist_ok=True) or p)

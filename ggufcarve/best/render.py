@@ -275,21 +275,13 @@ def timed_finalists(report: dict[str, Any]) -> list[dict[str, Any]]:
     return [c for c in report["candidates"] if c.get("decode_tok_s") and c.get(metric) is not None]
 
 
-def speed_frontier(points: list[dict[str, Any]], metric: str) -> list[dict[str, Any]]:
-    """The points no other point beats at once in the metric (lower) and in decode speed (higher), fastest first."""
-    frontier, best = [], float("inf")
-    for c in sorted(points, key=lambda c: (-c["decode_tok_s"], c[metric])):
-        if c[metric] < best:
-            frontier.append(c)
-            best = c[metric]
-    return frontier
-
-
 def speed_chart(report: dict[str, Any], path: Path) -> bool:
     """The metric against decode tok/s of the timed finalists, each labelled (K, quant, N used), the frontier
     joined, the answer ringed; nothing is written (False) without a timed finalist."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+
+    from ggufcarve.evaluate.summary import speed_frontier
 
     metric = report["parameters"]["metric"]
     points = timed_finalists(report)
@@ -311,7 +303,7 @@ def speed_chart(report: dict[str, Any], path: Path) -> bool:
                 xytext=(3, 3),
                 textcoords="offset points",
             )
-    frontier = speed_frontier(points, metric)
+    frontier = speed_frontier(points, "decode_tok_s", metric)
     ax.plot([c["decode_tok_s"] for c in frontier], [c[metric] for c in frontier], color="grey", linewidth=0.8,
             label="frontier")  # fmt: skip
     w = report.get("winner")

@@ -119,9 +119,8 @@ class _Search:
 def best(
     source: Path, settings: BestSettings, out_dir: Path, *, plan: Plan | None = None, on_event: Sink = ignore
 ) -> BestResult:
-    """Search the candidates; write best.json, best.md, best-pareto.png (best-speed.png with timed finalists) and
-    plan.toml under `out_dir`, the models
-    under out_dir/models."""
+    """Search the candidates; write best.json, best.md, best-pareto.png (and best-speed.png with timed finalists)
+    and plan.toml under `out_dir`, the models under out_dir/models."""
     from ggufcarve.llama.computed import recording, stage
     from ggufcarve.llama.tools import physical_cores
     from ggufcarve.quant.ladder_plan import model_name_from

@@ -23,6 +23,7 @@ from ggufcarve.listing import add_loop_column
 KLD_CHART = "size-vs-kld.png"
 PPL_CHART = "size-vs-ppl.png"
 SEGMENT_CHART = "size-vs-kld-segments.png"
+SPEED_CHART = "speed-vs-kld.png"  # mean KLD against decode tok/s, where two or more files were timed
 SUMMARY = "summary.md"
 
 
@@ -245,7 +246,51 @@ def draw_charts(results: list[dict], out_dir: Path, stage: Stage) -> list[str]:
         names.append(file_name)
     if any(r.get("segments") for r in results):
         names.append(_segment_chart(results, out_dir, stage, unit, scale))
+    timed = [r for r in results if r.get("tg_tok_s") and r.get("kld_mean") is not None]
+    if len(timed) > 1:
+        names.append(_speed_chart(timed, out_dir, stage))
     return names
+
+
+def speed_frontier(points: list[dict], speed: str, metric: str) -> list[dict]:
+    """The points no other point beats at once in `metric` (lower) and in `speed` (higher), fastest first."""
+    frontier, best = [], float("inf")
+    for point in sorted(points, key=lambda p: (-p[speed], p[metric])):
+        if point[metric] < best:
+            frontier.append(point)
+            best = point[metric]
+    return frontier
+
+
+def _speed_chart(timed: list[dict], out_dir: Path, stage: Stage) -> str:
+    """speed-vs-kld.png: mean KLD against decode tok/s, one series per family, each point its quant, the
+    frontier (no faster file better) dashed."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 4.5), dpi=110)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    for family in sorted({r["model"]["family"] for r in timed}):
+        series = [r for r in timed if r["model"]["family"] == family]
+        ax.plot([r["tg_tok_s"] for r in series], [r["kld_mean"] for r in series], marker="o", linestyle="none",
+                label=family)  # fmt: skip
+        for r in series:
+            ax.annotate(r["model"]["quant"], (r["tg_tok_s"], r["kld_mean"]), textcoords="offset points",
+                        xytext=(4, 4), fontsize=7)  # fmt: skip
+    frontier = speed_frontier(timed, "tg_tok_s", "kld_mean")
+    if len(frontier) > 1:
+        ax.plot([r["tg_tok_s"] for r in frontier], [r["kld_mean"] for r in frontier], linestyle="--", color="grey",
+                linewidth=1, label="frontier")  # fmt: skip
+    ax.set_xlabel("decode tok/s")
+    ax.set_ylabel("mean KLD vs reference (nats/token)")
+    if all(r["kld_mean"] > 0 for r in timed):
+        ax.set_yscale("log")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.subplots_adjust(left=0.12, right=0.97, bottom=0.12, top=0.96)
+    fig.savefig(stage(out_dir / SPEED_CHART), format="png")
+    return SPEED_CHART
 
 
 def _segment_chart(results: list[dict], out_dir: Path, stage: Stage, unit: str, scale: float) -> str:

@@ -543,7 +543,7 @@ def measure(
     def table_of(cid: str, n: int | None = None) -> np.ndarray:
         return joined(scorer.tables[cid], n)
 
-    def _on_frontier(cid: str, ranked: Sequence[str], n: int) -> bool:
+    def on_frontier(cid: str, ranked: Sequence[str], n: int) -> bool:
         """No candidate that fits and reads no more bytes per token is better than `cid` beyond noise on `n` units."""
         mine = by_id[cid]
         values = table_of(cid, n)[:, column]
@@ -614,7 +614,7 @@ def measure(
                             else "halving"
                             if diffs[cid].worse_beyond(settings.z)
                             and cid not in settings.never_leave
-                            and not (settings.keep_faster and _on_frontier(cid, ranked, n))
+                            and not (settings.keep_faster and on_frontier(cid, ranked, n))
                             else None
                         )
                         if reason is None:

@@ -11,11 +11,13 @@ from typing import Any
 from gguf.constants import Keys
 
 from ggufcarve.errors import BadInput
+from ggufcarve.moe.experts_used import TRAINED_KEY
 from ggufcarve.moe.keepset import KEY_KEPT_COUNT, KEY_SOURCE_EXPERT_COUNT
 from ggufcarve.release.card_metadata import gguf_key_names, key_name
 
 EVALUATION_DIR = "evaluation"
 KLD_CHART = "size-vs-kld.png"  # evaluate.summary.KLD_CHART
+SPEED_CHART = "speed-vs-kld.png"  # evaluate.summary.SPEED_CHART
 SEGMENT_CHART = "size-vs-kld-segments.png"  # evaluate.summary.SEGMENT_CHART
 SUMMARY = "summary.md"  # evaluate.summary.SUMMARY
 
@@ -84,7 +86,7 @@ def gather(release: Path, evaluation_dir: Path | None = None) -> CardInputs:
             "architecture",
         )
     ]
-    wanted += [KEY_KEPT_COUNT, KEY_SOURCE_EXPERT_COUNT]
+    wanted += [KEY_KEPT_COUNT, KEY_SOURCE_EXPERT_COUNT, TRAINED_KEY]
     count = model.get(names["base_count"])
     for i in range(int(count) if isinstance(count, int) and count > 0 else 1):
         wanted += [key_name(names[k], id=i) for k in ("base_name", "base_org", "base_repo_url")]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ggufcarve.fileio import format_size
 from ggufcarve.listing import pareto_front
-from ggufcarve.release.card_inputs import KLD_CHART, SEGMENT_CHART, SUMMARY, CardInputs, rung_bytes
+from ggufcarve.release.card_inputs import KLD_CHART, SEGMENT_CHART, SPEED_CHART, SUMMARY, CardInputs, rung_bytes
 
 
 def calibration_rows(inputs: CardInputs) -> list[str]:
@@ -260,6 +260,9 @@ def comparison(inputs: CardInputs) -> list[str]:
         chart, summary = f"{inputs.evaluation_dir}/{KLD_CHART}", f"{inputs.evaluation_dir}/{SUMMARY}"
         if chart in inputs.linked:
             lines += ["", f"![File size vs mean KLD against the reference]({chart})"]
+        speed_chart = f"{inputs.evaluation_dir}/{SPEED_CHART}"
+        if speed_chart in inputs.linked:
+            lines += ["", f"![Decode tok/s vs mean KLD against the reference]({speed_chart})"]
         if summary in inputs.linked:
             lines += [
                 "",
