@@ -10,7 +10,7 @@ each scored against the unpruned Q8_0 at its trained N by the one measurement la
 the file loaded with `--override-kv {arch}.expert_used_count=int:N` through kv_overrides; mean KLD
 with its standard error over chunks), and timed by llama-bench on a file rewritten to N
 (`ggufcarve topk`'s copy: llama-bench has no --override-kv) with --reps repetitions of pp512 and
-tg128, llama-bench's mean tok/s.
+tg128, llama-bench's mean tok/s with the standard error of its repetitions.
 
     python bench/topk_bench.py [--dir bench/out] [--layers 2] [--threads 2] [--chunks 8] [--ctx 256] [--reps 5]
 
@@ -23,6 +23,7 @@ import argparse
 import json
 import math
 import random
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -113,6 +114,8 @@ def bench_model(
             write_routed(path, timed, row["experts_used"])
         speed = bench_speed(tool, timed, settings, compute)
         row["decode_tok_s"], row["prompt_tok_s"] = speed.tg_tok_s, speed.pp_tok_s
+        runs = speed.tg_runs
+        row["decode_tok_s_stderr"] = statistics.stdev(runs) / math.sqrt(len(runs)) if len(runs) > 1 else None
         row["file_bytes"] = timed.stat().st_size
         if timed != path:
             timed.unlink()
@@ -147,12 +150,12 @@ def main() -> None:
     for result in results:
         print(f"\n{result['model']}: {result['experts']} experts, trained top-{result['trained']}, {result['chunks']} "
               f"chunks of {a.ctx} tokens, {a.threads} threads, llama-bench pp512/tg128 x {a.reps}")  # fmt: skip
-        print("| model | top-k | mean KLD | ± | decode tok/s | prompt tok/s |")
-        print("|---|---:|---:|---:|---:|---:|")
+        print("| model | top-k | mean KLD | ± | decode tok/s | ± | prompt tok/s |")
+        print("|---|---:|---:|---:|---:|---:|---:|")
         for r in result["rows"]:
             print(
                 f"| {r['model']} | {r['experts_used']} | {r['kld_mean']:.4f} | {r['kld_mean_stderr']:.4f} "
-                f"| {r['decode_tok_s']:.1f} | {r['prompt_tok_s']:.1f} |"
+                f"| {r['decode_tok_s']:.1f} | {r['decode_tok_s_stderr'] or 0:.1f} | {r['prompt_tok_s']:.1f} |"
             )
     (work / "topk-bench.json").write_text(json.dumps(results, indent=1) + "\n")
 
