@@ -242,6 +242,8 @@ def plan_ladder(
         from ggufcarve.moe.layout import inspect_layout
 
         check_experts_used(model, inspect_layout(model), experts_used)
+        if experts_used == used_count(model):
+            experts_used = None  # the source's own count: nothing to rewrite
 
     info: ImatrixInfo | None = None
     if imatrix is not None:
