@@ -111,3 +111,22 @@ def test_output_that_is_not_a_terminal_keeps_each_line_whole(tmp_path):
     assert any(
         len(line) > 100 for line in proc.stdout.splitlines()
     )  # wider than the 80 columns rich assumes without a terminal
+
+
+def test_a_command_line_to_paste_stays_one_line_in_a_narrow_terminal():
+    """At 40 columns (COLUMNS set: rich wraps text there) a printed run line keeps its arguments on one
+    line, shell-quoted, so that a copy of it runs."""
+    import os
+    import shlex
+    import subprocess
+    import sys
+
+    argv = ["llama-server", "-m", "a model with spaces.gguf", "-c", "16384", "-ngl", "99", "--override-kv",
+            "qwen3moe.expert_used_count=int:6"]  # fmt: skip
+    code = f"from ggufcarve.cli.render import print_command; print_command('run it', {argv!r}, ' (here)')"
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, "COLUMNS": "40"}, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    (line,) = proc.stdout.splitlines()
+    assert line == f"run it: {shlex.join(argv)} (here)" and shlex.split(line[len("run it: ") : -len(" (here)")]) == argv

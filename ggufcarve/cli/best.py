@@ -31,7 +31,7 @@ from ggufcarve.cli.options import (
     ThreadsOption,
     option,
 )
-from ggufcarve.cli.render import out, progress, size
+from ggufcarve.cli.render import out, print_command, progress, size
 from ggufcarve.errors import BadInput, OutputError
 from ggufcarve.select.criteria import BEST_DEFAULT
 from ggufcarve.settings import Keep
@@ -502,15 +502,11 @@ def best_command(
             highlight=False,
             markup=False,
         )
-    out.print(f"run it: {' '.join(w['run_command']['argv'])}", highlight=False, markup=False)
+    print_command("run it", w["run_command"]["argv"])
     if w.get("run_command_override"):
-        out.print(
-            f"or the file at its trained top-k ({w['routed_from']}): {' '.join(w['run_command_override']['argv'])}",
-            highlight=False,
-            markup=False,
-        )
+        print_command(f"or the file at its trained top-k ({w['routed_from']})", w["run_command_override"]["argv"])
     if w.get("answer_note"):
         out.print(f"note: {w['answer_note']}", highlight=False, markup=False)
     if report.get("publish"):
-        out.print(f"publish it: {' '.join(report['publish']['command'])} (in {output})", highlight=False, markup=False)
+        print_command("publish it", report["publish"]["command"], f" (in {output})")
     out.print(f"written: {', '.join(str(p) for p in result.outputs)}", highlight=False, markup=False)

@@ -17,7 +17,7 @@ import typer
 
 from ggufcarve import settings as S
 from ggufcarve.cli.options import JsonOption, LlamaCppOption, QuietOption, ThreadsOption, one_keep, option
-from ggufcarve.cli.render import escape, new_table, out, progress, size, warn
+from ggufcarve.cli.render import escape, new_table, out, print_command, progress, size, warn
 from ggufcarve.settings import Keep
 
 if TYPE_CHECKING:
@@ -337,7 +337,7 @@ def fit_command(
             for device in placed.devices:
                 out.print(device_line(device, placed.budgets.get(device.device)), highlight=False)
             line = report.to_json()["rows"][report.rows.index(best)].get("server", [])
-            out.print("run it: " + escape(" ".join(line)), highlight=False)
+            print_command("run it", line)
         elif best.tier in ("gpu", "gpu+cpu"):
             gpu, host = best.gpu_devices
             parts = (

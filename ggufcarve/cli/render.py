@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -66,6 +66,14 @@ def new_table(*args: Any, **kwargs: Any) -> Table:
     from rich.table import Table
 
     return Table(*args, **kwargs)
+
+
+def print_command(label: str, argv: Sequence[str], after: str = "") -> None:
+    """A command line to paste: shell-quoted, on one line however narrow the terminal (a soft wrap: the
+    terminal folds it for the eye, a copy of it is one line)."""
+    import shlex
+
+    out.print(f"{label}: {shlex.join(argv)}{after}", highlight=False, markup=False, soft_wrap=True)
 
 
 def warn(message: str, label: str = "warning") -> None:
