@@ -116,7 +116,8 @@ def estimate(plan: Plan, settings: BestSettings, speed: dict[str, Any]) -> dict[
     they are clearly worse and fewer when they are close, so this is an estimate, not a bound. The
     references score U tokens once; builds are the unpruned rungs, the file-scored pruned rungs (a
     prune and a quantization of the source's size each) and the confirmations (1 + confirm: a
-    prune, a quantization and a full scoring each)."""
+    prune, a quantization and a full scoring each). With --topk, each survivor of the first round
+    adds one candidate per used count weighed, scored from the first unit up."""
     from ggufcarve.measure.tournament import schedule
 
     rate, qrate = speed.get("decode_tok_s"), speed.get("quantize_bytes_s")
@@ -139,6 +140,10 @@ def estimate(plan: Plan, settings: BestSettings, speed: dict[str, Any]) -> dict[
     for number, n in enumerate(rounds):
         tournament_tokens += alive * (n - previous) / units * held
         alive, previous = (max(1, -(-alive // 2)) if number < len(rounds) - 1 else alive), n
+        if number == 0 and plan.used_counts:  # each survivor's used-count variants, scored from the first unit
+            variants = alive * len(plan.used_counts)
+            tournament_tokens += variants * n / units * held
+            alive += variants
     source_bytes = plan.model.total_bytes
     confirmations = min(1 + settings.confirm, masked)
     stages = {

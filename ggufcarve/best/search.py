@@ -45,6 +45,12 @@ def search_winner(
     winner = records[decision["winner"]]
     if winner.get("scored_by") != "mask":
         return {"searched": False, "why": "the winner keeps every expert or is scored as its own file"}
+    if winner.get("topk_of"):
+        return {
+            "searched": False,
+            "why": f"the winner routes {winner['experts_used']} experts per token: the search moves keep-sets at the "
+            "trained count",
+        }
     start = load_keepset(search.out_dir / winner["keep_set"], layout).layers
     proxy = read_scores(search.work / "keep-sets" / PROXY_SCORES)
     pairs = {b: s.pair_sums for b, s in proxy.blocks.items() if s.statistic == "pairwise" and not layout.is_mtp(b)}
