@@ -161,6 +161,7 @@ def estimate(plan: Plan, settings: BestSettings, speed: dict[str, Any]) -> dict[
         "masked": masked,
         "file_scored": filed,
         "disk_bytes": sum(plan.fit.row(plan.layout.expert_count, q).rung.bytes for q in plan.quants)
+        * (1 + len(plan.used_counts))  # a finalist at N used is timed on its rung's copy routed to N
         + (filed + confirmations) * source_bytes,
     }
 
