@@ -160,7 +160,8 @@ def _on_the_cpu(value: object) -> object:
     return value
 
 
-FOLLOWED = [argv for argv in COMMANDS if argv[0] != "best"]  # best's dry loads carry each placement's own
+FOLLOWED = [argv for argv in COMMANDS if argv[0] != "best"]  # best: its own test below (dry loads carry each
+# placement's own)
 
 
 @pytest.mark.slow
@@ -336,3 +337,57 @@ def test_the_out_of_memory_answer_keeps_the_commands_gpu_margin(argv, margin, mo
     monkeypatch.setattr(advice, "fitting_answer", lambda error, margin, on_event: seen.append(margin) or error)
     error = DeviceOutOfMemory("out of memory", "hint", model="m.gguf", compute=Compute(), n_ctx=512)
     assert cli._answered(error, ["m.gguf", *argv, "-q"]) is error and seen == [margin]
+
+
+@pytest.mark.slow
+def test_every_child_best_starts_gets_the_compute_or_its_placement(monkeypatch, tmp_path):
+    """best runs to its answer, every child it starts recorded: each scoring child (calibration, references,
+    tournament, confirmation) carries the command line's Compute; each dry load (memory) carries only the
+    --rpc servers, its placement being the candidate's own. All of them run for real on the CPU. llama-bench,
+    which would time the finalists on the devices named (not there), is answered: not measured."""
+    from ggufcarve.errors import BadInput
+    from ggufcarve.evaluate import speed
+    from ggufcarve.llama import child
+    from ggufcarve.llama.devices import rpc_device_key
+
+    real_run, real_envelope = child.run, child._envelope
+    seen: list[object] = []
+
+    def run(module, request, *args, **kwargs):
+        if getattr(request, "TASK", None) == "devices":
+            return {"devices": [], "offload": False}
+        return real_run(module, request, *args, **kwargs)
+
+    def envelope(request, result):
+        seen.append(request)
+        return real_envelope(_on_the_cpu(request), result)
+
+    def no_bench(*args, **kwargs):
+        raise BadInput("llama-bench sees none of the devices named", "a test")
+
+    monkeypatch.setattr(child, "run", run)
+    monkeypatch.setattr(child, "_envelope", envelope)
+    monkeypatch.setattr(speed, "bench_speed", no_bench)
+    monkeypatch.setenv("GGUFCARVE_CACHE", str(tmp_path / "cache"))
+    rpc_device_key.cache_clear()
+    from ggufcarve.pipeline.demo import FILES
+
+    argv = [
+        "best", str(DEMO), "--memory", "11MiB", "--ctx", "256", "--ladder", str(FILES / "ladder.toml"), "--heldout",
+        str(HELDOUT), "--calibration", str(CALIBRATION), "--chunk-ctx", "128", "--chunks", "4", "--max-tokens", "1024",
+        "--methods", "weights", "--keep", "12", "--tier", "ram", "-o", str(tmp_path / "best"), *DEVICES, "-q",
+    ]  # fmt: skip
+    try:
+        result = CliRunner().invoke(app, argv)
+    finally:
+        rpc_device_key.cache_clear()
+    assert result.exit_code == 0, (result.output, result.exception)
+    tasks = [getattr(r, "TASK", type(r).__name__) for r in seen]
+    assert {"memory", "decode", "evaluate", "measure"} <= set(tasks), tasks  # dry loads, calibration, references,
+    # the tournament and the confirmation
+    for request in seen:
+        computes = _computes(request)
+        if getattr(request, "TASK", None) == "memory":
+            assert computes and all(c.rpc == EXPECTED.rpc for c in computes), computes
+        else:
+            assert computes and all(c == EXPECTED for c in computes), (type(request).__name__, computes)
