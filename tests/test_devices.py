@@ -319,21 +319,21 @@ def test_best_on_an_rpc_gpu_answers_with_a_placement_measured_memory_and_speed(
 
 
 def test_tune_without_gpu_layers_computes_every_stage_on_the_rpc_device(rpc_servers, tmp_path, monkeypatch):
-    """tune --rpc without --gpu-layers: the calibration pass, the references and the tournament compute
-    on RPC0 (each child's own loader lines); --gpu-layers 0 on the CPU; the masked KLDs agree. Its own
-    cache: every stage decodes."""
+    """tune --rpc --search without --gpu-layers: the calibration pass, the references, the tournament and
+    the search from its winner compute on RPC0 (each child's own loader lines); --gpu-layers 0 on the
+    CPU; the masked KLDs agree. Its own cache: every stage decodes."""
     monkeypatch.setenv("GGUFCARVE_CACHE", str(tmp_path / "cache"))
     common = [
         "tune", DEMO_MODEL, "--methods", "reap,frequency", "--keep", 8, "--calibration", CALIBRATION,
         "--heldout", HELDOUT, "--ctx", 128, "--chunks", 4, "--max-tokens", 1024, "--rpc", rpc_servers[0], "-t", 2,
-        "-q",
+        "--search", "--search-passes", 1, "-q",
     ]  # fmt: skip
     docs = {}
     for where, flags in (("RPC0", []), ("CPU", ["--gpu-layers", 0])):
         result = ggufcarve(*common, *flags, "-o", tmp_path / where)
         assert result.code == 0, result.stderr[-2000:]
         docs[where] = json.loads((tmp_path / where / "tune.json").read_text())
-        assert {"calibration", "references", "tournament"} <= set(docs[where]["computed_on"])
+        assert {"calibration", "references", "tournament", "search"} <= set(docs[where]["computed_on"])
         _on(docs[where]["computed_on"], where)
     kld = {w: {c["id"]: c["kld_mean"] for c in d["candidates"]} for w, d in docs.items()}
     assert kld["RPC0"].keys() == kld["CPU"].keys()
