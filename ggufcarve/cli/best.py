@@ -232,6 +232,7 @@ def best_command(
             "Here the counts weighed beside the trained one: auto (the trained count less one down to half of it) "
             "or N[,N...]; each survivor of the first round is scored at them by masking with the count overridden "
             "at load, its finalists timed on files rewritten to N.",
+            metavar="auto|N[,N...]",
         ),
     ] = None,
     z: Annotated[float | None, option(S.Z, show_default=False)] = None,
