@@ -84,7 +84,9 @@ def confirm(
         key=lambda cid: (mt.metric_value(records[cid], settings.metric), cid),
     )
     if ids is not None:
-        confirmations = [cid for cid in ids if records[cid]["scored_by"] in STANDINS and not records[cid].get("built")]
+        confirmations = [
+            cid for cid in ids if records[cid]["scored_by"] in STANDINS and not records[cid].get("confirmed")
+        ]
     elif decision["winner"] is not None:
         runners = [cid for cid in finalists if cid != decision["winner"] and records[cid]["scored_by"] in STANDINS][
             : settings.confirm

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 from ggufcarve.best.builds import build_pruned, build_rungs, keep_sets, override_command, run_command
 from ggufcarve.best.candidates import PRUNED, UNPRUNED
 from ggufcarve.best.cost import STAGES, device_words, projection, token_read_bytes
-from ggufcarve.best.finalists import confirm, measure_speeds, rechecked, route_built_finalists
+from ggufcarve.best.finalists import STANDINS, confirm, measure_speeds, rechecked, route_built_finalists
 from ggufcarve.best.plan import BestSettings, Plan, built_record, placed_settings, plan_best
 from ggufcarve.errors import BadInput
 from ggufcarve.evaluate.kld import SEGMENT_KEYS
@@ -209,6 +209,13 @@ def best(
                 timings["speed_seconds"] += time.perf_counter() - t0
 
             winner = rechecked(records, measured.groups[""], settings, build_finalist)
+            if winner["scored_by"] in STANDINS and not winner.get("confirmed"):  # routed from a built file, unscored
+                with stage("confirmation"):
+                    scored, built = confirm(
+                        search, records, rungs, measured, segments, measure_settings, ids=[winner["id"]]
+                    )
+                timings["confirmation_seconds"] += scored
+                timings["builds_seconds"] += built
         _complete_records(records, settings, out_dir)
         timings["total_seconds"] = time.perf_counter() - started
 
