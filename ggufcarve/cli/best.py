@@ -154,7 +154,11 @@ def best_command(
     memory: Annotated[int, option(S.MEMORY, show_default=False)],
     output: Annotated[
         Path,
-        option(S.OUTPUT, "DIR: best.json, best.md, best-pareto.png, plan.toml, models/, work/.", show_default=False),
+        option(
+            S.OUTPUT,
+            "DIR: best.json, best.md, best-pareto.png, best-speed.png, plan.toml, models/, work/.",
+            show_default=False,
+        ),
     ],
     heldout: Annotated[list[Path], option(S.HELDOUT, show_default=False)],
     calibration: Annotated[
