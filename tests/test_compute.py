@@ -160,17 +160,10 @@ def _on_the_cpu(value: object) -> object:
     return value
 
 
-FOLLOWED = [argv for argv in COMMANDS if argv[0] != "best"]  # best: its own test below (dry loads carry each
-# placement's own)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("argv", FOLLOWED, ids=_command_id)
-def test_every_child_a_command_starts_gets_the_compute(monkeypatch, tmp_path, argv):
-    """Each command runs to its end, every child it starts recorded: each one's request carries the
-    command line's Compute (and no other), then runs for real on the CPU (the devices named are not
-    there). At least two children for the commands that start several (tune: calibration,
-    references, tournament)."""
+def _record_children(monkeypatch, tmp_path) -> list[object]:
+    """The requests of every child the command starts, each run for real on the CPU (`_on_the_cpu`); a
+    listing of the RPC servers' devices is answered: none. An empty cache: every measurement made, none
+    read back."""
     from ggufcarve.llama import child
     from ggufcarve.llama.devices import rpc_device_key
 
@@ -188,8 +181,25 @@ def test_every_child_a_command_starts_gets_the_compute(monkeypatch, tmp_path, ar
 
     monkeypatch.setattr(child, "run", run)
     monkeypatch.setattr(child, "_envelope", envelope)
-    monkeypatch.setenv("GGUFCARVE_CACHE", str(tmp_path / "cache"))  # every measurement made, none read back
+    monkeypatch.setenv("GGUFCARVE_CACHE", str(tmp_path / "cache"))
     rpc_device_key.cache_clear()
+    return seen
+
+
+FOLLOWED = [argv for argv in COMMANDS if argv[0] != "best"]  # best: its own test below (dry loads carry each
+# placement's own)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("argv", FOLLOWED, ids=_command_id)
+def test_every_child_a_command_starts_gets_the_compute(monkeypatch, tmp_path, argv):
+    """Each command runs to its end, every child it starts recorded: each one's request carries the
+    command line's Compute (and no other), then runs for real on the CPU (the devices named are not
+    there). At least two children for the commands that start several (tune: calibration,
+    references, tournament)."""
+    from ggufcarve.llama.devices import rpc_device_key
+
+    seen = _record_children(monkeypatch, tmp_path)
     try:
         argv = [a.replace("{tmp}", str(tmp_path)) for a in argv] + [*DEVICES, "--quiet"]
         result = CliRunner().invoke(app, argv)
@@ -347,29 +357,13 @@ def test_every_child_best_starts_gets_the_compute_or_its_placement(monkeypatch, 
     which would time the finalists on the devices named (not there), is answered: not measured."""
     from ggufcarve.errors import BadInput
     from ggufcarve.evaluate import speed
-    from ggufcarve.llama import child
     from ggufcarve.llama.devices import rpc_device_key
-
-    real_run, real_envelope = child.run, child._envelope
-    seen: list[object] = []
-
-    def run(module, request, *args, **kwargs):
-        if getattr(request, "TASK", None) == "devices":
-            return {"devices": [], "offload": False}
-        return real_run(module, request, *args, **kwargs)
-
-    def envelope(request, result):
-        seen.append(request)
-        return real_envelope(_on_the_cpu(request), result)
 
     def no_bench(*args, **kwargs):
         raise BadInput("llama-bench sees none of the devices named", "a test")
 
-    monkeypatch.setattr(child, "run", run)
-    monkeypatch.setattr(child, "_envelope", envelope)
+    seen = _record_children(monkeypatch, tmp_path)
     monkeypatch.setattr(speed, "bench_speed", no_bench)
-    monkeypatch.setenv("GGUFCARVE_CACHE", str(tmp_path / "cache"))
-    rpc_device_key.cache_clear()
     from ggufcarve.pipeline.demo import FILES
 
     argv = [

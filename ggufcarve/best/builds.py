@@ -180,8 +180,8 @@ def build_routed(path: Path, experts_used: int, on_event: Sink) -> Path:
     """The built file `path` routed to N experts per token (prune.execute.write_routed: a verified copy) at
     `routed_path`; a copy written after `path` changed last that says N is kept."""
     from ggufcarve.gguf.container import read_model
+    from ggufcarve.moe.experts_used import used_count
     from ggufcarve.prune.execute import write_routed
-    from ggufcarve.quant.ladder_plan import used_count
 
     routed = routed_path(path, experts_used)
     if routed.is_file() and routed.stat().st_mtime_ns >= path.stat().st_mtime_ns:

@@ -124,6 +124,21 @@ def experts_used_overrides(model: GGUFModel, layout: MoeLayout, used: int) -> tu
     return tuple(overrides)
 
 
+def used_count(model: GGUFModel) -> int | None:
+    """The file's experts per token (the first entry of a per-layer array: what llama.cpp's graphs read); None
+    without one."""
+    value = model.get(Keys.LLM.EXPERT_USED_COUNT.format(arch=model.get(Keys.General.ARCHITECTURE)))
+    if value is None:
+        return None
+    return int(value[0]) if hasattr(value, "__len__") else int(value)
+
+
+def trained_experts_used(model: GGUFModel) -> int | None:
+    """The file's experts per token as trained: the value `prune --topk` / `topk` recorded, else its own count."""
+    recorded = model.get(TRAINED_KEY)
+    return int(recorded) if recorded is not None else used_count(model)
+
+
 def with_experts_used(layout: MoeLayout, used: int) -> MoeLayout:
     """The layout as a file routed to N experts describes it (the kept-count rules then hold K >= N)."""
     return dataclasses.replace(layout, expert_used_count=used)

@@ -39,6 +39,7 @@ from ggufcarve.fileio import bytes_on_disk, dead_temps, format_size, sha256_file
 from ggufcarve.gguf.container import SHARD_NAME, GGUFModel, read_model
 from ggufcarve.gguf.types import FILE_TYPES
 from ggufcarve.listing import shortened
+from ggufcarve.moe.experts_used import trained_experts_used, used_count
 from ggufcarve.quant.quantizer import DryRun, QuantizeJob, Quantizer
 from ggufcarve.quant.spec import DISK_MARGIN, LadderSpec, Rung
 from ggufcarve.release.manifest import check_same_source, read_manifest
@@ -374,24 +375,6 @@ def plan_ladder(
 def unrouted_name(rung: Path) -> Path:
     """The name the quantizer writes a rung under (as a temp name) before it is routed to N experts."""
     return rung.with_name(rung.name + ".unrouted")
-
-
-def trained_experts_used(model: GGUFModel) -> int | None:
-    """The source's experts per token as trained: the value `prune --topk` / `topk` recorded, else the file's own
-    (the first entry of a per-layer array); None without a used count."""
-    from ggufcarve.moe.experts_used import TRAINED_KEY
-
-    recorded = model.get(TRAINED_KEY)
-    return int(recorded) if recorded is not None else used_count(model)
-
-
-def used_count(model: GGUFModel) -> int | None:
-    """The file's experts per token (the first entry of a per-layer array: what llama.cpp's graphs read); None
-    without one."""
-    value = model.get(Keys.LLM.EXPERT_USED_COUNT.format(arch=model.get(Keys.General.ARCHITECTURE)))
-    if value is None:
-        return None
-    return int(value[0]) if hasattr(value, "__len__") else int(value)
 
 
 def rung_names(planned: Sequence[PlannedRung], imatrix: ImatrixInfo | None = None) -> Callable[[str], bool]:
